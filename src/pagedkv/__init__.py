@@ -1,0 +1,33 @@
+"""pagedkv: PagedAttention-style KV-cache management (the vLLM V1 design) and an engine on it.
+
+``pagedkv.core`` is pure Python and imports no torch; the engine-level names below are imported
+lazily so that ``import pagedkv.core`` stays light.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pagedkv.engine.llm import LLM
+    from pagedkv.engine.outputs import RequestOutput
+    from pagedkv.engine.sampling_params import SamplingParams
+
+_LAZY = {
+    "LLM": "pagedkv.engine.llm",
+    "RequestOutput": "pagedkv.engine.outputs",
+    "SamplingParams": "pagedkv.engine.sampling_params",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pagedkv' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

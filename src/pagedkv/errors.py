@@ -1,0 +1,47 @@
+"""pagedkv's exception hierarchy.
+
+Every error pagedkv raises on bad input derives from :class:`PagedKVError`, and a call that raises
+leaves every structure exactly as it was (check, then mutate). The classes also derive from the
+built-in exception a Python user would expect (``ValueError``, ``LookupError``...), so generic
+handlers keep working.
+
+    PagedKVError
+    ├── ConfigError            invalid configuration (block_size < 1, unknown hash algorithm, ...)
+    │   └── CacheSizingError   the KV cache does not fit in the memory budget
+    ├── InvalidRequestError    a request that can never be served (too long, bad sampling params)
+    ├── CacheStateError        an operation the cache's current state forbids
+    ├── OpsInputError          tensors of the wrong shape/dtype/range given to an op
+    └── ModelLoadError         a model file that is missing or cannot be read
+"""
+
+from __future__ import annotations
+
+
+class PagedKVError(Exception):
+    """Base class of every error raised by pagedkv."""
+
+
+class ConfigError(PagedKVError, ValueError):
+    """An invalid configuration value; the message names the value and the valid range."""
+
+
+class CacheSizingError(ConfigError):
+    """The KV cache cannot be sized from the given memory budget (zero blocks, or max_model_len
+    does not fit even once); the message says the largest max_model_len that would fit."""
+
+
+class InvalidRequestError(PagedKVError, ValueError):
+    """A request that can never be served as given (prompt + max_tokens beyond max_model_len,
+    more blocks than the whole pool, invalid sampling parameters, ...)."""
+
+
+class CacheStateError(PagedKVError, RuntimeError):
+    """An operation that the KV cache's current state does not allow."""
+
+
+class OpsInputError(PagedKVError, ValueError):
+    """Tensors of the wrong shape, dtype or value range given to a paged-attention op."""
+
+
+class ModelLoadError(PagedKVError, OSError):
+    """A model that cannot be found or read; the message says how to get it."""
