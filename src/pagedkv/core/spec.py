@@ -1,0 +1,124 @@
+"""KV-cache specs: what one attention layer needs per block, the single source of truth for both
+start-up sizing (bytes per block) and run-time admission (blocks per request).
+
+A page (one block of one layer) holds K and V for ``block_size`` tokens::
+
+    page = [2 (K, V)] x [block_size tokens] x [num_kv_heads] x [head_size] x dtype_bytes
+
+Idea from vLLM V1 (``vllm/v1/kv_cache_interface.py``): one spec type per attention type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from pagedkv.errors import ConfigError
+
+#: Bytes per element of each KV-cache dtype. fp8 (e4m3 or e5m2) is one byte, half of bf16.
+KV_DTYPE_BYTES = MappingProxyType(
+    {
+        "float32": 4,
+        "bfloat16": 2,
+        "float16": 2,
+        "fp8": 1,
+        "fp8_e4m3": 1,
+        "fp8_e5m2": 1,
+    }
+)
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative ints: the number of ``b``-sized blocks covering ``a``."""
+    return -(-a // b)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttentionSpec:
+    """Shape of one attention layer's KV cache.
+
+    Args:
+        block_size: tokens per block (>= 1).
+        num_kv_heads: KV heads held by this device (after tensor parallelism), >= 1.
+        head_size: elements per head, >= 1.
+        dtype: KV-cache dtype name, one of :data:`KV_DTYPE_BYTES`.
+
+    Raises:
+        ConfigError: a value out of range or an unknown dtype.
+    """
+
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_kv_heads", "head_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+        if self.dtype not in KV_DTYPE_BYTES:
+            raise ConfigError(
+                f"unknown KV-cache dtype {self.dtype!r}; choose one of {', '.join(KV_DTYPE_BYTES)}"
+            )
+
+    @property
+    def dtype_bytes(self) -> int:
+        """Bytes per element of the KV-cache dtype."""
+        return KV_DTYPE_BYTES[self.dtype]
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one block of one layer, K and V: 2 x block_size x num_kv_heads x head_size x
+        dtype_bytes."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype_bytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of K and V for one token of one layer."""
+        return 2 * self.num_kv_heads * self.head_size * self.dtype_bytes
+
+    def max_num_blocks_per_request(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        """Most blocks one request of ``max_model_len`` tokens can hold at once in this layer."""
+        raise NotImplementedError
+
+    def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        """Most bytes one request of ``max_model_len`` tokens can hold at once in this layer."""
+        return (
+            self.max_num_blocks_per_request(max_model_len, max_num_batched_tokens)
+            * self.page_size_bytes
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FullAttentionSpec(AttentionSpec):
+    """Full (causal) attention: a request keeps every block of its sequence."""
+
+    def max_num_blocks_per_request(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        return cdiv(max_model_len, self.block_size)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SlidingWindowSpec(AttentionSpec):
+    """Sliding-window attention: each token attends to itself and the ``sliding_window - 1``
+    tokens before it (Mistral / Gemma-2 convention), so older blocks can be freed.
+
+    Args:
+        sliding_window: window in tokens, >= 1.
+    """
+
+    sliding_window: int
+
+    def __post_init__(self) -> None:
+        AttentionSpec.__post_init__(self)
+        if not isinstance(self.sliding_window, int) or self.sliding_window < 1:
+            raise ConfigError(f"sliding_window must be an int >= 1, got {self.sliding_window!r}")
+
+    def max_num_blocks_per_request(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        # A step computes up to max_num_batched_tokens new tokens whose windows reach back
+        # sliding_window - 1 tokens; +1 block because the live span need not start on a boundary.
+        num_tokens = min(self.sliding_window - 1 + max_num_batched_tokens, max_model_len)
+        return min(cdiv(num_tokens, self.block_size) + 1, cdiv(max_model_len, self.block_size))
+
+
+KVCacheSpec = FullAttentionSpec | SlidingWindowSpec

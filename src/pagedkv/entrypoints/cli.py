@@ -1,0 +1,42 @@
+"""The ``pagedkv`` command: one subcommand per module in this package.
+
+Each subcommand module defines ``register(subparsers)``, which adds its parser and sets
+``func`` to the function that runs it. Modules keep heavy imports (torch, the model) inside that
+function, so ``pagedkv plan --help`` starts in a blink.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from pagedkv.errors import PagedKVError
+
+SUBCOMMAND_MODULES = ("generate", "serve", "bench", "simulate", "plan")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every subcommand registered."""
+    parser = argparse.ArgumentParser(
+        prog="pagedkv",
+        description="PagedAttention KV-cache manager and inference engine.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in SUBCOMMAND_MODULES:
+        importlib.import_module(f"pagedkv.entrypoints.{name}").register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the process exit code (2 for a pagedkv error, after printing it)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except PagedKVError as exc:
+        print(f"pagedkv {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
