@@ -1,0 +1,192 @@
+"""The paged KV cache of one attention layer: its layout, allocation, and the slot-mapped write.
+
+Layout (one tensor per layer)::
+
+    kv_cache[2, num_blocks, block_size, num_kv_heads, head_size]
+             |  |           |
+             |  |           +-- token offset inside the block
+             |  +-- physical block id (block 0 = the null block, never written by the runner)
+             +-- 0 = keys, 1 = values
+
+A token's *slot* is ``block_id * block_size + offset``; ``kv_cache[i].view(-1, num_kv_heads,
+head_size)[slot]`` is its key (i = 0) or value (i = 1). Same layout as vLLM's CPU/flash backends
+(``[2, num_blocks, block_size, num_kv_heads, head_size]``).
+
+fp8 caches (``torch.float8_e4m3fn`` / ``float8_e5m2``) store ``x / scale`` with one per-tensor scale
+for K (``k_scale``) and one for V (``v_scale``); reads multiply back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedkv.errors import OpsInputError
+
+#: dtype names accepted by :func:`allocate_kv_cache` (pagedkv.core.spec.KV_DTYPE_BYTES's names).
+KV_CACHE_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def resolve_kv_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """Map a dtype name ("bfloat16", "fp8", ...) or torch dtype to a KV-cache torch dtype.
+
+    Raises:
+        OpsInputError: a dtype the KV cache cannot hold.
+    """
+    if isinstance(dtype, str):
+        if dtype not in KV_CACHE_DTYPES:
+            raise OpsInputError(
+                f"unknown KV-cache dtype {dtype!r}; use one of {sorted(KV_CACHE_DTYPES)}"
+            )
+        return KV_CACHE_DTYPES[dtype]
+    if dtype not in KV_CACHE_DTYPES.values():
+        raise OpsInputError(
+            f"KV-cache dtype {dtype} unsupported; use float32, bfloat16, float16 or float8"
+        )
+    return dtype
+
+
+def allocate_kv_cache(
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype | str = torch.bfloat16,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """Allocate one layer's paged KV cache, zero-filled.
+
+    Zero-filling matters: attention reads whole blocks and masks the slots a request does not
+    own, and a masked value still enters ``probs @ V`` times zero, so every slot must hold a finite
+    number (uninitialised memory may hold NaN bit patterns).
+
+    Args:
+        num_blocks: physical blocks in the pool, including the null block 0 (>= 1).
+        block_size: tokens per block (>= 1).
+        num_kv_heads: KV heads (>= 1).
+        head_size: elements per head (>= 1).
+        dtype: torch dtype or name (see :data:`KV_CACHE_DTYPES`); fp8 stores scaled values.
+        device: torch device.
+
+    Returns:
+        Tensor ``[2, num_blocks, block_size, num_kv_heads, head_size]`` of zeros.
+
+    Raises:
+        OpsInputError: a size < 1 or an unsupported dtype.
+    """
+    for name, value in (
+        ("num_blocks", num_blocks),
+        ("block_size", block_size),
+        ("num_kv_heads", num_kv_heads),
+        ("head_size", head_size),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise OpsInputError(f"{name} must be an int >= 1, got {value!r}")
+    torch_dtype = resolve_kv_dtype(dtype)
+    shape = (2, num_blocks, block_size, num_kv_heads, head_size)
+    if torch_dtype in FP8_DTYPES:
+        # torch.zeros cannot fill fp8 on every build; the zero bit pattern is +0.0 in both formats.
+        return torch.zeros(shape, dtype=torch.uint8, device=device).view(torch_dtype)
+    return torch.zeros(shape, dtype=torch_dtype, device=device)
+
+
+def _check_write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise OpsInputError(
+            "kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_size], "
+            f"got {tuple(kv_cache.shape)}"
+        )
+    if not kv_cache.is_contiguous():
+        raise OpsInputError("kv_cache must be contiguous (allocate it with allocate_kv_cache)")
+    _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
+    if key.dim() != 3 or key.shape != value.shape:
+        raise OpsInputError(
+            "key and value must both be [num_tokens, num_kv_heads, head_size], "
+            f"got {tuple(key.shape)} and {tuple(value.shape)}"
+        )
+    if key.shape[1:] != (num_kv_heads, head_size):
+        raise OpsInputError(
+            f"key/value heads {tuple(key.shape[1:])} do not match the cache's "
+            f"(num_kv_heads, head_size) = {(num_kv_heads, head_size)}"
+        )
+    if key.dtype != value.dtype:
+        raise OpsInputError(f"key dtype {key.dtype} differs from value dtype {value.dtype}")
+    if kv_cache.dtype not in FP8_DTYPES and key.dtype != kv_cache.dtype:
+        raise OpsInputError(f"key dtype {key.dtype} differs from the cache's {kv_cache.dtype}")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]:
+        raise OpsInputError(
+            f"slot_mapping must be [num_tokens={key.shape[0]}], got {tuple(slot_mapping.shape)}"
+        )
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise OpsInputError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+    if slot_mapping.numel() == 0:
+        return
+    num_slots = num_blocks * block_size
+    if int(slot_mapping.min()) < -1 or int(slot_mapping.max()) >= num_slots:
+        raise OpsInputError(
+            f"slot_mapping values must be -1 (skip) or in [0, {num_slots}) "
+            f"(num_blocks * block_size), got range [{int(slot_mapping.min())}, "
+            f"{int(slot_mapping.max())}]"
+        )
+    written = slot_mapping[slot_mapping >= 0]
+    if torch.unique(written).numel() != written.numel():
+        raise OpsInputError("slot_mapping writes the same slot twice in one call")
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    validate: bool = True,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Write a step's keys and values into their slots of the paged KV cache, in place.
+
+    Vectorised: one ``index_copy_`` per K and V, no Python loop over tokens.
+
+    Args:
+        key: ``[num_tokens, num_kv_heads, head_size]``, the cache's dtype (any float dtype for an
+            fp8 cache: it is divided by ``k_scale`` and rounded to fp8).
+        value: same shape and dtype as ``key``.
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (see module docs).
+        slot_mapping: ``[num_tokens]`` int32/int64; slot = block_id * block_size + offset;
+            -1 = skip this token (padding).
+        validate: check shapes, dtypes and slot range first; off only for a trusted runner.
+        k_scale: per-tensor scale of fp8 keys (ignored for other dtypes).
+        v_scale: per-tensor scale of fp8 values (ignored for other dtypes).
+
+    Raises:
+        OpsInputError: (validate=True) wrong shapes/dtypes, a slot outside the pool, or one slot
+            written twice. Nothing is written then.
+    """
+    if validate:
+        _check_write_kv(key, value, kv_cache, slot_mapping)
+    num_kv_heads, head_size = kv_cache.shape[3], kv_cache.shape[4]
+    slots = slot_mapping.long()
+    skip = slots < 0
+    if bool(skip.any()):
+        keep = ~skip
+        slots, key, value = slots[keep], key[keep], value[keep]
+    if kv_cache.dtype in FP8_DTYPES:
+        # index_copy_ has no fp8 kernel on CPU: copy the bytes through a uint8 view.
+        key = (key.float() / k_scale).to(kv_cache.dtype).view(torch.uint8)
+        value = (value.float() / v_scale).to(kv_cache.dtype).view(torch.uint8)
+        kv_cache = kv_cache.view(torch.uint8)
+    kv_cache[0].view(-1, num_kv_heads, head_size).index_copy_(0, slots, key)
+    kv_cache[1].view(-1, num_kv_heads, head_size).index_copy_(0, slots, value)

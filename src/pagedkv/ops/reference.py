@@ -1,0 +1,64 @@
+"""Reference paged attention: gather each request's keys and values token by token into dense
+tensors, then textbook attention in fp32. Slow and plain on purpose; the fast paths are tested
+against it and against dense attention."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedkv.ops.attention_metadata import PagedAttentionMetadata
+from pagedkv.ops.kv_cache import FP8_DTYPES
+
+
+def reference_paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: PagedAttentionMetadata,
+    scale: float,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """Paged attention by per-request gathering and explicit fp32 softmax.
+
+    Args:
+        query: ``[num_tokens, num_heads, head_size]``.
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]``.
+        metadata: the step's :class:`PagedAttentionMetadata` (only its plain inputs are used).
+        scale: softmax scale (usually ``head_size ** -0.5``).
+        k_scale, v_scale: fp8 dequantisation scales (ignored for other dtypes).
+
+    Returns:
+        ``[num_tokens, num_heads, head_size]`` in ``query.dtype``.
+    """
+    num_heads = query.shape[1]
+    _, _, block_size, num_kv_heads, head_size = kv_cache.shape
+    group = num_heads // num_kv_heads
+    if kv_cache.dtype not in FP8_DTYPES:
+        k_scale = v_scale = 1.0
+    key_slots = kv_cache[0].reshape(-1, num_kv_heads, head_size)
+    value_slots = kv_cache[1].reshape(-1, num_kv_heads, head_size)
+    window = metadata.sliding_window
+    out = torch.empty_like(query)
+    qsl = metadata.query_start_loc_list
+    for i in range(metadata.num_reqs):
+        seq_len = metadata.seq_lens_list[i]
+        start, end = qsl[i], qsl[i + 1]
+        q_len = end - start
+        positions = torch.arange(seq_len)
+        blocks = metadata.block_tables[i].long()[positions // block_size]
+        slots = blocks * block_size + positions % block_size
+        k = key_slots[slots].float() * k_scale  # [seq_len, kv_heads, head]
+        v = value_slots[slots].float() * v_scale
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, seq_len, head]
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+        q = query[start:end].float().transpose(0, 1)  # [heads, q_len, head]
+        scores = (q @ k.transpose(1, 2)) * scale  # [heads, q_len, seq_len]
+        q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+        visible = positions[None, :] <= q_pos
+        if window is not None:
+            visible &= positions[None, :] > q_pos - window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start:end] = (probs @ v).transpose(0, 1).to(query.dtype)
+    return out
