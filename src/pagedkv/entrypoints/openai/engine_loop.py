@@ -1,0 +1,255 @@
+"""The engine stepping in its own thread, its outputs fanned out to per-request asyncio queues.
+
+::
+
+    event loop (HTTP handlers)                       engine thread
+    ---------------------------                      -------------
+    add_requests() -- command queue --------------->  run commands between steps
+    abort()       --- (thread-safe, wakes thread) ->  engine.step()  (torch releases the GIL)
+    call(fn)                                              |
+    OutputStream  <-- loop.call_soon_threadsafe(...) --  list[RequestOutput], step end time
+
+The engine is not thread-safe, so only the engine thread touches it: everything the event loop
+wants done (add, abort, stats, reset the prefix cache) goes through the command queue and runs
+between two steps. The thread sleeps on an event while there is nothing to do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedkv.errors import PagedKVError
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(PagedKVError, RuntimeError):
+    """The engine thread is not running (stopped, or a step raised)."""
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """One ``engine.add_request(request_id, prompt, sampling_params, **kwargs)`` call."""
+
+    request_id: str
+    prompt: Any
+    sampling_params: Any
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Command:
+    fn: Callable[[Any], Any]
+    future: asyncio.Future | None
+
+
+@dataclass(slots=True)
+class OutputStream:
+    """The outputs of the engine requests behind one HTTP request (``n`` samples of each of its
+    prompts), in the order the engine produced them, as ``(RequestOutput, time)`` pairs; the
+    time (``time.monotonic()`` seconds) is when the step that produced the output ended.
+
+    The stream ends when the last request's final output has been read; an exception in the
+    queue means the engine failed and is raised by :meth:`get`."""
+
+    request_ids: list[str]
+    arrival_time: float
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    num_unfinished: int = 0
+
+    def __post_init__(self) -> None:
+        self.num_unfinished = len(self.request_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.num_unfinished == 0
+
+    async def get(self) -> tuple[Any, float]:
+        """The next output and its time; raises the engine's exception if it failed."""
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        if item[0].finished:
+            self.num_unfinished -= 1
+        return item
+
+
+class EngineLoop:
+    """Owns an engine and the thread that steps it.
+
+    Args:
+        engine: an object with ``add_request(request_id, prompt, sampling_params, *, priority,
+            cache_salt)``, ``step() -> list[RequestOutput]`` (each with ``request_id`` and
+            ``finished``), ``abort_request(request_ids)`` and ``has_unfinished_requests()``
+            (pagedkv.engine.llm_engine.LLMEngine, or a fake in tests).
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, OutputStream] = {}
+        self.error: BaseException | None = None
+
+    # ---- lifetime ---------------------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the engine thread; its outputs are delivered on ``loop``."""
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the thread after its current step (unfinished requests are left as they are)."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    @property
+    def num_streams(self) -> int:
+        """Requests with an open stream (added and neither finished nor aborted)."""
+        return len(self._streams)
+
+    # ---- called from the event loop ---------------------------------------------------------
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run ``fn(engine)`` in the engine thread between two steps and return its result
+        (or raise its exception)."""
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine is not running: {self.error!r}")
+        future = asyncio.get_running_loop().create_future()
+        self._commands.put(_Command(fn, future))
+        self._wake.set()
+        return await future
+
+    async def add_requests(self, requests: list[EngineRequest]) -> OutputStream:
+        """Add requests to the engine, all or none, in one command; returns their shared stream
+        once the engine has accepted them.
+
+        Raises:
+            whatever ``engine.add_request`` raises (InvalidRequestError for a prompt that can
+            never be served); requests added before the failing one are aborted again.
+        """
+        stream = OutputStream([r.request_id for r in requests], time.monotonic())
+        for request_id in stream.request_ids:
+            self._streams[request_id] = stream
+
+        def add_all(engine: Any) -> None:
+            added: list[str] = []
+            try:
+                for r in requests:
+                    engine.add_request(r.request_id, r.prompt, r.sampling_params, **r.kwargs)
+                    added.append(r.request_id)
+            except BaseException:
+                if added:
+                    engine.abort_request(added)
+                raise
+
+        try:
+            await self.call(add_all)
+        except BaseException:
+            for request_id in stream.request_ids:
+                self._streams.pop(request_id, None)
+            raise
+        return stream
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Abort requests that have not finished (their blocks are freed); never blocks, and
+        aborting a finished or unknown request is a no-op."""
+        request_ids = [rid for rid in request_ids if self._streams.pop(rid, None) is not None]
+        if not request_ids:
+            return
+        self._commands.put(_Command(lambda engine: engine.abort_request(request_ids), None))
+        self._wake.set()
+
+    def _dispatch(self, outputs: list[Any], step_time: float) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:  # aborted while the step ran
+                continue
+            stream.queue.put_nowait((output, step_time))
+            if output.finished:
+                del self._streams[output.request_id]
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for stream in {id(s): s for s in self._streams.values()}.values():
+            stream.queue.put_nowait(exc)
+        self._streams.clear()
+
+    # ---- the engine thread ------------------------------------------------------------------
+
+    def _post(self, fn: Callable[..., Any], *args: Any) -> None:
+        # RuntimeError: the event loop is closed, nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                result = command.fn(self.engine)
+            except Exception as exc:  # handed back to the caller
+                if command.future is not None:
+                    self._post(_set_exception, command.future, exc)
+                else:
+                    logger.exception("engine command failed")
+            else:
+                if command.future is not None:
+                    self._post(_set_result, command.future, result)
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stopping:
+            self._wake.clear()
+            self._run_commands()
+            if self._stopping:
+                break
+            if not engine.has_unfinished_requests():
+                self._wake.wait()
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as exc:
+                logger.exception("engine step failed; the server stops taking requests")
+                self.error = exc
+                self._post(self._fail_all, exc)
+                break
+            if outputs:
+                self._post(self._dispatch, outputs, time.monotonic())
+        # Answer the commands still queued so that no caller waits forever.
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if command.future is not None:
+                self._post(_set_exception, command.future, EngineDeadError("the engine stopped"))
+
+
+def _set_result(future: asyncio.Future, result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

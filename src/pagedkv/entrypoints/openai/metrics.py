@@ -1,0 +1,204 @@
+"""Prometheus metrics of one server, in a registry of its own (no process-wide state).
+
+Two sources:
+
+- the server itself observes every request's outputs: prompt and generation tokens, time to first
+  token (from the request's arrival to the end of the step that produced its first token),
+  inter-token latency (between the steps that produced successive tokens), end-to-end latency and
+  finished requests by finish reason;
+- the engine's ``get_stats()`` snapshot, read when ``/metrics`` is scraped: KV-cache usage,
+  running and waiting requests, prefix-cache queries and hits (in tokens) and preemptions. These
+  are the engine's own running totals, exposed by a collector rather than copied into counters.
+
+Names follow vLLM's (``vllm:`` becomes ``pagedkv:``) so existing dashboards need little change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Seconds; the bounds vLLM uses, which cover a fast GPU and a slow CPU alike.
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+)
+_E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+)
+
+
+class _EngineStatsCollector(Collector):
+    """Exposes the last engine stats snapshot given to :meth:`ServerMetrics.render`."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.stats: Any = None
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats
+        if stats is None:
+            return
+        labels = ["model_name"]
+        values = [self.model_name]
+        gauges = (
+            (
+                "pagedkv:num_requests_running",
+                "Requests being computed (scheduled).",
+                stats.num_running_reqs,
+            ),
+            (
+                "pagedkv:num_requests_waiting",
+                "Requests waiting to be scheduled.",
+                stats.num_waiting_reqs,
+            ),
+            (
+                "pagedkv:kv_cache_usage_perc",
+                "Fraction of KV-cache blocks in use (0..1).",
+                stats.kv_cache_usage,
+            ),
+        )
+        for name, doc, value in gauges:
+            metric = GaugeMetricFamily(name, doc, labels=labels)
+            metric.add_metric(values, float(value))
+            yield metric
+        counters = (
+            (
+                "pagedkv:prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache.",
+                stats.prefix_cache_queries,
+            ),
+            (
+                "pagedkv:prefix_cache_hits",
+                "Prompt tokens found in the prefix cache.",
+                stats.prefix_cache_hits,
+            ),
+            (
+                "pagedkv:num_preemptions",
+                "Requests preempted (blocks freed, recomputed later).",
+                stats.num_preemptions,
+            ),
+        )
+        for name, doc, value in counters:
+            metric = CounterMetricFamily(name, doc, labels=labels)
+            metric.add_metric(values, float(value))
+            yield metric
+
+
+class ServerMetrics:
+    """The metrics of one server; everything lives in ``self.registry``."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+        self._engine = _EngineStatsCollector(model_name)
+        self.registry.register(self._engine)
+        self.prompt_tokens = Counter(
+            "pagedkv:prompt_tokens",
+            "Prompt tokens of finished and running requests.",
+            labels,
+            registry=self.registry,
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            "pagedkv:generation_tokens",
+            "Generated tokens.",
+            labels,
+            registry=self.registry,
+        ).labels(model_name)
+        self.time_to_first_token = Histogram(
+            "pagedkv:time_to_first_token_seconds",
+            "Arrival to first generated token.",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.inter_token_latency = Histogram(
+            "pagedkv:inter_token_latency_seconds",
+            "Time between successive generated tokens.",
+            labels,
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.e2e_request_latency = Histogram(
+            "pagedkv:e2e_request_latency_seconds",
+            "Arrival to last token of a request.",
+            labels,
+            buckets=_E2E_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self._request_success = Counter(
+            "pagedkv:request_success",
+            "Finished requests by finish reason.",
+            [*labels, "finished_reason"],
+            registry=self.registry,
+        )
+        self._model_name = model_name
+
+    def observe_finished(self, finish_reason: str | None, e2e_latency: float) -> None:
+        """Count a finished request (aborted ones included, with reason ``abort``)."""
+        self._request_success.labels(self._model_name, finish_reason or "unknown").inc()
+        self.e2e_request_latency.observe(e2e_latency)
+
+    def render(self, engine_stats: Any) -> bytes:
+        """The Prometheus text exposition, with ``engine_stats`` as the engine's snapshot."""
+        self._engine.stats = engine_stats
+        return generate_latest(self.registry)
