@@ -302,9 +302,9 @@ class KVCacheConfig:
             raise CacheSizingError(
                 f"the KV cache gets {self.num_blocks} blocks of "
                 f"{format_bytes(self.bytes_per_block)} from {source}; it needs at least 2 (block 0 "
-                "is the null block): free memory "
-                "(lower weights, activations or overhead), raise gpu_memory_utilization, or use "
-                "a smaller block_size / KV-cache dtype"
+                "is the null block): free memory (smaller weights, activations or overhead, or "
+                "more devices with tensor parallelism), raise gpu_memory_utilization, or use a "
+                "smaller KV-cache dtype"
             )
         if self.max_model_len is not None and self.max_concurrency() < 1:
             raise CacheSizingError(
