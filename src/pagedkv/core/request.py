@@ -1,0 +1,85 @@
+"""The request interface the KV-cache core needs (the engine's Request subclasses it)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pagedkv.core.hashing import BlockHash, BlockHasher
+from pagedkv.errors import InvalidRequestError
+
+
+@dataclass(slots=True, eq=False)
+class KVCacheRequest:
+    """A sequence whose KV the core manages: its token ids, progress and block hashes.
+
+    Args:
+        request_id: unique id of the request.
+        prompt_token_ids: the prompt (>= 1 token); copied into ``all_token_ids``.
+        block_hasher: hashes full blocks for prefix caching (give it
+            ``KVCacheManager.block_hasher``); ``None`` = this request neither hits nor fills the
+            prefix cache.
+        lora_id: LoRA adapter id, part of every block's hash.
+        cache_salt: separates this request's cache from others' (hashed into the first block,
+            hence into every descendant).
+        mm_features: multimodal placeholders ``(mm_hash, offset, length)`` in token positions;
+            each block hashes the inputs it overlaps with their offset in the block.
+        num_computed_tokens: tokens whose KV is in the cache (the scheduler advances it).
+
+    Derived:
+        all_token_ids: prompt + output token ids.
+        block_hashes: hashes of every full block of ``all_token_ids``, computed once per block
+            as the sequence grows (empty without a ``block_hasher``).
+
+    Raises:
+        InvalidRequestError: an empty prompt.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    block_hasher: BlockHasher | None = None
+    lora_id: int | None = None
+    cache_salt: str | None = None
+    mm_features: tuple[tuple[str, int, int], ...] = ()
+    num_computed_tokens: int = 0
+    all_token_ids: list[int] = field(init=False, repr=False)
+    block_hashes: list[BlockHash] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.prompt_token_ids) == 0:
+            raise InvalidRequestError(f"request {self.request_id!r} has an empty prompt")
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.block_hashes = []
+        if self.block_hasher is not None:
+            self.block_hashes.extend(self.block_hasher(self))
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + output tokens."""
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """A copy of the generated token ids."""
+        return self.all_token_ids[len(self.prompt_token_ids) :]
+
+    def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
+        """Append generated token(s) and hash the blocks they fill."""
+        if isinstance(token_ids, int):
+            self.all_token_ids.append(token_ids)
+        else:
+            self.all_token_ids.extend(token_ids)
+        hasher = self.block_hasher
+        if (
+            hasher is not None
+            and len(self.all_token_ids) >= (len(self.block_hashes) + 1) * hasher.block_size
+        ):
+            self.block_hashes.extend(hasher(self))

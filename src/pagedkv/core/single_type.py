@@ -1,0 +1,283 @@
+"""Per-attention-type block managers: the blocks of one KV cache group for every request.
+
+Full attention keeps every block of a request. Sliding window (window ``w``) frees the blocks
+that have left the window and puts the null block in their place in the block table::
+
+    block_size 4, w 8, c = 13 computed tokens: token 13 attends to tokens 6..13
+    tokens:       0..3    4..7    8..11   12..15
+    block table: [null]  [ b5 ]  [ b9 ]  [ b2 ]     block 0 was wholly dead, so it was freed
+
+Idea from vLLM V1 (``vllm/v1/core/single_type_kv_cache_manager.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from pagedkv.core.block import KVCacheBlock
+from pagedkv.core.block_pool import BlockPool
+from pagedkv.core.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, cdiv
+from pagedkv.errors import CacheStateError, ConfigError
+
+if TYPE_CHECKING:
+    from pagedkv.core.request import KVCacheRequest
+
+
+class SingleTypeKVCacheManager:
+    """Block tables of one KV cache group; full-attention behaviour.
+
+    Args:
+        kv_cache_spec: the group's attention spec (its block_size is used).
+        block_pool: the pool shared by all groups.
+        kv_cache_group_id: index of the group (selects its prefix-cache map).
+    """
+
+    #: A hit of n blocks implies hits of every shorter length (so hits can be truncated).
+    prefix_closed = True
+
+    def __init__(
+        self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, kv_cache_group_id: int
+    ) -> None:
+        self.kv_cache_spec = kv_cache_spec
+        self.block_size = kv_cache_spec.block_size
+        self.block_pool = block_pool
+        self.kv_cache_group_id = kv_cache_group_id
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_block: dict[str, int] = {}
+        self._cached = block_pool.cached_block_hash_to_block[kv_cache_group_id]
+        self._null_block = block_pool.null_block
+        self._verify = block_pool.keep_token_ids
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        num_computed_tokens: int,
+    ) -> int:
+        """Net free blocks that ``allocate_slots`` would take for this group.
+
+        Args:
+            num_tokens: tokens the request will have slots for (computed + new + lookahead).
+            new_computed_blocks: cache hits about to be added (ref_cnt 0 ones leave the queue).
+            num_computed_tokens: computed tokens after this call's hits (for window freeing).
+        """
+        blocks = self.req_to_blocks.get(request_id)
+        num_new = cdiv(num_tokens, self.block_size) - len(new_computed_blocks)
+        if blocks:
+            num_new -= len(blocks)
+        if num_new < 0:
+            num_new = 0
+        for block in new_computed_blocks:
+            if block.ref_cnt == 0 and not block.is_null:
+                num_new += 1
+        return num_new
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Free blocks no future token can attend to (none for full attention)."""
+
+    def save_new_computed_blocks(
+        self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]
+    ) -> None:
+        """Start the request's block table with its (already touched) cache hits.
+
+        Raises:
+            CacheStateError: the request already holds blocks in this group.
+        """
+        if request_id in self.req_to_blocks:
+            raise CacheStateError(
+                f"request {request_id!r} already holds blocks; hits are for new ones"
+            )
+        self.req_to_blocks[request_id] = list(new_computed_blocks)
+        self.num_cached_block[request_id] = len(new_computed_blocks)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        """Grow the block table to cover ``num_tokens`` tokens; return the new blocks."""
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is None:
+            blocks = self.req_to_blocks[request_id] = []
+        num_new = cdiv(num_tokens, self.block_size) - len(blocks)
+        if num_new <= 0:
+            return []
+        new_blocks = self.block_pool.get_new_blocks(num_new)
+        blocks.extend(new_blocks)
+        return new_blocks
+
+    def cache_blocks(self, request: KVCacheRequest, num_tokens: int) -> None:
+        """Put the request's blocks that are full within its first ``num_tokens`` tokens (and
+        hashed) into the prefix cache."""
+        request_id = request.request_id
+        num_cached = self.num_cached_block.get(request_id, 0)
+        num_full = num_tokens // self.block_size
+        num_hashes = len(request.block_hashes)
+        if num_full > num_hashes:
+            num_full = num_hashes
+        if num_full <= num_cached:
+            return
+        self.block_pool.cache_full_blocks(
+            request,
+            self.req_to_blocks[request_id],
+            num_cached,
+            num_full,
+            self.block_size,
+            self.kv_cache_group_id,
+        )
+        self.num_cached_block[request_id] = num_full
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks, last block first (a chain's tail is evicted before its
+        prefix). A request that holds nothing is a no-op."""
+        blocks = self.req_to_blocks.pop(request_id, None)
+        if blocks is None:
+            return
+        self.num_cached_block.pop(request_id, None)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        """The request's block table (empty if it holds nothing). Do not mutate."""
+        return self.req_to_blocks.get(request_id, [])
+
+    def find_longest_cache_hit(
+        self, request: KVCacheRequest, max_length: int
+    ) -> list[KVCacheBlock]:
+        """Longest run of cached blocks from the start of the request, at most
+        ``max_length // block_size`` blocks."""
+        block_size = self.block_size
+        hashes = request.block_hashes
+        num_blocks = min(max_length // block_size, len(hashes))
+        get = self._cached.get
+        hit: list[KVCacheBlock] = []
+        if self._verify:
+            tokens = request.all_token_ids
+            for i in range(num_blocks):
+                block = get(hashes[i])
+                if (
+                    block is None
+                    or block.token_ids != tokens[i * block_size : (i + 1) * block_size]
+                ):
+                    break
+                hit.append(block)
+            return hit
+        append = hit.append
+        for i in range(num_blocks):
+            block = get(hashes[i])
+            if block is None:
+                break
+            append(block)
+        return hit
+
+    def _lookup(self, request: KVCacheRequest, index: int) -> KVCacheBlock | None:
+        block = self._cached.get(request.block_hashes[index])
+        if block is not None and self._verify:
+            start = index * self.block_size
+            if block.token_ids != request.all_token_ids[start : start + self.block_size]:
+                return None
+        return block
+
+
+class FullAttentionManager(SingleTypeKVCacheManager):
+    """Full (causal) attention: every block of a request stays until it finishes."""
+
+
+class SlidingWindowManager(SingleTypeKVCacheManager):
+    """Sliding-window attention: a token at position ``p`` attends to ``p - w + 1 .. p``.
+
+    After ``c`` computed tokens the next token is ``c``, so tokens before ``c - w + 1`` are dead;
+    wholly dead blocks are freed and replaced by the null block.
+    """
+
+    prefix_closed = False
+
+    def __init__(
+        self, kv_cache_spec: SlidingWindowSpec, block_pool: BlockPool, kv_cache_group_id: int
+    ) -> None:
+        super().__init__(kv_cache_spec, block_pool, kv_cache_group_id)
+        self.sliding_window = kv_cache_spec.sliding_window
+        # A hit ending at token L must keep tokens L - w + 1 .. L - 1 (w - 1 tokens): that many
+        # blocks at its end (at least one, so a hit is never made of null blocks only).
+        self.num_contiguous_blocks = max(1, cdiv(self.sliding_window - 1, self.block_size))
+
+    def num_skipped_blocks(self, num_computed_tokens: int) -> int:
+        """Leading blocks wholly before the window of the next token (position c)."""
+        first_live = num_computed_tokens - self.sliding_window + 1
+        return first_live // self.block_size if first_live > 0 else 0
+
+    def _skippable(self, blocks: list[KVCacheBlock], num_computed_tokens: int) -> range:
+        # Dead blocks not yet replaced by the null block: the nulls form a prefix, so walk back.
+        last = min(self.num_skipped_blocks(num_computed_tokens), len(blocks))
+        first = last
+        null = self._null_block
+        while first > 0 and blocks[first - 1] is not null:
+            first -= 1
+        return range(last - 1, first - 1, -1)
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        num_computed_tokens: int,
+    ) -> int:
+        num_new = super().get_num_blocks_to_allocate(
+            request_id, num_tokens, new_computed_blocks, num_computed_tokens
+        )
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks:
+            # Blocks that remove_skipped_blocks will give back (those only this request holds).
+            for i in self._skippable(blocks, num_computed_tokens):
+                if blocks[i].ref_cnt == 1:
+                    num_new -= 1
+        return num_new
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Free the blocks that left the window; the table keeps the null block in their place.
+        Calling it again at the same ``num_computed_tokens`` frees nothing."""
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        removed = []
+        null = self._null_block
+        for i in self._skippable(blocks, num_computed_tokens):
+            removed.append(blocks[i])
+            blocks[i] = null
+        if removed:
+            self.block_pool.free_blocks(removed)
+
+    def find_longest_cache_hit(
+        self, request: KVCacheRequest, max_length: int
+    ) -> list[KVCacheBlock]:
+        """Longest hit (at most ``max_length // block_size`` blocks) whose last
+        ``num_contiguous_blocks`` blocks are cached; the blocks before them are null blocks
+        (their tokens are outside the window of every token still to compute)."""
+        num_blocks = min(max_length // self.block_size, len(request.block_hashes))
+        hit = [self._null_block] * num_blocks
+        num_contiguous = 0
+        for i in range(num_blocks - 1, -1, -1):
+            block = self._lookup(request, i)
+            if block is None:
+                num_contiguous = 0
+                continue
+            hit[i] = block
+            num_contiguous += 1
+            if num_contiguous >= self.num_contiguous_blocks:
+                del hit[i + num_contiguous :]
+                return hit
+        # No long enough run: only a run that starts at block 0 is a valid (short) hit.
+        del hit[num_contiguous:]
+        return hit
+
+
+def make_single_type_manager(
+    kv_cache_spec: KVCacheSpec, block_pool: BlockPool, kv_cache_group_id: int
+) -> SingleTypeKVCacheManager:
+    """The manager class for the spec's attention type.
+
+    Raises:
+        ConfigError: an attention type without a manager.
+    """
+    if isinstance(kv_cache_spec, SlidingWindowSpec):
+        return SlidingWindowManager(kv_cache_spec, block_pool, kv_cache_group_id)
+    if isinstance(kv_cache_spec, FullAttentionSpec):
+        return FullAttentionManager(kv_cache_spec, block_pool, kv_cache_group_id)
+    raise ConfigError(f"no KV-cache manager for spec type {type(kv_cache_spec).__name__}")
