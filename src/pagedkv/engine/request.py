@@ -1,0 +1,117 @@
+"""The engine's request: the core's KV-cache view of a request plus sampling, status and timing.
+
+Lifecycle (vLLM V1)::
+
+    add_request -> WAITING --schedule--> RUNNING --eos / stop / max_tokens--> FINISHED_STOPPED
+                     ^                      |                                 FINISHED_LENGTH_CAPPED
+                     +----- PREEMPTED <-----+ (blocks freed, num_computed_tokens = 0)
+    abort at any point -> FINISHED_ABORTED;  can never fit -> FINISHED_ERROR
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pagedkv.core.request import KVCacheRequest
+from pagedkv.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is in its life; every status after PREEMPTED is a finished one."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        """True for the four finished statuses."""
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI-style finish reason ("stop", "length", "abort", "error"), None if running."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(slots=True, eq=False, kw_only=True)
+class Request(KVCacheRequest):
+    """One sequence being generated (one of the ``n`` samples of a prompt).
+
+    Fields beyond :class:`~pagedkv.core.request.KVCacheRequest`:
+        sampling_params: how to sample and when to stop.
+        eos_token_ids: the model's end-of-sequence token ids (ignored when ``ignore_eos``).
+        priority: lower value = scheduled first under the "priority" policy.
+        arrival_time: ``time.monotonic()`` when the request was made (FCFS order, metrics).
+        max_tokens: output-token limit, resolved by the scheduler from ``sampling_params``
+            and max_model_len (-1 until then).
+        status: see :class:`RequestStatus`.
+        stop_reason: the stop token id or stop string that ended the request, if any.
+        error: why the request was rejected (status FINISHED_ERROR).
+        num_cached_tokens: prompt tokens served from the prefix cache at first admission
+            (-1 until admitted).
+        num_preemptions: times this request was preempted.
+        first_scheduled_time / first_token_time / finished_time: ``time.monotonic()`` stamps.
+    """
+
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    max_tokens: int = -1
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    error: str | None = None
+    num_cached_tokens: int = -1
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    _stop_token_ids: frozenset[int] = field(default=frozenset(), init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # NOTE: explicit base call: zero-argument super() does not work in slots dataclasses.
+        KVCacheRequest.__post_init__(self)
+        self.eos_token_ids = frozenset(self.eos_token_ids)
+        self._stop_token_ids = frozenset(self.sampling_params.stop_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the request reached a finished status."""
+        return self.status > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The finish reason ("stop", "length", "abort", "error") once finished, else None."""
+        return _FINISH_REASONS.get(self.status)
+
+    def check_stop(self, token_id: int) -> bool:
+        """Set the finished status if ``token_id`` (just appended) ends the request.
+
+        Order: end-of-sequence (unless ignore_eos), then stop_token_ids, then max_tokens.
+        Stop strings need the text, so the engine checks those. Returns True when finished.
+        """
+        if not self.sampling_params.ignore_eos and token_id in self.eos_token_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+        elif token_id in self._stop_token_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+            self.stop_reason = token_id
+        elif self.num_output_tokens >= self.max_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        else:
+            return False
+        return True

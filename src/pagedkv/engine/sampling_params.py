@@ -1,0 +1,118 @@
+"""Sampling parameters of one request: how each next token is chosen and when generation stops.
+
+Names and defaults follow vLLM's ``SamplingParams`` (and so the OpenAI API the server exposes):
+``temperature=0`` is greedy decoding; ``top_k`` of 0 or -1 and ``top_p`` of 1 switch those filters
+off; ``max_tokens=None`` means "until max_model_len".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from pagedkv.errors import InvalidRequestError
+
+#: Temperatures below this are treated as 0 (greedy): dividing logits by ~0 overflows.
+GREEDY_EPSILON = 1e-5
+
+
+@dataclass(slots=True, kw_only=True)
+class SamplingParams:
+    """How to sample the output tokens of one request.
+
+    Args:
+        n: number of independent samples of the prompt (>= 1). The samples are separate requests
+            that share the prompt's cached KV blocks through the prefix cache.
+        temperature: softmax temperature (>= 0); 0 = greedy (argmax).
+        top_p: nucleus sampling: keep the smallest set of tokens whose probability mass reaches
+            top_p, in (0, 1]; 1 = off.
+        top_k: keep the k most likely tokens; 0 or -1 = off.
+        presence_penalty: subtracted once from the logit of every token already generated,
+            in [-2, 2] (OpenAI semantics; prompt tokens do not count).
+        frequency_penalty: subtracted from a token's logit per time it was generated, in [-2, 2].
+        max_tokens: most output tokens (>= 1); None = up to max_model_len.
+        stop: strings that end generation when they appear in the output text; the text is cut
+            before the stop string unless include_stop_str_in_output.
+        stop_token_ids: token ids that end generation (kept in the output token ids).
+        ignore_eos: keep generating after the model's end-of-sequence token (benchmarks).
+        include_stop_str_in_output: keep a matched stop string at the end of the text.
+        skip_special_tokens: leave special tokens (end-of-turn markers ...) out of the text.
+        seed: seed of this request's own random generator; equal seeds give equal samples.
+
+    Raises:
+        InvalidRequestError: a value out of its range, with the name and the valid range.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int | None = 16
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or ())
+        self._validate()
+
+    def _validate(self) -> None:
+        if not _is_int(self.n) or self.n < 1:
+            raise InvalidRequestError(f"n must be an int >= 1, got {self.n!r}")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise InvalidRequestError(f"top_k must be -1, 0 (off) or >= 1, got {self.top_k!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise InvalidRequestError(
+                f"max_tokens must be an int >= 1 or None, got {self.max_tokens!r}"
+            )
+        for stop in self.stop:
+            if not isinstance(stop, str) or not stop:
+                raise InvalidRequestError(f"stop strings must be non-empty str, got {stop!r}")
+        for token_id in self.stop_token_ids:
+            if not _is_int(token_id) or token_id < 0:
+                raise InvalidRequestError(f"stop_token_ids must be ints >= 0, got {token_id!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise InvalidRequestError(f"seed must be an int or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the next token is the argmax (temperature ~ 0)."""
+        return self.temperature < GREEDY_EPSILON
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when presence or frequency penalties change the logits."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The parameters of sample ``index`` of an ``n > 1`` request: n = 1, and the seed (when
+        given) offset by the index so the samples differ yet stay reproducible."""
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, seed=seed)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == value

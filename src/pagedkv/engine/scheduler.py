@@ -1,0 +1,424 @@
+"""Continuous-batching scheduler over the paged KV cache (vLLM V1 style: no prefill/decode phases).
+
+Each request has ``num_computed_tokens`` (tokens whose KV is in the cache); every step gives each
+scheduled request ``num_scheduled_tokens`` more, within a token budget (max_num_batched_tokens) and
+a request cap (max_num_seqs). A prompt longer than the budget is split over several steps (chunked
+prefill) and shares steps with other requests' decode tokens::
+
+    step k:  [ req A: 1 decode token | req B: 1 decode token | req C: 254 prompt tokens (chunk) ]
+    step k+1:[ req A: 1              | req B: 1              | req C: 146 (rest) -> samples ]
+
+Order within a step: running requests first (allocate_slots; when no block can be had, preempt the
+newest running request, or the lowest-priority one under policy="priority": its blocks are freed,
+num_computed_tokens = 0, and it goes back to the front of the waiting queue; its full blocks stay in
+the prefix cache, so resuming it is usually cheap), then waiting requests (get_computed_blocks for
+the prefix-cache hit, then allocate_slots), first come first served: admission stops at the first
+request that does not fit, so big requests are not starved by small ones.
+
+The scheduler is torch-free and model-independent: anything that turns a :class:`SchedulerOutput`
+into one sampled token per sampling request can drive it (the engine's model runner, or the
+simulator's fake model). See docs/engine.md for the driving loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from pagedkv.core.manager import KVCacheManager
+from pagedkv.engine.request import Request, RequestStatus
+from pagedkv.engine.request_queue import FCFSQueue, PriorityQueue
+from pagedkv.engine.stats import SchedulerStats
+from pagedkv.errors import ConfigError, InvalidRequestError
+
+POLICIES = ("fcfs", "priority")
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What one step computes: parallel lists, one entry per scheduled request, in batch order.
+
+    Attributes:
+        requests: the scheduled requests.
+        num_scheduled_tokens: tokens computed for each request this step (>= 1).
+        num_computed_tokens: each request's num_computed_tokens BEFORE this step (the position
+            of its first scheduled token); its tokens this step are
+            ``all_token_ids[num_computed_tokens : num_computed_tokens + num_scheduled_tokens]``.
+        block_ids: each request's block ids, one list per KV cache group (its block table).
+        sample: whether a token is sampled for the request after this step (its prompt and
+            every earlier token are then computed); False for a partial prefill chunk.
+        total_num_scheduled_tokens: sum of num_scheduled_tokens.
+        preempted_requests: requests preempted while scheduling this step.
+        finished_requests: requests finished while scheduling (rejected: can never fit).
+    """
+
+    requests: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    block_ids: list[tuple[list[int], ...]] = field(default_factory=list)
+    sample: list[bool] = field(default_factory=list)
+    total_num_scheduled_tokens: int = 0
+    preempted_requests: list[Request] = field(default_factory=list)
+    finished_requests: list[Request] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        """Number of scheduled requests."""
+        return len(self.requests)
+
+    @property
+    def num_sampled(self) -> int:
+        """Number of requests that sample a token after this step."""
+        return sum(self.sample)
+
+
+class Scheduler:
+    """Decides, each step, which requests compute how many tokens, within the KV cache.
+
+    Args:
+        kv_cache_manager: the KV cache (its ``block_size``, ``num_blocks`` and specs size the
+            checks below).
+        max_num_seqs: most requests running at once (>= 1).
+        max_num_batched_tokens: token budget of one step (>= 1).
+        max_model_len: most tokens (prompt + output) of one request (>= 1).
+        enable_chunked_prefill: split prompts longer than the remaining budget over several
+            steps; when off, max_num_batched_tokens must be >= max_model_len.
+        policy: "fcfs" (arrival order; preempt the newest) or "priority" (lower
+            ``Request.priority`` first; preempt the lowest priority, newest among equals).
+
+    Raises:
+        ConfigError: a value out of range, an unknown policy, or chunked prefill off with a
+            budget smaller than max_model_len (a long request could never be scheduled).
+    """
+
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+        policy: str = "fcfs",
+    ) -> None:
+        for name, value in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_model_len", max_model_len),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+        if policy not in POLICIES:
+            raise ConfigError(f"unknown scheduling policy {policy!r}; choose one of {POLICIES}")
+        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ConfigError(
+                f"without chunked prefill, max_num_batched_tokens ({max_num_batched_tokens}) "
+                f"must be >= max_model_len ({max_model_len}): a prompt (or a preempted request) "
+                "of max_model_len tokens must fit in one step; enable chunked prefill or raise "
+                "the budget"
+            )
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.policy = policy
+        self.waiting: FCFSQueue | PriorityQueue = (
+            PriorityQueue() if policy == "priority" else FCFSQueue()
+        )
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+        self._num_usable_blocks = kv_cache_manager.num_blocks - 1  # block 0 is the null block
+        self._kv_cache_specs = tuple(kv_cache_manager.kv_cache_specs)
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def max_blocks_needed(self, num_tokens: int) -> int:
+        """Blocks (all KV cache groups) one request of ``num_tokens`` tokens can hold at once."""
+        return sum(
+            spec.max_num_blocks_per_request(num_tokens, self.max_num_batched_tokens)
+            for spec in self._kv_cache_specs
+        )
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request; resolves ``request.max_tokens`` from its sampling params.
+
+        Raises:
+            InvalidRequestError: the request can never be served: an empty prompt, prompt +
+                max_tokens beyond max_model_len, more blocks than the whole pool, or a request
+                id already in use. Nothing is queued then.
+        """
+        num_prompt_tokens = request.num_prompt_tokens
+        if num_prompt_tokens == 0:
+            raise InvalidRequestError(f"request {request.request_id!r}: the prompt is empty")
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - num_prompt_tokens
+            if max_tokens < 1:
+                raise InvalidRequestError(
+                    f"request {request.request_id!r}: the prompt has {num_prompt_tokens} tokens, "
+                    f"which leaves no room to generate within max_model_len={self.max_model_len}"
+                )
+        elif num_prompt_tokens + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"request {request.request_id!r}: prompt ({num_prompt_tokens} tokens) + "
+                f"max_tokens ({max_tokens}) = {num_prompt_tokens + max_tokens} tokens exceeds "
+                f"max_model_len={self.max_model_len}; shorten the prompt or lower max_tokens"
+            )
+        num_blocks_needed = self.max_blocks_needed(num_prompt_tokens + max_tokens)
+        if num_blocks_needed > self._num_usable_blocks:
+            raise InvalidRequestError(
+                f"request {request.request_id!r}: prompt + max_tokens = "
+                f"{num_prompt_tokens + max_tokens} tokens needs {num_blocks_needed} KV blocks but "
+                f"the whole pool has {self._num_usable_blocks}; lower max_tokens or grow the "
+                "KV cache"
+            )
+        request.max_tokens = max_tokens
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish requests from outside the step loop (abort, or a stop string the engine saw).
+
+        Frees their blocks and forgets them. Unknown or already finished ids are ignored, so
+        aborting twice is a no-op.
+
+        Raises:
+            InvalidRequestError: ``status`` is not a finished status.
+        """
+        if not status.is_finished:
+            raise InvalidRequestError(f"finish_requests needs a finished status, got {status!r}")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                finished.append(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+        if finished:
+            gone = {id(r) for r in finished}
+            self.running = [r for r in self.running if id(r) not in gone]
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting or running."""
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        """Number of requests waiting or running."""
+        return len(self.requests)
+
+    def get_stats(self) -> SchedulerStats:
+        """A snapshot of the counters (a copy: later steps do not change it)."""
+        return dataclasses.replace(
+            self.stats,
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+        )
+
+    # ------------------------------------------------------------------ the step
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's requests and token counts, and allocate their KV blocks.
+
+        Advances each scheduled request's ``num_computed_tokens`` by its scheduled tokens (the
+        runner must compute them before :meth:`update_from_output`). Requests that can never
+        fit are finished with status FINISHED_ERROR and listed in ``finished_requests``.
+        """
+        manager = self.kv_cache_manager
+        out = SchedulerOutput()
+        token_budget = self.max_num_batched_tokens
+        scheduled_index: dict[int, int] = {}  # id(request) -> index in out lists
+
+        # 1) Running requests: decode tokens and the rest of chunked prefills.
+        req_index = 0
+        while req_index < len(self.running) and token_budget > 0:
+            request = self.running[req_index]
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            if num_new_tokens <= 0:
+                req_index += 1
+                continue
+            preempted_self = False
+            while manager.allocate_slots(request, num_new_tokens) is None:
+                victim = self._pick_victim()
+                if self.running.index(victim) < req_index:  # only under policy="priority"
+                    req_index -= 1
+                self.running.remove(victim)
+                undo = scheduled_index.pop(id(victim), None)
+                if undo is not None:  # a victim already scheduled this step: give back its tokens
+                    token_budget += out.num_scheduled_tokens[undo]
+                    self._unschedule(out, undo, scheduled_index)
+                self._preempt(victim, out)
+                if victim is request:
+                    preempted_self = True
+                    break
+            if preempted_self:
+                # Whatever follows it in the running list is newer or of lower priority: stop
+                # serving running requests this step. Alone with the whole pool, it never fits.
+                self._reject_if_never_fits(request, out)
+                break
+            scheduled_index[id(request)] = len(out.requests)
+            self._schedule(out, request, num_new_tokens, request.num_computed_tokens)
+            token_budget -= num_new_tokens
+            req_index += 1
+
+        # 2) Waiting requests, unless this step had to preempt (no room for newcomers).
+        if not out.preempted_requests:
+            self._admit_waiting(out, token_budget)
+
+        # 3) Advance num_computed_tokens and hand out each request's block table.
+        now = time.monotonic()
+        for i, request in enumerate(out.requests):
+            request.num_computed_tokens += out.num_scheduled_tokens[i]
+            out.sample.append(request.num_computed_tokens >= request.num_tokens)
+            out.block_ids.append(manager.get_block_ids(request.request_id))
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+        if out.requests:
+            self.stats.num_steps += 1
+        usage = manager.usage
+        if usage > self.stats.peak_kv_cache_usage:
+            self.stats.peak_kv_cache_usage = usage
+        return out
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, sampled_token_ids: Sequence[int]
+    ) -> list[Request]:
+        """Append the sampled tokens and finish requests that hit a stop condition.
+
+        Args:
+            scheduler_output: the output of the last :meth:`schedule`.
+            sampled_token_ids: one token id per request with ``sample[i]`` True, in batch order.
+
+        Returns:
+            The requests that got a token or finished in this step (including those rejected
+            while scheduling and those preempted by nothing: preempted requests are not listed),
+            in batch order. Finished requests have freed their blocks and are forgotten.
+
+        Raises:
+            InvalidRequestError: the number of sampled tokens does not match.
+        """
+        out = scheduler_output
+        if len(sampled_token_ids) != out.num_sampled:
+            raise InvalidRequestError(
+                f"got {len(sampled_token_ids)} sampled tokens for {out.num_sampled} sampling "
+                "requests"
+            )
+        changed: list[Request] = list(out.finished_requests)
+        finished: list[Request] = []
+        now = time.monotonic()
+        token_iter = iter(sampled_token_ids)
+        for request, sample in zip(out.requests, out.sample, strict=True):
+            if not sample:
+                continue
+            token_id = next(token_iter)
+            if request.is_finished:  # aborted between schedule() and now
+                continue
+            request.append_output_token_ids(token_id)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            self.stats.num_generation_tokens += 1
+            changed.append(request)
+            if request.check_stop(token_id):
+                finished.append(request)
+        if finished:
+            gone = {id(r) for r in finished}
+            self.running = [r for r in self.running if id(r) not in gone]
+            for request in finished:
+                self._free_request(request, now)
+        return changed
+
+    # ------------------------------------------------------------------ helpers
+
+    def _admit_waiting(self, out: SchedulerOutput, token_budget: int) -> None:
+        manager = self.kv_cache_manager
+        waiting = self.waiting
+        while waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = waiting.peek()
+            computed_blocks, num_computed_tokens = manager.get_computed_blocks(request)
+            num_new_tokens = request.num_tokens - num_computed_tokens
+            if num_new_tokens > token_budget:
+                if not self.enable_chunked_prefill:
+                    break  # waits for a step with the whole budget free
+                num_new_tokens = token_budget
+            new_blocks = manager.allocate_slots(
+                request, num_new_tokens, num_computed_tokens, computed_blocks
+            )
+            if new_blocks is None:
+                if self._reject_if_never_fits(request, out):
+                    continue
+                break  # FCFS: later requests wait behind this one
+            waiting.pop()
+            if request.num_cached_tokens < 0:  # first admission (not a resumption)
+                request.num_cached_tokens = num_computed_tokens
+                self.stats.prefix_cache_queries += request.num_prompt_tokens
+                self.stats.prefix_cache_hits += num_computed_tokens
+                self.stats.num_prompt_tokens += request.num_prompt_tokens
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed_tokens
+            self.running.append(request)
+            self._schedule(out, request, num_new_tokens, num_computed_tokens)
+            token_budget -= num_new_tokens
+
+    def _reject_if_never_fits(self, request: Request, out: SchedulerOutput) -> bool:
+        """Finish ``request`` with an error if allocation failed while no other request holds
+        blocks: the whole pool was free, so it can never fit. Returns True when rejected."""
+        if self.running or out.requests:
+            return False
+        self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED_ERROR
+        request.error = (
+            f"request {request.request_id!r} needs more KV blocks for {request.num_tokens} "
+            f"tokens than the whole pool ({self._num_usable_blocks} blocks) can give"
+        )
+        self.stats.num_rejected += 1
+        self._free_request(request)
+        out.finished_requests.append(request)
+        return True
+
+    def _pick_victim(self) -> Request:
+        if self.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.add_front(request)
+        out.preempted_requests.append(request)
+
+    @staticmethod
+    def _schedule(
+        out: SchedulerOutput, request: Request, num_new_tokens: int, num_computed_tokens: int
+    ) -> None:
+        out.requests.append(request)
+        out.num_scheduled_tokens.append(num_new_tokens)
+        out.num_computed_tokens.append(num_computed_tokens)
+        out.total_num_scheduled_tokens += num_new_tokens
+
+    @staticmethod
+    def _unschedule(out: SchedulerOutput, index: int, scheduled_index: dict[int, int]) -> None:
+        out.total_num_scheduled_tokens -= out.num_scheduled_tokens[index]
+        del out.requests[index], out.num_scheduled_tokens[index], out.num_computed_tokens[index]
+        for key, value in scheduled_index.items():
+            if value > index:
+                scheduled_index[key] = value - 1
+
+    def _free_request(self, request: Request, now: float | None = None) -> None:
+        self.kv_cache_manager.free(request)
+        request.finished_time = time.monotonic() if now is None else now
+        self.requests.pop(request.request_id, None)

@@ -1,0 +1,44 @@
+"""Counters of the scheduler and the engine, as plain snapshots (for the CLI summary, the server's
+metrics and the simulator)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """A snapshot of the scheduler.
+
+    Attributes:
+        num_running: requests holding KV blocks now.
+        num_waiting: requests queued (new or preempted).
+        kv_cache_usage: fraction of usable blocks in use now, 0..1.
+        peak_kv_cache_usage: highest kv_cache_usage seen after any step.
+        num_preemptions: preemptions since start.
+        num_rejected: requests finished with an error because they can never fit.
+        num_steps: schedule() calls that scheduled at least one token.
+        prefix_cache_queries: prompt tokens looked up in the prefix cache at admission (tokens).
+        prefix_cache_hits: of those, tokens served from the cache (tokens).
+        num_prompt_tokens: prompt tokens of admitted requests (first admission only).
+        num_generation_tokens: tokens sampled since start.
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    peak_kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    num_rejected: int = 0
+    num_steps: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """prefix_cache_hits / prefix_cache_queries (0 when nothing was queried)."""
+        if self.prefix_cache_queries == 0:
+            return 0.0
+        return self.prefix_cache_hits / self.prefix_cache_queries
