@@ -38,7 +38,7 @@ def test_hit_is_capped_below_num_tokens():
     kv.free(same)
     longer = make_request(kv, "c", range(1, 10))
     assert kv.get_computed_blocks(longer)[1] == 8
-    num_hit, new_blocks = admit(kv, longer)
+    num_hit, _ = admit(kv, longer)
     assert num_hit == 8 and longer.num_tokens - num_hit == 1
     assert kv.get_block_ids("c")[0][:2] == [1, 2]
     short = make_request(kv, "d", range(1, 5))
