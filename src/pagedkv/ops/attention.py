@@ -7,10 +7,10 @@ import torch
 from pagedkv.errors import OpsInputError
 from pagedkv.ops.attention_metadata import PagedAttentionMetadata
 from pagedkv.ops.cpu_attention import cpu_paged_attention
-from pagedkv.ops.kv_cache import FP8_DTYPES
+from pagedkv.ops.kv_cache import FP8_DTYPES, has_triton
 from pagedkv.ops.reference import reference_paged_attention
 
-IMPLS = ("auto", "reference", "cpu")
+IMPLS = ("auto", "reference", "cpu", "triton")
 _QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -50,7 +50,9 @@ def paged_attention(
         scale: softmax scale; None = ``head_size ** -0.5``.
         sliding_window: attend to the last ``sliding_window`` positions only (None = all); must
             equal the window ``metadata`` was built with.
-        impl: "auto" (= "cpu"), "cpu" (fast path) or "reference" (plain, for tests).
+        impl: "auto" ("triton" for CUDA tensors when Triton is installed, else "cpu"), "cpu"
+            (fast path), "reference" (plain, for tests) or "triton" (pagedkv.ops.triton; the
+            interpreter runs it on CPU tensors).
         validate: check shapes, dtypes and block ids; off for the trusted hot path.
         metadata: the step's precomputed :class:`PagedAttentionMetadata` (built from the same
             block_tables / seq_lens / query_start_loc); None = build it now (costs per call).
@@ -99,6 +101,22 @@ def paged_attention(
         _check_query(query, kv_cache, metadata)
     if scale is None:
         scale = query.shape[-1] ** -0.5
+    if impl == "triton" or (impl == "auto" and query.is_cuda and has_triton()):
+        from pagedkv.ops.triton import paged_attention_triton
+
+        return paged_attention_triton(
+            query,
+            kv_cache,
+            metadata.block_tables,
+            metadata.seq_lens,
+            metadata.query_start_loc,
+            scale,
+            metadata.sliding_window,
+            decode_only=metadata.decode_only,
+            max_seq_len=max(metadata.seq_lens_list),
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
     if impl == "reference":
         return reference_paged_attention(
             query, kv_cache, metadata, scale, k_scale=k_scale, v_scale=v_scale

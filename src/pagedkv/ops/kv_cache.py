@@ -18,6 +18,8 @@ for K (``k_scale``) and one for V (``v_scale``); reads multiply back.
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from pagedkv.errors import OpsInputError
@@ -146,6 +148,14 @@ def _check_write_kv(
         raise OpsInputError("slot_mapping writes the same slot twice in one call")
 
 
+def has_triton() -> bool:
+    """Whether the optional Triton kernels can be used (the ``gpu`` extra is installed).
+
+    Cheap once triton is imported (a ``sys.modules`` lookup); only asked for CUDA tensors.
+    """
+    return importlib.util.find_spec("triton") is not None
+
+
 def write_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -177,6 +187,11 @@ def write_kv(
     """
     if validate:
         _check_write_kv(key, value, kv_cache, slot_mapping)
+    if kv_cache.is_cuda and has_triton():
+        from pagedkv.ops.triton import write_kv_triton
+
+        write_kv_triton(key, value, kv_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+        return
     num_kv_heads, head_size = kv_cache.shape[3], kv_cache.shape[4]
     slots = slot_mapping.long()
     skip = slots < 0
