@@ -1,0 +1,108 @@
+"""The naive baseline: one contiguous KV region of max_model_len tokens per request, for its life.
+
+The same bytes as the paged pool (``num_blocks * block_size`` tokens, no null block), cut into
+``num_slots = num_blocks * block_size // max_model_len`` equal regions::
+
+    | slot 0: max_model_len tokens | slot 1 | slot 2 | ... |  (tail < max_model_len unused)
+
+Equal-sized regions leave no external fragmentation, but every token a request does not reach is
+reserved and wasted (internal fragmentation). The class mimics the part of
+:class:`~pagedkv.core.manager.KVCacheManager` that the simulator's scheduler calls, so both policies
+run through one scheduling loop; a slot's "block ids" are the blocks its region spans (for the block
+map).
+"""
+
+from __future__ import annotations
+
+from pagedkv.core.spec import FullAttentionSpec, cdiv
+from pagedkv.errors import ConfigError
+
+
+class ContiguousKVCache:
+    """Reserve max_model_len tokens per request at its first allocation; free them at the end.
+
+    Args:
+        num_blocks: blocks of the same pool the paged policies get (bytes are compared equal).
+        block_size: tokens per block.
+        max_model_len: tokens reserved per request.
+
+    Raises:
+        ConfigError: a value < 1, or a pool smaller than one region.
+    """
+
+    block_hasher = None
+
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
+        for name, value in (
+            ("num_blocks", num_blocks),
+            ("block_size", block_size),
+            ("max_model_len", max_model_len),
+        ):
+            if value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.num_slots = num_blocks * block_size // max_model_len
+        if self.num_slots < 1:
+            raise ConfigError(
+                f"a pool of {num_blocks} blocks of {block_size} tokens cannot hold even one "
+                f"contiguous region of max_model_len={max_model_len} tokens"
+            )
+        self.blocks_per_slot = cdiv(max_model_len, block_size)
+        # What the engine's Scheduler reads to reject requests that can never fit.
+        self.kv_cache_specs = (
+            FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1),
+        )
+        self._free_slots = list(range(self.num_slots - 1, -1, -1))  # pop() gives the lowest
+        self._slot_of: dict[str, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks not reserved by any request (the unusable tail included)."""
+        return self.num_blocks - len(self._slot_of) * self.blocks_per_slot
+
+    @property
+    def usage(self) -> float:
+        """Fraction of regions in use, 0..1."""
+        return len(self._slot_of) / self.num_slots
+
+    @property
+    def num_reserved_tokens(self) -> int:
+        """Tokens reserved by running requests: max_model_len each."""
+        return len(self._slot_of) * self.max_model_len
+
+    def get_computed_blocks(self, request: object) -> tuple[tuple, int]:
+        """No prefix cache: never a hit."""
+        return (), 0
+
+    def allocate_slots(
+        self,
+        request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: object = None,
+        num_lookahead_tokens: int = 0,
+    ) -> tuple | None:
+        """Reserve a region at the first call (later calls always fit); None if none is free."""
+        if request.request_id in self._slot_of:
+            return ()
+        if not self._free_slots:
+            return None
+        self._slot_of[request.request_id] = self._free_slots.pop()
+        return ()
+
+    def free(self, request) -> None:
+        """Give the request's region back (no-op if it holds none)."""
+        slot = self._slot_of.pop(request.request_id, None)
+        if slot is not None:
+            self._free_slots.append(slot)
+            self._free_slots.sort(reverse=True)
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The blocks the request's region spans (empty if it holds none)."""
+        slot = self._slot_of.get(request_id)
+        if slot is None:
+            return ([],)
+        start = slot * self.blocks_per_slot
+        return (list(range(start, min(start + self.blocks_per_slot, self.num_blocks))),)

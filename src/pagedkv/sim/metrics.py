@@ -1,0 +1,128 @@
+"""Per-step timeline of a simulation and the summary metrics computed from it.
+
+Definitions (all over the steps that computed something, "busy steps", unless said otherwise):
+
+- concurrency: requests holding KV (running) in a step; ``peak_concurrency`` its maximum,
+  ``mean_concurrency`` its mean.
+- KV utilization: tokens whose KV is written / tokens' worth of KV reserved, summed over steps
+  (a time-weighted ratio; bytes and tokens give the same ratio). Reserved = blocks with
+  ref_cnt > 0 x block_size (paged; a shared block counts once) or max_model_len per running request
+  (contiguous). Real = reserved minus the unfilled tail of each request's last block (paged) or the
+  sum of computed tokens (contiguous).
+- waste %: 100 x (1 - KV utilization): reserved KV holding no token (internal fragmentation).
+- peak KV usage: the most tokens reserved in one step / the usable pool.
+- preemptions: requests evicted from running to make room (recompute on resume).
+- prefix hit rate: prompt tokens served from the prefix cache / prompt tokens looked up, at each
+  request's first admission.
+- steps to drain: steps from 0 until the last request finished, idle steps included.
+- tokens per step: tokens computed (prompt chunks and decode tokens, cache hits excluded) per busy
+  step.
+- output tokens per step: output tokens / steps to drain (the throughput proxy of the sweeps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+_COLUMNS = (
+    "step",
+    "num_running",
+    "num_waiting",
+    "num_reserved_tokens",
+    "num_real_tokens",
+    "num_scheduled_tokens",
+)
+
+
+@dataclass(slots=True)
+class Timeline:
+    """One row per busy step; columns are lists while recording, int64 arrays after freeze()."""
+
+    step: list | np.ndarray = field(default_factory=list)
+    num_running: list | np.ndarray = field(default_factory=list)
+    num_waiting: list | np.ndarray = field(default_factory=list)
+    num_reserved_tokens: list | np.ndarray = field(default_factory=list)
+    num_real_tokens: list | np.ndarray = field(default_factory=list)
+    num_scheduled_tokens: list | np.ndarray = field(default_factory=list)
+
+    def append(self, **row: int) -> None:
+        for name in _COLUMNS:
+            getattr(self, name).append(row[name])
+
+    def freeze(self) -> Timeline:
+        """The same columns as int64 numpy arrays."""
+        return Timeline(
+            **{name: np.asarray(getattr(self, name), dtype=np.int64) for name in _COLUMNS}
+        )
+
+    def __len__(self) -> int:
+        return len(self.step)
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyMetrics:
+    """Summary of one policy on one trace (see the module docstring for definitions)."""
+
+    policy: str
+    num_requests: int
+    num_rejected: int
+    peak_concurrency: int
+    mean_concurrency: float
+    kv_utilization: float
+    waste_pct: float
+    peak_kv_usage: float
+    num_preemptions: int
+    prefix_hit_rate: float
+    num_steps: int
+    num_busy_steps: int
+    tokens_per_step: float
+    output_tokens_per_step: float
+    num_scheduled_tokens: int
+    wall_time_s: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def compute_metrics(
+    timeline: Timeline,
+    *,
+    policy: str,
+    num_requests: int,
+    num_rejected: int,
+    num_output_tokens: int,
+    num_steps: int,
+    num_preemptions: int,
+    num_hit_tokens: int,
+    num_queried_tokens: int,
+    num_usable_tokens: int,
+    wall_time_s: float,
+) -> PolicyMetrics:
+    """Summarize a recorded timeline (lists or arrays) into :class:`PolicyMetrics`."""
+    running = np.asarray(timeline.num_running, dtype=np.int64)
+    reserved = np.asarray(timeline.num_reserved_tokens, dtype=np.int64)
+    real = np.asarray(timeline.num_real_tokens, dtype=np.int64)
+    scheduled = np.asarray(timeline.num_scheduled_tokens, dtype=np.int64)
+    num_busy = len(running)
+    total_reserved = int(reserved.sum())
+    utilization = float(real.sum()) / total_reserved if total_reserved else 0.0
+    return PolicyMetrics(
+        policy=policy,
+        num_requests=num_requests,
+        num_rejected=num_rejected,
+        peak_concurrency=int(running.max()) if num_busy else 0,
+        mean_concurrency=float(running.mean()) if num_busy else 0.0,
+        kv_utilization=utilization,
+        waste_pct=100.0 * (1.0 - utilization) if total_reserved else 0.0,
+        peak_kv_usage=float(reserved.max()) / num_usable_tokens if num_busy else 0.0,
+        num_preemptions=num_preemptions,
+        prefix_hit_rate=num_hit_tokens / num_queried_tokens if num_queried_tokens else 0.0,
+        num_steps=num_steps,
+        num_busy_steps=num_busy,
+        tokens_per_step=float(scheduled.sum()) / num_busy if num_busy else 0.0,
+        output_tokens_per_step=num_output_tokens / num_steps if num_steps else 0.0,
+        num_scheduled_tokens=int(scheduled.sum()),
+        wall_time_s=wall_time_s,
+    )

@@ -1,0 +1,451 @@
+"""Replay a trace through a KV cache and a scheduler with a model that costs nothing.
+
+One policy per run, on the same pool bytes (``num_blocks * block_size`` tokens):
+
+- ``contiguous``: each request reserves max_model_len tokens for its whole life
+  (:class:`~pagedkv.sim.contiguous.ContiguousKVCache`);
+- ``paged``: the real :class:`~pagedkv.core.manager.KVCacheManager`, prefix caching off;
+- ``paged+prefix``: the same with prefix caching on.
+
+The step loop (the "engine"): add the requests that have arrived, ``schedule()``, record the step,
+then let the fake model emit each sampling request's next scripted token. Scheduling is the engine's
+:class:`~pagedkv.engine.scheduler.Scheduler` (``scheduler="engine"``) or the simulator's own loop
+(``scheduler="sim"``, :mod:`pagedkv.sim.admission`, which also offers ``admission="skip"``).
+
+Clock: one step = ``step_time`` seconds of simulated time; arrival times (seconds) map to steps, and
+when nothing runs or waits the clock jumps to the next arrival. A follow-up turn becomes eligible
+once its parent finished, plus its think time.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pagedkv.core.spec import cdiv
+from pagedkv.errors import ConfigError, InvalidRequestError
+from pagedkv.sim.admission import ADMISSION_POLICIES, SimKVRequest, SimScheduler
+from pagedkv.sim.blockmap import BlockMap, BlockMapRecorder
+from pagedkv.sim.contiguous import ContiguousKVCache
+from pagedkv.sim.metrics import PolicyMetrics, Timeline, compute_metrics
+from pagedkv.sim.workloads import Workload
+
+POLICIES = ("contiguous", "paged", "paged+prefix")
+SCHEDULERS = ("engine", "sim")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimConfig:
+    """Settings of one simulation.
+
+    Args:
+        num_blocks: blocks in the pool (block 0 is the null block for the paged policies).
+        block_size: tokens per block.
+        max_model_len: most tokens (prompt + output) per request; contiguous reserves this much.
+        max_num_seqs: most running requests.
+        max_num_batched_tokens: token budget per step.
+        admission: "fcfs" (stop at the first waiting request that does not fit) or "skip"
+            (try later ones; needs scheduler="sim").
+        scheduler: "engine" (the engine's Scheduler) or "sim" (the simulator's loop).
+        step_time: simulated seconds per step (maps arrival times to steps).
+        block_map_columns: most sampled steps kept for the block map (0 = no block map).
+        hash_algo: the manager's block-hash algorithm (None = its default).
+
+    Raises:
+        ConfigError: a value out of range or an unknown name.
+    """
+
+    num_blocks: int
+    block_size: int = 16
+    max_model_len: int = 2048
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    admission: str = "fcfs"
+    scheduler: str = "engine"
+    step_time: float = 0.025
+    block_map_columns: int = 300
+    hash_algo: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in (
+            "num_blocks",
+            "block_size",
+            "max_model_len",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+        if self.num_blocks < 2:
+            raise ConfigError(
+                f"num_blocks must be >= 2 (block 0 is the null block), got {self.num_blocks}"
+            )
+        if self.admission not in ADMISSION_POLICIES:
+            raise ConfigError(
+                f"admission must be one of {ADMISSION_POLICIES}, got {self.admission!r}"
+            )
+        if self.scheduler not in SCHEDULERS:
+            raise ConfigError(f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
+        if self.admission == "skip" and self.scheduler != "sim":
+            raise ConfigError("admission='skip' needs scheduler='sim' (the engine's is FCFS)")
+        if not self.step_time > 0:
+            raise ConfigError(f"step_time must be > 0 seconds, got {self.step_time!r}")
+        if self.block_map_columns < 0:
+            raise ConfigError(f"block_map_columns must be >= 0, got {self.block_map_columns}")
+
+
+@dataclass(slots=True)
+class PolicyResult:
+    """What one policy did on one trace: summary metrics, per-step timeline, block map."""
+
+    policy: str
+    config: SimConfig
+    metrics: PolicyMetrics
+    timeline: Timeline
+    block_map: BlockMap | None = None
+    rejected: list[str] = field(default_factory=list)
+
+
+def make_kv_cache(policy: str, config: SimConfig):
+    """The KV cache of ``policy``: a ContiguousKVCache or a KVCacheManager.
+
+    Raises:
+        ConfigError: unknown policy (or a pool the cache refuses).
+    """
+    if policy == "contiguous":
+        return ContiguousKVCache(config.num_blocks, config.block_size, config.max_model_len)
+    if policy not in POLICIES:
+        raise ConfigError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    from pagedkv.core.manager import KVCacheManager
+
+    kwargs = {} if config.hash_algo is None else {"hash_algo": config.hash_algo}
+    return KVCacheManager(
+        config.num_blocks,
+        block_size=config.block_size,
+        enable_caching=policy == "paged+prefix",
+        max_model_len=config.max_model_len,
+        **kwargs,
+    )
+
+
+class _SimDriver:
+    """Drives :class:`SimScheduler`."""
+
+    def __init__(self, kv_cache, config: SimConfig, enable_caching: bool) -> None:
+        self.scheduler = SimScheduler(
+            kv_cache,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            admission=config.admission,
+            enable_caching=enable_caching,
+        )
+        self.num_preemptions = 0
+        self.num_hit_tokens = 0
+        self.num_queried_tokens = 0
+
+    def make_request(self, request_id, prompt, block_hasher, index, scripted) -> SimKVRequest:
+        return SimKVRequest(request_id, prompt, block_hasher, index=index, scripted_output=scripted)
+
+    def add(self, request: SimKVRequest) -> None:
+        self.scheduler.add_request(request)
+
+    @property
+    def running(self) -> list:
+        return self.scheduler.running
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def schedule(self) -> tuple[list, list[int]]:
+        plan = self.scheduler.schedule()
+        self.num_preemptions += len(plan.preempted)
+        self.num_hit_tokens += plan.num_hit_tokens
+        self.num_queried_tokens += plan.num_queried_tokens
+        return list(plan.num_scheduled_tokens), list(plan.num_scheduled_tokens.values())
+
+    def complete(self, scheduled: list) -> list:
+        finished = []
+        for request in scheduled:
+            if request.num_computed_tokens >= request.num_tokens:
+                request.append_output_token_ids(request.scripted_output[request.num_output_tokens])
+                if request.is_done:
+                    finished.append(request)
+        if finished:
+            self.scheduler.finish(finished)
+        return finished
+
+
+class _EngineDriver:
+    """Drives the engine's Scheduler; the scripted stream is the sampled tokens."""
+
+    def __init__(self, kv_cache, config: SimConfig, enable_caching: bool) -> None:
+        from pagedkv.engine.scheduler import Scheduler
+
+        self.scheduler = Scheduler(
+            kv_cache, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len
+        )
+        self._out = None
+
+    def make_request(self, request_id, prompt, block_hasher, index, scripted):
+        from pagedkv.sim.engine_request import make_engine_request
+
+        return make_engine_request(request_id, prompt, block_hasher, index, scripted)
+
+    def add(self, request) -> None:
+        self.scheduler.add_request(request)
+
+    @property
+    def running(self) -> list:
+        return self.scheduler.running
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.stats.num_preemptions
+
+    @property
+    def num_hit_tokens(self) -> int:
+        return self.scheduler.stats.prefix_cache_hits
+
+    @property
+    def num_queried_tokens(self) -> int:
+        return self.scheduler.stats.prefix_cache_queries
+
+    def schedule(self) -> tuple[list, list[int]]:
+        self._out = out = self.scheduler.schedule()
+        return out.requests, out.num_scheduled_tokens
+
+    def complete(self, scheduled: list) -> list:
+        out = self._out
+        sampled = [
+            r.scripted_output[r.num_output_tokens]
+            for r, sample in zip(out.requests, out.sample, strict=True)
+            if sample
+        ]
+        changed = self.scheduler.update_from_output(out, sampled)
+        return [r for r in changed if r.is_finished]
+
+
+def _reserved_tokens(kv_cache, block_size: int) -> int:
+    """Tokens' worth of KV reserved now (blocks with ref_cnt > 0, or contiguous regions)."""
+    if isinstance(kv_cache, ContiguousKVCache):
+        return kv_cache.num_reserved_tokens
+    return (kv_cache.num_blocks - 1 - kv_cache.num_free_blocks) * block_size
+
+
+def simulate(
+    workload: Workload,
+    config: SimConfig,
+    policy: str,
+    *,
+    on_finish: Callable[[int], None] | None = None,
+) -> PolicyResult:
+    """Replay ``workload`` under ``policy``.
+
+    Args:
+        workload: the trace.
+        config: pool and scheduler settings.
+        policy: one of :data:`POLICIES`.
+        on_finish: called with the number of requests that finished (or were rejected) after each
+            step that finished some (a progress bar).
+
+    Returns:
+        The :class:`PolicyResult`.
+
+    Raises:
+        ConfigError: a bad config or policy.
+    """
+    started = time.perf_counter()
+    kv_cache = make_kv_cache(policy, config)
+    caching = policy == "paged+prefix"
+    driver_cls = _EngineDriver if config.scheduler == "engine" else _SimDriver
+    driver = driver_cls(kv_cache, config, caching)
+    block_hasher = kv_cache.block_hasher if caching else None
+    block_size = config.block_size
+    num_usable_blocks = config.num_blocks - 1
+    requests = workload.requests
+    children: dict[int, list[int]] = {}
+    eligible: list[tuple[int, int]] = []  # heap of (step, index)
+    for index, request in enumerate(requests):
+        if request.parent_index is None:
+            heapq.heappush(eligible, (math.ceil(request.arrival_time / config.step_time), index))
+        else:
+            children.setdefault(request.parent_index, []).append(index)
+
+    timeline = Timeline()
+    recorder = (
+        BlockMapRecorder(
+            config.num_blocks, config.block_map_columns, has_null_block=policy != "contiguous"
+        )
+        if config.block_map_columns
+        else None
+    )
+    rejected: list[str] = []
+    num_rejected_output_tokens = 0
+    num_done = 0
+    step = 0
+
+    def release_children(index: int, finish_step: int) -> None:
+        for child in children.get(index, ()):
+            delay = max(1, math.ceil(requests[child].think_time / config.step_time))
+            heapq.heappush(eligible, (finish_step + delay, child))
+
+    while eligible or driver.running or driver.num_waiting:
+        if not driver.running and not driver.num_waiting and eligible[0][0] > step:
+            step = eligible[0][0]  # idle: jump to the next arrival
+        num_rejected_now = 0
+        while eligible and eligible[0][0] <= step:
+            _, index = heapq.heappop(eligible)
+            sim_request = requests[index]
+            num_tokens = sim_request.num_prompt_tokens + sim_request.num_output_tokens
+            reason = None
+            if num_tokens > config.max_model_len:
+                reason = f"{num_tokens} tokens > max_model_len={config.max_model_len}"
+            elif policy != "contiguous" and cdiv(num_tokens, block_size) > num_usable_blocks:
+                reason = f"needs more than the pool's {num_usable_blocks} blocks"
+            if reason is None:
+                request = driver.make_request(
+                    sim_request.request_id,
+                    sim_request.prompt_token_ids,
+                    block_hasher,
+                    index,
+                    sim_request.output_token_ids,
+                )
+                try:
+                    driver.add(request)
+                except InvalidRequestError as exc:
+                    reason = str(exc)
+            if reason is not None:
+                rejected.append(f"{sim_request.request_id}: {reason}")
+                num_rejected_output_tokens += sim_request.num_output_tokens
+                num_rejected_now += 1
+                release_children(index, step)
+
+        scheduled, num_scheduled = driver.schedule()
+        if not scheduled and not driver.running:
+            if num_rejected_now and on_finish:
+                on_finish(num_rejected_now)
+            num_done += num_rejected_now
+            if driver.num_waiting and not eligible:
+                raise ConfigError("the simulation stalled: waiting requests that never fit")
+            step += 1
+            continue
+
+        # Measure while this step's tokens are computed and before finished requests free.
+        running = driver.running
+        num_computed = [r.num_computed_tokens for r in running]
+        real = sum(num_computed)
+        reserved = _reserved_tokens(kv_cache, block_size)
+        if policy != "contiguous":
+            # Only a request's last block is partly filled, and shared blocks are full: so the
+            # reserved-but-empty slots are each request's tail, and real = reserved - tail waste.
+            real = reserved - sum(cdiv(n, block_size) * block_size - n for n in num_computed)
+        timeline.append(
+            step=step,
+            num_running=len(running),
+            num_waiting=driver.num_waiting,
+            num_reserved_tokens=reserved,
+            num_real_tokens=real,
+            num_scheduled_tokens=sum(num_scheduled),
+        )
+        if recorder is not None:
+            recorder.maybe_record(step, kv_cache, running)
+
+        finished = driver.complete(scheduled)
+        for request in finished:
+            release_children(request.index, step)
+        if finished or num_rejected_now:
+            num_done += len(finished) + num_rejected_now
+            if on_finish:
+                on_finish(len(finished) + num_rejected_now)
+        step += 1
+
+    metrics = compute_metrics(
+        timeline,
+        policy=policy,
+        num_requests=len(requests),
+        num_rejected=len(rejected),
+        num_output_tokens=sum(r.num_output_tokens for r in requests) - num_rejected_output_tokens,
+        num_steps=step,
+        num_preemptions=driver.num_preemptions,
+        num_hit_tokens=driver.num_hit_tokens,
+        num_queried_tokens=driver.num_queried_tokens,
+        num_usable_tokens=(
+            kv_cache.num_slots * config.max_model_len
+            if policy == "contiguous"
+            else num_usable_blocks * block_size
+        ),
+        wall_time_s=time.perf_counter() - started,
+    )
+    return PolicyResult(
+        policy,
+        config,
+        metrics,
+        timeline.freeze(),
+        recorder.finish() if recorder else None,
+        rejected,
+    )
+
+
+def simulate_policies(
+    workload: Workload,
+    config: SimConfig,
+    policies: tuple[str, ...] = POLICIES,
+    *,
+    on_finish: Callable[[int], None] | None = None,
+) -> dict[str, PolicyResult]:
+    """Run every policy on the same trace; results keyed by policy name."""
+    return {p: simulate(workload, config, p, on_finish=on_finish) for p in policies}
+
+
+def sweep_block_sizes(
+    workload: Workload,
+    config: SimConfig,
+    block_sizes: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256),
+    policies: tuple[str, ...] = ("paged", "paged+prefix"),
+) -> dict[str, dict[int, PolicyMetrics]]:
+    """Re-run ``policies`` with each block size on pools of the same bytes.
+
+    The pool keeps ``config.num_blocks * config.block_size`` tokens: ``num_blocks`` becomes
+    that divided by each block size. Returns {policy: {block_size: metrics}}.
+    """
+    total_tokens = config.num_blocks * config.block_size
+    results: dict[str, dict[int, PolicyMetrics]] = {p: {} for p in policies}
+    for block_size in block_sizes:
+        num_blocks = total_tokens // block_size
+        if num_blocks < 2:
+            continue
+        swept = SimConfig(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_model_len=config.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            admission=config.admission,
+            scheduler=config.scheduler,
+            step_time=config.step_time,
+            block_map_columns=0,
+            hash_algo=config.hash_algo,
+        )
+        for policy in policies:
+            results[policy][block_size] = simulate(workload, swept, policy).metrics
+    return results
+
+
+__all__ = [
+    "POLICIES",
+    "PolicyResult",
+    "SimConfig",
+    "make_kv_cache",
+    "simulate",
+    "simulate_policies",
+    "sweep_block_sizes",
+]
