@@ -186,7 +186,11 @@ class CapacityPlan:
             ("- activations", f"{format_bytes(budget.activation_bytes)} ({activations_note})"),
             ("- overhead", format_bytes(budget.overhead_bytes)),
             ("= KV cache memory", format_bytes(budget.kv_cache_memory)),
-            ("KV cache dtype", f"{self.kv_cache_dtype} ({spec.dtype_bytes} bytes)"),
+            (
+                "KV cache dtype",
+                f"{self.kv_cache_dtype} ({spec.dtype_bytes} byte"
+                + ("s)" if spec.dtype_bytes != 1 else ")"),
+            ),
             ("block size", f"{config.block_size} tokens"),
             ("KV cache groups", f"{groups}; a block spans {config.group_size} layers"),
             (
