@@ -36,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     except PagedKVError as exc:
         print(f"pagedkv {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (`pagedkv plan --json | head`): not an error of ours.
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":
