@@ -227,7 +227,7 @@ else:
     @pytest.mark.parametrize("seq_q_lens", [[(40, 1), (9, 1)], [(40, 6), (9, 1)]])
     def test_fp8_cache_matches_reference(seq_q_lens):
         case = make_case(seq_q_lens, block_size=8, num_kv_heads=2, group=3, head_size=64)
-        k_scale, v_scale = 0.25, 2.0
+        k_scale, v_scale = 0.75, 2.0  # garbage up to ~250 stays below fp8 e4m3's max 448
         fp8 = torch.empty_like(case.kv_cache, dtype=torch.float8_e4m3fn)
         fp8[0] = (case.kv_cache[0] / k_scale).to(fp8.dtype)
         fp8[1] = (case.kv_cache[1] / v_scale).to(fp8.dtype)
