@@ -1,16 +1,322 @@
-"""`pagedkv simulate` (placeholder until its issue lands)."""
+"""`pagedkv simulate`: replay a request trace through the KV cache with a model that costs nothing.
+
+Compares contiguous reservation, paged, and paged + prefix caching on the same trace (same pool
+bytes), prints the metrics (or JSON), and with ``--out DIR`` draws the pictures (``--html`` adds
+one page with all of them). See docs/simulate.md.
+
+    pagedkv simulate --workload shared-prefix --num-requests 500 --out sim-out --html
+    pagedkv simulate --trace my_trace.jsonl --on-error skip --kv-cache-memory 2GiB --json
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import shlex
+import sys
+from dataclasses import replace
+
+#: Pool size when neither --num-blocks nor --kv-cache-memory is given (nor set by the workload).
+DEFAULT_NUM_BLOCKS = 1024
+_SETTINGS_DEFAULTS = {
+    "block_size": 16,
+    "max_model_len": 2048,
+    "max_num_seqs": 256,
+    "max_num_batched_tokens": 2048,
+}
+_POLICY_CHOICES = ("contiguous", "paged", "paged+prefix")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `simulate` subcommand."""
-    parser = subparsers.add_parser("simulate", help="(not yet implemented)")
+    parser = subparsers.add_parser(
+        "simulate",
+        help="trace-driven simulation of KV-cache memory (contiguous vs paged vs prefix caching)",
+        description=(
+            "Replay a built-in workload or a JSONL trace through the KV-cache manager and the "
+            "scheduler with a zero-cost model; compare contiguous reservation, paging, and "
+            "paging with prefix caching on the same pool bytes."
+        ),
+    )
+    source = parser.add_argument_group("trace")
+    which = source.add_mutually_exclusive_group()
+    which.add_argument(
+        "--workload",
+        default=None,
+        help="built-in workload: sixteen-lengths, sharegpt (default), shared-prefix, multi-turn",
+    )
+    which.add_argument("--trace", default=None, help="JSONL trace file (see docs/simulate.md)")
+    source.add_argument(
+        "--on-error",
+        choices=("strict", "skip"),
+        default="strict",
+        help="malformed trace lines: stop with an error (strict) or report and skip them",
+    )
+    source.add_argument("--num-requests", type=int, default=1000, help="built-in workloads")
+    source.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests (multi-turn: conversations) per second, Poisson; default all at once",
+    )
+    source.add_argument("--seed", type=int, default=0, help="seed of lengths and token ids")
+
+    pool = parser.add_argument_group("KV cache")
+    size = pool.add_mutually_exclusive_group()
+    size.add_argument("--num-blocks", type=int, default=None, help="blocks in the pool")
+    size.add_argument(
+        "--kv-cache-memory",
+        default=None,
+        help="KV-cache bytes (e.g. 512MiB, 2GiB), sized with the model shape below",
+    )
+    pool.add_argument("--num-layers", type=int, default=30, help="model shape (default SmolLM2)")
+    pool.add_argument("--num-kv-heads", type=int, default=3)
+    pool.add_argument("--head-size", type=int, default=64)
+    pool.add_argument("--kv-dtype", default="bfloat16")
+    pool.add_argument("--block-size", type=int, default=None, help="tokens per block (16)")
+    pool.add_argument("--max-model-len", type=int, default=None, help="tokens per request (2048)")
+    pool.add_argument("--hash-algo", default=None, help="block hash: sha256 (default), xxh3_128")
+
+    sched = parser.add_argument_group("scheduler")
+    sched.add_argument("--max-num-seqs", type=int, default=None, help="running requests (256)")
+    sched.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="tokens per step (2048)"
+    )
+    sched.add_argument(
+        "--admission",
+        choices=("fcfs", "skip"),
+        default="fcfs",
+        help="fcfs: stop at the first waiting request that does not fit; skip: try later ones "
+        "(uses the simulator's own scheduler)",
+    )
+    sched.add_argument(
+        "--scheduler",
+        choices=("engine", "sim"),
+        default=None,
+        help="the engine's Scheduler (default) or the simulator's loop",
+    )
+    sched.add_argument(
+        "--step-time", type=float, default=0.025, help="simulated seconds per step (arrivals)"
+    )
+    sched.add_argument(
+        "--policies",
+        default=",".join(_POLICY_CHOICES),
+        help="comma-separated subset of contiguous,paged,paged+prefix",
+    )
+
+    output = parser.add_argument_group("output")
+    output.add_argument("--out", default=None, help="directory for the PNG pictures")
+    output.add_argument("--html", action="store_true", help="also write OUT/index.html")
+    output.add_argument("--no-sweep", action="store_true", help="skip the block_size sweep picture")
+    output.add_argument(
+        "--sweep-requests",
+        type=int,
+        default=300,
+        help="requests of the trace replayed in the block_size sweep (first N)",
+    )
+    output.add_argument(
+        "--block-map-columns", type=int, default=300, help="sampled steps in the block map"
+    )
+    output.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    output.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
+
+
+def _num_blocks_from_memory(args: argparse.Namespace, block_size: int, max_model_len: int) -> int:
+    from pagedkv.core.config import KVCacheConfig
+    from pagedkv.core.spec import FullAttentionSpec
+    from pagedkv.errors import ConfigError
+    from pagedkv.plan.catalog import parse_memory_size
+
+    if args.num_layers < 1:
+        raise ConfigError(f"--num-layers must be >= 1, got {args.num_layers}")
+    spec = FullAttentionSpec(
+        block_size=block_size,
+        num_kv_heads=args.num_kv_heads,
+        head_size=args.head_size,
+        dtype=args.kv_dtype,
+    )
+    config = KVCacheConfig.from_kv_cache_memory(
+        [spec] * args.num_layers,
+        parse_memory_size(args.kv_cache_memory),
+        max_model_len=max_model_len,
+    )
+    return config.num_blocks
+
+
+def build(args: argparse.Namespace):
+    """Resolve the workload and :class:`SimConfig` from parsed arguments.
+
+    Returns (workload, trace_issues, config, policies).
+    """
+    from pagedkv.errors import ConfigError
+    from pagedkv.sim.simulator import SimConfig
+    from pagedkv.sim.trace import read_trace
+    from pagedkv.sim.workloads import make_workload
+
+    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+    unknown = [p for p in policies if p not in _POLICY_CHOICES]
+    if unknown or not policies:
+        raise ConfigError(
+            f"--policies: unknown {', '.join(unknown) or '(empty)'}; "
+            f"choose from {', '.join(_POLICY_CHOICES)}"
+        )
+    max_model_len = args.max_model_len or _SETTINGS_DEFAULTS["max_model_len"]
+    issues = []
+    if args.trace:
+        workload, issues = read_trace(args.trace, on_error=args.on_error, seed=args.seed)
+    else:
+        name = args.workload or "sharegpt"
+        # A workload's own settings (sixteen-lengths: 128 blocks, max_model_len 512) apply unless
+        # the user set them.
+        probe = make_workload(name, seed=args.seed, num_requests=1, max_model_len=max_model_len)
+        if args.max_model_len is None:
+            max_model_len = probe.defaults.get("max_model_len", max_model_len)
+        workload = make_workload(
+            name,
+            seed=args.seed,
+            num_requests=args.num_requests,
+            max_model_len=max_model_len,
+            request_rate=args.request_rate,
+        )
+    defaults = {**_SETTINGS_DEFAULTS, **workload.defaults}
+    settings = {
+        key: getattr(args, key) if getattr(args, key) is not None else defaults[key]
+        for key in _SETTINGS_DEFAULTS
+    }
+    settings["max_model_len"] = max_model_len
+    if args.num_blocks is not None:
+        num_blocks = args.num_blocks
+    elif args.kv_cache_memory is not None:
+        num_blocks = _num_blocks_from_memory(args, settings["block_size"], max_model_len)
+    else:
+        num_blocks = workload.defaults.get("num_blocks", DEFAULT_NUM_BLOCKS)
+    scheduler = args.scheduler or ("sim" if args.admission == "skip" else "engine")
+    config = SimConfig(
+        num_blocks=num_blocks,
+        admission=args.admission,
+        scheduler=scheduler,
+        step_time=args.step_time,
+        block_map_columns=args.block_map_columns if args.out else 0,
+        hash_algo=args.hash_algo,
+        **settings,
+    )
+    return workload, issues, config, policies
+
+
+def _print_table(rows: list[list[str]]) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print(
+            "  ".join(
+                cell.rjust(w) if i else cell.ljust(w)
+                for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+            )
+        )
 
 
 def run(args: argparse.Namespace) -> int:
     """Run `pagedkv simulate`."""
-    raise SystemExit("pagedkv simulate: not implemented yet")
+    from tqdm import tqdm
+
+    from pagedkv.errors import ConfigError
+    from pagedkv.sim.simulator import simulate, sweep_block_sizes
+    from pagedkv.sim.workloads import Workload
+
+    if args.html and not args.out:
+        raise ConfigError("--html needs --out DIR (the page is written as DIR/index.html)")
+    workload, issues, config, policies = build(args)
+    for issue in issues:
+        print(f"pagedkv simulate: skipped {args.trace} {issue}", file=sys.stderr)
+
+    show_progress = not args.quiet and sys.stderr.isatty()
+    num_rows = len(workload.requests) * len(policies)
+    results = {}
+    with tqdm(total=num_rows, disable=not show_progress, unit="req", desc="simulate") as bar:
+        for policy in policies:
+            bar.set_postfix_str(policy)
+            results[policy] = simulate(workload, config, policy, on_finish=bar.update)
+
+    sweep = None
+    if args.out and not args.no_sweep:
+        sub = Workload(workload.name, _prefix_closed(workload.requests, args.sweep_requests))
+        sweep = sweep_block_sizes(sub, config, policies=policies)
+
+    figure_paths = []
+    if args.out:
+        from pagedkv.sim.plots import save_figures, write_html
+
+        figure_paths = save_figures(results, args.out, sweep)
+        if args.html:
+            command = ""
+            if sys.argv[1:2] == ["simulate"]:
+                command = "pagedkv simulate " + shlex.join(sys.argv[2:])
+            figure_paths.append(
+                write_html(
+                    f"{args.out}/index.html",
+                    [p for p in figure_paths if p.suffix == ".png"],
+                    {p: r.metrics for p, r in results.items()},
+                    title=f"pagedkv simulate: {workload.name}",
+                    command=command,
+                )
+            )
+
+    if args.json:
+        report = {
+            "workload": workload.name,
+            "num_requests": len(workload.requests),
+            "seed": args.seed,
+            "config": {
+                name: getattr(config, name)
+                for name in (
+                    "num_blocks",
+                    "block_size",
+                    "max_model_len",
+                    "max_num_seqs",
+                    "max_num_batched_tokens",
+                    "admission",
+                    "scheduler",
+                    "step_time",
+                )
+            },
+            "policies": {p: r.metrics.to_dict() for p, r in results.items()},
+            "trace_issues": [{"line": i.line_no, "message": i.message} for i in issues],
+            "rejected": {p: r.rejected for p, r in results.items() if r.rejected},
+            "files": [str(p) for p in figure_paths],
+        }
+        if sweep is not None:
+            report["block_size_sweep"] = {
+                policy: {str(bs): m.to_dict() for bs, m in by_size.items()}
+                for policy, by_size in sweep.items()
+            }
+        json.dump(report, sys.stdout, indent=2)
+        print()
+        return 0
+
+    from pagedkv.sim.plots import metrics_table_rows
+
+    print(
+        f"workload {workload.name}: {len(workload.requests)} requests; pool {config.num_blocks} "
+        f"blocks of {config.block_size} tokens ({config.num_blocks * config.block_size} tokens), "
+        f"max_model_len {config.max_model_len}, max_num_seqs {config.max_num_seqs}, "
+        f"max_num_batched_tokens {config.max_num_batched_tokens}, admission {config.admission}"
+    )
+    _print_table(metrics_table_rows({p: r.metrics for p, r in results.items()}))
+    for path in figure_paths:
+        print(f"wrote {path}")
+    return 0
+
+
+def _prefix_closed(requests: list, limit: int) -> list:
+    """The first ``limit`` requests, with follow-up turns whose parent was cut dropped (and the
+    parent indices renumbered)."""
+    kept: dict[int, int] = {}
+    out = []
+    for index, request in enumerate(requests[: max(1, limit)]):
+        if request.parent_index is not None and request.parent_index not in kept:
+            continue
+        kept[index] = len(out)
+        if request.parent_index is not None:
+            request = replace(request, parent_index=kept[request.parent_index])
+        out.append(request)
+    return out

@@ -412,7 +412,7 @@ def sweep_block_sizes(
     block_sizes: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256),
     policies: tuple[str, ...] = ("paged", "paged+prefix"),
 ) -> dict[str, dict[int, PolicyMetrics]]:
-    """Re-run ``policies`` with each block size on pools of the same bytes.
+    """Re-run ``policies`` with each block size on pools of the same bytes (no block map).
 
     The pool keeps ``config.num_blocks * config.block_size`` tokens: ``num_blocks`` becomes
     that divided by each block size. Returns {policy: {block_size: metrics}}.
