@@ -1,0 +1,142 @@
+"""Read a GGUF file (llama.cpp's format) into Hugging Face-named fp32 weights and a ModelConfig.
+
+The weights are dequantized with the ``gguf`` package. Two things differ from a Hugging Face
+checkpoint and are undone here:
+
+- Names: ``blk.{i}.attn_q.weight`` -> ``model.layers.{i}.self_attn.q_proj.weight``, ...
+- Q/K row order (llama architecture only). Hugging Face's rotary embedding pairs dimension ``j``
+  of a head with dimension ``j + head_dim/2`` ("rotate half"); llama.cpp's pairs ``2j`` with
+  ``2j + 1``. llama.cpp's converter therefore permutes the rows of q_proj and k_proj, per head, from
+  ``[x_0 .. x_{d/2-1}, y_0 .. y_{d/2-1}]`` to ``[x_0, y_0, x_1, y_1, ...]``. We apply the inverse so
+  that the weights equal the Hugging Face ones and the rotate-half rotary applies. (Qwen2 GGUFs use
+  llama.cpp's NeoX rotary, which already pairs ``j`` with ``j + d/2``: nothing to undo.)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedkv.errors import ModelLoadError
+from pagedkv.model.config import ModelConfig
+
+#: Architectures whose GGUF q/k rows are interleaved for llama.cpp's normal (GPT-J style) rotary.
+_PERMUTED_ARCHITECTURES = ("llama", "mistral")
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+# Array fields larger than this (the vocabulary, merges) are not turned into Python values.
+_MAX_ARRAY_LEN = 4096
+
+
+@dataclass(slots=True)
+class GGUFCheckpoint:
+    """What a GGUF file holds: model config, fp32 weights under HF names, raw metadata."""
+
+    config: ModelConfig
+    state_dict: dict[str, torch.Tensor]
+    metadata: dict[str, Any]
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor name, or None for tensors with no HF counterpart."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_RE.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _LAYER_NAMES:
+        return None
+    return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+
+
+def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head interleaving of q/k rows (see the module docstring).
+
+    Args:
+        weight: ``[num_heads * head_dim, ...]`` q or k projection weight (or bias) in GGUF order.
+        num_heads: heads of that projection (num_attention_heads for q, num_key_value_heads for k).
+
+    Returns:
+        The same tensor in Hugging Face (rotate-half) row order.
+    """
+    half = weight.shape[0] // num_heads // 2
+    rest = weight.shape[1:]
+    return weight.reshape(num_heads, half, 2, *rest).transpose(1, 2).reshape(weight.shape)
+
+
+def read_metadata(reader: Any) -> dict[str, Any]:
+    """GGUF key/value fields as Python values; long arrays (vocabulary, merges) are skipped."""
+    metadata: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if len(field.data) > _MAX_ARRAY_LEN:
+            continue
+        metadata[key] = field.contents()
+    return metadata
+
+
+def load_gguf(path: str | Path) -> GGUFCheckpoint:
+    """Dequantize every tensor of a GGUF file and build its ModelConfig.
+
+    Args:
+        path: the ``.gguf`` file.
+
+    Returns:
+        A :class:`GGUFCheckpoint`; ``state_dict`` holds fp32 tensors under Hugging Face names
+        (no ``lm_head.weight`` when the embeddings are tied).
+
+    Raises:
+        ModelLoadError: the file cannot be read, or holds an unsupported architecture.
+    """
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    try:
+        reader = GGUFReader(str(path))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
+    metadata = read_metadata(reader)
+    arch = metadata.get("general.architecture")
+    if f"{arch}.vocab_size" not in metadata and "tokenizer.ggml.tokens" in reader.fields:
+        metadata[f"{arch}.vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"].data)
+    tensor_names = {t.name for t in reader.tensors}
+    config = ModelConfig.from_gguf_metadata(metadata, tensor_names)
+    permute = config.architecture in _PERMUTED_ARCHITECTURES
+
+    state_dict: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        weight = torch.from_numpy(array.copy() if not array.flags.writeable else array)
+        if tensor.name == "rope_freqs.weight":
+            config.rope_scaling = {"rope_type": "freq_factors", "factors": weight.tolist()}
+            continue
+        name = hf_name(tensor.name)
+        if name is None:
+            raise ModelLoadError(f"GGUF tensor {tensor.name!r} has no place in a llama decoder")
+        if permute and ".q_proj." in name:
+            weight = unpermute_rotary_rows(weight, config.num_attention_heads)
+        elif permute and ".k_proj." in name:
+            weight = unpermute_rotary_rows(weight, config.num_key_value_heads)
+        state_dict[name] = weight
+    return GGUFCheckpoint(config=config, state_dict=state_dict, metadata=metadata)

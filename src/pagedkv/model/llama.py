@@ -1,0 +1,279 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a paged KV cache.
+
+One forward runs a whole scheduler step: the tokens of every scheduled request flattened into one
+``[num_tokens]`` batch (prefills, chunks of prefills and decodes mixed), with their positions.
+Each attention layer writes its new K/V into the paged cache through the slot mapping
+(``pagedkv.ops.write_kv``) and attends over each request's blocks through the block tables
+(``pagedkv.ops.paged_attention``)::
+
+    h = embed(input_ids)                                   [num_tokens, hidden]
+    for each layer:
+        x = rms_norm(h)
+        q, k, v = split(x @ W_qkv)      (+ bias for Qwen2)  q/k rotated by position
+        write_kv(k, v -> slots);  a = paged_attention(q, cache, block tables)
+        h = h + a @ W_o                                     (residual add fused in the GEMM)
+        x = rms_norm(h)
+        h = h + (silu(x @ W_gate) * (x @ W_up)) @ W_down    (silu, * and + fused in the GEMMs)
+    return rms_norm(h)
+
+This is the engine's hot path, so it is written for few Python-level ops per layer: fused q/k/v
+weights, oneDNN-prepacked weights with fused epilogues (:mod:`pagedkv.model.packed_linear`),
+rotary tables gathered once per forward, the attention's index work done once per step
+(:class:`AttentionMetadata`), plain Python layer objects instead of ``nn.Module`` calls. Weights
+are frozen: the model only runs under ``torch.inference_mode``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pagedkv.errors import ModelLoadError
+from pagedkv.model.config import ModelConfig
+from pagedkv.model.packed_linear import PackedLinear, onednn_available
+from pagedkv.model.rotary import RotaryEmbedding
+from pagedkv.ops import PagedAttentionMetadata, paged_attention, write_kv
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """What every attention layer of one forward needs; built once per step by the runner.
+
+    Attributes:
+        slot_mapping: ``[num_tokens]`` int64, cache slot of each token's K/V
+            (``block_id * block_size + offset``; -1 = do not write).
+        paged: the step's :class:`pagedkv.ops.PagedAttentionMetadata` (block tables, seq_lens,
+            query_start_loc and the index work derived from them).
+    """
+
+    slot_mapping: torch.Tensor
+    paged: PagedAttentionMetadata
+
+    @classmethod
+    def build(
+        cls,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_size: int,
+        *,
+        num_blocks: int | None = None,
+        validate: bool = True,
+    ) -> AttentionMetadata:
+        """Build from the step's tensors.
+
+        Args:
+            block_tables: ``[num_reqs, max_num_blocks]`` int32, padded with the null block 0.
+            seq_lens: ``[num_reqs]`` int32, tokens in the cache per request after this step.
+            query_start_loc: ``[num_reqs + 1]`` int32, cumulative query lengths from 0.
+            slot_mapping: ``[num_tokens]`` int32/int64 (converted to int64 once here).
+            block_size: tokens per block.
+            num_blocks: pool size, for validation.
+            validate: check the inputs (see ``PagedAttentionMetadata.build``).
+
+        Raises:
+            OpsInputError: (validate=True) inconsistent inputs.
+        """
+        paged = PagedAttentionMetadata.build(
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            block_size,
+            num_blocks=num_blocks,
+            validate=validate,
+        )
+        return cls(slot_mapping=slot_mapping.long(), paged=paged)
+
+
+class LlamaDecoderLayer:
+    """One pre-norm decoder layer: attention with GQA and rotary, then a SwiGLU MLP."""
+
+    __slots__ = (
+        "down_proj",
+        "eps",
+        "gate_proj",
+        "head_dim",
+        "hidden_size",
+        "input_norm",
+        "num_heads",
+        "num_kv_heads",
+        "o_proj",
+        "post_attention_norm",
+        "qkv_proj",
+        "rotary",
+        "scale",
+        "up_proj",
+    )
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Mapping[str, torch.Tensor],
+        prefix: str,
+        rotary: RotaryEmbedding,
+        pack: bool,
+    ):
+        def w(name: str) -> torch.Tensor:
+            return weights[prefix + name]
+
+        attn = "self_attn."
+        qkv_weight = torch.cat([w(attn + f"{p}_proj.weight") for p in "qkv"])
+        qkv_bias = None
+        if config.attention_bias:
+            qkv_bias = torch.cat([w(attn + f"{p}_proj.bias") for p in "qkv"])
+        self.qkv_proj = PackedLinear(qkv_weight, qkv_bias, pack)
+        self.o_proj = PackedLinear(w(attn + "o_proj.weight"), None, pack)
+        self.gate_proj = PackedLinear(w("mlp.gate_proj.weight"), None, pack)
+        self.up_proj = PackedLinear(w("mlp.up_proj.weight"), None, pack)
+        self.down_proj = PackedLinear(w("mlp.down_proj.weight"), None, pack)
+        self.input_norm = w("input_layernorm.weight")
+        self.post_attention_norm = w("post_attention_layernorm.weight")
+        self.eps = config.rms_norm_eps
+        self.hidden_size = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.rotary = rotary
+
+    def __call__(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Residual stream ``h`` ``[num_tokens, hidden]`` in, updated residual stream out."""
+        num_tokens = h.shape[0]
+        num_qk_heads = self.num_heads + self.num_kv_heads
+        x = F.rms_norm(h, (self.hidden_size,), self.input_norm, self.eps)
+        qkv = self.qkv_proj(x).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
+        qk = self.rotary.apply(qkv[:, :num_qk_heads], cos, sin)
+        k, v = qk[:, self.num_heads :], qkv[:, num_qk_heads:]
+        write_kv(k, v, kv_cache, attn_metadata.slot_mapping, validate=False)
+        attn = paged_attention(
+            qk[:, : self.num_heads],
+            kv_cache,
+            scale=self.scale,
+            validate=False,
+            metadata=attn_metadata.paged,
+        )
+        h = self.o_proj.add(attn.reshape(num_tokens, -1), h)
+        x = F.rms_norm(h, (self.hidden_size,), self.post_attention_norm, self.eps)
+        return self.down_proj.add(self.up_proj.mul(x, self.gate_proj.silu(x)), h)
+
+
+class LlamaForCausalLM:
+    """Llama-family causal LM over a paged KV cache (see the module docstring).
+
+    Args:
+        config: the model's shape.
+        weights: Hugging Face-named tensors (``model.layers.0.self_attn.q_proj.weight``, ...),
+            any float dtype; ``lm_head.weight`` may be absent when the embeddings are tied.
+        dtype: compute dtype (``torch.float32`` or ``torch.bfloat16``).
+        device: where the weights live.
+
+    Raises:
+        ModelLoadError: a missing weight or an unsupported dtype.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Mapping[str, torch.Tensor],
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ModelLoadError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        pack = onednn_available(self.device) and dtype != torch.float16
+        cast = _Caster(weights, dtype, self.device)
+        self.rotary = RotaryEmbedding(config, dtype, self.device)
+        try:
+            self.embed_tokens = cast["model.embed_tokens.weight"]
+            self.layers = [
+                LlamaDecoderLayer(config, cast, f"model.layers.{i}.", self.rotary, pack)
+                for i in range(config.num_hidden_layers)
+            ]
+            self.norm = cast["model.norm.weight"]
+            tied = config.tie_word_embeddings
+            lm_head = self.embed_tokens if tied else cast["lm_head.weight"]
+        except KeyError as e:
+            raise ModelLoadError(f"checkpoint lacks the weight {e.args[0]!r}") from None
+        self.lm_head = PackedLinear(lm_head, None, pack)
+        #: bytes of weights held (embedding table + every linear + norms), for KV-cache sizing.
+        self.weight_bytes = cast.num_bytes
+        if config.tie_word_embeddings and pack:  # the packed lm_head is a second copy
+            self.weight_bytes += self.embed_tokens.numel() * self.embed_tokens.element_size()
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Run the decoder over one step's flattened tokens.
+
+        Args:
+            input_ids: ``[num_tokens]`` int64 token ids (requests concatenated in
+                ``query_start_loc`` order).
+            positions: ``[num_tokens]`` int64 position of each token in its sequence
+                (< max_position_embeddings).
+            kv_caches: one tensor per layer, ``[2, num_blocks, block_size, num_kv_heads,
+                head_dim]`` in the model's dtype (``pagedkv.ops.allocate_kv_cache``); this step's
+                K/V are written into it.
+            attn_metadata: the step's :class:`AttentionMetadata`.
+
+        Returns:
+            ``[num_tokens, hidden_size]`` final-norm hidden states (pass the rows to sample to
+            :meth:`compute_logits`).
+        """
+        h = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rotary.tables(positions)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, kv_cache, attn_metadata)
+        return F.rms_norm(h, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
+
+    __call__ = forward
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits ``[num_rows, vocab_size]`` float32 of hidden states ``[num_rows, hidden_size]``
+        (computed in the model's dtype, then widened, as Hugging Face does)."""
+        return self.lm_head(hidden_states).float()
+
+
+class _Caster(Mapping):
+    """Read-only view of a weight dict that casts each tensor to the model's dtype and device
+    on access, and counts the bytes handed out (each name once)."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device):
+        self._weights = weights
+        self._dtype = dtype
+        self._device = device
+        self._seen: set[str] = set()
+        self.num_bytes = 0
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensor = self._weights[name].to(dtype=self._dtype, device=self._device).contiguous()
+        if name not in self._seen:
+            self._seen.add(name)
+            self.num_bytes += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def __iter__(self):
+        return iter(self._weights)
+
+    def __len__(self) -> int:
+        return len(self._weights)

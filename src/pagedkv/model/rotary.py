@@ -1,0 +1,87 @@
+"""Rotary position embeddings (RoPE, Su et al. 2021) in Hugging Face's rotate-half layout.
+
+Dimension ``j`` of a head is rotated together with dimension ``j + head_dim/2``::
+
+    out = x * cos + rotate_half(x) * sin,   rotate_half([x1, x2]) = [-x2, x1]
+
+The cos/sin tables cover every position up to max_position_embeddings and are built once; a
+forward only gathers the rows of its positions. ``sin`` is stored sign-folded (``[-sin, sin]``)
+so that ``rotate_half(x) * sin == roll(x, head_dim/2) * sin_folded``: one op fewer per layer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pagedkv.errors import ModelLoadError
+from pagedkv.model.config import ModelConfig
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim / 2]`` fp32, with the config's rope scaling applied.
+
+    Supports no scaling, "linear" (positions divided by ``factor``), "llama3" (Llama 3.1's
+    wavelength-dependent scaling) and "freq_factors" (GGUF's per-frequency divisors).
+
+    Raises:
+        ModelLoadError: an unsupported rope_scaling type.
+    """
+    dim = config.head_dim
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    )
+    scaling = config.rope_scaling
+    if not scaling:
+        return inv_freq
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "freq_factors":
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
+    if rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ModelLoadError(f"rope_scaling type {rope_type!r} is not supported")
+
+
+class RotaryEmbedding:
+    """Precomputed cos / sign-folded sin tables and their application to q and k.
+
+    Args:
+        config: the model config (head_dim, rope_theta, rope_scaling, max_position_embeddings).
+        dtype: compute dtype of the model (tables are computed in fp32, then cast).
+        device: where the tables live.
+    """
+
+    __slots__ = ("cos", "half", "sin")
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str):
+        inv_freq = rope_inv_freq(config)
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_pos, head_dim / 2]
+        self.half = config.head_dim // 2
+        #: [max_position_embeddings, head_dim]
+        self.cos = torch.cat([freqs, freqs], dim=-1).cos().to(dtype=dtype, device=device)
+        sin = freqs.sin()
+        self.sin = torch.cat([-sin, sin], dim=-1).to(dtype=dtype, device=device)
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and folded sin of ``positions`` ``[num_tokens]``, each ``[num_tokens, 1, head_dim]``
+        (broadcast over heads); gathered once per forward, shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` ``[num_tokens, num_heads, head_dim]`` (q and k heads may be stacked)."""
+        return torch.addcmul(x * cos, x.roll(self.half, -1), sin)
