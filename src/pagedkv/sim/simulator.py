@@ -234,6 +234,12 @@ class _EngineDriver:
         return [r for r in changed if r.is_finished]
 
 
+def _to_steps(seconds: float, step_time: float) -> int:
+    """Whole steps covering ``seconds`` (the first step at or after that time)."""
+    # NOTE: the epsilon keeps 0.1 s / 0.025 s at 4 steps despite binary rounding.
+    return max(0, math.ceil(seconds / step_time - 1e-9))
+
+
 def _reserved_tokens(kv_cache, block_size: int) -> int:
     """Tokens' worth of KV reserved now (blocks with ref_cnt > 0, or contiguous regions)."""
     if isinstance(kv_cache, ContiguousKVCache):
@@ -276,7 +282,7 @@ def simulate(
     eligible: list[tuple[int, int]] = []  # heap of (step, index)
     for index, request in enumerate(requests):
         if request.parent_index is None:
-            heapq.heappush(eligible, (math.ceil(request.arrival_time / config.step_time), index))
+            heapq.heappush(eligible, (_to_steps(request.arrival_time, config.step_time), index))
         else:
             children.setdefault(request.parent_index, []).append(index)
 
@@ -295,7 +301,7 @@ def simulate(
 
     def release_children(index: int, finish_step: int) -> None:
         for child in children.get(index, ()):
-            delay = max(1, math.ceil(requests[child].think_time / config.step_time))
+            delay = max(1, _to_steps(requests[child].think_time, config.step_time))
             heapq.heappush(eligible, (finish_step + delay, child))
 
     while eligible or driver.running or driver.num_waiting:

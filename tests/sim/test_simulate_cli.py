@@ -1,0 +1,87 @@
+"""`pagedkv simulate` end to end (small workloads)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedkv.entrypoints.cli import main
+
+
+def test_json_on_the_sixteen_lengths(capsys):
+    assert main(["simulate", "--workload", "sixteen-lengths", "--json", "--quiet"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["config"]["num_blocks"] == 128 and report["config"]["max_model_len"] == 512
+    peaks = {p: m["peak_concurrency"] for p, m in report["policies"].items()}
+    assert peaks == {"contiguous": 4, "paged": 13, "paged+prefix": 13}
+
+
+def test_skip_admission_gives_14(capsys):
+    argv = ["simulate", "--workload", "sixteen-lengths", "--admission", "skip", "--json"]
+    assert main([*argv, "--policies", "paged"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["policies"]["paged"]["peak_concurrency"] == 14
+    assert report["config"]["scheduler"] == "sim"
+
+
+def test_table_pictures_and_html(tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = [
+        "simulate",
+        "--workload",
+        "multi-turn",
+        "--num-requests",
+        "30",
+        "--num-blocks",
+        "200",
+        "--max-model-len",
+        "1024",
+        "--out",
+        str(out),
+        "--html",
+        "--sweep-requests",
+        "15",
+        "--seed",
+        "4",
+    ]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "steps to drain" in text and "paged+prefix" in text
+    assert (out / "index.html").stat().st_size > 10_000
+    assert (out / "block_size_sweep.png").stat().st_size > 0
+
+
+def test_trace_file_with_skip_and_memory_budget(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        '{"prompt_len": 100, "output_len": 20}\n'
+        "not json\n"
+        '{"prompt_len": 50, "output_len": 10, "arrival_time": 0.1}\n',
+        encoding="utf-8",
+    )
+    argv = ["simulate", "--trace", str(trace), "--json", "--kv-cache-memory", "64MiB"]
+    assert main([*argv, "--on-error", "skip"]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["num_requests"] == 2
+    assert report["trace_issues"] == [{"line": 2, "message": report["trace_issues"][0]["message"]}]
+    assert "line 2" in captured.err
+    # 64 MiB / (30 layers x 2 x 16 x 3 x 64 x 2 bytes) = 182 blocks of SmolLM2's shape.
+    assert report["config"]["num_blocks"] == 64 * 2**20 // (30 * 2 * 16 * 3 * 64 * 2)
+    assert main([*argv, "--on-error", "strict"]) == 2
+    assert ":2:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--workload", "sixteen-lengths", "--html"], "--html needs --out"),
+        (["--workload", "sixteen-lengths", "--policies", "paged,bogus"], "bogus"),
+        (["--workload", "bogus"], "unknown workload"),
+        (["--workload", "sixteen-lengths", "--num-blocks", "1"], "num_blocks"),
+    ],
+)
+def test_bad_arguments_exit_2(argv, message, capsys):
+    assert main(["simulate", "--json", *argv]) == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,223 @@
+"""The simulator on hand-checked traces and the 16-lengths example (4 / 13 / 14)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedkv.errors import ConfigError
+from pagedkv.sim.blockmap import CACHED_FREE, FREE, NULL_BLOCK
+from pagedkv.sim.simulator import SimConfig, simulate, simulate_policies, sweep_block_sizes
+from pagedkv.sim.workloads import SimRequest, Workload, make_workload
+
+STEP = 0.025
+SCHEDULERS = ("engine", "sim")
+
+
+def _tiny_config(scheduler: str, **kwargs) -> SimConfig:
+    settings = dict(
+        num_blocks=20,
+        block_size=4,
+        max_model_len=32,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        scheduler=scheduler,
+        step_time=STEP,
+    )
+    settings.update(kwargs)
+    return SimConfig(**settings)
+
+
+def _two_requests() -> Workload:
+    # A: 6-token prompt, 3 outputs; B: 10-token prompt, 1 output; both at t=0.
+    return Workload(
+        "tiny",
+        [
+            SimRequest("A", list(range(1, 7)), [101, 102, 103]),
+            SimRequest("B", list(range(11, 21)), [201]),
+        ],
+    )
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_sixteen_lengths_fcfs(scheduler):
+    workload = make_workload("sixteen-lengths")
+    config = SimConfig(**workload.defaults, scheduler=scheduler)
+    results = simulate_policies(workload, config)
+    assert results["contiguous"].metrics.peak_concurrency == 4
+    assert results["paged"].metrics.peak_concurrency == 13
+    assert results["paged+prefix"].metrics.peak_concurrency == 13
+    for result in results.values():
+        assert result.metrics.num_rejected == 0
+        assert result.metrics.num_preemptions == 0
+
+
+def test_sixteen_lengths_skip_admission():
+    workload = make_workload("sixteen-lengths")
+    config = SimConfig(**workload.defaults, scheduler="sim", admission="skip")
+    results = simulate_policies(workload, config)
+    assert results["contiguous"].metrics.peak_concurrency == 4
+    assert results["paged"].metrics.peak_concurrency == 14
+    assert results["paged+prefix"].metrics.peak_concurrency == 14
+
+
+def test_skip_admission_needs_sim_scheduler():
+    with pytest.raises(ConfigError, match="skip"):
+        SimConfig(num_blocks=10, admission="skip", scheduler="engine")
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_paged_metrics_by_hand(scheduler):
+    # step 0: A computes 6 (2 blocks), B 10 (3 blocks): reserved 20 tokens, real 16; B finishes.
+    # step 1: A computes its 7th token: reserved 8, real 7.  step 2: 8th: reserved 8, real 8.
+    result = simulate(_two_requests(), _tiny_config(scheduler), "paged")
+    t, m = result.timeline, result.metrics
+    assert t.step.tolist() == [0, 1, 2]
+    assert t.num_running.tolist() == [2, 1, 1]
+    assert t.num_reserved_tokens.tolist() == [20, 8, 8]
+    assert t.num_real_tokens.tolist() == [16, 7, 8]
+    assert t.num_scheduled_tokens.tolist() == [16, 1, 1]
+    assert m.peak_concurrency == 2
+    assert m.mean_concurrency == pytest.approx(4 / 3)
+    assert m.kv_utilization == pytest.approx(31 / 36)
+    assert m.waste_pct == pytest.approx(100 * 5 / 36)
+    assert m.num_steps == 3
+    assert m.tokens_per_step == pytest.approx(6.0)
+    assert m.output_tokens_per_step == pytest.approx(4 / 3)
+    assert m.peak_kv_usage == pytest.approx(20 / (19 * 4))
+    assert m.num_preemptions == 0
+    assert m.prefix_hit_rate == 0.0
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_contiguous_metrics_by_hand(scheduler):
+    # 20 blocks x 4 = 80 tokens -> 2 regions of 32; each running request reserves 32.
+    result = simulate(_two_requests(), _tiny_config(scheduler), "contiguous")
+    t, m = result.timeline, result.metrics
+    assert t.num_reserved_tokens.tolist() == [64, 32, 32]
+    assert t.num_real_tokens.tolist() == [16, 7, 8]
+    assert m.kv_utilization == pytest.approx(31 / 128)
+    assert m.peak_kv_usage == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_shared_prefix_counts_shared_blocks_once(scheduler):
+    prefix = list(range(1, 9))  # two full blocks of 4
+    workload = Workload(
+        "shared",
+        [
+            SimRequest("D", [*prefix, 50], [1, 2, 3, 4, 5]),
+            SimRequest("E", [*prefix, 60], [7], arrival_time=STEP),
+        ],
+    )
+    cached = simulate(workload, _tiny_config(scheduler), "paged+prefix")
+    t = cached.timeline
+    # step 1: D holds 3 blocks (10 tokens), E shares D's 2 full blocks + 1 new block (9 tokens):
+    # 4 physical blocks = 16 reserved; distinct real tokens = 8 shared + 2 + 1 = 11.
+    assert t.num_reserved_tokens[1] == 16
+    assert t.num_real_tokens[1] == 11
+    assert t.num_scheduled_tokens[1] == 2  # D's decode token + E's one uncached token
+    assert cached.metrics.prefix_hit_rate == pytest.approx(8 / 18)
+    block_map = cached.block_map
+    assert block_map is not None
+    assert block_map.steps.tolist()[:2] == [0, 1]
+    assert int(block_map.shared[:, 1].sum()) == 2
+    assert int(block_map.shared[:, 2].sum()) == 0
+    assert block_map.owners[0, 0] == NULL_BLOCK
+    assert int((block_map.owners[:, 0] == 0).sum()) == 3  # D (trace index 0) owns 3 blocks
+
+    plain = simulate(workload, _tiny_config(scheduler), "paged")
+    assert plain.metrics.prefix_hit_rate == 0.0
+    assert plain.timeline.num_reserved_tokens[1] == 24  # no sharing: 3 + 3 blocks
+    assert plain.timeline.num_scheduled_tokens[1] == 10
+
+
+def test_block_map_marks_cached_free_blocks():
+    # B (10 tokens) finishes at step 0; from step 1 its 2 full blocks stay cached while free.
+    workload = _two_requests()
+    cached = simulate(workload, _tiny_config("engine"), "paged+prefix").block_map
+    plain = simulate(workload, _tiny_config("engine"), "paged").block_map
+    assert int((cached.owners[:, 1] == CACHED_FREE).sum()) == 2
+    assert int((plain.owners[:, 1] == CACHED_FREE).sum()) == 0
+    assert int((plain.owners[:, 1] == FREE).sum()) == 20 - 1 - 2
+
+
+def test_preemption_under_a_small_pool():
+    # 5 usable blocks of 4 tokens; two requests growing to 12 tokens each (3 blocks) cannot both
+    # run to the end: the newer one is preempted and recomputed later.
+    workload = Workload(
+        "tight",
+        [
+            SimRequest("P", list(range(1, 5)), list(range(100, 108))),
+            SimRequest("Q", list(range(11, 15)), list(range(200, 208))),
+        ],
+    )
+    for scheduler in SCHEDULERS:
+        config = _tiny_config(scheduler, num_blocks=6)
+        result = simulate(workload, config, "paged")
+        assert result.metrics.num_preemptions >= 1
+        assert result.metrics.num_rejected == 0
+        assert result.timeline.num_reserved_tokens.max() <= 5 * 4
+
+
+def test_requests_that_never_fit_are_rejected():
+    workload = Workload(
+        "big",
+        [
+            SimRequest("ok", [1, 2, 3], [4]),
+            SimRequest("too-long", list(range(1, 40)), [4]),  # > max_model_len 32
+        ],
+    )
+    result = simulate(workload, _tiny_config("engine"), "paged")
+    assert result.metrics.num_rejected == 1
+    assert result.rejected[0].startswith("too-long")
+
+
+def test_multi_turn_follow_up_waits_for_its_parent_and_hits_the_cache():
+    first = SimRequest("t0", list(range(1, 9)), [21, 22, 23, 24, 25])
+    second = SimRequest(
+        "t1",
+        first.prompt_token_ids + first.output_token_ids + [31, 32],
+        [41],
+        parent_index=0,
+        think_time=4 * STEP,
+    )
+    result = simulate(Workload("chat", [first, second]), _tiny_config("engine"), "paged+prefix")
+    # t0 runs steps 0-4 (prefill + 4 decode steps) and finishes at step 4; t1 arrives at 4 + 4.
+    assert result.timeline.step.tolist() == [0, 1, 2, 3, 4, 8]
+    assert result.metrics.num_steps == 9
+    # t1's 15 tokens: 12 = 3 full blocks of t0 (prompt 8 + 4 computed outputs) are cache hits.
+    assert result.metrics.prefix_hit_rate == pytest.approx(12 / (8 + 15))
+
+
+@pytest.mark.parametrize("name", ["sharegpt", "shared-prefix", "multi-turn"])
+def test_same_seed_same_results(name):
+    workload_a = make_workload(name, seed=7, num_requests=60, max_model_len=512)
+    workload_b = make_workload(name, seed=7, num_requests=60, max_model_len=512)
+    config = SimConfig(num_blocks=96, block_size=16, max_model_len=512, block_map_columns=0)
+    a = simulate(workload_a, config, "paged+prefix").metrics.to_dict()
+    b = simulate(workload_b, config, "paged+prefix").metrics.to_dict()
+    a.pop("wall_time_s"), b.pop("wall_time_s")
+    assert a == b
+
+
+def test_prefix_caching_helps_the_shared_prefix_workload():
+    workload = make_workload("shared-prefix", seed=1, num_requests=120, max_model_len=1024)
+    config = SimConfig(num_blocks=256, block_size=16, max_model_len=1024, block_map_columns=0)
+    results = simulate_policies(workload, config)
+    paged, cached = results["paged"].metrics, results["paged+prefix"].metrics
+    contiguous = results["contiguous"].metrics
+    assert cached.prefix_hit_rate > 0.5
+    assert cached.num_steps < paged.num_steps < contiguous.num_steps
+    assert contiguous.peak_concurrency == 256 * 16 // 1024
+    assert contiguous.waste_pct > paged.waste_pct
+
+
+def test_sweep_keeps_pool_bytes_and_waste_grows_with_block_size():
+    workload = make_workload("sharegpt", seed=3, num_requests=40, max_model_len=512)
+    config = SimConfig(num_blocks=128, block_size=16, max_model_len=512, block_map_columns=0)
+    sweep = sweep_block_sizes(workload, config, block_sizes=(1, 16, 128), policies=("paged",))
+    waste = [sweep["paged"][bs].waste_pct for bs in (1, 16, 128)]
+    assert waste[0] == pytest.approx(0.0)
+    assert waste[0] < waste[1] < waste[2]
+    assert np.isfinite([m.output_tokens_per_step for m in sweep["paged"].values()]).all()
