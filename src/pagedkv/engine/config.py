@@ -1,0 +1,140 @@
+"""EngineConfig: every option of the engine in one place, shared by LLM, the CLI and the server."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+from pagedkv.core.config import GiB
+from pagedkv.errors import ConfigError
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+#: KV-cache budget when neither num_blocks nor kv_cache_memory is given: enough for max_num_seqs
+#: requests of max_model_len tokens, but at most this many bytes (1 GiB holds about 46k tokens of
+#: SmolLM2-135M in bf16).
+DEFAULT_MAX_KV_CACHE_MEMORY = 1 * GiB
+
+#: max_model_len when not given: the model's context, capped so the default KV budget stays small.
+DEFAULT_MAX_MODEL_LEN_CAP = 4096
+
+
+@dataclass(slots=True, kw_only=True)
+class EngineConfig:
+    """Options of :class:`pagedkv.engine.llm_engine.LLMEngine`.
+
+    Args:
+        model: GGUF file or Hugging Face folder; None = the default SmolLM2-135M-Instruct.
+        dtype: compute and KV-cache dtype: "bfloat16" (fast on CPU), "float32" (exact) or
+            "float16".
+        block_size: tokens per KV block.
+        num_blocks: KV blocks in the pool (including the null block); wins over kv_cache_memory.
+        kv_cache_memory: bytes for the KV cache (all layers); None = enough for max_num_seqs x
+            max_model_len tokens, capped at DEFAULT_MAX_KV_CACHE_MEMORY.
+        max_num_seqs: most requests running at once.
+        max_num_batched_tokens: token budget of one step (chunked prefill splits longer prompts).
+        max_model_len: most tokens per request (prompt + output); None = the model's context
+            capped at DEFAULT_MAX_MODEL_LEN_CAP.
+        enable_prefix_caching: reuse cached KV blocks of earlier prompts with the same prefix.
+        enable_chunked_prefill: split prompts over steps; off needs max_num_batched_tokens >=
+            max_model_len.
+        policy: "fcfs" or "priority".
+        hash_algo: block-hash algorithm of the prefix cache ("sha256" default, or a fast one
+            offered by pagedkv.core.hashing).
+        seed: seed of sampling for requests without their own seed.
+        num_threads: torch threads; None = all CPUs this process may use.
+
+    Raises:
+        ConfigError: an unknown dtype or a count out of range.
+    """
+
+    model: str | None = None
+    dtype: str = "bfloat16"
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+    hash_algo: str = "sha256"
+    seed: int = 0
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            _check_positive(name, getattr(self, name))
+        for name in ("num_blocks", "kv_cache_memory", "max_model_len", "num_threads"):
+            if getattr(self, name) is not None:
+                _check_positive(name, getattr(self, name))
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Add ``--model``, ``--dtype``, ... (one flag per field) to ``parser``."""
+        d = EngineConfig()
+        group = parser.add_argument_group("engine")
+        group.add_argument(
+            "--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)"
+        )
+        group.add_argument("--dtype", default=d.dtype, choices=DTYPES)
+        group.add_argument("--block-size", type=int, default=d.block_size)
+        group.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool")
+        group.add_argument(
+            "--kv-cache-memory",
+            type=_parse_bytes,
+            default=None,
+            help="KV cache budget, bytes or with a unit (512MiB, 2GiB)",
+        )
+        group.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+        group.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+        group.add_argument("--max-model-len", type=int, default=None)
+        group.add_argument(
+            "--no-prefix-caching", dest="enable_prefix_caching", action="store_false"
+        )
+        group.add_argument(
+            "--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false"
+        )
+        group.add_argument("--policy", default=d.policy, choices=("fcfs", "priority"))
+        group.add_argument("--seed", type=int, default=d.seed)
+        group.add_argument("--num-threads", type=int, default=None)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
+        """The config from parsed :meth:`add_cli_args` flags."""
+        names = [f.name for f in dataclasses.fields(cls) if hasattr(args, f.name)]
+        return cls(**{name: getattr(args, name) for name in names})
+
+
+def _check_positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+}
+
+
+def _parse_bytes(text: str) -> int:
+    """Parse a size such as 2GiB (2147483648) or 512MiB; a plain number is bytes."""
+    stripped = text.strip().lower()
+    number = stripped.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = stripped[len(number) :].strip()
+    if unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"unknown size unit in {text!r}; use B, KiB, MiB, GiB")
+    try:
+        return int(float(number) * _UNITS[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None

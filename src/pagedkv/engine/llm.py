@@ -1,0 +1,167 @@
+"""LLM: offline batch generation (vLLM's ``LLM`` in spirit): give prompts, get outputs in order."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.llm_engine import EngineStats, LLMEngine, Prompt
+from pagedkv.engine.outputs import RequestOutput
+from pagedkv.engine.sampling_params import SamplingParams
+
+Conversation = Sequence[dict[str, Any]]
+
+
+class LLM:
+    """Generate text for many prompts at once with continuous batching over the paged KV cache.
+
+    Args:
+        model: GGUF file or Hugging Face folder; None = the default SmolLM2-135M-Instruct.
+        dtype: "bfloat16" (default, fast on CPU), "float32" (exact) or "float16".
+        block_size: tokens per KV block.
+        num_blocks: KV blocks in the pool (wins over kv_cache_memory).
+        kv_cache_memory: bytes for the KV cache; None = a default budget (see EngineConfig).
+        max_num_seqs: most requests running at once.
+        max_num_batched_tokens: token budget per step.
+        max_model_len: most tokens (prompt + output) per request.
+        enable_prefix_caching: reuse KV blocks of shared prompt prefixes.
+        **kwargs: other :class:`EngineConfig` fields (enable_chunked_prefill, policy, seed, ...)
+            and ``loaded_model`` (reuse an already loaded model).
+
+    Example::
+
+        llm = LLM()
+        outs = llm.chat([[{"role": "user", "content": "What is paging?"}]],
+                        SamplingParams(temperature=0, max_tokens=64))
+        print(outs[0].text)
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "bfloat16",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        loaded_model = kwargs.pop("loaded_model", None)
+        config = EngineConfig(
+            model=model,
+            dtype=dtype,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            kv_cache_memory=kv_cache_memory,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
+            **kwargs,
+        )
+        self.engine = LLMEngine(config, loaded_model=loaded_model)
+        self._next_id = 0
+
+    @property
+    def tokenizer(self):
+        """The model's tokenizer (:class:`pagedkv.model.tokenizer.Tokenizer`)."""
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate completions for prompts.
+
+        Args:
+            prompts: one prompt or a list; each is text, token ids (a list of ints) or chat
+                messages (then the chat template is applied).
+            sampling_params: one for all prompts or one per prompt; default ``SamplingParams()``.
+            use_tqdm: show a progress bar.
+
+        Returns:
+            One finished :class:`RequestOutput` per prompt, in input order.
+
+        Raises:
+            InvalidRequestError: a prompt that can never be served (nothing is generated then).
+        """
+        prompts = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                from pagedkv.errors import InvalidRequestError
+
+                raise InvalidRequestError(
+                    f"got {len(params_list)} sampling params for {len(prompts)} prompts"
+                )
+        return self._run(prompts, params_list, use_tqdm)
+
+    def chat(
+        self,
+        conversations: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Answer conversations (lists of ``{"role", "content"}`` messages) through the model's
+        chat template; one conversation or a list. Returns outputs in input order."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        return self.generate(list(conversations), sampling_params, use_tqdm)
+
+    def get_stats(self) -> EngineStats:
+        """The engine's counters (preemptions, prefix-cache hits, peak KV usage...)."""
+        return self.engine.get_stats()
+
+    def _run(
+        self, prompts: list[Prompt], params_list: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        engine = self.engine
+        ids = []
+        try:
+            for prompt, params in zip(prompts, params_list, strict=True):
+                request_id = f"llm-{self._next_id}"
+                self._next_id += 1
+                engine.add_request(request_id, prompt, params)
+                ids.append(request_id)
+        except Exception:
+            engine.abort_request(ids)
+            while engine.has_unfinished_requests():
+                engine.step()
+            raise
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="generate", unit="req", dynamic_ncols=True)
+        num_output_tokens = 0
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    results[output.request_id] = output
+                    if bar is not None:
+                        num_output_tokens += sum(len(o.token_ids) for o in output.outputs)
+                        elapsed = bar.format_dict["elapsed"] or 1e-9
+                        bar.set_postfix(out_tok_s=f"{num_output_tokens / elapsed:.0f}")
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [results[request_id] for request_id in ids]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (str, token ids, or chat messages) -> [prompt]; a list of prompts as is."""
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if not prompts or isinstance(prompts[0], int | dict):
+        return [prompts]
+    return prompts
