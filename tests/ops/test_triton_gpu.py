@@ -7,6 +7,7 @@ the kernels). Not yet run: the machine they were written on had no GPU (docs/gpu
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -22,6 +23,10 @@ pytestmark = [
 ]
 
 if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    # The shared case builder sits beside this file (pytest's importlib mode does not put
+    # test folders on sys.path).
+    if os.path.dirname(__file__) not in sys.path:
+        sys.path.insert(0, os.path.dirname(__file__))
     from paged_attention_cases import make_case
 
     from pagedkv.ops import allocate_kv_cache, paged_attention, write_kv
