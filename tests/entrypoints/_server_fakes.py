@@ -1,10 +1,11 @@
 """A torch-free stand-in for LLMEngine, for fast server tests.
 
-It keeps the engine's contract (add_request / step -> incremental outputs / abort_request /
-has_unfinished_requests / get_stats / reset_prefix_cache) and counts KV blocks like a paged
-cache, so the server's streaming, abort and leak handling are tested without a model. Tokens are
-characters; the "model" spells out a fixed sentence, from an offset that depends on the prompt
-(temperature 0) or on the seed.
+It keeps the engine's contract (add_request / step -> incremental RequestOutputs with n
+CompletionOutputs / abort_request / has_unfinished_requests / get_stats / reset_prefix_cache),
+uses the engine's real SamplingParams and output classes, and counts KV blocks like a paged cache,
+so the server's streaming, abort and leak handling are tested without a model. Tokens are
+characters; the "model" spells out a fixed sentence from an offset: the prompt's token sum for
+temperature 0, else the seed (+ sample index, as the engine does for n > 1).
 """
 
 from __future__ import annotations
@@ -13,32 +14,12 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from pagedkv.engine.outputs import CompletionOutput, RequestOutput
+from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.stats import SchedulerStats
 from pagedkv.errors import InvalidRequestError
 
 SENTENCE = "the quick brown fox jumps over the lazy dog. "
-
-
-@dataclass(slots=True)
-class FakeSamplingParams:
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_tokens: int | None = 16
-    stop: list[str] = field(default_factory=list)
-    seed: int | None = None
-    ignore_eos: bool = False
-
-
-@dataclass(slots=True)
-class FakeOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    text: str  # new text since the last output
-    token_ids: list[int]  # new token ids since the last output
-    finished: bool
-    finish_reason: str | None
-    num_cached_tokens: int = 0
 
 
 class FakeTokenizer:
@@ -60,32 +41,36 @@ class FakeTokenizer:
 
 
 @dataclass(slots=True)
+class _FakeSample:
+    offset: int
+    text: str = ""
+    num_tokens: int = 0
+    num_emitted_chars: int = 0
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
 class _FakeRequest:
     request_id: str
     prompt_token_ids: list[int]
-    params: FakeSamplingParams
-    offset: int
-    text: str = ""
-    num_emitted_chars: int = 0
-    num_tokens_out: int = 0
-    first_output: bool = True
+    params: SamplingParams
+    max_tokens: int
+    samples: list[_FakeSample] = field(default_factory=list)
+
+    @property
+    def num_blocks_tokens(self) -> int:
+        """Tokens held in the KV cache: the prompt once per sample plus its output."""
+        return sum(len(self.prompt_token_ids) + max(s.num_tokens, 1) for s in self.samples)
 
 
 @dataclass(slots=True)
 class FakeStats:
-    num_running_reqs: int
-    num_waiting_reqs: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    num_free_blocks: int
-    num_blocks: int
+    scheduler: SchedulerStats
 
 
 class FakeEngine:
-    """Each step gives every running request one character; requests wait while their blocks
-    (block_size characters each, prompt plus output) do not fit in num_blocks."""
+    """Each step gives every sample of every running request one character; requests wait
+    while their blocks (block_size characters each) do not fit in num_blocks."""
 
     def __init__(
         self,
@@ -104,30 +89,47 @@ class FakeEngine:
         self.step_delay = step_delay
         self.waiting: list[_FakeRequest] = []
         self.running: list[_FakeRequest] = []
+        self.aborted: list[_FakeRequest] = []
         self.num_used_blocks = 0
         self.num_prefix_queries = 0
-        self.added: list[tuple[str, object, FakeSamplingParams, str | None]] = []
+        self.added: list[tuple[str, object, SamplingParams, str | None]] = []
 
     # ---- engine API ---------------------------------------------------------------------------
 
     def add_request(self, request_id, prompt, sampling_params, priority=0, cache_salt=None):
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        max_tokens = sampling_params.max_tokens
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif prompt and isinstance(prompt[0], dict):
+            ids = self.tokenizer.apply_chat_template(prompt)
+        else:
+            ids = list(prompt)
+        params = sampling_params
         if not ids:
             raise InvalidRequestError("the prompt is empty")
-        if len(ids) + max_tokens > self.max_model_len:
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - len(ids)
+            if max_tokens < 1:
+                raise InvalidRequestError(
+                    f"the prompt has {len(ids)} tokens, which leaves no room to generate "
+                    f"within max_model_len={self.max_model_len}"
+                )
+        elif len(ids) + max_tokens > self.max_model_len:
             raise InvalidRequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) is longer than "
-                f"max_model_len ({self.max_model_len})"
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+                f"max_model_len={self.max_model_len}"
             )
-        if sampling_params.temperature == 0:
-            offset = sum(ids)
-        elif sampling_params.seed is not None:
-            offset = sampling_params.seed
-        else:
-            offset = random.randrange(len(SENTENCE))
-        self.added.append((request_id, prompt, sampling_params, cache_salt))
-        self.waiting.append(_FakeRequest(request_id, ids, sampling_params, offset))
+        request = _FakeRequest(request_id, ids, params, max_tokens)
+        for i in range(params.n):
+            if params.temperature == 0:
+                offset = sum(ids)
+            elif params.seed is not None:
+                offset = params.seed + i
+            else:
+                offset = random.randrange(len(SENTENCE))
+            request.samples.append(_FakeSample(offset))
+        self.added.append((request_id, prompt, params, cache_salt))
+        self.waiting.append(request)
 
     def abort_request(self, request_ids):
         ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
@@ -136,79 +138,97 @@ class FakeEngine:
                 queue.remove(req)
                 if queue is self.running:
                     self.num_used_blocks -= self._num_blocks(req)
+                for sample in req.samples:
+                    sample.finish_reason = sample.finish_reason or "abort"
+                self.aborted.append(req)  # reported by the next step, as the engine does
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.aborted)
 
     def get_stats(self) -> FakeStats:
         return FakeStats(
-            num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
-            kv_cache_usage=self.num_used_blocks / self.num_blocks,
-            prefix_cache_queries=self.num_prefix_queries,
-            prefix_cache_hits=0,
-            num_preemptions=0,
-            num_free_blocks=self.num_blocks - self.num_used_blocks,
-            num_blocks=self.num_blocks,
+            SchedulerStats(
+                num_running=len(self.running),
+                num_waiting=len(self.waiting),
+                kv_cache_usage=self.num_used_blocks / self.num_blocks,
+                prefix_cache_queries=self.num_prefix_queries,
+            )
         )
 
     def reset_prefix_cache(self) -> bool:
         return self.num_used_blocks == 0
 
-    def step(self) -> list[FakeOutput]:
+    def step(self) -> list[RequestOutput]:
         time.sleep(self.step_delay)
+        outputs = [self._output(req) for req in self.aborted]
+        self.aborted.clear()
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            need = self._blocks_for(len(req.prompt_token_ids) + 1)
+            need = self._num_blocks(req)
             if self.num_used_blocks + need > self.num_blocks:
                 break
             self.waiting.pop(0)
             self.running.append(req)
             self.num_used_blocks += need
             self.num_prefix_queries += len(req.prompt_token_ids)
-        outputs = []
         for req in list(self.running):
             before = self._num_blocks(req)
-            char = SENTENCE[(req.offset + req.num_tokens_out) % len(SENTENCE)]
-            req.num_tokens_out += 1
-            req.text += char
+            new_token_ids = [self._advance(req, s) for s in req.samples]
             self.num_used_blocks += self._num_blocks(req) - before
-            finish_reason = None
-            for stop in req.params.stop:
-                if stop in req.text:
-                    req.text = req.text[: req.text.index(stop)]
-                    finish_reason = "stop"
-                    break
-            if finish_reason is None and req.num_tokens_out >= req.params.max_tokens:
-                finish_reason = "length"
-            emit_upto = len(req.text)
-            if finish_reason is None:  # hold back a possible start of a stop string
-                for stop in req.params.stop:
-                    for k in range(min(len(stop) - 1, len(req.text)), 0, -1):
-                        if req.text.endswith(stop[:k]):
-                            emit_upto = min(emit_upto, len(req.text) - k)
-                            break
-            new_text = req.text[req.num_emitted_chars : emit_upto]
-            req.num_emitted_chars = max(req.num_emitted_chars, emit_upto)
-            outputs.append(
-                FakeOutput(
-                    req.request_id,
-                    req.prompt_token_ids,
-                    new_text,
-                    [ord(char)],
-                    finish_reason is not None,
-                    finish_reason,
-                )
-            )
-            if finish_reason is not None:
+            outputs.append(self._output(req, new_token_ids))
+            if outputs[-1].finished:
                 self.running.remove(req)
                 self.num_used_blocks -= self._num_blocks(req)
         return outputs
 
     # ---- helpers ------------------------------------------------------------------------------
 
-    def _blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+    def _advance(self, req: _FakeRequest, sample: _FakeSample) -> list[int]:
+        if sample.finish_reason is not None:
+            return []
+        char = SENTENCE[(sample.offset + sample.num_tokens) % len(SENTENCE)]
+        sample.num_tokens += 1
+        sample.text += char
+        for stop in req.params.stop:
+            if stop in sample.text:
+                sample.text = sample.text[: sample.text.index(stop)]
+                sample.finish_reason = "stop"
+                break
+        if sample.finish_reason is None and sample.num_tokens >= req.max_tokens:
+            sample.finish_reason = "length"
+        return [ord(char)]
+
+    def _output(self, req: _FakeRequest, new_token_ids=None) -> RequestOutput:
+        completions = []
+        for index, sample in enumerate(req.samples):
+            visible = len(sample.text)
+            if sample.finish_reason is None:  # hold back a possible start of a stop string
+                for stop in req.params.stop:
+                    for k in range(min(len(stop) - 1, len(sample.text)), 0, -1):
+                        if sample.text.endswith(stop[:k]):
+                            visible = min(visible, len(sample.text) - k)
+                            break
+            visible = max(visible, sample.num_emitted_chars)
+            completions.append(
+                CompletionOutput(
+                    index=index,
+                    text=sample.text[:visible],
+                    new_text=sample.text[sample.num_emitted_chars : visible],
+                    new_token_ids=new_token_ids[index] if new_token_ids else [],
+                    finish_reason=sample.finish_reason,
+                )
+            )
+            sample.num_emitted_chars = visible
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=None,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=completions,
+            finished=all(s.finish_reason is not None for s in req.samples),
+        )
 
     def _num_blocks(self, req: _FakeRequest) -> int:
-        return self._blocks_for(len(req.prompt_token_ids) + max(req.num_tokens_out, 1))
+        return sum(
+            -(-(len(req.prompt_token_ids) + max(s.num_tokens, 1)) // self.block_size)
+            for s in req.samples
+        )

@@ -12,7 +12,7 @@ import time
 import httpx
 import openai
 import pytest
-from _server_fakes import SENTENCE, FakeEngine, FakeSamplingParams
+from _server_fakes import SENTENCE, FakeEngine
 
 from pagedkv.entrypoints.openai.app import create_app
 from pagedkv.entrypoints.openai.launch import ThreadedServer
@@ -27,13 +27,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def server(engine):
-    app = create_app(
-        engine,
-        model_name=MODEL,
-        tokenizer=engine.tokenizer,
-        max_model_len=engine.max_model_len,
-        make_sampling_params=FakeSamplingParams,
-    )
+    app = create_app(engine, model_name=MODEL, max_model_len=engine.max_model_len)
     with ThreadedServer(app) as running:
         yield running
 
@@ -341,13 +335,13 @@ BAD_REQUESTS = [
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": "x" * 300}]},
         400,
-        "maximum context length",
+        "max_model_len",
     ),
     (
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": "x" * 100}], "max_tokens": 200},
         400,
-        "maximum context length",
+        "max_model_len",
     ),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "max_tokens": -5}, 400, "max_tokens"),
@@ -393,3 +387,16 @@ def test_bad_input_through_the_openai_client(client):
             model=MODEL, messages=[{"role": "user", "content": "x"}], temperature=3
         )
     assert client.completions.create(model=MODEL, prompt="ok", max_tokens=1).choices
+
+
+# ---- the `pagedkv serve` command line ---------------------------------------------------------
+
+
+def test_serve_cli_arguments():
+    from pagedkv.entrypoints.cli import build_parser
+    from pagedkv.entrypoints.serve import served_model_name
+
+    args = build_parser().parse_args(["serve", "--port", "0", "--max-num-seqs", "8"])
+    assert (args.host, args.port, args.max_num_seqs) == ("127.0.0.1", 0, 8)
+    assert served_model_name("/x/SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct.Q4_1"
+    assert served_model_name("/models/Qwen2-0.5B") == "Qwen2-0.5B"

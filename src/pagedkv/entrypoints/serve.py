@@ -1,16 +1,69 @@
-"""`pagedkv serve` (placeholder until its issue lands)."""
+"""`pagedkv serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn) over one engine.
+
+    pagedkv serve                                  # default model on http://127.0.0.1:8000
+    pagedkv serve --port 0 --dtype float32         # any free port; the chosen one is printed
+
+The routes are described in :mod:`pagedkv.entrypoints.openai.app`; docs/server.md has examples.
+"""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `serve` subcommand."""
-    parser = subparsers.add_parser("serve", help="(not yet implemented)")
+    from pagedkv.engine.config import EngineConfig
+
+    parser = subparsers.add_parser(
+        "serve",
+        help="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics)",
+        description="Serve a model over the OpenAI API: completions and chat completions with "
+        "streaming, /v1/models, /health, /metrics (Prometheus) and POST /reset_prefix_cache.",
+    )
+    server = parser.add_argument_group("server")
+    server.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+    )
+    server.add_argument(
+        "--port", type=int, default=8000, help="port to bind; 0 = any free port (default 8000)"
+    )
+    server.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the name clients pass as `model` (default: the model file's name)",
+    )
+    server.add_argument(
+        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+    )
+    EngineConfig.add_cli_args(parser)
     parser.set_defaults(func=run)
 
 
+def served_model_name(source: str) -> str:
+    """``.../SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct.Q4_1``; a folder keeps
+    its name."""
+    path = Path(source)
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run `pagedkv serve`."""
-    raise SystemExit("pagedkv serve: not implemented yet")
+    """Load the model, bind the socket, print the URL, and serve until interrupted."""
+    from pagedkv.engine.config import EngineConfig
+    from pagedkv.engine.llm_engine import LLMEngine
+    from pagedkv.entrypoints.openai.app import create_app
+    from pagedkv.entrypoints.openai.launch import bind_socket, make_server
+
+    if not 0 <= args.port <= 65535:
+        raise SystemExit(f"pagedkv serve: --port must be in 0..65535, got {args.port}")
+    engine = LLMEngine(EngineConfig.from_cli_args(args))
+    name = args.served_model_name or served_model_name(engine.loaded_model.source)
+    app = create_app(engine, model_name=name, max_model_len=engine.max_model_len)
+    sock = bind_socket(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    shown_host = f"[{host}]" if ":" in host else host
+    # Scripts (benchmarks/bench_serving.py) read the URL from this line.
+    print(f"pagedkv serve: {name} listening on http://{shown_host}:{port}", flush=True)
+    make_server(app, log_level=args.log_level).run(sockets=[sock])
+    return 0

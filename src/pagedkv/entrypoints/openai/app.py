@@ -9,10 +9,10 @@ Routes::
     GET  /metrics                Prometheus text format (see metrics.py)
     POST /reset_prefix_cache     {"success": bool}; fails while blocks are in use
 
-Each of the ``n`` samples of each prompt is its own engine request (ids ``<response id>-<prompt
-index>-<sample index>``, choice index ``prompt index * n + sample index``); they share the
-prompt's cached blocks through the prefix cache. With a ``seed``, sample i uses ``seed + i`` so
-that samples differ and the response is still reproducible.
+Each prompt is one engine request (id ``<response id>-<prompt index>``) with the request's ``n``
+samples, which share the prompt's cached blocks; choice index = prompt index * n + sample index.
+With a ``seed``, the engine seeds sample i with ``seed + i``, so samples differ and the response
+is still reproducible. Chat messages go to the engine as they are; it applies the chat template.
 
 A request whose client goes away (mid-stream, or while waiting for a non-streamed answer) is
 aborted in the engine, which frees its blocks. Bad input gets the OpenAI error body
@@ -35,6 +35,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.entrypoints.openai.engine_loop import EngineLoop, EngineRequest, OutputStream
 from pagedkv.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from pagedkv.entrypoints.openai.protocol import (
@@ -91,21 +92,13 @@ class OpenAIError(Exception):
         return JSONResponse(self.body(), status_code=self.status_code)
 
 
-def output_delta(output: Any) -> tuple[str, int]:
-    """The text and the number of tokens an incremental RequestOutput adds."""
-    return output.text, len(output.token_ids)
-
-
 @dataclass(slots=True)
 class _Sample:
-    """What the server tracks of one engine request (one choice of the response)."""
+    """What the server tracks of one sample (one choice of the response)."""
 
-    index: int
-    prompt_index: int
+    index: int  # choice index
     text_parts: list[str] = field(default_factory=list)
     num_tokens: int = 0
-    num_prompt_tokens: int | None = None
-    num_cached_tokens: int | None = None
     finish_reason: str | None = None
     last_token_time: float = 0.0
 
@@ -114,23 +107,31 @@ class _Sample:
         return "".join(self.text_parts)
 
 
-def _usage(samples: list[_Sample]) -> UsageInfo:
+@dataclass(slots=True)
+class _Prompt:
+    """One engine request: a prompt with its n samples."""
+
+    request_id: str
+    samples: list[_Sample]
+    num_prompt_tokens: int | None = None
+    num_cached_tokens: int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+
+def _usage(prompts: list[_Prompt]) -> UsageInfo:
     """Usage of a response: each prompt counted once however many samples it had."""
-    first_of_prompt: dict[int, _Sample] = {}
-    for sample in samples:
-        first_of_prompt.setdefault(sample.prompt_index, sample)
-    num_prompt = sum(s.num_prompt_tokens or 0 for s in first_of_prompt.values())
-    cached = [s.num_cached_tokens for s in first_of_prompt.values()]
-    num_cached = None if any(c is None for c in cached) else sum(cached)
-    return make_usage(num_prompt, sum(s.num_tokens for s in samples), num_cached)
+    num_prompt = sum(p.num_prompt_tokens or 0 for p in prompts)
+    num_completion = sum(s.num_tokens for p in prompts for s in p.samples)
+    cached = [p.num_cached_tokens for p in prompts]
+    num_cached = None if None in cached else sum(cached)
+    return make_usage(num_prompt, num_completion, num_cached)
 
 
-def _finish_reason(reason: Any) -> str | None:
-    """The OpenAI finish reason of an engine finish reason (an enum or a string)."""
-    if reason is None:
-        return None
-    name = str(getattr(reason, "value", reason)).lower()
-    return "length" if "length" in name else "stop"
+def _choices_in_order(prompts: list[_Prompt]) -> list[_Sample]:
+    return sorted((s for p in prompts for s in p.samples), key=lambda s: s.index)
 
 
 def _sse(payload: str) -> str:
@@ -143,29 +144,14 @@ class OpenAIServing:
     Args:
         engine: the engine (see :class:`EngineLoop` for what it must offer).
         model_name: the name clients use in ``model``; other names get 404.
-        tokenizer: ``apply_chat_template(messages, add_generation_prompt=True) -> list[int]``;
-            needed for chat.
-        max_model_len: the longest sequence (prompt + output tokens) the engine serves; a chat
-            request without max_tokens may generate up to it.
-        make_sampling_params: builds the engine's SamplingParams from keyword arguments
-            (temperature, top_p, top_k, max_tokens, stop, seed, ignore_eos, n).
+        max_model_len: shown by /v1/models.
     """
 
-    def __init__(
-        self,
-        engine: Any,
-        *,
-        model_name: str,
-        tokenizer: Any,
-        max_model_len: int | None,
-        make_sampling_params: Callable[..., Any],
-    ) -> None:
+    def __init__(self, engine: Any, *, model_name: str, max_model_len: int | None) -> None:
         self.engine_loop = EngineLoop(engine)
         self.metrics = ServerMetrics(model_name)
         self.model_name = model_name
-        self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.make_sampling_params = make_sampling_params
 
     # ---- request -> engine requests -----------------------------------------------------------
 
@@ -178,112 +164,90 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
-    def _engine_requests(
-        self, response_id: str, prompts: list[Any], request: Any, max_tokens: list[int | None]
-    ) -> tuple[list[EngineRequest], list[_Sample]]:
-        engine_requests, samples = [], []
+    async def _start(
+        self, response_id: str, prompts: list[Any], request: Any, max_tokens: int | None
+    ) -> tuple[OutputStream, list[_Prompt]]:
+        """Add one engine request (with n samples) per prompt; returns their shared stream.
+
+        Raises:
+            InvalidRequestError: invalid sampling parameters, or a prompt the engine can never
+                serve (longer than max_model_len with max_tokens); nothing is left queued.
+        """
+        params = SamplingParams(
+            n=request.n,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=request.top_k,
+            max_tokens=max_tokens,
+            stop=request.stop,
+            seed=request.seed,
+            ignore_eos=request.ignore_eos,
+        )
+        engine_requests, states = [], []
         for prompt_index, prompt in enumerate(prompts):
-            for i in range(request.n):
-                params = self.make_sampling_params(
-                    n=1,
-                    temperature=request.temperature,
-                    top_p=request.top_p,
-                    top_k=request.top_k,
-                    max_tokens=max_tokens[prompt_index],
-                    stop=request.stop,
-                    seed=None if request.seed is None else request.seed + i,
-                    ignore_eos=request.ignore_eos,
-                )
-                request_id = f"{response_id}-{prompt_index}-{i}"
-                engine_requests.append(
-                    EngineRequest(request_id, prompt, params, {"cache_salt": request.cache_salt})
-                )
-                samples.append(_Sample(prompt_index * request.n + i, prompt_index))
-        return engine_requests, samples
-
-    def _chat_prompt(self, request: ChatCompletionRequest) -> tuple[list[int], int | None]:
-        """The prompt token ids (chat template applied) and max_tokens for the engine."""
-        if self.tokenizer is None:
-            raise OpenAIError(400, "this server has no tokenizer, so no chat template")
-        try:
-            prompt_token_ids = list(
-                self.tokenizer.apply_chat_template(
-                    request.template_messages(), add_generation_prompt=True
-                )
-            )
-        except Exception as exc:  # a template may reject e.g. roles out of order
-            raise OpenAIError(
-                400, f"cannot apply the chat template: {exc}", param="messages"
-            ) from exc
-        max_tokens = request.max_completion_tokens or request.max_tokens
-        num_prompt_tokens = len(prompt_token_ids)
-        if self.max_model_len is not None:
-            budget = self.max_model_len - num_prompt_tokens
-            if budget < 1 or (max_tokens is not None and max_tokens > budget):
-                requested = num_prompt_tokens + (max_tokens or 1)
-                raise OpenAIError(
-                    400,
-                    f"This model's maximum context length (max_model_len) is "
-                    f"{self.max_model_len} tokens. However, you requested {requested} tokens "
-                    f"({num_prompt_tokens} in the messages, {max_tokens or 1} in the "
-                    f"completion). Please reduce the length of the messages or completion.",
-                    param="messages",
-                    code="context_length_exceeded",
-                )
-            if max_tokens is None:
-                max_tokens = budget
-        return prompt_token_ids, max_tokens
-
-    async def _start(self, engine_requests: list[EngineRequest]) -> OutputStream:
-        try:
-            return await self.engine_loop.add_requests(engine_requests)
-        except InvalidRequestError as exc:
-            raise OpenAIError(400, str(exc), code="invalid_request") from exc
+            request_id = f"{response_id}-{prompt_index}"
+            kwargs = {"cache_salt": request.cache_salt}
+            engine_requests.append(EngineRequest(request_id, prompt, params, kwargs))
+            samples = [_Sample(prompt_index * request.n + i) for i in range(request.n)]
+            states.append(_Prompt(request_id, samples))
+        stream = await self.engine_loop.add_requests(engine_requests)
+        return stream, states
 
     # ---- engine outputs -----------------------------------------------------------------------
 
     async def _events(
-        self, stream: OutputStream, samples: dict[str, _Sample]
-    ) -> AsyncIterator[tuple[_Sample, str, bool]]:
-        """Yields (sample, new text, finished) per engine output, observing metrics."""
+        self, stream: OutputStream, prompts: list[_Prompt]
+    ) -> AsyncIterator[tuple[_Sample, str]]:
+        """Yields (sample, new text) whenever a sample gets text or finishes; observes the
+        metrics. Ends when every sample has finished."""
         metrics = self.metrics
+        by_id = {p.request_id: p for p in prompts}
         while not stream.finished:
             output, step_time = await stream.get()
-            sample = samples[output.request_id]
-            if sample.num_prompt_tokens is None:
-                sample.num_prompt_tokens = len(output.prompt_token_ids)
-                sample.num_cached_tokens = getattr(output, "num_cached_tokens", None)
-                metrics.prompt_tokens.inc(sample.num_prompt_tokens)
-            new_text, num_new_tokens = output_delta(output)
-            if num_new_tokens:
-                if sample.num_tokens == 0:
-                    metrics.time_to_first_token.observe(step_time - stream.arrival_time)
-                else:
-                    metrics.inter_token_latency.observe(step_time - sample.last_token_time)
-                sample.last_token_time = step_time
-                sample.num_tokens += num_new_tokens
-                metrics.generation_tokens.inc(num_new_tokens)
-            if new_text:
-                sample.text_parts.append(new_text)
-            if output.finished:
-                sample.finish_reason = _finish_reason(output.finish_reason)
-                metrics.observe_finished(sample.finish_reason, step_time - stream.arrival_time)
-            yield sample, new_text, output.finished
+            prompt = by_id[output.request_id]
+            if prompt.num_prompt_tokens is None:
+                prompt.num_prompt_tokens = len(output.prompt_token_ids)
+                prompt.num_cached_tokens = output.num_cached_tokens
+                metrics.prompt_tokens.inc(prompt.num_prompt_tokens)
+            for completion in output.outputs:
+                sample = prompt.samples[completion.index]
+                if sample.finish_reason is not None:
+                    continue
+                num_new_tokens = len(completion.new_token_ids)
+                if num_new_tokens:
+                    if sample.num_tokens == 0:
+                        metrics.time_to_first_token.observe(step_time - stream.arrival_time)
+                    else:
+                        metrics.inter_token_latency.observe(step_time - sample.last_token_time)
+                    sample.last_token_time = step_time
+                    sample.num_tokens += num_new_tokens
+                    metrics.generation_tokens.inc(num_new_tokens)
+                if completion.new_text:
+                    sample.text_parts.append(completion.new_text)
+                if completion.finish_reason is not None:
+                    sample.finish_reason = completion.finish_reason
+                    metrics.observe_finished(sample.finish_reason, step_time - stream.arrival_time)
+                if completion.new_text or sample.finish_reason is not None:
+                    yield sample, completion.new_text
 
-    def _abort_unfinished(self, samples: dict[str, _Sample]) -> None:
-        unfinished = [rid for rid, s in samples.items() if s.finish_reason is None]
-        if unfinished:
-            self.engine_loop.abort(unfinished)
-            for _ in unfinished:
-                self.metrics.observe_finished("abort", 0.0)
+    def _abort_unfinished(self, prompts: list[_Prompt]) -> None:
+        unfinished = [p for p in prompts if not p.finished]
+        if not unfinished:
+            return
+        self.engine_loop.abort([p.request_id for p in unfinished])
+        for prompt in unfinished:
+            for sample in prompt.samples:
+                if sample.finish_reason is None:
+                    sample.finish_reason = "abort"
+                    self.metrics.observe_finished("abort", 0.0)
 
     async def _collect(
-        self, stream: OutputStream, samples: dict[str, _Sample], raw_request: Request
+        self, stream: OutputStream, prompts: list[_Prompt], raw_request: Request
     ) -> None:
         """Run a non-streamed request to its end; aborts it if the client disconnects first."""
 
         async def drain() -> None:
-            async for _ in self._events(stream, samples):
+            async for _ in self._events(stream, prompts):
                 pass
 
         async def disconnected() -> None:
@@ -300,100 +264,107 @@ class OpenAIServing:
                 work.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await work
-                self._abort_unfinished(samples)
-        if work.done() and not work.cancelled():
+                self._abort_unfinished(prompts)
+        if not work.cancelled():
             work.result()  # re-raise an engine failure
+
+    async def _sse_stream(
+        self,
+        stream: OutputStream,
+        prompts: list[_Prompt],
+        first_chunks: list[str],
+        chunks_of: Callable[[_Sample, str], list[str]],
+        usage_chunk: Callable[[UsageInfo], str] | None,
+    ) -> AsyncIterator[str]:
+        """The server-sent events of a streamed response, ending with ``data: [DONE]``; the
+        engine requests are aborted if the client goes away first."""
+        try:
+            for chunk in first_chunks:
+                yield chunk
+            async for sample, new_text in self._events(stream, prompts):
+                for chunk in chunks_of(sample, new_text):
+                    yield chunk
+            if usage_chunk is not None:
+                yield usage_chunk(_usage(prompts))
+        except Exception as exc:  # the engine failed mid-stream: tell the client
+            logger.exception("streamed request failed")
+            yield _sse(json.dumps(OpenAIError(500, str(exc)).body()))
+        finally:
+            self._abort_unfinished(prompts)
+        yield _sse("[DONE]")
 
     # ---- routes ---------------------------------------------------------------------------------
 
     async def completions(self, request: CompletionRequest, raw_request: Request) -> Response:
         self._check_model(request.model)
-        prompts = request.prompts()
-        max_tokens = request.max_tokens if request.max_tokens is not None else 16
         response_id = random_id("cmpl")
-        engine_requests, sample_list = self._engine_requests(
-            response_id, prompts, request, [max_tokens] * len(prompts)
-        )
-        stream = await self._start(engine_requests)
-        samples = {r.request_id: s for r, s in zip(engine_requests, sample_list, strict=True)}
-        created = now()
-        model = self.model_name
+        max_tokens = request.max_tokens if request.max_tokens is not None else 16
+        stream, prompts = await self._start(response_id, request.prompts(), request, max_tokens)
+        created, model = now(), self.model_name
 
         if not request.stream:
-            await self._collect(stream, samples, raw_request)
+            await self._collect(stream, prompts, raw_request)
             choices = [
                 CompletionChoice(index=s.index, text=s.text, finish_reason=s.finish_reason)
-                for s in sorted(sample_list, key=lambda s: s.index)
+                for s in _choices_in_order(prompts)
             ]
             response = CompletionResponse(
                 id=response_id,
                 created=created,
                 model=model,
                 choices=choices,
-                usage=_usage(sample_list),
+                usage=_usage(prompts),
             )
             return JSONResponse(response.model_dump())
 
-        async def sse() -> AsyncIterator[str]:
-            try:
-                async for sample, new_text, finished in self._events(stream, samples):
-                    if not new_text and not finished:
-                        continue
-                    choice = CompletionChoice(
-                        index=sample.index, text=new_text, finish_reason=sample.finish_reason
-                    )
-                    chunk = CompletionResponse(
-                        id=response_id, created=created, model=model, choices=[choice]
-                    )
-                    yield _sse(chunk.model_dump_json(exclude_none=True))
-                if request.include_usage:
-                    chunk = CompletionResponse(
-                        id=response_id,
-                        created=created,
-                        model=model,
-                        choices=[],
-                        usage=_usage(sample_list),
-                    )
-                    yield _sse(chunk.model_dump_json(exclude_none=True))
-            except Exception as exc:  # the engine failed mid-stream: tell the client
-                logger.exception("streamed completion failed")
-                yield _sse(json.dumps(OpenAIError(500, str(exc)).body()))
-            finally:
-                self._abort_unfinished(samples)
-            yield _sse("[DONE]")
+        def chunks_of(sample: _Sample, new_text: str) -> list[str]:
+            choice = CompletionChoice(
+                index=sample.index, text=new_text, finish_reason=sample.finish_reason
+            )
+            body = CompletionResponse(
+                id=response_id, created=created, model=model, choices=[choice]
+            )
+            return [_sse(body.model_dump_json(exclude_none=True))]
 
-        return StreamingResponse(sse(), media_type="text/event-stream")
+        def usage_chunk(usage: UsageInfo) -> str:
+            body = CompletionResponse(
+                id=response_id, created=created, model=model, choices=[], usage=usage
+            )
+            return _sse(body.model_dump_json(exclude_none=True))
+
+        events = self._sse_stream(
+            stream, prompts, [], chunks_of, usage_chunk if request.include_usage else None
+        )
+        return StreamingResponse(events, media_type="text/event-stream")
 
     async def chat_completions(
         self, request: ChatCompletionRequest, raw_request: Request
     ) -> Response:
         self._check_model(request.model)
-        prompt_token_ids, max_tokens = self._chat_prompt(request)
         response_id = random_id("chatcmpl")
-        engine_requests, sample_list = self._engine_requests(
-            response_id, [prompt_token_ids], request, [max_tokens]
+        # No max_tokens: the reply may run to max_model_len (the engine's None).
+        max_tokens = request.max_completion_tokens or request.max_tokens
+        stream, prompts = await self._start(
+            response_id, [request.template_messages()], request, max_tokens
         )
-        stream = await self._start(engine_requests)
-        samples = {r.request_id: s for r, s in zip(engine_requests, sample_list, strict=True)}
-        created = now()
-        model = self.model_name
+        created, model = now(), self.model_name
 
         if not request.stream:
-            await self._collect(stream, samples, raw_request)
+            await self._collect(stream, prompts, raw_request)
             choices = [
                 ChatChoice(
                     index=s.index,
                     message=ChatResponseMessage(content=s.text),
                     finish_reason=s.finish_reason,
                 )
-                for s in sorted(sample_list, key=lambda s: s.index)
+                for s in _choices_in_order(prompts)
             ]
             response = ChatCompletionResponse(
                 id=response_id,
                 created=created,
                 model=model,
                 choices=choices,
-                usage=_usage(sample_list),
+                usage=_usage(prompts),
             )
             return JSONResponse(response.model_dump())
 
@@ -404,37 +375,38 @@ class OpenAIServing:
             )
             return _sse(body.model_dump_json(exclude_none=True))
 
-        async def sse() -> AsyncIterator[str]:
-            try:
-                for sample in sample_list:
-                    yield chunk(sample.index, DeltaMessage(role="assistant", content=""))
-                async for sample, new_text, finished in self._events(stream, samples):
-                    if new_text:
-                        yield chunk(sample.index, DeltaMessage(content=new_text))
-                    if finished:
-                        yield chunk(sample.index, DeltaMessage(), sample.finish_reason)
-                if request.include_usage:
-                    body = ChatCompletionChunk(
-                        id=response_id,
-                        created=created,
-                        model=model,
-                        choices=[],
-                        usage=_usage(sample_list),
-                    )
-                    yield _sse(body.model_dump_json(exclude_none=True))
-            except Exception as exc:
-                logger.exception("streamed chat completion failed")
-                yield _sse(json.dumps(OpenAIError(500, str(exc)).body()))
-            finally:
-                self._abort_unfinished(samples)
-            yield _sse("[DONE]")
+        def chunks_of(sample: _Sample, new_text: str) -> list[str]:
+            chunks = [chunk(sample.index, DeltaMessage(content=new_text))] if new_text else []
+            if sample.finish_reason is not None:
+                chunks.append(chunk(sample.index, DeltaMessage(), sample.finish_reason))
+            return chunks
 
-        return StreamingResponse(sse(), media_type="text/event-stream")
+        def usage_chunk(usage: UsageInfo) -> str:
+            body = ChatCompletionChunk(
+                id=response_id, created=created, model=model, choices=[], usage=usage
+            )
+            return _sse(body.model_dump_json(exclude_none=True))
+
+        first = [
+            chunk(s.index, DeltaMessage(role="assistant", content=""))
+            for s in _choices_in_order(prompts)
+        ]
+        events = self._sse_stream(
+            stream, prompts, first, chunks_of, usage_chunk if request.include_usage else None
+        )
+        return StreamingResponse(events, media_type="text/event-stream")
 
     def models(self) -> ModelList:
-        return ModelList(
-            data=[ModelCard(id=self.model_name, created=now(), max_model_len=self.max_model_len)]
-        )
+        card = ModelCard(id=self.model_name, created=now(), max_model_len=self.max_model_len)
+        return ModelList(data=[card])
+
+
+def _reset_prefix_cache(engine: Any) -> bool:
+    """Drop every cached block (only possible while no block is in use)."""
+    reset = getattr(engine, "reset_prefix_cache", None)
+    if reset is None:  # LLMEngine without its own method: ask its KV-cache manager
+        reset = engine.kv_cache_manager.reset_prefix_cache
+    return bool(reset())
 
 
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
@@ -462,27 +434,10 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     return OpenAIError(400, message, param=param, code="invalid_value")
 
 
-def create_app(
-    engine: Any,
-    *,
-    model_name: str,
-    tokenizer: Any = None,
-    max_model_len: int | None = None,
-    make_sampling_params: Callable[..., Any] | None = None,
-) -> FastAPI:
+def create_app(engine: Any, *, model_name: str, max_model_len: int | None = None) -> FastAPI:
     """The OpenAI-compatible app serving ``engine`` (see :class:`OpenAIServing` for the
     arguments). The engine thread starts and stops with the app (ASGI lifespan)."""
-    if make_sampling_params is None:
-        from pagedkv.engine.sampling_params import SamplingParams
-
-        make_sampling_params = SamplingParams
-    serving = OpenAIServing(
-        engine,
-        model_name=model_name,
-        tokenizer=tokenizer,
-        max_model_len=max_model_len,
-        make_sampling_params=make_sampling_params,
-    )
+    serving = OpenAIServing(engine, model_name=model_name, max_model_len=max_model_len)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -498,6 +453,10 @@ def create_app(
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(InvalidRequestError)
+    async def _engine_rejected(request: Request, exc: InvalidRequestError) -> JSONResponse:
+        return OpenAIError(400, str(exc), code="invalid_request").response()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -537,7 +496,7 @@ def create_app(
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> JSONResponse:
-        success = bool(await serving.engine_loop.call(lambda e: e.reset_prefix_cache()))
+        success = await serving.engine_loop.call(_reset_prefix_cache)
         return JSONResponse({"success": success}, status_code=200 if success else 409)
 
     return app

@@ -6,9 +6,9 @@ Two sources:
   token (from the request's arrival to the end of the step that produced its first token),
   inter-token latency (between the steps that produced successive tokens), end-to-end latency and
   finished requests by finish reason;
-- the engine's ``get_stats()`` snapshot, read when ``/metrics`` is scraped: KV-cache usage,
-  running and waiting requests, prefix-cache queries and hits (in tokens) and preemptions. These
-  are the engine's own running totals, exposed by a collector rather than copied into counters.
+- the engine's ``get_stats().scheduler`` snapshot, read when ``/metrics`` is scraped: KV-cache
+  usage, running and waiting requests, prefix-cache queries and hits (in tokens) and preemptions.
+  These are the engine's own running totals, exposed by a collector, not copied into counters.
 
 Names follow vLLM's (``vllm:`` becomes ``pagedkv:``) so existing dashboards need little change.
 """
@@ -95,21 +95,21 @@ class _EngineStatsCollector(Collector):
         self.stats: Any = None
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.stats
-        if stats is None:
+        if self.stats is None:
             return
+        stats = self.stats.scheduler  # EngineStats -> SchedulerStats
         labels = ["model_name"]
         values = [self.model_name]
         gauges = (
             (
                 "pagedkv:num_requests_running",
                 "Requests being computed (scheduled).",
-                stats.num_running_reqs,
+                stats.num_running,
             ),
             (
                 "pagedkv:num_requests_waiting",
                 "Requests waiting to be scheduled.",
-                stats.num_waiting_reqs,
+                stats.num_waiting,
             ),
             (
                 "pagedkv:kv_cache_usage_perc",

@@ -1,0 +1,235 @@
+"""The OpenAI-compatible server on the real default model (SmolLM2-135M, fp32): one uvicorn
+server on a free loopback port for the whole module, real clients, short outputs.
+
+Greedy outputs through the server must equal ``LLM.generate`` / ``LLM.chat`` on the same weights
+(the two engines share one loaded model)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2"
+MAX_MODEL_LEN = 512
+MAX_TOKENS = 12
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Paging in operating systems means",
+]
+CHATS = [
+    [{"role": "user", "content": "What is 2 + 2?"}],
+    [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "Name three colours."},
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def loaded_model():
+    torch = pytest.importorskip("torch")
+    from pagedkv.errors import ModelLoadError
+    from pagedkv.model.loader import load_model
+
+    try:
+        return load_model(dtype=torch.float32)
+    except ModelLoadError as exc:
+        pytest.skip(f"default model not installed: {exc}")
+
+
+@pytest.fixture(scope="module")
+def llm(loaded_model):
+    from pagedkv.engine.llm import LLM
+
+    return LLM(
+        dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=32, loaded_model=loaded_model
+    )
+
+
+@pytest.fixture(scope="module")
+def engine(loaded_model):
+    from pagedkv.engine.llm_engine import LLMEngine
+
+    return LLMEngine(
+        dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=32, loaded_model=loaded_model
+    )
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    from pagedkv.entrypoints.openai.app import create_app
+    from pagedkv.entrypoints.openai.launch import ThreadedServer
+
+    app = create_app(engine, model_name=MODEL, max_model_len=engine.max_model_len)
+    with ThreadedServer(app) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def greedy(max_tokens: int = MAX_TOKENS):
+    from pagedkv.engine.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens)
+
+
+def wait_until_idle(server, engine, timeout: float = 30.0) -> None:
+    """Until no request is left in the engine and every KV block is free again."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = httpx.get(server.url + "/metrics").text
+        lines = [line for line in text.splitlines() if not line.startswith("#")]
+        busy = [
+            line
+            for line in lines
+            if line.startswith(
+                (
+                    "pagedkv:num_requests_running",
+                    "pagedkv:num_requests_waiting",
+                    "pagedkv:kv_cache_usage_perc",
+                )
+            )
+        ]
+        if len(busy) == 3 and all(line.endswith(" 0.0") for line in busy):
+            break
+        assert time.monotonic() < deadline, busy
+        time.sleep(0.05)
+    # The engine thread is idle now, so reading the pool from here is safe.
+    manager = engine.kv_cache_manager
+    assert manager.num_free_blocks == engine.kv_cache_config.num_blocks - 1  # all but the null
+
+
+def test_completions_equal_llm_generate(client, llm):
+    expected = [out.text for out in llm.generate(PROMPTS, greedy(), use_tqdm=False)]
+    got = []
+    for prompt in PROMPTS:
+        result = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
+        )
+        got.append(result.choices[0].text)
+        assert result.usage.completion_tokens <= MAX_TOKENS
+    assert got == expected
+    batch = client.completions.create(
+        model=MODEL, prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert [c.text for c in sorted(batch.choices, key=lambda c: c.index)] == expected
+
+
+def test_chat_and_streaming_chat_equal_llm_chat(client, llm):
+    expected = [out.text for out in llm.chat(CHATS, greedy(), use_tqdm=False)]
+    for messages, text in zip(CHATS, expected, strict=True):
+        result = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0
+        )
+        assert result.choices[0].message.content == text
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+        assert chunks[-1].usage.completion_tokens == result.usage.completion_tokens
+        assert chunks[-1].usage.prompt_tokens == result.usage.prompt_tokens
+
+
+def test_n2_and_seed(client):
+    messages = [{"role": "user", "content": "Write a word."}]
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=8, n=2, temperature=1.0, seed=7)
+    first = client.chat.completions.create(**kwargs)
+    again = client.chat.completions.create(**kwargs)
+    texts = [c.message.content for c in sorted(first.choices, key=lambda c: c.index)]
+    assert [c.index for c in sorted(first.choices, key=lambda c: c.index)] == [0, 1]
+    assert [c.message.content for c in sorted(again.choices, key=lambda c: c.index)] == texts
+    assert first.usage.completion_tokens > 0
+
+
+def test_stop_string(client, llm):
+    prompt = PROMPTS[2]
+    full = llm.generate([prompt], greedy(), use_tqdm=False)[0].text
+    words = full.split()
+    assert len(words) >= 3, full
+    stop = " " + words[2]
+    result = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stop=[stop]
+    )
+    assert result.choices[0].text == full[: full.index(stop)]
+    assert result.choices[0].finish_reason == "stop"
+
+
+def test_cache_salt_isolates_the_prefix_cache(client):
+    prompt = "A block is sixteen tokens. " * 6  # several full blocks
+
+    def cached(salt):
+        result = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=1, extra_body={"cache_salt": salt}
+        )
+        return result.usage.prompt_tokens_details.cached_tokens
+
+    cached("tenant-a")
+    assert cached("tenant-a") > 0  # same salt: the prompt's blocks are hits
+    assert cached("tenant-b") == 0  # another tenant never sees them
+
+
+def test_prompt_longer_than_max_model_len(server):
+    response = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "word " * 600, "max_tokens": 4},
+    )
+    assert response.status_code == 400
+    assert "max_model_len" in response.json()["error"]["message"]
+
+
+async def _stream(base_url: str, i: int, disconnect_after: int | None) -> int:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"Count to {i + 3}."}],
+        "max_tokens": 16,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    num_deltas = 0
+    async with (
+        httpx.AsyncClient(base_url=base_url, timeout=120) as http,
+        http.stream("POST", "/v1/chat/completions", json=body) as response,
+    ):
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                choices = json.loads(line[6:])["choices"]
+                num_deltas += bool(choices and choices[0]["delta"].get("content"))
+                if disconnect_after is not None and num_deltas >= disconnect_after:
+                    return num_deltas  # closes the connection mid-stream
+    return num_deltas
+
+
+def test_32_concurrent_streams_some_disconnecting(server, engine, client):
+    async def run_all():
+        return await asyncio.gather(
+            *(_stream(server.url, i, 2 if i % 4 == 0 else None) for i in range(32))
+        )
+
+    counts = asyncio.run(run_all())
+    assert all(c >= 2 for c in counts)
+    wait_until_idle(server, engine)  # nothing leaked: every block is free again
+    metrics = httpx.get(server.url + "/metrics").text
+    assert 'finished_reason="abort"' in metrics
+    result = client.completions.create(model=MODEL, prompt="Still here?", max_tokens=2)
+    assert result.usage.completion_tokens == 2
