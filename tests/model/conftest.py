@@ -1,0 +1,113 @@
+"""Shared fixtures of the model tests: the real default model (ours and Hugging Face's, loaded once
+per session) and a runner that feeds one or more sequences through a fresh paged KV cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedkv.model.llama import AttentionMetadata, LlamaForCausalLM
+from pagedkv.ops import allocate_kv_cache
+
+
+class PagedSequenceRunner:
+    """Runs sequences through a model with a fresh paged KV cache, the way the engine's runner
+    does: each call is one forward over a flattened batch of (sequence, new tokens) chunks.
+
+    Blocks are handed out in a scrambled order so that a sequence's blocks are not contiguous.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int = 256, block_size: int = 16):
+        config = model.config
+        self.model = model
+        self.block_size = block_size
+        self.kv_caches = [
+            allocate_kv_cache(
+                num_blocks, block_size, config.num_key_value_heads, config.head_dim, model.dtype
+            )
+            for _ in range(config.num_hidden_layers)
+        ]
+        generator = torch.Generator().manual_seed(0)
+        self._free_blocks = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
+        self.block_ids: dict[int, list[int]] = {}
+        self.num_computed: dict[int, int] = {}
+
+    def step(self, chunks: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
+        """One forward over ``chunks`` = [(seq_id, new token ids), ...]; returns per chunk the
+        fp32 logits ``[len(new token ids), vocab]``."""
+        bs = self.block_size
+        input_ids, positions, slots, seq_lens, qsl = [], [], [], [], [0]
+        for seq_id, token_ids in chunks:
+            start = self.num_computed.get(seq_id, 0)
+            end = start + len(token_ids)
+            blocks = self.block_ids.setdefault(seq_id, [])
+            while len(blocks) * bs < end:
+                blocks.append(self._free_blocks.pop())
+            input_ids += token_ids
+            positions += range(start, end)
+            slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+            seq_lens.append(end)
+            qsl.append(qsl[-1] + len(token_ids))
+            self.num_computed[seq_id] = end
+        max_blocks = max(len(self.block_ids[seq_id]) for seq_id, _ in chunks)
+        block_tables = torch.zeros(len(chunks), max_blocks, dtype=torch.int32)
+        for row, (seq_id, _) in enumerate(chunks):
+            blocks = self.block_ids[seq_id]
+            block_tables[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        attn_metadata = AttentionMetadata.build(
+            block_tables,
+            torch.tensor(seq_lens, dtype=torch.int32),
+            torch.tensor(qsl, dtype=torch.int32),
+            torch.tensor(slots, dtype=torch.int64),
+            bs,
+            num_blocks=self.kv_caches[0].shape[1],
+        )
+        hidden = self.model.forward(
+            torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, attn_metadata
+        )
+        logits = self.model.compute_logits(hidden)
+        return [logits[qsl[i] : qsl[i + 1]] for i in range(len(chunks))]
+
+
+@pytest.fixture(scope="session")
+def gguf_path():
+    from pagedkv.errors import ModelLoadError
+    from pagedkv.model.loader import default_model_path
+
+    try:
+        return default_model_path()
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def loaded_fp32(gguf_path):
+    """Our loader's default model in fp32 (model, config, tokenizer)."""
+    from pagedkv.model.loader import load_model
+
+    return load_model(gguf_path, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def hf_model(gguf_path):
+    """Hugging Face transformers' LlamaForCausalLM loaded from the same GGUF, fp32."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # transformers needs it to load a GGUF
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(gguf_path):
+    """Hugging Face's AutoTokenizer built from the same GGUF."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+
+
+@pytest.fixture
+def paged_runner():
+    """Factory: ``paged_runner(model, num_blocks=256, block_size=16)`` -> PagedSequenceRunner."""
+    return PagedSequenceRunner

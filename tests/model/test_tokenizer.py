@@ -1,0 +1,99 @@
+"""Tokenizer from the GGUF metadata against transformers' tokenizer from the same file."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+TEXTS = [
+    "Hello, world!",
+    "  leading spaces, trailing spaces  ",
+    "Multi-byte: naïve café — Ελληνικά, русский, 日本語の文章, 你好，世界 🎉🚀👩‍👩‍👧",
+    "Code:\n\tdef f(x):\n\t\treturn x ** 2  # square\n",
+    "<|im_start|>user\nspecial tokens inline<|im_end|>",
+    "numbers 1234567890 3.14159 -42",
+]
+MESSAGES = [
+    [{"role": "user", "content": "What is 2 + 2?"}],
+    [
+        {"role": "system", "content": "You answer in French."},
+        {"role": "user", "content": "Bonjour, ça va ?"},
+        {"role": "assistant", "content": "Oui, merci !"},
+        {"role": "user", "content": "Et toi ? 😊"},
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(loaded_fp32):
+    return loaded_fp32.tokenizer
+
+
+def test_encode_decode_equal_transformers(tokenizer, hf_tokenizer):
+    for text in TEXTS:
+        ids = tokenizer.encode(text)
+        assert ids == hf_tokenizer.encode(text)
+        assert tokenizer.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True)
+        assert tokenizer.decode(ids, skip_special_tokens=False) == hf_tokenizer.decode(ids)
+    assert tokenizer.decode(tokenizer.encode(TEXTS[2])) == TEXTS[2]
+
+
+def test_chat_template_equal_transformers(tokenizer, hf_tokenizer):
+    for messages in MESSAGES:
+        for add_generation_prompt in (True, False):
+            expected = hf_tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+            assert text == expected
+            ids = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt
+            )
+            assert ids == hf_tokenizer.encode(expected, add_special_tokens=False)
+    text = tokenizer.apply_chat_template(MESSAGES[0], tokenize=False)
+    assert text.startswith("<|im_start|>system\n")
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_special_ids(tokenizer, hf_tokenizer):
+    assert tokenizer.eos_token_ids == (hf_tokenizer.eos_token_id,) == (2,)
+    assert tokenizer.vocab_size == len(hf_tokenizer) == 49152
+    assert tokenizer.bos_token_id == hf_tokenizer.bos_token_id
+
+
+def test_incremental_detokenizer_equals_full_decode(tokenizer):
+    prompt = tokenizer.apply_chat_template(MESSAGES[0])
+    for text in TEXTS:
+        ids = tokenizer.encode(text)
+        for skip_special_tokens in (True, False):
+            detokenizer = tokenizer.incremental_detokenizer(prompt, skip_special_tokens)
+            deltas = [detokenizer.step(token_id) for token_id in ids]
+            expected = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+            assert "".join(deltas) == detokenizer.text == expected
+            # Never a broken character in between: every delta is valid text.
+            assert all("\ufffd" not in delta for delta in deltas)
+
+
+def test_incremental_detokenizer_holds_back_partial_characters(tokenizer):
+    ids = tokenizer.encode("🚀")
+    assert len(ids) > 1  # byte-level BPE splits the 4-byte emoji
+    detokenizer = tokenizer.incremental_detokenizer()
+    assert [detokenizer.step(token_id) for token_id in ids[:-1]] == [""] * (len(ids) - 1)
+    assert detokenizer.step(ids[-1]) == "🚀"
+
+
+def test_incremental_detokenizer_with_random_step_sizes(tokenizer):
+    rng = random.Random(0)
+    ids = tokenizer.encode(" ".join(TEXTS))
+    detokenizer = tokenizer.incremental_detokenizer()
+    start = 0
+    while start < len(ids):
+        size = rng.randint(1, 5)
+        detokenizer.step(ids[start : start + size])
+        start += size
+    assert detokenizer.text == tokenizer.decode(ids)
