@@ -32,12 +32,10 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
-import sys
-from array import array
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NewType
+from typing import TYPE_CHECKING, Any, NewType
 
-from pagedkv.errors import ConfigError
+from pagedkv.errors import ConfigError, InvalidRequestError
 
 if TYPE_CHECKING:
     from pagedkv.core.request import KVCacheRequest
@@ -46,20 +44,18 @@ if TYPE_CHECKING:
 BlockHash = NewType("BlockHash", bytes)
 
 
-def _sha256(data: bytes) -> bytes:
-    return hashlib.sha256(data).digest()
-
-
-def _xxh3_128_fn() -> Callable[[bytes], bytes]:
+def _hash_constructor(algo: str) -> Callable[[bytes], Any]:
+    """``algo``'s hash object constructor: ``ctor(data).digest()`` is the digest of data."""
+    if algo == "sha256":
+        return hashlib.sha256
     import xxhash  # imported only when asked for
 
-    return xxhash.xxh3_128_digest
+    return xxhash.xxh3_128
 
 
 #: algorithm name -> whether it is collision-resistant.
 HASH_ALGOS = {"sha256": True, "xxh3_128": False}
 
-_BIG_ENDIAN = sys.byteorder == "big"
 _LORA_KEY = struct.Struct("<cq")
 _MM_KEY = struct.Struct("<cqI")
 _SALT_KEY = struct.Struct("<cI")
@@ -89,7 +85,15 @@ class BlockHasher:
         ConfigError: block_size < 1, an unknown algorithm or a seed of another type.
     """
 
-    __slots__ = ("_hash_fn", "algo", "block_size", "collision_resistant", "none_hash", "seed")
+    __slots__ = (
+        "_new_hash",
+        "_token_structs",
+        "algo",
+        "block_size",
+        "collision_resistant",
+        "none_hash",
+        "seed",
+    )
 
     def __init__(
         self, block_size: int, algo: str = "sha256", seed: int | str | bytes | None = None
@@ -105,8 +109,10 @@ class BlockHasher:
         self.algo = algo
         self.seed = seed
         self.collision_resistant = HASH_ALGOS[algo]
-        self._hash_fn: Callable[[bytes], bytes] = _sha256 if algo == "sha256" else _xxh3_128_fn()
-        self.none_hash = BlockHash(self._hash_fn(b"pagedkv-none-hash:" + root))
+        self._new_hash = _hash_constructor(algo)
+        # Compiled packers by token count: packing a run of ints is 3x faster than array().
+        self._token_structs: dict[int, struct.Struct] = {}
+        self.none_hash = BlockHash(self._new_hash(b"pagedkv-none-hash:" + root).digest())
 
     def hash_block(
         self,
@@ -127,7 +133,19 @@ class BlockHasher:
         if len(token_ids) != self.block_size:
             raise ConfigError(f"a block has {self.block_size} tokens, got {len(token_ids)}")
         parent = self.none_hash if parent_block_hash is None else parent_block_hash
-        return BlockHash(self._hash_fn(parent + _encode_tokens(token_ids) + extra_keys))
+        data = self._pack_tokens(token_ids)
+        return BlockHash(self._new_hash(parent + data + extra_keys).digest())
+
+    def _pack_tokens(self, token_ids: Sequence[int]) -> bytes:
+        """Token ids as int64 little-endian bytes, in one call."""
+        num_tokens = len(token_ids)
+        token_struct = self._token_structs.get(num_tokens)
+        if token_struct is None:
+            token_struct = self._token_structs[num_tokens] = struct.Struct(f"<{num_tokens}q")
+        try:
+            return token_struct.pack(*token_ids)
+        except struct.error as e:
+            raise InvalidRequestError(f"token ids must be ints in the int64 range: {e}") from None
 
     def extra_keys(self, request: KVCacheRequest, block_index: int) -> bytes:
         """Encoded extra keys of one block of ``request``: what changes its KV besides tokens."""
@@ -158,9 +176,9 @@ class BlockHasher:
         if end <= start:
             return []
         parent = request.block_hashes[-1] if start else self.none_hash
-        data = _encode_tokens(request.all_token_ids[start * block_size : end * block_size])
+        data = self._pack_tokens(request.all_token_ids[start * block_size : end * block_size])
         nbytes = 8 * block_size
-        hash_fn = self._hash_fn
+        new_hash = self._new_hash
         has_extra = (
             request.lora_id is not None
             or bool(request.mm_features)
@@ -168,23 +186,18 @@ class BlockHasher:
         )
         new_hashes: list[BlockHash] = []
         append = new_hashes.append
+        if not has_extra:
+            for pos in range(0, len(data), nbytes):
+                parent = new_hash(parent + data[pos : pos + nbytes]).digest()
+                append(parent)
+            return new_hashes
         pos = 0
         for block_index in range(start, end):
-            chunk = data[pos : pos + nbytes]
+            chunk = data[pos : pos + nbytes] + self.extra_keys(request, block_index)
             pos += nbytes
-            if has_extra:
-                chunk += self.extra_keys(request, block_index)
-            parent = hash_fn(parent + chunk)
+            parent = new_hash(parent + chunk).digest()
             append(parent)
         return new_hashes
 
     def __repr__(self) -> str:
         return f"BlockHasher(block_size={self.block_size}, algo={self.algo!r}, seed={self.seed!r})"
-
-
-def _encode_tokens(token_ids: Sequence[int]) -> bytes:
-    """Token ids as int64 little-endian bytes (one allocation for the whole run)."""
-    arr = array("q", token_ids)
-    if _BIG_ENDIAN:
-        arr.byteswap()
-    return arr.tobytes()

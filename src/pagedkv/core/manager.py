@@ -13,6 +13,7 @@ Idea from vLLM V1 (``vllm/v1/core/kv_cache_manager.py``).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 from pagedkv.core.block import KVCacheBlock
@@ -21,6 +22,7 @@ from pagedkv.core.coordinator import BlocksPerGroup, KVCacheCoordinator
 from pagedkv.core.events import KVCacheEvent
 from pagedkv.core.hashing import BlockHasher
 from pagedkv.core.request import KVCacheRequest
+from pagedkv.core.single_type import FullAttentionManager
 from pagedkv.core.spec import FullAttentionSpec, KVCacheSpec, cdiv
 from pagedkv.core.stats import PrefixCacheStats
 from pagedkv.errors import CacheStateError, ConfigError, InvalidRequestError
@@ -31,7 +33,8 @@ class KVCacheBlocks:
     scheduler: it only combines them (``+``) and reads their ids.
 
     Attributes:
-        blocks: one list of blocks per KV cache group. Treat as read-only.
+        blocks: one sequence of blocks per KV cache group (a list, or ``()`` when empty).
+            Treat as read-only.
     """
 
     __slots__ = ("blocks",)
@@ -40,7 +43,9 @@ class KVCacheBlocks:
         self.blocks = blocks
 
     def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
-        return KVCacheBlocks(tuple(a + b for a, b in zip(self.blocks, other.blocks, strict=True)))
+        return KVCacheBlocks(
+            tuple([*a, *b] for a, b in zip(self.blocks, other.blocks, strict=True))
+        )
 
     def get_block_ids(self) -> tuple[list[int], ...]:
         """Block ids per KV cache group (0 = null block)."""
@@ -103,6 +108,7 @@ class KVCacheManager:
         self.kv_cache_specs = tuple(kv_cache_specs)
         self.enable_caching = enable_caching
         self.max_model_len = max_model_len
+        self._max_num_slots = sys.maxsize if max_model_len is None else max_model_len
         self.block_hasher: BlockHasher | None = hasher if enable_caching else None
         self.block_pool = BlockPool(
             num_blocks,
@@ -115,9 +121,16 @@ class KVCacheManager:
         self.block_size = self.coordinator.block_size
         self.num_blocks = num_blocks
         self.num_kv_cache_groups = len(kv_cache_specs)
-        self.empty_kv_cache_blocks = KVCacheBlocks(tuple([] for _ in kv_cache_specs))
-        self._no_blocks: BlocksPerGroup = tuple([] for _ in kv_cache_specs)
+        # Shared and immutable (tuples): "no blocks" without allocating.
+        self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in kv_cache_specs))
+        self._no_blocks: BlocksPerGroup = self.empty_kv_cache_blocks.blocks
         self.prefix_cache_stats = PrefixCacheStats()
+        managers = self.coordinator.single_type_managers
+        self._full_attention_only = (
+            managers[0]
+            if len(managers) == 1 and isinstance(managers[0], FullAttentionManager)
+            else None
+        )
 
     # ---- state -----------------------------------------------------------------------------
 
@@ -178,6 +191,8 @@ class KVCacheManager:
         num_tokens = len(request.all_token_ids)
         blocks, num_hit_tokens = self.coordinator.find_longest_cache_hit(request, num_tokens - 1)
         self.prefix_cache_stats.record(num_tokens, num_hit_tokens)
+        if not num_hit_tokens:
+            return self.empty_kv_cache_blocks, 0
         return KVCacheBlocks(blocks), num_hit_tokens
 
     def allocate_slots(
@@ -215,6 +230,29 @@ class KVCacheManager:
             InvalidRequestError: a negative count, or hit tokens that disagree with the hit blocks.
             CacheStateError: hit blocks for a request that already holds blocks.
         """
+        fast = self._full_attention_only
+        if (
+            fast is not None
+            and (new_computed_blocks is None or new_computed_blocks is self.empty_kv_cache_blocks)
+            and num_new_computed_tokens == 0
+            and num_new_tokens >= 0
+            and num_lookahead_tokens >= 0
+        ):
+            # Fast path (one full-attention group, no new hits: decode steps and prefill chunks):
+            # one check-then-allocate pass. Caching stops at the hashed (full) blocks.
+            num_computed_tokens = request.num_computed_tokens
+            num_tokens_need_slot = num_computed_tokens + num_new_tokens + num_lookahead_tokens
+            if num_tokens_need_slot > self._max_num_slots:
+                num_tokens_need_slot = self._max_num_slots
+            new_blocks = fast.grow(
+                request,
+                num_tokens_need_slot,
+                num_computed_tokens + num_new_tokens if self.enable_caching else -1,
+            )
+            if new_blocks is None:
+                return None
+            return KVCacheBlocks((new_blocks,)) if new_blocks else self.empty_kv_cache_blocks
+
         if num_new_tokens < 0 or num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
             raise InvalidRequestError(
                 f"token counts must be >= 0, got num_new_tokens={num_new_tokens}, "
@@ -241,8 +279,8 @@ class KVCacheManager:
 
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_need_slot = num_computed_tokens + num_new_tokens + num_lookahead_tokens
-        if self.max_model_len is not None and num_tokens_need_slot > self.max_model_len:
-            num_tokens_need_slot = self.max_model_len
+        if num_tokens_need_slot > self._max_num_slots:
+            num_tokens_need_slot = self._max_num_slots
         num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
             request_id, num_tokens_need_slot, hit_blocks, num_computed_tokens
         )

@@ -179,6 +179,53 @@ class SingleTypeKVCacheManager:
 class FullAttentionManager(SingleTypeKVCacheManager):
     """Full (causal) attention: every block of a request stays until it finishes."""
 
+    def grow(
+        self, request: KVCacheRequest, num_tokens_need_slot: int, num_tokens_to_cache: int
+    ) -> Sequence[KVCacheBlock] | None:
+        """Check-then-allocate in one pass for a request without new prefix hits (decode steps,
+        prefill chunks): the hot path of a one-group model.
+
+        Args:
+            num_tokens_need_slot: tokens the request must have slots for.
+            num_tokens_to_cache: tokens whose full blocks enter the prefix cache (-1: no caching);
+                blocks without a hash yet (``request.block_hashes`` too short) are skipped.
+
+        Returns:
+            The new blocks (a list, or ``()`` if none), or ``None`` if they do not fit (nothing
+            changed).
+        """
+        request_id = request.request_id
+        block_size = self.block_size
+        blocks = self.req_to_blocks.get(request_id)
+        num_new = (num_tokens_need_slot + block_size - 1) // block_size
+        if blocks is not None:
+            num_new -= len(blocks)
+        pool = self.block_pool
+        if num_new > 0:
+            if num_new > pool.free_block_queue.num_free_blocks:
+                return None
+            new_blocks = pool.get_new_blocks(num_new)
+            if blocks is None:
+                self.req_to_blocks[request_id] = blocks = new_blocks.copy()
+            else:
+                blocks.extend(new_blocks)
+        else:
+            new_blocks = ()
+            if blocks is None:
+                self.req_to_blocks[request_id] = blocks = []
+        if num_tokens_to_cache >= block_size:
+            num_full = num_tokens_to_cache // block_size
+            num_hashes = len(request.block_hashes)
+            if num_full > num_hashes:
+                num_full = num_hashes
+            num_cached = self.num_cached_block.get(request_id, 0)
+            if num_full > num_cached:
+                pool.cache_full_blocks(
+                    request, blocks, num_cached, num_full, block_size, self.kv_cache_group_id
+                )
+                self.num_cached_block[request_id] = num_full
+        return new_blocks
+
 
 class SlidingWindowManager(SingleTypeKVCacheManager):
     """Sliding-window attention: a token at position ``p`` attends to ``p - w + 1 .. p``.
