@@ -92,6 +92,8 @@ class FakeEngine:
         self.aborted: list[_FakeRequest] = []
         self.num_used_blocks = 0
         self.num_prefix_queries = 0
+        self.num_aborted = 0
+        self.fail_after_steps: int | None = None  # make step() raise (engine failure tests)
         self.added: list[tuple[str, object, SamplingParams, str | None]] = []
 
     # ---- engine API ---------------------------------------------------------------------------
@@ -141,6 +143,7 @@ class FakeEngine:
                 for sample in req.samples:
                     sample.finish_reason = sample.finish_reason or "abort"
                 self.aborted.append(req)  # reported by the next step, as the engine does
+                self.num_aborted += 1
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.aborted)
@@ -160,6 +163,10 @@ class FakeEngine:
 
     def step(self) -> list[RequestOutput]:
         time.sleep(self.step_delay)
+        if self.fail_after_steps is not None:
+            if self.fail_after_steps == 0:
+                raise RuntimeError("the fake engine broke")
+            self.fail_after_steps -= 1
         outputs = [self._output(req) for req in self.aborted]
         self.aborted.clear()
         while self.waiting and len(self.running) < self.max_num_seqs:

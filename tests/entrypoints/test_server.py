@@ -315,11 +315,40 @@ def test_32_concurrent_streams_some_disconnecting(server, client, engine):
 
 
 def test_non_streaming_client_disconnect_aborts(server, engine):
-    body = {"model": MODEL, "prompt": "slow", "max_tokens": 200}
+    num_aborted = engine.num_aborted
+    body = {"model": MODEL, "prompt": "slow", "max_tokens": 250}  # ~0.5 s of steps
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, timeout=0.1)
     wait_until_idle(server)
     assert engine.added[-1][1] == "slow"
+    assert engine.num_aborted == num_aborted + 1
+
+
+def test_reset_prefix_cache_fails_while_blocks_are_in_use(server):
+    body = {"model": MODEL, "prompt": "busy", "max_tokens": 200, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body) as response:
+        lines = response.iter_lines()  # (dropping the iterator would close the connection)
+        next(lines)  # the request is running now
+        busy = httpx.post(server.url + "/reset_prefix_cache")
+    assert busy.status_code == 409 and busy.json() == {"success": False}
+    wait_until_idle(server)
+    assert httpx.post(server.url + "/reset_prefix_cache").json() == {"success": True}
+
+
+def test_engine_failure_is_reported_and_health_turns_503():
+    engine = FakeEngine()
+    engine.fail_after_steps = 2
+    app = create_app(engine, model_name=MODEL)
+    with ThreadedServer(app) as broken:
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 50, "stream": True}
+        with httpx.stream("POST", broken.url + "/v1/completions", json=body) as response:
+            events = [line for line in response.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        assert "the fake engine broke" in json.loads(events[-2][6:])["error"]["message"]
+        assert httpx.get(broken.url + "/health").status_code == 503
+        response = httpx.post(broken.url + "/v1/completions", json={"prompt": "x"})
+        assert response.status_code == 503
+        assert "not running" in response.json()["error"]["message"]
 
 
 # ---- bad input: OpenAI error body, 4xx, and the server keeps serving ---------------------------

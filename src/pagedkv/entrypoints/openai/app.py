@@ -36,7 +36,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.entrypoints.openai.engine_loop import EngineLoop, EngineRequest, OutputStream
+from pagedkv.entrypoints.openai.engine_loop import (
+    EngineDeadError,
+    EngineLoop,
+    EngineRequest,
+    OutputStream,
+)
 from pagedkv.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from pagedkv.entrypoints.openai.protocol import (
     ChatChoice,
@@ -457,6 +462,10 @@ def create_app(engine: Any, *, model_name: str, max_model_len: int | None = None
     @app.exception_handler(InvalidRequestError)
     async def _engine_rejected(request: Request, exc: InvalidRequestError) -> JSONResponse:
         return OpenAIError(400, str(exc), code="invalid_request").response()
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return OpenAIError(503, str(exc)).response()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
