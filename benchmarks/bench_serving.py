@@ -25,6 +25,7 @@ import re
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
@@ -217,6 +218,8 @@ def own_server(server_args: list[str], startup_timeout: float):
                 break
         if url is None:
             raise RuntimeError("the server did not start (see its output above)")
+        # Keep reading its output so that a chatty server never blocks on a full pipe.
+        threading.Thread(target=_echo, args=(process.stdout,), daemon=True).start()
         _wait_healthy(url, deadline)
         yield url
     finally:
@@ -226,6 +229,11 @@ def own_server(server_args: list[str], startup_timeout: float):
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def _echo(stream) -> None:
+    for line in stream:
+        print("  server:", line.rstrip(), file=sys.stderr, flush=True)
 
 
 def _wait_healthy(url: str, deadline: float) -> None:

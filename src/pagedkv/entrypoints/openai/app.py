@@ -244,7 +244,7 @@ class OpenAIServing:
             for sample in prompt.samples:
                 if sample.finish_reason is None:
                     sample.finish_reason = "abort"
-                    self.metrics.observe_finished("abort", 0.0)
+                    self.metrics.observe_finished("abort", None)
 
     async def _collect(
         self, stream: OutputStream, prompts: list[_Prompt], raw_request: Request

@@ -28,8 +28,10 @@ def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
 
 
 def make_server(app: Any, *, log_level: str = "warning", **config: Any) -> uvicorn.Server:
-    """A uvicorn server for ``app`` (keep-alive long enough for benchmark clients)."""
-    return uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_keep_alive=30, **config))
+    """A uvicorn server for ``app``: keep-alive long enough for benchmark clients, and at most
+    5 s of graceful shutdown so that open streams cannot hold an interrupted server forever."""
+    config = {"timeout_keep_alive": 30, "timeout_graceful_shutdown": 5, **config}
+    return uvicorn.Server(uvicorn.Config(app, log_level=log_level, **config))
 
 
 class ThreadedServer:

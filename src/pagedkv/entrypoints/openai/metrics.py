@@ -193,10 +193,12 @@ class ServerMetrics:
         )
         self._model_name = model_name
 
-    def observe_finished(self, finish_reason: str | None, e2e_latency: float) -> None:
-        """Count a finished request (aborted ones included, with reason ``abort``)."""
-        self._request_success.labels(self._model_name, finish_reason or "unknown").inc()
-        self.e2e_request_latency.observe(e2e_latency)
+    def observe_finished(self, finish_reason: str, e2e_latency: float | None) -> None:
+        """Count a finished sample; ``e2e_latency`` (seconds) is None for aborted ones, which
+        stay out of the latency histogram."""
+        self._request_success.labels(self._model_name, finish_reason).inc()
+        if e2e_latency is not None:
+            self.e2e_request_latency.observe(e2e_latency)
 
     def render(self, engine_stats: Any) -> bytes:
         """The Prometheus text exposition, with ``engine_stats`` as the engine's snapshot."""
