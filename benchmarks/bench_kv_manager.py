@@ -23,6 +23,7 @@ import random
 import statistics
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pagedkv.core import KVCacheManager, KVCacheRequest
@@ -91,7 +92,9 @@ def replay(
     # (trace index, request): the request is None until built (its hashes are part of the
     # admit), and kept when admission is refused or the request is preempted.
     pending: deque[tuple[int, KVCacheRequest | None]] = deque((i, None) for i in range(len(trace)))
-    running: list[tuple[KVCacheRequest, list[int]]] = []
+    # (request, iterator over its scripted output tokens, num_tokens when done)
+    running: list[tuple[KVCacheRequest, Iterator[int], int]] = []
+    output_iters: dict[int, Iterator[int]] = {}
     t_admit = t_decode = t_free = 0.0
     num_admits = num_decodes = num_frees = num_preemptions = 0
     peak_live_blocks = 0
@@ -102,17 +105,20 @@ def replay(
         t0 = perf_counter()
         while pending and len(running) < max_in_flight:
             index, request = pending[0]
+            item = trace[index]
             if request is None:
-                request = KVCacheRequest(
-                    str(index), trace[index].prompt_token_ids, block_hasher=hasher
-                )
+                request = KVCacheRequest(str(index), item.prompt_token_ids, block_hasher=hasher)
             blocks, num_hit = kv.get_computed_blocks(request)
             if kv.allocate_slots(request, request.num_tokens - num_hit, num_hit, blocks) is None:
                 pending[0] = (index, request)
                 break
             request.num_computed_tokens = request.num_tokens
             pending.popleft()
-            running.append((request, trace[index].output_token_ids))
+            outputs = output_iters.get(index)
+            if outputs is None:
+                outputs = output_iters[index] = iter(item.output_token_ids)
+            num_final = len(item.prompt_token_ids) + len(item.output_token_ids)
+            running.append((request, outputs, num_final))
             num_admits += 1
         t_admit += perf_counter() - t0
         live = num_usable - kv.num_free_blocks
@@ -122,8 +128,8 @@ def replay(
         # One decode token for every running request.
         t0 = perf_counter()
         failed = None
-        for request, outputs in running:
-            request.append_output_token_ids(outputs[request.num_output_tokens])
+        for request, outputs, _ in running:
+            request.append_output_token_ids(next(outputs))
             if kv.allocate_slots(request, 1) is None:
                 failed = request
                 break
@@ -134,7 +140,7 @@ def replay(
         else:
             # Rare (the small pool is 1.1 x the peak): preempt the request that does not fit;
             # it is re-admitted first, with all its tokens, and goes on decoding.
-            position = next(i for i, (r, _) in enumerate(running) if r is failed)
+            position = next(i for i, entry in enumerate(running) if entry[0] is failed)
             num_decodes += position
             num_preemptions += 1
             del running[position]
@@ -149,8 +155,8 @@ def replay(
         t0 = perf_counter()
         still_running = []
         for entry in running:
-            request, outputs = entry
-            if request.num_output_tokens == len(outputs):
+            request = entry[0]
+            if request.num_computed_tokens == entry[2]:
                 kv.free(request)
                 num_frees += 1
             else:
