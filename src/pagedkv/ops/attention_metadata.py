@@ -1,21 +1,23 @@
 """Per-step attention metadata: the index work of one step, done once and reused by every layer.
 
 A forward runs ``paged_attention`` once per layer (30 layers for SmolLM2) with the same block
-tables, seq_lens and query_start_loc. Everything that depends only on those (which requests are
-decodes, their gather indices and masks, each prefill request's blocks and causal mask) is built
-here once per step. Requests split into two groups:
+tables, seq_lens and query_start_loc. Everything that depends only on those is computed here once
+per step: which requests are decodes, every attended key's slot, masks, and (on the first layer,
+once the cache's head layout is known) the fast path's gather plan (see ``gather_plan.py``).
 
-* decode group: requests with exactly one query token. Attended together, vectorised: their K/V
-  blocks are gathered into ``[num_decodes, num_kv_heads, decode_num_blocks * block_size,
-  head_size]`` (padded), and slots outside each request's key range are masked.
+Requests split into two groups:
+
+* decode group: requests with exactly one query token, attended together, vectorised. They are
+  sorted by key length so that each gather chunk pads only to its own longest request.
 * prefill group: requests with more than one query token (a prompt, a chunk of one, or a prompt
-  after a prefix cache hit). Attended one request at a time (each one is big enough that the Python
+  after a prefix cache hit), attended one request at a time (each is big enough that the Python
   loop costs little next to its matmuls).
 
 Positions: request ``i`` has ``seq_lens[i]`` tokens in the cache (including this step's); its
 ``q_len`` query tokens are the last ``q_len`` positions. Query at position ``p`` sees key ``k``
 iff ``k <= p`` and, with a sliding window ``W``, ``k > p - W`` (the last ``W`` tokens including
-itself; vLLM's and Mistral's convention).
+itself; vLLM's and Mistral's convention). Keys of request ``i`` live at slot
+``block_tables[i, k // block_size] * block_size + k % block_size``.
 """
 
 from __future__ import annotations
@@ -26,31 +28,30 @@ import torch
 
 from pagedkv.errors import OpsInputError
 
+#: Bytes of gathered K and V per decode chunk: small enough to stay in L2 between the gather and
+#: the two matmuls (measured on a 1 MiB-L2 EPYC, docs/ops.md).
+DEFAULT_DECODE_CHUNK_BYTES = 2 << 20
+
 
 @dataclass(slots=True)
 class PrefillRequest:
-    """One prefill-group request's precomputed view of the cache.
-
-    Keys attended: positions ``[kv_start, seq_len)``; gathered as whole blocks ``block_ids``
-    starting at position ``first_block * block_size``, then sliced from ``kv_offset``.
-    """
+    """One prefill-group request: query rows ``[token_start, token_end)`` attend to keys at
+    positions ``[kv_start, seq_len)``, whose slots are ``kv_slots``."""
 
     req_id: int
-    token_start: int  # first row of this request in query / output
+    token_start: int
     token_end: int
-    seq_len: int
-    kv_offset: int  # kv_start - first_block * block_size
-    kv_len: int  # seq_len - kv_start
-    block_ids: torch.Tensor  # [num_used_blocks] int64
-    attn_mask: torch.Tensor | None  # [q_len, kv_len] bool, True = attend; None = plain causal
+    kv_start: int
+    kv_slots: torch.Tensor  # [seq_len - kv_start] int64
+    attn_mask: torch.Tensor | None  # [q_len, kv_len] bool, True = attend; None = square causal
 
 
 @dataclass(slots=True)
 class PagedAttentionMetadata:
     """Index tensors for :func:`pagedkv.ops.paged_attention`, built once per step by :meth:`build`.
 
-    Holds the step's inputs (``block_tables``, ``seq_lens``, ``query_start_loc``) and what the fast
-    path derives from them. Read-only after build; share it across layers.
+    Holds the step's inputs and what the paths derive from them. Treat as read-only after build
+    and share it across the step's layers (the fast path caches its gather plan in it).
     """
 
     block_tables: torch.Tensor  # [num_reqs, max_num_blocks] int32
@@ -63,16 +64,24 @@ class PagedAttentionMetadata:
     max_block_id: int  # largest block id any request reads (validation against the pool)
     seq_lens_list: list[int]
     query_start_loc_list: list[int]
-    # decode group (requests with q_len == 1)
-    num_decodes: int
-    decode_only: bool  # every request is a decode: query rows == decode rows, in order
-    decode_token_ids: torch.Tensor  # [num_decodes] int64, rows of query
-    decode_num_blocks: int  # blocks gathered per decode request (max over the group)
-    decode_block_ids: torch.Tensor  # [num_decodes * decode_num_blocks] int64 (padding -> 0)
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, decode_num_blocks * block_size] bool,
-    #                                   True = masked out; None = nothing to mask
+    # decode group (q_len == 1), sorted by kv_len (descending)
+    decode_token_ids: torch.Tensor  # [num_decodes] int64, query rows
+    decode_kv_lens: list[int]  # keys attended per decode request
+    decode_kv_slots: torch.Tensor  # [num_decodes, max kv_len] int64, padded with the last slot
     # prefill group (q_len > 1)
-    prefills: list[PrefillRequest] = field(default_factory=list)
+    prefills: list[PrefillRequest]
+    decode_chunk_bytes: int = DEFAULT_DECODE_CHUNK_BYTES
+    gather_plans: dict = field(default_factory=dict)  # (num_kv_heads, bytes/token) -> GatherPlan
+
+    @property
+    def num_decodes(self) -> int:
+        """Requests with exactly one query token this step."""
+        return len(self.decode_kv_lens)
+
+    @property
+    def decode_only(self) -> bool:
+        """Every request of the step is a decode (one query token each)."""
+        return not self.prefills
 
     @classmethod
     def build(
@@ -85,14 +94,15 @@ class PagedAttentionMetadata:
         sliding_window: int | None = None,
         num_blocks: int | None = None,
         validate: bool = True,
+        decode_chunk_bytes: int = DEFAULT_DECODE_CHUNK_BYTES,
     ) -> PagedAttentionMetadata:
         """Precompute the step's attention indices.
 
         Args:
             block_tables: ``[num_reqs, max_num_blocks]`` int32/int64 physical block ids, padded
-                with the null block 0 (entries past a request's blocks are ignored, whatever they
-                hold, so a reused buffer with stale rows is fine).
-            seq_lens: ``[num_reqs]`` int32/int64, tokens in the cache per request after this
+                with the null block 0 (entries past a request's blocks are never read, whatever
+                they hold, so a reused buffer with stale rows is fine).
+            seq_lens: ``[num_reqs]`` int32/int64, tokens per request in the cache after this
                 step's write (>= q_len).
             query_start_loc: ``[num_reqs + 1]`` int32/int64, cumulative query lengths from 0
                 (request i owns query rows ``[qsl[i], qsl[i+1])``, q_len >= 1).
@@ -100,6 +110,7 @@ class PagedAttentionMetadata:
             sliding_window: attend only to the last ``sliding_window`` positions (None = all).
             num_blocks: pool size; with ``validate`` the used block ids are checked against it.
             validate: check shapes, dtypes and ranges (off only for a trusted runner).
+            decode_chunk_bytes: gathered K+V bytes per decode chunk of the fast path.
 
         Returns:
             The metadata to pass as ``paged_attention(..., metadata=...)`` to every layer.
@@ -111,94 +122,68 @@ class PagedAttentionMetadata:
             _check_step_inputs(block_tables, seq_lens, query_start_loc, block_size, sliding_window)
         num_reqs = block_tables.shape[0]
         seq_lens_list = seq_lens.tolist()
-        qsl_list = query_start_loc.tolist()
-        q_lens = [qsl_list[i + 1] - qsl_list[i] for i in range(num_reqs)]
+        qsl = query_start_loc.tolist()
+        q_lens = [qsl[i + 1] - qsl[i] for i in range(num_reqs)]
         if validate:
-            for i in range(num_reqs):
-                if not 1 <= q_lens[i] <= seq_lens_list[i]:
-                    raise OpsInputError(
-                        f"request {i}: q_len {q_lens[i]} must be in [1, seq_len="
-                        f"{seq_lens_list[i]}] (query_start_loc must increase)"
-                    )
-            max_len = block_tables.shape[1] * block_size
-            if max(seq_lens_list, default=0) > max_len:
-                raise OpsInputError(
-                    f"a seq_len {max(seq_lens_list)} exceeds the block table's capacity "
-                    f"{block_tables.shape[1]} blocks x {block_size} = {max_len} tokens"
-                )
-        decode_reqs = [i for i in range(num_reqs) if q_lens[i] == 1]
-        prefill_reqs = [i for i in range(num_reqs) if q_lens[i] != 1]
-        num_decodes = len(decode_reqs)
-        max_block_id = 0
+            _check_lengths(seq_lens_list, q_lens, block_tables.shape[1] * block_size)
+        window = sliding_window
 
-        # Decode group, vectorised over requests.
-        if num_decodes:
+        def kv_start_of(seq_len: int, q_len: int) -> int:
+            return 0 if window is None else max(0, seq_len - q_len - window + 1)
+
+        table = block_tables.long()
+        max_block_id = 0
+        # Decode group: one [num_decodes, max_kv_len] slot matrix, vectorised over requests.
+        decode_reqs = [i for i in range(num_reqs) if q_lens[i] == 1]
+        decode_reqs.sort(key=lambda i: -(seq_lens_list[i] - kv_start_of(seq_lens_list[i], 1)))
+        decode_kv_lens = [seq_lens_list[i] - kv_start_of(seq_lens_list[i], 1) for i in decode_reqs]
+        if decode_reqs:
             dec = torch.tensor(decode_reqs, dtype=torch.long)
-            dec_seq = seq_lens.long().index_select(0, dec)
-            if sliding_window is not None:
-                kv_start = (dec_seq - sliding_window).clamp_(min=0)
-            else:
-                kv_start = torch.zeros_like(dec_seq)
-            first_block = kv_start // block_size
-            num_used = (dec_seq + block_size - 1) // block_size - first_block
-            decode_num_blocks = int(num_used.max())
-            j = torch.arange(decode_num_blocks)
-            used = j[None, :] < num_used[:, None]
-            col = torch.where(used, first_block[:, None] + j[None, :], 0)
-            ids = block_tables.index_select(0, dec).long().gather(1, col)
-            ids = torch.where(used, ids, 0)
-            max_block_id = max(max_block_id, int(ids.max()))
-            if validate and int(ids.min()) < 0:
-                raise OpsInputError("block_tables holds a negative block id")
-            pos = (first_block * block_size)[:, None] + torch.arange(
-                decode_num_blocks * block_size
-            )[None, :]
-            mask = (pos < kv_start[:, None]) | (pos >= dec_seq[:, None])
-            decode_mask = mask[:, None, None, :] if bool(mask.any()) else None
-            decode_block_ids = ids.reshape(-1)
-            decode_token_ids = torch.tensor([qsl_list[i] for i in decode_reqs], dtype=torch.long)
+            dec_seq = torch.tensor([seq_lens_list[i] for i in decode_reqs], dtype=torch.long)
+            kv_start = dec_seq - torch.tensor(decode_kv_lens, dtype=torch.long)
+            # Padding positions repeat the last key: always the request's own finite data.
+            pos = torch.minimum(
+                kv_start[:, None] + torch.arange(decode_kv_lens[0])[None, :], dec_seq[:, None] - 1
+            )
+            blocks = table.index_select(0, dec).gather(1, pos // block_size)
+            decode_kv_slots = blocks * block_size + pos % block_size
+            max_block_id = int(blocks.max())
+            min_block_id = int(blocks.min())
+            decode_token_ids = torch.tensor([qsl[i] for i in decode_reqs], dtype=torch.long)
         else:
-            decode_num_blocks = 0
-            decode_block_ids = torch.zeros(0, dtype=torch.long)
+            min_block_id = 0
+            decode_kv_slots = torch.zeros(0, 0, dtype=torch.long)
             decode_token_ids = torch.zeros(0, dtype=torch.long)
-            decode_mask = None
 
         # Prefill group, one entry per request.
         prefills = []
-        table_rows = block_tables.long()
-        for i in prefill_reqs:
+        for i in range(num_reqs):
+            if q_lens[i] == 1:
+                continue
             seq_len, q_len = seq_lens_list[i], q_lens[i]
-            ctx_len = seq_len - q_len
-            kv_start = 0 if sliding_window is None else max(0, ctx_len - sliding_window + 1)
-            first_block = kv_start // block_size
-            last_block = (seq_len + block_size - 1) // block_size
-            block_ids = table_rows[i, first_block:last_block]
-            if validate and int(block_ids.min()) < 0:
-                raise OpsInputError(f"request {i}: block_tables holds a negative block id")
-            max_block_id = max(max_block_id, int(block_ids.max()))
-            kv_len = seq_len - kv_start
-            q_pos = torch.arange(ctx_len, seq_len)[:, None]
-            k_pos = torch.arange(kv_start, seq_len)[None, :]
-            if kv_start == 0 and ctx_len == 0:
-                attn_mask = None  # square causal: SDPA's is_causal
-                if sliding_window is not None and sliding_window < seq_len:
-                    attn_mask = (k_pos <= q_pos) & (k_pos > q_pos - sliding_window)
-            else:
-                attn_mask = k_pos <= q_pos
-                if sliding_window is not None:
-                    attn_mask &= k_pos > q_pos - sliding_window
+            kv_start = kv_start_of(seq_len, q_len)
+            k_pos = torch.arange(kv_start, seq_len)
+            blocks = table[i].index_select(0, k_pos // block_size)
+            max_block_id = max(max_block_id, int(blocks.max()))
+            min_block_id = min(min_block_id, int(blocks.min()))
+            attn_mask = None
+            if kv_start > 0 or q_len < seq_len or (window is not None and window < seq_len):
+                q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+                attn_mask = k_pos[None, :] <= q_pos
+                if window is not None:
+                    attn_mask &= k_pos[None, :] > q_pos - window
             prefills.append(
                 PrefillRequest(
                     req_id=i,
-                    token_start=qsl_list[i],
-                    token_end=qsl_list[i + 1],
-                    seq_len=seq_len,
-                    kv_offset=kv_start - first_block * block_size,
-                    kv_len=kv_len,
-                    block_ids=block_ids.contiguous(),
+                    token_start=qsl[i],
+                    token_end=qsl[i + 1],
+                    kv_start=kv_start,
+                    kv_slots=blocks * block_size + k_pos % block_size,
                     attn_mask=attn_mask,
                 )
             )
+        if validate and min_block_id < 0:
+            raise OpsInputError(f"block_tables holds a negative block id ({min_block_id})")
         if validate and num_blocks is not None and max_block_id >= num_blocks:
             raise OpsInputError(
                 f"block_tables refers to block {max_block_id}, beyond the pool's {num_blocks}"
@@ -210,18 +195,30 @@ class PagedAttentionMetadata:
             block_size=block_size,
             sliding_window=sliding_window,
             num_reqs=num_reqs,
-            num_tokens=qsl_list[-1],
+            num_tokens=qsl[-1],
             max_block_id=max_block_id,
             seq_lens_list=seq_lens_list,
-            query_start_loc_list=qsl_list,
-            num_decodes=num_decodes,
-            decode_only=num_decodes == num_reqs and qsl_list[-1] == num_reqs,
+            query_start_loc_list=qsl,
             decode_token_ids=decode_token_ids,
-            decode_num_blocks=decode_num_blocks,
-            decode_block_ids=decode_block_ids,
-            decode_mask=decode_mask,
+            decode_kv_lens=decode_kv_lens,
+            decode_kv_slots=decode_kv_slots,
             prefills=prefills,
+            decode_chunk_bytes=decode_chunk_bytes,
         )
+
+
+def _check_lengths(seq_lens: list[int], q_lens: list[int], max_len: int) -> None:
+    for i, (seq_len, q_len) in enumerate(zip(seq_lens, q_lens, strict=True)):
+        if not 1 <= q_len <= seq_len:
+            raise OpsInputError(
+                f"request {i}: q_len {q_len} must be in [1, seq_len={seq_len}] "
+                "(query_start_loc must increase; seq_lens count this step's tokens)"
+            )
+        if seq_len > max_len:
+            raise OpsInputError(
+                f"request {i}: seq_len {seq_len} exceeds the block table's capacity "
+                f"({max_len} tokens = max_num_blocks x block_size)"
+            )
 
 
 def _check_step_inputs(

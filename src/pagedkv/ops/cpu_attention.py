@@ -1,17 +1,19 @@
-"""Fast CPU paged attention.
+"""Fast CPU paged attention (pure torch).
 
-Decode group (q_len 1), all requests at once, no Python loop over requests::
+Decode group (q_len 1), chunk by chunk of requests (see ``gather_plan.py``), no Python loop over
+requests inside a chunk::
 
-    blocks  = index_select(kv_cache[0], decode_block_ids)     [D * nb, block_size, kv_heads, head]
-    K       = blocks viewed as [D, nb * block_size, kv_heads, head] -> [D, kv_heads, L, head]
-    q       = query rows viewed as [D, kv_heads, group, head]       (GQA: no K/V repeat)
-    scores  = q @ K^T  -> fp32, scale, mask (padding / other requests' tail slots), softmax
-    out     = probs (query dtype) @ V                         [D, kv_heads, group, head]
+    K, V    = index_select(cache rows, chunk.rows)   -> [n, kv_heads, kv_len, head], contiguous
+    q       = query rows viewed as [n, kv_heads, group, head]   (GQA: no K/V repeat)
+    scores  = q @ K^T -> fp32, scale, mask padding, softmax     [n, kv_heads, group, kv_len]
+    out     = probs (query dtype) @ V                         [n, kv_heads, group, head]
 
 A grouped matmul-softmax-matmul rather than ``scaled_dot_product_attention``: on this CPU bf16 SDPA
-with one query token was 4-10x slower than this (docs/ops.md, PERF-NOTES).
+with one query token was 4-10x slower (docs/ops.md, PERF-NOTES). Both matmuls accumulate in fp32;
+the scores are rounded to the query dtype before the fp32 softmax (as Hugging Face's eager
+attention does).
 
-Prefill group (q_len > 1): one SDPA call per request on its gathered K/V (``enable_gqa``), with the
+Prefill group (q_len > 1): one SDPA call per request on its gathered K/V (``enable_gqa``) with the
 precomputed causal / sliding-window mask.
 """
 
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv.ops.attention_metadata import PagedAttentionMetadata
+from pagedkv.ops.gather_plan import get_gather_plan
 from pagedkv.ops.kv_cache import FP8_DTYPES
 
 
@@ -45,77 +48,56 @@ def cpu_paged_attention(
     Returns:
         ``[num_tokens, num_heads, head_size]`` in ``query.dtype``.
     """
+    num_heads = query.shape[1]
+    num_kv_heads, head_size = kv_cache.shape[3], kv_cache.shape[4]
+    group = num_heads // num_kv_heads
+    dtype = query.dtype
     fp8 = kv_cache.dtype in FP8_DTYPES
     if not fp8:
         k_scale = v_scale = 1.0
-    if metadata.decode_only:
-        return _decode(query, kv_cache, metadata, scale, fp8, k_scale, v_scale)
-    out = torch.empty_like(query)
-    if metadata.num_decodes:
-        q = query.index_select(0, metadata.decode_token_ids)
-        out.index_copy_(
-            0,
-            metadata.decode_token_ids,
-            _decode(q, kv_cache, metadata, scale, fp8, k_scale, v_scale),
-        )
-    for p in metadata.prefills:
-        out[p.token_start : p.token_end] = _prefill(
-            query[p.token_start : p.token_end], kv_cache, p, scale, fp8, k_scale, v_scale
-        )
-    return out
-
-
-def _decode(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    md: PagedAttentionMetadata,
-    scale: float,
-    fp8: bool,
-    k_scale: float,
-    v_scale: float,
-) -> torch.Tensor:
-    """Attention of ``query`` ``[num_decodes, num_heads, head]`` over the decode group's K/V."""
-    num_decodes, num_heads, head_size = query.shape
-    num_kv_heads = kv_cache.shape[3]
-    group = num_heads // num_kv_heads
-    ctx = md.decode_num_blocks * md.block_size
-    ids = md.decode_block_ids
-    k = kv_cache[0].index_select(0, ids).view(num_decodes, ctx, num_kv_heads, head_size)
-    v = kv_cache[1].index_select(0, ids).view(num_decodes, ctx, num_kv_heads, head_size)
-    if fp8:
-        k = k.to(query.dtype)
-        v = v.to(query.dtype)
-    k = k.transpose(1, 2)  # [D, kv_heads, ctx, head]
-    v = v.transpose(1, 2)
-    q = query.view(num_decodes, num_kv_heads, group, head_size)
-    scores = torch.matmul(q, k.transpose(2, 3)).float()  # [D, kv_heads, group, ctx]
-    scores.mul_(scale * k_scale)
-    if md.decode_mask is not None:
-        scores.masked_fill_(md.decode_mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(query.dtype)
-    out = torch.matmul(probs, v)  # [D, kv_heads, group, head]
-    if fp8:
-        out.mul_(v_scale)
-    return out.view(num_decodes, num_heads, head_size)
-
-
-def _prefill(query, kv_cache, p, scale, fp8, k_scale, v_scale) -> torch.Tensor:
-    """Attention of one prefill request's ``query`` ``[q_len, num_heads, head]``."""
-    num_kv_heads, head_size = kv_cache.shape[3], kv_cache.shape[4]
-    kv = kv_cache[:, p.block_ids].view(2, -1, num_kv_heads, head_size)
-    kv = kv[:, p.kv_offset : p.kv_offset + p.kv_len]
-    if fp8:
-        kv = kv.to(query.dtype)
-        k, v = kv[0] * k_scale, kv[1] * v_scale
-    else:
-        k, v = kv[0], kv[1]
-    out = F.scaled_dot_product_attention(
-        query.transpose(0, 1).unsqueeze(0),
-        k.transpose(0, 1).unsqueeze(0),
-        v.transpose(0, 1).unsqueeze(0),
-        attn_mask=p.attn_mask,
-        is_causal=p.attn_mask is None,
-        scale=scale,
-        enable_gqa=True,
+    plan = get_gather_plan(
+        metadata, num_kv_heads, 2 * num_kv_heads * head_size * kv_cache.element_size()
     )
-    return out.squeeze(0).transpose(0, 1)
+    key_buf, value_buf = plan.gather_buffers(kv_cache.dtype, head_size)
+    key_rows = kv_cache[0].view(-1, head_size)
+    value_rows = kv_cache[1].view(-1, head_size)
+    out = torch.empty_like(query)
+
+    for chunk in plan.decode_chunks:
+        n, kv_len, num_rows = chunk.num_reqs, chunk.kv_len, chunk.rows.numel()
+        k = torch.index_select(key_rows, 0, chunk.rows, out=key_buf[:num_rows])
+        v = torch.index_select(value_rows, 0, chunk.rows, out=value_buf[:num_rows])
+        if fp8:
+            k, v = k.to(dtype), v.to(dtype)
+        k = k.view(n, num_kv_heads, kv_len, head_size)
+        v = v.view(n, num_kv_heads, kv_len, head_size)
+        q = query.index_select(0, chunk.token_ids).view(n, num_kv_heads, group, head_size)
+        scores = torch.matmul(q, k.transpose(2, 3)).float().mul_(scale * k_scale)
+        if chunk.mask is not None:
+            scores.masked_fill_(chunk.mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(dtype)
+        chunk_out = torch.matmul(probs, v).view(n, num_heads, head_size)
+        if fp8:
+            chunk_out.mul_(v_scale)
+        out.index_copy_(0, chunk.token_ids, chunk_out)
+
+    for p, rows in zip(metadata.prefills, plan.prefill_rows, strict=True):
+        num_rows = rows.numel()
+        k = torch.index_select(key_rows, 0, rows, out=key_buf[:num_rows])
+        v = torch.index_select(value_rows, 0, rows, out=value_buf[:num_rows])
+        if fp8:
+            k, v = k.to(dtype) * k_scale, v.to(dtype) * v_scale
+        k = k.view(1, num_kv_heads, -1, head_size)
+        v = v.view(1, num_kv_heads, -1, head_size)
+        q = query[p.token_start : p.token_end].transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=p.attn_mask,
+            is_causal=p.attn_mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[p.token_start : p.token_end] = o[0].transpose(0, 1)
+    return out
