@@ -1,16 +1,211 @@
-"""`pagedkv generate` (placeholder until its issue lands)."""
+"""``pagedkv generate``: answer prompts offline with the engine and print a summary.
+
+    pagedkv generate "What is paging?" "Name three sorting algorithms."
+    pagedkv generate --input prompts.jsonl --max-tokens 256
+    pagedkv generate --demo                 (a few built-in chat prompts; what `make run` does)
+
+Each JSONL line is a JSON string (a user message), ``{"prompt": "raw text"}``,
+``{"messages": [{"role": ..., "content": ...}, ...]}`` or a bare list of messages; an object may
+also set ``max_tokens``. Plain prompts given on the command line go through the chat template
+unless ``--raw``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+#: What `pagedkv generate --demo` asks the default model.
+DEMO_PROMPTS = (
+    "What is the capital of France, and what is it famous for?",
+    "Explain in two sentences why the sky is blue.",
+    "Give me three tips for writing clear and friendly emails.",
+    "Write a haiku about autumn leaves.",
+    "What is the difference between a list and a tuple in Python?",
+    "Suggest a simple and healthy breakfast I can make in five minutes.",
+    "How does a hash table handle collisions? Answer briefly.",
+    "Translate 'Good morning, how are you today?' into Spanish and French.",
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `generate` subcommand."""
-    parser = subparsers.add_parser("generate", help="(not yet implemented)")
+    parser = subparsers.add_parser(
+        "generate",
+        help="generate text for prompts offline and print a summary",
+        description="Generate answers with continuous batching over the paged KV cache.",
+    )
+    parser.add_argument("prompts", nargs="*", help="prompts (user messages)")
+    parser.add_argument("--input", type=Path, help="JSONL file: one prompt or chat per line")
+    parser.add_argument("--demo", action="store_true", help="answer a few built-in chat prompts")
+    parser.add_argument(
+        "--raw", action="store_true", help="send command-line prompts without the chat template"
+    )
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--n", type=int, default=1, help="samples per prompt")
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--sample-seed", type=int, default=None, help="per-request seed")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per output")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    from pagedkv.engine.config import EngineConfig
+
+    EngineConfig.add_cli_args(parser)
     parser.set_defaults(func=run)
+
+
+def load_prompts(path: Path) -> list[tuple[Any, int | None]]:
+    """Read a JSONL prompt file into ``[(prompt, max_tokens or None), ...]``; a prompt is chat
+    messages or raw text.
+
+    Raises:
+        InvalidRequestError: a line that is not one of the accepted shapes (the message gives
+            the line number).
+    """
+    from pagedkv.errors import InvalidRequestError
+
+    prompts = []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InvalidRequestError(f"{path}:{number}: not JSON ({e})") from None
+            max_tokens = None
+            if isinstance(item, dict):
+                max_tokens = item.get("max_tokens")
+                if "messages" in item:
+                    item = item["messages"]
+                elif "prompt" in item:
+                    item = item["prompt"]
+                    if not isinstance(item, str):
+                        raise InvalidRequestError(f'{path}:{number}: "prompt" must be a string')
+                    prompts.append((item, max_tokens))
+                    continue
+                else:
+                    raise InvalidRequestError(
+                        f'{path}:{number}: an object needs "messages" or "prompt"'
+                    )
+            if isinstance(item, str):
+                item = [{"role": "user", "content": item}]
+            if not isinstance(item, list) or not all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in item
+            ):
+                raise InvalidRequestError(
+                    f"{path}:{number}: expected a string, a list of messages, or an object"
+                )
+            prompts.append((item, max_tokens))
+    return prompts
 
 
 def run(args: argparse.Namespace) -> int:
     """Run `pagedkv generate`."""
-    raise SystemExit("pagedkv generate: not implemented yet")
+    from pagedkv.engine.config import EngineConfig
+    from pagedkv.engine.llm import LLM
+    from pagedkv.engine.sampling_params import SamplingParams
+    from pagedkv.errors import InvalidRequestError
+
+    items: list[tuple[Any, int | None]] = []
+    if args.demo:
+        items += [([{"role": "user", "content": p}], None) for p in DEMO_PROMPTS]
+    for text in args.prompts:
+        items.append((text if args.raw else [{"role": "user", "content": text}], None))
+    if args.input is not None:
+        items += load_prompts(args.input)
+    if not items:
+        raise InvalidRequestError("no prompts: give prompts, --input FILE or --demo")
+
+    base = SamplingParams(
+        n=args.n,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+        seed=args.sample_seed,
+    )
+    params = [
+        base if m is None else SamplingParams(**{**_params_dict(base), "max_tokens": m})
+        for _, m in items
+    ]
+    config = EngineConfig.from_cli_args(args)
+    start = time.perf_counter()
+    llm = LLM(**_config_kwargs(config))
+    load_time = time.perf_counter() - start
+    start = time.perf_counter()
+    outputs = llm.generate([p for p, _ in items], params, use_tqdm=not args.no_progress)
+    elapsed = time.perf_counter() - start
+
+    for (prompt, _), output in zip(items, outputs, strict=True):
+        if args.json:
+            print(json.dumps(_as_json(output), ensure_ascii=False))
+            continue
+        question = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+        print(f"\n>>> {question}")
+        for completion in output.outputs:
+            prefix = f"[{completion.index}] " if len(output.outputs) > 1 else ""
+            print(f"{prefix}{completion.text.strip()}")
+    print_summary(llm, outputs, elapsed, load_time, file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def print_summary(llm, outputs, elapsed: float, load_time: float, file=sys.stdout) -> None:
+    """Print requests, tokens, tokens/s, prefix-cache hit rate, peak KV usage, preemptions."""
+    stats = llm.get_stats().scheduler
+    engine = llm.engine
+    num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    num_output = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    ttfts = [o.time_to_first_token for o in outputs if o.time_to_first_token is not None]
+    usable = engine.kv_cache_config.num_usable_blocks
+    lines = [
+        f"model            {engine.loaded_model.source} ({engine.config.dtype})",
+        f"requests         {len(outputs)}",
+        f"prompt tokens    {num_prompt}",
+        f"output tokens    {num_output}",
+        f"time             {elapsed:.2f} s (model load {load_time:.1f} s)",
+        f"throughput       {num_output / elapsed:.1f} output tokens/s, "
+        f"{(num_prompt + num_output) / elapsed:.1f} total tokens/s",
+        f"mean TTFT        {sum(ttfts) / max(len(ttfts), 1):.2f} s",
+        f"prefix cache     {stats.prefix_cache_hit_rate:.1%} of prompt tokens hit "
+        f"({stats.prefix_cache_hits}/{stats.prefix_cache_queries})",
+        f"KV cache         peak {stats.peak_kv_cache_usage:.1%} of {usable} blocks "
+        f"x {engine.config.block_size} tokens",
+        f"preemptions      {stats.num_preemptions}",
+    ]
+    print("\n--- summary ---", file=file)
+    print("\n".join(lines), file=file)
+
+
+def _params_dict(params) -> dict[str, Any]:
+    import dataclasses
+
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+
+
+def _config_kwargs(config) -> dict[str, Any]:
+    import dataclasses
+
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+
+
+def _as_json(output) -> dict[str, Any]:
+    return {
+        "request_id": output.request_id,
+        "outputs": [
+            {"index": c.index, "text": c.text, "finish_reason": c.finish_reason}
+            for c in output.outputs
+        ],
+        "num_prompt_tokens": len(output.prompt_token_ids),
+        "num_cached_tokens": output.num_cached_tokens,
+        "time_to_first_token": output.time_to_first_token,
+    }

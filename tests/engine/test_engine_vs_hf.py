@@ -1,0 +1,149 @@
+"""The engine against Hugging Face transformers on the same GGUF weights (fp32, greedy).
+
+Every configuration (batched or one at a time, prefix caching on/off, chunked prefill on/off,
+a pool small enough to force preemption) must give HF's tokens exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedkv.engine.llm import LLM
+from pagedkv.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def hf_outputs(hf_model, chat_prompt_ids, loaded_fp32):
+    """HF greedy continuations, one prompt at a time (no padding), cut after the first EOS."""
+    eos = set(loaded_fp32.config.eos_token_ids) | set(loaded_fp32.tokenizer.eos_token_ids)
+    outputs = []
+    with torch.inference_mode():
+        for ids in chat_prompt_ids:
+            input_ids = torch.tensor([ids])
+            generated = hf_model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                pad_token_id=0,
+            )[0, len(ids) :].tolist()
+            for i, token_id in enumerate(generated):
+                if token_id in eos:
+                    generated = generated[: i + 1]
+                    break
+            outputs.append(generated)
+    return outputs
+
+
+def make_llm(loaded_fp32, **kwargs) -> LLM:
+    kwargs.setdefault("num_blocks", 256)
+    kwargs.setdefault("max_model_len", 512)
+    return LLM(dtype="float32", loaded_model=loaded_fp32, **kwargs)
+
+
+def test_prompts_have_different_lengths(chat_prompt_ids):
+    lengths = sorted(len(ids) for ids in chat_prompt_ids)
+    assert len(lengths) >= 8 and lengths[0] < 50 and lengths[-1] > 200
+
+
+CONFIGS = {
+    "batched": {},
+    "no-prefix-caching": {"enable_prefix_caching": False},
+    "chunked-prefill-64": {"max_num_batched_tokens": 64},
+    "no-chunked-prefill": {"enable_chunked_prefill": False, "max_num_batched_tokens": 512},
+    "one-at-a-time": {"max_num_seqs": 1},
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_equals_hf(name, loaded_fp32, chat_prompt_ids, hf_outputs):
+    llm = make_llm(loaded_fp32, **CONFIGS[name])
+    outputs = llm.generate(chat_prompt_ids, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == hf_outputs
+    assert all(o.finished for o in outputs)
+
+
+def test_greedy_equals_hf_under_preemption(loaded_fp32, chat_prompt_ids, hf_outputs):
+    # 23 usable blocks of 16 tokens; the 8 prompts and their outputs need about 60 together.
+    llm = make_llm(loaded_fp32, num_blocks=24, max_model_len=256, max_num_batched_tokens=64)
+    outputs = llm.generate(chat_prompt_ids, GREEDY, use_tqdm=False)
+    assert llm.get_stats().scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outputs] == hf_outputs
+    assert llm.engine.kv_cache_manager.usage == 0.0
+
+
+def test_prompt_submitted_twice_hits_the_cache_and_repeats(loaded_fp32, chat_prompt_ids):
+    llm = make_llm(loaded_fp32)
+    aligned = chat_prompt_ids[7][:48]  # exactly 3 blocks: the hit is capped at 47 -> 32 tokens
+    for prompt, expected_hit in ((chat_prompt_ids[5], None), (aligned, 32)):
+        first = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+        second = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+        assert first.num_cached_tokens == 0
+        hit = expected_hit if expected_hit is not None else (len(prompt) - 1) // 16 * 16
+        assert second.num_cached_tokens == hit
+        assert second.token_ids == first.token_ids
+
+
+def test_text_stop_strings_and_streaming_deltas(loaded_fp32, chat_prompt_ids, hf_outputs):
+    llm = make_llm(loaded_fp32)
+    tokenizer = llm.tokenizer
+    full = tokenizer.decode(hf_outputs[1])  # "The capital of France is Paris..."
+    engine = llm.engine
+    engine.add_request("plain", chat_prompt_ids[1], GREEDY)
+    stop = full.split()[3]
+    engine.add_request("stop", chat_prompt_ids[1], SamplingParams(temperature=0, stop=[stop]))
+    deltas: dict[str, list[str]] = {"plain": [], "stop": []}
+    final = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            deltas[output.request_id].append(output.new_text)
+            assert output.text == "".join(deltas[output.request_id])
+            if output.finished:
+                final[output.request_id] = output
+    assert final["plain"].text == full
+    assert final["plain"].token_ids == hf_outputs[1]
+    assert final["stop"].finish_reason == "stop"
+    assert final["stop"].outputs[0].stop_reason == stop
+    assert final["stop"].text == full[: full.index(stop)]
+    assert final["plain"].time_to_first_token > 0
+
+
+def test_seeded_sampling_is_reproducible_and_n_samples_share_the_prompt(
+    loaded_fp32, chat_prompt_ids
+):
+    llm = make_llm(loaded_fp32)
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=7, max_tokens=8, n=3)
+    first = llm.generate([chat_prompt_ids[4]], params, use_tqdm=False)[0]
+    stats = llm.get_stats().scheduler
+    # The 3 samples share the prompt's blocks: samples 2 and 3 hit the cache on admission.
+    prompt_blocks = (len(chat_prompt_ids[4]) - 1) // 16 * 16
+    assert stats.prefix_cache_hits == 2 * prompt_blocks
+    assert [o.index for o in first.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in first.outputs}) > 1
+    again = llm.generate([chat_prompt_ids[4]], params, use_tqdm=False)[0]
+    assert [o.token_ids for o in again.outputs] == [o.token_ids for o in first.outputs]
+
+
+def test_abort_and_errors(loaded_fp32, chat_prompt_ids):
+    from pagedkv.errors import InvalidRequestError
+
+    llm = make_llm(loaded_fp32, num_blocks=64)
+    engine = llm.engine
+    with pytest.raises(InvalidRequestError, match="max_model_len"):
+        engine.add_request("long", chat_prompt_ids[7], SamplingParams(max_tokens=500))
+    with pytest.raises(InvalidRequestError, match="token ids must be in"):
+        engine.add_request("bad", [1, 2, 10**9], GREEDY)
+    engine.add_request("a", chat_prompt_ids[0], GREEDY)
+    engine.step()
+    engine.abort_request("a")
+    engine.abort_request("a")
+    outputs = engine.step()
+    assert [(o.request_id, o.finish_reason, o.finished) for o in outputs] == [("a", "abort", True)]
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache_manager.usage == 0.0
