@@ -307,3 +307,25 @@ def test_import_core_does_not_import_torch():
     code = "import sys, pagedkv.core; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_kv_cache_blocks_add_and_ids():
+    kv = manager(10)
+    request = make_request(kv, "a", range(6))
+    first = kv.allocate_slots(request, 6)
+    request.num_computed_tokens = 6
+    second = kv.allocate_slots(request, 4)
+    assert (first + second).get_block_ids() == kv.get_block_ids("a") == ([1, 2, 3],)
+    assert (kv.empty_kv_cache_blocks + first).get_block_ids() == ([1, 2],)
+    assert kv.get_blocks("a").get_block_ids() == ([1, 2, 3],)
+    # No new block needed: the shared empty blocks come back.
+    request.num_computed_tokens = 10
+    assert kv.allocate_slots(request, 1) is kv.empty_kv_cache_blocks
+
+
+def test_token_ids_must_be_int64():
+    kv = manager(10)
+    with pytest.raises(InvalidRequestError, match="int64"):
+        make_request(kv, "a", [1, 2, 3, 2**64])
+    with pytest.raises(InvalidRequestError, match="int64"):
+        make_request(kv, "b", [1, 2, 3, "x"])
