@@ -329,3 +329,15 @@ def test_token_ids_must_be_int64():
         make_request(kv, "a", [1, 2, 3, 2**64])
     with pytest.raises(InvalidRequestError, match="int64"):
         make_request(kv, "b", [1, 2, 3, "x"])
+
+
+def test_hits_after_an_empty_allocation():
+    kv = manager(10)
+    first = make_request(kv, "a", range(9))
+    admit(kv, first)
+    kv.free(first)
+    second = make_request(kv, "b", range(9))
+    assert kv.allocate_slots(second, 0) is kv.empty_kv_cache_blocks  # registers, holds nothing
+    num_hit, new_blocks = admit(kv, second)
+    assert num_hit == 8 and new_blocks.get_block_ids() == ([4],)
+    kv.check_invariants()

@@ -83,9 +83,10 @@ class SingleTypeKVCacheManager:
         """Start the request's block table with its (already touched) cache hits.
 
         Raises:
-            CacheStateError: the request already holds blocks in this group.
+            CacheStateError: the request already holds blocks in this group (the manager checks
+                this before changing anything).
         """
-        if request_id in self.req_to_blocks:
+        if self.req_to_blocks.get(request_id):
             raise CacheStateError(
                 f"request {request_id!r} already holds blocks; hits are for new ones"
             )
