@@ -341,3 +341,18 @@ def test_hits_after_an_empty_allocation():
     num_hit, new_blocks = admit(kv, second)
     assert num_hit == 8 and new_blocks.get_block_ids() == ([4],)
     kv.check_invariants()
+
+
+def test_stale_hit_blocks_are_refused():
+    kv = manager(3)
+    first = make_request(kv, "a", range(9))
+    admit(kv, first)
+    kv.free(first)
+    second = make_request(kv, "b", range(9))
+    blocks, num_hit = kv.get_computed_blocks(second)
+    assert num_hit == 8
+    admit(kv, make_request(kv, "c", range(100, 112)))  # reuses (evicts) every free block
+    before = snapshot(kv)
+    with pytest.raises(CacheStateError, match="evicted"):
+        kv.allocate_slots(second, 1, num_hit, blocks)
+    assert snapshot(kv) == before

@@ -228,7 +228,8 @@ class KVCacheManager:
 
         Raises:
             InvalidRequestError: a negative count, or hit tokens that disagree with the hit blocks.
-            CacheStateError: hit blocks for a request that already holds blocks.
+            CacheStateError: hit blocks for a request that already holds blocks, or hit blocks
+                evicted (reused) since ``get_computed_blocks``: call the two back to back.
         """
         fast = self._full_attention_only
         if (
@@ -276,6 +277,15 @@ class KVCacheManager:
                 raise CacheStateError(
                     f"request {request_id!r} already holds blocks; prefix hits are for new requests"
                 )
+            # A hit block reused since get_computed_blocks would hand out someone else's KV.
+            block_hashes = request.block_hashes
+            for blocks in hit_blocks:
+                for i, block in enumerate(blocks):
+                    if not block.is_null and block.block_hash != block_hashes[i]:
+                        raise CacheStateError(
+                            f"hit block {block.block_id} of request {request_id!r} was evicted "
+                            "after get_computed_blocks; look the hits up again"
+                        )
 
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_need_slot = num_computed_tokens + num_new_tokens + num_lookahead_tokens
