@@ -21,8 +21,9 @@ different inputs encode to the same bytes. ``cache_salt`` goes into the first bl
 that block's hash and through the chain every descendant's.
 
 Algorithms: ``"sha256"`` (default, collision-resistant: a prefix hit trusts the hash) and
-``"xxh3_128"`` (about 3x faster, NOT cryptographic: inputs that collide can be crafted, so with it
-the block pool also keeps each cached block's token ids and checks them on every hit).
+``"xxh3_128"`` (several times cheaper per block, NOT cryptographic: inputs that collide can be
+crafted, so with it the block pool also keeps each cached block's token ids and checks them on
+every hit).
 
 Idea from vLLM V1 (``vllm/v1/core/kv_cache_utils.py``: ``hash_block_tokens``, ``NONE_HASH``).
 """
@@ -33,6 +34,7 @@ import hashlib
 import os
 import struct
 from collections.abc import Callable, Sequence
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NewType
 
 from pagedkv.errors import ConfigError, InvalidRequestError
@@ -54,7 +56,7 @@ def _hash_constructor(algo: str) -> Callable[[bytes], Any]:
 
 
 #: algorithm name -> whether it is collision-resistant.
-HASH_ALGOS = {"sha256": True, "xxh3_128": False}
+HASH_ALGOS = MappingProxyType({"sha256": True, "xxh3_128": False})
 
 _LORA_KEY = struct.Struct("<cq")
 _MM_KEY = struct.Struct("<cqI")
