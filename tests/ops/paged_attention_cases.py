@@ -35,10 +35,11 @@ def make_case(
     seed: int = 0,
     kv_cache: torch.Tensor | None = None,
     block_tables_buffer: torch.Tensor | None = None,
+    garbage: str = "large",
 ) -> PagedCase:
     """Build a case: request i has (seq_len, q_len) = seq_q_lens[i].
 
-    Every slot of the cache first holds large garbage (finite: the cache contract), then each
+    Every slot of the cache first holds garbage ("large": randn x 50; "nan": NaN), then each
     request's K/V goes into its own shuffled physical blocks through write_kv. Table entries past a
     request's blocks hold other requests' block ids (stale-buffer garbage).
     """
@@ -47,7 +48,10 @@ def make_case(
     num_blocks = 1 + sum(num_blocks_per_req) + extra_blocks
     if kv_cache is None:
         kv_cache = allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_size, dtype)
-        kv_cache.copy_(torch.randn(kv_cache.shape, generator=gen) * 50)
+        if garbage == "nan":
+            kv_cache.copy_(torch.full(kv_cache.shape, float("nan")))
+        else:
+            kv_cache.copy_(torch.randn(kv_cache.shape, generator=gen) * 50)
     else:
         num_blocks = kv_cache.shape[1]
     physical = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
