@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -295,12 +296,14 @@ def main(argv: list[str] | None = None) -> int:
             summary = asyncio.run(
                 run_level(url, model, concurrency, args.num_requests, args.max_tokens, args.timeout)
             )
+            summary["load_average_1m"] = os.getloadavg()[0]  # the CPU is shared: context
             summaries.append(summary)
             print(
                 f"concurrency {concurrency:>3}: {summary['requests_per_s']:.2f} req/s, "
                 f"{summary['output_tokens_per_s']:.1f} tok/s, "
                 f"TTFT p50 {summary['ttft_ms']['p50']:.0f} ms, "
-                f"ITL p50 {summary['itl_ms']['p50']:.0f} ms, failed {summary['num_failed']}",
+                f"ITL p50 {summary['itl_ms']['p50']:.0f} ms, failed {summary['num_failed']}, "
+                f"load average {summary['load_average_1m']:.1f}",
                 file=sys.stderr,
                 flush=True,
             )

@@ -429,3 +429,35 @@ def test_serve_cli_arguments():
     assert (args.host, args.port, args.max_num_seqs) == ("127.0.0.1", 0, 8)
     assert served_model_name("/x/SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct.Q4_1"
     assert served_model_name("/models/Qwen2-0.5B") == "Qwen2-0.5B"
+
+
+# ---- the engine loop on its own -----------------------------------------------------------------
+
+
+def test_engine_loop_aborts_an_add_cancelled_while_queued():
+    from pagedkv.engine.sampling_params import SamplingParams
+    from pagedkv.entrypoints.openai.engine_loop import EngineLoop, EngineRequest
+
+    async def main():
+        engine = FakeEngine(step_delay=0.05)
+        loop = EngineLoop(engine)
+        loop.start(asyncio.get_running_loop())
+        try:
+            busy = await loop.add_requests(
+                [EngineRequest("busy", "x", SamplingParams(max_tokens=3))]
+            )
+            late = asyncio.ensure_future(
+                loop.add_requests([EngineRequest("late", "y", SamplingParams(max_tokens=100))])
+            )
+            await asyncio.sleep(0)  # its command is queued behind the running step
+            late.cancel()
+            while not busy.finished:
+                await busy.get()
+            while await loop.call(lambda e: e.has_unfinished_requests()):
+                await asyncio.sleep(0.01)
+            assert [r[0] for r in engine.added] == ["busy", "late"]
+            assert engine.num_aborted == 1 and loop.num_streams == 0
+        finally:
+            loop.stop()
+
+    asyncio.run(main())

@@ -166,6 +166,9 @@ class EngineLoop:
         except BaseException:
             for request_id in stream.request_ids:
                 self._streams.pop(request_id, None)
+            # Cancelled (the client left) while the command waited: it will still run, so
+            # abort right behind it. After a failed add this is a no-op.
+            self._send_abort(stream.request_ids)
             raise
         return stream
 
@@ -173,8 +176,10 @@ class EngineLoop:
         """Abort requests that have not finished (their blocks are freed); never blocks, and
         aborting a finished or unknown request is a no-op."""
         request_ids = [rid for rid in request_ids if self._streams.pop(rid, None) is not None]
-        if not request_ids:
-            return
+        if request_ids:
+            self._send_abort(request_ids)
+
+    def _send_abort(self, request_ids: list[str]) -> None:
         self._commands.put(_Command(lambda engine: engine.abort_request(request_ids), None))
         self._wake.set()
 
