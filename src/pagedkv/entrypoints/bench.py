@@ -1,16 +1,228 @@
-"""`pagedkv bench` (placeholder until its issue lands)."""
+"""``pagedkv bench throughput``: offline throughput of pagedkv vs Hugging Face generate.
+
+    pagedkv bench throughput --backend pagedkv
+    pagedkv bench throughput --backend hf
+    pagedkv bench throughput --backend both          (both on one workload, in one run)
+
+Workload: chat prompts from a JSONL file (default: the committed 64-prompt set
+``benchmarks/data/chat_prompts.jsonl``), all submitted at once, ``max_tokens`` output tokens each
+with ``ignore_eos`` so both backends do the same work, greedy. Reported: output tokens/s, mean and
+median time to first token (from submission), and the pagedkv / HF ratio. The HF baseline is
+transformers' ``generate`` on the same GGUF weights, in batches of ``--hf-batch-size`` with left
+padding (the usual way to batch it).
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+#: The committed workload, found from the source tree (editable install / checkout).
+DEFAULT_WORKLOAD = (
+    Path(__file__).resolve().parents[3] / "benchmarks" / "data" / "chat_prompts.jsonl"
+)
+
+
+@dataclass(slots=True)
+class BenchResult:
+    """One backend's numbers on the workload."""
+
+    backend: str
+    dtype: str
+    num_requests: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    elapsed_s: float
+    output_tokens_per_s: float
+    mean_ttft_s: float
+    median_ttft_s: float
+    extra: dict[str, Any]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add the `bench` subcommand."""
-    parser = subparsers.add_parser("bench", help="(not yet implemented)")
+    """Add the `bench` subcommand (with its `throughput` benchmark)."""
+    parser = subparsers.add_parser("bench", help="benchmarks (throughput vs Hugging Face)")
+    benches = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    tp = benches.add_parser("throughput", help="offline output tokens/s and TTFT")
+    tp.add_argument("--backend", choices=("pagedkv", "hf", "both"), default="pagedkv")
+    tp.add_argument("--input", type=Path, default=DEFAULT_WORKLOAD, help="JSONL chat prompts")
+    tp.add_argument("--num-prompts", type=int, default=None, help="first N prompts only")
+    tp.add_argument("--max-tokens", type=int, default=128)
+    tp.add_argument("--hf-batch-size", type=int, default=16)
+    tp.add_argument("--json", type=Path, default=None, help="write the results here")
+    from pagedkv.engine.config import EngineConfig
+
+    EngineConfig.add_cli_args(tp)
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run `pagedkv bench`."""
-    raise SystemExit("pagedkv bench: not implemented yet")
+    """Run `pagedkv bench throughput`."""
+    from pagedkv.engine.cpu_runtime import tune_cpu_runtime
+    from pagedkv.entrypoints.generate import load_prompts
+    from pagedkv.errors import InvalidRequestError
+    from pagedkv.model.loader import resolve_model_path
+
+    if not args.input.is_file():
+        raise InvalidRequestError(f"workload file {args.input} not found; pass --input FILE")
+    conversations = [messages for messages, _ in load_prompts(args.input)]
+    if args.num_prompts is not None:
+        conversations = conversations[: args.num_prompts]
+    tune_cpu_runtime(args.num_threads)
+    model_path = resolve_model_path(args.model)
+    results = []
+    if args.backend in ("pagedkv", "both"):
+        results.append(bench_pagedkv(args, conversations))
+        _print_result(results[-1])
+    if args.backend in ("hf", "both"):
+        results.append(bench_hf(args, conversations, model_path))
+        _print_result(results[-1])
+    if len(results) == 2:
+        ratio = results[0].output_tokens_per_s / results[1].output_tokens_per_s
+        print(f"\npagedkv / hf output tokens/s: {ratio:.2f}x")
+    if args.json is not None:
+        args.json.write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
+    return 0
+
+
+def bench_pagedkv(args: argparse.Namespace, conversations: list) -> BenchResult:
+    """Run the workload through pagedkv's LLM (after a short warm-up on another prompt)."""
+    from pagedkv.engine.config import EngineConfig
+    from pagedkv.engine.llm import LLM
+    from pagedkv.engine.sampling_params import SamplingParams
+
+    config = EngineConfig.from_cli_args(args)
+    llm = LLM(**{name: getattr(config, name) for name in config.__slots__})
+    tokenizer = llm.tokenizer
+    prompts = [tokenizer.apply_chat_template(c) for c in conversations]
+    warmup = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm.generate([[{"role": "user", "content": "Warm up."}]] * 4, warmup, use_tqdm=False)
+    llm.engine.kv_cache_manager.reset_prefix_cache()
+    before = llm.get_stats()
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    stats = llm.get_stats()
+    ttfts = [o.time_to_first_token for o in outputs]
+    num_output = sum(len(o.token_ids) for o in outputs)
+    return BenchResult(
+        backend="pagedkv",
+        dtype=config.dtype,
+        num_requests=len(prompts),
+        num_prompt_tokens=sum(map(len, prompts)),
+        num_output_tokens=num_output,
+        elapsed_s=elapsed,
+        output_tokens_per_s=num_output / elapsed,
+        mean_ttft_s=statistics.fmean(ttfts),
+        median_ttft_s=statistics.median(ttfts),
+        extra={
+            "max_num_seqs": config.max_num_seqs,
+            "max_num_batched_tokens": config.max_num_batched_tokens,
+            "num_steps": stats.num_steps - before.num_steps,
+            "num_preemptions": stats.scheduler.num_preemptions,
+            "peak_kv_cache_usage": stats.scheduler.peak_kv_cache_usage,
+            "prefix_cache_hit_rate": stats.scheduler.prefix_cache_hit_rate,
+        },
+    )
+
+
+def bench_hf(args: argparse.Namespace, conversations: list, model_path: Path) -> BenchResult:
+    """Run the workload through transformers' generate in batches with left padding."""
+    import torch
+    import transformers
+
+    from pagedkv.errors import InvalidRequestError
+
+    if model_path.is_dir():
+        load_args: dict[str, Any] = {}
+        source = str(model_path)
+    else:
+        load_args = {"gguf_file": model_path.name}
+        source = str(model_path.parent)
+    dtype = getattr(torch, args.dtype)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(source, **load_args)
+    model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **load_args)
+    model.eval()
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    prompts = [
+        tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
+        for c in conversations
+    ]
+    if args.hf_batch_size < 1:
+        raise InvalidRequestError("--hf-batch-size must be >= 1")
+
+    def generate(batch: list[str], max_tokens: int, on_first_token=None):
+        enc = tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=False)
+        processors = transformers.LogitsProcessorList()
+        if on_first_token is not None:
+            processors.append(_FirstCallTimer(on_first_token))
+        with torch.inference_mode():
+            out = model.generate(
+                **enc,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,  # ignore EOS: the same work as pagedkv
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+                logits_processor=processors,
+            )
+        return enc["input_ids"].shape[1], out
+
+    generate(prompts[:4], 8)  # warm-up
+    ttfts: list[float] = []
+    num_output = 0
+    num_prompt = 0
+    start = time.perf_counter()
+    for b in range(0, len(prompts), args.hf_batch_size):
+        batch = prompts[b : b + args.hf_batch_size]
+        first: list[float] = []
+        input_len, out = generate(batch, args.max_tokens, first.append)
+        ttfts += [first[0] - start] * len(batch)
+        num_output += (out.shape[1] - input_len) * len(batch)
+        num_prompt += sum(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in batch)
+    elapsed = time.perf_counter() - start
+    return BenchResult(
+        backend="hf",
+        dtype=args.dtype,
+        num_requests=len(prompts),
+        num_prompt_tokens=num_prompt,
+        num_output_tokens=num_output,
+        elapsed_s=elapsed,
+        output_tokens_per_s=num_output / elapsed,
+        mean_ttft_s=statistics.fmean(ttfts),
+        median_ttft_s=statistics.median(ttfts),
+        extra={"batch_size": args.hf_batch_size, "transformers": transformers.__version__},
+    )
+
+
+class _FirstCallTimer:
+    """A logits processor that records when generate first asks for logits processing (right
+    after the prefill forward: the batch's first token)."""
+
+    def __init__(self, record) -> None:
+        self.record = record
+        self.called = False
+
+    def __call__(self, input_ids, scores):
+        if not self.called:
+            self.called = True
+            self.record(time.perf_counter())
+        return scores
+
+
+def _print_result(result: BenchResult) -> None:
+    print(
+        f"{result.backend:8s} {result.dtype}: {result.num_requests} requests, "
+        f"{result.num_prompt_tokens} prompt + {result.num_output_tokens} output tokens in "
+        f"{result.elapsed_s:.1f} s -> {result.output_tokens_per_s:.1f} output tokens/s; "
+        f"TTFT mean {result.mean_ttft_s:.2f} s, median {result.median_ttft_s:.2f} s"
+        + (f"; {json.dumps(result.extra)}" if result.extra else ""),
+        flush=True,
+    )
