@@ -2,13 +2,13 @@
 
 A forward runs ``paged_attention`` once per layer (30 layers for SmolLM2) with the same block
 tables, seq_lens and query_start_loc. Everything that depends only on those is computed here once
-per step: which requests are decodes, every attended key's slot, masks, and (on the first layer,
-once the cache's head layout is known) the fast path's gather plan (see ``gather_plan.py``).
+per step: which requests are decodes, the blocks and slots each reads, masks, and (on the first
+layer, once the cache's head layout is known) the fast path's gather plan (``gather_plan.py``).
 
 Requests split into two groups:
 
 * decode group: requests with exactly one query token, attended together, vectorised. They are
-  sorted by key length so that each gather chunk pads only to its own longest request.
+  sorted by blocks read so that each gather chunk pads only to its own longest request.
 * prefill group: requests with more than one query token (a prompt, a chunk of one, or a prompt
   after a prefix cache hit), attended one request at a time (each is big enough that the Python
   loop costs little next to its matmuls).
@@ -64,10 +64,11 @@ class PagedAttentionMetadata:
     max_block_id: int  # largest block id any request reads (validation against the pool)
     seq_lens_list: list[int]
     query_start_loc_list: list[int]
-    # decode group (q_len == 1), sorted by kv_len (descending)
+    # decode group (q_len == 1), sorted by blocks read (descending)
     decode_token_ids: torch.Tensor  # [num_decodes] int64, query rows
-    decode_kv_lens: list[int]  # keys attended per decode request
-    decode_kv_slots: torch.Tensor  # [num_decodes, max kv_len] int64, padded with the last slot
+    decode_num_blocks: list[int]  # blocks read per decode request
+    decode_block_ids: torch.Tensor  # [num_decodes, max blocks read] int64, padded with 0
+    decode_valid: torch.Tensor  # [num_decodes, max blocks read * block_size] bool, True = attend
     # prefill group (q_len > 1)
     prefills: list[PrefillRequest]
     decode_chunk_bytes: int = DEFAULT_DECODE_CHUNK_BYTES
@@ -76,7 +77,7 @@ class PagedAttentionMetadata:
     @property
     def num_decodes(self) -> int:
         """Requests with exactly one query token this step."""
-        return len(self.decode_kv_lens)
+        return len(self.decode_num_blocks)
 
     @property
     def decode_only(self) -> bool:
@@ -133,26 +134,35 @@ class PagedAttentionMetadata:
 
         table = block_tables.long()
         max_block_id = 0
-        # Decode group: one [num_decodes, max_kv_len] slot matrix, vectorised over requests.
+        # Decode group, vectorised over requests. Request i reads whole blocks from the one holding
+        # its first attended key (kv_start) to its last; decode_valid marks the attended slots.
         decode_reqs = [i for i in range(num_reqs) if q_lens[i] == 1]
-        decode_reqs.sort(key=lambda i: -(seq_lens_list[i] - kv_start_of(seq_lens_list[i], 1)))
-        decode_kv_lens = [seq_lens_list[i] - kv_start_of(seq_lens_list[i], 1) for i in decode_reqs]
+
+        def blocks_read(i: int) -> int:
+            seq_len = seq_lens_list[i]
+            return -(-seq_len // block_size) - kv_start_of(seq_len, 1) // block_size
+
+        decode_reqs.sort(key=lambda i: -blocks_read(i))
+        decode_num_blocks = [blocks_read(i) for i in decode_reqs]
         if decode_reqs:
             dec = torch.tensor(decode_reqs, dtype=torch.long)
             dec_seq = torch.tensor([seq_lens_list[i] for i in decode_reqs], dtype=torch.long)
-            kv_start = dec_seq - torch.tensor(decode_kv_lens, dtype=torch.long)
-            # Padding positions repeat the last key: always the request's own finite data.
-            pos = torch.minimum(
-                kv_start[:, None] + torch.arange(decode_kv_lens[0])[None, :], dec_seq[:, None] - 1
-            )
-            blocks = table.index_select(0, dec).gather(1, pos // block_size)
-            decode_kv_slots = blocks * block_size + pos % block_size
-            max_block_id = int(blocks.max())
-            min_block_id = int(blocks.min())
+            kv_start = torch.tensor([kv_start_of(seq_lens_list[i], 1) for i in decode_reqs])
+            first_block = kv_start // block_size
+            num_read = torch.tensor(decode_num_blocks)
+            j = torch.arange(decode_num_blocks[0])
+            used = j[None, :] < num_read[:, None]
+            col = torch.where(used, first_block[:, None] + j[None, :], 0)
+            decode_block_ids = torch.where(used, table.index_select(0, dec).gather(1, col), 0)
+            max_block_id = int(decode_block_ids.max())
+            min_block_id = int(decode_block_ids.min())
+            pos = (first_block * block_size)[:, None] + torch.arange(j.numel() * block_size)
+            decode_valid = (pos >= kv_start[:, None]) & (pos < dec_seq[:, None])
             decode_token_ids = torch.tensor([qsl[i] for i in decode_reqs], dtype=torch.long)
         else:
             min_block_id = 0
-            decode_kv_slots = torch.zeros(0, 0, dtype=torch.long)
+            decode_block_ids = torch.zeros(0, 0, dtype=torch.long)
+            decode_valid = torch.zeros(0, 0, dtype=torch.bool)
             decode_token_ids = torch.zeros(0, dtype=torch.long)
 
         # Prefill group, one entry per request.
@@ -200,8 +210,9 @@ class PagedAttentionMetadata:
             seq_lens_list=seq_lens_list,
             query_start_loc_list=qsl,
             decode_token_ids=decode_token_ids,
-            decode_kv_lens=decode_kv_lens,
-            decode_kv_slots=decode_kv_slots,
+            decode_num_blocks=decode_num_blocks,
+            decode_block_ids=decode_block_ids,
+            decode_valid=decode_valid,
             prefills=prefills,
             decode_chunk_bytes=decode_chunk_bytes,
         )

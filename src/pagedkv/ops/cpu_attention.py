@@ -3,7 +3,8 @@
 Decode group (q_len 1), chunk by chunk of requests (see ``gather_plan.py``), no Python loop over
 requests inside a chunk::
 
-    K, V    = index_select(cache rows, chunk.rows)   -> [n, kv_heads, kv_len, head], contiguous
+    blocks  = index_select(kv_cache[0], chunk.block_ids)     [n * num_blocks, block, kv_heads, head]
+    K, V    = blocks -> [n, kv_heads, kv_len, head] contiguous (copy while still in cache)
     q       = query rows viewed as [n, kv_heads, group, head]   (GQA: no K/V repeat)
     scores  = q @ K^T -> fp32, scale, mask padding, softmax     [n, kv_heads, group, kv_len]
     out     = probs (query dtype) @ V                         [n, kv_heads, group, head]
@@ -58,29 +59,49 @@ def cpu_paged_attention(
     plan = get_gather_plan(
         metadata, num_kv_heads, 2 * num_kv_heads * head_size * kv_cache.element_size()
     )
-    key_buf, value_buf = plan.gather_buffers(kv_cache.dtype, head_size)
-    key_rows = kv_cache[0].view(-1, head_size)
-    value_rows = kv_cache[1].view(-1, head_size)
     out = torch.empty_like(query)
-
+    bs = kv_cache.shape[2]
+    if plan.decode_chunks:
+        block_shape = (plan.max_decode_blocks, bs, num_kv_heads, head_size)
+        key_blocks = plan.buffer("key_blocks", block_shape, kv_cache.dtype)
+        value_blocks = plan.buffer("value_blocks", block_shape, kv_cache.dtype)
+        major_shape = (plan.max_decode_blocks * bs * num_kv_heads * head_size,)
+        key_major = plan.buffer("key_major", major_shape, dtype)
+        value_major = plan.buffer("value_major", major_shape, dtype)
     for chunk in plan.decode_chunks:
-        n, kv_len, num_rows = chunk.num_reqs, chunk.kv_len, chunk.rows.numel()
-        k = torch.index_select(key_rows, 0, chunk.rows, out=key_buf[:num_rows])
-        v = torch.index_select(value_rows, 0, chunk.rows, out=value_buf[:num_rows])
-        if fp8:
-            k, v = k.to(dtype), v.to(dtype)
-        k = k.view(n, num_kv_heads, kv_len, head_size)
-        v = v.view(n, num_kv_heads, kv_len, head_size)
+        n, kv_len = chunk.num_reqs, chunk.num_blocks * bs
+        num_blocks = n * chunk.num_blocks
+        kb = torch.index_select(kv_cache[0], 0, chunk.block_ids, out=key_blocks[:num_blocks])
+        vb = torch.index_select(kv_cache[1], 0, chunk.block_ids, out=value_blocks[:num_blocks])
+        # Token-major -> KV-head-major while the blocks are still in cache (and fp8 -> dtype).
+        kb = kb.view(n, kv_len, num_kv_heads, head_size).transpose(1, 2)
+        vb = vb.view(n, kv_len, num_kv_heads, head_size).transpose(1, 2)
+        size = n * kv_len * num_kv_heads * head_size
+        k = key_major[:size].view(n, num_kv_heads, kv_len, head_size).copy_(kb)
+        v = value_major[:size].view(n, num_kv_heads, kv_len, head_size)
+        if chunk.value_valid is None:
+            v.copy_(vb)
+        else:
+            # Slots outside a request's keys may hold anything (even NaN): zero them, since a
+            # masked probability of 0 times NaN would still be NaN.
+            zero = torch.zeros((), dtype=dtype)
+            torch.where(chunk.value_valid, vb.to(dtype) if fp8 else vb, zero, out=v)
         q = query.index_select(0, chunk.token_ids).view(n, num_kv_heads, group, head_size)
         scores = torch.matmul(q, k.transpose(2, 3)).float().mul_(scale * k_scale)
-        if chunk.mask is not None:
-            scores.masked_fill_(chunk.mask, float("-inf"))
+        if chunk.key_mask is not None:
+            scores.masked_fill_(chunk.key_mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(dtype)
         chunk_out = torch.matmul(probs, v).view(n, num_heads, head_size)
         if fp8:
             chunk_out.mul_(v_scale)
         out.index_copy_(0, chunk.token_ids, chunk_out)
 
+    if plan.prefill_rows:
+        rows_shape = (plan.max_prefill_rows, head_size)
+        key_buf = plan.buffer("key_rows", rows_shape, kv_cache.dtype)
+        value_buf = plan.buffer("value_rows", rows_shape, kv_cache.dtype)
+        key_rows = kv_cache[0].view(-1, head_size)
+        value_rows = kv_cache[1].view(-1, head_size)
     for p, rows in zip(metadata.prefills, plan.prefill_rows, strict=True):
         num_rows = rows.numel()
         k = torch.index_select(key_rows, 0, rows, out=key_buf[:num_rows])
