@@ -79,9 +79,9 @@ def test_greedy_equals_hf_under_preemption(loaded_fp32, chat_prompt_ids, hf_outp
 
 
 def test_prompt_submitted_twice_hits_the_cache_and_repeats(loaded_fp32, chat_prompt_ids):
-    llm = make_llm(loaded_fp32)
     aligned = chat_prompt_ids[7][:48]  # exactly 3 blocks: the hit is capped at 47 -> 32 tokens
     for prompt, expected_hit in ((chat_prompt_ids[5], None), (aligned, 32)):
+        llm = make_llm(loaded_fp32)
         first = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
         second = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
         assert first.num_cached_tokens == 0
