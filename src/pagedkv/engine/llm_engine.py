@@ -298,6 +298,11 @@ class LLMEngine:
                     state.changed = True
             self._pending.append(state)
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block (e.g. after changing weights). Returns False, changing
+        nothing, while any request holds blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         """True while a request is queued, running, or has an output not yet reported."""
         return bool(self._states)
@@ -406,13 +411,13 @@ class LLMEngine:
             request = sample.request
             token_ids = request.output_token_ids
             text = sample.text
+            visible = len(text)
             if sample.finish_reason is None:
                 finished = False
-                # Hold back a possible partial stop string until it is decided.
-                visible = len(text) - (state.max_stop_len - 1 if state.max_stop_len else 0)
-                visible = max(visible, sample.num_emitted_chars)
-            else:
-                visible = len(text)
+                if state.max_stop_len:
+                    # Hold back an end of the text that may be the start of a stop string.
+                    visible -= _partial_stop_len(text, state.params.stop)
+                    visible = max(visible, sample.num_emitted_chars)
             outputs.append(
                 CompletionOutput(
                     index=index,
@@ -459,3 +464,14 @@ class LLMEngine:
 
 def _fields(config: EngineConfig) -> dict[str, Any]:
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+
+
+def _partial_stop_len(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest end of ``text`` that is a proper start of a stop string."""
+    longest = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:k]):
+                longest = k
+                break
+    return longest

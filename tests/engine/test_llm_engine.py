@@ -1,0 +1,215 @@
+"""LLMEngine and LLM with a tiny random model: streaming, stop strings, n, abort, errors, and
+the same tokens whatever the batching, caching, chunking or preemption (fast, no real model)."""
+
+from __future__ import annotations
+
+import pytest
+from _tiny_model import EOS, tiny_loaded_model
+
+from pagedkv.engine.llm import LLM
+from pagedkv.engine.llm_engine import LLMEngine, _partial_stop_len
+from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.errors import ConfigError, InvalidRequestError
+
+PROMPTS = ["hello", "a much longer prompt about paged attention " * 3, "abc", "x" * 70]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_loaded_model()
+
+
+def make_engine(tiny, **kwargs) -> LLMEngine:
+    kwargs.setdefault("num_blocks", 80)
+    kwargs.setdefault("max_model_len", 256)
+    kwargs.setdefault("block_size", 4)
+    return LLMEngine(loaded_model=tiny, dtype="float32", num_threads=1, **kwargs)
+
+
+def greedy(max_tokens=12, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+def run(engine: LLMEngine) -> dict[str, list]:
+    """Step until done; returns every RequestOutput per request id, in step order."""
+    seen: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            seen.setdefault(output.request_id, []).append(output)
+    return seen
+
+
+def test_streaming_deltas_add_up_and_finish_once(tiny):
+    engine = make_engine(tiny)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, greedy(10))
+    seen = run(engine)
+    for i in range(len(PROMPTS)):
+        outputs = seen[str(i)]
+        assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
+        final = outputs[-1]
+        assert "".join(o.new_text for o in outputs) == final.text
+        assert [t for o in outputs for t in o.new_token_ids] == final.token_ids
+        assert len(final.token_ids) == 10 and final.finish_reason == "length"
+        assert final.time_to_first_token > 0
+    stats = engine.get_stats()
+    assert stats.num_requests == stats.num_finished_requests == len(PROMPTS)
+    assert stats.scheduler.kv_cache_usage == 0.0
+
+
+CONFIGS = [
+    {},
+    {"enable_prefix_caching": False},
+    {"max_num_batched_tokens": 16},
+    {"enable_chunked_prefill": False, "max_num_batched_tokens": 256},
+    {"max_num_seqs": 1},
+    {"num_blocks": 41, "max_num_batched_tokens": 16, "max_model_len": 160},
+]
+
+
+def test_same_tokens_in_every_configuration(tiny):
+    prompts = [*PROMPTS, PROMPTS[1], PROMPTS[1][:48]]  # repeats hit the prefix cache
+    reference = []
+    for prompt in prompts:  # each alone in a fresh engine
+        engine = make_engine(tiny)
+        engine.add_request("r", prompt, greedy(30))
+        reference.append(run(engine)["r"][-1].token_ids)
+    preempted = 0
+    for config in CONFIGS:
+        llm = LLM(
+            loaded_model=tiny,
+            dtype="float32",
+            num_threads=1,
+            block_size=4,
+            **({"num_blocks": 80, "max_model_len": 256} | config),
+        )
+        outputs = llm.generate(prompts, greedy(30), use_tqdm=False)
+        assert [o.token_ids for o in outputs] == reference, config
+        preempted += llm.get_stats().scheduler.num_preemptions
+    assert preempted > 0
+
+
+def test_stop_strings_cut_the_text_and_never_leak_in_deltas(tiny):
+    engine = make_engine(tiny)
+    engine.add_request("plain", PROMPTS[0], greedy(40))
+    full = run(engine)["plain"][-1].text
+    stop = full[20:23]
+    first = full.index(stop)
+    for include in (False, True):
+        engine.add_request(
+            "stop",
+            PROMPTS[0],
+            greedy(40, stop=[stop, "\x00never"], include_stop_str_in_output=include),
+        )
+        outputs = run(engine)["stop"]
+        final = outputs[-1]
+        assert final.finish_reason == "stop" and final.outputs[0].stop_reason == stop
+        assert final.text == full[: first + (len(stop) if include else 0)]
+        assert "".join(o.new_text for o in outputs) == final.text
+        assert all(stop not in o.text for o in outputs[:-1])
+
+
+def test_partial_stop_len():
+    assert _partial_stop_len("hello wor", ["world"]) == 3
+    assert _partial_stop_len("hello", ["xyz", "lo!"]) == 2
+    assert _partial_stop_len("hello", ["abc"]) == 0
+
+
+def test_stop_token_ids_and_eos(tiny):
+    engine = make_engine(tiny)
+    engine.add_request("a", PROMPTS[1], greedy(20))
+    tokens = run(engine)["a"][-1].token_ids
+    engine.add_request("b", PROMPTS[1], greedy(20, stop_token_ids=[tokens[5]]))
+    final = run(engine)["b"][-1]
+    assert final.token_ids == tokens[: tokens.index(tokens[5]) + 1]
+    assert final.outputs[0].stop_reason == tokens[5]
+    # EOS ends a request unless ignore_eos; a forced EOS via stop_token_ids shows both paths.
+    assert EOS in engine.eos_token_ids
+
+
+def test_n_samples_are_seeded_and_share_prompt_blocks(tiny):
+    engine = make_engine(tiny)
+    params = SamplingParams(n=3, temperature=1.0, top_k=20, top_p=0.9, seed=3, max_tokens=12)
+    engine.add_request("s", PROMPTS[1], params)
+    first = run(engine)["s"][-1]
+    assert [o.index for o in first.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in first.outputs}) == 3
+    hits = engine.get_stats().scheduler.prefix_cache_hits
+    assert hits == 2 * ((len(PROMPTS[1]) - 1) // 4 * 4)
+    engine.add_request("t", PROMPTS[1], params)
+    again = run(engine)["t"][-1]
+    assert [o.token_ids for o in again.outputs] == [o.token_ids for o in first.outputs]
+
+
+def test_abort_reports_once_frees_blocks_and_twice_is_noop(tiny):
+    engine = make_engine(tiny)
+    engine.add_request("a", PROMPTS[1], greedy(50))
+    engine.add_request("b", PROMPTS[0], greedy(50))
+    engine.step()
+    engine.abort_request(["a", "unknown"])
+    engine.abort_request("a")
+    outputs = engine.step()
+    aborted = [o for o in outputs if o.request_id == "a"]
+    assert len(aborted) == 1 and aborted[0].finished and aborted[0].finish_reason == "abort"
+    rest = run(engine)
+    assert "a" not in rest and rest["b"][-1].finish_reason == "length"
+    assert engine.kv_cache_manager.usage == 0.0
+    assert engine.reset_prefix_cache()
+
+
+def test_add_request_errors_queue_nothing(tiny):
+    engine = make_engine(tiny, num_blocks=20, max_model_len=64)
+    engine.add_request("ok", PROMPTS[0], greedy(4))
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request("ok", PROMPTS[0], greedy(4))
+    with pytest.raises(InvalidRequestError, match="max_model_len"):
+        engine.add_request("long", "y" * 60, greedy(10))
+    with pytest.raises(InvalidRequestError, match="token ids"):
+        engine.add_request("vocab", [1, 2, 500], greedy(4))
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.add_request("empty", "", greedy(4))
+    with pytest.raises(InvalidRequestError, match="a prompt must be"):
+        engine.add_request("type", [1.5, 2], greedy(4))
+    with pytest.raises(InvalidRequestError, match="n must"):
+        engine.add_request("n", PROMPTS[0], SamplingParams(n=0))
+    assert engine.get_num_unfinished_requests() == 1
+    run(engine)
+    assert engine.kv_cache_manager.usage == 0.0
+    with pytest.raises(ConfigError):
+        make_engine(tiny, max_num_seqs=0)
+
+
+def test_llm_generate_keeps_input_order_and_per_prompt_params(tiny):
+    llm = LLM(
+        loaded_model=tiny,
+        dtype="float32",
+        num_threads=1,
+        num_blocks=80,
+        block_size=4,
+        max_model_len=256,
+    )
+    params = [greedy(3 + i) for i in range(len(PROMPTS))]
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [len(o.token_ids) for o in outputs] == [3, 4, 5, 6]
+    assert [o.prompt for o in outputs] == PROMPTS
+    chat = llm.chat([{"role": "user", "content": "hi"}], greedy(2), use_tqdm=False)
+    assert chat[0].prompt == "<user>hi\n<assistant>" and len(chat[0].token_ids) == 2
+    with pytest.raises(InvalidRequestError, match="sampling params"):
+        llm.generate(PROMPTS, params[:2], use_tqdm=False)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temperature": -1},
+        {"top_p": 0},
+        {"top_k": -2},
+        {"max_tokens": 0},
+        {"stop": [""]},
+        {"presence_penalty": 3},
+        {"seed": 1.5},
+    ],
+)
+def test_sampling_params_validation(kwargs):
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(**kwargs)
