@@ -1,0 +1,130 @@
+"""Time one model forward over the paged KV cache: decode steps and a long prefill.
+
+Measures what the engine's runner does per step: the forward over a flattened batch plus logits
+of each request's last position. Attention metadata is built once per shape outside the timed
+region (the runner builds it once per step; its cost is printed separately). Medians of repeats.
+
+    .venv/bin/python benchmarks/bench_forward.py                 # fp32 and bf16, default model
+    .venv/bin/python benchmarks/bench_forward.py --dtype bf16 --batch-sizes 1 16 64 --context 256
+
+Results and the reference numbers are in docs/model.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from pagedkv.engine.cpu_runtime import tune_malloc
+from pagedkv.model.llama import AttentionMetadata
+from pagedkv.model.loader import load_model
+from pagedkv.ops import allocate_kv_cache
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def make_step(model, kv_caches, block_size, q_lens, seq_lens):
+    """Inputs of one step: requests with q_lens new tokens ending at seq_lens, blocks 1, 2, ..."""
+    num_reqs = len(q_lens)
+    max_blocks = -(-max(seq_lens) // block_size)
+    block_tables = torch.arange(1, num_reqs * max_blocks + 1, dtype=torch.int32).view(
+        num_reqs, max_blocks
+    )
+    positions, slots, qsl = [], [], [0]
+    for i, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens, strict=True)):
+        for pos in range(seq_len - q_len, seq_len):
+            positions.append(pos)
+            slots.append(int(block_tables[i, pos // block_size]) * block_size + pos % block_size)
+        qsl.append(qsl[-1] + q_len)
+    start = time.perf_counter()
+    attn_metadata = AttentionMetadata.build(
+        block_tables,
+        torch.tensor(seq_lens, dtype=torch.int32),
+        torch.tensor(qsl, dtype=torch.int32),
+        torch.tensor(slots),
+        block_size,
+        validate=False,
+    )
+    build_ms = (time.perf_counter() - start) * 1e3
+    input_ids = torch.randint(100, model.config.vocab_size, (len(positions),))
+    last_rows = torch.tensor(qsl[1:]) - 1
+    return input_ids, torch.tensor(positions), attn_metadata, last_rows, build_ms
+
+
+def time_step(model, kv_caches, step, repeats):
+    input_ids, positions, attn_metadata, last_rows, _ = step
+    times = []
+    with torch.inference_mode():
+        for i in range(repeats + 2):
+            start = time.perf_counter()
+            hidden = model.forward(input_ids, positions, kv_caches, attn_metadata)
+            model.compute_logits(hidden[last_rows])
+            if i >= 2:  # two warm-up runs
+                times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="GGUF file or HF folder (default SmolLM2)")
+    parser.add_argument("--dtype", choices=[*DTYPES, "both"], default="both")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--context", type=int, default=256, help="tokens per decode request")
+    parser.add_argument("--prefill-tokens", type=int, default=2048)
+    parser.add_argument(
+        "--prefill-prompts",
+        type=int,
+        nargs="+",
+        default=[8, 1],
+        help="prefill runs: the prefill tokens split into this many prompts of equal length",
+    )
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default all)")
+    parser.add_argument("--no-tune-malloc", action="store_true")
+    args = parser.parse_args()
+
+    tuned = False if args.no_tune_malloc else tune_malloc()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"threads {torch.get_num_threads()}, malloc tuned: {tuned}, context {args.context}")
+    dtypes = list(DTYPES) if args.dtype == "both" else [args.dtype]
+    for name in dtypes:
+        start = time.perf_counter()
+        model = load_model(args.model, dtype=DTYPES[name]).model
+        load_s = time.perf_counter() - start
+        config = model.config
+        bs = args.block_size
+        max_batch = max(args.batch_sizes)
+        num_blocks = 1 + max(
+            max_batch * -(-(args.context + 1) // bs), -(-args.prefill_tokens // bs)
+        )
+        kv_caches = [
+            allocate_kv_cache(num_blocks, bs, config.num_key_value_heads, config.head_dim,
+                              model.dtype)
+            for _ in range(config.num_hidden_layers)
+        ]  # fmt: skip
+        print(f"\n{name}: load {load_s:.1f} s")
+        for batch in args.batch_sizes:
+            step = make_step(model, kv_caches, bs, [1] * batch, [args.context + 1] * batch)
+            seconds = time_step(model, kv_caches, step, args.repeats)
+            print(
+                f"  decode batch {batch:3d}: {seconds * 1e3:7.1f} ms/step "
+                f"({batch / seconds:6.0f} tok/s; metadata build {step[-1]:.2f} ms)"
+            )
+        n = args.prefill_tokens
+        for num_prompts in args.prefill_prompts:
+            length = n // num_prompts
+            step = make_step(model, kv_caches, bs, [length] * num_prompts, [length] * num_prompts)
+            seconds = time_step(model, kv_caches, step, max(2, args.repeats // 4))
+            print(
+                f"  prefill {num_prompts} x {length} tokens: {seconds:6.2f} s "
+                f"({num_prompts * length / seconds:5.0f} tok/s)"
+            )
+
+
+if __name__ == "__main__":
+    main()
