@@ -9,6 +9,7 @@ The routes are described in :mod:`pagedkv.entrypoints.openai.app`; docs/server.m
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 
 
@@ -65,5 +66,7 @@ def run(args: argparse.Namespace) -> int:
     shown_host = f"[{host}]" if ":" in host else host
     # Scripts (benchmarks/bench_serving.py) read the URL from this line.
     print(f"pagedkv serve: {name} listening on http://{shown_host}:{port}", flush=True)
-    make_server(app, log_level=args.log_level).run(sockets=[sock])
+    # uvicorn shuts down cleanly on Ctrl-C, then re-raises the interrupt: not an error here.
+    with contextlib.suppress(KeyboardInterrupt):
+        make_server(app, log_level=args.log_level).run(sockets=[sock])
     return 0
