@@ -69,6 +69,20 @@ def cpu_paged_attention(
         key_major = plan.buffer("key_major", major_shape, dtype)
         value_major = plan.buffer("value_major", major_shape, dtype)
     for chunk in plan.decode_chunks:
+        if chunk.part_blocks is not None:
+            out.index_copy_(
+                0,
+                chunk.token_ids,
+                _decode_in_parts(
+                    query,
+                    kv_cache,
+                    chunk,
+                    scale * k_scale,
+                    v_scale,
+                    (key_blocks, value_blocks, key_major, value_major),
+                ),
+            )
+            continue
         n, kv_len = chunk.num_reqs, chunk.num_blocks * bs
         num_blocks = n * chunk.num_blocks
         kb = torch.index_select(kv_cache[0], 0, chunk.block_ids, out=key_blocks[:num_blocks])
@@ -122,3 +136,49 @@ def cpu_paged_attention(
         )
         out[p.token_start : p.token_end] = o[0].transpose(0, 1)
     return out
+
+
+def _decode_in_parts(query, kv_cache, chunk, scale, v_scale, buffers) -> torch.Tensor:
+    """One decode request too big for one gather: scores from K parts, softmax over the whole
+    row, then the output from V parts, each part small enough to stay in cache.
+
+    Returns ``[1, num_heads, head_size]``.
+    """
+    key_blocks, value_blocks, key_major, value_major = buffers
+    _, _, bs, num_kv_heads, head_size = kv_cache.shape
+    num_heads, dtype = query.shape[1], query.dtype
+    group = num_heads // num_kv_heads
+    kv_len = chunk.num_blocks * bs
+    q = query.index_select(0, chunk.token_ids).view(1, num_kv_heads, group, head_size)
+    parts = range(0, chunk.num_blocks, chunk.part_blocks)
+
+    def gather(cache, blocks_buf, major_buf, b0):
+        ids = chunk.block_ids[b0 : b0 + chunk.part_blocks]
+        blocks = torch.index_select(cache, 0, ids, out=blocks_buf[: ids.numel()])
+        t = ids.numel() * bs
+        blocks = blocks.view(1, t, num_kv_heads, head_size).transpose(1, 2)
+        return major_buf[: t * num_kv_heads * head_size].view(1, num_kv_heads, t, head_size), blocks
+
+    scores = torch.empty(1, num_kv_heads, group, kv_len, dtype=torch.float32)
+    for b0 in parts:
+        k, blocks = gather(kv_cache[0], key_blocks, key_major, b0)
+        k.copy_(blocks)
+        t0 = b0 * bs
+        scores[..., t0 : t0 + k.shape[2]] = torch.matmul(q, k.transpose(2, 3))
+    scores.mul_(scale)
+    if chunk.key_mask is not None:
+        scores.masked_fill_(chunk.key_mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(dtype)
+    acc = torch.zeros(1, num_kv_heads, group, head_size, dtype=torch.float32)
+    zero = torch.zeros((), dtype=dtype)
+    for b0 in parts:
+        v, blocks = gather(kv_cache[1], value_blocks, value_major, b0)
+        t0, t1 = b0 * bs, b0 * bs + v.shape[2]
+        if kv_cache.dtype != dtype:
+            blocks = blocks.to(dtype)
+        if chunk.value_valid is None:
+            v.copy_(blocks)
+        else:
+            torch.where(chunk.value_valid[:, :, t0:t1], blocks, zero, out=v)
+        acc += torch.matmul(probs[..., t0:t1], v)
+    return acc.mul_(v_scale).to(dtype).view(1, num_heads, head_size)

@@ -3,9 +3,11 @@
 Decode requests (sorted by blocks read, most first) are gathered in chunks of about
 ``decode_chunk_bytes`` of K+V, so that the gathered data stays in the CPU cache between the
 gather, the transpose to KV-head-major layout and the two matmuls; each chunk pads only to its own
-longest request. Whole blocks are gathered (one ``index_select`` row = one block, a contiguous
-``block_size x num_kv_heads x head_size`` run): on this CPU that ran at memcpy speed, 1.5-2x faster
-than gathering one row per token and head (docs/ops.md).
+longest request. A request bigger than the budget on its own is read in parts along its context
+(split-K, as in flash-decoding, but in two passes: K parts for the scores, then V parts).
+Whole blocks are gathered (one ``index_select`` row = one block, a contiguous
+``block_size x num_kv_heads x head_size`` run): on this CPU that ran at memcpy speed, 1.5-2x
+faster than gathering one row per token and head (docs/ops.md).
 
 Prefill requests gather *rows*, one per token and KV head::
 
@@ -37,6 +39,9 @@ class DecodeChunk:
     block_ids: torch.Tensor  # [num_reqs * num_blocks] int64
     key_mask: torch.Tensor | None  # [num_reqs, 1, 1, num_blocks * block_size] bool, True = masked
     value_valid: torch.Tensor | None  # [num_reqs, 1, num_blocks * block_size, 1] bool
+    # A request alone bigger than the chunk budget is read in parts of part_blocks blocks: all K
+    # parts (scores), softmax over the whole row, then all V parts. None = one part.
+    part_blocks: int | None = None
 
 
 @dataclass(slots=True)
@@ -86,6 +91,9 @@ def _build(md: PagedAttentionMetadata, num_kv_heads: int, bytes_per_token: int) 
         num_blocks = counts[start]  # sorted descending: the chunk's longest
         n = max(1, md.decode_chunk_bytes // (num_blocks * bs * bytes_per_token))
         end = min(len(counts), start + n)
+        part_blocks = max(1, md.decode_chunk_bytes // (bs * bytes_per_token))
+        if part_blocks >= num_blocks:
+            part_blocks = None
         valid = md.decode_valid[start:end, : num_blocks * bs]
         key_mask = value_valid = None
         if not bool(valid.all()):
@@ -99,9 +107,10 @@ def _build(md: PagedAttentionMetadata, num_kv_heads: int, bytes_per_token: int) 
                 block_ids=md.decode_block_ids[start:end, :num_blocks].reshape(-1),
                 key_mask=key_mask,
                 value_valid=value_valid,
+                part_blocks=part_blocks,
             )
         )
-        max_decode_blocks = max(max_decode_blocks, (end - start) * num_blocks)
+        max_decode_blocks = max(max_decode_blocks, part_blocks or (end - start) * num_blocks)
         start = end
     heads = torch.arange(num_kv_heads).view(num_kv_heads, 1)
     prefill_rows = [(p.kv_slots[None, :] * num_kv_heads + heads).reshape(-1) for p in md.prefills]
