@@ -37,7 +37,7 @@ import numpy as np
 LOOPBACK_HOSTS = {"127.0.0.1", "::1", "localhost"}
 
 # A fixed prompt set: short questions and longer ones with context, so prompt lengths vary
-# (roughly 20 to 200 tokens with the chat template).
+# (40 to 179 tokens with the SmolLM2 chat template).
 _QUESTIONS = [
     "What is a hash table?",
     "Explain how a CPU cache works.",
@@ -60,7 +60,7 @@ def make_prompts(num_requests: int) -> list[list[dict[str, str]]]:
     conversations = []
     for i in range(num_requests):
         question = _QUESTIONS[i % len(_QUESTIONS)]
-        context = _CONTEXT * (i % 4)  # 0..3 copies: prompt lengths from ~20 to ~200 tokens
+        context = _CONTEXT * (i % 4)  # 0..3 copies of the context
         messages = [{"role": "user", "content": f"{context}Question {i}: {question}"}]
         conversations.append(messages)
     return conversations
