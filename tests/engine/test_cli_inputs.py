@@ -1,0 +1,75 @@
+"""The generate / bench command lines: prompt files and engine flags (no model needed)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from pagedkv.engine.config import EngineConfig
+from pagedkv.entrypoints.bench import DEFAULT_WORKLOAD
+from pagedkv.entrypoints.cli import build_parser
+from pagedkv.entrypoints.generate import load_prompts
+from pagedkv.errors import ConfigError, InvalidRequestError
+
+
+def test_load_prompts_accepts_every_documented_shape(tmp_path):
+    path = tmp_path / "p.jsonl"
+    messages = [{"role": "user", "content": "hi"}]
+    lines = [
+        '"a question"',
+        '{"prompt": "raw", "max_tokens": 5}',
+        json.dumps({"messages": messages}),
+        "",
+        json.dumps(messages),
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    assert load_prompts(path) == [
+        ([{"role": "user", "content": "a question"}], None),
+        ("raw", 5),
+        (messages, None),
+        (messages, None),
+    ]
+
+
+@pytest.mark.parametrize("line", ["nope", '{"text": "x"}', "[1, 2]", '{"prompt": 3}'])
+def test_load_prompts_names_the_bad_line(tmp_path, line):
+    path = tmp_path / "p.jsonl"
+    path.write_text('"fine"\n' + line + "\n")
+    with pytest.raises(InvalidRequestError, match=":2:"):
+        load_prompts(path)
+
+
+def test_engine_flags_round_trip():
+    args = build_parser().parse_args(
+        [
+            "generate",
+            "q",
+            "--dtype",
+            "float32",
+            "--kv-cache-memory",
+            "512MiB",
+            "--max-num-seqs",
+            "8",
+            "--no-prefix-caching",
+            "--policy",
+            "priority",
+        ]
+    )
+    config = EngineConfig.from_cli_args(args)
+    assert config.dtype == "float32" and config.kv_cache_memory == 512 << 20
+    assert config.max_num_seqs == 8 and not config.enable_prefix_caching
+    assert config.policy == "priority" and config.enable_chunked_prefill
+    with pytest.raises(ConfigError):
+        EngineConfig(dtype="int8")
+    with pytest.raises(argparse.ArgumentTypeError):
+        from pagedkv.engine.config import _parse_bytes
+
+        _parse_bytes("12 parsecs")
+
+
+def test_committed_workload_has_64_chats():
+    conversations = load_prompts(DEFAULT_WORKLOAD)
+    assert len(conversations) == 64
+    assert all(isinstance(c, list) and c[0]["role"] == "user" for c, _ in conversations)
