@@ -83,7 +83,8 @@ class ModelRunner:
         ]
         #: one KV cache tensor per layer ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
         self.kv_caches = [tensors[t] for t in kv_cache_config.tensor_ids]
-        self.sampler = Sampler(seed)
+        self.device = torch.device(model.device)
+        self.sampler = Sampler(seed, self.device)
         self._generators: dict[str, torch.Generator] = {}
 
         max_blocks = -(-max_model_len // self.block_size)
@@ -149,17 +150,25 @@ class ModelRunner:
         slot_mapping += positions % bs
         seq_lens = (num_computed + num_scheduled).astype(np.int32)
 
+        to = self._to_device
         attn_metadata = AttentionMetadata.build(
-            torch.from_numpy(block_tables),
-            torch.from_numpy(seq_lens),
-            torch.from_numpy(qsl),
-            torch.from_numpy(slot_mapping),
+            to(block_tables),
+            to(seq_lens),
+            to(qsl),
+            to(slot_mapping),
             bs,
             num_blocks=self.num_blocks,
             validate=False,
         )
         logits_rows = qsl[1:][np.asarray(out.sample, dtype=bool)] - 1
-        return torch.from_numpy(input_ids), torch.from_numpy(positions), attn_metadata, logits_rows
+        return to(input_ids), to(positions), attn_metadata, logits_rows
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A torch view of ``array`` (CPU), or a copy on the model's device."""
+        tensor = torch.from_numpy(array)
+        if self.device.type != "cpu":
+            tensor = tensor.to(self.device, non_blocking=True)
+        return tensor
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> list[int]:
@@ -172,7 +181,7 @@ class ModelRunner:
         hidden = self.model.forward(input_ids, positions, self.kv_caches, attn_metadata)
         if len(logits_rows) == 0:
             return []
-        logits = self.model.compute_logits(hidden[torch.from_numpy(logits_rows)])
+        logits = self.model.compute_logits(hidden[self._to_device(logits_rows)])
         sampling = [r for r, s in zip(out.requests, out.sample, strict=True) if s]
         params = [r.sampling_params for r in sampling]
         generators = [self._generator(r) for r in sampling]
@@ -187,6 +196,6 @@ class ModelRunner:
             return None
         generator = self._generators.get(request.request_id)
         if generator is None:
-            generator = torch.Generator().manual_seed(seed)
+            generator = torch.Generator(device=self.device).manual_seed(seed)
             self._generators[request.request_id] = generator
         return generator

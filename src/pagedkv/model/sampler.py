@@ -22,10 +22,12 @@ class Sampler:
 
     Args:
         seed: seed of the generator that serves requests without their own seed.
+        device: where the logits live (the generators must live there too).
     """
 
-    def __init__(self, seed: int = 0) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
     def __call__(
         self,
@@ -56,6 +58,7 @@ class Sampler:
         temperatures = torch.tensor(
             [1.0 if g else p.temperature for g, p in zip(greedy, sampling_params, strict=True)],
             dtype=logits.dtype,
+            device=logits.device,
         )
         greedy_tokens = logits.argmax(dim=-1) if any(greedy) else None
         logits.div_(temperatures[:, None])
@@ -71,15 +74,17 @@ class Sampler:
             noise.exponential_(generator=self.generator)
         else:
             if unseeded:
-                rows = torch.tensor(unseeded)
-                fresh = torch.empty((len(unseeded), probs.shape[1]), dtype=probs.dtype)
+                rows = torch.tensor(unseeded, device=probs.device)
+                fresh = torch.empty_like(probs[: len(unseeded)])
                 noise.index_copy_(0, rows, fresh.exponential_(generator=self.generator))
             for i, generator in enumerate(generators):
                 if generator is not None:
                     noise[i].exponential_(generator=generator)
         sampled = probs.div_(noise).argmax(dim=-1)
         if greedy_tokens is not None:
-            sampled = torch.where(torch.tensor(greedy), greedy_tokens, sampled)
+            sampled = torch.where(
+                torch.tensor(greedy, device=logits.device), greedy_tokens, sampled
+            )
         return sampled
 
 
@@ -94,9 +99,9 @@ def _apply_penalties(
     for i, params in enumerate(sampling_params):
         if not params.has_penalties or not output_token_ids[i]:
             continue
-        counts = torch.zeros(logits.shape[1], dtype=logits.dtype)
-        tokens = torch.tensor(output_token_ids[i], dtype=torch.long)
-        counts.index_add_(0, tokens, torch.ones(len(tokens), dtype=logits.dtype))
+        counts = torch.zeros_like(logits[i])
+        tokens = torch.tensor(output_token_ids[i], dtype=torch.long, device=logits.device)
+        counts.index_add_(0, tokens, torch.ones_like(tokens, dtype=logits.dtype))
         logits[i] -= counts * params.frequency_penalty + (counts > 0) * params.presence_penalty
 
 
@@ -111,12 +116,12 @@ def _apply_top_k_top_p(
     vocab_size = logits.shape[1]
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
     if any(top_k):
-        k = torch.tensor([kk if kk > 0 else vocab_size for kk in top_k])
+        k = torch.tensor([kk if kk > 0 else vocab_size for kk in top_k], device=logits.device)
         k = k.clamp_(max=vocab_size)
-        ranks = torch.arange(vocab_size)[None, :]
+        ranks = torch.arange(vocab_size, device=logits.device)[None, :]
         sorted_logits.masked_fill_(ranks >= k[:, None], float("-inf"))
     if any(p < 1.0 for p in top_p):
-        p = torch.tensor(top_p, dtype=sorted_logits.dtype)
+        p = torch.tensor(top_p, dtype=sorted_logits.dtype, device=logits.device)
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         sorted_logits.masked_fill_(mass_before >= p[:, None], float("-inf"))
