@@ -92,14 +92,12 @@ def cpu_paged_attention(
         vb = vb.view(n, kv_len, num_kv_heads, head_size).transpose(1, 2)
         size = n * kv_len * num_kv_heads * head_size
         k = key_major[:size].view(n, num_kv_heads, kv_len, head_size).copy_(kb)
-        v = value_major[:size].view(n, num_kv_heads, kv_len, head_size)
-        if chunk.value_valid is None:
-            v.copy_(vb)
-        else:
+        v = value_major[:size].view(n, num_kv_heads, kv_len, head_size).copy_(vb)
+        if chunk.value_zero_rows is not None:
             # Slots outside a request's keys may hold anything (even NaN): zero them, since a
-            # masked probability of 0 times NaN would still be NaN.
-            zero = torch.zeros((), dtype=dtype)
-            torch.where(chunk.value_valid, vb.to(dtype) if fp8 else vb, zero, out=v)
+            # masked probability of 0 times NaN would still be NaN. Only those few rows are
+            # touched (a full-tensor where() cost 14x the copy, docs/ops.md).
+            v.view(-1, head_size).index_fill_(0, chunk.value_zero_rows, 0)
         q = query.index_select(0, chunk.token_ids).view(n, num_kv_heads, group, head_size)
         scores = torch.matmul(q, k.transpose(2, 3)).float().mul_(scale * k_scale)
         if chunk.key_mask is not None:
@@ -170,15 +168,11 @@ def _decode_in_parts(query, kv_cache, chunk, scale, v_scale, buffers) -> torch.T
         scores.masked_fill_(chunk.key_mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(dtype)
     acc = torch.zeros(1, num_kv_heads, group, head_size, dtype=torch.float32)
-    zero = torch.zeros((), dtype=dtype)
-    for b0 in parts:
+    for i, b0 in enumerate(parts):
         v, blocks = gather(kv_cache[1], value_blocks, value_major, b0)
         t0, t1 = b0 * bs, b0 * bs + v.shape[2]
-        if kv_cache.dtype != dtype:
-            blocks = blocks.to(dtype)
-        if chunk.value_valid is None:
-            v.copy_(blocks)
-        else:
-            torch.where(chunk.value_valid[:, :, t0:t1], blocks, zero, out=v)
+        v.copy_(blocks)
+        if chunk.part_value_zero_rows is not None and chunk.part_value_zero_rows[i] is not None:
+            v.view(-1, head_size).index_fill_(0, chunk.part_value_zero_rows[i], 0)
         acc += torch.matmul(probs[..., t0:t1], v)
     return acc.mul_(v_scale).to(dtype).view(1, num_heads, head_size)

@@ -38,10 +38,15 @@ class DecodeChunk:
     num_blocks: int  # blocks read per request (padded to the chunk's longest)
     block_ids: torch.Tensor  # [num_reqs * num_blocks] int64
     key_mask: torch.Tensor | None  # [num_reqs, 1, 1, num_blocks * block_size] bool, True = masked
-    value_valid: torch.Tensor | None  # [num_reqs, 1, num_blocks * block_size, 1] bool
+    # Rows of the KV-head-major V ([num_reqs * num_kv_heads * kv_len, head_size]) outside the
+    # requests' keys, to zero after the gather (int64; None = none). Only the last block's tail,
+    # a sliding window's first block head and padding blocks: a few rows per request.
+    value_zero_rows: torch.Tensor | None
     # A request alone bigger than the chunk budget is read in parts of part_blocks blocks: all K
     # parts (scores), softmax over the whole row, then all V parts. None = one part.
     part_blocks: int | None = None
+    # With parts: per V part, its rows to zero ([num_kv_heads * part_len, head_size]) or None.
+    part_value_zero_rows: list[torch.Tensor | None] | None = None
 
 
 @dataclass(slots=True)
@@ -94,11 +99,22 @@ def _build(md: PagedAttentionMetadata, num_kv_heads: int, bytes_per_token: int) 
         part_blocks = max(1, md.decode_chunk_bytes // (bs * bytes_per_token))
         if part_blocks >= num_blocks:
             part_blocks = None
-        valid = md.decode_valid[start:end, : num_blocks * bs]
-        key_mask = value_valid = None
+        kv_len = num_blocks * bs
+        valid = md.decode_valid[start:end, :kv_len]
+        key_mask = zero_rows = part_zero_rows = None
         if not bool(valid.all()):
             key_mask = ~valid[:, None, None, :]
-            value_valid = valid[:, None, :, None]
+            req, pos = (~valid).nonzero(as_tuple=True)
+            heads = torch.arange(num_kv_heads)
+            if part_blocks is None:
+                zero_rows = _value_rows(req, pos, heads, kv_len)
+            else:  # one request (alone over budget): rows per part of part_len tokens
+                part_zero_rows = []
+                for t0 in range(0, kv_len, part_blocks * bs):
+                    part_len = min(part_blocks * bs, kv_len - t0)
+                    in_part = (pos >= t0) & (pos < t0 + part_len)
+                    rows = _value_rows(req[in_part], pos[in_part] - t0, heads, part_len)
+                    part_zero_rows.append(rows if rows.numel() else None)
         chunks.append(
             DecodeChunk(
                 token_ids=md.decode_token_ids[start:end],
@@ -106,8 +122,9 @@ def _build(md: PagedAttentionMetadata, num_kv_heads: int, bytes_per_token: int) 
                 num_blocks=num_blocks,
                 block_ids=md.decode_block_ids[start:end, :num_blocks].reshape(-1),
                 key_mask=key_mask,
-                value_valid=value_valid,
+                value_zero_rows=zero_rows,
                 part_blocks=part_blocks,
+                part_value_zero_rows=part_zero_rows,
             )
         )
         max_decode_blocks = max(max_decode_blocks, part_blocks or (end - start) * num_blocks)
@@ -120,3 +137,12 @@ def _build(md: PagedAttentionMetadata, num_kv_heads: int, bytes_per_token: int) 
         max_decode_blocks=max_decode_blocks,
         max_prefill_rows=max([0] + [r.numel() for r in prefill_rows]),
     )
+
+
+def _value_rows(
+    req: torch.Tensor, pos: torch.Tensor, heads: torch.Tensor, kv_len: int
+) -> torch.Tensor:
+    """Rows of a ``[n, num_kv_heads, kv_len, head]`` tensor viewed ``[-1, head]`` for the given
+    (request, position) pairs, every head: ``(req * num_kv_heads + head) * kv_len + pos``."""
+    rows = (req[:, None] * heads.numel() + heads[None, :]) * kv_len + pos[:, None]
+    return rows.reshape(-1).contiguous()
