@@ -192,6 +192,34 @@ def test_decode_chunks_and_parts_of_any_size(chunk_bytes, dtype, window):
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
 
 
+def test_decode_padding_reads_own_blocks_and_zeroes_only_partial_ones():
+    # One chunk, lengths 40 / 17 / 5 at block 8: the shorter requests' padding blocks re-read one
+    # of their own full blocks (finite, masked) instead of zeroing; only the last blocks' tails and
+    # the padding of the 5-token request (no full block of its own) are zeroed. NaN everywhere else.
+    case = make_case(
+        [(40, 1), (17, 1), (5, 1)],
+        block_size=8,
+        num_kv_heads=2,
+        group=4,
+        head_size=64,
+        garbage="nan",
+    )
+    md = PagedAttentionMetadata.build(case.block_tables, case.seq_lens, case.query_start_loc, 8)
+    out = paged_attention(case.query, case.kv_cache, scale=0.125, metadata=md)
+    torch.testing.assert_close(out.double(), dense_attention(case, 0.125), atol=1e-5, rtol=1e-5)
+    (chunk,) = next(iter(md.gather_plans.values())).decode_chunks
+    table = case.block_tables.long()
+    ids = chunk.block_ids.view(3, 5)
+    assert ids[0].tolist() == table[0, :5].tolist()
+    assert ids[1, :3].tolist() == table[1, :3].tolist()
+    assert set(ids[1, 3:].tolist()) <= set(table[1, :2].tolist())  # padding -> own full block
+    assert ids[2, 0] == table[2, 0]
+    # Zeroed: request 2's four padding blocks (gathered rows 11..14) and, per slot, the tails of
+    # request 1's third block (17..23 -> rows 8*7+1..) and of request 2's block (5..7).
+    assert chunk.value_zero.blocks.tolist() == [11, 12, 13, 14]
+    assert chunk.value_zero.slots.tolist() == [57, 58, 59, 60, 61, 62, 63, 85, 86, 87]
+
+
 def test_validate_off_gives_the_same_result():
     case = make_case(scenarios(16)["mixed"], block_size=16, num_kv_heads=3, group=3, head_size=64)
     on = run(case, "cpu", 0.125)

@@ -87,17 +87,17 @@ def cpu_paged_attention(
         num_blocks = n * chunk.num_blocks
         kb = torch.index_select(kv_cache[0], 0, chunk.block_ids, out=key_blocks[:num_blocks])
         vb = torch.index_select(kv_cache[1], 0, chunk.block_ids, out=value_blocks[:num_blocks])
+        if chunk.value_zero is not None:
+            # Slots outside a request's keys may hold anything (even NaN): zero their values,
+            # since a masked probability of 0 times NaN would still be NaN. Only those slots are
+            # touched, whole padding blocks at once (a full-tensor where() cost 14x the copy).
+            chunk.value_zero.apply(vb)
         # Token-major -> KV-head-major while the blocks are still in cache (and fp8 -> dtype).
         kb = kb.view(n, kv_len, num_kv_heads, head_size).transpose(1, 2)
         vb = vb.view(n, kv_len, num_kv_heads, head_size).transpose(1, 2)
         size = n * kv_len * num_kv_heads * head_size
         k = key_major[:size].view(n, num_kv_heads, kv_len, head_size).copy_(kb)
         v = value_major[:size].view(n, num_kv_heads, kv_len, head_size).copy_(vb)
-        if chunk.value_zero_rows is not None:
-            # Slots outside a request's keys may hold anything (even NaN): zero them, since a
-            # masked probability of 0 times NaN would still be NaN. Only those few rows are
-            # touched (a full-tensor where() cost 14x the copy, docs/ops.md).
-            v.view(-1, head_size).index_fill_(0, chunk.value_zero_rows, 0)
         q = query.index_select(0, chunk.token_ids).view(n, num_kv_heads, group, head_size)
         scores = torch.matmul(q, k.transpose(2, 3)).float().mul_(scale * k_scale)
         if chunk.key_mask is not None:
@@ -150,9 +150,11 @@ def _decode_in_parts(query, kv_cache, chunk, scale, v_scale, buffers) -> torch.T
     q = query.index_select(0, chunk.token_ids).view(1, num_kv_heads, group, head_size)
     parts = range(0, chunk.num_blocks, chunk.part_blocks)
 
-    def gather(cache, blocks_buf, major_buf, b0):
+    def gather(cache, blocks_buf, major_buf, b0, zero=None):
         ids = chunk.block_ids[b0 : b0 + chunk.part_blocks]
         blocks = torch.index_select(cache, 0, ids, out=blocks_buf[: ids.numel()])
+        if zero is not None:
+            zero.apply(blocks)
         t = ids.numel() * bs
         blocks = blocks.view(1, t, num_kv_heads, head_size).transpose(1, 2)
         return major_buf[: t * num_kv_heads * head_size].view(1, num_kv_heads, t, head_size), blocks
@@ -169,10 +171,9 @@ def _decode_in_parts(query, kv_cache, chunk, scale, v_scale, buffers) -> torch.T
     probs = torch.softmax(scores, dim=-1).to(dtype)
     acc = torch.zeros(1, num_kv_heads, group, head_size, dtype=torch.float32)
     for i, b0 in enumerate(parts):
-        v, blocks = gather(kv_cache[1], value_blocks, value_major, b0)
+        zero = chunk.part_value_zero[i] if chunk.part_value_zero is not None else None
+        v, blocks = gather(kv_cache[1], value_blocks, value_major, b0, zero)
         t0, t1 = b0 * bs, b0 * bs + v.shape[2]
         v.copy_(blocks)
-        if chunk.part_value_zero_rows is not None and chunk.part_value_zero_rows[i] is not None:
-            v.view(-1, head_size).index_fill_(0, chunk.part_value_zero_rows[i], 0)
         acc += torch.matmul(probs[..., t0:t1], v)
     return acc.mul_(v_scale).to(dtype).view(1, num_heads, head_size)

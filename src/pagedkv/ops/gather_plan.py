@@ -30,6 +30,40 @@ from pagedkv.ops.attention_metadata import PagedAttentionMetadata
 
 
 @dataclass(slots=True)
+class ZeroSlots:
+    """Gathered value slots to zero, at two granularities (each int64 or None for none).
+
+    ``blocks``: rows of the gathered blocks ``[num_gathered_blocks, block_size, ...]`` holding no
+    attended key (padding). ``slots``: rows of the same buffer viewed per token
+    ``[num_gathered_blocks * block_size, ...]``, unattended slots of partly attended blocks.
+    """
+
+    blocks: torch.Tensor | None
+    slots: torch.Tensor | None
+
+    @classmethod
+    def of(cls, invalid: torch.Tensor, block_size: int) -> ZeroSlots | None:
+        """From a ``[num_gathered_blocks * block_size]`` bool mask (True = zero)."""
+        per_block = invalid.view(-1, block_size)
+        full = per_block.all(dim=1)
+        partial = per_block & ~full[:, None]
+        blocks = full.nonzero().flatten()
+        slots = partial.view(-1).nonzero().flatten()
+        if blocks.numel() == 0 and slots.numel() == 0:
+            return None
+        return cls(blocks if blocks.numel() else None, slots if slots.numel() else None)
+
+    def apply(self, gathered: torch.Tensor) -> None:
+        """Zero the slots in ``gathered`` ``[num_gathered_blocks, block_size, ...]`` in place."""
+        if gathered.dtype.itemsize == 1:  # fp8: no fill kernel; 0x00 is +0.0 in both formats
+            gathered = gathered.view(torch.uint8)
+        if self.blocks is not None:
+            gathered.index_fill_(0, self.blocks, 0)
+        if self.slots is not None:
+            gathered.view(gathered.shape[0] * gathered.shape[1], -1).index_fill_(0, self.slots, 0)
+
+
+@dataclass(slots=True)
 class DecodeChunk:
     """Decode requests ``[start, end)`` of the sorted decode group, attended together."""
 
@@ -38,15 +72,14 @@ class DecodeChunk:
     num_blocks: int  # blocks read per request (padded to the chunk's longest)
     block_ids: torch.Tensor  # [num_reqs * num_blocks] int64
     key_mask: torch.Tensor | None  # [num_reqs, 1, 1, num_blocks * block_size] bool, True = masked
-    # Rows of the KV-head-major V ([num_reqs * num_kv_heads * kv_len, head_size]) outside the
-    # requests' keys, to zero after the gather (int64; None = none). Only the last block's tail,
-    # a sliding window's first block head and padding blocks: a few rows per request.
-    value_zero_rows: torch.Tensor | None
+    # V slots outside the requests' keys, zeroed in the gathered blocks (None = none): only the
+    # last block's tail, a sliding window's first-block head and padding blocks.
+    value_zero: ZeroSlots | None
     # A request alone bigger than the chunk budget is read in parts of part_blocks blocks: all K
     # parts (scores), softmax over the whole row, then all V parts. None = one part.
     part_blocks: int | None = None
-    # With parts: per V part, its rows to zero ([num_kv_heads * part_len, head_size]) or None.
-    part_value_zero_rows: list[torch.Tensor | None] | None = None
+    # With parts: per V part, the slots to zero in that part's gathered blocks (or None).
+    part_value_zero: list[ZeroSlots | None] | None = None
 
 
 @dataclass(slots=True)
@@ -101,30 +134,29 @@ def _build(md: PagedAttentionMetadata, num_kv_heads: int, bytes_per_token: int) 
             part_blocks = None
         kv_len = num_blocks * bs
         valid = md.decode_valid[start:end, :kv_len]
-        key_mask = zero_rows = part_zero_rows = None
+        block_ids = md.decode_block_ids[start:end, :num_blocks]
+        key_mask = value_zero = part_value_zero = None
         if not bool(valid.all()):
             key_mask = ~valid[:, None, None, :]
-            req, pos = (~valid).nonzero(as_tuple=True)
-            heads = torch.arange(num_kv_heads)
+            block_ids, valid = _read_padding_from_own_block(block_ids, valid, bs)
+            invalid = ~valid.reshape(-1)
             if part_blocks is None:
-                zero_rows = _value_rows(req, pos, heads, kv_len)
-            else:  # one request (alone over budget): rows per part of part_len tokens
-                part_zero_rows = []
-                for t0 in range(0, kv_len, part_blocks * bs):
-                    part_len = min(part_blocks * bs, kv_len - t0)
-                    in_part = (pos >= t0) & (pos < t0 + part_len)
-                    rows = _value_rows(req[in_part], pos[in_part] - t0, heads, part_len)
-                    part_zero_rows.append(rows if rows.numel() else None)
+                value_zero = ZeroSlots.of(invalid, bs)
+            else:  # one request (alone over budget), read in parts of part_blocks blocks
+                step = part_blocks * bs
+                part_value_zero = [
+                    ZeroSlots.of(invalid[t0 : t0 + step], bs) for t0 in range(0, kv_len, step)
+                ]
         chunks.append(
             DecodeChunk(
                 token_ids=md.decode_token_ids[start:end],
                 num_reqs=end - start,
                 num_blocks=num_blocks,
-                block_ids=md.decode_block_ids[start:end, :num_blocks].reshape(-1),
+                block_ids=block_ids.reshape(-1),
                 key_mask=key_mask,
-                value_zero_rows=zero_rows,
+                value_zero=value_zero,
                 part_blocks=part_blocks,
-                part_value_zero_rows=part_zero_rows,
+                part_value_zero=part_value_zero,
             )
         )
         max_decode_blocks = max(max_decode_blocks, part_blocks or (end - start) * num_blocks)
@@ -139,10 +171,29 @@ def _build(md: PagedAttentionMetadata, num_kv_heads: int, bytes_per_token: int) 
     )
 
 
-def _value_rows(
-    req: torch.Tensor, pos: torch.Tensor, heads: torch.Tensor, kv_len: int
-) -> torch.Tensor:
-    """Rows of a ``[n, num_kv_heads, kv_len, head]`` tensor viewed ``[-1, head]`` for the given
-    (request, position) pairs, every head: ``(req * num_kv_heads + head) * kv_len + pos``."""
-    rows = (req[:, None] * heads.numel() + heads[None, :]) * kv_len + pos[:, None]
-    return rows.reshape(-1).contiguous()
+def _read_padding_from_own_block(
+    block_ids: torch.Tensor, valid: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Point a request's padding blocks at one of its own fully attended blocks.
+
+    A padding block (no attended slot) of a request that has a fully attended block gathers that
+    block again instead of the null block: its values are the request's own finite K/V, so a
+    masked probability of 0 times them is 0 and nothing needs zeroing. Only the rest (partly
+    attended blocks, and padding of requests with no full block) is left for zeroing.
+
+    Args:
+        block_ids: ``[n, num_blocks]`` int64 blocks read per request.
+        valid: ``[n, num_blocks * block_size]`` bool, True = attended.
+
+    Returns:
+        New block ids and a "needs no zeroing" mask (``valid`` plus the redirected blocks).
+    """
+    per_block = valid.view(valid.shape[0], -1, block_size)
+    full = per_block.all(dim=2)  # [n, num_blocks]
+    empty = ~per_block.any(dim=2)
+    has_full = full.any(dim=1, keepdim=True)
+    donor = block_ids.gather(1, full.to(torch.uint8).argmax(dim=1, keepdim=True))
+    redirect = empty & has_full
+    block_ids = torch.where(redirect, donor, block_ids)
+    safe = (per_block | redirect[:, :, None]).view(valid.shape)
+    return block_ids, safe
