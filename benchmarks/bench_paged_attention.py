@@ -30,7 +30,6 @@ import torch.nn.functional as F
 
 from pagedkv.engine.cpu_runtime import tune_malloc
 from pagedkv.ops import PagedAttentionMetadata, allocate_kv_cache, paged_attention
-from pagedkv.ops.attention_metadata import DEFAULT_DECODE_CHUNK_BYTES
 from pagedkv.ops.gather_plan import get_gather_plan
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -149,7 +148,7 @@ def main() -> None:
     )
     parser.add_argument("--no-sdpa", action="store_true")
     parser.add_argument(
-        "--chunk-bytes", type=int, default=DEFAULT_DECODE_CHUNK_BYTES, help="decode_chunk_bytes"
+        "--chunk-bytes", type=int, default=None, help="decode_chunk_bytes (default: the ops')"
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

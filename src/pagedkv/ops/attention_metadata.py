@@ -28,8 +28,9 @@ import torch
 
 from pagedkv.errors import OpsInputError
 
-#: Bytes of gathered K and V per decode chunk: small enough to stay in L2 between the gather and
-#: the two matmuls (measured on a 1 MiB-L2 EPYC, docs/ops.md).
+#: Bytes of gathered K and V per decode chunk and per torch thread (each core has its own L2):
+#: small enough to stay in cache between the gather and the two matmuls, big enough that the
+#: matmuls split well over the threads (measured on a 1 MiB-L2 EPYC, docs/ops.md).
 DEFAULT_DECODE_CHUNK_BYTES = 2 << 20
 
 
@@ -95,7 +96,7 @@ class PagedAttentionMetadata:
         sliding_window: int | None = None,
         num_blocks: int | None = None,
         validate: bool = True,
-        decode_chunk_bytes: int = DEFAULT_DECODE_CHUNK_BYTES,
+        decode_chunk_bytes: int | None = None,
     ) -> PagedAttentionMetadata:
         """Precompute the step's attention indices.
 
@@ -111,7 +112,9 @@ class PagedAttentionMetadata:
             sliding_window: attend only to the last ``sliding_window`` positions (None = all).
             num_blocks: pool size; with ``validate`` the used block ids are checked against it.
             validate: check shapes, dtypes and ranges (off only for a trusted runner).
-            decode_chunk_bytes: gathered K+V bytes per decode chunk of the fast path.
+            decode_chunk_bytes: gathered K+V bytes per decode chunk of the fast path (None =
+                ``DEFAULT_DECODE_CHUNK_BYTES`` x ``torch.get_num_threads()``: with 2 threads,
+                2 MiB chunks left the matmuls too small to split and ran 1.2-1.3x slower).
 
         Returns:
             The metadata to pass as ``paged_attention(..., metadata=...)`` to every layer.
@@ -121,6 +124,8 @@ class PagedAttentionMetadata:
         """
         if validate:
             _check_step_inputs(block_tables, seq_lens, query_start_loc, block_size, sliding_window)
+        if decode_chunk_bytes is None:
+            decode_chunk_bytes = DEFAULT_DECODE_CHUNK_BYTES * torch.get_num_threads()
         num_reqs = block_tables.shape[0]
         seq_lens_list = seq_lens.tolist()
         qsl = query_start_loc.tolist()
