@@ -1,4 +1,5 @@
-"""Fixtures of the engine tests: the real default model, ours and Hugging Face's, loaded once."""
+"""Fixtures of the engine tests: chat prompts of different lengths (the real default model, ours
+and Hugging Face's, comes from tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 # Under pytest's importlib import mode, let the tests import their helper module _engine_fakes.
 _HERE = str(Path(__file__).resolve().parent)
@@ -62,35 +62,6 @@ CHAT_PROMPTS = [
     "the cause, give a corrected version, and suggest two unit tests that would have caught "
     "it. Keep the answer concise, with the code first and the explanation after it.",
 ]
-
-
-@pytest.fixture(scope="session")
-def gguf_path():
-    from pagedkv.errors import ModelLoadError
-    from pagedkv.model.loader import default_model_path
-
-    try:
-        return default_model_path()
-    except ModelLoadError as e:
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="session")
-def loaded_fp32(gguf_path):
-    """Our default model in fp32, shared by every engine of the session."""
-    from pagedkv.model.loader import load_model
-
-    return load_model(gguf_path, dtype=torch.float32)
-
-
-@pytest.fixture(scope="session")
-def hf_model(gguf_path):
-    """Hugging Face transformers' model from the same GGUF file, fp32 (loaded once)."""
-    transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-    )
-    return model.eval()
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
-"""Shared fixtures of the model tests: the real default model (ours and Hugging Face's, loaded once
-per session) and a runner that feeds one or more sequences through a fresh paged KV cache."""
+"""Fixtures of the model tests: a runner that feeds one or more sequences through a fresh paged
+KV cache, and Hugging Face's tokenizer (the models themselves come from tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -67,36 +67,6 @@ class PagedSequenceRunner:
         )
         logits = self.model.compute_logits(hidden)
         return [logits[qsl[i] : qsl[i + 1]] for i in range(len(chunks))]
-
-
-@pytest.fixture(scope="session")
-def gguf_path():
-    from pagedkv.errors import ModelLoadError
-    from pagedkv.model.loader import default_model_path
-
-    try:
-        return default_model_path()
-    except ModelLoadError as e:
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="session")
-def loaded_fp32(gguf_path):
-    """Our loader's default model in fp32 (model, config, tokenizer)."""
-    from pagedkv.model.loader import load_model
-
-    return load_model(gguf_path, dtype=torch.float32)
-
-
-@pytest.fixture(scope="session")
-def hf_model(gguf_path):
-    """Hugging Face transformers' LlamaForCausalLM loaded from the same GGUF, fp32."""
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")  # transformers needs it to load a GGUF
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-    )
-    return model.eval()
 
 
 @pytest.fixture(scope="session")

