@@ -196,6 +196,49 @@ def test_llm_generate_keeps_input_order_and_per_prompt_params(tiny):
     assert chat[0].prompt == "<user>hi\n<assistant>" and len(chat[0].token_ids) == 2
     with pytest.raises(InvalidRequestError, match="sampling params"):
         llm.generate(PROMPTS, params[:2], use_tqdm=False)
+    assert llm.generate([], use_tqdm=False) == []
+    assert llm.chat([], use_tqdm=False) == []
+
+
+def test_a_failing_step_errors_its_requests_and_the_engine_goes_on(tiny, monkeypatch):
+    engine = make_engine(tiny)
+    engine.add_request("a", PROMPTS[0], greedy(5))
+    engine.add_request("b", PROMPTS[2], greedy(5, n=2))
+
+    def broken(scheduler_output):
+        raise RuntimeError("model blew up")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine.runner, "execute_model", broken)
+        with pytest.raises(RuntimeError, match="blew up"):
+            engine.step()
+    outputs = run(engine)
+    assert {rid: outs[-1].finish_reason for rid, outs in outputs.items()} == {
+        "a": "error",
+        "b": "error",
+    }
+    assert [o.finish_reason for o in outputs["b"][-1].outputs] == ["error", "error"]
+    assert engine.kv_cache_manager.usage == 0.0
+    engine.add_request("c", PROMPTS[0], greedy(3))
+    assert run(engine)["c"][-1].finish_reason == "length"
+
+
+def test_llm_generate_after_a_failing_step_still_works(tiny, monkeypatch):
+    llm = LLM(
+        loaded_model=tiny,
+        dtype="float32",
+        num_threads=1,
+        num_blocks=80,
+        block_size=4,
+        max_model_len=256,
+    )
+    with monkeypatch.context() as patch:
+        patch.setattr(llm.engine.runner, "execute_model", lambda _: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            llm.generate(PROMPTS, greedy(3), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    outputs = llm.generate(PROMPTS[:2], greedy(3), use_tqdm=False)
+    assert [len(o.token_ids) for o in outputs] == [3, 3]
 
 
 @pytest.mark.parametrize(
@@ -208,6 +251,9 @@ def test_llm_generate_keeps_input_order_and_per_prompt_params(tiny):
         {"stop": [""]},
         {"presence_penalty": 3},
         {"seed": 1.5},
+        {"seed": 2**64},
+        {"seed": 2**64 - 1, "n": 2},
+        {"seed": -(2**63) - 1},
     ],
 )
 def test_sampling_params_validation(kwargs):

@@ -388,6 +388,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
     ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "seed": 10**23}, 400, "seed"),
     ("/v1/nothing", {}, 404, "Not Found"),
 ]
 

@@ -65,6 +65,12 @@ class EngineConfig:
     num_threads: int | None = None
 
     def __post_init__(self) -> None:
+        if (
+            not isinstance(self.seed, int)
+            or isinstance(self.seed, bool)
+            or not -(2**63) <= self.seed < 2**64
+        ):
+            raise ConfigError(f"seed must be a 64-bit int, got {self.seed!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -92,6 +92,8 @@ class LLM:
             InvalidRequestError: a prompt that can never be served (nothing is generated then).
         """
         prompts = _as_prompt_list(prompts)
+        if not prompts:
+            return []
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -143,17 +145,25 @@ class LLM:
 
             bar = tqdm(total=len(ids), desc="generate", unit="req", dynamic_ncols=True)
         num_output_tokens = 0
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                if output.finished:
-                    results[output.request_id] = output
-                    if bar is not None:
-                        num_output_tokens += sum(len(o.token_ids) for o in output.outputs)
-                        elapsed = bar.format_dict["elapsed"] or 1e-9
-                        bar.set_postfix(out_tok_s=f"{num_output_tokens / elapsed:.0f}")
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        results[output.request_id] = output
+                        if bar is not None:
+                            num_output_tokens += sum(len(o.token_ids) for o in output.outputs)
+                            elapsed = bar.format_dict["elapsed"] or 1e-9
+                            bar.set_postfix(out_tok_s=f"{num_output_tokens / elapsed:.0f}")
+                            bar.update(1)
+        except BaseException:
+            # Leave the engine clean for the next call: drop what this call still has queued.
+            engine.abort_request(ids)
+            while engine.has_unfinished_requests():
+                engine.step()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
         return [results[request_id] for request_id in ids]
 
 
@@ -162,6 +172,6 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
     prompts = list(prompts)
-    if not prompts or isinstance(prompts[0], int | dict):
+    if prompts and isinstance(prompts[0], int | dict):
         return [prompts]
     return prompts

@@ -330,18 +330,40 @@ class LLMEngine:
         Returns:
             One :class:`RequestOutput` per request that got new tokens, finished, or was
             aborted since the last step; finished ones are reported once and then forgotten.
+
+        Raises:
+            Whatever the model runner raised. The step's requests are then finished with
+            finish_reason "error" (their blocks freed; the next step reports them), so the
+            engine stays usable for the other requests.
         """
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         sampled: list[int] = []
         if scheduler_output.total_num_scheduled_tokens:
-            sampled = self.runner.execute_model(scheduler_output)
+            try:
+                sampled = self.runner.execute_model(scheduler_output)
+            except Exception:
+                self._fail_requests(scheduler_output.requests)
+                raise
         changed = self.scheduler.update_from_output(scheduler_output, sampled)
         outputs = self._process_outputs(changed)
         if scheduler_output.total_num_scheduled_tokens:
             self._stats.num_steps += 1
             self._stats.busy_time += time.perf_counter() - start
         return outputs
+
+    def _fail_requests(self, requests: list[Request]) -> None:
+        """Finish ``requests`` (and their sibling samples) with finish_reason "error"."""
+        for request_id in {self._sample_of[r.request_id][0].request_id for r in requests}:
+            state = self._states[request_id]
+            seq_ids = [s.request.request_id for s in state.samples if s.finish_reason is None]
+            self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ERROR)
+            for sample in state.samples:
+                if sample.finish_reason is None:
+                    sample.finish_reason = "error"
+                    state.changed = True
+            if state not in self._pending:
+                self._pending.append(state)
 
     def _process_outputs(self, changed: list[Request]) -> list[RequestOutput]:
         touched: list[_RequestState] = self._pending

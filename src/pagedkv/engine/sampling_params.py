@@ -92,6 +92,12 @@ class SamplingParams:
                 raise InvalidRequestError(f"stop_token_ids must be ints >= 0, got {token_id!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise InvalidRequestError(f"seed must be an int or None, got {self.seed!r}")
+        # Sample i of an n > 1 request is seeded with seed + i; torch.Generator takes 64-bit seeds.
+        if self.seed is not None and not _MIN_SEED <= self.seed <= _MAX_SEED - (self.n - 1):
+            raise InvalidRequestError(
+                f"seed must be in [{_MIN_SEED}, {_MAX_SEED - (self.n - 1)}] (a 64-bit seed for "
+                f"each of the n={self.n} samples), got {self.seed!r}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -108,6 +114,10 @@ class SamplingParams:
         given) offset by the index so the samples differ yet stay reproducible."""
         seed = None if self.seed is None else self.seed + index
         return dataclasses.replace(self, n=1, seed=seed)
+
+
+_MIN_SEED = -(2**63)
+_MAX_SEED = 2**64 - 1
 
 
 def _is_int(value: object) -> bool:
