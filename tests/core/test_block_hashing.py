@@ -11,7 +11,7 @@ import pytest
 from _kv_helpers import admit, make_request
 
 from pagedkv.core import BlockHasher, KVCacheManager, KVCacheRequest
-from pagedkv.errors import ConfigError
+from pagedkv.errors import ConfigError, InvalidRequestError
 
 
 def request(hasher: BlockHasher, token_ids, **kw) -> KVCacheRequest:
@@ -115,3 +115,13 @@ def test_bad_hasher_arguments():
         BlockHasher(4, seed=1.5)
     with pytest.raises(ConfigError, match="4 tokens"):
         BlockHasher(4, seed=0).hash_block(None, [1, 2, 3])
+
+
+def test_append_of_an_unhashable_token_id_raises_and_appends_nothing():
+    hasher = BlockHasher(4, "sha256", 0)
+    request = KVCacheRequest("r", [1, 2, 3], block_hasher=hasher)
+    with pytest.raises(InvalidRequestError, match="cannot hash"):
+        request.append_output_token_ids(2**70)
+    assert request.all_token_ids == [1, 2, 3] and request.block_hashes == []
+    request.append_output_token_ids(4)
+    assert len(request.block_hashes) == 1

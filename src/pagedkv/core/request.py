@@ -72,14 +72,26 @@ class KVCacheRequest:
         return self.all_token_ids[len(self.prompt_token_ids) :]
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
-        """Append generated token(s) and hash the blocks they fill."""
+        """Append generated token(s) and hash the blocks they fill.
+
+        Raises:
+            InvalidRequestError: a token id the block hash cannot encode; nothing is appended.
+        """
+        all_token_ids = self.all_token_ids
+        num_tokens = len(all_token_ids)
         if isinstance(token_ids, int):
-            self.all_token_ids.append(token_ids)
+            all_token_ids.append(token_ids)
         else:
-            self.all_token_ids.extend(token_ids)
+            all_token_ids.extend(token_ids)
         hasher = self.block_hasher
-        if (
-            hasher is not None
-            and len(self.all_token_ids) >= (len(self.block_hashes) + 1) * hasher.block_size
+        if hasher is not None and len(all_token_ids) >= (len(self.block_hashes) + 1) * (
+            hasher.block_size
         ):
-            self.block_hashes.extend(hasher(self))
+            try:
+                new_hashes = hasher(self)
+            except Exception as e:
+                del all_token_ids[num_tokens:]
+                raise InvalidRequestError(
+                    f"request {self.request_id!r}: cannot hash the new token ids: {e}"
+                ) from None
+            self.block_hashes.extend(new_hashes)
