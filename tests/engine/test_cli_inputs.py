@@ -41,6 +41,15 @@ def test_load_prompts_names_the_bad_line(tmp_path, line):
         load_prompts(path)
 
 
+def test_load_prompts_unreadable_file_is_a_clear_error(tmp_path):
+    with pytest.raises(InvalidRequestError, match="cannot read prompt file"):
+        load_prompts(tmp_path / "missing.jsonl")
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes('"caf\xe9"\n'.encode("latin-1"))
+    with pytest.raises(InvalidRequestError, match="cannot read prompt file"):
+        load_prompts(latin1)
+
+
 def test_engine_flags_round_trip():
     args = build_parser().parse_args(
         [

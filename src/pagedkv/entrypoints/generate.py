@@ -72,38 +72,41 @@ def load_prompts(path: Path) -> list[tuple[Any, int | None]]:
     from pagedkv.errors import InvalidRequestError
 
     prompts = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidRequestError(f"cannot read prompt file {path}: {e}") from None
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InvalidRequestError(f"{path}:{number}: not JSON ({e})") from None
+        max_tokens = None
+        if isinstance(item, dict):
+            max_tokens = item.get("max_tokens")
+            if "messages" in item:
+                item = item["messages"]
+            elif "prompt" in item:
+                item = item["prompt"]
+                if not isinstance(item, str):
+                    raise InvalidRequestError(f'{path}:{number}: "prompt" must be a string')
+                prompts.append((item, max_tokens))
                 continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InvalidRequestError(f"{path}:{number}: not JSON ({e})") from None
-            max_tokens = None
-            if isinstance(item, dict):
-                max_tokens = item.get("max_tokens")
-                if "messages" in item:
-                    item = item["messages"]
-                elif "prompt" in item:
-                    item = item["prompt"]
-                    if not isinstance(item, str):
-                        raise InvalidRequestError(f'{path}:{number}: "prompt" must be a string')
-                    prompts.append((item, max_tokens))
-                    continue
-                else:
-                    raise InvalidRequestError(
-                        f'{path}:{number}: an object needs "messages" or "prompt"'
-                    )
-            if isinstance(item, str):
-                item = [{"role": "user", "content": item}]
-            if not isinstance(item, list) or not all(
-                isinstance(m, dict) and "role" in m and "content" in m for m in item
-            ):
+            else:
                 raise InvalidRequestError(
-                    f"{path}:{number}: expected a string, a list of messages, or an object"
+                    f'{path}:{number}: an object needs "messages" or "prompt"'
                 )
-            prompts.append((item, max_tokens))
+        if isinstance(item, str):
+            item = [{"role": "user", "content": item}]
+        if not isinstance(item, list) or not all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in item
+        ):
+            raise InvalidRequestError(
+                f"{path}:{number}: expected a string, a list of messages, or an object"
+            )
+        prompts.append((item, max_tokens))
     return prompts
 
 

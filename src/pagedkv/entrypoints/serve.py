@@ -58,10 +58,14 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port <= 65535:
         raise SystemExit(f"pagedkv serve: --port must be in 0..65535, got {args.port}")
+    # Bind first: a busy port should fail in a blink, not after the model has loaded.
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as e:
+        raise SystemExit(f"pagedkv serve: cannot listen on {args.host}:{args.port}: {e}") from None
     engine = LLMEngine(EngineConfig.from_cli_args(args))
     name = args.served_model_name or served_model_name(engine.loaded_model.source)
     app = create_app(engine, model_name=name, max_model_len=engine.max_model_len)
-    sock = bind_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
     shown_host = f"[{host}]" if ":" in host else host
     # Scripts (benchmarks/bench_serving.py) read the URL from this line.
