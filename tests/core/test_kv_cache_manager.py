@@ -356,3 +356,52 @@ def test_stale_hit_blocks_are_refused():
     with pytest.raises(CacheStateError, match="evicted"):
         kv.allocate_slots(second, 1, num_hit, blocks)
     assert snapshot(kv) == before
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"kv_cache_specs": [object()]}, "KVCacheSpec"),
+        ({"max_model_len": True}, "max_model_len"),
+    ],
+)
+def test_bad_manager_arguments_raise_config_error(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        KVCacheManager(10, **kwargs)
+
+
+def test_sliding_window_true_is_rejected():
+    from pagedkv.core.spec import SlidingWindowSpec
+
+    with pytest.raises(ConfigError, match="sliding_window"):
+        SlidingWindowSpec(block_size=4, num_kv_heads=1, head_size=1, sliding_window=True)
+
+
+@pytest.mark.parametrize("num_new_tokens", [1.5, "3", True])
+def test_non_int_token_count_is_rejected_and_changes_nothing(num_new_tokens):
+    kv = manager(4)
+    request = make_request(kv, "a", range(1, 6))
+    before = snapshot(kv)
+    with pytest.raises(InvalidRequestError, match="must be ints"):
+        kv.allocate_slots(request, num_new_tokens)
+    assert snapshot(kv) == before
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"lora_id": 2**70}, "lora_id"),
+        ({"lora_id": "x"}, "lora_id"),
+        ({"cache_salt": 5}, "cache_salt"),
+        ({"num_computed_tokens": -5}, "num_computed_tokens"),
+    ],
+)
+def test_bad_request_fields_raise_invalid_request_error(kwargs, message):
+    kv = manager(4)
+    with pytest.raises(InvalidRequestError, match=message):
+        KVCacheRequest("a", [1, 2, 3, 4, 5], block_hasher=kv.block_hasher, **kwargs)
+
+
+def test_text_prompt_is_rejected_without_a_hasher():
+    with pytest.raises(InvalidRequestError, match="not text"):
+        KVCacheRequest("a", "hello")

@@ -13,6 +13,7 @@ Idea from vLLM V1 (``vllm/v1/core/kv_cache_manager.py``).
 
 from __future__ import annotations
 
+import numbers
 import sys
 from collections.abc import Sequence
 
@@ -73,8 +74,8 @@ class KVCacheManager:
         max_model_len: cap on slots allocated for one request, in tokens (``None``: no cap).
 
     Raises:
-        ConfigError: num_blocks < 2, block_size < 1, block sizes that disagree, an unknown hash
-            algorithm, max_model_len < 1.
+        ConfigError: num_blocks < 2, block_size < 1, a spec that is not a KVCacheSpec, block
+            sizes that disagree, an unknown hash algorithm, max_model_len < 1.
     """
 
     def __init__(
@@ -97,12 +98,19 @@ class KVCacheManager:
         kv_cache_specs = list(kv_cache_specs)
         if not kv_cache_specs:
             raise ConfigError("kv_cache_specs is empty: give at least one KV cache group")
+        for spec in kv_cache_specs:
+            if not isinstance(spec, KVCacheSpec):
+                raise ConfigError(f"kv_cache_specs must hold KVCacheSpec objects, got {spec!r}")
         if block_size is not None and block_size != kv_cache_specs[0].block_size:
             raise ConfigError(
                 f"block_size={block_size} disagrees with the specs' block_size "
                 f"{kv_cache_specs[0].block_size}"
             )
-        if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 1):
+        if max_model_len is not None and (
+            not isinstance(max_model_len, int)
+            or isinstance(max_model_len, bool)
+            or max_model_len < 1
+        ):
             raise ConfigError(f"max_model_len must be an int >= 1 or None, got {max_model_len!r}")
         hasher = BlockHasher(kv_cache_specs[0].block_size, hash_algo, hash_seed)
         self.kv_cache_specs = tuple(kv_cache_specs)
@@ -227,7 +235,8 @@ class KVCacheManager:
             The newly allocated blocks, or ``None`` if they do not fit; then nothing changed.
 
         Raises:
-            InvalidRequestError: a negative count, or hit tokens that disagree with the hit blocks.
+            InvalidRequestError: a count that is not an int or is negative, or hit tokens that
+                disagree with the hit blocks.
             CacheStateError: hit blocks for a request that already holds blocks, or hit blocks
                 evicted (reused) since ``get_computed_blocks``: call the two back to back.
         """
@@ -236,7 +245,9 @@ class KVCacheManager:
             fast is not None
             and (new_computed_blocks is None or new_computed_blocks is self.empty_kv_cache_blocks)
             and num_new_computed_tokens == 0
+            and type(num_new_tokens) is int
             and num_new_tokens >= 0
+            and type(num_lookahead_tokens) is int
             and num_lookahead_tokens >= 0
         ):
             # Fast path (one full-attention group, no new hits: decode steps and prefill chunks):
@@ -254,6 +265,9 @@ class KVCacheManager:
                 return None
             return KVCacheBlocks((new_blocks,)) if new_blocks else self.empty_kv_cache_blocks
 
+        for count in (num_new_tokens, num_new_computed_tokens, num_lookahead_tokens):
+            if not isinstance(count, numbers.Integral) or isinstance(count, bool):
+                raise InvalidRequestError(f"token counts must be ints, got {count!r}")
         if num_new_tokens < 0 or num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
             raise InvalidRequestError(
                 f"token counts must be >= 0, got num_new_tokens={num_new_tokens}, "

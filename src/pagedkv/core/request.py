@@ -32,7 +32,8 @@ class KVCacheRequest:
             as the sequence grows (empty without a ``block_hasher``).
 
     Raises:
-        InvalidRequestError: an empty prompt.
+        InvalidRequestError: an empty prompt or a str prompt; a lora_id that is not an
+            int64; a cache_salt that is not a str; a negative num_computed_tokens.
     """
 
     request_id: str
@@ -46,8 +47,32 @@ class KVCacheRequest:
     block_hashes: list[BlockHash] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if isinstance(self.prompt_token_ids, (str, bytes)):
+            raise InvalidRequestError(
+                f"request {self.request_id!r}: prompt_token_ids must be token ids, not text"
+            )
         if len(self.prompt_token_ids) == 0:
             raise InvalidRequestError(f"request {self.request_id!r} has an empty prompt")
+        lora_id = self.lora_id
+        if lora_id is not None and (
+            not isinstance(lora_id, int)
+            or isinstance(lora_id, bool)
+            or not -(2**63) <= lora_id < 2**63
+        ):
+            raise InvalidRequestError(
+                f"request {self.request_id!r}: lora_id must be an int64 or None, got {lora_id!r}"
+            )
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise InvalidRequestError(
+                f"request {self.request_id!r}: cache_salt must be a str or None, "
+                f"got {self.cache_salt!r}"
+            )
+        num_computed = self.num_computed_tokens
+        if not isinstance(num_computed, int) or isinstance(num_computed, bool) or num_computed < 0:
+            raise InvalidRequestError(
+                f"request {self.request_id!r}: num_computed_tokens must be an int >= 0, "
+                f"got {num_computed!r}"
+            )
         self.all_token_ids = list(self.prompt_token_ids)
         self.block_hashes = []
         if self.block_hasher is not None:

@@ -111,7 +111,8 @@ class SlidingWindowSpec(AttentionSpec):
 
     def __post_init__(self) -> None:
         AttentionSpec.__post_init__(self)
-        if not isinstance(self.sliding_window, int) or self.sliding_window < 1:
+        window = self.sliding_window
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             raise ConfigError(f"sliding_window must be an int >= 1, got {self.sliding_window!r}")
 
     def max_num_blocks_per_request(self, max_model_len: int, max_num_batched_tokens: int) -> int:
