@@ -196,6 +196,10 @@ def test_llm_generate_keeps_input_order_and_per_prompt_params(tiny):
     assert chat[0].prompt == "<user>hi\n<assistant>" and len(chat[0].token_ids) == 2
     with pytest.raises(InvalidRequestError, match="sampling params"):
         llm.generate(PROMPTS, params[:2], use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="SamplingParams"):
+        llm.generate(["hi"], {"max_tokens": 2}, use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="SamplingParams"):
+        llm.engine.add_request("dict", "hi", {"max_tokens": 2})
     assert llm.generate([], use_tqdm=False) == []
     assert llm.chat([], use_tqdm=False) == []
 
@@ -254,6 +258,11 @@ def test_llm_generate_after_a_failing_step_still_works(tiny, monkeypatch):
         {"seed": 2**64},
         {"seed": 2**64 - 1, "n": 2},
         {"seed": -(2**63) - 1},
+        {"stop": 5},
+        {"stop_token_ids": 5},
+        {"temperature": float("inf")},
+        {"ignore_eos": "no"},
+        {"skip_special_tokens": 1},
     ],
 )
 def test_sampling_params_validation(kwargs):

@@ -97,10 +97,17 @@ class LLM:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         else:
+            from pagedkv.errors import InvalidRequestError
+
+            if not isinstance(sampling_params, list | tuple) or not all(
+                isinstance(params, SamplingParams) for params in sampling_params
+            ):
+                raise InvalidRequestError(
+                    "sampling_params must be a SamplingParams or a list of them, got "
+                    f"{type(sampling_params).__name__}"
+                )
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
-                from pagedkv.errors import InvalidRequestError
-
                 raise InvalidRequestError(
                     f"got {len(params_list)} sampling params for {len(prompts)} prompts"
                 )

@@ -216,11 +216,16 @@ class LLMEngine:
             arrival_time: ``time.monotonic()`` of arrival (default: now).
 
         Raises:
-            InvalidRequestError: a duplicate id, an empty prompt, token ids outside the
-                vocabulary, or a request that can never fit (prompt + max_tokens beyond
-                max_model_len, more KV blocks than the pool). Nothing is queued then.
+            InvalidRequestError: sampling_params that are not a SamplingParams, a duplicate id,
+                an empty prompt, token ids outside the vocabulary, or a request that can never
+                fit (prompt + max_tokens beyond max_model_len, more KV blocks than the pool).
+                Nothing is queued then.
         """
         params = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(
+                f"sampling_params must be a SamplingParams, got {type(params).__name__}"
+            )
         if request_id in self._states:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         prompt_text, prompt_token_ids = self._tokenize(prompt)

@@ -8,6 +8,7 @@ off; ``max_tokens=None`` means "until max_model_len".
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from pagedkv.errors import InvalidRequestError
@@ -40,7 +41,8 @@ class SamplingParams:
         seed: seed of this request's own random generator; equal seeds give equal samples.
 
     Raises:
-        InvalidRequestError: a value out of its range, with the name and the valid range.
+        InvalidRequestError: a value out of its range or of the wrong type (``stop`` not a str or
+            list, a non-bool flag, an infinite temperature), with the name and the valid range.
     """
 
     n: int = 1
@@ -62,16 +64,29 @@ class SamplingParams:
             self.stop = [self.stop]
         elif self.stop is None:
             self.stop = []
-        else:
+        elif isinstance(self.stop, list | tuple):
             self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids or ())
+        else:
+            raise InvalidRequestError(
+                f"stop must be a str or a list of str, got {type(self.stop).__name__}"
+            )
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, list | tuple):
+            self.stop_token_ids = list(self.stop_token_ids)
+        else:
+            raise InvalidRequestError(
+                f"stop_token_ids must be a list of ints, got {type(self.stop_token_ids).__name__}"
+            )
         self._validate()
 
     def _validate(self) -> None:
         if not _is_int(self.n) or self.n < 1:
             raise InvalidRequestError(f"n must be an int >= 1, got {self.n!r}")
-        if not _is_number(self.temperature) or self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise InvalidRequestError(
+                f"temperature must be a finite number >= 0, got {self.temperature!r}"
+            )
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
@@ -90,6 +105,10 @@ class SamplingParams:
         for token_id in self.stop_token_ids:
             if not _is_int(token_id) or token_id < 0:
                 raise InvalidRequestError(f"stop_token_ids must be ints >= 0, got {token_id!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise InvalidRequestError(f"{name} must be a bool, got {value!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise InvalidRequestError(f"seed must be an int or None, got {self.seed!r}")
         # Sample i of an n > 1 request is seeded with seed + i; torch.Generator takes 64-bit seeds.
