@@ -33,7 +33,16 @@ def test_load_prompts_accepts_every_documented_shape(tmp_path):
     ]
 
 
-@pytest.mark.parametrize("line", ["nope", '{"text": "x"}', "[1, 2]", '{"prompt": 3}'])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "nope",
+        '{"text": "x"}',
+        "[1, 2]",
+        '{"prompt": 3}',
+        '[{"role": "wizard", "content": "hi"}]',
+    ],
+)
 def test_load_prompts_names_the_bad_line(tmp_path, line):
     path = tmp_path / "p.jsonl"
     path.write_text('"fine"\n' + line + "\n")
@@ -76,6 +85,20 @@ def test_engine_flags_round_trip():
         from pagedkv.engine.config import _parse_bytes
 
         _parse_bytes("12 parsecs")
+
+
+@pytest.mark.parametrize(("text", "num_bytes"), [("1G", 1 << 30), ("512MiB", 512 << 20)])
+def test_kv_cache_memory_takes_the_sizes_plan_takes(text, num_bytes):
+    from pagedkv.plan.catalog import parse_memory_size
+
+    args = build_parser().parse_args(["generate", "--kv-cache-memory", text])
+    assert args.kv_cache_memory == num_bytes == parse_memory_size(text)
+
+
+@pytest.mark.parametrize("num_blocks", [-3, 1])
+def test_num_blocks_message_names_the_null_block(num_blocks):
+    with pytest.raises(ConfigError, match=r">= 2 \(block 0 is the null block\)"):
+        EngineConfig(num_blocks=num_blocks)
 
 
 def test_committed_workload_has_64_chats():

@@ -75,7 +75,14 @@ class EngineConfig:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             _check_positive(name, getattr(self, name))
-        for name in ("num_blocks", "kv_cache_memory", "max_model_len", "num_threads"):
+        num_blocks = self.num_blocks
+        if num_blocks is not None and (
+            not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 2
+        ):
+            raise ConfigError(
+                f"num_blocks must be an int >= 2 (block 0 is the null block), got {num_blocks!r}"
+            )
+        for name in ("kv_cache_memory", "max_model_len", "num_threads"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
 
@@ -94,7 +101,7 @@ class EngineConfig:
             "--kv-cache-memory",
             type=_parse_bytes,
             default=None,
-            help="KV cache budget, bytes or with a unit (512MiB, 2GiB)",
+            help="KV cache budget, bytes or with a unit (512MiB, 2GiB, 1G)",
         )
         group.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
         group.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
@@ -121,26 +128,12 @@ def _check_positive(name: str, value: object) -> None:
         raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
 
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "kb": 1000,
-    "mb": 1000**2,
-    "gb": 1000**3,
-}
-
-
 def _parse_bytes(text: str) -> int:
-    """Parse a size such as 2GiB (2147483648) or 512MiB; a plain number is bytes."""
-    stripped = text.strip().lower()
-    number = stripped.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = stripped[len(number) :].strip()
-    if unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"unknown size unit in {text!r}; use B, KiB, MiB, GiB")
+    """argparse type of ``--kv-cache-memory``: the one size parser that plan and simulate use
+    (:func:`pagedkv.plan.catalog.parse_memory_size`: 2GiB, 1G, 512MiB, 80GB, bytes)."""
+    from pagedkv.plan.catalog import parse_memory_size
+
     try:
-        return int(float(number) * _UNITS[unit])
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
+        return parse_memory_size(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

@@ -31,6 +31,9 @@ DEMO_PROMPTS = (
     "Translate 'Good morning, how are you today?' into Spanish and French.",
 )
 
+#: Roles a chat message in a prompt file may have.
+CHAT_ROLES = ("system", "user", "assistant")
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `generate` subcommand."""
@@ -66,8 +69,8 @@ def load_prompts(path: Path) -> list[tuple[Any, int | None]]:
     messages or raw text.
 
     Raises:
-        InvalidRequestError: a line that is not one of the accepted shapes (the message gives
-            the line number).
+        InvalidRequestError: a line that is not one of the accepted shapes, or a message role
+            not in :data:`CHAT_ROLES` (the message gives the line number).
     """
     from pagedkv.errors import InvalidRequestError
 
@@ -106,6 +109,12 @@ def load_prompts(path: Path) -> list[tuple[Any, int | None]]:
             raise InvalidRequestError(
                 f"{path}:{number}: expected a string, a list of messages, or an object"
             )
+        for message in item:
+            if message["role"] not in CHAT_ROLES:
+                raise InvalidRequestError(
+                    f"{path}:{number}: unknown role {message['role']!r}; use one of "
+                    f"{', '.join(CHAT_ROLES)}"
+                )
         prompts.append((item, max_tokens))
     return prompts
 
