@@ -161,6 +161,9 @@ def test_impossible_settings_raise():
         plan_capacity("Llama-3.1-8B", "L4")
     with pytest.raises(CacheSizingError, match="needs at least 2"):
         plan_capacity("Llama-3.1-70B", "H100-80GB")
+    with pytest.raises(CacheSizingError, match="num_blocks is 1") as info:
+        plan_capacity("Llama-3.1-8B", "H100-80GB", num_blocks=1)
+    assert "memory budget" not in str(info.value)
     with pytest.raises(ConfigError, match="choose one of auto, float32"):
         plan_capacity("Llama-3.1-8B", "H100-80GB", kv_cache_dtype="int4")
     with pytest.raises(ConfigError, match="mean_len"):

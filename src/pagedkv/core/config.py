@@ -279,9 +279,13 @@ class KVCacheConfig:
         max_num_batched_tokens: int | None,
     ) -> KVCacheConfig:
         groups, group_size = group_layers(layer_specs)
-        if num_blocks is None:
-            bytes_per_block = groups[0].kv_cache_spec.page_size_bytes * group_size
-            num_blocks = max(kv_cache_memory, 0) // bytes_per_block
+        if num_blocks is not None:
+            # Explicit blocks: errors name num_blocks, not the memory they did not come from.
+            config = cls(num_blocks, groups, group_size, max_model_len, max_num_batched_tokens)
+            config._validate(budget=None)
+            return config
+        bytes_per_block = groups[0].kv_cache_spec.page_size_bytes * group_size
+        num_blocks = max(kv_cache_memory, 0) // bytes_per_block
         config = cls(num_blocks, groups, group_size, max_model_len, max_num_batched_tokens)
         config._validate(budget=budget, kv_cache_memory=kv_cache_memory)
         return config
@@ -298,7 +302,10 @@ class KVCacheConfig:
             elif kv_cache_memory is not None:
                 source = f"kv_cache_memory {format_bytes(kv_cache_memory)}"
             else:
-                source = "num_blocks"
+                raise CacheSizingError(
+                    f"num_blocks is {self.num_blocks}; the KV cache needs at least 2 (block 0 is "
+                    "the null block)"
+                )
             raise CacheSizingError(
                 f"the KV cache gets {self.num_blocks} blocks of "
                 f"{format_bytes(self.bytes_per_block)} from {source}; it needs at least 2 (block 0 "
