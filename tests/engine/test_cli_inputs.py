@@ -105,3 +105,12 @@ def test_committed_workload_has_64_chats():
     conversations = load_prompts(DEFAULT_WORKLOAD)
     assert len(conversations) == 64
     assert all(isinstance(c, list) and c[0]["role"] == "user" for c, _ in conversations)
+
+
+@pytest.mark.parametrize(
+    "flags", [["--num-prompts", "-1"], ["--num-prompts", "0"], ["--hf-batch-size", "0"]]
+)
+def test_bench_counts_below_one_fail_while_parsing(flags, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "throughput", *flags])
+    assert "must be >= 1" in capsys.readouterr().err

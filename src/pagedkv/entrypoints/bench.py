@@ -51,14 +51,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tp = benches.add_parser("throughput", help="offline output tokens/s and TTFT")
     tp.add_argument("--backend", choices=("pagedkv", "hf", "both"), default="pagedkv")
     tp.add_argument("--input", type=Path, default=DEFAULT_WORKLOAD, help="JSONL chat prompts")
-    tp.add_argument("--num-prompts", type=int, default=None, help="first N prompts only")
-    tp.add_argument("--max-tokens", type=int, default=128)
-    tp.add_argument("--hf-batch-size", type=int, default=16)
+    tp.add_argument(
+        "--num-prompts", type=_positive_int, default=None, help="first N prompts only (N >= 1)"
+    )
+    tp.add_argument("--max-tokens", type=_positive_int, default=128)
+    tp.add_argument("--hf-batch-size", type=_positive_int, default=16)
     tp.add_argument("--json", type=Path, default=None, help="write the results here")
     from pagedkv.engine.config import EngineConfig
 
     EngineConfig.add_cli_args(tp)
     parser.set_defaults(func=run)
+
+
+def _positive_int(text: str) -> int:
+    """argparse type of counts: an int >= 1, so a bad count fails before any model loads."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an int: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
