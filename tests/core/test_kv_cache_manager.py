@@ -46,6 +46,21 @@ def test_hit_is_capped_below_num_tokens():
     kv.check_invariants()
 
 
+def test_hits_of_another_longer_request_are_refused_and_change_nothing():
+    kv = manager(10)
+    first = make_request(kv, "a", range(1, 14))
+    admit(kv, first)
+    kv.free(first)
+    long_hit, num_hit = kv.get_computed_blocks(make_request(kv, "b", range(1, 14)))
+    assert num_hit == 12
+    short = make_request(kv, "c", range(1, 6))
+    before = snapshot(kv)
+    with pytest.raises(InvalidRequestError, match="only 1 full blocks"):
+        kv.allocate_slots(short, 0, num_hit, long_hit)
+    assert snapshot(kv) == before
+    kv.check_invariants()
+
+
 def test_refused_admission_counts_evictable_hits_and_changes_nothing():
     kv = manager(7)
     prompt = list(range(1, 9))

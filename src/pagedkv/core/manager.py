@@ -287,6 +287,12 @@ class KVCacheManager:
                     f"num_new_computed_tokens={num_new_computed_tokens} != "
                     f"{len(hit_blocks[0])} hit blocks x block_size {self.block_size}"
                 )
+            if len(hit_blocks[0]) > len(request.block_hashes):
+                raise InvalidRequestError(
+                    f"{len(hit_blocks[0])} hit blocks for request {request_id!r}, which has only "
+                    f"{len(request.block_hashes)} full blocks; use this request's own "
+                    "get_computed_blocks result"
+                )
             if any(coordinator.get_blocks(request_id)):
                 raise CacheStateError(
                     f"request {request_id!r} already holds blocks; prefix hits are for new requests"
