@@ -19,9 +19,8 @@ import time
 import torch
 
 from pagedkv.engine.cpu_runtime import tune_malloc
-from pagedkv.model.llama import AttentionMetadata
 from pagedkv.model.loader import load_model
-from pagedkv.ops import allocate_kv_cache
+from pagedkv.ops import AttentionMetadata, allocate_kv_cache
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

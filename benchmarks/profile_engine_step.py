@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from pagedkv.engine.llm_engine import LLMEngine
-from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.sampling_params import SamplingParams
 
 WORKLOAD = Path(__file__).resolve().parent / "data" / "chat_prompts.jsonl"
 PHASES = ("schedule", "prepare", "forward", "logits", "sample", "update", "outputs")

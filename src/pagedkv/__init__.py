@@ -15,12 +15,12 @@ __all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]
 if TYPE_CHECKING:  # pragma: no cover
     from pagedkv.engine.llm import LLM
     from pagedkv.engine.outputs import RequestOutput
-    from pagedkv.engine.sampling_params import SamplingParams
+    from pagedkv.sampling_params import SamplingParams
 
 _LAZY = {
     "LLM": "pagedkv.engine.llm",
     "RequestOutput": "pagedkv.engine.outputs",
-    "SamplingParams": "pagedkv.engine.sampling_params",
+    "SamplingParams": "pagedkv.sampling_params",
 }
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
+from pagedkv.engine.scheduler import Scheduler
+from pagedkv.worker.scheduler_output import SchedulerOutput
 
 VOCAB_SIZE = 997
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pagedkv.engine.llm import LLM
-from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -8,8 +8,8 @@ from _tiny_model import EOS, tiny_loaded_model
 
 from pagedkv.engine.llm import LLM
 from pagedkv.engine.llm_engine import LLMEngine, _partial_stop_len
-from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.errors import ConfigError, InvalidRequestError
+from pagedkv.sampling_params import SamplingParams
 
 PROMPTS = ["hello", "a much longer prompt about paged attention " * 3, "abc", "x" * 70]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.model.sampler import Sampler
+from pagedkv.sampling_params import SamplingParams
+from pagedkv.worker.sampler import Sampler
 
 VOCAB = 50
 

@@ -7,9 +7,9 @@ from _engine_fakes import FakeModel, reference_output, run_until_done
 
 from pagedkv.core.manager import KVCacheManager
 from pagedkv.engine.request import Request, RequestStatus
-from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.errors import ConfigError, InvalidRequestError
+from pagedkv.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 

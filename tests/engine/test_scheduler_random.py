@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from pagedkv.core.manager import KVCacheManager
 from pagedkv.engine.request import Request, RequestStatus
-from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler
+from pagedkv.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 48

@@ -15,9 +15,9 @@ import time
 from dataclasses import dataclass, field
 
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
-from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.stats import SchedulerStats
 from pagedkv.errors import InvalidRequestError
+from pagedkv.sampling_params import SamplingParams
 
 SENTENCE = "the quick brown fox jumps over the lazy dog. "
 

@@ -436,8 +436,8 @@ def test_serve_cli_arguments():
 
 
 def test_engine_loop_aborts_an_add_cancelled_while_queued():
-    from pagedkv.engine.sampling_params import SamplingParams
     from pagedkv.entrypoints.openai.engine_loop import EngineLoop, EngineRequest
+    from pagedkv.sampling_params import SamplingParams
 
     async def main():
         engine = FakeEngine(step_delay=0.05)

@@ -81,7 +81,7 @@ def client(server):
 
 
 def greedy(max_tokens: int = MAX_TOKENS):
-    from pagedkv.engine.sampling_params import SamplingParams
+    from pagedkv.sampling_params import SamplingParams
 
     return SamplingParams(temperature=0, max_tokens=max_tokens)
 

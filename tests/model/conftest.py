@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedkv.model.llama import AttentionMetadata, LlamaForCausalLM
-from pagedkv.ops import allocate_kv_cache
+from pagedkv.model.llama import LlamaForCausalLM
+from pagedkv.ops import AttentionMetadata, allocate_kv_cache
 
 
 class PagedSequenceRunner:

@@ -8,7 +8,7 @@ from typing import Any
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.llm_engine import EngineStats, LLMEngine, Prompt
 from pagedkv.engine.outputs import RequestOutput
-from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.sampling_params import SamplingParams
 
 Conversation = Sequence[dict[str, Any]]
 

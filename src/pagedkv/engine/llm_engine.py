@@ -32,10 +32,10 @@ from pagedkv.engine.config import (
 from pagedkv.engine.cpu_runtime import tune_cpu_runtime
 from pagedkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedkv.engine.request import Request, RequestStatus
-from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.stats import SchedulerStats
 from pagedkv.errors import InvalidRequestError
+from pagedkv.sampling_params import SamplingParams
 
 #: A prompt: text, token ids, or chat messages ``[{"role": ..., "content": ...}, ...]``.
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
@@ -178,7 +178,7 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.policy,
         )
-        from pagedkv.model.runner import ModelRunner
+        from pagedkv.worker.model_runner import ModelRunner
 
         self.runner = ModelRunner(
             model,

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagedkv.core.request import KVCacheRequest
-from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

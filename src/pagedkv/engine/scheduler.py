@@ -25,53 +25,15 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 
 from pagedkv.core.manager import KVCacheManager
 from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.engine.request_queue import FCFSQueue, PriorityQueue
 from pagedkv.engine.stats import SchedulerStats
 from pagedkv.errors import ConfigError, InvalidRequestError
+from pagedkv.worker.scheduler_output import SchedulerOutput
 
 POLICIES = ("fcfs", "priority")
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """What one step computes: parallel lists, one entry per scheduled request, in batch order.
-
-    Attributes:
-        requests: the scheduled requests.
-        num_scheduled_tokens: tokens computed for each request this step (>= 1).
-        num_computed_tokens: each request's num_computed_tokens BEFORE this step (the position
-            of its first scheduled token); its tokens this step are
-            ``all_token_ids[num_computed_tokens : num_computed_tokens + num_scheduled_tokens]``.
-        block_ids: each request's block ids, one list per KV cache group (its block table).
-        sample: whether a token is sampled for the request after this step (its prompt and
-            every earlier token are then computed); False for a partial prefill chunk.
-        total_num_scheduled_tokens: sum of num_scheduled_tokens.
-        preempted_requests: requests preempted while scheduling this step.
-        finished_requests: requests finished while scheduling (rejected: can never fit).
-    """
-
-    requests: list[Request] = field(default_factory=list)
-    num_scheduled_tokens: list[int] = field(default_factory=list)
-    num_computed_tokens: list[int] = field(default_factory=list)
-    block_ids: list[tuple[list[int], ...]] = field(default_factory=list)
-    sample: list[bool] = field(default_factory=list)
-    total_num_scheduled_tokens: int = 0
-    preempted_requests: list[Request] = field(default_factory=list)
-    finished_requests: list[Request] = field(default_factory=list)
-
-    @property
-    def num_reqs(self) -> int:
-        """Number of scheduled requests."""
-        return len(self.requests)
-
-    @property
-    def num_sampled(self) -> int:
-        """Number of requests that sample a token after this step."""
-        return sum(self.sample)
 
 
 class Scheduler:

@@ -107,7 +107,7 @@ def bench_pagedkv(args: argparse.Namespace, conversations: list) -> BenchResult:
     """Run the workload through pagedkv's LLM (after a short warm-up on another prompt)."""
     from pagedkv.engine.config import EngineConfig
     from pagedkv.engine.llm import LLM
-    from pagedkv.engine.sampling_params import SamplingParams
+    from pagedkv.sampling_params import SamplingParams
 
     config = EngineConfig.from_cli_args(args)
     llm = LLM(**{name: getattr(config, name) for name in config.__slots__})

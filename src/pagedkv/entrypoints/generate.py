@@ -123,8 +123,8 @@ def run(args: argparse.Namespace) -> int:
     """Run `pagedkv generate`."""
     from pagedkv.engine.config import EngineConfig
     from pagedkv.engine.llm import LLM
-    from pagedkv.engine.sampling_params import SamplingParams
     from pagedkv.errors import InvalidRequestError
+    from pagedkv.sampling_params import SamplingParams
 
     items: list[tuple[Any, int | None]] = []
     if args.demo:

@@ -26,7 +26,6 @@ are frozen: the model only runs under ``torch.inference_mode``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,58 +34,7 @@ from pagedkv.errors import ModelLoadError
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.packed_linear import PackedLinear, onednn_available
 from pagedkv.model.rotary import RotaryEmbedding
-from pagedkv.ops import PagedAttentionMetadata, paged_attention, write_kv
-
-
-@dataclass(slots=True)
-class AttentionMetadata:
-    """What every attention layer of one forward needs; built once per step by the runner.
-
-    Attributes:
-        slot_mapping: ``[num_tokens]`` int64, cache slot of each token's K/V
-            (``block_id * block_size + offset``; -1 = do not write).
-        paged: the step's :class:`pagedkv.ops.PagedAttentionMetadata` (block tables, seq_lens,
-            query_start_loc and the index work derived from them).
-    """
-
-    slot_mapping: torch.Tensor
-    paged: PagedAttentionMetadata
-
-    @classmethod
-    def build(
-        cls,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        block_size: int,
-        *,
-        num_blocks: int | None = None,
-        validate: bool = True,
-    ) -> AttentionMetadata:
-        """Build from the step's tensors.
-
-        Args:
-            block_tables: ``[num_reqs, max_num_blocks]`` int32, padded with the null block 0.
-            seq_lens: ``[num_reqs]`` int32, tokens in the cache per request after this step.
-            query_start_loc: ``[num_reqs + 1]`` int32, cumulative query lengths from 0.
-            slot_mapping: ``[num_tokens]`` int32/int64 (converted to int64 once here).
-            block_size: tokens per block.
-            num_blocks: pool size, for validation.
-            validate: check the inputs (see ``PagedAttentionMetadata.build``).
-
-        Raises:
-            OpsInputError: (validate=True) inconsistent inputs.
-        """
-        paged = PagedAttentionMetadata.build(
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            block_size,
-            num_blocks=num_blocks,
-            validate=validate,
-        )
-        return cls(slot_mapping=slot_mapping.long(), paged=paged)
+from pagedkv.ops import AttentionMetadata, paged_attention, write_kv
 
 
 class LlamaDecoderLayer:

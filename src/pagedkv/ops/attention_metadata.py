@@ -1,5 +1,9 @@
 """Per-step attention metadata: the index work of one step, done once and reused by every layer.
 
+:class:`AttentionMetadata` is what a model's attention layers take: the slot mapping (where
+``write_kv`` puts this step's K/V) and the :class:`PagedAttentionMetadata` (what
+``paged_attention`` reads).
+
 A forward runs ``paged_attention`` once per layer (30 layers for SmolLM2) with the same block
 tables, seq_lens and query_start_loc. Everything that depends only on those is computed here once
 per step: which requests are decodes, the blocks and slots each reads, masks, and (on the first
@@ -101,9 +105,9 @@ class PagedAttentionMetadata:
         """Precompute the step's attention indices.
 
         Args:
-            block_tables: ``[num_reqs, max_num_blocks]`` int32/int64 physical block ids, padded
-                with the null block 0 (entries past a request's blocks are never read, whatever
-                they hold, so a reused buffer with stale rows is fine).
+            block_tables: ``[num_reqs, max_num_blocks]`` int32/int64 physical block ids. Entries
+                past a request's blocks are never read, whatever they hold: the model runner
+                reuses one buffer and leaves stale block ids in each row's tail.
             seq_lens: ``[num_reqs]`` int32/int64, tokens per request in the cache after this
                 step's write (>= q_len).
             query_start_loc: ``[num_reqs + 1]`` int32/int64, cumulative query lengths from 0
@@ -221,6 +225,58 @@ class PagedAttentionMetadata:
             prefills=prefills,
             decode_chunk_bytes=decode_chunk_bytes,
         )
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """What every attention layer of one forward needs; built once per step by the model runner.
+
+    Attributes:
+        slot_mapping: ``[num_tokens]`` int64, cache slot of each token's K/V
+            (``block_id * block_size + offset``; -1 = do not write).
+        paged: the step's :class:`PagedAttentionMetadata` (block tables, seq_lens,
+            query_start_loc and the index work derived from them).
+    """
+
+    slot_mapping: torch.Tensor
+    paged: PagedAttentionMetadata
+
+    @classmethod
+    def build(
+        cls,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_size: int,
+        *,
+        num_blocks: int | None = None,
+        validate: bool = True,
+    ) -> AttentionMetadata:
+        """Build from the step's tensors.
+
+        Args:
+            block_tables: ``[num_reqs, max_num_blocks]`` int32; entries past a request's blocks
+                are never read (the model runner's reused buffer leaves stale ids there).
+            seq_lens: ``[num_reqs]`` int32, tokens in the cache per request after this step.
+            query_start_loc: ``[num_reqs + 1]`` int32, cumulative query lengths from 0.
+            slot_mapping: ``[num_tokens]`` int32/int64 (converted to int64 once here).
+            block_size: tokens per block.
+            num_blocks: pool size, for validation.
+            validate: check the inputs (see :meth:`PagedAttentionMetadata.build`).
+
+        Raises:
+            OpsInputError: (validate=True) inconsistent inputs.
+        """
+        paged = PagedAttentionMetadata.build(
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            block_size,
+            num_blocks=num_blocks,
+            validate=validate,
+        )
+        return cls(slot_mapping=slot_mapping.long(), paged=paged)
 
 
 def _check_lengths(seq_lens: list[int], q_lens: list[int], max_len: int) -> None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from pagedkv.core.hashing import BlockHasher
 from pagedkv.engine.request import Request
-from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.sampling_params import SamplingParams
 
 
 @dataclass(slots=True, eq=False, kw_only=True)

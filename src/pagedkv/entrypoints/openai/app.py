@@ -35,7 +35,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.entrypoints.openai.engine_loop import (
     EngineDeadError,
     EngineLoop,
@@ -64,6 +63,7 @@ from pagedkv.entrypoints.openai.protocol import (
     random_id,
 )
 from pagedkv.errors import InvalidRequestError
+from pagedkv.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

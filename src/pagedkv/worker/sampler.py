@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.sampling_params import SamplingParams
 
 
 class Sampler:

@@ -1,7 +1,7 @@
 """ModelRunner: turn one scheduler step into one forward over the paged KV cache, then sample.
 
-Per step, from the :class:`~pagedkv.engine.scheduler.SchedulerOutput` (requests in batch order,
-each with ``num_computed_tokens`` c and ``num_scheduled_tokens`` n)::
+Per step, from the :class:`~pagedkv.worker.scheduler_output.SchedulerOutput` (requests in batch
+order, each with ``num_computed_tokens`` c and ``num_scheduled_tokens`` n)::
 
     input_ids        [T]   the tokens all_token_ids[c : c + n] of each request, concatenated
     positions        [T]   c, c+1, ..., c+n-1 for each request
@@ -24,11 +24,10 @@ import numpy as np
 import torch
 
 from pagedkv.core.config import KVCacheConfig
-from pagedkv.engine.scheduler import SchedulerOutput
 from pagedkv.errors import ConfigError
-from pagedkv.model.llama import AttentionMetadata
-from pagedkv.model.sampler import Sampler
-from pagedkv.ops import allocate_kv_cache
+from pagedkv.ops import AttentionMetadata, allocate_kv_cache
+from pagedkv.worker.sampler import Sampler
+from pagedkv.worker.scheduler_output import SchedulerOutput
 
 
 class ModelRunner:
