@@ -50,12 +50,14 @@ def main() -> None:
         t = [time.perf_counter()]
         out = scheduler.schedule()
         t.append(time.perf_counter())
-        input_ids, positions, attn_metadata, rows = runner.prepare_inputs(out)
+        inputs = runner.prepare_inputs(out)
         t.append(time.perf_counter())
         with torch.inference_mode():
-            hidden = runner.model.forward(input_ids, positions, runner.kv_caches, attn_metadata)
+            hidden = runner.model.forward(
+                inputs.input_ids, inputs.positions, runner.kv_caches, inputs.attn_metadata
+            )
             t.append(time.perf_counter())
-            logits = runner.model.compute_logits(hidden[torch.from_numpy(rows)])
+            logits = runner.model.compute_logits(hidden[torch.from_numpy(inputs.logits_rows)])
             t.append(time.perf_counter())
             params_list = [r.sampling_params for r in out.requests]
             sampled = runner.sampler(logits, params_list, [None] * out.num_reqs).tolist()
