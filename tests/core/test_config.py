@@ -7,16 +7,10 @@ import sys
 
 import pytest
 
-from pagedkv.core.config import (
-    GiB,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    MemoryBudget,
-    MiB,
-    group_layers,
-)
+from pagedkv.core.config import KVCacheConfig, KVCacheGroupSpec, MemoryBudget, group_layers
 from pagedkv.core.spec import FullAttentionSpec, SlidingWindowSpec
 from pagedkv.errors import CacheSizingError, ConfigError
+from pagedkv.units import GiB, MiB
 
 LLAMA_8B_LAYER = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype="bfloat16")
 

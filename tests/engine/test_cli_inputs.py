@@ -89,7 +89,7 @@ def test_engine_flags_round_trip():
 
 @pytest.mark.parametrize(("text", "num_bytes"), [("1G", 1 << 30), ("512MiB", 512 << 20)])
 def test_kv_cache_memory_takes_the_sizes_plan_takes(text, num_bytes):
-    from pagedkv.plan.catalog import parse_memory_size
+    from pagedkv.units import parse_memory_size
 
     args = build_parser().parse_args(["generate", "--kv-cache-memory", text])
     assert args.kv_cache_memory == num_bytes == parse_memory_size(text)

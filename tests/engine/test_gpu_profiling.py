@@ -2,10 +2,11 @@
 
 import pytest
 
-from pagedkv.core.config import GiB, KVCacheConfig
+from pagedkv.core.config import KVCacheConfig
 from pagedkv.core.spec import FullAttentionSpec
 from pagedkv.engine.gpu_profiling import MemorySnapshot, profile_memory_budget
 from pagedkv.errors import CacheSizingError, ConfigError
+from pagedkv.units import GiB
 
 
 class FakeProbe:

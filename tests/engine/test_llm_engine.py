@@ -179,6 +179,25 @@ def test_add_request_errors_queue_nothing(tiny):
         make_engine(tiny, max_num_seqs=0)
 
 
+def test_kv_cache_memory_takes_a_size_like_the_cli(tiny):
+    # 2 layers x 2 KV heads x head 16 x fp32 x K and V = 512 B a token, 2 KiB a block of 4.
+    by_text = make_engine(tiny, num_blocks=None, kv_cache_memory="64KiB", max_model_len=64)
+    by_int = make_engine(tiny, num_blocks=None, kv_cache_memory=64 << 10, max_model_len=64)
+    assert by_text.config.kv_cache_memory == 64 << 10
+    assert by_text.kv_cache_config.num_blocks == by_int.kv_cache_config.num_blocks == 32
+    llm = LLM(
+        loaded_model=tiny,
+        dtype="float32",
+        block_size=4,
+        kv_cache_memory="64KiB",
+        max_model_len=64,
+        num_threads=1,
+    )
+    assert llm.engine.kv_cache_config.num_blocks == 32
+    with pytest.raises(ConfigError, match="not a memory size"):
+        make_engine(tiny, num_blocks=None, kv_cache_memory="lots")
+
+
 def test_llm_generate_keeps_input_order_and_per_prompt_params(tiny):
     llm = LLM(
         loaded_model=tiny,

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from pagedkv.core.config import GiB, MiB
 from pagedkv.core.spec import FullAttentionSpec, SlidingWindowSpec
 from pagedkv.errors import CacheSizingError, ConfigError, ModelLoadError
 from pagedkv.plan.catalog import (
@@ -22,6 +21,7 @@ from pagedkv.plan.catalog import (
 )
 from pagedkv.plan.planner import estimate_activation_bytes, plan_capacity
 from pagedkv.plan.shapes import load_gguf, load_hf_config, shape_from_hf_config
+from pagedkv.units import GiB, MiB
 
 
 def default_gguf_path() -> Path:

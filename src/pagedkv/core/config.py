@@ -36,21 +36,11 @@ from dataclasses import dataclass
 
 from pagedkv.core.spec import KVCacheSpec
 from pagedkv.errors import CacheSizingError, ConfigError
-
-GiB = 1 << 30
-MiB = 1 << 20
+from pagedkv.units import format_bytes
 
 #: A type with more layers than this times the smallest type's count is padded up to its own
 #: count instead of being cut into groups of the smallest size (vLLM: 12 sw + 13 full -> 13 + 13).
 _PAD_TO_LARGEST_RATIO = 1.25
-
-
-def format_bytes(num_bytes: float) -> str:
-    """``num_bytes`` as a short human string in binary units (``"53.80 GiB"``)."""
-    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
-        if abs(num_bytes) >= size:
-            return f"{num_bytes / size:.2f} {unit}"
-    return f"{int(num_bytes)} B"
 
 
 def _check_count(name: str, value: object, minimum: int) -> None:

@@ -6,8 +6,8 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
-from pagedkv.core.config import GiB
 from pagedkv.errors import ConfigError
+from pagedkv.units import GiB, parse_memory_size
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -30,8 +30,10 @@ class EngineConfig:
             "float16".
         block_size: tokens per KV block.
         num_blocks: KV blocks in the pool (including the null block); wins over kv_cache_memory.
-        kv_cache_memory: bytes for the KV cache (all layers); None = enough for max_num_seqs x
-            max_model_len tokens, capped at DEFAULT_MAX_KV_CACHE_MEMORY.
+        kv_cache_memory: bytes for the KV cache (all layers), an int or a size such as
+            ``"1GiB"``, ``"512MiB"``, ``"1G"`` (:func:`pagedkv.units.parse_memory_size`, as the
+            ``--kv-cache-memory`` flag); None = enough for max_num_seqs x max_model_len tokens,
+            capped at DEFAULT_MAX_KV_CACHE_MEMORY.
         max_num_seqs: most requests running at once.
         max_num_batched_tokens: token budget of one step (chunked prefill splits longer prompts).
         max_model_len: most tokens per request (prompt + output); None = the model's context
@@ -46,14 +48,15 @@ class EngineConfig:
         num_threads: torch threads; None = all CPUs this process may use.
 
     Raises:
-        ConfigError: an unknown dtype or a count out of range.
+        ConfigError: an unknown dtype, a count out of range, or a kv_cache_memory string that
+            is not a size.
     """
 
     model: str | None = None
     dtype: str = "bfloat16"
     block_size: int = 16
     num_blocks: int | None = None
-    kv_cache_memory: int | None = None
+    kv_cache_memory: int | str | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -65,6 +68,8 @@ class EngineConfig:
     num_threads: int | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.kv_cache_memory, str):
+            self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
         if (
             not isinstance(self.seed, int)
             or isinstance(self.seed, bool)
@@ -129,10 +134,8 @@ def _check_positive(name: str, value: object) -> None:
 
 
 def _parse_bytes(text: str) -> int:
-    """argparse type of ``--kv-cache-memory``: the one size parser that plan and simulate use
-    (:func:`pagedkv.plan.catalog.parse_memory_size`: 2GiB, 1G, 512MiB, 80GB, bytes)."""
-    from pagedkv.plan.catalog import parse_memory_size
-
+    """argparse type of ``--kv-cache-memory``: :func:`pagedkv.units.parse_memory_size`, the one
+    size parser that plan, simulate and ``EngineConfig(kv_cache_memory="2GiB")`` use."""
     try:
         return parse_memory_size(text)
     except ConfigError as e:

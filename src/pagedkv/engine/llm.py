@@ -21,7 +21,8 @@ class LLM:
         dtype: "bfloat16" (default, fast on CPU), "float32" (exact) or "float16".
         block_size: tokens per KV block.
         num_blocks: KV blocks in the pool (wins over kv_cache_memory).
-        kv_cache_memory: bytes for the KV cache; None = a default budget (see EngineConfig).
+        kv_cache_memory: bytes for the KV cache, or a size such as "1GiB" (as the
+            --kv-cache-memory flag); None = a default budget (see EngineConfig).
         max_num_seqs: most requests running at once.
         max_num_batched_tokens: token budget per step.
         max_model_len: most tokens (prompt + output) per request.
@@ -43,7 +44,7 @@ class LLM:
         dtype: str = "bfloat16",
         block_size: int = 16,
         num_blocks: int | None = None,
-        kv_cache_memory: int | None = None,
+        kv_cache_memory: int | str | None = None,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,

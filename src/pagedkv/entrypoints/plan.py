@@ -97,8 +97,8 @@ def run(args: argparse.Namespace) -> int:
     """Run ``pagedkv plan``; returns 0 (errors are raised as ConfigError subclasses)."""
     import json
 
-    from pagedkv.plan.catalog import parse_memory_size
     from pagedkv.plan.planner import plan_capacity
+    from pagedkv.units import parse_memory_size
 
     def size(text: str | None) -> int | None:
         return None if text is None else parse_memory_size(text)

@@ -126,7 +126,7 @@ def _num_blocks_from_memory(args: argparse.Namespace, block_size: int, max_model
     from pagedkv.core.config import KVCacheConfig
     from pagedkv.core.spec import FullAttentionSpec
     from pagedkv.errors import ConfigError
-    from pagedkv.plan.catalog import parse_memory_size
+    from pagedkv.units import parse_memory_size
 
     if args.num_layers < 1:
         raise ConfigError(f"--num-layers must be >= 1, got {args.num_layers}")

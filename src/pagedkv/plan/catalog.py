@@ -9,14 +9,12 @@ the marketing names round them (an "80GB" H100 reports 81,559 MiB = 79.6 GiB).
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from types import MappingProxyType
 
 from pagedkv.errors import ConfigError
 from pagedkv.plan.shapes import ModelShape, load_gguf, load_hf_config
-
-MiB = 1 << 20
+from pagedkv.units import MiB, parse_memory_size
 
 
 def _alternate(num_layers: int, window: int) -> tuple[int | None, ...]:
@@ -123,40 +121,6 @@ DEVICES = MappingProxyType(
         "RTX-4090": 24564 * MiB,
     }
 )
-
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "K": 1 << 10,
-    "KIB": 1 << 10,
-    "KB": 10**3,
-    "M": 1 << 20,
-    "MIB": 1 << 20,
-    "MB": 10**6,
-    "G": 1 << 30,
-    "GIB": 1 << 30,
-    "GB": 10**9,
-    "T": 1 << 40,
-    "TIB": 1 << 40,
-    "TB": 10**12,
-}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_memory_size(text: str) -> int:
-    """Bytes from ``"24GiB"``, ``"80 GB"``, ``"1.5G"`` (bare K/M/G/T are binary) or ``"1024"``.
-
-    Raises:
-        ConfigError: not a size.
-    """
-    match = _SIZE.match(str(text))
-    unit = match.group(2).upper() if match else ""
-    if match is None or unit not in _UNITS:
-        raise ConfigError(
-            f"not a memory size: {text!r}; write a number with a unit such as 24GiB, 80GB, 512MiB"
-        )
-    return int(float(match.group(1)) * _UNITS[unit])
-
 
 def resolve_device(device: str) -> tuple[str, int]:
     """(name, bytes) of a catalog device (case-insensitive) or a memory size like ``24GiB``.

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedkv.core.config import KVCacheConfig, MemoryBudget, format_bytes
+from pagedkv.core.config import KVCacheConfig, MemoryBudget
 from pagedkv.core.spec import KV_DTYPE_BYTES, SlidingWindowSpec
 from pagedkv.errors import ConfigError
 from pagedkv.plan.catalog import resolve_device, resolve_model
 from pagedkv.plan.shapes import WEIGHT_DTYPE_BYTES, ModelShape
+from pagedkv.units import format_bytes
 
 #: KV-cache dtypes ``pagedkv plan`` accepts; ``auto`` = the model's weight dtype.
 KV_CACHE_DTYPES = ("auto", *KV_DTYPE_BYTES)
