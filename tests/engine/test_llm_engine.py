@@ -7,7 +7,8 @@ import pytest
 from _tiny_model import EOS, tiny_loaded_model
 
 from pagedkv.engine.llm import LLM
-from pagedkv.engine.llm_engine import LLMEngine, _partial_stop_len
+from pagedkv.engine.llm_engine import LLMEngine
+from pagedkv.engine.output_processor import _partial_stop_len
 from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.sampling_params import SamplingParams
 

@@ -1,11 +1,12 @@
-"""LLMEngine: the step loop tying the scheduler, the KV cache, the model runner and detokenization.
+"""LLMEngine: the step loop tying the scheduler, the KV cache, the model runner and the outputs.
 
 One :meth:`LLMEngine.step`::
 
     scheduler.schedule()            which requests compute how many tokens; KV blocks allocated
     runner.execute_model(...)       one forward over the flattened batch; sample at last rows
     scheduler.update_from_output()  append tokens; EOS / stop token / max_tokens finish requests
-    _process_outputs(...)           detokenize incrementally, check stop strings, build outputs
+    output_processor.process_outputs(...)
+                                    detokenize incrementally, check stop strings, build outputs
 
 Offline use goes through :class:`pagedkv.engine.llm.LLM`; the server drives ``add_request`` /
 ``step`` / ``abort_request`` from its own loop and streams each step's deltas.
@@ -16,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,12 +31,14 @@ from pagedkv.engine.config import (
     EngineConfig,
 )
 from pagedkv.engine.cpu_runtime import tune_cpu_runtime
-from pagedkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedkv.engine.output_processor import OutputProcessor
+from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.stats import SchedulerStats
 from pagedkv.errors import InvalidRequestError
 from pagedkv.sampling_params import SamplingParams
+from pagedkv.worker.outputs import ModelRunnerOutput
 
 #: A prompt: text, token ids, or chat messages ``[{"role": ..., "content": ...}, ...]``.
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
@@ -58,35 +61,6 @@ class EngineStats:
     num_finished_requests: int = 0
     num_steps: int = 0
     busy_time: float = 0.0
-
-
-@dataclass(slots=True, eq=False)
-class _Sample:
-    """Output state of one sequence (one of the n samples of a request)."""
-
-    request: Request
-    detokenizer: Any
-    text: str = ""
-    num_emitted_tokens: int = 0  # output tokens already reported
-    num_emitted_chars: int = 0  # characters of text already reported
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-@dataclass(slots=True, eq=False)
-class _RequestState:
-    """Everything the engine keeps about one add_request call until it finishes."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    samples: list[_Sample]
-    metrics: RequestMetrics
-    max_stop_len: int = 0
-    num_unfinished: int = 0
-    changed: bool = False
-    outputs: list[CompletionOutput] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -188,9 +162,7 @@ class LLMEngine:
             max_model_len=max_model_len,
             seed=config.seed,
         )
-        self._states: dict[str, _RequestState] = {}
-        self._sample_of: dict[str, tuple[_RequestState, int]] = {}  # sequence id -> state, index
-        self._pending: list[_RequestState] = []  # aborted: reported by the next step()
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._stats = EngineStats(scheduler=SchedulerStats())
 
     # ------------------------------------------------------------------ requests
@@ -226,7 +198,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"sampling_params must be a SamplingParams, got {type(params).__name__}"
             )
-        if request_id in self._states:
+        if self.output_processor.has_request(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         prompt_text, prompt_token_ids = self._tokenize(prompt)
         vocab_size = self.model_config.vocab_size
@@ -238,15 +210,6 @@ class LLMEngine:
                 f"request {request_id!r}: prompt token ids must be in [0, {vocab_size})"
             )
         now = time.monotonic() if arrival_time is None else arrival_time
-        state = _RequestState(
-            request_id=request_id,
-            prompt=prompt_text,
-            prompt_token_ids=prompt_token_ids,
-            params=params,
-            samples=[],
-            metrics=RequestMetrics(arrival_time=now),
-            max_stop_len=max(map(len, params.stop), default=0),
-        )
         block_hasher = self.kv_cache_manager.block_hasher
         if not self.config.enable_prefix_caching:
             block_hasher = None
@@ -275,15 +238,9 @@ class LLMEngine:
                 [r.request_id for r in added], RequestStatus.FINISHED_ABORTED
             )
             raise
-        for index, request in enumerate(requests):
-            detokenizer = self.tokenizer.incremental_detokenizer(
-                prompt_token_ids, skip_special_tokens=params.skip_special_tokens
-            )
-            state.samples.append(_Sample(request=request, detokenizer=detokenizer))
-            state.outputs.append(CompletionOutput(index=index))
-            self._sample_of[request.request_id] = (state, index)
-        state.num_unfinished = params.n
-        self._states[request_id] = state
+        self.output_processor.add_request(
+            request_id, prompt_text, prompt_token_ids, params, requests, now
+        )
         self._stats.num_requests += 1
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
@@ -292,16 +249,8 @@ class LLMEngine:
         if isinstance(request_ids, str):
             request_ids = (request_ids,)
         for request_id in request_ids:
-            state = self._states.get(request_id)
-            if state is None or state in self._pending:
-                continue
-            seq_ids = [s.request.request_id for s in state.samples if s.finish_reason is None]
+            seq_ids = self.output_processor.finish_request(request_id, "abort")
             self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
-            for sample in state.samples:
-                if sample.finish_reason is None:
-                    sample.finish_reason = "abort"
-                    state.changed = True
-            self._pending.append(state)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block (e.g. after changing weights). Returns False, changing
@@ -310,11 +259,11 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is queued, running, or has an output not yet reported."""
-        return bool(self._states)
+        return self.output_processor.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
         """Requests (prompts) not yet reported finished."""
-        return len(self._states)
+        return self.output_processor.get_num_unfinished_requests()
 
     def get_stats(self) -> EngineStats:
         """A snapshot of the counters."""
@@ -343,14 +292,16 @@ class LLMEngine:
         """
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
-        sampled: list[int] = []
+        runner_output = ModelRunnerOutput()
         if scheduler_output.total_num_scheduled_tokens:
             try:
-                sampled = self.runner.execute_model(scheduler_output)
+                runner_output = self.runner.execute_model(scheduler_output)
             except Exception:
                 self._fail_requests(scheduler_output.requests)
                 raise
-        changed = self.scheduler.update_from_output(scheduler_output, sampled)
+        changed = self.scheduler.update_from_output(
+            scheduler_output, runner_output.sampled_token_ids
+        )
         outputs = self._process_outputs(changed)
         if scheduler_output.total_num_scheduled_tokens:
             self._stats.num_steps += 1
@@ -359,120 +310,20 @@ class LLMEngine:
 
     def _fail_requests(self, requests: list[Request]) -> None:
         """Finish ``requests`` (and their sibling samples) with finish_reason "error"."""
-        for request_id in {self._sample_of[r.request_id][0].request_id for r in requests}:
-            state = self._states[request_id]
-            seq_ids = [s.request.request_id for s in state.samples if s.finish_reason is None]
+        for request_id in self.output_processor.request_ids_of(r.request_id for r in requests):
+            seq_ids = self.output_processor.finish_request(request_id, "error")
             self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ERROR)
-            for sample in state.samples:
-                if sample.finish_reason is None:
-                    sample.finish_reason = "error"
-                    state.changed = True
-            if state not in self._pending:
-                self._pending.append(state)
 
     def _process_outputs(self, changed: list[Request]) -> list[RequestOutput]:
-        touched: list[_RequestState] = self._pending
-        self._pending = []
-        for request in changed:
-            state, index = self._sample_of[request.request_id]
-            sample = state.samples[index]
-            if sample.finish_reason is not None:
-                continue
-            self._detokenize(state, sample)
-            if sample.finish_reason is None and request.is_finished:
-                sample.finish_reason = request.finish_reason
-                sample.stop_reason = request.stop_reason
-            if not state.changed:
-                state.changed = True
-                touched.append(state)
-        results = []
-        finished_seq_ids = []
-        for state in touched:
-            state.changed = False
-            output = self._make_output(state)
-            results.append(output)
-            if output.finished:
-                del self._states[state.request_id]
-                for sample in state.samples:
-                    del self._sample_of[sample.request.request_id]
-                    finished_seq_ids.append(sample.request.request_id)
-                self._stats.num_finished_requests += 1
-        if finished_seq_ids:
-            self.runner.finish_requests(finished_seq_ids)
-        return results
-
-    def _detokenize(self, state: _RequestState, sample: _Sample) -> None:
-        """Decode the sample's new tokens and stop it at the first stop string."""
-        request = sample.request
-        new_token_ids = request.all_token_ids[
-            request.num_prompt_tokens + sample.num_emitted_tokens :
-        ]
-        if not new_token_ids:
-            return
-        start = max(0, len(sample.text) - state.max_stop_len + 1)
-        sample.text += sample.detokenizer.step(new_token_ids)
-        if request.first_token_time is not None and state.metrics.first_token_time is None:
-            state.metrics.first_token_time = request.first_token_time
-        if state.max_stop_len:
-            self._check_stop_strings(state, sample, start)
-
-    def _check_stop_strings(self, state: _RequestState, sample: _Sample, start: int) -> None:
-        params = state.params
-        for stop in params.stop:
-            pos = sample.text.find(stop, start)
-            if pos < 0:
-                continue
-            end = pos + len(stop) if params.include_stop_str_in_output else pos
-            sample.text = sample.text[:end]
-            sample.finish_reason = "stop"
-            sample.stop_reason = stop
-            self.scheduler.finish_requests(
-                sample.request.request_id, RequestStatus.FINISHED_STOPPED
-            )
-            return
-
-    def _make_output(self, state: _RequestState) -> RequestOutput:
-        outputs = []
-        finished = True
-        for index, sample in enumerate(state.samples):
-            request = sample.request
-            token_ids = request.output_token_ids
-            text = sample.text
-            visible = len(text)
-            if sample.finish_reason is None:
-                finished = False
-                if state.max_stop_len:
-                    # Hold back an end of the text that may be the start of a stop string.
-                    visible -= _partial_stop_len(text, state.params.stop)
-                    visible = max(visible, sample.num_emitted_chars)
-            outputs.append(
-                CompletionOutput(
-                    index=index,
-                    text=text[:visible],
-                    token_ids=token_ids,
-                    new_text=text[sample.num_emitted_chars : visible],
-                    new_token_ids=token_ids[sample.num_emitted_tokens :],
-                    finish_reason=sample.finish_reason,
-                    stop_reason=sample.stop_reason,
-                    error=request.error,
-                )
-            )
-            sample.num_emitted_chars = visible
-            sample.num_emitted_tokens = len(token_ids)
-        first = state.samples[0].request
-        metrics = state.metrics
-        metrics.first_scheduled_time = first.first_scheduled_time
-        if finished:
-            metrics.finished_time = time.monotonic()
-        return RequestOutput(
-            request_id=state.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids,
-            outputs=outputs,
-            finished=finished,
-            num_cached_tokens=max(first.num_cached_tokens, 0),
-            metrics=dataclasses.replace(metrics),
-        )
+        """Build the step's outputs; stop sequences that hit a stop string, forget finished
+        requests in the runner."""
+        result = self.output_processor.process_outputs(changed)
+        if result.seq_ids_to_stop:
+            self.scheduler.finish_requests(result.seq_ids_to_stop, RequestStatus.FINISHED_STOPPED)
+        if result.finished_seq_ids:
+            self.runner.finish_requests(result.finished_seq_ids)
+        self._stats.num_finished_requests += sum(o.finished for o in result.request_outputs)
+        return result.request_outputs
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -491,14 +342,3 @@ class LLMEngine:
 
 def _fields(config: EngineConfig) -> dict[str, Any]:
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-
-
-def _partial_stop_len(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest end of ``text`` that is a proper start of a stop string."""
-    longest = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:k]):
-                longest = k
-                break
-    return longest

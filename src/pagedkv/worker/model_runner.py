@@ -17,6 +17,7 @@ from pagedkv.core.config import KVCacheConfig
 from pagedkv.errors import ConfigError
 from pagedkv.ops import allocate_kv_cache
 from pagedkv.worker.input_batch import InputBatch, ModelInputs
+from pagedkv.worker.outputs import ModelRunnerOutput
 from pagedkv.worker.sampler import Sampler
 from pagedkv.worker.scheduler_output import SchedulerOutput
 
@@ -96,7 +97,7 @@ class ModelRunner:
         return self.input_batch.prepare(out)
 
     @torch.inference_mode()
-    def execute_model(self, out: SchedulerOutput) -> list[int]:
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one forward for the step and sample.
 
         Returns:
@@ -107,7 +108,7 @@ class ModelRunner:
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata
         )
         if len(inputs.logits_rows) == 0:
-            return []
+            return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[self.input_batch.to_device(inputs.logits_rows)])
         sampling = [r for r, s in zip(out.requests, out.sample, strict=True) if s]
         params = [r.sampling_params for r in sampling]
@@ -115,7 +116,8 @@ class ModelRunner:
         outputs = None
         if any(p.has_penalties for p in params):
             outputs = [r.output_token_ids for r in sampling]
-        return self.sampler(logits, params, generators, outputs).tolist()
+        sampled = self.sampler(logits, params, generators, outputs).tolist()
+        return ModelRunnerOutput([r.request_id for r in sampling], sampled)
 
     def _generator(self, request) -> torch.Generator | None:
         seed = request.sampling_params.seed

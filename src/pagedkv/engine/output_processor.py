@@ -1,0 +1,275 @@
+"""OutputProcessor: scheduler results -> detokenized, stop-checked :class:`RequestOutput` s.
+
+After each step the engine hands over the requests the scheduler changed (vLLM V1:
+``v1/engine/output_processor.py``). Per sequence (one of a request's n samples) it::
+
+    new tokens = all_token_ids[num_prompt_tokens + num_emitted_tokens :]
+    text      += detokenizer.step(new tokens)                  incremental, UTF-8 safe
+    stop string found in the new end of text?  -> cut text, finish "stop" (engine frees blocks)
+    RequestOutput(cumulative text / token ids, and the deltas since the last output)
+
+While a sample runs, an end of its text that could be the start of a stop string is held back, so
+the streamed deltas concatenate to the final text and no stop string is ever streamed. Finished
+requests are reported once and then forgotten.
+
+The processor owns the per-request output state (detokenizers, emitted counts, finish reasons)
+and never touches the scheduler: it returns the sequence ids to stop and to forget, and the engine
+applies them. Per-token logprobs would enter here the same way as tokens: the runner's
+:class:`~pagedkv.worker.outputs.ModelRunnerOutput` carries them per request and
+:meth:`OutputProcessor._make_output` slices the new ones into each CompletionOutput.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedkv.engine.request import Request
+from pagedkv.sampling_params import SamplingParams
+
+
+@dataclass(slots=True, eq=False)
+class _Sample:
+    """Output state of one sequence (one of the n samples of a request)."""
+
+    request: Request
+    detokenizer: Any
+    text: str = ""
+    num_emitted_tokens: int = 0  # output tokens already reported
+    num_emitted_chars: int = 0  # characters of text already reported
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _RequestState:
+    """Everything kept about one add_request call until it is reported finished."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[_Sample]
+    metrics: RequestMetrics
+    max_stop_len: int = 0
+    changed: bool = False
+
+
+@dataclass(slots=True)
+class OutputProcessorOutput:
+    """What :meth:`OutputProcessor.process_outputs` returns to the engine.
+
+    Attributes:
+        request_outputs: one per request that got tokens, finished or was aborted / failed.
+        seq_ids_to_stop: sequences that hit a stop string: the engine finishes them in the
+            scheduler (FINISHED_STOPPED) so their blocks are freed.
+        finished_seq_ids: every sequence of the requests reported finished in this call (the
+            engine lets the model runner forget their per-request state).
+    """
+
+    request_outputs: list[RequestOutput] = field(default_factory=list)
+    seq_ids_to_stop: list[str] = field(default_factory=list)
+    finished_seq_ids: list[str] = field(default_factory=list)
+
+
+class OutputProcessor:
+    """Turns the scheduler's changed requests into RequestOutputs (see the module docstring).
+
+    Args:
+        tokenizer: gives ``incremental_detokenizer(prompt_token_ids, skip_special_tokens)``
+            (:class:`pagedkv.model.tokenizer.Tokenizer`).
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._states: dict[str, _RequestState] = {}
+        self._sample_of: dict[str, tuple[_RequestState, int]] = {}  # sequence id -> state, index
+        self._pending: list[_RequestState] = []  # aborted / failed: reported by the next call
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        requests: Sequence[Request],
+        arrival_time: float,
+    ) -> None:
+        """Start tracking a request whose n sequences (``requests``) the scheduler holds."""
+        state = _RequestState(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            params=params,
+            samples=[],
+            metrics=RequestMetrics(arrival_time=arrival_time),
+            max_stop_len=max(map(len, params.stop), default=0),
+        )
+        for index, request in enumerate(requests):
+            detokenizer = self.tokenizer.incremental_detokenizer(
+                prompt_token_ids, skip_special_tokens=params.skip_special_tokens
+            )
+            state.samples.append(_Sample(request=request, detokenizer=detokenizer))
+            self._sample_of[request.request_id] = (state, index)
+        self._states[request_id] = state
+
+    def has_request(self, request_id: str) -> bool:
+        """True while ``request_id`` is not yet reported finished."""
+        return request_id in self._states
+
+    def get_num_unfinished_requests(self) -> int:
+        """Requests (prompts) not yet reported finished."""
+        return len(self._states)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is not yet reported finished."""
+        return bool(self._states)
+
+    def request_ids_of(self, seq_ids: Iterable[str]) -> set[str]:
+        """The request ids that the sequences ``seq_ids`` belong to."""
+        return {self._sample_of[seq_id][0].request_id for seq_id in seq_ids}
+
+    def finish_request(self, request_id: str, finish_reason: str) -> list[str]:
+        """Finish every unfinished sample of a request with ``finish_reason`` ("abort",
+        "error"); the next :meth:`process_outputs` reports the request once. Unknown or
+        already reported ids are ignored.
+
+        Returns:
+            The sequence ids that were unfinished: the engine finishes them in the scheduler.
+        """
+        state = self._states.get(request_id)
+        if state is None:
+            return []
+        seq_ids = [s.request.request_id for s in state.samples if s.finish_reason is None]
+        for sample in state.samples:
+            if sample.finish_reason is None:
+                sample.finish_reason = finish_reason
+                state.changed = True
+        if state not in self._pending:
+            self._pending.append(state)
+        return seq_ids
+
+    def process_outputs(self, changed: Sequence[Request]) -> OutputProcessorOutput:
+        """Detokenize the new tokens of ``changed`` sequences, apply stop strings, and build the
+        outputs of every request that changed since the last call.
+
+        Args:
+            changed: the sequences the scheduler's ``update_from_output`` returned.
+
+        Returns:
+            The outputs, the sequences to stop, and the sequences of finished requests.
+        """
+        result = OutputProcessorOutput()
+        touched: list[_RequestState] = self._pending
+        self._pending = []
+        for request in changed:
+            state, index = self._sample_of[request.request_id]
+            sample = state.samples[index]
+            if sample.finish_reason is not None:
+                continue
+            self._detokenize(state, sample)
+            if sample.finish_reason == "stop":
+                result.seq_ids_to_stop.append(request.request_id)
+            elif request.is_finished:
+                sample.finish_reason = request.finish_reason
+                sample.stop_reason = request.stop_reason
+            if not state.changed:
+                state.changed = True
+                touched.append(state)
+        for state in touched:
+            state.changed = False
+            output = self._make_output(state)
+            result.request_outputs.append(output)
+            if output.finished:
+                del self._states[state.request_id]
+                for sample in state.samples:
+                    del self._sample_of[sample.request.request_id]
+                    result.finished_seq_ids.append(sample.request.request_id)
+        return result
+
+    def _detokenize(self, state: _RequestState, sample: _Sample) -> None:
+        """Decode the sample's new tokens and stop it at the first stop string."""
+        request = sample.request
+        new_token_ids = request.all_token_ids[
+            request.num_prompt_tokens + sample.num_emitted_tokens :
+        ]
+        if not new_token_ids:
+            return
+        start = max(0, len(sample.text) - state.max_stop_len + 1)
+        sample.text += sample.detokenizer.step(new_token_ids)
+        if request.first_token_time is not None and state.metrics.first_token_time is None:
+            state.metrics.first_token_time = request.first_token_time
+        if state.max_stop_len:
+            _check_stop_strings(state.params, sample, start)
+
+    def _make_output(self, state: _RequestState) -> RequestOutput:
+        outputs = []
+        finished = True
+        for index, sample in enumerate(state.samples):
+            request = sample.request
+            token_ids = request.output_token_ids
+            text = sample.text
+            visible = len(text)
+            if sample.finish_reason is None:
+                finished = False
+                if state.max_stop_len:
+                    # Hold back an end of the text that may be the start of a stop string.
+                    visible -= _partial_stop_len(text, state.params.stop)
+                    visible = max(visible, sample.num_emitted_chars)
+            outputs.append(
+                CompletionOutput(
+                    index=index,
+                    text=text[:visible],
+                    token_ids=token_ids,
+                    new_text=text[sample.num_emitted_chars : visible],
+                    new_token_ids=token_ids[sample.num_emitted_tokens :],
+                    finish_reason=sample.finish_reason,
+                    stop_reason=sample.stop_reason,
+                    error=request.error,
+                )
+            )
+            sample.num_emitted_chars = visible
+            sample.num_emitted_tokens = len(token_ids)
+        first = state.samples[0].request
+        metrics = state.metrics
+        metrics.first_scheduled_time = first.first_scheduled_time
+        if finished:
+            metrics.finished_time = time.monotonic()
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+            metrics=dataclasses.replace(metrics),
+        )
+
+
+def _check_stop_strings(params: SamplingParams, sample: _Sample, start: int) -> None:
+    """Cut ``sample.text`` at the first stop string found from ``start`` and mark the sample
+    finished ("stop"); ``include_stop_str_in_output`` keeps the stop string."""
+    for stop in params.stop:
+        pos = sample.text.find(stop, start)
+        if pos < 0:
+            continue
+        end = pos + len(stop) if params.include_stop_str_in_output else pos
+        sample.text = sample.text[:end]
+        sample.finish_reason = "stop"
+        sample.stop_reason = stop
+        return
+
+
+def _partial_stop_len(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest end of ``text`` that is a proper start of a stop string."""
+    longest = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:k]):
+                longest = k
+                break
+    return longest
