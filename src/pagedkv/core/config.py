@@ -296,13 +296,19 @@ class KVCacheConfig:
                     f"num_blocks is {self.num_blocks}; the KV cache needs at least 2 (block 0 is "
                     "the null block)"
                 )
-            raise CacheSizingError(
+            message = (
                 f"the KV cache gets {self.num_blocks} blocks of "
                 f"{format_bytes(self.bytes_per_block)} from {source}; it needs at least 2 (block 0 "
-                "is the null block): free memory (smaller weights, activations or overhead, or "
-                "more devices with tensor parallelism), raise gpu_memory_utilization, or use a "
-                "smaller KV-cache dtype"
+                "is the null block)"
             )
+            if budget is not None:
+                # The budget's own terms; callers sized by kv_cache_memory add their own advice.
+                message += (
+                    ": free memory (smaller weights, activations or overhead, or more devices "
+                    "with tensor parallelism), raise gpu_memory_utilization, or use a smaller "
+                    "KV-cache dtype"
+                )
+            raise CacheSizingError(message)
         if self.max_model_len is not None and self.max_concurrency() < 1:
             raise CacheSizingError(
                 f"max_model_len {self.max_model_len} needs "

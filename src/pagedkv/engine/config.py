@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
+from pagedkv.core.hashing import HASH_ALGOS
 from pagedkv.errors import ConfigError
 from pagedkv.units import GiB, parse_memory_size
 
@@ -37,7 +38,11 @@ class EngineConfig:
         max_num_seqs: most requests running at once.
         max_num_batched_tokens: token budget of one step (chunked prefill splits longer prompts).
         max_model_len: most tokens per request (prompt + output); None = the model's context
-            capped at DEFAULT_MAX_MODEL_LEN_CAP.
+            capped at DEFAULT_MAX_MODEL_LEN_CAP. Larger than the model's context is refused
+            unless allow_long_max_model_len.
+        allow_long_max_model_len: accept a max_model_len beyond the model's context
+            (``max_position_embeddings``); rotary positions then extrapolate past what the
+            model was trained on (vLLM: ``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1``).
         enable_prefix_caching: reuse cached KV blocks of earlier prompts with the same prefix.
         enable_chunked_prefill: split prompts over steps; off needs max_num_batched_tokens >=
             max_model_len.
@@ -60,6 +65,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
+    allow_long_max_model_len: bool = False
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
@@ -112,12 +118,24 @@ class EngineConfig:
         group.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
         group.add_argument("--max-model-len", type=int, default=None)
         group.add_argument(
+            "--allow-long-max-model-len",
+            action="store_true",
+            help="accept a --max-model-len beyond the model's context (outputs may degrade)",
+        )
+        group.add_argument(
             "--no-prefix-caching", dest="enable_prefix_caching", action="store_false"
         )
         group.add_argument(
             "--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false"
         )
         group.add_argument("--policy", default=d.policy, choices=("fcfs", "priority"))
+        group.add_argument(
+            "--prefix-caching-hash-algo",
+            dest="hash_algo",
+            default=d.hash_algo,
+            choices=tuple(HASH_ALGOS),
+            help="block-hash algorithm of the prefix cache",
+        )
         group.add_argument("--seed", type=int, default=d.seed)
         group.add_argument("--num-threads", type=int, default=None)
 

@@ -22,15 +22,10 @@ from typing import Any
 
 import torch
 
-from pagedkv.core.config import KVCacheConfig
 from pagedkv.core.manager import KVCacheManager
-from pagedkv.core.spec import FullAttentionSpec
-from pagedkv.engine.config import (
-    DEFAULT_MAX_KV_CACHE_MEMORY,
-    DEFAULT_MAX_MODEL_LEN_CAP,
-    EngineConfig,
-)
+from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.cpu_runtime import tune_cpu_runtime
+from pagedkv.engine.kv_sizing import size_kv_cache
 from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.request import Request, RequestStatus
@@ -73,8 +68,10 @@ class LLMEngine:
             (tests share one between engines); its dtype wins over ``config.dtype``.
 
     Raises:
-        ConfigError / CacheSizingError: invalid options, or a KV cache that cannot hold one
-            request of max_model_len.
+        ConfigError / CacheSizingError: invalid options, a max_model_len beyond the model's
+            context, or a KV cache that cannot hold one request of max_model_len
+            (:func:`pagedkv.engine.kv_sizing.size_kv_cache`); raised from the model's header,
+            before its weights load.
         ModelLoadError: the model cannot be found or read.
     """
 
@@ -87,54 +84,19 @@ class LLMEngine:
             config = EngineConfig(**{**_fields(config), **overrides})
         self.config = config
         tune_cpu_runtime(config.num_threads)
+        # Everything the model's shape decides is checked before its weights load (seconds):
+        # the shape comes from the file's header.
         if loaded_model is None:
-            from pagedkv.model.loader import load_model
+            from pagedkv.model.loader import load_model_config
 
-            loaded_model = load_model(config.model, dtype=getattr(torch, config.dtype))
-        self.loaded_model = loaded_model
-        model_config = loaded_model.config
-        self.model_config = model_config
-        self.tokenizer = loaded_model.tokenizer
-        self.eos_token_ids = frozenset(
-            tuple(model_config.eos_token_ids) + tuple(self.tokenizer.eos_token_ids)
-        )
-
-        max_model_len = config.max_model_len or min(
-            model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP
-        )
-        self.max_model_len = max_model_len
-        model = loaded_model.model
-        kv_dtype = str(model.dtype).removeprefix("torch.")
-        spec = FullAttentionSpec(
-            block_size=config.block_size,
-            num_kv_heads=model_config.num_key_value_heads,
-            head_size=model_config.head_dim,
-            dtype=kv_dtype,
-        )
-        layer_specs = [spec] * model_config.num_hidden_layers
-        if config.num_blocks is not None:
-            kv_cache_config = KVCacheConfig.from_num_blocks(
-                layer_specs,
-                config.num_blocks,
-                max_model_len=max_model_len,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-            )
+            model_shape = load_model_config(config.model)
+            kv_dtype = config.dtype
         else:
-            kv_cache_memory = config.kv_cache_memory
-            if kv_cache_memory is None:
-                wanted = (
-                    config.max_num_seqs
-                    * max_model_len
-                    * spec.bytes_per_token
-                    * model_config.num_hidden_layers
-                )
-                kv_cache_memory = min(wanted, DEFAULT_MAX_KV_CACHE_MEMORY)
-            kv_cache_config = KVCacheConfig.from_kv_cache_memory(
-                layer_specs,
-                kv_cache_memory,
-                max_model_len=max_model_len,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-            )
+            model_shape = loaded_model.config
+            kv_dtype = str(loaded_model.model.dtype).removeprefix("torch.")
+        kv_cache_config = size_kv_cache(model_shape, config, kv_dtype=kv_dtype)
+        max_model_len = kv_cache_config.max_model_len
+        self.max_model_len = max_model_len
         self.kv_cache_config = kv_cache_config
         self.kv_cache_manager = KVCacheManager(
             kv_cache_config.num_blocks,
@@ -152,6 +114,21 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.policy,
         )
+
+        if loaded_model is None:
+            from pagedkv.model.loader import load_model
+
+            loaded_model = load_model(config.model, dtype=getattr(torch, config.dtype))
+        self.loaded_model = loaded_model
+        model_config = loaded_model.config
+        self.model_config = model_config
+        self.tokenizer = loaded_model.tokenizer
+        self.eos_token_ids = frozenset(
+            tuple(model_config.eos_token_ids) + tuple(self.tokenizer.eos_token_ids)
+        )
+        model = loaded_model.model
+        if max_model_len > model.max_positions:  # allowed by allow_long_max_model_len
+            model.extend_positions(max_model_len)
         from pagedkv.worker.model_runner import ModelRunner
 
         self.runner = ModelRunner(

@@ -177,7 +177,7 @@ class LlamaForCausalLM:
             input_ids: ``[num_tokens]`` int64 token ids (requests concatenated in
                 ``query_start_loc`` order).
             positions: ``[num_tokens]`` int64 position of each token in its sequence
-                (< max_position_embeddings).
+                (< :attr:`max_positions`).
             kv_caches: one tensor per layer, ``[2, num_blocks, block_size, num_kv_heads,
                 head_dim]`` in the model's dtype (``pagedkv.ops.allocate_kv_cache``); this step's
                 K/V are written into it.
@@ -200,6 +200,16 @@ class LlamaForCausalLM:
         """Logits ``[num_rows, vocab_size]`` float32 of hidden states ``[num_rows, hidden_size]``
         (computed in the model's dtype, then widened, as Hugging Face does)."""
         return self.lm_head(hidden_states).float()
+
+    @property
+    def max_positions(self) -> int:
+        """Positions the rotary tables cover: ``max_position_embeddings`` unless extended."""
+        return self.rotary.max_positions
+
+    def extend_positions(self, num_positions: int) -> None:
+        """Let positions up to ``num_positions`` run (rotary tables extrapolated past the
+        trained context; for an engine allowed a longer max_model_len). Never shrinks."""
+        self.rotary.extend(num_positions)
 
 
 class _Caster(Mapping):

@@ -83,6 +83,37 @@ def resolve_model_path(model: str | Path | None) -> Path:
     )
 
 
+def load_model_config(model: str | Path | None = None) -> ModelConfig:
+    """The model's config from its header alone, without reading any weight (milliseconds).
+
+    For a GGUF file, the metadata (:func:`pagedkv.model.gguf_metadata.read_gguf_header`); for a
+    Hugging Face folder, ``config.json``. Enough to size the KV cache and check max_model_len
+    before :func:`load_model`. Fields that only the weights tell are as the header says: a
+    Hugging Face folder is taken to have ``lm_head.weight`` (tied embeddings only if
+    config.json says so) and GGUF rope frequency factors (a tensor) are not read.
+
+    Raises:
+        ModelLoadError: as :func:`load_model`, for a missing or unreadable model.
+    """
+    path = resolve_model_path(model)
+    if path.is_dir():
+        import json
+
+        try:
+            hf_config = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"cannot read {path / 'config.json'}: {e}") from e
+        return ModelConfig.from_hf_config(hf_config)
+    from pagedkv.model.gguf_metadata import read_gguf_header
+
+    header = read_gguf_header(path)
+    metadata = dict(header.metadata)
+    arch = metadata.get("general.architecture")
+    if f"{arch}.vocab_size" not in metadata and "tokenizer.ggml.tokens" in header.array_lengths:
+        metadata[f"{arch}.vocab_size"] = header.array_lengths["tokenizer.ggml.tokens"]
+    return ModelConfig.from_gguf_metadata(metadata, header.tensor_names)
+
+
 def load_model(
     model: str | Path | None = None,
     *,

@@ -65,14 +65,28 @@ class RotaryEmbedding:
         device: where the tables live.
     """
 
-    __slots__ = ("cos", "half", "sin")
+    __slots__ = ("cos", "half", "inv_freq", "sin")
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str):
-        inv_freq = rope_inv_freq(config)
-        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]  # [max_pos, head_dim / 2]
+        self.inv_freq = rope_inv_freq(config)
         self.half = config.head_dim // 2
-        #: [max_position_embeddings, head_dim]
+        self._build(config.max_position_embeddings, dtype, torch.device(device))
+
+    @property
+    def max_positions(self) -> int:
+        """Positions the tables cover (``max_position_embeddings`` unless extended)."""
+        return self.cos.shape[0]
+
+    def extend(self, num_positions: int) -> None:
+        """Cover positions up to ``num_positions`` (an engine allowed a max_model_len beyond the
+        model's context); the same formula, extrapolated. Never shrinks."""
+        if num_positions > self.max_positions:
+            self._build(num_positions, self.cos.dtype, self.cos.device)
+
+    def _build(self, num_positions: int, dtype: torch.dtype, device: torch.device) -> None:
+        positions = torch.arange(num_positions, dtype=torch.float32)
+        freqs = positions[:, None] * self.inv_freq[None, :]  # [num_positions, head_dim / 2]
+        #: [num_positions, head_dim]
         self.cos = torch.cat([freqs, freqs], dim=-1).cos().to(dtype=dtype, device=device)
         sin = freqs.sin()
         self.sin = torch.cat([-sin, sin], dim=-1).to(dtype=dtype, device=device)

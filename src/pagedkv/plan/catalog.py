@@ -122,6 +122,7 @@ DEVICES = MappingProxyType(
     }
 )
 
+
 def resolve_device(device: str) -> tuple[str, int]:
     """(name, bytes) of a catalog device (case-insensitive) or a memory size like ``24GiB``.
 

@@ -1,0 +1,128 @@
+"""The engine's KV-cache size and max_model_len, from the model's shape and the engine's options.
+
+Runs before any weight is loaded (the engine reads the shape from the model's header:
+:func:`pagedkv.model.loader.load_model_config`), so a cache that cannot hold one request, or a
+max_model_len beyond the model's context, fails in a fraction of a second. Each error says which
+limit was hit and which options (and their CLI flags, shared by ``generate``, ``serve`` and
+``bench``) change it.
+
+Sizing, in order of precedence::
+
+    num_blocks given          -> that many blocks (block 0 is the null block)
+    kv_cache_memory given     -> floor(kv_cache_memory / bytes_per_block)
+    neither                   -> enough for max_num_seqs x max_model_len tokens,
+                                 at most DEFAULT_MAX_KV_CACHE_MEMORY
+
+    bytes_per_block = block_size x num_kv_heads x head_dim x 2 (K and V) x dtype bytes x layers
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from pagedkv.core.config import KVCacheConfig
+from pagedkv.core.spec import FullAttentionSpec
+from pagedkv.engine.config import (
+    DEFAULT_MAX_KV_CACHE_MEMORY,
+    DEFAULT_MAX_MODEL_LEN_CAP,
+    EngineConfig,
+)
+from pagedkv.errors import CacheSizingError, ConfigError
+
+#: What to change when the pool is too small, as option (flag).
+_MORE_KV = (
+    "give the KV cache more room: kv_cache_memory (--kv-cache-memory, e.g. 2GiB) or num_blocks "
+    "(--num-blocks)"
+)
+
+
+class ModelShape(Protocol):
+    """The fields of :class:`pagedkv.model.config.ModelConfig` that sizing reads."""
+
+    num_hidden_layers: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+
+
+def resolve_max_model_len(model_config: ModelShape, config: EngineConfig) -> int:
+    """The engine's max_model_len: ``config.max_model_len``, or the model's context capped at
+    DEFAULT_MAX_MODEL_LEN_CAP.
+
+    Raises:
+        ConfigError: max_model_len beyond the model's context (``max_position_embeddings``)
+            without ``allow_long_max_model_len`` (vLLM refuses it the same way unless
+            ``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` is set).
+    """
+    context = model_config.max_position_embeddings
+    if config.max_model_len is None:
+        return min(context, DEFAULT_MAX_MODEL_LEN_CAP)
+    if config.max_model_len > context and not config.allow_long_max_model_len:
+        raise ConfigError(
+            f"max_model_len {config.max_model_len} is larger than the model's context of "
+            f"{context} tokens (max_position_embeddings in its config): positions past it were "
+            f"never trained. Lower max_model_len (--max-model-len {context}), or set "
+            "allow_long_max_model_len=True (--allow-long-max-model-len) to run anyway, knowing "
+            "that outputs past the context may be garbage"
+        )
+    return config.max_model_len
+
+
+def size_kv_cache(
+    model_config: ModelShape, config: EngineConfig, *, kv_dtype: str | None = None
+) -> KVCacheConfig:
+    """The KV cache the engine allocates for ``model_config`` under ``config``.
+
+    Args:
+        model_config: the model's shape (every layer full attention: the Llama family).
+        config: the engine's options.
+        kv_dtype: dtype of the KV cache; default ``config.dtype`` (an already loaded model's
+            dtype wins in the engine).
+
+    Returns:
+        A :class:`KVCacheConfig` whose ``max_model_len`` is the engine's (see
+        :func:`resolve_max_model_len`) and checked to fit once.
+
+    Raises:
+        ConfigError: max_model_len beyond the model's context (see resolve_max_model_len).
+        CacheSizingError: fewer than 2 blocks, or max_model_len does not fit once (the message
+            says the largest max_model_len that fits and which options to change).
+    """
+    max_model_len = resolve_max_model_len(model_config, config)
+    spec = FullAttentionSpec(
+        block_size=config.block_size,
+        num_kv_heads=model_config.num_key_value_heads,
+        head_size=model_config.head_dim,
+        dtype=kv_dtype or config.dtype,
+    )
+    layer_specs = [spec] * model_config.num_hidden_layers
+    kv_cache_memory = config.kv_cache_memory
+    if config.num_blocks is None and kv_cache_memory is None:
+        wanted = config.max_num_seqs * max_model_len * spec.bytes_per_token * len(layer_specs)
+        kv_cache_memory = min(wanted, DEFAULT_MAX_KV_CACHE_MEMORY)
+
+    def build(length: int | None) -> KVCacheConfig:
+        if config.num_blocks is not None:
+            return KVCacheConfig.from_num_blocks(
+                layer_specs,
+                config.num_blocks,
+                max_model_len=length,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+            )
+        return KVCacheConfig.from_kv_cache_memory(
+            layer_specs,
+            kv_cache_memory,
+            max_model_len=length,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
+
+    try:
+        build(None)  # the pool alone: at least one usable block
+    except CacheSizingError as e:
+        raise CacheSizingError(f"{e}; {_MORE_KV}") from None
+    try:
+        return build(max_model_len)
+    except CacheSizingError as e:
+        raise CacheSizingError(
+            f"{e}. Lower max_model_len (--max-model-len), or {_MORE_KV}"
+        ) from None

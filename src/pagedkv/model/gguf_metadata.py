@@ -1,0 +1,167 @@
+"""Read a GGUF file's header (metadata and tensor names) without touching its tensors.
+
+The engine sizes its KV cache and checks its options from the model's shape before it loads
+weights, so a bad option fails in well under a second instead of after the load. The ``gguf``
+package's ``GGUFReader`` builds numpy views of every field and tensor up front (about 2-4 s for
+SmolLM2-135M, most of it the 49k-entry vocabulary and merges); this reader walks the header with
+``struct`` and skips long arrays, which takes tens of milliseconds.
+
+GGUF layout (versions 2 and 3, little- or big-endian; llama.cpp's ``docs/gguf.md``)::
+
+    "GGUF"  u32 version  u64 tensor_count  u64 kv_count
+    kv_count x  (string key, u32 value_type, value)      string = u64 length + UTF-8 bytes
+                                                         array = u32 item_type, u64 count, items
+    tensor_count x  (string name, u32 n_dims, u64 dims[n_dims], u32 ggml_type, u64 offset)
+
+Torch-free (only the standard library).
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pagedkv.errors import ModelLoadError
+
+_MAGIC = b"GGUF"
+_STRING, _ARRAY = 8, 9
+#: GGUF value type -> struct format of one scalar.
+_SCALARS = {
+    0: "B",  # uint8
+    1: "b",  # int8
+    2: "H",  # uint16
+    3: "h",  # int16
+    4: "I",  # uint32
+    5: "i",  # int32
+    6: "f",  # float32
+    7: "?",  # bool
+    10: "Q",  # uint64
+    11: "q",  # int64
+    12: "d",  # float64
+}
+#: Arrays with more items than this (the vocabulary, merges) are skipped, their length kept;
+#: the same bound as :func:`pagedkv.model.gguf_loader.read_metadata`.
+MAX_ARRAY_LEN = 4096
+
+
+@dataclass(slots=True)
+class GGUFHeader:
+    """What a GGUF header says.
+
+    Attributes:
+        metadata: key -> Python value (str, int, float, bool or list), as
+            ``GGUFReader.fields[key].contents()`` gives it, including ``GGUF.version``,
+            ``GGUF.tensor_count`` and ``GGUF.kv_count``; arrays longer than MAX_ARRAY_LEN are
+            left out.
+        array_lengths: key -> item count of every array field (also the skipped ones).
+        tensor_names: the names of the file's tensors.
+    """
+
+    metadata: dict[str, Any]
+    array_lengths: dict[str, int]
+    tensor_names: set[str]
+
+
+def read_gguf_header(path: str | Path) -> GGUFHeader:
+    """Read the metadata and tensor names of a GGUF file.
+
+    Raises:
+        ModelLoadError: the file cannot be read or is not a GGUF file of version 2 or 3.
+    """
+    try:
+        with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            return _parse(m)
+    except (OSError, ValueError, struct.error, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
+
+
+def _parse(buf: mmap.mmap) -> GGUFHeader:
+    if buf[:4] != _MAGIC:
+        raise ValueError("not a GGUF file (bad magic)")
+    order = "<"
+    (version,) = struct.unpack_from("<I", buf, 4)
+    if version & 0xFFFF == 0:  # written for the other byte order
+        order = ">"
+        (version,) = struct.unpack_from(">I", buf, 4)
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} is not supported (2 and 3 are)")
+    tensor_count, kv_count = struct.unpack_from(order + "QQ", buf, 8)
+    reader = _Reader(buf, order, 24)
+    metadata: dict[str, Any] = {
+        "GGUF.version": version,
+        "GGUF.tensor_count": tensor_count,
+        "GGUF.kv_count": kv_count,
+    }
+    array_lengths: dict[str, int] = {}
+    for _ in range(kv_count):
+        key = reader.string()
+        value_type = reader.scalar("I")
+        if value_type == _ARRAY:
+            item_type = reader.scalar("I")
+            count = reader.scalar("Q")
+            array_lengths[key] = count
+            if count > MAX_ARRAY_LEN:
+                reader.skip_array(item_type, count)
+                continue
+            metadata[key] = [reader.value(item_type) for _ in range(count)]
+        else:
+            metadata[key] = reader.value(value_type)
+    tensor_names = set()
+    for _ in range(tensor_count):
+        tensor_names.add(reader.string())
+        n_dims = reader.scalar("I")
+        reader.offset += 8 * n_dims + 4 + 8  # dims, ggml type, data offset
+    return GGUFHeader(metadata, array_lengths, tensor_names)
+
+
+class _Reader:
+    """A cursor over the header bytes."""
+
+    __slots__ = ("buf", "offset", "order")
+
+    def __init__(self, buf: mmap.mmap, order: str, offset: int) -> None:
+        self.buf = buf
+        self.order = order
+        self.offset = offset
+
+    def scalar(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from(self.order + fmt, self.buf, self.offset)
+        self.offset += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        length = self.scalar("Q")
+        start = self.offset
+        self.offset += length
+        if self.offset > len(self.buf):
+            raise ValueError("truncated string")
+        return self.buf[start : self.offset].decode("utf-8")
+
+    def value(self, value_type: int) -> Any:
+        if value_type == _STRING:
+            return self.string()
+        if value_type == _ARRAY:
+            item_type = self.scalar("I")
+            count = self.scalar("Q")
+            return [self.value(item_type) for _ in range(count)]
+        fmt = _SCALARS.get(value_type)
+        if fmt is None:
+            raise ValueError(f"unknown GGUF value type {value_type}")
+        return self.scalar(fmt)
+
+    def skip_array(self, item_type: int, count: int) -> None:
+        fmt = _SCALARS.get(item_type)
+        if fmt is not None:
+            self.offset += struct.calcsize(fmt) * count
+        elif item_type == _STRING:  # each string has its own length
+            unpack_from, buf, order = struct.unpack_from, self.buf, self.order + "Q"
+            offset = self.offset
+            for _ in range(count):
+                offset += 8 + unpack_from(order, buf, offset)[0]
+            self.offset = offset
+        else:
+            for _ in range(count):
+                self.value(item_type)
