@@ -1,9 +1,9 @@
-"""Process-wide CPU settings that the engine's speed depends on (see shared PERF-NOTES).
+"""Process-wide CPU settings that the engine's speed depends on (measurements: docs/perf.md).
 
 - glibc malloc: by default a freed tensor above 128 KiB-32 MiB goes back to the OS and the next
   step's tensor of the same size comes back as fresh pages (page faults on every step). Raising
   the mmap threshold to its maximum (32 MiB) and never trimming the heap keeps that memory in the
-  process: batch-64 bf16 decode went from 150 ms to 92 ms in the notes.
+  process: batch-64 bf16 decode went from 150 ms to 92 ms (docs/perf.md).
 - torch threads: one per CPU this process may run on.
 
 Applied once at engine start-up by :func:`tune_cpu_runtime`; both settings are idempotent.

@@ -1,7 +1,7 @@
 """Linear layers with weights prepacked for oneDNN, and their fused epilogues.
 
 On the CPUs this project targets, oneDNN's GEMM with a weight reordered once at load time into its
-blocked layout is faster than ``F.linear`` (MKL), most of all in fp32 (PERF-NOTES: fp32 decode
+blocked layout is faster than ``F.linear`` (MKL), most of all in fp32 (docs/perf.md: fp32 decode
 41 -> 17 ms per step). oneDNN also fuses an elementwise epilogue into the GEMM, which saves a
 Python-level op and a pass over memory: ``silu(x W^T)`` (gate), ``(x W^T) * other`` (up, times the
 activated gate) and ``(x W^T) + other`` (the residual add after o_proj and down_proj).

@@ -10,7 +10,7 @@ requests inside a chunk::
     out     = probs (query dtype) @ V                         [n, kv_heads, group, head]
 
 A grouped matmul-softmax-matmul rather than ``scaled_dot_product_attention``: on this CPU bf16 SDPA
-with one query token was 4-10x slower (docs/ops.md, PERF-NOTES). Both matmuls accumulate in fp32;
+with one query token was 4-10x slower (docs/ops.md, docs/perf.md). Both matmuls accumulate in fp32;
 the scores are rounded to the query dtype before the fp32 softmax (as Hugging Face's eager
 attention does).
 

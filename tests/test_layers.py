@@ -1,0 +1,47 @@
+"""The layer contract (.importlinter, checked by `lint-imports` in make test) covers every
+package, and docs/design.md draws exactly its layers and maps exactly its packages."""
+
+from __future__ import annotations
+
+import configparser
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def contract_layers() -> list[list[str]]:
+    config = configparser.ConfigParser()
+    config.read(ROOT / ".importlinter")
+    lines = config["importlinter:contract:layers"]["layers"].splitlines()
+    return [[m.strip() for m in line.split("|")] for line in lines if line.strip()]
+
+
+def top_level_modules() -> set[str]:
+    src = ROOT / "src" / "pagedkv"
+    names = {p.stem for p in src.glob("*.py") if p.stem != "__init__"}
+    names |= {p.name for p in src.iterdir() if (p / "__init__.py").is_file()}
+    return {f"pagedkv.{name}" for name in names}
+
+
+def test_every_package_and_module_is_in_a_layer():
+    layered = {m for layer in contract_layers() for m in layer}
+    assert layered == top_level_modules()
+
+
+def test_design_md_draws_the_contract():
+    text = (ROOT / "docs" / "design.md").read_text()
+    section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    drawn = [
+        [m.strip() for m in line[4:].split("   ")[0].split("|")]
+        for line in section.splitlines()
+        if re.match(r"    [a-z]", line)
+    ]
+    assert drawn == [[m.removeprefix("pagedkv.") for m in layer] for layer in contract_layers()]
+
+
+def test_design_md_maps_every_package():
+    text = (ROOT / "docs" / "design.md").read_text()
+    section = text.split("## Package map", 1)[1].split("\n## ", 1)[0]
+    mapped = set(re.findall(r"^\| `(pagedkv\.[a-z_]+)` \|", section, flags=re.MULTILINE))
+    assert mapped == top_level_modules()
