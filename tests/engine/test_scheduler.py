@@ -258,6 +258,31 @@ def test_priority_policy_admits_and_preempts_by_priority():
     assert new.output_token_ids == reference_output(prompt_of(12, 4), 12)
 
 
+def test_priority_self_preemption_still_serves_the_running_requests_after_it():
+    # Issue 17: under policy="priority" the running list is in admission order, not priority
+    # order. "low" (admitted first) needs a new block when the pool is empty, so it preempts
+    # itself; "high" after it still has a free slot in its block and must run in that step.
+    scheduler, model = make_scheduler(
+        num_blocks=4, max_model_len=32, enable_caching=False, policy="priority"
+    )
+    low = make_request(scheduler, "low", prompt_of(7), 5, priority=1, arrival_time=1.0)
+    out = scheduler.schedule()  # low's prompt: 7 tokens in 2 blocks
+    scheduler.update_from_output(out, model.execute(out))
+    high = make_request(scheduler, "high", prompt_of(2, 1), 4, priority=0, arrival_time=2.0)
+    out = scheduler.schedule()  # low's token 7; high's prompt in the last free block
+    assert out.requests == [low, high]
+    scheduler.update_from_output(out, model.execute(out))
+    assert scheduler.kv_cache_manager.num_free_blocks == 0
+
+    out = scheduler.schedule()  # low's token 8 needs a third block: none is free
+    assert out.preempted_requests == [low]
+    assert out.requests == [high] and out.num_scheduled_tokens == [1]
+    scheduler.update_from_output(out, model.execute(out))
+    run_until_done(scheduler, model)
+    assert low.output_token_ids == reference_output(prompt_of(7), 5)
+    assert high.output_token_ids == reference_output(prompt_of(2, 1), 4)
+
+
 @pytest.mark.parametrize("length", [8, 11, 12])
 def test_prompt_submitted_twice_hits_the_cache_and_gives_the_same_output(length):
     scheduler, model = make_scheduler()

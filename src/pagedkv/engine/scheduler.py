@@ -264,10 +264,13 @@ class Scheduler:
                     preempted_self = True
                     break
             if preempted_self:
-                # Whatever follows it in the running list is newer or of lower priority: stop
-                # serving running requests this step. Alone with the whole pool, it never fits.
+                # Alone with the whole pool, it never fits. Otherwise go on: under FCFS it was
+                # the last running request, but under policy="priority" the running list is in
+                # admission order, so requests after it may be of higher priority and can still
+                # run (a step never schedules nothing while a running request could run).
+                # ``req_index`` now points at the request after it.
                 self._reject_if_never_fits(request, out)
-                break
+                continue
             scheduled_index[id(request)] = len(out.requests)
             self._schedule(out, request, num_new_tokens, request.num_computed_tokens)
             token_budget -= num_new_tokens
