@@ -5,7 +5,7 @@ every block is free again and the pool's invariants hold."""
 from __future__ import annotations
 
 from _engine_fakes import FakeModel, reference_output
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from pagedkv.core.manager import KVCacheManager
@@ -58,8 +58,7 @@ PRIORITY_SELF_PREEMPTION = (
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(workloads())
+@given(workloads())  # examples, seed and deadline: the profile in tests/conftest.py
 @example(PRIORITY_SELF_PREEMPTION)
 def test_random_workloads_give_reference_outputs(workload):
     config, specs = workload
