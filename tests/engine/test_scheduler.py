@@ -23,6 +23,7 @@ def make_scheduler(
     enable_caching: bool = True,
     enable_chunked_prefill: bool = True,
     policy: str = "fcfs",
+    admission: str = "fcfs",
 ) -> tuple[Scheduler, FakeModel]:
     manager = KVCacheManager(num_blocks, block_size=BLOCK_SIZE, enable_caching=enable_caching)
     scheduler = Scheduler(
@@ -32,6 +33,7 @@ def make_scheduler(
         max_model_len=max_model_len,
         enable_chunked_prefill=enable_chunked_prefill,
         policy=policy,
+        admission=admission,
     )
     return scheduler, FakeModel(num_blocks, BLOCK_SIZE)
 
@@ -152,6 +154,31 @@ def test_requests_that_do_not_fit_together_both_finish_as_alone():
     assert scheduler.kv_cache_manager.num_free_blocks == 9
 
 
+@pytest.mark.parametrize(
+    ("admission", "first_step"), [("fcfs", ["hog"]), ("skip", ["hog", "small"])]
+)
+def test_admission_fcfs_stops_at_the_first_misfit_and_skip_tries_the_next(admission, first_step):
+    # 9 usable blocks: "hog" takes 6, "big" needs 4 of the 3 left, "small" needs 1.
+    scheduler, model = make_scheduler(
+        num_blocks=10, max_model_len=32, enable_caching=False, admission=admission
+    )
+    prompts = {"hog": prompt_of(24), "big": prompt_of(16, 1), "small": prompt_of(4, 2)}
+    requests = {name: make_request(scheduler, name, p, 4) for name, p in prompts.items()}
+    out = scheduler.schedule()
+    assert [r.request_id for r in out.requests] == first_step
+    assert scheduler.waiting.peek() is requests["big"]  # a skipped request keeps its place
+    scheduler.update_from_output(out, model.execute(out))
+    run_until_done(scheduler, model)
+    for name, request in requests.items():
+        assert request.output_token_ids == reference_output(prompts[name], 4)
+    assert scheduler.kv_cache_manager.num_free_blocks == 9
+
+
+def test_unknown_admission_is_a_config_error():
+    with pytest.raises(ConfigError, match="admission"):
+        make_scheduler(admission="lifo")
+
+
 @pytest.mark.parametrize("enable_caching", [True, False])
 def test_preemption_storm_gives_reference_outputs(enable_caching):
     scheduler, model = make_scheduler(
@@ -244,6 +271,7 @@ def test_priority_policy_admits_and_preempts_by_priority():
     steps = [out, *run_until_done(scheduler, model)]
     order = [r.request_id for step in steps for r in step.requests]  # (not clock readings)
     assert order == ["high"] * 4 + ["low"] * 4
+    assert low.output_token_ids == reference_output(prompt_of(6), 4)
 
     scheduler, model = make_scheduler(
         num_blocks=10, max_model_len=32, enable_caching=False, policy="priority"

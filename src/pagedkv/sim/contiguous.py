@@ -7,9 +7,9 @@ The same bytes as the paged pool (``num_blocks * block_size`` tokens, no null bl
 
 Equal-sized regions leave no external fragmentation, but every token a request does not reach is
 reserved and wasted (internal fragmentation). The class mimics the part of
-:class:`~pagedkv.core.manager.KVCacheManager` that the simulator's scheduler calls, so both policies
-run through one scheduling loop; a slot's "block ids" are the blocks its region spans (for the block
-map).
+:class:`~pagedkv.core.manager.KVCacheManager` that the engine's
+:class:`~pagedkv.engine.scheduler.Scheduler` calls, so every policy runs through one scheduling
+loop; a slot's "block ids" are the blocks its region spans (for the block map).
 """
 
 from __future__ import annotations
