@@ -144,7 +144,7 @@ def test_request_larger_than_the_pool_is_refused():
     assert admit(kv, huge) == (0, None)
     assert snapshot(kv) == before
     assert kv.get_block_ids("huge") == ([],)
-    assert kv.get_num_blocks_needed(17) == 5 > kv.num_blocks - 1
+    assert kv.max_num_blocks_per_request(17) == 5 > kv.num_blocks - 1
 
 
 LENGTHS = [40, 128, 300, 64, 210, 96, 180, 48, 150, 80, 60, 420, 33, 256, 90, 110]

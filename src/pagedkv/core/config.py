@@ -30,11 +30,10 @@ num_layers))``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pagedkv.core.spec import KVCacheSpec
+from pagedkv.core.spec import KVCacheSpec, max_num_blocks_per_request
 from pagedkv.errors import CacheSizingError, ConfigError
 
 GiB = 1 << 30
@@ -389,7 +388,8 @@ class KVCacheConfig:
     def max_num_blocks_per_request(
         self, max_model_len: int | None = None, max_num_batched_tokens: int | None = None
     ) -> int:
-        """Most blocks one request of ``max_model_len`` tokens holds at once, all groups.
+        """Most blocks one request of ``max_model_len`` tokens holds at once, all groups
+        (:func:`pagedkv.core.spec.max_num_blocks_per_request` with the config's defaults).
 
         Args:
             max_model_len: tokens; default the config's.
@@ -401,10 +401,8 @@ class KVCacheConfig:
         num_tokens = self.max_model_len if max_model_len is None else max_model_len
         if num_tokens is None:
             raise ConfigError("max_model_len is needed to count a request's blocks")
-        batched = max_num_batched_tokens or self.max_num_batched_tokens or num_tokens
-        return sum(
-            spec.max_num_blocks_per_request(num_tokens, batched) for spec in self.kv_cache_specs
-        )
+        batched = max_num_batched_tokens or self.max_num_batched_tokens
+        return max_num_blocks_per_request(self.kv_cache_specs, num_tokens, batched)
 
     def max_concurrency(
         self, max_model_len: int | None = None, max_num_batched_tokens: int | None = None
@@ -434,7 +432,3 @@ class KVCacheConfig:
             else:
                 high = mid - 1
         return low
-
-    def lcm_block_size(self) -> int:
-        """LCM of every group's block size: a prefix hit is a multiple of it."""
-        return math.lcm(*(spec.block_size for spec in self.kv_cache_specs))

@@ -24,7 +24,7 @@ from pagedkv.core.events import KVCacheEvent
 from pagedkv.core.hashing import BlockHasher
 from pagedkv.core.request import KVCacheRequest
 from pagedkv.core.single_type import FullAttentionManager
-from pagedkv.core.spec import FullAttentionSpec, KVCacheSpec, cdiv
+from pagedkv.core.spec import FullAttentionSpec, KVCacheSpec, max_num_blocks_per_request
 from pagedkv.core.stats import PrefixCacheStats
 from pagedkv.errors import CacheStateError, ConfigError, InvalidRequestError
 
@@ -152,11 +152,14 @@ class KVCacheManager:
         """Blocks that can be handed out now (free, including cached ones)."""
         return self.block_pool.num_free_blocks
 
-    def get_num_blocks_needed(self, num_tokens: int) -> int:
-        """Blocks a request of ``num_tokens`` tokens takes when allocated in one call without
-        prefix hits, summed over KV cache groups (compare with ``num_blocks - 1`` to reject a
-        request that can never fit)."""
-        return self.num_kv_cache_groups * cdiv(num_tokens, self.block_size)
+    def max_num_blocks_per_request(
+        self, num_tokens: int, max_num_batched_tokens: int | None = None
+    ) -> int:
+        """Most blocks a request of ``num_tokens`` tokens holds at once, summed over KV cache
+        groups (compare with ``num_blocks - 1`` to reject a request that can never fit); see
+        :func:`pagedkv.core.spec.max_num_blocks_per_request`. ``max_num_batched_tokens``: tokens
+        per step (``None``: all ``num_tokens`` in one call)."""
+        return max_num_blocks_per_request(self.kv_cache_specs, num_tokens, max_num_batched_tokens)
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         """The blocks ``request_id`` holds (empty if none)."""

@@ -10,6 +10,7 @@ Idea from vLLM V1 (``vllm/v1/kv_cache_interface.py``): one spec type per attenti
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -82,13 +83,6 @@ class AttentionSpec:
         """Most blocks one request of ``max_model_len`` tokens can hold at once in this layer."""
         raise NotImplementedError
 
-    def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
-        """Most bytes one request of ``max_model_len`` tokens can hold at once in this layer."""
-        return (
-            self.max_num_blocks_per_request(max_model_len, max_num_batched_tokens)
-            * self.page_size_bytes
-        )
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FullAttentionSpec(AttentionSpec):
@@ -123,3 +117,23 @@ class SlidingWindowSpec(AttentionSpec):
 
 
 KVCacheSpec = FullAttentionSpec | SlidingWindowSpec
+
+
+def max_num_blocks_per_request(
+    kv_cache_specs: Iterable[KVCacheSpec],
+    num_tokens: int,
+    max_num_batched_tokens: int | None = None,
+) -> int:
+    """Most blocks one request of ``num_tokens`` tokens holds at once, summed over the KV cache
+    groups (one spec each). The one place this is counted: start-up sizing
+    (``KVCacheConfig``), admission (the scheduler rejects a request above ``num_blocks - 1``)
+    and the manager all call it.
+
+    Args:
+        kv_cache_specs: one spec per KV cache group.
+        num_tokens: the request's prompt + output tokens.
+        max_num_batched_tokens: most tokens one step computes (a sliding-window request's live
+            span); ``None``: ``num_tokens`` (all in one step, the worst case).
+    """
+    batched = num_tokens if max_num_batched_tokens is None else max_num_batched_tokens
+    return sum(spec.max_num_blocks_per_request(num_tokens, batched) for spec in kv_cache_specs)

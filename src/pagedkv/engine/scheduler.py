@@ -30,6 +30,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from pagedkv.core.manager import KVCacheManager
+from pagedkv.core.spec import max_num_blocks_per_request
 from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.engine.request_queue import FCFSQueue, PriorityQueue
 from pagedkv.engine.stats import SchedulerStats
@@ -148,13 +149,6 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests in and out
 
-    def max_blocks_needed(self, num_tokens: int) -> int:
-        """Blocks (all KV cache groups) one request of ``num_tokens`` tokens can hold at once."""
-        return sum(
-            spec.max_num_blocks_per_request(num_tokens, self.max_num_batched_tokens)
-            for spec in self._kv_cache_specs
-        )
-
     def add_request(self, request: Request) -> None:
         """Queue a new request; resolves ``request.max_tokens`` from its sampling params.
 
@@ -182,7 +176,9 @@ class Scheduler:
                 f"max_tokens ({max_tokens}) = {num_prompt_tokens + max_tokens} tokens exceeds "
                 f"max_model_len={self.max_model_len}; shorten the prompt or lower max_tokens"
             )
-        num_blocks_needed = self.max_blocks_needed(num_prompt_tokens + max_tokens)
+        num_blocks_needed = max_num_blocks_per_request(
+            self._kv_cache_specs, num_prompt_tokens + max_tokens, self.max_num_batched_tokens
+        )
         if num_blocks_needed > self._num_usable_blocks:
             raise InvalidRequestError(
                 f"request {request.request_id!r}: prompt + max_tokens = "
