@@ -133,8 +133,10 @@ class KVCacheManager:
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in kv_cache_specs))
         self._no_blocks: BlocksPerGroup = self.empty_kv_cache_blocks.blocks
         self.prefix_cache_stats = PrefixCacheStats()
+        # The one group's manager when the model has a single full-attention group (then decode
+        # steps and prefill chunks take its one-pass ``grow``); None for hybrid models.
         managers = self.coordinator.single_type_managers
-        self._full_attention_only = (
+        self._single_full_attention_manager: FullAttentionManager | None = (
             managers[0]
             if len(managers) == 1 and isinstance(managers[0], FullAttentionManager)
             else None
@@ -243,7 +245,7 @@ class KVCacheManager:
             CacheStateError: hit blocks for a request that already holds blocks, or hit blocks
                 evicted (reused) since ``get_computed_blocks``: call the two back to back.
         """
-        fast = self._full_attention_only
+        fast = self._single_full_attention_manager
         if (
             fast is not None
             and (new_computed_blocks is None or new_computed_blocks is self.empty_kv_cache_blocks)
