@@ -330,6 +330,24 @@ def test_prompt_submitted_twice_hits_the_cache_and_gives_the_same_output(length)
     assert stats.prefix_cache_hits == second.num_cached_tokens
 
 
+@pytest.mark.parametrize("enable_caching", [True, False])
+def test_prefix_counters_count_each_request_once_at_first_admission(enable_caching):
+    # 9 usable blocks: "first" takes 6 for its prompt, "second" needs 4 and waits (its lookup
+    # is retried every step) until "first" finishes; neither retries nor resumptions count.
+    scheduler, model = make_scheduler(
+        num_blocks=10, max_model_len=32, enable_caching=enable_caching
+    )
+    make_request(scheduler, "first", prompt_of(24), 4)
+    second = make_request(scheduler, "second", prompt_of(16, 1), 4)
+    steps = run_until_done(scheduler, model)
+    assert second not in steps[0].requests and second in steps[-1].requests
+    stats = scheduler.get_stats()
+    assert stats.num_prompt_tokens == 24 + 16
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (
+        (24 + 16, 0) if enable_caching else (0, 0)
+    )
+
+
 def test_same_prompt_in_one_step_shares_blocks():
     scheduler, model = make_scheduler()
     a = make_request(scheduler, "a", prompt_of(17), 5)

@@ -25,7 +25,6 @@ from pagedkv.core.hashing import BlockHasher
 from pagedkv.core.request import KVCacheRequest
 from pagedkv.core.single_type import FullAttentionManager
 from pagedkv.core.spec import FullAttentionSpec, KVCacheSpec, max_num_blocks_per_request
-from pagedkv.core.stats import PrefixCacheStats
 from pagedkv.errors import CacheStateError, ConfigError, InvalidRequestError
 
 
@@ -132,7 +131,6 @@ class KVCacheManager:
         # Shared and immutable (tuples): "no blocks" without allocating.
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in kv_cache_specs))
         self._no_blocks: BlocksPerGroup = self.empty_kv_cache_blocks.blocks
-        self.prefix_cache_stats = PrefixCacheStats()
         # The one group's manager when the model has a single full-attention group (then decode
         # steps and prefill chunks take its one-pass ``grow``); None for hybrid models.
         managers = self.coordinator.single_type_managers
@@ -180,7 +178,9 @@ class KVCacheManager:
         """Longest prefix of ``request`` whose KV is cached, for a request being admitted.
 
         NOTE: the hit is capped at ``num_tokens - 1``: the last token must be computed to get
-        the logits that sample the next one, even if its block is cached.
+        the logits that sample the next one, even if its block is cached. The manager keeps no
+        hit counters: the scheduler counts each request once, at its first admission
+        (``SchedulerStats.prefix_cache_hits``), so retried lookups do not count twice.
 
         Returns:
             (hit blocks, not yet touched: pass them to ``allocate_slots``; hit length in tokens,
@@ -203,7 +203,6 @@ class KVCacheManager:
             )
         num_tokens = len(request.all_token_ids)
         blocks, num_hit_tokens = self.coordinator.find_longest_cache_hit(request, num_tokens - 1)
-        self.prefix_cache_stats.record(num_tokens, num_hit_tokens)
         if not num_hit_tokens:
             return self.empty_kv_cache_blocks, 0
         return KVCacheBlocks(blocks), num_hit_tokens
@@ -352,18 +351,7 @@ class KVCacheManager:
         Returns:
             True on success; False if some block is in use (nothing changes).
         """
-        if not self.block_pool.reset_prefix_cache():
-            return False
-        self.prefix_cache_stats.reset = True
-        return True
-
-    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
-        """Prefix-cache stats since the last call (then the counters restart); ``None`` with
-        prefix caching off."""
-        if not self.enable_caching:
-            return None
-        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
-        return stats
+        return self.block_pool.reset_prefix_cache()
 
     def take_events(self) -> list[KVCacheEvent]:
         """KV cache events since the last call (empty unless events are enabled)."""

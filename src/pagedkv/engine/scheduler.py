@@ -378,9 +378,12 @@ class Scheduler:
                 continue
             waiting.pop()
             if request.num_cached_tokens < 0:  # first admission (not a resumption)
+                # The one definition of the prefix-cache counters (docs/engine.md): each
+                # request counts once, at its first admission, if it can hit at all.
                 request.num_cached_tokens = num_computed_tokens
-                self.stats.prefix_cache_queries += request.num_prompt_tokens
-                self.stats.prefix_cache_hits += num_computed_tokens
+                if request.block_hasher is not None:
+                    self.stats.prefix_cache_queries += request.num_prompt_tokens
+                    self.stats.prefix_cache_hits += num_computed_tokens
                 self.stats.num_prompt_tokens += request.num_prompt_tokens
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed_tokens
