@@ -390,7 +390,7 @@ def test_non_int_token_count_is_rejected_and_changes_nothing(num_new_tokens):
     kv = manager(4)
     request = make_request(kv, "a", range(1, 6))
     before = snapshot(kv)
-    with pytest.raises(InvalidRequestError, match="must be ints"):
+    with pytest.raises(InvalidRequestError, match="num_new_tokens must be an int >= 0"):
         kv.allocate_slots(request, num_new_tokens)
     assert snapshot(kv) == before
 

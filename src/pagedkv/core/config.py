@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from pagedkv.core.spec import KVCacheSpec, max_num_blocks_per_request
 from pagedkv.errors import CacheSizingError, ConfigError
+from pagedkv.validation import check_int
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -50,11 +51,6 @@ def format_bytes(num_bytes: float) -> str:
         if abs(num_bytes) >= size:
             return f"{num_bytes / size:.2f} {unit}"
     return f"{int(num_bytes)} B"
-
-
-def _check_count(name: str, value: object, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,9 +75,9 @@ class MemoryBudget:
     overhead_bytes: int = 0
 
     def __post_init__(self) -> None:
-        _check_count("device_memory", self.device_memory, 1)
+        check_int("device_memory", self.device_memory, 1)
         for name in ("weight_bytes", "activation_bytes", "overhead_bytes"):
-            _check_count(name, getattr(self, name), 0)
+            check_int(name, getattr(self, name), 0)
         utilization = self.gpu_memory_utilization
         if not isinstance(utilization, (int, float)) or not 0.0 < utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
@@ -236,8 +232,7 @@ class KVCacheConfig:
         ``num_blocks = floor(kv_cache_memory / (page_size x group_size))``; an explicit
         ``num_blocks`` wins. Other arguments and errors as :meth:`from_num_blocks`.
         """
-        if not isinstance(kv_cache_memory, int) or isinstance(kv_cache_memory, bool):
-            raise ConfigError(f"kv_cache_memory must be an int (bytes), got {kv_cache_memory!r}")
+        check_int("kv_cache_memory", kv_cache_memory, why="bytes")
         return cls._from_bytes(
             layer_specs, kv_cache_memory, None, num_blocks, max_model_len, max_num_batched_tokens
         )
@@ -290,11 +285,9 @@ class KVCacheConfig:
         return config
 
     def _validate(self, budget: MemoryBudget | None, kv_cache_memory: int | None = None) -> None:
-        _check_count("num_blocks", self.num_blocks, 0)
-        if self.max_model_len is not None:
-            _check_count("max_model_len", self.max_model_len, 1)
-        if self.max_num_batched_tokens is not None:
-            _check_count("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        check_int("num_blocks", self.num_blocks, 0)
+        check_int("max_model_len", self.max_model_len, 1, optional=True)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=True)
         if self.num_usable_blocks < 1:
             if budget is not None:
                 source = f"memory budget {budget.describe()}"

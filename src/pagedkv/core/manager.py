@@ -13,7 +13,6 @@ Idea from vLLM V1 (``vllm/v1/core/kv_cache_manager.py``).
 
 from __future__ import annotations
 
-import numbers
 import sys
 from collections.abc import Sequence
 
@@ -26,6 +25,7 @@ from pagedkv.core.request import KVCacheRequest
 from pagedkv.core.single_type import FullAttentionManager
 from pagedkv.core.spec import FullAttentionSpec, KVCacheSpec, max_num_blocks_per_request
 from pagedkv.errors import CacheStateError, ConfigError, InvalidRequestError
+from pagedkv.validation import check_int
 
 
 class KVCacheBlocks:
@@ -91,8 +91,7 @@ class KVCacheManager:
     ) -> None:
         if kv_cache_specs is None:
             size = 16 if block_size is None else block_size
-            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-                raise ConfigError(f"block_size must be an int >= 1, got {size!r}")
+            check_int("block_size", size, 1)
             kv_cache_specs = [FullAttentionSpec(block_size=size, num_kv_heads=1, head_size=1)]
         kv_cache_specs = list(kv_cache_specs)
         if not kv_cache_specs:
@@ -105,12 +104,7 @@ class KVCacheManager:
                 f"block_size={block_size} disagrees with the specs' block_size "
                 f"{kv_cache_specs[0].block_size}"
             )
-        if max_model_len is not None and (
-            not isinstance(max_model_len, int)
-            or isinstance(max_model_len, bool)
-            or max_model_len < 1
-        ):
-            raise ConfigError(f"max_model_len must be an int >= 1 or None, got {max_model_len!r}")
+        check_int("max_model_len", max_model_len, 1, optional=True)
         hasher = BlockHasher(kv_cache_specs[0].block_size, hash_algo, hash_seed)
         self.kv_cache_specs = tuple(kv_cache_specs)
         self.enable_caching = enable_caching
@@ -269,15 +263,12 @@ class KVCacheManager:
                 return None
             return KVCacheBlocks((new_blocks,)) if new_blocks else self.empty_kv_cache_blocks
 
-        for count in (num_new_tokens, num_new_computed_tokens, num_lookahead_tokens):
-            if not isinstance(count, numbers.Integral) or isinstance(count, bool):
-                raise InvalidRequestError(f"token counts must be ints, got {count!r}")
-        if num_new_tokens < 0 or num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
-            raise InvalidRequestError(
-                f"token counts must be >= 0, got num_new_tokens={num_new_tokens}, "
-                f"num_new_computed_tokens={num_new_computed_tokens}, "
-                f"num_lookahead_tokens={num_lookahead_tokens}"
-            )
+        for name, count in (
+            ("num_new_tokens", num_new_tokens),
+            ("num_new_computed_tokens", num_new_computed_tokens),
+            ("num_lookahead_tokens", num_lookahead_tokens),
+        ):
+            check_int(name, count, 0, error=InvalidRequestError)
         request_id = request.request_id
         coordinator = self.coordinator
         if new_computed_blocks is None or not new_computed_blocks.blocks[0]:

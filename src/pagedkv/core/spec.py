@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from pagedkv.errors import ConfigError
+from pagedkv.validation import check_int
 
 #: Bytes per element of each KV-cache dtype. fp8 (e4m3 or e5m2) is one byte, half of bf16.
 KV_DTYPE_BYTES = MappingProxyType(
@@ -55,9 +56,7 @@ class AttentionSpec:
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_heads", "head_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+            check_int(name, getattr(self, name), 1)
         if self.dtype not in KV_DTYPE_BYTES:
             raise ConfigError(
                 f"unknown KV-cache dtype {self.dtype!r}; choose one of {', '.join(KV_DTYPE_BYTES)}"
@@ -105,9 +104,7 @@ class SlidingWindowSpec(AttentionSpec):
 
     def __post_init__(self) -> None:
         AttentionSpec.__post_init__(self)
-        window = self.sliding_window
-        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-            raise ConfigError(f"sliding_window must be an int >= 1, got {self.sliding_window!r}")
+        check_int("sliding_window", self.sliding_window, 1)
 
     def max_num_blocks_per_request(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         # A step computes up to max_num_batched_tokens new tokens whose windows reach back

@@ -35,6 +35,7 @@ from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.engine.request_queue import FCFSQueue, PriorityQueue
 from pagedkv.engine.stats import SchedulerStats
 from pagedkv.errors import ConfigError, InvalidRequestError
+from pagedkv.validation import check_int
 
 POLICIES = ("fcfs", "priority")
 ADMISSION_POLICIES = ("fcfs", "skip")
@@ -116,8 +117,7 @@ class Scheduler:
             ("max_num_batched_tokens", max_num_batched_tokens),
             ("max_model_len", max_model_len),
         ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+            check_int(name, value, 1)
         if policy not in POLICIES:
             raise ConfigError(f"unknown scheduling policy {policy!r}; choose one of {POLICIES}")
         if admission not in ADMISSION_POLICIES:

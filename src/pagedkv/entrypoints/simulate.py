@@ -118,11 +118,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _num_blocks_from_memory(args: argparse.Namespace, block_size: int, max_model_len: int) -> int:
     from pagedkv.core.config import KVCacheConfig
     from pagedkv.core.spec import FullAttentionSpec
-    from pagedkv.errors import ConfigError
     from pagedkv.plan.catalog import parse_memory_size
+    from pagedkv.validation import check_int
 
-    if args.num_layers < 1:
-        raise ConfigError(f"--num-layers must be >= 1, got {args.num_layers}")
+    check_int("--num-layers", args.num_layers, 1)
     spec = FullAttentionSpec(
         block_size=block_size,
         num_kv_heads=args.num_kv_heads,

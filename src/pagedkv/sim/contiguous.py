@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from pagedkv.core.spec import FullAttentionSpec, cdiv
 from pagedkv.errors import ConfigError
+from pagedkv.validation import check_int
 
 
 class ContiguousKVCache:
@@ -38,8 +39,7 @@ class ContiguousKVCache:
             ("block_size", block_size),
             ("max_model_len", max_model_len),
         ):
-            if value < 1:
-                raise ConfigError(f"{name} must be >= 1, got {value}")
+            check_int(name, value, 1)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_model_len = max_model_len

@@ -33,6 +33,7 @@ from pagedkv.sim.contiguous import ContiguousKVCache
 from pagedkv.sim.engine_request import make_engine_request
 from pagedkv.sim.metrics import PolicyMetrics, Timeline, compute_metrics
 from pagedkv.sim.workloads import Workload
+from pagedkv.validation import check_int, is_number
 
 POLICIES = ("contiguous", "paged", "paged+prefix")
 
@@ -68,28 +69,16 @@ class SimConfig:
     hash_algo: str | None = None
 
     def __post_init__(self) -> None:
-        for name in (
-            "num_blocks",
-            "block_size",
-            "max_model_len",
-            "max_num_seqs",
-            "max_num_batched_tokens",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
-        if self.num_blocks < 2:
-            raise ConfigError(
-                f"num_blocks must be >= 2 (block 0 is the null block), got {self.num_blocks}"
-            )
+        check_int("num_blocks", self.num_blocks, 2, why="block 0 is the null block")
+        for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            check_int(name, getattr(self, name), 1)
         if self.admission not in ADMISSION_POLICIES:
             raise ConfigError(
                 f"admission must be one of {ADMISSION_POLICIES}, got {self.admission!r}"
             )
-        if not self.step_time > 0:
-            raise ConfigError(f"step_time must be > 0 seconds, got {self.step_time!r}")
-        if self.block_map_columns < 0:
-            raise ConfigError(f"block_map_columns must be >= 0, got {self.block_map_columns}")
+        if not is_number(self.step_time) or not self.step_time > 0:
+            raise ConfigError(f"step_time must be a number > 0 (seconds), got {self.step_time!r}")
+        check_int("block_map_columns", self.block_map_columns, 0)
 
 
 @dataclass(slots=True)
