@@ -16,7 +16,6 @@ from pagedkv.core.single_type import (
     SlidingWindowManager,
 )
 from pagedkv.core.spec import AttentionSpec, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
-from pagedkv.core.stats import PrefixCacheStats
 
 __all__ = [
     "AllBlocksCleared",
@@ -36,7 +35,6 @@ __all__ = [
     "KVCacheManager",
     "KVCacheRequest",
     "KVCacheSpec",
-    "PrefixCacheStats",
     "SingleTypeKVCacheManager",
     "SlidingWindowManager",
     "SlidingWindowSpec",

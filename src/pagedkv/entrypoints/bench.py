@@ -151,6 +151,7 @@ def bench_hf(args: argparse.Namespace, conversations: list, model_path: Path) ->
     import transformers
 
     from pagedkv.errors import InvalidRequestError
+    from pagedkv.validation import check_int
 
     if model_path.is_dir():
         load_args: dict[str, Any] = {}
@@ -169,8 +170,7 @@ def bench_hf(args: argparse.Namespace, conversations: list, model_path: Path) ->
         tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
         for c in conversations
     ]
-    if args.hf_batch_size < 1:
-        raise InvalidRequestError("--hf-batch-size must be >= 1")
+    check_int("--hf-batch-size", args.hf_batch_size, 1, error=InvalidRequestError)
 
     def generate(batch: list[str], max_tokens: int, on_first_token=None):
         enc = tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=False)

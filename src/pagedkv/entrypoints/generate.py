@@ -188,8 +188,12 @@ def print_summary(llm, outputs, elapsed: float, load_time: float, file=sys.stdou
         f"throughput       {num_output / elapsed:.1f} output tokens/s, "
         f"{(num_prompt + num_output) / elapsed:.1f} total tokens/s",
         f"mean TTFT        {sum(ttfts) / max(len(ttfts), 1):.2f} s",
-        f"prefix cache     {stats.prefix_cache_hit_rate:.1%} of prompt tokens hit "
-        f"({stats.prefix_cache_hits}/{stats.prefix_cache_queries})",
+        (
+            f"prefix cache     {stats.prefix_cache_hit_rate:.1%} of prompt tokens hit "
+            f"({stats.prefix_cache_hits}/{stats.prefix_cache_queries}, each request once)"
+            if engine.config.enable_prefix_caching
+            else "prefix cache     off"
+        ),
         f"KV cache         peak {stats.peak_kv_cache_usage:.1%} of {usable} blocks "
         f"x {engine.config.block_size} tokens",
         f"preemptions      {stats.num_preemptions}",

@@ -86,14 +86,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--admission",
         choices=("fcfs", "skip"),
         default="fcfs",
-        help="fcfs: stop at the first waiting request that does not fit; skip: try later ones "
-        "(uses the simulator's own scheduler)",
-    )
-    sched.add_argument(
-        "--scheduler",
-        choices=("engine", "sim"),
-        default=None,
-        help="the engine's Scheduler (default) or the simulator's loop",
+        help="fcfs: stop at the first waiting request that does not fit; skip: try later ones",
     )
     sched.add_argument(
         "--step-time", type=float, default=0.025, help="simulated seconds per step (arrivals)"
@@ -125,11 +118,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _num_blocks_from_memory(args: argparse.Namespace, block_size: int, max_model_len: int) -> int:
     from pagedkv.core.config import KVCacheConfig
     from pagedkv.core.spec import FullAttentionSpec
-    from pagedkv.errors import ConfigError
     from pagedkv.units import parse_memory_size
+    from pagedkv.validation import check_int
 
-    if args.num_layers < 1:
-        raise ConfigError(f"--num-layers must be >= 1, got {args.num_layers}")
+    check_int("--num-layers", args.num_layers, 1)
     spec = FullAttentionSpec(
         block_size=block_size,
         num_kv_heads=args.num_kv_heads,
@@ -191,11 +183,9 @@ def build(args: argparse.Namespace):
         num_blocks = _num_blocks_from_memory(args, settings["block_size"], max_model_len)
     else:
         num_blocks = workload.defaults.get("num_blocks", DEFAULT_NUM_BLOCKS)
-    scheduler = args.scheduler or ("sim" if args.admission == "skip" else "engine")
     config = SimConfig(
         num_blocks=num_blocks,
         admission=args.admission,
-        scheduler=scheduler,
         step_time=args.step_time,
         block_map_columns=args.block_map_columns if args.out else 0,
         hash_algo=args.hash_algo,
@@ -275,7 +265,6 @@ def run(args: argparse.Namespace) -> int:
                     "max_num_seqs",
                     "max_num_batched_tokens",
                     "admission",
-                    "scheduler",
                     "step_time",
                 )
             },

@@ -23,6 +23,7 @@ from pagedkv.errors import ConfigError
 from pagedkv.plan.catalog import resolve_device, resolve_model
 from pagedkv.plan.shapes import WEIGHT_DTYPE_BYTES, ModelShape
 from pagedkv.units import format_bytes
+from pagedkv.validation import check_int, is_int
 
 #: KV-cache dtypes ``pagedkv plan`` accepts; ``auto`` = the model's weight dtype.
 KV_CACHE_DTYPES = ("auto", *KV_DTYPE_BYTES)
@@ -231,11 +232,6 @@ def _requests(count: int) -> str:
     return f"{count:,} request" + ("" if count == 1 else "s")
 
 
-def _check_optional_bytes(name: str, value: int | None) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-        raise ConfigError(f"{name} must be a non-negative int of bytes, got {value!r}")
-
-
 def plan_capacity(
     model: ModelShape | str | Path,
     device: str | int,
@@ -282,7 +278,7 @@ def plan_capacity(
         ModelLoadError: a model file that cannot be read.
     """
     shape = model if isinstance(model, ModelShape) else resolve_model(model)
-    if isinstance(device, int) and not isinstance(device, bool):
+    if is_int(device):
         device_name, device_memory = f"{format_bytes(device)} device", device
     else:
         device_name, device_memory = resolve_device(str(device))
@@ -291,18 +287,13 @@ def plan_capacity(
             f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}"
         )
     resolved_dtype = shape.dtype if kv_cache_dtype == "auto" else kv_cache_dtype
-    _check_optional_bytes("weight_bytes", weight_bytes)
-    _check_optional_bytes("activation_bytes", activation_bytes)
-    for name, value in (
-        ("max_num_batched_tokens", max_num_batched_tokens),
-        ("max_num_seqs", max_num_seqs),
-    ):
-        if not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+    check_int("weight_bytes", weight_bytes, 0, optional=True, why="bytes")
+    check_int("activation_bytes", activation_bytes, 0, optional=True, why="bytes")
+    check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+    check_int("max_num_seqs", max_num_seqs, 1)
     if max_model_len is None:
         max_model_len = shape.max_position_embeddings
-    if mean_len is not None and (not isinstance(mean_len, int) or not mean_len >= 1):
-        raise ConfigError(f"mean_len must be an int >= 1, got {mean_len!r}")
+    check_int("mean_len", mean_len, 1, optional=True)
     if mean_len is not None and isinstance(max_model_len, int) and mean_len > max_model_len:
         raise ConfigError(f"mean_len {mean_len} exceeds max_model_len {max_model_len}")
 

@@ -7,15 +7,16 @@ The same bytes as the paged pool (``num_blocks * block_size`` tokens, no null bl
 
 Equal-sized regions leave no external fragmentation, but every token a request does not reach is
 reserved and wasted (internal fragmentation). The class mimics the part of
-:class:`~pagedkv.core.manager.KVCacheManager` that the simulator's scheduler calls, so both policies
-run through one scheduling loop; a slot's "block ids" are the blocks its region spans (for the block
-map).
+:class:`~pagedkv.core.manager.KVCacheManager` that the engine's
+:class:`~pagedkv.engine.scheduler.Scheduler` calls, so every policy runs through one scheduling
+loop; a slot's "block ids" are the blocks its region spans (for the block map).
 """
 
 from __future__ import annotations
 
 from pagedkv.core.spec import FullAttentionSpec, cdiv
 from pagedkv.errors import ConfigError
+from pagedkv.validation import check_int
 
 
 class ContiguousKVCache:
@@ -38,8 +39,7 @@ class ContiguousKVCache:
             ("block_size", block_size),
             ("max_model_len", max_model_len),
         ):
-            if value < 1:
-                raise ConfigError(f"{name} must be >= 1, got {value}")
+            check_int(name, value, 1)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_model_len = max_model_len

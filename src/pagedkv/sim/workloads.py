@@ -33,6 +33,7 @@ from types import MappingProxyType
 import numpy as np
 
 from pagedkv.errors import ConfigError
+from pagedkv.validation import check_int
 
 #: SmolLM2's vocabulary size; token ids are drawn from [1, DEFAULT_VOCAB_SIZE).
 DEFAULT_VOCAB_SIZE = 49152
@@ -93,8 +94,7 @@ class TokenSource:
     the same ids for the same (seed, name) wherever they are asked for."""
 
     def __init__(self, seed: int, vocab_size: int = DEFAULT_VOCAB_SIZE) -> None:
-        if vocab_size < 2:
-            raise ConfigError(f"vocab_size must be >= 2, got {vocab_size}")
+        check_int("vocab_size", vocab_size, 2)
         self.seed = seed
         self.vocab_size = vocab_size
         self.rng = np.random.default_rng(seed)
@@ -127,12 +127,8 @@ def _arrival_times(rng: np.random.Generator, n: int, request_rate: float) -> lis
 
 
 def _check_common(num_requests: int, max_model_len: int) -> None:
-    if num_requests < 1:
-        raise ConfigError(f"num_requests must be >= 1, got {num_requests}")
-    if max_model_len < 8:
-        raise ConfigError(
-            f"max_model_len must be >= 8 for the built-in workloads, got {max_model_len}"
-        )
+    check_int("num_requests", num_requests, 1)
+    check_int("max_model_len", max_model_len, 8, why="for the built-in workloads")
 
 
 def sixteen_lengths(seed: int = 0, vocab_size: int = DEFAULT_VOCAB_SIZE, **_: object) -> Workload:
@@ -207,8 +203,7 @@ def shared_prefix(
     uniform in ``prefix_len_range``, capped at max_model_len / 2) + a unique lognormal user part +
     a lognormal output."""
     _check_common(num_requests, max_model_len)
-    if num_prefix_groups < 1:
-        raise ConfigError(f"num_prefix_groups must be >= 1, got {num_prefix_groups}")
+    check_int("num_prefix_groups", num_prefix_groups, 1)
     source = TokenSource(seed, vocab_size)
     low, high = prefix_len_range
     prefix_lens = source.rng.integers(low, high + 1, size=num_prefix_groups).tolist()

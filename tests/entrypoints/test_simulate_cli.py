@@ -22,7 +22,7 @@ def test_skip_admission_gives_14(capsys):
     assert main([*argv, "--policies", "paged"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["policies"]["paged"]["peak_concurrency"] == 14
-    assert report["config"]["scheduler"] == "sim"
+    assert report["config"]["admission"] == "skip"
 
 
 def test_table_pictures_and_html(tmp_path, capsys):
