@@ -15,7 +15,13 @@ from pagedkv.core.single_type import (
     SingleTypeKVCacheManager,
     SlidingWindowManager,
 )
-from pagedkv.core.spec import AttentionSpec, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from pagedkv.core.spec import (
+    AttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
 from pagedkv.core.stats import PrefixCacheStats
 
 __all__ = [
@@ -36,6 +42,7 @@ __all__ = [
     "KVCacheManager",
     "KVCacheRequest",
     "KVCacheSpec",
+    "MLAAttentionSpec",
     "PrefixCacheStats",
     "SingleTypeKVCacheManager",
     "SlidingWindowManager",
