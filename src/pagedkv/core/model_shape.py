@@ -54,6 +54,7 @@ HF_MODEL_TYPES = (
 #: GGUF ``general.architecture`` values it knows, with their Hugging Face model_type.
 GGUF_ARCHITECTURES = {
     "llama": "llama",
+    "mistral": "mistral",
     "qwen2": "qwen2",
     "qwen2moe": "qwen2_moe",
     "qwen3": "qwen3",
