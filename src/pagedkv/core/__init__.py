@@ -15,7 +15,13 @@ from pagedkv.core.single_type import (
     SingleTypeKVCacheManager,
     SlidingWindowManager,
 )
-from pagedkv.core.spec import AttentionSpec, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from pagedkv.core.spec import (
+    AttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
 
 __all__ = [
     "AllBlocksCleared",
@@ -35,6 +41,7 @@ __all__ = [
     "KVCacheManager",
     "KVCacheRequest",
     "KVCacheSpec",
+    "MLAAttentionSpec",
     "SingleTypeKVCacheManager",
     "SlidingWindowManager",
     "SlidingWindowSpec",
