@@ -268,3 +268,53 @@ def test_llm_generate_after_a_failing_step_still_works(tiny, monkeypatch):
 def test_sampling_params_validation(kwargs):
     with pytest.raises(InvalidRequestError):
         SamplingParams(**kwargs)
+
+
+# ---- text equals tokens at finish, for any reason ---------------------------------------------
+
+
+def _byte(value: int) -> int:
+    return 3 + value  # the byte-fallback tokenizer's <0xBB> token (tests/conftest.py)
+
+
+def _scripted(engine: LLMEngine, patch, tokens: list[int], fail_at: int | None = None) -> None:
+    """The runner returns ``tokens`` one per step (every sampling request gets the same one);
+    with ``fail_at``, that step raises instead."""
+    script = iter(range(len(tokens)))
+
+    def execute_model(scheduler_output):
+        i = next(script)
+        if i == fail_at:
+            raise RuntimeError("scripted failure")
+        return [tokens[i] for sample in scheduler_output.sample if sample]
+
+    patch.setattr(engine.runner, "execute_model", execute_model)
+
+
+@pytest.mark.parametrize("finish", ["length", "stop", "abort", "error"])
+def test_held_back_bytes_are_flushed_at_finish(tiny, byte_fallback_tokenizer, monkeypatch, finish):
+    engine = make_engine(tiny)
+    engine.tokenizer = byte_fallback_tokenizer
+    # "▁hello", then the first two bytes of a 4-byte emoji (held back), then a stop token.
+    tokens = [260, _byte(0xF0), _byte(0x9F), 2]
+    max_tokens = 3 if finish == "length" else 10
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, stop_token_ids=[2])
+    outputs = []
+    with monkeypatch.context() as patch:
+        _scripted(engine, patch, tokens, fail_at=3 if finish == "error" else None)
+        engine.add_request("r", [5, 6, 7], params)
+        for _ in range(3):
+            outputs += engine.step()
+        held = "".join(o.outputs[0].new_text for o in outputs)
+        assert held == ("hello\ufffd\ufffd" if finish == "length" else "hello")
+        if finish == "abort":
+            engine.abort_request("r")
+        if finish == "error":
+            with pytest.raises(RuntimeError, match="scripted"):
+                engine.step()
+        outputs += run(engine).get("r", [])
+    final = outputs[-1].outputs[0]
+    assert final.finish_reason == finish
+    assert "".join(o.outputs[0].new_text for o in outputs) == final.text
+    assert final.text == byte_fallback_tokenizer.decode(final.token_ids) == "hello\ufffd\ufffd"
+    assert engine.kv_cache_manager.usage == 0.0

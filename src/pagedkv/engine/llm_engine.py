@@ -299,6 +299,7 @@ class LLMEngine:
             self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
             for sample in state.samples:
                 if sample.finish_reason is None:
+                    _flush_text(sample)
                     sample.finish_reason = "abort"
                     state.changed = True
             self._pending.append(state)
@@ -365,6 +366,7 @@ class LLMEngine:
             self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ERROR)
             for sample in state.samples:
                 if sample.finish_reason is None:
+                    _flush_text(sample)
                     sample.finish_reason = "error"
                     state.changed = True
             if state not in self._pending:
@@ -411,6 +413,8 @@ class LLMEngine:
             return
         start = max(0, len(sample.text) - state.max_stop_len + 1)
         sample.text += sample.detokenizer.step(new_token_ids)
+        if request.is_finished:
+            _flush_text(sample)
         if request.first_token_time is not None and state.metrics.first_token_time is None:
             state.metrics.first_token_time = request.first_token_time
         if state.max_stop_len:
@@ -487,6 +491,14 @@ class LLMEngine:
                 "({'role': ..., 'content': ...})"
             )
         return None, items
+
+
+def _flush_text(sample: _Sample) -> None:
+    """Text equals tokens at finish, for any reason (stop, length, abort, error): append what the
+    detokenizer still holds back (the bytes of an unfinished character, as U+FFFD), so the final
+    text is the decode of the output ids. (Moves with the detokenization to the output processor;
+    stop strings are checked after it.)"""
+    sample.text += sample.detokenizer.flush()
 
 
 def _fields(config: EngineConfig) -> dict[str, Any]:
