@@ -263,11 +263,66 @@ def test_llm_generate_after_a_failing_step_still_works(tiny, monkeypatch):
         {"temperature": float("inf")},
         {"ignore_eos": "no"},
         {"skip_special_tokens": 1},
+        # Beyond what torch and the block hash take (issue 12): a 400 before queueing.
+        {"top_k": 2**63},
+        {"n": 2**63},
+        {"max_tokens": 2**63},
+        {"stop_token_ids": [2**63]},
+        {"stop_token_ids": [-1]},
+        {"top_p": 1e-45},
+        {"temperature": 1e39},
+        {"temperature": float("nan")},
+        {"stop": ["\ud800"]},
     ],
 )
 def test_sampling_params_validation(kwargs):
-    with pytest.raises(InvalidRequestError):
+    with pytest.raises(InvalidRequestError) as info:
         SamplingParams(**kwargs)
+    assert info.value.param == next(iter(kwargs))
+
+
+def test_values_at_the_bounds_are_accepted():
+    SamplingParams(top_k=2**63 - 1, max_tokens=2**63 - 1, stop_token_ids=[2**63 - 1])
+    SamplingParams(top_p=1.2e-38, temperature=3e38, seed=2**64 - 2, n=2, stop=["é😀"])
+
+
+def test_engine_refuses_what_the_model_cannot_take(tiny):
+    engine = make_engine(tiny)
+    vocab = engine.model_config.vocab_size
+    cases = [
+        ("prompt", "\ud800 lone surrogate", SamplingParams()),
+        ("messages", [{"role": "user", "content": "\udfff"}], SamplingParams()),
+        ("top_k", "hi", SamplingParams(top_k=vocab + 1)),
+        ("prompt", [vocab], SamplingParams()),
+        ("max_tokens", "hi", SamplingParams(max_tokens=10**6)),
+    ]
+    for param, prompt, params in cases:
+        with pytest.raises(InvalidRequestError) as info:
+            engine.add_request("r", prompt, params)
+        assert info.value.param == param
+    with pytest.raises(InvalidRequestError, match="cache_salt") as info:
+        engine.add_request("r", "hi", SamplingParams(), cache_salt="\ud800")
+    with pytest.raises(InvalidRequestError, match="priority"):
+        engine.add_request("r", "hi", SamplingParams(), priority=2**63)
+    assert not engine.has_unfinished_requests()
+    engine.add_request("r", "hi", SamplingParams(top_k=vocab, max_tokens=2))
+    assert run(engine)["r"][-1].finished
+
+
+def test_failed_step_outputs_say_why_and_check_health_probes_the_model(tiny, monkeypatch):
+    engine = make_engine(tiny)
+    engine.check_health()  # a healthy model: the probe runs and gives its block back
+    assert engine.kv_cache_manager.usage == 0.0
+    engine.add_request("a", PROMPTS[0], greedy(5))
+    with monkeypatch.context() as patch:
+        patch.setattr(engine.runner, "execute_model", lambda _: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            engine.step()
+        with pytest.raises(ZeroDivisionError):
+            engine.check_health()
+    final = run(engine)["a"][-1].outputs[0]
+    assert final.finish_reason == "error" and final.error.startswith("ZeroDivisionError")
+    assert engine.kv_cache_manager.usage == 0.0
 
 
 # ---- text equals tokens at finish, for any reason ---------------------------------------------

@@ -6,6 +6,11 @@ uses the engine's real SamplingParams and output classes, and counts KV blocks l
 so the server's streaming, abort and leak handling are tested without a model. Tokens are
 characters; the "model" spells out a fixed sentence from an offset: the prompt's token sum for
 temperature 0, else the seed (+ sample index, as the engine does for n > 1).
+
+Faults, as LLMEngine has them: a prompt containing FAIL_MARKER makes the step that runs it raise
+after finishing that request with finish_reason "error" (a request's fault: the server must go on);
+``fail_after_steps`` breaks the fake for good (every step and ``check_health`` raise: an engine
+fault); ``fail_with`` makes the next step raise that exception (e.g. MemoryError).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from pagedkv.engine.stats import SchedulerStats
 from pagedkv.errors import InvalidRequestError
 
 SENTENCE = "the quick brown fox jumps over the lazy dog. "
+#: A prompt containing this fails the engine step that runs it (and only that request).
+FAIL_MARKER = "<fail-step>"
 
 
 class FakeTokenizer:
@@ -47,6 +54,7 @@ class _FakeSample:
     num_tokens: int = 0
     num_emitted_chars: int = 0
     finish_reason: str | None = None
+    error: str | None = None
 
 
 @dataclass(slots=True)
@@ -56,6 +64,7 @@ class _FakeRequest:
     params: SamplingParams
     max_tokens: int
     samples: list[_FakeSample] = field(default_factory=list)
+    poisoned: bool = False
 
     @property
     def num_blocks_tokens(self) -> int:
@@ -93,7 +102,10 @@ class FakeEngine:
         self.num_used_blocks = 0
         self.num_prefix_queries = 0
         self.num_aborted = 0
-        self.fail_after_steps: int | None = None  # make step() raise (engine failure tests)
+        self.fail_after_steps: int | None = None  # break the fake for good (engine fault)
+        self.broken = False
+        self.fail_with: BaseException | None = None  # the next step raises it
+        self.num_failed_steps = 0
         self.added: list[tuple[str, object, SamplingParams, str | None]] = []
 
     # ---- engine API ---------------------------------------------------------------------------
@@ -122,6 +134,7 @@ class FakeEngine:
                 f"max_model_len={self.max_model_len}"
             )
         request = _FakeRequest(request_id, ids, params, max_tokens)
+        request.poisoned = FAIL_MARKER in self.tokenizer.decode(ids)
         for i in range(params.n):
             if params.temperature == 0:
                 offset = sum(ids)
@@ -154,6 +167,7 @@ class FakeEngine:
                 num_running=len(self.running),
                 num_waiting=len(self.waiting),
                 kv_cache_usage=self.num_used_blocks / self.num_blocks,
+                num_used_blocks=self.num_used_blocks,
                 prefix_cache_queries=self.num_prefix_queries,
             )
         )
@@ -161,14 +175,20 @@ class FakeEngine:
     def reset_prefix_cache(self) -> bool:
         return self.num_used_blocks == 0
 
+    def check_health(self) -> None:
+        if self.broken:
+            raise RuntimeError("the fake model is broken")
+
     def step(self) -> list[RequestOutput]:
         time.sleep(self.step_delay)
+        if self.fail_with is not None:
+            exc, self.fail_with = self.fail_with, None
+            raise exc
         if self.fail_after_steps is not None:
             if self.fail_after_steps == 0:
+                self.broken = True
                 raise RuntimeError("the fake engine broke")
             self.fail_after_steps -= 1
-        outputs = [self._output(req) for req in self.aborted]
-        self.aborted.clear()
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             need = self._num_blocks(req)
@@ -178,6 +198,19 @@ class FakeEngine:
             self.running.append(req)
             self.num_used_blocks += need
             self.num_prefix_queries += len(req.prompt_token_ids)
+        poisoned = [req for req in self.running if req.poisoned]
+        if poisoned:  # as LLMEngine: finish the failing requests, report them next step, raise
+            for req in poisoned:
+                self.running.remove(req)
+                self.num_used_blocks -= self._num_blocks(req)
+                for sample in req.samples:
+                    sample.finish_reason = "error"
+                    sample.error = f"RuntimeError: fake step failure in {req.request_id}"
+                self.aborted.append(req)
+            self.num_failed_steps += 1
+            raise RuntimeError("fake step failure")
+        outputs = [self._output(req) for req in self.aborted]  # reported once, next step
+        self.aborted.clear()
         for req in list(self.running):
             before = self._num_blocks(req)
             new_token_ids = [self._advance(req, s) for s in req.samples]
@@ -223,6 +256,7 @@ class FakeEngine:
                     new_text=sample.text[sample.num_emitted_chars : visible],
                     new_token_ids=new_token_ids[index] if new_token_ids else [],
                     finish_reason=sample.finish_reason,
+                    error=sample.error,
                 )
             )
             sample.num_emitted_chars = visible
