@@ -34,7 +34,17 @@ class CacheSizingError(ConfigError):
 
 class InvalidRequestError(PagedKVError, ValueError):
     """A request that can never be served as given (prompt + max_tokens beyond max_model_len,
-    more blocks than the whole pool, invalid sampling parameters, ...)."""
+    more blocks than the whole pool, invalid sampling parameters, ...).
+
+    Args:
+        message: what is wrong, naming the field and its valid range.
+        param: the request field at fault (``"top_k"``, ``"prompt"``...), when one is; the server
+            returns it as the OpenAI error body's ``param``.
+    """
+
+    def __init__(self, message: str = "", *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class CacheStateError(PagedKVError, RuntimeError):

@@ -3,7 +3,7 @@
 KVCacheManager -> KVCacheCoordinator -> per-attention-type managers -> BlockPool
 """
 
-from pagedkv.core.block import FreeBlockQueue, KVCacheBlock
+from pagedkv.core.block import FreeBlockQueue, KVCacheBlock, PrefixNode
 from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
@@ -42,6 +42,7 @@ __all__ = [
     "KVCacheRequest",
     "KVCacheSpec",
     "MLAAttentionSpec",
+    "PrefixNode",
     "SingleTypeKVCacheManager",
     "SlidingWindowManager",
     "SlidingWindowSpec",
