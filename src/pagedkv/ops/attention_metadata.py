@@ -137,6 +137,9 @@ class PagedAttentionMetadata:
         def kv_start_of(seq_len: int, q_len: int) -> int:
             return 0 if window is None else max(0, seq_len - q_len - window + 1)
 
+        # Index tensors live where block_tables lives (the cache's device); the Python lists above
+        # are host copies (one sync per step).
+        device = block_tables.device
         table = block_tables.long()
         max_block_id = 0
         # Decode group, vectorised over requests. Request i reads whole blocks from the one holding
@@ -150,25 +153,33 @@ class PagedAttentionMetadata:
         decode_reqs.sort(key=lambda i: -blocks_read(i))
         decode_num_blocks = [blocks_read(i) for i in decode_reqs]
         if decode_reqs:
-            dec = torch.tensor(decode_reqs, dtype=torch.long)
-            dec_seq = torch.tensor([seq_lens_list[i] for i in decode_reqs], dtype=torch.long)
-            kv_start = torch.tensor([kv_start_of(seq_lens_list[i], 1) for i in decode_reqs])
+            dec = torch.tensor(decode_reqs, dtype=torch.long, device=device)
+            dec_seq = torch.tensor(
+                [seq_lens_list[i] for i in decode_reqs], dtype=torch.long, device=device
+            )
+            kv_start = torch.tensor(
+                [kv_start_of(seq_lens_list[i], 1) for i in decode_reqs], device=device
+            )
             first_block = kv_start // block_size
-            num_read = torch.tensor(decode_num_blocks)
-            j = torch.arange(decode_num_blocks[0])
+            num_read = torch.tensor(decode_num_blocks, device=device)
+            j = torch.arange(decode_num_blocks[0], device=device)
             used = j[None, :] < num_read[:, None]
             col = torch.where(used, first_block[:, None] + j[None, :], 0)
             decode_block_ids = torch.where(used, table.index_select(0, dec).gather(1, col), 0)
             max_block_id = int(decode_block_ids.max())
             min_block_id = int(decode_block_ids.min())
-            pos = (first_block * block_size)[:, None] + torch.arange(j.numel() * block_size)
+            pos = (first_block * block_size)[:, None] + torch.arange(
+                j.numel() * block_size, device=device
+            )
             decode_valid = (pos >= kv_start[:, None]) & (pos < dec_seq[:, None])
-            decode_token_ids = torch.tensor([qsl[i] for i in decode_reqs], dtype=torch.long)
+            decode_token_ids = torch.tensor(
+                [qsl[i] for i in decode_reqs], dtype=torch.long, device=device
+            )
         else:
             min_block_id = 0
-            decode_block_ids = torch.zeros(0, 0, dtype=torch.long)
-            decode_valid = torch.zeros(0, 0, dtype=torch.bool)
-            decode_token_ids = torch.zeros(0, dtype=torch.long)
+            decode_block_ids = torch.zeros(0, 0, dtype=torch.long, device=device)
+            decode_valid = torch.zeros(0, 0, dtype=torch.bool, device=device)
+            decode_token_ids = torch.zeros(0, dtype=torch.long, device=device)
 
         # Prefill group, one entry per request.
         prefills = []
@@ -177,13 +188,13 @@ class PagedAttentionMetadata:
                 continue
             seq_len, q_len = seq_lens_list[i], q_lens[i]
             kv_start = kv_start_of(seq_len, q_len)
-            k_pos = torch.arange(kv_start, seq_len)
+            k_pos = torch.arange(kv_start, seq_len, device=device)
             blocks = table[i].index_select(0, k_pos // block_size)
             max_block_id = max(max_block_id, int(blocks.max()))
             min_block_id = min(min_block_id, int(blocks.min()))
             attn_mask = None
             if kv_start > 0 or q_len < seq_len or (window is not None and window < seq_len):
-                q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+                q_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
                 attn_mask = k_pos[None, :] <= q_pos
                 if window is not None:
                     attn_mask &= k_pos[None, :] > q_pos - window
