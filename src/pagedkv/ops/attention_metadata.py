@@ -285,3 +285,46 @@ def _check_step_inputs(
         )
     if int(query_start_loc[0]) != 0:
         raise OpsInputError("query_start_loc must start at 0")
+
+
+def check_step(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    block_size: int,
+    *,
+    sliding_window: int | None = None,
+    num_blocks: int | None = None,
+) -> int:
+    """All of :meth:`PagedAttentionMetadata.build`'s checks of a step, without building it
+    (backends with their own metadata validate with this).
+
+    Returns:
+        The largest block id a request reads.
+
+    Raises:
+        OpsInputError: bad ranks or dtypes, inconsistent num_reqs, ``query_start_loc[0] != 0``,
+            a q_len outside ``[1, seq_len]``, a seq_len beyond the block table's capacity, or a
+            block id a request reads outside ``[0, num_blocks)``.
+    """
+    _check_step_inputs(block_tables, seq_lens, query_start_loc, block_size, sliding_window)
+    seq = seq_lens.cpu().long()
+    qsl = query_start_loc.cpu().long()
+    q_lens = qsl[1:] - qsl[:-1]
+    _check_lengths(seq.tolist(), q_lens.tolist(), block_tables.shape[1] * block_size)
+    kv_start = torch.zeros_like(seq)
+    if sliding_window is not None:  # first attended key, as in build()
+        kv_start = (seq - q_lens - sliding_window + 1).clamp(min=0)
+    first = kv_start // block_size
+    end = -(-seq // block_size)  # blocks [first, end) are read
+    col = torch.arange(block_tables.shape[1])
+    used = (col[None, :] >= first[:, None]) & (col[None, :] < end[:, None])
+    ids = block_tables.cpu()[used]
+    if int(ids.min()) < 0:
+        raise OpsInputError(f"block_tables holds a negative block id ({int(ids.min())})")
+    max_block_id = int(ids.max())
+    if num_blocks is not None and max_block_id >= num_blocks:
+        raise OpsInputError(
+            f"block_tables refers to block {max_block_id}, beyond the pool's {num_blocks}"
+        )
+    return max_block_id

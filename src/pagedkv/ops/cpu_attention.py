@@ -171,7 +171,7 @@ def _decode_in_parts(
     dtype = query.dtype
     kv_len = chunk.num_blocks * bs
     q = query.index_select(0, chunk.token_ids).mul_(scale).view(num_kv_heads, group, head_size)
-    scores = torch.empty(num_kv_heads, group, kv_len, dtype=torch.float32)
+    scores = torch.empty(num_kv_heads, group, kv_len, dtype=torch.float32, device=query.device)
     t0 = 0
     for part_rows in chunk.part_rows:
         k = rows.gather(part_rows, key=True).view(num_kv_heads, -1, head_size)
@@ -180,7 +180,7 @@ def _decode_in_parts(
     if chunk.key_mask is not None:
         scores.view(1, num_kv_heads, group, kv_len).masked_fill_(chunk.key_mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(dtype)
-    acc = torch.zeros(num_kv_heads, group, head_size, dtype=torch.float32)
+    acc = torch.zeros(num_kv_heads, group, head_size, dtype=torch.float32, device=query.device)
     t0 = 0
     for part_rows, zero in zip(chunk.part_rows, chunk.part_value_zero, strict=True):
         v = rows.gather(part_rows, key=False, value_zero=zero).view(num_kv_heads, -1, head_size)

@@ -220,6 +220,20 @@ def write_kv(
 
         write_kv_triton(key, value, kv_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
         return
+    write_kv_torch(key, value, kv_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+
+
+def write_kv_torch(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """:func:`write_kv` in plain torch on any device, without validation (the torch backend's
+    write)."""
     block_size = kv_cache.shape[3]
     slots = slot_mapping.long()
     skip = slots < 0
