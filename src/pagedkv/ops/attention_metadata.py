@@ -22,16 +22,33 @@ itself; vLLM's and Mistral's convention). Keys of request ``i`` live at slot
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from pagedkv.errors import OpsInputError
 
-#: Bytes of gathered K and V per decode chunk and per torch thread (each core has its own L2):
+#: Bytes of gathered K and V per decode chunk and per torch thread when the L2 size is unknown:
 #: small enough to stay in cache between the gather and the two matmuls, big enough that the
-#: matmuls split well over the threads (measured on a 1 MiB-L2 EPYC, docs/ops.md).
+#: matmuls split well over the threads. Measured best at twice the per-core L2 on both machines
+#: (2 MiB on a 1 MiB-L2 EPYC, 4 MiB on a 2 MiB-L2 Xeon; docs/ops.md).
 DEFAULT_DECODE_CHUNK_BYTES = 2 << 20
+
+
+@functools.cache
+def decode_chunk_bytes_per_thread() -> int:
+    """Twice the L2 cache of CPU 0 (Linux sysfs), else :data:`DEFAULT_DECODE_CHUNK_BYTES`."""
+    try:
+        for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+            if (index / "level").read_text().strip() == "2":
+                size = (index / "size").read_text().strip()  # e.g. "2048K"
+                units = {"K": 1 << 10, "M": 1 << 20}
+                return 2 * int(size[:-1]) * units[size[-1]] if size[-1] in units else 2 * int(size)
+    except (OSError, ValueError):
+        pass
+    return DEFAULT_DECODE_CHUNK_BYTES
 
 
 @dataclass(slots=True)
@@ -113,7 +130,7 @@ class PagedAttentionMetadata:
             num_blocks: pool size; with ``validate`` the used block ids are checked against it.
             validate: check shapes, dtypes and ranges (off only for a trusted runner).
             decode_chunk_bytes: gathered K+V bytes per decode chunk of the fast path (None =
-                ``DEFAULT_DECODE_CHUNK_BYTES`` x ``torch.get_num_threads()``: with 2 threads,
+                :func:`decode_chunk_bytes_per_thread` x ``torch.get_num_threads()``: with 2 threads,
                 2 MiB chunks left the matmuls too small to split and ran 1.2-1.3x slower).
 
         Returns:
@@ -125,7 +142,7 @@ class PagedAttentionMetadata:
         if validate:
             _check_step_inputs(block_tables, seq_lens, query_start_loc, block_size, sliding_window)
         if decode_chunk_bytes is None:
-            decode_chunk_bytes = DEFAULT_DECODE_CHUNK_BYTES * torch.get_num_threads()
+            decode_chunk_bytes = decode_chunk_bytes_per_thread() * torch.get_num_threads()
         num_reqs = block_tables.shape[0]
         seq_lens_list = seq_lens.tolist()
         qsl = query_start_loc.tolist()

@@ -65,24 +65,32 @@ def cpu_paged_attention(
     )
     out = torch.empty_like(query)
     if plan.decode_chunks:
+        # Decode rows in the group's sorted order: scaled once per layer, attended chunk by
+        # chunk into one buffer, put back in place by one index_copy_ (few ops per chunk).
         rows = _DecodeRows(kv_cache, plan, dtype)
+        token_ids = metadata.decode_token_ids
+        q_sorted = query.index_select(0, token_ids).mul_(scale * k_scale)
+        out_sorted = torch.empty_like(q_sorted)
+        start = 0
     for chunk in plan.decode_chunks:
-        if chunk.part_blocks is not None:
-            part_out = _decode_in_parts(query, rows, chunk, num_kv_heads, scale * k_scale, v_scale)
-            out.index_copy_(0, chunk.token_ids, part_out)
-            continue
         n, kv_len = chunk.num_reqs, chunk.num_blocks * bs
+        q = q_sorted[start : start + n]
+        o = out_sorted[start : start + n]
+        start += n
+        if chunk.part_blocks is not None:
+            _decode_in_parts(q, o, rows, chunk, num_kv_heads)
+            continue
         k = rows.gather(chunk.rows, key=True).view(n * num_kv_heads, kv_len, head_size)
         v = rows.gather(chunk.rows, key=False, value_zero=chunk.value_zero)
         v = v.view(n * num_kv_heads, kv_len, head_size)
-        q = query.index_select(0, chunk.token_ids).mul_(scale * k_scale)
         scores = torch.bmm(q.view(n * num_kv_heads, group, head_size), k.transpose(1, 2))
         if chunk.key_mask is not None:
             scores.view(n, num_kv_heads, group, kv_len).masked_fill_(chunk.key_mask, float("-inf"))
-        chunk_out = torch.bmm(torch.softmax(scores, dim=-1), v).view(n, num_heads, head_size)
+        torch.bmm(torch.softmax(scores, dim=-1), v, out=o.view(n * num_kv_heads, group, head_size))
+    if plan.decode_chunks:
         if fp8:
-            chunk_out.mul_(v_scale)
-        out.index_copy_(0, chunk.token_ids, chunk_out)
+            out_sorted.mul_(v_scale)
+        out.index_copy_(0, token_ids, out_sorted)
 
     if plan.prefill_rows:
         rows_shape = (plan.max_prefill_rows, head_size)
@@ -153,25 +161,21 @@ class _DecodeRows:
 
 
 def _decode_in_parts(
-    query: torch.Tensor,
-    rows: _DecodeRows,
-    chunk: DecodeChunk,
-    num_kv_heads: int,
-    scale: float,
-    v_scale: float,
-) -> torch.Tensor:
+    q: torch.Tensor, out: torch.Tensor, rows: _DecodeRows, chunk: DecodeChunk, num_kv_heads: int
+) -> None:
     """One decode request too big for one gather: scores from K parts, softmax over the whole
     row, then the output from V parts, each part small enough to stay in cache.
 
-    Returns ``[1, num_heads, head_size]``.
+    Args:
+        q: ``[1, num_heads, head_size]``, already scaled.
+        out: ``[1, num_heads, head_size]``, written.
     """
-    _, num_heads, head_size = query.shape
+    _, num_heads, head_size = q.shape
     bs = rows.key_rows.shape[1]
     group = num_heads // num_kv_heads
-    dtype = query.dtype
     kv_len = chunk.num_blocks * bs
-    q = query.index_select(0, chunk.token_ids).mul_(scale).view(num_kv_heads, group, head_size)
-    scores = torch.empty(num_kv_heads, group, kv_len, dtype=torch.float32, device=query.device)
+    q = q.view(num_kv_heads, group, head_size)
+    scores = torch.empty(num_kv_heads, group, kv_len, dtype=torch.float32, device=q.device)
     t0 = 0
     for part_rows in chunk.part_rows:
         k = rows.gather(part_rows, key=True).view(num_kv_heads, -1, head_size)
@@ -179,11 +183,11 @@ def _decode_in_parts(
         t0 += k.shape[1]
     if chunk.key_mask is not None:
         scores.view(1, num_kv_heads, group, kv_len).masked_fill_(chunk.key_mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(dtype)
-    acc = torch.zeros(num_kv_heads, group, head_size, dtype=torch.float32, device=query.device)
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    acc = torch.zeros(num_kv_heads, group, head_size, dtype=torch.float32, device=q.device)
     t0 = 0
     for part_rows, zero in zip(chunk.part_rows, chunk.part_value_zero, strict=True):
         v = rows.gather(part_rows, key=False, value_zero=zero).view(num_kv_heads, -1, head_size)
         acc += torch.bmm(probs[:, :, t0 : t0 + v.shape[1]], v)
         t0 += v.shape[1]
-    return acc.mul_(v_scale).to(dtype).view(1, num_heads, head_size)
+    out.copy_(acc.view(1, num_heads, head_size))
