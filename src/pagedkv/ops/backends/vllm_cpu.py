@@ -67,8 +67,10 @@ VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
 #: Head sizes the kernels are compiled for (vLLM's ``get_supported_head_sizes``).
 HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-#: Block sizes measured fastest per instruction set (docs/ops.md).
-DEFAULT_BLOCK_SIZE = {"amx": 32, "vec": 32, "vec16": 16}
+#: Default block size: the fastest measured (bf16 AMX, batch 64, context 256 / 1024: 128 took
+#: 0.43x / 0.90x of contiguous attention, 64 0.50x / 1.04x, 32 0.65x / 1.25x; docs/ops.md),
+#: and vLLM's own default on CPUs.
+DEFAULT_BLOCK_SIZE = 128
 _FP8_NAMES = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 _OPS = ("cpu_attn_reshape_and_cache", "cpu_attention_with_kv_cache", "get_scheduler_metadata")
 
@@ -190,8 +192,7 @@ class VllmCpuBackend(AttentionBackend):
         return 32 if kv_cache_dtype in FP8_DTYPES else 16
 
     def default_block_size(self, head_size, dtype, kv_cache_dtype=None) -> int:
-        isa = self.isa(dtype, 32, head_size, kv_cache_dtype)
-        return DEFAULT_BLOCK_SIZE.get(isa, 32)
+        return DEFAULT_BLOCK_SIZE
 
     def unsupported_reason(self, spec: AttentionLayerSpec) -> str | None:
         if spec.head_size not in HEAD_SIZES:
