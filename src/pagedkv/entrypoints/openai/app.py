@@ -150,10 +150,19 @@ class OpenAIServing:
         engine: the engine (see :class:`EngineLoop` for what it must offer).
         model_name: the name clients use in ``model``; other names get 404.
         max_model_len: shown by /v1/models.
+        engine_loop: what drives the engine; default ``EngineLoop(engine)``. A cluster passes
+            its own (:class:`pagedkv.entrypoints.cluster.frontend.ClusterEngineLoop`).
     """
 
-    def __init__(self, engine: Any, *, model_name: str, max_model_len: int | None) -> None:
-        self.engine_loop = EngineLoop(engine)
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        model_name: str,
+        max_model_len: int | None,
+        engine_loop: Any = None,
+    ) -> None:
+        self.engine_loop = engine_loop if engine_loop is not None else EngineLoop(engine)
         self.metrics = ServerMetrics(model_name)
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -439,10 +448,18 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     return OpenAIError(400, message, param=param, code="invalid_value")
 
 
-def create_app(engine: Any, *, model_name: str, max_model_len: int | None = None) -> FastAPI:
+def create_app(
+    engine: Any,
+    *,
+    model_name: str,
+    max_model_len: int | None = None,
+    engine_loop: Any = None,
+) -> FastAPI:
     """The OpenAI-compatible app serving ``engine`` (see :class:`OpenAIServing` for the
     arguments). The engine thread starts and stops with the app (ASGI lifespan)."""
-    serving = OpenAIServing(engine, model_name=model_name, max_model_len=max_model_len)
+    serving = OpenAIServing(
+        engine, model_name=model_name, max_model_len=max_model_len, engine_loop=engine_loop
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
