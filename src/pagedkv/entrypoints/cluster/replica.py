@@ -124,7 +124,7 @@ class EngineReplica:
         )
         self._started = False
         self._stopped = False
-        self._streams: set[Any] = set()
+        self._streams: dict[str, Any] = {}  # request id -> OutputStream
 
     def _ensure_started(self) -> None:
         if not self._started:
@@ -150,7 +150,7 @@ class EngineReplica:
             {"cache_salt": request.cache_salt, "priority": request.priority},
         )
         stream = await self.loop.add_requests([engine_request])
-        self._streams.add(stream)
+        self._streams[request.request_id] = stream
         finished = False
         try:
             yield None
@@ -159,7 +159,7 @@ class EngineReplica:
                 finished = output.finished
                 yield output
         finally:
-            self._streams.discard(stream)
+            self._streams.pop(request.request_id, None)
             if not finished:
                 self.loop.abort([request.request_id])
 
@@ -190,7 +190,7 @@ class EngineReplica:
         if self._started:
             self.loop.stop()
         error = EngineDeadError(f"replica {self.rank} stopped")
-        for stream in self._streams:
+        for stream in self._streams.values():
             stream.queue.put_nowait(error)
         self._streams.clear()
         self.publisher.close()
