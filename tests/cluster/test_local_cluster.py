@@ -149,7 +149,9 @@ def test_a_dead_replica_is_forgotten_and_requests_go_elsewhere(cluster):
         await run(cluster, "a", SYSTEM + "Q: sky?")
         holder = cluster.placements["a"]
         # A request in flight on the holder when it dies fails; nothing else does.
-        slow = ClusterRequest("slow", ids(SYSTEM + "Q: slow?"), SamplingParams(max_tokens=150, ignore_eos=True))
+        slow = ClusterRequest(
+            "slow", ids(SYSTEM + "Q: slow?"), SamplingParams(max_tokens=150, ignore_eos=True)
+        )
         stream = cluster.submit(slow)
         assert await anext(stream) is None and cluster.placements["slow"] == holder
         cluster.kill(holder)
