@@ -3,6 +3,8 @@ token) that publish their KV-cache events, so routing is tested on real hashes a
 
 from __future__ import annotations
 
+from _tiny_model import tiny_loaded_model
+
 HASH_SEED = "cluster-tests"
 BLOCK_SIZE = 4
 
@@ -27,8 +29,6 @@ def tiny_engine_config(**overrides):
 
 def make_tiny_engine(**overrides):
     """A tiny LLMEngine (random weights, fixed seed: every replica has the same model)."""
-    from _tiny_model import tiny_loaded_model
-
     from pagedkv.engine.llm_engine import LLMEngine
 
     return LLMEngine(tiny_engine_config(**overrides), loaded_model=tiny_loaded_model())

@@ -157,17 +157,19 @@ def test_hot_spot_goes_last_whatever_it_caches():
 
 def test_a_tiny_shared_prefix_does_not_attract():
     """One block of 40 (the chat template's header) is below min_match_fraction: a tie."""
-    ranks = rank_replicas(["a", "b"], {"a": 1}, {}, num_prompt_blocks=40, rotation=1)
+    ranks = rank_replicas(["a", "b"], {"a": 1}, {}, num_prompt_blocks=40, last_routed={"a": 1})
     assert ranks == [["b", "a"]]
     ranks = rank_replicas(["a", "b"], {"a": 4}, {}, num_prompt_blocks=40)
     assert ranks == [["a"], ["b"]]
 
 
-def test_rotation_spreads_ties():
-    picks = [
-        rank_replicas(["a", "b", "c"], {}, {}, num_prompt_blocks=0, rotation=r)[0][0]
-        for r in range(6)
-    ]
+def test_ties_go_to_the_least_recently_routed():
+    last: dict[str, int] = {}
+    picks = []
+    for step in range(6):
+        pick = rank_replicas(["a", "b", "c"], {}, {}, num_prompt_blocks=0, last_routed=last)[0][0]
+        last[pick] = step
+        picks.append(pick)
     assert picks == ["a", "b", "c", "a", "b", "c"]
 
 

@@ -204,7 +204,7 @@ def rank_replicas(
     num_prompt_blocks: int,
     max_imbalance: int = 8,
     min_match_fraction: float = 0.1,
-    rotation: int = 0,
+    last_routed: Mapping[K, int] | None = None,
 ) -> list[list[K]]:
     """Order replicas for a request: best first, as ranks of equally good ones.
 
@@ -215,8 +215,8 @@ def rank_replicas(
     2. Longest cached prefix first: one rank per distinct number of matched blocks, descending.
        A match below ``min_match_fraction`` of the prompt's blocks counts as none (every chat
        prompt shares the template's first block; that alone must not attract traffic).
-    3. Within a rank, shorter queue first; equal queues in a rotating order (``rotation``, a
-       counter the caller advances), so unrelated requests spread over idle replicas.
+    3. Within a rank, shorter queue first; equal queues least recently routed to first
+       (``last_routed``), so unrelated requests spread over idle replicas in turn.
 
     Args:
         candidates: the replicas that may take the request (at least one).
@@ -225,7 +225,8 @@ def rank_replicas(
         num_prompt_blocks: full blocks of the prompt (for ``min_match_fraction``).
         max_imbalance: queue-length excess that makes a replica a hot spot (>= 0).
         min_match_fraction: 0..1.
-        rotation: tie-break offset.
+        last_routed: when each replica was last routed to (any increasing counter; missing
+            = never, first); ties left are in ``candidates`` order.
 
     Returns:
         Non-empty ranks covering every candidate once; ``ranks[0][0]`` is the pick.
@@ -243,7 +244,8 @@ def rank_replicas(
     queue = {k: queue_lens.get(k, 0) for k in candidates}
     shortest = min(queue.values())
     threshold = min_match_fraction * num_prompt_blocks
-    order = {k: (i - rotation) % n for i, k in enumerate(candidates)}
+    last = last_routed or {}
+    order = {k: (last.get(k, -1), i) for i, k in enumerate(candidates)}
     cool: dict[int, list[K]] = {}
     hot: list[K] = []
     for key in candidates:

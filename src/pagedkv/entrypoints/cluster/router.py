@@ -101,7 +101,9 @@ class ClusterRouter:
         self._subscriber_factory = subscriber_factory
         self._subscribers: dict[Hashable, Any] = {}
         self._stats: dict[Hashable, ReplicaRoutingStats] = {}
-        self._counter = 0
+        self._counter = 0  # rank() calls (round robin)
+        self._num_routed = 0
+        self._last_routed: dict[Hashable, int] = {}  # replica -> _num_routed when last chosen
         self._last_expiry = clock()
 
     # ---- replicas -------------------------------------------------------------------------
@@ -137,6 +139,7 @@ class ClusterRouter:
         if subscriber is not None:
             subscriber.close()
         self._stats.pop(key, None)
+        self._last_routed.pop(key, None)
         dropped = self.index.remove_replica(key)
         if subscriber is not None:
             logger.info("replica %s left the router (%d cached blocks forgotten)", key, dropped)
@@ -197,7 +200,8 @@ class ClusterRouter:
         self._counter += 1
         queue = {k: self._stats[k].num_in_flight if k in self._stats else 0 for k in candidates}
         if self.policy == "round_robin":
-            return [[candidates[self._counter % len(candidates)]]]
+            start = self._counter % len(candidates)
+            return [[k] for k in [*candidates[start:], *candidates[:start]]]
         matched: dict[Hashable, int] = {}
         num_blocks = 0
         if request is not None:
@@ -215,7 +219,7 @@ class ClusterRouter:
             num_prompt_blocks=num_blocks,
             max_imbalance=self.max_imbalance,
             min_match_fraction=self.min_match_fraction,
-            rotation=self._counter,
+            last_routed=self._last_routed,
         )
 
     def on_routed(self, key: Hashable, request: ClusterRequest | None) -> None:
@@ -224,6 +228,8 @@ class ClusterRouter:
         if stats is not None:
             stats.num_in_flight += 1
             stats.num_routed += 1
+        self._num_routed += 1
+        self._last_routed[key] = self._num_routed
         if request is not None and self.policy == "prefix" and self.routed_ttl_s > 0:
             hashes = self._hashes_of(request)
             if hashes:
