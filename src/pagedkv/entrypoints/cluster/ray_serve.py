@@ -375,7 +375,8 @@ def start_cluster(
             hash_seed shared by every replica and the router is drawn if it has none, and
             num_threads defaults to num_cpus_per_replica.
         num_replicas: engine replicas.
-        host / port: where Serve's HTTP proxy listens (port 0: a free one).
+        host / port: where Serve's HTTP proxy listens (port 0: a free one). Serve keeps the
+            address of its first start in a Ray cluster: a second deployment must pass it.
         policy: ``"prefix"`` or ``"round_robin"``.
         ray_address: an existing Ray cluster (``"auto"``, ``ray://...``); None: a local one.
         num_cpus_per_replica: CPUs Ray reserves per replica (the engine uses
