@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     output = {
         "command": " ".join(["python", "benchmarks/bench_cluster.py", *sys.argv[1:]]),
         "system_prompt_tokens": lengths,
-        "args": vars(args),
+        "args": {k: v for k, v in vars(args).items() if k != "output"},
         "results": results,
     }
     Path(args.output).write_text(json.dumps(output, indent=2) + "\n")

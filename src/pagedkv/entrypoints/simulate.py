@@ -391,12 +391,24 @@ def run_cluster(args: argparse.Namespace, workload, config) -> int:
         f"replicas of {config.num_blocks} blocks of {config.block_size} tokens, max_num_seqs "
         f"{config.max_num_seqs}, max_num_batched_tokens {config.max_num_batched_tokens}"
     )
-    rows = [["router", "hit rate", "steps", "mean latency (s)", "p90 (s)", "preempt", "max share"]]
+    rows = [
+        [
+            "router",
+            "hit rate",
+            "prefill tokens",
+            "steps",
+            "mean latency (s)",
+            "p90 (s)",
+            "preempt",
+            "max share",
+        ]
+    ]
     for router, m in results.items():
         rows.append(
             [
                 router,
                 f"{m.prefix_hit_rate:.1%}",
+                str(m.num_computed_prompt_tokens),
                 str(m.num_steps),
                 f"{m.mean_latency_s:.2f}",
                 f"{m.p90_latency_s:.2f}",

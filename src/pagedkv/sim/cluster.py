@@ -43,6 +43,8 @@ class ClusterMetrics:
         num_requests / num_rejected: requests in the trace / refused (never fit).
         prefix_hit_rate: prompt tokens served from a replica's prefix cache / prompt tokens
             looked up, over all replicas.
+        num_prompt_tokens / num_computed_prompt_tokens: prompt tokens looked up / not served
+            from a cache (the prefill work done).
         num_steps: steps until the last request finished (the makespan).
         mean_latency_s / p90_latency_s: arrival to finish, simulated seconds.
         num_preemptions: over all replicas.
@@ -55,6 +57,8 @@ class ClusterMetrics:
     num_requests: int
     num_rejected: int
     prefix_hit_rate: float
+    num_prompt_tokens: int
+    num_computed_prompt_tokens: int
     num_steps: int
     mean_latency_s: float
     p90_latency_s: float
@@ -214,6 +218,8 @@ def simulate_cluster(
         num_requests=len(requests),
         num_rejected=num_rejected,
         prefix_hit_rate=hits / queried if queried else 0.0,
+        num_prompt_tokens=queried,
+        num_computed_prompt_tokens=queried - hits,
         num_steps=step,
         mean_latency_s=(sum(ordered) / len(ordered) * config.step_time) if ordered else 0.0,
         p90_latency_s=(ordered[int(0.9 * (len(ordered) - 1))] * config.step_time)
