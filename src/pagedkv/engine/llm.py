@@ -8,6 +8,7 @@ from typing import Any
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.llm_engine import EngineStats, LLMEngine, Prompt
 from pagedkv.engine.outputs import RequestOutput
+from pagedkv.errors import InvalidRequestError
 from pagedkv.sampling_params import SamplingParams
 
 Conversation = Sequence[dict[str, Any]]
@@ -110,8 +111,6 @@ class LLM:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         else:
-            from pagedkv.errors import InvalidRequestError
-
             if not isinstance(sampling_params, list | tuple) or not all(
                 isinstance(params, SamplingParams) for params in sampling_params
             ):
@@ -146,6 +145,11 @@ class LLM:
         Raises:
             InvalidRequestError: messages the template cannot take, or both options true.
         """
+        if add_generation_prompt and continue_final_message:
+            raise InvalidRequestError(
+                "continue_final_message and add_generation_prompt cannot both be true: either a "
+                "new assistant turn opens or the last message goes on"
+            )
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         tokenizer = self.engine.tokenizer
