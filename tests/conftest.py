@@ -67,3 +67,41 @@ def hf_model(gguf_path):
         str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
     )
     return model.eval()
+
+
+#: Pieces of the byte-fallback tokenizer after its 3 special tokens and 256 byte tokens (ids 259..).
+BYTE_FALLBACK_PIECES = ["▁", "▁hello", "▁world", "a", "b", "é", "▁é", "😀", "▁😀", ",", "▁x"]
+
+
+@pytest.fixture(scope="session")
+def byte_fallback_tokenizer():
+    """A small SentencePiece-style tokenizer (Llama 2 / TinyLlama kind): ids 0..2 are <unk>, <s>,
+    </s>; 3 + b is the byte-fallback token ``<0xBB>`` of byte b; then BYTE_FALLBACK_PIECES. Its
+    decoder is the chain transformers builds for a GGUF "llama" tokenizer. No model file."""
+    from tokenizers import AddedToken, decoders, models
+    from tokenizers import Tokenizer as BackendTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from pagedkv.model.tokenizer import Tokenizer
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for byte in range(256):
+        vocab[f"<0x{byte:02X}>"] = len(vocab)
+    for piece in BYTE_FALLBACK_PIECES:
+        vocab[piece] = len(vocab)
+    backend = BackendTokenizer(
+        models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>")
+    )
+    backend.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    backend.add_special_tokens([AddedToken(t, special=True) for t in ("<unk>", "<s>", "</s>")])
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    return Tokenizer(hf)

@@ -22,10 +22,11 @@ The order in which the sampler applies them is vLLM V1's::
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from pagedkv.errors import InvalidRequestError
-from pagedkv.validation import check_int, check_number, is_int, is_number
+from pagedkv.validation import is_int, is_number
 
 #: Temperatures below this are treated as 0 (greedy): dividing logits by ~0 overflows.
 GREEDY_EPSILON = 1e-5
@@ -75,8 +76,9 @@ class SamplingParams:
 
     Raises:
         InvalidRequestError: a value out of its range or of the wrong type (``stop`` not a str or
-            list, a non-bool flag, an infinite temperature, min_tokens > max_tokens), with the
-            name and the valid range.
+            list, a non-bool flag, an infinite temperature, an int beyond int64, a stop string
+            that is not valid Unicode, min_tokens > max_tokens), with the name (also as the
+            error's ``param``) and the valid range.
     """
 
     n: int = 1
@@ -108,7 +110,8 @@ class SamplingParams:
             self.stop = list(self.stop)
         else:
             raise InvalidRequestError(
-                f"stop must be a str or a list of str, got {type(self.stop).__name__}"
+                f"stop must be a str or a list of str, got {type(self.stop).__name__}",
+                param="stop",
             )
         if self.stop_token_ids is None:
             self.stop_token_ids = []
@@ -116,49 +119,97 @@ class SamplingParams:
             self.stop_token_ids = list(self.stop_token_ids)
         else:
             raise InvalidRequestError(
-                f"stop_token_ids must be a list of ints, got {type(self.stop_token_ids).__name__}"
+                f"stop_token_ids must be a list of ints, got {type(self.stop_token_ids).__name__}",
+                param="stop_token_ids",
             )
         if self.logit_bias is not None:
             self.logit_bias = _clamped_logit_bias(self.logit_bias)
         self._validate()
 
     def _validate(self) -> None:
-        check_int("n", self.n, 1, error=InvalidRequestError)
-        check_number("temperature", self.temperature, 0, finite=True, error=InvalidRequestError)
-        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not is_int(self.top_k) or self.top_k < -1:
-            raise InvalidRequestError(f"top_k must be -1, 0 (off) or >= 1, got {self.top_k!r}")
-        check_number("min_p", self.min_p, 0, maximum=1, error=InvalidRequestError)
-        for name in ("presence_penalty", "frequency_penalty"):
-            check_number(name, getattr(self, name), -2, maximum=2, error=InvalidRequestError)
-        if not is_number(self.repetition_penalty) or not 0 < self.repetition_penalty < float("inf"):
+        # Every bound is what the code behind takes: int64 for ids and counts (torch tensors,
+        # the block hash), a positive float32 for top_p and a finite float32 for temperature (the
+        # sampler's dtype), UTF-8 text for strings (the tokenizer). Checked here so that a
+        # request the engine cannot represent is refused before it is queued, never mid-step.
+        if not is_int(self.n) or not 1 <= self.n <= INT64_MAX:
+            raise InvalidRequestError(f"n must be an int >= 1, got {self.n!r}", param="n")
+        if not is_number(self.temperature) or not 0 <= self.temperature <= FLOAT32_MAX:
             raise InvalidRequestError(
-                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}"
+                f"temperature must be a finite number >= 0, got {self.temperature!r}",
+                param="temperature",
             )
-        check_int("max_tokens", self.max_tokens, 1, optional=True, error=InvalidRequestError)
-        check_int("min_tokens", self.min_tokens, 0, error=InvalidRequestError)
+        if not is_number(self.top_p) or not FLOAT32_MIN_NORMAL <= self.top_p <= 1:
+            raise InvalidRequestError(
+                f"top_p must be in (0, 1] (at least {FLOAT32_MIN_NORMAL:.3g}, the smallest "
+                f"positive float32), got {self.top_p!r}",
+                param="top_p",
+            )
+        if not is_int(self.top_k) or not -1 <= self.top_k <= INT64_MAX:
+            raise InvalidRequestError(
+                f"top_k must be -1, 0 (off) or an int >= 1 (at most the vocabulary size), "
+                f"got {self.top_k!r}",
+                param="top_k",
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not is_number(value) or not -2 <= value <= 2:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value!r}", param=name)
+        if self.max_tokens is not None and (
+            not is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT64_MAX
+        ):
+            raise InvalidRequestError(
+                f"max_tokens must be an int >= 1 (at most max_model_len) or None, "
+                f"got {self.max_tokens!r}",
+                param="max_tokens",
+            )
+        if not is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}", param="min_p")
+        if not is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= FLOAT32_MAX:
+            raise InvalidRequestError(
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}",
+                param="repetition_penalty",
+            )
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= INT64_MAX:
+            raise InvalidRequestError(
+                f"min_tokens must be an int >= 0, got {self.min_tokens!r}", param="min_tokens"
+            )
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequestError(
-                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+                param="min_tokens",
             )
         for name in ("logprobs", "prompt_logprobs"):
-            check_int(name, getattr(self, name), 0, optional=True, error=InvalidRequestError)
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or not 0 <= value <= INT64_MAX):
+                raise InvalidRequestError(
+                    f"{name} must be an int >= 0 or None, got {value!r}", param=name
+                )
         for stop in self.stop:
             if not isinstance(stop, str) or not stop:
-                raise InvalidRequestError(f"stop strings must be non-empty str, got {stop!r}")
-        for i, token_id in enumerate(self.stop_token_ids):
-            check_int(f"stop_token_ids[{i}]", token_id, 0, error=InvalidRequestError)
+                raise InvalidRequestError(
+                    f"stop strings must be non-empty str, got {stop!r}", param="stop"
+                )
+            check_text(stop, "stop")
+        for token_id in self.stop_token_ids:
+            if not is_int(token_id) or not 0 <= token_id <= INT64_MAX:
+                raise InvalidRequestError(
+                    f"stop_token_ids must be ints in [0, 2**63), got {token_id!r}",
+                    param="stop_token_ids",
+                )
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             value = getattr(self, name)
             if not isinstance(value, bool):
-                raise InvalidRequestError(f"{name} must be a bool, got {value!r}")
-        check_int("seed", self.seed, optional=True, error=InvalidRequestError)
+                raise InvalidRequestError(f"{name} must be a bool, got {value!r}", param=name)
+        if self.seed is not None and not is_int(self.seed):
+            raise InvalidRequestError(
+                f"seed must be an int or None, got {self.seed!r}", param="seed"
+            )
         # Sample i of an n > 1 request is seeded with seed + i; torch.Generator takes 64-bit seeds.
         if self.seed is not None and not _MIN_SEED <= self.seed <= _MAX_SEED - (self.n - 1):
             raise InvalidRequestError(
                 f"seed must be in [{_MIN_SEED}, {_MAX_SEED - (self.n - 1)}] (a 64-bit seed for "
-                f"each of the n={self.n} samples), got {self.seed!r}"
+                f"each of the n={self.n} samples), got {self.seed!r}",
+                param="seed",
             )
 
     @property
@@ -192,21 +243,48 @@ class SamplingParams:
 
 _MIN_SEED = -(2**63)
 _MAX_SEED = 2**64 - 1
+#: Largest int64 (token ids, counts and top_k become int64 tensors).
+INT64_MAX = 2**63 - 1
+#: Largest finite float32 and smallest positive normal float32 (the sampler computes in float32).
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_MIN_NORMAL = 1.1754943508222875e-38
+
+
+def check_text(value: str, name: str) -> None:
+    """Raise InvalidRequestError (naming ``name``) unless ``value`` is valid Unicode text: a
+    lone surrogate (``"\\ud800"``, which JSON can carry) cannot be encoded as UTF-8, so neither
+    the tokenizer nor the block hash can take it."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(
+            f"{name} is not valid Unicode text: {e.reason} at index {e.start}", param=name
+        ) from None
+
 
 #: logit_bias values are clamped to this range (OpenAI's documented range of the field).
 LOGIT_BIAS_LIMIT = 100.0
 
 
 def _clamped_logit_bias(logit_bias: object) -> dict[int, float]:
-    """``{token id: bias}`` with ids checked (ints >= 0; the engine checks the vocabulary) and
-    biases checked (finite numbers) and clamped to [-100, 100]."""
+    """``{token id: bias}`` with ids checked (ints in int64; the engine checks the vocabulary)
+    and biases checked (finite numbers) and clamped to [-100, 100]."""
     if not isinstance(logit_bias, dict):
         raise InvalidRequestError(
-            f"logit_bias must be a dict of token id -> bias, got {type(logit_bias).__name__}"
+            f"logit_bias must be a dict of token id -> bias, got {type(logit_bias).__name__}",
+            param="logit_bias",
         )
     clamped = {}
     for token_id, bias in logit_bias.items():
-        check_int("logit_bias token id", token_id, 0, error=InvalidRequestError)
-        check_number(f"logit_bias[{token_id}]", bias, finite=True, error=InvalidRequestError)
+        if not is_int(token_id) or not 0 <= token_id <= INT64_MAX:
+            raise InvalidRequestError(
+                f"logit_bias keys must be token ids (ints >= 0), got {token_id!r}",
+                param="logit_bias",
+            )
+        if not is_number(bias) or not math.isfinite(bias):
+            raise InvalidRequestError(
+                f"logit_bias[{token_id}] must be a finite number, got {bias!r}",
+                param="logit_bias",
+            )
         clamped[token_id] = float(min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, bias)))
     return clamped

@@ -102,7 +102,7 @@ def test_fast_hash_hits_are_checked_against_token_ids():
     kv.free(first)
     assert kv.get_computed_blocks(make_request(kv, "b", range(1, 10)))[1] == 8
     # Pretend block 2's hash collided with a different block: the token check refuses the hit.
-    kv.block_pool.get_cached_block(first.block_hashes[1]).token_ids = [0, 0, 0, 0]
+    kv.block_pool.get_cached_block(first.block_hashes[1]).prefix.token_ids = [0, 0, 0, 0]
     assert kv.get_computed_blocks(make_request(kv, "c", range(1, 10)))[1] == 4
 
 

@@ -56,6 +56,9 @@ class _CharDetokenizer:
         self.text += delta
         return delta
 
+    def flush(self) -> str:
+        return ""  # one character per token: nothing is ever held back
+
 
 def tiny_loaded_model(num_layers: int = 2, seed: int = 0) -> LoadedModel:
     """A random 2-layer Llama (hidden 64, 4 query / 2 KV heads, fp32) with CharTokenizer."""

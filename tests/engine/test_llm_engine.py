@@ -11,6 +11,7 @@ from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.output_processor import _partial_stop_len
 from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.sampling_params import SamplingParams
+from pagedkv.worker.outputs import ModelRunnerOutput
 
 PROMPTS = ["hello", "a much longer prompt about paged attention " * 3, "abc", "x" * 70]
 
@@ -283,8 +284,118 @@ def test_llm_generate_after_a_failing_step_still_works(tiny, monkeypatch):
         {"temperature": float("inf")},
         {"ignore_eos": "no"},
         {"skip_special_tokens": 1},
+        # Beyond what torch and the block hash take (issue 12): a 400 before queueing.
+        {"top_k": 2**63},
+        {"n": 2**63},
+        {"max_tokens": 2**63},
+        {"stop_token_ids": [2**63]},
+        {"stop_token_ids": [-1]},
+        {"top_p": 1e-45},
+        {"temperature": 1e39},
+        {"temperature": float("nan")},
+        {"stop": ["\ud800"]},
     ],
 )
 def test_sampling_params_validation(kwargs):
-    with pytest.raises(InvalidRequestError):
+    with pytest.raises(InvalidRequestError) as info:
         SamplingParams(**kwargs)
+    assert info.value.param == next(iter(kwargs))
+
+
+def test_values_at_the_bounds_are_accepted():
+    SamplingParams(top_k=2**63 - 1, max_tokens=2**63 - 1, stop_token_ids=[2**63 - 1])
+    SamplingParams(top_p=1.2e-38, temperature=3e38, seed=2**64 - 2, n=2, stop=["é😀"])
+
+
+def test_engine_refuses_what_the_model_cannot_take(tiny):
+    engine = make_engine(tiny)
+    vocab = engine.model_config.vocab_size
+    cases = [
+        ("prompt", "\ud800 lone surrogate", SamplingParams()),
+        ("messages", [{"role": "user", "content": "\udfff"}], SamplingParams()),
+        ("top_k", "hi", SamplingParams(top_k=vocab + 1)),
+        ("prompt", [vocab], SamplingParams()),
+        ("max_tokens", "hi", SamplingParams(max_tokens=10**6)),
+    ]
+    for param, prompt, params in cases:
+        with pytest.raises(InvalidRequestError) as info:
+            engine.add_request("r", prompt, params)
+        assert info.value.param == param
+    with pytest.raises(InvalidRequestError, match="cache_salt") as info:
+        engine.add_request("r", "hi", SamplingParams(), cache_salt="\ud800")
+    with pytest.raises(InvalidRequestError, match="priority"):
+        engine.add_request("r", "hi", SamplingParams(), priority=2**63)
+    assert not engine.has_unfinished_requests()
+    engine.add_request("r", "hi", SamplingParams(top_k=vocab, max_tokens=2))
+    assert run(engine)["r"][-1].finished
+
+
+def test_failed_step_outputs_say_why_and_check_health_probes_the_model(tiny, monkeypatch):
+    engine = make_engine(tiny)
+    engine.check_health()  # a healthy model: the probe runs and gives its block back
+    assert engine.kv_cache_manager.usage == 0.0
+    engine.add_request("a", PROMPTS[0], greedy(5))
+    with monkeypatch.context() as patch:
+        patch.setattr(engine.runner, "execute_model", lambda _: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            engine.step()
+        with pytest.raises(ZeroDivisionError):
+            engine.check_health()
+    final = run(engine)["a"][-1].outputs[0]
+    assert final.finish_reason == "error" and final.error.startswith("ZeroDivisionError")
+    assert engine.kv_cache_manager.usage == 0.0
+
+
+# ---- text equals tokens at finish, for any reason ---------------------------------------------
+
+
+def _byte(value: int) -> int:
+    return 3 + value  # the byte-fallback tokenizer's <0xBB> token (tests/conftest.py)
+
+
+def _scripted(engine: LLMEngine, patch, tokens: list[int], fail_at: int | None = None) -> None:
+    """The runner returns ``tokens`` one per step (every sampling request gets the same one);
+    with ``fail_at``, that step raises instead."""
+    script = iter(range(len(tokens)))
+
+    def execute_model(scheduler_output):
+        i = next(script)
+        if i == fail_at:
+            raise RuntimeError("scripted failure")
+        out = scheduler_output
+        sampling = [r for r, s in zip(out.requests, out.sample, strict=True) if s]
+        return ModelRunnerOutput(
+            req_ids=[r.request_id for r in sampling],
+            sampled_token_ids=[tokens[i]] * len(sampling),
+        )
+
+    patch.setattr(engine.runner, "execute_model", execute_model)
+
+
+@pytest.mark.parametrize("finish", ["length", "stop", "abort", "error"])
+def test_held_back_bytes_are_flushed_at_finish(tiny, byte_fallback_tokenizer, monkeypatch, finish):
+    engine = make_engine(tiny)
+    engine.tokenizer = engine.output_processor.tokenizer = byte_fallback_tokenizer
+    # "▁hello", then the first two bytes of a 4-byte emoji (held back), then a stop token.
+    tokens = [260, _byte(0xF0), _byte(0x9F), 2]
+    max_tokens = 3 if finish == "length" else 10
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, stop_token_ids=[2])
+    outputs = []
+    with monkeypatch.context() as patch:
+        _scripted(engine, patch, tokens, fail_at=3 if finish == "error" else None)
+        engine.add_request("r", [5, 6, 7], params)
+        for _ in range(3):
+            outputs += engine.step()
+        held = "".join(o.outputs[0].new_text for o in outputs)
+        assert held == ("hello\ufffd\ufffd" if finish == "length" else "hello")
+        if finish == "abort":
+            engine.abort_request("r")
+        if finish == "error":
+            with pytest.raises(RuntimeError, match="scripted"):
+                engine.step()
+        outputs += run(engine).get("r", [])
+    final = outputs[-1].outputs[0]
+    assert final.finish_reason == finish
+    assert "".join(o.outputs[0].new_text for o in outputs) == final.text
+    assert final.text == byte_fallback_tokenizer.decode(final.token_ids) == "hello\ufffd\ufffd"
+    assert engine.kv_cache_manager.usage == 0.0

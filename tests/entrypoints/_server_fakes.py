@@ -11,6 +11,11 @@ Tests never depend on the machine's speed: instead of sleeping, a test that need
 still run at some point (a client leaving mid-stream, a reset while blocks are in use) holds
 requests with :meth:`FakeEngine.hold` and lets them go with :meth:`FakeEngine.release` once it
 has seen what it waits for.
+
+Faults, as LLMEngine has them: a prompt containing FAIL_MARKER makes the step that runs it raise
+after finishing that request with finish_reason "error" (a request's fault: the server must go on);
+``fail_after_steps`` breaks the fake for good (every step and ``check_health`` raise: an engine
+fault); ``fail_with`` makes the next step raise that exception (e.g. MemoryError).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from pagedkv.errors import InvalidRequestError
 from pagedkv.sampling_params import SamplingParams
 
 SENTENCE = "the quick brown fox jumps over the lazy dog. "
+#: A prompt containing this fails the engine step that runs it (and only that request).
+FAIL_MARKER = "<fail-step>"
 
 
 class FakeTokenizer:
@@ -54,6 +61,7 @@ class _FakeSample:
     num_tokens: int = 0
     num_emitted_chars: int = 0
     finish_reason: str | None = None
+    error: str | None = None
 
 
 @dataclass(slots=True)
@@ -63,6 +71,7 @@ class _FakeRequest:
     params: SamplingParams
     max_tokens: int
     samples: list[_FakeSample] = field(default_factory=list)
+    poisoned: bool = False
 
     @property
     def num_blocks_tokens(self) -> int:
@@ -99,7 +108,10 @@ class FakeEngine:
         self.num_used_blocks = 0
         self.num_prefix_queries = 0
         self.num_aborted = 0
-        self.fail_after_steps: int | None = None  # make step() raise (engine failure tests)
+        self.fail_after_steps: int | None = None  # break the fake for good (engine fault)
+        self.broken = False
+        self.fail_with: BaseException | None = None  # the next step raises it
+        self.num_failed_steps = 0
         self.added: list[tuple[str, object, SamplingParams, str | None]] = []
         # The gate (set by the test thread, read by the engine thread).
         self._hold_after: int | None = None
@@ -153,6 +165,7 @@ class FakeEngine:
                 f"max_model_len={self.max_model_len}"
             )
         request = _FakeRequest(request_id, ids, params, max_tokens)
+        request.poisoned = FAIL_MARKER in self.tokenizer.decode(ids)
         for i in range(params.n):
             if params.temperature == 0:
                 offset = sum(ids)
@@ -185,6 +198,7 @@ class FakeEngine:
                 num_running=len(self.running),
                 num_waiting=len(self.waiting),
                 kv_cache_usage=self.num_used_blocks / self.num_blocks,
+                num_used_blocks=self.num_used_blocks,
                 prefix_cache_queries=self.num_prefix_queries,
             )
         )
@@ -192,13 +206,19 @@ class FakeEngine:
     def reset_prefix_cache(self) -> bool:
         return self.num_used_blocks == 0
 
+    def check_health(self) -> None:
+        if self.broken:
+            raise RuntimeError("the fake model is broken")
+
     def step(self) -> list[RequestOutput]:
+        if self.fail_with is not None:
+            exc, self.fail_with = self.fail_with, None
+            raise exc
         if self.fail_after_steps is not None:
             if self.fail_after_steps == 0:
+                self.broken = True
                 raise RuntimeError("the fake engine broke")
             self.fail_after_steps -= 1
-        outputs = [self._output(req) for req in self.aborted]
-        self.aborted.clear()
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             need = self._num_blocks(req)
@@ -208,6 +228,19 @@ class FakeEngine:
             self.running.append(req)
             self.num_used_blocks += need
             self.num_prefix_queries += len(req.prompt_token_ids)
+        poisoned = [req for req in self.running if req.poisoned]
+        if poisoned:  # as LLMEngine: finish the failing requests, report them next step, raise
+            for req in poisoned:
+                self.running.remove(req)
+                self.num_used_blocks -= self._num_blocks(req)
+                for sample in req.samples:
+                    sample.finish_reason = "error"
+                    sample.error = f"RuntimeError: fake step failure in {req.request_id}"
+                self.aborted.append(req)
+            self.num_failed_steps += 1
+            raise RuntimeError("fake step failure")
+        outputs = [self._output(req) for req in self.aborted]  # reported once, next step
+        self.aborted.clear()
         for req in list(self.running):
             if self._is_held(req):
                 continue
@@ -259,6 +292,7 @@ class FakeEngine:
                     new_text=sample.text[sample.num_emitted_chars : visible],
                     new_token_ids=new_token_ids[index] if new_token_ids else [],
                     finish_reason=sample.finish_reason,
+                    error=sample.error,
                 )
             )
             sample.num_emitted_chars = visible

@@ -274,3 +274,68 @@ def test_32_concurrent_streams_some_disconnecting(server, engine, client):
     assert 'finished_reason="abort"' in metrics
     result = client.completions.create(model=MODEL, prompt="Still here?", max_tokens=2)
     assert result.usage.completion_tokens == 2
+
+
+# ---- one bad request never stops the server (issue 12) -----------------------------------------
+
+
+def test_unrepresentable_values_are_400s_and_the_server_keeps_serving(server, engine, client):
+    vocab = engine.model_config.vocab_size
+    cases = [
+        # The issue's input: it answered 500 ("Overflow when unpacking long long"), then 503.
+        (
+            {"prompt": "Hi", "max_tokens": 2, "temperature": 1, "top_k": 9223372036854775808},
+            "top_k",
+        ),
+        ({"prompt": "Hi", "max_tokens": 2, "temperature": 1, "top_k": vocab + 1}, "top_k"),
+        ({"prompt": [vocab], "max_tokens": 2}, "prompt"),
+        ({"prompt": "Hi", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+        ({"prompt": "Hi", "top_p": 1e-45, "max_tokens": 2}, "top_p"),
+        ('{"prompt": "a surrogate \\ud800", "max_tokens": 2}', "prompt"),
+        ('{"prompt": "Hi", "cache_salt": "\\udfff", "max_tokens": 2}', "cache_salt"),
+    ]
+    for body, param in cases:
+        if isinstance(body, str):
+            response = httpx.post(
+                server.url + "/v1/completions",
+                content=body.encode(),
+                headers={"content-type": "application/json"},
+            )
+        else:
+            response = httpx.post(server.url + "/v1/completions", json=body)
+        assert response.status_code == 400, (body, response.text)
+        assert response.json()["error"]["param"] == param
+        assert httpx.get(server.url + "/health").status_code == 200
+    result = client.completions.create(
+        model=MODEL, prompt="Hi", max_tokens=2, temperature=1, extra_body={"top_k": vocab}
+    )
+    assert result.usage.completion_tokens == 2
+    wait_until_idle(server, engine)
+
+
+def test_a_step_failing_for_one_request_fails_only_that_step(server, engine, client):
+    """A fault injected into the model runner for one request (seed 4242): that request gets a
+    500 with the engine's message; the probe finds the model healthy, the engine goes on."""
+    runner = engine.runner
+    execute_model = runner.execute_model
+
+    def faulty(scheduler_output):
+        if any(r.sampling_params.seed == 4242 for r in scheduler_output.requests):
+            raise RuntimeError("Overflow when unpacking long long (injected)")
+        return execute_model(scheduler_output)
+
+    runner.execute_model = faulty
+    try:
+        response = httpx.post(
+            server.url + "/v1/chat/completions",
+            json={"messages": CHATS[0], "max_tokens": 4, "seed": 4242, "n": 2},
+            timeout=60,
+        )
+        assert response.status_code == 500
+        assert "injected" in response.json()["error"]["message"]
+        assert httpx.get(server.url + "/health").status_code == 200
+        result = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=3)
+        assert result.usage.completion_tokens == 3
+    finally:
+        runner.execute_model = execute_model
+    wait_until_idle(server, engine)

@@ -12,7 +12,8 @@ from pagedkv.entrypoints.cli import main
 def test_json_on_the_sixteen_lengths(capsys):
     assert main(["simulate", "--workload", "sixteen-lengths", "--json", "--quiet"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["config"]["num_blocks"] == 128 and report["config"]["max_model_len"] == 512
+    # 128 usable blocks for every policy, plus the null block.
+    assert report["config"]["num_blocks"] == 129 and report["config"]["max_model_len"] == 512
     peaks = {p: m["peak_concurrency"] for p, m in report["policies"].items()}
     assert peaks == {"contiguous": 4, "paged": 13, "paged+prefix": 13}
 

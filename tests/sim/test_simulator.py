@@ -86,13 +86,20 @@ def test_paged_metrics_by_hand():
 
 
 def test_contiguous_metrics_by_hand():
-    # 20 blocks x 4 = 80 tokens -> 2 regions of 32; each running request reserves 32.
+    # 19 usable blocks (block 0 is left out, as the paged pools' null block) x 4 = 76 tokens
+    # -> 2 regions of 32 (12 tokens too few for a third); each running request reserves 32.
     result = simulate(_two_requests(), _tiny_config(), "contiguous")
     t, m = result.timeline, result.metrics
     assert t.num_reserved_tokens.tolist() == [64, 32, 32]
     assert t.num_real_tokens.tolist() == [16, 7, 8]
     assert m.kv_utilization == pytest.approx(31 / 128)
-    assert m.peak_kv_usage == pytest.approx(1.0)
+    assert m.peak_kv_usage == pytest.approx(64 / 76)  # the same usable pool as paged
+    # Regions start after block 0; the unwritten part of each region is marked in the map.
+    block_map = result.block_map
+    assert (block_map.owners[0] < 0).all()
+    a_blocks = block_map.owners[:, 0] == 0  # request A (index 0) at step 0
+    assert np.flatnonzero(a_blocks).tolist() == list(range(1, 9))
+    assert block_map.unused[:, 0][a_blocks].tolist() == [False, False] + [True] * 6
 
 
 def test_shared_prefix_counts_shared_blocks_once():
@@ -201,7 +208,7 @@ def test_prefix_caching_helps_the_shared_prefix_workload():
     contiguous = results["contiguous"].metrics
     assert cached.prefix_hit_rate > 0.5
     assert cached.num_steps < paged.num_steps < contiguous.num_steps
-    assert contiguous.peak_concurrency == 256 * 16 // 1024
+    assert contiguous.peak_concurrency == (256 - 1) * 16 // 1024  # the null block left out
     assert contiguous.waste_pct > paged.waste_pct
 
 

@@ -3,7 +3,7 @@
 KVCacheManager -> KVCacheCoordinator -> per-attention-type managers -> BlockPool
 """
 
-from pagedkv.core.block import FreeBlockQueue, KVCacheBlock
+from pagedkv.core.block import FreeBlockQueue, KVCacheBlock, PrefixNode
 from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
@@ -15,7 +15,13 @@ from pagedkv.core.single_type import (
     SingleTypeKVCacheManager,
     SlidingWindowManager,
 )
-from pagedkv.core.spec import AttentionSpec, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from pagedkv.core.spec import (
+    AttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
 
 __all__ = [
     "AllBlocksCleared",
@@ -35,6 +41,8 @@ __all__ = [
     "KVCacheManager",
     "KVCacheRequest",
     "KVCacheSpec",
+    "MLAAttentionSpec",
+    "PrefixNode",
     "SingleTypeKVCacheManager",
     "SlidingWindowManager",
     "SlidingWindowSpec",

@@ -17,6 +17,38 @@ from pagedkv.core.hashing import BlockHash
 from pagedkv.errors import CacheStateError
 
 
+class PrefixNode:
+    """What the KV of one cached block was computed from: its token ids, its extra keys and the
+    node of the block before it in the sequence that computed it (``None`` for block 0).
+
+    The nodes of a sequence form a chain back to block 0, shared by every block computed after
+    the same prefix, so a hit can be checked without trusting the block hash: block ``i`` of a
+    request matches a cached block when the node's tokens and extra keys equal the request's
+    block ``i`` and its parent is the node already matched for block ``i - 1`` (or, for a hit that
+    starts after null blocks, when the parent chain matches the request's blocks ``i - 1 .. 0``).
+    Kept only with a non-cryptographic hash. Nodes are never reused, so identity (``is``) is
+    meaningful: a reallocated block gets a new node.
+
+    Attributes:
+        parent: the node of block ``i - 1``, or ``None`` for block 0.
+        token_ids: the block's ``block_size`` token ids.
+        extra_keys: the block's encoded extra keys (LoRA id, multimodal hashes, cache_salt), as
+            ``BlockHasher.extra_keys`` gives them; ``b""`` if none.
+    """
+
+    __slots__ = ("extra_keys", "parent", "token_ids")
+
+    def __init__(
+        self, parent: PrefixNode | None, token_ids: Sequence[int], extra_keys: bytes = b""
+    ) -> None:
+        self.parent = parent
+        self.token_ids = token_ids
+        self.extra_keys = extra_keys
+
+    def __repr__(self) -> str:
+        return f"PrefixNode(token_ids={list(self.token_ids)!r}, extra_keys={self.extra_keys!r})"
+
+
 @dataclass(slots=True, eq=False)
 class KVCacheBlock:
     """Metadata of one physical KV-cache block (its data lives in the ops' cache tensor).
@@ -27,8 +59,9 @@ class KVCacheBlock:
         block_hash: set while the block is in the prefix cache (full, registered and not yet
             evicted), else ``None``.
         cache_group_id: KV cache group whose prefix-cache map holds the block (-1: none).
-        token_ids: the block's token ids, kept only with a non-cryptographic hash so that a hit
-            can be checked.
+        prefix: what the block's KV was computed from (tokens, extra keys, parent block's node),
+            kept only with a non-cryptographic hash so that every hit can be checked (see
+            :class:`PrefixNode`).
         prev_free_block / next_free_block: free block queue links (``None`` outside it).
         is_null: the null block (block 0) that stands in for skipped blocks.
     """
@@ -37,7 +70,7 @@ class KVCacheBlock:
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
     cache_group_id: int = -1
-    token_ids: list[int] | None = None
+    prefix: PrefixNode | None = None
     prev_free_block: KVCacheBlock | None = None
     next_free_block: KVCacheBlock | None = None
     is_null: bool = False

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from pagedkv.core.block import FreeBlockQueue, KVCacheBlock
+from pagedkv.core.block import FreeBlockQueue, KVCacheBlock, PrefixNode
 from pagedkv.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from pagedkv.core.hashing import BlockHash
 from pagedkv.errors import CacheStateError
@@ -34,8 +34,9 @@ class BlockPool:
         num_kv_cache_groups: groups sharing the pool; each has its own prefix-cache map, so the
             same block hash in two groups names two different blocks.
         enable_kv_cache_events: record :mod:`pagedkv.core.events` (drain with ``take_events``).
-        keep_token_ids: store each cached block's token ids so that hits can be checked (used
-            with a non-cryptographic block hash).
+        keep_token_ids: store what each cached block was computed from (a :class:`PrefixNode`:
+            tokens, extra keys, parent) so that hits can be checked without trusting the hash
+            (used with a non-cryptographic block hash).
 
     Raises:
         ConfigError: ``num_blocks`` < 2 (no usable block) or ``num_kv_cache_groups`` < 1.
@@ -102,7 +103,7 @@ class BlockPool:
             self.kv_event_queue.append(BlockRemoved((block.block_hash,), block.cache_group_id))
         block.block_hash = None
         block.cache_group_id = -1
-        block.token_ids = None
+        block.prefix = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take hold of cache-hit blocks: ref_cnt += 1, out of the free queue if it was 0.
@@ -135,22 +136,53 @@ class BlockPool:
         num_full_blocks: int,
         block_size: int,
         kv_cache_group_id: int = 0,
-    ) -> None:
+        parent_prefix: PrefixNode | None = None,
+    ) -> PrefixNode | None:
         """Register ``blocks[num_cached_blocks:num_full_blocks]`` (now full) in the prefix cache
         under ``request.block_hashes``.
 
         NOTE: if another block already holds the same hash (two requests computed the same
         prefix at once), the new block stays uncached: the map keeps one block per hash, and
         hits go to the first one.
+
+        Args:
+            parent_prefix: with ``keep_token_ids``, the :class:`PrefixNode` of the request's
+                block ``num_cached_blocks - 1`` (``None`` when it is 0); the single-type
+                managers keep it per request. When ``None`` for a later block, the node of
+                ``blocks[num_cached_blocks - 1]`` is used; if that block has none either, the
+                blocks stay uncached (a hit on them could not be checked).
+
+        Returns:
+            With ``keep_token_ids``, the node of block ``num_full_blocks - 1`` (the parent for
+            the next call); else ``None``.
         """
         cached = self.cached_block_hash_to_block[kv_cache_group_id]
         block_hashes = request.block_hashes
         keep_token_ids = self.keep_token_ids
+        if keep_token_ids:
+            node = parent_prefix
+            if node is None and num_cached_blocks > 0:
+                node = blocks[num_cached_blocks - 1].prefix
+                if node is None:
+                    return None
+            hasher = request.block_hasher
+            has_extra = hasher is not None and (
+                request.lora_id is not None
+                or bool(request.mm_features)
+                or request.cache_salt is not None
+            )
+            tokens = request.all_token_ids
         events = self.enable_kv_cache_events
         stored_from = -1
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             block_hash = block_hashes[i]
+            if keep_token_ids:
+                if block.prefix is not None and not block.is_null:
+                    node = block.prefix  # a hit: this request's KV is the cached block's
+                else:
+                    extra = hasher.extra_keys(request, i) if has_extra else b""
+                    node = PrefixNode(node, tokens[i * block_size : (i + 1) * block_size], extra)
             if block.is_null or block.block_hash is not None or block_hash in cached:
                 if events and stored_from >= 0:
                     self._record_stored(request, stored_from, i, block_size, kv_cache_group_id)
@@ -160,13 +192,14 @@ class BlockPool:
             block.cache_group_id = kv_cache_group_id
             cached[block_hash] = block
             if keep_token_ids:
-                block.token_ids = request.all_token_ids[i * block_size : (i + 1) * block_size]
+                block.prefix = node
             if events and stored_from < 0:
                 stored_from = i
         if events and stored_from >= 0:
             self._record_stored(
                 request, stored_from, num_full_blocks, block_size, kv_cache_group_id
             )
+        return node if keep_token_ids else None
 
     def _record_stored(
         self, request: KVCacheRequest, start: int, end: int, block_size: int, group_id: int
@@ -194,7 +227,7 @@ class BlockPool:
             for block in cached.values():
                 block.block_hash = None
                 block.cache_group_id = -1
-                block.token_ids = None
+                block.prefix = None
             cached.clear()
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(AllBlocksCleared())
@@ -226,6 +259,8 @@ class BlockPool:
                     raise CacheStateError(f"map entry for block {block.block_id} disagrees")
                 if block.is_null:
                     raise CacheStateError("the null block is cached")
+                if self.keep_token_ids and block.prefix is None:
+                    raise CacheStateError(f"cached block {block.block_id} has no prefix node")
         num_hashed = sum(1 for block in self.blocks if block.block_hash is not None)
         if num_hashed != sum(len(cached) for cached in self.cached_block_hash_to_block):
             raise CacheStateError("a block carries a hash that is not in the cache map")

@@ -65,8 +65,9 @@ class KVCacheManager:
             full-attention group of ``block_size``.
         block_size: tokens per block (default 16, or the specs' block size).
         enable_caching: prefix caching on/off.
-        hash_algo: ``"sha256"`` (default) or ``"xxh3_128"`` (fast, non-cryptographic; hits are
-            then checked against the cached block's token ids).
+        hash_algo: ``"sha256"`` (default) or ``"xxh3_128"`` (fast, non-cryptographic; every hit is
+            then checked against what the cached block was computed from: tokens, extra keys
+            and parent chain, see :class:`pagedkv.core.block.PrefixNode`).
         hash_seed: seeds the root hash so that block hashes agree across processes; ``None``:
             a random root.
         enable_kv_cache_events: record BlockStored / BlockRemoved / AllBlocksCleared events.

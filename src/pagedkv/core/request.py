@@ -38,7 +38,8 @@ class KVCacheRequest:
 
     Raises:
         InvalidRequestError: an empty prompt or a str prompt; a lora_id that is not an
-            int64; a cache_salt that is not a str; a negative num_computed_tokens.
+            int64; a cache_salt (or multimodal hash) that is not a str of valid Unicode text
+            (a lone surrogate cannot be encoded as UTF-8); a negative num_computed_tokens.
     """
 
     request_id: str
@@ -69,11 +70,20 @@ class KVCacheRequest:
             why="int64",
             error=InvalidRequestError,
         )
-        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+        if self.cache_salt is not None and not _is_utf8_text(self.cache_salt):
             raise InvalidRequestError(
-                f"request {self.request_id!r}: cache_salt must be a str or None, "
-                f"got {self.cache_salt!r}"
+                f"request {self.request_id!r}: cache_salt must be a str of valid Unicode text "
+                f"(the block hash encodes it as UTF-8) or None, got {self.cache_salt!r}",
+                param="cache_salt",
             )
+        for feature in self.mm_features:
+            if not (isinstance(feature, tuple | list) and len(feature) == 3) or not _is_utf8_text(
+                feature[0]
+            ):
+                raise InvalidRequestError(
+                    f"request {self.request_id!r}: mm_features must hold (mm_hash, offset, "
+                    f"length) with mm_hash a str of valid Unicode text, got {feature!r}"
+                )
         check_int(
             where + "num_computed_tokens", self.num_computed_tokens, 0, error=InvalidRequestError
         )
@@ -124,3 +134,14 @@ class KVCacheRequest:
                     f"request {self.request_id!r}: cannot hash the new token ids: {e}"
                 ) from None
             self.block_hashes.extend(new_hashes)
+
+
+def _is_utf8_text(value: object) -> bool:
+    """A str that UTF-8 can encode (no lone surrogates)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

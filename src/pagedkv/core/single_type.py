@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from pagedkv.core.block import KVCacheBlock
+from pagedkv.core.block import KVCacheBlock, PrefixNode
 from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, cdiv
 from pagedkv.errors import CacheStateError, ConfigError
@@ -47,7 +47,10 @@ class SingleTypeKVCacheManager:
         self.num_cached_block: dict[str, int] = {}
         self._cached = block_pool.cached_block_hash_to_block[kv_cache_group_id]
         self._null_block = block_pool.null_block
+        # With a non-cryptographic hash every hit is checked against PrefixNodes; the node of
+        # each request's last cached block is the parent of its next one.
         self._verify = block_pool.keep_token_ids
+        self._prefix_tail: dict[str, PrefixNode] = {}
 
     def get_num_blocks_to_allocate(
         self,
@@ -92,6 +95,8 @@ class SingleTypeKVCacheManager:
             )
         self.req_to_blocks[request_id] = list(new_computed_blocks)
         self.num_cached_block[request_id] = len(new_computed_blocks)
+        if self._verify and new_computed_blocks:
+            self._prefix_tail[request_id] = new_computed_blocks[-1].prefix
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
         """Grow the block table to cover ``num_tokens`` tokens; return the new blocks."""
@@ -116,14 +121,17 @@ class SingleTypeKVCacheManager:
             num_full = num_hashes
         if num_full <= num_cached:
             return
-        self.block_pool.cache_full_blocks(
+        tail = self.block_pool.cache_full_blocks(
             request,
             self.req_to_blocks[request_id],
             num_cached,
             num_full,
             self.block_size,
             self.kv_cache_group_id,
+            self._prefix_tail.get(request_id),
         )
+        if tail is not None:
+            self._prefix_tail[request_id] = tail
         self.num_cached_block[request_id] = num_full
 
     def free(self, request_id: str) -> None:
@@ -133,6 +141,7 @@ class SingleTypeKVCacheManager:
         if blocks is None:
             return
         self.num_cached_block.pop(request_id, None)
+        self._prefix_tail.pop(request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
@@ -143,7 +152,13 @@ class SingleTypeKVCacheManager:
         self, request: KVCacheRequest, max_length: int
     ) -> list[KVCacheBlock]:
         """Longest run of cached blocks from the start of the request, at most
-        ``max_length // block_size`` blocks."""
+        ``max_length // block_size`` blocks.
+
+        With a non-cryptographic hash each hit is checked walking from block 0: block ``i``'s
+        :class:`PrefixNode` must hold the request's tokens and extra keys of block ``i`` and
+        have the node matched for block ``i - 1`` as its parent (``None`` for block 0), so the
+        hit's KV was computed after exactly the request's prefix, whatever the hash says.
+        """
         block_size = self.block_size
         hashes = request.block_hashes
         num_blocks = min(max_length // block_size, len(hashes))
@@ -151,14 +166,23 @@ class SingleTypeKVCacheManager:
         hit: list[KVCacheBlock] = []
         if self._verify:
             tokens = request.all_token_ids
+            extra_keys = _extra_keys_of(request)
+            parent = None
             for i in range(num_blocks):
                 block = get(hashes[i])
+                if block is None:
+                    break
+                node = block.prefix
+                start = i * block_size
                 if (
-                    block is None
-                    or block.token_ids != tokens[i * block_size : (i + 1) * block_size]
+                    node is None
+                    or node.parent is not parent
+                    or node.token_ids != tokens[start : start + block_size]
+                    or node.extra_keys != (b"" if extra_keys is None else extra_keys(request, i))
                 ):
                     break
                 hit.append(block)
+                parent = node
             return hit
         append = hit.append
         for i in range(num_blocks):
@@ -167,14 +191,6 @@ class SingleTypeKVCacheManager:
                 break
             append(block)
         return hit
-
-    def _lookup(self, request: KVCacheRequest, index: int) -> KVCacheBlock | None:
-        block = self._cached.get(request.block_hashes[index])
-        if block is not None and self._verify:
-            start = index * self.block_size
-            if block.token_ids != request.all_token_ids[start : start + self.block_size]:
-                return None
-        return block
 
 
 class FullAttentionManager(SingleTypeKVCacheManager):
@@ -221,9 +237,17 @@ class FullAttentionManager(SingleTypeKVCacheManager):
                 num_full = num_hashes
             num_cached = self.num_cached_block.get(request_id, 0)
             if num_full > num_cached:
-                pool.cache_full_blocks(
-                    request, blocks, num_cached, num_full, block_size, self.kv_cache_group_id
+                tail = pool.cache_full_blocks(
+                    request,
+                    blocks,
+                    num_cached,
+                    num_full,
+                    block_size,
+                    self.kv_cache_group_id,
+                    self._prefix_tail.get(request_id) if self._verify else None,
                 )
+                if tail is not None:
+                    self._prefix_tail[request_id] = tail
                 self.num_cached_block[request_id] = num_full
         return new_blocks
 
@@ -297,23 +321,82 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     ) -> list[KVCacheBlock]:
         """Longest hit (at most ``max_length // block_size`` blocks) whose last
         ``num_contiguous_blocks`` blocks are cached; the blocks before them are null blocks
-        (their tokens are outside the window of every token still to compute)."""
-        num_blocks = min(max_length // self.block_size, len(request.block_hashes))
+        (their tokens are outside the window of every token still to compute).
+
+        With a non-cryptographic hash the scan (from the end) checks each candidate block's
+        :class:`PrefixNode` against the request's block, each block of a run against the next
+        one's parent, and the run's first block's parent chain against the request's blocks
+        before it down to block 0: the KV of a sliding-window layer still depends on the whole
+        prefix (through the layers below), so a block that holds the request's tokens after
+        another prefix is a miss.
+        """
+        block_size = self.block_size
+        hashes = request.block_hashes
+        num_blocks = min(max_length // block_size, len(hashes))
         hit = [self._null_block] * num_blocks
+        need = self.num_contiguous_blocks
+        get = self._cached.get
+        match = _matcher(request, block_size) if self._verify else None
         num_contiguous = 0
         for i in range(num_blocks - 1, -1, -1):
-            block = self._lookup(request, i)
+            block = get(hashes[i])
+            if block is not None and match is not None:
+                node = block.prefix
+                if node is None or not match(node, i):
+                    block = None
+                elif num_contiguous and hit[i + 1].prefix.parent is not node:
+                    num_contiguous = 0  # block i + 1 was computed after another block i
             if block is None:
                 num_contiguous = 0
                 continue
             hit[i] = block
             num_contiguous += 1
-            if num_contiguous >= self.num_contiguous_blocks:
+            if num_contiguous >= need:
+                if match is not None and not _chain_matches(match, block.prefix.parent, i - 1):
+                    num_contiguous = 0  # no run through block i can be valid
+                    continue
                 del hit[i + num_contiguous :]
                 return hit
         # No long enough run: only a run that starts at block 0 is a valid (short) hit.
+        if match is not None and num_contiguous and hit[0].prefix.parent is not None:
+            num_contiguous = 0
         del hit[num_contiguous:]
         return hit
+
+
+def _extra_keys_of(request: KVCacheRequest):
+    """``BlockHasher.extra_keys`` of the request's hasher if the request has extra keys (LoRA,
+    multimodal, cache_salt), else ``None`` (every block's extra keys are ``b""``)."""
+    hasher = request.block_hasher
+    if hasher is not None and (
+        request.lora_id is not None or request.mm_features or request.cache_salt is not None
+    ):
+        return hasher.extra_keys
+    return None
+
+
+def _matcher(request: KVCacheRequest, block_size: int):
+    """``match(node, i)``: does ``node`` hold block ``i`` of ``request`` (tokens, extra keys)?"""
+    tokens = request.all_token_ids
+    extra_keys = _extra_keys_of(request)
+
+    def match(node: PrefixNode, i: int) -> bool:
+        start = i * block_size
+        if node.token_ids != tokens[start : start + block_size]:
+            return False
+        return node.extra_keys == (b"" if extra_keys is None else extra_keys(request, i))
+
+    return match
+
+
+def _chain_matches(match, node: PrefixNode | None, index: int) -> bool:
+    """Do ``node`` and its ancestors hold blocks ``index .. 0`` of the request, and end there?"""
+    while index >= 0:
+        if node is None or not match(node, index):
+            return False
+        node = node.parent
+        index -= 1
+    return node is None
 
 
 def make_single_type_manager(

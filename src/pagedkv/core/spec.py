@@ -5,6 +5,10 @@ A page (one block of one layer) holds K and V for ``block_size`` tokens::
 
     page = [2 (K, V)] x [block_size tokens] x [num_kv_heads] x [head_size] x dtype_bytes
 
+or, for multi-head latent attention (:class:`MLAAttentionSpec`), one latent per token::
+
+    page = [block_size tokens] x [kv_lora_rank + qk_rope_head_dim] x dtype_bytes
+
 Idea from vLLM V1 (``vllm/v1/kv_cache_interface.py``): one spec type per attention type.
 """
 
@@ -113,7 +117,44 @@ class SlidingWindowSpec(AttentionSpec):
         return min(cdiv(num_tokens, self.block_size) + 1, cdiv(max_model_len, self.block_size))
 
 
-KVCacheSpec = FullAttentionSpec | SlidingWindowSpec
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MLAAttentionSpec(FullAttentionSpec):
+    """Multi-head latent attention (DeepSeek-V2/V3): each token caches one compressed latent of
+    ``kv_lora_rank`` values plus the ``qk_rope_head_dim`` rotary part, shared by every head, instead
+    of K and V per head. The attention layer up-projects the latent to per-head K and V.
+
+    ``head_size`` = kv_lora_rank + qk_rope_head_dim (576 for DeepSeek-V2/V3) and
+    ``num_kv_heads`` = 1; a page holds ``block_size x head_size x dtype_bytes`` (no factor 2: the
+    latent stands for both K and V). Every tensor-parallel device keeps the whole latent (it is not
+    split over heads). A request keeps every block, as full attention does. Idea and sizes as
+    vLLM's ``MLAAttentionSpec`` (``vllm/v1/kv_cache_interface.py``).
+
+    Raises:
+        ConfigError: as :class:`AttentionSpec`, or ``num_kv_heads`` other than 1.
+    """
+
+    num_kv_heads: int = 1
+
+    def __post_init__(self) -> None:
+        AttentionSpec.__post_init__(self)
+        if self.num_kv_heads != 1:
+            raise ConfigError(
+                f"an MLA layer caches one latent per token (num_kv_heads 1), "
+                f"got {self.num_kv_heads}"
+            )
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one block of one layer: block_size x head_size x dtype_bytes (one latent)."""
+        return self.block_size * self.head_size * self.dtype_bytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of the latent and rope part of one token in one layer."""
+        return self.head_size * self.dtype_bytes
+
+
+KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MLAAttentionSpec
 
 
 def max_num_blocks_per_request(

@@ -32,9 +32,10 @@ from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.stats import SchedulerStats
 from pagedkv.errors import InvalidRequestError
-from pagedkv.sampling_params import SamplingParams
+from pagedkv.sampling_params import SamplingParams, check_text
 from pagedkv.validation import is_int
 from pagedkv.worker.outputs import ModelRunnerOutput
+from pagedkv.worker.scheduler_output import SchedulerOutput
 
 #: A prompt: text, token ids, ``{"prompt": text}``, ``{"prompt_token_ids": [...]}`` (vLLM's
 #: TextPrompt and TokensPrompt), or chat messages ``[{"role": ..., "content": ...}, ...]``.
@@ -170,10 +171,12 @@ class LLMEngine:
 
         Raises:
             InvalidRequestError: sampling_params that are not a SamplingParams, a duplicate id,
-                an empty prompt, token ids outside the vocabulary (prompt, stop_token_ids,
-                logit_bias), logprobs or prompt_logprobs above ``config.max_logprobs``, or a
-                request that can never fit (prompt + max_tokens beyond max_model_len, more KV
-                blocks than the pool). Nothing is queued then.
+                an empty prompt, text that is not valid Unicode (a lone surrogate), token ids
+                outside the vocabulary (prompt, stop_token_ids, logit_bias), top_k beyond the
+                vocabulary, logprobs or prompt_logprobs above ``config.max_logprobs``, a priority
+                beyond int64, or a request that can never fit (prompt + max_tokens beyond
+                max_model_len, more KV blocks than the pool). Nothing is queued then; the
+                error's ``param`` names the field when one is at fault.
         """
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -182,7 +185,7 @@ class LLMEngine:
             )
         if self.output_processor.has_request(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        self._check_params(params)
+        self._check_request(params, priority)
         prompt_text, prompt_token_ids = self._tokenize(prompt)
         vocab_size = self.model_config.vocab_size
         if (
@@ -190,7 +193,8 @@ class LLMEngine:
             and not 0 <= min(prompt_token_ids) <= max(prompt_token_ids) < vocab_size
         ):
             raise InvalidRequestError(
-                f"request {request_id!r}: prompt token ids must be in [0, {vocab_size})"
+                f"request {request_id!r}: prompt token ids must be in [0, {vocab_size})",
+                param="prompt",
             )
         now = time.monotonic() if arrival_time is None else arrival_time
         block_hasher = self.kv_cache_manager.block_hasher
@@ -226,10 +230,17 @@ class LLMEngine:
         )
         self._stats.num_requests += 1
 
-    def _check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: token ids against this model's vocabulary,
-        logprobs against ``config.max_logprobs``."""
+    def _check_request(self, params: SamplingParams, priority: int) -> None:
+        """The checks of a request against this model (SamplingParams checks what needs no
+        model): token ids and top_k against the vocabulary, logprobs against
+        ``config.max_logprobs``; refused before anything is queued, never failed inside a step."""
         vocab_size = self.model_config.vocab_size
+        if params.top_k > vocab_size:
+            raise InvalidRequestError(
+                f"top_k must be -1, 0 (off) or in [1, {vocab_size}] (the vocabulary size), "
+                f"got {params.top_k}",
+                param="top_k",
+            )
         for name, ids in (
             ("stop_token_ids", params.stop_token_ids),
             ("logit_bias", params.logit_bias or ()),
@@ -237,7 +248,8 @@ class LLMEngine:
             bad = [t for t in ids if t >= vocab_size]
             if bad:
                 raise InvalidRequestError(
-                    f"{name}: token id {bad[0]} is out of the vocabulary [0, {vocab_size})"
+                    f"{name}: token id {bad[0]} is out of the vocabulary [0, {vocab_size})",
+                    param=name,
                 )
         limit = self.config.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
@@ -245,8 +257,13 @@ class LLMEngine:
             if value is not None and value > limit:
                 raise InvalidRequestError(
                     f"{name}: requested {value}, which is more than the most allowed, {limit} "
-                    "(the engine's max_logprobs)"
+                    "(the engine's max_logprobs)",
+                    param=name,
                 )
+        if not is_int(priority) or priority.bit_length() > 63:
+            raise InvalidRequestError(
+                f"priority must be an int64, got {priority!r}", param="priority"
+            )
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Abort requests (all their samples): blocks are freed now, and the next :meth:`step`
@@ -281,6 +298,39 @@ class LLMEngine:
             busy_time=stats.busy_time,
         )
 
+    def check_health(self) -> None:
+        """Run the model on a one-token probe request alone, outside the scheduler (no client
+        request in the batch; its block is taken from and given back to the pool). The server
+        calls it after a step failed: if the probe fails too, the fault is the engine's (a
+        broken model, out of memory), not the step's requests'.
+
+        Raises:
+            whatever the model runner raises. Returns without running the model when no KV
+            block is free (inconclusive).
+        """
+        probe = Request(
+            request_id=f"pagedkv-probe-{id(self)}",
+            prompt_token_ids=[0],
+            sampling_params=SamplingParams(temperature=0, max_tokens=1),
+        )
+        manager = self.kv_cache_manager
+        if manager.allocate_slots(probe, 1) is None:
+            return
+        try:
+            self.runner.execute_model(
+                SchedulerOutput(
+                    requests=[probe],
+                    num_scheduled_tokens=[1],
+                    num_computed_tokens=[0],
+                    block_ids=[manager.get_block_ids(probe.request_id)],
+                    sample=[True],
+                    total_num_scheduled_tokens=1,
+                )
+            )
+        finally:
+            manager.free(probe)
+            self.runner.finish_requests([probe.request_id])
+
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
@@ -301,8 +351,8 @@ class LLMEngine:
         if scheduler_output.total_num_scheduled_tokens:
             try:
                 runner_output = self.runner.execute_model(scheduler_output)
-            except Exception:
-                self._fail_requests(scheduler_output.requests)
+            except Exception as exc:
+                self._fail_requests(scheduler_output.requests, exc)
                 raise
         changed = self.scheduler.update_from_output(
             scheduler_output, runner_output.sampled_token_ids
@@ -313,10 +363,12 @@ class LLMEngine:
             self._stats.busy_time += time.perf_counter() - start
         return outputs
 
-    def _fail_requests(self, requests: list[Request]) -> None:
-        """Finish ``requests`` (and their sibling samples) with finish_reason "error"."""
+    def _fail_requests(self, requests: list[Request], exc: BaseException) -> None:
+        """Finish ``requests`` (and their sibling samples) with finish_reason "error"; each
+        output's ``error`` says what ``exc`` was."""
+        message = f"{type(exc).__name__}: {exc}"
         for request_id in self.output_processor.request_ids_of(r.request_id for r in requests):
-            seq_ids = self.output_processor.finish_request(request_id, "error")
+            seq_ids = self.output_processor.finish_request(request_id, "error", error=message)
             self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ERROR)
 
     def _process_outputs(
@@ -335,11 +387,16 @@ class LLMEngine:
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) of any :data:`Prompt` form."""
         if isinstance(prompt, str):
+            check_text(prompt, "prompt")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             return self._tokenize_dict(prompt)
         items = list(prompt)
         if items and all(isinstance(m, dict) for m in items):
+            for message in items:
+                for value in message.values():
+                    if isinstance(value, str):
+                        check_text(value, "messages")
             text = self.tokenizer.apply_chat_template(items, tokenize=False)
             return text, self.tokenizer.apply_chat_template(items)
         if not all(is_int(t) for t in items):
@@ -351,17 +408,25 @@ class LLMEngine:
         unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
         if unknown:
             hint = " (chat messages go to LLM.chat)" if "role" in prompt else ""
-            raise InvalidRequestError(f"unknown prompt key(s) {unknown}{hint}; {_PROMPT_FORMS}")
+            raise InvalidRequestError(
+                f"unknown prompt key(s) {unknown}{hint}; {_PROMPT_FORMS}", param="prompt"
+            )
         text = prompt.get("prompt")
         if text is not None and not isinstance(text, str):
-            raise InvalidRequestError(f"prompt['prompt'] must be a str, got {text!r}")
+            raise InvalidRequestError(
+                f"prompt['prompt'] must be a str, got {text!r}", param="prompt"
+            )
+        if text is not None:
+            check_text(text, "prompt")
         if "prompt_token_ids" not in prompt:
             if text is None:
                 raise InvalidRequestError(_PROMPT_FORMS)
             return text, self.tokenizer.encode(text)
         token_ids = prompt["prompt_token_ids"]
         if not isinstance(token_ids, list | tuple) or not all(is_int(t) for t in token_ids):
-            raise InvalidRequestError("prompt['prompt_token_ids'] must be a list of token ids")
+            raise InvalidRequestError(
+                "prompt['prompt_token_ids'] must be a list of token ids", param="prompt"
+            )
         return text, list(token_ids)
 
 

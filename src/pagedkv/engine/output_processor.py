@@ -163,10 +163,16 @@ class OutputProcessor:
         """The request ids that the sequences ``seq_ids`` belong to."""
         return {self._sample_of[seq_id][0].request_id for seq_id in seq_ids}
 
-    def finish_request(self, request_id: str, finish_reason: str) -> list[str]:
+    def finish_request(
+        self, request_id: str, finish_reason: str, error: str | None = None
+    ) -> list[str]:
         """Finish every unfinished sample of a request with ``finish_reason`` ("abort",
         "error"); the next :meth:`process_outputs` reports the request once. Unknown or
-        already reported ids are ignored.
+        already reported ids are ignored. Text the detokenizer still holds back is flushed, so
+        the final text is the decode of the output ids whatever the reason.
+
+        Args:
+            error: the message each output's ``error`` carries (a failed step's exception).
 
         Returns:
             The sequence ids that were unfinished: the engine finishes them in the scheduler.
@@ -177,6 +183,9 @@ class OutputProcessor:
         seq_ids = [s.request.request_id for s in state.samples if s.finish_reason is None]
         for sample in state.samples:
             if sample.finish_reason is None:
+                if error is not None:
+                    sample.request.error = error
+                _flush_text(sample)
                 sample.finish_reason = finish_reason
                 state.changed = True
         if state not in self._pending:
@@ -253,6 +262,8 @@ class OutputProcessor:
         start = max(0, len(sample.text) - state.max_stop_len + 1)
         if new_token_ids:
             sample.text += sample.detokenizer.step(new_token_ids)
+        if request.is_finished:
+            _flush_text(sample)
         if request.first_token_time is not None and state.metrics.first_token_time is None:
             state.metrics.first_token_time = request.first_token_time
         if state.max_stop_len and request.num_output_tokens > params.min_tokens:
@@ -349,6 +360,13 @@ def _collect_prompt_rows(state: _RequestState, first: int, rows: LogprobsLists) 
         if stored[first + j] is None:
             state.num_prompt_rows += 1
         stored[first + j] = (ids, values, rank)
+
+
+def _flush_text(sample: _Sample) -> None:
+    """Text equals tokens at finish, for any reason (stop, length, abort, error): append what the
+    detokenizer still holds back (the bytes of an unfinished character, as U+FFFD), so the final
+    text is the decode of the output ids. Stop strings are checked after it."""
+    sample.text += sample.detokenizer.flush()
 
 
 def _check_stop_strings(params: SamplingParams, sample: _Sample, start: int) -> None:

@@ -121,7 +121,9 @@ class Scheduler:
         """
         num_prompt_tokens = request.num_prompt_tokens
         if num_prompt_tokens == 0:
-            raise InvalidRequestError(f"request {request.request_id!r}: the prompt is empty")
+            raise InvalidRequestError(
+                f"request {request.request_id!r}: the prompt is empty", param="prompt"
+            )
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         max_tokens = request.sampling_params.max_tokens
@@ -130,13 +132,15 @@ class Scheduler:
             if max_tokens < 1:
                 raise InvalidRequestError(
                     f"request {request.request_id!r}: the prompt has {num_prompt_tokens} tokens, "
-                    f"which leaves no room to generate within max_model_len={self.max_model_len}"
+                    f"which leaves no room to generate within max_model_len={self.max_model_len}",
+                    param="prompt",
                 )
         elif num_prompt_tokens + max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 f"request {request.request_id!r}: prompt ({num_prompt_tokens} tokens) + "
                 f"max_tokens ({max_tokens}) = {num_prompt_tokens + max_tokens} tokens exceeds "
-                f"max_model_len={self.max_model_len}; shorten the prompt or lower max_tokens"
+                f"max_model_len={self.max_model_len}; shorten the prompt or lower max_tokens",
+                param="max_tokens",
             )
         num_blocks_needed = max_num_blocks_per_request(
             self._kv_cache_specs, num_prompt_tokens + max_tokens, self.max_num_batched_tokens
@@ -146,7 +150,8 @@ class Scheduler:
                 f"request {request.request_id!r}: prompt + max_tokens = "
                 f"{num_prompt_tokens + max_tokens} tokens needs {num_blocks_needed} KV blocks but "
                 f"the whole pool has {self._num_usable_blocks}; lower max_tokens or grow the "
-                "KV cache"
+                "KV cache",
+                param="max_tokens",
             )
         request.max_tokens = max_tokens
         request.status = RequestStatus.WAITING
@@ -196,6 +201,9 @@ class Scheduler:
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv_cache_usage=self.kv_cache_manager.usage,
+            num_used_blocks=self.kv_cache_manager.num_blocks
+            - 1
+            - self.kv_cache_manager.num_free_blocks,
         )
 
     # ------------------------------------------------------------------ the step

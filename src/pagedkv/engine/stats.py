@@ -14,6 +14,8 @@ class SchedulerStats:
         num_running: requests holding KV blocks now.
         num_waiting: requests queued (new or preempted).
         kv_cache_usage: fraction of usable blocks in use now, 0..1.
+        num_used_blocks: KV blocks held by requests now (0 once every request has finished:
+            the soak and fuzz tests check it; cached free blocks do not count).
         peak_kv_cache_usage: highest kv_cache_usage seen after any step.
         num_preemptions: preemptions since start.
         num_rejected: requests finished with an error because they can never fit.
@@ -29,6 +31,7 @@ class SchedulerStats:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
+    num_used_blocks: int = 0
     peak_kv_cache_usage: float = 0.0
     num_preemptions: int = 0
     num_rejected: int = 0

@@ -1,11 +1,17 @@
-"""The shape of a Llama-family decoder, read from GGUF metadata or a Hugging Face config.json."""
+"""The shape of a Llama-family decoder, read from GGUF metadata or a Hugging Face config.json.
+
+The keys shared with capacity planning (layers, heads, sizes, context, tied embeddings, q/k/v
+bias) are parsed once, by :mod:`pagedkv.core.model_shape`, with one set of defaults and errors;
+this module adds what only running the model needs (rope, norm epsilon, token ids).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pagedkv.core.model_shape import ModelShape, shape_from_gguf_metadata, shape_from_hf_config
 from pagedkv.errors import ModelLoadError
 
 #: Model types (GGUF ``general.architecture`` / HF ``model_type``) this decoder runs.
@@ -62,6 +68,29 @@ class ModelConfig:
         return tuple(self.eos_token_id)
 
     @classmethod
+    def from_shape(cls, shape: ModelShape, *, architecture: str, **fields: Any) -> ModelConfig:
+        """Build from a parsed :class:`~pagedkv.core.model_shape.ModelShape` plus the fields only
+        running the model needs (``rms_norm_eps``, ``rope_theta``, ``rope_scaling``,
+        ``bos_token_id``, ``eos_token_id``; ``tie_word_embeddings`` may be overridden).
+
+        Raises:
+            ModelLoadError: an unsupported architecture or head layout.
+        """
+        shared = {
+            "vocab_size": shape.vocab_size,
+            "hidden_size": shape.hidden_size,
+            "intermediate_size": shape.intermediate_size,
+            "num_hidden_layers": shape.num_hidden_layers,
+            "num_attention_heads": shape.num_attention_heads,
+            "num_key_value_heads": shape.num_key_value_heads,
+            "head_dim": shape.head_dim,
+            "max_position_embeddings": shape.max_position_embeddings,
+            "tie_word_embeddings": shape.tie_word_embeddings,
+            "attention_bias": shape.attention_bias,
+        }
+        return cls(architecture=architecture, **{**shared, **fields})
+
+    @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], *, has_lm_head: bool = True) -> ModelConfig:
         """Build from the dict of a Hugging Face ``config.json``.
 
@@ -71,42 +100,31 @@ class ModelConfig:
                 embeddings are tied whatever the config says.
 
         Raises:
-            ModelLoadError: a missing required key or an unsupported architecture.
+            ModelLoadError: an unsupported architecture; ModelConfigError (a ModelLoadError) for
+                a missing or malformed key.
         """
-        try:
-            architecture = config["model_type"]
-            hidden_size = int(config["hidden_size"])
-            num_heads = int(config["num_attention_heads"])
-            rope_params = config.get("rope_parameters") or {}
-            rope_scaling = config.get("rope_scaling") or None
-            if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
-                rope_scaling = dict(rope_params)
-            rope_theta = config.get("rope_theta", rope_params.get("rope_theta", 10000.0))
-            return cls(
-                architecture=architecture,
-                vocab_size=int(config["vocab_size"]),
-                hidden_size=hidden_size,
-                intermediate_size=int(config["intermediate_size"]),
-                num_hidden_layers=int(config["num_hidden_layers"]),
-                num_attention_heads=num_heads,
-                num_key_value_heads=int(config.get("num_key_value_heads") or num_heads),
-                head_dim=int(config.get("head_dim") or hidden_size // num_heads),
-                rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope_theta),
-                rope_scaling=rope_scaling,
-                max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False))
-                or not has_lm_head,
-                # Qwen2 always has a bias on q/k/v; its config has no key for it.
-                attention_bias=bool(config.get("attention_bias", architecture == "qwen2")),
-                bos_token_id=config.get("bos_token_id"),
-                eos_token_id=config.get("eos_token_id"),
-            )
-        except KeyError as e:
-            raise ModelLoadError(f"config.json lacks the required key {e.args[0]!r}") from None
+        _check_architecture(config.get("model_type"))
+        shape = shape_from_hf_config(config)
+        rope_params = config.get("rope_parameters") or {}
+        rope_scaling = config.get("rope_scaling") or None
+        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+            rope_scaling = dict(rope_params)
+        rope_theta = config.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        return cls.from_shape(
+            shape,
+            architecture=shape.model_type,
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=shape.tie_word_embeddings or not has_lm_head,
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_id=config.get("eos_token_id"),
+        )
 
     @classmethod
-    def from_gguf_metadata(cls, metadata: Mapping[str, Any], tensor_names: set[str]) -> ModelConfig:
+    def from_gguf_metadata(
+        cls, metadata: Mapping[str, Any], tensor_names: Collection[str]
+    ) -> ModelConfig:
         """Build from GGUF key/value metadata (``{arch}.block_count``, ...) and tensor names.
 
         Args:
@@ -115,42 +133,39 @@ class ModelConfig:
                 ``output.weight``) and whether q/k/v have a bias.
 
         Raises:
-            ModelLoadError: a missing required key or an unsupported architecture.
+            ModelLoadError: an unsupported architecture or rope scaling; ModelConfigError (a
+                ModelLoadError) for a missing or malformed key.
         """
         arch = metadata.get("general.architecture")
         if arch is None:
             raise ModelLoadError("GGUF file lacks general.architecture")
-
-        def get(key: str, default: Any = KeyError) -> Any:
-            value = metadata.get(f"{arch}.{key}", default)
-            if value is KeyError:
-                raise ModelLoadError(f"GGUF file lacks the required key {arch}.{key!r}")
-            return value
-
-        hidden_size = int(get("embedding_length"))
-        num_heads = int(get("attention.head_count"))
-        vocab_size = get("vocab_size")
+        _check_architecture(arch)
+        shape = shape_from_gguf_metadata(metadata, tensor_names)
         rope_scaling = None
-        scaling_type = get("rope.scaling.type", None)
+        scaling_type = metadata.get(f"{arch}.rope.scaling.type")
         if scaling_type == "linear":
-            rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+            factor = metadata.get(f"{arch}.rope.scaling.factor")
+            if factor is None:
+                raise ModelLoadError(f"GGUF file lacks the required key {arch}.rope.scaling.factor")
+            rope_scaling = {"rope_type": "linear", "factor": float(factor)}
         elif scaling_type not in (None, "none"):
             raise ModelLoadError(f"GGUF rope scaling {scaling_type!r} is not supported")
-        return cls(
+        return cls.from_shape(
+            shape,
             architecture=arch,
-            vocab_size=int(vocab_size),
-            hidden_size=hidden_size,
-            intermediate_size=int(get("feed_forward_length")),
-            num_hidden_layers=int(get("block_count")),
-            num_attention_heads=num_heads,
-            num_key_value_heads=int(get("attention.head_count_kv", num_heads)),
-            head_dim=int(get("attention.key_length", hidden_size // num_heads)),
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rms_norm_eps=float(metadata.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(metadata.get(f"{arch}.rope.freq_base", 10000.0)),
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(get("context_length", 2048)),
-            tie_word_embeddings="output.weight" not in tensor_names,
-            attention_bias="blk.0.attn_q.bias" in tensor_names,
             bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
+        )
+
+
+def _check_architecture(architecture: Any) -> None:
+    """Raises ModelLoadError unless this decoder runs ``architecture`` (checked before the
+    shared shape parser, so the message lists what the engine runs)."""
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"model architecture {architecture!r} is not supported; "
+            f"pagedkv runs {', '.join(SUPPORTED_ARCHITECTURES)}"
         )

@@ -2,7 +2,7 @@
 
 A thin layer over Hugging Face's fast tokenizer (transformers builds one from the vocabulary,
 merges and chat template that a GGUF file's metadata holds), plus an incremental detokenizer for
-streaming built on ``tokenizers.decoders.DecodeStream``.
+streaming (vLLM's prefix/read offsets over the backend tokenizer's decode).
 """
 
 from __future__ import annotations
@@ -33,6 +33,28 @@ class Tokenizer:
         #: size of the vocabulary including added tokens.
         self.vocab_size: int = len(hf_tokenizer)
         self.bos_token_id: int | None = hf_tokenizer.bos_token_id
+        self._byte_token_ids: frozenset[int] | None = None
+
+    @property
+    def byte_token_ids(self) -> frozenset[int]:
+        """Ids of SentencePiece byte-fallback tokens (``<0xE2>``...); empty for byte-level BPE.
+
+        Their decoder turns a run of them into text as a whole (U+FFFD for each byte if the run
+        is not valid UTF-8), so the incremental detokenizer holds text back while the last id is
+        one of them.
+        """
+        if self._byte_token_ids is None:
+            model = getattr(self.hf_tokenizer, "backend_tokenizer", None)
+            model = getattr(model, "model", None)
+            ids: frozenset[int] = frozenset()
+            if getattr(model, "byte_fallback", False):
+                ids = frozenset(
+                    i
+                    for token, i in self.hf_tokenizer.get_vocab().items()
+                    if len(token) == 6 and token.startswith("<0x") and token.endswith(">")
+                )
+            self._byte_token_ids = ids
+        return self._byte_token_ids
 
     @classmethod
     def from_gguf(cls, path: str | Path, eos_token_ids: Iterable[int] = ()) -> Tokenizer:
@@ -127,19 +149,47 @@ class Tokenizer:
 class IncrementalDetokenizer:
     """Turns generated token ids into text deltas for streaming, one step at a time.
 
+    The contract (property-tested with random token sequences, byte tokens that split multi-byte
+    characters, random prompt tails and random finish points)::
+
+        "".join(step(...) for each step) + flush()  ==  text
+            ==  decode(context + output_ids)[len(decode(context)):]
+
+    where ``context`` is the clean prompt tail described below and ``decode`` uses
+    ``skip_special_tokens``. For byte-level BPE tokenizers (SmolLM2, GPT-2 style), whose decoder
+    does not depend on context, this is exactly ``decode(output_ids)``: special tokens are left out
+    when ``skip_special_tokens`` (the default), rendered as their text otherwise. For
+    SentencePiece tokenizers, whose decoder strips the leading space of the first token decoded,
+    the first output token keeps the space it has after the prompt (as vLLM does).
+
     Text is emitted only once it is stable: a token that ends inside a multi-byte UTF-8 character
-    (byte-level BPE splits "你" into several tokens) yields nothing until the character is
-    complete, so the concatenation of all deltas equals the full decode. The prompt's ids, when
-    given, seed the decoder so that the first output token gets its context (leading spaces of
-    SentencePiece tokenizers).
+    yields nothing until the character completes (and, for SentencePiece byte-fallback tokens,
+    whose run decodes as a whole, until a token that is not a byte token follows). :meth:`flush`
+    (call it when the sequence finishes, for any reason) returns what is still held back, as
+    ``decode`` shows it (U+FFFD for the bytes of an unfinished character), so the final text
+    always equals the decode of the output ids.
+
+    Context: up to the last 6 prompt ids, seeding the decode windows (leading spaces of
+    SentencePiece tokens), and never emitted. If the prompt ends inside a multi-byte character, the
+    prompt ids that hold its first bytes are left out of the context: the output's continuation
+    bytes then decode as U+FFFD on their own, exactly as ``decode(output_ids)`` shows them, and
+    none of the prompt's text leaks into the output.
+
+    The algorithm is vLLM's (``detokenize_incrementally``): two offsets into the ids; each step
+    decodes ``ids[prefix_offset:read_offset]`` (already emitted) and ``ids[prefix_offset:]`` and
+    emits the difference once it does not end in U+FFFD.
 
     Args:
         tokenizer: the model's :class:`Tokenizer`.
-        prompt_token_ids: the prompt, used as context only (its text is not emitted).
+        prompt_token_ids: the prompt, used as context only (its text is never emitted).
         skip_special_tokens: leave special tokens out of the text.
     """
 
-    __slots__ = ("_backend", "_stream", "text")
+    __slots__ = ("_byte_ids", "_decode", "_ids", "_prefix_offset", "_read_offset", "_skip", "text")
+
+    #: Prompt ids kept as context, and the most trailing prompt ids left out to find a clean end.
+    CONTEXT_TOKENS = 6
+    MAX_PARTIAL_TOKENS = 4
 
     def __init__(
         self,
@@ -147,25 +197,66 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int] = (),
         skip_special_tokens: bool = True,
     ) -> None:
-        from tokenizers.decoders import DecodeStream
-
-        self._backend = tokenizer.hf_tokenizer.backend_tokenizer
-        # Only the tail of the prompt matters as context; keep the seed short.
-        ids = list(prompt_token_ids[-8:]) if prompt_token_ids else None
-        self._stream = DecodeStream(ids=ids, skip_special_tokens=skip_special_tokens)
+        self._decode = tokenizer.hf_tokenizer.backend_tokenizer.decode
+        self._skip = skip_special_tokens
+        self._byte_ids = tokenizer.byte_token_ids
+        context = self._clean_context(list(prompt_token_ids[-self.CONTEXT_TOKENS - 4 :]))
+        self._ids: list[int] = context
+        self._prefix_offset = 0
+        self._read_offset = len(context)
         #: all text emitted so far.
         self.text = ""
 
+    def _clean_context(self, tail: list[int]) -> list[int]:
+        """The longest of ``tail[:k]`` (k = len, len - 1, ...) whose decode does not end inside
+        a character (nor with a byte-fallback token), cut to its last CONTEXT_TOKENS ids; ``[]``
+        if none."""
+        for drop in range(min(self.MAX_PARTIAL_TOKENS, len(tail)) + 1):
+            context = tail[: len(tail) - drop][-self.CONTEXT_TOKENS :]
+            if not context:
+                return []
+            if context[-1] in self._byte_ids:
+                continue
+            if not self._decode(context, skip_special_tokens=self._skip).endswith("\ufffd"):
+                return context
+        return []
+
     def step(self, token_ids: int | Sequence[int]) -> str:
         """Add newly generated token ids; return the text they complete ("" if none yet)."""
+        ids = self._ids
         if isinstance(token_ids, int):
-            token_ids = (token_ids,)
-        pieces = []
-        for token_id in token_ids:
-            piece = self._stream.step(self._backend, token_id)
-            if piece:
-                pieces.append(piece)
-        delta = "".join(pieces)
+            ids.append(token_ids)
+        else:
+            ids.extend(token_ids)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """The text still held back (the bytes of an unfinished character, as U+FFFD; "" if
+        none). Call it once the sequence has finished; later steps start after it."""
+        return self._emit(final=True)
+
+    def _emit(self, *, final: bool) -> str:
+        ids = self._ids
+        if self._read_offset == len(ids):
+            return ""
+        skip = self._skip
+        prefix_text = self._decode(
+            ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip
+        )
+        new_text = self._decode(ids[self._prefix_offset :], skip_special_tokens=skip)
+        if not final and (
+            len(new_text) <= len(prefix_text)
+            or new_text.endswith("\ufffd")
+            or ids[-1] in self._byte_ids
+        ):
+            return ""  # nothing new yet, or it may end inside a character: wait for more ids
+        delta = new_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(ids)
+        if self._prefix_offset > 64:  # keep the window's ids only
+            del ids[: self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
         self.text += delta
         return delta
 

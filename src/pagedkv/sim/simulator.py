@@ -1,6 +1,7 @@
 """Replay a trace through a KV cache and a scheduler with a model that costs nothing.
 
-One policy per run, on the same pool bytes (``num_blocks * block_size`` tokens):
+One policy per run, on the same usable pool (``num_blocks - 1`` blocks of ``block_size`` tokens;
+block 0 is the paged pools' null block):
 
 - ``contiguous``: each request reserves max_model_len tokens for its whole life
   (:class:`~pagedkv.sim.contiguous.ContiguousKVCache`);
@@ -222,9 +223,7 @@ def simulate(
 
     timeline = Timeline()
     recorder = (
-        BlockMapRecorder(
-            config.num_blocks, config.block_map_columns, has_null_block=policy != "contiguous"
-        )
+        BlockMapRecorder(config.num_blocks, config.block_map_columns, block_size=block_size)
         if config.block_map_columns
         else None
     )
@@ -318,11 +317,7 @@ def simulate(
         num_preemptions=driver.num_preemptions,
         num_hit_tokens=driver.num_hit_tokens,
         num_queried_tokens=driver.num_queried_tokens,
-        num_usable_tokens=(
-            kv_cache.num_slots * config.max_model_len
-            if policy == "contiguous"
-            else num_usable_blocks * block_size
-        ),
+        num_usable_tokens=num_usable_blocks * block_size,
         wall_time_s=time.perf_counter() - started,
     )
     return PolicyResult(

@@ -11,7 +11,8 @@ Built-in workloads (``WORKLOADS``):
 
 - ``sixteen-lengths``: the worked example of DESIGN.md, 16 prompts of lengths 40, 128, 300, 64,
   210, 96, 180, 48, 150, 80, 60, 420, 33, 256, 90, 110 arriving together, 1 output token each;
-  run it with 128 blocks of 16 and max_model_len 512 (contiguous fits 4 at once, paged 13 or 14).
+  run it with 128 usable blocks of 16 (129 with the null block) and max_model_len 512 (contiguous
+  fits 4 at once, paged 13 or 14).
 - ``sharegpt``: ShareGPT-like length mix. Prompt and output lengths are lognormal; the defaults
   (prompt median 120 tokens, sigma 1.0, mean ~200; output median 160, sigma 0.8, mean ~220) are
   close to the ShareGPT statistics reported in the vLLM paper (mean input 161, output 338, long
@@ -139,7 +140,8 @@ def sixteen_lengths(seed: int = 0, vocab_size: int = DEFAULT_VOCAB_SIZE, **_: ob
         for i, length in enumerate(SIXTEEN_LENGTHS)
     ]
     defaults = {
-        "num_blocks": 128,
+        # 128 usable blocks for every policy, plus block 0 (the paged pools' null block).
+        "num_blocks": 129,
         "block_size": 16,
         "max_model_len": 512,
         "max_num_seqs": 256,

@@ -5,7 +5,7 @@ Routes::
     GET  /v1/models              the one served model
     POST /v1/completions         text completion (stream: server-sent events)
     POST /v1/chat/completions    chat completion, the model's chat template applied
-    GET  /health                 200 while the engine thread runs, else 503
+    GET  /health                 200 while the engine thread runs, else 503 with the reason
     GET  /metrics                Prometheus text format (see metrics.py)
     POST /reset_prefix_cache     {"success": bool}; fails while blocks are in use
 
@@ -16,7 +16,12 @@ is still reproducible. Chat messages go to the engine as they are; it applies th
 
 A request whose client goes away (mid-stream, or while waiting for a non-streamed answer) is
 aborted in the engine, which frees its blocks. Bad input gets the OpenAI error body
-``{"error": {"message", "type", "param", "code"}}`` with a 4xx status.
+``{"error": {"message", "type", "param", "code"}}`` with a 4xx status, ``param`` naming the field.
+
+A request that fails inside an engine step (finish_reason "error") gets a 500 with the engine's
+message (mid-stream: an error event, then ``data: [DONE]``); the engine goes on serving the
+others. Only an engine fault (see engine_loop.py) stops it: then every route answers 503 and
+/health says why.
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ from pagedkv.entrypoints.openai.protocol import (
     now,
     random_id,
 )
+from pagedkv.entrypoints.openai.stats_logger import StatsLogger
 from pagedkv.errors import InvalidRequestError
 from pagedkv.sampling_params import SamplingParams
 
@@ -82,6 +88,8 @@ class OpenAIError(Exception):
     def __init__(
         self, status_code: int, message: str, *, param: str | None = None, code: str | None = None
     ) -> None:
+        # Messages may quote the client's input: escape what UTF-8 cannot encode (surrogates).
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status_code = status_code
         self.message = message
@@ -105,6 +113,7 @@ class _Sample:
     text_parts: list[str] = field(default_factory=list)
     num_tokens: int = 0
     finish_reason: str | None = None
+    error: str | None = None  # why the engine failed it (finish_reason "error")
     last_token_time: float = 0.0
 
     @property
@@ -137,6 +146,21 @@ def _usage(prompts: list[_Prompt]) -> UsageInfo:
 
 def _choices_in_order(prompts: list[_Prompt]) -> list[_Sample]:
     return sorted((s for p in prompts for s in p.samples), key=lambda s: s.index)
+
+
+def _engine_error(sample: _Sample) -> OpenAIError:
+    """The 500 of a request the engine failed inside a step."""
+    return OpenAIError(
+        500,
+        f"the request failed in the engine: {sample.error or 'unknown error'}",
+        code="engine_error",
+    )
+
+
+def _raise_if_failed(prompts: list[_Prompt]) -> None:
+    for sample in _choices_in_order(prompts):
+        if sample.finish_reason == "error":
+            raise _engine_error(sample)
 
 
 def _sse(payload: str) -> str:
@@ -231,6 +255,7 @@ class OpenAIServing:
                     sample.text_parts.append(completion.new_text)
                 if completion.finish_reason is not None:
                     sample.finish_reason = completion.finish_reason
+                    sample.error = getattr(completion, "error", None)
                     metrics.observe_finished(sample.finish_reason, step_time - stream.arrival_time)
                 if completion.new_text or sample.finish_reason is not None:
                     yield sample, completion.new_text
@@ -282,18 +307,27 @@ class OpenAIServing:
         usage_chunk: Callable[[UsageInfo], str] | None,
     ) -> AsyncIterator[str]:
         """The server-sent events of a streamed response, ending with ``data: [DONE]``; the
-        engine requests are aborted if the client goes away first."""
+        engine requests are aborted if the client goes away first. A sample the engine failed
+        ends the stream with an error event (its text so far was sent)."""
         try:
             for chunk in first_chunks:
                 yield chunk
             async for sample, new_text in self._events(stream, prompts):
-                for chunk in chunks_of(sample, new_text):
+                if sample.finish_reason == "error":
+                    if new_text:
+                        for chunk in chunks_of(sample, new_text, None):
+                            yield chunk
+                    yield _sse(json.dumps(_engine_error(sample).body()))
+                    break
+                for chunk in chunks_of(sample, new_text, sample.finish_reason):
                     yield chunk
-            if usage_chunk is not None:
-                yield usage_chunk(_usage(prompts))
-        except Exception as exc:  # the engine failed mid-stream: tell the client
+            else:
+                if usage_chunk is not None:
+                    yield usage_chunk(_usage(prompts))
+        except Exception as exc:  # the engine stopped mid-stream: tell the client
             logger.exception("streamed request failed")
-            yield _sse(json.dumps(OpenAIError(500, str(exc)).body()))
+            status = 503 if isinstance(exc, EngineDeadError) else 500
+            yield _sse(json.dumps(OpenAIError(status, str(exc)).body()))
         finally:
             self._abort_unfinished(prompts)
         yield _sse("[DONE]")
@@ -309,6 +343,7 @@ class OpenAIServing:
 
         if not request.stream:
             await self._collect(stream, prompts, raw_request)
+            _raise_if_failed(prompts)
             choices = [
                 CompletionChoice(index=s.index, text=s.text, finish_reason=s.finish_reason)
                 for s in _choices_in_order(prompts)
@@ -322,9 +357,9 @@ class OpenAIServing:
             )
             return JSONResponse(response.model_dump())
 
-        def chunks_of(sample: _Sample, new_text: str) -> list[str]:
+        def chunks_of(sample: _Sample, new_text: str, finish_reason: str | None) -> list[str]:
             choice = CompletionChoice(
-                index=sample.index, text=new_text, finish_reason=sample.finish_reason
+                index=sample.index, text=new_text, finish_reason=finish_reason
             )
             body = CompletionResponse(
                 id=response_id, created=created, model=model, choices=[choice]
@@ -356,6 +391,7 @@ class OpenAIServing:
 
         if not request.stream:
             await self._collect(stream, prompts, raw_request)
+            _raise_if_failed(prompts)
             choices = [
                 ChatChoice(
                     index=s.index,
@@ -380,10 +416,10 @@ class OpenAIServing:
             )
             return _sse(body.model_dump_json(exclude_none=True))
 
-        def chunks_of(sample: _Sample, new_text: str) -> list[str]:
+        def chunks_of(sample: _Sample, new_text: str, finish_reason: str | None) -> list[str]:
             chunks = [chunk(sample.index, DeltaMessage(content=new_text))] if new_text else []
-            if sample.finish_reason is not None:
-                chunks.append(chunk(sample.index, DeltaMessage(), sample.finish_reason))
+            if finish_reason is not None:
+                chunks.append(chunk(sample.index, DeltaMessage(), finish_reason))
             return chunks
 
         def usage_chunk(usage: UsageInfo) -> str:
@@ -439,17 +475,39 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     return OpenAIError(400, message, param=param, code="invalid_value")
 
 
-def create_app(engine: Any, *, model_name: str, max_model_len: int | None = None) -> FastAPI:
+def create_app(
+    engine: Any,
+    *,
+    model_name: str,
+    max_model_len: int | None = None,
+    log_stats_interval: float | None = None,
+) -> FastAPI:
     """The OpenAI-compatible app serving ``engine`` (see :class:`OpenAIServing` for the
-    arguments). The engine thread starts and stops with the app (ASGI lifespan)."""
+    arguments). The engine thread starts and stops with the app (ASGI lifespan).
+
+    Args:
+        log_stats_interval: seconds between two stats log lines (throughput, running / waiting,
+            KV usage, prefix hit rate; :mod:`.stats_logger`); None = no stats lines.
+    """
     serving = OpenAIServing(engine, model_name=model_name, max_model_len=max_model_len)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         serving.engine_loop.start(asyncio.get_running_loop())
+        stats_task = None
+        if log_stats_interval is not None:
+            stats_logger = StatsLogger(
+                lambda: serving.engine_loop.call(lambda engine: engine.get_stats().scheduler),
+                log_stats_interval,
+            )
+            stats_task = asyncio.create_task(stats_logger.run())
         try:
             yield
         finally:
+            if stats_task is not None:
+                stats_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await stats_task
             serving.engine_loop.stop()
 
     app = FastAPI(title="pagedkv", lifespan=lifespan)
@@ -461,7 +519,8 @@ def create_app(engine: Any, *, model_name: str, max_model_len: int | None = None
 
     @app.exception_handler(InvalidRequestError)
     async def _engine_rejected(request: Request, exc: InvalidRequestError) -> JSONResponse:
-        return OpenAIError(400, str(exc), code="invalid_request").response()
+        param = getattr(exc, "param", None)
+        return OpenAIError(400, str(exc), param=param, code="invalid_request").response()
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
@@ -494,9 +553,10 @@ def create_app(engine: Any, *, model_name: str, max_model_len: int | None = None
 
     @app.get("/health")
     async def health() -> Response:
-        if serving.engine_loop.is_alive:
+        loop = serving.engine_loop
+        if loop.is_alive:
             return Response(status_code=200)
-        return OpenAIError(503, "the engine is not running").response()
+        return OpenAIError(503, f"the engine is not running: {loop.status_reason}").response()
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -12,6 +12,19 @@
 The engine is not thread-safe, so only the engine thread touches it: everything the event loop
 wants done (add, abort, stats, reset the prefix cache) goes through the command queue and runs
 between two steps. The thread sleeps on an event while there is nothing to do.
+
+A step that raises is a request's fault unless shown otherwise: the engine has already finished
+the step's requests with finish_reason "error" (the next step reports them; their clients get a
+500) and the loop keeps serving. It stops, and /health answers 503 with the reason, only for an
+engine fault, told apart by :func:`engine_fault`:
+
+- the exception's class says so: ``MemoryError``, torch's ``OutOfMemoryError``, ``SystemError``,
+  or pagedkv's ``CacheStateError`` (the KV cache's own structures disagree: nothing after it can
+  be trusted);
+- or the engine fails its probe: ``engine.check_health()`` runs the model on a one-token request
+  alone; if a step with no client request in it fails too, the model itself is broken;
+- or ``MAX_CONSECUTIVE_FAILED_STEPS`` steps in a row failed (a fault outside the model that every
+  step hits, e.g. in the scheduler).
 """
 
 from __future__ import annotations
@@ -30,9 +43,40 @@ from pagedkv.errors import PagedKVError
 
 logger = logging.getLogger(__name__)
 
+#: Steps in a row that may fail (each failing only its own requests) before the loop gives up.
+MAX_CONSECUTIVE_FAILED_STEPS = 32
+
+#: Exception classes (matched by name along the MRO, so torch need not be imported here) that are
+#: never a request's fault.
+ENGINE_FAULT_CLASSES = frozenset(
+    {"MemoryError", "OutOfMemoryError", "SystemError", "CacheStateError"}
+)
+
 
 class EngineDeadError(PagedKVError, RuntimeError):
-    """The engine thread is not running (stopped, or a step raised)."""
+    """The engine thread is not running (stopped, or an engine fault)."""
+
+
+def engine_fault(engine: Any, exc: BaseException, num_failed_steps: int) -> str | None:
+    """Why ``exc`` (raised by ``engine.step()``) is the engine's fault, or ``None`` if it is the
+    fault of the step's requests (see the module docstring). Runs in the engine thread."""
+    for cls in type(exc).__mro__:
+        if cls.__name__ in ENGINE_FAULT_CLASSES:
+            return f"{cls.__name__} in an engine step: {exc}"
+    check_health = getattr(engine, "check_health", None)
+    if check_health is not None:
+        try:
+            check_health()
+        except Exception as probe_exc:
+            return (
+                f"the model fails even with no client request in the step "
+                f"({type(probe_exc).__name__}: {probe_exc}); the step had failed with "
+                f"{type(exc).__name__}: {exc}"
+            )
+    if num_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
+        last = f"{type(exc).__name__}: {exc}"
+        return f"{num_failed_steps} engine steps in a row failed; the last: {last}"
+    return None
 
 
 @dataclass(slots=True)
@@ -88,8 +132,10 @@ class EngineLoop:
     Args:
         engine: an object with ``add_request(request_id, prompt, sampling_params, *, priority,
             cache_salt)``, ``step() -> list[RequestOutput]`` (each with ``request_id`` and
-            ``finished``), ``abort_request(request_ids)`` and ``has_unfinished_requests()``
-            (pagedkv.engine.llm_engine.LLMEngine, or a fake in tests).
+            ``finished``), ``abort_request(request_ids)`` and ``has_unfinished_requests()``, and
+            optionally ``check_health()`` (pagedkv.engine.llm_engine.LLMEngine, or a fake in
+            tests). A ``step()`` that raises must have finished the requests it touched (the
+            next step reports them), as LLMEngine's does.
     """
 
     def __init__(self, engine: Any) -> None:
@@ -100,7 +146,11 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, OutputStream] = {}
+        #: the engine fault that stopped the loop, and why it is the engine's (None while alive).
         self.error: BaseException | None = None
+        self.error_reason: str | None = None
+        #: steps that failed (their requests finished with "error") while the loop went on.
+        self.num_failed_steps = 0
 
     # ---- lifetime ---------------------------------------------------------------------------
 
@@ -122,6 +172,17 @@ class EngineLoop:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
     @property
+    def status_reason(self) -> str:
+        """Why the engine is not running ("" while it runs)."""
+        if self.is_alive:
+            return ""
+        if self.error_reason is not None:
+            return self.error_reason
+        if self._thread is None:
+            return "it has not started"
+        return "it was stopped"
+
+    @property
     def num_streams(self) -> int:
         """Requests with an open stream (added and neither finished nor aborted)."""
         return len(self._streams)
@@ -132,7 +193,7 @@ class EngineLoop:
         """Run ``fn(engine)`` in the engine thread between two steps and return its result
         (or raise its exception)."""
         if not self.is_alive:
-            raise EngineDeadError(f"the engine is not running: {self.error!r}")
+            raise EngineDeadError(f"the engine is not running: {self.status_reason}")
         future = asyncio.get_running_loop().create_future()
         self._commands.put(_Command(fn, future))
         self._wake.set()
@@ -223,6 +284,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         engine = self.engine
+        consecutive_failures = 0
         while not self._stopping:
             self._wake.clear()
             self._run_commands()
@@ -234,10 +296,18 @@ class EngineLoop:
             try:
                 outputs = engine.step()
             except Exception as exc:
-                logger.exception("engine step failed; the server stops taking requests")
+                consecutive_failures += 1
+                reason = engine_fault(engine, exc, consecutive_failures)
+                if reason is None:
+                    self.num_failed_steps += 1
+                    logger.exception("an engine step failed; its requests fail, serving goes on")
+                    continue
+                logger.exception("engine fault, the server stops taking requests: %s", reason)
+                self.error_reason = reason
                 self.error = exc
-                self._post(self._fail_all, exc)
+                self._post(self._fail_all, EngineDeadError(f"the engine stopped: {reason}"))
                 break
+            consecutive_failures = 0
             if outputs:
                 self._post(self._dispatch, outputs, time.monotonic())
         # Answer the commands still queued so that no caller waits forever.

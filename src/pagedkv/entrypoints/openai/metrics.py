@@ -116,6 +116,11 @@ class _EngineStatsCollector(Collector):
                 "Fraction of KV-cache blocks in use (0..1).",
                 stats.kv_cache_usage,
             ),
+            (
+                "pagedkv:kv_cache_used_blocks",
+                "KV-cache blocks held by requests (0 when idle; cached free blocks not counted).",
+                getattr(stats, "num_used_blocks", 0),
+            ),
         )
         for name, doc, value in gauges:
             metric = GaugeMetricFamily(name, doc, labels=labels)

@@ -1,7 +1,13 @@
 """Request and response bodies of the OpenAI API subset pagedkv serves, and its error format.
 
-Requests are validated here (ranges as in the OpenAI API reference); anything that fails comes
-back to the client as an :class:`ErrorResponse` with status 400. Fields the API has but pagedkv
+Requests are validated here (ranges as in the OpenAI API reference, and every value within what
+the engine can represent: ints within int64, token ids >= 0, finite floats, strings that are valid
+Unicode, i.e. no lone surrogates, which JSON can carry but UTF-8 cannot); anything that fails comes
+back to the client as an :class:`ErrorResponse` with status 400 naming the field. What needs the
+model (top_k and token ids against the vocabulary, prompt + max_tokens against max_model_len) is
+checked by the engine before the request is queued, also a 400. New fields take one of the
+annotated types below (``Text``, ``Int64``, ``TokenId``, ``FiniteFloat``...), so they get the same
+checks. Fields the API has but pagedkv
 does not implement (logprobs, tools, ...) are ignored rather than rejected, as vLLM does, so that
 ordinary clients keep working. Extra fields beyond the OpenAI API: ``cache_salt`` (tenant
 isolation of the prefix cache: requests with different salts never share cached blocks),
@@ -14,10 +20,38 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+from pagedkv.sampling_params import INT64_MAX
 
 #: Most samples one request may ask for (``n``); each sample is a sequence in the engine.
 MAX_N = 128
+INT64_MIN = -(2**63)
+#: torch.Generator takes seeds in [-2**63, 2**64).
+SEED_MAX = 2**64 - 1
+
+
+def _valid_unicode(value: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"not valid Unicode text: {e.reason} at index {e.start} (a lone surrogate such as "
+            "\\ud800 cannot be tokenized)"
+        ) from None
+    return value
+
+
+#: A string the tokenizer and the block hash can take (valid Unicode: no lone surrogates).
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+#: An int within int64 (what torch tensors and the block hash hold).
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+#: A token id: >= 0 and within int64 (the engine also checks it against the vocabulary).
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+#: A count >= 1 within int64 (max_tokens: the engine also checks it against max_model_len).
+PositiveInt64 = Annotated[int, Field(ge=1, le=INT64_MAX)]
+#: A finite float (JSON parsers accept NaN and Infinity).
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
 
 def random_id(prefix: str) -> str:
@@ -62,19 +96,19 @@ class _SamplingRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    model: Text | None = None
+    max_tokens: PositiveInt64 | None = None
+    temperature: Annotated[FiniteFloat, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[FiniteFloat, Field(gt=0.0, le=1.0)] = 1.0  # >= 1.2e-38: SamplingParams
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    stop: str | list[str] | None = Field(default=None, validate_default=True)
-    seed: int | None = None
+    stop: Text | list[Text] | None = Field(default=None, validate_default=True)
+    seed: Annotated[int, Field(ge=INT64_MIN, le=SEED_MAX)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     # Extra fields (vLLM has the same names).
-    cache_salt: str | None = None
-    top_k: Annotated[int, Field(ge=-1)] = -1
+    cache_salt: Text | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] = -1
     ignore_eos: bool = False
 
     @field_validator("stop")
@@ -97,14 +131,14 @@ class CompletionRequest(_SamplingRequest):
     token-id lists (one completion per prompt, times ``n``). ``max_tokens`` defaults to 16 as in
     the OpenAI API."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     echo: bool = False
 
     @field_validator("prompt")
     @classmethod
     def _non_empty(cls, value: Any) -> Any:
-        if isinstance(value, list) and not value:
-            raise ValueError("prompt must not be an empty list")
+        if isinstance(value, list) and (not value or any(p == [] for p in value)):
+            raise ValueError("prompt must not be an empty list (nor hold one)")
         return value
 
     def prompts(self) -> list[str | list[int]]:
@@ -120,14 +154,14 @@ class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: Text | list[ContentPart] | None = None
 
     def as_template_dict(self) -> dict[str, str]:
         """The ``{"role", "content"}`` dict a chat template expects (text parts joined)."""
@@ -146,7 +180,7 @@ class ChatCompletionRequest(_SamplingRequest):
     Without ``max_tokens`` (or ``max_completion_tokens``) the reply may run to max_model_len."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: PositiveInt64 | None = None
 
     def template_messages(self) -> list[dict[str, str]]:
         return [m.as_template_dict() for m in self.messages]
