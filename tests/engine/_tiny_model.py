@@ -20,7 +20,7 @@ class CharTokenizer:
     eos_token_ids = (EOS,)
     vocab_size = VOCAB_SIZE
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) % VOCAB_SIZE for c in text]
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
