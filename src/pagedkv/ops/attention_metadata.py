@@ -26,17 +26,34 @@ itself; vLLM's and Mistral's convention). Keys of request ``i`` live at slot
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from pagedkv.errors import OpsInputError
 from pagedkv.validation import check_int
 
-#: Bytes of gathered K and V per decode chunk and per torch thread (each core has its own L2):
+#: Bytes of gathered K and V per decode chunk and per torch thread when the L2 size is unknown:
 #: small enough to stay in cache between the gather and the two matmuls, big enough that the
-#: matmuls split well over the threads (measured on a 1 MiB-L2 EPYC, docs/ops.md).
+#: matmuls split well over the threads. Measured best at twice the per-core L2 on both machines
+#: (2 MiB on a 1 MiB-L2 EPYC, 4 MiB on a 2 MiB-L2 Xeon; docs/ops.md).
 DEFAULT_DECODE_CHUNK_BYTES = 2 << 20
+
+
+@functools.cache
+def decode_chunk_bytes_per_thread() -> int:
+    """Twice the L2 cache of CPU 0 (Linux sysfs), else :data:`DEFAULT_DECODE_CHUNK_BYTES`."""
+    try:
+        for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+            if (index / "level").read_text().strip() == "2":
+                size = (index / "size").read_text().strip()  # e.g. "2048K"
+                units = {"K": 1 << 10, "M": 1 << 20}
+                return 2 * int(size[:-1]) * units[size[-1]] if size[-1] in units else 2 * int(size)
+    except (OSError, ValueError):
+        pass
+    return DEFAULT_DECODE_CHUNK_BYTES
 
 
 @dataclass(slots=True)
@@ -118,7 +135,7 @@ class PagedAttentionMetadata:
             num_blocks: pool size; with ``validate`` the used block ids are checked against it.
             validate: check shapes, dtypes and ranges (off only for a trusted runner).
             decode_chunk_bytes: gathered K+V bytes per decode chunk of the fast path (None =
-                ``DEFAULT_DECODE_CHUNK_BYTES`` x ``torch.get_num_threads()``: with 2 threads,
+                :func:`decode_chunk_bytes_per_thread` x ``torch.get_num_threads()``: with 2 threads,
                 2 MiB chunks left the matmuls too small to split and ran 1.2-1.3x slower).
 
         Returns:
@@ -130,7 +147,7 @@ class PagedAttentionMetadata:
         if validate:
             _check_step_inputs(block_tables, seq_lens, query_start_loc, block_size, sliding_window)
         if decode_chunk_bytes is None:
-            decode_chunk_bytes = DEFAULT_DECODE_CHUNK_BYTES * torch.get_num_threads()
+            decode_chunk_bytes = decode_chunk_bytes_per_thread() * torch.get_num_threads()
         num_reqs = block_tables.shape[0]
         seq_lens_list = seq_lens.tolist()
         qsl = query_start_loc.tolist()
@@ -142,6 +159,9 @@ class PagedAttentionMetadata:
         def kv_start_of(seq_len: int, q_len: int) -> int:
             return 0 if window is None else max(0, seq_len - q_len - window + 1)
 
+        # Index tensors live where block_tables lives (the cache's device); the Python lists above
+        # are host copies (one sync per step).
+        device = block_tables.device
         table = block_tables.long()
         max_block_id = 0
         # Decode group, vectorised over requests. Request i reads whole blocks from the one holding
@@ -155,25 +175,33 @@ class PagedAttentionMetadata:
         decode_reqs.sort(key=lambda i: -blocks_read(i))
         decode_num_blocks = [blocks_read(i) for i in decode_reqs]
         if decode_reqs:
-            dec = torch.tensor(decode_reqs, dtype=torch.long)
-            dec_seq = torch.tensor([seq_lens_list[i] for i in decode_reqs], dtype=torch.long)
-            kv_start = torch.tensor([kv_start_of(seq_lens_list[i], 1) for i in decode_reqs])
+            dec = torch.tensor(decode_reqs, dtype=torch.long, device=device)
+            dec_seq = torch.tensor(
+                [seq_lens_list[i] for i in decode_reqs], dtype=torch.long, device=device
+            )
+            kv_start = torch.tensor(
+                [kv_start_of(seq_lens_list[i], 1) for i in decode_reqs], device=device
+            )
             first_block = kv_start // block_size
-            num_read = torch.tensor(decode_num_blocks)
-            j = torch.arange(decode_num_blocks[0])
+            num_read = torch.tensor(decode_num_blocks, device=device)
+            j = torch.arange(decode_num_blocks[0], device=device)
             used = j[None, :] < num_read[:, None]
             col = torch.where(used, first_block[:, None] + j[None, :], 0)
             decode_block_ids = torch.where(used, table.index_select(0, dec).gather(1, col), 0)
             max_block_id = int(decode_block_ids.max())
             min_block_id = int(decode_block_ids.min())
-            pos = (first_block * block_size)[:, None] + torch.arange(j.numel() * block_size)
+            pos = (first_block * block_size)[:, None] + torch.arange(
+                j.numel() * block_size, device=device
+            )
             decode_valid = (pos >= kv_start[:, None]) & (pos < dec_seq[:, None])
-            decode_token_ids = torch.tensor([qsl[i] for i in decode_reqs], dtype=torch.long)
+            decode_token_ids = torch.tensor(
+                [qsl[i] for i in decode_reqs], dtype=torch.long, device=device
+            )
         else:
             min_block_id = 0
-            decode_block_ids = torch.zeros(0, 0, dtype=torch.long)
-            decode_valid = torch.zeros(0, 0, dtype=torch.bool)
-            decode_token_ids = torch.zeros(0, dtype=torch.long)
+            decode_block_ids = torch.zeros(0, 0, dtype=torch.long, device=device)
+            decode_valid = torch.zeros(0, 0, dtype=torch.bool, device=device)
+            decode_token_ids = torch.zeros(0, dtype=torch.long, device=device)
 
         # Prefill group, one entry per request.
         prefills = []
@@ -182,13 +210,13 @@ class PagedAttentionMetadata:
                 continue
             seq_len, q_len = seq_lens_list[i], q_lens[i]
             kv_start = kv_start_of(seq_len, q_len)
-            k_pos = torch.arange(kv_start, seq_len)
+            k_pos = torch.arange(kv_start, seq_len, device=device)
             blocks = table[i].index_select(0, k_pos // block_size)
             max_block_id = max(max_block_id, int(blocks.max()))
             min_block_id = min(min_block_id, int(blocks.min()))
             attn_mask = None
             if kv_start > 0 or q_len < seq_len or (window is not None and window < seq_len):
-                q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+                q_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
                 attn_mask = k_pos[None, :] <= q_pos
                 if window is not None:
                     attn_mask &= k_pos[None, :] > q_pos - window
@@ -325,3 +353,46 @@ def _check_step_inputs(
         )
     if int(query_start_loc[0]) != 0:
         raise OpsInputError("query_start_loc must start at 0")
+
+
+def check_step(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    block_size: int,
+    *,
+    sliding_window: int | None = None,
+    num_blocks: int | None = None,
+) -> int:
+    """All of :meth:`PagedAttentionMetadata.build`'s checks of a step, without building it
+    (backends with their own metadata validate with this).
+
+    Returns:
+        The largest block id a request reads.
+
+    Raises:
+        OpsInputError: bad ranks or dtypes, inconsistent num_reqs, ``query_start_loc[0] != 0``,
+            a q_len outside ``[1, seq_len]``, a seq_len beyond the block table's capacity, or a
+            block id a request reads outside ``[0, num_blocks)``.
+    """
+    _check_step_inputs(block_tables, seq_lens, query_start_loc, block_size, sliding_window)
+    seq = seq_lens.cpu().long()
+    qsl = query_start_loc.cpu().long()
+    q_lens = qsl[1:] - qsl[:-1]
+    _check_lengths(seq.tolist(), q_lens.tolist(), block_tables.shape[1] * block_size)
+    kv_start = torch.zeros_like(seq)
+    if sliding_window is not None:  # first attended key, as in build()
+        kv_start = (seq - q_lens - sliding_window + 1).clamp(min=0)
+    first = kv_start // block_size
+    end = -(-seq // block_size)  # blocks [first, end) are read
+    col = torch.arange(block_tables.shape[1])
+    used = (col[None, :] >= first[:, None]) & (col[None, :] < end[:, None])
+    ids = block_tables.cpu()[used]
+    if int(ids.min()) < 0:
+        raise OpsInputError(f"block_tables holds a negative block id ({int(ids.min())})")
+    max_block_id = int(ids.max())
+    if num_blocks is not None and max_block_id >= num_blocks:
+        raise OpsInputError(
+            f"block_tables refers to block {max_block_id}, beyond the pool's {num_blocks}"
+        )
+    return max_block_id

@@ -1,23 +1,28 @@
-"""The fast path's gather plan: what each layer copies out of the paged cache, in what chunks.
+"""The torch backend's gather plan: what each layer copies out of the paged cache, in what chunks.
+
+The cache is ``[2, num_blocks, num_kv_heads, block_size, head_size]``: each (block, KV head) is
+one contiguous ``block_size x head_size`` run, a *row* of the view
+``kv_cache[i].view(num_blocks * num_kv_heads, block_size, head_size)``, with
+``row = block_id * num_kv_heads + kv_head``.
 
 Decode requests (sorted by blocks read, most first) are gathered in chunks of about
 ``decode_chunk_bytes`` of K+V, so that the gathered data stays in the CPU cache between the
-gather, the transpose to KV-head-major layout and the two matmuls; each chunk pads only to its own
-longest request. A request bigger than the budget on its own is read in parts along its context
-(split-K, as in flash-decoding, but in two passes: K parts for the scores, then V parts).
-Whole blocks are gathered (one ``index_select`` row = one block, a contiguous
-``block_size x num_kv_heads x head_size`` run): on this CPU that ran at memcpy speed, 1.5-2x
-faster than gathering one row per token and head (docs/ops.md).
+gather and the two matmuls; each chunk pads only to its own longest request. Rows are gathered in
+``(request, kv_head, block)`` order, so one ``index_select`` lands a chunk's keys as
+``[num_reqs, num_kv_heads, kv_len, head_size]``, contiguous: no transpose copy (the previous
+token-major layout needed one, docs/ops.md). A request bigger than the budget on its own is read
+in parts along its context (split-K, as in flash-decoding, but in two passes: K parts for the
+scores, then V parts).
 
-Prefill requests gather *rows*, one per token and KV head::
+Prefill requests gather per-token rows of the view ``kv_cache[i].view(-1, head_size)``::
 
-    kv_cache[i].view(-1, head_size)[row],   row = slot * num_kv_heads + kv_head
+    row = (block_id * num_kv_heads + kv_head) * block_size + offset
 
-which lands exactly their attended keys ``[num_kv_heads, kv_len, head_size]``, contiguous, ready
-for SDPA (prefill is compute-bound; the gather is a small part of it).
+in ``(kv_head, position)`` order, which lands exactly their attended keys ``[num_kv_heads, kv_len,
+head_size]``, ready for SDPA (prefill is compute-bound; the gather is a small part of it).
 
-The plan depends on the cache's head layout, so it is built on a step's first layer and cached in
-the metadata for the other layers.
+The plan depends on the cache's head count and element size, so it is built on a step's first
+layer and cached in the metadata for the other layers.
 """
 
 from __future__ import annotations
@@ -33,9 +38,9 @@ from pagedkv.ops.attention_metadata import PagedAttentionMetadata
 class ZeroSlots:
     """Gathered value slots to zero, at two granularities (each int64 or None for none).
 
-    ``blocks``: rows of the gathered blocks ``[num_gathered_blocks, block_size, ...]`` holding no
-    attended key (padding). ``slots``: rows of the same buffer viewed per token
-    ``[num_gathered_blocks * block_size, ...]``, unattended slots of partly attended blocks.
+    ``blocks``: rows of the gathered ``[num_rows, block_size, head_size]`` holding no attended key
+    (padding). ``slots``: rows of the same buffer viewed per token ``[num_rows * block_size,
+    head_size]``, unattended slots of partly attended blocks.
     """
 
     blocks: torch.Tensor | None
@@ -43,7 +48,7 @@ class ZeroSlots:
 
     @classmethod
     def of(cls, invalid: torch.Tensor, block_size: int) -> ZeroSlots | None:
-        """From a ``[num_gathered_blocks * block_size]`` bool mask (True = zero)."""
+        """From a ``[num_rows * block_size]`` bool mask (True = zero)."""
         per_block = invalid.view(-1, block_size)
         full = per_block.all(dim=1)
         partial = per_block & ~full[:, None]
@@ -54,7 +59,7 @@ class ZeroSlots:
         return cls(blocks if blocks.numel() else None, slots if slots.numel() else None)
 
     def apply(self, gathered: torch.Tensor) -> None:
-        """Zero the slots in ``gathered`` ``[num_gathered_blocks, block_size, ...]`` in place."""
+        """Zero the slots in ``gathered`` ``[num_rows, block_size, head_size]`` in place."""
         if gathered.dtype.itemsize == 1:  # fp8: no fill kernel; 0x00 is +0.0 in both formats
             gathered = gathered.view(torch.uint8)
         if self.blocks is not None:
@@ -70,15 +75,17 @@ class DecodeChunk:
     token_ids: torch.Tensor  # [num_reqs] int64 query rows
     num_reqs: int
     num_blocks: int  # blocks read per request (padded to the chunk's longest)
-    block_ids: torch.Tensor  # [num_reqs * num_blocks] int64
+    rows: torch.Tensor  # [num_reqs * num_kv_heads * num_blocks] int64 (request, head, block) rows
     key_mask: torch.Tensor | None  # [num_reqs, 1, 1, num_blocks * block_size] bool, True = masked
-    # V slots outside the requests' keys, zeroed in the gathered blocks (None = none): only the
+    # V slots outside the requests' keys, zeroed in the gathered rows (None = none): only the
     # last block's tail, a sliding window's first-block head and padding blocks.
     value_zero: ZeroSlots | None
     # A request alone bigger than the chunk budget is read in parts of part_blocks blocks: all K
     # parts (scores), softmax over the whole row, then all V parts. None = one part.
     part_blocks: int | None = None
-    # With parts: per V part, the slots to zero in that part's gathered blocks (or None).
+    # With parts: per part, its rows ([num_kv_heads * blocks in the part], head-major) and the
+    # value slots to zero in that part's gathered rows (or None).
+    part_rows: list[torch.Tensor] | None = None
     part_value_zero: list[ZeroSlots | None] | None = None
 
 
@@ -88,16 +95,16 @@ class GatherPlan:
 
     decode_chunks: list[DecodeChunk]
     prefill_rows: list[torch.Tensor]  # per prefill request: [num_kv_heads * kv_len] int64
-    max_decode_blocks: int  # blocks of the largest decode chunk
+    max_decode_rows: int  # gathered (block, head) rows of the largest decode chunk or part
     max_prefill_rows: int
-    buffers: dict = field(default_factory=dict)  # (dtype, shape) -> reused tensor
+    buffers: dict = field(default_factory=dict)  # (name, shape, dtype) -> reused tensor
 
-    def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
         """A reused scratch tensor (allocated on first use, shared by the step's layers)."""
         key = (name, shape, dtype)
         buf = self.buffers.get(key)
         if buf is None:
-            buf = self.buffers[key] = torch.empty(shape, dtype=dtype)
+            buf = self.buffers[key] = torch.empty(shape, dtype=dtype, device=device)
         return buf
 
 
@@ -121,9 +128,11 @@ def get_gather_plan(
 
 def _build(md: PagedAttentionMetadata, num_kv_heads: int, bytes_per_token: int) -> GatherPlan:
     chunks = []
-    max_decode_blocks = 0
+    max_decode_rows = 0
     counts = md.decode_num_blocks
     bs = md.block_size
+    device = md.decode_block_ids.device
+    heads = torch.arange(num_kv_heads, device=device)
     start = 0
     while start < len(counts):
         num_blocks = counts[start]  # sorted descending: the chunk's longest
@@ -135,38 +144,51 @@ def _build(md: PagedAttentionMetadata, num_kv_heads: int, bytes_per_token: int) 
         kv_len = num_blocks * bs
         valid = md.decode_valid[start:end, :kv_len]
         block_ids = md.decode_block_ids[start:end, :num_blocks]
-        key_mask = value_zero = part_value_zero = None
+        key_mask = value_zero = part_rows = part_value_zero = None
+        invalid = None
         if not bool(valid.all()):
             key_mask = ~valid[:, None, None, :]
             block_ids, valid = _read_padding_from_own_block(block_ids, valid, bs)
-            invalid = ~valid.reshape(-1)
-            if part_blocks is None:
-                value_zero = ZeroSlots.of(invalid, bs)
-            else:  # one request (alone over budget), read in parts of part_blocks blocks
-                step = part_blocks * bs
-                part_value_zero = [
-                    ZeroSlots.of(invalid[t0 : t0 + step], bs) for t0 in range(0, kv_len, step)
-                ]
+            # per (request, head, position): the same mask for every head
+            invalid = (~valid)[:, None, :].expand(-1, num_kv_heads, -1)
+        # [n, num_kv_heads, num_blocks] rows of the (block, head) view
+        rows = block_ids[:, None, :] * num_kv_heads + heads[None, :, None]
+        if part_blocks is None:
+            if invalid is not None:
+                value_zero = ZeroSlots.of(invalid.reshape(-1), bs)
+            max_decode_rows = max(max_decode_rows, rows.numel())
+        else:  # one request (alone over budget), read in parts of part_blocks blocks
+            part_rows, part_value_zero = [], []
+            for b0 in range(0, num_blocks, part_blocks):
+                b1 = min(num_blocks, b0 + part_blocks)
+                part_rows.append(rows[0, :, b0:b1].reshape(-1))
+                part_invalid = None if invalid is None else invalid[0, :, b0 * bs : b1 * bs]
+                part_value_zero.append(
+                    None if part_invalid is None else ZeroSlots.of(part_invalid.reshape(-1), bs)
+                )
+                max_decode_rows = max(max_decode_rows, part_rows[-1].numel())
         chunks.append(
             DecodeChunk(
                 token_ids=md.decode_token_ids[start:end],
                 num_reqs=end - start,
                 num_blocks=num_blocks,
-                block_ids=block_ids.reshape(-1),
+                rows=rows.reshape(-1),
                 key_mask=key_mask,
                 value_zero=value_zero,
                 part_blocks=part_blocks,
+                part_rows=part_rows,
                 part_value_zero=part_value_zero,
             )
         )
-        max_decode_blocks = max(max_decode_blocks, part_blocks or (end - start) * num_blocks)
         start = end
-    heads = torch.arange(num_kv_heads).view(num_kv_heads, 1)
-    prefill_rows = [(p.kv_slots[None, :] * num_kv_heads + heads).reshape(-1) for p in md.prefills]
+    prefill_rows = []
+    for p in md.prefills:
+        token_rows = (p.kv_slots // bs) * (num_kv_heads * bs) + p.kv_slots % bs  # head 0
+        prefill_rows.append((token_rows[None, :] + (heads * bs)[:, None]).reshape(-1))
     return GatherPlan(
         decode_chunks=chunks,
         prefill_rows=prefill_rows,
-        max_decode_blocks=max_decode_blocks,
+        max_decode_rows=max_decode_rows,
         max_prefill_rows=max([0] + [r.numel() for r in prefill_rows]),
     )
 

@@ -1,19 +1,27 @@
 """The paged KV cache of one attention layer: its layout, allocation, and the slot-mapped write.
 
-Layout (one tensor per layer)::
+Layout (one tensor per layer), shared by the ``torch`` and ``triton`` attention backends::
 
-    kv_cache[2, num_blocks, block_size, num_kv_heads, head_size]
-             |  |           |
-             |  |           +-- token offset inside the block
+    kv_cache[2, num_blocks, num_kv_heads, block_size, head_size]
+             |  |           |             |
+             |  |           |             +-- token offset inside the block
+             |  |           +-- KV head: each (block, head) is one contiguous
+             |  |               block_size x head_size run
              |  +-- physical block id (block 0 = the null block, never written by the runner)
              +-- 0 = keys, 1 = values
 
-A token's *slot* is ``block_id * block_size + offset``; ``kv_cache[i].view(-1, num_kv_heads,
-head_size)[slot]`` is its key (i = 0) or value (i = 1). Same layout as vLLM's CPU/flash backends
-(``[2, num_blocks, block_size, num_kv_heads, head_size]``).
+A token's *slot* is ``block_id * block_size + offset``; its key for KV head ``h`` is
+``kv_cache[0, slot // block_size, h, slot % block_size]``. This is vLLM's "HND" layout
+(``[num_blocks, num_kv_heads, block_size, head_size]`` per K and V, the one its CPU backend reads).
+Why head-major inside a block: a request's keys for one KV head are whole ``block_size x head_size``
+runs, so one ``index_select`` over ``(block, head)`` rows lands them as ``[num_kv_heads, kv_len,
+head_size]`` ready for the matmuls, with no transpose copy (docs/ops.md measures it).
 
 fp8 caches (``torch.float8_e4m3fn`` / ``float8_e5m2``) store ``x / scale`` with one per-tensor scale
 for K (``k_scale``) and one for V (``v_scale``); reads multiply back.
+
+Other backends may hold other layouts (``pagedkv.ops.backends``); nothing above the ops layer
+reads a cache's layout.
 """
 
 from __future__ import annotations
@@ -80,7 +88,7 @@ def allocate_kv_cache(
         device: torch device.
 
     Returns:
-        Tensor ``[2, num_blocks, block_size, num_kv_heads, head_size]`` of zeros.
+        Tensor ``[2, num_blocks, num_kv_heads, block_size, head_size]`` of zeros.
 
     Raises:
         OpsInputError: a size < 1 or an unsupported dtype.
@@ -93,11 +101,36 @@ def allocate_kv_cache(
     ):
         check_int(name, value, 1, error=OpsInputError)
     torch_dtype = resolve_kv_dtype(dtype)
-    shape = (2, num_blocks, block_size, num_kv_heads, head_size)
+    shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
     if torch_dtype in FP8_DTYPES:
         # torch.zeros cannot fill fp8 on every build; the zero bit pattern is +0.0 in both formats.
         return torch.zeros(shape, dtype=torch.uint8, device=device).view(torch_dtype)
     return torch.zeros(shape, dtype=torch_dtype, device=device)
+
+
+def kv_cache_shape(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+) -> tuple[int, int, int, int, int]:
+    """Shape of one layer's cache in this layout: ``(2, num_blocks, num_kv_heads, block_size,
+    head_size)``."""
+    return (2, num_blocks, num_kv_heads, block_size, head_size)
+
+
+def cache_dims(kv_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """``(num_blocks, block_size, num_kv_heads, head_size)`` of a cache in this layout."""
+    _, num_blocks, num_kv_heads, block_size, head_size = kv_cache.shape
+    return num_blocks, block_size, num_kv_heads, head_size
+
+
+def check_kv_cache(kv_cache: torch.Tensor) -> None:
+    """Raise :class:`OpsInputError` unless ``kv_cache`` is a contiguous 5-D cache of this layout."""
+    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise OpsInputError(
+            "kv_cache must be [2, num_blocks, num_kv_heads, block_size, head_size], got "
+            f"{tuple(kv_cache.shape) if isinstance(kv_cache, torch.Tensor) else type(kv_cache)}"
+        )
+    if not kv_cache.is_contiguous():
+        raise OpsInputError("kv_cache must be contiguous (allocate it with allocate_kv_cache)")
 
 
 def _check_write_kv(
@@ -106,14 +139,8 @@ def _check_write_kv(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise OpsInputError(
-            "kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_size], "
-            f"got {tuple(kv_cache.shape)}"
-        )
-    if not kv_cache.is_contiguous():
-        raise OpsInputError("kv_cache must be contiguous (allocate it with allocate_kv_cache)")
-    _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
+    check_kv_cache(kv_cache)
+    num_blocks, block_size, num_kv_heads, head_size = cache_dims(kv_cache)
     if key.dim() != 3 or key.shape != value.shape:
         raise OpsInputError(
             "key and value must both be [num_tokens, num_kv_heads, head_size], "
@@ -168,13 +195,14 @@ def write_kv(
 ) -> None:
     """Write a step's keys and values into their slots of the paged KV cache, in place.
 
-    Vectorised: one ``index_copy_`` per K and V, no Python loop over tokens.
+    Vectorised: one ``index_put_`` per K and V, no Python loop over tokens.
 
     Args:
         key: ``[num_tokens, num_kv_heads, head_size]``, the cache's dtype (any float dtype for an
-            fp8 cache: it is divided by ``k_scale`` and rounded to fp8).
+            fp8 cache: it is divided by ``k_scale`` and rounded to fp8). May be a strided view
+            (split from a fused QKV projection).
         value: same shape and dtype as ``key``.
-        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (see module docs).
+        kv_cache: ``[2, num_blocks, num_kv_heads, block_size, head_size]`` (see module docs).
         slot_mapping: ``[num_tokens]`` int32/int64; slot = block_id * block_size + offset;
             -1 = skip this token (padding).
         validate: check shapes, dtypes and slot range first; off only for a trusted runner.
@@ -192,16 +220,33 @@ def write_kv(
 
         write_kv_triton(key, value, kv_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
         return
-    num_kv_heads, head_size = kv_cache.shape[3], kv_cache.shape[4]
+    write_kv_torch(key, value, kv_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+
+
+def write_kv_torch(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """:func:`write_kv` in plain torch on any device, without validation (the torch backend's
+    write)."""
+    block_size = kv_cache.shape[3]
     slots = slot_mapping.long()
     skip = slots < 0
     if bool(skip.any()):
         keep = ~skip
         slots, key, value = slots[keep], key[keep], value[keep]
     if kv_cache.dtype in FP8_DTYPES:
-        # index_copy_ has no fp8 kernel on CPU: copy the bytes through a uint8 view.
+        # index_put_ has no fp8 kernel on CPU: copy the bytes through a uint8 view.
         key = (key.float() / k_scale).to(kv_cache.dtype).view(torch.uint8)
         value = (value.float() / v_scale).to(kv_cache.dtype).view(torch.uint8)
         kv_cache = kv_cache.view(torch.uint8)
-    kv_cache[0].view(-1, num_kv_heads, head_size).index_copy_(0, slots, key)
-    kv_cache[1].view(-1, num_kv_heads, head_size).index_copy_(0, slots, value)
+    index = (slots // block_size, slots % block_size)
+    # [num_blocks, block_size, num_kv_heads, head_size] views: element [b, o] is one token's
+    # [num_kv_heads, head_size], written by one indexed assignment per K and V.
+    kv_cache[0].transpose(1, 2).index_put_(index, key)
+    kv_cache[1].transpose(1, 2).index_put_(index, value)

@@ -23,7 +23,7 @@ def reference_paged_attention(
 
     Args:
         query: ``[num_tokens, num_heads, head_size]``.
-        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]``.
+        kv_cache: ``[2, num_blocks, num_kv_heads, block_size, head_size]``.
         metadata: the step's :class:`PagedAttentionMetadata` (only its plain inputs are used).
         scale: softmax scale (usually ``head_size ** -0.5``).
         k_scale, v_scale: fp8 dequantisation scales (ignored for other dtypes).
@@ -32,12 +32,13 @@ def reference_paged_attention(
         ``[num_tokens, num_heads, head_size]`` in ``query.dtype``.
     """
     num_heads = query.shape[1]
-    _, _, block_size, num_kv_heads, head_size = kv_cache.shape
+    _, _, num_kv_heads, block_size, head_size = kv_cache.shape
     group = num_heads // num_kv_heads
     if kv_cache.dtype not in FP8_DTYPES:
         k_scale = v_scale = 1.0
-    key_slots = kv_cache[0].reshape(-1, num_kv_heads, head_size)
-    value_slots = kv_cache[1].reshape(-1, num_kv_heads, head_size)
+    # [num_slots, num_kv_heads, head_size]: slot-major copies of the cache (slow on purpose)
+    key_slots = kv_cache[0].transpose(1, 2).reshape(-1, num_kv_heads, head_size)
+    value_slots = kv_cache[1].transpose(1, 2).reshape(-1, num_kv_heads, head_size)
     window = metadata.sliding_window
     out = torch.empty_like(query)
     qsl = metadata.query_start_loc_list
@@ -45,7 +46,7 @@ def reference_paged_attention(
         seq_len = metadata.seq_lens_list[i]
         start, end = qsl[i], qsl[i + 1]
         q_len = end - start
-        positions = torch.arange(seq_len)
+        positions = torch.arange(seq_len, device=key_slots.device)
         blocks = metadata.block_tables[i].long()[positions // block_size]
         slots = blocks * block_size + positions % block_size
         k = key_slots[slots].float() * k_scale  # [seq_len, kv_heads, head]
@@ -54,7 +55,7 @@ def reference_paged_attention(
         v = v.repeat_interleave(group, dim=1).transpose(0, 1)
         q = query[start:end].float().transpose(0, 1)  # [heads, q_len, head]
         scores = (q @ k.transpose(1, 2)) * scale  # [heads, q_len, seq_len]
-        q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=key_slots.device)[:, None]
         visible = positions[None, :] <= q_pos
         if window is not None:
             visible &= positions[None, :] > q_pos - window

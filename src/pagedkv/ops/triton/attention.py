@@ -66,7 +66,7 @@ def paged_attention_triton(
 
     Args:
         query: ``[num_tokens, num_heads, head_size]`` fp32/bf16/fp16, last dim contiguous.
-        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]``, contiguous, the query's
+        kv_cache: ``[2, num_blocks, num_kv_heads, block_size, head_size]``, contiguous, the query's
             dtype or fp8 (``float8_e4m3fn`` / ``float8_e5m2``; values are ``stored * scale``).
         block_tables: ``[num_reqs, max_num_blocks]`` int32/int64, padded with the null block 0.
         seq_lens: ``[num_reqs]`` int32/int64, tokens in the cache per request (this step's
@@ -87,7 +87,7 @@ def paged_attention_triton(
         ``[num_tokens, num_heads, head_size]`` in ``query.dtype``.
     """
     num_tokens, num_heads, head_size = query.shape
-    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    _, _, num_kv_heads, block_size, _ = kv_cache.shape
     num_reqs = block_tables.shape[0]
     out = torch.empty_like(query)
     if num_tokens == 0:
@@ -95,7 +95,9 @@ def paged_attention_triton(
     if query.stride(-1) != 1:
         query = query.contiguous()
     num_queries_per_kv = num_heads // num_kv_heads
-    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    # [num_blocks, block_size, num_kv_heads, head_size] views: the kernels index (block, token,
+    # head) through these strides, whatever the layout behind them.
+    key_cache, value_cache = kv_cache[0].transpose(1, 2), kv_cache[1].transpose(1, 2)
     is_fp8 = kv_cache.dtype in FP8_DTYPES
     # NOTE: Triton's interpreter (CPU tensors) computes tl.dot on bf16 wrongly; use fp32 there.
     interpreted = query.device.type != "cuda" or triton.knobs.runtime.interpret

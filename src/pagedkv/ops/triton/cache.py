@@ -81,7 +81,7 @@ def write_kv_triton(
         key: ``[num_tokens, num_kv_heads, head_size]`` fp32/bf16/fp16; the last dim contiguous
             (a view split from a fused QKV projection is fine).
         value: same shape as ``key``.
-        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]``, contiguous, the key's
+        kv_cache: ``[2, num_blocks, num_kv_heads, block_size, head_size]``, contiguous, the key's
             dtype or fp8 (``torch.float8_e4m3fn`` / ``float8_e5m2``, stores ``x / scale``).
         slot_mapping: ``[num_tokens]`` int32/int64; slot = block_id * block_size + offset;
             -1 = skip.
@@ -90,12 +90,14 @@ def write_kv_triton(
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return
-    _, _, block_size, num_kv_heads, head_size = kv_cache.shape
+    _, _, num_kv_heads, block_size, head_size = kv_cache.shape
     if key.stride(-1) != 1:
         key = key.contiguous()
     if value.stride(-1) != 1:
         value = value.contiguous()
-    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    # [num_blocks, block_size, num_kv_heads, head_size] views: the kernels index (block, token,
+    # head) through these strides, whatever the layout behind them.
+    key_cache, value_cache = kv_cache[0].transpose(1, 2), kv_cache[1].transpose(1, 2)
     _write_kv_kernel[(num_tokens,)](
         key,
         value,

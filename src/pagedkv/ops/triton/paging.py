@@ -1,9 +1,9 @@
 """Block-table addressing inside Triton kernels: token positions -> offsets into the paged cache.
 
-One KV cache tensor per layer is ``[2, num_blocks, block_size, num_kv_heads, head_size]``; a
+One KV cache tensor per layer is ``[2, num_blocks, num_kv_heads, block_size, head_size]``; a
 kernel gets ``kv_cache[0]`` (keys) and ``kv_cache[1]`` (values) as base pointers plus their
-strides. Token ``pos`` of a request lives in physical block ``block_table[pos // block_size]`` at
-offset ``pos % block_size``::
+(block, token, head) strides. Token ``pos`` of a request lives in physical block
+``block_table[pos // block_size]`` at offset ``pos % block_size``::
 
     positions    0 1 2 3 | 4 5 6 7 | 8 9            (block_size 4)
     block_table  [   7   ,    2    ,  9  , 0, 0]    (padded with the null block 0)

@@ -1,0 +1,356 @@
+"""The attention backend interface: a backend owns its KV-cache layout and the attention over it.
+
+As vLLM's attention backends (``vllm/v1/attention/backend.py``): the runner asks the backend for
+the cache of each layer, and per step hands it the step's tensors once; nothing above the ops
+layer knows a layout. Per model (once)::
+
+    backend = select_backend("auto", device, dtype, head_size)           # pagedkv.ops.backends
+    spec = AttentionLayerSpec(num_heads=9, num_kv_heads=3, head_size=64,
+                              block_size=backend.default_block_size(64, dtype), dtype=dtype)
+    kv_caches = [backend.allocate_kv_cache(num_blocks, spec) for _ in layers]
+
+per step (once, shared by every layer with the same spec)::
+
+    common = CommonAttentionMetadata(block_tables, seq_lens, query_start_loc, slot_mapping)
+    md = backend.build_metadata(common, spec)
+
+per layer::
+
+    backend.write_kv(k, v, kv_caches[i], md)
+    out = backend.forward(q, kv_caches[i], md)            # [num_tokens, num_heads, head_size]
+
+Query rows follow flash-attention's varlen layout: request ``i`` owns rows
+``[query_start_loc[i], query_start_loc[i+1])``, the last ``q_len`` positions of its
+``seq_lens[i]``-token sequence, causal within the request (decode, prefill, prefill after a prefix
+cache hit and chunked prefill mix freely). A sliding window ``W`` lets the query at position ``p``
+see keys ``p - W < k <= p`` (vLLM's and Mistral's convention).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from pagedkv.errors import OpsInputError
+from pagedkv.ops.attention_metadata import check_step
+from pagedkv.ops.kv_cache import FP8_DTYPES, resolve_kv_dtype
+
+QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttentionLayerSpec:
+    """What a backend needs to know about one attention layer (fixed for the model's life).
+
+    Layers with equal specs share one per-step metadata (Gemma 3: one for its sliding-window
+    layers, one for its global layers).
+
+    Args:
+        num_heads: query heads (a multiple of ``num_kv_heads``: GQA / MQA).
+        num_kv_heads: KV heads.
+        head_size: elements per head.
+        block_size: tokens per KV-cache block.
+        dtype: query / output dtype (float32, bfloat16 or float16).
+        kv_cache_dtype: cache dtype: a torch dtype or name (``pagedkv.ops.kv_cache``); None = the
+            query's. fp8 (``float8_e4m3fn`` / ``float8_e5m2``) stores ``x / k_scale``.
+        sliding_window: attend to the last ``sliding_window`` positions only (None = all).
+        scale: softmax scale; None = ``head_size ** -0.5``.
+
+    Raises:
+        OpsInputError: a value out of range.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    dtype: torch.dtype = torch.bfloat16
+    kv_cache_dtype: torch.dtype | str | None = None
+    sliding_window: int | None = None
+    scale: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "num_kv_heads", "head_size", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise OpsInputError(f"{name} must be an int >= 1, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise OpsInputError(
+                f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}"
+            )
+        if self.dtype not in QUERY_DTYPES:
+            raise OpsInputError(f"dtype must be float32, bfloat16 or float16, got {self.dtype}")
+        window = self.sliding_window
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool)):
+            raise OpsInputError(f"sliding_window must be None or an int >= 1, got {window!r}")
+        if window is not None and window < 1:
+            raise OpsInputError(f"sliding_window must be None or an int >= 1, got {window!r}")
+        kv_dtype = self.dtype if self.kv_cache_dtype is None else self.kv_cache_dtype
+        kv_dtype = resolve_kv_dtype(kv_dtype)
+        if kv_dtype not in FP8_DTYPES and kv_dtype != self.dtype:
+            raise OpsInputError(
+                f"kv_cache_dtype {kv_dtype} must be the query dtype {self.dtype} or an fp8 dtype"
+            )
+        object.__setattr__(self, "kv_cache_dtype", kv_dtype)
+        if self.scale is None:
+            object.__setattr__(self, "scale", self.head_size**-0.5)
+
+    @property
+    def is_fp8(self) -> bool:
+        """The cache stores fp8."""
+        return self.kv_cache_dtype in FP8_DTYPES
+
+
+@dataclass(slots=True)
+class CommonAttentionMetadata:
+    """The step's tensors, the same for every backend and layer (vLLM's name for it).
+
+    Attributes:
+        block_tables: ``[num_reqs, max_num_blocks]`` int32 physical block ids, padded with the
+            null block 0 (entries past a request's blocks are never read, so a reused buffer
+            with stale rows is fine). On the cache's device.
+        seq_lens: ``[num_reqs]`` int32, tokens per request in the cache after this step's write.
+        query_start_loc: ``[num_reqs + 1]`` int32, cumulative query lengths from 0.
+        slot_mapping: ``[num_tokens]`` int64 (int32 accepted), cache slot of each token's K/V
+            (``block_id * block_size + offset``; -1 = do not write).
+        num_blocks: the pool's size, checked against the block ids when validating (None = no
+            check).
+        seq_lens_cpu, query_start_loc_cpu: host copies of the two, when the tensors live on an
+            accelerator (saves a device sync per step); None = read the tensors.
+    """
+
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_blocks: int | None = None
+    seq_lens_cpu: torch.Tensor | None = None
+    query_start_loc_cpu: torch.Tensor | None = None
+
+    @property
+    def num_reqs(self) -> int:
+        """Requests in the step."""
+        return self.block_tables.shape[0]
+
+    def host_seq_lens(self) -> torch.Tensor:
+        """``seq_lens`` on the host."""
+        return self.seq_lens.cpu() if self.seq_lens_cpu is None else self.seq_lens_cpu
+
+    def host_query_start_loc(self) -> torch.Tensor:
+        """``query_start_loc`` on the host."""
+        if self.query_start_loc_cpu is None:
+            return self.query_start_loc.cpu()
+        return self.query_start_loc_cpu
+
+    def validate(self, block_size: int, sliding_window: int | None) -> int:
+        """Check shapes, dtypes, lengths, block ids (against ``num_blocks``) and the slot
+        mapping's range.
+
+        Returns:
+            The largest block id a request reads.
+
+        Raises:
+            OpsInputError: the first inconsistency found.
+        """
+        max_block_id = check_step(
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            block_size,
+            sliding_window=sliding_window,
+            num_blocks=self.num_blocks,
+        )
+        slots = self.slot_mapping
+        if not isinstance(slots, torch.Tensor) or slots.dim() != 1:
+            raise OpsInputError("slot_mapping must be a 1-D tensor")
+        if slots.dtype not in (torch.int32, torch.int64):
+            raise OpsInputError(f"slot_mapping must be int32 or int64, got {slots.dtype}")
+        num_tokens = int(self.host_query_start_loc()[-1])
+        if slots.shape[0] != num_tokens:
+            raise OpsInputError(
+                f"slot_mapping has {slots.shape[0]} entries, query_start_loc ends at {num_tokens}"
+            )
+        if self.num_blocks is not None and num_tokens:
+            lo, hi = int(slots.min()), int(slots.max())
+            if lo < -1 or hi >= self.num_blocks * block_size:
+                raise OpsInputError(
+                    f"slot_mapping values must be -1 (skip) or in [0, "
+                    f"{self.num_blocks * block_size}), got range [{lo}, {hi}]"
+                )
+        return max_block_id
+
+
+class AttentionBackend(ABC):
+    """One way to store a layer's KV cache and run paged attention over it.
+
+    Subclasses set :attr:`name` and implement the abstract methods. A backend instance holds no
+    per-step state: everything a step derives lives in the metadata :meth:`build_metadata`
+    returns, which every layer of the step with that spec shares.
+
+    Args:
+        device: where its caches and metadata live.
+
+    Raises:
+        ConfigError: (subclasses) the backend cannot run on ``device`` here; see
+            :meth:`unavailable_reason`.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(device={str(self.device)!r})"
+
+    @classmethod
+    @abstractmethod
+    def unavailable_reason(cls, device: torch.device | str) -> str | None:
+        """None if this backend can run on ``device`` in this process, else why not (one line
+        that says what to install or change)."""
+
+    # --- the cache ---------------------------------------------------------------------------
+
+    @abstractmethod
+    def block_size_multiple(
+        self, head_size: int, dtype: torch.dtype, kv_cache_dtype: torch.dtype | None = None
+    ) -> int:
+        """Block sizes this backend runs are the multiples of this (1 = any)."""
+
+    @abstractmethod
+    def default_block_size(
+        self, head_size: int, dtype: torch.dtype, kv_cache_dtype: torch.dtype | None = None
+    ) -> int:
+        """The block size this backend runs fastest (measured, docs/ops.md)."""
+
+    @abstractmethod
+    def unsupported_reason(self, spec: AttentionLayerSpec) -> str | None:
+        """None if this backend runs layers of ``spec``, else why not (head size, dtype, block
+        size...)."""
+
+    def check_layer(self, spec: AttentionLayerSpec) -> None:
+        """Raise :class:`OpsInputError` naming what is unsupported, if anything."""
+        reason = self.unsupported_reason(spec)
+        if reason is not None:
+            raise OpsInputError(
+                f"the {self.name} attention backend cannot run this layer: {reason}"
+            )
+
+    @abstractmethod
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        """Shape of one layer's cache tensor (its bytes are always ``num_blocks x
+        AttentionSpec.page_size_bytes``: no backend pads)."""
+
+    @abstractmethod
+    def allocate_kv_cache(self, num_blocks: int, spec: AttentionLayerSpec) -> torch.Tensor:
+        """One layer's cache, zero-filled, on this backend's device.
+
+        Raises:
+            OpsInputError: ``num_blocks < 1`` or a spec this backend cannot run.
+        """
+
+    # --- per step ----------------------------------------------------------------------------
+
+    @abstractmethod
+    def build_metadata(
+        self, common: CommonAttentionMetadata, spec: AttentionLayerSpec, *, validate: bool = True
+    ) -> Any:
+        """The step's metadata for layers of ``spec``: built once per step, passed to
+        :meth:`write_kv` and :meth:`forward` of every such layer.
+
+        Raises:
+            OpsInputError: (validate=True) inconsistent step tensors (see
+                :meth:`CommonAttentionMetadata.validate`) or an unsupported spec.
+        """
+
+    @staticmethod
+    def fp8_stored_value(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype) -> torch.Tensor:
+        """What a write of ``x`` stores in an fp8 cache of this backend, dequantised (float32):
+        ``x / scale`` rounded to nearest in ``fp8_dtype``, times ``scale`` (torch's conversion;
+        backends that convert otherwise override this). For tests against dense attention."""
+        return (x.float() / scale).to(fp8_dtype).float() * scale
+
+    # --- per layer ---------------------------------------------------------------------------
+
+    @abstractmethod
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: Any,
+        *,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+        validate: bool = False,
+    ) -> None:
+        """Write the step's keys and values ``[num_tokens, num_kv_heads, head_size]`` (the
+        query dtype; strided views allowed) into their slots (the metadata's slot mapping; -1 =
+        skip), in place.
+
+        Raises:
+            OpsInputError: (validate=True) shapes or dtypes that do not match the spec.
+        """
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: Any,
+        *,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+        validate: bool = False,
+    ) -> torch.Tensor:
+        """Causal paged attention of the step's queries ``[num_tokens, num_heads, head_size]``
+        over the cache (this step's K/V already written).
+
+        Returns:
+            ``[num_tokens, num_heads, head_size]`` in the query dtype.
+
+        Raises:
+            OpsInputError: (validate=True) shapes or dtypes that do not match the spec.
+        """
+
+
+def check_layer_tensors(
+    spec: AttentionLayerSpec,
+    num_tokens: int,
+    kv_cache: torch.Tensor,
+    expected_shape: tuple[int, ...],
+    query: torch.Tensor | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+) -> None:
+    """Shared per-layer checks of a backend's ``validate=True`` path.
+
+    Raises:
+        OpsInputError: a tensor whose shape or dtype does not match the spec or the step.
+    """
+    if not isinstance(kv_cache, torch.Tensor) or tuple(kv_cache.shape) != tuple(expected_shape):
+        got = tuple(kv_cache.shape) if isinstance(kv_cache, torch.Tensor) else type(kv_cache)
+        raise OpsInputError(
+            f"kv_cache must have this backend's shape {tuple(expected_shape)}, got {got}"
+        )
+    if kv_cache.dtype != spec.kv_cache_dtype:
+        raise OpsInputError(f"kv_cache dtype {kv_cache.dtype} != the spec's {spec.kv_cache_dtype}")
+    if query is not None:
+        want = (num_tokens, spec.num_heads, spec.head_size)
+        if tuple(query.shape) != want or query.dtype != spec.dtype:
+            raise OpsInputError(
+                f"query must be {want} {spec.dtype}, got {tuple(query.shape)} {query.dtype}"
+            )
+    for name, tensor in (("key", key), ("value", value)):
+        if tensor is None:
+            continue
+        want = (num_tokens, spec.num_kv_heads, spec.head_size)
+        if tuple(tensor.shape) != want or tensor.dtype != spec.dtype:
+            raise OpsInputError(
+                f"{name} must be {want} {spec.dtype}, got {tuple(tensor.shape)} {tensor.dtype}"
+            )

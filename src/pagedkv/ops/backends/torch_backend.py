@@ -1,0 +1,166 @@
+"""The ``torch`` attention backend: pagedkv's own pure-torch paths, available everywhere.
+
+Cache layout ``[2, num_blocks, num_kv_heads, block_size, head_size]`` (``pagedkv.ops.kv_cache``),
+any block size, any head size, float32 / bfloat16 / float16 and fp8 caches. ``impl="cpu"`` is the
+fast path (``pagedkv.ops.cpu_attention``: chunked block gathers, grouped bmm-softmax-bmm for
+decodes, SDPA per prefill); ``impl="reference"`` is the plain per-request path the others are
+tested against. Both run on any torch device (the fast path is tuned for CPUs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedkv.errors import OpsInputError
+from pagedkv.ops.attention_metadata import PagedAttentionMetadata
+from pagedkv.ops.backends.base import (
+    AttentionBackend,
+    AttentionLayerSpec,
+    CommonAttentionMetadata,
+    check_layer_tensors,
+)
+from pagedkv.ops.cpu_attention import cpu_paged_attention
+from pagedkv.ops.kv_cache import allocate_kv_cache, kv_cache_shape, write_kv_torch
+from pagedkv.ops.reference import reference_paged_attention
+
+#: Block size of the torch backend's fastest decode on the machines measured (docs/ops.md).
+TORCH_DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass(slots=True)
+class TorchAttentionMetadata:
+    """The torch backend's per-step metadata for one layer spec.
+
+    Attributes:
+        spec: the layers it serves.
+        slot_mapping: ``[num_tokens]`` int64.
+        paged: the index work of the step (:class:`PagedAttentionMetadata`; it caches the fast
+            path's gather plan and scratch buffers for the step's layers).
+    """
+
+    spec: AttentionLayerSpec
+    slot_mapping: torch.Tensor
+    paged: PagedAttentionMetadata
+
+    @property
+    def num_tokens(self) -> int:
+        return self.paged.num_tokens
+
+
+class TorchBackend(AttentionBackend):
+    """pagedkv's pure-torch paged attention (see module docs).
+
+    Args:
+        device: where caches and metadata live.
+        impl: ``"cpu"`` (fast path) or ``"reference"``.
+        decode_chunk_bytes: K+V bytes per decode gather chunk (None = 2 MiB x torch threads,
+            see :meth:`PagedAttentionMetadata.build`).
+
+    Raises:
+        OpsInputError: an unknown ``impl``.
+    """
+
+    name = "torch"
+
+    def __init__(
+        self,
+        device: torch.device | str = "cpu",
+        *,
+        impl: str = "cpu",
+        decode_chunk_bytes: int | None = None,
+    ) -> None:
+        if impl not in ("cpu", "reference"):
+            raise OpsInputError(f"impl must be 'cpu' or 'reference', got {impl!r}")
+        super().__init__(device)
+        self.impl = impl
+        self.decode_chunk_bytes = decode_chunk_bytes
+
+    @classmethod
+    def unavailable_reason(cls, device: torch.device | str) -> str | None:
+        return None
+
+    def block_size_multiple(self, head_size, dtype, kv_cache_dtype=None) -> int:
+        return 1
+
+    def default_block_size(self, head_size, dtype, kv_cache_dtype=None) -> int:
+        return TORCH_DEFAULT_BLOCK_SIZE
+
+    def unsupported_reason(self, spec: AttentionLayerSpec) -> str | None:
+        return None
+
+    def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_size) -> tuple[int, ...]:
+        return kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+
+    def allocate_kv_cache(self, num_blocks: int, spec: AttentionLayerSpec) -> torch.Tensor:
+        return allocate_kv_cache(
+            num_blocks,
+            spec.block_size,
+            spec.num_kv_heads,
+            spec.head_size,
+            spec.kv_cache_dtype,
+            self.device,
+        )
+
+    def build_metadata(
+        self, common: CommonAttentionMetadata, spec: AttentionLayerSpec, *, validate: bool = True
+    ) -> TorchAttentionMetadata:
+        if validate:
+            common.validate(spec.block_size, spec.sliding_window)
+        paged = PagedAttentionMetadata.build(
+            common.block_tables,
+            common.seq_lens,
+            common.query_start_loc,
+            spec.block_size,
+            sliding_window=spec.sliding_window,
+            validate=False,
+            decode_chunk_bytes=self.decode_chunk_bytes,
+        )
+        return TorchAttentionMetadata(spec, common.slot_mapping.long(), paged)
+
+    def write_kv(
+        self,
+        key,
+        value,
+        kv_cache,
+        metadata: TorchAttentionMetadata,
+        *,
+        k_scale=1.0,
+        v_scale=1.0,
+        validate=False,
+    ) -> None:
+        if validate:
+            self._check(metadata, kv_cache, key=key, value=value)
+        write_kv_torch(
+            key, value, kv_cache, metadata.slot_mapping, k_scale=k_scale, v_scale=v_scale
+        )
+
+    def forward(
+        self,
+        query,
+        kv_cache,
+        metadata: TorchAttentionMetadata,
+        *,
+        k_scale=1.0,
+        v_scale=1.0,
+        validate=False,
+    ) -> torch.Tensor:
+        if validate:
+            self._check(metadata, kv_cache, query=query)
+        run = cpu_paged_attention if self.impl == "cpu" else reference_paged_attention
+        return run(
+            query, kv_cache, metadata.paged, metadata.spec.scale, k_scale=k_scale, v_scale=v_scale
+        )
+
+    def _check(self, metadata: TorchAttentionMetadata, kv_cache, **tensors) -> None:
+        spec = metadata.spec
+        shape = self.kv_cache_shape(
+            kv_cache.shape[1], spec.block_size, spec.num_kv_heads, spec.head_size
+        )
+        check_layer_tensors(spec, metadata.num_tokens, kv_cache, shape, **tensors)
+        if metadata.paged.max_block_id >= kv_cache.shape[1]:
+            raise OpsInputError(
+                f"block_tables refers to block {metadata.paged.max_block_id}, beyond the "
+                f"pool's {kv_cache.shape[1]}"
+            )

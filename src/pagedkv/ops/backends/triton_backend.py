@@ -1,0 +1,162 @@
+"""The ``triton`` attention backend: the Triton kernels of ``pagedkv.ops.triton`` on CUDA.
+
+Same cache layout as the torch backend (``[2, num_blocks, num_kv_heads, block_size, head_size]``;
+the kernels read it through its strides), any block size, float32 / bfloat16 / float16 queries
+and fp8 caches. Needs the ``gpu`` extra (``pip install 'pagedkv[gpu]'``) and a CUDA device, or
+CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is imported;
+for tests only). docs/gpu.md says what was verified where.
+
+The metadata is the step's device tensors plus two host facts the launch needs (whether every
+request is a decode, and the longest sequence); it does no index work on the host.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+from pagedkv.ops.backends.base import (
+    AttentionBackend,
+    AttentionLayerSpec,
+    CommonAttentionMetadata,
+    check_layer_tensors,
+)
+from pagedkv.ops.kv_cache import allocate_kv_cache, kv_cache_shape
+
+TRITON_DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass(slots=True)
+class TritonAttentionMetadata:
+    """The triton backend's per-step metadata (device tensors; see module docs)."""
+
+    spec: AttentionLayerSpec
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_tokens: int
+    decode_only: bool
+    max_seq_len: int
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+class TritonBackend(AttentionBackend):
+    """Paged attention with pagedkv's Triton kernels (see module docs)."""
+
+    name = "triton"
+
+    def __init__(self, device: torch.device | str = "cuda") -> None:
+        super().__init__(device)
+
+    @classmethod
+    def unavailable_reason(cls, device: torch.device | str) -> str | None:
+        device = torch.device(device)
+        if importlib.util.find_spec("triton") is None:
+            return "triton is not installed (pip install 'pagedkv[gpu]')"
+        if device.type == "cuda":
+            return None if torch.cuda.is_available() else "no CUDA device"
+        if device.type == "cpu" and _interpreting():
+            return None
+        return f"needs a CUDA device, not {device.type} (or TRITON_INTERPRET=1 for tests)"
+
+    def block_size_multiple(self, head_size, dtype, kv_cache_dtype=None) -> int:
+        return 1
+
+    def default_block_size(self, head_size, dtype, kv_cache_dtype=None) -> int:
+        return TRITON_DEFAULT_BLOCK_SIZE
+
+    def unsupported_reason(self, spec: AttentionLayerSpec) -> str | None:
+        return None
+
+    def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_size) -> tuple[int, ...]:
+        return kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+
+    def allocate_kv_cache(self, num_blocks: int, spec: AttentionLayerSpec) -> torch.Tensor:
+        return allocate_kv_cache(
+            num_blocks,
+            spec.block_size,
+            spec.num_kv_heads,
+            spec.head_size,
+            spec.kv_cache_dtype,
+            self.device,
+        )
+
+    def build_metadata(
+        self, common: CommonAttentionMetadata, spec: AttentionLayerSpec, *, validate: bool = True
+    ) -> TritonAttentionMetadata:
+        if validate:
+            common.validate(spec.block_size, spec.sliding_window)
+        qsl = common.host_query_start_loc()
+        num_tokens = int(qsl[-1])
+        return TritonAttentionMetadata(
+            spec=spec,
+            block_tables=common.block_tables,
+            seq_lens=common.seq_lens,
+            query_start_loc=common.query_start_loc,
+            slot_mapping=common.slot_mapping,
+            num_tokens=num_tokens,
+            decode_only=num_tokens == common.num_reqs,  # every q_len >= 1
+            max_seq_len=int(common.host_seq_lens().max()),
+        )
+
+    def write_kv(
+        self,
+        key,
+        value,
+        kv_cache,
+        metadata: TritonAttentionMetadata,
+        *,
+        k_scale=1.0,
+        v_scale=1.0,
+        validate=False,
+    ) -> None:
+        from pagedkv.ops.triton import write_kv_triton
+
+        if validate:
+            self._check(metadata, kv_cache, key=key, value=value)
+        write_kv_triton(
+            key, value, kv_cache, metadata.slot_mapping, k_scale=k_scale, v_scale=v_scale
+        )
+
+    def forward(
+        self,
+        query,
+        kv_cache,
+        metadata: TritonAttentionMetadata,
+        *,
+        k_scale=1.0,
+        v_scale=1.0,
+        validate=False,
+    ) -> torch.Tensor:
+        from pagedkv.ops.triton import paged_attention_triton
+
+        if validate:
+            self._check(metadata, kv_cache, query=query)
+        spec = metadata.spec
+        return paged_attention_triton(
+            query,
+            kv_cache,
+            metadata.block_tables,
+            metadata.seq_lens,
+            metadata.query_start_loc,
+            spec.scale,
+            spec.sliding_window,
+            decode_only=metadata.decode_only,
+            max_seq_len=metadata.max_seq_len,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
+
+    def _check(self, metadata: TritonAttentionMetadata, kv_cache, **tensors) -> None:
+        spec = metadata.spec
+        shape = self.kv_cache_shape(
+            kv_cache.shape[1], spec.block_size, spec.num_kv_heads, spec.head_size
+        )
+        check_layer_tensors(spec, metadata.num_tokens, kv_cache, shape, **tensors)
