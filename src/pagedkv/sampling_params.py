@@ -1,13 +1,28 @@
 """Sampling parameters of one request: how each next token is chosen and when generation stops.
 
-Names and defaults follow vLLM's ``SamplingParams`` (and so the OpenAI API the server exposes):
-``temperature=0`` is greedy decoding; ``top_k`` of 0 or -1 and ``top_p`` of 1 switch those filters
-off; ``max_tokens=None`` means "until max_model_len".
+Names, defaults and semantics follow vLLM's ``SamplingParams`` (and so the OpenAI API the server
+exposes): ``temperature=0`` is greedy decoding; ``top_k`` of 0 or -1, ``top_p`` of 1, ``min_p`` of
+0 and ``repetition_penalty`` of 1 switch those transforms off; ``max_tokens=None`` means "until
+max_model_len".
+
+The order in which the sampler applies them is vLLM V1's::
+
+    logprobs, prompt_logprobs   read here: the raw model distribution (log_softmax, fp32)
+    min_tokens                  EOS and stop_token_ids -> -inf until min_tokens are generated
+    logit_bias                  + bias per token id
+    repetition_penalty          tokens of the prompt or the output: logit / p if > 0, else * p
+    frequency, presence         - frequency * count - presence * (count > 0), output tokens only
+    greedy?                     argmax (temperature ~ 0): nothing below changes it
+    temperature                 logits / temperature
+    min_p                       drop tokens with prob < min_p * the top token's prob
+    top_k, top_p                keep the k best, then the smallest set reaching mass p
+    sample                      exponential race (Gumbel-max), the request's own seed if any
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from pagedkv.errors import InvalidRequestError
@@ -28,37 +43,62 @@ class SamplingParams:
         top_p: nucleus sampling: keep the smallest set of tokens whose probability mass reaches
             top_p, in (0, 1]; 1 = off.
         top_k: keep the k most likely tokens; 0 or -1 = off.
+        min_p: drop tokens whose probability (after temperature) is below min_p times the most
+            likely token's, in [0, 1]; 0 = off.
         presence_penalty: subtracted once from the logit of every token already generated,
             in [-2, 2] (OpenAI semantics; prompt tokens do not count).
         frequency_penalty: subtracted from a token's logit per time it was generated, in [-2, 2].
+        repetition_penalty: > 0; 1 = off. Every token seen in the prompt or the output has its
+            logit divided by it when positive, multiplied when negative (vLLM, after the CTRL
+            paper: > 1 discourages repeats, < 1 encourages them).
         max_tokens: most output tokens (>= 1); None = up to max_model_len.
+        min_tokens: EOS and stop_token_ids cannot be sampled (their logits are -inf), and stop
+            strings are not looked for, until this many tokens are generated (>= 0, at most
+            max_tokens).
         stop: strings that end generation when they appear in the output text; the text is cut
             before the stop string unless include_stop_str_in_output.
-        stop_token_ids: token ids that end generation (kept in the output token ids).
+        stop_token_ids: token ids that end generation (kept in the output token ids; their text
+            is left out unless include_stop_str_in_output).
         ignore_eos: keep generating after the model's end-of-sequence token (benchmarks).
-        include_stop_str_in_output: keep a matched stop string at the end of the text.
+        include_stop_str_in_output: keep a matched stop string (or the text of the stop token)
+            at the end of the text.
         skip_special_tokens: leave special tokens (end-of-turn markers ...) out of the text.
+        logit_bias: token id -> bias added to its logit before sampling; biases are clamped to
+            [-100, 100] (OpenAI's range; 100 all but forces a token, -100 all but bans it). The
+            engine checks the ids against the vocabulary.
+        logprobs: with each output token, also return the log-probabilities of this many most
+            likely tokens (0 = only the sampled token's); None = no logprobs. Values are the
+            model's raw distribution (see the module docstring).
+        prompt_logprobs: the same for every prompt token (the first has none). A request that
+            asks computes its whole prompt: it does not read the prefix cache (it still fills
+            it).
         seed: seed of this request's own random generator; equal seeds give equal samples.
 
     Raises:
         InvalidRequestError: a value out of its range or of the wrong type (``stop`` not a str or
             list, a non-bool flag, an infinite temperature, an int beyond int64, a stop string
-            that is not valid Unicode), with the name (also as the error's ``param``) and the
-            valid range.
+            that is not valid Unicode, min_tokens > max_tokens), with the name (also as the
+            error's ``param``) and the valid range.
     """
 
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     max_tokens: int | None = 16
+    min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -82,6 +122,8 @@ class SamplingParams:
                 f"stop_token_ids must be a list of ints, got {type(self.stop_token_ids).__name__}",
                 param="stop_token_ids",
             )
+        if self.logit_bias is not None:
+            self.logit_bias = _clamped_logit_bias(self.logit_bias)
         self._validate()
 
     def _validate(self) -> None:
@@ -120,6 +162,28 @@ class SamplingParams:
                 f"got {self.max_tokens!r}",
                 param="max_tokens",
             )
+        if not is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}", param="min_p")
+        if not is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= FLOAT32_MAX:
+            raise InvalidRequestError(
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}",
+                param="repetition_penalty",
+            )
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= INT64_MAX:
+            raise InvalidRequestError(
+                f"min_tokens must be an int >= 0, got {self.min_tokens!r}", param="min_tokens"
+            )
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+                param="min_tokens",
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or not 0 <= value <= INT64_MAX):
+                raise InvalidRequestError(
+                    f"{name} must be an int >= 0 or None, got {value!r}", param=name
+                )
         for stop in self.stop:
             if not isinstance(stop, str) or not stop:
                 raise InvalidRequestError(
@@ -155,14 +219,26 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        """True when presence or frequency penalties change the logits."""
-        return self.presence_penalty != 0 or self.frequency_penalty != 0
+        """True when presence, frequency or repetition penalties change the logits."""
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """True when the request must compute its whole prompt (it asks for prompt logprobs,
+        which need the logits of every prompt position), so prefix-cache hits are not used."""
+        return self.prompt_logprobs is not None
 
     def for_sample(self, index: int) -> SamplingParams:
         """The parameters of sample ``index`` of an ``n > 1`` request: n = 1, and the seed (when
-        given) offset by the index so the samples differ yet stay reproducible."""
+        given) offset by the index so the samples differ yet stay reproducible. Prompt logprobs
+        are computed once, by sample 0 (the prompt is the same for all)."""
         seed = None if self.seed is None else self.seed + index
-        return dataclasses.replace(self, n=1, seed=seed)
+        prompt_logprobs = self.prompt_logprobs if index == 0 else None
+        return dataclasses.replace(self, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 
 
 _MIN_SEED = -(2**63)
@@ -184,3 +260,31 @@ def check_text(value: str, name: str) -> None:
         raise InvalidRequestError(
             f"{name} is not valid Unicode text: {e.reason} at index {e.start}", param=name
         ) from None
+
+
+#: logit_bias values are clamped to this range (OpenAI's documented range of the field).
+LOGIT_BIAS_LIMIT = 100.0
+
+
+def _clamped_logit_bias(logit_bias: object) -> dict[int, float]:
+    """``{token id: bias}`` with ids checked (ints in int64; the engine checks the vocabulary)
+    and biases checked (finite numbers) and clamped to [-100, 100]."""
+    if not isinstance(logit_bias, dict):
+        raise InvalidRequestError(
+            f"logit_bias must be a dict of token id -> bias, got {type(logit_bias).__name__}",
+            param="logit_bias",
+        )
+    clamped = {}
+    for token_id, bias in logit_bias.items():
+        if not is_int(token_id) or not 0 <= token_id <= INT64_MAX:
+            raise InvalidRequestError(
+                f"logit_bias keys must be token ids (ints >= 0), got {token_id!r}",
+                param="logit_bias",
+            )
+        if not is_number(bias) or not math.isfinite(bias):
+            raise InvalidRequestError(
+                f"logit_bias[{token_id}] must be a finite number, got {bias!r}",
+                param="logit_bias",
+            )
+        clamped[token_id] = float(min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, bias)))
+    return clamped

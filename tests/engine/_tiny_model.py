@@ -20,15 +20,22 @@ class CharTokenizer:
     eos_token_ids = (EOS,)
     vocab_size = VOCAB_SIZE
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) % VOCAB_SIZE for c in text]
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(t) for t in token_ids if not (skip_special_tokens and t == EOS))
 
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+    def decode_tokens(self, token_ids: Sequence[int]) -> list[str]:
+        return [chr(t) for t in token_ids]
+
+    def apply_chat_template(
+        self, messages, add_generation_prompt=True, tokenize=True, continue_final_message=False
+    ):
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
-        if add_generation_prompt:
+        if continue_final_message:
+            text = text.removesuffix("\n")
+        elif add_generation_prompt:
             text += "<assistant>"
         return self.encode(text) if tokenize else text
 

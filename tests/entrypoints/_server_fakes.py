@@ -41,15 +41,22 @@ class FakeTokenizer:
 
     eos_token_ids = (0,)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) for c in text]
 
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(t) for t in token_ids)
 
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+    def decode_tokens(self, token_ids: list[int]) -> list[str]:
+        return [chr(t) for t in token_ids]
+
+    def apply_chat_template(
+        self, messages, add_generation_prompt=True, tokenize=True, continue_final_message=False
+    ):
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
-        if add_generation_prompt:
+        if continue_final_message:
+            text = text.removesuffix("\n")
+        elif add_generation_prompt:
             text += "<assistant>"
         return self.encode(text) if tokenize else text
 
@@ -144,6 +151,8 @@ class FakeEngine:
     def add_request(self, request_id, prompt, sampling_params, priority=0, cache_salt=None):
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, dict):  # {"prompt_token_ids": [...]} (the server's form)
+            ids = list(prompt["prompt_token_ids"])
         elif prompt and isinstance(prompt[0], dict):
             ids = self.tokenizer.apply_chat_template(prompt)
         else:

@@ -222,7 +222,7 @@ def test_cache_salt_and_params_reach_the_engine(client, engine):
         extra_body={"cache_salt": "tenant-a", "top_k": 5},
     )
     _, prompt, params, cache_salt = engine.added[-1]
-    assert prompt == "salted" and cache_salt == "tenant-a"
+    assert prompt["prompt"] == "salted" and cache_salt == "tenant-a"
     assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.5, 0.9, 5, 2)
 
 
@@ -344,7 +344,9 @@ def test_non_streaming_client_disconnect_aborts(server, engine):
     try:
         with socket.create_connection((server.host, server.port)) as sock:
             sock.sendall(head + body)
-            wait_for(lambda: engine.added and engine.added[-1][1] == "slow", "the request")
+            wait_for(
+                lambda: engine.added and engine.added[-1][1]["prompt"] == "slow", "the request"
+            )
         # The connection is closed: the client left without reading its answer.
         wait_for(lambda: engine.num_aborted == num_aborted + 1, "the abort")
     finally:

@@ -151,6 +151,47 @@ def test_chat_and_streaming_chat_equal_llm_chat(client, llm):
         assert chunks[-1].usage.prompt_tokens == result.usage.prompt_tokens
 
 
+def test_logprobs_through_the_openai_client_equal_the_offline_ones(client, llm):
+    from pagedkv.sampling_params import SamplingParams
+
+    prompt = PROMPTS[2]
+    # echo + max_tokens 0: the prompt's logprobs, as evaluation harnesses ask for them.
+    offline = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2), use_tqdm=False
+    )[0]
+    ids = offline.prompt_token_ids
+    result = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=2
+    )
+    (choice,) = result.choices
+    assert choice.text == prompt and result.usage.completion_tokens == 0
+    assert choice.logprobs.token_logprobs[0] is None
+    want = [offline.prompt_logprobs[j][ids[j]].logprob for j in range(1, len(ids))]
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    assert "".join(choice.logprobs.tokens) == prompt
+    # Chat: logprobs + top_logprobs of the sampled tokens, streamed and not.
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=3)
+    sample = llm.chat(CHATS[0], params, use_tqdm=False)[0].outputs[0]
+    want = [p[t].logprob for p, t in zip(sample.logprobs, sample.token_ids, strict=True)]
+    kwargs = dict(
+        model=MODEL, messages=CHATS[0], max_tokens=MAX_TOKENS, temperature=0, logprobs=True
+    )
+    reply = client.chat.completions.create(**kwargs, top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx(want, abs=1e-4)
+    assert all(len(c.top_logprobs) == 3 for c in content)
+    # The EOS token has a logprob too (its text is left out of the content).
+    assert "".join(c.token for c in content).startswith(reply.choices[0].message.content)
+    chunks = list(client.chat.completions.create(**kwargs, top_logprobs=3, stream=True))
+    streamed = [
+        c.logprob
+        for ch in chunks
+        if ch.choices and ch.choices[0].logprobs
+        for c in ch.choices[0].logprobs.content
+    ]
+    assert streamed == pytest.approx(want, abs=1e-4)
+
+
 def test_n2_and_seed(client):
     messages = [{"role": "user", "content": "Write a word."}]
     kwargs = dict(model=MODEL, messages=messages, max_tokens=8, n=2, temperature=1.0, seed=7)

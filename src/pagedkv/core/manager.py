@@ -170,7 +170,8 @@ class KVCacheManager:
     # ---- scheduling ------------------------------------------------------------------------
 
     def get_computed_blocks(self, request: KVCacheRequest) -> tuple[KVCacheBlocks, int]:
-        """Longest prefix of ``request`` whose KV is cached, for a request being admitted.
+        """Longest prefix of ``request`` whose KV is cached, for a request being admitted
+        (none for a request with ``skip_reading_prefix_cache``).
 
         NOTE: the hit is capped at ``num_tokens - 1``: the last token must be computed to get
         the logits that sample the next one, even if its block is cached. The manager keeps no
@@ -186,7 +187,7 @@ class KVCacheManager:
                 manager's (another seed, algorithm or block size).
         """
         hasher = request.block_hasher
-        if not self.enable_caching or hasher is None:
+        if not self.enable_caching or hasher is None or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0
         own = self.block_hasher
         if hasher is not own and (

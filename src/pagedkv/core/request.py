@@ -26,6 +26,10 @@ class KVCacheRequest:
         mm_features: multimodal placeholders ``(mm_hash, offset, length)`` in token positions;
             each block hashes the inputs it overlaps with their offset in the block.
         num_computed_tokens: tokens whose KV is in the cache (the scheduler advances it).
+        skip_reading_prefix_cache: the request computes every token of its prompt: it gets no
+            prefix-cache hit (``get_computed_blocks`` returns none), but its full blocks still
+            enter the cache (a request asking for prompt logprobs needs the logits of every
+            prompt position; vLLM V1 does the same).
 
     Derived:
         all_token_ids: prompt + output token ids.
@@ -45,6 +49,7 @@ class KVCacheRequest:
     cache_salt: str | None = None
     mm_features: tuple[tuple[str, int, int], ...] = ()
     num_computed_tokens: int = 0
+    skip_reading_prefix_cache: bool = False
     all_token_ids: list[int] = field(init=False, repr=False)
     block_hashes: list[BlockHash] = field(init=False, repr=False)
 

@@ -79,6 +79,7 @@ class EngineConfig:
     hash_seed: int | str | bytes | None = None
     enable_kv_cache_events: bool = False
     seed: int = 0
+    max_logprobs: int = 20
     num_threads: int | None = None
 
     def __post_init__(self) -> None:
@@ -89,6 +90,7 @@ class EngineConfig:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             check_int(name, getattr(self, name), 1)
+        check_int("max_logprobs", self.max_logprobs, 0)
         check_int("num_blocks", self.num_blocks, 2, optional=True, why="block 0 is the null block")
         if self.hash_seed is not None and (
             not isinstance(self.hash_seed, (int, str, bytes)) or isinstance(self.hash_seed, bool)
@@ -139,6 +141,12 @@ class EngineConfig:
             help="block-hash algorithm of the prefix cache",
         )
         group.add_argument("--seed", type=int, default=d.seed)
+        group.add_argument(
+            "--max-logprobs",
+            type=int,
+            default=d.max_logprobs,
+            help="most logprobs / prompt_logprobs a request may ask for",
+        )
         group.add_argument("--num-threads", type=int, default=None)
 
     @classmethod

@@ -8,6 +8,7 @@ from typing import Any
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.llm_engine import EngineStats, LLMEngine, Prompt
 from pagedkv.engine.outputs import RequestOutput
+from pagedkv.errors import InvalidRequestError
 from pagedkv.sampling_params import SamplingParams
 
 Conversation = Sequence[dict[str, Any]]
@@ -72,6 +73,16 @@ class LLM:
         """The model's tokenizer (:class:`pagedkv.model.tokenizer.Tokenizer`)."""
         return self.engine.tokenizer
 
+    def get_tokenizer(self):
+        """The model's tokenizer (:class:`pagedkv.model.tokenizer.Tokenizer`; its Hugging Face
+        tokenizer is ``.hf_tokenizer``), as vLLM's ``LLM.get_tokenizer()``."""
+        return self.engine.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached KV block (e.g. to measure a cold cache). Returns False, changing
+        nothing, while a request holds blocks (never between ``generate`` calls)."""
+        return self.engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -81,8 +92,9 @@ class LLM:
         """Generate completions for prompts.
 
         Args:
-            prompts: one prompt or a list; each is text, token ids (a list of ints) or chat
-                messages (then the chat template is applied).
+            prompts: one prompt or a list of them, in vLLM's forms: text, ``{"prompt":
+                text}``, ``{"prompt_token_ids": [...]}``, or token ids (a list of ints).
+                Conversations go to :meth:`chat`.
             sampling_params: one for all prompts or one per prompt; default ``SamplingParams()``.
             use_tqdm: show a progress bar.
 
@@ -90,7 +102,8 @@ class LLM:
             One finished :class:`RequestOutput` per prompt, in input order.
 
         Raises:
-            InvalidRequestError: a prompt that can never be served (nothing is generated then).
+            InvalidRequestError: a prompt in no known form, or one that can never be served
+                (nothing is generated then).
         """
         prompts = _as_prompt_list(prompts)
         if not prompts:
@@ -98,8 +111,6 @@ class LLM:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         else:
-            from pagedkv.errors import InvalidRequestError
-
             if not isinstance(sampling_params, list | tuple) or not all(
                 isinstance(params, SamplingParams) for params in sampling_params
             ):
@@ -119,12 +130,43 @@ class LLM:
         conversations: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Answer conversations (lists of ``{"role", "content"}`` messages) through the model's
-        chat template; one conversation or a list. Returns outputs in input order."""
+        chat template; one conversation or a list. Returns outputs in input order.
+
+        Args:
+            add_generation_prompt: open the assistant's turn after the last message.
+            continue_final_message: instead, leave the last message (a partly written
+                assistant reply) open so the model continues it (vLLM's option).
+
+        Raises:
+            InvalidRequestError: messages the template cannot take, or both options true.
+        """
+        if add_generation_prompt and continue_final_message:
+            raise InvalidRequestError(
+                "continue_final_message and add_generation_prompt cannot both be true: either a "
+                "new assistant turn opens or the last message goes on"
+            )
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        return self.generate(list(conversations), sampling_params, use_tqdm)
+        tokenizer = self.engine.tokenizer
+        prompts = []
+        for messages in conversations:
+            messages = list(messages)
+            options = {
+                "add_generation_prompt": add_generation_prompt,
+                "continue_final_message": continue_final_message,
+            }
+            prompts.append(
+                {
+                    "prompt": tokenizer.apply_chat_template(messages, tokenize=False, **options),
+                    "prompt_token_ids": tokenizer.apply_chat_template(messages, **options),
+                }
+            )
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def get_stats(self) -> EngineStats:
         """The engine's counters (preemptions, prefix-cache hits, peak KV usage...)."""
@@ -176,10 +218,10 @@ class LLM:
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    """One prompt (str, token ids, or chat messages) -> [prompt]; a list of prompts as is."""
-    if isinstance(prompts, str):
+    """One prompt (text, a prompt dict, or token ids) -> [prompt]; a list of prompts as is."""
+    if isinstance(prompts, str | dict):
         return [prompts]
     prompts = list(prompts)
-    if prompts and isinstance(prompts[0], int | dict):
+    if prompts and isinstance(prompts[0], int):
         return [prompts]
     return prompts

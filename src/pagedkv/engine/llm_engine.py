@@ -38,8 +38,9 @@ from pagedkv.validation import is_int
 from pagedkv.worker.outputs import ModelRunnerOutput
 from pagedkv.worker.scheduler_output import SchedulerOutput
 
-#: A prompt: text, token ids, or chat messages ``[{"role": ..., "content": ...}, ...]``.
-Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
+#: A prompt: text, token ids, ``{"prompt": text}``, ``{"prompt_token_ids": [...]}`` (vLLM's
+#: TextPrompt and TokensPrompt), or chat messages ``[{"role": ..., "content": ...}, ...]``.
+Prompt = str | Sequence[int] | dict[str, Any] | Sequence[dict[str, Any]]
 
 
 @dataclass(slots=True)
@@ -162,7 +163,9 @@ class LLMEngine:
 
         Args:
             request_id: unique among unfinished requests.
-            prompt: text (tokenized as is), token ids, or chat messages (the model's chat
+            prompt: text (tokenized as is), token ids, ``{"prompt": text}``,
+                ``{"prompt_token_ids": ids}`` (optionally with ``"prompt": text``, then only
+                reported as ``RequestOutput.prompt``), or chat messages (the model's chat
                 template is applied, with the assistant's turn opened).
             sampling_params: defaults to ``SamplingParams()``.
             priority: lower = sooner under policy="priority".
@@ -172,10 +175,11 @@ class LLMEngine:
         Raises:
             InvalidRequestError: sampling_params that are not a SamplingParams, a duplicate id,
                 an empty prompt, text that is not valid Unicode (a lone surrogate), token ids
-                outside the vocabulary, top_k beyond the vocabulary, a priority beyond int64, or
-                a request that can never fit (prompt + max_tokens beyond max_model_len, more KV
-                blocks than the pool). Nothing is queued then; the error's ``param`` names the
-                field when one is at fault.
+                outside the vocabulary (prompt, stop_token_ids, logit_bias), top_k beyond the
+                vocabulary, logprobs or prompt_logprobs above ``config.max_logprobs``, a priority
+                beyond int64, or a request that can never fit (prompt + max_tokens beyond
+                max_model_len, more KV blocks than the pool). Nothing is queued then; the
+                error's ``param`` names the field when one is at fault.
         """
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -231,7 +235,8 @@ class LLMEngine:
 
     def _check_request(self, params: SamplingParams, priority: int) -> None:
         """The checks of a request against this model (SamplingParams checks what needs no
-        model): refused before anything is queued, never failed inside a step."""
+        model): token ids and top_k against the vocabulary, logprobs against
+        ``config.max_logprobs``; refused before anything is queued, never failed inside a step."""
         vocab_size = self.model_config.vocab_size
         if params.top_k > vocab_size:
             raise InvalidRequestError(
@@ -239,6 +244,25 @@ class LLMEngine:
                 f"got {params.top_k}",
                 param="top_k",
             )
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", params.logit_bias or ()),
+        ):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"{name}: token id {bad[0]} is out of the vocabulary [0, {vocab_size})",
+                    param=name,
+                )
+        limit = self.config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > limit:
+                raise InvalidRequestError(
+                    f"{name}: requested {value}, which is more than the most allowed, {limit} "
+                    "(the engine's max_logprobs)",
+                    param=name,
+                )
         if not is_int(priority) or priority.bit_length() > 63:
             raise InvalidRequestError(
                 f"priority must be an int64, got {priority!r}", param="priority"
@@ -342,7 +366,7 @@ class LLMEngine:
         changed = self.scheduler.update_from_output(
             scheduler_output, runner_output.sampled_token_ids
         )
-        outputs = self._process_outputs(changed)
+        outputs = self._process_outputs(changed, runner_output)
         if scheduler_output.total_num_scheduled_tokens:
             self._stats.num_steps += 1
             self._stats.busy_time += time.perf_counter() - start
@@ -356,10 +380,12 @@ class LLMEngine:
             seq_ids = self.output_processor.finish_request(request_id, "error", error=message)
             self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ERROR)
 
-    def _process_outputs(self, changed: list[Request]) -> list[RequestOutput]:
+    def _process_outputs(
+        self, changed: list[Request], runner_output: ModelRunnerOutput
+    ) -> list[RequestOutput]:
         """Build the step's outputs; stop sequences that hit a stop string, forget finished
         requests in the runner."""
-        result = self.output_processor.process_outputs(changed)
+        result = self.output_processor.process_outputs(changed, runner_output)
         if result.seq_ids_to_stop:
             self.scheduler.finish_requests(result.seq_ids_to_stop, RequestStatus.FINISHED_STOPPED)
         if result.finished_seq_ids:
@@ -368,9 +394,12 @@ class LLMEngine:
         return result.request_outputs
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) of any :data:`Prompt` form."""
         if isinstance(prompt, str):
             check_text(prompt, "prompt")
             return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            return self._tokenize_dict(prompt)
         items = list(prompt)
         if items and all(isinstance(m, dict) for m in items):
             for message in items:
@@ -380,11 +409,40 @@ class LLMEngine:
             text = self.tokenizer.apply_chat_template(items, tokenize=False)
             return text, self.tokenizer.apply_chat_template(items)
         if not all(is_int(t) for t in items):
-            raise InvalidRequestError(
-                "a prompt must be a str, a list of token ids, or a list of chat messages "
-                "({'role': ..., 'content': ...})"
-            )
+            raise InvalidRequestError(_PROMPT_FORMS)
         return None, items
+
+    def _tokenize_dict(self, prompt: dict[str, Any]) -> tuple[str | None, list[int]]:
+        """vLLM's ``{"prompt": text}`` and ``{"prompt_token_ids": ids}`` prompt forms."""
+        unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+        if unknown:
+            hint = " (chat messages go to LLM.chat)" if "role" in prompt else ""
+            raise InvalidRequestError(
+                f"unknown prompt key(s) {unknown}{hint}; {_PROMPT_FORMS}", param="prompt"
+            )
+        text = prompt.get("prompt")
+        if text is not None and not isinstance(text, str):
+            raise InvalidRequestError(
+                f"prompt['prompt'] must be a str, got {text!r}", param="prompt"
+            )
+        if text is not None:
+            check_text(text, "prompt")
+        if "prompt_token_ids" not in prompt:
+            if text is None:
+                raise InvalidRequestError(_PROMPT_FORMS)
+            return text, self.tokenizer.encode(text)
+        token_ids = prompt["prompt_token_ids"]
+        if not isinstance(token_ids, list | tuple) or not all(is_int(t) for t in token_ids):
+            raise InvalidRequestError(
+                "prompt['prompt_token_ids'] must be a list of token ids", param="prompt"
+            )
+        return text, list(token_ids)
+
+
+_PROMPT_FORMS = (
+    "a prompt must be a str, a list of token ids, {'prompt': str}, {'prompt_token_ids': [int]} "
+    "or a list of chat messages ({'role': ..., 'content': ...})"
+)
 
 
 def _fields(config: EngineConfig) -> dict[str, Any]:

@@ -12,11 +12,20 @@ While a sample runs, an end of its text that could be the start of a stop string
 the streamed deltas concatenate to the final text and no stop string is ever streamed. Finished
 requests are reported once and then forgotten.
 
+vLLM's rules at the edges: a sequence ended by a stop token (EOS or ``stop_token_ids``) leaves
+that token's text out unless ``include_stop_str_in_output``; stop strings are not looked for until
+more than ``min_tokens`` tokens are generated.
+
+Log-probabilities enter with the tokens: the runner's
+:class:`~pagedkv.worker.outputs.ModelRunnerOutput` carries one row per sampled token of a request
+that asked (appended to its sample's ``logprobs``) and the prompt rows each step computed for a
+request with ``prompt_logprobs`` (collected across prefill chunks by position, so a prompt
+recomputed after preemption overwrites the same entries); the prompt logprobs are reported once
+every prompt position has them. Token texts (``decoded_token``) are decoded only for these.
+
 The processor owns the per-request output state (detokenizers, emitted counts, finish reasons)
 and never touches the scheduler: it returns the sequence ids to stop and to forget, and the engine
-applies them. Per-token logprobs would enter here the same way as tokens: the runner's
-:class:`~pagedkv.worker.outputs.ModelRunnerOutput` carries them per request and
-:meth:`OutputProcessor._make_output` slices the new ones into each CompletionOutput.
+applies them.
 """
 
 from __future__ import annotations
@@ -27,9 +36,16 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from pagedkv.engine.request import Request
+from pagedkv.engine.outputs import (
+    CompletionOutput,
+    Logprob,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
+from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.sampling_params import SamplingParams
+from pagedkv.worker.outputs import LogprobsLists, ModelRunnerOutput
 
 
 @dataclass(slots=True, eq=False)
@@ -43,6 +59,8 @@ class _Sample:
     num_emitted_chars: int = 0  # characters of text already reported
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    logprobs: list[PositionLogprobs] | None = None  # one per output token (params.logprobs)
+    cumulative_logprob: float = 0.0
 
 
 @dataclass(slots=True, eq=False)
@@ -57,6 +75,10 @@ class _RequestState:
     metrics: RequestMetrics
     max_stop_len: int = 0
     changed: bool = False
+    # Prompt logprobs (params.prompt_logprobs): raw rows by prompt position, then built once.
+    prompt_rows: list[tuple[list[int], list[float], int] | None] | None = None
+    num_prompt_rows: int = 0
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
 
 @dataclass(slots=True)
@@ -81,6 +103,7 @@ class OutputProcessor:
 
     Args:
         tokenizer: gives ``incremental_detokenizer(prompt_token_ids, skip_special_tokens)``
+            and, for logprobs, ``decode_tokens(token_ids)`` (each token's text on its own)
             (:class:`pagedkv.model.tokenizer.Tokenizer`).
     """
 
@@ -109,11 +132,18 @@ class OutputProcessor:
             metrics=RequestMetrics(arrival_time=arrival_time),
             max_stop_len=max(map(len, params.stop), default=0),
         )
+        if params.prompt_logprobs is not None:
+            state.prompt_rows = [None] * len(prompt_token_ids)
+            if len(prompt_token_ids) == 1:
+                state.prompt_logprobs = [None]
         for index, request in enumerate(requests):
             detokenizer = self.tokenizer.incremental_detokenizer(
                 prompt_token_ids, skip_special_tokens=params.skip_special_tokens
             )
-            state.samples.append(_Sample(request=request, detokenizer=detokenizer))
+            sample = _Sample(request=request, detokenizer=detokenizer)
+            if params.logprobs is not None:
+                sample.logprobs = []
+            state.samples.append(sample)
             self._sample_of[request.request_id] = (state, index)
         self._states[request_id] = state
 
@@ -162,12 +192,15 @@ class OutputProcessor:
             self._pending.append(state)
         return seq_ids
 
-    def process_outputs(self, changed: Sequence[Request]) -> OutputProcessorOutput:
+    def process_outputs(
+        self, changed: Sequence[Request], runner_output: ModelRunnerOutput | None = None
+    ) -> OutputProcessorOutput:
         """Detokenize the new tokens of ``changed`` sequences, apply stop strings, and build the
         outputs of every request that changed since the last call.
 
         Args:
             changed: the sequences the scheduler's ``update_from_output`` returned.
+            runner_output: the step's model-runner output, for its logprobs (None: none).
 
         Returns:
             The outputs, the sequences to stop, and the sequences of finished requests.
@@ -175,11 +208,22 @@ class OutputProcessor:
         result = OutputProcessorOutput()
         touched: list[_RequestState] = self._pending
         self._pending = []
+        sample_logprobs = {}
+        if runner_output is not None:
+            sample_logprobs = runner_output.logprobs
+            for seq_id, (first, rows) in runner_output.prompt_logprobs.items():
+                entry = self._sample_of.get(seq_id)
+                if entry is not None:
+                    _collect_prompt_rows(entry[0], first, rows)
         for request in changed:
             state, index = self._sample_of[request.request_id]
             sample = state.samples[index]
             if sample.finish_reason is not None:
                 continue
+            rows = sample_logprobs.get(request.request_id)
+            if rows is not None and sample.logprobs is not None:
+                sample.logprobs.extend(self._position_logprobs(rows))
+                sample.cumulative_logprob += sum(values[0] for values in rows.logprobs)
             self._detokenize(state, sample)
             if sample.finish_reason == "stop":
                 result.seq_ids_to_stop.append(request.request_id)
@@ -208,14 +252,22 @@ class OutputProcessor:
         ]
         if not new_token_ids:
             return
+        params = state.params
+        if (
+            request.status == RequestStatus.FINISHED_STOPPED
+            and not params.include_stop_str_in_output
+        ):
+            # Stopped by a token (EOS or stop_token_ids): its text is left out (vLLM).
+            new_token_ids = new_token_ids[:-1]
         start = max(0, len(sample.text) - state.max_stop_len + 1)
-        sample.text += sample.detokenizer.step(new_token_ids)
+        if new_token_ids:
+            sample.text += sample.detokenizer.step(new_token_ids)
         if request.is_finished:
             _flush_text(sample)
         if request.first_token_time is not None and state.metrics.first_token_time is None:
             state.metrics.first_token_time = request.first_token_time
-        if state.max_stop_len:
-            _check_stop_strings(state.params, sample, start)
+        if state.max_stop_len and request.num_output_tokens > params.min_tokens:
+            _check_stop_strings(params, sample, start)
 
     def _make_output(self, state: _RequestState) -> RequestOutput:
         outputs = []
@@ -241,6 +293,10 @@ class OutputProcessor:
                     finish_reason=sample.finish_reason,
                     stop_reason=sample.stop_reason,
                     error=request.error,
+                    logprobs=None if sample.logprobs is None else list(sample.logprobs),
+                    cumulative_logprob=(
+                        None if sample.logprobs is None else sample.cumulative_logprob
+                    ),
                 )
             )
             sample.num_emitted_chars = visible
@@ -256,9 +312,54 @@ class OutputProcessor:
             prompt_token_ids=state.prompt_token_ids,
             outputs=outputs,
             finished=finished,
+            prompt_logprobs=self._prompt_logprobs(state),
             num_cached_tokens=max(first.num_cached_tokens, 0),
             metrics=dataclasses.replace(metrics),
         )
+
+    def _position_logprobs(self, rows: LogprobsLists) -> list[PositionLogprobs]:
+        """One ``{token id: Logprob}`` per row: the chosen token with its rank, then the top-k
+        with ranks 1..k (a chosen token in the top-k keeps its top-k entry, as vLLM)."""
+        texts = iter(self.tokenizer.decode_tokens([t for ids in rows.token_ids for t in ids]))
+        positions = []
+        for ids, values, rank in zip(rows.token_ids, rows.logprobs, rows.ranks, strict=True):
+            ranks = [rank, *range(1, len(ids))]
+            positions.append(
+                {
+                    token_id: Logprob(value, token_rank, text)
+                    for token_id, value, token_rank, text in zip(
+                        ids, values, ranks, texts, strict=False
+                    )
+                }
+            )
+        return positions
+
+    def _prompt_logprobs(self, state: _RequestState) -> list[PositionLogprobs | None] | None:
+        """The request's prompt logprobs once every prompt position has them (built once)."""
+        if state.prompt_logprobs is not None or state.prompt_rows is None:
+            return state.prompt_logprobs
+        if state.num_prompt_rows < len(state.prompt_rows) - 1:
+            return None
+        rows = state.prompt_rows[1:]
+        lists = LogprobsLists(
+            [row[0] for row in rows], [row[1] for row in rows], [row[2] for row in rows]
+        )
+        state.prompt_logprobs = [None, *self._position_logprobs(lists)]
+        state.prompt_rows = None
+        return state.prompt_logprobs
+
+
+def _collect_prompt_rows(state: _RequestState, first: int, rows: LogprobsLists) -> None:
+    """Store prompt rows for positions ``first ..`` (overwriting a recomputed prompt's)."""
+    stored = state.prompt_rows
+    if stored is None:  # already complete (a prompt recomputed after preemption)
+        return
+    for j, (ids, values, rank) in enumerate(
+        zip(rows.token_ids, rows.logprobs, rows.ranks, strict=True)
+    ):
+        if stored[first + j] is None:
+            state.num_prompt_rows += 1
+        stored[first + j] = (ids, values, rank)
 
 
 def _flush_text(sample: _Sample) -> None:

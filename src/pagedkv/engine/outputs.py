@@ -4,11 +4,35 @@ A prompt with ``n`` samples gives one :class:`RequestOutput` holding ``n`` :clas
 (index 0..n-1). Each step's output carries both the cumulative state (``text``, ``token_ids``)
 and what is new since the previous step's output of that request (``new_text``,
 ``new_token_ids``), so a streaming server sends the deltas and an offline caller keeps the last.
+
+Log-probabilities, when asked for, have vLLM's shapes: one ``dict[token id, Logprob]`` per
+position, holding the chosen token (sampled, or the prompt's) and the top-k; the values are the
+model's raw distribution (``log_softmax`` in float32 of the logits before any sampling transform:
+vLLM's ``logprobs_mode="raw_logprobs"``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+@dataclass(slots=True, frozen=True)
+class Logprob:
+    """One token's log-probability at one position (vLLM's ``Logprob``).
+
+    Attributes:
+        logprob: natural log of the probability, float32 precision.
+        rank: 1 = the most likely token at that position.
+        decoded_token: the token's text on its own (special tokens included).
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+#: One position's logprobs: token id -> Logprob (the chosen token first, then the top-k).
+PositionLogprobs = dict[int, Logprob]
 
 
 @dataclass(slots=True)
@@ -24,6 +48,9 @@ class CompletionOutput:
         finish_reason: None while running, else "stop", "length", "abort" or "error".
         stop_reason: the stop string or stop token id that ended it (None for EOS / length).
         error: why it failed (finish_reason "error").
+        logprobs: with ``SamplingParams.logprobs``: one entry per token of ``token_ids`` (the
+            sampled token and the top-k); None otherwise.
+        cumulative_logprob: with ``logprobs``: the sum of the sampled tokens' logprobs.
     """
 
     index: int
@@ -34,6 +61,8 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -74,6 +103,9 @@ class RequestOutput:
         prompt: the prompt text (None when given as token ids; the rendered chat template for
             chat messages).
         prompt_token_ids: the prompt's token ids.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``: one entry per prompt token,
+            the first None (nothing predicts it), then the prompt token's logprob and the top-k
+            at each position; None otherwise (or until the whole prompt is computed).
         outputs: one :class:`CompletionOutput` per sample (n).
         finished: True when every sample is finished.
         num_cached_tokens: prompt tokens served from the prefix cache (first sample's, at its
@@ -86,6 +118,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
 

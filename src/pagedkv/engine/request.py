@@ -88,6 +88,8 @@ class Request(KVCacheRequest):
         KVCacheRequest.__post_init__(self)
         self.eos_token_ids = frozenset(self.eos_token_ids)
         self._stop_token_ids = frozenset(self.sampling_params.stop_token_ids)
+        if self.sampling_params.skip_reading_prefix_cache:
+            self.skip_reading_prefix_cache = True
 
     @property
     def is_finished(self) -> bool:
@@ -102,9 +104,16 @@ class Request(KVCacheRequest):
     def check_stop(self, token_id: int) -> bool:
         """Set the finished status if ``token_id`` (just appended) ends the request.
 
-        Order: end-of-sequence (unless ignore_eos), then stop_token_ids, then max_tokens.
-        Stop strings need the text, so the engine checks those. Returns True when finished.
+        Order: end-of-sequence (unless ignore_eos), then stop_token_ids, then max_tokens; the
+        first two only once ``min_tokens`` are generated (the sampler masks them before, so
+        this only matters for a caller that appends tokens itself). Stop strings need the
+        text, so the engine checks those. Returns True when finished.
         """
+        if self.num_output_tokens < self.sampling_params.min_tokens:
+            if self.num_output_tokens >= self.max_tokens:
+                self.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                return True
+            return False
         if not self.sampling_params.ignore_eos and token_id in self.eos_token_ids:
             self.status = RequestStatus.FINISHED_STOPPED
         elif token_id in self._stop_token_ids:

@@ -351,7 +351,7 @@ class Scheduler:
                 # The one definition of the prefix-cache counters (docs/engine.md): each
                 # request counts once, at its first admission, if it can hit at all.
                 request.num_cached_tokens = num_computed_tokens
-                if request.block_hasher is not None:
+                if request.block_hasher is not None and not request.skip_reading_prefix_cache:
                     self.stats.prefix_cache_queries += request.num_prompt_tokens
                     self.stats.prefix_cache_hits += num_computed_tokens
                 self.stats.num_prompt_tokens += request.num_prompt_tokens

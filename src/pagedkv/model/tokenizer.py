@@ -93,11 +93,19 @@ class Tokenizer:
         """Text of ``token_ids``; special tokens (``<|im_end|>``...) are left out by default."""
         return self.hf_tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def decode_tokens(self, token_ids: Sequence[int]) -> list[str]:
+        """Each token's text on its own, special tokens included (the ``decoded_token`` of a
+        logprob, as vLLM: ``convert_tokens_to_string`` of the one token; a token holding part
+        of a multi-byte character gives U+FFFD)."""
+        hf = self.hf_tokenizer
+        return [hf.convert_tokens_to_string([t]) for t in hf.convert_ids_to_tokens(list(token_ids))]
+
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tokenize: bool = True,
+        continue_final_message: bool = False,
     ) -> list[int] | str:
         """Render a conversation with the model's chat template.
 
@@ -105,16 +113,26 @@ class Tokenizer:
             messages: ``[{"role": "user", "content": "..."}, ...]``.
             add_generation_prompt: end with the header of the assistant's turn.
             tokenize: return token ids (True) or the rendered string (False).
+            continue_final_message: leave the last message open (no end-of-turn marker), so
+                the model continues it (a partly written assistant reply); not with
+                add_generation_prompt.
 
         Raises:
-            InvalidRequestError: the model has no chat template or the messages do not fit it.
+            InvalidRequestError: the model has no chat template, the messages do not fit it,
+                or both add_generation_prompt and continue_final_message.
         """
         from pagedkv.errors import InvalidRequestError
 
+        if add_generation_prompt and continue_final_message:
+            raise InvalidRequestError(
+                "continue_final_message and add_generation_prompt cannot both be true: "
+                "either a new assistant turn opens or the last message goes on"
+            )
         try:
             return self.hf_tokenizer.apply_chat_template(
                 messages,
                 add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
                 tokenize=tokenize,
                 return_dict=False,
             )

@@ -5,6 +5,11 @@ Per step: :class:`~pagedkv.worker.input_batch.InputBatch` flattens the
 mapping and block tables; one forward runs the whole batch; logits are computed only at each
 request's last scheduled row, and only for requests that sample (their prompt is complete); the
 :class:`~pagedkv.worker.sampler.Sampler` picks one token per such request.
+
+Log-probabilities cost nothing unless asked for: sample logprobs are read off the sampling rows'
+logits (before the sampler transforms them) for the requests with ``logprobs``; prompt logprobs
+need the logits of every prompt row of the step, computed (in slices, to bound memory) only for
+the requests with ``prompt_logprobs``.
 """
 
 from __future__ import annotations
@@ -17,9 +22,13 @@ from pagedkv.core.config import KVCacheConfig
 from pagedkv.errors import ConfigError
 from pagedkv.ops import allocate_kv_cache
 from pagedkv.worker.input_batch import InputBatch, ModelInputs
-from pagedkv.worker.outputs import ModelRunnerOutput
-from pagedkv.worker.sampler import Sampler
+from pagedkv.worker.outputs import LogprobsLists, ModelRunnerOutput
+from pagedkv.worker.sampler import Sampler, compute_logprobs, gather_logprobs
 from pagedkv.worker.scheduler_output import SchedulerOutput
+
+#: Most prompt rows whose full-vocabulary logits are held at once (prompt logprobs): 512 rows of
+#: a 49k vocabulary are 100 MB of float32.
+PROMPT_LOGPROBS_ROWS_PER_SLICE = 512
 
 
 class ModelRunner:
@@ -101,23 +110,85 @@ class ModelRunner:
         """Run one forward for the step and sample.
 
         Returns:
-            One sampled token id per request with ``out.sample[i]`` True, in batch order.
+            One sampled token id per request with ``out.sample[i]`` True, in batch order, and
+            the logprobs and prompt logprobs the step's requests asked for.
         """
         inputs = self.input_batch.prepare(out)
         hidden = self.model.forward(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata
         )
+        result = ModelRunnerOutput()
+        if any(r.sampling_params.prompt_logprobs is not None for r in out.requests):
+            self._prompt_logprobs(out, hidden, result)
         if len(inputs.logits_rows) == 0:
-            return ModelRunnerOutput()
+            return result
         logits = self.model.compute_logits(hidden[self.input_batch.to_device(inputs.logits_rows)])
         sampling = [r for r, s in zip(out.requests, out.sample, strict=True) if s]
         params = [r.sampling_params for r in sampling]
         generators = [self._generator(r) for r in sampling]
-        outputs = None
-        if any(p.has_penalties for p in params):
+        # Raw logprobs are read before the sampler changes the logits in place.
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw_logprobs = None
+        if wanted:
+            rows = torch.tensor(wanted, device=logits.device)
+            raw_logprobs = compute_logprobs(logits.index_select(0, rows))
+        outputs = prompts = stops = None
+        if any(p.has_penalties or p.min_tokens for p in params):
             outputs = [r.output_token_ids for r in sampling]
-        sampled = self.sampler(logits, params, generators, outputs).tolist()
-        return ModelRunnerOutput([r.request_id for r in sampling], sampled)
+            prompts = [
+                r.prompt_token_ids if p.repetition_penalty != 1 else ()
+                for r, p in zip(sampling, params, strict=True)
+            ]
+            stops = [
+                _min_tokens_stop_ids(r, p) if p.min_tokens else ()
+                for r, p in zip(sampling, params, strict=True)
+            ]
+        sampled = self.sampler(
+            logits, params, generators, outputs, prompt_token_ids=prompts, stop_token_ids=stops
+        )
+        result.req_ids = [r.request_id for r in sampling]
+        if raw_logprobs is not None:
+            k = max(params[i].logprobs for i in wanted)
+            ids, values, ranks = gather_logprobs(raw_logprobs, sampled[rows], k)
+            ids, values, ranks = ids.tolist(), values.tolist(), ranks.tolist()
+            for j, i in enumerate(wanted):
+                width = 1 + params[i].logprobs
+                result.logprobs[sampling[i].request_id] = LogprobsLists(
+                    [ids[j][:width]], [values[j][:width]], [ranks[j]]
+                )
+        result.sampled_token_ids = sampled.tolist()
+        return result
+
+    def _prompt_logprobs(
+        self, out: SchedulerOutput, hidden: torch.Tensor, result: ModelRunnerOutput
+    ) -> None:
+        """Logprobs of the prompt tokens whose predicting position this step computed, for the
+        requests asking for prompt logprobs: the row at position p predicts token p + 1, so a
+        chunk of positions c .. c+n-1 gives tokens c+1 .. min(c+n, P-1) (P = prompt length).
+        A request recomputing its prompt after preemption gives the same rows again."""
+        start = 0
+        for i, request in enumerate(out.requests):
+            num_scheduled = out.num_scheduled_tokens[i]
+            row_start, start = start, start + num_scheduled
+            k = request.sampling_params.prompt_logprobs
+            if k is None:
+                continue
+            computed = out.num_computed_tokens[i]
+            end = min(computed + num_scheduled, request.num_prompt_tokens - 1)
+            if end <= computed:
+                continue
+            targets = torch.tensor(
+                request.all_token_ids[computed + 1 : end + 1], device=hidden.device
+            )
+            lists = LogprobsLists([], [], [])
+            for lo in range(0, end - computed, PROMPT_LOGPROBS_ROWS_PER_SLICE):
+                hi = min(lo + PROMPT_LOGPROBS_ROWS_PER_SLICE, end - computed)
+                logits = self.model.compute_logits(hidden[row_start + lo : row_start + hi])
+                ids, values, ranks = gather_logprobs(compute_logprobs(logits), targets[lo:hi], k)
+                lists.token_ids += ids.tolist()
+                lists.logprobs += values.tolist()
+                lists.ranks += ranks.tolist()
+            result.prompt_logprobs[request.request_id] = (computed + 1, lists)
 
     def _generator(self, request) -> torch.Generator | None:
         seed = request.sampling_params.seed
@@ -128,3 +199,12 @@ class ModelRunner:
             generator = torch.Generator(device=self.device).manual_seed(seed)
             self._generators[request.request_id] = generator
         return generator
+
+
+def _min_tokens_stop_ids(request, params) -> list[int]:
+    """Token ids masked until ``min_tokens``: the request's stop_token_ids, and the model's EOS
+    ids unless ignore_eos (vLLM: ``SamplingParams.all_stop_token_ids``)."""
+    ids = list(params.stop_token_ids)
+    if not params.ignore_eos:
+        ids.extend(request.eos_token_ids)
+    return ids

@@ -6,18 +6,46 @@ from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
+class LogprobsLists:
+    """Log-probabilities of consecutive positions (rows) of one request (vLLM V1's
+    ``LogprobsLists``: column 0 is the chosen token, then the top-k).
+
+    Attributes:
+        token_ids: ``[num_rows][1 + k]`` int: the chosen token (the sampled one, or for a
+            prompt position the prompt's token there), then the k most likely tokens, most
+            likely first.
+        logprobs: ``[num_rows][1 + k]`` float: their log-probabilities (natural log, the raw
+            model distribution: see :mod:`pagedkv.worker.sampler`).
+        ranks: ``[num_rows]`` int: the chosen token's rank, 1 = most likely (tokens with an
+            equal logprob share the worse rank, as vLLM counts).
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+@dataclass(slots=True)
 class ModelRunnerOutput:
-    """The step's sampled tokens, one entry per request that sampled, in batch order.
+    """The step's sampled tokens, one entry per request that sampled, in batch order, and the
+    log-probabilities the requests asked for.
 
     Requests whose prompt is still incomplete after the step (a partial prefill chunk) sample
-    nothing and do not appear. Per-token logprobs (and prompt logprobs) belong here too, one entry
-    per request alongside its token, when the engine offers them.
+    nothing and do not appear in ``req_ids``; they may appear in ``prompt_logprobs``.
 
     Attributes:
         req_ids: the sampling requests' ids (``SchedulerOutput.requests[i].request_id`` for
             every i with ``sample[i]``).
         sampled_token_ids: the token sampled for each of them.
+        logprobs: request id -> one row (the sampled token, then the top ``logprobs``), for
+            the sampling requests whose params ask for ``logprobs``.
+        prompt_logprobs: request id -> ``(first, rows)`` for requests asking for
+            ``prompt_logprobs`` whose step computed prompt positions: row j holds the
+            logprobs of prompt token ``first + j`` (given the tokens before it), then the top
+            ``prompt_logprobs``. ``first >= 1``: the first prompt token has none.
     """
 
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[int] = field(default_factory=list)
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, LogprobsLists]] = field(default_factory=dict)

@@ -1,20 +1,66 @@
-"""Turn last-position logits into next tokens: greedy, temperature, top-k, top-p, penalties.
+"""Turn last-position logits into next tokens, and read log-probabilities off the raw logits.
 
-One call per step for the whole batch, vectorised over requests; the only per-request Python work
-is for requests with their own seed (their noise comes from their own ``torch.Generator``, so a
-seeded request samples the same tokens whatever else is in the batch) and for penalties.
+One call per step for the whole batch, vectorised over requests. Per-request Python work is done
+only for the rows that need it: requests with their own seed (their noise comes from their own
+``torch.Generator``, so a seeded request samples the same tokens whatever else is in the batch),
+and rows with penalties, ``min_tokens`` or ``logit_bias`` (their token ids are gathered into one
+padded array; the logits are then changed by one batched op per transform).
 
-Sampling uses the exponential race (Gumbel-max in another form, as vLLM does): with
-``q ~ Exp(1)`` i.i.d. per token, ``argmax(p / q)`` is distributed as ``p``, with no CDF search.
+Order of the transforms (vLLM V1's): min_tokens, logit_bias, penalties (repetition, frequency,
+presence), then greedy argmax, or temperature, min_p, top-k / top-p and the draw. Sampling uses
+the exponential race (Gumbel-max in another form, as vLLM does): with ``q ~ Exp(1)`` i.i.d. per
+token, ``argmax(p / q)`` is distributed as ``p``, with no CDF search.
+
+Logprobs (:func:`compute_logprobs`, :func:`gather_logprobs`) are the model's raw distribution:
+``log_softmax`` in float32 over the full vocabulary of the logits BEFORE any of the transforms
+above (vLLM's ``logprobs_mode="raw_logprobs"``, its default), so they do not depend on the
+request's temperature, penalties or filters.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 
 from pagedkv.sampling_params import SamplingParams
+from pagedkv.worker.outputs import LogprobsLists
+
+
+def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """Raw log-probabilities ``[num_rows, vocab_size]`` float32 of logits ``[num_rows,
+    vocab_size]`` (a new tensor: the sampler may then change the logits in place)."""
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chosen tokens' logprobs and ranks and the top-k of each row, batched.
+
+    Args:
+        logprobs: ``[num_rows, vocab_size]`` float32 (:func:`compute_logprobs`).
+        token_ids: ``[num_rows]`` int64: the chosen token of each row.
+        num_logprobs: k, the top-k size (>= 0; rows that asked for fewer slice their row).
+
+    Returns:
+        ``(ids [num_rows, 1 + k] int64, logprobs [num_rows, 1 + k] float32, ranks [num_rows]
+        int64)``: column 0 is the chosen token.
+    """
+    chosen = logprobs.gather(1, token_ids[:, None])
+    ranks = (logprobs >= chosen).sum(dim=-1)
+    top_values, top_ids = logprobs.topk(num_logprobs, dim=-1)
+    ids = torch.cat([token_ids[:, None], top_ids], dim=1)
+    values = torch.cat([chosen, top_values], dim=1)
+    return ids, values, ranks
+
+
+def to_logprobs_lists(
+    ids: torch.Tensor, values: torch.Tensor, ranks: torch.Tensor
+) -> LogprobsLists:
+    """:func:`gather_logprobs`' tensors as Python lists (one transfer each)."""
+    return LogprobsLists(ids.tolist(), values.tolist(), ranks.tolist())
 
 
 class Sampler:
@@ -35,6 +81,9 @@ class Sampler:
         sampling_params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
         output_token_ids: Sequence[Sequence[int]] | None = None,
+        *,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        stop_token_ids: Sequence[Iterable[int]] | None = None,
     ) -> torch.Tensor:
         """Sample one token per row.
 
@@ -42,16 +91,23 @@ class Sampler:
             logits: ``[num_reqs, vocab_size]`` float32 (modified in place).
             sampling_params: one per row.
             generators: one per row: the request's own generator (seeded requests) or None.
-            output_token_ids: tokens each request generated so far (only read for rows with
-                presence / frequency penalties).
+            output_token_ids: tokens each request generated so far (read for rows with
+                penalties or ``min_tokens``; None = no tokens yet).
+            prompt_token_ids: each request's prompt (read for rows with a repetition penalty;
+                None = empty).
+            stop_token_ids: per row, the token ids masked while fewer than ``min_tokens`` are
+                generated: the model's EOS ids (unless ignore_eos) and the request's
+                stop_token_ids (read for rows with ``min_tokens``; None = the params'
+                stop_token_ids only).
 
         Returns:
             ``[num_reqs]`` int64 token ids.
         """
         num_reqs = logits.shape[0]
+        _apply_min_tokens(logits, sampling_params, output_token_ids, stop_token_ids)
+        _apply_logit_bias(logits, sampling_params)
+        _apply_penalties(logits, sampling_params, output_token_ids, prompt_token_ids)
         greedy = [p.greedy for p in sampling_params]
-        if any(p.has_penalties for p in sampling_params):
-            _apply_penalties(logits, sampling_params, output_token_ids)
         if all(greedy):
             return logits.argmax(dim=-1)
 
@@ -62,6 +118,9 @@ class Sampler:
         )
         greedy_tokens = logits.argmax(dim=-1) if any(greedy) else None
         logits.div_(temperatures[:, None])
+        min_p = [0.0 if g else p.min_p for g, p in zip(greedy, sampling_params, strict=True)]
+        if any(min_p):
+            _apply_min_p(logits, min_p)
         top_k = [p.top_k if p.top_k > 0 else 0 for p in sampling_params]
         top_p = [p.top_p for p in sampling_params]
         if any(top_k) or any(p < 1.0 for p in top_p):
@@ -88,21 +147,108 @@ class Sampler:
         return sampled
 
 
+def _scatter_indices(
+    rows: Sequence[int], columns: Sequence[Iterable[int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat (row, column) int64 index tensors of the ids ``columns[j]`` in row ``rows[j]``:
+    one numpy pass over the ids, no tensor per row."""
+    lengths = np.fromiter((len(c) for c in columns), dtype=np.int64, count=len(columns))
+    row_index = np.repeat(np.asarray(rows, dtype=np.int64), lengths)
+    col_index = np.fromiter(
+        (t for c in columns for t in c), dtype=np.int64, count=int(lengths.sum())
+    )
+    return torch.as_tensor(row_index, device=device), torch.as_tensor(col_index, device=device)
+
+
+def _apply_min_tokens(
+    logits: torch.Tensor,
+    sampling_params: Sequence[SamplingParams],
+    output_token_ids: Sequence[Sequence[int]] | None,
+    stop_token_ids: Sequence[Iterable[int]] | None,
+) -> None:
+    """Stop tokens -> -inf in rows that generated fewer than ``min_tokens``, in place."""
+    rows, columns = [], []
+    for i, params in enumerate(sampling_params):
+        if params.min_tokens == 0:
+            continue
+        num_generated = 0 if output_token_ids is None else len(output_token_ids[i])
+        if num_generated >= params.min_tokens:
+            continue
+        ids = params.stop_token_ids if stop_token_ids is None else list(stop_token_ids[i])
+        if ids:
+            rows.append(i)
+            columns.append(ids)
+    if rows:
+        logits[_scatter_indices(rows, columns, logits.device)] = float("-inf")
+
+
+def _apply_logit_bias(logits: torch.Tensor, sampling_params: Sequence[SamplingParams]) -> None:
+    """``logits[i, token] += bias`` for every row's logit_bias, in place, one indexed add."""
+    rows, columns, biases = [], [], []
+    for i, params in enumerate(sampling_params):
+        if params.logit_bias:
+            rows.append(i)
+            columns.append(params.logit_bias.keys())
+            biases.extend(params.logit_bias.values())
+    if rows:
+        values = torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+        logits.index_put_(_scatter_indices(rows, columns, logits.device), values, accumulate=True)
+
+
 def _apply_penalties(
     logits: torch.Tensor,
     sampling_params: Sequence[SamplingParams],
     output_token_ids: Sequence[Sequence[int]] | None,
+    prompt_token_ids: Sequence[Sequence[int]] | None,
 ) -> None:
-    """OpenAI presence / frequency penalties over the generated tokens, in place."""
-    if output_token_ids is None:
+    """Repetition (prompt and output tokens), frequency and presence (output tokens) penalties,
+    in place, batched over the rows that have any (vLLM's ``apply_penalties``)."""
+    rows = [i for i, p in enumerate(sampling_params) if p.has_penalties]
+    if not rows:
         return
-    for i, params in enumerate(sampling_params):
-        if not params.has_penalties or not output_token_ids[i]:
-            continue
-        counts = torch.zeros_like(logits[i])
-        tokens = torch.tensor(output_token_ids[i], dtype=torch.long, device=logits.device)
-        counts.index_add_(0, tokens, torch.ones_like(tokens, dtype=logits.dtype))
-        logits[i] -= counts * params.frequency_penalty + (counts > 0) * params.presence_penalty
+    vocab_size = logits.shape[1]
+    device = logits.device
+    empty: Sequence[int] = ()
+    outputs = [empty if output_token_ids is None else output_token_ids[i] for i in rows]
+    prompts = [
+        prompt_token_ids[i]
+        if prompt_token_ids is not None and sampling_params[i].repetition_penalty != 1
+        else empty
+        for i in rows
+    ]
+    local = range(len(rows))
+    # Counts of each output token per row; a mask of tokens seen in the prompt or the output.
+    counts = torch.zeros(len(rows), vocab_size, dtype=logits.dtype, device=device)
+    if any(outputs):
+        index = _scatter_indices(local, outputs, device)
+        ones = torch.ones(len(index[0]), dtype=logits.dtype, device=device)
+        counts.index_put_(index, ones, accumulate=True)
+    generated = counts > 0
+    seen = generated.clone()
+    if any(prompts):
+        seen[_scatter_indices(local, prompts, device)] = True
+
+    def column(name: str) -> torch.Tensor:
+        values = [getattr(sampling_params[i], name) for i in rows]
+        return torch.tensor(values, dtype=logits.dtype, device=device)[:, None]
+
+    index = torch.tensor(rows, device=device)
+    sub = logits.index_select(0, index)
+    repetition = column("repetition_penalty").expand_as(sub).masked_fill(~seen, 1.0)
+    sub = torch.where(sub > 0, sub / repetition, sub * repetition)
+    sub -= column("frequency_penalty") * counts + column("presence_penalty") * generated
+    logits.index_copy_(0, index, sub)
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: Sequence[float]) -> None:
+    """Tokens whose probability is below ``min_p`` x the row's top probability -> -inf, in
+    place (after temperature, as vLLM)."""
+    probs = torch.softmax(logits, dim=-1)
+    threshold = (
+        probs.amax(dim=-1, keepdim=True)
+        * torch.tensor(min_p, dtype=logits.dtype, device=logits.device)[:, None]
+    )
+    logits.masked_fill_(probs < threshold, float("-inf"))
 
 
 def _apply_top_k_top_p(

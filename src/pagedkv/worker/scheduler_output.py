@@ -18,6 +18,7 @@ class ScheduledRequest(Protocol):
 
     request_id: str
     sampling_params: Any  # pagedkv.sampling_params.SamplingParams
+    prompt_token_ids: Sequence[int]
 
     @property
     def all_token_ids(self) -> Sequence[int]:
@@ -27,6 +28,16 @@ class ScheduledRequest(Protocol):
     @property
     def output_token_ids(self) -> Sequence[int]:
         """Output token ids so far (read for presence / frequency penalties)."""
+        ...
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt length (prompt logprobs, repetition penalty)."""
+        ...
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The model's end-of-sequence ids (masked until ``min_tokens``)."""
         ...
 
 

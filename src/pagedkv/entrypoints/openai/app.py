@@ -3,16 +3,26 @@
 Routes::
 
     GET  /v1/models              the one served model
+    GET  /v1/models/{id}         its card (404 for another name)
     POST /v1/completions         text completion (stream: server-sent events)
     POST /v1/chat/completions    chat completion, the model's chat template applied
-    GET  /health                 200 while the engine thread runs, else 503 with the reason
+    POST /tokenize               text or chat messages -> token ids (vLLM's)
+    POST /detokenize             token ids -> text (vLLM's)
+    GET  /tokenizer_info         special tokens and chat template (vLLM's; lm-eval reads it)
+    GET  /version                {"version": pagedkv's}
+    GET  /health, /ping          200 while the engine thread runs, else 503 with the reason
     GET  /metrics                Prometheus text format (see metrics.py)
     POST /reset_prefix_cache     {"success": bool}; fails while blocks are in use
+
+Every request field is honoured or refused with a 400 naming it (protocol.py; the table is in
+docs/server.md); fields without effect and unknown fields are named in one warning line.
 
 Each prompt is one engine request (id ``<response id>-<prompt index>``) with the request's ``n``
 samples, which share the prompt's cached blocks; choice index = prompt index * n + sample index.
 With a ``seed``, the engine seeds sample i with ``seed + i``, so samples differ and the response
-is still reproducible. Chat messages go to the engine as they are; it applies the chat template.
+is still reproducible. Prompts are built in the engine thread (the tokenizer is not shared
+between threads): text is tokenized, chat messages go through the model's chat template
+(``add_generation_prompt`` / ``continue_final_message``), and the engine gets token ids.
 
 A request whose client goes away (mid-stream, or while waiting for a non-streamed answer) is
 aborted in the engine, which frees its blocks. Bad input gets the OpenAI error body
@@ -40,6 +50,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedkv import __version__
 from pagedkv.entrypoints.openai.engine_loop import (
     EngineDeadError,
     EngineLoop,
@@ -53,16 +64,27 @@ from pagedkv.entrypoints.openai.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogProbs,
     ChatResponseMessage,
+    ChatTokenLogprob,
     CompletionChoice,
+    CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
     ModelCard,
     ModelList,
+    PromptLogprob,
+    TokenizeRequest,
+    TokenizeResponse,
+    TopLogprob,
+    UnsupportedFieldError,
     UsageInfo,
+    chunk_json,
     make_usage,
     now,
     random_id,
@@ -111,34 +133,61 @@ class _Sample:
 
     index: int  # choice index
     text_parts: list[str] = field(default_factory=list)
-    num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    #: one ``{token id: Logprob}`` per token of token_ids (requests with logprobs)
+    logprobs: list[dict[int, Any]] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     error: str | None = None  # why the engine failed it (finish_reason "error")
     last_token_time: float = 0.0
+    text_offset: int = 0  # completions logprobs: characters of the choice's text so far
 
     @property
     def text(self) -> str:
         return "".join(self.text_parts)
 
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
 
 @dataclass(slots=True)
 class _Prompt:
-    """One engine request: a prompt with its n samples."""
+    """One engine request: a prompt with its n samples. ``text``, ``token_ids`` and
+    ``token_strs`` are filled in the engine thread when the prompt is built (:func:`_build`)."""
 
     request_id: str
     samples: list[_Sample]
     num_prompt_tokens: int | None = None
     num_cached_tokens: int | None = None
+    text: str | None = None
+    token_ids: list[int] = field(default_factory=list)
+    token_strs: list[str] | None = None  # each prompt token's text (echo with logprobs)
+    prompt_logprobs: list[dict[int, Any] | None] | None = None
+    started: bool = False  # its first engine output was seen (streamed echo sent)
 
     @property
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.samples)
 
 
-def _usage(prompts: list[_Prompt]) -> UsageInfo:
+@dataclass(slots=True)
+class _Options:
+    """What one HTTP request asks of the response, beyond the sampling parameters."""
+
+    echo: bool = False
+    echo_only: bool = False  # max_tokens 0 with echo: the prompt alone, generated token dropped
+    logprobs: int | None = None  # completions logprobs / chat top_logprobs (k)
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field (k)
+    continuous_usage: bool = False
+
+
+def _usage(prompts: list[_Prompt], options: _Options | None = None) -> UsageInfo:
     """Usage of a response: each prompt counted once however many samples it had."""
     num_prompt = sum(p.num_prompt_tokens or 0 for p in prompts)
-    num_completion = sum(s.num_tokens for p in prompts for s in p.samples)
+    num_completion = 0
+    if options is None or not options.echo_only:
+        num_completion = sum(s.num_tokens for p in prompts for s in p.samples)
     cached = [p.num_cached_tokens for p in prompts]
     num_cached = None if None in cached else sum(cached)
     return make_usage(num_prompt, num_completion, num_cached)
@@ -146,6 +195,11 @@ def _usage(prompts: list[_Prompt]) -> UsageInfo:
 
 def _choices_in_order(prompts: list[_Prompt]) -> list[_Sample]:
     return sorted((s for p in prompts for s in p.samples), key=lambda s: s.index)
+
+
+def _prompt_of(prompts: list[_Prompt], sample: _Sample) -> _Prompt:
+    n = len(prompts[0].samples)
+    return prompts[sample.index // n]
 
 
 def _engine_error(sample: _Sample) -> OpenAIError:
@@ -167,11 +221,153 @@ def _sse(payload: str) -> str:
     return f"data: {payload}\n\n"
 
 
+# ---- logprobs in the OpenAI shapes ------------------------------------------------------------
+
+#: JSON has no -inf: OpenAI (and vLLM) send this instead.
+_MIN_LOGPROB = -9999.0
+
+
+def _clamp(logprob: float) -> float:
+    return max(logprob, _MIN_LOGPROB)
+
+
+def _top(position: dict[int, Any], k: int) -> list[tuple[int, Any]]:
+    """The k most likely entries of a position (ranks 1..k), most likely first."""
+    top = [(t, lp) for t, lp in position.items() if lp.rank is not None and lp.rank <= k]
+    return sorted(top, key=lambda item: item[1].rank)[:k]
+
+
+def _completion_logprobs(
+    token_ids: list[int],
+    positions: list[dict[int, Any] | None],
+    k: int,
+    offset: int,
+    token_strs: list[str] | None = None,
+) -> tuple[CompletionLogProbs, int]:
+    """OpenAI's completions ``logprobs`` of consecutive tokens (a position None: the first
+    prompt token, which has no logprob); returns it and the text offset after the last token."""
+    out = CompletionLogProbs()
+    for i, (token_id, position) in enumerate(zip(token_ids, positions, strict=True)):
+        if position is None:
+            text = token_strs[i] if token_strs is not None else ""
+            out.tokens.append(text)
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+        else:
+            chosen = position[token_id]
+            text = chosen.decoded_token or ""
+            out.tokens.append(text)
+            out.token_logprobs.append(_clamp(chosen.logprob))
+            top = {text: _clamp(chosen.logprob)}
+            for top_id, lp in _top(position, k):
+                top[lp.decoded_token or str(top_id)] = _clamp(lp.logprob)
+            out.top_logprobs.append(top)
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out, offset
+
+
+def _chat_logprobs(token_ids: list[int], positions: list[dict[int, Any]], k: int) -> ChatLogProbs:
+    """OpenAI's chat ``logprobs`` of generated tokens, ``top_logprobs`` = the k most likely."""
+
+    def entry(text: str, logprob: float) -> dict[str, Any]:
+        return {"token": text, "logprob": _clamp(logprob), "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for token_id, position in zip(token_ids, positions, strict=True):
+        chosen = position[token_id]
+        content.append(
+            ChatTokenLogprob(
+                **entry(chosen.decoded_token or "", chosen.logprob),
+                top_logprobs=[
+                    TopLogprob(**entry(lp.decoded_token or "", lp.logprob))
+                    for _, lp in _top(position, k)
+                ],
+            )
+        )
+    return ChatLogProbs(content=content)
+
+
+def _vllm_prompt_logprobs(prompt: _Prompt, k: int) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token ``{token id: {logprob, rank,
+    decoded_token}}`` (the prompt token and the top k), the first None."""
+    result: list[dict[str, PromptLogprob] | None] = []
+    for token_id, position in zip(prompt.token_ids, prompt.prompt_logprobs or (), strict=False):
+        if position is None:
+            result.append(None)
+            continue
+        entries = {token_id: position[token_id], **dict(_top(position, k))}
+        result.append(
+            {
+                str(t): PromptLogprob(
+                    logprob=_clamp(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token
+                )
+                for t, lp in entries.items()
+            }
+        )
+    return result
+
+
+# ---- prompts, built in the engine thread ------------------------------------------------------
+
+
+def _text_prompt(state: _Prompt, text: str, add_special_tokens: bool, strs: bool):
+    """A prompt builder for text: tokenized in the engine thread (the tokenizer is the engine's,
+    and is not shared between threads)."""
+
+    def build(engine: Any) -> dict[str, Any]:
+        tokenizer = engine.tokenizer
+        ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return _built(state, engine, text, ids, strs)
+
+    return build
+
+
+def _token_prompt(state: _Prompt, ids: list[int], echo: bool, strs: bool):
+    """A prompt builder for token ids (decoded only when echoed)."""
+
+    def build(engine: Any) -> dict[str, Any]:
+        text = engine.tokenizer.decode(ids, skip_special_tokens=False) if echo else None
+        return _built(state, engine, text, ids, strs)
+
+    return build
+
+
+def _chat_prompt(state: _Prompt, request: ChatCompletionRequest):
+    """A prompt builder for chat messages: the model's chat template, then the tokenizer."""
+    messages = request.template_messages()
+
+    def build(engine: Any) -> dict[str, Any]:
+        tokenizer = engine.tokenizer
+        text = tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            tokenize=False,
+        )
+        ids = tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+        return _built(state, engine, text, ids, False)
+
+    return build
+
+
+def _built(state: _Prompt, engine: Any, text: str | None, ids: list[int], strs: bool) -> dict:
+    state.text = text
+    state.token_ids = list(ids)
+    if strs:
+        state.token_strs = engine.tokenizer.decode_tokens(ids)
+    prompt: dict[str, Any] = {"prompt_token_ids": list(ids)}
+    if text is not None:
+        prompt["prompt"] = text
+    return prompt
+
+
 class OpenAIServing:
     """The request handling behind the routes; owns the engine loop and the metrics.
 
     Args:
-        engine: the engine (see :class:`EngineLoop` for what it must offer).
+        engine: the engine (see :class:`EngineLoop` for what it must offer; ``tokenizer`` and,
+            optionally, ``config.policy``).
         model_name: the name clients use in ``model``; other names get 404.
         max_model_len: shown by /v1/models.
         engine_loop: what drives the engine; default ``EngineLoop(engine)``. A cluster passes
@@ -190,6 +386,7 @@ class OpenAIServing:
         self.metrics = ServerMetrics(model_name)
         self.model_name = model_name
         self.max_model_len = max_model_len
+        self.policy = getattr(getattr(engine, "config", None), "policy", "fcfs")
 
     # ---- request -> engine requests -----------------------------------------------------------
 
@@ -202,8 +399,31 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
+    def _check_request(self, request: Any, response_id: str) -> None:
+        """The model name, the refused fields (400 naming the field), and the one warning line
+        naming the fields accepted without effect."""
+        self._check_model(request.model)
+        request.check_supported()
+        priority = getattr(request, "priority", 0)
+        if priority and self.policy != "priority":
+            raise UnsupportedFieldError(
+                "priority",
+                "`priority` needs the server to schedule by priority (--policy priority)",
+            )
+        ignored = request.ignored_fields()
+        if ignored:
+            logger.warning(
+                "request %s: fields without effect in pagedkv, ignored: %s",
+                response_id,
+                ", ".join(ignored),
+            )
+
     async def _start(
-        self, response_id: str, prompts: list[Any], request: Any, max_tokens: int | None
+        self,
+        response_id: str,
+        builders: list[Callable[[_Prompt], Callable[[Any], Any]]],
+        request: Any,
+        params: SamplingParams,
     ) -> tuple[OutputStream, list[_Prompt]]:
         """Add one engine request (with n samples) per prompt; returns their shared stream.
 
@@ -211,63 +431,68 @@ class OpenAIServing:
             InvalidRequestError: invalid sampling parameters, or a prompt the engine can never
                 serve (longer than max_model_len with max_tokens); nothing is left queued.
         """
-        params = SamplingParams(
-            n=request.n,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            top_k=request.top_k,
-            max_tokens=max_tokens,
-            stop=request.stop,
-            seed=request.seed,
-            ignore_eos=request.ignore_eos,
-        )
         engine_requests, states = [], []
-        for prompt_index, prompt in enumerate(prompts):
+        for prompt_index, builder in enumerate(builders):
             request_id = f"{response_id}-{prompt_index}"
             kwargs = {"cache_salt": request.cache_salt}
-            engine_requests.append(EngineRequest(request_id, prompt, params, kwargs))
+            if request.priority:
+                kwargs["priority"] = request.priority
             samples = [_Sample(prompt_index * request.n + i) for i in range(request.n)]
-            states.append(_Prompt(request_id, samples))
+            state = _Prompt(request_id, samples)
+            engine_requests.append(EngineRequest(request_id, builder(state), params, kwargs))
+            states.append(state)
         stream = await self.engine_loop.add_requests(engine_requests)
+        for state in states:
+            state.num_prompt_tokens = len(state.token_ids)
         return stream, states
 
     # ---- engine outputs -----------------------------------------------------------------------
 
     async def _events(
-        self, stream: OutputStream, prompts: list[_Prompt]
-    ) -> AsyncIterator[tuple[_Sample, str]]:
-        """Yields (sample, new text) whenever a sample gets text or finishes; observes the
-        metrics. Ends when every sample has finished."""
+        self, stream: OutputStream, prompts: list[_Prompt], options: _Options
+    ) -> AsyncIterator[tuple[_Prompt, _Sample, str, int]]:
+        """Yields (prompt, sample, new text, number of new tokens) whenever a sample gets text,
+        tokens or finishes; observes the metrics. Ends when every sample has finished. With
+        ``echo_only`` the generated token is dropped (no text, no tokens)."""
         metrics = self.metrics
         by_id = {p.request_id: p for p in prompts}
         while not stream.finished:
             output, step_time = await stream.get()
             prompt = by_id[output.request_id]
-            if prompt.num_prompt_tokens is None:
+            if prompt.num_cached_tokens is None:
                 prompt.num_prompt_tokens = len(output.prompt_token_ids)
                 prompt.num_cached_tokens = output.num_cached_tokens
                 metrics.prompt_tokens.inc(prompt.num_prompt_tokens)
+            if prompt.prompt_logprobs is None and output.prompt_logprobs is not None:
+                prompt.prompt_logprobs = output.prompt_logprobs
             for completion in output.outputs:
                 sample = prompt.samples[completion.index]
                 if sample.finish_reason is not None:
                     continue
-                num_new_tokens = len(completion.new_token_ids)
-                if num_new_tokens:
+                new_token_ids = list(completion.new_token_ids)
+                new_text = completion.new_text
+                if options.echo_only:
+                    new_token_ids, new_text = [], ""
+                if new_token_ids:
                     if sample.num_tokens == 0:
                         metrics.time_to_first_token.observe(step_time - stream.arrival_time)
                     else:
                         metrics.inter_token_latency.observe(step_time - sample.last_token_time)
                     sample.last_token_time = step_time
-                    sample.num_tokens += num_new_tokens
-                    metrics.generation_tokens.inc(num_new_tokens)
-                if completion.new_text:
-                    sample.text_parts.append(completion.new_text)
+                    sample.token_ids += new_token_ids
+                    metrics.generation_tokens.inc(len(new_token_ids))
+                    if completion.logprobs is not None:
+                        done = len(completion.logprobs) - len(new_token_ids)
+                        sample.logprobs += completion.logprobs[done:]
+                if new_text:
+                    sample.text_parts.append(new_text)
                 if completion.finish_reason is not None:
                     sample.finish_reason = completion.finish_reason
+                    sample.stop_reason = completion.stop_reason
                     sample.error = getattr(completion, "error", None)
                     metrics.observe_finished(sample.finish_reason, step_time - stream.arrival_time)
-                if completion.new_text or sample.finish_reason is not None:
-                    yield sample, completion.new_text
+                if new_text or new_token_ids or sample.finish_reason is not None:
+                    yield prompt, sample, new_text, len(new_token_ids)
 
     def _abort_unfinished(self, prompts: list[_Prompt]) -> None:
         unfinished = [p for p in prompts if not p.finished]
@@ -281,12 +506,16 @@ class OpenAIServing:
                     self.metrics.observe_finished("abort", None)
 
     async def _collect(
-        self, stream: OutputStream, prompts: list[_Prompt], raw_request: Request
+        self,
+        stream: OutputStream,
+        prompts: list[_Prompt],
+        raw_request: Request,
+        options: _Options,
     ) -> None:
         """Run a non-streamed request to its end; aborts it if the client disconnects first."""
 
         async def drain() -> None:
-            async for _ in self._events(stream, prompts):
+            async for _ in self._events(stream, prompts, options):
                 pass
 
         async def disconnected() -> None:
@@ -311,8 +540,9 @@ class OpenAIServing:
         self,
         stream: OutputStream,
         prompts: list[_Prompt],
+        options: _Options,
         first_chunks: list[str],
-        chunks_of: Callable[[_Sample, str], list[str]],
+        chunks_of: Callable[[_Prompt, _Sample, str, int, str | None], list[str]],
         usage_chunk: Callable[[UsageInfo], str] | None,
     ) -> AsyncIterator[str]:
         """The server-sent events of a streamed response, ending with ``data: [DONE]``; the
@@ -321,18 +551,18 @@ class OpenAIServing:
         try:
             for chunk in first_chunks:
                 yield chunk
-            async for sample, new_text in self._events(stream, prompts):
+            async for prompt, sample, new_text, num_new in self._events(stream, prompts, options):
                 if sample.finish_reason == "error":
-                    if new_text:
-                        for chunk in chunks_of(sample, new_text, None):
+                    if new_text or num_new:
+                        for chunk in chunks_of(prompt, sample, new_text, num_new, None):
                             yield chunk
                     yield _sse(json.dumps(_engine_error(sample).body()))
                     break
-                for chunk in chunks_of(sample, new_text, sample.finish_reason):
+                for chunk in chunks_of(prompt, sample, new_text, num_new, sample.finish_reason):
                     yield chunk
             else:
                 if usage_chunk is not None:
-                    yield usage_chunk(_usage(prompts))
+                    yield usage_chunk(_usage(prompts, options))
         except Exception as exc:  # the engine stopped mid-stream: tell the client
             logger.exception("streamed request failed")
             status = 503 if isinstance(exc, EngineDeadError) else 500
@@ -344,68 +574,187 @@ class OpenAIServing:
     # ---- routes ---------------------------------------------------------------------------------
 
     async def completions(self, request: CompletionRequest, raw_request: Request) -> Response:
-        self._check_model(request.model)
         response_id = random_id("cmpl")
+        self._check_request(request, response_id)
         max_tokens = request.max_tokens if request.max_tokens is not None else 16
-        stream, prompts = await self._start(response_id, request.prompts(), request, max_tokens)
+        options = _Options(
+            echo=request.echo,
+            echo_only=request.echo and max_tokens == 0,
+            logprobs=request.logprobs,
+            prompt_logprobs=request.prompt_logprobs,
+            continuous_usage=request.continuous_usage,
+        )
+        # Echo with logprobs returns the prompt tokens' logprobs: the engine computes them.
+        engine_prompt_logprobs = request.prompt_logprobs
+        if request.echo and request.logprobs is not None:
+            engine_prompt_logprobs = max(engine_prompt_logprobs or 0, request.logprobs)
+        params = SamplingParams(
+            **request.sampling_kwargs(),
+            max_tokens=max(max_tokens, 1),  # echo_only: one token is generated, then dropped
+            logprobs=request.logprobs,
+            prompt_logprobs=engine_prompt_logprobs,
+        )
+        strs = request.echo and request.logprobs is not None
+        builders = []
+        for prompt in request.prompts():
+            if isinstance(prompt, str):
+                builders.append(
+                    lambda s, p=prompt: _text_prompt(s, p, request.add_special_tokens, strs)
+                )
+            else:
+                builders.append(lambda s, p=prompt: _token_prompt(s, p, request.echo, strs))
+        stream, prompts = await self._start(response_id, builders, request, params)
         created, model = now(), self.model_name
 
+        def echo_part(prompt: _Prompt) -> tuple[str, CompletionLogProbs | None, int]:
+            """The prompt's text and logprobs when echoed (the first token's is None)."""
+            if not options.echo:
+                return "", None, 0
+            if options.logprobs is None:
+                return prompt.text or "", None, len(prompt.text or "")
+            positions = list(prompt.prompt_logprobs or [None] * len(prompt.token_ids))
+            logprobs, offset = _completion_logprobs(
+                prompt.token_ids, positions, options.logprobs, 0, prompt.token_strs
+            )
+            return prompt.text or "", logprobs, offset
+
+        def generated_logprobs(sample: _Sample, start: int, offset: int):
+            logprobs, offset = _completion_logprobs(
+                sample.token_ids[start:], sample.logprobs[start:], options.logprobs, offset
+            )
+            return logprobs, offset
+
         if not request.stream:
-            await self._collect(stream, prompts, raw_request)
+            await self._collect(stream, prompts, raw_request, options)
             _raise_if_failed(prompts)
-            choices = [
-                CompletionChoice(index=s.index, text=s.text, finish_reason=s.finish_reason)
-                for s in _choices_in_order(prompts)
-            ]
+            choices = []
+            for sample in _choices_in_order(prompts):
+                prompt = _prompt_of(prompts, sample)
+                text, logprobs, offset = echo_part(prompt)
+                if options.logprobs is not None:
+                    generated, _ = generated_logprobs(sample, 0, offset)
+                    if logprobs is None:
+                        logprobs = generated
+                    else:
+                        for name in CompletionLogProbs.model_fields:
+                            getattr(logprobs, name).extend(getattr(generated, name))
+                choices.append(
+                    CompletionChoice(
+                        index=sample.index,
+                        text=text + sample.text,
+                        logprobs=logprobs,
+                        finish_reason=sample.finish_reason,
+                        stop_reason=sample.stop_reason,
+                        prompt_logprobs=(
+                            None
+                            if options.prompt_logprobs is None
+                            else _vllm_prompt_logprobs(prompt, options.prompt_logprobs)
+                        ),
+                    )
+                )
             response = CompletionResponse(
                 id=response_id,
                 created=created,
                 model=model,
                 choices=choices,
-                usage=_usage(prompts),
+                usage=_usage(prompts, options),
             )
             return JSONResponse(response.model_dump())
 
-        def chunks_of(sample: _Sample, new_text: str, finish_reason: str | None) -> list[str]:
+        def body(choice: CompletionChoice) -> str:
+            usage = _usage(prompts, options) if options.continuous_usage else None
+            return _sse(
+                chunk_json(
+                    CompletionResponse(
+                        id=response_id, created=created, model=model, choices=[choice], usage=usage
+                    )
+                )
+            )
+
+        def chunks_of(
+            prompt: _Prompt, sample: _Sample, new_text: str, num_new: int, finish: str | None
+        ) -> list[str]:
+            chunks = []
+            if not prompt.started:  # the prompt's first output: its echo, for every sample
+                prompt.started = True
+                if options.echo:
+                    for each in prompt.samples:
+                        text, logprobs, each.text_offset = echo_part(prompt)
+                        chunks.append(
+                            body(CompletionChoice(index=each.index, text=text, logprobs=logprobs))
+                        )
+            logprobs = None
+            if options.logprobs is not None:
+                start = sample.num_tokens - num_new
+                logprobs, sample.text_offset = generated_logprobs(sample, start, sample.text_offset)
+            stop_reason = sample.stop_reason if finish is not None else None
             choice = CompletionChoice(
-                index=sample.index, text=new_text, finish_reason=finish_reason
+                index=sample.index,
+                text=new_text,
+                logprobs=logprobs,
+                finish_reason=finish,
+                stop_reason=stop_reason,
             )
-            body = CompletionResponse(
-                id=response_id, created=created, model=model, choices=[choice]
-            )
-            return [_sse(body.model_dump_json(exclude_none=True))]
+            chunks.append(body(choice))
+            return chunks
 
         def usage_chunk(usage: UsageInfo) -> str:
-            body = CompletionResponse(
+            done = CompletionResponse(
                 id=response_id, created=created, model=model, choices=[], usage=usage
             )
-            return _sse(body.model_dump_json(exclude_none=True))
+            return _sse(chunk_json(done))
 
         events = self._sse_stream(
-            stream, prompts, [], chunks_of, usage_chunk if request.include_usage else None
+            stream,
+            prompts,
+            options,
+            [],
+            chunks_of,
+            usage_chunk if request.include_usage else None,
         )
         return StreamingResponse(events, media_type="text/event-stream")
 
     async def chat_completions(
         self, request: ChatCompletionRequest, raw_request: Request
     ) -> Response:
-        self._check_model(request.model)
         response_id = random_id("chatcmpl")
+        self._check_request(request, response_id)
         # No max_tokens: the reply may run to max_model_len (the engine's None).
         max_tokens = request.max_completion_tokens or request.max_tokens
+        top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        options = _Options(
+            logprobs=top_logprobs,
+            prompt_logprobs=request.prompt_logprobs,
+            continuous_usage=request.continuous_usage,
+        )
+        params = SamplingParams(
+            **request.sampling_kwargs(),
+            max_tokens=max_tokens,
+            logprobs=top_logprobs,
+            prompt_logprobs=request.prompt_logprobs,
+        )
         stream, prompts = await self._start(
-            response_id, [request.template_messages()], request, max_tokens
+            response_id, [lambda s: _chat_prompt(s, request)], request, params
         )
         created, model = now(), self.model_name
 
+        def logprobs_of(sample: _Sample, start: int) -> ChatLogProbs | None:
+            if options.logprobs is None:
+                return None
+            return _chat_logprobs(
+                sample.token_ids[start:], sample.logprobs[start:], options.logprobs
+            )
+
         if not request.stream:
-            await self._collect(stream, prompts, raw_request)
+            await self._collect(stream, prompts, raw_request, options)
             _raise_if_failed(prompts)
             choices = [
                 ChatChoice(
                     index=s.index,
                     message=ChatResponseMessage(content=s.text),
+                    logprobs=logprobs_of(s, 0),
                     finish_reason=s.finish_reason,
+                    stop_reason=s.stop_reason,
                 )
                 for s in _choices_in_order(prompts)
             ]
@@ -414,41 +763,136 @@ class OpenAIServing:
                 created=created,
                 model=model,
                 choices=choices,
-                usage=_usage(prompts),
+                usage=_usage(prompts, options),
+                prompt_logprobs=(
+                    None
+                    if options.prompt_logprobs is None
+                    else _vllm_prompt_logprobs(prompts[0], options.prompt_logprobs)
+                ),
             )
             return JSONResponse(response.model_dump())
 
-        def chunk(index: int, delta: DeltaMessage, finish_reason: str | None = None) -> str:
-            choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)
+        def chunk(choice: ChatChunkChoice) -> str:
+            usage = _usage(prompts, options) if options.continuous_usage else None
             body = ChatCompletionChunk(
-                id=response_id, created=created, model=model, choices=[choice]
+                id=response_id, created=created, model=model, choices=[choice], usage=usage
             )
-            return _sse(body.model_dump_json(exclude_none=True))
+            return _sse(chunk_json(body))
 
-        def chunks_of(sample: _Sample, new_text: str, finish_reason: str | None) -> list[str]:
-            chunks = [chunk(sample.index, DeltaMessage(content=new_text))] if new_text else []
-            if finish_reason is not None:
-                chunks.append(chunk(sample.index, DeltaMessage(), finish_reason))
+        def chunks_of(
+            prompt: _Prompt, sample: _Sample, new_text: str, num_new: int, finish: str | None
+        ) -> list[str]:
+            chunks = []
+            if new_text or num_new:
+                logprobs = logprobs_of(sample, sample.num_tokens - num_new)
+                delta = DeltaMessage(content=new_text)
+                chunks.append(
+                    chunk(ChatChunkChoice(index=sample.index, delta=delta, logprobs=logprobs))
+                )
+            if finish is not None:
+                chunks.append(
+                    chunk(
+                        ChatChunkChoice(
+                            index=sample.index,
+                            delta=DeltaMessage(),
+                            finish_reason=finish,
+                            stop_reason=sample.stop_reason,
+                        )
+                    )
+                )
             return chunks
 
         def usage_chunk(usage: UsageInfo) -> str:
             body = ChatCompletionChunk(
                 id=response_id, created=created, model=model, choices=[], usage=usage
             )
-            return _sse(body.model_dump_json(exclude_none=True))
+            return _sse(chunk_json(body))
 
         first = [
-            chunk(s.index, DeltaMessage(role="assistant", content=""))
+            chunk(ChatChunkChoice(index=s.index, delta=DeltaMessage(role="assistant", content="")))
             for s in _choices_in_order(prompts)
         ]
         events = self._sse_stream(
-            stream, prompts, first, chunks_of, usage_chunk if request.include_usage else None
+            stream,
+            prompts,
+            options,
+            first,
+            chunks_of,
+            usage_chunk if request.include_usage else None,
         )
         return StreamingResponse(events, media_type="text/event-stream")
 
+    # ---- tokenizer routes (vLLM's) --------------------------------------------------------------
+
+    async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+        self._check_model(request.model)
+        request.check_supported()
+
+        def run(engine: Any) -> tuple[list[int], list[str] | None]:
+            tokenizer = engine.tokenizer
+            if request.messages is not None:
+                text = tokenizer.apply_chat_template(
+                    [m.as_template_dict() for m in request.messages],
+                    add_generation_prompt=request.add_generation_prompt,
+                    continue_final_message=request.continue_final_message,
+                    tokenize=False,
+                )
+                add_special = bool(request.add_special_tokens)
+            else:
+                text = request.prompt
+                add_special = request.add_special_tokens is not False
+            ids = tokenizer.encode(text, add_special_tokens=add_special)
+            strs = tokenizer.decode_tokens(ids) if request.return_token_strs else None
+            return ids, strs
+
+        ids, strs = await self.engine_loop.call(run)
+        return TokenizeResponse(
+            count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs
+        )
+
+    async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        self._check_model(request.model)
+        tokens = list(request.tokens)
+
+        def run(engine: Any) -> str:
+            vocab_size = _vocab_size(engine)
+            if vocab_size is not None and any(t >= vocab_size for t in tokens):
+                raise InvalidRequestError(
+                    f"tokens must be in [0, {vocab_size}) (the vocabulary)", param="tokens"
+                )
+            return engine.tokenizer.decode(tokens, skip_special_tokens=False)
+
+        return DetokenizeResponse(prompt=await self.engine_loop.call(run))
+
+    async def tokenizer_info(self) -> dict[str, Any]:
+        """vLLM's ``GET /tokenizer_info``: what a client needs to tokenize as the server does
+        (evaluation harnesses use it with /tokenize and /detokenize)."""
+
+        def run(engine: Any) -> dict[str, Any]:
+            hf = getattr(engine.tokenizer, "hf_tokenizer", None)
+            info: dict[str, Any] = {
+                "tokenizer_class": type(hf or engine.tokenizer).__name__,
+                "model_max_length": self.max_model_len,
+                "vocab_size": _vocab_size(engine),
+            }
+            for name in ("eos_token", "bos_token", "pad_token", "unk_token", "chat_template"):
+                value = getattr(hf, name, None)
+                info[name] = value if isinstance(value, str) or value is None else str(value)
+            return info
+
+        return await self.engine_loop.call(run)
+
     def models(self) -> ModelList:
-        card = ModelCard(id=self.model_name, created=now(), max_model_len=self.max_model_len)
-        return ModelList(data=[card])
+        return ModelList(data=[self.model_card()])
+
+    def model_card(self) -> ModelCard:
+        return ModelCard(id=self.model_name, created=now(), max_model_len=self.max_model_len)
+
+
+def _vocab_size(engine: Any) -> int | None:
+    config = getattr(engine, "model_config", None)
+    size = getattr(config, "vocab_size", None)
+    return size if size is not None else getattr(engine.tokenizer, "vocab_size", None)
 
 
 def _reset_prefix_cache(engine: Any) -> bool:
@@ -536,6 +980,10 @@ def create_app(
         param = getattr(exc, "param", None)
         return OpenAIError(400, str(exc), param=param, code="invalid_request").response()
 
+    @app.exception_handler(UnsupportedFieldError)
+    async def _unsupported(request: Request, exc: UnsupportedFieldError) -> JSONResponse:
+        return OpenAIError(400, exc.message, param=exc.param, code="unsupported_field").response()
+
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
         return OpenAIError(503, str(exc)).response()
@@ -556,6 +1004,31 @@ def create_app(
     @app.get("/v1/models")
     async def list_models() -> ModelList:
         return serving.models()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> ModelCard:
+        serving._check_model(model_id)
+        return serving.model_card()
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
+        return await serving.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+        return await serving.detokenize(request)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        return await serving.tokenizer_info()
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        return await health()
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:

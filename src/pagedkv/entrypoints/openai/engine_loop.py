@@ -81,7 +81,9 @@ def engine_fault(engine: Any, exc: BaseException, num_failed_steps: int) -> str 
 
 @dataclass(slots=True)
 class EngineRequest:
-    """One ``engine.add_request(request_id, prompt, sampling_params, **kwargs)`` call."""
+    """One ``engine.add_request(request_id, prompt, sampling_params, **kwargs)`` call. ``prompt``
+    may be a function of the engine that makes the prompt in the engine thread (tokenization and
+    chat templates run there: the engine's tokenizer is not shared between threads)."""
 
     request_id: str
     prompt: Any
@@ -215,7 +217,8 @@ class EngineLoop:
             added: list[str] = []
             try:
                 for r in requests:
-                    engine.add_request(r.request_id, r.prompt, r.sampling_params, **r.kwargs)
+                    prompt = r.prompt(engine) if callable(r.prompt) else r.prompt
+                    engine.add_request(r.request_id, prompt, r.sampling_params, **r.kwargs)
                     added.append(r.request_id)
             except BaseException:
                 if added:

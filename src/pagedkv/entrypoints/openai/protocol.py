@@ -1,34 +1,57 @@
 """Request and response bodies of the OpenAI API subset pagedkv serves, and its error format.
 
-Requests are validated here (ranges as in the OpenAI API reference, and every value within what
-the engine can represent: ints within int64, token ids >= 0, finite floats, strings that are valid
-Unicode, i.e. no lone surrogates, which JSON can carry but UTF-8 cannot); anything that fails comes
-back to the client as an :class:`ErrorResponse` with status 400 naming the field. What needs the
-model (top_k and token ids against the vocabulary, prompt + max_tokens against max_model_len) is
-checked by the engine before the request is queued, also a 400. New fields take one of the
-annotated types below (``Text``, ``Int64``, ``TokenId``, ``FiniteFloat``...), so they get the same
-checks. Fields the API has but pagedkv
-does not implement (logprobs, tools, ...) are ignored rather than rejected, as vLLM does, so that
-ordinary clients keep working. Extra fields beyond the OpenAI API: ``cache_salt`` (tenant
-isolation of the prefix cache: requests with different salts never share cached blocks),
-``top_k`` and ``ignore_eos``.
+The contract (docs/server.md has the table of every field):
+
+- A field the server accepts is honoured: it reaches
+  :class:`~pagedkv.sampling_params.SamplingParams` or the response with vLLM's meaning.
+- A known field (OpenAI's or vLLM's) that pagedkv does not implement is refused with a 400 naming
+  it when it asks for something (``tools``, ``response_format`` other than text, ``suffix``,
+  ``best_of`` > n, ...): each request model lists them in ``REFUSED`` with the values that ask for
+  nothing (``check_supported``).
+- Known fields without effect on the output (``user``, ``metadata``...: ``IGNORED``) and unknown
+  fields are accepted and named in one warning log line per request (``ignored_fields``), as vLLM
+  does.
+
+Types are strict: JSON ``null`` for an optional field means its default, but strings are not
+numbers (``"max_tokens": "8"`` is a 400, as in OpenAI) and numbers are not booleans. Values are
+checked against what the engine can represent (ints within int64, token ids >= 0, finite floats,
+strings that are valid Unicode, i.e. no lone surrogates, which JSON can carry but UTF-8 cannot),
+with a 400 naming the field. What needs the model (token ids and top_k against the vocabulary,
+prompt + max_tokens against max_model_len) is checked by the engine before the request is queued,
+also a 400. New fields take one of the annotated types below (``Text``, ``Int64``, ``TokenId``,
+``FiniteFloat``...), so they get the same checks.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from pagedkv.sampling_params import INT64_MAX
+from pagedkv.validation import is_int
 
 #: Most samples one request may ask for (``n``); each sample is a sequence in the engine.
 MAX_N = 128
 INT64_MIN = -(2**63)
 #: torch.Generator takes seeds in [-2**63, 2**64).
 SEED_MAX = 2**64 - 1
+#: Most logprobs / top_logprobs / prompt_logprobs per position (vLLM's default max_logprobs;
+#: the engine's own limit, EngineConfig.max_logprobs, is checked when the request is added).
+MAX_LOGPROBS = 20
 
 
 def _valid_unicode(value: str) -> str:
@@ -87,17 +110,115 @@ class ErrorResponse(BaseModel):
 # --------------------------------------------------------------------------------------------
 
 
-class StreamOptions(BaseModel):
+class _Strict(BaseModel):
+    """Strict types; ``null`` for a field whose default is not None means that default; extra
+    fields are kept (``model_extra``) to be named in the request's warning line."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            return {
+                key: value
+                for key, value in data.items()
+                if value is not None or key not in fields or fields[key].default is None
+            }
+        return data
+
+
+class StreamOptions(_Strict):
+    """``stream_options``: ``include_usage`` adds a last chunk with the usage;
+    ``continuous_usage_stats`` (vLLM) puts the usage so far in every chunk."""
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
-class _SamplingRequest(BaseModel):
-    """Fields shared by completion and chat requests."""
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A known field pagedkv does not implement: ``accepts(value)`` is True for the values that
+    ask for nothing (the field's no-op), anything else is a 400 naming the field and ``why``;
+    ``example`` is a refused value (the contract test sends it)."""
 
-    model_config = ConfigDict(extra="ignore")
+    accepts: Callable[[Any, Any], bool]  # (value, the whole request) -> ok
+    why: str
+    example: Any
+
+
+def _absent(value: Any, request: Any) -> bool:
+    return value is None
+
+
+def _false(value: Any, request: Any) -> bool:
+    return value is None or value is False
+
+
+def _empty(value: Any, request: Any) -> bool:
+    return value is None or value == [] or value == {}
+
+
+def _text_format(value: Any, request: Any) -> bool:
+    return value is None or (isinstance(value, dict) and value.get("type") == "text")
+
+
+def _best_of(value: Any, request: Any) -> bool:
+    return value is None or (is_int(value) and value == request.n)
+
+
+def _length_penalty(value: Any, request: Any) -> bool:
+    return value is None or value == 1
+
+
+_NOT_IMPLEMENTED = "is not supported by pagedkv"
+
+#: Known fields of both endpoints that pagedkv refuses when they ask for something.
+_REFUSED_COMMON: dict[str, Refused] = {
+    "best_of": Refused(
+        _best_of, "best_of > n (server-side best-of ranking) " + _NOT_IMPLEMENTED, 3
+    ),
+    "use_beam_search": Refused(_false, "beam search " + _NOT_IMPLEMENTED, True),
+    "length_penalty": Refused(
+        _length_penalty, "length_penalty (beam search) " + _NOT_IMPLEMENTED, 2.0
+    ),
+    "response_format": Refused(
+        _text_format,
+        "response_format other than {'type': 'text'} (structured output) " + _NOT_IMPLEMENTED,
+        {"type": "json_object"},
+    ),
+    "structured_outputs": Refused(_absent, "structured output " + _NOT_IMPLEMENTED, {"json": {}}),
+    "guided_json": Refused(_absent, "guided decoding " + _NOT_IMPLEMENTED, {"type": "object"}),
+    "guided_regex": Refused(_absent, "guided decoding " + _NOT_IMPLEMENTED, "a+"),
+    "guided_choice": Refused(_empty, "guided decoding " + _NOT_IMPLEMENTED, ["a", "b"]),
+    "guided_grammar": Refused(_absent, "guided decoding " + _NOT_IMPLEMENTED, "root ::= 'a'"),
+    "allowed_token_ids": Refused(_absent, "allowed_token_ids " + _NOT_IMPLEMENTED, [1, 2]),
+    "bad_words": Refused(_empty, "bad_words " + _NOT_IMPLEMENTED, ["bad"]),
+    "truncate_prompt_tokens": Refused(_absent, "prompt truncation " + _NOT_IMPLEMENTED, 8),
+    "logits_processors": Refused(_empty, "custom logits processors " + _NOT_IMPLEMENTED, ["x"]),
+    "return_tokens_as_token_ids": Refused(
+        _false, "return_tokens_as_token_ids " + _NOT_IMPLEMENTED, True
+    ),
+    "prompt_embeds": Refused(_absent, "prompt embeddings " + _NOT_IMPLEMENTED, "AAAA"),
+    "kv_transfer_params": Refused(_absent, "KV transfer " + _NOT_IMPLEMENTED, {"x": 1}),
+    "vllm_xargs": Refused(_empty, "vllm_xargs " + _NOT_IMPLEMENTED, {"x": 1}),
+}
+
+#: Known fields without any effect on the output: accepted, named in the warning line.
+_IGNORED_COMMON = ("user", "metadata", "store", "service_tier", "request_id")
+
+
+class _SamplingRequest(_Strict):
+    """Fields shared by completion and chat requests (OpenAI's names, then vLLM's)."""
+
+    #: Known fields refused with a 400 when they ask for something (see :class:`Refused`).
+    REFUSED: ClassVar[dict[str, Refused]] = _REFUSED_COMMON
+    #: Known fields without effect on the output (named in the request's warning line).
+    IGNORED: ClassVar[tuple[str, ...]] = _IGNORED_COMMON
 
     model: Text | None = None
-    max_tokens: PositiveInt64 | None = None
+    max_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None
     temperature: Annotated[FiniteFloat, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[FiniteFloat, Field(gt=0.0, le=1.0)] = 1.0  # >= 1.2e-38: SamplingParams
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
@@ -105,11 +226,46 @@ class _SamplingRequest(BaseModel):
     seed: Annotated[int, Field(ge=INT64_MIN, le=SEED_MAX)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: Text | None = None
+    presence_penalty: Annotated[FiniteFloat, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[FiniteFloat, Field(ge=-2.0, le=2.0)] = 0.0
+    #: token id (a string, as JSON keys are) -> bias, clamped to [-100, 100].
+    logit_bias: dict[str, FiniteFloat] | None = None
     # Extra fields (vLLM has the same names).
     cache_salt: Text | None = None
     top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] = -1
+    min_p: Annotated[FiniteFloat, Field(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[FiniteFloat, Field(gt=0.0)] = 1.0
+    min_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0
+    stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    priority: Int64 = 0
+    # Known fields: refused (REFUSED) or without effect (IGNORED); typed loosely on purpose,
+    # since any value is named in a 400 or in the warning line.
+    best_of: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    truncate_prompt_tokens: Any = None
+    logits_processors: Any = None
+    return_tokens_as_token_ids: Any = None
+    prompt_embeds: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    user: Text | None = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    request_id: Any = None
 
     @field_validator("stop")
     @classmethod
@@ -121,18 +277,98 @@ class _SamplingRequest(BaseModel):
             raise ValueError("stop strings must not be empty")
         return stops
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or ():
+            if not key.isascii() or not key.isdigit() or int(key) > INT64_MAX:
+                raise ValueError(f"keys must be token ids (decimal strings), got {key!r}")
+        return value
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+    def check_supported(self) -> None:
+        """Raise :class:`UnsupportedFieldError` (a 400 naming the field) for the first refused
+        field that asks for something (``REFUSED``), or fields that do not go together."""
+        for name, refused in self.REFUSED.items():
+            value = getattr(self, name)
+            if not refused.accepts(value, self):
+                raise UnsupportedFieldError(name, f"`{name}`: {refused.why} (got {value!r})")
+        if self.stream_options is not None and not self.stream:
+            raise UnsupportedFieldError(
+                "stream_options", "`stream_options` is only allowed when `stream` is true"
+            )
+        if self.prompt_logprobs is not None and self.stream:
+            raise UnsupportedFieldError(
+                "prompt_logprobs", "`prompt_logprobs` is not available with `stream` (as vLLM)"
+            )
+
+    def ignored_fields(self) -> list[str]:
+        """The names of the fields accepted without effect: the known ones set (``IGNORED``)
+        and the unknown ones (at any depth, as ``messages[0].name``)."""
+        names = [name for name in self.IGNORED if getattr(self, name) is not None]
+        names += list(self.model_extra or ())
+        if self.stream_options is not None:
+            names += [f"stream_options.{k}" for k in self.stream_options.model_extra or ()]
+        return names
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """The SamplingParams fields these request fields set (max_tokens, logprobs and
+        prompt_logprobs are the endpoint's to set)."""
+        return {
+            "n": self.n,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "min_tokens": self.min_tokens,
+            "stop": self.stop,
+            "stop_token_ids": list(self.stop_token_ids or ()),
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+            "logit_bias": (
+                None if self.logit_bias is None else {int(k): v for k, v in self.logit_bias.items()}
+            ),
+            "seed": self.seed,
+        }
+
+
+class UnsupportedFieldError(Exception):
+    """A request field pagedkv refuses (the server answers 400 naming ``param``)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message
 
 
 class CompletionRequest(_SamplingRequest):
     """``POST /v1/completions``. ``prompt``: a string, a list of strings, token ids, or a list of
     token-id lists (one completion per prompt, times ``n``). ``max_tokens`` defaults to 16 as in
-    the OpenAI API."""
+    the OpenAI API; 0 is allowed only with ``echo`` (the prompt and its logprobs alone, which is
+    how evaluation harnesses score a continuation)."""
+
+    REFUSED: ClassVar[dict[str, Refused]] = {
+        **_REFUSED_COMMON,
+        "suffix": Refused(_absent, "suffix (insertion) " + _NOT_IMPLEMENTED, "tail"),
+    }
 
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     echo: bool = False
+    #: top log-probabilities per token (0 = only the chosen token's), OpenAI's 0..5, vLLM's 0..20.
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    add_special_tokens: bool = True
+    suffix: Any = None
 
     @field_validator("prompt")
     @classmethod
@@ -140,6 +376,13 @@ class CompletionRequest(_SamplingRequest):
         if isinstance(value, list) and (not value or any(p == [] for p in value)):
             raise ValueError("prompt must not be an empty list (nor hold one)")
         return value
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.max_tokens == 0 and not self.echo:
+            raise UnsupportedFieldError(
+                "max_tokens", "`max_tokens` must be >= 1 (0 is allowed with echo: the prompt alone)"
+            )
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list, each a string or a list of token ids."""
@@ -150,18 +393,30 @@ class CompletionRequest(_SamplingRequest):
         return list(self.prompt)
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ContentPart(_Strict):
+    """A part of a message's content: only ``{"type": "text", "text": ...}`` is supported."""
 
     type: Literal["text"]
     text: Text
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ContentPart] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            for part in value:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise PydanticCustomError(
+                        "content_type",
+                        "only text content is supported (got a content part of type {kind})",
+                        {"kind": repr(kind)},
+                    )
+        return value
 
     def as_template_dict(self) -> dict[str, str]:
         """The ``{"role", "content"}`` dict a chat template expects (text parts joined)."""
@@ -170,20 +425,156 @@ class ChatMessage(BaseModel):
         elif isinstance(self.content, str):
             text = self.content
         else:
-            text = "".join(part.text for part in self.content)
+            text = "".join(part.text or "" for part in self.content)
         role = "system" if self.role == "developer" else self.role
         return {"role": role, "content": text}
+
+
+def _no_tools(value: Any, request: Any) -> bool:
+    return _empty(value, request) or request.tool_choice == "none"
+
+
+def _tool_choice(value: Any, request: Any) -> bool:
+    return value is None or value == "none" or (value == "auto" and not request.tools)
+
+
+def _text_modality(value: Any, request: Any) -> bool:
+    return value is None or value == ["text"]
 
 
 class ChatCompletionRequest(_SamplingRequest):
     """``POST /v1/chat/completions``: the chat template of the model is applied to ``messages``.
     Without ``max_tokens`` (or ``max_completion_tokens``) the reply may run to max_model_len."""
 
+    REFUSED: ClassVar[dict[str, Refused]] = {
+        **_REFUSED_COMMON,
+        "tools": Refused(
+            _no_tools,
+            "tool calling " + _NOT_IMPLEMENTED + " (tools are allowed only with "
+            "tool_choice 'none')",
+            [{"type": "function", "function": {"name": "f"}}],
+        ),
+        "tool_choice": Refused(
+            _tool_choice, "tool calling " + _NOT_IMPLEMENTED + " (tool_choice 'none')", "required"
+        ),
+        "functions": Refused(_empty, "function calling " + _NOT_IMPLEMENTED, [{"name": "f"}]),
+        "function_call": Refused(
+            lambda v, r: v is None or v == "none", "function calling " + _NOT_IMPLEMENTED, "auto"
+        ),
+        "audio": Refused(_absent, "audio output " + _NOT_IMPLEMENTED, {"voice": "alloy"}),
+        "modalities": Refused(_text_modality, "only text output is supported", ["text", "audio"]),
+        "prediction": Refused(
+            _absent, "predicted outputs " + _NOT_IMPLEMENTED, {"type": "content"}
+        ),
+        "web_search_options": Refused(_absent, "web search " + _NOT_IMPLEMENTED, {}),
+        "reasoning_effort": Refused(_absent, "reasoning_effort " + _NOT_IMPLEMENTED, "low"),
+        "echo": Refused(_false, "echo on chat completions " + _NOT_IMPLEMENTED, True),
+        "chat_template": Refused(_absent, "a custom chat_template " + _NOT_IMPLEMENTED, "{{x}}"),
+        "chat_template_kwargs": Refused(
+            _empty, "chat_template_kwargs " + _NOT_IMPLEMENTED, {"x": 1}
+        ),
+        "documents": Refused(_empty, "documents " + _NOT_IMPLEMENTED, [{"text": "x"}]),
+        "mm_processor_kwargs": Refused(_empty, "multimodal input " + _NOT_IMPLEMENTED, {"x": 1}),
+    }
+    IGNORED: ClassVar[tuple[str, ...]] = (*_IGNORED_COMMON, "parallel_tool_calls")
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: PositiveInt64 | None = None
+    #: return the sampled tokens' log-probabilities (with ``top_logprobs`` alternatives each).
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    echo: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    documents: Any = None
+    mm_processor_kwargs: Any = None
+    parallel_tool_calls: Any = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.max_tokens == 0:
+            raise UnsupportedFieldError("max_tokens", "`max_tokens` must be >= 1")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise UnsupportedFieldError("top_logprobs", "`top_logprobs` needs `logprobs`: true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise UnsupportedFieldError(
+                "continue_final_message",
+                "`continue_final_message` and `add_generation_prompt` cannot both be true "
+                "(set add_generation_prompt to false to continue the last message)",
+            )
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise UnsupportedFieldError(
+                "continue_final_message",
+                "`continue_final_message` needs the last message to be the assistant's",
+            )
+
+    def ignored_fields(self) -> list[str]:
+        names = super().ignored_fields()
+        for i, message in enumerate(self.messages):
+            names += [f"messages[{i}].{k}" for k in message.model_extra or ()]
+            if isinstance(message.content, list):
+                for j, part in enumerate(message.content):
+                    names += [f"messages[{i}].content[{j}].{k}" for k in part.model_extra or ()]
+        return names
 
     def template_messages(self) -> list[dict[str, str]]:
         return [m.as_template_dict() for m in self.messages]
+
+
+class TokenizeRequest(_Strict):
+    """``POST /tokenize`` (vLLM): ``prompt`` text, or chat ``messages`` through the template."""
+
+    REFUSED: ClassVar[dict[str, Refused]] = {}
+    IGNORED: ClassVar[tuple[str, ...]] = ()
+
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+    def check_supported(self) -> None:
+        """400s for inputs that do not go together."""
+        if (self.prompt is None) == (self.messages is None):
+            raise UnsupportedFieldError("prompt", "give exactly one of `prompt` and `messages`")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise UnsupportedFieldError(
+                "continue_final_message",
+                "`continue_final_message` and `add_generation_prompt` cannot both be true",
+            )
+
+    def ignored_fields(self) -> list[str]:
+        return list(self.model_extra or ())
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize`` (vLLM): token ids -> text."""
+
+    REFUSED: ClassVar[dict[str, Refused]] = {}
+    IGNORED: ClassVar[tuple[str, ...]] = ()
+
+    model: Text | None = None
+    tokens: list[TokenId]
+
+    def check_supported(self) -> None:
+        """Nothing to refuse."""
+
+    def ignored_fields(self) -> list[str]:
+        return list(self.model_extra or ())
 
 
 # --------------------------------------------------------------------------------------------
@@ -209,11 +600,36 @@ def make_usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_to
     )
 
 
+class PromptLogprob(BaseModel):
+    """One token's entry in vLLM's ``prompt_logprobs``: ``{token id: PromptLogprob}``."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+#: vLLM's ``prompt_logprobs``: one entry per prompt token, the first null.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+class CompletionLogProbs(BaseModel):
+    """OpenAI's legacy completions ``logprobs``: per token its text, its logprob (null for the
+    first prompt token under echo), the top alternatives ``{text: logprob}`` and the character
+    offset of the token in the choice's text."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -225,6 +641,22 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogProbs(BaseModel):
+    """OpenAI's chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+
+    content: list[ChatTokenLogprob] | None = None
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -233,8 +665,9 @@ class ChatResponseMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -244,6 +677,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -254,8 +688,9 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -265,6 +700,26 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+
+
+def chunk_json(body: BaseModel) -> str:
+    """A stream chunk as JSON: None fields left out, except each choice's ``finish_reason``,
+    which is ``null`` until the choice's last chunk (as OpenAI's chunks)."""
+    data = body.model_dump(exclude_none=True)
+    for choice in data.get("choices", ()):
+        choice.setdefault("finish_reason", None)
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int | None = None
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(BaseModel):
