@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from types import SimpleNamespace
 from typing import Any, Protocol
 
 from pagedkv.entrypoints.cluster.protocol import ClusterRequest
@@ -46,13 +47,19 @@ class Dispatcher(Protocol):
 
 def tokenize(tokenizer: Any, prompt: Any) -> list[int]:
     """The prompt's token ids as :meth:`LLMEngine.add_request` makes them: text encoded, chat
-    messages through the chat template (assistant turn opened), token ids as given.
+    messages through the chat template (assistant turn opened), token ids as given, and vLLM's
+    ``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}`` forms.
 
     Raises:
         InvalidRequestError: a prompt of another type.
     """
     if isinstance(prompt, str):
         return list(tokenizer.encode(prompt))
+    if isinstance(prompt, dict):  # vLLM's prompt forms: {"prompt_token_ids": [...]} first
+        if "prompt_token_ids" in prompt:
+            return tokenize(tokenizer, list(prompt["prompt_token_ids"]))
+        if "prompt" in prompt:
+            return tokenize(tokenizer, prompt["prompt"])
     items = list(prompt)
     if items and all(isinstance(m, dict) for m in items):
         return list(tokenizer.apply_chat_template(items))
@@ -153,12 +160,16 @@ class ClusterEngineLoop:
         if not self.is_alive:
             raise EngineDeadError("the cluster is not serving")
         cluster_requests = []
+        # A prompt may be a function of the engine (the server's prompt builders read only its
+        # tokenizer): the front end has the replicas' tokenizer, not an engine.
+        tokenizer_only = SimpleNamespace(tokenizer=self.tokenizer)
         for r in requests:
             kwargs = dict(r.kwargs)
+            prompt = r.prompt(tokenizer_only) if callable(r.prompt) else r.prompt
             cluster_requests.append(
                 ClusterRequest(
                     r.request_id,
-                    tokenize(self.tokenizer, r.prompt),
+                    tokenize(self.tokenizer, prompt),
                     r.sampling_params,
                     cache_salt=kwargs.pop("cache_salt", None),
                     priority=kwargs.pop("priority", 0),
