@@ -13,9 +13,11 @@ first. Each request is drawn (seeded) from a mix:
 
 Reported: requests served, statuses by kind (errors by status), p50/p99 latency of completed
 requests, KV blocks in use once the server is idle again (``pagedkv:kv_cache_used_blocks``, must
-be 0), /health afterwards, and the server process's resident memory (RSS, from /proc) after
-warm-up and after the run. Exit status 1 if a block leaked, a 5xx was seen, a bad request was
-not a 4xx, a good request failed, or /health is not 200.
+be 0), /health afterwards, and the server process's resident memory (RSS, from /proc): after a
+warm-up phase of the same traffic (``--warmup`` seconds, not counted: the first steps at full
+concurrency grow buffers and allocator pools once), sampled every 5 s during the run, and after.
+Exit status 1 if a block leaked, a 5xx was seen, a bad request was not a 4xx, a good request
+failed, or /health is not 200.
 
     .venv/bin/python benchmarks/soak_server.py                      # own server, default model
     .venv/bin/python benchmarks/soak_server.py --duration 60 --clients 16
@@ -302,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--server-args", default="", help="options of the server it starts")
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--duration", type=float, default=180.0, help="seconds of traffic")
+    parser.add_argument(
+        "--warmup", type=float, default=30.0, help="seconds of the same traffic before RSS is read"
+    )
     parser.add_argument("--max-requests", type=int, default=20000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--idle-timeout", type=float, default=120.0)
@@ -321,10 +326,28 @@ def main(argv: list[str] | None = None) -> int:
             httpx.post(
                 url + "/v1/completions", json={"prompt": prompt, "max_tokens": 4}, timeout=300
             )
+        if args.warmup > 0:
+            asyncio.run(soak(url, args.clients, args.warmup, args.max_requests, args.seed + 1))
+            wait_idle(url, args.idle_timeout)
         rss_before = rss_mib(pid)
-        results, elapsed = asyncio.run(
-            soak(url, args.clients, args.duration, args.max_requests, args.seed)
-        )
+        samples: list[float] = []
+        stop = threading.Event()
+
+        def sample_rss() -> None:
+            while not stop.wait(5.0):
+                value = rss_mib(pid)
+                if value is not None:
+                    samples.append(value)
+
+        sampler = threading.Thread(target=sample_rss, daemon=True)
+        sampler.start()
+        try:
+            results, elapsed = asyncio.run(
+                soak(url, args.clients, args.duration, args.max_requests, args.seed)
+            )
+        finally:
+            stop.set()
+            sampler.join()
         used_blocks = wait_idle(url, args.idle_timeout)
         health = httpx.get(url + "/health", timeout=30).status_code
         summary = report(results, elapsed)
@@ -332,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             kv_blocks_in_use_after=used_blocks,
             health_after=health,
             rss_mib_before=rss_before,
+            rss_mib_max_during=max(samples) if samples else None,
             rss_mib_after=rss_mib(pid),
             clients=args.clients,
             command=shlex.join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
