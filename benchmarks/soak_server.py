@@ -356,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
             health_after=health,
             rss_mib_before=rss_before,
             rss_mib_max_during=max(samples) if samples else None,
+            rss_mib_every_5s=[round(v) for v in samples],
             rss_mib_after=rss_mib(pid),
             clients=args.clients,
             command=shlex.join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),

@@ -19,12 +19,12 @@ from collections import Counter
 
 import httpx
 import pytest
-import requests
 from _server_fakes import FakeEngine
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 schemathesis = pytest.importorskip("schemathesis")
+requests = pytest.importorskip("requests")  # schemathesis's HTTP client
 
 from pagedkv.entrypoints.openai.app import create_app  # noqa: E402
 from pagedkv.entrypoints.openai.launch import ThreadedServer  # noqa: E402
