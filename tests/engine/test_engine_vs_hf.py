@@ -147,3 +147,30 @@ def test_abort_and_errors(loaded_fp32, chat_prompt_ids):
     assert [(o.request_id, o.finish_reason, o.finished) for o in outputs] == [("a", "abort", True)]
     assert not engine.has_unfinished_requests()
     assert engine.kv_cache_manager.usage == 0.0
+
+
+@pytest.mark.parametrize("finish", ["length", "abort"])
+def test_issue_token_prompt_never_streams_prompt_text(loaded_fp32, monkeypatch, finish):
+    """Issue 12: the prompt ends inside an emoji (40303 = " " + its first 3 bytes) and the model
+    samples 218 (its last byte). The first delta used to be the prompt's ' world, here is a
+    face: 😀'; the output's text is the decode of its own tokens."""
+    from pagedkv.engine.llm_engine import LLMEngine
+
+    prompt = [19556, 905, 28, 1535, 314, 253, 2715, 42, 40303]
+    script = iter([218, 218, 28])
+    engine = LLMEngine(loaded_model=loaded_fp32, num_blocks=64, max_model_len=256)
+    monkeypatch.setattr(
+        engine.runner, "execute_model", lambda out: [next(script) for s in out.sample if s]
+    )
+    max_tokens = 3 if finish == "length" else 10
+    engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
+    outputs = engine.step() + engine.step()
+    if finish == "abort":
+        engine.abort_request("r")
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    final = outputs[-1].outputs[0]
+    assert final.finish_reason == finish
+    assert "".join(o.outputs[0].new_text for o in outputs) == final.text
+    assert final.text == engine.tokenizer.decode(final.token_ids)
+    assert "face" not in final.text and final.text.startswith("\ufffd")

@@ -40,6 +40,7 @@ class FakeTokenizer:
     """One token per character; the chat template wraps each message in role tags."""
 
     eos_token_ids = (0,)
+    vocab_size = 0x110000  # one token per Unicode code point
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) for c in text]
@@ -95,6 +96,9 @@ class FakeEngine:
     """Each step gives every sample of every running request one character; requests wait
     while their blocks (block_size characters each) do not fit in num_blocks; held requests
     (:meth:`hold`) stop after a given number of characters until :meth:`release`."""
+
+    #: Token ids are code points.
+    vocab_size = 0x110000
 
     def __init__(
         self,
@@ -159,7 +163,13 @@ class FakeEngine:
             ids = list(prompt)
         params = sampling_params
         if not ids:
-            raise InvalidRequestError("the prompt is empty")
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if not 0 <= min(ids) <= max(ids) < self.vocab_size:  # as LLMEngine checks them
+            raise InvalidRequestError(
+                f"prompt token ids must be in [0, {self.vocab_size})", param="prompt"
+            )
+        if params.top_k > self.vocab_size:
+            raise InvalidRequestError(f"top_k must be <= {self.vocab_size}", param="top_k")
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self.max_model_len - len(ids)
@@ -171,7 +181,8 @@ class FakeEngine:
         elif len(ids) + max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
-                f"max_model_len={self.max_model_len}"
+                f"max_model_len={self.max_model_len}",
+                param="max_tokens",
             )
         request = _FakeRequest(request_id, ids, params, max_tokens)
         request.poisoned = FAIL_MARKER in self.tokenizer.decode(ids)

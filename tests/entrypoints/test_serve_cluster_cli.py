@@ -13,6 +13,10 @@ from pagedkv.entrypoints.cli import main
 def test_without_the_cluster_extra_the_error_names_it(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
     monkeypatch.delitem(sys.modules, "pagedkv.entrypoints.cluster.ray_serve", raising=False)
+    # An earlier test may have imported it: the package attribute would satisfy the import.
+    import pagedkv.entrypoints.cluster as cluster_package
+
+    monkeypatch.delattr(cluster_package, "ray_serve", raising=False)
     code = main(["serve", "--data-parallel-size", "2", "--port", "0"])
     err = capsys.readouterr().err
     assert code == 2

@@ -855,10 +855,12 @@ class OpenAIServing:
         tokens = list(request.tokens)
 
         def run(engine: Any) -> str:
+            # Without a known vocabulary, the tokenizer's own limit: ids are 32-bit there.
             vocab_size = _vocab_size(engine)
-            if vocab_size is not None and any(t >= vocab_size for t in tokens):
+            limit = vocab_size if vocab_size is not None else 2**31
+            if any(not 0 <= t < limit for t in tokens):
                 raise InvalidRequestError(
-                    f"tokens must be in [0, {vocab_size}) (the vocabulary)", param="tokens"
+                    f"tokens must be in [0, {limit}) (the vocabulary)", param="tokens"
                 )
             return engine.tokenizer.decode(tokens, skip_special_tokens=False)
 
