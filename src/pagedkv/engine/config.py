@@ -50,6 +50,11 @@ class EngineConfig:
         policy: "fcfs" or "priority".
         hash_algo: block-hash algorithm of the prefix cache ("sha256" default, or a fast one
             offered by pagedkv.core.hashing).
+        hash_seed: seed of the block hashes' root (int, str or bytes); replicas that share it
+            compute the same hashes, so a router can predict their prefix-cache hits. None = a
+            random root per engine.
+        enable_kv_cache_events: record BlockStored / BlockRemoved / AllBlocksCleared events
+            (drain them with ``LLMEngine.take_kv_cache_events()``).
         seed: seed of sampling for requests without their own seed.
         num_threads: torch threads; None = all CPUs this process may use.
 
@@ -71,6 +76,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
     hash_algo: str = "sha256"
+    hash_seed: int | str | bytes | None = None
+    enable_kv_cache_events: bool = False
     seed: int = 0
     max_logprobs: int = 20
     num_threads: int | None = None
@@ -85,6 +92,12 @@ class EngineConfig:
             check_int(name, getattr(self, name), 1)
         check_int("max_logprobs", self.max_logprobs, 0)
         check_int("num_blocks", self.num_blocks, 2, optional=True, why="block 0 is the null block")
+        if self.hash_seed is not None and (
+            not isinstance(self.hash_seed, (int, str, bytes)) or isinstance(self.hash_seed, bool)
+        ):
+            raise ConfigError(
+                f"hash_seed must be an int, str, bytes or None, got {self.hash_seed!r}"
+            )
         for name in ("kv_cache_memory", "max_model_len", "num_threads"):
             check_int(name, getattr(self, name), 1, optional=True)
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from pagedkv.core.events import KVCacheEvent
 from pagedkv.core.manager import KVCacheManager
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.cpu_runtime import tune_cpu_runtime
@@ -107,6 +108,8 @@ class LLMEngine:
             block_size=config.block_size,
             enable_caching=config.enable_prefix_caching,
             hash_algo=config.hash_algo,
+            hash_seed=config.hash_seed,
+            enable_kv_cache_events=config.enable_kv_cache_events,
             max_model_len=max_model_len,
         )
         self.scheduler = Scheduler(
@@ -278,6 +281,12 @@ class LLMEngine:
         """Drop every cached block (e.g. after changing weights). Returns False, changing
         nothing, while any request holds blocks."""
         return self.kv_cache_manager.reset_prefix_cache()
+
+    def take_kv_cache_events(self) -> list[KVCacheEvent]:
+        """KV-cache events (BlockStored / BlockRemoved / AllBlocksCleared) since the last call;
+        always empty unless ``enable_kv_cache_events`` is set. A publisher
+        (:mod:`pagedkv.engine.kv_events`) drains them after each step."""
+        return self.kv_cache_manager.take_events()
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is queued, running, or has an output not yet reported."""

@@ -49,8 +49,49 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=10.0,
         help="seconds between two stats lines (default 10, as vLLM)",
     )
+    cluster = parser.add_argument_group(
+        "cluster (Ray Serve replicas; needs pip install 'pagedkv[cluster]', see docs/cluster.md)"
+    )
+    cluster.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine replicas behind one endpoint (default 1: one engine, no Ray)",
+    )
+    cluster.add_argument(
+        "--router",
+        choices=ROUTERS,
+        default=None,
+        help="how requests pick a replica: prefix (longest cached prefix, then queue length; "
+        "default) or round_robin",
+    )
+    cluster.add_argument(
+        "--hash-seed",
+        default=None,
+        help="block-hash seed shared by the replicas and the router (default: a random one)",
+    )
+    cluster.add_argument(
+        "--ray-address",
+        default=None,
+        help="join this Ray cluster (e.g. auto, or HEAD_IP:6379) instead of starting one here",
+    )
+    cluster.add_argument(
+        "--num-cpus-per-replica",
+        type=float,
+        default=None,
+        help="CPUs Ray reserves for each replica (default 1)",
+    )
+    cluster.add_argument(
+        "--kv-events-host",
+        default=None,
+        help="address replicas publish their KV-cache events on (default: their node's IP)",
+    )
     EngineConfig.add_cli_args(parser)
     parser.set_defaults(func=run)
+
+
+ROUTERS = ("prefix", "round_robin")
+_CLUSTER_ONLY = ("router", "hash_seed", "ray_address", "num_cpus_per_replica", "kv_events_host")
 
 
 def served_model_name(source: str) -> str:
@@ -86,6 +127,16 @@ def run(args: argparse.Namespace) -> int:
             "pagedkv serve: --log-stats-interval must be > 0 seconds, got "
             f"{args.log_stats_interval}"
         )
+    if args.data_parallel_size < 1:
+        raise SystemExit(
+            f"pagedkv serve: --data-parallel-size must be >= 1, got {args.data_parallel_size}"
+        )
+    if args.data_parallel_size > 1:
+        return run_cluster(args)
+    for name in _CLUSTER_ONLY:
+        if getattr(args, name) is not None:
+            flag = "--" + name.replace("_", "-")
+            raise SystemExit(f"pagedkv serve: {flag} needs --data-parallel-size > 1")
     # Bind first: a busy port should fail in a blink, not after the model has loaded.
     try:
         sock = bind_socket(args.host, args.port)
@@ -107,4 +158,60 @@ def run(args: argparse.Namespace) -> int:
     # uvicorn shuts down cleanly on Ctrl-C, then re-raises the interrupt: not an error here.
     with contextlib.suppress(KeyboardInterrupt):
         make_server(app, log_level=args.log_level).run(sockets=[sock])
+    return 0
+
+
+def run_cluster(args: argparse.Namespace) -> int:
+    """``--data-parallel-size N``: N engine replicas on Ray Serve behind one OpenAI endpoint,
+    routed by cached prefix (docs/cluster.md). Serves until interrupted.
+
+    Raises:
+        ConfigError: Ray Serve, pyzmq or msgpack missing (the message names the extra), or a
+            bad engine option.
+    """
+    import dataclasses
+    import time
+
+    from pagedkv.engine.config import EngineConfig
+    from pagedkv.errors import ConfigError
+
+    try:
+        import msgpack  # noqa: F401
+        import zmq  # noqa: F401
+
+        from pagedkv.entrypoints.cluster import ray_serve
+    except ImportError as e:
+        raise ConfigError(
+            f"--data-parallel-size needs Ray Serve, pyzmq and msgpack ({e.name} is missing): "
+            "pip install 'pagedkv[cluster]'"
+        ) from None
+    config = EngineConfig.from_cli_args(args)
+    if args.hash_seed is not None:
+        config = dataclasses.replace(config, hash_seed=args.hash_seed)
+    from pagedkv.model.loader import resolve_model_path
+
+    name = args.served_model_name or served_model_name(str(resolve_model_path(config.model)))
+    policy = args.router or "prefix"
+    try:
+        url = ray_serve.start_cluster(
+            config,
+            num_replicas=args.data_parallel_size,
+            host=args.host,
+            port=args.port,
+            policy=policy,
+            ray_address=args.ray_address,
+            num_cpus_per_replica=args.num_cpus_per_replica or 1.0,
+            kv_events_host=args.kv_events_host,
+            model_name=name,
+        )
+        print(
+            f"pagedkv serve: {name} listening on {url} "
+            f"({args.data_parallel_size} replicas, {policy} routing)",
+            flush=True,
+        )
+        with contextlib.suppress(KeyboardInterrupt):
+            while True:
+                time.sleep(3600)
+    finally:
+        ray_serve.stop_cluster()
     return 0

@@ -97,6 +97,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="comma-separated subset of contiguous,paged,paged+prefix",
     )
 
+    cluster = parser.add_argument_group(
+        "cluster (several replicas, each its own pool of --num-blocks; docs/cluster.md)"
+    )
+    cluster.add_argument(
+        "--num-replicas",
+        type=int,
+        default=None,
+        help="simulate this many replicas behind a router instead of the --policies",
+    )
+    cluster.add_argument(
+        "--routers",
+        default=None,
+        help="comma-separated subset of prefix,round_robin (default both)",
+    )
+    cluster.add_argument(
+        "--num-prefix-groups",
+        type=int,
+        default=None,
+        help="shared-prefix workload: distinct system prompts (default 4)",
+    )
+
     output = parser.add_argument_group("output")
     output.add_argument(
         "--out",
@@ -168,12 +189,18 @@ def build(args: argparse.Namespace):
         probe = make_workload(name, seed=args.seed, num_requests=1, max_model_len=max_model_len)
         if args.max_model_len is None:
             max_model_len = probe.defaults.get("max_model_len", max_model_len)
+        extra = {}
+        if args.num_prefix_groups is not None:
+            if name != "shared-prefix":
+                raise ConfigError("--num-prefix-groups applies to --workload shared-prefix only")
+            extra["num_prefix_groups"] = args.num_prefix_groups
         workload = make_workload(
             name,
             seed=args.seed,
             num_requests=args.num_requests,
             max_model_len=max_model_len,
             request_rate=args.request_rate,
+            **extra,
         )
     defaults = {**_SETTINGS_DEFAULTS, **workload.defaults}
     settings = {
@@ -223,9 +250,13 @@ def run(args: argparse.Namespace) -> int:
         from pagedkv.entrypoints.output_paths import check_output_dir
 
         check_output_dir(args.out, "--out")  # before the work, not after it
+    if args.routers is not None and args.num_replicas is None:
+        raise ConfigError("--routers needs --num-replicas")
     workload, issues, config, policies = build(args)
     for issue in issues:
         print(f"pagedkv simulate: skipped {args.trace} {issue}", file=sys.stderr)
+    if args.num_replicas is not None:
+        return run_cluster(args, workload, config)
 
     show_progress = not args.quiet and sys.stderr.isatty()
     num_rows = len(workload.requests) * len(policies)
@@ -318,6 +349,88 @@ def _report_write_error(message: str | None) -> int:
         return 0
     print(f"pagedkv simulate: error: {message}", file=sys.stderr)
     return 2
+
+
+def run_cluster(args: argparse.Namespace, workload, config) -> int:
+    """``--num-replicas N``: the trace over N replicas (each its own pool), once per router."""
+    from tqdm import tqdm
+
+    from pagedkv.errors import ConfigError
+    from pagedkv.sim.cluster import ROUTERS, simulate_cluster
+
+    if args.out:
+        raise ConfigError("--out draws the single-pool policies; not with --num-replicas")
+    routers = tuple(r.strip() for r in (args.routers or ",".join(ROUTERS)).split(",") if r)
+    unknown = [r for r in routers if r not in ROUTERS]
+    if unknown or not routers:
+        raise ConfigError(
+            f"--routers: unknown {', '.join(unknown) or '(empty)'}; choose from "
+            f"{', '.join(ROUTERS)}"
+        )
+    show_progress = not args.quiet and sys.stderr.isatty()
+    results = {}
+    with tqdm(
+        total=len(workload.requests) * len(routers),
+        disable=not show_progress,
+        unit="req",
+        desc="simulate",
+    ) as bar:
+        for router in routers:
+            bar.set_postfix_str(router)
+            results[router] = simulate_cluster(
+                workload,
+                config,
+                num_replicas=args.num_replicas,
+                router=router,
+                on_finish=bar.update,
+            )
+    if args.json:
+        json.dump(
+            {
+                "workload": workload.name,
+                "num_requests": len(workload.requests),
+                "seed": args.seed,
+                "num_replicas": args.num_replicas,
+                "num_blocks_per_replica": config.num_blocks,
+                "routers": {r: m.to_dict() for r, m in results.items()},
+            },
+            sys.stdout,
+            indent=2,
+        )
+        print()
+        return 0
+    print(
+        f"workload {workload.name}: {len(workload.requests)} requests over {args.num_replicas} "
+        f"replicas of {config.num_blocks} blocks of {config.block_size} tokens, max_num_seqs "
+        f"{config.max_num_seqs}, max_num_batched_tokens {config.max_num_batched_tokens}"
+    )
+    rows = [
+        [
+            "router",
+            "hit rate",
+            "prefill tokens",
+            "steps",
+            "mean latency (s)",
+            "p90 (s)",
+            "preempt",
+            "max share",
+        ]
+    ]
+    for router, m in results.items():
+        rows.append(
+            [
+                router,
+                f"{m.prefix_hit_rate:.1%}",
+                str(m.num_computed_prompt_tokens),
+                str(m.num_steps),
+                f"{m.mean_latency_s:.2f}",
+                f"{m.p90_latency_s:.2f}",
+                str(m.num_preemptions),
+                f"{m.max_replica_share:.2f}",
+            ]
+        )
+    _print_table(rows)
+    return 0
 
 
 def _prefix_closed(requests: list, limit: int) -> list:

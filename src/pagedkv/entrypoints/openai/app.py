@@ -370,10 +370,19 @@ class OpenAIServing:
             optionally, ``config.policy``).
         model_name: the name clients use in ``model``; other names get 404.
         max_model_len: shown by /v1/models.
+        engine_loop: what drives the engine; default ``EngineLoop(engine)``. A cluster passes
+            its own (:class:`pagedkv.entrypoints.cluster.frontend.ClusterEngineLoop`).
     """
 
-    def __init__(self, engine: Any, *, model_name: str, max_model_len: int | None) -> None:
-        self.engine_loop = EngineLoop(engine)
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        model_name: str,
+        max_model_len: int | None,
+        engine_loop: Any = None,
+    ) -> None:
+        self.engine_loop = engine_loop if engine_loop is not None else EngineLoop(engine)
         self.metrics = ServerMetrics(model_name)
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -925,6 +934,7 @@ def create_app(
     model_name: str,
     max_model_len: int | None = None,
     log_stats_interval: float | None = None,
+    engine_loop: Any = None,
 ) -> FastAPI:
     """The OpenAI-compatible app serving ``engine`` (see :class:`OpenAIServing` for the
     arguments). The engine thread starts and stops with the app (ASGI lifespan).
@@ -932,8 +942,12 @@ def create_app(
     Args:
         log_stats_interval: seconds between two stats log lines (throughput, running / waiting,
             KV usage, prefix hit rate; :mod:`.stats_logger`); None = no stats lines.
+        engine_loop: the loop that drives the engine (default: one engine thread); the cluster
+            front end passes its own.
     """
-    serving = OpenAIServing(engine, model_name=model_name, max_model_len=max_model_len)
+    serving = OpenAIServing(
+        engine, model_name=model_name, max_model_len=max_model_len, engine_loop=engine_loop
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -1,0 +1,59 @@
+"""What travels between the cluster's front end, its router and its engine replicas (pickled by
+Ray; plain objects in the in-process cluster)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class ClusterRequest:
+    """One engine request, tokenized by the front end so that the router can hash its prompt.
+
+    Attributes:
+        request_id: unique among the cluster's unfinished requests.
+        prompt_token_ids: the prompt after the chat template, as the engine will see it.
+        sampling_params: a :class:`pagedkv.sampling_params.SamplingParams`.
+        cache_salt: the engine's ``cache_salt`` (part of the first block's hash).
+        priority: the engine's ``priority``.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: Any
+    cache_salt: str | None = None
+    priority: int = 0
+
+
+@dataclass(slots=True)
+class ReplicaCall:
+    """Run ``fn(engine)`` on the replica of rank ``rank``, in its engine thread, between two
+    steps (stats, reset of the prefix cache); the router sends it to that replica only."""
+
+    rank: int
+    fn: Callable[[Any], Any]
+
+
+@dataclass(slots=True)
+class ReplicaInfo:
+    """What a replica tells the front end and the router about itself.
+
+    Attributes:
+        rank: the replica's rank (its events carry it as data_parallel_rank).
+        kv_events_endpoint: where its KV-cache events are published (ZMQ PUB).
+        model_name: name of the served model.
+        max_model_len: most tokens per request.
+        block_size / hash_algo / hash_seed: what its block hashes depend on.
+        tokenizer: the engine's tokenizer (the front end tokenizes with it).
+    """
+
+    rank: int
+    kv_events_endpoint: str
+    model_name: str
+    max_model_len: int
+    block_size: int
+    hash_algo: str
+    hash_seed: Any
+    tokenizer: Any = field(repr=False, default=None)

@@ -1,0 +1,39 @@
+"""`pagedkv serve --data-parallel-size N`: clear errors before anything loads (the Ray cluster
+itself is tested in tests/cluster/test_ray_serve.py)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from pagedkv.entrypoints.cli import main
+
+
+def test_without_the_cluster_extra_the_error_names_it(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    monkeypatch.delitem(sys.modules, "pagedkv.entrypoints.cluster.ray_serve", raising=False)
+    code = main(["serve", "--data-parallel-size", "2", "--port", "0"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "pip install 'pagedkv[cluster]'" in err and "ray" in err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--data-parallel-size", "0"], "--data-parallel-size must be >= 1"),
+        (["--router", "prefix"], "--router needs --data-parallel-size > 1"),
+        (["--hash-seed", "7"], "--hash-seed needs --data-parallel-size > 1"),
+        (["--ray-address", "auto"], "--ray-address needs --data-parallel-size > 1"),
+    ],
+)
+def test_cluster_flags_without_replicas_are_refused(args, message):
+    with pytest.raises(SystemExit, match=message):
+        main(["serve", "--port", "0", *args])
+
+
+def test_unknown_router_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--data-parallel-size", "2", "--router", "random"])
+    assert "invalid choice: 'random'" in capsys.readouterr().err
