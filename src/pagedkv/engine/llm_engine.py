@@ -381,7 +381,7 @@ class LLMEngine:
             self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ERROR)
 
     def _process_outputs(
-        self, changed: list[Request], runner_output: ModelRunnerOutput
+        self, changed: list[Request], runner_output: ModelRunnerOutput | None = None
     ) -> list[RequestOutput]:
         """Build the step's outputs; stop sequences that hit a stop string, forget finished
         requests in the runner."""
