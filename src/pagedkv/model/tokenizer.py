@@ -34,6 +34,11 @@ class Tokenizer:
         self.vocab_size: int = len(hf_tokenizer)
         self.bos_token_id: int | None = hf_tokenizer.bos_token_id
 
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the model has a chat template (base models such as Gemma 3 270M have none)."""
+        return bool(getattr(self.hf_tokenizer, "chat_template", None))
+
     @classmethod
     def from_gguf(cls, path: str | Path, eos_token_ids: Iterable[int] = ()) -> Tokenizer:
         """Build from a GGUF file's metadata (vocabulary, merges, special ids, chat template).
@@ -85,10 +90,16 @@ class Tokenizer:
             tokenize: return token ids (True) or the rendered string (False).
 
         Raises:
-            InvalidRequestError: the model has no chat template or the messages do not fit it.
+            InvalidRequestError: the model has no chat template (a base model: send a
+                completion prompt instead) or the messages do not fit it.
         """
         from pagedkv.errors import InvalidRequestError
 
+        if not self.has_chat_template:
+            raise InvalidRequestError(
+                "this model has no chat template (a base model such as Gemma 3 270M); send a "
+                "plain completion prompt instead of chat messages"
+            )
         try:
             return self.hf_tokenizer.apply_chat_template(
                 messages,
