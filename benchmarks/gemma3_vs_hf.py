@@ -18,9 +18,8 @@ import argparse
 
 import torch
 
-from pagedkv.model.llama import AttentionMetadata
 from pagedkv.model.loader import load_model
-from pagedkv.ops import PagedAttentionMetadata, allocate_kv_cache
+from pagedkv.ops import AttentionMetadata, allocate_kv_cache
 
 
 def prompt_tokens(tokenizer, length: int) -> list[int]:
@@ -53,11 +52,8 @@ def our_hidden(model, tokens: list[int], block_size: int = 16) -> torch.Tensor:
     seq_lens = torch.tensor([n], dtype=torch.int32)
     qsl = torch.tensor([0, n], dtype=torch.int32)
     metadata = {
-        window: AttentionMetadata(
-            slot_mapping=slots,
-            paged=PagedAttentionMetadata.build(
-                table, seq_lens, qsl, block_size, sliding_window=window
-            ),
+        window: AttentionMetadata.build(
+            table, seq_lens, qsl, slots, block_size, sliding_window=window
         )
         for window in set(model.layer_sliding_windows)
     }

@@ -27,8 +27,7 @@ from pagedkv.model.config import (
     kv_cache_layer_specs,
 )
 from pagedkv.model.gemma3 import Gemma3ForCausalLM
-from pagedkv.model.llama import AttentionMetadata
-from pagedkv.ops import PagedAttentionMetadata, allocate_kv_cache
+from pagedkv.ops import AttentionMetadata, allocate_kv_cache
 
 transformers = pytest.importorskip("transformers")
 
@@ -102,15 +101,15 @@ class WindowedRunner:
                     skipped = max(0, first_query - window + 1) // bs
                     window_table[row, :skipped] = 0
                     self.num_skipped_blocks += skipped
-            paged = PagedAttentionMetadata.build(
+            metadata[window] = AttentionMetadata.build(
                 window_table,
                 seq_lens_t,
                 qsl_t,
+                slot_mapping,
                 bs,
                 sliding_window=window,
                 num_blocks=self.num_blocks,
             )
-            metadata[window] = AttentionMetadata(slot_mapping=slot_mapping, paged=paged)
         per_layer = [metadata[w] for w in self.model.layer_sliding_windows]
         hidden = self.model.forward(
             torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, per_layer
@@ -236,10 +235,7 @@ def test_forward_needs_one_metadata_per_layer_with_its_window(tiny_pair):
     before = [cache.clone() for cache in runner.kv_caches]
     table = torch.tensor([[1, 2]], dtype=torch.int32)
     seq_lens, qsl = torch.tensor([3], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32)
-    full = AttentionMetadata(
-        slot_mapping=torch.tensor([4, 5, 6]),
-        paged=PagedAttentionMetadata.build(table, seq_lens, qsl, 4),
-    )
+    full = AttentionMetadata.build(table, seq_lens, qsl, torch.tensor([4, 5, 6]), 4)
     ids, positions = torch.tensor([1, 2, 3]), torch.arange(3)
     with pytest.raises(OpsInputError, match="one AttentionMetadata per layer"):
         ours.forward(ids, positions, runner.kv_caches, full)

@@ -34,10 +34,10 @@ import torch.nn.functional as F
 
 from pagedkv.errors import ModelLoadError, OpsInputError
 from pagedkv.model.config import ModelConfig
-from pagedkv.model.llama import AttentionMetadata, _Caster
+from pagedkv.model.llama import _Caster
 from pagedkv.model.packed_linear import PackedLinear, onednn_available
 from pagedkv.model.rotary import rope_inv_freq
-from pagedkv.ops import paged_attention, write_kv
+from pagedkv.ops import AttentionMetadata, paged_attention, write_kv
 
 
 class _Rotary:
@@ -258,7 +258,8 @@ class Gemma3ForCausalLM:
             attn_metadata: one :class:`AttentionMetadata` per layer, built from that layer's KV
                 cache group (its block table and slot mapping); a sliding-window layer's
                 ``paged`` metadata must be built with ``sliding_window`` equal to the layer's
-                (``layer_sliding_windows``), a full-attention layer's with None.
+                (``AttentionMetadata.build(..., sliding_window=...)``, see
+                ``layer_sliding_windows``), a full-attention layer's with None.
 
         Returns:
             ``[num_tokens, hidden_size]`` final-norm hidden states (pass the rows to sample to
