@@ -459,10 +459,11 @@ def gemma_hf(gemma3_gguf_path):
     return model.eval()
 
 
-@pytest.mark.slow
-def test_gguf_config(gemma_fp32):
-    """The packaged file's shape, as its metadata and llama.cpp's Gemma 3 defaults give it."""
-    config = gemma_fp32.config
+def test_gguf_config(gemma3_gguf_path):
+    """The packaged file's shape, as its header and llama.cpp's Gemma 3 defaults give it."""
+    from pagedkv.model.loader import load_model_config
+
+    config = load_model_config(gemma3_gguf_path)
     assert config.layer_types == gguf_metadata().layer_types  # 5 sliding, 1 full, x 3
     assert (config.num_hidden_layers, config.hidden_size, config.head_dim) == (18, 640, 256)
     assert (config.num_attention_heads, config.num_key_value_heads) == (4, 1)
