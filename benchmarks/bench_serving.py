@@ -4,11 +4,12 @@ For each concurrency (default 1, 8, 32, 64) it sends a fixed number of streamed 
 (temperature 0, a fixed max_tokens with ignore_eos so that every request does the same work),
 keeping exactly ``concurrency`` requests in flight, and reports requests/s, output tokens/s, and
 the p50/p90/p99 of time to first token (TTFT) and inter-token latency (ITL, the gaps between
-streamed tokens).
+streamed tokens). The load itself is ``pagedkv bench serving``'s
+(:mod:`pagedkv.entrypoints.bench_serving`); this script adds the server and the sweep.
 
 By default it starts its own `pagedkv serve` on a free loopback port (and stops it afterwards);
-``--url`` measures a server that is already running instead. Loopback only: the URL must point
-at 127.0.0.1, ::1 or localhost.
+``--url`` measures a server that is already running instead (any OpenAI-compatible server: vLLM,
+llama.cpp's, ...; for one load at one concurrency use ``pagedkv bench serving``).
 
     python benchmarks/bench_serving.py                            # own server, default model
     python benchmarks/bench_serving.py --url http://127.0.0.1:8000
@@ -28,143 +29,28 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
-from urllib.parse import urlparse
 
 import httpx
-import numpy as np
 
-LOOPBACK_HOSTS = {"127.0.0.1", "::1", "localhost"}
-
-# A fixed prompt set: short questions and longer ones with context, so prompt lengths vary
-# (40 to 179 tokens with the SmolLM2 chat template).
-_QUESTIONS = [
-    "What is a hash table?",
-    "Explain how a CPU cache works.",
-    "Why is the sky blue?",
-    "Write a haiku about autumn.",
-    "What does a compiler do?",
-    "How do vaccines train the immune system?",
-    "Summarise the plot of Hamlet.",
-    "What is the difference between TCP and UDP?",
-]
-_CONTEXT = (
-    "You are reviewing notes for a study group. The notes cover operating systems, networks, "
-    "databases and a little history of computing. Keep answers short and concrete, give one "
-    "example, and avoid jargon where a plain word will do. "
-)
+from pagedkv.entrypoints.bench_serving import benchmark, make_prompts
 
 
-def make_prompts(num_requests: int) -> list[list[dict[str, str]]]:
-    """``num_requests`` chat conversations, the same on every run."""
-    conversations = []
-    for i in range(num_requests):
-        question = _QUESTIONS[i % len(_QUESTIONS)]
-        context = _CONTEXT * (i % 4)  # 0..3 copies of the context
-        messages = [{"role": "user", "content": f"{context}Question {i}: {question}"}]
-        conversations.append(messages)
-    return conversations
-
-
-@dataclass(slots=True)
-class RequestResult:
-    ok: bool
-    latency: float = 0.0  # seconds, send to last byte
-    ttft: float = 0.0  # seconds, send to first content token
-    itls: list[float] = field(default_factory=list)  # seconds between streamed tokens
-    num_output_tokens: int = 0
-    error: str = ""
-
-
-async def run_request(
-    http: httpx.AsyncClient, model: str, messages, max_tokens: int
-) -> RequestResult:
-    """One streamed chat completion; token times are taken as chunks arrive."""
-    body = {
-        "model": model,
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    start = time.perf_counter()
-    last = None
-    result = RequestResult(ok=False)
-    num_content_chunks = 0
-    try:
-        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    result.num_output_tokens = chunk["usage"]["completion_tokens"]
-                if not chunk.get("choices") or not chunk["choices"][0]["delta"].get("content"):
-                    continue
-                now = time.perf_counter()
-                num_content_chunks += 1
-                if last is None:
-                    result.ttft = now - start
-                else:
-                    result.itls.append(now - last)
-                last = now
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
-        return result
-    result.latency = time.perf_counter() - start
-    result.ok = num_content_chunks > 0
-    if not result.ok:
-        result.error = "no content streamed"
-    return result
-
-
-async def run_level(
+def run_level(
     url: str, model: str, concurrency: int, num_requests: int, max_tokens: int, timeout: float
 ) -> dict:
     """``num_requests`` requests with ``concurrency`` in flight; returns the summary."""
-    prompts = make_prompts(num_requests)
-    semaphore = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-
-    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as http:
-
-        async def bounded(messages):
-            async with semaphore:
-                return await run_request(http, model, messages, max_tokens)
-
-        start = time.perf_counter()
-        results = await asyncio.gather(*(bounded(m) for m in prompts))
-        duration = time.perf_counter() - start
-    return summarize(results, concurrency, duration)
-
-
-def _percentiles(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
-    p50, p90, p99 = np.percentile(np.asarray(values) * 1000.0, [50, 90, 99])
-    return {"p50": float(p50), "p90": float(p90), "p99": float(p99)}
-
-
-def summarize(results: list[RequestResult], concurrency: int, duration: float) -> dict:
-    ok = [r for r in results if r.ok]
-    num_output_tokens = sum(r.num_output_tokens for r in ok)
-    return {
-        "concurrency": concurrency,
-        "num_requests": len(results),
-        "num_failed": len(results) - len(ok),
-        "errors": sorted({r.error for r in results if not r.ok})[:3],
-        "duration_s": duration,
-        "requests_per_s": len(ok) / duration,
-        "output_tokens_per_s": num_output_tokens / duration,
-        "num_output_tokens": num_output_tokens,
-        "ttft_ms": _percentiles([r.ttft for r in ok]),
-        "itl_ms": _percentiles([gap for r in ok for gap in r.itls]),
-    }
+    summary = asyncio.run(
+        benchmark(
+            url,
+            model,
+            make_prompts(num_requests),
+            output_len=max_tokens,
+            max_concurrency=concurrency,
+            timeout=timeout,
+        )
+    )
+    summary["concurrency"] = concurrency
+    return summary
 
 
 def format_table(summaries: list[dict]) -> str:
@@ -176,10 +62,10 @@ def format_table(summaries: list[dict]) -> str:
     for s in summaries:
         ttft, itl = s["ttft_ms"], s["itl_ms"]
         lines.append(
-            f"| {s['concurrency']} | {s['num_requests']} | {s['num_failed']} "
-            f"| {s['requests_per_s']:.2f} | {s['output_tokens_per_s']:.1f} "
-            f"| {ttft['p50']:.0f} / {ttft['p90']:.0f} / {ttft['p99']:.0f} "
-            f"| {itl['p50']:.0f} / {itl['p90']:.0f} / {itl['p99']:.0f} |"
+            f"| {s['concurrency']} | {s['num_prompts']} | {s['failed']} "
+            f"| {s['request_throughput']:.2f} | {s['output_throughput']:.1f} "
+            f"| {ttft['median']:.0f} / {ttft['p90']:.0f} / {ttft['p99']:.0f} "
+            f"| {itl['median']:.0f} / {itl['p90']:.0f} / {itl['p99']:.0f} |"
         )
     return "\n".join(lines)
 
@@ -249,7 +135,7 @@ def _wait_healthy(url: str, deadline: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--url", help="a running server (loopback); default: start one")
+    parser.add_argument("--url", help="a running server; default: start one")
     parser.add_argument(
         "--server-args",
         default="",
@@ -281,8 +167,6 @@ def main(argv: list[str] | None = None) -> int:
 
     with contextlib.ExitStack() as stack:
         if args.url:
-            if urlparse(args.url).hostname not in LOOPBACK_HOSTS:
-                parser.error(f"--url must be a loopback address, got {args.url}")
             url = args.url.rstrip("/")
         else:
             url = stack.enter_context(
@@ -290,19 +174,19 @@ def main(argv: list[str] | None = None) -> int:
             )
         model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
         # Warm-up: first-call costs (allocations, lazy init) stay out of the numbers.
-        asyncio.run(run_level(url, model, 1, 1, 4, args.timeout))
+        run_level(url, model, 1, 1, 4, args.timeout)
         summaries = []
         for concurrency in levels:
-            summary = asyncio.run(
-                run_level(url, model, concurrency, args.num_requests, args.max_tokens, args.timeout)
+            summary = run_level(
+                url, model, concurrency, args.num_requests, args.max_tokens, args.timeout
             )
             summary["load_average_1m"] = os.getloadavg()[0]  # the CPU is shared: context
             summaries.append(summary)
             print(
-                f"concurrency {concurrency:>3}: {summary['requests_per_s']:.2f} req/s, "
-                f"{summary['output_tokens_per_s']:.1f} tok/s, "
-                f"TTFT p50 {summary['ttft_ms']['p50']:.0f} ms, "
-                f"ITL p50 {summary['itl_ms']['p50']:.0f} ms, failed {summary['num_failed']}, "
+                f"concurrency {concurrency:>3}: {summary['request_throughput']:.2f} req/s, "
+                f"{summary['output_throughput']:.1f} tok/s, "
+                f"TTFT p50 {summary['ttft_ms']['median']:.0f} ms, "
+                f"ITL p50 {summary['itl_ms']['median']:.0f} ms, failed {summary['failed']}, "
                 f"load average {summary['load_average_1m']:.1f}",
                 file=sys.stderr,
                 flush=True,
@@ -313,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(
                 {"model": model, "max_tokens": args.max_tokens, "levels": summaries}, f, indent=2
             )
-    return 1 if any(s["num_failed"] for s in summaries) else 0
+    return 1 if any(s["failed"] for s in summaries) else 0
 
 
 if __name__ == "__main__":

@@ -1,10 +1,41 @@
 """Session fixtures shared by the test folders: the real default model, ours and Hugging Face's,
-each loaded once per test session (tests/model and tests/engine both compare against it)."""
+each loaded once per test session (tests/model and tests/engine both compare against it).
+
+Hypothesis profiles (``HYPOTHESIS_PROFILE``):
+
+- ``ci`` (the default, and what ``make test`` / ``.ci/run`` get): 60 examples, derandomized, so
+  every run draws the same ones and a test fails on every run or on none; no example database, no
+  deadline (a busy 2-core machine is slow, not wrong), the reproduction blob printed on failure.
+- ``explore``: random examples, 1000 of them, the local example database: run it to look for new
+  failures (``HYPOTHESIS_PROFILE=explore pytest tests/core/test_kv_state_machine.py``), then pin
+  what it finds with ``@example`` (or, for state machines, a plain test replaying the steps).
+"""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    max_examples=60,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "explore",
+    max_examples=1000,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(scope="session")

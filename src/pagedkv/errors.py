@@ -7,7 +7,9 @@ handlers keep working.
 
     PagedKVError
     ├── ConfigError            invalid configuration (block_size < 1, unknown hash algorithm, ...)
-    │   └── CacheSizingError   the KV cache does not fit in the memory budget
+    │   ├── CacheSizingError   the KV cache does not fit in the memory budget
+    │   └── ModelConfigError   a model's config.json / GGUF metadata lacks a key or names a model
+    │                          pagedkv cannot size or run (also a ModelLoadError)
     ├── InvalidRequestError    a request that can never be served (too long, bad sampling params)
     ├── CacheStateError        an operation the cache's current state forbids
     ├── OpsInputError          tensors of the wrong shape/dtype/range given to an op
@@ -45,3 +47,10 @@ class OpsInputError(PagedKVError, ValueError):
 
 class ModelLoadError(PagedKVError, OSError):
     """A model that cannot be found or read; the message says how to get it."""
+
+
+class ModelConfigError(ConfigError, ModelLoadError):
+    """A model's own configuration (config.json keys, GGUF metadata) is missing a required key or
+    describes a model pagedkv cannot size or run. Both a :class:`ConfigError` (the configuration is
+    invalid) and a :class:`ModelLoadError` (the model cannot be read as given), so handlers of
+    either catch it; the message names the key or the unsupported feature."""

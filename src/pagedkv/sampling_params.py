@@ -8,10 +8,10 @@ off; ``max_tokens=None`` means "until max_model_len".
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 
 from pagedkv.errors import InvalidRequestError
+from pagedkv.validation import check_int, check_number, is_int, is_number
 
 #: Temperatures below this are treated as 0 (greedy): dividing logits by ~0 overflows.
 GREEDY_EPSILON = 1e-5
@@ -81,36 +81,25 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        if not _is_int(self.n) or self.n < 1:
-            raise InvalidRequestError(f"n must be an int >= 1, got {self.n!r}")
-        if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
-            raise InvalidRequestError(
-                f"temperature must be a finite number >= 0, got {self.temperature!r}"
-            )
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+        check_int("n", self.n, 1, error=InvalidRequestError)
+        check_number("temperature", self.temperature, 0, finite=True, error=InvalidRequestError)
+        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
+        if not is_int(self.top_k) or self.top_k < -1:
             raise InvalidRequestError(f"top_k must be -1, 0 (off) or >= 1, got {self.top_k!r}")
         for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not _is_number(value) or not -2 <= value <= 2:
-                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value!r}")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise InvalidRequestError(
-                f"max_tokens must be an int >= 1 or None, got {self.max_tokens!r}"
-            )
+            check_number(name, getattr(self, name), -2, maximum=2, error=InvalidRequestError)
+        check_int("max_tokens", self.max_tokens, 1, optional=True, error=InvalidRequestError)
         for stop in self.stop:
             if not isinstance(stop, str) or not stop:
                 raise InvalidRequestError(f"stop strings must be non-empty str, got {stop!r}")
-        for token_id in self.stop_token_ids:
-            if not _is_int(token_id) or token_id < 0:
-                raise InvalidRequestError(f"stop_token_ids must be ints >= 0, got {token_id!r}")
+        for i, token_id in enumerate(self.stop_token_ids):
+            check_int(f"stop_token_ids[{i}]", token_id, 0, error=InvalidRequestError)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise InvalidRequestError(f"{name} must be a bool, got {value!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise InvalidRequestError(f"seed must be an int or None, got {self.seed!r}")
+        check_int("seed", self.seed, optional=True, error=InvalidRequestError)
         # Sample i of an n > 1 request is seeded with seed + i; torch.Generator takes 64-bit seeds.
         if self.seed is not None and not _MIN_SEED <= self.seed <= _MAX_SEED - (self.n - 1):
             raise InvalidRequestError(
@@ -137,11 +126,3 @@ class SamplingParams:
 
 _MIN_SEED = -(2**63)
 _MAX_SEED = 2**64 - 1
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and value == value

@@ -34,13 +34,14 @@ def decode(manager: KVCacheManager, request: KVCacheRequest, token_id: int):
 
 
 def snapshot(manager: KVCacheManager):
-    """Everything that a refused call must leave unchanged."""
+    """Everything that a refused call must leave unchanged, as plain values (block ids, not
+    block objects), so snapshots of two managers compare too."""
     pool = manager.block_pool
     return (
         pool.num_free_blocks,
         [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
         [(b.ref_cnt, b.block_hash) for b in pool.blocks],
-        [dict(m) for m in pool.cached_block_hash_to_block],
+        [{h: b.block_id for h, b in m.items()} for m in pool.cached_block_hash_to_block],
         [
             {rid: [b.block_id for b in blocks] for rid, blocks in stm.req_to_blocks.items()}
             for stm in manager.coordinator.single_type_managers

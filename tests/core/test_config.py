@@ -7,8 +7,14 @@ import sys
 
 import pytest
 
-from pagedkv.core.config import KVCacheConfig, KVCacheGroupSpec, MemoryBudget, group_layers
-from pagedkv.core.spec import FullAttentionSpec, SlidingWindowSpec
+from pagedkv.core.config import (
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MemoryBudget,
+    group_layers,
+)
+from pagedkv.core.manager import KVCacheManager
+from pagedkv.core.spec import FullAttentionSpec, SlidingWindowSpec, max_num_blocks_per_request
 from pagedkv.errors import CacheSizingError, ConfigError
 from pagedkv.units import GiB, MiB
 
@@ -152,6 +158,21 @@ def test_sliding_window_only_model_fits_long_requests():
     # cdiv(4095 + 2048, 16) + 1 = 385 blocks whatever the length.
     assert config.max_num_blocks_per_request() == 385
     assert config.max_concurrency() == 1
+
+
+def test_blocks_per_request_is_one_count_for_config_and_manager():
+    full = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8)
+    sliding = SlidingWindowSpec(block_size=4, num_kv_heads=1, head_size=8, sliding_window=8)
+    config = KVCacheConfig.from_num_blocks(
+        [full, sliding], 100, max_model_len=64, max_num_batched_tokens=16
+    )
+    manager = KVCacheManager(100, config.kv_cache_specs)
+    # full: 64 / 4 = 16 blocks; sliding: cdiv(8 - 1 + 16, 4) + 1 = 7 blocks.
+    assert max_num_blocks_per_request(config.kv_cache_specs, 64, 16) == 16 + 7
+    assert config.max_num_blocks_per_request() == 23
+    assert manager.max_num_blocks_per_request(64, 16) == 23
+    # All tokens in one step (the default): the window cannot save anything below 64 tokens.
+    assert manager.max_num_blocks_per_request(64) == 16 + 16
 
 
 def test_bad_values_raise_config_error():

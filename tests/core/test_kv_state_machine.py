@@ -5,7 +5,7 @@ step. One machine with a single full-attention group, one with full + sliding-wi
 from __future__ import annotations
 
 from _kv_helpers import make_request, snapshot
-from hypothesis import HealthCheck, settings
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -14,12 +14,8 @@ from pagedkv.core import FullAttentionSpec, KVCacheManager, SlidingWindowSpec
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24
 PREFIXES = [list(range(1000 * p, 1000 * p + 40)) for p in range(3)]
-SETTINGS = settings(
-    max_examples=60,
-    stateful_step_count=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+#: Examples, seed, deadline: the profile in tests/conftest.py (derandomized unless exploring).
+SETTINGS = settings(stateful_step_count=40)
 
 
 class KVCacheMachine(RuleBasedStateMachine):

@@ -3,15 +3,7 @@ and Hugging Face's, comes from tests/conftest.py)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-# Under pytest's importlib import mode, let the tests import their helper module _engine_fakes.
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:
-    sys.path.insert(0, _HERE)
 
 #: Chat prompts of different lengths (about 35 to 400 tokens after the chat template).
 CHAT_PROMPTS = [

@@ -23,6 +23,7 @@ def make_scheduler(
     enable_caching: bool = True,
     enable_chunked_prefill: bool = True,
     policy: str = "fcfs",
+    admission: str = "fcfs",
 ) -> tuple[Scheduler, FakeModel]:
     manager = KVCacheManager(num_blocks, block_size=BLOCK_SIZE, enable_caching=enable_caching)
     scheduler = Scheduler(
@@ -32,6 +33,7 @@ def make_scheduler(
         max_model_len=max_model_len,
         enable_chunked_prefill=enable_chunked_prefill,
         policy=policy,
+        admission=admission,
     )
     return scheduler, FakeModel(num_blocks, BLOCK_SIZE)
 
@@ -152,6 +154,31 @@ def test_requests_that_do_not_fit_together_both_finish_as_alone():
     assert scheduler.kv_cache_manager.num_free_blocks == 9
 
 
+@pytest.mark.parametrize(
+    ("admission", "first_step"), [("fcfs", ["hog"]), ("skip", ["hog", "small"])]
+)
+def test_admission_fcfs_stops_at_the_first_misfit_and_skip_tries_the_next(admission, first_step):
+    # 9 usable blocks: "hog" takes 6, "big" needs 4 of the 3 left, "small" needs 1.
+    scheduler, model = make_scheduler(
+        num_blocks=10, max_model_len=32, enable_caching=False, admission=admission
+    )
+    prompts = {"hog": prompt_of(24), "big": prompt_of(16, 1), "small": prompt_of(4, 2)}
+    requests = {name: make_request(scheduler, name, p, 4) for name, p in prompts.items()}
+    out = scheduler.schedule()
+    assert [r.request_id for r in out.requests] == first_step
+    assert scheduler.waiting.peek() is requests["big"]  # a skipped request keeps its place
+    scheduler.update_from_output(out, model.execute(out))
+    run_until_done(scheduler, model)
+    for name, request in requests.items():
+        assert request.output_token_ids == reference_output(prompts[name], 4)
+    assert scheduler.kv_cache_manager.num_free_blocks == 9
+
+
+def test_unknown_admission_is_a_config_error():
+    with pytest.raises(ConfigError, match="admission"):
+        make_scheduler(admission="lifo")
+
+
 @pytest.mark.parametrize("enable_caching", [True, False])
 def test_preemption_storm_gives_reference_outputs(enable_caching):
     scheduler, model = make_scheduler(
@@ -241,8 +268,10 @@ def test_priority_policy_admits_and_preempts_by_priority():
     out = scheduler.schedule()
     assert out.requests == [high]
     scheduler.update_from_output(out, model.execute(out))
-    run_until_done(scheduler, model)
-    assert low.first_scheduled_time > high.first_scheduled_time
+    steps = [out, *run_until_done(scheduler, model)]
+    order = [r.request_id for step in steps for r in step.requests]  # (not clock readings)
+    assert order == ["high"] * 4 + ["low"] * 4
+    assert low.output_token_ids == reference_output(prompt_of(6), 4)
 
     scheduler, model = make_scheduler(
         num_blocks=10, max_model_len=32, enable_caching=False, policy="priority"
@@ -256,6 +285,31 @@ def test_priority_policy_admits_and_preempts_by_priority():
     assert old.num_preemptions >= 1 and new.num_preemptions == 0
     assert old.output_token_ids == reference_output(prompt_of(12), 12)
     assert new.output_token_ids == reference_output(prompt_of(12, 4), 12)
+
+
+def test_priority_self_preemption_still_serves_the_running_requests_after_it():
+    # Issue 17: under policy="priority" the running list is in admission order, not priority
+    # order. "low" (admitted first) needs a new block when the pool is empty, so it preempts
+    # itself; "high" after it still has a free slot in its block and must run in that step.
+    scheduler, model = make_scheduler(
+        num_blocks=4, max_model_len=32, enable_caching=False, policy="priority"
+    )
+    low = make_request(scheduler, "low", prompt_of(7), 5, priority=1, arrival_time=1.0)
+    out = scheduler.schedule()  # low's prompt: 7 tokens in 2 blocks
+    scheduler.update_from_output(out, model.execute(out))
+    high = make_request(scheduler, "high", prompt_of(2, 1), 4, priority=0, arrival_time=2.0)
+    out = scheduler.schedule()  # low's token 7; high's prompt in the last free block
+    assert out.requests == [low, high]
+    scheduler.update_from_output(out, model.execute(out))
+    assert scheduler.kv_cache_manager.num_free_blocks == 0
+
+    out = scheduler.schedule()  # low's token 8 needs a third block: none is free
+    assert out.preempted_requests == [low]
+    assert out.requests == [high] and out.num_scheduled_tokens == [1]
+    scheduler.update_from_output(out, model.execute(out))
+    run_until_done(scheduler, model)
+    assert low.output_token_ids == reference_output(prompt_of(7), 5)
+    assert high.output_token_ids == reference_output(prompt_of(2, 1), 4)
 
 
 @pytest.mark.parametrize("length", [8, 11, 12])
@@ -274,6 +328,24 @@ def test_prompt_submitted_twice_hits_the_cache_and_gives_the_same_output(length)
     stats = scheduler.get_stats()
     assert stats.prefix_cache_queries == 2 * length
     assert stats.prefix_cache_hits == second.num_cached_tokens
+
+
+@pytest.mark.parametrize("enable_caching", [True, False])
+def test_prefix_counters_count_each_request_once_at_first_admission(enable_caching):
+    # 9 usable blocks: "first" takes 6 for its prompt, "second" needs 4 and waits (its lookup
+    # is retried every step) until "first" finishes; neither retries nor resumptions count.
+    scheduler, model = make_scheduler(
+        num_blocks=10, max_model_len=32, enable_caching=enable_caching
+    )
+    make_request(scheduler, "first", prompt_of(24), 4)
+    second = make_request(scheduler, "second", prompt_of(16, 1), 4)
+    steps = run_until_done(scheduler, model)
+    assert second not in steps[0].requests and second in steps[-1].requests
+    stats = scheduler.get_stats()
+    assert stats.num_prompt_tokens == 24 + 16
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (
+        (24 + 16, 0) if enable_caching else (0, 0)
+    )
 
 
 def test_same_prompt_in_one_step_shares_blocks():

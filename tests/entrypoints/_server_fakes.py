@@ -6,12 +6,19 @@ uses the engine's real SamplingParams and output classes, and counts KV blocks l
 so the server's streaming, abort and leak handling are tested without a model. Tokens are
 characters; the "model" spells out a fixed sentence from an offset: the prompt's token sum for
 temperature 0, else the seed (+ sample index, as the engine does for n > 1).
+
+Tests never depend on the machine's speed: instead of sleeping, a test that needs a request to
+still run at some point (a client leaving mid-stream, a reset while blocks are in use) holds
+requests with :meth:`FakeEngine.hold` and lets them go with :meth:`FakeEngine.release` once it
+has seen what it waits for.
 """
 
 from __future__ import annotations
 
 import random
+import threading
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
@@ -70,7 +77,8 @@ class FakeStats:
 
 class FakeEngine:
     """Each step gives every sample of every running request one character; requests wait
-    while their blocks (block_size characters each) do not fit in num_blocks."""
+    while their blocks (block_size characters each) do not fit in num_blocks; held requests
+    (:meth:`hold`) stop after a given number of characters until :meth:`release`."""
 
     def __init__(
         self,
@@ -79,14 +87,12 @@ class FakeEngine:
         block_size: int = 4,
         max_model_len: int = 256,
         max_num_seqs: int = 64,
-        step_delay: float = 0.002,
     ) -> None:
         self.tokenizer = FakeTokenizer()
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
-        self.step_delay = step_delay
         self.waiting: list[_FakeRequest] = []
         self.running: list[_FakeRequest] = []
         self.aborted: list[_FakeRequest] = []
@@ -95,6 +101,31 @@ class FakeEngine:
         self.num_aborted = 0
         self.fail_after_steps: int | None = None  # make step() raise (engine failure tests)
         self.added: list[tuple[str, object, SamplingParams, str | None]] = []
+        # The gate (set by the test thread, read by the engine thread).
+        self._hold_after: int | None = None
+        self._hold_ids: frozenset[str] | None = None
+        self._released = threading.Event()
+
+    # ---- the gate -------------------------------------------------------------------------------
+
+    def hold(self, after_tokens: int = 0, request_ids: Collection[str] | None = None) -> None:
+        """From now on, each sample of the requests ``request_ids`` (default: all) stops after
+        ``after_tokens`` characters and stays unfinished, holding its blocks, until
+        :meth:`release`. Aborts still go through."""
+        self._released.clear()
+        self._hold_ids = None if request_ids is None else frozenset(request_ids)
+        self._hold_after = after_tokens
+
+    def release(self) -> None:
+        """Let held requests run on."""
+        self._hold_after = None
+        self._released.set()
+
+    def _is_held(self, req: _FakeRequest) -> bool:
+        after = self._hold_after
+        if after is None or (self._hold_ids is not None and req.request_id not in self._hold_ids):
+            return False
+        return all(s.num_tokens >= after or s.finish_reason is not None for s in req.samples)
 
     # ---- engine API ---------------------------------------------------------------------------
 
@@ -162,7 +193,6 @@ class FakeEngine:
         return self.num_used_blocks == 0
 
     def step(self) -> list[RequestOutput]:
-        time.sleep(self.step_delay)
         if self.fail_after_steps is not None:
             if self.fail_after_steps == 0:
                 raise RuntimeError("the fake engine broke")
@@ -179,6 +209,8 @@ class FakeEngine:
             self.num_used_blocks += need
             self.num_prefix_queries += len(req.prompt_token_ids)
         for req in list(self.running):
+            if self._is_held(req):
+                continue
             before = self._num_blocks(req)
             new_token_ids = [self._advance(req, s) for s in req.samples]
             self.num_used_blocks += self._num_blocks(req) - before
@@ -186,6 +218,10 @@ class FakeEngine:
             if outputs[-1].finished:
                 self.running.remove(req)
                 self.num_used_blocks -= self._num_blocks(req)
+        if not outputs and self._hold_after is not None:
+            # Everything is held: return to the engine loop (which runs aborts between steps)
+            # without spinning; release() ends the wait at once.
+            self._released.wait(0.01)
         return outputs
 
     # ---- helpers ------------------------------------------------------------------------------
@@ -239,3 +275,12 @@ class FakeEngine:
             -(-(len(req.prompt_token_ids) + max(s.num_tokens, 1)) // self.block_size)
             for s in req.samples
         )
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    """Block until ``condition()`` holds (checked every 10 ms); fail after ``timeout`` seconds,
+    a bound for a hung server, not a speed assumption."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)

@@ -7,12 +7,13 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
 import time
 
 import httpx
 import openai
 import pytest
-from _server_fakes import SENTENCE, FakeEngine
+from _server_fakes import SENTENCE, FakeEngine, wait_for
 
 from pagedkv.entrypoints.openai.app import create_app
 from pagedkv.entrypoints.openai.launch import ThreadedServer
@@ -55,8 +56,9 @@ def metric_value(text: str, name: str, labels: str = "") -> float:
     return float(match.group(1))
 
 
-def wait_until_idle(server, timeout: float = 10.0) -> str:
-    """Poll /metrics until no request runs or waits and no KV block is used."""
+def wait_until_idle(server, timeout: float = 60.0) -> str:
+    """Poll /metrics until no request runs or waits and no KV block is used (the timeout only
+    bounds a hung server)."""
     deadline = time.monotonic() + timeout
     while True:
         text = httpx.get(server.url + "/metrics").text
@@ -294,11 +296,28 @@ async def _stream_chat(base_url: str, i: int, disconnect_after: int | None) -> s
 
 
 def test_32_concurrent_streams_some_disconnecting(server, client, engine):
+    # Every request stops at 40 of its 60 tokens until the 11 clients that leave after at most
+    # 33 events have been seen to leave (their requests aborted): the test decides, not the
+    # relative speed of the engine thread and the server.
+    num_aborted = engine.num_aborted
+
     async def run_all():
-        tasks = [_stream_chat(server.url, i, 3 + i if i % 3 == 0 else None) for i in range(32)]
+        tasks = [
+            asyncio.ensure_future(_stream_chat(server.url, i, 3 + i if i % 3 == 0 else None))
+            for i in range(32)
+        ]
+        await asyncio.gather(*tasks[::3])
+        await asyncio.to_thread(
+            wait_for, lambda: engine.num_aborted == num_aborted + 11, "11 aborts"
+        )
+        engine.release()
         return await asyncio.gather(*tasks)
 
-    texts = asyncio.run(run_all())
+    engine.hold(after_tokens=40)
+    try:
+        texts = asyncio.run(run_all())
+    finally:
+        engine.release()
     for i, text in enumerate(texts):
         ids = chat_ids(engine, [{"role": "user", "content": f"client {i}"}])
         full = expected_text(ids, 60)
@@ -316,20 +335,33 @@ def test_32_concurrent_streams_some_disconnecting(server, client, engine):
 
 def test_non_streaming_client_disconnect_aborts(server, engine):
     num_aborted = engine.num_aborted
-    body = {"model": MODEL, "prompt": "slow", "max_tokens": 250}  # ~0.5 s of steps
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json=body, timeout=0.1)
+    body = json.dumps({"model": MODEL, "prompt": "slow", "max_tokens": 250}).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {server.host}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    engine.hold(after_tokens=5)  # it cannot finish before the client leaves
+    try:
+        with socket.create_connection((server.host, server.port)) as sock:
+            sock.sendall(head + body)
+            wait_for(lambda: engine.added and engine.added[-1][1] == "slow", "the request")
+        # The connection is closed: the client left without reading its answer.
+        wait_for(lambda: engine.num_aborted == num_aborted + 1, "the abort")
+    finally:
+        engine.release()
     wait_until_idle(server)
-    assert engine.added[-1][1] == "slow"
-    assert engine.num_aborted == num_aborted + 1
 
 
-def test_reset_prefix_cache_fails_while_blocks_are_in_use(server):
+def test_reset_prefix_cache_fails_while_blocks_are_in_use(server, engine):
     body = {"model": MODEL, "prompt": "busy", "max_tokens": 200, "stream": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body) as response:
-        lines = response.iter_lines()  # (dropping the iterator would close the connection)
-        next(lines)  # the request is running now
-        busy = httpx.post(server.url + "/reset_prefix_cache")
+    engine.hold(after_tokens=1)  # it keeps its blocks until released
+    try:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body) as response:
+            lines = response.iter_lines()  # (dropping the iterator would close the connection)
+            next(lines)  # the request is running now
+            busy = httpx.post(server.url + "/reset_prefix_cache")
+    finally:
+        engine.release()
     assert busy.status_code == 409 and busy.json() == {"success": False}
     wait_until_idle(server)
     assert httpx.post(server.url + "/reset_prefix_cache").json() == {"success": True}
@@ -440,7 +472,8 @@ def test_engine_loop_aborts_an_add_cancelled_while_queued():
     from pagedkv.sampling_params import SamplingParams
 
     async def main():
-        engine = FakeEngine(step_delay=0.05)
+        engine = FakeEngine()
+        engine.hold(after_tokens=1, request_ids={"late"})  # "late" cannot finish before its abort
         loop = EngineLoop(engine)
         loop.start(asyncio.get_running_loop())
         try:
@@ -450,7 +483,7 @@ def test_engine_loop_aborts_an_add_cancelled_while_queued():
             late = asyncio.ensure_future(
                 loop.add_requests([EngineRequest("late", "y", SamplingParams(max_tokens=100))])
             )
-            await asyncio.sleep(0)  # its command is queued behind the running step
+            await asyncio.sleep(0)  # its add command is queued
             late.cancel()
             while not busy.finished:
                 await busy.get()

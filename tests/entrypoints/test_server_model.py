@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import httpx
 import openai
 import pytest
+from _server_fakes import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -220,13 +222,52 @@ async def _stream(base_url: str, i: int, disconnect_after: int | None) -> int:
     return num_deltas
 
 
-def test_32_concurrent_streams_some_disconnecting(server, engine, client):
-    async def run_all():
-        return await asyncio.gather(
-            *(_stream(server.url, i, 2 if i % 4 == 0 else None) for i in range(32))
-        )
+class StepGate:
+    """Stands in for ``engine.step`` (the engine thread calls it) so that the test, not the
+    machine's speed, decides when requests finish: no step until ``num_requests`` requests are
+    in, then steps until each has ``num_tokens`` output tokens, then none until
+    ``released`` is set. A held call returns no outputs after a 10 ms wait, so the engine loop
+    still runs aborts between calls."""
 
-    counts = asyncio.run(run_all())
+    def __init__(self, engine, num_requests: int, num_tokens: int) -> None:
+        self.engine, self.step = engine, engine.step
+        self.num_requests, self.num_tokens = num_requests, num_tokens
+        self.released = threading.Event()
+
+    def __call__(self):
+        requests = list(self.engine.scheduler.requests.values())
+        if not self.released.is_set() and (
+            len(requests) < self.num_requests
+            or all(r.num_output_tokens >= self.num_tokens for r in requests)
+        ):
+            self.released.wait(0.01)
+            return []
+        return self.step()
+
+
+def test_32_concurrent_streams_some_disconnecting(server, engine, client):
+    # All 32 start together and stop at 8 of their 16 tokens until the 8 clients that leave
+    # after 2 deltas have been seen to leave (their requests aborted in the scheduler).
+    gate = StepGate(engine, num_requests=32, num_tokens=8)
+
+    async def run_all():
+        tasks = [
+            asyncio.ensure_future(_stream(server.url, i, 2 if i % 4 == 0 else None))
+            for i in range(32)
+        ]
+        await asyncio.gather(*tasks[::4])
+        await asyncio.to_thread(
+            wait_for, lambda: len(engine.scheduler.requests) == 24, "8 aborts", 300
+        )
+        gate.released.set()
+        return await asyncio.gather(*tasks)
+
+    engine.step = gate  # the instance attribute shadows the method
+    try:
+        counts = asyncio.run(run_all())
+    finally:
+        gate.released.set()
+        del engine.step
     assert all(c >= 2 for c in counts)
     wait_until_idle(server, engine)  # nothing leaked: every block is free again
     metrics = httpx.get(server.url + "/metrics").text

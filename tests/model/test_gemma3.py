@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from pagedkv.core.config import KVCacheConfig
+from pagedkv.core.model_shape import pattern_windows
 from pagedkv.core.spec import FullAttentionSpec, SlidingWindowSpec
 from pagedkv.errors import InvalidRequestError, ModelLoadError, OpsInputError
 from pagedkv.model.config import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
     ModelConfig,
-    gemma3_layer_types,
     kv_cache_layer_specs,
 )
 from pagedkv.model.gemma3 import Gemma3ForCausalLM
@@ -306,7 +306,7 @@ def test_gguf_metadata_defaults_are_gemma3s():
 
 def test_gguf_metadata_pattern_and_local_base_when_stored():
     by_period = gguf_metadata(**{"gemma3.attention.sliding_window_pattern": 3})
-    assert by_period.layer_types == gemma3_layer_types(18, 3)
+    assert by_period.layer_sliding_windows == pattern_windows(18, 512, 3)
     flags = [i % 2 == 0 for i in range(18)]
     by_flags = gguf_metadata(
         **{"gemma3.attention.sliding_window_pattern": flags, "gemma3.rope.freq_base_swa": 2e4}

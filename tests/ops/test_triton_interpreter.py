@@ -47,10 +47,7 @@ if not IN_INTERPRETER:
         )
 
 else:
-    # The shared case builder sits beside this file (pytest's importlib mode does not put
-    # test folders on sys.path).
-    if os.path.dirname(__file__) not in sys.path:
-        sys.path.insert(0, os.path.dirname(__file__))
+    # (paged_attention_cases is importable through pytest's pythonpath setting, pyproject.toml.)
     import torch
     from paged_attention_cases import dense_attention, make_case
 

@@ -5,7 +5,16 @@ from __future__ import annotations
 import numpy as np
 
 from pagedkv.sim.blockmap import CACHED_FREE, FREE, NULL_BLOCK, BlockMap
-from pagedkv.sim.plots import block_map_image, save_figures, write_html
+from pagedkv.sim.plots import (
+    block_map_image,
+    caption,
+    fig_block_map,
+    fig_kv_blocks,
+    fig_running_waiting,
+    save_figures,
+    step_series,
+    write_html,
+)
 from pagedkv.sim.simulator import SimConfig, simulate_policies, sweep_block_sizes
 from pagedkv.sim.workloads import make_workload
 
@@ -48,3 +57,89 @@ def test_block_map_colours():
     assert tuple(image[1, 0]) == (1.0, 1.0, 1.0)
     assert tuple(image[4, 0]) == (0.0, 0.0, 0.0)
     assert len({tuple(image[i, 0]) for i in range(5)}) == 5
+
+
+def test_step_series_draws_idle_gaps_at_zero_and_the_last_step_one_wide():
+    x, y = step_series(np.array([0, 1, 5]), np.array([3, 4, 2]))
+    assert x.tolist() == [0, 1, 2, 5, 6]
+    assert y.tolist() == [3, 4, 0, 2, 2]
+    x, y = step_series(np.array([7]), np.array([1]))
+    assert (x.tolist(), y.tolist()) == ([7, 8], [1, 1])
+
+
+def test_unused_part_of_a_region_is_a_light_shade_of_its_owner():
+    owners = np.array([[NULL_BLOCK], [2], [2]], dtype=np.int32)
+    shared = np.zeros((3, 1), dtype=bool)
+    unused = np.array([[False], [False], [True]])
+    image = block_map_image(BlockMap(np.array([0]), owners, shared, 1, unused))
+    written, reserved = image[1, 0], image[2, 0]
+    assert (reserved >= written).all() and reserved.sum() > written.sum()  # lighter
+    assert np.allclose(reserved, 0.3 * written + 0.7)
+
+
+def _sixteen_lengths_results():
+    workload = make_workload("sixteen-lengths")
+    return simulate_policies(workload, SimConfig(**workload.defaults))
+
+
+def test_coinciding_policies_keep_distinct_styles_and_share_one_pool():
+    results = _sixteen_lengths_results()
+    # No shared prefixes: paged and paged+prefix give the same timeline ...
+    paged, cached = results["paged"].timeline, results["paged+prefix"].timeline
+    assert paged.num_reserved_tokens.tolist() == cached.num_reserved_tokens.tolist()
+    fig = fig_kv_blocks(results)
+    ax_reserved = fig.axes[0]
+    lines = {line.get_label(): line for line in ax_reserved.get_lines()}
+    # ... so their lines differ in style and marker, and both are in the legend.
+    assert lines["paged"].get_linestyle() != lines["paged+prefix"].get_linestyle()
+    assert lines["paged"].get_marker() != lines["paged+prefix"].get_marker()
+    legend = [t.get_text() for t in ax_reserved.get_legend().get_texts()]
+    assert {"contiguous", "paged", "paged+prefix", "usable pool (128 blocks)"} == set(legend)
+    # Contiguous reserves 4 regions of 32 blocks: the 128-block usable pool, not above it.
+    contiguous_top = lines["contiguous"].get_ydata().max()
+    assert contiguous_top == 128
+    for ax in fig.axes:
+        assert ax.get_ylim()[0] == 0  # counts start at 0
+        # The legend is outside the axes: it covers no data.
+        legend = ax.get_legend()
+        if legend is not None:
+            fig.canvas.draw()
+            box = legend.get_window_extent()
+            assert box.x0 >= ax.get_window_extent().x1
+
+
+def test_count_axes_get_integer_ticks():
+    results = _sixteen_lengths_results()
+    fig = fig_running_waiting(results)
+    fig.canvas.draw()
+    for ax in fig.axes:
+        ticks = ax.get_yticks()
+        assert np.allclose(ticks, np.round(ticks))
+        assert ax.get_ylim()[0] == 0
+        xticks = ax.get_xticks()
+        assert np.allclose(xticks, np.round(xticks))
+
+
+def test_large_block_maps_show_a_window_with_the_null_block_row():
+    workload = make_workload("sharegpt", seed=0, num_requests=80, max_model_len=512)
+    config = SimConfig(num_blocks=400, block_size=16, max_model_len=512, block_map_columns=100)
+    result = simulate_policies(workload, config, ("paged",))["paged"]
+    fig = fig_block_map(result)
+    ax_states, ax_map = fig.axes[:2]
+    assert "Window: blocks 0-63 of 400" in ax_map.get_title()
+    low, high = ax_map.get_ylim()
+    assert low <= -0.5 and high <= 64  # block 0's row is in the window
+    assert "whole run" in ax_states.get_title()
+    small = fig_block_map(result, max_rows=1000, max_columns=1000)
+    assert len(small.axes) == 1 or "Window" not in small.axes[-1].get_title()
+
+
+def test_html_has_a_caption_per_figure(tmp_path):
+    results = _sixteen_lengths_results()
+    paths = save_figures(results, tmp_path, dpi=40)
+    page = write_html(tmp_path / "index.html", paths, {p: r.metrics for p, r in results.items()})
+    text = page.read_text()
+    assert text.count("<figcaption>") == len(paths)
+    for path in paths:
+        assert caption(path.name)
+    assert "reserved but holds no token yet" in text  # the contiguous map's caption

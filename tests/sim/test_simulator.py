@@ -11,17 +11,15 @@ from pagedkv.sim.simulator import SimConfig, simulate, simulate_policies, sweep_
 from pagedkv.sim.workloads import SimRequest, Workload, make_workload
 
 STEP = 0.025
-SCHEDULERS = ("engine", "sim")
 
 
-def _tiny_config(scheduler: str, **kwargs) -> SimConfig:
+def _tiny_config(**kwargs) -> SimConfig:
     settings = dict(
         num_blocks=20,
         block_size=4,
         max_model_len=32,
         max_num_seqs=16,
         max_num_batched_tokens=256,
-        scheduler=scheduler,
         step_time=STEP,
     )
     settings.update(kwargs)
@@ -39,10 +37,9 @@ def _two_requests() -> Workload:
     )
 
 
-@pytest.mark.parametrize("scheduler", SCHEDULERS)
-def test_sixteen_lengths_fcfs(scheduler):
+def test_sixteen_lengths_fcfs():
     workload = make_workload("sixteen-lengths")
-    config = SimConfig(**workload.defaults, scheduler=scheduler)
+    config = SimConfig(**workload.defaults)
     results = simulate_policies(workload, config)
     assert results["contiguous"].metrics.peak_concurrency == 4
     assert results["paged"].metrics.peak_concurrency == 13
@@ -54,23 +51,22 @@ def test_sixteen_lengths_fcfs(scheduler):
 
 def test_sixteen_lengths_skip_admission():
     workload = make_workload("sixteen-lengths")
-    config = SimConfig(**workload.defaults, scheduler="sim", admission="skip")
+    config = SimConfig(**workload.defaults, admission="skip")
     results = simulate_policies(workload, config)
     assert results["contiguous"].metrics.peak_concurrency == 4
     assert results["paged"].metrics.peak_concurrency == 14
     assert results["paged+prefix"].metrics.peak_concurrency == 14
 
 
-def test_skip_admission_needs_sim_scheduler():
-    with pytest.raises(ConfigError, match="skip"):
-        SimConfig(num_blocks=10, admission="skip", scheduler="engine")
+def test_unknown_admission_is_a_config_error():
+    with pytest.raises(ConfigError, match="admission"):
+        SimConfig(num_blocks=10, admission="lifo")
 
 
-@pytest.mark.parametrize("scheduler", SCHEDULERS)
-def test_paged_metrics_by_hand(scheduler):
+def test_paged_metrics_by_hand():
     # step 0: A computes 6 (2 blocks), B 10 (3 blocks): reserved 20 tokens, real 16; B finishes.
     # step 1: A computes its 7th token: reserved 8, real 7.  step 2: 8th: reserved 8, real 8.
-    result = simulate(_two_requests(), _tiny_config(scheduler), "paged")
+    result = simulate(_two_requests(), _tiny_config(), "paged")
     t, m = result.timeline, result.metrics
     assert t.step.tolist() == [0, 1, 2]
     assert t.num_running.tolist() == [2, 1, 1]
@@ -89,19 +85,24 @@ def test_paged_metrics_by_hand(scheduler):
     assert m.prefix_hit_rate == 0.0
 
 
-@pytest.mark.parametrize("scheduler", SCHEDULERS)
-def test_contiguous_metrics_by_hand(scheduler):
-    # 20 blocks x 4 = 80 tokens -> 2 regions of 32; each running request reserves 32.
-    result = simulate(_two_requests(), _tiny_config(scheduler), "contiguous")
+def test_contiguous_metrics_by_hand():
+    # 19 usable blocks (block 0 is left out, as the paged pools' null block) x 4 = 76 tokens
+    # -> 2 regions of 32 (12 tokens too few for a third); each running request reserves 32.
+    result = simulate(_two_requests(), _tiny_config(), "contiguous")
     t, m = result.timeline, result.metrics
     assert t.num_reserved_tokens.tolist() == [64, 32, 32]
     assert t.num_real_tokens.tolist() == [16, 7, 8]
     assert m.kv_utilization == pytest.approx(31 / 128)
-    assert m.peak_kv_usage == pytest.approx(1.0)
+    assert m.peak_kv_usage == pytest.approx(64 / 76)  # the same usable pool as paged
+    # Regions start after block 0; the unwritten part of each region is marked in the map.
+    block_map = result.block_map
+    assert (block_map.owners[0] < 0).all()
+    a_blocks = block_map.owners[:, 0] == 0  # request A (index 0) at step 0
+    assert np.flatnonzero(a_blocks).tolist() == list(range(1, 9))
+    assert block_map.unused[:, 0][a_blocks].tolist() == [False, False] + [True] * 6
 
 
-@pytest.mark.parametrize("scheduler", SCHEDULERS)
-def test_shared_prefix_counts_shared_blocks_once(scheduler):
+def test_shared_prefix_counts_shared_blocks_once():
     prefix = list(range(1, 9))  # two full blocks of 4
     workload = Workload(
         "shared",
@@ -110,7 +111,7 @@ def test_shared_prefix_counts_shared_blocks_once(scheduler):
             SimRequest("E", [*prefix, 60], [7], arrival_time=STEP),
         ],
     )
-    cached = simulate(workload, _tiny_config(scheduler), "paged+prefix")
+    cached = simulate(workload, _tiny_config(), "paged+prefix")
     t = cached.timeline
     # step 1: D holds 3 blocks (10 tokens), E shares D's 2 full blocks + 1 new block (9 tokens):
     # 4 physical blocks = 16 reserved; distinct real tokens = 8 shared + 2 + 1 = 11.
@@ -126,7 +127,7 @@ def test_shared_prefix_counts_shared_blocks_once(scheduler):
     assert block_map.owners[0, 0] == NULL_BLOCK
     assert int((block_map.owners[:, 0] == 0).sum()) == 3  # D (trace index 0) owns 3 blocks
 
-    plain = simulate(workload, _tiny_config(scheduler), "paged")
+    plain = simulate(workload, _tiny_config(), "paged")
     assert plain.metrics.prefix_hit_rate == 0.0
     assert plain.timeline.num_reserved_tokens[1] == 24  # no sharing: 3 + 3 blocks
     assert plain.timeline.num_scheduled_tokens[1] == 10
@@ -135,8 +136,8 @@ def test_shared_prefix_counts_shared_blocks_once(scheduler):
 def test_block_map_marks_cached_free_blocks():
     # B (10 tokens) finishes at step 0; from step 1 its 2 full blocks stay cached while free.
     workload = _two_requests()
-    cached = simulate(workload, _tiny_config("engine"), "paged+prefix").block_map
-    plain = simulate(workload, _tiny_config("engine"), "paged").block_map
+    cached = simulate(workload, _tiny_config(), "paged+prefix").block_map
+    plain = simulate(workload, _tiny_config(), "paged").block_map
     assert int((cached.owners[:, 1] == CACHED_FREE).sum()) == 2
     assert int((plain.owners[:, 1] == CACHED_FREE).sum()) == 0
     assert int((plain.owners[:, 1] == FREE).sum()) == 20 - 1 - 2
@@ -152,12 +153,10 @@ def test_preemption_under_a_small_pool():
             SimRequest("Q", list(range(11, 15)), list(range(200, 208))),
         ],
     )
-    for scheduler in SCHEDULERS:
-        config = _tiny_config(scheduler, num_blocks=6)
-        result = simulate(workload, config, "paged")
-        assert result.metrics.num_preemptions >= 1
-        assert result.metrics.num_rejected == 0
-        assert result.timeline.num_reserved_tokens.max() <= 5 * 4
+    result = simulate(workload, _tiny_config(num_blocks=6), "paged")
+    assert result.metrics.num_preemptions >= 1
+    assert result.metrics.num_rejected == 0
+    assert result.timeline.num_reserved_tokens.max() <= 5 * 4
 
 
 def test_requests_that_never_fit_are_rejected():
@@ -168,7 +167,7 @@ def test_requests_that_never_fit_are_rejected():
             SimRequest("too-long", list(range(1, 40)), [4]),  # > max_model_len 32
         ],
     )
-    result = simulate(workload, _tiny_config("engine"), "paged")
+    result = simulate(workload, _tiny_config(), "paged")
     assert result.metrics.num_rejected == 1
     assert result.rejected[0].startswith("too-long")
 
@@ -182,7 +181,7 @@ def test_multi_turn_follow_up_waits_for_its_parent_and_hits_the_cache():
         parent_index=0,
         think_time=4 * STEP,
     )
-    result = simulate(Workload("chat", [first, second]), _tiny_config("engine"), "paged+prefix")
+    result = simulate(Workload("chat", [first, second]), _tiny_config(), "paged+prefix")
     # t0 runs steps 0-4 (prefill + 4 decode steps) and finishes at step 4; t1 arrives at 4 + 4.
     assert result.timeline.step.tolist() == [0, 1, 2, 3, 4, 8]
     assert result.metrics.num_steps == 9
@@ -209,7 +208,7 @@ def test_prefix_caching_helps_the_shared_prefix_workload():
     contiguous = results["contiguous"].metrics
     assert cached.prefix_hit_rate > 0.5
     assert cached.num_steps < paged.num_steps < contiguous.num_steps
-    assert contiguous.peak_concurrency == 256 * 16 // 1024
+    assert contiguous.peak_concurrency == (256 - 1) * 16 // 1024  # the null block left out
     assert contiguous.waste_pct > paged.waste_pct
 
 

@@ -26,7 +26,8 @@ def test_deterministic_and_within_limits(name):
 def test_sixteen_lengths():
     workload = make_workload("sixteen-lengths")
     assert [r.num_prompt_tokens for r in workload.requests] == list(SIXTEEN_LENGTHS)
-    assert workload.defaults["num_blocks"] == 128 and workload.defaults["max_model_len"] == 512
+    # 128 usable blocks (DESIGN's pool) plus the null block.
+    assert workload.defaults["num_blocks"] == 129 and workload.defaults["max_model_len"] == 512
 
 
 def test_shared_prefix_requests_share_their_system_prompt_ids():

@@ -15,8 +15,13 @@ from pagedkv.core.single_type import (
     SingleTypeKVCacheManager,
     SlidingWindowManager,
 )
-from pagedkv.core.spec import AttentionSpec, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
-from pagedkv.core.stats import PrefixCacheStats
+from pagedkv.core.spec import (
+    AttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
 
 __all__ = [
     "AllBlocksCleared",
@@ -36,7 +41,7 @@ __all__ = [
     "KVCacheManager",
     "KVCacheRequest",
     "KVCacheSpec",
-    "PrefixCacheStats",
+    "MLAAttentionSpec",
     "SingleTypeKVCacheManager",
     "SlidingWindowManager",
     "SlidingWindowSpec",

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 from pagedkv.core.block import FreeBlockQueue, KVCacheBlock
 from pagedkv.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from pagedkv.core.hashing import BlockHash
-from pagedkv.errors import CacheStateError, ConfigError
+from pagedkv.errors import CacheStateError
+from pagedkv.validation import check_int
 
 if TYPE_CHECKING:
     from pagedkv.core.request import KVCacheRequest
@@ -49,12 +50,8 @@ class BlockPool:
         enable_kv_cache_events: bool = False,
         keep_token_ids: bool = False,
     ) -> None:
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 2:
-            raise ConfigError(
-                f"num_blocks must be an int >= 2 (block 0 is the null block), got {num_blocks!r}"
-            )
-        if num_kv_cache_groups < 1:
-            raise ConfigError(f"num_kv_cache_groups must be >= 1, got {num_kv_cache_groups}")
+        check_int("num_blocks", num_blocks, 2, why="block 0 is the null block")
+        check_int("num_kv_cache_groups", num_kv_cache_groups, 1)
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.enable_kv_cache_events = enable_kv_cache_events

@@ -30,22 +30,19 @@ num_layers))``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pagedkv.core.spec import KVCacheSpec
+from pagedkv.core.spec import KVCacheSpec, max_num_blocks_per_request
 from pagedkv.errors import CacheSizingError, ConfigError
 from pagedkv.units import format_bytes
+from pagedkv.validation import check_int
 
 #: A type with more layers than this times the smallest type's count is padded up to its own
 #: count instead of being cut into groups of the smallest size (vLLM: 12 sw + 13 full -> 13 + 13).
 _PAD_TO_LARGEST_RATIO = 1.25
 
 
-def _check_count(name: str, value: object, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,9 +67,9 @@ class MemoryBudget:
     overhead_bytes: int = 0
 
     def __post_init__(self) -> None:
-        _check_count("device_memory", self.device_memory, 1)
+        check_int("device_memory", self.device_memory, 1)
         for name in ("weight_bytes", "activation_bytes", "overhead_bytes"):
-            _check_count(name, getattr(self, name), 0)
+            check_int(name, getattr(self, name), 0)
         utilization = self.gpu_memory_utilization
         if not isinstance(utilization, (int, float)) or not 0.0 < utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
@@ -227,8 +224,7 @@ class KVCacheConfig:
         ``num_blocks = floor(kv_cache_memory / (page_size x group_size))``; an explicit
         ``num_blocks`` wins. Other arguments and errors as :meth:`from_num_blocks`.
         """
-        if not isinstance(kv_cache_memory, int) or isinstance(kv_cache_memory, bool):
-            raise ConfigError(f"kv_cache_memory must be an int (bytes), got {kv_cache_memory!r}")
+        check_int("kv_cache_memory", kv_cache_memory, why="bytes")
         return cls._from_bytes(
             layer_specs, kv_cache_memory, None, num_blocks, max_model_len, max_num_batched_tokens
         )
@@ -281,11 +277,9 @@ class KVCacheConfig:
         return config
 
     def _validate(self, budget: MemoryBudget | None, kv_cache_memory: int | None = None) -> None:
-        _check_count("num_blocks", self.num_blocks, 0)
-        if self.max_model_len is not None:
-            _check_count("max_model_len", self.max_model_len, 1)
-        if self.max_num_batched_tokens is not None:
-            _check_count("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        check_int("num_blocks", self.num_blocks, 0)
+        check_int("max_model_len", self.max_model_len, 1, optional=True)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=True)
         if self.num_usable_blocks < 1:
             if budget is not None:
                 source = f"memory budget {budget.describe()}"
@@ -385,7 +379,8 @@ class KVCacheConfig:
     def max_num_blocks_per_request(
         self, max_model_len: int | None = None, max_num_batched_tokens: int | None = None
     ) -> int:
-        """Most blocks one request of ``max_model_len`` tokens holds at once, all groups.
+        """Most blocks one request of ``max_model_len`` tokens holds at once, all groups
+        (:func:`pagedkv.core.spec.max_num_blocks_per_request` with the config's defaults).
 
         Args:
             max_model_len: tokens; default the config's.
@@ -397,10 +392,8 @@ class KVCacheConfig:
         num_tokens = self.max_model_len if max_model_len is None else max_model_len
         if num_tokens is None:
             raise ConfigError("max_model_len is needed to count a request's blocks")
-        batched = max_num_batched_tokens or self.max_num_batched_tokens or num_tokens
-        return sum(
-            spec.max_num_blocks_per_request(num_tokens, batched) for spec in self.kv_cache_specs
-        )
+        batched = max_num_batched_tokens or self.max_num_batched_tokens
+        return max_num_blocks_per_request(self.kv_cache_specs, num_tokens, batched)
 
     def max_concurrency(
         self, max_model_len: int | None = None, max_num_batched_tokens: int | None = None
@@ -430,7 +423,3 @@ class KVCacheConfig:
             else:
                 high = mid - 1
         return low
-
-    def lcm_block_size(self) -> int:
-        """LCM of every group's block size: a prefix hit is a multiple of it."""
-        return math.lcm(*(spec.block_size for spec in self.kv_cache_specs))

@@ -38,6 +38,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NewType
 
 from pagedkv.errors import ConfigError, InvalidRequestError
+from pagedkv.validation import check_int, is_int
 
 if TYPE_CHECKING:
     from pagedkv.core.request import KVCacheRequest
@@ -68,7 +69,7 @@ def _seed_bytes(seed: int | str | bytes) -> bytes:
         return b"b" + seed
     if isinstance(seed, str):
         return b"s" + seed.encode()
-    if isinstance(seed, int) and not isinstance(seed, bool):
+    if is_int(seed):
         return b"i" + str(seed).encode()
     raise ConfigError(f"hash_seed must be an int, str, bytes or None, got {type(seed).__name__}")
 
@@ -100,8 +101,7 @@ class BlockHasher:
     def __init__(
         self, block_size: int, algo: str = "sha256", seed: int | str | bytes | None = None
     ) -> None:
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-            raise ConfigError(f"block_size must be an int >= 1, got {block_size!r}")
+        check_int("block_size", block_size, 1)
         if algo not in HASH_ALGOS:
             raise ConfigError(
                 f"unknown hash algorithm {algo!r}; choose one of {', '.join(HASH_ALGOS)}"

@@ -13,7 +13,6 @@ Idea from vLLM V1 (``vllm/v1/core/kv_cache_manager.py``).
 
 from __future__ import annotations
 
-import numbers
 import sys
 from collections.abc import Sequence
 
@@ -24,9 +23,9 @@ from pagedkv.core.events import KVCacheEvent
 from pagedkv.core.hashing import BlockHasher
 from pagedkv.core.request import KVCacheRequest
 from pagedkv.core.single_type import FullAttentionManager
-from pagedkv.core.spec import FullAttentionSpec, KVCacheSpec, cdiv
-from pagedkv.core.stats import PrefixCacheStats
+from pagedkv.core.spec import FullAttentionSpec, KVCacheSpec, max_num_blocks_per_request
 from pagedkv.errors import CacheStateError, ConfigError, InvalidRequestError
+from pagedkv.validation import check_int
 
 
 class KVCacheBlocks:
@@ -92,8 +91,7 @@ class KVCacheManager:
     ) -> None:
         if kv_cache_specs is None:
             size = 16 if block_size is None else block_size
-            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-                raise ConfigError(f"block_size must be an int >= 1, got {size!r}")
+            check_int("block_size", size, 1)
             kv_cache_specs = [FullAttentionSpec(block_size=size, num_kv_heads=1, head_size=1)]
         kv_cache_specs = list(kv_cache_specs)
         if not kv_cache_specs:
@@ -106,12 +104,7 @@ class KVCacheManager:
                 f"block_size={block_size} disagrees with the specs' block_size "
                 f"{kv_cache_specs[0].block_size}"
             )
-        if max_model_len is not None and (
-            not isinstance(max_model_len, int)
-            or isinstance(max_model_len, bool)
-            or max_model_len < 1
-        ):
-            raise ConfigError(f"max_model_len must be an int >= 1 or None, got {max_model_len!r}")
+        check_int("max_model_len", max_model_len, 1, optional=True)
         hasher = BlockHasher(kv_cache_specs[0].block_size, hash_algo, hash_seed)
         self.kv_cache_specs = tuple(kv_cache_specs)
         self.enable_caching = enable_caching
@@ -132,9 +125,10 @@ class KVCacheManager:
         # Shared and immutable (tuples): "no blocks" without allocating.
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in kv_cache_specs))
         self._no_blocks: BlocksPerGroup = self.empty_kv_cache_blocks.blocks
-        self.prefix_cache_stats = PrefixCacheStats()
+        # The one group's manager when the model has a single full-attention group (then decode
+        # steps and prefill chunks take its one-pass ``grow``); None for hybrid models.
         managers = self.coordinator.single_type_managers
-        self._full_attention_only = (
+        self._single_full_attention_manager: FullAttentionManager | None = (
             managers[0]
             if len(managers) == 1 and isinstance(managers[0], FullAttentionManager)
             else None
@@ -152,11 +146,14 @@ class KVCacheManager:
         """Blocks that can be handed out now (free, including cached ones)."""
         return self.block_pool.num_free_blocks
 
-    def get_num_blocks_needed(self, num_tokens: int) -> int:
-        """Blocks a request of ``num_tokens`` tokens takes when allocated in one call without
-        prefix hits, summed over KV cache groups (compare with ``num_blocks - 1`` to reject a
-        request that can never fit)."""
-        return self.num_kv_cache_groups * cdiv(num_tokens, self.block_size)
+    def max_num_blocks_per_request(
+        self, num_tokens: int, max_num_batched_tokens: int | None = None
+    ) -> int:
+        """Most blocks a request of ``num_tokens`` tokens holds at once, summed over KV cache
+        groups (compare with ``num_blocks - 1`` to reject a request that can never fit); see
+        :func:`pagedkv.core.spec.max_num_blocks_per_request`. ``max_num_batched_tokens``: tokens
+        per step (``None``: all ``num_tokens`` in one call)."""
+        return max_num_blocks_per_request(self.kv_cache_specs, num_tokens, max_num_batched_tokens)
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         """The blocks ``request_id`` holds (empty if none)."""
@@ -175,7 +172,9 @@ class KVCacheManager:
         """Longest prefix of ``request`` whose KV is cached, for a request being admitted.
 
         NOTE: the hit is capped at ``num_tokens - 1``: the last token must be computed to get
-        the logits that sample the next one, even if its block is cached.
+        the logits that sample the next one, even if its block is cached. The manager keeps no
+        hit counters: the scheduler counts each request once, at its first admission
+        (``SchedulerStats.prefix_cache_hits``), so retried lookups do not count twice.
 
         Returns:
             (hit blocks, not yet touched: pass them to ``allocate_slots``; hit length in tokens,
@@ -198,7 +197,6 @@ class KVCacheManager:
             )
         num_tokens = len(request.all_token_ids)
         blocks, num_hit_tokens = self.coordinator.find_longest_cache_hit(request, num_tokens - 1)
-        self.prefix_cache_stats.record(num_tokens, num_hit_tokens)
         if not num_hit_tokens:
             return self.empty_kv_cache_blocks, 0
         return KVCacheBlocks(blocks), num_hit_tokens
@@ -240,7 +238,7 @@ class KVCacheManager:
             CacheStateError: hit blocks for a request that already holds blocks, or hit blocks
                 evicted (reused) since ``get_computed_blocks``: call the two back to back.
         """
-        fast = self._full_attention_only
+        fast = self._single_full_attention_manager
         if (
             fast is not None
             and (new_computed_blocks is None or new_computed_blocks is self.empty_kv_cache_blocks)
@@ -265,15 +263,12 @@ class KVCacheManager:
                 return None
             return KVCacheBlocks((new_blocks,)) if new_blocks else self.empty_kv_cache_blocks
 
-        for count in (num_new_tokens, num_new_computed_tokens, num_lookahead_tokens):
-            if not isinstance(count, numbers.Integral) or isinstance(count, bool):
-                raise InvalidRequestError(f"token counts must be ints, got {count!r}")
-        if num_new_tokens < 0 or num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
-            raise InvalidRequestError(
-                f"token counts must be >= 0, got num_new_tokens={num_new_tokens}, "
-                f"num_new_computed_tokens={num_new_computed_tokens}, "
-                f"num_lookahead_tokens={num_lookahead_tokens}"
-            )
+        for name, count in (
+            ("num_new_tokens", num_new_tokens),
+            ("num_new_computed_tokens", num_new_computed_tokens),
+            ("num_lookahead_tokens", num_lookahead_tokens),
+        ):
+            check_int(name, count, 0, error=InvalidRequestError)
         request_id = request.request_id
         coordinator = self.coordinator
         if new_computed_blocks is None or not new_computed_blocks.blocks[0]:
@@ -347,18 +342,7 @@ class KVCacheManager:
         Returns:
             True on success; False if some block is in use (nothing changes).
         """
-        if not self.block_pool.reset_prefix_cache():
-            return False
-        self.prefix_cache_stats.reset = True
-        return True
-
-    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
-        """Prefix-cache stats since the last call (then the counters restart); ``None`` with
-        prefix caching off."""
-        if not self.enable_caching:
-            return None
-        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
-        return stats
+        return self.block_pool.reset_prefix_cache()
 
     def take_events(self) -> list[KVCacheEvent]:
         """KV cache events since the last call (empty unless events are enabled)."""

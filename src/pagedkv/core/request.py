@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from pagedkv.core.hashing import BlockHash, BlockHasher
 from pagedkv.errors import InvalidRequestError
+from pagedkv.validation import check_int
 
 
 @dataclass(slots=True, eq=False)
@@ -53,26 +54,24 @@ class KVCacheRequest:
             )
         if len(self.prompt_token_ids) == 0:
             raise InvalidRequestError(f"request {self.request_id!r} has an empty prompt")
-        lora_id = self.lora_id
-        if lora_id is not None and (
-            not isinstance(lora_id, int)
-            or isinstance(lora_id, bool)
-            or not -(2**63) <= lora_id < 2**63
-        ):
-            raise InvalidRequestError(
-                f"request {self.request_id!r}: lora_id must be an int64 or None, got {lora_id!r}"
-            )
+        where = f"request {self.request_id!r}: "
+        check_int(
+            where + "lora_id",
+            self.lora_id,
+            -(2**63),
+            maximum=2**63 - 1,
+            optional=True,
+            why="int64",
+            error=InvalidRequestError,
+        )
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise InvalidRequestError(
                 f"request {self.request_id!r}: cache_salt must be a str or None, "
                 f"got {self.cache_salt!r}"
             )
-        num_computed = self.num_computed_tokens
-        if not isinstance(num_computed, int) or isinstance(num_computed, bool) or num_computed < 0:
-            raise InvalidRequestError(
-                f"request {self.request_id!r}: num_computed_tokens must be an int >= 0, "
-                f"got {num_computed!r}"
-            )
+        check_int(
+            where + "num_computed_tokens", self.num_computed_tokens, 0, error=InvalidRequestError
+        )
         self.all_token_ids = list(self.prompt_token_ids)
         self.block_hashes = []
         if self.block_hasher is not None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pagedkv.core.hashing import HASH_ALGOS
 from pagedkv.errors import ConfigError
 from pagedkv.units import GiB, parse_memory_size
+from pagedkv.validation import check_int
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -76,26 +77,14 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):
             self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
-        if (
-            not isinstance(self.seed, int)
-            or isinstance(self.seed, bool)
-            or not -(2**63) <= self.seed < 2**64
-        ):
-            raise ConfigError(f"seed must be a 64-bit int, got {self.seed!r}")
+        check_int("seed", self.seed, -(2**63), maximum=2**64 - 1, why="64-bit")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            _check_positive(name, getattr(self, name))
-        num_blocks = self.num_blocks
-        if num_blocks is not None and (
-            not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 2
-        ):
-            raise ConfigError(
-                f"num_blocks must be an int >= 2 (block 0 is the null block), got {num_blocks!r}"
-            )
+            check_int(name, getattr(self, name), 1)
+        check_int("num_blocks", self.num_blocks, 2, optional=True, why="block 0 is the null block")
         for name in ("kv_cache_memory", "max_model_len", "num_threads"):
-            if getattr(self, name) is not None:
-                _check_positive(name, getattr(self, name))
+            check_int(name, getattr(self, name), 1, optional=True)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -144,11 +133,6 @@ class EngineConfig:
         """The config from parsed :meth:`add_cli_args` flags."""
         names = [f.name for f in dataclasses.fields(cls) if hasattr(args, f.name)]
         return cls(**{name: getattr(args, name) for name in names})
-
-
-def _check_positive(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
 
 
 def _parse_bytes(text: str) -> int:

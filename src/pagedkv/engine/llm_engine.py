@@ -33,6 +33,7 @@ from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.stats import SchedulerStats
 from pagedkv.errors import InvalidRequestError
 from pagedkv.sampling_params import SamplingParams
+from pagedkv.validation import is_int
 from pagedkv.worker.outputs import ModelRunnerOutput
 
 #: A prompt: text, token ids, or chat messages ``[{"role": ..., "content": ...}, ...]``.
@@ -309,7 +310,7 @@ class LLMEngine:
         if items and all(isinstance(m, dict) for m in items):
             text = self.tokenizer.apply_chat_template(items, tokenize=False)
             return text, self.tokenizer.apply_chat_template(items)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+        if not all(is_int(t) for t in items):
             raise InvalidRequestError(
                 "a prompt must be a str, a list of token ids, or a list of chat messages "
                 "({'role': ..., 'content': ...})"

@@ -12,8 +12,10 @@ Order within a step: running requests first (allocate_slots; when no block can b
 newest running request, or the lowest-priority one under policy="priority": its blocks are freed,
 num_computed_tokens = 0, and it goes back to the front of the waiting queue; its full blocks stay in
 the prefix cache, so resuming it is usually cheap), then waiting requests (get_computed_blocks for
-the prefix-cache hit, then allocate_slots), first come first served: admission stops at the first
-request that does not fit, so big requests are not starved by small ones.
+the prefix-cache hit, then allocate_slots) in queue order. Admission "fcfs" (the default, vLLM's)
+stops at the first request that does not fit, so big requests are not starved by small ones;
+admission "skip" tries the requests behind it (more concurrency, but a big request can wait
+forever while small ones keep coming; the simulator compares the two).
 
 The scheduler is torch-free and model-independent: anything that turns a :class:`SchedulerOutput`
 into one sampled token per sampling request can drive it (the engine's model runner, or the
@@ -27,13 +29,16 @@ import time
 from collections.abc import Iterable, Sequence
 
 from pagedkv.core.manager import KVCacheManager
+from pagedkv.core.spec import max_num_blocks_per_request
 from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.engine.request_queue import FCFSQueue, PriorityQueue
 from pagedkv.engine.stats import SchedulerStats
 from pagedkv.errors import ConfigError, InvalidRequestError
+from pagedkv.validation import check_int
 from pagedkv.worker.scheduler_output import SchedulerOutput
 
 POLICIES = ("fcfs", "priority")
+ADMISSION_POLICIES = ("fcfs", "skip")
 
 
 class Scheduler:
@@ -49,10 +54,14 @@ class Scheduler:
             steps; when off, max_num_batched_tokens must be >= max_model_len.
         policy: "fcfs" (arrival order; preempt the newest) or "priority" (lower
             ``Request.priority`` first; preempt the lowest priority, newest among equals).
+        admission: what a waiting request that does not fit does to those behind it: "fcfs"
+            (they wait too) or "skip" (they are tried in queue order; skipped requests keep
+            their place at the front of the queue).
 
     Raises:
-        ConfigError: a value out of range, an unknown policy, or chunked prefill off with a
-            budget smaller than max_model_len (a long request could never be scheduled).
+        ConfigError: a value out of range, an unknown policy or admission, or chunked prefill
+            off with a budget smaller than max_model_len (a long request could never be
+            scheduled).
     """
 
     def __init__(
@@ -63,16 +72,20 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         policy: str = "fcfs",
+        admission: str = "fcfs",
     ) -> None:
         for name, value in (
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
             ("max_model_len", max_model_len),
         ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+            check_int(name, value, 1)
         if policy not in POLICIES:
             raise ConfigError(f"unknown scheduling policy {policy!r}; choose one of {POLICIES}")
+        if admission not in ADMISSION_POLICIES:
+            raise ConfigError(
+                f"unknown admission {admission!r}; choose one of {ADMISSION_POLICIES}"
+            )
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
             raise ConfigError(
                 f"without chunked prefill, max_num_batched_tokens ({max_num_batched_tokens}) "
@@ -86,6 +99,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.policy = policy
+        self.admission = admission
         self.waiting: FCFSQueue | PriorityQueue = (
             PriorityQueue() if policy == "priority" else FCFSQueue()
         )
@@ -96,13 +110,6 @@ class Scheduler:
         self._kv_cache_specs = tuple(kv_cache_manager.kv_cache_specs)
 
     # ------------------------------------------------------------------ requests in and out
-
-    def max_blocks_needed(self, num_tokens: int) -> int:
-        """Blocks (all KV cache groups) one request of ``num_tokens`` tokens can hold at once."""
-        return sum(
-            spec.max_num_blocks_per_request(num_tokens, self.max_num_batched_tokens)
-            for spec in self._kv_cache_specs
-        )
 
     def add_request(self, request: Request) -> None:
         """Queue a new request; resolves ``request.max_tokens`` from its sampling params.
@@ -131,7 +138,9 @@ class Scheduler:
                 f"max_tokens ({max_tokens}) = {num_prompt_tokens + max_tokens} tokens exceeds "
                 f"max_model_len={self.max_model_len}; shorten the prompt or lower max_tokens"
             )
-        num_blocks_needed = self.max_blocks_needed(num_prompt_tokens + max_tokens)
+        num_blocks_needed = max_num_blocks_per_request(
+            self._kv_cache_specs, num_prompt_tokens + max_tokens, self.max_num_batched_tokens
+        )
         if num_blocks_needed > self._num_usable_blocks:
             raise InvalidRequestError(
                 f"request {request.request_id!r}: prompt + max_tokens = "
@@ -226,10 +235,13 @@ class Scheduler:
                     preempted_self = True
                     break
             if preempted_self:
-                # Whatever follows it in the running list is newer or of lower priority: stop
-                # serving running requests this step. Alone with the whole pool, it never fits.
+                # Alone with the whole pool, it never fits. Otherwise go on: under FCFS it was
+                # the last running request, but under policy="priority" the running list is in
+                # admission order, so requests after it may be of higher priority and can still
+                # run (a step never schedules nothing while a running request could run).
+                # ``req_index`` now points at the request after it.
                 self._reject_if_never_fits(request, out)
-                break
+                continue
             scheduled_index[id(request)] = len(out.requests)
             self._schedule(out, request, num_new_tokens, request.num_computed_tokens)
             token_budget -= num_new_tokens
@@ -306,32 +318,42 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, token_budget: int) -> None:
         manager = self.kv_cache_manager
         waiting = self.waiting
+        skip = self.admission == "skip"
+        skipped: list[Request] = []
         while waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = waiting.peek()
             computed_blocks, num_computed_tokens = manager.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_computed_tokens
-            if num_new_tokens > token_budget:
-                if not self.enable_chunked_prefill:
-                    break  # waits for a step with the whole budget free
-                num_new_tokens = token_budget
-            new_blocks = manager.allocate_slots(
-                request, num_new_tokens, num_computed_tokens, computed_blocks
-            )
-            if new_blocks is None:
-                if self._reject_if_never_fits(request, out):
+            if num_new_tokens > token_budget and not self.enable_chunked_prefill:
+                new_blocks = None  # waits for a step with the whole budget free
+            else:
+                num_new_tokens = min(num_new_tokens, token_budget)
+                new_blocks = manager.allocate_slots(
+                    request, num_new_tokens, num_computed_tokens, computed_blocks
+                )
+                if new_blocks is None and self._reject_if_never_fits(request, out):
                     continue
-                break  # FCFS: later requests wait behind this one
+            if new_blocks is None:
+                if not skip:
+                    break  # FCFS: later requests wait behind this one
+                skipped.append(waiting.pop())
+                continue
             waiting.pop()
             if request.num_cached_tokens < 0:  # first admission (not a resumption)
+                # The one definition of the prefix-cache counters (docs/engine.md): each
+                # request counts once, at its first admission, if it can hit at all.
                 request.num_cached_tokens = num_computed_tokens
-                self.stats.prefix_cache_queries += request.num_prompt_tokens
-                self.stats.prefix_cache_hits += num_computed_tokens
+                if request.block_hasher is not None:
+                    self.stats.prefix_cache_queries += request.num_prompt_tokens
+                    self.stats.prefix_cache_hits += num_computed_tokens
                 self.stats.num_prompt_tokens += request.num_prompt_tokens
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed_tokens
             self.running.append(request)
             self._schedule(out, request, num_new_tokens, num_computed_tokens)
             token_budget -= num_new_tokens
+        for request in reversed(skipped):  # back in front, in their order
+            waiting.add_front(request)
 
     def _reject_if_never_fits(self, request: Request, out: SchedulerOutput) -> bool:
         """Finish ``request`` with an error if allocation failed while no other request holds

@@ -18,8 +18,10 @@ class SchedulerStats:
         num_preemptions: preemptions since start.
         num_rejected: requests finished with an error because they can never fit.
         num_steps: schedule() calls that scheduled at least one token.
-        prefix_cache_queries: prompt tokens looked up in the prefix cache at admission (tokens).
-        prefix_cache_hits: of those, tokens served from the cache (tokens).
+        prefix_cache_queries: prompt tokens looked up in the prefix cache, counted once per
+            request at its first admission (not when a lookup is retried because the request
+            did not fit, nor when a preempted request resumes); 0 with prefix caching off.
+        prefix_cache_hits: of those, tokens served from the cache.
         num_prompt_tokens: prompt tokens of admitted requests (first admission only).
         num_generation_tokens: tokens sampled since start.
     """

@@ -1,8 +1,12 @@
-"""``pagedkv bench throughput``: offline throughput of pagedkv vs Hugging Face generate.
+"""``pagedkv bench``: ``throughput`` (offline, pagedkv vs Hugging Face generate), ``latency`` (one
+batch, per step: :mod:`pagedkv.entrypoints.bench_latency`) and ``serving`` (any OpenAI-compatible
+server: :mod:`pagedkv.entrypoints.bench_serving`).
 
     pagedkv bench throughput --backend pagedkv
     pagedkv bench throughput --backend hf
     pagedkv bench throughput --backend both          (both on one workload, in one run)
+    pagedkv bench latency --input-len 32 --output-len 128 --batch-size 8
+    pagedkv bench serving --port 8000 --num-prompts 64 --max-concurrency 8
 
 Workload: chat prompts from a JSONL file (default: the committed 64-prompt set
 ``benchmarks/data/chat_prompts.jsonl``), all submitted at once, ``max_tokens`` output tokens each
@@ -45,8 +49,12 @@ class BenchResult:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add the `bench` subcommand (with its `throughput` benchmark)."""
-    parser = subparsers.add_parser("bench", help="benchmarks (throughput vs Hugging Face)")
+    """Add the `bench` subcommand with its `throughput`, `latency` and `serving` benchmarks."""
+    from pagedkv.entrypoints import bench_latency, bench_serving
+
+    parser = subparsers.add_parser(
+        "bench", help="benchmarks: throughput (vs Hugging Face), latency, serving"
+    )
     benches = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
     tp = benches.add_parser("throughput", help="offline output tokens/s and TTFT")
     tp.add_argument("--backend", choices=("pagedkv", "hf", "both"), default="pagedkv")
@@ -56,11 +64,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     tp.add_argument("--max-tokens", type=_positive_int, default=128)
     tp.add_argument("--hf-batch-size", type=_positive_int, default=16)
-    tp.add_argument("--json", type=Path, default=None, help="write the results here")
+    tp.add_argument(
+        "--json", type=Path, default=None, help="write the results here (checked before the run)"
+    )
     from pagedkv.engine.config import EngineConfig
 
     EngineConfig.add_cli_args(tp)
-    parser.set_defaults(func=run)
+    tp.set_defaults(func=run)
+    bench_latency.add_parser(benches, _positive_int)
+    bench_serving.add_parser(benches, _positive_int)
 
 
 def _positive_int(text: str) -> int:
@@ -78,11 +90,14 @@ def run(args: argparse.Namespace) -> int:
     """Run `pagedkv bench throughput`."""
     from pagedkv.engine.cpu_runtime import tune_cpu_runtime
     from pagedkv.entrypoints.generate import load_prompts
+    from pagedkv.entrypoints.output_paths import check_output_file, write_text_or_print
     from pagedkv.errors import InvalidRequestError
     from pagedkv.model.loader import resolve_model_path
 
     if not args.input.is_file():
         raise InvalidRequestError(f"workload file {args.input} not found; pass --input FILE")
+    if args.json is not None:
+        check_output_file(args.json, "--json")  # before minutes of benchmarking
     conversations = [messages for messages, _ in load_prompts(args.input)]
     if args.num_prompts is not None:
         conversations = conversations[: args.num_prompts]
@@ -98,8 +113,10 @@ def run(args: argparse.Namespace) -> int:
     if len(results) == 2:
         ratio = results[0].output_tokens_per_s / results[1].output_tokens_per_s
         print(f"\npagedkv / hf output tokens/s: {ratio:.2f}x")
-    if args.json is not None:
-        args.json.write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
+    if args.json is not None and not write_text_or_print(
+        args.json, json.dumps([asdict(r) for r in results], indent=2) + "\n", "--json"
+    ):
+        return 2  # the results are on stdout instead
     return 0
 
 
@@ -151,6 +168,7 @@ def bench_hf(args: argparse.Namespace, conversations: list, model_path: Path) ->
     import transformers
 
     from pagedkv.errors import InvalidRequestError
+    from pagedkv.validation import check_int
 
     if model_path.is_dir():
         load_args: dict[str, Any] = {}
@@ -169,8 +187,7 @@ def bench_hf(args: argparse.Namespace, conversations: list, model_path: Path) ->
         tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
         for c in conversations
     ]
-    if args.hf_batch_size < 1:
-        raise InvalidRequestError("--hf-batch-size must be >= 1")
+    check_int("--hf-batch-size", args.hf_batch_size, 1, error=InvalidRequestError)
 
     def generate(batch: list[str], max_tokens: int, on_first_token=None):
         enc = tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=False)

@@ -172,24 +172,39 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_summary(llm, outputs, elapsed: float, load_time: float, file=sys.stdout) -> None:
-    """Print requests, tokens, tokens/s, prefix-cache hit rate, peak KV usage, preemptions."""
+    """Print requests, tokens, tokens/s, prefix-cache hit rate, peak KV usage, preemptions.
+
+    Prompt tokens are counted per sequence, as the engine and its prefix cache count them: a
+    prompt with ``n`` samples is ``n`` sequences, each computing (or hitting) the prompt, so the
+    hit rate's denominator is the prompt-token count printed above it.
+    """
     stats = llm.get_stats().scheduler
     engine = llm.engine
-    num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    num_unique = sum(len(o.prompt_token_ids) for o in outputs)
+    num_prompt = sum(len(o.prompt_token_ids) * len(o.outputs) for o in outputs)
     num_output = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     ttfts = [o.time_to_first_token for o in outputs if o.time_to_first_token is not None]
     usable = engine.kv_cache_config.num_usable_blocks
+    prompt_note = ""
+    if num_prompt != num_unique:
+        samples = {len(o.outputs) for o in outputs}
+        times = f" x {samples.pop()} samples" if len(samples) == 1 else " over their samples"
+        prompt_note = f" ({num_unique} in the prompts{times}; counted per sequence like the cache)"
     lines = [
         f"model            {engine.loaded_model.source} ({engine.config.dtype})",
-        f"requests         {len(outputs)}",
-        f"prompt tokens    {num_prompt}",
+        f"requests         {len(outputs)} ({sum(len(o.outputs) for o in outputs)} sequences)",
+        f"prompt tokens    {num_prompt}{prompt_note}",
         f"output tokens    {num_output}",
         f"time             {elapsed:.2f} s (model load {load_time:.1f} s)",
         f"throughput       {num_output / elapsed:.1f} output tokens/s, "
         f"{(num_prompt + num_output) / elapsed:.1f} total tokens/s",
         f"mean TTFT        {sum(ttfts) / max(len(ttfts), 1):.2f} s",
-        f"prefix cache     {stats.prefix_cache_hit_rate:.1%} of prompt tokens hit "
-        f"({stats.prefix_cache_hits}/{stats.prefix_cache_queries})",
+        (
+            f"prefix cache     {stats.prefix_cache_hit_rate:.1%} of prompt tokens hit "
+            f"({stats.prefix_cache_hits}/{stats.prefix_cache_queries}, each request once)"
+            if engine.config.enable_prefix_caching
+            else "prefix cache     off"
+        ),
         f"KV cache         peak {stats.peak_kv_cache_usage:.1%} of {usable} blocks "
         f"x {engine.config.block_size} tokens",
         f"preemptions      {stats.num_preemptions}",

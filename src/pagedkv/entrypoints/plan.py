@@ -24,13 +24,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "model",
         help="catalog name (SmolLM2-135M, Llama-3.1-8B, Llama-3.1-70B, Qwen2.5-7B, "
-        "Mistral-7B(-v0.1), Gemma-2-9B), a config.json path or folder, or a .gguf file",
+        "Mistral-7B(-v0.1), Gemma-2-9B, Mixtral-8x7B, Qwen1.5-MoE-A2.7B, Qwen3-30B-A3B, "
+        "DeepSeek-V2-Lite, DeepSeek-V3), a Hugging Face id sharing one's shape "
+        "(meta-llama/Llama-3.1-8B-Instruct), a config.json path or folder, or a .gguf file",
     )
     parser.add_argument(
         "--device",
         default="H100-80GB",
-        help="H100-80GB, H200-141GB, A100-40GB, A100-80GB, L4, RTX-4090, or a memory size "
-        "such as 24GiB (default: %(default)s)",
+        help="H100-80GB, H200-141GB (H200), B200-180GB (B200), A100-40GB, A100-80GB, L4, L40S, "
+        "A10G, RTX-4090, MI300X, apple-<unified memory> (e.g. apple-64GB, M3-Max-128GB), or a "
+        "memory size such as 24GiB (default: %(default)s)",
     )
     parser.add_argument(
         "--kv-cache-dtype",
@@ -48,7 +51,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--max-model-len",
         type=int,
         default=None,
-        help="longest request in tokens (default: the model's max_position_embeddings)",
+        help="longest request in tokens (default: the model's max_position_embeddings; longer "
+        "is refused without --allow-long-max-model-len)",
+    )
+    parser.add_argument(
+        "--allow-long-max-model-len",
+        action="store_true",
+        help="plan a --max-model-len beyond the model's context anyway (vLLM: "
+        "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)",
     )
     parser.add_argument(
         "--tensor-parallel-size",
@@ -118,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         mean_len=args.mean_len,
         num_blocks=args.num_blocks,
+        allow_long_max_model_len=args.allow_long_max_model_len,
     )
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))

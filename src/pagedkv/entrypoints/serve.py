@@ -38,6 +38,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     server.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
+    server.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="no periodic stats line (throughput, running / waiting, KV usage, prefix hit rate)",
+    )
+    server.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=10.0,
+        help="seconds between two stats lines (default 10, as vLLM)",
+    )
     EngineConfig.add_cli_args(parser)
     parser.set_defaults(func=run)
 
@@ -49,6 +60,18 @@ def served_model_name(source: str) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
+def _log_to_stderr(level: str) -> None:
+    """Show pagedkv's own log records (the stats line) next to uvicorn's, at ``level``."""
+    import logging
+
+    package_logger = logging.getLogger("pagedkv")
+    if not package_logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s"))
+        package_logger.addHandler(handler)
+    package_logger.setLevel(level.upper())
+
+
 def run(args: argparse.Namespace) -> int:
     """Load the model, bind the socket, print the URL, and serve until interrupted."""
     from pagedkv.engine.config import EngineConfig
@@ -58,6 +81,11 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port <= 65535:
         raise SystemExit(f"pagedkv serve: --port must be in 0..65535, got {args.port}")
+    if not args.log_stats_interval > 0:
+        raise SystemExit(
+            "pagedkv serve: --log-stats-interval must be > 0 seconds, got "
+            f"{args.log_stats_interval}"
+        )
     # Bind first: a busy port should fail in a blink, not after the model has loaded.
     try:
         sock = bind_socket(args.host, args.port)
@@ -65,7 +93,13 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"pagedkv serve: cannot listen on {args.host}:{args.port}: {e}") from None
     engine = LLMEngine(EngineConfig.from_cli_args(args))
     name = args.served_model_name or served_model_name(engine.loaded_model.source)
-    app = create_app(engine, model_name=name, max_model_len=engine.max_model_len)
+    app = create_app(
+        engine,
+        model_name=name,
+        max_model_len=engine.max_model_len,
+        log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
+    )
+    _log_to_stderr(args.log_level)
     host, port = sock.getsockname()[:2]
     shown_host = f"[{host}]" if ":" in host else host
     # Scripts (benchmarks/bench_serving.py) read the URL from this line.

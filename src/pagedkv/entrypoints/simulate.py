@@ -86,14 +86,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--admission",
         choices=("fcfs", "skip"),
         default="fcfs",
-        help="fcfs: stop at the first waiting request that does not fit; skip: try later ones "
-        "(uses the simulator's own scheduler)",
-    )
-    sched.add_argument(
-        "--scheduler",
-        choices=("engine", "sim"),
-        default=None,
-        help="the engine's Scheduler (default) or the simulator's loop",
+        help="fcfs: stop at the first waiting request that does not fit; skip: try later ones",
     )
     sched.add_argument(
         "--step-time", type=float, default=0.025, help="simulated seconds per step (arrivals)"
@@ -105,7 +98,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
 
     output = parser.add_argument_group("output")
-    output.add_argument("--out", default=None, help="directory for the PNG pictures")
+    output.add_argument(
+        "--out",
+        default=None,
+        help="directory for the PNG pictures (created; checked before the simulation runs)",
+    )
     output.add_argument("--html", action="store_true", help="also write OUT/index.html")
     output.add_argument("--no-sweep", action="store_true", help="skip the block_size sweep picture")
     output.add_argument(
@@ -125,11 +122,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _num_blocks_from_memory(args: argparse.Namespace, block_size: int, max_model_len: int) -> int:
     from pagedkv.core.config import KVCacheConfig
     from pagedkv.core.spec import FullAttentionSpec
-    from pagedkv.errors import ConfigError
     from pagedkv.units import parse_memory_size
+    from pagedkv.validation import check_int
 
-    if args.num_layers < 1:
-        raise ConfigError(f"--num-layers must be >= 1, got {args.num_layers}")
+    check_int("--num-layers", args.num_layers, 1)
     spec = FullAttentionSpec(
         block_size=block_size,
         num_kv_heads=args.num_kv_heads,
@@ -191,11 +187,9 @@ def build(args: argparse.Namespace):
         num_blocks = _num_blocks_from_memory(args, settings["block_size"], max_model_len)
     else:
         num_blocks = workload.defaults.get("num_blocks", DEFAULT_NUM_BLOCKS)
-    scheduler = args.scheduler or ("sim" if args.admission == "skip" else "engine")
     config = SimConfig(
         num_blocks=num_blocks,
         admission=args.admission,
-        scheduler=scheduler,
         step_time=args.step_time,
         block_map_columns=args.block_map_columns if args.out else 0,
         hash_algo=args.hash_algo,
@@ -225,6 +219,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.html and not args.out:
         raise ConfigError("--html needs --out DIR (the page is written as DIR/index.html)")
+    if args.out:
+        from pagedkv.entrypoints.output_paths import check_output_dir
+
+        check_output_dir(args.out, "--out")  # before the work, not after it
     workload, issues, config, policies = build(args)
     for issue in issues:
         print(f"pagedkv simulate: skipped {args.trace} {issue}", file=sys.stderr)
@@ -243,23 +241,29 @@ def run(args: argparse.Namespace) -> int:
         sweep = sweep_block_sizes(sub, config, policies=policies)
 
     figure_paths = []
+    write_error = None
     if args.out:
         from pagedkv.sim.plots import save_figures, write_html
 
-        figure_paths = save_figures(results, args.out, sweep)
-        if args.html:
-            command = ""
-            if sys.argv[1:2] == ["simulate"]:
-                command = "pagedkv simulate " + shlex.join(sys.argv[2:])
-            figure_paths.append(
-                write_html(
-                    f"{args.out}/index.html",
-                    [p for p in figure_paths if p.suffix == ".png"],
-                    {p: r.metrics for p, r in results.items()},
-                    title=f"pagedkv simulate: {workload.name}",
-                    command=command,
+        # A failed write (disk full, folder removed meanwhile) must not lose the results: they
+        # are printed below whatever happens here, then the error in one line.
+        try:
+            figure_paths = save_figures(results, args.out, sweep)
+            if args.html:
+                command = ""
+                if sys.argv[1:2] == ["simulate"]:
+                    command = "pagedkv simulate " + shlex.join(sys.argv[2:])
+                figure_paths.append(
+                    write_html(
+                        f"{args.out}/index.html",
+                        [p for p in figure_paths if p.suffix == ".png"],
+                        {p: r.metrics for p, r in results.items()},
+                        title=f"pagedkv simulate: {workload.name}",
+                        command=command,
+                    )
                 )
-            )
+        except OSError as exc:
+            write_error = f"--out {args.out}: cannot write the pictures: {exc.strerror or exc}"
 
     if args.json:
         report = {
@@ -275,7 +279,6 @@ def run(args: argparse.Namespace) -> int:
                     "max_num_seqs",
                     "max_num_batched_tokens",
                     "admission",
-                    "scheduler",
                     "step_time",
                 )
             },
@@ -291,20 +294,30 @@ def run(args: argparse.Namespace) -> int:
             }
         json.dump(report, sys.stdout, indent=2)
         print()
-        return 0
+        return _report_write_error(write_error)
 
     from pagedkv.sim.plots import metrics_table_rows
 
+    usable = config.num_blocks - 1
     print(
         f"workload {workload.name}: {len(workload.requests)} requests; pool {config.num_blocks} "
-        f"blocks of {config.block_size} tokens ({config.num_blocks * config.block_size} tokens), "
-        f"max_model_len {config.max_model_len}, max_num_seqs {config.max_num_seqs}, "
-        f"max_num_batched_tokens {config.max_num_batched_tokens}, admission {config.admission}"
+        f"blocks of {config.block_size} tokens ({usable} usable + the null block: "
+        f"{usable * config.block_size} tokens for every policy), max_model_len "
+        f"{config.max_model_len}, max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
+        f"{config.max_num_batched_tokens}, admission {config.admission}"
     )
     _print_table(metrics_table_rows({p: r.metrics for p, r in results.items()}))
     for path in figure_paths:
         print(f"wrote {path}")
-    return 0
+    return _report_write_error(write_error)
+
+
+def _report_write_error(message: str | None) -> int:
+    """0, or 2 after printing ``message`` (the results were printed already)."""
+    if message is None:
+        return 0
+    print(f"pagedkv simulate: error: {message}", file=sys.stderr)
+    return 2
 
 
 def _prefix_closed(requests: list, limit: int) -> list:

@@ -1,26 +1,41 @@
-"""The shape of a decoder (Llama family, Gemma 3), read from GGUF metadata or a Hugging Face
-config.json, and the KV-cache spec of each of its layers."""
+"""The config of a decoder the engine runs (Llama family, Gemma 3), read from GGUF metadata or a
+Hugging Face config.json, and the KV-cache spec of each of its layers.
+
+The keys shared with capacity planning (layers, heads, sizes, context, tied embeddings, q/k/v
+bias, and which layers slide over which window) are parsed once, by
+:mod:`pagedkv.core.model_shape`, with one set of defaults and errors; this module adds what only
+running the model needs (rope, norm epsilon, token ids, Gemma 3's local rope base, query scale
+and logit softcapping).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pagedkv.core.model_shape import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    ModelShape,
+    shape_from_gguf_metadata,
+    shape_from_hf_config,
+)
 from pagedkv.core.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from pagedkv.errors import ModelLoadError
 
 #: Model types (GGUF ``general.architecture`` / HF ``model_type``) pagedkv runs: the Llama family
-#: (:mod:`pagedkv.model.llama`) and Gemma 3 (:mod:`pagedkv.model.gemma3`).
+#: (:mod:`pagedkv.model.llama`) and Gemma 3 (:mod:`pagedkv.model.gemma3`; its Hugging Face
+#: model_type is ``gemma3_text``).
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma3")
+#: Hugging Face model_type -> our architecture name, where they differ.
+_HF_ARCHITECTURES = {"gemma3_text": "gemma3"}
+#: Architectures whose model honours per-layer sliding windows (the Llama family's model runs
+#: every layer as full attention).
+_WINDOWED_ARCHITECTURES = frozenset({"gemma3"})
 
-#: ``layer_types`` entries (Hugging Face's names).
-FULL_ATTENTION = "full_attention"
-SLIDING_ATTENTION = "sliding_attention"
-
-#: Gemma 3 defaults that GGUF files do not store (llama.cpp hard-codes the same values): every
-#: sixth layer is global, the others slide; the local layers' rope base.
-GEMMA3_SLIDING_WINDOW_PATTERN = 6
+#: Gemma 3's local (sliding-window) layers' rope base when GGUF metadata does not store it
+#: (llama.cpp hard-codes the same value).
 GEMMA3_ROPE_LOCAL_THETA = 10000.0
 #: Gemma 3 27B (62 layers) scales queries by (hidden_size / num_heads) ** -0.5, the other sizes
 #: by head_dim ** -0.5 (its config's query_pre_attn_scalar; llama.cpp keys it on the layer count).
@@ -29,10 +44,10 @@ _GEMMA3_27B_NUM_LAYERS = 62
 
 @dataclass(slots=True)
 class ModelConfig:
-    """Hyperparameters of a Llama-family decoder (names as in Hugging Face's LlamaConfig).
+    """Hyperparameters of a decoder (names as in Hugging Face's LlamaConfig / Gemma3TextConfig).
 
-    ``architecture`` is the model type ("llama", "mistral", "qwen2"). ``rope_scaling`` is None or
-    a dict in Hugging Face's form (``{"rope_type": "llama3", "factor": ..., ...}``,
+    ``architecture`` is the model type ("llama", "mistral", "qwen2", "gemma3"). ``rope_scaling``
+    is None or a dict in Hugging Face's form (``{"rope_type": "llama3", "factor": ..., ...}``,
     ``{"rope_type": "linear", "factor": ...}``), or ``{"rope_type": "freq_factors", "factors":
     [...]}`` for GGUF files that store llama3-style per-frequency divisors (``rope_freqs.weight``).
     ``eos_token_id`` is an int or a list of ints.
@@ -129,8 +144,38 @@ class ModelConfig:
         return tuple(self.eos_token_id)
 
     @classmethod
+    def from_shape(cls, shape: ModelShape, *, architecture: str, **fields: Any) -> ModelConfig:
+        """Build from a parsed :class:`~pagedkv.core.model_shape.ModelShape` plus the fields only
+        running the model needs (``rms_norm_eps``, ``rope_theta``, ``rope_scaling``,
+        ``bos_token_id``, ``eos_token_id``, Gemma 3's ``rope_local_theta``, ...;
+        ``tie_word_embeddings`` may be overridden). For Gemma 3, ``layer_types`` and
+        ``sliding_window`` come from the shape's per-layer windows.
+
+        Raises:
+            ModelLoadError: an unsupported architecture or head layout.
+        """
+        shared = {
+            "vocab_size": shape.vocab_size,
+            "hidden_size": shape.hidden_size,
+            "intermediate_size": shape.intermediate_size,
+            "num_hidden_layers": shape.num_hidden_layers,
+            "num_attention_heads": shape.num_attention_heads,
+            "num_key_value_heads": shape.num_key_value_heads,
+            "head_dim": shape.head_dim,
+            "max_position_embeddings": shape.max_position_embeddings,
+            "tie_word_embeddings": shape.tie_word_embeddings,
+            "attention_bias": shape.attention_bias,
+        }
+        shared |= _layer_type_fields(shape, architecture)
+        return cls(architecture=architecture, **{**shared, **fields})
+
+    @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], *, has_lm_head: bool = True) -> ModelConfig:
         """Build from the dict of a Hugging Face ``config.json``.
+
+        Gemma 3 (``gemma3_text``) configs come in transformers 5's form (``layer_types``,
+        ``rope_parameters`` per layer type) or the older one (``sliding_window_pattern``,
+        ``rope_theta``, ``rope_local_base_freq``, ``rope_scaling`` for the global layers).
 
         Args:
             config: the parsed config.json.
@@ -138,107 +183,39 @@ class ModelConfig:
                 embeddings are tied whatever the config says.
 
         Raises:
-            ModelLoadError: a missing required key or an unsupported architecture.
+            ModelLoadError: an unsupported architecture (multimodal Gemma 3 included);
+                ModelConfigError (a ModelLoadError) for a missing or malformed key.
         """
-        try:
-            architecture = config["model_type"]
-            if architecture == "gemma3_text":
-                return cls._from_hf_gemma3(config, has_lm_head=has_lm_head)
-            if architecture == "gemma3":
-                raise ModelLoadError(
-                    "multimodal Gemma 3 checkpoints (model_type 'gemma3') are not supported; "
-                    "pagedkv runs the text model (model_type 'gemma3_text')"
-                )
-            hidden_size = int(config["hidden_size"])
-            num_heads = int(config["num_attention_heads"])
+        model_type = config.get("model_type")
+        if model_type == "gemma3":
+            raise ModelLoadError(
+                "multimodal Gemma 3 checkpoints (model_type 'gemma3') are not supported; "
+                "pagedkv runs the text model (model_type 'gemma3_text')"
+            )
+        architecture = _HF_ARCHITECTURES.get(model_type, model_type)
+        _check_architecture(architecture)
+        shape = shape_from_hf_config(config)
+        fields: dict[str, Any] = {
+            "rms_norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+            "tie_word_embeddings": shape.tie_word_embeddings or not has_lm_head,
+            "bos_token_id": config.get("bos_token_id"),
+            "eos_token_id": config.get("eos_token_id"),
+        }
+        if architecture == "gemma3":
+            fields |= _gemma3_hf_fields(config, shape)
+        else:
             rope_params = config.get("rope_parameters") or {}
             rope_scaling = config.get("rope_scaling") or None
             if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
                 rope_scaling = dict(rope_params)
             rope_theta = config.get("rope_theta", rope_params.get("rope_theta", 10000.0))
-            return cls(
-                architecture=architecture,
-                vocab_size=int(config["vocab_size"]),
-                hidden_size=hidden_size,
-                intermediate_size=int(config["intermediate_size"]),
-                num_hidden_layers=int(config["num_hidden_layers"]),
-                num_attention_heads=num_heads,
-                num_key_value_heads=int(config.get("num_key_value_heads") or num_heads),
-                head_dim=int(config.get("head_dim") or hidden_size // num_heads),
-                rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope_theta),
-                rope_scaling=rope_scaling,
-                max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False))
-                or not has_lm_head,
-                # Qwen2 always has a bias on q/k/v; its config has no key for it.
-                attention_bias=bool(config.get("attention_bias", architecture == "qwen2")),
-                bos_token_id=config.get("bos_token_id"),
-                eos_token_id=config.get("eos_token_id"),
-            )
-        except KeyError as e:
-            raise ModelLoadError(f"config.json lacks the required key {e.args[0]!r}") from None
+            fields |= {"rope_theta": float(rope_theta), "rope_scaling": rope_scaling}
+        return cls.from_shape(shape, architecture=architecture, **fields)
 
     @classmethod
-    def _from_hf_gemma3(cls, config: Mapping[str, Any], *, has_lm_head: bool) -> ModelConfig:
-        """A ``gemma3_text`` config.json, in transformers 5's form (``layer_types``,
-        ``rope_parameters`` per layer type) or the older one (``sliding_window_pattern``,
-        ``rope_theta``, ``rope_local_base_freq``, ``rope_scaling`` for the global layers)."""
-        activation = config.get("hidden_activation", "gelu_pytorch_tanh")
-        if activation != "gelu_pytorch_tanh":
-            raise ModelLoadError(
-                f"Gemma 3 hidden_activation {activation!r} is not supported (gelu_pytorch_tanh)"
-            )
-        num_layers = int(config["num_hidden_layers"])
-        layer_types = config.get("layer_types")
-        if layer_types is None:
-            pattern = int(config.get("sliding_window_pattern", GEMMA3_SLIDING_WINDOW_PATTERN))
-            layer_types = gemma3_layer_types(num_layers, pattern)
-        rope_params = config.get("rope_parameters") or {}
-        full = dict(rope_params.get(FULL_ATTENTION) or {})
-        local = dict(rope_params.get(SLIDING_ATTENTION) or {})
-        if config.get("rope_scaling"):
-            full.update(config["rope_scaling"])
-        rope_theta = float(full.pop("rope_theta", config.get("rope_theta", 1_000_000.0)))
-        rope_local_theta = float(
-            local.get("rope_theta", config.get("rope_local_base_freq", GEMMA3_ROPE_LOCAL_THETA))
-        )
-        if local.get("rope_type", "default") != "default":
-            raise ModelLoadError(
-                f"rope scaling {local['rope_type']!r} on sliding-window layers is not supported"
-            )
-        rope_scaling = full if full.get("rope_type", "default") != "default" else None
-        num_heads = int(config["num_attention_heads"])
-        hidden_size = int(config["hidden_size"])
-        head_dim = int(config.get("head_dim") or hidden_size // num_heads)
-        window = config.get("sliding_window")
-        return cls(
-            architecture="gemma3",
-            vocab_size=int(config["vocab_size"]),
-            hidden_size=hidden_size,
-            intermediate_size=int(config["intermediate_size"]),
-            num_hidden_layers=num_layers,
-            num_attention_heads=num_heads,
-            num_key_value_heads=int(config.get("num_key_value_heads") or num_heads),
-            head_dim=head_dim,
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            max_position_embeddings=int(config.get("max_position_embeddings", 131072)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", True)) or not has_lm_head,
-            attention_bias=bool(config.get("attention_bias", False)),
-            bos_token_id=config.get("bos_token_id", 2),
-            eos_token_id=config.get("eos_token_id", 1),
-            layer_types=tuple(layer_types),
-            sliding_window=None if window is None else int(window),
-            rope_local_theta=rope_local_theta,
-            query_pre_attn_scalar=float(config.get("query_pre_attn_scalar", head_dim)),
-            final_logit_softcapping=config.get("final_logit_softcapping"),
-            attn_logit_softcapping=config.get("attn_logit_softcapping"),
-        )
-
-    @classmethod
-    def from_gguf_metadata(cls, metadata: Mapping[str, Any], tensor_names: set[str]) -> ModelConfig:
+    def from_gguf_metadata(
+        cls, metadata: Mapping[str, Any], tensor_names: Collection[str]
+    ) -> ModelConfig:
         """Build from GGUF key/value metadata (``{arch}.block_count``, ...) and tensor names.
 
         Args:
@@ -247,92 +224,126 @@ class ModelConfig:
                 ``output.weight``) and whether q/k/v have a bias.
 
         Raises:
-            ModelLoadError: a missing required key or an unsupported architecture.
+            ModelLoadError: an unsupported architecture or rope scaling; ModelConfigError (a
+                ModelLoadError) for a missing or malformed key.
         """
         arch = metadata.get("general.architecture")
         if arch is None:
             raise ModelLoadError("GGUF file lacks general.architecture")
-
-        def get(key: str, default: Any = KeyError) -> Any:
-            value = metadata.get(f"{arch}.{key}", default)
-            if value is KeyError:
-                raise ModelLoadError(f"GGUF file lacks the required key {arch}.{key!r}")
-            return value
-
-        hidden_size = int(get("embedding_length"))
-        num_heads = int(get("attention.head_count"))
-        vocab_size = get("vocab_size")
+        _check_architecture(arch)
+        shape = shape_from_gguf_metadata(metadata, tensor_names)
         rope_scaling = None
-        scaling_type = get("rope.scaling.type", None)
+        scaling_type = metadata.get(f"{arch}.rope.scaling.type")
         if scaling_type == "linear":
-            rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+            factor = metadata.get(f"{arch}.rope.scaling.factor")
+            if factor is None:
+                raise ModelLoadError(f"GGUF file lacks the required key {arch}.rope.scaling.factor")
+            rope_scaling = {"rope_type": "linear", "factor": float(factor)}
         elif scaling_type not in (None, "none"):
             raise ModelLoadError(f"GGUF rope scaling {scaling_type!r} is not supported")
         gemma: dict[str, Any] = {}
         if arch == "gemma3":
-            gemma = _gemma3_gguf_fields(get, hidden_size, num_heads)
-        return cls(
+            gemma = _gemma3_gguf_fields(metadata, shape)
+        return cls.from_shape(
+            shape,
             architecture=arch,
-            vocab_size=int(vocab_size),
-            hidden_size=hidden_size,
-            intermediate_size=int(get("feed_forward_length")),
-            num_hidden_layers=int(get("block_count")),
-            num_attention_heads=num_heads,
-            num_key_value_heads=int(get("attention.head_count_kv", num_heads)),
-            head_dim=int(get("attention.key_length", hidden_size // num_heads)),
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rms_norm_eps=float(metadata.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(metadata.get(f"{arch}.rope.freq_base", 10000.0)),
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(get("context_length", 2048)),
-            tie_word_embeddings="output.weight" not in tensor_names,
-            attention_bias="blk.0.attn_q.bias" in tensor_names,
             bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
             **gemma,
         )
 
 
-def gemma3_layer_types(num_layers: int, pattern: int) -> tuple[str, ...]:
-    """Gemma 3's layer types: ``pattern - 1`` sliding-window layers, then one full-attention
-    layer, repeated (``pattern`` 6: layers 5, 11, 17, ... are full attention).
+def _check_architecture(architecture: Any) -> None:
+    """Raises ModelLoadError unless this decoder runs ``architecture`` (checked before the
+    shared shape parser, so the message lists what the engine runs)."""
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"model architecture {architecture!r} is not supported; "
+            f"pagedkv runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+
+def _layer_type_fields(shape: ModelShape, architecture: str) -> dict[str, Any]:
+    """``layer_types`` and ``sliding_window`` from the shape's per-layer windows, for the
+    architectures whose model honours them; {} for the others (every layer full attention).
 
     Raises:
-        ModelLoadError: ``pattern`` < 1.
+        ModelLoadError: a Gemma 3 shape without sliding-window layers, or with two windows.
     """
-    if pattern < 1:
-        raise ModelLoadError(f"sliding_window_pattern must be >= 1, got {pattern}")
-    return tuple(
-        FULL_ATTENTION if (i + 1) % pattern == 0 else SLIDING_ATTENTION for i in range(num_layers)
-    )
-
-
-def _gemma3_gguf_fields(get, hidden_size: int, num_heads: int) -> dict[str, Any]:
-    """The Gemma 3 fields of a GGUF file's metadata (``get(key, default)`` reads ``gemma3.*``).
-
-    GGUF files written by llama.cpp's converter store the window but neither the layer pattern,
-    the local rope base nor the query scale; llama.cpp (and transformers' GGUF loader) then use
-    Gemma 3's fixed values, as we do. Newer files may store ``attention.sliding_window_pattern``
-    (a period, or one bool per layer, True = sliding) and ``rope.freq_base_swa``: those win.
-    """
-    num_layers = int(get("block_count"))
-    head_dim = int(get("attention.key_length", hidden_size // num_heads))
-    pattern = get("attention.sliding_window_pattern", GEMMA3_SLIDING_WINDOW_PATTERN)
-    if isinstance(pattern, (list, tuple)):
-        if len(pattern) != num_layers:
-            raise ModelLoadError(
-                f"gemma3.attention.sliding_window_pattern has {len(pattern)} entries for "
-                f"{num_layers} layers"
-            )
-        layer_types = tuple(SLIDING_ATTENTION if p else FULL_ATTENTION for p in pattern)
-    else:
-        layer_types = gemma3_layer_types(num_layers, int(pattern))
-    window = get("attention.sliding_window", None)
-    scalar = head_dim if num_layers != _GEMMA3_27B_NUM_LAYERS else hidden_size // num_heads
-    softcap = get("final_logit_softcapping", None)
+    if architecture not in _WINDOWED_ARCHITECTURES:
+        return {}
+    windows = {w for w in shape.layer_windows if w is not None}
+    if len(windows) != 1:
+        raise ModelLoadError(
+            f"{architecture} needs one sliding window for its local layers, got "
+            f"{sorted(windows) or 'none'} (config.json sliding_window / GGUF "
+            f"{architecture}.attention.sliding_window)"
+        )
     return {
-        "layer_types": layer_types,
-        "sliding_window": None if window is None else int(window),
-        "rope_local_theta": float(get("rope.freq_base_swa", GEMMA3_ROPE_LOCAL_THETA)),
+        "layer_types": tuple(
+            FULL_ATTENTION if w is None else SLIDING_ATTENTION for w in shape.layer_windows
+        ),
+        "sliding_window": windows.pop(),
+    }
+
+
+def _gemma3_hf_fields(config: Mapping[str, Any], shape: ModelShape) -> dict[str, Any]:
+    """The model-only Gemma 3 fields of a ``gemma3_text`` config.json: rope of the global and
+    local layers, query scale, softcapping (the layer pattern is the shape's).
+
+    Raises:
+        ModelLoadError: an activation other than tanh GELU, or rope scaling on local layers.
+    """
+    activation = config.get("hidden_activation", "gelu_pytorch_tanh")
+    if activation != "gelu_pytorch_tanh":
+        raise ModelLoadError(
+            f"Gemma 3 hidden_activation {activation!r} is not supported (gelu_pytorch_tanh)"
+        )
+    rope_params = config.get("rope_parameters") or {}
+    full = dict(rope_params.get(FULL_ATTENTION) or {})
+    local = dict(rope_params.get(SLIDING_ATTENTION) or {})
+    if config.get("rope_scaling"):
+        full.update(config["rope_scaling"])
+    rope_theta = float(full.pop("rope_theta", config.get("rope_theta", 1_000_000.0)))
+    rope_local_theta = float(
+        local.get("rope_theta", config.get("rope_local_base_freq", GEMMA3_ROPE_LOCAL_THETA))
+    )
+    if local.get("rope_type", "default") != "default":
+        raise ModelLoadError(
+            f"rope scaling {local['rope_type']!r} on sliding-window layers is not supported"
+        )
+    return {
+        "rope_theta": rope_theta,
+        "rope_scaling": full if full.get("rope_type", "default") != "default" else None,
+        "rope_local_theta": rope_local_theta,
+        "query_pre_attn_scalar": float(config.get("query_pre_attn_scalar", shape.head_dim)),
+        "final_logit_softcapping": config.get("final_logit_softcapping"),
+        "attn_logit_softcapping": config.get("attn_logit_softcapping"),
+        "bos_token_id": config.get("bos_token_id", 2),
+        "eos_token_id": config.get("eos_token_id", 1),
+    }
+
+
+def _gemma3_gguf_fields(metadata: Mapping[str, Any], shape: ModelShape) -> dict[str, Any]:
+    """The model-only Gemma 3 fields of a GGUF file's metadata (the layer pattern is the
+    shape's).
+
+    GGUF files written by llama.cpp's converter store neither the local rope base nor the query
+    scale; llama.cpp (and transformers' GGUF loader) then use Gemma 3's fixed values, as we do.
+    Newer files may store ``gemma3.rope.freq_base_swa``: it wins.
+    """
+    if shape.num_hidden_layers == _GEMMA3_27B_NUM_LAYERS:
+        scalar = shape.hidden_size // shape.num_attention_heads
+    else:
+        scalar = shape.head_dim
+    softcap = metadata.get("gemma3.final_logit_softcapping")
+    return {
+        "rope_local_theta": float(
+            metadata.get("gemma3.rope.freq_base_swa", GEMMA3_ROPE_LOCAL_THETA)
+        ),
         "query_pre_attn_scalar": float(scalar),
         "final_logit_softcapping": None if softcap is None else float(softcap),
     }

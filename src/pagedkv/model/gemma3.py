@@ -233,10 +233,6 @@ class Gemma3ForCausalLM:
         except KeyError as e:
             raise ModelLoadError(f"checkpoint lacks the weight {e.args[0]!r}") from None
         self.lm_head = PackedLinear(lm_head, None, pack)
-        #: bytes of weights held (embedding table + every linear + norms), for KV-cache sizing.
-        self.weight_bytes = cast.num_bytes
-        if config.tie_word_embeddings and pack:  # the packed lm_head is a second copy
-            self.weight_bytes += self.embed_tokens.numel() * self.embed_tokens.element_size()
 
     @torch.inference_mode()
     def forward(

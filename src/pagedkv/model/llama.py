@@ -158,10 +158,6 @@ class LlamaForCausalLM:
         except KeyError as e:
             raise ModelLoadError(f"checkpoint lacks the weight {e.args[0]!r}") from None
         self.lm_head = PackedLinear(lm_head, None, pack)
-        #: bytes of weights held (embedding table + every linear + norms), for KV-cache sizing.
-        self.weight_bytes = cast.num_bytes
-        if config.tie_word_embeddings and pack:  # the packed lm_head is a second copy
-            self.weight_bytes += self.embed_tokens.numel() * self.embed_tokens.element_size()
 
     @torch.inference_mode()
     def forward(
@@ -214,21 +210,15 @@ class LlamaForCausalLM:
 
 class _Caster(Mapping):
     """Read-only view of a weight dict that casts each tensor to the model's dtype and device
-    on access, and counts the bytes handed out (each name once)."""
+    on access."""
 
     def __init__(self, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device):
         self._weights = weights
         self._dtype = dtype
         self._device = device
-        self._seen: set[str] = set()
-        self.num_bytes = 0
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        tensor = self._weights[name].to(dtype=self._dtype, device=self._device).contiguous()
-        if name not in self._seen:
-            self._seen.add(name)
-            self.num_bytes += tensor.numel() * tensor.element_size()
-        return tensor
+        return self._weights[name].to(dtype=self._dtype, device=self._device).contiguous()
 
     def __iter__(self):
         return iter(self._weights)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedkv.errors import OpsInputError
+from pagedkv.validation import check_int
 
 #: Bytes of gathered K and V per decode chunk and per torch thread (each core has its own L2):
 #: small enough to stay in cache between the gather and the two matmuls, big enough that the
@@ -306,14 +307,8 @@ def _check_step_inputs(
     sliding_window: int | None,
 ) -> None:
     """Shape/dtype checks of the step tensors (value checks happen while building)."""
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-        raise OpsInputError(f"block_size must be an int >= 1, got {block_size!r}")
-    if sliding_window is not None and (
-        not isinstance(sliding_window, int)
-        or isinstance(sliding_window, bool)
-        or sliding_window < 1
-    ):
-        raise OpsInputError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+    check_int("block_size", block_size, 1, error=OpsInputError)
+    check_int("sliding_window", sliding_window, 1, optional=True, error=OpsInputError)
     int_dtypes = (torch.int32, torch.int64)
     for name, tensor, dim in (
         ("block_tables", block_tables, 2),

@@ -23,6 +23,7 @@ import importlib.util
 import torch
 
 from pagedkv.errors import OpsInputError
+from pagedkv.validation import check_int
 
 #: dtype names accepted by :func:`allocate_kv_cache` (pagedkv.core.spec.KV_DTYPE_BYTES's names).
 KV_CACHE_DTYPES = {
@@ -90,8 +91,7 @@ def allocate_kv_cache(
         ("num_kv_heads", num_kv_heads),
         ("head_size", head_size),
     ):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise OpsInputError(f"{name} must be an int >= 1, got {value!r}")
+        check_int(name, value, 1, error=OpsInputError)
     torch_dtype = resolve_kv_dtype(dtype)
     shape = (2, num_blocks, block_size, num_kv_heads, head_size)
     if torch_dtype in FP8_DTYPES:

@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.core.config import KVCacheConfig, MemoryBudget
-from pagedkv.core.spec import KV_DTYPE_BYTES, SlidingWindowSpec
+from pagedkv.core.model_shape import WEIGHT_DTYPE_BYTES, ModelShape
+from pagedkv.core.spec import KV_DTYPE_BYTES, MLAAttentionSpec, SlidingWindowSpec
 from pagedkv.errors import ConfigError
-from pagedkv.plan.catalog import resolve_device, resolve_model
-from pagedkv.plan.shapes import WEIGHT_DTYPE_BYTES, ModelShape
+from pagedkv.plan.catalog import device_source, resolve_device, resolve_model
 from pagedkv.units import format_bytes
+from pagedkv.validation import check_int, is_int
 
 #: KV-cache dtypes ``pagedkv plan`` accepts; ``auto`` = the model's weight dtype.
 KV_CACHE_DTYPES = ("auto", *KV_DTYPE_BYTES)
@@ -38,12 +39,13 @@ def estimate_activation_bytes(
     """A rough peak-activation estimate for one forward pass, bytes.
 
     Per batched token: the residual stream and its normed copy, attention input and output
-    (4 x hidden_size), and the gated MLP's gate, up and product (3 x intermediate_size / tp), in
-    the weight dtype (2 bytes for GGUF); plus fp32 logits for up to ``max_num_seqs`` sampled
-    tokens. Real engines profile this; pass a measured number when you have one.
+    (4 x hidden_size), and the gated MLP's gate, up and product (3 x the MLP width / tp; for a
+    mixture of experts the experts one token runs plus the shared expert), in the weight dtype
+    (2 bytes for GGUF); plus fp32 logits for up to ``max_num_seqs`` sampled tokens. Real engines
+    profile this; pass a measured number when you have one.
     """
     dtype_bytes = WEIGHT_DTYPE_BYTES.get(shape.dtype, 2)
-    per_token = 4 * shape.hidden_size + 3 * shape.intermediate_size // tensor_parallel_size
+    per_token = 4 * shape.hidden_size + 3 * shape.mlp_activation_size // tensor_parallel_size
     logits = min(max_num_seqs, max_num_batched_tokens) * shape.vocab_size * 4
     return max_num_batched_tokens * per_token * dtype_bytes + logits
 
@@ -106,7 +108,12 @@ class CapacityPlan:
             "model_source": self.model.source,
             "num_parameters": self.model.estimate_num_parameters(),
             "attention": self.model.attention_summary,
+            "num_experts": self.model.num_experts,
+            "num_experts_per_tok": self.model.num_experts_per_tok,
+            "num_moe_layers": sum(self.model.moe_layers),
+            "max_position_embeddings": self.model.max_position_embeddings,
             "device": self.device_name,
+            "device_memory_source": device_source(self.device_name),
             "device_memory_bytes": budget.device_memory,
             "gpu_memory_utilization": budget.gpu_memory_utilization,
             "tensor_parallel_size": self.tensor_parallel_size,
@@ -144,10 +151,7 @@ class CapacityPlan:
         model = self.model
         spec = config.kv_cache_specs[0]
         if self.weight_source == "estimated":
-            weights_note = (
-                f"estimated: {model.estimate_num_parameters() / 1e9:.2f} B params x "
-                f"{WEIGHT_DTYPE_BYTES.get(model.dtype, 2)} bytes"
-            )
+            weights_note = f"estimated: {model.describe_weights()}"
         else:
             weights_note = self.weight_source
         if self.tensor_parallel_size > 1:
@@ -162,22 +166,30 @@ class CapacityPlan:
             + (
                 f"sliding {g.kv_cache_spec.sliding_window}"
                 if isinstance(g.kv_cache_spec, SlidingWindowSpec)
+                else "MLA"
+                if isinstance(g.kv_cache_spec, MLAAttentionSpec)
                 else "full"
             )
             for g in config.kv_cache_groups
         )
+        if isinstance(spec, MLAAttentionSpec):
+            per_device = f"one latent of {spec.head_size} per token, on every device"
+        else:
+            per_device = f"{spec.num_kv_heads} KV heads x {spec.head_size} per device"
         rows = [
             ("model", f"{model.name} ({model.source})"),
-            (
-                "layers",
-                f"{config.num_layers}, {model.attention_summary}; {spec.num_kv_heads} KV heads "
-                f"x {spec.head_size} per device",
-            ),
+            ("layers", f"{config.num_layers}, {model.attention_summary}; {per_device}"),
+        ]
+        if model.is_moe:
+            rows.append(("experts", model.moe_summary + "; every expert's weights are held"))
+        source = device_source(self.device_name)
+        rows += [
             (
                 "device",
                 f"{self.device_name}: {format_bytes(budget.device_memory)}"
                 + (f", tp {self.tensor_parallel_size}" if self.tensor_parallel_size > 1 else ""),
             ),
+            *([("memory source", source)] if source else []),
             (
                 "usable memory",
                 f"{format_bytes(budget.usable_memory)} "
@@ -231,11 +243,6 @@ def _requests(count: int) -> str:
     return f"{count:,} request" + ("" if count == 1 else "s")
 
 
-def _check_optional_bytes(name: str, value: int | None) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-        raise ConfigError(f"{name} must be a non-negative int of bytes, got {value!r}")
-
-
 def plan_capacity(
     model: ModelShape | str | Path,
     device: str | int,
@@ -252,6 +259,7 @@ def plan_capacity(
     max_num_seqs: int = 256,
     mean_len: int | None = None,
     num_blocks: int | None = None,
+    allow_long_max_model_len: bool = False,
 ) -> CapacityPlan:
     """Plan how many requests of ``model`` fit on one device of ``device``.
 
@@ -262,6 +270,8 @@ def plan_capacity(
         block_size: tokens per block.
         gpu_memory_utilization: fraction of device memory to use, (0, 1].
         max_model_len: longest request, tokens; default the model's max_position_embeddings.
+            Longer than that is refused unless ``allow_long_max_model_len`` (the model was not
+            trained for it; vLLM asks for ``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1``).
         tensor_parallel_size: devices the model is split over (KV heads and weights split;
             fewer KV heads than devices -> one replicated head per device).
         weight_bytes: weights of the whole model, bytes; default parameters x dtype bytes
@@ -273,16 +283,19 @@ def plan_capacity(
         max_num_seqs: most running requests (logits in the activation estimate).
         mean_len: a typical request length for the paged-vs-contiguous comparison, tokens.
         num_blocks: explicit block count; wins over the memory budget.
+        allow_long_max_model_len: plan a max_model_len beyond the model's context anyway.
 
     Raises:
-        ConfigError: an unknown model, device or dtype, or a value out of range (the message
-            lists valid choices).
+        ConfigError: an unknown model, device or dtype, a value out of range (the message
+            lists valid choices), or a max_model_len beyond the model's context.
+        ModelConfigError: a model whose weights cannot be counted from its shapes (quantized
+            other than fp8, multimodal) and no ``weight_bytes``.
         CacheSizingError: no blocks fit, or max_model_len does not fit even once (the message
             says the largest max_model_len that fits).
         ModelLoadError: a model file that cannot be read.
     """
     shape = model if isinstance(model, ModelShape) else resolve_model(model)
-    if isinstance(device, int) and not isinstance(device, bool):
+    if is_int(device):
         device_name, device_memory = f"{format_bytes(device)} device", device
     else:
         device_name, device_memory = resolve_device(str(device))
@@ -291,18 +304,22 @@ def plan_capacity(
             f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}"
         )
     resolved_dtype = shape.dtype if kv_cache_dtype == "auto" else kv_cache_dtype
-    _check_optional_bytes("weight_bytes", weight_bytes)
-    _check_optional_bytes("activation_bytes", activation_bytes)
-    for name, value in (
-        ("max_num_batched_tokens", max_num_batched_tokens),
-        ("max_num_seqs", max_num_seqs),
-    ):
-        if not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+    check_int("weight_bytes", weight_bytes, 0, optional=True, why="bytes")
+    check_int("activation_bytes", activation_bytes, 0, optional=True, why="bytes")
+    check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+    check_int("max_num_seqs", max_num_seqs, 1)
     if max_model_len is None:
         max_model_len = shape.max_position_embeddings
-    if mean_len is not None and (not isinstance(mean_len, int) or not mean_len >= 1):
-        raise ConfigError(f"mean_len must be an int >= 1, got {mean_len!r}")
+    else:
+        check_int("max_model_len", max_model_len, 1)
+        if max_model_len > shape.max_position_embeddings and not allow_long_max_model_len:
+            raise ConfigError(
+                f"max_model_len {max_model_len} is longer than {shape.name}'s context of "
+                f"{shape.max_position_embeddings} tokens (max_position_embeddings): the model was "
+                "not trained for it; pass --allow-long-max-model-len "
+                "(allow_long_max_model_len=True) to plan it anyway"
+            )
+    check_int("mean_len", mean_len, 1, optional=True)
     if mean_len is not None and isinstance(max_model_len, int) and mean_len > max_model_len:
         raise ConfigError(f"mean_len {mean_len} exceeds max_model_len {max_model_len}")
 

@@ -7,6 +7,10 @@
       0   | null block ................ |      .. = free
           +--------------------------> step (sampled)
 
+For the contiguous baseline the recorder also marks the part of each region that holds no token
+yet (``unused``): reserved for max_model_len, written only up to the request's length, which is
+the waste the metrics report.
+
 Ownership comes from the manager's public ``get_block_ids`` for each running request; a block listed
 by several requests is shared. Cached-free blocks need the pool's view (``ref_cnt == 0`` with a
 block hash), read through ``kv_cache.block_pool.blocks`` when the cache has one.
@@ -20,6 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from pagedkv.core.spec import cdiv
+from pagedkv.sim.contiguous import ContiguousKVCache
 
 #: Owner codes below 0 (owners >= 0 are request indices in the trace).
 FREE = -1
@@ -37,12 +44,15 @@ class BlockMap:
             NULL_BLOCK.
         shared: bool ``[num_blocks, num_columns]``: the block had ref_cnt > 1.
         stride: steps between samples at the end of the run.
+        unused: bool ``[num_blocks, num_columns]`` or None: the block is reserved by its owner but
+            holds no token yet (contiguous regions beyond the request's length).
     """
 
     steps: np.ndarray
     owners: np.ndarray
     shared: np.ndarray
     stride: int
+    unused: np.ndarray | None = None
 
 
 def pool_blocks(kv_cache) -> list | None:
@@ -58,18 +68,28 @@ class BlockMapRecorder:
     Args:
         num_blocks: blocks in the pool.
         max_columns: keep between ``max_columns`` and ``2 * max_columns`` samples (>= 1).
-        has_null_block: block 0 is the null block (paged pools; not the contiguous baseline).
+        has_null_block: block 0 is the null block (every policy leaves it out of the pool).
+        block_size: tokens per block (to mark the unwritten part of contiguous regions).
     """
 
-    def __init__(self, num_blocks: int, max_columns: int, has_null_block: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        max_columns: int,
+        has_null_block: bool = True,
+        *,
+        block_size: int = 16,
+    ) -> None:
         self.num_blocks = num_blocks
         self.has_null_block = has_null_block
+        self.block_size = block_size
         self.max_columns = max(1, max_columns)
         self.stride = 1
         self._num_calls = 0
         self._steps: list[int] = []
         self._owners: list[np.ndarray] = []
         self._shared: list[np.ndarray] = []
+        self._unused: list[np.ndarray] = []
 
     def maybe_record(self, step: int, kv_cache, running: list) -> None:
         """Record a sample if this busy step is on the stride."""
@@ -86,17 +106,22 @@ class BlockMapRecorder:
             )
         if self.has_null_block:
             owners[0] = NULL_BLOCK
+        unused = np.zeros(self.num_blocks, dtype=bool)
+        contiguous = isinstance(kv_cache, ContiguousKVCache)
         # Oldest request first in `running`: iterate newest first so the oldest owner wins.
         for request in reversed(running):
             ids = kv_cache.get_block_ids(request.request_id)[0]
             if ids:
                 owners[ids] = request.index
                 np.add.at(counts, ids, 1)
+                if contiguous:
+                    unused[ids[cdiv(request.num_computed_tokens, self.block_size) :]] = True
         self._steps.append(step)
         self._owners.append(owners)
         self._shared.append(counts > 1)
+        self._unused.append(unused)
         if len(self._steps) >= 2 * self.max_columns:
-            del self._steps[1::2], self._owners[1::2], self._shared[1::2]
+            del self._steps[1::2], self._owners[1::2], self._shared[1::2], self._unused[1::2]
             self.stride *= 2
 
     def finish(self) -> BlockMap | None:
@@ -108,4 +133,5 @@ class BlockMapRecorder:
             owners=np.stack(self._owners, axis=1),
             shared=np.stack(self._shared, axis=1),
             stride=self.stride,
+            unused=np.stack(self._unused, axis=1),
         )

@@ -1,28 +1,31 @@
 """The naive baseline: one contiguous KV region of max_model_len tokens per request, for its life.
 
-The same bytes as the paged pool (``num_blocks * block_size`` tokens, no null block), cut into
-``num_slots = num_blocks * block_size // max_model_len`` equal regions::
+The same usable pool as the paged policies (``num_blocks - 1`` blocks: block 0 is the paged pools'
+null block, so it is left out here too), cut into ``num_slots = (num_blocks - 1) * block_size //
+max_model_len`` equal regions::
 
-    | slot 0: max_model_len tokens | slot 1 | slot 2 | ... |  (tail < max_model_len unused)
+    | block 0 | slot 0: max_model_len tokens | slot 1 | ... |  (tail < max_model_len unused)
 
 Equal-sized regions leave no external fragmentation, but every token a request does not reach is
 reserved and wasted (internal fragmentation). The class mimics the part of
-:class:`~pagedkv.core.manager.KVCacheManager` that the simulator's scheduler calls, so both policies
-run through one scheduling loop; a slot's "block ids" are the blocks its region spans (for the block
-map).
+:class:`~pagedkv.core.manager.KVCacheManager` that the engine's
+:class:`~pagedkv.engine.scheduler.Scheduler` calls, so every policy runs through one scheduling
+loop; a slot's "block ids" are the blocks its region spans (for the block map).
 """
 
 from __future__ import annotations
 
 from pagedkv.core.spec import FullAttentionSpec, cdiv
 from pagedkv.errors import ConfigError
+from pagedkv.validation import check_int
 
 
 class ContiguousKVCache:
     """Reserve max_model_len tokens per request at its first allocation; free them at the end.
 
     Args:
-        num_blocks: blocks of the same pool the paged policies get (bytes are compared equal).
+        num_blocks: blocks of the same pool the paged policies get, block 0 included (it is not
+            used, as the paged pools' null block holds no tokens).
         block_size: tokens per block.
         max_model_len: tokens reserved per request.
 
@@ -38,16 +41,16 @@ class ContiguousKVCache:
             ("block_size", block_size),
             ("max_model_len", max_model_len),
         ):
-            if value < 1:
-                raise ConfigError(f"{name} must be >= 1, got {value}")
+            check_int(name, value, 1)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.num_slots = num_blocks * block_size // max_model_len
+        self.num_usable_blocks = num_blocks - 1
+        self.num_slots = self.num_usable_blocks * block_size // max_model_len
         if self.num_slots < 1:
             raise ConfigError(
-                f"a pool of {num_blocks} blocks of {block_size} tokens cannot hold even one "
-                f"contiguous region of max_model_len={max_model_len} tokens"
+                f"a pool of {num_blocks} blocks of {block_size} tokens (block 0 unused) cannot "
+                f"hold even one contiguous region of max_model_len={max_model_len} tokens"
             )
         self.blocks_per_slot = cdiv(max_model_len, block_size)
         # What the engine's Scheduler reads to reject requests that can never fit.
@@ -59,8 +62,8 @@ class ContiguousKVCache:
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks not reserved by any request (the unusable tail included)."""
-        return self.num_blocks - len(self._slot_of) * self.blocks_per_slot
+        """Usable blocks not reserved by any request (the tail too short for a region included)."""
+        return self.num_usable_blocks - len(self._slot_of) * self.blocks_per_slot
 
     @property
     def usage(self) -> float:
@@ -104,5 +107,5 @@ class ContiguousKVCache:
         slot = self._slot_of.get(request_id)
         if slot is None:
             return ([],)
-        start = slot * self.blocks_per_slot
-        return (list(range(start, min(start + self.blocks_per_slot, self.num_blocks))),)
+        start = 1 + slot * self.blocks_per_slot
+        return (list(range(start, start + self.blocks_per_slot)),)

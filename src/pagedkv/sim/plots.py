@@ -3,12 +3,19 @@
 Figures are built on :class:`matplotlib.figure.Figure` objects, never pyplot, so nothing global is
 touched (no backend switch, no open-figure registry); PNGs are rendered by Agg.
 
-- ``kv_blocks.png``: KV blocks reserved over time per policy (solid) and the blocks' worth of
-  tokens actually held (dashed); the gap is waste.
+- ``kv_blocks.png``: KV blocks reserved per step per policy against the usable pool (top), and the
+  reserved blocks holding no token, the waste (bottom).
 - ``running_waiting.png``: running and waiting requests over time, one panel per policy.
 - ``block_map_<policy>.png``: physical blocks x sampled steps, coloured by owning request; shared
-  blocks (ref_cnt > 1) black, cached free blocks grey, free blocks white.
+  blocks (ref_cnt > 1) black, cached free blocks grey, free blocks white, the null block dark grey,
+  the unwritten part of contiguous regions in a light shade of their owner. At scale (more than
+  64 blocks or 120 samples, paged policies) a window of blocks 0-63 over steps from the middle of
+  the run, under a panel counting every block's state over the whole run.
 - ``block_size_sweep.png``: throughput proxy (output tokens per step) and waste % vs block_size.
+
+Every policy has its own line style and marker, so policies that coincide (paged and paged+prefix
+on a trace without shared prefixes) both stay visible. Counts get integer ticks and y axes from 0;
+a step lasts until the next one, and the last step is drawn one step wide.
 """
 
 from __future__ import annotations
@@ -16,86 +23,186 @@ from __future__ import annotations
 import base64
 import html
 from pathlib import Path
+from types import MappingProxyType
 
 import numpy as np
 from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
+from matplotlib.ticker import MaxNLocator
 
 from pagedkv.sim.blockmap import CACHED_FREE, FREE, NULL_BLOCK, BlockMap
 from pagedkv.sim.metrics import PolicyMetrics
 from pagedkv.sim.simulator import PolicyResult
 
-_POLICY_COLORS = {"contiguous": "tab:red", "paged": "tab:blue", "paged+prefix": "tab:green"}
+_POLICY_STYLES = MappingProxyType(
+    {
+        "contiguous": {"color": "tab:red", "linestyle": "-", "marker": "s", "linewidth": 1.6},
+        # Drawn wide and translucent, so paged+prefix's dashes show on top when they coincide.
+        "paged": {
+            "color": "tab:blue",
+            "linestyle": "-",
+            "marker": "o",
+            "linewidth": 4.0,
+            "alpha": 0.45,
+        },
+        "paged+prefix": {
+            "color": "tab:green",
+            "linestyle": (0, (5, 2)),
+            "marker": "x",
+            "linewidth": 1.6,
+            "markersize": 7,
+        },
+    }
+)
+_OTHER_STYLE = MappingProxyType({"color": "tab:purple", "linestyle": ":", "marker": "^"})
+_SHARED_RGB = (0.0, 0.0, 0.0)
+_CACHED_RGB = (0.78, 0.78, 0.78)
+_FREE_RGB = (1.0, 1.0, 1.0)
+_NULL_RGB = (0.35, 0.35, 0.35)
+#: How much of the owner's colour an unwritten (reserved, no token) block keeps.
+_UNUSED_TINT = 0.3
+_MARKERS_PER_LINE = 8
+#: Paged block maps with more blocks or samples than this show a window of blocks and steps ...
+BLOCK_MAP_MAX_ROWS = 160
+BLOCK_MAP_MAX_COLUMNS = 150
+#: ... of this many blocks (from block 0, the null block) and samples (from mid-run).
+BLOCK_MAP_WINDOW_ROWS = 64
+BLOCK_MAP_WINDOW_COLUMNS = 120
+
+
+def _style(policy: str) -> dict:
+    return dict(_POLICY_STYLES.get(policy, _OTHER_STYLE))
 
 
 def _color(policy: str) -> str:
-    return _POLICY_COLORS.get(policy, "tab:purple")
+    return _style(policy)["color"]
+
+
+def step_series(steps: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(x, y)`` for ``ax.step(x, y, where="post")`` from per-busy-step values.
+
+    Idle steps between two busy ones (the clock jumped to the next arrival) are drawn at 0, and
+    the last busy step is drawn one step wide (it lasts until ``steps[-1] + 1``).
+    """
+    steps = np.asarray(steps, dtype=np.int64)
+    values = np.asarray(values, dtype=float)
+    if len(steps) == 0:
+        return steps, values
+    gaps = np.nonzero(np.diff(steps) > 1)[0] + 1
+    x = np.insert(steps, gaps, steps[gaps - 1] + 1)
+    y = np.insert(values, gaps, 0.0)
+    return np.append(x, steps[-1] + 1), np.append(y, values[-1])
+
+
+def _markevery(num_points: int, index: int) -> list[int]:
+    """A few marker positions per line (never the end point that only gives the last step its
+    width), offset per policy so coinciding lines show distinct markers."""
+    every = max(1, num_points // _MARKERS_PER_LINE)
+    return list(range((index * every // 3) % every, max(num_points - 1, 1), every))
+
+
+def _count_axis(ax, axis: str = "y") -> None:
+    """Integer ticks from 0 for a count."""
+    target = ax.yaxis if axis == "y" else ax.xaxis
+    target.set_major_locator(MaxNLocator(integer=True))
+    if axis == "y":
+        ax.set_ylim(bottom=0)
+    else:
+        ax.set_xlim(left=0)
+
+
+def _legend_outside(ax, **kwargs) -> None:
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, **kwargs)
 
 
 def fig_kv_blocks(results: dict[str, PolicyResult]) -> Figure:
-    """KV blocks reserved (solid) and blocks' worth of real tokens (dashed) per step, per policy."""
-    fig = Figure(figsize=(9, 4.5), layout="constrained")
-    ax = fig.add_subplot()
-    pool_blocks = None
-    for policy, result in results.items():
+    """Top: KV blocks reserved per step per policy, with the usable pool. Bottom: reserved blocks
+    holding no token (reserved minus the blocks' worth of written tokens): the waste."""
+    fig = Figure(figsize=(10, 6), layout="constrained")
+    ax_reserved, ax_waste = fig.subplots(2, 1, sharex=True, height_ratios=(3, 2))
+    pool_blocks = 0
+    for index, (policy, result) in enumerate(results.items()):
         t = result.timeline
         block_size = result.config.block_size
-        ax.step(
-            t.step,
-            t.num_reserved_tokens / block_size,
-            where="post",
-            color=_color(policy),
-            label=f"{policy}: reserved",
-        )
-        ax.step(
-            t.step,
-            t.num_real_tokens / block_size,
-            where="post",
-            color=_color(policy),
-            linestyle="--",
-            linewidth=0.9,
-            label=f"{policy}: holding tokens",
-        )
         pool_blocks = result.config.num_blocks - 1
-    if pool_blocks is not None:
-        ax.axhline(pool_blocks, color="black", linewidth=0.8, linestyle=":", label="usable pool")
-    ax.set_xlabel("step")
-    ax.set_ylabel("KV blocks")
-    ax.set_title("KV blocks in use over time")
-    ax.legend(fontsize="small", ncols=2)
+        style = _style(policy)
+        reserved = np.asarray(t.num_reserved_tokens) / block_size
+        waste = (np.asarray(t.num_reserved_tokens) - np.asarray(t.num_real_tokens)) / block_size
+        for ax, values in ((ax_reserved, reserved), (ax_waste, waste)):
+            x, y = step_series(t.step, values)
+            ax.step(x, y, where="post", markevery=_markevery(len(x), index), label=policy, **style)
+    pool_style = {"color": "black", "linewidth": 1.2, "linestyle": ":"}
+    ax_reserved.axhline(pool_blocks, zorder=5, **pool_style)
+    handles, labels = ax_reserved.get_legend_handles_labels()
+    handles.append(Line2D([], [], **pool_style))
+    labels.append(f"usable pool ({pool_blocks} blocks)")
+    ax_reserved.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax_reserved.set_ylabel("KV blocks reserved")
+    ax_reserved.set_title("KV blocks in use over time (same usable pool for every policy)")
+    ax_waste.set_ylabel("reserved, no token\n(blocks' worth)")
+    ax_waste.set_title("Waste: reserved KV holding no token", fontsize="medium")
+    ax_waste.set_xlabel("step")
+    for ax in (ax_reserved, ax_waste):
+        _count_axis(ax)
+        _count_axis(ax, "x")
+    ax_reserved.set_ylim(top=max(pool_blocks, 1) * 1.08)
     return fig
 
 
 def fig_running_waiting(results: dict[str, PolicyResult]) -> Figure:
-    """Running and waiting requests per step, one panel per policy (shared axes)."""
-    fig = Figure(figsize=(9, 2.2 * max(1, len(results)) + 0.6), layout="constrained")
-    axes = fig.subplots(len(results), 1, sharex=True, sharey=True, squeeze=False)[:, 0]
+    """Running and waiting requests per step, one panel per policy, axes shared by the panels so
+    heights compare across policies. When the queue is more than 3x the running peak, waiting
+    gets its own axis on the right (else the running lines would lie flat at the bottom)."""
+    fig = Figure(figsize=(10, 2.2 * max(1, len(results)) + 0.6), layout="constrained")
+    axes = fig.subplots(len(results), 1, sharex=True, squeeze=False)[:, 0]
+    peaks = [(int(np.max(r.timeline.num_running, initial=0)), int(np.max(r.timeline.num_waiting,
+             initial=0))) for r in results.values()]  # fmt: skip
+    top_running = max(1, *(running for running, _ in peaks))
+    top_waiting = max(1, *(waiting for _, waiting in peaks))
+    twin = top_waiting > 3 * top_running
+    if not twin:
+        top_running = top_waiting = max(top_running, top_waiting)
+    waiting_style = {"color": "0.45", "linestyle": (0, (4, 2)), "linewidth": 1.2}
     for ax, (policy, result) in zip(axes, results.items(), strict=True):
         t = result.timeline
-        ax.step(t.step, t.num_running, where="post", color=_color(policy), label="running")
-        ax.step(t.step, t.num_waiting, where="post", color="gray", label="waiting")
+        x, running = step_series(t.step, t.num_running)
+        _, waiting = step_series(t.step, t.num_waiting)
+        ax_waiting = ax.twinx() if twin else ax
+        ax_waiting.step(x, waiting, where="post", **waiting_style)
+        ax.step(x, running, where="post", color=_color(policy), linewidth=1.8, zorder=3)
+        if twin:
+            ax.set_zorder(ax_waiting.get_zorder() + 1)  # running drawn over waiting
+            ax.patch.set_visible(False)
+            ax.set_ylabel("running", color=_color(policy))
+            ax_waiting.set_ylabel("waiting", color="0.35")
+        else:
+            ax.set_ylabel("requests")
         ax.set_title(
             f"{policy}: peak {result.metrics.peak_concurrency} running, "
             f"{result.metrics.num_steps} steps to drain",
             fontsize="medium",
         )
-        ax.set_ylabel("requests")
-        ax.legend(fontsize="small", loc="upper right")
+        for axis, top in ((ax, top_running), (ax_waiting, top_waiting)):
+            _count_axis(axis)
+            axis.set_ylim(top=top * 1.08)
+        _count_axis(ax, "x")
+        ax.legend(
+            [
+                Line2D([], [], color=_color(policy), linewidth=1.8),
+                Line2D([], [], **waiting_style),
+            ],
+            ["running (left axis)", "waiting, queued (right axis)"]
+            if twin
+            else ["running", "waiting (queued)"],
+            loc="upper left",
+            bbox_to_anchor=(1.08 if twin else 1.01, 1.0),
+            borderaxespad=0,
+            fontsize="small",
+        )
     axes[-1].set_xlabel("step")
     return fig
-
-
-def block_map_image(block_map: BlockMap) -> np.ndarray:
-    """RGB image ``[num_blocks, num_columns, 3]`` float of a block map (row 0 = block 0)."""
-    owners = block_map.owners
-    palette = np.asarray(ListedColormap(_owner_palette()).colors)[:, :3]
-    image = palette[np.maximum(owners, 0) % len(palette)]
-    image[owners == FREE] = (1.0, 1.0, 1.0)
-    image[owners == CACHED_FREE] = (0.78, 0.78, 0.78)
-    image[owners == NULL_BLOCK] = (0.35, 0.35, 0.35)
-    image[block_map.shared] = (0.0, 0.0, 0.0)
-    return image
 
 
 def _owner_palette() -> list:
@@ -106,60 +213,223 @@ def _owner_palette() -> list:
     return [c for i, c in enumerate(colors) if i not in (14, 15)]
 
 
-def fig_block_map(result: PolicyResult) -> Figure | None:
-    """Physical blocks x sampled steps for one paged policy; None without a block map."""
-    block_map = result.block_map
-    if block_map is None:
-        return None
-    fig = Figure(figsize=(9, 5), layout="constrained")
-    ax = fig.add_subplot()
-    steps = block_map.steps
+def block_map_image(block_map: BlockMap) -> np.ndarray:
+    """RGB image ``[num_blocks, num_columns, 3]`` float of a block map (row 0 = block 0)."""
+    owners = block_map.owners
+    palette = np.asarray(ListedColormap(_owner_palette()).colors)[:, :3]
+    image = palette[np.maximum(owners, 0) % len(palette)]
+    if block_map.unused is not None:
+        unused = block_map.unused
+        image[unused] = _UNUSED_TINT * image[unused] + (1.0 - _UNUSED_TINT)
+    image[owners == FREE] = _FREE_RGB
+    image[owners == CACHED_FREE] = _CACHED_RGB
+    image[owners == NULL_BLOCK] = _NULL_RGB
+    image[block_map.shared] = _SHARED_RGB
+    return image
+
+
+def _block_map_legend(ax, block_map: BlockMap) -> None:
+    handles = [
+        Patch(facecolor=_owner_palette()[0], label="held by a request (colour = request)"),
+        Patch(facecolor=_SHARED_RGB, label="shared (ref_cnt > 1)"),
+        Patch(facecolor=_CACHED_RGB, label="free, still cached"),
+        Patch(facecolor=_FREE_RGB, edgecolor="0.6", label="free"),
+        Patch(facecolor=_NULL_RGB, label="null block (block 0)"),
+    ]
+    if block_map.unused is not None and block_map.unused.any():
+        tint = _UNUSED_TINT * np.asarray(_owner_palette()[0]) + (1.0 - _UNUSED_TINT)
+        handles.insert(1, Patch(facecolor=tint, label="reserved, no token yet (waste)"))
+    _legend_outside(ax, handles=handles, fontsize="small")
+
+
+def _draw_map(ax, block_map: BlockMap, rows: slice, cols: slice) -> None:
+    """The owner image of ``rows`` x ``cols`` of the map, steps on x, block ids on y."""
+    image = block_map_image(block_map)[rows, cols]
+    steps = block_map.steps[cols]
     last = steps[-1] + block_map.stride
+    first_row = rows.start or 0
     ax.imshow(
-        block_map_image(block_map),
+        image,
         aspect="auto",
         interpolation="nearest",
         origin="lower",
-        extent=(steps[0], last, -0.5, block_map.owners.shape[0] - 0.5),
+        extent=(steps[0], last, first_row - 0.5, first_row + image.shape[0] - 0.5),
     )
-    ax.set_xlabel(f"step (sampled every {block_map.stride})")
+    if first_row == 0:
+        # One row of hundreds can fall between pixels: draw the null block's row on top.
+        ax.axhline(0, color=_NULL_RGB, linewidth=2.5)
+    _count_axis(ax, "x")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlim(steps[0], last)
     ax.set_ylabel("physical block id")
-    ax.set_title(f"Block map, {result.policy}: colour = owning request")
-    ax.legend(
-        handles=[
-            Patch(facecolor="black", label="shared (ref_cnt > 1)"),
-            Patch(facecolor=(0.78, 0.78, 0.78), label="free, still cached"),
-            Patch(facecolor="white", edgecolor="0.6", label="free"),
-            Patch(facecolor=(0.35, 0.35, 0.35), label="null block"),
-        ],
-        loc="upper right",
-        fontsize="small",
-        framealpha=0.9,
+
+
+def _state_counts(block_map: BlockMap) -> dict[str, np.ndarray]:
+    """Per sampled step, how many blocks are in each state (the null block left out)."""
+    owners = block_map.owners[1:]
+    shared = block_map.shared[1:]
+    unused = block_map.unused[1:] if block_map.unused is not None else np.zeros_like(shared)
+    held = (owners >= 0) & ~shared
+    return {
+        "held by one request": (held & ~unused).sum(axis=0),
+        "reserved, no token yet (waste)": (held & unused).sum(axis=0),
+        "shared (ref_cnt > 1)": shared.sum(axis=0),
+        "free, still cached": (owners == CACHED_FREE).sum(axis=0),
+    }
+
+
+def fig_block_map(
+    result: PolicyResult,
+    *,
+    max_rows: int = BLOCK_MAP_MAX_ROWS,
+    max_columns: int = BLOCK_MAP_MAX_COLUMNS,
+    window_rows: int = BLOCK_MAP_WINDOW_ROWS,
+    window_columns: int = BLOCK_MAP_WINDOW_COLUMNS,
+) -> Figure | None:
+    """Physical blocks x sampled steps for one policy; None without a block map.
+
+    A paged map of more than ``max_rows`` blocks or ``max_columns`` samples shows blocks
+    ``0 .. window_rows - 1`` over ``window_columns`` samples from the middle of the run (the
+    steady state, where freed blocks are reused), under a panel that counts each block state over
+    the whole run with the window marked. The contiguous map is always whole (its regions are
+    large and few).
+    """
+    block_map = result.block_map
+    if block_map is None:
+        return None
+    num_blocks, num_columns = block_map.owners.shape
+    windowed = result.policy != "contiguous" and (
+        num_blocks > max_rows or num_columns > max_columns
     )
+    stride_note = f"sampled every {block_map.stride}" if block_map.stride > 1 else "every step"
+    if not windowed:
+        fig = Figure(figsize=(10, 5), layout="constrained")
+        ax = fig.add_subplot()
+        _draw_map(ax, block_map, slice(0, num_blocks), slice(0, num_columns))
+        ax.set_xlabel(f"step ({stride_note})")
+        ax.set_title(f"Block map, {result.policy}: which request owns each block")
+        _block_map_legend(ax, block_map)
+        return fig
+
+    rows = slice(0, min(num_blocks, window_rows))
+    width = min(num_columns, window_columns)
+    start = (num_columns - width) // 2
+    cols = slice(start, start + width)
+    fig = Figure(figsize=(10, 7.5), layout="constrained")
+    ax_states, ax_map = fig.subplots(2, 1, height_ratios=(1, 2))
+    counts = _state_counts(block_map)
+    colors = [_owner_palette()[0], "#f4b6b6", _SHARED_RGB, _CACHED_RGB]
+    x = np.append(block_map.steps, block_map.steps[-1] + block_map.stride)
+    bottom = np.zeros(len(x))
+    for (label, values), color in zip(counts.items(), colors, strict=True):
+        if not values.any():
+            continue
+        top = bottom + np.append(values, values[-1])
+        ax_states.fill_between(x, bottom, top, step="post", color=color, label=label, lw=0)
+        bottom = top
+    ax_states.axhline(num_blocks - 1, color="black", linewidth=0.9, linestyle=":")
+    window = (block_map.steps[start], block_map.steps[start + width - 1] + block_map.stride)
+    for edge in window:
+        ax_states.axvline(edge, color="darkorange", linewidth=2, zorder=5)
+    ax_states.plot([], [], color="darkorange", linewidth=2, label="window shown below")
+    ax_states.set_ylabel("blocks")
+    ax_states.set_xlim(x[0], x[-1])
+    ax_states.set_title(
+        f"Block map, {result.policy}: block states over the whole run "
+        f"({num_blocks - 1} usable blocks, dotted)",
+        fontsize="medium",
+    )
+    _count_axis(ax_states)
+    ax_states.xaxis.set_major_locator(MaxNLocator(integer=True))
+    _legend_outside(ax_states, fontsize="small")
+    _draw_map(ax_map, block_map, rows, cols)
+    ax_map.set_xlabel(f"step ({stride_note})")
+    ax_map.set_title(
+        f"Window: blocks 0-{rows.stop - 1} of {num_blocks}, steps {window[0]}-{window[1] - 1} "
+        f"of {block_map.steps[-1] + block_map.stride}; colour = owning request",
+        fontsize="medium",
+    )
+    _block_map_legend(ax_map, block_map)
     return fig
 
 
 def fig_block_size_sweep(sweep: dict[str, dict[int, PolicyMetrics]]) -> Figure:
     """Output tokens per step and waste % vs block_size, one line per policy (the contiguous
     baseline keeps the same pool bytes, so it barely moves)."""
-    fig = Figure(figsize=(10, 4), layout="constrained")
+    fig = Figure(figsize=(10, 4.4), layout="constrained")
     ax_tput, ax_waste = fig.subplots(1, 2)
+    all_sizes: set[int] = set()
     for policy, by_size in sweep.items():
         sizes = sorted(by_size)
-        style = {"color": _color(policy), "label": policy, "marker": "o"}
-        if policy == "contiguous":
-            style["linestyle"] = "--"
-        ax_tput.plot(sizes, [by_size[s].output_tokens_per_step for s in sizes], **style)
-        ax_waste.plot(sizes, [by_size[s].waste_pct for s in sizes], **style)
+        all_sizes.update(sizes)
+        style = _style(policy)
+        ax_tput.plot(
+            sizes, [by_size[s].output_tokens_per_step for s in sizes], label=policy, **style
+        )
+        ax_waste.plot(sizes, [by_size[s].waste_pct for s in sizes], label=policy, **style)
+    ticks = sorted(all_sizes)
     for ax in (ax_tput, ax_waste):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [str(s) for s in ticks])
+        ax.minorticks_off()
         ax.set_xlabel("block_size (tokens)")
-        ax.legend(fontsize="small")
+        ax.set_ylim(bottom=0)
     ax_tput.set_ylabel("output tokens per step")
     ax_tput.set_title("Throughput proxy vs block_size")
     ax_waste.set_ylabel("waste (% of reserved KV)")
     ax_waste.set_title("Internal fragmentation vs block_size")
+    handles, labels = ax_tput.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=len(labels))
     return fig
+
+
+#: What to look at in each figure (index.html captions), by file name prefix.
+CAPTIONS = MappingProxyType(
+    {
+        "kv_blocks": (
+            "Top: KV blocks each policy reserves at every step, against the usable pool "
+            "(dotted; the same for every policy). Bottom: the reserved blocks that hold no token. "
+            "Look at the bottom panel: contiguous reserves max_model_len for every request and "
+            "leaves most of it empty, paging wastes at most the unfilled tail of each request's "
+            "last block. Policies that coincide keep their own line style and marker."
+        ),
+        "running_waiting": (
+            "Requests running (holding KV) and waiting (queued, new or preempted) at every step, "
+            "one panel per policy. The more requests fit in the same pool, the higher the "
+            "running line and the sooner the waiting line reaches 0."
+        ),
+        "block_map_contiguous": (
+            "Which request owns each physical block over time (colour = request). Each request "
+            "holds one region of max_model_len tokens; the light part of a region is reserved "
+            "but holds no token yet, the waste the table reports. The tail of the pool too "
+            "short for a region stays white; row 0 (dark) is left out as the paged pools' null "
+            "block."
+        ),
+        "block_map": (
+            "Which request owns each physical block over time (colour = request). Look for a "
+            "request's blocks scattered over the pool (paging needs no contiguous run), blocks "
+            "freed by one request and reused by another, black blocks shared by several requests "
+            "(a common prefix stored once) and grey free blocks still in the prefix cache (hits "
+            "for later requests until reused). Row 0 is the null block. At scale the top panel "
+            "counts the blocks in each state over the whole run and the map below is a window "
+            "(shaded above) of the first 64 blocks."
+        ),
+        "block_size_sweep": (
+            "The first requests of the trace replayed with other block sizes on a pool of the "
+            "same bytes. Bigger blocks waste more of each request's last block (right) and, with "
+            "prefix caching, share less; the simulator has no kernel cost, so very small blocks "
+            "look free here while real attention kernels slow down with them."
+        ),
+    }
+)
+
+
+def caption(name: str) -> str:
+    """The caption of a figure file name (longest matching prefix of :data:`CAPTIONS`)."""
+    stem = Path(name).stem
+    matches = [key for key in CAPTIONS if stem.startswith(key)]
+    return CAPTIONS[max(matches, key=len)] if matches else ""
 
 
 def save_figures(
@@ -169,7 +439,11 @@ def save_figures(
     *,
     dpi: int = 110,
 ) -> list[Path]:
-    """Write every figure as PNG into ``out_dir`` (created); returns the paths in order."""
+    """Write every figure as PNG into ``out_dir`` (created); returns the paths in order.
+
+    Raises:
+        OSError: a file cannot be written (the caller decides what to do with its results).
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     figures: list[tuple[str, Figure | None]] = [
@@ -222,7 +496,12 @@ def write_html(
     title: str = "pagedkv simulate",
     command: str = "",
 ) -> Path:
-    """Write one self-contained HTML page: the metrics table and every PNG embedded (base64)."""
+    """Write one self-contained HTML page: the metrics table and every PNG embedded (base64),
+    each with a caption saying what to look at (:data:`CAPTIONS`).
+
+    Raises:
+        OSError: the page or a figure cannot be read or written.
+    """
     path = Path(path)
     rows = metrics_table_rows(metrics)
     head = "".join(f"<th>{html.escape(c)}</th>" for c in rows[0])
@@ -231,17 +510,18 @@ def write_html(
     )
     images = "".join(
         f'<figure><img alt="{html.escape(p.stem)}" src="data:image/png;base64,'
-        f'{base64.b64encode(p.read_bytes()).decode()}"><figcaption>{html.escape(p.name)}'
-        "</figcaption></figure>"
+        f'{base64.b64encode(p.read_bytes()).decode()}"><figcaption><b>{html.escape(p.name)}'
+        f"</b>: {html.escape(caption(p.name))}</figcaption></figure>"
         for p in figure_paths
     )
     command_html = f"<p><code>{html.escape(command)}</code></p>" if command else ""
     path.write_text(
         "<!doctype html><html><head><meta charset='utf-8'>"
         f"<title>{html.escape(title)}</title><style>"
-        "body{font-family:sans-serif;max-width:1000px;margin:auto}"
+        "body{font-family:sans-serif;max-width:1100px;margin:auto}"
         "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 8px;"
-        "text-align:right}img{max-width:100%}</style></head><body>"
+        "text-align:right}img{max-width:100%}figure{margin:2em 0}"
+        "figcaption{max-width:900px;line-height:1.4}</style></head><body>"
         f"<h1>{html.escape(title)}</h1>{command_html}<table><tr>{head}</tr>{body}</table>"
         f"{images}</body></html>",
         encoding="utf-8",

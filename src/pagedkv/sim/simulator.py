@@ -1,6 +1,7 @@
 """Replay a trace through a KV cache and a scheduler with a model that costs nothing.
 
-One policy per run, on the same pool bytes (``num_blocks * block_size`` tokens):
+One policy per run, on the same usable pool (``num_blocks - 1`` blocks of ``block_size`` tokens;
+block 0 is the paged pools' null block):
 
 - ``contiguous``: each request reserves max_model_len tokens for its whole life
   (:class:`~pagedkv.sim.contiguous.ContiguousKVCache`);
@@ -9,8 +10,8 @@ One policy per run, on the same pool bytes (``num_blocks * block_size`` tokens):
 
 The step loop (the "engine"): add the requests that have arrived, ``schedule()``, record the step,
 then let the fake model emit each sampling request's next scripted token. Scheduling is the engine's
-:class:`~pagedkv.engine.scheduler.Scheduler` (``scheduler="engine"``) or the simulator's own loop
-(``scheduler="sim"``, :mod:`pagedkv.sim.admission`, which also offers ``admission="skip"``).
+own :class:`~pagedkv.engine.scheduler.Scheduler` (its ``admission`` option gives "skip"), so
+preemption and admission exist once; the contiguous baseline plugs in as its KV cache.
 
 Clock: one step = ``step_time`` seconds of simulated time; arrival times (seconds) map to steps, and
 when nothing runs or waits the clock jumps to the next arrival. A follow-up turn becomes eligible
@@ -26,15 +27,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedkv.core.spec import cdiv
+from pagedkv.engine.scheduler import ADMISSION_POLICIES, Scheduler
 from pagedkv.errors import ConfigError, InvalidRequestError
-from pagedkv.sim.admission import ADMISSION_POLICIES, SimKVRequest, SimScheduler
 from pagedkv.sim.blockmap import BlockMap, BlockMapRecorder
 from pagedkv.sim.contiguous import ContiguousKVCache
+from pagedkv.sim.engine_request import make_engine_request
 from pagedkv.sim.metrics import PolicyMetrics, Timeline, compute_metrics
 from pagedkv.sim.workloads import Workload
+from pagedkv.validation import check_int, is_number
 
 POLICIES = ("contiguous", "paged", "paged+prefix")
-SCHEDULERS = ("engine", "sim")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -48,8 +50,7 @@ class SimConfig:
         max_num_seqs: most running requests.
         max_num_batched_tokens: token budget per step.
         admission: "fcfs" (stop at the first waiting request that does not fit) or "skip"
-            (try later ones; needs scheduler="sim").
-        scheduler: "engine" (the engine's Scheduler) or "sim" (the simulator's loop).
+            (try later ones); the Scheduler's ``admission``.
         step_time: simulated seconds per step (maps arrival times to steps).
         block_map_columns: most sampled steps kept for the block map (0 = no block map).
         hash_algo: the manager's block-hash algorithm (None = its default).
@@ -64,38 +65,21 @@ class SimConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     admission: str = "fcfs"
-    scheduler: str = "engine"
     step_time: float = 0.025
     block_map_columns: int = 300
     hash_algo: str | None = None
 
     def __post_init__(self) -> None:
-        for name in (
-            "num_blocks",
-            "block_size",
-            "max_model_len",
-            "max_num_seqs",
-            "max_num_batched_tokens",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
-        if self.num_blocks < 2:
-            raise ConfigError(
-                f"num_blocks must be >= 2 (block 0 is the null block), got {self.num_blocks}"
-            )
+        check_int("num_blocks", self.num_blocks, 2, why="block 0 is the null block")
+        for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            check_int(name, getattr(self, name), 1)
         if self.admission not in ADMISSION_POLICIES:
             raise ConfigError(
                 f"admission must be one of {ADMISSION_POLICIES}, got {self.admission!r}"
             )
-        if self.scheduler not in SCHEDULERS:
-            raise ConfigError(f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
-        if self.admission == "skip" and self.scheduler != "sim":
-            raise ConfigError("admission='skip' needs scheduler='sim' (the engine's is FCFS)")
-        if not self.step_time > 0:
-            raise ConfigError(f"step_time must be > 0 seconds, got {self.step_time!r}")
-        if self.block_map_columns < 0:
-            raise ConfigError(f"block_map_columns must be >= 0, got {self.block_map_columns}")
+        if not is_number(self.step_time) or not self.step_time > 0:
+            raise ConfigError(f"step_time must be a number > 0 (seconds), got {self.step_time!r}")
+        check_int("block_map_columns", self.block_map_columns, 0)
 
 
 @dataclass(slots=True)
@@ -132,68 +116,20 @@ def make_kv_cache(policy: str, config: SimConfig):
     )
 
 
-class _SimDriver:
-    """Drives :class:`SimScheduler`."""
-
-    def __init__(self, kv_cache, config: SimConfig, enable_caching: bool) -> None:
-        self.scheduler = SimScheduler(
-            kv_cache,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            admission=config.admission,
-            enable_caching=enable_caching,
-        )
-        self.num_preemptions = 0
-        self.num_hit_tokens = 0
-        self.num_queried_tokens = 0
-
-    def make_request(self, request_id, prompt, block_hasher, index, scripted) -> SimKVRequest:
-        return SimKVRequest(request_id, prompt, block_hasher, index=index, scripted_output=scripted)
-
-    def add(self, request: SimKVRequest) -> None:
-        self.scheduler.add_request(request)
-
-    @property
-    def running(self) -> list:
-        return self.scheduler.running
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
-
-    def schedule(self) -> tuple[list, list[int]]:
-        plan = self.scheduler.schedule()
-        self.num_preemptions += len(plan.preempted)
-        self.num_hit_tokens += plan.num_hit_tokens
-        self.num_queried_tokens += plan.num_queried_tokens
-        return list(plan.num_scheduled_tokens), list(plan.num_scheduled_tokens.values())
-
-    def complete(self, scheduled: list) -> list:
-        finished = []
-        for request in scheduled:
-            if request.num_computed_tokens >= request.num_tokens:
-                request.append_output_token_ids(request.scripted_output[request.num_output_tokens])
-                if request.is_done:
-                    finished.append(request)
-        if finished:
-            self.scheduler.finish(finished)
-        return finished
-
-
 class _EngineDriver:
     """Drives the engine's Scheduler; the scripted stream is the sampled tokens."""
 
-    def __init__(self, kv_cache, config: SimConfig, enable_caching: bool) -> None:
-        from pagedkv.engine.scheduler import Scheduler
-
+    def __init__(self, kv_cache, config: SimConfig) -> None:
         self.scheduler = Scheduler(
-            kv_cache, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len
+            kv_cache,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.max_model_len,
+            admission=config.admission,
         )
         self._out = None
 
     def make_request(self, request_id, prompt, block_hasher, index, scripted):
-        from pagedkv.sim.engine_request import make_engine_request
-
         return make_engine_request(request_id, prompt, block_hasher, index, scripted)
 
     def add(self, request) -> None:
@@ -272,8 +208,7 @@ def simulate(
     started = time.perf_counter()
     kv_cache = make_kv_cache(policy, config)
     caching = policy == "paged+prefix"
-    driver_cls = _EngineDriver if config.scheduler == "engine" else _SimDriver
-    driver = driver_cls(kv_cache, config, caching)
+    driver = _EngineDriver(kv_cache, config)
     block_hasher = kv_cache.block_hasher if caching else None
     block_size = config.block_size
     num_usable_blocks = config.num_blocks - 1
@@ -288,9 +223,7 @@ def simulate(
 
     timeline = Timeline()
     recorder = (
-        BlockMapRecorder(
-            config.num_blocks, config.block_map_columns, has_null_block=policy != "contiguous"
-        )
+        BlockMapRecorder(config.num_blocks, config.block_map_columns, block_size=block_size)
         if config.block_map_columns
         else None
     )
@@ -384,11 +317,7 @@ def simulate(
         num_preemptions=driver.num_preemptions,
         num_hit_tokens=driver.num_hit_tokens,
         num_queried_tokens=driver.num_queried_tokens,
-        num_usable_tokens=(
-            kv_cache.num_slots * config.max_model_len
-            if policy == "contiguous"
-            else num_usable_blocks * block_size
-        ),
+        num_usable_tokens=num_usable_blocks * block_size,
         wall_time_s=time.perf_counter() - started,
     )
     return PolicyResult(
@@ -436,7 +365,6 @@ def sweep_block_sizes(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             admission=config.admission,
-            scheduler=config.scheduler,
             step_time=config.step_time,
             block_map_columns=0,
             hash_algo=config.hash_algo,

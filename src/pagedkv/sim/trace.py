@@ -27,6 +27,7 @@ from pathlib import Path
 
 from pagedkv.errors import ConfigError
 from pagedkv.sim.workloads import DEFAULT_VOCAB_SIZE, SimRequest, TokenSource, Workload
+from pagedkv.validation import check_int, check_number, is_int
 
 _FIELDS = frozenset(
     {
@@ -61,8 +62,7 @@ def _int_field(obj: dict, name: str, minimum: int, default: int | None = None) -
     value = obj.get(name, default)
     if value is None:
         raise _LineError(f"missing required field {name!r}")
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise _LineError(f"{name} must be an int >= {minimum}, got {value!r}")
+    check_int(name, value, minimum, error=_LineError)
     return value
 
 
@@ -96,17 +96,12 @@ class _TraceBuilder:
             raise _LineError(f"duplicate request_id {request_id!r}")
         output_len = _int_field(obj, "output_len", 1)
         arrival = obj.get("arrival_time", 0.0)
-        if not isinstance(arrival, int | float) or isinstance(arrival, bool) or arrival < 0:
-            raise _LineError(f"arrival_time must be a number >= 0, got {arrival!r}")
+        check_number("arrival_time", arrival, 0, error=_LineError)
         ids = obj.get("prompt_token_ids")
         if ("prompt_len" in obj) == (ids is not None):
             raise _LineError("give exactly one of prompt_len and prompt_token_ids")
         if ids is not None:
-            if (
-                not isinstance(ids, list)
-                or not ids
-                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
-            ):
+            if not isinstance(ids, list) or not ids or not all(is_int(t) and t >= 0 for t in ids):
                 raise _LineError("prompt_token_ids must be a non-empty list of ints >= 0")
             prompt_len = len(ids)
         else:

@@ -11,7 +11,8 @@ Built-in workloads (``WORKLOADS``):
 
 - ``sixteen-lengths``: the worked example of DESIGN.md, 16 prompts of lengths 40, 128, 300, 64,
   210, 96, 180, 48, 150, 80, 60, 420, 33, 256, 90, 110 arriving together, 1 output token each;
-  run it with 128 blocks of 16 and max_model_len 512 (contiguous fits 4 at once, paged 13 or 14).
+  run it with 128 usable blocks of 16 (129 with the null block) and max_model_len 512 (contiguous
+  fits 4 at once, paged 13 or 14).
 - ``sharegpt``: ShareGPT-like length mix. Prompt and output lengths are lognormal; the defaults
   (prompt median 120 tokens, sigma 1.0, mean ~200; output median 160, sigma 0.8, mean ~220) are
   close to the ShareGPT statistics reported in the vLLM paper (mean input 161, output 338, long
@@ -33,6 +34,7 @@ from types import MappingProxyType
 import numpy as np
 
 from pagedkv.errors import ConfigError
+from pagedkv.validation import check_int
 
 #: SmolLM2's vocabulary size; token ids are drawn from [1, DEFAULT_VOCAB_SIZE).
 DEFAULT_VOCAB_SIZE = 49152
@@ -93,8 +95,7 @@ class TokenSource:
     the same ids for the same (seed, name) wherever they are asked for."""
 
     def __init__(self, seed: int, vocab_size: int = DEFAULT_VOCAB_SIZE) -> None:
-        if vocab_size < 2:
-            raise ConfigError(f"vocab_size must be >= 2, got {vocab_size}")
+        check_int("vocab_size", vocab_size, 2)
         self.seed = seed
         self.vocab_size = vocab_size
         self.rng = np.random.default_rng(seed)
@@ -127,12 +128,8 @@ def _arrival_times(rng: np.random.Generator, n: int, request_rate: float) -> lis
 
 
 def _check_common(num_requests: int, max_model_len: int) -> None:
-    if num_requests < 1:
-        raise ConfigError(f"num_requests must be >= 1, got {num_requests}")
-    if max_model_len < 8:
-        raise ConfigError(
-            f"max_model_len must be >= 8 for the built-in workloads, got {max_model_len}"
-        )
+    check_int("num_requests", num_requests, 1)
+    check_int("max_model_len", max_model_len, 8, why="for the built-in workloads")
 
 
 def sixteen_lengths(seed: int = 0, vocab_size: int = DEFAULT_VOCAB_SIZE, **_: object) -> Workload:
@@ -143,7 +140,8 @@ def sixteen_lengths(seed: int = 0, vocab_size: int = DEFAULT_VOCAB_SIZE, **_: ob
         for i, length in enumerate(SIXTEEN_LENGTHS)
     ]
     defaults = {
-        "num_blocks": 128,
+        # 128 usable blocks for every policy, plus block 0 (the paged pools' null block).
+        "num_blocks": 129,
         "block_size": 16,
         "max_model_len": 512,
         "max_num_seqs": 256,
@@ -207,8 +205,7 @@ def shared_prefix(
     uniform in ``prefix_len_range``, capped at max_model_len / 2) + a unique lognormal user part +
     a lognormal output."""
     _check_common(num_requests, max_model_len)
-    if num_prefix_groups < 1:
-        raise ConfigError(f"num_prefix_groups must be >= 1, got {num_prefix_groups}")
+    check_int("num_prefix_groups", num_prefix_groups, 1)
     source = TokenSource(seed, vocab_size)
     low, high = prefix_len_range
     prefix_lens = source.rng.integers(low, high + 1, size=num_prefix_groups).tolist()

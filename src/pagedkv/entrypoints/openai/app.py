@@ -62,6 +62,7 @@ from pagedkv.entrypoints.openai.protocol import (
     now,
     random_id,
 )
+from pagedkv.entrypoints.openai.stats_logger import StatsLogger
 from pagedkv.errors import InvalidRequestError
 from pagedkv.sampling_params import SamplingParams
 
@@ -439,17 +440,39 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     return OpenAIError(400, message, param=param, code="invalid_value")
 
 
-def create_app(engine: Any, *, model_name: str, max_model_len: int | None = None) -> FastAPI:
+def create_app(
+    engine: Any,
+    *,
+    model_name: str,
+    max_model_len: int | None = None,
+    log_stats_interval: float | None = None,
+) -> FastAPI:
     """The OpenAI-compatible app serving ``engine`` (see :class:`OpenAIServing` for the
-    arguments). The engine thread starts and stops with the app (ASGI lifespan)."""
+    arguments). The engine thread starts and stops with the app (ASGI lifespan).
+
+    Args:
+        log_stats_interval: seconds between two stats log lines (throughput, running / waiting,
+            KV usage, prefix hit rate; :mod:`.stats_logger`); None = no stats lines.
+    """
     serving = OpenAIServing(engine, model_name=model_name, max_model_len=max_model_len)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         serving.engine_loop.start(asyncio.get_running_loop())
+        stats_task = None
+        if log_stats_interval is not None:
+            stats_logger = StatsLogger(
+                lambda: serving.engine_loop.call(lambda engine: engine.get_stats().scheduler),
+                log_stats_interval,
+            )
+            stats_task = asyncio.create_task(stats_logger.run())
         try:
             yield
         finally:
+            if stats_task is not None:
+                stats_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await stats_task
             serving.engine_loop.stop()
 
     app = FastAPI(title="pagedkv", lifespan=lifespan)

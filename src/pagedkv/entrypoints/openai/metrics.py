@@ -124,12 +124,14 @@ class _EngineStatsCollector(Collector):
         counters = (
             (
                 "pagedkv:prefix_cache_queries",
-                "Prompt tokens looked up in the prefix cache.",
+                "Prompt tokens looked up in the prefix cache (each request once, at its first "
+                "admission).",
                 stats.prefix_cache_queries,
             ),
             (
                 "pagedkv:prefix_cache_hits",
-                "Prompt tokens found in the prefix cache.",
+                "Prompt tokens served from the prefix cache (each request once, at its first "
+                "admission).",
                 stats.prefix_cache_hits,
             ),
             (

@@ -12,7 +12,8 @@ from pagedkv.entrypoints.cli import main
 def test_json_on_the_sixteen_lengths(capsys):
     assert main(["simulate", "--workload", "sixteen-lengths", "--json", "--quiet"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["config"]["num_blocks"] == 128 and report["config"]["max_model_len"] == 512
+    # 128 usable blocks for every policy, plus the null block.
+    assert report["config"]["num_blocks"] == 129 and report["config"]["max_model_len"] == 512
     peaks = {p: m["peak_concurrency"] for p, m in report["policies"].items()}
     assert peaks == {"contiguous": 4, "paged": 13, "paged+prefix": 13}
 
@@ -22,7 +23,7 @@ def test_skip_admission_gives_14(capsys):
     assert main([*argv, "--policies", "paged"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["policies"]["paged"]["peak_concurrency"] == 14
-    assert report["config"]["scheduler"] == "sim"
+    assert report["config"]["admission"] == "skip"
 
 
 def test_table_pictures_and_html(tmp_path, capsys):

@@ -1,0 +1,385 @@
+"""``pagedkv bench serving``: load an OpenAI-compatible server and measure it (vLLM's
+benchmark_serving, for pagedkv serve, vLLM, llama.cpp's server or any other).
+
+    pagedkv bench serving --port 8000 --num-prompts 64 --max-concurrency 8
+    pagedkv bench serving --base-url http://10.0.0.5:8000 --request-rate 4 --save-result
+
+Sends ``--num-prompts`` streamed requests (chat prompts built in, or ``--dataset-path`` JSONL)
+with ``--output-len`` tokens each (temperature 0; ``ignore_eos`` unless ``--no-ignore-eos``, so
+every request does the same work), arriving as a Poisson process of ``--request-rate``
+requests/s (``inf``: all at once) with at most ``--max-concurrency`` in flight. Reported, as
+vLLM does: request and token throughput, TTFT (send to first token), TPOT (time per output token
+after the first), ITL (gaps between streamed chunks) and E2EL (send to last byte), each as mean,
+median, p90 and p99 in ms. Flag names follow vLLM's ``benchmark_serving``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# A fixed prompt set: short questions and longer ones with context, so prompt lengths vary
+# (40 to 179 tokens with the SmolLM2 chat template).
+_QUESTIONS = (
+    "What is a hash table?",
+    "Explain how a CPU cache works.",
+    "Why is the sky blue?",
+    "Write a haiku about autumn.",
+    "What does a compiler do?",
+    "How do vaccines train the immune system?",
+    "Summarise the plot of Hamlet.",
+    "What is the difference between TCP and UDP?",
+)
+_CONTEXT = (
+    "You are reviewing notes for a study group. The notes cover operating systems, networks, "
+    "databases and a little history of computing. Keep answers short and concrete, give one "
+    "example, and avoid jargon where a plain word will do. "
+)
+
+
+def make_prompts(num_prompts: int) -> list[list[dict[str, str]]]:
+    """``num_prompts`` chat conversations, the same on every run."""
+    return [
+        [
+            {
+                "role": "user",
+                "content": f"{_CONTEXT * (i % 4)}Question {i}: {_QUESTIONS[i % len(_QUESTIONS)]}",
+            }
+        ]
+        for i in range(num_prompts)
+    ]
+
+
+@dataclass(slots=True)
+class RequestResult:
+    """One request's timings (seconds) and token counts."""
+
+    ok: bool
+    latency: float = 0.0  # send to last byte
+    ttft: float = 0.0  # send to first content chunk
+    itls: list[float] = field(default_factory=list)  # gaps between content chunks
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str = ""
+
+
+def _request_body(endpoint: str, model: str, messages: list, args_like: dict) -> dict:
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": args_like["output_len"],
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if args_like["ignore_eos"]:
+        body["ignore_eos"] = True
+    if endpoint.rstrip("/").endswith("chat/completions"):
+        body["messages"] = messages
+    else:
+        body["prompt"] = "\n".join(m["content"] for m in messages)
+    return body
+
+
+async def run_request(http: Any, endpoint: str, body: dict) -> RequestResult:
+    """One streamed completion; chunk times are taken as they arrive."""
+    import httpx
+
+    start = time.perf_counter()
+    last = None
+    result = RequestResult(ok=False)
+    num_chunks = 0
+    try:
+        async with http.stream("POST", endpoint, json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                usage = chunk.get("usage")
+                if usage:
+                    result.num_output_tokens = usage.get("completion_tokens") or 0
+                    result.num_prompt_tokens = usage.get("prompt_tokens") or 0
+                choices = chunk.get("choices") or []
+                if not choices:
+                    continue
+                delta = choices[0].get("delta", {}).get("content") or choices[0].get("text")
+                if not delta:
+                    continue
+                now = time.perf_counter()
+                num_chunks += 1
+                if last is None:
+                    result.ttft = now - start
+                else:
+                    result.itls.append(now - last)
+                last = now
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    result.latency = time.perf_counter() - start
+    result.ok = num_chunks > 0
+    if not result.ok:
+        result.error = "no content streamed"
+    elif not result.num_output_tokens:
+        result.num_output_tokens = num_chunks  # servers without usage: one token per chunk
+    return result
+
+
+def _arrival_delays(num: int, request_rate: float, seed: int) -> list[float]:
+    """Seconds to wait before each request: Poisson arrivals (exponential gaps), or none."""
+    if request_rate == float("inf"):
+        return [0.0] * num
+    rng = np.random.default_rng(seed)
+    return rng.exponential(1.0 / request_rate, size=num).tolist()
+
+
+async def benchmark(
+    base_url: str,
+    model: str,
+    prompts: list[list[dict[str, str]]],
+    *,
+    endpoint: str = "/v1/chat/completions",
+    output_len: int = 32,
+    ignore_eos: bool = True,
+    max_concurrency: int | None = None,
+    request_rate: float = float("inf"),
+    seed: int = 0,
+    timeout: float = 600.0,
+) -> dict[str, Any]:
+    """Send every prompt (arrivals at ``request_rate``, at most ``max_concurrency`` in flight);
+    returns the summary (:func:`summarize`)."""
+    import httpx
+
+    limit = max_concurrency or len(prompts)
+    semaphore = asyncio.Semaphore(limit)
+    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
+    settings = {"output_len": output_len, "ignore_eos": ignore_eos}
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits) as http:
+
+        async def bounded(messages: list) -> RequestResult:
+            async with semaphore:
+                body = _request_body(endpoint, model, messages, settings)
+                return await run_request(http, endpoint, body)
+
+        tasks = []
+        start = time.perf_counter()
+        for messages, delay in zip(
+            prompts, _arrival_delays(len(prompts), request_rate, seed), strict=True
+        ):
+            if delay:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(bounded(messages)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    summary = summarize(results, duration)
+    summary.update(
+        {
+            "base_url": base_url,
+            "endpoint": endpoint,
+            "model": model,
+            "output_len": output_len,
+            "max_concurrency": max_concurrency,
+            "request_rate": request_rate if request_rate != float("inf") else "inf",
+        }
+    )
+    return summary
+
+
+def _stats_ms(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {key: float("nan") for key in ("mean", "median", "p90", "p99")}
+    array = np.asarray(values) * 1000.0
+    p50, p90, p99 = np.percentile(array, [50, 90, 99])
+    return {"mean": float(array.mean()), "median": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
+    """Throughputs and latency statistics (ms) of a run, as vLLM's benchmark_serving names them:
+    TTFT, TPOT = (E2EL - TTFT) / (output tokens - 1), ITL, E2EL."""
+    ok = [r for r in results if r.ok]
+    num_output = sum(r.num_output_tokens for r in ok)
+    num_prompt = sum(r.num_prompt_tokens for r in ok)
+    tpots = [
+        (r.latency - r.ttft) / (r.num_output_tokens - 1) for r in ok if r.num_output_tokens > 1
+    ]
+    return {
+        "num_prompts": len(results),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:3],
+        "duration_s": duration,
+        "total_input_tokens": num_prompt,
+        "total_output_tokens": num_output,
+        "request_throughput": len(ok) / duration if duration else 0.0,
+        "output_throughput": num_output / duration if duration else 0.0,
+        "total_token_throughput": (num_prompt + num_output) / duration if duration else 0.0,
+        "ttft_ms": _stats_ms([r.ttft for r in ok]),
+        "tpot_ms": _stats_ms(tpots),
+        "itl_ms": _stats_ms([gap for r in ok for gap in r.itls]),
+        "e2el_ms": _stats_ms([r.latency for r in ok]),
+    }
+
+
+def format_report(summary: dict[str, Any]) -> str:
+    """A readable block of the summary, in vLLM's layout."""
+    lines = [
+        "============ Serving Benchmark Result ============",
+        f"{'Successful requests:':<40}{summary['completed']:>10}",
+        f"{'Failed requests:':<40}{summary['failed']:>10}",
+        f"{'Maximum request concurrency:':<40}{summary['max_concurrency'] or 'unbounded':>10}",
+        f"{'Request rate (req/s):':<40}{summary['request_rate']:>10}",
+        f"{'Benchmark duration (s):':<40}{summary['duration_s']:>10.2f}",
+        f"{'Total input tokens:':<40}{summary['total_input_tokens']:>10}",
+        f"{'Total generated tokens:':<40}{summary['total_output_tokens']:>10}",
+        f"{'Request throughput (req/s):':<40}{summary['request_throughput']:>10.2f}",
+        f"{'Output token throughput (tok/s):':<40}{summary['output_throughput']:>10.2f}",
+        f"{'Total token throughput (tok/s):':<40}{summary['total_token_throughput']:>10.2f}",
+    ]
+    for key, title in (
+        ("ttft_ms", "Time to First Token"),
+        ("tpot_ms", "Time per Output Token (excl. 1st token)"),
+        ("itl_ms", "Inter-token Latency"),
+        ("e2el_ms", "End-to-end Latency"),
+    ):
+        stats = summary[key]
+        lines.append(f"{title:-^50}")
+        short = key.removesuffix("_ms").upper()
+        for name in ("mean", "median", "p90", "p99"):
+            label = f"{name.capitalize() if name in ('mean', 'median') else name.upper()}"
+            lines.append(f"{f'{label} {short} (ms):':<40}{stats[name]:>10.2f}")
+    if summary["errors"]:
+        lines.append("errors: " + "; ".join(summary["errors"]))
+    lines.append("=" * 50)
+    return "\n".join(lines)
+
+
+def load_dataset(path: Path, num_prompts: int) -> list[list[dict[str, str]]]:
+    """The first ``num_prompts`` chats of a JSONL prompt file (``pagedkv generate``'s format),
+    cycled when the file has fewer."""
+    from pagedkv.entrypoints.generate import load_prompts
+    from pagedkv.errors import InvalidRequestError
+
+    chats = [
+        p if isinstance(p, list) else [{"role": "user", "content": p}]
+        for p, _ in load_prompts(path)
+    ]
+    if not chats:
+        raise InvalidRequestError(f"{path}: no prompts")
+    return [chats[i % len(chats)] for i in range(num_prompts)]
+
+
+def add_parser(benches: argparse._SubParsersAction, positive_int) -> None:
+    """Add ``bench serving`` to the ``bench`` subcommands."""
+    parser = benches.add_parser(
+        "serving",
+        help="load an OpenAI-compatible server: TTFT, TPOT, ITL, throughput",
+        description=__doc__.split("\n\n")[2].replace("``", ""),
+    )
+    server = parser.add_argument_group("server")
+    server.add_argument(
+        "--base-url", default=None, help="server URL, e.g. http://10.0.0.5:8000 (wins over host)"
+    )
+    server.add_argument("--host", default="127.0.0.1", help="server host (127.0.0.1)")
+    server.add_argument("--port", type=int, default=8000, help="server port (8000)")
+    server.add_argument(
+        "--endpoint",
+        default="/v1/chat/completions",
+        help="/v1/chat/completions (default) or /v1/completions",
+    )
+    server.add_argument(
+        "--model", default=None, help="model name to request (default: the server's first model)"
+    )
+    load = parser.add_argument_group("load")
+    load.add_argument("--num-prompts", type=positive_int, default=64, help="requests (64)")
+    load.add_argument(
+        "--max-concurrency", type=positive_int, default=None, help="most requests in flight"
+    )
+    load.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests per second, Poisson arrivals (default inf: all at once)",
+    )
+    load.add_argument("--output-len", type=positive_int, default=32, help="tokens per request")
+    load.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="let requests stop at EOS (default: ignore_eos, the same work for every server)",
+    )
+    load.add_argument("--dataset-path", type=Path, default=None, help="JSONL chat prompts")
+    load.add_argument("--seed", type=int, default=0, help="seed of the arrival times (0)")
+    load.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds one request may take (600)"
+    )
+    result = parser.add_argument_group("result")
+    result.add_argument("--save-result", action="store_true", help="write the result as JSON")
+    result.add_argument("--result-dir", default=".", help="folder of the result file (.)")
+    result.add_argument(
+        "--result-filename",
+        default=None,
+        help="result file name (default: serving-<concurrency>-<date>.json)",
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``pagedkv bench serving``; exit code 1 when any request failed."""
+    import httpx
+
+    from pagedkv.entrypoints.output_paths import check_output_file, write_text_or_print
+    from pagedkv.errors import ConfigError
+
+    if not args.request_rate > 0:
+        raise ConfigError(f"--request-rate must be > 0 (inf: all at once), got {args.request_rate}")
+    base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    result_path = None
+    if args.save_result:
+        name = args.result_filename or (
+            f"serving-{args.max_concurrency or 'all'}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        )
+        result_path = check_output_file(Path(args.result_dir) / name, "--result-filename")
+    prompts = (
+        load_dataset(args.dataset_path, args.num_prompts)
+        if args.dataset_path is not None
+        else make_prompts(args.num_prompts)
+    )
+    model = args.model
+    if model is None:
+        try:
+            response = httpx.get(f"{base_url}/v1/models", timeout=30)
+            response.raise_for_status()
+            model = response.json()["data"][0]["id"]
+        except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+            raise ConfigError(
+                f"cannot ask {base_url}/v1/models for the model name ({exc}); is the server up? "
+                "(or pass --model)"
+            ) from None
+    summary = asyncio.run(
+        benchmark(
+            base_url,
+            model,
+            prompts,
+            endpoint=args.endpoint,
+            output_len=args.output_len,
+            ignore_eos=args.ignore_eos,
+            max_concurrency=args.max_concurrency,
+            request_rate=args.request_rate,
+            seed=args.seed,
+            timeout=args.timeout,
+        )
+    )
+    print(format_report(summary), flush=True)
+    if result_path is not None and not write_text_or_print(
+        result_path, json.dumps(summary, indent=2) + "\n", "--result-filename"
+    ):
+        return 2
+    return 1 if summary["failed"] else 0

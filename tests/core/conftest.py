@@ -1,9 +1,0 @@
-"""Lets the core tests import their shared helpers (``_kv_helpers``) under pytest's importlib
-import mode."""
-
-import sys
-from pathlib import Path
-
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:
-    sys.path.insert(0, _HERE)

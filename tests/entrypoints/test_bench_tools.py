@@ -1,0 +1,227 @@
+"""`pagedkv bench serving` against the fake server, `pagedkv bench latency` on a tiny model, and
+the server's periodic stats line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import importlib.util
+import json
+import logging
+import re
+import threading
+from pathlib import Path
+
+import pytest
+from _server_fakes import FakeEngine
+
+from pagedkv.engine.stats import SchedulerStats
+from pagedkv.entrypoints.bench_serving import RequestResult, summarize
+from pagedkv.entrypoints.cli import main
+from pagedkv.entrypoints.openai.app import create_app
+from pagedkv.entrypoints.openai.launch import ThreadedServer
+from pagedkv.entrypoints.openai.stats_logger import StatsLogger, format_stats_line
+
+MODEL = "fake-model"
+
+
+@pytest.fixture(scope="module")
+def server():
+    # One token per character: the longest built-in prompt is ~730 tokens.
+    engine = FakeEngine(num_blocks=8192, block_size=4, max_model_len=2048, max_num_seqs=8)
+    app = create_app(engine, model_name=MODEL, max_model_len=engine.max_model_len)
+    with ThreadedServer(app) as running:
+        yield running
+
+
+# ---- bench serving -------------------------------------------------------------------------
+
+
+def test_serving_benchmark_against_an_openai_compatible_server(server, tmp_path, capsys):
+    argv = ["bench", "serving", "--base-url", server.url, "--num-prompts", "6"]
+    argv += ["--max-concurrency", "2", "--output-len", "5", "--save-result"]
+    argv += ["--result-dir", str(tmp_path), "--result-filename", "r.json"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Successful requests:" in out and "Median TTFT (ms):" in out
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["model"] == MODEL  # asked from /v1/models
+    assert (result["completed"], result["failed"]) == (6, 0)
+    assert result["total_output_tokens"] == 6 * 5  # ignore_eos: every request does the work
+    assert result["total_input_tokens"] > 0
+    assert result["max_concurrency"] == 2
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        assert result[key]["median"] >= 0
+
+
+def test_serving_benchmark_completions_endpoint_host_port_and_poisson_arrivals(server, capsys):
+    argv = ["bench", "serving", "--host", "127.0.0.1", "--port", str(server.port)]
+    argv += ["--endpoint", "/v1/completions", "--model", MODEL, "--num-prompts", "4"]
+    argv += ["--output-len", "3", "--request-rate", "1000", "--seed", "1"]
+    assert main(argv) == 0
+    assert re.search(r"Successful requests:\s+4\n", capsys.readouterr().out)
+
+
+def test_serving_benchmark_reports_failures_and_refuses_bad_input(server, capsys):
+    argv = ["bench", "serving", "--base-url", server.url, "--model", "other-model"]
+    assert main([*argv, "--num-prompts", "2"]) == 1  # 404 model_not_found for every request
+    assert re.search(r"Failed requests:\s+2\n", capsys.readouterr().out)
+    assert main([*argv, "--request-rate", "0"]) == 2
+    assert "--request-rate must be > 0" in capsys.readouterr().err
+    assert main([*argv, "--save-result", "--result-dir", "/proc/nope"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    code = main(["bench", "serving", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1"])
+    assert code == 2 and "is the server up?" in capsys.readouterr().err
+
+
+def test_serving_summary_follows_vllm_definitions():
+    results = [
+        RequestResult(ok=True, latency=1.0, ttft=0.2, itls=[0.2] * 4, num_output_tokens=5),
+        RequestResult(ok=False, error="HTTP 500"),
+    ]
+    summary = summarize(results, duration=2.0)
+    assert summary["completed"] == 1 and summary["failed"] == 1
+    assert summary["tpot_ms"]["median"] == pytest.approx(200.0)  # (1.0 - 0.2) / (5 - 1)
+    assert summary["output_throughput"] == pytest.approx(2.5)
+    assert summary["errors"] == ["HTTP 500"]
+
+
+# ---- bench latency -------------------------------------------------------------------------
+
+
+def _tiny_model_module():
+    path = Path(__file__).resolve().parents[1] / "engine" / "_tiny_model.py"
+    spec = importlib.util.spec_from_file_location("_tiny_model_for_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_latency_benchmark_times_prefill_and_every_decode_step():
+    from pagedkv.engine.config import EngineConfig
+    from pagedkv.engine.llm_engine import LLMEngine
+    from pagedkv.entrypoints.bench_latency import format_report, measure
+
+    tiny = _tiny_model_module().tiny_loaded_model()
+    config = EngineConfig(dtype="float32", max_model_len=64, num_blocks=64, num_threads=1)
+    engine = LLMEngine(config, loaded_model=tiny)
+    args = argparse.Namespace(
+        input_len=12, output_len=6, batch_size=3, num_iters_warmup=1, num_iters=2
+    )
+    report = measure(engine, args)
+    assert report["num_iters"] == 2 and len(report["latencies_s"]) == 2
+    # One prefill step (12 x 3 tokens fit one step), then output_len - 1 decode steps per run.
+    assert report["num_decode_steps"] == 2 * (6 - 1)
+    assert report["decode_step"]["p99_ms"] >= report["decode_step"]["median_ms"] > 0
+    assert report["prefill"]["median_ms"] > 0
+    assert "decode step     median" in format_report(report, "tiny")
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.slow
+def test_latency_cli_on_the_default_model(tmp_path, capsys):
+    out = tmp_path / "latency.json"
+    argv = ["bench", "latency", "--input-len", "8", "--output-len", "4", "--batch-size", "2"]
+    argv += ["--num-iters-warmup", "0", "--num-iters", "1", "--output-json", str(out)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["batch_size"] == 2 and report["num_decode_steps"] == 3
+    assert "batch latency" in capsys.readouterr().out
+
+
+def test_latency_checks_its_output_before_loading(capsys, monkeypatch):
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded before the output path was checked")
+
+    monkeypatch.setattr("pagedkv.engine.llm_engine.LLMEngine", never)
+    assert main(["bench", "latency", "--output-json", "/proc/nope/l.json"]) == 2
+    assert "--output-json /proc/nope/l.json" in capsys.readouterr().err
+
+
+# ---- the stats line ------------------------------------------------------------------------
+
+
+def test_stats_line_has_vllms_fields():
+    before = SchedulerStats(
+        num_prompt_tokens=100, num_generation_tokens=50, prefix_cache_queries=100
+    )
+    after = SchedulerStats(
+        num_running=3,
+        num_waiting=1,
+        kv_cache_usage=0.25,
+        num_prompt_tokens=300,
+        num_generation_tokens=150,
+        prefix_cache_queries=300,
+        prefix_cache_hits=100,
+    )
+    line, idle = format_stats_line(before, after, elapsed=10.0)
+    assert not idle
+    assert line == (
+        "Avg prompt throughput: 20.0 tokens/s, Avg generation throughput: 10.0 tokens/s, "
+        "Running: 3 reqs, Waiting: 1 reqs, KV cache usage: 25.0%, "
+        "Prefix cache hit rate: 50.0% (interval), 33.3% (total)"
+    )
+    quiet = SchedulerStats(num_prompt_tokens=300, num_generation_tokens=150)
+    assert format_stats_line(quiet, quiet, 10.0)[1]  # nothing happened: idle
+
+
+def test_stats_logger_logs_info_when_busy_and_debug_when_idle(caplog):
+    snapshots = iter(
+        [
+            SchedulerStats(),
+            SchedulerStats(num_running=1, num_generation_tokens=20),
+            SchedulerStats(num_generation_tokens=20),
+        ]
+    )
+
+    async def read_stats():
+        return next(snapshots)
+
+    stats_logger = StatsLogger(read_stats, interval=10.0)
+    caplog.set_level(logging.DEBUG, logger="pagedkv.stats")
+
+    async def two_lines():
+        stats_logger._previous = await read_stats()
+        await stats_logger.log_once()
+        await stats_logger.log_once()
+
+    asyncio.run(two_lines())
+    levels = [(r.levelname, r.getMessage().split(",")[2].strip()) for r in caplog.records]
+    assert levels == [("INFO", "Running: 1 reqs"), ("DEBUG", "Running: 0 reqs")]
+    with pytest.raises(ValueError, match="interval must be > 0"):
+        StatsLogger(read_stats, interval=0)
+
+
+def test_server_logs_the_stats_line_periodically(caplog):
+    # DEBUG too: whether a tick sees the request running (INFO) or after it (idle, DEBUG)
+    # depends on timing; the level rule is tested above.
+    caplog.set_level(logging.DEBUG, logger="pagedkv.stats")
+    logged = threading.Event()
+
+    class Flag(logging.Handler):
+        def emit(self, record):
+            if "Running:" in record.getMessage():
+                logged.set()
+
+    flag = Flag()
+    logging.getLogger("pagedkv.stats").addHandler(flag)
+    try:
+        engine = FakeEngine(num_blocks=64, block_size=4, max_model_len=128)
+        engine.hold(after_tokens=5)  # the request stays running until a stats line is seen
+        app = create_app(engine, model_name=MODEL, log_stats_interval=0.05)
+        with ThreadedServer(app) as running:
+            import httpx
+
+            body = {"model": MODEL, "prompt": "hello", "max_tokens": 40, "ignore_eos": True}
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                reply = pool.submit(httpx.post, running.url + "/v1/completions", json=body)
+                try:
+                    assert logged.wait(30), "no stats line was logged"
+                finally:
+                    engine.release()
+                assert reply.result(timeout=60).status_code == 200
+    finally:
+        logging.getLogger("pagedkv.stats").removeHandler(flag)
+    line = next(r.getMessage() for r in caplog.records if "Running:" in r.getMessage())
+    assert "Avg generation throughput:" in line and "KV cache usage:" in line

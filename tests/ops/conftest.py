@@ -1,9 +1,0 @@
-"""Lets the ops tests import their shared case builder (``paged_attention_cases``) under pytest's
-importlib import mode."""
-
-import sys
-from pathlib import Path
-
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:
-    sys.path.insert(0, _HERE)
