@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _tiny_model import tiny_gemma3_hf_model
 
 from pagedkv.core.config import KVCacheConfig
 from pagedkv.core.model_shape import pattern_windows
@@ -133,39 +134,9 @@ def hf_logits(hf_model, token_ids: list[int], rows: list[int] | None = None) -> 
 # ---------------------------------------------------------------- tiny random model (fast)
 
 
-def tiny_hf_model():
-    """A random 4-layer Gemma 3 (window 8, 4 query / 2 KV heads of 32, query scale 24**-0.5,
-    linear rope scaling on the full-attention layer) with random norm weights, fp32."""
-    config = transformers.Gemma3TextConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        sliding_window=8,
-        layer_types=[SLIDING_ATTENTION, FULL_ATTENTION, SLIDING_ATTENTION, SLIDING_ATTENTION],
-        query_pre_attn_scalar=24,
-        max_position_embeddings=128,
-        rope_parameters={
-            FULL_ATTENTION: {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
-            SLIDING_ATTENTION: {"rope_type": "default", "rope_theta": 1e4},
-        },
-        attn_implementation="eager",
-    )
-    torch.manual_seed(0)
-    model = transformers.Gemma3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:  # zeros at init: make the (1 + weight) form matter
-                param.normal_(0.0, 0.3)
-    return model
-
-
 @pytest.fixture(scope="module")
 def tiny_pair():
-    hf = tiny_hf_model()
+    hf = tiny_gemma3_hf_model()
     config = ModelConfig.from_hf_config(hf.config.to_dict(), has_lm_head=False)
     return Gemma3ForCausalLM(config, hf.state_dict()), hf
 
@@ -442,23 +413,6 @@ def long_text(num_sentences: int) -> str:
     )
 
 
-@pytest.fixture(scope="module")
-def gemma_fp32(gemma3_gguf_path):
-    from pagedkv.model.loader import load_model
-
-    return load_model(gemma3_gguf_path, dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def gemma_hf(gemma3_gguf_path):
-    pytest.importorskip("accelerate")
-    path = gemma3_gguf_path
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
-    return model.eval()
-
-
 def test_gguf_config(gemma3_gguf_path):
     """The packaged file's shape, as its header and llama.cpp's Gemma 3 defaults give it."""
     from pagedkv.model.loader import load_model_config
@@ -473,13 +427,13 @@ def test_gguf_config(gemma3_gguf_path):
 
 
 @pytest.mark.slow
-def test_gguf_weights_equal_transformers(gemma3_gguf_path, gemma_hf):
+def test_gguf_weights_equal_transformers(gemma3_gguf_path, gemma3_hf):
     """Dequantized weights equal transformers' exactly: the norms' stored +1 is taken back off
     and q/k rows are not permuted (NeoX-style rotary in llama.cpp's Gemma)."""
     from pagedkv.model.gguf_loader import load_gguf
 
     state_dict = load_gguf(gemma3_gguf_path).state_dict
-    reference = gemma_hf.state_dict()
+    reference = gemma3_hf.state_dict()
     assert set(reference) - set(state_dict) == {"lm_head.weight"}  # tied
     for name, weight in state_dict.items():
         assert torch.equal(weight, reference[name]), name
@@ -488,8 +442,8 @@ def test_gguf_weights_equal_transformers(gemma3_gguf_path, gemma_hf):
 
 
 @pytest.mark.slow
-def test_tokenizer_adds_bos_and_has_no_chat_template(gemma_fp32):
-    tokenizer = gemma_fp32.tokenizer
+def test_tokenizer_adds_bos_and_has_no_chat_template(gemma3_fp32):
+    tokenizer = gemma3_fp32.tokenizer
     ids = tokenizer.encode("The capital of France is")
     assert ids == [2, 818, 5279, 529, 7001, 563]  # <bos> first, as transformers' tokenizer
     assert tokenizer.decode(ids) == "The capital of France is"
@@ -499,35 +453,35 @@ def test_tokenizer_adds_bos_and_has_no_chat_template(gemma_fp32):
 
 
 @pytest.mark.slow
-def test_short_prompt_logits_match_transformers(gemma_fp32, gemma_hf):
-    tokens = gemma_fp32.tokenizer.encode("The three primary colors of light are red, green and")
-    (hidden,) = WindowedRunner(gemma_fp32.model).step([(0, tokens)])
-    logits = gemma_fp32.model.compute_logits(hidden)
-    reference = hf_logits(gemma_hf, tokens)
+def test_short_prompt_logits_match_transformers(gemma3_fp32, gemma3_hf):
+    tokens = gemma3_fp32.tokenizer.encode("The three primary colors of light are red, green and")
+    (hidden,) = WindowedRunner(gemma3_fp32.model).step([(0, tokens)])
+    logits = gemma3_fp32.model.compute_logits(hidden)
+    reference = hf_logits(gemma3_hf, tokens)
     assert (logits - reference).abs().max().item() < TOLERANCE
-    assert gemma_fp32.tokenizer.decode([int(logits[-1].argmax())]).strip() == "blue"
+    assert gemma3_fp32.tokenizer.decode([int(logits[-1].argmax())]).strip() == "blue"
 
 
 @pytest.mark.slow
-def test_long_prompt_past_window_matches_transformers(gemma_fp32, gemma_hf):
+def test_long_prompt_past_window_matches_transformers(gemma3_fp32, gemma3_hf):
     """1,500 tokens in one prefill: positions beyond 512 see only their window in 15 layers."""
-    tokens = gemma_fp32.tokenizer.encode(long_text(200))[:1500]
+    tokens = gemma3_fp32.tokenizer.encode(long_text(200))[:1500]
     assert len(tokens) == 1500
-    (hidden,) = WindowedRunner(gemma_fp32.model, num_blocks=100).step([(0, tokens)])
+    (hidden,) = WindowedRunner(gemma3_fp32.model, num_blocks=100).step([(0, tokens)])
     rows = [*range(0, 1500, 97), 511, 512, 513, 1024, 1498, 1499]
-    logits = gemma_fp32.model.compute_logits(hidden[rows])
-    reference = hf_logits(gemma_hf, tokens, rows)
+    logits = gemma3_fp32.model.compute_logits(hidden[rows])
+    reference = hf_logits(gemma3_hf, tokens, rows)
     assert (logits - reference).abs().max().item() < TOLERANCE
 
 
 @pytest.mark.slow
-def test_chunked_prefill_then_greedy_decode_past_window(gemma_fp32, gemma_hf):
+def test_chunked_prefill_then_greedy_decode_past_window(gemma3_fp32, gemma3_hf):
     """A 700-token prompt in three chunks, then greedy decoding with the out-of-window blocks
     nulled in the sliding-window tables: logits within tolerance of transformers' full forward
     over the final sequence, and every greedy token the one transformers picks (its argmax at
     that row)."""
-    model = gemma_fp32.model
-    prompt = gemma_fp32.tokenizer.encode(long_text(100))[:700]
+    model = gemma3_fp32.model
+    prompt = gemma3_fp32.tokenizer.encode(long_text(100))[:700]
     runner = WindowedRunner(model, num_blocks=64)
     for chunk in (prompt[:200], prompt[200:533], prompt[533:]):
         (hidden,) = runner.step([(0, chunk)])
@@ -539,6 +493,6 @@ def test_chunked_prefill_then_greedy_decode_past_window(gemma_fp32, gemma_hf):
         (hidden,) = runner.step([(0, sequence[-1:])])
         assert runner.num_skipped_blocks == (len(sequence) - 512) // 16
         step_logits.append(model.compute_logits(hidden))
-    reference = hf_logits(gemma_hf, sequence, list(range(len(prompt) - 1, len(sequence))))
+    reference = hf_logits(gemma3_hf, sequence, list(range(len(prompt) - 1, len(sequence))))
     assert (torch.cat(step_logits) - reference).abs().max().item() < TOLERANCE
     assert reference[:-1].argmax(dim=-1).tolist() == sequence[len(prompt) :]

@@ -233,6 +233,7 @@ class Gemma3ForCausalLM:
         except KeyError as e:
             raise ModelLoadError(f"checkpoint lacks the weight {e.args[0]!r}") from None
         self.lm_head = PackedLinear(lm_head, None, pack)
+        self._max_positions = config.max_position_embeddings
 
     @torch.inference_mode()
     def forward(
@@ -287,6 +288,17 @@ class Gemma3ForCausalLM:
         return F.rms_norm(h.float(), (hidden,), self.norm, self.config.rms_norm_eps).to(self.dtype)
 
     __call__ = forward
+
+    @property
+    def max_positions(self) -> int:
+        """Positions the model runs: ``max_position_embeddings`` unless extended (the rotary
+        angles are computed per forward, so any position can run)."""
+        return self._max_positions
+
+    def extend_positions(self, num_positions: int) -> None:
+        """Let positions up to ``num_positions`` run (past the trained context; for an engine
+        allowed a longer max_model_len). Never shrinks."""
+        self._max_positions = max(self._max_positions, num_positions)
 
     @torch.inference_mode()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
