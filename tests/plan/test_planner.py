@@ -43,6 +43,7 @@ def default_gguf_path() -> Path:
         ("Qwen2.5-7B", 7_615_616_512),
         ("Mistral-7B-v0.1", 7_241_732_096),
         ("Gemma-2-9B", 9_241_705_984),
+        ("Gemma-3-270M", 268_098_176),
     ],
 )
 def test_catalog_parameter_counts_match_published(name, num_parameters):
@@ -52,6 +53,7 @@ def test_catalog_parameter_counts_match_published(name, num_parameters):
 def test_resolve_model_names_and_aliases():
     assert resolve_model("llama-3.1-8b") is MODELS["Llama-3.1-8B"]
     assert resolve_model("Mistral-7B") is MODELS["Mistral-7B-v0.1"]
+    assert resolve_model("gemma3-270m") is MODELS["Gemma-3-270M"]  # the engine's short name
     with pytest.raises(ConfigError, match="unknown model 'gpt-5'; choose one of SmolLM2-135M"):
         resolve_model("gpt-5")
 
