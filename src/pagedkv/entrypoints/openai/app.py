@@ -4,7 +4,8 @@ Routes::
 
     GET  /v1/models              the one served model
     POST /v1/completions         text completion (stream: server-sent events)
-    POST /v1/chat/completions    chat completion, the model's chat template applied
+    POST /v1/chat/completions    chat completion, the model's chat template applied (400 for
+                                 a base model without one: use /v1/completions)
     GET  /health                 200 while the engine thread runs, else 503
     GET  /metrics                Prometheus text format (see metrics.py)
     POST /reset_prefix_cache     {"success": bool}; fails while blocks are in use
@@ -155,6 +156,9 @@ class OpenAIServing:
 
     def __init__(self, engine: Any, *, model_name: str, max_model_len: int | None) -> None:
         self.engine_loop = EngineLoop(engine)
+        tokenizer = getattr(engine, "tokenizer", None)
+        #: False for a base model (Gemma 3 270M): chat requests are refused up front.
+        self.has_chat_template = bool(getattr(tokenizer, "has_chat_template", True))
         self.metrics = ServerMetrics(model_name)
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -347,6 +351,14 @@ class OpenAIServing:
         self, request: ChatCompletionRequest, raw_request: Request
     ) -> Response:
         self._check_model(request.model)
+        if not self.has_chat_template:
+            raise OpenAIError(
+                400,
+                f"this model (`{self.model_name}`) has no chat template (a base model); send a "
+                "plain prompt to /v1/completions instead",
+                param="messages",
+                code="no_chat_template",
+            )
         response_id = random_id("chatcmpl")
         # No max_tokens: the reply may run to max_model_len (the engine's None).
         max_tokens = request.max_completion_tokens or request.max_tokens
