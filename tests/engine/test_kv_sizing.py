@@ -74,9 +74,7 @@ def test_sliding_window_groups_size_the_default_pool_by_their_window():
     per_request = 256 + 5 * 49
     assert kv.max_num_blocks_per_request() == per_request
     assert kv.num_blocks == 4 * per_request + 1 and kv.max_concurrency() == 4
-    full = size_kv_cache(
-        GEMMA3_270M, EngineConfig(**options, disable_hybrid_kv_cache_manager=True)
-    )
+    full = size_kv_cache(GEMMA3_270M, EngineConfig(**options, disable_hybrid_kv_cache_manager=True))
     assert len(full.kv_cache_groups) == 1 and full.group_size == 18
     assert full.num_blocks == 4 * 256 + 1  # blocks 6x as large: 6 x 256 pages a request
     same_pool = size_kv_cache(GEMMA3_270M, EngineConfig(**options, kv_cache_memory=64 * MiB))
