@@ -58,6 +58,22 @@ def test_resolve_model_names_and_aliases():
         resolve_model("gpt-5")
 
 
+def test_gemma3_sliding_window_groups_against_all_full_attention():
+    """Gemma 3 270M at 8,192 tokens with 512-token steps: 512 blocks in the full-attention group
+    and 65 in each of the five sliding-window ones (of 3 pages each), against 512 blocks of 18
+    pages with every layer as full attention (--disable-hybrid-kv-cache-manager)."""
+    options = {"max_model_len": 8192, "max_num_batched_tokens": 512, "kv_cache_dtype": "bfloat16"}
+    hybrid = plan_capacity("gemma3-270m", "24GiB", **options)
+    unified = plan_capacity("gemma3-270m", "24GiB", **options, disable_hybrid_kv_cache_manager=True)
+    assert len(hybrid.kv_cache_config.kv_cache_groups) == 6
+    assert len(unified.kv_cache_config.kv_cache_groups) == 1
+    assert hybrid.kv_cache_config.max_num_blocks_per_request() == 512 + 5 * 65
+    assert unified.kv_cache_config.max_num_blocks_per_request() == 512
+    pages = (hybrid.kv_cache_config.max_num_blocks_per_request() * 3, 512 * 18)
+    assert pages == (2511, 9216)  # 72.8% less KV a request
+    assert hybrid.max_concurrency > 3 * unified.max_concurrency
+
+
 def test_devices_and_memory_sizes():
     assert resolve_device("h100-80gb") == ("H100-80GB", 81559 * MiB)
     assert {"H100-80GB", "H200-141GB", "A100-40GB", "A100-80GB", "L4", "RTX-4090"} <= set(DEVICES)
