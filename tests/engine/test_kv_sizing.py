@@ -3,6 +3,8 @@ that name the limit hit and the options (flags) that change it; checked before t
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from _tiny_model import tiny_loaded_model
 
@@ -41,9 +43,42 @@ def test_default_budget_is_capped_and_max_model_len_capped_at_4096():
     assert kv.max_model_len == 4096 == resolve_max_model_len(SMOLLM2, EngineConfig())
     assert kv.bytes_per_block == BYTES_PER_BLOCK
     assert kv.num_blocks == DEFAULT_MAX_KV_CACHE_MEMORY // BYTES_PER_BLOCK == 2912
-    # Small enough to need less than the cap: max_num_seqs x max_model_len tokens.
+    # Small enough to need less than the cap: max_num_seqs requests of max_model_len tokens,
+    # and the null block.
     kv = size_kv_cache(SMOLLM2, EngineConfig(max_num_seqs=2, max_model_len=1024))
-    assert kv.num_blocks == 2 * 1024 // 16
+    assert kv.num_blocks == 2 * 1024 // 16 + 1 and kv.max_concurrency() == 2
+
+
+#: Gemma 3 270M's shape: 15 sliding-window layers (window 512) and 3 full, 1 KV head x 256.
+GEMMA3_270M = dataclasses.replace(
+    SMOLLM2,
+    architecture="gemma3",
+    num_hidden_layers=18,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=256,
+    max_position_embeddings=32768,
+    layer_types=(("sliding_attention",) * 5 + ("full_attention",)) * 3,
+    sliding_window=512,
+)
+
+
+def test_sliding_window_groups_size_the_default_pool_by_their_window():
+    """Six groups of three layers (a block id spans 3 pages of 1 x 16 x 256 x 2 x 2 bytes); a
+    request of 4096 tokens holds 256 blocks in the full group but, with 256-token steps, only
+    cdiv(511 + 256, 16) + 1 = 49 in each sliding group: the default pool is sized for that."""
+    options = {"max_num_seqs": 4, "max_model_len": 4096, "max_num_batched_tokens": 256}
+    kv = size_kv_cache(GEMMA3_270M, EngineConfig(**options))
+    assert [len(g.layer_ids) for g in kv.kv_cache_groups] == [3] * 6
+    assert kv.bytes_per_block == 3 * 16 * 256 * 2 * 2
+    per_request = 256 + 5 * 49
+    assert kv.max_num_blocks_per_request() == per_request
+    assert kv.num_blocks == 4 * per_request + 1 and kv.max_concurrency() == 4
+    full = size_kv_cache(GEMMA3_270M, EngineConfig(**options, disable_hybrid_kv_cache_manager=True))
+    assert len(full.kv_cache_groups) == 1 and full.group_size == 18
+    assert full.num_blocks == 4 * 256 + 1  # blocks 6x as large: 6 x 256 pages a request
+    same_pool = size_kv_cache(GEMMA3_270M, EngineConfig(**options, kv_cache_memory=64 * MiB))
+    assert same_pool.max_concurrency() == 64 * MiB // (3 * 16 * 1024) // per_request == 2
 
 
 def test_num_blocks_wins_then_kv_cache_memory_then_dtype():

@@ -114,3 +114,24 @@ def test_bench_counts_below_one_fail_while_parsing(flags, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "throughput", *flags])
     assert "must be >= 1" in capsys.readouterr().err
+
+
+def test_base_model_prompts_are_plain_text():
+    """A model without a chat template completes text: single user messages become their text,
+    --demo's chat questions become completion prompts, conversations are refused."""
+    from pagedkv.entrypoints.generate import (
+        DEMO_COMPLETION_PROMPTS,
+        DEMO_PROMPTS,
+        as_completion_prompts,
+    )
+
+    demo = [([{"role": "user", "content": p}], None) for p in DEMO_PROMPTS]
+    items = [([{"role": "user", "content": "Paging is"}], 5), ("raw text", None)]
+    converted = as_completion_prompts(demo + items, demo=True)
+    assert converted == [(p, None) for p in DEMO_COMPLETION_PROMPTS] + [
+        ("Paging is", 5),
+        ("raw text", None),
+    ]
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    with pytest.raises(InvalidRequestError, match=r"no chat template.*2 messages"):
+        as_completion_prompts([(conversation, None)], demo=False)

@@ -115,6 +115,32 @@ def test_chat(client, engine):
     assert result.usage.completion_tokens == 9
 
 
+def test_base_model_refuses_chat_and_serves_completions():
+    """A model without a chat template (Gemma 3 270M, a base model): chat requests get a 400
+    naming /v1/completions before anything is queued; completions are served."""
+    engine = FakeEngine()
+    engine.tokenizer.has_chat_template = False
+    app = create_app(engine, model_name=MODEL, max_model_len=engine.max_model_len)
+    with ThreadedServer(app) as running:
+        chat = httpx.post(
+            running.url + "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]},
+        )
+        completion = httpx.post(
+            running.url + "/v1/completions",
+            json={"model": MODEL, "prompt": "Hi", "max_tokens": 3, "temperature": 0},
+        )
+    assert chat.status_code == 400
+    error = chat.json()["error"]
+    assert "no chat template" in error["message"] and "/v1/completions" in error["message"]
+    assert (error["param"], error["code"]) == ("messages", "no_chat_template")
+    assert engine.added == [] or all(r[0].startswith("cmpl") for r in engine.added)
+    assert completion.status_code == 200
+    assert completion.json()["choices"][0]["text"] == expected_text(
+        engine.tokenizer.encode("Hi"), 3
+    )
+
+
 def test_chat_without_max_tokens_runs_to_max_model_len(client, engine):
     messages = [{"role": "user", "content": "x" * 100}]
     result = client.chat.completions.create(model=MODEL, messages=messages, temperature=0)

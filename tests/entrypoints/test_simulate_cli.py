@@ -86,3 +86,41 @@ def test_trace_file_with_skip_and_memory_budget(tmp_path, capsys):
 def test_bad_arguments_exit_2(argv, message, capsys):
     assert main(["simulate", "--json", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_model_with_sliding_window_groups_fits_more_than_all_full_attention(tmp_path, capsys):
+    """Gemma 3 270M's six KV cache groups on one pool: 4,096-token requests hold 256 blocks in
+    the full-attention group and at most 65 in each sliding-window group (512-token steps), so
+    the same bytes run more of them at once than with every layer as full attention (6 x 256)."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"prompt_len": 3968, "output_len": 128}\n' * 8)
+    argv = ["simulate", "--trace", str(trace), "--model", "gemma3-270m"]
+    argv += ["--kv-cache-memory", "128MiB", "--max-model-len", "4096"]
+    argv += ["--max-num-batched-tokens", "512", "--json", "--quiet"]
+    peaks = {}
+    for extra in ([], ["--disable-hybrid-kv-cache-manager"]):
+        assert main([*argv, *extra]) == 0
+        report = json.loads(capsys.readouterr().out)
+        # The contiguous baseline is one full-attention region: only for the unified form.
+        policies = {"paged", "paged+prefix"} | ({"contiguous"} if extra else set())
+        assert set(report["policies"]) == policies
+        groups = report["kv_cache_groups"]
+        assert groups == ([512] * 5 + [None] if not extra else [None])
+        assert report["config"]["num_blocks"] == (128 << 20) // (
+            3 * 16 * 1024 if not extra else 18 * 16 * 1024
+        )
+        peaks[bool(extra)] = report["policies"]["paged"]["peak_concurrency"]
+    # 2,729 usable blocks: a whole request needs 581 (hybrid) or 1,536 (unified); requests still
+    # prefilling hold less, so more run at the peak: 7 against 2.
+    assert peaks == {False: 7, True: 2}
+
+
+def test_model_refuses_the_shape_flags_and_contiguous(capsys):
+    base = ["simulate", "--workload", "sixteen-lengths", "--model", "gemma3-270m", "--quiet"]
+    for argv, message in [
+        ([*base, "--num-layers", "4"], "drop --num-layers"),
+        ([*base, "--policies", "contiguous,paged"], "has 6 KV cache groups"),
+        (["simulate", "--disable-hybrid-kv-cache-manager", "--quiet"], "needs --model"),
+    ]:
+        assert main(argv) == 2
+        assert message in capsys.readouterr().err

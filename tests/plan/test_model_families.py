@@ -316,6 +316,56 @@ def test_gguf_deepseek2_is_mla_and_gemma3_keeps_its_layer_pattern():
         shape_from_gguf_metadata({"general.architecture": "rwkv6"}, set())
 
 
+def test_gemma3_layer_pattern_is_parsed_once_for_planner_and_engine():
+    """Planner and engine read Gemma-3's layers from one parser: period 6 when neither GGUF nor
+    config.json stores it (a gemma3_text config.json without it used to plan every layer as
+    sliding), a period, or one bool per layer; the engine's KV-cache specs are the planner's."""
+    from pagedkv.model.config import ModelConfig, kv_cache_layer_specs
+
+    text = {
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 18,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "hidden_size": 640,
+        "intermediate_size": 2048,
+        "vocab_size": 262144,
+        "sliding_window": 512,
+    }
+    expected = ((512,) * 5 + (None,)) * 3
+    assert shape_from_hf_config(text).layer_windows == expected
+    assert shape_from_hf_config({**text, "sliding_window_pattern": 3}).layer_windows == (
+        (512, 512, None) * 6
+    )
+    metadata = {
+        "general.architecture": "gemma3",
+        "gemma3.block_count": 18,
+        "gemma3.attention.head_count": 4,
+        "gemma3.attention.head_count_kv": 1,
+        "gemma3.attention.key_length": 256,
+        "gemma3.embedding_length": 640,
+        "gemma3.feed_forward_length": 2048,
+        "gemma3.vocab_size": 262144,
+        "gemma3.attention.sliding_window": 512,
+    }
+    flags = {"gemma3.attention.sliding_window_pattern": [i % 2 == 0 for i in range(18)]}
+    assert shape_from_gguf_metadata(metadata | flags, set()).layer_windows == (512, None) * 9
+    for parsed in (metadata, text):
+        if "model_type" in parsed:
+            shape, config = shape_from_hf_config(parsed), ModelConfig.from_hf_config(parsed)
+        else:
+            shape = shape_from_gguf_metadata(parsed, set())
+            config = ModelConfig.from_gguf_metadata(parsed, set())
+        planned = shape.layer_specs(block_size=16, kv_cache_dtype="bfloat16")
+        assert list(planned) == kv_cache_layer_specs(config, 16, "bfloat16")
+        assert config.layer_sliding_windows == expected
+    with pytest.raises(ModelConfigError, match="17 entries for 18 layers"):
+        shape_from_gguf_metadata(
+            metadata | {"gemma3.attention.sliding_window_pattern": [True] * 17}, set()
+        )
+
+
 # ---- Hugging Face ids and devices ----------------------------------------------------------
 
 

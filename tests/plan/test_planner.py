@@ -43,6 +43,7 @@ def default_gguf_path() -> Path:
         ("Qwen2.5-7B", 7_615_616_512),
         ("Mistral-7B-v0.1", 7_241_732_096),
         ("Gemma-2-9B", 9_241_705_984),
+        ("Gemma-3-270M", 268_098_176),
     ],
 )
 def test_catalog_parameter_counts_match_published(name, num_parameters):
@@ -52,8 +53,25 @@ def test_catalog_parameter_counts_match_published(name, num_parameters):
 def test_resolve_model_names_and_aliases():
     assert resolve_model("llama-3.1-8b") is MODELS["Llama-3.1-8B"]
     assert resolve_model("Mistral-7B") is MODELS["Mistral-7B-v0.1"]
+    assert resolve_model("gemma3-270m") is MODELS["Gemma-3-270M"]  # the engine's short name
     with pytest.raises(ConfigError, match="unknown model 'gpt-5'; choose one of SmolLM2-135M"):
         resolve_model("gpt-5")
+
+
+def test_gemma3_sliding_window_groups_against_all_full_attention():
+    """Gemma 3 270M at 8,192 tokens with 512-token steps: 512 blocks in the full-attention group
+    and 65 in each of the five sliding-window ones (of 3 pages each), against 512 blocks of 18
+    pages with every layer as full attention (--disable-hybrid-kv-cache-manager)."""
+    options = {"max_model_len": 8192, "max_num_batched_tokens": 512, "kv_cache_dtype": "bfloat16"}
+    hybrid = plan_capacity("gemma3-270m", "24GiB", **options)
+    unified = plan_capacity("gemma3-270m", "24GiB", **options, disable_hybrid_kv_cache_manager=True)
+    assert len(hybrid.kv_cache_config.kv_cache_groups) == 6
+    assert len(unified.kv_cache_config.kv_cache_groups) == 1
+    assert hybrid.kv_cache_config.max_num_blocks_per_request() == 512 + 5 * 65
+    assert unified.kv_cache_config.max_num_blocks_per_request() == 512
+    pages = (hybrid.kv_cache_config.max_num_blocks_per_request() * 3, 512 * 18)
+    assert pages == (2511, 9216)  # 72.8% less KV a request
+    assert hybrid.max_concurrency > 3 * unified.max_concurrency
 
 
 def test_devices_and_memory_sizes():

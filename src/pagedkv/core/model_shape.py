@@ -75,8 +75,14 @@ _QKV_BIAS = frozenset({"qwen2", "qwen2_moe"})
 _QK_NORM = frozenset({"qwen3", "qwen3_moe", "gemma3", "gemma3_text"})
 #: Model types with multi-head latent attention.
 _MLA = frozenset({"deepseek_v2", "deepseek_v3"})
-#: Gemma-3's layer pattern when GGUF metadata does not store it (llama.cpp fixes it at 6).
-_GEMMA3_SLIDING_WINDOW_PATTERN = 6
+#: ``layer_types`` entries (Hugging Face's names for a layer's attention).
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+#: Gemma-3's layer pattern when neither GGUF metadata nor config.json store it: every sixth layer
+#: is full attention, the five before it slide (llama.cpp and transformers fix it at 6).
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+#: Model types that follow Gemma-3's layer pattern.
+_GEMMA3_TYPES = frozenset({"gemma3", "gemma3_text"})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -422,8 +428,15 @@ def _get_int(get: Any, key: str, where: str, default: Any = _REQUIRED, *, label:
     return int(value)
 
 
-def _pattern_windows(num_layers: int, window: int, pattern: int) -> tuple[int | None, ...]:
-    """Gemma-3: every pattern-th layer is full attention, the rest slide."""
+def pattern_windows(num_layers: int, window: int, pattern: int) -> tuple[int | None, ...]:
+    """Gemma-3's per-layer windows: ``pattern - 1`` sliding-window layers, then one
+    full-attention layer (None), repeated (``pattern`` 6: layers 5, 11, 17, ... are full).
+
+    Raises:
+        ModelConfigError: ``pattern`` < 1.
+    """
+    if pattern < 1:
+        raise ModelConfigError(f"sliding_window_pattern must be >= 1, got {pattern}")
     return tuple(None if (i + 1) % pattern == 0 else window for i in range(num_layers))
 
 
@@ -452,9 +465,9 @@ def _hf_layer_windows(
             )
         windows: list[int | None] = []
         for kind in layer_types:
-            if kind == "full_attention":
+            if kind == FULL_ATTENTION:
                 windows.append(None)
-            elif kind == "sliding_attention":
+            elif kind == SLIDING_ATTENTION:
                 windows.append(window)
             else:
                 raise ModelConfigError(
@@ -463,8 +476,11 @@ def _hf_layer_windows(
                 )
         return tuple(windows)
     pattern = config.get("sliding_window_pattern", config.get("_sliding_window_pattern"))
+    if pattern is None and model_type in _GEMMA3_TYPES:
+        pattern = GEMMA3_SLIDING_WINDOW_PATTERN  # transformers' default for Gemma-3
     if pattern:
-        return _pattern_windows(num_layers, window, int(pattern))
+        period = _get_int(lambda _: pattern, "sliding_window_pattern", where)
+        return pattern_windows(num_layers, window, period)
     if model_type == "gemma2":
         return _alternating_windows(num_layers, window)
     if model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
@@ -622,6 +638,24 @@ def shape_from_hf_config(config: Mapping[str, Any], *, name: str = "config.json"
 # ---- GGUF metadata ---------------------------------------------------------------------------
 
 
+def _gguf_gemma3_windows(
+    metadata: Mapping[str, Any], num_layers: int, window: int, where: str
+) -> tuple[int | None, ...]:
+    """Gemma-3's per-layer windows from ``gemma3.attention.sliding_window_pattern``: a period
+    (every n-th layer full), one bool per layer (True = sliding), or absent: llama.cpp's converter
+    does not write it and llama.cpp (like transformers' GGUF loader) then uses period 6."""
+    key = "gemma3.attention.sliding_window_pattern"
+    pattern = metadata.get(key)
+    if isinstance(pattern, (list, tuple)):
+        if len(pattern) != num_layers:
+            raise ModelConfigError(
+                f"{where}: {key} has {len(pattern)} entries for {num_layers} layers"
+            )
+        return tuple(window if sliding else None for sliding in pattern)
+    period = _get_int(metadata.get, key, where, GEMMA3_SLIDING_WINDOW_PATTERN)
+    return pattern_windows(num_layers, window, period)
+
+
 def shape_from_gguf_metadata(
     metadata: Mapping[str, Any],
     tensor_names: Collection[str],
@@ -685,8 +719,7 @@ def shape_from_gguf_metadata(
     elif arch == "gemma2":
         windows = _alternating_windows(num_layers, window)
     elif arch == "gemma3":
-        pattern = get("attention.sliding_window_pattern", _GEMMA3_SLIDING_WINDOW_PATTERN)
-        windows = _pattern_windows(num_layers, window, pattern)
+        windows = _gguf_gemma3_windows(metadata, num_layers, window, where)
     else:
         windows = (window,) * num_layers
     extra: dict[str, Any] = {}
@@ -741,10 +774,14 @@ def shape_from_gguf_metadata(
 
 
 __all__ = [
+    "FULL_ATTENTION",
+    "GEMMA3_SLIDING_WINDOW_PATTERN",
     "GGUF_ARCHITECTURES",
     "HF_MODEL_TYPES",
+    "SLIDING_ATTENTION",
     "WEIGHT_DTYPE_BYTES",
     "ModelShape",
+    "pattern_windows",
     "shape_from_gguf_metadata",
     "shape_from_hf_config",
 ]

@@ -175,3 +175,23 @@ def max_num_blocks_per_request(
     """
     batched = num_tokens if max_num_batched_tokens is None else max_num_batched_tokens
     return sum(spec.max_num_blocks_per_request(num_tokens, batched) for spec in kv_cache_specs)
+
+
+def unify_kv_cache_specs(layer_specs: Iterable[KVCacheSpec]) -> list[KVCacheSpec]:
+    """The layer specs with every sliding-window layer held as full attention (same page shape):
+    one KV cache group for the whole model, no block leaves the pool while a request runs. The
+    layers still attend only to their window; only the cache keeps every block. What vLLM does
+    with ``--disable-hybrid-kv-cache-manager`` (``unify_hybrid_kv_cache_specs``); pagedkv uses it
+    to measure what the sliding-window groups save.
+    """
+    unified: list[KVCacheSpec] = []
+    for spec in layer_specs:
+        if isinstance(spec, SlidingWindowSpec):
+            spec = FullAttentionSpec(
+                block_size=spec.block_size,
+                num_kv_heads=spec.num_kv_heads,
+                head_size=spec.head_size,
+                dtype=spec.dtype,
+            )
+        unified.append(spec)
+    return unified

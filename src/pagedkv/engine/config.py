@@ -47,6 +47,10 @@ class EngineConfig:
         enable_prefix_caching: reuse cached KV blocks of earlier prompts with the same prefix.
         enable_chunked_prefill: split prompts over steps; off needs max_num_batched_tokens >=
             max_model_len.
+        disable_hybrid_kv_cache_manager: hold every layer's KV as full attention, one KV cache
+            group (vLLM's flag of the same name): sliding-window layers keep every block of a
+            request instead of giving back the blocks that left their window. They still attend
+            only to their window; only memory changes (for comparisons).
         policy: "fcfs" or "priority".
         hash_algo: block-hash algorithm of the prefix cache ("sha256" default, or a fast one
             offered by pagedkv.core.hashing).
@@ -74,6 +78,7 @@ class EngineConfig:
     allow_long_max_model_len: bool = False
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    disable_hybrid_kv_cache_manager: bool = False
     policy: str = "fcfs"
     hash_algo: str = "sha256"
     hash_seed: int | str | bytes | None = None
@@ -131,6 +136,11 @@ class EngineConfig:
         )
         group.add_argument(
             "--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false"
+        )
+        group.add_argument(
+            "--disable-hybrid-kv-cache-manager",
+            action="store_true",
+            help="hold sliding-window layers' KV as full attention (one group; for comparisons)",
         )
         group.add_argument("--policy", default=d.policy, choices=("fcfs", "priority"))
         group.add_argument(

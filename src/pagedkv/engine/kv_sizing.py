@@ -10,24 +10,31 @@ Sizing, in order of precedence::
 
     num_blocks given          -> that many blocks (block 0 is the null block)
     kv_cache_memory given     -> floor(kv_cache_memory / bytes_per_block)
-    neither                   -> enough for max_num_seqs x max_model_len tokens,
-                                 at most DEFAULT_MAX_KV_CACHE_MEMORY
+    neither                   -> enough for max_num_seqs requests of max_model_len tokens
+                                 (+ the null block), at most DEFAULT_MAX_KV_CACHE_MEMORY
 
-    bytes_per_block = block_size x num_kv_heads x head_dim x 2 (K and V) x dtype bytes x layers
+    bytes_per_block = block_size x num_kv_heads x head_dim x 2 (K and V) x dtype bytes x group_size
+
+The layers' specs come from the model (:func:`pagedkv.model.config.kv_cache_layer_specs`): one
+full-attention group for the Llama family; for a model with sliding-window layers (Gemma 3) one
+group per ``group_size`` layers of a type, where a request of max_model_len holds
+``max_num_blocks_per_request`` blocks (its window's blocks, not its length's, in the
+sliding-window groups). ``disable_hybrid_kv_cache_manager`` holds every layer as full attention.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-from pagedkv.core.config import KVCacheConfig
-from pagedkv.core.spec import FullAttentionSpec
+from pagedkv.core.config import KVCacheConfig, group_layers
+from pagedkv.core.spec import KVCacheSpec, max_num_blocks_per_request, unify_kv_cache_specs
 from pagedkv.engine.config import (
     DEFAULT_MAX_KV_CACHE_MEMORY,
     DEFAULT_MAX_MODEL_LEN_CAP,
     EngineConfig,
 )
 from pagedkv.errors import CacheSizingError, ConfigError
+from pagedkv.model.config import kv_cache_layer_specs
 
 #: What to change when the pool is too small, as option (flag).
 _MORE_KV = (
@@ -43,6 +50,11 @@ class ModelShape(Protocol):
     num_key_value_heads: int
     head_dim: int
     max_position_embeddings: int
+
+    @property
+    def layer_sliding_windows(self) -> tuple[int | None, ...]:
+        """Per layer, its sliding window in tokens, or None for full attention."""
+        ...
 
 
 def resolve_max_model_len(model_config: ModelShape, config: EngineConfig) -> int:
@@ -74,7 +86,7 @@ def size_kv_cache(
     """The KV cache the engine allocates for ``model_config`` under ``config``.
 
     Args:
-        model_config: the model's shape (every layer full attention: the Llama family).
+        model_config: the model's shape (layer windows from ``layer_sliding_windows``).
         config: the engine's options.
         kv_dtype: dtype of the KV cache; default ``config.dtype`` (an already loaded model's
             dtype wins in the engine).
@@ -89,16 +101,15 @@ def size_kv_cache(
             says the largest max_model_len that fits and which options to change).
     """
     max_model_len = resolve_max_model_len(model_config, config)
-    spec = FullAttentionSpec(
-        block_size=config.block_size,
-        num_kv_heads=model_config.num_key_value_heads,
-        head_size=model_config.head_dim,
-        dtype=kv_dtype or config.dtype,
-    )
-    layer_specs = [spec] * model_config.num_hidden_layers
+    layer_specs = engine_layer_specs(model_config, config, kv_dtype=kv_dtype)
     kv_cache_memory = config.kv_cache_memory
     if config.num_blocks is None and kv_cache_memory is None:
-        wanted = config.max_num_seqs * max_model_len * spec.bytes_per_token * len(layer_specs)
+        groups, group_size = group_layers(layer_specs)
+        blocks = max_num_blocks_per_request(
+            [g.kv_cache_spec for g in groups], max_model_len, config.max_num_batched_tokens
+        )
+        bytes_per_block = groups[0].kv_cache_spec.page_size_bytes * group_size
+        wanted = (config.max_num_seqs * blocks + 1) * bytes_per_block  # + the null block
         kv_cache_memory = min(wanted, DEFAULT_MAX_KV_CACHE_MEMORY)
 
     def build(length: int | None) -> KVCacheConfig:
@@ -126,3 +137,19 @@ def size_kv_cache(
         raise CacheSizingError(
             f"{e}. Lower max_model_len (--max-model-len), or {_MORE_KV}"
         ) from None
+
+
+def engine_layer_specs(
+    model_config: ModelShape, config: EngineConfig, *, kv_dtype: str | None = None
+) -> list[KVCacheSpec]:
+    """The KV-cache spec of each layer the engine allocates: the model's
+    (:func:`~pagedkv.model.config.kv_cache_layer_specs`), every layer full attention under
+    ``config.disable_hybrid_kv_cache_manager``.
+
+    Raises:
+        ConfigError: a bad block_size or dtype.
+    """
+    specs = kv_cache_layer_specs(model_config, config.block_size, kv_dtype or config.dtype)
+    if config.disable_hybrid_kv_cache_manager:
+        specs = unify_kv_cache_specs(specs)
+    return specs

@@ -13,7 +13,9 @@ Workload: chat prompts from a JSONL file (default: the committed 64-prompt set
 with ``ignore_eos`` so both backends do the same work, greedy. Reported: output tokens/s, mean and
 median time to first token (from submission), and the pagedkv / HF ratio. The HF baseline is
 transformers' ``generate`` on the same GGUF weights, in batches of ``--hf-batch-size`` with left
-padding (the usual way to batch it).
+padding (the usual way to batch it). A base model without a chat template (``--model
+gemma3-270m``) gets each chat's last user message as a plain completion prompt (BOS added, as
+both tokenizers do), on both backends.
 """
 
 from __future__ import annotations
@@ -129,9 +131,14 @@ def bench_pagedkv(args: argparse.Namespace, conversations: list) -> BenchResult:
     config = EngineConfig.from_cli_args(args)
     llm = LLM(**{name: getattr(config, name) for name in config.__slots__})
     tokenizer = llm.tokenizer
-    prompts = [tokenizer.apply_chat_template(c) for c in conversations]
+    if tokenizer.has_chat_template:
+        prompts = [tokenizer.apply_chat_template(c) for c in conversations]
+        warmup_prompt: Any = [{"role": "user", "content": "Warm up."}]
+    else:
+        prompts = [tokenizer.encode(completion_text(c)) for c in conversations]
+        warmup_prompt = "Warm up."
     warmup = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    llm.generate([[{"role": "user", "content": "Warm up."}]] * 4, warmup, use_tqdm=False)
+    llm.generate([warmup_prompt] * 4, warmup, use_tqdm=False)
     llm.engine.kv_cache_manager.reset_prefix_cache()
     before = llm.get_stats()
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -183,14 +190,19 @@ def bench_hf(args: argparse.Namespace, conversations: list, model_path: Path) ->
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
-    prompts = [
-        tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
-        for c in conversations
-    ]
+    # The chat template writes BOS itself; a plain completion prompt gets it from the tokenizer.
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    if chat:
+        prompts = [
+            tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
+            for c in conversations
+        ]
+    else:
+        prompts = [completion_text(c) for c in conversations]
     check_int("--hf-batch-size", args.hf_batch_size, 1, error=InvalidRequestError)
 
     def generate(batch: list[str], max_tokens: int, on_first_token=None):
-        enc = tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=not chat)
         processors = transformers.LogitsProcessorList()
         if on_first_token is not None:
             processors.append(_FirstCallTimer(on_first_token))
@@ -216,7 +228,9 @@ def bench_hf(args: argparse.Namespace, conversations: list, model_path: Path) ->
         input_len, out = generate(batch, args.max_tokens, first.append)
         ttfts += [first[0] - start] * len(batch)
         num_output += (out.shape[1] - input_len) * len(batch)
-        num_prompt += sum(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in batch)
+        num_prompt += sum(
+            len(tokenizer(p, add_special_tokens=not chat)["input_ids"]) for p in batch
+        )
     elapsed = time.perf_counter() - start
     return BenchResult(
         backend="hf",
@@ -230,6 +244,11 @@ def bench_hf(args: argparse.Namespace, conversations: list, model_path: Path) ->
         median_ttft_s=statistics.median(ttfts),
         extra={"batch_size": args.hf_batch_size, "transformers": transformers.__version__},
     )
+
+
+def completion_text(conversation: list[dict[str, str]]) -> str:
+    """The prompt a base model (no chat template) completes: the chat's last user message."""
+    return next(m["content"] for m in reversed(conversation) if m["role"] == "user")
 
 
 class _FirstCallTimer:

@@ -8,6 +8,10 @@ Each JSONL line is a JSON string (a user message), ``{"prompt": "raw text"}``,
 ``{"messages": [{"role": ..., "content": ...}, ...]}`` or a bare list of messages; an object may
 also set ``max_tokens``. Plain prompts given on the command line go through the chat template
 unless ``--raw``.
+
+A base model without a chat template (``--model gemma3-270m``) completes text: a prompt that is a
+single user message is sent as raw text, ``--demo`` asks completion prompts instead of chat
+questions, and a conversation (several messages) is refused.
 """
 
 from __future__ import annotations
@@ -29,6 +33,18 @@ DEMO_PROMPTS = (
     "Suggest a simple and healthy breakfast I can make in five minutes.",
     "How does a hash table handle collisions? Answer briefly.",
     "Translate 'Good morning, how are you today?' into Spanish and French.",
+)
+
+#: What `pagedkv generate --demo` asks a base model (no chat template): text to complete.
+DEMO_COMPLETION_PROMPTS = (
+    "The capital of France is",
+    "The sky looks blue because",
+    "Three tips for writing clear emails:",
+    "A haiku about autumn leaves:",
+    "In Python, the difference between a list and a tuple is that",
+    "A simple and healthy breakfast you can make in five minutes is",
+    "A hash table handles collisions by",
+    "Good morning in Spanish is",
 )
 
 #: Roles a chat message in a prompt file may have.
@@ -154,6 +170,13 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     llm = LLM(**_config_kwargs(config))
     load_time = time.perf_counter() - start
+    if not llm.engine.tokenizer.has_chat_template:
+        items = as_completion_prompts(items, demo=args.demo)
+        print(
+            "note: this model has no chat template (a base model); prompts are completed as "
+            "plain text",
+            file=sys.stderr,
+        )
     start = time.perf_counter()
     outputs = llm.generate([p for p, _ in items], params, use_tqdm=not args.no_progress)
     elapsed = time.perf_counter() - start
@@ -169,6 +192,34 @@ def run(args: argparse.Namespace) -> int:
             print(f"{prefix}{completion.text.strip()}")
     print_summary(llm, outputs, elapsed, load_time, file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+def as_completion_prompts(
+    items: list[tuple[Any, int | None]], *, demo: bool
+) -> list[tuple[Any, int | None]]:
+    """Prompts for a base model (no chat template): each single user message becomes its text;
+    the demo's chat questions become :data:`DEMO_COMPLETION_PROMPTS`.
+
+    Raises:
+        InvalidRequestError: a conversation (system or assistant messages, several turns): only
+            a model with a chat template can render it.
+    """
+    from pagedkv.errors import InvalidRequestError
+
+    converted: list[tuple[Any, int | None]] = []
+    if demo:
+        converted += [(text, None) for text in DEMO_COMPLETION_PROMPTS]
+        items = items[len(DEMO_PROMPTS) :]
+    for prompt, max_tokens in items:
+        if isinstance(prompt, list):
+            if len(prompt) != 1 or prompt[0]["role"] != "user":
+                raise InvalidRequestError(
+                    "this model has no chat template (a base model): a conversation of "
+                    f"{len(prompt)} messages cannot be rendered; give plain text prompts"
+                )
+            prompt = prompt[0]["content"]
+        converted.append((prompt, max_tokens))
+    return converted
 
 
 def print_summary(llm, outputs, elapsed: float, load_time: float, file=sys.stdout) -> None:

@@ -97,6 +97,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="typical request length in tokens: also report paged concurrency at it",
     )
     parser.add_argument(
+        "--disable-hybrid-kv-cache-manager",
+        action="store_true",
+        help="size sliding-window layers as full attention (one KV cache group), as vLLM's flag "
+        "of the same name: what the sliding windows save, by comparison",
+    )
+    parser.add_argument(
         "--num-blocks", type=int, default=None, help="explicit block count (wins over memory)"
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -129,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
         mean_len=args.mean_len,
         num_blocks=args.num_blocks,
         allow_long_max_model_len=args.allow_long_max_model_len,
+        disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
     )
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))

@@ -6,6 +6,7 @@ one page with all of them). See docs/simulate.md.
 
     pagedkv simulate --workload shared-prefix --num-requests 500 --out sim-out --html
     pagedkv simulate --trace my_trace.jsonl --on-error skip --kv-cache-memory 2GiB --json
+    pagedkv simulate --model gemma3-270m --kv-cache-memory 64MiB    (its KV cache groups)
 """
 
 from __future__ import annotations
@@ -69,9 +70,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="KV-cache bytes (e.g. 512MiB, 2GiB), sized with the model shape below",
     )
-    pool.add_argument("--num-layers", type=int, default=30, help="model shape (default SmolLM2)")
-    pool.add_argument("--num-kv-heads", type=int, default=3)
-    pool.add_argument("--head-size", type=int, default=64)
+    pool.add_argument(
+        "--model",
+        default=None,
+        help="model whose KV cache groups the paged pools hold (as `pagedkv plan` takes it: "
+        "Gemma-3-270M / gemma3-270m, a catalog name, a config.json, a .gguf); default one "
+        "full-attention group of the shape below",
+    )
+    pool.add_argument(
+        "--disable-hybrid-kv-cache-manager",
+        action="store_true",
+        help="with --model: hold sliding-window layers as full attention (one group)",
+    )
+    pool.add_argument(
+        "--num-layers", type=int, default=None, help="model shape without --model (SmolLM2: 30)"
+    )
+    pool.add_argument("--num-kv-heads", type=int, default=None, help="(3)")
+    pool.add_argument("--head-size", type=int, default=None, help="(64)")
     pool.add_argument("--kv-dtype", default="bfloat16")
     pool.add_argument("--block-size", type=int, default=None, help="tokens per block (16)")
     pool.add_argument("--max-model-len", type=int, default=None, help="tokens per request (2048)")
@@ -140,25 +155,51 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def _num_blocks_from_memory(args: argparse.Namespace, block_size: int, max_model_len: int) -> int:
-    from pagedkv.core.config import KVCacheConfig
-    from pagedkv.core.spec import FullAttentionSpec
-    from pagedkv.units import parse_memory_size
+#: The model shape without --model (SmolLM2-135M's KV heads).
+_SHAPE_DEFAULTS = {"num_layers": 30, "num_kv_heads": 3, "head_size": 64}
+
+
+def layer_specs(args: argparse.Namespace, block_size: int) -> list:
+    """Each layer's KV-cache spec: ``--model``'s (sliding-window layers as full attention with
+    ``--disable-hybrid-kv-cache-manager``), or ``--num-layers`` full-attention layers of
+    ``--num-kv-heads`` x ``--head-size``.
+
+    Raises:
+        ConfigError: --model together with the shape flags, an unknown model, bad values.
+    """
+    from pagedkv.core.spec import FullAttentionSpec, unify_kv_cache_specs
+    from pagedkv.errors import ConfigError
     from pagedkv.validation import check_int
 
-    check_int("--num-layers", args.num_layers, 1)
+    shape_flags = [name for name in _SHAPE_DEFAULTS if getattr(args, name) is not None]
+    if args.model is not None:
+        if shape_flags:
+            flags = ", ".join("--" + name.replace("_", "-") for name in shape_flags)
+            raise ConfigError(f"--model gives the model's shape; drop {flags}")
+        from pagedkv.plan.catalog import resolve_model
+
+        specs = list(
+            resolve_model(args.model).layer_specs(
+                block_size=block_size, kv_cache_dtype=args.kv_dtype
+            )
+        )
+        if args.disable_hybrid_kv_cache_manager:
+            specs = unify_kv_cache_specs(specs)
+        return specs
+    if args.disable_hybrid_kv_cache_manager:
+        raise ConfigError("--disable-hybrid-kv-cache-manager needs --model (a hybrid model)")
+    shape = {
+        name: default if getattr(args, name) is None else getattr(args, name)
+        for name, default in _SHAPE_DEFAULTS.items()
+    }
+    check_int("--num-layers", shape["num_layers"], 1)
     spec = FullAttentionSpec(
         block_size=block_size,
-        num_kv_heads=args.num_kv_heads,
-        head_size=args.head_size,
+        num_kv_heads=shape["num_kv_heads"],
+        head_size=shape["head_size"],
         dtype=args.kv_dtype,
     )
-    config = KVCacheConfig.from_kv_cache_memory(
-        [spec] * args.num_layers,
-        parse_memory_size(args.kv_cache_memory),
-        max_model_len=max_model_len,
-    )
-    return config.num_blocks
+    return [spec] * shape["num_layers"]
 
 
 def build(args: argparse.Namespace):
@@ -208,10 +249,32 @@ def build(args: argparse.Namespace):
         for key in _SETTINGS_DEFAULTS
     }
     settings["max_model_len"] = max_model_len
+    from pagedkv.core.config import KVCacheConfig, group_layers
+
+    specs = layer_specs(args, settings["block_size"])
+    groups, _ = group_layers(specs)
+    kv_cache_specs = None
+    if args.model is not None:
+        kv_cache_specs = tuple(group.kv_cache_spec for group in groups)
+        if len(groups) > 1 and "contiguous" in policies:
+            if args.policies != ",".join(_POLICY_CHOICES):
+                raise ConfigError(
+                    f"--policies contiguous: {args.model} has {len(groups)} KV cache groups; "
+                    "the contiguous baseline reserves one full-attention region (compare with "
+                    "--disable-hybrid-kv-cache-manager instead)"
+                )
+            policies = tuple(p for p in policies if p != "contiguous")
     if args.num_blocks is not None:
         num_blocks = args.num_blocks
     elif args.kv_cache_memory is not None:
-        num_blocks = _num_blocks_from_memory(args, settings["block_size"], max_model_len)
+        from pagedkv.units import parse_memory_size
+
+        num_blocks = KVCacheConfig.from_kv_cache_memory(
+            specs,
+            parse_memory_size(args.kv_cache_memory),
+            max_model_len=max_model_len,
+            max_num_batched_tokens=settings["max_num_batched_tokens"],
+        ).num_blocks
     else:
         num_blocks = workload.defaults.get("num_blocks", DEFAULT_NUM_BLOCKS)
     config = SimConfig(
@@ -220,6 +283,7 @@ def build(args: argparse.Namespace):
         step_time=args.step_time,
         block_map_columns=args.block_map_columns if args.out else 0,
         hash_algo=args.hash_algo,
+        kv_cache_specs=kv_cache_specs,
         **settings,
     )
     return workload, issues, config, policies
@@ -313,6 +377,12 @@ def run(args: argparse.Namespace) -> int:
                     "step_time",
                 )
             },
+            "model": args.model,
+            "kv_cache_groups": (
+                None
+                if config.kv_cache_specs is None
+                else [getattr(spec, "sliding_window", None) for spec in config.kv_cache_specs]
+            ),
             "policies": {p: r.metrics.to_dict() for p, r in results.items()},
             "trace_issues": [{"line": i.line_no, "message": i.message} for i in issues],
             "rejected": {p: r.rejected for p, r in results.items() if r.rejected},
@@ -337,10 +407,23 @@ def run(args: argparse.Namespace) -> int:
         f"{config.max_model_len}, max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
         f"{config.max_num_batched_tokens}, admission {config.admission}"
     )
+    if config.kv_cache_specs is not None:
+        print(f"model {args.model}: {_describe_groups(config.kv_cache_specs)}")
     _print_table(metrics_table_rows({p: r.metrics for p, r in results.items()}))
     for path in figure_paths:
         print(f"wrote {path}")
     return _report_write_error(write_error)
+
+
+def _describe_groups(specs) -> str:
+    """``"6 KV cache groups: 5 sliding window 512, 1 full attention"``."""
+    windows = [getattr(spec, "sliding_window", None) for spec in specs]
+    kinds = {}
+    for window in windows:
+        label = "full attention" if window is None else f"sliding window {window}"
+        kinds[label] = kinds.get(label, 0) + 1
+    parts = ", ".join(f"{count} {label}" for label, count in kinds.items())
+    return f"{len(specs)} KV cache group{'s' if len(specs) > 1 else ''}: {parts}"
 
 
 def _report_write_error(message: str | None) -> int:

@@ -1,8 +1,11 @@
-"""The shape of a Llama-family decoder, read from GGUF metadata or a Hugging Face config.json.
+"""The config of a decoder the engine runs (Llama family, Gemma 3), read from GGUF metadata or a
+Hugging Face config.json, and the KV-cache spec of each of its layers.
 
 The keys shared with capacity planning (layers, heads, sizes, context, tied embeddings, q/k/v
-bias) are parsed once, by :mod:`pagedkv.core.model_shape`, with one set of defaults and errors;
-this module adds what only running the model needs (rope, norm epsilon, token ids).
+bias, and which layers slide over which window) are parsed once, by
+:mod:`pagedkv.core.model_shape`, with one set of defaults and errors; this module adds what only
+running the model needs (rope, norm epsilon, token ids, Gemma 3's local rope base, query scale
+and logit softcapping).
 """
 
 from __future__ import annotations
@@ -11,22 +14,56 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pagedkv.core.model_shape import ModelShape, shape_from_gguf_metadata, shape_from_hf_config
+from pagedkv.core.model_shape import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    ModelShape,
+    shape_from_gguf_metadata,
+    shape_from_hf_config,
+)
+from pagedkv.core.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from pagedkv.errors import ModelLoadError
 
-#: Model types (GGUF ``general.architecture`` / HF ``model_type``) this decoder runs.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+#: Model types (GGUF ``general.architecture`` / HF ``model_type``) pagedkv runs: the Llama family
+#: (:mod:`pagedkv.model.llama`) and Gemma 3 (:mod:`pagedkv.model.gemma3`; its Hugging Face
+#: model_type is ``gemma3_text``).
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma3")
+#: Hugging Face model_type -> our architecture name, where they differ.
+_HF_ARCHITECTURES = {"gemma3_text": "gemma3"}
+#: Architectures whose model honours per-layer sliding windows (the Llama family's model runs
+#: every layer as full attention).
+_WINDOWED_ARCHITECTURES = frozenset({"gemma3"})
+
+#: Gemma 3's local (sliding-window) layers' rope base when GGUF metadata does not store it
+#: (llama.cpp hard-codes the same value).
+GEMMA3_ROPE_LOCAL_THETA = 10000.0
+#: Gemma 3 27B (62 layers) scales queries by (hidden_size / num_heads) ** -0.5, the other sizes
+#: by head_dim ** -0.5 (its config's query_pre_attn_scalar; llama.cpp keys it on the layer count).
+_GEMMA3_27B_NUM_LAYERS = 62
 
 
 @dataclass(slots=True)
 class ModelConfig:
-    """Hyperparameters of a Llama-family decoder (names as in Hugging Face's LlamaConfig).
+    """Hyperparameters of a decoder (names as in Hugging Face's LlamaConfig / Gemma3TextConfig).
 
-    ``architecture`` is the model type ("llama", "mistral", "qwen2"). ``rope_scaling`` is None or
-    a dict in Hugging Face's form (``{"rope_type": "llama3", "factor": ..., ...}``,
+    ``architecture`` is the model type ("llama", "mistral", "qwen2", "gemma3"). ``rope_scaling``
+    is None or a dict in Hugging Face's form (``{"rope_type": "llama3", "factor": ..., ...}``,
     ``{"rope_type": "linear", "factor": ...}``), or ``{"rope_type": "freq_factors", "factors":
     [...]}`` for GGUF files that store llama3-style per-frequency divisors (``rope_freqs.weight``).
     ``eos_token_id`` is an int or a list of ints.
+
+    Gemma 3 fields (defaults leave a Llama-family model as it was):
+
+    - ``layer_types``: per layer ``"full_attention"`` or ``"sliding_attention"``; None = every
+      layer full attention.
+    - ``sliding_window``: tokens a sliding-window layer attends to (itself and the
+      ``sliding_window - 1`` before it).
+    - ``rope_local_theta``: rope base of the sliding-window layers (None = ``rope_theta``);
+      ``rope_theta`` and ``rope_scaling`` are the full-attention layers'.
+    - ``query_pre_attn_scalar``: queries are scaled by ``query_pre_attn_scalar ** -0.5`` (None =
+      ``head_dim``).
+    - ``final_logit_softcapping``: logits = cap * tanh(logits / cap) when set.
+    - ``attn_logit_softcapping``: must be None (Gemma 2's score capping is not implemented).
     """
 
     architecture: str
@@ -45,6 +82,12 @@ class ModelConfig:
     attention_bias: bool
     bos_token_id: int | None
     eos_token_id: int | list[int] | None
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -57,6 +100,39 @@ class ModelConfig:
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
+        if self.layer_types is not None:
+            self.layer_types = tuple(self.layer_types)
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ModelLoadError(
+                    f"{len(self.layer_types)} layer_types for {self.num_hidden_layers} layers"
+                )
+            unknown = set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
+            if unknown:
+                raise ModelLoadError(
+                    f"layer types {sorted(unknown)} are not supported; pagedkv runs "
+                    f"{FULL_ATTENTION!r} and {SLIDING_ATTENTION!r} layers"
+                )
+            window = self.sliding_window
+            if SLIDING_ATTENTION in self.layer_types and (
+                not isinstance(window, int) or isinstance(window, bool) or window < 1
+            ):
+                raise ModelLoadError(
+                    f"sliding-window layers need a sliding_window >= 1, got {window!r}"
+                )
+        if self.attn_logit_softcapping is not None:
+            raise ModelLoadError(
+                f"attention logit softcapping ({self.attn_logit_softcapping}) is not supported "
+                "(Gemma 2); paged_attention has no score cap"
+            )
+
+    @property
+    def layer_sliding_windows(self) -> tuple[int | None, ...]:
+        """Per layer, its sliding window in tokens, or None for full attention."""
+        if self.layer_types is None:
+            return (None,) * self.num_hidden_layers
+        return tuple(
+            self.sliding_window if kind == SLIDING_ATTENTION else None for kind in self.layer_types
+        )
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -71,7 +147,9 @@ class ModelConfig:
     def from_shape(cls, shape: ModelShape, *, architecture: str, **fields: Any) -> ModelConfig:
         """Build from a parsed :class:`~pagedkv.core.model_shape.ModelShape` plus the fields only
         running the model needs (``rms_norm_eps``, ``rope_theta``, ``rope_scaling``,
-        ``bos_token_id``, ``eos_token_id``; ``tie_word_embeddings`` may be overridden).
+        ``bos_token_id``, ``eos_token_id``, Gemma 3's ``rope_local_theta``, ...;
+        ``tie_word_embeddings`` may be overridden). For Gemma 3, ``layer_types`` and
+        ``sliding_window`` come from the shape's per-layer windows.
 
         Raises:
             ModelLoadError: an unsupported architecture or head layout.
@@ -88,11 +166,16 @@ class ModelConfig:
             "tie_word_embeddings": shape.tie_word_embeddings,
             "attention_bias": shape.attention_bias,
         }
+        shared |= _layer_type_fields(shape, architecture)
         return cls(architecture=architecture, **{**shared, **fields})
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], *, has_lm_head: bool = True) -> ModelConfig:
         """Build from the dict of a Hugging Face ``config.json``.
+
+        Gemma 3 (``gemma3_text``) configs come in transformers 5's form (``layer_types``,
+        ``rope_parameters`` per layer type) or the older one (``sliding_window_pattern``,
+        ``rope_theta``, ``rope_local_base_freq``, ``rope_scaling`` for the global layers).
 
         Args:
             config: the parsed config.json.
@@ -100,26 +183,34 @@ class ModelConfig:
                 embeddings are tied whatever the config says.
 
         Raises:
-            ModelLoadError: an unsupported architecture; ModelConfigError (a ModelLoadError) for
-                a missing or malformed key.
+            ModelLoadError: an unsupported architecture (multimodal Gemma 3 included);
+                ModelConfigError (a ModelLoadError) for a missing or malformed key.
         """
-        _check_architecture(config.get("model_type"))
+        model_type = config.get("model_type")
+        if model_type == "gemma3":
+            raise ModelLoadError(
+                "multimodal Gemma 3 checkpoints (model_type 'gemma3') are not supported; "
+                "pagedkv runs the text model (model_type 'gemma3_text')"
+            )
+        architecture = _HF_ARCHITECTURES.get(model_type, model_type)
+        _check_architecture(architecture)
         shape = shape_from_hf_config(config)
-        rope_params = config.get("rope_parameters") or {}
-        rope_scaling = config.get("rope_scaling") or None
-        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
-            rope_scaling = dict(rope_params)
-        rope_theta = config.get("rope_theta", rope_params.get("rope_theta", 10000.0))
-        return cls.from_shape(
-            shape,
-            architecture=shape.model_type,
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
-            rope_scaling=rope_scaling,
-            tie_word_embeddings=shape.tie_word_embeddings or not has_lm_head,
-            bos_token_id=config.get("bos_token_id"),
-            eos_token_id=config.get("eos_token_id"),
-        )
+        fields: dict[str, Any] = {
+            "rms_norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+            "tie_word_embeddings": shape.tie_word_embeddings or not has_lm_head,
+            "bos_token_id": config.get("bos_token_id"),
+            "eos_token_id": config.get("eos_token_id"),
+        }
+        if architecture == "gemma3":
+            fields |= _gemma3_hf_fields(config, shape)
+        else:
+            rope_params = config.get("rope_parameters") or {}
+            rope_scaling = config.get("rope_scaling") or None
+            if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+                rope_scaling = dict(rope_params)
+            rope_theta = config.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+            fields |= {"rope_theta": float(rope_theta), "rope_scaling": rope_scaling}
+        return cls.from_shape(shape, architecture=architecture, **fields)
 
     @classmethod
     def from_gguf_metadata(
@@ -150,6 +241,9 @@ class ModelConfig:
             rope_scaling = {"rope_type": "linear", "factor": float(factor)}
         elif scaling_type not in (None, "none"):
             raise ModelLoadError(f"GGUF rope scaling {scaling_type!r} is not supported")
+        gemma: dict[str, Any] = {}
+        if arch == "gemma3":
+            gemma = _gemma3_gguf_fields(metadata, shape)
         return cls.from_shape(
             shape,
             architecture=arch,
@@ -158,6 +252,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
+            **gemma,
         )
 
 
@@ -169,3 +264,118 @@ def _check_architecture(architecture: Any) -> None:
             f"model architecture {architecture!r} is not supported; "
             f"pagedkv runs {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+
+
+def _layer_type_fields(shape: ModelShape, architecture: str) -> dict[str, Any]:
+    """``layer_types`` and ``sliding_window`` from the shape's per-layer windows, for the
+    architectures whose model honours them; {} for the others (every layer full attention).
+
+    Raises:
+        ModelLoadError: a Gemma 3 shape without sliding-window layers, or with two windows.
+    """
+    if architecture not in _WINDOWED_ARCHITECTURES:
+        return {}
+    windows = {w for w in shape.layer_windows if w is not None}
+    if len(windows) != 1:
+        raise ModelLoadError(
+            f"{architecture} needs one sliding window for its local layers, got "
+            f"{sorted(windows) or 'none'} (config.json sliding_window / GGUF "
+            f"{architecture}.attention.sliding_window)"
+        )
+    return {
+        "layer_types": tuple(
+            FULL_ATTENTION if w is None else SLIDING_ATTENTION for w in shape.layer_windows
+        ),
+        "sliding_window": windows.pop(),
+    }
+
+
+def _gemma3_hf_fields(config: Mapping[str, Any], shape: ModelShape) -> dict[str, Any]:
+    """The model-only Gemma 3 fields of a ``gemma3_text`` config.json: rope of the global and
+    local layers, query scale, softcapping (the layer pattern is the shape's).
+
+    Raises:
+        ModelLoadError: an activation other than tanh GELU, or rope scaling on local layers.
+    """
+    activation = config.get("hidden_activation", "gelu_pytorch_tanh")
+    if activation != "gelu_pytorch_tanh":
+        raise ModelLoadError(
+            f"Gemma 3 hidden_activation {activation!r} is not supported (gelu_pytorch_tanh)"
+        )
+    rope_params = config.get("rope_parameters") or {}
+    full = dict(rope_params.get(FULL_ATTENTION) or {})
+    local = dict(rope_params.get(SLIDING_ATTENTION) or {})
+    if config.get("rope_scaling"):
+        full.update(config["rope_scaling"])
+    rope_theta = float(full.pop("rope_theta", config.get("rope_theta", 1_000_000.0)))
+    rope_local_theta = float(
+        local.get("rope_theta", config.get("rope_local_base_freq", GEMMA3_ROPE_LOCAL_THETA))
+    )
+    if local.get("rope_type", "default") != "default":
+        raise ModelLoadError(
+            f"rope scaling {local['rope_type']!r} on sliding-window layers is not supported"
+        )
+    return {
+        "rope_theta": rope_theta,
+        "rope_scaling": full if full.get("rope_type", "default") != "default" else None,
+        "rope_local_theta": rope_local_theta,
+        "query_pre_attn_scalar": float(config.get("query_pre_attn_scalar", shape.head_dim)),
+        "final_logit_softcapping": config.get("final_logit_softcapping"),
+        "attn_logit_softcapping": config.get("attn_logit_softcapping"),
+        "bos_token_id": config.get("bos_token_id", 2),
+        "eos_token_id": config.get("eos_token_id", 1),
+    }
+
+
+def _gemma3_gguf_fields(metadata: Mapping[str, Any], shape: ModelShape) -> dict[str, Any]:
+    """The model-only Gemma 3 fields of a GGUF file's metadata (the layer pattern is the
+    shape's).
+
+    GGUF files written by llama.cpp's converter store neither the local rope base nor the query
+    scale; llama.cpp (and transformers' GGUF loader) then use Gemma 3's fixed values, as we do.
+    Newer files may store ``gemma3.rope.freq_base_swa``: it wins.
+    """
+    if shape.num_hidden_layers == _GEMMA3_27B_NUM_LAYERS:
+        scalar = shape.hidden_size // shape.num_attention_heads
+    else:
+        scalar = shape.head_dim
+    softcap = metadata.get("gemma3.final_logit_softcapping")
+    return {
+        "rope_local_theta": float(
+            metadata.get("gemma3.rope.freq_base_swa", GEMMA3_ROPE_LOCAL_THETA)
+        ),
+        "query_pre_attn_scalar": float(scalar),
+        "final_logit_softcapping": None if softcap is None else float(softcap),
+    }
+
+
+def kv_cache_layer_specs(
+    config: ModelConfig, block_size: int, dtype: str = "bfloat16"
+) -> list[KVCacheSpec]:
+    """The KV-cache spec of every attention layer, in layer order (what ``KVCacheConfig``'s
+    constructors take): a :class:`~pagedkv.core.spec.SlidingWindowSpec` for each sliding-window
+    layer, a :class:`~pagedkv.core.spec.FullAttentionSpec` for the others.
+
+    Gemma 3 270M (15 sliding-window layers of window 512, 3 full): ``KVCacheConfig`` groups them
+    into 5 sliding-window groups and 1 full-attention group of 3 layers each (group_size 3), one
+    block table per group.
+
+    Args:
+        config: the model's config.
+        block_size: tokens per block.
+        dtype: KV-cache dtype name (:data:`pagedkv.core.spec.KV_DTYPE_BYTES`).
+
+    Raises:
+        ConfigError: a bad block_size or dtype.
+    """
+    common = {
+        "block_size": block_size,
+        "num_kv_heads": config.num_key_value_heads,
+        "head_size": config.head_dim,
+        "dtype": dtype,
+    }
+    full = FullAttentionSpec(**common)
+    specs: list[KVCacheSpec] = []
+    for window in config.layer_sliding_windows:
+        specs.append(full if window is None else SlidingWindowSpec(**common, sliding_window=window))
+    return specs

@@ -1,15 +1,21 @@
 """Read a GGUF file (llama.cpp's format) into Hugging Face-named fp32 weights and a ModelConfig.
 
-The weights are dequantized with the ``gguf`` package. Two things differ from a Hugging Face
-checkpoint and are undone here:
+The weights are dequantized with the ``gguf`` package (Q4_0/1, Q4_K, Q5_0, Q6_K, Q8_0, F16, F32,
+...). Three things differ from a Hugging Face checkpoint and are undone here:
 
-- Names: ``blk.{i}.attn_q.weight`` -> ``model.layers.{i}.self_attn.q_proj.weight``, ...
+- Names: ``blk.{i}.attn_q.weight`` -> ``model.layers.{i}.self_attn.q_proj.weight``, ... (Gemma 3
+  has its own table: four norms per layer and q/k norms).
+- Gemma norm weights (gemma3 architecture only). Gemma's RMSNorm scales by ``1 + weight``;
+  llama.cpp's converter stores ``weight + 1`` for every ``*norm.weight`` so that its plain RMSNorm
+  applies. We subtract 1 back (as transformers' GGUF loader does), so the weights equal the
+  Hugging Face ones and :mod:`pagedkv.model.gemma3` applies ``1 + weight`` as transformers does.
 - Q/K row order (llama architecture only). Hugging Face's rotary embedding pairs dimension ``j``
   of a head with dimension ``j + head_dim/2`` ("rotate half"); llama.cpp's pairs ``2j`` with
   ``2j + 1``. llama.cpp's converter therefore permutes the rows of q_proj and k_proj, per head, from
   ``[x_0 .. x_{d/2-1}, y_0 .. y_{d/2-1}]`` to ``[x_0, y_0, x_1, y_1, ...]``. We apply the inverse so
   that the weights equal the Hugging Face ones and the rotate-half rotary applies. (Qwen2 GGUFs use
-  llama.cpp's NeoX rotary, which already pairs ``j`` with ``j + d/2``: nothing to undo.)
+  llama.cpp's NeoX rotary, which already pairs ``j`` with ``j + d/2``: nothing to undo; nor for
+  Gemma 3, also NeoX in llama.cpp.)
 """
 
 from __future__ import annotations
@@ -47,6 +53,24 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+_GEMMA3_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LAYER_NAMES_BY_ARCHITECTURE = {"gemma3": _GEMMA3_LAYER_NAMES}
+#: Architectures whose GGUF norm weights hold ``1 + weight`` (llama.cpp's Gemma converters).
+_NORM_PLUS_ONE_ARCHITECTURES = ("gemma3",)
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 # Array fields larger than this (the vocabulary, merges) are not turned into Python values.
 _MAX_ARRAY_LEN = 4096
@@ -61,14 +85,16 @@ class GGUFCheckpoint:
     metadata: dict[str, Any]
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor name, or None for tensors with no HF counterpart."""
+def hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
+    """The Hugging Face name of a GGUF tensor name of ``architecture`` (GGUF
+    ``general.architecture``), or None for tensors with no HF counterpart."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    layer_names = _LAYER_NAMES_BY_ARCHITECTURE.get(architecture, _LAYER_NAMES)
     match = _LAYER_RE.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
+    if match is None or match.group(2) not in layer_names:
         return None
-    return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    return f"model.layers.{match.group(1)}.{layer_names[match.group(2)]}"
 
 
 def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -123,6 +149,7 @@ def load_gguf(path: str | Path) -> GGUFCheckpoint:
     tensor_names = {t.name for t in reader.tensors}
     config = ModelConfig.from_gguf_metadata(metadata, tensor_names)
     permute = config.architecture in _PERMUTED_ARCHITECTURES
+    norm_plus_one = config.architecture in _NORM_PLUS_ONE_ARCHITECTURES
 
     state_dict: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
@@ -131,9 +158,13 @@ def load_gguf(path: str | Path) -> GGUFCheckpoint:
         if tensor.name == "rope_freqs.weight":
             config.rope_scaling = {"rope_type": "freq_factors", "factors": weight.tolist()}
             continue
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, config.architecture)
         if name is None:
-            raise ModelLoadError(f"GGUF tensor {tensor.name!r} has no place in a llama decoder")
+            raise ModelLoadError(
+                f"GGUF tensor {tensor.name!r} has no place in a {config.architecture} decoder"
+            )
+        if norm_plus_one and tensor.name.endswith("norm.weight"):
+            weight = weight - 1.0
         if permute and ".q_proj." in name:
             weight = unpermute_rotary_rows(weight, config.num_attention_heads)
         elif permute and ".k_proj." in name:

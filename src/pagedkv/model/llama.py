@@ -25,7 +25,7 @@ are frozen: the model only runs under ``torch.inference_mode``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -164,8 +164,8 @@ class LlamaForCausalLM:
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        attn_metadata: AttentionMetadata,
+        kv_caches: Sequence[torch.Tensor],
+        attn_metadata: AttentionMetadata | Sequence[AttentionMetadata],
     ) -> torch.Tensor:
         """Run the decoder over one step's flattened tokens.
 
@@ -177,7 +177,9 @@ class LlamaForCausalLM:
             kv_caches: one tensor per layer, ``[2, num_blocks, block_size, num_kv_heads,
                 head_dim]`` in the model's dtype (``pagedkv.ops.allocate_kv_cache``); this step's
                 K/V are written into it.
-            attn_metadata: the step's :class:`AttentionMetadata`.
+            attn_metadata: the step's :class:`AttentionMetadata`, or one per layer (the model
+                runner's form, shared with Gemma 3; every layer is full attention here, so the
+                entries are normally one object).
 
         Returns:
             ``[num_tokens, hidden_size]`` final-norm hidden states (pass the rows to sample to
@@ -185,8 +187,14 @@ class LlamaForCausalLM:
         """
         h = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary.tables(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, kv_cache, attn_metadata)
+        if isinstance(attn_metadata, AttentionMetadata):
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                h = layer(h, cos, sin, kv_cache, attn_metadata)
+        else:
+            for layer, kv_cache, metadata in zip(
+                self.layers, kv_caches, attn_metadata, strict=True
+            ):
+                h = layer(h, cos, sin, kv_cache, metadata)
         return F.rms_norm(h, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
 
     __call__ = forward

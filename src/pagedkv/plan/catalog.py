@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
+from pagedkv.core.model_shape import pattern_windows
 from pagedkv.errors import ConfigError
 from pagedkv.plan.shapes import ModelShape, load_gguf, load_hf_config
 from pagedkv.units import MiB, parse_memory_size
@@ -112,6 +113,25 @@ MODELS = MappingProxyType(
             layer_windows=_alternate(42, 4096),
             tie_word_embeddings=True,
             num_norms_per_layer=4,
+        ),
+        # Gemma 3: five sliding-window layers, then one full-attention layer (pagedkv runs it:
+        # `--model gemma3-270m`).
+        "Gemma-3-270M": ModelShape(
+            name="Gemma-3-270M",
+            model_type="gemma3_text",
+            source="google/gemma-3-270m",
+            num_hidden_layers=18,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=256,
+            hidden_size=640,
+            intermediate_size=2048,
+            vocab_size=262144,
+            max_position_embeddings=32768,
+            layer_windows=pattern_windows(18, 512, 6),
+            tie_word_embeddings=True,
+            num_norms_per_layer=4,
+            qk_norm=True,
         ),
         # Mixture of experts: every expert's weights are held, though a token runs 2 of 8.
         "Mixtral-8x7B": ModelShape(
@@ -227,6 +247,7 @@ MODEL_ALIASES = MappingProxyType(
         "Meta-Llama-3.1-8B": "Llama-3.1-8B",
         "Meta-Llama-3.1-70B": "Llama-3.1-70B",
         "DeepSeek-V3-0324": "DeepSeek-V3",
+        "gemma3-270m": "Gemma-3-270M",  # the engine's short name of its packaged GGUF
     }
 )
 

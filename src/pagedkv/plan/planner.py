@@ -19,7 +19,12 @@ from typing import Any
 
 from pagedkv.core.config import KVCacheConfig, MemoryBudget
 from pagedkv.core.model_shape import WEIGHT_DTYPE_BYTES, ModelShape
-from pagedkv.core.spec import KV_DTYPE_BYTES, MLAAttentionSpec, SlidingWindowSpec
+from pagedkv.core.spec import (
+    KV_DTYPE_BYTES,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+    unify_kv_cache_specs,
+)
 from pagedkv.errors import ConfigError
 from pagedkv.plan.catalog import device_source, resolve_device, resolve_model
 from pagedkv.units import format_bytes
@@ -260,6 +265,7 @@ def plan_capacity(
     mean_len: int | None = None,
     num_blocks: int | None = None,
     allow_long_max_model_len: bool = False,
+    disable_hybrid_kv_cache_manager: bool = False,
 ) -> CapacityPlan:
     """Plan how many requests of ``model`` fit on one device of ``device``.
 
@@ -284,6 +290,8 @@ def plan_capacity(
         mean_len: a typical request length for the paged-vs-contiguous comparison, tokens.
         num_blocks: explicit block count; wins over the memory budget.
         allow_long_max_model_len: plan a max_model_len beyond the model's context anyway.
+        disable_hybrid_kv_cache_manager: size sliding-window layers as full attention (one
+            group; :func:`~pagedkv.core.spec.unify_kv_cache_specs`), for comparison.
 
     Raises:
         ConfigError: an unknown model, device or dtype, a value out of range (the message
@@ -329,6 +337,8 @@ def plan_capacity(
         kv_cache_dtype=resolved_dtype,
         tensor_parallel_size=tensor_parallel_size,
     )
+    if disable_hybrid_kv_cache_manager:
+        layer_specs = tuple(unify_kv_cache_specs(layer_specs))
     total_weight_bytes = shape.estimate_weight_bytes() if weight_bytes is None else weight_bytes
     if activation_bytes is None:
         activation_bytes_per_device = estimate_activation_bytes(

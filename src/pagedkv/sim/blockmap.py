@@ -110,12 +110,14 @@ class BlockMapRecorder:
         contiguous = isinstance(kv_cache, ContiguousKVCache)
         # Oldest request first in `running`: iterate newest first so the oldest owner wins.
         for request in reversed(running):
-            ids = kv_cache.get_block_ids(request.request_id)[0]
-            if ids:
-                owners[ids] = request.index
-                np.add.at(counts, ids, 1)
-                if contiguous:
-                    unused[ids[cdiv(request.num_computed_tokens, self.block_size) :]] = True
+            for ids in kv_cache.get_block_ids(request.request_id):  # each KV cache group
+                if not contiguous:
+                    ids = [b for b in ids if b]  # sliding-window groups: null block 0
+                if ids:
+                    owners[ids] = request.index
+                    np.add.at(counts, ids, 1)
+                    if contiguous:
+                        unused[ids[cdiv(request.num_computed_tokens, self.block_size) :]] = True
         self._steps.append(step)
         self._owners.append(owners)
         self._shared.append(counts > 1)

@@ -8,6 +8,12 @@ block 0 is the paged pools' null block):
 - ``paged``: the real :class:`~pagedkv.core.manager.KVCacheManager`, prefix caching off;
 - ``paged+prefix``: the same with prefix caching on.
 
+The paged policies hold one full-attention KV cache group unless ``SimConfig.kv_cache_specs``
+names the model's groups (``pagedkv simulate --model gemma3-270m``: five sliding-window groups
+that give blocks back as requests grow past the window, and one full-attention group); then a
+block id covers one page of ``group_size`` layers in whichever group holds it, and ``contiguous``
+(one full-attention reservation) does not apply.
+
 The step loop (the "engine"): add the requests that have arrived, ``schedule()``, record the step,
 then let the fake model emit each sampling request's next scripted token. Scheduling is the engine's
 own :class:`~pagedkv.engine.scheduler.Scheduler` (its ``admission`` option gives "skip"), so
@@ -24,9 +30,9 @@ import heapq
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from pagedkv.core.spec import cdiv
+from pagedkv.core.spec import KVCacheSpec, cdiv
 from pagedkv.engine.scheduler import ADMISSION_POLICIES, Scheduler
 from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.sim.blockmap import BlockMap, BlockMapRecorder
@@ -54,9 +60,11 @@ class SimConfig:
         step_time: simulated seconds per step (maps arrival times to steps).
         block_map_columns: most sampled steps kept for the block map (0 = no block map).
         hash_algo: the manager's block-hash algorithm (None = its default).
+        kv_cache_specs: one spec per KV cache group of the paged policies, all with
+            ``block_size`` (``KVCacheConfig.kv_cache_specs``); None = one full-attention group.
 
     Raises:
-        ConfigError: a value out of range or an unknown name.
+        ConfigError: a value out of range or an unknown name, or specs of another block size.
     """
 
     num_blocks: int
@@ -68,6 +76,7 @@ class SimConfig:
     step_time: float = 0.025
     block_map_columns: int = 300
     hash_algo: str | None = None
+    kv_cache_specs: tuple[KVCacheSpec, ...] | None = None
 
     def __post_init__(self) -> None:
         check_int("num_blocks", self.num_blocks, 2, why="block 0 is the null block")
@@ -80,6 +89,19 @@ class SimConfig:
         if not is_number(self.step_time) or not self.step_time > 0:
             raise ConfigError(f"step_time must be a number > 0 (seconds), got {self.step_time!r}")
         check_int("block_map_columns", self.block_map_columns, 0)
+        if self.kv_cache_specs is not None:
+            if not self.kv_cache_specs:
+                raise ConfigError("kv_cache_specs needs one spec per KV cache group, got none")
+            sizes = {spec.block_size for spec in self.kv_cache_specs}
+            if sizes != {self.block_size}:
+                raise ConfigError(
+                    f"kv_cache_specs have block sizes {sorted(sizes)}, the config {self.block_size}"
+                )
+
+    @property
+    def num_kv_cache_groups(self) -> int:
+        """Block tables per request in the paged policies."""
+        return 1 if self.kv_cache_specs is None else len(self.kv_cache_specs)
 
 
 @dataclass(slots=True)
@@ -101,12 +123,20 @@ def make_kv_cache(policy: str, config: SimConfig):
         ConfigError: unknown policy (or a pool the cache refuses).
     """
     if policy == "contiguous":
+        if config.num_kv_cache_groups > 1:
+            raise ConfigError(
+                "the contiguous policy reserves one full-attention region per request; a model "
+                f"with {config.num_kv_cache_groups} KV cache groups runs the paged policies only "
+                "(compare with every layer as full attention instead)"
+            )
         return ContiguousKVCache(config.num_blocks, config.block_size, config.max_model_len)
     if policy not in POLICIES:
         raise ConfigError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     from pagedkv.core.manager import KVCacheManager
 
     kwargs = {} if config.hash_algo is None else {"hash_algo": config.hash_algo}
+    if config.kv_cache_specs is not None:
+        kwargs["kv_cache_specs"] = list(config.kv_cache_specs)
     return KVCacheManager(
         config.num_blocks,
         block_size=config.block_size,
@@ -248,7 +278,10 @@ def simulate(
             reason = None
             if num_tokens > config.max_model_len:
                 reason = f"{num_tokens} tokens > max_model_len={config.max_model_len}"
-            elif policy != "contiguous" and cdiv(num_tokens, block_size) > num_usable_blocks:
+            elif policy != "contiguous" and (
+                kv_cache.max_num_blocks_per_request(num_tokens, config.max_num_batched_tokens)
+                > num_usable_blocks
+            ):
                 reason = f"needs more than the pool's {num_usable_blocks} blocks"
             if reason is None:
                 request = driver.make_request(
@@ -284,9 +317,11 @@ def simulate(
         real = sum(num_computed)
         reserved = _reserved_tokens(kv_cache, block_size)
         if policy != "contiguous":
-            # Only a request's last block is partly filled, and shared blocks are full: so the
-            # reserved-but-empty slots are each request's tail, and real = reserved - tail waste.
-            real = reserved - sum(cdiv(n, block_size) * block_size - n for n in num_computed)
+            # Only a request's last block (in each group) is partly filled, and shared blocks are
+            # full: so the reserved-but-empty slots are each request's tail in every group, and
+            # real = reserved - tail waste.
+            tail = sum(cdiv(n, block_size) * block_size - n for n in num_computed)
+            real = reserved - tail * config.num_kv_cache_groups
         timeline.append(
             step=step,
             num_running=len(running),
@@ -358,6 +393,9 @@ def sweep_block_sizes(
         num_blocks = total_tokens // block_size
         if num_blocks < 2:
             continue
+        specs = config.kv_cache_specs
+        if specs is not None:
+            specs = tuple(replace(spec, block_size=block_size) for spec in specs)
         swept = SimConfig(
             num_blocks=num_blocks,
             block_size=block_size,
@@ -368,6 +406,7 @@ def sweep_block_sizes(
             step_time=config.step_time,
             block_map_columns=0,
             hash_algo=config.hash_algo,
+            kv_cache_specs=specs,
         )
         for policy in policies:
             results[policy][block_size] = simulate(workload, swept, policy).metrics

@@ -7,11 +7,20 @@ with ``num_computed_tokens`` c and ``num_scheduled_tokens`` n)::
     positions        [T]   c, c+1, ..., c+n-1 for each request
     query_start_loc  [R+1] 0, n_0, n_0+n_1, ...   (request i owns rows qsl[i] .. qsl[i+1]-1)
     seq_lens         [R]   c + n                  (tokens in the cache after this step)
-    block_tables     [R, max_blocks] int32        (row i starts with request i's block ids; the
-                                                   tail of each row is never read and holds
-                                                   stale ids of earlier steps: the buffer is
-                                                   reused, not cleared)
-    slot_mapping     [T]   block_tables[i, pos // block_size] * block_size + pos % block_size
+
+and per KV cache group g (one for the Llama family; Gemma 3 has six)::
+
+    block_tables[g]  [R, max_blocks] int32        (row i starts with request i's block ids in
+                                                   group g, ``out.block_ids[i][g]``; a sliding-
+                                                   window group holds the null block 0 where
+                                                   blocks left the window; the tail of each row
+                                                   is never read and holds stale ids of earlier
+                                                   steps: the buffer is reused, not cleared)
+    slot_mapping[g]  [T]   block_tables[g][i, pos // block_size] * block_size + pos % block_size
+
+Each layer reads the :class:`~pagedkv.ops.AttentionMetadata` of its group, built with its
+sliding window (``AttentionMetadata.build(..., sliding_window=...)``); layers that share a group
+and a window share one object. ``ModelInputs.attn_metadata`` is the per-layer list.
 
 All of it is built with numpy over whole arrays (no Python object per token), then viewed as torch
 tensors without copies on CPU (copied to the model's device otherwise).
@@ -19,6 +28,7 @@ tensors without copies on CPU (copied to the model's device otherwise).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,14 +45,15 @@ class ModelInputs:
     Attributes:
         input_ids: ``[num_tokens]`` int64.
         positions: ``[num_tokens]`` int64.
-        attn_metadata: slot mapping and paged-attention indices of the step.
+        attn_metadata: per layer, the slot mapping and paged-attention indices of its KV cache
+            group and window (layers of one group and window share one object).
         logits_rows: ``[num_sampled]`` int numpy array: the rows of the sampling requests' last
             scheduled tokens, in batch order.
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    attn_metadata: AttentionMetadata
+    attn_metadata: list[AttentionMetadata]
     logits_rows: np.ndarray
 
 
@@ -56,6 +67,10 @@ class InputBatch:
         max_num_batched_tokens: most tokens per step.
         max_model_len: most tokens per request (columns of the block-table buffer).
         device: where the model runs; tensors are torch views of the buffers on CPU.
+        attention_groups: the distinct (KV cache group index, sliding window or None) pairs the
+            layers read, one :class:`AttentionMetadata` built per pair each step (the Llama
+            family: ``[(0, None)]``); every KV cache group appears in one at least.
+        layer_attention_groups: per layer, its index into ``attention_groups``.
     """
 
     def __init__(
@@ -67,13 +82,21 @@ class InputBatch:
         max_num_batched_tokens: int,
         max_model_len: int,
         device: torch.device,
+        attention_groups: Sequence[tuple[int, int | None]],
+        layer_attention_groups: Sequence[int],
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = device
+        num_kv_cache_groups = 1 + max(g for g, _ in attention_groups)
+        self.num_kv_cache_groups = num_kv_cache_groups
+        self.attention_groups = tuple(attention_groups)
+        self.layer_attention_groups = tuple(layer_attention_groups)
         max_blocks = -(-max_model_len // block_size)
         # Buffers reused by every step (numpy views shared with torch tensors).
-        self._block_tables = np.zeros((max_num_seqs, max_blocks), dtype=np.int32)
+        self._block_tables = np.zeros(
+            (num_kv_cache_groups, max_num_seqs, max_blocks), dtype=np.int32
+        )
         self._input_ids = np.zeros(max_num_batched_tokens, dtype=np.int64)
         self._arange = np.arange(max(max_num_batched_tokens, max_num_seqs) + 1, dtype=np.int64)
         self._query_start_loc = np.zeros(max_num_seqs + 1, dtype=np.int32)
@@ -101,33 +124,47 @@ class InputBatch:
                 n = out.num_scheduled_tokens[i]
                 input_ids[starts[i] : starts[i] + n] = request.all_token_ids[c : c + n]
 
-        # Block tables: copy each row's block ids (one KV cache group).
-        block_ids = [ids[0] for ids in out.block_ids]
-        max_num_blocks = max(map(len, block_ids))
-        block_tables = self._block_tables[:num_reqs, :max_num_blocks]
-        for i, row in enumerate(block_ids):
-            block_tables[i, : len(row)] = row
-
-        # Positions and slot mapping, vectorised over all tokens.
+        # Positions, vectorised over all tokens; the block index and offset of each token.
         req_index = np.repeat(self._arange[:num_reqs], num_scheduled)
         positions = self._arange[:num_tokens] - np.repeat(qsl[:-1] - num_computed, num_scheduled)
-        slot_mapping = block_tables[req_index, positions // bs].astype(np.int64)
-        slot_mapping *= bs
-        slot_mapping += positions % bs
+        block_index = positions // bs
+        offsets = positions % bs
         seq_lens = (num_computed + num_scheduled).astype(np.int32)
 
         to = self.to_device
-        attn_metadata = AttentionMetadata.build(
-            to(block_tables),
-            to(seq_lens),
-            to(qsl),
-            to(slot_mapping),
-            bs,
-            num_blocks=self.num_blocks,
-            validate=False,
-        )
+        seq_lens_t, qsl_t = to(seq_lens), to(qsl)
+        group_inputs = []  # per KV cache group: (block_tables, slot_mapping) tensors
+        for g in range(self.num_kv_cache_groups):
+            # Block tables: copy each row's block ids of group g.
+            block_ids = [ids[g] for ids in out.block_ids]
+            max_num_blocks = max(map(len, block_ids))
+            block_tables = self._block_tables[g, :num_reqs, :max_num_blocks]
+            for i, row in enumerate(block_ids):
+                block_tables[i, : len(row)] = row
+            slot_mapping = block_tables[req_index, block_index].astype(np.int64)
+            slot_mapping *= bs
+            slot_mapping += offsets
+            group_inputs.append((to(block_tables), to(slot_mapping)))
+
+        metadata = [
+            AttentionMetadata.build(
+                group_inputs[g][0],
+                seq_lens_t,
+                qsl_t,
+                group_inputs[g][1],
+                bs,
+                sliding_window=window,
+                num_blocks=self.num_blocks,
+                validate=False,
+            )
+            for g, window in self.attention_groups
+        ]
+        if len(metadata) == 1:
+            layer_metadata = metadata * len(self.layer_attention_groups)
+        else:
+            layer_metadata = [metadata[k] for k in self.layer_attention_groups]
         logits_rows = qsl[1:][np.asarray(out.sample, dtype=bool)] - 1
-        return ModelInputs(to(input_ids), to(positions), attn_metadata, logits_rows)
+        return ModelInputs(to(input_ids), to(positions), layer_metadata, logits_rows)
 
     def to_device(self, array: np.ndarray) -> torch.Tensor:
         """A torch view of ``array`` (CPU), or a copy on the model's device."""

@@ -1,8 +1,9 @@
 """ModelRunner: turn one scheduler step into one forward over the paged KV cache, then sample.
 
 Per step: :class:`~pagedkv.worker.input_batch.InputBatch` flattens the
-:class:`~pagedkv.worker.scheduler_output.SchedulerOutput` into input ids, positions, the slot
-mapping and block tables; one forward runs the whole batch; logits are computed only at each
+:class:`~pagedkv.worker.scheduler_output.SchedulerOutput` into input ids, positions, and per KV
+cache group a block table and a slot mapping, from which each layer gets the attention metadata of
+its group and sliding window; one forward runs the whole batch; logits are computed only at each
 request's last scheduled row, and only for requests that sample (their prompt is complete); the
 :class:`~pagedkv.worker.sampler.Sampler` picks one token per such request.
 
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from pagedkv.core.config import KVCacheConfig
+from pagedkv.core.spec import SlidingWindowSpec
 from pagedkv.errors import ConfigError
 from pagedkv.ops import allocate_kv_cache
 from pagedkv.worker.input_batch import InputBatch, ModelInputs
@@ -35,18 +37,21 @@ class ModelRunner:
     """Runs the model for scheduler steps; owns the KV cache tensors and the sampler.
 
     Args:
-        model: a model with ``forward(input_ids, positions, kv_caches, attn_metadata)`` and
-            ``compute_logits(hidden)`` (:class:`pagedkv.model.llama.LlamaForCausalLM`), with
-            ``config`` (ModelConfig) and ``dtype``.
-        kv_cache_config: block count and layer groups; one KV cache group (all layers full
-            attention, the Llama family) is supported.
+        model: a model with ``forward(input_ids, positions, kv_caches, attn_metadata)`` (one
+            metadata per layer) and ``compute_logits(hidden)``
+            (:class:`pagedkv.model.llama.LlamaForCausalLM`,
+            :class:`pagedkv.model.gemma3.Gemma3ForCausalLM`), with ``config`` (ModelConfig:
+            ``layer_sliding_windows`` gives each layer's window) and ``dtype``.
+        kv_cache_config: block count and KV cache groups (one per block table); layer ``i``
+            keeps its pages in tensor ``tensor_ids[i]``.
         max_num_seqs: most requests per step (rows of the block-table buffer).
         max_num_batched_tokens: most tokens per step.
         max_model_len: most tokens per request (columns of the block-table buffer).
         seed: seed of the sampler's generator for requests without a seed.
 
     Raises:
-        ConfigError: a KV cache config with more than one group.
+        ConfigError: a KV cache config whose layers are not the model's, or a sliding-window
+            group whose window is not its layers' (it would free blocks they still read).
     """
 
     def __init__(
@@ -59,17 +64,14 @@ class ModelRunner:
         max_model_len: int,
         seed: int = 0,
     ) -> None:
-        if len(kv_cache_config.kv_cache_groups) != 1:
-            raise ConfigError(
-                "the model runner supports one KV cache group (full attention in every layer); "
-                f"got {len(kv_cache_config.kv_cache_groups)}"
-            )
-        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         config = model.config
         self.model = model
-        self.block_size = spec.block_size
+        self.block_size = kv_cache_config.block_size
         self.num_blocks = kv_cache_config.num_blocks
         self.vocab_size = config.vocab_size
+        attention_groups, layer_attention_groups = _attention_groups(
+            kv_cache_config, config.layer_sliding_windows
+        )
         tensors = [
             allocate_kv_cache(
                 self.num_blocks,
@@ -81,7 +83,8 @@ class ModelRunner:
             )
             for _ in range(kv_cache_config.group_size)
         ]
-        #: one KV cache tensor per layer ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+        #: one KV cache tensor per layer ``[2, num_blocks, block_size, num_kv_heads, head_dim]``;
+        #: layers of different groups share a tensor (their block ids differ).
         self.kv_caches = [tensors[t] for t in kv_cache_config.tensor_ids]
         self.device = torch.device(model.device)
         self.sampler = Sampler(seed, self.device)
@@ -94,6 +97,8 @@ class ModelRunner:
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             device=self.device,
+            attention_groups=attention_groups,
+            layer_attention_groups=layer_attention_groups,
         )
 
     def finish_requests(self, request_ids: Sequence[str]) -> None:
@@ -208,3 +213,37 @@ def _min_tokens_stop_ids(request, params) -> list[int]:
     if not params.ignore_eos:
         ids.extend(request.eos_token_ids)
     return ids
+
+
+def _attention_groups(
+    kv_cache_config: KVCacheConfig, layer_windows: Sequence[int | None]
+) -> tuple[list[tuple[int, int | None]], list[int]]:
+    """The distinct (KV cache group, window) pairs the layers read and each layer's index into
+    them. A layer reads its group's block table with its own window: a sliding-window group's
+    layers have its window; a full-attention group may hold sliding-window layers too
+    (``disable_hybrid_kv_cache_manager``: every block kept, the window still applied).
+
+    Raises:
+        ConfigError: see :class:`ModelRunner`.
+    """
+    if kv_cache_config.num_layers != len(layer_windows):
+        raise ConfigError(
+            f"the KV cache config has {kv_cache_config.num_layers} layers, the model "
+            f"{len(layer_windows)}"
+        )
+    pairs: list[tuple[int, int | None]] = []
+    layer_pairs = [0] * len(layer_windows)
+    for g, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        for layer in group.layer_ids:
+            window = layer_windows[layer]
+            if isinstance(spec, SlidingWindowSpec) and window != spec.sliding_window:
+                reach = "every token" if window is None else f"the last {window} tokens"
+                raise ConfigError(
+                    f"layer {layer} attends to {reach} but its KV cache group keeps only a "
+                    f"sliding window of {spec.sliding_window}"
+                )
+            if (g, window) not in pairs:
+                pairs.append((g, window))
+            layer_pairs[layer] = pairs.index((g, window))
+    return pairs, layer_pairs

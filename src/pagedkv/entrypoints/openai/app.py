@@ -5,7 +5,8 @@ Routes::
     GET  /v1/models              the one served model
     GET  /v1/models/{id}         its card (404 for another name)
     POST /v1/completions         text completion (stream: server-sent events)
-    POST /v1/chat/completions    chat completion, the model's chat template applied
+    POST /v1/chat/completions    chat completion, the model's chat template applied (400 for
+                                 a base model without one: use /v1/completions)
     POST /tokenize               text or chat messages -> token ids (vLLM's)
     POST /detokenize             token ids -> text (vLLM's)
     GET  /tokenizer_info         special tokens and chat template (vLLM's; lm-eval reads it)
@@ -383,6 +384,9 @@ class OpenAIServing:
         engine_loop: Any = None,
     ) -> None:
         self.engine_loop = engine_loop if engine_loop is not None else EngineLoop(engine)
+        tokenizer = getattr(engine, "tokenizer", None)
+        #: False for a base model (Gemma 3 270M): chat requests are refused up front.
+        self.has_chat_template = bool(getattr(tokenizer, "has_chat_template", True))
         self.metrics = ServerMetrics(model_name)
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -719,6 +723,14 @@ class OpenAIServing:
     ) -> Response:
         response_id = random_id("chatcmpl")
         self._check_request(request, response_id)
+        if not self.has_chat_template:
+            raise OpenAIError(
+                400,
+                f"this model (`{self.model_name}`) has no chat template (a base model); send a "
+                "plain prompt to /v1/completions instead",
+                param="messages",
+                code="no_chat_template",
+            )
         # No max_tokens: the reply may run to max_model_len (the engine's None).
         max_tokens = request.max_completion_tokens or request.max_tokens
         top_logprobs = (request.top_logprobs or 0) if request.logprobs else None

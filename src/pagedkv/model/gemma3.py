@@ -1,0 +1,312 @@
+"""Gemma 3 (text) over a paged KV cache, with sliding-window and full-attention layers.
+
+The architecture as Hugging Face transformers implements it (``Gemma3ForCausalLM``)::
+
+    h = embed(input_ids) * sqrt(hidden)   (the factor rounded to the model dtype)   [T, hidden]
+    for each layer (5 sliding-window layers, then 1 full-attention layer, repeated):
+        x = norm(h)
+        q, k, v = x @ W_q, x @ W_k, x @ W_v
+        q, k = norm_q(q), norm_k(k)       (per head, over head_dim)
+        q, k = rotary(q), rotary(k)       (base 10k on sliding-window layers, 1M on global ones)
+        write_kv(k, v -> slots);  a = paged_attention(q * query_pre_attn_scalar ** -0.5, ...)
+                                  (sliding-window layers see the last sliding_window positions)
+        h = h + norm(a @ W_o)
+        x = norm(h)
+        h = h + norm((gelu_tanh(x @ W_gate) * (x @ W_up)) @ W_down)
+    return norm(h);   logits = h @ embed^T  (tied)
+
+Every norm is Gemma's RMSNorm, ``rms_norm(x) * (1 + weight)`` computed in fp32 and cast back to
+the model dtype, with its own weight (input, post-attention, pre-MLP, post-MLP, q, k, final).
+
+Each layer reads the :class:`AttentionMetadata` of its own KV cache group: the forward takes one
+per layer (layers of a group share one object), so that sliding-window layers get block tables,
+slot mappings and a ``PagedAttentionMetadata`` built with their window, full-attention layers
+theirs. Weights are frozen; the model only runs under ``torch.inference_mode``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from pagedkv.errors import ModelLoadError, OpsInputError
+from pagedkv.model.config import ModelConfig
+from pagedkv.model.llama import _Caster
+from pagedkv.model.packed_linear import PackedLinear, onednn_available
+from pagedkv.model.rotary import rope_inv_freq
+from pagedkv.ops import AttentionMetadata, paged_attention, write_kv
+
+
+class _Rotary:
+    """Rotary embedding in rotate-half layout with cos/sin computed per forward from the
+    positions (``positions * inv_freq`` in fp32, as transformers does), instead of tables over
+    the whole 32k context (128 MiB in fp32 for Gemma's head_dim 256 and two rope bases)."""
+
+    __slots__ = ("dtype", "half", "inv_freq")
+
+    def __init__(self, inv_freq: torch.Tensor, dtype: torch.dtype, device: torch.device):
+        self.inv_freq = inv_freq.to(device=device, dtype=torch.float32)
+        self.half = inv_freq.numel()
+        self.dtype = dtype
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin (``[-sin, sin]``) of ``positions`` ``[T]``, each
+        ``[T, 1, head_dim]`` in the model dtype."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        cos = torch.cat((freqs, freqs), dim=-1).cos()
+        sin = freqs.sin()
+        sin = torch.cat((-sin, sin), dim=-1)
+        return cos.to(self.dtype).unsqueeze(1), sin.to(self.dtype).unsqueeze(1)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` ``[T, num_heads, head_dim]``: ``x * cos + rotate_half(x) * sin``."""
+        return torch.addcmul(x * cos, x.roll(self.half, -1), sin)
+
+
+class Gemma3DecoderLayer:
+    """One Gemma 3 decoder layer (see the module docstring)."""
+
+    __slots__ = (
+        "down_proj",
+        "dtype",
+        "eps",
+        "gate_proj",
+        "head_dim",
+        "hidden_size",
+        "input_norm",
+        "k_norm",
+        "num_heads",
+        "num_kv_heads",
+        "o_proj",
+        "post_attention_norm",
+        "post_feedforward_norm",
+        "pre_feedforward_norm",
+        "q_norm",
+        "qkv_proj",
+        "rotary",
+        "scale",
+        "sliding_window",
+        "up_proj",
+    )
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Mapping[str, torch.Tensor],
+        prefix: str,
+        rotary: _Rotary,
+        sliding_window: int | None,
+        pack: bool,
+        dtype: torch.dtype,
+    ):
+        def w(name: str) -> torch.Tensor:
+            return weights[prefix + name]
+
+        def norm(name: str) -> torch.Tensor:  # (1 + weight) in fp32, as Gemma3RMSNorm
+            return 1.0 + weights[prefix + name].float()
+
+        attn = "self_attn."
+        qkv_weight = torch.cat([w(attn + f"{p}_proj.weight") for p in "qkv"])
+        self.qkv_proj = PackedLinear(qkv_weight, None, pack)
+        self.o_proj = PackedLinear(w(attn + "o_proj.weight"), None, pack)
+        self.gate_proj = PackedLinear(w("mlp.gate_proj.weight"), None, pack)
+        self.up_proj = PackedLinear(w("mlp.up_proj.weight"), None, pack)
+        self.down_proj = PackedLinear(w("mlp.down_proj.weight"), None, pack)
+        self.input_norm = norm("input_layernorm.weight")
+        self.post_attention_norm = norm("post_attention_layernorm.weight")
+        self.pre_feedforward_norm = norm("pre_feedforward_layernorm.weight")
+        self.post_feedforward_norm = norm("post_feedforward_layernorm.weight")
+        self.q_norm = norm(attn + "q_norm.weight")
+        self.k_norm = norm(attn + "k_norm.weight")
+        self.eps = config.rms_norm_eps
+        self.hidden_size = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        scalar = config.query_pre_attn_scalar or config.head_dim
+        self.scale = float(scalar) ** -0.5
+        self.sliding_window = sliding_window
+        self.rotary = rotary
+        self.dtype = dtype
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, size: int) -> torch.Tensor:
+        """Gemma RMSNorm over the last ``size`` elements, in fp32, back to the model dtype."""
+        return F.rms_norm(x.float(), (size,), weight, self.eps).to(self.dtype)
+
+    def __call__(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Residual stream ``h`` ``[T, hidden]`` in, updated residual stream out."""
+        num_tokens = h.shape[0]
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        x = self._norm(h, self.input_norm, self.hidden_size)
+        qkv = self.qkv_proj(x).view(num_tokens, heads + 2 * kv_heads, head_dim)
+        q = self._norm(qkv[:, :heads], self.q_norm, head_dim)
+        k = self._norm(qkv[:, heads : heads + kv_heads], self.k_norm, head_dim)
+        q = self.rotary.apply(q, cos, sin)
+        k = self.rotary.apply(k, cos, sin)
+        v = qkv[:, heads + kv_heads :]
+        write_kv(k, v, kv_cache, attn_metadata.slot_mapping, validate=False)
+        attn = paged_attention(
+            q,
+            kv_cache,
+            scale=self.scale,
+            sliding_window=self.sliding_window,
+            validate=False,
+            metadata=attn_metadata.paged,
+        )
+        o = self.o_proj(attn.reshape(num_tokens, -1))
+        h = h + self._norm(o, self.post_attention_norm, self.hidden_size)
+        x = self._norm(h, self.pre_feedforward_norm, self.hidden_size)
+        m = self.down_proj(self.up_proj.mul(x, self.gate_proj.gelu_tanh(x)))
+        return h + self._norm(m, self.post_feedforward_norm, self.hidden_size)
+
+
+class Gemma3ForCausalLM:
+    """Gemma 3 causal LM over a paged KV cache (see the module docstring); same interface as
+    :class:`pagedkv.model.llama.LlamaForCausalLM` except that ``forward`` takes one
+    :class:`AttentionMetadata` per layer.
+
+    Args:
+        config: a ``gemma3`` :class:`ModelConfig` (layer_types, sliding_window, ...).
+        weights: Hugging Face-named tensors (``model.layers.0.self_attn.q_norm.weight``, ...;
+            norm weights in Hugging Face's form, without the +1), any float dtype;
+            ``lm_head.weight`` may be absent when the embeddings are tied.
+        dtype: compute dtype (``torch.float32`` or ``torch.bfloat16``).
+        device: where the weights live.
+
+    Raises:
+        ModelLoadError: not a gemma3 config, a missing weight or an unsupported dtype.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Mapping[str, torch.Tensor],
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        if config.architecture != "gemma3":
+            raise ModelLoadError(f"Gemma3ForCausalLM runs gemma3 models, got {config.architecture}")
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ModelLoadError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        #: per layer, its sliding window (tokens) or None for full attention.
+        self.layer_sliding_windows = config.layer_sliding_windows
+        pack = onednn_available(self.device) and dtype != torch.float16
+        cast = _Caster(weights, dtype, self.device)
+        local = dataclasses.replace(
+            config, rope_theta=config.rope_local_theta or config.rope_theta, rope_scaling=None
+        )
+        self.rotary_global = _Rotary(rope_inv_freq(config), dtype, self.device)
+        self.rotary_local = _Rotary(rope_inv_freq(local), dtype, self.device)
+        #: sqrt(hidden_size) rounded to the model dtype (as transformers: 25.25 in bf16).
+        self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=dtype, device=self.device)
+        try:
+            self.embed_tokens = cast["model.embed_tokens.weight"]
+            self.layers = [
+                Gemma3DecoderLayer(
+                    config,
+                    cast,
+                    f"model.layers.{i}.",
+                    self.rotary_global if window is None else self.rotary_local,
+                    window,
+                    pack,
+                    dtype,
+                )
+                for i, window in enumerate(self.layer_sliding_windows)
+            ]
+            self.norm = 1.0 + cast["model.norm.weight"].float()
+            tied = config.tie_word_embeddings
+            lm_head = self.embed_tokens if tied else cast["lm_head.weight"]
+        except KeyError as e:
+            raise ModelLoadError(f"checkpoint lacks the weight {e.args[0]!r}") from None
+        self.lm_head = PackedLinear(lm_head, None, pack)
+        self._max_positions = config.max_position_embeddings
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[torch.Tensor],
+        attn_metadata: Sequence[AttentionMetadata],
+    ) -> torch.Tensor:
+        """Run the decoder over one step's flattened tokens.
+
+        Args:
+            input_ids: ``[num_tokens]`` int64 token ids (requests concatenated in
+                ``query_start_loc`` order).
+            positions: ``[num_tokens]`` int64 position of each token in its sequence.
+            kv_caches: one tensor per layer, ``[2, num_blocks, block_size, num_kv_heads,
+                head_dim]`` in the model's dtype; layers of different KV cache groups may share
+                a tensor (their block ids differ).
+            attn_metadata: one :class:`AttentionMetadata` per layer, built from that layer's KV
+                cache group (its block table and slot mapping); a sliding-window layer's
+                ``paged`` metadata must be built with ``sliding_window`` equal to the layer's
+                (``AttentionMetadata.build(..., sliding_window=...)``, see
+                ``layer_sliding_windows``), a full-attention layer's with None.
+
+        Returns:
+            ``[num_tokens, hidden_size]`` final-norm hidden states (pass the rows to sample to
+            :meth:`compute_logits`).
+
+        Raises:
+            OpsInputError: not one metadata per layer, or a metadata built with another window
+                than its layer's (raised before any KV is written).
+        """
+        num_layers = len(self.layers)
+        if isinstance(attn_metadata, AttentionMetadata) or len(attn_metadata) != num_layers:
+            raise OpsInputError(
+                f"Gemma3ForCausalLM.forward needs one AttentionMetadata per layer ({num_layers}), "
+                "each built from its layer's KV cache group"
+            )
+        for i, (layer, metadata) in enumerate(zip(self.layers, attn_metadata, strict=True)):
+            if metadata.paged.sliding_window != layer.sliding_window:
+                raise OpsInputError(
+                    f"layer {i} has sliding_window {layer.sliding_window} but its metadata was "
+                    f"built with {metadata.paged.sliding_window}"
+                )
+        h = F.embedding(input_ids, self.embed_tokens) * self.embed_scale
+        global_tables = self.rotary_global.tables(positions)
+        local_tables = self.rotary_local.tables(positions)
+        for layer, kv_cache, metadata in zip(self.layers, kv_caches, attn_metadata, strict=True):
+            cos, sin = global_tables if layer.sliding_window is None else local_tables
+            h = layer(h, cos, sin, kv_cache, metadata)
+        hidden = self.config.hidden_size
+        return F.rms_norm(h.float(), (hidden,), self.norm, self.config.rms_norm_eps).to(self.dtype)
+
+    __call__ = forward
+
+    @property
+    def max_positions(self) -> int:
+        """Positions the model runs: ``max_position_embeddings`` unless extended (the rotary
+        angles are computed per forward, so any position can run)."""
+        return self._max_positions
+
+    def extend_positions(self, num_positions: int) -> None:
+        """Let positions up to ``num_positions`` run (past the trained context; for an engine
+        allowed a longer max_model_len). Never shrinks."""
+        self._max_positions = max(self._max_positions, num_positions)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits ``[num_rows, vocab_size]`` float32 of hidden states ``[num_rows, hidden_size]``
+        (computed in the model's dtype, then widened; ``cap * tanh(logits / cap)`` when the
+        config sets final_logit_softcapping, None for Gemma 3)."""
+        logits = self.lm_head(hidden_states).float()
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
