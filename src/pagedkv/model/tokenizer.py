@@ -34,6 +34,15 @@ class Tokenizer:
         self.vocab_size: int = len(hf_tokenizer)
         self.bos_token_id: int | None = hf_tokenizer.bos_token_id
         self._byte_token_ids: frozenset[int] | None = None
+        #: ids that ``skip_special_tokens`` leaves out of the text.
+        self.special_token_ids: frozenset[int] = frozenset(
+            [
+                i
+                for i, token in getattr(hf_tokenizer, "added_tokens_decoder", {}).items()
+                if getattr(token, "special", False)
+            ]
+            + list(getattr(hf_tokenizer, "all_special_ids", []))
+        )
 
     @property
     def byte_token_ids(self) -> frozenset[int]:
@@ -41,7 +50,7 @@ class Tokenizer:
 
         Their decoder turns a run of them into text as a whole (U+FFFD for each byte if the run
         is not valid UTF-8), so the incremental detokenizer holds text back while the last id is
-        one of them.
+        one of them (special tokens that ``skip_special_tokens`` leaves out do not end a run).
         """
         if self._byte_token_ids is None:
             model = getattr(self.hf_tokenizer, "backend_tokenizer", None)
@@ -196,7 +205,17 @@ class IncrementalDetokenizer:
         skip_special_tokens: leave special tokens out of the text.
     """
 
-    __slots__ = ("_byte_ids", "_decode", "_ids", "_prefix_offset", "_read_offset", "_skip", "text")
+    __slots__ = (
+        "_byte_ids",
+        "_decode",
+        "_ids",
+        "_in_byte_run",
+        "_prefix_offset",
+        "_read_offset",
+        "_skip",
+        "_special_ids",
+        "text",
+    )
 
     #: Prompt ids kept as context, and the most trailing prompt ids left out to find a clean end.
     CONTEXT_TOKENS = 6
@@ -211,6 +230,9 @@ class IncrementalDetokenizer:
         self._decode = tokenizer.hf_tokenizer.backend_tokenizer.decode
         self._skip = skip_special_tokens
         self._byte_ids = tokenizer.byte_token_ids
+        # Skipped special tokens vanish before decoding: they neither end a byte run nor count.
+        self._special_ids = tokenizer.special_token_ids if skip_special_tokens else frozenset()
+        self._in_byte_run = False
         context = self._clean_context(list(prompt_token_ids[-self.CONTEXT_TOKENS - 4 :]))
         self._ids: list[int] = context
         self._prefix_offset = 0
@@ -226,7 +248,7 @@ class IncrementalDetokenizer:
             context = tail[: len(tail) - drop][-self.CONTEXT_TOKENS :]
             if not context:
                 return []
-            if context[-1] in self._byte_ids:
+            if self._track_byte_run(context, False):
                 continue
             if not self._decode(context, skip_special_tokens=self._skip).endswith("\ufffd"):
                 return context
@@ -236,10 +258,21 @@ class IncrementalDetokenizer:
         """Add newly generated token ids; return the text they complete ("" if none yet)."""
         ids = self._ids
         if isinstance(token_ids, int):
-            ids.append(token_ids)
-        else:
-            ids.extend(token_ids)
+            token_ids = (token_ids,)
+        ids.extend(token_ids)
+        if self._byte_ids:
+            self._in_byte_run = self._track_byte_run(token_ids, self._in_byte_run)
         return self._emit(final=False)
+
+    def _track_byte_run(self, token_ids: Sequence[int], in_run: bool) -> bool:
+        """Whether the text ends in a run of byte-fallback tokens after ``token_ids``."""
+        byte_ids, special_ids = self._byte_ids, self._special_ids
+        for token_id in token_ids:
+            if token_id in byte_ids:
+                in_run = True
+            elif token_id not in special_ids:
+                in_run = False
+        return in_run
 
     def flush(self) -> str:
         """The text still held back (the bytes of an unfinished character, as U+FFFD; "" if
@@ -256,9 +289,7 @@ class IncrementalDetokenizer:
         )
         new_text = self._decode(ids[self._prefix_offset :], skip_special_tokens=skip)
         if not final and (
-            len(new_text) <= len(prefix_text)
-            or new_text.endswith("\ufffd")
-            or ids[-1] in self._byte_ids
+            len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd") or self._in_byte_run
         ):
             return ""  # nothing new yet, or it may end inside a character: wait for more ids
         delta = new_text[len(prefix_text) :]
