@@ -159,9 +159,15 @@ def test_issue_token_prompt_never_streams_prompt_text(loaded_fp32, monkeypatch, 
     prompt = [19556, 905, 28, 1535, 314, 253, 2715, 42, 40303]
     script = iter([218, 218, 28])
     engine = LLMEngine(loaded_model=loaded_fp32, num_blocks=64, max_model_len=256)
-    monkeypatch.setattr(
-        engine.runner, "execute_model", lambda out: [next(script) for s in out.sample if s]
-    )
+    from pagedkv.worker.outputs import ModelRunnerOutput
+
+    def execute_model(out):
+        sampling = [r.request_id for r, s in zip(out.requests, out.sample, strict=True) if s]
+        return ModelRunnerOutput(
+            req_ids=sampling, sampled_token_ids=[next(script) for _ in sampling]
+        )
+
+    monkeypatch.setattr(engine.runner, "execute_model", execute_model)
     max_tokens = 3 if finish == "length" else 10
     engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
     outputs = engine.step() + engine.step()
