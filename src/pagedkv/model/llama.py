@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from pagedkv.errors import ModelLoadError
 from pagedkv.model.config import ModelConfig
+from pagedkv.model.logits import refine_top_logits
 from pagedkv.model.packed_linear import PackedLinear, onednn_available
 from pagedkv.model.rotary import RotaryEmbedding
 from pagedkv.ops import AttentionMetadata, paged_attention, write_kv
@@ -158,6 +159,10 @@ class LlamaForCausalLM:
         except KeyError as e:
             raise ModelLoadError(f"checkpoint lacks the weight {e.args[0]!r}") from None
         self.lm_head = PackedLinear(lm_head, None, pack)
+        #: the lm_head's plain weight, read by :meth:`compute_logits` to recompute the top
+        #: logits in fp32 (None in fp32; the embeddings when tied; when untied, a copy beside
+        #: the packed one: vocab_size x hidden_size more in the model's dtype)
+        self.lm_head_weight = None if dtype == torch.float32 else lm_head
 
     @torch.inference_mode()
     def forward(
@@ -201,9 +206,14 @@ class LlamaForCausalLM:
 
     @torch.inference_mode()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Logits ``[num_rows, vocab_size]`` float32 of hidden states ``[num_rows, hidden_size]``
-        (computed in the model's dtype, then widened, as Hugging Face does)."""
-        return self.lm_head(hidden_states).float()
+        """Logits ``[num_rows, vocab_size]`` float32 of hidden states ``[num_rows, hidden_size]``:
+        computed in the model's dtype, then widened, as Hugging Face does; in bf16 / fp16 those
+        near each row's maximum are then recomputed in fp32
+        (:func:`pagedkv.model.logits.refine_top_logits`: closer to the fp32 model)."""
+        logits = self.lm_head(hidden_states).float()
+        if self.lm_head_weight is not None:
+            refine_top_logits(logits, hidden_states, self.lm_head_weight)
+        return logits
 
     @property
     def max_positions(self) -> int:
