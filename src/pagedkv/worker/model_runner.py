@@ -76,7 +76,7 @@ class ModelRunner:
             allocate_kv_cache(
                 self.num_blocks,
                 self.block_size,
-                config.num_key_value_heads,
+                getattr(model, "num_kv_heads", config.num_key_value_heads),  # this rank's share
                 config.head_dim,
                 model.dtype,
                 model.device,
@@ -100,6 +100,10 @@ class ModelRunner:
             attention_groups=attention_groups,
             layer_attention_groups=layer_attention_groups,
         )
+
+    def shutdown(self) -> None:
+        """Nothing to stop in one process (the executor interface:
+        :class:`~pagedkv.worker.tp_executor.TensorParallelExecutor` stops its ranks)."""
 
     def finish_requests(self, request_ids: Sequence[str]) -> None:
         """Forget per-request state (seeded generators) of finished requests."""
@@ -128,6 +132,8 @@ class ModelRunner:
         if len(inputs.logits_rows) == 0:
             return result
         logits = self.model.compute_logits(hidden[self.input_batch.to_device(inputs.logits_rows)])
+        if logits is None:  # a tensor-parallel rank other than 0: it only joined the gather
+            return result
         sampling = [r for r, s in zip(out.requests, out.sample, strict=True) if s]
         params = [r.sampling_params for r in sampling]
         generators = [self._generator(r) for r in sampling]
@@ -182,18 +188,23 @@ class ModelRunner:
             end = min(computed + num_scheduled, request.num_prompt_tokens - 1)
             if end <= computed:
                 continue
-            targets = torch.tensor(
-                request.all_token_ids[computed + 1 : end + 1], device=hidden.device
-            )
+            targets = None
             lists = LogprobsLists([], [], [])
             for lo in range(0, end - computed, PROMPT_LOGPROBS_ROWS_PER_SLICE):
                 hi = min(lo + PROMPT_LOGPROBS_ROWS_PER_SLICE, end - computed)
                 logits = self.model.compute_logits(hidden[row_start + lo : row_start + hi])
+                if logits is None:  # a tensor-parallel rank other than 0 (no token ids here)
+                    continue
+                if targets is None:
+                    targets = torch.tensor(
+                        request.all_token_ids[computed + 1 : end + 1], device=hidden.device
+                    )
                 ids, values, ranks = gather_logprobs(compute_logprobs(logits), targets[lo:hi], k)
                 lists.token_ids += ids.tolist()
                 lists.logprobs += values.tolist()
                 lists.ranks += ranks.tolist()
-            result.prompt_logprobs[request.request_id] = (computed + 1, lists)
+            if targets is not None:
+                result.prompt_logprobs[request.request_id] = (computed + 1, lists)
 
     def _generator(self, request) -> torch.Generator | None:
         seed = request.sampling_params.seed
