@@ -164,3 +164,21 @@ def test_workers_exit_when_the_engine_process_dies(tmp_path):
         proc.kill()
         proc.wait()
     assert wait_gone(pids, 30)
+
+
+@pytest.mark.slow
+def test_default_model_tp3_gives_the_same_tokens_as_one_process():
+    # SmolLM2-135M: 9 query / 3 KV heads, vocabulary 49152: 3 query heads, 1 KV head and 16384
+    # vocabulary rows per rank.
+    options = {"dtype": "float32", "num_threads": 1, "num_blocks": 32, "max_model_len": 128}
+    prompt = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = LLM(**options).chat([prompt], params, use_tqdm=False)[0].token_ids
+    three = LLM(tensor_parallel_size=3, **options)
+    try:
+        pids = three.engine.runner.worker_pids
+        assert three.engine.runner.runner.kv_caches[0].shape[2] == 1
+        assert three.chat([prompt], params, use_tqdm=False)[0].token_ids == expected
+    finally:
+        three.engine.shutdown()
+    assert wait_gone(pids, 10)
