@@ -182,3 +182,40 @@ def test_default_model_tp3_gives_the_same_tokens_as_one_process():
     finally:
         three.engine.shutdown()
     assert wait_gone(pids, 10)
+
+
+def test_ctrl_c_stops_every_rank():
+    # Ctrl-C sends SIGINT to the whole foreground process group: the workers ignore it, the
+    # engine process gets KeyboardInterrupt and its exit stops them.
+    script = textwrap.dedent(
+        f"""
+        import functools, sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from _tiny_model import tiny_loaded_model
+        from pagedkv.engine.llm import LLM
+        from pagedkv.sampling_params import SamplingParams
+        llm = LLM(model_loader=functools.partial(tiny_loaded_model), tensor_parallel_size=2,
+                  dtype="float32", num_threads=1, num_blocks=40, max_model_len=128)
+        print(*llm.engine.runner.worker_pids, flush=True)
+        params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+        while True:
+            llm.generate(["hello"] * 4, params, use_tqdm=False)
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert pids and all(alive(p) for p in pids)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) != 0
+        assert "KeyboardInterrupt" in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert wait_gone(pids, 10)
