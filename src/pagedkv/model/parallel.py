@@ -65,26 +65,33 @@ def check_tensor_parallel(config, tensor_parallel_size: int) -> ShardSizes:
             "tensor_parallel_size > 1 is supported for the Llama family only, not for "
             f"{config.architecture} (run it with tensor_parallel_size=1)"
         )
+    inter = config.intermediate_size
+    valid = [
+        n
+        for n in range(1, heads + 1)
+        if heads % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0) and inter % n == 0
+    ]
+    sizes = f"; sizes that split this model: {', '.join(map(str, valid))}"
     if heads % tp:
         raise ConfigError(
             f"tensor_parallel_size {tp} does not divide the model's {heads} attention heads "
-            f"(num_attention_heads); use a divisor of {heads}"
+            f"(num_attention_heads){sizes}"
         )
     if tp <= kv_heads and kv_heads % tp:
         raise ConfigError(
             f"tensor_parallel_size {tp} does not divide the model's {kv_heads} KV heads "
-            f"(num_key_value_heads)"
+            f"(num_key_value_heads){sizes}"
         )
     if tp > kv_heads and tp % kv_heads:
         raise ConfigError(
             f"tensor_parallel_size {tp} is above the model's {kv_heads} KV heads "
             "(num_key_value_heads) but not a multiple of them: KV heads cannot be replicated "
-            "evenly"
+            f"evenly{sizes}"
         )
-    if config.intermediate_size % tp:
+    if inter % tp:
         raise ConfigError(
             f"tensor_parallel_size {tp} does not divide the model's intermediate_size "
-            f"{config.intermediate_size}"
+            f"{inter}{sizes}"
         )
     return ShardSizes(
         num_heads=heads // tp,
