@@ -6,6 +6,7 @@ engine (shutdown, a dead rank, a dead parent)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import multiprocessing
 import os
@@ -102,6 +103,8 @@ def test_sizes_that_do_not_divide_the_heads_are_refused_before_any_process_start
     with pytest.raises(ConfigError, match="tensor_parallel_size 3 does not divide the model's 4"):
         check_tensor_parallel(config, 3)
     assert check_tensor_parallel(config, 4).num_kv_heads == 1  # KV heads replicated
+    with pytest.raises(ConfigError, match="Llama family only"):
+        check_tensor_parallel(dataclasses.replace(config, architecture="gemma3"), 2)
     with pytest.raises(ConfigError, match="does not divide the model's 4 attention heads"):
         LLMEngine(
             model_loader=functools.partial(tiny_loaded_model), tensor_parallel_size=3, **OPTIONS
@@ -219,3 +222,18 @@ def test_ctrl_c_stops_every_rank():
         proc.kill()
         proc.wait()
     assert wait_gone(pids, 10)
+
+
+def test_kv_sizing_counts_one_ranks_kv_heads():
+    # The same per-rank budget holds tp / (KV heads per rank) times the blocks: SmolLM2's 3 KV
+    # heads are 1 per rank at tp=3 (header only, nothing loads).
+    from pagedkv.engine.config import EngineConfig
+    from pagedkv.engine.kv_sizing import size_kv_cache
+    from pagedkv.model.loader import load_model_config
+
+    shape = load_model_config()
+    budget = {"kv_cache_memory": "64MiB", "max_model_len": 256, "dtype": "float32"}
+    one = size_kv_cache(shape, EngineConfig(**budget))
+    three = size_kv_cache(shape, EngineConfig(tensor_parallel_size=3, **budget))
+    assert three.num_blocks == 3 * one.num_blocks
+    assert three.kv_cache_specs[0].num_kv_heads == 1
