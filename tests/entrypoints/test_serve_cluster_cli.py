@@ -43,9 +43,11 @@ def test_unknown_router_is_a_usage_error(capsys):
     assert "invalid choice: 'random'" in capsys.readouterr().err
 
 
-def test_data_parallel_with_tensor_parallel_is_refused():
-    with pytest.raises(SystemExit, match="--data-parallel-size with --tensor-parallel-size"):
-        main(["serve", "--port", "0", "--data-parallel-size", "2", "--tensor-parallel-size", "3"])
+def test_data_parallel_with_tensor_parallel_is_refused(capsys):
+    argv = ["serve", "--port", "0", "--data-parallel-size", "2", "--tensor-parallel-size", "3"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "pagedkv serve: error: --data-parallel-size with --tensor-parallel-size" in err
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])

@@ -134,9 +134,9 @@ def run(args: argparse.Namespace) -> int:
             f"--data-parallel-size must be >= 1, got {args.data_parallel_size}"
         )
     if args.data_parallel_size > 1 and args.tensor_parallel_size > 1:
-        raise SystemExit(
-            "pagedkv serve: --data-parallel-size with --tensor-parallel-size is not supported yet "
-            "(a Ray replica does not start tensor-parallel worker processes); use one of them"
+        raise ConfigError(
+            "--data-parallel-size with --tensor-parallel-size is not supported yet (a Ray "
+            "replica does not start tensor-parallel worker processes); use one of them"
         )
     if args.data_parallel_size > 1:
         return run_cluster(args)
