@@ -21,6 +21,10 @@ weights, oneDNN-prepacked weights with fused epilogues (:mod:`pagedkv.model.pack
 rotary tables gathered once per forward, the attention's index work done once per step
 (:class:`AttentionMetadata`), plain Python layer objects instead of ``nn.Module`` calls. Weights
 are frozen: the model only runs under ``torch.inference_mode``.
+
+With ``parallel`` (tensor parallelism, :mod:`pagedkv.model.parallel`, docs/parallel.md) each
+process keeps its heads, its MLP slice and its vocabulary rows, and the layers are
+:class:`TensorParallelLlamaDecoderLayer` (an all-reduce after o_proj and after down_proj).
 """
 
 from __future__ import annotations
