@@ -69,7 +69,10 @@ class EngineConfig:
         enable_kv_cache_events: record BlockStored / BlockRemoved / AllBlocksCleared events
             (drain them with ``LLMEngine.take_kv_cache_events()``).
         seed: seed of sampling for requests without their own seed.
-        num_threads: torch threads; None = all CPUs this process may use.
+        num_threads: torch threads (per rank); None = all CPUs this process may use, divided
+            by tensor_parallel_size.
+        tensor_parallel_size: processes the model is split over (vLLM's field of the same name;
+            :mod:`pagedkv.worker.tp_executor`, docs/parallel.md); 1 = one process, today's path.
 
     Raises:
         ConfigError: an unknown dtype, a count out of range, or a kv_cache_memory string that
@@ -96,6 +99,7 @@ class EngineConfig:
     seed: int = 0
     max_logprobs: int = 20
     num_threads: int | None = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):
@@ -112,6 +116,7 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             check_int(name, getattr(self, name), 1)
         check_int("max_logprobs", self.max_logprobs, 0)
+        check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         check_int("num_blocks", self.num_blocks, 2, optional=True, why="block 0 is the null block")
         if self.hash_seed is not None and (
             not isinstance(self.hash_seed, (int, str, bytes)) or isinstance(self.hash_seed, bool)
@@ -185,7 +190,19 @@ class EngineConfig:
             default=d.max_logprobs,
             help="most logprobs / prompt_logprobs a request may ask for",
         )
-        group.add_argument("--num-threads", type=int, default=None)
+        group.add_argument(
+            "--num-threads",
+            type=int,
+            default=None,
+            help="torch threads per rank (default: the usable CPUs / tensor-parallel size)",
+        )
+        group.add_argument(
+            "--tensor-parallel-size",
+            "-tp",
+            type=int,
+            default=d.tensor_parallel_size,
+            help="split the model over this many processes (torch.distributed; Llama family)",
+        )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:

@@ -29,8 +29,10 @@ class LLM:
         max_model_len: most tokens (prompt + output) per request.
         enable_prefix_caching: reuse KV blocks of shared prompt prefixes.
         **kwargs: other :class:`EngineConfig` fields (attention_backend, enable_chunked_prefill,
-            policy, seed, ...)
-            and ``loaded_model`` (reuse an already loaded model).
+            policy, seed, ...; ``tensor_parallel_size=2`` splits the model over 2 processes),
+            ``loaded_model`` (reuse an already loaded model) and ``model_loader`` (what each
+            tensor-parallel rank calls to load its shard; see
+            :class:`~pagedkv.engine.llm_engine.LLMEngine`).
 
     Example::
 
@@ -54,6 +56,7 @@ class LLM:
         **kwargs: Any,
     ) -> None:
         loaded_model = kwargs.pop("loaded_model", None)
+        model_loader = kwargs.pop("model_loader", None)
         config = EngineConfig(
             model=model,
             dtype=dtype,
@@ -66,7 +69,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             **kwargs,
         )
-        self.engine = LLMEngine(config, loaded_model=loaded_model)
+        self.engine = LLMEngine(config, loaded_model=loaded_model, model_loader=model_loader)
         self._next_id = 0
 
     @property

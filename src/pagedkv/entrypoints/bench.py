@@ -145,7 +145,10 @@ def bench_pagedkv(args: argparse.Namespace, conversations: list) -> BenchResult:
     before = llm.get_stats()
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()  # stops tensor-parallel worker processes
     elapsed = time.perf_counter() - start
     stats = llm.get_stats()
     ttfts = [o.time_to_first_token for o in outputs]

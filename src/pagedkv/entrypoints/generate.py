@@ -178,7 +178,10 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     start = time.perf_counter()
-    outputs = llm.generate([p for p, _ in items], params, use_tqdm=not args.no_progress)
+    try:
+        outputs = llm.generate([p for p, _ in items], params, use_tqdm=not args.no_progress)
+    finally:
+        llm.engine.shutdown()  # stops tensor-parallel worker processes (also on Ctrl-C)
     elapsed = time.perf_counter() - start
 
     for (prompt, _), output in zip(items, outputs, strict=True):

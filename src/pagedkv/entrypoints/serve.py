@@ -133,6 +133,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--data-parallel-size must be >= 1, got {args.data_parallel_size}"
         )
+    if args.data_parallel_size > 1 and args.tensor_parallel_size > 1:
+        raise ConfigError(
+            "--data-parallel-size with --tensor-parallel-size is not supported yet (a Ray "
+            "replica does not start tensor-parallel worker processes); use one of them"
+        )
     if args.data_parallel_size > 1:
         return run_cluster(args)
     for name in _CLUSTER_ONLY:
@@ -158,8 +163,11 @@ def run(args: argparse.Namespace) -> int:
     # Scripts (benchmarks/bench_serving.py) read the URL from this line.
     print(f"pagedkv serve: {name} listening on http://{shown_host}:{port}", flush=True)
     # uvicorn shuts down cleanly on Ctrl-C, then re-raises the interrupt: not an error here.
-    with contextlib.suppress(KeyboardInterrupt):
-        make_server(app, log_level=args.log_level).run(sockets=[sock])
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            make_server(app, log_level=args.log_level).run(sockets=[sock])
+    finally:
+        engine.shutdown()  # stops tensor-parallel worker processes
     return 0
 
 

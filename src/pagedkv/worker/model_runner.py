@@ -27,7 +27,12 @@ import torch
 from pagedkv.core.config import KVCacheConfig
 from pagedkv.core.spec import SlidingWindowSpec
 from pagedkv.errors import ConfigError
-from pagedkv.ops.backends import AttentionBackend, AttentionLayerSpec, TorchBackend
+from pagedkv.ops.backends import (
+    AttentionBackend,
+    AttentionLayerSpec,
+    TorchBackend,
+    get_attn_backend,
+)
 from pagedkv.worker.input_batch import InputBatch, ModelInputs
 from pagedkv.worker.outputs import LogprobsLists, ModelRunnerOutput
 from pagedkv.worker.sampler import Sampler, compute_logprobs, gather_logprobs
@@ -55,8 +60,9 @@ class ModelRunner:
         max_model_len: most tokens per request (columns of the block-table buffer).
         seed: seed of the sampler's generator for requests without a seed.
         attention_backend: the backend that owns the caches and runs the attention
-            (:func:`pagedkv.ops.backends.select_backend`); None = the torch backend on the
-            model's device.
+            (:func:`pagedkv.ops.backends.select_backend`), or its name (each tensor-parallel
+            rank makes its own: :func:`pagedkv.ops.backends.get_attn_backend`); None = the
+            torch backend on the model's device.
 
     Raises:
         ConfigError: a KV cache config whose layers are not the model's, a sliding-window
@@ -73,7 +79,7 @@ class ModelRunner:
         max_num_batched_tokens: int,
         max_model_len: int,
         seed: int = 0,
-        attention_backend: AttentionBackend | None = None,
+        attention_backend: AttentionBackend | str | None = None,
     ) -> None:
         config = model.config
         self.model = model
@@ -82,6 +88,8 @@ class ModelRunner:
         self.num_blocks = kv_cache_config.num_blocks
         self.vocab_size = config.vocab_size
         backend = attention_backend or TorchBackend(self.device)
+        if isinstance(backend, str):
+            backend = get_attn_backend(backend, self.device)
         #: the attention backend: owns the caches' layout, builds the metadata, runs attention.
         self.attention_backend = backend
         #: each layer's attention spec (heads, head size, block size, dtypes, window, scale).
@@ -111,6 +119,10 @@ class ModelRunner:
             layer_attention_groups=layer_attention_groups,
         )
 
+    def shutdown(self) -> None:
+        """Nothing to stop in one process (the executor interface:
+        :class:`~pagedkv.worker.tp_executor.TensorParallelExecutor` stops its ranks)."""
+
     def finish_requests(self, request_ids: Sequence[str]) -> None:
         """Forget per-request state (seeded generators) of finished requests."""
         for request_id in request_ids:
@@ -138,6 +150,8 @@ class ModelRunner:
         if len(inputs.logits_rows) == 0:
             return result
         logits = self.model.compute_logits(hidden[self.input_batch.to_device(inputs.logits_rows)])
+        if logits is None:  # a tensor-parallel rank other than 0: it only joined the gather
+            return result
         sampling = [r for r, s in zip(out.requests, out.sample, strict=True) if s]
         params = [r.sampling_params for r in sampling]
         generators = [self._generator(r) for r in sampling]
@@ -192,18 +206,23 @@ class ModelRunner:
             end = min(computed + num_scheduled, request.num_prompt_tokens - 1)
             if end <= computed:
                 continue
-            targets = torch.tensor(
-                request.all_token_ids[computed + 1 : end + 1], device=hidden.device
-            )
+            targets = None
             lists = LogprobsLists([], [], [])
             for lo in range(0, end - computed, PROMPT_LOGPROBS_ROWS_PER_SLICE):
                 hi = min(lo + PROMPT_LOGPROBS_ROWS_PER_SLICE, end - computed)
                 logits = self.model.compute_logits(hidden[row_start + lo : row_start + hi])
+                if logits is None:  # a tensor-parallel rank other than 0 (no token ids here)
+                    continue
+                if targets is None:
+                    targets = torch.tensor(
+                        request.all_token_ids[computed + 1 : end + 1], device=hidden.device
+                    )
                 ids, values, ranks = gather_logprobs(compute_logprobs(logits), targets[lo:hi], k)
                 lists.token_ids += ids.tolist()
                 lists.logprobs += values.tolist()
                 lists.ranks += ranks.tolist()
-            result.prompt_logprobs[request.request_id] = (computed + 1, lists)
+            if targets is not None:
+                result.prompt_logprobs[request.request_id] = (computed + 1, lists)
 
     def _generator(self, request) -> torch.Generator | None:
         seed = request.sampling_params.seed
