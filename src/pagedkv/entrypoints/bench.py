@@ -164,6 +164,8 @@ def bench_pagedkv(args: argparse.Namespace, conversations: list) -> BenchResult:
         mean_ttft_s=statistics.fmean(ttfts),
         median_ttft_s=statistics.median(ttfts),
         extra={
+            "attention_backend": llm.engine.attention_backend.name,
+            "block_size": llm.engine.config.block_size,
             "max_num_seqs": config.max_num_seqs,
             "max_num_batched_tokens": config.max_num_batched_tokens,
             "num_steps": stats.num_steps - before.num_steps,
