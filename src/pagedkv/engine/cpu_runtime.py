@@ -13,23 +13,16 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 
 import torch
+
+from pagedkv.cpu_env import available_cpu_count
 
 # glibc mallopt() parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # glibc's cap on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
 _TRIM_THRESHOLD_NEVER = 2**31 - 1
-
-
-def usable_cpu_count() -> int:
-    """CPUs this process may run on (its affinity mask), at least 1."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
 
 
 def tune_malloc() -> bool:
@@ -52,13 +45,13 @@ def tune_cpu_runtime(num_threads: int | None = None) -> int:
     """Apply the malloc settings and set torch's intra-op thread count.
 
     Args:
-        num_threads: torch threads; None = :func:`usable_cpu_count`.
+        num_threads: torch threads; None = :func:`pagedkv.cpu_env.available_cpu_count`.
 
     Returns:
         The thread count set.
     """
     tune_malloc()
-    threads = num_threads if num_threads is not None else usable_cpu_count()
+    threads = num_threads if num_threads is not None else available_cpu_count()
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     return threads
