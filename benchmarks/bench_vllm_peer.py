@@ -131,8 +131,12 @@ def start_vllm(python: Path, model_dir: Path, prompts_file: Path, max_tokens: in
 
 def _read_event(proc: subprocess.Popen, event: str) -> dict:
     for line in proc.stdout:
-        message = json.loads(line)
-        if message.get("event") == event:
+        try:
+            message = json.loads(line)
+        except json.JSONDecodeError:  # not the protocol's: pass it on
+            print(line, end="", file=sys.stderr)
+            continue
+        if isinstance(message, dict) and message.get("event") == event:
             return message
     raise RuntimeError(f"vLLM's worker exited (code {proc.wait()}) before '{event}'; see stderr")
 

@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import time
 
 
 def main() -> int:
     model_dir, prompts_path, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    out = sys.stdout
-    sys.stdout = sys.stderr  # vLLM's own prints must not corrupt the JSON protocol
+    # The protocol gets its own copy of stdout; fd 1 itself then points at stderr, so that
+    # nothing vLLM or its engine-core process prints can reach the protocol's stream.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     with open(prompts_path) as f:
         token_prompts = json.load(f)
     start = time.perf_counter()
