@@ -4,7 +4,12 @@
   step's tensor of the same size comes back as fresh pages (page faults on every step). Raising
   the mmap threshold to its maximum (32 MiB) and never trimming the heap keeps that memory in the
   process: batch-64 bf16 decode went from 150 ms to 92 ms (docs/perf.md).
-- torch threads: one per CPU this process may run on.
+- torch threads: one per CPU this process may use (:func:`pagedkv.cpu_env.available_cpu_count`:
+  its affinity mask, capped by its cgroup's CPU quota). OpenMP's spin-wait is bounded before
+  torch loads (:mod:`pagedkv.cpu_env`, ``GOMP_SPINCOUNT=10000``): with libgomp's default spin, a
+  4-chat run beside a CPU burner on a busy 2-core machine did not finish in 120 s; with the
+  bound the default took 14.2 s without and 23.5 s with the burner (1.65x; ``--num-threads 1``
+  5.0 / 6.7 s), benchmarks/bench_threads_load.py, docs/perf.md.
 
 Applied once at engine start-up by :func:`tune_cpu_runtime`; both settings are idempotent.
 """
