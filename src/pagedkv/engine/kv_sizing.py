@@ -15,6 +15,10 @@ Sizing, in order of precedence::
 
     bytes_per_block = block_size x num_kv_heads x head_dim x 2 (K and V) x dtype bytes x group_size
 
+block_size is the attention backend's (``EngineConfig.block_size``, resolved by
+:func:`pagedkv.engine.attention_backend.choose_attention_backend` before sizing); no backend pads
+its cache, so these bytes are what the backend allocates.
+
 The layers' specs come from the model (:func:`pagedkv.model.config.kv_cache_layer_specs`): one
 full-attention group for the Llama family; for a model with sliding-window layers (Gemma 3) one
 group per ``group_size`` layers of a type, where a request of max_model_len holds
@@ -147,8 +151,13 @@ def engine_layer_specs(
     ``config.disable_hybrid_kv_cache_manager``.
 
     Raises:
-        ConfigError: a bad block_size or dtype.
+        ConfigError: a bad or unresolved block_size, or a bad dtype.
     """
+    if config.block_size is None:
+        raise ConfigError(
+            "block_size is None: the engine sets it from the attention backend before sizing "
+            "the KV cache (pagedkv.engine.attention_backend.choose_attention_backend)"
+        )
     specs = kv_cache_layer_specs(model_config, config.block_size, kv_dtype or config.dtype)
     if config.disable_hybrid_kv_cache_manager:
         specs = unify_kv_cache_specs(specs)

@@ -24,6 +24,7 @@ import torch
 
 from pagedkv.core.events import KVCacheEvent
 from pagedkv.core.manager import KVCacheManager
+from pagedkv.engine.attention_backend import choose_attention_backend
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.cpu_runtime import tune_cpu_runtime
 from pagedkv.engine.kv_sizing import size_kv_cache
@@ -98,6 +99,12 @@ class LLMEngine:
         else:
             model_shape = loaded_model.config
             kv_dtype = str(loaded_model.model.dtype).removeprefix("torch.")
+        device = "cpu" if loaded_model is None else loaded_model.model.device
+        # The backend decides the block size (when not given) before the cache is sized.
+        config, choice = choose_attention_backend(config, model_shape.head_dim, kv_dtype, device)
+        self.config = config
+        #: the attention backend (owns the KV cache's layout and runs attention).
+        self.attention_backend = choice.backend
         kv_cache_config = size_kv_cache(model_shape, config, kv_dtype=kv_dtype)
         max_model_len = kv_cache_config.max_model_len
         self.max_model_len = max_model_len
@@ -144,6 +151,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=max_model_len,
             seed=config.seed,
+            attention_backend=choice.backend,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._stats = EngineStats(scheduler=SchedulerStats())

@@ -75,6 +75,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tp.set_defaults(func=run)
     bench_latency.add_parser(benches, _positive_int)
     bench_serving.add_parser(benches, _positive_int)
+    for bench in benches.choices.values():  # `pagedkv bench latency: error: ...` for its flags
+        bench.set_defaults(subcommand_parser=bench)
 
 
 def _positive_int(text: str) -> int:

@@ -243,6 +243,8 @@ def print_summary(llm, outputs, elapsed: float, load_time: float, file=sys.stdou
         prompt_note = f" ({num_unique} in the prompts{times}; counted per sequence like the cache)"
     lines = [
         f"model            {engine.loaded_model.source} ({engine.config.dtype})",
+        f"attention        {engine.attention_backend.name} backend, blocks of "
+        f"{engine.config.block_size} tokens",
         f"requests         {len(outputs)} ({sum(len(o.outputs) for o in outputs)} sequences)",
         f"prompt tokens    {num_prompt}{prompt_note}",
         f"output tokens    {num_output}",

@@ -2,9 +2,10 @@
 
 One forward runs a whole scheduler step: the tokens of every scheduled request flattened into one
 ``[num_tokens]`` batch (prefills, chunks of prefills and decodes mixed), with their positions.
-Each attention layer writes its new K/V into the paged cache through the slot mapping
-(``pagedkv.ops.write_kv``) and attends over each request's blocks through the block tables
-(``pagedkv.ops.paged_attention``)::
+Each attention layer writes its new K/V into the paged cache through the slot mapping and attends
+over each request's blocks through the block tables, both through the step's
+:class:`~pagedkv.ops.backends.BoundAttentionMetadata` (the attention backend's ``write_kv`` and
+``forward``; the cache layout is the backend's business)::
 
     h = embed(input_ids)                                   [num_tokens, hidden]
     for each layer:
@@ -19,7 +20,7 @@ Each attention layer writes its new K/V into the paged cache through the slot ma
 This is the engine's hot path, so it is written for few Python-level ops per layer: fused q/k/v
 weights, oneDNN-prepacked weights with fused epilogues (:mod:`pagedkv.model.packed_linear`),
 rotary tables gathered once per forward, the attention's index work done once per step
-(:class:`AttentionMetadata`), plain Python layer objects instead of ``nn.Module`` calls. Weights
+(the backend's metadata), plain Python layer objects instead of ``nn.Module`` calls. Weights
 are frozen: the model only runs under ``torch.inference_mode``.
 """
 
@@ -34,7 +35,7 @@ from pagedkv.errors import ModelLoadError
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.packed_linear import PackedLinear, onednn_available
 from pagedkv.model.rotary import RotaryEmbedding
-from pagedkv.ops import AttentionMetadata, paged_attention, write_kv
+from pagedkv.ops.backends import AttentionLayerSpec, BoundAttentionMetadata
 
 
 class LlamaDecoderLayer:
@@ -94,7 +95,7 @@ class LlamaDecoderLayer:
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
+        attn_metadata: BoundAttentionMetadata,
     ) -> torch.Tensor:
         """Residual stream ``h`` ``[num_tokens, hidden]`` in, updated residual stream out."""
         num_tokens = h.shape[0]
@@ -103,14 +104,8 @@ class LlamaDecoderLayer:
         qkv = self.qkv_proj(x).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
         qk = self.rotary.apply(qkv[:, :num_qk_heads], cos, sin)
         k, v = qk[:, self.num_heads :], qkv[:, num_qk_heads:]
-        write_kv(k, v, kv_cache, attn_metadata.slot_mapping, validate=False)
-        attn = paged_attention(
-            qk[:, : self.num_heads],
-            kv_cache,
-            scale=self.scale,
-            validate=False,
-            metadata=attn_metadata.paged,
-        )
+        attn_metadata.write_kv(k, v, kv_cache)
+        attn = attn_metadata.forward(qk[:, : self.num_heads], kv_cache)
         h = self.o_proj.add(attn.reshape(num_tokens, -1), h)
         x = F.rms_norm(h, (self.hidden_size,), self.post_attention_norm, self.eps)
         return self.down_proj.add(self.up_proj.mul(x, self.gate_proj.silu(x)), h)
@@ -165,7 +160,7 @@ class LlamaForCausalLM:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: Sequence[torch.Tensor],
-        attn_metadata: AttentionMetadata | Sequence[AttentionMetadata],
+        attn_metadata: BoundAttentionMetadata | Sequence[BoundAttentionMetadata],
     ) -> torch.Tensor:
         """Run the decoder over one step's flattened tokens.
 
@@ -174,12 +169,12 @@ class LlamaForCausalLM:
                 ``query_start_loc`` order).
             positions: ``[num_tokens]`` int64 position of each token in its sequence
                 (< :attr:`max_positions`).
-            kv_caches: one tensor per layer, ``[2, num_blocks, block_size, num_kv_heads,
-                head_dim]`` in the model's dtype (``pagedkv.ops.allocate_kv_cache``); this step's
-                K/V are written into it.
-            attn_metadata: the step's :class:`AttentionMetadata`, or one per layer (the model
-                runner's form, shared with Gemma 3; every layer is full attention here, so the
-                entries are normally one object).
+            kv_caches: one tensor per layer, allocated by the attention backend
+                (``backend.allocate_kv_cache(num_blocks, spec)`` with the layer's spec from
+                :meth:`attention_layer_specs`); this step's K/V are written into it.
+            attn_metadata: the step's :class:`BoundAttentionMetadata` for every layer, or one
+                per layer (the model runner's form, shared with Gemma 3; built for the layers'
+                specs: :func:`pagedkv.ops.backends.bind_metadata`).
 
         Returns:
             ``[num_tokens, hidden_size]`` final-norm hidden states (pass the rows to sample to
@@ -187,7 +182,7 @@ class LlamaForCausalLM:
         """
         h = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary.tables(positions)
-        if isinstance(attn_metadata, AttentionMetadata):
+        if isinstance(attn_metadata, BoundAttentionMetadata):
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 h = layer(h, cos, sin, kv_cache, attn_metadata)
         else:
@@ -198,6 +193,30 @@ class LlamaForCausalLM:
         return F.rms_norm(h, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
 
     __call__ = forward
+
+    def attention_layer_specs(
+        self, block_size: int, kv_cache_dtype: torch.dtype | str | None = None
+    ) -> list[AttentionLayerSpec]:
+        """Each layer's :class:`AttentionLayerSpec` (heads, head size, the model's dtype, the
+        config's sliding window, softmax scale ``head_dim ** -0.5``): what the runner allocates
+        caches and builds metadata for.
+
+        Raises:
+            OpsInputError: a block_size < 1 or a kv_cache_dtype the specs refuse.
+        """
+        return [
+            AttentionLayerSpec(
+                num_heads=layer.num_heads,
+                num_kv_heads=layer.num_kv_heads,
+                head_size=layer.head_dim,
+                block_size=block_size,
+                dtype=self.dtype,
+                kv_cache_dtype=kv_cache_dtype,
+                sliding_window=window,
+                scale=layer.scale,
+            )
+            for layer, window in zip(self.layers, self.config.layer_sliding_windows, strict=True)
+        ]
 
     @torch.inference_mode()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
