@@ -141,6 +141,25 @@ def _read_event(proc: subprocess.Popen, event: str) -> dict:
     raise RuntimeError(f"vLLM's worker exited (code {proc.wait()}) before '{event}'; see stderr")
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and its descendants so far (Linux /proc; 0.0
+    elsewhere): what vLLM's idle processes burn while pagedkv runs."""
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    stats = {}
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = entry.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        stats[int(entry.parent.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+    tree, total = {pid}, 0
+    for _ in range(8):  # a few levels: worker -> engine core -> its helpers
+        tree |= {p for p, (ppid, _) in stats.items() if ppid in tree}
+    for p in tree:
+        total += stats.get(p, (0, 0))[1]
+    return total / ticks
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
@@ -198,17 +217,28 @@ def main() -> int:
             proc.stdin.flush()
             vllm_result = _read_event(proc, "result")
             llm.engine.kv_cache_manager.reset_prefix_cache()
+            vllm_cpu_before = tree_cpu_seconds(proc.pid)
             t0 = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             elapsed = time.perf_counter() - t0
+            vllm_idle_cpu = tree_cpu_seconds(proc.pid) - vllm_cpu_before
             num_output = sum(len(o.token_ids) for o in outputs)
             ours = num_output / elapsed
             theirs = vllm_result["output_tokens_per_s"]
             load = os.getloadavg()[0]
-            rounds.append({"vllm": vllm_result, "pagedkv_tok_s": ours, "loadavg_1m": load})
+            rounds.append(
+                {
+                    "vllm": vllm_result,
+                    "pagedkv_tok_s": ours,
+                    "pagedkv_elapsed_s": elapsed,
+                    "vllm_cpu_s_while_pagedkv_ran": vllm_idle_cpu,
+                    "loadavg_1m": load,
+                }
+            )
             print(
                 f"round {r + 1}: vLLM {theirs:.1f} output tok/s, pagedkv {ours:.1f} "
-                f"-> pagedkv / vLLM {ours / theirs:.2f}x (load average {load:.2f})",
+                f"-> pagedkv / vLLM {ours / theirs:.2f}x (load average {load:.2f}; vLLM's "
+                f"idle processes used {vllm_idle_cpu:.1f} CPU-s of pagedkv's {elapsed:.1f} s)",
                 flush=True,
             )
     finally:
