@@ -20,8 +20,8 @@ import json
 import statistics
 import sys
 
+from pagedkv.cpu_env import available_cpu_count
 from pagedkv.engine.config import EngineConfig
-from pagedkv.engine.cpu_runtime import usable_cpu_count
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.entrypoints.bench_latency import measure
 
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
                 engine.shutdown()
             steps[tp].append(report["decode_step"]["median_ms"])
             print(f"tp={tp}: decode step median {steps[tp][-1]:.2f} ms", file=sys.stderr)
-    cpus = usable_cpu_count()
+    cpus = available_cpu_count()
     rows = []
     first = None
     for tp in args.tp:

@@ -24,9 +24,10 @@ import torch
 
 from pagedkv.core.events import KVCacheEvent
 from pagedkv.core.manager import KVCacheManager
+from pagedkv.cpu_env import available_cpu_count
 from pagedkv.engine.attention_backend import choose_attention_backend
 from pagedkv.engine.config import EngineConfig
-from pagedkv.engine.cpu_runtime import tune_cpu_runtime, usable_cpu_count
+from pagedkv.engine.cpu_runtime import tune_cpu_runtime
 from pagedkv.engine.kv_sizing import size_kv_cache
 from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.outputs import RequestOutput
@@ -101,7 +102,7 @@ class LLMEngine:
         tp = config.tensor_parallel_size
         num_threads = config.num_threads
         if num_threads is None and tp > 1:
-            num_threads = max(1, usable_cpu_count() // tp)
+            num_threads = max(1, available_cpu_count() // tp)
         if tp > 1 and loaded_model is not None:
             raise ConfigError(
                 "loaded_model cannot be split over tensor_parallel_size > 1 processes: pass "
