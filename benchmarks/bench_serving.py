@@ -23,15 +23,12 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import shlex
-import subprocess
 import sys
-import threading
-import time
 
 import httpx
 
+from _server import own_server
 from pagedkv.entrypoints.bench_serving import benchmark, make_prompts
 
 
@@ -70,69 +67,6 @@ def format_table(summaries: list[dict]) -> str:
     return "\n".join(lines)
 
 
-# ---- the server under test ------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def own_server(server_args: list[str], startup_timeout: float):
-    """Start `pagedkv serve --host 127.0.0.1 --port 0 ...` and yield its URL."""
-    command = [
-        sys.executable,
-        "-m",
-        "pagedkv.entrypoints.cli",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--log-level",
-        "warning",
-        *server_args,
-    ]
-    print("starting:", shlex.join(command), file=sys.stderr, flush=True)
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    try:
-        url = None
-        deadline = time.monotonic() + startup_timeout
-        assert process.stdout is not None
-        for line in process.stdout:
-            print("  server:", line.rstrip(), file=sys.stderr, flush=True)
-            match = re.search(r"listening on (http://\S+)", line)
-            if match:
-                url = match.group(1)
-                break
-            if time.monotonic() > deadline:
-                break
-        if url is None:
-            raise RuntimeError("the server did not start (see its output above)")
-        # Keep reading its output so that a chatty server never blocks on a full pipe.
-        threading.Thread(target=_echo, args=(process.stdout,), daemon=True).start()
-        _wait_healthy(url, deadline)
-        yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def _echo(stream) -> None:
-    for line in stream:
-        print("  server:", line.rstrip(), file=sys.stderr, flush=True)
-
-
-def _wait_healthy(url: str, deadline: float) -> None:
-    while True:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{url}/health never answered 200")
-        time.sleep(0.2)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", help="a running server; default: start one")
@@ -169,9 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.url:
             url = args.url.rstrip("/")
         else:
-            url = stack.enter_context(
-                own_server(shlex.split(args.server_args), args.startup_timeout)
-            )
+            server = own_server(shlex.split(args.server_args), args.startup_timeout)
+            url = stack.enter_context(server).url
         model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
         # Warm-up: first-call costs (allocations, lazy init) stay out of the numbers.
         run_level(url, model, 1, 1, 4, args.timeout)

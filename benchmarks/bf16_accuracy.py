@@ -252,14 +252,13 @@ class PagedDriver:
 
 
 def make_engine(loaded, num_prompts: int, max_len: int, max_num_batched_tokens: int, **extra):
-    """An LLMEngine around ``loaded`` with room for every prompt at once (its runner is used)."""
+    """An LLMEngine around ``loaded`` with room for every prompt at once (its runner is used);
+    the block size is the attention backend's default."""
     from pagedkv.engine.llm_engine import LLMEngine
 
-    block_size = 16
-    num_blocks = 1 + num_prompts * -(-max_len // block_size)
+    num_blocks = 1 + num_prompts * -(-max_len // 16)  # enough for any block size >= 16
     return LLMEngine(
         loaded_model=loaded,
-        block_size=block_size,
         num_blocks=num_blocks,
         max_model_len=max_len,
         max_num_seqs=num_prompts,

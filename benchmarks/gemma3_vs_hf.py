@@ -19,7 +19,7 @@ import argparse
 import torch
 
 from pagedkv.model.loader import load_model
-from pagedkv.ops import AttentionMetadata, allocate_kv_cache
+from pagedkv.ops.backends import CommonAttentionMetadata, TorchBackend, bind_metadata
 
 
 def prompt_tokens(tokenizer, length: int) -> list[int]:
@@ -37,27 +37,18 @@ def prompt_tokens(tokenizer, length: int) -> list[int]:
 
 def our_hidden(model, tokens: list[int], block_size: int = 16) -> torch.Tensor:
     """Final hidden states of one prefill through a fresh paged cache."""
-    config = model.config
     n = len(tokens)
     num_blocks = -(-n // block_size) + 1
-    caches = [
-        allocate_kv_cache(
-            num_blocks, block_size, config.num_key_value_heads, config.head_dim, model.dtype
-        )
-        for _ in range(config.num_hidden_layers)
-    ]
+    backend = TorchBackend(model.device)
+    specs = model.attention_layer_specs(block_size)
+    caches = [backend.allocate_kv_cache(num_blocks, spec) for spec in specs]
     table = torch.arange(1, num_blocks, dtype=torch.int32)[None]
     positions = torch.arange(n)
     slots = table[0, positions // block_size].long() * block_size + positions % block_size
     seq_lens = torch.tensor([n], dtype=torch.int32)
     qsl = torch.tensor([0, n], dtype=torch.int32)
-    metadata = {
-        window: AttentionMetadata.build(
-            table, seq_lens, qsl, slots, block_size, sliding_window=window
-        )
-        for window in set(model.layer_sliding_windows)
-    }
-    per_layer = [metadata[w] for w in model.layer_sliding_windows]
+    common = CommonAttentionMetadata(table, seq_lens, qsl, slots)
+    per_layer = bind_metadata(backend, common, specs)
     return model.forward(torch.tensor(tokens), positions, caches, per_layer)
 
 

@@ -36,7 +36,6 @@ import json
 import random
 import re
 import shlex
-import subprocess
 import sys
 import threading
 import time
@@ -47,6 +46,8 @@ from urllib.parse import urlparse
 
 import httpx
 import numpy as np
+
+from _server import own_server
 
 LOOPBACK_HOSTS = {"127.0.0.1", "::1", "localhost"}
 KINDS = {
@@ -231,53 +232,6 @@ def rss_mib(pid: int | None) -> float | None:
     return int(match.group(1)) / 1024 if match else None
 
 
-@contextlib.contextmanager
-def own_server(server_args: list[str], startup_timeout: float):
-    """Start `pagedkv serve --host 127.0.0.1 --port 0 ...`; yield (url, pid)."""
-    command = [
-        sys.executable,
-        "-m",
-        "pagedkv.entrypoints.cli",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--log-level",
-        "error",
-        *server_args,
-    ]
-    print("starting:", shlex.join(command), file=sys.stderr, flush=True)
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    try:
-        url = None
-        assert process.stdout is not None
-        for line in process.stdout:
-            match = re.search(r"listening on (http://\S+)", line)
-            if match:
-                url = match.group(1)
-                break
-        if url is None:
-            raise RuntimeError("the server did not start")
-        threading.Thread(target=lambda: [None for _ in process.stdout], daemon=True).start()
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{url}/health never answered 200")
-            time.sleep(0.2)
-        yield url, process.pid
-    finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 def report(results: list[Result], elapsed: float) -> dict:
     completed = [r.latency for r in results if r.status == "200" and r.kind != "bad"]
     p50, p99 = (np.percentile(completed, [50, 99]) * 1000).tolist() if completed else (0, 0)
@@ -321,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error("--url must be a loopback address")
             url, pid = args.url.rstrip("/"), None
         else:
-            url, pid = stack.enter_context(own_server(shlex.split(args.server_args), 600))
+            server = own_server(shlex.split(args.server_args), 600, log_level="error", echo=False)
+            url, pid = stack.enter_context(server)
         for prompt in PROMPTS[:4]:  # warm-up
             httpx.post(
                 url + "/v1/completions", json={"prompt": prompt, "max_tokens": 4}, timeout=300

@@ -1,12 +1,17 @@
 """pagedkv: PagedAttention-style KV-cache management (the vLLM V1 design) and an engine on it.
 
 ``pagedkv.core`` is pure Python and imports no torch; the engine-level names below are imported
-lazily so that ``import pagedkv.core`` stays light.
+lazily so that ``import pagedkv.core`` stays light. Importing pagedkv sets OpenMP's wait default
+(:mod:`pagedkv.cpu_env`) where the user set none, before anything here loads torch.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+
+from pagedkv.cpu_env import apply_openmp_env_defaults
+
+apply_openmp_env_defaults()
 
 __version__ = "0.1.0"
 

@@ -64,3 +64,9 @@ class ModelConfigError(ConfigError, ModelLoadError):
     describes a model pagedkv cannot size or run. Both a :class:`ConfigError` (the configuration is
     invalid) and a :class:`ModelLoadError` (the model cannot be read as given), so handlers of
     either catch it; the message names the key or the unsupported feature."""
+
+
+class WorkerError(PagedKVError, RuntimeError):
+    """A tensor-parallel worker process failed or exited: the engine cannot run another step
+    (its ranks no longer hold the same state); the message names the rank, its pid and exit code
+    and, when it reported one, its error."""

@@ -61,8 +61,10 @@ class _CharDetokenizer:
         return ""  # one character per token: nothing is ever held back
 
 
-def tiny_loaded_model(num_layers: int = 2, seed: int = 0) -> LoadedModel:
-    """A random 2-layer Llama (hidden 64, 4 query / 2 KV heads, fp32) with CharTokenizer."""
+def tiny_loaded_model(num_layers: int = 2, seed: int = 0, parallel=None) -> LoadedModel:
+    """A random 2-layer Llama (hidden 64, 4 query / 2 KV heads, fp32) with CharTokenizer;
+    ``parallel``: this rank's shard only (a tensor-parallel model loader, see
+    :class:`pagedkv.worker.tp_executor.TensorParallelExecutor`)."""
     config = ModelConfig(
         architecture="llama",
         vocab_size=VOCAB_SIZE,
@@ -101,7 +103,7 @@ def tiny_loaded_model(num_layers: int = 2, seed: int = 0) -> LoadedModel:
             p + "input_layernorm.weight": torch.ones(h),
             p + "post_attention_layernorm.weight": torch.ones(h),
         }
-    model = LlamaForCausalLM(config, weights, dtype=torch.float32)
+    model = LlamaForCausalLM(config, weights, dtype=torch.float32, parallel=parallel)
     return LoadedModel(model=model, config=config, tokenizer=CharTokenizer(), source="tiny")
 
 

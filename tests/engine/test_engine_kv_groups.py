@@ -90,14 +90,24 @@ def test_greedy_equals_transformers(name, loaded, prompts, reference):
     assert llm.engine.kv_cache_manager.usage == 0.0
 
 
+def windows(engine) -> tuple[tuple[int, int | None], ...]:
+    """(KV cache group, window) of each distinct (group, layer spec) the runner builds for."""
+    groups = engine.runner.input_batch.attention_groups
+    return tuple((g, spec.sliding_window) for g, spec in groups)
+
+
 def test_groups_and_their_windows(loaded):
     engine = make_llm(loaded).engine
     groups = engine.kv_cache_config.kv_cache_groups
     assert [g.layer_ids for g in groups] == [(0,), (2,), (3,), (1,)]
-    assert engine.runner.input_batch.attention_groups == ((0, 8), (1, 8), (2, 8), (3, None))
+    assert windows(engine) == ((0, 8), (1, 8), (2, 8), (3, None))
     assert engine.runner.input_batch.layer_attention_groups == (0, 3, 1, 2)
+    # every layer's spec carries Gemma's scale (query_pre_attn_scalar), not head_dim ** -0.5
+    config = loaded.config
+    scalar = config.query_pre_attn_scalar or config.head_dim
+    assert {spec.scale for spec in engine.runner.layer_specs} == {float(scalar) ** -0.5}
     unified = make_llm(loaded, disable_hybrid_kv_cache_manager=True).engine
-    assert unified.runner.input_batch.attention_groups == ((0, 8), (0, None))
+    assert windows(unified) == ((0, 8), (0, None))
     assert unified.runner.input_batch.layer_attention_groups == (0, 1, 0, 0)
 
 

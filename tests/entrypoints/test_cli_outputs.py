@@ -114,6 +114,7 @@ def test_generate_summary_counts_prompt_tokens_as_the_cache_does():
         kv_cache_config=SimpleNamespace(num_usable_blocks=100),
         loaded_model=SimpleNamespace(source="m.gguf"),
         config=SimpleNamespace(dtype="bfloat16", block_size=16, enable_prefix_caching=True),
+        attention_backend=SimpleNamespace(name="torch"),
     )
     llm = SimpleNamespace(get_stats=lambda: SimpleNamespace(scheduler=stats), engine=engine)
     sample = SimpleNamespace(token_ids=[1, 2])
@@ -126,3 +127,4 @@ def test_generate_summary_counts_prompt_tokens_as_the_cache_does():
     # One convention: 102 prompt tokens (34 x 3 sequences), and the hit rate is over those 102.
     assert "prompt tokens    102 (34 in the prompts x 3 samples" in text
     assert "62.7% of prompt tokens hit (64/102, each request once)" in text
+    assert "attention        torch backend, blocks of 16 tokens" in text

@@ -32,12 +32,29 @@ def test_without_the_cluster_extra_the_error_names_it(monkeypatch, capsys):
         (["--ray-address", "auto"], "--ray-address needs --data-parallel-size > 1"),
     ],
 )
-def test_cluster_flags_without_replicas_are_refused(args, message):
-    with pytest.raises(SystemExit, match=message):
-        main(["serve", "--port", "0", *args])
+def test_cluster_flags_without_replicas_are_refused(args, message, capsys):
+    assert main(["serve", "--port", "0", *args]) == 2
+    assert f"pagedkv serve: error: {message}" in capsys.readouterr().err
 
 
 def test_unknown_router_is_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--data-parallel-size", "2", "--router", "random"])
     assert "invalid choice: 'random'" in capsys.readouterr().err
+
+
+def test_data_parallel_with_tensor_parallel_is_refused(capsys):
+    argv = ["serve", "--port", "0", "--data-parallel-size", "2", "--tensor-parallel-size", "3"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "pagedkv serve: error: --data-parallel-size with --tensor-parallel-size" in err
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_a_tensor_parallel_size_that_does_not_divide_the_heads_is_refused(command, capsys):
+    # SmolLM2-135M (the default model) has 9 attention heads; refused from the GGUF header,
+    # before any weight loads or any process starts.
+    extra = ["hello"] if command == "generate" else ["--port", "0"]
+    assert main([command, "--tensor-parallel-size", "2", *extra]) == 2
+    err = capsys.readouterr().err
+    assert "tensor_parallel_size 2 does not divide the model's 9 attention heads" in err

@@ -523,3 +523,38 @@ def test_engine_loop_aborts_an_add_cancelled_while_queued():
             loop.stop()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    "path, body, param, message",
+    [
+        (
+            "/v1/completions",
+            {"prompt": 123},
+            "prompt",
+            "prompt: must be a string, a list of strings, a list of token ids or a list of "
+            "token-id lists (got 123)",
+        ),
+        ("/v1/completions", {"prompt": [5, -1]}, "prompt", "prompt.1: Input should be greater"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": 7}]},
+            "messages",
+            "messages.0.content: must be a string or a list of text content parts (got 7)",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Hi"}], "stop": 5},
+            "stop",
+            "stop: must be a string or a list of strings (got 5)",
+        ),
+    ],
+)
+def test_union_field_errors_name_the_field_not_the_validator(server, path, body, param, message):
+    """A value that fits no member of a union field gets one message saying what the field
+    accepts, without pydantic's member tags; a member that fitted in shape gives its own error."""
+    response = httpx.post(server.url + path, json={"model": MODEL, **body})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["message"].startswith(message)
+    assert "function-after" not in error["message"] and error["param"] == param

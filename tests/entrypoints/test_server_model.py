@@ -61,8 +61,12 @@ def llm(loaded_model):
 def engine(loaded_model):
     from pagedkv.engine.llm_engine import LLMEngine
 
-    return LLMEngine(
-        dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=32, loaded_model=loaded_model
+    return LLMEngine(  # blocks of 16: the cache-salt prompt spans several (auto's backend)
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=32,
+        block_size=16,
+        loaded_model=loaded_model,
     )
 
 

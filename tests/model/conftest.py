@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagedkv.model.llama import LlamaForCausalLM
-from pagedkv.ops import AttentionMetadata, allocate_kv_cache
+from pagedkv.ops.backends import CommonAttentionMetadata, TorchBackend, bind_metadata
 
 
 class PagedSequenceRunner:
@@ -17,16 +17,19 @@ class PagedSequenceRunner:
     Blocks are handed out in a scrambled order so that a sequence's blocks are not contiguous.
     """
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int = 256, block_size: int = 16):
-        config = model.config
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int = 256,
+        block_size: int = 16,
+        backend=None,
+    ):
         self.model = model
         self.block_size = block_size
-        self.kv_caches = [
-            allocate_kv_cache(
-                num_blocks, block_size, config.num_key_value_heads, config.head_dim, model.dtype
-            )
-            for _ in range(config.num_hidden_layers)
-        ]
+        self.num_blocks = num_blocks
+        self.backend = backend or TorchBackend(model.device)
+        self.specs = model.attention_layer_specs(block_size)
+        self.kv_caches = [self.backend.allocate_kv_cache(num_blocks, spec) for spec in self.specs]
         generator = torch.Generator().manual_seed(0)
         self._free_blocks = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
         self.block_ids: dict[int, list[int]] = {}
@@ -54,14 +57,14 @@ class PagedSequenceRunner:
         for row, (seq_id, _) in enumerate(chunks):
             blocks = self.block_ids[seq_id]
             block_tables[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        attn_metadata = AttentionMetadata.build(
+        common = CommonAttentionMetadata(
             block_tables,
             torch.tensor(seq_lens, dtype=torch.int32),
             torch.tensor(qsl, dtype=torch.int32),
             torch.tensor(slots, dtype=torch.int64),
-            bs,
-            num_blocks=self.kv_caches[0].shape[1],
+            num_blocks=self.num_blocks,
         )
+        attn_metadata = bind_metadata(self.backend, common, self.specs)
         hidden = self.model.forward(
             torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, attn_metadata
         )

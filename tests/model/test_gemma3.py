@@ -28,7 +28,7 @@ from pagedkv.model.config import (
     kv_cache_layer_specs,
 )
 from pagedkv.model.gemma3 import Gemma3ForCausalLM
-from pagedkv.ops import AttentionMetadata, allocate_kv_cache
+from pagedkv.ops.backends import CommonAttentionMetadata, TorchBackend, bind_metadata
 
 transformers = pytest.importorskip("transformers")
 
@@ -47,16 +47,15 @@ class WindowedRunner:
     """
 
     def __init__(self, model: Gemma3ForCausalLM, num_blocks: int = 128, block_size: int = 16):
-        config = model.config
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.backend = TorchBackend(model.device)
+        self.specs = model.attention_layer_specs(block_size)
         self.kv_caches = []
-        for _ in range(config.num_hidden_layers):
-            cache = allocate_kv_cache(
-                num_blocks, block_size, config.num_key_value_heads, config.head_dim, model.dtype
-            )
-            cache[:, 0] = float("nan")  # the null block: never to be read
+        for spec in self.specs:
+            cache = self.backend.allocate_kv_cache(num_blocks, spec)
+            cache[:, 0] = float("nan")  # the null block (torch layout): never to be read
             self.kv_caches.append(cache)
         generator = torch.Generator().manual_seed(0)
         self._free_blocks = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
@@ -102,15 +101,11 @@ class WindowedRunner:
                     skipped = max(0, first_query - window + 1) // bs
                     window_table[row, :skipped] = 0
                     self.num_skipped_blocks += skipped
-            metadata[window] = AttentionMetadata.build(
-                window_table,
-                seq_lens_t,
-                qsl_t,
-                slot_mapping,
-                bs,
-                sliding_window=window,
-                num_blocks=self.num_blocks,
+            common = CommonAttentionMetadata(
+                window_table, seq_lens_t, qsl_t, slot_mapping, num_blocks=self.num_blocks
             )
+            specs = [s for s in self.specs if s.sliding_window == window]
+            metadata[window] = bind_metadata(self.backend, common, specs[:1])[0]
         per_layer = [metadata[w] for w in self.model.layer_sliding_windows]
         hidden = self.model.forward(
             torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, per_layer
@@ -206,9 +201,11 @@ def test_forward_needs_one_metadata_per_layer_with_its_window(tiny_pair):
     before = [cache.clone() for cache in runner.kv_caches]
     table = torch.tensor([[1, 2]], dtype=torch.int32)
     seq_lens, qsl = torch.tensor([3], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32)
-    full = AttentionMetadata.build(table, seq_lens, qsl, torch.tensor([4, 5, 6]), 4)
+    common = CommonAttentionMetadata(table, seq_lens, qsl, torch.tensor([4, 5, 6]), num_blocks=8)
+    global_spec = next(s for s in runner.specs if s.sliding_window is None)
+    (full,) = bind_metadata(runner.backend, common, [global_spec])
     ids, positions = torch.tensor([1, 2, 3]), torch.arange(3)
-    with pytest.raises(OpsInputError, match="one AttentionMetadata per layer"):
+    with pytest.raises(OpsInputError, match="one attention metadata per layer"):
         ours.forward(ids, positions, runner.kv_caches, full)
     with pytest.raises(OpsInputError, match="layer 0 has sliding_window 8"):
         ours.forward(ids, positions, runner.kv_caches, [full] * 4)

@@ -77,7 +77,7 @@ def check(case, tol=None, sliding_window=None, **kwargs):
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("block_size", [1, 8, 16, 32, 64])
+@pytest.mark.parametrize("block_size", [1, 8, 16, 32, 64, 128])
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("scenario", ["decode", "prefill_with_prefix", "mixed"])
 def test_fp32_matches_dense(backend, block_size, group, scenario):
@@ -111,7 +111,7 @@ def test_fp32_larger_heads(backend, head_size, scenario):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("block_size", [16, 32, 128])
 @pytest.mark.parametrize("scenario", ["decode", "mixed"])
 def test_low_precision_matches_dense(backend, dtype, block_size, scenario):
     supports(backend, block_size, dtype=dtype)
@@ -141,6 +141,32 @@ def test_sliding_window_matches_dense_masked(backend, block_size, window):
         head_size=64,
         sliding_window=window,
     )
+    check(case, sliding_window=window)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("window", [5, 16, 35])
+def test_sliding_window_table_with_the_null_block_before_the_window(backend, block_size, window):
+    """The engine's sliding-window groups free the blocks wholly before the window and put the
+    null block 0 (never written: garbage here) in their place in the block table."""
+    supports(backend, block_size)
+    seq_q_lens = [(40, 1), (50, 12), (100, 1), (70, 3), (9, 1)]
+    case = make_backend_case(
+        backend,
+        seq_q_lens,
+        block_size=block_size,
+        num_kv_heads=2,
+        group=3,
+        head_size=64,
+        sliding_window=window,
+    )
+    table = case.common.block_tables
+    nulled = 0
+    for i, (seq_len, q_len) in enumerate(seq_q_lens):
+        first_live = max(0, seq_len - q_len - window + 1) // block_size
+        table[i, :first_live] = 0
+        nulled += first_live
+    assert nulled > 0
     check(case, sliding_window=window)
 
 
@@ -209,7 +235,7 @@ def test_metadata_shared_by_layers(backend):
 
 @pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("block_size", [16, 32, 128])
 def test_fp8_cache_matches_dense_on_stored_values(backend, fp8_dtype, dtype, block_size):
     supports(backend, block_size, dtype=dtype, kv_cache_dtype=fp8_dtype)
     case = make_backend_case(

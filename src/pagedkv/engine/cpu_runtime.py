@@ -4,7 +4,12 @@
   step's tensor of the same size comes back as fresh pages (page faults on every step). Raising
   the mmap threshold to its maximum (32 MiB) and never trimming the heap keeps that memory in the
   process: batch-64 bf16 decode went from 150 ms to 92 ms (docs/perf.md).
-- torch threads: one per CPU this process may run on.
+- torch threads: one per CPU this process may use (:func:`pagedkv.cpu_env.available_cpu_count`:
+  its affinity mask, capped by its cgroup's CPU quota). OpenMP's spin-wait is bounded before
+  torch loads (:mod:`pagedkv.cpu_env`, ``GOMP_SPINCOUNT=10000``): with libgomp's default spin, a
+  4-chat run beside a CPU burner on a busy 2-core machine did not finish in 120 s; with the
+  bound the default took 14.2 s without and 23.5 s with the burner (1.65x; ``--num-threads 1``
+  5.0 / 6.7 s), benchmarks/bench_threads_load.py, docs/perf.md.
 
 Applied once at engine start-up by :func:`tune_cpu_runtime`; both settings are idempotent.
 """
@@ -13,23 +18,16 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 
 import torch
+
+from pagedkv.cpu_env import available_cpu_count
 
 # glibc mallopt() parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # glibc's cap on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
 _TRIM_THRESHOLD_NEVER = 2**31 - 1
-
-
-def usable_cpu_count() -> int:
-    """CPUs this process may run on (its affinity mask), at least 1."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
 
 
 def tune_malloc() -> bool:
@@ -52,13 +50,13 @@ def tune_cpu_runtime(num_threads: int | None = None) -> int:
     """Apply the malloc settings and set torch's intra-op thread count.
 
     Args:
-        num_threads: torch threads; None = :func:`usable_cpu_count`.
+        num_threads: torch threads; None = :func:`pagedkv.cpu_env.available_cpu_count`.
 
     Returns:
         The thread count set.
     """
     tune_malloc()
-    threads = num_threads if num_threads is not None else usable_cpu_count()
+    threads = num_threads if num_threads is not None else available_cpu_count()
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     return threads

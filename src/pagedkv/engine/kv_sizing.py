@@ -15,6 +15,15 @@ Sizing, in order of precedence::
 
     bytes_per_block = block_size x num_kv_heads x head_dim x 2 (K and V) x dtype bytes x group_size
 
+block_size is the attention backend's (``EngineConfig.block_size``, resolved by
+:func:`pagedkv.engine.attention_backend.choose_attention_backend` before sizing); no backend pads
+its cache, so these bytes are what the backend allocates.
+
+With tensor parallelism (``tensor_parallel_size`` > 1) every size here is one rank's:
+num_kv_heads is the rank's share (``max(1, num_kv_heads / tp)``,
+:func:`pagedkv.model.parallel.check_tensor_parallel`), kv_cache_memory is per rank (as vLLM's
+per-GPU budget), and num_blocks is the same on every rank.
+
 The layers' specs come from the model (:func:`pagedkv.model.config.kv_cache_layer_specs`): one
 full-attention group for the Llama family; for a model with sliding-window layers (Gemma 3) one
 group per ``group_size`` layers of a type, where a request of max_model_len holds
@@ -24,6 +33,7 @@ sliding-window groups). ``disable_hybrid_kv_cache_manager`` holds every layer as
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol
 
 from pagedkv.core.config import KVCacheConfig, group_layers
@@ -35,6 +45,7 @@ from pagedkv.engine.config import (
 )
 from pagedkv.errors import CacheSizingError, ConfigError
 from pagedkv.model.config import kv_cache_layer_specs
+from pagedkv.model.parallel import check_tensor_parallel
 
 #: What to change when the pool is too small, as option (flag).
 _MORE_KV = (
@@ -144,11 +155,22 @@ def engine_layer_specs(
 ) -> list[KVCacheSpec]:
     """The KV-cache spec of each layer the engine allocates: the model's
     (:func:`~pagedkv.model.config.kv_cache_layer_specs`), every layer full attention under
-    ``config.disable_hybrid_kv_cache_manager``.
+    ``config.disable_hybrid_kv_cache_manager``; with tensor parallelism, one rank's (its share of
+    the KV heads).
 
     Raises:
-        ConfigError: a bad block_size or dtype.
+        ConfigError: a bad or unresolved block_size, a bad dtype, or a model that does not
+            split ``config.tensor_parallel_size`` ways (the message names the head counts).
     """
+    if config.block_size is None:
+        raise ConfigError(
+            "block_size is None: the engine sets it from the attention backend before sizing "
+            "the KV cache (pagedkv.engine.attention_backend.choose_attention_backend)"
+        )
+    tp = config.tensor_parallel_size
+    if tp > 1:
+        per_rank = check_tensor_parallel(model_config, tp).num_kv_heads
+        model_config = dataclasses.replace(model_config, num_key_value_heads=per_rank)
     specs = kv_cache_layer_specs(model_config, config.block_size, kv_dtype or config.dtype)
     if config.disable_hybrid_kv_cache_manager:
         specs = unify_kv_cache_specs(specs)

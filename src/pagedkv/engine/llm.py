@@ -20,7 +20,7 @@ class LLM:
     Args:
         model: GGUF file or Hugging Face folder; None = the default SmolLM2-135M-Instruct.
         dtype: "bfloat16" (default, fast on CPU), "float32" (exact) or "float16".
-        block_size: tokens per KV block.
+        block_size: tokens per KV block; None = the attention backend's fastest.
         num_blocks: KV blocks in the pool (wins over kv_cache_memory).
         kv_cache_memory: bytes for the KV cache, or a size such as "1GiB" (as the
             --kv-cache-memory flag); None = a default budget (see EngineConfig).
@@ -28,8 +28,11 @@ class LLM:
         max_num_batched_tokens: token budget per step.
         max_model_len: most tokens (prompt + output) per request.
         enable_prefix_caching: reuse KV blocks of shared prompt prefixes.
-        **kwargs: other :class:`EngineConfig` fields (enable_chunked_prefill, policy, seed, ...)
-            and ``loaded_model`` (reuse an already loaded model).
+        **kwargs: other :class:`EngineConfig` fields (attention_backend, enable_chunked_prefill,
+            policy, seed, ...; ``tensor_parallel_size=2`` splits the model over 2 processes),
+            ``loaded_model`` (reuse an already loaded model) and ``model_loader`` (what each
+            tensor-parallel rank calls to load its shard; see
+            :class:`~pagedkv.engine.llm_engine.LLMEngine`).
 
     Example::
 
@@ -43,7 +46,7 @@ class LLM:
         self,
         model: str | None = None,
         dtype: str = "bfloat16",
-        block_size: int = 16,
+        block_size: int | None = None,
         num_blocks: int | None = None,
         kv_cache_memory: int | str | None = None,
         max_num_seqs: int = 64,
@@ -53,6 +56,7 @@ class LLM:
         **kwargs: Any,
     ) -> None:
         loaded_model = kwargs.pop("loaded_model", None)
+        model_loader = kwargs.pop("model_loader", None)
         config = EngineConfig(
             model=model,
             dtype=dtype,
@@ -65,7 +69,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             **kwargs,
         )
-        self.engine = LLMEngine(config, loaded_model=loaded_model)
+        self.engine = LLMEngine(config, loaded_model=loaded_model, model_loader=model_loader)
         self._next_id = 0
 
     @property

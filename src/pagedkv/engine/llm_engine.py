@@ -24,6 +24,8 @@ import torch
 
 from pagedkv.core.events import KVCacheEvent
 from pagedkv.core.manager import KVCacheManager
+from pagedkv.cpu_env import available_cpu_count
+from pagedkv.engine.attention_backend import choose_attention_backend
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.cpu_runtime import tune_cpu_runtime
 from pagedkv.engine.kv_sizing import size_kv_cache
@@ -32,7 +34,7 @@ from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.stats import SchedulerStats
-from pagedkv.errors import InvalidRequestError
+from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.sampling_params import SamplingParams, check_text
 from pagedkv.validation import is_int
 from pagedkv.worker.outputs import ModelRunnerOutput
@@ -69,7 +71,11 @@ class LLMEngine:
         config: the engine's options (see :class:`EngineConfig`); keyword arguments override
             its fields, e.g. ``LLMEngine(dtype="float32", num_blocks=512)``.
         loaded_model: an already loaded :class:`pagedkv.model.loader.LoadedModel` to reuse
-            (tests share one between engines); its dtype wins over ``config.dtype``.
+            (tests share one between engines); its dtype wins over ``config.dtype``. Not with
+            ``tensor_parallel_size`` > 1 (each rank loads its shard: see model_loader).
+        model_loader: with ``tensor_parallel_size`` > 1, a picklable
+            ``model_loader(parallel=...)`` that each rank calls to load its shard (default:
+            :func:`pagedkv.model.loader.load_model` of ``config.model`` in ``config.dtype``).
 
     Raises:
         ConfigError / CacheSizingError: invalid options, a max_model_len beyond the model's
@@ -77,20 +83,37 @@ class LLMEngine:
             (:func:`pagedkv.engine.kv_sizing.size_kv_cache`); raised from the model's header,
             before its weights load.
         ModelLoadError: the model cannot be found or read.
+        WorkerError: a tensor-parallel rank failed to start.
     """
 
     def __init__(
-        self, config: EngineConfig | None = None, *, loaded_model=None, **overrides: Any
+        self,
+        config: EngineConfig | None = None,
+        *,
+        loaded_model=None,
+        model_loader=None,
+        **overrides: Any,
     ) -> None:
         if config is None:
             config = EngineConfig(**overrides)
         elif overrides:
             config = EngineConfig(**{**_fields(config), **overrides})
         self.config = config
-        tune_cpu_runtime(config.num_threads)
+        tp = config.tensor_parallel_size
+        num_threads = config.num_threads
+        if num_threads is None and tp > 1:
+            num_threads = max(1, available_cpu_count() // tp)
+        if tp > 1 and loaded_model is not None:
+            raise ConfigError(
+                "loaded_model cannot be split over tensor_parallel_size > 1 processes: pass "
+                "model_loader (each rank loads its shard) or a model path"
+            )
+        tune_cpu_runtime(num_threads)
         # Everything the model's shape decides is checked before its weights load (seconds):
         # the shape comes from the file's header.
-        if loaded_model is None:
+        if loaded_model is None and model_loader is not None:
+            model_shape = None  # known once rank 0 has loaded (tests' in-memory models)
+        elif loaded_model is None:
             from pagedkv.model.loader import load_model_config
 
             model_shape = load_model_config(config.model)
@@ -98,6 +121,21 @@ class LLMEngine:
         else:
             model_shape = loaded_model.config
             kv_dtype = str(loaded_model.model.dtype).removeprefix("torch.")
+        if model_shape is None:
+            from pagedkv.model.parallel import TensorParallelGroup
+
+            shape_probe = model_loader(parallel=None if tp == 1 else TensorParallelGroup(0, tp))
+            model_shape = shape_probe.config
+            kv_dtype = str(shape_probe.model.dtype).removeprefix("torch.")
+            if tp == 1:
+                loaded_model = shape_probe
+            del shape_probe
+        device = "cpu" if loaded_model is None else loaded_model.model.device
+        # The backend decides the block size (when not given) before the cache is sized.
+        config, choice = choose_attention_backend(config, model_shape.head_dim, kv_dtype, device)
+        self.config = config
+        #: the attention backend (owns the KV cache's layout and runs attention).
+        self.attention_backend = choice.backend
         kv_cache_config = size_kv_cache(model_shape, config, kv_dtype=kv_dtype)
         max_model_len = kv_cache_config.max_model_len
         self.max_model_len = max_model_len
@@ -121,7 +159,12 @@ class LLMEngine:
             policy=config.policy,
         )
 
-        if loaded_model is None:
+        if tp > 1:
+            self.runner = self._start_tensor_parallel(
+                kv_cache_config, max_model_len, model_loader, num_threads
+            )
+            loaded_model = self.runner.loaded_model
+        elif loaded_model is None:
             from pagedkv.model.loader import load_model
 
             loaded_model = load_model(config.model, dtype=getattr(torch, config.dtype))
@@ -133,20 +176,52 @@ class LLMEngine:
             tuple(model_config.eos_token_ids) + tuple(self.tokenizer.eos_token_ids)
         )
         model = loaded_model.model
-        if max_model_len > model.max_positions:  # allowed by allow_long_max_model_len
-            model.extend_positions(max_model_len)
-        from pagedkv.worker.model_runner import ModelRunner
+        if tp == 1:
+            if max_model_len > model.max_positions:  # allowed by allow_long_max_model_len
+                model.extend_positions(max_model_len)
+            from pagedkv.worker.model_runner import ModelRunner
 
-        self.runner = ModelRunner(
-            model,
+            self.runner = ModelRunner(
+                model,
+                kv_cache_config,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=max_model_len,
+                seed=config.seed,
+                attention_backend=self.attention_backend,
+            )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._stats = EngineStats(scheduler=SchedulerStats())
+
+    def _start_tensor_parallel(self, kv_cache_config, max_model_len, model_loader, num_threads):
+        """Start ranks 1 .. N-1 and load rank 0's shard (:mod:`pagedkv.worker.tp_executor`)."""
+        import functools
+
+        from pagedkv.worker.tp_executor import TensorParallelExecutor
+
+        config = self.config
+        if model_loader is None:
+            from pagedkv.model.loader import load_model
+
+            model_loader = functools.partial(
+                load_model, config.model, dtype=getattr(torch, config.dtype)
+            )
+        return TensorParallelExecutor(
+            model_loader,
             kv_cache_config,
+            tensor_parallel_size=config.tensor_parallel_size,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=max_model_len,
             seed=config.seed,
+            attention_backend=self.attention_backend.name,
+            runtime_setup=functools.partial(tune_cpu_runtime, num_threads),
         )
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self._stats = EngineStats(scheduler=SchedulerStats())
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); idempotent, and a no-op in
+        one process. Also run at garbage collection and at interpreter exit."""
+        self.runner.shutdown()
 
     # ------------------------------------------------------------------ requests
 

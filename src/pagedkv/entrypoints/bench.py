@@ -75,6 +75,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tp.set_defaults(func=run)
     bench_latency.add_parser(benches, _positive_int)
     bench_serving.add_parser(benches, _positive_int)
+    for bench in benches.choices.values():  # `pagedkv bench latency: error: ...` for its flags
+        bench.set_defaults(subcommand_parser=bench)
 
 
 def _positive_int(text: str) -> int:
@@ -143,7 +145,10 @@ def bench_pagedkv(args: argparse.Namespace, conversations: list) -> BenchResult:
     before = llm.get_stats()
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()  # stops tensor-parallel worker processes
     elapsed = time.perf_counter() - start
     stats = llm.get_stats()
     ttfts = [o.time_to_first_token for o in outputs]
@@ -159,6 +164,8 @@ def bench_pagedkv(args: argparse.Namespace, conversations: list) -> BenchResult:
         mean_ttft_s=statistics.fmean(ttfts),
         median_ttft_s=statistics.median(ttfts),
         extra={
+            "attention_backend": llm.engine.attention_backend.name,
+            "block_size": llm.engine.config.block_size,
             "max_num_seqs": config.max_num_seqs,
             "max_num_batched_tokens": config.max_num_batched_tokens,
             "num_steps": stats.num_steps - before.num_steps,

@@ -175,7 +175,10 @@ def run(args: argparse.Namespace) -> int:
         max_num_seqs=max(config.max_num_seqs, args.batch_size),
     )
     engine = LLMEngine(config)
-    report = measure(engine, args)
+    try:
+        report = measure(engine, args)
+    finally:
+        engine.shutdown()  # stops tensor-parallel worker processes
     report["model"] = engine.loaded_model.source
     report["dtype"] = config.dtype
     print(format_report(report, engine.loaded_model.source), flush=True)

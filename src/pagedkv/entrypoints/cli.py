@@ -25,12 +25,22 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in SUBCOMMAND_MODULES:
         importlib.import_module(f"pagedkv.entrypoints.{name}").register(subparsers)
+    for subparser in subparsers.choices.values():
+        # The subcommand's own parser reports arguments it does not know (its usage line).
+        subparser.set_defaults(subcommand_parser=subparser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the CLI; returns the process exit code (2 for a pagedkv error, after printing it)."""
-    args = build_parser().parse_args(argv)
+    """Run the CLI; returns the process exit code (2 for a pagedkv error, after printing it).
+
+    Raises:
+        SystemExit: 2 for a usage error (argparse's, from the subcommand's parser), 0 for --help.
+    """
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        args.subcommand_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return int(args.func(args) or 0)
     except PagedKVError as exc:

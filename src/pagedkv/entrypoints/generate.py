@@ -178,7 +178,10 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     start = time.perf_counter()
-    outputs = llm.generate([p for p, _ in items], params, use_tqdm=not args.no_progress)
+    try:
+        outputs = llm.generate([p for p, _ in items], params, use_tqdm=not args.no_progress)
+    finally:
+        llm.engine.shutdown()  # stops tensor-parallel worker processes (also on Ctrl-C)
     elapsed = time.perf_counter() - start
 
     for (prompt, _), output in zip(items, outputs, strict=True):
@@ -243,6 +246,8 @@ def print_summary(llm, outputs, elapsed: float, load_time: float, file=sys.stdou
         prompt_note = f" ({num_unique} in the prompts{times}; counted per sequence like the cache)"
     lines = [
         f"model            {engine.loaded_model.source} ({engine.config.dtype})",
+        f"attention        {engine.attention_backend.name} backend, blocks of "
+        f"{engine.config.block_size} tokens",
         f"requests         {len(outputs)} ({sum(len(o.outputs) for o in outputs)} sequences)",
         f"prompt tokens    {num_prompt}{prompt_note}",
         f"output tokens    {num_output}",

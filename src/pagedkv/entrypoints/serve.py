@@ -12,6 +12,8 @@ import argparse
 import contextlib
 from pathlib import Path
 
+from pagedkv.errors import ConfigError
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `serve` subcommand."""
@@ -121,27 +123,32 @@ def run(args: argparse.Namespace) -> int:
     from pagedkv.entrypoints.openai.launch import bind_socket, make_server
 
     if not 0 <= args.port <= 65535:
-        raise SystemExit(f"pagedkv serve: --port must be in 0..65535, got {args.port}")
+        raise ConfigError(f"--port must be in 0..65535, got {args.port}")
     if not args.log_stats_interval > 0:
-        raise SystemExit(
-            "pagedkv serve: --log-stats-interval must be > 0 seconds, got "
+        raise ConfigError(
+            "--log-stats-interval must be > 0 seconds, got "
             f"{args.log_stats_interval}"
         )
     if args.data_parallel_size < 1:
-        raise SystemExit(
-            f"pagedkv serve: --data-parallel-size must be >= 1, got {args.data_parallel_size}"
+        raise ConfigError(
+            f"--data-parallel-size must be >= 1, got {args.data_parallel_size}"
+        )
+    if args.data_parallel_size > 1 and args.tensor_parallel_size > 1:
+        raise ConfigError(
+            "--data-parallel-size with --tensor-parallel-size is not supported yet (a Ray "
+            "replica does not start tensor-parallel worker processes); use one of them"
         )
     if args.data_parallel_size > 1:
         return run_cluster(args)
     for name in _CLUSTER_ONLY:
         if getattr(args, name) is not None:
             flag = "--" + name.replace("_", "-")
-            raise SystemExit(f"pagedkv serve: {flag} needs --data-parallel-size > 1")
+            raise ConfigError(f"{flag} needs --data-parallel-size > 1")
     # Bind first: a busy port should fail in a blink, not after the model has loaded.
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as e:
-        raise SystemExit(f"pagedkv serve: cannot listen on {args.host}:{args.port}: {e}") from None
+        raise ConfigError(f"cannot listen on {args.host}:{args.port}: {e}") from None
     engine = LLMEngine(EngineConfig.from_cli_args(args))
     name = args.served_model_name or served_model_name(engine.loaded_model.source)
     app = create_app(
@@ -156,8 +163,11 @@ def run(args: argparse.Namespace) -> int:
     # Scripts (benchmarks/bench_serving.py) read the URL from this line.
     print(f"pagedkv serve: {name} listening on http://{shown_host}:{port}", flush=True)
     # uvicorn shuts down cleanly on Ctrl-C, then re-raises the interrupt: not an error here.
-    with contextlib.suppress(KeyboardInterrupt):
-        make_server(app, log_level=args.log_level).run(sockets=[sock])
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            make_server(app, log_level=args.log_level).run(sockets=[sock])
+    finally:
+        engine.shutdown()  # stops tensor-parallel worker processes
     return 0
 
 
@@ -173,7 +183,6 @@ def run_cluster(args: argparse.Namespace) -> int:
     import time
 
     from pagedkv.engine.config import EngineConfig
-    from pagedkv.errors import ConfigError
 
     try:
         import msgpack  # noqa: F401

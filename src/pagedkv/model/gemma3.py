@@ -8,7 +8,7 @@ The architecture as Hugging Face transformers implements it (``Gemma3ForCausalLM
         q, k, v = x @ W_q, x @ W_k, x @ W_v
         q, k = norm_q(q), norm_k(k)       (per head, over head_dim)
         q, k = rotary(q), rotary(k)       (base 10k on sliding-window layers, 1M on global ones)
-        write_kv(k, v -> slots);  a = paged_attention(q * query_pre_attn_scalar ** -0.5, ...)
+        write_kv(k, v -> slots);  a = attention(q, scale query_pre_attn_scalar ** -0.5, ...)
                                   (sliding-window layers see the last sliding_window positions)
         h = h + norm(a @ W_o)
         x = norm(h)
@@ -18,10 +18,12 @@ The architecture as Hugging Face transformers implements it (``Gemma3ForCausalLM
 Every norm is Gemma's RMSNorm, ``rms_norm(x) * (1 + weight)`` computed in fp32 and cast back to
 the model dtype, with its own weight (input, post-attention, pre-MLP, post-MLP, q, k, final).
 
-Each layer reads the :class:`AttentionMetadata` of its own KV cache group: the forward takes one
-per layer (layers of a group share one object), so that sliding-window layers get block tables,
-slot mappings and a ``PagedAttentionMetadata`` built with their window, full-attention layers
-theirs. Weights are frozen; the model only runs under ``torch.inference_mode``.
+Each layer reads the :class:`~pagedkv.ops.backends.BoundAttentionMetadata` of its own KV cache
+group and spec (:meth:`Gemma3ForCausalLM.attention_layer_specs`): the forward takes one per layer
+(layers of a group share one object), so that sliding-window layers get block tables, slot
+mappings and backend metadata built with their window, full-attention layers theirs; the write
+and the attention go through the attention backend, which owns the cache layout. Weights are
+frozen; the model only runs under ``torch.inference_mode``.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from pagedkv.model.config import ModelConfig
 from pagedkv.model.llama import _Caster
 from pagedkv.model.packed_linear import PackedLinear, onednn_available
 from pagedkv.model.rotary import rope_inv_freq
-from pagedkv.ops import AttentionMetadata, paged_attention, write_kv
+from pagedkv.ops.backends import AttentionLayerSpec, BoundAttentionMetadata
 
 
 class _Rotary:
@@ -142,7 +144,7 @@ class Gemma3DecoderLayer:
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
+        attn_metadata: BoundAttentionMetadata,
     ) -> torch.Tensor:
         """Residual stream ``h`` ``[T, hidden]`` in, updated residual stream out."""
         num_tokens = h.shape[0]
@@ -154,15 +156,8 @@ class Gemma3DecoderLayer:
         q = self.rotary.apply(q, cos, sin)
         k = self.rotary.apply(k, cos, sin)
         v = qkv[:, heads + kv_heads :]
-        write_kv(k, v, kv_cache, attn_metadata.slot_mapping, validate=False)
-        attn = paged_attention(
-            q,
-            kv_cache,
-            scale=self.scale,
-            sliding_window=self.sliding_window,
-            validate=False,
-            metadata=attn_metadata.paged,
-        )
+        attn_metadata.write_kv(k, v, kv_cache)
+        attn = attn_metadata.forward(q, kv_cache)
         o = self.o_proj(attn.reshape(num_tokens, -1))
         h = h + self._norm(o, self.post_attention_norm, self.hidden_size)
         x = self._norm(h, self.pre_feedforward_norm, self.hidden_size)
@@ -173,7 +168,7 @@ class Gemma3DecoderLayer:
 class Gemma3ForCausalLM:
     """Gemma 3 causal LM over a paged KV cache (see the module docstring); same interface as
     :class:`pagedkv.model.llama.LlamaForCausalLM` except that ``forward`` takes one
-    :class:`AttentionMetadata` per layer.
+    :class:`BoundAttentionMetadata` per layer.
 
     Args:
         config: a ``gemma3`` :class:`ModelConfig` (layer_types, sliding_window, ...).
@@ -241,7 +236,7 @@ class Gemma3ForCausalLM:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: Sequence[torch.Tensor],
-        attn_metadata: Sequence[AttentionMetadata],
+        attn_metadata: Sequence[BoundAttentionMetadata],
     ) -> torch.Tensor:
         """Run the decoder over one step's flattened tokens.
 
@@ -249,14 +244,13 @@ class Gemma3ForCausalLM:
             input_ids: ``[num_tokens]`` int64 token ids (requests concatenated in
                 ``query_start_loc`` order).
             positions: ``[num_tokens]`` int64 position of each token in its sequence.
-            kv_caches: one tensor per layer, ``[2, num_blocks, block_size, num_kv_heads,
-                head_dim]`` in the model's dtype; layers of different KV cache groups may share
-                a tensor (their block ids differ).
-            attn_metadata: one :class:`AttentionMetadata` per layer, built from that layer's KV
-                cache group (its block table and slot mapping); a sliding-window layer's
-                ``paged`` metadata must be built with ``sliding_window`` equal to the layer's
-                (``AttentionMetadata.build(..., sliding_window=...)``, see
-                ``layer_sliding_windows``), a full-attention layer's with None.
+            kv_caches: one tensor per layer, allocated by the attention backend for the layer's
+                spec (:meth:`attention_layer_specs`); layers of different KV cache groups may
+                share a tensor (their block ids differ).
+            attn_metadata: one :class:`BoundAttentionMetadata` per layer, built from that
+                layer's KV cache group (its block table and slot mapping) for the layer's spec
+                (:meth:`attention_layer_specs`: a sliding-window layer's window, a
+                full-attention layer's None).
 
         Returns:
             ``[num_tokens, hidden_size]`` final-norm hidden states (pass the rows to sample to
@@ -267,16 +261,16 @@ class Gemma3ForCausalLM:
                 than its layer's (raised before any KV is written).
         """
         num_layers = len(self.layers)
-        if isinstance(attn_metadata, AttentionMetadata) or len(attn_metadata) != num_layers:
+        if isinstance(attn_metadata, BoundAttentionMetadata) or len(attn_metadata) != num_layers:
             raise OpsInputError(
-                f"Gemma3ForCausalLM.forward needs one AttentionMetadata per layer ({num_layers}), "
-                "each built from its layer's KV cache group"
+                f"Gemma3ForCausalLM.forward needs one attention metadata per layer ({num_layers}),"
+                " each built from its layer's KV cache group"
             )
         for i, (layer, metadata) in enumerate(zip(self.layers, attn_metadata, strict=True)):
-            if metadata.paged.sliding_window != layer.sliding_window:
+            if metadata.sliding_window != layer.sliding_window:
                 raise OpsInputError(
                     f"layer {i} has sliding_window {layer.sliding_window} but its metadata was "
-                    f"built with {metadata.paged.sliding_window}"
+                    f"built with {metadata.sliding_window}"
                 )
         h = F.embedding(input_ids, self.embed_tokens) * self.embed_scale
         global_tables = self.rotary_global.tables(positions)
@@ -288,6 +282,30 @@ class Gemma3ForCausalLM:
         return F.rms_norm(h.float(), (hidden,), self.norm, self.config.rms_norm_eps).to(self.dtype)
 
     __call__ = forward
+
+    def attention_layer_specs(
+        self, block_size: int, kv_cache_dtype: torch.dtype | str | None = None
+    ) -> list[AttentionLayerSpec]:
+        """Each layer's :class:`AttentionLayerSpec`: heads, head size, the model's dtype, its
+        sliding window (None on global layers) and Gemma's softmax scale
+        ``query_pre_attn_scalar ** -0.5`` (not ``head_dim ** -0.5``).
+
+        Raises:
+            OpsInputError: a block_size < 1 or a kv_cache_dtype the specs refuse.
+        """
+        return [
+            AttentionLayerSpec(
+                num_heads=layer.num_heads,
+                num_kv_heads=layer.num_kv_heads,
+                head_size=layer.head_dim,
+                block_size=block_size,
+                dtype=self.dtype,
+                kv_cache_dtype=kv_cache_dtype,
+                sliding_window=layer.sliding_window,
+                scale=layer.scale,
+            )
+            for layer in self.layers
+        ]
 
     @property
     def max_positions(self) -> int:

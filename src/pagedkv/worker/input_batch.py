@@ -18,9 +18,11 @@ and per KV cache group g (one for the Llama family; Gemma 3 has six)::
                                                    steps: the buffer is reused, not cleared)
     slot_mapping[g]  [T]   block_tables[g][i, pos // block_size] * block_size + pos % block_size
 
-Each layer reads the :class:`~pagedkv.ops.AttentionMetadata` of its group, built with its
-sliding window (``AttentionMetadata.build(..., sliding_window=...)``); layers that share a group
-and a window share one object. ``ModelInputs.attn_metadata`` is the per-layer list.
+The group's tensors form one :class:`~pagedkv.ops.backends.CommonAttentionMetadata`; the
+attention backend builds its metadata from it once per distinct (group, layer spec) pair (a spec
+carries the layer's sliding window and scale), bound to the backend
+(:class:`~pagedkv.ops.backends.BoundAttentionMetadata`); layers that share a group and a spec
+share one object. ``ModelInputs.attn_metadata`` is the per-layer list.
 
 All of it is built with numpy over whole arrays (no Python object per token), then viewed as torch
 tensors without copies on CPU (copied to the model's device otherwise).
@@ -34,7 +36,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedkv.ops import AttentionMetadata
+from pagedkv.ops.backends import (
+    AttentionBackend,
+    AttentionLayerSpec,
+    BoundAttentionMetadata,
+    CommonAttentionMetadata,
+)
 from pagedkv.worker.scheduler_output import SchedulerOutput
 
 
@@ -45,15 +52,15 @@ class ModelInputs:
     Attributes:
         input_ids: ``[num_tokens]`` int64.
         positions: ``[num_tokens]`` int64.
-        attn_metadata: per layer, the slot mapping and paged-attention indices of its KV cache
-            group and window (layers of one group and window share one object).
+        attn_metadata: per layer, the backend's metadata of its KV cache group and spec, bound
+            to the backend (layers of one group and spec share one object).
         logits_rows: ``[num_sampled]`` int numpy array: the rows of the sampling requests' last
             scheduled tokens, in batch order.
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    attn_metadata: list[AttentionMetadata]
+    attn_metadata: list[BoundAttentionMetadata]
     logits_rows: np.ndarray
 
 
@@ -67,9 +74,10 @@ class InputBatch:
         max_num_batched_tokens: most tokens per step.
         max_model_len: most tokens per request (columns of the block-table buffer).
         device: where the model runs; tensors are torch views of the buffers on CPU.
-        attention_groups: the distinct (KV cache group index, sliding window or None) pairs the
-            layers read, one :class:`AttentionMetadata` built per pair each step (the Llama
-            family: ``[(0, None)]``); every KV cache group appears in one at least.
+        backend: the attention backend that builds the metadata.
+        attention_groups: the distinct (KV cache group index, layer spec) pairs the layers
+            read, one metadata built per pair each step (the Llama family: one pair); every KV
+            cache group appears in one at least.
         layer_attention_groups: per layer, its index into ``attention_groups``.
     """
 
@@ -82,12 +90,14 @@ class InputBatch:
         max_num_batched_tokens: int,
         max_model_len: int,
         device: torch.device,
-        attention_groups: Sequence[tuple[int, int | None]],
+        backend: AttentionBackend,
+        attention_groups: Sequence[tuple[int, AttentionLayerSpec]],
         layer_attention_groups: Sequence[int],
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = device
+        self.backend = backend
         num_kv_cache_groups = 1 + max(g for g, _ in attention_groups)
         self.num_kv_cache_groups = num_kv_cache_groups
         self.attention_groups = tuple(attention_groups)
@@ -133,7 +143,10 @@ class InputBatch:
 
         to = self.to_device
         seq_lens_t, qsl_t = to(seq_lens), to(qsl)
-        group_inputs = []  # per KV cache group: (block_tables, slot_mapping) tensors
+        host = self.device.type != "cpu"  # host copies save the backend a device sync
+        seq_lens_cpu = torch.from_numpy(seq_lens) if host else None
+        qsl_cpu = torch.from_numpy(qsl) if host else None
+        commons = []  # per KV cache group
         for g in range(self.num_kv_cache_groups):
             # Block tables: copy each row's block ids of group g.
             block_ids = [ids[g] for ids in out.block_ids]
@@ -144,20 +157,24 @@ class InputBatch:
             slot_mapping = block_tables[req_index, block_index].astype(np.int64)
             slot_mapping *= bs
             slot_mapping += offsets
-            group_inputs.append((to(block_tables), to(slot_mapping)))
-
-        metadata = [
-            AttentionMetadata.build(
-                group_inputs[g][0],
-                seq_lens_t,
-                qsl_t,
-                group_inputs[g][1],
-                bs,
-                sliding_window=window,
-                num_blocks=self.num_blocks,
-                validate=False,
+            commons.append(
+                CommonAttentionMetadata(
+                    to(block_tables),
+                    seq_lens_t,
+                    qsl_t,
+                    to(slot_mapping),
+                    num_blocks=self.num_blocks,
+                    seq_lens_cpu=seq_lens_cpu,
+                    query_start_loc_cpu=qsl_cpu,
+                )
             )
-            for g, window in self.attention_groups
+
+        backend = self.backend
+        metadata = [
+            BoundAttentionMetadata(
+                backend, backend.build_metadata(commons[g], spec, validate=False), spec
+            )
+            for g, spec in self.attention_groups
         ]
         if len(metadata) == 1:
             layer_metadata = metadata * len(self.layer_attention_groups)

@@ -1,9 +1,14 @@
 """ModelRunner: turn one scheduler step into one forward over the paged KV cache, then sample.
 
+The KV cache and the attention belong to an attention backend (:mod:`pagedkv.ops.backends`): the
+runner allocates each layer's cache with ``backend.allocate_kv_cache(num_blocks, spec)`` for the
+layer's :class:`~pagedkv.ops.backends.AttentionLayerSpec` (the model's
+``attention_layer_specs``), and never looks inside it.
+
 Per step: :class:`~pagedkv.worker.input_batch.InputBatch` flattens the
 :class:`~pagedkv.worker.scheduler_output.SchedulerOutput` into input ids, positions, and per KV
-cache group a block table and a slot mapping, from which each layer gets the attention metadata of
-its group and sliding window; one forward runs the whole batch; logits are computed only at each
+cache group a block table and a slot mapping, from which each layer gets the backend's metadata
+of its group and spec; one forward runs the whole batch; logits are computed only at each
 request's last scheduled row, and only for requests that sample (their prompt is complete); the
 :class:`~pagedkv.worker.sampler.Sampler` picks one token per such request.
 
@@ -22,7 +27,12 @@ import torch
 from pagedkv.core.config import KVCacheConfig
 from pagedkv.core.spec import SlidingWindowSpec
 from pagedkv.errors import ConfigError
-from pagedkv.ops import allocate_kv_cache
+from pagedkv.ops.backends import (
+    AttentionBackend,
+    AttentionLayerSpec,
+    TorchBackend,
+    get_attn_backend,
+)
 from pagedkv.worker.input_batch import InputBatch, ModelInputs
 from pagedkv.worker.outputs import LogprobsLists, ModelRunnerOutput
 from pagedkv.worker.sampler import Sampler, compute_logprobs, gather_logprobs
@@ -38,20 +48,26 @@ class ModelRunner:
 
     Args:
         model: a model with ``forward(input_ids, positions, kv_caches, attn_metadata)`` (one
-            metadata per layer) and ``compute_logits(hidden)``
+            bound metadata per layer), ``compute_logits(hidden)`` and
+            ``attention_layer_specs(block_size)`` (each layer's spec: heads, window, scale)
             (:class:`pagedkv.model.llama.LlamaForCausalLM`,
-            :class:`pagedkv.model.gemma3.Gemma3ForCausalLM`), with ``config`` (ModelConfig:
-            ``layer_sliding_windows`` gives each layer's window) and ``dtype``.
+            :class:`pagedkv.model.gemma3.Gemma3ForCausalLM`), with ``config``, ``device`` and
+            ``dtype``.
         kv_cache_config: block count and KV cache groups (one per block table); layer ``i``
             keeps its pages in tensor ``tensor_ids[i]``.
         max_num_seqs: most requests per step (rows of the block-table buffer).
         max_num_batched_tokens: most tokens per step.
         max_model_len: most tokens per request (columns of the block-table buffer).
         seed: seed of the sampler's generator for requests without a seed.
+        attention_backend: the backend that owns the caches and runs the attention
+            (:func:`pagedkv.ops.backends.select_backend`), or its name (each tensor-parallel
+            rank makes its own: :func:`pagedkv.ops.backends.get_attn_backend`); None = the
+            torch backend on the model's device.
 
     Raises:
-        ConfigError: a KV cache config whose layers are not the model's, or a sliding-window
-            group whose window is not its layers' (it would free blocks they still read).
+        ConfigError: a KV cache config whose layers are not the model's, a sliding-window
+            group whose window is not its layers' (it would free blocks they still read), or a
+            layer the backend cannot run (the message says why).
     """
 
     def __init__(
@@ -63,30 +79,31 @@ class ModelRunner:
         max_num_batched_tokens: int,
         max_model_len: int,
         seed: int = 0,
+        attention_backend: AttentionBackend | str | None = None,
     ) -> None:
         config = model.config
         self.model = model
+        self.device = torch.device(model.device)
         self.block_size = kv_cache_config.block_size
         self.num_blocks = kv_cache_config.num_blocks
         self.vocab_size = config.vocab_size
+        backend = attention_backend or TorchBackend(self.device)
+        if isinstance(backend, str):
+            backend = get_attn_backend(backend, self.device)
+        #: the attention backend: owns the caches' layout, builds the metadata, runs attention.
+        self.attention_backend = backend
+        #: each layer's attention spec (heads, head size, block size, dtypes, window, scale).
+        self.layer_specs = model.attention_layer_specs(self.block_size)
+        for spec in dict.fromkeys(self.layer_specs):
+            reason = backend.unsupported_reason(spec)
+            if reason is not None:
+                raise ConfigError(f"the {backend.name} attention backend cannot run: {reason}")
         attention_groups, layer_attention_groups = _attention_groups(
-            kv_cache_config, config.layer_sliding_windows
+            kv_cache_config, self.layer_specs
         )
-        tensors = [
-            allocate_kv_cache(
-                self.num_blocks,
-                self.block_size,
-                config.num_key_value_heads,
-                config.head_dim,
-                model.dtype,
-                model.device,
-            )
-            for _ in range(kv_cache_config.group_size)
-        ]
-        #: one KV cache tensor per layer ``[2, num_blocks, block_size, num_kv_heads, head_dim]``;
+        #: one KV cache tensor per layer, in the backend's layout (``backend.kv_cache_shape``);
         #: layers of different groups share a tensor (their block ids differ).
-        self.kv_caches = [tensors[t] for t in kv_cache_config.tensor_ids]
-        self.device = torch.device(model.device)
+        self.kv_caches = _allocate_kv_caches(backend, kv_cache_config, self.layer_specs)
         self.sampler = Sampler(seed, self.device)
         self._generators: dict[str, torch.Generator] = {}
 
@@ -97,9 +114,14 @@ class ModelRunner:
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             device=self.device,
+            backend=backend,
             attention_groups=attention_groups,
             layer_attention_groups=layer_attention_groups,
         )
+
+    def shutdown(self) -> None:
+        """Nothing to stop in one process (the executor interface:
+        :class:`~pagedkv.worker.tp_executor.TensorParallelExecutor` stops its ranks)."""
 
     def finish_requests(self, request_ids: Sequence[str]) -> None:
         """Forget per-request state (seeded generators) of finished requests."""
@@ -128,6 +150,8 @@ class ModelRunner:
         if len(inputs.logits_rows) == 0:
             return result
         logits = self.model.compute_logits(hidden[self.input_batch.to_device(inputs.logits_rows)])
+        if logits is None:  # a tensor-parallel rank other than 0: it only joined the gather
+            return result
         sampling = [r for r, s in zip(out.requests, out.sample, strict=True) if s]
         params = [r.sampling_params for r in sampling]
         generators = [self._generator(r) for r in sampling]
@@ -182,18 +206,23 @@ class ModelRunner:
             end = min(computed + num_scheduled, request.num_prompt_tokens - 1)
             if end <= computed:
                 continue
-            targets = torch.tensor(
-                request.all_token_ids[computed + 1 : end + 1], device=hidden.device
-            )
+            targets = None
             lists = LogprobsLists([], [], [])
             for lo in range(0, end - computed, PROMPT_LOGPROBS_ROWS_PER_SLICE):
                 hi = min(lo + PROMPT_LOGPROBS_ROWS_PER_SLICE, end - computed)
                 logits = self.model.compute_logits(hidden[row_start + lo : row_start + hi])
+                if logits is None:  # a tensor-parallel rank other than 0 (no token ids here)
+                    continue
+                if targets is None:
+                    targets = torch.tensor(
+                        request.all_token_ids[computed + 1 : end + 1], device=hidden.device
+                    )
                 ids, values, ranks = gather_logprobs(compute_logprobs(logits), targets[lo:hi], k)
                 lists.token_ids += ids.tolist()
                 lists.logprobs += values.tolist()
                 lists.ranks += ranks.tolist()
-            result.prompt_logprobs[request.request_id] = (computed + 1, lists)
+            if targets is not None:
+                result.prompt_logprobs[request.request_id] = (computed + 1, lists)
 
     def _generator(self, request) -> torch.Generator | None:
         seed = request.sampling_params.seed
@@ -215,35 +244,61 @@ def _min_tokens_stop_ids(request, params) -> list[int]:
     return ids
 
 
+def _allocate_kv_caches(
+    backend: AttentionBackend,
+    kv_cache_config: KVCacheConfig,
+    layer_specs: Sequence[AttentionLayerSpec],
+) -> list[torch.Tensor]:
+    """One cache tensor per ``kv_cache_config.tensor_ids`` entry, allocated by the backend for
+    the spec of the first layer that uses it, and each layer's tensor.
+
+    Raises:
+        ConfigError: layers sharing a tensor whose caches would differ in shape or dtype.
+    """
+    tensor_specs: dict[int, AttentionLayerSpec] = {}
+    for layer, t in enumerate(kv_cache_config.tensor_ids):
+        spec = layer_specs[layer]
+        first = tensor_specs.setdefault(t, spec)
+        shape = (spec.num_kv_heads, spec.head_size, spec.block_size, spec.kv_cache_dtype)
+        if shape != (first.num_kv_heads, first.head_size, first.block_size, first.kv_cache_dtype):
+            raise ConfigError(f"layer {layer} cannot share KV cache tensor {t}: {spec} vs {first}")
+    tensors = {
+        t: backend.allocate_kv_cache(kv_cache_config.num_blocks, spec)
+        for t, spec in tensor_specs.items()
+    }
+    return [tensors[t] for t in kv_cache_config.tensor_ids]
+
+
 def _attention_groups(
-    kv_cache_config: KVCacheConfig, layer_windows: Sequence[int | None]
-) -> tuple[list[tuple[int, int | None]], list[int]]:
-    """The distinct (KV cache group, window) pairs the layers read and each layer's index into
-    them. A layer reads its group's block table with its own window: a sliding-window group's
-    layers have its window; a full-attention group may hold sliding-window layers too
+    kv_cache_config: KVCacheConfig, layer_specs: Sequence[AttentionLayerSpec]
+) -> tuple[list[tuple[int, AttentionLayerSpec]], list[int]]:
+    """The distinct (KV cache group, layer spec) pairs the layers read and each layer's index
+    into them. A layer reads its group's block table with its own window: a sliding-window
+    group's layers have its window; a full-attention group may hold sliding-window layers too
     (``disable_hybrid_kv_cache_manager``: every block kept, the window still applied).
 
     Raises:
         ConfigError: see :class:`ModelRunner`.
     """
-    if kv_cache_config.num_layers != len(layer_windows):
+    if kv_cache_config.num_layers != len(layer_specs):
         raise ConfigError(
             f"the KV cache config has {kv_cache_config.num_layers} layers, the model "
-            f"{len(layer_windows)}"
+            f"{len(layer_specs)}"
         )
-    pairs: list[tuple[int, int | None]] = []
-    layer_pairs = [0] * len(layer_windows)
+    pairs: list[tuple[int, AttentionLayerSpec]] = []
+    layer_pairs = [0] * len(layer_specs)
     for g, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
         for layer in group.layer_ids:
-            window = layer_windows[layer]
+            window = layer_specs[layer].sliding_window
             if isinstance(spec, SlidingWindowSpec) and window != spec.sliding_window:
                 reach = "every token" if window is None else f"the last {window} tokens"
                 raise ConfigError(
                     f"layer {layer} attends to {reach} but its KV cache group keeps only a "
                     f"sliding window of {spec.sliding_window}"
                 )
-            if (g, window) not in pairs:
-                pairs.append((g, window))
-            layer_pairs[layer] = pairs.index((g, window))
+            pair = (g, layer_specs[layer])
+            if pair not in pairs:
+                pairs.append(pair)
+            layer_pairs[layer] = pairs.index(pair)
     return pairs, layer_pairs

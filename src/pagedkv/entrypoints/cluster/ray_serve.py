@@ -398,6 +398,14 @@ def start_cluster(
     seed = engine_config.hash_seed
     if seed is None:
         seed = secrets.token_hex(16)
+    if engine_config.block_size is None:  # the router hashes with the replicas' block size
+        from pagedkv.engine.attention_backend import choose_attention_backend
+        from pagedkv.model.loader import load_model_config
+
+        shape = load_model_config(engine_config.model)
+        engine_config, _ = choose_attention_backend(
+            engine_config, shape.head_dim, engine_config.dtype
+        )
     # One replica per num_cpus_per_replica CPUs: its torch threads should not take them all.
     num_threads = engine_config.num_threads or max(1, int(num_cpus_per_replica))
     config = dataclasses.replace(

@@ -917,6 +917,20 @@ def _reset_prefix_cache(engine: Any) -> bool:
     return bool(reset())
 
 
+#: What each union-typed request field accepts, for the 400 message of a value that fits none.
+_UNION_FIELDS = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of text content parts",
+}
+
+
+def _is_union_tag(part: str) -> bool:
+    """pydantic's tag of a union member in an error location (``str``, ``list[int]``,
+    ``function-after[...]``), as opposed to a field name or a list index."""
+    return "[" in part or part in ("str", "int", "float", "bool", "list", "dict", "none")
+
+
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
     """The first pydantic error as one readable message (``field: problem (got value)``)."""
     errors = exc.errors()
@@ -930,6 +944,23 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
             code="invalid_json",
         )
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # A union field's errors carry the member's type tag in their location
+    # (`prompt.function-after[_valid_unicode(), str]`): name the field and what it accepts.
+    tagged = next((i for i, part in enumerate(loc) if _is_union_tag(part)), None)
+    if tagged is not None:
+        # A member whose shape fitted and whose value did not (a negative token id) says more
+        # than "not a string": report that one, at its place without the tags.
+        prefix = loc[:tagged]
+        for error in errors:
+            error_loc = [str(part) for part in error.get("loc", ()) if part != "body"]
+            kind = str(error.get("type", ""))
+            if error_loc[:tagged] == prefix and not kind.endswith(("_type", "_parsing")):
+                first = error
+                loc = [part for part in error_loc if not _is_union_tag(part)]
+                tagged = None
+                break
+        else:
+            loc = prefix
     param = loc[0] if loc else None
     where = ".".join(loc) or "body"
     if first.get("type") == "missing":
@@ -937,6 +968,8 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
             400, f"missing required field `{where}`", param=param, code="missing_field"
         )
     message = f"{where}: {first.get('msg', 'invalid value')}"
+    if tagged is not None and loc and loc[-1] in _UNION_FIELDS:
+        message = f"{where}: must be {_UNION_FIELDS[loc[-1]]}"
     if "input" in first and first.get("type") != "missing":
         message += f" (got {json.dumps(first['input'], default=str)[:200]})"
     return OpenAIError(400, message, param=param, code="invalid_value")

@@ -354,3 +354,47 @@ def check_layer_tensors(
             raise OpsInputError(
                 f"{name} must be {want} {spec.dtype}, got {tuple(tensor.shape)} {tensor.dtype}"
             )
+
+
+class BoundAttentionMetadata:
+    """One step's metadata for a layer, bound to its backend: what a model's attention layer
+    calls, so that the model never sees a cache layout or a backend's metadata type.
+
+    Built by the model runner once per (KV cache group, layer spec) per step and shared by the
+    layers that have both (:func:`pagedkv.ops.backends.bind_metadata`). Two attribute reads and
+    one call per use: nothing per token.
+
+    Args:
+        backend: the model's attention backend.
+        metadata: ``backend.build_metadata(common, spec)``.
+        spec: the spec it was built for.
+
+    Attributes:
+        sliding_window: the spec's window (None = full attention), for models that check each
+            layer got the metadata of its own window.
+    """
+
+    __slots__ = ("backend", "metadata", "sliding_window", "spec")
+
+    def __init__(self, backend: AttentionBackend, metadata: Any, spec: AttentionLayerSpec):
+        self.backend = backend
+        self.metadata = metadata
+        self.spec = spec
+        self.sliding_window = spec.sliding_window
+
+    def __repr__(self) -> str:
+        return f"BoundAttentionMetadata({self.backend.name}, {self.spec})"
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor) -> None:
+        """Write the step's keys and values ``[num_tokens, num_kv_heads, head_size]`` into
+        ``kv_cache`` (:meth:`AttentionBackend.write_kv`, unvalidated)."""
+        self.backend.write_kv(key, value, kv_cache, self.metadata)
+
+    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Paged attention of ``query`` ``[num_tokens, num_heads, head_size]`` over ``kv_cache``
+        with the spec's scale and window (:meth:`AttentionBackend.forward`, unvalidated).
+
+        Returns:
+            ``[num_tokens, num_heads, head_size]`` in the query dtype.
+        """
+        return self.backend.forward(query, kv_cache, self.metadata)

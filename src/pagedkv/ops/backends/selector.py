@@ -9,7 +9,8 @@
 
 A named backend that cannot run here falls back to torch with one warning line that says why;
 ``auto`` says which it chose and why in one info line. The block size, when not given, is the
-chosen backend's fastest (``default_block_size``).
+chosen backend's fastest (``default_block_size``); a block size given with a named backend that
+runs here but not at that block size is a ConfigError naming both (``auto`` moves on to torch).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pagedkv.errors import ConfigError
 from pagedkv.ops.backends.base import (
     AttentionBackend,
     AttentionLayerSpec,
+    BoundAttentionMetadata,
     CommonAttentionMetadata,
 )
 from pagedkv.ops.backends.torch_backend import TorchBackend
@@ -43,10 +45,12 @@ BACKEND_CHOICES = ("auto", *BACKENDS)
 
 
 class BackendChoice(NamedTuple):
-    """What :func:`select_backend` chose: the backend and the block size to run it with."""
+    """What :func:`select_backend` chose: the backend, the block size to run it with, and why
+    the backends tried before it were passed over (None when the first choice runs)."""
 
     backend: AttentionBackend
     block_size: int
+    fallback_reason: str | None = None
 
 
 def available_backends(device: torch.device | str = "cpu") -> dict[str, str | None]:
@@ -77,6 +81,7 @@ def select_backend(
     *,
     kv_cache_dtype: torch.dtype | str | None = None,
     block_size: int | None = None,
+    log: bool = True,
 ) -> BackendChoice:
     """Choose the attention backend and block size (``--attention-backend`` semantics above).
 
@@ -87,13 +92,15 @@ def select_backend(
         head_size: the model's attention head size.
         kv_cache_dtype: the cache dtype (None = ``dtype``; or an fp8 dtype or name).
         block_size: the requested block size (None = the chosen backend's fastest).
+        log: log the choice (auto) or the fallback (a named backend) here, one line; False
+            leaves it to the caller (``fallback_reason``).
 
     Returns:
         The backend and the block size.
 
     Raises:
-        ConfigError: an unknown name, or a dtype / kv_cache_dtype / block_size no backend
-            takes.
+        ConfigError: an unknown name, a dtype / kv_cache_dtype / block_size no backend takes,
+            or a named backend given a block size it does not run.
     """
     if name not in BACKEND_CHOICES:
         raise ConfigError(
@@ -118,14 +125,23 @@ def select_backend(
             backend = cls(device)
             size = block_size or backend.default_block_size(head_size, dtype, kv_cache_dtype)
             reason = _unsupported(backend, dtype, head_size, kv_cache_dtype, size)
+            if reason is not None and not auto and candidate == name and block_size:
+                default = backend.default_block_size(head_size, dtype, kv_cache_dtype)
+                if _unsupported(backend, dtype, head_size, kv_cache_dtype, default) is None:
+                    multiple = backend.block_size_multiple(head_size, dtype, kv_cache_dtype)
+                    raise ConfigError(
+                        f"the {name} attention backend does not run block_size {block_size} "
+                        f"({reason}): give a multiple of {multiple} (its default is {default}; "
+                        "leave --block-size unset for it) or another --attention-backend"
+                    )
             if reason is None:
-                if skipped:
-                    why = "; ".join(f"{n}: {r}" for n, r in skipped)
-                    log = logger.info if auto else logger.warning
-                    log("attention backend %s: using %s (%s)", name, candidate, why)
-                elif auto:
+                why = "; ".join(f"{n}: {r}" for n, r in skipped) or None
+                if log and why:
+                    emit = logger.info if auto else logger.warning
+                    emit("attention backend %s: using %s (%s)", name, candidate, why)
+                elif log and auto:
                     logger.info("attention backend auto: using %s", candidate)
-                return BackendChoice(backend, size)
+                return BackendChoice(backend, size, why)
         skipped.append((candidate, reason))
     raise ConfigError(
         "no attention backend runs this model: " + "; ".join(f"{n}: {r}" for n, r in skipped)
@@ -172,5 +188,29 @@ def build_layer_metadata(
         md = built.get(spec)
         if md is None:
             md = built[spec] = backend.build_metadata(common, spec, validate=validate)
+        out.append(md)
+    return out
+
+
+def bind_metadata(
+    backend: AttentionBackend,
+    common: CommonAttentionMetadata,
+    specs: Sequence[AttentionLayerSpec],
+    *,
+    validate: bool = True,
+) -> list[BoundAttentionMetadata]:
+    """:func:`build_layer_metadata`, each bound to the backend: what a model's ``forward``
+    takes (one per layer; the same object for equal specs).
+
+    Raises:
+        OpsInputError: (validate=True) see :meth:`AttentionBackend.build_metadata`.
+    """
+    bound: dict[AttentionLayerSpec, BoundAttentionMetadata] = {}
+    out = []
+    for spec in specs:
+        md = bound.get(spec)
+        if md is None:
+            built = backend.build_metadata(common, spec, validate=validate)
+            md = bound[spec] = BoundAttentionMetadata(backend, built, spec)
         out.append(md)
     return out

