@@ -9,6 +9,8 @@ separately). Medians of repeats.
     .venv/bin/python benchmarks/bench_forward.py                 # fp32 and bf16, default model
     .venv/bin/python benchmarks/bench_forward.py --dtype bf16 --batch-sizes 1 16 64 --context 256
     .venv/bin/python benchmarks/bench_forward.py --dtype bf16 --attention-backend torch vllm-cpu
+    .venv/bin/python benchmarks/bench_forward.py --dtype bf16 --threads 1 --compare-logits \
+        --cpu-time --repeats 8 --prefill-prompts    # docs/perf.md, "bf16 accuracy"
 
 Results and the reference numbers are in docs/model.md.
 """
@@ -60,17 +62,33 @@ def make_step(model, backend, specs, block_size, q_lens, seq_lens):
     return input_ids, torch.tensor(positions), attn_metadata, last_rows, build_ms
 
 
-def time_step(model, kv_caches, step, repeats):
+def time_step(model, kv_caches, step, repeats, clock=time.perf_counter):
     input_ids, positions, attn_metadata, last_rows, _ = step
     times = []
     with torch.inference_mode():
         for i in range(repeats + 2):
-            start = time.perf_counter()
+            start = clock()
             hidden = model.forward(input_ids, positions, kv_caches, attn_metadata)
             model.compute_logits(hidden[last_rows])
             if i >= 2:  # two warm-up runs
-                times.append(time.perf_counter() - start)
+                times.append(clock() - start)
     return statistics.median(times)
+
+
+def compare_logits(model, kv_caches, step, repeats, clock, rounds=6):
+    """Median decode step with the logits only widened from bf16 and with the fp32 top-k
+    recomputation (pagedkv.model.logits), alternating rounds: (rounded_s, refined_s)."""
+    weight = model.lm_head_weight
+    rounded, refined = [], []
+    try:
+        for _ in range(rounds):
+            model.lm_head_weight = None
+            rounded.append(time_step(model, kv_caches, step, repeats, clock))
+            model.lm_head_weight = weight
+            refined.append(time_step(model, kv_caches, step, repeats, clock))
+    finally:
+        model.lm_head_weight = weight
+    return statistics.median(rounded), statistics.median(refined)
 
 
 def main() -> None:
@@ -83,7 +101,7 @@ def main() -> None:
     parser.add_argument(
         "--prefill-prompts",
         type=int,
-        nargs="+",
+        nargs="*",
         default=[8, 1],
         help="prefill runs: the prefill tokens split into this many prompts of equal length",
     )
@@ -98,7 +116,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default all)")
     parser.add_argument("--no-tune-malloc", action="store_true")
+    parser.add_argument(
+        "--compare-logits",
+        action="store_true",
+        help="bf16 decode: time rounded vs fp32-refined top logits, alternating rounds",
+    )
+    parser.add_argument(
+        "--cpu-time", action="store_true", help="time process CPU time (a shared machine)"
+    )
     args = parser.parse_args()
+    clock = time.process_time if args.cpu_time else time.perf_counter
 
     tuned = False if args.no_tune_malloc else tune_malloc()
     if args.threads:
@@ -115,10 +142,10 @@ def main() -> None:
             choice = select_backend(
                 backend_name, "cpu", model.dtype, config.head_dim, block_size=args.block_size
             )
-            run_backend(model, choice.backend, choice.block_size, args)
+            run_backend(model, choice.backend, choice.block_size, args, clock)
 
 
-def run_backend(model, backend, bs, args) -> None:
+def run_backend(model, backend, bs, args, clock=time.perf_counter) -> None:
     """Every decode batch and prefill of ``args`` on ``backend`` with blocks of ``bs``."""
     max_batch = max(args.batch_sizes)
     num_blocks = 1 + max(max_batch * -(-(args.context + 1) // bs), -(-args.prefill_tokens // bs))
@@ -127,7 +154,14 @@ def run_backend(model, backend, bs, args) -> None:
     print(f" {backend.name}, block size {bs}:")
     for batch in args.batch_sizes:
         step = make_step(model, backend, specs, bs, [1] * batch, [args.context + 1] * batch)
-        seconds = time_step(model, kv_caches, step, args.repeats)
+        if args.compare_logits and getattr(model, "lm_head_weight", None) is not None:
+            rounded, refined = compare_logits(model, kv_caches, step, args.repeats, clock)
+            print(
+                f"  decode batch {batch:3d}: logits rounded {rounded * 1e3:7.1f} ms, "
+                f"top-k refined {refined * 1e3:7.1f} ms ({refined / rounded:.3f}x)"
+            )
+            continue
+        seconds = time_step(model, kv_caches, step, args.repeats, clock)
         print(
             f"  decode batch {batch:3d}: {seconds * 1e3:7.1f} ms/step "
             f"({batch / seconds:6.0f} tok/s; metadata build {step[-1]:.2f} ms)"
@@ -136,7 +170,7 @@ def run_backend(model, backend, bs, args) -> None:
     for num_prompts in args.prefill_prompts:
         length = n // num_prompts
         step = make_step(model, backend, specs, bs, [length] * num_prompts, [length] * num_prompts)
-        seconds = time_step(model, kv_caches, step, max(2, args.repeats // 4))
+        seconds = time_step(model, kv_caches, step, max(2, args.repeats // 4), clock)
         print(
             f"  prefill {num_prompts} x {length} tokens: {seconds:6.2f} s "
             f"({num_prompts * length / seconds:5.0f} tok/s)"

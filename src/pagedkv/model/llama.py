@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from pagedkv.errors import ModelLoadError
 from pagedkv.model.config import ModelConfig
+from pagedkv.model.logits import refine_top_logits
 from pagedkv.model.packed_linear import PackedLinear, onednn_available
 from pagedkv.model.parallel import TensorParallelGroup, check_tensor_parallel
 from pagedkv.model.rotary import RotaryEmbedding
@@ -248,6 +249,11 @@ class LlamaForCausalLM:
             self.embed_tokens = parallel.shard_rows(self.embed_tokens, self.vocab_shard)
             lm_head = parallel.shard_rows(lm_head, self.vocab_shard)
         self.lm_head = PackedLinear(lm_head, None, pack)
+        #: the lm_head's plain weight, read by :meth:`compute_logits` to recompute the top
+        #: logits in fp32 (None in fp32 and with tensor parallelism; the embeddings when tied;
+        #: when untied, a copy beside the packed one: vocab_size x hidden_size more)
+        refine = dtype != torch.float32 and parallel is None
+        self.lm_head_weight = lm_head if refine else None
 
     @torch.inference_mode()
     def forward(
@@ -318,13 +324,18 @@ class LlamaForCausalLM:
 
     @torch.inference_mode()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Logits ``[num_rows, vocab_size]`` float32 of hidden states ``[num_rows, hidden_size]``
-        (computed in the model's dtype, then widened, as Hugging Face does).
+        """Logits ``[num_rows, vocab_size]`` float32 of hidden states ``[num_rows, hidden_size]``:
+        computed in the model's dtype, then widened, as Hugging Face does; in bf16 / fp16 on one
+        rank the 8 largest of each row are then recomputed in fp32
+        (:func:`pagedkv.model.logits.refine_top_logits`: closer to the fp32 model).
 
         With tensor parallelism every rank must call it with the same rows (each computes its
         vocabulary shard, gathered on rank 0); the other ranks get None."""
         if self.parallel is None:
-            return self.lm_head(hidden_states).float()
+            logits = self.lm_head(hidden_states).float()
+            if self.lm_head_weight is not None:
+                refine_top_logits(logits, hidden_states, self.lm_head_weight)
+            return logits
         logits = self.parallel.gather_to_first(self.lm_head(hidden_states))
         return None if logits is None else logits[:, : self.config.vocab_size].float()
 

@@ -1,0 +1,424 @@
+"""bf16 accuracy: each candidate's next-token distributions against an fp32 reference.
+
+The reference is Hugging Face transformers' ``LlamaForCausalLM`` in float32 on the default model's
+dequantized GGUF weights, generating ``--num-tokens`` greedy tokens per chat prompt (EOS ignored;
+left-padded batches with the KV cache: the path of ``generate``). Its logits at those positions
+are the reference distributions. Each candidate is then run twice over every prompt:
+
+- teacher-forced: the prompt, then the reference's tokens one decode step at a time; at each of
+  the ``--num-tokens`` positions, ``KL(ref || candidate)`` of the full next-token distributions
+  and whether the candidate's argmax is the reference's token (top-1 agreement);
+- free-running: its own greedy tokens; "exact" counts the prompts whose ``--num-tokens`` tokens
+  equal the reference's.
+
+Candidates: pagedkv in bf16 (one row per attention backend available) and fp32 (a sanity row:
+KL about 0), driven through the engine's own ModelRunner (its KV cache, input batch and attention
+metadata; all prompts batched: a prefill, then one decode step per token), and transformers in
+bf16 (the same weights cast, decoded like the reference). ``pagedkv-bf16-rounded`` (not run by
+default) is pagedkv bf16 with its logits only widened from bf16, as transformers does, without
+the fp32 recomputation of each row's largest logits (``pagedkv.model.logits``).
+The rule of issue 14: pagedkv bf16 must be no worse than transformers bf16.
+
+    .venv/bin/python benchmarks/bf16_accuracy.py                    # 64 prompts x 32 tokens
+    .venv/bin/python benchmarks/bf16_accuracy.py --num-prompts 16 --json /tmp/bf16.json
+
+Prompts: ``benchmarks/data/bf16_prompts.jsonl`` (64 chat prompts: facts, math, code,
+instructions, multilingual, short and long). Results and the method are in docs/perf.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+DATA = Path(__file__).parent / "data" / "bf16_prompts.jsonl"
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def kl_divergence(ref_logits: torch.Tensor, cand_logits: torch.Tensor) -> torch.Tensor:
+    """``KL(ref || cand)`` in nats of the softmax distributions of two logit tensors.
+
+    Args:
+        ref_logits: ``[num_positions, vocab]`` reference logits (any float dtype).
+        cand_logits: ``[num_positions, vocab]`` candidate logits.
+
+    Returns:
+        ``[num_positions]`` float64, each >= 0 (computed in float64).
+    """
+    ref = torch.log_softmax(ref_logits.double(), dim=-1)
+    cand = torch.log_softmax(cand_logits.double(), dim=-1)
+    return (ref.exp() * (ref - cand)).sum(dim=-1).clamp_min(0.0)
+
+
+def top1_agreement(cand_logits: torch.Tensor, ref_tokens: torch.Tensor) -> torch.Tensor:
+    """Whether the candidate's argmax is the reference token at each position.
+
+    Args:
+        cand_logits: ``[num_positions, vocab]``.
+        ref_tokens: ``[num_positions]`` int token ids.
+
+    Returns:
+        ``[num_positions]`` bool.
+    """
+    return cand_logits.argmax(dim=-1) == ref_tokens
+
+
+def summarize(
+    kl: torch.Tensor, agree: torch.Tensor, exact: list[bool] | None
+) -> dict[str, float | None]:
+    """One table row: mean and 95th-percentile KL over all positions, top-1 agreement over all
+    positions, the fraction of prompts whose free-running output equals the reference (None when
+    not measured).
+
+    Args:
+        kl: ``[num_prompts, num_tokens]`` KL per position.
+        agree: ``[num_prompts, num_tokens]`` bool.
+        exact: per prompt, free-running output == reference.
+    """
+    flat = kl.flatten().double()
+    return {
+        "mean_kl": flat.mean().item(),
+        "p95_kl": torch.quantile(flat, 0.95).item(),
+        "top1_agreement": agree.float().mean().item(),
+        "exact_match": None if exact is None else sum(exact) / len(exact),
+    }
+
+
+# --------------------------------------------------------------------------- transformers
+
+
+def hf_decode(
+    model,
+    prompts: list[list[int]],
+    num_tokens: int,
+    forced: list[list[int]] | None = None,
+    batch_size: int = 16,
+) -> tuple[torch.Tensor, list[list[int]]]:
+    """Decode ``num_tokens`` tokens per prompt with the model's KV cache, as ``generate`` does
+    for a left-padded batch (attention mask, positions from it): prompts sorted by length, in
+    batches of ``batch_size``; one forward per token.
+
+    Returns:
+        logits ``[num_prompts, num_tokens, vocab]`` float32 at each decoded position, and the
+        tokens fed per prompt (``forced`` when given, else the argmax: greedy; EOS is not
+        special).
+    """
+    n = len(prompts)
+    logits = torch.empty(n, num_tokens, model.config.vocab_size)
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    order = sorted(range(n), key=lambda i: len(prompts[i]))
+    with torch.inference_mode():
+        for lo in range(0, n, batch_size):
+            rows = order[lo : lo + batch_size]
+            width = max(len(prompts[i]) for i in rows)
+            input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+            mask = torch.zeros(len(rows), width, dtype=torch.long)
+            for r, i in enumerate(rows):
+                input_ids[r, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+                mask[r, width - len(prompts[i]) :] = 1
+            positions = (mask.cumsum(-1) - 1).clamp_min(0)
+            out = model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            for step in range(num_tokens):
+                step_logits = out.logits[:, -1].float()
+                logits[rows, step] = step_logits
+                if forced is None:
+                    chosen = step_logits.argmax(-1)
+                else:
+                    chosen = torch.tensor([forced[i][step] for i in rows])
+                for r, i in enumerate(rows):
+                    tokens[i].append(int(chosen[r]))
+                if step + 1 == num_tokens:
+                    break
+                mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.long)], dim=1)
+                positions = positions[:, -1:] + 1
+                out = model(
+                    input_ids=chosen[:, None],
+                    attention_mask=mask,
+                    position_ids=positions,
+                    cache=out.cache,
+                    use_cache=True,
+                )
+    return logits, tokens
+
+
+# --------------------------------------------------------------------------- pagedkv
+
+
+@dataclass
+class _Request:
+    """The attributes the ModelRunner reads from a scheduled request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: object
+    output_token_ids: list[int] = field(default_factory=list)
+    eos_token_ids: frozenset[int] = frozenset()
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+class PagedDriver:
+    """Runs prompts through an engine's ModelRunner and model with logits at every decode
+    position: one prefill (in steps of at most ``max_num_batched_tokens``), then one decode step
+    for all prompts per token, as the engine schedules them."""
+
+    def __init__(self, engine, max_num_batched_tokens: int):
+        self.runner = engine.runner
+        self.block_size = engine.runner.block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+
+    def _forward(self, out) -> torch.Tensor:
+        runner = self.runner
+        inputs = runner.prepare_inputs(out)
+        with torch.inference_mode():
+            hidden = runner.model.forward(
+                inputs.input_ids, inputs.positions, runner.kv_caches, inputs.attn_metadata
+            )
+            rows = torch.as_tensor(inputs.logits_rows, device=hidden.device)
+            return runner.model.compute_logits(hidden[rows]).float().cpu()
+
+    def run(
+        self, prompts: list[list[int]], num_tokens: int, forced: list[list[int]] | None = None
+    ) -> tuple[torch.Tensor, list[list[int]]]:
+        """Logits ``[num_prompts, num_tokens, vocab]`` float32 and the tokens fed (``forced`` or
+        greedy)."""
+        from pagedkv.sampling_params import SamplingParams
+        from pagedkv.worker.scheduler_output import SchedulerOutput
+
+        params = SamplingParams(temperature=0.0, max_tokens=num_tokens)
+        bs = self.block_size
+        requests, block_ids, next_block = [], [], 1  # block 0 is the null block
+        for i, ids in enumerate(prompts):
+            n = -(-(len(ids) + num_tokens) // bs)
+            requests.append(_Request(f"p{i}", list(ids), params))
+            block_ids.append((list(range(next_block, next_block + n)),))
+            next_block += n
+        logits = torch.empty(len(prompts), num_tokens, self.runner.vocab_size)
+        # Prefill: whole prompts, as many per step as fit.
+        i = 0
+        while i < len(requests):
+            out = SchedulerOutput()
+            while i < len(requests) and (
+                out.num_reqs == 0
+                or out.total_num_scheduled_tokens + requests[i].num_prompt_tokens
+                <= self.max_num_batched_tokens
+            ):
+                r = requests[i]
+                out.requests.append(r)
+                out.num_scheduled_tokens.append(r.num_prompt_tokens)
+                out.num_computed_tokens.append(0)
+                out.block_ids.append(block_ids[i])
+                out.sample.append(True)
+                out.total_num_scheduled_tokens += r.num_prompt_tokens
+                i += 1
+            first = i - out.num_reqs
+            logits[first:i, 0] = self._forward(out)
+        for step in range(num_tokens):
+            for p, r in enumerate(requests):
+                token = int(logits[p, step].argmax()) if forced is None else forced[p][step]
+                r.output_token_ids.append(token)
+            if step + 1 == num_tokens:
+                break
+            out = SchedulerOutput(
+                requests=requests,
+                num_scheduled_tokens=[1] * len(requests),
+                num_computed_tokens=[r.num_prompt_tokens + step for r in requests],
+                block_ids=block_ids,
+                sample=[True] * len(requests),
+                total_num_scheduled_tokens=len(requests),
+            )
+            logits[:, step + 1] = self._forward(out)
+        return logits, [r.output_token_ids for r in requests]
+
+
+def make_engine(loaded, num_prompts: int, max_len: int, max_num_batched_tokens: int, **extra):
+    """An LLMEngine around ``loaded`` with room for every prompt at once (its runner is used);
+    the block size is the attention backend's default."""
+    from pagedkv.engine.llm_engine import LLMEngine
+
+    num_blocks = 1 + num_prompts * -(-max_len // 16)  # enough for any block size >= 16
+    return LLMEngine(
+        loaded_model=loaded,
+        num_blocks=num_blocks,
+        max_model_len=max_len,
+        max_num_seqs=num_prompts,
+        max_num_batched_tokens=max(max_num_batched_tokens, max_len),
+        enable_prefix_caching=False,
+        **extra,
+    )
+
+
+# --------------------------------------------------------------------------- main
+
+
+def load_prompts(path: Path, num_prompts: int) -> list[dict]:
+    """The first ``num_prompts`` records ``{"category", "prompt"}`` of a JSONL file, spread over
+    the categories when fewer than all are asked for (every k-th record)."""
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if num_prompts >= len(records):
+        return records
+    stride = len(records) / num_prompts
+    return [records[int(i * stride)] for i in range(num_prompts)]
+
+
+def print_table(rows: dict[str, dict], num_prompts: int, num_tokens: int) -> None:
+    print(
+        f"\nbf16 accuracy vs transformers fp32 ({num_prompts} prompts x {num_tokens} greedy "
+        "tokens; KL in nats, teacher-forced)"
+    )
+    print(f"{'candidate':<28} {'mean KL':>10} {'p95 KL':>10} {'top-1 agree':>12} {'exact':>8}")
+    for name, r in rows.items():
+        exact = "-" if r["exact_match"] is None else f"{r['exact_match']:.1%}"
+        print(
+            f"{name:<28} {r['mean_kl']:>10.2e} {r['p95_kl']:>10.2e} "
+            f"{r['top1_agreement']:>12.2%} {exact:>8}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--num-tokens", type=int, default=32)
+    parser.add_argument("--prompts", type=Path, default=DATA)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument(
+        "--candidates",
+        nargs="+",
+        default=None,
+        help="subset of: pagedkv-bf16 pagedkv-bf16-rounded pagedkv-fp32 hf-bf16 (default: all "
+        "but pagedkv-bf16-rounded, the logits widened from bf16 without pagedkv's fp32 top-k)",
+    )
+    parser.add_argument(
+        "--hf-batch-size", type=int, default=16, help="prompts per transformers batch"
+    )
+    parser.add_argument("--no-free-running", action="store_true", help="skip the exact column")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    wanted = set(args.candidates or ["pagedkv-bf16", "pagedkv-fp32", "hf-bf16"])
+
+    import transformers
+
+    from pagedkv.model.loader import default_model_path, load_model
+
+    start = time.perf_counter()
+    gguf = default_model_path()
+    loaded32 = load_model(gguf, dtype=torch.float32)
+    tokenizer = loaded32.tokenizer
+    records = load_prompts(args.prompts, args.num_prompts)
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}]) for r in records
+    ]
+    n, t = len(prompts), args.num_tokens
+    max_len = max(map(len, prompts)) + t
+    hf32 = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
+
+    ref_logits, ref_tokens = hf_decode(hf32, prompts, t, batch_size=args.hf_batch_size)
+    if not torch.isfinite(ref_logits).all():
+        raise RuntimeError("the fp32 reference has non-finite logits")
+    ref_t = torch.tensor(ref_tokens)
+    print(
+        f"reference: {n} prompts ({sum(map(len, prompts))} prompt tokens) x {t} tokens, "
+        f"{time.perf_counter() - start:.0f} s"
+    )
+
+    rows: dict[str, dict] = {}
+
+    def score(name: str, logits: torch.Tensor, free: list[list[int]] | None) -> None:
+        kl = torch.stack([kl_divergence(ref_logits[i], logits[i]) for i in range(n)])
+        agree = torch.stack([top1_agreement(logits[i], ref_t[i]) for i in range(n)])
+        exact = None if free is None else [f == r for f, r in zip(free, ref_tokens, strict=True)]
+        rows[name] = summarize(kl, agree, exact)
+        print(f"{name}: {rows[name]} ({time.perf_counter() - start:.0f} s)")
+
+    if "hf-bf16" in wanted:
+        hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
+        hb = args.hf_batch_size
+        forced = hf_decode(hf16, prompts, t, ref_tokens, batch_size=hb)[0]
+        free = None
+        if not args.no_free_running:
+            free = hf_decode(hf16, prompts, t, batch_size=hb)[1]
+        score("transformers bf16", forced, free)
+        del hf16, forced
+
+    batched = 2048
+    runs = [
+        ("pagedkv-bf16", "bf16", torch.bfloat16, True),
+        ("pagedkv-bf16-rounded", "bf16, logits rounded", torch.bfloat16, False),
+        ("pagedkv-fp32", "fp32", torch.float32, True),
+    ]
+    loaded16 = None
+    for key, dtype_name, dtype, refine in runs:
+        if key not in wanted:
+            continue
+        if dtype == torch.float32:
+            loaded = loaded32
+        else:
+            loaded = loaded16 = loaded16 or load_model(gguf, dtype=dtype)
+        # The rounded variant: logits widened from bf16 as transformers does, without the fp32
+        # recomputation of each row's top (pagedkv.model.logits).
+        lm_head_weight = getattr(loaded.model, "lm_head_weight", None)
+        if not refine:
+            loaded.model.lm_head_weight = None
+        try:
+            for backend in _backends():
+                extra = {"num_threads": args.threads}
+                if backend is not None:
+                    extra["attention_backend"] = backend
+                engine = make_engine(loaded, n, max_len, batched, **extra)
+                forced, _ = PagedDriver(engine, batched).run(prompts, t, ref_tokens)
+                free = None
+                if not args.no_free_running:
+                    engine = make_engine(loaded, n, max_len, batched, **extra)
+                    free = PagedDriver(engine, batched).run(prompts, t)[1]
+                label = f"pagedkv {dtype_name}" + (f" ({backend})" if backend else "")
+                score(label, forced, free)
+                del engine, forced
+        finally:
+            if not refine:
+                loaded.model.lm_head_weight = lm_head_weight
+
+    print_table(rows, n, t)
+    if args.json:
+        args.json.write_text(
+            json.dumps({"num_prompts": n, "num_tokens": t, "rows": rows}, indent=2) + "\n"
+        )
+
+
+def _backends() -> list[str | None]:
+    """The attention backends the engine can be asked for on this machine (None: the engine
+    has no backend choice)."""
+    from pagedkv.engine.config import EngineConfig
+
+    if "attention_backend" not in EngineConfig.__dataclass_fields__:
+        return [None]
+    from pagedkv.ops.backends import available_backends
+
+    return [name for name, why in available_backends().items() if why is None and name != "triton"]
+
+
+if __name__ == "__main__":
+    main()
