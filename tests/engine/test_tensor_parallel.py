@@ -242,3 +242,27 @@ def test_kv_sizing_counts_one_ranks_kv_heads():
     three = size_kv_cache(shape, EngineConfig(tensor_parallel_size=3, **budget))
     assert three.num_blocks == 3 * one.num_blocks
     assert three.kv_cache_specs[0].num_kv_heads == 1
+
+
+def test_an_unguarded_script_gets_the_main_guard_hint(tmp_path):
+    # spawn re-imports the main script in each rank: unguarded, the rank dies at start-up; the
+    # error says what to change (vLLM's users meet the same rule).
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import functools, sys
+            sys.path.insert(0, {os.path.dirname(__file__)!r})
+            from _tiny_model import tiny_loaded_model
+            from pagedkv.engine.llm_engine import LLMEngine
+            LLMEngine(model_loader=functools.partial(tiny_loaded_model), tensor_parallel_size=2,
+                      dtype="float32", num_threads=1, num_blocks=20, max_model_len=64)
+            """
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode != 0
+    assert "WorkerError" in done.stderr
+    assert 'if __name__ == "__main__":' in done.stderr.splitlines()[-1]

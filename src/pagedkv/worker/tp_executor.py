@@ -230,7 +230,7 @@ class TensorParallelExecutor:
                 if message is not None and message[0] == "ready":
                     pending.pop(self._conns[rank - 1], None)
                     continue
-                raise WorkerError(self._rank_message(rank, message))
+                raise WorkerError(self._rank_message(rank, message, starting=True))
 
     def _describe_failure(self, exc: BaseException) -> WorkerError:
         """The WorkerError for a step that raised ``exc``: the first dead or failed rank,
@@ -247,7 +247,7 @@ class TensorParallelExecutor:
                 )
             time.sleep(0.05)
 
-    def _rank_message(self, rank: int, message) -> str:
+    def _rank_message(self, rank: int, message, starting: bool = False) -> str:
         proc = self._procs[rank - 1]
         proc.join(timeout=1.0)
         text = (
@@ -257,6 +257,13 @@ class TensorParallelExecutor:
         )
         if message is not None and message[0] == "error":
             text += f":\n{message[1]}"
+        elif starting:  # died before our code in it could say why
+            return text + (
+                " before loading its shard. Each rank is a fresh Python process "
+                "(multiprocessing's spawn) that re-imports the main module: a script that "
+                'creates a tensor-parallel engine must do it under `if __name__ == "__main__":` '
+                "(the rank's own error is printed above)"
+            )
         return text + "; the engine cannot run further steps"
 
 
