@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from pagedkv.errors import ModelLoadError, OpsInputError
 from pagedkv.model.config import ModelConfig
-from pagedkv.model.llama import _Caster
+from pagedkv.model.llama import _Caster, layer_attention_specs
 from pagedkv.model.packed_linear import PackedLinear, onednn_available
 from pagedkv.model.rotary import rope_inv_freq
 from pagedkv.ops.backends import AttentionLayerSpec, BoundAttentionMetadata
@@ -293,19 +293,8 @@ class Gemma3ForCausalLM:
         Raises:
             OpsInputError: a block_size < 1 or a kv_cache_dtype the specs refuse.
         """
-        return [
-            AttentionLayerSpec(
-                num_heads=layer.num_heads,
-                num_kv_heads=layer.num_kv_heads,
-                head_size=layer.head_dim,
-                block_size=block_size,
-                dtype=self.dtype,
-                kv_cache_dtype=kv_cache_dtype,
-                sliding_window=layer.sliding_window,
-                scale=layer.scale,
-            )
-            for layer in self.layers
-        ]
+        windows = [layer.sliding_window for layer in self.layers]
+        return layer_attention_specs(self.layers, windows, block_size, self.dtype, kv_cache_dtype)
 
     @property
     def max_positions(self) -> int:

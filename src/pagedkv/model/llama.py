@@ -308,19 +308,8 @@ class LlamaForCausalLM:
         Raises:
             OpsInputError: a block_size < 1 or a kv_cache_dtype the specs refuse.
         """
-        return [
-            AttentionLayerSpec(
-                num_heads=layer.num_heads,
-                num_kv_heads=layer.num_kv_heads,
-                head_size=layer.head_dim,
-                block_size=block_size,
-                dtype=self.dtype,
-                kv_cache_dtype=kv_cache_dtype,
-                sliding_window=window,
-                scale=layer.scale,
-            )
-            for layer, window in zip(self.layers, self.config.layer_sliding_windows, strict=True)
-        ]
+        windows = self.config.layer_sliding_windows
+        return layer_attention_specs(self.layers, windows, block_size, self.dtype, kv_cache_dtype)
 
     @torch.inference_mode()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -356,6 +345,35 @@ class LlamaForCausalLM:
         """Let positions up to ``num_positions`` run (rotary tables extrapolated past the
         trained context; for an engine allowed a longer max_model_len). Never shrinks."""
         self.rotary.extend(num_positions)
+
+
+def layer_attention_specs(
+    layers: Sequence,
+    windows: Sequence[int | None],
+    block_size: int,
+    dtype: torch.dtype,
+    kv_cache_dtype: torch.dtype | str | None,
+) -> list[AttentionLayerSpec]:
+    """One :class:`AttentionLayerSpec` per decoder layer (Llama's and Gemma 3's), from the
+    layer's ``num_heads``, ``num_kv_heads``, ``head_dim`` and softmax ``scale`` (this rank's
+    heads under tensor parallelism) and its sliding window (None = full attention).
+
+    Raises:
+        OpsInputError: a block_size < 1 or a kv_cache_dtype the specs refuse.
+    """
+    return [
+        AttentionLayerSpec(
+            num_heads=layer.num_heads,
+            num_kv_heads=layer.num_kv_heads,
+            head_size=layer.head_dim,
+            block_size=block_size,
+            dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
+            sliding_window=window,
+            scale=layer.scale,
+        )
+        for layer, window in zip(layers, windows, strict=True)
+    ]
 
 
 class _Caster(Mapping):
