@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pagedkv.sampling_params import SamplingParams
-from pagedkv.worker.sampler import Sampler
+from pagedkv.worker.sampler import Sampler, row_argmax
 
 VOCAB = 50
 
@@ -55,3 +56,19 @@ def test_penalties_lower_generated_tokens():
     params = [SamplingParams(temperature=0, presence_penalty=0.6, frequency_penalty=0.3)]
     out = Sampler(0)(logits.clone(), params, [None], output_token_ids=[[7, 7]])
     assert out.item() != 7  # 1.0 - 0.6 - 2 * 0.3 < 0
+
+
+@pytest.mark.parametrize("shape", [(64, 49152), (3, 49152 + 17), (5, 130), (1, 64), (7, 100)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_argmax_is_torch_argmax(shape, dtype):
+    """The block-max argmax gives torch's indices exactly: random rows, rows full of ties
+    (the first maximum wins), NaN (counted as the maximum) and rows of -inf."""
+    generator = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(*shape, generator=generator).to(dtype)
+    ties = (x * 2).round().clamp(-3, 3)
+    nan = x.clone()
+    nan[0, shape[1] - 1] = float("nan")
+    nan[-1, 5] = nan[-1, min(70, shape[1] - 1)] = float("nan")
+    ninf = torch.full_like(x, float("-inf"))
+    for values in (x, ties, nan, ninf):
+        assert torch.equal(row_argmax(values), values.argmax(dim=-1))
