@@ -26,7 +26,7 @@ from collections.abc import Iterable, MutableMapping
 from pathlib import Path
 
 #: libgomp spin count pagedkv sets when the user set none (docs/perf.md: the measurement).
-DEFAULT_GOMP_SPINCOUNT = "10000"
+DEFAULT_GOMP_SPINCOUNT = "1000"
 #: The variables that, when the user set any of them, make pagedkv leave OpenMP's wait alone.
 USER_WAIT_VARIABLES = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
 

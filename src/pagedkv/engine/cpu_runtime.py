@@ -6,7 +6,7 @@
   process: batch-64 bf16 decode went from 150 ms to 92 ms (docs/perf.md).
 - torch threads: one per CPU this process may use (:func:`pagedkv.cpu_env.available_cpu_count`:
   its affinity mask, capped by its cgroup's CPU quota). OpenMP's spin-wait is bounded before
-  torch loads (:mod:`pagedkv.cpu_env`, ``GOMP_SPINCOUNT=10000``): with libgomp's default spin, a
+  torch loads (:mod:`pagedkv.cpu_env`, ``GOMP_SPINCOUNT=1000``): with libgomp's default spin, a
   4-chat run beside a CPU burner on a busy 2-core machine did not finish in 120 s; with the
   bound the default took 14.2 s without and 23.5 s with the burner (1.65x; ``--num-threads 1``
   5.0 / 6.7 s), benchmarks/bench_threads_load.py, docs/perf.md.
