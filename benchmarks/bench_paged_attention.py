@@ -108,7 +108,9 @@ class Method:
             get_gather_plan(
                 md.paged,
                 spec.num_kv_heads,
-                2 * spec.num_kv_heads * spec.head_size * spec.kv_cache_dtype.itemsize,
+                spec.head_size,
+                spec.kv_cache_dtype.itemsize,
+                None if spec.kv_cache_dtype.itemsize == 1 else spec.num_heads // spec.num_kv_heads,
             )
         return md
 

@@ -7,6 +7,7 @@ import torch
 from paged_attention_cases import dense_attention, make_case
 
 from pagedkv.ops import PagedAttentionMetadata, allocate_kv_cache, paged_attention, write_kv
+from pagedkv.ops.gather_plan import get_gather_plan
 
 IMPLS = ["reference", "cpu"]
 
@@ -192,10 +193,10 @@ def test_decode_chunks_and_parts_of_any_size(chunk_bytes, dtype, window):
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
 
 
-def test_decode_padding_reads_own_blocks_and_zeroes_only_partial_ones():
-    # One chunk, lengths 40 / 17 / 5 at block 8: the shorter requests' padding blocks re-read one
-    # of their own full blocks (finite, masked) instead of zeroing; only the last blocks' tails and
-    # the padding of the 5-token request (no full block of its own) are zeroed. NaN everywhere else.
+def test_decode_value_bags_point_unattended_positions_at_the_current_token():
+    # One chunk, lengths 40 / 17 / 5 at block 8, NaN in every unowned slot: the values are read
+    # in place by embedding_bag, and every position a request does not attend (its last block's
+    # tail, its padding) reads its current token instead (finite, probability 0).
     case = make_case(
         [(40, 1), (17, 1), (5, 1)],
         block_size=8,
@@ -207,7 +208,32 @@ def test_decode_padding_reads_own_blocks_and_zeroes_only_partial_ones():
     md = PagedAttentionMetadata.build(case.block_tables, case.seq_lens, case.query_start_loc, 8)
     out = paged_attention(case.query, case.kv_cache, scale=0.125, metadata=md)
     torch.testing.assert_close(out.double(), dense_attention(case, 0.125), atol=1e-5, rtol=1e-5)
-    (chunk,) = next(iter(md.gather_plans.values())).decode_chunks
+    (plan,) = md.gather_plans.values()
+    (chunk,) = plan.decode_chunks
+    assert chunk.value_zero is None  # nothing gathered, nothing to zero
+    table = case.block_tables.long()
+    tokens = chunk.value_tokens.long().view(3, 2, 4, 40)  # (request, kv head, group, position)
+    assert chunk.value_tokens.dtype == torch.int32
+    for r, seq_len in enumerate([40, 17, 5]):
+        pos = torch.arange(40)
+        p = pos.clamp(max=seq_len - 1)  # unattended -> the current token (position seq_len - 1)
+        for h in range(2):
+            want = (table[r, p // 8] * 2 + h) * 8 + p % 8
+            for g in range(4):
+                assert tokens[r, h, g].tolist() == want.tolist()
+
+
+def test_fp8_plan_reads_padding_from_own_blocks_and_zeroes_only_partial_ones():
+    # The same step planned for an fp8 cache (values gathered, no fp8 embedding_bag): the shorter
+    # requests' padding blocks re-read one of their own full blocks (finite, masked) instead of
+    # zeroing; only the last blocks' tails and the padding of the 5-token request (no full block of
+    # its own) are zeroed.
+    case = make_case(
+        [(40, 1), (17, 1), (5, 1)], block_size=8, num_kv_heads=2, group=4, head_size=64
+    )
+    md = PagedAttentionMetadata.build(case.block_tables, case.seq_lens, case.query_start_loc, 8)
+    (chunk,) = get_gather_plan(md, 2, 64, 1, None).decode_chunks
+    assert chunk.value_tokens is None
     table = case.block_tables.long()
     rows = chunk.rows.view(3, 2, 5)  # (request, kv head, block): row = block * 2 + head
     assert torch.equal(rows % 2, torch.arange(2).view(1, 2, 1).expand(3, 2, 5))

@@ -297,3 +297,40 @@ else:
         # drops carries, see the module docs; test_fp8_cache_matches_reference covers the read)
         choice = select_backend("triton", "cpu", torch.float32, 64)
         assert isinstance(choice.backend, TritonBackend) and choice.block_size == 16
+
+    # --- inside the engine ----------------------------------------------------------------------
+
+    def test_engine_with_triton_gives_the_torch_backends_tokens_and_logprobs():
+        # The whole engine on the triton backend (its cache layout, metadata and kernels, on CPU
+        # tensors under the interpreter): the same greedy tokens and logprobs as the torch
+        # backend, through mixed prefill / decode steps, a prefix cache hit and block boundaries.
+        from _tiny_model import tiny_loaded_model
+
+        from pagedkv.engine.llm import LLM
+        from pagedkv.sampling_params import SamplingParams
+
+        prompts = [[5 + i % 50 for i in range(n)] for n in (3, 20, 33)]
+        prompts.append(prompts[1] + [60, 61])  # shares 16 tokens (one block) with prompt 1
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+        results = {}
+        for name in ("torch", "triton"):
+            llm = LLM(
+                dtype="float32",
+                loaded_model=tiny_loaded_model(),
+                attention_backend=name,
+                block_size=16,
+                num_blocks=32,
+                max_model_len=64,
+                num_threads=1,
+            )
+            assert llm.engine.attention_backend.name == name
+            first = llm.generate([{"prompt_token_ids": p} for p in prompts[:3]], params)
+            second = llm.generate([{"prompt_token_ids": prompts[3]}], params)
+            assert second[0].num_cached_tokens == 16  # prompt 1's first block
+            results[name] = [o.outputs[0] for o in first + second]
+        for ours, ref in zip(results["triton"], results["torch"], strict=True):
+            assert ours.token_ids == ref.token_ids
+            for got, want in zip(ours.logprobs, ref.logprobs, strict=True):
+                assert got.keys() == want.keys()
+                for token_id, logprob in want.items():
+                    assert got[token_id].logprob == pytest.approx(logprob.logprob, abs=1e-4)

@@ -43,8 +43,6 @@ from pagedkv.validation import check_int
 _PAD_TO_LARGEST_RATIO = 1.25
 
 
-
-
 @dataclass(frozen=True, slots=True)
 class MemoryBudget:
     """The device memory that is left for the KV cache once everything else has its share.

@@ -126,13 +126,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
     if not args.log_stats_interval > 0:
         raise ConfigError(
-            "--log-stats-interval must be > 0 seconds, got "
-            f"{args.log_stats_interval}"
+            f"--log-stats-interval must be > 0 seconds, got {args.log_stats_interval}"
         )
     if args.data_parallel_size < 1:
-        raise ConfigError(
-            f"--data-parallel-size must be >= 1, got {args.data_parallel_size}"
-        )
+        raise ConfigError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     if args.data_parallel_size > 1 and args.tensor_parallel_size > 1:
         raise ConfigError(
             "--data-parallel-size with --tensor-parallel-size is not supported yet (a Ray "

@@ -35,25 +35,54 @@ import torch
 from pagedkv.errors import OpsInputError
 from pagedkv.validation import check_int
 
-#: Bytes of gathered K and V per decode chunk and per torch thread when the L2 size is unknown:
-#: small enough to stay in cache between the gather and the two matmuls, big enough that the
-#: matmuls split well over the threads. Measured best at twice the per-core L2 on both machines
-#: (2 MiB on a 1 MiB-L2 EPYC, 4 MiB on a 2 MiB-L2 Xeon; docs/ops.md).
+#: Gathered bytes per decode chunk and per torch thread when the cache sizes are unknown: small
+#: enough to stay in cache between the gather and the matmul that reads it, big enough that the
+#: matmuls split well over the threads (twice a 1 MiB L2).
 DEFAULT_DECODE_CHUNK_BYTES = 2 << 20
+
+#: Cap of a decode chunk held in the last-level cache (bytes). On the 2-core Xeon of docs/perf.md
+#: (2 MiB L2 per core, 300 MiB L3) the torch path's decode attention ran fastest with 8-32 MiB
+#: key chunks at 1 and 2 threads; 64 MiB was slower again.
+MAX_DECODE_CHUNK_BYTES = 16 << 20
+
+
+def _cache_size(level: int) -> int | None:
+    """Bytes of CPU 0's unified/data cache of ``level`` (Linux sysfs), or None if unknown."""
+    try:
+        for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+            if (index / "level").read_text().strip() != str(level):
+                continue
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+            size = (index / "size").read_text().strip()  # e.g. "2048K"
+            units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+            return int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 @functools.cache
 def decode_chunk_bytes_per_thread() -> int:
     """Twice the L2 cache of CPU 0 (Linux sysfs), else :data:`DEFAULT_DECODE_CHUNK_BYTES`."""
-    try:
-        for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
-            if (index / "level").read_text().strip() == "2":
-                size = (index / "size").read_text().strip()  # e.g. "2048K"
-                units = {"K": 1 << 10, "M": 1 << 20}
-                return 2 * int(size[:-1]) * units[size[-1]] if size[-1] in units else 2 * int(size)
-    except (OSError, ValueError):
-        pass
-    return DEFAULT_DECODE_CHUNK_BYTES
+    l2 = _cache_size(2)
+    return DEFAULT_DECODE_CHUNK_BYTES if l2 is None else 2 * l2
+
+
+@functools.cache
+def _llc_chunk_bytes() -> int:
+    l3 = _cache_size(3)
+    return 0 if l3 is None else min(MAX_DECODE_CHUNK_BYTES, l3 // 4)
+
+
+def default_decode_chunk_bytes(num_threads: int) -> int:
+    """Gathered bytes per decode chunk of the torch path for ``num_threads`` torch threads.
+
+    The larger of twice the L2 per thread and a quarter of the last-level cache (capped at
+    :data:`MAX_DECODE_CHUNK_BYTES`): a chunk gathered into L3 is still read back faster than
+    memory, and bigger chunks mean fewer, larger ops per layer (docs/ops.md, "chunk budget").
+    """
+    return max(decode_chunk_bytes_per_thread() * num_threads, _llc_chunk_bytes())
 
 
 @dataclass(slots=True)
@@ -95,7 +124,7 @@ class PagedAttentionMetadata:
     # prefill group (q_len > 1)
     prefills: list[PrefillRequest]
     decode_chunk_bytes: int = DEFAULT_DECODE_CHUNK_BYTES
-    gather_plans: dict = field(default_factory=dict)  # (num_kv_heads, bytes/token) -> GatherPlan
+    gather_plans: dict = field(default_factory=dict)  # cache layout -> GatherPlan (gather_plan.py)
 
     @property
     def num_decodes(self) -> int:
@@ -134,9 +163,8 @@ class PagedAttentionMetadata:
             sliding_window: attend only to the last ``sliding_window`` positions (None = all).
             num_blocks: pool size; with ``validate`` the used block ids are checked against it.
             validate: check shapes, dtypes and ranges (off only for a trusted runner).
-            decode_chunk_bytes: gathered K+V bytes per decode chunk of the fast path (None =
-                :func:`decode_chunk_bytes_per_thread` x ``torch.get_num_threads()``: with 2 threads,
-                2 MiB chunks left the matmuls too small to split and ran 1.2-1.3x slower).
+            decode_chunk_bytes: gathered bytes per decode chunk of the fast path (None =
+                :func:`default_decode_chunk_bytes` for ``torch.get_num_threads()``).
 
         Returns:
             The metadata to pass as ``paged_attention(..., metadata=...)`` to every layer.
@@ -147,7 +175,7 @@ class PagedAttentionMetadata:
         if validate:
             _check_step_inputs(block_tables, seq_lens, query_start_loc, block_size, sliding_window)
         if decode_chunk_bytes is None:
-            decode_chunk_bytes = decode_chunk_bytes_per_thread() * torch.get_num_threads()
+            decode_chunk_bytes = default_decode_chunk_bytes(torch.get_num_threads())
         num_reqs = block_tables.shape[0]
         seq_lens_list = seq_lens.tolist()
         qsl = query_start_loc.tolist()

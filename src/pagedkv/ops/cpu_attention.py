@@ -3,20 +3,27 @@
 Decode group (q_len 1), chunk by chunk of requests (see ``gather_plan.py``), no Python loop over
 requests inside a chunk::
 
-    K, V    = index_select(kv_cache[i] as (block, head) rows, chunk.rows)
+    K       = index_select(kv_cache[0] as (block, head) rows, chunk.rows)
                                                     [n * kv_heads, kv_len, head]  (no transpose)
     q       = query rows * scale, viewed as         [n * kv_heads, group, head]   (GQA: no repeat)
     scores  = bmm(q, K^T), mask padding with -inf   [n * kv_heads, group, kv_len] (query dtype)
     probs   = softmax(scores)                       fp32 inside, rounded to the query dtype
-    out     = bmm(probs, V)                         [n * kv_heads, group, head] = [n, heads, head]
+    out     = embedding_bag(kv_cache[1] as token rows, chunk.value_tokens, mode="sum",
+                            per_sample_weights=probs)
+                                                    [n * heads, head]: sum_t probs[t] * V[t]
+
+The values are never copied: ``embedding_bag`` is a gather and a weighted sum in one pass, so it
+reads each value row once from the cache (an ``index_select`` of the values followed by
+``bmm(probs, V)`` wrote every value byte and read it again; measured in docs/ops.md). It
+accumulates in fp32 and rounds once, as ``bmm`` does. fp8 caches (no fp8 ``embedding_bag``)
+gather their values and dequantise them for ``bmm(probs, V)``.
 
 A grouped matmul-softmax-matmul rather than ``scaled_dot_product_attention``: on this CPU bf16 SDPA
 with one query token was 4-10x slower (docs/ops.md, docs/perf.md). ``bmm`` on 3-D views rather than
 ``matmul`` on 4-D ones (10-25% faster: matmul's 4-D path reshapes); the scale applied to the
 query (``head_size ** -0.5`` is a power of two for the usual head sizes, so exact) instead of a
 pass over the fp32 scores; CPU ``softmax`` of bf16/fp16 scores computes in fp32 and rounds once,
-equal to Hugging Face's ``softmax(scores, dtype=float32).to(dtype)`` without the two copies. Both
-matmuls accumulate in fp32.
+equal to Hugging Face's ``softmax(scores, dtype=float32).to(dtype)`` without the two copies.
 
 Prefill group (q_len > 1): one SDPA call per request on its gathered K/V (``enable_gqa``) with the
 precomputed causal / sliding-window mask.
@@ -61,36 +68,37 @@ def cpu_paged_attention(
     if not fp8:
         k_scale = v_scale = 1.0
     plan = get_gather_plan(
-        metadata, num_kv_heads, 2 * num_kv_heads * head_size * kv_cache.element_size()
+        metadata, num_kv_heads, head_size, kv_cache.element_size(), None if fp8 else group
     )
     out = torch.empty_like(query)
     if plan.decode_chunks:
         # Decode rows in the group's sorted order: scaled once per layer, attended chunk by
-        # chunk into one buffer, put back in place by one index_copy_ (few ops per chunk).
+        # chunk, put back in place by one index_copy_ per chunk.
         rows = _DecodeRows(kv_cache, plan, dtype)
-        token_ids = metadata.decode_token_ids
-        q_sorted = query.index_select(0, token_ids).mul_(scale * k_scale)
-        out_sorted = torch.empty_like(q_sorted)
+        q_sorted = query.index_select(0, metadata.decode_token_ids).mul_(scale * k_scale)
         start = 0
     for chunk in plan.decode_chunks:
         n, kv_len = chunk.num_reqs, chunk.num_blocks * bs
         q = q_sorted[start : start + n]
-        o = out_sorted[start : start + n]
         start += n
         if chunk.part_blocks is not None:
-            _decode_in_parts(q, o, rows, chunk, num_kv_heads)
-            continue
-        k = rows.gather(chunk.rows, key=True).view(n * num_kv_heads, kv_len, head_size)
-        v = rows.gather(chunk.rows, key=False, value_zero=chunk.value_zero)
-        v = v.view(n * num_kv_heads, kv_len, head_size)
-        scores = torch.bmm(q.view(n * num_kv_heads, group, head_size), k.transpose(1, 2))
-        if chunk.key_mask is not None:
-            scores.view(n, num_kv_heads, group, kv_len).masked_fill_(chunk.key_mask, float("-inf"))
-        torch.bmm(torch.softmax(scores, dim=-1), v, out=o.view(n * num_kv_heads, group, head_size))
-    if plan.decode_chunks:
+            o = _decode_in_parts(q, rows, chunk, num_kv_heads)
+        else:
+            k = rows.gather(chunk.rows, key=True).view(n * num_kv_heads, kv_len, head_size)
+            scores = torch.bmm(q.view(n * num_kv_heads, group, head_size), k.transpose(1, 2))
+            if chunk.key_mask is not None:
+                scores.view(n, num_kv_heads, group, kv_len).masked_fill_(
+                    chunk.key_mask, float("-inf")
+                )
+            probs = torch.softmax(scores, dim=-1)
+            if chunk.value_tokens is not None:
+                o = rows.value_bags(chunk.value_tokens, probs.view(-1, kv_len))
+            else:
+                v = rows.gather(chunk.rows, key=False, value_zero=chunk.value_zero)
+                o = torch.bmm(probs, v.view(n * num_kv_heads, kv_len, head_size))
         if fp8:
-            out_sorted.mul_(v_scale)
-        out.index_copy_(0, token_ids, out_sorted)
+            o = o * v_scale
+        out.index_copy_(0, chunk.token_ids, o.view(n, num_heads, head_size))
 
     if plan.prefill_rows:
         rows_shape = (plan.max_prefill_rows, head_size)
@@ -123,18 +131,27 @@ def cpu_paged_attention(
 class _DecodeRows:
     """Gathers (block, head) rows of one layer's cache into the plan's reused buffers."""
 
-    __slots__ = ("key_buf", "key_conv", "key_rows", "value_buf", "value_conv", "value_rows")
+    __slots__ = (
+        "key_buf",
+        "key_conv",
+        "key_rows",
+        "value_buf",
+        "value_conv",
+        "value_rows",
+        "value_tokens",
+    )
 
     def __init__(self, kv_cache: torch.Tensor, plan: GatherPlan, dtype: torch.dtype):
         _, _, _, bs, head_size = kv_cache.shape
         self.key_rows = kv_cache[0].view(-1, bs, head_size)
         self.value_rows = kv_cache[1].view(-1, bs, head_size)
+        self.value_tokens = kv_cache[1].view(-1, head_size)
         shape = (plan.max_decode_rows, bs, head_size)
         device = kv_cache.device
         self.key_buf = plan.buffer("key_rows", shape, kv_cache.dtype, device)
-        self.value_buf = plan.buffer("value_rows", shape, kv_cache.dtype, device)
-        self.key_conv = self.value_conv = None
+        self.value_buf = self.key_conv = self.value_conv = None
         if kv_cache.dtype in FP8_DTYPES:  # no fp8 matmul on CPU: dequantise after the gather
+            self.value_buf = plan.buffer("value_rows", shape, kv_cache.dtype, device)
             self.key_conv = plan.buffer("key_conv", shape, dtype, device)
             self.value_conv = plan.buffer("value_conv", shape, dtype, device)
 
@@ -159,16 +176,28 @@ class _DecodeRows:
             x = conv[:num_rows].copy_(x)
         return x
 
+    def value_bags(self, tokens: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """``sum_t probs[b, t] * V[tokens[b, t]]`` per bag ``b``: ``[num_bags, head_size]``.
+
+        Args:
+            tokens: ``[num_bags, kv_len]`` int32/int64 token rows of the value cache.
+            probs: ``[num_bags, kv_len]`` in the cache dtype (0 where a token is not attended).
+        """
+        return F.embedding_bag(tokens, self.value_tokens, mode="sum", per_sample_weights=probs)
+
 
 def _decode_in_parts(
-    q: torch.Tensor, out: torch.Tensor, rows: _DecodeRows, chunk: DecodeChunk, num_kv_heads: int
-) -> None:
+    q: torch.Tensor, rows: _DecodeRows, chunk: DecodeChunk, num_kv_heads: int
+) -> torch.Tensor:
     """One decode request too big for one gather: scores from K parts, softmax over the whole
-    row, then the output from V parts, each part small enough to stay in cache.
+    row, then the output from the value bags (or, for gathered values, from V parts), each part
+    small enough to stay in cache.
 
     Args:
         q: ``[1, num_heads, head_size]``, already scaled.
-        out: ``[1, num_heads, head_size]``, written.
+
+    Returns:
+        ``[num_heads, head_size]`` in the query dtype.
     """
     _, num_heads, head_size = q.shape
     bs = rows.key_rows.shape[1]
@@ -184,10 +213,12 @@ def _decode_in_parts(
     if chunk.key_mask is not None:
         scores.view(1, num_kv_heads, group, kv_len).masked_fill_(chunk.key_mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    if chunk.value_tokens is not None:
+        return rows.value_bags(chunk.value_tokens, probs.view(num_heads, kv_len))
     acc = torch.zeros(num_kv_heads, group, head_size, dtype=torch.float32, device=q.device)
     t0 = 0
     for part_rows, zero in zip(chunk.part_rows, chunk.part_value_zero, strict=True):
         v = rows.gather(part_rows, key=False, value_zero=zero).view(num_kv_heads, -1, head_size)
         acc += torch.bmm(probs[:, :, t0 : t0 + v.shape[1]], v)
         t0 += v.shape[1]
-    out.copy_(acc.view(1, num_heads, head_size))
+    return acc.to(q.dtype).view(num_heads, head_size)
