@@ -93,7 +93,7 @@ def test_sliding_window_groups_size_the_default_pool_by_their_window():
 
 
 def test_num_blocks_wins_then_kv_cache_memory_then_dtype():
-    assert size_kv_cache(SMOLLM2, sized(num_blocks=300, kv_cache_memory=GiB)).num_blocks == (300)
+    assert size_kv_cache(SMOLLM2, sized(num_blocks=300, kv_cache_memory=GiB)).num_blocks == 300
     kv = size_kv_cache(SMOLLM2, sized(kv_cache_memory="512MiB", max_model_len=2048))
     assert kv.num_blocks == 512 * MiB // BYTES_PER_BLOCK
     fp32 = size_kv_cache(SMOLLM2, sized(dtype="float32", kv_cache_memory="512MiB"))

@@ -15,14 +15,10 @@ import torch
 
 from pagedkv.errors import OpsInputError
 from pagedkv.ops.attention_metadata import PagedAttentionMetadata
-from pagedkv.ops.backends.base import (
-    AttentionBackend,
-    AttentionLayerSpec,
-    CommonAttentionMetadata,
-    check_layer_tensors,
-)
+from pagedkv.ops.backends.base import AttentionLayerSpec, CommonAttentionMetadata
+from pagedkv.ops.backends.hnd_layout import HNDLayoutBackend
 from pagedkv.ops.cpu_attention import cpu_paged_attention
-from pagedkv.ops.kv_cache import allocate_kv_cache, kv_cache_shape, write_kv_torch
+from pagedkv.ops.kv_cache import write_kv_torch
 from pagedkv.ops.reference import reference_paged_attention
 
 #: Block size of the torch backend's fastest decode on the machines measured (docs/ops.md).
@@ -49,7 +45,7 @@ class TorchAttentionMetadata:
         return self.paged.num_tokens
 
 
-class TorchBackend(AttentionBackend):
+class TorchBackend(HNDLayoutBackend):
     """pagedkv's pure-torch paged attention (see module docs).
 
     Args:
@@ -81,27 +77,8 @@ class TorchBackend(AttentionBackend):
     def unavailable_reason(cls, device: torch.device | str) -> str | None:
         return None
 
-    def block_size_multiple(self, head_size, dtype, kv_cache_dtype=None) -> int:
-        return 1
-
     def default_block_size(self, head_size, dtype, kv_cache_dtype=None) -> int:
         return TORCH_DEFAULT_BLOCK_SIZE
-
-    def unsupported_reason(self, spec: AttentionLayerSpec) -> str | None:
-        return None
-
-    def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_size) -> tuple[int, ...]:
-        return kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
-
-    def allocate_kv_cache(self, num_blocks: int, spec: AttentionLayerSpec) -> torch.Tensor:
-        return allocate_kv_cache(
-            num_blocks,
-            spec.block_size,
-            spec.num_kv_heads,
-            spec.head_size,
-            spec.kv_cache_dtype,
-            self.device,
-        )
 
     def build_metadata(
         self, common: CommonAttentionMetadata, spec: AttentionLayerSpec, *, validate: bool = True
@@ -154,11 +131,7 @@ class TorchBackend(AttentionBackend):
         )
 
     def _check(self, metadata: TorchAttentionMetadata, kv_cache, **tensors) -> None:
-        spec = metadata.spec
-        shape = self.kv_cache_shape(
-            kv_cache.shape[1], spec.block_size, spec.num_kv_heads, spec.head_size
-        )
-        check_layer_tensors(spec, metadata.num_tokens, kv_cache, shape, **tensors)
+        self._check_tensors(metadata.spec, metadata.num_tokens, kv_cache, **tensors)
         if metadata.paged.max_block_id >= kv_cache.shape[1]:
             raise OpsInputError(
                 f"block_tables refers to block {metadata.paged.max_block_id}, beyond the "

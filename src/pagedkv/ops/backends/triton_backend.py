@@ -18,13 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv.ops.backends.base import (
-    AttentionBackend,
-    AttentionLayerSpec,
-    CommonAttentionMetadata,
-    check_layer_tensors,
-)
-from pagedkv.ops.kv_cache import allocate_kv_cache, kv_cache_shape
+from pagedkv.ops.backends.base import AttentionLayerSpec, CommonAttentionMetadata
+from pagedkv.ops.backends.hnd_layout import HNDLayoutBackend
 
 TRITON_DEFAULT_BLOCK_SIZE = 16
 
@@ -47,7 +42,7 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-class TritonBackend(AttentionBackend):
+class TritonBackend(HNDLayoutBackend):
     """Paged attention with pagedkv's Triton kernels (see module docs)."""
 
     name = "triton"
@@ -66,27 +61,8 @@ class TritonBackend(AttentionBackend):
             return None
         return f"needs a CUDA device, not {device.type} (or TRITON_INTERPRET=1 for tests)"
 
-    def block_size_multiple(self, head_size, dtype, kv_cache_dtype=None) -> int:
-        return 1
-
     def default_block_size(self, head_size, dtype, kv_cache_dtype=None) -> int:
         return TRITON_DEFAULT_BLOCK_SIZE
-
-    def unsupported_reason(self, spec: AttentionLayerSpec) -> str | None:
-        return None
-
-    def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_size) -> tuple[int, ...]:
-        return kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
-
-    def allocate_kv_cache(self, num_blocks: int, spec: AttentionLayerSpec) -> torch.Tensor:
-        return allocate_kv_cache(
-            num_blocks,
-            spec.block_size,
-            spec.num_kv_heads,
-            spec.head_size,
-            spec.kv_cache_dtype,
-            self.device,
-        )
 
     def build_metadata(
         self, common: CommonAttentionMetadata, spec: AttentionLayerSpec, *, validate: bool = True
@@ -155,8 +131,4 @@ class TritonBackend(AttentionBackend):
         )
 
     def _check(self, metadata: TritonAttentionMetadata, kv_cache, **tensors) -> None:
-        spec = metadata.spec
-        shape = self.kv_cache_shape(
-            kv_cache.shape[1], spec.block_size, spec.num_kv_heads, spec.head_size
-        )
-        check_layer_tensors(spec, metadata.num_tokens, kv_cache, shape, **tensors)
+        self._check_tensors(metadata.spec, metadata.num_tokens, kv_cache, **tensors)
