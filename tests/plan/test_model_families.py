@@ -205,7 +205,8 @@ def test_mla_latent_is_not_split_over_tensor_parallel_devices():
         "DeepSeek-V2-Lite", "H100-80GB", max_model_len=4096, tensor_parallel_size=4
     )
     assert four.kv_cache_config.bytes_per_token == one.kv_cache_config.bytes_per_token
-    with pytest.raises(ConfigError, match="16 attention heads; choose one of 1, 2, 4, 8, 16"):
+    expected = r"16 attention heads and MLP width 1408/2816/10944; choose one of 1, 2, 4, 8, 16$"
+    with pytest.raises(ConfigError, match=expected):
         plan_capacity("DeepSeek-V2-Lite", "H100-80GB", max_model_len=4096, tensor_parallel_size=3)
 
 

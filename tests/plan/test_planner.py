@@ -142,10 +142,14 @@ def test_tensor_parallel_halves_kv_per_device():
     assert tp2.kv_cache_config.kv_cache_specs[0].num_kv_heads == 4
     assert tp2.kv_cache_config.bytes_per_token * 2 == tp1.kv_cache_config.bytes_per_token
     assert tp2.budget.weight_bytes == 8_030_261_248  # half of 2 bytes x 8.03 B
-    # SmolLM2: 3 KV heads over 9 devices -> one replicated head each.
-    assert MODELS["SmolLM2-135M"].num_kv_heads_per_device(9) == 1
-    with pytest.raises(ConfigError, match="choose one of 1, 3, 9"):
+    # Llama-3.1-8B: 8 KV heads over 16 devices -> one replicated head each.
+    assert MODELS["Llama-3.1-8B"].num_kv_heads_per_device(16) == 1
+    with pytest.raises(ConfigError, match=r"choose one of 1, 3$"):
         plan_capacity("SmolLM2-135M", "L4", tensor_parallel_size=2)
+    # 9 splits SmolLM2's heads (3 KV heads replicated) but not its MLP width 1536, which the
+    # engine's column-parallel gate/up split (as vLLM's): refused by the planner too.
+    with pytest.raises(ConfigError, match=r"heads and MLP width 1536; choose one of 1, 3$"):
+        plan_capacity("SmolLM2-135M", "L4", tensor_parallel_size=9)
 
 
 def test_gemma2_plan_groups_sliding_and_full_layers():

@@ -348,26 +348,33 @@ class ModelShape:
         fewer KV heads than devices (as vLLM does); 1 for MLA (every device keeps the latent).
 
         Raises:
-            ConfigError: tensor_parallel_size does not divide the query heads, or the KV heads
-                cannot be split or replicated evenly; the message lists valid sizes.
+            ConfigError: tensor_parallel_size does not divide the query heads, the KV heads
+                cannot be split or replicated evenly, or it does not divide the MLP widths
+                (column-parallel gate/up, each expert's too, as vLLM splits them); the message
+                lists valid sizes.
         """
         tp = tensor_parallel_size
         heads = self.num_attention_heads
         kv = 1 if self.is_mla else self.num_key_value_heads
-        if (
-            not isinstance(tp, int)
-            or isinstance(tp, bool)
-            or tp < 1
-            or heads % tp
-            or (kv % tp and tp % kv)
-        ):
-            valid = [
-                n for n in range(1, heads + 1) if heads % n == 0 and (kv % n == 0 or n % kv == 0)
-            ]
+        mlp = (
+            self.intermediate_size,
+            self.moe_intermediate_size,
+            self.shared_expert_intermediate_size,
+        )
+        widths = sorted({w for w in mlp if w > 0})
+
+        def splits(n: int) -> bool:
+            return (
+                heads % n == 0 and (kv % n == 0 or n % kv == 0) and all(w % n == 0 for w in widths)
+            )
+
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1 or not splits(tp):
+            valid = [n for n in range(1, heads + 1) if splits(n)]
             what = f"{heads} attention" if self.is_mla else f"{heads} attention / {kv} KV"
+            mlp = "/".join(map(str, widths))
             raise ConfigError(
-                f"tensor_parallel_size {tp!r} does not split {self.name}'s {what} heads; "
-                "choose one of " + ", ".join(map(str, valid))
+                f"tensor_parallel_size {tp!r} does not split {self.name}'s {what} heads and MLP "
+                f"width {mlp}; choose one of " + ", ".join(map(str, valid))
             )
         return max(1, kv // tp)
 
