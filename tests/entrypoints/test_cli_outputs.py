@@ -128,3 +128,25 @@ def test_generate_summary_counts_prompt_tokens_as_the_cache_does():
     assert "prompt tokens    102 (34 in the prompts x 3 samples" in text
     assert "62.7% of prompt tokens hit (64/102, each request once)" in text
     assert "attention        torch backend, blocks of 16 tokens" in text
+    assert "model            m.gguf (bfloat16)" in text
+    engine.config.tensor_parallel_size = 3
+    buffer = io.StringIO()
+    print_summary(llm, [output], 1.0, 0.0, file=buffer)
+    text = buffer.getvalue()
+    assert "model            m.gguf (bfloat16, tensor parallel over 3 processes)" in text
+
+
+def test_a_failed_worker_exits_1_and_a_bad_command_line_2(monkeypatch, capsys):
+    from pagedkv.errors import WorkerError
+
+    def fail(exc):
+        def run(args):
+            raise exc
+
+        return run
+
+    monkeypatch.setattr("pagedkv.entrypoints.plan.run", fail(WorkerError("rank 1 (pid 7) died")))
+    assert main(["plan", "SmolLM2-135M"]) == 1
+    assert capsys.readouterr().err == "pagedkv plan: error: rank 1 (pid 7) died\n"
+    monkeypatch.setattr("pagedkv.entrypoints.plan.run", fail(ConfigError("bad value")))
+    assert main(["plan", "SmolLM2-135M"]) == 2

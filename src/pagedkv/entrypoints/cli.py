@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from pagedkv.errors import PagedKVError
+from pagedkv.errors import PagedKVError, WorkerError
 
 SUBCOMMAND_MODULES = ("generate", "serve", "bench", "simulate", "plan")
 
@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the CLI; returns the process exit code (2 for a pagedkv error, after printing it).
+    """Run the CLI; returns the process exit code after printing any error: 2 for a pagedkv error
+    (bad input or configuration), 1 for a tensor-parallel worker that failed while running.
 
     Raises:
         SystemExit: 2 for a usage error (argparse's, from the subcommand's parser), 0 for --help.
@@ -43,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         args.subcommand_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return int(args.func(args) or 0)
+    except WorkerError as exc:  # a failure while running, not a bad command line
+        print(f"pagedkv {args.command}: error: {exc}", file=sys.stderr)
+        return 1
     except PagedKVError as exc:
         print(f"pagedkv {args.command}: error: {exc}", file=sys.stderr)
         return 2
