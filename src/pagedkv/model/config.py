@@ -30,9 +30,9 @@ from pagedkv.errors import ModelLoadError
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma3")
 #: Hugging Face model_type -> our architecture name, where they differ.
 _HF_ARCHITECTURES = {"gemma3_text": "gemma3"}
-#: Architectures whose model honours per-layer sliding windows (the Llama family's model runs
-#: every layer as full attention).
-_WINDOWED_ARCHITECTURES = frozenset({"gemma3"})
+#: Architectures that always have sliding-window layers (the Llama family's has them only when
+#: its config says so: Mistral-7B-v0.1's window on every layer, Qwen2's from max_window_layers).
+_ALWAYS_WINDOWED_ARCHITECTURES = frozenset({"gemma3"})
 
 #: Gemma 3's local (sliding-window) layers' rope base when GGUF metadata does not store it
 #: (llama.cpp hard-codes the same value).
@@ -267,15 +267,16 @@ def _check_architecture(architecture: Any) -> None:
 
 
 def _layer_type_fields(shape: ModelShape, architecture: str) -> dict[str, Any]:
-    """``layer_types`` and ``sliding_window`` from the shape's per-layer windows, for the
-    architectures whose model honours them; {} for the others (every layer full attention).
+    """``layer_types`` and ``sliding_window`` from the shape's per-layer windows; {} when every
+    layer is full attention.
 
     Raises:
-        ModelLoadError: a Gemma 3 shape without sliding-window layers, or with two windows.
+        ModelLoadError: a Gemma 3 shape without sliding-window layers, or layers with two
+            different windows.
     """
-    if architecture not in _WINDOWED_ARCHITECTURES:
-        return {}
     windows = {w for w in shape.layer_windows if w is not None}
+    if not windows and architecture not in _ALWAYS_WINDOWED_ARCHITECTURES:
+        return {}
     if len(windows) != 1:
         raise ModelLoadError(
             f"{architecture} needs one sliding window for its local layers, got "
