@@ -166,3 +166,23 @@ def test_serve_port_out_of_range_is_a_usage_error(capsys):
 
     assert main(["serve", "--port", "99999"]) == 2
     assert "pagedkv serve: error: --port must be in 0..65535, got 99999" in capsys.readouterr().err
+
+
+def test_serve_logs_its_engine_start_up_at_the_log_level(monkeypatch, caplog):
+    """The engine's start-up lines (which attention backend runs, and why) reach serve's log:
+    its handler and level are set before the engine is built."""
+    import logging
+
+    from pagedkv.entrypoints.cli import main
+
+    package = logging.getLogger("pagedkv")
+    monkeypatch.setattr(package, "level", package.level)
+    monkeypatch.setattr(package, "handlers", list(package.handlers))
+
+    def engine_start(config):
+        logging.getLogger("pagedkv.engine.attention_backend").info("attention backend torch")
+        raise ConfigError("stop after start-up")
+
+    monkeypatch.setattr("pagedkv.engine.llm_engine.LLMEngine", engine_start)
+    assert main(["serve", "--port", "0", "--log-level", "info"]) == 2
+    assert "attention backend torch" in caplog.messages

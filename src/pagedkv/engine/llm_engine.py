@@ -136,6 +136,8 @@ class LLMEngine:
         self.config = config
         #: the attention backend (owns the KV cache's layout and runs attention).
         self.attention_backend = choice.backend
+        #: why the backend asked for (or auto's first choice) was passed over; None if it runs.
+        self.attention_backend_fallback_reason = choice.fallback_reason
         kv_cache_config = size_kv_cache(model_shape, config, kv_dtype=kv_dtype)
         max_model_len = kv_cache_config.max_model_len
         self.max_model_len = max_model_len

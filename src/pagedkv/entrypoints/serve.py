@@ -146,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
         sock = bind_socket(args.host, args.port)
     except OSError as e:
         raise ConfigError(f"cannot listen on {args.host}:{args.port}: {e}") from None
+    _log_to_stderr(args.log_level)  # before the engine: its start-up names its backend
     engine = LLMEngine(EngineConfig.from_cli_args(args))
     name = args.served_model_name or served_model_name(engine.loaded_model.source)
     app = create_app(
@@ -154,7 +155,6 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=engine.max_model_len,
         log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
     )
-    _log_to_stderr(args.log_level)
     host, port = sock.getsockname()[:2]
     shown_host = f"[{host}]" if ":" in host else host
     # Scripts (benchmarks/bench_serving.py) read the URL from this line.
