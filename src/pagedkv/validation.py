@@ -122,3 +122,21 @@ def check_number(
 
 
 __all__ = ["check_int", "check_number", "is_int", "is_number"]
+
+
+def positive_int_arg(text: str) -> int:
+    """argparse ``type=`` of the command lines' count flags: an int >= 1, so a bad count fails
+    at parsing, before any model loads (``argument --block-size: must be an int >= 1, got 0``).
+
+    Raises:
+        argparse.ArgumentTypeError: not an int, or < 1.
+    """
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {value}")
+    return value

