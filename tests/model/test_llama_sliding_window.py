@@ -95,3 +95,11 @@ def test_engine_matches_transformers_past_the_window(pair):
         for position, token_id in enumerate(sample.token_ids):
             got = sample.logprobs[position][token_id].logprob
             assert got == pytest.approx(reference[position, token_id].item(), abs=1e-4)
+
+
+def test_a_stray_sliding_window_in_a_llama_config_is_ignored_as_transformers_does():
+    base = _hf_model("mistral").config.to_dict() | {"model_type": "llama"}
+    assert ModelConfig.from_hf_config(base).layer_sliding_windows == (None,) * 3
+    layer_types = ["full_attention", "sliding_attention", "full_attention"]
+    named = ModelConfig.from_hf_config(base | {"layer_types": layer_types})
+    assert named.layer_sliding_windows == (None, WINDOW, None)

@@ -118,3 +118,16 @@ def test_build_checks_the_pool_size(case):
         PagedAttentionMetadata.build(
             case.block_tables, case.seq_lens, case.query_start_loc, block_size=0
         )
+
+
+@pytest.mark.parametrize("chunk_bytes", [0, -5, 1.5, True])
+def test_decode_chunk_bytes_must_be_a_positive_int(chunk_bytes):
+    from pagedkv.ops.backends import TorchBackend
+
+    tables = torch.tensor([[1]], dtype=torch.int32)
+    lens = torch.tensor([3], dtype=torch.int32)
+    qsl = torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(OpsInputError, match="decode_chunk_bytes must be an int >= 1"):
+        PagedAttentionMetadata.build(tables, lens, qsl, 16, decode_chunk_bytes=chunk_bytes)
+    with pytest.raises(OpsInputError, match="decode_chunk_bytes must be an int >= 1"):
+        TorchBackend("cpu", decode_chunk_bytes=chunk_bytes)

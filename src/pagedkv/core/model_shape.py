@@ -463,6 +463,10 @@ def _hf_layer_windows(
     if config.get("sliding_window") is None or config.get("use_sliding_window") is False:
         # Qwen2 sets sliding_window but turns it off with use_sliding_window: false.
         return (None,) * num_layers
+    if model_type == "llama" and config.get("layer_types") is None:
+        # Llama's attention has no window (transformers and vLLM ignore a stray sliding_window
+        # there; only layer_types names sliding layers).
+        return (None,) * num_layers
     window = _get_int(config.get, "sliding_window", where)
     layer_types = config.get("layer_types")
     if layer_types is not None:

@@ -80,7 +80,8 @@ def default_decode_chunk_bytes(num_threads: int) -> int:
 
     The larger of twice the L2 per thread and a quarter of the last-level cache (capped at
     :data:`MAX_DECODE_CHUNK_BYTES`): a chunk gathered into L3 is still read back faster than
-    memory, and bigger chunks mean fewer, larger ops per layer (docs/ops.md, "chunk budget").
+    memory, and bigger chunks mean fewer, larger ops per layer (docs/ops.md, "Why the values go
+    through embedding_bag").
     """
     return max(decode_chunk_bytes_per_thread() * num_threads, _llc_chunk_bytes())
 
@@ -163,7 +164,7 @@ class PagedAttentionMetadata:
             sliding_window: attend only to the last ``sliding_window`` positions (None = all).
             num_blocks: pool size; with ``validate`` the used block ids are checked against it.
             validate: check shapes, dtypes and ranges (off only for a trusted runner).
-            decode_chunk_bytes: gathered bytes per decode chunk of the fast path (None =
+            decode_chunk_bytes: gathered bytes per decode chunk of the fast path, >= 1 (None =
                 :func:`default_decode_chunk_bytes` for ``torch.get_num_threads()``).
 
         Returns:
@@ -176,6 +177,8 @@ class PagedAttentionMetadata:
             _check_step_inputs(block_tables, seq_lens, query_start_loc, block_size, sliding_window)
         if decode_chunk_bytes is None:
             decode_chunk_bytes = default_decode_chunk_bytes(torch.get_num_threads())
+        else:
+            check_int("decode_chunk_bytes", decode_chunk_bytes, 1, error=OpsInputError)
         num_reqs = block_tables.shape[0]
         seq_lens_list = seq_lens.tolist()
         qsl = query_start_loc.tolist()

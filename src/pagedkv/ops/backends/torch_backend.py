@@ -20,6 +20,7 @@ from pagedkv.ops.backends.hnd_layout import HNDLayoutBackend
 from pagedkv.ops.cpu_attention import cpu_paged_attention
 from pagedkv.ops.kv_cache import write_kv_torch
 from pagedkv.ops.reference import reference_paged_attention
+from pagedkv.validation import check_int
 
 #: Block size of the torch backend's fastest decode on the machines measured (docs/ops.md).
 TORCH_DEFAULT_BLOCK_SIZE = 16
@@ -51,11 +52,11 @@ class TorchBackend(HNDLayoutBackend):
     Args:
         device: where caches and metadata live.
         impl: ``"cpu"`` (fast path) or ``"reference"``.
-        decode_chunk_bytes: K+V bytes per decode gather chunk (None = 2 MiB x torch threads,
-            see :meth:`PagedAttentionMetadata.build`).
+        decode_chunk_bytes: gathered bytes per decode chunk, >= 1 (keys; keys and values for
+            fp8 caches); None = the default of :meth:`PagedAttentionMetadata.build`.
 
     Raises:
-        OpsInputError: an unknown ``impl``.
+        OpsInputError: an unknown ``impl``, or ``decode_chunk_bytes < 1``.
     """
 
     name = "torch"
@@ -69,6 +70,7 @@ class TorchBackend(HNDLayoutBackend):
     ) -> None:
         if impl not in ("cpu", "reference"):
             raise OpsInputError(f"impl must be 'cpu' or 'reference', got {impl!r}")
+        check_int("decode_chunk_bytes", decode_chunk_bytes, 1, optional=True, error=OpsInputError)
         super().__init__(device)
         self.impl = impl
         self.decode_chunk_bytes = decode_chunk_bytes
