@@ -18,8 +18,9 @@ reads each value row once from the cache (an ``index_select`` of the values foll
 accumulates in fp32 and rounds once, as ``bmm`` does. fp8 caches (no fp8 ``embedding_bag``)
 gather their values and dequantise them for ``bmm(probs, V)``.
 
-A grouped matmul-softmax-matmul rather than ``scaled_dot_product_attention``: on this CPU bf16 SDPA
-with one query token was 4-10x slower (docs/ops.md, docs/perf.md). ``bmm`` on 3-D views rather than
+A grouped matmul-softmax-matmul rather than ``scaled_dot_product_attention``: on the AMD EPYC
+of the first measurements bf16 SDPA with one query token was 4-10x slower; on the Intel Xeon of
+docs/ops.md it is 1.0-1.5x the grouped matmul's time. ``bmm`` on 3-D views rather than
 ``matmul`` on 4-D ones (10-25% faster: matmul's 4-D path reshapes); the scale applied to the
 query (``head_size ** -0.5`` is a power of two for the usual head sizes, so exact) instead of a
 pass over the fp32 scores; CPU ``softmax`` of bf16/fp16 scores computes in fp32 and rounds once,
