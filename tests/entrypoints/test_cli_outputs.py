@@ -113,8 +113,15 @@ def test_generate_summary_counts_prompt_tokens_as_the_cache_does():
     engine = SimpleNamespace(
         kv_cache_config=SimpleNamespace(num_usable_blocks=100),
         loaded_model=SimpleNamespace(source="m.gguf"),
-        config=SimpleNamespace(dtype="bfloat16", block_size=16, enable_prefix_caching=True),
+        config=SimpleNamespace(
+            dtype="bfloat16",
+            block_size=16,
+            enable_prefix_caching=True,
+            attention_backend="torch",
+            tensor_parallel_size=1,
+        ),
         attention_backend=SimpleNamespace(name="torch"),
+        attention_backend_fallback_reason=None,
     )
     llm = SimpleNamespace(get_stats=lambda: SimpleNamespace(scheduler=stats), engine=engine)
     sample = SimpleNamespace(token_ids=[1, 2])

@@ -244,11 +244,11 @@ def print_summary(llm, outputs, elapsed: float, load_time: float, file=sys.stdou
         samples = {len(o.outputs) for o in outputs}
         times = f" x {samples.pop()} samples" if len(samples) == 1 else " over their samples"
         prompt_note = f" ({num_unique} in the prompts{times}; counted per sequence like the cache)"
-    reason = getattr(engine, "attention_backend_fallback_reason", None)
+    reason = engine.attention_backend_fallback_reason
     passed_over = ""
     if reason:
         passed_over = f" ({engine.config.attention_backend} asked for, passed over {reason})"
-    tp = getattr(engine.config, "tensor_parallel_size", 1)
+    tp = engine.config.tensor_parallel_size
     parallel = f", tensor parallel over {tp} processes" if tp > 1 else ""
     lines = [
         f"model            {engine.loaded_model.source} ({engine.config.dtype}{parallel})",

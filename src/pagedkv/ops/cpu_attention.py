@@ -139,14 +139,14 @@ class _DecodeRows:
         "value_buf",
         "value_conv",
         "value_rows",
-        "value_tokens",
+        "value_table",
     )
 
     def __init__(self, kv_cache: torch.Tensor, plan: GatherPlan, dtype: torch.dtype):
         _, _, _, bs, head_size = kv_cache.shape
         self.key_rows = kv_cache[0].view(-1, bs, head_size)
         self.value_rows = kv_cache[1].view(-1, bs, head_size)
-        self.value_tokens = kv_cache[1].view(-1, head_size)
+        self.value_table = kv_cache[1].view(-1, head_size)  # one row per (block, head, slot)
         shape = (plan.max_decode_rows, bs, head_size)
         device = kv_cache.device
         self.key_buf = plan.buffer("key_rows", shape, kv_cache.dtype, device)
@@ -184,7 +184,7 @@ class _DecodeRows:
             tokens: ``[num_bags, kv_len]`` int32/int64 token rows of the value cache.
             probs: ``[num_bags, kv_len]`` in the cache dtype (0 where a token is not attended).
         """
-        return F.embedding_bag(tokens, self.value_tokens, mode="sum", per_sample_weights=probs)
+        return F.embedding_bag(tokens, self.value_table, mode="sum", per_sample_weights=probs)
 
 
 def _decode_in_parts(
