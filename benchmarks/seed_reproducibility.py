@@ -22,7 +22,7 @@ import torch
 
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.model.loader import load_model
-from pagedkv.model.packed_linear import PackedLinear
+from pagedkv.model.packed_linear import PackedLinear, linear_mode
 from pagedkv.sampling_params import SamplingParams
 
 MESSAGES = [{"role": "user", "content": "Write a haiku about the sea."}]
@@ -81,7 +81,7 @@ def gemm_row_dependence(dtype: str) -> dict[int, float]:
     SmolLM2-135M) computed with M rows vs with 64 rows."""
     torch.manual_seed(0)
     d = getattr(torch, dtype)
-    linear = PackedLinear(torch.randn(960, 576, dtype=d), None, pack=True)
+    linear = PackedLinear(torch.randn(960, 576, dtype=d), None, mode=linear_mode("cpu", d))
     x = torch.randn(64, 576, dtype=d)
     reference = linear(x)[-1]
     return {m: float((linear(x[64 - m :])[-1] - reference).abs().max()) for m in (1, 8, 16, 33, 40)}

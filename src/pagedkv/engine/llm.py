@@ -19,7 +19,9 @@ class LLM:
 
     Args:
         model: GGUF file or Hugging Face folder; None = the default SmolLM2-135M-Instruct.
-        dtype: "bfloat16" (default, fast on CPU), "float32" (exact) or "float16".
+        dtype: "auto" (default: bfloat16 where the CPU computes bf16 natively, float32
+            elsewhere; :func:`pagedkv.cpu_caps.resolve_dtype`), "bfloat16", "float32" (exact)
+            or "float16".
         block_size: tokens per KV block; None = the attention backend's fastest.
         num_blocks: KV blocks in the pool (wins over kv_cache_memory).
         kv_cache_memory: bytes for the KV cache, or a size such as "1GiB" (as the
@@ -45,7 +47,7 @@ class LLM:
     def __init__(
         self,
         model: str | None = None,
-        dtype: str = "bfloat16",
+        dtype: str = "auto",
         block_size: int | None = None,
         num_blocks: int | None = None,
         kv_cache_memory: int | str | None = None,

@@ -15,6 +15,7 @@ Offline use goes through :class:`pagedkv.engine.llm.LLM`; the server drives ``ad
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ import torch
 
 from pagedkv.core.events import KVCacheEvent
 from pagedkv.core.manager import KVCacheManager
+from pagedkv.cpu_caps import probe_cpu, resolve_dtype
 from pagedkv.cpu_env import available_cpu_count
 from pagedkv.engine.attention_backend import choose_attention_backend
 from pagedkv.engine.config import EngineConfig
@@ -39,6 +41,8 @@ from pagedkv.sampling_params import SamplingParams, check_text
 from pagedkv.validation import is_int
 from pagedkv.worker.outputs import ModelRunnerOutput
 from pagedkv.worker.scheduler_output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 #: A prompt: text, token ids, ``{"prompt": text}``, ``{"prompt_token_ids": [...]}`` (vLLM's
 #: TextPrompt and TokensPrompt), or chat messages ``[{"role": ..., "content": ...}, ...]``.
@@ -71,7 +75,8 @@ class LLMEngine:
         config: the engine's options (see :class:`EngineConfig`); keyword arguments override
             its fields, e.g. ``LLMEngine(dtype="float32", num_blocks=512)``.
         loaded_model: an already loaded :class:`pagedkv.model.loader.LoadedModel` to reuse
-            (tests share one between engines); its dtype wins over ``config.dtype``. Not with
+            (tests share one between engines); its dtype wins over ``config.dtype`` (and
+            becomes the engine's ``config.dtype``). Not with
             ``tensor_parallel_size`` > 1 (each rank loads its shard: see model_loader).
         model_loader: with ``tensor_parallel_size`` > 1, a picklable
             ``model_loader(parallel=...)`` that each rank calls to load its shard (default:
@@ -98,6 +103,13 @@ class LLMEngine:
             config = EngineConfig(**overrides)
         elif overrides:
             config = EngineConfig(**{**_fields(config), **overrides})
+        #: what this CPU computes fast (:mod:`pagedkv.cpu_caps`); decides dtype "auto".
+        self.cpu_capabilities = probe_cpu()
+        #: the dtype asked for ("auto" by default); ``config.dtype`` is the one that runs.
+        self.requested_dtype = config.dtype
+        config = dataclasses.replace(
+            config, dtype=resolve_dtype(config.dtype, self.cpu_capabilities)
+        )
         self.config = config
         tp = config.tensor_parallel_size
         num_threads = config.num_threads
@@ -121,16 +133,20 @@ class LLMEngine:
         else:
             model_shape = loaded_model.config
             kv_dtype = str(loaded_model.model.dtype).removeprefix("torch.")
+            config = dataclasses.replace(config, dtype=kv_dtype)
         if model_shape is None:
             from pagedkv.model.parallel import TensorParallelGroup
 
             shape_probe = model_loader(parallel=None if tp == 1 else TensorParallelGroup(0, tp))
             model_shape = shape_probe.config
             kv_dtype = str(shape_probe.model.dtype).removeprefix("torch.")
+            config = dataclasses.replace(config, dtype=kv_dtype)
             if tp == 1:
                 loaded_model = shape_probe
             del shape_probe
         device = "cpu" if loaded_model is None else loaded_model.model.device
+        if torch.device(device).type == "cpu":
+            logger.info("%s", self.cpu_capabilities.summary(kv_dtype))
         # The backend decides the block size (when not given) before the cache is sized.
         config, choice = choose_attention_backend(config, model_shape.head_dim, kv_dtype, device)
         self.config = config
@@ -140,6 +156,14 @@ class LLMEngine:
         self.attention_backend_fallback_reason = choice.fallback_reason
         kv_cache_config = size_kv_cache(model_shape, config, kv_dtype=kv_dtype)
         max_model_len = kv_cache_config.max_model_len
+        logger.info(
+            "KV cache: %d blocks x %d tokens (%.0f MiB, %s), max_model_len %d",
+            kv_cache_config.num_usable_blocks,
+            config.block_size,
+            kv_cache_config.kv_cache_memory / 2**20,
+            kv_dtype,
+            max_model_len,
+        )
         self.max_model_len = max_model_len
         self.kv_cache_config = kv_cache_config
         self.kv_cache_manager = KVCacheManager(

@@ -38,10 +38,12 @@ DEFAULT_WORKLOAD = (
 
 @dataclass(slots=True)
 class BenchResult:
-    """One backend's numbers on the workload."""
+    """One backend's numbers on the workload; ``cpu`` is :meth:`CpuCapabilities.as_dict` of
+    the machine it ran on (speed figures name their CPU)."""
 
     backend: str
     dtype: str
+    cpu: dict[str, Any]
     num_requests: int
     num_prompt_tokens: int
     num_output_tokens: int
@@ -146,7 +148,8 @@ def bench_pagedkv(args: argparse.Namespace, conversations: list) -> BenchResult:
     num_output = sum(len(o.token_ids) for o in outputs)
     return BenchResult(
         backend="pagedkv",
-        dtype=config.dtype,
+        dtype=llm.engine.config.dtype,
+        cpu=llm.engine.cpu_capabilities.as_dict(),
         num_requests=len(prompts),
         num_prompt_tokens=sum(map(len, prompts)),
         num_output_tokens=num_output,
@@ -181,7 +184,11 @@ def bench_hf(args: argparse.Namespace, conversations: list, model_path: Path) ->
     else:
         load_args = {"gguf_file": model_path.name}
         source = str(model_path.parent)
-    dtype = getattr(torch, args.dtype)
+    from pagedkv.cpu_caps import probe_cpu, resolve_dtype
+
+    caps = probe_cpu()
+    dtype_name = resolve_dtype(args.dtype, caps)
+    dtype = getattr(torch, dtype_name)
     tokenizer = transformers.AutoTokenizer.from_pretrained(source, **load_args)
     model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **load_args)
     model.eval()
@@ -232,7 +239,8 @@ def bench_hf(args: argparse.Namespace, conversations: list, model_path: Path) ->
     elapsed = time.perf_counter() - start
     return BenchResult(
         backend="hf",
-        dtype=args.dtype,
+        dtype=dtype_name,
+        cpu=caps.as_dict(),
         num_requests=len(prompts),
         num_prompt_tokens=num_prompt,
         num_output_tokens=num_output,

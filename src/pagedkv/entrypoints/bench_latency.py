@@ -180,7 +180,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()  # stops tensor-parallel worker processes
     report["model"] = engine.loaded_model.source
-    report["dtype"] = config.dtype
+    report["dtype"] = engine.config.dtype
+    report["cpu"] = engine.cpu_capabilities.as_dict()
     print(format_report(report, engine.loaded_model.source), flush=True)
     if args.output_json is not None and not write_text_or_print(
         args.output_json, json.dumps(report, indent=2) + "\n", "--output-json"

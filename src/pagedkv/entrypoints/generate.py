@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pagedkv.entrypoints.log_setup import LOG_LEVELS, configure_logging
+
 #: What `pagedkv generate --demo` asks the default model.
 DEMO_PROMPTS = (
     "What is the capital of France, and what is it famous for?",
@@ -74,6 +76,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--sample-seed", type=int, default=None, help="per-request seed")
     parser.add_argument("--json", action="store_true", help="print one JSON object per output")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=LOG_LEVELS,
+        help="pagedkv's log on stderr (info: what start-up is doing, CPU and dtype chosen)",
+    )
     from pagedkv.engine.config import EngineConfig
 
     EngineConfig.add_cli_args(parser)
@@ -167,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
         for _, m in items
     ]
     config = EngineConfig.from_cli_args(args)
+    configure_logging(args.log_level)
     start = time.perf_counter()
     llm = LLM(**_config_kwargs(config))
     load_time = time.perf_counter() - start
@@ -250,8 +259,12 @@ def print_summary(llm, outputs, elapsed: float, load_time: float, file=sys.stdou
         passed_over = f" ({engine.config.attention_backend} asked for, passed over {reason})"
     tp = engine.config.tensor_parallel_size
     parallel = f", tensor parallel over {tp} processes" if tp > 1 else ""
+    dtype = engine.config.dtype
+    if engine.requested_dtype != dtype:
+        dtype += f", {engine.requested_dtype}"
     lines = [
-        f"model            {engine.loaded_model.source} ({engine.config.dtype}{parallel})",
+        f"model            {engine.loaded_model.source} ({dtype}{parallel})",
+        f"cpu              {engine.cpu_capabilities.describe(engine.config.dtype)}",
         f"attention        {engine.attention_backend.name} backend, blocks of "
         f"{engine.config.block_size} tokens{passed_over}",
         f"requests         {len(outputs)} ({sum(len(o.outputs) for o in outputs)} sequences)",

@@ -12,6 +12,7 @@ import argparse
 import contextlib
 from pathlib import Path
 
+from pagedkv.entrypoints.log_setup import LOG_LEVELS, configure_logging
 from pagedkv.errors import ConfigError
 
 
@@ -38,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="the name clients pass as `model` (default: the model file's name)",
     )
     server.add_argument(
-        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+        "--log-level", default="info", choices=LOG_LEVELS
     )
     server.add_argument(
         "--disable-log-stats",
@@ -103,18 +104,6 @@ def served_model_name(source: str) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
-def _log_to_stderr(level: str) -> None:
-    """Show pagedkv's own log records (the stats line) next to uvicorn's, at ``level``."""
-    import logging
-
-    package_logger = logging.getLogger("pagedkv")
-    if not package_logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s"))
-        package_logger.addHandler(handler)
-    package_logger.setLevel(level.upper())
-
-
 def run(args: argparse.Namespace) -> int:
     """Load the model, bind the socket, print the URL, and serve until interrupted."""
     from pagedkv.engine.config import EngineConfig
@@ -146,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         sock = bind_socket(args.host, args.port)
     except OSError as e:
         raise ConfigError(f"cannot listen on {args.host}:{args.port}: {e}") from None
-    _log_to_stderr(args.log_level)  # before the engine: its start-up names its backend
+    configure_logging(args.log_level)  # before the engine: its start-up names CPU and backend
     engine = LLMEngine(EngineConfig.from_cli_args(args))
     name = args.served_model_name or served_model_name(engine.loaded_model.source)
     app = create_app(

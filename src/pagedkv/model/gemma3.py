@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from pagedkv.errors import ModelLoadError, OpsInputError
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.llama import _Caster, layer_attention_specs
-from pagedkv.model.packed_linear import PackedLinear, onednn_available
+from pagedkv.model.packed_linear import PackedLinear, linear_mode, log_linear_mode
 from pagedkv.model.rotary import rope_inv_freq
 from pagedkv.ops.backends import AttentionLayerSpec, BoundAttentionMetadata
 
@@ -101,7 +101,7 @@ class Gemma3DecoderLayer:
         prefix: str,
         rotary: _Rotary,
         sliding_window: int | None,
-        pack: bool,
+        pack: str,
         dtype: torch.dtype,
     ):
         def w(name: str) -> torch.Tensor:
@@ -199,7 +199,8 @@ class Gemma3ForCausalLM:
         self.device = torch.device(device)
         #: per layer, its sliding window (tokens) or None for full attention.
         self.layer_sliding_windows = config.layer_sliding_windows
-        pack = onednn_available(self.device) and dtype != torch.float16
+        pack = linear_mode(self.device, dtype)
+        log_linear_mode(pack, dtype)
         cast = _Caster(weights, dtype, self.device)
         local = dataclasses.replace(
             config, rope_theta=config.rope_local_theta or config.rope_theta, rope_scaling=None

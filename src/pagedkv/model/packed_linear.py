@@ -8,14 +8,35 @@ Python-level op and a pass over memory: ``silu(x W^T)`` or tanh-``gelu(x W^T)`` 
 o_proj and down_proj).
 
 The ops are ``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise`` (the ones
-inductor's freezing pass emits). Where they are missing (another device, a torch without oneDNN)
-the same methods fall back to ``F.linear``.
+inductor's freezing pass emits). How a layer runs (:func:`linear_mode`) follows what this CPU has
+(:mod:`pagedkv.cpu_caps`):
+
+    packed        oneDNN, weight prepacked in the compute dtype: float32 anywhere oneDNN runs,
+                  bfloat16 where the CPU computes bf16 natively (AMX, AVX-512-BF16,
+                  AVX-NE-CONVERT)
+    fp32_compute  a bfloat16 / float16 model on a CPU without native support for it: the weight
+                  is rounded to the model dtype (the model's numbers stay those of a bf16 model)
+                  and prepacked in float32; inputs go in as float32, outputs come back in the
+                  model dtype. oneDNN refuses to prepack bf16 without AVX-512 or AVX-NE-CONVERT
+                  (the AVX2 crash this replaces), and where it emulates bf16 on an AVX-512 core
+                  its GEMM measured 62 vs 263 GFLOP/s for fp32 (512^3, 2 threads; docs/perf.md)
+    plain         ``F.linear`` in the model dtype: another device, a torch without oneDNN, or
+                  float16 where oneDNN runs it
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
+
+from pagedkv.cpu_caps import CpuCapabilities, probe_cpu
+
+logger = logging.getLogger(__name__)
+
+#: Values of :func:`linear_mode` (see the module docs).
+LINEAR_MODES = ("packed", "fp32_compute", "plain")
 
 
 def onednn_available(device: torch.device | str) -> bool:
@@ -27,53 +48,125 @@ def onednn_available(device: torch.device | str) -> bool:
     )
 
 
+def linear_mode(
+    device: torch.device | str, dtype: torch.dtype, caps: CpuCapabilities | None = None
+) -> str:
+    """How a model's linears run on ``device`` in ``dtype`` (one of :data:`LINEAR_MODES`).
+
+    Args:
+        device: where the weights live.
+        dtype: the model's compute dtype.
+        caps: the CPU's capabilities; None = :func:`pagedkv.cpu_caps.probe_cpu`.
+    """
+    if not onednn_available(device):
+        return "plain"
+    if dtype == torch.float32:
+        return "packed"
+    caps = probe_cpu() if caps is None else caps
+    if dtype == torch.bfloat16 and caps.native_bf16:
+        return "packed"
+    if dtype == torch.float16 and caps.onednn_fp16:
+        return "plain"
+    return "fp32_compute"
+
+
+def log_linear_mode(mode: str, dtype: torch.dtype, caps: CpuCapabilities | None = None) -> None:
+    """One warning when ``mode`` is the slow ``fp32_compute`` (a model loads once: once per
+    load), naming the CPU and the faster choice."""
+    if mode != "fp32_compute":
+        return
+    caps = probe_cpu() if caps is None else caps
+    name = str(dtype).removeprefix("torch.")
+    logger.warning(
+        "%s: no native %s here, so the linears compute in float32 on %s-rounded weights "
+        "(slower than --dtype float32, which is what --dtype auto picks on this CPU)",
+        caps.summary(),
+        name,
+        name,
+    )
+
+
 class PackedLinear:
     """``y = x W^T (+ b)`` with optional fused epilogues; weight packed once for oneDNN.
 
     Args:
         weight: ``[out_features, in_features]`` in the compute dtype.
         bias: ``[out_features]`` or None.
-        pack: prepack for oneDNN (CPU); False = plain ``F.linear``.
+        mode: one of :data:`LINEAR_MODES` (:func:`linear_mode` chooses it for a CPU);
+            True / False are "packed" / "plain".
+
+    Raises:
+        ValueError: an unknown mode.
     """
 
-    __slots__ = ("bias", "out_features", "packed", "weight")
+    __slots__ = ("bias", "dtype", "out_features", "packed", "upcast", "weight")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, mode: str | bool = "packed"
+    ):
+        if isinstance(mode, bool):
+            mode = "packed" if mode else "plain"
+        if mode not in LINEAR_MODES:
+            raise ValueError(f"mode must be one of {LINEAR_MODES}, got {mode!r}")
         self.out_features = weight.shape[0]
+        self.dtype = weight.dtype
+        #: inputs go in as float32 and outputs come back in ``dtype`` (mode fp32_compute).
+        self.upcast = mode == "fp32_compute" and weight.dtype != torch.float32
+        if self.upcast and bias is not None:
+            bias = bias.float()
         self.bias = bias
-        if pack:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
-            self.weight = None  # the packed copy replaces it (halves weight memory)
-        else:
+        if mode == "plain":
             self.packed = None
             self.weight = weight
+        else:
+            packed = weight.float() if self.upcast else weight
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(packed.contiguous())
+            self.weight = None  # the packed copy replaces it
+
+    def _run(self, x, attr: str, scalars: list, algorithm: str) -> torch.Tensor:
+        if self.upcast:
+            y = torch.ops.mkldnn._linear_pointwise(
+                x.float(), self.packed, self.bias, attr, scalars, algorithm
+            )
+            return y.to(self.dtype)
+        return torch.ops.mkldnn._linear_pointwise(
+            x, self.packed, self.bias, attr, scalars, algorithm
+        )
+
+    def _binary(self, x, other, op: str) -> torch.Tensor:
+        if self.upcast:
+            y = torch.ops.mkldnn._linear_pointwise.binary(
+                x.float(), other.float(), self.packed, self.bias, op
+            )
+            return y.to(self.dtype)
+        return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, op)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x W^T + b`` for x ``[num_tokens, in_features]``."""
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return self._run(x, "none", [], "")
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(x W^T + b)``."""
         if self.packed is None:
             return F.silu(F.linear(x, self.weight, self.bias))
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "swish", [], "")
+        return self._run(x, "swish", [], "")
 
     def gelu_tanh(self, x: torch.Tensor) -> torch.Tensor:
         """``gelu(x W^T + b)`` with the tanh approximation (Gemma's ``gelu_pytorch_tanh``)."""
         if self.packed is None:
             return F.gelu(F.linear(x, self.weight, self.bias), approximate="tanh")
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "gelu", [], "tanh")
+        return self._run(x, "gelu", [], "tanh")
 
     def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """``(x W^T + b) * other``; other ``[num_tokens, out_features]``."""
         if self.packed is None:
             return F.linear(x, self.weight, self.bias).mul_(other)
-        return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "mul")
+        return self._binary(x, other, "mul")
 
     def add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """``(x W^T + b) + other``; other ``[num_tokens, out_features]`` (the residual)."""
         if self.packed is None:
             return F.linear(x, self.weight, self.bias).add_(other)
-        return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "add")
+        return self._binary(x, other, "add")

