@@ -140,3 +140,45 @@ def test_probe_held_to_avx2_sees_an_avx2_cpu():
     assert not capped["onednn_bf16"]  # oneDNN itself honours its cap
     assert capped["auto"] == "float32"
     assert capped["caps"] == AVX2_ENV
+
+
+def test_linear_mode_follows_the_capabilities():
+    import torch
+
+    from pagedkv.model.packed_linear import linear_mode, onednn_packs
+
+    assert onednn_packs(torch.float32)
+    assert linear_mode("cpu", torch.float32, AVX2) == "packed"
+    assert linear_mode("cpu", torch.bfloat16, AVX2) == "fp32_compute"
+    assert linear_mode("cpu", torch.bfloat16, AVX512) == "fp32_compute"  # emulated: slower
+    assert linear_mode("meta", torch.float32, AVX2) == "plain"
+    if onednn_packs(torch.bfloat16):  # this machine's oneDNN runs bf16 (capped or not)
+        assert linear_mode("cpu", torch.bfloat16, SAPPHIRE_RAPIDS) == "packed"
+
+
+def test_fp32_compute_linear_keeps_the_bf16_model_numbers():
+    """A bf16 model on a CPU without native bf16: weights rounded to bf16, computed in fp32,
+    output rounded to bf16; every fused epilogue agrees with its plain definition."""
+    import torch
+    import torch.nn.functional as F
+
+    from pagedkv.model.packed_linear import PackedLinear
+
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 32, generator=g).bfloat16()
+    x = torch.randn(5, 32, generator=g).bfloat16()
+    other = torch.randn(5, 48, generator=g).bfloat16()
+    linear = PackedLinear(weight, None, "fp32_compute")
+    exact = x.float() @ weight.float().T
+    cases = {
+        linear(x): exact,
+        linear.silu(x): F.silu(exact),
+        linear.gelu_tanh(x): F.gelu(exact, approximate="tanh"),
+        linear.mul(x, other): exact * other.float(),
+        linear.add(x, other): exact + other.float(),
+    }
+    for got, want in cases.items():
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, want.bfloat16(), rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        PackedLinear(weight, None, "fast")

@@ -58,16 +58,29 @@ def linear_mode(
         dtype: the model's compute dtype.
         caps: the CPU's capabilities; None = :func:`pagedkv.cpu_caps.probe_cpu`.
     """
-    if not onednn_available(device):
+    if not onednn_available(device) or not onednn_packs(torch.float32):
         return "plain"
     if dtype == torch.float32:
         return "packed"
     caps = probe_cpu() if caps is None else caps
-    if dtype == torch.bfloat16 and caps.native_bf16:
+    if dtype == torch.bfloat16 and caps.native_bf16 and onednn_packs(dtype):
         return "packed"
     if dtype == torch.float16 and caps.onednn_fp16:
         return "plain"
     return "fp32_compute"
+
+
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN prepacks and runs a linear in ``dtype`` on this CPU: a tiny one is tried
+    (what oneDNN will actually run, whatever the flags say; an ARM64 or old x86 build may
+    refuse)."""
+    try:
+        weight = torch.ones(8, 8, dtype=dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        out = torch.ops.mkldnn._linear_pointwise(weight, packed, None, "none", [], "")
+    except RuntimeError:
+        return False
+    return bool((out == 8).all())
 
 
 def log_linear_mode(mode: str, dtype: torch.dtype, caps: CpuCapabilities | None = None) -> None:
