@@ -39,9 +39,18 @@ BYTES_PER_BLOCK = 16 * 23040
 
 
 def sized(**options) -> EngineConfig:
-    """An EngineConfig at block size 16 (the engine resolves a None block size from its
-    attention backend before sizing; the figures here are for 16)."""
-    return EngineConfig(**{"block_size": 16, **options})
+    """An EngineConfig at block size 16 in bf16 (the engine resolves a None block size from its
+    attention backend and dtype "auto" from the CPU before sizing; the figures here are for 16
+    and bf16)."""
+    return EngineConfig(**{"block_size": 16, "dtype": "bfloat16", **options})
+
+
+def test_auto_dtype_sizes_as_this_cpus_dtype():
+    from pagedkv.cpu_caps import probe_cpu, resolve_dtype
+
+    auto = size_kv_cache(SMOLLM2, sized(dtype="auto", kv_cache_memory="512MiB"))
+    resolved = resolve_dtype("auto", probe_cpu())
+    assert auto == size_kv_cache(SMOLLM2, sized(dtype=resolved, kv_cache_memory="512MiB"))
 
 
 def test_sizing_needs_a_resolved_block_size():

@@ -38,6 +38,7 @@ from typing import Protocol
 
 from pagedkv.core.config import KVCacheConfig, group_layers
 from pagedkv.core.spec import KVCacheSpec, max_num_blocks_per_request, unify_kv_cache_specs
+from pagedkv.cpu_caps import probe_cpu, resolve_dtype
 from pagedkv.engine.config import (
     DEFAULT_MAX_KV_CACHE_MEMORY,
     DEFAULT_MAX_MODEL_LEN_CAP,
@@ -99,8 +100,8 @@ def size_kv_cache(
     Args:
         model_config: the model's shape (layer windows from ``layer_sliding_windows``).
         config: the engine's options.
-        kv_dtype: dtype of the KV cache; default ``config.dtype`` (an already loaded model's
-            dtype wins in the engine).
+        kv_dtype: dtype of the KV cache; default ``config.dtype``, "auto" resolved for this
+            CPU (:func:`pagedkv.cpu_caps.resolve_dtype`; the engine passes the dtype it runs).
 
     Returns:
         A :class:`KVCacheConfig` whose ``max_model_len`` is the engine's (see
@@ -171,7 +172,9 @@ def engine_layer_specs(
     if tp > 1:
         per_rank = check_tensor_parallel(model_config, tp).num_kv_heads
         model_config = dataclasses.replace(model_config, num_key_value_heads=per_rank)
-    specs = kv_cache_layer_specs(model_config, config.block_size, kv_dtype or config.dtype)
+    if kv_dtype is None:  # the engine passes its resolved dtype; "auto" follows this CPU
+        kv_dtype = resolve_dtype(config.dtype, probe_cpu() if config.dtype == "auto" else None)
+    specs = kv_cache_layer_specs(model_config, config.block_size, kv_dtype)
     if config.disable_hybrid_kv_cache_manager:
         specs = unify_kv_cache_specs(specs)
     return specs

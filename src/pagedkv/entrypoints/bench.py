@@ -24,7 +24,7 @@ import argparse
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,6 @@ class BenchResult:
 
     backend: str
     dtype: str
-    cpu: dict[str, Any]
     num_requests: int
     num_prompt_tokens: int
     num_output_tokens: int
@@ -52,6 +51,7 @@ class BenchResult:
     mean_ttft_s: float
     median_ttft_s: float
     extra: dict[str, Any]
+    cpu: dict[str, Any] = field(default_factory=dict)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
