@@ -24,8 +24,9 @@ rounds and waits idle while pagedkv runs. Results and the command: docs/perf.md.
 
 Held to AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2``,
 docs/perf.md#cpu-classes), both engines see an AVX2 CPU: the variables reach vLLM's process, and
-its worker makes vLLM's kernel-build choice (which reads the CPU's flags, as torch's checks do)
-follow ``ATEN_CPU_CAPABILITY``, so vLLM loads its ``_C_AVX2`` build as on a real AVX2 CPU.
+``benchmarks/vllm_avx2_hold/sitecustomize.py`` (on vLLM's PYTHONPATH, so in every process vLLM
+spawns) makes vLLM's kernel-build choice, which reads the CPU's flags as torch's checks do,
+follow ``ATEN_CPU_CAPABILITY``: vLLM loads its ``_C_AVX2`` build as on a real AVX2 CPU.
 """
 
 from __future__ import annotations
@@ -125,6 +126,9 @@ def start_vllm(python: Path, model_dir: Path, prompts_file: Path, max_tokens: in
     """Start the worker; returns (process, its ready message). Raises RuntimeError if it dies."""
     env = dict(USER_ENV)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB: far above the workload's needs
+    if env.get("ATEN_CPU_CAPABILITY", "").lower() in ("avx2", "default"):
+        hold = str(HERE / "vllm_avx2_hold")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [hold, env.get("PYTHONPATH")]))
     cmd = [str(python), str(HERE / "vllm_peer_worker.py"), str(model_dir)]
     proc = subprocess.Popen(
         [*cmd, str(prompts_file), str(max_tokens), dtype],

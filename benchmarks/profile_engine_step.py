@@ -1,10 +1,16 @@
 """Where one engine step goes: schedule, input building, forward, logits, sampling, outputs.
 
     .venv/bin/python benchmarks/profile_engine_step.py [--batch 64] [--threads 2] [--steps 10]
+    ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+        .venv/bin/python benchmarks/profile_engine_step.py --ops     # held to AVX2
 
 Adds the first ``--batch`` chats of benchmarks/data/chat_prompts.jsonl (greedy, ignore_eos),
 runs until every prompt is prefilled plus ``--warmup`` decode steps, then times each phase of
-``--steps`` decode steps separately. Results are in docs/engine.md.
+``--steps`` decode steps separately. ``--ops`` then profiles as many whole steps with
+torch.profiler and splits the time by kind of op: linears (oneDNN / F.linear), attention (the
+backend's kernels and gathers), other torch ops, and what is left: Python and the interpreter
+between ops. The CPU line (pagedkv.cpu_caps) says which CPU class ran. Results are in
+docs/engine.md and docs/perf.md.
 """
 
 from __future__ import annotations
@@ -27,12 +33,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--ops", action="store_true", help="split the step by kind of op")
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
 
-    engine = LLMEngine(dtype=args.dtype, num_threads=args.threads)
+    engine = LLMEngine(
+        dtype=args.dtype, num_threads=args.threads, attention_backend=args.attention_backend
+    )
+    print(engine.cpu_capabilities.summary(engine.config.dtype))
     lines = WORKLOAD.read_text().splitlines()[: args.batch]
     params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
     for i, line in enumerate(lines):
@@ -72,11 +83,60 @@ def main() -> None:
     step = sum(totals.values()) / args.steps
     print(
         f"batch {args.batch}, mean context {context:.0f} tokens, {torch.get_num_threads()} "
-        f"threads, {args.dtype}: {step * 1e3:.1f} ms/step"
+        f"threads, {engine.config.dtype}, {engine.attention_backend.name} attention: "
+        f"{step * 1e3:.1f} ms/step"
     )
     for name in PHASES:
         print(f"  {name:9s} {totals[name] / args.steps * 1e3:7.2f} ms")
+    if args.ops:
+        profile_ops(engine, args.steps, step * 1e3)
 
 
-if __name__ == "__main__":
-    main()
+#: torch.profiler op names (prefixes) by kind.
+LINEAR_OPS = ("mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::linear")
+ATTENTION_OPS = (
+    "_C::cpu_attention_with_kv_cache",
+    "_C::cpu_attn_reshape_and_cache",
+    "_C::get_scheduler_metadata",
+    "aten::bmm",
+    "aten::index_select",
+    "aten::_embedding_bag",
+    "aten::embedding_bag",
+    "aten::_softmax",
+    "aten::index_copy_",
+    "aten::_index_put_impl_",
+    "aten::masked_fill_",
+)
+
+
+def profile_ops(engine: LLMEngine, steps: int, step_ms: float) -> None:
+    """Profile ``steps`` whole engine steps; print each kind of op's share of the profiled
+    time, and that share of ``step_ms`` (the step measured without the profiler, whose own cost
+    per op inflates the profiled time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    wall = (time.perf_counter() - start) / steps * 1e3
+    kinds = {"linears": 0.0, "attention": 0.0, "other torch ops": 0.0}
+    num_ops = 0
+    for event in prof.key_averages():
+        self_ms = event.self_cpu_time_total / 1e3 / steps
+        num_ops += event.count
+        if event.key.startswith(LINEAR_OPS):
+            kinds["linears"] += self_ms
+        elif event.key.startswith(ATTENTION_OPS):
+            kinds["attention"] += self_ms
+        else:
+            kinds["other torch ops"] += self_ms
+    kinds["python, between ops"] = max(wall - sum(kinds.values()), 0.0)
+    total = sum(kinds.values())
+    print(
+        f"by kind of op (torch.profiler over {steps} steps, {num_ops / steps:.0f} ops and "
+        f"{wall:.1f} ms a step with the profiler; shares applied to the {step_ms:.1f} ms above):"
+    )
+    for name, ms in kinds.items():
+        share = ms / total
+        print(f"  {name:21s} {100 * share:5.1f}%  {share * step_ms:7.2f} ms")

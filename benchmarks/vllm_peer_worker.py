@@ -19,23 +19,6 @@ import sys
 import time
 
 
-def hold_to_aten_capability() -> None:
-    """Under ``ATEN_CPU_CAPABILITY=avx2`` (or ``default``), make torch's CPU-flag checks, which
-    vLLM reads to pick its kernel build (``_C``, ``_C_AVX512``, ``_C_AVX2``) and its attention
-    ISA, say what an AVX2 CPU says; ``ONEDNN_MAX_CPU_ISA`` and ``MKL_ENABLE_INSTRUCTIONS`` hold
-    the libraries themselves. Nothing changes without the variable."""
-    if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() not in ("avx2", "default"):
-        return
-    import torch
-
-    for name in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported"):
-        if hasattr(torch.cpu, name):
-            setattr(torch.cpu, name, lambda: False)
-    for name in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported"):
-        if hasattr(torch._C._cpu, name):
-            setattr(torch._C._cpu, name, lambda: False)
-
-
 def main() -> int:
     model_dir, prompts_path, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
     dtype = sys.argv[4] if len(sys.argv) > 4 else "bfloat16"
@@ -47,7 +30,6 @@ def main() -> int:
     with open(prompts_path) as f:
         token_prompts = json.load(f)
     start = time.perf_counter()
-    hold_to_aten_capability()
     import vllm  # here, not at the top: its import is part of the timed start-up
 
     llm = vllm.LLM(model=model_dir, dtype=dtype, seed=0)

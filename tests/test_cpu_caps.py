@@ -95,6 +95,8 @@ ALL = {"avx2", "avx_ne_convert", "avx512", "avx512_bf16", "amx"}
         ({"ONEDNN_MAX_CPU_ISA": "AVX10_1_512_AMX"}, ALL),
         ({"ONEDNN_MAX_CPU_ISA": "ALL"}, ALL),
         ({"ONEDNN_MAX_CPU_ISA": "NOT_AN_ISA"}, ALL),  # the libraries ignore it too
+        ({"MKL_ENABLE_INSTRUCTIONS": "AVX2"}, {"avx2", "avx_ne_convert"}),
+        ({"MKL_ENABLE_INSTRUCTIONS": "AVX512"}, ALL),
     ],
 )
 def test_caps_hold_features_down(env, allowed):

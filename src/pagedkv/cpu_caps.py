@@ -7,10 +7,11 @@ AVX2-only CPU (most laptops, AMD before Zen 4) the same bf16 GEMM runs a scalar 
 (``mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or avx512bw...``).
 So the compute dtype and every CPU-specific fast path follow this probe (docs/perf.md).
 
-Caps: ``ONEDNN_MAX_CPU_ISA`` (oneDNN's) and ``ATEN_CPU_CAPABILITY`` (ATen's kernel dispatch) hold
-those libraries to a lower instruction set. torch's own feature checks
+Caps: ``ONEDNN_MAX_CPU_ISA`` (oneDNN's), ``ATEN_CPU_CAPABILITY`` (ATen's kernel dispatch) and
+``MKL_ENABLE_INSTRUCTIONS`` (MKL's, which runs fp32 ``F.linear``) hold those libraries to a lower
+instruction set. torch's own feature checks
 (``torch.cpu._is_avx512_bf16_supported()``, ``_is_amx_tile_supported()``) read the CPU's flags
-and ignore them, so the probe treats the two variables as a cap on what the CPU has: with
+and ignore them, so the probe treats these variables as a cap on what the CPU has: with
 ``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`` an AMX machine takes exactly the code paths
 of an AVX2-only CPU (how the tests prove the AVX2 default on any machine).
 
@@ -64,7 +65,9 @@ _ONEDNN_NEEDS = {
 ATEN_CAPABILITY_ORDER = ("default", "avx2", "avx512")
 _ATEN_NEEDS = {"avx2": "avx2", "avx_ne_convert": "avx2", "avx512": "avx512"}
 _ATEN_NEEDS |= {"avx512_bf16": "avx512", "amx": "avx512"}
-CAP_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+#: MKL's ``MKL_ENABLE_INSTRUCTIONS`` values below AVX-512 (MKL runs torch's fp32 ``F.linear``).
+_MKL_BELOW_AVX512 = ("SSE4_2", "AVX", "AVX2")
+CAP_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +192,9 @@ def feature_allowed(feature: str, caps: Mapping[str, str]) -> bool:
     if onednn in ONEDNN_ISA_ORDER and ONEDNN_ISA_ORDER.index(onednn) < ONEDNN_ISA_ORDER.index(
         _ONEDNN_NEEDS[feature]
     ):
+        return False
+    mkl = caps.get("MKL_ENABLE_INSTRUCTIONS", "").upper()
+    if mkl in _MKL_BELOW_AVX512 and feature in ("avx512", "avx512_bf16", "amx"):
         return False
     aten = caps.get("ATEN_CPU_CAPABILITY", "").lower()
     return not (
