@@ -40,8 +40,6 @@ def configure_logging(level: str = "info") -> None:
     package_logger = logging.getLogger("pagedkv")
     if not any(isinstance(h, _CurrentStderrHandler) for h in package_logger.handlers):
         handler = _CurrentStderrHandler()
-        handler.setFormatter(
-            logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", "%H:%M:%S")
-        )
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s"))
         package_logger.addHandler(handler)
     package_logger.setLevel(level.upper())
