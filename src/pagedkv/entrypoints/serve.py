@@ -38,9 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="the name clients pass as `model` (default: the model file's name)",
     )
-    server.add_argument(
-        "--log-level", default="info", choices=LOG_LEVELS
-    )
+    server.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     server.add_argument(
         "--disable-log-stats",
         action="store_true",
