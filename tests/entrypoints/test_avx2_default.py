@@ -17,13 +17,12 @@ from __future__ import annotations
 import json
 import os
 import platform
-import queue
 import subprocess
 import sys
-import threading
 import urllib.request
 
 import pytest
+from _serve_process import serve_process
 
 from pagedkv.engine.llm import LLM
 from pagedkv.sampling_params import SamplingParams
@@ -139,36 +138,10 @@ def test_generate_answers_and_names_cpu_and_dtype(gguf_path):
         assert phase in result.stderr, phase
 
 
-def test_serve_with_no_engine_flags_starts_and_answers(gguf_path):
-    command = [sys.executable, "-m", "pagedkv.entrypoints.cli", "serve", "--port", "0"]
-    process = subprocess.Popen(
-        [*command, "--disable-log-stats"],
-        env=AVX2_ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        bufsize=1,
-    )
-    lines: queue.Queue[str] = queue.Queue()
-    output: list[str] = []
-
-    def read() -> None:
-        for line in process.stdout:
-            output.append(line)
-            lines.put(line)
-        lines.put("")
-
-    threading.Thread(target=read, daemon=True).start()
-    try:
-        url = None
-        while url is None:
-            line = lines.get(timeout=600)  # a bound for a hung start, not a speed assumption
-            if not line:
-                pytest.fail("pagedkv serve exited:\n" + "".join(output))
-            if "listening on " in line:
-                url = line.rsplit("listening on ", 1)[1].strip()
-        log = "".join(output)
-        assert "AVX2 (capped by" in log and "no native bf16 -> float32 compute" in log
+def test_serve_with_no_engine_flags_starts_and_answers():
+    with serve_process(["--disable-log-stats"], env=AVX2_ENV, start_timeout=600) as (url, log):
+        assert "AVX2 (capped by" in "".join(log)
+        assert "no native bf16 -> float32 compute" in "".join(log)
         body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
         request = urllib.request.Request(
             url + "/v1/completions",
@@ -179,10 +152,3 @@ def test_serve_with_no_engine_flags_starts_and_answers(gguf_path):
             answer = json.loads(response.read())
         assert answer["usage"]["completion_tokens"] == 4
         assert answer["choices"][0]["text"].strip()
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 import torch
+from _serve_process import serve_process
 
 pytestmark = pytest.mark.slow
 
@@ -35,54 +34,10 @@ TOL = 1e-3
 @pytest.fixture(scope="module")
 def server_url(gguf_path):
     pytest.importorskip("lm_eval")
-    command = [
-        sys.executable,
-        "-m",
-        "pagedkv.entrypoints.cli",
-        "serve",
-        "--model",
-        str(gguf_path),
-        "--port",
-        "0",
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "512",
-        "--served-model-name",
-        MODEL,
-        "--log-level",
-        "warning",
-        "--disable-log-stats",
-    ]
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
-    )
-    lines: queue.Queue[str] = queue.Queue()
-    output: list[str] = []
-
-    def read() -> None:
-        for line in process.stdout:
-            output.append(line)
-            lines.put(line)
-        lines.put("")
-
-    threading.Thread(target=read, daemon=True).start()
-    try:
-        url = None
-        while url is None:
-            line = lines.get(timeout=300)  # a bound for a hung start, not a speed assumption
-            if not line:
-                pytest.fail("pagedkv serve exited:\n" + "".join(output))
-            if "listening on " in line:
-                url = line.rsplit("listening on ", 1)[1].strip()
+    args = ["--model", str(gguf_path), "--dtype", "float32", "--max-model-len", "512"]
+    args += ["--served-model-name", MODEL, "--log-level", "warning", "--disable-log-stats"]
+    with serve_process(args) as (url, _):
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def run_lm_eval(url: str, out: Path) -> dict[str, list[dict]]:

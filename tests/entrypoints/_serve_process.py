@@ -1,0 +1,57 @@
+"""``pagedkv serve`` as a real subprocess for tests: started on a free loopback port, its URL
+read from the line it prints, its whole output kept, always stopped."""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+
+import pytest
+
+
+@contextlib.contextmanager
+def serve_process(
+    args: Sequence[str], env: Mapping[str, str] | None = None, start_timeout: float = 300
+) -> Iterator[tuple[str, list[str]]]:
+    """Run ``pagedkv serve --port 0 *args``; yields (its base URL, its output lines so far,
+    a list that keeps growing). ``start_timeout`` bounds a hung start (seconds between two
+    lines), not a speed assumption. Fails the test if the server exits before listening."""
+    command = [sys.executable, "-m", "pagedkv.entrypoints.cli", "serve", "--port", "0", *args]
+    process = subprocess.Popen(
+        command,
+        env=None if env is None else dict(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    output: list[str] = []
+
+    def read() -> None:
+        for line in process.stdout:
+            output.append(line)
+            lines.put(line)
+        lines.put("")
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        url = None
+        while url is None:
+            line = lines.get(timeout=start_timeout)
+            if not line:
+                pytest.fail("pagedkv serve exited:\n" + "".join(output))
+            if "listening on " in line:
+                url = line.rsplit("listening on ", 1)[1].strip()
+        yield url, output
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
