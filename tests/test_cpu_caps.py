@@ -95,8 +95,8 @@ ALL = {"avx2", "avx_ne_convert", "avx512", "avx512_bf16", "amx"}
         ({"ONEDNN_MAX_CPU_ISA": "AVX10_1_512_AMX"}, ALL),
         ({"ONEDNN_MAX_CPU_ISA": "ALL"}, ALL),
         ({"ONEDNN_MAX_CPU_ISA": "NOT_AN_ISA"}, ALL),  # the libraries ignore it too
-        ({"MKL_ENABLE_INSTRUCTIONS": "AVX2"}, {"avx2", "avx_ne_convert"}),
-        ({"MKL_ENABLE_INSTRUCTIONS": "AVX512"}, ALL),
+        ({"ATEN_CPU_CAPABILITY": "AVX2"}, ALL),  # torch reads lower case only: ignored
+        ({"MKL_ENABLE_INSTRUCTIONS": "AVX2"}, ALL),  # reported; pagedkv's linears use oneDNN
     ],
 )
 def test_caps_hold_features_down(env, allowed):
@@ -107,6 +107,18 @@ def test_caps_hold_features_down(env, allowed):
 def test_isa_caps_reads_only_caps_that_cap():
     assert isa_caps({"ONEDNN_MAX_CPU_ISA": "ALL", "ATEN_CPU_CAPABILITY": ""}) == {}
     assert isa_caps({**AVX2_ENV, "PATH": "/bin"}) == AVX2_ENV
+    ignored = {"ONEDNN_MAX_CPU_ISA": "garbage", "ATEN_CPU_CAPABILITY": "AVX2"}
+    assert isa_caps({**ignored, "MKL_ENABLE_INSTRUCTIONS": "AVX512"}) == {}
+    assert isa_caps({"ATEN_CPU_CAPABILITY": "avx512"}) == {}  # ATen's top caps nothing
+    mkl = {"MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    assert isa_caps(mkl) == mkl
+
+
+def test_isa_word_and_slow_path_note():
+    below = CpuCapabilities(name="x", arch="x86_64", aten_capability="AVX512")
+    assert below.isa == "below AVX2"  # oneDNN capped to SSE4.1, ATen not: no AVX2 for us
+    assert AVX2.describe("bfloat16").endswith("-> bfloat16 compute, linears in float32 (slow path)")
+    assert ZEN4.describe("bfloat16").endswith("-> bfloat16 compute")
 
 
 def test_cpuinfo_parsing(tmp_path):

@@ -7,9 +7,10 @@ AVX2-only CPU (most laptops, AMD before Zen 4) the same bf16 GEMM runs a scalar 
 (``mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or avx512bw...``).
 So the compute dtype and every CPU-specific fast path follow this probe (docs/perf.md).
 
-Caps: ``ONEDNN_MAX_CPU_ISA`` (oneDNN's), ``ATEN_CPU_CAPABILITY`` (ATen's kernel dispatch) and
-``MKL_ENABLE_INSTRUCTIONS`` (MKL's, which runs fp32 ``F.linear``) hold those libraries to a lower
-instruction set. torch's own feature checks
+Caps: ``ONEDNN_MAX_CPU_ISA`` (oneDNN's) and ``ATEN_CPU_CAPABILITY`` (ATen's kernel dispatch)
+hold those libraries to a lower instruction set (``MKL_ENABLE_INSTRUCTIONS`` holds MKL, which
+runs fp32 ``F.linear`` for transformers and vLLM but not pagedkv's linears: it is reported, and
+changes nothing here). torch's own feature checks
 (``torch.cpu._is_avx512_bf16_supported()``, ``_is_amx_tile_supported()``) read the CPU's flags
 and ignore them, so the probe treats these variables as a cap on what the CPU has: with
 ``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`` an AMX machine takes exactly the code paths
@@ -118,6 +119,8 @@ class CpuCapabilities:
         ):
             if getattr(self, flag):
                 return word
+        if self.arch in ("x86_64", "AMD64", "i686"):
+            return "below AVX2"
         return self.aten_capability
 
     def describe(self, dtype: str | None = None) -> str:
@@ -128,15 +131,21 @@ class CpuCapabilities:
         if self.caps:
             capped = " (capped by " + " ".join(f"{k}={v}" for k, v in self.caps) + ")"
         line = f"{self.name}, {self.isa}{capped}, {bf16}"
-        return line if dtype is None else f"{line} -> {dtype} compute"
+        if dtype is None:
+            return line
+        slow = (dtype == "bfloat16" and not self.native_bf16) or (
+            dtype == "float16" and not self.onednn_fp16
+        )
+        return f"{line} -> {dtype} compute" + (", linears in float32 (slow path)" if slow else "")
 
     def summary(self, dtype: str | None = None) -> str:
         """The start-up log line: ``CPU: `` and :meth:`describe`."""
         return "CPU: " + self.describe(dtype)
 
     def as_dict(self) -> dict[str, object]:
-        """Plain data for JSON (bench results, the server's ``/version``)."""
+        """Plain data for JSON (the bench commands' results)."""
         return {
+            "summary": self.describe(),
             "name": self.name,
             "arch": self.arch,
             "isa": self.isa,
@@ -173,30 +182,35 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
 
 
 def isa_caps(environ: Mapping[str, str]) -> dict[str, str]:
-    """The cap variables set in ``environ`` (empty values, and oneDNN's ALL / DEFAULT, which
-    cap nothing, left out; ATen's ``default`` is its scalar level, a cap)."""
+    """The cap variables in ``environ`` that hold a library below what it would run: values the
+    library knows and that cap something (oneDNN's ALL / DEFAULT, ATen's ``avx512``, MKL's
+    AVX-512 levels, and values a library ignores, such as ATen's ``AVX2`` in capitals, are left
+    out, as the libraries leave them)."""
     out = {}
-    for name in CAP_VARIABLES:
-        value = environ.get(name, "").strip()
-        if value and not (name == "ONEDNN_MAX_CPU_ISA" and value.upper() in ("ALL", "DEFAULT")):
-            out[name] = value
+    onednn = environ.get("ONEDNN_MAX_CPU_ISA", "").strip()
+    if _ONEDNN_ALIASES.get(onednn.upper(), onednn.upper()) in ONEDNN_ISA_ORDER:
+        out["ONEDNN_MAX_CPU_ISA"] = onednn
+    aten = environ.get("ATEN_CPU_CAPABILITY", "").strip()
+    if aten in ATEN_CAPABILITY_ORDER[:-1]:  # torch reads lower case only; avx512 is its top
+        out["ATEN_CPU_CAPABILITY"] = aten
+    mkl = environ.get("MKL_ENABLE_INSTRUCTIONS", "").strip()
+    if mkl.upper() in _MKL_BELOW_AVX512:
+        out["MKL_ENABLE_INSTRUCTIONS"] = mkl
     return out
 
 
 def feature_allowed(feature: str, caps: Mapping[str, str]) -> bool:
     """Whether the caps in ``caps`` (:func:`isa_caps`) leave ``feature`` ("avx2", "avx512",
-    "avx512_bf16", "amx", "avx_ne_convert") usable. An unknown cap value caps nothing (the
-    libraries ignore it too)."""
+    "avx512_bf16", "amx", "avx_ne_convert") usable to pagedkv's fast paths. oneDNN's and ATen's
+    caps count; MKL's does not (MKL runs only fp32 ``F.linear``, which pagedkv's linears do not
+    use: it is reported, for the benchmarks that compare against MKL users)."""
     onednn = caps.get("ONEDNN_MAX_CPU_ISA", "").upper()
     onednn = _ONEDNN_ALIASES.get(onednn, onednn)
     if onednn in ONEDNN_ISA_ORDER and ONEDNN_ISA_ORDER.index(onednn) < ONEDNN_ISA_ORDER.index(
         _ONEDNN_NEEDS[feature]
     ):
         return False
-    mkl = caps.get("MKL_ENABLE_INSTRUCTIONS", "").upper()
-    if mkl in _MKL_BELOW_AVX512 and feature in ("avx512", "avx512_bf16", "amx"):
-        return False
-    aten = caps.get("ATEN_CPU_CAPABILITY", "").lower()
+    aten = caps.get("ATEN_CPU_CAPABILITY", "")
     return not (
         aten in ATEN_CAPABILITY_ORDER
         and ATEN_CAPABILITY_ORDER.index(aten) < ATEN_CAPABILITY_ORDER.index(_ATEN_NEEDS[feature])
@@ -204,7 +218,8 @@ def feature_allowed(feature: str, caps: Mapping[str, str]) -> bool:
 
 
 def probe_cpu(environ: Mapping[str, str] | None = None) -> CpuCapabilities:
-    """Ask torch, oneDNN and the CPU's flags what this process can use (imports torch).
+    """Ask torch, oneDNN and the CPU's flags what this process can use (imports torch; cheap:
+    the engine and the vllm-cpu backend each ask at start).
 
     Args:
         environ: where the cap variables are read; None = ``os.environ`` (they take effect when

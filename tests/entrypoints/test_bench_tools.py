@@ -115,7 +115,9 @@ def test_latency_benchmark_times_prefill_and_every_decode_step():
     assert report["num_decode_steps"] == 2 * (6 - 1)
     assert report["decode_step"]["p99_ms"] >= report["decode_step"]["median_ms"] > 0
     assert report["prefill"]["median_ms"] > 0
-    assert "decode step     median" in format_report(report, "tiny")
+    text = format_report(report, "tiny")
+    assert "decode step     median" in text
+    assert f"cpu             {engine.cpu_capabilities.describe()} -> float32 compute" in text
     assert not engine.has_unfinished_requests()
 
 

@@ -52,6 +52,8 @@ def choose_attention_backend(
         log=False,
     )
     name = choice.backend.name
+    if choice.backend.kernels is not None:
+        name += f" [{choice.backend.kernels}]"
     how = "default" if config.block_size is None else "given"
     if choice.fallback_reason is None:
         logger.info("attention backend %s, block size %d (%s)", name, choice.block_size, how)

@@ -278,6 +278,7 @@ def _print_result(result: BenchResult) -> None:
         f"{result.num_prompt_tokens} prompt + {result.num_output_tokens} output tokens in "
         f"{result.elapsed_s:.1f} s -> {result.output_tokens_per_s:.1f} output tokens/s; "
         f"TTFT mean {result.mean_ttft_s:.2f} s, median {result.median_ttft_s:.2f} s"
+        + (f"; CPU: {result.cpu['summary']}" if result.cpu else "")
         + (f"; {json.dumps(result.extra)}" if result.extra else ""),
         flush=True,
     )

@@ -134,7 +134,10 @@ def measure(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
         result = run_batch(engine, prompts, params, tag=f"run{i}")
         if i >= args.num_iters_warmup:
             runs.append(result)
-    return summarize(runs, args)
+    report = summarize(runs, args)
+    report["dtype"] = engine.config.dtype
+    report["cpu"] = engine.cpu_capabilities.as_dict()  # speed figures name their CPU
+    return report
 
 
 def format_report(report: dict[str, Any], model: str) -> str:
@@ -150,6 +153,7 @@ def format_report(report: dict[str, Any], model: str) -> str:
             f"decode step     median {dec['median_ms']:.2f} ms, p99 {dec['p99_ms']:.2f} ms "
             f"({report['num_decode_steps']} steps)",
             f"throughput      {report['output_tokens_per_s']:.1f} output tokens/s",
+            f"cpu             {report['cpu']['summary']} -> {report['dtype']} compute",
         ]
     )
 
@@ -180,8 +184,6 @@ def run(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()  # stops tensor-parallel worker processes
     report["model"] = engine.loaded_model.source
-    report["dtype"] = engine.config.dtype
-    report["cpu"] = engine.cpu_capabilities.as_dict()
     print(format_report(report, engine.loaded_model.source), flush=True)
     if args.output_json is not None and not write_text_or_print(
         args.output_json, json.dumps(report, indent=2) + "\n", "--output-json"

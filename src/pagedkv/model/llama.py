@@ -222,7 +222,8 @@ class LlamaForCausalLM:
         if parallel is not None:
             self.num_kv_heads = check_tensor_parallel(config, parallel.world_size).num_kv_heads
         pack = linear_mode(self.device, dtype)
-        log_linear_mode(pack, dtype)
+        if parallel is None or parallel.rank == 0:  # one warning, not one per rank
+            log_linear_mode(pack, dtype)
         cast = _Caster(weights, dtype, self.device)
         self.rotary = RotaryEmbedding(config, dtype, self.device)
         try:

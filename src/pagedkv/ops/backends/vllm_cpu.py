@@ -185,6 +185,11 @@ class VllmCpuBackend(AttentionBackend):
         #: ... kv_cache_idx=1" at the first write).
         self.has_fp8 = self.library != "_C_AVX2.abi3.so"
 
+    @property
+    def kernels(self) -> str:
+        notes = [self.library, "AMX"] if self.has_amx else [self.library]
+        return ", ".join(notes if self.has_fp8 else [*notes, "no fp8 cache"])
+
     @classmethod
     def unavailable_reason(cls, device: torch.device | str) -> str | None:
         if torch.device(device).type != "cpu":
