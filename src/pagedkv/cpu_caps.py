@@ -258,8 +258,9 @@ def resolve_dtype(requested: str, caps: CpuCapabilities | None, device_type: str
     """The compute dtype for ``requested`` (vLLM's ``--dtype``).
 
     "auto" is bfloat16 on CUDA and on a CPU that computes bf16 natively
-    (:attr:`CpuCapabilities.native_bf16`), else float32: on an AVX2-only CPU fp32 GEMMs run at
-    about 100 GFLOP/s on 2 cores while bf16 falls to 1-15 (docs/perf.md). Any other value is
+    (:attr:`CpuCapabilities.native_bf16`), else float32: held to AVX2, 2 cores ran an fp32 GEMM
+    at 198 GFLOP/s and a bf16 one at 2 (a decode-shaped linear: 163 vs 30; docs/perf.md). Any
+    other value is
     returned as given (an explicit bfloat16 on such a CPU still runs: the linears compute in
     fp32 on bf16-rounded weights, see :mod:`pagedkv.model.packed_linear`).
 
