@@ -45,3 +45,17 @@ def test_design_md_maps_every_package():
     section = text.split("## Package map", 1)[1].split("\n## ", 1)[0]
     mapped = set(re.findall(r"^\| `(pagedkv\.[a-z_]+)` \|", section, flags=re.MULTILINE))
     assert mapped == top_level_modules()
+
+
+def test_modelinfo_imports_neither_torch_nor_numpy():
+    """The planner's model shapes load where no torch is installed (checked in a fresh
+    interpreter: this one has torch loaded already)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, pagedkv.modelinfo.shape; "
+        "print(any(m in sys.modules for m in ('torch', 'numpy')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

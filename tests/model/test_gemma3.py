@@ -18,7 +18,6 @@ import torch
 from _tiny_model import tiny_gemma3_hf_model
 
 from pagedkv.core.config import KVCacheConfig
-from pagedkv.core.model_shape import pattern_windows
 from pagedkv.core.spec import FullAttentionSpec, SlidingWindowSpec
 from pagedkv.errors import InvalidRequestError, ModelLoadError, OpsInputError
 from pagedkv.model.config import (
@@ -28,6 +27,7 @@ from pagedkv.model.config import (
     kv_cache_layer_specs,
 )
 from pagedkv.model.gemma3 import Gemma3ForCausalLM
+from pagedkv.modelinfo.shape import pattern_windows
 from pagedkv.ops.backends import CommonAttentionMetadata, TorchBackend, bind_metadata
 
 transformers = pytest.importorskip("transformers")

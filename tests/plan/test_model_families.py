@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from pagedkv.core.model_shape import shape_from_gguf_metadata, shape_from_hf_config
 from pagedkv.core.spec import FullAttentionSpec, MLAAttentionSpec
 from pagedkv.entrypoints.cli import main
 from pagedkv.errors import ConfigError, ModelConfigError, ModelLoadError
+from pagedkv.modelinfo.shape import shape_from_gguf_metadata, shape_from_hf_config
 from pagedkv.plan.catalog import (
     DEVICE_SOURCES,
     DEVICES,

@@ -3,7 +3,7 @@ Hugging Face config.json, and the KV-cache spec of each of its layers.
 
 The keys shared with capacity planning (layers, heads, sizes, context, tied embeddings, q/k/v
 bias, and which layers slide over which window) are parsed once, by
-:mod:`pagedkv.core.model_shape`, with one set of defaults and errors; this module adds what only
+:mod:`pagedkv.modelinfo.shape`, with one set of defaults and errors; this module adds what only
 running the model needs (rope, norm epsilon, token ids, Gemma 3's local rope base, query scale
 and logit softcapping).
 """
@@ -14,15 +14,15 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pagedkv.core.model_shape import (
+from pagedkv.core.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from pagedkv.errors import ModelLoadError
+from pagedkv.modelinfo.shape import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
     ModelShape,
     shape_from_gguf_metadata,
     shape_from_hf_config,
 )
-from pagedkv.core.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
-from pagedkv.errors import ModelLoadError
 
 #: Model types (GGUF ``general.architecture`` / HF ``model_type``) pagedkv runs: the Llama family
 #: (:mod:`pagedkv.model.llama`) and Gemma 3 (:mod:`pagedkv.model.gemma3`; its Hugging Face
@@ -145,7 +145,7 @@ class ModelConfig:
 
     @classmethod
     def from_shape(cls, shape: ModelShape, *, architecture: str, **fields: Any) -> ModelConfig:
-        """Build from a parsed :class:`~pagedkv.core.model_shape.ModelShape` plus the fields only
+        """Build from a parsed :class:`~pagedkv.modelinfo.shape.ModelShape` plus the fields only
         running the model needs (``rms_norm_eps``, ``rope_theta``, ``rope_scaling``,
         ``bos_token_id``, ``eos_token_id``, Gemma 3's ``rope_local_theta``, ...;
         ``tie_word_embeddings`` may be overridden). For Gemma 3, ``layer_types`` and

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
-from pagedkv.core.model_shape import pattern_windows
 from pagedkv.errors import ConfigError
+from pagedkv.modelinfo.shape import pattern_windows
 from pagedkv.plan.shapes import ModelShape, load_gguf, load_hf_config
 from pagedkv.units import MiB, parse_memory_size
 

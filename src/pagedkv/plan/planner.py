@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.core.config import KVCacheConfig, MemoryBudget
-from pagedkv.core.model_shape import WEIGHT_DTYPE_BYTES, ModelShape
 from pagedkv.core.spec import (
     KV_DTYPE_BYTES,
     MLAAttentionSpec,
@@ -26,6 +25,7 @@ from pagedkv.core.spec import (
     unify_kv_cache_specs,
 )
 from pagedkv.errors import ConfigError
+from pagedkv.modelinfo.shape import WEIGHT_DTYPE_BYTES, ModelShape
 from pagedkv.plan.catalog import device_source, resolve_device, resolve_model
 from pagedkv.units import format_bytes
 from pagedkv.validation import check_int, is_int

@@ -1,7 +1,7 @@
 """Model shapes for capacity planning, read from files: a Hugging Face ``config.json`` or a GGUF
 file's metadata.
 
-The shape itself and the parsing of config keys live in :mod:`pagedkv.core.model_shape` (one
+The shape itself and the parsing of config keys live in :mod:`pagedkv.modelinfo.shape` (one
 parser shared with the engine's model config); this module only reads the files. No torch.
 """
 
@@ -11,13 +11,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pagedkv.core.model_shape import (
+from pagedkv.errors import ModelLoadError
+from pagedkv.modelinfo.shape import (
     WEIGHT_DTYPE_BYTES,
     ModelShape,
     shape_from_gguf_metadata,
     shape_from_hf_config,
 )
-from pagedkv.errors import ModelLoadError
 
 #: GGUF arrays longer than this (vocabulary, merges) are not read into the metadata dict.
 _MAX_ARRAY_LEN = 4096
@@ -28,7 +28,7 @@ def load_hf_config(path: str | Path) -> ModelShape:
 
     Raises:
         ModelLoadError: the file is missing or is not JSON.
-        ModelConfigError: as :func:`~pagedkv.core.model_shape.shape_from_hf_config`.
+        ModelConfigError: as :func:`~pagedkv.modelinfo.shape.shape_from_hf_config`.
     """
     path = Path(path)
     if path.is_dir():
@@ -48,7 +48,7 @@ def load_gguf(path: str | Path) -> ModelShape:
 
     Raises:
         ModelLoadError: the file is missing or is not GGUF.
-        ModelConfigError: as :func:`~pagedkv.core.model_shape.shape_from_gguf_metadata`.
+        ModelConfigError: as :func:`~pagedkv.modelinfo.shape.shape_from_gguf_metadata`.
     """
     from gguf import GGUFReader  # heavy (numpy); only when a GGUF file is planned
 
