@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv.cpu_caps import CpuCapabilities, probe_cpu
+from pagedkv.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ class PackedLinear:
             True / False are "packed" / "plain".
 
     Raises:
-        ValueError: an unknown mode.
+        ConfigError: an unknown mode.
     """
 
     __slots__ = ("bias", "dtype", "out_features", "packed", "upcast", "weight")
@@ -120,7 +121,7 @@ class PackedLinear:
         if isinstance(mode, bool):
             mode = "packed" if mode else "plain"
         if mode not in LINEAR_MODES:
-            raise ValueError(f"mode must be one of {LINEAR_MODES}, got {mode!r}")
+            raise ConfigError(f"mode must be one of {LINEAR_MODES}, got {mode!r}")
         self.out_features = weight.shape[0]
         self.dtype = weight.dtype
         #: inputs go in as float32 and outputs come back in ``dtype`` (mode fp32_compute).
