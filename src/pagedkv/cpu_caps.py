@@ -64,11 +64,15 @@ _ONEDNN_NEEDS = {
 }
 #: ATen's ``ATEN_CPU_CAPABILITY`` values (x86), lowest first.
 ATEN_CAPABILITY_ORDER = ("default", "avx2", "avx512")
-_ATEN_NEEDS = {"avx2": "avx2", "avx_ne_convert": "avx2", "avx512": "avx512"}
-_ATEN_NEEDS |= {"avx512_bf16": "avx512", "amx": "avx512"}
+_ATEN_NEEDS = {
+    "avx2": "avx2",
+    "avx_ne_convert": "avx2",
+    "avx512": "avx512",
+    "avx512_bf16": "avx512",
+    "amx": "avx512",
+}
 #: MKL's ``MKL_ENABLE_INSTRUCTIONS`` values below AVX-512 (MKL runs torch's fp32 ``F.linear``).
 _MKL_BELOW_AVX512 = ("SSE4_2", "AVX", "AVX2")
-CAP_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
 
 
 @dataclass(frozen=True, slots=True)

@@ -106,8 +106,7 @@ class PackedLinear:
     Args:
         weight: ``[out_features, in_features]`` in the compute dtype.
         bias: ``[out_features]`` or None.
-        mode: one of :data:`LINEAR_MODES` (:func:`linear_mode` chooses it for a CPU);
-            True / False are "packed" / "plain".
+        mode: one of :data:`LINEAR_MODES` (:func:`linear_mode` chooses it for a CPU).
 
     Raises:
         ConfigError: an unknown mode.
@@ -116,10 +115,8 @@ class PackedLinear:
     __slots__ = ("bias", "dtype", "out_features", "packed", "upcast", "weight")
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, mode: str | bool = "packed"
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, mode: str = "packed"
     ):
-        if isinstance(mode, bool):
-            mode = "packed" if mode else "plain"
         if mode not in LINEAR_MODES:
             raise ConfigError(f"mode must be one of {LINEAR_MODES}, got {mode!r}")
         self.out_features = weight.shape[0]
