@@ -32,7 +32,6 @@ import argparse
 import copy
 import json
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -158,44 +157,31 @@ def hf_decode(
 # --------------------------------------------------------------------------- pagedkv
 
 
-@dataclass
-class _Request:
-    """The attributes the ModelRunner reads from a scheduled request."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: object
-    output_token_ids: list[int] = field(default_factory=list)
-    eos_token_ids: frozenset[int] = frozenset()
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-
 class PagedDriver:
     """Runs prompts through an engine's ModelRunner and model with logits at every decode
     position: one prefill (in steps of at most ``max_num_batched_tokens``), then one decode step
-    for all prompts per token, as the engine schedules them."""
+    for all prompts per token, as the engine schedules them (plain scheduler outputs, applied to
+    the runner's persistent batch)."""
 
     def __init__(self, engine, max_num_batched_tokens: int):
         self.runner = engine.runner
         self.block_size = engine.runner.block_size
         self.max_num_batched_tokens = max_num_batched_tokens
 
-    def _forward(self, out) -> torch.Tensor:
+    def _forward(self, out) -> dict[str, torch.Tensor]:
+        """Request id -> its last row's logits ``[vocab]`` float32."""
         runner = self.runner
-        inputs = runner.prepare_inputs(out)
+        batch = runner.input_batch
+        batch.update(out)
+        inputs = batch.prepare(out)
         with torch.inference_mode():
             hidden = runner.model.forward(
                 inputs.input_ids, inputs.positions, runner.kv_caches, inputs.attn_metadata
             )
             rows = torch.as_tensor(inputs.logits_rows, device=hidden.device)
-            return runner.model.compute_logits(hidden[rows]).float().cpu()
+            logits = runner.model.compute_logits(hidden[rows]).float().cpu()
+        req_ids = [r for r, s in zip(batch.req_ids, inputs.sample.tolist(), strict=False) if s]
+        return dict(zip(req_ids, logits, strict=True))
 
     def run(
         self, prompts: list[list[int]], num_tokens: int, forced: list[list[int]] | None = None
@@ -203,52 +189,61 @@ class PagedDriver:
         """Logits ``[num_prompts, num_tokens, vocab]`` float32 and the tokens fed (``forced`` or
         greedy)."""
         from pagedkv.sampling_params import SamplingParams
-        from pagedkv.worker.scheduler_output import SchedulerOutput
+        from pagedkv.worker.scheduler_output import (
+            CachedRequestData,
+            NewRequestData,
+            SchedulerOutput,
+        )
 
         params = SamplingParams(temperature=0.0, max_tokens=num_tokens)
         bs = self.block_size
-        requests, block_ids, next_block = [], [], 1  # block 0 is the null block
-        for i, ids in enumerate(prompts):
+        req_ids = [f"p{i}" for i in range(len(prompts))]
+        new_reqs, next_block = [], 1  # block 0 is the null block
+        for req_id, ids in zip(req_ids, prompts, strict=True):
             n = -(-(len(ids) + num_tokens) // bs)
-            requests.append(_Request(f"p{i}", list(ids), params))
-            block_ids.append((list(range(next_block, next_block + n)),))
+            block_ids = (list(range(next_block, next_block + n)),)
+            new_reqs.append(NewRequestData(req_id, list(ids), params, block_ids, 0))
             next_block += n
         logits = torch.empty(len(prompts), num_tokens, self.runner.vocab_size)
         # Prefill: whole prompts, as many per step as fit.
         i = 0
-        while i < len(requests):
+        while i < len(new_reqs):
             out = SchedulerOutput()
-            while i < len(requests) and (
+            while i < len(new_reqs) and (
                 out.num_reqs == 0
-                or out.total_num_scheduled_tokens + requests[i].num_prompt_tokens
+                or out.total_num_scheduled_tokens + len(new_reqs[i].prompt_token_ids)
                 <= self.max_num_batched_tokens
             ):
-                r = requests[i]
-                out.requests.append(r)
-                out.num_scheduled_tokens.append(r.num_prompt_tokens)
-                out.num_computed_tokens.append(0)
-                out.block_ids.append(block_ids[i])
-                out.sample.append(True)
-                out.total_num_scheduled_tokens += r.num_prompt_tokens
+                new = new_reqs[i]
+                out.scheduled_new_reqs.append(new)
+                out.num_scheduled_tokens[new.req_id] = len(new.prompt_token_ids)
+                out.total_num_scheduled_tokens += len(new.prompt_token_ids)
                 i += 1
-            first = i - out.num_reqs
-            logits[first:i, 0] = self._forward(out)
+            for req_id, row in self._forward(out).items():
+                logits[req_ids.index(req_id), 0] = row
+        tokens: list[list[int]] = [[] for _ in prompts]
         for step in range(num_tokens):
-            for p, r in enumerate(requests):
+            for p in range(len(prompts)):
                 token = int(logits[p, step].argmax()) if forced is None else forced[p][step]
-                r.output_token_ids.append(token)
+                tokens[p].append(token)
             if step + 1 == num_tokens:
                 break
             out = SchedulerOutput(
-                requests=requests,
-                num_scheduled_tokens=[1] * len(requests),
-                num_computed_tokens=[r.num_prompt_tokens + step for r in requests],
-                block_ids=block_ids,
-                sample=[True] * len(requests),
-                total_num_scheduled_tokens=len(requests),
+                scheduled_cached_reqs=CachedRequestData(
+                    req_ids=list(req_ids),
+                    resumed_from_preemption=[False] * len(prompts),
+                    new_token_ids=[[t[-1]] for t in tokens],
+                    new_block_ids=[None] * len(prompts),
+                    num_computed_tokens=[len(p) + step for p in prompts],
+                ),
+                num_scheduled_tokens=dict.fromkeys(req_ids, 1),
+                total_num_scheduled_tokens=len(prompts),
             )
-            logits[:, step + 1] = self._forward(out)
-        return logits, [r.output_token_ids for r in requests]
+            for req_id, row in self._forward(out).items():
+                logits[req_ids.index(req_id), step + 1] = row
+        # The runner forgets the prompts (a later run reuses their ids).
+        self.runner.execute_model(SchedulerOutput(finished_req_ids=set(req_ids)))
+        return logits, tokens
 
 
 def make_engine(loaded, num_prompts: int, max_len: int, max_num_batched_tokens: int, **extra):

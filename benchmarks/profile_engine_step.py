@@ -24,6 +24,7 @@ import torch
 
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.sampling_params import SamplingParams
+from pagedkv.worker.outputs import ModelRunnerOutput
 
 WORKLOAD = Path(__file__).resolve().parent / "data" / "chat_prompts.jsonl"
 PHASES = ("schedule", "prepare", "forward", "logits", "sample", "update", "outputs")
@@ -61,7 +62,9 @@ def main() -> None:
         t = [time.perf_counter()]
         out = scheduler.schedule()
         t.append(time.perf_counter())
-        inputs = runner.prepare_inputs(out)
+        batch = runner.input_batch
+        batch.update(out)
+        inputs = batch.prepare(out)
         t.append(time.perf_counter())
         with torch.inference_mode():
             hidden = runner.model.forward(
@@ -70,9 +73,11 @@ def main() -> None:
             t.append(time.perf_counter())
             logits = runner.model.compute_logits(hidden[torch.from_numpy(inputs.logits_rows)])
             t.append(time.perf_counter())
-            params_list = [r.sampling_params for r in out.requests]
-            sampled = runner.sampler(logits, params_list, [None] * out.num_reqs).tolist()
+            req_ids = batch.req_ids[: batch.num_reqs]  # a decode step: every row samples
+            params_list = [batch.requests[r].sampling_params for r in req_ids]
+            sampled = runner.sampler(logits, params_list, [None] * len(req_ids)).tolist()
             t.append(time.perf_counter())
+        sampled = ModelRunnerOutput(req_ids=list(req_ids), sampled_token_ids=sampled)
         changed = scheduler.update_from_output(out, sampled)
         t.append(time.perf_counter())
         engine._process_outputs(changed)

@@ -39,37 +39,50 @@ def reference_output(prompt: Sequence[int], max_tokens: int, eos: int | None = N
 
 
 class FakeModel:
-    """Token-id "KV cache" of ``num_blocks`` x ``block_size`` slots (-1 = never written)."""
+    """Token-id "KV cache" of ``num_blocks`` x ``block_size`` slots (-1 = never written).
+
+    It is a worker: it knows requests only through the plain data of the scheduler outputs (the
+    new requests whole, then new token ids and block ids), as the model runner does.
+    """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
         self.cache = [[-1] * block_size for _ in range(num_blocks)]
+        self.tokens: dict[str, list[int]] = {}  # request id -> token ids
+        self.tables: dict[str, list[int]] = {}  # request id -> block ids of group 0
+        self.computed: dict[str, int] = {}
+
+    def _update(self, out: SchedulerOutput) -> None:
+        for req_id in out.finished_req_ids:
+            self.tokens.pop(req_id, None)
+            self.tables.pop(req_id, None)
+        for new in out.scheduled_new_reqs:
+            self.tokens[new.req_id] = list(new.prompt_token_ids)
+            self.tables[new.req_id] = list(new.block_ids[0])
+            self.computed[new.req_id] = new.num_computed_tokens
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            self.tokens[req_id] += cached.new_token_ids[i]
+            blocks = cached.new_block_ids[i]
+            if cached.resumed_from_preemption[i]:
+                self.tables[req_id] = list(blocks[0])
+            elif blocks is not None:
+                self.tables[req_id] += blocks[0]
+            self.computed[req_id] = cached.num_computed_tokens[i]
 
     def execute(self, out: SchedulerOutput) -> list[int]:
-        """Write this step's tokens, then sample one token per sampling request."""
+        """Write this step's tokens, then sample one token per sampling request (in scheduling
+        order)."""
+        self._update(out)
         bs = self.block_size
-        for request, start, num, block_ids in zip(
-            out.requests,
-            out.num_computed_tokens,
-            out.num_scheduled_tokens,
-            out.block_ids,
-            strict=True,
-        ):
-            table = block_ids[0]
+        sampled = []
+        for req_id, num in out.num_scheduled_tokens.items():
+            table, tokens, start = self.tables[req_id], self.tokens[req_id], self.computed[req_id]
             for pos in range(start, start + num):
                 block_id = table[pos // bs]
                 assert block_id != 0, "wrote into the null block"
-                self.cache[block_id][pos % bs] = request.all_token_ids[pos]
-        sampled = []
-        for start, num, block_ids, sample in zip(
-            out.num_computed_tokens,
-            out.num_scheduled_tokens,
-            out.block_ids,
-            out.sample,
-            strict=True,
-        ):
-            if sample:
-                table = block_ids[0]
+                self.cache[block_id][pos % bs] = tokens[pos]
+            if start + num >= len(tokens):
                 seq = [self.cache[table[p // bs]][p % bs] for p in range(start + num)]
                 sampled.append(next_token(seq))
         return sampled
@@ -85,3 +98,11 @@ def run_until_done(scheduler: Scheduler, model: FakeModel, max_steps: int = 10_0
         scheduler.update_from_output(out, model.execute(out))
         outputs.append(out)
     raise AssertionError("the scheduler made no progress")
+
+
+def sampling_req_ids(scheduler: Scheduler, out: SchedulerOutput) -> list[str]:
+    """The ids of the requests of ``out`` that sample a token after the step (the step computes
+    every token they have), in scheduling order: what a scripted runner answers for."""
+    requests = scheduler.requests
+    done = [requests.get(req_id) for req_id in out.num_scheduled_tokens]
+    return [r.request_id for r in done if r is not None and r.num_computed_tokens >= r.num_tokens]

@@ -197,10 +197,12 @@ def test_issue_token_prompt_never_streams_prompt_text(loaded_fp32, monkeypatch, 
     prompt = [19556, 905, 28, 1535, 314, 253, 2715, 42, 40303]
     script = iter([218, 218, 28])
     engine = LLMEngine(loaded_model=loaded_fp32, num_blocks=64, max_model_len=256)
+    from _engine_fakes import sampling_req_ids
+
     from pagedkv.worker.outputs import ModelRunnerOutput
 
     def execute_model(out):
-        sampling = [r.request_id for r, s in zip(out.requests, out.sample, strict=True) if s]
+        sampling = sampling_req_ids(engine.scheduler, out)
         return ModelRunnerOutput(
             req_ids=sampling, sampled_token_ids=[next(script) for _ in sampling]
         )

@@ -4,6 +4,7 @@ the same tokens whatever the batching, caching, chunking or preemption (fast, no
 from __future__ import annotations
 
 import pytest
+from _engine_fakes import sampling_req_ids
 from _tiny_model import EOS, tiny_loaded_model
 
 from pagedkv.engine.llm import LLM
@@ -362,10 +363,9 @@ def _scripted(engine: LLMEngine, patch, tokens: list[int], fail_at: int | None =
         i = next(script)
         if i == fail_at:
             raise RuntimeError("scripted failure")
-        out = scheduler_output
-        sampling = [r for r, s in zip(out.requests, out.sample, strict=True) if s]
+        sampling = sampling_req_ids(engine.scheduler, scheduler_output)
         return ModelRunnerOutput(
-            req_ids=[r.request_id for r in sampling],
+            req_ids=sampling,
             sampled_token_ids=[tokens[i]] * len(sampling),
         )
 

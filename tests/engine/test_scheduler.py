@@ -14,6 +14,16 @@ from pagedkv.sampling_params import SamplingParams
 BLOCK_SIZE = 4
 
 
+def counts(out) -> list[int]:
+    """Tokens scheduled per request, in scheduling order."""
+    return list(out.num_scheduled_tokens.values())
+
+
+def ids(out) -> list[str]:
+    """The scheduled requests' ids, in scheduling order."""
+    return list(out.num_scheduled_tokens)
+
+
 def make_scheduler(
     num_blocks: int = 64,
     *,
@@ -75,7 +85,7 @@ def test_single_request_matches_reference_and_frees_blocks():
     assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
     assert request.finish_reason == "length"
     assert len(steps) == 6  # one prefill step that samples, then 5 decode steps
-    assert steps[0].num_scheduled_tokens == [10]
+    assert counts(steps[0]) == [10]
     assert scheduler.kv_cache_manager.num_free_blocks == free_before
     assert not scheduler.has_unfinished_requests()
 
@@ -108,11 +118,13 @@ def test_chunked_prefill_respects_budget_and_mixes_decode():
     steps = run_until_done(scheduler, model)
     assert all(step.total_num_scheduled_tokens <= 16 for step in steps)
     # step 0: short's prompt (5) + a first chunk of long (11); step 1: short decodes (1) + 15.
-    assert steps[0].num_scheduled_tokens == [5, 11]
-    assert steps[0].sample == [True, False]
-    assert steps[1].num_scheduled_tokens == [1, 15]
-    assert steps[2].num_scheduled_tokens == [1, 14]
-    assert steps[2].sample == [True, True]
+    assert counts(steps[0]) == [5, 11]
+    assert counts(steps[1]) == [1, 15]
+    assert counts(steps[2]) == [1, 14]
+    # step 0 sends both whole; step 1 only short's first sampled token (long sampled none)
+    assert [new.req_id for new in steps[0].scheduled_new_reqs] == ["short", "long"]
+    assert steps[1].scheduled_cached_reqs.new_token_ids == [short.output_token_ids[:1], []]
+    assert steps[2].scheduled_cached_reqs.num_computed_tokens == [6, 26]
     assert short.output_token_ids == reference_output(prompt_of(5), 10)
     assert long.output_token_ids == reference_output(prompt_of(40, seed=1), 4)
 
@@ -126,8 +138,8 @@ def test_chunked_prefill_off_waits_for_whole_prompt_budget():
     a = make_request(scheduler, "a", prompt_of(30), max_tokens=4)
     b = make_request(scheduler, "b", prompt_of(30, seed=2), max_tokens=4)
     steps = run_until_done(scheduler, model)
-    assert steps[0].num_scheduled_tokens == [30]  # b does not fit in the remaining 18
-    assert steps[1].num_scheduled_tokens == [1, 30]
+    assert counts(steps[0]) == [30]  # b does not fit in the remaining 18
+    assert counts(steps[1]) == [1, 30]
     assert a.output_token_ids == reference_output(prompt_of(30), 4)
     assert b.output_token_ids == reference_output(prompt_of(30, seed=2), 4)
 
@@ -165,7 +177,7 @@ def test_admission_fcfs_stops_at_the_first_misfit_and_skip_tries_the_next(admiss
     prompts = {"hog": prompt_of(24), "big": prompt_of(16, 1), "small": prompt_of(4, 2)}
     requests = {name: make_request(scheduler, name, p, 4) for name, p in prompts.items()}
     out = scheduler.schedule()
-    assert [r.request_id for r in out.requests] == first_step
+    assert ids(out) == first_step
     assert scheduler.waiting.peek() is requests["big"]  # a skipped request keeps its place
     scheduler.update_from_output(out, model.execute(out))
     run_until_done(scheduler, model)
@@ -223,9 +235,8 @@ def test_request_failing_with_the_whole_pool_free_is_rejected_without_blocking()
     bad = make_request(scheduler, "x", prompt_of(8), 4)
     good = make_request(scheduler, "good", prompt_of(8), 4)
     out = scheduler.schedule()
-    assert out.finished_requests == [bad]
     assert bad.status == RequestStatus.FINISHED_ERROR and "whole pool" in bad.error
-    assert out.requests == [good]
+    assert ids(out) == ["good"]
     changed = scheduler.update_from_output(out, model.execute(out))
     assert changed == [bad, good]
     run_until_done(scheduler, model)
@@ -244,7 +255,7 @@ def test_abort_waiting_and_running_frees_blocks_and_twice_is_noop():
         assert running.finish_reason == "abort" and waiting.finish_reason == "abort"
         assert scheduler.kv_cache_manager.num_free_blocks == 31
         assert not scheduler.has_unfinished_requests()
-        assert not scheduler.schedule().requests
+        assert scheduler.schedule().num_reqs == 0
     with pytest.raises(InvalidRequestError):
         scheduler.finish_requests("run", RequestStatus.RUNNING)
 
@@ -264,12 +275,12 @@ def test_priority_policy_admits_and_preempts_by_priority():
         num_blocks=10, max_num_seqs=1, max_model_len=32, policy="priority"
     )
     low = make_request(scheduler, "low", prompt_of(6), 4, priority=5, arrival_time=1.0)
-    high = make_request(scheduler, "high", prompt_of(6, 1), 4, priority=0, arrival_time=2.0)
+    make_request(scheduler, "high", prompt_of(6, 1), 4, priority=0, arrival_time=2.0)
     out = scheduler.schedule()
-    assert out.requests == [high]
+    assert ids(out) == ["high"]
     scheduler.update_from_output(out, model.execute(out))
     steps = [out, *run_until_done(scheduler, model)]
-    order = [r.request_id for step in steps for r in step.requests]  # (not clock readings)
+    order = [r for step in steps for r in step.num_scheduled_tokens]  # (not clock readings)
     assert order == ["high"] * 4 + ["low"] * 4
     assert low.output_token_ids == reference_output(prompt_of(6), 4)
 
@@ -299,13 +310,13 @@ def test_priority_self_preemption_still_serves_the_running_requests_after_it():
     scheduler.update_from_output(out, model.execute(out))
     high = make_request(scheduler, "high", prompt_of(2, 1), 4, priority=0, arrival_time=2.0)
     out = scheduler.schedule()  # low's token 7; high's prompt in the last free block
-    assert out.requests == [low, high]
+    assert ids(out) == ["low", "high"]
     scheduler.update_from_output(out, model.execute(out))
     assert scheduler.kv_cache_manager.num_free_blocks == 0
 
     out = scheduler.schedule()  # low's token 8 needs a third block: none is free
-    assert out.preempted_requests == [low]
-    assert out.requests == [high] and out.num_scheduled_tokens == [1]
+    assert out.preempted_req_ids == {"low"}
+    assert ids(out) == ["high"] and counts(out) == [1]
     scheduler.update_from_output(out, model.execute(out))
     run_until_done(scheduler, model)
     assert low.output_token_ids == reference_output(prompt_of(7), 5)
@@ -322,7 +333,7 @@ def test_prompt_submitted_twice_hits_the_cache_and_gives_the_same_output(length)
     assert first.num_cached_tokens == 0
     # The hit is capped at num_tokens - 1, then rounded down to whole blocks.
     assert second.num_cached_tokens == (length - 1) // BLOCK_SIZE * BLOCK_SIZE
-    assert steps[0].num_scheduled_tokens == [length - second.num_cached_tokens]
+    assert counts(steps[0]) == [length - second.num_cached_tokens]
     assert first.output_token_ids == second.output_token_ids
     assert first.output_token_ids == reference_output(prompt_of(length), 6)
     stats = scheduler.get_stats()
@@ -338,9 +349,9 @@ def test_prefix_counters_count_each_request_once_at_first_admission(enable_cachi
         num_blocks=10, max_model_len=32, enable_caching=enable_caching
     )
     make_request(scheduler, "first", prompt_of(24), 4)
-    second = make_request(scheduler, "second", prompt_of(16, 1), 4)
+    make_request(scheduler, "second", prompt_of(16, 1), 4)
     steps = run_until_done(scheduler, model)
-    assert second not in steps[0].requests and second in steps[-1].requests
+    assert "second" not in ids(steps[0]) and "second" in ids(steps[-1])
     stats = scheduler.get_stats()
     assert stats.num_prompt_tokens == 24 + 16
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (
@@ -354,8 +365,9 @@ def test_same_prompt_in_one_step_shares_blocks():
     b = make_request(scheduler, "b", prompt_of(17), 5)
     out = scheduler.schedule()
     # b hits the blocks a is computing in this very step (each layer writes before it reads).
-    assert out.num_scheduled_tokens == [17, 1]
-    assert out.block_ids[0][0][:4] == out.block_ids[1][0][:4]
+    assert counts(out) == [17, 1]
+    a_new, b_new = out.scheduled_new_reqs
+    assert a_new.block_ids[0][:4] == b_new.block_ids[0][:4]
     scheduler.update_from_output(out, model.execute(out))
     run_until_done(scheduler, model)
     assert a.output_token_ids == b.output_token_ids == reference_output(prompt_of(17), 5)

@@ -365,7 +365,8 @@ def test_a_step_failing_for_one_request_fails_only_that_step(server, engine, cli
     execute_model = runner.execute_model
 
     def faulty(scheduler_output):
-        if any(r.sampling_params.seed == 4242 for r in scheduler_output.requests):
+        new = scheduler_output.scheduled_new_reqs
+        if any(r.sampling_params.seed == 4242 for r in new):
             raise RuntimeError("Overflow when unpacking long long (injected)")
         return execute_model(scheduler_output)
 

@@ -40,7 +40,7 @@ from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.sampling_params import SamplingParams, check_text
 from pagedkv.validation import is_int
 from pagedkv.worker.outputs import ModelRunnerOutput
-from pagedkv.worker.scheduler_output import SchedulerOutput
+from pagedkv.worker.scheduler_output import NewRequestData, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -426,20 +426,27 @@ class LLMEngine:
         manager = self.kv_cache_manager
         if manager.allocate_slots(probe, 1) is None:
             return
+        probe_id = probe.request_id
         try:
             self.runner.execute_model(
                 SchedulerOutput(
-                    requests=[probe],
-                    num_scheduled_tokens=[1],
-                    num_computed_tokens=[0],
-                    block_ids=[manager.get_block_ids(probe.request_id)],
-                    sample=[True],
+                    scheduled_new_reqs=[
+                        NewRequestData(
+                            probe_id,
+                            [0],
+                            probe.sampling_params,
+                            manager.get_block_ids(probe_id),
+                            0,
+                        )
+                    ],
+                    num_scheduled_tokens={probe_id: 1},
                     total_num_scheduled_tokens=1,
                 )
             )
         finally:
             manager.free(probe)
-            self.runner.finish_requests([probe.request_id])
+            # The workers forget the probe with the next step's finished requests.
+            self.scheduler.finished_req_ids.add(probe_id)
 
     # ------------------------------------------------------------------ the step
 
@@ -458,39 +465,35 @@ class LLMEngine:
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         runner_output = ModelRunnerOutput()
-        if scheduler_output.total_num_scheduled_tokens:
+        if scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids:
             try:
                 runner_output = self.runner.execute_model(scheduler_output)
             except Exception as exc:
-                self._fail_requests(scheduler_output.requests, exc)
+                self._fail_requests(scheduler_output.req_ids, exc)
                 raise
-        changed = self.scheduler.update_from_output(
-            scheduler_output, runner_output.sampled_token_ids
-        )
+        changed = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs = self._process_outputs(changed, runner_output)
         if scheduler_output.total_num_scheduled_tokens:
             self._stats.num_steps += 1
             self._stats.busy_time += time.perf_counter() - start
         return outputs
 
-    def _fail_requests(self, requests: list[Request], exc: BaseException) -> None:
-        """Finish ``requests`` (and their sibling samples) with finish_reason "error"; each
-        output's ``error`` says what ``exc`` was."""
+    def _fail_requests(self, seq_ids: list[str], exc: BaseException) -> None:
+        """Finish the sequences ``seq_ids`` (and their sibling samples) with finish_reason
+        "error"; each output's ``error`` says what ``exc`` was."""
         message = f"{type(exc).__name__}: {exc}"
-        for request_id in self.output_processor.request_ids_of(r.request_id for r in requests):
+        for request_id in self.output_processor.request_ids_of(seq_ids):
             seq_ids = self.output_processor.finish_request(request_id, "error", error=message)
             self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ERROR)
 
     def _process_outputs(
         self, changed: list[Request], runner_output: ModelRunnerOutput | None = None
     ) -> list[RequestOutput]:
-        """Build the step's outputs; stop sequences that hit a stop string, forget finished
-        requests in the runner."""
+        """Build the step's outputs; stop sequences that hit a stop string (the workers forget
+        finished sequences with the next step's ``finished_req_ids``)."""
         result = self.output_processor.process_outputs(changed, runner_output)
         if result.seq_ids_to_stop:
             self.scheduler.finish_requests(result.seq_ids_to_stop, RequestStatus.FINISHED_STOPPED)
-        if result.finished_seq_ids:
-            self.runner.finish_requests(result.finished_seq_ids)
         self._stats.num_finished_requests += sum(o.finished for o in result.request_outputs)
         return result.request_outputs
 

@@ -65,6 +65,9 @@ class Request(KVCacheRequest):
         num_cached_tokens: prompt tokens served from the prefix cache at first admission
             (-1 until admitted).
         num_preemptions: times this request was preempted.
+        num_sent_tokens: how many of its token ids the workers hold (sent in
+            ``NewRequestData`` / ``CachedRequestData``); 0 until first scheduled. Tokens from
+            there on go with its next scheduling.
         first_scheduled_time / first_token_time / finished_time: ``time.monotonic()`` stamps.
     """
 
@@ -78,6 +81,7 @@ class Request(KVCacheRequest):
     error: str | None = None
     num_cached_tokens: int = -1
     num_preemptions: int = 0
+    num_sent_tokens: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None

@@ -28,14 +28,15 @@ import dataclasses
 import time
 from collections.abc import Iterable, Sequence
 
-from pagedkv.core.manager import KVCacheManager
+from pagedkv.core.manager import KVCacheBlocks, KVCacheManager
 from pagedkv.core.spec import max_num_blocks_per_request
 from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.engine.request_queue import FCFSQueue, PriorityQueue
 from pagedkv.engine.stats import SchedulerStats
 from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.validation import check_int
-from pagedkv.worker.scheduler_output import SchedulerOutput
+from pagedkv.worker.outputs import ModelRunnerOutput
+from pagedkv.worker.scheduler_output import NewRequestData, SchedulerOutput
 
 POLICIES = ("fcfs", "priority")
 ADMISSION_POLICIES = ("fcfs", "skip")
@@ -106,6 +107,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
+        #: requests finished since the last schedule(): the next output tells the workers.
+        self.finished_req_ids: set[str] = set()
+        self._rejected: list[Request] = []  # rejected while scheduling, not yet reported
+        self._scheduled_requests: list[Request] = []  # the last schedule()'s, in order
         self._num_usable_blocks = kv_cache_manager.num_blocks - 1  # block 0 is the null block
         self._kv_cache_specs = tuple(kv_cache_manager.kv_cache_specs)
 
@@ -212,13 +217,19 @@ class Scheduler:
         """Choose this step's requests and token counts, and allocate their KV blocks.
 
         Advances each scheduled request's ``num_computed_tokens`` by its scheduled tokens (the
-        runner must compute them before :meth:`update_from_output`). Requests that can never
-        fit are finished with status FINISHED_ERROR and listed in ``finished_requests``.
+        workers must compute them before :meth:`update_from_output`). Requests that can never
+        fit are finished with status FINISHED_ERROR (reported by the next
+        :meth:`update_from_output`).
+
+        Returns:
+            Plain data for the workers (:class:`SchedulerOutput`): each request whole the first
+            time it is scheduled, afterwards only its new token ids and block ids; the ids of
+            requests finished since the last step. Building it costs O(1) per scheduled decode
+            request, whatever its context length.
         """
         manager = self.kv_cache_manager
-        out = SchedulerOutput()
+        step = _Step()
         token_budget = self.max_num_batched_tokens
-        scheduled_index: dict[int, int] = {}  # id(request) -> index in out lists
 
         # 1) Running requests: decode tokens and the rest of chunked prefills.
         req_index = 0
@@ -229,16 +240,15 @@ class Scheduler:
                 req_index += 1
                 continue
             preempted_self = False
-            while manager.allocate_slots(request, num_new_tokens) is None:
+            while (new_blocks := manager.allocate_slots(request, num_new_tokens)) is None:
                 victim = self._pick_victim()
                 if self.running.index(victim) < req_index:  # only under policy="priority"
                     req_index -= 1
                 self.running.remove(victim)
-                undo = scheduled_index.pop(id(victim), None)
-                if undo is not None:  # a victim already scheduled this step: give back its tokens
-                    token_budget += out.num_scheduled_tokens[undo]
-                    self._unschedule(out, undo, scheduled_index)
-                self._preempt(victim, out)
+                undone = step.unschedule(victim)
+                if undone:  # a victim already scheduled this step: give back its tokens
+                    token_budget += undone
+                self._preempt(victim, step)
                 if victim is request:
                     preempted_self = True
                     break
@@ -248,26 +258,66 @@ class Scheduler:
                 # admission order, so requests after it may be of higher priority and can still
                 # run (a step never schedules nothing while a running request could run).
                 # ``req_index`` now points at the request after it.
-                self._reject_if_never_fits(request, out)
+                self._reject_if_never_fits(request, step)
                 continue
-            scheduled_index[id(request)] = len(out.requests)
-            self._schedule(out, request, num_new_tokens, request.num_computed_tokens)
+            step.add(request, num_new_tokens, new_blocks, False)
             token_budget -= num_new_tokens
             req_index += 1
 
         # 2) Waiting requests, unless this step had to preempt (no room for newcomers).
-        if not out.preempted_requests:
-            self._admit_waiting(out, token_budget)
+        if not step.preempted_req_ids:
+            self._admit_waiting(step, token_budget)
 
-        # 3) Advance num_computed_tokens and hand out each request's block table.
+        # 3) Advance num_computed_tokens and say what changed since the workers last heard.
+        out = SchedulerOutput(
+            num_scheduled_tokens=step.num_scheduled_tokens,
+            total_num_scheduled_tokens=step.total_num_scheduled_tokens,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=step.preempted_req_ids,
+        )
+        self.finished_req_ids = set()
+        cached = out.scheduled_cached_reqs
         now = time.monotonic()
-        for i, request in enumerate(out.requests):
-            request.num_computed_tokens += out.num_scheduled_tokens[i]
-            out.sample.append(request.num_computed_tokens >= request.num_tokens)
-            out.block_ids.append(manager.get_block_ids(request.request_id))
+        for request, new_blocks, resumed in zip(
+            step.requests, step.new_blocks, step.resumed, strict=True
+        ):
+            num_computed_tokens = request.num_computed_tokens
+            num_sent_tokens = request.num_sent_tokens
+            num_tokens = request.num_tokens
+            if num_sent_tokens == 0:
+                out.scheduled_new_reqs.append(
+                    NewRequestData(
+                        request.request_id,
+                        list(request.prompt_token_ids),
+                        request.sampling_params,
+                        manager.get_block_ids(request.request_id),
+                        num_computed_tokens,
+                        tuple(request.eos_token_ids),
+                    )
+                )
+            else:
+                cached.req_ids.append(request.request_id)
+                cached.resumed_from_preemption.append(resumed)
+                cached.new_token_ids.append(
+                    request.all_token_ids[num_sent_tokens:num_tokens]
+                    if num_tokens > num_sent_tokens
+                    else []
+                )
+                if resumed:  # its blocks were freed: the whole table is new
+                    cached.new_block_ids.append(manager.get_block_ids(request.request_id))
+                elif not new_blocks or not any(new_blocks.blocks):
+                    cached.new_block_ids.append(None)
+                else:
+                    cached.new_block_ids.append(new_blocks.get_block_ids())
+                cached.num_computed_tokens.append(num_computed_tokens)
+            request.num_sent_tokens = num_tokens
+            request.num_computed_tokens = (
+                num_computed_tokens + out.num_scheduled_tokens[request.request_id]
+            )
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
-        if out.requests:
+        self._scheduled_requests = step.requests
+        if step.requests:
             self.stats.num_steps += 1
         usage = manager.usage
         if usage > self.stats.peak_kv_cache_usage:
@@ -275,36 +325,55 @@ class Scheduler:
         return out
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled_token_ids: Sequence[int]
+        self,
+        scheduler_output: SchedulerOutput,
+        sampled_token_ids: ModelRunnerOutput | Sequence[int],
     ) -> list[Request]:
         """Append the sampled tokens and finish requests that hit a stop condition.
 
         Args:
             scheduler_output: the output of the last :meth:`schedule`.
-            sampled_token_ids: one token id per request with ``sample[i]`` True, in batch order.
+            sampled_token_ids: the workers' :class:`ModelRunnerOutput` (request ids and their
+                sampled tokens), or the sampled token ids alone, one per sampling request in
+                scheduling order (a request samples when the step completes its prompt and
+                every earlier token).
 
         Returns:
             The requests that got a token or finished in this step (including those rejected
-            while scheduling and those preempted by nothing: preempted requests are not listed),
-            in batch order. Finished requests have freed their blocks and are forgotten.
+            while scheduling; preempted requests are not listed), rejected ones first, then in
+            scheduling order. Finished requests have freed their blocks and are forgotten.
 
         Raises:
-            InvalidRequestError: the number of sampled tokens does not match.
+            InvalidRequestError: the sampled tokens do not match the sampling requests (their
+                number, or a request id that did not sample); nothing is changed then.
         """
-        out = scheduler_output
-        if len(sampled_token_ids) != out.num_sampled:
-            raise InvalidRequestError(
-                f"got {len(sampled_token_ids)} sampled tokens for {out.num_sampled} sampling "
-                "requests"
+        scheduled = self._scheduled_requests
+        if len(scheduled) != scheduler_output.num_reqs:
+            raise InvalidRequestError("update_from_output needs the output of the last schedule()")
+        sampling = [r for r in scheduled if r.num_computed_tokens >= r.num_tokens]
+        if isinstance(sampled_token_ids, ModelRunnerOutput):
+            by_id = dict(
+                zip(sampled_token_ids.req_ids, sampled_token_ids.sampled_token_ids, strict=True)
             )
-        changed: list[Request] = list(out.finished_requests)
+            missing = [r.request_id for r in sampling if r.request_id not in by_id]
+            if missing or len(by_id) != len(sampling):
+                raise InvalidRequestError(
+                    f"the sampled tokens are for requests {sorted(by_id)}, the sampling requests "
+                    f"are {sorted(r.request_id for r in sampling)}"
+                )
+            tokens = [by_id[r.request_id] for r in sampling]
+        else:
+            tokens = list(sampled_token_ids)
+            if len(tokens) != len(sampling):
+                raise InvalidRequestError(
+                    f"got {len(tokens)} sampled tokens for {len(sampling)} sampling requests"
+                )
+        self._scheduled_requests = []
+        changed: list[Request] = self._rejected
+        self._rejected = []
         finished: list[Request] = []
         now = time.monotonic()
-        token_iter = iter(sampled_token_ids)
-        for request, sample in zip(out.requests, out.sample, strict=True):
-            if not sample:
-                continue
-            token_id = next(token_iter)
+        for request, token_id in zip(sampling, tokens, strict=True):
             if request.is_finished:  # aborted between schedule() and now
                 continue
             request.append_output_token_ids(token_id)
@@ -323,7 +392,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ helpers
 
-    def _admit_waiting(self, out: SchedulerOutput, token_budget: int) -> None:
+    def _admit_waiting(self, step: _Step, token_budget: int) -> None:
         manager = self.kv_cache_manager
         waiting = self.waiting
         skip = self.admission == "skip"
@@ -339,7 +408,7 @@ class Scheduler:
                 new_blocks = manager.allocate_slots(
                     request, num_new_tokens, num_computed_tokens, computed_blocks
                 )
-                if new_blocks is None and self._reject_if_never_fits(request, out):
+                if new_blocks is None and self._reject_if_never_fits(request, step):
                     continue
             if new_blocks is None:
                 if not skip:
@@ -358,15 +427,16 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed_tokens
             self.running.append(request)
-            self._schedule(out, request, num_new_tokens, num_computed_tokens)
+            # A request the workers already hold came back from preemption.
+            step.add(request, num_new_tokens, None, request.num_sent_tokens > 0)
             token_budget -= num_new_tokens
         for request in reversed(skipped):  # back in front, in their order
             waiting.add_front(request)
 
-    def _reject_if_never_fits(self, request: Request, out: SchedulerOutput) -> bool:
+    def _reject_if_never_fits(self, request: Request, step: _Step) -> bool:
         """Finish ``request`` with an error if allocation failed while no other request holds
         blocks: the whole pool was free, so it can never fit. Returns True when rejected."""
-        if self.running or out.requests:
+        if self.running or step.requests:
             return False
         self.waiting.remove(request)
         request.status = RequestStatus.FINISHED_ERROR
@@ -376,7 +446,7 @@ class Scheduler:
         )
         self.stats.num_rejected += 1
         self._free_request(request)
-        out.finished_requests.append(request)
+        self._rejected.append(request)
         return True
 
     def _pick_victim(self) -> Request:
@@ -384,33 +454,60 @@ class Scheduler:
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, request: Request, step: _Step) -> None:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.add_front(request)
-        out.preempted_requests.append(request)
-
-    @staticmethod
-    def _schedule(
-        out: SchedulerOutput, request: Request, num_new_tokens: int, num_computed_tokens: int
-    ) -> None:
-        out.requests.append(request)
-        out.num_scheduled_tokens.append(num_new_tokens)
-        out.num_computed_tokens.append(num_computed_tokens)
-        out.total_num_scheduled_tokens += num_new_tokens
-
-    @staticmethod
-    def _unschedule(out: SchedulerOutput, index: int, scheduled_index: dict[int, int]) -> None:
-        out.total_num_scheduled_tokens -= out.num_scheduled_tokens[index]
-        del out.requests[index], out.num_scheduled_tokens[index], out.num_computed_tokens[index]
-        for key, value in scheduled_index.items():
-            if value > index:
-                scheduled_index[key] = value - 1
+        step.preempted_req_ids.add(request.request_id)
 
     def _free_request(self, request: Request, now: float | None = None) -> None:
         self.kv_cache_manager.free(request)
         request.finished_time = time.monotonic() if now is None else now
         self.requests.pop(request.request_id, None)
+        self.finished_req_ids.add(request.request_id)
+
+
+class _Step:
+    """The requests one :meth:`Scheduler.schedule` call has scheduled so far, in order."""
+
+    __slots__ = (
+        "new_blocks",
+        "num_scheduled_tokens",
+        "preempted_req_ids",
+        "requests",
+        "resumed",
+        "total_num_scheduled_tokens",
+    )
+
+    def __init__(self) -> None:
+        self.requests: list[Request] = []
+        self.new_blocks: list[KVCacheBlocks | None] = []
+        self.resumed: list[bool] = []
+        self.num_scheduled_tokens: dict[str, int] = {}
+        self.total_num_scheduled_tokens = 0
+        self.preempted_req_ids: set[str] = set()
+
+    def add(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_blocks: KVCacheBlocks | None,
+        resumed: bool,
+    ) -> None:
+        self.requests.append(request)
+        self.new_blocks.append(new_blocks)
+        self.resumed.append(resumed)
+        self.num_scheduled_tokens[request.request_id] = num_new_tokens
+        self.total_num_scheduled_tokens += num_new_tokens
+
+    def unschedule(self, request: Request) -> int:
+        """Take ``request`` out of the step (a preemption victim); its tokens, 0 if absent."""
+        num_tokens = self.num_scheduled_tokens.pop(request.request_id, 0)
+        if num_tokens:
+            index = self.requests.index(request)
+            del self.requests[index], self.new_blocks[index], self.resumed[index]
+            self.total_num_scheduled_tokens -= num_tokens
+        return num_tokens

@@ -187,16 +187,19 @@ class _EngineDriver:
 
     def schedule(self) -> tuple[list, list[int]]:
         self._out = out = self.scheduler.schedule()
-        return out.requests, out.num_scheduled_tokens
+        requests = self.scheduler.requests
+        return [requests[i] for i in out.num_scheduled_tokens], list(
+            out.num_scheduled_tokens.values()
+        )
 
     def complete(self, scheduled: list) -> list:
-        out = self._out
+        # In scheduling order, the requests whose step completed every known token sample.
         sampled = [
             r.scripted_output[r.num_output_tokens]
-            for r, sample in zip(out.requests, out.sample, strict=True)
-            if sample
+            for r in scheduled
+            if r.num_computed_tokens >= r.num_tokens
         ]
-        changed = self.scheduler.update_from_output(out, sampled)
+        changed = self.scheduler.update_from_output(self._out, sampled)
         return [r for r in changed if r.is_finished]
 
 

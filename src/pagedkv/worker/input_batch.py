@@ -1,22 +1,36 @@
-"""InputBatch: one scheduler step's flattened model inputs, built in buffers allocated once.
+"""InputBatch: the worker's persistent per-request rows, and one step's flattened model inputs.
 
-From the :class:`~pagedkv.worker.scheduler_output.SchedulerOutput` (requests in batch order, each
-with ``num_computed_tokens`` c and ``num_scheduled_tokens`` n)::
+The worker keeps its own copy of every unfinished request it has been sent
+(:class:`CachedRequestState`: token ids, block ids per KV cache group, sampling params), built from
+the plain data of :class:`~pagedkv.worker.scheduler_output.SchedulerOutput` (vLLM V1's
+``InputBatch`` and ``CachedRequestState``, in our own code). The requests scheduled in a step
+occupy rows ``0 .. num_reqs-1`` of buffers allocated once::
 
-    input_ids        [T]   the tokens all_token_ids[c : c + n] of each request, concatenated
+    token_ids_cpu    [max_num_seqs, max_model_len] int32   row i: request i's token ids
+    num_tokens       [max_num_seqs] int64                  prompt + output tokens known
+    num_computed     [max_num_seqs] int64                  KV in the cache before the step
+    block_tables[g]  [max_num_seqs, max_blocks] int32      row i: its block ids in group g
+                                                           (``num_blocks[g, i]`` of them)
+
+A step (:meth:`InputBatch.update`) removes the rows of finished, preempted and unscheduled
+requests, appends each scheduled request's new token ids and block ids to its row in place, adds
+rows for new and returning requests, and moves the last rows into the holes; a decode step's
+Python work is O(batch), independent of context length. A request that leaves the batch
+without finishing (preempted, or not scheduled this step) keeps its state and gets its row back
+when it is scheduled again; after a preemption its block table is replaced, not appended to.
+
+From the rows and ``num_scheduled_tokens`` (n per request, c = num_computed)
+:meth:`InputBatch.prepare` builds::
+
+    input_ids        [T]   token_ids_cpu[i, c : c + n] of each request, concatenated
     positions        [T]   c, c+1, ..., c+n-1 for each request
     query_start_loc  [R+1] 0, n_0, n_0+n_1, ...   (request i owns rows qsl[i] .. qsl[i+1]-1)
     seq_lens         [R]   c + n                  (tokens in the cache after this step)
-
-and per KV cache group g (one for the Llama family; Gemma 3 has six)::
-
-    block_tables[g]  [R, max_blocks] int32        (row i starts with request i's block ids in
-                                                   group g, ``out.block_ids[i][g]``; a sliding-
-                                                   window group holds the null block 0 where
-                                                   blocks left the window; the tail of each row
-                                                   is never read and holds stale ids of earlier
-                                                   steps: the buffer is reused, not cleared)
     slot_mapping[g]  [T]   block_tables[g][i, pos // block_size] * block_size + pos % block_size
+
+A sliding-window group's row keeps the ids of blocks that have left the window (the scheduler
+sends only new blocks, as vLLM V1 does); the attention never reads them (they are before the
+window), so freeing and reusing them changes nothing here.
 
 The group's tensors form one :class:`~pagedkv.ops.backends.CommonAttentionMetadata`; the
 attention backend builds its metadata from it once per distinct (group, layer spec) pair (a spec
@@ -31,18 +45,51 @@ tensors without copies on CPU (copied to the model's device otherwise).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from pagedkv.errors import InvalidRequestError
 from pagedkv.ops.backends import (
     AttentionBackend,
     AttentionLayerSpec,
     BoundAttentionMetadata,
     CommonAttentionMetadata,
 )
-from pagedkv.worker.scheduler_output import SchedulerOutput
+from pagedkv.sampling_params import SamplingParams
+from pagedkv.worker.scheduler_output import BlockIds, SchedulerOutput
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    """What a worker holds of one unfinished request (built from the scheduler's plain data).
+
+    Attributes:
+        req_id: the request's id.
+        prompt_token_ids: ``[num_prompt_tokens]`` token ids.
+        output_token_ids: the tokens sampled so far, as the scheduler sent them.
+        sampling_params: its sampling options.
+        eos_token_ids: the model's end-of-sequence ids (masked until ``min_tokens``).
+        block_ids: its block ids, one list per KV cache group.
+        num_computed_tokens: tokens whose KV is in the cache before the current step.
+        generator: its own sampling generator (a seeded, non-greedy request), made on first
+            use.
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    block_ids: BlockIds
+    num_computed_tokens: int
+    generator: torch.Generator | None = field(default=None, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + output tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
 @dataclass(slots=True)
@@ -54,6 +101,10 @@ class ModelInputs:
         positions: ``[num_tokens]`` int64.
         attn_metadata: per layer, the backend's metadata of its KV cache group and spec, bound
             to the backend (layers of one group and spec share one object).
+        num_scheduled_tokens: ``[num_reqs]`` int64 numpy array, per row.
+        query_start_loc: ``[num_reqs + 1]`` int32 numpy array.
+        sample: ``[num_reqs]`` bool numpy array: the rows whose request samples a token after
+            this step (the step completes its prompt and every earlier token).
         logits_rows: ``[num_sampled]`` int numpy array: the rows of the sampling requests' last
             scheduled tokens, in batch order.
     """
@@ -61,18 +112,22 @@ class ModelInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn_metadata: list[BoundAttentionMetadata]
+    num_scheduled_tokens: np.ndarray
+    query_start_loc: np.ndarray
+    sample: np.ndarray
     logits_rows: np.ndarray
 
 
 class InputBatch:
-    """Builds :class:`ModelInputs` from scheduler outputs, reusing its buffers every step.
+    """The persistent rows of the requests a worker runs, and the step inputs built from them.
 
     Args:
         block_size: tokens per KV block.
         num_blocks: KV blocks in the pool (bounds the block ids, for the ops' bookkeeping).
-        max_num_seqs: most requests per step (rows of the block-table buffer).
+        max_num_seqs: most requests per step (rows).
         max_num_batched_tokens: most tokens per step.
-        max_model_len: most tokens per request (columns of the block-table buffer).
+        max_model_len: most tokens per request (columns of the token rows; block-table columns
+            are ``ceil(max_model_len / block_size)``).
         device: where the model runs; tensors are torch views of the buffers on CPU.
         backend: the attention backend that builds the metadata.
         attention_groups: the distinct (KV cache group index, layer spec) pairs the layers
@@ -96,47 +151,201 @@ class InputBatch:
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
         self.device = device
         self.backend = backend
         num_kv_cache_groups = 1 + max(g for g, _ in attention_groups)
         self.num_kv_cache_groups = num_kv_cache_groups
         self.attention_groups = tuple(attention_groups)
         self.layer_attention_groups = tuple(layer_attention_groups)
-        max_blocks = -(-max_model_len // block_size)
-        # Buffers reused by every step (numpy views shared with torch tensors).
-        self._block_tables = np.zeros(
-            (num_kv_cache_groups, max_num_seqs, max_blocks), dtype=np.int32
+        self.max_num_blocks_per_req = -(-max_model_len // block_size)
+
+        #: every unfinished request this worker was sent, in the batch or not.
+        self.requests: dict[str, CachedRequestState] = {}
+        #: the request in each row (rows ``0 .. num_reqs-1`` are filled after :meth:`update`).
+        self.req_ids: list[str | None] = [None] * max_num_seqs
+        self.req_id_to_index: dict[str, int] = {}
+        self.num_reqs = 0
+        # Persistent rows (numpy buffers viewed by torch on CPU).
+        self.token_ids_cpu = np.zeros((max_num_seqs, max_model_len), dtype=np.int32)
+        self.num_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        self.block_tables = np.zeros(
+            (num_kv_cache_groups, max_num_seqs, self.max_num_blocks_per_req), dtype=np.int32
         )
+        self.num_blocks_per_row = np.zeros((num_kv_cache_groups, max_num_seqs), dtype=np.int64)
+        # Per-step scratch buffers.
         self._input_ids = np.zeros(max_num_batched_tokens, dtype=np.int64)
         self._arange = np.arange(max(max_num_batched_tokens, max_num_seqs) + 1, dtype=np.int64)
         self._query_start_loc = np.zeros(max_num_seqs + 1, dtype=np.int32)
 
+    # ------------------------------------------------------------------ state updates
+
+    def update(self, out: SchedulerOutput) -> None:
+        """Apply one step's changes: drop finished requests, take unscheduled ones out of the
+        batch, update and add the scheduled ones, and pack them into rows ``0 .. R-1``.
+
+        Raises:
+            InvalidRequestError: a cached request this worker does not hold, a request with
+                more tokens than max_model_len or more blocks than its row, or more requests
+                than max_num_seqs.
+        """
+        requests = self.requests
+        for req_id in out.finished_req_ids:
+            self._remove_row(req_id)
+            requests.pop(req_id, None)
+        scheduled = out.num_scheduled_tokens
+        for req_id in self.req_ids[: self.num_reqs]:
+            if req_id is not None and req_id not in scheduled:
+                self._remove_row(req_id)  # preempted or not scheduled: state kept
+        for new in out.scheduled_new_reqs:
+            state = CachedRequestState(
+                new.req_id,
+                list(new.prompt_token_ids),
+                [],
+                new.sampling_params,
+                tuple(new.eos_token_ids),
+                tuple(list(ids) for ids in new.block_ids),
+                new.num_computed_tokens,
+            )
+            self._remove_row(new.req_id)  # a re-sent id (after a failed step): start afresh
+            requests[new.req_id] = state
+            self._add_row(state)
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = requests.get(req_id)
+            if state is None:
+                raise InvalidRequestError(f"the worker holds no request {req_id!r}")
+            new_token_ids = cached.new_token_ids[i]
+            new_block_ids = cached.new_block_ids[i]
+            resumed = cached.resumed_from_preemption[i]
+            index = self.req_id_to_index.get(req_id)
+            if new_token_ids:
+                start = state.num_tokens
+                end = start + len(new_token_ids)
+                if end > self.max_model_len:
+                    raise InvalidRequestError(
+                        f"request {req_id!r} would hold {end} tokens, more than max_model_len="
+                        f"{self.max_model_len}"
+                    )
+                state.output_token_ids.extend(new_token_ids)
+                if index is not None:
+                    self.token_ids_cpu[index, start:end] = new_token_ids
+                    self.num_tokens[index] = end
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            if resumed:
+                state.block_ids = tuple(list(ids) for ids in new_block_ids)
+                if index is not None:
+                    self._write_block_ids(index, state.block_ids)
+            elif new_block_ids is not None:
+                for g, ids in enumerate(new_block_ids):
+                    if not ids:
+                        continue
+                    row_blocks = state.block_ids[g]
+                    start = len(row_blocks)
+                    row_blocks.extend(ids)
+                    if index is not None:
+                        self._check_num_blocks(req_id, len(row_blocks))
+                        self.block_tables[g, index, start : len(row_blocks)] = ids
+                        self.num_blocks_per_row[g, index] = len(row_blocks)
+            if index is None:
+                self._add_row(state)
+            else:
+                self.num_computed_tokens[index] = state.num_computed_tokens
+        self._condense()
+
+    def _add_row(self, state: CachedRequestState) -> None:
+        """Give ``state`` a row (the first hole, else the next free row) and copy it in."""
+        if len(self.req_id_to_index) >= self.max_num_seqs:
+            raise InvalidRequestError(f"more than max_num_seqs={self.max_num_seqs} requests")
+        num_tokens = state.num_tokens
+        if num_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"request {state.req_id!r} has {num_tokens} tokens, more than max_model_len="
+                f"{self.max_model_len}"
+            )
+        if len(self.req_id_to_index) < self.num_reqs:  # the first hole
+            index = self.req_ids.index(None)
+        else:
+            index = self.num_reqs
+            self.num_reqs += 1
+        num_prompt = len(state.prompt_token_ids)
+        row = self.token_ids_cpu[index]
+        row[:num_prompt] = state.prompt_token_ids
+        row[num_prompt:num_tokens] = state.output_token_ids
+        self.num_tokens[index] = num_tokens
+        self.num_computed_tokens[index] = state.num_computed_tokens
+        self._write_block_ids(index, state.block_ids)
+        self.req_ids[index] = state.req_id
+        self.req_id_to_index[state.req_id] = index
+
+    def _write_block_ids(self, index: int, block_ids: BlockIds) -> None:
+        for g, ids in enumerate(block_ids):
+            self._check_num_blocks(self.req_ids[index] or "?", len(ids))
+            self.block_tables[g, index, : len(ids)] = ids
+            self.num_blocks_per_row[g, index] = len(ids)
+
+    def _check_num_blocks(self, req_id: str, num_blocks: int) -> None:
+        if num_blocks > self.max_num_blocks_per_req:
+            raise InvalidRequestError(
+                f"request {req_id!r} would hold {num_blocks} blocks, more than a row's "
+                f"{self.max_num_blocks_per_req} (max_model_len / block_size)"
+            )
+
+    def _remove_row(self, req_id: str) -> None:
+        """Free ``req_id``'s row (a hole until :meth:`_condense`); no-op if it has none."""
+        index = self.req_id_to_index.pop(req_id, None)
+        if index is not None:
+            self.req_ids[index] = None
+
+    def _condense(self) -> None:
+        """Move the last filled rows into the holes so rows ``0 .. R-1`` are the batch."""
+        req_ids = self.req_ids
+        num_reqs = len(self.req_id_to_index)
+        last = self.num_reqs - 1
+        for hole in range(num_reqs):
+            if req_ids[hole] is not None:
+                continue
+            while req_ids[last] is None:
+                last -= 1
+            self._move_row(last, hole)
+            last -= 1
+        self.num_reqs = num_reqs
+
+    def _move_row(self, src: int, dst: int) -> None:
+        req_id = self.req_ids[src]
+        num_tokens = int(self.num_tokens[src])
+        self.token_ids_cpu[dst, :num_tokens] = self.token_ids_cpu[src, :num_tokens]
+        self.num_tokens[dst] = num_tokens
+        self.num_computed_tokens[dst] = self.num_computed_tokens[src]
+        for g in range(self.num_kv_cache_groups):
+            n = int(self.num_blocks_per_row[g, src])
+            self.block_tables[g, dst, :n] = self.block_tables[g, src, :n]
+            self.num_blocks_per_row[g, dst] = n
+        self.req_ids[dst], self.req_ids[src] = req_id, None
+        self.req_id_to_index[req_id] = dst
+
+    # ------------------------------------------------------------------ the step's inputs
+
     def prepare(self, out: SchedulerOutput) -> ModelInputs:
-        """Build the step's flattened inputs (see the module docstring)."""
-        num_reqs = out.num_reqs
+        """Build the step's flattened inputs from rows ``0 .. R-1`` (after :meth:`update`)."""
+        num_reqs = self.num_reqs
         bs = self.block_size
-        num_scheduled = np.asarray(out.num_scheduled_tokens, dtype=np.int64)
-        num_computed = np.asarray(out.num_computed_tokens, dtype=np.int64)
+        scheduled = out.num_scheduled_tokens
+        num_scheduled = np.fromiter(
+            (scheduled[r] for r in self.req_ids[:num_reqs]), dtype=np.int64, count=num_reqs
+        )
+        num_computed = self.num_computed_tokens[:num_reqs]
         qsl = self._query_start_loc[: num_reqs + 1]
         np.cumsum(num_scheduled, out=qsl[1:])
         num_tokens = int(qsl[-1])
 
-        # Token ids: decode-only steps (the common case) take one id per request.
-        input_ids = self._input_ids[:num_tokens]
-        requests = out.requests
-        if num_tokens == num_reqs:
-            computed = out.num_computed_tokens
-            input_ids[:] = [r.all_token_ids[c] for r, c in zip(requests, computed, strict=True)]
-        else:
-            starts = qsl.tolist()
-            for i, request in enumerate(requests):
-                c = out.num_computed_tokens[i]
-                n = out.num_scheduled_tokens[i]
-                input_ids[starts[i] : starts[i] + n] = request.all_token_ids[c : c + n]
-
-        # Positions, vectorised over all tokens; the block index and offset of each token.
+        # Positions, vectorised over all tokens; token ids gathered from the rows.
         req_index = np.repeat(self._arange[:num_reqs], num_scheduled)
         positions = self._arange[:num_tokens] - np.repeat(qsl[:-1] - num_computed, num_scheduled)
+        input_ids = self._input_ids[:num_tokens]
+        input_ids[:] = self.token_ids_cpu.reshape(-1)[req_index * self.max_model_len + positions]
         block_index = positions // bs
         offsets = positions % bs
         seq_lens = (num_computed + num_scheduled).astype(np.int32)
@@ -148,12 +357,8 @@ class InputBatch:
         qsl_cpu = torch.from_numpy(qsl) if host else None
         commons = []  # per KV cache group
         for g in range(self.num_kv_cache_groups):
-            # Block tables: copy each row's block ids of group g.
-            block_ids = [ids[g] for ids in out.block_ids]
-            max_num_blocks = max(map(len, block_ids))
-            block_tables = self._block_tables[g, :num_reqs, :max_num_blocks]
-            for i, row in enumerate(block_ids):
-                block_tables[i, : len(row)] = row
+            max_num_blocks = int(self.num_blocks_per_row[g, :num_reqs].max())
+            block_tables = self.block_tables[g, :num_reqs, :max_num_blocks]
             slot_mapping = block_tables[req_index, block_index].astype(np.int64)
             slot_mapping *= bs
             slot_mapping += offsets
@@ -180,8 +385,17 @@ class InputBatch:
             layer_metadata = metadata * len(self.layer_attention_groups)
         else:
             layer_metadata = [metadata[k] for k in self.layer_attention_groups]
-        logits_rows = qsl[1:][np.asarray(out.sample, dtype=bool)] - 1
-        return ModelInputs(to(input_ids), to(positions), layer_metadata, logits_rows)
+        sample = seq_lens >= self.num_tokens[:num_reqs]
+        logits_rows = qsl[1:][sample] - 1
+        return ModelInputs(
+            to(input_ids),
+            to(positions),
+            layer_metadata,
+            num_scheduled,
+            qsl,
+            sample,
+            logits_rows,
+        )
 
     def to_device(self, array: np.ndarray) -> torch.Tensor:
         """A torch view of ``array`` (CPU), or a copy on the model's device."""

@@ -34,7 +34,8 @@ from pagedkv.ops.backends import (
     TorchBackend,
     get_attn_backend,
 )
-from pagedkv.worker.input_batch import InputBatch, ModelInputs
+from pagedkv.sampling_params import SamplingParams
+from pagedkv.worker.input_batch import CachedRequestState, InputBatch, ModelInputs
 from pagedkv.worker.outputs import LogprobsLists, ModelRunnerOutput
 from pagedkv.worker.sampler import Sampler, compute_logprobs, gather_logprobs
 from pagedkv.worker.scheduler_output import SchedulerOutput
@@ -109,7 +110,6 @@ class ModelRunner:
         #: torch's intra-op thread count when the runner was built (the engine has set it).
         self.num_threads = torch.get_num_threads()
         self._thread_ident: int | None = None
-        self._generators: dict[str, torch.Generator] = {}
 
         self.input_batch = InputBatch(
             block_size=self.block_size,
@@ -127,40 +127,44 @@ class ModelRunner:
         """Nothing to stop in one process (the executor interface:
         :class:`~pagedkv.worker.tp_executor.TensorParallelExecutor` stops its ranks)."""
 
-    def finish_requests(self, request_ids: Sequence[str]) -> None:
-        """Forget per-request state (seeded generators) of finished requests."""
-        for request_id in request_ids:
-            self._generators.pop(request_id, None)
-
-    def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
-        """Build the step's flattened inputs (:meth:`InputBatch.prepare`)."""
-        return self.input_batch.prepare(out)
-
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one forward for the step and sample.
+        """Apply the step's changes to the persistent batch, run one forward and sample.
+
+        A step with no scheduled token (only finished requests to forget) updates the state and
+        returns an empty output.
 
         Returns:
-            One sampled token id per request with ``out.sample[i]`` True, in batch order, and
-            the logprobs and prompt logprobs the step's requests asked for.
+            One sampled token id per request whose step completes its prompt and every earlier
+            token, in batch order, with their ids, and the logprobs and prompt logprobs the
+            step's requests asked for.
+
+        Raises:
+            InvalidRequestError: a scheduler output that does not fit this worker's state
+                (:meth:`InputBatch.update`).
         """
         if self._thread_ident != threading.get_ident():
             self._bind_calling_thread()
-        inputs = self.input_batch.prepare(out)
+        batch = self.input_batch
+        batch.update(out)
+        result = ModelRunnerOutput()
+        if not out.total_num_scheduled_tokens:
+            return result
+        inputs = batch.prepare(out)
         hidden = self.model.forward(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata
         )
-        result = ModelRunnerOutput()
-        if any(r.sampling_params.prompt_logprobs is not None for r in out.requests):
-            self._prompt_logprobs(out, hidden, result)
+        states = [batch.requests[req_id] for req_id in batch.req_ids[: batch.num_reqs]]
+        if any(s.sampling_params.prompt_logprobs is not None for s in states):
+            self._prompt_logprobs(states, inputs, hidden, result)
         if len(inputs.logits_rows) == 0:
             return result
-        logits = self.model.compute_logits(hidden[self.input_batch.to_device(inputs.logits_rows)])
+        logits = self.model.compute_logits(hidden[batch.to_device(inputs.logits_rows)])
         if logits is None:  # a tensor-parallel rank other than 0: it only joined the gather
             return result
-        sampling = [r for r, s in zip(out.requests, out.sample, strict=True) if s]
-        params = [r.sampling_params for r in sampling]
-        generators = [self._generator(r) for r in sampling]
+        sampling = [s for s, sample in zip(states, inputs.sample.tolist(), strict=True) if sample]
+        params = [s.sampling_params for s in sampling]
+        generators = [self._generator(s) for s in sampling]
         # Raw logprobs are read before the sampler changes the logits in place.
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = None
@@ -169,26 +173,26 @@ class ModelRunner:
             raw_logprobs = compute_logprobs(logits.index_select(0, rows))
         outputs = prompts = stops = None
         if any(p.has_penalties or p.min_tokens for p in params):
-            outputs = [r.output_token_ids for r in sampling]
+            outputs = [s.output_token_ids for s in sampling]
             prompts = [
-                r.prompt_token_ids if p.repetition_penalty != 1 else ()
-                for r, p in zip(sampling, params, strict=True)
+                s.prompt_token_ids if p.repetition_penalty != 1 else ()
+                for s, p in zip(sampling, params, strict=True)
             ]
             stops = [
-                _min_tokens_stop_ids(r, p) if p.min_tokens else ()
-                for r, p in zip(sampling, params, strict=True)
+                _min_tokens_stop_ids(s, p) if p.min_tokens else ()
+                for s, p in zip(sampling, params, strict=True)
             ]
         sampled = self.sampler(
             logits, params, generators, outputs, prompt_token_ids=prompts, stop_token_ids=stops
         )
-        result.req_ids = [r.request_id for r in sampling]
+        result.req_ids = [s.req_id for s in sampling]
         if raw_logprobs is not None:
             k = max(params[i].logprobs for i in wanted)
             ids, values, ranks = gather_logprobs(raw_logprobs, sampled[rows], k)
             ids, values, ranks = ids.tolist(), values.tolist(), ranks.tolist()
             for j, i in enumerate(wanted):
                 width = 1 + params[i].logprobs
-                result.logprobs[sampling[i].request_id] = LogprobsLists(
+                result.logprobs[sampling[i].req_id] = LogprobsLists(
                     [ids[j][:width]], [values[j][:width]], [ranks[j]]
                 )
         result.sampled_token_ids = sampled.tolist()
@@ -204,21 +208,25 @@ class ModelRunner:
         self._thread_ident = threading.get_ident()
 
     def _prompt_logprobs(
-        self, out: SchedulerOutput, hidden: torch.Tensor, result: ModelRunnerOutput
+        self,
+        states: Sequence[CachedRequestState],
+        inputs: ModelInputs,
+        hidden: torch.Tensor,
+        result: ModelRunnerOutput,
     ) -> None:
         """Logprobs of the prompt tokens whose predicting position this step computed, for the
         requests asking for prompt logprobs: the row at position p predicts token p + 1, so a
         chunk of positions c .. c+n-1 gives tokens c+1 .. min(c+n, P-1) (P = prompt length).
         A request recomputing its prompt after preemption gives the same rows again."""
-        start = 0
-        for i, request in enumerate(out.requests):
-            num_scheduled = out.num_scheduled_tokens[i]
-            row_start, start = start, start + num_scheduled
-            k = request.sampling_params.prompt_logprobs
+        starts = inputs.query_start_loc.tolist()
+        num_scheduled = inputs.num_scheduled_tokens.tolist()
+        for i, state in enumerate(states):
+            k = state.sampling_params.prompt_logprobs
             if k is None:
                 continue
-            computed = out.num_computed_tokens[i]
-            end = min(computed + num_scheduled, request.num_prompt_tokens - 1)
+            row_start = starts[i]
+            computed = state.num_computed_tokens
+            end = min(computed + num_scheduled[i], len(state.prompt_token_ids) - 1)
             if end <= computed:
                 continue
             targets = None
@@ -230,32 +238,30 @@ class ModelRunner:
                     continue
                 if targets is None:
                     targets = torch.tensor(
-                        request.all_token_ids[computed + 1 : end + 1], device=hidden.device
+                        state.prompt_token_ids[computed + 1 : end + 1], device=hidden.device
                     )
                 ids, values, ranks = gather_logprobs(compute_logprobs(logits), targets[lo:hi], k)
                 lists.token_ids += ids.tolist()
                 lists.logprobs += values.tolist()
                 lists.ranks += ranks.tolist()
             if targets is not None:
-                result.prompt_logprobs[request.request_id] = (computed + 1, lists)
+                result.prompt_logprobs[state.req_id] = (computed + 1, lists)
 
-    def _generator(self, request) -> torch.Generator | None:
-        seed = request.sampling_params.seed
-        if seed is None or request.sampling_params.greedy:
+    def _generator(self, state: CachedRequestState) -> torch.Generator | None:
+        seed = state.sampling_params.seed
+        if seed is None or state.sampling_params.greedy:
             return None
-        generator = self._generators.get(request.request_id)
-        if generator is None:
-            generator = torch.Generator(device=self.device).manual_seed(seed)
-            self._generators[request.request_id] = generator
-        return generator
+        if state.generator is None:
+            state.generator = torch.Generator(device=self.device).manual_seed(seed)
+        return state.generator
 
 
-def _min_tokens_stop_ids(request, params) -> list[int]:
+def _min_tokens_stop_ids(state: CachedRequestState, params: SamplingParams) -> list[int]:
     """Token ids masked until ``min_tokens``: the request's stop_token_ids, and the model's EOS
     ids unless ignore_eos (vLLM: ``SamplingParams.all_stop_token_ids``)."""
     ids = list(params.stop_token_ids)
     if not params.ignore_eos:
-        ids.extend(request.eos_token_ids)
+        ids.extend(state.eos_token_ids)
     return ids
 
 

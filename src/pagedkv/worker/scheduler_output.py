@@ -1,79 +1,110 @@
-"""SchedulerOutput: what one scheduler step hands to the model runner (torch-free).
+"""SchedulerOutput: what one scheduler step hands to the workers, as plain picklable data.
+
+The boundary has vLLM V1's shape (``vllm/v1/core/sched/output.py``), in our own code: the
+scheduler sends a request to the workers once, whole (:class:`NewRequestData`), and afterwards
+only what changed (:class:`CachedRequestData`: the token ids and block ids the workers do not have
+yet, the new ``num_computed_tokens``), plus the ids of requests that finished since the last step.
+Every worker keeps its own copy of each request's state (``pagedkv.worker.input_batch``), so a
+decode step sends O(1) data per request, whatever its context length, and tensor parallelism
+pickles this object as it is to every rank.
+
+Only ids, ints, lists of ints and :class:`~pagedkv.sampling_params.SamplingParams` (a frozen
+dataclass of plain values) cross the boundary: no live object of the engine.
 
 The worker defines what it consumes and the scheduler (one layer up) imports it, so the imports
-run one way (vLLM V1 keeps it in ``vllm/v1/core/sched/output.py``, below its workers). Requests are
-typed by the :class:`ScheduledRequest` protocol, the few attributes the runner reads, so this
-module does not import the engine's ``Request``.
+run one way (vLLM V1 keeps it below its workers too).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+
+from pagedkv.sampling_params import SamplingParams
+
+#: Block ids of one request, one list per KV cache group (``0`` = the null block).
+BlockIds = tuple[list[int], ...]
 
 
-class ScheduledRequest(Protocol):
-    """What the runner reads from a scheduled request (``pagedkv.engine.request.Request``)."""
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the workers have not seen: sent once, at its first scheduling.
 
-    request_id: str
-    sampling_params: Any  # pagedkv.sampling_params.SamplingParams
-    prompt_token_ids: Sequence[int]
+    Attributes:
+        req_id: the request's id (unique among unfinished requests).
+        prompt_token_ids: the prompt, ``[num_prompt_tokens]`` token ids.
+        sampling_params: its sampling options.
+        block_ids: its block table, one list of block ids per KV cache group.
+        num_computed_tokens: tokens whose KV is in the cache before this step (its prefix-cache
+            hit); its tokens this step start there.
+        eos_token_ids: the model's end-of-sequence ids (masked until ``min_tokens``).
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: BlockIds
+    num_computed_tokens: int
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """The scheduled requests the workers already hold, as parallel lists (one entry each).
+
+    Attributes:
+        req_ids: their ids.
+        resumed_from_preemption: True for a request that was preempted (its blocks freed) and
+            is scheduled again: ``new_block_ids`` then REPLACES its block table; otherwise
+            they are appended to it.
+        new_token_ids: token ids appended to the request since the workers last got its tokens
+            (the tokens sampled since: one per decode step), ``[k]`` each.
+        new_block_ids: blocks allocated to it since (one list per KV cache group), or None.
+        num_computed_tokens: tokens whose KV is in the cache before this step.
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    resumed_from_preemption: list[bool] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[BlockIds | None] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
 
     @property
-    def all_token_ids(self) -> Sequence[int]:
-        """Prompt and output token ids."""
-        ...
-
-    @property
-    def output_token_ids(self) -> Sequence[int]:
-        """Output token ids so far (read for presence / frequency penalties)."""
-        ...
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        """Prompt length (prompt logprobs, repetition penalty)."""
-        ...
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        """The model's end-of-sequence ids (masked until ``min_tokens``)."""
-        ...
+    def num_reqs(self) -> int:
+        """Number of cached requests scheduled."""
+        return len(self.req_ids)
 
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """What one step computes: parallel lists, one entry per scheduled request, in batch order.
+    """What one step computes, and what changed since the last step.
 
     Attributes:
-        requests: the scheduled requests.
-        num_scheduled_tokens: tokens computed for each request this step (>= 1).
-        num_computed_tokens: each request's num_computed_tokens BEFORE this step (the position
-            of its first scheduled token); its tokens this step are
-            ``all_token_ids[num_computed_tokens : num_computed_tokens + num_scheduled_tokens]``.
-        block_ids: each request's block ids, one list per KV cache group (its block table).
-        sample: whether a token is sampled for the request after this step (its prompt and
-            every earlier token are then computed); False for a partial prefill chunk.
-        total_num_scheduled_tokens: sum of num_scheduled_tokens.
-        preempted_requests: requests preempted while scheduling this step.
-        finished_requests: requests finished while scheduling (rejected: can never fit).
+        scheduled_new_reqs: requests scheduled for the first time.
+        scheduled_cached_reqs: requests the workers already hold, scheduled again.
+        num_scheduled_tokens: request id -> tokens computed for it this step (>= 1), for every
+            scheduled request, in scheduling order (new requests are not first: the order is
+            the scheduler's). A request's tokens this step are its token ids
+            ``[num_computed_tokens, num_computed_tokens + num_scheduled_tokens)``.
+        total_num_scheduled_tokens: sum of ``num_scheduled_tokens``.
+        finished_req_ids: requests that finished (or were aborted) since the last step: the
+            workers drop their state.
+        preempted_req_ids: requests preempted while scheduling this step (their blocks are
+            freed; the workers keep their tokens for when they resume).
     """
 
-    requests: list[ScheduledRequest] = field(default_factory=list)
-    num_scheduled_tokens: list[int] = field(default_factory=list)
-    num_computed_tokens: list[int] = field(default_factory=list)
-    block_ids: list[tuple[list[int], ...]] = field(default_factory=list)
-    sample: list[bool] = field(default_factory=list)
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
-    preempted_requests: list[ScheduledRequest] = field(default_factory=list)
-    finished_requests: list[ScheduledRequest] = field(default_factory=list)
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
 
     @property
     def num_reqs(self) -> int:
         """Number of scheduled requests."""
-        return len(self.requests)
+        return len(self.num_scheduled_tokens)
 
     @property
-    def num_sampled(self) -> int:
-        """Number of requests that sample a token after this step."""
-        return sum(self.sample)
+    def req_ids(self) -> list[str]:
+        """The scheduled requests' ids, in scheduling order."""
+        return list(self.num_scheduled_tokens)

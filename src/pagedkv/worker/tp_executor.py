@@ -13,9 +13,11 @@ cache of their share of the KV heads with the same ``num_blocks``, and loop::
     compute_logits                <-- all-gather of the vocabulary shards -->   compute_logits
     sample                                    (nothing to sample)
 
-Block tables are the scheduler's, the same on every rank, so every rank writes the same slots of
-its own KV heads. Only rank 0 samples; the sampled tokens reach the other ranks with the next
-step's scheduler output (as token ids of the requests), as in vLLM V1.
+The scheduler output is plain data (:mod:`pagedkv.worker.scheduler_output`), pickled as it is: every
+rank applies it to its own persistent batch, so block tables are the scheduler's, the same on
+every rank, and every rank writes the same slots of its own KV heads. Only rank 0 samples; the
+sampled tokens reach every rank, rank 0 included, with the next step's scheduler output (the new
+token ids of each request), as in vLLM V1.
 
 Two gloo process groups share one rendezvous (a ``TCPStore`` that rank 0 opens on 127.0.0.1 at a
 port the OS picks): *compute* (the model's collectives; gloo on CPU, NCCL when the model is on
@@ -43,8 +45,8 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -190,16 +192,12 @@ class TensorParallelExecutor:
         if self._failure is not None:
             raise self._failure
         try:
-            _broadcast(self._control[0], ("step", _wire_output(out)))
+            _broadcast(self._control[0], ("step", out))
             return self.runner.execute_model(out)
         except Exception as exc:
             self._failure = self._describe_failure(exc)
             self.shutdown()
             raise self._failure from exc
-
-    def finish_requests(self, request_ids: Sequence[str]) -> None:
-        """Forget finished requests' sampler state (rank 0 alone keeps any)."""
-        self.runner.finish_requests(request_ids)
 
     def shutdown(self) -> None:
         """Stop every worker (stop message, then SIGTERM, then SIGKILL); idempotent."""
@@ -268,54 +266,6 @@ class TensorParallelExecutor:
 
 
 # ---------------------------------------------------------------------- the wire
-
-
-class _TokenWindow:
-    """The token ids a step computes, indexed by their position in the whole sequence (what
-    :class:`~pagedkv.worker.input_batch.InputBatch` reads), without the rest of the sequence."""
-
-    __slots__ = ("start", "tokens")
-
-    def __init__(self, start: int, tokens: list[int]) -> None:
-        self.start = start
-        self.tokens = tokens
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return self.tokens[index.start - self.start : index.stop - self.start]
-        return self.tokens[index - self.start]
-
-
-@dataclass(slots=True)
-class _WireParams:
-    prompt_logprobs: int | None
-
-
-@dataclass(slots=True)
-class _WireRequest:
-    """What ranks > 0 read of a scheduled request: no sampling happens there."""
-
-    request_id: str
-    sampling_params: _WireParams
-    all_token_ids: _TokenWindow
-    num_prompt_tokens: int
-
-
-def _wire_output(out: SchedulerOutput) -> SchedulerOutput:
-    """``out`` with each request cut to the tokens the step computes (the message stays the size
-    of the step, not of the sequences)."""
-    requests = [
-        _WireRequest(
-            r.request_id,
-            _WireParams(r.sampling_params.prompt_logprobs),
-            _TokenWindow(c, list(r.all_token_ids[c : c + n])),
-            r.num_prompt_tokens,
-        )
-        for r, c, n in zip(
-            out.requests, out.num_computed_tokens, out.num_scheduled_tokens, strict=True
-        )
-    ]
-    return replace(out, requests=requests, preempted_requests=[], finished_requests=[])
 
 
 def _broadcast(group, message, timeout: datetime.timedelta | None = None) -> None:
