@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import time
 
-import msgpack
 import pytest
-import zmq
-from _cluster_helpers import BLOCK_SIZE, HASH_SEED, make_tiny_engine
 
-from pagedkv.core.events import AllBlocksCleared, BlockRemoved, BlockStored
-from pagedkv.engine.kv_events import (
+zmq = pytest.importorskip("zmq", reason="needs pip install 'pagedkv[cluster]'")
+msgpack = pytest.importorskip("msgpack", reason="needs pip install 'pagedkv[cluster]'")
+
+from _cluster_helpers import BLOCK_SIZE, HASH_SEED, make_tiny_engine  # noqa: E402
+
+from pagedkv.cluster.kv_events import (  # noqa: E402
     KVEventFormatError,
     KVEventPublisher,
     KVEventSubscriber,
@@ -20,9 +21,10 @@ from pagedkv.engine.kv_events import (
     encode_batch,
     to_wire_block_hash,
 )
-from pagedkv.entrypoints.cluster.router import ClusterRouter
-from pagedkv.errors import ConfigError
-from pagedkv.sampling_params import SamplingParams
+from pagedkv.cluster.router import ClusterRouter  # noqa: E402
+from pagedkv.core.events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
+from pagedkv.errors import ConfigError  # noqa: E402
+from pagedkv.sampling_params import SamplingParams  # noqa: E402
 
 H1, H2, H3 = (bytes([i]) * 32 for i in (1, 2, 3))
 STORED = BlockStored(
