@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 pytest.importorskip("zmq", reason="needs pip install 'pagedkv[cluster]'")
-pytest.importorskip("msgpack", reason="needs pip install 'pagedkv[cluster]'")
+pytest.importorskip("msgspec", reason="needs pip install 'pagedkv[cluster]'")
 
 from _cluster_helpers import BLOCK_SIZE, HASH_SEED, make_tiny_engine
 

@@ -153,7 +153,7 @@ def run_cluster(args: argparse.Namespace) -> int:
     routed by cached prefix (docs/cluster.md). Serves until interrupted.
 
     Raises:
-        ConfigError: Ray Serve, pyzmq or msgpack missing (the message names the extra), or a
+        ConfigError: Ray Serve, pyzmq or msgspec missing (the message names the extra), or a
             bad engine option.
     """
     import dataclasses
@@ -162,14 +162,14 @@ def run_cluster(args: argparse.Namespace) -> int:
     from pagedkv.engine.config import EngineConfig
 
     try:
-        import msgpack  # noqa: F401
+        import msgspec  # noqa: F401
         import zmq  # noqa: F401
 
         from pagedkv.cluster import ray_serve
         from pagedkv.entrypoints.cluster.ray_ingress import OpenAIIngress
     except ImportError as e:
         raise ConfigError(
-            f"--data-parallel-size needs Ray Serve, pyzmq and msgpack ({e.name} is missing): "
+            f"--data-parallel-size needs Ray Serve, pyzmq and msgspec ({e.name} is missing): "
             "pip install 'pagedkv[cluster]'"
         ) from None
     config = EngineConfig.from_cli_args(args)
