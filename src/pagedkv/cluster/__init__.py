@@ -1,7 +1,8 @@
 """Several engine replicas behind one endpoint, routed to where prompts' prefixes are cached
 (docs/cluster.md): the library the multi-replica cluster uses, between the engine and the
-entrypoints (the HTTP front end and ``pagedkv serve --data-parallel-size N`` live in
-:mod:`pagedkv.entrypoints.cluster`).
+entrypoints. The HTTP side (the OpenAI server's engine loop over a cluster, the Ray Serve
+ingress) is :mod:`pagedkv.entrypoints.cluster`; ``pagedkv serve --data-parallel-size N`` is
+:mod:`pagedkv.entrypoints.serve`.
 
 - :mod:`.kv_events`: KV-cache events on the wire (vLLM's msgspec format, ZMQ PUB / SUB).
 - :mod:`.prefix_index`: which replica caches which block hashes, and the ranking of replicas

@@ -74,7 +74,8 @@ class LocalCluster:
         return bool(self.replicas)
 
     async def submit(self, request: ClusterRequest) -> AsyncIterator[Any]:
-        """Route ``request`` to the best replica and stream from it (see :class:`Dispatcher`)."""
+        """Route ``request`` to the best replica and stream from it (see
+        :class:`~pagedkv.cluster.protocol.Dispatcher`)."""
         await self.start()
         if not self.replicas:
             raise EngineDeadError("no replica is serving")

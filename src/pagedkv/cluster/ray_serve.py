@@ -203,7 +203,8 @@ class EngineDeployment:
 
 
 class RayDispatcher:
-    """The front end's :class:`Dispatcher` over the engine deployment's handle.
+    """The front end's :class:`~pagedkv.cluster.protocol.Dispatcher` over the engine
+    deployment's handle.
 
     Args:
         handle: DeploymentHandle of the engine deployment.
