@@ -5,7 +5,7 @@ hashes chained), best of ``--repeat`` timings of ``--number`` calls each.
 ``--against REV`` also times the kv_events module of git revision REV (loaded from ``git show``,
 at its path then, in this process, on the same events) and checks that each reads the other's
 bytes back as the same events: how the issue-23 msgspec codec was compared with the hand-packed
-msgpack one.
+msgpack one (which needs the msgpack package; Ray installs it).
 
     .venv/bin/python benchmarks/bench_kv_events.py
     .venv/bin/python benchmarks/bench_kv_events.py --against 750adb8   # the msgpack codec
