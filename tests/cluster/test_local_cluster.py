@@ -9,15 +9,19 @@ import time
 
 import httpx
 import pytest
+
+pytest.importorskip("zmq", reason="needs pip install 'pagedkv[cluster]'")
+pytest.importorskip("msgspec", reason="needs pip install 'pagedkv[cluster]'")
+
 from _cluster_helpers import BLOCK_SIZE, HASH_SEED, make_tiny_engine
 
+from pagedkv.cluster.local import LocalCluster
+from pagedkv.cluster.protocol import ClusterRequest
+from pagedkv.cluster.replica import EngineReplica
+from pagedkv.cluster.router import ClusterRouter
+from pagedkv.engine.engine_loop import EngineDeadError
 from pagedkv.entrypoints.cluster.frontend import ClusterEngineLoop, merge_results
-from pagedkv.entrypoints.cluster.local import LocalCluster
-from pagedkv.entrypoints.cluster.protocol import ClusterRequest
-from pagedkv.entrypoints.cluster.replica import EngineReplica
-from pagedkv.entrypoints.cluster.router import ClusterRouter
 from pagedkv.entrypoints.openai.app import create_app
-from pagedkv.entrypoints.openai.engine_loop import EngineDeadError
 from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.sampling_params import SamplingParams
 

@@ -31,7 +31,8 @@ BODY = {"model": "tiny", "max_tokens": 3, "temperature": 0}
 def cluster():
     from ray import cloudpickle
 
-    from pagedkv.entrypoints.cluster import ray_serve
+    from pagedkv.cluster import ray_serve
+    from pagedkv.entrypoints.cluster.ray_ingress import OpenAIIngress
 
     # The replicas build the test's tiny model: ship its modules by value (not importable there).
     cloudpickle.register_pickle_by_value(_tiny_model)
@@ -45,6 +46,7 @@ def cluster():
     try:
         url = ray_serve.start_cluster(
             tiny_engine_config(),
+            ingress=OpenAIIngress,
             num_replicas=2,
             engine_factory=functools.partial(_cluster_helpers.make_tiny_engine),
             num_cpus_per_replica=0.5,
@@ -70,8 +72,8 @@ def engine_call(rank: int, fn):
     """``fn(engine)`` on the replica of ``rank``, from the test process."""
     from ray import serve
 
-    from pagedkv.entrypoints.cluster.protocol import ReplicaCall
-    from pagedkv.entrypoints.cluster.ray_serve import APP_NAME, ENGINE_DEPLOYMENT
+    from pagedkv.cluster.protocol import ReplicaCall
+    from pagedkv.cluster.ray_serve import APP_NAME, ENGINE_DEPLOYMENT
 
     handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=APP_NAME)
     return handle.engine_call.remote(ReplicaCall(rank, fn)).result(timeout_s=60)

@@ -12,11 +12,17 @@ from pagedkv.entrypoints.cli import main
 
 def test_without_the_cluster_extra_the_error_names_it(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
-    monkeypatch.delitem(sys.modules, "pagedkv.entrypoints.cluster.ray_serve", raising=False)
-    # An earlier test may have imported it: the package attribute would satisfy the import.
-    import pagedkv.entrypoints.cluster as cluster_package
+    # An earlier test may have imported the Ray modules: the modules, or the packages'
+    # attributes, would satisfy the imports.
+    import pagedkv.cluster
+    import pagedkv.entrypoints.cluster
 
-    monkeypatch.delattr(cluster_package, "ray_serve", raising=False)
+    for package, name in [
+        (pagedkv.cluster, "ray_serve"),
+        (pagedkv.entrypoints.cluster, "ray_ingress"),
+    ]:
+        monkeypatch.delitem(sys.modules, f"{package.__name__}.{name}", raising=False)
+        monkeypatch.delattr(package, name, raising=False)
     code = main(["serve", "--data-parallel-size", "2", "--port", "0"])
     err = capsys.readouterr().err
     assert code == 2

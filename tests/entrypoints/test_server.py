@@ -484,7 +484,7 @@ def test_bad_input_through_the_openai_client(client):
 
 def test_serve_cli_arguments():
     from pagedkv.entrypoints.cli import build_parser
-    from pagedkv.entrypoints.serve import served_model_name
+    from pagedkv.modelinfo.naming import served_model_name
 
     args = build_parser().parse_args(["serve", "--port", "0", "--max-num-seqs", "8"])
     assert (args.host, args.port, args.max_num_seqs) == ("127.0.0.1", 0, 8)
@@ -496,7 +496,7 @@ def test_serve_cli_arguments():
 
 
 def test_engine_loop_aborts_an_add_cancelled_while_queued():
-    from pagedkv.entrypoints.openai.engine_loop import EngineLoop, EngineRequest
+    from pagedkv.engine.engine_loop import EngineLoop, EngineRequest
     from pagedkv.sampling_params import SamplingParams
 
     async def main():

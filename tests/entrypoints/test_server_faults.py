@@ -16,7 +16,7 @@ import httpx
 import pytest
 from _server_fakes import FAIL_MARKER, FakeEngine
 
-from pagedkv.entrypoints.openai import engine_loop
+from pagedkv.engine import engine_loop
 from pagedkv.entrypoints.openai.app import create_app
 from pagedkv.entrypoints.openai.launch import ThreadedServer
 from pagedkv.errors import CacheStateError

@@ -386,7 +386,7 @@ class LLMEngine:
     def take_kv_cache_events(self) -> list[KVCacheEvent]:
         """KV-cache events (BlockStored / BlockRemoved / AllBlocksCleared) since the last call;
         always empty unless ``enable_kv_cache_events`` is set. A publisher
-        (:mod:`pagedkv.engine.kv_events`) drains them after each step."""
+        (:mod:`pagedkv.cluster.kv_events`) drains them after each step."""
         return self.kv_cache_manager.take_events()
 
     def has_unfinished_requests(self) -> bool:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-from pathlib import Path
 
 from pagedkv.entrypoints.log_setup import LOG_LEVELS, configure_logging
 from pagedkv.errors import ConfigError
+from pagedkv.modelinfo.naming import served_model_name
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -95,13 +95,6 @@ ROUTERS = ("prefix", "round_robin")
 _CLUSTER_ONLY = ("router", "hash_seed", "ray_address", "num_cpus_per_replica", "kv_events_host")
 
 
-def served_model_name(source: str) -> str:
-    """``.../SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct.Q4_1``; a folder keeps
-    its name."""
-    path = Path(source)
-    return path.stem if path.suffix == ".gguf" else path.name
-
-
 def run(args: argparse.Namespace) -> int:
     """Load the model, bind the socket, print the URL, and serve until interrupted."""
     from pagedkv.engine.config import EngineConfig
@@ -160,7 +153,7 @@ def run_cluster(args: argparse.Namespace) -> int:
     routed by cached prefix (docs/cluster.md). Serves until interrupted.
 
     Raises:
-        ConfigError: Ray Serve, pyzmq or msgpack missing (the message names the extra), or a
+        ConfigError: Ray Serve, pyzmq or msgspec missing (the message names the extra), or a
             bad engine option.
     """
     import dataclasses
@@ -169,13 +162,14 @@ def run_cluster(args: argparse.Namespace) -> int:
     from pagedkv.engine.config import EngineConfig
 
     try:
-        import msgpack  # noqa: F401
+        import msgspec  # noqa: F401
         import zmq  # noqa: F401
 
-        from pagedkv.entrypoints.cluster import ray_serve
+        from pagedkv.cluster import ray_serve
+        from pagedkv.entrypoints.cluster.ray_ingress import OpenAIIngress
     except ImportError as e:
         raise ConfigError(
-            f"--data-parallel-size needs Ray Serve, pyzmq and msgpack ({e.name} is missing): "
+            f"--data-parallel-size needs Ray Serve, pyzmq and msgspec ({e.name} is missing): "
             "pip install 'pagedkv[cluster]'"
         ) from None
     config = EngineConfig.from_cli_args(args)
@@ -188,6 +182,7 @@ def run_cluster(args: argparse.Namespace) -> int:
     try:
         url = ray_serve.start_cluster(
             config,
+            ingress=OpenAIIngress,
             num_replicas=args.data_parallel_size,
             host=args.host,
             port=args.port,

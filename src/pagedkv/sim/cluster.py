@@ -8,8 +8,8 @@ zero-cost model (one step = ``config.step_time``; a step computes at most
 lock step. A request is routed when it arrives:
 
 - ``round_robin``: replica ``i mod N`` for the i-th arrival;
-- ``prefix``: the cluster router's decision (:func:`~pagedkv.core.prefix_index.rank_replicas`
-  over a :class:`~pagedkv.core.prefix_index.PrefixIndex` fed by every replica's events after
+- ``prefix``: the cluster router's decision (:func:`~pagedkv.cluster.prefix_index.rank_replicas`
+  over a :class:`~pagedkv.cluster.prefix_index.PrefixIndex` fed by every replica's events after
   each step, plus the hashes of requests just routed, for ``routed_ttl_s``); queue length =
   running + waiting requests.
 
@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from pagedkv.core.prefix_index import PrefixIndex, rank_replicas
+from pagedkv.cluster.prefix_index import PrefixIndex, rank_replicas
 from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.sim.simulator import SimConfig, _EngineDriver, _to_steps
 from pagedkv.sim.workloads import Workload

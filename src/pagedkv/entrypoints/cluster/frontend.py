@@ -1,7 +1,7 @@
 """The cluster's front end: the OpenAI server's engine loop, over replicas instead of one engine.
 
 :class:`ClusterEngineLoop` offers what :class:`pagedkv.entrypoints.openai.app.OpenAIServing`
-uses of :class:`~pagedkv.entrypoints.openai.engine_loop.EngineLoop` (add requests and get their
+uses of :class:`~pagedkv.engine.engine_loop.EngineLoop` (add requests and get their
 output stream, abort, call a function on the engine, health), so the same routes, streaming,
 validation and abort-on-disconnect serve a cluster. It tokenizes each prompt as the engine would
 (so the router can hash it), hands a :class:`ClusterRequest` to a dispatcher (Ray Serve's handle
@@ -17,32 +17,13 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from types import SimpleNamespace
-from typing import Any, Protocol
+from typing import Any
 
-from pagedkv.entrypoints.cluster.protocol import ClusterRequest
-from pagedkv.entrypoints.openai.engine_loop import EngineDeadError, EngineRequest, OutputStream
+from pagedkv.cluster.protocol import ClusterRequest, Dispatcher
+from pagedkv.engine.engine_loop import EngineDeadError, EngineRequest, OutputStream
 from pagedkv.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
-
-
-class Dispatcher(Protocol):
-    """Where the front end sends work."""
-
-    def submit(self, request: ClusterRequest) -> AsyncIterator[Any]:
-        """Route ``request`` to one replica; the stream yields ``None`` once the replica's engine
-        accepted it (or raises its error), then the request's RequestOutputs. Closing the
-        stream early aborts the request on the replica."""
-        ...
-
-    async def broadcast(self, fn: Callable[[Any], Any]) -> list[Any]:
-        """``fn(engine)`` on every live replica; their results."""
-        ...
-
-    @property
-    def is_alive(self) -> bool:
-        """True while at least one replica serves."""
-        ...
 
 
 def tokenize(tokenizer: Any, prompt: Any) -> list[int]:

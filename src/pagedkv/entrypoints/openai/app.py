@@ -52,7 +52,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedkv import __version__
-from pagedkv.entrypoints.openai.engine_loop import (
+from pagedkv.engine.engine_loop import (
     EngineDeadError,
     EngineLoop,
     EngineRequest,

@@ -1,11 +1,12 @@
 """What travels between the cluster's front end, its router and its engine replicas (pickled by
-Ray; plain objects in the in-process cluster)."""
+Ray; plain objects in the in-process cluster), and :class:`Dispatcher`, the interface through
+which the front end sends them (the in-process cluster and Ray Serve's handle implement it)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 
 @dataclass(slots=True)
@@ -57,3 +58,23 @@ class ReplicaInfo:
     hash_algo: str
     hash_seed: Any
     tokenizer: Any = field(repr=False, default=None)
+
+
+class Dispatcher(Protocol):
+    """Where the front end sends work: :class:`pagedkv.cluster.local.LocalCluster` in one
+    process, :class:`pagedkv.cluster.ray_serve.RayDispatcher` on Ray Serve."""
+
+    def submit(self, request: ClusterRequest) -> AsyncIterator[Any]:
+        """Route ``request`` to one replica; the stream yields ``None`` once the replica's engine
+        accepted it (or raises its error), then the request's RequestOutputs. Closing the
+        stream early aborts the request on the replica."""
+        ...
+
+    async def broadcast(self, fn: Callable[[Any], Any]) -> list[Any]:
+        """``fn(engine)`` on every live replica; their results."""
+        ...
+
+    @property
+    def is_alive(self) -> bool:
+        """True while at least one replica serves."""
+        ...

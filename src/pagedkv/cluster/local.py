@@ -2,9 +2,10 @@
 publisher) behind a :class:`ClusterRouter` that reads their events over ZMQ, as under Ray.
 
 It is the Ray deployment without Ray: the tests check routing, replica death and block freeing
-with it in a second, and :class:`ClusterEngineLoop` serves it over HTTP the same way. Serving
-for real uses Ray Serve (one process per replica, several hosts): ``pagedkv serve
---data-parallel-size N``.
+with it in a second, and the HTTP front end
+(:class:`pagedkv.entrypoints.cluster.frontend.ClusterEngineLoop`) serves it the same way, as a
+:class:`~pagedkv.cluster.protocol.Dispatcher`. Serving for real uses Ray Serve (one process per
+replica, several hosts): ``pagedkv serve --data-parallel-size N``.
 """
 
 from __future__ import annotations
@@ -14,15 +15,16 @@ import time
 from collections.abc import AsyncIterator, Callable, Hashable
 from typing import Any
 
-from pagedkv.entrypoints.cluster.protocol import ClusterRequest
-from pagedkv.entrypoints.cluster.replica import EngineReplica
-from pagedkv.entrypoints.cluster.router import ClusterRouter
-from pagedkv.entrypoints.openai.engine_loop import EngineDeadError
+from pagedkv.cluster.protocol import ClusterRequest
+from pagedkv.cluster.replica import EngineReplica
+from pagedkv.cluster.router import ClusterRouter
+from pagedkv.engine.engine_loop import EngineDeadError
 from pagedkv.errors import ConfigError
 
 
 class LocalCluster:
-    """Replicas in this process, routed by ``router`` (a :class:`Dispatcher`).
+    """Replicas in this process, routed by ``router`` (a
+    :class:`~pagedkv.cluster.protocol.Dispatcher`).
 
     Args:
         replicas: ``{key: replica}``; the router subscribes to each one's events.
@@ -72,7 +74,8 @@ class LocalCluster:
         return bool(self.replicas)
 
     async def submit(self, request: ClusterRequest) -> AsyncIterator[Any]:
-        """Route ``request`` to the best replica and stream from it (see :class:`Dispatcher`)."""
+        """Route ``request`` to the best replica and stream from it (see
+        :class:`~pagedkv.cluster.protocol.Dispatcher`)."""
         await self.start()
         if not self.replicas:
             raise EngineDeadError("no replica is serving")

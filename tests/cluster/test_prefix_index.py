@@ -6,8 +6,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from pagedkv.cluster.prefix_index import PrefixIndex, rank_replicas
 from pagedkv.core.events import AllBlocksCleared, BlockRemoved, BlockStored
-from pagedkv.core.prefix_index import PrefixIndex, rank_replicas
 from pagedkv.errors import ConfigError
 
 

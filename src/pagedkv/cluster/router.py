@@ -1,9 +1,9 @@
 """The cluster's routing decision, without Ray: subscribe to each replica's KV-cache events, keep
-the :class:`~pagedkv.core.prefix_index.PrefixIndex`, hash each prompt as the engines do, and rank
-the replicas (:func:`~pagedkv.core.prefix_index.rank_replicas`).
+the :class:`~pagedkv.cluster.prefix_index.PrefixIndex`, hash each prompt as the engines do, and rank
+the replicas (:func:`~pagedkv.cluster.prefix_index.rank_replicas`).
 
-The Ray request router (:mod:`pagedkv.entrypoints.cluster.ray_serve`) and the in-process cluster
-(:mod:`pagedkv.entrypoints.cluster.local`) are thin shells around :class:`ClusterRouter`.
+The Ray request router (:mod:`pagedkv.cluster.ray_serve`) and the in-process cluster
+(:mod:`pagedkv.cluster.local`) are thin shells around :class:`ClusterRouter`.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pagedkv.cluster.kv_events import HASH_FORMATS, KVEventSubscriber, to_wire_block_hash
+from pagedkv.cluster.prefix_index import PrefixIndex, rank_replicas
+from pagedkv.cluster.protocol import ClusterRequest
 from pagedkv.core.hashing import BlockHasher
-from pagedkv.core.prefix_index import PrefixIndex, rank_replicas
 from pagedkv.core.request import KVCacheRequest
-from pagedkv.engine.kv_events import HASH_FORMATS, KVEventSubscriber, to_wire_block_hash
-from pagedkv.entrypoints.cluster.protocol import ClusterRequest
 from pagedkv.errors import ConfigError, InvalidRequestError
 
 logger = logging.getLogger(__name__)

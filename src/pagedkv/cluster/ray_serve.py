@@ -1,9 +1,10 @@
-"""The cluster on Ray Serve: N engine replicas (one Ray actor each) behind one OpenAI endpoint,
-routed by a custom Ray Serve request router that reads the replicas' KV-cache events.
+"""The cluster on Ray Serve: N engine replicas (one Ray actor each) behind one ingress, routed
+by a custom Ray Serve request router that reads the replicas' KV-cache events.
 
 ::
 
-    HTTP --> Serve proxy --> PagedKVIngress (1 replica: the OpenAI app, tokenizes)
+    HTTP --> Serve proxy --> PagedKVIngress (1 replica: the caller's ingress; pagedkv serve's
+                                  |          is the OpenAI app, which tokenizes)
                                   | handle.generate(ClusterRequest)
                                   v
                       PrefixAwareRequestRouter (in the ingress's process)
@@ -17,11 +18,17 @@ Each engine replica binds its KV-event publisher on ``tcp://<node ip>:*`` and re
 resolved address (and its rank) through Ray Serve's routing stats (``record_routing_stats``);
 the router subscribes when it sees it, and unsubscribes (dropping the replica's index entries)
 when Ray reports the replica gone or dead. The decision itself is
-:class:`~pagedkv.entrypoints.cluster.router.ClusterRouter`; this module only adapts it to Ray
+:class:`~pagedkv.cluster.router.ClusterRouter`; this module only adapts it to Ray
 Serve's request-router API (``RequestRouter.choose_replicas`` returns ranks of replicas; Ray
 takes the least loaded of the first rank that has room).
 
-Requires ``pip install 'pagedkv[cluster]'`` (ray[serve], pyzmq, msgpack).
+The ingress, what serves HTTP, is the caller's (``ingress=`` of :func:`build_app` and
+:func:`start_cluster`; ``pagedkv serve``'s is
+:class:`pagedkv.entrypoints.cluster.ray_ingress.OpenAIIngress`): this module deploys the engines
+and routes to them, hands the ingress the engines' handle (:class:`RayDispatcher` sends work
+through it), and knows nothing of HTTP beyond the address Serve's proxy listens on.
+
+Requires ``pip install 'pagedkv[cluster]'`` (ray[serve], pyzmq, msgspec).
 """
 
 from __future__ import annotations
@@ -43,10 +50,9 @@ from ray.exceptions import RayTaskError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from pagedkv.entrypoints.cluster.frontend import ClusterEngineLoop
-from pagedkv.entrypoints.cluster.protocol import ClusterRequest, ReplicaCall, ReplicaInfo
-from pagedkv.entrypoints.cluster.replica import EngineReplica
-from pagedkv.entrypoints.cluster.router import ClusterRouter
+from pagedkv.cluster.protocol import ClusterRequest, ReplicaCall, ReplicaInfo
+from pagedkv.cluster.replica import EngineReplica
+from pagedkv.cluster.router import ClusterRouter
 from pagedkv.errors import ConfigError, PagedKVError
 
 logger = logging.getLogger(__name__)
@@ -197,7 +203,8 @@ class EngineDeployment:
 
 
 class RayDispatcher:
-    """The front end's :class:`Dispatcher` over the engine deployment's handle.
+    """The front end's :class:`~pagedkv.cluster.protocol.Dispatcher` over the engine
+    deployment's handle.
 
     Args:
         handle: DeploymentHandle of the engine deployment.
@@ -256,31 +263,10 @@ class RayDispatcher:
         return answers
 
 
-class OpenAIIngress:
-    """The OpenAI app over the engine deployment (wrapped by ``serve.ingress()``)."""
-
-    async def __init__(
-        self, engine_handle: Any, *, num_replicas: int, model_name: str | None = None
-    ) -> None:
-        self.dispatcher = RayDispatcher(engine_handle, num_replicas)
-        self.info: ReplicaInfo = await engine_handle.describe.remote()
-        self.model_name = model_name or self.info.model_name
-
-    def __serve_build_asgi_app__(self) -> Any:
-        from pagedkv.entrypoints.openai.app import create_app
-
-        loop = ClusterEngineLoop(self.dispatcher, self.info.tokenizer)
-        return create_app(
-            None,
-            model_name=self.model_name,
-            max_model_len=self.info.max_model_len,
-            engine_loop=loop,
-        )
-
-
 def build_app(
     engine_factory: Callable[[], Any],
     *,
+    ingress: type,
     num_replicas: int,
     block_size: int,
     hash_algo: str,
@@ -293,10 +279,16 @@ def build_app(
     router_options: dict[str, Any] | None = None,
     model_name: str | None = None,
 ) -> Any:
-    """The Serve application: ``num_replicas`` engines behind the OpenAI ingress.
+    """The Serve application: ``num_replicas`` engines behind ``ingress``.
 
     Args:
         engine_factory: builds each replica's engine (events on, ``hash_seed`` set).
+        ingress: the ingress deployment's class, wrapped here by ``serve.ingress()`` (so it
+            serves HTTP through ``__serve_build_asgi_app__``); built in its replica as
+            ``ingress(engine_handle, num_replicas=..., model_name=...)``, where
+            ``engine_handle`` is the engines' DeploymentHandle (wrap it in a
+            :class:`RayDispatcher`). ``pagedkv serve``'s is
+            :class:`pagedkv.entrypoints.cluster.ray_ingress.OpenAIIngress`.
         num_replicas: engine replicas (>= 1).
         block_size / hash_algo / hash_seed: the engines' (the router hashes prompts alike).
         policy: ``"prefix"`` or ``"round_robin"``.
@@ -306,7 +298,8 @@ def build_app(
         num_cpus_per_replica: Ray CPUs reserved per engine replica.
         router_options: more ClusterRouter arguments (max_imbalance, min_match_fraction,
             routed_ttl_s).
-        model_name: the name clients use (default: the model file's).
+        model_name: the name clients use, passed to ``ingress`` (None: the ingress picks, the
+            OpenAI one the engines' :attr:`ReplicaInfo.model_name`).
 
     Raises:
         ConfigError: num_replicas < 1.
@@ -332,7 +325,7 @@ def build_app(
         ray_actor_options={"num_cpus": num_cpus_per_replica},
         request_router_config=router_config,
     )
-    ingress = serve.deployment(serve.ingress()(OpenAIIngress), name=INGRESS_DEPLOYMENT).options(
+    ingress = serve.deployment(serve.ingress()(ingress), name=INGRESS_DEPLOYMENT).options(
         num_replicas=1,
         max_ongoing_requests=max(1000, max_ongoing_requests * num_replicas),
         ray_actor_options={"num_cpus": 0},
@@ -355,6 +348,7 @@ def free_port(host: str) -> int:
 def start_cluster(
     engine_config: Any,
     *,
+    ingress: type,
     num_replicas: int,
     host: str = "127.0.0.1",
     port: int = 0,
@@ -374,6 +368,7 @@ def start_cluster(
         engine_config: the replicas' EngineConfig; events are switched on, a random
             hash_seed shared by every replica and the router is drawn if it has none, and
             num_threads defaults to num_cpus_per_replica.
+        ingress: the ingress deployment's class (see :func:`build_app`).
         num_replicas: engine replicas.
         host / port: where Serve's HTTP proxy listens (port 0: a free one). Serve keeps the
             address of its first start in a Ray cluster: a second deployment must pass it.
@@ -424,6 +419,7 @@ def start_cluster(
     serve.start(http_options={"host": host, "port": port})
     app = build_app(
         engine_factory,
+        ingress=ingress,
         num_replicas=num_replicas,
         block_size=config.block_size,
         hash_algo=config.hash_algo,

@@ -2,8 +2,8 @@
 published on a ZMQ PUB socket after every engine call, requests in as :class:`ClusterRequest`,
 outputs out as an async stream.
 
-The Ray deployment (:mod:`pagedkv.entrypoints.cluster.ray_serve`) and the in-process cluster
-(:mod:`pagedkv.entrypoints.cluster.local`) both wrap this class.
+The Ray deployment (:mod:`pagedkv.cluster.ray_serve`) and the in-process cluster
+(:mod:`pagedkv.cluster.local`) both wrap this class.
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from pagedkv.engine.kv_events import KVEventPublisher
-from pagedkv.entrypoints.cluster.protocol import ClusterRequest, ReplicaInfo
-from pagedkv.entrypoints.openai.engine_loop import EngineDeadError, EngineLoop, EngineRequest
+from pagedkv.cluster.kv_events import KVEventPublisher
+from pagedkv.cluster.protocol import ClusterRequest, ReplicaInfo
+from pagedkv.engine.engine_loop import EngineDeadError, EngineLoop, EngineRequest
 from pagedkv.errors import ConfigError
+from pagedkv.modelinfo.naming import served_model_name
 
 
 class EventPublishingEngine:
@@ -110,8 +111,6 @@ class EngineReplica:
         self.engine = EventPublishingEngine(engine, self.publisher)
         self.loop = EngineLoop(self.engine)
         self.rank = rank
-        from pagedkv.entrypoints.serve import served_model_name
-
         self.info = ReplicaInfo(
             rank=rank,
             kv_events_endpoint=self.publisher.endpoint,

@@ -3,7 +3,7 @@
 A router that sends a request where its prefix is already cached (llm-d's KV-cache-aware
 scorer, NVIDIA Dynamo's KV router, SGLang's cache-aware router) keeps, per replica, the set of
 block hashes that replica has in its prefix cache. It learns them from the replicas' KV-cache
-events (:mod:`pagedkv.core.events`, on the wire :mod:`pagedkv.engine.kv_events`): BlockStored
+events (:mod:`pagedkv.core.events`, on the wire :mod:`pagedkv.cluster.kv_events`): BlockStored
 adds hashes, BlockRemoved drops them, AllBlocksCleared empties the replica. To score a request it
 computes the prompt's chained block hashes with the replicas' block_size, algorithm and seed
 (:class:`pagedkv.core.hashing.BlockHasher`) and asks, per replica, how many leading blocks are
