@@ -143,3 +143,29 @@ def test_html_has_a_caption_per_figure(tmp_path):
     for path in paths:
         assert caption(path.name)
     assert "reserved but holds no token yet" in text  # the contiguous map's caption
+
+
+def test_html_escapes_text_and_ships_its_template(tmp_path):
+    from importlib.resources import files
+
+    from pagedkv.sim.plots import HTML_TEMPLATE
+
+    assert files("pagedkv.sim").joinpath("templates", HTML_TEMPLATE).is_file()  # package data
+    results = _sixteen_lengths_results()
+    paths = save_figures(results, tmp_path, dpi=40)
+    page = write_html(
+        tmp_path / "index.html",
+        paths,
+        {p: r.metrics for p, r in results.items()},
+        title="<script>alert(1)</script> & co",
+        command="pagedkv simulate --workload '<b>'",
+    )
+    text = page.read_text()
+    assert "<script>" not in text and "<b>'" not in text
+    assert "&lt;script&gt;alert(1)&lt;/script&gt; &amp; co" in text
+    assert "<code>pagedkv simulate --workload &#39;&lt;b&gt;&#39;</code>" in text
+    assert text.count("<figure>") == len(paths)
+    no_command = write_html(
+        tmp_path / "bare.html", paths, {p: r.metrics for p, r in results.items()}
+    )
+    assert "<code>" not in no_command.read_text()

@@ -1,4 +1,5 @@
-"""The simulator's pictures (matplotlib, PNG) and an HTML page with the same figures embedded.
+"""The simulator's pictures (matplotlib, PNG) and an HTML page with the same figures embedded
+(Jinja2, the template ``templates/simulate_report.html.j2`` beside this module).
 
 Figures are built on :class:`matplotlib.figure.Figure` objects, never pyplot, so nothing global is
 touched (no backend switch, no open-figure registry); PNGs are rendered by Agg.
@@ -21,7 +22,7 @@ a step lasts until the next one, and the last step is drawn one step wide.
 from __future__ import annotations
 
 import base64
-import html
+from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
@@ -488,6 +489,20 @@ def metrics_table_rows(metrics: dict[str, PolicyMetrics]) -> list[list[str]]:
     return rows
 
 
+#: The page's Jinja2 template, shipped as package data (``pagedkv/sim/templates``).
+HTML_TEMPLATE = "simulate_report.html.j2"
+
+
+@dataclass(frozen=True, slots=True)
+class _PageFigure:
+    """One embedded figure of the page: file name, alt text (the stem), PNG as base64, caption."""
+
+    name: str
+    alt: str
+    png_base64: str
+    caption: str
+
+
 def write_html(
     path: str | Path,
     figure_paths: list[Path],
@@ -499,31 +514,42 @@ def write_html(
     """Write one self-contained HTML page: the metrics table and every PNG embedded (base64),
     each with a caption saying what to look at (:data:`CAPTIONS`).
 
+    The page is the Jinja2 template :data:`HTML_TEMPLATE` rendered with autoescape on, so a
+    title, command line or metric value holding ``<`` or ``&`` is shown as text.
+
+    Args:
+        path: the page to write (usually ``OUT/index.html``).
+        figure_paths: the PNGs to embed, in page order.
+        metrics: per policy, its metrics (the table's columns).
+        title: the page's title and heading.
+        command: the command line that made the page, shown under the heading ("" for none).
+
     Raises:
         OSError: the page or a figure cannot be read or written.
     """
+    from jinja2 import Environment, PackageLoader, StrictUndefined
+
     path = Path(path)
     rows = metrics_table_rows(metrics)
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in rows[0])
-    body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows[1:]
-    )
-    images = "".join(
-        f'<figure><img alt="{html.escape(p.stem)}" src="data:image/png;base64,'
-        f'{base64.b64encode(p.read_bytes()).decode()}"><figcaption><b>{html.escape(p.name)}'
-        f"</b>: {html.escape(caption(p.name))}</figcaption></figure>"
+    figures = [
+        _PageFigure(
+            name=p.name,
+            alt=p.stem,
+            png_base64=base64.b64encode(p.read_bytes()).decode("ascii"),
+            caption=caption(p.name),
+        )
         for p in figure_paths
+    ]
+    env = Environment(
+        loader=PackageLoader("pagedkv.sim", "templates"),
+        autoescape=True,
+        undefined=StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
     )
-    command_html = f"<p><code>{html.escape(command)}</code></p>" if command else ""
-    path.write_text(
-        "<!doctype html><html><head><meta charset='utf-8'>"
-        f"<title>{html.escape(title)}</title><style>"
-        "body{font-family:sans-serif;max-width:1100px;margin:auto}"
-        "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 8px;"
-        "text-align:right}img{max-width:100%}figure{margin:2em 0}"
-        "figcaption{max-width:900px;line-height:1.4}</style></head><body>"
-        f"<h1>{html.escape(title)}</h1>{command_html}<table><tr>{head}</tr>{body}</table>"
-        f"{images}</body></html>",
-        encoding="utf-8",
+    page = env.get_template(HTML_TEMPLATE).render(
+        title=title, command=command, header=rows[0], rows=rows[1:], figures=figures
     )
+    path.write_text(page, encoding="utf-8")
     return path
