@@ -66,9 +66,7 @@ def test_a_worker_rebuilt_from_pickled_scheduler_outputs_alone_matches_the_engin
     shadow = ModelRunner(
         tiny_loaded_model().model,
         engine.kv_cache_config,
-        max_num_seqs=engine.config.max_num_seqs,
-        max_num_batched_tokens=engine.config.max_num_batched_tokens,
-        max_model_len=engine.max_model_len,
+        engine.pagedkv_config.scheduler_config,
         seed=3,
         attention_backend="torch",
     )
@@ -161,7 +159,13 @@ def test_the_worker_forgets_finished_requests(tiny):
     while engine.has_unfinished_requests():
         engine.step()
     batch = engine.runner.input_batch
-    # Finished ids reach the worker with the next step, even one that schedules nothing.
+    # Finished ids reach the worker with the next step that runs the model.
     engine.step()
-    assert batch.requests == {} and batch.num_reqs == 0
-    assert batch.req_id_to_index == {}
+    assert set(batch.requests) == {"0", "1", "2"}  # an idle step does not call the workers
+    engine.add_request("3", "xyz", SamplingParams(temperature=0, max_tokens=1))
+    engine.step()
+    assert set(batch.requests) == {"3"}
+    engine.step()
+    engine.add_request("4", "xyz", SamplingParams(temperature=0, max_tokens=1))
+    engine.step()
+    assert set(batch.requests) == {"4"} and batch.num_reqs == 1

@@ -16,8 +16,10 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from pagedkv.config import CacheConfig
 from pagedkv.core.block import KVCacheBlock
 from pagedkv.core.block_pool import BlockPool
+from pagedkv.core.config import KVCacheConfig
 from pagedkv.core.coordinator import BlocksPerGroup, KVCacheCoordinator
 from pagedkv.core.events import KVCacheEvent
 from pagedkv.core.hashing import BlockHasher
@@ -77,6 +79,23 @@ class KVCacheManager:
         ConfigError: num_blocks < 2, block_size < 1, a spec that is not a KVCacheSpec, block
             sizes that disagree, an unknown hash algorithm, max_model_len < 1.
     """
+
+    @classmethod
+    def from_config(
+        cls, kv_cache_config: KVCacheConfig, cache_config: CacheConfig
+    ) -> KVCacheManager:
+        """The manager of a sized KV cache (:mod:`pagedkv.core.config`) with the engine's cache
+        options (block hashing, events)."""
+        return cls(
+            kv_cache_config.num_blocks,
+            list(kv_cache_config.kv_cache_specs),
+            block_size=cache_config.block_size,
+            enable_caching=cache_config.enable_prefix_caching,
+            hash_algo=cache_config.prefix_caching_hash_algo,
+            hash_seed=cache_config.hash_seed,
+            enable_kv_cache_events=cache_config.enable_kv_cache_events,
+            max_model_len=kv_cache_config.max_model_len,
+        )
 
     def __init__(
         self,

@@ -6,6 +6,13 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
+from pagedkv.config import (
+    CacheConfig,
+    ModelRunConfig,
+    PagedKVConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from pagedkv.core.hashing import HASH_ALGOS
 from pagedkv.cpu_caps import DTYPE_CHOICES
 from pagedkv.errors import ConfigError
@@ -131,6 +138,42 @@ class EngineConfig:
             )
         for name in ("kv_cache_memory", "max_model_len", "num_threads"):
             check_int(name, getattr(self, name), 1, optional=True)
+
+    def resolve(self, *, max_model_len: int, num_gpu_blocks: int) -> PagedKVConfig:
+        """The sub-configs of an engine whose dtype and block size are resolved and whose KV cache
+        is sized (``max_model_len`` tokens per request, ``num_gpu_blocks`` blocks).
+
+        Raises:
+            ConfigError: dtype still "auto" or block_size still None (resolve them first).
+        """
+        if self.dtype == "auto" or self.block_size is None:
+            raise ConfigError("resolve needs a concrete dtype and block_size")
+        return PagedKVConfig(
+            model_config=ModelRunConfig(
+                model=self.model,
+                dtype=self.dtype,
+                max_model_len=max_model_len,
+                seed=self.seed,
+                max_logprobs=self.max_logprobs,
+            ),
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                num_gpu_blocks=num_gpu_blocks,
+                cache_dtype=self.dtype,
+                enable_prefix_caching=self.enable_prefix_caching,
+                prefix_caching_hash_algo=self.hash_algo,
+                hash_seed=self.hash_seed,
+                enable_kv_cache_events=self.enable_kv_cache_events,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                policy=self.policy,
+            ),
+            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+        )
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:

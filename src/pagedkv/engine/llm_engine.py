@@ -15,6 +15,7 @@ Offline use goes through :class:`pagedkv.engine.llm.LLM`; the server drives ``ad
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -39,6 +40,7 @@ from pagedkv.engine.stats import SchedulerStats
 from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.sampling_params import SamplingParams, check_text
 from pagedkv.validation import is_int
+from pagedkv.worker.executor import create_executor
 from pagedkv.worker.outputs import ModelRunnerOutput
 from pagedkv.worker.scheduler_output import NewRequestData, SchedulerOutput
 
@@ -110,144 +112,72 @@ class LLMEngine:
         config = dataclasses.replace(
             config, dtype=resolve_dtype(config.dtype, self.cpu_capabilities)
         )
-        self.config = config
         tp = config.tensor_parallel_size
-        num_threads = config.num_threads
-        if num_threads is None and tp > 1:
-            num_threads = max(1, available_cpu_count() // tp)
         if tp > 1 and loaded_model is not None:
             raise ConfigError(
                 "loaded_model cannot be split over tensor_parallel_size > 1 processes: pass "
                 "model_loader (each rank loads its shard) or a model path"
             )
+        num_threads = config.num_threads
+        if num_threads is None and tp > 1:
+            num_threads = max(1, available_cpu_count() // tp)
         tune_cpu_runtime(num_threads)
-        # Everything the model's shape decides is checked before its weights load (seconds):
-        # the shape comes from the file's header.
-        if loaded_model is None and model_loader is not None:
-            model_shape = None  # known once rank 0 has loaded (tests' in-memory models)
-        elif loaded_model is None:
-            from pagedkv.model.loader import load_model_config
-
-            model_shape = load_model_config(config.model)
-            kv_dtype = config.dtype
-        else:
-            model_shape = loaded_model.config
-            kv_dtype = str(loaded_model.model.dtype).removeprefix("torch.")
-            config = dataclasses.replace(config, dtype=kv_dtype)
-        if model_shape is None:
-            from pagedkv.model.parallel import TensorParallelGroup
-
-            shape_probe = model_loader(parallel=None if tp == 1 else TensorParallelGroup(0, tp))
-            model_shape = shape_probe.config
-            kv_dtype = str(shape_probe.model.dtype).removeprefix("torch.")
-            config = dataclasses.replace(config, dtype=kv_dtype)
-            if tp == 1:
-                loaded_model = shape_probe
-            del shape_probe
+        # Everything the model's shape decides is checked before its weights load (seconds).
+        model_shape, loaded_model, config = _read_model_shape(config, loaded_model, model_loader)
         device = "cpu" if loaded_model is None else loaded_model.model.device
         if torch.device(device).type == "cpu":
-            logger.info("%s", self.cpu_capabilities.summary(kv_dtype))
+            logger.info("%s", self.cpu_capabilities.summary(config.dtype))
         # The backend decides the block size (when not given) before the cache is sized.
-        config, choice = choose_attention_backend(config, model_shape.head_dim, kv_dtype, device)
+        config, choice = choose_attention_backend(
+            config, model_shape.head_dim, config.dtype, device
+        )
+        #: the options, resolved (dtype, block size); the sub-configs are ``pagedkv_config``.
         self.config = config
         #: the attention backend (owns the KV cache's layout and runs attention).
         self.attention_backend = choice.backend
         #: why the backend asked for (or auto's first choice) was passed over; None if it runs.
         self.attention_backend_fallback_reason = choice.fallback_reason
-        kv_cache_config = size_kv_cache(model_shape, config, kv_dtype=kv_dtype)
-        max_model_len = kv_cache_config.max_model_len
+        kv_cache_config = size_kv_cache(model_shape, config, kv_dtype=config.dtype)
+        self.kv_cache_config = kv_cache_config
+        self.max_model_len = kv_cache_config.max_model_len
         logger.info(
             "KV cache: %d blocks x %d tokens (%.0f MiB, %s), max_model_len %d",
             kv_cache_config.num_usable_blocks,
             config.block_size,
             kv_cache_config.kv_cache_memory / 2**20,
-            kv_dtype,
-            max_model_len,
+            config.dtype,
+            self.max_model_len,
         )
-        self.max_model_len = max_model_len
-        self.kv_cache_config = kv_cache_config
-        self.kv_cache_manager = KVCacheManager(
-            kv_cache_config.num_blocks,
-            list(kv_cache_config.kv_cache_specs),
-            block_size=config.block_size,
-            enable_caching=config.enable_prefix_caching,
-            hash_algo=config.hash_algo,
-            hash_seed=config.hash_seed,
-            enable_kv_cache_events=config.enable_kv_cache_events,
-            max_model_len=max_model_len,
+        #: the resolved sub-configs (model, cache, scheduler, parallel), vLLM's VllmConfig.
+        self.pagedkv_config = resolved = config.resolve(
+            max_model_len=self.max_model_len, num_gpu_blocks=kv_cache_config.num_blocks
         )
-        self.scheduler = Scheduler(
-            self.kv_cache_manager,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=max_model_len,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            policy=config.policy,
-        )
-
-        if tp > 1:
-            self.runner = self._start_tensor_parallel(
-                kv_cache_config, max_model_len, model_loader, num_threads
-            )
-            loaded_model = self.runner.loaded_model
-        elif loaded_model is None:
-            from pagedkv.model.loader import load_model
-
-            loaded_model = load_model(config.model, dtype=getattr(torch, config.dtype))
-        self.loaded_model = loaded_model
-        model_config = loaded_model.config
-        self.model_config = model_config
-        self.tokenizer = loaded_model.tokenizer
-        self.eos_token_ids = frozenset(
-            tuple(model_config.eos_token_ids) + tuple(self.tokenizer.eos_token_ids)
-        )
-        model = loaded_model.model
-        if tp == 1:
-            if max_model_len > model.max_positions:  # allowed by allow_long_max_model_len
-                model.extend_positions(max_model_len)
-            from pagedkv.worker.model_runner import ModelRunner
-
-            self.runner = ModelRunner(
-                model,
-                kv_cache_config,
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=max_model_len,
-                seed=config.seed,
-                attention_backend=self.attention_backend,
-            )
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self._stats = EngineStats(scheduler=SchedulerStats())
-
-    def _start_tensor_parallel(self, kv_cache_config, max_model_len, model_loader, num_threads):
-        """Start ranks 1 .. N-1 and load rank 0's shard (:mod:`pagedkv.worker.tp_executor`)."""
-        import functools
-
-        from pagedkv.worker.tp_executor import TensorParallelExecutor
-
-        config = self.config
-        if model_loader is None:
-            from pagedkv.model.loader import load_model
-
-            model_loader = functools.partial(
-                load_model, config.model, dtype=getattr(torch, config.dtype)
-            )
-        return TensorParallelExecutor(
-            model_loader,
+        self.kv_cache_manager = KVCacheManager.from_config(kv_cache_config, resolved.cache_config)
+        self.scheduler = Scheduler.from_config(self.kv_cache_manager, resolved.scheduler_config)
+        #: runs the steps: one process, or tensor-parallel ranks (:mod:`pagedkv.worker.executor`).
+        self.executor = create_executor(
+            resolved,
             kv_cache_config,
-            tensor_parallel_size=config.tensor_parallel_size,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=max_model_len,
-            seed=config.seed,
-            attention_backend=self.attention_backend.name,
+            self.attention_backend,
+            loaded_model=loaded_model,
+            model_loader=model_loader,
             runtime_setup=functools.partial(tune_cpu_runtime, num_threads),
         )
+        #: rank 0's model runner (its persistent batch, KV cache and sampler).
+        self.runner = self.executor.runner
+        self.loaded_model = self.executor.loaded_model
+        self.model_config = self.loaded_model.config
+        self.tokenizer = self.loaded_model.tokenizer
+        self.eos_token_ids = frozenset(
+            tuple(self.model_config.eos_token_ids) + tuple(self.tokenizer.eos_token_ids)
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._stats = EngineStats(scheduler=SchedulerStats())
 
     def shutdown(self) -> None:
         """Stop the engine's worker processes (tensor parallelism); idempotent, and a no-op in
         one process. Also run at garbage collection and at interpreter exit."""
-        self.runner.shutdown()
+        self.executor.shutdown()
 
     # ------------------------------------------------------------------ requests
 
@@ -428,7 +358,7 @@ class LLMEngine:
             return
         probe_id = probe.request_id
         try:
-            self.runner.execute_model(
+            self.executor.execute_model(
                 SchedulerOutput(
                     scheduled_new_reqs=[
                         NewRequestData(
@@ -465,12 +395,16 @@ class LLMEngine:
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         runner_output = ModelRunnerOutput()
-        if scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids:
+        if scheduler_output.total_num_scheduled_tokens:
             try:
-                runner_output = self.runner.execute_model(scheduler_output)
+                runner_output = self.executor.execute_model(scheduler_output)
             except Exception as exc:
+                # The workers may not have applied the output: tell them again next step.
+                self.scheduler.finished_req_ids |= scheduler_output.finished_req_ids
                 self._fail_requests(scheduler_output.req_ids, exc)
                 raise
+        else:  # nothing to run: the workers forget finished requests with the next real step
+            self.scheduler.finished_req_ids |= scheduler_output.finished_req_ids
         changed = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs = self._process_outputs(changed, runner_output)
         if scheduler_output.total_num_scheduled_tokens:
@@ -547,6 +481,25 @@ _PROMPT_FORMS = (
     "a prompt must be a str, a list of token ids, {'prompt': str}, {'prompt_token_ids': [int]} "
     "or a list of chat messages ({'role': ..., 'content': ...})"
 )
+
+
+def _read_model_shape(config: EngineConfig, loaded_model, model_loader):
+    """``(model shape, loaded model or None, config)``: from a loaded model, the model file's
+    header (no weight read), or rank 0's ``model_loader`` (an in-memory model: one process keeps
+    it); the config's dtype becomes the model's when the model is given."""
+    if loaded_model is not None:
+        dtype = str(loaded_model.model.dtype).removeprefix("torch.")
+        return loaded_model.config, loaded_model, dataclasses.replace(config, dtype=dtype)
+    if model_loader is None:
+        from pagedkv.model.loader import load_model_config
+
+        return load_model_config(config.model), None, config
+    from pagedkv.model.parallel import TensorParallelGroup
+
+    tp = config.tensor_parallel_size
+    probe = model_loader(parallel=None if tp == 1 else TensorParallelGroup(0, tp))
+    dtype = str(probe.model.dtype).removeprefix("torch.")
+    return probe.config, probe if tp == 1 else None, dataclasses.replace(config, dtype=dtype)
 
 
 def _fields(config: EngineConfig) -> dict[str, Any]:

@@ -28,6 +28,7 @@ import dataclasses
 import time
 from collections.abc import Iterable, Sequence
 
+from pagedkv.config import SchedulerConfig
 from pagedkv.core.manager import KVCacheBlocks, KVCacheManager
 from pagedkv.core.spec import max_num_blocks_per_request
 from pagedkv.engine.request import Request, RequestStatus
@@ -113,6 +114,20 @@ class Scheduler:
         self._scheduled_requests: list[Request] = []  # the last schedule()'s, in order
         self._num_usable_blocks = kv_cache_manager.num_blocks - 1  # block 0 is the null block
         self._kv_cache_specs = tuple(kv_cache_manager.kv_cache_specs)
+
+    @classmethod
+    def from_config(
+        cls, kv_cache_manager: KVCacheManager, scheduler_config: SchedulerConfig
+    ) -> Scheduler:
+        """The scheduler of the engine's resolved :class:`~pagedkv.config.SchedulerConfig`."""
+        return cls(
+            kv_cache_manager,
+            scheduler_config.max_num_seqs,
+            scheduler_config.max_num_batched_tokens,
+            scheduler_config.max_model_len,
+            enable_chunked_prefill=scheduler_config.enable_chunked_prefill,
+            policy=scheduler_config.policy,
+        )
 
     # ------------------------------------------------------------------ requests in and out
 

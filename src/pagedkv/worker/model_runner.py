@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pagedkv.config import SchedulerConfig
 from pagedkv.core.config import KVCacheConfig
 from pagedkv.core.spec import SlidingWindowSpec
 from pagedkv.errors import ConfigError
@@ -57,9 +58,9 @@ class ModelRunner:
             ``dtype``.
         kv_cache_config: block count and KV cache groups (one per block table); layer ``i``
             keeps its pages in tensor ``tensor_ids[i]``.
-        max_num_seqs: most requests per step (rows of the block-table buffer).
-        max_num_batched_tokens: most tokens per step.
-        max_model_len: most tokens per request (columns of the block-table buffer).
+        scheduler_config: ``max_num_seqs`` (rows of the persistent batch),
+            ``max_num_batched_tokens`` (tokens per step) and ``max_model_len`` (tokens per
+            request: columns of the rows).
         seed: seed of the sampler's generator for requests without a seed.
         attention_backend: the backend that owns the caches and runs the attention
             (:func:`pagedkv.ops.backends.select_backend`), or its name (each tensor-parallel
@@ -76,10 +77,8 @@ class ModelRunner:
         self,
         model,
         kv_cache_config: KVCacheConfig,
+        scheduler_config: SchedulerConfig,
         *,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        max_model_len: int,
         seed: int = 0,
         attention_backend: AttentionBackend | str | None = None,
     ) -> None:
@@ -114,18 +113,14 @@ class ModelRunner:
         self.input_batch = InputBatch(
             block_size=self.block_size,
             num_blocks=self.num_blocks,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
+            max_num_seqs=scheduler_config.max_num_seqs,
+            max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
+            max_model_len=scheduler_config.max_model_len,
             device=self.device,
             backend=backend,
             attention_groups=attention_groups,
             layer_attention_groups=layer_attention_groups,
         )
-
-    def shutdown(self) -> None:
-        """Nothing to stop in one process (the executor interface:
-        :class:`~pagedkv.worker.tp_executor.TensorParallelExecutor` stops its ranks)."""
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:

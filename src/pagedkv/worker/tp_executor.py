@@ -1,10 +1,11 @@
 """TensorParallelExecutor: one model split over ``tensor_parallel_size`` processes.
 
-The engine drives it like a :class:`~pagedkv.worker.model_runner.ModelRunner` (``execute_model``,
-``finish_requests``, ``shutdown``). Rank 0 lives in the engine's process: the scheduler and the
-KV-cache manager run there once. Ranks 1 .. N-1 are worker processes (``multiprocessing`` spawn)
-that each load the model keeping their shard only (:mod:`pagedkv.model.parallel`), allocate a KV
-cache of their share of the KV heads with the same ``num_blocks``, and loop::
+An :class:`~pagedkv.worker.executor.Executor` (``execute_model``, ``shutdown``), made by
+:func:`~pagedkv.worker.executor.create_executor` when ``tensor_parallel_size`` > 1. Rank 0 lives
+in the engine's process: the scheduler and the KV-cache manager run there once. Ranks 1 .. N-1 are
+worker processes (``multiprocessing`` spawn) that each load the model keeping their shard only
+(:mod:`pagedkv.model.parallel`), allocate a KV cache of their share of the KV heads with the same
+``num_blocks``, and loop::
 
     rank 0                                    rank r > 0
     scheduler.schedule()
@@ -51,9 +52,11 @@ from typing import Any
 
 import torch
 
+from pagedkv.config import PagedKVConfig
 from pagedkv.core.config import KVCacheConfig
-from pagedkv.errors import WorkerError
+from pagedkv.errors import ConfigError, WorkerError
 from pagedkv.model.parallel import TensorParallelGroup
+from pagedkv.worker.executor import Executor
 from pagedkv.worker.model_runner import ModelRunner
 from pagedkv.worker.outputs import ModelRunnerOutput
 from pagedkv.worker.scheduler_output import SchedulerOutput
@@ -77,7 +80,7 @@ class _Rendezvous:
     collective_timeout: float
 
 
-class TensorParallelExecutor:
+class TensorParallelExecutor(Executor):
     """Rank 0 of a tensor-parallel group plus the worker processes of the other ranks.
 
     Args:
@@ -86,8 +89,8 @@ class TensorParallelExecutor:
             ``functools.partial(load_model, path, dtype=torch.bfloat16)``); every rank calls it.
         kv_cache_config: the engine's KV cache (the same ``num_blocks`` on every rank; each
             rank's tensors hold its share of the KV heads).
-        tensor_parallel_size: ranks, >= 2.
-        max_num_seqs, max_num_batched_tokens, max_model_len, seed: as :class:`ModelRunner`.
+        config: the engine's resolved config: ``parallel_config.tensor_parallel_size`` ranks
+            (>= 2), the scheduler config and seed of every rank's runner.
         attention_backend: the attention backend's name (every rank makes its own); None =
             torch.
         runtime_setup: picklable callable run first in each worker (threads, malloc).
@@ -104,26 +107,24 @@ class TensorParallelExecutor:
         self,
         model_loader: Callable[..., Any],
         kv_cache_config: KVCacheConfig,
+        config: PagedKVConfig,
         *,
-        tensor_parallel_size: int,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        max_model_len: int,
-        seed: int = 0,
         attention_backend: str | None = None,
         runtime_setup: Callable[[], Any] | None = None,
         host: str = "127.0.0.1",
         init_timeout: float = DEFAULT_INIT_TIMEOUT,
         collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT,
     ) -> None:
-        world_size = tensor_parallel_size
+        world_size = config.parallel_config.tensor_parallel_size
+        if world_size < 2:
+            raise ConfigError(
+                f"tensor parallelism needs tensor_parallel_size >= 2, got {world_size}"
+            )
         self.world_size = world_size
         self._failure: WorkerError | None = None
         runner_kwargs = {
-            "max_num_seqs": max_num_seqs,
-            "max_num_batched_tokens": max_num_batched_tokens,
-            "max_model_len": max_model_len,
-            "seed": seed,
+            "scheduler_config": config.scheduler_config,
+            "seed": config.model_config.seed,
             "attention_backend": attention_backend,
         }
         # Port 0: the OS picks a free port; workers learn it from their arguments.
@@ -169,6 +170,7 @@ class TensorParallelExecutor:
             parallel = TensorParallelGroup(0, world_size)
             self.loaded_model = model_loader(parallel=parallel)
             model = self.loaded_model.model
+            max_model_len = config.scheduler_config.max_model_len
             if max_model_len > model.max_positions:
                 model.extend_positions(max_model_len)
             self.runner = ModelRunner(model, kv_cache_config, **runner_kwargs)
@@ -362,8 +364,9 @@ def _worker_main(
             runtime_setup()
         parallel = TensorParallelGroup(rank, rendezvous.world_size)
         model = model_loader(parallel=parallel).model
-        if runner_kwargs["max_model_len"] > model.max_positions:
-            model.extend_positions(runner_kwargs["max_model_len"])
+        max_model_len = runner_kwargs["scheduler_config"].max_model_len
+        if max_model_len > model.max_positions:
+            model.extend_positions(max_model_len)
         runner = ModelRunner(model, kv_cache_config, **runner_kwargs)
         conn.send(("ready", None))
         store = torch.distributed.TCPStore(

@@ -1,0 +1,128 @@
+"""Executor: what the engine calls to run a step, in one process or over tensor-parallel ranks.
+
+The engine builds one with :func:`create_executor` and knows nothing else of how the model runs
+(vLLM V1's ``Executor.get_class``): it hands each plain
+:class:`~pagedkv.worker.scheduler_output.SchedulerOutput` to :meth:`Executor.execute_model` and
+gets a :class:`~pagedkv.worker.outputs.ModelRunnerOutput` back.
+
+- :class:`UniProcExecutor`: one :class:`~pagedkv.worker.model_runner.ModelRunner` in the engine's
+  process (``tensor_parallel_size`` 1).
+- :class:`~pagedkv.worker.tp_executor.TensorParallelExecutor`: rank 0 in the engine's process,
+  ranks 1 .. N-1 as worker processes, each with its shard and its own persistent batch.
+"""
+
+from __future__ import annotations
+
+import functools
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pagedkv.config import PagedKVConfig
+from pagedkv.core.config import KVCacheConfig
+from pagedkv.model.loader import LoadedModel, load_model
+from pagedkv.ops.backends import AttentionBackend
+from pagedkv.worker.model_runner import ModelRunner
+from pagedkv.worker.outputs import ModelRunnerOutput
+from pagedkv.worker.scheduler_output import SchedulerOutput
+
+
+class Executor(ABC):
+    """Runs the engine's steps.
+
+    Attributes:
+        loaded_model: the model rank 0 runs (its config and tokenizer serve the engine).
+        runner: rank 0's model runner (its persistent batch and KV cache, for inspection).
+    """
+
+    loaded_model: LoadedModel
+    runner: ModelRunner
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Apply the step to every rank's batch, run the forward, return rank 0's samples."""
+
+    def shutdown(self) -> None:  # noqa: B027  (nothing to stop in one process)
+        """Stop whatever the executor started; idempotent."""
+
+
+class UniProcExecutor(Executor):
+    """One model runner in this process.
+
+    Args:
+        loaded_model: the model to run (its ``max_positions`` is extended to
+            ``max_model_len`` when a longer one was allowed).
+        kv_cache_config: the KV cache's blocks and groups.
+        config: the engine's resolved config.
+        attention_backend: the attention backend that owns the caches.
+    """
+
+    def __init__(
+        self,
+        loaded_model: LoadedModel,
+        kv_cache_config: KVCacheConfig,
+        config: PagedKVConfig,
+        attention_backend: AttentionBackend | str | None,
+    ) -> None:
+        model = loaded_model.model
+        max_model_len = config.scheduler_config.max_model_len
+        if max_model_len > model.max_positions:  # allowed by allow_long_max_model_len
+            model.extend_positions(max_model_len)
+        self.loaded_model = loaded_model
+        self.runner = ModelRunner(
+            model,
+            kv_cache_config,
+            config.scheduler_config,
+            seed=config.model_config.seed,
+            attention_backend=attention_backend,
+        )
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output)
+
+
+def create_executor(
+    config: PagedKVConfig,
+    kv_cache_config: KVCacheConfig,
+    attention_backend: AttentionBackend,
+    *,
+    loaded_model: LoadedModel | None = None,
+    model_loader: Callable[..., LoadedModel] | None = None,
+    runtime_setup: Callable[[], Any] | None = None,
+) -> Executor:
+    """The executor for ``config.parallel_config``.
+
+    Args:
+        config: the engine's resolved config.
+        kv_cache_config: the KV cache's blocks and groups (the same on every rank).
+        attention_backend: rank 0's backend (other ranks make their own of the same name).
+        loaded_model: a model already loaded (one process only).
+        model_loader: a picklable ``model_loader(parallel=...)`` each rank calls for its shard
+            (default: :func:`pagedkv.model.loader.load_model` of ``config.model_config.model``
+            in its dtype).
+        runtime_setup: picklable callable run first in each worker process (threads, malloc).
+
+    Raises:
+        ModelLoadError: the model cannot be read.
+        WorkerError: a tensor-parallel rank failed to start.
+    """
+    model_config = config.model_config
+    if model_loader is None:
+        model_loader = functools.partial(
+            load_model, model_config.model, dtype=getattr(torch, model_config.dtype)
+        )
+    if config.parallel_config.tensor_parallel_size > 1:
+        from pagedkv.worker.tp_executor import TensorParallelExecutor
+
+        return TensorParallelExecutor(
+            model_loader,
+            kv_cache_config,
+            config,
+            attention_backend=attention_backend.name,
+            runtime_setup=runtime_setup,
+        )
+    if loaded_model is None:
+        loaded_model = model_loader(parallel=None)
+    return UniProcExecutor(loaded_model, kv_cache_config, config, attention_backend)
