@@ -147,7 +147,7 @@ def test_write_kv_matches_torch(dtype):
 
 
 def test_dispatch_auto_on_cuda():
-    """paged_attention / write_kv route CUDA tensors to the kernels (impl="auto")."""
+    """paged_attention routes CUDA tensors to the kernels (impl="auto")."""
     case = _to_cuda(
         make_case(
             [(100, 1), (64, 9)],

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from pagedkv.errors import OpsInputError
 from pagedkv.ops.attention_metadata import PagedAttentionMetadata
 from pagedkv.ops.cpu_attention import cpu_paged_attention
-from pagedkv.ops.kv_cache import FP8_DTYPES, cache_dims, check_kv_cache, has_triton
+from pagedkv.ops.kv_cache import FP8_DTYPES, cache_dims, check_kv_cache
 from pagedkv.ops.reference import reference_paged_attention
 
 IMPLS = ("auto", "reference", "cpu", "triton")
@@ -102,7 +104,9 @@ def paged_attention(
         _check_query(query, kv_cache, metadata)
     if scale is None:
         scale = query.shape[-1] ** -0.5
-    if impl == "triton" or (impl == "auto" and query.is_cuda and has_triton()):
+    if impl == "triton" or (
+        impl == "auto" and query.is_cuda and importlib.util.find_spec("triton") is not None
+    ):
         from pagedkv.ops.triton import paged_attention_triton
 
         return paged_attention_triton(

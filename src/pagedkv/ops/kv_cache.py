@@ -26,8 +26,6 @@ reads a cache's layout.
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
 from pagedkv.errors import OpsInputError
@@ -175,14 +173,6 @@ def _check_write_kv(
         raise OpsInputError("slot_mapping writes the same slot twice in one call")
 
 
-def has_triton() -> bool:
-    """Whether the optional Triton kernels can be used (the ``gpu`` extra is installed).
-
-    Cheap once triton is imported (a ``sys.modules`` lookup); only asked for CUDA tensors.
-    """
-    return importlib.util.find_spec("triton") is not None
-
-
 def write_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -195,7 +185,9 @@ def write_kv(
 ) -> None:
     """Write a step's keys and values into their slots of the paged KV cache, in place.
 
-    Vectorised: one ``index_put_`` per K and V, no Python loop over tokens.
+    Plain torch on the cache's device, vectorised: one ``index_put_`` per K and V, no Python
+    loop over tokens. It does not dispatch by device: each attention backend calls its own writer
+    (the triton backend ``write_kv_triton``).
 
     Args:
         key: ``[num_tokens, num_kv_heads, head_size]``, the cache's dtype (any float dtype for an
@@ -215,11 +207,6 @@ def write_kv(
     """
     if validate:
         _check_write_kv(key, value, kv_cache, slot_mapping)
-    if kv_cache.is_cuda and has_triton():
-        from pagedkv.ops.triton import write_kv_triton
-
-        write_kv_triton(key, value, kv_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
-        return
     write_kv_torch(key, value, kv_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
 
