@@ -56,7 +56,7 @@ def bench_case(batch: int, context: int, partition_size: int, args) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from pagedkv.ops import allocate_kv_cache
+    from pagedkv.ops.kv_cache import allocate_kv_cache
     from pagedkv.ops.triton import TritonAttentionConfig, paged_attention_triton
 
     dtype, block_size = torch.bfloat16, args.block_size

@@ -114,102 +114,6 @@ def kv_cache_shape(
     return (2, num_blocks, num_kv_heads, block_size, head_size)
 
 
-def cache_dims(kv_cache: torch.Tensor) -> tuple[int, int, int, int]:
-    """``(num_blocks, block_size, num_kv_heads, head_size)`` of a cache in this layout."""
-    _, num_blocks, num_kv_heads, block_size, head_size = kv_cache.shape
-    return num_blocks, block_size, num_kv_heads, head_size
-
-
-def check_kv_cache(kv_cache: torch.Tensor) -> None:
-    """Raise :class:`OpsInputError` unless ``kv_cache`` is a contiguous 5-D cache of this layout."""
-    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise OpsInputError(
-            "kv_cache must be [2, num_blocks, num_kv_heads, block_size, head_size], got "
-            f"{tuple(kv_cache.shape) if isinstance(kv_cache, torch.Tensor) else type(kv_cache)}"
-        )
-    if not kv_cache.is_contiguous():
-        raise OpsInputError("kv_cache must be contiguous (allocate it with allocate_kv_cache)")
-
-
-def _check_write_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    check_kv_cache(kv_cache)
-    num_blocks, block_size, num_kv_heads, head_size = cache_dims(kv_cache)
-    if key.dim() != 3 or key.shape != value.shape:
-        raise OpsInputError(
-            "key and value must both be [num_tokens, num_kv_heads, head_size], "
-            f"got {tuple(key.shape)} and {tuple(value.shape)}"
-        )
-    if key.shape[1:] != (num_kv_heads, head_size):
-        raise OpsInputError(
-            f"key/value heads {tuple(key.shape[1:])} do not match the cache's "
-            f"(num_kv_heads, head_size) = {(num_kv_heads, head_size)}"
-        )
-    if key.dtype != value.dtype:
-        raise OpsInputError(f"key dtype {key.dtype} differs from value dtype {value.dtype}")
-    if kv_cache.dtype not in FP8_DTYPES and key.dtype != kv_cache.dtype:
-        raise OpsInputError(f"key dtype {key.dtype} differs from the cache's {kv_cache.dtype}")
-    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]:
-        raise OpsInputError(
-            f"slot_mapping must be [num_tokens={key.shape[0]}], got {tuple(slot_mapping.shape)}"
-        )
-    if slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise OpsInputError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
-    if slot_mapping.numel() == 0:
-        return
-    num_slots = num_blocks * block_size
-    if int(slot_mapping.min()) < -1 or int(slot_mapping.max()) >= num_slots:
-        raise OpsInputError(
-            f"slot_mapping values must be -1 (skip) or in [0, {num_slots}) "
-            f"(num_blocks * block_size), got range [{int(slot_mapping.min())}, "
-            f"{int(slot_mapping.max())}]"
-        )
-    written = slot_mapping[slot_mapping >= 0]
-    if torch.unique(written).numel() != written.numel():
-        raise OpsInputError("slot_mapping writes the same slot twice in one call")
-
-
-def write_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    *,
-    validate: bool = True,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> None:
-    """Write a step's keys and values into their slots of the paged KV cache, in place.
-
-    Plain torch on the cache's device, vectorised: one ``index_put_`` per K and V, no Python
-    loop over tokens. It does not dispatch by device: each attention backend calls its own writer
-    (the triton backend ``write_kv_triton``).
-
-    Args:
-        key: ``[num_tokens, num_kv_heads, head_size]``, the cache's dtype (any float dtype for an
-            fp8 cache: it is divided by ``k_scale`` and rounded to fp8). May be a strided view
-            (split from a fused QKV projection).
-        value: same shape and dtype as ``key``.
-        kv_cache: ``[2, num_blocks, num_kv_heads, block_size, head_size]`` (see module docs).
-        slot_mapping: ``[num_tokens]`` int32/int64; slot = block_id * block_size + offset;
-            -1 = skip this token (padding).
-        validate: check shapes, dtypes and slot range first; off only for a trusted runner.
-        k_scale: per-tensor scale of fp8 keys (ignored for other dtypes).
-        v_scale: per-tensor scale of fp8 values (ignored for other dtypes).
-
-    Raises:
-        OpsInputError: (validate=True) wrong shapes/dtypes, a slot outside the pool, or one slot
-            written twice. Nothing is written then.
-    """
-    if validate:
-        _check_write_kv(key, value, kv_cache, slot_mapping)
-    write_kv_torch(key, value, kv_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
-
-
 def write_kv_torch(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -219,8 +123,21 @@ def write_kv_torch(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> None:
-    """:func:`write_kv` in plain torch on any device, without validation (the torch backend's
-    write)."""
+    """Write a step's keys and values into their slots of the paged KV cache, in place: the
+    torch backend's write (it validates first). Plain torch on the cache's device, vectorised:
+    one ``index_put_`` per K and V, no Python loop over tokens.
+
+    Args:
+        key: ``[num_tokens, num_kv_heads, head_size]``, the cache's dtype (any float dtype for an
+            fp8 cache: it is divided by ``k_scale`` and rounded to nearest fp8). May be a strided
+            view (split from a fused QKV projection).
+        value: same shape and dtype as ``key``.
+        kv_cache: ``[2, num_blocks, num_kv_heads, block_size, head_size]`` (see module docs).
+        slot_mapping: ``[num_tokens]`` int32/int64; slot = block_id * block_size + offset;
+            -1 = skip this token (padding). No slot twice.
+        k_scale: per-tensor scale of fp8 keys (ignored for other dtypes).
+        v_scale: per-tensor scale of fp8 values (ignored for other dtypes).
+    """
     block_size = kv_cache.shape[3]
     slots = slot_mapping.long()
     skip = slots < 0

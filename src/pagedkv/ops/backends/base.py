@@ -146,8 +146,8 @@ class CommonAttentionMetadata:
         return self.query_start_loc_cpu
 
     def validate(self, block_size: int, sliding_window: int | None) -> int:
-        """Check shapes, dtypes, lengths, block ids (against ``num_blocks``) and the slot
-        mapping's range.
+        """Check shapes, dtypes, lengths, block ids (against ``num_blocks``), the slot
+        mapping's range and that no slot is written twice.
 
         Returns:
             The largest block id a request reads.
@@ -180,6 +180,9 @@ class CommonAttentionMetadata:
                     f"slot_mapping values must be -1 (skip) or in [0, "
                     f"{self.num_blocks * block_size}), got range [{lo}, {hi}]"
                 )
+        written = slots[slots >= 0]
+        if torch.unique(written).numel() != written.numel():
+            raise OpsInputError("slot_mapping writes the same slot twice in one step")
         return max_block_id
 
 
@@ -337,7 +340,8 @@ def check_layer_tensors(
     """Shared per-layer checks of a backend's ``validate=True`` path.
 
     Raises:
-        OpsInputError: a tensor whose shape or dtype does not match the spec or the step.
+        OpsInputError: a tensor whose shape or dtype does not match the spec or the step, or a
+            cache that is not contiguous.
     """
     if not isinstance(kv_cache, torch.Tensor) or tuple(kv_cache.shape) != tuple(expected_shape):
         got = tuple(kv_cache.shape) if isinstance(kv_cache, torch.Tensor) else type(kv_cache)
@@ -346,6 +350,8 @@ def check_layer_tensors(
         )
     if kv_cache.dtype != spec.kv_cache_dtype:
         raise OpsInputError(f"kv_cache dtype {kv_cache.dtype} != the spec's {spec.kv_cache_dtype}")
+    if not kv_cache.is_contiguous():
+        raise OpsInputError("kv_cache must be contiguous (allocate it with the backend)")
     if query is not None:
         want = (num_tokens, spec.num_heads, spec.head_size)
         if tuple(query.shape) != want or query.dtype != spec.dtype:

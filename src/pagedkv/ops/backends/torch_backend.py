@@ -93,7 +93,6 @@ class TorchBackend(HNDLayoutBackend):
             common.query_start_loc,
             spec.block_size,
             sliding_window=spec.sliding_window,
-            validate=False,
             decode_chunk_bytes=self.decode_chunk_bytes,
         )
         return TorchAttentionMetadata(spec, common.slot_mapping.long(), paged)

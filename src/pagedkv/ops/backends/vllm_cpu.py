@@ -368,8 +368,6 @@ class VllmCpuBackend(AttentionBackend):
                 f"block_tables refers to block {metadata.max_block_id}, beyond the pool's "
                 f"{kv_cache.shape[1]}"
             )
-        if not kv_cache.is_contiguous():
-            raise OpsInputError("kv_cache must be contiguous (allocate it with the backend)")
         for name, tensor in tensors.items():
             if tensor.stride(-1) != 1:
                 raise OpsInputError(f"{name}'s last dimension must be contiguous")
