@@ -26,6 +26,8 @@ from pagedkv.ops.backends import (
     AttentionLayerSpec,
     CommonAttentionMetadata,
     TorchBackend,
+    TritonAttentionConfig,
+    TritonBackend,
     build_layer_metadata,
     get_attn_backend,
     select_backend,
@@ -467,6 +469,44 @@ def test_select_backend_semantics(caplog):
     assert choice.backend.name == "torch"
     assert [r.levelname for r in caplog.records] == ["WARNING"]
     assert "triton" in caplog.records[0].getMessage()
+
+
+@pytest.mark.parametrize(
+    "tiles, match",
+    [
+        ({"decode_tile_n": 8}, "decode_tile_n must be a power of two >= 16"),
+        ({"prefill_block_m": 48}, "prefill_block_m must be a power of two"),
+        ({"prefill_tile_n": True}, "prefill_tile_n"),
+        ({"partition_size": 100}, "partition_size must be a multiple of decode_tile_n 64"),
+        ({"partition_size": 0}, "partition_size"),
+        ({"num_warps": 0}, "num_warps"),
+    ],
+)
+def test_triton_tiles_are_checked(tiles, match):
+    # (no triton needed: the config and the backend's constructor do not import it)
+    with pytest.raises(ConfigError, match=match):
+        TritonAttentionConfig(**tiles)
+    config = TritonAttentionConfig(partition_size=96, decode_tile_n=32)
+    assert TritonBackend("cpu", config=config).config is config
+    with pytest.raises(ConfigError, match="TritonAttentionConfig"):
+        TritonBackend("cpu", config={"partition_size": 96})
+
+
+def test_choosing_a_backend_loads_no_kernels_it_does_not_run():
+    # A fresh interpreter: picking the backend on a CPU imports neither triton nor the triton
+    # backend's kernels (its tile config, which imports nothing, is loaded).
+    code = (
+        "import sys, torch\n"
+        "from pagedkv.ops.backends import select_backend\n"
+        "select_backend('auto', 'cpu', torch.bfloat16, 64, log=False)\n"
+        "kernels = ('triton', 'pagedkv.ops.backends._triton.attention', "
+        "'pagedkv.ops.backends._triton.cache')\n"
+        "print([m for m in sys.modules if m in kernels or m.startswith('triton.')])\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert proc.stdout.strip() == "[]"
 
 
 def test_vllm_cpu_without_libnuma_falls_back_with_one_line_and_never_imports_vllm():

@@ -15,7 +15,7 @@ from paged_attention_cases import dense_attention
 
 from pagedkv.errors import OpsInputError
 from pagedkv.ops.backends import TorchBackend
-from pagedkv.ops.gather_plan import get_gather_plan
+from pagedkv.ops.backends._torch.gather_plan import get_gather_plan
 
 IMPLS = ["reference", "cpu"]
 

