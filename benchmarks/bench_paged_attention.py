@@ -38,7 +38,7 @@ from pagedkv.ops.backends import (
     CommonAttentionMetadata,
     TorchBackend,
 )
-from pagedkv.ops.gather_plan import get_gather_plan
+from pagedkv.ops.backends._torch.gather_plan import get_gather_plan  # to time it per step
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 

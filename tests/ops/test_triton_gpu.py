@@ -27,10 +27,13 @@ if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     # test folders on sys.path).
     if os.path.dirname(__file__) not in sys.path:
         sys.path.insert(0, os.path.dirname(__file__))
-    from paged_attention_cases import make_case
+    from paged_attention_cases import make_case, torch_reference
 
-    from pagedkv.ops import allocate_kv_cache, paged_attention, write_kv
-    from pagedkv.ops.triton import paged_attention_triton, write_kv_triton
+    from pagedkv.ops.backends import AttentionLayerSpec, CommonAttentionMetadata, select_backend
+    from pagedkv.ops.backends._torch.write import write_kv_torch
+    from pagedkv.ops.backends._triton.attention import paged_attention_triton
+    from pagedkv.ops.backends._triton.cache import write_kv_triton
+    from pagedkv.ops.backends.hnd_layout import allocate_kv_cache
 
 
 def _to_cuda(case):
@@ -40,19 +43,8 @@ def _to_cuda(case):
 
 
 def _reference(case, sliding_window=None, **scales):
-    """The torch reference on CPU copies (fp32 softmax), back on the GPU."""
-    out = paged_attention(
-        case.query.cpu(),
-        case.kv_cache.cpu(),
-        case.block_tables.cpu(),
-        case.seq_lens.cpu(),
-        case.query_start_loc.cpu(),
-        None,
-        sliding_window,
-        impl="reference",
-        **scales,
-    )
-    return out.cuda()
+    """The torch backend's reference path on CPU copies (fp32 softmax), back on the GPU."""
+    return torch_reference(case, None, sliding_window, **scales).cuda()
 
 
 def _triton(case, sliding_window=None, **kwargs):
@@ -140,26 +132,57 @@ def test_write_kv_matches_torch(dtype):
     slots[::7] = -1
     qkv = torch.randn(300, 48, 128, generator=gen, dtype=torch.bfloat16)
     key, value = qkv[:, 32:40], qkv[:, 40:]
-    write_kv(key, value, cache, slots, k_scale=0.5, v_scale=0.25)  # torch path on CPU
+    write_kv_torch(key, value, cache, slots, k_scale=0.5, v_scale=0.25)  # torch backend's, CPU
     gpu_cache = allocate_kv_cache(64, 16, 8, 128, dtype, device="cuda")
     write_kv_triton(key.cuda(), value.cuda(), gpu_cache, slots.cuda(), k_scale=0.5, v_scale=0.25)
     assert torch.equal(gpu_cache.cpu().view(torch.uint8), cache.view(torch.uint8))
 
 
-def test_dispatch_auto_on_cuda():
-    """paged_attention / write_kv route CUDA tensors to the kernels (impl="auto")."""
-    case = _to_cuda(
-        make_case(
-            [(100, 1), (64, 9)],
-            block_size=16,
-            num_kv_heads=2,
-            group=3,
-            head_size=64,
-            dtype=torch.bfloat16,
-        )
+def test_auto_is_triton_on_cuda_and_its_write_and_forward_match_the_reference():
+    """select_backend("auto") on CUDA is the triton backend; a step written and attended through
+    its interface (CUDA tensors) gives the torch reference's output on the same K/V."""
+    case = make_case(
+        [(100, 1), (64, 9)],
+        block_size=16,
+        num_kv_heads=2,
+        group=3,
+        head_size=64,
+        dtype=torch.bfloat16,
     )
-    out = paged_attention(
-        case.query, case.kv_cache, case.block_tables, case.seq_lens, case.query_start_loc
+    choice = select_backend("auto", "cuda", torch.bfloat16, 64, block_size=16)
+    backend = choice.backend
+    assert backend.name == "triton" and choice.block_size == 16
+    spec = AttentionLayerSpec(
+        num_heads=6, num_kv_heads=2, head_size=64, block_size=16, dtype=torch.bfloat16
+    )
+    num_blocks = case.kv_cache.shape[1]
+    cache = backend.allocate_kv_cache(num_blocks, spec)
+    seq_lens = case.seq_lens.tolist()
+    table = case.block_tables.long()
+    slots = [
+        table[i][torch.arange(n) // 16] * 16 + torch.arange(n) % 16 for i, n in enumerate(seq_lens)
+    ]
+    write_qsl = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int32)
+    write_step = CommonAttentionMetadata(
+        block_tables=case.block_tables.cuda(),
+        seq_lens=case.seq_lens.cuda(),
+        query_start_loc=write_qsl.cuda(),
+        slot_mapping=torch.cat(slots).cuda(),
+        num_blocks=num_blocks,
+    )
+    md = backend.build_metadata(write_step, spec)
+    key, value = torch.cat(case.keys).cuda(), torch.cat(case.values).cuda()
+    backend.write_kv(key, value, cache, md, validate=True)
+    q_lens = (case.query_start_loc[1:] - case.query_start_loc[:-1]).tolist()
+    step = CommonAttentionMetadata(
+        block_tables=case.block_tables.cuda(),
+        seq_lens=case.seq_lens.cuda(),
+        query_start_loc=case.query_start_loc.cuda(),
+        slot_mapping=torch.cat([s[-q:] for s, q in zip(slots, q_lens, strict=True)]).cuda(),
+        num_blocks=num_blocks,
+    )
+    out = backend.forward(
+        case.query.cuda(), cache, backend.build_metadata(step, spec), validate=True
     )
     torch.testing.assert_close(
         out.float(), _reference(case).float(), atol=TOL[torch.bfloat16], rtol=0

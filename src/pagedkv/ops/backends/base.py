@@ -35,10 +35,40 @@ from typing import Any, ClassVar
 import torch
 
 from pagedkv.errors import OpsInputError
-from pagedkv.ops.attention_metadata import check_step
-from pagedkv.ops.kv_cache import FP8_DTYPES, resolve_kv_dtype
+from pagedkv.validation import check_int
 
 QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+#: Cache dtypes by name (pagedkv.core.spec.KV_DTYPE_BYTES's names): ``kv_cache_dtype`` of a spec.
+KV_CACHE_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def resolve_kv_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """Map a dtype name ("bfloat16", "fp8", ...) or torch dtype to a KV-cache torch dtype.
+
+    Raises:
+        OpsInputError: a dtype the KV cache cannot hold.
+    """
+    if isinstance(dtype, str):
+        if dtype not in KV_CACHE_DTYPES:
+            raise OpsInputError(
+                f"unknown KV-cache dtype {dtype!r}; use one of {sorted(KV_CACHE_DTYPES)}"
+            )
+        return KV_CACHE_DTYPES[dtype]
+    if dtype not in KV_CACHE_DTYPES.values():
+        raise OpsInputError(
+            f"KV-cache dtype {dtype} unsupported; use float32, bfloat16, float16 or float8"
+        )
+    return dtype
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,7 +84,7 @@ class AttentionLayerSpec:
         head_size: elements per head.
         block_size: tokens per KV-cache block.
         dtype: query / output dtype (float32, bfloat16 or float16).
-        kv_cache_dtype: cache dtype: a torch dtype or name (``pagedkv.ops.kv_cache``); None = the
+        kv_cache_dtype: cache dtype: a torch dtype or name (:data:`KV_CACHE_DTYPES`); None = the
             query's. fp8 (``float8_e4m3fn`` / ``float8_e5m2``) stores ``x / k_scale``.
         sliding_window: attend to the last ``sliding_window`` positions only (None = all).
         scale: softmax scale; None = ``head_size ** -0.5``.
@@ -146,8 +176,8 @@ class CommonAttentionMetadata:
         return self.query_start_loc_cpu
 
     def validate(self, block_size: int, sliding_window: int | None) -> int:
-        """Check shapes, dtypes, lengths, block ids (against ``num_blocks``) and the slot
-        mapping's range.
+        """Check shapes, dtypes, lengths, block ids (against ``num_blocks``), the slot
+        mapping's range and that no slot is written twice.
 
         Returns:
             The largest block id a request reads.
@@ -155,7 +185,7 @@ class CommonAttentionMetadata:
         Raises:
             OpsInputError: the first inconsistency found.
         """
-        max_block_id = check_step(
+        max_block_id = _check_step(
             self.block_tables,
             self.seq_lens,
             self.query_start_loc,
@@ -180,6 +210,9 @@ class CommonAttentionMetadata:
                     f"slot_mapping values must be -1 (skip) or in [0, "
                     f"{self.num_blocks * block_size}), got range [{lo}, {hi}]"
                 )
+        written = slots[slots >= 0]
+        if torch.unique(written).numel() != written.numel():
+            raise OpsInputError("slot_mapping writes the same slot twice in one step")
         return max_block_id
 
 
@@ -337,7 +370,8 @@ def check_layer_tensors(
     """Shared per-layer checks of a backend's ``validate=True`` path.
 
     Raises:
-        OpsInputError: a tensor whose shape or dtype does not match the spec or the step.
+        OpsInputError: a tensor whose shape or dtype does not match the spec or the step, or a
+            cache that is not contiguous.
     """
     if not isinstance(kv_cache, torch.Tensor) or tuple(kv_cache.shape) != tuple(expected_shape):
         got = tuple(kv_cache.shape) if isinstance(kv_cache, torch.Tensor) else type(kv_cache)
@@ -346,6 +380,8 @@ def check_layer_tensors(
         )
     if kv_cache.dtype != spec.kv_cache_dtype:
         raise OpsInputError(f"kv_cache dtype {kv_cache.dtype} != the spec's {spec.kv_cache_dtype}")
+    if not kv_cache.is_contiguous():
+        raise OpsInputError("kv_cache must be contiguous (allocate it with the backend)")
     if query is not None:
         want = (num_tokens, spec.num_heads, spec.head_size)
         if tuple(query.shape) != want or query.dtype != spec.dtype:
@@ -404,3 +440,93 @@ class BoundAttentionMetadata:
             ``[num_tokens, num_heads, head_size]`` in the query dtype.
         """
         return self.backend.forward(query, kv_cache, self.metadata)
+
+
+def _check_lengths(seq_lens: list[int], q_lens: list[int], max_len: int) -> None:
+    for i, (seq_len, q_len) in enumerate(zip(seq_lens, q_lens, strict=True)):
+        if not 1 <= q_len <= seq_len:
+            raise OpsInputError(
+                f"request {i}: q_len {q_len} must be in [1, seq_len={seq_len}] "
+                "(query_start_loc must increase; seq_lens count this step's tokens)"
+            )
+        if seq_len > max_len:
+            raise OpsInputError(
+                f"request {i}: seq_len {seq_len} exceeds the block table's capacity "
+                f"({max_len} tokens = max_num_blocks x block_size)"
+            )
+
+
+def _check_step_inputs(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    block_size: int,
+    sliding_window: int | None,
+) -> None:
+    """Shape/dtype checks of the step tensors (their values: :func:`_check_step`)."""
+    check_int("block_size", block_size, 1, error=OpsInputError)
+    check_int("sliding_window", sliding_window, 1, optional=True, error=OpsInputError)
+    int_dtypes = (torch.int32, torch.int64)
+    for name, tensor, dim in (
+        ("block_tables", block_tables, 2),
+        ("seq_lens", seq_lens, 1),
+        ("query_start_loc", query_start_loc, 1),
+    ):
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != dim:
+            raise OpsInputError(f"{name} must be a {dim}-D tensor")
+        if tensor.dtype not in int_dtypes:
+            raise OpsInputError(f"{name} must be int32 or int64, got {tensor.dtype}")
+    num_reqs = block_tables.shape[0]
+    if num_reqs < 1:
+        raise OpsInputError("a step needs at least one request")
+    if seq_lens.shape[0] != num_reqs or query_start_loc.shape[0] != num_reqs + 1:
+        raise OpsInputError(
+            f"num_reqs mismatch: block_tables has {num_reqs} rows, seq_lens "
+            f"{seq_lens.shape[0]} (want {num_reqs}), query_start_loc {query_start_loc.shape[0]} "
+            f"(want {num_reqs + 1})"
+        )
+    if int(query_start_loc[0]) != 0:
+        raise OpsInputError("query_start_loc must start at 0")
+
+
+def _check_step(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    block_size: int,
+    *,
+    sliding_window: int | None = None,
+    num_blocks: int | None = None,
+) -> int:
+    """The checks of a step's block tables and lengths (:meth:`CommonAttentionMetadata.validate`,
+    for every backend).
+
+    Returns:
+        The largest block id a request reads.
+
+    Raises:
+        OpsInputError: bad ranks or dtypes, inconsistent num_reqs, ``query_start_loc[0] != 0``,
+            a q_len outside ``[1, seq_len]``, a seq_len beyond the block table's capacity, or a
+            block id a request reads outside ``[0, num_blocks)``.
+    """
+    _check_step_inputs(block_tables, seq_lens, query_start_loc, block_size, sliding_window)
+    seq = seq_lens.cpu().long()
+    qsl = query_start_loc.cpu().long()
+    q_lens = qsl[1:] - qsl[:-1]
+    _check_lengths(seq.tolist(), q_lens.tolist(), block_tables.shape[1] * block_size)
+    kv_start = torch.zeros_like(seq)
+    if sliding_window is not None:  # first attended key
+        kv_start = (seq - q_lens - sliding_window + 1).clamp(min=0)
+    first = kv_start // block_size
+    end = -(-seq // block_size)  # blocks [first, end) are read
+    col = torch.arange(block_tables.shape[1])
+    used = (col[None, :] >= first[:, None]) & (col[None, :] < end[:, None])
+    ids = block_tables.cpu()[used]
+    if int(ids.min()) < 0:
+        raise OpsInputError(f"block_tables holds a negative block id ({int(ids.min())})")
+    max_block_id = int(ids.max())
+    if num_blocks is not None and max_block_id >= num_blocks:
+        raise OpsInputError(
+            f"block_tables refers to block {max_block_id}, beyond the pool's {num_blocks}"
+        )
+    return max_block_id

@@ -28,11 +28,11 @@ from pagedkv.ops.backends.base import (
     AttentionLayerSpec,
     BoundAttentionMetadata,
     CommonAttentionMetadata,
+    resolve_kv_dtype,
 )
 from pagedkv.ops.backends.torch_backend import TorchBackend
 from pagedkv.ops.backends.triton_backend import TritonBackend
 from pagedkv.ops.backends.vllm_cpu import VllmCpuBackend
-from pagedkv.ops.kv_cache import resolve_kv_dtype
 
 logger = logging.getLogger(__name__)
 

@@ -1,10 +1,17 @@
 """The ``torch`` attention backend: pagedkv's own pure-torch paths, available everywhere.
 
-Cache layout ``[2, num_blocks, num_kv_heads, block_size, head_size]`` (``pagedkv.ops.kv_cache``),
-any block size, any head size, float32 / bfloat16 / float16 and fp8 caches. ``impl="cpu"`` is the
-fast path (``pagedkv.ops.cpu_attention``: chunked block gathers, grouped bmm-softmax-bmm for
-decodes, SDPA per prefill); ``impl="reference"`` is the plain per-request path the others are
-tested against. Both run on any torch device (the fast path is tuned for CPUs).
+Cache layout ``[2, num_blocks, num_kv_heads, block_size, head_size]``
+(:mod:`pagedkv.ops.backends.hnd_layout`), any block size, any head size, float32 / bfloat16 /
+float16 and fp8 caches. Its paths are its own (the private package ``_torch``, imported by no other
+module of pagedkv: ``.importlinter``):
+
+- ``impl="cpu"``, the fast path (``_torch/cpu_attention.py``, ``_torch/gather_plan.py``: chunked
+  block gathers, grouped bmm-softmax-embedding_bag for decodes, SDPA per prefill);
+- ``impl="reference"``, the plain per-request path the others are tested against
+  (``_torch/reference.py``);
+- its write (``_torch/write.py``) and per-step index work (``_torch/metadata.py``).
+
+Both paths run on any torch device (the fast path is tuned for CPUs).
 """
 
 from __future__ import annotations
@@ -14,12 +21,12 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.errors import OpsInputError
-from pagedkv.ops.attention_metadata import PagedAttentionMetadata
+from pagedkv.ops.backends._torch.cpu_attention import cpu_paged_attention
+from pagedkv.ops.backends._torch.metadata import PagedAttentionMetadata
+from pagedkv.ops.backends._torch.reference import reference_paged_attention
+from pagedkv.ops.backends._torch.write import write_kv_torch
 from pagedkv.ops.backends.base import AttentionLayerSpec, CommonAttentionMetadata
 from pagedkv.ops.backends.hnd_layout import HNDLayoutBackend
-from pagedkv.ops.cpu_attention import cpu_paged_attention
-from pagedkv.ops.kv_cache import write_kv_torch
-from pagedkv.ops.reference import reference_paged_attention
 from pagedkv.validation import check_int
 
 #: Block size of the torch backend's fastest decode on the machines measured (docs/ops.md).
@@ -93,7 +100,6 @@ class TorchBackend(HNDLayoutBackend):
             common.query_start_loc,
             spec.block_size,
             sliding_window=spec.sliding_window,
-            validate=False,
             decode_chunk_bytes=self.decode_chunk_bytes,
         )
         return TorchAttentionMetadata(spec, common.slot_mapping.long(), paged)

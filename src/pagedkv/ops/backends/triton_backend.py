@@ -1,10 +1,14 @@
-"""The ``triton`` attention backend: the Triton kernels of ``pagedkv.ops.triton`` on CUDA.
+"""The ``triton`` attention backend: pagedkv's Triton kernels on CUDA.
 
 Same cache layout as the torch backend (``[2, num_blocks, num_kv_heads, block_size, head_size]``;
 the kernels read it through its strides), any block size, float32 / bfloat16 / float16 queries
 and fp8 caches. Needs the ``gpu`` extra (``pip install 'pagedkv[gpu]'``) and a CUDA device, or
 CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is imported;
 for tests only). docs/gpu.md says what was verified where.
+
+The kernels are this backend's own (the private package ``_triton``, imported by no other module
+of pagedkv: ``.importlinter``); it imports them, and so ``triton``, only when it first writes or
+attends, so that selecting a backend never loads triton.
 
 The metadata is the step's device tensors plus two host facts the launch needs (whether every
 request is a decode, and the longest sequence); it does no index work on the host.
@@ -18,8 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedkv.errors import ConfigError
+from pagedkv.ops.backends._triton.config import DEFAULT_CONFIG, TritonAttentionConfig
 from pagedkv.ops.backends.base import AttentionLayerSpec, CommonAttentionMetadata
 from pagedkv.ops.backends.hnd_layout import HNDLayoutBackend
+
+__all__ = ["TRITON_DEFAULT_BLOCK_SIZE", "TritonAttentionConfig", "TritonBackend"]
 
 TRITON_DEFAULT_BLOCK_SIZE = 16
 
@@ -43,12 +51,28 @@ def _interpreting() -> bool:
 
 
 class TritonBackend(HNDLayoutBackend):
-    """Paged attention with pagedkv's Triton kernels (see module docs)."""
+    """Paged attention with pagedkv's Triton kernels (see module docs).
+
+    Args:
+        device: where caches and metadata live (CUDA; CPU only under the interpreter).
+        config: the kernels' tile sizes (:class:`TritonAttentionConfig`; the default is untuned
+            until a GPU run, docs/gpu.md).
+
+    Raises:
+        ConfigError: a ``config`` that is not a :class:`TritonAttentionConfig`.
+    """
 
     name = "triton"
 
-    def __init__(self, device: torch.device | str = "cuda") -> None:
+    def __init__(
+        self, device: torch.device | str = "cuda", *, config: TritonAttentionConfig = DEFAULT_CONFIG
+    ) -> None:
+        if not isinstance(config, TritonAttentionConfig):
+            raise ConfigError(
+                f"config must be a TritonAttentionConfig, got {type(config).__name__}"
+            )
         super().__init__(device)
+        self.config = config
 
     @classmethod
     def unavailable_reason(cls, device: torch.device | str) -> str | None:
@@ -93,7 +117,7 @@ class TritonBackend(HNDLayoutBackend):
         v_scale=1.0,
         validate=False,
     ) -> None:
-        from pagedkv.ops.triton import write_kv_triton
+        from pagedkv.ops.backends._triton.cache import write_kv_triton
 
         if validate:
             self._check(metadata, kv_cache, key=key, value=value)
@@ -111,7 +135,7 @@ class TritonBackend(HNDLayoutBackend):
         v_scale=1.0,
         validate=False,
     ) -> torch.Tensor:
-        from pagedkv.ops.triton import paged_attention_triton
+        from pagedkv.ops.backends._triton.attention import paged_attention_triton
 
         if validate:
             self._check(metadata, kv_cache, query=query)
@@ -128,6 +152,7 @@ class TritonBackend(HNDLayoutBackend):
             max_seq_len=metadata.max_seq_len,
             k_scale=k_scale,
             v_scale=v_scale,
+            config=self.config,
         )
 
     def _check(self, metadata: TritonAttentionMetadata, kv_cache, **tensors) -> None:

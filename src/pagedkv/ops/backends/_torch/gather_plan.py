@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedkv.ops.attention_metadata import PagedAttentionMetadata
+from pagedkv.ops.backends._torch.metadata import PagedAttentionMetadata
 
 
 @dataclass(slots=True)

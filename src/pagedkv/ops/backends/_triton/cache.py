@@ -3,8 +3,8 @@
 One program per token copies all of that token's K and V heads (``num_kv_heads * head_size``
 elements each) to slot ``slot_mapping[token]`` of ``kv_cache[0]`` / ``kv_cache[1]``; slot -1 skips
 the token (padding). For an fp8 cache the values are divided by the per-tensor scale and rounded on
-the store, the same convention as :func:`pagedkv.ops.write_kv` (vLLM's ``reshape_and_cache``
-with ``k_scale`` / ``v_scale``).
+the store, the same convention as the torch backend's write (vLLM's ``reshape_and_cache`` with
+``k_scale`` / ``v_scale``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedkv.ops.kv_cache import FP8_DTYPES
+from pagedkv.ops.backends.base import FP8_DTYPES
 
 
 @triton.jit
@@ -74,8 +74,9 @@ def write_kv_triton(
 ) -> None:
     """Write keys and values into their slots of the paged KV cache, in place (Triton).
 
-    Inputs are not validated here: call :func:`pagedkv.ops.write_kv` (which validates, then
-    dispatches CUDA tensors to this function) unless the caller is a trusted runner.
+    Inputs are not validated here: this is the triton backend's write
+    (:meth:`~pagedkv.ops.backends.TritonBackend.write_kv`, which validates with
+    ``validate=True``).
 
     Args:
         key: ``[num_tokens, num_kv_heads, head_size]`` fp32/bf16/fp16; the last dim contiguous

@@ -35,9 +35,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedkv.ops.attention_metadata import PagedAttentionMetadata
-from pagedkv.ops.gather_plan import DecodeChunk, GatherPlan, ZeroSlots, get_gather_plan
-from pagedkv.ops.kv_cache import FP8_DTYPES
+from pagedkv.ops.backends._torch.gather_plan import (
+    DecodeChunk,
+    GatherPlan,
+    ZeroSlots,
+    get_gather_plan,
+)
+from pagedkv.ops.backends._torch.metadata import PagedAttentionMetadata
+from pagedkv.ops.backends.base import FP8_DTYPES
 
 
 def cpu_paged_attention(

@@ -1,13 +1,11 @@
-"""Per-step attention metadata: the index work of one step, done once and reused by every layer.
+"""The torch backend's per-step metadata: the index work of one step, done once and reused by
+every layer.
 
-:class:`AttentionMetadata` is what a model's attention layers take: the slot mapping (where
-``write_kv`` puts this step's K/V) and the :class:`PagedAttentionMetadata` (what
-``paged_attention`` reads).
-
-A forward runs ``paged_attention`` once per layer (30 layers for SmolLM2) with the same block
-tables, seq_lens and query_start_loc. Everything that depends only on those is computed here once
-per step: which requests are decodes, the blocks and slots each reads, masks, and (on the first
-layer, once the cache's head layout is known) the fast path's gather plan (``gather_plan.py``).
+A forward runs the torch backend's ``forward`` once per layer (30 layers for SmolLM2) with the
+same block tables, seq_lens and query_start_loc. Everything that depends only on those is computed
+here once per step: which requests are decodes, the blocks and slots each reads, masks, and (on
+the first layer, once the cache's head layout is known) the fast path's gather plan
+(``gather_plan.py``).
 
 Requests split into two groups:
 
@@ -31,9 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
-from pagedkv.errors import OpsInputError
-from pagedkv.validation import check_int
 
 #: Gathered bytes per decode chunk and per torch thread when the cache sizes are unknown: small
 #: enough to stay in cache between the gather and the matmul that reads it, big enough that the
@@ -101,7 +96,7 @@ class PrefillRequest:
 
 @dataclass(slots=True)
 class PagedAttentionMetadata:
-    """Index tensors for :func:`pagedkv.ops.paged_attention`, built once per step by :meth:`build`.
+    """Index tensors of the torch backend's two paths, built once per step by :meth:`build`.
 
     Holds the step's inputs and what the paths derive from them. Treat as read-only after build
     and share it across the step's layers (the fast path caches its gather plan in it).
@@ -146,8 +141,6 @@ class PagedAttentionMetadata:
         block_size: int,
         *,
         sliding_window: int | None = None,
-        num_blocks: int | None = None,
-        validate: bool = True,
         decode_chunk_bytes: int | None = None,
     ) -> PagedAttentionMetadata:
         """Precompute the step's attention indices.
@@ -162,29 +155,22 @@ class PagedAttentionMetadata:
                 (request i owns query rows ``[qsl[i], qsl[i+1])``, q_len >= 1).
             block_size: tokens per block of the KV cache.
             sliding_window: attend only to the last ``sliding_window`` positions (None = all).
-            num_blocks: pool size; with ``validate`` the used block ids are checked against it.
-            validate: check shapes, dtypes and ranges (off only for a trusted runner).
             decode_chunk_bytes: gathered bytes per decode chunk of the fast path, >= 1 (None =
                 :func:`default_decode_chunk_bytes` for ``torch.get_num_threads()``).
 
         Returns:
-            The metadata to pass as ``paged_attention(..., metadata=...)`` to every layer.
+            The metadata every layer of the step with this block size and window reads.
 
-        Raises:
-            OpsInputError: (validate=True) inconsistent or out-of-range inputs.
+        The inputs are not checked here: the torch backend validates the step
+        (:meth:`~pagedkv.ops.backends.CommonAttentionMetadata.validate`) and its
+        ``decode_chunk_bytes`` first.
         """
-        if validate:
-            _check_step_inputs(block_tables, seq_lens, query_start_loc, block_size, sliding_window)
         if decode_chunk_bytes is None:
             decode_chunk_bytes = default_decode_chunk_bytes(torch.get_num_threads())
-        else:
-            check_int("decode_chunk_bytes", decode_chunk_bytes, 1, error=OpsInputError)
         num_reqs = block_tables.shape[0]
         seq_lens_list = seq_lens.tolist()
         qsl = query_start_loc.tolist()
         q_lens = [qsl[i + 1] - qsl[i] for i in range(num_reqs)]
-        if validate:
-            _check_lengths(seq_lens_list, q_lens, block_tables.shape[1] * block_size)
         window = sliding_window
 
         def kv_start_of(seq_len: int, q_len: int) -> int:
@@ -220,7 +206,6 @@ class PagedAttentionMetadata:
             col = torch.where(used, first_block[:, None] + j[None, :], 0)
             decode_block_ids = torch.where(used, table.index_select(0, dec).gather(1, col), 0)
             max_block_id = int(decode_block_ids.max())
-            min_block_id = int(decode_block_ids.min())
             pos = (first_block * block_size)[:, None] + torch.arange(
                 j.numel() * block_size, device=device
             )
@@ -229,7 +214,6 @@ class PagedAttentionMetadata:
                 [qsl[i] for i in decode_reqs], dtype=torch.long, device=device
             )
         else:
-            min_block_id = 0
             decode_block_ids = torch.zeros(0, 0, dtype=torch.long, device=device)
             decode_valid = torch.zeros(0, 0, dtype=torch.bool, device=device)
             decode_token_ids = torch.zeros(0, dtype=torch.long, device=device)
@@ -244,7 +228,6 @@ class PagedAttentionMetadata:
             k_pos = torch.arange(kv_start, seq_len, device=device)
             blocks = table[i].index_select(0, k_pos // block_size)
             max_block_id = max(max_block_id, int(blocks.max()))
-            min_block_id = min(min_block_id, int(blocks.min()))
             attn_mask = None
             if kv_start > 0 or q_len < seq_len or (window is not None and window < seq_len):
                 q_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
@@ -260,12 +243,6 @@ class PagedAttentionMetadata:
                     kv_slots=blocks * block_size + k_pos % block_size,
                     attn_mask=attn_mask,
                 )
-            )
-        if validate and min_block_id < 0:
-            raise OpsInputError(f"block_tables holds a negative block id ({min_block_id})")
-        if validate and num_blocks is not None and max_block_id >= num_blocks:
-            raise OpsInputError(
-                f"block_tables refers to block {max_block_id}, beyond the pool's {num_blocks}"
             )
         return cls(
             block_tables=block_tables,
@@ -285,150 +262,3 @@ class PagedAttentionMetadata:
             prefills=prefills,
             decode_chunk_bytes=decode_chunk_bytes,
         )
-
-
-@dataclass(slots=True)
-class AttentionMetadata:
-    """What every attention layer of one forward needs; built once per step by the model runner.
-
-    Attributes:
-        slot_mapping: ``[num_tokens]`` int64, cache slot of each token's K/V
-            (``block_id * block_size + offset``; -1 = do not write).
-        paged: the step's :class:`PagedAttentionMetadata` (block tables, seq_lens,
-            query_start_loc and the index work derived from them).
-    """
-
-    slot_mapping: torch.Tensor
-    paged: PagedAttentionMetadata
-
-    @classmethod
-    def build(
-        cls,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        block_size: int,
-        *,
-        sliding_window: int | None = None,
-        num_blocks: int | None = None,
-        validate: bool = True,
-    ) -> AttentionMetadata:
-        """Build from the step's tensors (of one KV cache group).
-
-        Args:
-            block_tables: ``[num_reqs, max_num_blocks]`` int32; entries past a request's blocks
-                are never read (the model runner's reused buffer leaves stale ids there).
-            seq_lens: ``[num_reqs]`` int32, tokens in the cache per request after this step.
-            query_start_loc: ``[num_reqs + 1]`` int32, cumulative query lengths from 0.
-            slot_mapping: ``[num_tokens]`` int32/int64 (converted to int64 once here).
-            block_size: tokens per block.
-            sliding_window: the window of the layers that will read this metadata (None = full
-                attention); a sliding-window group's table may hold the null block 0 in place of
-                blocks wholly before the window (they are never read).
-            num_blocks: pool size, for validation.
-            validate: check the inputs (see :meth:`PagedAttentionMetadata.build`).
-
-        Raises:
-            OpsInputError: (validate=True) inconsistent inputs.
-        """
-        paged = PagedAttentionMetadata.build(
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            block_size,
-            sliding_window=sliding_window,
-            num_blocks=num_blocks,
-            validate=validate,
-        )
-        return cls(slot_mapping=slot_mapping.long(), paged=paged)
-
-
-def _check_lengths(seq_lens: list[int], q_lens: list[int], max_len: int) -> None:
-    for i, (seq_len, q_len) in enumerate(zip(seq_lens, q_lens, strict=True)):
-        if not 1 <= q_len <= seq_len:
-            raise OpsInputError(
-                f"request {i}: q_len {q_len} must be in [1, seq_len={seq_len}] "
-                "(query_start_loc must increase; seq_lens count this step's tokens)"
-            )
-        if seq_len > max_len:
-            raise OpsInputError(
-                f"request {i}: seq_len {seq_len} exceeds the block table's capacity "
-                f"({max_len} tokens = max_num_blocks x block_size)"
-            )
-
-
-def _check_step_inputs(
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    block_size: int,
-    sliding_window: int | None,
-) -> None:
-    """Shape/dtype checks of the step tensors (value checks happen while building)."""
-    check_int("block_size", block_size, 1, error=OpsInputError)
-    check_int("sliding_window", sliding_window, 1, optional=True, error=OpsInputError)
-    int_dtypes = (torch.int32, torch.int64)
-    for name, tensor, dim in (
-        ("block_tables", block_tables, 2),
-        ("seq_lens", seq_lens, 1),
-        ("query_start_loc", query_start_loc, 1),
-    ):
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() != dim:
-            raise OpsInputError(f"{name} must be a {dim}-D tensor")
-        if tensor.dtype not in int_dtypes:
-            raise OpsInputError(f"{name} must be int32 or int64, got {tensor.dtype}")
-    num_reqs = block_tables.shape[0]
-    if num_reqs < 1:
-        raise OpsInputError("a step needs at least one request")
-    if seq_lens.shape[0] != num_reqs or query_start_loc.shape[0] != num_reqs + 1:
-        raise OpsInputError(
-            f"num_reqs mismatch: block_tables has {num_reqs} rows, seq_lens "
-            f"{seq_lens.shape[0]} (want {num_reqs}), query_start_loc {query_start_loc.shape[0]} "
-            f"(want {num_reqs + 1})"
-        )
-    if int(query_start_loc[0]) != 0:
-        raise OpsInputError("query_start_loc must start at 0")
-
-
-def check_step(
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    block_size: int,
-    *,
-    sliding_window: int | None = None,
-    num_blocks: int | None = None,
-) -> int:
-    """All of :meth:`PagedAttentionMetadata.build`'s checks of a step, without building it
-    (backends with their own metadata validate with this).
-
-    Returns:
-        The largest block id a request reads.
-
-    Raises:
-        OpsInputError: bad ranks or dtypes, inconsistent num_reqs, ``query_start_loc[0] != 0``,
-            a q_len outside ``[1, seq_len]``, a seq_len beyond the block table's capacity, or a
-            block id a request reads outside ``[0, num_blocks)``.
-    """
-    _check_step_inputs(block_tables, seq_lens, query_start_loc, block_size, sliding_window)
-    seq = seq_lens.cpu().long()
-    qsl = query_start_loc.cpu().long()
-    q_lens = qsl[1:] - qsl[:-1]
-    _check_lengths(seq.tolist(), q_lens.tolist(), block_tables.shape[1] * block_size)
-    kv_start = torch.zeros_like(seq)
-    if sliding_window is not None:  # first attended key, as in build()
-        kv_start = (seq - q_lens - sliding_window + 1).clamp(min=0)
-    first = kv_start // block_size
-    end = -(-seq // block_size)  # blocks [first, end) are read
-    col = torch.arange(block_tables.shape[1])
-    used = (col[None, :] >= first[:, None]) & (col[None, :] < end[:, None])
-    ids = block_tables.cpu()[used]
-    if int(ids.min()) < 0:
-        raise OpsInputError(f"block_tables holds a negative block id ({int(ids.min())})")
-    max_block_id = int(ids.max())
-    if num_blocks is not None and max_block_id >= num_blocks:
-        raise OpsInputError(
-            f"block_tables refers to block {max_block_id}, beyond the pool's {num_blocks}"
-        )
-    return max_block_id

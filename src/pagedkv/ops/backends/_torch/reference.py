@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv.ops.attention_metadata import PagedAttentionMetadata
-from pagedkv.ops.kv_cache import FP8_DTYPES
+from pagedkv.ops.backends._torch.metadata import PagedAttentionMetadata
+from pagedkv.ops.backends.base import FP8_DTYPES
 
 
 def reference_paged_attention(

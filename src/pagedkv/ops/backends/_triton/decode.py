@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pagedkv.ops.triton.paging import token_offsets
+from pagedkv.ops.backends._triton.paging import token_offsets
 
 
 @triton.jit
