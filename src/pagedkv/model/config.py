@@ -122,7 +122,7 @@ class ModelConfig:
         if self.attn_logit_softcapping is not None:
             raise ModelLoadError(
                 f"attention logit softcapping ({self.attn_logit_softcapping}) is not supported "
-                "(Gemma 2); paged_attention has no score cap"
+                "(Gemma 2); no attention backend applies a score cap"
             )
 
     @property
