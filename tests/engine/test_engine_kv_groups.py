@@ -12,6 +12,7 @@ import pytest
 import torch
 from _tiny_model import tiny_gemma3_hf_model, tiny_gemma3_loaded_model
 
+from pagedkv.config import SchedulerConfig
 from pagedkv.core.config import KVCacheConfig
 from pagedkv.core.spec import FullAttentionSpec
 from pagedkv.engine.llm import LLM
@@ -159,12 +160,15 @@ def test_preemption_with_a_small_pool(loaded, prompts, reference):
     assert llm.engine.kv_cache_manager.usage == 0.0
 
 
+SCHED = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=32)
+
+
 def test_runner_refuses_a_group_whose_window_is_not_its_layers(loaded):
     """A sliding-window group would free blocks that a full-attention layer still reads."""
     specs = [FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=32, dtype="float32")] * 4
     wrong = KVCacheConfig.from_num_blocks(specs, 16)
     # Every layer full attention in the cache is fine (the unified form) ...
-    ModelRunner(loaded.model, wrong, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=32)
+    ModelRunner(loaded.model, wrong, SCHED)
     # ... a window on a full-attention layer is not; nor a config of another layer count.
     from pagedkv.core.spec import SlidingWindowSpec
 
@@ -175,15 +179,11 @@ def test_runner_refuses_a_group_whose_window_is_not_its_layers(loaded):
         ModelRunner(
             loaded.model,
             KVCacheConfig.from_num_blocks([sliding] * 4, 16),
-            max_num_seqs=2,
-            max_num_batched_tokens=16,
-            max_model_len=32,
+            SCHED,
         )
     with pytest.raises(ConfigError, match="3 layers, the model 4"):
         ModelRunner(
             loaded.model,
             KVCacheConfig.from_num_blocks(specs[:3], 16),
-            max_num_seqs=2,
-            max_num_batched_tokens=16,
-            max_model_len=32,
+            SCHED,
         )
