@@ -74,7 +74,7 @@ def test_tp2_gives_the_same_tokens_and_logprobs_as_one_process():
     expected = outputs(one)
     two = LLM(model_loader=functools.partial(tiny_loaded_model), tensor_parallel_size=2, **OPTIONS)
     try:
-        pids = two.engine.runner.worker_pids
+        pids = two.engine.executor.worker_pids
         assert len(pids) == 1 and all(alive(p) for p in pids)
         got = outputs(two)
         assert [o.token_ids for o in got] == [o.token_ids for o in expected]
@@ -91,7 +91,7 @@ def test_tp2_gives_the_same_tokens_and_logprobs_as_one_process():
         assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
         assert stats.num_preemptions == one.get_stats().scheduler.num_preemptions
         # Each rank holds 1 of the 2 KV heads, the same number of blocks.
-        assert two.engine.runner.runner.kv_caches[0].shape[2] == 1
+        assert two.engine.runner.kv_caches[0].shape[2] == 1
         assert one.engine.runner.kv_caches[0].shape[2] == 2
     finally:
         two.engine.shutdown()
@@ -127,7 +127,7 @@ def test_a_killed_rank_fails_the_engine_with_a_clear_error():
         model_loader=functools.partial(tiny_loaded_model), tensor_parallel_size=2, **OPTIONS
     )
     try:
-        (pid,) = engine.runner.worker_pids
+        (pid,) = engine.executor.worker_pids
         engine.add_request("a", PROMPTS[0], greedy())
         engine.step()
         os.kill(pid, signal.SIGKILL)
@@ -155,7 +155,7 @@ def test_workers_exit_when_the_engine_process_dies(tmp_path):
         engine = LLMEngine(model_loader=functools.partial(tiny_loaded_model),
                            tensor_parallel_size=2, dtype="float32", num_threads=1, num_blocks=20,
                            max_model_len=64)
-        print(*engine.runner.worker_pids, flush=True)
+        print(*engine.executor.worker_pids, flush=True)
         time.sleep(600)
         """
     )
@@ -179,8 +179,8 @@ def test_default_model_tp3_gives_the_same_tokens_as_one_process():
     expected = LLM(**options).chat([prompt], params, use_tqdm=False)[0].token_ids
     three = LLM(tensor_parallel_size=3, **options)
     try:
-        pids = three.engine.runner.worker_pids
-        assert three.engine.runner.runner.kv_caches[0].shape[2] == 1
+        pids = three.engine.executor.worker_pids
+        assert three.engine.runner.kv_caches[0].shape[2] == 1
         assert three.chat([prompt], params, use_tqdm=False)[0].token_ids == expected
     finally:
         three.engine.shutdown()
@@ -199,7 +199,7 @@ def test_ctrl_c_stops_every_rank():
         from pagedkv.sampling_params import SamplingParams
         llm = LLM(model_loader=functools.partial(tiny_loaded_model), tensor_parallel_size=2,
                   dtype="float32", num_threads=1, num_blocks=40, max_model_len=128)
-        print(*llm.engine.runner.worker_pids, flush=True)
+        print(*llm.engine.executor.worker_pids, flush=True)
         params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
         while True:
             llm.generate(["hello"] * 4, params, use_tqdm=False)
