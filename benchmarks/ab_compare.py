@@ -1,0 +1,60 @@
+"""Run one benchmark command against an earlier revision and the working tree, alternating.
+
+    .venv/bin/python benchmarks/ab_compare.py --rev 750adb8 [--rounds 2] -- \
+        benchmarks/bench_step_cost.py --contexts 256 2048 8192
+    .venv/bin/python benchmarks/ab_compare.py --rev 750adb8 -- -m pagedkv.entrypoints.cli \
+        bench throughput --backend pagedkv --input benchmarks/data/chat_prompts.jsonl \
+        --max-tokens 128
+
+The revision is checked out once into a temporary git worktree; each round runs the command with
+this interpreter, first with that revision's ``src`` first on ``PYTHONPATH`` ("before"), then with
+the working tree's ("after"), so both share the machine's state of the moment (side by side, as
+docs/perf.md asks of speed figures). The command's scripts and data come from the working tree:
+it must use only APIs both revisions have. Outputs are printed as they come, labelled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rev", required=True, help="the earlier revision (a commit or tag)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then python arguments")
+    args = parser.parse_args()
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give the command after --")
+    with tempfile.TemporaryDirectory(prefix="pagedkv-ab-") as tmp:
+        tree = Path(tmp) / "before"
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), args.rev],
+            check=True,
+        )
+        try:
+            for round_ in range(1, args.rounds + 1):
+                for label, src in (("before", tree / "src"), ("after", ROOT / "src")):
+                    env = {**os.environ, "PYTHONPATH": str(src)}
+                    where = args.rev if label == "before" else "working tree"
+                    print(f"=== round {round_}, {label} ({where})", flush=True)
+                    result = subprocess.run([sys.executable, *command], cwd=ROOT, env=env)
+                    if result.returncode:
+                        return result.returncode
+        finally:
+            subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
