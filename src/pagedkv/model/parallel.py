@@ -11,8 +11,8 @@ Megatron-LM's split, as vLLM does it (``vllm/model_executor/layers/linear.py``,
 The layers that cut their weights and run these collectives are
 :mod:`pagedkv.model.linear` (``ColumnParallelLinear``, ``QKVParallelLinear``,
 ``RowParallelLinear``) and :mod:`pagedkv.model.vocab_parallel_embedding`
-(``VocabParallelEmbedding``, ``ParallelLMHead``); the Llama decoder is built from them and
-has one forward for one rank and for N. In a decoder layer q/k/v and gate/up are
+(``VocabParallelEmbedding``, ``ParallelLMHead``); the decoders (Llama, Gemma 3) are built from
+them and have one forward for one rank and for N. In a decoder layer q/k/v and gate/up are
 column parallel (each rank owns whole heads and a slice of the intermediate size); o_proj and
 down_proj are row parallel: two all-reduces per layer. When there are fewer KV heads than ranks,
 each KV head is replicated on ``tp / num_kv_heads`` ranks (vLLM's ``QKVParallelLinear``), so
@@ -57,8 +57,7 @@ def check_tensor_parallel(config, tensor_parallel_size: int) -> ShardSizes:
     ``tensor_parallel_size`` ways and return each rank's share.
 
     Raises:
-        ConfigError: a size below 1; an architecture without a tensor-parallel path (Gemma 3);
-            query heads, KV heads (when tp <= num_kv_heads; otherwise
+        ConfigError: a size below 1; query heads, KV heads (when tp <= num_kv_heads; otherwise
             tp must be a multiple of them) or the intermediate size not divisible by the size.
             The message names the numbers and the sizes that do split the model.
     """
@@ -66,11 +65,6 @@ def check_tensor_parallel(config, tensor_parallel_size: int) -> ShardSizes:
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ConfigError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    if tp > 1 and config.architecture == "gemma3":
-        raise ConfigError(
-            "tensor_parallel_size > 1 is supported for the Llama family only, not for "
-            f"{config.architecture} (run it with tensor_parallel_size=1)"
-        )
     inter = config.intermediate_size
     valid = [
         n
