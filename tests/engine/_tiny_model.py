@@ -150,10 +150,18 @@ def tiny_gemma3_hf_model():
     return model
 
 
-def tiny_gemma3_loaded_model(hf_model) -> LoadedModel:
-    """Our Gemma3ForCausalLM on ``hf_model``'s weights (fp32), with CharTokenizer."""
+def tiny_gemma3_loaded_model(hf_model, parallel=None) -> LoadedModel:
+    """Our Gemma3ForCausalLM on ``hf_model``'s weights (fp32), with CharTokenizer; ``parallel``:
+    this rank's shard only."""
     from pagedkv.model.gemma3 import Gemma3ForCausalLM
 
     config = ModelConfig.from_hf_config(hf_model.config.to_dict(), has_lm_head=False)
-    model = Gemma3ForCausalLM(config, hf_model.state_dict())
+    model = Gemma3ForCausalLM(config, hf_model.state_dict(), parallel=parallel)
     return LoadedModel(model=model, config=config, tokenizer=CharTokenizer(), source="tiny-gemma3")
+
+
+def tiny_gemma3_model_loader(parallel=None) -> LoadedModel:
+    """The tiny random Gemma 3 of :func:`tiny_gemma3_hf_model` (the same weights in every
+    process: its seed is fixed), this rank's shard when ``parallel`` is given: a picklable
+    tensor-parallel model loader."""
+    return tiny_gemma3_loaded_model(tiny_gemma3_hf_model(), parallel=parallel)

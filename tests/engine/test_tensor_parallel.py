@@ -1,8 +1,9 @@
 """Tensor parallelism (``tensor_parallel_size``): the tiny Llama (4 query / 2 KV heads) split over
 2 processes (gloo, loopback) gives the same greedy tokens and logprobs as one process in fp32,
-through prefix-cache hits and preemption; sizes that do not divide the heads are refused before
-any process starts; a killed rank fails the engine with a clear error; no process outlives its
-engine (shutdown, a dead rank, a dead parent)."""
+through prefix-cache hits and preemption; so does the tiny Gemma 3 (sliding-window KV cache
+groups) and, slow, SmolLM2 at tp=3 and Gemma 3 270M at tp=2; sizes that do not divide the heads
+are refused before any process starts; a killed rank fails the engine with a clear error; no
+process outlives its engine (shutdown, a dead rank, a dead parent)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import textwrap
 import time
 
 import pytest
-from _tiny_model import tiny_loaded_model
+import torch
+from _tiny_model import tiny_gemma3_model_loader, tiny_loaded_model
 
 from pagedkv.engine.llm import LLM
 from pagedkv.engine.llm_engine import LLMEngine
@@ -98,13 +100,50 @@ def test_tp2_gives_the_same_tokens_and_logprobs_as_one_process():
     assert wait_gone(pids, 10) and not multiprocessing.active_children()
 
 
+def test_tiny_gemma3_tp2_gives_the_same_tokens_as_one_process():
+    # 4 query / 2 KV heads, window 8, four KV cache groups (three sliding-window, one full):
+    # every rank writes its KV head into every group's blocks; chunked prefill, a prefix hit.
+    pytest.importorskip("transformers")
+    options = {
+        "dtype": "float32",
+        "num_threads": 1,
+        "block_size": 4,
+        "num_blocks": 120,
+        "max_model_len": 64,
+        "max_num_batched_tokens": 16,
+    }
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 96, (n,), generator=generator).tolist() for n in (5, 23, 37)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def run(llm):
+        first = llm.generate(prompts, params, use_tqdm=False)
+        again = llm.generate(prompts[2:], params, use_tqdm=False)  # a prefix-cache hit
+        return [list(o.token_ids) for o in first + again]
+
+    one = LLM(loaded_model=tiny_gemma3_model_loader(), **options)
+    expected = run(one)
+    two = LLM(model_loader=tiny_gemma3_model_loader, tensor_parallel_size=2, **options)
+    try:
+        pids = two.engine.runner.worker_pids
+        assert len(two.engine.kv_cache_config.kv_cache_groups) == 4
+        assert run(two) == expected
+        assert two.get_stats().scheduler.prefix_cache_hits > 0
+        assert two.engine.runner.runner.kv_caches[0].shape[2] == 1  # 1 of the 2 KV heads
+    finally:
+        two.engine.shutdown()
+    assert wait_gone(pids, 10) and not multiprocessing.active_children()
+
+
 def test_sizes_that_do_not_divide_the_heads_are_refused_before_any_process_starts():
     config = tiny_loaded_model().config  # 4 query heads, 2 KV heads
     with pytest.raises(ConfigError, match="tensor_parallel_size 3 does not divide the model's 4"):
         check_tensor_parallel(config, 3)
     assert check_tensor_parallel(config, 4).num_kv_heads == 1  # KV heads replicated
-    with pytest.raises(ConfigError, match="Llama family only"):
-        check_tensor_parallel(dataclasses.replace(config, architecture="gemma3"), 2)
+    gemma = dataclasses.replace(config, architecture="gemma3")  # split by the same rules
+    assert check_tensor_parallel(gemma, 2).num_kv_heads == 1
+    with pytest.raises(ConfigError, match="does not divide the model's 4 attention heads"):
+        check_tensor_parallel(gemma, 3)
     with pytest.raises(ConfigError, match="does not divide the model's 4 attention heads"):
         LLMEngine(
             model_loader=functools.partial(tiny_loaded_model), tensor_parallel_size=3, **OPTIONS
@@ -150,7 +189,7 @@ def test_workers_exit_when_the_engine_process_dies(tmp_path):
         f"""
         import functools, sys, time
         sys.path.insert(0, {os.path.dirname(__file__)!r})
-        from _tiny_model import tiny_loaded_model
+        from _tiny_model import tiny_gemma3_model_loader, tiny_loaded_model
         from pagedkv.engine.llm_engine import LLMEngine
         engine = LLMEngine(model_loader=functools.partial(tiny_loaded_model),
                            tensor_parallel_size=2, dtype="float32", num_threads=1, num_blocks=20,
@@ -187,6 +226,32 @@ def test_default_model_tp3_gives_the_same_tokens_as_one_process():
     assert wait_gone(pids, 10)
 
 
+@pytest.mark.slow
+def test_gemma3_270m_tp2_gives_the_same_tokens_as_one_process(gemma3_fp32):
+    # 4 query heads and 1 KV head (replicated: each rank holds it, with 2 query heads),
+    # 131,072 vocabulary rows per rank; a 700-token prompt reaches past the 512-token window,
+    # so the sliding-window groups drop blocks while the ranks decode.
+    options = {"dtype": "float32", "num_threads": 1, "num_blocks": 400, "max_model_len": 1024}
+    tokenizer = gemma3_fp32.tokenizer
+    words = " ".join(f"item {i} costs {i * 7 % 90} coins;" for i in range(200))
+    long = tokenizer.encode(words)[:700]
+    assert len(long) == 700
+    prompts = [tokenizer.encode("The capital of France is"), long]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    one = LLM(loaded_model=gemma3_fp32, **options)
+    expected = [o.token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    del one
+    two = LLM(model=gemma3_fp32.source, tensor_parallel_size=2, **options)
+    try:
+        pids = two.engine.runner.worker_pids
+        assert two.engine.runner.runner.kv_caches[0].shape[2] == 1
+        got = [o.token_ids for o in two.generate(prompts, params, use_tqdm=False)]
+        assert got == expected
+    finally:
+        two.engine.shutdown()
+    assert wait_gone(pids, 10)
+
+
 def test_ctrl_c_stops_every_rank():
     # Ctrl-C sends SIGINT to the whole foreground process group: the workers ignore it, the
     # engine process gets KeyboardInterrupt and its exit stops them.
@@ -194,7 +259,7 @@ def test_ctrl_c_stops_every_rank():
         f"""
         import functools, sys
         sys.path.insert(0, {os.path.dirname(__file__)!r})
-        from _tiny_model import tiny_loaded_model
+        from _tiny_model import tiny_gemma3_model_loader, tiny_loaded_model
         from pagedkv.engine.llm import LLM
         from pagedkv.sampling_params import SamplingParams
         llm = LLM(model_loader=functools.partial(tiny_loaded_model), tensor_parallel_size=2,
@@ -253,7 +318,7 @@ def test_an_unguarded_script_gets_the_main_guard_hint(tmp_path):
             f"""
             import functools, sys
             sys.path.insert(0, {os.path.dirname(__file__)!r})
-            from _tiny_model import tiny_loaded_model
+            from _tiny_model import tiny_gemma3_model_loader, tiny_loaded_model
             from pagedkv.engine.llm_engine import LLMEngine
             LLMEngine(model_loader=functools.partial(tiny_loaded_model), tensor_parallel_size=2,
                       dtype="float32", num_threads=1, num_blocks=20, max_model_len=64)

@@ -1,12 +1,17 @@
 """Fixtures of the model tests: a runner that feeds one or more sequences through a fresh paged
-KV cache, and Hugging Face's tokenizer (the models themselves come from tests/conftest.py)."""
+KV cache, tensor-parallel ranks as threads of this process, and Hugging Face's tokenizer (the
+models themselves come from tests/conftest.py)."""
 
 from __future__ import annotations
+
+import datetime
+import threading
 
 import pytest
 import torch
 
 from pagedkv.model.llama import LlamaForCausalLM
+from pagedkv.model.parallel import TensorParallelGroup
 from pagedkv.ops.backends import CommonAttentionMetadata, TorchBackend, bind_metadata
 
 
@@ -69,7 +74,47 @@ class PagedSequenceRunner:
             torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, attn_metadata
         )
         logits = self.model.compute_logits(hidden)
+        if logits is None:  # a tensor-parallel rank other than 0
+            return None
         return [logits[qsl[i] : qsl[i + 1]] for i in range(len(chunks))]
+
+
+def run_ranks(world_size: int, fn, timeout: float = 120.0) -> list:
+    """``[fn(parallel) for each rank]``, the ranks run at once as threads of this process, each
+    with a :class:`TensorParallelGroup` over one gloo group (an in-memory store, loopback): the
+    model's collectives without spawning processes. The first rank's exception is re-raised."""
+    store = torch.distributed.HashStore()
+    results: list = [None] * world_size
+    errors: list[BaseException] = []
+
+    def rank_main(rank: int) -> None:
+        try:
+            options = torch.distributed.ProcessGroupGloo._Options()
+            options._timeout = datetime.timedelta(seconds=timeout / 2)
+            device = torch.distributed.ProcessGroupGloo.create_device(hostname="127.0.0.1")
+            options._devices = [device]
+            prefixed = torch.distributed.PrefixStore("tp", store)
+            group = torch.distributed.ProcessGroupGloo(prefixed, rank, world_size, options)
+            results[rank] = fn(TensorParallelGroup(rank, world_size, group))
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+    if errors:
+        raise errors[0]
+    assert not any(thread.is_alive() for thread in threads), "a rank did not finish"
+    return results
+
+
+@pytest.fixture
+def tensor_parallel_ranks():
+    """``tensor_parallel_ranks(world_size, fn)`` -> ``[fn(parallel) for each rank]``, the ranks
+    as threads over one in-process gloo group (:func:`run_ranks`)."""
+    return run_ranks
 
 
 @pytest.fixture(scope="session")

@@ -195,6 +195,50 @@ def test_tiny_mixed_batch_equals_one_at_a_time(tiny_pair):
         assert (runner.logits(mine) - reference).abs().max().item() < TINY_TOLERANCE
 
 
+def _greedy_run(model, prompt: list[int], steps: int, tokens: list[int] | None = None):
+    """Prefill ``prompt`` then ``steps`` decode steps; the fed tokens are the greedy ones, or
+    ``tokens`` when given (ranks other than 0 have no logits to choose from). Returns the KV
+    heads of a cache, the fed tokens and the logits row of each step (None off rank 0)."""
+    runner = WindowedRunner(model, num_blocks=32, block_size=4)
+    (hidden,) = runner.step([(0, prompt)])
+    fed, rows = [], []
+    for i in range(steps):
+        row = runner.logits(hidden[-1:])
+        rows.append(row)
+        fed.append(int(row[0].argmax()) if tokens is None else tokens[i])
+        (hidden,) = runner.step([(0, fed[-1:])])
+    return runner.kv_caches[0].shape[2], fed, rows
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tiny_tensor_parallel_equals_one_rank_and_transformers(
+    tiny_pair, tensor_parallel_ranks, tp
+):
+    """Split 2 ways (2 query heads and 1 KV head per rank) or 4 (1 query head, each KV head on
+    two ranks) through the same parallel layers as Llama: a prefill past the window, then decode
+    steps fed the one-rank model's greedy tokens; rank 0's logits are the one-rank model's (so
+    are its greedy tokens) and transformers'; the other ranks get None."""
+    ours, hf = tiny_pair
+    prompt = torch.randint(0, 96, (22,), generator=torch.Generator().manual_seed(4)).tolist()
+    _, greedy, expected = _greedy_run(ours, prompt, 6)
+
+    def rank(parallel):
+        model = Gemma3ForCausalLM(ours.config, hf.state_dict(), parallel=parallel)
+        return _greedy_run(model, prompt, 6, greedy)
+
+    results = tensor_parallel_ranks(tp, rank)
+    for r, (kv_heads, _, rows) in enumerate(results):
+        assert kv_heads == 1
+        if r:
+            assert rows == [None] * len(expected)
+    rows = results[0][2]
+    assert [int(row[0].argmax()) for row in rows] == greedy
+    for mine, reference in zip(rows, expected, strict=True):
+        assert (mine - reference).abs().max().item() < TINY_TOLERANCE
+    reference = hf_logits(hf, prompt + greedy, rows=list(range(len(prompt) - 1, len(prompt) + 5)))
+    assert (torch.cat(rows) - reference).abs().max().item() < TINY_TOLERANCE
+
+
 def test_forward_needs_one_metadata_per_layer_with_its_window(tiny_pair):
     ours, _ = tiny_pair
     runner = WindowedRunner(ours, num_blocks=8, block_size=4)

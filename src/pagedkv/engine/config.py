@@ -259,7 +259,7 @@ class EngineConfig:
             "-tp",
             type=positive_int_arg,
             default=d.tensor_parallel_size,
-            help="split the model over this many processes (torch.distributed; Llama family)",
+            help="split the model over this many processes (torch.distributed)",
         )
 
     @classmethod

@@ -24,6 +24,13 @@ group and spec (:meth:`Gemma3ForCausalLM.attention_layer_specs`): the forward ta
 mappings and backend metadata built with their window, full-attention layers theirs; the write
 and the attention go through the attention backend, which owns the cache layout. Weights are
 frozen; the model only runs under ``torch.inference_mode``.
+
+Tensor parallelism (``parallel``, docs/parallel.md) uses Llama's parallel layers and the same
+forward: q/k/v (whole heads; the q/k norms are per head, so each rank normalizes its own), gate
+and up column parallel; o_proj and down_proj row parallel, whose all-reduce comes before their
+post-norm (Gemma normalizes the sum, so the residual add is not fused); the embedding and the
+tied LM head split by vocabulary rows (the ``sqrt(hidden)`` scale applied after the embedding's
+all-reduce, the soft-capping after the LM head's gather).
 """
 
 from __future__ import annotations
@@ -36,9 +43,12 @@ import torch.nn.functional as F
 
 from pagedkv.errors import ModelLoadError, OpsInputError
 from pagedkv.model.config import ModelConfig
+from pagedkv.model.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedkv.model.llama import _Caster, layer_attention_specs
-from pagedkv.model.packed_linear import PackedLinear, linear_mode, log_linear_mode
+from pagedkv.model.packed_linear import linear_mode, log_linear_mode
+from pagedkv.model.parallel import TensorParallelGroup, check_tensor_parallel, multi_rank
 from pagedkv.model.rotary import rope_inv_freq
+from pagedkv.model.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedkv.ops.backends import AttentionLayerSpec, BoundAttentionMetadata
 
 
@@ -69,7 +79,8 @@ class _Rotary:
 
 
 class Gemma3DecoderLayer:
-    """One Gemma 3 decoder layer (see the module docstring)."""
+    """One Gemma 3 decoder layer (see the module docstring); under tensor parallelism
+    (``parallel``) this rank's heads and MLP slice, with the same forward."""
 
     __slots__ = (
         "down_proj",
@@ -103,6 +114,7 @@ class Gemma3DecoderLayer:
         sliding_window: int | None,
         pack: str,
         dtype: torch.dtype,
+        parallel: TensorParallelGroup | None = None,
     ):
         def w(name: str) -> torch.Tensor:
             return weights[prefix + name]
@@ -111,12 +123,12 @@ class Gemma3DecoderLayer:
             return 1.0 + weights[prefix + name].float()
 
         attn = "self_attn."
-        qkv_weight = torch.cat([w(attn + f"{p}_proj.weight") for p in "qkv"])
-        self.qkv_proj = PackedLinear(qkv_weight, None, pack)
-        self.o_proj = PackedLinear(w(attn + "o_proj.weight"), None, pack)
-        self.gate_proj = PackedLinear(w("mlp.gate_proj.weight"), None, pack)
-        self.up_proj = PackedLinear(w("mlp.up_proj.weight"), None, pack)
-        self.down_proj = PackedLinear(w("mlp.down_proj.weight"), None, pack)
+        qkv = (w(attn + f"{p}_proj.weight") for p in "qkv")
+        self.qkv_proj = QKVParallelLinear(*qkv, config.head_dim, None, pack, parallel)
+        self.o_proj = RowParallelLinear(w(attn + "o_proj.weight"), None, pack, parallel)
+        self.gate_proj = ColumnParallelLinear(w("mlp.gate_proj.weight"), None, pack, parallel)
+        self.up_proj = ColumnParallelLinear(w("mlp.up_proj.weight"), None, pack, parallel)
+        self.down_proj = RowParallelLinear(w("mlp.down_proj.weight"), None, pack, parallel)
         self.input_norm = norm("input_layernorm.weight")
         self.post_attention_norm = norm("post_attention_layernorm.weight")
         self.pre_feedforward_norm = norm("pre_feedforward_layernorm.weight")
@@ -125,8 +137,9 @@ class Gemma3DecoderLayer:
         self.k_norm = norm(attn + "k_norm.weight")
         self.eps = config.rms_norm_eps
         self.hidden_size = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        #: this rank's query and KV heads (every head on one rank).
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = config.head_dim
         scalar = config.query_pre_attn_scalar or config.head_dim
         self.scale = float(scalar) ** -0.5
@@ -146,7 +159,8 @@ class Gemma3DecoderLayer:
         kv_cache: torch.Tensor,
         attn_metadata: BoundAttentionMetadata,
     ) -> torch.Tensor:
-        """Residual stream ``h`` ``[T, hidden]`` in, updated residual stream out."""
+        """Residual stream ``h`` ``[T, hidden]`` in, updated residual stream out (the same on
+        every rank under tensor parallelism: o_proj and down_proj sum the ranks')."""
         num_tokens = h.shape[0]
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         x = self._norm(h, self.input_norm, self.hidden_size)
@@ -177,9 +191,13 @@ class Gemma3ForCausalLM:
             ``lm_head.weight`` may be absent when the embeddings are tied.
         dtype: compute dtype (``torch.float32`` or ``torch.bfloat16``).
         device: where the weights live.
+        parallel: this rank's tensor-parallel group (:mod:`pagedkv.model.parallel`): the model
+            keeps its shard only (heads, MLP slice, vocabulary rows) and runs the collectives;
+            None = the whole model in this process.
 
     Raises:
         ModelLoadError: not a gemma3 config, a missing weight or an unsupported dtype.
+        ConfigError: a model that does not split ``parallel.world_size`` ways.
     """
 
     def __init__(
@@ -189,6 +207,7 @@ class Gemma3ForCausalLM:
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        parallel: TensorParallelGroup | None = None,
     ):
         if config.architecture != "gemma3":
             raise ModelLoadError(f"Gemma3ForCausalLM runs gemma3 models, got {config.architecture}")
@@ -197,10 +216,18 @@ class Gemma3ForCausalLM:
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
+        parallel = multi_rank(parallel)
+        #: this rank's tensor-parallel group; None on one rank.
+        self.parallel = parallel
+        #: KV heads in this process's KV cache (its share under tensor parallelism).
+        self.num_kv_heads = config.num_key_value_heads
+        if parallel is not None:
+            self.num_kv_heads = check_tensor_parallel(config, parallel.world_size).num_kv_heads
         #: per layer, its sliding window (tokens) or None for full attention.
         self.layer_sliding_windows = config.layer_sliding_windows
         pack = linear_mode(self.device, dtype)
-        log_linear_mode(pack, dtype)
+        if parallel is None or parallel.rank == 0:  # one warning, not one per rank
+            log_linear_mode(pack, dtype)
         cast = _Caster(weights, dtype, self.device)
         local = dataclasses.replace(
             config, rope_theta=config.rope_local_theta or config.rope_theta, rope_scaling=None
@@ -210,7 +237,7 @@ class Gemma3ForCausalLM:
         #: sqrt(hidden_size) rounded to the model dtype (as transformers: 25.25 in bf16).
         self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=dtype, device=self.device)
         try:
-            self.embed_tokens = cast["model.embed_tokens.weight"]
+            embed = cast["model.embed_tokens.weight"]
             self.layers = [
                 Gemma3DecoderLayer(
                     config,
@@ -220,15 +247,16 @@ class Gemma3ForCausalLM:
                     window,
                     pack,
                     dtype,
+                    parallel,
                 )
                 for i, window in enumerate(self.layer_sliding_windows)
             ]
             self.norm = 1.0 + cast["model.norm.weight"].float()
-            tied = config.tie_word_embeddings
-            lm_head = self.embed_tokens if tied else cast["lm_head.weight"]
+            lm_head = embed if config.tie_word_embeddings else cast["lm_head.weight"]
         except KeyError as e:
             raise ModelLoadError(f"checkpoint lacks the weight {e.args[0]!r}") from None
-        self.lm_head = PackedLinear(lm_head, None, pack)
+        self.embed_tokens = VocabParallelEmbedding(embed, parallel)
+        self.lm_head = ParallelLMHead(lm_head, pack, parallel)
         self._max_positions = config.max_position_embeddings
 
     @torch.inference_mode()
@@ -273,7 +301,7 @@ class Gemma3ForCausalLM:
                     f"layer {i} has sliding_window {layer.sliding_window} but its metadata was "
                     f"built with {metadata.sliding_window}"
                 )
-        h = F.embedding(input_ids, self.embed_tokens) * self.embed_scale
+        h = self.embed_tokens(input_ids) * self.embed_scale
         global_tables = self.rotary_global.tables(positions)
         local_tables = self.rotary_local.tables(positions)
         for layer, kv_cache, metadata in zip(self.layers, kv_caches, attn_metadata, strict=True):
@@ -309,11 +337,17 @@ class Gemma3ForCausalLM:
         self._max_positions = max(self._max_positions, num_positions)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """Logits ``[num_rows, vocab_size]`` float32 of hidden states ``[num_rows, hidden_size]``
         (computed in the model's dtype, then widened; ``cap * tanh(logits / cap)`` when the
-        config sets final_logit_softcapping, None for Gemma 3)."""
-        logits = self.lm_head(hidden_states).float()
+        config sets final_logit_softcapping, None for Gemma 3).
+
+        With tensor parallelism every rank must call it with the same rows (each computes its
+        vocabulary shard, gathered on rank 0); the other ranks get None."""
+        logits = self.lm_head(hidden_states)
+        if logits is None:  # a rank other than 0: it only joined the gather
+            return None
+        logits = logits.float()
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

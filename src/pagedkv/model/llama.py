@@ -23,9 +23,11 @@ rotary tables gathered once per forward, the attention's index work done once pe
 (the backend's metadata), plain Python layer objects instead of ``nn.Module`` calls. Weights
 are frozen: the model only runs under ``torch.inference_mode``.
 
-With ``parallel`` (tensor parallelism, :mod:`pagedkv.model.parallel`, docs/parallel.md) each
-process keeps its heads, its MLP slice and its vocabulary rows, and the layers are
-:class:`TensorParallelLlamaDecoderLayer` (an all-reduce after o_proj and after down_proj).
+The same forward runs one rank or N (tensor parallelism, docs/parallel.md): the layers are
+vLLM's parallel layers (:mod:`pagedkv.model.linear`, :mod:`pagedkv.model.vocab_parallel_embedding`),
+which with ``parallel`` keep this rank's heads, MLP slice and vocabulary rows and run their own
+collective (the embedding's, o_proj's and down_proj's all-reduce, the LM head's gather); without
+it they are the whole PackedLinears and run none.
 """
 
 from __future__ import annotations
@@ -37,15 +39,22 @@ import torch.nn.functional as F
 
 from pagedkv.errors import ModelLoadError
 from pagedkv.model.config import ModelConfig
+from pagedkv.model.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedkv.model.logits import refine_top_logits
-from pagedkv.model.packed_linear import PackedLinear, linear_mode, log_linear_mode
-from pagedkv.model.parallel import TensorParallelGroup, check_tensor_parallel
+from pagedkv.model.packed_linear import linear_mode, log_linear_mode
+from pagedkv.model.parallel import TensorParallelGroup, check_tensor_parallel, multi_rank
 from pagedkv.model.rotary import RotaryEmbedding
+from pagedkv.model.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedkv.ops.backends import AttentionLayerSpec, BoundAttentionMetadata
 
 
 class LlamaDecoderLayer:
-    """One pre-norm decoder layer: attention with GQA and rotary, then a SwiGLU MLP."""
+    """One pre-norm decoder layer: attention with GQA and rotary, then a SwiGLU MLP.
+
+    Under tensor parallelism (``parallel``) it holds this rank's heads and MLP slice: q/k/v and
+    gate/up are column parallel, o_proj and down_proj row parallel (each all-reduces its output,
+    the residual add fused into rank 0's GEMM); the forward is the same.
+    """
 
     __slots__ = (
         "down_proj",
@@ -73,30 +82,31 @@ class LlamaDecoderLayer:
         pack: str,
         parallel: TensorParallelGroup | None = None,
     ):
-        shard = _layer_sharder(config, parallel)
-
         def w(name: str) -> torch.Tensor:
-            return shard(name, weights[prefix + name])
+            return weights[prefix + name]
 
         attn = "self_attn."
-        qkv_weight = torch.cat([w(attn + f"{p}_proj.weight") for p in "qkv"])
         qkv_bias = None
         if config.attention_bias:
-            qkv_bias = torch.cat([w(attn + f"{p}_proj.bias") for p in "qkv"])
-        self.qkv_proj = PackedLinear(qkv_weight, qkv_bias, pack)
-        self.o_proj = PackedLinear(w(attn + "o_proj.weight"), None, pack)
-        self.gate_proj = PackedLinear(w("mlp.gate_proj.weight"), None, pack)
-        self.up_proj = PackedLinear(w("mlp.up_proj.weight"), None, pack)
-        self.down_proj = PackedLinear(w("mlp.down_proj.weight"), None, pack)
+            qkv_bias = tuple(w(attn + f"{p}_proj.bias") for p in "qkv")
+        self.qkv_proj = QKVParallelLinear(
+            *(w(attn + f"{p}_proj.weight") for p in "qkv"),
+            config.head_dim,
+            qkv_bias,
+            pack,
+            parallel,
+        )
+        self.o_proj = RowParallelLinear(w(attn + "o_proj.weight"), None, pack, parallel)
+        self.gate_proj = ColumnParallelLinear(w("mlp.gate_proj.weight"), None, pack, parallel)
+        self.up_proj = ColumnParallelLinear(w("mlp.up_proj.weight"), None, pack, parallel)
+        self.down_proj = RowParallelLinear(w("mlp.down_proj.weight"), None, pack, parallel)
         self.input_norm = w("input_layernorm.weight")
         self.post_attention_norm = w("post_attention_layernorm.weight")
         self.eps = config.rms_norm_eps
         self.hidden_size = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        if parallel is not None:
-            sizes = check_tensor_parallel(config, parallel.world_size)
-            self.num_heads, self.num_kv_heads = sizes.num_heads, sizes.num_kv_heads
+        #: this rank's query and KV heads (every head on one rank).
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
         self.rotary = rotary
@@ -109,7 +119,8 @@ class LlamaDecoderLayer:
         kv_cache: torch.Tensor,
         attn_metadata: BoundAttentionMetadata,
     ) -> torch.Tensor:
-        """Residual stream ``h`` ``[num_tokens, hidden]`` in, updated residual stream out."""
+        """Residual stream ``h`` ``[num_tokens, hidden]`` in, updated residual stream out (the
+        same on every rank under tensor parallelism: o_proj and down_proj sum the ranks')."""
         num_tokens = h.shape[0]
         num_qk_heads = self.num_heads + self.num_kv_heads
         x = F.rms_norm(h, (self.hidden_size,), self.input_norm, self.eps)
@@ -121,67 +132,6 @@ class LlamaDecoderLayer:
         h = self.o_proj.add(attn.reshape(num_tokens, -1), h)
         x = F.rms_norm(h, (self.hidden_size,), self.post_attention_norm, self.eps)
         return self.down_proj.add(self.up_proj.mul(x, self.gate_proj.silu(x)), h)
-
-
-class TensorParallelLlamaDecoderLayer(LlamaDecoderLayer):
-    """A decoder layer's shard on one tensor-parallel rank (:mod:`pagedkv.model.parallel`):
-    its query heads, its KV heads (or its replica of one), its slice of the MLP. o_proj and
-    down_proj are row parallel: each rank's partial sums meet in one all-reduce each; rank 0
-    alone adds the residual (fused in its GEMM, as the single-process layer) so that it is
-    counted once."""
-
-    __slots__ = ("parallel",)
-
-    def __init__(self, config, weights, prefix, rotary, pack, parallel: TensorParallelGroup):
-        super().__init__(config, weights, prefix, rotary, pack, parallel)
-        self.parallel = parallel
-
-    def __call__(self, h, cos, sin, kv_cache, attn_metadata):
-        """Residual stream ``h`` ``[num_tokens, hidden]`` (the same on every rank) in, updated
-        residual stream out (the same on every rank after the all-reduces)."""
-        num_tokens = h.shape[0]
-        num_qk_heads = self.num_heads + self.num_kv_heads
-        first = self.parallel.rank == 0
-        x = F.rms_norm(h, (self.hidden_size,), self.input_norm, self.eps)
-        qkv = self.qkv_proj(x).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
-        qk = self.rotary.apply(qkv[:, :num_qk_heads], cos, sin)
-        k, v = qk[:, self.num_heads :], qkv[:, num_qk_heads:]
-        attn_metadata.write_kv(k, v, kv_cache)
-        attn = attn_metadata.forward(qk[:, : self.num_heads], kv_cache).reshape(num_tokens, -1)
-        h = self.parallel.all_reduce(self.o_proj.add(attn, h) if first else self.o_proj(attn))
-        x = F.rms_norm(h, (self.hidden_size,), self.post_attention_norm, self.eps)
-        act = self.up_proj.mul(x, self.gate_proj.silu(x))
-        out = self.down_proj.add(act, h) if first else self.down_proj(act)
-        return self.parallel.all_reduce(out)
-
-
-def _layer_sharder(config: ModelConfig, parallel: TensorParallelGroup | None):
-    """``shard(name, tensor)``: this rank's part of a layer weight (the whole tensor without
-    tensor parallelism). q/k/v and gate/up split by output rows (whole heads), o_proj and
-    down_proj by input columns."""
-    if parallel is None:
-        return lambda name, tensor: tensor
-    sizes = check_tensor_parallel(config, parallel.world_size)
-    d, r = config.head_dim, parallel.rank
-    first_kv, last_kv = parallel.kv_head_range(config.num_key_value_heads)
-    rows = {
-        "q": (r * sizes.num_heads * d, (r + 1) * sizes.num_heads * d),
-        "k": (first_kv * d, last_kv * d),
-        "v": (first_kv * d, last_kv * d),
-        "gate": (r * sizes.intermediate_size, (r + 1) * sizes.intermediate_size),
-        "up": (r * sizes.intermediate_size, (r + 1) * sizes.intermediate_size),
-    }
-
-    def shard(name: str, tensor: torch.Tensor) -> torch.Tensor:
-        proj = name.rsplit(".", 2)[-2].removesuffix("_proj") if "_proj." in name else None
-        if proj in rows:
-            start, end = rows[proj]
-            return tensor[start:end].contiguous()
-        if proj in ("o", "down"):
-            return parallel.shard_cols(tensor).contiguous()
-        return tensor
-
-    return shard
 
 
 class LlamaForCausalLM:
@@ -216,6 +166,8 @@ class LlamaForCausalLM:
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
+        parallel = multi_rank(parallel)
+        #: this rank's tensor-parallel group; None on one rank.
         self.parallel = parallel
         #: KV heads in this process's KV cache (its share under tensor parallelism).
         self.num_kv_heads = config.num_key_value_heads
@@ -227,30 +179,17 @@ class LlamaForCausalLM:
         cast = _Caster(weights, dtype, self.device)
         self.rotary = RotaryEmbedding(config, dtype, self.device)
         try:
-            self.embed_tokens = cast["model.embed_tokens.weight"]
-            if parallel is None:
-                self.layers = [
-                    LlamaDecoderLayer(config, cast, f"model.layers.{i}.", self.rotary, pack)
-                    for i in range(config.num_hidden_layers)
-                ]
-            else:
-                self.layers = [
-                    TensorParallelLlamaDecoderLayer(
-                        config, cast, f"model.layers.{i}.", self.rotary, pack, parallel
-                    )
-                    for i in range(config.num_hidden_layers)
-                ]
+            embed = cast["model.embed_tokens.weight"]
+            self.layers = [
+                LlamaDecoderLayer(config, cast, f"model.layers.{i}.", self.rotary, pack, parallel)
+                for i in range(config.num_hidden_layers)
+            ]
             self.norm = cast["model.norm.weight"]
-            tied = config.tie_word_embeddings
-            lm_head = self.embed_tokens if tied else cast["lm_head.weight"]
+            lm_head = embed if config.tie_word_embeddings else cast["lm_head.weight"]
         except KeyError as e:
             raise ModelLoadError(f"checkpoint lacks the weight {e.args[0]!r}") from None
-        if parallel is not None:  # vocab parallel (vLLM's VocabParallelEmbedding, ParallelLMHead)
-            self.vocab_shard = check_tensor_parallel(config, parallel.world_size).vocab_shard
-            self.vocab_start = parallel.rank * self.vocab_shard
-            self.embed_tokens = parallel.shard_rows(self.embed_tokens, self.vocab_shard)
-            lm_head = parallel.shard_rows(lm_head, self.vocab_shard)
-        self.lm_head = PackedLinear(lm_head, None, pack)
+        self.embed_tokens = VocabParallelEmbedding(embed, parallel)
+        self.lm_head = ParallelLMHead(lm_head, pack, parallel)
         #: the lm_head's plain weight, read by :meth:`compute_logits` to recompute the top
         #: logits in fp32 (None in fp32 and with tensor parallelism; the embeddings when tied;
         #: when untied, a copy beside the packed one: vocab_size x hidden_size more)
@@ -283,10 +222,7 @@ class LlamaForCausalLM:
             ``[num_tokens, hidden_size]`` final-norm hidden states (pass the rows to sample to
             :meth:`compute_logits`).
         """
-        if self.parallel is None:
-            h = F.embedding(input_ids, self.embed_tokens)
-        else:
-            h = self._parallel_embed(input_ids)
+        h = self.embed_tokens(input_ids)
         cos, sin = self.rotary.tables(positions)
         if isinstance(attn_metadata, BoundAttentionMetadata):
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -314,7 +250,7 @@ class LlamaForCausalLM:
         return layer_attention_specs(self.layers, windows, block_size, self.dtype, kv_cache_dtype)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """Logits ``[num_rows, vocab_size]`` float32 of hidden states ``[num_rows, hidden_size]``:
         computed in the model's dtype, then widened, as Hugging Face does; in bf16 / fp16 on one
         rank the 8 largest of each row are then recomputed in fp32
@@ -322,21 +258,13 @@ class LlamaForCausalLM:
 
         With tensor parallelism every rank must call it with the same rows (each computes its
         vocabulary shard, gathered on rank 0); the other ranks get None."""
-        if self.parallel is None:
-            logits = self.lm_head(hidden_states).float()
-            if self.lm_head_weight is not None:
-                refine_top_logits(logits, hidden_states, self.lm_head_weight)
-            return logits
-        logits = self.parallel.gather_to_first(self.lm_head(hidden_states))
-        return None if logits is None else logits[:, : self.config.vocab_size].float()
-
-    def _parallel_embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Vocab-parallel lookup: each rank embeds the ids of its shard (zeros for the others'),
-        one all-reduce sums them."""
-        local = input_ids - self.vocab_start
-        outside = (local < 0) | (local >= self.vocab_shard)
-        h = F.embedding(local.masked_fill(outside, 0), self.embed_tokens)
-        return self.parallel.all_reduce(h.masked_fill_(outside.unsqueeze(1), 0))
+        logits = self.lm_head(hidden_states)
+        if logits is None:  # a rank other than 0: it only joined the gather
+            return None
+        logits = logits.float()
+        if self.lm_head_weight is not None:
+            refine_top_logits(logits, hidden_states, self.lm_head_weight)
+        return logits
 
     @property
     def max_positions(self) -> int:

@@ -147,7 +147,7 @@ def load_model(
             3x faster on CPUs with AVX-512 bf16).
         device: torch device of the weights.
         parallel: this rank's tensor-parallel group: the decoder keeps this rank's shard only
-            (:mod:`pagedkv.model.parallel`; the Llama family only). None = the whole model.
+            (:mod:`pagedkv.model.parallel`; Llama family and Gemma 3). None = the whole model.
 
     Returns:
         :class:`LoadedModel`; ``source`` is the resolved path as a string.
@@ -181,12 +181,8 @@ def load_model(
         str(dtype).removeprefix("torch."),
     )
     if parallel is not None:
-        check_tensor_parallel(config, parallel.world_size)  # Gemma 3 refused here
-        decoder = LlamaForCausalLM(
-            config, state_dict, dtype=dtype, device=device, parallel=parallel
-        )
-    else:
-        model_class = Gemma3ForCausalLM if config.architecture == "gemma3" else LlamaForCausalLM
-        decoder = model_class(config, state_dict, dtype=dtype, device=device)
+        check_tensor_parallel(config, parallel.world_size)
+    model_class = Gemma3ForCausalLM if config.architecture == "gemma3" else LlamaForCausalLM
+    decoder = model_class(config, state_dict, dtype=dtype, device=device, parallel=parallel)
     logger.info("model built in %.1f s", time.perf_counter() - read)
     return LoadedModel(model=decoder, config=config, tokenizer=tokenizer, source=str(path))

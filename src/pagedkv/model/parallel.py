@@ -1,4 +1,4 @@
-"""Tensor-parallel primitives the model needs: this rank's place, its shards, its collectives.
+"""Tensor parallelism's plumbing: this rank's place, its collectives, and which sizes split.
 
 Megatron-LM's split, as vLLM does it (``vllm/model_executor/layers/linear.py``,
 ``vocab_parallel_embedding.py``)::
@@ -8,15 +8,21 @@ Megatron-LM's split, as vLLM does it (``vllm/model_executor/layers/linear.py``,
     vocab parallel    embedding rows split:       h = sum_r masked lookup_r (one all-reduce)
                       LM head rows split:         logits = cat_r x E_r^T  (one gather to rank 0)
 
-In a Llama layer q/k/v and gate/up are column parallel (each rank owns whole heads and a slice of
-the intermediate size); o_proj and down_proj are row parallel: two all-reduces per layer. When
-there are fewer KV heads than ranks, each KV head is replicated on ``tp / num_kv_heads`` ranks
-(vLLM's ``QKVParallelLinear``), so every rank's query heads find their KV head locally.
+The layers that cut their weights and run these collectives are
+:mod:`pagedkv.model.linear` (``ColumnParallelLinear``, ``QKVParallelLinear``,
+``RowParallelLinear``) and :mod:`pagedkv.model.vocab_parallel_embedding`
+(``VocabParallelEmbedding``, ``ParallelLMHead``); the decoders (Llama, Gemma 3) are built from
+them and have one forward for one rank and for N. In a decoder layer q/k/v and gate/up are
+column parallel (each rank owns whole heads and a slice of the intermediate size); o_proj and
+down_proj are row parallel: two all-reduces per layer. When there are fewer KV heads than ranks,
+each KV head is replicated on ``tp / num_kv_heads`` ranks (vLLM's ``QKVParallelLinear``), so
+every rank's query heads find their KV head locally.
 
-A model built with ``parallel=None`` takes the single-process path, untouched; nothing here is
-imported by it. :class:`TensorParallelGroup` wraps ``torch.distributed`` (the group is set up by
-the worker layer, :mod:`pagedkv.worker.tp_executor`); :func:`check_tensor_parallel` and
-:func:`shard_sizes` need no process group and run before any process starts.
+A model built with ``parallel=None`` (or a group of one rank) takes the single-process path: its
+layers cut nothing and run no collective. :class:`TensorParallelGroup` wraps a
+``torch.distributed`` process group (set up by the worker layer,
+:mod:`pagedkv.worker.tp_executor`); :func:`check_tensor_parallel` needs no process group and runs
+before any process starts.
 """
 
 from __future__ import annotations
@@ -51,20 +57,14 @@ def check_tensor_parallel(config, tensor_parallel_size: int) -> ShardSizes:
     ``tensor_parallel_size`` ways and return each rank's share.
 
     Raises:
-        ConfigError: a size below 1; an architecture without a tensor-parallel path (Gemma 3);
-            query heads, KV heads (when tp <= num_kv_heads; otherwise tp must be a multiple of
-            them) or the intermediate size not divisible by the size. The message names the
-            numbers.
+        ConfigError: a size below 1; query heads, KV heads (when tp <= num_kv_heads; otherwise
+            tp must be a multiple of them) or the intermediate size not divisible by the size.
+            The message names the numbers and the sizes that do split the model.
     """
     tp = tensor_parallel_size
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ConfigError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    if tp > 1 and config.architecture == "gemma3":
-        raise ConfigError(
-            "tensor_parallel_size > 1 is supported for the Llama family only, not for "
-            f"{config.architecture} (run it with tensor_parallel_size=1)"
-        )
     inter = config.intermediate_size
     valid = [
         n
@@ -101,6 +101,12 @@ def check_tensor_parallel(config, tensor_parallel_size: int) -> ShardSizes:
     )
 
 
+def multi_rank(parallel: TensorParallelGroup | None) -> TensorParallelGroup | None:
+    """``parallel`` when it spans more than one rank, else None: a group of one rank takes the
+    single-process path (nothing cut, no collective)."""
+    return parallel if parallel is not None and parallel.world_size > 1 else None
+
+
 class TensorParallelGroup:
     """This process's rank in a tensor-parallel group and the collectives the model runs.
 
@@ -135,23 +141,19 @@ class TensorParallelGroup:
         self.group.allgather([parts], [x]).wait()
         return torch.cat(parts, dim=-1) if self.rank == 0 else None
 
-    def shard_rows(self, w: torch.Tensor, rows_per_rank: int) -> torch.Tensor:
-        """This rank's ``rows_per_rank`` rows of ``w`` (zero rows past its end: vocab padding)."""
-        start = self.rank * rows_per_rank
-        part = w[start : start + rows_per_rank]
-        if part.shape[0] < rows_per_rank:
-            pad = part.new_zeros((rows_per_rank - part.shape[0], *part.shape[1:]))
-            part = torch.cat([part, pad])
-        return part
-
-    def shard_cols(self, w: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of the input dimension of ``w`` ``[out, in]`` (row parallel)."""
-        cols = w.shape[1] // self.world_size
-        return w[:, self.rank * cols : (self.rank + 1) * cols]
-
     def kv_head_range(self, num_kv_heads: int) -> tuple[int, int]:
         """The KV heads ``[first, last)`` this rank holds: a slice of them, or the one head its
-        query heads share when KV heads are replicated (tp > num_kv_heads)."""
+        query heads share when KV heads are replicated (tp > num_kv_heads).
+
+        Raises:
+            ConfigError: ``num_kv_heads`` neither divisible by the group's size nor dividing it.
+        """
+        tp = self.world_size
+        if num_kv_heads % tp and tp % num_kv_heads:
+            raise ConfigError(
+                f"tensor_parallel_size {tp} neither divides the {num_kv_heads} KV heads nor is a "
+                "multiple of them"
+            )
         if self.world_size <= num_kv_heads:
             per_rank = num_kv_heads // self.world_size
             return self.rank * per_rank, (self.rank + 1) * per_rank
