@@ -125,11 +125,11 @@ def test_tiny_gemma3_tp2_gives_the_same_tokens_as_one_process():
     expected = run(one)
     two = LLM(model_loader=tiny_gemma3_model_loader, tensor_parallel_size=2, **options)
     try:
-        pids = two.engine.runner.worker_pids
+        pids = two.engine.executor.worker_pids
         assert len(two.engine.kv_cache_config.kv_cache_groups) == 4
         assert run(two) == expected
         assert two.get_stats().scheduler.prefix_cache_hits > 0
-        assert two.engine.runner.runner.kv_caches[0].shape[2] == 1  # 1 of the 2 KV heads
+        assert two.engine.runner.kv_caches[0].shape[2] == 1  # 1 of the 2 KV heads
     finally:
         two.engine.shutdown()
     assert wait_gone(pids, 10) and not multiprocessing.active_children()
@@ -243,8 +243,8 @@ def test_gemma3_270m_tp2_gives_the_same_tokens_as_one_process(gemma3_fp32):
     del one
     two = LLM(model=gemma3_fp32.source, tensor_parallel_size=2, **options)
     try:
-        pids = two.engine.runner.worker_pids
-        assert two.engine.runner.runner.kv_caches[0].shape[2] == 1
+        pids = two.engine.executor.worker_pids
+        assert two.engine.runner.kv_caches[0].shape[2] == 1
         got = [o.token_ids for o in two.generate(prompts, params, use_tqdm=False)]
         assert got == expected
     finally:

@@ -11,7 +11,7 @@ over each request's blocks through the block tables, both through the step's
     for each layer:
         x = rms_norm(h)
         q, k, v = split(x @ W_qkv)      (+ bias for Qwen2)  q/k rotated by position
-        write_kv(k, v -> slots);  a = paged_attention(q, cache, block tables)
+        md.write_kv(k, v -> slots);  a = md.forward(q, cache)   (block tables)
         h = h + a @ W_o                                     (residual add fused in the GEMM)
         x = rms_norm(h)
         h = h + (silu(x @ W_gate) * (x @ W_up)) @ W_down    (silu, * and + fused in the GEMMs)
