@@ -187,3 +187,15 @@ def test_runner_refuses_a_group_whose_window_is_not_its_layers(loaded):
             KVCacheConfig.from_num_blocks(specs[:3], 16),
             SCHED,
         )
+
+
+def test_an_eos_id_beyond_the_vocabulary_is_never_masked(loaded, prompts):
+    """The tiny Gemma's tokenizer says EOS 127, its vocabulary has 96 ids: the engine keeps only
+    the EOS ids the model can sample, so min_tokens masks nothing out of range."""
+    engine = make_llm(loaded).engine
+    assert all(t < loaded.config.vocab_size for t in engine.eos_token_ids)
+    engine.add_request("r", prompts[0], SamplingParams(temperature=0, max_tokens=4, min_tokens=3))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert outputs[-1].finish_reason == "length" and len(outputs[-1].token_ids) == 4

@@ -39,7 +39,7 @@ def test_stop_string_is_held_back_then_cut_and_the_sequence_stopped():
     assert output.text == "xy" and output.finish_reason == "stop"
     assert output.outputs[0].stop_reason == "END"
     assert output.token_ids == CharTokenizer().encode("xyEND")
-    assert result.seq_ids_to_stop == ["r#0"] and result.finished_seq_ids == ["r#0"]
+    assert result.seq_ids_to_stop == ["r#0"]
     assert not processor.has_unfinished_requests()
 
 
@@ -60,13 +60,12 @@ def test_finish_from_the_scheduler_and_abort_of_siblings():
     result = emit(processor, first, "hi")
     (output,) = result.request_outputs
     assert [o.finish_reason for o in output.outputs] == ["length", None]
-    assert not output.finished and result.seq_ids_to_stop == [] == result.finished_seq_ids
+    assert not output.finished and result.seq_ids_to_stop == []
     # Abort: only the unfinished sibling goes back to the scheduler; reported once.
     assert processor.finish_request("r", "abort") == ["r#1"]
     assert processor.finish_request("r", "abort") == []
     result = processor.process_outputs([])
     (output,) = result.request_outputs
     assert [o.finish_reason for o in output.outputs] == ["length", "abort"] and output.finished
-    assert result.finished_seq_ids == ["r#0", "r#1"]
     assert processor.process_outputs([]).request_outputs == []
     assert processor.finish_request("r", "abort") == []  # forgotten: ignored

@@ -169,3 +169,37 @@ def test_the_worker_forgets_finished_requests(tiny):
     engine.add_request("4", "xyz", SamplingParams(temperature=0, max_tokens=1))
     engine.step()
     assert set(batch.requests) == {"4"} and batch.num_reqs == 1
+
+
+def test_an_interrupted_step_still_tells_the_worker_what_finished(tiny):
+    """A KeyboardInterrupt inside the step (before the worker applied the output) puts the
+    output's finished ids back: the next step that runs the model drops their state."""
+    engine = LLMEngine(
+        loaded_model=tiny,
+        dtype="float32",
+        num_threads=1,
+        block_size=4,
+        num_blocks=64,
+        max_model_len=64,
+    )
+    engine.add_request("short", "abc", SamplingParams(temperature=0, max_tokens=2))
+    engine.add_request("long", "abcd", SamplingParams(temperature=0, max_tokens=8))
+    while "short" not in engine.scheduler.finished_req_ids:
+        engine.step()
+    batch = engine.runner.input_batch
+    update = batch.update
+
+    def interrupted(out):
+        batch.update = update
+        raise KeyboardInterrupt
+
+    batch.update = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    assert "short" in engine.scheduler.finished_req_ids
+    engine.abort_request("long")  # what LLM.generate does after an interrupt
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("next", "xyz", SamplingParams(temperature=0, max_tokens=1))
+    engine.step()
+    assert set(batch.requests) == {"next"}

@@ -168,8 +168,12 @@ class LLMEngine:
         self.loaded_model = self.executor.loaded_model
         self.model_config = self.loaded_model.config
         self.tokenizer = self.loaded_model.tokenizer
+        # An end-of-sequence id beyond the model's vocabulary can never be sampled (nor masked).
+        vocab_size = self.model_config.vocab_size
         self.eos_token_ids = frozenset(
-            tuple(self.model_config.eos_token_ids) + tuple(self.tokenizer.eos_token_ids)
+            t
+            for t in (*self.model_config.eos_token_ids, *self.tokenizer.eos_token_ids)
+            if 0 <= t < vocab_size
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._stats = EngineStats(scheduler=SchedulerStats())
@@ -398,10 +402,12 @@ class LLMEngine:
         if scheduler_output.total_num_scheduled_tokens:
             try:
                 runner_output = self.executor.execute_model(scheduler_output)
-            except Exception as exc:
-                # The workers may not have applied the output: tell them again next step.
+            except BaseException as exc:
+                # The workers may not have applied the output (even a Ctrl-C inside it): tell
+                # them again next step, so no finished request's state stays behind.
                 self.scheduler.finished_req_ids |= scheduler_output.finished_req_ids
-                self._fail_requests(scheduler_output.req_ids, exc)
+                if isinstance(exc, Exception):
+                    self._fail_requests(scheduler_output.req_ids, exc)
                 raise
         else:  # nothing to run: the workers forget finished requests with the next real step
             self.scheduler.finished_req_ids |= scheduler_output.finished_req_ids

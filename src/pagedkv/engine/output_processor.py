@@ -89,13 +89,10 @@ class OutputProcessorOutput:
         request_outputs: one per request that got tokens, finished or was aborted / failed.
         seq_ids_to_stop: sequences that hit a stop string: the engine finishes them in the
             scheduler (FINISHED_STOPPED) so their blocks are freed.
-        finished_seq_ids: every sequence of the requests reported finished in this call (the
-            engine lets the model runner forget their per-request state).
     """
 
     request_outputs: list[RequestOutput] = field(default_factory=list)
     seq_ids_to_stop: list[str] = field(default_factory=list)
-    finished_seq_ids: list[str] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -241,7 +238,6 @@ class OutputProcessor:
                 del self._states[state.request_id]
                 for sample in state.samples:
                     del self._sample_of[sample.request.request_id]
-                    result.finished_seq_ids.append(sample.request.request_id)
         return result
 
     def _detokenize(self, state: _RequestState, sample: _Sample) -> None:

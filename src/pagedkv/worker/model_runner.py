@@ -23,6 +23,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from pagedkv.config import SchedulerConfig
@@ -168,10 +169,17 @@ class ModelRunner:
             raw_logprobs = compute_logprobs(logits.index_select(0, rows))
         outputs = prompts = stops = None
         if any(p.has_penalties or p.min_tokens for p in params):
-            outputs = [s.output_token_ids for s in sampling]
+            # Views of the persistent token rows: no Python step per token of the context.
+            batch_rows = np.flatnonzero(inputs.sample).tolist()
+            token_rows, num_tokens = batch.token_ids_cpu, batch.num_tokens
+            num_prompts = [len(s.prompt_token_ids) for s in sampling]
+            outputs = [
+                token_rows[r, n : num_tokens[r]]
+                for r, n in zip(batch_rows, num_prompts, strict=True)
+            ]
             prompts = [
-                s.prompt_token_ids if p.repetition_penalty != 1 else ()
-                for s, p in zip(sampling, params, strict=True)
+                token_rows[r, : n if p.repetition_penalty != 1 else 0]
+                for r, n, p in zip(batch_rows, num_prompts, params, strict=True)
             ]
             stops = [
                 _min_tokens_stop_ids(s, p) if p.min_tokens else ()

@@ -34,8 +34,8 @@ class ModelRunnerOutput:
     nothing and do not appear in ``req_ids``; they may appear in ``prompt_logprobs``.
 
     Attributes:
-        req_ids: the sampling requests' ids (``SchedulerOutput.requests[i].request_id`` for
-            every i with ``sample[i]``).
+        req_ids: the ids of the requests that sampled (those whose step computed every token
+            they have), in the worker's batch order.
         sampled_token_ids: the token sampled for each of them.
         logprobs: request id -> one row (the sampled token, then the top ``logprobs``), for
             the sampling requests whose params ask for ``logprobs``.

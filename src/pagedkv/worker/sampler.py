@@ -186,12 +186,16 @@ def _scatter_indices(
     rows: Sequence[int], columns: Sequence[Iterable[int]], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat (row, column) int64 index tensors of the ids ``columns[j]`` in row ``rows[j]``:
-    one numpy pass over the ids, no tensor per row."""
+    one numpy pass over the ids, no tensor per row. Columns that are numpy arrays (the model
+    runner's views of its token rows) are concatenated without a Python step per id."""
     lengths = np.fromiter((len(c) for c in columns), dtype=np.int64, count=len(columns))
     row_index = np.repeat(np.asarray(rows, dtype=np.int64), lengths)
-    col_index = np.fromiter(
-        (t for c in columns for t in c), dtype=np.int64, count=int(lengths.sum())
-    )
+    if columns and all(isinstance(c, np.ndarray) for c in columns):
+        col_index = np.concatenate(columns).astype(np.int64, copy=False)
+    else:
+        col_index = np.fromiter(
+            (t for c in columns for t in c), dtype=np.int64, count=int(lengths.sum())
+        )
     return torch.as_tensor(row_index, device=device), torch.as_tensor(col_index, device=device)
 
 
@@ -254,13 +258,13 @@ def _apply_penalties(
     local = range(len(rows))
     # Counts of each output token per row; a mask of tokens seen in the prompt or the output.
     counts = torch.zeros(len(rows), vocab_size, dtype=logits.dtype, device=device)
-    if any(outputs):
+    if any(len(o) for o in outputs):
         index = _scatter_indices(local, outputs, device)
         ones = torch.ones(len(index[0]), dtype=logits.dtype, device=device)
         counts.index_put_(index, ones, accumulate=True)
     generated = counts > 0
     seen = generated.clone()
-    if any(prompts):
+    if any(len(p) for p in prompts):
         seen[_scatter_indices(local, prompts, device)] = True
 
     def column(name: str) -> torch.Tensor:
