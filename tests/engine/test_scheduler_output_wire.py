@@ -50,19 +50,17 @@ def tiny():
     return tiny_loaded_model()
 
 
+def make_engine(tiny, **overrides) -> LLMEngine:
+    """The tiny model in float32, one thread, 4-token blocks (64 blocks, 64 tokens unless
+    overridden)."""
+    options = {"num_blocks": 64, "max_model_len": 64, **overrides}
+    return LLMEngine(loaded_model=tiny, dtype="float32", num_threads=1, block_size=4, **options)
+
+
 def test_a_worker_rebuilt_from_pickled_scheduler_outputs_alone_matches_the_engine(tiny):
     # 30 usable blocks of 4 tokens, a budget of 24 tokens a step: prompts are chunked, the
     # repeated prompt hits the prefix cache, and the pool runs out (preemption).
-    engine = LLMEngine(
-        loaded_model=tiny,
-        dtype="float32",
-        num_threads=1,
-        block_size=4,
-        num_blocks=31,
-        max_model_len=96,
-        max_num_batched_tokens=24,
-        seed=3,
-    )
+    engine = make_engine(tiny, num_blocks=31, max_model_len=96, max_num_batched_tokens=24, seed=3)
     shadow = ModelRunner(
         tiny_loaded_model().model,
         engine.kv_cache_config,
@@ -146,14 +144,7 @@ def test_a_worker_rebuilt_from_pickled_scheduler_outputs_alone_matches_the_engin
 
 
 def test_the_worker_forgets_finished_requests(tiny):
-    engine = LLMEngine(
-        loaded_model=tiny,
-        dtype="float32",
-        num_threads=1,
-        block_size=4,
-        num_blocks=64,
-        max_model_len=64,
-    )
+    engine = make_engine(tiny)
     for i in range(3):
         engine.add_request(str(i), "abc" * (i + 1), SamplingParams(temperature=0, max_tokens=3))
     while engine.has_unfinished_requests():
@@ -174,14 +165,7 @@ def test_the_worker_forgets_finished_requests(tiny):
 def test_an_interrupted_step_still_tells_the_worker_what_finished(tiny):
     """A KeyboardInterrupt inside the step (before the worker applied the output) puts the
     output's finished ids back: the next step that runs the model drops their state."""
-    engine = LLMEngine(
-        loaded_model=tiny,
-        dtype="float32",
-        num_threads=1,
-        block_size=4,
-        num_blocks=64,
-        max_model_len=64,
-    )
+    engine = make_engine(tiny)
     engine.add_request("short", "abc", SamplingParams(temperature=0, max_tokens=2))
     engine.add_request("long", "abcd", SamplingParams(temperature=0, max_tokens=8))
     while "short" not in engine.scheduler.finished_req_ids:
