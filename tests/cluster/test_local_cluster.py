@@ -247,9 +247,9 @@ def test_openai_server_over_the_cluster(cluster):
     """The OpenAI app (routes, validation, usage, abort) over ClusterEngineLoop."""
 
     async def main():
-        tokenizer = next(iter(cluster.replicas.values())).info.tokenizer
-        loop = ClusterEngineLoop(cluster, tokenizer)
-        app = create_app(None, model_name="tiny", max_model_len=256, engine_loop=loop)
+        processor = next(iter(cluster.replicas.values())).info.input_processor
+        loop = ClusterEngineLoop(cluster, processor)
+        app = create_app(loop, model_name="tiny")
         loop.start(asyncio.get_running_loop())
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://cluster") as http:

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
+from pagedkv.engine.input_processor import InputProcessor
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.stats import SchedulerStats
 from pagedkv.errors import InvalidRequestError
@@ -107,8 +108,18 @@ class FakeEngine:
         block_size: int = 4,
         max_model_len: int = 256,
         max_num_seqs: int = 64,
+        policy: str = "fcfs",
     ) -> None:
         self.tokenizer = FakeTokenizer()
+        # One token per character: no token covers more than one character.
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            vocab_size=self.vocab_size,
+            max_model_len=max_model_len,
+            max_logprobs=20,
+            policy=policy,
+            max_token_chars=1,
+        )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -168,6 +179,8 @@ class FakeEngine:
             raise InvalidRequestError(
                 f"prompt token ids must be in [0, {self.vocab_size})", param="prompt"
             )
+        if params.logprobs is not None or params.prompt_logprobs is not None:
+            raise InvalidRequestError("the fake engine computes no logprobs", param="logprobs")
         if params.top_k > self.vocab_size:
             raise InvalidRequestError(f"top_k must be <= {self.vocab_size}", param="top_k")
         max_tokens = params.max_tokens

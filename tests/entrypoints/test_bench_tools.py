@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from _server_fakes import FakeEngine
 
+from pagedkv.engine.engine_loop import EngineLoop
 from pagedkv.engine.stats import SchedulerStats
 from pagedkv.entrypoints.bench_serving import RequestResult, summarize
 from pagedkv.entrypoints.cli import main
@@ -30,7 +31,7 @@ MODEL = "fake-model"
 def server():
     # One token per character: the longest built-in prompt is ~730 tokens.
     engine = FakeEngine(num_blocks=8192, block_size=4, max_model_len=2048, max_num_seqs=8)
-    app = create_app(engine, model_name=MODEL, max_model_len=engine.max_model_len)
+    app = create_app(EngineLoop(engine), model_name=MODEL)
     with ThreadedServer(app) as running:
         yield running
 
@@ -211,7 +212,7 @@ def test_server_logs_the_stats_line_periodically(caplog):
     try:
         engine = FakeEngine(num_blocks=64, block_size=4, max_model_len=128)
         engine.hold(after_tokens=5)  # the request stays running until a stats line is seen
-        app = create_app(engine, model_name=MODEL, log_stats_interval=0.05)
+        app = create_app(EngineLoop(engine), model_name=MODEL, log_stats_interval=0.05)
         with ThreadedServer(app) as running:
             import httpx
 

@@ -15,6 +15,7 @@ import openai
 import pytest
 from _server_fakes import SENTENCE, FakeEngine, wait_for
 
+from pagedkv.engine.engine_loop import EngineLoop
 from pagedkv.entrypoints.openai.app import create_app
 from pagedkv.entrypoints.openai.launch import ThreadedServer
 
@@ -28,7 +29,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def server(engine):
-    app = create_app(engine, model_name=MODEL, max_model_len=engine.max_model_len)
+    app = create_app(EngineLoop(engine), model_name=MODEL)
     with ThreadedServer(app) as running:
         yield running
 
@@ -120,7 +121,7 @@ def test_base_model_refuses_chat_and_serves_completions():
     naming /v1/completions before anything is queued; completions are served."""
     engine = FakeEngine()
     engine.tokenizer.has_chat_template = False
-    app = create_app(engine, model_name=MODEL, max_model_len=engine.max_model_len)
+    app = create_app(EngineLoop(engine), model_name=MODEL)
     with ThreadedServer(app) as running:
         chat = httpx.post(
             running.url + "/v1/chat/completions",
@@ -352,7 +353,7 @@ def test_32_concurrent_streams_some_disconnecting(server, client, engine):
         else:
             assert text == full
     wait_until_idle(server)  # every block free again: the disconnected requests were aborted
-    assert server.server.config.app.state.serving.engine_loop.num_streams == 0
+    assert server.server.config.app.state.engine_client.num_streams == 0
     text = httpx.get(server.url + "/metrics").text
     assert metric_value(text, "pagedkv:request_success_total", 'finished_reason="abort"') >= 11
     result = client.completions.create(model=MODEL, prompt="still there?", max_tokens=2)
@@ -398,7 +399,7 @@ def test_reset_prefix_cache_fails_while_blocks_are_in_use(server, engine):
 def test_engine_failure_is_reported_and_health_turns_503():
     engine = FakeEngine()
     engine.fail_after_steps = 2
-    app = create_app(engine, model_name=MODEL)
+    app = create_app(EngineLoop(engine), model_name=MODEL)
     with ThreadedServer(app) as broken:
         body = {"model": MODEL, "prompt": "x", "max_tokens": 50, "stream": True}
         with httpx.stream("POST", broken.url + "/v1/completions", json=body) as response:
@@ -497,6 +498,7 @@ def test_serve_cli_arguments():
 
 def test_engine_loop_aborts_an_add_cancelled_while_queued():
     from pagedkv.engine.engine_loop import EngineLoop, EngineRequest
+    from pagedkv.engine.input_processor import ProcessedPrompt
     from pagedkv.sampling_params import SamplingParams
 
     async def main():
@@ -506,10 +508,12 @@ def test_engine_loop_aborts_an_add_cancelled_while_queued():
         loop.start(asyncio.get_running_loop())
         try:
             busy = await loop.add_requests(
-                [EngineRequest("busy", "x", SamplingParams(max_tokens=3))]
+                [EngineRequest("busy", ProcessedPrompt([120]), SamplingParams(max_tokens=3))]
             )
             late = asyncio.ensure_future(
-                loop.add_requests([EngineRequest("late", "y", SamplingParams(max_tokens=100))])
+                loop.add_requests(
+                    [EngineRequest("late", ProcessedPrompt([121]), SamplingParams(max_tokens=100))]
+                )
             )
             await asyncio.sleep(0)  # its add command is queued
             late.cancel()

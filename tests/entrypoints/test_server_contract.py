@@ -14,6 +14,7 @@ import httpx
 import pytest
 from _tiny_model import EOS, tiny_loaded_model
 
+from pagedkv.engine.engine_loop import EngineLoop
 from pagedkv.engine.llm import LLM
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.entrypoints.openai.app import create_app
@@ -41,7 +42,7 @@ def llm(tiny):
 @pytest.fixture(scope="module")
 def server(tiny):
     engine = LLMEngine(loaded_model=tiny, dtype="float32", **ENGINE_OPTIONS)
-    with ThreadedServer(create_app(engine, model_name=MODEL, max_model_len=256)) as running:
+    with ThreadedServer(create_app(EngineLoop(engine), model_name=MODEL)) as running:
         yield running
 
 

@@ -17,6 +17,7 @@ import pytest
 from _server_fakes import FAIL_MARKER, FakeEngine
 
 from pagedkv.engine import engine_loop
+from pagedkv.engine.engine_loop import EngineLoop
 from pagedkv.entrypoints.openai.app import create_app
 from pagedkv.entrypoints.openai.launch import ThreadedServer
 from pagedkv.errors import CacheStateError
@@ -33,7 +34,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def server(engine):
-    app = create_app(engine, model_name=MODEL, max_model_len=engine.max_model_len)
+    app = create_app(EngineLoop(engine), model_name=MODEL)
     with ThreadedServer(app) as running:
         yield running
 
@@ -173,7 +174,7 @@ def test_every_block_is_free_after_the_faults(server, engine):
 )
 def test_engine_faults_stop_the_engine_and_health_says_why(setup, reason):
     engine = FakeEngine()
-    app = create_app(engine, model_name=MODEL)
+    app = create_app(EngineLoop(engine), model_name=MODEL)
     with ThreadedServer(app) as broken:
         setup(engine)
         response = post(broken, COMPLETIONS, {"prompt": "x", "max_tokens": 20})

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 schemathesis = pytest.importorskip("schemathesis")
 requests = pytest.importorskip("requests")  # schemathesis's HTTP client
 
+from pagedkv.engine.engine_loop import EngineLoop  # noqa: E402
 from pagedkv.entrypoints.openai.app import create_app  # noqa: E402
 from pagedkv.entrypoints.openai.launch import ThreadedServer  # noqa: E402
 
@@ -121,7 +122,7 @@ def check_fuzzed(url: str, statuses: Counter) -> None:
 
 def test_fuzzed_api_against_the_fake_engine():
     engine = FakeEngine(num_blocks=512, block_size=4, max_model_len=256, max_num_seqs=64)
-    app = create_app(engine, model_name=MODEL, max_model_len=engine.max_model_len)
+    app = create_app(EngineLoop(engine), model_name=MODEL)
     with ThreadedServer(app) as server:
         statuses = fuzz(server.url, max_examples=300)
         check_fuzzed(server.url, statuses)
@@ -140,7 +141,7 @@ def test_fuzzed_api_against_the_real_model():
     except ModelLoadError as exc:
         pytest.skip(f"default model not installed: {exc}")
     engine = LLMEngine(loaded_model=loaded, max_model_len=256, max_num_seqs=16)
-    app = create_app(engine, model_name=MODEL, max_model_len=engine.max_model_len)
+    app = create_app(EngineLoop(engine), model_name=MODEL)
     with ThreadedServer(app) as server:
         statuses = fuzz(server.url, max_examples=150)
         check_fuzzed(server.url, statuses)

@@ -72,10 +72,11 @@ def engine(loaded_model):
 
 @pytest.fixture(scope="module")
 def server(engine):
+    from pagedkv.engine.engine_loop import EngineLoop
     from pagedkv.entrypoints.openai.app import create_app
     from pagedkv.entrypoints.openai.launch import ThreadedServer
 
-    app = create_app(engine, model_name=MODEL, max_model_len=engine.max_model_len)
+    app = create_app(EngineLoop(engine), model_name=MODEL)
     with ThreadedServer(app) as running:
         yield running
 

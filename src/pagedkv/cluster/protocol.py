@@ -47,7 +47,8 @@ class ReplicaInfo:
         model_name: name of the served model.
         max_model_len: most tokens per request.
         block_size / hash_algo / hash_seed: what its block hashes depend on.
-        tokenizer: the engine's tokenizer (the front end tokenizes with it).
+        input_processor: the engine's :class:`~pagedkv.engine.input_processor.InputProcessor`
+            (its tokenizer and limits; the front end processes prompts with a copy).
     """
 
     rank: int
@@ -57,7 +58,7 @@ class ReplicaInfo:
     block_size: int
     hash_algo: str
     hash_seed: Any
-    tokenizer: Any = field(repr=False, default=None)
+    input_processor: Any = field(repr=False, default=None)
 
 
 class Dispatcher(Protocol):

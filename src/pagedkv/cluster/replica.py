@@ -14,7 +14,9 @@ from typing import Any
 
 from pagedkv.cluster.kv_events import KVEventPublisher
 from pagedkv.cluster.protocol import ClusterRequest, ReplicaInfo
-from pagedkv.engine.engine_loop import EngineDeadError, EngineLoop, EngineRequest
+from pagedkv.engine.engine_loop import EngineDeadError, EngineLoop
+from pagedkv.engine.input_processor import ProcessedPrompt
+from pagedkv.engine.protocol import EngineRequest
 from pagedkv.errors import ConfigError
 from pagedkv.modelinfo.naming import served_model_name
 
@@ -65,6 +67,10 @@ class EventPublishingEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.engine.has_unfinished_requests()
+
+    @property
+    def input_processor(self) -> Any:
+        return self.engine.input_processor
 
     def get_stats(self) -> Any:
         return self.engine.get_stats()
@@ -119,7 +125,7 @@ class EngineReplica:
             block_size=config.block_size,
             hash_algo=config.hash_algo,
             hash_seed=config.hash_seed,
-            tokenizer=engine.tokenizer,
+            input_processor=engine.input_processor,
         )
         self._started = False
         self._stopped = False
@@ -144,9 +150,10 @@ class EngineReplica:
         self._ensure_started()
         engine_request = EngineRequest(
             request.request_id,
-            list(request.prompt_token_ids),
+            ProcessedPrompt(list(request.prompt_token_ids)),
             request.sampling_params,
-            {"cache_salt": request.cache_salt, "priority": request.priority},
+            priority=request.priority,
+            cache_salt=request.cache_salt,
         )
         stream = await self.loop.add_requests([engine_request])
         self._streams[request.request_id] = stream

@@ -37,11 +37,17 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+from pagedkv.engine.input_processor import InputProcessor, InputThread
+from pagedkv.engine.protocol import EngineRequest
 from pagedkv.errors import PagedKVError
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+__all__ = ["EngineDeadError", "EngineLoop", "EngineRequest", "OutputStream", "engine_fault"]
 
 #: Steps in a row that may fail (each failing only its own requests) before the loop gives up.
 MAX_CONSECUTIVE_FAILED_STEPS = 32
@@ -77,18 +83,6 @@ def engine_fault(engine: Any, exc: BaseException, num_failed_steps: int) -> str 
         last = f"{type(exc).__name__}: {exc}"
         return f"{num_failed_steps} engine steps in a row failed; the last: {last}"
     return None
-
-
-@dataclass(slots=True)
-class EngineRequest:
-    """One ``engine.add_request(request_id, prompt, sampling_params, **kwargs)`` call. ``prompt``
-    may be a function of the engine that makes the prompt in the engine thread (tokenization and
-    chat templates run there: the engine's tokenizer is not shared between threads)."""
-
-    request_id: str
-    prompt: Any
-    sampling_params: Any
-    kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -129,19 +123,23 @@ class OutputStream:
 
 
 class EngineLoop:
-    """Owns an engine and the thread that steps it.
+    """Owns an engine and the thread that steps it; the :class:`EngineClient` of one engine.
 
     Args:
         engine: an object with ``add_request(request_id, prompt, sampling_params, *, priority,
             cache_salt)``, ``step() -> list[RequestOutput]`` (each with ``request_id`` and
-            ``finished``), ``abort_request(request_ids)`` and ``has_unfinished_requests()``, and
-            optionally ``check_health()`` (pagedkv.engine.llm_engine.LLMEngine, or a fake in
-            tests). A ``step()`` that raises must have finished the requests it touched (the
-            next step reports them), as LLMEngine's does.
+            ``finished``), ``abort_request(request_ids)``, ``has_unfinished_requests()``,
+            ``get_stats()``, ``reset_prefix_cache()``, an ``input_processor`` and optionally
+            ``check_health()`` (pagedkv.engine.llm_engine.LLMEngine, or a fake in tests). A
+            ``step()`` that raises must have finished the requests it touched (the next step
+            reports them), as LLMEngine's does.
     """
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
+        # Prompts are processed on a thread of their own, with a tokenizer of their own (made
+        # on first use: a cluster replica's loop gets token ids and never needs one).
+        self._input: InputThread | None = None
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
@@ -166,6 +164,8 @@ class EngineLoop:
         """Stop the thread after its current step (unfinished requests are left as they are)."""
         self._stopping = True
         self._wake.set()
+        if self._input is not None:
+            self._input.close()
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -190,6 +190,35 @@ class EngineLoop:
         return len(self._streams)
 
     # ---- called from the event loop ---------------------------------------------------------
+
+    def _input_thread(self) -> InputThread:
+        if self._input is None:
+            self._input = InputThread(self.engine.input_processor.copy())
+        return self._input
+
+    @property
+    def input_processor(self) -> InputProcessor:
+        """The input thread's processor (limits, tokenizer rules)."""
+        return self._input_thread().processor
+
+    async def process(self, fn: Callable[[InputProcessor], T]) -> T:
+        """``fn(input_processor)`` on the input thread (not the engine thread)."""
+        return await self._input_thread().run(fn)
+
+    async def get_stats(self) -> Any:
+        """The engine's :class:`~pagedkv.engine.llm_engine.EngineStats`, read between steps."""
+        return await self.call(lambda engine: engine.get_stats())
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop every cached block; False while blocks are in use."""
+        return bool(await self.call(lambda engine: engine.reset_prefix_cache()))
+
+    def fail_streams(self, exc: BaseException) -> None:
+        """End every open stream with ``exc`` and abort its requests (a drain at shutdown)."""
+        request_ids = list(self._streams)
+        self._fail_all(exc)
+        if request_ids:
+            self._send_abort(request_ids)
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """Run ``fn(engine)`` in the engine thread between two steps and return its result
@@ -217,8 +246,13 @@ class EngineLoop:
             added: list[str] = []
             try:
                 for r in requests:
-                    prompt = r.prompt(engine) if callable(r.prompt) else r.prompt
-                    engine.add_request(r.request_id, prompt, r.sampling_params, **r.kwargs)
+                    engine.add_request(
+                        r.request_id,
+                        r.engine_prompt(),
+                        r.sampling_params,
+                        priority=r.priority,
+                        cache_salt=r.cache_salt,
+                    )
                     added.append(r.request_id)
             except BaseException:
                 if added:

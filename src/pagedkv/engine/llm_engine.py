@@ -18,7 +18,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,7 @@ from pagedkv.cpu_env import available_cpu_count
 from pagedkv.engine.attention_backend import choose_attention_backend
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.cpu_runtime import tune_cpu_runtime
+from pagedkv.engine.input_processor import InputProcessor, Prompt
 from pagedkv.engine.kv_sizing import size_kv_cache
 from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.outputs import RequestOutput
@@ -38,8 +39,7 @@ from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.stats import SchedulerStats
 from pagedkv.errors import ConfigError, InvalidRequestError
-from pagedkv.sampling_params import SamplingParams, check_text
-from pagedkv.validation import is_int
+from pagedkv.sampling_params import SamplingParams
 from pagedkv.worker.executor import create_executor
 from pagedkv.worker.outputs import ModelRunnerOutput
 from pagedkv.worker.scheduler_output import NewRequestData, SchedulerOutput
@@ -48,7 +48,6 @@ logger = logging.getLogger(__name__)
 
 #: A prompt: text, token ids, ``{"prompt": text}``, ``{"prompt_token_ids": [...]}`` (vLLM's
 #: TextPrompt and TokensPrompt), or chat messages ``[{"role": ..., "content": ...}, ...]``.
-Prompt = str | Sequence[int] | dict[str, Any] | Sequence[dict[str, Any]]
 
 
 @dataclass(slots=True)
@@ -176,6 +175,15 @@ class LLMEngine:
             if 0 <= t < vocab_size
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        #: prompts -> validated token ids, parameters checked against the model and the limits
+        #: (used in the caller's thread; a server runs a copy on its own input thread).
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            vocab_size=vocab_size,
+            max_model_len=self.max_model_len,
+            max_logprobs=config.max_logprobs,
+            policy=config.policy,
+        )
         self._stats = EngineStats(scheduler=SchedulerStats())
 
     def shutdown(self) -> None:
@@ -217,23 +225,11 @@ class LLMEngine:
                 error's ``param`` names the field when one is at fault.
         """
         params = sampling_params if sampling_params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(
-                f"sampling_params must be a SamplingParams, got {type(params).__name__}"
-            )
         if self.output_processor.has_request(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        self._check_request(params, priority)
-        prompt_text, prompt_token_ids = self._tokenize(prompt)
-        vocab_size = self.model_config.vocab_size
-        if (
-            prompt_token_ids
-            and not 0 <= min(prompt_token_ids) <= max(prompt_token_ids) < vocab_size
-        ):
-            raise InvalidRequestError(
-                f"request {request_id!r}: prompt token ids must be in [0, {vocab_size})",
-                param="prompt",
-            )
+        self.input_processor.check_params(params, priority)
+        processed = self.input_processor.process(prompt)
+        prompt_text, prompt_token_ids = processed.text, processed.token_ids
         now = time.monotonic() if arrival_time is None else arrival_time
         block_hasher = self.kv_cache_manager.block_hasher
         if not self.config.enable_prefix_caching:
@@ -267,41 +263,6 @@ class LLMEngine:
             request_id, prompt_text, prompt_token_ids, params, requests, now
         )
         self._stats.num_requests += 1
-
-    def _check_request(self, params: SamplingParams, priority: int) -> None:
-        """The checks of a request against this model (SamplingParams checks what needs no
-        model): token ids and top_k against the vocabulary, logprobs against
-        ``config.max_logprobs``; refused before anything is queued, never failed inside a step."""
-        vocab_size = self.model_config.vocab_size
-        if params.top_k > vocab_size:
-            raise InvalidRequestError(
-                f"top_k must be -1, 0 (off) or in [1, {vocab_size}] (the vocabulary size), "
-                f"got {params.top_k}",
-                param="top_k",
-            )
-        for name, ids in (
-            ("stop_token_ids", params.stop_token_ids),
-            ("logit_bias", params.logit_bias or ()),
-        ):
-            bad = [t for t in ids if t >= vocab_size]
-            if bad:
-                raise InvalidRequestError(
-                    f"{name}: token id {bad[0]} is out of the vocabulary [0, {vocab_size})",
-                    param=name,
-                )
-        limit = self.config.max_logprobs
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > limit:
-                raise InvalidRequestError(
-                    f"{name}: requested {value}, which is more than the most allowed, {limit} "
-                    "(the engine's max_logprobs)",
-                    param=name,
-                )
-        if not is_int(priority) or priority.bit_length() > 63:
-            raise InvalidRequestError(
-                f"priority must be an int64, got {priority!r}", param="priority"
-            )
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Abort requests (all their samples): blocks are freed now, and the next :meth:`step`
@@ -436,57 +397,6 @@ class LLMEngine:
             self.scheduler.finish_requests(result.seq_ids_to_stop, RequestStatus.FINISHED_STOPPED)
         self._stats.num_finished_requests += sum(o.finished for o in result.request_outputs)
         return result.request_outputs
-
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        """(prompt text or None, token ids) of any :data:`Prompt` form."""
-        if isinstance(prompt, str):
-            check_text(prompt, "prompt")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict):
-            return self._tokenize_dict(prompt)
-        items = list(prompt)
-        if items and all(isinstance(m, dict) for m in items):
-            for message in items:
-                for value in message.values():
-                    if isinstance(value, str):
-                        check_text(value, "messages")
-            text = self.tokenizer.apply_chat_template(items, tokenize=False)
-            return text, self.tokenizer.apply_chat_template(items)
-        if not all(is_int(t) for t in items):
-            raise InvalidRequestError(_PROMPT_FORMS)
-        return None, items
-
-    def _tokenize_dict(self, prompt: dict[str, Any]) -> tuple[str | None, list[int]]:
-        """vLLM's ``{"prompt": text}`` and ``{"prompt_token_ids": ids}`` prompt forms."""
-        unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
-        if unknown:
-            hint = " (chat messages go to LLM.chat)" if "role" in prompt else ""
-            raise InvalidRequestError(
-                f"unknown prompt key(s) {unknown}{hint}; {_PROMPT_FORMS}", param="prompt"
-            )
-        text = prompt.get("prompt")
-        if text is not None and not isinstance(text, str):
-            raise InvalidRequestError(
-                f"prompt['prompt'] must be a str, got {text!r}", param="prompt"
-            )
-        if text is not None:
-            check_text(text, "prompt")
-        if "prompt_token_ids" not in prompt:
-            if text is None:
-                raise InvalidRequestError(_PROMPT_FORMS)
-            return text, self.tokenizer.encode(text)
-        token_ids = prompt["prompt_token_ids"]
-        if not isinstance(token_ids, list | tuple) or not all(is_int(t) for t in token_ids):
-            raise InvalidRequestError(
-                "prompt['prompt_token_ids'] must be a list of token ids", param="prompt"
-            )
-        return text, list(token_ids)
-
-
-_PROMPT_FORMS = (
-    "a prompt must be a str, a list of token ids, {'prompt': str}, {'prompt_token_ids': [int]} "
-    "or a list of chat messages ({'role': ..., 'content': ...})"
-)
 
 
 def _read_model_shape(config: EngineConfig, loaded_model, model_loader):

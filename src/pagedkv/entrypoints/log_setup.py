@@ -43,3 +43,11 @@ def configure_logging(level: str = "info") -> None:
         handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s"))
         package_logger.addHandler(handler)
     package_logger.setLevel(level.upper())
+
+
+def summarize_for_log(names: list[str], max_items: int = 10, max_chars: int = 64) -> str:
+    """``names`` joined for one log line, bounded: at most ``max_items`` names of at most
+    ``max_chars`` characters each (client input: a request adds a bounded number of bytes)."""
+    shown = [n if len(n) <= max_chars else n[:max_chars] + "..." for n in names[:max_items]]
+    more = f" ... and {len(names) - max_items} more" if len(names) > max_items else ""
+    return ", ".join(shown) + more

@@ -98,6 +98,7 @@ _CLUSTER_ONLY = ("router", "hash_seed", "ray_address", "num_cpus_per_replica", "
 def run(args: argparse.Namespace) -> int:
     """Load the model, bind the socket, print the URL, and serve until interrupted."""
     from pagedkv.engine.config import EngineConfig
+    from pagedkv.engine.engine_loop import EngineLoop
     from pagedkv.engine.llm_engine import LLMEngine
     from pagedkv.entrypoints.openai.app import create_app
     from pagedkv.entrypoints.openai.launch import bind_socket, make_server
@@ -130,9 +131,8 @@ def run(args: argparse.Namespace) -> int:
     engine = LLMEngine(EngineConfig.from_cli_args(args))
     name = args.served_model_name or served_model_name(engine.loaded_model.source)
     app = create_app(
-        engine,
+        EngineLoop(engine),
         model_name=name,
-        max_model_len=engine.max_model_len,
         log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
     )
     host, port = sock.getsockname()[:2]

@@ -1,11 +1,11 @@
-"""The cluster's front end: the OpenAI server's engine loop, over replicas instead of one engine.
+"""The cluster's front end: the OpenAI server's engine client, over replicas instead of one engine.
 
-:class:`ClusterEngineLoop` offers what :class:`pagedkv.entrypoints.openai.app.OpenAIServing`
-uses of :class:`~pagedkv.engine.engine_loop.EngineLoop` (add requests and get their
-output stream, abort, call a function on the engine, health), so the same routes, streaming,
-validation and abort-on-disconnect serve a cluster. It tokenizes each prompt as the engine would
-(so the router can hash it), hands a :class:`ClusterRequest` to a dispatcher (Ray Serve's handle
-or the in-process cluster), and pumps the replica's outputs into the request's stream.
+:class:`ClusterEngineLoop` is an :class:`~pagedkv.engine.protocol.EngineClient`, as one engine's
+:class:`~pagedkv.engine.engine_loop.EngineLoop` is, so the same routes, streaming, validation and
+abort-on-disconnect serve a cluster. Prompts are tokenized by the replicas' input processor on
+the front end's input thread (so the router can hash them); each request goes to a dispatcher
+(Ray Serve's handle or the in-process cluster) as a :class:`ClusterRequest`, and the replica's
+outputs are pumped into the request's stream.
 """
 
 from __future__ import annotations
@@ -16,40 +16,16 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from types import SimpleNamespace
-from typing import Any
+from typing import Any, TypeVar
 
 from pagedkv.cluster.protocol import ClusterRequest, Dispatcher
-from pagedkv.engine.engine_loop import EngineDeadError, EngineRequest, OutputStream
-from pagedkv.errors import InvalidRequestError
+from pagedkv.engine.engine_loop import EngineDeadError, OutputStream
+from pagedkv.engine.input_processor import InputProcessor, InputThread
+from pagedkv.engine.protocol import EngineRequest
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
-
-
-def tokenize(tokenizer: Any, prompt: Any) -> list[int]:
-    """The prompt's token ids as :meth:`LLMEngine.add_request` makes them: text encoded, chat
-    messages through the chat template (assistant turn opened), token ids as given, and vLLM's
-    ``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}`` forms.
-
-    Raises:
-        InvalidRequestError: a prompt of another type.
-    """
-    if isinstance(prompt, str):
-        return list(tokenizer.encode(prompt))
-    if isinstance(prompt, dict):  # vLLM's prompt forms: {"prompt_token_ids": [...]} first
-        if "prompt_token_ids" in prompt:
-            return tokenize(tokenizer, list(prompt["prompt_token_ids"]))
-        if "prompt" in prompt:
-            return tokenize(tokenizer, prompt["prompt"])
-    items = list(prompt)
-    if items and all(isinstance(m, dict) for m in items):
-        return list(tokenizer.apply_chat_template(items))
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in items):
-        raise InvalidRequestError(
-            "a prompt must be a str, a list of token ids, or a list of chat messages "
-            "({'role': ..., 'content': ...})"
-        )
-    return items
 
 
 def merge_results(results: Sequence[Any]) -> Any:
@@ -86,17 +62,20 @@ def _merge_dataclasses(results: Sequence[Any]) -> Any:
 
 
 class ClusterEngineLoop:
-    """:class:`EngineLoop`'s interface over a cluster (see the module docstring).
+    """The :class:`~pagedkv.engine.protocol.EngineClient` of a cluster (see the module
+    docstring).
 
     Args:
         dispatcher: routes requests and calls to replicas.
-        tokenizer: the replicas' tokenizer (``encode``, ``apply_chat_template``).
+        input_processor: the replicas' input processor (their tokenizer and limits); the front
+            end runs a copy of it on its own input thread.
     """
 
-    def __init__(self, dispatcher: Dispatcher, tokenizer: Any) -> None:
+    def __init__(self, dispatcher: Dispatcher, input_processor: InputProcessor) -> None:
         self.dispatcher = dispatcher
-        self.tokenizer = tokenizer
+        self._input = InputThread(input_processor.copy())
         self._pumps: dict[str, asyncio.Task] = {}
+        self._streams: dict[str, OutputStream] = {}  # request id -> its (shared) stream
         self._running = False
         self.error: BaseException | None = None
 
@@ -109,6 +88,7 @@ class ClusterEngineLoop:
     def stop(self, timeout: float = 30.0) -> None:
         """Stop taking requests and abort the ones in flight."""
         self._running = False
+        self._input.close()
         for task in list(self._pumps.values()):
             task.cancel()
         self._pumps.clear()
@@ -122,7 +102,23 @@ class ClusterEngineLoop:
         """Requests whose outputs are still being pumped."""
         return len(self._pumps)
 
-    # ---- the EngineLoop interface -------------------------------------------------------------
+    @property
+    def status_reason(self) -> str:
+        """Why the cluster is not serving ("" while it is)."""
+        if self.is_alive:
+            return ""
+        return "no replica is serving" if self._running else "it was stopped"
+
+    # ---- the EngineClient interface -----------------------------------------------------------
+
+    @property
+    def input_processor(self) -> InputProcessor:
+        """The front end's processor (the replicas' limits and tokenizer)."""
+        return self._input.processor
+
+    async def process(self, fn: Callable[[InputProcessor], T]) -> T:
+        """``fn(input_processor)`` on the front end's input thread."""
+        return await self._input.run(fn)
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """``fn(engine)`` on every replica, answers merged (:func:`merge_results`)."""
@@ -130,34 +126,40 @@ class ClusterEngineLoop:
             raise EngineDeadError("the cluster is not serving")
         return merge_results(await self.dispatcher.broadcast(fn))
 
+    async def get_stats(self) -> Any:
+        """The replicas' counters, summed (:func:`merge_results`)."""
+        return await self.call(lambda engine: engine.get_stats())
+
+    async def reset_prefix_cache(self) -> bool:
+        """Every replica drops its cached blocks; False if one could not."""
+        return bool(await self.call(lambda engine: engine.reset_prefix_cache()))
+
+    def fail_streams(self, exc: BaseException) -> None:
+        """End every open stream with ``exc`` and abort its requests on their replicas."""
+        for stream in {id(s): s for s in self._streams.values()}.values():
+            stream.queue.put_nowait(exc)
+        self.abort(list(self._pumps))
+
     async def add_requests(self, requests: list[EngineRequest]) -> OutputStream:
-        """Tokenize, route and start every request, all or none; their shared stream.
+        """Route and start every request, all or none; their shared stream.
 
         Raises:
-            InvalidRequestError: a prompt that cannot be tokenized or a request an engine
-                refuses; requests already started are aborted.
+            InvalidRequestError: a request an engine refuses; requests already started are
+                aborted.
             EngineDeadError: the cluster is not serving.
         """
         if not self.is_alive:
             raise EngineDeadError("the cluster is not serving")
-        cluster_requests = []
-        # A prompt may be a function of the engine (the server's prompt builders read only its
-        # tokenizer): the front end has the replicas' tokenizer, not an engine.
-        tokenizer_only = SimpleNamespace(tokenizer=self.tokenizer)
-        for r in requests:
-            kwargs = dict(r.kwargs)
-            prompt = r.prompt(tokenizer_only) if callable(r.prompt) else r.prompt
-            cluster_requests.append(
-                ClusterRequest(
-                    r.request_id,
-                    tokenize(self.tokenizer, prompt),
-                    r.sampling_params,
-                    cache_salt=kwargs.pop("cache_salt", None),
-                    priority=kwargs.pop("priority", 0),
-                )
+        cluster_requests = [
+            ClusterRequest(
+                r.request_id,
+                r.prompt.token_ids,
+                r.sampling_params,
+                cache_salt=r.cache_salt,
+                priority=r.priority,
             )
-            if kwargs:
-                raise InvalidRequestError(f"the cluster does not take {sorted(kwargs)}")
+            for r in requests
+        ]
         stream = OutputStream([r.request_id for r in requests], time.monotonic())
         started: list[tuple[str, AsyncIterator[Any]]] = []
         try:
@@ -171,6 +173,7 @@ class ClusterEngineLoop:
                     await outputs.aclose()
             raise
         for request_id, outputs in started:
+            self._streams[request_id] = stream
             self._pumps[request_id] = asyncio.ensure_future(self._pump(request_id, outputs, stream))
         return stream
 
@@ -178,6 +181,7 @@ class ClusterEngineLoop:
         """Abort requests still in flight (their replicas free the blocks); never blocks."""
         for request_id in request_ids:
             task = self._pumps.pop(request_id, None)
+            self._streams.pop(request_id, None)
             if task is not None:
                 task.cancel()
 
@@ -200,5 +204,6 @@ class ClusterEngineLoop:
             stream.queue.put_nowait(exc)
         finally:
             self._pumps.pop(request_id, None)
+            self._streams.pop(request_id, None)
             with contextlib.suppress(Exception):
                 await outputs.aclose()

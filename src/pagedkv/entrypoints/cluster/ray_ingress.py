@@ -36,10 +36,5 @@ class OpenAIIngress:
     def __serve_build_asgi_app__(self) -> Any:
         from pagedkv.entrypoints.openai.app import create_app
 
-        loop = ClusterEngineLoop(self.dispatcher, self.info.tokenizer)
-        return create_app(
-            None,
-            model_name=self.model_name,
-            max_model_len=self.info.max_model_len,
-            engine_loop=loop,
-        )
+        loop = ClusterEngineLoop(self.dispatcher, self.info.input_processor)
+        return create_app(loop, model_name=self.model_name)

@@ -1,0 +1,128 @@
+"""OpenAI's error body for every failure, and pydantic's validation errors as one readable 400.
+
+Every error a client gets has OpenAI's shape, ``{"error": {"message", "type", "param",
+"code"}}``, ``param`` naming the request field at fault. A 500 says only that the server failed
+(the details go to the server's log, never to the client: they may name processes, actors or
+files).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from pagedkv.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    408: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+
+
+class OpenAIError(Exception):
+    """An error to send to the client as an OpenAI error body with ``status_code``.
+
+    Args:
+        status_code: the HTTP status.
+        message: what went wrong, for the client.
+        param: the request field at fault.
+        code: a short machine-readable code (``model_not_found``, ``invalid_value``...).
+        headers: extra response headers (``Allow`` of a 405).
+    """
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        # Messages may quote the client's input: escape what UTF-8 cannot encode (surrogates).
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        """The OpenAI error body."""
+        error_type = _ERROR_TYPES.get(self.status_code, "invalid_request_error")
+        info = ErrorInfo(message=self.message, type=error_type, param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump()
+
+    def response(self) -> JSONResponse:
+        """The body as a JSON response with the status and headers."""
+        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+
+
+#: What each union-typed request field accepts, for the 400 message of a value that fits none.
+_UNION_FIELDS = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of text content parts",
+}
+
+
+def _is_union_tag(part: str) -> bool:
+    """pydantic's tag of a union member in an error location (``str``, ``list[int]``,
+    ``function-after[...]``), as opposed to a field name or a list index."""
+    return "[" in part or part in ("str", "int", "float", "bool", "list", "dict", "none")
+
+
+def validation_error(exc: RequestValidationError) -> OpenAIError:
+    """The first pydantic error as one readable message (``field: problem (got value)``)."""
+    errors = exc.errors()
+    if not errors:
+        return OpenAIError(400, "invalid request body")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return OpenAIError(
+            400,
+            f"malformed JSON body: {first.get('ctx', {}).get('error', '')}".rstrip(": "),
+            code="invalid_json",
+        )
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # A union field's errors carry the member's type tag in their location
+    # (`prompt.function-after[_valid_unicode(), str]`): name the field and what it accepts.
+    tagged = next((i for i, part in enumerate(loc) if _is_union_tag(part)), None)
+    if tagged is not None:
+        # A member whose shape fitted and whose value did not (a negative token id) says more
+        # than "not a string": report that one, at its place without the tags.
+        prefix = loc[:tagged]
+        for error in errors:
+            error_loc = [str(part) for part in error.get("loc", ()) if part != "body"]
+            kind = str(error.get("type", ""))
+            if error_loc[:tagged] == prefix and not kind.endswith(("_type", "_parsing")):
+                first = error
+                loc = [part for part in error_loc if not _is_union_tag(part)]
+                tagged = None
+                break
+        else:
+            loc = prefix
+    param = loc[0] if loc else None
+    where = ".".join(loc) or "body"
+    if first.get("type") == "missing":
+        return OpenAIError(
+            400, f"missing required field `{where}`", param=param, code="missing_field"
+        )
+    message = f"{where}: {first.get('msg', 'invalid value')}"
+    if tagged is not None and loc and loc[-1] in _UNION_FIELDS:
+        message = f"{where}: must be {_UNION_FIELDS[loc[-1]]}"
+    if "input" in first and first.get("type") != "missing":
+        message += f" (got {json.dumps(first['input'], default=str)[:200]})"
+    return OpenAIError(400, message, param=param, code="invalid_value")
