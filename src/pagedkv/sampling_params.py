@@ -17,6 +17,24 @@ The order in which the sampler applies them is vLLM V1's::
     min_p                       drop tokens with prob < min_p * the top token's prob
     top_k, top_p                keep the k best, then the smallest set reaching mass p
     sample                      exponential race (Gumbel-max), the request's own seed if any
+
+Ranges of the float fields. Each keeps every step above finite in float32 (the sampler's dtype)
+for any logits a model produces, so that an accepted request never samples from NaN. With
+|logit| <= L (a model's logits stay within ~1e4)::
+
+    logit_bias          clamped to [-100, 100]           |x| <= L + 100
+    repetition_penalty  [0.01, 100]: x / p or x * p      |x| <= 100 (L + 100)
+    frequency, presence [-2, 2], times counts <= N       |x| <= 100 (L + 100) + 2 (N + 1)
+    temperature         [0, float32 max]; < 1e-5 greedy  |x| <= 1e5 (100 (L + 100) + 2 (N + 1))
+    min_p, top_p        [0, 1] and [1.2e-38, 1]          compared with probabilities in [0, 1]
+
+(N = max_model_len, the most times a token can have been generated; temperatures below 1e-5 are
+greedy: their logits are not divided.) For L = 1e4 and N = 1e6 the largest magnitude is ~3e11, 27
+orders below float32's 3.4e38; the bounds hold for any logits up to ~3e31. A repetition penalty
+near 0 is what breaks it without a floor (vLLM only asks for > 0): p = 1e-40 turns a logit of 1
+into +inf, softmax into NaN, and the sampler then picks token 0. 0.01 and 100 are reciprocal, so a
+seen token's logit moves by at most 100x either way, a change no practical setting reaches (the
+CTRL paper uses 1.2); the arithmetic alone would allow about [3e-30, 3e29].
 """
 
 from __future__ import annotations
@@ -39,18 +57,23 @@ class SamplingParams:
     Args:
         n: number of independent samples of the prompt (>= 1). The samples are separate requests
             that share the prompt's cached KV blocks through the prefix cache.
-        temperature: softmax temperature (>= 0); 0 = greedy (argmax).
+        temperature: softmax temperature, in [0, 3.4e38] (the largest float32); 0 = greedy
+            (argmax), and so is anything below 1e-5 (``GREEDY_EPSILON``: dividing by ~0
+            overflows).
         top_p: nucleus sampling: keep the smallest set of tokens whose probability mass reaches
-            top_p, in (0, 1]; 1 = off.
+            top_p, in (0, 1] (at least 1.2e-38, the smallest normal float32: a smaller value is
+            0 in float32 and would drop every token); 1 = off.
         top_k: keep the k most likely tokens; 0 or -1 = off.
         min_p: drop tokens whose probability (after temperature) is below min_p times the most
             likely token's, in [0, 1]; 0 = off.
         presence_penalty: subtracted once from the logit of every token already generated,
             in [-2, 2] (OpenAI semantics; prompt tokens do not count).
         frequency_penalty: subtracted from a token's logit per time it was generated, in [-2, 2].
-        repetition_penalty: > 0; 1 = off. Every token seen in the prompt or the output has its
-            logit divided by it when positive, multiplied when negative (vLLM, after the CTRL
-            paper: > 1 discourages repeats, < 1 encourages them).
+        repetition_penalty: in [0.01, 100]; 1 = off. Every token seen in the prompt or the
+            output has its logit divided by it when positive, multiplied when negative (vLLM,
+            after the CTRL paper: > 1 discourages repeats, < 1 encourages them). vLLM takes any
+            value > 0; the bounds keep ``logit / p`` finite (the module docstring has the
+            arithmetic: 1e-40 makes a logit of 1 +inf in float32, and the sampler NaN).
         max_tokens: most output tokens (>= 1); None = up to max_model_len.
         min_tokens: EOS and stop_token_ids cannot be sampled (their logits are -inf), and stop
             strings are not looked for, until this many tokens are generated (>= 0, at most
@@ -64,8 +87,9 @@ class SamplingParams:
             at the end of the text.
         skip_special_tokens: leave special tokens (end-of-turn markers ...) out of the text.
         logit_bias: token id -> bias added to its logit before sampling; biases are clamped to
-            [-100, 100] (OpenAI's range; 100 all but forces a token, -100 all but bans it). The
-            engine checks the ids against the vocabulary.
+            [-100, 100] (OpenAI's range; 100 all but forces a token, -100 all but bans it; vLLM
+            clamps the same way), so any finite bias is accepted. The engine checks the ids
+            against the vocabulary.
         logprobs: with each output token, also return the log-probabilities of this many most
             likely tokens (0 = only the sampled token's); None = no logprobs. Values are the
             model's raw distribution (see the module docstring).
@@ -76,9 +100,9 @@ class SamplingParams:
 
     Raises:
         InvalidRequestError: a value out of its range or of the wrong type (``stop`` not a str or
-            list, a non-bool flag, an infinite temperature, an int beyond int64, a stop string
+            list, a non-bool flag, NaN or an infinite float, an int beyond int64, a stop string
             that is not valid Unicode, min_tokens > max_tokens), with the name (also as the
-            error's ``param``) and the valid range.
+            error's ``param``), the valid range and the value given.
     """
 
     n: int = 1
@@ -133,17 +157,20 @@ class SamplingParams:
         # request the engine cannot represent is refused before it is queued, never mid-step.
         if not is_int(self.n) or not 1 <= self.n <= INT64_MAX:
             raise InvalidRequestError(f"n must be an int >= 1, got {self.n!r}", param="n")
-        if not is_number(self.temperature) or not 0 <= self.temperature <= FLOAT32_MAX:
-            raise InvalidRequestError(
-                f"temperature must be a finite number >= 0, got {self.temperature!r}",
-                param="temperature",
-            )
-        if not is_number(self.top_p) or not FLOAT32_MIN_NORMAL <= self.top_p <= 1:
-            raise InvalidRequestError(
-                f"top_p must be in (0, 1] (at least {FLOAT32_MIN_NORMAL:.3g}, the smallest "
-                f"positive float32), got {self.top_p!r}",
-                param="top_p",
-            )
+        _check_float(
+            "temperature",
+            self.temperature,
+            0,
+            FLOAT32_MAX,
+            f"0 or below {GREEDY_EPSILON:g} is greedy; at most the largest float32",
+        )
+        _check_float(
+            "top_p",
+            self.top_p,
+            FLOAT32_MIN_NORMAL,
+            1,
+            "above 0: the smallest normal float32 at least, a smaller one is 0 in float32",
+        )
         if not is_int(self.top_k) or not -1 <= self.top_k <= INT64_MAX:
             raise InvalidRequestError(
                 f"top_k must be -1, 0 (off) or an int >= 1 (at most the vocabulary size), "
@@ -151,9 +178,7 @@ class SamplingParams:
                 param="top_k",
             )
         for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not is_number(value) or not -2 <= value <= 2:
-                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value!r}", param=name)
+            _check_float(name, getattr(self, name), -2, 2, "OpenAI's range")
         if self.max_tokens is not None and (
             not is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT64_MAX
         ):
@@ -162,13 +187,14 @@ class SamplingParams:
                 f"got {self.max_tokens!r}",
                 param="max_tokens",
             )
-        if not is_number(self.min_p) or not 0 <= self.min_p <= 1:
-            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}", param="min_p")
-        if not is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= FLOAT32_MAX:
-            raise InvalidRequestError(
-                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}",
-                param="repetition_penalty",
-            )
+        _check_float("min_p", self.min_p, 0, 1, "a fraction of the top token's probability")
+        _check_float(
+            "repetition_penalty",
+            self.repetition_penalty,
+            REPETITION_PENALTY_MIN,
+            REPETITION_PENALTY_MAX,
+            "1 = off; a seen token's logit is divided or multiplied by it, which must stay finite",
+        )
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= INT64_MAX:
             raise InvalidRequestError(
                 f"min_tokens must be an int >= 0, got {self.min_tokens!r}", param="min_tokens"
@@ -248,6 +274,19 @@ INT64_MAX = 2**63 - 1
 #: Largest finite float32 and smallest positive normal float32 (the sampler computes in float32).
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_MIN_NORMAL = 1.1754943508222875e-38
+#: Range of repetition_penalty: a seen token's logit is divided (or multiplied) by at most 100
+#: (the module docstring has the arithmetic that keeps the sampler finite with these bounds).
+REPETITION_PENALTY_MIN = 0.01
+REPETITION_PENALTY_MAX = 100.0
+
+
+def _check_float(name: str, value: object, low: float, high: float, why: str) -> None:
+    """Raise InvalidRequestError (``param`` = ``name``) unless ``value`` is an int or float (not
+    a bool, not NaN) in ``[low, high]``; the message gives the range, ``why`` and the value."""
+    if not is_number(value) or not low <= value <= high:
+        raise InvalidRequestError(
+            f"{name} must be a number in [{low:g}, {high:g}] ({why}), got {value!r}", param=name
+        )
 
 
 def check_text(value: str, name: str) -> None:

@@ -14,7 +14,12 @@ from _tiny_model import EOS, VOCAB_SIZE, tiny_loaded_model
 
 from pagedkv.engine.llm import LLM
 from pagedkv.errors import InvalidRequestError
-from pagedkv.sampling_params import SamplingParams
+from pagedkv.sampling_params import (
+    FLOAT32_MAX,
+    FLOAT32_MIN_NORMAL,
+    GREEDY_EPSILON,
+    SamplingParams,
+)
 from pagedkv.worker.sampler import (
     Sampler,
     _apply_logit_bias,
@@ -122,6 +127,62 @@ def test_gather_logprobs_ranks_and_top_k():
 def test_sampling_params_refuses(kwargs):
     with pytest.raises(InvalidRequestError):
         SamplingParams(**kwargs)
+
+
+#: Every float field of SamplingParams and its closed range (the module docstring of
+#: pagedkv.sampling_params has the arithmetic that makes these keep the sampler finite).
+FLOAT_RANGES = {
+    "temperature": (0.0, FLOAT32_MAX),
+    "top_p": (FLOAT32_MIN_NORMAL, 1.0),
+    "min_p": (0.0, 1.0),
+    "presence_penalty": (-2.0, 2.0),
+    "frequency_penalty": (-2.0, 2.0),
+    "repetition_penalty": (0.01, 100.0),
+}
+
+
+@pytest.mark.parametrize("name", FLOAT_RANGES)
+def test_float_fields_take_their_bounds_and_refuse_the_next_float_outside(name):
+    low, high = FLOAT_RANGES[name]
+    for value in (low, high):
+        assert getattr(SamplingParams(**{name: value}), name) == value
+    for value in (math.nextafter(low, -math.inf), math.nextafter(high, math.inf)):
+        with pytest.raises(InvalidRequestError) as info:
+            SamplingParams(**{name: value})
+        assert info.value.param == name
+        # The message gives the range and the value got.
+        assert f"[{low:g}, {high:g}]" in str(info.value) and repr(value) in str(info.value)
+    for value in (math.nan, math.inf, -math.inf, True, "1"):
+        with pytest.raises(InvalidRequestError) as info:
+            SamplingParams(**{name: value})
+        assert info.value.param == name
+
+
+@pytest.mark.parametrize("penalty", [1e-40, 1e-300, 5e-324, 0.009999, 100.0001, 1e30])
+def test_repetition_penalty_that_would_overflow_the_logits_is_refused(penalty):
+    """The fault: 1e-40 was accepted, a positive logit divided by it became +inf in float32 and
+    the sampler drew token 0 from NaN probabilities."""
+    with pytest.raises(InvalidRequestError, match=r"repetition_penalty .*\[0\.01, 100\]") as info:
+        SamplingParams(repetition_penalty=penalty)
+    assert info.value.param == "repetition_penalty"
+
+
+def test_greedy_cut_off_of_temperature():
+    assert SamplingParams(temperature=math.nextafter(GREEDY_EPSILON, 0)).greedy
+    assert not SamplingParams(temperature=GREEDY_EPSILON).greedy
+
+
+@pytest.mark.parametrize("bias", [100.0, -100.0, 100.5, -1e300, FLOAT32_MAX * 2])
+def test_logit_bias_takes_any_finite_bias_clamped_to_100(bias):
+    params = SamplingParams(logit_bias={7: bias})
+    assert params.logit_bias == {7: max(-100.0, min(100.0, bias))}
+
+
+@pytest.mark.parametrize("bias", [math.inf, -math.inf, math.nan, True, "1"])
+def test_logit_bias_refuses_a_bias_that_is_not_a_finite_number(bias):
+    with pytest.raises(InvalidRequestError, match=r"logit_bias\[7\].*got") as info:
+        SamplingParams(logit_bias={7: bias})
+    assert info.value.param == "logit_bias"
 
 
 def test_engine_refuses_ids_outside_the_vocabulary_and_too_many_logprobs(tiny):

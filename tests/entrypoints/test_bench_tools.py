@@ -10,6 +10,7 @@ import importlib.util
 import json
 import logging
 import re
+import sys
 import threading
 from pathlib import Path
 
@@ -71,9 +72,61 @@ def test_serving_benchmark_reports_failures_and_refuses_bad_input(server, capsys
     assert main([*argv, "--request-rate", "0"]) == 2
     assert "--request-rate must be > 0" in capsys.readouterr().err
     assert main([*argv, "--save-result", "--result-dir", "/proc/nope"]) == 2
-    assert "does not exist" in capsys.readouterr().err
+    assert "--result-dir /proc/nope: cannot create the directory: /proc" in capsys.readouterr().err
     code = main(["bench", "serving", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1"])
     assert code == 2 and "is the server up?" in capsys.readouterr().err
+
+
+def test_serving_benchmark_creates_a_missing_result_dir_with_its_parents(server, tmp_path):
+    result_dir = tmp_path / "results" / "2025" / "run-1"
+    argv = ["bench", "serving", "--base-url", server.url, "--num-prompts", "2"]
+    argv += ["--output-len", "2", "--save-result", "--result-dir", str(result_dir)]
+    assert main([*argv, "--result-filename", "r.json"]) == 0
+    assert json.loads((result_dir / "r.json").read_text())["completed"] == 2
+    assert main(argv) == 0  # the default name, in the folder that now exists
+    assert len(list(result_dir.glob("serving-all-*.json"))) == 1
+
+
+def test_serving_benchmark_refuses_a_result_dir_it_cannot_make_before_the_run(
+    server, tmp_path, capsys
+):
+    (tmp_path / "file").write_text("x")
+    argv = ["bench", "serving", "--base-url", server.url, "--num-prompts", "1", "--save-result"]
+    for result_dir, message in (
+        (tmp_path / "file", "names an existing file, not a directory"),
+        (tmp_path / "file" / "sub", f"cannot create the directory: {tmp_path / 'file'} is a file"),
+    ):
+        assert main([*argv, "--result-dir", str(result_dir)]) == 2
+        err = capsys.readouterr().err
+        assert f"--result-dir {result_dir}: {message}" in err and err.count("\n") == 1
+    assert main([*argv, "--result-dir", str(tmp_path), "--result-filename", "file/x.json"]) == 2
+    assert "does not exist" in capsys.readouterr().err  # check_output_file, as before
+    # A run that fails before its result is written leaves no folder behind.
+    missing = tmp_path / "not" / "made"
+    bad_url = ["--base-url", server.url + "/no-such-prefix"]
+    assert main([*argv, *bad_url, "--result-dir", str(missing)]) == 2
+    assert "is the server up?" in capsys.readouterr().err
+    assert not (tmp_path / "not").exists()
+
+
+@pytest.mark.parametrize(
+    ("terminal", "flags", "shown"),
+    [
+        (True, [], True),
+        (True, ["--disable-tqdm"], False),
+        (False, [], False),  # logs and CI: no carriage-return lines
+    ],
+)
+def test_serving_benchmark_progress_bar(server, capsys, monkeypatch, terminal, flags, shown):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
+    argv = ["bench", "serving", "--base-url", server.url, "--num-prompts", "3"]
+    assert main([*argv, "--output-len", "2", *flags]) == 0
+    captured = capsys.readouterr()
+    assert "Successful requests:" in captured.out  # the report, on stdout as before
+    bar = re.search(r"bench serving: 100%\S* 3/3 \[.*req/s\]", captured.err)
+    assert (bar is not None) == shown, captured.err
+    if not shown:
+        assert "bench serving" not in captured.err and "\r" not in captured.err
 
 
 def test_serving_summary_follows_vllm_definitions():

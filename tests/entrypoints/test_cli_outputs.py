@@ -12,6 +12,7 @@ import pytest
 
 from pagedkv.entrypoints.cli import main
 from pagedkv.entrypoints.output_paths import (
+    check_creatable_dir,
     check_output_dir,
     check_output_file,
     write_text_or_print,
@@ -37,6 +38,22 @@ def test_output_dir_and_file_checks(tmp_path):
         check_output_file(tmp_path / "missing" / "x.json", "--json")
     assert check_output_file(tmp_path / "x.json", "--json") == tmp_path / "x.json"
     assert not (tmp_path / "x.json").exists()  # checking creates nothing
+
+
+def test_creatable_dir_is_checked_without_creating_anything(tmp_path):
+    (tmp_path / "file").write_text("x")
+    deep = tmp_path / "a" / "b" / "c"
+    assert check_creatable_dir(deep, "--result-dir") == deep
+    assert check_creatable_dir(tmp_path, "--result-dir") == tmp_path
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing created
+    with pytest.raises(ConfigError, match="names an existing file, not a directory"):
+        check_creatable_dir(tmp_path / "file", "--result-dir")
+    with pytest.raises(ConfigError, match=r"cannot create the directory: .*file is a file"):
+        check_creatable_dir(tmp_path / "file" / "sub" / "deeper", "--result-dir")
+    with pytest.raises(ConfigError, match=r"--result-dir /proc/x/y: cannot create the directory"):
+        check_creatable_dir("/proc/x/y", "--result-dir")
+    assert write_text_or_print(deep / "r.json", "{}", "--result-filename", make_parents=True)
+    assert (deep / "r.json").read_text() == "{}"
 
 
 def test_write_failure_prints_the_results_instead(tmp_path, capsys):

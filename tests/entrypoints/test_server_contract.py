@@ -146,6 +146,32 @@ def test_out_of_range_penalty_and_vocabulary_are_400s(server):
         assert response.json()["error"]["param"] == param, response.text
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "valid"),
+    [
+        ("repetition_penalty", 1e-40, "[0.01, 100]"),
+        ("repetition_penalty", 1000.0, "[0.01, 100]"),
+        ("top_p", 1e-45, "[1.17549e-38, 1]"),
+        ("min_p", -0.5, "[0, 1]"),
+        ("presence_penalty", 2.5, "[-2, 2]"),
+        ("temperature", -1e-9, "[0, "),
+    ],
+)
+def test_sampling_float_out_of_range_is_a_400_with_the_range(server, field, value, valid):
+    """The ranges are SamplingParams' (one copy): 1e-40 as repetition_penalty was a 200 with
+    token 0 drawn from NaN probabilities."""
+    for path, body in (
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
+        response = post(server, path, {**body, "max_tokens": 2, field: value})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == field and error["type"] == "invalid_request_error"
+        assert valid in error["message"] and repr(value) in error["message"], error
+    assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1}).status_code == 200
+
+
 # ---- logprobs, prompt logprobs, echo ---------------------------------------------------------
 
 

@@ -11,6 +11,10 @@ requests/s (``inf``: all at once) with at most ``--max-concurrency`` in flight. 
 vLLM does: request and token throughput, TTFT (send to first token), TPOT (time per output token
 after the first), ITL (gaps between streamed chunks) and E2EL (send to last byte), each as mean,
 median, p90 and p99 in ms. Flag names follow vLLM's ``benchmark_serving``.
+
+A progress bar of the completed requests goes to stderr when it is a terminal (off with
+``--disable-tqdm``, and off by itself in logs and CI). ``--save-result`` writes the summary as
+JSON in ``--result-dir``, created (parents too) when missing, as vLLM does.
 """
 
 from __future__ import annotations
@@ -153,10 +157,17 @@ async def benchmark(
     request_rate: float = float("inf"),
     seed: int = 0,
     timeout: float = 600.0,
+    disable_tqdm: bool = False,
 ) -> dict[str, Any]:
     """Send every prompt (arrivals at ``request_rate``, at most ``max_concurrency`` in flight);
-    returns the summary (:func:`summarize`)."""
+    returns the summary (:func:`summarize`).
+
+    A tqdm bar counts the completed requests on stderr, unless ``disable_tqdm`` or stderr is not
+    a terminal (tqdm's ``disable=None``: no carriage-return lines in logs); vLLM's
+    ``--disable-tqdm``.
+    """
     import httpx
+    from tqdm import tqdm
 
     limit = max_concurrency or len(prompts)
     semaphore = asyncio.Semaphore(limit)
@@ -167,17 +178,25 @@ async def benchmark(
         async def bounded(messages: list) -> RequestResult:
             async with semaphore:
                 body = _request_body(endpoint, model, messages, settings)
-                return await run_request(http, endpoint, body)
+                result = await run_request(http, endpoint, body)
+            bar.update(1)
+            return result
 
         tasks = []
+        bar = tqdm(
+            total=len(prompts), desc="bench serving", unit="req", disable=disable_tqdm or None
+        )
         start = time.perf_counter()
-        for messages, delay in zip(
-            prompts, _arrival_delays(len(prompts), request_rate, seed), strict=True
-        ):
-            if delay:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(bounded(messages)))
-        results = await asyncio.gather(*tasks)
+        try:
+            for messages, delay in zip(
+                prompts, _arrival_delays(len(prompts), request_rate, seed), strict=True
+            ):
+                if delay:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(bounded(messages)))
+            results = await asyncio.gather(*tasks)
+        finally:
+            bar.close()
         duration = time.perf_counter() - start
     summary = summarize(results, duration)
     summary.update(
@@ -321,8 +340,17 @@ def add_parser(benches: argparse._SubParsersAction, positive_int) -> None:
         "--timeout", type=float, default=600.0, help="seconds one request may take (600)"
     )
     result = parser.add_argument_group("result")
+    result.add_argument(
+        "--disable-tqdm",
+        action="store_true",
+        help="no progress bar (it is shown only when stderr is a terminal anyway)",
+    )
     result.add_argument("--save-result", action="store_true", help="write the result as JSON")
-    result.add_argument("--result-dir", default=".", help="folder of the result file (.)")
+    result.add_argument(
+        "--result-dir",
+        default=".",
+        help="folder of the result file, created (parents too) when missing (.)",
+    )
     result.add_argument(
         "--result-filename",
         default=None,
@@ -335,7 +363,11 @@ def run(args: argparse.Namespace) -> int:
     """Run ``pagedkv bench serving``; exit code 1 when any request failed."""
     import httpx
 
-    from pagedkv.entrypoints.output_paths import check_output_file, write_text_or_print
+    from pagedkv.entrypoints.output_paths import (
+        check_creatable_dir,
+        check_output_file,
+        write_text_or_print,
+    )
     from pagedkv.errors import ConfigError
 
     if not args.request_rate > 0:
@@ -346,7 +378,12 @@ def run(args: argparse.Namespace) -> int:
         name = args.result_filename or (
             f"serving-{args.max_concurrency or 'all'}-{time.strftime('%Y%m%d-%H%M%S')}.json"
         )
-        result_path = check_output_file(Path(args.result_dir) / name, "--result-filename")
+        # Checked before the run, created only when the result is written (a failed run
+        # leaves no empty folder behind).
+        result_dir = check_creatable_dir(args.result_dir, "--result-dir")
+        result_path = result_dir / name
+        if result_dir.is_dir():
+            check_output_file(result_path, "--result-filename")
     prompts = (
         load_dataset(args.dataset_path, args.num_prompts)
         if args.dataset_path is not None
@@ -375,11 +412,12 @@ def run(args: argparse.Namespace) -> int:
             request_rate=args.request_rate,
             seed=args.seed,
             timeout=args.timeout,
+            disable_tqdm=args.disable_tqdm,
         )
     )
     print(format_report(summary), flush=True)
     if result_path is not None and not write_text_or_print(
-        result_path, json.dumps(summary, indent=2) + "\n", "--result-filename"
+        result_path, json.dumps(summary, indent=2) + "\n", "--result-filename", make_parents=True
     ):
         return 2
     return 1 if summary["failed"] else 0

@@ -48,6 +48,45 @@ def check_output_dir(path: str | Path, flag: str) -> Path:
     return path
 
 
+def check_creatable_dir(path: str | Path, flag: str) -> Path:
+    """Check that ``path`` is a directory files can be written in, or one that can be created
+    (parents too): its nearest existing ancestor is a directory that takes new files. Unlike
+    :func:`check_output_dir` nothing is created, so a command that fails before writing leaves
+    nothing behind; ``write_text_or_print(..., make_parents=True)`` creates it when it writes
+    (as vLLM's benchmarks create ``--result-dir``).
+
+    Args:
+        path: the directory.
+        flag: the option that named it (``--result-dir``), for the message.
+
+    Raises:
+        ConfigError: ``path`` or one of its ancestors names an existing file, or the directory
+            (or the nearest existing ancestor, when it is missing) takes no new files.
+    """
+    path = Path(path)
+    existing = path
+    try:
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+    except OSError as exc:  # an ancestor that cannot be looked into
+        raise ConfigError(
+            f"{flag} {path}: cannot create the directory: {exc.strerror or exc}"
+        ) from None
+    if existing == path and not path.is_dir():
+        raise ConfigError(f"{flag} {path}: names an existing file, not a directory")
+    if not existing.is_dir():
+        raise ConfigError(
+            f"{flag} {path}: cannot create the directory: {existing} is a file, not a directory"
+        )
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        what = "cannot write files there" if existing == path else "cannot create the directory"
+        raise ConfigError(f"{flag} {path}: {what}: {existing}: {exc.strerror or exc}") from None
+    return path
+
+
 def check_output_file(path: str | Path, flag: str) -> Path:
     """Check that ``path`` can be written as a file (its folder exists and is writable; it is not
     a directory). Nothing is created.
@@ -74,10 +113,15 @@ def check_output_file(path: str | Path, flag: str) -> Path:
     return path
 
 
-def write_text_or_print(path: str | Path, text: str, flag: str) -> bool:
-    """Write ``text`` to ``path``; if that fails, print the text to stdout (results are never
-    lost) and a one-line error to stderr. Returns whether the file was written."""
+def write_text_or_print(
+    path: str | Path, text: str, flag: str, *, make_parents: bool = False
+) -> bool:
+    """Write ``text`` to ``path`` (with ``make_parents``, creating its folder and the folder's
+    parents first); if that fails, print the text to stdout (results are never lost) and a
+    one-line error to stderr. Returns whether the file was written."""
     try:
+        if make_parents:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(text, encoding="utf-8")
     except OSError as exc:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")

@@ -219,22 +219,25 @@ class _SamplingRequest(_Strict):
 
     model: Text | None = None
     max_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None
-    temperature: Annotated[FiniteFloat, Field(ge=0.0, le=2.0)] = 1.0
-    top_p: Annotated[FiniteFloat, Field(gt=0.0, le=1.0)] = 1.0  # >= 1.2e-38: SamplingParams
+    # The ranges of the sampling floats are SamplingParams' (one copy, checked when the endpoint
+    # builds them: a 400 naming the field before anything is queued); temperature's upper bound
+    # of 2 is OpenAI's, the server's own on top of it.
+    temperature: Annotated[FiniteFloat, Field(le=2.0)] = 1.0
+    top_p: FiniteFloat = 1.0
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stop: Text | list[Text] | None = Field(default=None, validate_default=True)
     seed: Annotated[int, Field(ge=INT64_MIN, le=SEED_MAX)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: Annotated[FiniteFloat, Field(ge=-2.0, le=2.0)] = 0.0
-    frequency_penalty: Annotated[FiniteFloat, Field(ge=-2.0, le=2.0)] = 0.0
+    presence_penalty: FiniteFloat = 0.0
+    frequency_penalty: FiniteFloat = 0.0
     #: token id (a string, as JSON keys are) -> bias, clamped to [-100, 100].
     logit_bias: dict[str, FiniteFloat] | None = None
     # Extra fields (vLLM has the same names).
     cache_salt: Text | None = None
     top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] = -1
-    min_p: Annotated[FiniteFloat, Field(ge=0.0, le=1.0)] = 0.0
-    repetition_penalty: Annotated[FiniteFloat, Field(gt=0.0)] = 1.0
+    min_p: FiniteFloat = 0.0
+    repetition_penalty: FiniteFloat = 1.0
     min_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
