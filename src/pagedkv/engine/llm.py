@@ -151,27 +151,16 @@ class LLM:
         Raises:
             InvalidRequestError: messages the template cannot take, or both options true.
         """
-        if add_generation_prompt and continue_final_message:
-            raise InvalidRequestError(
-                "continue_final_message and add_generation_prompt cannot both be true: either a "
-                "new assistant turn opens or the last message goes on"
-            )
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        tokenizer = self.engine.tokenizer
         prompts = []
         for messages in conversations:
-            messages = list(messages)
-            options = {
-                "add_generation_prompt": add_generation_prompt,
-                "continue_final_message": continue_final_message,
-            }
-            prompts.append(
-                {
-                    "prompt": tokenizer.apply_chat_template(messages, tokenize=False, **options),
-                    "prompt_token_ids": tokenizer.apply_chat_template(messages, **options),
-                }
+            processed = self.engine.input_processor.process_chat(
+                list(messages),
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
             )
+            prompts.append({"prompt": processed.text, "prompt_token_ids": processed.token_ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def get_stats(self) -> EngineStats:
