@@ -46,13 +46,28 @@ from typing import Any
 
 import ray
 from ray import serve
-from ray.exceptions import RayTaskError
+from ray.exceptions import (
+    LocalRayletDiedError,
+    NodeDiedError,
+    RayActorError,
+    RayTaskError,
+    WorkerCrashedError,
+)
 from ray.serve.config import RequestRouterConfig
+from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from pagedkv.cluster.protocol import ClusterRequest, ReplicaCall, ReplicaInfo
+from pagedkv.cluster.protocol import (
+    ClusterRequest,
+    ReplicaCall,
+    ReplicaDiedError,
+    ReplicaError,
+    ReplicaInfo,
+    describe_failure,
+)
 from pagedkv.cluster.replica import EngineReplica
 from pagedkv.cluster.router import ClusterRouter
+from pagedkv.engine.engine_loop import EngineDeadError
 from pagedkv.errors import ConfigError, PagedKVError
 
 logger = logging.getLogger(__name__)
@@ -60,6 +75,16 @@ logger = logging.getLogger(__name__)
 APP_NAME = "pagedkv"
 ENGINE_DEPLOYMENT = "PagedKVEngine"
 INGRESS_DEPLOYMENT = "PagedKVIngress"
+
+#: Ray's exceptions that mean the replica's process is gone (killed, crashed, its node lost).
+_REPLICA_GONE = (
+    RayActorError,
+    WorkerCrashedError,
+    NodeDiedError,
+    LocalRayletDiedError,
+    ReplicaUnavailableError,
+    DeploymentUnavailableError,
+)
 
 
 # ---- the request router (runs where the handle is: in the ingress replica) ---------------------
@@ -231,15 +256,33 @@ class RayDispatcher:
         return contextvars.Context().run(lambda: getattr(handle, method).remote(*args))
 
     async def submit(self, request: ClusterRequest) -> AsyncIterator[Any]:
+        """See :meth:`~pagedkv.cluster.protocol.Dispatcher.submit`.
+
+        Raises:
+            InvalidRequestError (or another PagedKVError the engine raised, as it was): the
+                engine refused the request.
+            ReplicaDiedError: the replica's actor died, its node or worker was lost, Serve has
+                no replica, or its engine stopped.
+            ReplicaError: the replica raised anything else.
+
+        Ray's exception (actor id, pid, node address, the remote traceback) is logged here,
+        one line; the two Replica errors carry a fixed message, safe for a client.
+        """
         outputs = self._remote("generate", request, stream=True)
         try:
             async for item in outputs:
                 yield item
-        except RayTaskError as exc:
-            cause = getattr(exc, "cause", None)
-            if isinstance(cause, PagedKVError):  # the engine refused it: a 400, not a 500
-                raise cause from None
+        except asyncio.CancelledError:
             raise
+        except Exception as exc:
+            error = _replica_failure(exc)
+            if error is None:  # the engine refused it: a 400, not a 500
+                refusal = exc.cause if isinstance(exc, RayTaskError) else exc
+                raise refusal from None
+            logger.warning(
+                "request %s failed on its replica: %s", request.request_id, describe_failure(exc)
+            )
+            raise error from None
         finally:
             outputs.cancel()
 
@@ -257,10 +300,24 @@ class RayDispatcher:
         answers = []
         for rank, result in enumerate(results):
             if isinstance(result, BaseException):
-                logger.warning("replica rank %d did not answer: %r", rank, result)
+                logger.warning("replica rank %d did not answer: %s", rank, describe_failure(result))
             else:
                 answers.append(result)
         return answers
+
+
+def _replica_failure(exc: Exception) -> ReplicaError | None:
+    """The client-safe error for ``exc``, raised by a replica's stream; None when it is the
+    engine's refusal of the request (a PagedKVError other than EngineDeadError, or one
+    wrapped in a RayTaskError), which the caller raises as it is."""
+    cause = exc.cause if isinstance(exc, RayTaskError) else exc
+    if isinstance(cause, ReplicaError):
+        return cause
+    if isinstance(exc, _REPLICA_GONE) or isinstance(cause, (EngineDeadError, *_REPLICA_GONE)):
+        return ReplicaDiedError()
+    if isinstance(cause, PagedKVError):
+        return None
+    return ReplicaError()
 
 
 def build_app(
