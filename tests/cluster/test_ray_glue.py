@@ -1,27 +1,32 @@
-"""The Ray Serve glue without starting Ray: the client-safe errors :class:`RayDispatcher` raises
-for Ray's exceptions."""
+"""The Ray Serve glue without starting Ray: where an engine replica publishes its KV events
+(loopback by default), the refusal of loopback events in a cluster of several nodes, and the
+client-safe errors :class:`RayDispatcher` raises for Ray's exceptions."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from types import SimpleNamespace
 
 import pytest
 
 ray = pytest.importorskip("ray", reason="needs pip install 'pagedkv[cluster]'")
 pytest.importorskip("ray.serve")
+pytest.importorskip("zmq", reason="needs pip install 'pagedkv[cluster]'")
 
+from _cluster_helpers import make_tiny_engine, tiny_engine_config  # noqa: E402
 from ray.exceptions import ActorDiedError, RayActorError, RayTaskError  # noqa: E402
 
 from pagedkv.cluster import ray_serve  # noqa: E402
+from pagedkv.cluster.kv_events import KVEventSubscriber  # noqa: E402
 from pagedkv.cluster.protocol import (  # noqa: E402
     ClusterRequest,
     ReplicaDiedError,
     ReplicaError,
 )
 from pagedkv.engine.engine_loop import EngineDeadError  # noqa: E402
-from pagedkv.errors import InvalidRequestError  # noqa: E402
+from pagedkv.errors import ConfigError, InvalidRequestError  # noqa: E402
 from pagedkv.sampling_params import SamplingParams  # noqa: E402
 
 # What Ray's exceptions say about a dead replica: none of it may reach a client.
@@ -30,6 +35,115 @@ RAY_DEATH_TEXT = (
     "The actor died unexpectedly before finishing this task. class_name: ServeReplica, "
     f"actor_id: {SECRETS[0]}, {SECRETS[1]}, ip={SECRETS[2]}, the actor was killed by ray.kill"
 )
+
+
+@pytest.fixture
+def deployment_of(monkeypatch):
+    """Builds an EngineDeployment (a tiny engine) as Serve would, outside Serve."""
+    monkeypatch.setattr(
+        ray_serve.serve, "get_replica_context", lambda: SimpleNamespace(rank=0), raising=True
+    )
+    built = []
+
+    def build(**kwargs):
+        deployment = ray_serve.EngineDeployment(make_tiny_engine, **kwargs)
+        built.append(deployment)
+        return deployment
+
+    yield build
+    for deployment in built:
+        deployment.replica.shutdown()
+
+
+def host_of(endpoint: str) -> str:
+    return endpoint.partition("://")[2].rpartition(":")[0]
+
+
+def test_a_replica_publishes_its_kv_events_on_loopback_by_default(deployment_of):
+    deployment = deployment_of()
+    bound = deployment.replica.publisher.endpoint  # what ZMQ bound
+    advertised = deployment.record_routing_stats()["kv_events_endpoint"]
+    assert bound.startswith("tcp://127.0.0.1:") and not bound.endswith(":*")
+    assert advertised == bound == deployment.describe().kv_events_endpoint
+    assert ray_serve.is_loopback(host_of(advertised))
+
+
+def test_a_wildcard_host_binds_every_interface_and_advertises_the_node_ip(
+    deployment_of, monkeypatch
+):
+    monkeypatch.setattr(ray_serve.ray.util, "get_node_ip_address", lambda: "127.0.0.1")
+    deployment = deployment_of(kv_events_host="0.0.0.0")
+    bound = deployment.replica.publisher.endpoint
+    port = bound.rpartition(":")[2]
+    assert bound == f"tcp://0.0.0.0:{port}"
+    advertised = deployment.record_routing_stats()["kv_events_endpoint"]
+    assert advertised == f"tcp://127.0.0.1:{port}"
+    # The router reads the events at the advertised address.
+    publisher = deployment.replica.publisher
+    with KVEventSubscriber(advertised) as subscriber:
+        deadline = time.monotonic() + 10
+        received = []
+        while not received:
+            assert time.monotonic() < deadline, "no event reached the advertised address"
+            publisher.publish((), allow_empty=True)
+            received = subscriber.poll(20)
+    assert received[0].batch.data_parallel_rank == 0
+
+
+def test_endpoint_helpers():
+    assert ray_serve.kv_events_bind_endpoint(None) == "tcp://127.0.0.1:*"
+    assert ray_serve.kv_events_bind_endpoint("10.0.0.5") == "tcp://10.0.0.5:*"
+    assert ray_serve.kv_events_bind_endpoint("*") == "tcp://0.0.0.0:*"
+    assert ray_serve.advertised_endpoint("tcp://0.0.0.0:5557", "10.0.0.5") == "tcp://10.0.0.5:5557"
+    assert ray_serve.advertised_endpoint("tcp://127.0.0.1:5557", "10.0.0.5") == (
+        "tcp://127.0.0.1:5557"
+    )
+    assert [ray_serve.is_loopback(h) for h in ("127.0.0.1", "[::1]", "localhost", "10.0.0.5")] == [
+        True,
+        True,
+        True,
+        False,
+    ]
+    # A loopback endpoint is unreachable from another node only.
+    assert ray_serve.unreachable_loopback("tcp://127.0.0.1:5557", "node-b", "node-a")
+    assert not ray_serve.unreachable_loopback("tcp://127.0.0.1:5557", "node-a", "node-a")
+    assert not ray_serve.unreachable_loopback("tcp://10.0.0.5:5557", "node-b", "node-a")
+
+
+class _Deployed(Exception):
+    """Raised by the fake serve.start: start_cluster got past its checks."""
+
+
+@pytest.mark.parametrize(
+    "kv_events_host, policy, refused",
+    [(None, "prefix", True), ("0.0.0.0", "prefix", False), (None, "round_robin", False)],
+)
+def test_loopback_events_in_a_cluster_of_several_nodes_are_refused(
+    monkeypatch, kv_events_host, policy, refused
+):
+    monkeypatch.setattr(ray_serve.ray, "is_initialized", lambda: True)  # a joined cluster
+    monkeypatch.setattr(ray_serve.ray, "nodes", lambda: [{"Alive": True}, {"Alive": True}])
+
+    def deployed(**_):
+        raise _Deployed
+
+    monkeypatch.setattr(ray_serve.serve, "start", deployed)
+    call = lambda: ray_serve.start_cluster(  # noqa: E731
+        tiny_engine_config(),
+        ingress=object,
+        num_replicas=2,
+        port=8000,
+        policy=policy,
+        kv_events_host=kv_events_host,
+        engine_factory=make_tiny_engine,
+    )
+    if refused:
+        with pytest.raises(ConfigError, match=r"--kv-events-host 0\.0\.0\.0") as info:
+            call()
+        assert "2 nodes" in str(info.value) and "trusted network" in str(info.value)
+    else:
+        with pytest.raises(_Deployed):
+            call()
 
 
 # ---- client-safe errors ----------------------------------------------------------------------

@@ -84,6 +84,16 @@ def num_requests(rank: int) -> int:
     return engine_call(rank, lambda engine: engine.get_stats().num_requests)
 
 
+def test_replicas_publish_their_kv_events_on_loopback(cluster):
+    from ray import serve
+
+    from pagedkv.cluster.ray_serve import APP_NAME, ENGINE_DEPLOYMENT
+
+    handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=APP_NAME)
+    endpoint = handle.describe.remote().result(timeout_s=60).kv_events_endpoint
+    assert endpoint.startswith("tcp://127.0.0.1:")
+
+
 def test_requests_sharing_a_prefix_go_where_it_is_cached(cluster):
     """Each prefix's followers hit its full system prompt: under round robin over 2 replicas,
     every prefix's second request would land on the replica that lacks it."""

@@ -85,7 +85,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cluster.add_argument(
         "--kv-events-host",
         default=None,
-        help="address replicas publish their KV-cache events on (default: their node's IP)",
+        help="address each replica publishes its KV-cache events on (default 127.0.0.1: this "
+        "machine only). The events are unauthenticated and carry the token ids of every cached "
+        "prompt: open them only on a trusted network. Replicas on other nodes of a multi-node "
+        "Ray cluster need it: 0.0.0.0 binds every interface of each replica's node and tells "
+        "the router the node's IP (with the default, such a cluster is refused)",
     )
     EngineConfig.add_cli_args(parser)
     parser.set_defaults(func=run)
