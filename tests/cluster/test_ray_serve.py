@@ -8,6 +8,7 @@ that the events reach it."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 
 import httpx
@@ -83,6 +84,16 @@ def num_requests(rank: int) -> int:
     return engine_call(rank, lambda engine: engine.get_stats().num_requests)
 
 
+def test_replicas_publish_their_kv_events_on_loopback(cluster):
+    from ray import serve
+
+    from pagedkv.cluster.ray_serve import APP_NAME, ENGINE_DEPLOYMENT
+
+    handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=APP_NAME)
+    endpoint = handle.describe.remote().result(timeout_s=60).kv_events_endpoint
+    assert endpoint.startswith("tcp://127.0.0.1:")
+
+
 def test_requests_sharing_a_prefix_go_where_it_is_cached(cluster):
     """Each prefix's followers hit its full system prompt: under round robin over 2 replicas,
     every prefix's second request would land on the replica that lacks it."""
@@ -125,3 +136,56 @@ def test_a_dead_replica_is_routed_around_and_every_block_is_freed(cluster):
         ),
     )
     assert usage == 0.0 and free
+
+
+def test_a_replica_dying_mid_stream_fails_its_request_with_a_client_safe_error(cluster):
+    """ray.kill of the replica streaming a request: the stream ends with the fixed message of
+    ReplicaDiedError (no actor id, pid or address), and the other replica serves on."""
+    from pagedkv.cluster.protocol import ReplicaDiedError
+
+    def pause_after_first_token(engine):
+        # Runs in the replica: once a request has a token, steps do nothing (the request
+        # stays in flight, the engine still answers calls between steps) until the test
+        # kills the replica or removes the pause.
+        import threading
+
+        real_step = type(engine).step
+        paused = threading.Event()
+
+        def step():
+            if paused.is_set():
+                paused.wait(0.01)  # not set again: a short idle wait per empty step
+                return []
+            outputs = real_step(engine)
+            if any(c.token_ids for o in outputs for c in o.outputs):
+                paused.set()
+            return outputs
+
+        engine.step = step
+
+    def unpause(engine):
+        engine.__dict__.pop("step", None)
+
+    for rank in (0, 1):
+        engine_call(rank, pause_after_first_token)
+    body = {**BODY, "prompt": "Once upon a time", "max_tokens": 64, "ignore_eos": True}
+    with cluster.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        events = (line[len("data: ") :] for line in response.iter_lines() if line)
+        first = json.loads(next(events))
+        assert first["choices"][0]["text"]  # the first token is out; the request is paused
+        busy = [r for r in (0, 1) if engine_call(r, lambda e: e.has_unfinished_requests())]
+        assert len(busy) == 1, busy
+        holder, survivor = busy[0], 1 - busy[0]
+        engine_call(survivor, unpause)
+        name = engine_call(holder, lambda engine: ray.get_runtime_context().get_actor_name())
+        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        rest = list(events)
+    assert rest[-1] == "[DONE]"
+    error = json.loads(rest[-2])["error"]
+    assert error["message"] == ReplicaDiedError.client_message
+    text = "\n".join(rest)
+    assert "actor" not in text.lower() and "pid" not in text.lower() and "ip=" not in text
+    # The survivor serves the next requests (Serve replaces the dead replica meanwhile).
+    for i in range(2):
+        assert complete(cluster, f"after the death {i}")["choices"][0]["finish_reason"]

@@ -20,6 +20,15 @@ def serve_process(
     """Run ``pagedkv serve --port 0 *args``; yields (its base URL, its output lines so far,
     a list that keeps growing). ``start_timeout`` bounds a hung start (seconds between two
     lines), not a speed assumption. Fails the test if the server exits before listening."""
+    with serve_subprocess(args, env, start_timeout) as (_, url, output):
+        yield url, output
+
+
+@contextlib.contextmanager
+def serve_subprocess(
+    args: Sequence[str], env: Mapping[str, str] | None = None, start_timeout: float = 300
+) -> Iterator[tuple[subprocess.Popen, str, list[str]]]:
+    """:func:`serve_process` that also yields the process (first), for tests that signal it."""
     command = [sys.executable, "-m", "pagedkv.entrypoints.cli", "serve", "--port", "0", *args]
     process = subprocess.Popen(
         command,
@@ -46,8 +55,9 @@ def serve_process(
             if not line:
                 pytest.fail("pagedkv serve exited:\n" + "".join(output))
             if "listening on " in line:
-                url = line.rsplit("listening on ", 1)[1].strip()
-        yield url, output
+                # "... listening on URL" or, with replicas, "... on URL (2 replicas, ...)"
+                url = line.rsplit("listening on ", 1)[1].split()[0]
+        yield process, url, output
     finally:
         process.terminate()
         try:

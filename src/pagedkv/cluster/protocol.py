@@ -1,12 +1,62 @@
 """What travels between the cluster's front end, its router and its engine replicas (pickled by
-Ray; plain objects in the in-process cluster), and :class:`Dispatcher`, the interface through
-which the front end sends them (the in-process cluster and Ray Serve's handle implement it)."""
+Ray; plain objects in the in-process cluster), :class:`Dispatcher`, the interface through
+which the front end sends them (the in-process cluster and Ray Serve's handle implement it), and
+:class:`ReplicaError` / :class:`ReplicaDiedError`, what a request's stream raises when its
+replica fails or dies."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from pagedkv.engine.engine_loop import EngineDeadError
+from pagedkv.errors import PagedKVError
+
+#: Longest failure description :func:`describe_failure` writes (characters).
+MAX_FAILURE_DESCRIPTION = 1000
+
+
+class ReplicaError(PagedKVError, RuntimeError):
+    """A request failed on its replica for a reason that is not the request's (the replica's
+    process raised something unexpected). The request's stream raises it in place of the
+    replica's own exception, whose text (Ray actor ids, pids, node addresses, a remote traceback)
+    stays in the server's log: the message, which the server may show the client, is fixed
+    (:attr:`client_message` unless one is given). The serving layer counts the request as
+    finished with ``finish_reason="error"``.
+
+    Args:
+        message: a client-safe message (default :attr:`client_message`).
+    """
+
+    client_message = "the replica serving this request failed"
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or self.client_message)
+
+
+class ReplicaDiedError(ReplicaError, EngineDeadError):
+    """The replica serving a request died or stopped while the request was in flight (its Ray
+    actor was killed or lost its node, or its engine thread stopped): the request will never
+    finish there. Also an :class:`~pagedkv.engine.engine_loop.EngineDeadError`, so the server
+    answers 503 (retry); the other replicas keep serving, and the router forgets the dead one.
+    Like every :class:`ReplicaError`, its message is fixed and safe to show a client.
+    (vLLM's front end raises its ``EngineDeadError`` in the same place.)
+    """
+
+    client_message = "the replica serving this request stopped; retry the request"
+
+
+def describe_failure(exc: BaseException) -> str:
+    """``exc`` as one line for the server's log: its class and its text with every run of
+    whitespace (a remote traceback's newlines) made one space, cut at
+    :data:`MAX_FAILURE_DESCRIPTION` characters. Never for a client: it keeps Ray's actor ids,
+    pids and addresses."""
+    text = " ".join(str(exc).split())
+    line = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    if len(line) > MAX_FAILURE_DESCRIPTION:
+        line = line[: MAX_FAILURE_DESCRIPTION - 3] + "..."
+    return line
 
 
 @dataclass(slots=True)
@@ -67,8 +117,12 @@ class Dispatcher(Protocol):
 
     def submit(self, request: ClusterRequest) -> AsyncIterator[Any]:
         """Route ``request`` to one replica; the stream yields ``None`` once the replica's engine
-        accepted it (or raises its error), then the request's RequestOutputs. Closing the
-        stream early aborts the request on the replica."""
+        accepted it (or raises its error: an ``InvalidRequestError`` for a request the engine
+        refuses), then the request's RequestOutputs. A replica that fails or dies makes the
+        stream raise (Ray's dispatcher raises a :class:`ReplicaError` or
+        :class:`ReplicaDiedError`; the front end turns any other exception into one of them
+        before a client sees it). Closing the stream early aborts the request on the
+        replica."""
         ...
 
     async def broadcast(self, fn: Callable[[Any], Any]) -> list[Any]:

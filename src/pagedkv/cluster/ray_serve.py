@@ -14,10 +14,13 @@ by a custom Ray Serve request router that reads the replicas' KV-cache events.
                   v               v               v
             PagedKVEngine   PagedKVEngine   PagedKVEngine   (EngineReplica each)
 
-Each engine replica binds its KV-event publisher on ``tcp://<node ip>:*`` and reports the
-resolved address (and its rank) through Ray Serve's routing stats (``record_routing_stats``);
-the router subscribes when it sees it, and unsubscribes (dropping the replica's index entries)
-when Ray reports the replica gone or dead. The decision itself is
+Each engine replica binds its KV-event publisher on ``tcp://127.0.0.1:*`` (loopback: the events
+are unauthenticated and carry the token ids of every cached prompt; ``kv_events_host`` opens
+them to a network, see :func:`kv_events_bind_endpoint`) and reports the resolved address, its
+rank and its Ray node through Ray Serve's routing stats (``record_routing_stats``); the router
+subscribes when it sees it (not to a loopback address on another node: it cannot be reached),
+and unsubscribes (dropping the replica's index entries) when Ray reports the replica gone or
+dead. The decision itself is
 :class:`~pagedkv.cluster.router.ClusterRouter`; this module only adapts it to Ray
 Serve's request-router API (``RequestRouter.choose_replicas`` returns ranks of replicas; Ray
 takes the least loaded of the first rank that has room).
@@ -36,7 +39,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import functools
+import ipaddress
 import logging
 import secrets
 import socket
@@ -46,13 +51,28 @@ from typing import Any
 
 import ray
 from ray import serve
-from ray.exceptions import RayTaskError
+from ray.exceptions import (
+    LocalRayletDiedError,
+    NodeDiedError,
+    RayActorError,
+    RayTaskError,
+    WorkerCrashedError,
+)
 from ray.serve.config import RequestRouterConfig
+from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from pagedkv.cluster.protocol import ClusterRequest, ReplicaCall, ReplicaInfo
+from pagedkv.cluster.protocol import (
+    ClusterRequest,
+    ReplicaCall,
+    ReplicaDiedError,
+    ReplicaError,
+    ReplicaInfo,
+    describe_failure,
+)
 from pagedkv.cluster.replica import EngineReplica
 from pagedkv.cluster.router import ClusterRouter
+from pagedkv.engine.engine_loop import EngineDeadError
 from pagedkv.errors import ConfigError, PagedKVError
 
 logger = logging.getLogger(__name__)
@@ -60,6 +80,80 @@ logger = logging.getLogger(__name__)
 APP_NAME = "pagedkv"
 ENGINE_DEPLOYMENT = "PagedKVEngine"
 INGRESS_DEPLOYMENT = "PagedKVIngress"
+
+#: Where replicas publish their KV-cache events unless told otherwise: this machine only.
+DEFAULT_KV_EVENTS_HOST = "127.0.0.1"
+#: Hosts that bind every interface; the replica then advertises its node's IP to the router.
+WILDCARD_HOSTS = ("0.0.0.0", "::", "*")
+
+#: Ray's exceptions that mean the replica's process is gone (killed, crashed, its node lost).
+_REPLICA_GONE = (
+    RayActorError,
+    WorkerCrashedError,
+    NodeDiedError,
+    LocalRayletDiedError,
+    ReplicaUnavailableError,
+    DeploymentUnavailableError,
+)
+
+
+# ---- where the KV events are published ----------------------------------------------------------
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an IP address or ``localhost``) reaches this machine only."""
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def kv_events_bind_endpoint(kv_events_host: str | None) -> str:
+    """The ZMQ address a replica binds its KV-event publisher to (a free port).
+
+    ``None`` is :data:`DEFAULT_KV_EVENTS_HOST` (127.0.0.1). The events are not authenticated and
+    their BlockStored events carry the token ids of every prompt the replica caches: bind them
+    on another address only on a trusted network. A wildcard (``0.0.0.0``, ``::``) binds every
+    interface of the replica's node, which a replica on another node than the router needs
+    (:func:`advertised_endpoint` then names the node's IP).
+    """
+    host = kv_events_host or DEFAULT_KV_EVENTS_HOST
+    if host == "*":
+        host = "0.0.0.0"
+    shown = f"[{host}]" if ":" in host else host
+    return f"tcp://{shown}:*"
+
+
+def advertised_endpoint(bound: str, node_ip: str) -> str:
+    """The address the router connects to for a publisher bound at ``bound`` (ZMQ's resolved
+    ``tcp://HOST:PORT``): the same, except that a wildcard host becomes ``node_ip``."""
+    scheme, _, rest = bound.partition("://")
+    host, _, port = rest.rpartition(":")
+    if scheme != "tcp" or host.strip("[]") not in WILDCARD_HOSTS:
+        return bound
+    shown = f"[{node_ip}]" if ":" in node_ip else node_ip
+    return f"tcp://{shown}:{port}"
+
+
+def unreachable_loopback(endpoint: str, replica_node: str | None, router_node: str | None) -> bool:
+    """Whether ``endpoint`` is a loopback address on another Ray node than the router's (the
+    router would connect to its own machine, not to the replica)."""
+    host = endpoint.partition("://")[2].rpartition(":")[0]
+    return (
+        is_loopback(host)
+        and replica_node is not None
+        and router_node is not None
+        and replica_node != router_node
+    )
+
+
+def _node_id() -> str | None:
+    """This process's Ray node id (None outside Ray: never starts Ray)."""
+    if not ray.is_initialized():
+        return None
+    return ray.get_runtime_context().get_node_id()
 
 
 # ---- the request router (runs where the handle is: in the ingress replica) ---------------------
@@ -77,6 +171,8 @@ class PrefixAwareRequestRouter(RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         self.cluster_router = ClusterRouter(**kwargs)
         self._routed: dict[str, Hashable] = {}  # internal request id -> replica key
+        self._node = _node_id()
+        self._unreachable: set[str] = set()  # replicas whose loopback endpoint is elsewhere
 
     @staticmethod
     def _key(replica_id: ReplicaID) -> str:
@@ -85,14 +181,25 @@ class PrefixAwareRequestRouter(RequestRouter):
     def _sync_subscriptions(self) -> None:
         """Subscribe to replicas whose endpoint is known, drop the ones that left."""
         router = self.cluster_router
-        endpoints = {
-            self._key(r.replica_id): r.routing_stats.get("kv_events_endpoint")
-            for r in self._replicas.values()
-        }
+        stats = {self._key(r.replica_id): r.routing_stats for r in self._replicas.values()}
+        endpoints = {key: s.get("kv_events_endpoint") for key, s in stats.items()}
         for key in router.replicas:
             if key not in endpoints:
                 router.remove_replica(key)
+        self._unreachable &= set(endpoints)
         for key, endpoint in endpoints.items():
+            if endpoint and unreachable_loopback(endpoint, stats[key].get("node_id"), self._node):
+                if key not in self._unreachable and router.policy == "prefix":
+                    logger.error(
+                        "replica %s publishes its KV events on %s, a loopback address on "
+                        "another node: it is routed by queue length only. Start the cluster "
+                        "with --kv-events-host 0.0.0.0 (unauthenticated, carries prompt token "
+                        "ids: trusted networks only; docs/cluster.md)",
+                        key,
+                        endpoint,
+                    )
+                self._unreachable.add(key)
+                continue
             if endpoint and router.endpoint_of(key) != endpoint:
                 try:
                     router.add_replica(key, endpoint)
@@ -153,8 +260,13 @@ class EngineDeployment:
 
     Args:
         engine_factory: builds the LLMEngine in the replica's process.
-        kv_events_host: address to publish KV events on (default: this node's IP).
+        kv_events_host: address to publish KV events on (default 127.0.0.1; a wildcard binds
+            every interface and advertises this node's IP; see :func:`kv_events_bind_endpoint`).
         hash_format: ``"bytes"`` or ``"int"``.
+
+    Raises:
+        ConfigError: an address this node cannot bind (Serve then reports the deployment
+            failed), or an engine without events (see :class:`EngineReplica`).
     """
 
     def __init__(
@@ -166,20 +278,25 @@ class EngineDeployment:
     ) -> None:
         rank = serve.get_replica_context().rank
         rank = getattr(rank, "rank", rank)
-        host = kv_events_host or ray.util.get_node_ip_address()
-        shown = f"[{host}]" if ":" in host else host
         self.replica = EngineReplica(
             engine_factory,
             rank=rank,
-            kv_events_endpoint=f"tcp://{shown}:*",
+            kv_events_endpoint=kv_events_bind_endpoint(kv_events_host),
             hash_format=hash_format,
         )
+        info = self.replica.info
+        endpoint = advertised_endpoint(info.kv_events_endpoint, ray.util.get_node_ip_address())
+        self.info = dataclasses.replace(info, kv_events_endpoint=endpoint)
+        self.node_id = _node_id()
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """What the router needs to know of this replica (Ray polls it)."""
+        """What the router needs to know of this replica (Ray polls it): its rank, where its
+        KV events can be read, and its Ray node (a loopback endpoint is reachable from that
+        node only)."""
         return {
             "rank": self.replica.rank,
-            "kv_events_endpoint": self.replica.info.kv_events_endpoint,
+            "kv_events_endpoint": self.info.kv_events_endpoint,
+            "node_id": self.node_id,
         }
 
     async def generate(self, request: ClusterRequest) -> AsyncIterator[Any]:
@@ -192,7 +309,7 @@ class EngineDeployment:
         return await self.replica.call(call.fn)
 
     def describe(self) -> ReplicaInfo:
-        return self.replica.info
+        return self.info
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
@@ -231,15 +348,33 @@ class RayDispatcher:
         return contextvars.Context().run(lambda: getattr(handle, method).remote(*args))
 
     async def submit(self, request: ClusterRequest) -> AsyncIterator[Any]:
+        """See :meth:`~pagedkv.cluster.protocol.Dispatcher.submit`.
+
+        Raises:
+            InvalidRequestError (or another PagedKVError the engine raised, as it was): the
+                engine refused the request.
+            ReplicaDiedError: the replica's actor died, its node or worker was lost, Serve has
+                no replica, or its engine stopped.
+            ReplicaError: the replica raised anything else.
+
+        Ray's exception (actor id, pid, node address, the remote traceback) is logged here,
+        one line; the two Replica errors carry a fixed message, safe for a client.
+        """
         outputs = self._remote("generate", request, stream=True)
         try:
             async for item in outputs:
                 yield item
-        except RayTaskError as exc:
-            cause = getattr(exc, "cause", None)
-            if isinstance(cause, PagedKVError):  # the engine refused it: a 400, not a 500
-                raise cause from None
+        except asyncio.CancelledError:
             raise
+        except Exception as exc:
+            error = _replica_failure(exc)
+            if error is None:  # the engine refused it: a 400, not a 500
+                refusal = exc.cause if isinstance(exc, RayTaskError) else exc
+                raise refusal from None
+            logger.warning(
+                "request %s failed on its replica: %s", request.request_id, describe_failure(exc)
+            )
+            raise error from None
         finally:
             outputs.cancel()
 
@@ -257,10 +392,24 @@ class RayDispatcher:
         answers = []
         for rank, result in enumerate(results):
             if isinstance(result, BaseException):
-                logger.warning("replica rank %d did not answer: %r", rank, result)
+                logger.warning("replica rank %d did not answer: %s", rank, describe_failure(result))
             else:
                 answers.append(result)
         return answers
+
+
+def _replica_failure(exc: Exception) -> ReplicaError | None:
+    """The client-safe error for ``exc``, raised by a replica's stream; None when it is the
+    engine's refusal of the request (a PagedKVError other than EngineDeadError, or one
+    wrapped in a RayTaskError), which the caller raises as it is."""
+    cause = exc.cause if isinstance(exc, RayTaskError) else exc
+    if isinstance(cause, ReplicaError):
+        return cause
+    if isinstance(exc, _REPLICA_GONE) or isinstance(cause, (EngineDeadError, *_REPLICA_GONE)):
+        return ReplicaDiedError()
+    if isinstance(cause, PagedKVError):
+        return None
+    return ReplicaError()
 
 
 def build_app(
@@ -293,7 +442,11 @@ def build_app(
         block_size / hash_algo / hash_seed: the engines' (the router hashes prompts alike).
         policy: ``"prefix"`` or ``"round_robin"``.
         hash_format: block hashes on the wire.
-        kv_events_host: address replicas publish on (default: each node's IP).
+        kv_events_host: address replicas publish their KV events on (default 127.0.0.1:
+            unauthenticated events that carry prompt token ids stay on the machine; a wildcard
+            such as ``0.0.0.0`` binds every interface of each replica's node and advertises
+            the node's IP, which replicas on other nodes than the ingress need; see
+            :func:`kv_events_bind_endpoint`).
         max_ongoing_requests: requests Ray sends one replica at once (beyond: queued in Ray).
         num_cpus_per_replica: Ray CPUs reserved per engine replica.
         router_options: more ClusterRouter arguments (max_imbalance, min_match_fraction,
@@ -384,10 +537,11 @@ def start_cluster(
         The base URL (``http://host:port``).
 
     Raises:
-        ConfigError: a bad option; TimeoutError: the replicas did not come up in time.
+        ConfigError: a bad option, or KV events on loopback (the default) with the prefix
+            policy in a Ray cluster of more than one node (replicas on the other nodes could
+            not be read: pass ``kv_events_host``, see :func:`kv_events_bind_endpoint`);
+            Ray is then left as it was. TimeoutError: the replicas did not come up in time.
     """
-    import dataclasses
-
     from pagedkv.engine.llm_engine import LLMEngine
 
     seed = engine_config.hash_seed
@@ -408,13 +562,13 @@ def start_cluster(
     )
     if engine_factory is None:
         engine_factory = functools.partial(LLMEngine, config)
-    if not ray.is_initialized():
-        ray.init(
-            address=ray_address,
-            include_dashboard=False,
-            logging_level=logging.WARNING,
-            log_to_driver=False,
-        )
+    started_ray = init_ray(ray_address)
+    try:
+        _check_events_reachable(kv_events_host, policy)
+    except ConfigError:
+        if started_ray:
+            ray.shutdown()
+        raise
     port = port or free_port(host)
     serve.start(http_options={"host": host, "port": port})
     app = build_app(
@@ -437,6 +591,43 @@ def start_cluster(
     return f"http://{shown}:{port}"
 
 
+def init_ray(ray_address: str | None = None) -> bool:
+    """Start a local Ray (``ray_address`` None) or join one, unless Ray is already up in this
+    process; returns whether this call did it. No dashboard, Ray's warnings only, and no worker
+    logs forwarded to this process's stdout.
+
+    A local Ray's own servers listen on this machine's network address unless Ray was imported
+    with ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` in the environment (then on 127.0.0.1):
+    ``pagedkv serve`` sets it (:mod:`pagedkv.entrypoints.cluster.ray_process`).
+    """
+    if ray.is_initialized():
+        return False
+    ray.init(
+        address=ray_address,
+        include_dashboard=False,
+        logging_level=logging.WARNING,
+        log_to_driver=False,
+    )
+    return True
+
+
+def _check_events_reachable(kv_events_host: str | None, policy: str) -> None:
+    """Refuse loopback KV events (the default) for prefix routing in a Ray cluster of several
+    nodes: a replica on another node than the router could not be read."""
+    host = kv_events_host or DEFAULT_KV_EVENTS_HOST
+    if policy != "prefix" or not is_loopback(host):
+        return
+    num_nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
+    if num_nodes > 1:
+        raise ConfigError(
+            f"the Ray cluster has {num_nodes} nodes, and replicas publish their KV-cache events "
+            f"on {host}, which the router cannot read from another node: pass "
+            "--kv-events-host 0.0.0.0 (the events are unauthenticated and carry the token ids "
+            "of cached prompts: only on a trusted network), or --router round_robin "
+            "(docs/cluster.md)"
+        )
+
+
 def _wait_running(timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -452,7 +643,9 @@ def _wait_running(timeout_s: float) -> None:
 
 
 def stop_cluster() -> None:
-    """Tear the Serve app down and stop the local Ray (a joined cluster keeps running)."""
+    """Tear the Serve app down and stop the local Ray (a joined cluster keeps running): the
+    replicas' processes, Ray's own (GCS, raylet, its dashboard and runtime-env agents) and
+    their sockets end. Errors are ignored: it is called on the way out."""
     with contextlib.suppress(Exception):
         serve.shutdown()
     with contextlib.suppress(Exception):

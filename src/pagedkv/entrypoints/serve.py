@@ -85,7 +85,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cluster.add_argument(
         "--kv-events-host",
         default=None,
-        help="address replicas publish their KV-cache events on (default: their node's IP)",
+        help="address each replica publishes its KV-cache events on (default 127.0.0.1: this "
+        "machine only). The events are unauthenticated and carry the token ids of every cached "
+        "prompt: open them only on a trusted network. Replicas on other nodes of a multi-node "
+        "Ray cluster need it: 0.0.0.0 binds every interface of each replica's node and tells "
+        "the router the node's IP (with the default, such a cluster is refused)",
     )
     EngineConfig.add_cli_args(parser)
     parser.set_defaults(func=run)
@@ -150,16 +154,26 @@ def run(args: argparse.Namespace) -> int:
 
 def run_cluster(args: argparse.Namespace) -> int:
     """``--data-parallel-size N``: N engine replicas on Ray Serve behind one OpenAI endpoint,
-    routed by cached prefix (docs/cluster.md). Serves until interrupted.
+    routed by cached prefix (docs/cluster.md). Serves until interrupted (Ctrl-C or SIGTERM),
+    then stops the Serve app and the local Ray: no process of ours or Ray's is left. A local
+    Ray listens on 127.0.0.1 (:mod:`pagedkv.entrypoints.cluster.ray_process`).
 
     Raises:
         ConfigError: Ray Serve, pyzmq or msgspec missing (the message names the extra), or a
             bad engine option.
     """
+    from pagedkv.entrypoints.cluster.ray_process import loopback_ray
+
+    with loopback_ray(args.ray_address):  # from before Ray is imported
+        return _serve_cluster(args)
+
+
+def _serve_cluster(args: argparse.Namespace) -> int:
     import dataclasses
     import time
 
     from pagedkv.engine.config import EngineConfig
+    from pagedkv.entrypoints.cluster.ray_process import SigtermAsInterrupt
 
     try:
         import msgspec  # noqa: F401
@@ -179,27 +193,31 @@ def run_cluster(args: argparse.Namespace) -> int:
 
     name = args.served_model_name or served_model_name(str(resolve_model_path(config.model)))
     policy = args.router or "prefix"
-    try:
-        url = ray_serve.start_cluster(
-            config,
-            ingress=OpenAIIngress,
-            num_replicas=args.data_parallel_size,
-            host=args.host,
-            port=args.port,
-            policy=policy,
-            ray_address=args.ray_address,
-            num_cpus_per_replica=args.num_cpus_per_replica or 1.0,
-            kv_events_host=args.kv_events_host,
-            model_name=name,
-        )
-        print(
-            f"pagedkv serve: {name} listening on {url} "
-            f"({args.data_parallel_size} replicas, {policy} routing)",
-            flush=True,
-        )
-        with contextlib.suppress(KeyboardInterrupt):
+    # SIGTERM, as Ctrl-C, unwinds to the finally below: without it the process would end at
+    # once and leave Ray's agents running. ray.init installs Ray's own handler: install again.
+    with SigtermAsInterrupt() as sigterm, contextlib.suppress(KeyboardInterrupt):
+        try:
+            ray_serve.init_ray(args.ray_address)
+            sigterm.install()
+            url = ray_serve.start_cluster(
+                config,
+                ingress=OpenAIIngress,
+                num_replicas=args.data_parallel_size,
+                host=args.host,
+                port=args.port,
+                policy=policy,
+                ray_address=args.ray_address,
+                num_cpus_per_replica=args.num_cpus_per_replica or 1.0,
+                kv_events_host=args.kv_events_host,
+                model_name=name,
+            )
+            print(
+                f"pagedkv serve: {name} listening on {url} "
+                f"({args.data_parallel_size} replicas, {policy} routing)",
+                flush=True,
+            )
             while True:
                 time.sleep(3600)
-    finally:
-        ray_serve.stop_cluster()
+        finally:
+            ray_serve.stop_cluster()
     return 0

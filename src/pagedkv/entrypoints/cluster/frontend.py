@@ -18,7 +18,13 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-from pagedkv.cluster.protocol import ClusterRequest, Dispatcher
+from pagedkv.cluster.protocol import (
+    ClusterRequest,
+    Dispatcher,
+    ReplicaDiedError,
+    ReplicaError,
+    describe_failure,
+)
 from pagedkv.engine.engine_loop import EngineDeadError, OutputStream
 from pagedkv.engine.input_processor import InputProcessor, InputThread
 from pagedkv.engine.protocol import EngineRequest
@@ -188,22 +194,34 @@ class ClusterEngineLoop:
     async def _pump(
         self, request_id: str, outputs: AsyncIterator[Any], stream: OutputStream
     ) -> None:
+        """Move one request's outputs from its replica into ``stream``. If the replica fails or
+        dies first, the stream gets one :class:`ReplicaError` (:class:`ReplicaDiedError` when
+        the replica stopped) whose message is fixed and client-safe; what the replica raised is
+        logged here, one line (a dispatcher that already raised a ReplicaError logged it)."""
         try:
             async for output in outputs:
                 stream.queue.put_nowait((output, time.monotonic()))
                 if output.finished:
                     break
             else:
-                stream.queue.put_nowait(
-                    EngineDeadError(f"request {request_id!r} ended without a final output")
-                )
+                logger.warning("request %s: its replica's stream ended unfinished", request_id)
+                stream.queue.put_nowait(ReplicaDiedError())
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the replica failed or died: this request fails, others go on
-            logger.warning("request %s failed on its replica: %r", request_id, exc)
-            stream.queue.put_nowait(exc)
+            stream.queue.put_nowait(_client_safe(request_id, exc))
         finally:
             self._pumps.pop(request_id, None)
             self._streams.pop(request_id, None)
             with contextlib.suppress(Exception):
                 await outputs.aclose()
+
+
+def _client_safe(request_id: str, exc: Exception) -> ReplicaError:
+    """What a request's stream gets for ``exc``, raised by its replica mid-stream: ``exc`` if it
+    already is a :class:`ReplicaError`, else a :class:`ReplicaDiedError` (an EngineDeadError: the
+    replica stopped) or a :class:`ReplicaError`, after logging ``exc`` (one line)."""
+    if isinstance(exc, ReplicaError):
+        return exc
+    logger.warning("request %s failed on its replica: %s", request_id, describe_failure(exc))
+    return ReplicaDiedError() if isinstance(exc, EngineDeadError) else ReplicaError()

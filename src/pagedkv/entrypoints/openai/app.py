@@ -42,6 +42,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedkv import __version__
+from pagedkv.cluster.protocol import ReplicaError
 from pagedkv.engine.engine_loop import EngineDeadError
 from pagedkv.engine.protocol import EngineClient
 from pagedkv.entrypoints.openai.errors import OpenAIError, validation_error
@@ -110,6 +111,13 @@ def _install_error_handlers(app: FastAPI) -> None:
         lambda exc: OpenAIError(400, exc.message, param=exc.param, code="unsupported_field"),
     )
     handle(EngineDeadError, lambda exc: OpenAIError(503, str(exc)))
+    # A replica's failure (its message is client-safe; the details are in the log).
+    handle(
+        ReplicaError,
+        lambda exc: OpenAIError(
+            503 if isinstance(exc, EngineDeadError) else 500, str(exc), code="replica_error"
+        ),
+    )
     handle(RequestValidationError, validation_error)
     handle(
         StarletteHTTPException,

@@ -24,6 +24,7 @@ from typing import Any
 
 from fastapi import Request
 
+from pagedkv.cluster.protocol import ReplicaError
 from pagedkv.engine.engine_loop import EngineDeadError, OutputStream
 from pagedkv.engine.input_processor import ProcessedPrompt
 from pagedkv.engine.protocol import EngineClient, EngineRequest
@@ -351,6 +352,9 @@ class OpenAIServing:
             reason = "error"
             logger.warning("a streamed request ended early: %s", exc)
             yield sse(json.dumps(OpenAIError(503, str(exc)).body()))
+        except ReplicaError as exc:  # a replica failed it (the message is client-safe)
+            reason = "error"
+            yield sse(json.dumps(OpenAIError(500, str(exc), code="replica_error").body()))
         except Exception:
             reason = "error"
             logger.exception("a streamed request failed")
