@@ -58,6 +58,7 @@ from pagedkv.engine.engine_loop import (
     EngineRequest,
     OutputStream,
 )
+from pagedkv.entrypoints.log_setup import summarize_for_log
 from pagedkv.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from pagedkv.entrypoints.openai.protocol import (
     ChatChoice,
@@ -419,7 +420,7 @@ class OpenAIServing:
             logger.warning(
                 "request %s: fields without effect in pagedkv, ignored: %s",
                 response_id,
-                ", ".join(ignored),
+                summarize_for_log(ignored),  # bounded: a client may send 1,000 long names
             )
 
     async def _start(
