@@ -17,6 +17,7 @@ from _server_fakes import SENTENCE, FakeEngine, wait_for
 
 from pagedkv.entrypoints.openai.app import create_app
 from pagedkv.entrypoints.openai.launch import ThreadedServer
+from pagedkv.entrypoints.openai.server_options import ServerOptions
 
 MODEL = "fake-model"
 
@@ -28,7 +29,8 @@ def engine():
 
 @pytest.fixture(scope="module")
 def server(engine):
-    app = create_app(engine, model_name=MODEL, max_model_len=engine.max_model_len)
+    options = ServerOptions(enable_admin_routes=True)  # POST /reset_prefix_cache
+    app = create_app(engine, model_name=MODEL, max_model_len=engine.max_model_len, options=options)
     with ThreadedServer(app) as running:
         yield running
 

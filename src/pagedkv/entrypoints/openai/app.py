@@ -13,7 +13,11 @@ Routes::
     GET  /version                {"version": pagedkv's}
     GET  /health, /ping          200 while the engine thread runs, else 503 with the reason
     GET  /metrics                Prometheus text format (see metrics.py)
-    POST /reset_prefix_cache     {"success": bool}; fails while blocks are in use
+    POST /reset_prefix_cache     {"success": bool}; fails while blocks are in use (an admin
+                                 route: only with --enable-admin-routes, else 404)
+
+Security and limits (API key, Origin / Host checks, body size and time, admin routes) are
+server_options.py's: create_app installs them with one call.
 
 Every request field is honoured or refused with a 400 naming it (protocol.py; the table is in
 docs/server.md); fields without effect and unknown fields are named in one warning line.
@@ -91,6 +95,7 @@ from pagedkv.entrypoints.openai.protocol import (
     now,
     random_id,
 )
+from pagedkv.entrypoints.openai.server_options import ServerOptions, install_middleware
 from pagedkv.entrypoints.openai.stats_logger import StatsLogger
 from pagedkv.errors import InvalidRequestError
 from pagedkv.sampling_params import SamplingParams
@@ -983,6 +988,7 @@ def create_app(
     max_model_len: int | None = None,
     log_stats_interval: float | None = None,
     engine_loop: Any = None,
+    options: ServerOptions | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app serving ``engine`` (see :class:`OpenAIServing` for the
     arguments). The engine thread starts and stops with the app (ASGI lifespan).
@@ -992,6 +998,8 @@ def create_app(
             KV usage, prefix hit rate; :mod:`.stats_logger`); None = no stats lines.
         engine_loop: the loop that drives the engine (default: one engine thread); the cluster
             front end passes its own.
+        options: security and limits (server_options.py); None: ``ServerOptions()`` (no API
+            key, admin routes off, 32 MiB / 30 s bodies, no other web origin).
     """
     serving = OpenAIServing(
         engine, model_name=model_name, max_model_len=max_model_len, engine_loop=engine_loop
@@ -1018,6 +1026,7 @@ def create_app(
 
     app = FastAPI(title="pagedkv", lifespan=lifespan)
     app.state.serving = serving
+    options = install_middleware(app, options)  # security and limits: server_options.py
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
@@ -1042,7 +1051,8 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return OpenAIError(exc.status_code, str(exc.detail)).response()
+        error = OpenAIError(exc.status_code, str(exc.detail))  # headers kept: 405's Allow
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
@@ -1098,9 +1108,11 @@ def create_app(
         stats = await serving.engine_loop.call(lambda engine: engine.get_stats())
         return Response(serving.metrics.render(stats), media_type=CONTENT_TYPE)
 
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> JSONResponse:
-        success = await serving.engine_loop.call(_reset_prefix_cache)
-        return JSONResponse({"success": success}, status_code=200 if success else 409)
+    if options.enable_admin_routes:  # admin routes: server_options.ADMIN_ROUTES
+
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache() -> JSONResponse:
+            success = await serving.engine_loop.call(_reset_prefix_cache)
+            return JSONResponse({"success": success}, status_code=200 if success else 409)
 
     return app
