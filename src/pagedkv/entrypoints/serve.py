@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import ipaddress
 import logging
+import signal
 
 from pagedkv.entrypoints.log_setup import LOG_LEVELS, configure_logging
 from pagedkv.entrypoints.openai.server_options import ServerOptions
@@ -153,13 +154,28 @@ def run(args: argparse.Namespace) -> int:
     shown_host = f"[{host}]" if ":" in host else host
     # Scripts (benchmarks/bench_serving.py) read the URL from this line.
     print(f"pagedkv serve: {name} listening on http://{shown_host}:{port}", flush=True)
-    # uvicorn shuts down cleanly on Ctrl-C, then re-raises the interrupt: not an error here.
+    # uvicorn drains on Ctrl-C or SIGTERM (make_server), then re-raises the signal with the
+    # handler it found: KeyboardInterrupt for Ctrl-C, _Terminated for SIGTERM (the default
+    # action would kill the process before engine.shutdown()). Neither is an error here.
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        with contextlib.suppress(KeyboardInterrupt):
-            make_server(app, log_level=args.log_level).run(sockets=[sock])
+        with contextlib.suppress(KeyboardInterrupt, _Terminated):
+            server = make_server(
+                app, log_level=args.log_level, shutdown_timeout=options.shutdown_timeout
+            )
+            server.run(sockets=[sock])
     finally:
+        signal.signal(signal.SIGTERM, previous)
         engine.shutdown()  # stops tensor-parallel worker processes
     return 0
+
+
+class _Terminated(Exception):
+    """SIGTERM, once the server has drained: the process exits through its cleanup."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise _Terminated
 
 
 def _warn_if_open(host: str, options: ServerOptions) -> None:

@@ -97,6 +97,7 @@ class ClusterEngineLoop:
         self.dispatcher = dispatcher
         self.tokenizer = tokenizer
         self._pumps: dict[str, asyncio.Task] = {}
+        self._streams: dict[str, OutputStream] = {}  # request id -> its stream, while pumped
         self._running = False
         self.error: BaseException | None = None
 
@@ -172,7 +173,18 @@ class ClusterEngineLoop:
             raise
         for request_id, outputs in started:
             self._pumps[request_id] = asyncio.ensure_future(self._pump(request_id, outputs, stream))
+            self._streams[request_id] = stream
         return stream
+
+    def fail_streams(self, exc: BaseException) -> None:
+        """:meth:`EngineLoop.fail_streams` over the cluster: every open stream gets ``exc``
+        and its requests are aborted on their replicas (their pumps are cancelled, which closes
+        the replicas' streams). Call it on the event loop."""
+        streams = {id(s): s for s in self._streams.values()}
+        self.abort(list(self._pumps))
+        self._streams.clear()
+        for stream in streams.values():
+            stream.queue.put_nowait(exc)
 
     def abort(self, request_ids: Iterable[str]) -> None:
         """Abort requests still in flight (their replicas free the blocks); never blocks."""
@@ -200,5 +212,6 @@ class ClusterEngineLoop:
             stream.queue.put_nowait(exc)
         finally:
             self._pumps.pop(request_id, None)
+            self._streams.pop(request_id, None)
             with contextlib.suppress(Exception):
                 await outputs.aclose()

@@ -574,7 +574,10 @@ class OpenAIServing:
                 if usage_chunk is not None:
                     yield usage_chunk(_usage(prompts, options))
         except Exception as exc:  # the engine stopped mid-stream: tell the client
-            logger.exception("streamed request failed")
+            if isinstance(exc, EngineDeadError):  # engine fault (logged there) or shutdown
+                logger.info("streamed request ended: %s", exc)
+            else:
+                logger.exception("streamed request failed")
             status = 503 if isinstance(exc, EngineDeadError) else 500
             yield _sse(json.dumps(OpenAIError(status, str(exc)).body()))
         finally:
