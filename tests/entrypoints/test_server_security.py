@@ -239,9 +239,13 @@ def test_other_web_origins_and_simple_cross_site_posts_are_refused():
 
 
 def test_allowed_origins_get_cors_headers():
-    options = ServerOptions(allowed_origins=("https://app.test", "http://localhost:3000"))
+    """A browser's preflight carries no key: CORS answers it before the key is checked."""
+    options = ServerOptions(
+        allowed_origins=("https://app.test", "http://localhost:3000"), api_keys=("k",)
+    )
     with serving(options) as (server, _):
         url = server.url + "/v1/completions"
+        auth = {"Authorization": "Bearer k"}
         for origin in options.allowed_origins:
             preflight = httpx.options(
                 url,
@@ -253,10 +257,14 @@ def test_allowed_origins_get_cors_headers():
             )
             assert preflight.status_code == 200
             assert preflight.headers["access-control-allow-origin"] == origin
-            response = httpx.post(url, json=COMPLETION, headers={"Origin": origin})
+            response = httpx.post(url, json=COMPLETION, headers={"Origin": origin, **auth})
             assert response.status_code == 200
             assert response.headers["access-control-allow-origin"] == origin
-        response = httpx.post(url, json=COMPLETION, headers={"Origin": "https://evil.test"})
+            refused = httpx.post(url, json=COMPLETION, headers={"Origin": origin})
+            assert_error(refused, 401, "invalid_api_key")  # readable by the page: CORS headers
+            assert refused.headers["access-control-allow-origin"] == origin
+        evil = {"Origin": "https://evil.test", **auth}
+        response = httpx.post(url, json=COMPLETION, headers=evil)
         assert_error(response, 403, "origin_not_allowed")
         assert "access-control-allow-origin" not in response.headers
 
