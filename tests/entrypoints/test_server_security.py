@@ -220,7 +220,8 @@ def test_a_streamed_response_still_streams_through_the_guard():
 def test_other_web_origins_and_simple_cross_site_posts_are_refused():
     with serving() as (server, engine):
         url = server.url + "/v1/completions"
-        for origin in ("http://evil.test", "null", f"http://127.0.0.1:{server.port + 1}"):
+        other = f"http://127.0.0.1:{server.port + 1}"
+        for origin in ("http://evil.test", "null", other, f"{server.url}/path", "%"):
             response = httpx.post(url, json=COMPLETION, headers={"Origin": origin})
             assert_error(response, 403, "origin_not_allowed")
         # What a cross-site form or fetch sends without a CORS preflight: never a route.
@@ -371,3 +372,5 @@ def test_bad_api_keys_are_config_errors():
     for keys in (("",), (" padded",), ("a,b",)):
         with pytest.raises(ConfigError, match="API key"):
             ServerOptions(api_keys=keys)
+    with pytest.raises(ConfigError, match="not one string"):
+        ServerOptions(api_keys="abc")

@@ -107,8 +107,8 @@ class ServerOptions:
             :func:`pagedkv.entrypoints.openai.launch.make_server`, not by the app.
 
     Raises:
-        ConfigError: an empty key, a size or timeout out of range, or an origin that is not
-            ``scheme://host[:port]``; nothing is built.
+        ConfigError: an empty key or one with a comma or surrounding spaces, a size or timeout
+            out of range, or an origin that is not ``scheme://host[:port]``; nothing is built.
     """
 
     api_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -119,6 +119,9 @@ class ServerOptions:
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
 
     def __post_init__(self) -> None:
+        for name in ("api_keys", "allowed_origins"):
+            if isinstance(getattr(self, name), str):
+                raise ConfigError(f"{name} must be a sequence of strings, not one string")
         keys = tuple(self.api_keys)
         if any(not isinstance(k, str) or not k.strip() for k in keys):
             raise ConfigError("an API key must be a non-empty string")
@@ -468,11 +471,13 @@ class RequestGuard:
     def _origin_allowed(self, origin: str, scope: dict[str, Any], host: str | None) -> bool:
         if self._any_origin:
             return True
-        key = _origin_key(origin)
-        if key is None:  # "null" (sandboxed frames, file://) or garbage
+        try:
+            normalized = _normalize_origin(origin)
+        except ConfigError:  # "null" (sandboxed frames, file:// pages) or garbage
             return False
-        if _normalize_origin(origin) in self._origins:
+        if normalized in self._origins:
             return True
+        key = _origin_key(origin)
         return host is not None and key == _origin_key(f"{scope.get('scheme', 'http')}://{host}")
 
 
