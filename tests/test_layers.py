@@ -74,6 +74,7 @@ def test_the_cluster_library_left_the_core_the_engine_and_the_entrypoints():
         "entrypoints/cluster/protocol.py",
     ]
     assert [p for p in old_paths if (src / p).exists()] == []
-    # What stays in entrypoints/cluster is HTTP: the front end and the Ray Serve ingress.
+    # What stays in entrypoints/cluster is the command's: the HTTP front end, the Ray Serve
+    # ingress, and the process around Ray (loopback, SIGTERM).
     http_side = {p.stem for p in (src / "entrypoints" / "cluster").glob("*.py")}
-    assert http_side == {"__init__", "frontend", "ray_ingress"}
+    assert http_side == {"__init__", "frontend", "ray_ingress", "ray_process"}

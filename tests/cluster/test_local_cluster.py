@@ -22,6 +22,7 @@ from pagedkv.cluster.router import ClusterRouter
 from pagedkv.engine.engine_loop import EngineDeadError
 from pagedkv.entrypoints.cluster.frontend import ClusterEngineLoop, merge_results
 from pagedkv.entrypoints.openai.app import create_app
+from pagedkv.entrypoints.openai.server_options import ServerOptions
 from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.sampling_params import SamplingParams
 
@@ -249,7 +250,8 @@ def test_openai_server_over_the_cluster(cluster):
     async def main():
         processor = next(iter(cluster.replicas.values())).info.input_processor
         loop = ClusterEngineLoop(cluster, processor)
-        app = create_app(loop, model_name="tiny")
+        admin = ServerOptions(enable_admin_routes=True)  # POST /reset_prefix_cache
+        app = create_app(loop, model_name="tiny", options=admin)
         loop.start(asyncio.get_running_loop())
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://cluster") as http:

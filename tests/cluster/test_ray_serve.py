@@ -26,6 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray]
 SYSTEM = "You are a terse assistant; answer in one word! " * 2 + "Ok."  # 97 tokens: 24 blocks
 PREFIXES = [f"[{k}] " + SYSTEM for k in range(4)]  # 4 distinct system prompts of 24+ blocks
 BODY = {"model": "tiny", "max_tokens": 3, "temperature": 0}
+API_KEY = "ray-test-key"  # the ingress gets the server options through start_cluster
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +35,7 @@ def cluster():
 
     from pagedkv.cluster import ray_serve
     from pagedkv.entrypoints.cluster.ray_ingress import OpenAIIngress
+    from pagedkv.entrypoints.openai.server_options import ServerOptions
 
     # The replicas build the test's tiny model: ship its modules by value (not importable there).
     cloudpickle.register_pickle_by_value(_tiny_model)
@@ -53,8 +55,10 @@ def cluster():
             num_cpus_per_replica=0.5,
             router_options={"routed_ttl_s": 0.0},
             model_name="tiny",
+            ingress_options={"server_options": ServerOptions(api_keys=(API_KEY,))},
         )
-        with httpx.Client(base_url=url, timeout=120) as http:
+        auth = {"Authorization": f"Bearer {API_KEY}"}
+        with httpx.Client(base_url=url, timeout=120, headers=auth) as http:
             # /metrics asks every rank: once it answers, the ingress's router has every
             # replica's routing stats, hence their event endpoints, and has subscribed.
             assert http.get("/metrics").status_code == 200
@@ -112,6 +116,14 @@ def test_refusals_are_400_and_stats_are_merged(cluster):
     assert response.status_code == 400 and "max_model_len" in response.json()["error"]["message"]
     metrics = cluster.get("/metrics").text
     assert 'pagedkv:prefix_cache_hits_total{model_name="tiny"}' in metrics
+
+
+def test_the_ingress_applies_the_server_options(cluster):
+    url = str(cluster.base_url).rstrip("/")
+    refused = httpx.post(url + "/v1/completions", json={**BODY, "prompt": "x"}, timeout=120)
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(url + "/health", timeout=120).status_code == 200  # probes stay open
+    assert cluster.post("/reset_prefix_cache").status_code == 404  # admin routes off
 
 
 def test_a_dead_replica_is_routed_around_and_every_block_is_freed(cluster):

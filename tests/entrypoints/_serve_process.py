@@ -9,8 +9,19 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 import pytest
+
+
+@dataclass
+class ServeProcess:
+    """A running ``pagedkv serve``: its base URL, its output lines so far (a list that keeps
+    growing) and the process (to signal it)."""
+
+    url: str
+    output: list[str]
+    process: subprocess.Popen
 
 
 @contextlib.contextmanager
@@ -20,8 +31,8 @@ def serve_process(
     """Run ``pagedkv serve --port 0 *args``; yields (its base URL, its output lines so far,
     a list that keeps growing). ``start_timeout`` bounds a hung start (seconds between two
     lines), not a speed assumption. Fails the test if the server exits before listening."""
-    with serve_subprocess(args, env, start_timeout) as (_, url, output):
-        yield url, output
+    with start_serve_process(args, env, start_timeout) as served:
+        yield served.url, served.output
 
 
 @contextlib.contextmanager
@@ -29,6 +40,15 @@ def serve_subprocess(
     args: Sequence[str], env: Mapping[str, str] | None = None, start_timeout: float = 300
 ) -> Iterator[tuple[subprocess.Popen, str, list[str]]]:
     """:func:`serve_process` that also yields the process (first), for tests that signal it."""
+    with start_serve_process(args, env, start_timeout) as served:
+        yield served.process, served.url, served.output
+
+
+@contextlib.contextmanager
+def start_serve_process(
+    args: Sequence[str], env: Mapping[str, str] | None = None, start_timeout: float = 300
+) -> Iterator[ServeProcess]:
+    """:func:`serve_process`, yielding a :class:`ServeProcess` (with the process)."""
     command = [sys.executable, "-m", "pagedkv.entrypoints.cli", "serve", "--port", "0", *args]
     process = subprocess.Popen(
         command,
@@ -57,7 +77,7 @@ def serve_subprocess(
             if "listening on " in line:
                 # "... listening on URL" or, with replicas, "... on URL (2 replicas, ...)"
                 url = line.rsplit("listening on ", 1)[1].split()[0]
-        yield process, url, output
+        yield ServeProcess(url, output, process)
     finally:
         process.terminate()
         try:

@@ -18,6 +18,7 @@ from _server_fakes import SENTENCE, FakeEngine, wait_for
 from pagedkv.engine.engine_loop import EngineLoop
 from pagedkv.entrypoints.openai.app import create_app
 from pagedkv.entrypoints.openai.launch import ThreadedServer
+from pagedkv.entrypoints.openai.server_options import ServerOptions
 
 MODEL = "fake-model"
 
@@ -29,7 +30,8 @@ def engine():
 
 @pytest.fixture(scope="module")
 def server(engine):
-    app = create_app(EngineLoop(engine), model_name=MODEL)
+    options = ServerOptions(enable_admin_routes=True)  # POST /reset_prefix_cache
+    app = create_app(EngineLoop(engine), model_name=MODEL, options=options)
     with ThreadedServer(app) as running:
         yield running
 

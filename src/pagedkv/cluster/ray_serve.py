@@ -427,6 +427,7 @@ def build_app(
     num_cpus_per_replica: float = 1.0,
     router_options: dict[str, Any] | None = None,
     model_name: str | None = None,
+    ingress_options: dict[str, Any] | None = None,
 ) -> Any:
     """The Serve application: ``num_replicas`` engines behind ``ingress``.
 
@@ -453,6 +454,8 @@ def build_app(
             routed_ttl_s).
         model_name: the name clients use, passed to ``ingress`` (None: the ingress picks, the
             OpenAI one the engines' :attr:`ReplicaInfo.model_name`).
+        ingress_options: more keyword arguments for ``ingress`` (the OpenAI one takes
+            ``server_options``, the HTTP layer's security and limits).
 
     Raises:
         ConfigError: num_replicas < 1.
@@ -487,6 +490,7 @@ def build_app(
         engine.bind(engine_factory, kv_events_host=kv_events_host, hash_format=hash_format),
         num_replicas=num_replicas,
         model_name=model_name,
+        **(ingress_options or {}),
     )
 
 
@@ -514,6 +518,7 @@ def start_cluster(
     startup_timeout_s: float = 600.0,
     router_options: dict[str, Any] | None = None,
     model_name: str | None = None,
+    ingress_options: dict[str, Any] | None = None,
 ) -> str:
     """Start (or join, with ``ray_address``) Ray, deploy the cluster, wait until it serves.
 
@@ -529,7 +534,8 @@ def start_cluster(
         ray_address: an existing Ray cluster (``"auto"``, ``ray://...``); None: a local one.
         num_cpus_per_replica: CPUs Ray reserves per replica (the engine uses
             ``engine_config.num_threads`` threads).
-        kv_events_host / hash_format / router_options / model_name: see :func:`build_app`.
+        kv_events_host / hash_format / router_options / model_name / ingress_options: see
+            :func:`build_app`.
         engine_factory: builds the engine instead of ``LLMEngine(engine_config)`` (tests).
         startup_timeout_s: how long to wait for every replica to load.
 
@@ -584,6 +590,7 @@ def start_cluster(
         num_cpus_per_replica=num_cpus_per_replica,
         router_options=router_options,
         model_name=model_name,
+        ingress_options=ingress_options,
     )
     serve.run(app, name=APP_NAME, route_prefix="/")
     _wait_running(startup_timeout_s)

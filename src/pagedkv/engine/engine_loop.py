@@ -213,13 +213,6 @@ class EngineLoop:
         """Drop every cached block; False while blocks are in use."""
         return bool(await self.call(lambda engine: engine.reset_prefix_cache()))
 
-    def fail_streams(self, exc: BaseException) -> None:
-        """End every open stream with ``exc`` and abort its requests (a drain at shutdown)."""
-        request_ids = list(self._streams)
-        self._fail_all(exc)
-        if request_ids:
-            self._send_abort(request_ids)
-
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """Run ``fn(engine)`` in the engine thread between two steps and return its result
         (or raise its exception)."""
@@ -290,6 +283,18 @@ class EngineLoop:
             if output.finished:
                 del self._streams[output.request_id]
 
+    def fail_streams(self, exc: BaseException) -> None:
+        """End every open stream with ``exc`` (raised by its :meth:`OutputStream.get`) and
+        abort their requests in the engine, which frees their blocks: how a server that shuts
+        down fails the requests still running at its deadline (the server turns an
+        :class:`EngineDeadError` into a 503, mid-stream an error event then ``[DONE]``). The
+        engine keeps running; requests added afterwards are served. Call it on the event loop
+        given to :meth:`start`; the aborts run even if :meth:`stop` follows at once."""
+        request_ids = list(self._streams)
+        self._fail_all(exc)
+        if request_ids:
+            self._send_abort(request_ids)
+
     def _fail_all(self, exc: BaseException) -> None:
         for stream in {id(s): s for s in self._streams.values()}.values():
             stream.queue.put_nowait(exc)
@@ -347,7 +352,8 @@ class EngineLoop:
             consecutive_failures = 0
             if outputs:
                 self._post(self._dispatch, outputs, time.monotonic())
-        # Answer the commands still queued so that no caller waits forever.
+        # Answer the commands still queued so that no caller waits forever; aborts queued
+        # before the stop (fail_streams at a shutdown) still free their requests' blocks.
         while True:
             try:
                 command = self._commands.get_nowait()
@@ -355,6 +361,11 @@ class EngineLoop:
                 break
             if command.future is not None:
                 self._post(_set_exception, command.future, EngineDeadError("the engine stopped"))
+            elif self.error is None:
+                try:
+                    command.fn(engine)
+                except Exception:
+                    logger.exception("engine command failed")
 
 
 def _set_result(future: asyncio.Future, result: Any) -> None:

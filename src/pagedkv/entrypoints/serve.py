@@ -3,17 +3,25 @@
     pagedkv serve                                  # default model on http://127.0.0.1:8000
     pagedkv serve --port 0 --dtype float32         # any free port; the chosen one is printed
 
-The routes are described in :mod:`pagedkv.entrypoints.openai.app`; docs/server.md has examples.
+The routes are described in :mod:`pagedkv.entrypoints.openai.app`; docs/server.md has examples,
+and its "Security and limits" section the API key, origin, body and shutdown options
+(:mod:`pagedkv.entrypoints.openai.server_options`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ipaddress
+import logging
+import signal
 
 from pagedkv.entrypoints.log_setup import LOG_LEVELS, configure_logging
+from pagedkv.entrypoints.openai.server_options import ServerOptions
 from pagedkv.errors import ConfigError
 from pagedkv.modelinfo.naming import served_model_name
+
+logger = logging.getLogger(__name__)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -24,7 +32,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "serve",
         help="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics)",
         description="Serve a model over the OpenAI API: completions and chat completions with "
-        "streaming, /v1/models, /health, /metrics (Prometheus) and POST /reset_prefix_cache.",
+        "streaming, /v1/models, /health, /metrics (Prometheus) and, with "
+        "--enable-admin-routes, POST /reset_prefix_cache.",
     )
     server = parser.add_argument_group("server")
     server.add_argument(
@@ -49,6 +58,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=float,
         default=10.0,
         help="seconds between two stats lines (default 10, as vLLM)",
+    )
+    ServerOptions.add_cli_args(
+        parser.add_argument_group("security and limits (docs/server.md, Security and limits)")
     )
     cluster = parser.add_argument_group(
         "cluster (Ray Serve replicas; needs pip install 'pagedkv[cluster]', see docs/cluster.md)"
@@ -115,13 +127,14 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.data_parallel_size < 1:
         raise ConfigError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    options = ServerOptions.from_cli_args(args)  # bad values fail before the model loads
     if args.data_parallel_size > 1 and args.tensor_parallel_size > 1:
         raise ConfigError(
             "--data-parallel-size with --tensor-parallel-size is not supported yet (a Ray "
             "replica does not start tensor-parallel worker processes); use one of them"
         )
     if args.data_parallel_size > 1:
-        return run_cluster(args)
+        return run_cluster(args, options)
     for name in _CLUSTER_ONLY:
         if getattr(args, name) is not None:
             flag = "--" + name.replace("_", "-")
@@ -132,31 +145,66 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         raise ConfigError(f"cannot listen on {args.host}:{args.port}: {e}") from None
     configure_logging(args.log_level)  # before the engine: its start-up names CPU and backend
+    _warn_if_open(args.host, options)
     engine = LLMEngine(EngineConfig.from_cli_args(args))
     name = args.served_model_name or served_model_name(engine.loaded_model.source)
     app = create_app(
         EngineLoop(engine),
         model_name=name,
         log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
+        options=options,
     )
     host, port = sock.getsockname()[:2]
     shown_host = f"[{host}]" if ":" in host else host
     # Scripts (benchmarks/bench_serving.py) read the URL from this line.
     print(f"pagedkv serve: {name} listening on http://{shown_host}:{port}", flush=True)
-    # uvicorn shuts down cleanly on Ctrl-C, then re-raises the interrupt: not an error here.
+    # uvicorn drains on Ctrl-C or SIGTERM (make_server), then re-raises the signal with the
+    # handler it found: KeyboardInterrupt for Ctrl-C, _Terminated for SIGTERM (the default
+    # action would kill the process before engine.shutdown()). Neither is an error here.
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        with contextlib.suppress(KeyboardInterrupt):
-            make_server(app, log_level=args.log_level).run(sockets=[sock])
+        with contextlib.suppress(KeyboardInterrupt, _Terminated):
+            server = make_server(
+                app, log_level=args.log_level, shutdown_timeout=options.shutdown_timeout
+            )
+            server.run(sockets=[sock])
     finally:
+        signal.signal(signal.SIGTERM, previous)
         engine.shutdown()  # stops tensor-parallel worker processes
     return 0
 
 
-def run_cluster(args: argparse.Namespace) -> int:
+class _Terminated(Exception):
+    """SIGTERM, once the server has drained: the process exits through its cleanup."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
+def _warn_if_open(host: str, options: ServerOptions) -> None:
+    """One warning for a server that anyone on the network may use."""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback and not options.api_keys:
+        logger.warning(
+            "listening on %s without --api-key: anyone who can reach this address can use the "
+            "server (docs/server.md, Security and limits)",
+            host,
+        )
+
+
+def run_cluster(args: argparse.Namespace, options: ServerOptions | None = None) -> int:
     """``--data-parallel-size N``: N engine replicas on Ray Serve behind one OpenAI endpoint,
     routed by cached prefix (docs/cluster.md). Serves until interrupted (Ctrl-C or SIGTERM),
     then stops the Serve app and the local Ray: no process of ours or Ray's is left. A local
     Ray listens on 127.0.0.1 (:mod:`pagedkv.entrypoints.cluster.ray_process`).
+
+    Args:
+        options: the HTTP layer's security and limits, installed in the ingress's app (its
+            ``shutdown_timeout`` does not apply: Ray Serve's proxy serves the HTTP).
 
     Raises:
         ConfigError: Ray Serve, pyzmq or msgspec missing (the message names the extra), or a
@@ -165,10 +213,10 @@ def run_cluster(args: argparse.Namespace) -> int:
     from pagedkv.entrypoints.cluster.ray_process import loopback_ray
 
     with loopback_ray(args.ray_address):  # from before Ray is imported
-        return _serve_cluster(args)
+        return _serve_cluster(args, options)
 
 
-def _serve_cluster(args: argparse.Namespace) -> int:
+def _serve_cluster(args: argparse.Namespace, options: ServerOptions | None) -> int:
     import dataclasses
     import time
 
@@ -210,6 +258,7 @@ def _serve_cluster(args: argparse.Namespace) -> int:
                 num_cpus_per_replica=args.num_cpus_per_replica or 1.0,
                 kv_events_host=args.kv_events_host,
                 model_name=name,
+                ingress_options={"server_options": options},
             )
             print(
                 f"pagedkv serve: {name} listening on {url} "

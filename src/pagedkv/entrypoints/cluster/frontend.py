@@ -81,7 +81,7 @@ class ClusterEngineLoop:
         self.dispatcher = dispatcher
         self._input = InputThread(input_processor.copy())
         self._pumps: dict[str, asyncio.Task] = {}
-        self._streams: dict[str, OutputStream] = {}  # request id -> its (shared) stream
+        self._streams: dict[str, OutputStream] = {}  # request id -> its stream, while pumped
         self._running = False
         self.error: BaseException | None = None
 
@@ -140,12 +140,6 @@ class ClusterEngineLoop:
         """Every replica drops its cached blocks; False if one could not."""
         return bool(await self.call(lambda engine: engine.reset_prefix_cache()))
 
-    def fail_streams(self, exc: BaseException) -> None:
-        """End every open stream with ``exc`` and abort its requests on their replicas."""
-        for stream in {id(s): s for s in self._streams.values()}.values():
-            stream.queue.put_nowait(exc)
-        self.abort(list(self._pumps))
-
     async def add_requests(self, requests: list[EngineRequest]) -> OutputStream:
         """Route and start every request, all or none; their shared stream.
 
@@ -182,6 +176,16 @@ class ClusterEngineLoop:
             self._streams[request_id] = stream
             self._pumps[request_id] = asyncio.ensure_future(self._pump(request_id, outputs, stream))
         return stream
+
+    def fail_streams(self, exc: BaseException) -> None:
+        """:meth:`EngineLoop.fail_streams` over the cluster: every open stream gets ``exc``
+        and its requests are aborted on their replicas (their pumps are cancelled, which closes
+        the replicas' streams). Call it on the event loop."""
+        streams = {id(s): s for s in self._streams.values()}
+        self.abort(list(self._pumps))
+        self._streams.clear()
+        for stream in streams.values():
+            stream.queue.put_nowait(exc)
 
     def abort(self, request_ids: Iterable[str]) -> None:
         """Abort requests still in flight (their replicas free the blocks); never blocks."""

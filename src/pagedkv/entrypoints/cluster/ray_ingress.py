@@ -24,17 +24,25 @@ class OpenAIIngress:
         num_replicas: engine replicas (ranks 0..N-1), which ``/metrics`` and
             ``/reset_prefix_cache`` ask.
         model_name: the name clients pass as ``model`` (None: the engines' model file's name).
+        server_options: the HTTP layer's security and limits
+            (:class:`pagedkv.entrypoints.openai.server_options.ServerOptions`; None: defaults).
     """
 
     async def __init__(
-        self, engine_handle: Any, *, num_replicas: int, model_name: str | None = None
+        self,
+        engine_handle: Any,
+        *,
+        num_replicas: int,
+        model_name: str | None = None,
+        server_options: Any = None,
     ) -> None:
         self.dispatcher = RayDispatcher(engine_handle, num_replicas)
         self.info: ReplicaInfo = await engine_handle.describe.remote()
         self.model_name = model_name or self.info.model_name
+        self.server_options = server_options
 
     def __serve_build_asgi_app__(self) -> Any:
         from pagedkv.entrypoints.openai.app import create_app
 
         loop = ClusterEngineLoop(self.dispatcher, self.info.input_processor)
-        return create_app(loop, model_name=self.model_name)
+        return create_app(loop, model_name=self.model_name, options=self.server_options)

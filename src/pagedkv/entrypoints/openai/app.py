@@ -13,7 +13,11 @@ Routes::
     GET  /version                {"version": pagedkv's}
     GET  /health, /ping          200 while the engine runs, else 503 with the reason
     GET  /metrics                Prometheus text format (see metrics.py)
-    POST /reset_prefix_cache     {"success": bool}; fails while blocks are in use
+    POST /reset_prefix_cache     {"success": bool}; fails while blocks are in use (an admin
+                                 route: only with --enable-admin-routes)
+
+API keys, body limits, the Origin / Host policy and the admin gate: server_options.py
+(docs/server.md, "Security and limits").
 
 The handlers live in the serving modules (serving_completion, serving_chat,
 serving_tokenization, serving_models), over an :class:`~pagedkv.engine.protocol.EngineClient`:
@@ -58,6 +62,7 @@ from pagedkv.entrypoints.openai.protocol import (
     TokenizeResponse,
     UnsupportedFieldError,
 )
+from pagedkv.entrypoints.openai.server_options import ServerOptions, install_middleware
 from pagedkv.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedkv.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedkv.entrypoints.openai.serving_models import OpenAIServingModels
@@ -136,6 +141,7 @@ def create_app(
     *,
     model_name: str,
     log_stats_interval: float | None = None,
+    options: ServerOptions | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over ``engine_client``, which starts and stops with the app
     (ASGI lifespan).
@@ -146,6 +152,8 @@ def create_app(
         model_name: the name clients pass as ``model``; other names get 404.
         log_stats_interval: seconds between two stats log lines (throughput, running / waiting,
             KV usage, prefix hit rate; :mod:`.stats_logger`); None = no stats lines.
+        options: API keys, admin routes, body limits, allowed origins
+            (:class:`~.server_options.ServerOptions`; default: its defaults).
     """
     models = OpenAIServingModels(model_name, engine_client.input_processor.max_model_len)
     metrics = ServerMetrics(model_name)
@@ -156,6 +164,7 @@ def create_app(
     app = FastAPI(title="pagedkv", lifespan=_lifespan(engine_client, log_stats_interval))
     app.state.engine_client = engine_client
     app.state.metrics = metrics
+    options = install_middleware(app, options)
     _install_error_handlers(app)
 
     @app.get("/v1/models")
@@ -207,9 +216,11 @@ def create_app(
         stats = await engine_client.get_stats()
         return Response(metrics.render(stats), media_type=CONTENT_TYPE)
 
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> JSONResponse:
-        success = await engine_client.reset_prefix_cache()
-        return JSONResponse({"success": success}, status_code=200 if success else 409)
+    if options.enable_admin_routes:  # vLLM serves its dev routes only in dev mode
+
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache() -> JSONResponse:
+            success = await engine_client.reset_prefix_cache()
+            return JSONResponse({"success": success}, status_code=200 if success else 409)
 
     return app
