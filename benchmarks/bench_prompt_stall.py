@@ -22,6 +22,7 @@ import threading
 import time
 
 import httpx
+
 from _server import own_server
 
 
