@@ -104,6 +104,29 @@ def test_copies_match_the_dense_reference(backend, dtype, form, num_pairs):
             assert same_bytes(cache[:, dst], cache[:, src])
 
 
+@pytest.mark.parametrize(
+    ("dtype", "num_kv_heads", "head_size", "block_size"),
+    [
+        (torch.float8_e5m2, 1, 3, 1),  # 3 bytes a half-block: copied as bytes
+        (torch.bfloat16, 1, 3, 1),  # 6: as int16
+        (torch.float16, 3, 2, 1),  # 12: as int32
+        (torch.float32, 2, 5, 3),  # 120: as int64
+    ],
+)
+def test_odd_shapes_copy_exactly(backend, dtype, num_kv_heads, head_size, block_size):
+    """The copy moves each half-block as the widest int words that divide it."""
+    spec = AttentionLayerSpec(
+        num_heads=num_kv_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+        block_size=block_size, dtype=torch.float32 if dtype.itemsize == 1 else dtype,
+        kv_cache_dtype=dtype,
+    )  # fmt: skip
+    caches = random_caches(backend, spec, num_layers=2, seed=9)
+    pairs = random_copies(5, seed=10)
+    expected = dense_reference(caches, pairs)
+    backend.copy_blocks(caches, pairs)
+    assert all(torch.equal(c.view(torch.uint8), e) for c, e in zip(caches, expected, strict=True))
+
+
 def test_only_the_caches_given_change(backend):
     caches = random_caches(backend, _spec(torch.bfloat16), num_layers=3, seed=1)
     other = caches.pop()

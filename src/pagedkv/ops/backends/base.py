@@ -158,12 +158,18 @@ def check_block_mapping(block_mapping: BlockMapping, num_blocks: int) -> torch.T
 
 
 def index_copy_blocks(kv_caches: Sequence[torch.Tensor], mapping: torch.Tensor) -> None:
-    """Copy whole blocks along dim 1 of each cache (``[2, num_blocks, ...]``: keys and values
-    together), one ``index_select`` + ``index_copy_`` per cache, whatever the layout inside a
-    block: the torch fallback of :meth:`AttentionBackend.copy_blocks` (pagedkv's own).
+    """Copy whole blocks along dim 1 of each cache (``[2, num_blocks, ...]``, contiguous: keys
+    and values together), one ``index_select`` + ``index_copy_`` per cache, whatever the layout
+    inside a block: the torch way of :meth:`AttentionBackend.copy_blocks` (pagedkv's own).
+
+    Each cache is copied as raw bytes viewed ``[2, num_blocks, page_words]`` in the widest int
+    dtype that divides a block's half (int64 for every shape the engine runs): exact for every
+    cache dtype (torch has no fp8 ``index_copy_``), and the widest elements measured fastest on
+    CPU (docs/ops.md).
 
     Args:
-        kv_caches: caches of one shape, dtype and device (checked by ``copy_blocks``).
+        kv_caches: contiguous caches of one shape, dtype and device (checked by
+            ``copy_blocks``).
         mapping: checked pairs (:func:`check_block_mapping`), int64 ``[num_pairs, 2]``, any
             device (moved to the caches').
     """
@@ -172,9 +178,12 @@ def index_copy_blocks(kv_caches: Sequence[torch.Tensor], mapping: torch.Tensor) 
     index = mapping.t().to(kv_caches[0].device, non_blocking=True).contiguous()
     src, dst = index[0], index[1]
     for kv_cache in kv_caches:
-        if kv_cache.dtype in FP8_DTYPES:  # torch has no fp8 index_copy: copy the bytes
-            kv_cache = kv_cache.view(torch.uint8)
-        kv_cache.index_copy_(1, dst, kv_cache.index_select(1, src))
+        words = kv_cache.view(torch.uint8).view(2, kv_cache.shape[1], -1)
+        for wide in (torch.int64, torch.int32, torch.int16):
+            if words.shape[-1] % wide.itemsize == 0 and words.storage_offset() % wide.itemsize == 0:
+                words = words.view(wide)
+                break
+        words.index_copy_(1, dst, words.index_select(1, src))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
