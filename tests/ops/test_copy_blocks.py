@@ -127,6 +127,21 @@ def test_odd_shapes_copy_exactly(backend, dtype, num_kv_heads, head_size, block_
     assert all(torch.equal(c.view(torch.uint8), e) for c, e in zip(caches, expected, strict=True))
 
 
+def test_a_cache_at_an_odd_byte_offset_copies_exactly():
+    """A contiguous cache that starts 1 byte into its storage is copied as bytes."""
+    from pagedkv.ops.backends import TorchBackend
+
+    shape = TorchBackend().kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, 2, 64)
+    numel = torch.Size(shape).numel()
+    storage = torch.randint(0, 256, (numel + 1,), dtype=torch.uint8)
+    cache = storage[1:].view(torch.float8_e4m3fn).view(shape)
+    assert cache.is_contiguous() and cache.storage_offset() == 1
+    pairs = random_copies(6, seed=11)
+    expected = dense_reference([cache], pairs)
+    TorchBackend().copy_blocks([cache], pairs)
+    assert torch.equal(cache.view(torch.uint8), expected[0])
+
+
 def test_only_the_caches_given_change(backend):
     caches = random_caches(backend, _spec(torch.bfloat16), num_layers=3, seed=1)
     other = caches.pop()

@@ -162,10 +162,10 @@ def index_copy_blocks(kv_caches: Sequence[torch.Tensor], mapping: torch.Tensor) 
     and values together), one ``index_select`` + ``index_copy_`` per cache, whatever the layout
     inside a block: the torch way of :meth:`AttentionBackend.copy_blocks` (pagedkv's own).
 
-    Each cache is copied as raw bytes viewed ``[2, num_blocks, page_words]`` in the widest int
-    dtype that divides a block's half (int64 for every shape the engine runs): exact for every
-    cache dtype (torch has no fp8 ``index_copy_``), and the widest elements measured fastest on
-    CPU (docs/ops.md).
+    Each cache is copied as raw words: viewed in the widest int dtype that divides its last
+    dimension's bytes (int64 for every head size the engine runs): exact for every cache dtype
+    (torch has no fp8 ``index_copy_``), and wide elements measured at least as fast as the
+    cache's own dtype on CPU (docs/ops.md).
 
     Args:
         kv_caches: contiguous caches of one shape, dtype and device (checked by
@@ -178,12 +178,19 @@ def index_copy_blocks(kv_caches: Sequence[torch.Tensor], mapping: torch.Tensor) 
     index = mapping.t().to(kv_caches[0].device, non_blocking=True).contiguous()
     src, dst = index[0], index[1]
     for kv_cache in kv_caches:
-        words = kv_cache.view(torch.uint8).view(2, kv_cache.shape[1], -1)
-        for wide in (torch.int64, torch.int32, torch.int16):
-            if words.shape[-1] % wide.itemsize == 0 and words.storage_offset() % wide.itemsize == 0:
-                words = words.view(wide)
-                break
+        words = kv_cache.view(_widest_word(kv_cache))  # a view, no copy
         words.index_copy_(1, dst, words.index_select(1, src))
+
+
+def _widest_word(tensor: torch.Tensor) -> torch.dtype:
+    """The widest int dtype a contiguous ``tensor`` can be viewed as (its last dimension's bytes
+    and its offset divisible by the word)."""
+    size = tensor.element_size()
+    row_bytes, offset_bytes = tensor.shape[-1] * size, tensor.storage_offset() * size
+    for word in (torch.int64, torch.int32, torch.int16):
+        if row_bytes % word.itemsize == 0 and offset_bytes % word.itemsize == 0:
+            return word
+    return torch.uint8
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
