@@ -114,9 +114,7 @@ def test_refused_prompts_name_the_field(processor, prompt, param, message):
         (SamplingParams(), 2**63, "priority"),
     ],
 )
-def test_parameters_are_checked_against_the_model_and_the_limits(
-    processor, params, priority, param
-):
+def test_parameters_are_checked_against_the_model_and_the_limits(processor, params, priority, param):
     with pytest.raises(InvalidRequestError) as excinfo:
         processor.check_params(params, priority)
     assert excinfo.value.param == param
