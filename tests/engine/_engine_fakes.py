@@ -71,9 +71,14 @@ class FakeModel:
             self.computed[req_id] = cached.num_computed_tokens[i]
 
     def execute(self, out: SchedulerOutput) -> list[int]:
-        """Write this step's tokens, then sample one token per sampling request (in scheduling
-        order)."""
+        """Copy the step's blocks (group 0's ``blocks_to_copy``, as the runner does, before any
+        write), write this step's tokens, then sample one token per sampling request (in
+        scheduling order)."""
         self._update(out)
+        if out.blocks_to_copy:
+            sources = [list(self.cache[src]) for src, _ in out.blocks_to_copy[0]]
+            for (_, dst), tokens in zip(out.blocks_to_copy[0], sources, strict=True):
+                self.cache[dst] = tokens
         bs = self.block_size
         sampled = []
         for req_id, num in out.num_scheduled_tokens.items():

@@ -187,3 +187,18 @@ def test_an_interrupted_step_still_tells_the_worker_what_finished(tiny):
     engine.add_request("next", "xyz", SamplingParams(temperature=0, max_tokens=1))
     engine.step()
     assert set(batch.requests) == {"next"}
+
+
+def test_blocks_to_copy_cross_as_plain_data(tiny):
+    """Copy-on-write copies are tuples of lists of int pairs: nothing else crosses, and the
+    worker copies what arrives (tests/engine/test_block_copy.py has the semantics)."""
+    out = SchedulerOutput(blocks_to_copy=([(1, 2), (3, 4)],))
+    copy = wire(out)
+    assert copy.blocks_to_copy == out.blocks_to_copy == ([(1, 2), (3, 4)],)
+    assert SchedulerOutput().blocks_to_copy == ()  # the default: nothing to copy
+    engine = make_engine(tiny)
+    cache = engine.runner.kv_caches[0]
+    cache[:, 1].fill_(1.5)
+    cache[:, 3].fill_(-2.0)
+    engine.runner.execute_model(copy)
+    assert bool((cache[:, 2] == 1.5).all()) and bool((cache[:, 4] == -2.0).all())

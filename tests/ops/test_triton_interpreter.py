@@ -46,6 +46,24 @@ if not IN_INTERPRETER:
             f"interpreter tests failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
         )
 
+    def test_triton_copy_blocks_under_interpreter():
+        """test_copy_blocks.py's triton cases: the backend's block copies (torch on its
+        layout), then its interpreted kernels attending the copied blocks."""
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        other = os.path.join(os.path.dirname(__file__), "test_copy_blocks.py")
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", other, "-k", "triton"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        assert proc.returncode == 0 and " passed" in proc.stdout, (
+            f"triton copy_blocks tests failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
+        )
+        assert "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
+
 else:
     # (paged_attention_cases is importable through pytest's pythonpath setting, pyproject.toml.)
     import torch

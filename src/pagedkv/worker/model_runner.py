@@ -5,7 +5,9 @@ runner allocates each layer's cache with ``backend.allocate_kv_cache(num_blocks,
 layer's :class:`~pagedkv.ops.backends.AttentionLayerSpec` (the model's
 ``attention_layer_specs``), and never looks inside it.
 
-Per step: :class:`~pagedkv.worker.input_batch.InputBatch` flattens the
+Per step: first the step's copy-on-write block copies (``SchedulerOutput.blocks_to_copy``), one
+``backend.copy_blocks`` per KV cache group over the caches of that group's layers, before any KV
+write of the step; then :class:`~pagedkv.worker.input_batch.InputBatch` flattens the
 :class:`~pagedkv.worker.scheduler_output.SchedulerOutput` into input ids, positions, and per KV
 cache group a block table and a slot mapping, from which each layer gets the backend's metadata
 of its group and spec; one forward runs the whole batch; logits are computed only at each
@@ -29,11 +31,12 @@ import torch
 from pagedkv.config import SchedulerConfig
 from pagedkv.core.config import KVCacheConfig
 from pagedkv.core.spec import SlidingWindowSpec
-from pagedkv.errors import ConfigError
+from pagedkv.errors import ConfigError, InvalidRequestError, OpsInputError
 from pagedkv.ops.backends import (
     AttentionBackend,
     AttentionLayerSpec,
     TorchBackend,
+    check_block_mapping,
     get_attn_backend,
 )
 from pagedkv.sampling_params import SamplingParams
@@ -106,6 +109,12 @@ class ModelRunner:
         #: one KV cache tensor per layer, in the backend's layout (``backend.kv_cache_shape``);
         #: layers of different groups share a tensor (their block ids differ).
         self.kv_caches = _allocate_kv_caches(backend, kv_cache_config, self.layer_specs)
+        #: per KV cache group, the caches of its layers (each once): what a block copy of the
+        #: group touches (a short, padded group's copies leave the other tensors alone).
+        self.group_kv_caches = [
+            [self.kv_caches[layer] for layer in group.layer_ids]
+            for group in kv_cache_config.kv_cache_groups
+        ]
         self.sampler = Sampler(seed, self.device)
         #: torch's intra-op thread count when the runner was built (the engine has set it).
         self.num_threads = torch.get_num_threads()
@@ -127,8 +136,11 @@ class ModelRunner:
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Apply the step's changes to the persistent batch, run one forward and sample.
 
-        A step with no scheduled token (only finished requests to forget) updates the state and
-        returns an empty output.
+        The step's block copies (``out.blocks_to_copy``) are checked before anything changes
+        and done before the forward (so before the step's KV writes), one
+        ``backend.copy_blocks`` per KV cache group with copies. A step with no scheduled token
+        (only finished requests to forget, or copies) updates the state, copies, and returns an
+        empty output.
 
         Returns:
             One sampled token id per request whose step completes its prompt and every earlier
@@ -137,12 +149,15 @@ class ModelRunner:
 
         Raises:
             InvalidRequestError: a scheduler output that does not fit this worker's state
-                (:meth:`InputBatch.update`).
+                (:meth:`InputBatch.update`), or bad ``blocks_to_copy`` (then nothing changed).
         """
         if self._thread_ident != threading.get_ident():
             self._bind_calling_thread()
+        copies = self._check_blocks_to_copy(out.blocks_to_copy)
         batch = self.input_batch
         batch.update(out)
+        for group, mapping in copies:
+            self.attention_backend.copy_blocks(self.group_kv_caches[group], mapping)
         result = ModelRunnerOutput()
         if not out.total_num_scheduled_tokens:
             return result
@@ -200,6 +215,46 @@ class ModelRunner:
                 )
         result.sampled_token_ids = sampled.tolist()
         return result
+
+    def _check_blocks_to_copy(self, blocks_to_copy) -> list[tuple[int, torch.Tensor]]:
+        """The step's copies as (KV cache group, checked ``[num_pairs, 2]`` mapping), groups
+        without copies left out. Each group's pairs follow
+        :func:`~pagedkv.ops.backends.check_block_mapping`, and so do all groups' together (the
+        groups share the cache tensors, so a block one group writes must not be another's
+        destination or source).
+
+        Raises:
+            InvalidRequestError: not one list per KV cache group, or pairs that break the rules.
+        """
+        if not blocks_to_copy:
+            return []
+        num_groups = len(self.group_kv_caches)
+        if (
+            not isinstance(blocks_to_copy, Sequence)
+            or isinstance(blocks_to_copy, str | bytes)
+            or len(blocks_to_copy) != num_groups
+        ):
+            got = len(blocks_to_copy) if isinstance(blocks_to_copy, Sequence) else blocks_to_copy
+            raise InvalidRequestError(
+                f"blocks_to_copy must hold one list of (src, dst) pairs per KV cache group "
+                f"({num_groups}), got {got!r}"
+            )
+        copies = []
+        for group, pairs in enumerate(blocks_to_copy):
+            try:
+                mapping = check_block_mapping(pairs, self.num_blocks)
+            except OpsInputError as e:
+                raise InvalidRequestError(f"blocks_to_copy of KV cache group {group}: {e}") from e
+            if mapping.shape[0]:
+                copies.append((group, mapping))
+        if len(copies) > 1:
+            try:
+                check_block_mapping(torch.cat([m for _, m in copies]), self.num_blocks)
+            except OpsInputError as e:
+                raise InvalidRequestError(
+                    f"blocks_to_copy across KV cache groups (they share the cache tensors): {e}"
+                ) from e
+        return copies
 
     def _bind_calling_thread(self) -> None:
         """Give the thread that runs the steps (the server's engine thread, say) the runner's

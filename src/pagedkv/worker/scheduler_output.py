@@ -3,13 +3,15 @@
 The boundary has vLLM V1's shape (``vllm/v1/core/sched/output.py``), in our own code: the
 scheduler sends a request to the workers once, whole (:class:`NewRequestData`), and afterwards
 only what changed (:class:`CachedRequestData`: the token ids and block ids the workers do not have
-yet, the new ``num_computed_tokens``), plus the ids of requests that finished since the last step.
+yet, the new ``num_computed_tokens``), plus the ids of requests that finished since the last step
+and the block copies of copy-on-write (``blocks_to_copy``), applied before the step's KV writes.
 Every worker keeps its own copy of each request's state (``pagedkv.worker.input_batch``), so a
 decode step sends O(1) data per request, whatever its context length, and tensor parallelism
 pickles this object as it is to every rank.
 
-Only ids, ints, lists of ints and :class:`~pagedkv.sampling_params.SamplingParams` (a frozen
-dataclass of plain values) cross the boundary: no live object of the engine.
+Only ids, ints, lists of ints (and of int pairs: ``blocks_to_copy``) and
+:class:`~pagedkv.sampling_params.SamplingParams` (a frozen dataclass of plain values) cross the
+boundary: no live object of the engine.
 
 The worker defines what it consumes and the scheduler (one layer up) imports it, so the imports
 run one way (vLLM V1 keeps it below its workers too).
@@ -23,6 +25,9 @@ from pagedkv.sampling_params import SamplingParams
 
 #: Block ids of one request, one list per KV cache group (``0`` = the null block).
 BlockIds = tuple[list[int], ...]
+
+#: A step's block copies, one list of ``(src_block_id, dst_block_id)`` pairs per KV cache group.
+BlocksToCopy = tuple[list[tuple[int, int]], ...]
 
 
 @dataclass(slots=True)
@@ -90,6 +95,17 @@ class SchedulerOutput:
             workers drop their state.
         preempted_req_ids: requests preempted while scheduling this step (their blocks are
             freed; the workers keep their tokens for when they resume).
+        blocks_to_copy: copy-on-write copies, one list of ``(src_block_id, dst_block_id)``
+            pairs per KV cache group (``()``, or empty lists: nothing to copy). When a forked
+            request writes into a partially filled block it shares, the KV-cache manager gives it
+            a fresh block and asks for the shared one's contents to be copied there; each worker
+            copies every pair, keys and values, in every layer of the group (on its own shard of
+            the KV heads), before this step's KV writes, whether or not the step schedules any
+            token. A group's pairs follow
+            :func:`pagedkv.ops.backends.check_block_mapping` (ids in ``[1, num_blocks)``, no copy
+            onto itself, no ``dst`` twice, no block both a source and a destination), and so do
+            all groups' pairs together (the groups share the cache tensors). Idea from vLLM's
+            ``blocks_to_copy`` of its V0 scheduler outputs (beam search, parallel sampling).
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -98,6 +114,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    blocks_to_copy: BlocksToCopy = ()
 
     @property
     def num_reqs(self) -> int:

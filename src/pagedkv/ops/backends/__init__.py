@@ -10,15 +10,18 @@ Each backend's kernels are its own: the private packages ``_torch`` and ``_trito
 only by their backend (``.importlinter`` checks it); tests and benchmarks of a kernel may import
 them directly.
 
-See :mod:`pagedkv.ops.backends.base` for the interface and how a runner uses it, and
+See :mod:`pagedkv.ops.backends.base` for the interface and how a runner uses it (block copies of
+copy-on-write included: ``copy_blocks``, :func:`check_block_mapping`), and
 :mod:`pagedkv.ops.backends.selector` for ``--attention-backend``.
 """
 
 from pagedkv.ops.backends.base import (
     AttentionBackend,
     AttentionLayerSpec,
+    BlockMapping,
     BoundAttentionMetadata,
     CommonAttentionMetadata,
+    check_block_mapping,
 )
 from pagedkv.ops.backends.selector import (
     BACKEND_CHOICES,
@@ -40,6 +43,7 @@ __all__ = [
     "AttentionBackend",
     "AttentionLayerSpec",
     "BackendChoice",
+    "BlockMapping",
     "BoundAttentionMetadata",
     "CommonAttentionMetadata",
     "TorchBackend",
@@ -49,6 +53,7 @@ __all__ = [
     "available_backends",
     "bind_metadata",
     "build_layer_metadata",
+    "check_block_mapping",
     "get_attn_backend",
     "select_backend",
 ]

@@ -19,6 +19,11 @@ per layer::
     backend.write_kv(k, v, kv_caches[i], md)
     out = backend.forward(q, kv_caches[i], md)            # [num_tokens, num_heads, head_size]
 
+and, before a step's writes, the copy-on-write copies of each KV cache group (one call per group,
+every layer of the group at once)::
+
+    backend.copy_blocks([kv_caches[i] for i in group_layers], [(src, dst), ...])
+
 Query rows follow flash-attention's varlen layout: request ``i`` owns rows
 ``[query_start_loc[i], query_start_loc[i+1])``, the last ``q_len`` positions of its
 ``seq_lens[i]``-token sequence, causal within the request (decode, prefill, prefill after a prefix
@@ -29,6 +34,7 @@ see keys ``p - W < k <= p`` (vLLM's and Mistral's convention).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -69,6 +75,122 @@ def resolve_kv_dtype(dtype: torch.dtype | str) -> torch.dtype:
             f"KV-cache dtype {dtype} unsupported; use float32, bfloat16, float16 or float8"
         )
     return dtype
+
+
+#: A block copy's pairs: ``(src_block_id, dst_block_id)`` each, as a sequence of int pairs or an
+#: int tensor ``[num_pairs, 2]`` (vLLM's ``block_mapping``).
+BlockMapping = torch.Tensor | Sequence[tuple[int, int]]
+
+
+def check_block_mapping(block_mapping: BlockMapping, num_blocks: int) -> torch.Tensor:
+    """Check a block copy's ``(src, dst)`` pairs against a pool of ``num_blocks`` blocks.
+
+    The rules (vectorised: a few tensor ops whatever the number of pairs):
+
+    - every id in ``[1, num_blocks)``: block 0 is the null block, never copied from or to;
+    - ``dst != src``;
+    - no ``dst`` twice (what it would hold would depend on the order of the copies);
+    - no block both a ``dst`` and a ``src``: every copy reads its source as it was before the
+      call, whatever the order (vLLM's kernels copy the pairs in parallel, so a chain would race).
+
+    A fork's copy-on-write copies (a shared partially filled block into a fresh one) always pass.
+
+    Args:
+        block_mapping: the pairs, a sequence of ``(src, dst)`` ints or an int32 / int64 tensor
+            ``[num_pairs, 2]`` on any device (read back to the host).
+        num_blocks: blocks in the pool, the null block included.
+
+    Returns:
+        The pairs as a contiguous int64 CPU tensor ``[num_pairs, 2]`` (``[0, 2]`` when empty).
+
+    Raises:
+        OpsInputError: a mapping that breaks a rule, is not int pairs, or a ``num_blocks`` < 1.
+    """
+    check_int("num_blocks", num_blocks, 1, error=OpsInputError)
+    if isinstance(block_mapping, torch.Tensor):
+        if block_mapping.dtype not in (torch.int32, torch.int64):
+            raise OpsInputError(
+                f"block_mapping must be an int32 or int64 tensor, got {block_mapping.dtype}"
+            )
+        mapping = block_mapping.detach().to("cpu", torch.int64)
+    elif isinstance(block_mapping, Sequence) and not isinstance(block_mapping, str | bytes):
+        if len(block_mapping) == 0:
+            return torch.empty((0, 2), dtype=torch.int64)
+        try:
+            mapping = torch.tensor(block_mapping)
+        except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+            raise OpsInputError(f"block_mapping must be (src, dst) int pairs: {e}") from e
+        if mapping.dtype != torch.int64:
+            raise OpsInputError(f"block_mapping must hold ints, got {mapping.dtype} values")
+    else:
+        raise OpsInputError(
+            "block_mapping must be a sequence of (src, dst) int pairs or an int tensor "
+            f"[num_pairs, 2], got {type(block_mapping).__name__}"
+        )
+    if mapping.dim() != 2 or mapping.shape[1] != 2:
+        raise OpsInputError(
+            f"block_mapping must be (src, dst) pairs [num_pairs, 2], got shape "
+            f"{tuple(mapping.shape)}"
+        )
+    mapping = mapping.contiguous()
+    num_pairs = mapping.shape[0]
+    if num_pairs == 0:
+        return mapping
+    lo, hi = int(mapping.min()), int(mapping.max())
+    if lo < 1 or hi >= num_blocks:
+        raise OpsInputError(
+            f"block ids of a copy must be in [1, {num_blocks}) (block 0 is the null block), got "
+            f"range [{lo}, {hi}]"
+        )
+    src, dst = mapping[:, 0], mapping[:, 1]
+    onto_itself = src == dst
+    if bool(onto_itself.any()):
+        raise OpsInputError(f"block {int(src[onto_itself][0])} is copied onto itself")
+    unique_dst, counts = torch.unique(dst, return_counts=True)
+    if unique_dst.numel() != num_pairs:
+        raise OpsInputError(f"block {int(unique_dst[counts > 1][0])} is the destination twice")
+    both = torch.isin(dst, src)
+    if bool(both.any()):
+        raise OpsInputError(
+            f"block {int(dst[both][0])} is both a source and a destination of one copy"
+        )
+    return mapping
+
+
+def index_copy_blocks(kv_caches: Sequence[torch.Tensor], mapping: torch.Tensor) -> None:
+    """Copy whole blocks along dim 1 of each cache (``[2, num_blocks, ...]``, contiguous: keys
+    and values together), one ``index_select`` + ``index_copy_`` per cache, whatever the layout
+    inside a block: the torch way of :meth:`AttentionBackend.copy_blocks` (pagedkv's own).
+
+    Each cache is copied as raw words: viewed in the widest int dtype that divides its last
+    dimension's bytes (int64 for every head size the engine runs): exact for every cache dtype
+    (torch has no fp8 ``index_copy_``), and wide elements measured at least as fast as the
+    cache's own dtype on CPU (docs/ops.md).
+
+    Args:
+        kv_caches: contiguous caches of one shape, dtype and device (checked by
+            ``copy_blocks``).
+        mapping: checked pairs (:func:`check_block_mapping`), int64 ``[num_pairs, 2]``, any
+            device (moved to the caches').
+    """
+    if not kv_caches or mapping.shape[0] == 0:
+        return
+    index = mapping.t().to(kv_caches[0].device, non_blocking=True).contiguous()
+    src, dst = index[0], index[1]
+    for kv_cache in kv_caches:
+        words = kv_cache.view(_widest_word(kv_cache))  # a view, no copy
+        words.index_copy_(1, dst, words.index_select(1, src))
+
+
+def _widest_word(tensor: torch.Tensor) -> torch.dtype:
+    """The widest int dtype a contiguous ``tensor`` can be viewed as (its last dimension's bytes
+    and its offset divisible by the word)."""
+    size = tensor.element_size()
+    row_bytes, offset_bytes = tensor.shape[-1] * size, tensor.storage_offset() * size
+    for word in (torch.int64, torch.int32, torch.int16):
+        if row_bytes % word.itemsize == 0 and offset_bytes % word.itemsize == 0:
+            return word
+    return torch.uint8
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -292,6 +414,76 @@ class AttentionBackend(ABC):
         Raises:
             OpsInputError: ``num_blocks < 1`` or a spec this backend cannot run.
         """
+
+    def copy_blocks(self, kv_caches: Sequence[torch.Tensor], block_mapping: BlockMapping) -> None:
+        """Copy whole blocks ``src -> dst`` (keys and values) in every cache of ``kv_caches``, in
+        place: the copy-on-write of a forked request (vLLM's ``copy_blocks``).
+
+        Meant for the layers of one KV cache group: one call copies every pair in every one of
+        them (the runner makes one call per group per step, before the step's writes). Every
+        check comes first: a call that raises has touched no tensor.
+
+        Args:
+            kv_caches: caches allocated by this backend (:meth:`allocate_kv_cache`), one at
+                least, of one shape and dtype, on its device, each once.
+            block_mapping: ``(src, dst)`` block-id pairs (:func:`check_block_mapping` has the
+                rules: ids in ``[1, num_blocks)``, ``dst != src``, no ``dst`` twice, no block
+                both copied from and to); empty = nothing to do.
+
+        Raises:
+            OpsInputError: a bad mapping, or caches that are not one or more tensors of one
+                shape and dtype on this backend's device, contiguous, each once.
+        """
+        caches = self._check_copy_caches(kv_caches)
+        mapping = check_block_mapping(block_mapping, caches[0].shape[1])
+        if mapping.shape[0]:
+            self._copy_blocks(caches, mapping)
+
+    @abstractmethod
+    def _copy_blocks(self, kv_caches: list[torch.Tensor], mapping: torch.Tensor) -> None:
+        """:meth:`copy_blocks` after its checks: ``mapping`` is a checked, non-empty int64 CPU
+        tensor ``[num_pairs, 2]``; ``kv_caches`` a non-empty list of checked caches."""
+
+    def _check_copy_caches(self, kv_caches: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The checks of :meth:`copy_blocks` on its caches (every backend here keeps a layer as
+        ``[2, num_blocks, ...]``: the block count is dim 1)."""
+        if isinstance(kv_caches, torch.Tensor) or not isinstance(kv_caches, Sequence):
+            raise OpsInputError(
+                f"kv_caches must be a sequence of cache tensors, got {type(kv_caches).__name__}"
+            )
+        caches = list(kv_caches)
+        if not caches:
+            raise OpsInputError("kv_caches is empty: give the caches of a KV cache group's layers")
+        seen: set[int] = set()
+        for i, cache in enumerate(caches):
+            if not isinstance(cache, torch.Tensor) or cache.dim() < 2 or cache.shape[0] != 2:
+                raise OpsInputError(
+                    f"kv_caches[{i}] must be a cache of this backend [2, num_blocks, ...], got "
+                    + (
+                        str(tuple(cache.shape))
+                        if isinstance(cache, torch.Tensor)
+                        else type(cache).__name__
+                    )
+                )
+            if cache.shape != caches[0].shape or cache.dtype != caches[0].dtype:
+                raise OpsInputError(
+                    f"kv_caches[{i}] is {tuple(cache.shape)} {cache.dtype}, kv_caches[0] "
+                    f"{tuple(caches[0].shape)} {caches[0].dtype}: one call copies the layers of "
+                    "one KV cache group, of one shape and dtype"
+                )
+            if cache.device.type != self.device.type:
+                raise OpsInputError(
+                    f"kv_caches[{i}] is on {cache.device}, the {self.name} backend's caches on "
+                    f"{self.device.type}"
+                )
+            if not cache.is_contiguous():
+                raise OpsInputError(
+                    f"kv_caches[{i}] must be contiguous (allocate it with the backend)"
+                )
+            if cache.data_ptr() in seen:
+                raise OpsInputError(f"kv_caches[{i}] is a cache given twice")
+            seen.add(cache.data_ptr())
+        return caches
 
     # --- per step ----------------------------------------------------------------------------
 

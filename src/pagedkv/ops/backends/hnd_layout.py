@@ -12,6 +12,9 @@ One tensor per layer, any block size, any head size, every cache dtype of
              |  +-- physical block id (block 0 = the null block, never written by the runner)
              +-- 0 = keys, 1 = values
 
+A block is ``kv_cache[:, block_id]``: a copy-on-write copy (``copy_blocks``) moves it whole, keys
+and values, in one ``index_select`` + ``index_copy_`` per layer.
+
 A token's *slot* is ``block_id * block_size + offset``; its key for KV head ``h`` is
 ``kv_cache[0, slot // block_size, h, slot % block_size]``. This is vLLM's "HND" layout
 (``[num_blocks, num_kv_heads, block_size, head_size]`` per K and V, the one its CPU backend reads).
@@ -36,6 +39,7 @@ from pagedkv.ops.backends.base import (
     AttentionBackend,
     AttentionLayerSpec,
     check_layer_tensors,
+    index_copy_blocks,
     resolve_kv_dtype,
 )
 from pagedkv.validation import check_int
@@ -114,6 +118,11 @@ class HNDLayoutBackend(AttentionBackend):
             spec.kv_cache_dtype,
             self.device,
         )
+
+    def _copy_blocks(self, kv_caches: list[torch.Tensor], mapping: torch.Tensor) -> None:
+        """Whole blocks along dim 1, one ``index_select`` + ``index_copy_`` per cache on the
+        caches' device (CPU or CUDA alike; fp8 copied as bytes)."""
+        index_copy_blocks(kv_caches, mapping)
 
     def _check_tensors(
         self, spec: AttentionLayerSpec, num_tokens: int, kv_cache: torch.Tensor, **tensors

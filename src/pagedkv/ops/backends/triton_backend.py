@@ -10,6 +10,10 @@ The kernels are this backend's own (the private package ``_triton``, imported by
 of pagedkv: ``.importlinter``); it imports them, and so ``triton``, only when it first writes or
 attends, so that selecting a backend never loads triton.
 
+Block copies (``copy_blocks``, copy-on-write) are torch's ``index_select`` + ``index_copy_`` on
+the device, one pair per layer (:class:`~pagedkv.ops.backends.hnd_layout.HNDLayoutBackend`'s):
+whole blocks need no kernel of their own.
+
 The metadata is the step's device tensors plus two host facts the launch needs (whether every
 request is a decode, and the longest sequence); it does no index work on the host.
 """

