@@ -213,7 +213,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             child = make_request(self.kv, "x", tokens, num_computed_tokens=c)
             parent = data.draw(st.sampled_from(self.finished))
         elif kind == "count":
-            child = make_request(self.kv, "x", tokens + [1], num_computed_tokens=c + 1)
+            child = make_request(self.kv, "x", [*tokens, 1], num_computed_tokens=c + 1)
         else:
             if not c:
                 return

@@ -522,6 +522,8 @@ class KVCacheManager:
           for every holder, at the same index, with the same ``c`` (nobody wrote past the fork
           point) and the same first ``c`` token ids (so the same KV): the next writer must
           copy it, and no holder can write into it in place while another holds it;
+        - each holder of such a block is in its group manager's ``may_copy`` (the requests whose
+          allocations look at ref counts);
         - each table covers its request's computed tokens, and holds the null block only at
           indices wholly before the sliding window of token ``c_r``.
 
@@ -616,6 +618,11 @@ class KVCacheManager:
                             raise CacheStateError(
                                 f"block {block_id} is partially filled for request "
                                 f"{request_id!r} but full for another holder: two writers"
+                            )
+                        if request_id not in manager.may_copy:
+                            raise CacheStateError(
+                                f"request {request_id!r} shares block {block_id} partially "
+                                "filled but is not in may_copy: it would write without a copy"
                             )
                         first = partial.setdefault(block_id, (index, num_computed, request))
                         if first[0] != index or first[1] != num_computed:

@@ -62,6 +62,11 @@ class SingleTypeKVCacheManager:
         self._prefix_tail: dict[str, PrefixNode] = {}
         # Copy-on-write copies (src block id, dst block id) not yet taken by the scheduler.
         self.blocks_to_copy: list[tuple[int, int]] = []
+        #: Requests that may hold a shared, partially filled block: both sides of every fork
+        #: made off a block boundary, until they write past it or are freed. Only sharing by
+        #: ``fork`` can make such a block (prefix hits share full blocks only), so ``grow``
+        #: looks at ref counts for these requests only: an empty set costs one truth test.
+        self.may_copy: set[str] = set()
         #: Copies recorded since the manager was made (only grows).
         self.num_blocks_copied = 0
 
@@ -110,6 +115,9 @@ class SingleTypeKVCacheManager:
         tail = self._prefix_tail.get(parent_id)
         if tail is not None and num_cached <= limit:
             self._prefix_tail[child_id] = tail
+        if num_computed_tokens % self.block_size:
+            self.may_copy.add(parent_id)
+            self.may_copy.add(child_id)
         return blocks
 
     def _drop_dead_blocks(self, blocks: list[KVCacheBlock], num_computed_tokens: int) -> None:
@@ -181,6 +189,8 @@ class SingleTypeKVCacheManager:
         if num_new < 0:
             num_new = 0
         shared = self.shared_partial_block(blocks, num_tokens, num_computed_tokens)
+        if self.may_copy and num_tokens > num_computed_tokens:
+            self.may_copy.discard(request_id)  # after this write no block of it is shared unfilled
         if shared is None:
             if num_new == 0:
                 return []
@@ -224,6 +234,8 @@ class SingleTypeKVCacheManager:
             return
         self.num_cached_block.pop(request_id, None)
         self._prefix_tail.pop(request_id, None)
+        if self.may_copy:
+            self.may_copy.discard(request_id)
         self.block_pool.free_blocks(reversed(blocks))
 
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
@@ -289,8 +301,10 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             num_tokens_to_cache: tokens whose full blocks enter the prefix cache (-1: no caching);
                 blocks without a hash yet (``request.block_hashes`` too short) are skipped.
 
-        Copy-on-write as in ``allocate_new_blocks``: one O(1) check of the ref_cnt of the block
-        of token ``request.num_computed_tokens`` (when it is partially filled), nothing per token.
+        Copy-on-write as in ``allocate_new_blocks``, O(1): for a request in ``may_copy`` (a side
+        of a fork not yet written past it) one look at the ref_cnt of the block of token
+        ``request.num_computed_tokens``; for the others (every request when nothing was forked)
+        one set test; nothing per token.
 
         Returns:
             The new blocks (a list, or ``()`` if none), or ``None`` if they do not fit (nothing
@@ -303,12 +317,10 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         pool = self.block_pool
         if blocks is not None:
             num_new -= len(blocks)
-            # Copy-on-write: is the block of the next token partially filled and shared (fork)?
-            num_computed_tokens = request.num_computed_tokens
-            if num_computed_tokens % block_size and num_tokens_need_slot > num_computed_tokens:
-                index = num_computed_tokens // block_size
-                if index < len(blocks) and blocks[index].ref_cnt > 1:
-                    return self._grow_copying(request, blocks, index, num_new, num_tokens_to_cache)
+            if self.may_copy and request_id in self.may_copy:
+                return self._grow_forked(
+                    request, blocks, num_tokens_need_slot, num_new, num_tokens_to_cache
+                )
         if num_new > 0:
             if num_new > pool.free_block_queue.num_free_blocks:
                 return None
@@ -342,27 +354,35 @@ class FullAttentionManager(SingleTypeKVCacheManager):
                 self.num_cached_block[request_id] = num_full
         return new_blocks
 
-    def _grow_copying(
+    def _grow_forked(
         self,
         request: KVCacheRequest,
         blocks: list[KVCacheBlock],
-        index: int,
+        num_tokens_need_slot: int,
         num_new: int,
         num_tokens_to_cache: int,
     ) -> list[KVCacheBlock] | None:
-        """``grow`` when ``blocks[index]`` must be copied first: the copy's block is taken before
-        the new ones, as ``allocate_new_blocks`` does, so both paths hand out the same blocks."""
+        """``grow`` for a request in ``may_copy``: copy-on-write of its shared partially filled
+        block first, as ``allocate_new_blocks`` does (the copy's block is taken before the new
+        ones), so both paths hand out the same blocks. ``num_new``: blocks past the table's end
+        (may be negative)."""
         pool = self.block_pool
+        num_computed_tokens = request.num_computed_tokens
+        shared = self.shared_partial_block(blocks, num_tokens_need_slot, num_computed_tokens)
         if num_new < 0:
             num_new = 0
-        if num_new + 1 > pool.free_block_queue.num_free_blocks:
+        num_needed = num_new if shared is None else num_new + 1
+        if num_needed > pool.free_block_queue.num_free_blocks:
             return None
-        new_blocks = pool.get_new_blocks(num_new + 1)
-        self._copy_on_write(blocks, index, new_blocks[0])
-        del new_blocks[0]
+        # Checked: from here on everything succeeds.
+        new_blocks = pool.get_new_blocks(num_needed) if num_needed else []
+        if shared is not None:
+            self._copy_on_write(blocks, num_computed_tokens // self.block_size, new_blocks[0])
+            del new_blocks[0]
         blocks.extend(new_blocks)
-        if num_tokens_to_cache >= 0:
-            self.cache_blocks(request, num_tokens_to_cache)
+        if num_tokens_need_slot > num_computed_tokens:
+            self.may_copy.discard(request.request_id)  # no block of it is shared unfilled now
+        self.cache_blocks(request, num_tokens_to_cache)
         return new_blocks
 
 
