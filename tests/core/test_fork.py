@@ -345,3 +345,42 @@ def test_check_invariants_finds_shared_slots_and_wrong_ref_counts():
     kv.block_pool.blocks[2].ref_cnt += 1
     with pytest.raises(CacheStateError, match="ref_cnt 3 but held 2 times"):
         kv.check_invariants()
+
+
+def test_hybrid_copy_counts_one_block_per_group():
+    """The general path (two groups): the child's first token needs a copy in each group."""
+    kv = KVCacheManager(8, [FULL, WINDOW_8], hash_seed=0)
+    content = KVContent(BLOCK_SIZE)
+    parent = start(kv, "p", list(range(6)), content)  # 2 blocks per group, 3 free
+    child = fork(kv, parent, "c")
+    filler = start(kv, "f", [7], content)  # 1 block per group, 1 free
+    child.append_output_token_ids(50)
+    before = snapshot(kv)
+    assert kv.allocate_slots(child, 1) is None
+    assert snapshot(kv) == before
+    assert kv.take_blocks_to_copy() == ([], [])
+    kv.free(filler)
+    assert kv.allocate_slots(child, 1) is not None
+    full, window = kv.get_block_ids("p")
+    child_full, child_window = kv.get_block_ids("c")
+    assert kv.take_blocks_to_copy() == ([(full[1], child_full[1])], [(window[1], child_window[1])])
+    assert child_full[0] == full[0] and child_window[0] == window[0]
+    assert len({full[1], child_full[1], window[1], child_window[1]}) == 4
+
+
+def test_fork_leaves_the_parents_lookahead_slots_alone():
+    kv = KVCacheManager(10, block_size=BLOCK_SIZE, hash_seed=0)
+    content = KVContent(BLOCK_SIZE)
+    parent = make_request(kv, "p", list(range(6)))
+    assert kv.allocate_slots(parent, 6, num_lookahead_tokens=5) is not None  # slots 0..10
+    content.write(kv, parent, 0, 6)
+    parent.num_computed_tokens = 6
+    assert kv.get_block_ids("p") == ([1, 2, 3],)
+    child = fork(kv, parent, "c")
+    assert kv.get_block_ids("c") == ([1, 2],)  # block 3 holds no computed token: not shared
+    assert [kv.block_pool.blocks[i].ref_cnt for i in (1, 2, 3)] == [2, 2, 1]
+    check(kv, content, parent, child)
+    # The parent's next token goes into the shared block 2: copied, though it has slots there.
+    assert decode(kv, content, parent, 60) == ([(2, 4)],)
+    assert kv.get_block_ids("p") == ([1, 4, 3],)
+    check(kv, content, parent, child)

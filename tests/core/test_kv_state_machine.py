@@ -45,8 +45,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.next_token += n
         return list(range(self.next_token - n, self.next_token))
 
-    def _schedule(self, request, num_new_tokens: int, with_hit: bool) -> bool:
-        """One allocation; a refused call must change nothing."""
+    def _schedule(self, request, num_new_tokens: int, with_hit: bool, lookahead: int = 0) -> bool:
+        """One allocation (``lookahead``: extra slots, never written, as for rejected draft
+        tokens); a refused call must change nothing."""
         blocks, num_hit = None, 0
         if with_hit:
             blocks, num_hit = self.kv.get_computed_blocks(request)
@@ -58,7 +59,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             num_new_tokens = min(num_new_tokens, request.num_tokens - num_hit)
         before = snapshot(self.kv)
         num_copied = self.kv.num_blocks_copied
-        new_blocks = self.kv.allocate_slots(request, num_new_tokens, num_hit, blocks)
+        new_blocks = self.kv.allocate_slots(request, num_new_tokens, num_hit, blocks, lookahead)
         copies = self.kv.take_blocks_to_copy()
         if new_blocks is None:
             assert snapshot(self.kv) == before
@@ -99,21 +100,22 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.preempted.remove(request)
             self.running[request.request_id] = request
 
-    def _advance(self, request, chunk: int) -> None:
+    def _advance(self, request, chunk: int, lookahead: int = 0) -> None:
         """Next prefill chunk, or one decode token (a fresh one) once the prompt is computed."""
         remaining = request.num_tokens - request.num_computed_tokens
         if remaining > 0:
-            self._schedule(request, min(chunk, remaining), with_hit=False)
+            self._schedule(request, min(chunk, remaining), False, lookahead)
             return
         request.append_output_token_ids(self._fresh_tokens(1))
-        self._schedule(request, 1, with_hit=False)
+        self._schedule(request, 1, False, lookahead)
 
     @precondition(lambda self: self.running)
-    @rule(data=st.data(), chunk=st.integers(1, 64))
-    def step(self, data, chunk):
-        """Next prefill chunk, or one decode token once the prompt is computed."""
+    @rule(data=st.data(), chunk=st.integers(1, 64), lookahead=st.sampled_from([0, 0, 3]))
+    def step(self, data, chunk, lookahead):
+        """Next prefill chunk, or one decode token once the prompt is computed; sometimes
+        with lookahead slots (so a parent may hold blocks past its computed tokens)."""
         request = data.draw(st.sampled_from(sorted(self.running.values(), key=_id)))
-        self._advance(request, chunk)
+        self._advance(request, chunk, lookahead)
 
     def _running_families(self):
         return [
