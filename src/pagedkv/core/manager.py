@@ -5,7 +5,9 @@ A scheduling step, for one request::
     blocks, num_hit = kv.get_computed_blocks(req)        # new requests: longest prefix hit
     new = kv.allocate_slots(req, num_new_tokens,          # None: does not fit, nothing changed
                             num_hit, blocks)
-    ...                                                   # model writes KV into the slots
+    copies = kv.take_blocks_to_copy()                     # once per step: copy-on-write pairs
+    ...                                                   # copies, then KV writes into the slots
+    kv.fork(req, child)                                   # between steps: share req's blocks
     kv.free(req)                                          # finished or preempted
 
 Idea from vLLM V1 (``vllm/v1/core/kv_cache_manager.py``).
@@ -466,7 +468,8 @@ class KVCacheManager:
         ):
             return None
         # Checked: from here on everything succeeds.
-        return KVCacheBlocks(coordinator.fork(parent_id, child_id, num_computed_tokens))
+        tables = coordinator.fork(parent_id, child_id, num_computed_tokens)
+        return KVCacheBlocks(tuple(list(blocks) for blocks in tables))  # not the live tables
 
     def take_blocks_to_copy(self) -> tuple[list[tuple[int, int]], ...]:
         """The copy-on-write copies recorded since the last call (drains them): one list per KV
