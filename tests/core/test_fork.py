@@ -384,3 +384,21 @@ def test_fork_leaves_the_parents_lookahead_slots_alone():
     assert decode(kv, content, parent, 60) == ([(2, 4)],)
     assert kv.get_block_ids("p") == ([1, 4, 3],)
     check(kv, content, parent, child)
+
+
+def test_fork_with_verified_hashes_caches_each_sides_chain():
+    """With xxh3_128 every hit is checked against prefix nodes: both sides' new full blocks
+    are cached after the shared prefix and hit by requests with the same tokens."""
+    kv = KVCacheManager(16, block_size=BLOCK_SIZE, hash_algo="xxh3_128", hash_seed=0)
+    content = KVContent(BLOCK_SIZE)
+    parent = start(kv, "p", list(range(6)), content)
+    child = fork(kv, parent, "c")
+    for step in range(6):
+        decode(kv, content, parent, 100 + step)
+        decode(kv, content, child, 200 + step)
+    check(kv, content, parent, child)
+    for source in (parent, child):
+        probe = make_request(kv, f"probe-{source.request_id}", [*source.all_token_ids, 7])
+        blocks, num_hit = kv.get_computed_blocks(probe)
+        assert num_hit == 12
+        assert blocks.get_block_ids()[0] == kv.get_block_ids(source.request_id)[0]
