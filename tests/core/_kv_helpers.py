@@ -47,3 +47,59 @@ def snapshot(manager: KVCacheManager):
             for stm in manager.coordinator.single_type_managers
         ],
     )
+
+
+class KVContent:
+    """A model of what the worker's KV cache holds: block id -> the token id written into each
+    slot of the block (``None``: never written). Blocks keep stale contents when reused, as
+    real KV memory does, so a read of a slot the request never wrote shows up as wrong.
+
+    Per step: ``apply(kv.take_blocks_to_copy())`` (the worker's copies, before the step's KV
+    writes), then ``write`` each scheduled request's new tokens into its slots; ``check`` reads
+    every request's table back.
+    """
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.blocks: dict[int, list[int | None]] = {}
+
+    def _block(self, block_id: int) -> list[int | None]:
+        return self.blocks.setdefault(block_id, [None] * self.block_size)
+
+    def apply(self, blocks_to_copy) -> None:
+        """Copy each (src, dst) block, group by group, in order."""
+        for copies in blocks_to_copy:
+            for src, dst in copies:
+                assert src != dst and 0 not in (src, dst)
+                self.blocks[dst] = list(self._block(src))
+
+    def write(self, kv: KVCacheManager, request: KVCacheRequest, start: int, end: int) -> None:
+        """Write tokens ``start .. end - 1`` of ``request`` into its slots in every group."""
+        block_size = self.block_size
+        for table in kv.get_block_ids(request.request_id):
+            for position in range(start, end):
+                block_id = table[position // block_size]
+                assert block_id != 0, f"{request.request_id} writes position {position} to null"
+                self._block(block_id)[position % block_size] = request.all_token_ids[position]
+
+    def check(self, kv: KVCacheManager, request: KVCacheRequest) -> None:
+        """Every computed token of ``request`` reads back from its own slots (the null block
+        only where a sliding window has left the positions behind)."""
+        block_size = self.block_size
+        num_computed = request.num_computed_tokens
+        for spec, table in zip(
+            kv.kv_cache_specs, kv.get_block_ids(request.request_id), strict=True
+        ):
+            window = getattr(spec, "sliding_window", None)
+            for position in range(num_computed):
+                block_id = table[position // block_size]
+                if block_id == 0:
+                    assert window is not None, "null block in a full-attention table"
+                    first_live = num_computed - window + 1
+                    assert (position // block_size + 1) * block_size <= first_live
+                    continue
+                got = self._block(block_id)[position % block_size]
+                assert got == request.all_token_ids[position], (
+                    f"{request.request_id} position {position}: block {block_id} holds {got}, "
+                    f"expected {request.all_token_ids[position]}"
+                )

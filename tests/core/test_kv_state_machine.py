@@ -1,15 +1,21 @@
 """Hypothesis state machines: random admits (many sharing prefixes), prefill chunks, decode steps,
-finishes, preemptions, double frees and resets; the pool's invariants are checked after every
-step. One machine with a single full-attention group, one with full + sliding-window groups."""
+forks of running requests (then diverging appends), finishes, preemptions, double frees, refused
+forks and resets; the pool's invariants are checked after every step, and a model of the KV
+content (the manager's copies applied before each step's writes, each request's tokens written
+into its slots) must read every request's own tokens back. One machine with a single
+full-attention group, one with full + sliding-window groups."""
 
 from __future__ import annotations
 
-from _kv_helpers import make_request, snapshot
-from hypothesis import settings
+import pytest
+from _kv_helpers import KVContent, make_request, snapshot
+from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pagedkv.core import FullAttentionSpec, KVCacheManager, SlidingWindowSpec
+from pagedkv.core.spec import cdiv
+from pagedkv.errors import InvalidRequestError
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24
@@ -31,13 +37,17 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.finished = []
         self.next_id = 0
         self.next_token = 10**6
+        self.content = KVContent(BLOCK_SIZE)
+        self.num_groups = self.kv.num_kv_cache_groups
+        self.families: list[tuple[str, str]] = []  # (parent id, child id) of every fork
 
     def _fresh_tokens(self, n: int) -> list[int]:
         self.next_token += n
         return list(range(self.next_token - n, self.next_token))
 
-    def _schedule(self, request, num_new_tokens: int, with_hit: bool) -> bool:
-        """One allocation; a refused call must change nothing."""
+    def _schedule(self, request, num_new_tokens: int, with_hit: bool, lookahead: int = 0) -> bool:
+        """One allocation (``lookahead``: extra slots, never written, as for rejected draft
+        tokens); a refused call must change nothing."""
         blocks, num_hit = None, 0
         if with_hit:
             blocks, num_hit = self.kv.get_computed_blocks(request)
@@ -48,10 +58,22 @@ class KVCacheMachine(RuleBasedStateMachine):
                 assert block.block_hash == request.block_hashes[i]
             num_new_tokens = min(num_new_tokens, request.num_tokens - num_hit)
         before = snapshot(self.kv)
-        new_blocks = self.kv.allocate_slots(request, num_new_tokens, num_hit, blocks)
+        num_copied = self.kv.num_blocks_copied
+        new_blocks = self.kv.allocate_slots(request, num_new_tokens, num_hit, blocks, lookahead)
+        copies = self.kv.take_blocks_to_copy()
         if new_blocks is None:
             assert snapshot(self.kv) == before
+            assert copies == ([],) * self.num_groups
             return False
+        # The step: the worker copies first, then writes the new tokens' KV into their slots.
+        num_copies = sum(map(len, copies))
+        assert num_copies in (0, self.num_groups)  # every group shares the same last block
+        assert self.kv.num_blocks_copied == num_copied + num_copies
+        if num_copies:
+            event("copy-on-write")
+        self.content.apply(copies)
+        start = request.num_computed_tokens + num_hit
+        self.content.write(self.kv, request, start, start + num_new_tokens)
         request.num_computed_tokens += num_hit + num_new_tokens
         return True
 
@@ -78,17 +100,38 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.preempted.remove(request)
             self.running[request.request_id] = request
 
-    @precondition(lambda self: self.running)
-    @rule(data=st.data(), chunk=st.integers(1, 64))
-    def step(self, data, chunk):
-        """Next prefill chunk, or one decode token once the prompt is computed."""
-        request = data.draw(st.sampled_from(sorted(self.running.values(), key=_id)))
+    def _advance(self, request, chunk: int, lookahead: int = 0) -> None:
+        """Next prefill chunk, or one decode token (a fresh one) once the prompt is computed."""
         remaining = request.num_tokens - request.num_computed_tokens
         if remaining > 0:
-            self._schedule(request, min(chunk, remaining), with_hit=False)
+            self._schedule(request, min(chunk, remaining), False, lookahead)
             return
         request.append_output_token_ids(self._fresh_tokens(1))
-        self._schedule(request, 1, with_hit=False)
+        self._schedule(request, 1, False, lookahead)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), chunk=st.integers(1, 64), lookahead=st.sampled_from([0, 0, 3]))
+    def step(self, data, chunk, lookahead):
+        """Next prefill chunk, or one decode token once the prompt is computed; sometimes
+        with lookahead slots (so a parent may hold blocks past its computed tokens)."""
+        request = data.draw(st.sampled_from(sorted(self.running.values(), key=_id)))
+        self._advance(request, chunk, lookahead)
+
+    def _running_families(self):
+        return [
+            (parent, child)
+            for parent, child in self.families
+            if parent in self.running and child in self.running
+        ]
+
+    @precondition(lambda self: self._running_families())
+    @rule(data=st.data(), child_first=st.booleans(), chunk=st.integers(1, 6))
+    def diverge(self, data, child_first, chunk):
+        """A forked parent and its child both take a step, each with its own new tokens."""
+        parent, child = data.draw(st.sampled_from(self._running_families()))
+        pair = (self.running[child], self.running[parent])
+        for request in pair if child_first else pair[::-1]:
+            self._advance(request, chunk)
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
@@ -116,6 +159,74 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.kv.free(request)
         assert snapshot(self.kv) == before
 
+    @precondition(lambda self: any(r.num_computed_tokens for r in self.running.values()))
+    @rule(data=st.data(), tail=st.sampled_from(["none", "parent's", "fresh"]), n=st.integers(1, 9))
+    def fork(self, data, tail, n):
+        """A child of a running request: its computed tokens, then nothing (the child samples
+        its own next token), the parent's uncomputed tokens, or fresh ones."""
+        parents = sorted((r for r in self.running.values() if r.num_computed_tokens), key=_id)
+        parent = data.draw(st.sampled_from(parents))
+        c = parent.num_computed_tokens
+        tokens = parent.all_token_ids[:c]
+        if tail == "parent's":
+            tokens += parent.all_token_ids[c:]
+        elif tail == "fresh":
+            tokens += self._fresh_tokens(n)
+        child = make_request(self.kv, f"r{self.next_id}", tokens, num_computed_tokens=c)
+        self.next_id += 1
+        before = snapshot(self.kv)
+        blocks = self.kv.fork(parent, child)
+        if blocks is None:
+            assert snapshot(self.kv) == before
+            assert self.kv.num_free_blocks < self.num_groups
+            event("fork refused")
+            return
+        event("fork mid-block" if c % BLOCK_SIZE else "fork at a block boundary")
+        child_tables = self.kv.get_block_ids(child.request_id)
+        assert blocks.get_block_ids() == child_tables
+        for spec, child_table, parent_table in zip(
+            self.kv.kv_cache_specs,
+            child_tables,
+            self.kv.get_block_ids(parent.request_id),
+            strict=True,
+        ):
+            assert len(child_table) == cdiv(c, BLOCK_SIZE)
+            for child_block, parent_block in zip(child_table, parent_table, strict=False):
+                assert child_block in (parent_block, 0)
+                assert child_block or isinstance(spec, SlidingWindowSpec)
+        self.running[child.request_id] = child
+        self.families.append((parent.request_id, child.request_id))
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), kind=st.sampled_from(["holds blocks", "holds none", "count", "tokens"]))
+    def refused_fork(self, data, kind):
+        """A fork that breaks a precondition raises and changes nothing."""
+        parent = data.draw(st.sampled_from(sorted(self.running.values(), key=_id)))
+        c = parent.num_computed_tokens
+        tokens = parent.all_token_ids[:c] or self._fresh_tokens(1)
+        if kind == "holds blocks":
+            others = [r for r in self.running.values() if r is not parent]
+            if not others:
+                return
+            child = data.draw(st.sampled_from(sorted(others, key=_id)))
+        elif kind == "holds none":
+            if not self.finished:
+                return
+            child = make_request(self.kv, "x", tokens, num_computed_tokens=c)
+            parent = data.draw(st.sampled_from(self.finished))
+        elif kind == "count":
+            child = make_request(self.kv, "x", [*tokens, 1], num_computed_tokens=c + 1)
+        else:
+            if not c:
+                return
+            tokens = [*tokens[:-1], -1]
+            child = make_request(self.kv, "x", tokens, num_computed_tokens=c)
+        before = snapshot(self.kv)
+        with pytest.raises(InvalidRequestError):
+            self.kv.fork(parent, child)
+        assert snapshot(self.kv) == before
+        assert self.kv.take_blocks_to_copy() == ([],) * self.num_groups
+
     @rule()
     def reset_prefix_cache(self):
         ok = self.kv.reset_prefix_cache()
@@ -127,9 +238,16 @@ class KVCacheMachine(RuleBasedStateMachine):
     def pool_is_consistent(self):
         # free count == queue walk; free + in use + null == num_blocks; no block in use or
         # twice in the queue; map entries carry their hash; null never queued nor cached;
-        # ref_cnt == number of block tables holding the block.
-        self.kv.check_invariants()
+        # ref_cnt == number of block tables holding the block; no block has two writers (a
+        # block shared partially filled sits at the same index of every holder's table, with
+        # the same computed tokens); shared blocks hold computed tokens (never bare slots).
+        self.kv.check_invariants(self.running.values())
         assert 0.0 <= self.kv.usage <= 1.0
+
+    @invariant()
+    def every_request_reads_back_its_own_tokens(self):
+        for request in self.running.values():
+            self.content.check(self.kv, request)
 
     @invariant()
     def block_tables_cover_computed_tokens(self):

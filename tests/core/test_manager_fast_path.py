@@ -1,7 +1,8 @@
 """The one-group fast path of ``KVCacheManager.allocate_slots`` (``FullAttentionManager.grow``)
 against the general coordinator path: a hypothesis state machine drives two managers with the
 same operations, one of them with the fast path switched off, and after every step their block
-tables, hit lengths, returned blocks, free queues, ref counts and prefix-cache maps must agree."""
+tables, hit lengths, returned blocks, copy-on-write copies (after forks), free queues, ref counts
+and prefix-cache maps must agree."""
 
 from __future__ import annotations
 
@@ -56,7 +57,13 @@ class FastVsGeneralMachine(RuleBasedStateMachine):
             new_blocks = kv.allocate_slots(request, num_new, num_hit, blocks, lookahead)
             if new_blocks is not None:
                 request.num_computed_tokens += num_hit + num_new
-            results.append((num_hit, None if new_blocks is None else new_blocks.get_block_ids()))
+            results.append(
+                (
+                    num_hit,
+                    None if new_blocks is None else new_blocks.get_block_ids(),
+                    kv.take_blocks_to_copy(),
+                )
+            )
         assert results[0] == results[1]
         return results[0][1] is not None
 
@@ -100,6 +107,31 @@ class FastVsGeneralMachine(RuleBasedStateMachine):
             chunk = 1
         self._allocate(pair, chunk, lookahead, with_hits=False)
 
+    @precondition(lambda self: any(p[0].num_computed_tokens for p in self.running.values()))
+    @rule(data=st.data(), fresh=st.integers(0, 3))
+    def fork(self, data, fresh):
+        """A child of a running request (its computed tokens, then ``fresh`` new ones)."""
+        parents = sorted(k for k, p in self.running.items() if p[0].num_computed_tokens)
+        pair = self.running[data.draw(st.sampled_from(parents))]
+        c = pair[0].num_computed_tokens
+        tokens = pair[0].all_token_ids[:c] + self._fresh_tokens(fresh)
+        request_id = f"r{self.next_id}"
+        self.next_id += 1
+        children = tuple(
+            KVCacheRequest(
+                request_id, list(tokens), block_hasher=kv.block_hasher, num_computed_tokens=c
+            )
+            for kv in (self.fast, self.general)
+        )
+        results = [
+            kv.fork(parent, child)
+            for kv, parent, child in zip((self.fast, self.general), pair, children, strict=True)
+        ]
+        ids = [None if blocks is None else blocks.get_block_ids() for blocks in results]
+        assert ids[0] == ids[1]
+        if ids[0] is not None:
+            self.running[request_id] = children
+
     @precondition(lambda self: self.running)
     @rule(data=st.data(), preempt=st.booleans())
     def free(self, data, preempt):
@@ -115,8 +147,8 @@ class FastVsGeneralMachine(RuleBasedStateMachine):
         assert snapshot(self.fast) == snapshot(self.general)
         for request_id in self.running:
             assert self.fast.get_block_ids(request_id) == self.general.get_block_ids(request_id)
-        self.fast.check_invariants()
-        self.general.check_invariants()
+        self.fast.check_invariants([pair[0] for pair in self.running.values()])
+        self.general.check_invariants([pair[1] for pair in self.running.values()])
 
 
 class FastVsGeneralWithoutCachingMachine(FastVsGeneralMachine):

@@ -119,11 +119,27 @@ class KVCacheCoordinator:
         for manager, blocks in zip(self.single_type_managers, new_computed_blocks, strict=True):
             manager.save_new_computed_blocks(request_id, blocks)
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> BlocksPerGroup:
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_computed_tokens: int
+    ) -> BlocksPerGroup:
+        """New blocks per group; a group whose block of token ``num_computed_tokens`` is
+        partially filled and shared copies it first (copy-on-write)."""
         return tuple(
-            manager.allocate_new_blocks(request_id, num_tokens)
+            manager.allocate_new_blocks(request_id, num_tokens, num_computed_tokens)
             for manager in self.single_type_managers
         )
+
+    def fork(self, parent_id: str, child_id: str, num_computed_tokens: int) -> BlocksPerGroup:
+        """Map the child's table in every group onto the parent's blocks of its first
+        ``num_computed_tokens`` tokens (checked by ``KVCacheManager.fork``)."""
+        return tuple(
+            manager.fork(parent_id, child_id, num_computed_tokens)
+            for manager in self.single_type_managers
+        )
+
+    def take_blocks_to_copy(self) -> tuple[list[tuple[int, int]], ...]:
+        """Each group's copy-on-write copies since the last call."""
+        return tuple(manager.take_blocks_to_copy() for manager in self.single_type_managers)
 
     def cache_blocks(self, request: KVCacheRequest, num_tokens: int) -> None:
         for manager in self.single_type_managers:

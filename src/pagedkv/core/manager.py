@@ -5,7 +5,9 @@ A scheduling step, for one request::
     blocks, num_hit = kv.get_computed_blocks(req)        # new requests: longest prefix hit
     new = kv.allocate_slots(req, num_new_tokens,          # None: does not fit, nothing changed
                             num_hit, blocks)
-    ...                                                   # model writes KV into the slots
+    copies = kv.take_blocks_to_copy()                     # once per step: copy-on-write pairs
+    ...                                                   # copies, then KV writes into the slots
+    kv.fork(req, child)                                   # between steps: share req's blocks
     kv.free(req)                                          # finished or preempted
 
 Idea from vLLM V1 (``vllm/v1/core/kv_cache_manager.py``).
@@ -14,7 +16,7 @@ Idea from vLLM V1 (``vllm/v1/core/kv_cache_manager.py``).
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from pagedkv.config import CacheConfig
 from pagedkv.core.block import KVCacheBlock
@@ -24,7 +26,7 @@ from pagedkv.core.coordinator import BlocksPerGroup, KVCacheCoordinator
 from pagedkv.core.events import KVCacheEvent
 from pagedkv.core.hashing import BlockHasher
 from pagedkv.core.request import KVCacheRequest
-from pagedkv.core.single_type import FullAttentionManager
+from pagedkv.core.single_type import FullAttentionManager, SlidingWindowManager
 from pagedkv.core.spec import FullAttentionSpec, KVCacheSpec, max_num_blocks_per_request
 from pagedkv.errors import CacheStateError, ConfigError, InvalidRequestError
 from pagedkv.validation import check_int
@@ -340,7 +342,9 @@ class KVCacheManager:
             for blocks in hit_blocks:
                 touch(blocks)
             coordinator.save_new_computed_blocks(request_id, hit_blocks)
-        new_blocks = coordinator.allocate_new_blocks(request_id, num_tokens_need_slot)
+        new_blocks = coordinator.allocate_new_blocks(
+            request_id, num_tokens_need_slot, num_computed_tokens
+        )
         if self.enable_caching:
             num_tokens_to_cache = num_computed_tokens + num_new_tokens
             num_tokens = len(request.all_token_ids)
@@ -352,8 +356,141 @@ class KVCacheManager:
     def free(self, request: KVCacheRequest) -> None:
         """Release every block of ``request`` (finished or preempted), last block first, so a
         chain's tail is evicted before its prefix. Freeing a request that holds nothing is a
-        no-op. Its cached blocks stay hit-able until reused."""
+        no-op. Its cached blocks stay hit-able until reused. Only the request's own references
+        go: blocks it shares with a forked sibling stay held by the sibling."""
         self.coordinator.free(request.request_id)
+
+    # ---- fork and copy-on-write --------------------------------------------------------------
+
+    def fork(
+        self, parent_request: KVCacheRequest, child_request: KVCacheRequest
+    ) -> KVCacheBlocks | None:
+        """Give ``child_request`` the KV of its parent's computed tokens by sharing the parent's
+        blocks (check, then mutate; call it between steps).
+
+        The block table is a page table: in every KV cache group the child's table maps the
+        parent's blocks of its first ``c = parent.num_computed_tokens`` tokens (``cdiv(c,
+        block_size)`` blocks), each held once more (ref_cnt + 1). Full blocks stay shared for good
+        (nobody writes into them again). The last one is partially filled when ``c`` is not a
+        multiple of block_size: it stays shared until one holder writes into it; that
+        ``allocate_slots`` gives the writer a new block and records a (src, dst) copy (see
+        :meth:`take_blocks_to_copy`); the last holder left writes into it in place. Blocks the
+        parent holds past its computed tokens (lookahead slots) are not shared; sliding-window
+        blocks that left the window of token ``c`` are the null block in the child's table.
+        The fork allocates nothing and records no event. Idea from vLLM V0's
+        ``BlockSpaceManager.fork`` and copy-on-write (``blocks_to_copy``); vLLM V1 dropped it.
+
+        Fit: the fork is refused (``None``, nothing changed) unless the pool has a free block for
+        each KV cache group now, that is, what the child's first one-token step will take (a
+        copy of the shared partial block, or a new block when ``c`` is on a block boundary); the
+        check reserves nothing. With ``c`` at ``max_model_len`` (no further token) it always
+        fits.
+
+        Args:
+            parent_request: a request holding blocks, with ``num_computed_tokens`` >= 1 tokens
+                whose KV is in its blocks (every slot handed out to it written: between steps).
+            child_request: a request holding no blocks, with the parent's
+                ``num_computed_tokens``, its token ids starting with the parent's first
+                ``num_computed_tokens`` ones, the same ``lora_id`` and ``cache_salt``, the same
+                multimodal inputs among those tokens and, when both hash blocks, the same block
+                hashes for them (the shared KV must be the KV the child would compute).
+
+        Returns:
+            The child's blocks (its whole block table), or ``None`` if it does not fit.
+
+        Raises:
+            InvalidRequestError: a precondition above does not hold (nothing changed).
+        """
+        parent_id = parent_request.request_id
+        child_id = child_request.request_id
+        coordinator = self.coordinator
+        if parent_id == child_id:
+            raise InvalidRequestError(f"cannot fork request {parent_id!r} into itself")
+        parent_blocks = coordinator.get_blocks(parent_id)
+        if not any(parent_blocks):
+            raise InvalidRequestError(
+                f"cannot fork request {parent_id!r}: it holds no blocks (allocate its slots first)"
+            )
+        if any(coordinator.get_blocks(child_id)):
+            raise InvalidRequestError(
+                f"cannot fork into request {child_id!r}: it already holds blocks (free it first)"
+            )
+        num_computed_tokens = parent_request.num_computed_tokens
+        if num_computed_tokens < 1:
+            raise InvalidRequestError(
+                f"cannot fork request {parent_id!r}: it has no computed tokens to share"
+            )
+        if child_request.num_computed_tokens != num_computed_tokens:
+            raise InvalidRequestError(
+                f"fork child {child_id!r} has num_computed_tokens="
+                f"{child_request.num_computed_tokens}, its parent {parent_id!r} "
+                f"{num_computed_tokens}: they must be equal"
+            )
+        num_blocks = -(-num_computed_tokens // self.block_size)
+        if any(len(blocks) < num_blocks for blocks in parent_blocks):
+            raise InvalidRequestError(
+                f"cannot fork request {parent_id!r}: num_computed_tokens={num_computed_tokens} "
+                f"is beyond its slots ({len(parent_blocks[0])} blocks of {self.block_size})"
+            )
+        if (
+            len(child_request.all_token_ids) < num_computed_tokens
+            or child_request.all_token_ids[:num_computed_tokens]
+            != parent_request.all_token_ids[:num_computed_tokens]
+        ):
+            raise InvalidRequestError(
+                f"fork child {child_id!r}'s token ids do not start with the "
+                f"{num_computed_tokens} computed token ids of its parent {parent_id!r}"
+            )
+        for name in ("lora_id", "cache_salt"):
+            if getattr(child_request, name) != getattr(parent_request, name):
+                raise InvalidRequestError(
+                    f"fork child {child_id!r} has another {name} than its parent {parent_id!r} "
+                    "(the shared KV would not be its own)",
+                    param=name,
+                )
+        if _features_before(child_request, num_computed_tokens) != _features_before(
+            parent_request, num_computed_tokens
+        ):
+            raise InvalidRequestError(
+                f"fork child {child_id!r} has other multimodal inputs than its parent "
+                f"{parent_id!r} among the first {num_computed_tokens} tokens"
+            )
+        if parent_request.block_hasher is not None and child_request.block_hasher is not None:
+            num_full = num_computed_tokens // self.block_size
+            if child_request.block_hashes[:num_full] != parent_request.block_hashes[:num_full]:
+                raise InvalidRequestError(
+                    f"fork child {child_id!r}'s block hashes differ from its parent "
+                    f"{parent_id!r}'s: hash both with the manager's block_hasher"
+                )
+        if (
+            num_computed_tokens < self._max_num_slots
+            and self.num_kv_cache_groups > self.block_pool.free_block_queue.num_free_blocks
+        ):
+            return None
+        # Checked: from here on everything succeeds.
+        tables = coordinator.fork(parent_id, child_id, num_computed_tokens)
+        return KVCacheBlocks(tuple(list(blocks) for blocks in tables))  # not the live tables
+
+    def take_blocks_to_copy(self) -> tuple[list[tuple[int, int]], ...]:
+        """The copy-on-write copies recorded since the last call (drains them): one list per KV
+        cache group of ``(src_block_id, dst_block_id)``, in the order they were made.
+
+        The worker must copy every block ``src`` to ``dst`` (all layers of the group, whole
+        block) after the previous step's KV writes and before this step's: take them once per
+        step, after the step's ``allocate_slots`` calls, and send them with the step. ``dst``
+        replaced ``src`` in the table of the request that is about to write (at index
+        ``num_computed_tokens // block_size``); see :attr:`num_blocks_copied` to learn which
+        request that was.
+        """
+        return self.coordinator.take_blocks_to_copy()
+
+    @property
+    def num_blocks_copied(self) -> int:
+        """Copy-on-write copies recorded since the manager was made, over all KV cache groups
+        (it only grows). A scheduler reads it before and after ``allocate_slots(request, ...)``:
+        when it grew, ``request``'s table had an entry replaced in place (not only blocks
+        appended), so the worker needs its table anew."""
+        return sum(manager.num_blocks_copied for manager in self.coordinator.single_type_managers)
 
     # ---- prefix cache ----------------------------------------------------------------------
 
@@ -369,16 +506,58 @@ class KVCacheManager:
         """KV cache events since the last call (empty unless events are enabled)."""
         return self.block_pool.take_events()
 
-    def check_invariants(self) -> None:
-        """Raise CacheStateError if the pool or the block tables are inconsistent (O(blocks);
-        for tests)."""
+    def check_invariants(self, requests: Iterable[KVCacheRequest] | None = None) -> None:
+        """Raise CacheStateError if the pool or the block tables are inconsistent (O(blocks +
+        table entries); for tests).
+
+        Always: the pool's own invariants; every block's ref_cnt equals the number of block
+        table entries holding it; no table holds a block twice; a block is held by one KV cache
+        group only; the null block only in sliding-window tables.
+
+        With ``requests`` (every request that holds blocks, between steps: each one's
+        ``num_computed_tokens`` covers every slot it was given and wrote), also that no block
+        has two writers. Let request ``r`` hold block ``b`` at index ``i`` with ``c_r`` computed
+        tokens; ``b`` is full for ``r`` if ``c_r >= (i + 1) * block_size``, partially filled if
+        ``i * block_size < c_r < (i + 1) * block_size``, and empty (slots only) otherwise:
+
+        - a block empty for a holder has that one holder (ref_cnt 1): slots are never shared;
+        - a block shared (ref_cnt > 1) and partially filled for one holder is partially filled
+          for every holder, at the same index, with the same ``c`` (nobody wrote past the fork
+          point) and the same first ``c`` token ids (so the same KV): the next writer must
+          copy it, and no holder can write into it in place while another holds it;
+        - each holder of such a block is in its group manager's ``may_copy`` (the requests whose
+          allocations look at ref counts);
+        - each table covers its request's computed tokens, and holds the null block only at
+          indices wholly before the sliding window of token ``c_r``.
+
+        Raises:
+            CacheStateError: the first inconsistency found (with ``requests``: also a request
+                that holds blocks but is not among them).
+        """
         self.block_pool.check_invariants()
+        managers = self.coordinator.single_type_managers
         ref_cnts: dict[int, int] = {}
-        for manager in self.coordinator.single_type_managers:
-            for blocks in manager.req_to_blocks.values():
+        group_of: dict[int, int] = {}
+        for group_id, manager in enumerate(managers):
+            for request_id, blocks in manager.req_to_blocks.items():
+                seen: set[int] = set()
                 for block in blocks:
-                    if not block.is_null:
-                        ref_cnts[block.block_id] = ref_cnts.get(block.block_id, 0) + 1
+                    if block.is_null:
+                        if not isinstance(manager, SlidingWindowManager):
+                            raise CacheStateError(
+                                f"request {request_id!r} holds the null block in full-attention "
+                                f"group {group_id}"
+                            )
+                        continue
+                    block_id = block.block_id
+                    if block_id in seen:
+                        raise CacheStateError(
+                            f"request {request_id!r} holds block {block_id} twice"
+                        )
+                    seen.add(block_id)
+                    if group_of.setdefault(block_id, group_id) != group_id:
+                        raise CacheStateError(f"block {block_id} is held in two KV cache groups")
+                    ref_cnts[block_id] = ref_cnts.get(block_id, 0) + 1
         for block in self.block_pool.blocks:
             if block.is_null:
                 continue
@@ -387,6 +566,89 @@ class KVCacheManager:
                     f"block {block.block_id}: ref_cnt {block.ref_cnt} but held "
                     f"{ref_cnts.get(block.block_id, 0)} times"
                 )
+        if requests is not None:
+            self._check_writers({request.request_id: request for request in requests})
+
+    def _check_writers(self, requests: dict[str, KVCacheRequest]) -> None:
+        """The ``requests`` part of :meth:`check_invariants`."""
+        block_size = self.block_size
+        for group_id, manager in enumerate(self.coordinator.single_type_managers):
+            # block id -> (index, num_computed_tokens, request) of the holder that has it
+            # partially filled (the first one met)
+            partial: dict[int, tuple[int, int, KVCacheRequest]] = {}
+            shared_full: set[int] = set()
+            for request_id, blocks in manager.req_to_blocks.items():
+                request = requests.get(request_id)
+                if request is None:
+                    raise CacheStateError(f"request {request_id!r} holds blocks but was not given")
+                num_computed = request.num_computed_tokens
+                if len(blocks) * block_size < num_computed:
+                    raise CacheStateError(
+                        f"request {request_id!r}: {len(blocks)} blocks in group {group_id} do "
+                        f"not cover its {num_computed} computed tokens"
+                    )
+                num_dead = (
+                    manager.num_skipped_blocks(num_computed)
+                    if isinstance(manager, SlidingWindowManager)
+                    else 0
+                )
+                for index, block in enumerate(blocks):
+                    if block.is_null:
+                        if index >= num_dead:
+                            raise CacheStateError(
+                                f"request {request_id!r} holds the null block at index {index} "
+                                f"of group {group_id}, inside its window"
+                            )
+                        continue
+                    start = index * block_size
+                    if num_computed <= start:  # slots only
+                        if block.ref_cnt != 1:
+                            raise CacheStateError(
+                                f"block {block.block_id} holds no computed token of request "
+                                f"{request_id!r} but is shared (ref_cnt {block.ref_cnt})"
+                            )
+                    elif block.ref_cnt > 1:
+                        block_id = block.block_id
+                        if num_computed >= start + block_size:
+                            shared_full.add(block_id)
+                            if block_id in partial:
+                                raise CacheStateError(
+                                    f"block {block_id} is full for request {request_id!r} but "
+                                    "partially filled for another holder: two writers"
+                                )
+                            continue
+                        if block_id in shared_full:
+                            raise CacheStateError(
+                                f"block {block_id} is partially filled for request "
+                                f"{request_id!r} but full for another holder: two writers"
+                            )
+                        if request_id not in manager.may_copy:
+                            raise CacheStateError(
+                                f"request {request_id!r} shares block {block_id} partially "
+                                "filled but is not in may_copy: it would write without a copy"
+                            )
+                        first = partial.setdefault(block_id, (index, num_computed, request))
+                        if first[0] != index or first[1] != num_computed:
+                            raise CacheStateError(
+                                f"block {block_id} is shared partially filled at index {index} "
+                                f"with {num_computed} computed tokens by {request_id!r} and at "
+                                f"index {first[0]} with {first[1]} by {first[2].request_id!r}: "
+                                "two writers"
+                            )
+                        if (
+                            request.all_token_ids[:num_computed]
+                            != first[2].all_token_ids[:num_computed]
+                        ):
+                            raise CacheStateError(
+                                f"block {block_id} is shared partially filled by "
+                                f"{request_id!r} and {first[2].request_id!r}, whose first "
+                                f"{num_computed} token ids differ"
+                            )
+
+
+def _features_before(request: KVCacheRequest, num_tokens: int) -> list[tuple[str, int, int]]:
+    """The request's multimodal inputs that start within its first ``num_tokens`` tokens."""
+    return [tuple(feature) for feature in request.mm_features if feature[1] < num_tokens]
 
 
 __all__ = ["KVCacheBlock", "KVCacheBlocks", "KVCacheManager"]

@@ -7,6 +7,15 @@ that have left the window and puts the null block in their place in the block ta
     tokens:       0..3    4..7    8..11   12..15
     block table: [null]  [ b5 ]  [ b9 ]  [ b2 ]     block 0 was wholly dead, so it was freed
 
+Fork and copy-on-write (both attention types): ``fork`` maps a child's table onto the blocks of
+its parent's computed tokens; the one block that can be partially filled (the block of token
+``c``, the next token to write) is shared until a holder writes into it, and that writer gets a
+new block (a (src, dst) copy for the worker) while the others keep the old one::
+
+    block_size 4, parent computed c = 6, fork:   parent [b1][b2]     child [b1][b2]   b2 ref_cnt 2
+    child writes token 6 (copy-on-write):       parent [b1][b2]     child [b1][b7]   copy (2, 7)
+    parent writes token 6 (b2 is now its own):  parent [b1][b2]     in place, no copy
+
 Idea from vLLM V1 (``vllm/v1/core/single_type_kv_cache_manager.py``).
 """
 
@@ -51,6 +60,69 @@ class SingleTypeKVCacheManager:
         # each request's last cached block is the parent of its next one.
         self._verify = block_pool.keep_token_ids
         self._prefix_tail: dict[str, PrefixNode] = {}
+        # Copy-on-write copies (src block id, dst block id) not yet taken by the scheduler.
+        self.blocks_to_copy: list[tuple[int, int]] = []
+        #: Requests that may hold a shared, partially filled block: both sides of every fork
+        #: made off a block boundary, until they write past it or are freed. Only sharing by
+        #: ``fork`` can make such a block (prefix hits share full blocks only), so ``grow``
+        #: looks at ref counts for these requests only: an empty set costs one truth test.
+        self.may_copy: set[str] = set()
+        #: Copies recorded since the manager was made (only grows).
+        self.num_blocks_copied = 0
+
+    def shared_partial_block(
+        self, blocks: list[KVCacheBlock] | None, num_tokens: int, num_computed_tokens: int
+    ) -> KVCacheBlock | None:
+        """The block that a write of tokens ``num_computed_tokens ..`` would have to copy first:
+        the block of token ``c = num_computed_tokens`` if it already holds tokens (``c`` is not a
+        multiple of block_size), is held by another request too (ref_cnt > 1) and the request
+        gets slots past ``c`` (``num_tokens > c``); else ``None``. O(1).
+        """
+        block_size = self.block_size
+        if blocks and num_computed_tokens % block_size and num_tokens > num_computed_tokens:
+            index = num_computed_tokens // block_size
+            if index < len(blocks) and blocks[index].ref_cnt > 1:
+                return blocks[index]
+        return None
+
+    def _copy_on_write(self, blocks: list[KVCacheBlock], index: int, dst: KVCacheBlock) -> None:
+        """Point ``blocks[index]`` (shared, ref_cnt > 1) at ``dst`` and record the copy."""
+        src = blocks[index]
+        blocks[index] = dst
+        src.ref_cnt -= 1  # > 1 before: another request still holds it, it stays out of the queue
+        self.blocks_to_copy.append((src.block_id, dst.block_id))
+        self.num_blocks_copied += 1
+
+    def take_blocks_to_copy(self) -> list[tuple[int, int]]:
+        """The (src block id, dst block id) copies recorded since the last call, in order."""
+        copies, self.blocks_to_copy = self.blocks_to_copy, []
+        return copies
+
+    def fork(self, parent_id: str, child_id: str, num_computed_tokens: int) -> list[KVCacheBlock]:
+        """Give ``child_id`` (holding nothing) the parent's blocks of its first
+        ``num_computed_tokens`` tokens, one more reference each (null blocks stay null).
+
+        The caller (``KVCacheManager.fork``) has checked that the parent's table covers them.
+        Returns the child's block table.
+        """
+        blocks = self.req_to_blocks[parent_id][: cdiv(num_computed_tokens, self.block_size)]
+        self._drop_dead_blocks(blocks, num_computed_tokens)
+        self.block_pool.touch(blocks)
+        self.req_to_blocks[child_id] = blocks
+        num_cached = self.num_cached_block.get(parent_id, 0)
+        limit = num_computed_tokens // self.block_size
+        self.num_cached_block[child_id] = num_cached if num_cached <= limit else limit
+        tail = self._prefix_tail.get(parent_id)
+        if tail is not None and num_cached <= limit:
+            self._prefix_tail[child_id] = tail
+        if num_computed_tokens % self.block_size:
+            self.may_copy.add(parent_id)
+            self.may_copy.add(child_id)
+        return blocks
+
+    def _drop_dead_blocks(self, blocks: list[KVCacheBlock], num_computed_tokens: int) -> None:
+        """Replace the blocks no future token attends to by the null block (in a fork's new
+        table, before it takes references); none for full attention."""
 
     def get_num_blocks_to_allocate(
         self,
@@ -75,6 +147,8 @@ class SingleTypeKVCacheManager:
         for block in new_computed_blocks:
             if block.ref_cnt == 0 and not block.is_null:
                 num_new += 1
+        if self.shared_partial_block(blocks, num_tokens, num_computed_tokens) is not None:
+            num_new += 1  # copy-on-write of the shared, partially filled block
         return num_new
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
@@ -98,15 +172,33 @@ class SingleTypeKVCacheManager:
         if self._verify and new_computed_blocks:
             self._prefix_tail[request_id] = new_computed_blocks[-1].prefix
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
-        """Grow the block table to cover ``num_tokens`` tokens; return the new blocks."""
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_computed_tokens: int = 0
+    ) -> list[KVCacheBlock]:
+        """Grow the block table to cover ``num_tokens`` tokens; return the new blocks.
+
+        If the block of token ``num_computed_tokens`` is partially filled and shared (a fork),
+        it is first replaced by a new block (copy-on-write, recorded in ``blocks_to_copy``); that
+        block is taken from the pool before the new ones and is not among those returned (it
+        replaces an entry; the returned blocks are appended at the end of the table).
+        """
         blocks = self.req_to_blocks.get(request_id)
         if blocks is None:
             blocks = self.req_to_blocks[request_id] = []
         num_new = cdiv(num_tokens, self.block_size) - len(blocks)
-        if num_new <= 0:
-            return []
-        new_blocks = self.block_pool.get_new_blocks(num_new)
+        if num_new < 0:
+            num_new = 0
+        shared = self.shared_partial_block(blocks, num_tokens, num_computed_tokens)
+        if self.may_copy and num_tokens > num_computed_tokens:
+            self.may_copy.discard(request_id)  # after this write no block of it is shared unfilled
+        if shared is None:
+            if num_new == 0:
+                return []
+            new_blocks = self.block_pool.get_new_blocks(num_new)
+        else:
+            new_blocks = self.block_pool.get_new_blocks(num_new + 1)
+            self._copy_on_write(blocks, num_computed_tokens // self.block_size, new_blocks[0])
+            del new_blocks[0]
         blocks.extend(new_blocks)
         return new_blocks
 
@@ -142,6 +234,8 @@ class SingleTypeKVCacheManager:
             return
         self.num_cached_block.pop(request_id, None)
         self._prefix_tail.pop(request_id, None)
+        if self.may_copy:
+            self.may_copy.discard(request_id)
         self.block_pool.free_blocks(reversed(blocks))
 
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
@@ -207,6 +301,11 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             num_tokens_to_cache: tokens whose full blocks enter the prefix cache (-1: no caching);
                 blocks without a hash yet (``request.block_hashes`` too short) are skipped.
 
+        Copy-on-write as in ``allocate_new_blocks``, O(1): for a request in ``may_copy`` (a side
+        of a fork not yet written past it) one look at the ref_cnt of the block of token
+        ``request.num_computed_tokens``; for the others (every request when nothing was forked)
+        one set test; nothing per token.
+
         Returns:
             The new blocks (a list, or ``()`` if none), or ``None`` if they do not fit (nothing
             changed).
@@ -215,9 +314,13 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         block_size = self.block_size
         blocks = self.req_to_blocks.get(request_id)
         num_new = (num_tokens_need_slot + block_size - 1) // block_size
+        pool = self.block_pool
         if blocks is not None:
             num_new -= len(blocks)
-        pool = self.block_pool
+            if self.may_copy and request_id in self.may_copy:
+                return self._grow_forked(
+                    request, blocks, num_tokens_need_slot, num_new, num_tokens_to_cache
+                )
         if num_new > 0:
             if num_new > pool.free_block_queue.num_free_blocks:
                 return None
@@ -249,6 +352,37 @@ class FullAttentionManager(SingleTypeKVCacheManager):
                 if tail is not None:
                     self._prefix_tail[request_id] = tail
                 self.num_cached_block[request_id] = num_full
+        return new_blocks
+
+    def _grow_forked(
+        self,
+        request: KVCacheRequest,
+        blocks: list[KVCacheBlock],
+        num_tokens_need_slot: int,
+        num_new: int,
+        num_tokens_to_cache: int,
+    ) -> list[KVCacheBlock] | None:
+        """``grow`` for a request in ``may_copy``: copy-on-write of its shared partially filled
+        block first, as ``allocate_new_blocks`` does (the copy's block is taken before the new
+        ones), so both paths hand out the same blocks. ``num_new``: blocks past the table's end
+        (may be negative)."""
+        pool = self.block_pool
+        num_computed_tokens = request.num_computed_tokens
+        shared = self.shared_partial_block(blocks, num_tokens_need_slot, num_computed_tokens)
+        if num_new < 0:
+            num_new = 0
+        num_needed = num_new if shared is None else num_new + 1
+        if num_needed > pool.free_block_queue.num_free_blocks:
+            return None
+        # Checked: from here on everything succeeds.
+        new_blocks = pool.get_new_blocks(num_needed) if num_needed else []
+        if shared is not None:
+            self._copy_on_write(blocks, num_computed_tokens // self.block_size, new_blocks[0])
+            del new_blocks[0]
+        blocks.extend(new_blocks)
+        if num_tokens_need_slot > num_computed_tokens:
+            self.may_copy.discard(request.request_id)  # no block of it is shared unfilled now
+        self.cache_blocks(request, num_tokens_to_cache)
         return new_blocks
 
 
@@ -301,6 +435,11 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
                 if blocks[i].ref_cnt == 1:
                     num_new -= 1
         return num_new
+
+    def _drop_dead_blocks(self, blocks: list[KVCacheBlock], num_computed_tokens: int) -> None:
+        null = self._null_block
+        for i in range(min(self.num_skipped_blocks(num_computed_tokens), len(blocks))):
+            blocks[i] = null
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Free the blocks that left the window; the table keeps the null block in their place.
