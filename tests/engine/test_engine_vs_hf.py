@@ -159,9 +159,11 @@ def test_seeded_sampling_is_reproducible_and_n_samples_share_the_prompt(
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=7, max_tokens=8, n=3)
     first = llm.generate([chat_prompt_ids[4]], params, use_tqdm=False)[0]
     stats = llm.get_stats().scheduler
-    # The 3 samples share the prompt's blocks: samples 2 and 3 hit the cache on admission.
-    prompt_blocks = (len(chat_prompt_ids[4]) - 1) // bs * bs
-    assert stats.prefix_cache_hits == 2 * prompt_blocks
+    # The 3 samples share the prompt's blocks: samples 2 and 3 fork from sample 1 once it has
+    # computed all the prompt but its last token (the shared partial block is copied on write).
+    assert stats.num_forks == 2 and stats.prefix_cache_hits == 0
+    partial = (len(chat_prompt_ids[4]) - 1) % bs != 0
+    assert stats.num_cow_copies == (2 if partial else 0)
     assert [o.index for o in first.outputs] == [0, 1, 2]
     assert len({tuple(o.token_ids) for o in first.outputs}) > 1
     again = llm.generate([chat_prompt_ids[4]], params, use_tqdm=False)[0]

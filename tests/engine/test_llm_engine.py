@@ -130,18 +130,81 @@ def test_stop_token_ids_and_eos(tiny):
     assert EOS in engine.eos_token_ids
 
 
-def test_n_samples_are_seeded_and_share_prompt_blocks(tiny):
+def _count_scheduled_tokens(engine: LLMEngine) -> list[int]:
+    """Wraps the scheduler so that the returned list holds each step's scheduled tokens."""
+    counts: list[int] = []
+    schedule = engine.scheduler.schedule
+
+    def counting():
+        out = schedule()
+        counts.append(out.total_num_scheduled_tokens)
+        return out
+
+    engine.scheduler.schedule = counting
+    return counts
+
+
+@pytest.mark.parametrize("prompt", [PROMPTS[1], PROMPTS[3][:64], PROMPTS[3][:65]])
+def test_n_samples_prefill_once_then_fork(tiny, prompt):
+    """n > 1: the prompt is computed once (all but its last token), then the n samples fork,
+    sharing its blocks; each computes the last prompt token and samples from there. Prompt
+    lengths on and off a block boundary (block_size 4: 129, 64 and 65 tokens)."""
     engine = make_engine(tiny)
-    params = SamplingParams(n=3, temperature=1.0, top_k=20, top_p=0.9, seed=3, max_tokens=12)
-    engine.add_request("s", PROMPTS[1], params)
+    counts = _count_scheduled_tokens(engine)
+    n, max_tokens = 3, 12
+    params = SamplingParams(
+        n=n, temperature=1.0, top_k=20, top_p=0.9, seed=3, max_tokens=max_tokens, ignore_eos=True
+    )
+    engine.add_request("s", prompt, params)
     first = run(engine)["s"][-1]
     assert [o.index for o in first.outputs] == [0, 1, 2]
     assert len({tuple(o.token_ids) for o in first.outputs}) == 3
-    hits = engine.get_stats().scheduler.prefix_cache_hits
-    assert hits == 2 * ((len(PROMPTS[1]) - 1) // 4 * 4)
-    engine.add_request("t", PROMPTS[1], params)
+    num_prompt = len(first.prompt_token_ids)
+    # (P - 1) prompt tokens once, then per sample its last prompt token and max_tokens - 1
+    # decode tokens: not n * P.
+    assert sum(counts) == (num_prompt - 1) + n * max_tokens
+    stats = engine.get_stats().scheduler
+    assert stats.num_forks == n - 1
+    # On a block boundary the last prompt token starts a new block: nothing is copied.
+    expected_copies = 0 if (num_prompt - 1) % 4 == 0 else n - 1
+    assert stats.num_cow_copies == expected_copies
+    assert engine.kv_cache_manager.usage == 0.0
+    engine.kv_cache_manager.check_invariants()
+    # Reproducible: the same seeded request gives the same samples.
+    engine.add_request("t", prompt, params)
     again = run(engine)["t"][-1]
     assert [o.token_ids for o in again.outputs] == [o.token_ids for o in first.outputs]
+
+
+def test_forked_samples_equal_independent_requests_seeded_alike(tiny):
+    """The fork changes where the samples' KV comes from, not what they sample: sample i equals
+    a request of its own seeded with seed + i (the path before the fork)."""
+    prompt = PROMPTS[3][:65]
+    params = SamplingParams(n=4, temperature=0.8, seed=11, max_tokens=10, ignore_eos=True)
+    forked = make_engine(tiny)
+    forked.add_request("s", prompt, params)
+    samples = [o.token_ids for o in run(forked)["s"][-1].outputs]
+    alone = make_engine(tiny, enable_prefix_caching=False)
+    for i in range(4):
+        alone.add_request(f"a{i}", prompt, params.for_sample(i))
+    outputs = run(alone)
+    assert samples == [outputs[f"a{i}"][-1].token_ids for i in range(4)]
+    greedy_forked = make_engine(tiny)
+    greedy_forked.add_request("g", prompt, greedy(10, n=2))
+    same = [o.token_ids for o in run(greedy_forked)["g"][-1].outputs]
+    assert same[0] == same[1]
+
+
+def test_aborting_an_n_request_before_its_fork_ends_every_sample(tiny):
+    engine = make_engine(tiny, max_num_batched_tokens=16)  # the prompt takes several steps
+    engine.add_request("s", PROMPTS[1], SamplingParams(n=3, max_tokens=5))
+    engine.step()
+    engine.abort_request("s")
+    outputs = engine.step()
+    (aborted,) = [o for o in outputs if o.request_id == "s"]
+    assert aborted.finished and [o.finish_reason for o in aborted.outputs] == ["abort"] * 3
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache_manager.usage == 0.0
 
 
 def test_abort_reports_once_frees_blocks_and_twice_is_noop(tiny):

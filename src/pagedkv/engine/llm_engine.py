@@ -249,9 +249,17 @@ class LLMEngine:
                     arrival_time=now,
                 )
             )
+        # n > 1 with a prompt of 2+ tokens: one prefill, then a fork (the samples share the
+        # prompt's blocks; each computes the last prompt token itself and samples from it).
+        to_add = requests
+        if len(requests) > 1 and len(prompt_token_ids) > 1:
+            parent = requests[0]
+            parent.fork_children = requests[1:]
+            parent.fork_at = len(prompt_token_ids) - 1
+            to_add = [parent]
         added = []
         try:
-            for request in requests:
+            for request in to_add:
                 self.scheduler.add_request(request)
                 added.append(request)
         except InvalidRequestError:

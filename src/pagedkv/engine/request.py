@@ -69,6 +69,10 @@ class Request(KVCacheRequest):
             ``NewRequestData`` / ``CachedRequestData``); 0 until first scheduled. Tokens from
             there on go with its next scheduling.
         first_scheduled_time / first_token_time / finished_time: ``time.monotonic()`` stamps.
+        fork_children: the sibling samples of an ``n > 1`` request, not yet scheduled: the
+            scheduler forks them from this request (the parent) once it has computed
+            ``fork_at`` tokens (all its prompt but the last token), sharing its blocks.
+        fork_at: tokens the parent computes before it forks its children.
     """
 
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
@@ -85,6 +89,8 @@ class Request(KVCacheRequest):
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    fork_children: list[Request] = field(default_factory=list)
+    fork_at: int = 0
     _stop_token_ids: frozenset[int] = field(default=frozenset(), init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -111,6 +111,7 @@ class Scheduler:
         #: requests finished since the last schedule(): the next output tells the workers.
         self.finished_req_ids: set[str] = set()
         self._rejected: list[Request] = []  # rejected while scheduling, not yet reported
+        self._pending_forks: list[Request] = []  # parents that reached fork_at last step
         self._scheduled_requests: list[Request] = []  # the last schedule()'s, in order
         self._num_usable_blocks = kv_cache_manager.num_blocks - 1  # block 0 is the null block
         self._kv_cache_specs = tuple(kv_cache_manager.kv_cache_specs)
@@ -173,8 +174,19 @@ class Scheduler:
                 "KV cache",
                 param="max_tokens",
             )
+        for child in request.fork_children:
+            if child.request_id in self.requests or child.request_id == request.request_id:
+                raise InvalidRequestError(f"request id {child.request_id!r} is already in use")
+            if child.prompt_token_ids != request.prompt_token_ids:
+                raise InvalidRequestError("fork children must have their parent's prompt")
+        if request.fork_children and not 1 <= request.fork_at < num_prompt_tokens:
+            raise InvalidRequestError(
+                f"fork_at must be in [1, {num_prompt_tokens}), got {request.fork_at}"
+            )
         request.max_tokens = max_tokens
         request.status = RequestStatus.WAITING
+        for child in request.fork_children:
+            child.max_tokens = max_tokens
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -224,6 +236,9 @@ class Scheduler:
             num_used_blocks=self.kv_cache_manager.num_blocks
             - 1
             - self.kv_cache_manager.num_free_blocks,
+            num_shared_blocks=sum(
+                1 for block in self.kv_cache_manager.block_pool.blocks if block.ref_cnt > 1
+            ),
         )
 
     # ------------------------------------------------------------------ the step
@@ -245,12 +260,16 @@ class Scheduler:
         manager = self.kv_cache_manager
         step = _Step()
         token_budget = self.max_num_batched_tokens
+        if self._pending_forks:
+            self._fork_children()
 
         # 1) Running requests: decode tokens and the rest of chunked prefills.
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            if request.fork_children:  # an n > 1 parent stops at the fork point
+                num_new_tokens = min(num_new_tokens, request.fork_at - request.num_computed_tokens)
             if num_new_tokens <= 0:
                 req_index += 1
                 continue
@@ -284,11 +303,14 @@ class Scheduler:
             self._admit_waiting(step, token_budget)
 
         # 3) Advance num_computed_tokens and say what changed since the workers last heard.
+        blocks_to_copy = manager.take_blocks_to_copy()
+        copied = self._copied_tables(step, blocks_to_copy) if any(blocks_to_copy) else None
         out = SchedulerOutput(
             num_scheduled_tokens=step.num_scheduled_tokens,
             total_num_scheduled_tokens=step.total_num_scheduled_tokens,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=step.preempted_req_ids,
+            blocks_to_copy=blocks_to_copy if copied is not None else (),
         )
         self.finished_req_ids = set()
         cached = out.scheduled_cached_reqs
@@ -318,6 +340,10 @@ class Scheduler:
                     if num_tokens > num_sent_tokens
                     else []
                 )
+                if copied is not None and request.request_id in copied:
+                    # copy-on-write replaced a block of its table: send the table whole
+                    resumed = True
+                    cached.resumed_from_preemption[-1] = True
                 if resumed:  # its blocks were freed: the whole table is new
                     cached.new_block_ids.append(manager.get_block_ids(request.request_id))
                 elif not new_blocks or not any(new_blocks.blocks):
@@ -329,6 +355,8 @@ class Scheduler:
             request.num_computed_tokens = (
                 num_computed_tokens + out.num_scheduled_tokens[request.request_id]
             )
+            if request.fork_children and request.num_computed_tokens == request.fork_at:
+                self._pending_forks.append(request)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
         self._scheduled_requests = step.requests
@@ -416,6 +444,13 @@ class Scheduler:
             request = waiting.peek()
             computed_blocks, num_computed_tokens = manager.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_computed_tokens
+            released: list[Request] = []
+            if request.fork_children:  # an n > 1 parent stops at the fork point...
+                if num_computed_tokens < request.fork_at:
+                    num_new_tokens = request.fork_at - num_computed_tokens
+                else:  # ...unless the prefix cache has it all: then each sample hits it too
+                    released, request.fork_children = request.fork_children, []
+            tried = False
             if num_new_tokens > token_budget and not self.enable_chunked_prefill:
                 new_blocks = None  # waits for a step with the whole budget free
             else:
@@ -423,14 +458,19 @@ class Scheduler:
                 new_blocks = manager.allocate_slots(
                     request, num_new_tokens, num_computed_tokens, computed_blocks
                 )
-                if new_blocks is None and self._reject_if_never_fits(request, step):
-                    continue
+                tried = True
             if new_blocks is None:
+                request.fork_children = released or request.fork_children  # not admitted yet
+                if tried and self._reject_if_never_fits(request, step):
+                    continue
                 if not skip:
                     break  # FCFS: later requests wait behind this one
                 skipped.append(waiting.pop())
                 continue
             waiting.pop()
+            for child in reversed(released):  # plain requests now, right behind their parent
+                self.requests[child.request_id] = child
+                waiting.add_front(child)
             if request.num_cached_tokens < 0:  # first admission (not a resumption)
                 # The one definition of the prefix-cache counters (docs/engine.md): each
                 # request counts once, at its first admission, if it can hit at all.
@@ -462,7 +502,62 @@ class Scheduler:
         self.stats.num_rejected += 1
         self._free_request(request)
         self._rejected.append(request)
+        for child in request.fork_children:  # its samples end with it
+            child.status = RequestStatus.FINISHED_ERROR
+            child.error = request.error
+            self._rejected.append(child)
+        request.fork_children = []
         return True
+
+    def _fork_children(self) -> None:
+        """Fork the children of the parents that computed all their prompt but the last token
+        (between steps): each child maps the parent's blocks (the manager's ``fork``; the
+        shared partially filled block is copied on the first write) and runs from there. A
+        child that has no seat (max_num_seqs) or no room for its first block queues as a plain
+        request instead (prefix-cache hits on the parent's full blocks, the rest recomputed)."""
+        manager = self.kv_cache_manager
+        for parent in self._pending_forks:
+            children, parent.fork_children = parent.fork_children, []
+            forkable = (
+                parent.status == RequestStatus.RUNNING
+                and parent.num_computed_tokens == parent.fork_at
+            )
+            if not children:
+                continue
+            if not forkable:  # preempted since: it forks when it gets there again
+                parent.fork_children = children
+                continue
+            at = self.running.index(parent) + 1
+            for child in children:
+                self.requests[child.request_id] = child
+                child.num_computed_tokens = parent.fork_at
+                if len(self.running) < self.max_num_seqs and manager.fork(parent, child):
+                    child.status = RequestStatus.RUNNING
+                    child.num_cached_tokens = parent.num_cached_tokens
+                    self.running.insert(at, child)
+                    at += 1
+                    self.stats.num_forks += 1
+                else:
+                    child.num_computed_tokens = 0
+                    child.status = RequestStatus.WAITING
+                    self.waiting.add(child)
+        self._pending_forks = []
+
+    def _copied_tables(self, step: _Step, blocks_to_copy) -> set[str]:
+        """Ids of the step's requests whose table had a block replaced by copy-on-write (the
+        block at their ``num_computed_tokens``, now a copy's ``dst``): their tables go whole."""
+        manager = self.kv_cache_manager
+        block_size = manager.block_size
+        dsts = [{dst for _, dst in copies} for copies in blocks_to_copy]
+        copied = set()
+        for request in step.requests:
+            index = request.num_computed_tokens // block_size
+            for g, ids in enumerate(manager.get_block_ids(request.request_id)):
+                if dsts[g] and index < len(ids) and ids[index] in dsts[g]:
+                    copied.add(request.request_id)
+                    break
+        self.stats.num_cow_copies += sum(len(copies) for copies in blocks_to_copy)
+        return copied
 
     def _pick_victim(self) -> Request:
         if self.policy == "priority":

@@ -26,6 +26,11 @@ class SchedulerStats:
         prefix_cache_hits: of those, tokens served from the cache.
         num_prompt_tokens: prompt tokens of admitted requests (first admission only).
         num_generation_tokens: tokens sampled since start.
+        num_forks: samples of ``n > 1`` requests forked from their parent (sharing its
+            blocks) since start.
+        num_cow_copies: copy-on-write block copies since start (a forked sample writing into
+            a partially filled block it shared).
+        num_shared_blocks: blocks held by more than one request now (forks and prefix hits).
     """
 
     num_running: int = 0
@@ -40,6 +45,9 @@ class SchedulerStats:
     prefix_cache_hits: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    num_forks: int = 0
+    num_cow_copies: int = 0
+    num_shared_blocks: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
