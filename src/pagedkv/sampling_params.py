@@ -97,6 +97,9 @@ class SamplingParams:
             asks computes its whole prompt: it does not read the prefix cache (it still fills
             it).
         seed: seed of this request's own random generator; equal seeds give equal samples.
+        best_of: generate this many samples (>= n; None = n) and return the n with the highest
+            cumulative logprob (vLLM V0's and OpenAI's ``best_of``). The samples fork from one
+            prefill of the prompt; the request's output comes once, when all have finished.
 
     Raises:
         InvalidRequestError: a value out of its range or of the wrong type (``stop`` not a str or
@@ -124,6 +127,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     seed: int | None = None
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -157,6 +161,13 @@ class SamplingParams:
         # request the engine cannot represent is refused before it is queued, never mid-step.
         if not is_int(self.n) or not 1 <= self.n <= INT64_MAX:
             raise InvalidRequestError(f"n must be an int >= 1, got {self.n!r}", param="n")
+        if self.best_of is not None and (
+            not is_int(self.best_of) or not self.n <= self.best_of <= INT64_MAX
+        ):
+            raise InvalidRequestError(
+                f"best_of must be an int >= n ({self.n}) or None, got {self.best_of!r}",
+                param="best_of",
+            )
         _check_float(
             "temperature",
             self.temperature,
@@ -230,13 +241,19 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"seed must be an int or None, got {self.seed!r}", param="seed"
             )
+        num_samples = self.num_samples
         # Sample i of an n > 1 request is seeded with seed + i; torch.Generator takes 64-bit seeds.
-        if self.seed is not None and not _MIN_SEED <= self.seed <= _MAX_SEED - (self.n - 1):
+        if self.seed is not None and not _MIN_SEED <= self.seed <= _MAX_SEED - (num_samples - 1):
             raise InvalidRequestError(
-                f"seed must be in [{_MIN_SEED}, {_MAX_SEED - (self.n - 1)}] (a 64-bit seed for "
-                f"each of the n={self.n} samples), got {self.seed!r}",
+                f"seed must be in [{_MIN_SEED}, {_MAX_SEED - (num_samples - 1)}] (a 64-bit seed "
+                f"for each of the {num_samples} samples), got {self.seed!r}",
                 param="seed",
             )
+
+    @property
+    def num_samples(self) -> int:
+        """Samples generated: ``best_of`` when given, else ``n``."""
+        return self.n if self.best_of is None else self.best_of
 
     @property
     def greedy(self) -> bool:
@@ -264,7 +281,12 @@ class SamplingParams:
         are computed once, by sample 0 (the prompt is the same for all)."""
         seed = None if self.seed is None else self.seed + index
         prompt_logprobs = self.prompt_logprobs if index == 0 else None
-        return dataclasses.replace(self, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
+        logprobs = self.logprobs
+        if self.num_samples > self.n and logprobs is None:
+            logprobs = 0  # best_of ranks by the sampled tokens' logprobs
+        return dataclasses.replace(
+            self, n=1, best_of=None, seed=seed, prompt_logprobs=prompt_logprobs, logprobs=logprobs
+        )
 
 
 _MIN_SEED = -(2**63)

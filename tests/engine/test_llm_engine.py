@@ -462,3 +462,34 @@ def test_held_back_bytes_are_flushed_at_finish(tiny, byte_fallback_tokenizer, mo
     assert "".join(o.outputs[0].new_text for o in outputs) == final.text
     assert final.text == byte_fallback_tokenizer.decode(final.token_ids) == "hello\ufffd\ufffd"
     assert engine.kv_cache_manager.usage == 0.0
+
+
+def test_best_of_returns_the_n_samples_with_the_highest_cumulative_logprob(tiny):
+    """best_of=4, n=2: four samples (forked from one prefill, seeded seed + i), the two with the
+    highest cumulative logprob come back, best first, reported once at the end; logprobs only
+    when asked."""
+    prompt = PROMPTS[3][:65]
+    base = {"temperature": 1.0, "seed": 5, "max_tokens": 8, "ignore_eos": True}
+    engine = make_engine(tiny)
+    engine.add_request("all", prompt, SamplingParams(n=4, logprobs=0, **base))
+    every = run(engine)["all"][-1].outputs
+    best = sorted(every, key=lambda o: -o.cumulative_logprob)[:2]
+    assert engine.reset_prefix_cache()  # (else the samples would hit the cache, not fork)
+    engine.add_request("best", prompt, SamplingParams(n=2, best_of=4, **base))
+    outputs = run(engine)["best"]
+    assert len(outputs) == 1 and outputs[0].finished  # nothing before the end
+    chosen = outputs[0].outputs
+    assert [o.index for o in chosen] == [0, 1]
+    assert [o.token_ids for o in chosen] == [o.token_ids for o in best]
+    assert all(o.logprobs is None and o.cumulative_logprob is None for o in chosen)
+    assert engine.get_stats().scheduler.num_forks == 3 + 3
+    assert engine.kv_cache_manager.usage == 0.0
+
+
+@pytest.mark.parametrize(
+    "kwargs, param", [({"n": 3, "best_of": 2}, "best_of"), ({"best_of": 1.5}, "best_of")]
+)
+def test_best_of_below_n_is_refused(kwargs, param):
+    with pytest.raises(InvalidRequestError) as excinfo:
+        SamplingParams(**kwargs)
+    assert excinfo.value.param == param

@@ -235,11 +235,12 @@ class LLMEngine:
         if not self.config.enable_prefix_caching:
             block_hasher = None
         requests = []
-        for index in range(params.n):
-            seq_params = params if params.n == 1 else params.for_sample(index)
+        num_samples = params.num_samples
+        for index in range(num_samples):
+            seq_params = params if num_samples == 1 else params.for_sample(index)
             requests.append(
                 Request(
-                    request_id=request_id if params.n == 1 else f"{request_id}#{index}",
+                    request_id=request_id if num_samples == 1 else f"{request_id}#{index}",
                     prompt_token_ids=prompt_token_ids,
                     block_hasher=block_hasher,
                     cache_salt=cache_salt,

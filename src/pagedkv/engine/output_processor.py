@@ -138,8 +138,8 @@ class OutputProcessor:
                 prompt_token_ids, skip_special_tokens=params.skip_special_tokens
             )
             sample = _Sample(request=request, detokenizer=detokenizer)
-            if params.logprobs is not None:
-                sample.logprobs = []
+            if params.logprobs is not None or params.num_samples > params.n:
+                sample.logprobs = []  # best_of ranks samples by their cumulative logprob
             state.samples.append(sample)
             self._sample_of[request.request_id] = (state, index)
         self._states[request_id] = state
@@ -233,6 +233,8 @@ class OutputProcessor:
         for state in touched:
             state.changed = False
             output = self._make_output(state)
+            if output is None:  # best_of: nothing until every sample has finished
+                continue
             result.request_outputs.append(output)
             if output.finished:
                 del self._states[state.request_id]
@@ -265,7 +267,11 @@ class OutputProcessor:
         if state.max_stop_len and request.num_output_tokens > params.min_tokens:
             _check_stop_strings(params, sample, start)
 
-    def _make_output(self, state: _RequestState) -> RequestOutput:
+    def _make_output(self, state: _RequestState) -> RequestOutput | None:
+        params = state.params
+        best_of = params.num_samples > params.n
+        if best_of and any(s.finish_reason is None for s in state.samples):
+            return None
         outputs = []
         finished = True
         for index, sample in enumerate(state.samples):
@@ -297,6 +303,14 @@ class OutputProcessor:
             )
             sample.num_emitted_chars = visible
             sample.num_emitted_tokens = len(token_ids)
+        if best_of:  # the n samples with the highest cumulative logprob, best first
+            ranked = sorted(outputs, key=lambda o: -o.cumulative_logprob)[: params.n]
+            outputs = []
+            for index, output in enumerate(ranked):
+                output.index = index
+                if params.logprobs is None:  # asked only for the ranking
+                    output.logprobs = output.cumulative_logprob = None
+                outputs.append(output)
         first = state.samples[0].request
         metrics = state.metrics
         metrics.first_scheduled_time = first.first_scheduled_time
