@@ -11,9 +11,11 @@ Routes::
     POST /detokenize             token ids -> text (vLLM's)
     GET  /tokenizer_info         special tokens and chat template (vLLM's; lm-eval reads it)
     GET  /version                {"version": pagedkv's}
-    GET  /health, /ping          200 while the engine runs, else 503 with the reason
+    GET  /health, GET|POST /ping 200 (no body) while the engine runs, else 503 with the reason
     GET  /metrics                Prometheus text format (see metrics.py)
-    POST /reset_prefix_cache     {"success": bool}; fails while blocks are in use
+    POST /reset_prefix_cache     {"success": true}, or 409 {"success": false} while blocks are
+                                 in use
+    GET  /openapi.json, /docs    the OpenAPI schema of all this, true to the app (openapi.py)
 
 The handlers live in the serving modules (serving_completion, serving_chat,
 serving_tokenization, serving_models), over an :class:`~pagedkv.engine.protocol.EngineClient`:
@@ -22,9 +24,10 @@ are tokenized on the client's input thread, never between the engine's steps.
 
 Every request field is honoured or refused with a 400 naming it (protocol.py; the table is in
 docs/server.md); fields without effect and unknown fields are named in one bounded warning line.
-Bad input gets the OpenAI error body ``{"error": {"message", "type", "param", "code"}}``. Only an
-engine fault (see engine_loop.py) stops the engine: then every route answers 503 and /health says
-why.
+Bad input gets the OpenAI error body ``{"error": {"message", "type", "param", "code"}}``; a method
+a path does not take gets 405 with ``Allow`` naming those it does. Only an engine fault (see
+engine_loop.py) stops the engine: then every route that needs it (completions, chat, /metrics,
+/reset_prefix_cache) answers 503, and /health says why.
 """
 
 from __future__ import annotations
@@ -40,12 +43,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from pagedkv import __version__
 from pagedkv.engine.engine_loop import EngineDeadError
 from pagedkv.engine.protocol import EngineClient
 from pagedkv.entrypoints.openai.errors import OpenAIError, validation_error
 from pagedkv.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from pagedkv.entrypoints.openai.openapi import install_openapi
 from pagedkv.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -111,16 +116,30 @@ def _install_error_handlers(app: FastAPI) -> None:
     )
     handle(EngineDeadError, lambda exc: OpenAIError(503, str(exc)))
     handle(RequestValidationError, validation_error)
-    handle(
-        StarletteHTTPException,
-        lambda exc: OpenAIError(exc.status_code, str(exc.detail), headers=exc.headers),
-    )
+
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        headers = exc.headers
+        if exc.status_code == 405:  # the first route of the path answers: Allow names its only
+            headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(app, request))}
+        return OpenAIError(exc.status_code, str(exc.detail), headers=headers).response()
+
+    app.add_exception_handler(StarletteHTTPException, http_error)
 
     async def internal(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("request %s %s failed", request.method, request.url.path)
         return OpenAIError(500, "internal server error", code="internal_error").response()
 
     app.add_exception_handler(Exception, internal)
+
+
+def _allowed_methods(app: FastAPI, request: Request) -> list[str]:
+    """The methods of every route whose path matches the request's (/ping has two routes)."""
+    methods: set[str] = set()
+    for route in app.router.routes:
+        route_methods = getattr(route, "methods", None)
+        if route_methods and route.matches(request.scope)[0] != Match.NONE:
+            methods |= route_methods
+    return sorted(methods)
 
 
 def create_app(
@@ -149,6 +168,7 @@ def create_app(
     app.state.engine_client = engine_client
     app.state.metrics = metrics
     _install_error_handlers(app)
+    install_openapi(app, engine_client.input_processor)
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
