@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import shlex
 import sys
 import tempfile
@@ -44,6 +45,8 @@ def fake_server(max_model_len: int) -> Iterator[str]:
     from pagedkv.entrypoints.openai.app import create_app
     from pagedkv.entrypoints.openai.launch import ThreadedServer
 
+    # The app's one warning line per request (fields without effect) would flood the terminal.
+    logging.getLogger("pagedkv").setLevel(logging.ERROR)
     engine = fuzz_fake_engine(max_model_len)
     with ThreadedServer(create_app(EngineLoop(engine), model_name="fuzz-model")) as server:
         yield server.url
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.url is not None:
         server = contextlib.nullcontext(args.url)
     elif args.server_args is not None:
-        server = own_server(shlex.split(args.server_args), startup_timeout=600)
+        server = own_server(shlex.split(args.server_args), startup_timeout=600, log_level="error")
     else:
         server = fake_server(args.max_model_len)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="fuzz-openapi-"))

@@ -18,7 +18,12 @@ from _server_fakes import FakeEngine
 from pagedkv.engine.engine_loop import EngineLoop
 from pagedkv.entrypoints.openai.app import create_app
 from pagedkv.entrypoints.openai.launch import ThreadedServer
-from pagedkv.entrypoints.openai.openapi import BEYOND_SCHEMA, decimal_below
+from pagedkv.entrypoints.openai.openapi import (
+    BEYOND_SCHEMA,
+    DocumentedError,
+    decimal_below,
+    install_openapi,
+)
 from pagedkv.sampling_params import FLOAT32_MIN_NORMAL, INT64_MAX
 
 MODEL = "schema-model"
@@ -328,3 +333,26 @@ def test_refusals_beyond_the_schema_are_listed_and_named(server, schema):
     assert response.json()["error"]["param"] == "messages"
     assert "messages" in chat_beyond[BEYOND_SCHEMA]
     assert BEYOND_SCHEMA not in operations(schema)["POST", "/detokenize"]["responses"]["400"]
+
+
+def test_errors_answered_in_front_of_the_routes_can_be_documented():
+    # A middleware's statuses (401 without the API key on all but the probes...).
+    engine = FakeEngine(max_model_len=MAX_MODEL_LEN)
+    app = create_app(EngineLoop(engine), model_name=MODEL)
+    open_paths = {"/health", "/ping", "/metrics", "/version"}
+    install_openapi(
+        app,
+        engine.input_processor,
+        extra_errors=[
+            DocumentedError(401, "no API key", lambda method, path: path not in open_paths),
+            DocumentedError(413, "body too large", lambda method, path: method == "POST"),
+        ],
+    )
+    ops = operations(app.openapi())
+    assert "401" in ops["POST", "/v1/completions"]["responses"]
+    assert "401" not in ops["GET", "/health"]["responses"]
+    assert "413" in ops["POST", "/ping"]["responses"]
+    assert "413" not in ops["GET", "/ping"]["responses"]
+    assert ops["GET", "/v1/models"]["responses"]["401"]["content"] == {
+        "application/json": {"schema": {"$ref": ERROR_REF}}
+    }
