@@ -198,7 +198,9 @@ def _integer_members(schema: dict[str, Any]) -> list[dict[str, Any]]:
     return [member for member in members if member.get("type") == "integer"]
 
 
-def _bound(schema: dict[str, Any], *, minimum: float | None = None, maximum: float | None = None):
+def _bound(
+    schema: dict[str, Any], *, minimum: float | None = None, maximum: float | None = None
+) -> None:
     """Narrow a number schema's [minimum, maximum] (never widen it)."""
     if minimum is not None:
         schema["minimum"] = max(schema.get("minimum", minimum), minimum)
@@ -363,7 +365,9 @@ def _operations(refs: dict[type[BaseModel], str]) -> dict[tuple[str, str], dict[
     def body(model: type[BaseModel]) -> dict[str, Any]:
         return {"required": True, "content": {JSON: {"schema": {"$ref": refs[model]}}}}
 
-    def generation(request: type[BaseModel], response: type[BaseModel], chunk: type[BaseModel]):
+    def generation(
+        request: type[BaseModel], response: type[BaseModel], chunk: type[BaseModel]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
         ok = {
             "description": "The completion: JSON, or with `stream: true` server-sent events "
             "(each `data:` a chunk, an error that ended the stream, or `[DONE]` last).",
