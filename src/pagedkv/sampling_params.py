@@ -41,7 +41,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from pagedkv.errors import InvalidRequestError
 from pagedkv.validation import is_int, is_number
@@ -171,15 +173,11 @@ class SamplingParams:
         _check_float(
             "temperature",
             self.temperature,
-            0,
-            FLOAT32_MAX,
             f"0 or below {GREEDY_EPSILON:g} is greedy; at most the largest float32",
         )
         _check_float(
             "top_p",
             self.top_p,
-            FLOAT32_MIN_NORMAL,
-            1,
             "above 0: the smallest normal float32 at least, a smaller one is 0 in float32",
         )
         if not is_int(self.top_k) or not -1 <= self.top_k <= INT64_MAX:
@@ -189,7 +187,7 @@ class SamplingParams:
                 param="top_k",
             )
         for name in ("presence_penalty", "frequency_penalty"):
-            _check_float(name, getattr(self, name), -2, 2, "OpenAI's range")
+            _check_float(name, getattr(self, name), "OpenAI's range")
         if self.max_tokens is not None and (
             not is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT64_MAX
         ):
@@ -198,12 +196,10 @@ class SamplingParams:
                 f"got {self.max_tokens!r}",
                 param="max_tokens",
             )
-        _check_float("min_p", self.min_p, 0, 1, "a fraction of the top token's probability")
+        _check_float("min_p", self.min_p, "a fraction of the top token's probability")
         _check_float(
             "repetition_penalty",
             self.repetition_penalty,
-            REPETITION_PENALTY_MIN,
-            REPETITION_PENALTY_MAX,
             "1 = off; a seen token's logit is divided or multiplied by it, which must stay finite",
         )
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= INT64_MAX:
@@ -300,11 +296,25 @@ FLOAT32_MIN_NORMAL = 1.1754943508222875e-38
 #: (the module docstring has the arithmetic that keeps the sampler finite with these bounds).
 REPETITION_PENALTY_MIN = 0.01
 REPETITION_PENALTY_MAX = 100.0
+#: The closed range ``[low, high]`` of each float field, the one copy of them (the server's
+#: OpenAPI schema states them too); the module docstring has why each bound is where it is.
+FLOAT_RANGES: Mapping[str, tuple[float, float]] = MappingProxyType(
+    {
+        "temperature": (0.0, FLOAT32_MAX),
+        "top_p": (FLOAT32_MIN_NORMAL, 1.0),
+        "min_p": (0.0, 1.0),
+        "presence_penalty": (-2.0, 2.0),
+        "frequency_penalty": (-2.0, 2.0),
+        "repetition_penalty": (REPETITION_PENALTY_MIN, REPETITION_PENALTY_MAX),
+    }
+)
 
 
-def _check_float(name: str, value: object, low: float, high: float, why: str) -> None:
+def _check_float(name: str, value: object, why: str) -> None:
     """Raise InvalidRequestError (``param`` = ``name``) unless ``value`` is an int or float (not
-    a bool, not NaN) in ``[low, high]``; the message gives the range, ``why`` and the value."""
+    a bool, not NaN) in ``FLOAT_RANGES[name]``; the message gives the range, ``why`` and the
+    value."""
+    low, high = FLOAT_RANGES[name]
     if not is_number(value) or not low <= value <= high:
         raise InvalidRequestError(
             f"{name} must be a number in [{low:g}, {high:g}] ({why}), got {value!r}", param=name

@@ -5,7 +5,10 @@ CompletionOutputs / abort_request / has_unfinished_requests / get_stats / reset_
 uses the engine's real SamplingParams and output classes, and counts KV blocks like a paged cache,
 so the server's streaming, abort and leak handling are tested without a model. Tokens are
 characters; the "model" spells out a fixed sentence from an offset: the prompt's token sum for
-temperature 0, else the seed (+ sample index, as the engine does for n > 1).
+temperature 0, else the seed (+ sample index, as the engine does for n > 1). Log-probabilities
+are made up but have the engine's shapes: the chosen token ranks first (logprob -0.5), then the
+top-k alternatives (code points from U+0100, logprob -1 - rank); prompt logprobs likewise, the
+first position None.
 
 Tests never depend on the machine's speed: instead of sleeping, a test that needs a request to
 still run at some point (a client leaving mid-stream, a reset while blocks are in use) holds
@@ -20,6 +23,7 @@ fault); ``fail_with`` makes the next step raise that exception (e.g. MemoryError
 
 from __future__ import annotations
 
+import itertools
 import random
 import threading
 import time
@@ -27,7 +31,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from pagedkv.engine.input_processor import InputProcessor
-from pagedkv.engine.outputs import CompletionOutput, RequestOutput
+from pagedkv.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedkv.engine.stats import SchedulerStats
 from pagedkv.errors import InvalidRequestError
 from pagedkv.sampling_params import SamplingParams
@@ -35,6 +39,12 @@ from pagedkv.sampling_params import SamplingParams
 SENTENCE = "the quick brown fox jumps over the lazy dog. "
 #: A prompt containing this fails the engine step that runs it (and only that request).
 FAIL_MARKER = "<fail-step>"
+
+
+def token_text(token_id: int) -> str:
+    """A token's text: its code point, U+FFFD for a surrogate (no text has one alone; a real
+    tokenizer decodes bytes that are not UTF-8 to U+FFFD likewise)."""
+    return "\ufffd" if 0xD800 <= token_id < 0xE000 else chr(token_id)
 
 
 class FakeTokenizer:
@@ -47,10 +57,10 @@ class FakeTokenizer:
         return [ord(c) for c in text]
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(chr(t) for t in token_ids)
+        return "".join(map(token_text, token_ids))
 
     def decode_tokens(self, token_ids: list[int]) -> list[str]:
-        return [chr(t) for t in token_ids]
+        return [token_text(t) for t in token_ids]
 
     def apply_chat_template(
         self, messages, add_generation_prompt=True, tokenize=True, continue_final_message=False
@@ -63,11 +73,28 @@ class FakeTokenizer:
         return self.encode(text) if tokenize else text
 
 
+#: The fake's alternatives at a position are code points from here on (none is in SENTENCE).
+FIRST_ALTERNATIVE = 0x100
+
+
+def fake_position(token_id: int, k: int) -> dict[int, Logprob]:
+    """A made-up position: ``token_id`` first (rank 1, logprob -0.5), then k - 1 alternatives
+    (ranks 2..k, logprob -1 - rank), as the engine's ``{token id: Logprob}``."""
+    position = {token_id: Logprob(-0.5, rank=1, decoded_token=token_text(token_id))}
+    alternatives = (t for t in itertools.count(FIRST_ALTERNATIVE) if t != token_id)
+    for rank, alternative in zip(range(2, k + 1), alternatives, strict=False):
+        position[alternative] = Logprob(
+            -1.0 - rank, rank=rank, decoded_token=token_text(alternative)
+        )
+    return position
+
+
 @dataclass(slots=True)
 class _FakeSample:
     offset: int
     text: str = ""
     num_tokens: int = 0
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     num_emitted_chars: int = 0
     finish_reason: str | None = None
     error: str | None = None
@@ -81,6 +108,7 @@ class _FakeRequest:
     max_tokens: int
     samples: list[_FakeSample] = field(default_factory=list)
     poisoned: bool = False
+    prompt_logprobs_sent: bool = False
 
     @property
     def num_blocks_tokens(self) -> int:
@@ -109,6 +137,7 @@ class FakeEngine:
         max_model_len: int = 256,
         max_num_seqs: int = 64,
         policy: str = "fcfs",
+        max_logprobs: int = 20,
     ) -> None:
         self.tokenizer = FakeTokenizer()
         # One token per character: no token covers more than one character.
@@ -116,7 +145,7 @@ class FakeEngine:
             self.tokenizer,
             vocab_size=self.vocab_size,
             max_model_len=max_model_len,
-            max_logprobs=20,
+            max_logprobs=max_logprobs,
             policy=policy,
             max_token_chars=1,
         )
@@ -179,8 +208,6 @@ class FakeEngine:
             raise InvalidRequestError(
                 f"prompt token ids must be in [0, {self.vocab_size})", param="prompt"
             )
-        if params.logprobs is not None or params.prompt_logprobs is not None:
-            raise InvalidRequestError("the fake engine computes no logprobs", param="logprobs")
         if params.top_k > self.vocab_size:
             raise InvalidRequestError(f"top_k must be <= {self.vocab_size}", param="top_k")
         max_tokens = params.max_tokens
@@ -189,12 +216,20 @@ class FakeEngine:
             if max_tokens < 1:
                 raise InvalidRequestError(
                     f"the prompt has {len(ids)} tokens, which leaves no room to generate "
-                    f"within max_model_len={self.max_model_len}"
+                    f"within max_model_len={self.max_model_len}",
+                    param="prompt",
                 )
         elif len(ids) + max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
                 f"max_model_len={self.max_model_len}",
+                param="max_tokens",
+            )
+        need = params.n * -(-(len(ids) + max_tokens) // self.block_size)
+        if need > self.num_blocks:  # the fake admits a request's samples together
+            raise InvalidRequestError(
+                f"n={params.n} samples of prompt + max_tokens = {len(ids) + max_tokens} tokens "
+                f"need {need} KV blocks but the whole pool has {self.num_blocks}",
                 param="max_tokens",
             )
         request = _FakeRequest(request_id, ids, params, max_tokens)
@@ -297,6 +332,8 @@ class FakeEngine:
             return []
         char = SENTENCE[(sample.offset + sample.num_tokens) % len(SENTENCE)]
         sample.num_tokens += 1
+        if req.params.logprobs is not None:
+            sample.logprobs.append(fake_position(ord(char), req.params.logprobs))
         sample.text += char
         for stop in req.params.stop:
             if stop in sample.text:
@@ -326,15 +363,22 @@ class FakeEngine:
                     new_token_ids=new_token_ids[index] if new_token_ids else [],
                     finish_reason=sample.finish_reason,
                     error=sample.error,
+                    logprobs=list(sample.logprobs) if req.params.logprobs is not None else None,
                 )
             )
             sample.num_emitted_chars = visible
+        prompt_logprobs = None
+        k = req.params.prompt_logprobs
+        if k is not None and not req.prompt_logprobs_sent:  # with the first output, as vLLM
+            req.prompt_logprobs_sent = True
+            prompt_logprobs = [None] + [fake_position(t, k) for t in req.prompt_token_ids[1:]]
         return RequestOutput(
             request_id=req.request_id,
             prompt=None,
             prompt_token_ids=req.prompt_token_ids,
             outputs=completions,
             finished=all(s.finish_reason is not None for s in req.samples),
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _num_blocks(self, req: _FakeRequest) -> int:

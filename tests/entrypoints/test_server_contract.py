@@ -416,10 +416,14 @@ def test_ignored_and_unknown_fields_in_one_warning_line(server, caplog):
 def test_types_are_strict_and_null_means_default(server):
     ok = complete(server, temperature=None, top_p=None, n=None, max_tokens=2, stop=None, seed=None)
     assert len(ok["choices"]) == 1
+    # JSON has one number type: 2.0 is the integer 2 (JSON Schema's "integer"), 1.5 is not.
+    two = complete(server, n=2.0, max_tokens=2.0, seed=7.0, prompt=[104.0, 105])
+    assert len(two["choices"]) == 2 and two["usage"]["completion_tokens"] == 4
     for body, param in (
         ({"max_tokens": "8"}, "max_tokens"),
         ({"temperature": "0.5"}, "temperature"),
-        ({"n": 1.0}, "n"),
+        ({"n": 1.5}, "n"),
+        ({"n": True}, "n"),
         ({"echo": 1}, "echo"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"max_tokens": 0}, "max_tokens"),

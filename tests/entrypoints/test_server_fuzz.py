@@ -10,6 +10,11 @@ Checked: no 5xx at all (the documented 5xx, 500 for a request that fails inside 
 error body with a message; /health is 200 afterwards and every KV block is free.
 
 Against the fake engine (fast, in every run) and the real default model (slow; fewer requests).
+
+And schemathesis' own run (``st run --checks all``, every check it has: status codes, media
+types, response bodies and headers, valid data accepted, invalid data refused, 405 and Allow...)
+against the fake engine, derandomized with a fixed budget: the OpenAPI schema must say what the
+app does (_openapi_fuzz.py has its one configuration; benchmarks/fuzz_openapi.py runs it longer).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from collections import Counter
 
 import httpx
 import pytest
+from _openapi_fuzz import fuzz_fake_engine, run_schemathesis
 from _server_fakes import FakeEngine
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -29,6 +35,7 @@ requests = pytest.importorskip("requests")  # schemathesis's HTTP client
 from pagedkv.engine.engine_loop import EngineLoop  # noqa: E402
 from pagedkv.entrypoints.openai.app import create_app  # noqa: E402
 from pagedkv.entrypoints.openai.launch import ThreadedServer  # noqa: E402
+from pagedkv.entrypoints.openai.server_options import ServerOptions  # noqa: E402
 
 MODEL = "fuzz-model"
 MAX_TOKENS = 3
@@ -126,6 +133,26 @@ def test_fuzzed_api_against_the_fake_engine():
     with ThreadedServer(app) as server:
         statuses = fuzz(server.url, max_examples=300)
         check_fuzzed(server.url, statuses)
+    assert engine.num_used_blocks == 0 and not engine.has_unfinished_requests()
+
+
+def test_schemathesis_with_every_check_finds_nothing(tmp_path):
+    engine = fuzz_fake_engine(max_model_len=256)
+    admin = ServerOptions(enable_admin_routes=True)  # /reset_prefix_cache is fuzzed too
+    with ThreadedServer(create_app(EngineLoop(engine), model_name=MODEL, options=admin)) as server:
+        result = run_schemathesis(server.url, tmp_path, max_examples=200, timeout=900)
+        assert result.num_failures == 0 and not result.errors, result.output[-20000:]
+        # Every operation was tested in every phase, thousands of cases in all.
+        assert result.report["operations"]["tested"] == 13, result.report["operations"]
+        assert {p: v["status"] for p, v in result.report["phases"].items()} == {
+            "examples": "skip",  # the schema has no examples
+            "coverage": "success",
+            "fuzzing": "success",
+            "stateful": "success",
+        }
+        assert result.num_cases > 2000, result.summary()
+        assert httpx.get(server.url + "/health").status_code == 200
+        wait_until_idle(server.url)
     assert engine.num_used_blocks == 0 and not engine.has_unfinished_requests()
 
 

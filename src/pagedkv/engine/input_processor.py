@@ -102,17 +102,15 @@ class InputProcessor:
         self.max_prompt_chars: int | None = (
             None if max_token_chars is None else max_model_len * max_token_chars
         )
+        #: True when "" tokenizes to no token (no BOS): an empty text prompt is then refused.
+        self.empty_text_is_empty = not tokenizer.encode("", add_special_tokens=True)
 
     def copy(self) -> InputProcessor:
-        """The same processor with its own copy of the tokenizer, for another thread."""
-        return InputProcessor(
-            copy.deepcopy(self.tokenizer),
-            vocab_size=self.vocab_size,
-            max_model_len=self.max_model_len,
-            max_logprobs=self.max_logprobs,
-            policy=self.policy,
-            max_token_chars=self.max_token_chars,
-        )
+        """The same processor with its own copy of the tokenizer, for another thread (the copy
+        is not used in the calling thread)."""
+        twin = copy.copy(self)
+        twin.tokenizer = copy.deepcopy(self.tokenizer)
+        return twin
 
     @property
     def has_chat_template(self) -> bool:

@@ -11,10 +11,11 @@ Routes::
     POST /detokenize             token ids -> text (vLLM's)
     GET  /tokenizer_info         special tokens and chat template (vLLM's; lm-eval reads it)
     GET  /version                {"version": pagedkv's}
-    GET  /health, /ping          200 while the engine runs, else 503 with the reason
+    GET  /health, GET|POST /ping 200 (no body) while the engine runs, else 503 with the reason
     GET  /metrics                Prometheus text format (see metrics.py)
-    POST /reset_prefix_cache     {"success": bool}; fails while blocks are in use (an admin
-                                 route: only with --enable-admin-routes)
+    POST /reset_prefix_cache     {"success": true}, or 409 {"success": false} while blocks are
+                                 in use (an admin route: only with --enable-admin-routes)
+    GET  /openapi.json, /docs    the OpenAPI schema of all this, true to the app (openapi.py)
 
 API keys, body limits, the Origin / Host policy and the admin gate: server_options.py
 (docs/server.md, "Security and limits").
@@ -26,9 +27,10 @@ are tokenized on the client's input thread, never between the engine's steps.
 
 Every request field is honoured or refused with a 400 naming it (protocol.py; the table is in
 docs/server.md); fields without effect and unknown fields are named in one bounded warning line.
-Bad input gets the OpenAI error body ``{"error": {"message", "type", "param", "code"}}``. Only an
-engine fault (see engine_loop.py) stops the engine: then every route answers 503 and /health says
-why.
+Bad input gets the OpenAI error body ``{"error": {"message", "type", "param", "code"}}``; a method
+a path does not take gets 405 with ``Allow`` naming those it does. Only an engine fault (see
+engine_loop.py) stops the engine: then every route that needs it (completions, chat, /metrics,
+/reset_prefix_cache) answers 503, and /health says why.
 """
 
 from __future__ import annotations
@@ -41,16 +43,13 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedkv import __version__
-from pagedkv.cluster.protocol import ReplicaError
-from pagedkv.engine.engine_loop import EngineDeadError
 from pagedkv.engine.protocol import EngineClient
-from pagedkv.entrypoints.openai.errors import OpenAIError, validation_error
+from pagedkv.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from pagedkv.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from pagedkv.entrypoints.openai.openapi import install_openapi
 from pagedkv.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -60,15 +59,17 @@ from pagedkv.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
-    UnsupportedFieldError,
 )
-from pagedkv.entrypoints.openai.server_options import ServerOptions, install_middleware
+from pagedkv.entrypoints.openai.server_options import (
+    ServerOptions,
+    install_middleware,
+    middleware_errors,
+)
 from pagedkv.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedkv.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedkv.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedkv.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedkv.entrypoints.openai.stats_logger import StatsLogger
-from pagedkv.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -95,45 +96,6 @@ def _lifespan(engine_client: EngineClient, log_stats_interval: float | None):
             engine_client.stop()
 
     return lifespan
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    """Every error as OpenAI's error body; a 500 without internals (they go to the log)."""
-
-    def handle(exc_class: type[BaseException], to_error) -> None:
-        async def handler(request: Request, exc: Any) -> JSONResponse:
-            return to_error(exc).response()
-
-        app.add_exception_handler(exc_class, handler)
-
-    handle(OpenAIError, lambda exc: exc)
-    handle(
-        InvalidRequestError,
-        lambda exc: OpenAIError(400, str(exc), param=exc.param, code="invalid_request"),
-    )
-    handle(
-        UnsupportedFieldError,
-        lambda exc: OpenAIError(400, exc.message, param=exc.param, code="unsupported_field"),
-    )
-    handle(EngineDeadError, lambda exc: OpenAIError(503, str(exc)))
-    # A replica's failure (its message is client-safe; the details are in the log).
-    handle(
-        ReplicaError,
-        lambda exc: OpenAIError(
-            503 if isinstance(exc, EngineDeadError) else 500, str(exc), code="replica_error"
-        ),
-    )
-    handle(RequestValidationError, validation_error)
-    handle(
-        StarletteHTTPException,
-        lambda exc: OpenAIError(exc.status_code, str(exc.detail), headers=exc.headers),
-    )
-
-    async def internal(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("request %s %s failed", request.method, request.url.path)
-        return OpenAIError(500, "internal server error", code="internal_error").response()
-
-    app.add_exception_handler(Exception, internal)
 
 
 def create_app(
@@ -165,7 +127,8 @@ def create_app(
     app.state.engine_client = engine_client
     app.state.metrics = metrics
     options = install_middleware(app, options)
-    _install_error_handlers(app)
+    install_error_handlers(app)
+    install_openapi(app, engine_client.input_processor, extra_errors=middleware_errors(options))
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:

@@ -9,12 +9,21 @@ files).
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
-from pagedkv.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from pagedkv.cluster.protocol import ReplicaError
+from pagedkv.engine.engine_loop import EngineDeadError
+from pagedkv.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, UnsupportedFieldError
+from pagedkv.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -126,3 +135,56 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
     if "input" in first and first.get("type") != "missing":
         message += f" (got {json.dumps(first['input'], default=str)[:200]})"
     return OpenAIError(400, message, param=param, code="invalid_value")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error as OpenAI's error body; a 500 without internals (they go to the log)."""
+
+    def handle(exc_class: type[BaseException], to_error) -> None:
+        async def handler(request: Request, exc: Any) -> JSONResponse:
+            return to_error(exc).response()
+
+        app.add_exception_handler(exc_class, handler)
+
+    handle(OpenAIError, lambda exc: exc)
+    handle(
+        InvalidRequestError,
+        lambda exc: OpenAIError(400, str(exc), param=exc.param, code="invalid_request"),
+    )
+    handle(
+        UnsupportedFieldError,
+        lambda exc: OpenAIError(400, exc.message, param=exc.param, code="unsupported_field"),
+    )
+    handle(EngineDeadError, lambda exc: OpenAIError(503, str(exc)))
+    # A replica's failure (its message is client-safe; the details are in the log).
+    handle(
+        ReplicaError,
+        lambda exc: OpenAIError(
+            503 if isinstance(exc, EngineDeadError) else 500, str(exc), code="replica_error"
+        ),
+    )
+    handle(RequestValidationError, validation_error)
+
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        headers = exc.headers
+        if exc.status_code == 405:  # the first route of the path answers: Allow names its only
+            headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(app, request))}
+        return OpenAIError(exc.status_code, str(exc.detail), headers=headers).response()
+
+    app.add_exception_handler(StarletteHTTPException, http_error)
+
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("request %s %s failed", request.method, request.url.path)
+        return OpenAIError(500, "internal server error", code="internal_error").response()
+
+    app.add_exception_handler(Exception, internal)
+
+
+def _allowed_methods(app: FastAPI, request: Request) -> list[str]:
+    """The methods of every route whose path matches the request's (/ping has two routes)."""
+    methods: set[str] = set()
+    for route in app.router.routes:
+        route_methods = getattr(route, "methods", None)
+        if route_methods and route.matches(request.scope)[0] != Match.NONE:
+            methods |= route_methods
+    return sorted(methods)

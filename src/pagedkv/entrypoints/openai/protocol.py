@@ -13,7 +13,8 @@ The contract (docs/server.md has the table of every field):
   does.
 
 Types are strict: JSON ``null`` for an optional field means its default, but strings are not
-numbers (``"max_tokens": "8"`` is a 400, as in OpenAI) and numbers are not booleans. Values are
+numbers (``"max_tokens": "8"`` is a 400, as in OpenAI) and numbers are not booleans; a number
+with no fractional part is an integer (``8.0``, as JSON Schema has it), any other is not. Values are
 checked against what the engine can represent (ints within int64, token ids >= 0, finite floats,
 strings that are valid Unicode, i.e. no lone surrogates, which JSON can carry but UTF-8 cannot),
 with a 400 naming the field. What needs the model (token ids and top_k against the vocabulary,
@@ -24,6 +25,7 @@ also a 400. New fields take one of the annotated types below (``Text``, ``Int64`
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 import uuid
@@ -34,6 +36,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     field_validator,
@@ -42,16 +45,13 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from pagedkv.sampling_params import INT64_MAX
-from pagedkv.validation import is_int
+from pagedkv.validation import is_number
 
 #: Most samples one request may ask for (``n``); each sample is a sequence in the engine.
 MAX_N = 128
 INT64_MIN = -(2**63)
 #: torch.Generator takes seeds in [-2**63, 2**64).
 SEED_MAX = 2**64 - 1
-#: Most logprobs / top_logprobs / prompt_logprobs per position (vLLM's default max_logprobs;
-#: the engine's own limit, EngineConfig.max_logprobs, is checked when the request is added).
-MAX_LOGPROBS = 20
 
 
 def _valid_unicode(value: str) -> str:
@@ -65,14 +65,30 @@ def _valid_unicode(value: str) -> str:
     return value
 
 
+def _integral(value: Any) -> Any:
+    """JSON has one number type: ``8.0`` is the integer 8 (as JSON Schema's ``integer`` says,
+    and as some clients write it); any other float stays a float, which an int field refuses."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+#: Put last in an int type's Annotated (after its Field: pydantic's JSON schema keeps the bounds
+#: only then): a float with no fractional part counts as an int.
+_INTEGRAL = BeforeValidator(_integral)
 #: A string the tokenizer and the block hash can take (valid Unicode: no lone surrogates).
 Text = Annotated[str, AfterValidator(_valid_unicode)]
+#: Text of at least one character (stop strings).
+NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_valid_unicode)]
 #: An int within int64 (what torch tensors and the block hash hold).
-Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX), _INTEGRAL]
 #: A token id: >= 0 and within int64 (the engine also checks it against the vocabulary).
-TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX), _INTEGRAL]
 #: A count >= 1 within int64 (max_tokens: the engine also checks it against max_model_len).
-PositiveInt64 = Annotated[int, Field(ge=1, le=INT64_MAX)]
+PositiveInt64 = Annotated[int, Field(ge=1, le=INT64_MAX), _INTEGRAL]
+#: A count >= 0 within int64 (logprobs: the engine checks it against its max_logprobs, which
+#: ``serve --max-logprobs`` sets; the OpenAPI schema states that limit, see openapi.py).
+NonNegativeInt64 = Annotated[int, Field(ge=0, le=INT64_MAX), _INTEGRAL]
 #: A finite float (JSON parsers accept NaN and Infinity).
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
@@ -110,11 +126,70 @@ class ErrorResponse(BaseModel):
 # --------------------------------------------------------------------------------------------
 
 
+#: JSON Schema of null (these schemas are copied into every generated schema, never changed).
+_NULL: dict[str, Any] = {"type": "null"}
+#: null, [] or {}: what an empty list or map field accepts.
+_EMPTY_SCHEMA: dict[str, Any] = {
+    "anyOf": [_NULL, {"type": "array", "maxItems": 0}, {"type": "object", "maxProperties": 0}]
+}
+
+
+def _allows_null(schema: dict[str, Any]) -> bool:
+    return schema.get("type") == "null" or any(
+        member.get("type") == "null" for member in schema.get("anyOf", ())
+    )
+
+
+def _document(schema: dict[str, Any], cls: type[BaseModel]) -> None:
+    """pydantic's JSON Schema of a request model, told what the validators add on top of the
+    types, so that the OpenAPI schema accepts what the server accepts: ``null`` for a field with
+    a default (``_null_means_default``), only the no-op values of a refused field (``REFUSED``),
+    and the rules between fields (``SCHEMA_RULES``, the schema's side of ``check_supported``)."""
+    properties = schema.get("properties", {})
+    refused: dict[str, Refused] = getattr(cls, "REFUSED", {})
+    for name, field in cls.model_fields.items():
+        prop = properties.get(name)
+        if prop is None:
+            continue
+        docs = {k: v for k, v in prop.items() if k in ("title", "description", "default")}
+        if name in refused:
+            accepted = refused[name].accepts.schema
+            properties[name] = {**docs, **copy.deepcopy(accepted or {})}
+        elif not field.is_required() and field.default is not None and not _allows_null(prop):
+            inner = {k: v for k, v in prop.items() if k not in docs}
+            properties[name] = {**docs, "anyOf": [inner, _NULL]}
+    rules = getattr(cls, "SCHEMA_RULES", ())
+    if rules:
+        schema["allOf"] = [*schema.get("allOf", ()), *copy.deepcopy(rules)]
+
+
+def _is(name: str, value: Any) -> dict[str, Any]:
+    """JSON Schema: the field ``name`` is present and equal to ``value``."""
+    return {"required": [name], "properties": {name: {"const": value}}}
+
+
+#: prompt_logprobs only when not streaming, stream_options only when streaming
+#: (check_supported). Few if/then rules: schemathesis gives up on a schema with five.
+_STREAM_RULE = {
+    "if": _is("stream", True),
+    "then": {"properties": {"prompt_logprobs": _NULL}},
+    "else": {"properties": {"stream_options": _NULL}},
+}
+#: continue_final_message needs add_generation_prompt false (its default is true).
+_CONTINUE_RULE = {
+    "if": _is("continue_final_message", True),
+    "then": _is("add_generation_prompt", False),
+}
+
+
 class _Strict(BaseModel):
     """Strict types; ``null`` for a field whose default is not None means that default; extra
     fields are kept (``model_extra``) to be named in the request's warning line."""
 
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow", json_schema_extra=_document)
+    #: JSON Schema rules between fields, added to the model's schema (``allOf``): the rules of
+    #: ``check_supported`` that a schema can state.
+    SCHEMA_RULES: ClassVar[tuple[dict[str, Any], ...]] = ()
 
     @model_validator(mode="before")
     @classmethod
@@ -138,38 +213,54 @@ class StreamOptions(_Strict):
 
 
 @dataclass(frozen=True, slots=True)
-class Refused:
-    """A known field pagedkv does not implement: ``accepts(value)`` is True for the values that
-    ask for nothing (the field's no-op), anything else is a 400 naming the field and ``why``;
-    ``example`` is a refused value (the contract test sends it)."""
+class NoOp:
+    """The values of a refused field that ask for nothing: ``test(value, request)`` says it, and
+    ``schema`` says it as JSON Schema (the request's OpenAPI schema, so that it accepts exactly
+    what the server does; None: the model's ``SCHEMA_RULES`` state it, as it depends on another
+    field)."""
 
-    accepts: Callable[[Any, Any], bool]  # (value, the whole request) -> ok
+    test: Callable[[Any, Any], bool]  # (value, the whole request) -> ok
+    schema: dict[str, Any] | None
+
+    def __call__(self, value: Any, request: Any) -> bool:
+        return self.test(value, request)
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A known field pagedkv does not implement: ``accepts(value, request)`` is True for the
+    values that ask for nothing (the field's no-op), anything else is a 400 naming the field and
+    ``why``; ``example`` is a refused value (the contract test sends it)."""
+
+    accepts: NoOp
     why: str
     example: Any
 
 
-def _absent(value: Any, request: Any) -> bool:
-    return value is None
-
-
-def _false(value: Any, request: Any) -> bool:
-    return value is None or value is False
-
-
-def _empty(value: Any, request: Any) -> bool:
-    return value is None or value == [] or value == {}
-
-
-def _text_format(value: Any, request: Any) -> bool:
-    return value is None or (isinstance(value, dict) and value.get("type") == "text")
-
-
-def _best_of(value: Any, request: Any) -> bool:
-    return value is None or (is_int(value) and value == request.n)
-
-
-def _length_penalty(value: Any, request: Any) -> bool:
-    return value is None or value == 1
+_absent = NoOp(lambda value, request: value is None, _NULL)
+_false = NoOp(lambda value, request: value is None or value is False, {"enum": [None, False]})
+_empty = NoOp(lambda value, request: value is None or value == [] or value == {}, _EMPTY_SCHEMA)
+_text_format = NoOp(
+    lambda value, request: (
+        value is None or (isinstance(value, dict) and value.get("type") == "text")
+    ),
+    {
+        "anyOf": [
+            _NULL,
+            {"type": "object", "required": ["type"], "properties": {"type": {"const": "text"}}},
+        ]
+    },
+)
+#: best_of equal to n (which the schema cannot say: any n's range is allowed there, and a
+#: best_of other than n is one of the 400s it documents beyond the schema).
+_best_of = NoOp(
+    lambda value, request: value is None or (is_number(value) and value == request.n),
+    {"anyOf": [_NULL, {"type": "integer", "minimum": 1, "maximum": MAX_N}]},
+)
+_length_penalty = NoOp(
+    lambda value, request: value is None or (is_number(value) and value == 1),
+    {"anyOf": [_NULL, {"type": "number", "const": 1}]},
+)
 
 
 _NOT_IMPLEMENTED = "is not supported by pagedkv"
@@ -216,17 +307,18 @@ class _SamplingRequest(_Strict):
     REFUSED: ClassVar[dict[str, Refused]] = _REFUSED_COMMON
     #: Known fields without effect on the output (named in the request's warning line).
     IGNORED: ClassVar[tuple[str, ...]] = _IGNORED_COMMON
+    SCHEMA_RULES: ClassVar[tuple[dict[str, Any], ...]] = (_STREAM_RULE,)
 
     model: Text | None = None
-    max_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None
+    max_tokens: NonNegativeInt64 | None = None
     # The ranges of the sampling floats are SamplingParams' (one copy, checked when the endpoint
     # builds them: a 400 naming the field before anything is queued); temperature's upper bound
     # of 2 is OpenAI's, the server's own on top of it.
     temperature: Annotated[FiniteFloat, Field(le=2.0)] = 1.0
     top_p: FiniteFloat = 1.0
-    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    stop: Text | list[Text] | None = Field(default=None, validate_default=True)
-    seed: Annotated[int, Field(ge=INT64_MIN, le=SEED_MAX)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N), _INTEGRAL] = 1
+    stop: NonEmptyText | list[NonEmptyText] | None = Field(default=None, validate_default=True)
+    seed: Annotated[int, Field(ge=INT64_MIN, le=SEED_MAX), _INTEGRAL] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: FiniteFloat = 0.0
@@ -235,15 +327,15 @@ class _SamplingRequest(_Strict):
     logit_bias: dict[str, FiniteFloat] | None = None
     # Extra fields (vLLM has the same names).
     cache_salt: Text | None = None
-    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] = -1
+    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX), _INTEGRAL] = -1
     min_p: FiniteFloat = 0.0
     repetition_penalty: FiniteFloat = 1.0
-    min_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0
+    min_tokens: NonNegativeInt64 = 0
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    prompt_logprobs: NonNegativeInt64 | None = None
     priority: Int64 = 0
     # Known fields: refused (REFUSED) or without effect (IGNORED); typed loosely on purpose,
     # since any value is named in a 400 or in the warning line.
@@ -275,10 +367,7 @@ class _SamplingRequest(_Strict):
     def _stop_list(cls, value: str | list[str] | None) -> list[str]:
         if value is None:
             return []
-        stops = [value] if isinstance(value, str) else list(value)
-        if any(not s for s in stops):
-            raise ValueError("stop strings must not be empty")
-        return stops
+        return [value] if isinstance(value, str) else list(value)
 
     @field_validator("logit_bias")
     @classmethod
@@ -365,20 +454,25 @@ class CompletionRequest(_SamplingRequest):
         **_REFUSED_COMMON,
         "suffix": Refused(_absent, "suffix (insertion) " + _NOT_IMPLEMENTED, "tail"),
     }
+    SCHEMA_RULES: ClassVar[tuple[dict[str, Any], ...]] = (
+        _STREAM_RULE,
+        # max_tokens 0 (the prompt alone) only with echo.
+        {"if": _is("max_tokens", 0), "then": _is("echo", True)},
+    )
 
-    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
+    # Lists are not empty, nor hold an empty one (min_length: also in the schema).
+    prompt: (
+        Text
+        | Annotated[list[Text], Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
     echo: bool = False
-    #: top log-probabilities per token (0 = only the chosen token's), OpenAI's 0..5, vLLM's 0..20.
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    #: top log-probabilities per token (0 = only the chosen token's), up to the engine's
+    #: max_logprobs (OpenAI's 0..5, vLLM's default 20).
+    logprobs: NonNegativeInt64 | None = None
     add_special_tokens: bool = True
     suffix: Any = None
-
-    @field_validator("prompt")
-    @classmethod
-    def _non_empty(cls, value: Any) -> Any:
-        if isinstance(value, list) and (not value or any(p == [] for p in value)):
-            raise ValueError("prompt must not be an empty list (nor hold one)")
-        return value
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -433,16 +527,23 @@ class ChatMessage(_Strict):
         return {"role": role, "content": text}
 
 
-def _no_tools(value: Any, request: Any) -> bool:
-    return _empty(value, request) or request.tool_choice == "none"
-
-
-def _tool_choice(value: Any, request: Any) -> bool:
-    return value is None or value == "none" or (value == "auto" and not request.tools)
-
-
-def _text_modality(value: Any, request: Any) -> bool:
-    return value is None or value == ["text"]
+#: tools are allowed only with tool_choice "none" (the rule is in SCHEMA_RULES).
+_no_tools = NoOp(
+    lambda value, request: _empty(value, request) or request.tool_choice == "none", None
+)
+_tool_choice = NoOp(
+    lambda value, request: (
+        value is None or value == "none" or (value == "auto" and not request.tools)
+    ),
+    {"enum": [None, "none", "auto"]},
+)
+_text_modality = NoOp(
+    lambda value, request: value is None or value == ["text"],
+    {"anyOf": [_NULL, {"type": "array", "const": ["text"]}]},
+)
+_function_call = NoOp(
+    lambda value, request: value is None or value == "none", {"enum": [None, "none"]}
+)
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -461,9 +562,7 @@ class ChatCompletionRequest(_SamplingRequest):
             _tool_choice, "tool calling " + _NOT_IMPLEMENTED + " (tool_choice 'none')", "required"
         ),
         "functions": Refused(_empty, "function calling " + _NOT_IMPLEMENTED, [{"name": "f"}]),
-        "function_call": Refused(
-            lambda v, r: v is None or v == "none", "function calling " + _NOT_IMPLEMENTED, "auto"
-        ),
+        "function_call": Refused(_function_call, "function calling " + _NOT_IMPLEMENTED, "auto"),
         "audio": Refused(_absent, "audio output " + _NOT_IMPLEMENTED, {"voice": "alloy"}),
         "modalities": Refused(_text_modality, "only text output is supported", ["text", "audio"]),
         "prediction": Refused(
@@ -480,12 +579,27 @@ class ChatCompletionRequest(_SamplingRequest):
         "mm_processor_kwargs": Refused(_empty, "multimodal input " + _NOT_IMPLEMENTED, {"x": 1}),
     }
     IGNORED: ClassVar[tuple[str, ...]] = (*_IGNORED_COMMON, "parallel_tool_calls")
+    SCHEMA_RULES: ClassVar[tuple[dict[str, Any], ...]] = (
+        _STREAM_RULE,
+        _CONTINUE_RULE,
+        {
+            "if": {
+                "required": ["top_logprobs"],
+                "properties": {"top_logprobs": {"type": "integer"}},
+            },
+            "then": _is("logprobs", True),
+        },
+        # tools only with tool_choice "none".
+        {"if": _is("tool_choice", "none"), "else": {"properties": {"tools": _EMPTY_SCHEMA}}},
+    )
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    #: no echo here, so no 0
+    max_tokens: PositiveInt64 | None = None
     max_completion_tokens: PositiveInt64 | None = None
     #: return the sampled tokens' log-probabilities (with ``top_logprobs`` alternatives each).
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: NonNegativeInt64 | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
@@ -507,8 +621,6 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.max_tokens == 0:
-            raise UnsupportedFieldError("max_tokens", "`max_tokens` must be >= 1")
         if self.top_logprobs is not None and not self.logprobs:
             raise UnsupportedFieldError("top_logprobs", "`top_logprobs` needs `logprobs`: true")
         if self.continue_final_message and self.add_generation_prompt:
@@ -541,10 +653,20 @@ class TokenizeRequest(_Strict):
 
     REFUSED: ClassVar[dict[str, Refused]] = {}
     IGNORED: ClassVar[tuple[str, ...]] = ()
+    SCHEMA_RULES: ClassVar[tuple[dict[str, Any], ...]] = (
+        # Exactly one of prompt and messages.
+        {
+            "oneOf": [
+                {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+            ]
+        },
+        _CONTINUE_RULE,
+    )
 
     model: Text | None = None
     prompt: Text | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -64,6 +64,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 
+from pagedkv.entrypoints.openai.openapi import DocumentedError
 from pagedkv.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 from pagedkv.errors import ConfigError
 from pagedkv.units import MiB, parse_memory_size
@@ -524,3 +525,39 @@ def _is_loopback(address: str) -> bool:
 def _is_local_name(name: str) -> bool:
     """``localhost``, a ``*.localhost`` name (RFC 6761: always this machine) or a loopback IP."""
     return name == "localhost" or name.endswith(".localhost") or _is_loopback(name)
+
+
+def middleware_errors(options: ServerOptions) -> list[DocumentedError]:
+    """The statuses :class:`RequestGuard` answers in front of the routes, for the OpenAPI
+    schema (each on the operations it can answer)."""
+    errors = [
+        DocumentedError(
+            403,
+            "an Origin not allowed (--allowed-origins), or a Host that is not "
+            "this machine's on a loopback connection",
+        ),
+        DocumentedError(
+            408,
+            "the body did not arrive within --request-body-timeout",
+            lambda method, path: method.upper() in _BODY_METHODS,
+        ),
+        DocumentedError(
+            413,
+            "the body is larger than --max-request-body-bytes",
+            lambda method, path: method.upper() in _BODY_METHODS,
+        ),
+        DocumentedError(
+            415,
+            "a body that is not application/json",
+            lambda method, path: method.upper() in _BODY_METHODS,
+        ),
+    ]
+    if options.api_keys:
+        errors.append(
+            DocumentedError(
+                401,
+                "no or a wrong `Authorization: Bearer <key>` (--api-key)",
+                lambda method, path: path not in OPEN_PATHS,
+            )
+        )
+    return errors

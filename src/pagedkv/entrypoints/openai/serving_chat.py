@@ -34,6 +34,7 @@ from pagedkv.entrypoints.openai.serving_engine import (
     sse,
     usage_of,
 )
+from pagedkv.errors import InvalidRequestError
 from pagedkv.sampling_params import SamplingParams
 
 
@@ -179,7 +180,12 @@ class OpenAIServingChat(OpenAIServing):
                 add_special_tokens=request.add_special_tokens,
             )
         )
-        stream, prompts = await self.start(response_id, [processed], request, params)
+        try:
+            stream, prompts = await self.start(response_id, [processed], request, params)
+        except InvalidRequestError as exc:
+            if exc.param == "prompt":  # the engine's name for what a chat request calls messages
+                exc.param = "messages"
+            raise
         response = _ChatResponse(response_id, self.models.model_name, prompts, options)
         if request.stream:
             events = self.sse_stream(stream, prompts, options, response)
