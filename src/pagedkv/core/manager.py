@@ -485,6 +485,12 @@ class KVCacheManager:
         return self.coordinator.take_blocks_to_copy()
 
     @property
+    def num_shared_blocks(self) -> int:
+        """Blocks held by more than one request now (forks and prefix hits); O(num_blocks),
+        for stats."""
+        return sum(1 for block in self.block_pool.blocks if block.ref_cnt > 1)
+
+    @property
     def num_blocks_copied(self) -> int:
         """Copy-on-write copies recorded since the manager was made, over all KV cache groups
         (it only grows). A scheduler reads it before and after ``allocate_slots(request, ...)``:

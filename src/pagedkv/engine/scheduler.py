@@ -236,9 +236,7 @@ class Scheduler:
             num_used_blocks=self.kv_cache_manager.num_blocks
             - 1
             - self.kv_cache_manager.num_free_blocks,
-            num_shared_blocks=sum(
-                1 for block in self.kv_cache_manager.block_pool.blocks if block.ref_cnt > 1
-            ),
+            num_shared_blocks=self.kv_cache_manager.num_shared_blocks,
         )
 
     # ------------------------------------------------------------------ the step

@@ -102,6 +102,20 @@ class ContiguousKVCache:
             self._free_slots.append(slot)
             self._free_slots.sort(reverse=True)
 
+    def fork(self, parent_request, child_request) -> None:
+        """A contiguous region cannot be shared: never forks (the child queues as a plain
+        request, with its own region)."""
+        return None
+
+    def take_blocks_to_copy(self) -> tuple[list[tuple[int, int]], ...]:
+        """Nothing is ever shared, so nothing is copied on write."""
+        return ([],)
+
+    @property
+    def num_shared_blocks(self) -> int:
+        """Regions are never shared."""
+        return 0
+
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The blocks the request's region spans (empty if it holds none)."""
         slot = self._slot_of.get(request_id)
