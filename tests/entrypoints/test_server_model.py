@@ -208,6 +208,25 @@ def test_n2_and_seed(client):
     assert first.usage.completion_tokens > 0
 
 
+def test_best_of_returns_the_best_of_its_samples(client, llm, server):
+    """best_of=3, n=1 through the API equals the offline engine's best_of (forked samples,
+    ranked by cumulative logprob); with stream it is a 400 naming best_of."""
+    from pagedkv.sampling_params import SamplingParams
+
+    prompt = "Write one sentence about the sea."
+    kwargs = {"temperature": 1.0, "seed": 4, "max_tokens": MAX_TOKENS}
+    reply = client.completions.create(
+        model=MODEL, prompt=prompt, n=1, extra_body={"best_of": 3}, **kwargs
+    )
+    (offline,) = llm.generate(prompt, SamplingParams(n=1, best_of=3, **kwargs), use_tqdm=False)
+    assert [c.text for c in reply.choices] == [offline.outputs[0].text]
+    streamed = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": MODEL, "prompt": prompt, "best_of": 3, "stream": True, **kwargs},
+    )
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "best_of"
+
+
 def test_stop_string(client, llm):
     prompt = PROMPTS[2]
     full = llm.generate([prompt], greedy(), use_tqdm=False)[0].text

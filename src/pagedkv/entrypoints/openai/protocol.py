@@ -251,12 +251,6 @@ _text_format = NoOp(
         ]
     },
 )
-#: best_of equal to n (which the schema cannot say: any n's range is allowed there, and a
-#: best_of other than n is one of the 400s it documents beyond the schema).
-_best_of = NoOp(
-    lambda value, request: value is None or (is_number(value) and value == request.n),
-    {"anyOf": [_NULL, {"type": "integer", "minimum": 1, "maximum": MAX_N}]},
-)
 _length_penalty = NoOp(
     lambda value, request: value is None or (is_number(value) and value == 1),
     {"anyOf": [_NULL, {"type": "number", "const": 1}]},
@@ -267,9 +261,6 @@ _NOT_IMPLEMENTED = "is not supported by pagedkv"
 
 #: Known fields of both endpoints that pagedkv refuses when they ask for something.
 _REFUSED_COMMON: dict[str, Refused] = {
-    "best_of": Refused(
-        _best_of, "best_of > n (server-side best-of ranking) " + _NOT_IMPLEMENTED, 3
-    ),
     "use_beam_search": Refused(_false, "beam search " + _NOT_IMPLEMENTED, True),
     "length_penalty": Refused(
         _length_penalty, "length_penalty (beam search) " + _NOT_IMPLEMENTED, 2.0
@@ -339,7 +330,9 @@ class _SamplingRequest(_Strict):
     priority: Int64 = 0
     # Known fields: refused (REFUSED) or without effect (IGNORED); typed loosely on purpose,
     # since any value is named in a 400 or in the warning line.
-    best_of: Any = None
+    #: generate best_of samples, return the n with the highest cumulative logprob (>= n; not
+    #: with stream, as vLLM).
+    best_of: Annotated[int, Field(ge=1, le=MAX_N), _INTEGRAL] | None = None
     use_beam_search: Any = None
     length_penalty: Any = None
     response_format: Any = None
@@ -400,6 +393,10 @@ class _SamplingRequest(_Strict):
             raise UnsupportedFieldError(
                 "prompt_logprobs", "`prompt_logprobs` is not available with `stream` (as vLLM)"
             )
+        if self.best_of is not None and self.best_of != self.n and self.stream:
+            raise UnsupportedFieldError(
+                "best_of", "`best_of` > n cannot stream: the best n are known only at the end"
+            )
 
     def ignored_fields(self) -> list[str]:
         """The names of the fields accepted without effect: the known ones set (``IGNORED``)
@@ -432,6 +429,7 @@ class _SamplingRequest(_Strict):
                 None if self.logit_bias is None else {int(k): v for k, v in self.logit_bias.items()}
             ),
             "seed": self.seed,
+            "best_of": self.best_of,
         }
 
 
