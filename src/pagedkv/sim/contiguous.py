@@ -102,6 +102,15 @@ class ContiguousKVCache:
             self._free_slots.append(slot)
             self._free_slots.sort(reverse=True)
 
+    def fork(self, parent_request, child_request) -> None:
+        """No sharing between regions: always refused, so the scheduler queues the sample as a
+        request of its own (it reserves its own region and recomputes the prompt)."""
+        return None
+
+    def take_blocks_to_copy(self) -> tuple[list[tuple[int, int]], ...]:
+        """No copy-on-write: never a block to copy (one empty list, for the one group)."""
+        return ([],)
+
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The blocks the request's region spans (empty if it holds none)."""
         slot = self._slot_of.get(request_id)
