@@ -124,3 +124,61 @@ def test_model_refuses_the_shape_flags_and_contiguous(capsys):
     ]:
         assert main(argv) == 2
         assert message in capsys.readouterr().err
+
+
+def test_n_forks_and_reports_the_blocks_it_saves(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    # 30-token prompts, blocks of 4: with fork the 4 samples of a line share 7 full blocks and
+    # each holds 3 of its own (19 blocks); without, 4 x 10 = 40.
+    trace.write_text('{"prompt_len": 30, "output_len": 8, "n": 4}\n')
+    argv = ["simulate", "--trace", str(trace), "--num-blocks", "64", "--block-size", "4"]
+    argv += ["--max-model-len", "64", "--policies", "paged", "--quiet"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "fork under paged: peak 19 KV blocks with fork vs 40 without" in text
+    assert "copy-on-write copies" in text
+    out = tmp_path / "out"
+    assert main([*argv, "--json", "--out", str(out), "--html", "--no-sweep"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["num_sequences"] == 4
+    assert report["policies"]["paged"]["peak_blocks"] == 19
+    assert report["policies"]["paged"]["num_forks"] == 3
+    assert report["fork_baseline"]["paged"]["peak_blocks"] == 40
+    assert "fork under paged: peak 19 KV blocks" in (out / "index.html").read_text()
+
+
+def test_n_flag_on_a_built_in_workload(capsys):
+    argv = ["simulate", "--workload", "sixteen-lengths", "--n", "2", "--json", "--quiet"]
+    assert main([*argv, "--policies", "paged"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["num_requests"] == 16 and report["num_sequences"] == 32
+    # 1 output token each: a sample forks, computes the last prompt token and samples.
+    assert report["policies"]["paged"]["num_forks"] == 16
+    assert set(report["fork_baseline"]) == {"paged"}
+    # Without --n: no baseline run, no fork rows.
+    assert main(["simulate", "--workload", "sixteen-lengths", "--json", "--quiet"]) == 0
+    assert json.loads(capsys.readouterr().out)["fork_baseline"] == {}
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--workload", "sixteen-lengths", "--n", "0"], "n must be an int >= 1"),
+        (
+            [
+                "--workload",
+                "shared-prefix",
+                "--num-requests",
+                "4",
+                "--n",
+                "2",
+                "--num-replicas",
+                "2",
+            ],
+            "n > 1",
+        ),
+    ],
+)
+def test_bad_n_exits_2(argv, message, capsys):
+    assert main(["simulate", "--json", "--quiet", *argv]) == 2
+    assert message in capsys.readouterr().err

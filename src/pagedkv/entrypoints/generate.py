@@ -235,11 +235,13 @@ def as_completion_prompts(
 
 
 def print_summary(llm, outputs, elapsed: float, load_time: float, file=sys.stdout) -> None:
-    """Print requests, tokens, tokens/s, prefix-cache hit rate, peak KV usage, preemptions.
+    """Print requests, tokens, tokens/s, prefix-cache hit rate, peak KV usage, preemptions, and
+    for ``n > 1`` the fork's counts (samples forked, copy-on-write copies).
 
-    Prompt tokens are counted per sequence, as the engine and its prefix cache count them: a
-    prompt with ``n`` samples is ``n`` sequences, each computing (or hitting) the prompt, so the
-    hit rate's denominator is the prompt-token count printed above it.
+    Prompt tokens are counted per sequence: a prompt with ``n`` samples is ``n`` sequences. The
+    prefix cache counts the sequences that looked their prompt up; samples forked from their
+    parent (``n > 1``) share its prompt blocks instead, so they are not in the hit rate's
+    denominator, and the prompt-token line says how many forked.
     """
     stats = llm.get_stats().scheduler
     engine = llm.engine
@@ -252,7 +254,13 @@ def print_summary(llm, outputs, elapsed: float, load_time: float, file=sys.stdou
     if num_prompt != num_unique:
         samples = {len(o.outputs) for o in outputs}
         times = f" x {samples.pop()} samples" if len(samples) == 1 else " over their samples"
-        prompt_note = f" ({num_unique} in the prompts{times}; counted per sequence like the cache)"
+        how = "counted per sequence like the cache"
+        if stats.num_forks:
+            how = (
+                f"counted per sequence; {stats.num_forks} forked samples shared their prompt's "
+                "blocks, not looked up in the cache"
+            )
+        prompt_note = f" ({num_unique} in the prompts{times}; {how})"
     reason = engine.attention_backend_fallback_reason
     passed_over = ""
     if reason:
@@ -284,6 +292,11 @@ def print_summary(llm, outputs, elapsed: float, load_time: float, file=sys.stdou
         f"x {engine.config.block_size} tokens",
         f"preemptions      {stats.num_preemptions}",
     ]
+    if stats.num_forks or stats.num_cow_copies:
+        lines.append(
+            f"fork             {stats.num_forks} samples forked (prompt prefilled once, its "
+            f"blocks shared), {stats.num_cow_copies} blocks copied on write"
+        )
     print("\n--- summary ---", file=file)
     print("\n".join(lines), file=file)
 

@@ -61,6 +61,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="requests (multi-turn: conversations) per second, Poisson; default all at once",
     )
     source.add_argument("--seed", type=int, default=0, help="seed of lengths and token ids")
+    source.add_argument(
+        "--n",
+        type=int,
+        default=None,
+        help="samples per request (SamplingParams.n) for every request whose n is 1: one "
+        "prefill, then the samples fork its blocks; also runs the paged policies without fork "
+        "to report the blocks it saves",
+    )
 
     pool = parser.add_argument_group("KV cache")
     size = pool.add_mutually_exclusive_group()
@@ -210,7 +218,7 @@ def build(args: argparse.Namespace):
     from pagedkv.errors import ConfigError
     from pagedkv.sim.simulator import SimConfig
     from pagedkv.sim.trace import read_trace
-    from pagedkv.sim.workloads import make_workload
+    from pagedkv.sim.workloads import make_workload, with_samples
 
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     unknown = [p for p in policies if p not in _POLICY_CHOICES]
@@ -243,6 +251,8 @@ def build(args: argparse.Namespace):
             request_rate=args.request_rate,
             **extra,
         )
+    if args.n is not None:
+        workload = with_samples(workload, args.n, seed=args.seed)
     defaults = {**_SETTINGS_DEFAULTS, **workload.defaults}
     settings = {
         key: getattr(args, key) if getattr(args, key) is not None else defaults[key]
@@ -305,7 +315,12 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from pagedkv.errors import ConfigError
-    from pagedkv.sim.simulator import simulate, sweep_block_sizes
+    from pagedkv.sim.simulator import (
+        fork_saving_lines,
+        simulate,
+        simulate_fork_baselines,
+        sweep_block_sizes,
+    )
     from pagedkv.sim.workloads import Workload
 
     if args.html and not args.out:
@@ -329,6 +344,9 @@ def run(args: argparse.Namespace) -> int:
         for policy in policies:
             bar.set_postfix_str(policy)
             results[policy] = simulate(workload, config, policy, on_finish=bar.update)
+    # n > 1: the paged policies again, every sample its own request (what fork saves against).
+    fork_baselines = simulate_fork_baselines(workload, config, policies)
+    fork_lines = fork_saving_lines(results, fork_baselines)
 
     sweep = None
     if args.out and not args.no_sweep:
@@ -355,6 +373,7 @@ def run(args: argparse.Namespace) -> int:
                         {p: r.metrics for p, r in results.items()},
                         title=f"pagedkv simulate: {workload.name}",
                         command=command,
+                        notes=fork_lines,
                     )
                 )
         except OSError as exc:
@@ -364,6 +383,7 @@ def run(args: argparse.Namespace) -> int:
         report = {
             "workload": workload.name,
             "num_requests": len(workload.requests),
+            "num_sequences": sum(r.n for r in workload.requests),
             "seed": args.seed,
             "config": {
                 name: getattr(config, name)
@@ -384,6 +404,7 @@ def run(args: argparse.Namespace) -> int:
                 else [getattr(spec, "sliding_window", None) for spec in config.kv_cache_specs]
             ),
             "policies": {p: r.metrics.to_dict() for p, r in results.items()},
+            "fork_baseline": {p: m.to_dict() for p, m in fork_baselines.items()},
             "trace_issues": [{"line": i.line_no, "message": i.message} for i in issues],
             "rejected": {p: r.rejected for p, r in results.items() if r.rejected},
             "files": [str(p) for p in figure_paths],
@@ -410,6 +431,8 @@ def run(args: argparse.Namespace) -> int:
     if config.kv_cache_specs is not None:
         print(f"model {args.model}: {_describe_groups(config.kv_cache_specs)}")
     _print_table(metrics_table_rows({p: r.metrics for p, r in results.items()}))
+    for line in fork_lines:
+        print(line)
     for path in figure_paths:
         print(f"wrote {path}")
     return _report_write_error(write_error)

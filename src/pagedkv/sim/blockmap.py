@@ -2,7 +2,9 @@
 
     block id
       ^   | r3 r3 r3 .. .. c  c  r9 r9 |      rN = owned by request N (colour)
-      |   | r1 r1 r1 r1 r1 r1 .. .. .. |      S  = shared, ref_cnt > 1 (marked)
+      |   | r7 F  F  F  F  r7 .. .. .. |      S  = shared by several requests, ref_cnt > 1
+      |   | r1 r1 r1 r1 r1 r1 .. .. .. |      F  = shared by the samples of one request only
+      |   | r1 r1 S  S  S  r5 r5 .. .. |           (n > 1: forked; hatched over its colour)
       |   | r1 r1 S  S  S  r5 r5 .. .. |      c  = free but still cached (evictable hit)
       0   | null block ................ |      .. = free
           +--------------------------> step (sampled)
@@ -12,8 +14,11 @@ yet (``unused``): reserved for max_model_len, written only up to the request's l
 the waste the metrics report.
 
 Ownership comes from the manager's public ``get_block_ids`` for each running request; a block listed
-by several requests is shared. Cached-free blocks need the pool's view (``ref_cnt == 0`` with a
-block hash), read through ``kv_cache.block_pool.blocks`` when the cache has one.
+by several requests is shared; when all those requests are samples of one trace request (they
+carry its index) the block is shared by samples (a fork's prompt blocks, or a prefix hit between
+siblings), else by several requests (a common prefix). Cached-free blocks need the pool's view
+(``ref_cnt == 0`` with a block hash), read through ``kv_cache.block_pool.blocks`` when the cache
+has one.
 
 To stay cheap on long traces, the recorder keeps at most ``2 * max_columns`` samples: when full it
 drops every other one and samples half as often.
@@ -46,6 +51,9 @@ class BlockMap:
         stride: steps between samples at the end of the run.
         unused: bool ``[num_blocks, num_columns]`` or None: the block is reserved by its owner but
             holds no token yet (contiguous regions beyond the request's length).
+        shared_by_samples: bool ``[num_blocks, num_columns]`` or None: shared, and every holder
+            is a sample of the same trace request (``owners`` gives which); a subset of
+            ``shared``.
     """
 
     steps: np.ndarray
@@ -53,6 +61,7 @@ class BlockMap:
     shared: np.ndarray
     stride: int
     unused: np.ndarray | None = None
+    shared_by_samples: np.ndarray | None = None
 
 
 def pool_blocks(kv_cache) -> list | None:
@@ -90,6 +99,7 @@ class BlockMapRecorder:
         self._owners: list[np.ndarray] = []
         self._shared: list[np.ndarray] = []
         self._unused: list[np.ndarray] = []
+        self._by_samples: list[np.ndarray] = []
 
     def maybe_record(self, step: int, kv_cache, running: list) -> None:
         """Record a sample if this busy step is on the stride."""
@@ -107,6 +117,7 @@ class BlockMapRecorder:
         if self.has_null_block:
             owners[0] = NULL_BLOCK
         unused = np.zeros(self.num_blocks, dtype=bool)
+        mixed = np.zeros(self.num_blocks, dtype=bool)  # held by two trace requests
         contiguous = isinstance(kv_cache, ContiguousKVCache)
         # Oldest request first in `running`: iterate newest first so the oldest owner wins.
         for request in reversed(running):
@@ -114,6 +125,8 @@ class BlockMapRecorder:
                 if not contiguous:
                     ids = [b for b in ids if b]  # sliding-window groups: null block 0
                 if ids:
+                    before = owners[ids]
+                    mixed[ids] |= (before >= 0) & (before != request.index)
                     owners[ids] = request.index
                     np.add.at(counts, ids, 1)
                     if contiguous:
@@ -122,8 +135,10 @@ class BlockMapRecorder:
         self._owners.append(owners)
         self._shared.append(counts > 1)
         self._unused.append(unused)
+        self._by_samples.append((counts > 1) & ~mixed)
         if len(self._steps) >= 2 * self.max_columns:
             del self._steps[1::2], self._owners[1::2], self._shared[1::2], self._unused[1::2]
+            del self._by_samples[1::2]
             self.stride *= 2
 
     def finish(self) -> BlockMap | None:
@@ -136,4 +151,5 @@ class BlockMapRecorder:
             shared=np.stack(self._shared, axis=1),
             stride=self.stride,
             unused=np.stack(self._unused, axis=1),
+            shared_by_samples=np.stack(self._by_samples, axis=1),
         )

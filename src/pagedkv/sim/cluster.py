@@ -94,12 +94,18 @@ def simulate_cluster(
             some (a progress bar).
 
     Raises:
-        ConfigError: a bad router or replica count; a trace that stalls.
+        ConfigError: a bad router or replica count; a request with n > 1 samples; a trace that
+            stalls.
     """
     if router not in ROUTERS:
         raise ConfigError(f"router must be one of {ROUTERS}, got {router!r}")
     if not isinstance(num_replicas, int) or isinstance(num_replicas, bool) or num_replicas < 1:
         raise ConfigError(f"num_replicas must be an int >= 1, got {num_replicas!r}")
+    if any(r.n > 1 for r in workload.requests):
+        raise ConfigError(
+            "requests with n > 1 samples are simulated on one pool (--policies), not over "
+            "replicas; drop --n (or the trace's n)"
+        )
     from pagedkv.core.manager import KVCacheManager
 
     started = time.perf_counter()

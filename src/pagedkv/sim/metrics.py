@@ -10,14 +10,22 @@ Definitions (all over the steps that computed something, "busy steps", unless sa
   (contiguous). Real = reserved minus the unfilled tail of each request's last block (paged) or the
   sum of computed tokens (contiguous).
 - waste %: 100 x (1 - KV utilization): reserved KV holding no token (internal fragmentation).
-- peak KV usage: the most tokens reserved in one step / the usable pool.
+- peak KV usage: the most tokens reserved in one step / the usable pool; ``peak_blocks`` the most
+  blocks held in one step (ref_cnt > 0, a shared block once; contiguous: its regions' blocks).
+- blocks per sequence: KV blocks reserved / sequences running, summed over steps (a
+  time-weighted mean; a block shared by k sequences counts 1/k to each).
+- sequences: engine requests, ``n`` per trace request (its samples); concurrency counts these.
+- forks / copy-on-write copies: samples forked from their parent's blocks, and blocks copied
+  because a sample wrote into a shared partially filled block (the scheduler's ``num_forks`` and
+  ``num_cow_copies``).
 - preemptions: requests evicted from running to make room (recompute on resume).
 - prefix hit rate: prompt tokens served from the prefix cache / prompt tokens looked up, at each
   request's first admission.
 - steps to drain: steps from 0 until the last request finished, idle steps included.
 - tokens per step: tokens computed (prompt chunks and decode tokens, cache hits excluded) per busy
   step.
-- output tokens per step: output tokens / steps to drain (the throughput proxy of the sweeps).
+- output tokens per step: output tokens (every sample's) / steps to drain (the throughput proxy
+  of the sweeps).
 """
 
 from __future__ import annotations
@@ -81,6 +89,11 @@ class PolicyMetrics:
     output_tokens_per_step: float
     num_scheduled_tokens: int
     wall_time_s: float
+    num_sequences: int = 0
+    peak_blocks: int = 0
+    num_forks: int = 0
+    num_cow_copies: int = 0
+    mean_blocks_per_sequence: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -99,6 +112,11 @@ def compute_metrics(
     num_queried_tokens: int,
     num_usable_tokens: int,
     wall_time_s: float,
+    num_sequences: int | None = None,
+    peak_blocks: int = 0,
+    num_forks: int = 0,
+    num_cow_copies: int = 0,
+    block_size: int | None = None,
 ) -> PolicyMetrics:
     """Summarize a recorded timeline (lists or arrays) into :class:`PolicyMetrics`."""
     running = np.asarray(timeline.num_running, dtype=np.int64)
@@ -125,4 +143,11 @@ def compute_metrics(
         output_tokens_per_step=num_output_tokens / num_steps if num_steps else 0.0,
         num_scheduled_tokens=int(scheduled.sum()),
         wall_time_s=wall_time_s,
+        num_sequences=num_requests if num_sequences is None else num_sequences,
+        peak_blocks=peak_blocks,
+        num_forks=num_forks,
+        num_cow_copies=num_cow_copies,
+        mean_blocks_per_sequence=total_reserved / block_size / int(running.sum())
+        if block_size and num_busy and running.sum()
+        else 0.0,
     )

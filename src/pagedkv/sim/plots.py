@@ -7,11 +7,13 @@ touched (no backend switch, no open-figure registry); PNGs are rendered by Agg.
 - ``kv_blocks.png``: KV blocks reserved per step per policy against the usable pool (top), and the
   reserved blocks holding no token, the waste (bottom).
 - ``running_waiting.png``: running and waiting requests over time, one panel per policy.
-- ``block_map_<policy>.png``: physical blocks x sampled steps, coloured by owning request; shared
-  blocks (ref_cnt > 1) black, cached free blocks grey, free blocks white, the null block dark grey,
-  the unwritten part of contiguous regions in a light shade of their owner. At scale (more than
-  64 blocks or 120 samples, paged policies) a window of blocks 0-63 over steps from the middle of
-  the run, under a panel counting every block's state over the whole run.
+- ``block_map_<policy>.png``: physical blocks x sampled steps, coloured by owning request; blocks
+  shared by several requests (ref_cnt > 1) black, blocks shared only by the samples of one request
+  (n > 1, a fork) hatched over that request's colour, cached free blocks grey, free blocks white,
+  the null block dark grey, the unwritten part of contiguous regions in a light shade of their
+  owner; each shared entry is in the legend only when the drawn map has such blocks. At scale
+  (more than 64 blocks or 120 samples, paged policies) a window of blocks 0-63 over steps from
+  the middle of the run, under a panel counting every block's state over the whole run.
 - ``block_size_sweep.png``: throughput proxy (output tokens per step) and waste % vs block_size.
 
 Every policy has its own line style and marker, so policies that coincide (paged and paged+prefix
@@ -22,11 +24,13 @@ a step lasts until the next one, and the last step is drawn one step wide.
 from __future__ import annotations
 
 import base64
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
 import numpy as np
+from matplotlib.collections import PolyCollection
 from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
@@ -59,6 +63,8 @@ _POLICY_STYLES = MappingProxyType(
 )
 _OTHER_STYLE = MappingProxyType({"color": "tab:purple", "linestyle": ":", "marker": "^"})
 _SHARED_RGB = (0.0, 0.0, 0.0)
+#: Blocks shared by the samples of one request: hatched in black over the request's colour.
+_SAMPLES_HATCH = "////"
 _CACHED_RGB = (0.78, 0.78, 0.78)
 _FREE_RGB = (1.0, 1.0, 1.0)
 _NULL_RGB = (0.35, 0.35, 0.35)
@@ -225,22 +231,71 @@ def block_map_image(block_map: BlockMap) -> np.ndarray:
     image[owners == FREE] = _FREE_RGB
     image[owners == CACHED_FREE] = _CACHED_RGB
     image[owners == NULL_BLOCK] = _NULL_RGB
-    image[block_map.shared] = _SHARED_RGB
+    # Shared by several requests: black. Shared by one request's samples only: keeps the
+    # request's colour (the hatch is drawn over it by _draw_map).
+    image[_shared_by_requests(block_map)] = _SHARED_RGB
     return image
 
 
-def _block_map_legend(ax, block_map: BlockMap) -> None:
-    handles = [
-        Patch(facecolor=_owner_palette()[0], label="held by a request (colour = request)"),
-        Patch(facecolor=_SHARED_RGB, label="shared (ref_cnt > 1)"),
+def _shared_by_samples(block_map: BlockMap) -> np.ndarray:
+    """Blocks shared only by the samples of one request (a fork), bool like ``shared``."""
+    if block_map.shared_by_samples is None:
+        return np.zeros_like(block_map.shared)
+    return block_map.shared_by_samples
+
+
+def _shared_by_requests(block_map: BlockMap) -> np.ndarray:
+    """Blocks shared by two requests or more (ref_cnt > 1 across requests)."""
+    return block_map.shared & ~_shared_by_samples(block_map)
+
+
+def _block_map_legend(
+    ax, block_map: BlockMap, rows: slice | None = None, cols: slice | None = None
+) -> None:
+    """The map's legend; the shared and unused entries only when the drawn part has some."""
+    window = (slice(None) if rows is None else rows, slice(None) if cols is None else cols)
+    palette = _owner_palette()
+    handles = [Patch(facecolor=palette[0], label="held by a request (colour = request)")]
+    if block_map.unused is not None and block_map.unused[window].any():
+        tint = _UNUSED_TINT * np.asarray(palette[0]) + (1.0 - _UNUSED_TINT)
+        handles.append(Patch(facecolor=tint, label="reserved, no token yet (waste)"))
+    if _shared_by_samples(block_map)[window].any():
+        handles.append(
+            Patch(
+                facecolor=palette[0],
+                edgecolor="black",
+                hatch=_SAMPLES_HATCH,
+                label="shared by the samples of one request\n(n > 1, forked; ref_cnt > 1)",
+            )
+        )
+    if _shared_by_requests(block_map)[window].any():
+        handles.append(Patch(facecolor=_SHARED_RGB, label="shared by requests (ref_cnt > 1)"))
+    handles += [
         Patch(facecolor=_CACHED_RGB, label="free, still cached"),
         Patch(facecolor=_FREE_RGB, edgecolor="0.6", label="free"),
         Patch(facecolor=_NULL_RGB, label="null block (block 0)"),
     ]
-    if block_map.unused is not None and block_map.unused.any():
-        tint = _UNUSED_TINT * np.asarray(_owner_palette()[0]) + (1.0 - _UNUSED_TINT)
-        handles.insert(1, Patch(facecolor=tint, label="reserved, no token yet (waste)"))
     _legend_outside(ax, handles=handles, fontsize="small")
+
+
+def _hatch_cells(ax, mask: np.ndarray, x_edges: np.ndarray, first_row: int) -> None:
+    """Hatch the True cells of ``mask`` (rows = blocks from ``first_row``, columns between
+    ``x_edges``), one rectangle per run of cells in a row."""
+    rects = []
+    for row in np.flatnonzero(mask.any(axis=1)):
+        edges = np.diff(np.concatenate(([0], mask[row].astype(np.int8), [0])))
+        y0 = first_row + row - 0.5
+        for a, b in zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1), strict=True):
+            rects.append(
+                [(x_edges[a], y0), (x_edges[b], y0), (x_edges[b], y0 + 1), (x_edges[a], y0 + 1)]
+            )
+    if rects:
+        # NOTE: the hatch takes the edge colour; linewidth 0 draws no outline.
+        ax.add_collection(
+            PolyCollection(
+                rects, facecolors="none", edgecolors="black", linewidths=0, hatch=_SAMPLES_HATCH
+            )
+        )
 
 
 def _draw_map(ax, block_map: BlockMap, rows: slice, cols: slice) -> None:
@@ -256,6 +311,9 @@ def _draw_map(ax, block_map: BlockMap, rows: slice, cols: slice) -> None:
         origin="lower",
         extent=(steps[0], last, first_row - 0.5, first_row + image.shape[0] - 0.5),
     )
+    by_samples = _shared_by_samples(block_map)[rows, cols]
+    if by_samples.any():
+        _hatch_cells(ax, by_samples, np.linspace(steps[0], last, image.shape[1] + 1), first_row)
     if first_row == 0:
         # One row of hundreds can fall between pixels: draw the null block's row on top.
         ax.axhline(0, color=_NULL_RGB, linewidth=2.5)
@@ -275,7 +333,8 @@ def _state_counts(block_map: BlockMap) -> dict[str, np.ndarray]:
     return {
         "held by one request": (held & ~unused).sum(axis=0),
         "reserved, no token yet (waste)": (held & unused).sum(axis=0),
-        "shared (ref_cnt > 1)": shared.sum(axis=0),
+        "shared by one request's samples (fork)": _shared_by_samples(block_map)[1:].sum(axis=0),
+        "shared by requests (ref_cnt > 1)": _shared_by_requests(block_map)[1:].sum(axis=0),
         "free, still cached": (owners == CACHED_FREE).sum(axis=0),
     }
 
@@ -320,14 +379,21 @@ def fig_block_map(
     fig = Figure(figsize=(10, 7.5), layout="constrained")
     ax_states, ax_map = fig.subplots(2, 1, height_ratios=(1, 2))
     counts = _state_counts(block_map)
-    colors = [_owner_palette()[0], "#f4b6b6", _SHARED_RGB, _CACHED_RGB]
+    palette = _owner_palette()
+    styles = [
+        {"color": palette[0]},
+        {"color": "#f4b6b6"},
+        {"facecolor": palette[0], "edgecolor": "black", "hatch": _SAMPLES_HATCH},
+        {"color": _SHARED_RGB},
+        {"color": _CACHED_RGB},
+    ]
     x = np.append(block_map.steps, block_map.steps[-1] + block_map.stride)
     bottom = np.zeros(len(x))
-    for (label, values), color in zip(counts.items(), colors, strict=True):
+    for (label, values), style in zip(counts.items(), styles, strict=True):
         if not values.any():
             continue
         top = bottom + np.append(values, values[-1])
-        ax_states.fill_between(x, bottom, top, step="post", color=color, label=label, lw=0)
+        ax_states.fill_between(x, bottom, top, step="post", label=label, lw=0, **style)
         bottom = top
     ax_states.axhline(num_blocks - 1, color="black", linewidth=0.9, linestyle=":")
     window = (block_map.steps[start], block_map.steps[start + width - 1] + block_map.stride)
@@ -351,7 +417,7 @@ def fig_block_map(
         f"of {block_map.steps[-1] + block_map.stride}; colour = owning request",
         fontsize="medium",
     )
-    _block_map_legend(ax_map, block_map)
+    _block_map_legend(ax_map, block_map, rows, cols)
     return fig
 
 
@@ -411,10 +477,11 @@ CAPTIONS = MappingProxyType(
             "Which request owns each physical block over time (colour = request). Look for a "
             "request's blocks scattered over the pool (paging needs no contiguous run), blocks "
             "freed by one request and reused by another, black blocks shared by several requests "
-            "(a common prefix stored once) and grey free blocks still in the prefix cache (hits "
-            "for later requests until reused). Row 0 is the null block. At scale the top panel "
-            "counts the blocks in each state over the whole run and the map below is a window "
-            "(shaded above) of the first 64 blocks."
+            "(a common prefix stored once), hatched blocks shared by the samples of one request "
+            "(n > 1: the prompt prefilled once and forked) and grey free blocks still in the "
+            "prefix cache (hits for later requests until reused). Row 0 is the null block. At "
+            "scale the top panel counts the blocks in each state over the whole run and the map "
+            "below is a window (shaded above) of the first 64 blocks."
         ),
         "block_size_sweep": (
             "The first requests of the trace replayed with other block sizes on a pool of the "
@@ -479,12 +546,24 @@ _METRIC_LABELS = (
     ("output_tokens_per_step", "output tokens per step", "{:.2f}"),
     ("num_rejected", "rejected requests", "{:d}"),
 )
+#: Rows added when a request has n > 1 samples.
+_FORK_LABELS = (
+    ("num_sequences", "sequences (samples)", "{:d}"),
+    ("peak_blocks", "peak KV blocks", "{:d}"),
+    ("num_forks", "forks", "{:d}"),
+    ("num_cow_copies", "copy-on-write copies", "{:d}"),
+)
 
 
 def metrics_table_rows(metrics: dict[str, PolicyMetrics]) -> list[list[str]]:
-    """Rows [label, value per policy] of the summary table (also used for the terminal)."""
+    """Rows [label, value per policy] of the summary table (also used for the terminal); the
+    fork rows (sequences, peak KV blocks, forks, copy-on-write copies) only when some request
+    has n > 1 samples."""
+    labels = _METRIC_LABELS
+    if any(m.num_sequences > m.num_requests for m in metrics.values()):
+        labels += _FORK_LABELS
     rows = [["metric", *metrics]]
-    for field, label, fmt in _METRIC_LABELS:
+    for field, label, fmt in labels:
         rows.append([label, *(fmt.format(getattr(m, field)) for m in metrics.values())])
     return rows
 
@@ -510,6 +589,7 @@ def write_html(
     *,
     title: str = "pagedkv simulate",
     command: str = "",
+    notes: Sequence[str] = (),
 ) -> Path:
     """Write one self-contained HTML page: the metrics table and every PNG embedded (base64),
     each with a caption saying what to look at (:data:`CAPTIONS`).
@@ -523,6 +603,8 @@ def write_html(
         metrics: per policy, its metrics (the table's columns).
         title: the page's title and heading.
         command: the command line that made the page, shown under the heading ("" for none).
+        notes: lines shown under the table (the fork's saving:
+            :func:`pagedkv.sim.simulator.fork_saving_lines`).
 
     Raises:
         OSError: the page or a figure cannot be read or written.
@@ -549,7 +631,12 @@ def write_html(
         keep_trailing_newline=True,
     )
     page = env.get_template(HTML_TEMPLATE).render(
-        title=title, command=command, header=rows[0], rows=rows[1:], figures=figures
+        title=title,
+        command=command,
+        header=rows[0],
+        rows=rows[1:],
+        notes=list(notes),
+        figures=figures,
     )
     path.write_text(page, encoding="utf-8")
     return path

@@ -19,6 +19,16 @@ then let the fake model emit each sampling request's next scripted token. Schedu
 own :class:`~pagedkv.engine.scheduler.Scheduler` (its ``admission`` option gives "skip"), so
 preemption and admission exist once; the contiguous baseline plugs in as its KV cache.
 
+Samples (``n > 1``, :attr:`SimRequest.n <pagedkv.sim.workloads.SimRequest.n>`): as
+:meth:`LLMEngine.add_request <pagedkv.engine.llm_engine.LLMEngine.add_request>` does, a trace
+request becomes ``n`` engine requests (``ID#0`` .. ``ID#n-1``), the first one (the parent)
+carrying the others in ``fork_children`` with ``fork_at = prompt_len - 1``; the scheduler forks
+them once the parent computed that much (its ``_fork_children``: shared blocks, copy-on-write of
+the shared partial block). ``simulate(..., fork=False)`` adds the ``n`` samples as independent
+requests instead: the path before fork, the baseline of :func:`simulate_fork_baselines`. The
+contiguous policy never forks (its regions are not shared). Concurrency counts sequences (each
+sample is a request of the engine); a trace request is done when its last sample finished.
+
 Clock: one step = ``step_time`` seconds of simulated time; arrival times (seconds) map to steps, and
 when nothing runs or waits the clock jumps to the next arrival. A follow-up turn becomes eligible
 once its parent finished, plus its think time.
@@ -165,6 +175,22 @@ class _EngineDriver:
     def add(self, request) -> None:
         self.scheduler.add_request(request)
 
+    def abort(self, requests: list) -> None:
+        """Take back requests added before one of their siblings was refused."""
+        from pagedkv.engine.request import RequestStatus
+
+        self.scheduler.finish_requests(
+            [r.request_id for r in requests], RequestStatus.FINISHED_ABORTED
+        )
+
+    @property
+    def num_forks(self) -> int:
+        return self.scheduler.stats.num_forks
+
+    @property
+    def num_cow_copies(self) -> int:
+        return self.scheduler.stats.num_cow_copies
+
     @property
     def running(self) -> list:
         return self.scheduler.running
@@ -216,11 +242,52 @@ def _reserved_tokens(kv_cache, block_size: int) -> int:
     return (kv_cache.num_blocks - 1 - kv_cache.num_free_blocks) * block_size
 
 
+def _distinct_tail_tokens(kv_cache, running: list, block_size: int) -> int:
+    """Empty slots of the running requests' last blocks, each physical block counted once.
+
+    After a fork the parent and its samples share the partially filled block at ``fork_at``
+    until each writes into it (copy-on-write): summing every request's tail would count that
+    block's empty slots once per holder. Keyed by the last block of the first KV cache group
+    (the groups of one request fill alike)."""
+    tails: dict[int, int] = {}
+    for request in running:
+        num_computed = request.num_computed_tokens
+        tail = cdiv(num_computed, block_size) * block_size - num_computed
+        if tail:
+            blocks = kv_cache.get_blocks(request.request_id).blocks[0]
+            tails[blocks[cdiv(num_computed, block_size) - 1].block_id] = tail
+    return sum(tails.values())
+
+
+def _samples(driver: _EngineDriver, sim_request, block_hasher, index: int, fork: bool) -> list:
+    """The engine requests of one trace request: one, or n samples; with ``fork`` the first
+    carries the others in ``fork_children`` (as LLMEngine.add_request builds them)."""
+    n = sim_request.n
+    prompt = sim_request.prompt_token_ids
+    samples = [
+        driver.make_request(
+            sim_request.request_id if n == 1 else f"{sim_request.request_id}#{i}",
+            prompt,
+            block_hasher,
+            index,
+            sim_request.output_of(i),
+        )
+        for i in range(n)
+    ]
+    if fork and n > 1 and len(prompt) > 1:
+        parent = samples[0]
+        parent.fork_children = samples[1:]
+        parent.fork_at = len(prompt) - 1
+        return [parent]
+    return samples
+
+
 def simulate(
     workload: Workload,
     config: SimConfig,
     policy: str,
     *,
+    fork: bool = True,
     on_finish: Callable[[int], None] | None = None,
 ) -> PolicyResult:
     """Replay ``workload`` under ``policy``.
@@ -229,8 +296,11 @@ def simulate(
         workload: the trace.
         config: pool and scheduler settings.
         policy: one of :data:`POLICIES`.
-        on_finish: called with the number of requests that finished (or were rejected) after each
-            step that finished some (a progress bar).
+        fork: requests with ``n > 1`` prefill once and fork their samples (the engine's path);
+            False: the ``n`` samples run as independent requests (the baseline). The contiguous
+            policy never forks.
+        on_finish: called with the number of trace requests that finished (all their samples)
+            or were rejected after each step that finished some (a progress bar).
 
     Returns:
         The :class:`PolicyResult`.
@@ -246,6 +316,10 @@ def simulate(
     block_size = config.block_size
     num_usable_blocks = config.num_blocks - 1
     requests = workload.requests
+    fork = fork and policy != "contiguous"
+    has_samples = any(r.n > 1 for r in requests)
+    remaining: dict[int, int] = {}  # index -> samples not finished yet
+    peak_blocks = 0
     children: dict[int, list[int]] = {}
     eligible: list[tuple[int, int]] = []  # heap of (step, index)
     for index, request in enumerate(requests):
@@ -287,20 +361,19 @@ def simulate(
             ):
                 reason = f"needs more than the pool's {num_usable_blocks} blocks"
             if reason is None:
-                request = driver.make_request(
-                    sim_request.request_id,
-                    sim_request.prompt_token_ids,
-                    block_hasher,
-                    index,
-                    sim_request.output_token_ids,
-                )
+                added = []
                 try:
-                    driver.add(request)
+                    for request in _samples(driver, sim_request, block_hasher, index, fork):
+                        driver.add(request)
+                        added.append(request)
                 except InvalidRequestError as exc:
+                    driver.abort(added)
                     reason = str(exc)
+                else:
+                    remaining[index] = sim_request.n
             if reason is not None:
                 rejected.append(f"{sim_request.request_id}: {reason}")
-                num_rejected_output_tokens += sim_request.num_output_tokens
+                num_rejected_output_tokens += sim_request.n * sim_request.num_output_tokens
                 num_rejected_now += 1
                 release_children(index, step)
 
@@ -319,11 +392,15 @@ def simulate(
         num_computed = [r.num_computed_tokens for r in running]
         real = sum(num_computed)
         reserved = _reserved_tokens(kv_cache, block_size)
+        peak_blocks = max(peak_blocks, kv_cache.num_blocks - 1 - kv_cache.num_free_blocks)
         if policy != "contiguous":
             # Only a request's last block (in each group) is partly filled, and shared blocks are
-            # full: so the reserved-but-empty slots are each request's tail in every group, and
-            # real = reserved - tail waste.
-            tail = sum(cdiv(n, block_size) * block_size - n for n in num_computed)
+            # full (but a forked partial block, until copy-on-write): so the reserved-but-empty
+            # slots are each request's tail in every group, and real = reserved - tail waste.
+            if has_samples and fork:
+                tail = _distinct_tail_tokens(kv_cache, running, block_size)
+            else:
+                tail = sum(cdiv(n, block_size) * block_size - n for n in num_computed)
             real = reserved - tail * config.num_kv_cache_groups
         timeline.append(
             step=step,
@@ -336,21 +413,31 @@ def simulate(
         if recorder is not None:
             recorder.maybe_record(step, kv_cache, running)
 
-        finished = driver.complete(scheduled)
-        for request in finished:
-            release_children(request.index, step)
-        if finished or num_rejected_now:
-            num_done += len(finished) + num_rejected_now
+        num_finished = 0
+        for request in driver.complete(scheduled):
+            remaining[request.index] -= 1
+            if not remaining[request.index]:  # its last sample
+                del remaining[request.index]
+                release_children(request.index, step)
+                num_finished += 1
+        if num_finished or num_rejected_now:
+            num_done += num_finished + num_rejected_now
             if on_finish:
-                on_finish(len(finished) + num_rejected_now)
+                on_finish(num_finished + num_rejected_now)
         step += 1
 
     metrics = compute_metrics(
         timeline,
         policy=policy,
         num_requests=len(requests),
+        num_sequences=sum(r.n for r in requests),
         num_rejected=len(rejected),
-        num_output_tokens=sum(r.num_output_tokens for r in requests) - num_rejected_output_tokens,
+        num_output_tokens=sum(r.n * r.num_output_tokens for r in requests)
+        - num_rejected_output_tokens,
+        peak_blocks=peak_blocks,
+        num_forks=driver.num_forks,
+        num_cow_copies=driver.num_cow_copies,
+        block_size=block_size,
         num_steps=step,
         num_preemptions=driver.num_preemptions,
         num_hit_tokens=driver.num_hit_tokens,
@@ -377,6 +464,54 @@ def simulate_policies(
 ) -> dict[str, PolicyResult]:
     """Run every policy on the same trace; results keyed by policy name."""
     return {p: simulate(workload, config, p, on_finish=on_finish) for p in policies}
+
+
+def simulate_fork_baselines(
+    workload: Workload,
+    config: SimConfig,
+    policies: tuple[str, ...] = ("paged", "paged+prefix"),
+) -> dict[str, PolicyMetrics]:
+    """The paged ``policies`` once more with every sample an independent request
+    (``simulate(..., fork=False)``, no block map): what ``n > 1`` costs without fork. Empty
+    when no request of the trace has ``n > 1``; the contiguous policy is left out (it never
+    forks). Returns {policy: metrics}."""
+    if not any(r.n > 1 for r in workload.requests):
+        return {}
+    quiet = replace(config, block_map_columns=0)
+    return {
+        p: simulate(workload, quiet, p, fork=False).metrics for p in policies if p != "contiguous"
+    }
+
+
+def fork_saving_lines(
+    results: dict[str, PolicyResult], baselines: dict[str, PolicyMetrics]
+) -> list[str]:
+    """One line per policy of ``baselines``: peak KV blocks with fork and without (each sample
+    its own request), blocks per running sequence, steps to drain and preemptions of both.
+
+    A peak that reached the usable pool says so: the pool, not the trace, set it (grow
+    ``num_blocks`` to see the whole saving; blocks per sequence still compare)."""
+    lines = []
+    for policy, base in baselines.items():
+        if policy not in results:
+            continue
+        result = results[policy]
+        forked = result.metrics
+        pool = result.config.num_blocks - 1
+        saved = 1.0 - forked.peak_blocks / base.peak_blocks if base.peak_blocks else 0.0
+        capped = [
+            name for name, m in (("with fork", forked), ("without", base)) if m.peak_blocks >= pool
+        ]
+        note = f"; {' and '.join(capped)} at the pool's {pool} blocks" if capped else ""
+        lines.append(
+            f"fork under {policy}: peak {forked.peak_blocks} KV blocks with fork vs "
+            f"{base.peak_blocks} without, each of the {forked.num_sequences} samples its own "
+            f"request ({saved:.1%} fewer{note}); "
+            f"{forked.mean_blocks_per_sequence:.1f} vs {base.mean_blocks_per_sequence:.1f} blocks "
+            f"per running sequence; steps to drain {forked.num_steps} vs {base.num_steps}; "
+            f"preemptions {forked.num_preemptions} vs {base.num_preemptions}"
+        )
+    return lines
 
 
 def sweep_block_sizes(
@@ -420,8 +555,10 @@ __all__ = [
     "POLICIES",
     "PolicyResult",
     "SimConfig",
+    "fork_saving_lines",
     "make_kv_cache",
     "simulate",
+    "simulate_fork_baselines",
     "simulate_policies",
     "sweep_block_sizes",
 ]

@@ -13,6 +13,8 @@ Fields of a line (unknown fields are an error, so a typo is never silently ignor
                                      previous turn's prompt + output (so prompt_len must be longer
                                      than that); it arrives after the previous turn finished, its
                                      arrival_time then counting as think time
+    n                 int >= 1       samples of the prompt (SamplingParams.n, default 1): one
+                                     prefill, then the samples fork its blocks
 
 Blank lines and lines starting with ``#`` are skipped. A malformed line raises
 :class:`~pagedkv.errors.ConfigError` naming ``path:line`` (strict), or is reported and skipped
@@ -39,6 +41,7 @@ _FIELDS = frozenset(
         "prefix_group",
         "prefix_len",
         "conversation_id",
+        "n",
     }
 )
 
@@ -95,6 +98,7 @@ class _TraceBuilder:
         if request_id in self.request_ids:
             raise _LineError(f"duplicate request_id {request_id!r}")
         output_len = _int_field(obj, "output_len", 1)
+        n = _int_field(obj, "n", 1, default=1)
         arrival = obj.get("arrival_time", 0.0)
         check_number("arrival_time", arrival, 0, error=_LineError)
         ids = obj.get("prompt_token_ids")
@@ -127,15 +131,18 @@ class _TraceBuilder:
         if ids is None:
             head = history or (self.source.named(f"group:{group}", prefix_len) if group else [])
             ids = head + self.source.fresh(prompt_len - len(head))
+        output = self.source.fresh(output_len)
         self.requests.append(
             SimRequest(
                 request_id,
                 list(ids),
-                self.source.fresh(output_len),
+                output,
                 arrival_time=0.0 if parent is not None else float(arrival),
                 parent_index=parent,
                 think_time=float(arrival) if parent is not None else 0.0,
                 prefix_group=group or conversation,
+                n=n,
+                sample_outputs=[self.source.fresh(output_len) for _ in range(n - 1)],
             )
         )
         self.request_ids.add(request_id)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 import numpy as np
@@ -56,6 +56,15 @@ class SimRequest:
             conversation); it becomes eligible only once that one finished, plus ``think_time``.
         think_time: seconds between the parent finishing and this request arriving.
         prefix_group: label of the shared prefix group, if any (for reporting only).
+        n: samples of the prompt (``SamplingParams.n``): the simulator runs ``n`` sequences,
+            forked from one prefill as the engine does (see :func:`pagedkv.sim.simulator.simulate`).
+        sample_outputs: the scripted outputs of samples 1 .. n-1 (sample 0's is
+            ``output_token_ids``), each as long as ``output_token_ids`` (the engine gives every
+            sample the same max_tokens). A follow-up turn continues sample 0.
+
+    Raises:
+        ConfigError: ``n`` not an int >= 1, or ``sample_outputs`` not ``n - 1`` lists of
+            ``len(output_token_ids)`` token ids.
     """
 
     request_id: str
@@ -65,6 +74,18 @@ class SimRequest:
     parent_index: int | None = None
     think_time: float = 0.0
     prefix_group: str | None = None
+    n: int = 1
+    sample_outputs: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        check_int(f"request {self.request_id!r}: n", self.n, 1)
+        lengths = [len(output) for output in self.sample_outputs]
+        if len(lengths) != self.n - 1 or any(n != len(self.output_token_ids) for n in lengths):
+            raise ConfigError(
+                f"request {self.request_id!r}: n={self.n} needs {self.n - 1} sample_outputs of "
+                f"{len(self.output_token_ids)} tokens (output_token_ids' length), got lengths "
+                f"{lengths}"
+            )
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -72,7 +93,12 @@ class SimRequest:
 
     @property
     def num_output_tokens(self) -> int:
+        """Tokens each sample generates."""
         return len(self.output_token_ids)
+
+    def output_of(self, sample: int) -> list[int]:
+        """The scripted output of sample ``sample`` (0 .. n-1)."""
+        return self.output_token_ids if sample == 0 else self.sample_outputs[sample - 1]
 
 
 @dataclass(slots=True)
@@ -285,6 +311,38 @@ def multi_turn(
             history = prompt + request.output_token_ids
         conversation += 1
     return Workload("multi-turn", requests, {"max_model_len": max_model_len})
+
+
+def with_samples(
+    workload: Workload, n: int, *, seed: int = 0, vocab_size: int = DEFAULT_VOCAB_SIZE
+) -> Workload:
+    """The same trace with ``n`` samples per request (``pagedkv simulate --n``).
+
+    Requests that already have ``n > 1`` (a trace line's ``n``) keep theirs; every other one gets
+    ``n - 1`` more scripted outputs, as long as its own, whose token ids depend only on (seed,
+    request id, sample), so the same trace gives the same outputs wherever it is replayed.
+
+    Raises:
+        ConfigError: ``n`` not an int >= 1.
+    """
+    check_int("n", n, 1)
+    if n == 1:
+        return workload
+    source = TokenSource(seed, vocab_size)
+    requests = [
+        request
+        if request.n > 1
+        else replace(
+            request,
+            n=n,
+            sample_outputs=[
+                source.named(f"sample:{request.request_id}:{i}", request.num_output_tokens)
+                for i in range(1, n)
+            ],
+        )
+        for request in workload.requests
+    ]
+    return Workload(workload.name, requests, dict(workload.defaults))
 
 
 #: Built-in workloads by name; each takes keyword arguments (seed, num_requests, max_model_len,

@@ -7,7 +7,8 @@ Two sources:
   inter-token latency (between the steps that produced successive tokens), end-to-end latency and
   finished requests by finish reason;
 - the engine's ``get_stats().scheduler`` snapshot, read when ``/metrics`` is scraped: KV-cache
-  usage, running and waiting requests, prefix-cache queries and hits (in tokens) and preemptions.
+  usage, running and waiting requests, prefix-cache queries and hits (in tokens), preemptions, and
+  the ``n > 1`` fork's counts (samples forked, copy-on-write block copies, blocks shared now).
   These are the engine's own running totals, exposed by a collector, not copied into counters.
 
 Names follow vLLM's (``vllm:`` becomes ``pagedkv:``) so existing dashboards need little change.
@@ -121,6 +122,12 @@ class _EngineStatsCollector(Collector):
                 "KV-cache blocks held by requests (0 when idle; cached free blocks not counted).",
                 getattr(stats, "num_used_blocks", 0),
             ),
+            (
+                "pagedkv:num_shared_blocks",
+                "KV-cache blocks held by more than one request now (the prompt blocks of an n > 1 "
+                "request's forked samples, prefix-cache hits on a running request's blocks).",
+                getattr(stats, "num_shared_blocks", 0),
+            ),
         )
         for name, doc, value in gauges:
             metric = GaugeMetricFamily(name, doc, labels=labels)
@@ -143,6 +150,18 @@ class _EngineStatsCollector(Collector):
                 "pagedkv:num_preemptions",
                 "Requests preempted (blocks freed, recomputed later).",
                 stats.num_preemptions,
+            ),
+            (
+                "pagedkv:num_forks",
+                "Samples of n > 1 requests forked from their parent (sharing its prompt blocks "
+                "instead of computing the prompt).",
+                getattr(stats, "num_forks", 0),
+            ),
+            (
+                "pagedkv:num_cow_copies",
+                "KV-cache blocks copied on write (a forked sample writing into the partially "
+                "filled block it shared).",
+                getattr(stats, "num_cow_copies", 0),
             ),
         )
         for name, doc, value in counters:
