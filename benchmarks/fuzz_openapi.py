@@ -6,7 +6,8 @@ By default the server is the app over the tests' fake engine (no model: thousand
 minute), on a free loopback port in this process; ``--server-args`` starts a real
 `pagedkv serve` instead (``--server-args "--dtype float32 --max-model-len 128"``), and ``--url``
 fuzzes a running server. The run stops after ``--seconds`` (300 by default), or once
-``--max-examples`` cases per operation and phase are done, derandomized (``--seed``).
+``--max-examples`` cases per operation and phase are done: derandomized (the same cases every
+run), or random cases drawn from ``--seed``.
 
     .venv/bin/python benchmarks/fuzz_openapi.py --seconds 300
     .venv/bin/python benchmarks/fuzz_openapi.py --seconds 120 --server-args "--dtype float32"
@@ -64,7 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--max-examples", type=int, default=None, help="cases per operation and phase"
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="random cases drawn from this seed (default: derandomized, the same cases every run)",
+    )
     parser.add_argument("--workers", type=int, default=1, help="concurrent schemathesis workers")
     parser.add_argument("--max-model-len", type=int, default=256, help="of the fake engine")
     parser.add_argument(

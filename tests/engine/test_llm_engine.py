@@ -493,3 +493,21 @@ def test_best_of_below_n_is_refused(kwargs, param):
     with pytest.raises(InvalidRequestError) as excinfo:
         SamplingParams(**kwargs)
     assert excinfo.value.param == param
+
+
+@pytest.mark.parametrize("n, best_of", [(1, 3), (2, 3)])
+def test_best_of_text_is_the_decode_of_its_tokens(tiny, n, best_of):
+    """best_of reports nothing until the end, yet every step's new tokens are detokenized once:
+    the final text is the decode of the output ids (before, each step re-decoded every token
+    since the start, so the text was the concatenation of every prefix)."""
+    engine = make_engine(tiny)
+    params = SamplingParams(
+        n=n, best_of=best_of, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True
+    )
+    engine.add_request("r", PROMPTS[0], params)
+    (final,) = run(engine)["r"]
+    assert len(final.outputs) == n
+    for output in final.outputs:
+        assert len(output.token_ids) == 6
+        assert output.text == engine.tokenizer.decode(output.token_ids)
+        assert output.new_text == output.text and output.new_token_ids == output.token_ids

@@ -1,8 +1,8 @@
 """schemathesis with every check (``st run --checks all``) against a running pagedkv server: the
 OpenAPI schema must say what the app does, in both directions (what it accepts, what it answers).
 
-Used by tests/entrypoints/test_openapi.py (a fixed budget, derandomized) and by
-benchmarks/fuzz_openapi.py (a time budget).
+Used by tests/entrypoints/test_server_fuzz.py (a fixed budget, derandomized) and by
+benchmarks/fuzz_openapi.py (a time budget; random cases from a seed with ``--seed``).
 
 The one configuration: a schema cannot state every rule between values (prompt + max_tokens
 beyond max_model_len, a chat template that refuses the messages...), so the operations whose 400
@@ -79,13 +79,14 @@ def fuzz_fake_engine(max_model_len: int = 256) -> Any:
     )
 
 
-def config_text(schema: dict[str, Any]) -> str:
-    """The ``schemathesis.toml`` of a run: the hooks file, deterministic generation, and 400 as
-    an accepted answer to valid data of the operations with fields beyond the schema."""
+def config_text(schema: dict[str, Any], *, deterministic: bool = True) -> str:
+    """The ``schemathesis.toml`` of a run: the hooks file, deterministic generation (the same
+    cases every run; schemathesis then ignores any seed) unless ``deterministic`` is False, and
+    400 as an accepted answer to valid data of the operations with fields beyond the schema."""
     lines = [
         f"hooks = {json.dumps(str(HOOKS))}",
         "[generation]",
-        "deterministic = true",
+        *(["deterministic = true"] if deterministic else []),
         'database = "none"',
     ]
     for path, item in schema["paths"].items():
@@ -111,7 +112,7 @@ def run_schemathesis(
     url: str,
     workdir: Path,
     *,
-    seed: int = 0,
+    seed: int | None = None,
     max_examples: int | None = None,
     seconds: float | None = None,
     workers: int = 1,
@@ -123,7 +124,9 @@ def run_schemathesis(
     Args:
         url: the server's base URL.
         workdir: where the config and the report are written.
-        seed: schemathesis' seed (the same cases every run with the same server behaviour).
+        seed: None (the default): deterministic generation, the same cases every run with the
+            same server behaviour; an int: random generation from that seed (schemathesis
+            ignores a seed in deterministic mode), so other seeds find other cases.
         max_examples: cases per operation and phase (None: schemathesis' default).
         seconds: a time budget for the whole run (None: until the examples are spent).
         workers: concurrent schemathesis workers.
@@ -134,7 +137,7 @@ def run_schemathesis(
     workdir.mkdir(parents=True, exist_ok=True)
     schema = httpx.get(url + "/openapi.json", timeout=60).json()
     config = workdir / "schemathesis.toml"
-    config.write_text(config_text(schema))
+    config.write_text(config_text(schema, deterministic=seed is None))
     report = workdir / "report.json"
     command = [
         st_executable(),
@@ -144,8 +147,7 @@ def run_schemathesis(
         url + "/openapi.json",
         "--checks",
         "all",
-        "--seed",
-        str(seed),
+        *(["--seed", str(seed)] if seed is not None else []),
         "--workers",
         str(workers),
         "--report",

@@ -281,3 +281,23 @@ def test_server_logs_the_stats_line_periodically(caplog):
         logging.getLogger("pagedkv.stats").removeHandler(flag)
     line = next(r.getMessage() for r in caplog.records if "Running:" in r.getMessage())
     assert "Avg generation throughput:" in line and "KV cache usage:" in line
+
+
+def test_serving_benchmark_sends_the_api_key_of_its_environment(monkeypatch, capsys):
+    """A server started with --api-key: without OPENAI_API_KEY the benchmark cannot even ask
+    the model's name (exit 2); with it, every request is served."""
+    from pagedkv.entrypoints.openai.server_options import ServerOptions
+
+    engine = FakeEngine(num_blocks=8192, block_size=4, max_model_len=2048, max_num_seqs=8)
+    app = create_app(EngineLoop(engine), model_name=MODEL, options=ServerOptions(api_keys=("k",)))
+    with ThreadedServer(app) as keyed:
+        argv = ["bench", "serving", "--base-url", keyed.url, "--num-prompts", "2"]
+        argv += ["--output-len", "2", "--disable-tqdm"]
+        monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+        assert main(argv) == 2
+        assert "401" in capsys.readouterr().err
+        monkeypatch.setenv("OPENAI_API_KEY", "k")
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert re.search(r"Successful requests:\s+2\n", out) and "Failed requests:" in out
+        assert re.search(r"Failed requests:\s+0\n", out)

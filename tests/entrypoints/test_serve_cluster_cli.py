@@ -154,3 +154,22 @@ def test_sigterm_stops_the_cluster_and_leaves_no_process_behind():
         assert not left, left
         assert code == 0, "".join(output)
         assert not any(exposed.values()), exposed
+
+
+def test_a_cluster_on_every_interface_without_a_key_warns(monkeypatch, caplog):
+    """As one engine's server does: a warning at start names the open address (the cluster
+    path started Ray without it). Ray itself is not started: init_ray is replaced."""
+    pytest.importorskip("ray")
+    from pagedkv.cluster import ray_serve
+
+    def interrupted(ray_address=None):
+        raise KeyboardInterrupt  # as Ctrl-C right at the start
+
+    monkeypatch.setattr(ray_serve, "init_ray", interrupted)
+    monkeypatch.setattr(ray_serve, "stop_cluster", lambda: None)
+    argv = ["serve", "--data-parallel-size", "2", "--port", "0", "--host", "0.0.0.0"]
+    with caplog.at_level("WARNING", logger="pagedkv"):
+        assert main(argv) == 0
+        assert main([*argv, "--api-key", "k"]) == 0
+    warnings = [r.getMessage() for r in caplog.records if "without --api-key" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith("listening on 0.0.0.0 without --api-key")

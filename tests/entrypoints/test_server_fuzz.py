@@ -1,4 +1,4 @@
-"""Schema fuzzing of the HTTP API with schemathesis, against FastAPI's own OpenAPI schema.
+"""Schema fuzzing of the HTTP API with schemathesis, against the app's own OpenAPI schema.
 
 A real uvicorn server on a free loopback port; schemathesis generates requests from
 ``/openapi.json`` for every route, both valid ones (positive) and ones that break the schema
@@ -24,7 +24,7 @@ from collections import Counter
 
 import httpx
 import pytest
-from _openapi_fuzz import fuzz_fake_engine, run_schemathesis
+from _openapi_fuzz import config_text, fuzz_fake_engine, run_schemathesis
 from _server_fakes import FakeEngine
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -174,3 +174,11 @@ def test_fuzzed_api_against_the_real_model():
         check_fuzzed(server.url, statuses)
     manager = engine.kv_cache_manager
     assert manager.num_free_blocks == engine.kv_cache_config.num_blocks - 1
+
+
+def test_a_seeded_fuzz_run_is_not_deterministic():
+    """schemathesis ignores ``--seed`` in deterministic mode, so a seeded run (fuzz_openapi.py
+    --seed N) must turn it off, and an unseeded one keeps it (the same cases every run)."""
+    schema = {"paths": {}}
+    assert "deterministic = true" in config_text(schema).splitlines()
+    assert "deterministic = true" not in config_text(schema, deterministic=False).splitlines()

@@ -3,7 +3,7 @@
 After each step the engine hands over the requests the scheduler changed (vLLM V1:
 ``v1/engine/output_processor.py``). Per sequence (one of a request's n samples) it::
 
-    new tokens = all_token_ids[num_prompt_tokens + num_emitted_tokens :]
+    new tokens = all_token_ids[num_prompt_tokens + num_detokenized_tokens :]
     text      += detokenizer.step(new tokens)                  incremental, UTF-8 safe
     stop string found in the new end of text?  -> cut text, finish "stop" (engine frees blocks)
     RequestOutput(cumulative text / token ids, and the deltas since the last output)
@@ -55,6 +55,7 @@ class _Sample:
     request: Request
     detokenizer: Any
     text: str = ""
+    num_detokenized_tokens: int = 0  # output tokens already given to the detokenizer
     num_emitted_tokens: int = 0  # output tokens already reported
     num_emitted_chars: int = 0  # characters of text already reported
     finish_reason: str | None = None
@@ -245,11 +246,13 @@ class OutputProcessor:
     def _detokenize(self, state: _RequestState, sample: _Sample) -> None:
         """Decode the sample's new tokens and stop it at the first stop string."""
         request = sample.request
+        # Counted apart from what was reported: best_of reports nothing until the end.
         new_token_ids = request.all_token_ids[
-            request.num_prompt_tokens + sample.num_emitted_tokens :
+            request.num_prompt_tokens + sample.num_detokenized_tokens :
         ]
         if not new_token_ids:
             return
+        sample.num_detokenized_tokens += len(new_token_ids)
         params = state.params
         if (
             request.status == RequestStatus.FINISHED_STOPPED

@@ -15,6 +15,9 @@ median, p90 and p99 in ms. Flag names follow vLLM's ``benchmark_serving``.
 A progress bar of the completed requests goes to stderr when it is a terminal (off with
 ``--disable-tqdm``, and off by itself in logs and CI). ``--save-result`` writes the summary as
 JSON in ``--result-dir``, created (parents too) when missing, as vLLM does.
+
+A server that needs a key (``pagedkv serve --api-key``) gets ``Authorization: Bearer
+$OPENAI_API_KEY`` on every request when that variable is set, as vLLM's benchmark sends it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -158,13 +162,14 @@ async def benchmark(
     seed: int = 0,
     timeout: float = 600.0,
     disable_tqdm: bool = False,
+    api_key: str | None = None,
 ) -> dict[str, Any]:
     """Send every prompt (arrivals at ``request_rate``, at most ``max_concurrency`` in flight);
     returns the summary (:func:`summarize`).
 
     A tqdm bar counts the completed requests on stderr, unless ``disable_tqdm`` or stderr is not
     a terminal (tqdm's ``disable=None``: no carriage-return lines in logs); vLLM's
-    ``--disable-tqdm``.
+    ``--disable-tqdm``. ``api_key``: sent as ``Authorization: Bearer <key>`` (None: nothing).
     """
     import httpx
     from tqdm import tqdm
@@ -173,7 +178,10 @@ async def benchmark(
     semaphore = asyncio.Semaphore(limit)
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
     settings = {"output_len": output_len, "ignore_eos": ignore_eos}
-    async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits) as http:
+    headers = _auth_headers(api_key)
+    async with httpx.AsyncClient(
+        base_url=base_url, timeout=timeout, limits=limits, headers=headers
+    ) as http:
 
         async def bounded(messages: list) -> RequestResult:
             async with semaphore:
@@ -210,6 +218,10 @@ async def benchmark(
         }
     )
     return summary
+
+
+def _auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def _stats_ms(values: list[float]) -> dict[str, float]:
@@ -301,6 +313,8 @@ def add_parser(benches: argparse._SubParsersAction, positive_int) -> None:
         "serving",
         help="load an OpenAI-compatible server: TTFT, TPOT, ITL, throughput",
         description=__doc__.split("\n\n")[2].replace("``", ""),
+        epilog="environment: OPENAI_API_KEY, when set, is sent as Authorization: Bearer <key> "
+        "(a server started with --api-key), as vLLM's benchmark does",
     )
     server = parser.add_argument_group("server")
     server.add_argument(
@@ -389,10 +403,13 @@ def run(args: argparse.Namespace) -> int:
         if args.dataset_path is not None
         else make_prompts(args.num_prompts)
     )
+    api_key = os.environ.get("OPENAI_API_KEY") or None
     model = args.model
     if model is None:
         try:
-            response = httpx.get(f"{base_url}/v1/models", timeout=30)
+            response = httpx.get(
+                f"{base_url}/v1/models", timeout=30, headers=_auth_headers(api_key)
+            )
             response.raise_for_status()
             model = response.json()["data"][0]["id"]
         except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
@@ -413,6 +430,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             timeout=args.timeout,
             disable_tqdm=args.disable_tqdm,
+            api_key=api_key,
         )
     )
     print(format_report(summary), flush=True)

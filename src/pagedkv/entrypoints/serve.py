@@ -241,6 +241,8 @@ def _serve_cluster(args: argparse.Namespace, options: ServerOptions | None) -> i
 
     name = args.served_model_name or served_model_name(str(resolve_model_path(config.model)))
     policy = args.router or "prefix"
+    configure_logging(args.log_level)
+    _warn_if_open(args.host, options or ServerOptions())
     # SIGTERM, as Ctrl-C, unwinds to the finally below: without it the process would end at
     # once and leave Ray's agents running. ray.init installs Ray's own handler: install again.
     with SigtermAsInterrupt() as sigterm, contextlib.suppress(KeyboardInterrupt):
