@@ -172,3 +172,34 @@ def test_the_cluster_front_end_checks_prompts_as_the_engine_does(prompt):
     with pytest.raises(InvalidRequestError) as excinfo:
         processor.process(prompt)
     assert excinfo.value.param == "prompt"
+
+
+USER_MESSAGE = {"role": "user", "content": ""}
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": [[1]] * 5000, "max_tokens": 1}, "prompt"),
+        ("/v1/completions", {"prompt": [1] * (2**20 + 1), "max_tokens": 1}, "prompt"),
+        ("/v1/completions", {"prompt": [[1], [1] * (2**20 + 1)], "max_tokens": 1}, "prompt"),
+        ("/v1/completions", {"prompt": ["a"] * 100, "n": 64, "max_tokens": 1}, "prompt"),
+        ("/v1/completions", {"prompt": "a", "stop": ["zq"] * 10_000}, "stop"),
+        ("/v1/completions", {"prompt": "a", "stop_token_ids": [1] * 1000}, "stop_token_ids"),
+        ("/v1/chat/completions", {"messages": [USER_MESSAGE] * 5000}, "messages"),
+        ("/detokenize", {"tokens": [65] * (2**20 + 1)}, "tokens"),
+    ],
+)
+def test_a_request_cannot_hold_millions_of_items(path, body, param):
+    """Lists are bounded before pydantic reads them item by item (7M one-token prompts in a
+    28 MB body grew the server to 18 GB; 100k stop strings slowed every step of everyone)."""
+    engine = FakeEngine()
+    with ThreadedServer(create_app(EngineLoop(engine), model_name=MODEL)) as server:
+        response = httpx.post(server.url + path, json={"model": MODEL, **body}, timeout=60)
+        served = httpx.post(
+            server.url + "/v1/completions", json={"model": MODEL, "prompt": "ok", "max_tokens": 1}
+        )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    assert served.status_code == 200
+    assert len(engine.added) == 1  # only the request that was served reached the engine

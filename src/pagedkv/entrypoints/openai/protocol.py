@@ -84,6 +84,21 @@ NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_valid_unicode
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX), _INTEGRAL]
 #: A token id: >= 0 and within int64 (the engine also checks it against the vocabulary).
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX), _INTEGRAL]
+
+# Bounds on what one request may hold, so that one body cannot make the server build millions of
+# objects (a 28 MB body of 7M one-token prompts used to grow the server to 18 GB): checked by
+# pydantic while it reads the list, so a longer one stops early; also in the schema (maxItems).
+#: Most prompts in one completion request.
+MAX_PROMPTS = 1024
+#: Most sequences (prompts x samples) one request may start.
+MAX_SEQUENCES = 4096
+#: Most token ids in one list (a prompt, /detokenize's tokens): 2**20, beyond any max_model_len.
+MAX_TOKEN_IDS = 2**20
+#: Most chat messages in one request.
+MAX_MESSAGES = 4096
+#: Most stop strings, stop token ids and logit_bias entries (each is checked every step).
+MAX_STOPS = 64
+MAX_LOGIT_BIAS = 4096
 #: A count >= 1 within int64 (max_tokens: the engine also checks it against max_model_len).
 PositiveInt64 = Annotated[int, Field(ge=1, le=INT64_MAX), _INTEGRAL]
 #: A count >= 0 within int64 (logprobs: the engine checks it against its max_logprobs, which
@@ -195,6 +210,7 @@ class _Strict(BaseModel):
     @classmethod
     def _null_means_default(cls, data: Any) -> Any:
         if isinstance(data, dict):
+            _check_sizes(data)
             fields = cls.model_fields
             return {
                 key: value
@@ -202,6 +218,44 @@ class _Strict(BaseModel):
                 if value is not None or key not in fields or fields[key].default is None
             }
         return data
+
+
+#: Field -> most items its list (or dict) may hold, and its inner lists (prompt: token-id lists).
+_SIZE_LIMITS: dict[str, tuple[int, int | None]] = {
+    "prompt": (MAX_TOKEN_IDS, MAX_TOKEN_IDS),
+    "messages": (MAX_MESSAGES, None),
+    "stop": (MAX_STOPS, None),
+    "stop_token_ids": (MAX_STOPS, None),
+    "logit_bias": (MAX_LOGIT_BIAS, None),
+    "tokens": (MAX_TOKEN_IDS, None),
+}
+
+
+def _check_sizes(data: dict[str, Any]) -> None:
+    """Refuse a list longer than its bound before pydantic reads it item by item (a union
+    field such as ``prompt`` would be read once per member: 18 s for 7M prompts). A list of
+    prompts is bounded by MAX_PROMPTS, token ids by MAX_TOKEN_IDS.
+
+    Raises:
+        UnsupportedFieldError: naming the field (a 400).
+    """
+    for name, (limit, inner_limit) in _SIZE_LIMITS.items():
+        value = data.get(name)
+        if not isinstance(value, list | dict):
+            continue
+        if name == "prompt" and value and not isinstance(value[0], int):
+            limit = MAX_PROMPTS  # a list of prompts
+        if len(value) > limit:
+            raise UnsupportedFieldError(
+                name, f"`{name}` holds {len(value)} items, more than the {limit} allowed"
+            )
+        if inner_limit is not None and isinstance(value, list):
+            for item in value:
+                if isinstance(item, list) and len(item) > inner_limit:
+                    raise UnsupportedFieldError(
+                        name,
+                        f"`{name}`: a prompt of {len(item)} token ids, more than {inner_limit}",
+                    )
 
 
 class StreamOptions(_Strict):
@@ -308,21 +362,23 @@ class _SamplingRequest(_Strict):
     temperature: Annotated[FiniteFloat, Field(le=2.0)] = 1.0
     top_p: FiniteFloat = 1.0
     n: Annotated[int, Field(ge=1, le=MAX_N), _INTEGRAL] = 1
-    stop: NonEmptyText | list[NonEmptyText] | None = Field(default=None, validate_default=True)
+    stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOPS)] | None = Field(
+        default=None, validate_default=True
+    )
     seed: Annotated[int, Field(ge=INT64_MIN, le=SEED_MAX), _INTEGRAL] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: FiniteFloat = 0.0
     frequency_penalty: FiniteFloat = 0.0
     #: token id (a string, as JSON keys are) -> bias, clamped to [-100, 100].
-    logit_bias: dict[str, FiniteFloat] | None = None
+    logit_bias: Annotated[dict[str, FiniteFloat], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     # Extra fields (vLLM has the same names).
     cache_salt: Text | None = None
     top_k: Annotated[int, Field(ge=-1, le=INT64_MAX), _INTEGRAL] = -1
     min_p: FiniteFloat = 0.0
     repetition_penalty: FiniteFloat = 1.0
     min_tokens: NonNegativeInt64 = 0
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOPS)] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -461,9 +517,12 @@ class CompletionRequest(_SamplingRequest):
     # Lists are not empty, nor hold an empty one (min_length: also in the schema).
     prompt: (
         Text
-        | Annotated[list[Text], Field(min_length=1)]
-        | Annotated[list[TokenId], Field(min_length=1)]
-        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+        | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[list[TokenId], Field(min_length=1, max_length=MAX_TOKEN_IDS)]
+        | Annotated[
+            list[Annotated[list[TokenId], Field(min_length=1, max_length=MAX_TOKEN_IDS)]],
+            Field(min_length=1, max_length=MAX_PROMPTS),
+        ]
     )
     echo: bool = False
     #: top log-probabilities per token (0 = only the chosen token's), up to the engine's
@@ -477,6 +536,16 @@ class CompletionRequest(_SamplingRequest):
         if self.max_tokens == 0 and not self.echo:
             raise UnsupportedFieldError(
                 "max_tokens", "`max_tokens` must be >= 1 (0 is allowed with echo: the prompt alone)"
+            )
+        num_prompts = (
+            1 if isinstance(self.prompt, str) or _is_ids(self.prompt) else len(self.prompt)
+        )
+        num_sequences = num_prompts * max(self.n, self.best_of or 0)
+        if num_sequences > MAX_SEQUENCES:
+            raise UnsupportedFieldError(
+                "prompt",
+                f"{num_prompts} prompts x {max(self.n, self.best_of or 0)} samples = "
+                f"{num_sequences} sequences, more than one request may start ({MAX_SEQUENCES})",
             )
 
     def prompts(self) -> list[str | list[int]]:
@@ -591,7 +660,7 @@ class ChatCompletionRequest(_SamplingRequest):
         {"if": _is("tool_choice", "none"), "else": {"properties": {"tools": _EMPTY_SCHEMA}}},
     )
 
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     #: no echo here, so no 0
     max_tokens: PositiveInt64 | None = None
     max_completion_tokens: PositiveInt64 | None = None
@@ -664,7 +733,9 @@ class TokenizeRequest(_Strict):
 
     model: Text | None = None
     prompt: Text | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = (
+        None
+    )
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -691,7 +762,7 @@ class DetokenizeRequest(_Strict):
     IGNORED: ClassVar[tuple[str, ...]] = ()
 
     model: Text | None = None
-    tokens: list[TokenId]
+    tokens: Annotated[list[TokenId], Field(max_length=MAX_TOKEN_IDS)]
 
     def check_supported(self) -> None:
         """Nothing to refuse."""
@@ -856,3 +927,8 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+def _is_ids(prompt: object) -> bool:
+    """True for one prompt of token ids (a list of ints), as opposed to a list of prompts."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], int)
