@@ -674,8 +674,9 @@ class Scheduler:
             request.num_computed_tokens = num_computed_tokens
             self.running.append(request)
             if request.beam_group is not None:  # its search's seats: see _beam_seats
-                if seats:
+                if seats:  # its first running beam: the others (all queued) are reserved for
                     reserved += seats - 1
+                    reserved_waiting += len(request.beam_group.beams) - 1
                 else:
                     reserved -= 1
                     reserved_waiting -= 1
