@@ -594,3 +594,50 @@ def test_beams_waiting_for_siblings_that_do_not_fit_are_taken_out_whole(tiny):
         got = beam_search_output(final[request_id])
         assert [s.tokens for s in got.sequences] == [s.tokens for s in output.sequences]
     assert engine.kv_cache_manager.usage == 0.0
+
+
+def test_random_workloads_under_pressure_give_the_result_with_room(tiny):
+    """Random mixes of beam searches (widths 3-4, some ignoring EOS) and plain requests, in
+    pools barely larger than the widest search needs alone, with small token budgets, few seats
+    and prefix caching on or off: every step keeps the KV invariants, nothing gets stuck, every
+    block is freed, and each request gives what it gives with room to spare."""
+    rng = random.Random(1234)
+    roomy = tiny_llm(tiny, num_blocks=400, max_model_len=64).engine
+    num_preemptions = 0
+    for trial in range(15):
+        requests = []
+        for i in range(rng.randint(3, 7)):
+            prompt = "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(3, 14)))
+            max_tokens = rng.randint(4, 16)
+            if rng.random() < 0.25:
+                params = SamplingParams(temperature=0, max_tokens=max_tokens)
+            else:
+                params = BeamSearchParams(
+                    rng.choice([3, 4, 4]), max_tokens, ignore_eos=rng.random() < 0.5
+                )
+            requests.append((f"r{i}", prompt, params))
+        need = max(
+            -(-(len(prompt) + params.max_tokens) // 4) * getattr(params, "beam_width", 1)
+            for _, prompt, params in requests
+        )
+        engine = tiny_llm(
+            tiny,
+            num_blocks=max(need + 1 + rng.randint(0, 2), 17),
+            max_model_len=64,
+            max_num_batched_tokens=rng.choice([4, 8, 16, 64]),
+            max_num_seqs=rng.choice([4, 6, 8, 16]),
+            enable_prefix_caching=rng.random() < 0.7,
+        ).engine
+        StepChecks(engine)
+        for request_id, prompt, params in requests:
+            engine.add_request(request_id, prompt, params)
+            roomy.add_request(f"{trial}-{request_id}", prompt, params)
+        got, expected = run(engine), run(roomy)
+        for request_id, _, _ in requests:
+            assert [o.token_ids for o in got[request_id].outputs] == [
+                o.token_ids for o in expected[f"{trial}-{request_id}"].outputs
+            ], (trial, request_id)
+        stats = engine.get_stats().scheduler
+        assert stats.num_used_blocks == 0 and not engine.scheduler.requests
+        num_preemptions += stats.num_preemptions
+    assert num_preemptions > 10
