@@ -359,3 +359,62 @@ def _clamped_logit_bias(logit_bias: object) -> dict[int, float]:
             )
         clamped[token_id] = float(min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, bias)))
     return clamped
+
+
+@dataclass(slots=True)
+class BeamSearchParams:
+    """Parameters of a beam-search request (vLLM's ``BeamSearchParams``: the same fields, names
+    and defaults; ``LLM.beam_search`` takes them, and so does ``LLMEngine.add_request``).
+
+    Beam search keeps the ``beam_width`` most likely partial sequences (beams); each step every
+    beam computes one token, the ``2 * beam_width`` best continuations of all beams are ranked by
+    their summed log-probability, and the best ``beam_width`` of them that did not end become
+    the next beams. The choice follows Hugging Face transformers' beam search exactly (its
+    ``generate(num_beams=beam_width, do_sample=False, early_stopping=False)``):
+    :mod:`pagedkv.engine.beam_search` has the rules.
+
+    Args:
+        beam_width: beams kept per step, and sequences returned (>= 1; at most the engine's
+            ``max_num_seqs``, each beam being a running sequence; 2 * beam_width at most the
+            vocabulary size). transformers runs greedy search for one beam, not beam search:
+            the equality with it holds from 2 beams on.
+        max_tokens: most generated tokens per sequence (>= 1; prompt + max_tokens at most
+            max_model_len).
+        ignore_eos: keep generating after the end-of-sequence token (no sequence ends before
+            max_tokens).
+        temperature: accepted for vLLM compatibility (in [0, largest float32]) and not used:
+            beams are ranked by the model's raw log-probabilities, as vLLM V1 ranks them (its
+            logprobs are raw by default), so the search is deterministic whatever its value.
+        length_penalty: a finished sequence of L generated tokens (its end-of-sequence token
+            included) scores ``sum of logprobs / L ** length_penalty`` (a finite number;
+            transformers' definition: > 0 favours longer sequences, < 0 shorter ones).
+        include_stop_str_in_output: keep the end-of-sequence token's text at the end of the
+            text (its id is in the token ids either way).
+
+    Raises:
+        InvalidRequestError: a value out of its range or of the wrong type, naming the field
+            (also as the error's ``param``).
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if not is_int(value) or not 1 <= value <= INT64_MAX:
+                raise InvalidRequestError(f"{name} must be an int >= 1, got {value!r}", param=name)
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise InvalidRequestError(f"{name} must be a bool, got {value!r}", param=name)
+        _check_float("temperature", self.temperature, "not used by beam search: see above")
+        if not is_number(self.length_penalty) or not math.isfinite(self.length_penalty):
+            raise InvalidRequestError(
+                f"length_penalty must be a finite number, got {self.length_penalty!r}",
+                param="length_penalty",
+            )

@@ -57,7 +57,7 @@ class FakeModel:
             self.tokens.pop(req_id, None)
             self.tables.pop(req_id, None)
         for new in out.scheduled_new_reqs:
-            self.tokens[new.req_id] = list(new.prompt_token_ids)
+            self.tokens[new.req_id] = list(new.prompt_token_ids) + list(new.output_token_ids)
             self.tables[new.req_id] = list(new.block_ids[0])
             self.computed[new.req_id] = new.num_computed_tokens
         cached = out.scheduled_cached_reqs

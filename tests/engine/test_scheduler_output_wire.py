@@ -1,11 +1,10 @@
 """The scheduler -> worker boundary is plain data (issue 23).
 
 Every SchedulerOutput of a running engine (chunked prefill, prefix hits, preemption, aborts,
-seeded sampling, penalties, prompt logprobs) is pickled and unpickled by an unpickler that refuses
-any class but the boundary's own plain types, then applied to a second, independent model runner
-on the same weights that sees nothing else: its persistent batch, its inputs and its sampled
-tokens must equal the engine's own runner's, step by step.
-"""
+seeded sampling, penalties, prompt logprobs, a beam search's forked beams) is pickled and
+unpickled by an unpickler that refuses any class but the boundary's own plain types, then applied
+to a second, independent model runner on the same weights that sees nothing else: its persistent
+batch, its inputs and its sampled tokens must equal the engine's own runner's, step by step."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ import pytest
 from _tiny_model import tiny_loaded_model
 
 from pagedkv.engine.llm_engine import LLMEngine
-from pagedkv.sampling_params import SamplingParams
+from pagedkv.sampling_params import BeamSearchParams, SamplingParams
 from pagedkv.worker.model_runner import ModelRunner
 from pagedkv.worker.scheduler_output import SchedulerOutput
 
@@ -97,6 +96,8 @@ def test_a_worker_rebuilt_from_pickled_scheduler_outputs_alone_matches_the_engin
     ]
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(str(i), prompt, p)
+    # A beam search: its forked beams reach the workers with their parent's output tokens.
+    engine.add_request("beams", "tables", BeamSearchParams(3, 10, ignore_eos=True))
     finished = {}
     step = 0
     while engine.has_unfinished_requests():
@@ -106,7 +107,8 @@ def test_a_worker_rebuilt_from_pickled_scheduler_outputs_alone_matches_the_engin
         step += 1
         if step == 6:
             engine.abort_request("2")
-    assert set(finished) == {str(i) for i in range(len(prompts))}
+    assert set(finished) == {str(i) for i in range(len(prompts))} | {"beams"}
+    assert len(finished["beams"].outputs) == 3
     assert finished["2"].finish_reason == "abort"
     assert engine.get_stats().scheduler.num_preemptions > 0
     assert any(out.scheduled_cached_reqs.resumed_from_preemption for out, _, _ in steps)

@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pagedkv.engine.beam_search import BeamSearchOutput, beam_search_output
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.llm_engine import EngineStats, LLMEngine, Prompt
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.errors import InvalidRequestError
-from pagedkv.sampling_params import SamplingParams
+from pagedkv.sampling_params import BeamSearchParams, SamplingParams
 
 Conversation = Sequence[dict[str, Any]]
 
@@ -131,6 +132,43 @@ class LLM:
                 )
         return self._run(prompts, params_list, use_tqdm)
 
+    def beam_search(
+        self,
+        prompts: Sequence[Prompt],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for each prompt (vLLM's ``LLM.beam_search``), all prompts batched
+        together in the engine; the beams of a prompt share their KV blocks (fork and
+        copy-on-write) and never recompute them.
+
+        Args:
+            prompts: a list of prompts in :meth:`generate`'s forms (text, ``{"prompt": text}``,
+                ``{"prompt_token_ids": [...]}``, or token ids).
+            params: the beam-search parameters (width, max_tokens, length_penalty...).
+            use_tqdm: show a progress bar.
+
+        Returns:
+            One :class:`BeamSearchOutput` per prompt, in input order: ``beam_width`` sequences,
+            best first, each with the prompt's and the generated token ids, the text, the sum
+            of the logprobs, and finish / stop reasons. The sequences and their order are
+            transformers' ``generate(num_beams=beam_width, do_sample=False,
+            length_penalty=..., early_stopping=False, num_return_sequences=beam_width)``.
+
+        Raises:
+            InvalidRequestError: params that are not a BeamSearchParams, a prompt in no known
+                form, or one that can never be served (nothing is generated then).
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise InvalidRequestError(
+                f"params must be a BeamSearchParams, got {type(params).__name__}"
+            )
+        prompts = _as_prompt_list(prompts)
+        if not prompts:
+            return []
+        outputs = self._run(prompts, [params] * len(prompts), use_tqdm)
+        return [beam_search_output(output) for output in outputs]
+
     def chat(
         self,
         conversations: Conversation | Sequence[Conversation],
@@ -168,7 +206,10 @@ class LLM:
         return self.engine.get_stats()
 
     def _run(
-        self, prompts: list[Prompt], params_list: list[SamplingParams], use_tqdm: bool
+        self,
+        prompts: list[Prompt],
+        params_list: list[SamplingParams] | list[BeamSearchParams],
+        use_tqdm: bool,
     ) -> list[RequestOutput]:
         engine = self.engine
         ids = []

@@ -29,6 +29,7 @@ from pagedkv.core.manager import KVCacheManager
 from pagedkv.cpu_caps import probe_cpu, resolve_dtype
 from pagedkv.cpu_env import available_cpu_count
 from pagedkv.engine.attention_backend import choose_attention_backend
+from pagedkv.engine.beam_search import BeamSearchGroup, num_beam_candidates
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.cpu_runtime import tune_cpu_runtime
 from pagedkv.engine.input_processor import InputProcessor, Prompt
@@ -39,7 +40,7 @@ from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.stats import SchedulerStats
 from pagedkv.errors import ConfigError, InvalidRequestError
-from pagedkv.sampling_params import SamplingParams
+from pagedkv.sampling_params import BeamSearchParams, SamplingParams
 from pagedkv.worker.executor import create_executor
 from pagedkv.worker.outputs import ModelRunnerOutput
 from pagedkv.worker.scheduler_output import NewRequestData, SchedulerOutput
@@ -197,7 +198,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: Prompt,
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | BeamSearchParams | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
@@ -210,7 +211,12 @@ class LLMEngine:
                 ``{"prompt_token_ids": ids}`` (optionally with ``"prompt": text``, then only
                 reported as ``RequestOutput.prompt``), or chat messages (the model's chat
                 template is applied, with the assistant's turn opened).
-            sampling_params: defaults to ``SamplingParams()``.
+            sampling_params: defaults to ``SamplingParams()``. A :class:`BeamSearchParams`
+                makes it a beam search: it streams nothing, and :meth:`step` reports it once,
+                finished, with ``beam_width`` outputs best first (token ids, text,
+                ``cumulative_logprob``, per-token logprobs, finish and stop reasons;
+                :func:`pagedkv.engine.beam_search.beam_search_output` turns that output into
+                vLLM's ``BeamSearchOutput``); abort it like any request.
             priority: lower = sooner under policy="priority".
             cache_salt: separates this request's prefix-cache entries from others'.
             arrival_time: ``time.monotonic()`` of arrival (default: now).
@@ -227,6 +233,9 @@ class LLMEngine:
         params = sampling_params if sampling_params is not None else SamplingParams()
         if self.output_processor.has_request(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if isinstance(params, BeamSearchParams):
+            self._add_beam_search(request_id, prompt, params, priority, cache_salt, arrival_time)
+            return
         self.input_processor.check_params(params, priority)
         processed = self.input_processor.process(prompt)
         prompt_text, prompt_token_ids = processed.text, processed.token_ids
@@ -270,6 +279,53 @@ class LLMEngine:
             raise
         self.output_processor.add_request(
             request_id, prompt_text, prompt_token_ids, params, requests, now
+        )
+        self._stats.num_requests += 1
+
+    def _add_beam_search(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: BeamSearchParams,
+        priority: int,
+        cache_salt: str | None,
+        arrival_time: float | None,
+    ) -> None:
+        """Queue a beam search: its first beam (the prompt), which the scheduler forks into
+        ``beam_width`` beams after the first token (:mod:`pagedkv.engine.beam_search`)."""
+        self.input_processor.check_params(SamplingParams(), priority)  # the priority
+        vocab_size = self.model_config.vocab_size
+        num_eos = 0 if params.ignore_eos else len(self.eos_token_ids)
+        if num_beam_candidates(params.beam_width, num_eos) > vocab_size:
+            raise InvalidRequestError(
+                f"beam_width ({params.beam_width}) is too large for the vocabulary "
+                f"({vocab_size} tokens): each step ranks "
+                f"{num_beam_candidates(params.beam_width, num_eos)} candidates",
+                param="beam_width",
+            )
+        processed = self.input_processor.process(prompt)
+        prompt_token_ids = processed.token_ids
+        now = time.monotonic() if arrival_time is None else arrival_time
+        block_hasher = self.kv_cache_manager.block_hasher
+        if not self.config.enable_prefix_caching:
+            block_hasher = None
+
+        def make_root(seq_id: str, seq_params: SamplingParams) -> Request:
+            return Request(
+                request_id=seq_id,
+                prompt_token_ids=prompt_token_ids,
+                block_hasher=block_hasher,
+                cache_salt=cache_salt,
+                sampling_params=seq_params,
+                eos_token_ids=self.eos_token_ids,
+                priority=priority,
+                arrival_time=now,
+            )
+
+        group = BeamSearchGroup(request_id, params, self.eos_token_ids, make_root)
+        self.scheduler.add_request(group.root)
+        self.output_processor.add_beam_search_request(
+            request_id, processed.text, prompt_token_ids, group, now
         )
         self._stats.num_requests += 1
 
@@ -392,7 +448,11 @@ class LLMEngine:
         """Finish the sequences ``seq_ids`` (and their sibling samples) with finish_reason
         "error"; each output's ``error`` says what ``exc`` was."""
         message = f"{type(exc).__name__}: {exc}"
-        for request_id in self.output_processor.request_ids_of(seq_ids):
+        requests = self.scheduler.requests
+        beams = {s for s in seq_ids if s in requests and requests[s].beam_group is not None}
+        request_ids = self.output_processor.request_ids_of(s for s in seq_ids if s not in beams)
+        request_ids |= {requests[s].beam_group.request_id for s in beams}
+        for request_id in request_ids:
             seq_ids = self.output_processor.finish_request(request_id, "error", error=message)
             self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ERROR)
 

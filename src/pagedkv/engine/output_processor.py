@@ -36,6 +36,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedkv.engine.beam_search import BeamSearchGroup, hypothesis_logprobs
 from pagedkv.engine.outputs import (
     CompletionOutput,
     Logprob,
@@ -80,6 +81,8 @@ class _RequestState:
     prompt_rows: list[tuple[list[int], list[float], int] | None] | None = None
     num_prompt_rows: int = 0
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # A beam search (its one sample is the search's root beam): reported once, at its end.
+    beam_group: BeamSearchGroup | None = None
 
 
 @dataclass(slots=True)
@@ -145,6 +148,29 @@ class OutputProcessor:
             self._sample_of[request.request_id] = (state, index)
         self._states[request_id] = state
 
+    def add_beam_search_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        group: BeamSearchGroup,
+        arrival_time: float,
+    ) -> None:
+        """Start tracking a beam search (``group``, whose root beam the scheduler holds). It
+        streams nothing: its one output comes when the search ends, with ``beam_width``
+        sequences best first (or one output saying "abort" / "error")."""
+        state = _RequestState(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            params=group.sampling_params,
+            samples=[_Sample(request=group.root, detokenizer=None)],
+            metrics=RequestMetrics(arrival_time=arrival_time),
+            beam_group=group,
+        )
+        self._sample_of[group.root.request_id] = (state, 0)
+        self._states[request_id] = state
+
     def has_request(self, request_id: str) -> bool:
         """True while ``request_id`` is not yet reported finished."""
         return request_id in self._states
@@ -183,7 +209,8 @@ class OutputProcessor:
             if sample.finish_reason is None:
                 if error is not None:
                     sample.request.error = error
-                _flush_text(sample)
+                if sample.detokenizer is not None:
+                    _flush_text(sample)
                 sample.finish_reason = finish_reason
                 state.changed = True
         if state not in self._pending:
@@ -217,6 +244,17 @@ class OutputProcessor:
             state, index = self._sample_of[request.request_id]
             sample = state.samples[index]
             if sample.finish_reason is not None:
+                continue
+            if state.beam_group is not None:  # changed = the search ended (or was rejected)
+                hypotheses = state.beam_group.hypotheses
+                sample.finish_reason = (
+                    hypotheses[0].finish_reason if hypotheses else request.finish_reason or "error"
+                )
+                if request.first_token_time is not None:
+                    state.metrics.first_token_time = request.first_token_time
+                if not state.changed:
+                    state.changed = True
+                    touched.append(state)
                 continue
             rows = sample_logprobs.get(request.request_id)
             if rows is not None and sample.logprobs is not None:
@@ -272,9 +310,78 @@ class OutputProcessor:
 
     def _make_output(self, state: _RequestState) -> RequestOutput | None:
         params = state.params
-        best_of = params.num_samples > params.n
+        best_of = state.beam_group is None and params.num_samples > params.n
         if best_of and any(s.finish_reason is None for s in state.samples):
-            return None
+            return None  # best_of: nothing until every sample has finished
+        if state.beam_group is not None:
+            outputs = self._beam_search_outputs(state)
+            finished = True
+        else:
+            outputs, finished = self._sample_outputs(state)
+        if best_of:  # the n samples with the highest cumulative logprob, best first
+            ranked = sorted(outputs, key=lambda o: -o.cumulative_logprob)[: params.n]
+            outputs = []
+            for index, output in enumerate(ranked):
+                output.index = index
+                if params.logprobs is None:  # asked only for the ranking
+                    output.logprobs = output.cumulative_logprob = None
+                outputs.append(output)
+        first = state.samples[0].request
+        metrics = state.metrics
+        metrics.first_scheduled_time = first.first_scheduled_time
+        if finished:
+            metrics.finished_time = time.monotonic()
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            prompt_logprobs=self._prompt_logprobs(state),
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+            metrics=dataclasses.replace(metrics),
+        )
+
+    def _beam_search_outputs(self, state: _RequestState) -> list[CompletionOutput]:
+        """A finished beam search's sequences, best first: the generated token ids (an ending
+        end-of-sequence token included), the text decoded whole with special tokens kept (the
+        end-of-sequence token's left out unless include_stop_str_in_output: vLLM's
+        ``LLM.beam_search``), the logprobs of each token's step, the sum of the logprobs; or,
+        for a search aborted or failed, one empty output with the reason."""
+        group = state.beam_group
+        if group.hypotheses is None:  # aborted, or failed: no result
+            sample = state.samples[0]
+            return [
+                CompletionOutput(
+                    index=0, finish_reason=sample.finish_reason, error=sample.request.error
+                )
+            ]
+        keep_stop = group.params.include_stop_str_in_output
+        outputs = []
+        for index, hypothesis in enumerate(group.hypotheses):
+            token_ids = list(hypothesis.token_ids)
+            text_ids = token_ids
+            if hypothesis.finish_reason == "stop" and not keep_stop:
+                text_ids = token_ids[:-1]
+            text = self.tokenizer.decode(text_ids, skip_special_tokens=False)
+            outputs.append(
+                CompletionOutput(
+                    index=index,
+                    text=text,
+                    token_ids=token_ids,
+                    new_text=text,
+                    new_token_ids=list(token_ids),
+                    finish_reason=hypothesis.finish_reason,
+                    stop_reason=hypothesis.stop_reason,
+                    logprobs=hypothesis_logprobs(hypothesis, self.tokenizer.decode_tokens),
+                    cumulative_logprob=hypothesis.cum_logprob,
+                )
+            )
+        return outputs
+
+    def _sample_outputs(self, state: _RequestState) -> tuple[list[CompletionOutput], bool]:
+        """Each sample's output (text and ids so far, the deltas since the last output) and
+        whether every sample is finished."""
         outputs = []
         finished = True
         for index, sample in enumerate(state.samples):
@@ -306,29 +413,7 @@ class OutputProcessor:
             )
             sample.num_emitted_chars = visible
             sample.num_emitted_tokens = len(token_ids)
-        if best_of:  # the n samples with the highest cumulative logprob, best first
-            ranked = sorted(outputs, key=lambda o: -o.cumulative_logprob)[: params.n]
-            outputs = []
-            for index, output in enumerate(ranked):
-                output.index = index
-                if params.logprobs is None:  # asked only for the ranking
-                    output.logprobs = output.cumulative_logprob = None
-                outputs.append(output)
-        first = state.samples[0].request
-        metrics = state.metrics
-        metrics.first_scheduled_time = first.first_scheduled_time
-        if finished:
-            metrics.finished_time = time.monotonic()
-        return RequestOutput(
-            request_id=state.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids,
-            outputs=outputs,
-            finished=finished,
-            prompt_logprobs=self._prompt_logprobs(state),
-            num_cached_tokens=max(first.num_cached_tokens, 0),
-            metrics=dataclasses.replace(metrics),
-        )
+        return outputs, finished
 
     def _position_logprobs(self, rows: LogprobsLists) -> list[PositionLogprobs]:
         """One ``{token id: Logprob}`` per row: the chosen token with its rank, then the top-k

@@ -13,9 +13,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedkv.core.request import KVCacheRequest
 from pagedkv.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pagedkv.engine.beam_search import BeamSearchGroup
 
 
 class RequestStatus(enum.IntEnum):
@@ -73,6 +77,9 @@ class Request(KVCacheRequest):
             scheduler forks them from this request (the parent) once it has computed
             ``fork_at`` tokens (all its prompt but the last token), sharing its blocks.
         fork_at: tokens the parent computes before it forks its children.
+        beam_group: the beam search this request is a beam of (None for other requests): the
+            scheduler hands its sampled candidates to the group instead of appending a token
+            (:mod:`pagedkv.engine.beam_search`).
     """
 
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
@@ -91,6 +98,7 @@ class Request(KVCacheRequest):
     finished_time: float | None = None
     fork_children: list[Request] = field(default_factory=list)
     fork_at: int = 0
+    beam_group: BeamSearchGroup | None = field(default=None, repr=False)
     _stop_token_ids: frozenset[int] = field(default=frozenset(), init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -100,6 +108,31 @@ class Request(KVCacheRequest):
         self._stop_token_ids = frozenset(self.sampling_params.stop_token_ids)
         if self.sampling_params.skip_reading_prefix_cache:
             self.skip_reading_prefix_cache = True
+
+    def fork(self, request_id: str) -> Request:
+        """A new request with this one's token ids (prompt and output so far), block hashes,
+        sampling params, identity (cache salt, LoRA, priority, arrival time) and beam group;
+        nothing computed, no blocks, waiting. O(tokens) list copies, no hashing. A beam search
+        forks beams with it (the KV blocks are shared by ``KVCacheManager.fork``)."""
+        child = Request(
+            request_id=request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            lora_id=self.lora_id,
+            cache_salt=self.cache_salt,
+            mm_features=self.mm_features,
+            skip_reading_prefix_cache=self.skip_reading_prefix_cache,
+            sampling_params=self.sampling_params,
+            eos_token_ids=self.eos_token_ids,
+            priority=self.priority,
+            arrival_time=self.arrival_time,
+            beam_group=self.beam_group,
+        )
+        child.block_hasher = self.block_hasher
+        child.all_token_ids = list(self.all_token_ids)
+        child.block_hashes = list(self.block_hashes)
+        child.max_tokens = self.max_tokens
+        child.num_cached_tokens = self.num_cached_tokens
+        return child
 
     @property
     def is_finished(self) -> bool:

@@ -31,6 +31,7 @@ from collections.abc import Iterable, Sequence
 from pagedkv.config import SchedulerConfig
 from pagedkv.core.manager import KVCacheBlocks, KVCacheManager
 from pagedkv.core.spec import max_num_blocks_per_request
+from pagedkv.engine.beam_search import BeamSearchGroup
 from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.engine.request_queue import FCFSQueue, PriorityQueue
 from pagedkv.engine.stats import SchedulerStats
@@ -112,6 +113,8 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self._rejected: list[Request] = []  # rejected while scheduling, not yet reported
         self._pending_forks: list[Request] = []  # parents that reached fork_at last step
+        #: unfinished beam searches, by their root beam's id (what abort and the outputs name)
+        self._beam_groups: dict[str, BeamSearchGroup] = {}
         self._scheduled_requests: list[Request] = []  # the last schedule()'s, in order
         self._num_usable_blocks = kv_cache_manager.num_blocks - 1  # block 0 is the null block
         self._kv_cache_specs = tuple(kv_cache_manager.kv_cache_specs)
@@ -174,6 +177,9 @@ class Scheduler:
                 "KV cache",
                 param="max_tokens",
             )
+        group = request.beam_group
+        if group is not None:
+            self._check_beam_group(group, num_blocks_needed)
         for child in request.fork_children:
             if child.request_id in self.requests or child.request_id == request.request_id:
                 raise InvalidRequestError(f"request id {child.request_id!r} is already in use")
@@ -189,6 +195,27 @@ class Scheduler:
             child.max_tokens = max_tokens
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        if group is not None:
+            self._beam_groups[request.request_id] = group
+
+    def _check_beam_group(self, group: BeamSearchGroup, num_blocks_per_beam: int) -> None:
+        """Refuse a beam search that could never run: more beams than seats, or more blocks
+        than the pool when every beam holds its own (no sharing left: after preemptions each
+        beam may recompute alone), so that a group alone in the engine always fits."""
+        width = group.beam_width
+        if width > self.max_num_seqs:
+            raise InvalidRequestError(
+                f"beam_width ({width}) must be <= max_num_seqs ({self.max_num_seqs}): every beam "
+                "is a running sequence",
+                param="beam_width",
+            )
+        if width * num_blocks_per_beam > self._num_usable_blocks:
+            raise InvalidRequestError(
+                f"beam search with beam_width={width} needs up to {width} x "
+                f"{num_blocks_per_beam} KV blocks but the whole pool has "
+                f"{self._num_usable_blocks}; lower beam_width or max_tokens, or grow the KV cache",
+                param="beam_width",
+            )
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """Finish requests from outside the step loop (abort, or a stop string the engine saw).
@@ -206,6 +233,12 @@ class Scheduler:
         finished = []
         for request_id in request_ids:
             request = self.requests.get(request_id)
+            group = self._beam_groups.get(request_id)
+            if group is None and request is not None:
+                group = request.beam_group
+            if group is not None:  # a beam search ends whole: every live beam is freed
+                self._end_beam_group(group, status)
+                continue
             if request is None:
                 continue
             if request.status == RequestStatus.RUNNING:
@@ -299,6 +332,10 @@ class Scheduler:
         # 2) Waiting requests, unless this step had to preempt (no room for newcomers).
         if not step.preempted_req_ids:
             self._admit_waiting(step, token_budget)
+            if not step.requests and self.running and self.waiting:
+                # Only beams waiting for their siblings run, and those siblings do not fit.
+                self._unpark_beam_groups(step)
+                self._admit_waiting(step, token_budget)
 
         # 3) Advance num_computed_tokens and say what changed since the workers last heard.
         blocks_to_copy = manager.take_blocks_to_copy()
@@ -328,6 +365,7 @@ class Scheduler:
                         manager.get_block_ids(request.request_id),
                         num_computed_tokens,
                         tuple(request.eos_token_ids),
+                        request.output_token_ids,  # a forked beam's, else none
                     )
                 )
             else:
@@ -392,6 +430,7 @@ class Scheduler:
         if len(scheduled) != scheduler_output.num_reqs:
             raise InvalidRequestError("update_from_output needs the output of the last schedule()")
         sampling = [r for r in scheduled if r.num_computed_tokens >= r.num_tokens]
+        logprobs = {}
         if isinstance(sampled_token_ids, ModelRunnerOutput):
             by_id = dict(
                 zip(sampled_token_ids.req_ids, sampled_token_ids.sampled_token_ids, strict=True)
@@ -403,19 +442,42 @@ class Scheduler:
                     f"are {sorted(r.request_id for r in sampling)}"
                 )
             tokens = [by_id[r.request_id] for r in sampling]
+            logprobs = sampled_token_ids.logprobs
         else:
             tokens = list(sampled_token_ids)
             if len(tokens) != len(sampling):
                 raise InvalidRequestError(
                     f"got {len(tokens)} sampled tokens for {len(sampling)} sampling requests"
                 )
+        no_row = [
+            r.request_id
+            for r in sampling
+            if r.beam_group is not None
+            and not r.is_finished
+            and (
+                r.request_id not in logprobs
+                or len(logprobs[r.request_id].token_ids[0]) <= r.beam_group.num_candidates
+            )
+        ]
+        if no_row:
+            raise InvalidRequestError(
+                f"beams {no_row} sampled without their candidates: a beam search needs the "
+                "runner's logprobs rows (a ModelRunnerOutput, top-K of each beam)"
+            )
         self._scheduled_requests = []
         changed: list[Request] = self._rejected
         self._rejected = []
         finished: list[Request] = []
+        ready: list[BeamSearchGroup] = []  # beam searches whose every beam has reported
         now = time.monotonic()
         for request, token_id in zip(sampling, tokens, strict=True):
             if request.is_finished:  # aborted between schedule() and now
+                continue
+            group = request.beam_group
+            if group is not None:  # a beam: its candidates go to its group, no token yet
+                row = logprobs[request.request_id]
+                if group.report(request, row.token_ids[0][1:], row.logprobs[0][1:]):
+                    ready.append(group)
                 continue
             request.append_output_token_ids(token_id)
             if request.first_token_time is None:
@@ -429,7 +491,125 @@ class Scheduler:
             self.running = [r for r in self.running if id(r) not in gone]
             for request in finished:
                 self._free_request(request, now)
+        for group in ready:
+            self._step_beam_group(group, changed, now)
         return changed
+
+    # ------------------------------------------------------------------ beam search
+
+    def _step_beam_group(self, group: BeamSearchGroup, changed: list[Request], now: float) -> None:
+        """Apply a beam search's choice once every live beam has reported (between steps):
+        free the beams not chosen, fork a child from a beam chosen more than once (it shares
+        the parent's blocks; the partially filled last one is copied on write), then give each
+        next beam its token. A child that gets no free block (or whose parent is not running,
+        preempted since it reported) is queued to recompute its KV instead (prefix-cache hits
+        on the shared full blocks). When the search is over, its root is reported changed."""
+        decision = group.step()
+        manager = self.kv_cache_manager
+        for beam in decision.dropped:
+            self._remove_beam(beam)
+            beam.status = RequestStatus.FINISHED_STOPPED
+            self._free_request(beam, now)
+        for request, parent, _ in decision.continuations:
+            if request is parent:
+                continue
+            self.requests[request.request_id] = request
+            request.num_computed_tokens = parent.num_computed_tokens
+            if (
+                parent.status == RequestStatus.RUNNING
+                and parent.num_computed_tokens > 0
+                and manager.fork(parent, request)
+            ):
+                request.status = RequestStatus.RUNNING
+                self.running.insert(self.running.index(parent) + 1, request)
+                self.stats.num_forks += 1
+            else:
+                request.num_computed_tokens = 0
+                request.status = RequestStatus.WAITING
+                self.waiting.add_front(request)
+        for request, _, token_id in decision.continuations:
+            request.append_output_token_ids(token_id)
+            self.stats.num_generation_tokens += 1
+        root = group.root
+        if root.first_token_time is None:
+            root.first_token_time = now
+        if decision.done:
+            del self._beam_groups[root.request_id]
+            changed.append(root)
+
+    def _end_beam_group(self, group: BeamSearchGroup, status: RequestStatus) -> None:
+        """End a beam search from outside the step loop (abort, a failed step): every live
+        beam is freed with ``status``; the search has no result."""
+        if group.done:
+            return
+        error = group.root.error if status == RequestStatus.FINISHED_ERROR else None
+        for beam in group.abort(error):
+            self._remove_beam(beam)
+            beam.status = status
+            self._free_request(beam)
+        group.root.status = status
+        self._beam_groups.pop(group.root.request_id, None)
+
+    def _remove_beam(self, beam: Request) -> None:
+        """Take a live beam out of the running list or the waiting queue."""
+        if beam.status == RequestStatus.RUNNING:
+            self.running.remove(beam)
+        else:
+            self.waiting.remove(beam)
+
+    def _beam_seats(self) -> tuple[int, int]:
+        """``(reserved, waiting)``: seats (of max_num_seqs) held for beams not running by the
+        beam searches that have a running beam, and how many of their beams wait for one.
+
+        A beam search holds ``beam_width`` seats while any of its beams runs, so its forks and
+        its preempted beams always find a seat (vLLM V0 counted a sequence group's most
+        running sequences the same way); one with no running beam holds none."""
+        reserved = waiting = 0
+        for group in self._beam_groups.values():
+            beams = group.beams
+            num_running = sum(1 for b in beams if b.status == RequestStatus.RUNNING)
+            if num_running:
+                reserved += group.beam_width - num_running
+                waiting += len(beams) - num_running
+        return reserved, waiting
+
+    def _seats_needed(self, request: Request) -> int:
+        """Seats ``request`` takes when admitted: 1; a beam's search takes beam_width when none
+        of its beams runs, else none (one of its reserved seats)."""
+        group = request.beam_group
+        if group is None:
+            return 1
+        if any(b.status == RequestStatus.RUNNING for b in group.beams):
+            return 0
+        return group.beam_width
+
+    def _unpark_beam_groups(self, step: _Step) -> None:
+        """Called when a step would compute nothing while requests wait: every running
+        request is then a beam waiting for a sibling that does not fit (the parked beams hold
+        the blocks it needs). Preempt every such beam search whole (its running beams freed,
+        as in a preemption) and queue its beams together at the front, oldest search first,
+        so the next admissions bring one search in whole (each fits alone: add_request checked
+        it) instead of parts of several."""
+        groups = []
+        for request in self.running:
+            group = request.beam_group
+            if group is not None and group not in groups:
+                groups.append(group)
+        for group in reversed(groups):
+            beams = group.beams
+            for beam in beams:
+                if beam.status == RequestStatus.RUNNING:
+                    self.running.remove(beam)
+                    self.kv_cache_manager.free(beam)
+                    beam.status = RequestStatus.PREEMPTED
+                    beam.num_computed_tokens = 0
+                    beam.num_preemptions += 1
+                    self.stats.num_preemptions += 1
+                    step.preempted_req_ids.add(beam.request_id)
+                else:
+                    self.waiting.remove(beam)
+            for beam in reversed(beams):
+                self.waiting.add_front(beam)
 
     # ------------------------------------------------------------------ helpers
 
@@ -438,8 +618,19 @@ class Scheduler:
         waiting = self.waiting
         skip = self.admission == "skip"
         skipped: list[Request] = []
-        while waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
+        reserved, reserved_waiting = self._beam_seats() if self._beam_groups else (0, 0)
+        while (
+            waiting
+            and token_budget > 0
+            and (len(self.running) + reserved < self.max_num_seqs or reserved_waiting)
+        ):
             request = waiting.peek()
+            seats = self._seats_needed(request) if request.beam_group is not None else 1
+            if len(self.running) + reserved + seats > self.max_num_seqs:
+                if not skip:
+                    break  # FCFS: later requests wait behind this one
+                skipped.append(waiting.pop())
+                continue
             computed_blocks, num_computed_tokens = manager.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_computed_tokens
             released: list[Request] = []
@@ -480,6 +671,13 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed_tokens
             self.running.append(request)
+            if request.beam_group is not None:  # its search's seats: see _beam_seats
+                if seats:  # its first running beam: the others (all queued) are reserved for
+                    reserved += seats - 1
+                    reserved_waiting += len(request.beam_group.beams) - 1
+                else:
+                    reserved -= 1
+                    reserved_waiting -= 1
             # A request the workers already hold came back from preemption.
             step.add(request, num_new_tokens, None, request.num_sent_tokens > 0)
             token_budget -= num_new_tokens
@@ -499,6 +697,12 @@ class Scheduler:
         )
         self.stats.num_rejected += 1
         self._free_request(request)
+        group = request.beam_group
+        if group is not None:  # its beam search ends with it (reported through its root)
+            group.root.error = request.error
+            self._end_beam_group(group, RequestStatus.FINISHED_ERROR)
+            self._rejected.append(group.root)
+            return True
         self._rejected.append(request)
         for child in request.fork_children:  # its samples end with it
             child.status = RequestStatus.FINISHED_ERROR
@@ -526,10 +730,11 @@ class Scheduler:
                 parent.fork_children = children
                 continue
             at = self.running.index(parent) + 1
+            reserved = self._beam_seats()[0] if self._beam_groups else 0
             for child in children:
                 self.requests[child.request_id] = child
                 child.num_computed_tokens = parent.fork_at
-                if len(self.running) < self.max_num_seqs and manager.fork(parent, child):
+                if len(self.running) + reserved < self.max_num_seqs and manager.fork(parent, child):
                     child.status = RequestStatus.RUNNING
                     child.num_cached_tokens = parent.num_cached_tokens
                     self.running.insert(at, child)

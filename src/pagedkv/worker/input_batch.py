@@ -203,7 +203,7 @@ class InputBatch:
             state = CachedRequestState(
                 new.req_id,
                 list(new.prompt_token_ids),
-                [],
+                list(new.output_token_ids),
                 new.sampling_params,
                 tuple(new.eos_token_ids),
                 tuple(list(ids) for ids in new.block_ids),

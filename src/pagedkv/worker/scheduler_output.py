@@ -42,6 +42,9 @@ class NewRequestData:
         num_computed_tokens: tokens whose KV is in the cache before this step (its prefix-cache
             hit); its tokens this step start there.
         eos_token_ids: the model's end-of-sequence ids (masked until ``min_tokens``).
+        output_token_ids: tokens it generated before the workers first see it: empty, except
+            for a beam forked from another (it starts with its parent's output tokens and
+            the one it was chosen for).
     """
 
     req_id: str
@@ -50,6 +53,7 @@ class NewRequestData:
     block_ids: BlockIds
     num_computed_tokens: int
     eos_token_ids: tuple[int, ...] = ()
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
