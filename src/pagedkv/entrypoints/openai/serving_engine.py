@@ -2,9 +2,9 @@
 outputs as events, abort on disconnect, and server-sent events.
 
 Each prompt is one engine request (id ``<response id>-<prompt index>``) with the request's ``n``
-samples, which share the prompt's cached blocks; choice index = prompt index * n + sample index.
-With a ``seed``, the engine seeds sample i with ``seed + i``, so samples differ and the response
-is still reproducible.
+samples, which fork from one prefill of the prompt (sharing its blocks); choice index = prompt
+index * n + sample index. With a ``seed``, the engine seeds sample i with ``seed + i``, so samples
+differ and the response is still reproducible.
 
 A request whose client goes away (mid-stream, or while waiting for a non-streamed answer) is
 aborted in the engine, which frees its blocks. A request that fails inside an engine step
