@@ -390,6 +390,9 @@ class BeamSearchParams:
             transformers' definition: > 0 favours longer sequences, < 0 shorter ones).
         include_stop_str_in_output: keep the end-of-sequence token's text at the end of the
             text (its id is in the token ids either way).
+        skip_special_tokens: leave special tokens out of the text (not in vLLM's
+            ``BeamSearchParams``, whose texts keep them: False by default, as there; the
+            server's ``use_beam_search`` passes the request's ``skip_special_tokens``).
 
     Raises:
         InvalidRequestError: a value out of its range or of the wrong type, naming the field
@@ -402,13 +405,14 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = False
 
     def __post_init__(self) -> None:
         for name in ("beam_width", "max_tokens"):
             value = getattr(self, name)
             if not is_int(value) or not 1 <= value <= INT64_MAX:
                 raise InvalidRequestError(f"{name} must be an int >= 1, got {value!r}", param=name)
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise InvalidRequestError(f"{name} must be a bool, got {value!r}", param=name)

@@ -34,7 +34,7 @@ from pagedkv.engine.input_processor import InputProcessor
 from pagedkv.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedkv.engine.stats import SchedulerStats
 from pagedkv.errors import InvalidRequestError
-from pagedkv.sampling_params import SamplingParams
+from pagedkv.sampling_params import BeamSearchParams, SamplingParams
 
 SENTENCE = "the quick brown fox jumps over the lazy dog. "
 #: A prompt containing this fails the engine step that runs it (and only that request).
@@ -202,6 +202,10 @@ class FakeEngine:
         else:
             ids = list(prompt)
         params = sampling_params
+        if isinstance(params, BeamSearchParams):  # the fake's beams: n greedy samples
+            params = SamplingParams(
+                n=params.beam_width, max_tokens=params.max_tokens, temperature=0.0
+            )
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         if not 0 <= min(ids) <= max(ids) < self.vocab_size:  # as LLMEngine checks them

@@ -296,13 +296,13 @@ def test_null_means_the_default_in_the_schema_too(server, schema):
 def test_refused_fields_accept_in_the_schema_what_the_app_accepts(server, schema):
     chat = request_properties(schema, "ChatCompletionRequest")
     assert chat["tool_choice"]["enum"] == [None, "none", "auto"]
-    assert chat["use_beam_search"]["enum"] == [None, False]
-    assert chat["length_penalty"]["anyOf"][1] == {"type": "number", "const": 1}
     messages = [{"role": "user", "content": "hi"}]
     for extra, status in (
         ({"use_beam_search": False}, 200),
-        ({"use_beam_search": True}, 400),
+        ({"use_beam_search": True, "n": 2, "max_tokens": 2}, 200),
+        ({"use_beam_search": True, "top_p": 0.5}, 400),
         ({"length_penalty": 1.0}, 200),
+        ({"length_penalty": 2.0}, 400),  # without use_beam_search
         ({"length_penalty": True}, 400),  # True == 1 in Python: it used to pass as a no-op
         ({"tools": [{"type": "function"}], "tool_choice": "none"}, 200),
         ({"tools": [{"type": "function"}]}, 400),
@@ -325,7 +325,20 @@ def test_integral_floats_are_integers_as_json_schema_says(server, schema):
 def test_refusals_beyond_the_schema_are_listed_and_named(server, schema):
     responses = operations(schema)["POST", "/v1/completions"]["responses"]
     beyond = responses["400"][BEYOND_SCHEMA]
-    assert {"prompt", "max_tokens", "min_tokens", "seed", "best_of"} == set(beyond)
+    assert {
+        "prompt",
+        "max_tokens",
+        "min_tokens",
+        "seed",
+        "best_of",
+        "n",
+        "use_beam_search",
+        "length_penalty",
+    } == set(beyond)
+    # Beam search with a sampling field: valid by the schema, refused naming use_beam_search.
+    body = {"prompt": "hi", "use_beam_search": True, "top_k": 5}
+    response = post(server, "/v1/completions", body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "use_beam_search"
     # Valid by the schema (each value within its own range), refused for their sum.
     body = {"prompt": "x" * (MAX_MODEL_LEN - 2), "max_tokens": MAX_MODEL_LEN - 1}
     response = post(server, "/v1/completions", body)

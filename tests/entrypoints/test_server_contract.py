@@ -20,7 +20,7 @@ from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.entrypoints.openai.app import create_app
 from pagedkv.entrypoints.openai.launch import ThreadedServer
 from pagedkv.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from pagedkv.sampling_params import SamplingParams
+from pagedkv.sampling_params import BeamSearchParams, SamplingParams
 
 MODEL = "tiny"
 PROMPT = "the quick brown fox jumps over the lazy dog. " * 2
@@ -510,3 +510,56 @@ def test_docs_table_matches_the_request_models():
     for model in (CompletionRequest, ChatCompletionRequest):
         assert set(model.REFUSED) <= set(model.model_fields)
         assert set(model.IGNORED) <= set(model.model_fields)
+
+
+# ---- beam search ---------------------------------------------------------------------------------
+
+
+def test_use_beam_search_equals_the_offline_beam_search(server, llm):
+    params = BeamSearchParams(beam_width=3, max_tokens=8, length_penalty=0.5)
+    (offline,) = llm.beam_search([PROMPT], params)
+    body = complete(server, use_beam_search=True, n=3, max_tokens=8, length_penalty=0.5, logprobs=2)
+    choices = body["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    assert [c["text"] for c in choices] == [s.text for s in offline.sequences]
+    for choice, sequence in zip(choices, offline.sequences, strict=True):
+        generated = sequence.tokens[len(sequence.tokens) - len(sequence.logprobs) :]
+        assert choice["finish_reason"] == sequence.finish_reason
+        positions = zip(generated, sequence.logprobs, strict=True)
+        expected = [position[t].logprob for t, position in positions]
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx(expected)
+        assert all(len(top) <= 3 for top in choice["logprobs"]["top_logprobs"])
+    assert body["usage"]["completion_tokens"] == sum(len(s.logprobs) for s in offline.sequences)
+    # The length penalty changes the order (or not) exactly as offline; chat runs the same search.
+    (chat_offline,) = llm.beam_search(
+        [{"prompt_token_ids": llm.get_tokenizer().apply_chat_template(MESSAGES)}],
+        BeamSearchParams(beam_width=2, max_tokens=6),
+    )
+    reply = chat(server, use_beam_search=True, n=2, max_tokens=6, temperature=0)
+    assert [c["message"]["content"] for c in reply["choices"]] == [
+        s.text for s in chat_offline.sequences
+    ]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"stream": True}, "use_beam_search"),
+        ({"temperature": 0.7}, "use_beam_search"),
+        ({"top_p": 0.9}, "use_beam_search"),
+        ({"stop": ["x"]}, "use_beam_search"),
+        ({"best_of": 4}, "use_beam_search"),
+        ({"logprobs": 7}, "use_beam_search"),  # more than the 2 * n = 6 candidates of a step
+        ({"echo": True, "logprobs": 1}, "use_beam_search"),
+        ({"n": 100}, "n"),  # beyond the engine's max_num_seqs (64)
+    ],
+)
+def test_use_beam_search_refuses_what_it_does_not_do(server, fields, param):
+    body = {"prompt": PROMPT, "max_tokens": 4, "use_beam_search": True, "n": 3, **fields}
+    response = post(server, "/v1/completions", body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    # length_penalty means something only to beam search.
+    response = post(server, "/v1/completions", {"prompt": PROMPT, "length_penalty": 0.5})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "length_penalty"

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pagedkv.errors import InvalidRequestError
-from pagedkv.sampling_params import SamplingParams, check_text
+from pagedkv.sampling_params import BeamSearchParams, SamplingParams, check_text
 from pagedkv.validation import is_int
 
 #: Every prompt form the engine takes (see the module docstring).
@@ -263,17 +263,23 @@ class InputProcessor:
                 param=param,
             )
 
-    def check_params(self, params: SamplingParams, priority: int = 0) -> None:
+    def check_params(self, params: SamplingParams | BeamSearchParams, priority: int = 0) -> None:
         """The checks of a request against this model and engine (SamplingParams checks what
         needs neither): top_k, stop_token_ids and logit_bias against the vocabulary, logprobs
-        and prompt_logprobs against max_logprobs, priority against the policy.
+        and prompt_logprobs against max_logprobs, priority against the policy. Of a
+        :class:`BeamSearchParams`, the priority here; the engine checks beam_width against
+        max_num_seqs and the vocabulary when it adds the search.
 
         Raises:
             InvalidRequestError: naming the field.
         """
+        if isinstance(params, BeamSearchParams):
+            self._check_priority(priority)
+            return
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(
-                f"sampling_params must be a SamplingParams, got {type(params).__name__}"
+                "sampling_params must be a SamplingParams or a BeamSearchParams, got "
+                f"{type(params).__name__}"
             )
         vocab_size = self.vocab_size
         if params.top_k > vocab_size:
@@ -301,6 +307,9 @@ class InputProcessor:
                     "(the engine's max_logprobs)",
                     param=name,
                 )
+        self._check_priority(priority)
+
+    def _check_priority(self, priority: int) -> None:
         if not is_int(priority) or priority.bit_length() > 63:
             raise InvalidRequestError(
                 f"priority must be an int64, got {priority!r}", param="priority"

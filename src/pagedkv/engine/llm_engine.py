@@ -293,7 +293,7 @@ class LLMEngine:
     ) -> None:
         """Queue a beam search: its first beam (the prompt), which the scheduler forks into
         ``beam_width`` beams after the first token (:mod:`pagedkv.engine.beam_search`)."""
-        self.input_processor.check_params(SamplingParams(), priority)  # the priority
+        self.input_processor.check_params(params, priority)
         vocab_size = self.model_config.vocab_size
         num_eos = 0 if params.ignore_eos else len(self.eos_token_ids)
         if num_beam_candidates(params.beam_width, num_eos) > vocab_size:

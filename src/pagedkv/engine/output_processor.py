@@ -344,8 +344,9 @@ class OutputProcessor:
 
     def _beam_search_outputs(self, state: _RequestState) -> list[CompletionOutput]:
         """A finished beam search's sequences, best first: the generated token ids (an ending
-        end-of-sequence token included), the text decoded whole with special tokens kept (the
-        end-of-sequence token's left out unless include_stop_str_in_output: vLLM's
+        end-of-sequence token included), the text decoded whole, special tokens kept unless
+        skip_special_tokens (the end-of-sequence token's left out unless
+        include_stop_str_in_output: vLLM's
         ``LLM.beam_search``), the logprobs of each token's step, the sum of the logprobs; or,
         for a search aborted or failed, one empty output with the reason."""
         group = state.beam_group
@@ -363,7 +364,9 @@ class OutputProcessor:
             text_ids = token_ids
             if hypothesis.finish_reason == "stop" and not keep_stop:
                 text_ids = token_ids[:-1]
-            text = self.tokenizer.decode(text_ids, skip_special_tokens=False)
+            text = self.tokenizer.decode(
+                text_ids, skip_special_tokens=group.params.skip_special_tokens
+            )
             outputs.append(
                 CompletionOutput(
                     index=index,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from pagedkv.engine.input_processor import InputProcessor, ProcessedPrompt
-from pagedkv.sampling_params import SamplingParams
+from pagedkv.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
     from pagedkv.engine.engine_loop import OutputStream
@@ -31,14 +31,15 @@ class EngineRequest:
     Attributes:
         request_id: unique among unfinished requests.
         prompt: token ids (and text) from the client's :class:`InputProcessor`.
-        sampling_params: the request's parameters (``n`` samples share the prompt).
+        sampling_params: the request's parameters (``n`` samples share the prompt), or a
+            beam search's (reported once, at its end, with ``beam_width`` outputs).
         priority: lower = sooner under the priority policy.
         cache_salt: separates this request's prefix-cache entries from others'.
     """
 
     request_id: str
     prompt: ProcessedPrompt
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | BeamSearchParams
     priority: int = 0
     cache_salt: str | None = None
 

@@ -355,7 +355,8 @@ def _beyond(fields: tuple[str, ...], rules: str) -> dict[str, Any]:
 _GENERATION_RULES = (
     "the prompt's tokens + max_tokens beyond max_model_len or the KV cache, min_tokens above "
     "max_tokens (16 by default on completions), seed + n - 1 beyond 2**64 - 1, best_of other "
-    "than n"
+    "than n, use_beam_search with stream or a sampling field other than its default (or n "
+    "beyond max_num_seqs), length_penalty other than 1 without use_beam_search"
 )
 
 
@@ -405,7 +406,16 @@ def _operations(refs: dict[type[BaseModel], str]) -> dict[tuple[str, str], dict[
             "responses": {
                 "200": completion_ok,
                 "400": _beyond(
-                    ("prompt", "max_tokens", "min_tokens", "seed", "best_of"),
+                    (
+                        "prompt",
+                        "max_tokens",
+                        "min_tokens",
+                        "seed",
+                        "best_of",
+                        "n",
+                        "use_beam_search",
+                        "length_penalty",
+                    ),
                     _GENERATION_RULES + ", a prompt text that tokenizes to no tokens",
                 ),
                 "404": _error(_404),
@@ -425,6 +435,9 @@ def _operations(refs: dict[type[BaseModel], str]) -> dict[tuple[str, str], dict[
                         "min_tokens",
                         "seed",
                         "best_of",
+                        "n",
+                        "use_beam_search",
+                        "length_penalty",
                         "continue_final_message",
                     ),
                     _GENERATION_RULES + ", messages the model's chat template refuses or a "

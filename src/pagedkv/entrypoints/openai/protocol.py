@@ -44,8 +44,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from pagedkv.sampling_params import INT64_MAX
-from pagedkv.validation import is_number
+from pagedkv.sampling_params import INT64_MAX, BeamSearchParams
 
 #: Most samples one request may ask for (``n``); each sample is a sequence in the engine.
 MAX_N = 128
@@ -305,20 +304,11 @@ _text_format = NoOp(
         ]
     },
 )
-_length_penalty = NoOp(
-    lambda value, request: value is None or (is_number(value) and value == 1),
-    {"anyOf": [_NULL, {"type": "number", "const": 1}]},
-)
-
 
 _NOT_IMPLEMENTED = "is not supported by pagedkv"
 
 #: Known fields of both endpoints that pagedkv refuses when they ask for something.
 _REFUSED_COMMON: dict[str, Refused] = {
-    "use_beam_search": Refused(_false, "beam search " + _NOT_IMPLEMENTED, True),
-    "length_penalty": Refused(
-        _length_penalty, "length_penalty (beam search) " + _NOT_IMPLEMENTED, 2.0
-    ),
     "response_format": Refused(
         _text_format,
         "response_format other than {'type': 'text'} (structured output) " + _NOT_IMPLEMENTED,
@@ -389,8 +379,11 @@ class _SamplingRequest(_Strict):
     #: generate best_of samples, return the n with the highest cumulative logprob (>= n; not
     #: with stream, as vLLM).
     best_of: Annotated[int, Field(ge=1, le=MAX_N), _INTEGRAL] | None = None
-    use_beam_search: Any = None
-    length_penalty: Any = None
+    #: vLLM's beam search: ``n`` beams, all returned best first (not with stream; the sampling
+    #: fields stay at their defaults: see :meth:`check_beam_search`).
+    use_beam_search: bool = False
+    #: beam search: a finished beam of L tokens scores ``cumulative logprob / L ** length_penalty``.
+    length_penalty: FiniteFloat = 1.0
     response_format: Any = None
     structured_outputs: Any = None
     guided_json: Any = None
@@ -453,6 +446,71 @@ class _SamplingRequest(_Strict):
             raise UnsupportedFieldError(
                 "best_of", "`best_of` > n cannot stream: the best n are known only at the end"
             )
+        if self.use_beam_search:
+            self.check_beam_search()
+        elif self.length_penalty != 1.0:
+            raise UnsupportedFieldError(
+                "length_penalty",
+                "`length_penalty` applies to beam search only (`use_beam_search`: true)",
+            )
+
+    def top_logprobs_asked(self) -> int | None:
+        """The top log-probabilities per generated token the response asks for (None: none)."""
+        raise NotImplementedError
+
+    def check_beam_search(self) -> None:
+        """Beam search ranks the model's raw log-probabilities and has no stop conditions of its
+        own beyond the end-of-sequence token and max_tokens: a field that asks for sampling or
+        stopping is a 400 naming ``use_beam_search`` and the field, as is streaming (the beams
+        are known only at the end) and top logprobs beyond the ``2 * n`` candidates a step
+        ranks. ``temperature`` 1 (raw logprobs) and 0 (no randomness) are what it does."""
+        asked = [
+            name
+            for name, value, no_ops in (
+                ("stream", self.stream, (False,)),
+                ("temperature", self.temperature, (0.0, 1.0)),
+                ("top_p", self.top_p, (1.0,)),
+                ("top_k", self.top_k, (-1, 0)),
+                ("min_p", self.min_p, (0.0,)),
+                ("presence_penalty", self.presence_penalty, (0.0,)),
+                ("frequency_penalty", self.frequency_penalty, (0.0,)),
+                ("repetition_penalty", self.repetition_penalty, (1.0,)),
+                ("min_tokens", self.min_tokens, (0,)),
+                ("stop", self.stop, ([],)),
+                ("stop_token_ids", self.stop_token_ids, (None, [])),
+                ("logit_bias", self.logit_bias, (None, {})),
+                ("prompt_logprobs", self.prompt_logprobs, (None,)),
+                ("best_of", self.best_of, (None, self.n)),
+            )
+            if value not in no_ops
+        ]
+        if asked:
+            raise UnsupportedFieldError(
+                "use_beam_search",
+                f"`use_beam_search` does not go with `{asked[0]}` (got "
+                f"{getattr(self, asked[0])!r}): beam search ranks the raw log-probabilities of "
+                "n beams and returns them all at the end",
+            )
+        top = self.top_logprobs_asked()
+        if top is not None and top > 2 * self.n:
+            raise UnsupportedFieldError(
+                "use_beam_search",
+                f"`use_beam_search` with {top} top logprobs: a step of beam search ranks "
+                f"2 * n = {2 * self.n} candidates, so at most that many",
+            )
+
+    def beam_search_params(self, max_tokens: int) -> BeamSearchParams:
+        """The engine's parameters of a ``use_beam_search`` request (vLLM's
+        ``to_beam_search_params``): ``n`` beams of at most ``max_tokens`` tokens."""
+        return BeamSearchParams(
+            beam_width=self.n,
+            max_tokens=max_tokens,
+            ignore_eos=self.ignore_eos,
+            temperature=self.temperature,
+            length_penalty=self.length_penalty,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+        )
 
     def ignored_fields(self) -> list[str]:
         """The names of the fields accepted without effect: the known ones set (``IGNORED``)
@@ -530,6 +588,18 @@ class CompletionRequest(_SamplingRequest):
     logprobs: NonNegativeInt64 | None = None
     add_special_tokens: bool = True
     suffix: Any = None
+
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
+
+    def check_beam_search(self) -> None:
+        super().check_beam_search()
+        if self.echo and self.logprobs is not None:
+            raise UnsupportedFieldError(
+                "use_beam_search",
+                "`use_beam_search` does not go with `echo` and `logprobs` (the prompt's "
+                "logprobs): echo the prompt without logprobs",
+            )
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -685,6 +755,9 @@ class ChatCompletionRequest(_SamplingRequest):
     documents: Any = None
     mm_processor_kwargs: Any = None
     parallel_tool_calls: Any = None
+
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def check_supported(self) -> None:
         super().check_supported()

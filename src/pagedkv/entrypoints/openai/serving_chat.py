@@ -35,7 +35,7 @@ from pagedkv.entrypoints.openai.serving_engine import (
     usage_of,
 )
 from pagedkv.errors import InvalidRequestError
-from pagedkv.sampling_params import SamplingParams
+from pagedkv.sampling_params import BeamSearchParams, SamplingParams
 
 
 class _ChatResponse(StreamWriter):
@@ -165,7 +165,7 @@ class OpenAIServingChat(OpenAIServing):
             continuous_usage=request.continuous_usage,
             include_usage=request.include_usage,
         )
-        params = SamplingParams(
+        params: SamplingParams | BeamSearchParams = SamplingParams(
             **request.sampling_kwargs(),
             max_tokens=max_tokens,
             logprobs=top_logprobs,
@@ -180,6 +180,9 @@ class OpenAIServingChat(OpenAIServing):
                 add_special_tokens=request.add_special_tokens,
             )
         )
+        if request.use_beam_search:  # without max_tokens: to max_model_len
+            room = self.engine_client.input_processor.max_model_len - len(processed.token_ids)
+            params = request.beam_search_params(max_tokens or max(room, 1))
         try:
             stream, prompts = await self.start(response_id, [processed], request, params)
         except InvalidRequestError as exc:

@@ -1,5 +1,6 @@
-"""``POST /v1/completions``: text or token-id prompts (one or a batch), ``n`` samples each,
-echo, logprobs, vLLM's ``prompt_logprobs``, streamed or not."""
+"""``POST /v1/completions``: text or token-id prompts (one or a batch), ``n`` samples each (or
+``n`` beams with vLLM's ``use_beam_search``), echo, logprobs, vLLM's ``prompt_logprobs``, streamed
+or not."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from pagedkv.entrypoints.openai.serving_engine import (
     sse,
     usage_of,
 )
-from pagedkv.sampling_params import SamplingParams
+from pagedkv.sampling_params import BeamSearchParams, SamplingParams
 
 
 def _process_prompts(
@@ -196,12 +197,16 @@ class OpenAIServingCompletion(OpenAIServing):
         engine_prompt_logprobs = request.prompt_logprobs
         if request.echo and request.logprobs is not None:
             engine_prompt_logprobs = max(engine_prompt_logprobs or 0, request.logprobs)
-        params = SamplingParams(
-            **request.sampling_kwargs(),
-            max_tokens=max(max_tokens, 1),  # echo_only: one token is generated, then dropped
-            logprobs=request.logprobs,
-            prompt_logprobs=engine_prompt_logprobs,
-        )
+        params: SamplingParams | BeamSearchParams
+        if request.use_beam_search:
+            params = request.beam_search_params(max(max_tokens, 1))
+        else:
+            params = SamplingParams(
+                **request.sampling_kwargs(),
+                max_tokens=max(max_tokens, 1),  # echo_only: one token is generated, then dropped
+                logprobs=request.logprobs,
+                prompt_logprobs=engine_prompt_logprobs,
+            )
         with_strs = request.echo and request.logprobs is not None
         processed = await self.engine_client.process(
             lambda processor: _process_prompts(processor, request, with_strs)

@@ -33,7 +33,8 @@ from pagedkv.entrypoints.openai.errors import OpenAIError
 from pagedkv.entrypoints.openai.metrics import ServerMetrics
 from pagedkv.entrypoints.openai.protocol import UsageInfo, make_usage
 from pagedkv.entrypoints.openai.serving_models import OpenAIServingModels
-from pagedkv.sampling_params import SamplingParams
+from pagedkv.errors import InvalidRequestError
+from pagedkv.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -194,9 +195,10 @@ class OpenAIServing:
         response_id: str,
         prompts: list[ProcessedPrompt],
         request: Any,
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
     ) -> tuple[OutputStream, list[PromptState]]:
-        """Add one engine request (with n samples) per prompt; returns their shared stream.
+        """Add one engine request (with n samples, or n beams) per prompt; returns their shared
+        stream.
 
         Raises:
             InvalidRequestError: parameters or a prompt the engine refuses; nothing is left
@@ -220,7 +222,12 @@ class OpenAIServing:
                     cache_salt=request.cache_salt,
                 )
             )
-        stream = await self.engine_client.add_requests(engine_requests)
+        try:
+            stream = await self.engine_client.add_requests(engine_requests)
+        except InvalidRequestError as exc:
+            if exc.param == "beam_width":  # the engine's name for a beam search's n
+                exc.param = "n"
+            raise
         return stream, states
 
     # ---- engine outputs -----------------------------------------------------------------------
