@@ -40,10 +40,12 @@ CTRL paper uses 1.2); the arithmetic alone would allow about [3e-30, 3e29].
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 from pagedkv.errors import InvalidRequestError
 from pagedkv.validation import is_int, is_number
@@ -102,12 +104,16 @@ class SamplingParams:
         best_of: generate this many samples (>= n; None = n) and return the n with the highest
             cumulative logprob (vLLM V0's and OpenAI's ``best_of``). The samples fork from one
             prefill of the prompt; the request's output comes once, when all have finished.
+        structured_outputs: constrain the output to a JSON schema, a regex, a choice of strings
+            or an EBNF grammar (:class:`StructuredOutputsParams`, vLLM's); None = free text.
+            Each sample of an ``n > 1`` request follows the constraint on its own.
 
     Raises:
         InvalidRequestError: a value out of its range or of the wrong type (``stop`` not a str or
             list, a non-bool flag, NaN or an infinite float, an int beyond int64, a stop string
-            that is not valid Unicode, min_tokens > max_tokens), with the name (also as the
-            error's ``param``), the valid range and the value given.
+            that is not valid Unicode, min_tokens > max_tokens, structured_outputs that is not a
+            StructuredOutputsParams), with the name (also as the error's ``param``), the valid
+            range and the value given.
     """
 
     n: int = 1
@@ -130,6 +136,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     seed: int | None = None
     best_of: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -245,6 +252,14 @@ class SamplingParams:
                 f"for each of the {num_samples} samples), got {self.seed!r}",
                 param="seed",
             )
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise InvalidRequestError(
+                f"structured_outputs must be a StructuredOutputsParams or None, got "
+                f"{type(self.structured_outputs).__name__}",
+                param="structured_outputs",
+            )
 
     @property
     def num_samples(self) -> int:
@@ -283,6 +298,138 @@ class SamplingParams:
         return dataclasses.replace(
             self, n=1, best_of=None, seed=seed, prompt_logprobs=prompt_logprobs, logprobs=logprobs
         )
+
+
+#: The constraint kinds of :class:`StructuredOutputsParams`, in the order its fields come.
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(slots=True, kw_only=True)
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's ``StructuredOutputsParams``, the same field names):
+    every sampled token keeps the output a prefix of a string the constraint accepts, and once
+    the output is complete only the end-of-sequence token may follow. The engine compiles the
+    constraint with xgrammar (:mod:`pagedkv.engine.structured_output`).
+
+    Exactly one kind is given:
+
+    Args:
+        json: a JSON Schema (a dict, or its JSON text): the output is a JSON value that
+            validates against it.
+        regex: a regular expression the whole output matches.
+        choice: the output is one of these strings (a non-empty list).
+        grammar: an EBNF grammar (GBNF / xgrammar's dialect, the rule ``root`` first) the
+            output is a sentence of.
+        json_object: True: the output is any JSON object (OpenAI's
+            ``response_format={"type": "json_object"}``).
+        disable_any_whitespace: with ``json`` / ``json_object``: no whitespace between JSON
+            tokens beyond a single space after ``:`` and ``,`` (a compact output; small models
+            otherwise tend to emit runs of newlines).
+
+    Raises:
+        InvalidRequestError: no kind or more than one, or a value of the wrong type (``json``
+            neither a dict nor JSON text of an object, an empty ``regex`` / ``grammar`` /
+            ``choice``, a choice that is not a str, ``json_object`` not True / False / None),
+            naming the field (``param`` is ``"structured_outputs"``). Whether a schema, regex
+            or grammar compiles is checked by the engine when the request is added.
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("json_object", "disable_any_whitespace"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise InvalidRequestError(
+                    f"structured_outputs.{name} must be a bool, got {value!r}",
+                    param="structured_outputs",
+                )
+        given = [k for k in STRUCTURED_OUTPUT_KINDS if self._given(k)]
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "structured_outputs must give exactly one of json, regex, choice, grammar and "
+                f"json_object, got {', '.join(given) if given else 'none'}",
+                param="structured_outputs",
+            )
+        if isinstance(self.json, str):
+            try:
+                parsed = json.loads(self.json)
+            except ValueError as e:
+                raise InvalidRequestError(
+                    f"structured_outputs.json is not valid JSON text: {e}",
+                    param="structured_outputs",
+                ) from None
+            if not isinstance(parsed, dict):
+                raise InvalidRequestError(
+                    "structured_outputs.json must be a JSON Schema object, got JSON text of "
+                    f"a {type(parsed).__name__}",
+                    param="structured_outputs",
+                )
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise InvalidRequestError(
+                f"structured_outputs.json must be a dict or JSON text, got "
+                f"{type(self.json).__name__}",
+                param="structured_outputs",
+            )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequestError(
+                    f"structured_outputs.{name} must be a non-empty str, got {value!r}",
+                    param="structured_outputs",
+                )
+            if value is not None:
+                check_text(value, "structured_outputs")
+        if self.choice is not None:
+            if isinstance(self.choice, tuple):
+                self.choice = list(self.choice)
+            if not isinstance(self.choice, list) or not self.choice:
+                raise InvalidRequestError(
+                    f"structured_outputs.choice must be a non-empty list of str, got "
+                    f"{self.choice!r}",
+                    param="structured_outputs",
+                )
+            for item in self.choice:
+                if not isinstance(item, str):
+                    raise InvalidRequestError(
+                        f"structured_outputs.choice must hold str only, got {item!r}",
+                        param="structured_outputs",
+                    )
+                check_text(item, "structured_outputs")
+
+    def _given(self, kind: str) -> bool:
+        value = getattr(self, kind)
+        return value is True if kind == "json_object" else value is not None
+
+    @property
+    def kind(self) -> str:
+        """The constraint's kind: one of ``STRUCTURED_OUTPUT_KINDS``."""
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if self._given(k))
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        """``(kind, spec, disable_any_whitespace)``, hashable: equal constraints have equal keys
+        (a schema dict as canonical JSON text), what compiled grammars are cached by."""
+        kind = self.kind
+        value = getattr(self, kind)
+        if kind == "json":
+            spec = json.dumps(
+                json.loads(value) if isinstance(value, str) else value,
+                sort_keys=True,
+                separators=(",", ":"),
+            )
+        elif kind == "choice":
+            spec = json.dumps(value)
+        elif kind == "json_object":
+            spec = ""
+        else:
+            spec = value
+        return kind, spec, self.disable_any_whitespace
 
 
 _MIN_SEED = -(2**63)

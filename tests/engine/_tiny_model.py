@@ -31,9 +31,19 @@ class CharTokenizer:
         return [chr(t) for t in token_ids]
 
     def apply_chat_template(
-        self, messages, add_generation_prompt=True, tokenize=True, continue_final_message=False
+        self,
+        messages,
+        add_generation_prompt=True,
+        tokenize=True,
+        continue_final_message=False,
+        tools=None,
+        chat_template=None,
+        template_kwargs=None,
     ):
-        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        if chat_template is not None:
+            raise NotImplementedError("the tiny tokenizer renders its own template only")
+        text = f"<tools>{[t['function']['name'] for t in tools]}\n" if tools else ""
+        text += "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         if continue_final_message:
             text = text.removesuffix("\n")
         elif add_generation_prompt:

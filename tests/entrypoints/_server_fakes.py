@@ -24,6 +24,7 @@ fault); ``fail_with`` makes the next step raise that exception (e.g. MemoryError
 from __future__ import annotations
 
 import itertools
+import json
 import random
 import threading
 import time
@@ -63,9 +64,39 @@ class FakeTokenizer:
         return [token_text(t) for t in token_ids]
 
     def apply_chat_template(
-        self, messages, add_generation_prompt=True, tokenize=True, continue_final_message=False
+        self,
+        messages,
+        add_generation_prompt=True,
+        tokenize=True,
+        continue_final_message=False,
+        tools=None,
+        chat_template=None,
+        template_kwargs=None,
     ):
-        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        """Role tags; tools as ``<tools>[names]``; an assistant's tool calls as JSON after its
+        content; a tool message's id in its tag. ``chat_template``: rendered by Jinja's sandbox
+        with ``messages``, ``tools``, ``add_generation_prompt`` and ``template_kwargs``."""
+        if chat_template is not None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            text = (
+                ImmutableSandboxedEnvironment()
+                .from_string(chat_template)
+                .render(
+                    messages=messages,
+                    tools=tools,
+                    add_generation_prompt=add_generation_prompt,
+                    **(template_kwargs or {}),
+                )
+            )
+            return self.encode(text) if tokenize else text
+        text = ""
+        if tools:
+            text += f"<tools>{[t['function']['name'] for t in tools]}\n"
+        for m in messages:
+            tag = m["role"] + (f" {m['tool_call_id']}" if "tool_call_id" in m else "")
+            calls = json.dumps(m["tool_calls"]) if m.get("tool_calls") else ""
+            text += f"<{tag}>{m['content']}{calls}\n"
         if continue_final_message:
             text = text.removesuffix("\n")
         elif add_generation_prompt:

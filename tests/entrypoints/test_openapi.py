@@ -295,7 +295,7 @@ def test_null_means_the_default_in_the_schema_too(server, schema):
 
 def test_refused_fields_accept_in_the_schema_what_the_app_accepts(server, schema):
     chat = request_properties(schema, "ChatCompletionRequest")
-    assert chat["tool_choice"]["enum"] == [None, "none", "auto"]
+    assert chat["function_call"]["enum"] == [None, "none"]
     messages = [{"role": "user", "content": "hi"}]
     for extra, status in (
         ({"use_beam_search": False}, 200),
@@ -304,8 +304,11 @@ def test_refused_fields_accept_in_the_schema_what_the_app_accepts(server, schema
         ({"length_penalty": 1.0}, 200),
         ({"length_penalty": 2.0}, 400),  # without use_beam_search
         ({"length_penalty": True}, 400),  # True == 1 in Python: it used to pass as a no-op
-        ({"tools": [{"type": "function"}], "tool_choice": "none"}, 200),
-        ({"tools": [{"type": "function"}]}, 400),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}, 200),
+        ({"tools": [{"type": "function"}], "tool_choice": "none"}, 400),  # no function
+        # "auto" (the default with tools) on a server without --enable-auto-tool-choice
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
+        ({"function_call": "auto"}, 400),
     ):
         response = post(server, "/v1/chat/completions", {"messages": messages, **extra})
         assert response.status_code == status, (extra, response.text)

@@ -426,7 +426,7 @@ def build_app(
     max_ongoing_requests: int = 256,
     num_cpus_per_replica: float = 1.0,
     router_options: dict[str, Any] | None = None,
-    model_name: str | None = None,
+    model_name: str | list[str] | None = None,
     ingress_options: dict[str, Any] | None = None,
 ) -> Any:
     """The Serve application: ``num_replicas`` engines behind ``ingress``.
@@ -517,7 +517,7 @@ def start_cluster(
     engine_factory: Callable[[], Any] | None = None,
     startup_timeout_s: float = 600.0,
     router_options: dict[str, Any] | None = None,
-    model_name: str | None = None,
+    model_name: str | list[str] | None = None,
     ingress_options: dict[str, Any] | None = None,
 ) -> str:
     """Start (or join, with ``ray_address``) Ray, deploy the cluster, wait until it serves.

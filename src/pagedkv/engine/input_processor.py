@@ -186,15 +186,22 @@ class InputProcessor:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         add_special_tokens: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> ProcessedPrompt:
         """Chat messages -> the model's chat template -> token ids.
 
         Args:
-            messages: ``[{"role": ..., "content": str}, ...]``.
+            messages: ``[{"role": ..., "content": str}, ...]`` (with ``tool_calls`` /
+                ``tool_call_id`` where the conversation has them).
             add_generation_prompt: open the assistant's turn.
             continue_final_message: leave the last message open for the model to go on.
             add_special_tokens: add the tokenizer's special tokens to the rendered text (the
                 template usually writes them itself, hence False, as vLLM).
+            tools: OpenAI-style tools, the template's ``tools`` variable.
+            chat_template: a Jinja template used instead of the model's.
+            template_kwargs: extra variables of the render.
 
         Raises:
             InvalidRequestError: no chat template (a base model), text that is not valid
@@ -214,11 +221,20 @@ class InputProcessor:
                     check_text(value, "messages")
                     total += len(value)
         self._check_num_chars(total, "messages")
+        # Only what is set is passed: a tokenizer without these options keeps working.
+        extra: dict[str, Any] = {}
+        if tools is not None:
+            extra["tools"] = tools
+        if chat_template is not None:
+            extra["chat_template"] = chat_template
+        if template_kwargs:
+            extra["template_kwargs"] = template_kwargs
         text = self.tokenizer.apply_chat_template(
             list(messages),
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             tokenize=False,
+            **extra,
         )
         return self.process_text(text, add_special_tokens=add_special_tokens, param="messages")
 

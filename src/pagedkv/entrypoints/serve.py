@@ -17,6 +17,8 @@ import logging
 import signal
 
 from pagedkv.entrypoints.log_setup import LOG_LEVELS, configure_logging
+from pagedkv.entrypoints.openai.chat_options import ChatOptions
+from pagedkv.entrypoints.openai.metrics import METRICS_PREFIXES
 from pagedkv.entrypoints.openai.server_options import ServerOptions
 from pagedkv.errors import ConfigError
 from pagedkv.modelinfo.naming import served_model_name
@@ -44,8 +46,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     server.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="the name clients pass as `model` (default: the model file's name)",
+        metavar="NAME",
+        help="the name(s) clients pass as `model`: each is accepted, the first is reported "
+        "(default: the model file's name)",
+    )
+    server.add_argument(
+        "--metrics-prefix",
+        default="pagedkv",
+        choices=METRICS_PREFIXES,
+        help="the /metrics names' prefix: pagedkv (default) or vllm (vLLM's names, so its "
+        "Grafana dashboards work unchanged; docs/server.md has the table)",
     )
     server.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     server.add_argument(
@@ -61,6 +73,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     ServerOptions.add_cli_args(
         parser.add_argument_group("security and limits (docs/server.md, Security and limits)")
+    )
+    ChatOptions.add_cli_args(
+        parser.add_argument_group("chat template and tool calling (docs/server.md, Tool calling)")
     )
     cluster = parser.add_argument_group(
         "cluster (Ray Serve replicas; needs pip install 'pagedkv[cluster]', see docs/cluster.md)"
@@ -128,13 +143,15 @@ def run(args: argparse.Namespace) -> int:
     if args.data_parallel_size < 1:
         raise ConfigError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     options = ServerOptions.from_cli_args(args)  # bad values fail before the model loads
+    chat_options = ChatOptions.from_cli_args(args)
+    app_options = {"chat_options": chat_options, "metrics_prefix": args.metrics_prefix}
     if args.data_parallel_size > 1 and args.tensor_parallel_size > 1:
         raise ConfigError(
             "--data-parallel-size with --tensor-parallel-size is not supported yet (a Ray "
             "replica does not start tensor-parallel worker processes); use one of them"
         )
     if args.data_parallel_size > 1:
-        return run_cluster(args, options)
+        return run_cluster(args, options, app_options)
     for name in _CLUSTER_ONLY:
         if getattr(args, name) is not None:
             flag = "--" + name.replace("_", "-")
@@ -147,12 +164,14 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)  # before the engine: its start-up names CPU and backend
     _warn_if_open(args.host, options)
     engine = LLMEngine(EngineConfig.from_cli_args(args))
-    name = args.served_model_name or served_model_name(engine.loaded_model.source)
+    names = args.served_model_name or [served_model_name(engine.loaded_model.source)]
+    name = names[0]
     app = create_app(
         EngineLoop(engine),
-        model_name=name,
+        model_name=names,
         log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
         options=options,
+        **app_options,
     )
     host, port = sock.getsockname()[:2]
     shown_host = f"[{host}]" if ":" in host else host
@@ -196,7 +215,11 @@ def _warn_if_open(host: str, options: ServerOptions) -> None:
         )
 
 
-def run_cluster(args: argparse.Namespace, options: ServerOptions | None = None) -> int:
+def run_cluster(
+    args: argparse.Namespace,
+    options: ServerOptions | None = None,
+    app_options: dict | None = None,
+) -> int:
     """``--data-parallel-size N``: N engine replicas on Ray Serve behind one OpenAI endpoint,
     routed by cached prefix (docs/cluster.md). Serves until interrupted (Ctrl-C or SIGTERM),
     then stops the Serve app and the local Ray: no process of ours or Ray's is left. A local
@@ -205,6 +228,8 @@ def run_cluster(args: argparse.Namespace, options: ServerOptions | None = None) 
     Args:
         options: the HTTP layer's security and limits, installed in the ingress's app (its
             ``shutdown_timeout`` does not apply: Ray Serve's proxy serves the HTTP).
+        app_options: more keyword arguments of the ingress's ``create_app`` (chat options,
+            metrics prefix).
 
     Raises:
         ConfigError: Ray Serve, pyzmq or msgspec missing (the message names the extra), or a
@@ -213,10 +238,12 @@ def run_cluster(args: argparse.Namespace, options: ServerOptions | None = None) 
     from pagedkv.entrypoints.cluster.ray_process import loopback_ray
 
     with loopback_ray(args.ray_address):  # from before Ray is imported
-        return _serve_cluster(args, options)
+        return _serve_cluster(args, options, app_options)
 
 
-def _serve_cluster(args: argparse.Namespace, options: ServerOptions | None) -> int:
+def _serve_cluster(
+    args: argparse.Namespace, options: ServerOptions | None, app_options: dict | None
+) -> int:
     import dataclasses
     import time
 
@@ -239,7 +266,8 @@ def _serve_cluster(args: argparse.Namespace, options: ServerOptions | None) -> i
         config = dataclasses.replace(config, hash_seed=args.hash_seed)
     from pagedkv.model.loader import resolve_model_path
 
-    name = args.served_model_name or served_model_name(str(resolve_model_path(config.model)))
+    names = args.served_model_name or [served_model_name(str(resolve_model_path(config.model)))]
+    name = names[0]
     policy = args.router or "prefix"
     configure_logging(args.log_level)
     _warn_if_open(args.host, options or ServerOptions())
@@ -259,8 +287,8 @@ def _serve_cluster(args: argparse.Namespace, options: ServerOptions | None) -> i
                 ray_address=args.ray_address,
                 num_cpus_per_replica=args.num_cpus_per_replica or 1.0,
                 kv_events_host=args.kv_events_host,
-                model_name=name,
-                ingress_options={"server_options": options},
+                model_name=names,  # handed to the ingress as is: each accepted, the first reported
+                ingress_options={"server_options": options, "app_options": app_options},
             )
             print(
                 f"pagedkv serve: {name} listening on {url} "

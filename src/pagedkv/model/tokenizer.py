@@ -123,25 +123,38 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tokenize: bool = True,
         continue_final_message: bool = False,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int] | str:
-        """Render a conversation with the model's chat template.
+        """Render a conversation with the model's chat template (or ``chat_template``).
 
         Args:
-            messages: ``[{"role": "user", "content": "..."}, ...]``.
+            messages: ``[{"role": "user", "content": "..."}, ...]``; an assistant's may hold
+                ``tool_calls`` (``[{"id", "type", "function": {"name", "arguments": dict}}]``),
+                a ``tool`` message ``tool_call_id``.
             add_generation_prompt: end with the header of the assistant's turn.
             tokenize: return token ids (True) or the rendered string (False).
             continue_final_message: leave the last message open (no end-of-turn marker), so
                 the model continues it (a partly written assistant reply); not with
                 add_generation_prompt.
+            tools: OpenAI-style tools (``[{"type": "function", "function": {"name",
+                "description", "parameters"}}]``), the template's ``tools`` variable; a
+                template that does not read it ignores it.
+            chat_template: a Jinja template used instead of the model's.
+            template_kwargs: extra variables of the render (``enable_thinking``...).
 
         Raises:
-            InvalidRequestError: the model has no chat template (a base model: send a
-                completion prompt instead), the messages do not fit it, or both
-                add_generation_prompt and continue_final_message.
+            InvalidRequestError: no template (a base model: send a completion prompt instead,
+                or give one), a template that does not compile or fails on these messages, or
+                both add_generation_prompt and continue_final_message.
         """
+        from jinja2 import TemplateError
+
         from pagedkv.errors import InvalidRequestError
 
-        if not self.has_chat_template:
+        if chat_template is None and not self.has_chat_template:
             raise InvalidRequestError(
                 "this model has no chat template (a base model such as Gemma 3 270M); send a "
                 "plain completion prompt instead of chat messages"
@@ -154,12 +167,15 @@ class Tokenizer:
         try:
             return self.hf_tokenizer.apply_chat_template(
                 messages,
+                tools=tools,
+                chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 tokenize=tokenize,
                 return_dict=False,
+                **(template_kwargs or {}),
             )
-        except (ValueError, TypeError, KeyError) as e:
+        except (TemplateError, ValueError, TypeError, LookupError, AttributeError) as e:
             raise InvalidRequestError(f"cannot apply the chat template: {e}") from e
 
     def incremental_detokenizer(

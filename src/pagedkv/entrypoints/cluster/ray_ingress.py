@@ -26,6 +26,9 @@ class OpenAIIngress:
         model_name: the name clients pass as ``model`` (None: the engines' model file's name).
         server_options: the HTTP layer's security and limits
             (:class:`pagedkv.entrypoints.openai.server_options.ServerOptions`; None: defaults).
+        app_options: more keyword arguments of
+            :func:`pagedkv.entrypoints.openai.app.create_app` (``chat_options``,
+            ``metrics_prefix``).
     """
 
     async def __init__(
@@ -33,16 +36,20 @@ class OpenAIIngress:
         engine_handle: Any,
         *,
         num_replicas: int,
-        model_name: str | None = None,
+        model_name: str | list[str] | None = None,
         server_options: Any = None,
+        app_options: dict[str, Any] | None = None,
     ) -> None:
         self.dispatcher = RayDispatcher(engine_handle, num_replicas)
         self.info: ReplicaInfo = await engine_handle.describe.remote()
         self.model_name = model_name or self.info.model_name
         self.server_options = server_options
+        self.app_options = dict(app_options or {})
 
     def __serve_build_asgi_app__(self) -> Any:
         from pagedkv.entrypoints.openai.app import create_app
 
         loop = ClusterEngineLoop(self.dispatcher, self.info.input_processor)
-        return create_app(loop, model_name=self.model_name, options=self.server_options)
+        return create_app(
+            loop, model_name=self.model_name, options=self.server_options, **self.app_options
+        )

@@ -2,8 +2,8 @@
 
 Routes::
 
-    GET  /v1/models              the one served model
-    GET  /v1/models/{id}         its card (404 for another name)
+    GET  /v1/models              the served model, one card per served name
+    GET  /v1/models/{id}         its card under that name (404 for another name)
     POST /v1/completions         text completion (stream: server-sent events)
     POST /v1/chat/completions    chat completion, the model's chat template applied (400 for
                                  a base model without one: use /v1/completions)
@@ -38,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -47,6 +47,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedkv import __version__
 from pagedkv.engine.protocol import EngineClient
+from pagedkv.entrypoints.openai.chat_options import ChatOptions
 from pagedkv.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from pagedkv.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from pagedkv.entrypoints.openai.openapi import install_openapi
@@ -101,9 +102,11 @@ def _lifespan(engine_client: EngineClient, log_stats_interval: float | None):
 def create_app(
     engine_client: EngineClient,
     *,
-    model_name: str,
+    model_name: str | Sequence[str],
     log_stats_interval: float | None = None,
     options: ServerOptions | None = None,
+    chat_options: ChatOptions | None = None,
+    metrics_prefix: str = "pagedkv",
 ) -> FastAPI:
     """The OpenAI-compatible app over ``engine_client``, which starts and stops with the app
     (ASGI lifespan).
@@ -111,17 +114,29 @@ def create_app(
     Args:
         engine_client: one engine's :class:`~pagedkv.engine.engine_loop.EngineLoop`, or a
             cluster's :class:`~pagedkv.entrypoints.cluster.frontend.ClusterEngineLoop`.
-        model_name: the name clients pass as ``model``; other names get 404.
+        model_name: the name clients pass as ``model``, or several (each accepted, the first
+            reported); other names get 404.
         log_stats_interval: seconds between two stats log lines (throughput, running / waiting,
             KV usage, prefix hit rate; :mod:`.stats_logger`); None = no stats lines.
         options: API keys, admin routes, body limits, allowed origins
             (:class:`~.server_options.ServerOptions`; default: its defaults).
+        chat_options: chat template and tool-call options
+            (:class:`~.chat_options.ChatOptions`; default: the model's template, no auto tool
+            choice).
+        metrics_prefix: the Prometheus names' prefix, ``"pagedkv"`` or ``"vllm"``
+            (``--metrics-prefix``, see metrics.py).
+
+    Raises:
+        ConfigError: an empty model name or an unknown metrics prefix.
     """
+    chat_options = chat_options or ChatOptions()
     models = OpenAIServingModels(model_name, engine_client.input_processor.max_model_len)
-    metrics = ServerMetrics(model_name)
+    metrics = ServerMetrics(models.model_name, prefix=metrics_prefix)
     completion = OpenAIServingCompletion(engine_client, models, metrics)
-    chat = OpenAIServingChat(engine_client, models, metrics)
-    tokenization = OpenAIServingTokenization(engine_client, models)
+    chat = OpenAIServingChat(engine_client, models, metrics, chat_options=chat_options)
+    tokenization = OpenAIServingTokenization(
+        engine_client, models, chat_template=chat_options.chat_template
+    )
 
     app = FastAPI(title="pagedkv", lifespan=_lifespan(engine_client, log_stats_interval))
     app.state.engine_client = engine_client
@@ -137,7 +152,7 @@ def create_app(
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> ModelCard:
         models.check_model(model_id)
-        return models.model_card()
+        return models.model_card(model_id)
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:

@@ -11,7 +11,11 @@ Two sources:
   the ``n > 1`` fork's counts (samples forked, copy-on-write block copies, blocks shared now).
   These are the engine's own running totals, exposed by a collector, not copied into counters.
 
-Names follow vLLM's (``vllm:`` becomes ``pagedkv:``) so existing dashboards need little change.
+Names follow vLLM's V1 names with ``pagedkv:`` in place of ``vllm:``; ``prefix="vllm"``
+(``serve --metrics-prefix vllm``) gives vLLM's own names, so vLLM's Grafana dashboards work
+unchanged, plus the two older names they may still read: ``vllm:gpu_cache_usage_perc`` (the
+same value as ``kv_cache_usage_perc``) and ``vllm:time_per_output_token_seconds`` (the same
+observations as ``inter_token_latency_seconds``). docs/server.md has the table.
 """
 
 from __future__ import annotations
@@ -22,6 +26,11 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from pagedkv.errors import ConfigError
+
+#: The prefixes ``--metrics-prefix`` takes.
+METRICS_PREFIXES = ("pagedkv", "vllm")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -91,8 +100,9 @@ _E2E_BUCKETS = (
 class _EngineStatsCollector(Collector):
     """Exposes the last engine stats snapshot given to :meth:`ServerMetrics.render`."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, prefix: str) -> None:
         self.model_name = model_name
+        self.prefix = prefix
         self.stats: Any = None
 
     def collect(self) -> Iterator[Metric]:
@@ -101,64 +111,74 @@ class _EngineStatsCollector(Collector):
         stats = self.stats.scheduler  # EngineStats -> SchedulerStats
         labels = ["model_name"]
         values = [self.model_name]
+        p = self.prefix
         gauges = (
             (
-                "pagedkv:num_requests_running",
+                f"{p}:num_requests_running",
                 "Requests being computed (scheduled).",
                 stats.num_running,
             ),
             (
-                "pagedkv:num_requests_waiting",
+                f"{p}:num_requests_waiting",
                 "Requests waiting to be scheduled.",
                 stats.num_waiting,
             ),
             (
-                "pagedkv:kv_cache_usage_perc",
+                f"{p}:kv_cache_usage_perc",
                 "Fraction of KV-cache blocks in use (0..1).",
                 stats.kv_cache_usage,
             ),
             (
-                "pagedkv:kv_cache_used_blocks",
+                f"{p}:kv_cache_used_blocks",
                 "KV-cache blocks held by requests (0 when idle; cached free blocks not counted).",
                 getattr(stats, "num_used_blocks", 0),
             ),
             (
-                "pagedkv:num_shared_blocks",
+                f"{p}:num_shared_blocks",
                 "KV-cache blocks held by more than one request now (the prompt blocks of an n > 1 "
                 "request's forked samples, prefix-cache hits on a running request's blocks).",
                 getattr(stats, "num_shared_blocks", 0),
             ),
         )
+        if p == "vllm":  # the older name vLLM's dashboards may read
+            gauges += (
+                (
+                    "vllm:gpu_cache_usage_perc",
+                    "Fraction of KV-cache blocks in use (0..1); vLLM's older name of "
+                    "kv_cache_usage_perc.",
+                    stats.kv_cache_usage,
+                ),
+            )
         for name, doc, value in gauges:
             metric = GaugeMetricFamily(name, doc, labels=labels)
             metric.add_metric(values, float(value))
             yield metric
         counters = (
             (
-                "pagedkv:prefix_cache_queries",
+                f"{p}:prefix_cache_queries",
                 "Prompt tokens looked up in the prefix cache (each request once, at its first "
                 "admission).",
                 stats.prefix_cache_queries,
             ),
             (
-                "pagedkv:prefix_cache_hits",
+                f"{p}:prefix_cache_hits",
                 "Prompt tokens served from the prefix cache (each request once, at its first "
                 "admission).",
                 stats.prefix_cache_hits,
             ),
             (
-                "pagedkv:num_preemptions",
+                f"{p}:num_preemptions",
                 "Requests preempted (blocks freed, recomputed later).",
                 stats.num_preemptions,
             ),
             (
-                "pagedkv:num_forks",
+                f"{p}:num_forks",
                 "Samples of n > 1 requests forked from their parent (sharing its prompt blocks "
                 "instead of computing the prompt).",
                 getattr(stats, "num_forks", 0),
             ),
             (
-                "pagedkv:num_cow_copies",
+                f"{p}:num_cow_copies",
                 "KV-cache blocks copied on write (a forked sample writing into the partially "
                 "filled block it shared).",
                 getattr(stats, "num_cow_copies", 0),
@@ -171,53 +191,84 @@ class _EngineStatsCollector(Collector):
 
 
 class ServerMetrics:
-    """The metrics of one server; everything lives in ``self.registry``."""
+    """The metrics of one server; everything lives in ``self.registry``.
 
-    def __init__(self, model_name: str) -> None:
+    Args:
+        model_name: the ``model_name`` label.
+        prefix: the names' prefix (:data:`METRICS_PREFIXES`): ``"pagedkv"``, or ``"vllm"`` for
+            vLLM's names and its two older aliases (module docstring).
+
+    Raises:
+        ConfigError: another prefix.
+    """
+
+    def __init__(self, model_name: str, prefix: str = "pagedkv") -> None:
+        if prefix not in METRICS_PREFIXES:
+            raise ConfigError(
+                f"--metrics-prefix must be one of {', '.join(METRICS_PREFIXES)}, got {prefix!r}"
+            )
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name"]
-        self._engine = _EngineStatsCollector(model_name)
+        p = prefix
+        self._engine = _EngineStatsCollector(model_name, prefix)
         self.registry.register(self._engine)
         self.prompt_tokens = Counter(
-            "pagedkv:prompt_tokens",
+            f"{p}:prompt_tokens",
             "Prompt tokens of finished and running requests.",
             labels,
             registry=self.registry,
         ).labels(model_name)
         self.generation_tokens = Counter(
-            "pagedkv:generation_tokens",
+            f"{p}:generation_tokens",
             "Generated tokens.",
             labels,
             registry=self.registry,
         ).labels(model_name)
         self.time_to_first_token = Histogram(
-            "pagedkv:time_to_first_token_seconds",
+            f"{p}:time_to_first_token_seconds",
             "Arrival to first generated token.",
             labels,
             buckets=_TTFT_BUCKETS,
             registry=self.registry,
         ).labels(model_name)
         self.inter_token_latency = Histogram(
-            "pagedkv:inter_token_latency_seconds",
+            f"{p}:inter_token_latency_seconds",
             "Time between successive generated tokens.",
             labels,
             buckets=_ITL_BUCKETS,
             registry=self.registry,
         ).labels(model_name)
         self.e2e_request_latency = Histogram(
-            "pagedkv:e2e_request_latency_seconds",
+            f"{p}:e2e_request_latency_seconds",
             "Arrival to last token of a request.",
             labels,
             buckets=_E2E_BUCKETS,
             registry=self.registry,
         ).labels(model_name)
         self._request_success = Counter(
-            "pagedkv:request_success",
+            f"{p}:request_success",
             "Finished requests by finish reason.",
             [*labels, "finished_reason"],
             registry=self.registry,
         )
         self._model_name = model_name
+        #: vLLM's older name of inter_token_latency_seconds (prefix "vllm" only)
+        self._time_per_output_token = None
+        if prefix == "vllm":
+            self._time_per_output_token = Histogram(
+                "vllm:time_per_output_token_seconds",
+                "Time between successive generated tokens (vLLM's older name of "
+                "inter_token_latency_seconds).",
+                labels,
+                buckets=_ITL_BUCKETS,
+                registry=self.registry,
+            ).labels(model_name)
+
+    def observe_inter_token_latency(self, seconds: float) -> None:
+        """One gap between two steps that gave a sample tokens."""
+        self.inter_token_latency.observe(seconds)
+        if self._time_per_output_token is not None:
+            self._time_per_output_token.observe(seconds)
 
     def observe_finished(self, finish_reason: str, e2e_latency: float | None) -> None:
         """Count a finished sample; ``e2e_latency`` (seconds) is None for aborted ones, which

@@ -439,10 +439,18 @@ def _operations(refs: dict[type[BaseModel], str]) -> dict[tuple[str, str], dict[
                         "use_beam_search",
                         "length_penalty",
                         "continue_final_message",
+                        "tool_choice",
+                        "chat_template",
+                        "chat_template_kwargs",
                     ),
                     _GENERATION_RULES + ", messages the model's chat template refuses or a "
                     "model without one, messages longer than could fit in max_model_len, "
-                    "continue_final_message without an assistant's message last",
+                    "continue_final_message without an assistant's message last, tool_choice "
+                    "'auto' without the server's --enable-auto-tool-choice, 'required' or a "
+                    "named function without tools or the engine's structured outputs, a "
+                    "function name not in tools, tool_calls on a message that is not the "
+                    "assistant's, a request chat_template without --trust-request-chat-template, "
+                    "chat_template_kwargs setting a request field",
                 ),
                 "404": _error(_404),
                 "500": _error(_500),

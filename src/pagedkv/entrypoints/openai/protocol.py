@@ -98,6 +98,8 @@ MAX_MESSAGES = 4096
 #: Most stop strings, stop token ids and logit_bias entries (each is checked every step).
 MAX_STOPS = 64
 MAX_LOGIT_BIAS = 4096
+#: Most tools one chat request may offer, and tool calls one message may hold.
+MAX_TOOLS = 1024
 #: A count >= 1 within int64 (max_tokens: the engine also checks it against max_model_len).
 PositiveInt64 = Annotated[int, Field(ge=1, le=INT64_MAX), _INTEGRAL]
 #: A count >= 0 within int64 (logprobs: the engine checks it against its max_logprobs, which
@@ -227,6 +229,7 @@ _SIZE_LIMITS: dict[str, tuple[int, int | None]] = {
     "stop_token_ids": (MAX_STOPS, None),
     "logit_bias": (MAX_LOGIT_BIAS, None),
     "tokens": (MAX_TOKEN_IDS, None),
+    "tools": (MAX_TOOLS, None),
 }
 
 
@@ -634,9 +637,39 @@ class ContentPart(_Strict):
     text: Text
 
 
+def _json_object_text(value: str) -> str:
+    try:
+        parsed = json.loads(value)
+    except ValueError as e:
+        raise ValueError(f"not JSON text: {e}") from None
+    if not isinstance(parsed, dict):
+        raise ValueError("not the JSON text of an object")
+    return value
+
+
+class FunctionCall(_Strict):
+    """A call's function: its name and its arguments as the JSON text of an object."""
+
+    name: Annotated[str, Field(min_length=1), AfterValidator(_valid_unicode)]
+    arguments: Annotated[str, AfterValidator(_valid_unicode), AfterValidator(_json_object_text)]
+
+
+class MessageToolCall(_Strict):
+    """A tool call of an earlier assistant message (OpenAI's ``tool_calls[i]``)."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
+    """One message. An assistant's may hold ``tool_calls`` (its content then may be null); a
+    ``tool`` message answers one of them (``tool_call_id``). Both reach the chat template."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ContentPart] | None = None
+    tool_calls: Annotated[list[MessageToolCall], Field(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: Text | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -652,8 +685,10 @@ class ChatMessage(_Strict):
                     )
         return value
 
-    def as_template_dict(self) -> dict[str, str]:
-        """The ``{"role", "content"}`` dict a chat template expects (text parts joined)."""
+    def as_template_dict(self) -> dict[str, Any]:
+        """The ``{"role", "content"}`` dict a chat template expects (text parts joined), with
+        ``tool_calls`` (arguments as a dict, as templates read them, vLLM likewise) and
+        ``tool_call_id`` when the message has them."""
         if self.content is None:
             text = ""
         elif isinstance(self.content, str):
@@ -661,19 +696,77 @@ class ChatMessage(_Strict):
         else:
             text = "".join(part.text or "" for part in self.content)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": text}
+        message: dict[str, Any] = {"role": role, "content": text}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": json.loads(call.function.arguments),
+                    },
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
-#: tools are allowed only with tool_choice "none" (the rule is in SCHEMA_RULES).
-_no_tools = NoOp(
-    lambda value, request: _empty(value, request) or request.tool_choice == "none", None
+class FunctionDefinition(_Strict):
+    """A function the model may call: ``parameters`` is a JSON Schema of its arguments
+    (an object schema; none = no arguments)."""
+
+    name: Annotated[str, Field(min_length=1, max_length=256), AfterValidator(_valid_unicode)]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    #: OpenAI's exact-schema flag; the schema is enforced (grammar) under tool_choice
+    #: "required" or a named function whatever it says, never under "auto".
+    strict: bool | None = None
+
+
+class ChatTool(_Strict):
+    """One of ``tools``: ``{"type": "function", "function": {...}}``."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: Annotated[str, Field(min_length=1), AfterValidator(_valid_unicode)]
+
+
+class NamedToolChoice(_Strict):
+    """``tool_choice`` naming the function the model must call."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+#: Keyword arguments of the template render that chat_template_kwargs may not set (the request's
+#: own fields set them).
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
 )
-_tool_choice = NoOp(
-    lambda value, request: (
-        value is None or value == "none" or (value == "auto" and not request.tools)
-    ),
-    {"enum": [None, "none", "auto"]},
-)
+
+
 _text_modality = NoOp(
     lambda value, request: value is None or value == ["text"],
     {"anyOf": [_NULL, {"type": "array", "const": ["text"]}]},
@@ -689,15 +782,6 @@ class ChatCompletionRequest(_SamplingRequest):
 
     REFUSED: ClassVar[dict[str, Refused]] = {
         **_REFUSED_COMMON,
-        "tools": Refused(
-            _no_tools,
-            "tool calling " + _NOT_IMPLEMENTED + " (tools are allowed only with "
-            "tool_choice 'none')",
-            [{"type": "function", "function": {"name": "f"}}],
-        ),
-        "tool_choice": Refused(
-            _tool_choice, "tool calling " + _NOT_IMPLEMENTED + " (tool_choice 'none')", "required"
-        ),
         "functions": Refused(_empty, "function calling " + _NOT_IMPLEMENTED, [{"name": "f"}]),
         "function_call": Refused(_function_call, "function calling " + _NOT_IMPLEMENTED, "auto"),
         "audio": Refused(_absent, "audio output " + _NOT_IMPLEMENTED, {"voice": "alloy"}),
@@ -708,14 +792,10 @@ class ChatCompletionRequest(_SamplingRequest):
         "web_search_options": Refused(_absent, "web search " + _NOT_IMPLEMENTED, {}),
         "reasoning_effort": Refused(_absent, "reasoning_effort " + _NOT_IMPLEMENTED, "low"),
         "echo": Refused(_false, "echo on chat completions " + _NOT_IMPLEMENTED, True),
-        "chat_template": Refused(_absent, "a custom chat_template " + _NOT_IMPLEMENTED, "{{x}}"),
-        "chat_template_kwargs": Refused(
-            _empty, "chat_template_kwargs " + _NOT_IMPLEMENTED, {"x": 1}
-        ),
         "documents": Refused(_empty, "documents " + _NOT_IMPLEMENTED, [{"text": "x"}]),
         "mm_processor_kwargs": Refused(_empty, "multimodal input " + _NOT_IMPLEMENTED, {"x": 1}),
     }
-    IGNORED: ClassVar[tuple[str, ...]] = (*_IGNORED_COMMON, "parallel_tool_calls")
+    IGNORED: ClassVar[tuple[str, ...]] = _IGNORED_COMMON
     SCHEMA_RULES: ClassVar[tuple[dict[str, Any], ...]] = (
         _STREAM_RULE,
         _CONTINUE_RULE,
@@ -726,8 +806,6 @@ class ChatCompletionRequest(_SamplingRequest):
             },
             "then": _is("logprobs", True),
         },
-        # tools only with tool_choice "none".
-        {"if": _is("tool_choice", "none"), "else": {"properties": {"tools": _EMPTY_SCHEMA}}},
     )
 
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
@@ -740,8 +818,13 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
-    tools: Any = None
-    tool_choice: Any = None
+    #: functions the model may call (rendered through the chat template).
+    tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
+    #: "none", "auto" (the default with tools; needs the server's --enable-auto-tool-choice and
+    #: --tool-call-parser), "required" (at least one call) or a named function.
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    #: false: at most one tool call per choice (the first).
+    parallel_tool_calls: bool = True
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -750,11 +833,13 @@ class ChatCompletionRequest(_SamplingRequest):
     web_search_options: Any = None
     reasoning_effort: Any = None
     echo: Any = None
-    chat_template: Any = None
-    chat_template_kwargs: Any = None
+    #: a Jinja chat template for this request (only with the server's
+    #: --trust-request-chat-template, as vLLM).
+    chat_template: Text | None = None
+    #: extra variables of the chat template render (``{"enable_thinking": false}``...).
+    chat_template_kwargs: dict[str, Any] | None = None
     documents: Any = None
     mm_processor_kwargs: Any = None
-    parallel_tool_calls: Any = None
 
     def top_logprobs_asked(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -774,6 +859,52 @@ class ChatCompletionRequest(_SamplingRequest):
                 "continue_final_message",
                 "`continue_final_message` needs the last message to be the assistant's",
             )
+        for i, message in enumerate(self.messages):
+            if message.tool_calls and message.role != "assistant":
+                raise UnsupportedFieldError(
+                    "messages", f"messages[{i}]: only an assistant's message has `tool_calls`"
+                )
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or ()))
+        if reserved:
+            raise UnsupportedFieldError(
+                "chat_template_kwargs",
+                f"`chat_template_kwargs` may not set {', '.join(reserved)} (request fields or "
+                "the server set them)",
+            )
+        choice = self.effective_tool_choice
+        if choice not in ("none", "auto") and not self.tools:
+            raise UnsupportedFieldError(
+                "tool_choice", f"`tool_choice` {choice!r} needs a non-empty `tools`"
+            )
+        if isinstance(choice, NamedToolChoice):
+            names = [tool.function.name for tool in self.tools or ()]
+            if choice.function.name not in names:
+                raise UnsupportedFieldError(
+                    "tool_choice",
+                    f"`tool_choice` names the function {choice.function.name!r}, which is not "
+                    "one of `tools`",
+                )
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """``tool_choice``, with OpenAI's default: "auto" when tools are given, else "none"."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """``tools`` as the chat template takes them (OpenAI's form); None when there are none."""
+        if not self.tools:
+            return None
+        tools = []
+        for tool in self.tools:
+            function = tool.function
+            entry: dict[str, Any] = {"name": function.name}
+            if function.description is not None:
+                entry["description"] = function.description
+            entry["parameters"] = function.parameters or {"type": "object", "properties": {}}
+            tools.append({"type": "function", "function": entry})
+        return tools
 
     def ignored_fields(self) -> list[str]:
         names = super().ignored_fields()
@@ -782,9 +913,14 @@ class ChatCompletionRequest(_SamplingRequest):
             if isinstance(message.content, list):
                 for j, part in enumerate(message.content):
                     names += [f"messages[{i}].content[{j}].{k}" for k in part.model_extra or ()]
+        for i, tool in enumerate(self.tools or ()):
+            names += [f"tools[{i}].{k}" for k in tool.model_extra or ()]
+            names += [f"tools[{i}].function.{k}" for k in tool.function.model_extra or ()]
+            if tool.function.strict and self.effective_tool_choice == "auto":
+                names.append(f"tools[{i}].function.strict (not enforced under tool_choice auto)")
         return names
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict[str, Any]]:
         return [m.as_template_dict() for m in self.messages]
 
 
@@ -924,9 +1060,24 @@ class ChatLogProbs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    """A tool call of the response (``message.tool_calls[i]``)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    #: null when the reply is only tool calls
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -947,9 +1098,25 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed tool call: the first of a call has its ``id``, ``type`` and
+    ``function.name``; ``function.arguments`` pieces follow (concatenated by the client)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -103,13 +103,21 @@ class ServerOptions:
         allowed_origins: web origins (``scheme://host[:port]``) whose pages may call the
             server, answered with CORS headers; ``"*"`` = any. Empty (the default): only the
             server's own origin and clients that send no ``Origin``.
+        allowed_methods: HTTP methods a cross-origin page may use (CORS
+            ``Access-Control-Allow-Methods``; default ``("*",)``, as vLLM).
+        allowed_headers: request headers a cross-origin page may send (CORS
+            ``Access-Control-Allow-Headers``; default ``("*",)``, as vLLM).
+        allow_credentials: let cross-origin pages send cookies / HTTP auth (CORS
+            ``Access-Control-Allow-Credentials``; default False). Not with ``"*"`` origins
+            (any web page could then act with the visitor's credentials).
         shutdown_timeout: seconds a shutdown (SIGTERM, SIGINT) waits for running requests
             before it fails them (0: at once; default 30). Read by
             :func:`pagedkv.entrypoints.openai.launch.make_server`, not by the app.
 
     Raises:
         ConfigError: an empty key or one with a comma or surrounding spaces, a size or timeout
-            out of range, or an origin that is not ``scheme://host[:port]``; nothing is built.
+            out of range, an origin that is not ``scheme://host[:port]``, a method or header
+            name that is not a token, or credentials with ``"*"`` origins; nothing is built.
     """
 
     api_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -118,9 +126,12 @@ class ServerOptions:
     request_body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT
     allowed_origins: tuple[str, ...] = ()
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("api_keys", "allowed_origins"):
+        for name in ("api_keys", "allowed_origins", "allowed_methods", "allowed_headers"):
             if isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name} must be a sequence of strings, not one string")
         keys = tuple(self.api_keys)
@@ -134,16 +145,33 @@ class ServerOptions:
         _check_seconds("--request-body-timeout", self.request_body_timeout, zero_ok=False)
         _check_seconds("--shutdown-timeout", self.shutdown_timeout, zero_ok=True)
         origins = tuple(_normalize_origin(o) for o in self.allowed_origins)
+        methods = tuple(self.allowed_methods)
+        headers = tuple(self.allowed_headers)
+        for flag, names in (("--allowed-methods", methods), ("--allowed-headers", headers)):
+            if not names or any(not isinstance(n, str) or not _is_token(n) for n in names):
+                raise ConfigError(
+                    f"{flag} takes HTTP token names (or *), at least one, got {list(names)!r}"
+                )
+        if not isinstance(self.allow_credentials, bool):
+            raise ConfigError(f"--allow-credentials must be a bool, got {self.allow_credentials!r}")
+        if self.allow_credentials and "*" in origins:
+            raise ConfigError(
+                "--allow-credentials with --allowed-origins * would let any web page call the "
+                "server with its visitors' cookies: list the origins"
+            )
         object.__setattr__(self, "api_keys", keys)
         object.__setattr__(self, "allowed_origins", origins)
+        object.__setattr__(self, "allowed_methods", tuple(m.upper() for m in methods))
+        object.__setattr__(self, "allowed_headers", headers)
 
     # ---- the command line ------------------------------------------------------------------
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser | Any) -> None:
         """Add ``--api-key``, ``--enable-admin-routes``, ``--max-request-body-bytes``,
-        ``--request-body-timeout``, ``--allowed-origins`` and ``--shutdown-timeout`` to
-        ``parser`` (an ArgumentParser or an argument group)."""
+        ``--request-body-timeout``, ``--allowed-origins``, ``--allowed-methods``,
+        ``--allowed-headers``, ``--allow-credentials`` and ``--shutdown-timeout`` to ``parser``
+        (an ArgumentParser or an argument group)."""
         d = ServerOptions()
         parser.add_argument(
             "--api-key",
@@ -185,6 +213,28 @@ class ServerOptions:
             "(default: none, only clients that send no Origin and the server's own origin)",
         )
         parser.add_argument(
+            "--allowed-methods",
+            action="append",
+            default=None,
+            metavar="METHODS",
+            help="HTTP methods allowed origins may use (a comma list or a JSON list, repeatable; "
+            "default *)",
+        )
+        parser.add_argument(
+            "--allowed-headers",
+            action="append",
+            default=None,
+            metavar="HEADERS",
+            help="request headers allowed origins may send (a comma list or a JSON list, "
+            "repeatable; default *)",
+        )
+        parser.add_argument(
+            "--allow-credentials",
+            action="store_true",
+            help="let allowed origins send cookies / HTTP auth (CORS credentials; not with "
+            "--allowed-origins *)",
+        )
+        parser.add_argument(
             "--shutdown-timeout",
             type=float,
             default=d.shutdown_timeout,
@@ -217,7 +267,16 @@ class ServerOptions:
             request_body_timeout=args.request_body_timeout,
             allowed_origins=tuple(_split_list(args.allowed_origins or ())),
             shutdown_timeout=args.shutdown_timeout,
+            allowed_methods=tuple(_split_list(args.allowed_methods or ["*"])),
+            allowed_headers=tuple(_split_list(args.allowed_headers or ["*"])),
+            allow_credentials=bool(args.allow_credentials),
         )
+
+
+def _is_token(name: str) -> bool:
+    """``*`` or an HTTP token (RFC 9110: a method or header name)."""
+    allowed = set("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    return bool(name) and set(name) <= allowed
 
 
 def _check_seconds(flag: str, value: object, *, zero_ok: bool) -> None:
@@ -285,9 +344,10 @@ def install_middleware(app: Any, options: ServerOptions | None = None) -> Server
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(options.allowed_origins),
-            allow_methods=["*"],
-            allow_headers=["*"],  # the openai clients send their own x-stainless-* headers
-            allow_credentials=False,  # keys travel in Authorization, never in cookies
+            allow_methods=list(options.allowed_methods),
+            # "*" by default: the openai clients send their own x-stainless-* headers
+            allow_headers=list(options.allowed_headers),
+            allow_credentials=options.allow_credentials,  # off: keys travel in Authorization
         )
     app.state.server_options = options
     return options

@@ -1,12 +1,16 @@
-"""``POST /v1/chat/completions``: the model's chat template applied to ``messages``
-(``add_generation_prompt`` / ``continue_final_message``), ``n`` samples, logprobs with
-``top_logprobs``, vLLM's ``prompt_logprobs``, streamed or not."""
+"""``POST /v1/chat/completions``: the chat template (the model's, ``--chat-template``'s or, when
+trusted, the request's) applied to ``messages`` and ``tools`` (``add_generation_prompt`` /
+``continue_final_message`` / ``chat_template_kwargs``), ``n`` samples, logprobs with
+``top_logprobs``, vLLM's ``prompt_logprobs``, tool calls (tool_calling.py), streamed or not."""
 
 from __future__ import annotations
+
+import importlib.util
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pagedkv.entrypoints.openai.chat_options import ChatOptions
 from pagedkv.entrypoints.openai.errors import OpenAIError
 from pagedkv.entrypoints.openai.logprobs import chat_logprobs, vllm_prompt_logprobs
 from pagedkv.entrypoints.openai.protocol import (
@@ -18,6 +22,8 @@ from pagedkv.entrypoints.openai.protocol import (
     ChatLogProbs,
     ChatResponseMessage,
     DeltaMessage,
+    DeltaToolCall,
+    UnsupportedFieldError,
     UsageInfo,
     chunk_json,
     now,
@@ -34,21 +40,51 @@ from pagedkv.entrypoints.openai.serving_engine import (
     sse,
     usage_of,
 )
+from pagedkv.entrypoints.openai.tool_calling import (
+    ChoiceStream,
+    ToolChoice,
+    named_schema,
+    required_schema,
+    tool_calls_out,
+)
 from pagedkv.errors import InvalidRequestError
-from pagedkv.sampling_params import BeamSearchParams, SamplingParams
+from pagedkv.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
+
+#: The request fields that set their own output constraint (the structured-outputs fields).
+_CONSTRAINT_FIELDS = (
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
+
+
+def engine_enforces_structured_outputs() -> bool:
+    """Whether this build's engine applies ``SamplingParams.structured_outputs`` (its module
+    :mod:`pagedkv.engine.structured_output` is there); tool_choice "required" and named need it."""
+    return importlib.util.find_spec("pagedkv.engine.structured_output") is not None
 
 
 class _ChatResponse(StreamWriter):
     """The body (or the chunks) of one chat completion response."""
 
     def __init__(
-        self, response_id: str, model: str, prompts: list[PromptState], options: Options
+        self,
+        response_id: str,
+        model: str,
+        prompts: list[PromptState],
+        options: Options,
+        tool_choice: ToolChoice,
     ) -> None:
         self.response_id = response_id
         self.model = model
         self.created = now()
         self.prompts = prompts
         self.options = options
+        self.tool_choice = tool_choice
+        #: choice index -> its stream of content and tool-call deltas
+        self.streams: dict[int, ChoiceStream] = {}
 
     def logprobs_of(self, sample: Sample, start: int) -> ChatLogProbs | None:
         k = self.options.logprobs
@@ -59,16 +95,21 @@ class _ChatResponse(StreamWriter):
     def body(self) -> ChatCompletionResponse:
         """The whole (non-streamed) response."""
         options = self.options
-        choices = [
-            ChatChoice(
-                index=s.index,
-                message=ChatResponseMessage(content=s.text),
-                logprobs=self.logprobs_of(s, 0),
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
+        choices = []
+        for s in choices_in_order(self.prompts):
+            content, calls = self.tool_choice.split(s.text)
+            message = ChatResponseMessage(
+                content=content, tool_calls=tool_calls_out(calls) if calls else None
             )
-            for s in choices_in_order(self.prompts)
-        ]
+            choices.append(
+                ChatChoice(
+                    index=s.index,
+                    message=message,
+                    logprobs=self.logprobs_of(s, 0),
+                    finish_reason=self.tool_choice.finish_reason(s.finish_reason, len(calls)),
+                    stop_reason=s.stop_reason,
+                )
+            )
         prompt_logprobs = None
         if options.prompt_logprobs is not None:
             prompt = self.prompts[0]
@@ -111,19 +152,34 @@ class _ChatResponse(StreamWriter):
         self, prompt: PromptState, sample: Sample, new_text: str, num_new: int, finish: str | None
     ) -> list[str]:
         events = []
-        if new_text or num_new:
+        stream = self.streams.get(sample.index)
+        if stream is None:
+            stream = self.streams[sample.index] = self.tool_choice.streamer()
+        if self.tool_choice.kind == "none":
+            pieces: list[str | DeltaToolCall] = [new_text] if new_text or num_new else []
+        else:
+            pieces = stream.feed(new_text, finish is not None)
+        logprobs = None
+        if num_new:
             logprobs = self.logprobs_of(sample, sample.num_tokens - num_new)
-            delta = DeltaMessage(content=new_text)
+            if logprobs is not None and not pieces:  # text held back: its logprobs go now
+                pieces = [""]
+        for piece in pieces:
+            if isinstance(piece, str):
+                delta = DeltaMessage(content=piece)
+            else:
+                delta = DeltaMessage(tool_calls=[piece])
             events.append(
                 self._choice_event(
                     ChatChunkChoice(index=sample.index, delta=delta, logprobs=logprobs)
                 )
             )
+            logprobs = None  # on the first chunk of the step only
         if finish is not None:
             choice = ChatChunkChoice(
                 index=sample.index,
                 delta=DeltaMessage(),
-                finish_reason=finish,
+                finish_reason=self.tool_choice.finish_reason(finish, stream.num_calls),
                 stop_reason=sample.stop_reason,
             )
             events.append(self._choice_event(choice))
@@ -134,7 +190,69 @@ class _ChatResponse(StreamWriter):
 
 
 class OpenAIServingChat(OpenAIServing):
-    """``/v1/chat/completions`` over an engine client (see :class:`OpenAIServing`)."""
+    """``/v1/chat/completions`` over an engine client (see :class:`OpenAIServing`).
+
+    Args:
+        chat_options: the server's template and tool-call options (default: the model's
+            template, no auto tool choice).
+        (the others: see :class:`OpenAIServing`)
+    """
+
+    def __init__(self, *args, chat_options: ChatOptions | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.chat_options = chat_options or ChatOptions()
+        self.tool_parser = self.chat_options.parser
+        self.structured_outputs = engine_enforces_structured_outputs()
+
+    def tool_constraint(
+        self, request: ChatCompletionRequest
+    ) -> tuple[ToolChoice, StructuredOutputsParams | None]:
+        """How the request's choices are read, and the output constraint its tool_choice
+        needs (None for "none" / "auto").
+
+        Raises:
+            UnsupportedFieldError: "auto" on a server without --enable-auto-tool-choice;
+                "required" / named without the engine's structured outputs, or together with
+                the request's own constraint (a 400 naming ``tool_choice``).
+        """
+        mode = ToolChoice.of(request, self.tool_parser)
+        if mode.kind == "auto" and self.tool_parser is None:
+            raise UnsupportedFieldError(
+                "tool_choice",
+                '`tool_choice` "auto" (the default when `tools` are given) needs the server '
+                "to run with --enable-auto-tool-choice and --tool-call-parser; send "
+                '`tool_choice` "none" to only show the tools to the model',
+            )
+        if mode.kind not in ("required", "named"):
+            return mode, None
+        if not self.structured_outputs:
+            raise UnsupportedFieldError(
+                "tool_choice",
+                f"`tool_choice` {'required' if mode.kind == 'required' else 'a named function'} "
+                "needs structured outputs, which this build's engine does not enforce",
+            )
+        for name in _CONSTRAINT_FIELDS:
+            if getattr(request, name, None) is not None:
+                raise UnsupportedFieldError(
+                    "tool_choice",
+                    f"`tool_choice` {mode.kind} constrains the output itself: it cannot be "
+                    f"combined with `{name}`",
+                )
+        response_format = request.response_format
+        if isinstance(response_format, dict):
+            format_type = response_format.get("type")
+        else:
+            format_type = getattr(response_format, "type", None)
+        if response_format is not None and format_type != "text":
+            raise UnsupportedFieldError(
+                "tool_choice",
+                f"`tool_choice` {mode.kind} cannot be combined with a `response_format`",
+            )
+        if mode.kind == "required":
+            schema = required_schema(request)
+        else:
+            schema = named_schema(request, mode.function_name or "")
+        return mode, StructuredOutputsParams(json=schema)
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: Request
@@ -148,7 +266,21 @@ class OpenAIServingChat(OpenAIServing):
         """
         response_id = random_id("chatcmpl")
         self.check_request(request, response_id)
-        if not self.engine_client.input_processor.has_chat_template:
+        if request.chat_template is not None and not self.chat_options.trust_request_chat_template:
+            raise UnsupportedFieldError(
+                "chat_template",
+                "`chat_template` of a request is refused unless the server runs with "
+                "--trust-request-chat-template (a template is code the server runs)",
+            )
+        chat_template = request.chat_template or self.chat_options.chat_template
+        tool_choice, constraint = self.tool_constraint(request)
+        if constraint is not None and request.use_beam_search:
+            raise UnsupportedFieldError(
+                "use_beam_search",
+                "`use_beam_search` does not go with a constrained output (`tool_choice` "
+                f"{request.tool_choice!r}): beams rank the model's raw log-probabilities",
+            )
+        if chat_template is None and not self.engine_client.input_processor.has_chat_template:
             raise OpenAIError(
                 400,
                 f"this model (`{self.models.model_name}`) has no chat template (a base model); "
@@ -165,19 +297,26 @@ class OpenAIServingChat(OpenAIServing):
             continuous_usage=request.continuous_usage,
             include_usage=request.include_usage,
         )
+        sampling = request.sampling_kwargs()
+        if constraint is not None:
+            sampling["structured_outputs"] = constraint
         params: SamplingParams | BeamSearchParams = SamplingParams(
-            **request.sampling_kwargs(),
+            **sampling,
             max_tokens=max_tokens,
             logprobs=top_logprobs,
             prompt_logprobs=request.prompt_logprobs,
         )
         messages = request.template_messages()
+        tools = request.template_tools()
         processed = await self.engine_client.process(
             lambda processor: processor.process_chat(
                 messages,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 add_special_tokens=request.add_special_tokens,
+                tools=tools,
+                chat_template=chat_template,
+                template_kwargs=request.chat_template_kwargs,
             )
         )
         if request.use_beam_search:  # without max_tokens: to max_model_len
@@ -189,7 +328,7 @@ class OpenAIServingChat(OpenAIServing):
             if exc.param == "prompt":  # the engine's name for what a chat request calls messages
                 exc.param = "messages"
             raise
-        response = _ChatResponse(response_id, self.models.model_name, prompts, options)
+        response = _ChatResponse(response_id, self.models.model_name, prompts, options, tool_choice)
         if request.stream:
             events = self.sse_stream(stream, prompts, options, response)
             return StreamingResponse(events, media_type="text/event-stream")

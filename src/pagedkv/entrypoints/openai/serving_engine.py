@@ -261,7 +261,7 @@ class OpenAIServing:
                     if sample.num_tokens == 0:
                         metrics.time_to_first_token.observe(step_time - stream.arrival_time)
                     else:
-                        metrics.inter_token_latency.observe(step_time - sample.last_token_time)
+                        metrics.observe_inter_token_latency(step_time - sample.last_token_time)
                     sample.last_token_time = step_time
                     sample.token_ids += new_token_ids
                     metrics.generation_tokens.inc(len(new_token_ids))

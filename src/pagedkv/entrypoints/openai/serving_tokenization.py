@@ -18,7 +18,7 @@ from pagedkv.entrypoints.openai.serving_models import OpenAIServingModels
 
 
 def _tokenize(
-    processor: InputProcessor, request: TokenizeRequest
+    processor: InputProcessor, request: TokenizeRequest, chat_template: str | None
 ) -> tuple[list[int], list[str] | None]:
     """Runs on the input thread: the request's text or messages -> ids (and token texts)."""
     if request.messages is not None:
@@ -27,6 +27,7 @@ def _tokenize(
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
             add_special_tokens=bool(request.add_special_tokens),
+            chat_template=chat_template,
         )
     else:
         processed = processor.process_text(
@@ -44,11 +45,19 @@ class OpenAIServingTokenization:
     Args:
         engine_client: whose input processor tokenizes.
         models: the served model (the ``model`` field is checked against it).
+        chat_template: the server's ``--chat-template`` (None: the model's), so that chat
+            messages tokenize as /v1/chat/completions renders them.
     """
 
-    def __init__(self, engine_client: EngineClient, models: OpenAIServingModels) -> None:
+    def __init__(
+        self,
+        engine_client: EngineClient,
+        models: OpenAIServingModels,
+        chat_template: str | None = None,
+    ) -> None:
         self.engine_client = engine_client
         self.models = models
+        self.chat_template = chat_template
 
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         """Text, or chat messages through the template -> token ids.
@@ -58,7 +67,9 @@ class OpenAIServingTokenization:
         """
         self.models.check_model(request.model)
         request.check_supported()
-        ids, strs = await self.engine_client.process(lambda p: _tokenize(p, request))
+        ids, strs = await self.engine_client.process(
+            lambda p: _tokenize(p, request, self.chat_template)
+        )
         return TokenizeResponse(
             count=len(ids), max_model_len=self.models.max_model_len, tokens=ids, token_strs=strs
         )

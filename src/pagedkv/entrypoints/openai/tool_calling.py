@@ -1,0 +1,207 @@
+"""Tool calling of one chat request: which calls its ``tool_choice`` allows, the structured-output
+constraint that enforces ``"required"`` and a named function (as vLLM does), and the calls read
+back from each choice's text, whole or streamed.
+
+- ``"none"``: the text is content (tools are still rendered through the template, as vLLM).
+- ``"auto"``: the server's ``--tool-call-parser`` reads calls from the text; what it cannot read
+  is content. ``finish_reason`` "stop" becomes "tool_calls" when there are calls.
+- ``"required"``: the output is constrained to a JSON array of ``{"name", "parameters"}`` whose
+  items each match one tool (name const, parameters its schema); ``parallel_tool_calls: false``
+  allows one item. Streamed: the calls are sent when the output ends. "stop" -> "tool_calls".
+- a named function: the output is constrained to that function's parameters schema and is the
+  call's arguments, streamed piece by piece; ``finish_reason`` stays "stop" (OpenAI's).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedkv.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCallOut,
+    NamedToolChoice,
+    ToolCallOut,
+)
+from pagedkv.entrypoints.openai.tool_parsers import ToolCall, ToolCallStream, ToolParser
+from pagedkv.entrypoints.openai.tool_parsers.base import read_call
+
+#: A function without ``parameters`` takes an object (OpenAI's reading).
+_ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+def tool_call_id() -> str:
+    """A fresh tool-call id, ``call_<24 hex digits>`` (OpenAI's form)."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def required_schema(request: ChatCompletionRequest) -> dict[str, Any]:
+    """The JSON Schema of ``tool_choice: "required"``: an array of at least one call, each
+    ``{"name": <a tool's name>, "parameters": <its schema>}`` (at most one without
+    parallel_tool_calls)."""
+    items = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [tool.function.name]},
+                "parameters": tool.function.parameters or _ANY_OBJECT,
+            },
+            "required": ["name", "parameters"],
+        }
+        for tool in request.tools or ()
+    ]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    if not request.parallel_tool_calls:
+        schema["maxItems"] = 1
+    return schema
+
+
+def named_schema(request: ChatCompletionRequest, name: str) -> dict[str, Any]:
+    """The JSON Schema of a named ``tool_choice``: that function's parameters."""
+    for tool in request.tools or ():
+        if tool.function.name == name:
+            return tool.function.parameters or _ANY_OBJECT
+    raise KeyError(name)  # check_supported refused it before
+
+
+def parse_required(text: str) -> list[ToolCall] | None:
+    """The calls of a ``"required"`` output (a JSON array of calls); None if it is not one (an
+    output cut short by max_tokens)."""
+    try:
+        items = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(items, list) or not items:
+        return None
+    calls = [read_call(item, ("parameters", "arguments")) for item in items]
+    return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolChoice:
+    """How one request's choices are read.
+
+    Attributes:
+        kind: "none", "auto", "required" or "named".
+        parser: the tool-call parser ("auto").
+        function_name: the function of a named choice.
+        parallel: more than one call per choice (``parallel_tool_calls``).
+    """
+
+    kind: str = "none"
+    parser: ToolParser | None = None
+    function_name: str | None = None
+    parallel: bool = True
+
+    @classmethod
+    def of(cls, request: ChatCompletionRequest, parser: ToolParser | None) -> ToolChoice:
+        choice = request.effective_tool_choice
+        parallel = request.parallel_tool_calls
+        if isinstance(choice, NamedToolChoice):
+            return cls("named", function_name=choice.function.name, parallel=parallel)
+        if choice == "auto" and request.tools:
+            return cls("auto", parser=parser, parallel=parallel)
+        if choice == "required":
+            return cls("required", parallel=parallel)
+        return cls("none")
+
+    def split(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """A whole choice's text -> (content, calls)."""
+        if self.kind == "auto" and self.parser is not None:
+            result = self.parser.extract(text)
+            return result.content, self._limit(result.tool_calls)
+        if self.kind == "required":
+            calls = parse_required(text)
+            return (text, []) if calls is None else (None, self._limit(calls))
+        if self.kind == "named" and self.function_name is not None:
+            return None, [ToolCall(self.function_name, text)]
+        return text, []
+
+    def _limit(self, calls: list[ToolCall]) -> list[ToolCall]:
+        return calls if self.parallel else calls[:1]
+
+    def finish_reason(self, reason: str | None, num_calls: int) -> str | None:
+        """ "stop" -> "tool_calls" when an auto / required choice made calls."""
+        if reason == "stop" and num_calls and self.kind in ("auto", "required"):
+            return "tool_calls"
+        return reason
+
+    def streamer(self) -> ChoiceStream:
+        return ChoiceStream(self)
+
+
+def tool_calls_out(calls: list[ToolCall]) -> list[ToolCallOut]:
+    return [
+        ToolCallOut(id=tool_call_id(), function=FunctionCallOut(name=c.name, arguments=c.arguments))
+        for c in calls
+    ]
+
+
+@dataclass(slots=True)
+class ChoiceStream:
+    """One streamed choice's text -> content pieces and ``tool_calls`` deltas."""
+
+    mode: ToolChoice
+    num_calls: int = 0
+    _parser_stream: ToolCallStream | None = None
+    _held: list[str] = field(default_factory=list)  # "required": the text, read at the end
+
+    def __post_init__(self) -> None:
+        if self.mode.kind == "auto" and self.mode.parser is not None:
+            self._parser_stream = self.mode.parser.streamer()
+
+    def feed(self, text: str, finished: bool) -> list[str | DeltaToolCall]:
+        """The deltas of new text (and of the end, when ``finished``): content strings and
+        tool-call pieces, in order."""
+        kind = self.mode.kind
+        out: list[str | DeltaToolCall] = []
+        if self._parser_stream is not None:
+            events = self._parser_stream.feed(text) if text else []
+            if finished:
+                events += self._parser_stream.finish()
+            for event in events:
+                if isinstance(event, str):
+                    out.append(event)
+                else:
+                    out += self._call(event)
+        elif kind == "required":
+            self._held.append(text)
+            if finished:
+                whole = "".join(self._held)
+                calls = parse_required(whole)
+                if calls is None:
+                    out.append(whole)
+                else:
+                    for call in calls:
+                        out += self._call(call)
+        elif kind == "named" and self.mode.function_name is not None:
+            if self.num_calls == 0 and (text or finished):
+                out += self._call(ToolCall(self.mode.function_name, ""))
+            if text:
+                out.append(DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=text)))
+        elif text:
+            out.append(text)
+        return out
+
+    def _call(self, call: ToolCall) -> list[str | DeltaToolCall]:
+        """A call's deltas: its header (id, type, name, empty arguments), then its arguments."""
+        if not self.mode.parallel and self.num_calls >= 1:
+            return []
+        index = self.num_calls
+        self.num_calls += 1
+        header = DeltaToolCall(
+            index=index,
+            id=tool_call_id(),
+            type="function",
+            function=DeltaFunctionCall(name=call.name, arguments=""),
+        )
+        if not call.arguments:
+            return [header]
+        return [
+            header,
+            DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=call.arguments)),
+        ]

@@ -1,0 +1,433 @@
+"""Tool calling and the `vllm serve` options around it, on the fake engine whose "model" replies
+with a scripted text (so `tool_choice: "auto"` is tested with the exact output a model would give):
+tool calls read back (whole and streamed, through the openai client and LangChain's
+`bind_tools`), the round trip assistant tool call -> tool message -> answer, malformed calls as
+content, several served names, per-request chat templates, CORS options and vLLM's metric names.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from _server_fakes import FakeEngine
+
+from pagedkv.engine.engine_loop import EngineLoop
+from pagedkv.entrypoints.openai.app import create_app
+from pagedkv.entrypoints.openai.chat_options import ChatOptions, load_chat_template
+from pagedkv.entrypoints.openai.launch import ThreadedServer
+from pagedkv.entrypoints.openai.metrics import ServerMetrics
+from pagedkv.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedkv.entrypoints.openai.server_options import ServerOptions
+from pagedkv.entrypoints.openai.serving_chat import engine_enforces_structured_outputs
+from pagedkv.entrypoints.openai.tool_calling import parse_required, required_schema
+from pagedkv.errors import ConfigError
+
+NAMES = ["fake-model", "alias"]
+ORIGIN = "http://app.example"
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {}}}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+TWO_CALLS = CALL + '\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+QUESTION = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+class ScriptedEngine(FakeEngine):
+    """The fake engine, but every request's reply is ``self.reply`` (one character a step),
+    finished with "stop"."""
+
+    reply = "ok"
+
+    def add_request(self, request_id, prompt, sampling_params, priority=0, cache_salt=None):
+        super().add_request(request_id, prompt, sampling_params, priority, cache_salt)
+        self.replies = getattr(self, "replies", {})
+        self.replies[request_id] = self.reply
+
+    def _advance(self, req, sample):
+        if sample.finish_reason is not None:
+            return []
+        reply = self.replies[req.request_id]
+        char = reply[sample.num_tokens]
+        sample.num_tokens += 1
+        sample.text += char
+        if sample.num_tokens >= len(reply):
+            sample.finish_reason = "stop"
+        return [ord(char)]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return ScriptedEngine(num_blocks=1024, block_size=4, max_model_len=1024)
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    app = create_app(
+        EngineLoop(engine),
+        model_name=NAMES,
+        options=ServerOptions(
+            allowed_origins=(ORIGIN,),
+            allowed_methods=("GET", "POST"),
+            allowed_headers=("content-type", "authorization"),
+            allow_credentials=True,
+        ),
+        chat_options=ChatOptions(
+            enable_auto_tool_choice=True,
+            tool_call_parser="hermes",
+            trust_request_chat_template=True,
+        ),
+        metrics_prefix="vllm",
+    )
+    with ThreadedServer(app) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def last_prompt(engine) -> str:
+    prompt = engine.added[-1][1]
+    ids = prompt.token_ids if hasattr(prompt, "token_ids") else prompt["prompt_token_ids"]
+    return engine.tokenizer.decode(ids)
+
+
+def test_auto_tool_call_round_trip(client, engine):
+    engine.reply = CALL
+    first = client.chat.completions.create(
+        model="alias", messages=QUESTION, tools=[WEATHER_TOOL], max_tokens=200
+    )
+    assert "<tools>['get_weather']" in last_prompt(engine)  # the tools reach the template
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert (call.function.name, json.loads(call.function.arguments)) == (
+        "get_weather",
+        {"city": "Paris"},
+    )
+    # The tool's answer goes back; the model's answer is plain content.
+    engine.reply = "It is 21 C in Paris."
+    messages = [
+        *QUESTION,
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 21}'},
+    ]
+    second = client.chat.completions.create(
+        model="alias", messages=messages, tools=[WEATHER_TOOL], max_tokens=200
+    )
+    prompt = last_prompt(engine)
+    assert f"<tool {call.id}>" + '{"celsius": 21}' in prompt
+    assert '"arguments": {"city": "Paris"}' in prompt  # the call, arguments as a dict
+    assert second.choices[0].message.content == "It is 21 C in Paris."
+    assert second.choices[0].message.tool_calls is None
+    assert second.choices[0].finish_reason == "stop"
+    assert second.model == "fake-model"  # the first served name is reported
+
+
+def stream_calls(client, **kwargs):
+    """(content, {index: (id, name, arguments)}, finish_reason) of a streamed chat."""
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            delta = choice.delta
+            content += delta.content or ""
+            for piece in delta.tool_calls or ():
+                if piece.index not in calls:
+                    assert piece.id and piece.type == "function" and piece.function.name
+                    calls[piece.index] = [piece.id, piece.function.name, ""]
+                else:
+                    assert piece.id is None and piece.function.name is None
+                calls[piece.index][2] += piece.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, calls, finish
+
+
+def test_streamed_tool_calls(client, engine):
+    engine.reply = "Checking." + TWO_CALLS
+    content, calls, finish = stream_calls(
+        client, model="fake-model", messages=QUESTION, tools=[WEATHER_TOOL, TIME_TOOL]
+    )
+    assert content == "Checking."
+    assert finish == "tool_calls"
+    assert [(c[1], json.loads(c[2])) for c in calls.values()] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_time", {}),
+    ]
+    # Non-streamed, the same text gives the same calls.
+    reply = client.chat.completions.create(
+        model="fake-model", messages=QUESTION, tools=[WEATHER_TOOL, TIME_TOOL]
+    )
+    message = reply.choices[0].message
+    assert message.content == "Checking."
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [
+        (c[1], c[2]) for c in calls.values()
+    ]
+
+
+def test_parallel_tool_calls_false_keeps_the_first(client, engine):
+    engine.reply = TWO_CALLS
+    reply = client.chat.completions.create(
+        model="fake-model",
+        messages=QUESTION,
+        tools=[WEATHER_TOOL, TIME_TOOL],
+        parallel_tool_calls=False,
+    )
+    assert [c.function.name for c in reply.choices[0].message.tool_calls] == ["get_weather"]
+    _, calls, _ = stream_calls(
+        client,
+        model="fake-model",
+        messages=QUESTION,
+        tools=[WEATHER_TOOL, TIME_TOOL],
+        parallel_tool_calls=False,
+    )
+    assert [c[1] for c in calls.values()] == ["get_weather"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_malformed_tool_call_comes_back_as_content(client, engine, stream):
+    engine.reply = 'Sure <tool_call>{"name": "get_weather", "arguments": {"city": }</tool_call>'
+    kwargs = {"model": "fake-model", "messages": QUESTION, "tools": [WEATHER_TOOL]}
+    if stream:
+        content, calls, finish = stream_calls(client, **kwargs)
+    else:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        content, calls, finish = choice.message.content, choice.message.tool_calls, None
+        finish = choice.finish_reason
+    assert content == engine.reply
+    assert not calls
+    assert finish == "stop"
+
+
+def test_tool_choice_none_shows_tools_but_reads_no_calls(client, engine):
+    engine.reply = CALL
+    reply = client.chat.completions.create(
+        model="fake-model", messages=QUESTION, tools=[WEATHER_TOOL], tool_choice="none"
+    )
+    assert "<tools>" in last_prompt(engine)
+    assert reply.choices[0].message.content == CALL
+    assert reply.choices[0].message.tool_calls is None
+
+
+def test_langchain_bind_tools(server, engine):
+    langchain_openai = pytest.importorskip("langchain_openai")
+
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return "21 C"
+
+    engine.reply = CALL
+    model = langchain_openai.ChatOpenAI(
+        model="alias", base_url=server.url + "/v1", api_key="unused", max_retries=0
+    )
+    result = model.bind_tools([get_weather]).invoke("Weather in Paris?")
+    assert [(c["name"], c["args"]) for c in result.tool_calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+
+
+def test_required_and_named_need_the_engines_structured_outputs(server):
+    if engine_enforces_structured_outputs():
+        pytest.skip("this build enforces structured outputs: the real-model tests cover it")
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        body = {"messages": QUESTION, "tools": [WEATHER_TOOL], "tool_choice": choice}
+        response = httpx.post(server.url + "/v1/chat/completions", json=body)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "tool_choice"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tool_choice": "required"}, "tool_choice"),  # no tools
+        (
+            {
+                "tools": [WEATHER_TOOL],
+                "tool_choice": {"type": "function", "function": {"name": "x"}},
+            },
+            "tool_choice",
+        ),
+        ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+    ],
+)
+def test_tool_requests_refused(server, extra, param):
+    body = {"messages": QUESTION, **extra}
+    response = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_tool_calls_only_on_assistant_messages(server):
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    body = {"messages": [{"role": "user", "content": "x", "tool_calls": [call]}]}
+    response = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    call["function"]["arguments"] = "[1]"  # not an object
+    body = {"messages": [{"role": "assistant", "content": None, "tool_calls": [call]}]}
+    assert httpx.post(server.url + "/v1/chat/completions", json=body).status_code == 400
+
+
+def test_request_chat_template_and_kwargs(client, engine):
+    engine.reply = "fine"
+    reply = client.chat.completions.create(
+        model="fake-model",
+        messages=[{"role": "user", "content": "hello"}],
+        extra_body={
+            "chat_template": "{{ greeting }}, {{ messages[0].content }}!",
+            "chat_template_kwargs": {"greeting": "Hi"},
+        },
+    )
+    assert last_prompt(engine) == "Hi, hello!"
+    assert reply.choices[0].message.content == "fine"
+
+
+def test_request_chat_template_needs_trust(engine):
+    app = create_app(EngineLoop(ScriptedEngine()), model_name="m")
+    with ThreadedServer(app) as other:
+        body = {"messages": QUESTION, "chat_template": "{{ messages }}"}
+        response = httpx.post(other.url + "/v1/chat/completions", json=body)
+        assert response.status_code == 400
+        assert response.json()["error"]["param"] == "chat_template"
+        # A server-wide template serves a model without one.
+    bare = ScriptedEngine()
+    bare.tokenizer.has_chat_template = False
+    options = ChatOptions(chat_template="[{{ messages[-1].content }}]")
+    with ThreadedServer(create_app(EngineLoop(bare), model_name="m", chat_options=options)) as s:
+        response = httpx.post(s.url + "/v1/chat/completions", json={"messages": QUESTION})
+        assert response.status_code == 200, response.text
+        assert last_prompt(bare) == "[Weather in Paris?]"
+
+
+def test_served_model_names(server):
+    models = httpx.get(server.url + "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == NAMES
+    assert httpx.get(server.url + "/v1/models/alias").json()["id"] == "alias"
+    body = {"model": "other", "prompt": "x", "max_tokens": 1}
+    assert httpx.post(server.url + "/v1/completions", json=body).status_code == 404
+    body["model"] = "alias"
+    response = httpx.post(server.url + "/v1/completions", json=body)
+    assert response.status_code == 200 and response.json()["model"] == "fake-model"
+
+
+def test_cors_options(server):
+    preflight = httpx.options(
+        server.url + "/v1/chat/completions",
+        headers={
+            "Origin": ORIGIN,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type",
+        },
+    )
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == ORIGIN
+    assert preflight.headers["access-control-allow-credentials"] == "true"
+    assert set(preflight.headers["access-control-allow-methods"].split(", ")) >= {"GET", "POST"}
+    assert "PUT" not in preflight.headers["access-control-allow-methods"]
+    refused = httpx.options(
+        server.url + "/v1/models",
+        headers={"Origin": ORIGIN, "Access-Control-Request-Method": "DELETE"},
+    )
+    assert refused.status_code == 400  # starlette: method not allowed by CORS
+    with pytest.raises(ConfigError, match="allow-credentials"):
+        ServerOptions(allowed_origins=("*",), allow_credentials=True)
+    with pytest.raises(ConfigError, match="allowed-methods"):
+        ServerOptions(allowed_methods=("GET POST",))
+
+
+def test_vllm_metric_names(server, client, engine):
+    engine.reply = "abc"
+    client.chat.completions.create(model="fake-model", messages=QUESTION)
+    text = httpx.get(server.url + "/metrics").text
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:time_per_output_token_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_count",
+        "vllm:request_success_total",
+        "vllm:prefix_cache_queries_total",
+        "vllm:num_preemptions_total",
+    ):
+        assert f"\n{name}{{" in text, name
+    assert "pagedkv:" not in text
+    with pytest.raises(ConfigError):
+        ServerMetrics("m", prefix="other")
+
+
+def test_chat_options_from_flags(tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages }}", encoding="utf-8")
+    assert load_chat_template(str(template)) == "{{ messages }}"
+    assert load_chat_template("{{ x }}") == "{{ x }}"  # inline
+    with pytest.raises(ConfigError, match="not a readable file"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ConfigError, match="needs --tool-call-parser"):
+        ChatOptions(enable_auto_tool_choice=True)
+    from pagedkv.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--served-model-name",
+            "a",
+            "b",
+            "--chat-template",
+            str(template),
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "llama3_json",
+            "--metrics-prefix",
+            "vllm",
+            "--allowed-methods",
+            "GET,POST",
+            "--allow-credentials",
+        ]
+    )
+    assert args.served_model_name == ["a", "b"] and args.metrics_prefix == "vllm"
+    options = ChatOptions.from_cli_args(args)
+    assert options.chat_template == "{{ messages }}" and options.parser.name == "llama3_json"
+    server = ServerOptions.from_cli_args(args, environ={})
+    assert server.allowed_methods == ("GET", "POST") and server.allow_credentials
+
+
+def test_required_schema_accepts_exactly_the_calls():
+    jsonschema = pytest.importorskip("jsonschema")
+    request = ChatCompletionRequest.model_validate(
+        {"messages": QUESTION, "tools": [WEATHER_TOOL, TIME_TOOL], "tool_choice": "required"}
+    )
+    schema = required_schema(request)
+    good = [{"name": "get_weather", "parameters": {"city": "Paris"}}]
+    jsonschema.validate(good, schema)
+    for bad in (
+        [],
+        [{"name": "other", "parameters": {}}],
+        [{"name": "get_weather", "parameters": {}}],
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    calls = parse_required(json.dumps(good))
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+    assert parse_required('[{"name": "get_weather", "parameters": {') is None
