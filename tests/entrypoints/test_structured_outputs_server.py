@@ -244,7 +244,7 @@ def test_completions_follow_guided_fields(client, stream):
         (
             "/v1/completions",
             {"guided_choice": ["a"], "guided_regex": "a"},
-            "guided_regex",
+            "guided_choice",
             "at most one",
         ),
     ],
