@@ -325,7 +325,12 @@ def test_integral_floats_are_integers_as_json_schema_says(server, schema):
 def test_refusals_beyond_the_schema_are_listed_and_named(server, schema):
     responses = operations(schema)["POST", "/v1/completions"]["responses"]
     beyond = responses["400"][BEYOND_SCHEMA]
-    assert {"prompt", "max_tokens", "min_tokens", "seed", "best_of"} == set(beyond)
+    constraints = {"response_format", "structured_outputs"}
+    constraints |= {f"guided_{k}" for k in ("json", "regex", "choice", "grammar")}
+    assert {"prompt", "max_tokens", "min_tokens", "seed", "best_of", *constraints} == set(beyond)
+    # Valid by the schema, refused as xgrammar cannot compile it.
+    response = post(server, "/v1/completions", {"prompt": "x", "guided_regex": "(a"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "guided_regex"
     # Valid by the schema (each value within its own range), refused for their sum.
     body = {"prompt": "x" * (MAX_MODEL_LEN - 2), "max_tokens": MAX_MODEL_LEN - 1}
     response = post(server, "/v1/completions", body)

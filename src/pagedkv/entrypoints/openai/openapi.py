@@ -355,7 +355,18 @@ def _beyond(fields: tuple[str, ...], rules: str) -> dict[str, Any]:
 _GENERATION_RULES = (
     "the prompt's tokens + max_tokens beyond max_model_len or the KV cache, min_tokens above "
     "max_tokens (16 by default on completions), seed + n - 1 beyond 2**64 - 1, best_of other "
-    "than n"
+    "than n, more than one structured output constraint (response_format json_object / "
+    "json_schema, structured_outputs, guided_json / guided_regex / guided_choice / "
+    "guided_grammar) or one that xgrammar cannot compile (a schema, regex or grammar)"
+)
+#: The fields of a structured output constraint (one at most; each must compile).
+_CONSTRAINT_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
 )
 
 
@@ -405,7 +416,7 @@ def _operations(refs: dict[type[BaseModel], str]) -> dict[tuple[str, str], dict[
             "responses": {
                 "200": completion_ok,
                 "400": _beyond(
-                    ("prompt", "max_tokens", "min_tokens", "seed", "best_of"),
+                    ("prompt", "max_tokens", "min_tokens", "seed", "best_of", *_CONSTRAINT_FIELDS),
                     _GENERATION_RULES + ", a prompt text that tokenizes to no tokens",
                 ),
                 "404": _error(_404),
@@ -426,6 +437,7 @@ def _operations(refs: dict[type[BaseModel], str]) -> dict[tuple[str, str], dict[
                         "seed",
                         "best_of",
                         "continue_final_message",
+                        *_CONSTRAINT_FIELDS,
                     ),
                     _GENERATION_RULES + ", messages the model's chat template refuses or a "
                     "model without one, messages longer than could fit in max_model_len, "
