@@ -328,20 +328,18 @@ def test_integral_floats_are_integers_as_json_schema_says(server, schema):
 def test_refusals_beyond_the_schema_are_listed_and_named(server, schema):
     responses = operations(schema)["POST", "/v1/completions"]["responses"]
     beyond = responses["400"][BEYOND_SCHEMA]
-    assert {
-        "prompt",
-        "max_tokens",
-        "min_tokens",
-        "seed",
-        "best_of",
-        "n",
-        "use_beam_search",
-        "length_penalty",
-    } == set(beyond)
+    constraints = {"response_format", "structured_outputs"}
+    constraints |= {f"guided_{k}" for k in ("json", "regex", "choice", "grammar")}
+    beam_search = {"n", "use_beam_search", "length_penalty"}
+    expected = {"prompt", "max_tokens", "min_tokens", "seed", "best_of", *constraints, *beam_search}
+    assert expected == set(beyond)
     # Beam search with a sampling field: valid by the schema, refused naming use_beam_search.
     body = {"prompt": "hi", "use_beam_search": True, "top_k": 5}
     response = post(server, "/v1/completions", body)
     assert response.status_code == 400 and response.json()["error"]["param"] == "use_beam_search"
+    # Valid by the schema, refused as xgrammar cannot compile it.
+    response = post(server, "/v1/completions", {"prompt": "x", "guided_regex": "(a"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "guided_regex"
     # Valid by the schema (each value within its own range), refused for their sum.
     body = {"prompt": "x" * (MAX_MODEL_LEN - 2), "max_tokens": MAX_MODEL_LEN - 1}
     response = post(server, "/v1/completions", body)

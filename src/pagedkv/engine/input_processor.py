@@ -77,6 +77,9 @@ class InputProcessor:
             needs ``"priority"``.
         max_token_chars: most characters one token covers; default: the longest entry of the
             tokenizer's vocabulary (``get_vocab()``), else no character bound.
+        structured_outputs: the engine's
+            :class:`~pagedkv.engine.structured_output.StructuredOutputManager` (its parse
+            cache is shared with the engine); None: constraints are parsed without a cache.
     """
 
     def __init__(
@@ -88,8 +91,10 @@ class InputProcessor:
         max_logprobs: int,
         policy: str = "fcfs",
         max_token_chars: int | None = None,
+        structured_outputs: Any = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.structured_outputs = structured_outputs
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
@@ -335,6 +340,25 @@ class InputProcessor:
                 "priority needs the engine to schedule by priority (--policy priority)",
                 param="priority",
             )
+
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """Parse the request's ``structured_outputs`` constraint, if any (xgrammar, no
+        tokenizer; cached, so the engine does not parse it again): a schema, regex or grammar
+        that cannot compile is refused here. Run it off the engine's thread (the server's
+        input thread).
+
+        Raises:
+            InvalidRequestError: naming ``structured_outputs`` and xgrammar's reason.
+        """
+        constraint = params.structured_outputs
+        if constraint is None:
+            return
+        if self.structured_outputs is not None:
+            self.structured_outputs.parse(constraint)
+        else:
+            from pagedkv.engine.structured_output import parse_constraint
+
+            parse_constraint(constraint)
 
     # ---- tokenizer routes -----------------------------------------------------------------------
 

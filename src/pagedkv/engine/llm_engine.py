@@ -39,6 +39,7 @@ from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.stats import SchedulerStats
+from pagedkv.engine.structured_output import StructuredOutputManager, StructuredOutputRequest
 from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.sampling_params import BeamSearchParams, SamplingParams
 from pagedkv.worker.executor import create_executor
@@ -46,6 +47,9 @@ from pagedkv.worker.outputs import ModelRunnerOutput
 from pagedkv.worker.scheduler_output import NewRequestData, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+#: Longest a step with nothing to run waits for a grammar compile (then it returns).
+_COMPILE_WAIT_S = 0.05
 
 #: A prompt: text, token ids, ``{"prompt": text}``, ``{"prompt_token_ids": [...]}`` (vLLM's
 #: TextPrompt and TokensPrompt), or chat messages ``[{"role": ..., "content": ...}, ...]``.
@@ -176,6 +180,15 @@ class LLMEngine:
             if 0 <= t < vocab_size
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        #: structured outputs: constraints parsed and compiled (off the step thread), the
+        #: per-step bitmask (:mod:`pagedkv.engine.structured_output`).
+        self.structured_output_manager = StructuredOutputManager(
+            self.tokenizer,
+            vocab_size=vocab_size,
+            eos_token_ids=self.eos_token_ids,
+            max_threads=max(1, torch.get_num_threads()),
+        )
+        self._has_structured_outputs = False  # True from the first constrained request on
         #: prompts -> validated token ids, parameters checked against the model and the limits
         #: (used in the caller's thread; a server runs a copy on its own input thread).
         self.input_processor = InputProcessor(
@@ -184,6 +197,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             max_logprobs=config.max_logprobs,
             policy=config.policy,
+            structured_outputs=self.structured_output_manager,
         )
         self._stats = EngineStats(scheduler=SchedulerStats())
 
@@ -191,6 +205,7 @@ class LLMEngine:
         """Stop the engine's worker processes (tensor parallelism); idempotent, and a no-op in
         one process. Also run at garbage collection and at interpreter exit."""
         self.executor.shutdown()
+        self.structured_output_manager.shutdown()
 
     # ------------------------------------------------------------------ requests
 
@@ -239,6 +254,11 @@ class LLMEngine:
         self.input_processor.check_params(params, priority)
         processed = self.input_processor.process(prompt)
         prompt_text, prompt_token_ids = processed.text, processed.token_ids
+        constraint = params.structured_outputs
+        grammar = None
+        if constraint is not None:  # parsed here (cached), compiled on the grammar thread
+            grammar = self.structured_output_manager.request(constraint)
+            self._has_structured_outputs = True
         now = time.monotonic() if arrival_time is None else arrival_time
         block_hasher = self.kv_cache_manager.block_hasher
         if not self.config.enable_prefix_caching:
@@ -257,6 +277,9 @@ class LLMEngine:
                     eos_token_ids=self.eos_token_ids,
                     priority=priority,
                     arrival_time=now,
+                    structured_output=(
+                        None if grammar is None else StructuredOutputRequest(grammar)
+                    ),
                 )
             )
         # n > 1 with a prompt of 2+ tokens: one prefill, then a fork (the samples share the
@@ -424,6 +447,13 @@ class LLMEngine:
         """
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        if self._has_structured_outputs:
+            manager = self.structured_output_manager
+            if scheduler_output.total_num_scheduled_tokens:
+                manager.fill_bitmask(scheduler_output, self.scheduler.scheduled_requests)
+            elif self.scheduler.has_unfinished_requests():
+                # Only requests waiting for their grammar: wait for one (not a busy loop).
+                manager.wait_for_compiles(_COMPILE_WAIT_S)
         runner_output = ModelRunnerOutput()
         if scheduler_output.total_num_scheduled_tokens:
             try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedkv.core.request import KVCacheRequest
 from pagedkv.sampling_params import SamplingParams
@@ -80,6 +80,12 @@ class Request(KVCacheRequest):
         beam_group: the beam search this request is a beam of (None for other requests): the
             scheduler hands its sampled candidates to the group instead of appending a token
             (:mod:`pagedkv.engine.beam_search`).
+        structured_output: the sequence's constraint state when its sampling params have
+            ``structured_outputs`` (a
+            :class:`~pagedkv.engine.structured_output.StructuredOutputRequest`: its grammar
+            and its own matcher), else None. The scheduler calls its ``ready`` / ``error`` /
+            ``accept`` / ``is_terminated`` / ``free`` without importing it (it stays
+            torch-free).
     """
 
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
@@ -99,6 +105,7 @@ class Request(KVCacheRequest):
     fork_children: list[Request] = field(default_factory=list)
     fork_at: int = 0
     beam_group: BeamSearchGroup | None = field(default=None, repr=False)
+    structured_output: Any = field(default=None, repr=False)
     _stop_token_ids: frozenset[int] = field(default=frozenset(), init=False, repr=False)
 
     def __post_init__(self) -> None:

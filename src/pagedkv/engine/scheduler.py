@@ -272,6 +272,12 @@ class Scheduler:
             num_shared_blocks=self.kv_cache_manager.num_shared_blocks,
         )
 
+    @property
+    def scheduled_requests(self) -> list[Request]:
+        """The requests of the last :meth:`schedule`, in scheduling order (their
+        ``num_computed_tokens`` advanced by the step), until :meth:`update_from_output`."""
+        return self._scheduled_requests
+
     # ------------------------------------------------------------------ the step
 
     def schedule(self) -> SchedulerOutput:
@@ -484,7 +490,21 @@ class Scheduler:
                 request.first_token_time = now
             self.stats.num_generation_tokens += 1
             changed.append(request)
-            if request.check_stop(token_id):
+            constraint = request.structured_output
+            if constraint is not None and not constraint.accept(token_id):
+                # Only when every token was masked (min_tokens hid the end the constraint
+                # needed): the output cannot go on under the constraint.
+                request.status = RequestStatus.FINISHED_ERROR
+                request.error = (
+                    f"request {request.request_id!r}: token {token_id} breaks its "
+                    "structured_outputs constraint (no allowed token was left: min_tokens or "
+                    "stop settings may exclude the constraint's end)"
+                )
+                finished.append(request)
+            elif request.check_stop(token_id):
+                finished.append(request)
+            elif constraint is not None and constraint.is_terminated():
+                request.status = RequestStatus.FINISHED_STOPPED  # the constraint is complete
                 finished.append(request)
         if finished:
             gone = {id(r) for r in finished}
@@ -625,6 +645,16 @@ class Scheduler:
             and (len(self.running) + reserved < self.max_num_seqs or reserved_waiting)
         ):
             request = waiting.peek()
+            constraint = request.structured_output
+            if constraint is not None and not constraint.ready():
+                # Its grammar is still compiling (vLLM's WAITING_FOR_FSM): it waits, not the
+                # requests behind it, whatever the admission policy.
+                skipped.append(waiting.pop())
+                continue
+            if constraint is not None and constraint.error is not None:
+                waiting.pop()
+                self._reject(request, f"request {request.request_id!r}: {constraint.error}")
+                continue
             seats = self._seats_needed(request) if request.beam_group is not None else 1
             if len(self.running) + reserved + seats > self.max_num_seqs:
                 if not skip:
@@ -690,11 +720,19 @@ class Scheduler:
         if self.running or step.requests:
             return False
         self.waiting.remove(request)
-        request.status = RequestStatus.FINISHED_ERROR
-        request.error = (
+        self._reject(
+            request,
             f"request {request.request_id!r} needs more KV blocks for {request.num_tokens} "
-            f"tokens than the whole pool ({self._num_usable_blocks} blocks) can give"
+            f"tokens than the whole pool ({self._num_usable_blocks} blocks) can give",
         )
+        return True
+
+    def _reject(self, request: Request, error: str) -> None:
+        """Finish ``request`` (out of the waiting queue already) with FINISHED_ERROR and
+        ``error``, with its fork children or its whole beam search; reported by the next
+        :meth:`update_from_output`."""
+        request.status = RequestStatus.FINISHED_ERROR
+        request.error = error
         self.stats.num_rejected += 1
         self._free_request(request)
         group = request.beam_group
@@ -702,14 +740,13 @@ class Scheduler:
             group.root.error = request.error
             self._end_beam_group(group, RequestStatus.FINISHED_ERROR)
             self._rejected.append(group.root)
-            return True
+            return
         self._rejected.append(request)
         for child in request.fork_children:  # its samples end with it
             child.status = RequestStatus.FINISHED_ERROR
             child.error = request.error
             self._rejected.append(child)
         request.fork_children = []
-        return True
 
     def _fork_children(self) -> None:
         """Fork the children of the parents that computed all their prompt but the last token
@@ -778,6 +815,8 @@ class Scheduler:
 
     def _free_request(self, request: Request, now: float | None = None) -> None:
         self.kv_cache_manager.free(request)
+        if request.structured_output is not None:
+            request.structured_output.free()
         request.finished_time = time.monotonic() if now is None else now
         self.requests.pop(request.request_id, None)
         self.finished_req_ids.add(request.request_id)

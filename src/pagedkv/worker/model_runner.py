@@ -42,7 +42,12 @@ from pagedkv.ops.backends import (
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.worker.input_batch import CachedRequestState, InputBatch, ModelInputs
 from pagedkv.worker.outputs import LogprobsLists, ModelRunnerOutput
-from pagedkv.worker.sampler import Sampler, compute_logprobs, gather_logprobs
+from pagedkv.worker.sampler import (
+    Sampler,
+    apply_grammar_bitmask,
+    compute_logprobs,
+    gather_logprobs,
+)
 from pagedkv.worker.scheduler_output import SchedulerOutput
 
 #: Most prompt rows whose full-vocabulary logits are held at once (prompt logprobs): 512 rows of
@@ -174,6 +179,13 @@ class ModelRunner:
         if logits is None:  # a tensor-parallel rank other than 0: it only joined the gather
             return result
         sampling = [s for s, sample in zip(states, inputs.sample.tolist(), strict=True) if sample]
+        if out.grammar_bitmask is not None:  # structured outputs: before logprobs, as vLLM
+            apply_grammar_bitmask(
+                logits,
+                [s.req_id for s in sampling],
+                out.structured_output_request_ids,
+                out.grammar_bitmask,
+            )
         params = [s.sampling_params for s in sampling]
         generators = [self._generator(s) for s in sampling]
         # Raw logprobs are read before the sampler changes the logits in place.

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
+from pagedkv.errors import InvalidRequestError
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.worker.outputs import LogprobsLists
 
@@ -54,6 +55,61 @@ def gather_logprobs(
     ids = torch.cat([token_ids[:, None], top_ids], dim=1)
     values = torch.cat([chosen, top_values], dim=1)
     return ids, values, ranks
+
+
+def apply_grammar_bitmask(
+    logits: torch.Tensor,
+    row_req_ids: Sequence[str],
+    bitmask_req_ids: Sequence[str],
+    bitmask: np.ndarray,
+) -> None:
+    """Set to -inf, in place and in one op for the whole batch, the logits of the tokens each
+    constrained request may not sample (structured outputs; xgrammar's
+    ``apply_token_bitmask_inplace``, its CPU kernel on a CPU).
+
+    Args:
+        logits: ``[num_rows, vocab_size]`` float (float32, bfloat16 or float16).
+        row_req_ids: the request of each logits row.
+        bitmask_req_ids: the request of each bitmask row (each one of ``row_req_ids``).
+        bitmask: ``[len(bitmask_req_ids), ceil(vocab_size / 32)]`` int32 numpy array: bit
+            ``t % 32`` of word ``t // 32`` is 1 when token ``t`` is allowed.
+
+    Raises:
+        InvalidRequestError: a bitmask of another shape or dtype, or a bitmask row for a
+            request that does not sample in this step (the scheduler output does not fit the
+            worker's batch); the logits are unchanged then.
+    """
+    num_rows, vocab_size = logits.shape
+    width = -(-vocab_size // 32)
+    if (
+        not isinstance(bitmask, np.ndarray)
+        or bitmask.dtype != np.int32
+        or bitmask.shape != (len(bitmask_req_ids), width)
+    ):
+        got = getattr(bitmask, "shape", None), getattr(bitmask, "dtype", type(bitmask).__name__)
+        raise InvalidRequestError(
+            f"grammar_bitmask must be an int32 array [{len(bitmask_req_ids)}, {width}], got {got}"
+        )
+    index = {req_id: i for i, req_id in enumerate(row_req_ids)}
+    missing = [r for r in bitmask_req_ids if r not in index]
+    if missing:
+        raise InvalidRequestError(
+            f"grammar_bitmask has rows for requests that do not sample this step: {missing}"
+        )
+    rows = [index[r] for r in bitmask_req_ids]
+    if rows == list(range(num_rows)):
+        aligned = bitmask
+    else:  # bitmask row j goes to logits row rows[j] (the kernel indexes both alike)
+        aligned = np.empty((num_rows, width), dtype=np.int32)
+        aligned[rows] = bitmask
+    import xgrammar as xgr
+
+    mask = torch.from_numpy(np.ascontiguousarray(aligned))
+    if mask.device != logits.device:
+        mask = mask.to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(
+        logits, mask, vocab_size=vocab_size, indices=None if aligned is bitmask else rows
+    )
 
 
 def to_logprobs_lists(

@@ -9,9 +9,10 @@ Every worker keeps its own copy of each request's state (``pagedkv.worker.input_
 decode step sends O(1) data per request, whatever its context length, and tensor parallelism
 pickles this object as it is to every rank.
 
-Only ids, ints, lists of ints (and of int pairs: ``blocks_to_copy``) and
-:class:`~pagedkv.sampling_params.SamplingParams` (a frozen dataclass of plain values) cross the
-boundary: no live object of the engine.
+Only ids, ints, lists of ints (and of int pairs: ``blocks_to_copy``),
+:class:`~pagedkv.sampling_params.SamplingParams` (a dataclass of plain values) and the
+structured-output bitmask (an int32 numpy array) cross the boundary: no live object of the
+engine.
 
 The worker defines what it consumes and the scheduler (one layer up) imports it, so the imports
 run one way (vLLM V1 keeps it below its workers too).
@@ -20,6 +21,7 @@ run one way (vLLM V1 keeps it below its workers too).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedkv.sampling_params import SamplingParams
 
@@ -110,6 +112,13 @@ class SchedulerOutput:
             onto itself, no ``dst`` twice, no block both a source and a destination), and so do
             all groups' pairs together (the groups share the cache tensors). Idea from vLLM's
             ``blocks_to_copy`` of its V0 scheduler outputs (beam search, parallel sampling).
+        structured_output_request_ids: the constrained requests that sample this step, one per
+            row of ``grammar_bitmask`` (empty: no constraint this step).
+        grammar_bitmask: None, or an int32 numpy array ``[len(structured_output_request_ids),
+            ceil(vocab_size / 32)]``: bit ``t % 32`` of word ``t // 32`` of a row is 1 when the
+            request may sample token ``t`` (xgrammar's layout). The engine fills it
+            (:mod:`pagedkv.engine.structured_output`); the worker sets the other tokens' logits
+            to -inf before logprobs and sampling (vLLM's ``GrammarOutput``).
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -119,6 +128,8 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
     blocks_to_copy: BlocksToCopy = ()
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: Any = None
 
     @property
     def num_reqs(self) -> int:

@@ -356,7 +356,19 @@ _GENERATION_RULES = (
     "the prompt's tokens + max_tokens beyond max_model_len or the KV cache, min_tokens above "
     "max_tokens (16 by default on completions), seed + n - 1 beyond 2**64 - 1, best_of other "
     "than n, use_beam_search with stream or a sampling field other than its default (or n "
-    "beyond max_num_seqs), length_penalty other than 1 without use_beam_search"
+    "beyond max_num_seqs), length_penalty other than 1 without use_beam_search, more than one "
+    "structured output constraint (response_format json_object / json_schema, "
+    "structured_outputs, guided_json / guided_regex / guided_choice / guided_grammar) or one "
+    "that xgrammar cannot compile (a schema, regex or grammar), use_beam_search with one"
+)
+#: The fields of a structured output constraint (one at most; each must compile).
+_CONSTRAINT_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
 )
 
 
@@ -415,6 +427,7 @@ def _operations(refs: dict[type[BaseModel], str]) -> dict[tuple[str, str], dict[
                         "n",
                         "use_beam_search",
                         "length_penalty",
+                        *_CONSTRAINT_FIELDS,
                     ),
                     _GENERATION_RULES + ", a prompt text that tokenizes to no tokens",
                 ),
@@ -442,6 +455,7 @@ def _operations(refs: dict[type[BaseModel], str]) -> dict[tuple[str, str], dict[
                         "tool_choice",
                         "chat_template",
                         "chat_template_kwargs",
+                        *_CONSTRAINT_FIELDS,
                     ),
                     _GENERATION_RULES + ", messages the model's chat template refuses or a "
                     "model without one, messages longer than could fit in max_model_len, "

@@ -44,7 +44,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from pagedkv.sampling_params import INT64_MAX, BeamSearchParams
+from pagedkv.errors import InvalidRequestError
+from pagedkv.sampling_params import INT64_MAX, BeamSearchParams, StructuredOutputsParams
 
 #: Most samples one request may ask for (``n``); each sample is a sequence in the engine.
 MAX_N = 128
@@ -260,6 +261,53 @@ def _check_sizes(data: dict[str, Any]) -> None:
                     )
 
 
+#: Most strings of a choice constraint (``guided_choice``, ``structured_outputs.choice``).
+MAX_CHOICES = 1024
+#: A JSON Schema: an object, or its JSON text (xgrammar parses it; a 400 when it cannot).
+JsonSchema = dict[str, Any] | Text
+Choices = Annotated[list[Text], Field(min_length=1, max_length=MAX_CHOICES)]
+
+
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema`` (OpenAI's): the schema the output follows. ``strict``
+    is accepted either way: the output always follows the schema (its grammar masks every
+    token)."""
+
+    name: Text | None = None
+    description: Text | None = None
+    json_schema: JsonSchema = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``: ``{"type": "text"}`` (free text), ``{"type":
+    "json_object"}`` (any JSON object) or ``{"type": "json_schema", "json_schema": {"name",
+    "schema", "strict"}}``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Strict):
+    """vLLM's ``structured_outputs`` request field: one of ``json`` (a JSON Schema), ``regex``,
+    ``choice``, ``grammar`` (EBNF) or ``json_object``, as
+    :class:`~pagedkv.sampling_params.StructuredOutputsParams`. ``disable_fallback`` and
+    ``disable_additional_properties`` are what pagedkv does anyway (one backend, xgrammar,
+    whose schemas allow no property they do not list); ``structural_tag`` and
+    ``whitespace_pattern`` are refused."""
+
+    json_: JsonSchema | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    choice: Choices | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_fallback: bool = False
+    disable_additional_properties: bool = False
+    structural_tag: None = None
+    whitespace_pattern: None = None
+
+
 class StreamOptions(_Strict):
     """``stream_options``: ``include_usage`` adds a last chunk with the usage;
     ``continuous_usage_stats`` (vLLM) puts the usage so far in every chunk."""
@@ -296,32 +344,11 @@ class Refused:
 _absent = NoOp(lambda value, request: value is None, _NULL)
 _false = NoOp(lambda value, request: value is None or value is False, {"enum": [None, False]})
 _empty = NoOp(lambda value, request: value is None or value == [] or value == {}, _EMPTY_SCHEMA)
-_text_format = NoOp(
-    lambda value, request: (
-        value is None or (isinstance(value, dict) and value.get("type") == "text")
-    ),
-    {
-        "anyOf": [
-            _NULL,
-            {"type": "object", "required": ["type"], "properties": {"type": {"const": "text"}}},
-        ]
-    },
-)
 
 _NOT_IMPLEMENTED = "is not supported by pagedkv"
 
 #: Known fields of both endpoints that pagedkv refuses when they ask for something.
 _REFUSED_COMMON: dict[str, Refused] = {
-    "response_format": Refused(
-        _text_format,
-        "response_format other than {'type': 'text'} (structured output) " + _NOT_IMPLEMENTED,
-        {"type": "json_object"},
-    ),
-    "structured_outputs": Refused(_absent, "structured output " + _NOT_IMPLEMENTED, {"json": {}}),
-    "guided_json": Refused(_absent, "guided decoding " + _NOT_IMPLEMENTED, {"type": "object"}),
-    "guided_regex": Refused(_absent, "guided decoding " + _NOT_IMPLEMENTED, "a+"),
-    "guided_choice": Refused(_empty, "guided decoding " + _NOT_IMPLEMENTED, ["a", "b"]),
-    "guided_grammar": Refused(_absent, "guided decoding " + _NOT_IMPLEMENTED, "root ::= 'a'"),
     "allowed_token_ids": Refused(_absent, "allowed_token_ids " + _NOT_IMPLEMENTED, [1, 2]),
     "bad_words": Refused(_empty, "bad_words " + _NOT_IMPLEMENTED, ["bad"]),
     "truncate_prompt_tokens": Refused(_absent, "prompt truncation " + _NOT_IMPLEMENTED, 8),
@@ -387,12 +414,13 @@ class _SamplingRequest(_Strict):
     use_beam_search: bool = False
     #: beam search: a finished beam of L tokens scores ``cumulative logprob / L ** length_penalty``.
     length_penalty: FiniteFloat = 1.0
-    response_format: Any = None
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
+    # Structured outputs (at most one constraint: structured_output_params).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: JsonSchema | None = None
+    guided_regex: Text | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: Text | None = None
     allowed_token_ids: Any = None
     bad_words: Any = None
     truncate_prompt_tokens: Any = None
@@ -457,6 +485,8 @@ class _SamplingRequest(_Strict):
                 "`length_penalty` applies to beam search only (`use_beam_search`: true)",
             )
 
+        self.structured_output_params()
+
     def top_logprobs_asked(self) -> int | None:
         """The top log-probabilities per generated token the response asks for (None: none)."""
         raise NotImplementedError
@@ -501,6 +531,13 @@ class _SamplingRequest(_Strict):
                 f"`use_beam_search` with {top} top logprobs: a step of beam search ranks "
                 f"2 * n = {2 * self.n} candidates, so at most that many",
             )
+        _, constraint = self.structured_output_params()
+        if constraint is not None:
+            raise UnsupportedFieldError(
+                "use_beam_search",
+                f"`use_beam_search` does not go with a structured output constraint "
+                f"(`{constraint}`): beams rank the model's raw log-probabilities",
+            )
 
     def beam_search_params(self, max_tokens: int) -> BeamSearchParams:
         """The engine's parameters of a ``use_beam_search`` request (vLLM's
@@ -514,6 +551,78 @@ class _SamplingRequest(_Strict):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
         )
+
+    def structured_output_params(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The request's output constraint, from whichever field gives it (``response_format``
+        json_object / json_schema, ``structured_outputs``, ``guided_json`` / ``guided_regex`` /
+        ``guided_choice`` / ``guided_grammar``), and the path of that field as a client wrote
+        it (``"response_format.json_schema.schema"``...); ``(None, None)`` without one.
+
+        Raises:
+            UnsupportedFieldError: more than one constraint (naming the fields), a json_schema
+                response_format without its schema, a constraint of the wrong shape.
+        """
+        given: list[tuple[str, str, dict[str, Any]]] = []  # (field, path, kwargs)
+        whitespace = False
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            given.append(("response_format", "response_format", {"json_object": True}))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise UnsupportedFieldError(
+                    "response_format",
+                    "`response_format` of type json_schema needs `json_schema` "
+                    "({'name': ..., 'schema': {...}})",
+                )
+            given.append(
+                (
+                    "response_format",
+                    "response_format.json_schema.schema",
+                    {"json": fmt.json_schema.json_schema},
+                )
+            )
+        so = self.structured_outputs
+        if so is not None:
+            whitespace = so.disable_any_whitespace
+            for kind, value in (
+                ("json", so.json_),
+                ("regex", so.regex),
+                ("choice", so.choice),
+                ("grammar", so.grammar),
+                ("json_object", so.json_object if so.json_object else None),
+            ):
+                if value is not None:
+                    path = f"structured_outputs.{kind}"
+                    given.append(("structured_outputs", path, {kind: value}))
+            if not given or given[-1][0] != "structured_outputs":
+                raise UnsupportedFieldError(
+                    "structured_outputs",
+                    "`structured_outputs` needs one of json, regex, choice, grammar and "
+                    "json_object",
+                )
+        for name, kind in (
+            ("guided_json", "json"),
+            ("guided_regex", "regex"),
+            ("guided_choice", "choice"),
+            ("guided_grammar", "grammar"),
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                given.append((name, name, {kind: value}))
+        if not given:
+            return None, None
+        if len(given) > 1:
+            paths = ", ".join(f"`{path}`" for _, path, _ in given)
+            raise UnsupportedFieldError(
+                given[1][0], f"give at most one structured output constraint, got {paths}"
+            )
+        field_name, path, kwargs = given[0]
+        try:
+            params = StructuredOutputsParams(**kwargs, disable_any_whitespace=whitespace)
+        except InvalidRequestError as e:
+            message = _rename_constraint(str(e), params_kind(kwargs), path)
+            raise UnsupportedFieldError(field_name, message) from None
+        return params, path
 
     def ignored_fields(self) -> list[str]:
         """The names of the fields accepted without effect: the known ones set (``IGNORED``)
@@ -547,7 +656,31 @@ class _SamplingRequest(_Strict):
             ),
             "seed": self.seed,
             "best_of": self.best_of,
+            "structured_outputs": self.structured_output_params()[0],
         }
+
+
+def params_kind(kwargs: dict[str, Any]) -> str:
+    return next(iter(kwargs))
+
+
+def _rename_constraint(message: str, kind: str, path: str) -> str:
+    """An engine message about ``structured_outputs.<kind>`` told with the request's field."""
+    return message.replace(f"structured_outputs.{kind}", f"`{path}`").replace(
+        "structured_outputs", f"`{path}`"
+    )
+
+
+def rename_constraint_error(
+    exc: InvalidRequestError, request: _SamplingRequest
+) -> InvalidRequestError:
+    """The engine's refusal of a request's constraint (``param`` ``structured_outputs``) told
+    with the field the request gave it in (``guided_regex``, ``response_format``...)."""
+    params, path = request.structured_output_params()
+    if params is None or exc.param != "structured_outputs":
+        return exc
+    field_name = path.split(".", 1)[0]
+    return InvalidRequestError(_rename_constraint(str(exc), params.kind, path), param=field_name)
 
 
 class UnsupportedFieldError(Exception):

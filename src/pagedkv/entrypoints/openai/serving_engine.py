@@ -31,7 +31,7 @@ from pagedkv.engine.protocol import EngineClient, EngineRequest
 from pagedkv.entrypoints.log_setup import summarize_for_log
 from pagedkv.entrypoints.openai.errors import OpenAIError
 from pagedkv.entrypoints.openai.metrics import ServerMetrics
-from pagedkv.entrypoints.openai.protocol import UsageInfo, make_usage
+from pagedkv.entrypoints.openai.protocol import UsageInfo, make_usage, rename_constraint_error
 from pagedkv.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedkv.errors import InvalidRequestError
 from pagedkv.sampling_params import BeamSearchParams, SamplingParams
@@ -201,11 +201,19 @@ class OpenAIServing:
         stream.
 
         Raises:
-            InvalidRequestError: parameters or a prompt the engine refuses; nothing is left
-                queued.
+            InvalidRequestError: parameters or a prompt the engine refuses, a structured-output
+                constraint xgrammar cannot compile (``param``: the request's field that gave
+                it); nothing is left queued.
         """
         # No tokenizer involved: read-only checks, fine on the event loop.
         self.engine_client.input_processor.check_params(params, request.priority)
+        if params.structured_outputs is not None:  # parsed on the input thread (a 400 here)
+            try:
+                await self.engine_client.process(
+                    lambda processor: processor.check_structured_outputs(params)
+                )
+            except InvalidRequestError as exc:
+                raise rename_constraint_error(exc, request) from None
         engine_requests, states = [], []
         for prompt_index, prompt in enumerate(prompts):
             request_id = f"{response_id}-{prompt_index}"
@@ -227,7 +235,8 @@ class OpenAIServing:
         except InvalidRequestError as exc:
             if exc.param == "beam_width":  # the engine's name for a beam search's n
                 exc.param = "n"
-            raise
+                raise
+            raise rename_constraint_error(exc, request) from None
         return stream, states
 
     # ---- engine outputs -----------------------------------------------------------------------
