@@ -207,7 +207,8 @@ class OpenAIServing:
         """
         # No tokenizer involved: read-only checks, fine on the event loop.
         self.engine_client.input_processor.check_params(params, request.priority)
-        if params.structured_outputs is not None:  # parsed on the input thread (a 400 here)
+        constrained = isinstance(params, SamplingParams) and params.structured_outputs is not None
+        if constrained:  # parsed on the input thread (a 400 here)
             try:
                 await self.engine_client.process(
                     lambda processor: processor.check_structured_outputs(params)
