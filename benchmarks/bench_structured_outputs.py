@@ -16,9 +16,10 @@ and without constraints, in the same run, on the default model (SmolLM2-135M, vo
    against one decode step of the same batch on the model (median step time of an engine
    decoding ``--batch`` unconstrained requests).
 
-2. End to end: ``--requests`` chat requests, greedy, ``--max-tokens`` each, without a constraint
-   (``ignore_eos``, so every request makes all its tokens) and with a JSON schema (finishes when
-   the JSON is complete): generated tokens per second of each, one after the other in one run.
+2. End to end: ``--requests`` chat requests, greedy, at most ``--max-tokens`` each, with a JSON
+   schema (each finishes when its JSON is complete), then the same requests without a constraint
+   made to generate exactly as many tokens each (``ignore_eos``): generated tokens per second of
+   each, ``--rounds`` rounds interleaved, medians.
 
 Results: docs/engine.md ("Structured outputs").
 """
@@ -154,22 +155,31 @@ def decode_step_s(llm: LLM, batch: int, steps: int) -> float:
     return statistics.median(times[2:])  # decode steps (the first ones prefill)
 
 
-def throughput(llm: LLM, num_requests: int, max_tokens: int, constraint) -> tuple[float, int]:
+def throughput(
+    llm: LLM, num_requests: int, max_tokens: int | list[int], constraint
+) -> tuple[float, list[int]]:
+    """Generated tokens per second of ``num_requests`` greedy chat requests, and each request's
+    number of tokens. With ``constraint`` None every request makes exactly its ``max_tokens``
+    (``ignore_eos``; a list gives each request its own)."""
     prompts = [
         [{"role": "user", "content": f"Describe person number {i} as JSON."}]
         for i in range(num_requests)
     ]
-    params = SamplingParams(
-        temperature=0,
-        max_tokens=max_tokens,
-        ignore_eos=constraint is None,
-        structured_outputs=constraint,
-    )
+    counts = max_tokens if isinstance(max_tokens, list) else [max_tokens] * num_requests
+    params = [
+        SamplingParams(
+            temperature=0,
+            max_tokens=count,
+            ignore_eos=constraint is None,
+            structured_outputs=constraint,
+        )
+        for count in counts
+    ]
     start = time.perf_counter()
     outputs = llm.chat(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return tokens / elapsed, tokens
+    lengths = [len(o.outputs[0].token_ids) for o in outputs]
+    return sum(lengths) / elapsed, lengths
 
 
 def main() -> None:
@@ -180,6 +190,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--rounds", type=int, default=3, help="end-to-end rounds (median)")
     args = parser.parse_args()
     loaded = load_model(default_model_path(), dtype=getattr(torch, args.dtype))
     print(f"CPU: {cpu_name()}, torch threads: {torch.get_num_threads()}")
@@ -192,14 +203,28 @@ def main() -> None:
         print(f"  {name[:-2]:<8} {value * 1e3:8.3f} ms")
     print(f"  mask     {mask * 1e3:8.3f} ms = {100 * mask / step:.2f}% of a decode step")
     print(f"  decode step (model, batch {args.batch}) {step * 1e3:8.1f} ms")
-    free_tps, free_n = throughput(llm, args.requests, args.max_tokens, None)
-    json_tps, json_n = throughput(
-        llm, args.requests, args.max_tokens, StructuredOutputsParams(json=SCHEMA)
+    # The same tokens per request on both paths: the constrained run first (its JSON ends when
+    # complete), then unconstrained requests of exactly those lengths; rounds interleaved.
+    free, constrained = [], []
+    for _ in range(args.rounds):
+        json_tps, lengths = throughput(
+            llm, args.requests, args.max_tokens, StructuredOutputsParams(json=SCHEMA)
+        )
+        free_tps, _ = throughput(llm, args.requests, lengths, None)
+        constrained.append(json_tps)
+        free.append(free_tps)
+    tokens = sum(lengths)
+    print(
+        f"end to end, {args.requests} requests, max_tokens {args.max_tokens}, {tokens} tokens "
+        f"on both paths, median of {args.rounds} interleaved rounds:"
     )
-    print(f"end to end, {args.requests} requests, max_tokens {args.max_tokens}:")
-    print(f"  unconstrained  {free_tps:8.1f} tok/s ({free_n} tokens)")
-    print(f"  JSON schema    {json_tps:8.1f} tok/s ({json_n} tokens)")
-
+    free_tps, json_tps = statistics.median(free), statistics.median(constrained)
+    rounds = ", ".join(f"{x:.1f}" for x in free)
+    print(f"  unconstrained  {free_tps:8.1f} tok/s  (rounds: {rounds})")
+    print(
+        f"  JSON schema    {json_tps:8.1f} tok/s  (rounds: "
+        f"{', '.join(f'{x:.1f}' for x in constrained)}) = {json_tps / free_tps:.2f}x"
+    )
 
 if __name__ == "__main__":
     main()
