@@ -54,7 +54,9 @@ class CacheConfig:
         block_size: tokens per KV block.
         num_gpu_blocks: blocks in the pool, the null block included (vLLM's name; on a CPU
             they live in host memory).
-        cache_dtype: the KV cache's dtype ("bfloat16", "float32", "float16").
+        cache_dtype: the KV cache's dtype, resolved (never "auto"): the compute dtype's name
+            ("bfloat16", "float32", "float16") or an fp8 one ("fp8", "fp8_e4m3", "fp8_e5m2";
+            ``EngineConfig.kv_cache_dtype``).
         enable_prefix_caching: reuse the KV blocks of earlier prompts with the same prefix.
         prefix_caching_hash_algo: the block-hash algorithm.
         hash_seed: seed of the block hashes' root (None = random per engine).

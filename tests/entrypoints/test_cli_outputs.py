@@ -134,6 +134,7 @@ def test_generate_summary_counts_prompt_tokens_as_the_cache_does():
         loaded_model=SimpleNamespace(source="m.gguf"),
         config=SimpleNamespace(
             dtype="bfloat16",
+            kv_cache_dtype="fp8_e4m3",
             block_size=16,
             enable_prefix_caching=True,
             attention_backend="torch",
@@ -157,6 +158,7 @@ def test_generate_summary_counts_prompt_tokens_as_the_cache_does():
     assert "62.7% of prompt tokens hit (64/102, each request once)" in text
     assert "attention        torch backend, blocks of 16 tokens" in text
     assert "model            m.gguf (bfloat16)" in text
+    assert "KV cache         peak 0.0% of 100 blocks x 16 tokens, fp8_e4m3" in text
     assert "cpu              AMD EPYC 7B13, AVX2, no native bf16 -> bfloat16 compute" in text
     engine.config.tensor_parallel_size = 3
     engine.config.dtype, engine.requested_dtype = "float32", "auto"

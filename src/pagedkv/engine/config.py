@@ -14,6 +14,7 @@ from pagedkv.config import (
     SchedulerConfig,
 )
 from pagedkv.core.hashing import HASH_ALGOS
+from pagedkv.core.spec import KV_DTYPE_BYTES
 from pagedkv.cpu_caps import DTYPE_CHOICES
 from pagedkv.errors import ConfigError
 from pagedkv.units import GiB, parse_memory_size
@@ -21,6 +22,12 @@ from pagedkv.validation import check_int, positive_int_arg
 
 #: Values of ``dtype`` / ``--dtype`` ("auto": :func:`pagedkv.cpu_caps.resolve_dtype`).
 DTYPES = DTYPE_CHOICES
+#: Values of ``kv_cache_dtype`` / ``--kv-cache-dtype`` (vLLM's flag; the names of
+#: :data:`pagedkv.core.spec.KV_DTYPE_BYTES`, as ``pagedkv plan --kv-cache-dtype``): "auto" = the
+#: compute dtype; "fp8" = "fp8_e4m3" (float8_e4m3fn, as vLLM); "fp8_e5m2" = float8_e5m2.
+KV_CACHE_DTYPES = ("auto", *KV_DTYPE_BYTES)
+#: The fp8 names of KV_CACHE_DTYPES: one byte per element, whatever the compute dtype.
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 #: Values of ``--attention-backend`` (``pagedkv.ops.backends.BACKEND_CHOICES``, kept here so
 #: that reading the config imports no torch).
 ATTENTION_BACKENDS = ("auto", "torch", "vllm-cpu", "triton")
@@ -40,11 +47,18 @@ class EngineConfig:
 
     Args:
         model: GGUF file or Hugging Face folder; None = the default SmolLM2-135M-Instruct.
-        dtype: compute and KV-cache dtype: "auto" (vLLM's default: bfloat16 where the CPU
-            computes bf16 natively (AMX, AVX-512-BF16, AVX-NE-CONVERT) or on CUDA, float32
-            elsewhere, e.g. on AVX2-only CPUs; :func:`pagedkv.cpu_caps.resolve_dtype`),
-            "bfloat16", "float32" (exact) or "float16". The engine's ``config.dtype`` holds the
-            resolved one.
+        dtype: compute dtype (and the KV cache's, with kv_cache_dtype "auto"): "auto" (vLLM's
+            default: bfloat16 where the CPU computes bf16 natively (AMX, AVX-512-BF16,
+            AVX-NE-CONVERT) or on CUDA, float32 elsewhere, e.g. on AVX2-only CPUs;
+            :func:`pagedkv.cpu_caps.resolve_dtype`), "bfloat16", "float32" (exact) or
+            "float16". The engine's ``config.dtype`` holds the resolved one.
+        kv_cache_dtype: the KV cache's dtype (vLLM's ``--kv-cache-dtype``): "auto" (the compute
+            dtype), "fp8" / "fp8_e4m3" (float8_e4m3fn) or "fp8_e5m2" (float8_e5m2): one byte
+            per element, so the same kv_cache_memory holds 2x the blocks of bf16 (4x float32);
+            K and V are stored unscaled (vLLM's default ``k_scale`` = ``v_scale`` = 1.0). A
+            non-fp8 name must be the compute dtype itself ("bfloat16" with dtype bfloat16).
+            The engine's ``config.kv_cache_dtype`` holds the resolved one
+            (:func:`resolve_kv_cache_dtype`).
         block_size: tokens per KV block; None = the attention backend's fastest
             (``default_block_size``: 16 for torch, 128 for vllm-cpu). A size the chosen backend
             does not run is a ConfigError naming both.
@@ -87,12 +101,13 @@ class EngineConfig:
             :mod:`pagedkv.worker.tp_executor`, docs/parallel.md); 1 = one process, today's path.
 
     Raises:
-        ConfigError: an unknown dtype, a count out of range, or a kv_cache_memory string that
-            is not a size.
+        ConfigError: an unknown dtype or kv_cache_dtype, a count out of range, or a
+            kv_cache_memory string that is not a size.
     """
 
     model: str | None = None
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     block_size: int | None = None
     attention_backend: str = "auto"
     num_blocks: int | None = None
@@ -119,6 +134,10 @@ class EngineConfig:
         check_int("seed", self.seed, -(2**63), maximum=2**64 - 1, why="64-bit")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got "
@@ -140,14 +159,16 @@ class EngineConfig:
             check_int(name, getattr(self, name), 1, optional=True)
 
     def resolve(self, *, max_model_len: int, num_gpu_blocks: int) -> PagedKVConfig:
-        """The sub-configs of an engine whose dtype and block size are resolved and whose KV cache
-        is sized (``max_model_len`` tokens per request, ``num_gpu_blocks`` blocks).
+        """The sub-configs of an engine whose dtype, KV-cache dtype and block size are resolved
+        and whose KV cache is sized (``max_model_len`` tokens per request, ``num_gpu_blocks``
+        blocks).
 
         Raises:
-            ConfigError: dtype still "auto" or block_size still None (resolve them first).
+            ConfigError: dtype or kv_cache_dtype still "auto", or block_size still None
+                (resolve them first).
         """
-        if self.dtype == "auto" or self.block_size is None:
-            raise ConfigError("resolve needs a concrete dtype and block_size")
+        if "auto" in (self.dtype, self.kv_cache_dtype) or self.block_size is None:
+            raise ConfigError("resolve needs a concrete dtype, kv_cache_dtype and block_size")
         return PagedKVConfig(
             model_config=ModelRunConfig(
                 model=self.model,
@@ -159,7 +180,7 @@ class EngineConfig:
             cache_config=CacheConfig(
                 block_size=self.block_size,
                 num_gpu_blocks=num_gpu_blocks,
-                cache_dtype=self.dtype,
+                cache_dtype=self.kv_cache_dtype,
                 enable_prefix_caching=self.enable_prefix_caching,
                 prefix_caching_hash_algo=self.hash_algo,
                 hash_seed=self.hash_seed,
@@ -187,8 +208,15 @@ class EngineConfig:
             "--dtype",
             default=d.dtype,
             choices=DTYPES,
-            help="compute and KV-cache dtype (auto: bfloat16 where the CPU computes bf16 "
-            "natively, float32 elsewhere; the start log says which)",
+            help="compute dtype (auto: bfloat16 where the CPU computes bf16 natively, float32 "
+            "elsewhere; the start log says which)",
+        )
+        group.add_argument(
+            "--kv-cache-dtype",
+            default=d.kv_cache_dtype,
+            choices=KV_CACHE_DTYPES,
+            help="KV-cache dtype (auto: the compute dtype; fp8 = fp8_e4m3, or fp8_e5m2: one "
+            "byte per element, twice the blocks of bf16 in the same memory)",
         )
         group.add_argument(
             "--block-size",
@@ -267,6 +295,37 @@ class EngineConfig:
         """The config from parsed :meth:`add_cli_args` flags."""
         names = [f.name for f in dataclasses.fields(cls) if hasattr(args, f.name)]
         return cls(**{name: getattr(args, name) for name in names})
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str) -> str:
+    """The KV-cache dtype an engine computing in ``dtype`` runs for ``kv_cache_dtype``.
+
+    Args:
+        kv_cache_dtype: one of :data:`KV_CACHE_DTYPES`.
+        dtype: the resolved compute dtype ("bfloat16", "float32", "float16"), never "auto".
+
+    Returns:
+        ``dtype`` for "auto", else ``kv_cache_dtype`` itself (an fp8 name, or the compute
+        dtype's own name).
+
+    Raises:
+        ConfigError: an unknown name, or a non-fp8 dtype other than the compute dtype (the
+            attention backends store K/V in the compute dtype or in fp8); the message names
+            the field, its flag and the values that run.
+    """
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(
+            f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}"
+        )
+    if kv_cache_dtype == "auto":
+        return dtype
+    if kv_cache_dtype in FP8_KV_CACHE_DTYPES or kv_cache_dtype == dtype:
+        return kv_cache_dtype
+    raise ConfigError(
+        f"kv_cache_dtype (--kv-cache-dtype) {kv_cache_dtype} cannot be used with the compute "
+        f"dtype {dtype}: the attention backends store K and V in the compute dtype or in fp8. "
+        f"Choose auto ({dtype}), {', '.join(FP8_KV_CACHE_DTYPES)}, or --dtype {kv_cache_dtype}"
+    )
 
 
 def _parse_bytes(text: str) -> int:

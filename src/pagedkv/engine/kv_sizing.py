@@ -15,6 +15,10 @@ Sizing, in order of precedence::
 
     bytes_per_block = block_size x num_kv_heads x head_dim x 2 (K and V) x dtype bytes x group_size
 
+dtype bytes are the KV cache's (``EngineConfig.kv_cache_dtype``, ``--kv-cache-dtype``): 4 for
+float32, 2 for bf16 / fp16, 1 for fp8 (e4m3 or e5m2), so the same kv_cache_memory holds twice the
+blocks in fp8 as in bf16.
+
 block_size is the attention backend's (``EngineConfig.block_size``, resolved by
 :func:`pagedkv.engine.attention_backend.choose_attention_backend` before sizing); no backend pads
 its cache, so these bytes are what the backend allocates.
@@ -43,6 +47,7 @@ from pagedkv.engine.config import (
     DEFAULT_MAX_KV_CACHE_MEMORY,
     DEFAULT_MAX_MODEL_LEN_CAP,
     EngineConfig,
+    resolve_kv_cache_dtype,
 )
 from pagedkv.errors import CacheSizingError, ConfigError
 from pagedkv.model.config import kv_cache_layer_specs
@@ -100,8 +105,10 @@ def size_kv_cache(
     Args:
         model_config: the model's shape (layer windows from ``layer_sliding_windows``).
         config: the engine's options.
-        kv_dtype: dtype of the KV cache; default ``config.dtype``, "auto" resolved for this
-            CPU (:func:`pagedkv.cpu_caps.resolve_dtype`; the engine passes the dtype it runs).
+        kv_dtype: dtype of the KV cache (a :data:`~pagedkv.core.spec.KV_DTYPE_BYTES` name: fp8
+            is one byte); default ``config.kv_cache_dtype``, "auto" being ``config.dtype``
+            resolved for this CPU (:func:`pagedkv.cpu_caps.resolve_dtype`; the engine passes
+            the KV dtype it runs).
 
     Returns:
         A :class:`KVCacheConfig` whose ``max_model_len`` is the engine's (see
@@ -172,8 +179,9 @@ def engine_layer_specs(
     if tp > 1:
         per_rank = check_tensor_parallel(model_config, tp).num_kv_heads
         model_config = dataclasses.replace(model_config, num_key_value_heads=per_rank)
-    if kv_dtype is None:  # the engine passes its resolved dtype; "auto" follows this CPU
-        kv_dtype = resolve_dtype(config.dtype, probe_cpu() if config.dtype == "auto" else None)
+    if kv_dtype is None:  # the engine passes its resolved KV dtype; "auto" follows this CPU
+        dtype = resolve_dtype(config.dtype, probe_cpu() if config.dtype == "auto" else None)
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
     specs = kv_cache_layer_specs(model_config, config.block_size, kv_dtype)
     if config.disable_hybrid_kv_cache_manager:
         specs = unify_kv_cache_specs(specs)

@@ -131,17 +131,19 @@ class LLMEngine:
         device = "cpu" if loaded_model is None else loaded_model.model.device
         if torch.device(device).type == "cpu":
             logger.info("%s", self.cpu_capabilities.summary(config.dtype))
-        # The backend decides the block size (when not given) before the cache is sized.
+        # The backend decides the block size (when not given) before the cache is sized; the
+        # KV-cache dtype ("auto": the compute dtype) is resolved and checked with it.
         config, choice = choose_attention_backend(
             config, model_shape.head_dim, config.dtype, device
         )
-        #: the options, resolved (dtype, block size); the sub-configs are ``pagedkv_config``.
+        #: the options, resolved (dtype, kv_cache_dtype, block size); the sub-configs are
+        #: ``pagedkv_config``.
         self.config = config
         #: the attention backend (owns the KV cache's layout and runs attention).
         self.attention_backend = choice.backend
         #: why the backend asked for (or auto's first choice) was passed over; None if it runs.
         self.attention_backend_fallback_reason = choice.fallback_reason
-        kv_cache_config = size_kv_cache(model_shape, config, kv_dtype=config.dtype)
+        kv_cache_config = size_kv_cache(model_shape, config, kv_dtype=config.kv_cache_dtype)
         self.kv_cache_config = kv_cache_config
         self.max_model_len = kv_cache_config.max_model_len
         logger.info(
@@ -149,7 +151,7 @@ class LLMEngine:
             kv_cache_config.num_usable_blocks,
             config.block_size,
             kv_cache_config.kv_cache_memory / 2**20,
-            config.dtype,
+            config.kv_cache_dtype,
             self.max_model_len,
         )
         #: the resolved sub-configs (model, cache, scheduler, parallel), vLLM's VllmConfig.

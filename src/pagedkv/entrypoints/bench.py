@@ -160,6 +160,7 @@ def bench_pagedkv(args: argparse.Namespace, conversations: list) -> BenchResult:
         extra={
             "attention_backend": llm.engine.attention_backend.name,
             "block_size": llm.engine.config.block_size,
+            "kv_cache_dtype": llm.engine.config.kv_cache_dtype,
             "max_num_seqs": config.max_num_seqs,
             "max_num_batched_tokens": config.max_num_batched_tokens,
             "num_steps": stats.num_steps - before.num_steps,

@@ -136,6 +136,7 @@ def measure(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
             runs.append(result)
     report = summarize(runs, args)
     report["dtype"] = engine.config.dtype
+    report["kv_cache_dtype"] = engine.config.kv_cache_dtype
     report["cpu"] = engine.cpu_capabilities.as_dict()  # speed figures name their CPU
     return report
 

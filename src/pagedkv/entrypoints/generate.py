@@ -289,7 +289,7 @@ def print_summary(llm, outputs, elapsed: float, load_time: float, file=sys.stdou
             else "prefix cache     off"
         ),
         f"KV cache         peak {stats.peak_kv_cache_usage:.1%} of {usable} blocks "
-        f"x {engine.config.block_size} tokens",
+        f"x {engine.config.block_size} tokens, {engine.config.kv_cache_dtype}",
         f"preemptions      {stats.num_preemptions}",
     ]
     if stats.num_forks or stats.num_cow_copies:

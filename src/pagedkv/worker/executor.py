@@ -77,6 +77,7 @@ class UniProcExecutor(Executor):
             config.scheduler_config,
             seed=config.model_config.seed,
             attention_backend=attention_backend,
+            kv_cache_dtype=config.cache_config.cache_dtype,
         )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -75,9 +75,14 @@ class ModelRunner:
             (:func:`pagedkv.ops.backends.select_backend`), or its name (each tensor-parallel
             rank makes its own: :func:`pagedkv.ops.backends.get_attn_backend`); None = the
             torch backend on the model's device.
+        kv_cache_dtype: the caches' dtype, a torch dtype or name ("fp8_e4m3", ...;
+            :data:`pagedkv.ops.backends.KV_CACHE_DTYPES`); None = the model's dtype. fp8
+            caches store K and V unscaled (``k_scale`` = ``v_scale`` = 1.0, vLLM's default).
+            Its element size must be the one ``kv_cache_config`` was sized with.
 
     Raises:
-        ConfigError: a KV cache config whose layers are not the model's, a sliding-window
+        ConfigError: a KV cache config whose layers are not the model's (count, or bytes per
+            element other than kv_cache_dtype's), a sliding-window
             group whose window is not its layers' (it would free blocks they still read), or a
             layer the backend cannot run (the message says why).
     """
@@ -90,6 +95,7 @@ class ModelRunner:
         *,
         seed: int = 0,
         attention_backend: AttentionBackend | str | None = None,
+        kv_cache_dtype: torch.dtype | str | None = None,
     ) -> None:
         config = model.config
         self.model = model
@@ -103,7 +109,10 @@ class ModelRunner:
         #: the attention backend: owns the caches' layout, builds the metadata, runs attention.
         self.attention_backend = backend
         #: each layer's attention spec (heads, head size, block size, dtypes, window, scale).
-        self.layer_specs = model.attention_layer_specs(self.block_size)
+        try:
+            self.layer_specs = model.attention_layer_specs(self.block_size, kv_cache_dtype)
+        except OpsInputError as e:
+            raise ConfigError(f"kv_cache_dtype {kv_cache_dtype}: {e}") from None
         for spec in dict.fromkeys(self.layer_specs):
             reason = backend.unsupported_reason(spec)
             if reason is not None:
@@ -380,6 +389,14 @@ def _attention_groups(
     layer_pairs = [0] * len(layer_specs)
     for g, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
+        for layer in group.layer_ids[:1]:  # the layers of a group share one cache dtype
+            stored = layer_specs[layer].kv_cache_dtype
+            if spec.dtype_bytes != stored.itemsize:
+                raise ConfigError(
+                    f"KV cache group {g} was sized for {spec.dtype} ({spec.dtype_bytes} bytes "
+                    f"per element), its layers store {stored} ({stored.itemsize}): pass the "
+                    "runner the cache's kv_cache_dtype"
+                )
         for layer in group.layer_ids:
             window = layer_specs[layer].sliding_window
             if isinstance(spec, SlidingWindowSpec) and window != spec.sliding_window:

@@ -126,6 +126,7 @@ class TensorParallelExecutor(Executor):
             "scheduler_config": config.scheduler_config,
             "seed": config.model_config.seed,
             "attention_backend": attention_backend,
+            "kv_cache_dtype": config.cache_config.cache_dtype,
         }
         # Port 0: the OS picks a free port; workers learn it from their arguments.
         self._store = torch.distributed.TCPStore(
