@@ -391,3 +391,22 @@ def test_preempted_constrained_requests_still_satisfy_their_constraint(loaded_fp
         assert _accepted_by(constraint, completion.token_ids, llm)
         if completion.finish_reason == "stop":
             jsonschema.validate(json.loads(completion.text), schema)
+
+
+def test_the_input_processor_pickles_without_the_engines_manager(llm):
+    # A cluster's front end gets the replica's input processor pickled: the engine's manager
+    # (a lock, a compile thread) stays behind and the copy parses constraints on its own.
+    import pickle
+
+    processor = llm.engine.input_processor
+    assert processor.structured_outputs is not None
+    twin = pickle.loads(pickle.dumps(processor))
+    assert twin.structured_outputs is None and processor.structured_outputs is not None
+    twin.check_structured_outputs(
+        SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+"))
+    )
+    with pytest.raises(InvalidRequestError, match="structured_outputs"):
+        twin.check_structured_outputs(
+            SamplingParams(structured_outputs=StructuredOutputsParams(regex="(a"))
+        )
+    assert processor.copy().structured_outputs is processor.structured_outputs

@@ -115,7 +115,15 @@ class InputProcessor:
         is not used in the calling thread)."""
         twin = copy.copy(self)
         twin.tokenizer = copy.deepcopy(self.tokenizer)
+        twin.structured_outputs = self.structured_outputs  # shared: its parse cache locks
         return twin
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (to a cluster's front end) without the engine's structured-output manager,
+        which holds a lock and a compile thread: the copy parses constraints itself."""
+        state = dict(self.__dict__)
+        state["structured_outputs"] = None
+        return state
 
     @property
     def has_chat_template(self) -> bool:
