@@ -549,3 +549,19 @@ def test_tool_schemas_that_cannot_be_enforced_are_a_400_naming_tools(
     error = response.json()["error"]
     assert error["param"] == "tools"
     assert reason in error["message"]
+
+
+def test_tokenize_renders_tools_as_chat_does(server, client, engine):
+    """/tokenize with `messages` and `tools` counts the prompt /v1/chat/completions runs (the
+    tools used to be ignored there, with a warning line, so the count left them out)."""
+    engine.reply = "ok"
+    body = {"messages": QUESTION, "tools": [WEATHER_TOOL]}
+    tokenized = httpx.post(server.url + "/tokenize", json=body).json()
+    reply = client.chat.completions.create(model="fake-model", tool_choice="none", **body)
+    assert tokenized["count"] == reply.usage.prompt_tokens
+    ids = engine.added[-1][1]
+    ids = ids.token_ids if hasattr(ids, "token_ids") else ids["prompt_token_ids"]
+    assert tokenized["tokens"] == list(ids)
+    assert "<tools>['get_weather']" in engine.tokenizer.decode(tokenized["tokens"])
+    refused = httpx.post(server.url + "/tokenize", json={"prompt": "x", "tools": [WEATHER_TOOL]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"
