@@ -250,39 +250,52 @@ def test_required_with_a_pydantic_tool_and_its_defs(client):
     jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_round_trip_with_the_models_own_call(client, stream):
-    """user -> the model's (required) call -> the tool's result -> the model's answer."""
+def test_round_trip_with_the_models_own_call(client):
+    """user -> the model's (required) call -> the tool's result -> the model's answer, each leg
+    streamed and not (greedy: the streamed legs give what the whole ones give)."""
     kwargs = {"model": "smollm2", "tools": [TOOL], "temperature": 0}
-    first = client.chat.completions.create(
-        messages=QUESTION,
-        tool_choice="required",
-        parallel_tool_calls=False,
-        max_tokens=CONSTRAINED_MAX_TOKENS,
+    first_kwargs = {
+        "messages": QUESTION,
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_tokens": CONSTRAINED_MAX_TOKENS,
         **kwargs,
-    ).choices[0]
+    }
+    first = client.chat.completions.create(**first_kwargs).choices[0]
     assert first.finish_reason == "tool_calls"
     [call] = first.message.tool_calls
     assert call.function.name == "get_weather"
+    # The streamed call, put together from its deltas as a client does: the same call.
+    streamed_call = {"id": "", "name": "", "arguments": ""}
+    for chunk in client.chat.completions.create(stream=True, **first_kwargs):
+        for choice in chunk.choices:
+            for piece in choice.delta.tool_calls or ():
+                assert piece.index == 0
+                streamed_call["id"] += piece.id or ""
+                streamed_call["name"] += piece.function.name or ""
+                streamed_call["arguments"] += piece.function.arguments or ""
+    assert streamed_call["id"].startswith("call_")
+    assert (streamed_call["name"], streamed_call["arguments"]) == (
+        call.function.name,
+        call.function.arguments,
+    )
     messages = [
         *QUESTION,
         first.message.model_dump(exclude_none=True),
         {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 21, "sky": "clear"}'},
     ]
     final_kwargs = {"messages": messages, "tool_choice": "none", "max_tokens": 16, **kwargs}
-    if stream:
-        content, finish = "", None
-        for chunk in client.chat.completions.create(stream=True, **final_kwargs):
-            for choice in chunk.choices:
-                assert not choice.delta.tool_calls
-                content += choice.delta.content or ""
-                finish = choice.finish_reason or finish
-    else:
-        answer = client.chat.completions.create(**final_kwargs).choices[0]
-        assert answer.message.tool_calls is None
-        content, finish = answer.message.content, answer.finish_reason
-    assert content and content.strip()
-    assert finish in ("stop", "length")
+    answer = client.chat.completions.create(**final_kwargs).choices[0]
+    assert answer.message.tool_calls is None
+    assert answer.message.content and answer.message.content.strip()
+    assert answer.finish_reason in ("stop", "length")
+    content, finish = "", None
+    for chunk in client.chat.completions.create(stream=True, **final_kwargs):
+        for choice in chunk.choices:
+            assert not choice.delta.tool_calls
+            content += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    assert (content, finish) == (answer.message.content, answer.finish_reason)
 
 
 @pytest.mark.parametrize("tool_choice", ["required", "get_weather"])
