@@ -563,3 +563,46 @@ def test_use_beam_search_refuses_what_it_does_not_do(server, fields, param):
     response = post(server, "/v1/completions", {"prompt": PROMPT, "length_penalty": 0.5})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "length_penalty"
+
+
+_WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "named"),
+    [
+        ("/v1/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"guided_regex": "[a-z]+"}, "guided_regex"),
+        (
+            "/v1/chat/completions",
+            {"tools": [_WEATHER_TOOL], "tool_choice": "required"},
+            "tool_choice",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "tools": [_WEATHER_TOOL],
+                "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            },
+            "tool_choice",
+        ),
+    ],
+)
+def test_use_beam_search_refuses_a_constrained_output(server, path, fields, named):
+    """Beams rank the raw log-probabilities: a structured-output constraint (the request's own,
+    or the one tool_choice "required" / a named function sets) is a 400 naming
+    use_beam_search that says which."""
+    base = {"prompt": PROMPT} if path == "/v1/completions" else {"messages": MESSAGES}
+    body = {**base, "max_tokens": 4, "n": 2, **fields}
+    response = post(server, path, {**body, "use_beam_search": True})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "use_beam_search"
+    assert named in error["message"]

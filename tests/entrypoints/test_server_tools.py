@@ -431,3 +431,137 @@ def test_required_schema_accepts_exactly_the_calls():
         ("get_weather", {"city": "Paris"})
     ]
     assert parse_required('[{"name": "get_weather", "parameters": {') is None
+
+
+# A tool as pydantic writes it (openai.pydantic_function_tool, LangChain): the nested model in
+# `$defs`, referenced from the tool's root as `#/$defs/City`.
+DEFS_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_forecast",
+        "parameters": {
+            "$defs": {
+                "City": {
+                    "type": "object",
+                    "properties": {"name": {"type": "string"}, "country": {"type": "string"}},
+                    "required": ["name", "country"],
+                    "additionalProperties": False,
+                }
+            },
+            "type": "object",
+            "properties": {"city": {"$ref": "#/$defs/City"}, "days": {"type": "integer"}},
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+FORECAST_ARGS = {"city": {"name": "Paris", "country": "FR"}, "days": 2}
+
+
+def test_required_schema_moves_each_tools_defs_to_its_root():
+    """`#/$defs/City` of a tool points at the root of the whole "required" schema once the
+    tool's parameters sit inside it: the tool's `$defs` go there (before: xgrammar refused it,
+    "Cannot find field '$defs'", a 400 for any pydantic tool with a nested model)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from pagedkv.engine.structured_output import parse_constraint
+    from pagedkv.sampling_params import StructuredOutputsParams
+
+    body = {"messages": QUESTION, "tools": [WEATHER_TOOL, DEFS_TOOL], "tool_choice": "required"}
+    request = ChatCompletionRequest.model_validate(body)
+    schema = required_schema(request)
+    assert schema["$defs"] == DEFS_TOOL["function"]["parameters"]["$defs"]
+    assert "$defs" in request.tools[1].function.parameters  # the request is not changed
+    parse_constraint(StructuredOutputsParams(json=schema))  # compiles
+    jsonschema.validate([{"name": "get_forecast", "parameters": FORECAST_ARGS}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(
+            [{"name": "get_forecast", "parameters": {"city": {"name": "Paris"}, "days": 2}}],
+            schema,
+        )
+
+
+def test_required_call_with_a_defs_tool(client, engine):
+    engine.reply = json.dumps([{"name": "get_forecast", "parameters": FORECAST_ARGS}])
+    for stream in (False, True):
+        kwargs = {
+            "model": "fake-model",
+            "messages": QUESTION,
+            "tools": [WEATHER_TOOL, DEFS_TOOL],
+            "tool_choice": "required",
+        }
+        if stream:
+            finish, calls = None, {}
+            for chunk in client.chat.completions.create(stream=True, **kwargs):
+                for choice in chunk.choices:
+                    finish = choice.finish_reason or finish
+                    for piece in choice.delta.tool_calls or ():
+                        entry = calls.setdefault(piece.index, ["", ""])
+                        entry[0] += piece.function.name or ""
+                        entry[1] += piece.function.arguments or ""
+            got = [(name, json.loads(arguments)) for name, arguments in calls.values()]
+        else:
+            choice = client.chat.completions.create(**kwargs).choices[0]
+            finish = choice.finish_reason
+            got = [
+                (c.function.name, json.loads(c.function.arguments))
+                for c in choice.message.tool_calls
+            ]
+        assert finish == "tool_calls"
+        assert got == [("get_forecast", FORECAST_ARGS)]
+
+
+def _with_parameters(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+@pytest.mark.parametrize(
+    ("tools", "tool_choice", "reason"),
+    [
+        (  # the same $defs name, two meanings
+            [
+                DEFS_TOOL,
+                _with_parameters(
+                    "other",
+                    {"$defs": {"City": {"type": "string"}}, "$ref": "#/$defs/City"},
+                ),
+            ],
+            "required",
+            "define `$defs` `City` differently",
+        ),
+        (  # a reference to nothing
+            [_with_parameters("broken", {"type": "object", "properties": {"x": {"$ref": "#/no"}}})],
+            "required",
+            "the schema `tool_choice` required builds from `tools` cannot be compiled",
+        ),
+        (
+            [_with_parameters("broken", {"type": "object", "properties": {"x": {"$ref": "#/no"}}})],
+            {"type": "function", "function": {"name": "broken"}},
+            "the schema `tool_choice` named builds from `tools` cannot be compiled",
+        ),
+    ],
+)
+def test_tool_schemas_that_cannot_be_enforced_are_a_400_naming_tools(
+    server, tools, tool_choice, reason
+):
+    body = {"messages": QUESTION, "tools": tools, "tool_choice": tool_choice}
+    response = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "tools"
+    assert reason in error["message"]
+
+
+def test_tokenize_renders_tools_as_chat_does(server, client, engine):
+    """/tokenize with `messages` and `tools` counts the prompt /v1/chat/completions runs (the
+    tools used to be ignored there, with a warning line, so the count left them out)."""
+    engine.reply = "ok"
+    body = {"messages": QUESTION, "tools": [WEATHER_TOOL]}
+    tokenized = httpx.post(server.url + "/tokenize", json=body).json()
+    reply = client.chat.completions.create(model="fake-model", tool_choice="none", **body)
+    assert tokenized["count"] == reply.usage.prompt_tokens
+    ids = engine.added[-1][1]
+    ids = ids.token_ids if hasattr(ids, "token_ids") else ids["prompt_token_ids"]
+    assert tokenized["tokens"] == list(ids)
+    assert "<tools>['get_weather']" in engine.tokenizer.decode(tokenized["tokens"])
+    refused = httpx.post(server.url + "/tokenize", json={"prompt": "x", "tools": [WEATHER_TOOL]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"

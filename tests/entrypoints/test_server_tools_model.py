@@ -1,7 +1,10 @@
 """Tool calling on the real default model (SmolLM2-135M, fp32) with our Hermes template
 (examples/tool_chat_template_hermes.jinja): the round trip assistant tool call -> tool message ->
 final answer through /v1/chat/completions, streamed and not, equal to what the engine generates
-greedily for the same rendered prompt, read by the same parser."""
+greedily for the same rendered prompt, read by the same parser; and ``tool_choice`` "required" /
+a named function, whose grammar forces the model's own output into valid calls (arguments
+checked with jsonschema), streamed and not, through the openai client and LangChain's
+``bind_tools``, up to a full round trip on the model's own call."""
 
 from __future__ import annotations
 
@@ -115,3 +118,205 @@ def test_round_trip_answer_streamed_and_not(server):
     assert [tuple(v) for v in streamed_calls.values()] == calls
     for _, arguments in streamed_calls.values():
         json.loads(arguments)
+
+
+# ---- tool_choice "required" / a named function: the model's own output, constrained ----------
+
+CONSTRAINED_MAX_TOKENS = 64
+TIME_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The current time in a time zone",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "enum": ["UTC", "CET", "PST"]}},
+            "required": ["zone"],
+        },
+    },
+}
+QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def _parameters(name: str) -> dict:
+    return next(t for t in (TOOL, TIME_TOOL) if t["function"]["name"] == name)["function"][
+        "parameters"
+    ]
+
+
+def _calls_streamed_and_not(client, **kwargs):
+    """(finish_reason, [(name, arguments)]) of the non-streamed reply and of the streamed one
+    (its deltas put back together by index)."""
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    calls = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or ()]
+    assert all(c.id.startswith("call_") and c.type == "function" for c in whole.message.tool_calls)
+    streamed: dict[int, list[str]] = {}
+    content, finish = "", None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+            for piece in choice.delta.tool_calls or ():
+                entry = streamed.setdefault(piece.index, ["", ""])
+                entry[0] += piece.function.name or ""
+                entry[1] += piece.function.arguments or ""
+    assert content == "" and whole.message.content is None
+    return (whole.finish_reason, calls), (finish, [tuple(v) for v in streamed.values()])
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+@pytest.mark.parametrize(
+    ("tools", "parallel", "max_tokens"),
+    # Greedy, SmolLM2 writes the same call twice when it may (60 tokens), once when it may not.
+    [([TOOL], True, 96), ([TOOL, TIME_TOOL], False, CONSTRAINED_MAX_TOKENS)],
+    ids=["one-tool-parallel", "two-tools-single"],
+)
+def test_required_forces_a_valid_call(client, tools, parallel, max_tokens):
+    jsonschema = pytest.importorskip("jsonschema")
+    whole, streamed = _calls_streamed_and_not(
+        client,
+        model="smollm2",
+        messages=QUESTION,
+        tools=tools,
+        tool_choice="required",
+        parallel_tool_calls=parallel,
+        max_tokens=max_tokens,
+        temperature=0,
+    )
+    finish, calls = whole
+    assert finish == "tool_calls"
+    assert len(calls) == (2 if parallel else 1)
+    names = {t["function"]["name"] for t in tools}
+    for name, arguments in calls:
+        assert name in names
+        jsonschema.validate(json.loads(arguments), _parameters(name))
+    assert streamed == whole
+
+
+def test_named_function_forces_that_call(client):
+    jsonschema = pytest.importorskip("jsonschema")
+    whole, streamed = _calls_streamed_and_not(
+        client,
+        model="smollm2",
+        messages=QUESTION,
+        tools=[TIME_TOOL, TOOL],
+        tool_choice=NAMED,
+        max_tokens=CONSTRAINED_MAX_TOKENS,
+        temperature=0,
+    )
+    finish, calls = whole
+    assert finish == "stop"  # OpenAI's for a named function
+    [(name, arguments)] = calls
+    assert name == "get_weather"
+    jsonschema.validate(json.loads(arguments), TOOL["function"]["parameters"])
+    assert streamed == whole
+
+
+def test_required_with_a_pydantic_tool_and_its_defs(client):
+    """openai.pydantic_function_tool keeps a nested model in `$defs` (strict schema): the
+    "required" schema moves it to its root, and the model's call matches the tool's schema."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        country: str
+
+    class GetForecast(BaseModel):
+        """The weather forecast for a city."""
+
+        city: City
+
+    tool = openai.pydantic_function_tool(GetForecast)
+    assert "$defs" in tool["function"]["parameters"]
+    reply = client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "Forecast for Paris, France?"}],
+        tools=[tool],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=CONSTRAINED_MAX_TOKENS,
+        temperature=0,
+    ).choices[0]
+    assert reply.finish_reason == "tool_calls"
+    [call] = reply.message.tool_calls
+    assert call.function.name == "GetForecast"
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
+def test_round_trip_with_the_models_own_call(client):
+    """user -> the model's (required) call -> the tool's result -> the model's answer, each leg
+    streamed and not (greedy: the streamed legs give what the whole ones give)."""
+    kwargs = {"model": "smollm2", "tools": [TOOL], "temperature": 0}
+    first_kwargs = {
+        "messages": QUESTION,
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_tokens": CONSTRAINED_MAX_TOKENS,
+        **kwargs,
+    }
+    first = client.chat.completions.create(**first_kwargs).choices[0]
+    assert first.finish_reason == "tool_calls"
+    [call] = first.message.tool_calls
+    assert call.function.name == "get_weather"
+    # The streamed call, put together from its deltas as a client does: the same call.
+    streamed_call = {"id": "", "name": "", "arguments": ""}
+    for chunk in client.chat.completions.create(stream=True, **first_kwargs):
+        for choice in chunk.choices:
+            for piece in choice.delta.tool_calls or ():
+                assert piece.index == 0
+                streamed_call["id"] += piece.id or ""
+                streamed_call["name"] += piece.function.name or ""
+                streamed_call["arguments"] += piece.function.arguments or ""
+    assert streamed_call["id"].startswith("call_")
+    assert (streamed_call["name"], streamed_call["arguments"]) == (
+        call.function.name,
+        call.function.arguments,
+    )
+    messages = [
+        *QUESTION,
+        first.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 21, "sky": "clear"}'},
+    ]
+    final_kwargs = {"messages": messages, "tool_choice": "none", "max_tokens": 16, **kwargs}
+    answer = client.chat.completions.create(**final_kwargs).choices[0]
+    assert answer.message.tool_calls is None
+    assert answer.message.content and answer.message.content.strip()
+    assert answer.finish_reason in ("stop", "length")
+    content, finish = "", None
+    for chunk in client.chat.completions.create(stream=True, **final_kwargs):
+        for choice in chunk.choices:
+            assert not choice.delta.tool_calls
+            content += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    assert (content, finish) == (answer.message.content, answer.finish_reason)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "get_weather"])
+def test_langchain_bind_tools_forced(server, tool_choice):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    jsonschema = pytest.importorskip("jsonschema")
+
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        return "21 C"
+
+    model = langchain_openai.ChatOpenAI(
+        model="smollm2",
+        base_url=server.url + "/v1",
+        api_key="x",
+        temperature=0,
+        max_tokens=CONSTRAINED_MAX_TOKENS,
+        max_retries=0,
+    )
+    bound = model.bind_tools([get_weather], tool_choice=tool_choice, parallel_tool_calls=False)
+    result = bound.invoke("What is the weather in Paris?")
+    [call] = result.tool_calls
+    assert call["name"] == "get_weather"
+    jsonschema.validate(call["args"], TOOL["function"]["parameters"])

@@ -877,6 +877,21 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
+def template_tools(tools: list[ChatTool] | None) -> list[dict[str, Any]] | None:
+    """``tools`` as the chat template takes them (OpenAI's form); None when there are none."""
+    if not tools:
+        return None
+    rendered = []
+    for tool in tools:
+        function = tool.function
+        entry: dict[str, Any] = {"name": function.name}
+        if function.description is not None:
+            entry["description"] = function.description
+        entry["parameters"] = function.parameters or {"type": "object", "properties": {}}
+        rendered.append({"type": "function", "function": entry})
+    return rendered
+
+
 #: Keyword arguments of the template render that chat_template_kwargs may not set (the request's
 #: own fields set them).
 RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -1027,17 +1042,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """``tools`` as the chat template takes them (OpenAI's form); None when there are none."""
-        if not self.tools:
-            return None
-        tools = []
-        for tool in self.tools:
-            function = tool.function
-            entry: dict[str, Any] = {"name": function.name}
-            if function.description is not None:
-                entry["description"] = function.description
-            entry["parameters"] = function.parameters or {"type": "object", "properties": {}}
-            tools.append({"type": "function", "function": entry})
-        return tools
+        return template_tools(self.tools)
 
     def ignored_fields(self) -> list[str]:
         names = super().ignored_fields()
@@ -1071,6 +1076,14 @@ class TokenizeRequest(_Strict):
             ]
         },
         _CONTINUE_RULE,
+        # tools go through the chat template: with messages only.
+        {
+            "if": {
+                "required": ["tools"],
+                "properties": {"tools": {"type": "array", "minItems": 1}},
+            },
+            "then": {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+        },
     )
 
     model: Text | None = None
@@ -1082,6 +1095,8 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     return_token_strs: bool = False
+    #: with ``messages``: rendered through the template as /v1/chat/completions renders them.
+    tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
 
     def check_supported(self) -> None:
         """400s for inputs that do not go together."""
@@ -1091,6 +1106,10 @@ class TokenizeRequest(_Strict):
             raise UnsupportedFieldError(
                 "continue_final_message",
                 "`continue_final_message` and `add_generation_prompt` cannot both be true",
+            )
+        if self.tools and self.messages is None:
+            raise UnsupportedFieldError(
+                "tools", "`tools` are rendered through the chat template: send `messages`"
             )
 
     def ignored_fields(self) -> list[str]:

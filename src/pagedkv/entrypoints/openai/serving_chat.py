@@ -327,6 +327,15 @@ class OpenAIServingChat(OpenAIServing):
         except InvalidRequestError as exc:
             if exc.param == "prompt":  # the engine's name for what a chat request calls messages
                 exc.param = "messages"
+            elif exc.param == "structured_outputs" and constraint is not None:
+                # The schema tool_choice built from the tools' parameters: their fault.
+                raise InvalidRequestError(
+                    str(exc).replace(
+                        "structured_outputs.json",
+                        f"the schema `tool_choice` {tool_choice.kind} builds from `tools`",
+                    ),
+                    param="tools",
+                ) from None
             raise
         response = _ChatResponse(response_id, self.models.model_name, prompts, options, tool_choice)
         if request.stream:

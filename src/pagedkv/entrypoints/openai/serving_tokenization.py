@@ -13,6 +13,7 @@ from pagedkv.entrypoints.openai.protocol import (
     DetokenizeResponse,
     TokenizeRequest,
     TokenizeResponse,
+    template_tools,
 )
 from pagedkv.entrypoints.openai.serving_models import OpenAIServingModels
 
@@ -27,6 +28,7 @@ def _tokenize(
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
             add_special_tokens=bool(request.add_special_tokens),
+            tools=template_tools(request.tools),
             chat_template=chat_template,
         )
     else:

@@ -26,6 +26,7 @@ from pagedkv.entrypoints.openai.protocol import (
     FunctionCallOut,
     NamedToolChoice,
     ToolCallOut,
+    UnsupportedFieldError,
 )
 from pagedkv.entrypoints.openai.tool_parsers import ToolCall, ToolCallStream, ToolParser
 from pagedkv.entrypoints.openai.tool_parsers.base import read_call
@@ -39,24 +40,57 @@ def tool_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+#: The keywords under which a schema keeps the subschemas its ``$ref``s point to
+#: (``#/$defs/Name``; pydantic v1 and older drafts: ``#/definitions/Name``).
+_DEFS_KEYWORDS = ("$defs", "definitions")
+
+
 def required_schema(request: ChatCompletionRequest) -> dict[str, Any]:
     """The JSON Schema of ``tool_choice: "required"``: an array of at least one call, each
     ``{"name": <a tool's name>, "parameters": <its schema>}`` (at most one without
-    parallel_tool_calls)."""
-    items = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"type": "string", "enum": [tool.function.name]},
-                "parameters": tool.function.parameters or _ANY_OBJECT,
-            },
-            "required": ["name", "parameters"],
-        }
-        for tool in request.tools or ()
-    ]
+    parallel_tool_calls).
+
+    A tool's ``$defs`` / ``definitions`` (pydantic writes nested models there, referenced as
+    ``#/$defs/Name`` from the tool's root) move to the root of this schema, where those
+    references now point, as vLLM does; the request is not changed.
+
+    Raises:
+        UnsupportedFieldError: two tools define the same ``$defs`` name differently (a 400
+            naming ``tools``).
+    """
+    items = []
+    defs: dict[str, dict[str, Any]] = {}  # keyword -> name -> subschema
+    for tool in request.tools or ():
+        parameters = dict(tool.function.parameters or _ANY_OBJECT)  # a copy: the request stays
+        for keyword in _DEFS_KEYWORDS:
+            found = parameters.get(keyword)
+            if not isinstance(found, dict):
+                continue  # absent, or malformed: left in place for xgrammar to refuse
+            del parameters[keyword]
+            merged = defs.setdefault(keyword, {})
+            for name, subschema in found.items():
+                if name in merged and merged[name] != subschema:
+                    raise UnsupportedFieldError(
+                        "tools",
+                        f"`tool_choice` required: two tools define `{keyword}` `{name}` "
+                        "differently; their schemas are joined in one, so give the "
+                        "definitions distinct names",
+                    )
+                merged[name] = subschema
+        items.append(
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "enum": [tool.function.name]},
+                    "parameters": parameters,
+                },
+                "required": ["name", "parameters"],
+            }
+        )
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
     if not request.parallel_tool_calls:
         schema["maxItems"] = 1
+    schema.update(defs)
     return schema
 
 
