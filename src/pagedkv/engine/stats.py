@@ -31,6 +31,8 @@ class SchedulerStats:
         num_cow_copies: copy-on-write block copies since start (a forked sample writing into
             a partially filled block it shared).
         num_shared_blocks: blocks held by more than one request now (forks and prefix hits).
+        num_kv_tier_load_failures: requests sent back to recompute because a KV tier load
+            failed (a missing, truncated or corrupt entry).
     """
 
     num_running: int = 0
@@ -48,6 +50,7 @@ class SchedulerStats:
     num_forks: int = 0
     num_cow_copies: int = 0
     num_shared_blocks: int = 0
+    num_kv_tier_load_failures: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedkv.core.offload import KVTierOps
 from pagedkv.sampling_params import SamplingParams
 
 #: Block ids of one request, one list per KV cache group (``0`` = the null block).
@@ -110,6 +111,9 @@ class SchedulerOutput:
             onto itself, no ``dst`` twice, no block both a source and a destination), and so do
             all groups' pairs together (the groups share the cache tensors). Idea from vLLM's
             ``blocks_to_copy`` of its V0 scheduler outputs (beam search, parallel sampling).
+        kv_tier_ops: the KV tier's stores, drops and loads (:class:`pagedkv.core.offload.
+            KVTierOps`), or ``None``: each worker copies the stored blocks out of the pool first,
+            then loads (before ``blocks_to_copy`` and the forward).
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -119,6 +123,7 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
     blocks_to_copy: BlocksToCopy = ()
+    kv_tier_ops: KVTierOps | None = None
 
     @property
     def num_reqs(self) -> int:
