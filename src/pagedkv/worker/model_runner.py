@@ -41,6 +41,7 @@ from pagedkv.ops.backends import (
 )
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.worker.input_batch import CachedRequestState, InputBatch, ModelInputs
+from pagedkv.worker.kv_offload import KVTier, apply_tier_ops
 from pagedkv.worker.outputs import LogprobsLists, ModelRunnerOutput
 from pagedkv.worker.sampler import Sampler, compute_logprobs, gather_logprobs
 from pagedkv.worker.scheduler_output import SchedulerOutput
@@ -70,6 +71,8 @@ class ModelRunner:
             (:func:`pagedkv.ops.backends.select_backend`), or its name (each tensor-parallel
             rank makes its own: :func:`pagedkv.ops.backends.get_attn_backend`); None = the
             torch backend on the model's device.
+        kv_tier: the KV tier's data (:mod:`pagedkv.worker.kv_offload`) the steps'
+            ``kv_tier_ops`` act on; None = no tier.
 
     Raises:
         ConfigError: a KV cache config whose layers are not the model's, a sliding-window
@@ -85,8 +88,11 @@ class ModelRunner:
         *,
         seed: int = 0,
         attention_backend: AttentionBackend | str | None = None,
+        kv_tier: KVTier | None = None,
     ) -> None:
         config = model.config
+        #: the KV tier's data, or None.
+        self.kv_tier = kv_tier
         self.model = model
         self.device = torch.device(model.device)
         self.block_size = kv_cache_config.block_size
@@ -154,11 +160,20 @@ class ModelRunner:
         if self._thread_ident != threading.get_ident():
             self._bind_calling_thread()
         copies = self._check_blocks_to_copy(out.blocks_to_copy)
+        tier_ops = out.kv_tier_ops
+        if tier_ops and self.kv_tier is None:
+            raise InvalidRequestError("kv_tier_ops for a runner without a KV tier")
         batch = self.input_batch
         batch.update(out)
+        result = ModelRunnerOutput()
+        if tier_ops:
+            # Stores copy their blocks out before this step's writes; loads land before the
+            # forward reads them.
+            result.failed_kv_loads = apply_tier_ops(
+                self.kv_tier, tier_ops, self.attention_backend, self.group_kv_caches
+            )
         for group, mapping in copies:
             self.attention_backend.copy_blocks(self.group_kv_caches[group], mapping)
-        result = ModelRunnerOutput()
         if not out.total_num_scheduled_tokens:
             return result
         inputs = batch.prepare(out)
