@@ -15,6 +15,7 @@ from _tiny_model import tiny_loaded_model
 
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.llm_engine import LLMEngine
+from pagedkv.entrypoints.openai.metrics import ServerMetrics
 from pagedkv.errors import ConfigError
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.worker.kv_offload import CpuKVTier, DiskKVTier
@@ -84,6 +85,9 @@ def test_tier_outputs_equal_tier_off_and_hit(tiny, expected, backend, tmp_path):
     hits = stats.scheduler.prefix_cache_hits - before.scheduler.prefix_cache_hits
     assert hits == 6 * 28  # 7 full blocks of each turn-1 prompt
     assert tier.num_failed_loads == 0
+    text = ServerMetrics("tiny").render(stats).decode()
+    assert f'pagedkv:kv_tier_hit_blocks_total{{model_name="tiny"}} {tier.num_hit_blocks}.0' in text
+    assert f'medium="{backend.upper()}"' in text
     engine.shutdown()
 
 

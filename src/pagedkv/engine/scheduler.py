@@ -99,7 +99,7 @@ class Scheduler:
             raise ConfigError(
                 f"unknown preemption_mode {preemption_mode!r}; choose one of {PREEMPTION_MODES}"
             )
-        if preemption_mode == "swap" and kv_cache_manager.offloader is None:
+        if preemption_mode == "swap" and getattr(kv_cache_manager, "offloader", None) is None:
             raise ConfigError(
                 "preemption_mode='swap' pages blocks out to the KV tier: set "
                 "kv_offloading_size (and kv_offloading_backend)"
@@ -119,6 +119,8 @@ class Scheduler:
         self.policy = policy
         self.admission = admission
         self.preemption_mode = preemption_mode
+        # The KV tier's instructions (a manager without a tier, like the simulator's, has none).
+        self._take_tier_ops = getattr(kv_cache_manager, "take_tier_ops", None)
         self.waiting: FCFSQueue | PriorityQueue = (
             PriorityQueue() if policy == "priority" else FCFSQueue()
         )
@@ -363,7 +365,7 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=step.preempted_req_ids,
             blocks_to_copy=blocks_to_copy if copied is not None else (),
-            kv_tier_ops=manager.take_tier_ops(),
+            kv_tier_ops=self._take_tier_ops() if self._take_tier_ops is not None else None,
         )
         self.finished_req_ids = set()
         cached = out.scheduled_cached_reqs
