@@ -223,3 +223,16 @@ def test_disk_entry_round_trip_and_checks(tmp_path):
     assert torch.equal(cpu.read("k", 1, (3, 16)), data)
     cpu.drop("k", 1)
     assert cpu.read("k", 1, (3, 16)) is None
+
+
+def test_tier_events_keep_their_medium_on_the_wire():
+    from pagedkv.cluster.kv_events import decode_batch, encode_batch
+    from pagedkv.core.events import BlockRemoved, BlockStored
+
+    events = [
+        BlockStored((b"a" * 32,), None, (1, 2, 3, 4), 4),
+        BlockStored((b"a" * 32,), None, (), 4, medium="DISK"),
+        BlockRemoved((b"a" * 32,), medium="CPU"),
+    ]
+    decoded = decode_batch(encode_batch(events)).events
+    assert [e.medium for e in decoded] == ["GPU", "DISK", "CPU"]

@@ -232,22 +232,14 @@ def _decode(raw: bytes, key: str, shape: tuple[int, int]) -> torch.Tensor | None
     return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(shape)
 
 
-def apply_tier_ops(
-    tier: KVTier,
-    ops: KVTierOps,
-    backend: AttentionBackend,
-    group_kv_caches: Sequence[Sequence[torch.Tensor]],
-) -> dict[str, list[str]]:
-    """Do one step's tier instructions: copy the stored blocks out and hand them to the tier,
-    drop, then load (every load done when this returns).
-
-    Returns:
-        Request id -> keys whose load failed (missing, truncated or corrupt; the pool block
-        is left as it was).
+def check_tier_ops(
+    tier: KVTier, ops: KVTierOps, group_kv_caches: Sequence[Sequence[torch.Tensor]]
+) -> None:
+    """Check one step's tier instructions against this worker (changes nothing).
 
     Raises:
-        InvalidRequestError: an instruction naming a group or block this worker lacks
-            (checked before anything is done).
+        InvalidRequestError: an instruction naming a KV cache group, block or tier slot this
+            worker lacks.
     """
     num_groups = len(group_kv_caches)
     num_blocks = group_kv_caches[0][0].shape[1]
@@ -258,6 +250,22 @@ def apply_tier_ops(
             raise InvalidRequestError(f"KV tier instruction out of range: {op}")
         if not 0 <= op.slot < tier.num_blocks:
             raise InvalidRequestError(f"KV tier slot out of range: {op}")
+
+
+def apply_tier_ops(
+    tier: KVTier,
+    ops: KVTierOps,
+    backend: AttentionBackend,
+    group_kv_caches: Sequence[Sequence[torch.Tensor]],
+) -> dict[str, list[str]]:
+    """Do one step's tier instructions (checked first with :func:`check_tier_ops`): copy the
+    stored blocks out and hand them to the tier, drop, then load (every load done when this
+    returns).
+
+    Returns:
+        Request id -> keys whose load failed (missing, truncated or corrupt; the pool block
+        is left as it was).
+    """
     stats = tier.stats
     for op in ops.writes:
         if isinstance(op, TierStore):
@@ -381,6 +389,7 @@ __all__ = [
     "KVTier",
     "KVTierIOStats",
     "apply_tier_ops",
+    "check_tier_ops",
     "open_disk_tier",
     "tier_identity",
 ]

@@ -41,7 +41,7 @@ from pagedkv.ops.backends import (
 )
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.worker.input_batch import CachedRequestState, InputBatch, ModelInputs
-from pagedkv.worker.kv_offload import KVTier, apply_tier_ops
+from pagedkv.worker.kv_offload import KVTier, apply_tier_ops, check_tier_ops
 from pagedkv.worker.outputs import LogprobsLists, ModelRunnerOutput
 from pagedkv.worker.sampler import Sampler, compute_logprobs, gather_logprobs
 from pagedkv.worker.scheduler_output import SchedulerOutput
@@ -161,8 +161,10 @@ class ModelRunner:
             self._bind_calling_thread()
         copies = self._check_blocks_to_copy(out.blocks_to_copy)
         tier_ops = out.kv_tier_ops
-        if tier_ops and self.kv_tier is None:
-            raise InvalidRequestError("kv_tier_ops for a runner without a KV tier")
+        if tier_ops:
+            if self.kv_tier is None:
+                raise InvalidRequestError("kv_tier_ops for a runner without a KV tier")
+            check_tier_ops(self.kv_tier, tier_ops, self.group_kv_caches)
         batch = self.input_batch
         batch.update(out)
         result = ModelRunnerOutput()
