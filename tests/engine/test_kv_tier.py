@@ -236,3 +236,27 @@ def test_tier_events_keep_their_medium_on_the_wire():
     ]
     decoded = decode_batch(encode_batch(events)).events
     assert [e.medium for e in decoded] == ["GPU", "DISK", "CPU"]
+
+
+def test_cli_flags(tmp_path):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    config = EngineConfig.from_cli_args(parser.parse_args([]))
+    assert config.kv_offloading_size is None and config.preemption_mode == "recompute"
+    args = parser.parse_args(
+        [
+            "--kv-offloading-size",
+            "2MiB",
+            "--kv-offloading-backend",
+            "disk",
+            "--kv-offloading-dir",
+            str(tmp_path),
+            "--preemption-mode",
+            "swap",
+        ]
+    )
+    config = EngineConfig.from_cli_args(args)
+    assert (config.kv_offloading_size, config.kv_offloading_backend) == (2 << 20, "disk")
+    assert (config.kv_offloading_dir, config.preemption_mode) == (str(tmp_path), "swap")
