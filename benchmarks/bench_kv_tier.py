@@ -11,10 +11,18 @@ Per configuration: mean and median time to first token of the returning turns, p
 recomputed (prompt tokens minus prefix hits, pool or tier) over the returning turns, tier hits;
 the outputs of every configuration must equal the tier-off ones token for token (greedy).
 
+With ``--preemption``: instead, ``--conversations`` requests at once (each a document and a
+question, ``--max-tokens`` output tokens) on a pool that holds about a third of them, so they
+preempt each other: recompute without a tier, recompute with a cpu tier (evicted blocks page
+out), swap with a cpu tier (a victim's blocks page out at preemption); tokens computed beyond
+each request's own prompt (minus its prefix hits) and output, and throughput.
+
 Example (the default model, SmolLM2-135M; disk tier in a temporary directory)::
 
     .venv/bin/python benchmarks/bench_kv_tier.py
     .venv/bin/python benchmarks/bench_kv_tier.py --conversations 8 --turns 8 --doc-tokens 1800
+    .venv/bin/python benchmarks/bench_kv_tier.py --preemption --conversations 6 --doc-tokens 600 \
+        --max-tokens 64
 """
 
 from __future__ import annotations
@@ -116,6 +124,89 @@ def run(args, loaded, backend: str | None, directory: str | None) -> dict:
     }
 
 
+def run_preemption(args, loaded, tier: bool, mode: str) -> dict:
+    """``--conversations`` requests at once on a pool of about a third of their tokens."""
+    vocab = loaded.config.vocab_size
+    length = args.doc_tokens + args.turn_tokens + args.max_tokens
+    num_blocks = max(args.conversations * length // 3 // 16, -(-length // 16) + 1)
+    options = {"kv_offloading_size": args.tier_mib * 2**20} if tier else {}
+    engine = LLMEngine(
+        loaded_model=loaded,
+        block_size=16,
+        num_blocks=num_blocks + 1,
+        max_model_len=length + 16,
+        max_num_seqs=args.conversations,
+        hash_seed=0,
+        preemption_mode=mode,
+        **options,
+    )
+    scheduled = 0
+    schedule = engine.scheduler.schedule
+
+    def counting():
+        nonlocal scheduled
+        out = schedule()
+        scheduled += out.total_num_scheduled_tokens
+        return out
+
+    engine.scheduler.schedule = counting
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    prompts = [
+        tokens(c, args.doc_tokens, vocab) + tokens(1000 + c, args.turn_tokens, vocab)
+        for c in range(args.conversations)
+    ]
+    start = time.perf_counter()
+    for c, prompt in enumerate(prompts):
+        engine.add_request(f"p{c}", {"prompt_token_ids": prompt}, params)
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    elapsed = time.perf_counter() - start
+    needed = sum(
+        len(o.prompt_token_ids) - o.num_cached_tokens + len(o.outputs[0].token_ids) - 1
+        for o in finished.values()
+    )
+    stats = engine.get_stats()
+    engine.shutdown()
+    return {
+        "outputs": [finished[f"p{c}"].outputs[0].token_ids for c in range(len(prompts))],
+        "recomputed": scheduled - needed,
+        "preemptions": stats.scheduler.num_preemptions,
+        "throughput": sum(len(o.outputs[0].token_ids) for o in finished.values()) / elapsed,
+        "elapsed": elapsed,
+        "tier": stats.kv_tier,
+        "num_blocks": num_blocks,
+    }
+
+
+def main_preemption(args, loaded) -> None:
+    base = None
+    for name, tier, mode in (
+        ("recompute, no tier", False, "recompute"),
+        ("recompute, cpu tier", True, "recompute"),
+        ("swap, cpu tier", True, "swap"),
+    ):
+        result = run_preemption(args, loaded, tier, mode)
+        if base is None:
+            base = result
+            print(
+                f"{args.conversations} requests of {args.doc_tokens + args.turn_tokens} + "
+                f"{args.max_tokens} tokens at once, pool {result['num_blocks']} blocks of 16"
+            )
+            print(
+                f"{'preemption':<21}{'preemptions':>12}{'recomputed':>12}{'tier hits':>11}"
+                f"{'out tok/s':>11}{'total s':>9}  same outputs"
+            )
+        hits = result["tier"].num_hit_blocks if result["tier"] else 0
+        print(
+            f"{name:<21}{result['preemptions']:>12}{result['recomputed']:>12}{hits:>11}"
+            f"{result['throughput']:>11.1f}{result['elapsed']:>9.1f}  "
+            f"{result['outputs'] == base['outputs']}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="GGUF or HF folder (default: SmolLM2)")
@@ -127,9 +218,13 @@ def main() -> None:
     parser.add_argument("--pool-fraction", type=float, default=0.25)
     parser.add_argument("--tier-mib", type=int, default=1024)
     parser.add_argument("--backends", nargs="+", default=["off", "cpu", "disk"])
+    parser.add_argument("--preemption", action="store_true", help="swap vs recompute instead")
     args = parser.parse_args()
     loaded = load_model(args.model)
     print(f"cpu: {cpu_name()}")
+    if args.preemption:
+        main_preemption(args, loaded)
+        return
     base = None
     with tempfile.TemporaryDirectory(prefix="pagedkv-tier-") as directory:
         for name in args.backends:
