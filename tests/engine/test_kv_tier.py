@@ -129,22 +129,23 @@ def test_damaged_disk_entries_fall_back_to_recompute(tiny, expected, damage, tmp
 
 def test_restarted_engine_finds_its_disk_tier(tiny, expected, tmp_path, caplog):
     options = {
-        "kv_offloading_size": 64 * 1024,
+        "kv_offloading_size": 256 * 1024,
         "kv_offloading_backend": "disk",
         "kv_offloading_dir": str(tmp_path),
         "hash_seed": None,  # the tier records the seed it made and the next engine reuses it
     }
     first = make_engine(tiny, **options)
     generate(first, TURN1)
-    generate(first, [[1] * 40])  # pushes the last conversations out of the pool too
-    first.shutdown()
+    first.shutdown()  # pages the pool's cached blocks out too
     stored = len(list(tmp_path.glob("*.kv")))
-    assert stored > 0
+    assert stored == 6 * 7  # every full block of every turn-1 prompt, each once
     second = make_engine(tiny, **options)
     assert len(second.kv_cache_manager.offloader) == stored
     assert second.config.hash_seed == first.config.hash_seed
     assert generate(second, TURN2) == expected[1]
-    assert second.get_stats().kv_tier.num_hit_blocks >= 7
+    stats = second.get_stats()
+    assert stats.kv_tier.num_hit_blocks == 6 * 7  # every returning turn from the tier
+    assert stats.scheduler.prefix_cache_hits == 6 * 7 * BLOCK
     second.shutdown()
     # another block size: the entries are not its KV; start empty, with one log line
     with caplog.at_level(logging.WARNING, logger="pagedkv.worker.kv_offload"):

@@ -481,6 +481,23 @@ class KVCacheManager:
                     num_stored += offloader.store(group, key, block.block_id)
         return num_stored
 
+    def page_out_cached(self) -> int:
+        """Page every block the prefix cache holds out to the KV tier (keys it holds are only
+        refreshed): before a persistent tier's process ends, so a restart finds them too.
+
+        Returns:
+            Blocks newly stored (0 without a tier; stores beyond its free room are skipped
+            once every entry is one of this call's).
+        """
+        offloader = self.offloader
+        if offloader is None:
+            return 0
+        num_stored = 0
+        for group, cached in enumerate(self.block_pool.cached_block_hash_to_block):
+            for block_hash, block in cached.items():
+                num_stored += offloader.store(group, tier_key(group, block_hash), block.block_id)
+        return num_stored
+
     def _check_tier_hit(
         self,
         request: KVCacheRequest,

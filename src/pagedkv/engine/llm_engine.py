@@ -229,7 +229,18 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the engine's worker processes (tensor parallelism); idempotent, and a no-op in
-        one process. Also run at garbage collection and at interpreter exit."""
+        one process. Also run at garbage collection and at interpreter exit. With a disk KV tier,
+        first pages the prefix cache's blocks out to it (so a restart finds them) and waits for
+        its writes."""
+        if (
+            self.config.kv_offloading_backend == "disk"
+            and not getattr(self, "_tier_saved", False)
+            and self.kv_cache_manager.page_out_cached()
+        ):
+            self.executor.execute_model(
+                SchedulerOutput(kv_tier_ops=self.kv_cache_manager.take_tier_ops())
+            )
+        self._tier_saved = True
         self.executor.shutdown()
 
     # ------------------------------------------------------------------ requests
