@@ -98,6 +98,51 @@ def test_tier_off_changes_nothing(tiny):
     assert engine.get_stats().kv_tier is None
 
 
+def damage_files(directory, damage: str) -> int:
+    """Truncate, corrupt (flip a payload byte) or delete every entry file; how many."""
+    files = sorted(directory.glob("*.kv"))
+    for path in files:
+        if damage == "truncate":
+            path.write_bytes(path.read_bytes()[:-7])
+        elif damage == "corrupt":
+            raw = bytearray(path.read_bytes())
+            raw[-3] ^= 0xFF
+            path.write_bytes(bytes(raw))
+        else:
+            path.unlink()
+    return len(files)
+
+
+def test_entries_damaged_while_requests_run(tiny, expected, tmp_path):
+    """Every turn-2 request queued at once (2 run at a time); after the first step every entry
+    file is truncated: the requests admitted later find them bad and recompute."""
+    engine = make_engine(
+        tiny,
+        kv_offloading_size=256 * 1024,
+        kv_offloading_backend="disk",
+        kv_offloading_dir=str(tmp_path),
+    )
+    generate(engine, TURN1)
+    engine.runner.kv_tier.flush()
+    for n, prompt in enumerate(TURN2):
+        engine.add_request(f"t2-{n}", {"prompt_token_ids": prompt}, PARAMS)
+    finished = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = list(out.outputs[0].token_ids)
+        steps += 1
+        if steps == 1:
+            engine.runner.kv_tier.flush()
+            assert damage_files(tmp_path, "truncate")
+    assert [finished[f"t2-{n}"] for n in range(len(TURN2))] == expected[1]
+    stats = engine.get_stats()
+    assert stats.kv_tier.num_hit_blocks > 0 and stats.kv_tier.num_failed_loads > 0
+    engine.kv_cache_manager.check_invariants()
+    engine.shutdown()
+
+
 @pytest.mark.parametrize("damage", ["truncate", "corrupt", "delete"])
 def test_damaged_disk_entries_fall_back_to_recompute(tiny, expected, damage, tmp_path):
     engine = make_engine(
@@ -108,17 +153,7 @@ def test_damaged_disk_entries_fall_back_to_recompute(tiny, expected, damage, tmp
     )
     generate(engine, TURN1)
     engine.runner.kv_tier.flush()
-    files = sorted(tmp_path.glob("*.kv"))
-    assert files
-    for path in files:
-        if damage == "truncate":
-            path.write_bytes(path.read_bytes()[:-7])
-        elif damage == "corrupt":
-            raw = bytearray(path.read_bytes())
-            raw[-3] ^= 0xFF
-            path.write_bytes(bytes(raw))
-        else:
-            path.unlink()
+    assert damage_files(tmp_path, damage)
     assert generate(engine, TURN2) == expected[1]
     stats = engine.get_stats()
     assert stats.kv_tier.num_failed_loads > 0
