@@ -182,9 +182,10 @@ class KVCacheManager:
                     "KV offloading supports full-attention KV cache groups only (set "
                     "disable_hybrid_kv_cache_manager for a sliding-window model)"
                 )
-            self.offloader = OffloadingManager(kv_offloading_blocks, kv_offloading_medium)
+            self.offloader = OffloadingManager(
+                kv_offloading_blocks, kv_offloading_medium, record_events=enable_kv_cache_events
+            )
             self.block_pool.evict_hook = self._page_out
-        self._enable_kv_cache_events = enable_kv_cache_events
         self._single_full_attention_manager: FullAttentionManager | None = (
             managers[0]
             if len(managers) == 1 and isinstance(managers[0], FullAttentionManager)
@@ -694,7 +695,7 @@ class KVCacheManager:
         offloader = self.offloader
         if offloader is not None:
             stored, dropped = offloader.take_event_keys()
-            if self._enable_kv_cache_events:
+            if stored or dropped:
                 medium = offloader.medium
                 for keys, removed in ((stored, False), (dropped, True)):
                     for key in keys:

@@ -120,12 +120,14 @@ class OffloadingManager:
         num_blocks: tier capacity in blocks (>= 1): ``kv_offloading_size //
             KVCacheConfig.bytes_per_block``.
         medium: ``"CPU"`` or ``"DISK"`` (for KV events).
+        record_events: keep the keys stored and dropped for :meth:`take_event_keys` (KV
+            events); off, nothing is kept.
 
     Raises:
         ConfigError: ``num_blocks`` < 1 or an unknown medium.
     """
 
-    def __init__(self, num_blocks: int, medium: str = "CPU") -> None:
+    def __init__(self, num_blocks: int, medium: str = "CPU", record_events: bool = False) -> None:
         check_int("num_blocks", num_blocks, 1, why="the tier must hold a block")
         if medium not in MEDIA:
             raise ConfigError(f"medium must be one of {MEDIA}, got {medium!r}")
@@ -136,6 +138,7 @@ class OffloadingManager:
         self._pinned: set[str] = set()  # keys in this step's instructions: never evicted
         self._ops = KVTierOps()
         self.stats = TierStats()
+        self.record_events = record_events
         #: keys stored / dropped since the last ``take_events`` (for KV events).
         self.stored_keys: list[str] = []
         self.dropped_keys: list[str] = []
@@ -176,7 +179,8 @@ class OffloadingManager:
         self._pinned.add(key)
         self._ops.writes.append(TierStore(group, key, slot, block_id))
         self.stats.num_stored_blocks += 1
-        self.stored_keys.append(key)
+        if self.record_events:
+            self.stored_keys.append(key)
         return True
 
     def _evict_one(self) -> bool:
@@ -191,7 +195,8 @@ class OffloadingManager:
         slot = self._entries.pop(key)
         self._free_slots.append(slot)
         self._ops.writes.append(TierDrop(key, slot))
-        self.dropped_keys.append(key)
+        if self.record_events:
+            self.dropped_keys.append(key)
 
     def load(self, req_id: str, group: int, key: str, block_id: int) -> None:
         """Record a load of held ``key`` into pool block ``block_id`` (a tier hit being
