@@ -61,6 +61,9 @@ class CacheConfig:
         prefix_caching_hash_algo: the block-hash algorithm.
         hash_seed: seed of the block hashes' root (None = random per engine).
         enable_kv_cache_events: record BlockStored / BlockRemoved / AllBlocksCleared events.
+        kv_offloading_backend: the KV tier below the pool: None (off), "cpu" or "disk".
+        kv_offloading_blocks: the tier's capacity in blocks (0 when off).
+        kv_offloading_dir: the disk tier's directory.
     """
 
     block_size: int
@@ -70,6 +73,9 @@ class CacheConfig:
     prefix_caching_hash_algo: str = "sha256"
     hash_seed: int | str | bytes | None = None
     enable_kv_cache_events: bool = False
+    kv_offloading_backend: str | None = None
+    kv_offloading_blocks: int = 0
+    kv_offloading_dir: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -82,6 +88,8 @@ class SchedulerConfig:
         max_model_len: most tokens per request (columns of the worker's rows).
         enable_chunked_prefill: split prompts over steps.
         policy: "fcfs" or "priority".
+        preemption_mode: "recompute" (free the victim's blocks) or "swap" (page its cached
+            blocks out to the KV tier first).
     """
 
     max_num_seqs: int
@@ -89,6 +97,7 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
+    preemption_mode: str = "recompute"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

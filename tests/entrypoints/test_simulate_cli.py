@@ -182,3 +182,17 @@ def test_n_flag_on_a_built_in_workload(capsys):
 def test_bad_n_exits_2(argv, message, capsys):
     assert main(["simulate", "--json", "--quiet", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_kv_tier_turns_multi_turn_misses_into_hits(capsys):
+    argv = ["simulate", "--workload", "multi-turn", "--num-requests", "60", "--num-blocks", "150"]
+    argv += ["--policies", "paged+prefix", "--json", "--quiet", "--no-sweep"]
+    reports = []
+    for extra in ([], ["--kv-offloading-size", "1GiB"]):
+        assert main([*argv, *extra]) == 0
+        reports.append(json.loads(capsys.readouterr().out))
+    off, on = (r["policies"]["paged+prefix"] for r in reports)
+    # SmolLM2's shape: 30 layers x 16 tokens x (K, V) x 3 heads x 64 x 2 bytes per block
+    assert reports[1]["config"]["kv_offloading_blocks"] == 2**30 // (30 * 16 * 2 * 3 * 64 * 2)
+    assert off["prefix_hit_rate"] < 0.05 and on["prefix_hit_rate"] > 0.5
+    assert on["num_scheduled_tokens"] < off["num_scheduled_tokens"]

@@ -198,12 +198,16 @@ def _wire_hashes(hashes: Sequence[bytes], hash_format: str) -> list[WireBlockHas
 def event_to_wire(
     event: KVCacheEvent, hash_format: str = "bytes", medium: str | None = MEDIUM_GPU
 ) -> WireKVCacheEvent:
-    """One event as the struct vLLM sends (see the module docstring).
+    """One event as the struct vLLM sends (see the module docstring). ``medium`` is the
+    block pool's (``"GPU"``, or None for the first layout); an event of the KV tier keeps its
+    own (``"CPU"`` / ``"DISK"``).
 
     Raises:
         ConfigError: an unknown hash_format or an object that is not a KV-cache event.
     """
     _check_hash_format(hash_format)
+    if isinstance(event, BlockStored | BlockRemoved) and event.medium != MEDIUM_GPU:
+        medium = event.medium
     if isinstance(event, BlockStored):
         parent = event.parent_block_hash
         return WireBlockStored(
@@ -258,7 +262,8 @@ def encode_batch(
 
 def event_from_wire(wire: WireKVCacheEvent) -> KVCacheEvent:
     """A decoded wire struct as a :mod:`pagedkv.core.events` object whose block hashes stay as
-    on the wire; fields pagedkv does not use (medium, lora_name, extra_keys) are dropped."""
+    on the wire; fields pagedkv does not use (lora_name, extra_keys) are dropped; a nil
+    ``medium`` reads as ``"GPU"``."""
     if type(wire) is WireBlockStored:
         return BlockStored(
             block_hashes=tuple(wire.block_hashes),  # type: ignore[arg-type]
@@ -267,11 +272,13 @@ def event_from_wire(wire: WireKVCacheEvent) -> KVCacheEvent:
             block_size=wire.block_size,
             lora_id=wire.lora_id,
             kv_cache_group_id=wire.group_idx or 0,
+            medium=wire.medium or MEDIUM_GPU,
         )
     if type(wire) is WireBlockRemoved:
         return BlockRemoved(
             block_hashes=tuple(wire.block_hashes),  # type: ignore[arg-type]
             kv_cache_group_id=wire.group_idx or 0,
+            medium=wire.medium or MEDIUM_GPU,
         )
     return AllBlocksCleared()
 

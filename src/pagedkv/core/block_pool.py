@@ -12,7 +12,7 @@ Idea from vLLM V1 (``vllm/v1/core/block_pool.py``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from pagedkv.core.block import FreeBlockQueue, KVCacheBlock, PrefixNode
@@ -65,6 +65,9 @@ class BlockPool:
             {} for _ in range(num_kv_cache_groups)
         ]
         self.kv_event_queue: list[KVCacheEvent] = []
+        #: called with each cached block the pool evicts (hands to someone else), before its
+        #: hash is dropped: the KV tier pages it out (:mod:`pagedkv.core.offload`). None: off.
+        self.evict_hook: Callable[[KVCacheBlock], object] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -98,6 +101,8 @@ class BlockPool:
         return blocks
 
     def _evict(self, block: KVCacheBlock) -> None:
+        if self.evict_hook is not None:
+            self.evict_hook(block)
         del self.cached_block_hash_to_block[block.cache_group_id][block.block_hash]
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(BlockRemoved((block.block_hash,), block.cache_group_id))

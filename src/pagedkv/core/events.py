@@ -23,6 +23,8 @@ class BlockStored:
         block_size: tokens per block.
         lora_id: LoRA adapter of the request that stored them.
         kv_cache_group_id: KV cache group the blocks belong to.
+        medium: where the blocks are: ``"GPU"`` (the block pool, whatever the device),
+            ``"CPU"`` or ``"DISK"`` (the KV tier, :mod:`pagedkv.core.offload`); vLLM's field.
     """
 
     block_hashes: tuple[BlockHash, ...]
@@ -31,14 +33,17 @@ class BlockStored:
     block_size: int
     lora_id: int | None = None
     kv_cache_group_id: int = 0
+    medium: str = "GPU"
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    """Blocks left the prefix cache (evicted for reuse)."""
+    """Blocks left the prefix cache (evicted for reuse) or, with ``medium`` ``"CPU"`` /
+    ``"DISK"``, the KV tier."""
 
     block_hashes: tuple[BlockHash, ...]
     kv_cache_group_id: int = 0
+    medium: str = "GPU"
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,8 +23,9 @@ from pagedkv.core.block import KVCacheBlock
 from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.config import KVCacheConfig
 from pagedkv.core.coordinator import BlocksPerGroup, KVCacheCoordinator
-from pagedkv.core.events import KVCacheEvent
-from pagedkv.core.hashing import BlockHasher
+from pagedkv.core.events import BlockRemoved, BlockStored, KVCacheEvent
+from pagedkv.core.hashing import BlockHash, BlockHasher
+from pagedkv.core.offload import KVTierOps, OffloadingManager, tier_key
 from pagedkv.core.request import KVCacheRequest
 from pagedkv.core.single_type import FullAttentionManager, SlidingWindowManager
 from pagedkv.core.spec import FullAttentionSpec, KVCacheSpec, max_num_blocks_per_request
@@ -39,12 +40,16 @@ class KVCacheBlocks:
     Attributes:
         blocks: one sequence of blocks per KV cache group (a list, or ``()`` when empty).
             Treat as read-only.
+        tier_hashes: a hit's blocks after ``blocks`` that the KV tier holds (their block
+            hashes, in order; ``()`` when none): ``allocate_slots`` gives them new pool blocks
+            and records their loads.
     """
 
-    __slots__ = ("blocks",)
+    __slots__ = ("blocks", "tier_hashes")
 
-    def __init__(self, blocks: BlocksPerGroup) -> None:
+    def __init__(self, blocks: BlocksPerGroup, tier_hashes: tuple[BlockHash, ...] = ()) -> None:
         self.blocks = blocks
+        self.tier_hashes = tier_hashes
 
     def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
         return KVCacheBlocks(
@@ -76,10 +81,15 @@ class KVCacheManager:
             a random root.
         enable_kv_cache_events: record BlockStored / BlockRemoved / AllBlocksCleared events.
         max_model_len: cap on slots allocated for one request, in tokens (``None``: no cap).
+        kv_offloading_blocks: capacity of the KV tier below the pool, in blocks (each one pool
+            block's bytes); 0 = no tier (:mod:`pagedkv.core.offload`).
+        kv_offloading_medium: the tier's medium, ``"CPU"`` or ``"DISK"`` (KV events).
 
     Raises:
         ConfigError: num_blocks < 2, block_size < 1, a spec that is not a KVCacheSpec, block
-            sizes that disagree, an unknown hash algorithm, max_model_len < 1.
+            sizes that disagree, an unknown hash algorithm, max_model_len < 1; a tier without
+            prefix caching, with a non-cryptographic hash (a tier hit trusts the hash), or with
+            a sliding-window KV cache group (see docs/core.md).
     """
 
     @classmethod
@@ -97,6 +107,8 @@ class KVCacheManager:
             hash_seed=cache_config.hash_seed,
             enable_kv_cache_events=cache_config.enable_kv_cache_events,
             max_model_len=kv_cache_config.max_model_len,
+            kv_offloading_blocks=cache_config.kv_offloading_blocks,
+            kv_offloading_medium="DISK" if cache_config.kv_offloading_backend == "disk" else "CPU",
         )
 
     def __init__(
@@ -110,6 +122,8 @@ class KVCacheManager:
         hash_seed: int | str | bytes | None = None,
         enable_kv_cache_events: bool = False,
         max_model_len: int | None = None,
+        kv_offloading_blocks: int = 0,
+        kv_offloading_medium: str = "CPU",
     ) -> None:
         if kv_cache_specs is None:
             size = 16 if block_size is None else block_size
@@ -127,6 +141,7 @@ class KVCacheManager:
                 f"{kv_cache_specs[0].block_size}"
             )
         check_int("max_model_len", max_model_len, 1, optional=True)
+        check_int("kv_offloading_blocks", kv_offloading_blocks, 0)
         hasher = BlockHasher(kv_cache_specs[0].block_size, hash_algo, hash_seed)
         self.kv_cache_specs = tuple(kv_cache_specs)
         self.enable_caching = enable_caching
@@ -150,6 +165,27 @@ class KVCacheManager:
         # The one group's manager when the model has a single full-attention group (then decode
         # steps and prefill chunks take its one-pass ``grow``); None for hybrid models.
         managers = self.coordinator.single_type_managers
+        #: the KV tier's index (None: no tier).
+        self.offloader: OffloadingManager | None = None
+        if kv_offloading_blocks:
+            if not enable_caching:
+                raise ConfigError(
+                    "KV offloading needs prefix caching (tier entries are keyed by block hash)"
+                )
+            if not hasher.collision_resistant:
+                raise ConfigError(
+                    f"KV offloading needs a collision-resistant block hash (a tier hit trusts "
+                    f"the hash), not {hash_algo!r}"
+                )
+            if any(not isinstance(m, FullAttentionManager) for m in managers):
+                raise ConfigError(
+                    "KV offloading supports full-attention KV cache groups only (set "
+                    "disable_hybrid_kv_cache_manager for a sliding-window model)"
+                )
+            self.offloader = OffloadingManager(
+                kv_offloading_blocks, kv_offloading_medium, record_events=enable_kv_cache_events
+            )
+            self.block_pool.evict_hook = self._page_out
         self._single_full_attention_manager: FullAttentionManager | None = (
             managers[0]
             if len(managers) == 1 and isinstance(managers[0], FullAttentionManager)
@@ -220,9 +256,56 @@ class KVCacheManager:
             )
         num_tokens = len(request.all_token_ids)
         blocks, num_hit_tokens = self.coordinator.find_longest_cache_hit(request, num_tokens - 1)
+        if self.offloader is not None:
+            tier_hashes = self._find_tier_hit(request, num_hit_tokens, num_tokens - 1)
+            if tier_hashes:
+                return (
+                    KVCacheBlocks(blocks if num_hit_tokens else self._no_blocks, tier_hashes),
+                    num_hit_tokens + len(tier_hashes) * self.block_size,
+                )
         if not num_hit_tokens:
             return self.empty_kv_cache_blocks, 0
         return KVCacheBlocks(blocks), num_hit_tokens
+
+    def _find_tier_hit(
+        self, request: KVCacheRequest, num_hit_tokens: int, max_length: int
+    ) -> tuple[BlockHash, ...]:
+        """The block hashes right after a pool hit of ``num_hit_tokens`` that the tier holds
+        in every KV cache group (a run: it stops at the first block some group lacks), within
+        ``max_length`` tokens. Looks only: nothing changes."""
+        block_size = self.block_size
+        hashes = request.block_hashes
+        end = min(max_length // block_size, len(hashes))
+        entries = self.offloader
+        num_groups = self.num_kv_cache_groups
+        i = num_hit_tokens // block_size
+        start = i
+        while i < end:
+            block_hash = hashes[i]
+            if any(tier_key(g, block_hash) not in entries for g in range(num_groups)):
+                break
+            i += 1
+        return tuple(hashes[start:i])
+
+    def _page_out(self, block: KVCacheBlock) -> None:
+        """The pool's evict hook: page a cached block out to the tier (once per key)."""
+        group = block.cache_group_id
+        self.offloader.store(group, tier_key(group, block.block_hash), block.block_id)
+
+    def take_tier_ops(self) -> KVTierOps | None:
+        """The KV tier's instructions since the last call (stores of blocks the pool evicted,
+        loads of tier hits, drops), or ``None`` (none, or no tier). Take them once per step,
+        after the step's ``allocate_slots`` calls, and send them with the step: the workers
+        copy the stored blocks out before the step's KV writes and load before its forward."""
+        if self.offloader is None:
+            return None
+        return self.offloader.take_ops()
+
+    def discard_tier_entries(self, keys: Iterable[str]) -> None:
+        """Forget tier entries whose load failed (their request recomputes); no-op without a
+        tier."""
+        if self.offloader is not None:
+            self.offloader.discard(keys)
 
     def allocate_slots(
         self,
@@ -294,16 +377,20 @@ class KVCacheManager:
             check_int(name, count, 0, error=InvalidRequestError)
         request_id = request.request_id
         coordinator = self.coordinator
+        tier_hashes = () if new_computed_blocks is None else new_computed_blocks.tier_hashes
+        if tier_hashes:
+            self._check_tier_hit(request, new_computed_blocks, num_new_computed_tokens)
         if new_computed_blocks is None or not new_computed_blocks.blocks[0]:
             hit_blocks = self._no_blocks
-            if num_new_computed_tokens:
+            if num_new_computed_tokens and not tier_hashes:
                 raise InvalidRequestError("num_new_computed_tokens > 0 without hit blocks")
         else:
             hit_blocks = new_computed_blocks.blocks
-            if num_new_computed_tokens != len(hit_blocks[0]) * self.block_size:
+            num_hit = len(hit_blocks[0]) + len(tier_hashes)
+            if num_new_computed_tokens != num_hit * self.block_size:
                 raise InvalidRequestError(
                     f"num_new_computed_tokens={num_new_computed_tokens} != "
-                    f"{len(hit_blocks[0])} hit blocks x block_size {self.block_size}"
+                    f"{num_hit} hit blocks x block_size {self.block_size}"
                 )
             if len(hit_blocks[0]) > len(request.block_hashes):
                 raise InvalidRequestError(
@@ -342,10 +429,25 @@ class KVCacheManager:
             for blocks in hit_blocks:
                 touch(blocks)
             coordinator.save_new_computed_blocks(request_id, hit_blocks)
+        if tier_hashes:
+            # The new blocks may evict pool blocks into the tier: keep the hits there.
+            keys = [[tier_key(g, h) for h in tier_hashes] for g in range(self.num_kv_cache_groups)]
+            for group_keys in keys:
+                self.offloader.pin(group_keys)
         new_blocks = coordinator.allocate_new_blocks(
             request_id, num_tokens_need_slot, num_computed_tokens
         )
-        if self.enable_caching:
+        if tier_hashes:
+            # The tier hits are the first new blocks of each group (the table started at the
+            # pool hit). They enter the prefix cache one step later, once their loads are
+            # known good (a failed load must not leave a hash on garbage KV).
+            for g, group_keys in enumerate(keys):
+                for key, block in zip(group_keys, new_blocks[g], strict=False):
+                    self.offloader.load(request_id, g, key, block.block_id)
+            coordinator.cache_blocks(
+                request, num_computed_tokens - len(tier_hashes) * self.block_size
+            )
+        elif self.enable_caching:
             num_tokens_to_cache = num_computed_tokens + num_new_tokens
             num_tokens = len(request.all_token_ids)
             coordinator.cache_blocks(
@@ -359,6 +461,78 @@ class KVCacheManager:
         no-op. Its cached blocks stay hit-able until reused. Only the request's own references
         go: blocks it shares with a forked sibling stay held by the sibling."""
         self.coordinator.free(request.request_id)
+
+    def swap_out(self, request: KVCacheRequest) -> int:
+        """Page ``request``'s cached full blocks out to the KV tier now (preemption by swap:
+        its resumption then finds them in the pool or the tier); keys the tier holds are only
+        refreshed. Call it before :meth:`free`.
+
+        Returns:
+            Blocks newly stored (0 without a tier).
+        """
+        offloader = self.offloader
+        if offloader is None:
+            return 0
+        num_stored = 0
+        for blocks in self.coordinator.get_blocks(request.request_id):
+            for block in blocks:
+                if block.block_hash is not None:
+                    group = block.cache_group_id
+                    key = tier_key(group, block.block_hash)
+                    num_stored += offloader.store(group, key, block.block_id)
+        return num_stored
+
+    def page_out_cached(self) -> int:
+        """Page every block the prefix cache holds out to the KV tier (keys it holds are only
+        refreshed): before a persistent tier's process ends, so a restart finds them too.
+
+        Returns:
+            Blocks newly stored (0 without a tier; stores beyond its free room are skipped
+            once every entry is one of this call's).
+        """
+        offloader = self.offloader
+        if offloader is None:
+            return 0
+        num_stored = 0
+        for group, cached in enumerate(self.block_pool.cached_block_hash_to_block):
+            for block_hash, block in cached.items():
+                num_stored += offloader.store(group, tier_key(group, block_hash), block.block_id)
+        return num_stored
+
+    def _check_tier_hit(
+        self,
+        request: KVCacheRequest,
+        new_computed_blocks: KVCacheBlocks,
+        num_new_computed_tokens: int,
+    ) -> None:
+        """The checks of ``allocate_slots`` on a hit with tier blocks."""
+        tier_hashes = new_computed_blocks.tier_hashes
+        if self.offloader is None:
+            raise InvalidRequestError("tier hit blocks given to a manager without a KV tier")
+        num_pool = len(new_computed_blocks.blocks[0]) if new_computed_blocks.blocks else 0
+        num_hit = num_pool + len(tier_hashes)
+        if num_new_computed_tokens != num_hit * self.block_size:
+            raise InvalidRequestError(
+                f"num_new_computed_tokens={num_new_computed_tokens} != {num_hit} hit blocks "
+                f"x block_size {self.block_size}"
+            )
+        if tuple(request.block_hashes[num_pool:num_hit]) != tuple(tier_hashes):
+            raise InvalidRequestError(
+                f"the tier hit of request {request.request_id!r} is not its own; use this "
+                "request's get_computed_blocks result"
+            )
+        if any(self.coordinator.get_blocks(request.request_id)):
+            raise CacheStateError(
+                f"request {request.request_id!r} already holds blocks; prefix hits are for new "
+                "requests"
+            )
+        for g in range(self.num_kv_cache_groups):
+            for block_hash in tier_hashes:
+                if tier_key(g, block_hash) not in self.offloader:
+                    raise CacheStateError(
+                        f"a tier hit of request {request.request_id!r} left the tier after "
+                        "get_computed_blocks; look the hits up again"
+                    )
 
     # ---- fork and copy-on-write --------------------------------------------------------------
 
@@ -506,11 +680,40 @@ class KVCacheManager:
         Returns:
             True on success; False if some block is in use (nothing changes).
         """
-        return self.block_pool.reset_prefix_cache()
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        if self.offloader is not None:
+            self.offloader.clear()
+        return True
 
     def take_events(self) -> list[KVCacheEvent]:
-        """KV cache events since the last call (empty unless events are enabled)."""
-        return self.block_pool.take_events()
+        """KV cache events since the last call (empty unless events are enabled); with a KV
+        tier, its stores and drops follow the pool's events (``medium`` ``"CPU"`` /
+        ``"DISK"``; a tier ``BlockStored`` carries no token ids: the pool's event for the same
+        hash had them)."""
+        events = self.block_pool.take_events()
+        offloader = self.offloader
+        if offloader is not None:
+            stored, dropped = offloader.take_event_keys()
+            if stored or dropped:
+                medium = offloader.medium
+                for keys, removed in ((stored, False), (dropped, True)):
+                    for key in keys:
+                        group, _, hex_hash = key.partition("-")
+                        block_hash = BlockHash(bytes.fromhex(hex_hash))
+                        events.append(
+                            BlockRemoved((block_hash,), int(group), medium)
+                            if removed
+                            else BlockStored(
+                                (block_hash,),
+                                None,
+                                (),
+                                self.block_size,
+                                kv_cache_group_id=int(group),
+                                medium=medium,
+                            )
+                        )
+        return events
 
     def check_invariants(self, requests: Iterable[KVCacheRequest] | None = None) -> None:
         """Raise CacheStateError if the pool or the block tables are inconsistent (O(blocks +
@@ -541,6 +744,8 @@ class KVCacheManager:
                 that holds blocks but is not among them).
         """
         self.block_pool.check_invariants()
+        if self.offloader is not None:
+            self.offloader.check_invariants()
         managers = self.coordinator.single_type_managers
         ref_cnts: dict[int, int] = {}
         group_of: dict[int, int] = {}

@@ -40,6 +40,9 @@ DEFAULT_MAX_KV_CACHE_MEMORY = 1 * GiB
 #: max_model_len when not given: the model's context, capped so the default KV budget stays small.
 DEFAULT_MAX_MODEL_LEN_CAP = 4096
 
+#: Values of ``--kv-offloading-backend``.
+KV_OFFLOADING_BACKENDS = ("cpu", "disk")
+
 
 @dataclass(slots=True, kw_only=True)
 class EngineConfig:
@@ -99,6 +102,15 @@ class EngineConfig:
             by tensor_parallel_size.
         tensor_parallel_size: processes the model is split over (vLLM's field of the same name;
             :mod:`pagedkv.worker.tp_executor`, docs/parallel.md); 1 = one process, today's path.
+        kv_offloading_size: bytes of the KV tier below the block pool (vLLM's
+            ``--kv-offloading-size``; an int or a size such as ``"4GiB"``): cached blocks the
+            pool evicts page out there by block hash, and prefix hits page them back in
+            (docs/core.md). None = no tier (nothing changes).
+        kv_offloading_backend: ``"cpu"`` (host RAM; the default when a size is given) or
+            ``"disk"`` (files in ``kv_offloading_dir``; they survive a restart).
+        kv_offloading_dir: the disk tier's directory.
+        preemption_mode: ``"recompute"`` (default) or ``"swap"`` (vLLM V0's word: a preempted
+            request's cached blocks page out to the tier at once; needs a tier).
 
     Raises:
         ConfigError: an unknown dtype or kv_cache_dtype, a count out of range, or a
@@ -127,10 +139,42 @@ class EngineConfig:
     max_logprobs: int = 20
     num_threads: int | None = None
     tensor_parallel_size: int = 1
+    kv_offloading_size: int | str | None = None
+    kv_offloading_backend: str | None = None
+    kv_offloading_dir: str | None = None
+    preemption_mode: str = "recompute"
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):
             self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
+        if isinstance(self.kv_offloading_size, str):
+            self.kv_offloading_size = parse_memory_size(self.kv_offloading_size)
+        check_int("kv_offloading_size", self.kv_offloading_size, 1, optional=True)
+        if self.kv_offloading_backend is not None:
+            if self.kv_offloading_backend not in KV_OFFLOADING_BACKENDS:
+                raise ConfigError(
+                    f"kv_offloading_backend must be one of {KV_OFFLOADING_BACKENDS}, got "
+                    f"{self.kv_offloading_backend!r}"
+                )
+            if self.kv_offloading_size is None:
+                raise ConfigError("kv_offloading_backend needs kv_offloading_size (bytes)")
+        if self.kv_offloading_size is not None:
+            if self.kv_offloading_backend is None:
+                self.kv_offloading_backend = "cpu"
+            if self.tensor_parallel_size > 1:
+                raise ConfigError("KV offloading runs with tensor_parallel_size 1 only")
+            if not self.enable_prefix_caching:
+                raise ConfigError("KV offloading needs prefix caching (keyed by block hash)")
+        if (self.kv_offloading_backend == "disk") != (self.kv_offloading_dir is not None):
+            raise ConfigError(
+                "kv_offloading_dir goes with kv_offloading_backend='disk' (and it needs one)"
+            )
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ConfigError(
+                f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
+            )
+        if self.preemption_mode == "swap" and self.kv_offloading_size is None:
+            raise ConfigError("preemption_mode='swap' needs a KV tier (kv_offloading_size)")
         check_int("seed", self.seed, -(2**63), maximum=2**64 - 1, why="64-bit")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
@@ -158,10 +202,12 @@ class EngineConfig:
         for name in ("kv_cache_memory", "max_model_len", "num_threads"):
             check_int(name, getattr(self, name), 1, optional=True)
 
-    def resolve(self, *, max_model_len: int, num_gpu_blocks: int) -> PagedKVConfig:
+    def resolve(
+        self, *, max_model_len: int, num_gpu_blocks: int, kv_offloading_blocks: int = 0
+    ) -> PagedKVConfig:
         """The sub-configs of an engine whose dtype, KV-cache dtype and block size are resolved
         and whose KV cache is sized (``max_model_len`` tokens per request, ``num_gpu_blocks``
-        blocks).
+        blocks; the KV tier's ``kv_offloading_blocks``, 0 when off).
 
         Raises:
             ConfigError: dtype or kv_cache_dtype still "auto", or block_size still None
@@ -185,6 +231,9 @@ class EngineConfig:
                 prefix_caching_hash_algo=self.hash_algo,
                 hash_seed=self.hash_seed,
                 enable_kv_cache_events=self.enable_kv_cache_events,
+                kv_offloading_backend=self.kv_offloading_backend if kv_offloading_blocks else None,
+                kv_offloading_blocks=kv_offloading_blocks,
+                kv_offloading_dir=self.kv_offloading_dir,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -192,6 +241,7 @@ class EngineConfig:
                 max_model_len=max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 policy=self.policy,
+                preemption_mode=self.preemption_mode,
             ),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
         )
@@ -288,6 +338,26 @@ class EngineConfig:
             type=positive_int_arg,
             default=d.tensor_parallel_size,
             help="split the model over this many processes (torch.distributed)",
+        )
+        group.add_argument(
+            "--kv-offloading-size",
+            type=_parse_bytes,
+            default=None,
+            help="bytes of the KV tier below the block pool (evicted blocks page out there by "
+            "block hash; 512MiB, 4GiB); default: no tier",
+        )
+        group.add_argument(
+            "--kv-offloading-backend",
+            default=None,
+            choices=KV_OFFLOADING_BACKENDS,
+            help="the KV tier's medium: cpu (host RAM, the default) or disk (survives restarts)",
+        )
+        group.add_argument("--kv-offloading-dir", default=None, help="the disk KV tier's directory")
+        group.add_argument(
+            "--preemption-mode",
+            default=d.preemption_mode,
+            choices=("recompute", "swap"),
+            help="what a preempted request's blocks do: recompute, or swap to the KV tier",
         )
 
     @classmethod

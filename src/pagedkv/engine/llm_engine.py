@@ -38,11 +38,12 @@ from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.engine.scheduler import Scheduler
-from pagedkv.engine.stats import SchedulerStats
+from pagedkv.engine.stats import KVTierStats, SchedulerStats
 from pagedkv.engine.structured_output import StructuredOutputManager, StructuredOutputRequest
 from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.sampling_params import BeamSearchParams, SamplingParams
 from pagedkv.worker.executor import create_executor
+from pagedkv.worker.kv_offload import open_disk_tier, tier_identity
 from pagedkv.worker.outputs import ModelRunnerOutput
 from pagedkv.worker.scheduler_output import NewRequestData, SchedulerOutput
 
@@ -65,6 +66,7 @@ class EngineStats:
         num_finished_requests: requests whose every sample finished.
         num_steps: step() calls that ran the model.
         busy_time: seconds spent inside step() calls that ran the model.
+        kv_tier: the KV tier's counters (None without a tier).
     """
 
     scheduler: SchedulerStats
@@ -72,6 +74,7 @@ class EngineStats:
     num_finished_requests: int = 0
     num_steps: int = 0
     busy_time: float = 0.0
+    kv_tier: KVTierStats | None = None
 
 
 class LLMEngine:
@@ -154,9 +157,43 @@ class LLMEngine:
             config.kv_cache_dtype,
             self.max_model_len,
         )
+        tier_blocks, tier_keys = 0, []
+        if config.kv_offloading_size is not None:
+            tier_blocks = config.kv_offloading_size // kv_cache_config.bytes_per_block
+            if tier_blocks < 1:
+                raise ConfigError(
+                    f"kv_offloading_size ({config.kv_offloading_size} bytes) holds no KV block "
+                    f"({kv_cache_config.bytes_per_block} bytes each)"
+                )
+            if config.kv_offloading_backend == "disk":
+                identity = tier_identity(
+                    model=config.model,
+                    dtype=config.dtype,
+                    kv_cache_dtype=config.kv_cache_dtype,
+                    attention_backend=choice.backend.name,
+                    block_size=config.block_size,
+                    hash_algo=config.hash_algo,
+                    kv_cache_groups=[
+                        {"layer_ids": list(g.layer_ids), "spec": repr(g.kv_cache_spec)}
+                        for g in kv_cache_config.kv_cache_groups
+                    ],
+                )
+                # The block hashes must agree with the process that wrote the entries.
+                seed, tier_keys = open_disk_tier(
+                    config.kv_offloading_dir, identity, config.hash_seed
+                )
+                self.config = config = dataclasses.replace(config, hash_seed=seed)
+            logger.info(
+                "KV tier: %s, %d blocks (%.0f MiB)",
+                config.kv_offloading_backend,
+                tier_blocks,
+                tier_blocks * kv_cache_config.bytes_per_block / 2**20,
+            )
         #: the resolved sub-configs (model, cache, scheduler, parallel), vLLM's VllmConfig.
         self.pagedkv_config = resolved = config.resolve(
-            max_model_len=self.max_model_len, num_gpu_blocks=kv_cache_config.num_blocks
+            max_model_len=self.max_model_len,
+            num_gpu_blocks=kv_cache_config.num_blocks,
+            kv_offloading_blocks=tier_blocks,
         )
         self.kv_cache_manager = KVCacheManager.from_config(kv_cache_config, resolved.cache_config)
         self.scheduler = Scheduler.from_config(self.kv_cache_manager, resolved.scheduler_config)
@@ -171,6 +208,10 @@ class LLMEngine:
         )
         #: rank 0's model runner (its persistent batch, KV cache and sampler).
         self.runner = self.executor.runner
+        if tier_keys:  # a disk tier's entries from an earlier run
+            for key in self.kv_cache_manager.offloader.restore(tier_keys):
+                self.runner.kv_tier.drop(key, 0)
+            logger.info("KV tier: %d entries found", len(self.kv_cache_manager.offloader))
         self.loaded_model = self.executor.loaded_model
         self.model_config = self.loaded_model.config
         self.tokenizer = self.loaded_model.tokenizer
@@ -205,7 +246,18 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the engine's worker processes (tensor parallelism); idempotent, and a no-op in
-        one process. Also run at garbage collection and at interpreter exit."""
+        one process. Also run at garbage collection and at interpreter exit. With a disk KV tier,
+        first pages the prefix cache's blocks out to it (so a restart finds them) and waits for
+        its writes."""
+        if (
+            self.config.kv_offloading_backend == "disk"
+            and not getattr(self, "_tier_saved", False)
+            and self.kv_cache_manager.page_out_cached()
+        ):
+            self.executor.execute_model(
+                SchedulerOutput(kv_tier_ops=self.kv_cache_manager.take_tier_ops())
+            )
+        self._tier_saved = True
         self.executor.shutdown()
         self.structured_output_manager.shutdown()
 
@@ -391,6 +443,26 @@ class LLMEngine:
             num_finished_requests=stats.num_finished_requests,
             num_steps=stats.num_steps,
             busy_time=stats.busy_time,
+            kv_tier=self._kv_tier_stats(),
+        )
+
+    def _kv_tier_stats(self) -> KVTierStats | None:
+        offloader = self.kv_cache_manager.offloader
+        tier = getattr(self.runner, "kv_tier", None)
+        if offloader is None or tier is None:
+            return None
+        counts, io = offloader.stats, tier.stats
+        return KVTierStats(
+            medium=offloader.medium,
+            num_blocks=offloader.num_blocks,
+            num_used_blocks=len(offloader),
+            num_hit_blocks=counts.num_loaded_blocks,
+            num_stored_blocks=counts.num_stored_blocks,
+            num_evicted_blocks=counts.num_evicted_blocks,
+            num_failed_loads=io.num_failed_loads,
+            bytes_stored=io.bytes_stored,
+            bytes_loaded=io.bytes_loaded,
+            load_seconds=io.load_seconds,
         )
 
     def check_health(self) -> None:
@@ -426,6 +498,7 @@ class LLMEngine:
                     ],
                     num_scheduled_tokens={probe_id: 1},
                     total_num_scheduled_tokens=1,
+                    kv_tier_ops=manager.take_tier_ops(),  # its block may have paged one out
                 )
             )
         finally:

@@ -41,6 +41,7 @@ from pagedkv.worker.outputs import ModelRunnerOutput
 from pagedkv.worker.scheduler_output import NewRequestData, SchedulerOutput
 
 POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("recompute", "swap")
 ADMISSION_POLICIES = ("fcfs", "skip")
 
 
@@ -60,6 +61,10 @@ class Scheduler:
         admission: what a waiting request that does not fit does to those behind it: "fcfs"
             (they wait too) or "skip" (they are tried in queue order; skipped requests keep
             their place at the front of the queue).
+        preemption_mode: "recompute" (vLLM's default: the victim's blocks are freed; its
+            cached ones stay hit-able until reused) or "swap" (vLLM V0's word: the victim's
+            cached blocks are also paged out to the KV tier at once, so its resumption loads
+            them instead of recomputing; needs a tier).
 
     Raises:
         ConfigError: a value out of range, an unknown policy or admission, or chunked prefill
@@ -76,6 +81,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         policy: str = "fcfs",
         admission: str = "fcfs",
+        preemption_mode: str = "recompute",
     ) -> None:
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -88,6 +94,15 @@ class Scheduler:
         if admission not in ADMISSION_POLICIES:
             raise ConfigError(
                 f"unknown admission {admission!r}; choose one of {ADMISSION_POLICIES}"
+            )
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ConfigError(
+                f"unknown preemption_mode {preemption_mode!r}; choose one of {PREEMPTION_MODES}"
+            )
+        if preemption_mode == "swap" and getattr(kv_cache_manager, "offloader", None) is None:
+            raise ConfigError(
+                "preemption_mode='swap' pages blocks out to the KV tier: set "
+                "kv_offloading_size (and kv_offloading_backend)"
             )
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
             raise ConfigError(
@@ -103,6 +118,9 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.policy = policy
         self.admission = admission
+        self.preemption_mode = preemption_mode
+        # The KV tier's instructions (a manager without a tier, like the simulator's, has none).
+        self._take_tier_ops = getattr(kv_cache_manager, "take_tier_ops", None)
         self.waiting: FCFSQueue | PriorityQueue = (
             PriorityQueue() if policy == "priority" else FCFSQueue()
         )
@@ -131,6 +149,7 @@ class Scheduler:
             scheduler_config.max_model_len,
             enable_chunked_prefill=scheduler_config.enable_chunked_prefill,
             policy=scheduler_config.policy,
+            preemption_mode=scheduler_config.preemption_mode,
         )
 
     # ------------------------------------------------------------------ requests in and out
@@ -352,6 +371,7 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=step.preempted_req_ids,
             blocks_to_copy=blocks_to_copy if copied is not None else (),
+            kv_tier_ops=self._take_tier_ops() if self._take_tier_ops is not None else None,
         )
         self.finished_req_ids = set()
         cached = out.scheduled_cached_reqs
@@ -471,6 +491,13 @@ class Scheduler:
                 "runner's logprobs rows (a ModelRunnerOutput, top-K of each beam)"
             )
         self._scheduled_requests = []
+        failed_loads = (
+            sampled_token_ids.failed_kv_loads
+            if isinstance(sampled_token_ids, ModelRunnerOutput)
+            else None
+        )
+        if failed_loads:
+            self._recompute_failed_loads(failed_loads)
         changed: list[Request] = self._rejected
         self._rejected = []
         finished: list[Request] = []
@@ -479,6 +506,8 @@ class Scheduler:
         for request, token_id in zip(sampling, tokens, strict=True):
             if request.is_finished:  # aborted between schedule() and now
                 continue
+            if failed_loads and request.request_id in failed_loads:
+                continue  # sampled from KV that failed to load: recomputed instead
             group = request.beam_group
             if group is not None:  # a beam: its candidates go to its group, no token yet
                 row = logprobs[request.request_id]
@@ -799,12 +828,32 @@ class Scheduler:
         self.stats.num_cow_copies += sum(len(copies) for copies in blocks_to_copy)
         return copied
 
+    def _recompute_failed_loads(self, failed_loads: dict[str, list[str]]) -> None:
+        """Requests whose tier loads failed in the last step: the tier forgets the bad entries,
+        and each such request goes back to the front of the waiting queue as a preempted one
+        (its blocks freed; only the blocks registered before the step stay cached), so it
+        recomputes what the tier could not give. Its output does not change."""
+        manager = self.kv_cache_manager
+        for request_id, keys in failed_loads.items():
+            manager.discard_tier_entries(keys)
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            self.running.remove(request)
+            manager.free(request)
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
+            self.stats.num_kv_tier_load_failures += 1
+            self.waiting.add_front(request)
+
     def _pick_victim(self) -> Request:
         if self.policy == "priority":
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
 
     def _preempt(self, request: Request, step: _Step) -> None:
+        if self.preemption_mode == "swap":
+            self.kv_cache_manager.swap_out(request)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0

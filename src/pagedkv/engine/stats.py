@@ -31,6 +31,8 @@ class SchedulerStats:
         num_cow_copies: copy-on-write block copies since start (a forked sample writing into
             a partially filled block it shared).
         num_shared_blocks: blocks held by more than one request now (forks and prefix hits).
+        num_kv_tier_load_failures: requests sent back to recompute because a KV tier load
+            failed (a missing, truncated or corrupt entry).
     """
 
     num_running: int = 0
@@ -48,6 +50,7 @@ class SchedulerStats:
     num_forks: int = 0
     num_cow_copies: int = 0
     num_shared_blocks: int = 0
+    num_kv_tier_load_failures: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -55,3 +58,32 @@ class SchedulerStats:
         if self.prefix_cache_queries == 0:
             return 0.0
         return self.prefix_cache_hits / self.prefix_cache_queries
+
+
+@dataclass(slots=True)
+class KVTierStats:
+    """A snapshot of the KV tier below the block pool (docs/core.md), since start.
+
+    Attributes:
+        medium: ``"CPU"`` or ``"DISK"``.
+        num_blocks: capacity, blocks (each one pool block's bytes).
+        num_used_blocks: entries held now.
+        num_hit_blocks: blocks loaded back into the pool (tier hits).
+        num_stored_blocks: blocks paged out to the tier.
+        num_evicted_blocks: entries dropped by LRU.
+        num_failed_loads: loads that found a missing, truncated or corrupt entry (recomputed).
+        bytes_stored: bytes written to the tier.
+        bytes_loaded: bytes read back from it.
+        load_seconds: time the loads took, inside the steps.
+    """
+
+    medium: str
+    num_blocks: int
+    num_used_blocks: int = 0
+    num_hit_blocks: int = 0
+    num_stored_blocks: int = 0
+    num_evicted_blocks: int = 0
+    num_failed_loads: int = 0
+    bytes_stored: int = 0
+    bytes_loaded: int = 0
+    load_seconds: float = 0.0

@@ -292,6 +292,14 @@ def print_summary(llm, outputs, elapsed: float, load_time: float, file=sys.stdou
         f"x {engine.config.block_size} tokens, {engine.config.kv_cache_dtype}",
         f"preemptions      {stats.num_preemptions}",
     ]
+    tier = getattr(llm.get_stats(), "kv_tier", None)
+    if tier is not None:
+        lines.append(
+            f"{f'KV tier ({tier.medium.lower()})':<17}{tier.num_hit_blocks} blocks hit "
+            f"({tier.bytes_loaded / 2**20:.1f} MiB loaded in {tier.load_seconds:.3f} s), "
+            f"{tier.num_stored_blocks} stored ({tier.bytes_stored / 2**20:.1f} MiB), "
+            f"{tier.num_failed_loads} failed loads"
+        )
     if stats.num_forks or stats.num_cow_copies:
         lines.append(
             f"fork             {stats.num_forks} samples forked (prompt prefilled once, its "

@@ -99,6 +99,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pool.add_argument("--block-size", type=int, default=None, help="tokens per block (16)")
     pool.add_argument("--max-model-len", type=int, default=None, help="tokens per request (2048)")
     pool.add_argument("--hash-algo", default=None, help="block hash: sha256 (default), xxh3_128")
+    pool.add_argument(
+        "--kv-offloading-size",
+        default=None,
+        help="bytes of a KV tier below the paged+prefix pool (e.g. 1GiB): evicted blocks page "
+        "out there by block hash and hit again",
+    )
 
     sched = parser.add_argument_group("scheduler")
     sched.add_argument("--max-num-seqs", type=int, default=None, help="running requests (256)")
@@ -287,8 +293,21 @@ def build(args: argparse.Namespace):
         ).num_blocks
     else:
         num_blocks = workload.defaults.get("num_blocks", DEFAULT_NUM_BLOCKS)
+    tier_blocks = 0
+    if args.kv_offloading_size is not None:
+        from pagedkv.units import parse_memory_size
+
+        tier_bytes = parse_memory_size(args.kv_offloading_size)
+        bytes_per_block = KVCacheConfig.from_num_blocks(specs, 2).bytes_per_block
+        tier_blocks = tier_bytes // bytes_per_block
+        if tier_blocks < 1:
+            raise ConfigError(
+                f"--kv-offloading-size {args.kv_offloading_size} holds no KV block "
+                f"({bytes_per_block} bytes each)"
+            )
     config = SimConfig(
         num_blocks=num_blocks,
+        kv_offloading_blocks=tier_blocks,
         admission=args.admission,
         step_time=args.step_time,
         block_map_columns=args.block_map_columns if args.out else 0,
@@ -395,6 +414,7 @@ def run(args: argparse.Namespace) -> int:
                     "max_num_batched_tokens",
                     "admission",
                     "step_time",
+                    "kv_offloading_blocks",
                 )
             },
             "model": args.model,
@@ -430,6 +450,11 @@ def run(args: argparse.Namespace) -> int:
     )
     if config.kv_cache_specs is not None:
         print(f"model {args.model}: {_describe_groups(config.kv_cache_specs)}")
+    if config.kv_offloading_blocks:
+        print(
+            f"KV tier below the paged+prefix pool: {config.kv_offloading_blocks} blocks "
+            f"({config.kv_offloading_blocks * config.block_size} tokens; loads free)"
+        )
     _print_table(metrics_table_rows({p: r.metrics for p, r in results.items()}))
     for line in fork_lines:
         print(line)

@@ -72,6 +72,9 @@ class SimConfig:
         hash_algo: the manager's block-hash algorithm (None = its default).
         kv_cache_specs: one spec per KV cache group of the paged policies, all with
             ``block_size`` (``KVCacheConfig.kv_cache_specs``); None = one full-attention group.
+        kv_offloading_blocks: blocks of the KV tier below the pool of the paged+prefix policy
+            (cached blocks the pool evicts page out there by block hash and come back on a
+            hit; :mod:`pagedkv.core.offload`); 0 = none. Loads are free in the simulation.
 
     Raises:
         ConfigError: a value out of range or an unknown name, or specs of another block size.
@@ -87,9 +90,11 @@ class SimConfig:
     block_map_columns: int = 300
     hash_algo: str | None = None
     kv_cache_specs: tuple[KVCacheSpec, ...] | None = None
+    kv_offloading_blocks: int = 0
 
     def __post_init__(self) -> None:
         check_int("num_blocks", self.num_blocks, 2, why="block 0 is the null block")
+        check_int("kv_offloading_blocks", self.kv_offloading_blocks, 0)
         for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             check_int(name, getattr(self, name), 1)
         if self.admission not in ADMISSION_POLICIES:
@@ -152,6 +157,7 @@ def make_kv_cache(policy: str, config: SimConfig):
         block_size=config.block_size,
         enable_caching=policy == "paged+prefix",
         max_model_len=config.max_model_len,
+        kv_offloading_blocks=config.kv_offloading_blocks if policy == "paged+prefix" else 0,
         **kwargs,
     )
 

@@ -24,6 +24,7 @@ from pagedkv.config import PagedKVConfig
 from pagedkv.core.config import KVCacheConfig
 from pagedkv.model.loader import LoadedModel, load_model
 from pagedkv.ops.backends import AttentionBackend
+from pagedkv.worker.kv_offload import CpuKVTier, DiskKVTier, KVTier
 from pagedkv.worker.model_runner import ModelRunner
 from pagedkv.worker.outputs import ModelRunnerOutput
 from pagedkv.worker.scheduler_output import SchedulerOutput
@@ -78,10 +79,27 @@ class UniProcExecutor(Executor):
             seed=config.model_config.seed,
             attention_backend=attention_backend,
             kv_cache_dtype=config.cache_config.cache_dtype,
+            kv_tier=make_kv_tier(config, kv_cache_config),
         )
+
+    def shutdown(self) -> None:
+        if self.runner.kv_tier is not None:
+            self.runner.kv_tier.close()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+
+def make_kv_tier(config: PagedKVConfig, kv_cache_config: KVCacheConfig) -> KVTier | None:
+    """The KV tier's data store of ``config.cache_config`` (None when off): each entry one
+    pool block's bytes (``kv_cache_config.bytes_per_block``)."""
+    cache = config.cache_config
+    if not cache.kv_offloading_blocks:
+        return None
+    nbytes = kv_cache_config.bytes_per_block
+    if cache.kv_offloading_backend == "disk":
+        return DiskKVTier(cache.kv_offloading_dir, cache.kv_offloading_blocks, nbytes)
+    return CpuKVTier(cache.kv_offloading_blocks, nbytes)
 
 
 def create_executor(

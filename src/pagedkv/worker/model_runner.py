@@ -41,6 +41,7 @@ from pagedkv.ops.backends import (
 )
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.worker.input_batch import CachedRequestState, InputBatch, ModelInputs
+from pagedkv.worker.kv_offload import KVTier, apply_tier_ops, check_tier_ops
 from pagedkv.worker.outputs import LogprobsLists, ModelRunnerOutput
 from pagedkv.worker.sampler import (
     Sampler,
@@ -79,6 +80,8 @@ class ModelRunner:
             :data:`pagedkv.ops.backends.KV_CACHE_DTYPES`); None = the model's dtype. fp8
             caches store K and V unscaled (``k_scale`` = ``v_scale`` = 1.0, vLLM's default).
             Its element size must be the one ``kv_cache_config`` was sized with.
+        kv_tier: the KV tier's data (:mod:`pagedkv.worker.kv_offload`) the steps'
+            ``kv_tier_ops`` act on; None = no tier.
 
     Raises:
         ConfigError: a KV cache config whose layers are not the model's (count, or bytes per
@@ -96,8 +99,11 @@ class ModelRunner:
         seed: int = 0,
         attention_backend: AttentionBackend | str | None = None,
         kv_cache_dtype: torch.dtype | str | None = None,
+        kv_tier: KVTier | None = None,
     ) -> None:
         config = model.config
+        #: the KV tier's data, or None.
+        self.kv_tier = kv_tier
         self.model = model
         self.device = torch.device(model.device)
         self.block_size = kv_cache_config.block_size
@@ -168,11 +174,22 @@ class ModelRunner:
         if self._thread_ident != threading.get_ident():
             self._bind_calling_thread()
         copies = self._check_blocks_to_copy(out.blocks_to_copy)
+        tier_ops = out.kv_tier_ops
+        if tier_ops:
+            if self.kv_tier is None:
+                raise InvalidRequestError("kv_tier_ops for a runner without a KV tier")
+            check_tier_ops(self.kv_tier, tier_ops, self.group_kv_caches)
         batch = self.input_batch
         batch.update(out)
+        result = ModelRunnerOutput()
+        if tier_ops:
+            # Stores copy their blocks out before this step's writes; loads land before the
+            # forward reads them.
+            result.failed_kv_loads = apply_tier_ops(
+                self.kv_tier, tier_ops, self.attention_backend, self.group_kv_caches
+            )
         for group, mapping in copies:
             self.attention_backend.copy_blocks(self.group_kv_caches[group], mapping)
-        result = ModelRunnerOutput()
         if not out.total_num_scheduled_tokens:
             return result
         inputs = batch.prepare(out)

@@ -43,9 +43,13 @@ class ModelRunnerOutput:
             ``prompt_logprobs`` whose step computed prompt positions: row j holds the
             logprobs of prompt token ``first + j`` (given the tokens before it), then the top
             ``prompt_logprobs``. ``first >= 1``: the first prompt token has none.
+        failed_kv_loads: request id -> tier keys whose load failed this step (missing,
+            truncated or corrupt): the request's KV is not what it should be, and the scheduler
+            recomputes it (its sampled token, if any, is dropped).
     """
 
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[int] = field(default_factory=list)
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[int, LogprobsLists]] = field(default_factory=dict)
+    failed_kv_loads: dict[str, list[str]] = field(default_factory=dict)

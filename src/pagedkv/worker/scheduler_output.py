@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedkv.core.offload import KVTierOps
 from pagedkv.sampling_params import SamplingParams
 
 #: Block ids of one request, one list per KV cache group (``0`` = the null block).
@@ -119,6 +120,9 @@ class SchedulerOutput:
             request may sample token ``t`` (xgrammar's layout). The engine fills it
             (:mod:`pagedkv.engine.structured_output`); the worker sets the other tokens' logits
             to -inf before logprobs and sampling (vLLM's ``GrammarOutput``).
+        kv_tier_ops: the KV tier's stores, drops and loads (:class:`pagedkv.core.offload.
+            KVTierOps`), or ``None``: each worker copies the stored blocks out of the pool first,
+            then loads (before ``blocks_to_copy`` and the forward).
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -130,6 +134,7 @@ class SchedulerOutput:
     blocks_to_copy: BlocksToCopy = ()
     structured_output_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: Any = None
+    kv_tier_ops: KVTierOps | None = None
 
     @property
     def num_reqs(self) -> int:

@@ -37,7 +37,9 @@ logger = logging.getLogger(__name__)
 def merge_results(results: Sequence[Any]) -> Any:
     """One answer from the replicas' answers to a broadcast call: bools -> all of them; stats
     dataclasses (EngineStats, SchedulerStats) -> counters summed, ``kv_cache_usage`` averaged
-    (replicas have equal pools), ``peak_kv_cache_usage`` the max; anything else -> the list.
+    (replicas have equal pools), ``peak_kv_cache_usage`` the max, optional parts (None on some
+    replicas) merged over those that have them, labels (str) the first's; anything else -> the
+    list.
 
     Raises:
         EngineDeadError: no replica answered.
@@ -56,7 +58,12 @@ def _merge_dataclasses(results: Sequence[Any]) -> Any:
     values = {}
     for f in dataclasses.fields(results[0]):
         items = [getattr(r, f.name) for r in results]
-        if dataclasses.is_dataclass(items[0]):
+        if any(item is None for item in items):  # an optional part (the KV tier's stats)
+            present = [item for item in items if item is not None]
+            values[f.name] = _merge_dataclasses(present) if present else None
+        elif isinstance(items[0], str):  # a label (the KV tier's medium)
+            values[f.name] = items[0]
+        elif dataclasses.is_dataclass(items[0]):
             values[f.name] = _merge_dataclasses(items)
         elif f.name == "kv_cache_usage":
             values[f.name] = sum(items) / len(items)

@@ -188,6 +188,47 @@ class _EngineStatsCollector(Collector):
             metric = CounterMetricFamily(name, doc, labels=labels)
             metric.add_metric(values, float(value))
             yield metric
+        tier = getattr(self.stats, "kv_tier", None)
+        if tier is not None:
+            yield from _kv_tier_metrics(tier, labels, values)
+
+
+def _kv_tier_metrics(tier: Any, labels: list[str], values: list[str]) -> Iterator[Metric]:
+    """The KV tier's series (only with a tier): entries held, hits, bytes moved, load time."""
+    gauge = GaugeMetricFamily(
+        "pagedkv:kv_tier_used_blocks",
+        "Blocks the KV tier below the pool holds now (label medium: CPU or DISK).",
+        labels=[*labels, "medium"],
+    )
+    gauge.add_metric([*values, tier.medium], float(tier.num_used_blocks))
+    yield gauge
+    for name, doc, value in (
+        (
+            "pagedkv:kv_tier_hit_blocks",
+            "Blocks loaded back from the KV tier into the pool (tier hits).",
+            tier.num_hit_blocks,
+        ),
+        (
+            "pagedkv:kv_tier_stored_blocks",
+            "Blocks paged out to the KV tier.",
+            tier.num_stored_blocks,
+        ),
+        ("pagedkv:kv_tier_bytes_stored", "Bytes written to the KV tier.", tier.bytes_stored),
+        ("pagedkv:kv_tier_bytes_loaded", "Bytes loaded from the KV tier.", tier.bytes_loaded),
+        (
+            "pagedkv:kv_tier_load_seconds",
+            "Seconds the KV tier's loads took, inside the steps.",
+            tier.load_seconds,
+        ),
+        (
+            "pagedkv:kv_tier_failed_loads",
+            "KV tier loads that found a missing, truncated or corrupt entry (recomputed).",
+            tier.num_failed_loads,
+        ),
+    ):
+        metric = CounterMetricFamily(name, doc, labels=labels)
+        metric.add_metric(values, float(value))
+        yield metric
 
 
 class ServerMetrics:

@@ -182,6 +182,25 @@ def index_copy_blocks(kv_caches: Sequence[torch.Tensor], mapping: torch.Tensor) 
         words.index_copy_(1, dst, words.index_select(1, src))
 
 
+def _check_block_id(block_id: int, num_blocks: int) -> None:
+    if (
+        not isinstance(block_id, int)
+        or isinstance(block_id, bool)
+        or not 1 <= block_id < num_blocks
+    ):
+        raise OpsInputError(f"block id must be an int in [1, {num_blocks}), got {block_id!r}")
+
+
+def _block_view(cache: torch.Tensor, block_id: int) -> torch.Tensor:
+    """Block ``block_id`` of a ``[2, num_blocks, ...]`` cache as bytes ``[2, page / 2]``."""
+    return cache[:, block_id].reshape(2, -1).view(torch.uint8)
+
+
+def _block_bytes(cache: torch.Tensor, block_id: int) -> torch.Tensor:
+    """A copy of :func:`_block_view`, flat."""
+    return _block_view(cache, block_id).reshape(-1)
+
+
 def _widest_word(tensor: torch.Tensor) -> torch.dtype:
     """The widest int dtype a contiguous ``tensor`` can be viewed as (its last dimension's bytes
     and its offset divisible by the word)."""
@@ -438,6 +457,57 @@ class AttentionBackend(ABC):
         mapping = check_block_mapping(block_mapping, caches[0].shape[1])
         if mapping.shape[0]:
             self._copy_blocks(caches, mapping)
+
+    def read_block(self, kv_caches: Sequence[torch.Tensor], block_id: int) -> torch.Tensor:
+        """The bytes of block ``block_id`` (keys and values) of every cache in ``kv_caches``,
+        copied out: what the KV tier pages out (:mod:`pagedkv.worker.kv_offload`).
+
+        Args:
+            kv_caches: caches of one KV cache group (as :meth:`copy_blocks` takes them).
+            block_id: a block in ``[1, num_blocks)``.
+
+        Returns:
+            A new contiguous uint8 tensor ``[len(kv_caches), page_size_bytes]`` (row ``l``:
+            layer ``l``'s page, in this backend's layout), on the caches' device.
+
+        Raises:
+            OpsInputError: bad caches (see :meth:`copy_blocks`) or a block id out of range.
+        """
+        caches = self._check_copy_caches(kv_caches)
+        _check_block_id(block_id, caches[0].shape[1])
+        return torch.stack([_block_bytes(c, block_id) for c in caches])
+
+    def write_block(
+        self, kv_caches: Sequence[torch.Tensor], block_id: int, data: torch.Tensor
+    ) -> None:
+        """Write bytes from :meth:`read_block` (of caches of this shape, dtype and layout) into
+        block ``block_id`` of every cache in ``kv_caches``: a KV tier load. Checked first: a
+        call that raises has touched no tensor.
+
+        Raises:
+            OpsInputError: bad caches, a block id out of range, or ``data`` that is not a uint8
+                tensor ``[len(kv_caches), page_size_bytes]``.
+        """
+        caches = self._check_copy_caches(kv_caches)
+        _check_block_id(block_id, caches[0].shape[1])
+        page = _block_bytes(caches[0], block_id)
+        shape = (len(caches), page.numel())
+        if (
+            not isinstance(data, torch.Tensor)
+            or data.dtype != torch.uint8
+            or tuple(data.shape) != shape
+        ):
+            raise OpsInputError(
+                f"data must be a uint8 tensor {shape} (read_block's), got "
+                + (
+                    f"{data.dtype} {tuple(data.shape)}"
+                    if isinstance(data, torch.Tensor)
+                    else type(data).__name__
+                )
+            )
+        data = data.to(caches[0].device)
+        for layer, cache in enumerate(caches):
+            _block_view(cache, block_id).copy_(data[layer].view(2, -1))
 
     @abstractmethod
     def _copy_blocks(self, kv_caches: list[torch.Tensor], mapping: torch.Tensor) -> None:

@@ -1,0 +1,298 @@
+"""The KV tier end to end (issue 26) on the tiny model: with a pool too small for the history,
+tier on (host RAM or disk) gives the tier-off outputs token for token (greedy) while hitting
+the tier; truncated, corrupted or deleted tier files fall back to recompute with the same
+outputs; a restarted engine with the same disk tier finds its blocks (the hash seed recorded
+in the tier), one made for another layout starts empty; preemption by swap; the worker's block
+read / write ops and the disk entry check."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from _tiny_model import tiny_loaded_model
+
+from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.llm_engine import LLMEngine
+from pagedkv.entrypoints.openai.metrics import ServerMetrics
+from pagedkv.errors import ConfigError
+from pagedkv.sampling_params import SamplingParams
+from pagedkv.worker.kv_offload import CpuKVTier, DiskKVTier
+
+BLOCK = 4
+PARAMS = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+#: 6 conversations; turn 2 repeats turn 1's prompt (7 blocks) and adds 2 blocks.
+TURN1 = [[(17 * c + 3 * i) % 120 + 1 for i in range(29)] for c in range(6)]
+TURN2 = [p + [(5 * c + i) % 100 + 1 for i in range(8)] for c, p in enumerate(TURN1)]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_loaded_model()
+
+
+def make_engine(tiny, **options) -> LLMEngine:
+    defaults = {
+        "dtype": "float32",
+        "num_threads": 1,
+        "block_size": BLOCK,
+        "num_blocks": 24,  # 23 usable: about 2 conversations
+        "max_model_len": 64,
+        "max_num_seqs": 2,
+        "hash_seed": 0,
+    }
+    return LLMEngine(loaded_model=tiny, **(defaults | options))
+
+
+def generate(engine: LLMEngine, prompts) -> list[list[int]]:
+    """Each prompt alone, in order (so the pool evicts deterministically)."""
+    outputs = []
+    for n, prompt in enumerate(prompts):
+        engine.add_request(f"r{n}-{id(prompt)}", {"prompt_token_ids": prompt}, PARAMS)
+        done = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done = out
+        outputs.append(list(done.outputs[0].token_ids))
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def expected(tiny):
+    engine = make_engine(tiny)
+    return generate(engine, TURN1), generate(engine, TURN2)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "disk"])
+def test_tier_outputs_equal_tier_off_and_hit(tiny, expected, backend, tmp_path):
+    options = {"kv_offloading_size": 256 * 1024, "kv_offloading_backend": backend}
+    if backend == "disk":
+        options["kv_offloading_dir"] = str(tmp_path)
+    engine = make_engine(tiny, **options)
+    assert generate(engine, TURN1) == expected[0]
+    before = engine.get_stats()
+    assert generate(engine, TURN2) == expected[1]
+    stats = engine.get_stats()
+    tier = stats.kv_tier
+    assert tier.medium == backend.upper()
+    assert tier.num_stored_blocks > 0 and tier.bytes_stored > 0
+    # every returning turn found its history: the pool (the last ones) or the tier
+    assert tier.num_hit_blocks >= 4 * 7 and tier.bytes_loaded == tier.num_hit_blocks * (
+        engine.kv_cache_config.bytes_per_block
+    )
+    hits = stats.scheduler.prefix_cache_hits - before.scheduler.prefix_cache_hits
+    assert hits == 6 * 28  # 7 full blocks of each turn-1 prompt
+    assert tier.num_failed_loads == 0
+    text = ServerMetrics("tiny").render(stats).decode()
+    assert f'pagedkv:kv_tier_hit_blocks_total{{model_name="tiny"}} {tier.num_hit_blocks}.0' in text
+    assert f'medium="{backend.upper()}"' in text
+    engine.shutdown()
+
+
+def test_tier_off_changes_nothing(tiny):
+    engine = make_engine(tiny)
+    assert engine.kv_cache_manager.offloader is None
+    assert engine.runner.kv_tier is None
+    assert engine.get_stats().kv_tier is None
+
+
+def damage_files(directory, damage: str) -> int:
+    """Truncate, corrupt (flip a payload byte) or delete every entry file; how many."""
+    files = sorted(directory.glob("*.kv"))
+    for path in files:
+        if damage == "truncate":
+            path.write_bytes(path.read_bytes()[:-7])
+        elif damage == "corrupt":
+            raw = bytearray(path.read_bytes())
+            raw[-3] ^= 0xFF
+            path.write_bytes(bytes(raw))
+        else:
+            path.unlink()
+    return len(files)
+
+
+def test_entries_damaged_while_requests_run(tiny, expected, tmp_path):
+    """Every turn-2 request queued at once (2 run at a time); after the first step every entry
+    file is truncated: the requests admitted later find them bad and recompute."""
+    engine = make_engine(
+        tiny,
+        kv_offloading_size=256 * 1024,
+        kv_offloading_backend="disk",
+        kv_offloading_dir=str(tmp_path),
+    )
+    generate(engine, TURN1)
+    engine.runner.kv_tier.flush()
+    for n, prompt in enumerate(TURN2):
+        engine.add_request(f"t2-{n}", {"prompt_token_ids": prompt}, PARAMS)
+    finished = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = list(out.outputs[0].token_ids)
+        steps += 1
+        if steps == 1:
+            engine.runner.kv_tier.flush()
+            assert damage_files(tmp_path, "truncate")
+    assert [finished[f"t2-{n}"] for n in range(len(TURN2))] == expected[1]
+    stats = engine.get_stats()
+    assert stats.kv_tier.num_hit_blocks > 0 and stats.kv_tier.num_failed_loads > 0
+    engine.kv_cache_manager.check_invariants()
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "corrupt", "delete"])
+def test_damaged_disk_entries_fall_back_to_recompute(tiny, expected, damage, tmp_path):
+    engine = make_engine(
+        tiny,
+        kv_offloading_size=64 * 1024,
+        kv_offloading_backend="disk",
+        kv_offloading_dir=str(tmp_path),
+    )
+    generate(engine, TURN1)
+    engine.runner.kv_tier.flush()
+    assert damage_files(tmp_path, damage)
+    assert generate(engine, TURN2) == expected[1]
+    stats = engine.get_stats()
+    assert stats.kv_tier.num_failed_loads > 0
+    assert stats.scheduler.num_kv_tier_load_failures > 0
+    engine.kv_cache_manager.check_invariants()
+    engine.shutdown()
+
+
+def test_restarted_engine_finds_its_disk_tier(tiny, expected, tmp_path, caplog):
+    options = {
+        "kv_offloading_size": 256 * 1024,
+        "kv_offloading_backend": "disk",
+        "kv_offloading_dir": str(tmp_path),
+        "hash_seed": None,  # the tier records the seed it made and the next engine reuses it
+    }
+    first = make_engine(tiny, **options)
+    generate(first, TURN1)
+    first.shutdown()  # pages the pool's cached blocks out too
+    stored = len(list(tmp_path.glob("*.kv")))
+    assert stored == 6 * 7  # every full block of every turn-1 prompt, each once
+    second = make_engine(tiny, **options)
+    assert len(second.kv_cache_manager.offloader) == stored
+    assert second.config.hash_seed == first.config.hash_seed
+    assert generate(second, TURN2) == expected[1]
+    stats = second.get_stats()
+    assert stats.kv_tier.num_hit_blocks == 6 * 7  # every returning turn from the tier
+    assert stats.scheduler.prefix_cache_hits == 6 * 7 * BLOCK
+    second.shutdown()
+    # another block size: the entries are not its KV; start empty, with one log line
+    with caplog.at_level(logging.WARNING, logger="pagedkv.worker.kv_offload"):
+        other = LLMEngine(
+            loaded_model=tiny,
+            dtype="float32",
+            num_threads=1,
+            block_size=8,
+            num_blocks=16,
+            max_model_len=64,
+            kv_offloading_size=64 * 1024,
+            kv_offloading_backend="disk",
+            kv_offloading_dir=str(tmp_path),
+        )
+    assert len(other.kv_cache_manager.offloader) == 0
+    assert not list(tmp_path.glob("*.kv"))
+    assert sum("starting empty" in r.message for r in caplog.records) == 1
+    other.shutdown()
+
+
+def test_swap_preemption_keeps_outputs(tiny):
+    prompts = [p[:20] for p in TURN1[:4]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    results = {}
+    for mode in ("recompute", "swap"):
+        engine = make_engine(
+            tiny,
+            num_blocks=18,
+            max_num_seqs=4,
+            kv_offloading_size=64 * 1024,
+            preemption_mode=mode,
+        )
+        for n, prompt in enumerate(prompts):
+            engine.add_request(f"s{n}", {"prompt_token_ids": prompt}, params)
+        outs = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outs[out.request_id] = out.outputs[0].token_ids
+        stats = engine.get_stats()
+        assert stats.scheduler.num_preemptions > 0
+        results[mode] = (outs, stats)
+    assert results["swap"][0] == results["recompute"][0]
+    assert results["swap"][1].kv_tier.num_stored_blocks > 0
+
+
+def test_config_checks():
+    with pytest.raises(ConfigError, match="kv_offloading_size"):
+        EngineConfig(kv_offloading_backend="cpu")
+    with pytest.raises(ConfigError, match="kv_offloading_dir"):
+        EngineConfig(kv_offloading_size="1MiB", kv_offloading_backend="disk")
+    with pytest.raises(ConfigError, match="swap"):
+        EngineConfig(preemption_mode="swap")
+    with pytest.raises(ConfigError, match="prefix caching"):
+        EngineConfig(kv_offloading_size=1 << 20, enable_prefix_caching=False)
+    assert EngineConfig(kv_offloading_size="1MiB").kv_offloading_backend == "cpu"
+
+
+def test_disk_entry_round_trip_and_checks(tmp_path):
+    tier = DiskKVTier(tmp_path, 4, 64)
+    data = torch.arange(48, dtype=torch.uint8).view(3, 16)
+    tier.write("0-ab", 0, data)
+    assert torch.equal(tier.read("0-ab", 0, (3, 16)), data)  # queued or written: same bytes
+    tier.flush()
+    assert torch.equal(tier.read("0-ab", 0, (3, 16)), data)
+    assert tier.read("0-ab", 0, (2, 16)) is None  # another shape
+    path = tier.path_of("0-ab")
+    path.rename(tmp_path / "0-cd.kv")
+    assert tier.read("0-cd", 0, (3, 16)) is None  # the file names another key
+    tier.drop("0-cd", 0)
+    tier.flush()
+    assert not (tmp_path / "0-cd.kv").exists()
+    tier.close()
+    cpu = CpuKVTier(2, 64)
+    cpu.write("k", 1, data)
+    assert torch.equal(cpu.read("k", 1, (3, 16)), data)
+    cpu.drop("k", 1)
+    assert cpu.read("k", 1, (3, 16)) is None
+
+
+def test_tier_events_keep_their_medium_on_the_wire():
+    from pagedkv.cluster.kv_events import decode_batch, encode_batch
+    from pagedkv.core.events import BlockRemoved, BlockStored
+
+    events = [
+        BlockStored((b"a" * 32,), None, (1, 2, 3, 4), 4),
+        BlockStored((b"a" * 32,), None, (), 4, medium="DISK"),
+        BlockRemoved((b"a" * 32,), medium="CPU"),
+    ]
+    decoded = decode_batch(encode_batch(events)).events
+    assert [e.medium for e in decoded] == ["GPU", "DISK", "CPU"]
+
+
+def test_cli_flags(tmp_path):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    config = EngineConfig.from_cli_args(parser.parse_args([]))
+    assert config.kv_offloading_size is None and config.preemption_mode == "recompute"
+    args = parser.parse_args(
+        [
+            "--kv-offloading-size",
+            "2MiB",
+            "--kv-offloading-backend",
+            "disk",
+            "--kv-offloading-dir",
+            str(tmp_path),
+            "--preemption-mode",
+            "swap",
+        ]
+    )
+    config = EngineConfig.from_cli_args(args)
+    assert (config.kv_offloading_size, config.kv_offloading_backend) == (2 << 20, "disk")
+    assert (config.kv_offloading_dir, config.preemption_mode) == (str(tmp_path), "swap")
