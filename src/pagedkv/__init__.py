@@ -15,17 +15,25 @@ apply_openmp_env_defaults()
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "StructuredOutputsParams", "__version__"]
+__all__ = [
+    "LLM",
+    "BeamSearchParams",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "__version__",
+]
 
 if TYPE_CHECKING:  # pragma: no cover
     from pagedkv.engine.llm import LLM
     from pagedkv.engine.outputs import RequestOutput
-    from pagedkv.sampling_params import SamplingParams, StructuredOutputsParams
+    from pagedkv.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 _LAZY = {
     "LLM": "pagedkv.engine.llm",
     "RequestOutput": "pagedkv.engine.outputs",
     "SamplingParams": "pagedkv.sampling_params",
+    "BeamSearchParams": "pagedkv.sampling_params",
     "StructuredOutputsParams": "pagedkv.sampling_params",
 }
 
