@@ -25,7 +25,9 @@ _SETTINGS_DEFAULTS = {
     "max_num_seqs": 256,
     "max_num_batched_tokens": 2048,
 }
-_POLICY_CHOICES = ("contiguous", "paged", "paged+prefix")
+_POLICY_CHOICES = ("contiguous", "paged", "paged+prefix", "paged+prefix+tier")
+#: --policies' default; paged+prefix+tier joins it when --kv-offloading-size is given.
+_DEFAULT_POLICIES = ("contiguous", "paged", "paged+prefix")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -102,8 +104,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pool.add_argument(
         "--kv-offloading-size",
         default=None,
-        help="bytes of a KV tier below the paged+prefix pool (e.g. 1GiB): evicted blocks page "
-        "out there by block hash and hit again",
+        help="bytes of a KV tier below the pool (e.g. 1GiB): adds the paged+prefix+tier "
+        "policy, whose evicted blocks page out there by block hash and hit again",
+    )
+    pool.add_argument(
+        "--kv-offloading-backend",
+        choices=("cpu", "disk"),
+        default="cpu",
+        help="the tier's medium, for its default bandwidth: cpu (host RAM, 16 GB/s) or disk "
+        "(NVMe, 2 GB/s)",
+    )
+    pool.add_argument(
+        "--kv-offloading-bandwidth",
+        default=None,
+        help="the tier's load bandwidth in bytes/s (e.g. 16GB, 500MB); default the backend's",
     )
 
     sched = parser.add_argument_group("scheduler")
@@ -122,8 +136,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     sched.add_argument(
         "--policies",
-        default=",".join(_POLICY_CHOICES),
-        help="comma-separated subset of contiguous,paged,paged+prefix",
+        default=None,
+        help="comma-separated subset of contiguous,paged,paged+prefix,paged+prefix+tier "
+        "(default the first three, and paged+prefix+tier with --kv-offloading-size)",
     )
 
     cluster = parser.add_argument_group(
@@ -222,17 +237,29 @@ def build(args: argparse.Namespace):
     Returns (workload, trace_issues, config, policies).
     """
     from pagedkv.errors import ConfigError
-    from pagedkv.sim.simulator import SimConfig
+    from pagedkv.sim.simulator import DEFAULT_KV_OFFLOADING_BANDWIDTH, SimConfig
     from pagedkv.sim.trace import read_trace
     from pagedkv.sim.workloads import make_workload, with_samples
 
-    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+    tiered = args.kv_offloading_size is not None
+    if args.policies is None:
+        policies = _DEFAULT_POLICIES + (("paged+prefix+tier",) if tiered else ())
+    else:
+        policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     unknown = [p for p in policies if p not in _POLICY_CHOICES]
     if unknown or not policies:
         raise ConfigError(
             f"--policies: unknown {', '.join(unknown) or '(empty)'}; "
             f"choose from {', '.join(_POLICY_CHOICES)}"
         )
+    if tiered != ("paged+prefix+tier" in policies):
+        raise ConfigError(
+            "--policies paged+prefix+tier needs --kv-offloading-size"
+            if not tiered
+            else "--kv-offloading-size: add paged+prefix+tier to --policies (the tier's policy)"
+        )
+    if args.kv_offloading_bandwidth is not None and not tiered:
+        raise ConfigError("--kv-offloading-bandwidth needs --kv-offloading-size")
     max_model_len = args.max_model_len or _SETTINGS_DEFAULTS["max_model_len"]
     issues = []
     if args.trace:
@@ -273,7 +300,7 @@ def build(args: argparse.Namespace):
     if args.model is not None:
         kv_cache_specs = tuple(group.kv_cache_spec for group in groups)
         if len(groups) > 1 and "contiguous" in policies:
-            if args.policies != ",".join(_POLICY_CHOICES):
+            if args.policies is not None:
                 raise ConfigError(
                     f"--policies contiguous: {args.model} has {len(groups)} KV cache groups; "
                     "the contiguous baseline reserves one full-attention region (compare with "
@@ -294,11 +321,19 @@ def build(args: argparse.Namespace):
     else:
         num_blocks = workload.defaults.get("num_blocks", DEFAULT_NUM_BLOCKS)
     tier_blocks = 0
+    bytes_per_block = KVCacheConfig.from_num_blocks(specs, 2).bytes_per_block
+    bandwidth = DEFAULT_KV_OFFLOADING_BANDWIDTH[args.kv_offloading_backend]
     if args.kv_offloading_size is not None:
         from pagedkv.units import parse_memory_size
 
+        if args.kv_offloading_bandwidth is not None:
+            bandwidth = parse_memory_size(args.kv_offloading_bandwidth)
+            if bandwidth < 1:
+                raise ConfigError(
+                    f"--kv-offloading-bandwidth must be > 0 bytes/s, got "
+                    f"{args.kv_offloading_bandwidth!r}"
+                )
         tier_bytes = parse_memory_size(args.kv_offloading_size)
-        bytes_per_block = KVCacheConfig.from_num_blocks(specs, 2).bytes_per_block
         tier_blocks = tier_bytes // bytes_per_block
         if tier_blocks < 1:
             raise ConfigError(
@@ -308,6 +343,8 @@ def build(args: argparse.Namespace):
     config = SimConfig(
         num_blocks=num_blocks,
         kv_offloading_blocks=tier_blocks,
+        kv_offloading_bandwidth=bandwidth,
+        kv_bytes_per_block=bytes_per_block,
         admission=args.admission,
         step_time=args.step_time,
         block_map_columns=args.block_map_columns if args.out else 0,
@@ -372,6 +409,9 @@ def run(args: argparse.Namespace) -> int:
         sub = Workload(workload.name, _prefix_closed(workload.requests, args.sweep_requests))
         sweep = sweep_block_sizes(sub, config, policies=policies)
 
+    from pagedkv.sim.simulator import config_lines
+
+    summary = config_lines(config, workload.name, len(workload.requests), args.model)
     figure_paths = []
     write_error = None
     if args.out:
@@ -392,6 +432,7 @@ def run(args: argparse.Namespace) -> int:
                         {p: r.metrics for p, r in results.items()},
                         title=f"pagedkv simulate: {workload.name}",
                         command=command,
+                        config=summary,
                         notes=fork_lines,
                     )
                 )
@@ -415,6 +456,8 @@ def run(args: argparse.Namespace) -> int:
                     "admission",
                     "step_time",
                     "kv_offloading_blocks",
+                    "kv_offloading_bandwidth",
+                    "kv_bytes_per_block",
                 )
             },
             "model": args.model,
@@ -440,38 +483,14 @@ def run(args: argparse.Namespace) -> int:
 
     from pagedkv.sim.plots import metrics_table_rows
 
-    usable = config.num_blocks - 1
-    print(
-        f"workload {workload.name}: {len(workload.requests)} requests; pool {config.num_blocks} "
-        f"blocks of {config.block_size} tokens ({usable} usable + the null block: "
-        f"{usable * config.block_size} tokens for every policy), max_model_len "
-        f"{config.max_model_len}, max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
-        f"{config.max_num_batched_tokens}, admission {config.admission}"
-    )
-    if config.kv_cache_specs is not None:
-        print(f"model {args.model}: {_describe_groups(config.kv_cache_specs)}")
-    if config.kv_offloading_blocks:
-        print(
-            f"KV tier below the paged+prefix pool: {config.kv_offloading_blocks} blocks "
-            f"({config.kv_offloading_blocks * config.block_size} tokens; loads free)"
-        )
+    for line in summary:
+        print(line)
     _print_table(metrics_table_rows({p: r.metrics for p, r in results.items()}))
     for line in fork_lines:
         print(line)
     for path in figure_paths:
         print(f"wrote {path}")
     return _report_write_error(write_error)
-
-
-def _describe_groups(specs) -> str:
-    """``"6 KV cache groups: 5 sliding window 512, 1 full attention"``."""
-    windows = [getattr(spec, "sliding_window", None) for spec in specs]
-    kinds = {}
-    for window in windows:
-        label = "full attention" if window is None else f"sliding window {window}"
-        kinds[label] = kinds.get(label, 0) + 1
-    parts = ", ".join(f"{count} {label}" for label, count in kinds.items())
-    return f"{len(specs)} KV cache group{'s' if len(specs) > 1 else ''}: {parts}"
 
 
 def _report_write_error(message: str | None) -> int:
