@@ -311,3 +311,14 @@ def test_bad_tier_settings_raise(kwargs):
 def test_tier_policy_needs_a_tier():
     with pytest.raises(ConfigError, match="kv_offloading_blocks"):
         simulate(_tier_trace(), _tiny_config(num_blocks=6), "paged+prefix+tier")
+
+
+def test_time_per_token_prices_compute_without_moving_the_schedule():
+    plain = simulate(_tier_trace(), _tier_config(), "paged+prefix+tier").metrics
+    priced = simulate(_tier_trace(), _tier_config(time_per_token=0.01), "paged+prefix+tier").metrics
+    assert (priced.num_steps, priced.num_tier_hit_tokens) == (plain.num_steps, 4)
+    assert plain.compute_time_s == 0
+    assert priced.compute_time_s == pytest.approx(priced.num_scheduled_tokens * 0.01)
+    assert priced.time_s == pytest.approx(plain.time_s + priced.compute_time_s)
+    with pytest.raises(ConfigError, match="time_per_token"):
+        _tier_config(time_per_token=-1)

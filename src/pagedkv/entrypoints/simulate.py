@@ -135,6 +135,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--step-time", type=float, default=0.025, help="simulated seconds per step (arrivals)"
     )
     sched.add_argument(
+        "--time-per-token",
+        type=float,
+        default=0.0,
+        help="simulated seconds per token computed, added to its step (default 0: a step "
+        "costs --step-time whatever it computes); prices recompute against the tier's loads",
+    )
+    sched.add_argument(
         "--policies",
         default=None,
         help="comma-separated subset of contiguous,paged,paged+prefix,paged+prefix+tier "
@@ -347,6 +354,7 @@ def build(args: argparse.Namespace):
         kv_bytes_per_block=bytes_per_block,
         admission=args.admission,
         step_time=args.step_time,
+        time_per_token=args.time_per_token,
         block_map_columns=args.block_map_columns if args.out else 0,
         hash_algo=args.hash_algo,
         kv_cache_specs=kv_cache_specs,
@@ -455,6 +463,7 @@ def run(args: argparse.Namespace) -> int:
                     "max_num_batched_tokens",
                     "admission",
                     "step_time",
+                    "time_per_token",
                     "kv_offloading_blocks",
                     "kv_offloading_bandwidth",
                     "kv_bytes_per_block",

@@ -29,7 +29,9 @@ Definitions (all over the steps that computed something, "busy steps", unless sa
 - tier loads / stores: blocks loaded from and stored to the KV tier (every KV cache group's;
   loads of preempted requests resuming included), the bytes loaded (x bytes per block), and the
   load time (bytes / the tier's bandwidth).
-- time: steps to drain x step_time + the tier's load time (loads run inside their step).
+- time: steps to drain x step_time + tokens computed x time_per_token (0 unless set: the
+  zero-cost model) + the tier's load time (loads run inside their step); compute time: the
+  middle term.
 - steps to drain: steps from 0 until the last request finished, idle steps included.
 - tokens per step: tokens computed (prompt chunks and decode tokens, cache hits excluded) per busy
   step.
@@ -112,6 +114,7 @@ class PolicyMetrics:
     num_tier_stored_blocks: int = 0
     tier_loaded_bytes: int = 0
     tier_load_time_s: float = 0.0
+    compute_time_s: float = 0.0
     time_s: float = 0.0
 
     @property
@@ -158,6 +161,7 @@ def compute_metrics(
     tier_loaded_bytes: int = 0,
     tier_load_time_s: float = 0.0,
     step_time: float = 0.0,
+    time_per_token: float = 0.0,
 ) -> PolicyMetrics:
     """Summarize a recorded timeline (lists or arrays) into :class:`PolicyMetrics`."""
     running = np.asarray(timeline.num_running, dtype=np.int64)
@@ -200,5 +204,6 @@ def compute_metrics(
         num_tier_stored_blocks=num_tier_stored_blocks,
         tier_loaded_bytes=tier_loaded_bytes,
         tier_load_time_s=tier_load_time_s,
-        time_s=num_steps * step_time + tier_load_time_s,
+        compute_time_s=float(scheduled.sum()) * time_per_token,
+        time_s=num_steps * step_time + float(scheduled.sum()) * time_per_token + tier_load_time_s,
     )

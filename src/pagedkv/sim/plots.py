@@ -486,9 +486,15 @@ def fig_prompt_tokens(results: dict[str, PolicyResult]) -> Figure | None:
     ax_tokens.set_title("Prompt tokens: served from a cache or computed", fontsize="medium")
     below = (0.5, -0.5 / len(names) - 0.12)
     ax_tokens.legend(loc="upper center", bbox_to_anchor=below, ncols=2, fontsize="small")
-    compute = np.array([m.time_s - m.tier_load_time_s for m in metrics])
+    compute = np.array([m.compute_time_s for m in metrics])
     load = np.array([m.tier_load_time_s for m in metrics])
-    ax_time.barh(y, compute, height=0.6, color="0.55", label="steps x step_time")
+    steps = np.array([m.time_s for m in metrics]) - compute - load
+    ax_time.barh(y, steps, height=0.6, color="0.55", label="steps x step_time")
+    if compute.any():
+        ax_time.barh(
+            y, compute, left=steps, height=0.6, color="tab:red", label="tokens x time_per_token"
+        )
+    compute = compute + steps
     if load.any():
         ax_time.barh(y, load, left=compute, height=0.6, color="tab:orange", label="tier loads")
         for yi, m in zip(y, metrics, strict=True):
@@ -550,9 +556,9 @@ CAPTIONS = MappingProxyType(
             "Left: where each policy's prompt tokens came from: hits in the pool's prefix cache "
             "(green), blocks loaded back from the KV tier (orange), and computed (grey; red "
             "hatched: recomputed, blocks whose KV an earlier step had computed but the pool had "
-            "evicted: the work a tier saves). Right: simulated seconds to drain, steps x "
-            "step_time plus the tier's loads (bytes over its bandwidth): a slower tier costs "
-            "time, never hits."
+            "evicted: the work a tier saves). Right: simulated seconds to drain: steps x "
+            "step_time, tokens computed x --time-per-token (when set), and the tier's loads "
+            "(bytes over its bandwidth): a slower tier costs time, never hits."
         ),
         "block_map_contiguous": (
             "Which request owns each physical block over time (colour = request). Each request "
@@ -660,6 +666,7 @@ _TIER_LABELS = (
     ("num_tier_loaded_blocks", "tier loads (blocks)", "{:d}"),
     ("tier_loaded_bytes", "tier bytes loaded", "{:d}"),
     ("tier_load_time_s", "tier load time (s)", "{:.4f}"),
+    ("compute_time_s", "compute time (s)", "{:.2f}"),
     ("time_s", "time to drain (s)", "{:.2f}"),
 )
 

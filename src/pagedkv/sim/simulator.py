@@ -16,7 +16,8 @@ The tier's capacity is the manager's own (LRU over block hashes); its bandwidth
 bandwidth`` seconds. Loads run inside the step (as in the engine: the batch waits), so a step
 that loads lasts ``step_time`` plus its loads; the schedule itself (and so every hit) is counted
 in steps and does not depend on the bandwidth: the bandwidth moves ``time_s`` and
-``tier_load_time_s`` only.
+``tier_load_time_s`` only. ``SimConfig.time_per_token`` (seconds per token computed, 0 by
+default) adds the compute a step does to its time, the price of the recompute a hit saves.
 
 The paged policies hold one full-attention KV cache group unless ``SimConfig.kv_cache_specs``
 names the model's groups (``pagedkv simulate --model gemma3-270m``: five sliding-window groups
@@ -84,6 +85,9 @@ class SimConfig:
         admission: "fcfs" (stop at the first waiting request that does not fit) or "skip"
             (try later ones); the Scheduler's ``admission``.
         step_time: simulated seconds per step (maps arrival times to steps).
+        time_per_token: simulated seconds per token computed (prompt or decode), added to the
+            step's time (0 = the zero-cost model: a step lasts ``step_time``); prices the
+            recompute a hit saves against the tier's loads. It never moves the schedule.
         block_map_columns: most sampled steps kept for the block map (0 = no block map).
         hash_algo: the manager's block-hash algorithm (None = its default).
         kv_cache_specs: one spec per KV cache group of the paged policies, all with
@@ -108,6 +112,7 @@ class SimConfig:
     max_num_batched_tokens: int = 2048
     admission: str = "fcfs"
     step_time: float = 0.025
+    time_per_token: float = 0.0
     block_map_columns: int = 300
     hash_algo: str | None = None
     kv_cache_specs: tuple[KVCacheSpec, ...] | None = None
@@ -132,6 +137,10 @@ class SimConfig:
             )
         if not is_number(self.step_time) or not self.step_time > 0:
             raise ConfigError(f"step_time must be a number > 0 (seconds), got {self.step_time!r}")
+        if not is_number(self.time_per_token) or not 0 <= self.time_per_token < math.inf:
+            raise ConfigError(
+                f"time_per_token must be a number >= 0 (seconds), got {self.time_per_token!r}"
+            )
         check_int("block_map_columns", self.block_map_columns, 0)
         if self.kv_cache_specs is not None:
             if not self.kv_cache_specs:
@@ -544,6 +553,7 @@ def simulate(
         * config.kv_bytes_per_block
         / config.kv_offloading_bandwidth,
         step_time=config.step_time,
+        time_per_token=config.time_per_token,
     )
     return PolicyResult(
         policy,
@@ -570,6 +580,7 @@ def config_lines(
         f"{usable * config.block_size} tokens for every policy), max_model_len "
         f"{config.max_model_len}, max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
         f"{config.max_num_batched_tokens}, admission {config.admission}"
+        + (f", {config.time_per_token:g} s per token computed" if config.time_per_token else "")
     ]
     if config.kv_cache_specs is not None:
         windows = [getattr(spec, "sliding_window", None) for spec in config.kv_cache_specs]
@@ -689,6 +700,7 @@ def sweep_block_sizes(
             max_num_batched_tokens=config.max_num_batched_tokens,
             admission=config.admission,
             step_time=config.step_time,
+            time_per_token=config.time_per_token,
             block_map_columns=0,
             hash_algo=config.hash_algo,
             kv_cache_specs=specs,
