@@ -226,6 +226,8 @@ def test_kv_tier_table_html_and_bandwidth(tmp_path, capsys):
     [
         (["--policies", "paged+prefix+tier"], "needs --kv-offloading-size"),
         (["--kv-offloading-bandwidth", "1GB"], "needs --kv-offloading-size"),
+        (["--kv-offloading-backend", "disk"], "needs --kv-offloading-size"),
+        (["--kv-offloading-size", "1GiB", "--num-replicas", "2"], "has no tier"),
         (["--kv-offloading-size", "1GiB", "--policies", "paged"], "add paged+prefix+tier"),
         (["--kv-offloading-size", "1GiB", "--kv-offloading-bandwidth", "fast"], "not a memory"),
     ],

@@ -46,7 +46,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     which.add_argument(
         "--workload",
         default=None,
-        help="built-in workload: sixteen-lengths, sharegpt (default), shared-prefix, multi-turn",
+        help="built-in workload: shared-prefix (default: system prompts shared by many requests, "
+        "where prefix caching shows), multi-turn, sharegpt, sixteen-lengths",
     )
     which.add_argument("--trace", default=None, help="JSONL trace file (see docs/simulate.md)")
     source.add_argument(
@@ -110,7 +111,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pool.add_argument(
         "--kv-offloading-backend",
         choices=("cpu", "disk"),
-        default="cpu",
+        default=None,
         help="the tier's medium, for its default bandwidth: cpu (host RAM, 16 GB/s) or disk "
         "(NVMe, 2 GB/s)",
     )
@@ -265,14 +266,19 @@ def build(args: argparse.Namespace):
             if not tiered
             else "--kv-offloading-size: add paged+prefix+tier to --policies (the tier's policy)"
         )
-    if args.kv_offloading_bandwidth is not None and not tiered:
-        raise ConfigError("--kv-offloading-bandwidth needs --kv-offloading-size")
+    for flag in ("kv_offloading_bandwidth", "kv_offloading_backend"):
+        if getattr(args, flag) is not None and not tiered:
+            raise ConfigError(f"--{flag.replace('_', '-')} needs --kv-offloading-size")
+    if tiered and args.num_replicas is not None:
+        raise ConfigError(
+            "--kv-offloading-size: the cluster simulation (--num-replicas) has no tier"
+        )
     max_model_len = args.max_model_len or _SETTINGS_DEFAULTS["max_model_len"]
     issues = []
     if args.trace:
         workload, issues = read_trace(args.trace, on_error=args.on_error, seed=args.seed)
     else:
-        name = args.workload or "sharegpt"
+        name = args.workload or "shared-prefix"
         # A workload's own settings (sixteen-lengths: 128 blocks, max_model_len 512) apply unless
         # the user set them.
         probe = make_workload(name, seed=args.seed, num_requests=1, max_model_len=max_model_len)
@@ -329,7 +335,7 @@ def build(args: argparse.Namespace):
         num_blocks = workload.defaults.get("num_blocks", DEFAULT_NUM_BLOCKS)
     tier_blocks = 0
     bytes_per_block = KVCacheConfig.from_num_blocks(specs, 2).bytes_per_block
-    bandwidth = DEFAULT_KV_OFFLOADING_BANDWIDTH[args.kv_offloading_backend]
+    bandwidth = DEFAULT_KV_OFFLOADING_BANDWIDTH[args.kv_offloading_backend or "cpu"]
     if args.kv_offloading_size is not None:
         from pagedkv.units import parse_memory_size
 

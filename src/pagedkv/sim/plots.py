@@ -502,7 +502,7 @@ def fig_prompt_tokens(results: dict[str, PolicyResult]) -> Figure | None:
                 ax_time.text(m.time_s, yi, f" +{m.tier_load_time_s:.3g} s", va="center")
     ax_time.set_xlim(right=max(float((compute + load).max()), 1e-9) * 1.3)
     ax_time.set_xlabel("simulated seconds to drain")
-    ax_time.set_title("Time: steps, plus the tier's loads", fontsize="medium")
+    ax_time.set_title("Time to drain: steps, compute, tier loads", fontsize="medium")
     ax_time.legend(loc="upper center", bbox_to_anchor=below, fontsize="small")
     return fig
 
