@@ -1,10 +1,13 @@
 """`pagedkv simulate`: replay a request trace through the KV cache with a model that costs nothing.
 
 Compares contiguous reservation, paged, and paged + prefix caching on the same trace (same pool
-bytes), prints the metrics (or JSON), and with ``--out DIR`` draws the pictures (``--html`` adds
-one page with all of them). See docs/simulate.md.
+bytes), and with ``--kv-offloading-size`` paged + prefix caching over a KV tier (its capacity and
+bandwidth), prints the metrics (or JSON), and with ``--out DIR`` draws the pictures (``--html``
+adds one page with all of them). See docs/simulate.md.
 
     pagedkv simulate --workload shared-prefix --num-requests 500 --out sim-out --html
+    pagedkv simulate --workload multi-turn --num-requests 200 --num-blocks 256 \
+        --kv-offloading-size 1GiB --time-per-token 0.003
     pagedkv simulate --trace my_trace.jsonl --on-error skip --kv-cache-memory 2GiB --json
     pagedkv simulate --model gemma3-270m --kv-cache-memory 64MiB    (its KV cache groups)
 """
@@ -34,7 +37,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `simulate` subcommand."""
     parser = subparsers.add_parser(
         "simulate",
-        help="trace-driven simulation of KV-cache memory (contiguous vs paged vs prefix caching)",
+        help="trace-driven simulation of KV-cache memory (contiguous vs paged vs prefix caching "
+        "vs a KV tier)",
         description=(
             "Replay a built-in workload or a JSONL trace through the KV-cache manager and the "
             "scheduler with a zero-cost model; compare contiguous reservation, paging, and "

@@ -11,9 +11,12 @@ touched (no backend switch, no open-figure registry); PNGs are rendered by Agg.
   shared by several requests (ref_cnt > 1) black, blocks shared only by the samples of one request
   (n > 1, a fork) hatched over that request's colour, cached free blocks grey, free blocks white,
   the null block dark grey, the unwritten part of contiguous regions in a light shade of their
-  owner; each shared entry is in the legend only when the drawn map has such blocks. At scale
+  owner; each legend entry is there only when the drawn map has such blocks. At scale
   (more than 64 blocks or 120 samples, paged policies) a window of blocks 0-63 over steps from
   the middle of the run, under a panel counting every block's state over the whole run.
+- ``prompt_tokens.png`` (a policy with prefix caching): each policy's prompt tokens from pool
+  hits, tier hits and computed (the recomputed part hatched), and its time to drain: steps,
+  compute (``time_per_token``) and the KV tier's loads.
 - ``block_size_sweep.png``: throughput proxy (output tokens per step) and waste % vs block_size.
 
 Every policy has its own line style and marker, so policies that coincide (paged and paged+prefix
