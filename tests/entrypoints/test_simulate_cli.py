@@ -186,13 +186,52 @@ def test_bad_n_exits_2(argv, message, capsys):
 
 def test_kv_tier_turns_multi_turn_misses_into_hits(capsys):
     argv = ["simulate", "--workload", "multi-turn", "--num-requests", "60", "--num-blocks", "150"]
-    argv += ["--policies", "paged+prefix", "--json", "--quiet", "--no-sweep"]
-    reports = []
-    for extra in ([], ["--kv-offloading-size", "1GiB"]):
-        assert main([*argv, *extra]) == 0
-        reports.append(json.loads(capsys.readouterr().out))
-    off, on = (r["policies"]["paged+prefix"] for r in reports)
+    argv += ["--policies", "paged+prefix,paged+prefix+tier", "--json", "--quiet", "--no-sweep"]
+    assert main([*argv, "--kv-offloading-size", "1GiB"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    off, on = (report["policies"][p] for p in ("paged+prefix", "paged+prefix+tier"))
     # SmolLM2's shape: 30 layers x 16 tokens x (K, V) x 3 heads x 64 x 2 bytes per block
-    assert reports[1]["config"]["kv_offloading_blocks"] == 2**30 // (30 * 16 * 2 * 3 * 64 * 2)
+    block_bytes = 30 * 16 * 2 * 3 * 64 * 2
+    assert report["config"]["kv_offloading_blocks"] == 2**30 // block_bytes
+    assert report["config"]["kv_offloading_bandwidth"] == 16e9  # the cpu backend's default
     assert off["prefix_hit_rate"] < 0.05 and on["prefix_hit_rate"] > 0.5
     assert on["num_scheduled_tokens"] < off["num_scheduled_tokens"]
+    assert on["num_tier_hit_tokens"] > 0 and off["num_tier_hit_tokens"] == 0
+    assert on["num_recomputed_tokens"] < off["num_recomputed_tokens"]
+    assert on["tier_loaded_bytes"] == on["num_tier_loaded_blocks"] * block_bytes
+    assert on["tier_load_time_s"] == pytest.approx(on["tier_loaded_bytes"] / 16e9)
+
+
+def test_kv_tier_table_html_and_bandwidth(tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["simulate", "--workload", "multi-turn", "--num-requests", "30", "--num-blocks", "80"]
+    argv += ["--max-model-len", "1024", "--block-map-columns", "20", "--quiet", "--no-sweep"]
+    argv += ["--kv-offloading-size", "64MiB"]
+    assert main([*argv, "--kv-offloading-backend", "disk", "--out", str(out), "--html"]) == 0
+    text = capsys.readouterr().out
+    config_line = next(line for line in text.splitlines() if line.startswith("workload "))
+    tier_line = next(line for line in text.splitlines() if line.startswith("KV tier "))
+    assert "loads at 2 GB/s" in tier_line
+    for label in ("tier hits", "recomputed", "tier load time (s)", "paged+prefix+tier"):
+        assert label in text
+    page = (out / "index.html").read_text()
+    assert config_line in page and tier_line in page
+    assert (out / "prompt_tokens.png").is_file()
+    assert main([*argv, "--kv-offloading-bandwidth", "500MB"]) == 0
+    assert "loads at 0.5 GB/s" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--policies", "paged+prefix+tier"], "needs --kv-offloading-size"),
+        (["--kv-offloading-bandwidth", "1GB"], "needs --kv-offloading-size"),
+        (["--kv-offloading-backend", "disk"], "needs --kv-offloading-size"),
+        (["--kv-offloading-size", "1GiB", "--num-replicas", "2"], "has no tier"),
+        (["--kv-offloading-size", "1GiB", "--policies", "paged"], "add paged+prefix+tier"),
+        (["--kv-offloading-size", "1GiB", "--kv-offloading-bandwidth", "fast"], "not a memory"),
+    ],
+)
+def test_bad_tier_flags_exit_2(argv, message, capsys):
+    assert main(["simulate", "--workload", "multi-turn", "--quiet", "--json", *argv]) == 2
+    assert message in capsys.readouterr().err

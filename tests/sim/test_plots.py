@@ -7,15 +7,24 @@ import numpy as np
 from pagedkv.sim.blockmap import CACHED_FREE, FREE, NULL_BLOCK, BlockMap
 from pagedkv.sim.plots import (
     block_map_image,
+    block_map_legend_labels,
     caption,
     fig_block_map,
     fig_kv_blocks,
+    fig_prompt_tokens,
     fig_running_waiting,
+    metrics_table_rows,
     save_figures,
     step_series,
     write_html,
 )
-from pagedkv.sim.simulator import SimConfig, simulate_policies, sweep_block_sizes
+from pagedkv.sim.simulator import (
+    PolicyResult,
+    SimConfig,
+    config_lines,
+    simulate_policies,
+    sweep_block_sizes,
+)
 from pagedkv.sim.workloads import make_workload
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -35,6 +44,7 @@ def test_figures_and_html(tmp_path):
         "block_map_paged.png",
         "block_map_paged_prefix.png",
         "block_size_sweep.png",
+        "prompt_tokens.png",
     }
     for path in paths:
         data = path.read_bytes()
@@ -169,3 +179,86 @@ def test_html_escapes_text_and_ships_its_template(tmp_path):
         tmp_path / "bare.html", paths, {p: r.metrics for p, r in results.items()}
     )
     assert "<code>" not in no_command.read_text()
+
+
+def _present_labels(block_map, rows=slice(None), cols=slice(None)) -> set[str]:
+    """The block-map legend labels whose category occurs in ``rows`` x ``cols``."""
+    from pagedkv.sim.plots import _shared_by_requests, _shared_by_samples
+
+    owners = block_map.owners[rows, cols]
+    present = set()
+    if (owners >= 0).any():
+        present.add("held by a request (colour = request)")
+    if (owners == CACHED_FREE).any():
+        present.add("free, still cached")
+    if (owners == FREE).any():
+        present.add("free")
+    if (owners == NULL_BLOCK).any():
+        present.add("null block (block 0)")
+    if _shared_by_requests(block_map)[rows, cols].any():
+        present.add("shared by requests (ref_cnt > 1)")
+    if _shared_by_samples(block_map)[rows, cols].any():
+        present.add("shared by the samples of one request\n(n > 1, forked; ref_cnt > 1)")
+    if block_map.unused is not None and block_map.unused[rows, cols].any():
+        present.add("reserved, no token yet (waste)")
+    return present
+
+
+def test_block_map_legend_lists_only_categories_present():
+    # No cached-free block and no shared one: neither may be in the legend.
+    owners = np.array([[NULL_BLOCK, NULL_BLOCK], [3, 3], [FREE, 4]], dtype=np.int32)
+    block_map = BlockMap(np.array([0, 1]), owners, np.zeros_like(owners, dtype=bool), 1)
+    config = SimConfig(num_blocks=3, block_size=4, max_model_len=8)
+    result = PolicyResult("paged", config, None, None, block_map)
+    labels = set(block_map_legend_labels(fig_block_map(result)))
+    assert labels == _present_labels(block_map)
+    assert "free, still cached" not in labels and "shared by requests (ref_cnt > 1)" not in labels
+
+
+def test_windowed_block_map_legend_is_a_subset_of_the_window():
+    workload = make_workload("shared-prefix", seed=0, num_requests=80, max_model_len=512)
+    config = SimConfig(num_blocks=400, block_size=16, max_model_len=512, block_map_columns=100)
+    result = simulate_policies(workload, config, ("paged+prefix",))["paged+prefix"]
+    fig = fig_block_map(result)
+    ax_map = fig.axes[1]
+    labels = [t.get_text() for t in ax_map.get_legend().get_texts()]
+    rows = slice(0, 64)
+    num_columns = result.block_map.owners.shape[1]
+    width = min(num_columns, 120)
+    start = (num_columns - width) // 2
+    assert set(labels) == _present_labels(result.block_map, rows, slice(start, start + width))
+
+
+def test_prompt_tokens_figure_and_html_config_line(tmp_path):
+    workload = make_workload("multi-turn", seed=0, num_requests=30, max_model_len=1024)
+    config = SimConfig(
+        num_blocks=60,
+        block_size=16,
+        max_model_len=1024,
+        kv_offloading_blocks=500,
+        kv_bytes_per_block=10**6,
+        block_map_columns=0,
+    )
+    results = simulate_policies(workload, config, ("paged", "paged+prefix", "paged+prefix+tier"))
+    fig = fig_prompt_tokens(results)
+    ax_tokens = fig.axes[0]
+    labels = {t.get_text() for t in ax_tokens.get_legend().get_texts()}
+    assert {"tier hit (loaded)", "computed", "of it recomputed (evicted before)"} <= labels
+    assert [t.get_text() for t in ax_tokens.get_yticklabels()] == list(results)
+    lines = config_lines(config, workload.name, len(workload.requests))
+    assert lines[0].startswith("workload multi-turn: 30 requests; pool 60 blocks of 16 tokens")
+    assert "KV tier below the paged+prefix+tier pool: 500 blocks" in lines[1]
+    assert "16 GB/s" in lines[1]
+    paths = save_figures(results, tmp_path, dpi=40)
+    assert "prompt_tokens.png" in {p.name for p in paths}
+    page = write_html(
+        tmp_path / "index.html", paths, {p: r.metrics for p, r in results.items()}, config=lines
+    )
+    text = page.read_text()
+    for line in lines:
+        assert f'<p class="config">{line}</p>' in text
+    assert "tier hit rate" in text and "tier load time (s)" in text
+    # No prefix caching anywhere: no prompt-token figure, no prompt rows.
+    assert fig_prompt_tokens({"paged": results["paged"]}) is None
+    rows = metrics_table_rows({"paged": results["paged"].metrics})
+    assert not any(row[0].strip() == "recomputed" for row in rows)

@@ -220,3 +220,105 @@ def test_sweep_keeps_pool_bytes_and_waste_grows_with_block_size():
     assert waste[0] == pytest.approx(0.0)
     assert waste[0] < waste[1] < waste[2]
     assert np.isfinite([m.output_tokens_per_step for m in sweep["paged"].values()]).all()
+
+
+def _tier_trace() -> Workload:
+    """A (8 tokens: blocks a1 a2 of 4), then B (16 other tokens) evicts a2, then C = A's 8
+    tokens + 4 new: a1 still in the pool, a2 only in the tier."""
+    a = list(range(1, 9))
+    return Workload(
+        "tier",
+        [
+            SimRequest("A", a, [100]),
+            SimRequest("B", list(range(20, 36)), [100], arrival_time=1.0),
+            SimRequest("C", [*a, 40, 41, 42, 43], [100], arrival_time=2.0),
+        ],
+    )
+
+
+def _tier_config(**kwargs) -> SimConfig:
+    # 5 usable blocks of 4 tokens; a tier of 8 blocks of 1000 bytes at 1 MB/s.
+    settings = dict(num_blocks=6, kv_offloading_blocks=8, kv_bytes_per_block=1000)
+    settings.update(kv_offloading_bandwidth=1e6, block_map_columns=0)
+    settings.update(kwargs)
+    return _tiny_config(**settings)
+
+
+def test_tier_hits_by_hand():
+    # Free queue after A: 3 never-used blocks, then A's freed in reverse (a2, a1). B takes 4:
+    # the 3 unused and a2 (stored to the tier). C hits a1 in the pool (4 tokens) and a2 in the
+    # tier (4 tokens, 1 load), computes 4; its 2 new blocks evict 2 of B's (2 more stores).
+    results = simulate_policies(
+        _tier_trace(), _tier_config(), ("paged", "paged+prefix", "paged+prefix+tier")
+    )
+    tier = results["paged+prefix+tier"].metrics
+    assert tier.num_prompt_tokens == 8 + 16 + 12
+    assert (tier.num_pool_hit_tokens, tier.num_tier_hit_tokens) == (4, 4)
+    assert (tier.num_computed_prompt_tokens, tier.num_recomputed_tokens) == (28, 0)
+    assert (tier.num_tier_loaded_blocks, tier.num_tier_stored_blocks) == (1, 3)
+    assert tier.tier_loaded_bytes == 1000
+    assert tier.tier_load_time_s == pytest.approx(1000 / 1e6)
+    assert tier.time_s == pytest.approx(tier.num_steps * STEP + 1000 / 1e6)
+    assert tier.prefix_hit_rate == pytest.approx(8 / 36)
+    assert (tier.pool_hit_rate, tier.tier_hit_rate) == (pytest.approx(4 / 36),) * 2
+    # Without the tier a2 is recomputed (A computed it before); without caching nothing hits.
+    prefix = results["paged+prefix"].metrics
+    assert (prefix.num_pool_hit_tokens, prefix.num_tier_hit_tokens) == (4, 0)
+    assert (prefix.num_computed_prompt_tokens, prefix.num_recomputed_tokens) == (32, 4)
+    assert prefix.num_tier_loaded_blocks == prefix.tier_load_time_s == 0
+    paged = results["paged"].metrics
+    assert (paged.num_computed_prompt_tokens, paged.num_recomputed_tokens) == (36, None)
+
+
+def test_tier_bandwidth_moves_time_not_hits():
+    workload = make_workload("multi-turn", seed=0, num_requests=30, max_model_len=1024)
+    base = dict(block_size=16, max_model_len=1024, num_blocks=60, kv_offloading_blocks=500)
+    fast, slow = (
+        simulate(
+            workload,
+            SimConfig(**base, kv_bytes_per_block=10**6, kv_offloading_bandwidth=bandwidth),
+            "paged+prefix+tier",
+        ).metrics
+        for bandwidth in (1e10, 1e8)
+    )
+    assert fast.num_tier_hit_tokens > 0
+    for name in (
+        "num_tier_hit_tokens",
+        "num_pool_hit_tokens",
+        "num_recomputed_tokens",
+        "num_steps",
+        "num_tier_loaded_blocks",
+        "num_scheduled_tokens",
+    ):
+        assert getattr(fast, name) == getattr(slow, name), name
+    assert slow.tier_load_time_s == pytest.approx(100 * fast.tier_load_time_s)
+    assert slow.time_s - fast.time_s == pytest.approx(99 * fast.tier_load_time_s)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"kv_offloading_bandwidth": 0},
+        {"kv_offloading_bandwidth": float("inf")},
+        {"kv_bytes_per_block": -1},
+    ],
+)
+def test_bad_tier_settings_raise(kwargs):
+    with pytest.raises(ConfigError):
+        _tier_config(**kwargs)
+
+
+def test_tier_policy_needs_a_tier():
+    with pytest.raises(ConfigError, match="kv_offloading_blocks"):
+        simulate(_tier_trace(), _tiny_config(num_blocks=6), "paged+prefix+tier")
+
+
+def test_time_per_token_prices_compute_without_moving_the_schedule():
+    plain = simulate(_tier_trace(), _tier_config(), "paged+prefix+tier").metrics
+    priced = simulate(_tier_trace(), _tier_config(time_per_token=0.01), "paged+prefix+tier").metrics
+    assert (priced.num_steps, priced.num_tier_hit_tokens) == (plain.num_steps, 4)
+    assert plain.compute_time_s == 0
+    assert priced.compute_time_s == pytest.approx(priced.num_scheduled_tokens * 0.01)
+    assert priced.time_s == pytest.approx(plain.time_s + priced.compute_time_s)
+    with pytest.raises(ConfigError, match="time_per_token"):
+        _tier_config(time_per_token=-1)

@@ -1,10 +1,13 @@
 """`pagedkv simulate`: replay a request trace through the KV cache with a model that costs nothing.
 
 Compares contiguous reservation, paged, and paged + prefix caching on the same trace (same pool
-bytes), prints the metrics (or JSON), and with ``--out DIR`` draws the pictures (``--html`` adds
-one page with all of them). See docs/simulate.md.
+bytes), and with ``--kv-offloading-size`` paged + prefix caching over a KV tier (its capacity and
+bandwidth), prints the metrics (or JSON), and with ``--out DIR`` draws the pictures (``--html``
+adds one page with all of them). See docs/simulate.md.
 
     pagedkv simulate --workload shared-prefix --num-requests 500 --out sim-out --html
+    pagedkv simulate --workload multi-turn --num-requests 200 --num-blocks 256 \
+        --kv-offloading-size 1GiB --time-per-token 0.003
     pagedkv simulate --trace my_trace.jsonl --on-error skip --kv-cache-memory 2GiB --json
     pagedkv simulate --model gemma3-270m --kv-cache-memory 64MiB    (its KV cache groups)
 """
@@ -25,14 +28,17 @@ _SETTINGS_DEFAULTS = {
     "max_num_seqs": 256,
     "max_num_batched_tokens": 2048,
 }
-_POLICY_CHOICES = ("contiguous", "paged", "paged+prefix")
+_POLICY_CHOICES = ("contiguous", "paged", "paged+prefix", "paged+prefix+tier")
+#: --policies' default; paged+prefix+tier joins it when --kv-offloading-size is given.
+_DEFAULT_POLICIES = ("contiguous", "paged", "paged+prefix")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `simulate` subcommand."""
     parser = subparsers.add_parser(
         "simulate",
-        help="trace-driven simulation of KV-cache memory (contiguous vs paged vs prefix caching)",
+        help="trace-driven simulation of KV-cache memory (contiguous vs paged vs prefix caching "
+        "vs a KV tier)",
         description=(
             "Replay a built-in workload or a JSONL trace through the KV-cache manager and the "
             "scheduler with a zero-cost model; compare contiguous reservation, paging, and "
@@ -44,7 +50,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     which.add_argument(
         "--workload",
         default=None,
-        help="built-in workload: sixteen-lengths, sharegpt (default), shared-prefix, multi-turn",
+        help="built-in workload: shared-prefix (default: system prompts shared by many requests, "
+        "where prefix caching shows), multi-turn, sharegpt, sixteen-lengths",
     )
     which.add_argument("--trace", default=None, help="JSONL trace file (see docs/simulate.md)")
     source.add_argument(
@@ -102,8 +109,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pool.add_argument(
         "--kv-offloading-size",
         default=None,
-        help="bytes of a KV tier below the paged+prefix pool (e.g. 1GiB): evicted blocks page "
-        "out there by block hash and hit again",
+        help="bytes of a KV tier below the pool (e.g. 1GiB): adds the paged+prefix+tier "
+        "policy, whose evicted blocks page out there by block hash and hit again",
+    )
+    pool.add_argument(
+        "--kv-offloading-backend",
+        choices=("cpu", "disk"),
+        default=None,
+        help="the tier's medium, for its default bandwidth: cpu (host RAM, 16 GB/s) or disk "
+        "(NVMe, 2 GB/s)",
+    )
+    pool.add_argument(
+        "--kv-offloading-bandwidth",
+        default=None,
+        help="the tier's load bandwidth in bytes/s (e.g. 16GB, 500MB); default the backend's",
     )
 
     sched = parser.add_argument_group("scheduler")
@@ -121,9 +140,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--step-time", type=float, default=0.025, help="simulated seconds per step (arrivals)"
     )
     sched.add_argument(
+        "--time-per-token",
+        type=float,
+        default=0.0,
+        help="simulated seconds per token computed, added to its step (default 0: a step "
+        "costs --step-time whatever it computes); prices recompute against the tier's loads",
+    )
+    sched.add_argument(
         "--policies",
-        default=",".join(_POLICY_CHOICES),
-        help="comma-separated subset of contiguous,paged,paged+prefix",
+        default=None,
+        help="comma-separated subset of contiguous,paged,paged+prefix,paged+prefix+tier "
+        "(default the first three, and paged+prefix+tier with --kv-offloading-size)",
     )
 
     cluster = parser.add_argument_group(
@@ -222,23 +249,40 @@ def build(args: argparse.Namespace):
     Returns (workload, trace_issues, config, policies).
     """
     from pagedkv.errors import ConfigError
-    from pagedkv.sim.simulator import SimConfig
+    from pagedkv.sim.simulator import DEFAULT_KV_OFFLOADING_BANDWIDTH, SimConfig
     from pagedkv.sim.trace import read_trace
     from pagedkv.sim.workloads import make_workload, with_samples
 
-    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+    tiered = args.kv_offloading_size is not None
+    if args.policies is None:
+        policies = _DEFAULT_POLICIES + (("paged+prefix+tier",) if tiered else ())
+    else:
+        policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     unknown = [p for p in policies if p not in _POLICY_CHOICES]
     if unknown or not policies:
         raise ConfigError(
             f"--policies: unknown {', '.join(unknown) or '(empty)'}; "
             f"choose from {', '.join(_POLICY_CHOICES)}"
         )
+    if tiered != ("paged+prefix+tier" in policies):
+        raise ConfigError(
+            "--policies paged+prefix+tier needs --kv-offloading-size"
+            if not tiered
+            else "--kv-offloading-size: add paged+prefix+tier to --policies (the tier's policy)"
+        )
+    for flag in ("kv_offloading_bandwidth", "kv_offloading_backend"):
+        if getattr(args, flag) is not None and not tiered:
+            raise ConfigError(f"--{flag.replace('_', '-')} needs --kv-offloading-size")
+    if tiered and args.num_replicas is not None:
+        raise ConfigError(
+            "--kv-offloading-size: the cluster simulation (--num-replicas) has no tier"
+        )
     max_model_len = args.max_model_len or _SETTINGS_DEFAULTS["max_model_len"]
     issues = []
     if args.trace:
         workload, issues = read_trace(args.trace, on_error=args.on_error, seed=args.seed)
     else:
-        name = args.workload or "sharegpt"
+        name = args.workload or "shared-prefix"
         # A workload's own settings (sixteen-lengths: 128 blocks, max_model_len 512) apply unless
         # the user set them.
         probe = make_workload(name, seed=args.seed, num_requests=1, max_model_len=max_model_len)
@@ -273,7 +317,7 @@ def build(args: argparse.Namespace):
     if args.model is not None:
         kv_cache_specs = tuple(group.kv_cache_spec for group in groups)
         if len(groups) > 1 and "contiguous" in policies:
-            if args.policies != ",".join(_POLICY_CHOICES):
+            if args.policies is not None:
                 raise ConfigError(
                     f"--policies contiguous: {args.model} has {len(groups)} KV cache groups; "
                     "the contiguous baseline reserves one full-attention region (compare with "
@@ -294,11 +338,19 @@ def build(args: argparse.Namespace):
     else:
         num_blocks = workload.defaults.get("num_blocks", DEFAULT_NUM_BLOCKS)
     tier_blocks = 0
+    bytes_per_block = KVCacheConfig.from_num_blocks(specs, 2).bytes_per_block
+    bandwidth = DEFAULT_KV_OFFLOADING_BANDWIDTH[args.kv_offloading_backend or "cpu"]
     if args.kv_offloading_size is not None:
         from pagedkv.units import parse_memory_size
 
+        if args.kv_offloading_bandwidth is not None:
+            bandwidth = parse_memory_size(args.kv_offloading_bandwidth)
+            if bandwidth < 1:
+                raise ConfigError(
+                    f"--kv-offloading-bandwidth must be > 0 bytes/s, got "
+                    f"{args.kv_offloading_bandwidth!r}"
+                )
         tier_bytes = parse_memory_size(args.kv_offloading_size)
-        bytes_per_block = KVCacheConfig.from_num_blocks(specs, 2).bytes_per_block
         tier_blocks = tier_bytes // bytes_per_block
         if tier_blocks < 1:
             raise ConfigError(
@@ -308,8 +360,11 @@ def build(args: argparse.Namespace):
     config = SimConfig(
         num_blocks=num_blocks,
         kv_offloading_blocks=tier_blocks,
+        kv_offloading_bandwidth=bandwidth,
+        kv_bytes_per_block=bytes_per_block,
         admission=args.admission,
         step_time=args.step_time,
+        time_per_token=args.time_per_token,
         block_map_columns=args.block_map_columns if args.out else 0,
         hash_algo=args.hash_algo,
         kv_cache_specs=kv_cache_specs,
@@ -372,6 +427,9 @@ def run(args: argparse.Namespace) -> int:
         sub = Workload(workload.name, _prefix_closed(workload.requests, args.sweep_requests))
         sweep = sweep_block_sizes(sub, config, policies=policies)
 
+    from pagedkv.sim.simulator import config_lines
+
+    summary = config_lines(config, workload.name, len(workload.requests), args.model)
     figure_paths = []
     write_error = None
     if args.out:
@@ -392,6 +450,7 @@ def run(args: argparse.Namespace) -> int:
                         {p: r.metrics for p, r in results.items()},
                         title=f"pagedkv simulate: {workload.name}",
                         command=command,
+                        config=summary,
                         notes=fork_lines,
                     )
                 )
@@ -414,7 +473,10 @@ def run(args: argparse.Namespace) -> int:
                     "max_num_batched_tokens",
                     "admission",
                     "step_time",
+                    "time_per_token",
                     "kv_offloading_blocks",
+                    "kv_offloading_bandwidth",
+                    "kv_bytes_per_block",
                 )
             },
             "model": args.model,
@@ -440,38 +502,14 @@ def run(args: argparse.Namespace) -> int:
 
     from pagedkv.sim.plots import metrics_table_rows
 
-    usable = config.num_blocks - 1
-    print(
-        f"workload {workload.name}: {len(workload.requests)} requests; pool {config.num_blocks} "
-        f"blocks of {config.block_size} tokens ({usable} usable + the null block: "
-        f"{usable * config.block_size} tokens for every policy), max_model_len "
-        f"{config.max_model_len}, max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
-        f"{config.max_num_batched_tokens}, admission {config.admission}"
-    )
-    if config.kv_cache_specs is not None:
-        print(f"model {args.model}: {_describe_groups(config.kv_cache_specs)}")
-    if config.kv_offloading_blocks:
-        print(
-            f"KV tier below the paged+prefix pool: {config.kv_offloading_blocks} blocks "
-            f"({config.kv_offloading_blocks * config.block_size} tokens; loads free)"
-        )
+    for line in summary:
+        print(line)
     _print_table(metrics_table_rows({p: r.metrics for p, r in results.items()}))
     for line in fork_lines:
         print(line)
     for path in figure_paths:
         print(f"wrote {path}")
     return _report_write_error(write_error)
-
-
-def _describe_groups(specs) -> str:
-    """``"6 KV cache groups: 5 sliding window 512, 1 full attention"``."""
-    windows = [getattr(spec, "sliding_window", None) for spec in specs]
-    kinds = {}
-    for window in windows:
-        label = "full attention" if window is None else f"sliding window {window}"
-        kinds[label] = kinds.get(label, 0) + 1
-    parts = ", ".join(f"{count} {label}" for label, count in kinds.items())
-    return f"{len(specs)} KV cache group{'s' if len(specs) > 1 else ''}: {parts}"
 
 
 def _report_write_error(message: str | None) -> int:

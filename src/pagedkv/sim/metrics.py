@@ -21,6 +21,17 @@ Definitions (all over the steps that computed something, "busy steps", unless sa
 - preemptions: requests evicted from running to make room (recompute on resume).
 - prefix hit rate: prompt tokens served from the prefix cache / prompt tokens looked up, at each
   request's first admission.
+- prompt tokens: prompt tokens of the requests admitted (each request once, at its first
+  admission; a forked sample's prompt is its parent's). Of those, served from the pool's prefix
+  cache (pool hits), loaded from the KV tier (tier hits), and computed (the rest); of the
+  computed, recomputed: those in full blocks whose KV an earlier step had computed already (the
+  pool had forgotten them: the work a big enough tier saves; counted with prefix caching only).
+- tier loads / stores: blocks loaded from and stored to the KV tier (every KV cache group's;
+  loads of preempted requests resuming included), the bytes loaded (x bytes per block), and the
+  load time (bytes / the tier's bandwidth).
+- time: steps to drain x step_time + tokens computed x time_per_token (0 unless set: the
+  zero-cost model) + the tier's load time (loads run inside their step); compute time: the
+  middle term.
 - steps to drain: steps from 0 until the last request finished, idle steps included.
 - tokens per step: tokens computed (prompt chunks and decode tokens, cache hits excluded) per busy
   step.
@@ -94,6 +105,31 @@ class PolicyMetrics:
     num_forks: int = 0
     num_cow_copies: int = 0
     mean_blocks_per_sequence: float = 0.0
+    num_prompt_tokens: int = 0
+    num_pool_hit_tokens: int = 0
+    num_tier_hit_tokens: int = 0
+    num_computed_prompt_tokens: int = 0
+    num_recomputed_tokens: int | None = None
+    num_tier_loaded_blocks: int = 0
+    num_tier_stored_blocks: int = 0
+    tier_loaded_bytes: int = 0
+    tier_load_time_s: float = 0.0
+    compute_time_s: float = 0.0
+    time_s: float = 0.0
+
+    @property
+    def pool_hit_rate(self) -> float:
+        """Pool hits / prompt tokens looked up (0 when none)."""
+        total = self.num_pool_hit_tokens + self.num_tier_hit_tokens
+        total += self.num_computed_prompt_tokens
+        return self.num_pool_hit_tokens / total if total else 0.0
+
+    @property
+    def tier_hit_rate(self) -> float:
+        """Tier hits / prompt tokens looked up (0 when none)."""
+        total = self.num_pool_hit_tokens + self.num_tier_hit_tokens
+        total += self.num_computed_prompt_tokens
+        return self.num_tier_hit_tokens / total if total else 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -117,6 +153,15 @@ def compute_metrics(
     num_forks: int = 0,
     num_cow_copies: int = 0,
     block_size: int | None = None,
+    num_prompt_tokens: int = 0,
+    num_tier_hit_tokens: int = 0,
+    num_recomputed_tokens: int | None = None,
+    num_tier_loaded_blocks: int = 0,
+    num_tier_stored_blocks: int = 0,
+    tier_loaded_bytes: int = 0,
+    tier_load_time_s: float = 0.0,
+    step_time: float = 0.0,
+    time_per_token: float = 0.0,
 ) -> PolicyMetrics:
     """Summarize a recorded timeline (lists or arrays) into :class:`PolicyMetrics`."""
     running = np.asarray(timeline.num_running, dtype=np.int64)
@@ -150,4 +195,15 @@ def compute_metrics(
         mean_blocks_per_sequence=total_reserved / block_size / int(running.sum())
         if block_size and num_busy and running.sum()
         else 0.0,
+        num_prompt_tokens=num_prompt_tokens,
+        num_pool_hit_tokens=num_hit_tokens - num_tier_hit_tokens,
+        num_tier_hit_tokens=num_tier_hit_tokens,
+        num_computed_prompt_tokens=num_prompt_tokens - num_hit_tokens,
+        num_recomputed_tokens=num_recomputed_tokens,
+        num_tier_loaded_blocks=num_tier_loaded_blocks,
+        num_tier_stored_blocks=num_tier_stored_blocks,
+        tier_loaded_bytes=tier_loaded_bytes,
+        tier_load_time_s=tier_load_time_s,
+        compute_time_s=float(scheduled.sum()) * time_per_token,
+        time_s=num_steps * step_time + float(scheduled.sum()) * time_per_token + tier_load_time_s,
     )

@@ -11,9 +11,12 @@ touched (no backend switch, no open-figure registry); PNGs are rendered by Agg.
   shared by several requests (ref_cnt > 1) black, blocks shared only by the samples of one request
   (n > 1, a fork) hatched over that request's colour, cached free blocks grey, free blocks white,
   the null block dark grey, the unwritten part of contiguous regions in a light shade of their
-  owner; each shared entry is in the legend only when the drawn map has such blocks. At scale
+  owner; each legend entry is there only when the drawn map has such blocks. At scale
   (more than 64 blocks or 120 samples, paged policies) a window of blocks 0-63 over steps from
   the middle of the run, under a panel counting every block's state over the whole run.
+- ``prompt_tokens.png`` (a policy with prefix caching): each policy's prompt tokens from pool
+  hits, tier hits and computed (the recomputed part hatched), and its time to drain: steps,
+  compute (``time_per_token``) and the KV tier's loads.
 - ``block_size_sweep.png``: throughput proxy (output tokens per step) and waste % vs block_size.
 
 Every policy has its own line style and marker, so policies that coincide (paged and paged+prefix
@@ -58,6 +61,13 @@ _POLICY_STYLES = MappingProxyType(
             "marker": "x",
             "linewidth": 1.6,
             "markersize": 7,
+        },
+        "paged+prefix+tier": {
+            "color": "tab:orange",
+            "linestyle": (0, (1, 1.5)),
+            "marker": "D",
+            "linewidth": 1.8,
+            "markersize": 5,
         },
     }
 )
@@ -255,7 +265,10 @@ def _block_map_legend(
     """The map's legend; the shared and unused entries only when the drawn part has some."""
     window = (slice(None) if rows is None else rows, slice(None) if cols is None else cols)
     palette = _owner_palette()
-    handles = [Patch(facecolor=palette[0], label="held by a request (colour = request)")]
+    owners = block_map.owners[window]
+    handles = []
+    if (owners >= 0).any():
+        handles.append(Patch(facecolor=palette[0], label="held by a request (colour = request)"))
     if block_map.unused is not None and block_map.unused[window].any():
         tint = _UNUSED_TINT * np.asarray(palette[0]) + (1.0 - _UNUSED_TINT)
         handles.append(Patch(facecolor=tint, label="reserved, no token yet (waste)"))
@@ -270,12 +283,24 @@ def _block_map_legend(
         )
     if _shared_by_requests(block_map)[window].any():
         handles.append(Patch(facecolor=_SHARED_RGB, label="shared by requests (ref_cnt > 1)"))
-    handles += [
-        Patch(facecolor=_CACHED_RGB, label="free, still cached"),
-        Patch(facecolor=_FREE_RGB, edgecolor="0.6", label="free"),
-        Patch(facecolor=_NULL_RGB, label="null block (block 0)"),
-    ]
+    for code, patch in (
+        (CACHED_FREE, Patch(facecolor=_CACHED_RGB, label="free, still cached")),
+        (FREE, Patch(facecolor=_FREE_RGB, edgecolor="0.6", label="free")),
+        (NULL_BLOCK, Patch(facecolor=_NULL_RGB, label="null block (block 0)")),
+    ):
+        if (owners == code).any():
+            handles.append(patch)
     _legend_outside(ax, handles=handles, fontsize="small")
+
+
+def block_map_legend_labels(fig: Figure) -> list[str]:
+    """The labels of every legend of ``fig`` (what a reader is told to look for)."""
+    labels = []
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        if legend is not None:
+            labels += [text.get_text() for text in legend.get_texts()]
+    return labels
 
 
 def _hatch_cells(ax, mask: np.ndarray, x_edges: np.ndarray, first_row: int) -> None:
@@ -421,6 +446,70 @@ def fig_block_map(
     return fig
 
 
+def fig_prompt_tokens(results: dict[str, PolicyResult]) -> Figure | None:
+    """Where each policy's prompt tokens came from (left: pool hits, tier hits, computed, the
+    recomputed part of the computed hatched) and what its time went to (right: steps x
+    step_time, plus the KV tier's loads). None when no policy has prefix caching."""
+    if not any(r.metrics.num_recomputed_tokens is not None for r in results.values()):
+        return None
+    names = [p for p, r in results.items() if r.metrics.num_prompt_tokens]
+    if not names:
+        return None
+    fig = Figure(figsize=(10, 1.2 + 0.7 * len(names)), layout="constrained")
+    ax_tokens, ax_time = fig.subplots(1, 2, sharey=True, width_ratios=(3, 2))
+    y = np.arange(len(names))[::-1]
+    metrics = [results[p].metrics for p in names]
+    pool = np.array([m.num_pool_hit_tokens for m in metrics], dtype=float)
+    tier = np.array([m.num_tier_hit_tokens for m in metrics], dtype=float)
+    recomputed = np.array([m.num_recomputed_tokens or 0 for m in metrics], dtype=float)
+    computed = np.array([m.num_computed_prompt_tokens for m in metrics], dtype=float)
+    segments = [
+        ("pool hit (prefix cache)", pool, {"color": "tab:green"}),
+        ("tier hit (loaded)", tier, {"color": "tab:orange"}),
+        ("computed", computed - recomputed, {"color": "0.8"}),
+        (
+            "of it recomputed (evicted before)",
+            recomputed,
+            {"color": "tab:red", "hatch": "//", "edgecolor": "white"},
+        ),
+    ]
+    left = np.zeros(len(names))
+    for label, values, style in segments:
+        if values.any():
+            ax_tokens.barh(y, values, left=left, label=label, height=0.6, **style)
+        left += values
+    for yi, m in zip(y, metrics, strict=True):
+        hits = m.num_pool_hit_tokens + m.num_tier_hit_tokens
+        ax_tokens.text(
+            m.num_prompt_tokens, yi, f" {hits / m.num_prompt_tokens:.0%} hit", va="center"
+        )
+    ax_tokens.set_yticks(y, names)
+    ax_tokens.set_xlabel("prompt tokens")
+    ax_tokens.set_xlim(right=max(float(left.max()), 1.0) * 1.2)
+    ax_tokens.set_title("Prompt tokens: served from a cache or computed", fontsize="medium")
+    below = (0.5, -0.5 / len(names) - 0.12)
+    ax_tokens.legend(loc="upper center", bbox_to_anchor=below, ncols=2, fontsize="small")
+    compute = np.array([m.compute_time_s for m in metrics])
+    load = np.array([m.tier_load_time_s for m in metrics])
+    steps = np.array([m.time_s for m in metrics]) - compute - load
+    ax_time.barh(y, steps, height=0.6, color="0.55", label="steps x step_time")
+    if compute.any():
+        ax_time.barh(
+            y, compute, left=steps, height=0.6, color="tab:red", label="tokens x time_per_token"
+        )
+    compute = compute + steps
+    if load.any():
+        ax_time.barh(y, load, left=compute, height=0.6, color="tab:orange", label="tier loads")
+        for yi, m in zip(y, metrics, strict=True):
+            if m.tier_load_time_s:
+                ax_time.text(m.time_s, yi, f" +{m.tier_load_time_s:.3g} s", va="center")
+    ax_time.set_xlim(right=max(float((compute + load).max()), 1e-9) * 1.3)
+    ax_time.set_xlabel("simulated seconds to drain")
+    ax_time.set_title("Time to drain: steps, compute, tier loads", fontsize="medium")
+    ax_time.legend(loc="upper center", bbox_to_anchor=below, fontsize="small")
+    return fig
+
+
 def fig_block_size_sweep(sweep: dict[str, dict[int, PolicyMetrics]]) -> Figure:
     """Output tokens per step and waste % vs block_size, one line per policy (the contiguous
     baseline keeps the same pool bytes, so it barely moves)."""
@@ -465,6 +554,14 @@ CAPTIONS = MappingProxyType(
             "Requests running (holding KV) and waiting (queued, new or preempted) at every step, "
             "one panel per policy. The more requests fit in the same pool, the higher the "
             "running line and the sooner the waiting line reaches 0."
+        ),
+        "prompt_tokens": (
+            "Left: where each policy's prompt tokens came from: hits in the pool's prefix cache "
+            "(green), blocks loaded back from the KV tier (orange), and computed (grey; red "
+            "hatched: recomputed, blocks whose KV an earlier step had computed but the pool had "
+            "evicted: the work a tier saves). Right: simulated seconds to drain: steps x "
+            "step_time, tokens computed x --time-per-token (when set), and the tier's loads "
+            "(bytes over its bandwidth): a slower tier costs time, never hits."
         ),
         "block_map_contiguous": (
             "Which request owns each physical block over time (colour = request). Each request "
@@ -517,6 +614,7 @@ def save_figures(
     figures: list[tuple[str, Figure | None]] = [
         ("kv_blocks.png", fig_kv_blocks(results)),
         ("running_waiting.png", fig_running_waiting(results)),
+        ("prompt_tokens.png", fig_prompt_tokens(results)),
     ]
     for policy, result in results.items():
         name = policy.replace("+", "_")
@@ -555,16 +653,44 @@ _FORK_LABELS = (
 )
 
 
+#: Rows added when a policy has prefix caching: where the prompt tokens came from.
+_PROMPT_LABELS = (
+    ("num_prompt_tokens", "prompt tokens", "{:d}"),
+    ("num_pool_hit_tokens", "  pool hits", "{:d}"),
+    ("num_computed_prompt_tokens", "  computed", "{:d}"),
+    ("num_recomputed_tokens", "    recomputed", "{:d}"),
+)
+#: Rows added when a policy has a KV tier.
+_TIER_LABELS = (
+    ("num_tier_hit_tokens", "  tier hits", "{:d}"),
+    ("pool_hit_rate", "pool hit rate", "{:.1%}"),
+    ("tier_hit_rate", "tier hit rate", "{:.1%}"),
+    ("num_tier_stored_blocks", "tier stores (blocks)", "{:d}"),
+    ("num_tier_loaded_blocks", "tier loads (blocks)", "{:d}"),
+    ("tier_loaded_bytes", "tier bytes loaded", "{:d}"),
+    ("tier_load_time_s", "tier load time (s)", "{:.4f}"),
+    ("compute_time_s", "compute time (s)", "{:.2f}"),
+    ("time_s", "time to drain (s)", "{:.2f}"),
+)
+
+
 def metrics_table_rows(metrics: dict[str, PolicyMetrics]) -> list[list[str]]:
     """Rows [label, value per policy] of the summary table (also used for the terminal); the
     fork rows (sequences, peak KV blocks, forks, copy-on-write copies) only when some request
-    has n > 1 samples."""
+    has n > 1 samples; the prompt-token rows (pool hits, computed, recomputed) when a policy has
+    prefix caching; the tier rows (tier hits, loads, load time, time) when one has a KV tier. A
+    value a policy does not have (recomputed without prefix caching) is ``-``."""
     labels = _METRIC_LABELS
     if any(m.num_sequences > m.num_requests for m in metrics.values()):
         labels += _FORK_LABELS
+    if any(m.num_recomputed_tokens is not None for m in metrics.values()):
+        labels += _PROMPT_LABELS
+        if any(m.policy == "paged+prefix+tier" for m in metrics.values()):
+            labels = labels[:-2] + _TIER_LABELS[:1] + labels[-2:] + _TIER_LABELS[1:]
     rows = [["metric", *metrics]]
     for field, label, fmt in labels:
-        rows.append([label, *(fmt.format(getattr(m, field)) for m in metrics.values())])
+        values = (getattr(m, field) for m in metrics.values())
+        rows.append([label, *("-" if v is None else fmt.format(v) for v in values)])
     return rows
 
 
@@ -589,6 +715,7 @@ def write_html(
     *,
     title: str = "pagedkv simulate",
     command: str = "",
+    config: Sequence[str] = (),
     notes: Sequence[str] = (),
 ) -> Path:
     """Write one self-contained HTML page: the metrics table and every PNG embedded (base64),
@@ -603,6 +730,8 @@ def write_html(
         metrics: per policy, its metrics (the table's columns).
         title: the page's title and heading.
         command: the command line that made the page, shown under the heading ("" for none).
+        config: the run's settings, one line each, shown under the command (what stdout
+            prints first: :func:`pagedkv.sim.simulator.config_lines`).
         notes: lines shown under the table (the fork's saving:
             :func:`pagedkv.sim.simulator.fork_saving_lines`).
 
@@ -633,6 +762,7 @@ def write_html(
     page = env.get_template(HTML_TEMPLATE).render(
         title=title,
         command=command,
+        config=list(config),
         header=rows[0],
         rows=rows[1:],
         notes=list(notes),

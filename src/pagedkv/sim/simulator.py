@@ -6,7 +6,18 @@ block 0 is the paged pools' null block):
 - ``contiguous``: each request reserves max_model_len tokens for its whole life
   (:class:`~pagedkv.sim.contiguous.ContiguousKVCache`);
 - ``paged``: the real :class:`~pagedkv.core.manager.KVCacheManager`, prefix caching off;
-- ``paged+prefix``: the same with prefix caching on.
+- ``paged+prefix``: the same with prefix caching on;
+- ``paged+prefix+tier``: the same with a KV tier below the pool
+  (``SimConfig.kv_offloading_blocks`` > 0, :mod:`pagedkv.core.offload`): cached blocks the pool
+  evicts page out by block hash and a later prefix hit loads them back instead of recomputing.
+
+The tier's capacity is the manager's own (LRU over block hashes); its bandwidth
+(``SimConfig.kv_offloading_bandwidth``, bytes/s) prices every load at ``kv_bytes_per_block /
+bandwidth`` seconds. Loads run inside the step (as in the engine: the batch waits), so a step
+that loads lasts ``step_time`` plus its loads; the schedule itself (and so every hit) is counted
+in steps and does not depend on the bandwidth: the bandwidth moves ``time_s`` and
+``tier_load_time_s`` only. ``SimConfig.time_per_token`` (seconds per token computed, 0 by
+default) adds the compute a step does to its time, the price of the recompute a hit saves.
 
 The paged policies hold one full-attention KV cache group unless ``SimConfig.kv_cache_specs``
 names the model's groups (``pagedkv simulate --model gemma3-270m``: five sliding-window groups
@@ -42,6 +53,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from pagedkv.core.offload import TierStore
 from pagedkv.core.spec import KVCacheSpec, cdiv
 from pagedkv.engine.scheduler import ADMISSION_POLICIES, Scheduler
 from pagedkv.errors import ConfigError, InvalidRequestError
@@ -52,7 +64,12 @@ from pagedkv.sim.metrics import PolicyMetrics, Timeline, compute_metrics
 from pagedkv.sim.workloads import Workload
 from pagedkv.validation import check_int, is_number
 
-POLICIES = ("contiguous", "paged", "paged+prefix")
+POLICIES = ("contiguous", "paged", "paged+prefix", "paged+prefix+tier")
+#: Policies with prefix caching (their requests hash their blocks).
+CACHING_POLICIES = ("paged+prefix", "paged+prefix+tier")
+#: Default tier bandwidth per backend, bytes/s: host RAM over PCIe (a pinned copy, about half
+#: of PCIe 4.0 x16's 32 GB/s) and a local NVMe SSD's sequential read.
+DEFAULT_KV_OFFLOADING_BANDWIDTH = {"cpu": 16e9, "disk": 2e9}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,13 +85,21 @@ class SimConfig:
         admission: "fcfs" (stop at the first waiting request that does not fit) or "skip"
             (try later ones); the Scheduler's ``admission``.
         step_time: simulated seconds per step (maps arrival times to steps).
+        time_per_token: simulated seconds per token computed (prompt or decode), added to the
+            step's time (0 = the zero-cost model: a step lasts ``step_time``); prices the
+            recompute a hit saves against the tier's loads. It never moves the schedule.
         block_map_columns: most sampled steps kept for the block map (0 = no block map).
         hash_algo: the manager's block-hash algorithm (None = its default).
         kv_cache_specs: one spec per KV cache group of the paged policies, all with
             ``block_size`` (``KVCacheConfig.kv_cache_specs``); None = one full-attention group.
-        kv_offloading_blocks: blocks of the KV tier below the pool of the paged+prefix policy
-            (cached blocks the pool evicts page out there by block hash and come back on a
-            hit; :mod:`pagedkv.core.offload`); 0 = none. Loads are free in the simulation.
+        kv_offloading_blocks: blocks of the KV tier below the pool of the ``paged+prefix+tier``
+            policy (cached blocks the pool evicts page out there by block hash and come back
+            on a hit; :mod:`pagedkv.core.offload`); 0 = none (that policy then refuses to run).
+        kv_offloading_bandwidth: the tier's load bandwidth, bytes/s (> 0); default host RAM's
+            (:data:`DEFAULT_KV_OFFLOADING_BANDWIDTH`).
+        kv_bytes_per_block: bytes of one block (every layer of its KV cache group:
+            ``KVCacheConfig.bytes_per_block``); prices the tier's loads (0 = loads cost no
+            time and no bytes are counted).
 
     Raises:
         ConfigError: a value out of range or an unknown name, or specs of another block size.
@@ -87,14 +112,23 @@ class SimConfig:
     max_num_batched_tokens: int = 2048
     admission: str = "fcfs"
     step_time: float = 0.025
+    time_per_token: float = 0.0
     block_map_columns: int = 300
     hash_algo: str | None = None
     kv_cache_specs: tuple[KVCacheSpec, ...] | None = None
     kv_offloading_blocks: int = 0
+    kv_offloading_bandwidth: float = DEFAULT_KV_OFFLOADING_BANDWIDTH["cpu"]
+    kv_bytes_per_block: int = 0
 
     def __post_init__(self) -> None:
         check_int("num_blocks", self.num_blocks, 2, why="block 0 is the null block")
         check_int("kv_offloading_blocks", self.kv_offloading_blocks, 0)
+        check_int("kv_bytes_per_block", self.kv_bytes_per_block, 0)
+        bandwidth = self.kv_offloading_bandwidth
+        if not is_number(bandwidth) or not 0 < bandwidth < math.inf:
+            raise ConfigError(
+                f"kv_offloading_bandwidth must be a number > 0 (bytes/s), got {bandwidth!r}"
+            )
         for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             check_int(name, getattr(self, name), 1)
         if self.admission not in ADMISSION_POLICIES:
@@ -103,6 +137,10 @@ class SimConfig:
             )
         if not is_number(self.step_time) or not self.step_time > 0:
             raise ConfigError(f"step_time must be a number > 0 (seconds), got {self.step_time!r}")
+        if not is_number(self.time_per_token) or not 0 <= self.time_per_token < math.inf:
+            raise ConfigError(
+                f"time_per_token must be a number >= 0 (seconds), got {self.time_per_token!r}"
+            )
         check_int("block_map_columns", self.block_map_columns, 0)
         if self.kv_cache_specs is not None:
             if not self.kv_cache_specs:
@@ -147,6 +185,9 @@ def make_kv_cache(policy: str, config: SimConfig):
         return ContiguousKVCache(config.num_blocks, config.block_size, config.max_model_len)
     if policy not in POLICIES:
         raise ConfigError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    tier = policy == "paged+prefix+tier"
+    if tier and not config.kv_offloading_blocks:
+        raise ConfigError("the paged+prefix+tier policy needs kv_offloading_blocks > 0")
     from pagedkv.core.manager import KVCacheManager
 
     kwargs = {} if config.hash_algo is None else {"hash_algo": config.hash_algo}
@@ -155,15 +196,20 @@ def make_kv_cache(policy: str, config: SimConfig):
     return KVCacheManager(
         config.num_blocks,
         block_size=config.block_size,
-        enable_caching=policy == "paged+prefix",
+        enable_caching=policy in CACHING_POLICIES,
         max_model_len=config.max_model_len,
-        kv_offloading_blocks=config.kv_offloading_blocks if policy == "paged+prefix" else 0,
+        kv_offloading_blocks=config.kv_offloading_blocks if tier else 0,
         **kwargs,
     )
 
 
 class _EngineDriver:
-    """Drives the engine's Scheduler; the scripted stream is the sampled tokens."""
+    """Drives the engine's Scheduler; the scripted stream is the sampled tokens.
+
+    Also counts, per first admission of a request that hashes its blocks (prefix caching on):
+    the prompt tokens the KV tier gave (its loads in that step), and the prompt tokens computed
+    in full blocks whose KV an earlier step had computed already (recomputed: the pool forgot
+    them); and every tier load and store (resumptions' loads included)."""
 
     def __init__(self, kv_cache, config: SimConfig) -> None:
         self.scheduler = Scheduler(
@@ -174,11 +220,23 @@ class _EngineDriver:
             admission=config.admission,
         )
         self._out = None
+        self._block_size = config.block_size
+        self._counted: set[str] = set()  # ids whose first admission was counted (or forked)
+        self._seen: set = set()  # block hashes computed in an earlier step
+        self._pending: list = []  # block hashes computed in this step
+        self.num_tier_hit_tokens = 0
+        self.num_recomputed_tokens = 0
+        self.num_tier_loaded_blocks = 0
+        self.num_tier_stored_blocks = 0
+        #: tier blocks loaded by the last schedule() (every KV cache group's).
+        self.step_loaded_blocks = 0
 
     def make_request(self, request_id, prompt, block_hasher, index, scripted):
         return make_engine_request(request_id, prompt, block_hasher, index, scripted)
 
     def add(self, request) -> None:
+        # Forked samples share their parent's prompt: the parent's admission counts it.
+        self._counted.update(child.request_id for child in request.fork_children or ())
         self.scheduler.add_request(request)
 
     def abort(self, requests: list) -> None:
@@ -217,12 +275,40 @@ class _EngineDriver:
     def num_queried_tokens(self) -> int:
         return self.scheduler.stats.prefix_cache_queries
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.scheduler.stats.num_prompt_tokens
+
     def schedule(self) -> tuple[list, list[int]]:
         self._out = out = self.scheduler.schedule()
         requests = self.scheduler.requests
-        return [requests[i] for i in out.num_scheduled_tokens], list(
-            out.num_scheduled_tokens.values()
-        )
+        scheduled = [requests[i] for i in out.num_scheduled_tokens]
+        ops = out.kv_tier_ops
+        loads: dict[str, int] = {}
+        self.step_loaded_blocks = 0
+        if ops is not None:
+            for load in ops.loads:
+                if load.group == 0:
+                    loads[load.req_id] = loads.get(load.req_id, 0) + 1
+            self.step_loaded_blocks = len(ops.loads)
+            self.num_tier_loaded_blocks += len(ops.loads)
+            self.num_tier_stored_blocks += sum(isinstance(w, TierStore) for w in ops.writes)
+        block_size = self._block_size
+        for request in scheduled:
+            if request.request_id in self._counted:
+                continue
+            self._counted.add(request.request_id)
+            if request.block_hasher is None or request.skip_reading_prefix_cache:
+                continue
+            self.num_tier_hit_tokens += loads.get(request.request_id, 0) * block_size
+            hashes = request.block_hashes
+            end = request.num_prompt_tokens // block_size
+            seen = self._seen
+            self.num_recomputed_tokens += block_size * sum(
+                1 for h in hashes[request.num_cached_tokens // block_size : end] if h in seen
+            )
+            self._pending.extend(hashes[:end])
+        return scheduled, list(out.num_scheduled_tokens.values())
 
     def complete(self, scheduled: list) -> list:
         # In scheduling order, the requests whose step completed every known token sample.
@@ -232,7 +318,12 @@ class _EngineDriver:
             if r.num_computed_tokens >= r.num_tokens
         ]
         changed = self.scheduler.update_from_output(self._out, sampled)
-        return [r for r in changed if r.is_finished]
+        finished = [r for r in changed if r.is_finished]
+        self._seen.update(self._pending)
+        self._pending.clear()
+        for request in finished:
+            self._seen.update(request.block_hashes)
+        return finished
 
 
 def _to_steps(seconds: float, step_time: float) -> int:
@@ -316,7 +407,7 @@ def simulate(
     """
     started = time.perf_counter()
     kv_cache = make_kv_cache(policy, config)
-    caching = policy == "paged+prefix"
+    caching = policy in CACHING_POLICIES
     driver = _EngineDriver(kv_cache, config)
     block_hasher = kv_cache.block_hasher if caching else None
     block_size = config.block_size
@@ -343,6 +434,7 @@ def simulate(
     rejected: list[str] = []
     num_rejected_output_tokens = 0
     num_done = 0
+    num_loaded_blocks = 0
     step = 0
 
     def release_children(index: int, finish_step: int) -> None:
@@ -384,6 +476,7 @@ def simulate(
                 release_children(index, step)
 
         scheduled, num_scheduled = driver.schedule()
+        num_loaded_blocks += driver.step_loaded_blocks
         if not scheduled and not driver.running:
             if num_rejected_now and on_finish:
                 on_finish(num_rejected_now)
@@ -450,6 +543,17 @@ def simulate(
         num_queried_tokens=driver.num_queried_tokens,
         num_usable_tokens=num_usable_blocks * block_size,
         wall_time_s=time.perf_counter() - started,
+        num_prompt_tokens=driver.num_prompt_tokens,
+        num_tier_hit_tokens=driver.num_tier_hit_tokens,
+        num_recomputed_tokens=driver.num_recomputed_tokens if caching else None,
+        num_tier_loaded_blocks=num_loaded_blocks,
+        num_tier_stored_blocks=driver.num_tier_stored_blocks,
+        tier_loaded_bytes=num_loaded_blocks * config.kv_bytes_per_block,
+        tier_load_time_s=num_loaded_blocks
+        * config.kv_bytes_per_block
+        / config.kv_offloading_bandwidth,
+        step_time=config.step_time,
+        time_per_token=config.time_per_token,
     )
     return PolicyResult(
         policy,
@@ -461,14 +565,62 @@ def simulate(
     )
 
 
+def config_lines(
+    config: SimConfig, workload_name: str, num_requests: int, model: str | None = None
+) -> list[str]:
+    """The run's settings in words (stdout's first lines and the HTML page's): the pool, the
+    scheduler, the model's KV cache groups (``model`` with ``config.kv_cache_specs``) and the KV
+    tier (capacity, bandwidth)."""
+    from pagedkv.units import format_bytes
+
+    usable = config.num_blocks - 1
+    lines = [
+        f"workload {workload_name}: {num_requests} requests; pool {config.num_blocks} "
+        f"blocks of {config.block_size} tokens ({usable} usable + the null block: "
+        f"{usable * config.block_size} tokens for every policy), max_model_len "
+        f"{config.max_model_len}, max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
+        f"{config.max_num_batched_tokens}, admission {config.admission}"
+        + (f", {config.time_per_token:g} s per token computed" if config.time_per_token else "")
+    ]
+    if config.kv_cache_specs is not None:
+        windows = [getattr(spec, "sliding_window", None) for spec in config.kv_cache_specs]
+        kinds: dict[str, int] = {}
+        for window in windows:
+            label = "full attention" if window is None else f"sliding window {window}"
+            kinds[label] = kinds.get(label, 0) + 1
+        parts = ", ".join(f"{count} {label}" for label, count in kinds.items())
+        plural = "s" if len(windows) > 1 else ""
+        lines.append(f"model {model}: {len(windows)} KV cache group{plural}: {parts}")
+    if config.kv_offloading_blocks:
+        size = ""
+        if config.kv_bytes_per_block:
+            size = f", {format_bytes(config.kv_offloading_blocks * config.kv_bytes_per_block)}"
+        lines.append(
+            f"KV tier below the paged+prefix+tier pool: {config.kv_offloading_blocks} blocks "
+            f"({config.kv_offloading_blocks * config.block_size} tokens{size}), loads at "
+            f"{config.kv_offloading_bandwidth / 1e9:g} GB/s"
+            + (
+                f" ({config.kv_bytes_per_block / config.kv_offloading_bandwidth * 1e6:.2f} us "
+                "per block)"
+                if config.kv_bytes_per_block
+                else ""
+            )
+            + f"; a step lasts {config.step_time:g} s plus its loads"
+        )
+    return lines
+
+
 def simulate_policies(
     workload: Workload,
     config: SimConfig,
-    policies: tuple[str, ...] = POLICIES,
+    policies: tuple[str, ...] | None = None,
     *,
     on_finish: Callable[[int], None] | None = None,
 ) -> dict[str, PolicyResult]:
-    """Run every policy on the same trace; results keyed by policy name."""
+    """Run every policy on the same trace; results keyed by policy name. ``policies`` None:
+    all of :data:`POLICIES`, less ``paged+prefix+tier`` without ``config.kv_offloading_blocks``."""
+    if policies is None:
+        policies = POLICIES if config.kv_offloading_blocks else POLICIES[:-1]
     return {p: simulate(workload, config, p, on_finish=on_finish) for p in policies}
 
 
@@ -548,19 +700,29 @@ def sweep_block_sizes(
             max_num_batched_tokens=config.max_num_batched_tokens,
             admission=config.admission,
             step_time=config.step_time,
+            time_per_token=config.time_per_token,
             block_map_columns=0,
             hash_algo=config.hash_algo,
             kv_cache_specs=specs,
+            # The tier keeps its bytes too: its tokens over the new block size.
+            kv_offloading_blocks=config.kv_offloading_blocks * config.block_size // block_size,
+            kv_offloading_bandwidth=config.kv_offloading_bandwidth,
+            kv_bytes_per_block=config.kv_bytes_per_block * block_size // config.block_size,
         )
         for policy in policies:
+            if policy == "paged+prefix+tier" and not swept.kv_offloading_blocks:
+                continue
             results[policy][block_size] = simulate(workload, swept, policy).metrics
     return results
 
 
 __all__ = [
+    "CACHING_POLICIES",
+    "DEFAULT_KV_OFFLOADING_BANDWIDTH",
     "POLICIES",
     "PolicyResult",
     "SimConfig",
+    "config_lines",
     "fork_saving_lines",
     "make_kv_cache",
     "simulate",
