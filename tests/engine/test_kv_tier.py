@@ -300,6 +300,8 @@ def test_swap_preemption_keeps_outputs(tiny):
         results[mode] = (outs, stats)
     assert results["swap"][0] == results["recompute"][0]
     assert results["swap"][1].kv_tier.num_stored_blocks > 0
+    # resumed victims waited for their loads, then ran with their whole block table resent
+    assert results["swap"][1].scheduler.num_kv_tier_loads > 0
 
 
 def test_config_checks():
