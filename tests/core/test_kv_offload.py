@@ -69,6 +69,11 @@ def test_offloading_manager_pins_this_steps_entries():
     tier.load("r", 0, "a", 9)
     assert not tier.store(0, "b", 6)  # a is being loaded this step
     tier.take_ops()
+    assert not tier.store(0, "b", 6)  # ... and stays pinned until its load ends
+    assert tier.num_loading_requests == 1
+    tier.finish_loads("r")
+    tier.finish_loads("r")  # unknown by now: ignored
+    assert tier.num_loading_requests == 0
     assert tier.store(0, "b", 6)
     assert tier.lru_keys() == ["b"]
 

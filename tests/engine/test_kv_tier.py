@@ -8,6 +8,7 @@ read / write ops and the disk entry check."""
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from _tiny_model import tiny_loaded_model
 
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.llm_engine import LLMEngine
+from pagedkv.engine.request import RequestStatus
 from pagedkv.entrypoints.openai.metrics import ServerMetrics
 from pagedkv.errors import ConfigError
 from pagedkv.sampling_params import SamplingParams
@@ -143,6 +145,79 @@ def test_entries_damaged_while_requests_run(tiny, expected, tmp_path):
     engine.shutdown()
 
 
+def _disk_engine_after_turn1(tiny, tmp_path):
+    engine = make_engine(
+        tiny,
+        kv_offloading_size=256 * 1024,
+        kv_offloading_backend="disk",
+        kv_offloading_dir=str(tmp_path),
+    )
+    generate(engine, TURN1)  # conversation 0's blocks are evicted to the tier by now
+    engine.runner.kv_tier.flush()
+    return engine
+
+
+def test_blocked_disk_load_waits_alone(tiny, expected, tmp_path):
+    """A tier hit whose disk read is held back (a test hook on the tier) waits in
+    WAITING_FOR_REMOTE_KVS while another request decodes a token every step; released, it
+    runs from its loaded prefix and its output equals the tier-off output."""
+    engine = _disk_engine_after_turn1(tiny, tmp_path)
+    gate = threading.Event()
+    reads = []
+    engine.runner.kv_tier.before_read = lambda key: (reads.append(key), gate.wait())
+    try:
+        other = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        engine.add_request("other", {"prompt_token_ids": [9, 8, 7, 6, 5]}, other)
+        engine.step()  # "other" prefills: 1 token
+        engine.add_request("hit", {"prompt_token_ids": TURN2[0]}, PARAMS)
+        hit = engine.scheduler.requests["hit"]
+        for n in range(4):  # the load is pending: "other" decodes, "hit" gets nothing
+            outs = {o.request_id: o for o in engine.step()}
+            assert hit.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            assert list(outs) == ["other"]
+            assert len(outs["other"].outputs[0].token_ids) == n + 2
+        assert reads  # the loader thread is inside the read
+        assert engine.get_stats().scheduler.num_kv_tier_loads == 1
+    finally:
+        gate.set()
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = list(out.outputs[0].token_ids)
+    assert finished["hit"] == expected[1][0]
+    stats = engine.get_stats()
+    assert stats.kv_tier.num_hit_blocks > 0 and stats.kv_tier.num_failed_loads == 0
+    engine.kv_cache_manager.check_invariants()
+    engine.shutdown()
+
+
+def test_abort_while_loading_frees_blocks_after_the_load(tiny, tmp_path):
+    engine = _disk_engine_after_turn1(tiny, tmp_path)
+    manager = engine.kv_cache_manager
+    free_before = manager.num_free_blocks
+    gate = threading.Event()
+    engine.runner.kv_tier.before_read = lambda key: gate.wait()
+    try:
+        engine.add_request("hit", {"prompt_token_ids": TURN2[0]}, PARAMS)
+        engine.step()
+        assert manager.num_free_blocks < free_before  # the loading request holds its blocks
+        engine.abort_request("hit")
+        engine.step()
+        assert manager.num_free_blocks < free_before  # still being written: not freed
+    finally:
+        gate.set()
+    for _ in range(100):
+        engine.step()
+        if engine.scheduler.num_loading_requests == 0:
+            break
+    assert engine.scheduler.num_loading_requests == 0
+    assert manager.num_free_blocks == free_before
+    assert not engine.has_unfinished_requests()
+    manager.check_invariants()
+    engine.shutdown()
+
+
 @pytest.mark.parametrize("damage", ["truncate", "corrupt", "delete"])
 def test_damaged_disk_entries_fall_back_to_recompute(tiny, expected, damage, tmp_path):
     engine = make_engine(
@@ -225,6 +300,8 @@ def test_swap_preemption_keeps_outputs(tiny):
         results[mode] = (outs, stats)
     assert results["swap"][0] == results["recompute"][0]
     assert results["swap"][1].kv_tier.num_stored_blocks > 0
+    # resumed victims waited for their loads, then ran with their whole block table resent
+    assert results["swap"][1].scheduler.num_kv_tier_loads > 0
 
 
 def test_config_checks():
@@ -259,6 +336,92 @@ def test_disk_entry_round_trip_and_checks(tmp_path):
     assert torch.equal(cpu.read("k", 1, (3, 16)), data)
     cpu.drop("k", 1)
     assert cpu.read("k", 1, (3, 16)) is None
+
+
+def test_disk_write_queue_is_bounded(tmp_path, monkeypatch):
+    """With the writer held inside a write, stores beyond the queue's bound are dropped and
+    counted, not queued (the step never waits); once written, there is room again."""
+    import pagedkv.worker.kv_offload as kv_offload
+
+    gate = threading.Event()
+    encode = kv_offload._encode
+
+    def held_encode(key, data):
+        gate.wait()
+        return encode(key, data)
+
+    monkeypatch.setattr(kv_offload, "_encode", held_encode)
+    tier = DiskKVTier(tmp_path, 8, 48, max_queued_bytes=2 * 48)
+    data = torch.arange(48, dtype=torch.uint8).view(3, 16)
+    try:
+        assert tier.write("0-a", 0, data) and tier.write("0-b", 1, data)
+        assert not tier.write("0-c", 2, data)  # a and b (96 bytes) fill the queue
+        assert tier.stats.num_dropped_stores == 1
+        assert tier.read("0-c", 2, (3, 16)) is None
+        assert torch.equal(tier.read("0-b", 1, (3, 16)), data)  # queued: readable
+    finally:
+        gate.set()
+    tier.flush()
+    assert sorted(p.name for p in tmp_path.glob("*.kv")) == ["0-a.kv", "0-b.kv"]
+    assert tier.write("0-c", 2, data)  # room again
+    tier.close()
+    assert DiskKVTier(tmp_path / "d", 8, 1000, max_queued_bytes=1).max_queued_bytes == 1000
+
+
+def test_dropped_stores_are_forgotten_by_the_scheduler(tiny, expected, tmp_path):
+    """A disk tier whose queue holds one entry drops most stores of a burst; the scheduler
+    forgets the dropped keys (no load of them fails later) and outputs are unchanged."""
+    engine = make_engine(
+        tiny,
+        kv_offloading_size=256 * 1024,
+        kv_offloading_backend="disk",
+        kv_offloading_dir=str(tmp_path),
+    )
+    tier = engine.runner.kv_tier
+    tier.max_queued_bytes = tier.block_nbytes  # the bound, at its least: one entry
+    gate = threading.Event()
+    tier._queue.put(("drop", "held", None))  # ends once the gate opens (below)
+    original = tier.path_of
+    tier.path_of = lambda key: (gate.wait() if key == "held" else None, original(key))[1]
+    try:
+        assert generate(engine, TURN1) == expected[0]
+    finally:
+        gate.set()
+    tier.flush()
+    offloader = engine.kv_cache_manager.offloader
+    assert tier.stats.num_dropped_stores > 0
+    files = {p.name[:-3] for p in tmp_path.glob("*.kv")}
+    assert set(offloader.lru_keys()) <= files  # every entry it holds is on disk
+    assert generate(engine, TURN2) == expected[1]
+    stats = engine.get_stats()
+    assert stats.kv_tier.num_dropped_stores == tier.stats.num_dropped_stores
+    assert stats.kv_tier.num_failed_loads == 0
+    text = ServerMetrics("tiny").render(stats).decode()
+    dropped = stats.kv_tier.num_dropped_stores
+    assert f'pagedkv:kv_tier_dropped_stores_total{{model_name="tiny"}} {dropped}.0' in text
+    engine.shutdown()
+
+
+def test_reset_prefix_cache_deletes_the_disk_tier(tiny, tmp_path):
+    """A reset declares every cached KV stale (new weights): the disk tier's files go too,
+    so a restarted engine does not adopt them."""
+    options = {
+        "kv_offloading_size": 256 * 1024,
+        "kv_offloading_backend": "disk",
+        "kv_offloading_dir": str(tmp_path),
+    }
+    engine = make_engine(tiny, **options)
+    generate(engine, TURN1)
+    engine.runner.kv_tier.flush()
+    assert list(tmp_path.glob("*.kv"))
+    assert engine.reset_prefix_cache()
+    assert not list(tmp_path.glob("*.kv"))  # deleted before the reset returned
+    assert len(engine.kv_cache_manager.offloader) == 0
+    engine.shutdown()  # the pool is empty after the reset: nothing pages out
+    assert not list(tmp_path.glob("*.kv"))
+    again = make_engine(tiny, **options)
+    assert len(again.kv_cache_manager.offloader) == 0
+    again.shutdown()
 
 
 def test_tier_events_keep_their_medium_on_the_wire():

@@ -301,11 +301,17 @@ class KVCacheManager:
             return None
         return self.offloader.take_ops()
 
-    def discard_tier_entries(self, keys: Iterable[str]) -> None:
-        """Forget tier entries whose load failed (their request recomputes); no-op without a
-        tier."""
+    def discard_tier_entries(self, keys: Iterable[str], failed_load: bool = True) -> None:
+        """Forget tier entries whose load failed (their request recomputes) or whose store
+        the workers dropped (``failed_load=False``); no-op without a tier."""
         if self.offloader is not None:
-            self.offloader.discard(keys)
+            self.offloader.discard(keys, failed_load)
+
+    def finish_tier_loads(self, request_id: str) -> None:
+        """The workers reported ``request_id``'s tier loads done (good or failed): the entries
+        they read may be evicted again. No-op without a tier or loads."""
+        if self.offloader is not None:
+            self.offloader.finish_loads(request_id)
 
     def allocate_slots(
         self,
@@ -439,8 +445,9 @@ class KVCacheManager:
         )
         if tier_hashes:
             # The tier hits are the first new blocks of each group (the table started at the
-            # pool hit). They enter the prefix cache one step later, once their loads are
-            # known good (a failed load must not leave a hash on garbage KV).
+            # pool hit). They enter the prefix cache with the request's next allocate_slots,
+            # once their loads are known good (a failed load must not leave a hash on garbage
+            # KV); the scheduler holds the request back until then.
             for g, group_keys in enumerate(keys):
                 for key, block in zip(group_keys, new_blocks[g], strict=False):
                     self.offloader.load(request_id, g, key, block.block_id)

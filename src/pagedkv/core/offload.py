@@ -65,7 +65,7 @@ class TierDrop(NamedTuple):
 
 class TierLoad(NamedTuple):
     """Read tier slot ``slot`` (``key``) into pool block ``block_id`` of KV cache group ``group``
-    for request ``req_id``, before the step's forward."""
+    for request ``req_id`` (which waits, not scheduled, until its loads are reported done)."""
 
     req_id: str
     group: int
@@ -82,13 +82,19 @@ class KVTierOps:
         writes: stores and drops in the order they happened (a slot freed by a drop may be
             written again by a later store of the same step). Apply the copy-outs of the stores
             before any load or KV write of the step.
-        loads: blocks to read into the pool before the step's forward. A load that fails (a
-            missing, truncated or corrupt entry) is reported back in
-            ``ModelRunnerOutput.failed_kv_loads``; the scheduler then recomputes the request.
+        loads: blocks to read into the pool, for requests the scheduler holds back (waiting
+            for their KV) until the workers report every load of the request done, in a later
+            (or this) step's ``ModelRunnerOutput.finished_kv_loads``, or failed (a missing,
+            truncated or corrupt entry) in ``failed_kv_loads``: then the request recomputes.
+        wait_for_writes: the workers wait for the tier's writes and deletions: stores wait
+            for room in a full disk write queue instead of being dropped, and every queued
+            write and drop is done before the step returns (a shutdown's page-out, a prefix
+            cache reset); a normal step's never wait.
     """
 
     writes: list[TierStore | TierDrop] = field(default_factory=list)
     loads: list[TierLoad] = field(default_factory=list)
+    wait_for_writes: bool = False
 
     def __bool__(self) -> bool:
         return bool(self.writes or self.loads)
@@ -136,6 +142,9 @@ class OffloadingManager:
         self._entries: OrderedDict[str, int] = OrderedDict()  # key -> slot, LRU first
         self._free_slots = list(range(num_blocks - 1, -1, -1))  # pop() gives slot 0 first
         self._pinned: set[str] = set()  # keys in this step's instructions: never evicted
+        #: keys of loads still in flight, by request (never evicted until the load ends)
+        self._loading: dict[str, list[str]] = {}
+        self._load_pins: dict[str, int] = {}  # key -> loads in flight reading it
         self._ops = KVTierOps()
         self.stats = TierStats()
         self.record_events = record_events
@@ -184,8 +193,9 @@ class OffloadingManager:
         return True
 
     def _evict_one(self) -> bool:
+        pinned, load_pins = self._pinned, self._load_pins
         for key in self._entries:
-            if key not in self._pinned:
+            if key not in pinned and key not in load_pins:
                 self._drop(key)
                 self.stats.num_evicted_blocks += 1
                 return True
@@ -200,7 +210,9 @@ class OffloadingManager:
 
     def load(self, req_id: str, group: int, key: str, block_id: int) -> None:
         """Record a load of held ``key`` into pool block ``block_id`` (a tier hit being
-        allocated); the entry stays (it may hit again) and becomes most recently used.
+        allocated); the entry stays (it may hit again) and becomes most recently used. It is
+        kept from LRU eviction until :meth:`finish_loads` of ``req_id`` (the workers may read
+        it over several steps).
 
         Raises:
             CacheStateError: ``key`` is not held (check with ``in`` first).
@@ -211,19 +223,39 @@ class OffloadingManager:
         self._entries.move_to_end(key)
         self._pinned.add(key)
         self._ops.loads.append(TierLoad(req_id, group, key, slot, block_id))
+        self._loading.setdefault(req_id, []).append(key)
+        self._load_pins[key] = self._load_pins.get(key, 0) + 1
         self.stats.num_loaded_blocks += 1
+
+    def finish_loads(self, req_id: str) -> None:
+        """The workers reported ``req_id``'s loads done (good or failed): its entries may be
+        evicted again. Unknown ids are ignored."""
+        load_pins = self._load_pins
+        for key in self._loading.pop(req_id, ()):
+            count = load_pins[key] - 1
+            if count:
+                load_pins[key] = count
+            else:
+                del load_pins[key]
+
+    @property
+    def num_loading_requests(self) -> int:
+        """Requests whose loads are in flight."""
+        return len(self._loading)
 
     def pin(self, keys: Iterable[str]) -> None:
         """Keep ``keys`` from LRU eviction until the next :meth:`take_ops` (hits about to be
         loaded while the same allocation evicts pool blocks into the tier)."""
         self._pinned.update(keys)
 
-    def discard(self, keys: Iterable[str]) -> None:
-        """Forget entries the workers found bad (a failed load); unknown keys are ignored."""
+    def discard(self, keys: Iterable[str], failed_load: bool = True) -> None:
+        """Forget entries the workers found bad (a failed load) or never wrote (a dropped
+        store: ``failed_load=False``); unknown keys are ignored."""
         for key in keys:
             if key in self._entries:
                 self._drop(key)
-                self.stats.num_failed_loads += 1
+                if failed_load:
+                    self.stats.num_failed_loads += 1
 
     def clear(self) -> None:
         """Forget every entry (a prefix-cache reset: new weights make the tier's KV stale)."""

@@ -254,9 +254,9 @@ class LLMEngine:
             and not getattr(self, "_tier_saved", False)
             and self.kv_cache_manager.page_out_cached()
         ):
-            self.executor.execute_model(
-                SchedulerOutput(kv_tier_ops=self.kv_cache_manager.take_tier_ops())
-            )
+            ops = self.kv_cache_manager.take_tier_ops()
+            ops.wait_for_writes = True  # the last page-out waits for the disk, not dropped
+            self.executor.execute_model(SchedulerOutput(kv_tier_ops=ops))
         self._tier_saved = True
         self.executor.shutdown()
         self.structured_output_manager.shutdown()
@@ -416,9 +416,18 @@ class LLMEngine:
             self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every cached block (e.g. after changing weights). Returns False, changing
-        nothing, while any request holds blocks."""
-        return self.kv_cache_manager.reset_prefix_cache()
+        """Drop every cached block (e.g. after changing weights), the KV tier's entries
+        included: a disk tier's files are deleted before this returns (a restart must not
+        adopt KV the reset declared stale). Returns False, changing nothing, while any request
+        holds blocks (a request waiting for its tier loads included)."""
+        manager = self.kv_cache_manager
+        if not manager.reset_prefix_cache():
+            return False
+        ops = manager.take_tier_ops()
+        if ops:
+            ops.wait_for_writes = True
+            self.executor.execute_model(SchedulerOutput(kv_tier_ops=ops))
+        return True
 
     def take_kv_cache_events(self) -> list[KVCacheEvent]:
         """KV-cache events (BlockStored / BlockRemoved / AllBlocksCleared) since the last call;
@@ -463,6 +472,7 @@ class LLMEngine:
             bytes_stored=io.bytes_stored,
             bytes_loaded=io.bytes_loaded,
             load_seconds=io.load_seconds,
+            num_dropped_stores=io.num_dropped_stores,
         )
 
     def check_health(self) -> None:
@@ -530,7 +540,12 @@ class LLMEngine:
                 # Only requests waiting for their grammar: wait for one (not a busy loop).
                 manager.wait_for_compiles(_COMPILE_WAIT_S)
         runner_output = ModelRunnerOutput()
-        if scheduler_output.total_num_scheduled_tokens:
+        if (
+            scheduler_output.total_num_scheduled_tokens
+            or scheduler_output.kv_tier_ops
+            or self.scheduler.num_loading_requests
+        ):
+            # (KV tier instructions, or loads in flight to report, run with no token too)
             try:
                 runner_output = self.executor.execute_model(scheduler_output)
             except BaseException as exc:

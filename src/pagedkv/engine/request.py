@@ -26,6 +26,9 @@ class RequestStatus(enum.IntEnum):
     """Where a request is in its life; every status after PREEMPTED is a finished one."""
 
     WAITING = enum.auto()
+    #: holds its KV blocks while the workers load them from the KV tier (vLLM's name); not
+    #: scheduled until the loads are reported done.
+    WAITING_FOR_REMOTE_KVS = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()

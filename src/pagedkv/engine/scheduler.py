@@ -65,6 +65,11 @@ class Scheduler:
             cached ones stay hit-able until reused) or "swap" (vLLM V0's word: the victim's
             cached blocks are also paged out to the KV tier at once, so its resumption loads
             them instead of recomputing; needs a tier).
+        wait_for_kv_loads: a KV tier hit waits (WAITING_FOR_REMOTE_KVS, the rest of the batch
+            runs) until the workers report its loads in ``ModelRunnerOutput.finished_kv_loads``
+            / ``failed_kv_loads`` (the engine's, :meth:`from_config`). False: it runs in the
+            step that allocates it, for a driver without workers whose loads are instant and
+            never fail (the simulator).
 
     Raises:
         ConfigError: a value out of range, an unknown policy or admission, or chunked prefill
@@ -82,6 +87,7 @@ class Scheduler:
         policy: str = "fcfs",
         admission: str = "fcfs",
         preemption_mode: str = "recompute",
+        wait_for_kv_loads: bool = False,
     ) -> None:
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -119,6 +125,7 @@ class Scheduler:
         self.policy = policy
         self.admission = admission
         self.preemption_mode = preemption_mode
+        self.wait_for_kv_loads = wait_for_kv_loads
         # The KV tier's instructions (a manager without a tier, like the simulator's, has none).
         self._take_tier_ops = getattr(kv_cache_manager, "take_tier_ops", None)
         self.waiting: FCFSQueue | PriorityQueue = (
@@ -126,6 +133,12 @@ class Scheduler:
         )
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        #: requests holding blocks while the workers load their KV tier hits
+        #: (WAITING_FOR_REMOTE_KVS): neither waiting nor running; each keeps a seat.
+        self._loading: dict[str, Request] = {}
+        #: loaded requests the workers held before (preempted): their first step after the
+        #: load sends their whole block table.
+        self._resume_after_load: set[str] = set()
         self.stats = SchedulerStats()
         #: requests finished since the last schedule(): the next output tells the workers.
         self.finished_req_ids: set[str] = set()
@@ -150,6 +163,7 @@ class Scheduler:
             enable_chunked_prefill=scheduler_config.enable_chunked_prefill,
             policy=scheduler_config.policy,
             preemption_mode=scheduler_config.preemption_mode,
+            wait_for_kv_loads=True,
         )
 
     # ------------------------------------------------------------------ requests in and out
@@ -260,6 +274,14 @@ class Scheduler:
                 continue
             if request is None:
                 continue
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                # Its blocks are being written by the workers: freed when the loads end.
+                request.status = status
+                request.finished_time = time.monotonic()
+                if request.structured_output is not None:
+                    request.structured_output.free()
+                self.requests.pop(request_id, None)
+                continue
             if request.status == RequestStatus.RUNNING:
                 finished.append(request)
             else:
@@ -283,7 +305,7 @@ class Scheduler:
         return dataclasses.replace(
             self.stats,
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + len(self._loading),
             kv_cache_usage=self.kv_cache_manager.usage,
             num_used_blocks=self.kv_cache_manager.num_blocks
             - 1
@@ -350,7 +372,11 @@ class Scheduler:
                 # ``req_index`` now points at the request after it.
                 self._reject_if_never_fits(request, step)
                 continue
-            step.add(request, num_new_tokens, new_blocks, False)
+            resumed = False
+            if self._resume_after_load and request.request_id in self._resume_after_load:
+                self._resume_after_load.discard(request.request_id)
+                resumed = True  # loaded after a preemption: the workers freed its table
+            step.add(request, num_new_tokens, new_blocks, resumed)
             token_budget -= num_new_tokens
             req_index += 1
 
@@ -491,13 +517,15 @@ class Scheduler:
                 "runner's logprobs rows (a ModelRunnerOutput, top-K of each beam)"
             )
         self._scheduled_requests = []
-        failed_loads = (
-            sampled_token_ids.failed_kv_loads
-            if isinstance(sampled_token_ids, ModelRunnerOutput)
-            else None
-        )
-        if failed_loads:
-            self._recompute_failed_loads(failed_loads)
+        if isinstance(sampled_token_ids, ModelRunnerOutput) and sampled_token_ids.dropped_kv_stores:
+            self.kv_cache_manager.discard_tier_entries(
+                sampled_token_ids.dropped_kv_stores, failed_load=False
+            )
+        if self._loading and isinstance(sampled_token_ids, ModelRunnerOutput):
+            finished_loads = sampled_token_ids.finished_kv_loads
+            failed_loads = sampled_token_ids.failed_kv_loads
+            if finished_loads or failed_loads:
+                self._finish_kv_loads(finished_loads, failed_loads)
         changed: list[Request] = self._rejected
         self._rejected = []
         finished: list[Request] = []
@@ -506,8 +534,6 @@ class Scheduler:
         for request, token_id in zip(sampling, tokens, strict=True):
             if request.is_finished:  # aborted between schedule() and now
                 continue
-            if failed_loads and request.request_id in failed_loads:
-                continue  # sampled from KV that failed to load: recomputed instead
             group = request.beam_group
             if group is not None:  # a beam: its candidates go to its group, no token yet
                 row = logprobs[request.request_id]
@@ -668,10 +694,14 @@ class Scheduler:
         skip = self.admission == "skip"
         skipped: list[Request] = []
         reserved, reserved_waiting = self._beam_seats() if self._beam_groups else (0, 0)
+        loading = self._loading
+        wait_for_loads = self.wait_for_kv_loads
         while (
             waiting
             and token_budget > 0
-            and (len(self.running) + reserved < self.max_num_seqs or reserved_waiting)
+            and (
+                len(self.running) + len(loading) + reserved < self.max_num_seqs or reserved_waiting
+            )
         ):
             request = waiting.peek()
             constraint = request.structured_output
@@ -685,12 +715,23 @@ class Scheduler:
                 self._reject(request, f"request {request.request_id!r}: {constraint.error}")
                 continue
             seats = self._seats_needed(request) if request.beam_group is not None else 1
-            if len(self.running) + reserved + seats > self.max_num_seqs:
+            if len(self.running) + len(loading) + reserved + seats > self.max_num_seqs:
                 if not skip:
                     break  # FCFS: later requests wait behind this one
                 skipped.append(waiting.pop())
                 continue
             computed_blocks, num_computed_tokens = manager.get_computed_blocks(request)
+            tier_hashes = getattr(computed_blocks, "tier_hashes", ()) if wait_for_loads else ()
+            if tier_hashes and request.beam_group is not None:
+                # A beam's seats are reserved with its group's: it recomputes instead of
+                # waiting for a load (its pool hit stays).
+                num_computed_tokens -= len(tier_hashes) * manager.block_size
+                computed_blocks = (
+                    KVCacheBlocks(computed_blocks.blocks)
+                    if num_computed_tokens
+                    else manager.empty_kv_cache_blocks
+                )
+                tier_hashes = ()
             num_new_tokens = request.num_tokens - num_computed_tokens
             released: list[Request] = []
             if request.fork_children:  # an n > 1 parent stops at the fork point...
@@ -704,7 +745,11 @@ class Scheduler:
             else:
                 num_new_tokens = min(num_new_tokens, token_budget)
                 new_blocks = manager.allocate_slots(
-                    request, num_new_tokens, num_computed_tokens, computed_blocks
+                    # a tier hit: only the hit's blocks now, the rest once it is loaded
+                    request,
+                    0 if tier_hashes else num_new_tokens,
+                    num_computed_tokens,
+                    computed_blocks,
                 )
                 tried = True
             if new_blocks is None:
@@ -727,8 +772,17 @@ class Scheduler:
                     self.stats.prefix_cache_queries += request.num_prompt_tokens
                     self.stats.prefix_cache_hits += num_computed_tokens
                 self.stats.num_prompt_tokens += request.num_prompt_tokens
-            request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed_tokens
+            if not wait_for_loads and getattr(computed_blocks, "tier_hashes", ()):
+                manager.finish_tier_loads(request.request_id)  # no workers: loads are instant
+            if tier_hashes:
+                # The workers load the tier hit; it waits (not the batch) until they report
+                # the loads done (_finish_kv_loads), then runs from the loaded prefix.
+                request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                loading[request.request_id] = request
+                self.stats.num_kv_tier_loads += 1
+                continue
+            request.status = RequestStatus.RUNNING
             self.running.append(request)
             if request.beam_group is not None:  # its search's seats: see _beam_seats
                 if seats:  # its first running beam: the others (all queued) are reserved for
@@ -746,7 +800,7 @@ class Scheduler:
     def _reject_if_never_fits(self, request: Request, step: _Step) -> bool:
         """Finish ``request`` with an error if allocation failed while no other request holds
         blocks: the whole pool was free, so it can never fit. Returns True when rejected."""
-        if self.running or step.requests:
+        if self.running or step.requests or self._loading:
             return False
         self.waiting.remove(request)
         self._reject(
@@ -828,23 +882,43 @@ class Scheduler:
         self.stats.num_cow_copies += sum(len(copies) for copies in blocks_to_copy)
         return copied
 
-    def _recompute_failed_loads(self, failed_loads: dict[str, list[str]]) -> None:
-        """Requests whose tier loads failed in the last step: the tier forgets the bad entries,
-        and each such request goes back to the front of the waiting queue as a preempted one
-        (its blocks freed; only the blocks registered before the step stay cached), so it
-        recomputes what the tier could not give. Its output does not change."""
+    def _finish_kv_loads(self, finished: Iterable[str], failed: dict[str, list[str]]) -> None:
+        """Requests whose tier loads the workers reported done. All good: the request runs
+        from its loaded prefix (it joins the running requests with the seat it kept; its
+        loaded blocks enter the prefix cache with its next allocation). Some failed: the tier
+        forgets the bad entries and the request goes back to the front of the waiting queue
+        with its blocks freed (never cached), so it recomputes what the tier could not give;
+        its output does not change. One finished meanwhile (aborted): its blocks are freed."""
         manager = self.kv_cache_manager
-        for request_id, keys in failed_loads.items():
+        loading = self._loading
+        for keys in failed.values():
             manager.discard_tier_entries(keys)
-            request = self.requests.get(request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+        for request_id in (*finished, *failed):
+            request = loading.pop(request_id, None)
+            if request is None:
                 continue
-            self.running.remove(request)
-            manager.free(request)
-            request.status = RequestStatus.PREEMPTED
-            request.num_computed_tokens = 0
-            self.stats.num_kv_tier_load_failures += 1
-            self.waiting.add_front(request)
+            manager.finish_tier_loads(request_id)
+            if request.is_finished:
+                manager.free(request)
+                self.finished_req_ids.add(request_id)
+            elif request_id in failed:
+                manager.free(request)
+                request.status = (
+                    RequestStatus.PREEMPTED if request.num_sent_tokens else RequestStatus.WAITING
+                )
+                request.num_computed_tokens = 0
+                self.stats.num_kv_tier_load_failures += 1
+                self.waiting.add_front(request)
+            else:
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                if request.num_sent_tokens:
+                    self._resume_after_load.add(request_id)
+
+    @property
+    def num_loading_requests(self) -> int:
+        """Requests waiting for their KV tier loads (the workers must keep reporting)."""
+        return len(self._loading)
 
     def _pick_victim(self) -> Request:
         if self.policy == "priority":

@@ -33,6 +33,8 @@ class SchedulerStats:
         num_shared_blocks: blocks held by more than one request now (forks and prefix hits).
         num_kv_tier_load_failures: requests sent back to recompute because a KV tier load
             failed (a missing, truncated or corrupt entry).
+        num_kv_tier_loads: admissions that waited for KV tier loads (WAITING_FOR_REMOTE_KVS)
+            before running.
     """
 
     num_running: int = 0
@@ -51,6 +53,7 @@ class SchedulerStats:
     num_cow_copies: int = 0
     num_shared_blocks: int = 0
     num_kv_tier_load_failures: int = 0
+    num_kv_tier_loads: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -74,7 +77,9 @@ class KVTierStats:
         num_failed_loads: loads that found a missing, truncated or corrupt entry (recomputed).
         bytes_stored: bytes written to the tier.
         bytes_loaded: bytes read back from it.
-        load_seconds: time the loads took, inside the steps.
+        load_seconds: time the loads took (the reads, off the step for disk, and the copies
+            into the pool).
+        num_dropped_stores: stores dropped because the disk writer's queue was full.
     """
 
     medium: str
@@ -87,3 +92,4 @@ class KVTierStats:
     bytes_stored: int = 0
     bytes_loaded: int = 0
     load_seconds: float = 0.0
+    num_dropped_stores: int = 0

@@ -6,11 +6,17 @@ step's copy-on-write copies and forward::
     stores:  backend.read_block(group caches, block_id)   copy the block out (in the step)
              tier.write(key, slot, bytes)                  host RAM: a copy; disk: a queued
                                                            write, done by a writer thread
+                                                           (queue full: dropped, reported in
+                                                           ModelRunnerOutput.dropped_kv_stores)
     drops:   tier.drop(key, slot)                          disk: the file is deleted (queued)
-    loads:   tier.read(key, slot) -> bytes or None         host RAM, or the file (checked:
-             backend.write_block(group caches, block_id)   size, key and CRC-32), or a write
-                                                           still queued
-    a load that finds nothing good -> ModelRunnerOutput.failed_kv_loads (recomputed)
+    loads:   tier.submit_loads(req_id, ...)                host RAM: read at once; disk: a
+                                                           loader thread reads (checked: size,
+                                                           key and CRC-32), or a write still
+                                                           queued; the step goes on
+    then, every step with loads in flight:
+             tier.poll_loads() -> ended requests           their bytes written into the pool
+             backend.write_block(group caches, block_id)   (the step's thread), reported in
+                                                           finished_kv_loads / failed_kv_loads
 
 Disk layout (``--kv-offloading-dir``): ``pagedkv-tier.json`` (what the entries were made
 with: model, dtype, layout, block size, hash algorithm and seed; :func:`open_disk_tier`) and
@@ -32,14 +38,14 @@ import threading
 import time
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pagedkv.core.offload import KVTierOps, TierStore
+from pagedkv.core.offload import KVTierOps, TierLoad, TierStore
 from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.ops.backends import AttentionBackend
 
@@ -49,6 +55,8 @@ METADATA_FILE = "pagedkv-tier.json"
 ENTRY_SUFFIX = ".kv"
 _HEADER = struct.Struct("<8sHQI")  # magic, key length, payload bytes, CRC-32 of the payload
 _MAGIC = b"PKVTIER1"
+#: default bound of the disk tier's write queue (bytes copied out, not yet on disk)
+DEFAULT_MAX_QUEUED_BYTES = 256 * 2**20
 
 
 @dataclass(slots=True)
@@ -58,29 +66,125 @@ class KVTierIOStats:
     Attributes:
         bytes_stored: bytes copied out of the pool into the tier.
         bytes_loaded: bytes loaded from the tier into the pool.
-        load_seconds: wall time of the loads (in the step).
+        load_seconds: wall time of the loads (the reads, on the loader thread for disk, and
+            the copies into the pool).
         num_failed_loads: loads that found a missing, truncated or corrupt entry.
+        num_dropped_stores: stores dropped because the disk writer's queue was full (the
+            step does not wait for the disk; the scheduler forgets those entries).
     """
 
     bytes_stored: int = 0
     bytes_loaded: int = 0
     load_seconds: float = 0.0
     num_failed_loads: int = 0
+    num_dropped_stores: int = 0
 
 
 class KVTier(ABC):
-    """Where the tier's blocks live. ``block_nbytes``: the most bytes of one entry."""
+    """Where the tier's blocks live. ``block_nbytes``: the most bytes of one entry.
+
+    Loads: :meth:`submit_loads` takes one request's loads; :meth:`poll_loads` gives back the
+    requests whose reads have all ended. A tier with ``async_loads`` reads on a loader thread
+    (the step goes on meanwhile); otherwise ``submit_loads`` reads at once.
+
+    Attributes:
+        before_read: test hook, called with the key before each read (on the loader thread
+            for an ``async_loads`` tier), e.g. to hold a load back; None in normal runs.
+    """
 
     medium: str
+    #: read on a loader thread (True: disk) or in the step (False: host RAM, a memory copy).
+    async_loads: bool = False
 
     def __init__(self, num_blocks: int, block_nbytes: int) -> None:
         self.num_blocks = num_blocks
         self.block_nbytes = block_nbytes
         self.stats = KVTierIOStats()
+        self.before_read: Callable[[str], None] | None = None
+        self._load_cv = threading.Condition()
+        self._load_jobs: list[_LoadJob | None] = []  # submitted, not yet read (loader thread)
+        self._loads_done: list[_LoadJob] = []  # read, not yet polled
+        self._num_loads_in_flight = 0  # requests submitted and not yet polled
+        self._loader: threading.Thread | None = None
+
+    @property
+    def num_loads_in_flight(self) -> int:
+        """Requests whose loads were submitted and not yet given back by :meth:`poll_loads`."""
+        return self._num_loads_in_flight
+
+    def submit_loads(self, req_id: str, loads: Sequence[tuple[TierLoad, tuple[int, int]]]) -> None:
+        """Start reading one request's loads (each with its uint8 ``[layers, page bytes]``
+        shape)."""
+        job = _LoadJob(req_id, list(loads))
+        self._num_loads_in_flight += 1
+        if not self.async_loads:
+            self._read_job(job)
+            self._loads_done.append(job)
+            return
+        if self._loader is None:
+            self._loader = threading.Thread(
+                target=self._load_loop, name="pagedkv-kv-tier-loader", daemon=True
+            )
+            self._loader.start()
+        with self._load_cv:
+            self._load_jobs.append(job)
+            self._load_cv.notify_all()
+
+    def poll_loads(self, wait_s: float = 0.0) -> list[_LoadJob]:
+        """The requests whose reads have all ended since the last call (each with the bytes
+        read, ``None`` for a failed read), in the order they ended. With none ended and loads
+        in flight, waits up to ``wait_s`` seconds for one."""
+        cv = self._load_cv
+        with cv:
+            if not self._loads_done and wait_s > 0 and self._num_loads_in_flight:
+                cv.wait_for(lambda: bool(self._loads_done), timeout=wait_s)
+            done, self._loads_done = self._loads_done, []
+        self._num_loads_in_flight -= len(done)
+        return done
+
+    def _read_job(self, job: _LoadJob) -> None:
+        start = time.perf_counter()
+        hook = self.before_read
+        for load, shape in job.loads:
+            if hook is not None:
+                hook(load.key)
+            try:
+                data = self.read(load.key, load.slot, shape)
+            except Exception:  # any read fault: that load fails, the request recomputes
+                logger.exception("KV tier: reading %s failed", load.key)
+                data = None
+            job.data.append(data)
+        job.seconds = time.perf_counter() - start
+
+    def _load_loop(self) -> None:
+        cv = self._load_cv
+        while True:
+            with cv:
+                cv.wait_for(lambda: bool(self._load_jobs))
+                job = self._load_jobs.pop(0)
+            if job is None:
+                return
+            self._read_job(job)
+            with cv:
+                self._loads_done.append(job)
+                cv.notify_all()
+
+    def _stop_loader(self) -> None:
+        if self._loader is not None:
+            with self._load_cv:
+                self._load_jobs.append(None)
+                self._load_cv.notify_all()
+            self._loader.join()
+            self._loader = None
 
     @abstractmethod
-    def write(self, key: str, slot: int, data: torch.Tensor) -> None:
-        """Store ``data`` (a fresh uint8 tensor ``[layers, page bytes]``) under ``key``."""
+    def write(self, key: str, slot: int, data: torch.Tensor, wait: bool = False) -> bool:
+        """Store ``data`` (a fresh uint8 tensor ``[layers, page bytes]``) under ``key``.
+
+        Returns:
+            False if the store was dropped (a full write queue, unless ``wait``: then it waits
+            for room).
+        """
 
     @abstractmethod
     def drop(self, key: str, slot: int) -> None:
@@ -93,8 +197,20 @@ class KVTier(ABC):
     def flush(self) -> None:  # noqa: B027  (nothing queued in memory)
         """Wait until every queued write is done."""
 
-    def close(self) -> None:  # noqa: B027
-        """Finish queued writes and stop background work; idempotent."""
+    def close(self) -> None:
+        """Finish queued writes and stop background work (reads in flight end first);
+        idempotent."""
+        self._stop_loader()
+
+
+@dataclass(slots=True)
+class _LoadJob:
+    """One request's loads: what to read, then (read) the bytes of each, ``None`` = failed."""
+
+    req_id: str
+    loads: list[tuple[TierLoad, tuple[int, int]]]
+    data: list[torch.Tensor | None] = field(default_factory=list)
+    seconds: float = 0.0
 
 
 class CpuKVTier(KVTier):
@@ -109,10 +225,11 @@ class CpuKVTier(KVTier):
         self._slots = torch.empty((num_blocks, block_nbytes), dtype=torch.uint8)
         self._keys: list[str | None] = [None] * num_blocks
 
-    def write(self, key: str, slot: int, data: torch.Tensor) -> None:
+    def write(self, key: str, slot: int, data: torch.Tensor, wait: bool = False) -> bool:
         flat = data.reshape(-1)
         self._slots[slot, : flat.numel()].copy_(flat)
         self._keys[slot] = key
+        return True
 
     def drop(self, key: str, slot: int) -> None:
         if self._keys[slot] == key:
@@ -126,12 +243,29 @@ class CpuKVTier(KVTier):
 
 class DiskKVTier(KVTier):
     """A directory of entry files, written by a writer thread (the step only queues the bytes it
-    copied out). A load of an entry whose write is still queued reads the queued bytes."""
+    copied out). A load of an entry whose write is still queued reads the queued bytes.
+
+    Args:
+        max_queued_bytes: the most bytes queued for the writer (at least one entry's): a
+            store that would go beyond is dropped and counted (``num_dropped_stores``), so
+            a slow disk never makes the step wait nor the queue grow without bound.
+            Default: :data:`DEFAULT_MAX_QUEUED_BYTES`.
+    """
 
     medium = "DISK"
+    async_loads = True
 
-    def __init__(self, directory: str | os.PathLike, num_blocks: int, block_nbytes: int) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        num_blocks: int,
+        block_nbytes: int,
+        max_queued_bytes: int | None = None,
+    ) -> None:
         super().__init__(num_blocks, block_nbytes)
+        limit = DEFAULT_MAX_QUEUED_BYTES if max_queued_bytes is None else max_queued_bytes
+        self.max_queued_bytes = max(limit, block_nbytes)
+        self._queued_bytes = 0  # bytes of the queued writes (under self._lock)
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._pending: dict[str, torch.Tensor] = {}  # key -> bytes whose write is queued
@@ -146,10 +280,20 @@ class DiskKVTier(KVTier):
         """The file of ``key``."""
         return self.directory / (key + ENTRY_SUFFIX)
 
-    def write(self, key: str, slot: int, data: torch.Tensor) -> None:
+    def write(self, key: str, slot: int, data: torch.Tensor, wait: bool = False) -> bool:
+        nbytes = data.numel()
+        with self._lock:
+            full = self._queued_bytes + nbytes > self.max_queued_bytes
+        if full and wait:
+            self.flush()
+        elif full:
+            self.stats.num_dropped_stores += 1
+            return False
         with self._lock:
             self._pending[key] = data
+            self._queued_bytes += nbytes
         self._queue.put(("write", key, data))
+        return True
 
     def drop(self, key: str, slot: int) -> None:
         with self._lock:
@@ -178,22 +322,28 @@ class DiskKVTier(KVTier):
                 if op == "drop":
                     path.unlink(missing_ok=True)
                     continue
-                with self._lock:
-                    if self._pending.get(key) is not data:
-                        continue  # dropped (or stored anew) since it was queued
                 try:
-                    tmp = path.with_suffix(".tmp")
-                    tmp.write_bytes(_encode(key, data))
-                    os.replace(tmp, path)
-                except OSError as e:  # a full disk: the entry is missing; its load fails
-                    self._write_errors += 1
-                    if self._write_errors == 1:
-                        logger.warning("KV tier: cannot write %s: %s", path, e)
-                with self._lock:
-                    if self._pending.get(key) is data:
-                        del self._pending[key]
+                    self._write_file(path, key, data)
+                finally:
+                    with self._lock:  # its bytes stay queued until written (or skipped)
+                        self._queued_bytes -= data.numel()
+                        if self._pending.get(key) is data:
+                            del self._pending[key]
             finally:
                 self._queue.task_done()
+
+    def _write_file(self, path: Path, key: str, data: torch.Tensor) -> None:
+        with self._lock:
+            if self._pending.get(key) is not data:
+                return  # dropped (or stored anew) since it was queued
+        try:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_bytes(_encode(key, data))
+            os.replace(tmp, path)
+        except OSError as e:  # a full disk: the entry is missing; its load fails
+            self._write_errors += 1
+            if self._write_errors == 1:
+                logger.warning("KV tier: cannot write %s: %s", path, e)
 
     def flush(self) -> None:
         self._queue.join()
@@ -202,6 +352,7 @@ class DiskKVTier(KVTier):
         if self._closed:
             return
         self._closed = True
+        self._stop_loader()
         self._queue.put(None)
         self._thread.join()
 
@@ -257,38 +408,70 @@ def apply_tier_ops(
     ops: KVTierOps,
     backend: AttentionBackend,
     group_kv_caches: Sequence[Sequence[torch.Tensor]],
-) -> dict[str, list[str]]:
+) -> list[str]:
     """Do one step's tier instructions (checked first with :func:`check_tier_ops`): copy the
-    stored blocks out and hand them to the tier, drop, then load (every load done when this
-    returns).
+    stored blocks out and hand them to the tier, drop, then start the loads (each request's
+    together; :func:`collect_tier_loads` finishes them).
 
     Returns:
-        Request id -> keys whose load failed (missing, truncated or corrupt; the pool block
-        is left as it was).
+        Keys whose store the tier dropped (a full write queue; with ``ops.wait_for_writes``
+        it waits instead, and every queued write and drop is done on return): the scheduler
+        should forget them.
     """
     stats = tier.stats
+    dropped: list[str] = []
     for op in ops.writes:
         if isinstance(op, TierStore):
             data = backend.read_block(group_kv_caches[op.group], op.block_id)
-            tier.write(op.key, op.slot, data)
-            stats.bytes_stored += data.numel()
+            if tier.write(op.key, op.slot, data, ops.wait_for_writes):
+                stats.bytes_stored += data.numel()
+            else:
+                dropped.append(op.key)
         else:
             tier.drop(op.key, op.slot)
-    failed: dict[str, list[str]] = {}
     if ops.loads:
-        start = time.perf_counter()
+        by_request: dict[str, list[tuple[TierLoad, tuple[int, int]]]] = {}
         for op in ops.loads:
             caches = group_kv_caches[op.group]
             shape = (len(caches), caches[0][:, 0].numel() * caches[0].element_size())
-            data = tier.read(op.key, op.slot, shape)
-            if data is None:
-                failed.setdefault(op.req_id, []).append(op.key)
-                stats.num_failed_loads += 1
-                continue
-            backend.write_block(caches, op.block_id, data)
-            stats.bytes_loaded += data.numel()
-        stats.load_seconds += time.perf_counter() - start
-    return failed
+            by_request.setdefault(op.req_id, []).append((op, shape))
+        for req_id, loads in by_request.items():
+            tier.submit_loads(req_id, loads)
+    if ops.wait_for_writes:
+        tier.flush()
+    return dropped
+
+
+def collect_tier_loads(
+    tier: KVTier,
+    backend: AttentionBackend,
+    group_kv_caches: Sequence[Sequence[torch.Tensor]],
+    wait_s: float = 0.0,
+) -> tuple[list[str], dict[str, list[str]]]:
+    """Write the requests' loads whose reads have ended into their pool blocks (on the
+    calling thread: the step's), waiting up to ``wait_s`` seconds for one when none has.
+
+    Returns:
+        ``(finished, failed)``: requests whose every load is in; request id -> keys whose
+        read failed (missing, truncated or corrupt; those pool blocks are left as they were).
+    """
+    finished: list[str] = []
+    failed: dict[str, list[str]] = {}
+    stats = tier.stats
+    for job in tier.poll_loads(wait_s):
+        start = time.perf_counter()
+        pairs = list(zip(job.loads, job.data, strict=True))
+        bad = [load.key for (load, _), data in pairs if data is None]
+        if bad:
+            failed[job.req_id] = bad
+            stats.num_failed_loads += len(bad)
+        else:
+            for (load, _), data in pairs:
+                backend.write_block(group_kv_caches[load.group], load.block_id, data)
+                stats.bytes_loaded += data.numel()
+            finished.append(job.req_id)
+        stats.load_seconds += job.seconds + time.perf_counter() - start
+    return finished, failed
 
 
 def tier_identity(
@@ -387,12 +570,14 @@ def _seed_json(seed: Any) -> Any:
 
 
 __all__ = [
+    "DEFAULT_MAX_QUEUED_BYTES",
     "CpuKVTier",
     "DiskKVTier",
     "KVTier",
     "KVTierIOStats",
     "apply_tier_ops",
     "check_tier_ops",
+    "collect_tier_loads",
     "open_disk_tier",
     "tier_identity",
 ]

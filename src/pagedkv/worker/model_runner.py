@@ -41,7 +41,12 @@ from pagedkv.ops.backends import (
 )
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.worker.input_batch import CachedRequestState, InputBatch, ModelInputs
-from pagedkv.worker.kv_offload import KVTier, apply_tier_ops, check_tier_ops
+from pagedkv.worker.kv_offload import (
+    KVTier,
+    apply_tier_ops,
+    check_tier_ops,
+    collect_tier_loads,
+)
 from pagedkv.worker.outputs import LogprobsLists, ModelRunnerOutput
 from pagedkv.worker.sampler import (
     Sampler,
@@ -54,6 +59,8 @@ from pagedkv.worker.scheduler_output import SchedulerOutput
 #: Most prompt rows whose full-vocabulary logits are held at once (prompt logprobs): 512 rows of
 #: a 49k vocabulary are 100 MB of float32.
 PROMPT_LOGPROBS_ROWS_PER_SLICE = 512
+#: how long a step with no token to compute waits for a KV tier load to end (seconds)
+_LOAD_WAIT_S = 0.05
 
 
 class ModelRunner:
@@ -183,10 +190,19 @@ class ModelRunner:
         batch.update(out)
         result = ModelRunnerOutput()
         if tier_ops:
-            # Stores copy their blocks out before this step's writes; loads land before the
-            # forward reads them.
-            result.failed_kv_loads = apply_tier_ops(
+            # Stores copy their blocks out before this step's writes; loads start (their
+            # requests are not in this step: the scheduler holds them back until reported).
+            result.dropped_kv_stores = apply_tier_ops(
                 self.kv_tier, tier_ops, self.attention_backend, self.group_kv_caches
+            )
+        tier = self.kv_tier
+        if tier is not None and tier.num_loads_in_flight:
+            # A step with nothing to compute waits a little for a load (not a busy loop).
+            result.finished_kv_loads, result.failed_kv_loads = collect_tier_loads(
+                tier,
+                self.attention_backend,
+                self.group_kv_caches,
+                0.0 if out.total_num_scheduled_tokens else _LOAD_WAIT_S,
             )
         for group, mapping in copies:
             self.attention_backend.copy_blocks(self.group_kv_caches[group], mapping)

@@ -43,13 +43,19 @@ class ModelRunnerOutput:
             ``prompt_logprobs`` whose step computed prompt positions: row j holds the
             logprobs of prompt token ``first + j`` (given the tokens before it), then the top
             ``prompt_logprobs``. ``first >= 1``: the first prompt token has none.
-        failed_kv_loads: request id -> tier keys whose load failed this step (missing,
-            truncated or corrupt): the request's KV is not what it should be, and the scheduler
-            recomputes it (its sampled token, if any, is dropped).
+        finished_kv_loads: requests whose KV tier loads (``kv_tier_ops.loads`` of this or
+            an earlier step) are all in their pool blocks, checked: they may run now.
+        dropped_kv_stores: tier keys whose store this step the workers dropped (the disk
+            writer's queue was full): the scheduler forgets them.
+        failed_kv_loads: request id -> tier keys whose load failed (missing, truncated or
+            corrupt), reported once the request's loads have all ended: its KV is not what it
+            should be, and the scheduler recomputes it.
     """
 
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[int] = field(default_factory=list)
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[int, LogprobsLists]] = field(default_factory=dict)
+    finished_kv_loads: list[str] = field(default_factory=list)
+    dropped_kv_stores: list[str] = field(default_factory=list)
     failed_kv_loads: dict[str, list[str]] = field(default_factory=dict)

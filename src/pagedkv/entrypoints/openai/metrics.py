@@ -217,13 +217,18 @@ def _kv_tier_metrics(tier: Any, labels: list[str], values: list[str]) -> Iterato
         ("pagedkv:kv_tier_bytes_loaded", "Bytes loaded from the KV tier.", tier.bytes_loaded),
         (
             "pagedkv:kv_tier_load_seconds",
-            "Seconds the KV tier's loads took, inside the steps.",
+            "Seconds the KV tier's loads took (reads and copies into the pool).",
             tier.load_seconds,
         ),
         (
             "pagedkv:kv_tier_failed_loads",
             "KV tier loads that found a missing, truncated or corrupt entry (recomputed).",
             tier.num_failed_loads,
+        ),
+        (
+            "pagedkv:kv_tier_dropped_stores",
+            "KV tier stores dropped because the disk writer's queue was full.",
+            tier.num_dropped_stores,
         ),
     ):
         metric = CounterMetricFamily(name, doc, labels=labels)
