@@ -25,6 +25,7 @@ from pagedkv.engine.beam_search import (
     beam_search_output,
     f32,
     length_penalty_divisor,
+    penalised_score,
 )
 from pagedkv.engine.llm import LLM
 from pagedkv.engine.llm_engine import LLMEngine
@@ -175,6 +176,24 @@ def test_float32_steps_are_torchs():
         assert f32(a / length_penalty_divisor(n, lp)) == (torch.tensor([a]) / (n**lp)).item()
     assert f32(1e39) == math.inf and f32(-1e39) == -math.inf
     assert length_penalty_divisor(10**6, 1e6) == math.inf
+
+
+def test_a_length_penalty_whose_divisor_underflows_ranks_like_torch(tiny):
+    """A very negative length_penalty (a finite number, so accepted) makes L ** length_penalty
+    underflow to 0 in float32 from L = 2 on: the score divides as torch's float32 does (-inf),
+    and the search finishes instead of raising ZeroDivisionError in the step (which, behind the
+    server, left the request hanging)."""
+    assert length_penalty_divisor(2, -200.0) == 0.0
+    assert penalised_score(f32(-1.5), 0.0) == -math.inf
+    assert penalised_score(f32(-1.5), 0.0) == (torch.tensor([-1.5]) / 0.0).item()
+    assert penalised_score(0.0, 0.0) == -math.inf  # torch: NaN; -inf keeps the order total
+    llm = tiny_llm(tiny)
+    for length_penalty in (-200.0, -1e308):
+        (output,) = llm.beam_search(
+            ["paged attention"], BeamSearchParams(2, 6, length_penalty=length_penalty)
+        )
+        assert len(output.sequences) == 2
+        assert all(s.finish_reason in ("stop", "length") for s in output.sequences)
 
 
 # ------------------------------------------------------------------------------- vs transformers

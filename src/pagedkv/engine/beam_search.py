@@ -88,6 +88,16 @@ def length_penalty_divisor(num_tokens: int, length_penalty: float) -> float:
         return math.inf
 
 
+def penalised_score(score: float, divisor: float) -> float:
+    """``score / divisor`` in float32 as torch divides: a divisor that underflowed to 0 (a
+    negative ``length_penalty`` such as -200 makes ``L ** length_penalty`` smaller than the
+    least float32) gives -inf for a negative score, +inf for a positive one; 0 / 0 (torch's NaN)
+    gives -inf, so that the ranking stays a total order."""
+    if divisor == 0.0:
+        return math.inf if score > 0 else -math.inf
+    return f32(score / divisor)
+
+
 def num_beam_candidates(beam_width: int, num_eos_token_ids: int) -> int:
     """K, the candidates kept per step (and the logprobs each beam asks for): transformers'
     ``max(2, 1 + number of EOS ids) * num_beams``, so that at least ``beam_width`` of them do not
@@ -301,7 +311,9 @@ class BeamSearchGroup:
             if ended:
                 beam = self._beams[index]
                 last = _Token(beam.last, token_id, logprob, *beam.row)
-                self._finished.append(self._hypothesis(last, score, f32(score / divisor)))
+                self._finished.append(
+                    self._hypothesis(last, score, penalised_score(score, divisor))
+                )
         self._finished.sort(key=lambda h: -h.score)
         del self._finished[width:]
 
@@ -311,11 +323,14 @@ class BeamSearchGroup:
         if chosen:
             # transformers' early-stop heuristic (early_stopping=False): can the best running
             # beam, scored at the current length, still beat the worst kept hypothesis (-1e9
-            # while fewer than beam_width are kept)?
-            best = f32(chosen[0][0] / divisor)
+            # while fewer than beam_width are kept)? Never stop with fewer than beam_width
+            # kept (transformers' BeamHypotheses.is_done): a score at or below -1e9 (a huge
+            # negative length_penalty makes it -inf) would otherwise end the search with no
+            # result at all.
+            best = penalised_score(chosen[0][0], divisor)
             full = len(self._finished) == width
             worst = min(h.score for h in self._finished) if full else -1e9
-            self._improvable = best > worst
+            self._improvable = best > worst or not full
         if at_max or not self._improvable or not chosen:
             return self._finish()
 
