@@ -312,6 +312,33 @@ def test_a_failing_step_errors_its_requests_and_the_engine_goes_on(tiny, monkeyp
     assert run(engine)["c"][-1].finish_reason == "length"
 
 
+@pytest.mark.parametrize("where", ["update_from_output", "_process_outputs"])
+def test_a_fault_after_the_model_ran_errors_the_steps_requests(tiny, monkeypatch, where):
+    # A fault in the step's output processing used to be logged and leave the requests
+    # waiting forever (a client hung until it left).
+    engine = make_engine(tiny)
+    engine.add_request("a", PROMPTS[0], greedy(5))
+    engine.add_request("b", PROMPTS[2], greedy(5, n=2))
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("float division by zero")
+
+    owner = engine.scheduler if where == "update_from_output" else engine
+    with monkeypatch.context() as patch:
+        patch.setattr(owner, where, broken)
+        with pytest.raises(ZeroDivisionError):
+            engine.step()
+    outputs = run(engine)
+    assert {rid: outs[-1].finish_reason for rid, outs in outputs.items()} == {
+        "a": "error",
+        "b": "error",
+    }
+    assert "ZeroDivisionError" in outputs["a"][-1].outputs[0].error
+    assert engine.kv_cache_manager.usage == 0.0
+    engine.add_request("c", PROMPTS[0], greedy(3))
+    assert run(engine)["c"][-1].finish_reason == "length"
+
+
 def test_llm_generate_after_a_failing_step_still_works(tiny, monkeypatch):
     llm = LLM(
         loaded_model=tiny,

@@ -526,9 +526,9 @@ class LLMEngine:
             aborted since the last step; finished ones are reported once and then forgotten.
 
         Raises:
-            Whatever the model runner raised. The step's requests are then finished with
-            finish_reason "error" (their blocks freed; the next step reports them), so the
-            engine stays usable for the other requests.
+            Whatever the model runner, or the processing of its output, raised. The step's
+            requests are then finished with finish_reason "error" (their blocks freed; the next
+            step reports them), so the engine stays usable for the other requests.
         """
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
@@ -557,8 +557,15 @@ class LLMEngine:
                 raise
         else:  # nothing to run: the workers forget finished requests with the next real step
             self.scheduler.finished_req_ids |= scheduler_output.finished_req_ids
-        changed = self.scheduler.update_from_output(scheduler_output, runner_output)
-        outputs = self._process_outputs(changed, runner_output)
+        try:
+            changed = self.scheduler.update_from_output(scheduler_output, runner_output)
+            outputs = self._process_outputs(changed, runner_output)
+        except Exception as exc:
+            # A fault after the model ran (a stop check, a beam search's choice, detokenizing):
+            # the step's requests fail with it (their blocks freed; the next step reports them)
+            # instead of waiting forever, and the engine goes on with the others.
+            self._fail_requests(scheduler_output.req_ids, exc)
+            raise
         if scheduler_output.total_num_scheduled_tokens:
             self._stats.num_steps += 1
             self._stats.busy_time += time.perf_counter() - start
