@@ -71,7 +71,8 @@ class KVTierStats:
         medium: ``"CPU"`` or ``"DISK"``.
         num_blocks: capacity, blocks (each one pool block's bytes).
         num_used_blocks: entries held now.
-        num_hit_blocks: blocks loaded back into the pool (tier hits).
+        num_hit_blocks: tier hits: blocks the tier was asked to load back into the pool
+            (counted when allocated; ``num_failed_loads`` of them failed and were recomputed).
         num_stored_blocks: blocks paged out to the tier.
         num_evicted_blocks: entries dropped by LRU.
         num_failed_loads: loads that found a missing, truncated or corrupt entry (recomputed).

@@ -298,7 +298,7 @@ def print_summary(llm, outputs, elapsed: float, load_time: float, file=sys.stdou
             f"{f'KV tier ({tier.medium.lower()})':<17}{tier.num_hit_blocks} blocks hit "
             f"({tier.bytes_loaded / 2**20:.1f} MiB loaded in {tier.load_seconds:.3f} s), "
             f"{tier.num_stored_blocks} stored ({tier.bytes_stored / 2**20:.1f} MiB), "
-            f"{tier.num_failed_loads} failed loads"
+            f"{tier.num_failed_loads} of the hits failed to load (recomputed)"
         )
     if stats.num_forks or stats.num_cow_copies:
         lines.append(
