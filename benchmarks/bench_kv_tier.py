@@ -28,26 +28,14 @@ Example (the default model, SmolLM2-135M; disk tier in a temporary directory)::
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
+from bench_fork import cpu_name
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.model.loader import load_model
 from pagedkv.sampling_params import SamplingParams
-
-
-def cpu_name() -> str:
-    """The CPU's model name (``lscpu``'s), else the platform's word for it."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def tokens(seed: int, n: int, vocab: int) -> list[int]:

@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
+from bench_fork import cpu_name
 from pagedkv import LLM, SamplingParams, StructuredOutputsParams
 from pagedkv.engine.structured_output import StructuredOutputManager, StructuredOutputRequest
 from pagedkv.model.loader import default_model_path, load_model
@@ -61,15 +60,6 @@ INSTANCE = {
     "address": {"city": "London", "zip": "W1"},
 }
 
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 class _Seq:

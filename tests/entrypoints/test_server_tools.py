@@ -21,7 +21,6 @@ from pagedkv.entrypoints.openai.launch import ThreadedServer
 from pagedkv.entrypoints.openai.metrics import ServerMetrics
 from pagedkv.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedkv.entrypoints.openai.server_options import ServerOptions
-from pagedkv.entrypoints.openai.serving_chat import engine_enforces_structured_outputs
 from pagedkv.entrypoints.openai.tool_calling import parse_required, required_schema
 from pagedkv.errors import ConfigError
 
@@ -242,16 +241,6 @@ def test_langchain_bind_tools(server, engine):
     ]
 
 
-def test_required_and_named_need_the_engines_structured_outputs(server):
-    if engine_enforces_structured_outputs():
-        pytest.skip("this build enforces structured outputs: the real-model tests cover it")
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        body = {"messages": QUESTION, "tools": [WEATHER_TOOL], "tool_choice": choice}
-        response = httpx.post(server.url + "/v1/chat/completions", json=body)
-        assert response.status_code == 400, response.text
-        assert response.json()["error"]["param"] == "tool_choice"
-
-
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
@@ -264,6 +253,16 @@ def test_required_and_named_need_the_engines_structured_outputs(server):
             "tool_choice",
         ),
         ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+        # required / named constrain the output: not with the request's own constraint
+        (
+            {
+                "tools": [WEATHER_TOOL],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "tool_choice",
+        ),
+        ({"tools": [WEATHER_TOOL], "tool_choice": "required", "guided_regex": "a+"}, "tool_choice"),
     ],
 )
 def test_tool_requests_refused(server, extra, param):

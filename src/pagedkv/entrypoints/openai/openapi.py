@@ -370,6 +370,17 @@ _CONSTRAINT_FIELDS = (
     "guided_choice",
     "guided_grammar",
 )
+#: The fields the generation rules above name (both endpoints).
+_GENERATION_FIELDS = (
+    "max_tokens",
+    "min_tokens",
+    "seed",
+    "best_of",
+    "n",
+    "use_beam_search",
+    "length_penalty",
+    *_CONSTRAINT_FIELDS,
+)
 
 
 def _operations(refs: dict[type[BaseModel], str]) -> dict[tuple[str, str], dict[str, Any]]:
@@ -418,17 +429,7 @@ def _operations(refs: dict[type[BaseModel], str]) -> dict[tuple[str, str], dict[
             "responses": {
                 "200": completion_ok,
                 "400": _beyond(
-                    (
-                        "prompt",
-                        "max_tokens",
-                        "min_tokens",
-                        "seed",
-                        "best_of",
-                        "n",
-                        "use_beam_search",
-                        "length_penalty",
-                        *_CONSTRAINT_FIELDS,
-                    ),
+                    ("prompt", *_GENERATION_FIELDS),
                     _GENERATION_RULES + ", a prompt text that tokenizes to no tokens",
                 ),
                 "404": _error(_404),
@@ -443,19 +444,12 @@ def _operations(refs: dict[type[BaseModel], str]) -> dict[tuple[str, str], dict[
                 "400": _beyond(
                     (
                         "messages",
-                        "max_tokens",
+                        *_GENERATION_FIELDS,
                         "max_completion_tokens",
-                        "min_tokens",
-                        "seed",
-                        "best_of",
-                        "n",
-                        "use_beam_search",
-                        "length_penalty",
                         "continue_final_message",
                         "tool_choice",
                         "chat_template",
                         "chat_template_kwargs",
-                        *_CONSTRAINT_FIELDS,
                     ),
                     _GENERATION_RULES + ", messages the model's chat template refuses or a "
                     "model without one, messages longer than could fit in max_model_len, "

@@ -5,8 +5,6 @@ trusted, the request's) applied to ``messages`` and ``tools`` (``add_generation_
 
 from __future__ import annotations
 
-import importlib.util
-
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -49,21 +47,6 @@ from pagedkv.entrypoints.openai.tool_calling import (
 )
 from pagedkv.errors import InvalidRequestError
 from pagedkv.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
-
-#: The request fields that set their own output constraint (the structured-outputs fields).
-_CONSTRAINT_FIELDS = (
-    "structured_outputs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-)
-
-
-def engine_enforces_structured_outputs() -> bool:
-    """Whether this build's engine applies ``SamplingParams.structured_outputs`` (its module
-    :mod:`pagedkv.engine.structured_output` is there); tool_choice "required" and named need it."""
-    return importlib.util.find_spec("pagedkv.engine.structured_output") is not None
 
 
 class _ChatResponse(StreamWriter):
@@ -202,7 +185,6 @@ class OpenAIServingChat(OpenAIServing):
         super().__init__(*args, **kwargs)
         self.chat_options = chat_options or ChatOptions()
         self.tool_parser = self.chat_options.parser
-        self.structured_outputs = engine_enforces_structured_outputs()
 
     def tool_constraint(
         self, request: ChatCompletionRequest
@@ -212,8 +194,9 @@ class OpenAIServingChat(OpenAIServing):
 
         Raises:
             UnsupportedFieldError: "auto" on a server without --enable-auto-tool-choice;
-                "required" / named without the engine's structured outputs, or together with
-                the request's own constraint (a 400 naming ``tool_choice``).
+                "required" / named together with the request's own constraint
+                (``response_format`` json, ``structured_outputs``, ``guided_*``): a 400 naming
+                ``tool_choice``.
         """
         mode = ToolChoice.of(request, self.tool_parser)
         if mode.kind == "auto" and self.tool_parser is None:
@@ -225,28 +208,12 @@ class OpenAIServingChat(OpenAIServing):
             )
         if mode.kind not in ("required", "named"):
             return mode, None
-        if not self.structured_outputs:
+        _, path = request.structured_output_params()
+        if path is not None:
             raise UnsupportedFieldError(
                 "tool_choice",
-                f"`tool_choice` {'required' if mode.kind == 'required' else 'a named function'} "
-                "needs structured outputs, which this build's engine does not enforce",
-            )
-        for name in _CONSTRAINT_FIELDS:
-            if getattr(request, name, None) is not None:
-                raise UnsupportedFieldError(
-                    "tool_choice",
-                    f"`tool_choice` {mode.kind} constrains the output itself: it cannot be "
-                    f"combined with `{name}`",
-                )
-        response_format = request.response_format
-        if isinstance(response_format, dict):
-            format_type = response_format.get("type")
-        else:
-            format_type = getattr(response_format, "type", None)
-        if response_format is not None and format_type != "text":
-            raise UnsupportedFieldError(
-                "tool_choice",
-                f"`tool_choice` {mode.kind} cannot be combined with a `response_format`",
+                f"`tool_choice` {mode.kind} constrains the output itself: it cannot be "
+                f"combined with `{path.split('.', 1)[0]}`",
             )
         if mode.kind == "required":
             schema = required_schema(request)
