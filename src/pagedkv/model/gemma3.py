@@ -44,9 +44,11 @@ import torch.nn.functional as F
 from pagedkv.errors import ModelLoadError, OpsInputError
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from pagedkv.model.llama import _Caster, layer_attention_specs
+from pagedkv.model.llama import _Caster, layer_attention_specs, qkv_quants, refine_weight
+from pagedkv.model.logits import refine_top_logits
 from pagedkv.model.packed_linear import linear_mode, log_linear_mode
 from pagedkv.model.parallel import TensorParallelGroup, check_tensor_parallel, multi_rank
+from pagedkv.model.quantization import QUANT_MAX_TOKENS, QuantizedWeight
 from pagedkv.model.rotary import rope_inv_freq
 from pagedkv.model.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedkv.ops.backends import AttentionLayerSpec, BoundAttentionMetadata
@@ -115,20 +117,27 @@ class Gemma3DecoderLayer:
         pack: str,
         dtype: torch.dtype,
         parallel: TensorParallelGroup | None = None,
+        quantized: Mapping[str, QuantizedWeight] | None = None,
     ):
         def w(name: str) -> torch.Tensor:
             return weights[prefix + name]
+
+        def linear(cls, name: str):
+            quant = quantized.get(prefix + name) if quantized else None
+            return cls(w(name), None, pack, parallel, quant)
 
         def norm(name: str) -> torch.Tensor:  # (1 + weight) in fp32, as Gemma3RMSNorm
             return 1.0 + weights[prefix + name].float()
 
         attn = "self_attn."
         qkv = (w(attn + f"{p}_proj.weight") for p in "qkv")
-        self.qkv_proj = QKVParallelLinear(*qkv, config.head_dim, None, pack, parallel)
-        self.o_proj = RowParallelLinear(w(attn + "o_proj.weight"), None, pack, parallel)
-        self.gate_proj = ColumnParallelLinear(w("mlp.gate_proj.weight"), None, pack, parallel)
-        self.up_proj = ColumnParallelLinear(w("mlp.up_proj.weight"), None, pack, parallel)
-        self.down_proj = RowParallelLinear(w("mlp.down_proj.weight"), None, pack, parallel)
+        self.qkv_proj = QKVParallelLinear(
+            *qkv, config.head_dim, None, pack, parallel, qkv_quants(quantized, prefix)
+        )
+        self.o_proj = linear(RowParallelLinear, attn + "o_proj.weight")
+        self.gate_proj = linear(ColumnParallelLinear, "mlp.gate_proj.weight")
+        self.up_proj = linear(ColumnParallelLinear, "mlp.up_proj.weight")
+        self.down_proj = linear(RowParallelLinear, "mlp.down_proj.weight")
         self.input_norm = norm("input_layernorm.weight")
         self.post_attention_norm = norm("post_attention_layernorm.weight")
         self.pre_feedforward_norm = norm("pre_feedforward_layernorm.weight")
@@ -194,6 +203,8 @@ class Gemma3ForCausalLM:
         parallel: this rank's tensor-parallel group (:mod:`pagedkv.model.parallel`): the model
             keeps its shard only (heads, MLP slice, vocabulary rows) and runs the collectives;
             None = the whole model in this process.
+        quantized: linear weights also held quantized (as
+            :class:`~pagedkv.model.llama.LlamaForCausalLM`'s); one rank only.
 
     Raises:
         ModelLoadError: not a gemma3 config, a missing weight or an unsupported dtype.
@@ -208,6 +219,7 @@ class Gemma3ForCausalLM:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         parallel: TensorParallelGroup | None = None,
+        quantized: Mapping[str, QuantizedWeight] | None = None,
     ):
         if config.architecture != "gemma3":
             raise ModelLoadError(f"Gemma3ForCausalLM runs gemma3 models, got {config.architecture}")
@@ -248,6 +260,7 @@ class Gemma3ForCausalLM:
                     pack,
                     dtype,
                     parallel,
+                    quantized,
                 )
                 for i, window in enumerate(self.layer_sliding_windows)
             ]
@@ -256,7 +269,11 @@ class Gemma3ForCausalLM:
         except KeyError as e:
             raise ModelLoadError(f"checkpoint lacks the weight {e.args[0]!r}") from None
         self.embed_tokens = VocabParallelEmbedding(embed, parallel)
-        self.lm_head = ParallelLMHead(lm_head, pack, parallel)
+        head_quant = quantized.get("lm_head.weight") if quantized else None
+        self.lm_head = ParallelLMHead(lm_head, pack, parallel, head_quant)
+        #: the dense head that refines a quantized head's top logits (exact in fp32), or None
+        #: (:func:`pagedkv.model.llama.refine_weight`; a dense head is not refined here).
+        self.lm_head_weight = refine_weight(lm_head, torch.float32, parallel, head_quant)
         self._max_positions = config.max_position_embeddings
 
     @torch.inference_mode()
@@ -348,6 +365,8 @@ class Gemma3ForCausalLM:
         if logits is None:  # a rank other than 0: it only joined the gather
             return None
         logits = logits.float()
+        if self.lm_head_weight is not None and hidden_states.shape[0] <= QUANT_MAX_TOKENS:
+            refine_top_logits(logits, hidden_states, self.lm_head_weight)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -20,6 +20,7 @@ The weights are dequantized with the ``gguf`` package (Q4_0/1, Q4_K, Q5_0, Q6_K,
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,8 @@ import torch
 
 from pagedkv.errors import ModelLoadError
 from pagedkv.model.config import ModelConfig
+from pagedkv.model.gguf_quant import GGUF_QUANTIZED_BITS, unpack_gguf_tensor
+from pagedkv.model.quantization import QuantizedWeight, quantize_int8
 
 #: Architectures whose GGUF q/k rows are interleaved for llama.cpp's normal (GPT-J style) rotary.
 _PERMUTED_ARCHITECTURES = ("llama", "mistral")
@@ -78,11 +81,15 @@ _MAX_ARRAY_LEN = 4096
 
 @dataclass(slots=True)
 class GGUFCheckpoint:
-    """What a GGUF file holds: model config, fp32 weights under HF names, raw metadata."""
+    """What a GGUF file holds: model config, fp32 weights under HF names, raw metadata, and
+    (when asked for) the linear weights kept as the file's quantized blocks."""
 
     config: ModelConfig
     state_dict: dict[str, torch.Tensor]
     metadata: dict[str, Any]
+    #: HF name -> the weight's integers and scales (:func:`gguf_quantized`); empty unless
+    #: ``load_gguf(..., quantized=True)``.
+    quantized: dict[str, QuantizedWeight] = dataclasses.field(default_factory=dict)
 
 
 def hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
@@ -122,11 +129,13 @@ def read_metadata(reader: Any) -> dict[str, Any]:
     return metadata
 
 
-def load_gguf(path: str | Path) -> GGUFCheckpoint:
+def load_gguf(path: str | Path, *, quantized: bool = False) -> GGUFCheckpoint:
     """Dequantize every tensor of a GGUF file and build its ModelConfig.
 
     Args:
         path: the ``.gguf`` file.
+        quantized: also keep the linear weights as the file stores them
+            (``GGUFCheckpoint.quantized``, see :func:`gguf_quantized`).
 
     Returns:
         A :class:`GGUFCheckpoint`; ``state_dict`` holds fp32 tensors under Hugging Face names
@@ -152,6 +161,7 @@ def load_gguf(path: str | Path) -> GGUFCheckpoint:
     norm_plus_one = config.architecture in _NORM_PLUS_ONE_ARCHITECTURES
 
     state_dict: dict[str, torch.Tensor] = {}
+    raw: dict[str, QuantizedWeight] = {}
     for tensor in reader.tensors:
         array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         weight = torch.from_numpy(array.copy() if not array.flags.writeable else array)
@@ -165,9 +175,57 @@ def load_gguf(path: str | Path) -> GGUFCheckpoint:
             )
         if norm_plus_one and tensor.name.endswith("norm.weight"):
             weight = weight - 1.0
+        heads = None
         if permute and ".q_proj." in name:
-            weight = unpermute_rotary_rows(weight, config.num_attention_heads)
+            heads = config.num_attention_heads
         elif permute and ".k_proj." in name:
-            weight = unpermute_rotary_rows(weight, config.num_key_value_heads)
+            heads = config.num_key_value_heads
+        if heads is not None:
+            weight = unpermute_rotary_rows(weight, heads)
         state_dict[name] = weight
-    return GGUFCheckpoint(config=config, state_dict=state_dict, metadata=metadata)
+        type_name = tensor.tensor_type.name
+        if quantized and weight.dim() == 2 and type_name in GGUF_QUANTIZED_BITS:
+            qw = unpack_gguf_tensor(tensor.data, type_name, tuple(weight.shape))
+            if heads is not None:
+                qw = QuantizedWeight(
+                    qw.bits,
+                    unpermute_rotary_rows(qw.q, heads),
+                    unpermute_rotary_rows(qw.scale, heads),
+                    None if qw.min is None else unpermute_rotary_rows(qw.min, heads),
+                    qw.group_size,
+                )
+            raw[name] = qw
+    checkpoint = GGUFCheckpoint(config=config, state_dict=state_dict, metadata=metadata)
+    if quantized:
+        checkpoint.quantized = gguf_quantized(raw, state_dict, config)
+    return checkpoint
+
+
+def is_layer_linear(name: str) -> bool:
+    """Whether HF weight ``name`` is a decoder layer's linear (q, k, v, o, gate, up, down)."""
+    return name.startswith("model.layers.") and name.endswith("_proj.weight")
+
+
+def gguf_quantized(
+    raw: dict[str, QuantizedWeight], state_dict: dict[str, torch.Tensor], config: ModelConfig
+) -> dict[str, QuantizedWeight]:
+    """Which weights run quantized, and how, from what the file stores.
+
+    The layers' 4-bit linears (Q4_0, Q4_1, Q4_K) run as the file's int4 groups, unchanged; an
+    8-bit one (Q8_0, a scale per 32 weights) as int8 with one scale per row (re-quantized: the
+    kernel has no groups). The LM head (the embedding table when tied) runs int4 if the file
+    stores it in a 4-bit format, else as int8 re-quantized per row from its dequantized
+    values, whatever its format: its top logits are recomputed exactly from the dense weight.
+    Other formats (Q5, Q6_K, F16, ...) stay dense.
+    """
+    out: dict[str, QuantizedWeight] = {}
+    for name, qw in raw.items():
+        if is_layer_linear(name):
+            out[name] = qw if qw.bits == 4 else quantize_int8(state_dict[name])
+    head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    if head in state_dict:
+        qw = raw.get(head)
+        out["lm_head.weight"] = qw if qw is not None and qw.bits == 4 else (
+            quantize_int8(state_dict[head])
+        )
+    return out

@@ -30,6 +30,17 @@ import torch
 from pagedkv.errors import ConfigError
 from pagedkv.model.packed_linear import PackedLinear
 from pagedkv.model.parallel import TensorParallelGroup, multi_rank
+from pagedkv.model.quantization import QuantizedWeight
+
+
+def _whole_only(quant, parallel: TensorParallelGroup | None) -> None:
+    """Quantized weights run on one rank only (their groups are not cut for shards).
+
+    Raises:
+        ConfigError: a quantized weight given with a group of several ranks.
+    """
+    if quant is not None and parallel is not None:
+        raise ConfigError("quantized weights run with tensor_parallel_size 1 only")
 
 
 def _rank_slice(size: int, parallel: TensorParallelGroup, what: str) -> slice:
@@ -53,7 +64,8 @@ class ColumnParallelLinear(PackedLinear):
         bias: ``[out_features]`` or None.
         mode: a :data:`~pagedkv.model.packed_linear.LINEAR_MODES` entry.
         parallel: this rank's group; None (or one rank) = the whole layer, the same object as
-            ``PackedLinear(weight, bias, mode)``.
+            ``PackedLinear(weight, bias, mode, quant)``.
+        quant: the weight quantized (one rank only), see :class:`PackedLinear`.
 
     Calls are :class:`PackedLinear`'s (``__call__``, ``silu``, ``gelu_tanh``, ``mul``, ``add``)
     and return this rank's ``out_features / tp`` output columns, ``[num_tokens, out_features /
@@ -72,14 +84,16 @@ class ColumnParallelLinear(PackedLinear):
         bias: torch.Tensor | None = None,
         mode: str = "packed",
         parallel: TensorParallelGroup | None = None,
+        quant: QuantizedWeight | None = None,
     ):
         parallel = multi_rank(parallel)
+        _whole_only(quant, parallel)
         if parallel is not None:
             rows = _rank_slice(weight.shape[0], parallel, "the output features")
             # A copy, not a view: a view would keep the whole weight alive (mode "plain").
             weight = weight[rows].clone()
             bias = None if bias is None else bias[rows].clone()
-        super().__init__(weight, bias, mode)
+        super().__init__(weight, bias, mode, quant)
 
 
 class QKVParallelLinear(PackedLinear):
@@ -93,6 +107,7 @@ class QKVParallelLinear(PackedLinear):
         biases: ``(q_bias, k_bias, v_bias)`` matching the weights' rows (Qwen2), or None.
         mode: a :data:`~pagedkv.model.packed_linear.LINEAR_MODES` entry.
         parallel: this rank's group; None (or one rank) = every head.
+        quants: ``(q, k, v)`` quantized weights (one rank only), or None.
 
     Output of a call: ``[num_tokens, (num_heads + 2 * num_kv_heads) * head_size]``, this rank's
     counts (:attr:`num_heads`, :attr:`num_kv_heads`).
@@ -114,10 +129,12 @@ class QKVParallelLinear(PackedLinear):
         biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         mode: str = "packed",
         parallel: TensorParallelGroup | None = None,
+        quants: tuple[QuantizedWeight, QuantizedWeight, QuantizedWeight] | None = None,
     ):
         num_heads = q_weight.shape[0] // head_size
         num_kv_heads = k_weight.shape[0] // head_size
         parallel = multi_rank(parallel)
+        _whole_only(quants, parallel)
         parts = [(q_weight, k_weight, v_weight)] + ([] if biases is None else [biases])
         if parallel is not None:
             heads = _rank_slice(num_heads, parallel, "the query heads")
@@ -128,7 +145,8 @@ class QKVParallelLinear(PackedLinear):
             num_heads, num_kv_heads = heads.stop - heads.start, last_kv - first_kv
         weight = torch.cat(parts[0])  # a copy: holds this rank's rows only
         bias = torch.cat(parts[1]) if biases is not None else None
-        super().__init__(weight, bias, mode)
+        quant = None if quants is None else QuantizedWeight.cat(list(quants))
+        super().__init__(weight, bias, mode, quant)
         #: this rank's query heads, KV heads, and elements per head.
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -145,6 +163,7 @@ class RowParallelLinear:
         mode: a :data:`~pagedkv.model.packed_linear.LINEAR_MODES` entry.
         parallel: this rank's group (its ``group`` set before the first call); None (or one
             rank) = the whole layer, no collective.
+        quant: the weight quantized (one rank only), see :class:`PackedLinear`.
 
     Raises:
         ConfigError: ``in_features`` not divisible by the group's size, or an unknown mode.
@@ -158,15 +177,17 @@ class RowParallelLinear:
         bias: torch.Tensor | None = None,
         mode: str = "packed",
         parallel: TensorParallelGroup | None = None,
+        quant: QuantizedWeight | None = None,
     ):
         parallel = multi_rank(parallel)
+        _whole_only(quant, parallel)
         if parallel is not None:
             cols = _rank_slice(weight.shape[1], parallel, "the input features")
             weight = weight[:, cols].contiguous()  # a column slice: contiguous() copies it
             if parallel.rank != 0:
                 bias = None
         #: this rank's shard, ``[out_features, in_features / tp]``.
-        self.linear = PackedLinear(weight, bias, mode)
+        self.linear = PackedLinear(weight, bias, mode, quant)
         #: the group the output is summed over; None on one rank.
         self.parallel = parallel
 

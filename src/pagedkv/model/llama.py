@@ -43,6 +43,7 @@ from pagedkv.model.linear import ColumnParallelLinear, QKVParallelLinear, RowPar
 from pagedkv.model.logits import refine_top_logits
 from pagedkv.model.packed_linear import linear_mode, log_linear_mode
 from pagedkv.model.parallel import TensorParallelGroup, check_tensor_parallel, multi_rank
+from pagedkv.model.quantization import QUANT_MAX_TOKENS, QuantizedWeight
 from pagedkv.model.rotary import RotaryEmbedding
 from pagedkv.model.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedkv.ops.backends import AttentionLayerSpec, BoundAttentionMetadata
@@ -81,9 +82,14 @@ class LlamaDecoderLayer:
         rotary: RotaryEmbedding,
         pack: str,
         parallel: TensorParallelGroup | None = None,
+        quantized: Mapping[str, QuantizedWeight] | None = None,
     ):
         def w(name: str) -> torch.Tensor:
             return weights[prefix + name]
+
+        def linear(cls, name: str):
+            quant = quantized.get(prefix + name) if quantized else None
+            return cls(w(name), None, pack, parallel, quant)
 
         attn = "self_attn."
         qkv_bias = None
@@ -95,11 +101,12 @@ class LlamaDecoderLayer:
             qkv_bias,
             pack,
             parallel,
+            qkv_quants(quantized, prefix),
         )
-        self.o_proj = RowParallelLinear(w(attn + "o_proj.weight"), None, pack, parallel)
-        self.gate_proj = ColumnParallelLinear(w("mlp.gate_proj.weight"), None, pack, parallel)
-        self.up_proj = ColumnParallelLinear(w("mlp.up_proj.weight"), None, pack, parallel)
-        self.down_proj = RowParallelLinear(w("mlp.down_proj.weight"), None, pack, parallel)
+        self.o_proj = linear(RowParallelLinear, attn + "o_proj.weight")
+        self.gate_proj = linear(ColumnParallelLinear, "mlp.gate_proj.weight")
+        self.up_proj = linear(ColumnParallelLinear, "mlp.up_proj.weight")
+        self.down_proj = linear(RowParallelLinear, "mlp.down_proj.weight")
         self.input_norm = w("input_layernorm.weight")
         self.post_attention_norm = w("post_attention_layernorm.weight")
         self.eps = config.rms_norm_eps
@@ -146,10 +153,14 @@ class LlamaForCausalLM:
         parallel: this rank's tensor-parallel group (:mod:`pagedkv.model.parallel`): the model
             keeps its shard only (heads, MLP slice, vocabulary rows) and runs the collectives;
             None = the whole model in this process.
+        quantized: linear weights also held quantized, by the same names (``lm_head.weight``
+            for a tied head too; :mod:`pagedkv.model.quantization`): steps of at most
+            ``QUANT_MAX_TOKENS`` tokens run them. One rank only.
 
     Raises:
         ModelLoadError: a missing weight or an unsupported dtype.
-        ConfigError: a model that does not split ``parallel.world_size`` ways.
+        ConfigError: a model that does not split ``parallel.world_size`` ways, or quantized
+            weights with tensor parallelism.
     """
 
     def __init__(
@@ -160,6 +171,7 @@ class LlamaForCausalLM:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         parallel: TensorParallelGroup | None = None,
+        quantized: Mapping[str, QuantizedWeight] | None = None,
     ):
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ModelLoadError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
@@ -181,7 +193,9 @@ class LlamaForCausalLM:
         try:
             embed = cast["model.embed_tokens.weight"]
             self.layers = [
-                LlamaDecoderLayer(config, cast, f"model.layers.{i}.", self.rotary, pack, parallel)
+                LlamaDecoderLayer(
+                    config, cast, f"model.layers.{i}.", self.rotary, pack, parallel, quantized
+                )
                 for i in range(config.num_hidden_layers)
             ]
             self.norm = cast["model.norm.weight"]
@@ -189,12 +203,13 @@ class LlamaForCausalLM:
         except KeyError as e:
             raise ModelLoadError(f"checkpoint lacks the weight {e.args[0]!r}") from None
         self.embed_tokens = VocabParallelEmbedding(embed, parallel)
-        self.lm_head = ParallelLMHead(lm_head, pack, parallel)
+        head_quant = quantized.get("lm_head.weight") if quantized else None
+        self.lm_head = ParallelLMHead(lm_head, pack, parallel, head_quant)
         #: the lm_head's plain weight, read by :meth:`compute_logits` to recompute the top
-        #: logits in fp32 (None in fp32 and with tensor parallelism; the embeddings when tied;
-        #: when untied, a copy beside the packed one: vocab_size x hidden_size more)
-        refine = dtype != torch.float32 and parallel is None
-        self.lm_head_weight = lm_head if refine else None
+        #: logits in fp32 (None in fp32, unless the head is quantized, and with tensor
+        #: parallelism; the embeddings when tied; when untied, a copy beside the packed one:
+        #: vocab_size x hidden_size more)
+        self.lm_head_weight = refine_weight(lm_head, dtype, parallel, head_quant)
 
     @torch.inference_mode()
     def forward(
@@ -262,7 +277,9 @@ class LlamaForCausalLM:
         if logits is None:  # a rank other than 0: it only joined the gather
             return None
         logits = logits.float()
-        if self.lm_head_weight is not None:
+        if self.lm_head_weight is not None and (
+            self.dtype != torch.float32 or hidden_states.shape[0] <= QUANT_MAX_TOKENS
+        ):
             refine_top_logits(logits, hidden_states, self.lm_head_weight)
         return logits
 
@@ -275,6 +292,29 @@ class LlamaForCausalLM:
         """Let positions up to ``num_positions`` run (rotary tables extrapolated past the
         trained context; for an engine allowed a longer max_model_len). Never shrinks."""
         self.rotary.extend(num_positions)
+
+
+def qkv_quants(
+    quantized: Mapping[str, QuantizedWeight] | None, prefix: str
+) -> tuple[QuantizedWeight, QuantizedWeight, QuantizedWeight] | None:
+    """Layer ``prefix``'s quantized q, k and v weights, or None unless all three are."""
+    if not quantized:
+        return None
+    parts = tuple(quantized.get(f"{prefix}self_attn.{p}_proj.weight") for p in "qkv")
+    return None if None in parts else parts
+
+
+def refine_weight(
+    lm_head: torch.Tensor,
+    dtype: torch.dtype,
+    parallel: TensorParallelGroup | None,
+    head_quant: QuantizedWeight | None,
+) -> torch.Tensor | None:
+    """The dense LM head weight ``compute_logits`` recomputes the top logits with (exactly in
+    fp32), or None where the logits need no refining: an fp32 model with a dense head, or
+    tensor parallelism."""
+    refine = dtype != torch.float32 or head_quant is not None
+    return lm_head if refine and parallel is None else None
 
 
 def layer_attention_specs(

@@ -19,12 +19,21 @@ from pathlib import Path
 
 import torch
 
-from pagedkv.errors import ModelLoadError
+from pagedkv.errors import ConfigError, ModelLoadError
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.gemma3 import Gemma3ForCausalLM
 from pagedkv.model.llama import LlamaForCausalLM
 from pagedkv.model.packaged_models import MODEL_ALIASES
 from pagedkv.model.parallel import TensorParallelGroup, check_tensor_parallel
+from pagedkv.model.quantization import (
+    QUANT_MAX_TOKENS,
+    QUANTIZATION_METHODS,
+    QuantizedWeight,
+    int4_kernel_available,
+    int8_kernel_available,
+    quantize_int4,
+    quantize_int8,
+)
 from pagedkv.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -42,6 +51,8 @@ class LoadedModel:
     config: ModelConfig
     tokenizer: Tokenizer
     source: str
+    #: how the weights run for small steps (:data:`QUANTIZATION_METHODS`; "none" = dense).
+    quantization: str = "none"
 
 
 def default_model_path() -> Path:
@@ -136,6 +147,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     parallel: TensorParallelGroup | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load a model (Llama family or Gemma 3) and its tokenizer.
 
@@ -148,6 +160,11 @@ def load_model(
         device: torch device of the weights.
         parallel: this rank's tensor-parallel group: the decoder keeps this rank's shard only
             (:mod:`pagedkv.model.parallel`; Llama family and Gemma 3). None = the whole model.
+        quantization: vLLM's ``--quantization``, weight-only for small steps
+            (:mod:`pagedkv.model.quantization`): "gguf" (a GGUF file's 4-bit blocks as
+            stored), "int4" / "int8" (made at load from any model), "none" (dense only); None
+            = "gguf" for a GGUF file where the CPU kernels run (on one rank), else "none"
+            (:func:`resolve_quantization`).
 
     Returns:
         :class:`LoadedModel`; ``source`` is the resolved path as a string.
@@ -155,9 +172,11 @@ def load_model(
     Raises:
         ModelLoadError: missing model (with the install command for the default one),
             unreadable file, or an unsupported architecture.
-        ConfigError: a model that does not split ``parallel.world_size`` ways.
+        ConfigError: a model that does not split ``parallel.world_size`` ways, or a
+            quantization that cannot run here (the message says why).
     """
     path = resolve_model_path(model)
+    quantization = resolve_quantization(quantization, path, torch.device(device), parallel)
     start = time.perf_counter()
     logger.info("reading weights from %s", path)
     if path.is_dir():
@@ -165,13 +184,15 @@ def load_model(
 
         checkpoint = load_hf_folder(path)
         config, state_dict = checkpoint.config, checkpoint.state_dict
+        quantized = {}
         eos = config.eos_token_ids + checkpoint.generation_eos_token_ids
         tokenizer = Tokenizer.from_hf_folder(path, eos)
     else:
         from pagedkv.model.gguf_loader import load_gguf
 
-        checkpoint = load_gguf(path)
+        checkpoint = load_gguf(path, quantized=quantization == "gguf")
         config, state_dict = checkpoint.config, checkpoint.state_dict
+        quantized = checkpoint.quantized
         tokenizer = Tokenizer.from_gguf(path, config.eos_token_ids)
     read = time.perf_counter()
     logger.info(
@@ -182,7 +203,80 @@ def load_model(
     )
     if parallel is not None:
         check_tensor_parallel(config, parallel.world_size)
+    if quantization in ("int4", "int8"):
+        quantized = quantize_at_load(state_dict, config, quantization)
     model_class = Gemma3ForCausalLM if config.architecture == "gemma3" else LlamaForCausalLM
-    decoder = model_class(config, state_dict, dtype=dtype, device=device, parallel=parallel)
-    logger.info("model built in %.1f s", time.perf_counter() - read)
-    return LoadedModel(model=decoder, config=config, tokenizer=tokenizer, source=str(path))
+    decoder = model_class(
+        config, state_dict, dtype=dtype, device=device, parallel=parallel, quantized=quantized
+    )
+    logger.info(
+        "model built in %.1f s; quantization %s%s",
+        time.perf_counter() - read,
+        quantization,
+        f" ({len(quantized)} weights, steps of <= {QUANT_MAX_TOKENS} tokens)" if quantized else "",
+    )
+    return LoadedModel(
+        model=decoder,
+        config=config,
+        tokenizer=tokenizer,
+        source=str(path),
+        quantization=quantization,
+    )
+
+
+def resolve_quantization(
+    quantization: str | None,
+    path: Path,
+    device: torch.device,
+    parallel: TensorParallelGroup | None,
+) -> str:
+    """The weight format a load runs (one of :data:`QUANTIZATION_METHODS`).
+
+    None picks "gguf" for a GGUF file on the CPU, on one rank, where torch's int4 and int8
+    weight-only kernels run (tried on tiny inputs), else "none": the default is what was
+    measured fastest at batch 1 while computing on the file's own 4-bit values (docs/perf.md).
+
+    Raises:
+        ConfigError: an unknown name; "gguf" for a folder model; a quantization with tensor
+            parallelism, off the CPU, or where the kernels do not run.
+    """
+    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+        raise ConfigError(
+            f"quantization must be one of {QUANTIZATION_METHODS} or None, got {quantization!r}"
+        )
+    if quantization == "none":
+        return "none"
+    several_ranks = parallel is not None and parallel.world_size > 1
+    runs_here = (
+        device.type == "cpu"
+        and not several_ranks
+        and int4_kernel_available()
+        and int8_kernel_available()
+    )
+    if quantization is None:
+        return "gguf" if path.is_file() and runs_here else "none"
+    if quantization == "gguf" and not path.is_file():
+        raise ConfigError("quantization 'gguf' needs a GGUF file; use int4 or int8 for a folder")
+    if several_ranks:
+        raise ConfigError(f"quantization {quantization!r} runs with tensor_parallel_size 1 only")
+    if not runs_here:
+        raise ConfigError(
+            f"quantization {quantization!r} needs torch's CPU weight-only int4 / int8 kernels, "
+            f"which do not run on {device} with this torch build; use quantization 'none'"
+        )
+    return quantization
+
+
+def quantize_at_load(
+    state_dict: dict[str, torch.Tensor], config: ModelConfig, quantization: str
+) -> dict[str, QuantizedWeight]:
+    """Every decoder linear quantized as ``quantization`` ("int4": groups of 32, "int8": per
+    row), and the LM head as int8 per row (its top logits are recomputed exactly)."""
+    from pagedkv.model.gguf_loader import is_layer_linear
+
+    make = quantize_int4 if quantization == "int4" else quantize_int8
+    out = {name: make(w) for name, w in state_dict.items() if is_layer_linear(name)}
+    head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    if head in state_dict:
+        out["lm_head.weight"] = quantize_int8(state_dict[head])
+    return out

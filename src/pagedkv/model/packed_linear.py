@@ -22,6 +22,11 @@ inductor's freezing pass emits). How a layer runs (:func:`linear_mode`) follows 
                   its GEMM measured 62 vs 263 GFLOP/s for fp32 (512^3, 2 threads; docs/perf.md)
     plain         ``F.linear`` in the model dtype: another device, a torch without oneDNN, or
                   float16 where oneDNN runs it
+
+A layer may also hold its weight quantized (:mod:`pagedkv.model.quantization`: the GGUF file's
+4-bit blocks, or int4 / int8 made at load): a step of at most ``QUANT_MAX_TOKENS`` tokens (a
+decode of a few requests) then runs the weight-only quantized product and the epilogue as a
+separate op, reading a quarter to an eighth of the bytes; larger steps run the dense weight.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import torch.nn.functional as F
 
 from pagedkv.cpu_caps import CpuCapabilities, probe_cpu
 from pagedkv.errors import ConfigError
+from pagedkv.model.quantization import QUANT_MAX_TOKENS, QuantizedMatmul, QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -107,18 +113,31 @@ class PackedLinear:
         weight: ``[out_features, in_features]`` in the compute dtype.
         bias: ``[out_features]`` or None.
         mode: one of :data:`LINEAR_MODES` (:func:`linear_mode` chooses it for a CPU).
+        quant: the same weight quantized, run for steps of at most
+            :data:`~pagedkv.model.quantization.QUANT_MAX_TOKENS` tokens; None = dense only.
 
     Raises:
-        ConfigError: an unknown mode.
+        ConfigError: an unknown mode, or a quantized weight of another shape or one the
+            kernels cannot take.
     """
 
-    __slots__ = ("bias", "dtype", "out_features", "packed", "upcast", "weight")
+    __slots__ = ("bias", "dtype", "out_features", "packed", "quant", "upcast", "weight")
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, mode: str = "packed"
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        mode: str = "packed",
+        quant: QuantizedWeight | None = None,
     ):
         if mode not in LINEAR_MODES:
             raise ConfigError(f"mode must be one of {LINEAR_MODES}, got {mode!r}")
+        if quant is not None and quant.shape != tuple(weight.shape):
+            raise ConfigError(
+                f"quantized weight {quant.shape} does not match the weight {tuple(weight.shape)}"
+            )
+        #: the quantized product for small steps, or None.
+        self.quant = None if quant is None else QuantizedMatmul(quant)
         self.out_features = weight.shape[0]
         self.dtype = weight.dtype
         #: inputs go in as float32 and outputs come back in ``dtype`` (mode fp32_compute).
@@ -152,32 +171,50 @@ class PackedLinear:
             return y.to(self.dtype)
         return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, op)
 
+    def _small(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``x W^T + b`` through the quantized weight when this step is small enough, else
+        None."""
+        if self.quant is None or x.shape[0] > QUANT_MAX_TOKENS:
+            return None
+        y = self.quant(x)
+        return y if self.bias is None else y.add_(self.bias)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x W^T + b`` for x ``[num_tokens, in_features]``."""
+        if (y := self._small(x)) is not None:
+            return y
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return self._run(x, "none", [], "")
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(x W^T + b)``."""
+        if (y := self._small(x)) is not None:
+            return F.silu(y, inplace=True)
         if self.packed is None:
             return F.silu(F.linear(x, self.weight, self.bias))
         return self._run(x, "swish", [], "")
 
     def gelu_tanh(self, x: torch.Tensor) -> torch.Tensor:
         """``gelu(x W^T + b)`` with the tanh approximation (Gemma's ``gelu_pytorch_tanh``)."""
+        if (y := self._small(x)) is not None:
+            return F.gelu(y, approximate="tanh")
         if self.packed is None:
             return F.gelu(F.linear(x, self.weight, self.bias), approximate="tanh")
         return self._run(x, "gelu", [], "tanh")
 
     def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """``(x W^T + b) * other``; other ``[num_tokens, out_features]``."""
+        if (y := self._small(x)) is not None:
+            return y.mul_(other)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias).mul_(other)
         return self._binary(x, other, "mul")
 
     def add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """``(x W^T + b) + other``; other ``[num_tokens, out_features]`` (the residual)."""
+        if (y := self._small(x)) is not None:
+            return y.add_(other)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias).add_(other)
         return self._binary(x, other, "add")

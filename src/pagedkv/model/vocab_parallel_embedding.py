@@ -18,8 +18,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedkv.errors import ConfigError
 from pagedkv.model.packed_linear import PackedLinear
 from pagedkv.model.parallel import TensorParallelGroup, multi_rank
+from pagedkv.model.quantization import QuantizedWeight
 
 
 def _vocab_rows(weight: torch.Tensor, parallel: TensorParallelGroup) -> torch.Tensor:
@@ -77,23 +79,31 @@ class ParallelLMHead:
         mode: a :data:`~pagedkv.model.packed_linear.LINEAR_MODES` entry.
         parallel: this rank's group (its ``group`` set before the first call); None (or one
             rank) = the whole head, no collective.
+        quant: the head quantized (one rank only; :class:`PackedLinear` runs it for a few
+            rows).
 
     Raises:
-        ConfigError: an unknown mode.
+        ConfigError: an unknown mode, or a quantized head with several ranks.
     """
 
     __slots__ = ("linear", "parallel", "vocab_size")
 
     def __init__(
-        self, weight: torch.Tensor, mode: str, parallel: TensorParallelGroup | None = None
+        self,
+        weight: torch.Tensor,
+        mode: str,
+        parallel: TensorParallelGroup | None = None,
+        quant: QuantizedWeight | None = None,
     ):
         parallel = multi_rank(parallel)
+        if quant is not None and parallel is not None:
+            raise ConfigError("quantized weights run with tensor_parallel_size 1 only")
         #: rows of the whole vocabulary (the gathered logits' width).
         self.vocab_size = weight.shape[0]
         if parallel is not None:
             weight = _vocab_rows(weight, parallel)
         #: this rank's rows, packed ``[ceil(vocab_size / tp), hidden]``.
-        self.linear = PackedLinear(weight, None, mode)
+        self.linear = PackedLinear(weight, None, mode, quant)
         self.parallel = parallel
 
     def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
