@@ -459,3 +459,40 @@ def test_cli_flags(tmp_path):
     config = EngineConfig.from_cli_args(args)
     assert (config.kv_offloading_size, config.kv_offloading_backend) == (2 << 20, "disk")
     assert (config.kv_offloading_dir, config.preemption_mode) == (str(tmp_path), "swap")
+
+
+def test_tier_record_names_the_model(tiny, tmp_path, monkeypatch):
+    """pagedkv-tier.json names the model its entries were made with (issue 34: it said null
+    for the default model): the file or folder the model argument resolved to, so a short name
+    or a Hugging Face id records where the weights are (a Hugging Face snapshot, its revision);
+    an engine handed a loaded model records its source."""
+    import json
+
+    from _hf_hub_model import write_hub_model
+    from huggingface_hub import constants
+
+    from pagedkv.worker.kv_offload import METADATA_FILE
+
+    hub = write_hub_model(tmp_path / "hf")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub.hub_cache))
+    tier = {"kv_offloading_size": 64 * 1024, "kv_offloading_backend": "disk"}
+    for model, loaded, recorded in (
+        (hub.repo_id, None, str(hub.snapshot.resolve())),
+        (None, tiny, "tiny"),
+    ):
+        directory = tmp_path / f"tier-{recorded[-4:]}"
+        engine = LLMEngine(
+            model=model,
+            loaded_model=loaded,
+            dtype="float32",
+            num_threads=1,
+            block_size=BLOCK,
+            num_blocks=24,
+            max_model_len=64,
+            kv_offloading_dir=str(directory),
+            **tier,
+        )
+        engine.shutdown()
+        record = json.loads((directory / METADATA_FILE).read_text())
+        assert record["identity"]["model"] == recorded
+        assert engine.config.model == recorded  # resolved once, at start

@@ -67,8 +67,12 @@ def test_serving_benchmark_completions_endpoint_host_port_and_poisson_arrivals(s
 
 def test_serving_benchmark_reports_failures_and_refuses_bad_input(server, capsys):
     argv = ["bench", "serving", "--base-url", server.url, "--model", "other-model"]
-    assert main([*argv, "--num-prompts", "2"]) == 1  # 404 model_not_found for every request
-    assert re.search(r"Failed requests:\s+2\n", capsys.readouterr().out)
+    # 404 model_not_found: the first request fails as every one would; the run stops there.
+    assert main([*argv, "--num-prompts", "2"]) == 2
+    captured = capsys.readouterr()
+    assert "Successful requests" not in captured.out
+    assert "failed, so every request would; stopped before the run. HTTP 404" in captured.err
+    assert "--model (the server's GET /v1/models lists its names" in captured.err
     assert main([*argv, "--request-rate", "0"]) == 2
     assert "--request-rate must be > 0" in capsys.readouterr().err
     assert main([*argv, "--save-result", "--result-dir", "/proc/nope"]) == 2
@@ -127,6 +131,40 @@ def test_serving_benchmark_progress_bar(server, capsys, monkeypatch, terminal, f
     assert (bar is not None) == shown, captured.err
     if not shown:
         assert "bench serving" not in captured.err and "\r" not in captured.err
+
+
+def test_serving_benchmark_of_a_base_model_stops_at_the_first_request(capsys):
+    """A chat endpoint on a model without a chat template: one request, not --num-prompts of
+    the same 400, and the message names the endpoint that works."""
+    engine = FakeEngine(num_blocks=8192, block_size=4, max_model_len=2048, max_num_seqs=8)
+    engine.tokenizer.has_chat_template = False
+    with ThreadedServer(create_app(EngineLoop(engine), model_name=MODEL)) as base:
+        argv = ["bench", "serving", "--base-url", base.url, "--num-prompts", "8"]
+        argv += ["--output-len", "2", "--disable-tqdm"]
+        assert main(argv) == 2
+        captured = capsys.readouterr()
+        assert "HTTP 400: this model (`fake-model`) has no chat template" in captured.err
+        assert "(no_chat_template). Fix:" in captured.err
+        assert "--endpoint /v1/completions" in captured.err
+        assert "nan" not in captured.out + captured.err and not captured.out
+        assert main([*argv, "--endpoint", "/v1/completions"]) == 0  # the fix works
+        assert re.search(r"Successful requests:\s+8\n", capsys.readouterr().out)
+    assert len(engine.added) == 8 + 1  # the initial test request, then the run
+
+
+def test_serving_report_of_failed_requests_has_no_nan(tmp_path):
+    """Statistics of no completed request are n/a in the report and null in the JSON (which
+    NaN would make invalid)."""
+    from pagedkv.entrypoints.bench_serving import format_report
+
+    summary = summarize([RequestResult(ok=False, error="HTTP 500: boom")] * 3, duration=1.0)
+    summary.update(max_concurrency=None, request_rate="inf")
+    report = format_report(summary)
+    assert "nan" not in report.lower()
+    assert re.search(r"Mean TTFT \(ms\):\s+n/a\n", report)
+    assert re.search(r"Failed requests:\s+3\n", report) and "errors: HTTP 500: boom" in report
+    assert summary["ttft_ms"] == {"mean": None, "median": None, "p90": None, "p99": None}
+    assert json.loads(json.dumps(summary, allow_nan=False))["e2el_ms"]["p99"] is None
 
 
 def test_serving_summary_follows_vllm_definitions():

@@ -49,7 +49,10 @@ class EngineConfig:
     """Options of :class:`pagedkv.engine.llm_engine.LLMEngine`.
 
     Args:
-        model: GGUF file or Hugging Face folder; None = the default SmolLM2-135M-Instruct.
+        model: GGUF file, Hugging Face folder, packaged model's short name (``smollm2``,
+            ``gemma3-270m``) or Hugging Face id of the local cache
+            (:func:`pagedkv.model.loader.resolve_model`); None = the default
+            SmolLM2-135M-Instruct. The engine resolves it to the file or folder once, at start.
         dtype: compute dtype (and the KV cache's, with kv_cache_dtype "auto"): "auto" (vLLM's
             default: bfloat16 where the CPU computes bf16 natively (AMX, AVX-512-BF16,
             AVX-NE-CONVERT) or on CUDA, float32 elsewhere, e.g. on AVX2-only CPUs;
@@ -248,11 +251,20 @@ class EngineConfig:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        """Add ``--model``, ``--dtype``, ... (one flag per field) to ``parser``."""
+        """Add ``--model`` / ``-m`` (llama.cpp's), ``--dtype``, ... (one flag per field) to
+        ``parser``."""
+        from pagedkv.model.packaged_models import MODEL_ALIASES
+
         d = EngineConfig()
         group = parser.add_argument_group("engine")
         group.add_argument(
-            "--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)"
+            "--model",
+            "-m",
+            default=None,
+            help="a .gguf file, a Hugging Face folder, a packaged model "
+            f"({', '.join(MODEL_ALIASES)}; default {next(iter(MODEL_ALIASES))}: "
+            "SmolLM2-135M-Instruct), or a Hugging Face id in the local Hugging Face cache "
+            "($HF_HOME; nothing is downloaded)",
         )
         group.add_argument(
             "--dtype",

@@ -598,20 +598,33 @@ class LLMEngine:
 def _read_model_shape(config: EngineConfig, loaded_model, model_loader):
     """``(model shape, loaded model or None, config)``: from a loaded model, the model file's
     header (no weight read), or rank 0's ``model_loader`` (an in-memory model: one process keeps
-    it); the config's dtype becomes the model's when the model is given."""
+    it); the config's dtype becomes the model's when the model is given. The config's model
+    becomes the resolved file or folder (a short name or Hugging Face id resolved once, here;
+    the KV tier records it)."""
     if loaded_model is not None:
         dtype = str(loaded_model.model.dtype).removeprefix("torch.")
-        return loaded_model.config, loaded_model, dataclasses.replace(config, dtype=dtype)
+        model = config.model if config.model is not None else loaded_model.source
+        return (
+            loaded_model.config,
+            loaded_model,
+            dataclasses.replace(config, dtype=dtype, model=model),
+        )
     if model_loader is None:
-        from pagedkv.model.loader import load_model_config
+        from pagedkv.model.loader import load_model_config, resolve_model_path
 
-        return load_model_config(config.model), None, config
+        model = str(resolve_model_path(config.model))
+        return load_model_config(model), None, dataclasses.replace(config, model=model)
     from pagedkv.model.parallel import TensorParallelGroup
 
     tp = config.tensor_parallel_size
     probe = model_loader(parallel=None if tp == 1 else TensorParallelGroup(0, tp))
     dtype = str(probe.model.dtype).removeprefix("torch.")
-    return probe.config, probe if tp == 1 else None, dataclasses.replace(config, dtype=dtype)
+    model = config.model if config.model is not None else probe.source
+    return (
+        probe.config,
+        probe if tp == 1 else None,
+        dataclasses.replace(config, dtype=dtype, model=model),
+    )
 
 
 def _fields(config: EngineConfig) -> dict[str, Any]:

@@ -12,6 +12,12 @@ vLLM does: request and token throughput, TTFT (send to first token), TPOT (time 
 after the first), ITL (gaps between streamed chunks) and E2EL (send to last byte), each as mean,
 median, p90 and p99 in ms. Flag names follow vLLM's ``benchmark_serving``.
 
+Before the run, one request is sent alone (vLLM's initial test run, not measured): when it
+fails, every request would (a chat endpoint on a base model, a wrong ``--model``, a missing key),
+so the benchmark stops there with the server's error and the fix, and measures nothing. A run in
+which requests fail exits with code 1; statistics with no completed request are ``n/a`` (JSON
+``null``), never NaN.
+
 A progress bar of the completed requests goes to stderr when it is a terminal (off with
 ``--disable-tqdm``, and off by itself in logs and CI). ``--save-result`` writes the summary as
 JSON in ``--result-dir``, created (parents too) when missing, as vLLM does.
@@ -106,7 +112,7 @@ async def run_request(http: Any, endpoint: str, body: dict) -> RequestResult:
     try:
         async with http.stream("POST", endpoint, json=body) as response:
             if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                result.error = _http_error(response.status_code, await response.aread())
                 return result
             async for line in response.aiter_lines():
                 if not line.startswith("data:") or line.strip() == "data: [DONE]":
@@ -141,6 +147,35 @@ async def run_request(http: Any, endpoint: str, body: dict) -> RequestResult:
     return result
 
 
+def _http_error(status: int, body: bytes) -> str:
+    """``HTTP <status>: <message> (<code>)`` from an OpenAI error body, else the body's start."""
+    try:
+        error = json.loads(body)["error"]
+        text = str(error["message"])
+        if error.get("code"):
+            text += f" ({error['code']})"
+    except (ValueError, TypeError, KeyError):
+        text = body[:200].decode("utf-8", "replace")
+    return f"HTTP {status}: {text}"
+
+
+def _first_request_fix(error: str, endpoint: str) -> str:
+    """What to change when the initial test request failed with ``error``."""
+    if "chat template" in error and endpoint.rstrip("/").endswith("chat/completions"):
+        return (
+            "the model has no chat template (a base model): benchmark it with plain prompts, "
+            "--endpoint /v1/completions"
+        )
+    if error.startswith("HTTP 401"):
+        return "the server wants an API key: set OPENAI_API_KEY"
+    if error.startswith("HTTP 404"):
+        return (
+            "check --endpoint (/v1/chat/completions or /v1/completions) and --model (the "
+            "server's GET /v1/models lists its names; without --model the first is used)"
+        )
+    return "check the server and the benchmark's arguments (--endpoint, --model, --output-len)"
+
+
 def _arrival_delays(num: int, request_rate: float, seed: int) -> list[float]:
     """Seconds to wait before each request: Poisson arrivals (exponential gaps), or none."""
     if request_rate == float("inf"):
@@ -165,14 +200,21 @@ async def benchmark(
     api_key: str | None = None,
 ) -> dict[str, Any]:
     """Send every prompt (arrivals at ``request_rate``, at most ``max_concurrency`` in flight);
-    returns the summary (:func:`summarize`).
+    returns the summary (:func:`summarize`). The first prompt goes alone first, unmeasured
+    (vLLM's initial test run).
 
     A tqdm bar counts the completed requests on stderr, unless ``disable_tqdm`` or stderr is not
     a terminal (tqdm's ``disable=None``: no carriage-return lines in logs); vLLM's
     ``--disable-tqdm``. ``api_key``: sent as ``Authorization: Bearer <key>`` (None: nothing).
+
+    Raises:
+        ConfigError: the initial test request failed (every request would): the message gives
+            the server's error and what to change; nothing was measured.
     """
     import httpx
     from tqdm import tqdm
+
+    from pagedkv.errors import ConfigError
 
     limit = max_concurrency or len(prompts)
     semaphore = asyncio.Semaphore(limit)
@@ -190,6 +232,15 @@ async def benchmark(
             bar.update(1)
             return result
 
+        first = await run_request(
+            http, endpoint, _request_body(endpoint, model, prompts[0], settings)
+        )
+        if not first.ok:
+            raise ConfigError(
+                f"the first request to {base_url}{endpoint} failed, so every request would; "
+                f"stopped before the run. {first.error}. Fix: "
+                f"{_first_request_fix(first.error, endpoint)}"
+            )
         tasks = []
         bar = tqdm(
             total=len(prompts), desc="bench serving", unit="req", disable=disable_tqdm or None
@@ -224,9 +275,9 @@ def _auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def _stats_ms(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {key: float("nan") for key in ("mean", "median", "p90", "p99")}
+def _stats_ms(values: list[float]) -> dict[str, float | None]:
+    if not values:  # no completed request (or no second token): nothing to report, not NaN
+        return dict.fromkeys(("mean", "median", "p90", "p99"))
     array = np.asarray(values) * 1000.0
     p50, p90, p99 = np.percentile(array, [50, 90, 99])
     return {"mean": float(array.mean()), "median": float(p50), "p90": float(p90), "p99": float(p99)}
@@ -234,7 +285,8 @@ def _stats_ms(values: list[float]) -> dict[str, float]:
 
 def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
     """Throughputs and latency statistics (ms) of a run, as vLLM's benchmark_serving names them:
-    TTFT, TPOT = (E2EL - TTFT) / (output tokens - 1), ITL, E2EL."""
+    TTFT, TPOT = (E2EL - TTFT) / (output tokens - 1), ITL, E2EL. A statistic of no values (no
+    completed request) is None."""
     ok = [r for r in results if r.ok]
     num_output = sum(r.num_output_tokens for r in ok)
     num_prompt = sum(r.num_prompt_tokens for r in ok)
@@ -285,7 +337,8 @@ def format_report(summary: dict[str, Any]) -> str:
         short = key.removesuffix("_ms").upper()
         for name in ("mean", "median", "p90", "p99"):
             label = f"{name.capitalize() if name in ('mean', 'median') else name.upper()}"
-            lines.append(f"{f'{label} {short} (ms):':<40}{stats[name]:>10.2f}")
+            value = "n/a" if stats[name] is None else f"{stats[name]:.2f}"
+            lines.append(f"{f'{label} {short} (ms):':<40}{value:>10}")
     if summary["errors"]:
         lines.append("errors: " + "; ".join(summary["errors"]))
     lines.append("=" * 50)
@@ -328,7 +381,10 @@ def add_parser(benches: argparse._SubParsersAction, positive_int) -> None:
         help="/v1/chat/completions (default) or /v1/completions",
     )
     server.add_argument(
-        "--model", default=None, help="model name to request (default: the server's first model)"
+        "--model",
+        "-m",
+        default=None,
+        help="model name to request (default: the server's first model)",
     )
     load = parser.add_argument_group("load")
     load.add_argument("--num-prompts", type=positive_int, default=64, help="requests (64)")

@@ -1,7 +1,12 @@
 """`pagedkv serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn) over one engine.
 
     pagedkv serve                                  # default model on http://127.0.0.1:8000
-    pagedkv serve --port 0 --dtype float32         # any free port; the chosen one is printed
+    pagedkv serve gemma3-270m --port 0             # a packaged model; any free port (printed)
+    pagedkv serve Qwen/Qwen2.5-0.5B-Instruct       # from the local Hugging Face cache (HF_HOME)
+
+The model is positional, as ``vllm serve MODEL`` takes it, or ``--model`` / ``-m`` as in the
+other subcommands (:func:`pagedkv.model.loader.resolve_model` says what it may name); the
+default name clients pass as ``model`` is the file's name, or the Hugging Face id.
 
 The routes are described in :mod:`pagedkv.entrypoints.openai.app`; docs/server.md has examples,
 and its "Security and limits" section the API key, origin, body and shutdown options
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import ipaddress
 import logging
 import signal
@@ -21,7 +27,6 @@ from pagedkv.entrypoints.openai.chat_options import ChatOptions
 from pagedkv.entrypoints.openai.metrics import METRICS_PREFIXES
 from pagedkv.entrypoints.openai.server_options import ServerOptions
 from pagedkv.errors import ConfigError
-from pagedkv.modelinfo.naming import served_model_name
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +41,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Serve a model over the OpenAI API: completions and chat completions with "
         "streaming, /v1/models, /health, /metrics (Prometheus) and, with "
         "--enable-admin-routes, POST /reset_prefix_cache.",
+    )
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model to serve, as `vllm serve MODEL` (or --model); see --model for what it "
+        "may name",
     )
     server = parser.add_argument_group("server")
     server.add_argument(
@@ -133,7 +146,14 @@ def run(args: argparse.Namespace) -> int:
     from pagedkv.engine.llm_engine import LLMEngine
     from pagedkv.entrypoints.openai.app import create_app
     from pagedkv.entrypoints.openai.launch import bind_socket, make_server
+    from pagedkv.model.loader import resolve_model
 
+    if args.model_tag is not None and args.model not in (None, args.model_tag):
+        raise ConfigError(
+            f"the model is given twice, as MODEL ({args.model_tag}) and --model ({args.model}); "
+            "give it once"
+        )
+    args.model = args.model_tag or args.model
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
     if not args.log_stats_interval > 0:
@@ -163,8 +183,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"cannot listen on {args.host}:{args.port}: {e}") from None
     configure_logging(args.log_level)  # before the engine: its start-up names CPU and backend
     _warn_if_open(args.host, options)
-    engine = LLMEngine(EngineConfig.from_cli_args(args))
-    names = args.served_model_name or [served_model_name(engine.loaded_model.source)]
+    source = resolve_model(args.model)  # its files, and the name it is served under
+    engine = LLMEngine(
+        dataclasses.replace(EngineConfig.from_cli_args(args), model=str(source.path))
+    )
+    names = args.served_model_name or [source.name]
     name = names[0]
     app = create_app(
         EngineLoop(engine),
@@ -244,7 +267,6 @@ def run_cluster(
 def _serve_cluster(
     args: argparse.Namespace, options: ServerOptions | None, app_options: dict | None
 ) -> int:
-    import dataclasses
     import time
 
     from pagedkv.engine.config import EngineConfig
@@ -261,12 +283,13 @@ def _serve_cluster(
             f"--data-parallel-size needs Ray Serve, pyzmq and msgspec ({e.name} is missing): "
             "pip install 'pagedkv[cluster]'"
         ) from None
-    config = EngineConfig.from_cli_args(args)
+    from pagedkv.model.loader import resolve_model
+
+    source = resolve_model(args.model)  # its files, and the name it is served under
+    config = dataclasses.replace(EngineConfig.from_cli_args(args), model=str(source.path))
     if args.hash_seed is not None:
         config = dataclasses.replace(config, hash_seed=args.hash_seed)
-    from pagedkv.model.loader import resolve_model_path
-
-    names = args.served_model_name or [served_model_name(str(resolve_model_path(config.model)))]
+    names = args.served_model_name or [source.name]
     name = names[0]
     policy = args.router or "prefix"
     configure_logging(args.log_level)

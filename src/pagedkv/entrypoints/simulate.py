@@ -87,9 +87,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     pool.add_argument(
         "--model",
+        "-m",
         default=None,
         help="model whose KV cache groups the paged pools hold (as `pagedkv plan` takes it: "
-        "Gemma-3-270M / gemma3-270m, a catalog name, a config.json, a .gguf); default one "
+        "gemma3-270m / Gemma-3-270M, a catalog name, a config.json, a .gguf); default one "
         "full-attention group of the shape below",
     )
     pool.add_argument(

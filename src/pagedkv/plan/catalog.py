@@ -247,7 +247,9 @@ MODEL_ALIASES = MappingProxyType(
         "Meta-Llama-3.1-8B": "Llama-3.1-8B",
         "Meta-Llama-3.1-70B": "Llama-3.1-70B",
         "DeepSeek-V3-0324": "DeepSeek-V3",
-        "gemma3-270m": "Gemma-3-270M",  # the engine's short name of its packaged GGUF
+        # the engine's short names of its packaged GGUFs (pagedkv.model.packaged_models)
+        "smollm2": "SmolLM2-135M",
+        "gemma3-270m": "Gemma-3-270M",
     }
 )
 
