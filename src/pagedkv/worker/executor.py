@@ -130,7 +130,10 @@ def create_executor(
     model_config = config.model_config
     if model_loader is None:
         model_loader = functools.partial(
-            load_model, model_config.model, dtype=getattr(torch, model_config.dtype)
+            load_model,
+            model_config.model,
+            dtype=getattr(torch, model_config.dtype),
+            quantization=model_config.quantization,
         )
     if config.parallel_config.tensor_parallel_size > 1:
         from pagedkv.worker.tp_executor import TensorParallelExecutor
