@@ -162,7 +162,9 @@ def test_coinciding_policies_get_a_panel_each_and_share_one_pool():
         assert panels[policy].get_ylim() == panels["paged"].get_ylim()
         assert panels[policy].get_xlim() == panels["paged"].get_xlim()
     # Contiguous reserves 4 regions of 32 blocks: the 128-block usable pool, not above it.
-    (contiguous,) = [l for l in panels["contiguous"].get_lines() if l.get_label() == "contiguous"]
+    (contiguous,) = [
+        line for line in panels["contiguous"].get_lines() if line.get_label() == "contiguous"
+    ]
     assert contiguous.get_ydata().max() == 128
     # The waste panel has every policy, each in its own line style and marker.
     waste = {line.get_label(): line for line in panels["waste"].get_lines()}

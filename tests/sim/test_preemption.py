@@ -69,9 +69,8 @@ def test_the_page_says_why_prefix_caching_preempts_more(tmp_path):
     assert page.count('<p class="preemption">') == 3
     assert "12.2 blocks came back per preemption" in page
     # No preemption, no section; and no "why" line when prefix caching preempts no more.
-    assert "Why the preemptions differ" not in write_html(
-        tmp_path / "bare.html", paths, {p: r.metrics for p, r in results.items()}
-    ).read_text()
-    assert preemption_lines({"paged": stats["paged"], "paged+prefix": PreemptionStats()}, 16) == [
-        lines[0]
-    ]
+    metrics = {p: r.metrics for p, r in results.items()}
+    bare = write_html(tmp_path / "bare.html", paths, metrics).read_text()
+    assert "Why the preemptions differ" not in bare
+    no_more = {"paged": stats["paged"], "paged+prefix": PreemptionStats()}
+    assert preemption_lines(no_more, 16) == [lines[0]]
