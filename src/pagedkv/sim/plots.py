@@ -4,14 +4,18 @@
 Figures are built on :class:`matplotlib.figure.Figure` objects, never pyplot, so nothing global is
 touched (no backend switch, no open-figure registry); PNGs are rendered by Agg.
 
-- ``kv_blocks.png``: KV blocks reserved per step per policy against the usable pool (top), and the
-  reserved blocks holding no token, the waste (bottom).
+- ``kv_blocks.png``: KV blocks reserved per step against the usable pool, one panel per policy
+  (paged and paged+prefix both sit at the pool's ceiling: on one axis they would hide each
+  other), with each policy's preemptions so far on a shared right axis; and the reserved blocks
+  holding no token, the waste, every policy on one log axis (bottom).
 - ``running_waiting.png``: running and waiting requests over time, one panel per policy.
 - ``block_map_<policy>.png``: physical blocks x sampled steps, coloured by owning request; blocks
-  shared by several requests (ref_cnt > 1) black, blocks shared only by the samples of one request
-  (n > 1, a fork) hatched over that request's colour, cached free blocks grey, free blocks white,
-  the null block dark grey, the unwritten part of contiguous regions in a light shade of their
-  owner; each legend entry is there only when the drawn map has such blocks. At scale
+  shared by several requests (ref_cnt > 1) cross-hatched over their oldest holder's colour (with
+  a side panel of how many requests hold each block), blocks shared only by the samples of one
+  request (n > 1, a fork) hatched over that request's colour, cached free blocks grey, free
+  blocks white, the null block dark grey, the unwritten part of contiguous regions in a light
+  shade of their owner; each legend entry is there only when the drawn map has such blocks. At
+  scale
   (more than 64 blocks or 120 samples, paged policies) a window of blocks 0-63 over steps from
   the middle of the run, under a panel counting every block's state over the whole run.
 - ``prompt_tokens.png`` (a policy with prefix caching): each policy's prompt tokens from pool
@@ -20,8 +24,9 @@ touched (no backend switch, no open-figure registry); PNGs are rendered by Agg.
 - ``block_size_sweep.png``: throughput proxy (output tokens per step) and waste % vs block_size.
 
 Every policy has its own line style and marker, so policies that coincide (paged and paged+prefix
-on a trace without shared prefixes) both stay visible. Counts get integer ticks and y axes from 0;
-a step lasts until the next one, and the last step is drawn one step wide.
+on a trace without shared prefixes) both stay visible where they share an axis. Counts get
+integer ticks and y axes from 0; a step lasts until the next one, and the last step is drawn one
+step wide.
 """
 
 from __future__ import annotations
@@ -452,34 +457,17 @@ def holders_per_block(block_map: BlockMap, rows: slice, cols: slice) -> np.ndarr
 
 
 def _draw_holders(ax, holders: np.ndarray, first_row: int) -> None:
-    """Bars of :func:`holders_per_block` beside the map (rows line up with its blocks)."""
+    """Bars of :func:`holders_per_block` beside the map (rows line up with its blocks): dark
+    where several requests (or one request's samples) hold the block, light where one does."""
     y = first_row + np.arange(len(holders))
     shared = holders > 1
     ax.barh(y[~shared], holders[~shared], height=1.0, color="0.7", linewidth=0)
-    ax.barh(
-        y[shared],
-        holders[shared],
-        height=1.0,
-        color="0.25",
-        edgecolor="black",
-        hatch=_SHARED_HATCH,
-        linewidth=0,
-    )
+    ax.barh(y[shared], holders[shared], height=1.0, color="0.3", linewidth=0)
     ax.set_xlim(0, max(float(holders.max()), 1.0) * 1.15)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=3))
     ax.set_xlabel("requests\n(mean while held)")
-    ax.set_title("holders per block", fontsize="medium")
+    ax.set_title("holders per block", fontsize="small")
     ax.tick_params(axis="y", labelleft=False)
-    if shared.any():
-        top = int(np.argmax(holders))
-        ax.annotate(
-            f"{holders[top]:.0f}",
-            (holders[top], first_row + top),
-            xytext=(2, 0),
-            textcoords="offset points",
-            va="center",
-            fontsize="small",
-        )
 
 
 def _map_axes(fig, block_map: BlockMap, rows: slice, cols: slice, states: bool):
@@ -579,7 +567,8 @@ def fig_block_map(
     ax_map.set_xlabel(f"step ({stride_note})")
     ax_map.set_title(
         f"Window: blocks 0-{rows.stop - 1} of {num_blocks}, steps {window[0]}-{window[1] - 1} "
-        f"of {block_map.steps[-1] + block_map.stride}; colour = owning request",
+        f"of {block_map.steps[-1] + block_map.stride}"
+        + ("" if ax_holders else "; colour = owning request"),
         fontsize="medium",
     )
     _block_map_legend(ax_holders or ax_map, block_map, rows, cols)
@@ -684,11 +673,14 @@ def fig_block_size_sweep(sweep: dict[str, dict[int, PolicyMetrics]]) -> Figure:
 CAPTIONS = MappingProxyType(
     {
         "kv_blocks": (
-            "Top: KV blocks each policy reserves at every step, against the usable pool "
-            "(dotted; the same for every policy). Bottom: the reserved blocks that hold no token. "
-            "Look at the bottom panel: contiguous reserves max_model_len for every request and "
-            "leaves most of it empty, paging wastes at most the unfilled tail of each request's "
-            "last block. Policies that coincide keep their own line style and marker."
+            "One panel per policy, on the same axes: the KV blocks it reserves at every step, "
+            "against the usable pool (dotted; the same for every policy), and its preemptions so "
+            "far (black, right axis, the same scale in every panel). Paged and paged+prefix both "
+            "fill the pool while the queue is long; the panels show how much sooner prefix "
+            "caching drains, and how its preemptions climb while the pool is full (the section "
+            "above says why). Bottom, every policy on one log axis: the reserved blocks that hold "
+            "no token. Contiguous reserves max_model_len for every request and leaves most of it "
+            "empty, paging wastes at most the unfilled tail of each request's last block."
         ),
         "running_waiting": (
             "Requests running (holding KV) and waiting (queued, new or preempted) at every step, "
@@ -713,8 +705,11 @@ CAPTIONS = MappingProxyType(
         "block_map": (
             "Which request owns each physical block over time (colour = request). Look for a "
             "request's blocks scattered over the pool (paging needs no contiguous run), blocks "
-            "freed by one request and reused by another, black blocks shared by several requests "
-            "(a common prefix stored once), hatched blocks shared by the samples of one request "
+            "freed by one request and reused by another, cross-hatched blocks shared by several "
+            "requests (a common prefix stored once; the colour is the oldest request holding it, "
+            "and changes when that one finishes while the block lives on; the side panel says "
+            "how many requests hold each block), slanted hatching for blocks shared by the "
+            "samples of one request "
             "(n > 1: the prompt prefilled once and forked) and grey free blocks still in the "
             "prefix cache (hits for later requests until reused). Row 0 is the null block. At "
             "scale the top panel counts the blocks in each state over the whole run and the map "
