@@ -677,10 +677,11 @@ CAPTIONS = MappingProxyType(
             "against the usable pool (dotted; the same for every policy), and its preemptions so "
             "far (black, right axis, the same scale in every panel). Paged and paged+prefix both "
             "fill the pool while the queue is long; the panels show how much sooner prefix "
-            "caching drains, and how its preemptions climb while the pool is full (the section "
-            "above says why). Bottom, every policy on one log axis: the reserved blocks that hold "
-            "no token. Contiguous reserves max_model_len for every request and leaves most of it "
-            "empty, paging wastes at most the unfilled tail of each request's last block."
+            'caching drains, and how its preemptions climb while the pool is full ("Why the '
+            'preemptions differ", above, says why). Bottom, every policy on one log axis: the '
+            "reserved blocks that hold no token. Contiguous reserves max_model_len for every "
+            "request and leaves most of it empty, paging wastes at most the unfilled tail of "
+            "each request's last block."
         ),
         "running_waiting": (
             "Requests running (holding KV) and waiting (queued, new or preempted) at every step, "
