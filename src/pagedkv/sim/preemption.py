@@ -92,12 +92,11 @@ class PreemptionRecorder:
             for blocks, length in tables.get(request.request_id, ()):
                 handed_out.update(block.block_id for block in blocks[length:])
         for request_id in preempted_req_ids:
-            table = tables.get(request_id)
-            if table is None:  # not running before the step (cannot happen in a FCFS step)
-                continue
             self._per_request[request_id] = self._per_request.get(request_id, 0) + 1
             self._num_running_total += self._num_running
-            for blocks, length in table:
+            # NOTE: a sample forked at the start of this very step had no table before it: its
+            # preemption counts, its blocks (its parent's, shared) do not.
+            for blocks, length in tables.get(request_id, ()):
                 for block in blocks[:length]:
                     if block.is_null:
                         continue
