@@ -18,6 +18,23 @@ def test_json_on_the_sixteen_lengths(capsys):
     assert peaks == {"contiguous": 4, "paged": 13, "paged+prefix": 13}
 
 
+def test_json_and_stdout_say_what_the_preemptions_freed(capsys):
+    argv = ["simulate", "--workload", "shared-prefix", "--num-requests", "60", "--num-blocks"]
+    argv += ["201", "--max-model-len", "1024", "--quiet"]
+    assert main([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    # The paged policies only (contiguous never preempts); the same counts as the table's.
+    assert set(report["preemptions"]) == {"paged", "paged+prefix"}
+    cached = report["preemptions"]["paged+prefix"]
+    assert cached["num_preemptions"] == report["policies"]["paged+prefix"]["num_preemptions"]
+    assert cached["num_freed_blocks"] < cached["num_victim_blocks"]
+    paged = report["preemptions"]["paged"]
+    assert paged["num_freed_blocks"] == paged["num_victim_blocks"] > 0
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"Why paged+prefix preempts more than paged ({cached['num_preemptions']} vs " in out
+
+
 def test_skip_admission_gives_14(capsys):
     argv = ["simulate", "--workload", "sixteen-lengths", "--admission", "skip", "--json"]
     assert main([*argv, "--policies", "paged"]) == 0

@@ -6,6 +6,7 @@ import numpy as np
 
 from pagedkv.sim.blockmap import CACHED_FREE, FREE, NULL_BLOCK, BlockMap
 from pagedkv.sim.plots import (
+    SHARED_LABEL,
     block_map_image,
     block_map_legend_labels,
     caption,
@@ -13,6 +14,7 @@ from pagedkv.sim.plots import (
     fig_kv_blocks,
     fig_prompt_tokens,
     fig_running_waiting,
+    holders_per_block,
     metrics_table_rows,
     save_figures,
     step_series,
@@ -60,13 +62,49 @@ def test_figures_and_html(tmp_path):
 
 
 def test_block_map_colours():
-    owners = np.array([[NULL_BLOCK], [FREE], [CACHED_FREE], [3], [3]], dtype=np.int32)
-    shared = np.array([[False], [False], [False], [False], [True]])
+    owners = np.array([[NULL_BLOCK], [FREE], [CACHED_FREE], [3], [3], [5]], dtype=np.int32)
+    shared = np.array([[False], [False], [False], [False], [True], [False]])
     image = block_map_image(BlockMap(np.array([0]), owners, shared, 1))
-    assert image.shape == (5, 1, 3)
+    assert image.shape == (6, 1, 3)
     assert tuple(image[1, 0]) == (1.0, 1.0, 1.0)
-    assert tuple(image[4, 0]) == (0.0, 0.0, 0.0)
-    assert len({tuple(image[i, 0]) for i in range(5)}) == 5
+    # A block shared by several requests keeps its (oldest) owner's colour, not black ...
+    assert tuple(image[4, 0]) == tuple(image[3, 0]) != (0.0, 0.0, 0.0)
+    assert len({tuple(image[i, 0]) for i in range(6)}) == 5
+
+
+def test_shared_blocks_are_hatched_over_their_owners_colours():
+    # Block 1 held by request 2 alone, then shared (request 2 the oldest holder), then shared
+    # with request 7 the oldest holder (2 finished); block 2 shared by one request's samples.
+    owners = np.array(
+        [[NULL_BLOCK] * 3, [2, 2, 7], [4, 4, 4]],
+        dtype=np.int32,
+    )
+    shared = np.array([[False] * 3, [False, True, True], [True, True, True]])
+    by_samples = np.array([[False] * 3, [False] * 3, [True, True, True]])
+    holders = np.array([[0] * 3, [1, 5, 3], [2, 2, 2]], dtype=np.int32)
+    block_map = BlockMap(
+        np.array([0, 1, 2]), owners, shared, 1, shared_by_samples=by_samples, num_holders=holders
+    )
+    image = block_map_image(block_map)
+    assert (image[1, 1] == image[1, 0]).all()  # request 2's colour, shared or not
+    assert not (image[1, 2] == image[1, 1]).all()  # request 7's colour once it is the oldest
+    config = SimConfig(num_blocks=3, block_size=4, max_model_len=8)
+    fig = fig_block_map(PolicyResult("paged+prefix", config, None, None, block_map))
+    ax_map = fig.axes[0]
+    hatches = {c.get_hatch(): c for c in ax_map.collections}
+    # One cross-hatched cell run for the shared-by-requests cells (row 1, columns 1-2), one
+    # slanted for the samples' (row 2, all columns).
+    assert set(hatches) == {"xx", "////"}
+    (crossed,) = hatches["xx"].get_paths()
+    (x0, y0), (x1, y1) = crossed.vertices.min(axis=0), crossed.vertices.max(axis=0)
+    assert (x0, x1, y0, y1) == (1.0, 3.0, 0.5, 1.5)
+    assert SHARED_LABEL in block_map_legend_labels(fig)
+    # Beside the map: how many requests hold each block (mean while held).
+    ax_holders = fig.axes[1]
+    assert ax_holders.get_title() == "holders per block"
+    assert holders_per_block(block_map, slice(0, 3), slice(0, 3)).tolist() == [0.0, 3.0, 2.0]
+    widths = sorted(round(p.get_width(), 6) for p in ax_holders.patches)
+    assert widths == [0.0, 2.0, 3.0]
 
 
 def test_step_series_draws_idle_gaps_at_zero_and_the_last_step_one_wide():
@@ -92,30 +130,68 @@ def _sixteen_lengths_results():
     return simulate_policies(workload, SimConfig(**workload.defaults))
 
 
-def test_coinciding_policies_keep_distinct_styles_and_share_one_pool():
+def _kv_panels(fig) -> dict[str, object]:
+    """fig_kv_blocks' axes by what they show: a policy's panel by its name, "waste" the last."""
+    panels = {}
+    for ax in fig.axes:
+        title = ax.get_title(loc="left")
+        if title.startswith("Waste"):
+            panels["waste"] = ax
+        elif title:
+            panels[title.split(":")[0]] = ax
+    return panels
+
+
+def test_coinciding_policies_get_a_panel_each_and_share_one_pool():
     results = _sixteen_lengths_results()
     # No shared prefixes: paged and paged+prefix give the same timeline ...
     paged, cached = results["paged"].timeline, results["paged+prefix"].timeline
     assert paged.num_reserved_tokens.tolist() == cached.num_reserved_tokens.tolist()
     fig = fig_kv_blocks(results)
-    ax_reserved = fig.axes[0]
-    lines = {line.get_label(): line for line in ax_reserved.get_lines()}
-    # ... so their lines differ in style and marker, and both are in the legend.
-    assert lines["paged"].get_linestyle() != lines["paged+prefix"].get_linestyle()
-    assert lines["paged"].get_marker() != lines["paged+prefix"].get_marker()
-    legend = [t.get_text() for t in ax_reserved.get_legend().get_texts()]
-    assert {"contiguous", "paged", "paged+prefix", "usable pool (128 blocks)"} == set(legend)
+    panels = _kv_panels(fig)
+    assert list(panels) == ["contiguous", "paged", "paged+prefix", "waste"]
+    # ... so each policy's reserved blocks are drawn in a panel of its own (lines that coincide
+    # on one axis cannot be told apart), all panels on the same axes and the same pool.
+    for policy in results:
+        lines = [line for line in panels[policy].get_lines() if line.get_label() == policy]
+        assert len(lines) == 1
+        others = {line.get_label() for line in panels[policy].get_lines()} & set(results)
+        assert others == {policy}
+        legend = [t.get_text() for t in panels[policy].get_legend().get_texts()]
+        assert f"{policy}: blocks reserved" in legend and "usable pool (128 blocks)" in legend
+        assert panels[policy].get_ylim() == panels["paged"].get_ylim()
+        assert panels[policy].get_xlim() == panels["paged"].get_xlim()
     # Contiguous reserves 4 regions of 32 blocks: the 128-block usable pool, not above it.
-    contiguous_top = lines["contiguous"].get_ydata().max()
-    assert contiguous_top == 128
+    (contiguous,) = [
+        line for line in panels["contiguous"].get_lines() if line.get_label() == "contiguous"
+    ]
+    assert contiguous.get_ydata().max() == 128
+    # The waste panel has every policy, each in its own line style and marker.
+    waste = {line.get_label(): line for line in panels["waste"].get_lines()}
+    assert waste["paged"].get_linestyle() != waste["paged+prefix"].get_linestyle()
+    assert waste["paged"].get_marker() != waste["paged+prefix"].get_marker()
+    fig.canvas.draw()
     for ax in fig.axes:
         assert ax.get_ylim()[0] == 0  # counts start at 0
         # The legend is outside the axes: it covers no data.
         legend = ax.get_legend()
         if legend is not None:
-            fig.canvas.draw()
             box = legend.get_window_extent()
             assert box.x0 >= ax.get_window_extent().x1
+
+
+def test_kv_blocks_panels_count_preemptions_on_one_shared_scale():
+    workload = make_workload("shared-prefix", seed=0, num_requests=60, max_model_len=1024)
+    config = SimConfig(num_blocks=200, block_size=16, max_model_len=1024, block_map_columns=0)
+    results = simulate_policies(workload, config, ("paged", "paged+prefix"))
+    fig = fig_kv_blocks(results)
+    twins = [ax for ax in fig.axes if ax.get_ylabel() == "preemptions"]
+    assert len(twins) == 2 and twins[0].get_ylim() == twins[1].get_ylim()
+    for twin, result in zip(twins, results.values(), strict=True):
+        (line,) = twin.get_lines()
+        # Cumulative: it ends at the policy's preemption count.
+        assert line.get_ydata()[-1] == result.metrics.num_preemptions > 0
+        assert result.timeline.num_preemptions.sum() == result.metrics.num_preemptions
 
 
 def test_count_axes_get_integer_ticks():
@@ -196,7 +272,7 @@ def _present_labels(block_map, rows=slice(None), cols=slice(None)) -> set[str]:
     if (owners == NULL_BLOCK).any():
         present.add("null block (block 0)")
     if _shared_by_requests(block_map)[rows, cols].any():
-        present.add("shared by requests (ref_cnt > 1)")
+        present.add(SHARED_LABEL)
     if _shared_by_samples(block_map)[rows, cols].any():
         present.add("shared by the samples of one request\n(n > 1, forked; ref_cnt > 1)")
     if block_map.unused is not None and block_map.unused[rows, cols].any():
@@ -212,7 +288,7 @@ def test_block_map_legend_lists_only_categories_present():
     result = PolicyResult("paged", config, None, None, block_map)
     labels = set(block_map_legend_labels(fig_block_map(result)))
     assert labels == _present_labels(block_map)
-    assert "free, still cached" not in labels and "shared by requests (ref_cnt > 1)" not in labels
+    assert "free, still cached" not in labels and SHARED_LABEL not in labels
 
 
 def test_windowed_block_map_legend_is_a_subset_of_the_window():
@@ -220,8 +296,8 @@ def test_windowed_block_map_legend_is_a_subset_of_the_window():
     config = SimConfig(num_blocks=400, block_size=16, max_model_len=512, block_map_columns=100)
     result = simulate_policies(workload, config, ("paged+prefix",))["paged+prefix"]
     fig = fig_block_map(result)
-    ax_map = fig.axes[1]
-    labels = [t.get_text() for t in ax_map.get_legend().get_texts()]
+    ax_holders = fig.axes[2]  # the map's legend sits right of the holders panel
+    labels = [t.get_text() for t in ax_holders.get_legend().get_texts()]
     rows = slice(0, 64)
     num_columns = result.block_map.owners.shape[1]
     width = min(num_columns, 120)

@@ -18,7 +18,7 @@ import argparse
 import json
 import shlex
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 #: Pool size when neither --num-blocks nor --kv-cache-memory is given (nor set by the workload).
 DEFAULT_NUM_BLOCKS = 1024
@@ -422,6 +422,12 @@ def run(args: argparse.Namespace) -> int:
     # n > 1: the paged policies again, every sample its own request (what fork saves against).
     fork_baselines = simulate_fork_baselines(workload, config, policies)
     fork_lines = fork_saving_lines(results, fork_baselines)
+    from pagedkv.sim.preemption import preemption_lines
+
+    why_preempted = preemption_lines(
+        {p: r.preemptions for p, r in results.items() if r.preemptions is not None},
+        config.block_size,
+    )
 
     sweep = None
     if args.out and not args.no_sweep:
@@ -453,6 +459,7 @@ def run(args: argparse.Namespace) -> int:
                         command=command,
                         config=summary,
                         notes=fork_lines,
+                        preemptions=why_preempted,
                     )
                 )
         except OSError as exc:
@@ -488,6 +495,9 @@ def run(args: argparse.Namespace) -> int:
             ),
             "policies": {p: r.metrics.to_dict() for p, r in results.items()},
             "fork_baseline": {p: m.to_dict() for p, m in fork_baselines.items()},
+            "preemptions": {
+                p: asdict(r.preemptions) for p, r in results.items() if r.preemptions is not None
+            },
             "trace_issues": [{"line": i.line_no, "message": i.message} for i in issues],
             "rejected": {p: r.rejected for p, r in results.items() if r.rejected},
             "files": [str(p) for p in figure_paths],
@@ -506,7 +516,7 @@ def run(args: argparse.Namespace) -> int:
     for line in summary:
         print(line)
     _print_table(metrics_table_rows({p: r.metrics for p, r in results.items()}))
-    for line in fork_lines:
+    for line in fork_lines + why_preempted:
         print(line)
     for path in figure_paths:
         print(f"wrote {path}")

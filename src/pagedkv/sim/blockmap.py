@@ -3,9 +3,10 @@
     block id
       ^   | r3 r3 r3 .. .. c  c  r9 r9 |      rN = owned by request N (colour)
       |   | r7 F  F  F  F  r7 .. .. .. |      S  = shared by several requests, ref_cnt > 1
-      |   | r1 r1 r1 r1 r1 r1 .. .. .. |      F  = shared by the samples of one request only
+      |   | r1 r1 r1 r1 r1 r1 .. .. .. |           (cross-hatched over its oldest holder's colour)
+      |   | r1 r1 S  S  S  r5 r5 .. .. |      F  = shared by the samples of one request only
       |   | r1 r1 S  S  S  r5 r5 .. .. |           (n > 1: forked; hatched over its colour)
-      |   | r1 r1 S  S  S  r5 r5 .. .. |      c  = free but still cached (evictable hit)
+      |   | r1 r1 r1 r1 r1 r5 r5 .. .. |      c  = free but still cached (evictable hit)
       0   | null block ................ |      .. = free
           +--------------------------> step (sampled)
 
@@ -54,6 +55,9 @@ class BlockMap:
         shared_by_samples: bool ``[num_blocks, num_columns]`` or None: shared, and every holder
             is a sample of the same trace request (``owners`` gives which); a subset of
             ``shared``.
+        num_holders: int32 ``[num_blocks, num_columns]`` or None: running requests holding the
+            block (its ref_cnt from the running requests; 0 for free blocks); ``owners`` is the
+            oldest of them.
     """
 
     steps: np.ndarray
@@ -62,6 +66,7 @@ class BlockMap:
     stride: int
     unused: np.ndarray | None = None
     shared_by_samples: np.ndarray | None = None
+    num_holders: np.ndarray | None = None
 
 
 def pool_blocks(kv_cache) -> list | None:
@@ -100,6 +105,7 @@ class BlockMapRecorder:
         self._shared: list[np.ndarray] = []
         self._unused: list[np.ndarray] = []
         self._by_samples: list[np.ndarray] = []
+        self._holders: list[np.ndarray] = []
 
     def maybe_record(self, step: int, kv_cache, running: list) -> None:
         """Record a sample if this busy step is on the stride."""
@@ -136,9 +142,10 @@ class BlockMapRecorder:
         self._shared.append(counts > 1)
         self._unused.append(unused)
         self._by_samples.append((counts > 1) & ~mixed)
+        self._holders.append(counts)
         if len(self._steps) >= 2 * self.max_columns:
             del self._steps[1::2], self._owners[1::2], self._shared[1::2], self._unused[1::2]
-            del self._by_samples[1::2]
+            del self._by_samples[1::2], self._holders[1::2]
             self.stride *= 2
 
     def finish(self) -> BlockMap | None:
@@ -152,4 +159,5 @@ class BlockMapRecorder:
             stride=self.stride,
             unused=np.stack(self._unused, axis=1),
             shared_by_samples=np.stack(self._by_samples, axis=1),
+            num_holders=np.stack(self._holders, axis=1),
         )

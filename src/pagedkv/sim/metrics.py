@@ -52,6 +52,7 @@ _COLUMNS = (
     "num_reserved_tokens",
     "num_real_tokens",
     "num_scheduled_tokens",
+    "num_preemptions",
 )
 
 
@@ -65,6 +66,8 @@ class Timeline:
     num_reserved_tokens: list | np.ndarray = field(default_factory=list)
     num_real_tokens: list | np.ndarray = field(default_factory=list)
     num_scheduled_tokens: list | np.ndarray = field(default_factory=list)
+    #: preemptions in the step (victims the scheduler freed to make room).
+    num_preemptions: list | np.ndarray = field(default_factory=list)
 
     def append(self, **row: int) -> None:
         for name in _COLUMNS:

@@ -4,14 +4,18 @@
 Figures are built on :class:`matplotlib.figure.Figure` objects, never pyplot, so nothing global is
 touched (no backend switch, no open-figure registry); PNGs are rendered by Agg.
 
-- ``kv_blocks.png``: KV blocks reserved per step per policy against the usable pool (top), and the
-  reserved blocks holding no token, the waste (bottom).
+- ``kv_blocks.png``: KV blocks reserved per step against the usable pool, one panel per policy
+  (paged and paged+prefix both sit at the pool's ceiling: on one axis they would hide each
+  other), with each policy's preemptions so far on a shared right axis; and the reserved blocks
+  holding no token, the waste, every policy on one log axis (bottom).
 - ``running_waiting.png``: running and waiting requests over time, one panel per policy.
 - ``block_map_<policy>.png``: physical blocks x sampled steps, coloured by owning request; blocks
-  shared by several requests (ref_cnt > 1) black, blocks shared only by the samples of one request
-  (n > 1, a fork) hatched over that request's colour, cached free blocks grey, free blocks white,
-  the null block dark grey, the unwritten part of contiguous regions in a light shade of their
-  owner; each legend entry is there only when the drawn map has such blocks. At scale
+  shared by several requests (ref_cnt > 1) cross-hatched over their oldest holder's colour (with
+  a side panel of how many requests hold each block), blocks shared only by the samples of one
+  request (n > 1, a fork) hatched over that request's colour, cached free blocks grey, free
+  blocks white, the null block dark grey, the unwritten part of contiguous regions in a light
+  shade of their owner; each legend entry is there only when the drawn map has such blocks. At
+  scale
   (more than 64 blocks or 120 samples, paged policies) a window of blocks 0-63 over steps from
   the middle of the run, under a panel counting every block's state over the whole run.
 - ``prompt_tokens.png`` (a policy with prefix caching): each policy's prompt tokens from pool
@@ -20,8 +24,9 @@ touched (no backend switch, no open-figure registry); PNGs are rendered by Agg.
 - ``block_size_sweep.png``: throughput proxy (output tokens per step) and waste % vs block_size.
 
 Every policy has its own line style and marker, so policies that coincide (paged and paged+prefix
-on a trace without shared prefixes) both stay visible. Counts get integer ticks and y axes from 0;
-a step lasts until the next one, and the last step is drawn one step wide.
+on a trace without shared prefixes) both stay visible where they share an axis. Counts get
+integer ticks and y axes from 0; a step lasts until the next one, and the last step is drawn one
+step wide.
 """
 
 from __future__ import annotations
@@ -72,7 +77,10 @@ _POLICY_STYLES = MappingProxyType(
     }
 )
 _OTHER_STYLE = MappingProxyType({"color": "tab:purple", "linestyle": ":", "marker": "^"})
-_SHARED_RGB = (0.0, 0.0, 0.0)
+#: Blocks shared by several requests: cross-hatched in black over the oldest holder's colour
+#: (ownership stays visible: a system prompt's blocks keep the colour of whoever holds them
+#: longest, and change colour when that request finishes and the block lives on).
+_SHARED_HATCH = "xx"
 #: Blocks shared by the samples of one request: hatched in black over the request's colour.
 _SAMPLES_HATCH = "////"
 _CACHED_RGB = (0.78, 0.78, 0.78)
@@ -80,6 +88,8 @@ _FREE_RGB = (1.0, 1.0, 1.0)
 _NULL_RGB = (0.35, 0.35, 0.35)
 #: How much of the owner's colour an unwritten (reserved, no token) block keeps.
 _UNUSED_TINT = 0.3
+#: The block map's legend entry for blocks shared by several requests.
+SHARED_LABEL = "shared by requests (ref_cnt > 1),\ncolour = the oldest holder"
 _MARKERS_PER_LINE = 8
 #: Paged block maps with more blocks or samples than this show a window of blocks and steps ...
 BLOCK_MAP_MAX_ROWS = 160
@@ -135,36 +145,93 @@ def _legend_outside(ax, **kwargs) -> None:
 
 
 def fig_kv_blocks(results: dict[str, PolicyResult]) -> Figure:
-    """Top: KV blocks reserved per step per policy, with the usable pool. Bottom: reserved blocks
-    holding no token (reserved minus the blocks' worth of written tokens): the waste."""
-    fig = Figure(figsize=(10, 6), layout="constrained")
-    ax_reserved, ax_waste = fig.subplots(2, 1, sharex=True, height_ratios=(3, 2))
-    pool_blocks = 0
-    for index, (policy, result) in enumerate(results.items()):
+    """KV blocks reserved per step, one panel per policy (shared axes, the usable pool dotted),
+    with the policy's preemptions so far on a right axis shared by the panels; last panel: the
+    reserved blocks holding no token (reserved minus the blocks' worth of written tokens), the
+    waste, every policy on one axis.
+
+    A panel per policy, because paged and paged+prefix both sit at the pool's ceiling while the
+    pool is full: on one axis their lines would lie on top of each other."""
+    num_policies = len(results)
+    fig = Figure(figsize=(10, 1.9 * num_policies + 2.4), layout="constrained")
+    axes = fig.subplots(
+        num_policies + 1, 1, sharex=True, height_ratios=(*[1.0] * num_policies, 1.3)
+    )
+    ax_waste = axes[-1]
+    pool_style = {"color": "black", "linewidth": 1.2, "linestyle": ":"}
+    preempt_style = {"color": "0.15", "linewidth": 1.3, "drawstyle": "steps-post"}
+    top_preemptions = max(int(r.timeline.num_preemptions.sum()) for r in results.values())
+    pool_blocks = 1
+    for index, (ax, (policy, result)) in enumerate(zip(axes, results.items(), strict=False)):
         t = result.timeline
         block_size = result.config.block_size
         pool_blocks = result.config.num_blocks - 1
         style = _style(policy)
         reserved = np.asarray(t.num_reserved_tokens) / block_size
         waste = (np.asarray(t.num_reserved_tokens) - np.asarray(t.num_real_tokens)) / block_size
-        for ax, values in ((ax_reserved, reserved), (ax_waste, waste)):
-            x, y = step_series(t.step, values)
-            ax.step(x, y, where="post", markevery=_markevery(len(x), index), label=policy, **style)
-    pool_style = {"color": "black", "linewidth": 1.2, "linestyle": ":"}
-    ax_reserved.axhline(pool_blocks, zorder=5, **pool_style)
-    handles, labels = ax_reserved.get_legend_handles_labels()
-    handles.append(Line2D([], [], **pool_style))
-    labels.append(f"usable pool ({pool_blocks} blocks)")
-    ax_reserved.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax_reserved.set_ylabel("KV blocks reserved")
-    ax_reserved.set_title("KV blocks in use over time (same usable pool for every policy)")
-    ax_waste.set_ylabel("reserved, no token\n(blocks' worth)")
-    ax_waste.set_title("Waste: reserved KV holding no token", fontsize="medium")
-    ax_waste.set_xlabel("step")
-    for ax in (ax_reserved, ax_waste):
+        x, y = step_series(t.step, reserved)
+        ax.fill_between(x, y, step="post", color=style["color"], alpha=0.25, linewidth=0)
+        ax.step(x, y, where="post", color=style["color"], linewidth=1.4, label=policy)
+        ax.axhline(pool_blocks, zorder=5, **pool_style)
+        x, y = step_series(t.step, waste)
+        ax_waste.step(
+            x, y, where="post", markevery=_markevery(len(x), index), label=policy, **style
+        )
+        m = result.metrics
+        handles = [
+            Patch(facecolor=style["color"], alpha=0.5, label=f"{policy}: blocks reserved"),
+            Line2D([], [], label=f"usable pool ({pool_blocks} blocks)", **pool_style),
+        ]
+        if top_preemptions:
+            ax_preempt = ax.twinx()
+            steps, counts = step_series(t.step, np.cumsum(t.num_preemptions))
+            ax_preempt.plot(steps, counts, **preempt_style)
+            ax_preempt.set_ylim(0, top_preemptions * 1.1)
+            ax_preempt.yaxis.set_major_locator(MaxNLocator(integer=True, nbins=4))
+            ax_preempt.set_ylabel("preemptions", fontsize="small")
+            if m.num_preemptions:
+                handles.append(
+                    Line2D([], [], label="preemptions so far (right axis)", **preempt_style)
+                )
+        ax.set_title(
+            f"{policy}: {m.num_preemptions} preemptions, peak {m.peak_concurrency} running, "
+            f"drained in {m.num_steps} steps",
+            fontsize="medium",
+            loc="left",
+        )
+        ax.set_ylabel("KV blocks")
         _count_axis(ax)
+        ax.set_ylim(top=max(pool_blocks, 1) * 1.1)
+        ax.legend(
+            handles=handles,
+            loc="upper left",
+            bbox_to_anchor=(1.09 if top_preemptions else 1.01, 1.0),
+            borderaxespad=0,
+            fontsize="small",
+        )
+    fig.suptitle("KV blocks in use over time (same usable pool for every policy)")
+    ax_waste.legend(
+        loc="upper left",
+        bbox_to_anchor=(1.09 if top_preemptions else 1.01, 1.0),
+        borderaxespad=0,
+        fontsize="small",
+    )
+    ax_waste.set_ylabel("reserved, no token\n(blocks' worth, log)")
+    ax_waste.set_title(
+        "Waste: reserved KV holding no token, every policy (log scale: paged's few blocks and "
+        "contiguous's hundreds both show)",
+        fontsize="medium",
+        loc="left",
+    )
+    ax_waste.set_xlabel("step")
+    # symlog: linear below 1 block, so idle steps (0) stay drawn at the axis' bottom.
+    ax_waste.set_yscale("symlog", linthresh=1.0)
+    top_waste = max(1.0, *(float(np.max(line.get_ydata(), initial=0)) for line in ax_waste.lines))
+    ticks = [0, *(10**k for k in range(int(np.ceil(np.log10(top_waste))) + 1))]
+    ax_waste.set_yticks(ticks, [str(t) for t in ticks])
+    ax_waste.set_ylim(0, ticks[-1])
+    for ax in axes:
         _count_axis(ax, "x")
-    ax_reserved.set_ylim(top=max(pool_blocks, 1) * 1.08)
     return fig
 
 
@@ -241,9 +308,8 @@ def block_map_image(block_map: BlockMap) -> np.ndarray:
     image[owners == FREE] = _FREE_RGB
     image[owners == CACHED_FREE] = _CACHED_RGB
     image[owners == NULL_BLOCK] = _NULL_RGB
-    # Shared by several requests: black. Shared by one request's samples only: keeps the
-    # request's colour (the hatch is drawn over it by _draw_map).
-    image[_shared_by_requests(block_map)] = _SHARED_RGB
+    # Shared blocks keep their (oldest) owner's colour: _draw_map hatches over them, crossed
+    # when several requests share them, slanted when one request's samples do.
     return image
 
 
@@ -282,7 +348,14 @@ def _block_map_legend(
             )
         )
     if _shared_by_requests(block_map)[window].any():
-        handles.append(Patch(facecolor=_SHARED_RGB, label="shared by requests (ref_cnt > 1)"))
+        handles.append(
+            Patch(
+                facecolor=palette[0],
+                edgecolor="black",
+                hatch=_SHARED_HATCH,
+                label=SHARED_LABEL,
+            )
+        )
     for code, patch in (
         (CACHED_FREE, Patch(facecolor=_CACHED_RGB, label="free, still cached")),
         (FREE, Patch(facecolor=_FREE_RGB, edgecolor="0.6", label="free")),
@@ -303,9 +376,12 @@ def block_map_legend_labels(fig: Figure) -> list[str]:
     return labels
 
 
-def _hatch_cells(ax, mask: np.ndarray, x_edges: np.ndarray, first_row: int) -> None:
+def _hatch_cells(
+    ax, mask: np.ndarray, x_edges: np.ndarray, first_row: int, hatch: str
+) -> PolyCollection | None:
     """Hatch the True cells of ``mask`` (rows = blocks from ``first_row``, columns between
-    ``x_edges``), one rectangle per run of cells in a row."""
+    ``x_edges``) with ``hatch``, one rectangle per run of cells in a row; the collection drawn
+    (None when ``mask`` has no True cell)."""
     rects = []
     for row in np.flatnonzero(mask.any(axis=1)):
         edges = np.diff(np.concatenate(([0], mask[row].astype(np.int8), [0])))
@@ -314,13 +390,12 @@ def _hatch_cells(ax, mask: np.ndarray, x_edges: np.ndarray, first_row: int) -> N
             rects.append(
                 [(x_edges[a], y0), (x_edges[b], y0), (x_edges[b], y0 + 1), (x_edges[a], y0 + 1)]
             )
-    if rects:
-        # NOTE: the hatch takes the edge colour; linewidth 0 draws no outline.
-        ax.add_collection(
-            PolyCollection(
-                rects, facecolors="none", edgecolors="black", linewidths=0, hatch=_SAMPLES_HATCH
-            )
-        )
+    if not rects:
+        return None
+    # NOTE: the hatch takes the edge colour; linewidth 0 draws no outline.
+    return ax.add_collection(
+        PolyCollection(rects, facecolors="none", edgecolors="black", linewidths=0, hatch=hatch)
+    )
 
 
 def _draw_map(ax, block_map: BlockMap, rows: slice, cols: slice) -> None:
@@ -336,9 +411,12 @@ def _draw_map(ax, block_map: BlockMap, rows: slice, cols: slice) -> None:
         origin="lower",
         extent=(steps[0], last, first_row - 0.5, first_row + image.shape[0] - 0.5),
     )
-    by_samples = _shared_by_samples(block_map)[rows, cols]
-    if by_samples.any():
-        _hatch_cells(ax, by_samples, np.linspace(steps[0], last, image.shape[1] + 1), first_row)
+    x_edges = np.linspace(steps[0], last, image.shape[1] + 1)
+    for mask, hatch in (
+        (_shared_by_samples(block_map)[rows, cols], _SAMPLES_HATCH),
+        (_shared_by_requests(block_map)[rows, cols], _SHARED_HATCH),
+    ):
+        _hatch_cells(ax, mask, x_edges, first_row, hatch)
     if first_row == 0:
         # One row of hundreds can fall between pixels: draw the null block's row on top.
         ax.axhline(0, color=_NULL_RGB, linewidth=2.5)
@@ -364,6 +442,54 @@ def _state_counts(block_map: BlockMap) -> dict[str, np.ndarray]:
     }
 
 
+def holders_per_block(block_map: BlockMap, rows: slice, cols: slice) -> np.ndarray | None:
+    """Mean running requests holding each block of ``rows`` over the samples of ``cols`` in
+    which it is held (0 for a block never held there), float ``[num_rows]``; None when the
+    map has no holder counts."""
+    if block_map.num_holders is None:
+        return None
+    holders = block_map.num_holders[rows, cols]
+    owners = block_map.owners[rows, cols]
+    held = (holders > 0) & (owners >= 0)
+    num_held = held.sum(axis=1)
+    total = np.where(held, holders, 0).sum(axis=1)
+    return np.divide(total, num_held, out=np.zeros(len(total)), where=num_held > 0)
+
+
+def _draw_holders(ax, holders: np.ndarray, first_row: int) -> None:
+    """Bars of :func:`holders_per_block` beside the map (rows line up with its blocks): dark
+    where several requests (or one request's samples) hold the block, light where one does."""
+    y = first_row + np.arange(len(holders))
+    shared = holders > 1
+    ax.barh(y[~shared], holders[~shared], height=1.0, color="0.7", linewidth=0)
+    ax.barh(y[shared], holders[shared], height=1.0, color="0.3", linewidth=0)
+    ax.set_xlim(0, max(float(holders.max()), 1.0) * 1.15)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=3))
+    ax.set_xlabel("requests\n(mean while held)")
+    ax.set_title("holders per block", fontsize="small")
+    ax.tick_params(axis="y", labelleft=False)
+
+
+def _map_axes(fig, block_map: BlockMap, rows: slice, cols: slice, states: bool):
+    """(states axes or None, map axes, holders axes or None): the holders panel only when
+    some block of the drawn part is held by several requests."""
+    holders = holders_per_block(block_map, rows, cols)
+    with_holders = holders is not None and bool((holders > 1).any())
+    layout = [["map", "holders"]] if with_holders else [["map"]]
+    if states:
+        layout = [["states"] * len(layout[0]), *layout]
+    axes = fig.subplot_mosaic(
+        layout,
+        height_ratios=(1, 2) if states else None,
+        width_ratios=(6, 1) if with_holders else None,
+    )
+    ax_holders = axes.get("holders")
+    if ax_holders is not None:
+        ax_holders.sharey(axes["map"])
+        _draw_holders(ax_holders, holders, rows.start or 0)
+    return axes.get("states"), axes["map"], ax_holders
+
+
 def fig_block_map(
     result: PolicyResult,
     *,
@@ -378,7 +504,8 @@ def fig_block_map(
     ``0 .. window_rows - 1`` over ``window_columns`` samples from the middle of the run (the
     steady state, where freed blocks are reused), under a panel that counts each block state over
     the whole run with the window marked. The contiguous map is always whole (its regions are
-    large and few).
+    large and few). Beside the map, when several requests share blocks, the mean number of
+    requests holding each block (:func:`holders_per_block`).
     """
     block_map = result.block_map
     if block_map is None:
@@ -390,11 +517,12 @@ def fig_block_map(
     stride_note = f"sampled every {block_map.stride}" if block_map.stride > 1 else "every step"
     if not windowed:
         fig = Figure(figsize=(10, 5), layout="constrained")
-        ax = fig.add_subplot()
-        _draw_map(ax, block_map, slice(0, num_blocks), slice(0, num_columns))
+        rows, cols = slice(0, num_blocks), slice(0, num_columns)
+        _, ax, ax_holders = _map_axes(fig, block_map, rows, cols, states=False)
+        _draw_map(ax, block_map, rows, cols)
         ax.set_xlabel(f"step ({stride_note})")
         ax.set_title(f"Block map, {result.policy}: which request owns each block")
-        _block_map_legend(ax, block_map)
+        _block_map_legend(ax_holders or ax, block_map)
         return fig
 
     rows = slice(0, min(num_blocks, window_rows))
@@ -402,14 +530,14 @@ def fig_block_map(
     start = (num_columns - width) // 2
     cols = slice(start, start + width)
     fig = Figure(figsize=(10, 7.5), layout="constrained")
-    ax_states, ax_map = fig.subplots(2, 1, height_ratios=(1, 2))
+    ax_states, ax_map, ax_holders = _map_axes(fig, block_map, rows, cols, states=True)
     counts = _state_counts(block_map)
     palette = _owner_palette()
     styles = [
         {"color": palette[0]},
         {"color": "#f4b6b6"},
         {"facecolor": palette[0], "edgecolor": "black", "hatch": _SAMPLES_HATCH},
-        {"color": _SHARED_RGB},
+        {"facecolor": palette[0], "edgecolor": "black", "hatch": _SHARED_HATCH},
         {"color": _CACHED_RGB},
     ]
     x = np.append(block_map.steps, block_map.steps[-1] + block_map.stride)
@@ -439,10 +567,11 @@ def fig_block_map(
     ax_map.set_xlabel(f"step ({stride_note})")
     ax_map.set_title(
         f"Window: blocks 0-{rows.stop - 1} of {num_blocks}, steps {window[0]}-{window[1] - 1} "
-        f"of {block_map.steps[-1] + block_map.stride}; colour = owning request",
+        f"of {block_map.steps[-1] + block_map.stride}"
+        + ("" if ax_holders else "; colour = owning request"),
         fontsize="medium",
     )
-    _block_map_legend(ax_map, block_map, rows, cols)
+    _block_map_legend(ax_holders or ax_map, block_map, rows, cols)
     return fig
 
 
@@ -544,11 +673,15 @@ def fig_block_size_sweep(sweep: dict[str, dict[int, PolicyMetrics]]) -> Figure:
 CAPTIONS = MappingProxyType(
     {
         "kv_blocks": (
-            "Top: KV blocks each policy reserves at every step, against the usable pool "
-            "(dotted; the same for every policy). Bottom: the reserved blocks that hold no token. "
-            "Look at the bottom panel: contiguous reserves max_model_len for every request and "
-            "leaves most of it empty, paging wastes at most the unfilled tail of each request's "
-            "last block. Policies that coincide keep their own line style and marker."
+            "One panel per policy, on the same axes: the KV blocks it reserves at every step, "
+            "against the usable pool (dotted; the same for every policy), and its preemptions so "
+            "far (black, right axis, the same scale in every panel). Paged and paged+prefix both "
+            "fill the pool while the queue is long; the panels show how much sooner prefix "
+            'caching drains, and how its preemptions climb while the pool is full ("Why the '
+            'preemptions differ", above, says why). Bottom, every policy on one log axis: the '
+            "reserved blocks that hold no token. Contiguous reserves max_model_len for every "
+            "request and leaves most of it empty, paging wastes at most the unfilled tail of "
+            "each request's last block."
         ),
         "running_waiting": (
             "Requests running (holding KV) and waiting (queued, new or preempted) at every step, "
@@ -573,8 +706,11 @@ CAPTIONS = MappingProxyType(
         "block_map": (
             "Which request owns each physical block over time (colour = request). Look for a "
             "request's blocks scattered over the pool (paging needs no contiguous run), blocks "
-            "freed by one request and reused by another, black blocks shared by several requests "
-            "(a common prefix stored once), hatched blocks shared by the samples of one request "
+            "freed by one request and reused by another, cross-hatched blocks shared by several "
+            "requests (a common prefix stored once; the colour is the oldest request holding it, "
+            "and changes when that one finishes while the block lives on; the side panel says "
+            "how many requests hold each block), slanted hatching for blocks shared by the "
+            "samples of one request "
             "(n > 1: the prompt prefilled once and forked) and grey free blocks still in the "
             "prefix cache (hits for later requests until reused). Row 0 is the null block. At "
             "scale the top panel counts the blocks in each state over the whole run and the map "
@@ -717,6 +853,7 @@ def write_html(
     command: str = "",
     config: Sequence[str] = (),
     notes: Sequence[str] = (),
+    preemptions: Sequence[str] = (),
 ) -> Path:
     """Write one self-contained HTML page: the metrics table and every PNG embedded (base64),
     each with a caption saying what to look at (:data:`CAPTIONS`).
@@ -734,6 +871,8 @@ def write_html(
             prints first: :func:`pagedkv.sim.simulator.config_lines`).
         notes: lines shown under the table (the fork's saving:
             :func:`pagedkv.sim.simulator.fork_saving_lines`).
+        preemptions: lines of a "Why the preemptions differ" section under the table
+            (:func:`pagedkv.sim.preemption.preemption_lines`; empty leaves it out).
 
     Raises:
         OSError: the page or a figure cannot be read or written.
@@ -766,6 +905,7 @@ def write_html(
         header=rows[0],
         rows=rows[1:],
         notes=list(notes),
+        preemptions=list(preemptions),
         figures=figures,
     )
     path.write_text(page, encoding="utf-8")

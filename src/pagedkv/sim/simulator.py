@@ -61,6 +61,7 @@ from pagedkv.sim.blockmap import BlockMap, BlockMapRecorder
 from pagedkv.sim.contiguous import ContiguousKVCache
 from pagedkv.sim.engine_request import make_engine_request
 from pagedkv.sim.metrics import PolicyMetrics, Timeline, compute_metrics
+from pagedkv.sim.preemption import PreemptionRecorder, PreemptionStats
 from pagedkv.sim.workloads import Workload
 from pagedkv.validation import check_int, is_number
 
@@ -159,7 +160,8 @@ class SimConfig:
 
 @dataclass(slots=True)
 class PolicyResult:
-    """What one policy did on one trace: summary metrics, per-step timeline, block map."""
+    """What one policy did on one trace: summary metrics, per-step timeline, block map, and
+    what its preemptions freed (the paged policies)."""
 
     policy: str
     config: SimConfig
@@ -167,6 +169,7 @@ class PolicyResult:
     timeline: Timeline
     block_map: BlockMap | None = None
     rejected: list[str] = field(default_factory=list)
+    preemptions: PreemptionStats | None = None
 
 
 def make_kv_cache(policy: str, config: SimConfig):
@@ -230,6 +233,8 @@ class _EngineDriver:
         self.num_tier_stored_blocks = 0
         #: tier blocks loaded by the last schedule() (every KV cache group's).
         self.step_loaded_blocks = 0
+        #: what each preemption freed (the paged policies; contiguous never preempts).
+        self.preemptions = None if isinstance(kv_cache, ContiguousKVCache) else PreemptionRecorder()
 
     def make_request(self, request_id, prompt, block_hasher, index, scripted):
         return make_engine_request(request_id, prompt, block_hasher, index, scripted)
@@ -280,7 +285,11 @@ class _EngineDriver:
         return self.scheduler.stats.num_prompt_tokens
 
     def schedule(self) -> tuple[list, list[int]]:
+        if self.preemptions is not None:
+            self.preemptions.before_schedule(self.scheduler.kv_cache_manager, self.running)
         self._out = out = self.scheduler.schedule()
+        if self.preemptions is not None:
+            self.preemptions.after_schedule(self.running, out.preempted_req_ids)
         requests = self.scheduler.requests
         scheduled = [requests[i] for i in out.num_scheduled_tokens]
         ops = out.kv_tier_ops
@@ -475,6 +484,7 @@ def simulate(
                 num_rejected_now += 1
                 release_children(index, step)
 
+        num_preempted_before = driver.num_preemptions
         scheduled, num_scheduled = driver.schedule()
         num_loaded_blocks += driver.step_loaded_blocks
         if not scheduled and not driver.running:
@@ -508,6 +518,7 @@ def simulate(
             num_reserved_tokens=reserved,
             num_real_tokens=real,
             num_scheduled_tokens=sum(num_scheduled),
+            num_preemptions=driver.num_preemptions - num_preempted_before,
         )
         if recorder is not None:
             recorder.maybe_record(step, kv_cache, running)
@@ -562,6 +573,7 @@ def simulate(
         timeline.freeze(),
         recorder.finish() if recorder else None,
         rejected,
+        driver.preemptions.finish() if driver.preemptions is not None else None,
     )
 
 
