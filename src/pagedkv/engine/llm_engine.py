@@ -30,7 +30,7 @@ from pagedkv.cpu_caps import probe_cpu, resolve_dtype
 from pagedkv.cpu_env import available_cpu_count
 from pagedkv.engine.attention_backend import choose_attention_backend
 from pagedkv.engine.beam_search import BeamSearchGroup, num_beam_candidates
-from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.config import EngineConfig, default_quantization
 from pagedkv.engine.cpu_runtime import tune_cpu_runtime
 from pagedkv.engine.input_processor import InputProcessor, Prompt
 from pagedkv.engine.kv_sizing import size_kv_cache
@@ -117,7 +117,9 @@ class LLMEngine:
         #: the dtype asked for ("auto" by default); ``config.dtype`` is the one that runs.
         self.requested_dtype = config.dtype
         config = dataclasses.replace(
-            config, dtype=resolve_dtype(config.dtype, self.cpu_capabilities)
+            config,
+            dtype=resolve_dtype(config.dtype, self.cpu_capabilities),
+            quantization=default_quantization(config.quantization, config.dtype),
         )
         tp = config.tensor_parallel_size
         if tp > 1 and loaded_model is not None:

@@ -271,7 +271,8 @@ def print_summary(llm, outputs, elapsed: float, load_time: float, file=sys.stdou
     if engine.requested_dtype != dtype:
         dtype += f", {engine.requested_dtype}"
     lines = [
-        f"model            {engine.loaded_model.source} ({dtype}{parallel})",
+        f"model            {engine.loaded_model.source} ({dtype}{parallel}, quantization "
+        f"{engine.loaded_model.quantization})",
         f"cpu              {engine.cpu_capabilities.describe(engine.config.dtype)}",
         f"attention        {engine.attention_backend.name} backend, blocks of "
         f"{engine.config.block_size} tokens{passed_over}",

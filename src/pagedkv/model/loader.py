@@ -193,7 +193,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     parallel: TensorParallelGroup | None = None,
-    quantization: str | None = None,
+    quantization: str | None = "none",
 ) -> LoadedModel:
     """Load a model (Llama family or Gemma 3) and its tokenizer.
 
@@ -209,9 +209,9 @@ def load_model(
             (:mod:`pagedkv.model.parallel`; Llama family and Gemma 3). None = the whole model.
         quantization: vLLM's ``--quantization``, weight-only for small steps
             (:mod:`pagedkv.model.quantization`): "gguf" (a GGUF file's 4-bit blocks as
-            stored), "int4" / "int8" (made at load from any model), "none" (dense only); None
-            = "gguf" for a GGUF file where the CPU kernels run (on one rank), else "none"
-            (:func:`resolve_quantization`).
+            stored), "int4" / "int8" (made at load from any model), "none" (dense only, the
+            default here); None = "gguf" for a GGUF file where the CPU kernels run (on one
+            rank), else "none" (:func:`resolve_quantization`; the engine's default).
 
     Returns:
         :class:`LoadedModel`; ``source`` is the resolved path as a string.
