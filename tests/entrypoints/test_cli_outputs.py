@@ -131,7 +131,7 @@ def test_generate_summary_counts_prompt_tokens_as_the_cache_does():
     avx2 = CpuCapabilities(name="AMD EPYC 7B13", arch="x86_64", avx2=True)
     engine = SimpleNamespace(
         kv_cache_config=SimpleNamespace(num_usable_blocks=100),
-        loaded_model=SimpleNamespace(source="m.gguf"),
+        loaded_model=SimpleNamespace(source="m.gguf", quantization="none"),
         config=SimpleNamespace(
             dtype="bfloat16",
             kv_cache_dtype="fp8_e4m3",

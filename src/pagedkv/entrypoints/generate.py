@@ -270,9 +270,10 @@ def print_summary(llm, outputs, elapsed: float, load_time: float, file=sys.stdou
     dtype = engine.config.dtype
     if engine.requested_dtype != dtype:
         dtype += f", {engine.requested_dtype}"
+    quantization = engine.loaded_model.quantization
+    quantized = f", {quantization} weights for small steps" if quantization != "none" else ""
     lines = [
-        f"model            {engine.loaded_model.source} ({dtype}{parallel}, quantization "
-        f"{engine.loaded_model.quantization})",
+        f"model            {engine.loaded_model.source} ({dtype}{parallel}{quantized})",
         f"cpu              {engine.cpu_capabilities.describe(engine.config.dtype)}",
         f"attention        {engine.attention_backend.name} backend, blocks of "
         f"{engine.config.block_size} tokens{passed_over}",
