@@ -17,7 +17,11 @@ metadata; all prompts batched: a prefill, then one decode step per token), and t
 bf16 (the same weights cast, decoded like the reference). ``pagedkv-bf16-rounded`` (not run by
 default) is pagedkv bf16 with its logits only widened from bf16, as transformers does, without
 the fp32 recomputation of each row's largest logits (``pagedkv.model.logits``).
-The rule of issue 14: pagedkv bf16 must be no worse than transformers bf16.
+The rule of issue 14: pagedkv bf16 must be no worse than transformers bf16. The quantized
+candidates (issue 33) compute in fp32 with their linears' small steps on quantized weights:
+``pagedkv-gguf`` the GGUF file's own 4-bit blocks (the engine's default for a GGUF file),
+``pagedkv-int8`` / ``pagedkv-int4`` quantized at load; their decode steps run 8 prompts at a
+time (steps of more tokens run the dense weights). ``--model gemma3-270m`` measures Gemma 3.
 
     .venv/bin/python benchmarks/bf16_accuracy.py                    # 64 prompts x 32 tokens
     .venv/bin/python benchmarks/bf16_accuracy.py --num-prompts 16 --json /tmp/bf16.json
@@ -163,10 +167,12 @@ class PagedDriver:
     for all prompts per token, as the engine schedules them (plain scheduler outputs, applied to
     the runner's persistent batch)."""
 
-    def __init__(self, engine, max_num_batched_tokens: int):
+    def __init__(self, engine, max_num_batched_tokens: int, decode_batch: int | None = None):
         self.runner = engine.runner
         self.block_size = engine.runner.block_size
         self.max_num_batched_tokens = max_num_batched_tokens
+        #: requests per decode step (None: all); quantized weights run steps of <= 8 tokens
+        self.decode_batch = decode_batch
 
     def _forward(self, out) -> dict[str, torch.Tensor]:
         """Request id -> its last row's logits ``[vocab]`` float32."""
@@ -228,19 +234,23 @@ class PagedDriver:
                 tokens[p].append(token)
             if step + 1 == num_tokens:
                 break
-            out = SchedulerOutput(
-                scheduled_cached_reqs=CachedRequestData(
-                    req_ids=list(req_ids),
-                    resumed_from_preemption=[False] * len(prompts),
-                    new_token_ids=[[t[-1]] for t in tokens],
-                    new_block_ids=[None] * len(prompts),
-                    num_computed_tokens=[len(p) + step for p in prompts],
-                ),
-                num_scheduled_tokens=dict.fromkeys(req_ids, 1),
-                total_num_scheduled_tokens=len(prompts),
-            )
-            for req_id, row in self._forward(out).items():
-                logits[req_ids.index(req_id), step + 1] = row
+            group = self.decode_batch or len(prompts)
+            for first in range(0, len(prompts), group):
+                part = range(first, min(first + group, len(prompts)))
+                ids = [req_ids[p] for p in part]
+                out = SchedulerOutput(
+                    scheduled_cached_reqs=CachedRequestData(
+                        req_ids=ids,
+                        resumed_from_preemption=[False] * len(ids),
+                        new_token_ids=[[tokens[p][-1]] for p in part],
+                        new_block_ids=[None] * len(ids),
+                        num_computed_tokens=[len(prompts[p]) + step for p in part],
+                    ),
+                    num_scheduled_tokens=dict.fromkeys(ids, 1),
+                    total_num_scheduled_tokens=len(ids),
+                )
+                for req_id, row in self._forward(out).items():
+                    logits[req_ids.index(req_id), step + 1] = row
         # The runner forgets the prompts (a later run reuses their ids).
         self.runner.execute_model(SchedulerOutput(finished_req_ids=set(req_ids)))
         return logits, tokens
@@ -300,8 +310,14 @@ def main() -> None:
         "--candidates",
         nargs="+",
         default=None,
-        help="subset of: pagedkv-bf16 pagedkv-bf16-rounded pagedkv-fp32 hf-bf16 (default: all "
-        "but pagedkv-bf16-rounded, the logits widened from bf16 without pagedkv's fp32 top-k)",
+        help="subset of: pagedkv-bf16 pagedkv-bf16-rounded pagedkv-fp32 pagedkv-gguf "
+        "pagedkv-int8 pagedkv-int4 hf-bf16 (default: all but pagedkv-bf16-rounded, the logits "
+        "widened from bf16 without pagedkv's fp32 top-k, and int8 / int4, quantized at load)",
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a GGUF file or packaged model name (default: SmolLM2-135M-Instruct)",
     )
     parser.add_argument(
         "--hf-batch-size", type=int, default=16, help="prompts per transformers batch"
@@ -311,14 +327,15 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    wanted = set(args.candidates or ["pagedkv-bf16", "pagedkv-fp32", "hf-bf16"])
+    wanted = set(args.candidates or ["pagedkv-bf16", "pagedkv-fp32", "pagedkv-gguf", "hf-bf16"])
 
     import transformers
 
-    from pagedkv.model.loader import default_model_path, load_model
+    from pagedkv.model.loader import load_model, resolve_model_path
+    from pagedkv.model.quantization import QUANT_MAX_TOKENS
 
     start = time.perf_counter()
-    gguf = default_model_path()
+    gguf = resolve_model_path(args.model)
     loaded32 = load_model(gguf, dtype=torch.float32)
     tokenizer = loaded32.tokenizer
     records = load_prompts(args.prompts, args.num_prompts)
@@ -360,16 +377,25 @@ def main() -> None:
         del hf16, forced
 
     batched = 2048
+    # (candidate, label, dtype, refine the top logits, quantization): quantized weights run
+    # for decode steps of at most QUANT_MAX_TOKENS requests, as in the engine
     runs = [
-        ("pagedkv-bf16", "bf16", torch.bfloat16, True),
-        ("pagedkv-bf16-rounded", "bf16, logits rounded", torch.bfloat16, False),
-        ("pagedkv-fp32", "fp32", torch.float32, True),
+        ("pagedkv-bf16", "bf16", torch.bfloat16, True, "none"),
+        ("pagedkv-bf16-rounded", "bf16, logits rounded", torch.bfloat16, False, "none"),
+        ("pagedkv-fp32", "fp32", torch.float32, True, "none"),
+        ("pagedkv-gguf", "fp32, GGUF int4 weights", torch.float32, True, "gguf"),
+        ("pagedkv-int8", "fp32, int8 at load", torch.float32, True, "int8"),
+        ("pagedkv-int4", "fp32, int4 at load", torch.float32, True, "int4"),
     ]
     loaded16 = None
-    for key, dtype_name, dtype, refine in runs:
+    for key, dtype_name, dtype, refine, quantization in runs:
         if key not in wanted:
             continue
-        if dtype == torch.float32:
+        decode_batch = None
+        if quantization != "none":
+            loaded = load_model(gguf, dtype=dtype, quantization=quantization)
+            decode_batch = QUANT_MAX_TOKENS
+        elif dtype == torch.float32:
             loaded = loaded32
         else:
             loaded = loaded16 = loaded16 or load_model(gguf, dtype=dtype)
@@ -384,11 +410,12 @@ def main() -> None:
                 if backend is not None:
                     extra["attention_backend"] = backend
                 engine = make_engine(loaded, n, max_len, batched, **extra)
-                forced, _ = PagedDriver(engine, batched).run(prompts, t, ref_tokens)
+                driver = PagedDriver(engine, batched, decode_batch)
+                forced, _ = driver.run(prompts, t, ref_tokens)
                 free = None
                 if not args.no_free_running:
                     engine = make_engine(loaded, n, max_len, batched, **extra)
-                    free = PagedDriver(engine, batched).run(prompts, t)[1]
+                    free = PagedDriver(engine, batched, decode_batch).run(prompts, t)[1]
                 label = f"pagedkv {dtype_name}" + (f" ({backend})" if backend else "")
                 score(label, forced, free)
                 del engine, forced

@@ -184,9 +184,7 @@ for q in (quantize_int4(w), quantize_int8(w)):
 """
 
 
-@pytest.mark.skipif(
-    os.uname().machine not in ("x86_64", "AMD64"), reason="the AVX2 cap is x86's"
-)
+@pytest.mark.skipif(os.uname().machine not in ("x86_64", "AMD64"), reason="the AVX2 cap is x86's")
 def test_kernels_held_to_avx2():
     """The kernels' capability check and products in an interpreter held to AVX2 (as an
     AVX2-only CPU runs them)."""

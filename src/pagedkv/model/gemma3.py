@@ -44,7 +44,13 @@ import torch.nn.functional as F
 from pagedkv.errors import ModelLoadError, OpsInputError
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from pagedkv.model.llama import _Caster, layer_attention_specs, qkv_quants, refine_weight
+from pagedkv.model.llama import (
+    _Caster,
+    gate_up_quant,
+    layer_attention_specs,
+    qkv_quants,
+    refine_weight,
+)
 from pagedkv.model.logits import refine_top_logits
 from pagedkv.model.packed_linear import linear_mode, log_linear_mode
 from pagedkv.model.parallel import TensorParallelGroup, check_tensor_parallel, multi_rank
@@ -89,6 +95,7 @@ class Gemma3DecoderLayer:
         "dtype",
         "eps",
         "gate_proj",
+        "gate_up_quant",
         "head_dim",
         "hidden_size",
         "input_norm",
@@ -135,8 +142,10 @@ class Gemma3DecoderLayer:
             *qkv, config.head_dim, None, pack, parallel, qkv_quants(quantized, prefix)
         )
         self.o_proj = linear(RowParallelLinear, attn + "o_proj.weight")
-        self.gate_proj = linear(ColumnParallelLinear, "mlp.gate_proj.weight")
-        self.up_proj = linear(ColumnParallelLinear, "mlp.up_proj.weight")
+        #: gate and up quantized as one product (small steps), or None
+        self.gate_up_quant = gate_up_quant(quantized, prefix)
+        self.gate_proj = ColumnParallelLinear(w("mlp.gate_proj.weight"), None, pack, parallel)
+        self.up_proj = ColumnParallelLinear(w("mlp.up_proj.weight"), None, pack, parallel)
         self.down_proj = linear(RowParallelLinear, "mlp.down_proj.weight")
         self.input_norm = norm("input_layernorm.weight")
         self.post_attention_norm = norm("post_attention_layernorm.weight")
@@ -184,7 +193,11 @@ class Gemma3DecoderLayer:
         o = self.o_proj(attn.reshape(num_tokens, -1))
         h = h + self._norm(o, self.post_attention_norm, self.hidden_size)
         x = self._norm(h, self.pre_feedforward_norm, self.hidden_size)
-        m = self.down_proj(self.up_proj.mul(x, self.gate_proj.gelu_tanh(x)))
+        if self.gate_up_quant is not None and num_tokens <= QUANT_MAX_TOKENS:
+            gate, up = self.gate_up_quant(x, torch.bfloat16).chunk(2, dim=1)
+            m = self.down_proj(F.gelu(gate, approximate="tanh").mul_(up))
+        else:
+            m = self.down_proj(self.up_proj.mul(x, self.gate_proj.gelu_tanh(x)))
         return h + self._norm(m, self.post_feedforward_norm, self.hidden_size)
 
 

@@ -225,7 +225,7 @@ def gguf_quantized(
     head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
     if head in state_dict:
         qw = raw.get(head)
-        out["lm_head.weight"] = qw if qw is not None and qw.bits == 4 else (
-            quantize_int8(state_dict[head])
+        out["lm_head.weight"] = (
+            qw if qw is not None and qw.bits == 4 else (quantize_int8(state_dict[head]))
         )
     return out

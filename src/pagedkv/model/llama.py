@@ -43,7 +43,7 @@ from pagedkv.model.linear import ColumnParallelLinear, QKVParallelLinear, RowPar
 from pagedkv.model.logits import refine_top_logits
 from pagedkv.model.packed_linear import linear_mode, log_linear_mode
 from pagedkv.model.parallel import TensorParallelGroup, check_tensor_parallel, multi_rank
-from pagedkv.model.quantization import QUANT_MAX_TOKENS, QuantizedWeight
+from pagedkv.model.quantization import QUANT_MAX_TOKENS, QuantizedMatmul, QuantizedWeight
 from pagedkv.model.rotary import RotaryEmbedding
 from pagedkv.model.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedkv.ops.backends import AttentionLayerSpec, BoundAttentionMetadata
@@ -61,6 +61,7 @@ class LlamaDecoderLayer:
         "down_proj",
         "eps",
         "gate_proj",
+        "gate_up_quant",
         "head_dim",
         "hidden_size",
         "input_norm",
@@ -104,8 +105,10 @@ class LlamaDecoderLayer:
             qkv_quants(quantized, prefix),
         )
         self.o_proj = linear(RowParallelLinear, attn + "o_proj.weight")
-        self.gate_proj = linear(ColumnParallelLinear, "mlp.gate_proj.weight")
-        self.up_proj = linear(ColumnParallelLinear, "mlp.up_proj.weight")
+        #: gate and up quantized as one product (small steps), or None
+        self.gate_up_quant = gate_up_quant(quantized, prefix)
+        self.gate_proj = ColumnParallelLinear(w("mlp.gate_proj.weight"), None, pack, parallel)
+        self.up_proj = ColumnParallelLinear(w("mlp.up_proj.weight"), None, pack, parallel)
         self.down_proj = linear(RowParallelLinear, "mlp.down_proj.weight")
         self.input_norm = w("input_layernorm.weight")
         self.post_attention_norm = w("post_attention_layernorm.weight")
@@ -138,6 +141,9 @@ class LlamaDecoderLayer:
         attn = attn_metadata.forward(qk[:, : self.num_heads], kv_cache)
         h = self.o_proj.add(attn.reshape(num_tokens, -1), h)
         x = F.rms_norm(h, (self.hidden_size,), self.post_attention_norm, self.eps)
+        if self.gate_up_quant is not None and num_tokens <= QUANT_MAX_TOKENS:
+            gate, up = self.gate_up_quant(x, torch.bfloat16).chunk(2, dim=1)
+            return self.down_proj.add(F.silu(gate).mul_(up), h)
         return self.down_proj.add(self.up_proj.mul(x, self.gate_proj.silu(x)), h)
 
 
@@ -302,6 +308,18 @@ def qkv_quants(
         return None
     parts = tuple(quantized.get(f"{prefix}self_attn.{p}_proj.weight") for p in "qkv")
     return None if None in parts else parts
+
+
+def gate_up_quant(
+    quantized: Mapping[str, QuantizedWeight] | None, prefix: str
+) -> QuantizedMatmul | None:
+    """Layer ``prefix``'s quantized gate and up weights stacked into one product (the
+    activation and the product then run on its bf16 output; one read of x, one kernel call),
+    or None unless both are quantized."""
+    if not quantized:
+        return None
+    parts = [quantized.get(f"{prefix}mlp.{p}_proj.weight") for p in ("gate", "up")]
+    return None if None in parts else QuantizedMatmul(QuantizedWeight.cat(parts))
 
 
 def refine_weight(

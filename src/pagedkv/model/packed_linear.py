@@ -176,7 +176,7 @@ class PackedLinear:
         None."""
         if self.quant is None or x.shape[0] > QUANT_MAX_TOKENS:
             return None
-        y = self.quant(x)
+        y = self.quant(x, self.dtype)
         return y if self.bias is None else y.add_(self.bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -120,8 +120,7 @@ def quantize_int4(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> Qu
     out_features, in_features = weight.shape
     if in_features % group_size:
         raise ConfigError(
-            f"int4 quantization needs in_features ({in_features}) to be a multiple of "
-            f"{group_size}"
+            f"int4 quantization needs in_features ({in_features}) to be a multiple of {group_size}"
         )
     groups = weight.float().reshape(out_features, in_features // group_size, group_size)
     lo = groups.amin(dim=-1)
@@ -203,9 +202,9 @@ class QuantizedMatmul:
         else:
             raise ConfigError(f"quantized weights have 4 or 8 bits, got {weight.bits}")
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x W^T`` ``[num_tokens, out_features]`` in x's dtype, x ``[num_tokens,
-        in_features]`` (computed with bfloat16 activations)."""
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``x W^T`` ``[num_tokens, out_features]`` for x ``[num_tokens, in_features]``,
+        computed with bfloat16 activations; returned in ``out_dtype`` (None: x's dtype)."""
         xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
         if self.bits == 4:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -213,4 +212,5 @@ class QuantizedMatmul:
             )
         else:
             y = torch.ops.aten._weight_int8pack_mm(xb, self.packed, self.scales)
-        return y if y.dtype == x.dtype else y.to(x.dtype)
+        out_dtype = x.dtype if out_dtype is None else out_dtype
+        return y if y.dtype == out_dtype else y.to(out_dtype)
