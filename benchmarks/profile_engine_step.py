@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -98,7 +99,14 @@ def main() -> None:
 
 
 #: torch.profiler op names (prefixes) by kind.
-LINEAR_OPS = ("mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::linear")
+LINEAR_OPS = (
+    "mkldnn::_linear_pointwise",
+    "aten::addmm",
+    "aten::mm",
+    "aten::linear",
+    "aten::_weight_int4pack_mm_for_cpu",
+    "aten::_weight_int8pack_mm",
+)
 ATTENTION_OPS = (
     "_C::cpu_attention_with_kv_cache",
     "_C::cpu_attn_reshape_and_cache",
@@ -137,6 +145,8 @@ def profile_ops(engine: LLMEngine, steps: int, step_ms: float) -> None:
         else:
             kinds["other torch ops"] += self_ms
     kinds["python, between ops"] = max(wall - sum(kinds.values()), 0.0)
+    if os.environ.get("PAGEDKV_PROFILE_TOP"):  # the busiest ops by name
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     total = sum(kinds.values())
     print(
         f"by kind of op (torch.profiler over {steps} steps, {num_ops / steps:.0f} ops and "
