@@ -794,7 +794,8 @@ class MessageToolCall(_Strict):
 
 class ChatMessage(_Strict):
     """One message. An assistant's may hold ``tool_calls`` (its content then may be null); a
-    ``tool`` message answers one of them (``tool_call_id``). Both reach the chat template."""
+    ``tool`` message answers one of them (``tool_call_id``). Both, and ``name``, reach the chat
+    template."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ContentPart] | None = None
@@ -819,7 +820,7 @@ class ChatMessage(_Strict):
 
     def as_template_dict(self) -> dict[str, Any]:
         """The ``{"role", "content"}`` dict a chat template expects (text parts joined), with
-        ``tool_calls`` (arguments as a dict, as templates read them, vLLM likewise) and
+        ``name``, ``tool_calls`` (arguments as a dict, as templates read them, vLLM likewise) and
         ``tool_call_id`` when the message has them."""
         if self.content is None:
             text = ""

@@ -183,8 +183,8 @@ class OpenAIServing:
     # ---- request -> engine requests -----------------------------------------------------------
 
     def check_request(self, request: Any, response_id: str) -> None:
-        """The model name, the refused fields (400 naming the field), and one bounded warning
-        line naming the fields accepted without effect (escaped: names are client input)."""
+        """The model name, the refused fields (400 naming the field), and one warning line
+        naming the known fields accepted without effect (unknown fields were a 400 already)."""
         self.models.check_model(request.model)
         request.check_supported()
         ignored = request.ignored_fields()
