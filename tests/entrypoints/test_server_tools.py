@@ -301,6 +301,13 @@ def test_request_chat_template_and_kwargs(client, engine):
     )
     assert last_prompt(engine) == "Hi, hello!"
     assert reply.choices[0].message.content == "fine"
+    # A message's name (OpenAI's) reaches the template, as vLLM passes it.
+    client.chat.completions.create(
+        model="fake-model",
+        messages=[{"role": "user", "content": "hello", "name": "bob"}],
+        extra_body={"chat_template": "{{ messages[0].name }}: {{ messages[0].content }}"},
+    )
+    assert last_prompt(engine) == "bob: hello"
 
 
 def test_request_chat_template_needs_trust(engine):
