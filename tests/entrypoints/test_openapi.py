@@ -375,3 +375,22 @@ def test_errors_answered_in_front_of_the_routes_can_be_documented():
     assert ops["GET", "/v1/models"]["responses"]["401"]["content"] == {
         "application/json": {"schema": {"$ref": ERROR_REF}}
     }
+
+
+def test_request_bodies_allow_no_unknown_field(server, schema):
+    """Every request model and the models inside it say `additionalProperties: false`, as the
+    app answers a field it does not know with a 400 naming it."""
+    components = schema["components"]["schemas"]
+    requests = [name for name in components if name.endswith("Request")]
+    assert set(requests) >= {
+        "CompletionRequest",
+        "ChatCompletionRequest",
+        "TokenizeRequest",
+        "DetokenizeRequest",
+    }
+    for name in (*requests, "ChatMessage", "ContentPart", "ChatTool", "FunctionDefinition"):
+        assert components[name]["additionalProperties"] is False, name
+    # name (OpenAI's, passed to the chat template) is a known field of a message.
+    assert "name" in components["ChatMessage"]["properties"]
+    response = post(server, "/v1/chat/completions", {"messages": [], "foo_bar": 1})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "foo_bar"

@@ -1,6 +1,7 @@
 """The log cannot be forged or flooded by a client: control characters in a record are escaped
-(one record, one line) and the names of ignored request fields are summarized to a bounded
-size. Fake engine, real uvicorn; the log as `pagedkv serve` configures it, read from stderr."""
+(one record, one line), and the names of unknown request fields (a 400) and of ignored known
+ones are bounded in size. Fake engine, real uvicorn; the log as `pagedkv serve` configures it,
+read from stderr."""
 
 from __future__ import annotations
 
@@ -51,28 +52,35 @@ def completion_with_fields(server, fields: dict) -> httpx.Response:
 
 
 def test_a_field_name_cannot_forge_a_log_line(server, pagedkv_log, capsys):
+    """Unknown fields are a 400 naming them (not a warning line any more): nothing a client
+    names reaches the log, and the names come back JSON-escaped."""
     capsys.readouterr()
     fields = {f"x\n{FORGED}": 1, f"y\r{FORGED}": 2, f"z\u2028{FORGED}": 3, "\x1b[2J": 4}
-    assert completion_with_fields(server, fields).status_code == 200
-    lines = capsys.readouterr().err.splitlines()
-    assert not [line for line in lines if line.startswith("ERROR")]
-    assert not [line for line in lines if "FORGED" in line and "ignored:" not in line]
-    (warning,) = [line for line in lines if "fields without effect" in line]
-    assert warning.startswith("WARNING ")
-    assert f"x\\n{FORGED}" in warning and f"y\\r{FORGED}" in warning
-    assert f"z\\u2028{FORGED}" in warning and "\\x1b[2J" in warning
-    assert "\x1b" not in warning and "\u2028" not in warning
+    response = completion_with_fields(server, fields)
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == (
+        "Unrecognized request arguments supplied: " + ", ".join(fields)
+    )
+    assert "FORGED" not in capsys.readouterr().err
 
 
 def test_one_request_adds_a_bounded_log(server, pagedkv_log, capsys):
+    """The known fields without effect are named in one warning line."""
     capsys.readouterr()
-    fields = {f"field_{i:04d}_" + "k" * 1000: i for i in range(1000)}  # 1,000 names of 1 KB
+    fields = {"user": "u", "metadata": {f"k{i}": "v" * 1000 for i in range(16)}, "store": True}
     assert completion_with_fields(server, fields).status_code == 200
-    log = capsys.readouterr().err
-    assert len(log.encode()) < 2000  # was more than 1 MB
-    (warning,) = log.splitlines()
-    assert warning.endswith("... and 990 more")
-    assert warning.count("field_") == 10 and "field_0000_" + "k" * 53 + "..." in warning
+    (warning,) = capsys.readouterr().err.splitlines()
+    assert warning.startswith("WARNING ") and warning.endswith("ignored: user, metadata, store")
+
+
+def test_unknown_field_names_give_a_bounded_error(server):
+    fields = {f"field_{i:04d}_" + "k" * 1000: i for i in range(1000)}  # 1,000 names of 1 KB
+    response = completion_with_fields(server, fields)
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert len(message.encode()) < 2000  # the body was 1 MB of names
+    assert message.endswith("... and 990 more")
+    assert message.count("field_") == 10 and "field_0000_" + "k" * 53 + "..." in message
 
 
 def test_the_formatter_escapes_controls_and_keeps_tracebacks():

@@ -21,7 +21,12 @@ from pagedkv.entrypoints.openai.launch import ThreadedServer
 from pagedkv.entrypoints.openai.metrics import ServerMetrics
 from pagedkv.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedkv.entrypoints.openai.server_options import ServerOptions
-from pagedkv.entrypoints.openai.tool_calling import parse_required, required_schema
+from pagedkv.entrypoints.openai.tool_calling import (
+    RequiredCallsReader,
+    parameters_schema,
+    parse_required,
+    required_schema,
+)
 from pagedkv.errors import ConfigError
 
 NAMES = ["fake-model", "alias"]
@@ -46,7 +51,7 @@ QUESTION = [{"role": "user", "content": "Weather in Paris?"}]
 
 class ScriptedEngine(FakeEngine):
     """The fake engine, but every request's reply is ``self.reply`` (one character a step),
-    finished with "stop"."""
+    finished with "stop" (or "length" at max_tokens)."""
 
     reply = "ok"
 
@@ -64,6 +69,8 @@ class ScriptedEngine(FakeEngine):
         sample.text += char
         if sample.num_tokens >= len(reply):
             sample.finish_reason = "stop"
+        elif sample.num_tokens >= req.max_tokens:
+            sample.finish_reason = "length"
         return [ord(char)]
 
 
@@ -294,6 +301,13 @@ def test_request_chat_template_and_kwargs(client, engine):
     )
     assert last_prompt(engine) == "Hi, hello!"
     assert reply.choices[0].message.content == "fine"
+    # A message's name (OpenAI's) reaches the template, as vLLM passes it.
+    client.chat.completions.create(
+        model="fake-model",
+        messages=[{"role": "user", "content": "hello", "name": "bob"}],
+        extra_body={"chat_template": "{{ messages[0].name }}: {{ messages[0].content }}"},
+    )
+    assert last_prompt(engine) == "bob: hello"
 
 
 def test_request_chat_template_needs_trust(engine):
@@ -564,3 +578,145 @@ def test_tokenize_renders_tools_as_chat_does(server, client, engine):
     assert "<tools>['get_weather']" in engine.tokenizer.decode(tokenized["tokens"])
     refused = httpx.post(server.url + "/tokenize", json={"prompt": "x", "tools": [WEATHER_TOOL]})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"
+
+
+WEATHER_ITEM = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+TIME_ITEM = '{"name": "get_time", "parameters": {}}'
+
+
+def _required_reply(client, stream, **kwargs):
+    """(finish_reason, [(name, arguments)], content, completion_tokens) of one "required"
+    choice, streamed (calls put together by index) or not."""
+    kwargs = {"model": "fake-model", "messages": QUESTION, "tool_choice": "required", **kwargs}
+    if not stream:
+        reply = client.chat.completions.create(**kwargs)
+        choice = reply.choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or ()]
+        return choice.finish_reason, calls, choice.message.content, reply.usage.completion_tokens
+    options = {"include_usage": True}
+    content, calls, finish, usage = "", {}, None, None
+    for chunk in client.chat.completions.create(stream=True, stream_options=options, **kwargs):
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+            for piece in choice.delta.tool_calls or ():
+                entry = calls.setdefault(piece.index, ["", ""])
+                entry[0] += piece.function.name or ""
+                entry[1] += piece.function.arguments or ""
+    calls = [tuple(entry) for entry in calls.values()]
+    return finish, calls, content or None, usage.completion_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_ends_at_a_repeated_call(client, engine, stream):
+    """A greedy model that repeats its call never closes the array (SmolLM2 wrote the same
+    call 7 times in 250 tokens, then "length" with the raw array as content): the choice ends
+    at the first repeat, with the calls before it, and its engine request is aborted."""
+    engine.reply = f"[{WEATHER_ITEM}, {TIME_ITEM}, {WEATHER_ITEM}, {WEATHER_ITEM}, {TIME_ITEM}"
+    num_aborted = engine.num_aborted
+    engine.hold(after_tokens=len(engine.reply) - 1)  # the engine would never end it alone
+    try:
+        finish, calls, content, num_tokens = _required_reply(
+            client, stream, tools=[WEATHER_TOOL, TIME_TOOL], max_tokens=500
+        )
+        # The abort is a command to the engine thread, run before the next request's add.
+        client.chat.completions.create(model="fake-model", messages=QUESTION, max_tokens=1)
+    finally:
+        engine.release()
+    assert finish == "tool_calls" and content is None
+    assert calls == [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
+    # One character a token: generation stopped at the end of the repeat.
+    assert num_tokens == len(f"[{WEATHER_ITEM}, {TIME_ITEM}, {WEATHER_ITEM}")
+    assert engine.num_aborted == num_aborted + 1
+
+
+def test_required_repeat_ends_each_of_n_choices(client, engine):
+    engine.reply = f"[{TIME_ITEM}, {TIME_ITEM}, {TIME_ITEM}, {TIME_ITEM}"
+    reply = client.chat.completions.create(
+        model="fake-model",
+        messages=QUESTION,
+        tools=[TIME_TOOL],
+        tool_choice="required",
+        n=2,
+        max_tokens=500,
+    )
+    assert [c.finish_reason for c in reply.choices] == ["tool_calls", "tool_calls"]
+    for choice in reply.choices:
+        assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
+            ("get_time", "{}")
+        ]
+    assert reply.usage.completion_tokens == 2 * len(f"[{TIME_ITEM}, {TIME_ITEM}")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_keeps_the_calls_complete_before_a_length_cut(client, engine, stream):
+    engine.reply = f"[{WEATHER_ITEM}, {TIME_ITEM}]"
+    cut = len(f"[{WEATHER_ITEM}, ") + 5  # inside the second call
+    finish, calls, content, num_tokens = _required_reply(
+        client, stream, tools=[WEATHER_TOOL, TIME_TOOL], max_tokens=cut
+    )
+    assert (finish, calls, content, num_tokens) == (
+        "length",
+        [("get_weather", '{"city": "Paris"}')],
+        None,
+        cut,
+    )
+    # Cut before the first call is complete: the text is the content, as before.
+    finish, calls, content, _ = _required_reply(
+        client, stream, tools=[WEATHER_TOOL, TIME_TOOL], max_tokens=10
+    )
+    assert (finish, calls, content) == ("length", [], engine.reply[:10])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_closed_array_gives_every_call(client, engine, stream):
+    engine.reply = f"[{WEATHER_ITEM}, {TIME_ITEM}]"
+    finish, calls, content, num_tokens = _required_reply(
+        client, stream, tools=[WEATHER_TOOL, TIME_TOOL], max_tokens=500
+    )
+    assert finish == "tool_calls" and content is None and num_tokens == len(engine.reply)
+    assert calls == [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
+
+
+def test_required_calls_reader_any_split():
+    text = f" [ {WEATHER_ITEM} ,\n{TIME_ITEM} , {TIME_ITEM}, {WEATHER_ITEM}"
+    expected = [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
+    for size in range(1, len(text) + 1):
+        reader = RequiredCallsReader()
+        got = []
+        for start in range(0, len(text), size):
+            got += [(c.name, c.arguments) for c in reader.feed(text[start : start + size])]
+        assert got == expected and reader.repeated and not reader.closed, size
+    reader = RequiredCallsReader()
+    assert [c.name for c in reader.feed(f"[{TIME_ITEM}]{TIME_ITEM}")] == ["get_time"]
+    assert reader.closed and not reader.repeated
+    reader = RequiredCallsReader()
+    reader.feed("not json")
+    assert reader.invalid and reader.calls == []
+    # The same arguments in another key order are the same call.
+    reader = RequiredCallsReader()
+    two = '[{"name": "f", "parameters": {"a": 1, "b": 2}}, '
+    two += '{"name": "f", "parameters": {"b": 2, "a": 1}}'
+    assert len(reader.feed(two)) == 1 and reader.repeated
+
+
+@pytest.mark.parametrize(
+    "parameters",
+    [None, {}, {"type": "object"}, {"type": "object", "properties": {}}],
+    ids=["none", "empty", "object", "no-properties"],
+)
+def test_a_tool_without_parameters_takes_no_arguments(parameters):
+    """Such a tool's arguments are `{}` (OpenAI: an empty parameter list); xgrammar would
+    compile `{}` to any JSON value and `{"type": "object"}` to any object, free keys that a
+    model wrote until max_tokens."""
+    from pagedkv.engine.structured_output import parse_constraint
+    from pagedkv.sampling_params import StructuredOutputsParams
+
+    schema = parameters_schema(parameters)
+    assert schema["properties"] == {} and schema["additionalProperties"] is False
+    grammar = parse_constraint(StructuredOutputsParams(json=schema, disable_any_whitespace=True))
+    assert 'root ::= (("{" "}"))' in str(grammar).splitlines()
+    keep = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    assert parameters_schema(keep) is keep
+    assert parameters_schema({"type": "string"}) == {"type": "string"}

@@ -4,7 +4,9 @@ final answer through /v1/chat/completions, streamed and not, equal to what the e
 greedily for the same rendered prompt, read by the same parser; and ``tool_choice`` "required" /
 a named function, whose grammar forces the model's own output into valid calls (arguments
 checked with jsonschema), streamed and not, through the openai client and LangChain's
-``bind_tools``, up to a full round trip on the model's own call."""
+``bind_tools``, up to a full round trip on the model's own call; the server is configured by the
+README's command line (``--chat-template examples/tool_chat_template_hermes.jinja
+--enable-auto-tool-choice --tool-call-parser hermes``)."""
 
 from __future__ import annotations
 
@@ -62,15 +64,16 @@ def engine():
 @pytest.fixture(scope="module")
 def server(engine):
     from pagedkv.engine.engine_loop import EngineLoop
+    from pagedkv.entrypoints.cli import build_parser
     from pagedkv.entrypoints.openai.app import create_app
     from pagedkv.entrypoints.openai.chat_options import ChatOptions, load_chat_template
     from pagedkv.entrypoints.openai.launch import ThreadedServer
 
-    options = ChatOptions(
-        chat_template=load_chat_template(str(TEMPLATE)),
-        enable_auto_tool_choice=True,
-        tool_call_parser="hermes",
-    )
+    # The README's tool-calling command line.
+    flags = ["--chat-template", str(TEMPLATE), "--enable-auto-tool-choice"]
+    args = build_parser().parse_args(["serve", *flags, "--tool-call-parser", "hermes"])
+    options = ChatOptions.from_cli_args(args)
+    assert options.chat_template == load_chat_template(str(TEMPLATE))
     app = create_app(EngineLoop(engine), model_name="smollm2", chat_options=options)
     with ThreadedServer(app) as running:
         yield running
@@ -173,30 +176,62 @@ def client(server):
 
 @pytest.mark.parametrize(
     ("tools", "parallel", "max_tokens"),
-    # Greedy, SmolLM2 writes the same call twice when it may (60 tokens), once when it may not.
-    [([TOOL], True, 96), ([TOOL, TIME_TOOL], False, CONSTRAINED_MAX_TOKENS)],
+    # Issue 34's request: one tool, parallel calls allowed (OpenAI's default), 250 tokens. It
+    # used to end "length" with the same call 7 times as content; greedy, the compact grammar
+    # now closes the array after one call (21 tokens), and a repeat would end it.
+    [([TOOL], True, 250), ([TOOL, TIME_TOOL], False, CONSTRAINED_MAX_TOKENS)],
     ids=["one-tool-parallel", "two-tools-single"],
 )
 def test_required_forces_a_valid_call(client, tools, parallel, max_tokens):
     jsonschema = pytest.importorskip("jsonschema")
-    whole, streamed = _calls_streamed_and_not(
-        client,
-        model="smollm2",
-        messages=QUESTION,
-        tools=tools,
-        tool_choice="required",
-        parallel_tool_calls=parallel,
-        max_tokens=max_tokens,
-        temperature=0,
-    )
+    kwargs = {
+        "model": "smollm2",
+        "messages": QUESTION,
+        "tools": tools,
+        "tool_choice": "required",
+        "parallel_tool_calls": parallel,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    whole, streamed = _calls_streamed_and_not(client, **kwargs)
     finish, calls = whole
     assert finish == "tool_calls"
-    assert len(calls) == (2 if parallel else 1)
+    assert calls == [("get_weather", '{"city": "Paris"}')]
+    usage = client.chat.completions.create(**kwargs).usage
+    assert usage.completion_tokens < 64  # ended by the grammar, far before max_tokens
     names = {t["function"]["name"] for t in tools}
     for name, arguments in calls:
         assert name in names
         jsonschema.validate(json.loads(arguments), _parameters(name))
     assert streamed == whole
+
+
+NO_ARGUMENTS_TOOL = {
+    "type": "function",
+    "function": {"name": "get_time", "description": "The current time", "parameters": {}},
+}
+
+
+@pytest.mark.parametrize(
+    "tool_choice",
+    ["required", {"type": "function", "function": {"name": "get_time"}}],
+    ids=["required", "named"],
+)
+def test_a_tool_without_parameters_is_called_with_no_arguments(client, tool_choice):
+    """`parameters: {}` used to let the model write free keys (named: runs of newlines inside
+    the braces) until max_tokens; now its arguments are `{}` and the reply ends."""
+    kwargs = {
+        "model": "smollm2",
+        "messages": [{"role": "user", "content": "What time is it?"}],
+        "tools": [NO_ARGUMENTS_TOOL],
+        "tool_choice": tool_choice,
+        "max_tokens": 250,
+        "temperature": 0,
+    }
+    whole, streamed = _calls_streamed_and_not(client, **kwargs)
+    assert whole == ("stop" if tool_choice != "required" else "tool_calls", [("get_time", "{}")])
+    assert streamed == whole
+    assert client.chat.completions.create(**kwargs).usage.completion_tokens < 64
 
 
 def test_named_function_forces_that_call(client):
@@ -298,8 +333,13 @@ def test_round_trip_with_the_models_own_call(client):
     assert (content, finish) == (answer.message.content, answer.finish_reason)
 
 
-@pytest.mark.parametrize("tool_choice", ["required", "get_weather"])
-def test_langchain_bind_tools_forced(server, tool_choice):
+@pytest.mark.parametrize(
+    ("tool_choice", "parallel"),
+    # Issue 34: bind_tools(..., tool_choice="required") with parallel calls allowed got no
+    # tool_calls (the array never closed, "length").
+    [("required", None), ("required", False), ("get_weather", False)],
+)
+def test_langchain_bind_tools_forced(server, tool_choice, parallel):
     langchain_openai = pytest.importorskip("langchain_openai")
     jsonschema = pytest.importorskip("jsonschema")
 
@@ -312,10 +352,10 @@ def test_langchain_bind_tools_forced(server, tool_choice):
         base_url=server.url + "/v1",
         api_key="x",
         temperature=0,
-        max_tokens=CONSTRAINED_MAX_TOKENS,
+        max_tokens=250,
         max_retries=0,
     )
-    bound = model.bind_tools([get_weather], tool_choice=tool_choice, parallel_tool_calls=False)
+    bound = model.bind_tools([get_weather], tool_choice=tool_choice, parallel_tool_calls=parallel)
     result = bound.invoke("What is the weather in Paris?")
     [call] = result.tool_calls
     assert call["name"] == "get_weather"

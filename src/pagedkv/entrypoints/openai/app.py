@@ -26,7 +26,8 @@ one engine's :class:`~pagedkv.engine.engine_loop.EngineLoop` or a cluster's fron
 are tokenized on the client's input thread, never between the engine's steps.
 
 Every request field is honoured or refused with a 400 naming it (protocol.py; the table is in
-docs/server.md); fields without effect and unknown fields are named in one bounded warning line.
+docs/server.md); an unknown field is a 400 naming it, and the known fields without effect
+(``user``...) are named in one warning line.
 Bad input gets the OpenAI error body ``{"error": {"message", "type", "param", "code"}}``; a method
 a path does not take gets 405 with ``Allow`` naming those it does. Only an engine fault (see
 engine_loop.py) stops the engine: then every route that needs it (completions, chat, /metrics,

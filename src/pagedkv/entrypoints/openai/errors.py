@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -20,6 +21,7 @@ from starlette.routing import Match
 
 from pagedkv.cluster.protocol import ReplicaError
 from pagedkv.engine.engine_loop import EngineDeadError
+from pagedkv.entrypoints.log_setup import summarize_for_log
 from pagedkv.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, UnsupportedFieldError
 from pagedkv.errors import InvalidRequestError
 
@@ -93,11 +95,43 @@ def _is_union_tag(part: str) -> bool:
     return "[" in part or part in ("str", "int", "float", "bool", "list", "dict", "none")
 
 
+def _unrecognized(errors: list[dict[str, Any]]) -> OpenAIError | None:
+    """The 400 of fields no request model declares (pydantic's ``extra_forbidden``), all
+    named in OpenAI's words (``Unrecognized request argument supplied: foo_bar``), the first's
+    top-level field as ``param``; None when there are none. The list is bounded in size
+    (``summarize_for_log``): a body may hold any number of names of any length."""
+    paths: list[str] = []
+    for error in errors:
+        if error.get("type") != "extra_forbidden":
+            continue
+        *parents, name = error.get("loc", ())[1:]  # after "body"
+        path = ""
+        for part in parents:
+            if isinstance(part, int):
+                path += f"[{part}]"
+            elif not _is_union_tag(part) and not part[:1].isupper():  # a model member's tag
+                path += f".{part}" if path else part
+        paths.append(f"{path}.{name}" if path else str(name))
+    if not paths:
+        return None
+    plural = "s" if len(paths) > 1 else ""
+    return OpenAIError(
+        400,
+        f"Unrecognized request argument{plural} supplied: {summarize_for_log(paths)}",
+        param=re.split(r"[.\[]", paths[0], maxsplit=1)[0],
+        code="unrecognized_argument",
+    )
+
+
 def validation_error(exc: RequestValidationError) -> OpenAIError:
-    """The first pydantic error as one readable message (``field: problem (got value)``)."""
+    """The first pydantic error as one readable message (``field: problem (got value)``); fields
+    the request models do not declare come first, all named (:func:`_unrecognized`)."""
     errors = exc.errors()
     if not errors:
         return OpenAIError(400, "invalid request body")
+    unrecognized = _unrecognized(errors)
+    if unrecognized is not None:
+        return unrecognized
     first = errors[0]
     if first.get("type") == "json_invalid":
         return OpenAIError(

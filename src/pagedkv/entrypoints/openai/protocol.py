@@ -8,9 +8,11 @@ The contract (docs/server.md has the table of every field):
   it when it asks for something (``tools``, ``response_format`` other than text, ``suffix``,
   ``best_of`` > n, ...): each request model lists them in ``REFUSED`` with the values that ask for
   nothing (``check_supported``).
-- Known fields without effect on the output (``user``, ``metadata``...: ``IGNORED``) and unknown
-  fields are accepted and named in one warning log line per request (``ignored_fields``), as vLLM
-  does.
+- Known fields without effect on the output (``user``, ``metadata``...: ``IGNORED``) are accepted
+  and named in one warning log line per request (``ignored_fields``), as vLLM does.
+- A field no model here declares, at any depth (``foo_bar``, ``messages[0].foo``), is a 400
+  naming it, as OpenAI answers ("Unrecognized request argument supplied"; errors.py): each
+  model forbids extra keys, which its JSON Schema states (``additionalProperties: false``).
 
 Types are strict: JSON ``null`` for an optional field means its default, but strings are not
 numbers (``"max_tokens": "8"`` is a 400, as in OpenAI) and numbers are not booleans; a number
@@ -200,10 +202,10 @@ _CONTINUE_RULE = {
 
 
 class _Strict(BaseModel):
-    """Strict types; ``null`` for a field whose default is not None means that default; extra
-    fields are kept (``model_extra``) to be named in the request's warning line."""
+    """Strict types; ``null`` for a field whose default is not None means that default; a
+    field the model does not declare is refused (a 400 naming it)."""
 
-    model_config = ConfigDict(strict=True, extra="allow", json_schema_extra=_document)
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=_document)
     #: JSON Schema rules between fields, added to the model's schema (``allOf``): the rules of
     #: ``check_supported`` that a schema can state.
     SCHEMA_RULES: ClassVar[tuple[dict[str, Any], ...]] = ()
@@ -625,13 +627,8 @@ class _SamplingRequest(_Strict):
         return params, path
 
     def ignored_fields(self) -> list[str]:
-        """The names of the fields accepted without effect: the known ones set (``IGNORED``)
-        and the unknown ones (at any depth, as ``messages[0].name``)."""
-        names = [name for name in self.IGNORED if getattr(self, name) is not None]
-        names += list(self.model_extra or ())
-        if self.stream_options is not None:
-            names += [f"stream_options.{k}" for k in self.stream_options.model_extra or ()]
-        return names
+        """The names of the known fields set that have no effect (``IGNORED``)."""
+        return [name for name in self.IGNORED if getattr(self, name) is not None]
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The SamplingParams fields these request fields set (max_tokens, logprobs and
@@ -797,10 +794,13 @@ class MessageToolCall(_Strict):
 
 class ChatMessage(_Strict):
     """One message. An assistant's may hold ``tool_calls`` (its content then may be null); a
-    ``tool`` message answers one of them (``tool_call_id``). Both reach the chat template."""
+    ``tool`` message answers one of them (``tool_call_id``). Both, and ``name``, reach the chat
+    template."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ContentPart] | None = None
+    #: the participant's name (OpenAI's), passed to the template as vLLM does.
+    name: Text | None = None
     tool_calls: Annotated[list[MessageToolCall], Field(max_length=MAX_TOOLS)] | None = None
     tool_call_id: Text | None = None
 
@@ -820,7 +820,7 @@ class ChatMessage(_Strict):
 
     def as_template_dict(self) -> dict[str, Any]:
         """The ``{"role", "content"}`` dict a chat template expects (text parts joined), with
-        ``tool_calls`` (arguments as a dict, as templates read them, vLLM likewise) and
+        ``name``, ``tool_calls`` (arguments as a dict, as templates read them, vLLM likewise) and
         ``tool_call_id`` when the message has them."""
         if self.content is None:
             text = ""
@@ -830,6 +830,8 @@ class ChatMessage(_Strict):
             text = "".join(part.text or "" for part in self.content)
         role = "system" if self.role == "developer" else self.role
         message: dict[str, Any] = {"role": role, "content": text}
+        if self.name is not None:
+            message["name"] = self.name
         if self.tool_calls:
             message["tool_calls"] = [
                 {
@@ -1046,14 +1048,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def ignored_fields(self) -> list[str]:
         names = super().ignored_fields()
-        for i, message in enumerate(self.messages):
-            names += [f"messages[{i}].{k}" for k in message.model_extra or ()]
-            if isinstance(message.content, list):
-                for j, part in enumerate(message.content):
-                    names += [f"messages[{i}].content[{j}].{k}" for k in part.model_extra or ()]
         for i, tool in enumerate(self.tools or ()):
-            names += [f"tools[{i}].{k}" for k in tool.model_extra or ()]
-            names += [f"tools[{i}].function.{k}" for k in tool.function.model_extra or ()]
             if tool.function.strict and self.effective_tool_choice == "auto":
                 names.append(f"tools[{i}].function.strict (not enforced under tool_choice auto)")
         return names
@@ -1113,7 +1108,7 @@ class TokenizeRequest(_Strict):
             )
 
     def ignored_fields(self) -> list[str]:
-        return list(self.model_extra or ())
+        return []
 
 
 class DetokenizeRequest(_Strict):
@@ -1129,7 +1124,7 @@ class DetokenizeRequest(_Strict):
         """Nothing to refuse."""
 
     def ignored_fields(self) -> list[str]:
-        return list(self.model_extra or ())
+        return []
 
 
 # --------------------------------------------------------------------------------------------

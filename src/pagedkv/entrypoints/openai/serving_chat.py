@@ -40,6 +40,7 @@ from pagedkv.entrypoints.openai.serving_engine import (
 )
 from pagedkv.entrypoints.openai.tool_calling import (
     ChoiceStream,
+    RequiredCallsReader,
     ToolChoice,
     named_schema,
     required_schema,
@@ -68,6 +69,19 @@ class _ChatResponse(StreamWriter):
         self.tool_choice = tool_choice
         #: choice index -> its stream of content and tool-call deltas
         self.streams: dict[int, ChoiceStream] = {}
+        #: choice index -> the calls of its "required" output so far (to end it at a repeat)
+        self.readers: dict[int, RequiredCallsReader] = {}
+
+    def ends_early(self, sample: Sample, new_text: str) -> bool:
+        """A "required" choice ends at its first call identical to an earlier one (see
+        :class:`RequiredCallsReader`), or when its text cannot hold another call."""
+        if self.tool_choice.kind != "required":
+            return False
+        reader = self.readers.get(sample.index)
+        if reader is None:
+            reader = self.readers[sample.index] = RequiredCallsReader()
+        reader.feed(new_text)
+        return reader.repeated
 
     def logprobs_of(self, sample: Sample, start: int) -> ChatLogProbs | None:
         k = self.options.logprobs
@@ -219,7 +233,9 @@ class OpenAIServingChat(OpenAIServing):
             schema = required_schema(request)
         else:
             schema = named_schema(request, mode.function_name or "")
-        return mode, StructuredOutputsParams(json=schema)
+        # Compact JSON (one space after ":" and ","): free whitespace lets a small model write
+        # newlines until max_tokens (SmolLM2 does, inside a no-argument call's "{}").
+        return mode, StructuredOutputsParams(json=schema, disable_any_whitespace=True)
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: Request
@@ -308,6 +324,6 @@ class OpenAIServingChat(OpenAIServing):
         if request.stream:
             events = self.sse_stream(stream, prompts, options, response)
             return StreamingResponse(events, media_type="text/event-stream")
-        await self.collect(stream, prompts, raw_request, options)
+        await self.collect(stream, prompts, raw_request, options, response)
         raise_if_failed(prompts)
         return JSONResponse(response.body().model_dump())

@@ -148,6 +148,11 @@ class StreamWriter:
         """Events sent before any engine output (the chat's role deltas)."""
         return []
 
+    def ends_early(self, sample: Sample, new_text: str) -> bool:
+        """Whether the sample's output is complete before the engine ends it (a chat's
+        ``tool_choice`` "required" that repeats a call), told each new piece of its text."""
+        return False
+
     def chunks(
         self, prompt: PromptState, sample: Sample, new_text: str, num_new: int, finish: str | None
     ) -> list[str]:
@@ -178,8 +183,8 @@ class OpenAIServing:
     # ---- request -> engine requests -----------------------------------------------------------
 
     def check_request(self, request: Any, response_id: str) -> None:
-        """The model name, the refused fields (400 naming the field), and one bounded warning
-        line naming the fields accepted without effect (escaped: names are client input)."""
+        """The model name, the refused fields (400 naming the field), and one warning line
+        naming the known fields accepted without effect (unknown fields were a 400 already)."""
         self.models.check_model(request.model)
         request.check_supported()
         ignored = request.ignored_fields()
@@ -243,14 +248,21 @@ class OpenAIServing:
     # ---- engine outputs -----------------------------------------------------------------------
 
     async def events(
-        self, stream: OutputStream, prompts: list[PromptState], options: Options
+        self,
+        stream: OutputStream,
+        prompts: list[PromptState],
+        options: Options,
+        writer: StreamWriter | None = None,
     ) -> AsyncIterator[tuple[PromptState, Sample, str, int]]:
         """Yields (prompt, sample, new text, number of new tokens) whenever a sample gets text,
         tokens or finishes; observes the metrics. Ends when every sample has finished. With
-        ``echo_only`` the generated token is dropped (no text, no tokens)."""
+        ``echo_only`` the generated token is dropped (no text, no tokens). A sample the
+        ``writer`` ends early (:meth:`StreamWriter.ends_early`) finishes with "stop"; the engine
+        request is aborted once all its samples have (its blocks freed at once)."""
         metrics = self.metrics
         by_id = {p.request_id: p for p in prompts}
-        while not stream.finished:
+        num_finished = 0  # prompts whose samples have all finished (some maybe ended early)
+        while not stream.finished and num_finished < len(prompts):
             output, step_time = await stream.get()
             prompt = by_id[output.request_id]
             if prompt.num_cached_tokens is None:
@@ -285,6 +297,13 @@ class OpenAIServing:
                     sample.stop_reason = completion.stop_reason
                     sample.error = completion.error
                     metrics.observe_finished(sample.finish_reason, step_time - stream.arrival_time)
+                    num_finished += prompt.finished
+                elif new_text and writer is not None and writer.ends_early(sample, new_text):
+                    sample.finish_reason = "stop"
+                    metrics.observe_finished("stop", step_time - stream.arrival_time)
+                    if prompt.finished:  # the engine would not end it: abort it
+                        num_finished += 1
+                        self.engine_client.abort([prompt.request_id])
                 if new_text or new_token_ids or sample.finish_reason is not None:
                     yield prompt, sample, new_text, len(new_token_ids)
 
@@ -307,8 +326,10 @@ class OpenAIServing:
         prompts: list[PromptState],
         raw_request: Request,
         options: Options,
+        writer: StreamWriter | None = None,
     ) -> None:
         """Run a non-streamed request to its end; aborts it if the client disconnects first.
+        ``writer``: the response, which may end a sample early (see :meth:`events`).
 
         Raises:
             EngineDeadError (or a replica's error): the engine failed; its requests were
@@ -316,7 +337,7 @@ class OpenAIServing:
         """
 
         async def drain() -> None:
-            async for _ in self.events(stream, prompts, options):
+            async for _ in self.events(stream, prompts, options, writer):
                 pass
 
         async def disconnected() -> None:
@@ -353,7 +374,9 @@ class OpenAIServing:
         try:
             for chunk in writer.first_chunks():
                 yield chunk
-            async for prompt, sample, new_text, num_new in self.events(stream, prompts, options):
+            async for prompt, sample, new_text, num_new in self.events(
+                stream, prompts, options, writer
+            ):
                 if sample.finish_reason == "error":
                     if new_text or num_new:
                         for chunk in writer.chunks(prompt, sample, new_text, num_new, None):

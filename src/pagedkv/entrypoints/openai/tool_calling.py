@@ -7,9 +7,16 @@ back from each choice's text, whole or streamed.
   is content. ``finish_reason`` "stop" becomes "tool_calls" when there are calls.
 - ``"required"``: the output is constrained to a JSON array of ``{"name", "parameters"}`` whose
   items each match one tool (name const, parameters its schema); ``parallel_tool_calls: false``
-  allows one item. Streamed: the calls are sent when the output ends. "stop" -> "tool_calls".
+  allows one item. The calls are read as the array grows (:class:`RequiredCallsReader`): each
+  is sent once its item is complete, a call identical to an earlier one ends the choice (a
+  greedy model repeats its call until max_tokens rather than close the array), and the calls
+  complete before a max_tokens cut are kept. "stop" -> "tool_calls".
 - a named function: the output is constrained to that function's parameters schema and is the
   call's arguments, streamed piece by piece; ``finish_reason`` stays "stop" (OpenAI's).
+
+A function whose ``parameters`` name no property (none, ``{}``, ``{"type": "object"}``) takes
+no arguments (OpenAI: "omitting parameters defines a function with an empty parameter list"):
+its constrained arguments are ``{}``.
 """
 
 from __future__ import annotations
@@ -31,8 +38,27 @@ from pagedkv.entrypoints.openai.protocol import (
 from pagedkv.entrypoints.openai.tool_parsers import ToolCall, ToolCallStream, ToolParser
 from pagedkv.entrypoints.openai.tool_parsers.base import read_call
 
-#: A function without ``parameters`` takes an object (OpenAI's reading).
-_ANY_OBJECT: dict[str, Any] = {"type": "object"}
+#: The arguments of a function that takes none: the empty object (and nothing else).
+NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+#: Keys of an object schema that let it hold properties; without any, it names none.
+_PROPERTY_KEYWORDS = ("properties", "additionalProperties", "patternProperties", "required", "$ref")
+_SCHEMA_COMBINATORS = ("anyOf", "oneOf", "allOf", "if", "not", "enum", "const")
+
+
+def parameters_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
+    """The schema a tool's arguments are constrained to: ``parameters``, or
+    :data:`NO_ARGUMENTS` when it names no property (None, ``{}``, ``{"type": "object"}``,
+    ``{"type": "object", "properties": {}}``), which xgrammar would otherwise fill with free
+    keys until max_tokens. The given dict is not changed."""
+    if not parameters:
+        return NO_ARGUMENTS
+    if parameters.get("type", "object") != "object":
+        return parameters
+    if any(parameters.get(k) for k in _PROPERTY_KEYWORDS) or any(
+        k in parameters for k in _SCHEMA_COMBINATORS
+    ):
+        return parameters
+    return {**parameters, **NO_ARGUMENTS}
 
 
 def tool_call_id() -> str:
@@ -61,7 +87,7 @@ def required_schema(request: ChatCompletionRequest) -> dict[str, Any]:
     items = []
     defs: dict[str, dict[str, Any]] = {}  # keyword -> name -> subschema
     for tool in request.tools or ():
-        parameters = dict(tool.function.parameters or _ANY_OBJECT)  # a copy: the request stays
+        parameters = dict(parameters_schema(tool.function.parameters))  # the request stays
         for keyword in _DEFS_KEYWORDS:
             found = parameters.get(keyword)
             if not isinstance(found, dict):
@@ -98,21 +124,93 @@ def named_schema(request: ChatCompletionRequest, name: str) -> dict[str, Any]:
     """The JSON Schema of a named ``tool_choice``: that function's parameters."""
     for tool in request.tools or ():
         if tool.function.name == name:
-            return tool.function.parameters or _ANY_OBJECT
+            return parameters_schema(tool.function.parameters)
     raise KeyError(name)  # check_supported refused it before
 
 
+_DECODER = json.JSONDecoder()
+_SPACE = " \t\n\r"
+
+
+@dataclass(slots=True)
+class RequiredCallsReader:
+    """The calls of a ``"required"`` output (a JSON array of ``{"name", "parameters"}``),
+    read as its text grows, each once its item is complete.
+
+    Reading stops (``ended``) when the array closes, at the first call identical to an earlier
+    one (same name and arguments: the repeat is dropped and the choice ends there, since a
+    greedy model that repeats a call repeats it until max_tokens: SmolLM2 wrote its one call
+    7 times in 250 tokens) or at text that is not such an array (the grammar makes none; the
+    calls before it are kept). An output cut by max_tokens keeps its complete calls.
+
+    Attributes:
+        calls: the calls read so far, in order, no two identical.
+        closed: the array was closed (``]``).
+        repeated: a call repeated an earlier one.
+    """
+
+    calls: list[ToolCall] = field(default_factory=list)
+    closed: bool = False
+    repeated: bool = False
+    invalid: bool = False
+    _unread: str = ""  # the text after the last item or separator read
+    _expect: str = "["  # "[", "item" or "," (a separator, or "]" to end)
+    _seen: set[tuple[str, str]] = field(default_factory=set)
+    _waiting: bool = False  # the unread item did not parse yet: wait for a "}"
+
+    @property
+    def ended(self) -> bool:
+        return self.closed or self.repeated or self.invalid
+
+    def feed(self, text: str) -> list[ToolCall]:
+        """Read ``text`` (the next piece of the output); returns the calls it completed."""
+        new: list[ToolCall] = []
+        if self.ended:
+            return new
+        self._unread += text
+        if self._waiting and "}" not in text:  # an item (an object) can only end at a "}"
+            return new
+        self._waiting = False
+        while not self.ended:
+            unread = self._unread.lstrip(_SPACE)
+            if not unread:
+                break
+            if self._expect != "item":
+                if unread[0] == self._expect:
+                    self._expect = "item"
+                elif self._expect == "," and unread[0] == "]":
+                    self.closed = True
+                else:
+                    self.invalid = True
+                self._unread = unread[1:]
+                continue
+            try:
+                item, end = _DECODER.raw_decode(unread)
+            except ValueError:
+                # Unfinished: what the grammar lets through is valid JSON so far.
+                self._unread, self._waiting = unread, True
+                break
+            call = read_call(item, ("parameters", "arguments"))
+            if call is None:
+                self.invalid = True
+                break
+            key = (call.name, json.dumps(json.loads(call.arguments), sort_keys=True))
+            if key in self._seen:
+                self.repeated = True
+                break
+            self._seen.add(key)
+            self.calls.append(call)
+            new.append(call)
+            self._unread, self._expect = unread[end:], ","
+        return new
+
+
 def parse_required(text: str) -> list[ToolCall] | None:
-    """The calls of a ``"required"`` output (a JSON array of calls); None if it is not one (an
-    output cut short by max_tokens)."""
-    try:
-        items = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(items, list) or not items:
-        return None
-    calls = [read_call(item, ("parameters", "arguments")) for item in items]
-    return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
+    """The calls of a whole ``"required"`` output (see :class:`RequiredCallsReader`); None if it
+    holds no complete call (an output cut short by max_tokens before its first)."""
+    reader = RequiredCallsReader()
+    reader.feed(text)
+    return reader.calls or None
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,7 +280,8 @@ class ChoiceStream:
     mode: ToolChoice
     num_calls: int = 0
     _parser_stream: ToolCallStream | None = None
-    _held: list[str] = field(default_factory=list)  # "required": the text, read at the end
+    _held: list[str] = field(default_factory=list)  # "required": its text (content if no call)
+    _required: RequiredCallsReader = field(default_factory=RequiredCallsReader)
 
     def __post_init__(self) -> None:
         if self.mode.kind == "auto" and self.mode.parser is not None:
@@ -203,15 +302,13 @@ class ChoiceStream:
                 else:
                     out += self._call(event)
         elif kind == "required":
+            # Each call is sent once its item is complete; text without any call (cut by
+            # max_tokens before the first) is content at the end.
             self._held.append(text)
-            if finished:
-                whole = "".join(self._held)
-                calls = parse_required(whole)
-                if calls is None:
-                    out.append(whole)
-                else:
-                    for call in calls:
-                        out += self._call(call)
+            for call in self._required.feed(text):
+                out += self._call(call)
+            if finished and not self._required.calls:
+                out.append("".join(self._held))
         elif kind == "named" and self.mode.function_name is not None:
             if self.num_calls == 0 and (text or finished):
                 out += self._call(ToolCall(self.mode.function_name, ""))
