@@ -1,4 +1,4 @@
-"""The KV cache snapshot (pagedkv.core.kv_view): what the web view draws, checked against the pool."""
+"""The KV cache snapshot (pagedkv.core.kv_view): what the web view draws, checked with the pool."""
 
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ def test_shared_prefix_counts_match_the_pool_and_token_slots_count_half_blocks()
     # 8 shared tokens once, then 2 + 1 tokens in the two last blocks: half-filled = half used
     assert snap["num_used_slots"] == 8 + 2 + 1
     assert snap["num_used_blocks"] == 4
+    assert snap["blocks"]["partial"] == {str(ids_a[2]): 2, str(ids_b[2]): 1}
     assert [row["num_scheduled_tokens"] for row in snap["requests"]] == [10, 1]
     text = json.dumps(snap)
     assert "100" not in text.replace("1000", "")  # no token id leaks (they start at 100)

@@ -6,7 +6,7 @@ draw.
     block ids:   0   1   2   3   4   5   6   7   8   9  ...
     state:       N   s   s   u   w   c   c   f   f   u  ...     one letter per block (BLOCK_STATES)
     ref_cnt:     0   2   2   1   1   0   0   0   0   1
-    num_tokens:  0  16  16   9   9  16  16   0   0   4      tokens written into each block
+    partial:     {3: 9, 4: 9, 9: 4}                        blocks in use not full: tokens written
     free_queue:  [5, 6, 7, 8, ...]                         head first: the next to be evicted
     requests:    [{"request_id": "a", "block_ids": [[1, 2, 3]], ...}, {"request_id": "b",
                   "block_ids": [[1, 2, 4]], ...}]          one block table per KV cache group
@@ -74,9 +74,11 @@ def snapshot_kv_cache(
         A dict: ``version``, ``time`` (Unix seconds), ``num_blocks`` (null block included),
         ``block_size`` (tokens), ``groups`` (one ``{"kind", "sliding_window"}`` per KV cache
         group), ``blocks`` (``state``: one letter per block, see :data:`BLOCK_STATES`;
-        ``ref_cnt``, ``group`` (-1: none) and ``num_tokens`` (tokens written into a block in use, the most any
-        holder wrote; 0 for a free block): lists of ``num_blocks`` ints), ``free_queue`` (free block ids, head =
-        next to evict, first), ``requests`` (``request_id``, ``status``, ``num_prompt_tokens``,
+        ``ref_cnt``: a list of ``num_blocks`` ints; ``group``: the KV cache group of each
+        block (-1: none; ``None`` with one group: every block is group 0's); ``partial``: the
+        blocks in use that are not full, block id (a str) -> tokens written; the others in use
+        are full), ``free_queue`` (free block ids,
+        the next to evict first), ``requests`` (``request_id``, ``status``, ``num_prompt_tokens``,
         ``num_tokens``, ``num_computed_tokens``, ``num_scheduled_tokens``, ``block_ids``: one
         list per group), ``num_used_blocks``, ``num_used_slots`` (tokens written into blocks
         in use: a half-filled block counts half), ``num_cached_free_blocks``, ``kv_tier``
@@ -87,40 +89,45 @@ def snapshot_kv_cache(
     block_size = manager.block_size
     num_blocks = len(blocks)
     ref_cnt = [block.ref_cnt for block in blocks]
-    group = [block.cache_group_id for block in blocks]
-    num_tokens = [0] * num_blocks
-    # Blocks in use, then free ones: the cached ones keep their letter until evicted.
     state = ["u" if count == 1 else "s" if count > 1 else "f" for count in ref_cnt]
-    free_queue = [block.block_id for block in pool.free_block_queue.get_all_free_blocks()]
+    free_blocks = pool.free_block_queue.get_all_free_blocks()
+    free_queue = [block.block_id for block in free_blocks]
     num_cached_free_blocks = 0
-    for block_id in free_queue:
-        if group[block_id] >= 0:
-            state[block_id] = "c"
+    for block in free_blocks:
+        if block.block_hash is not None:
+            state[block.block_id] = "c"
             num_cached_free_blocks += 1
+    single_group = len(manager.kv_cache_specs) == 1
+    # With several groups: a free cached block's is the group whose prefix-cache map holds it,
+    # a block in use's the group whose tables hold it (filled in below).
+    group = None if single_group else [block.cache_group_id for block in blocks]
     null_id = pool.null_block.block_id
     state[null_id] = "N"
+    # A block in use is full for every holder, or partially filled with the same tokens for
+    # every holder (a writer copies it first: KVCacheManager.check_invariants), or slots only:
+    # so one look at each table's boundary block finds every block that is not full, O(1) per
+    # request instead of O(table).
+    partial: dict[int, int] = {}  # block id -> tokens written, for blocks in use not full
     scheduled = num_scheduled_tokens or {}
-    has_draft = False
     table_rows = []
     for request, status in requests:
         request_id = request.request_id
         num_computed = request.num_computed_tokens
         tables = manager.get_block_ids(request_id)
+        num_full, num_rest = divmod(num_computed, block_size)
+        first_draft = -(-request.num_tokens // block_size)
         for group_id, table in enumerate(tables):
-            for index, block_id in enumerate(table):
+            if group is not None:
+                for block_id in table:
+                    if block_id != null_id:
+                        group[block_id] = group_id
+            for index in range(num_full, len(table)):
+                block_id = table[index]
                 if block_id == null_id:
                     continue
-                group[block_id] = group_id
-                start = index * block_size
-                filled = num_computed - start
-                if filled > 0:
-                    if filled > block_size:
-                        filled = block_size
-                    if filled > num_tokens[block_id]:
-                        num_tokens[block_id] = filled
-                elif start >= request.num_tokens:
+                partial[block_id] = num_rest if index == num_full else 0
+                if index >= first_draft and state[block_id] == "u":
                     state[block_id] = "d"
-                    has_draft = True
         table_rows.append(
             {
                 "request_id": request_id,
@@ -129,15 +136,9 @@ def snapshot_kv_cache(
                 "num_tokens": request.num_tokens,
                 "num_computed_tokens": num_computed,
                 "num_scheduled_tokens": scheduled.get(request_id, 0),
-                "block_ids": [list(table) for table in tables],
+                "block_ids": tables,
             }
         )
-    if has_draft:  # a block holding some token of another holder is not draft-only
-        for row in table_rows:
-            for table in row["block_ids"]:
-                for index, block_id in enumerate(table):
-                    if state[block_id] == "d" and index * block_size < row["num_tokens"]:
-                        state[block_id] = "u" if ref_cnt[block_id] == 1 else "s"
     for pairs in blocks_to_copy:
         for src, dst in pairs:
             for block_id in (src, dst):
@@ -155,12 +156,13 @@ def snapshot_kv_cache(
             "state": "".join(state),
             "ref_cnt": ref_cnt,
             "group": group,
-            "num_tokens": num_tokens,
+            "partial": {str(block_id): filled for block_id, filled in partial.items()},
         },
         "free_queue": free_queue,
         "requests": table_rows,
         "num_used_blocks": num_used_blocks,
-        "num_used_slots": sum(num_tokens),
+        "num_used_slots": num_used_blocks * block_size
+        - sum(block_size - filled for filled in partial.values()),
         "num_cached_free_blocks": num_cached_free_blocks,
         "kv_tier": None
         if offloader is None
