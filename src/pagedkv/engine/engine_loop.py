@@ -13,6 +13,12 @@ The engine is not thread-safe, so only the engine thread touches it: everything 
 wants done (add, abort, stats, reset the prefix cache) goes through the command queue and runs
 between two steps. The thread sleeps on an event while there is nothing to do.
 
+While a /kv page listens (:meth:`EngineLoop.kv_states`), the engine thread also takes a snapshot
+of the KV cache between two steps (``engine.kv_snapshot()``, plain data) a few times a second and
+hands it to the listeners; with no listener it takes none. Its share of the engine thread's time
+is kept under 1%: the next snapshot waits at least 100 times as long as the last one took
+(:data:`KV_SNAPSHOT_MAX_SHARE`).
+
 A step that raises is a request's fault unless shown otherwise: the engine has already finished
 the step's requests with finish_reason "error" (the next step reports them; their clients get a
 500) and the loop keeps serving. It stops, and /health answers 503 with the reason, only for an
@@ -35,7 +41,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -57,6 +63,13 @@ MAX_CONSECUTIVE_FAILED_STEPS = 32
 ENGINE_FAULT_CLASSES = frozenset(
     {"MemoryError", "OutOfMemoryError", "SystemError", "CacheStateError"}
 )
+
+
+#: Most snapshots per second sent to /kv pages (a few: a person watches them).
+KV_SNAPSHOT_RATE = 4.0
+#: Most of the engine thread's time that snapshots may take: after a snapshot that took t
+#: seconds, the next one waits at least t / KV_SNAPSHOT_MAX_SHARE.
+KV_SNAPSHOT_MAX_SHARE = 0.01
 
 
 class EngineDeadError(PagedKVError, RuntimeError):
@@ -151,6 +164,13 @@ class EngineLoop:
         self.error_reason: str | None = None
         #: steps that failed (their requests finished with "error") while the loop went on.
         self.num_failed_steps = 0
+        # KV snapshot listeners: queues of one (the newest snapshot), owned by the event loop;
+        # the engine thread reads only their count.
+        self._kv_listeners: set[asyncio.Queue] = set()
+        self._num_kv_listeners = 0
+        self._kv_dirty = False  # the engine changed since the last snapshot (engine thread)
+        self._kv_wanted = False  # a new listener waits for its first snapshot
+        self._next_kv_snapshot = 0.0  # time.monotonic() before which no snapshot is taken
 
     # ---- lifetime ---------------------------------------------------------------------------
 
@@ -212,6 +232,43 @@ class EngineLoop:
     async def reset_prefix_cache(self) -> bool:
         """Drop every cached block; False while blocks are in use."""
         return bool(await self.call(lambda engine: engine.reset_prefix_cache()))
+
+    async def get_kv_state(self) -> dict[str, Any]:
+        """A snapshot of the KV cache (``engine.kv_snapshot()``: plain data), taken between
+        two steps."""
+        return await self.call(lambda engine: engine.kv_snapshot())
+
+    async def kv_states(self) -> AsyncIterator[dict[str, Any]]:
+        """Snapshots of the KV cache as the engine runs: one at once, then the newest one
+        after the engine changed, at most :data:`KV_SNAPSHOT_RATE` a second (a slow reader
+        skips to the newest). Ends when the engine stops; the engine takes snapshots only
+        while some iterator is open.
+
+        Raises:
+            EngineDeadError: the engine is not running.
+        """
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine is not running: {self.status_reason}")
+        listener: asyncio.Queue = asyncio.Queue(maxsize=1)
+        self._kv_listeners.add(listener)
+        self._num_kv_listeners = len(self._kv_listeners)
+        self._kv_wanted = True
+        self._wake.set()
+        try:
+            while True:
+                snapshot = await listener.get()
+                if snapshot is None:  # the engine stopped
+                    return
+                yield snapshot
+        finally:
+            self._kv_listeners.discard(listener)
+            self._num_kv_listeners = len(self._kv_listeners)
+
+    def _publish_kv(self, snapshot: dict[str, Any] | None) -> None:
+        for listener in self._kv_listeners:
+            if listener.full():  # a slow reader gets the newest only
+                listener.get_nowait()
+            listener.put_nowait(snapshot)
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """Run ``fn(engine)`` in the engine thread between two steps and return its result
@@ -299,6 +356,8 @@ class EngineLoop:
         for stream in {id(s): s for s in self._streams.values()}.values():
             stream.queue.put_nowait(exc)
         self._streams.clear()
+        if not self.is_alive:
+            self._publish_kv(None)  # the engine stopped: the listeners' iterators end
 
     # ---- the engine thread ------------------------------------------------------------------
 
@@ -313,6 +372,7 @@ class EngineLoop:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
+            self._kv_dirty = True  # an add or an abort changes the blocks
             try:
                 result = command.fn(self.engine)
             except Exception as exc:  # handed back to the caller
@@ -324,6 +384,27 @@ class EngineLoop:
                 if command.future is not None:
                     self._post(_set_result, command.future, result)
 
+    def _kv_snapshot_wait(self) -> float | None:
+        """Take a KV snapshot for the listeners if one is due (engine thread, between steps);
+        returns the seconds until the next one is due, or None when none will be (no
+        listener, or nothing changed)."""
+        if not self._num_kv_listeners or not (self._kv_dirty or self._kv_wanted):
+            return None
+        now = time.monotonic()
+        if now < self._next_kv_snapshot and not self._kv_wanted:
+            return self._next_kv_snapshot - now
+        try:
+            snapshot = self.engine.kv_snapshot()
+        except Exception:  # the view must never stop the engine
+            logger.exception("KV cache snapshot failed; the /kv page gets none")
+            self._num_kv_listeners = 0
+            return None
+        took = time.monotonic() - now
+        self._next_kv_snapshot = now + max(1.0 / KV_SNAPSHOT_RATE, took / KV_SNAPSHOT_MAX_SHARE)
+        self._kv_dirty = self._kv_wanted = False
+        self._post(self._publish_kv, snapshot)
+        return None
+
     def _run(self) -> None:
         engine = self.engine
         consecutive_failures = 0
@@ -332,8 +413,10 @@ class EngineLoop:
             self._run_commands()
             if self._stopping:
                 break
+            wait = self._kv_snapshot_wait()
             if not engine.has_unfinished_requests():
-                self._wake.wait()
+                # Idle: a change not yet shown is sent when its time comes.
+                self._wake.wait(wait)
                 continue
             try:
                 outputs = engine.step()
@@ -350,6 +433,7 @@ class EngineLoop:
                 self._post(self._fail_all, EngineDeadError(f"the engine stopped: {reason}"))
                 break
             consecutive_failures = 0
+            self._kv_dirty = True
             if outputs:
                 self._post(self._dispatch, outputs, time.monotonic())
         # Answer the commands still queued so that no caller waits forever; aborts queued

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from pagedkv.core.events import KVCacheEvent
+from pagedkv.core.kv_view import snapshot_kv_cache
 from pagedkv.core.manager import KVCacheManager
 from pagedkv.cpu_caps import probe_cpu, resolve_dtype
 from pagedkv.cpu_env import available_cpu_count
@@ -245,6 +246,7 @@ class LLMEngine:
             structured_outputs=self.structured_output_manager,
         )
         self._stats = EngineStats(scheduler=SchedulerStats())
+        self._last_scheduler_output: SchedulerOutput | None = None
 
     def shutdown(self) -> None:
         """Stop the engine's worker processes (tensor parallelism); idempotent, and a no-op in
@@ -457,6 +459,26 @@ class LLMEngine:
             kv_tier=self._kv_tier_stats(),
         )
 
+    def kv_snapshot(self) -> dict[str, Any]:
+        """The KV cache, the block tables of the running, loading and waiting requests, the
+        last step's batch and the scheduler's counters, as plain data
+        (:func:`pagedkv.core.kv_view.snapshot_kv_cache`; no block hash, no token id). Call it
+        between steps (the server's engine thread does, only while a /kv page listens)."""
+        scheduler = self.scheduler
+        last = self._last_scheduler_output
+        requests = [(request, "running") for request in scheduler.running]
+        requests += [(request, "loading") for request in scheduler.loading_requests]
+        requests += [(request, "waiting") for request in scheduler.waiting]
+        stats = dataclasses.asdict(scheduler.get_stats())
+        stats["prefix_cache_hit_rate"] = scheduler.stats.prefix_cache_hit_rate
+        return snapshot_kv_cache(
+            self.kv_cache_manager,
+            requests,
+            num_scheduled_tokens=None if last is None else last.num_scheduled_tokens,
+            blocks_to_copy=() if last is None else last.blocks_to_copy,
+            stats=stats,
+        )
+
     def _kv_tier_stats(self) -> KVTierStats | None:
         offloader = self.kv_cache_manager.offloader
         tier = getattr(self.runner, "kv_tier", None)
@@ -534,6 +556,7 @@ class LLMEngine:
         """
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        self._last_scheduler_output = scheduler_output  # for kv_snapshot: the last batch
         if self._has_structured_outputs:
             manager = self.structured_output_manager
             if scheduler_output.total_num_scheduled_tokens:

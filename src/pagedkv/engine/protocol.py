@@ -10,9 +10,9 @@ what crosses is plain data (token ids, :class:`SamplingParams`, request ids) one
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from pagedkv.engine.input_processor import InputProcessor, ProcessedPrompt
 from pagedkv.sampling_params import BeamSearchParams, SamplingParams
@@ -112,4 +112,27 @@ class EngineClient(Protocol):
 
     async def reset_prefix_cache(self) -> bool:
         """Drop every cached block; False (nothing changed) while blocks are in use."""
+        ...
+
+
+class KVStateSource(Protocol):
+    """Snapshots of one engine's KV cache, for the server's /kv view (plain data from
+    :func:`pagedkv.core.kv_view.snapshot_kv_cache`). :class:`~pagedkv.engine.engine_loop.EngineLoop`
+    is one; a cluster of replicas is not (yet)."""
+
+    async def get_kv_state(self) -> dict[str, Any]:
+        """A snapshot taken between two steps.
+
+        Raises:
+            EngineDeadError: the engine is not serving.
+        """
+        ...
+
+    def kv_states(self) -> AsyncIterator[dict[str, Any]]:
+        """Snapshots as the engine runs, a few a second, the newest first; ends when the
+        engine stops. No snapshot is taken while no iterator is open.
+
+        Raises:
+            EngineDeadError: the engine is not serving.
+        """
         ...

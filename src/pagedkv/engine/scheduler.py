@@ -319,6 +319,12 @@ class Scheduler:
         ``num_computed_tokens`` advanced by the step), until :meth:`update_from_output`."""
         return self._scheduled_requests
 
+    @property
+    def loading_requests(self) -> list[Request]:
+        """The requests waiting for their KV tier loads (WAITING_FOR_REMOTE_KVS: they hold
+        blocks, but neither wait nor run), in admission order; a copy."""
+        return list(self._loading.values())
+
     # ------------------------------------------------------------------ the step
 
     def schedule(self) -> SchedulerOutput:

@@ -79,6 +79,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="no periodic stats line (throughput, running / waiting, KV usage, prefix hit rate)",
     )
     server.add_argument(
+        "--disable-kv-view",
+        action="store_true",
+        help="no KV cache view (GET /kv, the live page of the block pool; /kv/state, "
+        "/kv/events): they answer 404",
+    )
+    server.add_argument(
         "--log-stats-interval",
         type=float,
         default=10.0,
@@ -189,9 +195,11 @@ def run(args: argparse.Namespace) -> int:
     )
     names = args.served_model_name or [source.name]
     name = names[0]
+    engine_loop = EngineLoop(engine)
     app = create_app(
-        EngineLoop(engine),
+        engine_loop,
         model_name=names,
+        kv_view=None if args.disable_kv_view else engine_loop,
         log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
         options=options,
         **app_options,

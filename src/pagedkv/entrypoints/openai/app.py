@@ -16,6 +16,9 @@ Routes::
     POST /reset_prefix_cache     {"success": true}, or 409 {"success": false} while blocks are
                                  in use (an admin route: only with --enable-admin-routes)
     GET  /openapi.json, /docs    the OpenAPI schema of all this, true to the app (openapi.py)
+    GET  /kv, /kv/state,         the KV cache view: a live page of the block pool, its JSON
+         /kv/events              snapshot and its server-sent events (kv_view.py; off with
+                                 --disable-kv-view)
 
 API keys, body limits, the Origin / Host policy and the admin gate: server_options.py
 (docs/server.md, "Security and limits").
@@ -47,9 +50,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedkv import __version__
-from pagedkv.engine.protocol import EngineClient
+from pagedkv.engine.protocol import EngineClient, KVStateSource
 from pagedkv.entrypoints.openai.chat_options import ChatOptions
 from pagedkv.entrypoints.openai.errors import OpenAIError, install_error_handlers
+from pagedkv.entrypoints.openai.kv_view import install_kv_view
 from pagedkv.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from pagedkv.entrypoints.openai.openapi import install_openapi
 from pagedkv.entrypoints.openai.protocol import (
@@ -108,6 +112,7 @@ def create_app(
     options: ServerOptions | None = None,
     chat_options: ChatOptions | None = None,
     metrics_prefix: str = "pagedkv",
+    kv_view: KVStateSource | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over ``engine_client``, which starts and stops with the app
     (ASGI lifespan).
@@ -126,6 +131,9 @@ def create_app(
             choice).
         metrics_prefix: the Prometheus names' prefix, ``"pagedkv"`` or ``"vllm"``
             (``--metrics-prefix``, see metrics.py).
+        kv_view: where the /kv page's snapshots come from (the engine's
+            :class:`~pagedkv.engine.engine_loop.EngineLoop`); None: no /kv routes
+            (``--disable-kv-view``, and a cluster's front end).
 
     Raises:
         ConfigError: an empty model name or an unknown metrics prefix.
@@ -194,6 +202,9 @@ def create_app(
     async def prometheus_metrics() -> Response:
         stats = await engine_client.get_stats()
         return Response(metrics.render(stats), media_type=CONTENT_TYPE)
+
+    if kv_view is not None:
+        install_kv_view(app, kv_view)
 
     if options.enable_admin_routes:  # vLLM serves its dev routes only in dev mode
 

@@ -79,8 +79,10 @@ DEFAULT_REQUEST_BODY_TIMEOUT = 30.0
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 
 #: Routes that answer without the API key: health probes, the version and the Prometheus
-#: scrape (vLLM leaves the same open). Every other path needs the key when one is set.
-OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
+#: scrape (vLLM leaves the same open), and the KV view's static page, which holds no data (a
+#: browser cannot send a key when it opens a URL; the page sends it with its data requests).
+#: Every other path needs the key when one is set.
+OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/kv"})
 
 #: Admin routes, registered only with ``enable_admin_routes`` (404 otherwise).
 ADMIN_ROUTES = ("POST /reset_prefix_cache",)
