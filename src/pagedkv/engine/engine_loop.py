@@ -13,11 +13,11 @@ The engine is not thread-safe, so only the engine thread touches it: everything 
 wants done (add, abort, stats, reset the prefix cache) goes through the command queue and runs
 between two steps. The thread sleeps on an event while there is nothing to do.
 
-While a /kv page listens (:meth:`EngineLoop.kv_states`), the engine thread also takes a snapshot
-of the KV cache between two steps (``engine.kv_snapshot()``, plain data) a few times a second and
-hands it to the listeners; with no listener it takes none. Its share of the engine thread's time
-is kept under 1%: the next snapshot waits at least 100 times as long as the last one took
-(:data:`KV_SNAPSHOT_MAX_SHARE`).
+While a /kv page listens (:meth:`EngineLoop.listen_kv_states`), the engine thread also takes a
+snapshot of the KV cache between two steps (``engine.kv_snapshot()``, plain data) a few times a
+second and hands it to the listeners; with no listener it takes none. Its share of the engine
+thread's time is kept under 1%: the next snapshot waits at least 100 times as long as the last
+one took (:data:`KV_SNAPSHOT_MAX_SHARE`).
 
 A step that raises is a request's fault unless shown otherwise: the engine has already finished
 the step's requests with finish_reason "error" (the next step reports them; their clients get a
@@ -41,7 +41,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -53,7 +53,14 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-__all__ = ["EngineDeadError", "EngineLoop", "EngineRequest", "OutputStream", "engine_fault"]
+__all__ = [
+    "EngineDeadError",
+    "EngineLoop",
+    "EngineRequest",
+    "KVStateListener",
+    "OutputStream",
+    "engine_fault",
+]
 
 #: Steps in a row that may fail (each failing only its own requests) before the loop gives up.
 MAX_CONSECUTIVE_FAILED_STEPS = 32
@@ -133,6 +140,31 @@ class OutputStream:
         if item[0].finished:
             self.num_unfinished -= 1
         return item
+
+
+class KVStateListener:
+    """Snapshots of the KV cache for one listener (:meth:`EngineLoop.listen_kv_states`); use it
+    on the event loop only.
+
+    Attributes:
+        queue: the newest snapshot not yet read (at most one); ``None`` once the engine stopped.
+    """
+
+    def __init__(self, engine_loop: EngineLoop) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue(maxsize=1)
+        self._engine_loop = engine_loop
+
+    async def get(self, timeout: float | None = None) -> dict[str, Any] | None:
+        """The next snapshot; ``None`` when the engine stopped.
+
+        Raises:
+            TimeoutError: none came within ``timeout`` seconds (nothing changed).
+        """
+        return await asyncio.wait_for(self.queue.get(), timeout)
+
+    def close(self) -> None:
+        """Stop listening (the engine stops taking snapshots when no listener is left)."""
+        self._engine_loop._drop_kv_listener(self.queue)
 
 
 class EngineLoop:
@@ -238,31 +270,33 @@ class EngineLoop:
         two steps."""
         return await self.call(lambda engine: engine.kv_snapshot())
 
-    async def kv_states(self) -> AsyncIterator[dict[str, Any]]:
-        """Snapshots of the KV cache as the engine runs: one at once, then the newest one
-        after the engine changed, at most :data:`KV_SNAPSHOT_RATE` a second (a slow reader
-        skips to the newest). Ends when the engine stops; the engine takes snapshots only
-        while some iterator is open.
+    def listen_kv_states(self) -> KVStateListener:
+        """Start listening to snapshots of the KV cache as the engine runs: one at once, then
+        the newest one after the engine changed, at most :data:`KV_SNAPSHOT_RATE` a second (a
+        slow reader skips to the newest). The engine takes snapshots only while some listener
+        is open; close it when done.
 
         Raises:
             EngineDeadError: the engine is not running.
         """
         if not self.is_alive:
             raise EngineDeadError(f"the engine is not running: {self.status_reason}")
-        listener: asyncio.Queue = asyncio.Queue(maxsize=1)
-        self._kv_listeners.add(listener)
+        listener = KVStateListener(self)
+        self._kv_listeners.add(listener.queue)
         self._num_kv_listeners = len(self._kv_listeners)
         self._kv_wanted = True
         self._wake.set()
-        try:
-            while True:
-                snapshot = await listener.get()
-                if snapshot is None:  # the engine stopped
-                    return
-                yield snapshot
-        finally:
-            self._kv_listeners.discard(listener)
-            self._num_kv_listeners = len(self._kv_listeners)
+        return listener
+
+    def close_kv_listeners(self) -> None:
+        """End every KV snapshot listener (their next ``get`` returns None): a server that
+        shuts down ends its /kv event streams so that their connections close. Call it on the
+        event loop."""
+        self._publish_kv(None)
+
+    def _drop_kv_listener(self, queue: asyncio.Queue) -> None:
+        self._kv_listeners.discard(queue)
+        self._num_kv_listeners = len(self._kv_listeners)
 
     def _publish_kv(self, snapshot: dict[str, Any] | None) -> None:
         for listener in self._kv_listeners:
@@ -357,7 +391,7 @@ class EngineLoop:
             stream.queue.put_nowait(exc)
         self._streams.clear()
         if not self.is_alive:
-            self._publish_kv(None)  # the engine stopped: the listeners' iterators end
+            self._publish_kv(None)  # the engine stopped: the listeners end
 
     # ---- the engine thread ------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ what crosses is plain data (token ids, :class:`SamplingParams`, request ids) one
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -18,7 +18,7 @@ from pagedkv.engine.input_processor import InputProcessor, ProcessedPrompt
 from pagedkv.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
-    from pagedkv.engine.engine_loop import OutputStream
+    from pagedkv.engine.engine_loop import KVStateListener, OutputStream
     from pagedkv.engine.llm_engine import EngineStats
 
 T = TypeVar("T")
@@ -128,9 +128,9 @@ class KVStateSource(Protocol):
         """
         ...
 
-    def kv_states(self) -> AsyncIterator[dict[str, Any]]:
-        """Snapshots as the engine runs, a few a second, the newest first; ends when the
-        engine stops. No snapshot is taken while no iterator is open.
+    def listen_kv_states(self) -> KVStateListener:
+        """Start listening to snapshots as the engine runs, a few a second (the newest only);
+        no snapshot is taken while no listener is open. Close it when done.
 
         Raises:
             EngineDeadError: the engine is not serving.

@@ -4,8 +4,9 @@ Routes (registered unless ``--disable-kv-view``)::
 
     GET /kv          one static HTML page (its own JavaScript and CSS; no build step, no CDN)
     GET /kv/state    one snapshot of the KV cache as JSON (pagedkv.core.kv_view)
-    GET /kv/events   server-sent events: ``event: state`` with a snapshot, a few a second while
-                     the engine changes; ``: keep-alive`` comments while it is idle
+    GET /kv/events   server-sent events: ``event: state`` with a snapshot, at once and then a
+                     few a second while the engine changes; ``: keep-alive`` comments while it
+                     is idle
 
 The page itself holds no data and needs no API key (a browser cannot send ``Authorization`` when
 it opens a URL); /kv/state and /kv/events, like every route but the probes, need the key when
@@ -16,16 +17,18 @@ block hash and no token id: a request's text never leaves the server through the
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 
 from pagedkv.engine.protocol import KVStateSource
+
+if TYPE_CHECKING:
+    from pagedkv.engine.engine_loop import KVStateListener
 
 #: The page's own path (open without the API key: a static file with no data in it).
 KV_PAGE_PATH = "/kv"
@@ -68,37 +71,25 @@ def install_kv_view(app: FastAPI, source: KVStateSource) -> None:
     @app.get("/kv/events")
     async def kv_events() -> StreamingResponse:
         """KV cache snapshots as server-sent events, a few a second while the engine runs."""
-        states = source.kv_states()
-        first = await anext(states)  # EngineDeadError (503) before the stream starts
+        listener = source.listen_kv_states()  # EngineDeadError (503) before the stream starts
         return StreamingResponse(
-            _events(first, states),
+            _events(listener),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
         )
 
 
-async def _events(first: dict[str, Any], states: AsyncIterator[dict[str, Any]]):
-    yield _event(first)
-    pending: asyncio.Task | None = None
+async def _events(listener: KVStateListener) -> AsyncIterator[bytes]:
     try:
         while True:
-            if pending is None:
-                pending = asyncio.ensure_future(anext(states))
-            done, _ = await asyncio.wait({pending}, timeout=KEEP_ALIVE_SECONDS)
-            if not done:
+            try:
+                snapshot = await listener.get(KEEP_ALIVE_SECONDS)
+            except TimeoutError:
                 yield b": keep-alive\n\n"
                 continue
-            try:
-                snapshot = pending.result()
-            except StopAsyncIteration:  # the engine stopped
+            if snapshot is None:  # the engine stopped
                 return
-            pending = None
-            yield _event(snapshot)
+            yield b"event: state\ndata: " + json.dumps(snapshot, separators=(",", ":")).encode()
+            yield b"\n\n"
     finally:
-        if pending is not None:
-            pending.cancel()
-        await states.aclose()
-
-
-def _event(snapshot: dict[str, Any]) -> bytes:
-    return b"event: state\ndata: " + json.dumps(snapshot, separators=(",", ":")).encode() + b"\n\n"
+        listener.close()

@@ -23,7 +23,7 @@ from typing import Any
 
 import uvicorn
 
-from pagedkv.engine.engine_loop import EngineDeadError
+from pagedkv.engine.engine_loop import EngineDeadError, EngineLoop
 from pagedkv.entrypoints.openai.server_options import DEFAULT_SHUTDOWN_TIMEOUT
 from pagedkv.errors import ConfigError
 
@@ -97,6 +97,8 @@ class DrainingServer(uvicorn.Server):
         loop = self.engine_loop
         if loop is None:
             return
+        if isinstance(loop, EngineLoop):
+            loop.close_kv_listeners()  # /kv event streams never end by themselves
         deadline = time.monotonic() + self.shutdown_timeout
         if loop.num_streams and self.shutdown_timeout > 0:
             logger.info(

@@ -1,0 +1,189 @@
+"""The KV cache view (/kv, /kv/state, /kv/events) in a real browser: Debian's headless chromium
+driven by Playwright, against a real uvicorn server over the real engine on a tiny model.
+
+Nothing here depends on the machine's speed: the engine is paused at the states the tests look at
+(:class:`GatedEngine`), and the browser is polled with bounded waits for conditions. Skipped only
+where chromium or Playwright cannot be had (CI installs both: .ci/run, pyproject's test extra).
+"""
+
+from __future__ import annotations
+
+import io
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from _tiny_model import tiny_loaded_model
+
+from pagedkv.engine.engine_loop import EngineLoop
+from pagedkv.engine.llm_engine import LLMEngine
+from pagedkv.entrypoints.openai.app import create_app
+from pagedkv.entrypoints.openai.launch import ThreadedServer
+from pagedkv.entrypoints.openai.server_options import ServerOptions
+
+MODEL = "tiny"
+BLOCK_SIZE = 16
+#: 200 tokens (one character each with the tiny tokenizer): 12 full blocks two requests share.
+PREFIX = ("The block table maps logical blocks to physical ones. " * 4)[:200]
+#: Bounded waits for the browser (ms): a hung page fails, a slow machine does not.
+WAIT_MS = 20_000
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+class GatedEngine(LLMEngine):
+    """The real engine, paused while ``pause_when(scheduler)`` is true: it then looks idle to
+    its loop (which sends the page a snapshot of the paused state and sleeps until woken by a
+    command, e.g. a GET /kv/state)."""
+
+    pause_when = None
+
+    def has_unfinished_requests(self) -> bool:
+        if self.pause_when is not None and self.pause_when(self.scheduler):
+            return False
+        return super().has_unfinished_requests()
+
+
+def _running_with_output(scheduler, num_requests: int) -> bool:
+    running = scheduler.running
+    return len(running) >= num_requests and all(r.num_output_tokens >= 1 for r in running)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_loaded_model()
+
+
+def _engine(tiny) -> GatedEngine:
+    return GatedEngine(
+        loaded_model=tiny, dtype="float32", num_threads=1, block_size=BLOCK_SIZE,
+        num_blocks=120, max_model_len=512,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if CHROMIUM is None:
+        pytest.skip("no chromium (apt-get install chromium)")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(browser):
+    """A fresh page whose console errors and uncaught exceptions are kept in ``page.errors``."""
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    page.errors = []
+    page.on("console", lambda m: m.type == "error" and page.errors.append(m.text))
+    page.on("pageerror", lambda e: page.errors.append(str(e)))
+    yield page
+    context.close()
+
+
+def _wait_for_snapshot(page, condition: str) -> None:
+    """Wait until the snapshot drawn satisfies ``condition`` (JavaScript over ``s``)."""
+    page.wait_for_function(
+        f"() => {{ const s = window.kvView.snapshot; return !!s && ({condition}); }}",
+        timeout=WAIT_MS,
+    )
+
+
+def _grid_count(page, letter: str) -> int:
+    return page.eval_on_selector_all(
+        f"#grids .grid[data-group='0'] .cell.{letter}", "e => e.length"
+    )
+
+
+def test_page_shows_shared_prefix_blocks_as_the_engine_counts_them_then_frees_them(tiny, page):
+    engine = _engine(tiny)
+    loop = EngineLoop(engine)
+    app = create_app(loop, model_name=MODEL, kv_view=loop)
+    with ThreadedServer(app) as server, ThreadPoolExecutor(2) as pool:
+        page.goto(server.url + "/kv")
+        page.wait_for_selector("body[data-renders]", timeout=WAIT_MS)
+        assert _grid_count(page, "N") == 1
+        assert _grid_count(page, "f") == 119
+
+        def complete(tail: str):
+            body = {"model": MODEL, "prompt": PREFIX + tail, "max_tokens": 6, "ignore_eos": True}
+            return httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+
+        # A runs alone until it has a token (its prefix blocks are then cached), then B joins
+        # and hits them; the engine pauses once both have a token.
+        engine.pause_when = lambda s: _running_with_output(s, 1)
+        first = pool.submit(complete, " first request")
+        _wait_for_snapshot(
+            page, "s.requests.length === 1 && s.requests[0].num_tokens > s.requests[0].num_prompt_tokens"
+        )
+        engine.pause_when = lambda s: _running_with_output(s, 2)
+        second = pool.submit(complete, " second request")
+        _wait_for_snapshot(
+            page,
+            "s.requests.length === 2 && s.requests.every(r => r.num_tokens > r.num_prompt_tokens)",
+        )
+        num_shared = engine.kv_cache_manager.num_shared_blocks  # paused: nothing moves
+        assert num_shared == len(PREFIX) // BLOCK_SIZE == 12
+        assert _grid_count(page, "s") == num_shared
+        assert page.inner_text("#stat-shared") == str(num_shared)
+        # Hovering a request lights its blocks: the shared ones for both.
+        rows = page.query_selector_all("#requests tr.req")
+        rows[1].hover()
+        lit = page.eval_on_selector_all("#grids .cell.lit", "e => e.map(c => +c.dataset.id)")
+        assert sorted(lit) == sorted(engine.kv_cache_manager.get_block_ids(
+            page.evaluate("window.kvView.snapshot.requests[1].request_id"))[0])  # fmt: skip
+
+        engine.pause_when = None
+        httpx.get(server.url + "/kv/state", timeout=60)  # a command wakes the engine thread
+        assert first.result().status_code == second.result().status_code == 200
+        _wait_for_snapshot(page, "s.requests.length === 0")
+        assert [_grid_count(page, letter) for letter in "usdw"] == [0, 0, 0, 0]
+        assert page.inner_text("#stat-usage").startswith("0.0%")
+        assert _grid_count(page, "c") > 0  # the prompts' full blocks stay cached, free
+        assert page.errors == []
+
+
+def test_screenshot_is_not_blank(tiny, page):
+    image_module = pytest.importorskip("PIL.Image")
+    loop = EngineLoop(_engine(tiny))
+    with ThreadedServer(create_app(loop, model_name=MODEL, kv_view=loop)) as server:
+        page.goto(server.url + "/kv")
+        page.wait_for_selector("body[data-renders]", timeout=WAIT_MS)
+        png = page.screenshot(full_page=True)
+    image = image_module.open(io.BytesIO(png)).convert("L")
+    histogram = image.histogram()
+    # A blank page is one colour; the view has a legend, a grid, a chart and text.
+    assert max(histogram) / sum(histogram) < 0.9
+    assert sum(1 for count in histogram if count) > 20
+    assert page.errors == []
+
+
+def test_key_protects_the_data_not_the_page(tiny, page):
+    loop = EngineLoop(_engine(tiny))
+    options = ServerOptions(api_keys=("sesame",))
+    app = create_app(loop, model_name=MODEL, kv_view=loop, options=options)
+    with ThreadedServer(app) as server:
+        assert httpx.get(server.url + "/kv/state").status_code == 401
+        assert httpx.get(server.url + "/kv/events").status_code == 401
+        keyed = {"Authorization": "Bearer sesame"}
+        state = httpx.get(server.url + "/kv/state", headers=keyed).json()
+        assert state["num_blocks"] == 120 and state["requests"] == []
+        page.goto(server.url + "/kv")
+        page.wait_for_selector("#keybox.shown", timeout=WAIT_MS)
+        page.fill("#key", "sesame")
+        page.click("#keyset")
+        page.wait_for_selector("body[data-renders]", timeout=WAIT_MS)
+        assert page.inner_text("#model") == "model: " + MODEL
+    # the 401 of the first try is the browser's console error: that one only
+    assert all("401" in error for error in page.errors)
+
+
+def test_disabled_view_answers_404(tiny):
+    loop = EngineLoop(_engine(tiny))
+    with ThreadedServer(create_app(loop, model_name=MODEL, kv_view=None)) as server:
+        for path in ("/kv", "/kv/state", "/kv/events"):
+            assert httpx.get(server.url + path).status_code == 404
