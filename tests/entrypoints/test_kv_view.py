@@ -118,7 +118,8 @@ def test_page_shows_shared_prefix_blocks_as_the_engine_counts_them_then_frees_th
         engine.pause_when = lambda s: _running_with_output(s, 1)
         first = pool.submit(complete, " first request")
         _wait_for_snapshot(
-            page, "s.requests.length === 1 && s.requests[0].num_tokens > s.requests[0].num_prompt_tokens"
+            page,
+            "s.requests.length === 1 && s.requests.every(r => r.num_tokens > r.num_prompt_tokens)",
         )
         engine.pause_when = lambda s: _running_with_output(s, 2)
         second = pool.submit(complete, " second request")
