@@ -123,10 +123,7 @@ def test_page_shows_shared_prefix_blocks_as_the_engine_counts_them_then_frees_th
         )
         engine.pause_when = lambda s: _running_with_output(s, 2)
         second = pool.submit(complete, " second request")
-        _wait_for_snapshot(
-            page,
-            "s.requests.length === 2 && s.requests.every(r => r.num_tokens > r.num_prompt_tokens)",
-        )
+        _wait_for_snapshot(page, f"s.requests.length === 2 && {each_has_a_token}")
         num_shared = engine.kv_cache_manager.num_shared_blocks  # paused: nothing moves
         assert num_shared == len(PREFIX) // BLOCK_SIZE == 12
         assert _grid_count(page, "s") == num_shared
