@@ -117,10 +117,8 @@ def test_page_shows_shared_prefix_blocks_as_the_engine_counts_them_then_frees_th
         # and hits them; the engine pauses once both have a token.
         engine.pause_when = lambda s: _running_with_output(s, 1)
         first = pool.submit(complete, " first request")
-        _wait_for_snapshot(
-            page,
-            "s.requests.length === 1 && s.requests.every(r => r.num_tokens > r.num_prompt_tokens)",
-        )
+        each_has_a_token = "s.requests.every(r => r.num_tokens > r.num_prompt_tokens)"
+        _wait_for_snapshot(page, f"s.requests.length === 1 && {each_has_a_token}")
         engine.pause_when = lambda s: _running_with_output(s, 2)
         second = pool.submit(complete, " second request")
         _wait_for_snapshot(page, f"s.requests.length === 2 && {each_has_a_token}")
