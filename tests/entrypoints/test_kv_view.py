@@ -183,3 +183,45 @@ def test_disabled_view_answers_404(tiny):
     with ThreadedServer(create_app(loop, model_name=MODEL, kv_view=None)) as server:
         for path in ("/kv", "/kv/state", "/kv/events"):
             assert httpx.get(server.url + path).status_code == 404
+
+
+@pytest.mark.slow
+def test_playground_answer_equals_the_openai_clients(page):
+    """`pagedkv serve` on the default model: the page's playground streams the same greedy
+    answer as the openai client gets for the same request, and its blocks are freed after."""
+    openai = pytest.importorskip("openai")
+    from _serve_process import serve_process
+
+    args = ["--dtype", "float32", "--max-model-len", "512", "--disable-log-stats"]
+    with serve_process(args) as (url, _output):
+        page.goto(url + "/kv")
+        page.wait_for_selector("body[data-renders]", timeout=WAIT_MS)
+        page.wait_for_function("() => window.kvView.model !== undefined", timeout=WAIT_MS)
+        prompt = "Paging in operating systems means"
+        page.fill("#play-prompt", prompt)
+        page.fill("#play-max", "16")
+        page.fill("#play-n", "1")
+        page.fill("#play-temp", "0")
+        for mode in ("chat", "completion"):
+            page.check(f"input[name=mode][value={mode}]")
+            page.click("#play-send")
+            page.wait_for_selector("#answers[data-done=true]", timeout=120_000)
+            assert page.inner_text("#play-error") == ""
+            shown = page.text_content("#answer-0")
+            with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as client:
+                model = client.models.list().data[0].id
+                if mode == "chat":
+                    expected = client.chat.completions.create(
+                        model=model,
+                        messages=[{"role": "user", "content": prompt}],
+                        max_tokens=16,
+                        temperature=0,
+                    ).choices[0].message.content
+                else:
+                    expected = client.completions.create(
+                        model=model, prompt=prompt, max_tokens=16, temperature=0
+                    ).choices[0].text
+            assert shown == expected and shown
+        _wait_for_snapshot(page, "s.requests.length === 0")
+        assert [_grid_count(page, letter) for letter in "usdw"] == [0, 0, 0, 0]
+        assert page.errors == []
