@@ -4,10 +4,10 @@
 
 Each one starts `pagedkv serve` on the default model, opens /kv in headless chromium (Debian's
 ``chromium``, through Playwright), sends 64 streamed completions in 8 groups that share a prefix
-(each group's 160-token prefix, then 24 tokens of the request's own), waits until the page shows
-the state worth showing, and saves a PNG:
+(each group's prefix of about 130 tokens, then about 12 of the request's own), waits until the
+page shows the state worth showing, and saves a PNG:
 
-- ``kv_view_load.png``: 64 requests, 2,048 blocks of 16 tokens; shot while at least 24 requests
+- ``kv_view_load.png``: 64 requests, 1,024 blocks of 16 tokens; shot while at least 24 requests
   run at once.
 - ``kv_view_tier.png``: a pool too small for the load (160 blocks) over a 64 MiB CPU tier, so
   that cached blocks are evicted, page out to the tier and come back as tier hits; shot once the
@@ -44,7 +44,7 @@ def serve(args: list[str]) -> tuple[subprocess.Popen, str]:
 def load(url: str, model: str, num_requests: int = 64, max_tokens: int = 48) -> None:
     def one(i: int) -> None:
         group = i % 8
-        prefix = f"Group {group}: " + "the block table maps logical blocks to physical ones. " * 3
+        prefix = f"Group {group}: " + "the block table maps logical blocks to physical ones. " * 12
         body = {
             "model": model,
             "prompt": prefix + f"Request {i} asks about paging number {i * 7}.",
@@ -78,7 +78,7 @@ def shoot(serve_args: list[str], condition: str, path: Path) -> None:
             )
             # light the first request's blocks, as a reader would by hovering it
             page.hover("#requests tr.req")
-            page.screenshot(path=str(path), full_page=True)
+            page.screenshot(path=str(path))
             browser.close()
             thread.join()
     finally:
@@ -89,23 +89,34 @@ def shoot(serve_args: list[str], condition: str, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(ROOT / "docs" / "img"))
+    parser.add_argument("--only", choices=("load", "tier"), default=None, help="one picture")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     running = "s.requests.filter(r => r.status === 'running').length"
-    shoot(
-        ["--num-blocks", "2048", "--block-size", "16", "--max-num-seqs", "64"],
-        f"{running} >= 24 && s.stats.num_shared_blocks > 0",
-        out / "kv_view_load.png",
-    )
-    shoot(
-        [
-            "--num-blocks", "160", "--block-size", "16", "--max-num-seqs", "64",
-            "--kv-offloading-size", "64MiB",
-        ],  # fmt: skip
-        f"s.kv_tier && s.kv_tier.num_used_blocks > 0 && {running} >= 4",
-        out / "kv_view_tier.png",
-    )
+    if args.only != "tier":
+        shoot(
+            ["--num-blocks", "1024", "--block-size", "16", "--max-num-seqs", "64"],
+            f"{running} >= 24 && s.stats.num_shared_blocks > 0",
+            out / "kv_view_load.png",
+        )
+    if args.only != "load":
+        shoot(
+            [
+                "--num-blocks",
+                "160",
+                "--block-size",
+                "16",
+                "--max-num-seqs",
+                "64",
+                "--kv-offloading-size",
+                "64MiB",
+                "--max-model-len",
+                "1024",
+            ],
+            f"s.kv_tier && s.kv_tier.num_used_blocks > 0 && {running} >= 4",
+            out / "kv_view_tier.png",
+        )
 
 
 if __name__ == "__main__":

@@ -211,17 +211,54 @@ def test_playground_answer_equals_the_openai_clients(page):
             with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as client:
                 model = client.models.list().data[0].id
                 if mode == "chat":
-                    expected = client.chat.completions.create(
-                        model=model,
-                        messages=[{"role": "user", "content": prompt}],
-                        max_tokens=16,
-                        temperature=0,
-                    ).choices[0].message.content
+                    expected = (
+                        client.chat.completions.create(
+                            model=model,
+                            messages=[{"role": "user", "content": prompt}],
+                            max_tokens=16,
+                            temperature=0,
+                        )
+                        .choices[0]
+                        .message.content
+                    )
                 else:
-                    expected = client.completions.create(
-                        model=model, prompt=prompt, max_tokens=16, temperature=0
-                    ).choices[0].text
+                    expected = (
+                        client.completions.create(
+                            model=model, prompt=prompt, max_tokens=16, temperature=0
+                        )
+                        .choices[0]
+                        .text
+                    )
             assert shown == expected and shown
         _wait_for_snapshot(page, "s.requests.length === 0")
         assert [_grid_count(page, letter) for letter in "usdw"] == [0, 0, 0, 0]
         assert page.errors == []
+
+
+def test_simulator_report_replays_its_snapshots_in_the_same_view(tmp_path, page):
+    from pagedkv.entrypoints.cli import main
+
+    out = tmp_path / "out"
+    argv = ["simulate", "--workload", "shared-prefix", "--num-requests", "12", "--num-blocks",
+            "200", "--out", str(out), "--html", "--no-sweep", "--seed", "1", "--quiet"]  # fmt: skip
+    assert main(argv) == 0
+    page.goto((out / "kv_replay.html").as_uri())
+    page.wait_for_selector("body[data-renders]", timeout=WAIT_MS)
+    num_snapshots = page.evaluate("JSON.parse(document.querySelector('#kv-replay').text).length")
+    assert 2 <= num_snapshots <= 600
+    assert page.is_visible("#replay") and not page.is_visible("#playground")
+    # each step drawn shows as shared the blocks the scheduler counts as shared (ref_cnt > 1;
+    # a block copied on write that step shows as such)
+    move = "(s, i) => { s.value = i; s.dispatchEvent(new Event('input')); }"
+    shared_copied = (
+        "() => { const b = window.kvView.snapshot.blocks;"
+        " return [...b.state].filter((c, i) => c === 'w' && b.ref_cnt[i] > 1).length; }"
+    )
+    seen_shared = False
+    for index in sorted({round(k * (num_snapshots - 1) / 8) for k in range(9)}):
+        page.eval_on_selector("#replay-slider", move, index)
+        engine_count = page.evaluate("window.kvView.snapshot.stats.num_shared_blocks")
+        assert _grid_count(page, "s") + page.evaluate(shared_copied) == engine_count
+        seen_shared |= engine_count > 0
+    assert seen_shared  # the workload shares system prompts
+    assert page.errors == []

@@ -15,10 +15,12 @@ adds one page with all of them). See docs/simulate.md.
 from __future__ import annotations
 
 import argparse
+import html
 import json
 import shlex
 import sys
 from dataclasses import asdict, replace
+from pathlib import Path
 
 #: Pool size when neither --num-blocks nor --kv-cache-memory is given (nor set by the workload).
 DEFAULT_NUM_BLOCKS = 1024
@@ -412,13 +414,23 @@ def run(args: argparse.Namespace) -> int:
     if args.num_replicas is not None:
         return run_cluster(args, workload, config)
 
+    # The report's replay in the /kv page's view: the caching policy if it ran, else the first
+    # paged one.
+    paged = [p for p in policies if p != "contiguous"]
+    replayed = "paged+prefix" if "paged+prefix" in paged else (paged[0] if paged else None)
     show_progress = not args.quiet and sys.stderr.isatty()
     num_rows = len(workload.requests) * len(policies)
     results = {}
     with tqdm(total=num_rows, disable=not show_progress, unit="req", desc="simulate") as bar:
         for policy in policies:
             bar.set_postfix_str(policy)
-            results[policy] = simulate(workload, config, policy, on_finish=bar.update)
+            results[policy] = simulate(
+                workload,
+                config,
+                policy,
+                on_finish=bar.update,
+                kv_snapshots=KV_REPLAY_SNAPSHOTS if args.html and policy == replayed else 0,
+            )
     # n > 1: the paged policies again, every sample its own request (what fork saves against).
     fork_baselines = simulate_fork_baselines(workload, config, policies)
     fork_lines = fork_saving_lines(results, fork_baselines)
@@ -462,6 +474,14 @@ def run(args: argparse.Namespace) -> int:
                         preemptions=why_preempted,
                     )
                 )
+                if replayed is not None and results[replayed].kv_snapshots:
+                    figure_paths.append(
+                        write_kv_replay(
+                            f"{args.out}/kv_replay.html",
+                            results[replayed].kv_snapshots,
+                            f"pagedkv simulate: {workload.name}, {replayed}",
+                        )
+                    )
         except OSError as exc:
             write_error = f"--out {args.out}: cannot write the pictures: {exc.strerror or exc}"
 
@@ -521,6 +541,31 @@ def run(args: argparse.Namespace) -> int:
     for path in figure_paths:
         print(f"wrote {path}")
     return _report_write_error(write_error)
+
+
+#: Snapshots the HTML report's replay keeps (spread over the run; see ``simulate``).
+KV_REPLAY_SNAPSHOTS = 300
+
+
+def write_kv_replay(path: str | Path, snapshots: list[dict], title: str) -> Path:
+    """Write the /kv page with ``snapshots`` embedded (a time slider replays them; no server).
+
+    Raises:
+        OSError: the page cannot be written.
+    """
+    from pagedkv.entrypoints.openai.kv_view import kv_page_html
+
+    # "</" could end the script element early: JSON allows "<\/" for it.
+    data = json.dumps(snapshots, separators=(",", ":")).replace("</", "<\\/")
+    page = kv_page_html().replace(
+        "<script>\n",
+        f'<script id="kv-replay" type="application/json">{data}</script>\n<script>\n',
+        1,
+    )
+    page = page.replace("<title>pagedkv: KV cache</title>", f"<title>{html.escape(title)}</title>")
+    path = Path(path)
+    path.write_text(page, encoding="utf-8")
+    return path
 
 
 def _report_write_error(message: str | None) -> int:

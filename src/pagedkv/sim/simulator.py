@@ -47,12 +47,14 @@ once its parent finished, plus its think time.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from pagedkv.core.kv_view import snapshot_kv_cache
 from pagedkv.core.offload import TierStore
 from pagedkv.core.spec import KVCacheSpec, cdiv
 from pagedkv.engine.scheduler import ADMISSION_POLICIES, Scheduler
@@ -170,6 +172,9 @@ class PolicyResult:
     block_map: BlockMap | None = None
     rejected: list[str] = field(default_factory=list)
     preemptions: PreemptionStats | None = None
+    #: KV cache snapshots (:func:`pagedkv.core.kv_view.snapshot_kv_cache`) of steps spread over
+    #: the run, for the /kv page's replay; empty unless ``simulate(kv_snapshots=...)`` asked.
+    kv_snapshots: list[dict] = field(default_factory=list)
 
 
 def make_kv_cache(policy: str, config: SimConfig):
@@ -319,6 +324,22 @@ class _EngineDriver:
             self._pending.extend(hashes[:end])
         return scheduled, list(out.num_scheduled_tokens.values())
 
+    def kv_snapshot(self, kv_cache) -> dict:
+        """The KV cache and the block tables now, as the /kv page draws them."""
+        scheduler = self.scheduler
+        requests = [(r, "running") for r in scheduler.running]
+        requests += [(r, "waiting") for r in scheduler.waiting]
+        stats = dataclasses.asdict(scheduler.get_stats())
+        stats["prefix_cache_hit_rate"] = scheduler.stats.prefix_cache_hit_rate
+        out = self._out
+        return snapshot_kv_cache(
+            kv_cache,
+            requests,
+            num_scheduled_tokens=out.num_scheduled_tokens,
+            blocks_to_copy=out.blocks_to_copy,
+            stats=stats,
+        )
+
     def complete(self, scheduled: list) -> list:
         # In scheduling order, the requests whose step completed every known token sample.
         sampled = [
@@ -395,6 +416,7 @@ def simulate(
     *,
     fork: bool = True,
     on_finish: Callable[[int], None] | None = None,
+    kv_snapshots: int = 0,
 ) -> PolicyResult:
     """Replay ``workload`` under ``policy``.
 
@@ -407,6 +429,10 @@ def simulate(
             policy never forks.
         on_finish: called with the number of trace requests that finished (all their samples)
             or were rejected after each step that finished some (a progress bar).
+        kv_snapshots: keep up to about this many KV cache snapshots spread evenly over the run
+            (every step at first; each time twice as many are kept, every other one is
+            dropped and the stride doubles) in ``PolicyResult.kv_snapshots``, for the /kv
+            page's replay; 0: none. Not for the contiguous policy (no block pool).
 
     Returns:
         The :class:`PolicyResult`.
@@ -445,6 +471,10 @@ def simulate(
     num_done = 0
     num_loaded_blocks = 0
     step = 0
+    snapshots: list[dict] = []
+    snapshot_stride = 1
+    if policy == "contiguous":
+        kv_snapshots = 0
 
     def release_children(index: int, finish_step: int) -> None:
         for child in children.get(index, ()):
@@ -522,6 +552,11 @@ def simulate(
         )
         if recorder is not None:
             recorder.maybe_record(step, kv_cache, running)
+        if kv_snapshots and step % snapshot_stride == 0:
+            snapshots.append(driver.kv_snapshot(kv_cache))
+            if len(snapshots) >= 2 * kv_snapshots:
+                snapshots = snapshots[::2]
+                snapshot_stride *= 2
 
         num_finished = 0
         for request in driver.complete(scheduled):
@@ -574,6 +609,7 @@ def simulate(
         recorder.finish() if recorder else None,
         rejected,
         driver.preemptions.finish() if driver.preemptions is not None else None,
+        snapshots,
     )
 
 
