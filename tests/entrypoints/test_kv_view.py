@@ -9,11 +9,13 @@ where chromium or Playwright cannot be had (CI installs both: .ci/run, pyproject
 from __future__ import annotations
 
 import io
+import json
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from _server_fakes import FakeEngine, wait_for
 from _tiny_model import tiny_loaded_model
 
 from pagedkv.engine.engine_loop import EngineLoop
@@ -176,6 +178,43 @@ def test_key_protects_the_data_not_the_page(tiny, page):
         assert page.inner_text("#model") == "model: " + MODEL
     # the 401 of the first try is the browser's console error: that one only
     assert all("401" in error for error in page.errors)
+
+
+class CountingEngine(FakeEngine):
+    """The fake engine with a KV snapshot that counts how often it is taken."""
+
+    num_snapshots = 0
+
+    def kv_snapshot(self) -> dict:
+        self.num_snapshots += 1
+        return {"num_snapshots": self.num_snapshots}
+
+
+def test_no_snapshot_is_taken_while_no_page_listens():
+    engine = CountingEngine()
+    loop = EngineLoop(engine)
+    with ThreadedServer(create_app(loop, model_name=MODEL, kv_view=loop)) as server:
+
+        def complete() -> None:
+            body = {"model": MODEL, "prompt": "abc", "max_tokens": 8}
+            assert httpx.post(server.url + "/v1/completions", json=body).status_code == 200
+
+        complete()
+        assert engine.num_snapshots == 0
+        with httpx.stream("GET", server.url + "/kv/events", timeout=60) as events:
+            assert events.headers["content-type"].startswith("text/event-stream")
+            lines = events.iter_lines()
+            assert next(lines) == "event: state"
+            assert next(lines) == 'data: {"num_snapshots":1}'
+            complete()  # the engine changes: a newer snapshot follows
+            assert next(lines) == ""
+            assert next(lines) == "event: state"
+            assert json.loads(next(lines).removeprefix("data: "))["num_snapshots"] > 1
+        wait_for(lambda: loop.num_kv_listeners == 0, "the closed stream's listener to go")
+        taken = engine.num_snapshots
+        complete()
+        assert engine.num_snapshots == taken
+        assert httpx.get(server.url + "/kv/state").json() == {"num_snapshots": taken + 1}
 
 
 def test_disabled_view_answers_404(tiny):

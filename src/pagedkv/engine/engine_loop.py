@@ -288,6 +288,11 @@ class EngineLoop:
         self._wake.set()
         return listener
 
+    @property
+    def num_kv_listeners(self) -> int:
+        """Open KV snapshot listeners (/kv pages following the feed)."""
+        return self._num_kv_listeners
+
     def close_kv_listeners(self) -> None:
         """End every KV snapshot listener (their next ``get`` returns None): a server that
         shuts down ends its /kv event streams so that their connections close. Call it on the
