@@ -322,3 +322,32 @@ def test_time_per_token_prices_compute_without_moving_the_schedule():
     assert priced.time_s == pytest.approx(plain.time_s + priced.compute_time_s)
     with pytest.raises(ConfigError, match="time_per_token"):
         _tier_config(time_per_token=-1)
+
+
+def test_kv_snapshots_for_the_replay_agree_with_the_timeline():
+    prefix = list(range(1, 9))  # two full blocks of 4
+    workload = Workload(
+        "shared",
+        [
+            SimRequest("D", [*prefix, 50], [1, 2, 3, 4, 5]),
+            SimRequest("E", [*prefix, 60], [7], arrival_time=STEP),
+        ],
+    )
+    result = simulate(workload, _tiny_config(), "paged+prefix", kv_snapshots=100)
+    snapshots = result.kv_snapshots
+    assert len(snapshots) == len(result.timeline.num_running)  # a short run: every step
+    step1 = snapshots[1]  # D and E running, E hit D's two full blocks (the test above)
+    assert step1["blocks"]["state"].count("s") == step1["stats"]["num_shared_blocks"] == 2
+    assert step1["num_used_slots"] == result.timeline.num_real_tokens[1] == 11
+    assert [r["num_scheduled_tokens"] for r in step1["requests"]] == [1, 1]
+    assert simulate(workload, _tiny_config(), "paged+prefix").kv_snapshots == []
+    assert simulate(workload, _tiny_config(), "contiguous", kv_snapshots=100).kv_snapshots == []
+
+
+def test_kv_snapshots_are_thinned_to_the_asked_number():
+    workload = make_workload("shared-prefix", num_requests=40, seed=0)
+    result = simulate(workload, _tiny_config(num_blocks=200, max_model_len=512), "paged+prefix",
+                      kv_snapshots=5)  # fmt: skip
+    assert 5 <= len(result.kv_snapshots) < 10
+    times = [s["stats"]["num_steps"] for s in result.kv_snapshots]
+    assert times == sorted(times)
