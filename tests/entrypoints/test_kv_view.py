@@ -279,7 +279,8 @@ def test_simulator_report_replays_its_snapshots_in_the_same_view(tmp_path, page)
 
     out = tmp_path / "out"
     argv = ["simulate", "--workload", "shared-prefix", "--num-requests", "12", "--num-blocks",
-            "200", "--out", str(out), "--html", "--no-sweep", "--seed", "1", "--quiet"]  # fmt: skip
+            "200", "--out", str(out), "--html", "--no-sweep", "--seed", "1", "--quiet",
+            "--policies", "paged+prefix"]  # fmt: skip
     assert main(argv) == 0
     page.goto((out / "kv_replay.html").as_uri())
     page.wait_for_selector("body[data-renders]", timeout=WAIT_MS)
