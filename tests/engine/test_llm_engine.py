@@ -3,6 +3,8 @@ the same tokens whatever the batching, caching, chunking or preemption (fast, no
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from _engine_fakes import sampling_req_ids
 from _tiny_model import EOS, tiny_loaded_model
@@ -538,3 +540,29 @@ def test_best_of_text_is_the_decode_of_its_tokens(tiny, n, best_of):
         assert len(output.token_ids) == 6
         assert output.text == engine.tokenizer.decode(output.token_ids)
         assert output.new_text == output.text and output.new_token_ids == output.token_ids
+
+
+def test_kv_snapshot_shows_waiting_running_the_batch_and_forks(tiny):
+    engine = make_engine(tiny)
+    engine.add_request("a", "abcdefghij", greedy(max_tokens=3, n=2))
+    engine.add_request("b", "0123456789", greedy(max_tokens=3))
+    snap = engine.kv_snapshot()
+    assert [(r["status"], r["num_computed_tokens"]) for r in snap["requests"]] == [
+        ("waiting", 0),
+        ("waiting", 0),
+    ]
+    assert snap["num_used_blocks"] == 0
+    engine.step()  # a's parent prefills up to its fork point (its last prompt token), b all
+    snap = engine.kv_snapshot()
+    running = [r for r in snap["requests"] if r["status"] == "running"]
+    assert [r["num_scheduled_tokens"] for r in running] == [9, 10]
+    assert snap["num_used_blocks"] == 6  # 3 blocks of 4 tokens each
+    assert snap["num_used_slots"] == 9 + 10  # the last blocks are partly filled
+    text = json.dumps(snap)
+    assert "abcdefghij" not in text and "0123456789" not in text
+    while engine.has_unfinished_requests():
+        engine.step()
+    snap = engine.kv_snapshot()
+    assert snap["requests"] == [] and snap["num_used_blocks"] == 0
+    assert snap["stats"]["num_forks"] == 1
+    assert snap["num_cached_free_blocks"] > 0  # the prompts' full blocks stay hit-able
