@@ -56,14 +56,16 @@ from pagedkv.entrypoints.openai.errors import OpenAIError, install_error_handler
 from pagedkv.entrypoints.openai.kv_view import install_kv_view
 from pagedkv.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from pagedkv.entrypoints.openai.openapi import install_openapi
-from pagedkv.entrypoints.openai.protocol import (
+from pagedkv.entrypoints.openai.protocol.requests import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    TokenizeRequest,
+)
+from pagedkv.entrypoints.openai.protocol.responses import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
-    TokenizeRequest,
     TokenizeResponse,
 )
 from pagedkv.entrypoints.openai.server_options import (

@@ -42,18 +42,20 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from pagedkv.engine.input_processor import InputProcessor
-from pagedkv.entrypoints.openai.protocol import (
-    ChatCompletionChunk,
+from pagedkv.entrypoints.openai.protocol.requests import (
     ChatCompletionRequest,
-    ChatCompletionResponse,
     CompletionRequest,
-    CompletionResponse,
     DetokenizeRequest,
+    TokenizeRequest,
+)
+from pagedkv.entrypoints.openai.protocol.responses import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionResponse,
     DetokenizeResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
-    TokenizeRequest,
     TokenizeResponse,
 )
 from pagedkv.sampling_params import FLOAT_RANGES
