@@ -28,7 +28,7 @@ serving_tokenization, serving_models), over an :class:`~pagedkv.engine.protocol.
 one engine's :class:`~pagedkv.engine.engine_loop.EngineLoop` or a cluster's front end. Prompts
 are tokenized on the client's input thread, never between the engine's steps.
 
-Every request field is honoured or refused with a 400 naming it (protocol.py; the table is in
+Every request field is honoured or refused with a 400 naming it (protocol/; the table is in
 docs/server.md); an unknown field is a 400 naming it, and the known fields without effect
 (``user``...) are named in one warning line.
 Bad input gets the OpenAI error body ``{"error": {"message", "type", "param", "code"}}``; a method

@@ -274,7 +274,7 @@ class OpenAIServingChat(OpenAIServing):
             )
         # No max_tokens: the reply may run to max_model_len (the engine's None).
         max_tokens = request.max_completion_tokens or request.max_tokens
-        top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        top_logprobs = request.top_logprobs_asked()
         options = Options(
             logprobs=top_logprobs,
             prompt_logprobs=request.prompt_logprobs,

@@ -21,7 +21,7 @@ from pagedkv.errors import InvalidRequestError
 from pagedkv.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
-    from pagedkv.entrypoints.openai.protocol.requests import SamplingRequest
+    from pagedkv.entrypoints.openai.protocol.sampling_request import SamplingRequest
 
 #: A request's constraint and the path of the field that gave it, as the client wrote it
 #: (``"response_format.json_schema.schema"``...); ``(None, None)`` without one.
