@@ -10,6 +10,7 @@ errors.py           the OpenAI error body for every failure
 chat_options.py     the chat template and tool-call flags
 server_options.py   API keys, body limits, Origin / Host policy, admin routes
 metrics.py          Prometheus metrics in a per-app registry
+kv_view.py          the KV cache view (/kv page, /kv/state, /kv/events; static/kv.html)
 stats_logger.py     the periodic log line of the engine's state
 launch.py           uvicorn on a socket we bind, and a draining shutdown
 """
