@@ -19,7 +19,7 @@ from pagedkv.engine.llm import LLM
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.entrypoints.openai.app import create_app
 from pagedkv.entrypoints.openai.launch import ThreadedServer
-from pagedkv.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagedkv.entrypoints.openai.protocol.requests import ChatCompletionRequest, CompletionRequest
 from pagedkv.sampling_params import BeamSearchParams, SamplingParams
 
 MODEL = "tiny"

@@ -19,7 +19,7 @@ from pagedkv.entrypoints.openai.app import create_app
 from pagedkv.entrypoints.openai.chat_options import ChatOptions, load_chat_template
 from pagedkv.entrypoints.openai.launch import ThreadedServer
 from pagedkv.entrypoints.openai.metrics import ServerMetrics
-from pagedkv.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedkv.entrypoints.openai.protocol.requests import ChatCompletionRequest
 from pagedkv.entrypoints.openai.server_options import ServerOptions
 from pagedkv.entrypoints.openai.tool_calling import (
     RequiredCallsReader,

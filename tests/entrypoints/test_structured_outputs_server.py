@@ -14,7 +14,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from pagedkv.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagedkv.entrypoints.openai.protocol.requests import ChatCompletionRequest, CompletionRequest
 
 MODEL = "smollm2"
 
@@ -91,7 +91,7 @@ def test_text_format_and_no_field_give_no_constraint():
     ],
 )
 def test_constraints_that_do_not_go_together_are_refused(body, param, message):
-    from pagedkv.entrypoints.openai.protocol import UnsupportedFieldError
+    from pagedkv.entrypoints.openai.protocol.refusals import UnsupportedFieldError
 
     request = CompletionRequest.model_validate({"prompt": "x", **body})
     with pytest.raises(UnsupportedFieldError, match=re.escape(message)) as info:

@@ -28,7 +28,7 @@ serving_tokenization, serving_models), over an :class:`~pagedkv.engine.protocol.
 one engine's :class:`~pagedkv.engine.engine_loop.EngineLoop` or a cluster's front end. Prompts
 are tokenized on the client's input thread, never between the engine's steps.
 
-Every request field is honoured or refused with a 400 naming it (protocol.py; the table is in
+Every request field is honoured or refused with a 400 naming it (protocol/; the table is in
 docs/server.md); an unknown field is a 400 naming it, and the known fields without effect
 (``user``...) are named in one warning line.
 Bad input gets the OpenAI error body ``{"error": {"message", "type", "param", "code"}}``; a method
@@ -56,14 +56,16 @@ from pagedkv.entrypoints.openai.errors import OpenAIError, install_error_handler
 from pagedkv.entrypoints.openai.kv_view import install_kv_view
 from pagedkv.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from pagedkv.entrypoints.openai.openapi import install_openapi
-from pagedkv.entrypoints.openai.protocol import (
+from pagedkv.entrypoints.openai.protocol.requests import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    TokenizeRequest,
+)
+from pagedkv.entrypoints.openai.protocol.responses import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
-    TokenizeRequest,
     TokenizeResponse,
 )
 from pagedkv.entrypoints.openai.server_options import (

@@ -22,7 +22,8 @@ from starlette.routing import Match
 from pagedkv.cluster.protocol import ReplicaError
 from pagedkv.engine.engine_loop import EngineDeadError
 from pagedkv.entrypoints.log_setup import summarize_for_log
-from pagedkv.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, UnsupportedFieldError
+from pagedkv.entrypoints.openai.protocol.refusals import UnsupportedFieldError
+from pagedkv.entrypoints.openai.protocol.responses import ErrorInfo, ErrorResponse
 from pagedkv.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedkv.entrypoints.openai.protocol import (
+from pagedkv.entrypoints.openai.protocol.responses import (
     ChatLogProbs,
     ChatTokenLogprob,
     CompletionLogProbs,

@@ -10,9 +10,9 @@ FastAPI's (paths, operation ids, parameters) and this module's table of every op
   routes (``stream: true``; each event's ``data`` is a chunk, an error body or ``[DONE]``),
   ``text/plain`` for ``/metrics``, no body for ``/health`` and ``/ping``, and
   ``{"success": false}`` with 409 for a refused ``/reset_prefix_cache``. No 422 anywhere.
-- **Request bodies**: pydantic's schemas of the request models (protocol.py adds what its
-  validators check: null for a default, the values a refused field accepts, the rules between
-  fields), plus what the engine checks, read from the engine client's
+- **Request bodies**: pydantic's schemas of the request models (protocol/schema.py adds what
+  their validators check: null for a default, the values a refused field accepts, the rules
+  between fields), plus what the engine checks, read from the engine client's
   :class:`~pagedkv.engine.input_processor.InputProcessor` when the app is made: token ids below
   ``vocab_size``, ``logprobs`` / ``top_logprobs`` / ``prompt_logprobs`` at most
   ``max_logprobs`` (``serve --max-logprobs``), ``top_k`` at most the vocabulary, prompts within
@@ -42,18 +42,20 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from pagedkv.engine.input_processor import InputProcessor
-from pagedkv.entrypoints.openai.protocol import (
-    ChatCompletionChunk,
+from pagedkv.entrypoints.openai.protocol.requests import (
     ChatCompletionRequest,
-    ChatCompletionResponse,
     CompletionRequest,
-    CompletionResponse,
     DetokenizeRequest,
+    TokenizeRequest,
+)
+from pagedkv.entrypoints.openai.protocol.responses import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionResponse,
     DetokenizeResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
-    TokenizeRequest,
     TokenizeResponse,
 )
 from pagedkv.sampling_params import FLOAT_RANGES

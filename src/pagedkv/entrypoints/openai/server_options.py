@@ -65,7 +65,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from pagedkv.entrypoints.openai.openapi import DocumentedError
-from pagedkv.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from pagedkv.entrypoints.openai.protocol.responses import ErrorInfo, ErrorResponse
 from pagedkv.errors import ConfigError
 from pagedkv.units import MiB, parse_memory_size
 

@@ -11,17 +11,18 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pagedkv.entrypoints.openai.chat_options import ChatOptions
 from pagedkv.entrypoints.openai.errors import OpenAIError
 from pagedkv.entrypoints.openai.logprobs import chat_logprobs, vllm_prompt_logprobs
-from pagedkv.entrypoints.openai.protocol import (
+from pagedkv.entrypoints.openai.protocol.messages import template_tools
+from pagedkv.entrypoints.openai.protocol.refusals import UnsupportedFieldError
+from pagedkv.entrypoints.openai.protocol.requests import ChatCompletionRequest
+from pagedkv.entrypoints.openai.protocol.responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogProbs,
     ChatResponseMessage,
     DeltaMessage,
     DeltaToolCall,
-    UnsupportedFieldError,
     UsageInfo,
     chunk_json,
     now,
@@ -273,7 +274,7 @@ class OpenAIServingChat(OpenAIServing):
             )
         # No max_tokens: the reply may run to max_model_len (the engine's None).
         max_tokens = request.max_completion_tokens or request.max_tokens
-        top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        top_logprobs = request.top_logprobs_asked()
         options = Options(
             logprobs=top_logprobs,
             prompt_logprobs=request.prompt_logprobs,
@@ -290,7 +291,7 @@ class OpenAIServingChat(OpenAIServing):
             prompt_logprobs=request.prompt_logprobs,
         )
         messages = request.template_messages()
-        tools = request.template_tools()
+        tools = template_tools(request.tools)
         processed = await self.engine_client.process(
             lambda processor: processor.process_chat(
                 messages,

@@ -9,10 +9,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedkv.engine.input_processor import InputProcessor, ProcessedPrompt
 from pagedkv.entrypoints.openai.logprobs import completion_logprobs, vllm_prompt_logprobs
-from pagedkv.entrypoints.openai.protocol import (
+from pagedkv.entrypoints.openai.protocol.requests import CompletionRequest
+from pagedkv.entrypoints.openai.protocol.responses import (
     CompletionChoice,
     CompletionLogProbs,
-    CompletionRequest,
     CompletionResponse,
     UsageInfo,
     chunk_json,

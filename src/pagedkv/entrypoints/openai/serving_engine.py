@@ -31,7 +31,8 @@ from pagedkv.engine.protocol import EngineClient, EngineRequest
 from pagedkv.entrypoints.log_setup import summarize_for_log
 from pagedkv.entrypoints.openai.errors import OpenAIError
 from pagedkv.entrypoints.openai.metrics import ServerMetrics
-from pagedkv.entrypoints.openai.protocol import UsageInfo, make_usage, rename_constraint_error
+from pagedkv.entrypoints.openai.protocol.responses import UsageInfo, make_usage
+from pagedkv.entrypoints.openai.protocol.structured_outputs import rename_constraint_error
 from pagedkv.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedkv.errors import InvalidRequestError
 from pagedkv.sampling_params import BeamSearchParams, SamplingParams

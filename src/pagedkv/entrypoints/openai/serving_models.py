@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pagedkv.entrypoints.openai.errors import OpenAIError
-from pagedkv.entrypoints.openai.protocol import ModelCard, ModelList, now
+from pagedkv.entrypoints.openai.protocol.responses import ModelCard, ModelList, now
 from pagedkv.errors import ConfigError
 
 

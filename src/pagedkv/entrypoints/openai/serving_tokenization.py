@@ -8,13 +8,9 @@ from typing import Any
 
 from pagedkv.engine.input_processor import InputProcessor
 from pagedkv.engine.protocol import EngineClient
-from pagedkv.entrypoints.openai.protocol import (
-    DetokenizeRequest,
-    DetokenizeResponse,
-    TokenizeRequest,
-    TokenizeResponse,
-    template_tools,
-)
+from pagedkv.entrypoints.openai.protocol.messages import template_tools
+from pagedkv.entrypoints.openai.protocol.requests import DetokenizeRequest, TokenizeRequest
+from pagedkv.entrypoints.openai.protocol.responses import DetokenizeResponse, TokenizeResponse
 from pagedkv.entrypoints.openai.serving_models import OpenAIServingModels
 
 

@@ -26,14 +26,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedkv.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
+from pagedkv.entrypoints.openai.protocol.messages import NamedToolChoice
+from pagedkv.entrypoints.openai.protocol.refusals import UnsupportedFieldError
+from pagedkv.entrypoints.openai.protocol.requests import ChatCompletionRequest
+from pagedkv.entrypoints.openai.protocol.responses import (
     DeltaFunctionCall,
     DeltaToolCall,
     FunctionCallOut,
-    NamedToolChoice,
     ToolCallOut,
-    UnsupportedFieldError,
 )
 from pagedkv.entrypoints.openai.tool_parsers import ToolCall, ToolCallStream, ToolParser
 from pagedkv.entrypoints.openai.tool_parsers.base import read_call

@@ -1,0 +1,109 @@
+"""The known request fields pagedkv does not implement, and the error that refuses them.
+
+A known field (OpenAI's or vLLM's) that pagedkv does not implement is refused with a 400 naming
+it when it asks for something (``suffix``, ``audio``, ``logits_processors``, ...): each request
+model lists them in ``REFUSED`` (the tables below) with the values that ask for nothing, which
+``check_supported`` lets through and the OpenAPI schema states (schema.py). Known fields without
+effect on the output (``user``, ``metadata``...: ``IGNORED``) are accepted and named in one
+warning log line per request, as vLLM does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+class UnsupportedFieldError(Exception):
+    """A request field pagedkv refuses (the server answers 400 naming ``param``)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+#: JSON Schema of null (these schemas are copied into every generated schema, never changed).
+NULL_SCHEMA: dict[str, Any] = {"type": "null"}
+#: null, [] or {}: what an empty list or map field accepts.
+EMPTY_SCHEMA: dict[str, Any] = {
+    "anyOf": [NULL_SCHEMA, {"type": "array", "maxItems": 0}, {"type": "object", "maxProperties": 0}]
+}
+
+
+@dataclass(frozen=True, slots=True)
+class NoOp:
+    """The values of a refused field that ask for nothing: ``test(value, request)`` says it, and
+    ``schema`` says it as JSON Schema (the request's OpenAPI schema, so that it accepts exactly
+    what the server does; None: the model's ``SCHEMA_RULES`` state it, as it depends on another
+    field)."""
+
+    test: Callable[[Any, Any], bool]  # (value, the whole request) -> ok
+    schema: dict[str, Any] | None
+
+    def __call__(self, value: Any, request: Any) -> bool:
+        return self.test(value, request)
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A known field pagedkv does not implement: ``accepts(value, request)`` is True for the
+    values that ask for nothing (the field's no-op), anything else is a 400 naming the field and
+    ``why``; ``example`` is a refused value (the contract test sends it)."""
+
+    accepts: NoOp
+    why: str
+    example: Any
+
+
+_absent = NoOp(lambda value, request: value is None, NULL_SCHEMA)
+_false = NoOp(lambda value, request: value is None or value is False, {"enum": [None, False]})
+_empty = NoOp(lambda value, request: value is None or value == [] or value == {}, EMPTY_SCHEMA)
+_text_modality = NoOp(
+    lambda value, request: value is None or value == ["text"],
+    {"anyOf": [NULL_SCHEMA, {"type": "array", "const": ["text"]}]},
+)
+_function_call = NoOp(
+    lambda value, request: value is None or value == "none", {"enum": [None, "none"]}
+)
+
+_NOT_IMPLEMENTED = "is not supported by pagedkv"
+
+#: Known fields of both endpoints that pagedkv refuses when they ask for something.
+REFUSED_COMMON: dict[str, Refused] = {
+    "allowed_token_ids": Refused(_absent, "allowed_token_ids " + _NOT_IMPLEMENTED, [1, 2]),
+    "bad_words": Refused(_empty, "bad_words " + _NOT_IMPLEMENTED, ["bad"]),
+    "truncate_prompt_tokens": Refused(_absent, "prompt truncation " + _NOT_IMPLEMENTED, 8),
+    "logits_processors": Refused(_empty, "custom logits processors " + _NOT_IMPLEMENTED, ["x"]),
+    "return_tokens_as_token_ids": Refused(
+        _false, "return_tokens_as_token_ids " + _NOT_IMPLEMENTED, True
+    ),
+    "prompt_embeds": Refused(_absent, "prompt embeddings " + _NOT_IMPLEMENTED, "AAAA"),
+    "kv_transfer_params": Refused(_absent, "KV transfer " + _NOT_IMPLEMENTED, {"x": 1}),
+    "vllm_xargs": Refused(_empty, "vllm_xargs " + _NOT_IMPLEMENTED, {"x": 1}),
+}
+
+#: Known fields of /v1/completions that pagedkv refuses when they ask for something.
+REFUSED_COMPLETION: dict[str, Refused] = {
+    **REFUSED_COMMON,
+    "suffix": Refused(_absent, "suffix (insertion) " + _NOT_IMPLEMENTED, "tail"),
+}
+
+#: Known fields of /v1/chat/completions that pagedkv refuses when they ask for something.
+REFUSED_CHAT: dict[str, Refused] = {
+    **REFUSED_COMMON,
+    "functions": Refused(_empty, "function calling " + _NOT_IMPLEMENTED, [{"name": "f"}]),
+    "function_call": Refused(_function_call, "function calling " + _NOT_IMPLEMENTED, "auto"),
+    "audio": Refused(_absent, "audio output " + _NOT_IMPLEMENTED, {"voice": "alloy"}),
+    "modalities": Refused(_text_modality, "only text output is supported", ["text", "audio"]),
+    "prediction": Refused(_absent, "predicted outputs " + _NOT_IMPLEMENTED, {"type": "content"}),
+    "web_search_options": Refused(_absent, "web search " + _NOT_IMPLEMENTED, {}),
+    "reasoning_effort": Refused(_absent, "reasoning_effort " + _NOT_IMPLEMENTED, "low"),
+    "echo": Refused(_false, "echo on chat completions " + _NOT_IMPLEMENTED, True),
+    "documents": Refused(_empty, "documents " + _NOT_IMPLEMENTED, [{"text": "x"}]),
+    "mm_processor_kwargs": Refused(_empty, "multimodal input " + _NOT_IMPLEMENTED, {"x": 1}),
+}
+
+#: Known fields without any effect on the output: accepted, named in the warning line.
+IGNORED_COMMON = ("user", "metadata", "store", "service_tier", "request_id")
