@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     chats, counts = make_chats(model, args.num_chats, args.prompt_len)
     print(f"{args.num_chats} chats of {counts[1:]} prompt tokens (pagedkv's template)", flush=True)
     env = hold_env(args.isa, os.environ)
-    rounds = []
+    rounds, loads = [], []
     for number in range(1, args.rounds + 1):
         print(f"round {number}/{args.rounds}", flush=True)
         this: dict[str, dict[str, float]] = {}
@@ -349,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
         rounds.append(this)
+        loads.append(os.getloadavg()[0])  # the CPU is shared: context
     labels = [c.label for c in configs]
     summary = summarize(rounds, labels)
     print(format_summary(summary, labels, cpu), flush=True)
@@ -366,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         "pagedkv_configs": {c.label: list(c.args) for c in configs},
         "pagedkv_env": {k: env[k] for k in AVX2_HOLD_ENV if k in env},
         "rounds": rounds,
+        "load_average_1m": loads,
         **summary,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)

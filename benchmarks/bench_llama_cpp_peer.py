@@ -488,6 +488,21 @@ def pagedkv_rates(report: Mapping[str, Any], n_prompt: int) -> dict[str, float]:
     return {"tg": 1000.0 / step_ms, "pp": n_prompt * 1000.0 / prefill_ms}
 
 
+def brief(report: Mapping[str, Any]) -> dict[str, Any]:
+    """What the results file keeps of a worker's report: the step and prefill statistics (ms),
+    start-up (s), dtype and CPU."""
+    tg, pp = report["tg"], report["pp"]
+    return {
+        "decode_step_ms": tg["decode_step"],
+        "num_decode_steps": tg["num_decode_steps"],
+        "prefill_ms": pp["prefill"],
+        "startup_s": report["startup_s"],
+        "dtype": tg["dtype"],
+        "kv_cache_dtype": tg["kv_cache_dtype"],
+        "cpu": tg["cpu"]["summary"],
+    }
+
+
 def run_pagedkv(cmd: list[str], env: Mapping[str, str], timeout: float) -> dict[str, Any]:
     """Run one worker; its report.
 
@@ -611,7 +626,8 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             this[config.label] = rates
-            raw_round[config.label] = report
+            raw_round[config.label] = brief(report)
+        raw_round["load_average_1m"] = os.getloadavg()[0]  # the CPU is shared: context
         rounds.append(this)
         raw.append(raw_round)
     labels = [c.label for c in configs]
