@@ -46,14 +46,14 @@ def chat(scripts):
 # A trimmed llama-bench -o json output (llama.cpp of llama-cpp-python 0.3.36; two tests).
 LLAMA_BENCH_JSON = """[
   {
-    "build_commit": "abc1234", "build_number": 1, "cpu_info": "AMD EPYC",
-    "model_type": "llama ?B Q4_1", "n_threads": 2, "n_prompt": 512, "n_gen": 0,
+    "build_commit": "0c1e570", "build_number": 1, "cpu_info": "AMD EPYC",
+    "model_type": "llama 256M Q4_1", "n_threads": 2, "n_prompt": 512, "n_gen": 0,
     "avg_ns": 512000000, "stddev_ns": 1000, "avg_ts": 1000.5, "stddev_ts": 2.5,
     "samples_ns": [512000000, 512000000], "samples_ts": [1000.0, 1001.0]
   },
   {
-    "build_commit": "abc1234", "build_number": 1, "cpu_info": "AMD EPYC",
-    "model_type": "llama ?B Q4_1", "n_threads": 2, "n_prompt": 0, "n_gen": 128,
+    "build_commit": "0c1e570", "build_number": 1, "cpu_info": "AMD EPYC",
+    "model_type": "llama 256M Q4_1", "n_threads": 2, "n_prompt": 0, "n_gen": 128,
     "avg_ns": 1280000000, "stddev_ns": 1000, "avg_ts": 100.25, "stddev_ts": 0.5,
     "samples_ns": [1280000000], "samples_ts": [100.25]
   }
@@ -167,8 +167,8 @@ def test_parse_llama_bench_json(peer):
         "samples_tok_s": [100.25],
         "n_threads": 2,
         "cpu_info": "AMD EPYC",
-        "build_commit": "abc1234",
-        "model_type": "llama ?B Q4_1",
+        "build_commit": "0c1e570",
+        "model_type": "llama 256M Q4_1",
     }
 
 
