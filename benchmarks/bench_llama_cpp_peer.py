@@ -37,10 +37,10 @@ AVX2 code on any x86 CPU. ``--isa native``: no variables, llama.cpp built with
 :data:`LLAMA_CPP_SDIST`; it vendors llama.cpp in ``vendor/llama.cpp``): ``pip download --no-deps
 --no-binary :all:``, extracted and built with cmake (targets llama-bench and llama-server) into
 ``--cache-dir`` (default ``$PAGEDKV_CACHE_DIR`` or ``~/.cache/pagedkv``) under ``llama.cpp/``, once
-per ISA (56 minutes on 2 cores shared with other jobs). A later run finds the build and only asks cmake
-whether it is up to date. ``--llama-cpp-bin DIR`` uses binaries built elsewhere instead. Never run
-in CI (the tests in tests/benchmarks/ check the pure parts: arguments, llama-bench's JSON, the
-summary).
+per ISA (56 minutes on 2 cores shared with other jobs). A later run finds the build and only
+asks cmake whether it is up to date. ``--llama-cpp-bin DIR`` uses binaries built elsewhere
+instead. Never run in CI (the tests in tests/benchmarks/ check the pure parts: arguments,
+llama-bench's JSON, the summary).
 
 Options for pagedkv reach every configuration with ``--pagedkv-arg=ARG`` (repeatable, one
 argument each, e.g. ``--pagedkv-arg=--attention-backend=torch``); ``--pagedkv-config
