@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import NamedTuple
 
 import httpx
@@ -28,7 +28,12 @@ class RunningServer(NamedTuple):
 
 @contextlib.contextmanager
 def own_server(
-    server_args: list[str], startup_timeout: float, *, log_level: str = "warning", echo: bool = True
+    server_args: list[str],
+    startup_timeout: float,
+    *,
+    log_level: str = "warning",
+    echo: bool = True,
+    env: Mapping[str, str] | None = None,
 ) -> Iterator[RunningServer]:
     """Run ``pagedkv serve --host 127.0.0.1 --port 0 --log-level LOG_LEVEL SERVER_ARGS...``.
 
@@ -38,6 +43,7 @@ def own_server(
         log_level: the server's log level.
         echo: copy the server's output to stderr (else it is read and dropped, so that a chatty
             server never blocks on a full pipe).
+        env: the server's environment (None: this process's).
 
     Raises:
         RuntimeError: the server did not start or never answered ``/health`` in time.
@@ -56,7 +62,9 @@ def own_server(
         *server_args,
     ]
     print("starting:", shlex.join(command), file=sys.stderr, flush=True)
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, text=True, env=None if env is None else dict(env)
+    )
     try:
         url = None
         deadline = time.monotonic() + startup_timeout

@@ -61,7 +61,6 @@ INSTANCE = {
 }
 
 
-
 class _Seq:
     """What ``fill_bitmask`` reads of a request."""
 
@@ -215,6 +214,7 @@ def main() -> None:
         f"  JSON schema    {json_tps:8.1f} tok/s  (rounds: "
         f"{', '.join(f'{x:.1f}' for x in constrained)}) = {json_tps / free_tps:.2f}x"
     )
+
 
 if __name__ == "__main__":
     main()
