@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pagedkv.engine.scheduler import Scheduler
+from pagedkv.worker.outputs import ModelRunnerOutput
 from pagedkv.worker.scheduler_output import SchedulerOutput
 
 VOCAB_SIZE = 997
@@ -70,7 +71,7 @@ class FakeModel:
                 self.tables[req_id] += blocks[0]
             self.computed[req_id] = cached.num_computed_tokens[i]
 
-    def execute(self, out: SchedulerOutput) -> list[int]:
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Copy the step's blocks (group 0's ``blocks_to_copy``, as the runner does, before any
         write), write this step's tokens, then sample one token per sampling request (in
         scheduling order)."""
@@ -80,7 +81,7 @@ class FakeModel:
             for (_, dst), tokens in zip(out.blocks_to_copy[0], sources, strict=True):
                 self.cache[dst] = tokens
         bs = self.block_size
-        sampled = []
+        sampled = ModelRunnerOutput()
         for req_id, num in out.num_scheduled_tokens.items():
             table, tokens, start = self.tables[req_id], self.tokens[req_id], self.computed[req_id]
             for pos in range(start, start + num):
@@ -89,7 +90,8 @@ class FakeModel:
                 self.cache[block_id][pos % bs] = tokens[pos]
             if start + num >= len(tokens):
                 seq = [self.cache[table[p // bs]][p % bs] for p in range(start + num)]
-                sampled.append(next_token(seq))
+                sampled.req_ids.append(req_id)
+                sampled.sampled_token_ids.append(next_token(seq))
         return sampled
 
 

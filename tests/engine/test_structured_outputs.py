@@ -7,6 +7,7 @@ import pytest
 
 from pagedkv import SamplingParams, StructuredOutputsParams
 from pagedkv.errors import InvalidRequestError
+from pagedkv.worker.outputs import ModelRunnerOutput
 
 # ---------------------------------------------------------------- StructuredOutputsParams
 
@@ -188,7 +189,7 @@ def test_a_request_waits_for_its_grammar_and_not_the_others():
     _request(scheduler, "free")
     out = scheduler.schedule()
     assert list(out.num_scheduled_tokens) == ["free"]  # FCFS, yet not blocked behind it
-    scheduler.update_from_output(out, [7])
+    scheduler.update_from_output(out, ModelRunnerOutput(req_ids=["free"], sampled_token_ids=[7]))
     compiling.done = True
     out = scheduler.schedule()
     assert list(out.num_scheduled_tokens) == ["free", "constrained"]
@@ -203,7 +204,7 @@ def test_a_request_whose_grammar_failed_finishes_with_the_error():
     request = _request(scheduler, "bad", failed)
     out = scheduler.schedule()
     assert out.num_scheduled_tokens == {}
-    changed = scheduler.update_from_output(out, [])
+    changed = scheduler.update_from_output(out, ModelRunnerOutput())
     assert changed == [request]
     assert request.status == RequestStatus.FINISHED_ERROR
     assert "too deep" in request.error

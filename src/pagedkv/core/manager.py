@@ -1,4 +1,5 @@
-"""KVCacheManager: the facade the scheduler uses (vLLM V1's contract).
+"""KVCacheManager: the facade the scheduler uses (vLLM V1's contract), the paged
+implementation of :class:`~pagedkv.core.interface.KVCacheInterface`.
 
 A scheduling step, for one request::
 
@@ -25,43 +26,13 @@ from pagedkv.core.config import KVCacheConfig
 from pagedkv.core.coordinator import BlocksPerGroup, KVCacheCoordinator
 from pagedkv.core.events import BlockRemoved, BlockStored, KVCacheEvent
 from pagedkv.core.hashing import BlockHash, BlockHasher
+from pagedkv.core.kv_cache_blocks import KVCacheBlocks
 from pagedkv.core.offload import KVTierOps, OffloadingManager, tier_key
 from pagedkv.core.request import KVCacheRequest
 from pagedkv.core.single_type import FullAttentionManager, SlidingWindowManager
 from pagedkv.core.spec import FullAttentionSpec, KVCacheSpec, max_num_blocks_per_request
 from pagedkv.errors import CacheStateError, ConfigError, InvalidRequestError
 from pagedkv.validation import check_int
-
-
-class KVCacheBlocks:
-    """Blocks handed to (or held by) a request, one list per KV cache group. Opaque to the
-    scheduler: it only combines them (``+``) and reads their ids.
-
-    Attributes:
-        blocks: one sequence of blocks per KV cache group (a list, or ``()`` when empty).
-            Treat as read-only.
-        tier_hashes: a hit's blocks after ``blocks`` that the KV tier holds (their block
-            hashes, in order; ``()`` when none): ``allocate_slots`` gives them new pool blocks
-            and records their loads.
-    """
-
-    __slots__ = ("blocks", "tier_hashes")
-
-    def __init__(self, blocks: BlocksPerGroup, tier_hashes: tuple[BlockHash, ...] = ()) -> None:
-        self.blocks = blocks
-        self.tier_hashes = tier_hashes
-
-    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
-        return KVCacheBlocks(
-            tuple([*a, *b] for a, b in zip(self.blocks, other.blocks, strict=True))
-        )
-
-    def get_block_ids(self) -> tuple[list[int], ...]:
-        """Block ids per KV cache group (0 = null block)."""
-        return tuple([block.block_id for block in blocks] for blocks in self.blocks)
-
-    def __repr__(self) -> str:
-        return f"KVCacheBlocks({self.get_block_ids()})"
 
 
 class KVCacheManager:
@@ -203,6 +174,11 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now (free, including cached ones)."""
         return self.block_pool.num_free_blocks
+
+    @property
+    def has_kv_tier(self) -> bool:
+        """True when a KV tier sits below the pool (``kv_offloading_blocks`` > 0)."""
+        return self.offloader is not None
 
     def max_num_blocks_per_request(
         self, num_tokens: int, max_num_batched_tokens: int | None = None
@@ -660,8 +636,8 @@ class KVCacheManager:
         block) after the previous step's KV writes and before this step's: take them once per
         step, after the step's ``allocate_slots`` calls, and send them with the step. ``dst``
         replaced ``src`` in the table of the request that is about to write (at index
-        ``num_computed_tokens // block_size``); see :attr:`num_blocks_copied` to learn which
-        request that was.
+        ``num_computed_tokens // block_size``): the scheduler finds that request by looking
+        for ``dst`` in the step's block tables and sends its table whole.
         """
         return self.coordinator.take_blocks_to_copy()
 
@@ -674,9 +650,7 @@ class KVCacheManager:
     @property
     def num_blocks_copied(self) -> int:
         """Copy-on-write copies recorded since the manager was made, over all KV cache groups
-        (it only grows). A scheduler reads it before and after ``allocate_slots(request, ...)``:
-        when it grew, ``request``'s table had an entry replaced in place (not only blocks
-        appended), so the worker needs its table anew."""
+        (it only grows; for stats and tests)."""
         return sum(manager.num_blocks_copied for manager in self.coordinator.single_type_managers)
 
     # ---- prefix cache ----------------------------------------------------------------------

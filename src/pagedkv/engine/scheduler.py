@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 from pagedkv.config import SchedulerConfig
-from pagedkv.core.manager import KVCacheBlocks, KVCacheManager
+from pagedkv.core.interface import KVCacheInterface
+from pagedkv.core.kv_cache_blocks import KVCacheBlocks
 from pagedkv.core.spec import max_num_blocks_per_request
 from pagedkv.engine.beam_search import BeamSearchGroup
 from pagedkv.engine.request import Request, RequestStatus
@@ -79,7 +80,7 @@ class Scheduler:
 
     def __init__(
         self,
-        kv_cache_manager: KVCacheManager,
+        kv_cache_manager: KVCacheInterface,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
@@ -105,7 +106,7 @@ class Scheduler:
             raise ConfigError(
                 f"unknown preemption_mode {preemption_mode!r}; choose one of {PREEMPTION_MODES}"
             )
-        if preemption_mode == "swap" and getattr(kv_cache_manager, "offloader", None) is None:
+        if preemption_mode == "swap" and not kv_cache_manager.has_kv_tier:
             raise ConfigError(
                 "preemption_mode='swap' pages blocks out to the KV tier: set "
                 "kv_offloading_size (and kv_offloading_backend)"
@@ -126,8 +127,6 @@ class Scheduler:
         self.admission = admission
         self.preemption_mode = preemption_mode
         self.wait_for_kv_loads = wait_for_kv_loads
-        # The KV tier's instructions (a manager without a tier, like the simulator's, has none).
-        self._take_tier_ops = getattr(kv_cache_manager, "take_tier_ops", None)
         self.waiting: FCFSQueue | PriorityQueue = (
             PriorityQueue() if policy == "priority" else FCFSQueue()
         )
@@ -152,7 +151,7 @@ class Scheduler:
 
     @classmethod
     def from_config(
-        cls, kv_cache_manager: KVCacheManager, scheduler_config: SchedulerConfig
+        cls, kv_cache_manager: KVCacheInterface, scheduler_config: SchedulerConfig
     ) -> Scheduler:
         """The scheduler of the engine's resolved :class:`~pagedkv.config.SchedulerConfig`."""
         return cls(
@@ -403,7 +402,7 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=step.preempted_req_ids,
             blocks_to_copy=blocks_to_copy if copied is not None else (),
-            kv_tier_ops=self._take_tier_ops() if self._take_tier_ops is not None else None,
+            kv_tier_ops=manager.take_tier_ops(),
         )
         self.finished_req_ids = set()
         cached = out.scheduled_cached_reqs
@@ -462,18 +461,15 @@ class Scheduler:
         return out
 
     def update_from_output(
-        self,
-        scheduler_output: SchedulerOutput,
-        sampled_token_ids: ModelRunnerOutput | Sequence[int],
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[Request]:
         """Append the sampled tokens and finish requests that hit a stop condition.
 
         Args:
             scheduler_output: the output of the last :meth:`schedule`.
-            sampled_token_ids: the workers' :class:`ModelRunnerOutput` (request ids and their
-                sampled tokens), or the sampled token ids alone, one per sampling request in
-                scheduling order (a request samples when the step completes its prompt and
-                every earlier token).
+            runner_output: the workers' :class:`ModelRunnerOutput`: the ids of the requests that
+                sampled and their tokens (a request samples when the step completes its prompt
+                and every earlier token), logprobs, and the KV tier's load reports.
 
         Returns:
             The requests that got a token or finished in this step (including those rejected
@@ -488,25 +484,15 @@ class Scheduler:
         if len(scheduled) != scheduler_output.num_reqs:
             raise InvalidRequestError("update_from_output needs the output of the last schedule()")
         sampling = [r for r in scheduled if r.num_computed_tokens >= r.num_tokens]
-        logprobs = {}
-        if isinstance(sampled_token_ids, ModelRunnerOutput):
-            by_id = dict(
-                zip(sampled_token_ids.req_ids, sampled_token_ids.sampled_token_ids, strict=True)
+        by_id = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True))
+        missing = [r.request_id for r in sampling if r.request_id not in by_id]
+        if missing or len(by_id) != len(sampling):
+            raise InvalidRequestError(
+                f"the sampled tokens are for requests {sorted(by_id)}, the sampling requests "
+                f"are {sorted(r.request_id for r in sampling)}"
             )
-            missing = [r.request_id for r in sampling if r.request_id not in by_id]
-            if missing or len(by_id) != len(sampling):
-                raise InvalidRequestError(
-                    f"the sampled tokens are for requests {sorted(by_id)}, the sampling requests "
-                    f"are {sorted(r.request_id for r in sampling)}"
-                )
-            tokens = [by_id[r.request_id] for r in sampling]
-            logprobs = sampled_token_ids.logprobs
-        else:
-            tokens = list(sampled_token_ids)
-            if len(tokens) != len(sampling):
-                raise InvalidRequestError(
-                    f"got {len(tokens)} sampled tokens for {len(sampling)} sampling requests"
-                )
+        tokens = [by_id[r.request_id] for r in sampling]
+        logprobs = runner_output.logprobs
         no_row = [
             r.request_id
             for r in sampling
@@ -523,13 +509,13 @@ class Scheduler:
                 "runner's logprobs rows (a ModelRunnerOutput, top-K of each beam)"
             )
         self._scheduled_requests = []
-        if isinstance(sampled_token_ids, ModelRunnerOutput) and sampled_token_ids.dropped_kv_stores:
+        if runner_output.dropped_kv_stores:
             self.kv_cache_manager.discard_tier_entries(
-                sampled_token_ids.dropped_kv_stores, failed_load=False
+                runner_output.dropped_kv_stores, failed_load=False
             )
-        if self._loading and isinstance(sampled_token_ids, ModelRunnerOutput):
-            finished_loads = sampled_token_ids.finished_kv_loads
-            failed_loads = sampled_token_ids.failed_kv_loads
+        if self._loading:
+            finished_loads = runner_output.finished_kv_loads
+            failed_loads = runner_output.failed_kv_loads
             if finished_loads or failed_loads:
                 self._finish_kv_loads(finished_loads, failed_loads)
         changed: list[Request] = self._rejected
@@ -727,7 +713,7 @@ class Scheduler:
                 skipped.append(waiting.pop())
                 continue
             computed_blocks, num_computed_tokens = manager.get_computed_blocks(request)
-            tier_hashes = getattr(computed_blocks, "tier_hashes", ()) if wait_for_loads else ()
+            tier_hashes = computed_blocks.tier_hashes if wait_for_loads else ()
             if tier_hashes and request.beam_group is not None:
                 # A beam's seats are reserved with its group's: it recomputes instead of
                 # waiting for a load (its pool hit stays).
@@ -779,7 +765,7 @@ class Scheduler:
                     self.stats.prefix_cache_hits += num_computed_tokens
                 self.stats.num_prompt_tokens += request.num_prompt_tokens
             request.num_computed_tokens = num_computed_tokens
-            if not wait_for_loads and getattr(computed_blocks, "tier_hashes", ()):
+            if not wait_for_loads and computed_blocks.tier_hashes:
                 manager.finish_tier_loads(request.request_id)  # no workers: loads are instant
             if tier_hashes:
                 # The workers load the tier hit; it waits (not the batch) until they report

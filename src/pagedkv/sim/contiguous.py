@@ -7,14 +7,20 @@ max_model_len`` equal regions::
     | block 0 | slot 0: max_model_len tokens | slot 1 | ... |  (tail < max_model_len unused)
 
 Equal-sized regions leave no external fragmentation, but every token a request does not reach is
-reserved and wasted (internal fragmentation). The class mimics the part of
-:class:`~pagedkv.core.manager.KVCacheManager` that the engine's
-:class:`~pagedkv.engine.scheduler.Scheduler` calls, so every policy runs through one scheduling
-loop; a slot's "block ids" are the blocks its region spans (for the block map).
+reserved and wasted (internal fragmentation). The class implements
+:class:`~pagedkv.core.interface.KVCacheInterface`, what the engine's
+:class:`~pagedkv.engine.scheduler.Scheduler` calls (no prefix cache, no fork, no tier: those
+methods do nothing), so every policy runs through one scheduling loop; a slot's "block ids" are
+the blocks its region spans (for the block map).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+from pagedkv.core.kv_cache_blocks import KVCacheBlocks
+from pagedkv.core.offload import KVTierOps
+from pagedkv.core.request import KVCacheRequest
 from pagedkv.core.spec import FullAttentionSpec, cdiv
 from pagedkv.errors import ConfigError
 from pagedkv.validation import check_int
@@ -57,6 +63,7 @@ class ContiguousKVCache:
         self.kv_cache_specs = (
             FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1),
         )
+        self.empty_kv_cache_blocks = KVCacheBlocks(((),))
         self._free_slots = list(range(self.num_slots - 1, -1, -1))  # pop() gives the lowest
         self._slot_of: dict[str, int] = {}
 
@@ -75,34 +82,35 @@ class ContiguousKVCache:
         """Tokens reserved by running requests: max_model_len each."""
         return len(self._slot_of) * self.max_model_len
 
-    def get_computed_blocks(self, request: object) -> tuple[tuple, int]:
+    def get_computed_blocks(self, request: KVCacheRequest) -> tuple[KVCacheBlocks, int]:
         """No prefix cache: never a hit."""
-        return (), 0
+        return self.empty_kv_cache_blocks, 0
 
     def allocate_slots(
         self,
-        request,
+        request: KVCacheRequest,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
-        new_computed_blocks: object = None,
+        new_computed_blocks: KVCacheBlocks | None = None,
         num_lookahead_tokens: int = 0,
-    ) -> tuple | None:
-        """Reserve a region at the first call (later calls always fit); None if none is free."""
+    ) -> KVCacheBlocks | None:
+        """Reserve a region at the first call (later calls always fit); None if none is free.
+        Returns no new blocks: the region's are all the request's from the start."""
         if request.request_id in self._slot_of:
-            return ()
+            return self.empty_kv_cache_blocks
         if not self._free_slots:
             return None
         self._slot_of[request.request_id] = self._free_slots.pop()
-        return ()
+        return self.empty_kv_cache_blocks
 
-    def free(self, request) -> None:
+    def free(self, request: KVCacheRequest) -> None:
         """Give the request's region back (no-op if it holds none)."""
         slot = self._slot_of.pop(request.request_id, None)
         if slot is not None:
             self._free_slots.append(slot)
             self._free_slots.sort(reverse=True)
 
-    def fork(self, parent_request, child_request) -> None:
+    def fork(self, parent_request: KVCacheRequest, child_request: KVCacheRequest) -> None:
         """A contiguous region cannot be shared: never forks (the child queues as a plain
         request, with its own region)."""
         return None
@@ -123,3 +131,24 @@ class ContiguousKVCache:
             return ([],)
         start = 1 + slot * self.blocks_per_slot
         return (list(range(start, start + self.blocks_per_slot)),)
+
+    # ---- no KV tier: the tier's methods do nothing
+
+    @property
+    def has_kv_tier(self) -> bool:
+        """No tier below the regions."""
+        return False
+
+    def take_tier_ops(self) -> KVTierOps | None:
+        """No tier: no instructions."""
+        return None
+
+    def swap_out(self, request: KVCacheRequest) -> int:
+        """No tier: nothing is paged out."""
+        return 0
+
+    def discard_tier_entries(self, keys: Iterable[str], failed_load: bool = True) -> None:
+        """No tier: no entries."""
+
+    def finish_tier_loads(self, request_id: str) -> None:
+        """No tier: no loads."""

@@ -66,6 +66,7 @@ from pagedkv.sim.metrics import PolicyMetrics, Timeline, compute_metrics
 from pagedkv.sim.preemption import PreemptionRecorder, PreemptionStats
 from pagedkv.sim.workloads import Workload
 from pagedkv.validation import check_int, is_number
+from pagedkv.worker.outputs import ModelRunnerOutput
 
 POLICIES = ("contiguous", "paged", "paged+prefix", "paged+prefix+tier")
 #: Policies with prefix caching (their requests hash their blocks).
@@ -342,11 +343,11 @@ class _EngineDriver:
 
     def complete(self, scheduled: list) -> list:
         # In scheduling order, the requests whose step completed every known token sample.
-        sampled = [
-            r.scripted_output[r.num_output_tokens]
-            for r in scheduled
-            if r.num_computed_tokens >= r.num_tokens
-        ]
+        sampling = [r for r in scheduled if r.num_computed_tokens >= r.num_tokens]
+        sampled = ModelRunnerOutput(
+            req_ids=[r.request_id for r in sampling],
+            sampled_token_ids=[r.scripted_output[r.num_output_tokens] for r in sampling],
+        )
         changed = self.scheduler.update_from_output(self._out, sampled)
         finished = [r for r in changed if r.is_finished]
         self._seen.update(self._pending)
