@@ -590,12 +590,12 @@ def test_beams_waiting_for_siblings_that_do_not_fit_are_taken_out_whole(tiny):
     groups = [scheduler.requests["a#beam0"].beam_group, scheduler.requests["b#beam0"].beam_group]
     # Preempt one beam of each search, then fill the pool: the other beams compute their token,
     # report, and wait for the preempted ones, which cannot come back.
-    from pagedkv.engine.scheduler import _Step
+    from pagedkv.engine.scheduled_step import ScheduledStep
 
     for group in groups:
         beam = group.beams[1]
         scheduler.running.remove(beam)
-        scheduler._preempt(beam, _Step())
+        scheduler.preempt(beam, ScheduledStep())
     eater = _eat_free_blocks(engine)
     engine.step()  # the running beams report
     parked = list(scheduler.running)

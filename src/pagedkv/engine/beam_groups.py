@@ -1,0 +1,212 @@
+"""The scheduler's beam searches: their seats, their steps, and unparking them.
+
+Each beam is a running sequence of the scheduler; a search's beams share blocks by fork. The
+search (:class:`~pagedkv.engine.beam_search.BeamSearchGroup`) decides which beams go on; this
+module applies its decisions to the scheduler's queues and the KV cache:
+
+- seats: a search holds ``beam_width`` seats (of max_num_seqs) while any of its beams runs, so
+  its forks and its preempted beams always find one (vLLM V0 counted a sequence group's most
+  running sequences the same way); a search with no running beam holds none;
+- a step: once every live beam has reported its candidates, beams not chosen are freed, a beam
+  chosen more than once forks a child (the partially filled last block is copied on write), and
+  each next beam gets its token;
+- unparking: a beam that reported waits (parked) for its siblings; when a step would compute
+  nothing because the siblings do not fit, every such search is preempted whole and queued
+  together, so that one search at a time comes back whole.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pagedkv.engine.beam_search import BeamSearchGroup
+from pagedkv.engine.request import Request, RequestStatus
+from pagedkv.engine.scheduled_step import ScheduledStep
+from pagedkv.errors import InvalidRequestError
+from pagedkv.worker.outputs import LogprobsLists
+
+if TYPE_CHECKING:
+    from pagedkv.engine.scheduler import Scheduler
+
+
+class BeamSearchGroups:
+    """The unfinished beam searches of a scheduler, by their root beam's id (what abort and
+    the outputs name).
+
+    Shares the scheduler's queues (``running``, ``waiting``, ``requests``), its KV cache and
+    its counters; owns the searches.
+    """
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+        self.groups: dict[str, BeamSearchGroup] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.groups)
+
+    def check(self, group: BeamSearchGroup, num_blocks_per_beam: int) -> None:
+        """Refuse a beam search that could never run: more beams than seats, or more blocks
+        than the pool when every beam holds its own (no sharing left: after preemptions each
+        beam may recompute alone), so that a group alone in the engine always fits.
+
+        Raises:
+            InvalidRequestError: ``param="beam_width"``, one of the above.
+        """
+        scheduler = self._scheduler
+        width = group.beam_width
+        if width > scheduler.max_num_seqs:
+            raise InvalidRequestError(
+                f"beam_width ({width}) must be <= max_num_seqs ({scheduler.max_num_seqs}): "
+                "every beam is a running sequence",
+                param="beam_width",
+            )
+        num_usable_blocks = scheduler.kv_cache_manager.num_blocks - 1
+        if width * num_blocks_per_beam > num_usable_blocks:
+            raise InvalidRequestError(
+                f"beam search with beam_width={width} needs up to {width} x "
+                f"{num_blocks_per_beam} KV blocks but the whole pool has "
+                f"{num_usable_blocks}; lower beam_width or max_tokens, or grow the KV cache",
+                param="beam_width",
+            )
+
+    def add(self, request: Request) -> None:
+        """Track ``request``'s search (its root beam was queued)."""
+        self.groups[request.request_id] = request.beam_group
+
+    def find(self, request_id: str, request: Request | None) -> BeamSearchGroup | None:
+        """The search ``request_id`` names (its root's id) or ``request`` is a beam of."""
+        group = self.groups.get(request_id)
+        if group is None and request is not None:
+            group = request.beam_group
+        return group
+
+    def seats(self) -> tuple[int, int]:
+        """``(reserved, waiting)``: seats held for beams not running by the searches that have
+        a running beam, and how many of their beams wait for one."""
+        reserved = waiting = 0
+        for group in self.groups.values():
+            beams = group.beams
+            num_running = sum(1 for b in beams if b.status == RequestStatus.RUNNING)
+            if num_running:
+                reserved += group.beam_width - num_running
+                waiting += len(beams) - num_running
+        return reserved, waiting
+
+    @staticmethod
+    def seats_needed(request: Request) -> int:
+        """Seats ``request`` takes when admitted: 1; a beam's search takes beam_width when none
+        of its beams runs, else none (one of its reserved seats)."""
+        group = request.beam_group
+        if group is None:
+            return 1
+        if any(b.status == RequestStatus.RUNNING for b in group.beams):
+            return 0
+        return group.beam_width
+
+    def unpark(self, step: ScheduledStep) -> None:
+        """Called when a step would compute nothing while requests wait: every running request
+        is then a beam waiting for a sibling that does not fit (the parked beams hold the blocks
+        it needs). Preempt every such search whole and queue its beams together at the front,
+        oldest search first, so the next admissions bring one search in whole (each fits alone:
+        ``check`` made sure) instead of parts of several."""
+        scheduler = self._scheduler
+        groups = []
+        for request in scheduler.running:
+            group = request.beam_group
+            if group is not None and group not in groups:
+                groups.append(group)
+        for group in reversed(groups):
+            for beam in reversed(group.beams):  # each to the front: in order at the end
+                if beam.status == RequestStatus.RUNNING:
+                    scheduler.running.remove(beam)
+                    scheduler.preempt(beam, step)
+                else:
+                    scheduler.waiting.remove(beam)
+                    scheduler.waiting.add_front(beam)
+
+    def check_rows(self, sampling: list[Request], logprobs: dict[str, LogprobsLists]) -> None:
+        """Every beam that sampled has its candidates' logprobs row.
+
+        Raises:
+            InvalidRequestError: a beam without one (nothing changed).
+        """
+        if not self.groups:
+            return
+        no_row = [
+            r.request_id
+            for r in sampling
+            if r.beam_group is not None
+            and not r.is_finished
+            and (
+                r.request_id not in logprobs
+                or len(logprobs[r.request_id].token_ids[0]) <= r.beam_group.num_candidates
+            )
+        ]
+        if no_row:
+            raise InvalidRequestError(
+                f"beams {no_row} sampled without their candidates: a beam search needs the "
+                "runner's logprobs rows (a ModelRunnerOutput, top-K of each beam)"
+            )
+
+    def step(self, group: BeamSearchGroup, changed: list[Request], now: float) -> None:
+        """Apply a search's choice once every live beam has reported (between steps): free the
+        beams not chosen, fork a child from a beam chosen more than once (it shares the
+        parent's blocks), then give each next beam its token. A child that gets no free block
+        (or whose parent is not running, preempted since it reported) is queued to recompute
+        its KV instead (prefix-cache hits on the shared full blocks). When the search is over,
+        its root is reported changed."""
+        scheduler = self._scheduler
+        decision = group.step()
+        for beam in decision.dropped:
+            self._remove_beam(beam)
+            beam.status = RequestStatus.FINISHED_STOPPED
+            scheduler.free_request(beam, now)
+        for request, parent, _ in decision.continuations:
+            if request is parent:
+                continue
+            scheduler.requests[request.request_id] = request
+            request.num_computed_tokens = parent.num_computed_tokens
+            if (
+                parent.status == RequestStatus.RUNNING
+                and parent.num_computed_tokens > 0
+                and scheduler.kv_cache_manager.fork(parent, request)
+            ):
+                request.status = RequestStatus.RUNNING
+                scheduler.running.insert(scheduler.running.index(parent) + 1, request)
+                scheduler.stats.num_forks += 1
+            else:
+                request.num_computed_tokens = 0
+                request.status = RequestStatus.WAITING
+                scheduler.waiting.add_front(request)
+        for request, _, token_id in decision.continuations:
+            request.append_output_token_ids(token_id)
+            scheduler.stats.num_generation_tokens += 1
+        root = group.root
+        if root.first_token_time is None:
+            root.first_token_time = now
+        if decision.done:
+            del self.groups[root.request_id]
+            changed.append(root)
+
+    def end(self, group: BeamSearchGroup, status: RequestStatus) -> None:
+        """End a search from outside the step loop (abort, a failed step): every live beam is
+        freed with ``status``; the search has no result."""
+        if group.done:
+            return
+        error = group.root.error if status == RequestStatus.FINISHED_ERROR else None
+        for beam in group.abort(error):
+            self._remove_beam(beam)
+            beam.status = status
+            self._scheduler.free_request(beam)
+        group.root.status = status
+        self.groups.pop(group.root.request_id, None)
+
+    def _remove_beam(self, beam: Request) -> None:
+        """Take a live beam out of the running list or the waiting queue."""
+        if beam.status == RequestStatus.RUNNING:
+            self._scheduler.running.remove(beam)
+        else:
+            self._scheduler.waiting.remove(beam)
+
+
+__all__ = ["BeamSearchGroups"]

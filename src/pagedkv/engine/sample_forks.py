@@ -1,0 +1,134 @@
+"""The scheduler's forks of ``n > 1`` samples: one prefill, then each sample shares its blocks.
+
+The first sample (the parent) carries the others in ``fork_children`` and stops at ``fork_at``
+(all its prompt but the last token). Between steps, once it got there, each child maps the
+parent's blocks (:meth:`KVCacheManager.fork <pagedkv.core.manager.KVCacheManager.fork>`: the
+shared partially filled block is copied on the first write) and runs from there::
+
+    parent:  [ prompt[:fork_at] computed ] --fork--> parent  computes prompt[-1], samples
+                                                     child 1 computes prompt[-1], samples
+                                                     ...
+
+A child that has no seat (max_num_seqs) or no room for its first block queues as a plain request
+instead (prefix-cache hits on the parent's full blocks, the rest recomputed); so does every child
+when the prefix cache already holds the parent's whole prompt at admission.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pagedkv.engine.request import Request, RequestStatus
+from pagedkv.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from pagedkv.engine.scheduler import Scheduler
+
+
+class SampleForks:
+    """Parents waiting to fork their samples, and the forks themselves.
+
+    Shares the scheduler's queues (``running``, ``waiting``, ``requests``), its KV cache and
+    its counters; owns the parents that reached their fork point.
+    """
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+        self._pending: list[Request] = []  # parents that reached fork_at last step
+
+    def check(self, request: Request) -> None:
+        """Refuse a parent whose children cannot be forked from it (add time).
+
+        Raises:
+            InvalidRequestError: a child id in use, a child with another prompt, or a fork
+                point outside ``[1, num_prompt_tokens)``.
+        """
+        requests = self._scheduler.requests
+        for child in request.fork_children:
+            if child.request_id in requests or child.request_id == request.request_id:
+                raise InvalidRequestError(f"request id {child.request_id!r} is already in use")
+            if child.prompt_token_ids != request.prompt_token_ids:
+                raise InvalidRequestError("fork children must have their parent's prompt")
+        if request.fork_children and not 1 <= request.fork_at < request.num_prompt_tokens:
+            raise InvalidRequestError(
+                f"fork_at must be in [1, {request.num_prompt_tokens}), got {request.fork_at}"
+            )
+
+    @staticmethod
+    def admit(
+        request: Request, num_computed_tokens: int, num_new_tokens: int
+    ) -> tuple[int, list[Request]]:
+        """A parent being admitted stops at its fork point: ``(num_new_tokens, [])``; unless
+        the prefix cache has it all: then its children are released as plain requests (each
+        hits the cache too) and returned (give them back with :meth:`keep` if it is not
+        admitted, queue them with :meth:`queue_released` if it is)."""
+        if num_computed_tokens < request.fork_at:
+            return request.fork_at - num_computed_tokens, []
+        released, request.fork_children = request.fork_children, []
+        return num_new_tokens, released
+
+    @staticmethod
+    def keep(request: Request, released: list[Request]) -> None:
+        """``request`` was not admitted: its released children are its own again."""
+        if released:
+            request.fork_children = released
+
+    def queue_released(self, released: list[Request]) -> None:
+        """Queue released children as plain requests, right behind their parent."""
+        scheduler = self._scheduler
+        for child in reversed(released):
+            scheduler.requests[child.request_id] = child
+            scheduler.waiting.add_front(child)
+
+    def note_fork_points(self, requests: list[Request]) -> None:
+        """After the step: parents whose step reaches their fork point fork before the next."""
+        for request in requests:
+            if request.fork_children and request.num_computed_tokens == request.fork_at:
+                self._pending.append(request)
+
+    def fork_pending(self) -> None:
+        """Fork the children of the parents that reached their fork point (between steps).
+        A parent preempted since forks when it gets there again."""
+        if not self._pending:
+            return
+        scheduler = self._scheduler
+        kv_cache = scheduler.kv_cache_manager
+        running = scheduler.running
+        for parent in self._pending:
+            children, parent.fork_children = parent.fork_children, []
+            if not children:
+                continue
+            if not (
+                parent.status == RequestStatus.RUNNING
+                and parent.num_computed_tokens == parent.fork_at
+            ):
+                parent.fork_children = children
+                continue
+            at = running.index(parent) + 1
+            max_running = scheduler.max_num_seqs - scheduler.beams.seats()[0]
+            for child in children:
+                scheduler.requests[child.request_id] = child
+                child.num_computed_tokens = parent.fork_at
+                if len(running) < max_running and kv_cache.fork(parent, child):
+                    child.status = RequestStatus.RUNNING
+                    child.num_cached_tokens = parent.num_cached_tokens
+                    running.insert(at, child)
+                    at += 1
+                    scheduler.stats.num_forks += 1
+                else:
+                    child.num_computed_tokens = 0
+                    child.status = RequestStatus.WAITING
+                    scheduler.waiting.add(child)
+        self._pending = []
+
+    @staticmethod
+    def reject(request: Request) -> list[Request]:
+        """``request`` failed: its children fail with it (returned, to report)."""
+        children, request.fork_children = request.fork_children, []
+        for child in children:
+            child.status = RequestStatus.FINISHED_ERROR
+            child.error = request.error
+        return children
+
+
+__all__ = ["SampleForks"]
