@@ -15,6 +15,7 @@ from pagedkv.core import (
     KVCacheManager,
     KVCacheRequest,
 )
+from pagedkv.core.invariants import check_invariants
 from pagedkv.errors import CacheStateError, ConfigError, InvalidRequestError
 
 
@@ -43,7 +44,7 @@ def test_hit_is_capped_below_num_tokens():
     assert kv.get_block_ids("c")[0][:2] == [1, 2]
     short = make_request(kv, "d", range(1, 5))
     assert kv.get_computed_blocks(short)[1] == 0
-    kv.check_invariants()
+    check_invariants(kv)
 
 
 def test_hits_of_another_longer_request_are_refused_and_change_nothing():
@@ -58,7 +59,7 @@ def test_hits_of_another_longer_request_are_refused_and_change_nothing():
     with pytest.raises(InvalidRequestError, match="only 1 full blocks"):
         kv.allocate_slots(short, 0, num_hit, long_hit)
     assert snapshot(kv) == before
-    kv.check_invariants()
+    check_invariants(kv)
 
 
 def test_refused_admission_counts_evictable_hits_and_changes_nothing():
@@ -84,7 +85,7 @@ def test_refused_admission_counts_evictable_hits_and_changes_nothing():
     num_hit, new_blocks = admit(kv, big)
     assert num_hit == 8 and new_blocks is not None
     assert [b.ref_cnt for b in cached] == [1, 1]
-    kv.check_invariants()
+    check_invariants(kv)
 
 
 def test_running_request_that_cannot_grow_keeps_its_blocks():
@@ -102,7 +103,7 @@ def test_running_request_that_cannot_grow_keeps_its_blocks():
     kv.free(running)
     kv.free(other)
     assert kv.num_free_blocks == 5 and kv.usage == 0.0
-    kv.check_invariants()
+    check_invariants(kv)
 
 
 def test_shared_blocks_stay_held_until_the_last_holder_frees():
@@ -134,7 +135,7 @@ def test_shared_blocks_stay_held_until_the_last_holder_frees():
     before = snapshot(kv)
     kv.free(second)
     assert snapshot(kv) == before
-    kv.check_invariants()
+    check_invariants(kv)
 
 
 def test_request_larger_than_the_pool_is_refused():
@@ -164,7 +165,7 @@ def test_sixteen_lengths_contiguous_vs_paged():
                     continue
                 break
             num_admitted += 1
-        kv.check_invariants()
+        check_invariants(kv)
         return num_admitted
 
     assert run(skip_unfit=False) == 13  # FCFS: stops at the 14th (256 tokens)
@@ -230,7 +231,7 @@ def test_reset_prefix_cache_only_when_no_block_is_in_use():
     assert kv.reset_prefix_cache()
     assert all(not m for m in kv.block_pool.cached_block_hash_to_block)
     assert kv.get_computed_blocks(make_request(kv, "c", range(1, 13)))[1] == 0
-    kv.check_invariants()
+    check_invariants(kv)
 
 
 def test_kv_cache_events():
@@ -348,7 +349,7 @@ def test_hits_after_an_empty_allocation():
     assert kv.allocate_slots(second, 0) is kv.empty_kv_cache_blocks  # registers, holds nothing
     num_hit, new_blocks = admit(kv, second)
     assert num_hit == 8 and new_blocks.get_block_ids() == ([4],)
-    kv.check_invariants()
+    check_invariants(kv)
 
 
 def test_stale_hit_blocks_are_refused():

@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from pagedkv.core import FullAttentionSpec, KVCacheManager, SlidingWindowSpec
 from pagedkv.core.events import BlockRemoved, BlockStored
+from pagedkv.core.invariants import check_invariants
 from pagedkv.core.offload import (
     KVTierOps,
     OffloadingManager,
@@ -148,7 +149,7 @@ def test_evicted_block_is_stored_then_hits_from_the_tier():
     kv.allocate_slots(a2, 0)
     assert kv.block_pool.get_cached_block(hashes[0]).block_id == table[0]
     assert kv.offloader.stats.num_loaded_blocks == 2
-    kv.check_invariants()
+    check_invariants(kv)
 
 
 def test_tier_hit_extends_a_pool_hit_and_stores_once():
@@ -178,7 +179,7 @@ def test_tier_hit_extends_a_pool_hit_and_stores_once():
     assert tier_key(0, a.block_hashes[2]) not in [
         w.key for w in ops.writes if isinstance(w, TierStore)
     ]
-    kv.check_invariants()
+    check_invariants(kv)
 
 
 def test_allocate_checks_tier_hits_before_changing_anything():
@@ -201,7 +202,7 @@ def test_allocate_checks_tier_hits_before_changing_anything():
         kv.allocate_slots(c, 1, hit, blocks)
     assert kv.get_block_ids("c") == ([],)
     assert kv.take_tier_ops().loads == []  # only the discard's drop
-    kv.check_invariants()
+    check_invariants(kv)
 
 
 def test_swap_out_stores_a_requests_cached_blocks_now():
@@ -329,7 +330,7 @@ class TierMachine(RuleBasedStateMachine):
 
     @invariant()
     def consistent(self):
-        self.kv.check_invariants(self.live.values())
+        check_invariants(self.kv, self.live.values())
         tier = self.kv.offloader
         assert len(tier) <= tier.num_blocks
         for key in tier.lru_keys():

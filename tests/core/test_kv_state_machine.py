@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pagedkv.core import FullAttentionSpec, KVCacheManager, SlidingWindowSpec
+from pagedkv.core.invariants import check_invariants
 from pagedkv.core.spec import cdiv
 from pagedkv.errors import InvalidRequestError
 
@@ -241,7 +242,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         # ref_cnt == number of block tables holding the block; no block has two writers (a
         # block shared partially filled sits at the same index of every holder's table, with
         # the same computed tokens); shared blocks hold computed tokens (never bare slots).
-        self.kv.check_invariants(self.running.values())
+        check_invariants(self.kv, self.running.values())
         assert 0.0 <= self.kv.usage <= 1.0
 
     @invariant()

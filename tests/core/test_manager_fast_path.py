@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pagedkv.core import KVCacheManager, KVCacheRequest
+from pagedkv.core.invariants import check_invariants
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 20
@@ -147,8 +148,8 @@ class FastVsGeneralMachine(RuleBasedStateMachine):
         assert snapshot(self.fast) == snapshot(self.general)
         for request_id in self.running:
             assert self.fast.get_block_ids(request_id) == self.general.get_block_ids(request_id)
-        self.fast.check_invariants([pair[0] for pair in self.running.values()])
-        self.general.check_invariants([pair[1] for pair in self.running.values()])
+        check_invariants(self.fast, [pair[0] for pair in self.running.values()])
+        check_invariants(self.general, [pair[1] for pair in self.running.values()])
 
 
 class FastVsGeneralWithoutCachingMachine(FastVsGeneralMachine):

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from pagedkv.core import FullAttentionSpec, KVCacheManager, SlidingWindowSpec
+from pagedkv.core.invariants import check_invariants
 
 BLOCK_SIZE = 4
 FULL = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1)
@@ -70,7 +71,7 @@ def run_and_free(kv: KVCacheManager, request_id: str, tokens, **kw) -> int:
     num_hit, blocks = admit(kv, request)
     assert blocks is not None
     kv.free(request)
-    kv.check_invariants()
+    check_invariants(kv)
     return num_hit
 
 
@@ -160,4 +161,4 @@ def test_hits_serve_only_kv_of_the_same_prefix(specs, bad_hash, prompts, num_dec
                 break
             _record_truth(kv, request, truth)
         kv.free(request)
-        kv.check_invariants()
+        check_invariants(kv)

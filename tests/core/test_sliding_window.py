@@ -6,6 +6,7 @@ import pytest
 from _kv_helpers import admit, decode, make_request, snapshot
 
 from pagedkv.core import FullAttentionSpec, KVCacheManager, SlidingWindowManager, SlidingWindowSpec
+from pagedkv.core.invariants import check_invariants
 from pagedkv.errors import ConfigError
 
 FULL = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=1)
@@ -36,7 +37,7 @@ def test_free_schedule_block_4_window_8():
             assert kv.get_block_ids("a")[0][:num_freed] == [0] * num_freed
             assert 0 not in kv.get_block_ids("a")[0][num_freed:]
             assert kv.num_free_blocks == 5 + num_freed
-            kv.check_invariants()
+            check_invariants(kv)
 
 
 def test_decode_frees_blocks_that_left_the_window():
@@ -48,7 +49,7 @@ def test_decode_frees_blocks_that_left_the_window():
     assert decode(kv, request, 16) is not None
     assert kv.get_block_ids("a")[0][:2] == [0, 0]
     assert kv.num_free_blocks == 2
-    kv.check_invariants()
+    check_invariants(kv)
 
 
 def test_admission_counts_blocks_freed_by_the_window():
@@ -59,7 +60,7 @@ def test_admission_counts_blocks_freed_by_the_window():
     # Needs 1 new block; 2 dead blocks only this request holds make room.
     assert decode(kv, request, 16) is not None
     assert kv.num_free_blocks == 1
-    kv.check_invariants()
+    check_invariants(kv)
 
 
 def test_refused_call_frees_no_dead_block():
@@ -93,7 +94,7 @@ def test_window_hit_needs_cached_blocks_at_its_end():
     # Only block 0 starts a valid run; block 2 alone does not cover a window.
     blocks, num_hit = kv.get_computed_blocks(probe)
     assert num_hit == 4 and blocks.get_block_ids() == ([ids[0]],)
-    kv.check_invariants()
+    check_invariants(kv)
 
 
 def test_window_hit_admission_counts_exactly():
@@ -106,7 +107,7 @@ def test_window_hit_admission_counts_exactly():
     num_hit, new_blocks = admit(kv, second)
     assert num_hit == 16 and len(new_blocks.get_block_ids()[0]) == 1
     assert kv.num_free_blocks == 10 - 1 - 2  # one new block, two hits taken from the queue
-    kv.check_invariants()
+    check_invariants(kv)
 
 
 def test_coordinator_agrees_on_one_hit_length():
@@ -130,7 +131,7 @@ def test_coordinator_agrees_on_one_hit_length():
     assert num_hit == 4 and blocks.get_block_ids() == ([full_ids[0]], [window_ids[0]])
     num_hit, _ = admit(kv, probe)
     assert num_hit == 4
-    kv.check_invariants()
+    check_invariants(kv)
 
 
 def test_allocation_is_atomic_across_groups():
@@ -150,7 +151,7 @@ def test_allocation_is_atomic_across_groups():
     assert snapshot(kv) == before
     kv.free(hog)
     assert admit(kv, probe)[1] is not None
-    kv.check_invariants()
+    check_invariants(kv)
 
 
 def test_groups_must_share_one_block_size():

@@ -18,6 +18,7 @@ import pytest
 import torch
 from _tiny_model import tiny_gemma3_hf_model, tiny_gemma3_loaded_model, tiny_loaded_model
 
+from pagedkv.core.invariants import check_invariants
 from pagedkv.engine import beam_search as bs
 from pagedkv.engine.beam_search import (
     BeamSearchGroup,
@@ -87,7 +88,7 @@ class StepChecks:
         def checked_step():
             outputs = step()
             scheduler = engine.scheduler
-            engine.kv_cache_manager.check_invariants(scheduler.requests.values())
+            check_invariants(engine.kv_cache_manager, scheduler.requests.values())
             return outputs
 
         engine.scheduler.schedule = counting_schedule

@@ -14,6 +14,7 @@ import pytest
 import torch
 from _tiny_model import tiny_loaded_model
 
+from pagedkv.core.invariants import check_invariants
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.request import RequestStatus
@@ -141,7 +142,7 @@ def test_entries_damaged_while_requests_run(tiny, expected, tmp_path):
     assert [finished[f"t2-{n}"] for n in range(len(TURN2))] == expected[1]
     stats = engine.get_stats()
     assert stats.kv_tier.num_hit_blocks > 0 and stats.kv_tier.num_failed_loads > 0
-    engine.kv_cache_manager.check_invariants()
+    check_invariants(engine.kv_cache_manager)
     engine.shutdown()
 
 
@@ -188,7 +189,7 @@ def test_blocked_disk_load_waits_alone(tiny, expected, tmp_path):
     assert finished["hit"] == expected[1][0]
     stats = engine.get_stats()
     assert stats.kv_tier.num_hit_blocks > 0 and stats.kv_tier.num_failed_loads == 0
-    engine.kv_cache_manager.check_invariants()
+    check_invariants(engine.kv_cache_manager)
     engine.shutdown()
 
 
@@ -214,7 +215,7 @@ def test_abort_while_loading_frees_blocks_after_the_load(tiny, tmp_path):
     assert engine.scheduler.num_loading_requests == 0
     assert manager.num_free_blocks == free_before
     assert not engine.has_unfinished_requests()
-    manager.check_invariants()
+    check_invariants(manager)
     engine.shutdown()
 
 
@@ -233,7 +234,7 @@ def test_damaged_disk_entries_fall_back_to_recompute(tiny, expected, damage, tmp
     stats = engine.get_stats()
     assert stats.kv_tier.num_failed_loads > 0
     assert stats.scheduler.num_kv_tier_load_failures > 0
-    engine.kv_cache_manager.check_invariants()
+    check_invariants(engine.kv_cache_manager)
     engine.shutdown()
 
 

@@ -9,6 +9,7 @@ import pytest
 from _engine_fakes import sampling_req_ids
 from _tiny_model import EOS, tiny_loaded_model
 
+from pagedkv.core.invariants import check_invariants
 from pagedkv.engine.llm import LLM
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.output_processor import _partial_stop_len
@@ -171,7 +172,7 @@ def test_n_samples_prefill_once_then_fork(tiny, prompt):
     expected_copies = 0 if (num_prompt - 1) % 4 == 0 else n - 1
     assert stats.num_cow_copies == expected_copies
     assert engine.kv_cache_manager.usage == 0.0
-    engine.kv_cache_manager.check_invariants()
+    check_invariants(engine.kv_cache_manager)
     # Reproducible: the same seeded request gives the same samples.
     engine.add_request("t", prompt, params)
     again = run(engine)["t"][-1]

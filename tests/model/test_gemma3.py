@@ -18,6 +18,7 @@ import torch
 from _tiny_model import tiny_gemma3_hf_model
 
 from pagedkv.core.config import KVCacheConfig
+from pagedkv.core.invariants import check_invariants
 from pagedkv.core.spec import FullAttentionSpec, SlidingWindowSpec
 from pagedkv.errors import InvalidRequestError, ModelLoadError, OpsInputError
 from pagedkv.model.config import (
@@ -439,7 +440,7 @@ def test_kv_cache_manager_runs_the_six_groups():
         live = [b for b in table if b != 0]
         assert 0 < len(live) <= -(-512 // 16) + 1
         assert all(b == 0 for b in table[: len(table) - len(live)])
-    manager.check_invariants()
+    check_invariants(manager)
 
 
 # ---------------------------------------------------------------- the real Gemma 3 270M (slow)
