@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from bench_fork import cpu_name
+from pagedkv.cpu_caps import cpu_model_name
 from pagedkv.engine.llm import LLM
 from pagedkv.model.loader import default_model_path, load_model
 from pagedkv.sampling_params import BeamSearchParams
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         del llm
     header = {
-        "cpu": cpu_name(),
+        "cpu": cpu_model_name(),
         "threads": torch.get_num_threads(),
         "prompt_len": args.prompt_len,
         "max_tokens": args.max_tokens,

@@ -21,27 +21,15 @@ on):
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
+from pagedkv.cpu_caps import cpu_model_name
 from pagedkv.ops.backends import BACKENDS, AttentionLayerSpec, check_block_mapping
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-
-
-def cpu_name() -> str:
-    """The CPU's model name (``lscpu``'s), else the platform's word for it."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def random_pairs(num_blocks: int, num_pairs: int, gen: torch.Generator) -> list[tuple[int, int]]:
@@ -115,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         if cuda:
             torch.cuda.synchronize()
 
-    where = torch.cuda.get_device_name(device) if cuda else cpu_name()
+    where = torch.cuda.get_device_name(device) if cuda else cpu_model_name()
     print(
         f"{where}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
         f"{args.num_layers} layers x {args.num_kv_heads} KV heads x {args.head_size} "

@@ -38,29 +38,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
+from pagedkv.cpu_caps import cpu_model_name
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.sampling_params import SamplingParams
 
 PATHS = ("fork", "independent", "no-cache")
-
-
-def cpu_name() -> str:
-    """The CPU's model name (``lscpu``'s), else the platform's word for it."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 @dataclasses.dataclass(slots=True)
@@ -238,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     header = {
-        "cpu": cpu_name(),
+        "cpu": cpu_model_name(),
         "torch_threads": torch.get_num_threads(),
         "dtype": dtype,
         "model": loaded.source,

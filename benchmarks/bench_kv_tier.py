@@ -32,7 +32,7 @@ import statistics
 import tempfile
 import time
 
-from bench_fork import cpu_name
+from pagedkv.cpu_caps import cpu_model_name
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.model.loader import load_model
 from pagedkv.sampling_params import SamplingParams
@@ -209,7 +209,7 @@ def main() -> None:
     parser.add_argument("--preemption", action="store_true", help="swap vs recompute instead")
     args = parser.parse_args()
     loaded = load_model(args.model)
-    print(f"cpu: {cpu_name()}")
+    print(f"cpu: {cpu_model_name()}")
     if args.preemption:
         main_preemption(args, loaded)
         return

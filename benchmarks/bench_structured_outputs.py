@@ -33,8 +33,8 @@ import time
 
 import torch
 
-from bench_fork import cpu_name
 from pagedkv import LLM, SamplingParams, StructuredOutputsParams
+from pagedkv.cpu_caps import cpu_model_name
 from pagedkv.engine.structured_output import StructuredOutputManager, StructuredOutputRequest
 from pagedkv.model.loader import default_model_path, load_model
 from pagedkv.worker.sampler import apply_grammar_bitmask
@@ -182,7 +182,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="end-to-end rounds (median)")
     args = parser.parse_args()
     loaded = load_model(default_model_path(), dtype=getattr(torch, args.dtype))
-    print(f"CPU: {cpu_name()}, torch threads: {torch.get_num_threads()}")
+    print(f"CPU: {cpu_model_name()}, torch threads: {torch.get_num_threads()}")
     cost = mask_cost(loaded, args.batch, args.repeats)
     llm = LLM(loaded_model=loaded, dtype=args.dtype, max_model_len=512, max_num_seqs=args.batch)
     step = decode_step_s(llm, args.batch, args.steps)
