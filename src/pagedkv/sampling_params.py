@@ -48,7 +48,10 @@ from types import MappingProxyType
 from typing import Any
 
 from pagedkv.errors import InvalidRequestError
-from pagedkv.validation import is_int, is_number
+from pagedkv.validation import SEED_MAX, SEED_MIN, is_int, is_number, utf8_error
+
+#: Most output tokens of a request that does not say (vLLM's and OpenAI's completions default).
+DEFAULT_MAX_TOKENS = 16
 
 #: Temperatures below this are treated as 0 (greedy): dividing logits by ~0 overflows.
 GREEDY_EPSILON = 1e-5
@@ -59,8 +62,9 @@ class SamplingParams:
     """How to sample the output tokens of one request.
 
     Args:
-        n: number of independent samples of the prompt (>= 1). The samples are separate requests
-            that share the prompt's cached KV blocks through the prefix cache.
+        n: number of independent samples of the prompt (>= 1). The samples are separate requests;
+            the first prefills the prompt (all but its last token) once and the others fork from
+            it, sharing its KV blocks (copy-on-write of the last, partially filled one).
         temperature: softmax temperature, in [0, 3.4e38] (the largest float32); 0 = greedy
             (argmax), and so is anything below 1e-5 (``GREEDY_EPSILON``: dividing by ~0
             overflows).
@@ -78,7 +82,9 @@ class SamplingParams:
             after the CTRL paper: > 1 discourages repeats, < 1 encourages them). vLLM takes any
             value > 0; the bounds keep ``logit / p`` finite (the module docstring has the
             arithmetic: 1e-40 makes a logit of 1 +inf in float32, and the sampler NaN).
-        max_tokens: most output tokens (>= 1); None = up to max_model_len.
+        max_tokens: most output tokens (>= 1; default :data:`DEFAULT_MAX_TOKENS`); None = up to
+            max_model_len, resolved once by :func:`resolve_max_tokens` before the request is
+            queued (the engine's ``add_request``).
         min_tokens: EOS and stop_token_ids cannot be sampled (their logits are -inf), and stop
             strings are not looked for, until this many tokens are generated (>= 0, at most
             max_tokens).
@@ -124,7 +130,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    max_tokens: int | None = 16
+    max_tokens: int | None = DEFAULT_MAX_TOKENS
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -246,9 +252,9 @@ class SamplingParams:
             )
         num_samples = self.num_samples
         # Sample i of an n > 1 request is seeded with seed + i; torch.Generator takes 64-bit seeds.
-        if self.seed is not None and not _MIN_SEED <= self.seed <= _MAX_SEED - (num_samples - 1):
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX - (num_samples - 1):
             raise InvalidRequestError(
-                f"seed must be in [{_MIN_SEED}, {_MAX_SEED - (num_samples - 1)}] (a 64-bit seed "
+                f"seed must be in [{SEED_MIN}, {SEED_MAX - (num_samples - 1)}] (a 64-bit seed "
                 f"for each of the {num_samples} samples), got {self.seed!r}",
                 param="seed",
             )
@@ -432,8 +438,6 @@ class StructuredOutputsParams:
         return kind, spec, self.disable_any_whitespace
 
 
-_MIN_SEED = -(2**63)
-_MAX_SEED = 2**64 - 1
 #: Largest int64 (token ids, counts and top_k become int64 tensors).
 INT64_MAX = 2**63 - 1
 #: Largest finite float32 and smallest positive normal float32 (the sampler computes in float32).
@@ -468,16 +472,20 @@ def _check_float(name: str, value: object, why: str) -> None:
         )
 
 
+def resolve_max_tokens(max_tokens: int | None, num_prompt_tokens: int, max_model_len: int) -> int:
+    """A request's output-token limit: ``max_tokens``, or for None the room the prompt leaves
+    in max_model_len (``max_model_len - num_prompt_tokens``: < 1 when it leaves none; the
+    caller refuses that). The one home of the rule, called once per request before it is
+    queued."""
+    return max_model_len - num_prompt_tokens if max_tokens is None else max_tokens
+
+
 def check_text(value: str, name: str) -> None:
-    """Raise InvalidRequestError (naming ``name``) unless ``value`` is valid Unicode text: a
-    lone surrogate (``"\\ud800"``, which JSON can carry) cannot be encoded as UTF-8, so neither
-    the tokenizer nor the block hash can take it."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InvalidRequestError(
-            f"{name} is not valid Unicode text: {e.reason} at index {e.start}", param=name
-        ) from None
+    """Raise InvalidRequestError (naming ``name``) unless ``value`` is valid Unicode text
+    (:func:`pagedkv.validation.utf8_error`)."""
+    error = utf8_error(value)
+    if error is not None:
+        raise InvalidRequestError(f"{name} is not valid Unicode text: {error}", param=name)
 
 
 #: logit_bias values are clamped to this range (OpenAI's documented range of the field).

@@ -17,6 +17,9 @@ float, not a bool and not NaN. Each check raises the exception class the caller 
 setting stays a ``ConfigError``, a request field an ``InvalidRequestError``, an op input an
 ``OpsInputError``: the call sites keep their error types, only the wording is shared.
 
+Also the one home of two rules more than one layer checks: a seed's range (:data:`SEED_MIN`,
+:data:`SEED_MAX`) and valid Unicode text (:func:`utf8_error`).
+
 Imports nothing but :mod:`pagedkv.errors`, so every layer (the core too) can use it.
 """
 
@@ -25,6 +28,21 @@ from __future__ import annotations
 import math
 
 from pagedkv.errors import ConfigError
+
+#: The range of a random seed: ``torch.Generator`` takes 64-bit seeds in [-2**63, 2**64).
+SEED_MIN = -(2**63)
+SEED_MAX = 2**64 - 1
+
+
+def utf8_error(value: str) -> str | None:
+    """Why ``value`` is not valid Unicode text ("surrogates not allowed at index 3"), or None
+    when it is. A lone surrogate (``"\\ud800"``, which JSON can carry) cannot be encoded as
+    UTF-8, so neither the tokenizer nor the block hash can take it."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"{e.reason} at index {e.start}"
+    return None
 
 
 def is_int(value: object) -> bool:

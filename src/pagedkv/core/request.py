@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from pagedkv.core.hashing import BlockHash, BlockHasher
 from pagedkv.errors import InvalidRequestError
-from pagedkv.validation import check_int
+from pagedkv.validation import check_int, utf8_error
 
 
 @dataclass(slots=True, eq=False)
@@ -138,10 +138,4 @@ class KVCacheRequest:
 
 def _is_utf8_text(value: object) -> bool:
     """A str that UTF-8 can encode (no lone surrogates)."""
-    if not isinstance(value, str):
-        return False
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+    return isinstance(value, str) and utf8_error(value) is None

@@ -19,7 +19,7 @@ from pagedkv.core.spec import KV_DTYPE_BYTES
 from pagedkv.cpu_caps import DTYPE_CHOICES
 from pagedkv.errors import ConfigError
 from pagedkv.units import GiB, parse_memory_size
-from pagedkv.validation import check_int, positive_int_arg
+from pagedkv.validation import SEED_MAX, SEED_MIN, check_int, positive_int_arg
 
 #: Values of ``dtype`` / ``--dtype`` ("auto": :func:`pagedkv.cpu_caps.resolve_dtype`).
 DTYPES = DTYPE_CHOICES
@@ -187,7 +187,7 @@ class EngineConfig:
             )
         if self.preemption_mode == "swap" and self.kv_offloading_size is None:
             raise ConfigError("preemption_mode='swap' needs a KV tier (kv_offloading_size)")
-        check_int("seed", self.seed, -(2**63), maximum=2**64 - 1, why="64-bit")
+        check_int("seed", self.seed, SEED_MIN, maximum=SEED_MAX, why="64-bit")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:

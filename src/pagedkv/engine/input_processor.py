@@ -27,13 +27,19 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pagedkv.errors import InvalidRequestError
-from pagedkv.sampling_params import BeamSearchParams, SamplingParams, check_text
+from pagedkv.sampling_params import (
+    BeamSearchParams,
+    SamplingParams,
+    check_text,
+    resolve_max_tokens,
+)
 from pagedkv.validation import is_int
 
 #: Every prompt form the engine takes (see the module docstring).
@@ -337,6 +343,26 @@ class InputProcessor:
                     param=name,
                 )
         self._check_priority(priority)
+
+    def resolve_max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+        """``params`` with ``max_tokens`` resolved for a prompt of ``num_prompt_tokens`` tokens
+        (None: the room left in max_model_len; :func:`~pagedkv.sampling_params.resolve_max_tokens`),
+        once, before the request is queued.
+
+        Raises:
+            InvalidRequestError: ``param="prompt"``, max_tokens None and a prompt that leaves no
+                room to generate.
+        """
+        if params.max_tokens is not None:
+            return params
+        max_tokens = resolve_max_tokens(None, num_prompt_tokens, self.max_model_len)
+        if max_tokens < 1:
+            raise InvalidRequestError(
+                f"the prompt has {num_prompt_tokens} tokens, which leaves no room to generate "
+                f"within max_model_len={self.max_model_len}",
+                param="prompt",
+            )
+        return dataclasses.replace(params, max_tokens=max_tokens)
 
     def _check_priority(self, priority: int) -> None:
         if not is_int(priority) or priority.bit_length() > 63:

@@ -64,8 +64,6 @@ class Request(KVCacheRequest):
         eos_token_ids: the model's end-of-sequence token ids (ignored when ``ignore_eos``).
         priority: lower value = scheduled first under the "priority" policy.
         arrival_time: ``time.monotonic()`` when the request was made (FCFS order, metrics).
-        max_tokens: output-token limit, resolved by the scheduler from ``sampling_params``
-            and max_model_len (-1 until then).
         status: see :class:`RequestStatus`.
         stop_reason: the stop token id or stop string that ended the request, if any.
         error: why the request was rejected (status FINISHED_ERROR).
@@ -95,7 +93,6 @@ class Request(KVCacheRequest):
     eos_token_ids: frozenset[int] = frozenset()
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
-    max_tokens: int = -1
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     error: str | None = None
@@ -140,7 +137,6 @@ class Request(KVCacheRequest):
         child.block_hasher = self.block_hasher
         child.all_token_ids = list(self.all_token_ids)
         child.block_hashes = list(self.block_hashes)
-        child.max_tokens = self.max_tokens
         child.num_cached_tokens = self.num_cached_tokens
         return child
 
@@ -157,22 +153,24 @@ class Request(KVCacheRequest):
     def check_stop(self, token_id: int) -> bool:
         """Set the finished status if ``token_id`` (just appended) ends the request.
 
-        Order: end-of-sequence (unless ignore_eos), then stop_token_ids, then max_tokens; the
+        Order: end-of-sequence (unless ignore_eos), then stop_token_ids, then
+        ``sampling_params.max_tokens`` (resolved before the request was queued); the
         first two only once ``min_tokens`` are generated (the sampler masks them before, so
         this only matters for a caller that appends tokens itself). Stop strings need the
         text, so the engine checks those. Returns True when finished.
         """
-        if self.num_output_tokens < self.sampling_params.min_tokens:
-            if self.num_output_tokens >= self.max_tokens:
+        params = self.sampling_params
+        if self.num_output_tokens < params.min_tokens:
+            if self.num_output_tokens >= params.max_tokens:
                 self.status = RequestStatus.FINISHED_LENGTH_CAPPED
                 return True
             return False
-        if not self.sampling_params.ignore_eos and token_id in self.eos_token_ids:
+        if not params.ignore_eos and token_id in self.eos_token_ids:
             self.status = RequestStatus.FINISHED_STOPPED
         elif token_id in self._stop_token_ids:
             self.status = RequestStatus.FINISHED_STOPPED
             self.stop_reason = token_id
-        elif self.num_output_tokens >= self.max_tokens:
+        elif self.num_output_tokens >= params.max_tokens:
             self.status = RequestStatus.FINISHED_LENGTH_CAPPED
         else:
             return False

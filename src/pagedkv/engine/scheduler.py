@@ -181,12 +181,13 @@ class Scheduler:
     # ------------------------------------------------------------------ requests in and out
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request; resolves ``request.max_tokens`` from its sampling params.
+        """Queue a new request (its ``sampling_params.max_tokens`` resolved:
+        :func:`~pagedkv.sampling_params.resolve_max_tokens`).
 
         Raises:
-            InvalidRequestError: the request can never be served: an empty prompt, prompt +
-                max_tokens beyond max_model_len, more blocks than the whole pool, or a request
-                id already in use. Nothing is queued then.
+            InvalidRequestError: the request can never be served: an empty prompt, max_tokens
+                None, prompt + max_tokens beyond max_model_len, more blocks than the whole pool,
+                or a request id already in use. Nothing is queued then.
         """
         num_prompt_tokens = request.num_prompt_tokens
         if num_prompt_tokens == 0:
@@ -197,14 +198,12 @@ class Scheduler:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is None:
-            max_tokens = self.max_model_len - num_prompt_tokens
-            if max_tokens < 1:
-                raise InvalidRequestError(
-                    f"request {request.request_id!r}: the prompt has {num_prompt_tokens} tokens, "
-                    f"which leaves no room to generate within max_model_len={self.max_model_len}",
-                    param="prompt",
-                )
-        elif num_prompt_tokens + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"request {request.request_id!r}: max_tokens is None; resolve it before queueing "
+                "(pagedkv.sampling_params.resolve_max_tokens)",
+                param="max_tokens",
+            )
+        if num_prompt_tokens + max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 f"request {request.request_id!r}: prompt ({num_prompt_tokens} tokens) + "
                 f"max_tokens ({max_tokens}) = {num_prompt_tokens + max_tokens} tokens exceeds "
@@ -225,10 +224,7 @@ class Scheduler:
         if request.beam_group is not None:
             self.beams.check(request.beam_group, num_blocks_needed)
         self.forks.check(request)
-        request.max_tokens = max_tokens
         request.status = RequestStatus.WAITING
-        for child in request.fork_children:
-            child.max_tokens = max_tokens
         self.requests[request.request_id] = request
         self.waiting.add(request)
         if request.beam_group is not None:

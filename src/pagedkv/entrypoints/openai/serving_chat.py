@@ -48,7 +48,12 @@ from pagedkv.entrypoints.openai.tool_calling import (
     tool_calls_out,
 )
 from pagedkv.errors import InvalidRequestError
-from pagedkv.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
+from pagedkv.sampling_params import (
+    BeamSearchParams,
+    SamplingParams,
+    StructuredOutputsParams,
+    resolve_max_tokens,
+)
 
 
 class _ChatResponse(StreamWriter):
@@ -304,8 +309,9 @@ class OpenAIServingChat(OpenAIServing):
             )
         )
         if request.use_beam_search:  # without max_tokens: to max_model_len
-            room = self.engine_client.input_processor.max_model_len - len(processed.token_ids)
-            params = request.beam_search_params(max_tokens or max(room, 1))
+            max_model_len = self.engine_client.input_processor.max_model_len
+            max_tokens = resolve_max_tokens(max_tokens, len(processed.token_ids), max_model_len)
+            params = request.beam_search_params(max(max_tokens, 1))
         try:
             stream, prompts = await self.start(response_id, [processed], request, params)
         except InvalidRequestError as exc:

@@ -31,7 +31,7 @@ from pagedkv.entrypoints.openai.serving_engine import (
     sse,
     usage_of,
 )
-from pagedkv.sampling_params import BeamSearchParams, SamplingParams
+from pagedkv.sampling_params import DEFAULT_MAX_TOKENS, BeamSearchParams, SamplingParams
 
 
 def _process_prompts(
@@ -184,7 +184,7 @@ class OpenAIServingCompletion(OpenAIServing):
         """
         response_id = random_id("cmpl")
         self.check_request(request, response_id)
-        max_tokens = request.max_tokens if request.max_tokens is not None else 16
+        max_tokens = DEFAULT_MAX_TOKENS if request.max_tokens is None else request.max_tokens
         options = Options(
             echo=request.echo,
             echo_only=request.echo and max_tokens == 0,
