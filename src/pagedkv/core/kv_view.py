@@ -104,7 +104,7 @@ def snapshot_kv_cache(
     null_id = pool.null_block.block_id
     state[null_id] = "N"
     # A block in use is full for every holder, or partially filled with the same tokens for
-    # every holder (a writer copies it first: KVCacheManager.check_invariants), or slots only:
+    # every holder (a writer copies it first: pagedkv.core.invariants), or slots only:
     # so one look at each table's boundary block finds every block that is not full, O(1) per
     # request instead of O(table).
     partial: dict[int, int] = {}  # block id -> tokens written, for blocks in use not full

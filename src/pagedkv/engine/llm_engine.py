@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from pagedkv.core.config import KVCacheConfig
 from pagedkv.core.events import KVCacheEvent
 from pagedkv.core.kv_view import snapshot_kv_cache
 from pagedkv.core.manager import KVCacheManager
@@ -52,9 +53,6 @@ logger = logging.getLogger(__name__)
 
 #: Longest a step with nothing to run waits for a grammar compile (then it returns).
 _COMPILE_WAIT_S = 0.05
-
-#: A prompt: text, token ids, ``{"prompt": text}``, ``{"prompt_token_ids": [...]}`` (vLLM's
-#: TextPrompt and TokensPrompt), or chat messages ``[{"role": ..., "content": ...}, ...]``.
 
 
 @dataclass(slots=True)
@@ -109,19 +107,8 @@ class LLMEngine:
         model_loader=None,
         **overrides: Any,
     ) -> None:
-        if config is None:
-            config = EngineConfig(**overrides)
-        elif overrides:
-            config = EngineConfig(**{**_fields(config), **overrides})
-        #: what this CPU computes fast (:mod:`pagedkv.cpu_caps`); decides dtype "auto".
-        self.cpu_capabilities = probe_cpu()
-        #: the dtype asked for ("auto" by default); ``config.dtype`` is the one that runs.
-        self.requested_dtype = config.dtype
-        config = dataclasses.replace(
-            config,
-            dtype=resolve_dtype(config.dtype, self.cpu_capabilities),
-            quantization=default_quantization(config.quantization, config.dtype),
-        )
+        self._tier_saved = False  # shutdown() paged the prefix cache out to a disk tier
+        config = self._resolve_config(config, overrides)
         tp = config.tensor_parallel_size
         if tp > 1 and loaded_model is not None:
             raise ConfigError(
@@ -134,66 +121,11 @@ class LLMEngine:
         tune_cpu_runtime(num_threads)
         # Everything the model's shape decides is checked before its weights load (seconds).
         model_shape, loaded_model, config = _read_model_shape(config, loaded_model, model_loader)
-        device = "cpu" if loaded_model is None else loaded_model.model.device
-        if torch.device(device).type == "cpu":
-            logger.info("%s", self.cpu_capabilities.summary(config.dtype))
-        # The backend decides the block size (when not given) before the cache is sized; the
-        # KV-cache dtype ("auto": the compute dtype) is resolved and checked with it.
-        config, choice = choose_attention_backend(
-            config, model_shape.head_dim, config.dtype, device
-        )
-        #: the options, resolved (dtype, kv_cache_dtype, block size); the sub-configs are
-        #: ``pagedkv_config``.
-        self.config = config
-        #: the attention backend (owns the KV cache's layout and runs attention).
-        self.attention_backend = choice.backend
-        #: why the backend asked for (or auto's first choice) was passed over; None if it runs.
-        self.attention_backend_fallback_reason = choice.fallback_reason
-        kv_cache_config = size_kv_cache(model_shape, config, kv_dtype=config.kv_cache_dtype)
-        self.kv_cache_config = kv_cache_config
-        self.max_model_len = kv_cache_config.max_model_len
-        logger.info(
-            "KV cache: %d blocks x %d tokens (%.0f MiB, %s), max_model_len %d",
-            kv_cache_config.num_usable_blocks,
-            config.block_size,
-            kv_cache_config.kv_cache_memory / 2**20,
-            config.kv_cache_dtype,
-            self.max_model_len,
-        )
-        tier_blocks, tier_keys = 0, []
-        if config.kv_offloading_size is not None:
-            tier_blocks = config.kv_offloading_size // kv_cache_config.bytes_per_block
-            if tier_blocks < 1:
-                raise ConfigError(
-                    f"kv_offloading_size ({config.kv_offloading_size} bytes) holds no KV block "
-                    f"({kv_cache_config.bytes_per_block} bytes each)"
-                )
-            if config.kv_offloading_backend == "disk":
-                identity = tier_identity(
-                    model=config.model,
-                    dtype=config.dtype,
-                    kv_cache_dtype=config.kv_cache_dtype,
-                    attention_backend=choice.backend.name,
-                    block_size=config.block_size,
-                    hash_algo=config.hash_algo,
-                    kv_cache_groups=[
-                        {"layer_ids": list(g.layer_ids), "spec": repr(g.kv_cache_spec)}
-                        for g in kv_cache_config.kv_cache_groups
-                    ],
-                )
-                # The block hashes must agree with the process that wrote the entries.
-                seed, tier_keys = open_disk_tier(
-                    config.kv_offloading_dir, identity, config.hash_seed
-                )
-                self.config = config = dataclasses.replace(config, hash_seed=seed)
-            logger.info(
-                "KV tier: %s, %d blocks (%.0f MiB)",
-                config.kv_offloading_backend,
-                tier_blocks,
-                tier_blocks * kv_cache_config.bytes_per_block / 2**20,
-            )
+        self._choose_attention_backend(config, model_shape, loaded_model)
+        kv_cache_config = self._size_kv_cache(model_shape)
+        tier_blocks, tier_keys = self._open_kv_tier(kv_cache_config)
         #: the resolved sub-configs (model, cache, scheduler, parallel), vLLM's VllmConfig.
-        self.pagedkv_config = resolved = config.resolve(
+        self.pagedkv_config = resolved = self.config.resolve(
             max_model_len=self.max_model_len,
             num_gpu_blocks=kv_cache_config.num_blocks,
             kv_offloading_blocks=tier_blocks,
@@ -215,6 +147,105 @@ class LLMEngine:
             for key in self.kv_cache_manager.offloader.restore(tier_keys):
                 self.runner.kv_tier.drop(key, 0)
             logger.info("KV tier: %d entries found", len(self.kv_cache_manager.offloader))
+        self._build_processors()
+        self._stats = EngineStats(scheduler=SchedulerStats())
+        self._last_scheduler_output: SchedulerOutput | None = None
+
+    # ------------------------------------------------------------------ building steps
+
+    def _resolve_config(
+        self, config: EngineConfig | None, overrides: dict[str, Any]
+    ) -> EngineConfig:
+        """The options with the keyword overrides applied and dtype "auto" resolved for this
+        CPU (:mod:`pagedkv.cpu_caps`)."""
+        if config is None:
+            config = EngineConfig(**overrides)
+        elif overrides:
+            config = EngineConfig(**{**_fields(config), **overrides})
+        #: what this CPU computes fast (:mod:`pagedkv.cpu_caps`); decides dtype "auto".
+        self.cpu_capabilities = probe_cpu()
+        #: the dtype asked for ("auto" by default); ``config.dtype`` is the one that runs.
+        self.requested_dtype = config.dtype
+        return dataclasses.replace(
+            config,
+            dtype=resolve_dtype(config.dtype, self.cpu_capabilities),
+            quantization=default_quantization(config.quantization, config.dtype),
+        )
+
+    def _choose_attention_backend(self, config: EngineConfig, model_shape, loaded_model) -> None:
+        """The attention backend, which decides the block size (when not given) before the
+        cache is sized; the KV-cache dtype ("auto": the compute dtype) is resolved and checked
+        with it. Sets ``config`` (resolved) and the backend."""
+        device = "cpu" if loaded_model is None else loaded_model.model.device
+        if torch.device(device).type == "cpu":
+            logger.info("%s", self.cpu_capabilities.summary(config.dtype))
+        config, choice = choose_attention_backend(
+            config, model_shape.head_dim, config.dtype, device
+        )
+        #: the options, resolved (dtype, kv_cache_dtype, block size); the sub-configs are
+        #: ``pagedkv_config``.
+        self.config = config
+        #: the attention backend (owns the KV cache's layout and runs attention).
+        self.attention_backend = choice.backend
+        #: why the backend asked for (or auto's first choice) was passed over; None if it runs.
+        self.attention_backend_fallback_reason = choice.fallback_reason
+
+    def _size_kv_cache(self, model_shape) -> KVCacheConfig:
+        """The KV cache's blocks and max_model_len
+        (:func:`~pagedkv.engine.kv_sizing.size_kv_cache`)."""
+        config = self.config
+        kv_cache_config = size_kv_cache(model_shape, config, kv_dtype=config.kv_cache_dtype)
+        self.kv_cache_config = kv_cache_config
+        self.max_model_len = kv_cache_config.max_model_len
+        logger.info(
+            "KV cache: %d blocks x %d tokens (%.0f MiB, %s), max_model_len %d",
+            kv_cache_config.num_usable_blocks,
+            config.block_size,
+            kv_cache_config.kv_cache_memory / 2**20,
+            config.kv_cache_dtype,
+            self.max_model_len,
+        )
+        return kv_cache_config
+
+    def _open_kv_tier(self, kv_cache_config: KVCacheConfig) -> tuple[int, list[str]]:
+        """``(tier blocks, keys a disk tier holds from an earlier run)``; ``(0, [])`` without a
+        tier. A disk tier's block-hash seed becomes ``config.hash_seed`` (the hashes must agree
+        with the process that wrote its entries)."""
+        config = self.config
+        if config.kv_offloading_size is None:
+            return 0, []
+        tier_blocks = config.kv_offloading_size // kv_cache_config.bytes_per_block
+        if tier_blocks < 1:
+            raise ConfigError(
+                f"kv_offloading_size ({config.kv_offloading_size} bytes) holds no KV block "
+                f"({kv_cache_config.bytes_per_block} bytes each)"
+            )
+        tier_keys: list[str] = []
+        if config.kv_offloading_backend == "disk":
+            identity = tier_identity(
+                model=config.model,
+                dtype=config.dtype,
+                kv_cache_dtype=config.kv_cache_dtype,
+                attention_backend=self.attention_backend.name,
+                block_size=config.block_size,
+                hash_algo=config.hash_algo,
+                kv_cache_groups=[
+                    {"layer_ids": list(g.layer_ids), "spec": repr(g.kv_cache_spec)}
+                    for g in kv_cache_config.kv_cache_groups
+                ],
+            )
+            seed, tier_keys = open_disk_tier(config.kv_offloading_dir, identity, config.hash_seed)
+            self.config = config = dataclasses.replace(config, hash_seed=seed)
+        logger.info(
+            "KV tier: %s, %d blocks (%.0f MiB)",
+            config.kv_offloading_backend,
+            tier_blocks,
+            tier_blocks * kv_cache_config.bytes_per_block / 2**20,
+        )
+        return tier_blocks, tier_keys
+
+    def _build_processors(self) -> None:
+        """The tokenizer's side: end-of-sequence ids, outputs, structured outputs, inputs."""
         self.loaded_model = self.executor.loaded_model
         self.model_config = self.loaded_model.config
         self.tokenizer = self.loaded_model.tokenizer
@@ -241,12 +272,10 @@ class LLMEngine:
             self.tokenizer,
             vocab_size=vocab_size,
             max_model_len=self.max_model_len,
-            max_logprobs=config.max_logprobs,
-            policy=config.policy,
+            max_logprobs=self.config.max_logprobs,
+            policy=self.config.policy,
             structured_outputs=self.structured_output_manager,
         )
-        self._stats = EngineStats(scheduler=SchedulerStats())
-        self._last_scheduler_output: SchedulerOutput | None = None
 
     def shutdown(self) -> None:
         """Stop the engine's worker processes (tensor parallelism); idempotent, and a no-op in
@@ -255,7 +284,7 @@ class LLMEngine:
         its writes."""
         if (
             self.config.kv_offloading_backend == "disk"
-            and not getattr(self, "_tier_saved", False)
+            and not self._tier_saved
             and self.kv_cache_manager.page_out_cached()
         ):
             ops = self.kv_cache_manager.take_tier_ops()
@@ -312,34 +341,26 @@ class LLMEngine:
         self.input_processor.check_params(params, priority)
         processed = self.input_processor.process(prompt)
         prompt_text, prompt_token_ids = processed.text, processed.token_ids
+        params = self.input_processor.resolve_max_tokens(params, len(prompt_token_ids))
         constraint = params.structured_outputs
         grammar = None
         if constraint is not None:  # parsed here (cached), compiled on the grammar thread
             grammar = self.structured_output_manager.request(constraint)
             self._has_structured_outputs = True
         now = time.monotonic() if arrival_time is None else arrival_time
-        block_hasher = self.kv_cache_manager.block_hasher
-        if not self.config.enable_prefix_caching:
-            block_hasher = None
-        requests = []
         num_samples = params.num_samples
-        for index in range(num_samples):
-            seq_params = params if num_samples == 1 else params.for_sample(index)
-            requests.append(
-                Request(
-                    request_id=request_id if num_samples == 1 else f"{request_id}#{index}",
-                    prompt_token_ids=prompt_token_ids,
-                    block_hasher=block_hasher,
-                    cache_salt=cache_salt,
-                    sampling_params=seq_params,
-                    eos_token_ids=self.eos_token_ids,
-                    priority=priority,
-                    arrival_time=now,
-                    structured_output=(
-                        None if grammar is None else StructuredOutputRequest(grammar)
-                    ),
-                )
+        requests = [
+            self._make_request(
+                request_id if num_samples == 1 else f"{request_id}#{index}",
+                params if num_samples == 1 else params.for_sample(index),
+                prompt_token_ids=prompt_token_ids,
+                cache_salt=cache_salt,
+                priority=priority,
+                arrival_time=now,
+                structured_output=None if grammar is None else StructuredOutputRequest(grammar),
             )
+            for index in range(num_samples)
+        ]
         # n > 1 with a prompt of 2+ tokens: one prefill, then a fork (the samples share the
         # prompt's blocks; each computes the last prompt token itself and samples from it).
         to_add = requests
@@ -387,28 +408,46 @@ class LLMEngine:
         processed = self.input_processor.process(prompt)
         prompt_token_ids = processed.token_ids
         now = time.monotonic() if arrival_time is None else arrival_time
-        block_hasher = self.kv_cache_manager.block_hasher
-        if not self.config.enable_prefix_caching:
-            block_hasher = None
-
-        def make_root(seq_id: str, seq_params: SamplingParams) -> Request:
-            return Request(
-                request_id=seq_id,
-                prompt_token_ids=prompt_token_ids,
-                block_hasher=block_hasher,
-                cache_salt=cache_salt,
-                sampling_params=seq_params,
-                eos_token_ids=self.eos_token_ids,
-                priority=priority,
-                arrival_time=now,
-            )
-
+        make_root = functools.partial(
+            self._make_request,
+            prompt_token_ids=prompt_token_ids,
+            cache_salt=cache_salt,
+            priority=priority,
+            arrival_time=now,
+        )
         group = BeamSearchGroup(request_id, params, self.eos_token_ids, make_root)
         self.scheduler.add_request(group.root)
         self.output_processor.add_beam_search_request(
             request_id, processed.text, prompt_token_ids, group, now
         )
         self._stats.num_requests += 1
+
+    def _make_request(
+        self,
+        request_id: str,
+        sampling_params: SamplingParams,
+        *,
+        prompt_token_ids: list[int],
+        cache_salt: str | None,
+        priority: int,
+        arrival_time: float,
+        structured_output: StructuredOutputRequest | None = None,
+    ) -> Request:
+        """The one place a client's sequence becomes a :class:`Request`: the engine's block
+        hasher (none without prefix caching) and end-of-sequence ids."""
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            block_hasher=(
+                self.kv_cache_manager.block_hasher if self.config.enable_prefix_caching else None
+            ),
+            cache_salt=cache_salt,
+            sampling_params=sampling_params,
+            eos_token_ids=self.eos_token_ids,
+            priority=priority,
+            arrival_time=arrival_time,
+            structured_output=structured_output,
+        )
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Abort requests (all their samples): blocks are freed now, and the next :meth:`step`
@@ -481,10 +520,9 @@ class LLMEngine:
 
     def _kv_tier_stats(self) -> KVTierStats | None:
         offloader = self.kv_cache_manager.offloader
-        tier = getattr(self.runner, "kv_tier", None)
-        if offloader is None or tier is None:
+        if offloader is None:
             return None
-        counts, io = offloader.stats, tier.stats
+        counts, io = offloader.stats, self.runner.kv_tier.stats
         return KVTierStats(
             medium=offloader.medium,
             num_blocks=offloader.num_blocks,
