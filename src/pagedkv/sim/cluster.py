@@ -19,14 +19,14 @@ plus: events reach the router with no delay, and replicas never fail.
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from pagedkv.cluster.prefix_index import PrefixIndex, rank_replicas
 from pagedkv.errors import ConfigError, InvalidRequestError
-from pagedkv.sim.simulator import SimConfig, _EngineDriver, _to_steps
+from pagedkv.sim.arrivals import ArrivalClock, to_steps
+from pagedkv.sim.simulator import SimConfig, _EngineDriver
 from pagedkv.sim.workloads import Workload
 
 ROUTERS = ("prefix", "round_robin")
@@ -127,16 +127,10 @@ def simulate_cluster(
     index = PrefixIndex()
     for key in range(num_replicas):
         index.add_replica(key)
-    ttl_steps = _to_steps(routed_ttl_s, config.step_time)
+    ttl_steps = to_steps(routed_ttl_s, config.step_time)
     last_routed: dict[int, int] = {}
     requests = workload.requests
-    children: dict[int, list[int]] = {}
-    eligible: list[tuple[int, int]] = []
-    for i, request in enumerate(requests):
-        if request.parent_index is None:
-            heapq.heappush(eligible, (_to_steps(request.arrival_time, config.step_time), i))
-        else:
-            children.setdefault(request.parent_index, []).append(i)
+    clock = ArrivalClock(requests, config.step_time)
     arrival_step: dict[int, int] = {}
     latencies: list[int] = []
     per_replica = [0] * num_replicas
@@ -144,19 +138,12 @@ def simulate_cluster(
     num_arrived = 0
     step = 0
 
-    def release_children(i: int, finish_step: int) -> None:
-        for child in children.get(i, ()):
-            delay = max(1, _to_steps(requests[child].think_time, config.step_time))
-            heapq.heappush(eligible, (finish_step + delay, child))
-
     def busy() -> bool:
         return any(d.running or d.num_waiting for d in drivers)
 
-    while eligible or busy():
-        if not busy() and eligible[0][0] > step:
-            step = eligible[0][0]
-        while eligible and eligible[0][0] <= step:
-            _, i = heapq.heappop(eligible)
+    while clock or busy():
+        step = clock.skip_idle(step, busy=busy())
+        for i in clock.due(step):
             sim_request = requests[i]
             request = drivers[0].make_request(
                 sim_request.request_id,
@@ -188,7 +175,7 @@ def simulate_cluster(
                 drivers[key].add(request)
             except InvalidRequestError:
                 num_rejected += 1
-                release_children(i, step)
+                clock.finished(i, step)
                 continue
             per_replica[key] += 1
             arrival_step[i] = step
@@ -201,16 +188,18 @@ def simulate_cluster(
             index.apply(key, managers[key].take_events())
             for request in finished:
                 latencies.append(step + 1 - arrival_step.pop(request.index))
-                release_children(request.index, step)
+                clock.finished(request.index, step)
             num_finished += len(finished)
         if num_finished and on_finish:
             on_finish(num_finished)
         if ttl_steps and step % ttl_steps == 0:
             index.expire(step)
         step += 1
-        if not num_scheduled and busy() and not any(d.running for d in drivers) and not eligible:
-            # Nothing ran, nothing will arrive, and requests wait: they never fit.
-            raise ConfigError("the simulation stalled: waiting requests that never fit")
+        clock.check_stalled(
+            num_scheduled,
+            sum(len(d.running) for d in drivers),
+            sum(d.num_waiting for d in drivers),
+        )
 
     hits = sum(d.num_hit_tokens for d in drivers)
     queried = sum(d.num_queried_tokens for d in drivers)

@@ -34,21 +34,23 @@ Samples (``n > 1``, :attr:`SimRequest.n <pagedkv.sim.workloads.SimRequest.n>`): 
 :meth:`LLMEngine.add_request <pagedkv.engine.llm_engine.LLMEngine.add_request>` does, a trace
 request becomes ``n`` engine requests (``ID#0`` .. ``ID#n-1``), the first one (the parent)
 carrying the others in ``fork_children`` with ``fork_at = prompt_len - 1``; the scheduler forks
-them once the parent computed that much (its ``_fork_children``: shared blocks, copy-on-write of
-the shared partial block). ``simulate(..., fork=False)`` adds the ``n`` samples as independent
-requests instead: the path before fork, the baseline of :func:`simulate_fork_baselines`. The
-contiguous policy never forks (its regions are not shared). Concurrency counts sequences (each
-sample is a request of the engine); a trace request is done when its last sample finished.
+them once the parent computed that much (:mod:`pagedkv.engine.sample_forks`: shared blocks,
+copy-on-write of the shared partial block). ``simulate(..., fork=False)`` adds the ``n`` samples
+as independent requests instead: the path before fork, the baseline of
+:func:`simulate_fork_baselines`. The contiguous policy never forks (its regions are not
+shared). Concurrency counts sequences (each sample is a request of the engine); a trace request
+is done when its last sample finished.
 
 Clock: one step = ``step_time`` seconds of simulated time; arrival times (seconds) map to steps, and
 when nothing runs or waits the clock jumps to the next arrival. A follow-up turn becomes eligible
-once its parent finished, plus its think time.
+once its parent finished, plus its think time (:class:`~pagedkv.sim.arrivals.ArrivalClock`,
+shared with the cluster simulator). A request is refused by the scheduler's own admission rules
+(``Scheduler.add_request``), not a copy of them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import math
 import time
 from collections.abc import Callable
@@ -59,6 +61,7 @@ from pagedkv.core.offload import TierStore
 from pagedkv.core.spec import KVCacheSpec, cdiv
 from pagedkv.engine.scheduler import ADMISSION_POLICIES, Scheduler
 from pagedkv.errors import ConfigError, InvalidRequestError
+from pagedkv.sim.arrivals import ArrivalClock
 from pagedkv.sim.blockmap import BlockMap, BlockMapRecorder
 from pagedkv.sim.contiguous import ContiguousKVCache
 from pagedkv.sim.engine_request import make_engine_request
@@ -357,12 +360,6 @@ class _EngineDriver:
         return finished
 
 
-def _to_steps(seconds: float, step_time: float) -> int:
-    """Whole steps covering ``seconds`` (the first step at or after that time)."""
-    # NOTE: the epsilon keeps 0.1 s / 0.025 s at 4 steps despite binary rounding.
-    return max(0, math.ceil(seconds / step_time - 1e-9))
-
-
 def _reserved_tokens(kv_cache, block_size: int) -> int:
     """Tokens' worth of KV reserved now (blocks with ref_cnt > 0, or contiguous regions)."""
     if isinstance(kv_cache, ContiguousKVCache):
@@ -453,14 +450,7 @@ def simulate(
     has_samples = any(r.n > 1 for r in requests)
     remaining: dict[int, int] = {}  # index -> samples not finished yet
     peak_blocks = 0
-    children: dict[int, list[int]] = {}
-    eligible: list[tuple[int, int]] = []  # heap of (step, index)
-    for index, request in enumerate(requests):
-        if request.parent_index is None:
-            heapq.heappush(eligible, (_to_steps(request.arrival_time, config.step_time), index))
-        else:
-            children.setdefault(request.parent_index, []).append(index)
-
+    clock = ArrivalClock(requests, config.step_time)
     timeline = Timeline()
     recorder = (
         BlockMapRecorder(config.num_blocks, config.block_map_columns, block_size=block_size)
@@ -477,43 +467,24 @@ def simulate(
     if policy == "contiguous":
         kv_snapshots = 0
 
-    def release_children(index: int, finish_step: int) -> None:
-        for child in children.get(index, ()):
-            delay = max(1, _to_steps(requests[child].think_time, config.step_time))
-            heapq.heappush(eligible, (finish_step + delay, child))
-
-    while eligible or driver.running or driver.num_waiting:
-        if not driver.running and not driver.num_waiting and eligible[0][0] > step:
-            step = eligible[0][0]  # idle: jump to the next arrival
+    while clock or driver.running or driver.num_waiting:
+        step = clock.skip_idle(step, busy=bool(driver.running or driver.num_waiting))
         num_rejected_now = 0
-        while eligible and eligible[0][0] <= step:
-            _, index = heapq.heappop(eligible)
+        for index in clock.due(step):
             sim_request = requests[index]
-            num_tokens = sim_request.num_prompt_tokens + sim_request.num_output_tokens
-            reason = None
-            if num_tokens > config.max_model_len:
-                reason = f"{num_tokens} tokens > max_model_len={config.max_model_len}"
-            elif policy != "contiguous" and (
-                kv_cache.max_num_blocks_per_request(num_tokens, config.max_num_batched_tokens)
-                > num_usable_blocks
-            ):
-                reason = f"needs more than the pool's {num_usable_blocks} blocks"
-            if reason is None:
-                added = []
-                try:
-                    for request in _samples(driver, sim_request, block_hasher, index, fork):
-                        driver.add(request)
-                        added.append(request)
-                except InvalidRequestError as exc:
-                    driver.abort(added)
-                    reason = str(exc)
-                else:
-                    remaining[index] = sim_request.n
-            if reason is not None:
-                rejected.append(f"{sim_request.request_id}: {reason}")
+            added = []
+            try:  # the scheduler's own admission rules (max_model_len, the pool's blocks)
+                for request in _samples(driver, sim_request, block_hasher, index, fork):
+                    driver.add(request)
+                    added.append(request)
+            except InvalidRequestError as exc:
+                driver.abort(added)
+                rejected.append(f"{sim_request.request_id}: {exc}")
                 num_rejected_output_tokens += sim_request.n * sim_request.num_output_tokens
                 num_rejected_now += 1
-                release_children(index, step)
+                clock.finished(index, step)
+            else:
+                remaining[index] = sim_request.n
 
         num_preempted_before = driver.num_preemptions
         scheduled, num_scheduled = driver.schedule()
@@ -522,8 +493,7 @@ def simulate(
             if num_rejected_now and on_finish:
                 on_finish(num_rejected_now)
             num_done += num_rejected_now
-            if driver.num_waiting and not eligible:
-                raise ConfigError("the simulation stalled: waiting requests that never fit")
+            clock.check_stalled(0, 0, driver.num_waiting)
             step += 1
             continue
 
@@ -564,7 +534,7 @@ def simulate(
             remaining[request.index] -= 1
             if not remaining[request.index]:  # its last sample
                 del remaining[request.index]
-                release_children(request.index, step)
+                clock.finished(request.index, step)
                 num_finished += 1
         if num_finished or num_rejected_now:
             num_done += num_finished + num_rejected_now
