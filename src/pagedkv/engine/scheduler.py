@@ -47,10 +47,10 @@ from collections.abc import Iterable
 
 from pagedkv.config import SchedulerConfig
 from pagedkv.core.interface import KVCacheInterface
-from pagedkv.core.spec import max_num_blocks_per_request
 from pagedkv.engine.beam_groups import BeamSearchGroups
 from pagedkv.engine.kv_tier_loads import KVTierLoads
 from pagedkv.engine.request import Request, RequestStatus
+from pagedkv.engine.request_limits import RequestLimits
 from pagedkv.engine.request_queue import FCFSQueue, PriorityQueue
 from pagedkv.engine.sample_forks import SampleForks
 from pagedkv.engine.scheduled_step import ScheduledStep, build_scheduler_output
@@ -159,8 +159,13 @@ class Scheduler:
         self.tier_loads = KVTierLoads(self, wait_for_kv_loads)
         self._rejected: list[Request] = []  # rejected while scheduling, not yet reported
         self._scheduled_requests: list[Request] = []  # the last schedule()'s, in order
-        self._num_usable_blocks = kv_cache_manager.num_blocks - 1  # block 0 is the null block
-        self._kv_cache_specs = tuple(kv_cache_manager.kv_cache_specs)
+        #: what one request may ask for (add_request's rules).
+        self.limits = RequestLimits(
+            max_model_len,
+            max_num_batched_tokens,
+            kv_cache_manager.kv_cache_specs,
+            kv_cache_manager.num_blocks - 1,  # block 0 is the null block
+        )
 
     @classmethod
     def from_config(
@@ -185,42 +190,13 @@ class Scheduler:
         :func:`~pagedkv.sampling_params.resolve_max_tokens`).
 
         Raises:
-            InvalidRequestError: the request can never be served: an empty prompt, max_tokens
-                None, prompt + max_tokens beyond max_model_len, more blocks than the whole pool,
-                or a request id already in use. Nothing is queued then.
+            InvalidRequestError: a request id already in use, or a request that can never be
+                served (:class:`~pagedkv.engine.request_limits.RequestLimits`, the beam
+                search's and the fork's checks). Nothing is queued then.
         """
-        num_prompt_tokens = request.num_prompt_tokens
-        if num_prompt_tokens == 0:
-            raise InvalidRequestError(
-                f"request {request.request_id!r}: the prompt is empty", param="prompt"
-            )
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
-        max_tokens = request.sampling_params.max_tokens
-        if max_tokens is None:
-            raise InvalidRequestError(
-                f"request {request.request_id!r}: max_tokens is None; resolve it before queueing "
-                "(pagedkv.sampling_params.resolve_max_tokens)",
-                param="max_tokens",
-            )
-        if num_prompt_tokens + max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"request {request.request_id!r}: prompt ({num_prompt_tokens} tokens) + "
-                f"max_tokens ({max_tokens}) = {num_prompt_tokens + max_tokens} tokens exceeds "
-                f"max_model_len={self.max_model_len}; shorten the prompt or lower max_tokens",
-                param="max_tokens",
-            )
-        num_blocks_needed = max_num_blocks_per_request(
-            self._kv_cache_specs, num_prompt_tokens + max_tokens, self.max_num_batched_tokens
-        )
-        if num_blocks_needed > self._num_usable_blocks:
-            raise InvalidRequestError(
-                f"request {request.request_id!r}: prompt + max_tokens = "
-                f"{num_prompt_tokens + max_tokens} tokens needs {num_blocks_needed} KV blocks but "
-                f"the whole pool has {self._num_usable_blocks}; lower max_tokens or grow the "
-                "KV cache",
-                param="max_tokens",
-            )
+        num_blocks_needed = self.limits.check(request)
         if request.beam_group is not None:
             self.beams.check(request.beam_group, num_blocks_needed)
         self.forks.check(request)
@@ -608,7 +584,7 @@ class Scheduler:
         self._reject(
             request,
             f"request {request.request_id!r} needs more KV blocks for {request.num_tokens} "
-            f"tokens than the whole pool ({self._num_usable_blocks} blocks) can give",
+            f"tokens than the whole pool ({self.limits.num_usable_blocks} blocks) can give",
         )
         return True
 

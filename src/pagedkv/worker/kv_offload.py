@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from pagedkv.core.offload import KVTierOps, TierLoad, TierStore
+from pagedkv.core.offload import KVTierOps, TierDrop, TierLoad, TierStore
 from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.ops.backends import AttentionBackend
 
@@ -395,8 +395,8 @@ def check_tier_ops(
     num_groups = len(group_kv_caches)
     num_blocks = group_kv_caches[0][0].shape[1]
     for op in (*ops.writes, *ops.loads):
-        group = getattr(op, "group", 0)
-        block_id = getattr(op, "block_id", 1)
+        # A drop names only a tier slot; stores and loads also a pool block of a group.
+        group, block_id = (0, 1) if isinstance(op, TierDrop) else (op.group, op.block_id)
         if not 0 <= group < num_groups or not 1 <= block_id < num_blocks:
             raise InvalidRequestError(f"KV tier instruction out of range: {op}")
         if not 0 <= op.slot < tier.num_blocks:
