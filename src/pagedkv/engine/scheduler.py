@@ -479,6 +479,7 @@ class Scheduler:
         self._rejected = []
         finished: list[Request] = []
         ready = []  # beam searches whose every beam has reported
+        num_generated = 0
         now = time.monotonic()
         for request, token_id in zip(sampling, tokens, strict=True):
             if request.is_finished:  # aborted between schedule() and now
@@ -489,9 +490,18 @@ class Scheduler:
                 if group.report(request, row.token_ids[0][1:], row.logprobs[0][1:]):
                     ready.append(group)
                 continue
+            request.append_output_token_ids(token_id)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            num_generated += 1
             changed.append(request)
-            if self._append_token(request, token_id, now):
+            if (
+                request.check_stop(token_id)
+                if request.structured_output is None
+                else self._constrained_stop(request, token_id)
+            ):
                 finished.append(request)
+        self.stats.num_generation_tokens += num_generated
         if finished:
             gone = {id(r) for r in finished}
             self.running[:] = [r for r in self.running if id(r) not in gone]
@@ -519,15 +529,13 @@ class Scheduler:
             )
         return sampling, [by_id[r.request_id] for r in sampling]
 
-    def _append_token(self, request: Request, token_id: int, now: float) -> bool:
-        """Give ``request`` its sampled token; True when that finished it (a stop condition,
-        its constraint complete, or a token its constraint refuses)."""
-        request.append_output_token_ids(token_id)
-        if request.first_token_time is None:
-            request.first_token_time = now
-        self.stats.num_generation_tokens += 1
+    @staticmethod
+    def _constrained_stop(request: Request, token_id: int) -> bool:
+        """The stop check of a request with a structured-output constraint (its token just
+        appended): True when the token finished it (a stop condition, the constraint complete,
+        or a token the constraint refuses)."""
         constraint = request.structured_output
-        if constraint is not None and not constraint.accept(token_id):
+        if not constraint.accept(token_id):
             # Only when every token was masked (min_tokens hid the end the constraint
             # needed): the output cannot go on under the constraint.
             request.status = RequestStatus.FINISHED_ERROR
@@ -539,7 +547,7 @@ class Scheduler:
             return True
         if request.check_stop(token_id):
             return True
-        if constraint is not None and constraint.is_terminated():
+        if constraint.is_terminated():
             request.status = RequestStatus.FINISHED_STOPPED  # the constraint is complete
             return True
         return False

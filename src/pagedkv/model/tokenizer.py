@@ -14,7 +14,7 @@ from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
-from pagedkv.errors import ModelLoadError
+from pagedkv.errors import InvalidRequestError, ModelLoadError
 
 
 class Tokenizer:
@@ -151,8 +151,6 @@ class Tokenizer:
                 both add_generation_prompt and continue_final_message.
         """
         from jinja2 import TemplateError
-
-        from pagedkv.errors import InvalidRequestError
 
         if chat_template is None and not self.has_chat_template:
             raise InvalidRequestError(

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from pagedkv.cluster.prefix_index import PrefixIndex, rank_replicas
+from pagedkv.core.manager import KVCacheManager
 from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.sim.arrivals import ArrivalClock, to_steps
 from pagedkv.sim.simulator import SimConfig, _EngineDriver
@@ -106,8 +107,6 @@ def simulate_cluster(
             "requests with n > 1 samples are simulated on one pool (--policies), not over "
             "replicas; drop --n (or the trace's n)"
         )
-    from pagedkv.core.manager import KVCacheManager
-
     started = time.perf_counter()
     kwargs = {} if config.hash_algo is None else {"hash_algo": config.hash_algo}
     managers = [

@@ -57,8 +57,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from pagedkv.core.kv_view import snapshot_kv_cache
+from pagedkv.core.manager import KVCacheManager
 from pagedkv.core.offload import TierStore
 from pagedkv.core.spec import KVCacheSpec, cdiv
+from pagedkv.engine.request import RequestStatus
 from pagedkv.engine.scheduler import ADMISSION_POLICIES, Scheduler
 from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.sim.arrivals import ArrivalClock
@@ -68,6 +70,7 @@ from pagedkv.sim.engine_request import make_engine_request
 from pagedkv.sim.metrics import PolicyMetrics, Timeline, compute_metrics
 from pagedkv.sim.preemption import PreemptionRecorder, PreemptionStats
 from pagedkv.sim.workloads import Workload
+from pagedkv.units import format_bytes
 from pagedkv.validation import check_int, is_number
 from pagedkv.worker.outputs import ModelRunnerOutput
 
@@ -200,8 +203,6 @@ def make_kv_cache(policy: str, config: SimConfig):
     tier = policy == "paged+prefix+tier"
     if tier and not config.kv_offloading_blocks:
         raise ConfigError("the paged+prefix+tier policy needs kv_offloading_blocks > 0")
-    from pagedkv.core.manager import KVCacheManager
-
     kwargs = {} if config.hash_algo is None else {"hash_algo": config.hash_algo}
     if config.kv_cache_specs is not None:
         kwargs["kv_cache_specs"] = list(config.kv_cache_specs)
@@ -255,8 +256,6 @@ class _EngineDriver:
 
     def abort(self, requests: list) -> None:
         """Take back requests added before one of their siblings was refused."""
-        from pagedkv.engine.request import RequestStatus
-
         self.scheduler.finish_requests(
             [r.request_id for r in requests], RequestStatus.FINISHED_ABORTED
         )
@@ -590,8 +589,6 @@ def config_lines(
     """The run's settings in words (stdout's first lines and the HTML page's): the pool, the
     scheduler, the model's KV cache groups (``model`` with ``config.kv_cache_specs``) and the KV
     tier (capacity, bandwidth)."""
-    from pagedkv.units import format_bytes
-
     usable = config.num_blocks - 1
     lines = [
         f"workload {workload_name}: {num_requests} requests; pool {config.num_blocks} "
