@@ -27,10 +27,12 @@ named points of the step::
                  build_scheduler_output(step)      what the workers get; num_computed advances
                  forks.note_fork_points(step)
     update_from_output():  tier_loads.update       loads done or failed, stores dropped
+                           append_sampled_tokens   tokens appended, stop checks, beam reports
                            beams.step              a beam search's choice
 
 (:mod:`~pagedkv.engine.sample_forks`, :mod:`~pagedkv.engine.kv_tier_loads`,
-:mod:`~pagedkv.engine.beam_groups`, :mod:`~pagedkv.engine.scheduled_step`). A collaborator
+:mod:`~pagedkv.engine.beam_groups`, :mod:`~pagedkv.engine.scheduled_step`,
+:mod:`~pagedkv.engine.sampled_tokens`). A collaborator
 shares the scheduler's queues (``running``, ``waiting``, ``requests``), its KV cache (any
 :class:`~pagedkv.core.interface.KVCacheInterface`) and its counters, and owns its own state.
 
@@ -53,6 +55,7 @@ from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.engine.request_limits import RequestLimits
 from pagedkv.engine.request_queue import FCFSQueue, PriorityQueue
 from pagedkv.engine.sample_forks import SampleForks
+from pagedkv.engine.sampled_tokens import append_sampled_tokens, match_sampled_tokens
 from pagedkv.engine.scheduled_step import ScheduledStep, build_scheduler_output
 from pagedkv.engine.stats import SchedulerStats
 from pagedkv.errors import ConfigError, InvalidRequestError
@@ -470,87 +473,26 @@ class Scheduler:
             InvalidRequestError: the sampled tokens do not match the sampling requests (their
                 number, or a request id that did not sample); nothing is changed then.
         """
-        sampling, tokens = self._sampled_tokens(scheduler_output, runner_output)
-        logprobs = runner_output.logprobs
-        self.beams.check_rows(sampling, logprobs)
+        sampling, tokens = match_sampled_tokens(
+            self._scheduled_requests, scheduler_output, runner_output
+        )
+        self.beams.check_rows(sampling, runner_output.logprobs)
         self._scheduled_requests = []
         self.tier_loads.update(runner_output)
         changed: list[Request] = self._rejected
         self._rejected = []
-        finished: list[Request] = []
-        ready = []  # beam searches whose every beam has reported
-        num_generated = 0
         now = time.monotonic()
-        for request, token_id in zip(sampling, tokens, strict=True):
-            if request.is_finished:  # aborted between schedule() and now
-                continue
-            group = request.beam_group
-            if group is not None:  # a beam: its candidates go to its group, no token yet
-                row = logprobs[request.request_id]
-                if group.report(request, row.token_ids[0][1:], row.logprobs[0][1:]):
-                    ready.append(group)
-                continue
-            request.append_output_token_ids(token_id)
-            if request.first_token_time is None:
-                request.first_token_time = now
-            num_generated += 1
-            changed.append(request)
-            if (
-                request.check_stop(token_id)
-                if request.structured_output is None
-                else self._constrained_stop(request, token_id)
-            ):
-                finished.append(request)
-        self.stats.num_generation_tokens += num_generated
+        finished, ready = append_sampled_tokens(
+            sampling, tokens, runner_output.logprobs, changed, self.stats, now
+        )
         if finished:
             gone = {id(r) for r in finished}
             self.running[:] = [r for r in self.running if id(r) not in gone]
             for request in finished:
                 self.free_request(request, now)
-        for group in ready:
+        for group in ready:  # a beam search's choice, between steps
             self.beams.step(group, changed, now)
         return changed
-
-    def _sampled_tokens(
-        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
-    ) -> tuple[list[Request], list[int]]:
-        """The last step's sampling requests and their tokens, in scheduling order (checked:
-        see :meth:`update_from_output`)."""
-        scheduled = self._scheduled_requests
-        if len(scheduled) != scheduler_output.num_reqs:
-            raise InvalidRequestError("update_from_output needs the output of the last schedule()")
-        sampling = [r for r in scheduled if r.num_computed_tokens >= r.num_tokens]
-        by_id = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True))
-        missing = [r.request_id for r in sampling if r.request_id not in by_id]
-        if missing or len(by_id) != len(sampling):
-            raise InvalidRequestError(
-                f"the sampled tokens are for requests {sorted(by_id)}, the sampling requests "
-                f"are {sorted(r.request_id for r in sampling)}"
-            )
-        return sampling, [by_id[r.request_id] for r in sampling]
-
-    @staticmethod
-    def _constrained_stop(request: Request, token_id: int) -> bool:
-        """The stop check of a request with a structured-output constraint (its token just
-        appended): True when the token finished it (a stop condition, the constraint complete,
-        or a token the constraint refuses)."""
-        constraint = request.structured_output
-        if not constraint.accept(token_id):
-            # Only when every token was masked (min_tokens hid the end the constraint
-            # needed): the output cannot go on under the constraint.
-            request.status = RequestStatus.FINISHED_ERROR
-            request.error = (
-                f"request {request.request_id!r}: token {token_id} breaks its "
-                "structured_outputs constraint (no allowed token was left: min_tokens or "
-                "stop settings may exclude the constraint's end)"
-            )
-            return True
-        if request.check_stop(token_id):
-            return True
-        if constraint.is_terminated():
-            request.status = RequestStatus.FINISHED_STOPPED  # the constraint is complete
-            return True
-        return False
 
     # ------------------------------------------------------------------ preemption, rejection
 

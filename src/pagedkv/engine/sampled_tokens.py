@@ -1,0 +1,105 @@
+"""What a step's sampled tokens do to their requests (the body of ``update_from_output``).
+
+A request samples when the step computed every token it has. Its token is appended and its stop
+conditions checked (end-of-sequence, stop token ids, max_tokens: ``Request.check_stop``; a
+structured-output constraint first accepts the token, and ends the request once complete); a
+beam samples no token itself: its top candidates go to its beam search, which chooses once every
+live beam has reported. Finished requests are freed by the scheduler afterwards.
+"""
+
+from __future__ import annotations
+
+from pagedkv.engine.beam_search import BeamSearchGroup
+from pagedkv.engine.request import Request, RequestStatus
+from pagedkv.engine.stats import SchedulerStats
+from pagedkv.errors import InvalidRequestError
+from pagedkv.worker.outputs import LogprobsLists, ModelRunnerOutput
+from pagedkv.worker.scheduler_output import SchedulerOutput
+
+
+def match_sampled_tokens(
+    scheduled: list[Request], scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+) -> tuple[list[Request], list[int]]:
+    """The sampling requests of the last step (``scheduled``, in scheduling order) and their
+    tokens from ``runner_output``.
+
+    Raises:
+        InvalidRequestError: ``scheduler_output`` is not the last step's, or the sampled tokens
+            do not match the sampling requests (their number, or a request id that did not
+            sample).
+    """
+    if len(scheduled) != scheduler_output.num_reqs:
+        raise InvalidRequestError("update_from_output needs the output of the last schedule()")
+    sampling = [r for r in scheduled if r.num_computed_tokens >= r.num_tokens]
+    by_id = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True))
+    missing = [r.request_id for r in sampling if r.request_id not in by_id]
+    if missing or len(by_id) != len(sampling):
+        raise InvalidRequestError(
+            f"the sampled tokens are for requests {sorted(by_id)}, the sampling requests "
+            f"are {sorted(r.request_id for r in sampling)}"
+        )
+    return sampling, [by_id[r.request_id] for r in sampling]
+
+
+def append_sampled_tokens(
+    sampling: list[Request],
+    tokens: list[int],
+    logprobs: dict[str, LogprobsLists],
+    changed: list[Request],
+    stats: SchedulerStats,
+    now: float,
+) -> tuple[list[Request], list[BeamSearchGroup]]:
+    """Give each sampling request its token (appended to ``changed`` in order), or its beam
+    search its candidates (``logprobs`` rows). Returns ``(finished, ready)``: the requests
+    the token finished, and the beam searches whose every live beam has now reported."""
+    finished: list[Request] = []
+    ready: list[BeamSearchGroup] = []
+    num_generated = 0
+    for request, token_id in zip(sampling, tokens, strict=True):
+        if request.is_finished:  # aborted between schedule() and now
+            continue
+        group = request.beam_group
+        if group is not None:  # a beam: its candidates go to its group, no token yet
+            row = logprobs[request.request_id]
+            if group.report(request, row.token_ids[0][1:], row.logprobs[0][1:]):
+                ready.append(group)
+            continue
+        request.append_output_token_ids(token_id)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        num_generated += 1
+        changed.append(request)
+        if (
+            request.check_stop(token_id)
+            if request.structured_output is None
+            else constrained_stop(request, token_id)
+        ):
+            finished.append(request)
+    stats.num_generation_tokens += num_generated
+    return finished, ready
+
+
+def constrained_stop(request: Request, token_id: int) -> bool:
+    """The stop check of a request with a structured-output constraint (its token just
+    appended): True when the token finished it (a stop condition, the constraint complete, or a
+    token the constraint refuses)."""
+    constraint = request.structured_output
+    if not constraint.accept(token_id):
+        # Only when every token was masked (min_tokens hid the end the constraint needed): the
+        # output cannot go on under the constraint.
+        request.status = RequestStatus.FINISHED_ERROR
+        request.error = (
+            f"request {request.request_id!r}: token {token_id} breaks its structured_outputs "
+            "constraint (no allowed token was left: min_tokens or stop settings may exclude the "
+            "constraint's end)"
+        )
+        return True
+    if request.check_stop(token_id):
+        return True
+    if constraint.is_terminated():
+        request.status = RequestStatus.FINISHED_STOPPED  # the constraint is complete
+        return True
+    return False
+
+
+__all__ = ["append_sampled_tokens", "constrained_stop", "match_sampled_tokens"]
