@@ -243,52 +243,6 @@ class KVCacheManager:
             return self.empty_kv_cache_blocks, 0
         return KVCacheBlocks(blocks), num_hit_tokens
 
-    def _find_tier_hit(
-        self, request: KVCacheRequest, num_hit_tokens: int, max_length: int
-    ) -> tuple[BlockHash, ...]:
-        """The block hashes right after a pool hit of ``num_hit_tokens`` that the tier holds
-        in every KV cache group (a run: it stops at the first block some group lacks), within
-        ``max_length`` tokens. Looks only: nothing changes."""
-        block_size = self.block_size
-        hashes = request.block_hashes
-        end = min(max_length // block_size, len(hashes))
-        entries = self.offloader
-        num_groups = self.num_kv_cache_groups
-        i = num_hit_tokens // block_size
-        start = i
-        while i < end:
-            block_hash = hashes[i]
-            if any(tier_key(g, block_hash) not in entries for g in range(num_groups)):
-                break
-            i += 1
-        return tuple(hashes[start:i])
-
-    def _page_out(self, block: KVCacheBlock) -> None:
-        """The pool's evict hook: page a cached block out to the tier (once per key)."""
-        group = block.cache_group_id
-        self.offloader.store(group, tier_key(group, block.block_hash), block.block_id)
-
-    def take_tier_ops(self) -> KVTierOps | None:
-        """The KV tier's instructions since the last call (stores of blocks the pool evicted,
-        loads of tier hits, drops), or ``None`` (none, or no tier). Take them once per step,
-        after the step's ``allocate_slots`` calls, and send them with the step: the workers
-        copy the stored blocks out before the step's KV writes and load before its forward."""
-        if self.offloader is None:
-            return None
-        return self.offloader.take_ops()
-
-    def discard_tier_entries(self, keys: Iterable[str], failed_load: bool = True) -> None:
-        """Forget tier entries whose load failed (their request recomputes) or whose store
-        the workers dropped (``failed_load=False``); no-op without a tier."""
-        if self.offloader is not None:
-            self.offloader.discard(keys, failed_load)
-
-    def finish_tier_loads(self, request_id: str) -> None:
-        """The workers reported ``request_id``'s tier loads done (good or failed): the entries
-        they read may be evicted again. No-op without a tier or loads."""
-        if self.offloader is not None:
-            self.offloader.finish_loads(request_id)
-
     def allocate_slots(
         self,
         request: KVCacheRequest,
@@ -444,78 +398,6 @@ class KVCacheManager:
         no-op. Its cached blocks stay hit-able until reused. Only the request's own references
         go: blocks it shares with a forked sibling stay held by the sibling."""
         self.coordinator.free(request.request_id)
-
-    def swap_out(self, request: KVCacheRequest) -> int:
-        """Page ``request``'s cached full blocks out to the KV tier now (preemption by swap:
-        its resumption then finds them in the pool or the tier); keys the tier holds are only
-        refreshed. Call it before :meth:`free`.
-
-        Returns:
-            Blocks newly stored (0 without a tier).
-        """
-        offloader = self.offloader
-        if offloader is None:
-            return 0
-        num_stored = 0
-        for blocks in self.coordinator.get_blocks(request.request_id):
-            for block in blocks:
-                if block.block_hash is not None:
-                    group = block.cache_group_id
-                    key = tier_key(group, block.block_hash)
-                    num_stored += offloader.store(group, key, block.block_id)
-        return num_stored
-
-    def page_out_cached(self) -> int:
-        """Page every block the prefix cache holds out to the KV tier (keys it holds are only
-        refreshed): before a persistent tier's process ends, so a restart finds them too.
-
-        Returns:
-            Blocks newly stored (0 without a tier; stores beyond its free room are skipped
-            once every entry is one of this call's).
-        """
-        offloader = self.offloader
-        if offloader is None:
-            return 0
-        num_stored = 0
-        for group, cached in enumerate(self.block_pool.cached_block_hash_to_block):
-            for block_hash, block in cached.items():
-                num_stored += offloader.store(group, tier_key(group, block_hash), block.block_id)
-        return num_stored
-
-    def _check_tier_hit(
-        self,
-        request: KVCacheRequest,
-        new_computed_blocks: KVCacheBlocks,
-        num_new_computed_tokens: int,
-    ) -> None:
-        """The checks of ``allocate_slots`` on a hit with tier blocks."""
-        tier_hashes = new_computed_blocks.tier_hashes
-        if self.offloader is None:
-            raise InvalidRequestError("tier hit blocks given to a manager without a KV tier")
-        num_pool = len(new_computed_blocks.blocks[0]) if new_computed_blocks.blocks else 0
-        num_hit = num_pool + len(tier_hashes)
-        if num_new_computed_tokens != num_hit * self.block_size:
-            raise InvalidRequestError(
-                f"num_new_computed_tokens={num_new_computed_tokens} != {num_hit} hit blocks "
-                f"x block_size {self.block_size}"
-            )
-        if tuple(request.block_hashes[num_pool:num_hit]) != tuple(tier_hashes):
-            raise InvalidRequestError(
-                f"the tier hit of request {request.request_id!r} is not its own; use this "
-                "request's get_computed_blocks result"
-            )
-        if any(self.coordinator.get_blocks(request.request_id)):
-            raise CacheStateError(
-                f"request {request.request_id!r} already holds blocks; prefix hits are for new "
-                "requests"
-            )
-        for g in range(self.num_kv_cache_groups):
-            for block_hash in tier_hashes:
-                if tier_key(g, block_hash) not in self.offloader:
-                    raise CacheStateError(
-                        f"a tier hit of request {request.request_id!r} left the tier after "
-                        "get_computed_blocks; look the hits up again"
-                    )
 
     # ---- fork and copy-on-write --------------------------------------------------------------
 
@@ -673,27 +555,152 @@ class KVCacheManager:
         ``"DISK"``; a tier ``BlockStored`` carries no token ids: the pool's event for the same
         hash had them)."""
         events = self.block_pool.take_events()
+        if self.offloader is not None:
+            events.extend(self._tier_events())
+        return events
+
+    # ---- the KV tier (pagedkv.core.offload): hits, page-outs, loads, events ------------------
+
+    def _find_tier_hit(
+        self, request: KVCacheRequest, num_hit_tokens: int, max_length: int
+    ) -> tuple[BlockHash, ...]:
+        """The block hashes right after a pool hit of ``num_hit_tokens`` that the tier holds
+        in every KV cache group (a run: it stops at the first block some group lacks), within
+        ``max_length`` tokens. Looks only: nothing changes."""
+        block_size = self.block_size
+        hashes = request.block_hashes
+        end = min(max_length // block_size, len(hashes))
+        entries = self.offloader
+        num_groups = self.num_kv_cache_groups
+        i = num_hit_tokens // block_size
+        start = i
+        while i < end:
+            block_hash = hashes[i]
+            if any(tier_key(g, block_hash) not in entries for g in range(num_groups)):
+                break
+            i += 1
+        return tuple(hashes[start:i])
+
+    def _page_out(self, block: KVCacheBlock) -> None:
+        """The pool's evict hook: page a cached block out to the tier (once per key)."""
+        group = block.cache_group_id
+        self.offloader.store(group, tier_key(group, block.block_hash), block.block_id)
+
+    def take_tier_ops(self) -> KVTierOps | None:
+        """The KV tier's instructions since the last call (stores of blocks the pool evicted,
+        loads of tier hits, drops), or ``None`` (none, or no tier). Take them once per step,
+        after the step's ``allocate_slots`` calls, and send them with the step: the workers
+        copy the stored blocks out before the step's KV writes and load before its forward."""
+        if self.offloader is None:
+            return None
+        return self.offloader.take_ops()
+
+    def discard_tier_entries(self, keys: Iterable[str], failed_load: bool = True) -> None:
+        """Forget tier entries whose load failed (their request recomputes) or whose store
+        the workers dropped (``failed_load=False``); no-op without a tier."""
+        if self.offloader is not None:
+            self.offloader.discard(keys, failed_load)
+
+    def finish_tier_loads(self, request_id: str) -> None:
+        """The workers reported ``request_id``'s tier loads done (good or failed): the entries
+        they read may be evicted again. No-op without a tier or loads."""
+        if self.offloader is not None:
+            self.offloader.finish_loads(request_id)
+
+    def swap_out(self, request: KVCacheRequest) -> int:
+        """Page ``request``'s cached full blocks out to the KV tier now (preemption by swap:
+        its resumption then finds them in the pool or the tier); keys the tier holds are only
+        refreshed. Call it before :meth:`free`.
+
+        Returns:
+            Blocks newly stored (0 without a tier).
+        """
         offloader = self.offloader
-        if offloader is not None:
-            stored, dropped = offloader.take_event_keys()
-            if stored or dropped:
-                medium = offloader.medium
-                for keys, removed in ((stored, False), (dropped, True)):
-                    for key in keys:
-                        group, _, hex_hash = key.partition("-")
-                        block_hash = BlockHash(bytes.fromhex(hex_hash))
-                        events.append(
-                            BlockRemoved((block_hash,), int(group), medium)
-                            if removed
-                            else BlockStored(
-                                (block_hash,),
-                                None,
-                                (),
-                                self.block_size,
-                                kv_cache_group_id=int(group),
-                                medium=medium,
-                            )
-                        )
+        if offloader is None:
+            return 0
+        num_stored = 0
+        for blocks in self.coordinator.get_blocks(request.request_id):
+            for block in blocks:
+                if block.block_hash is not None:
+                    group = block.cache_group_id
+                    key = tier_key(group, block.block_hash)
+                    num_stored += offloader.store(group, key, block.block_id)
+        return num_stored
+
+    def page_out_cached(self) -> int:
+        """Page every block the prefix cache holds out to the KV tier (keys it holds are only
+        refreshed): before a persistent tier's process ends, so a restart finds them too.
+
+        Returns:
+            Blocks newly stored (0 without a tier; stores beyond its free room are skipped
+            once every entry is one of this call's).
+        """
+        offloader = self.offloader
+        if offloader is None:
+            return 0
+        num_stored = 0
+        for group, cached in enumerate(self.block_pool.cached_block_hash_to_block):
+            for block_hash, block in cached.items():
+                num_stored += offloader.store(group, tier_key(group, block_hash), block.block_id)
+        return num_stored
+
+    def _check_tier_hit(
+        self,
+        request: KVCacheRequest,
+        new_computed_blocks: KVCacheBlocks,
+        num_new_computed_tokens: int,
+    ) -> None:
+        """The checks of ``allocate_slots`` on a hit with tier blocks."""
+        tier_hashes = new_computed_blocks.tier_hashes
+        if self.offloader is None:
+            raise InvalidRequestError("tier hit blocks given to a manager without a KV tier")
+        num_pool = len(new_computed_blocks.blocks[0]) if new_computed_blocks.blocks else 0
+        num_hit = num_pool + len(tier_hashes)
+        if num_new_computed_tokens != num_hit * self.block_size:
+            raise InvalidRequestError(
+                f"num_new_computed_tokens={num_new_computed_tokens} != {num_hit} hit blocks "
+                f"x block_size {self.block_size}"
+            )
+        if tuple(request.block_hashes[num_pool:num_hit]) != tuple(tier_hashes):
+            raise InvalidRequestError(
+                f"the tier hit of request {request.request_id!r} is not its own; use this "
+                "request's get_computed_blocks result"
+            )
+        if any(self.coordinator.get_blocks(request.request_id)):
+            raise CacheStateError(
+                f"request {request.request_id!r} already holds blocks; prefix hits are for new "
+                "requests"
+            )
+        for g in range(self.num_kv_cache_groups):
+            for block_hash in tier_hashes:
+                if tier_key(g, block_hash) not in self.offloader:
+                    raise CacheStateError(
+                        f"a tier hit of request {request.request_id!r} left the tier after "
+                        "get_computed_blocks; look the hits up again"
+                    )
+
+    def _tier_events(self) -> list[KVCacheEvent]:
+        """The tier's stores and drops since the last call, as KV cache events."""
+        offloader = self.offloader
+        stored, dropped = offloader.take_event_keys()
+        events: list[KVCacheEvent] = []
+        medium = offloader.medium
+        for keys, removed in ((stored, False), (dropped, True)):
+            for key in keys:
+                group, _, hex_hash = key.partition("-")
+                block_hash = BlockHash(bytes.fromhex(hex_hash))
+                events.append(
+                    BlockRemoved((block_hash,), int(group), medium)
+                    if removed
+                    else BlockStored(
+                        (block_hash,),
+                        None,
+                        (),
+                        self.block_size,
+                        kv_cache_group_id=int(group),
+                        medium=medium,
+                    )
+                )
         return events
 
 
