@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from pagedkv.units import parse_memory_size
 from pagedkv.validation import positive_int_arg
 
 
@@ -116,7 +117,6 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     from pagedkv.plan.planner import plan_capacity
-    from pagedkv.units import parse_memory_size
 
     def size(text: str | None) -> int | None:
         return None if text is None else parse_memory_size(text)

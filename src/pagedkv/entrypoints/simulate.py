@@ -22,6 +22,10 @@ import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from pagedkv.errors import ConfigError
+from pagedkv.units import parse_memory_size
+from pagedkv.validation import check_int
+
 #: Pool size when neither --num-blocks nor --kv-cache-memory is given (nor set by the workload).
 DEFAULT_NUM_BLOCKS = 1024
 _SETTINGS_DEFAULTS = {
@@ -212,8 +216,6 @@ def layer_specs(args: argparse.Namespace, block_size: int) -> list:
         ConfigError: --model together with the shape flags, an unknown model, bad values.
     """
     from pagedkv.core.spec import FullAttentionSpec, unify_kv_cache_specs
-    from pagedkv.errors import ConfigError
-    from pagedkv.validation import check_int
 
     shape_flags = [name for name in _SHAPE_DEFAULTS if getattr(args, name) is not None]
     if args.model is not None:
@@ -251,7 +253,6 @@ def build(args: argparse.Namespace):
 
     Returns (workload, trace_issues, config, policies).
     """
-    from pagedkv.errors import ConfigError
     from pagedkv.sim.simulator import DEFAULT_KV_OFFLOADING_BANDWIDTH, SimConfig
     from pagedkv.sim.trace import read_trace
     from pagedkv.sim.workloads import make_workload, with_samples
@@ -330,8 +331,6 @@ def build(args: argparse.Namespace):
     if args.num_blocks is not None:
         num_blocks = args.num_blocks
     elif args.kv_cache_memory is not None:
-        from pagedkv.units import parse_memory_size
-
         num_blocks = KVCacheConfig.from_kv_cache_memory(
             specs,
             parse_memory_size(args.kv_cache_memory),
@@ -344,8 +343,6 @@ def build(args: argparse.Namespace):
     bytes_per_block = KVCacheConfig.from_num_blocks(specs, 2).bytes_per_block
     bandwidth = DEFAULT_KV_OFFLOADING_BANDWIDTH[args.kv_offloading_backend or "cpu"]
     if args.kv_offloading_size is not None:
-        from pagedkv.units import parse_memory_size
-
         if args.kv_offloading_bandwidth is not None:
             bandwidth = parse_memory_size(args.kv_offloading_bandwidth)
             if bandwidth < 1:
@@ -391,7 +388,6 @@ def run(args: argparse.Namespace) -> int:
     """Run `pagedkv simulate`."""
     from tqdm import tqdm
 
-    from pagedkv.errors import ConfigError
     from pagedkv.sim.simulator import (
         fork_saving_lines,
         simulate,
@@ -580,7 +576,6 @@ def run_cluster(args: argparse.Namespace, workload, config) -> int:
     """``--num-replicas N``: the trace over N replicas (each its own pool), once per router."""
     from tqdm import tqdm
 
-    from pagedkv.errors import ConfigError
     from pagedkv.sim.cluster import ROUTERS, simulate_cluster
 
     if args.out:
