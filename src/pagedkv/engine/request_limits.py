@@ -1,4 +1,5 @@
-"""What one request may ask of a scheduler: the rules ``Scheduler.add_request`` refuses by.
+"""The scheduler's options and limits, and what one request may ask of them
+(``Scheduler.add_request``).
 
 A request that can never be served is refused when it is queued, not after it waited: an empty
 prompt, an unresolved ``max_tokens``, prompt + max_tokens beyond max_model_len, or more KV blocks
@@ -14,7 +15,51 @@ from collections.abc import Sequence
 
 from pagedkv.core.spec import KVCacheSpec, max_num_blocks_per_request
 from pagedkv.engine.request import Request
-from pagedkv.errors import InvalidRequestError
+from pagedkv.errors import ConfigError, InvalidRequestError
+from pagedkv.validation import check_int
+
+POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("recompute", "swap")
+ADMISSION_POLICIES = ("fcfs", "skip")
+
+
+def check_scheduler_options(
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    enable_chunked_prefill: bool,
+    policy: str,
+    admission: str,
+    preemption_mode: str,
+) -> None:
+    """Check a scheduler's limits and policies (see :class:`~pagedkv.engine.scheduler.Scheduler`).
+
+    Raises:
+        ConfigError: a value < 1, an unknown policy, admission or preemption mode, or chunked
+            prefill off with a token budget below max_model_len (a prompt, or a preempted
+            request, of max_model_len tokens must fit in one step).
+    """
+    for name, value in (
+        ("max_num_seqs", max_num_seqs),
+        ("max_num_batched_tokens", max_num_batched_tokens),
+        ("max_model_len", max_model_len),
+    ):
+        check_int(name, value, 1)
+    if policy not in POLICIES:
+        raise ConfigError(f"unknown scheduling policy {policy!r}; choose one of {POLICIES}")
+    if admission not in ADMISSION_POLICIES:
+        raise ConfigError(f"unknown admission {admission!r}; choose one of {ADMISSION_POLICIES}")
+    if preemption_mode not in PREEMPTION_MODES:
+        raise ConfigError(
+            f"unknown preemption_mode {preemption_mode!r}; choose one of {PREEMPTION_MODES}"
+        )
+    if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+        raise ConfigError(
+            f"without chunked prefill, max_num_batched_tokens ({max_num_batched_tokens}) "
+            f"must be >= max_model_len ({max_model_len}): a prompt (or a preempted request) "
+            "of max_model_len tokens must fit in one step; enable chunked prefill or raise "
+            "the budget"
+        )
 
 
 class RequestLimits:
@@ -83,4 +128,10 @@ class RequestLimits:
         return num_blocks
 
 
-__all__ = ["RequestLimits"]
+__all__ = [
+    "ADMISSION_POLICIES",
+    "POLICIES",
+    "PREEMPTION_MODES",
+    "RequestLimits",
+    "check_scheduler_options",
+]

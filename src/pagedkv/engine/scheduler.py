@@ -9,13 +9,9 @@ prefill) and shares steps with other requests' decode tokens::
     step k+1:[ req A: 1              | req B: 1              | req C: 146 (rest) -> samples ]
 
 Order within a step: running requests first (allocate_slots; when no block can be had, preempt the
-newest running request, or the lowest-priority one under policy="priority": its blocks are freed,
-num_computed_tokens = 0, and it goes back to the front of the waiting queue; its full blocks stay in
-the prefix cache, so resuming it is usually cheap), then waiting requests (get_computed_blocks for
-the prefix-cache hit, then allocate_slots) in queue order. Admission "fcfs" (the default, vLLM's)
-stops at the first request that does not fit, so big requests are not starved by small ones;
-admission "skip" tries the requests behind it (more concurrency, but a big request can wait
-forever while small ones keep coming; the simulator compares the two).
+newest running request, or the lowest-priority one under policy="priority": its blocks are freed
+and it goes back to the front of the waiting queue, its full blocks still in the prefix cache),
+then waiting requests (get_computed_blocks, then allocate_slots) in queue order.
 
 The scheduler coordinates; collaborators that each own one job and its state are called at
 named points of the step::
@@ -52,20 +48,18 @@ from pagedkv.core.interface import KVCacheInterface
 from pagedkv.engine.beam_groups import BeamSearchGroups
 from pagedkv.engine.kv_tier_loads import KVTierLoads
 from pagedkv.engine.request import Request, RequestStatus
-from pagedkv.engine.request_limits import RequestLimits
+from pagedkv.engine.request_limits import (
+    RequestLimits,
+    check_scheduler_options,
+)
 from pagedkv.engine.request_queue import FCFSQueue, PriorityQueue
 from pagedkv.engine.sample_forks import SampleForks
 from pagedkv.engine.sampled_tokens import append_sampled_tokens, match_sampled_tokens
 from pagedkv.engine.scheduled_step import ScheduledStep, build_scheduler_output
 from pagedkv.engine.stats import SchedulerStats
 from pagedkv.errors import ConfigError, InvalidRequestError
-from pagedkv.validation import check_int
 from pagedkv.worker.outputs import ModelRunnerOutput
 from pagedkv.worker.scheduler_output import SchedulerOutput
-
-POLICIES = ("fcfs", "priority")
-PREEMPTION_MODES = ("recompute", "swap")
-ADMISSION_POLICIES = ("fcfs", "skip")
 
 
 class Scheduler:
@@ -95,9 +89,8 @@ class Scheduler:
             never fail (the simulator).
 
     Raises:
-        ConfigError: a value out of range, an unknown policy or admission, or chunked prefill
-            off with a budget smaller than max_model_len (a long request could never be
-            scheduled).
+        ConfigError: :func:`~pagedkv.engine.request_limits.check_scheduler_options`, or swap
+            without a KV tier.
     """
 
     def __init__(
@@ -112,33 +105,19 @@ class Scheduler:
         preemption_mode: str = "recompute",
         wait_for_kv_loads: bool = False,
     ) -> None:
-        for name, value in (
-            ("max_num_seqs", max_num_seqs),
-            ("max_num_batched_tokens", max_num_batched_tokens),
-            ("max_model_len", max_model_len),
-        ):
-            check_int(name, value, 1)
-        if policy not in POLICIES:
-            raise ConfigError(f"unknown scheduling policy {policy!r}; choose one of {POLICIES}")
-        if admission not in ADMISSION_POLICIES:
-            raise ConfigError(
-                f"unknown admission {admission!r}; choose one of {ADMISSION_POLICIES}"
-            )
-        if preemption_mode not in PREEMPTION_MODES:
-            raise ConfigError(
-                f"unknown preemption_mode {preemption_mode!r}; choose one of {PREEMPTION_MODES}"
-            )
+        check_scheduler_options(
+            max_num_seqs,
+            max_num_batched_tokens,
+            max_model_len,
+            enable_chunked_prefill,
+            policy,
+            admission,
+            preemption_mode,
+        )
         if preemption_mode == "swap" and not kv_cache_manager.has_kv_tier:
             raise ConfigError(
                 "preemption_mode='swap' pages blocks out to the KV tier: set "
                 "kv_offloading_size (and kv_offloading_backend)"
-            )
-        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
-            raise ConfigError(
-                f"without chunked prefill, max_num_batched_tokens ({max_num_batched_tokens}) "
-                f"must be >= max_model_len ({max_model_len}): a prompt (or a preempted request) "
-                "of max_model_len tokens must fit in one step; enable chunked prefill or raise "
-                "the budget"
             )
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs

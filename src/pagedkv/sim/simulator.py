@@ -61,7 +61,8 @@ from pagedkv.core.manager import KVCacheManager
 from pagedkv.core.offload import TierStore
 from pagedkv.core.spec import KVCacheSpec, cdiv
 from pagedkv.engine.request import RequestStatus
-from pagedkv.engine.scheduler import ADMISSION_POLICIES, Scheduler
+from pagedkv.engine.request_limits import ADMISSION_POLICIES
+from pagedkv.engine.scheduler import Scheduler
 from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.sim.arrivals import ArrivalClock
 from pagedkv.sim.blockmap import BlockMap, BlockMapRecorder
