@@ -15,12 +15,12 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BeforeValidator, Field
 
 from pagedkv.sampling_params import INT64_MAX
+from pagedkv.validation import SEED_MAX as SEED_MAX  # the seed range: one home
+from pagedkv.validation import utf8_error
 
 #: Most samples one request may ask for (``n``); each sample is a sequence in the engine.
 MAX_N = 128
 INT64_MIN = -(2**63)
-#: torch.Generator takes seeds in [-2**63, 2**64).
-SEED_MAX = 2**64 - 1
 
 
 def valid_unicode(value: str) -> str:
@@ -29,13 +29,12 @@ def valid_unicode(value: str) -> str:
     Raises:
         ValueError: a lone surrogate (pydantic makes it a 400 naming the field).
     """
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
+    error = utf8_error(value)
+    if error is not None:
         raise ValueError(
-            f"not valid Unicode text: {e.reason} at index {e.start} (a lone surrogate such as "
-            "\\ud800 cannot be tokenized)"
-        ) from None
+            f"not valid Unicode text: {error} (a lone surrogate such as \\ud800 cannot be "
+            "tokenized)"
+        )
     return value
 
 
