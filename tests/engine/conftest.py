@@ -4,6 +4,7 @@ and Hugging Face's, comes from tests/conftest.py)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 #: The attention backends that run on a CPU (tests/ops runs every backend's kernels; the engine
 #: tests run the engine end to end with each of these).
@@ -79,3 +80,28 @@ def attention_backend(request) -> str:
     if reason is not None:
         pytest.skip(f"{request.param}: {reason}")
     return request.param
+
+
+#: Greedy tokens per prompt of the engine-vs-transformers tests.
+HF_MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="session")
+def hf_outputs(hf_model, chat_prompt_ids, loaded_fp32):
+    """Transformers' greedy continuations (HF_MAX_TOKENS) of CHAT_PROMPTS, one prompt at a
+    time (no padding), cut after the first EOS."""
+    eos = set(loaded_fp32.config.eos_token_ids) | set(loaded_fp32.tokenizer.eos_token_ids)
+    outputs = []
+    with torch.inference_mode():
+        for ids in chat_prompt_ids:
+            input_ids = torch.tensor([ids])
+            generated = hf_model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=HF_MAX_TOKENS,
+                do_sample=False,
+                pad_token_id=0,
+            )[0, len(ids) :].tolist()
+            cut = next((i + 1 for i, t in enumerate(generated) if t in eos), len(generated))
+            outputs.append(generated[:cut])
+    return outputs

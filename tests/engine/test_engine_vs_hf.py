@@ -21,29 +21,6 @@ MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 
 
-@pytest.fixture(scope="module")
-def hf_outputs(hf_model, chat_prompt_ids, loaded_fp32):
-    """HF greedy continuations, one prompt at a time (no padding), cut after the first EOS."""
-    eos = set(loaded_fp32.config.eos_token_ids) | set(loaded_fp32.tokenizer.eos_token_ids)
-    outputs = []
-    with torch.inference_mode():
-        for ids in chat_prompt_ids:
-            input_ids = torch.tensor([ids])
-            generated = hf_model.generate(
-                input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                pad_token_id=0,
-            )[0, len(ids) :].tolist()
-            for i, token_id in enumerate(generated):
-                if token_id in eos:
-                    generated = generated[: i + 1]
-                    break
-            outputs.append(generated)
-    return outputs
-
-
 def block_size_of(attention_backend: str, loaded_fp32) -> int:
     """The block size the engine runs ``attention_backend`` with by default."""
     head_size = loaded_fp32.config.head_dim

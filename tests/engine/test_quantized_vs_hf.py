@@ -43,28 +43,8 @@ def loaded_gguf(gguf_path):
     return loaded
 
 
-@pytest.fixture(scope="module")
-def hf_greedy(hf_model, chat_prompt_ids, loaded_fp32):
-    """HF's greedy continuations, one prompt at a time, cut after the first EOS."""
-    eos = set(loaded_fp32.config.eos_token_ids) | set(loaded_fp32.tokenizer.eos_token_ids)
-    outputs = []
-    with torch.inference_mode():
-        for ids in chat_prompt_ids:
-            input_ids = torch.tensor([ids])
-            generated = hf_model.generate(
-                input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                pad_token_id=0,
-            )[0, len(ids) :].tolist()
-            cut = next((i + 1 for i, t in enumerate(generated) if t in eos), len(generated))
-            outputs.append(generated[:cut])
-    return outputs
-
-
 def test_gguf_weights_follow_the_float32_reference(
-    attention_backend, loaded_gguf, chat_prompt_ids, hf_greedy
+    attention_backend, loaded_gguf, chat_prompt_ids, hf_outputs
 ):
     llm = LLM(
         loaded_model=loaded_gguf,
@@ -75,6 +55,6 @@ def test_gguf_weights_follow_the_float32_reference(
     )
     outputs = llm.generate(chat_prompt_ids, GREEDY, use_tqdm=False)
     tokens = [o.token_ids for o in outputs]
-    assert [t[0] for t in tokens] == [t[0] for t in hf_greedy]
-    num_equal = sum(t == r for t, r in zip(tokens, hf_greedy, strict=True))
-    assert num_equal >= MIN_EQUAL_PROMPTS, (num_equal, tokens, hf_greedy)
+    assert [t[0] for t in tokens] == [t[0] for t in hf_outputs]
+    num_equal = sum(t == r for t, r in zip(tokens, hf_outputs, strict=True))
+    assert num_equal >= MIN_EQUAL_PROMPTS, (num_equal, tokens, hf_outputs)
