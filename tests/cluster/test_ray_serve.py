@@ -44,7 +44,14 @@ def cluster():
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,
-        runtime_env={"env_vars": {"RAY_SERVE_LOG_TO_STDERR": "0"}},
+        # Serve's proxy gets 5 s to report ready, 3 times; on a busy 2-core machine it can
+        # take longer to start, and Serve then kills it: give it a minute.
+        runtime_env={
+            "env_vars": {
+                "RAY_SERVE_LOG_TO_STDERR": "0",
+                "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+            }
+        },
     )
     try:
         url = ray_serve.start_cluster(

@@ -43,6 +43,7 @@ import dataclasses
 import functools
 import ipaddress
 import logging
+import os
 import secrets
 import socket
 import time
@@ -614,8 +615,15 @@ def init_ray(ray_address: str | None = None) -> bool:
         include_dashboard=False,
         logging_level=logging.WARNING,
         log_to_driver=False,
+        runtime_env={"env_vars": {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": _PROXY_READY_S}},
     )
     return True
+
+
+#: How long Serve's HTTP proxy may take to report ready (Ray's default 5 s, three tries, then it
+#: kills the proxy; on a busy 2-core machine a proxy took about 17 s to start). The user's own
+#: RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S wins.
+_PROXY_READY_S = os.environ.get("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
 
 
 def _check_events_reachable(kv_events_host: str | None, policy: str) -> None:
