@@ -615,15 +615,15 @@ def init_ray(ray_address: str | None = None) -> bool:
         include_dashboard=False,
         logging_level=logging.WARNING,
         log_to_driver=False,
-        runtime_env={"env_vars": {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": _PROXY_READY_S}},
+        runtime_env={"env_vars": {_PROXY_READY_VAR: os.environ.get(_PROXY_READY_VAR, "60")}},
     )
     return True
 
 
-#: How long Serve's HTTP proxy may take to report ready (Ray's default 5 s, three tries, then it
-#: kills the proxy; on a busy 2-core machine a proxy took about 17 s to start). The user's own
-#: RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S wins.
-_PROXY_READY_S = os.environ.get("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+#: Serve's setting of how long its HTTP proxy may take to report ready: Ray's default is 5 s,
+#: three tries, then it kills the proxy; on a busy 2-core machine a proxy took about 17 s to
+#: start, so a local Ray gets 60 s unless the user set it.
+_PROXY_READY_VAR = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"
 
 
 def _check_events_reachable(kv_events_host: str | None, policy: str) -> None:
