@@ -257,7 +257,7 @@ def _real_generate(loaded, **options):
         [{"role": "user", "content": "What is the capital of France?"}]
     )
     params = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=0)
-    llm = LLM(dtype="float32", loaded_model=loaded, num_blocks=16, max_model_len=256, **options)
+    llm = LLM(dtype="float32", loaded_model=loaded, num_blocks=32, max_model_len=256, **options)
     (out,) = llm.generate([prompt], params, use_tqdm=False)
     lps = [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)]
     return out.outputs[0].token_ids, torch.tensor(lps)
