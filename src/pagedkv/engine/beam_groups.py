@@ -80,9 +80,9 @@ class BeamSearchGroups:
             group = request.beam_group
         return group
 
-    def seats(self) -> tuple[int, int]:
-        """``(reserved, waiting)``: seats held for beams not running by the searches that have
-        a running beam, and how many of their beams wait for one."""
+    def seats(self) -> BeamSeats:
+        """The seats the searches with a running beam hold for their beams not running, and how
+        many of their beams wait for one (counted for one admission pass)."""
         reserved = waiting = 0
         for group in self.groups.values():
             beams = group.beams
@@ -90,7 +90,7 @@ class BeamSearchGroups:
             if num_running:
                 reserved += group.beam_width - num_running
                 waiting += len(beams) - num_running
-        return reserved, waiting
+        return BeamSeats(reserved, waiting)
 
     @staticmethod
     def seats_needed(request: Request) -> int:
@@ -209,4 +209,43 @@ class BeamSearchGroups:
             self._scheduler.waiting.remove(beam)
 
 
-__all__ = ["BeamSearchGroups"]
+class BeamSeats:
+    """Seats held for beams during one admission pass: a running search keeps ``beam_width``
+    seats, so its queued beams get in even when the batch is full, and newcomers do not take
+    the seats its beams will need.
+
+    Attributes:
+        reserved: seats held by searches with a running beam for their beams not running.
+        waiting: how many of those beams are queued.
+    """
+
+    __slots__ = ("reserved", "waiting")
+
+    def __init__(self, reserved: int, waiting: int) -> None:
+        self.reserved = reserved
+        self.waiting = waiting
+
+    def room(self, num_busy: int, max_num_seqs: int) -> bool:
+        """Whether a queued request may be tried: a free seat, or a queued beam with a seat."""
+        return num_busy + self.reserved < max_num_seqs or self.waiting > 0
+
+    def fits(self, num_busy: int, seats: int, max_num_seqs: int) -> bool:
+        """Whether ``seats`` more seats fit next to ``num_busy`` running or loading requests."""
+        return num_busy + self.reserved + seats <= max_num_seqs
+
+    def admitted(self, request: Request, seats: int) -> None:
+        """Count ``request`` in, which took ``seats`` (:meth:`BeamSearchGroups.seats_needed`):
+        a search's first running beam reserves the seats of the others (all queued); a later
+        beam takes one of its reserved seats."""
+        group = request.beam_group
+        if group is None:
+            return
+        if seats:
+            self.reserved += seats - 1
+            self.waiting += len(group.beams) - 1
+        else:
+            self.reserved -= 1
+            self.waiting -= 1
+
+
+__all__ = ["BeamSearchGroups", "BeamSeats"]

@@ -105,7 +105,7 @@ class SampleForks:
                 parent.fork_children = children
                 continue
             at = running.index(parent) + 1
-            max_running = scheduler.max_num_seqs - scheduler.beams.seats()[0]
+            max_running = scheduler.max_num_seqs - scheduler.beams.seats().reserved
             for child in children:
                 scheduler.requests[child.request_id] = child
                 child.num_computed_tokens = parent.fork_at

@@ -28,9 +28,10 @@ named points of the step::
 
 (:mod:`~pagedkv.engine.sample_forks`, :mod:`~pagedkv.engine.kv_tier_loads`,
 :mod:`~pagedkv.engine.beam_groups`, :mod:`~pagedkv.engine.scheduled_step`,
-:mod:`~pagedkv.engine.sampled_tokens`). A collaborator
-shares the scheduler's queues (``running``, ``waiting``, ``requests``), its KV cache (any
-:class:`~pagedkv.core.interface.KVCacheInterface`) and its counters, and owns its own state.
+:mod:`~pagedkv.engine.sampled_tokens`; requests that can never run:
+:mod:`~pagedkv.engine.rejections`). A collaborator shares the scheduler's queues (``running``,
+``waiting``, ``requests``), its KV cache (any :class:`~pagedkv.core.interface.KVCacheInterface`)
+and its counters, and owns its own state.
 
 The scheduler is torch-free and model-independent: anything that turns a :class:`SchedulerOutput`
 into a :class:`ModelRunnerOutput` (one sampled token per sampling request) can drive it (the
@@ -47,11 +48,9 @@ from pagedkv.config import SchedulerConfig
 from pagedkv.core.interface import KVCacheInterface
 from pagedkv.engine.beam_groups import BeamSearchGroups
 from pagedkv.engine.kv_tier_loads import KVTierLoads
+from pagedkv.engine.rejections import Rejections
 from pagedkv.engine.request import Request, RequestStatus
-from pagedkv.engine.request_limits import (
-    RequestLimits,
-    check_scheduler_options,
-)
+from pagedkv.engine.request_limits import RequestLimits, check_scheduler_options
 from pagedkv.engine.request_queue import FCFSQueue, PriorityQueue
 from pagedkv.engine.sample_forks import SampleForks
 from pagedkv.engine.sampled_tokens import append_sampled_tokens, match_sampled_tokens
@@ -139,7 +138,7 @@ class Scheduler:
         self.beams = BeamSearchGroups(self)
         self.forks = SampleForks(self)
         self.tier_loads = KVTierLoads(self, wait_for_kv_loads)
-        self._rejected: list[Request] = []  # rejected while scheduling, not yet reported
+        self.rejections = Rejections(self)
         self._scheduled_requests: list[Request] = []  # the last schedule()'s, in order
         #: what one request may ask for (add_request's rules).
         self.limits = RequestLimits(
@@ -331,7 +330,7 @@ class Scheduler:
                 # admission order, so requests after it may be of higher priority and can still
                 # run (a step never schedules nothing while a running request could run).
                 # ``req_index`` now points at the request after it.
-                self._reject_if_never_fits(request, step)
+                self.rejections.reject_if_never_fits(request, step)
                 continue
             resumed = False
             if resume_after_load and request.request_id in resume_after_load:
@@ -351,11 +350,11 @@ class Scheduler:
         loading = self.tier_loads.loading
         skip = self.admission == "skip"
         skipped: list[Request] = []
-        reserved, reserved_waiting = self.beams.seats() if self.beams else (0, 0)
+        seats_held = self.beams.seats()
         while (
             waiting
             and token_budget > 0
-            and (len(running) + len(loading) + reserved < self.max_num_seqs or reserved_waiting)
+            and seats_held.room(len(running) + len(loading), self.max_num_seqs)
         ):
             request = waiting.peek()
             constraint = request.structured_output
@@ -366,10 +365,12 @@ class Scheduler:
                 continue
             if constraint is not None and constraint.error is not None:
                 waiting.pop()
-                self._reject(request, f"request {request.request_id!r}: {constraint.error}")
+                self.rejections.reject(
+                    request, f"request {request.request_id!r}: {constraint.error}"
+                )
                 continue
             seats = self.beams.seats_needed(request) if request.beam_group is not None else 1
-            if len(running) + len(loading) + reserved + seats > self.max_num_seqs:
+            if not seats_held.fits(len(running) + len(loading), seats, self.max_num_seqs):
                 if not skip:
                     break  # FCFS: later requests wait behind this one
                 skipped.append(waiting.pop())
@@ -394,7 +395,7 @@ class Scheduler:
                 )
             if new_blocks is None:
                 self.forks.keep(request, released)  # not admitted yet
-                if tried and self._reject_if_never_fits(request, step):
+                if tried and self.rejections.reject_if_never_fits(request, step):
                     continue
                 if not skip:
                     break  # FCFS: later requests wait behind this one
@@ -402,35 +403,18 @@ class Scheduler:
                 continue
             waiting.pop()
             self.forks.queue_released(released)
-            self._count_first_admission(request, num_computed_tokens)
+            self.stats.count_first_admission(request, num_computed_tokens)
             request.num_computed_tokens = num_computed_tokens
             if self.tier_loads.admitted(request, blocks, loads):
                 continue  # it waits for its loads (not the batch), then runs
             request.status = RequestStatus.RUNNING
             running.append(request)
-            if request.beam_group is not None:  # its search's seats: see BeamSearchGroups
-                if seats:  # its first running beam: the others (all queued) are reserved for
-                    reserved += seats - 1
-                    reserved_waiting += len(request.beam_group.beams) - 1
-                else:
-                    reserved -= 1
-                    reserved_waiting -= 1
+            seats_held.admitted(request, seats)
             # A request the workers already hold came back from preemption.
             step.add(request, num_new_tokens, None, request.num_sent_tokens > 0)
             token_budget -= num_new_tokens
         for request in reversed(skipped):  # back in front, in their order
             waiting.add_front(request)
-
-    def _count_first_admission(self, request: Request, num_computed_tokens: int) -> None:
-        """The one definition of the prefix-cache counters (docs/engine.md): each request
-        counts once, at its first admission (not a resumption), if it can hit at all."""
-        if request.num_cached_tokens >= 0:
-            return
-        request.num_cached_tokens = num_computed_tokens
-        if request.block_hasher is not None and not request.skip_reading_prefix_cache:
-            self.stats.prefix_cache_queries += request.num_prompt_tokens
-            self.stats.prefix_cache_hits += num_computed_tokens
-        self.stats.num_prompt_tokens += request.num_prompt_tokens
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -458,8 +442,7 @@ class Scheduler:
         self.beams.check_rows(sampling, runner_output.logprobs)
         self._scheduled_requests = []
         self.tier_loads.update(runner_output)
-        changed: list[Request] = self._rejected
-        self._rejected = []
+        changed: list[Request] = self.rejections.take()
         now = time.monotonic()
         finished, ready = append_sampled_tokens(
             sampling, tokens, runner_output.logprobs, changed, self.stats, now
@@ -503,33 +486,3 @@ class Scheduler:
         request.finished_time = time.monotonic() if now is None else now
         self.requests.pop(request.request_id, None)
         self.finished_req_ids.add(request.request_id)
-
-    def _reject_if_never_fits(self, request: Request, step: ScheduledStep) -> bool:
-        """Finish ``request`` with an error if allocation failed while no other request holds
-        blocks: the whole pool was free, so it can never fit. Returns True when rejected."""
-        if self.running or step.requests or self.tier_loads:
-            return False
-        self.waiting.remove(request)
-        self._reject(
-            request,
-            f"request {request.request_id!r} needs more KV blocks for {request.num_tokens} "
-            f"tokens than the whole pool ({self.limits.num_usable_blocks} blocks) can give",
-        )
-        return True
-
-    def _reject(self, request: Request, error: str) -> None:
-        """Finish ``request`` (out of the waiting queue already) with FINISHED_ERROR and
-        ``error``, with its fork children or its whole beam search; reported by the next
-        :meth:`update_from_output`."""
-        request.status = RequestStatus.FINISHED_ERROR
-        request.error = error
-        self.stats.num_rejected += 1
-        self.free_request(request)
-        group = request.beam_group
-        if group is not None:  # its beam search ends with it (reported through its root)
-            group.root.error = request.error
-            self.beams.end(group, RequestStatus.FINISHED_ERROR)
-            self._rejected.append(group.root)
-            return
-        self._rejected.append(request)
-        self._rejected.extend(self.forks.reject(request))

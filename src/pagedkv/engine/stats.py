@@ -55,6 +55,18 @@ class SchedulerStats:
     num_kv_tier_load_failures: int = 0
     num_kv_tier_loads: int = 0
 
+    def count_first_admission(self, request, num_computed_tokens: int) -> None:
+        """The one definition of the prefix-cache counters (docs/engine.md): each request
+        (an engine ``Request``) counts once, at its first admission (not a resumption), with
+        its ``num_computed_tokens`` prefix-cache hit tokens, if it can hit at all."""
+        if request.num_cached_tokens >= 0:
+            return
+        request.num_cached_tokens = num_computed_tokens
+        if request.block_hasher is not None and not request.skip_reading_prefix_cache:
+            self.prefix_cache_queries += request.num_prompt_tokens
+            self.prefix_cache_hits += num_computed_tokens
+        self.num_prompt_tokens += request.num_prompt_tokens
+
     @property
     def prefix_cache_hit_rate(self) -> float:
         """prefix_cache_hits / prefix_cache_queries (0 when nothing was queried)."""
