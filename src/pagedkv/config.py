@@ -128,3 +128,24 @@ class PagedKVConfig:
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
+    speculative_config: SpeculativeConfig | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SpeculativeConfig:
+    """TEMPORARY stub."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+
+    @classmethod
+    def from_dict(cls, d):
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, text):
+        import json
+
+        return cls(**json.loads(text))

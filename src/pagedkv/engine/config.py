@@ -13,6 +13,7 @@ from pagedkv.config import (
     PagedKVConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from pagedkv.core.hashing import HASH_ALGOS
 from pagedkv.core.spec import KV_DTYPE_BYTES
@@ -122,6 +123,9 @@ class EngineConfig:
         kv_offloading_dir: the disk tier's directory.
         preemption_mode: ``"recompute"`` (default) or ``"swap"`` (vLLM V0's word: a preempted
             request's cached blocks page out to the tier at once; needs a tier).
+        speculative_config: speculative decoding (vLLM's ``--speculative-config``): a
+            :class:`~pagedkv.config.SpeculativeConfig`, its dict, or its JSON text (e.g.
+            ``{"method": "ngram", "num_speculative_tokens": 3}``); None: off.
 
     Raises:
         ConfigError: an unknown dtype or kv_cache_dtype, a count out of range, or a
@@ -155,8 +159,18 @@ class EngineConfig:
     kv_offloading_backend: str | None = None
     kv_offloading_dir: str | None = None
     preemption_mode: str = "recompute"
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, str):
+            self.speculative_config = SpeculativeConfig.from_json(self.speculative_config)
+        elif isinstance(self.speculative_config, dict):
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        elif not isinstance(self.speculative_config, SpeculativeConfig | None):
+            raise ConfigError(
+                "speculative_config must be a SpeculativeConfig, a dict or JSON text, got "
+                f"{type(self.speculative_config).__name__}"
+            )
         if isinstance(self.kv_cache_memory, str):
             self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
         if isinstance(self.kv_offloading_size, str):
@@ -266,6 +280,7 @@ class EngineConfig:
                 preemption_mode=self.preemption_mode,
             ),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            speculative_config=self.speculative_config,
         )
 
     @staticmethod
@@ -306,6 +321,13 @@ class EngineConfig:
             choices=QUANTIZATION_METHODS,
             help="weight-only quantized linears for decode steps of a few tokens (default: the "
             "GGUF file's own 4-bit blocks where this CPU runs them; none = dense weights only)",
+        )
+        group.add_argument(
+            "--speculative-config",
+            default=None,
+            help='speculative decoding, as JSON (vLLM\'s keys), e.g. \'{"method": "ngram", '
+            '"num_speculative_tokens": 3, "prompt_lookup_max": 4}\' or \'{"method": "suffix"}\' '
+            "(default: off)",
         )
         group.add_argument(
             "--block-size",

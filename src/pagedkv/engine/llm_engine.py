@@ -131,7 +131,9 @@ class LLMEngine:
             kv_offloading_blocks=tier_blocks,
         )
         self.kv_cache_manager = KVCacheManager.from_config(kv_cache_config, resolved.cache_config)
-        self.scheduler = Scheduler.from_config(self.kv_cache_manager, resolved.scheduler_config)
+        self.scheduler = Scheduler.from_config(
+            self.kv_cache_manager, resolved.scheduler_config, resolved.speculative_config
+        )
         #: runs the steps: one process, or tensor-parallel ranks (:mod:`pagedkv.worker.executor`).
         self.executor = create_executor(
             resolved,

@@ -81,6 +81,9 @@ class Request(KVCacheRequest):
         beam_group: the beam search this request is a beam of (None for other requests): the
             scheduler hands its sampled candidates to the group instead of appending a token
             (:mod:`pagedkv.engine.beam_search`).
+        spec_token_ids: its draft tokens for the next step (speculative decoding; vLLM's name):
+            proposed by the scheduler's :class:`~pagedkv.engine.spec_decode.drafts.
+            SpecDecodeDrafts`, never part of ``all_token_ids`` until accepted.
         structured_output: the sequence's constraint state when its sampling params have
             ``structured_outputs`` (a
             :class:`~pagedkv.engine.structured_output.StructuredOutputRequest`: its grammar
@@ -106,6 +109,7 @@ class Request(KVCacheRequest):
     fork_at: int = 0
     beam_group: BeamSearchGroup | None = field(default=None, repr=False)
     structured_output: Any = field(default=None, repr=False)
+    spec_token_ids: list[int] = field(default_factory=list, repr=False)
     _stop_token_ids: frozenset[int] = field(default=frozenset(), init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -38,6 +38,15 @@ def match_sampled_tokens(
             f"the sampled tokens are for requests {sorted(by_id)}, the sampling requests "
             f"are {sorted(r.request_id for r in sampling)}"
         )
+    accepted = runner_output.num_accepted_draft_tokens
+    if accepted or scheduler_output.scheduled_spec_decode_tokens:
+        drafted = {r.request_id: len(r.spec_token_ids) for r in sampling if r.spec_token_ids}
+        if set(accepted) != set(drafted) or any(
+            not 0 <= accepted[i] <= k for i, k in drafted.items()
+        ):
+            raise InvalidRequestError(
+                f"accepted draft counts {accepted} do not match the drafts {drafted}"
+            )
     return sampling, [by_id[r.request_id] for r in sampling]
 
 
@@ -48,10 +57,15 @@ def append_sampled_tokens(
     changed: list[Request],
     stats: SchedulerStats,
     now: float,
+    accepted_drafts: dict[str, list[int]] | None = None,
 ) -> tuple[list[Request], list[BeamSearchGroup]]:
     """Give each sampling request its token (appended to ``changed`` in order), or its beam
     search its candidates (``logprobs`` rows). Returns ``(finished, ready)``: the requests
-    the token finished, and the beam searches whose every live beam has now reported."""
+    the token finished, and the beam searches whose every live beam has now reported.
+
+    ``accepted_drafts``: request id -> its accepted draft tokens (speculative decoding), which
+    come before its sampled token; each new token is checked for a stop in order, and the
+    tokens after one that stops the request are dropped."""
     finished: list[Request] = []
     ready: list[BeamSearchGroup] = []
     num_generated = 0
@@ -64,17 +78,20 @@ def append_sampled_tokens(
             if group.report(request, row.token_ids[0][1:], row.logprobs[0][1:]):
                 ready.append(group)
             continue
-        request.append_output_token_ids(token_id)
         if request.first_token_time is None:
             request.first_token_time = now
-        num_generated += 1
         changed.append(request)
-        if (
-            request.check_stop(token_id)
-            if request.structured_output is None
-            else constrained_stop(request, token_id)
-        ):
-            finished.append(request)
+        drafts = accepted_drafts.get(request.request_id) if accepted_drafts else None
+        for token in (token_id,) if not drafts else (*drafts, token_id):
+            request.append_output_token_ids(token)
+            num_generated += 1
+            if (
+                request.check_stop(token)
+                if request.structured_output is None
+                else constrained_stop(request, token)
+            ):
+                finished.append(request)
+                break
     stats.num_generation_tokens += num_generated
     return finished, ready
 

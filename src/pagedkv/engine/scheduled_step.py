@@ -146,6 +146,8 @@ def build_scheduler_output(
             else:
                 cached.new_block_ids.append(new_blocks.get_block_ids())
             cached.num_computed_tokens.append(num_computed_tokens)
+        if request.spec_token_ids:
+            out.scheduled_spec_decode_tokens[request.request_id] = request.spec_token_ids
         request.num_sent_tokens = num_tokens
         request.num_computed_tokens = num_computed_tokens + num_scheduled_tokens[request.request_id]
         if request.first_scheduled_time is None:

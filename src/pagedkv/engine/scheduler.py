@@ -44,7 +44,7 @@ import dataclasses
 import time
 from collections.abc import Iterable
 
-from pagedkv.config import SchedulerConfig
+from pagedkv.config import SchedulerConfig, SpeculativeConfig
 from pagedkv.core.interface import KVCacheInterface
 from pagedkv.engine.beam_groups import BeamSearchGroups
 from pagedkv.engine.kv_tier_loads import KVTierLoads
@@ -55,6 +55,7 @@ from pagedkv.engine.request_queue import FCFSQueue, PriorityQueue
 from pagedkv.engine.sample_forks import SampleForks
 from pagedkv.engine.sampled_tokens import append_sampled_tokens, match_sampled_tokens
 from pagedkv.engine.scheduled_step import ScheduledStep, build_scheduler_output
+from pagedkv.engine.spec_decode.drafts import SpecDecodeDrafts
 from pagedkv.engine.stats import SchedulerStats
 from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.worker.outputs import ModelRunnerOutput
@@ -86,6 +87,8 @@ class Scheduler:
             / ``failed_kv_loads`` (the engine's, :meth:`from_config`). False: it runs in the
             step that allocates it, for a driver without workers whose loads are instant and
             never fail (the simulator).
+        speculative_config: speculative decoding (vLLM's ``--speculative-config``): decoding
+            requests get draft tokens (:mod:`~pagedkv.engine.spec_decode.drafts`); None: off.
 
     Raises:
         ConfigError: :func:`~pagedkv.engine.request_limits.check_scheduler_options`, or swap
@@ -103,6 +106,7 @@ class Scheduler:
         admission: str = "fcfs",
         preemption_mode: str = "recompute",
         wait_for_kv_loads: bool = False,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         check_scheduler_options(
             max_num_seqs,
@@ -139,6 +143,7 @@ class Scheduler:
         self.forks = SampleForks(self)
         self.tier_loads = KVTierLoads(self, wait_for_kv_loads)
         self.rejections = Rejections(self)
+        self.drafts = SpecDecodeDrafts.from_config(self, speculative_config)
         self._scheduled_requests: list[Request] = []  # the last schedule()'s, in order
         #: what one request may ask for (add_request's rules).
         self.limits = RequestLimits(
@@ -150,7 +155,10 @@ class Scheduler:
 
     @classmethod
     def from_config(
-        cls, kv_cache_manager: KVCacheInterface, scheduler_config: SchedulerConfig
+        cls,
+        kv_cache_manager: KVCacheInterface,
+        scheduler_config: SchedulerConfig,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> Scheduler:
         """The scheduler of the engine's resolved :class:`~pagedkv.config.SchedulerConfig`."""
         return cls(
@@ -162,6 +170,7 @@ class Scheduler:
             policy=scheduler_config.policy,
             preemption_mode=scheduler_config.preemption_mode,
             wait_for_kv_loads=True,
+            speculative_config=speculative_config,
         )
 
     # ------------------------------------------------------------------ requests in and out
@@ -240,6 +249,7 @@ class Scheduler:
             kv_cache_usage=kv_cache.usage,
             num_used_blocks=kv_cache.num_blocks - 1 - kv_cache.num_free_blocks,
             num_shared_blocks=kv_cache.num_shared_blocks,
+            spec_decoding=None if self.drafts is None else self.drafts.stats.copy(),
         )
 
     @property
@@ -303,6 +313,7 @@ class Scheduler:
         kv_cache = self.kv_cache_manager
         running = self.running
         resume_after_load = self.tier_loads.resume_after_load
+        drafts = self.drafts
         token_budget = self.max_num_batched_tokens
         req_index = 0
         while req_index < len(running) and token_budget > 0:
@@ -313,8 +324,13 @@ class Scheduler:
             if num_new_tokens <= 0:
                 req_index += 1
                 continue
+            if drafts is not None:
+                num_new_tokens += drafts.propose(request, token_budget - num_new_tokens)
             preempted_self = False
             while (new_blocks := kv_cache.allocate_slots(request, num_new_tokens)) is None:
+                if request.spec_token_ids:  # its drafts go before anyone is preempted
+                    num_new_tokens -= drafts.drop(request)
+                    continue
                 victim = self._pick_victim()
                 if running.index(victim) < req_index:  # only under policy="priority"
                     req_index -= 1
@@ -444,8 +460,11 @@ class Scheduler:
         self.tier_loads.update(runner_output)
         changed: list[Request] = self.rejections.take()
         now = time.monotonic()
+        accepted = None
+        if runner_output.num_accepted_draft_tokens:  # checked: roll the rejected drafts back
+            accepted = self.drafts.roll_back(sampling, runner_output.num_accepted_draft_tokens)
         finished, ready = append_sampled_tokens(
-            sampling, tokens, runner_output.logprobs, changed, self.stats, now
+            sampling, tokens, runner_output.logprobs, changed, self.stats, now, accepted
         )
         if finished:
             gone = {id(r) for r in finished}
@@ -472,6 +491,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.add_front(request)
@@ -483,6 +503,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         if request.structured_output is not None:
             request.structured_output.free()
+        if self.drafts is not None:
+            self.drafts.finished(request)
         request.finished_time = time.monotonic() if now is None else now
         self.requests.pop(request.request_id, None)
         self.finished_req_ids.add(request.request_id)

@@ -3,7 +3,44 @@ metrics and the simulator)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SpecDecodingStats:
+    """Speculative decoding's counters since start (vLLM's ``spec_decode_*`` metrics).
+
+    Attributes:
+        num_drafts: verification steps of a request with drafts.
+        num_draft_tokens: draft tokens scheduled.
+        num_accepted_tokens: draft tokens accepted.
+        num_accepted_tokens_per_pos: per draft position, how many were accepted there.
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """num_accepted_tokens / num_draft_tokens (0 when nothing was drafted)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verification step yields on average: 1 + accepted drafts per draft (vLLM's
+        "mean acceptance length"; 0 when nothing was drafted)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def copy(self) -> SpecDecodingStats:
+        """A snapshot (later steps do not change it)."""
+        return SpecDecodingStats(
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            list(self.num_accepted_tokens_per_pos),
+        )
 
 
 @dataclass(slots=True)
@@ -35,6 +72,7 @@ class SchedulerStats:
             failed (a missing, truncated or corrupt entry).
         num_kv_tier_loads: admissions that waited for KV tier loads (WAITING_FOR_REMOTE_KVS)
             before running.
+        spec_decoding: speculative decoding's counters, or None when it is off.
     """
 
     num_running: int = 0
@@ -54,6 +92,7 @@ class SchedulerStats:
     num_shared_blocks: int = 0
     num_kv_tier_load_failures: int = 0
     num_kv_tier_loads: int = 0
+    spec_decoding: SpecDecodingStats | None = None
 
     def count_first_admission(self, request, num_computed_tokens: int) -> None:
         """The one definition of the prefix-cache counters (docs/engine.md): each request

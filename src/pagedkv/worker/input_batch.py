@@ -105,8 +105,11 @@ class ModelInputs:
         query_start_loc: ``[num_reqs + 1]`` int32 numpy array.
         sample: ``[num_reqs]`` bool numpy array: the rows whose request samples a token after
             this step (the step completes its prompt and every earlier token).
-        logits_rows: ``[num_sampled]`` int numpy array: the rows of the sampling requests' last
-            scheduled tokens, in batch order.
+        logits_rows: ``[num_sampled + num_drafts]`` int numpy array: the rows of the sampling
+            requests' last scheduled tokens, in batch order; a request with ``k`` draft tokens
+            has its last ``k + 1`` rows there (the draft positions, then the bonus position).
+        num_draft_tokens: ``[num_reqs]`` int64 numpy array, draft tokens per row, or None when
+            the step has none (speculative decoding off, or nothing drafted).
     """
 
     input_ids: torch.Tensor
@@ -116,6 +119,7 @@ class ModelInputs:
     query_start_loc: np.ndarray
     sample: np.ndarray
     logits_rows: np.ndarray
+    num_draft_tokens: np.ndarray | None = None
 
 
 class InputBatch:
@@ -337,6 +341,9 @@ class InputBatch:
             (scheduled[r] for r in self.req_ids[:num_reqs]), dtype=np.int64, count=num_reqs
         )
         num_computed = self.num_computed_tokens[:num_reqs]
+        num_draft_tokens = None
+        if out.scheduled_spec_decode_tokens:
+            num_draft_tokens = self._write_drafts(out, num_scheduled)
         qsl = self._query_start_loc[: num_reqs + 1]
         np.cumsum(num_scheduled, out=qsl[1:])
         num_tokens = int(qsl[-1])
@@ -386,7 +393,14 @@ class InputBatch:
         else:
             layer_metadata = [metadata[k] for k in self.layer_attention_groups]
         sample = seq_lens >= self.num_tokens[:num_reqs]
-        logits_rows = qsl[1:][sample] - 1
+        if num_draft_tokens is None:
+            logits_rows = qsl[1:][sample] - 1
+        else:  # a request with k drafts: its last k + 1 rows (each draft's, then the bonus)
+            num_rows = np.where(sample, num_draft_tokens + 1, 0)
+            first_row = np.cumsum(num_rows) - num_rows
+            logits_rows = np.repeat(qsl[1:] - num_rows - first_row, num_rows) + self._arange[
+                : int(num_rows.sum())
+            ]
         return ModelInputs(
             to(input_ids),
             to(positions),
@@ -395,7 +409,34 @@ class InputBatch:
             qsl,
             sample,
             logits_rows,
+            num_draft_tokens,
         )
+
+    def _write_drafts(self, out: SchedulerOutput, num_scheduled: np.ndarray) -> np.ndarray:
+        """Write each request's draft tokens (``out.scheduled_spec_decode_tokens``) into its row
+        after its verified tokens, without counting them in ``num_tokens`` (the next step's new
+        token ids overwrite them). Returns ``[num_reqs]`` drafts per row.
+
+        Raises:
+            InvalidRequestError: drafts for a request not in the step, or whose scheduled tokens
+                are not its unverified tokens plus exactly its drafts.
+        """
+        num_reqs = self.num_reqs
+        num_draft_tokens = np.zeros(num_reqs, dtype=np.int64)
+        for req_id, draft_token_ids in out.scheduled_spec_decode_tokens.items():
+            index = self.req_id_to_index.get(req_id)
+            k = len(draft_token_ids)
+            if index is None or index >= num_reqs:
+                raise InvalidRequestError(f"draft tokens for {req_id!r}, not scheduled this step")
+            start = int(self.num_tokens[index])
+            if self.num_computed_tokens[index] + num_scheduled[index] != start + k:
+                raise InvalidRequestError(
+                    f"request {req_id!r}: {num_scheduled[index]} scheduled tokens do not cover "
+                    f"its unverified tokens and exactly its {k} drafts"
+                )
+            self.token_ids_cpu[index, start : start + k] = draft_token_ids
+            num_draft_tokens[index] = k
+        return num_draft_tokens
 
     def to_device(self, array: np.ndarray) -> torch.Tensor:
         """A torch view of ``array`` (CPU), or a copy on the model's device."""

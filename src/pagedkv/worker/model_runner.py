@@ -221,6 +221,27 @@ class ModelRunner:
         if logits is None:  # a tensor-parallel rank other than 0: it only joined the gather
             return result
         sampling = [s for s, sample in zip(states, inputs.sample.tolist(), strict=True) if sample]
+        batch_rows = np.flatnonzero(inputs.sample)
+        if inputs.num_draft_tokens is None:
+            sampled = self._sample(logits, sampling, batch_rows, out, result)
+        else:
+            sampled = self._sample_with_drafts(logits, sampling, batch_rows, out, inputs, result)
+        result.req_ids = [s.req_id for s in sampling]
+        result.sampled_token_ids = sampled.tolist()
+        return result
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        sampling: list[CachedRequestState],
+        batch_rows: np.ndarray,
+        out: SchedulerOutput,
+        result: ModelRunnerOutput,
+    ) -> torch.Tensor:
+        """One token per sampling request from its logits row (``[len(sampling), vocab]``,
+        changed in place), after its grammar's mask, with its logprobs into ``result``.
+        ``batch_rows``: each request's row in the persistent batch. Returns ``[len(sampling)]``
+        int64 token ids."""
         if out.grammar_bitmask is not None:  # structured outputs: before logprobs, as vLLM
             apply_grammar_bitmask(
                 logits,
@@ -239,16 +260,16 @@ class ModelRunner:
         outputs = prompts = stops = None
         if any(p.has_penalties or p.min_tokens for p in params):
             # Views of the persistent token rows: no Python step per token of the context.
-            batch_rows = np.flatnonzero(inputs.sample).tolist()
+            batch = self.input_batch
             token_rows, num_tokens = batch.token_ids_cpu, batch.num_tokens
             num_prompts = [len(s.prompt_token_ids) for s in sampling]
             outputs = [
                 token_rows[r, n : num_tokens[r]]
-                for r, n in zip(batch_rows, num_prompts, strict=True)
+                for r, n in zip(batch_rows.tolist(), num_prompts, strict=True)
             ]
             prompts = [
                 token_rows[r, : n if p.repetition_penalty != 1 else 0]
-                for r, n, p in zip(batch_rows, num_prompts, params, strict=True)
+                for r, n, p in zip(batch_rows.tolist(), num_prompts, params, strict=True)
             ]
             stops = [
                 _min_tokens_stop_ids(s, p) if p.min_tokens else ()
@@ -257,7 +278,6 @@ class ModelRunner:
         sampled = self.sampler(
             logits, params, generators, outputs, prompt_token_ids=prompts, stop_token_ids=stops
         )
-        result.req_ids = [s.req_id for s in sampling]
         if raw_logprobs is not None:
             k = max(params[i].logprobs for i in wanted)
             ids, values, ranks = gather_logprobs(raw_logprobs, sampled[rows], k)
@@ -267,8 +287,71 @@ class ModelRunner:
                 result.logprobs[sampling[i].req_id] = LogprobsLists(
                     [ids[j][:width]], [values[j][:width]], [ranks[j]]
                 )
-        result.sampled_token_ids = sampled.tolist()
-        return result
+        return sampled
+
+    def _sample_with_drafts(
+        self,
+        logits: torch.Tensor,
+        sampling: list[CachedRequestState],
+        batch_rows: np.ndarray,
+        out: SchedulerOutput,
+        inputs: ModelInputs,
+        result: ModelRunnerOutput,
+    ) -> torch.Tensor:
+        """Sample a step with draft tokens: ``logits`` has ``k + 1`` rows per sampling request
+        with ``k`` drafts (``k = 0``: one row, sampled by :meth:`_sample`). Each request with
+        drafts gets them verified (:func:`~pagedkv.worker.rejection_sampler.rejection_sample`:
+        greedy requests keep the drafts equal to the target's argmax; others rejection-sample,
+        which keeps the target's distribution); the count accepted goes into
+        ``result.num_accepted_draft_tokens``. Returns ``[len(sampling)]`` int64: each request's
+        last new token (the bonus, or the replacement of its first rejected draft).
+
+        Raises:
+            InvalidRequestError: drafts for a request whose sampling needs what verification
+                does not do (penalties, min_tokens, logprobs, a grammar): the scheduler drafts
+                nothing for those.
+        """
+        num_draft_tokens = inputs.num_draft_tokens[batch_rows]
+        last_rows = np.cumsum(num_draft_tokens + 1) - 1
+        sampled = torch.empty(len(sampling), dtype=torch.int64, device=logits.device)
+        plain = np.flatnonzero(num_draft_tokens == 0)
+        if len(plain):
+            states = [sampling[i] for i in plain.tolist()]
+            rows = self.input_batch.to_device(last_rows[plain])
+            tokens = self._sample(logits[rows], states, batch_rows[plain], out, result)
+            sampled[self.input_batch.to_device(plain)] = tokens
+        drafted = np.flatnonzero(num_draft_tokens)
+        states = [sampling[i] for i in drafted.tolist()]
+        drafts = [out.scheduled_spec_decode_tokens[s.req_id] for s in states]
+        structured = set(out.structured_output_request_ids)
+        for state in states:
+            params = state.sampling_params
+            if (
+                params.has_penalties
+                or params.min_tokens
+                or params.logprobs is not None
+                or state.req_id in structured
+            ):
+                raise InvalidRequestError(
+                    f"request {state.req_id!r}: draft tokens with penalties, min_tokens, logprobs "
+                    "or a grammar cannot be verified"
+                )
+        num_rows = num_draft_tokens[drafted] + 1
+        rows = np.repeat(last_rows[drafted] + 1 - num_rows, num_rows) + (
+            np.arange(int(num_rows.sum())) - np.repeat(np.cumsum(num_rows) - num_rows, num_rows)
+        )
+        tokens = rejection_sample(
+            logits[self.input_batch.to_device(rows)],
+            [s.sampling_params for s in states],
+            num_draft_tokens[drafted].tolist(),
+            [t for d in drafts for t in d],
+            None,  # n-gram and suffix drafts have no probabilities: one-hot
+            [self._generator(s) for s in states],
+        )
+        for i, state, new_tokens in zip(drafted.tolist(), states, tokens, strict=True):
+            result.num_accepted_draft_tokens[state.req_id] = len(new_tokens) - 1
+            sampled[i] = new_tokens[-1]
+        return sampled
 
     def _check_blocks_to_copy(self, blocks_to_copy) -> list[tuple[int, torch.Tensor]]:
         """The step's copies as (KV cache group, checked ``[num_pairs, 2]`` mapping), groups
@@ -443,3 +526,21 @@ def _attention_groups(
                 pairs.append(pair)
             layer_pairs[layer] = pairs.index(pair)
     return pairs, layer_pairs
+
+
+def rejection_sample(logits, params, num_draft_tokens, draft_token_ids, draft_probs, generators):
+    """TEMPORARY greedy-only stand-in until worker/rejection_sampler.py lands."""
+    from pagedkv.worker.sampler import row_argmax
+    argmax = row_argmax(logits).tolist()
+    out, row, d = [], 0, 0
+    for k in num_draft_tokens:
+        new = []
+        for j in range(k + 1):
+            token = argmax[row + j]
+            new.append(token)
+            if j == k or draft_token_ids[d + j] != token:
+                break
+        out.append(new)
+        row += k + 1
+        d += k
+    return out

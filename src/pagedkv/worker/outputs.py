@@ -36,7 +36,8 @@ class ModelRunnerOutput:
     Attributes:
         req_ids: the ids of the requests that sampled (those whose step computed every token
             they have), in the worker's batch order.
-        sampled_token_ids: the token sampled for each of them.
+        sampled_token_ids: the token sampled for each of them (after its accepted drafts,
+            if it had any: the bonus token, or the one that replaced the first rejected draft).
         logprobs: request id -> one row (the sampled token, then the top ``logprobs``), for
             the sampling requests whose params ask for ``logprobs``.
         prompt_logprobs: request id -> ``(first, rows)`` for requests asking for
@@ -50,6 +51,10 @@ class ModelRunnerOutput:
         failed_kv_loads: request id -> tier keys whose load failed (missing, truncated or
             corrupt), reported once the request's loads have all ended: its KV is not what it
             should be, and the scheduler recomputes it.
+        num_accepted_draft_tokens: request id -> how many of its draft tokens
+            (``SchedulerOutput.scheduled_spec_decode_tokens``) were accepted, ``0 <= j <= k``,
+            for every sampling request that had drafts: its new tokens this step are its first
+            ``j`` drafts, then its ``sampled_token_ids`` entry.
     """
 
     req_ids: list[str] = field(default_factory=list)
@@ -59,3 +64,4 @@ class ModelRunnerOutput:
     finished_kv_loads: list[str] = field(default_factory=list)
     dropped_kv_stores: list[str] = field(default_factory=list)
     failed_kv_loads: dict[str, list[str]] = field(default_factory=dict)
+    num_accepted_draft_tokens: dict[str, int] = field(default_factory=dict)

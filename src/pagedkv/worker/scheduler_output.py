@@ -123,6 +123,11 @@ class SchedulerOutput:
         kv_tier_ops: the KV tier's stores, drops and loads (:class:`pagedkv.core.offload.
             KVTierOps`), or ``None``: each worker copies the stored blocks out of the pool first,
             then loads (before ``blocks_to_copy`` and the forward).
+        scheduled_spec_decode_tokens: request id -> its draft token ids this step (speculative
+            decoding; vLLM's name), for decoding requests with drafts only. They are the last
+            ``k`` of the request's ``num_scheduled_tokens`` (after its last verified token):
+            computed and verified in this step's forward, never part of the request's token
+            ids until accepted.
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -135,6 +140,7 @@ class SchedulerOutput:
     structured_output_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: Any = None
     kv_tier_ops: KVTierOps | None = None
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:

@@ -1,0 +1,174 @@
+"""The scheduler's draft tokens (speculative decoding): who drafts, how many, and the rollback.
+
+A decoding request that has caught up (one token to compute) gets up to
+``num_speculative_tokens`` draft tokens from the proposer, scheduled after its last token within
+the step's token budget (vLLM V1's accounting: a draft costs a token of
+``max_num_batched_tokens``) and given KV slots by the same ``allocate_slots`` call::
+
+    before the step   | verified tokens (num_tokens) ......... t | d1 d2 d3 |   k = 3 drafts
+    scheduled                                               [ t   d1 d2 d3 ]  1 + k tokens
+    num_computed after schedule():  num_tokens + k
+    the workers accept j = 1 of them and sample one more token x:
+    after the step    | verified ............. t d1 x |           num_tokens + j + 1 tokens
+    num_computed:     num_tokens + j   (k - j rejected: rolled back; the slots past it are
+                                        written again by the next step)
+
+The drafts are never in the request's token ids until accepted, so they are never hashed: no
+unverified token enters the prefix cache, the KV tier or the KV events (the KV cache manager
+caches at most ``len(all_token_ids)`` tokens). A request drafts nothing when its verification
+would need what the rejection sampler does not do: penalties, ``min_tokens`` still pending,
+logprobs, a structured-output grammar, beam search; such requests decode exactly as without
+speculation. When the drafts' blocks do not fit, the request runs without them before anything
+is preempted. Idea and names from vLLM V1 (``Request.spec_token_ids``,
+``scheduled_spec_decode_tokens``, ``SpecDecodingStats``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pagedkv.engine.request import Request
+from pagedkv.engine.spec_decode.proposer import Proposer, make_proposer
+from pagedkv.engine.stats import SpecDecodingStats
+
+if TYPE_CHECKING:
+    from pagedkv.config import SpeculativeConfig
+    from pagedkv.engine.scheduler import Scheduler
+
+
+class SpecDecodeDrafts:
+    """Proposes the draft tokens of the scheduler's decoding requests and rolls back the
+    rejected ones.
+
+    Shares the scheduler's limits (max_model_len); owns the proposer, a token buffer per
+    drafting request (its verified tokens as int32, appended as they come: O(new tokens) a step)
+    and the counters.
+
+    Args:
+        scheduler: the scheduler it serves.
+        proposer: makes the drafts (:mod:`pagedkv.engine.spec_decode.proposer`).
+        num_speculative_tokens: most drafts per request and step (>= 1).
+    """
+
+    __slots__ = ("_buffers", "_scheduler", "num_speculative_tokens", "proposer", "stats")
+
+    def __init__(self, scheduler: Scheduler, proposer: Proposer, num_speculative_tokens: int):
+        self._scheduler = scheduler
+        self.proposer = proposer
+        self.num_speculative_tokens = num_speculative_tokens
+        self.stats = SpecDecodingStats(num_accepted_tokens_per_pos=[0] * num_speculative_tokens)
+        self._buffers: dict[str, tuple[np.ndarray, list[int]]] = {}
+
+    @classmethod
+    def from_config(
+        cls, scheduler: Scheduler, speculative_config: SpeculativeConfig | None
+    ) -> SpecDecodeDrafts | None:
+        """The drafts of ``speculative_config`` (its proposer), or None when it is None."""
+        if speculative_config is None:
+            return None
+        return cls(
+            scheduler,
+            make_proposer(speculative_config),
+            speculative_config.num_speculative_tokens,
+        )
+
+    @staticmethod
+    def can_draft(request: Request) -> bool:
+        """Whether ``request``'s drafts can be verified exactly (see the module's docstring)."""
+        params = request.sampling_params
+        return (
+            request.beam_group is None
+            and request.structured_output is None
+            and params.logprobs is None
+            and not params.has_penalties
+            and request.num_output_tokens >= params.min_tokens
+        )
+
+    def propose(self, request: Request, token_budget: int) -> int:
+        """Set ``request.spec_token_ids`` to its drafts when it decodes (one token to compute):
+        at most ``token_budget`` of them, never past max_model_len or max_tokens (the step adds
+        one token after the accepted drafts). Returns how many (0: none, or not decoding)."""
+        params = request.sampling_params
+        num_tokens = request.num_tokens
+        if num_tokens - request.num_computed_tokens != 1:
+            request.spec_token_ids = []
+            return 0
+        limit = min(
+            self.num_speculative_tokens,
+            token_budget,
+            self._scheduler.max_model_len - num_tokens - 1,
+            params.max_tokens - request.num_output_tokens - 1,
+        )
+        if limit <= 0 or not self.can_draft(request):
+            request.spec_token_ids = []
+            return 0
+        drafts = self.proposer.propose(request.request_id, self._token_ids(request), limit)
+        request.spec_token_ids = drafts = [int(t) for t in drafts[:limit]]
+        return len(drafts)
+
+    def _token_ids(self, request: Request) -> np.ndarray:
+        """The request's verified tokens as an int32 array view (its buffer grows by the new
+        tokens only; a request that shrank, e.g. a beam, starts a new one)."""
+        entry = self._buffers.get(request.request_id)
+        all_token_ids = request.all_token_ids
+        num_tokens = len(all_token_ids)
+        if entry is None or entry[1][0] > num_tokens:
+            buffer = np.empty(self._scheduler.max_model_len, dtype=np.int32)
+            entry = (buffer, [0])
+            self._buffers[request.request_id] = entry
+        buffer, filled = entry
+        if filled[0] < num_tokens:
+            buffer[filled[0] : num_tokens] = all_token_ids[filled[0] :]
+            filled[0] = num_tokens
+        return buffer[:num_tokens]
+
+    @staticmethod
+    def drop(request: Request) -> int:
+        """Take ``request``'s drafts away (their blocks do not fit); returns how many."""
+        num_drafts = len(request.spec_token_ids)
+        request.spec_token_ids = []
+        return num_drafts
+
+    def roll_back(
+        self, sampling: list[Request], num_accepted: dict[str, int]
+    ) -> dict[str, list[int]]:
+        """:meth:`accepted` for each sampling request with drafts (``num_accepted``: the
+        workers' counts, checked); returns request id -> its accepted drafts."""
+        return {
+            r.request_id: self.accepted(r, num_accepted[r.request_id])
+            for r in sampling
+            if r.spec_token_ids
+        }
+
+    def accepted(self, request: Request, num_accepted: int) -> list[int]:
+        """Roll ``request`` back to its accepted drafts (call before appending its tokens): its
+        ``num_computed_tokens`` drops by the rejected count; returns the accepted drafts
+        (the first ``num_accepted``), which precede the step's sampled token. Counts them.
+
+        ``num_accepted`` is checked by
+        :func:`~pagedkv.engine.sampled_tokens.match_sampled_tokens` first.
+        """
+        drafts = request.spec_token_ids
+        num_drafts = len(drafts)
+        request.num_computed_tokens -= num_drafts - num_accepted
+        request.spec_token_ids = []
+        stats = self.stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_drafts
+        stats.num_accepted_tokens += num_accepted
+        per_pos = stats.num_accepted_tokens_per_pos
+        for pos in range(num_accepted):
+            per_pos[pos] += 1
+        return drafts[:num_accepted]
+
+    def finished(self, request: Request) -> None:
+        """Forget a finished request (the proposer may learn from its output)."""
+        self._buffers.pop(request.request_id, None)
+        self.proposer.on_request_finished(
+            request.request_id, request.num_prompt_tokens, request.all_token_ids
+        )
+
+
+__all__ = ["SpecDecodeDrafts"]
