@@ -48,6 +48,14 @@ class KVTierLoads:
         #: load sends their whole block table.
         self.resume_after_load: set[str] = set()
 
+    def take_resumed(self, request: Request) -> bool:
+        """Whether ``request`` resumes from a preemption with KV loaded from the tier (the
+        workers freed its table: they take it whole); forgotten once asked."""
+        if request.request_id in self.resume_after_load:
+            self.resume_after_load.discard(request.request_id)
+            return True
+        return False
+
     def __len__(self) -> int:
         return len(self.loading)
 

@@ -398,6 +398,12 @@ class LLMEngine:
         """Queue a beam search: its first beam (the prompt), which the scheduler forks into
         ``beam_width`` beams after the first token (:mod:`pagedkv.engine.beam_search`)."""
         self.input_processor.check_params(params, priority)
+        if self.scheduler.drafts is not None:  # vLLM refuses the pair too
+            raise InvalidRequestError(
+                "beam search cannot run with speculative decoding (the engine's "
+                "speculative_config): use an engine without it",
+                param="use_beam_search",
+            )
         vocab_size = self.model_config.vocab_size
         num_eos = 0 if params.ignore_eos else len(self.eos_token_ids)
         if num_beam_candidates(params.beam_width, num_eos) > vocab_size:

@@ -1,7 +1,8 @@
 """The scheduler's rejections: requests that can never be served, found while scheduling.
 
 A request whose blocks cannot be had while no other request holds any (the whole pool was free)
-can never fit, and one whose grammar failed to compile can never run: each is finished with
+can never fit, and one whose grammar failed to compile can never run (one whose grammar is still
+compiling waits): each is finished with
 FINISHED_ERROR and its reason, with its fork children or its whole beam search, and reported by
 the next ``update_from_output`` (a fault of one request fails that request only; the step goes
 on with the others).
@@ -37,6 +38,22 @@ class Rejections:
         """The requests rejected since the last call (beam searches by their root), in order."""
         unreported, self._unreported = self._unreported, []
         return unreported
+
+    def grammar_not_ready(self, request: Request, skipped: list[Request]) -> bool:
+        """Whether ``request`` (at the front of the waiting queue, with a structured-output
+        constraint) cannot be admitted for its grammar: still compiling (vLLM's
+        WAITING_FOR_FSM: it goes to ``skipped`` and waits, not the requests behind it, whatever
+        the admission policy), or failed to compile (rejected)."""
+        constraint = request.structured_output
+        waiting = self._scheduler.waiting
+        if not constraint.ready():
+            skipped.append(waiting.pop())
+            return True
+        if constraint.error is not None:
+            waiting.pop()
+            self.reject(request, f"request {request.request_id!r}: {constraint.error}")
+            return True
+        return False
 
     def reject_if_never_fits(self, request: Request, step: ScheduledStep) -> bool:
         """Finish ``request`` (still queued) with an error if allocation failed while no other

@@ -18,20 +18,23 @@ named points of the step::
 
     schedule():  forks.fork_pending()              n > 1 samples fork from their parent
                  _schedule_running(step)           decode tokens, rest of chunked prefills
+                   drafts.propose                  speculative decoding's draft tokens
                  _admit_waiting(step)              tier_loads.get_computed_blocks / admitted
                    beams.unpark(step), again       only parked beams left: one search whole
                  build_scheduler_output(step)      what the workers get; num_computed advances
                  forks.note_fork_points(step)
     update_from_output():  tier_loads.update       loads done or failed, stores dropped
+                           drafts.roll_back        rejected draft tokens' KV given up
                            append_sampled_tokens   tokens appended, stop checks, beam reports
                            beams.step              a beam search's choice
 
 (:mod:`~pagedkv.engine.sample_forks`, :mod:`~pagedkv.engine.kv_tier_loads`,
 :mod:`~pagedkv.engine.beam_groups`, :mod:`~pagedkv.engine.scheduled_step`,
 :mod:`~pagedkv.engine.sampled_tokens`; requests that can never run:
-:mod:`~pagedkv.engine.rejections`). A collaborator shares the scheduler's queues (``running``,
-``waiting``, ``requests``), its KV cache (any :class:`~pagedkv.core.interface.KVCacheInterface`)
-and its counters, and owns its own state.
+:mod:`~pagedkv.engine.rejections`; draft tokens: :mod:`~pagedkv.engine.spec_decode.drafts`).
+A collaborator shares the scheduler's queues (``running``, ``waiting``, ``requests``), its KV
+cache (any :class:`~pagedkv.core.interface.KVCacheInterface`) and its counters, and owns its own
+state.
 
 The scheduler is torch-free and model-independent: anything that turns a :class:`SchedulerOutput`
 into a :class:`ModelRunnerOutput` (one sampled token per sampling request) can drive it (the
@@ -341,17 +344,12 @@ class Scheduler:
                     preempted_self = True
                     break
             if preempted_self:
-                # Alone with the whole pool, it never fits. Otherwise go on: under FCFS it was
-                # the last running request, but under policy="priority" the running list is in
-                # admission order, so requests after it may be of higher priority and can still
-                # run (a step never schedules nothing while a running request could run).
-                # ``req_index`` now points at the request after it.
+                # Alone with the whole pool, it never fits. Otherwise go on (under "priority"
+                # the requests after it may still run); ``req_index`` points at the next one.
                 self.rejections.reject_if_never_fits(request, step)
                 continue
-            resumed = False
-            if resume_after_load and request.request_id in resume_after_load:
-                resume_after_load.discard(request.request_id)
-                resumed = True  # loaded after a preemption: the workers freed its table
+            # Loaded after a preemption: the workers freed its table.
+            resumed = bool(resume_after_load) and self.tier_loads.take_resumed(request)
             step.add(request, num_new_tokens, new_blocks, resumed)
             token_budget -= num_new_tokens
             req_index += 1
@@ -373,17 +371,9 @@ class Scheduler:
             and seats_held.room(len(running) + len(loading), self.max_num_seqs)
         ):
             request = waiting.peek()
-            constraint = request.structured_output
-            if constraint is not None and not constraint.ready():
-                # Its grammar is still compiling (vLLM's WAITING_FOR_FSM): it waits, not the
-                # requests behind it, whatever the admission policy.
-                skipped.append(waiting.pop())
-                continue
-            if constraint is not None and constraint.error is not None:
-                waiting.pop()
-                self.rejections.reject(
-                    request, f"request {request.request_id!r}: {constraint.error}"
-                )
+            if request.structured_output is not None and self.rejections.grammar_not_ready(
+                request, skipped
+            ):
                 continue
             seats = self.beams.seats_needed(request) if request.beam_group is not None else 1
             if not seats_held.fits(len(running) + len(loading), seats, self.max_num_seqs):
