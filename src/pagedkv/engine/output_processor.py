@@ -290,10 +290,29 @@ class OutputProcessor:
         ]
         if not new_token_ids:
             return
+        if not state.max_stop_len or len(new_token_ids) == 1:
+            self._detokenize_tokens(state, sample, new_token_ids, True)
+            return
+        # Several tokens in one step (accepted draft tokens): one at a time, so that a stop
+        # string ends the output at the token that completes it, as it would without drafts.
+        for i, token_id in enumerate(new_token_ids):
+            last = i == len(new_token_ids) - 1
+            self._detokenize_tokens(state, sample, [token_id], last)
+            if sample.finish_reason == "stop" and not last:
+                del request.all_token_ids[i + 1 - len(new_token_ids) :]
+                return
+
+    def _detokenize_tokens(
+        self, state: _RequestState, sample: _Sample, new_token_ids: list[int], last: bool
+    ) -> None:
+        """Decode ``new_token_ids`` (the sample's next tokens; ``last``: they end its tokens so
+        far) and check the stop strings."""
+        request = sample.request
         sample.num_detokenized_tokens += len(new_token_ids)
         params = state.params
         if (
-            request.status == RequestStatus.FINISHED_STOPPED
+            last
+            and request.status == RequestStatus.FINISHED_STOPPED
             and not params.include_stop_str_in_output
         ):
             # Stopped by a token (EOS or stop_token_ids): its text is left out (vLLM).
@@ -301,11 +320,11 @@ class OutputProcessor:
         start = max(0, len(sample.text) - state.max_stop_len + 1)
         if new_token_ids:
             sample.text += sample.detokenizer.step(new_token_ids)
-        if request.is_finished:
+        if last and request.is_finished:
             _flush_text(sample)
         if request.first_token_time is not None and state.metrics.first_token_time is None:
             state.metrics.first_token_time = request.first_token_time
-        if state.max_stop_len and request.num_output_tokens > params.min_tokens:
+        if state.max_stop_len and sample.num_detokenized_tokens > params.min_tokens:
             _check_stop_strings(params, sample, start)
 
     def _make_output(self, state: _RequestState) -> RequestOutput | None:

@@ -398,9 +398,10 @@ class InputBatch:
         else:  # a request with k drafts: its last k + 1 rows (each draft's, then the bonus)
             num_rows = np.where(sample, num_draft_tokens + 1, 0)
             first_row = np.cumsum(num_rows) - num_rows
-            logits_rows = np.repeat(qsl[1:] - num_rows - first_row, num_rows) + self._arange[
-                : int(num_rows.sum())
-            ]
+            logits_rows = (
+                np.repeat(qsl[1:] - num_rows - first_row, num_rows)
+                + self._arange[: int(num_rows.sum())]
+            )
         return ModelInputs(
             to(input_ids),
             to(positions),

@@ -531,6 +531,7 @@ def _attention_groups(
 def rejection_sample(logits, params, num_draft_tokens, draft_token_ids, draft_probs, generators):
     """TEMPORARY greedy-only stand-in until worker/rejection_sampler.py lands."""
     from pagedkv.worker.sampler import row_argmax
+
     argmax = row_argmax(logits).tolist()
     out, row, d = [], 0, 0
     for k in num_draft_tokens:

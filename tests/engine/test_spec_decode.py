@@ -1,0 +1,242 @@
+"""Speculative decoding through the engine: the same tokens as without it, whatever is accepted.
+
+The mechanics are tested with a scripted proposer that drafts the target's own greedy
+continuation (the model drafting for itself: every draft must be accepted), optionally with a
+wrong token at one draft position (the drafts after it are rejected, the target's token replaces
+it): greedy output must equal the engine's without speculation, token for token, at batch 1 and
+16, with chunked steps, without the prefix cache, under preemption, on sliding-window groups and
+every attention backend that runs here; max_tokens and stop tokens that fall inside the accepted
+drafts end the request exactly where they would without drafts. The KV cache's invariants are
+checked after every step, and the prefix cache is checked to hold verified tokens only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _tiny_model import tiny_gemma3_hf_model, tiny_gemma3_loaded_model, tiny_loaded_model
+
+from pagedkv.core.invariants import check_invariants
+from pagedkv.engine.llm_engine import LLMEngine
+from pagedkv.errors import InvalidRequestError
+from pagedkv.sampling_params import BeamSearchParams, SamplingParams
+
+PROMPTS = ["hello", "a much longer prompt about paged attention " * 3, "abc", "x" * 70]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_loaded_model()
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma():
+    return tiny_gemma3_loaded_model(tiny_gemma3_hf_model())
+
+
+def make_engine(model, **kwargs) -> LLMEngine:
+    kwargs = {"num_blocks": 80, "max_model_len": 256, "block_size": 4, **kwargs}
+    return LLMEngine(loaded_model=model, dtype="float32", num_threads=1, **kwargs)
+
+
+def greedy(max_tokens=24, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+class ScriptedProposer:
+    """Drafts each request's continuation from ``continuations`` (request id -> the tokens
+    after its prompt), with the draft at position ``wrong_at`` of every proposal changed."""
+
+    def __init__(
+        self,
+        prompt_lens: dict[str, int],
+        continuations: dict[str, list[int]],
+        wrong_at: int | None = None,
+        vocab_size: int = 96,
+    ) -> None:
+        self.prompt_lens = prompt_lens
+        self.continuations = continuations
+        self.wrong_at = wrong_at
+        self.vocab_size = vocab_size
+        self.finished: list[str] = []
+
+    def propose(self, req_id: str, token_ids: np.ndarray, max_num_tokens: int) -> np.ndarray:
+        done = len(token_ids) - self.prompt_lens[req_id]
+        drafts = np.array(self.continuations[req_id][done : done + max_num_tokens], np.int32)
+        if self.wrong_at is not None and len(drafts) > self.wrong_at:
+            drafts[self.wrong_at] = (drafts[self.wrong_at] + 1) % self.vocab_size
+        return drafts
+
+    def on_request_finished(self, req_id: str, prompt_len: int, token_ids) -> None:
+        self.finished.append(req_id)
+
+
+def run(engine: LLMEngine, prompts, params, proposer=None) -> tuple[list[list[int]], int]:
+    """Generate ``prompts`` (ids "0", "1", ...), checking the KV cache after every step;
+    returns each request's token ids and the number of steps."""
+    if proposer is not None:
+        engine.scheduler.drafts.proposer = proposer
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    final, num_steps = {}, 0
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        num_steps += 1
+        check_invariants(engine.kv_cache_manager)
+        for output in outputs:
+            if output.finished:
+                final[output.request_id] = output
+    return [list(final[str(i)].outputs[0].token_ids) for i in range(len(prompts))], num_steps
+
+
+def reference(model, prompts, params, **kwargs):
+    return run(make_engine(model, **kwargs), prompts, params)
+
+
+def scripted(engine, prompts, tokens, wrong_at=None):
+    encode = engine.input_processor.process
+    prompt_lens = {str(i): len(encode(p).token_ids) for i, p in enumerate(prompts)}
+    continuations = {str(i): t for i, t in enumerate(tokens)}
+    return ScriptedProposer(prompt_lens, continuations, wrong_at)
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_self_drafting_accepts_every_draft_and_saves_steps(tiny, batch):
+    prompts = (PROMPTS * 4)[:batch]
+    expected, num_steps = reference(tiny, prompts, greedy(), num_blocks=400)
+    engine = make_engine(tiny, speculative_config=NGRAM, num_blocks=400)
+    got, num_spec_steps = run(engine, prompts, greedy(), scripted(engine, prompts, expected))
+    assert got == expected
+    stats = engine.scheduler.get_stats().spec_decoding
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+    assert stats.acceptance_rate == 1.0
+    # 24 tokens: 1 from the prefill step, then 5 per step (4 drafts + the bonus).
+    assert num_steps == 24 and num_spec_steps == 1 + 5
+    per_pos = stats.num_accepted_tokens_per_pos
+    assert per_pos[0] == stats.num_drafts and per_pos == sorted(per_pos, reverse=True)
+    assert sum(per_pos) == stats.num_accepted_tokens
+
+
+CONFIGS = {
+    "default": {},
+    "no prefix cache": {"enable_prefix_caching": False},
+    "small budget": {"max_num_batched_tokens": 7},
+    "one seat": {"max_num_seqs": 1},
+    "preemption": {"num_blocks": 41, "max_num_batched_tokens": 16, "max_model_len": 160},
+}
+
+
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+@pytest.mark.parametrize("wrong_at", [0, 2])
+def test_rejected_drafts_roll_back_to_the_same_tokens(tiny, config, wrong_at):
+    prompts = [*PROMPTS, PROMPTS[1], PROMPTS[1][:48]]  # repeats hit the prefix cache
+    expected, _ = reference(tiny, prompts, greedy(30), **config)
+    engine = make_engine(tiny, speculative_config=NGRAM, **config)
+    got, _ = run(engine, prompts, greedy(30), scripted(engine, prompts, expected, wrong_at))
+    assert got == expected
+    stats = engine.scheduler.get_stats()
+    spec = stats.spec_decoding
+    assert spec.num_draft_tokens > 0
+    per_pos = spec.num_accepted_tokens_per_pos
+    assert per_pos[wrong_at:] == [0] * (4 - wrong_at)  # every proposal is cut at wrong_at
+    assert 0 < spec.num_accepted_tokens <= spec.num_drafts * wrong_at or wrong_at == 0
+    if config.get("num_blocks") == 41:
+        assert stats.num_preemptions > 0
+    assert stats.num_used_blocks == 0
+
+
+def test_prefix_cache_holds_verified_tokens_only(tiny):
+    """Drafts rejected at position 1 wrote KV for wrong tokens into the slots after the last
+    verified one; a later request whose prompt is an earlier request's prompt + output hits the
+    prefix cache and must still decode the tokens of an engine that never drafted."""
+    prompts = PROMPTS[:3]
+    first, _ = reference(tiny, prompts, greedy(30))
+    engine = make_engine(tiny, speculative_config=NGRAM)
+    got, _ = run(engine, prompts, greedy(30), scripted(engine, prompts, first, wrong_at=1))
+    assert got == first
+    follow = [p + "".join(chr(t) for t in out) for p, out in zip(prompts, first, strict=True)]
+    expected, _ = reference(tiny, follow, greedy(12))
+    hits_before = engine.scheduler.get_stats().prefix_cache_hits
+    got, _ = run(engine, follow, greedy(12), scripted(engine, follow, expected, wrong_at=1))
+    assert got == expected
+    assert engine.scheduler.get_stats().prefix_cache_hits > hits_before
+
+
+def test_max_tokens_and_stop_tokens_inside_the_accepted_drafts(tiny):
+    prompts = PROMPTS[:2]
+    long, _ = reference(tiny, prompts, greedy(30))
+    # max_tokens 7 = the prefill's token + 4 drafts + 1 bonus + 1: the last step may draft none.
+    for params in (
+        greedy(7),
+        greedy(30, stop_token_ids=[long[0][9]]),
+        SamplingParams(temperature=0, max_tokens=30, stop=[chr(long[1][12])]),
+    ):
+        expected, _ = reference(tiny, prompts, params)
+        engine = make_engine(tiny, speculative_config=NGRAM)
+        got, _ = run(engine, prompts, params, scripted(engine, prompts, long))
+        assert got == expected, params
+
+
+def test_requests_that_cannot_be_verified_draft_nothing(tiny):
+    """Penalties, pending min_tokens and logprobs need the sampler's full path: those requests
+    decode without drafts (and exactly as without speculation)."""
+    prompts = PROMPTS[:2]
+    for params in (
+        greedy(12, repetition_penalty=1.3),
+        greedy(12, min_tokens=12),
+        greedy(12, logprobs=2),
+    ):
+        expected, _ = reference(tiny, prompts, params)
+        engine = make_engine(tiny, speculative_config=NGRAM)
+        long, _ = reference(tiny, prompts, params)
+        got, _ = run(engine, prompts, params, scripted(engine, prompts, long))
+        assert got == expected
+        assert engine.scheduler.get_stats().spec_decoding.num_draft_tokens == 0
+
+
+def test_seeded_sampling_is_reproducible(tiny):
+    params = SamplingParams(temperature=0.8, top_k=20, max_tokens=24, seed=7, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        engine = make_engine(tiny, speculative_config=NGRAM)
+        runs.append(run(engine, PROMPTS, params)[0])
+    assert runs[0] == runs[1]
+
+
+def test_sliding_window_groups(tiny_gemma):
+    """Gemma 3's window-8 layers free blocks by verified tokens only: rejected drafts never
+    cost a block a later step needs."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(2, 96, n).tolist() for n in (5, 23, 37)]
+    expected, _ = reference(tiny_gemma, prompts, greedy(20), max_model_len=64)
+    for wrong_at in (None, 1):
+        engine = make_engine(tiny_gemma, speculative_config=NGRAM, max_model_len=64)
+        got, _ = run(engine, prompts, greedy(20), scripted(engine, prompts, expected, wrong_at))
+        assert got == expected
+
+
+def test_each_attention_backend(tiny, attention_backend):
+    prompts = PROMPTS
+    expected, _ = reference(tiny, prompts, greedy(), attention_backend=attention_backend)
+    engine = make_engine(tiny, speculative_config=NGRAM, attention_backend=attention_backend)
+    got, _ = run(engine, prompts, greedy(), scripted(engine, prompts, expected, wrong_at=2))
+    assert got == expected
+
+
+def test_ngram_proposer_end_to_end(tiny):
+    """The real n-gram proposer on prompts that repeat themselves: same tokens, some accepted."""
+    prompts = ["abcdefgh" * 6, "the cat sat on the mat, the cat sat on the " * 2]
+    expected, _ = reference(tiny, prompts, greedy(32))
+    engine = make_engine(tiny, speculative_config=NGRAM)
+    got, _ = run(engine, prompts, greedy(32))
+    assert got == expected
+    assert engine.scheduler.get_stats().spec_decoding.num_drafts > 0
+
+
+def test_beam_search_is_refused(tiny):
+    engine = make_engine(tiny, speculative_config=NGRAM)
+    with pytest.raises(InvalidRequestError, match="speculative") as info:
+        engine.add_request("b", "hello", BeamSearchParams(beam_width=2, max_tokens=4))
+    assert info.value.param == "use_beam_search"
+    assert not engine.has_unfinished_requests()
