@@ -294,6 +294,13 @@ def print_summary(llm, outputs, elapsed: float, load_time: float, file=sys.stdou
         f"x {engine.config.block_size} tokens, {engine.config.kv_cache_dtype}",
         f"preemptions      {stats.num_preemptions}",
     ]
+    spec = stats.spec_decoding
+    if spec is not None:
+        lines.append(
+            f"spec decode      {spec.acceptance_rate:.1%} of {spec.num_draft_tokens} draft "
+            f"tokens accepted, mean acceptance length {spec.mean_acceptance_length:.2f} "
+            f"tokens a step ({engine.config.speculative_config.method})"
+        )
     tier = getattr(llm.get_stats(), "kv_tier", None)
     if tier is not None:
         lines.append(

@@ -188,9 +188,34 @@ class _EngineStatsCollector(Collector):
             metric = CounterMetricFamily(name, doc, labels=labels)
             metric.add_metric(values, float(value))
             yield metric
+        spec = getattr(stats, "spec_decoding", None)
+        if spec is not None:
+            yield from _spec_decode_metrics(p, spec, labels, values)
         tier = getattr(self.stats, "kv_tier", None)
         if tier is not None:
             yield from _kv_tier_metrics(tier, labels, values)
+
+
+def _spec_decode_metrics(
+    prefix: str, spec: Any, labels: list[str], values: list[str]
+) -> Iterator[Metric]:
+    """Speculative decoding's counters, vLLM's names (only when it is on)."""
+    for name, doc, value in (
+        ("num_drafts", "Verification steps of a request with draft tokens.", spec.num_drafts),
+        ("num_draft_tokens", "Draft tokens scheduled.", spec.num_draft_tokens),
+        ("num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens),
+    ):
+        metric = CounterMetricFamily(f"{prefix}:spec_decode_{name}", doc, labels=labels)
+        metric.add_metric(values, float(value))
+        yield metric
+    per_pos = CounterMetricFamily(
+        f"{prefix}:spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted at each draft position (label position, 0 = the first draft).",
+        labels=[*labels, "position"],
+    )
+    for position, count in enumerate(spec.num_accepted_tokens_per_pos):
+        per_pos.add_metric([*values, str(position)], float(count))
+    yield per_pos
 
 
 def _kv_tier_metrics(tier: Any, labels: list[str], values: list[str]) -> Iterator[Metric]:

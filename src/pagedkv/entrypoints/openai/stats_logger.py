@@ -49,6 +49,17 @@ def format_stats_line(previous: Any, current: Any, elapsed: float) -> tuple[str,
         f"Prefix cache hit rate: {interval_rate} (interval), "
         f"{current.prefix_cache_hit_rate:.1%} (total)"
     )
+    spec = getattr(current, "spec_decoding", None)
+    if spec is not None:  # over the interval, as vLLM's SpecDecoding metrics line
+        before = getattr(previous, "spec_decoding", None)
+        drafts = spec.num_drafts - (before.num_drafts if before else 0)
+        draft_tokens = spec.num_draft_tokens - (before.num_draft_tokens if before else 0)
+        accepted = spec.num_accepted_tokens - (before.num_accepted_tokens if before else 0)
+        line += (
+            f", Spec decode: draft acceptance rate "
+            f"{f'{accepted / draft_tokens:.1%}' if draft_tokens else 'n/a'}, mean acceptance "
+            f"length {f'{1 + accepted / drafts:.2f}' if drafts else 'n/a'}"
+        )
     idle = not (prompt or generation or current.num_running or current.num_waiting)
     return line, idle
 
