@@ -292,9 +292,7 @@ class SpeculativeConfig:
                         f"speculative_config: {key} is for method 'ngram', not {method!r}"
                     )
             if fields.get("num_speculative_tokens") is None:
-                fields["num_speculative_tokens"] = fields.get(
-                    "suffix_decoding_max_tree_depth", 24
-                )
+                fields["num_speculative_tokens"] = fields.get("suffix_decoding_max_tree_depth", 24)
         if method != "suffix":
             suffix_keys = sorted(k for k in fields if k.startswith("suffix_decoding_"))
             if suffix_keys:
