@@ -193,7 +193,6 @@ class SpeculativeConfig:
                 f"speculative_config: method must be one of {SPECULATIVE_METHODS}, "
                 f"got {self.method!r}"
             )
-        check_int("speculative_config: num_speculative_tokens", self.num_speculative_tokens, 1)
         check_int("speculative_config: prompt_lookup_min", self.prompt_lookup_min, 1)
         check_int(
             "speculative_config: prompt_lookup_max",
@@ -223,6 +222,8 @@ class SpeculativeConfig:
             0,
             maximum=1,
         )
+        # Last: suffix defaults it from suffix_decoding_max_tree_depth, checked above.
+        check_int("speculative_config: num_speculative_tokens", self.num_speculative_tokens, 1)
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> SpeculativeConfig:
