@@ -90,6 +90,7 @@ def rejection_sample(
         apply_logit_bias(logits, row_params)
     greedy = torch.tensor([p.greedy for p in sampling_params], device=device)
     random_reqs = [i for i, p in enumerate(sampling_params) if not p.greedy]
+    reqs = torch.nonzero(~greedy).squeeze(1)  # random_reqs as a tensor
 
     # Greedy requests: the argmax of each of their rows.
     row_req = torch.repeat_interleave(torch.arange(num_reqs, device=device), counts + 1)
@@ -106,12 +107,18 @@ def rejection_sample(
         row_in_probs = torch.full((logits.shape[0],), -1, dtype=torch.int64, device=device)
         row_in_probs[random_rows] = torch.arange(len(random_rows), device=device)
         random_params = [sampling_params[i] for i in random_reqs]
-        filtered = apply_sampling_filters(
-            logits[random_rows], random_params, (counts + 1)[random_reqs]
-        )
+        filtered = apply_sampling_filters(logits[random_rows], random_params, (counts + 1)[reqs])
         probs = torch.softmax(filtered, dim=-1)
         uniforms = _per_request_draws(
-            num_drafts, counts, first_draft, random_reqs, generators, sampler, device
+            num_drafts,
+            counts,
+            first_draft,
+            draft_req,
+            greedy,
+            random_reqs,
+            generators,
+            sampler,
+            device,
         )
         random_drafts = torch.nonzero(~greedy[draft_req]).squeeze(1)
         if len(random_drafts):
@@ -129,7 +136,6 @@ def rejection_sample(
     tokens = argmax[final_row]
 
     if random_reqs:
-        reqs = torch.tensor(random_reqs, device=device)
         target = probs[row_in_probs[final_row[reqs]]]  # [num_random, vocab_size]
         residual = target.clone()
         rejected = num_accepted[reqs] < counts[reqs]
@@ -143,7 +149,8 @@ def rejection_sample(
                 residual[rows] = (residual[rows] - draft_probs[bad].float()).clamp_(min=0.0)
             # All mass removed (p <= q everywhere, only by rounding): sample from p itself.
             empty = residual.sum(dim=-1) <= 0
-            residual[empty] = target[empty]
+            if bool(empty.any()):
+                residual[empty] = target[empty]
         noise = _per_request_noise(
             len(random_reqs), vocab_size, random_reqs, generators, sampler, device
         )
@@ -197,20 +204,22 @@ def _per_request_draws(
     num_drafts: int,
     counts: torch.Tensor,
     first_draft: torch.Tensor,
+    draft_req: torch.Tensor,
+    greedy: torch.Tensor,
     random_reqs: Sequence[int],
     generators: Sequence[torch.Generator | None],
     sampler: Sampler,
     device: torch.device,
 ) -> torch.Tensor:
-    """``[num_drafts]`` uniforms in [0, 1): one call for the unseeded requests' drafts, one per
-    seeded request from its generator (its draws do not depend on the rest of the batch)."""
+    """``[num_drafts]`` uniforms in [0, 1): one draw for all the unseeded random requests'
+    drafts, one per seeded request from its generator (its draws do not depend on the rest of
+    the batch). Greedy requests' cells stay 0 (unused)."""
     uniforms = torch.zeros(num_drafts, device=device)
     seeded = [i for i in random_reqs if generators[i] is not None]
-    unseeded = [i for i in random_reqs if generators[i] is None]
-    if unseeded:
-        index = torch.cat(
-            [torch.arange(int(first_draft[i]), int(first_draft[i] + counts[i])) for i in unseeded]
-        ).to(device)
+    unseeded = torch.tensor([g is None for g in generators], device=device)
+    unseeded[greedy] = False
+    index = torch.nonzero(unseeded[draft_req]).squeeze(1)
+    if len(index):
         uniforms[index] = torch.rand(len(index), generator=sampler.generator, device=device)
     for i in seeded:
         start, k = int(first_draft[i]), int(counts[i])
