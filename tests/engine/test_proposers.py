@@ -10,7 +10,11 @@ import pytest
 from pagedkv.config import SpeculativeConfig
 from pagedkv.engine.spec_decode import Proposer, make_proposer
 from pagedkv.engine.spec_decode.ngram import NgramProposer, find_ngram_drafts
-from pagedkv.engine.spec_decode.suffix import SuffixDecodingProposer, SuffixTrie
+from pagedkv.engine.spec_decode.suffix import (
+    SuffixDecodingProposer,
+    SuffixTrie,
+    speculate_own_tokens,
+)
 
 
 def ngram(k=3, lo=1, hi=4) -> NgramProposer:
@@ -226,10 +230,28 @@ def test_suffix_picks_the_tree_with_the_higher_score():
     assert proposer.propose("s", ids(1, 3, 1), 4).tolist() == [3]
 
 
-def test_suffix_forgets_a_finished_request_and_restarts_a_shorter_one():
+def test_suffix_keeps_nothing_per_request():
     proposer = suffix(k=4, cached=0)
-    proposer.propose("r", ids(1, 2, 1), 4)
-    proposer.on_request_finished("r", 3, ids(1, 2, 1))
-    assert proposer._requests == {}
-    proposer.propose("r", ids(5, 6, 5, 6), 4)
-    assert proposer.propose("r", ids(9, 9), 4).tolist() == [9]  # rebuilt from the new tokens
+    assert proposer.propose("r", ids(5, 6, 5, 6), 4).tolist() == [5, 6]
+    proposer.on_request_finished("r", 4, ids(5, 6, 5, 6))
+    assert proposer.propose("r", ids(9, 9), 4).tolist() == [9]  # only the tokens given count
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_own_tokens_speculate_as_a_trie_of_them(seed):
+    """speculate_own_tokens reads the trie's counts off the array: same drafts and scores."""
+    rng = np.random.default_rng(seed)
+    for _ in range(150):
+        size = int(rng.integers(1, 60))
+        tokens = rng.integers(0, int(rng.integers(2, 5)), size)
+        depth = int(rng.integers(2, 9))
+        limit = int(rng.integers(1, 8))
+        factor = float(rng.choice([0.5, 1.0, 2.0, 3.0]))
+        min_prob = float(rng.choice([0.0, 0.1, 0.4, 0.7]))
+        trie = SuffixTrie(depth)
+        trie.extend([], tokens.tolist())
+        context = tokens[-(depth - 1) :].tolist()
+        expected = trie.speculate(context, limit, factor, min_prob)
+        draft, score, match_len = speculate_own_tokens(tokens, depth, limit, factor, min_prob)
+        assert (draft, match_len) == (expected[0], expected[2]), (tokens, depth, limit, factor)
+        assert score == pytest.approx(expected[1])

@@ -4,13 +4,18 @@ Oliaro et al. 2024, "SuffixDecoding: Extreme Speculative Decoding for Emerging A
 (arXiv 2411.04975); vLLM's ``method="suffix"`` (which runs Arctic Inference's implementation).
 Own implementation, linear drafts only (one path, no tree attention).
 
-Two trees of the same kind (:class:`SuffixTrie`):
+Two sources, as the paper's two suffix trees:
 
-- a per-request tree over the request's prompt + output, extended as its tokens are verified;
+- the request's own prompt + output (the paper's per-request tree);
 - a global tree over the outputs of finished requests, at most
   ``suffix_decoding_max_cached_requests`` of them (the oldest is evicted first).
 
-Each tree is a trie of every substring of length <= D (``suffix_decoding_max_tree_depth``) of
+The global tree is a :class:`SuffixTrie`. The request's own tree is not built: the same
+counts are read off its token array with numpy at each call (:func:`speculate_own_tokens`: the
+same drafts as a trie of its tokens, which a test checks), because a Python trie of depth 24
+over a 4,096-token prompt takes ~25 MiB and ~0.2 s to build, per request.
+
+A trie of every substring of length <= D (``suffix_decoding_max_tree_depth``) of
 its sequences; a node's ``count`` is how often its substring occurs, so the children of the node
 reached by a context give the empirical distribution of the token that followed it::
 
@@ -22,7 +27,8 @@ reached by a context give the empirical distribution of the token that followed 
                                           └─ c (1)
 
 Appending a token extends the <= D substrings that end at the sequence's last token (the
-"active" nodes): O(D) dict steps per token.
+"active" nodes): O(D) dict steps per token (~6 KB per output token of text that does not
+repeat, in CPython).
 
 Speculation, for each match length m = 1, 2, ... while the context's last m tokens are a path
 of the tree: from that node, follow the most frequent child while the path's estimated
@@ -31,7 +37,8 @@ probability (the product of ``child.count / sum of the node's children's counts`
 num_speculative_tokens, floor(suffix_decoding_max_spec_factor * m), D - m)`` tokens (the
 paper's adaptive draft length: a longer match earns a longer draft). The draft scored highest
 (the sum of its tokens' path probabilities: the expected number of accepted tokens), over every
-m and both trees, wins; a tie goes to the longer match.
+m and both sources, wins; a tie goes to the longer match, then to the request's own tokens.
+At a node, a tie between children goes to the smallest token id.
 """
 
 from __future__ import annotations
@@ -128,7 +135,8 @@ class SuffixTrie:
             draft: list[int] = []
             score, prob = 0.0, 1.0
             while len(draft) < limit and node.children:
-                token, child = max(node.children.items(), key=lambda item: item[1].count)
+                # The most frequent child; a tie goes to the smallest token id.
+                token, child = max(node.children.items(), key=lambda it: (it[1].count, -it[0]))
                 prob *= child.count / node.num_next
                 if prob < min_prob:
                     break
@@ -140,20 +148,89 @@ class SuffixTrie:
         return best
 
 
-class _RequestTree:
-    """A request's own trie and how far it has read the request's tokens."""
+def speculate_own_tokens(
+    token_ids: np.ndarray,
+    max_depth: int,
+    max_num_tokens: int,
+    spec_factor: float,
+    min_prob: float,
+) -> tuple[list[int], float, int]:
+    """:meth:`SuffixTrie.speculate` on the trie of the request's own tokens, computed on the
+    token array itself (numpy), with no trie: the same drafts, scores and tie-breaks.
 
-    __slots__ = ("active", "num_tokens", "trie")
+    The node a match of length m reaches in the trie stands for the earlier occurrences of the
+    last m tokens; here they are the end positions ``ends`` whose last m tokens equal the
+    sequence's (narrowed one comparison per m), and a child's count is how many of them are
+    followed by that token. So a request holds no tree (a trie of depth 24 over 4,096 random
+    tokens is ~100k Python nodes, ~25 MiB, ~0.2 s to build) and a call costs one comparison
+    over the array plus work on the matching positions only.
 
-    def __init__(self, max_depth: int) -> None:
-        self.trie = SuffixTrie(max_depth)
-        self.active: list[_Node] = []
-        self.num_tokens = 0
+    Args:
+        token_ids: ``[num_tokens]`` int ids, the request's prompt + output.
+        max_depth, max_num_tokens, spec_factor, min_prob: as :meth:`SuffixTrie.speculate`.
+
+    Returns:
+        ``(draft token ids, score, match length)``; ``([], 0.0, 0)`` when nothing matches.
+    """
+    tokens = np.asarray(token_ids)
+    num_tokens = len(tokens)
+    best: tuple[list[int], float, int] = ([], 0.0, 0)
+    if num_tokens < 2:
+        return best
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])  # earlier occurrences of the last token
+    cached: tuple[list[int], list[float]] | None = None  # the expansion of this `ends`
+    for match_len in range(1, min(num_tokens - 1, max_depth - 1) + 1):
+        if match_len > 1:
+            before = len(ends)
+            ends = ends[ends >= match_len - 1]
+            ends = ends[tokens[ends - (match_len - 1)] == tokens[num_tokens - match_len]]
+            if len(ends) != before:
+                cached = None
+        if not len(ends):
+            break
+        limit = min(max_num_tokens, int(spec_factor * match_len), max_depth - match_len)
+        if cached is None:  # long enough for every later m with the same ends (limit <= D - m)
+            cached = _expand(tokens, ends, min(max_num_tokens, max_depth - match_len), min_prob)
+        draft, probs = cached
+        score = sum(probs[:limit])
+        if draft[:limit] and score >= best[1]:
+            best = (draft[:limit], score, match_len)
+    return best
+
+
+def _expand(
+    tokens: np.ndarray, ends: np.ndarray, limit: int, min_prob: float
+) -> tuple[list[int], list[float]]:
+    """Follow the most frequent next token of the occurrences ending at ``ends`` for at most
+    ``limit`` tokens; returns (the tokens, their path probabilities)."""
+    num_tokens = len(tokens)
+    draft: list[int] = []
+    probs: list[float] = []
+    prob = 1.0
+    next_pos = ends + 1
+    while len(draft) < limit:
+        next_pos = next_pos[next_pos < num_tokens]
+        if not len(next_pos):
+            break
+        values = tokens[next_pos]
+        token = values[0]
+        if (values != token).any():  # several continuations: the most frequent, then smallest
+            unique, counts = np.unique(values, return_counts=True)
+            best = int(np.argmax(counts))
+            token = unique[best]
+            prob *= counts[best] / len(values)
+            if prob < min_prob:
+                break
+            next_pos = next_pos[values == token]
+        draft.append(int(token))
+        probs.append(prob)
+        next_pos = next_pos + 1
+    return draft, probs
 
 
 class SuffixDecodingProposer:
     """:class:`~pagedkv.engine.spec_decode.proposer.Proposer` by SuffixDecoding (module
-    docstring). Holds one trie per request in flight and the global trie of finished outputs.
+    docstring). Holds the global trie of finished outputs; nothing per request.
 
     Args:
         config: ``method="suffix"``; reads ``num_speculative_tokens`` and the
@@ -168,7 +245,6 @@ class SuffixDecodingProposer:
         self.min_prob = config.suffix_decoding_min_token_prob
         self.global_trie = SuffixTrie(self.max_depth)
         self._cached_outputs: OrderedDict[str, list[int]] = OrderedDict()
-        self._requests: dict[str, _RequestTree] = {}
 
     @property
     def num_cached_requests(self) -> int:
@@ -176,34 +252,26 @@ class SuffixDecodingProposer:
         return len(self._cached_outputs)
 
     def propose(self, req_id: str, token_ids: np.ndarray, max_num_tokens: int) -> np.ndarray:
-        """Extend the request's trie with its tokens not seen yet, then draft from the better of
-        its trie and the global one (``[0..min(max_num_tokens, num_speculative_tokens)]``
-        int64)."""
-        tree = self._requests.get(req_id)
-        num_tokens = len(token_ids)
-        if tree is None or num_tokens < tree.num_tokens:  # new (or its tokens were reset)
-            tree = self._requests[req_id] = _RequestTree(self.max_depth)
-        if num_tokens > tree.num_tokens:
-            new = np.asarray(token_ids[tree.num_tokens :]).tolist()
-            tree.active = tree.trie.extend(tree.active, new)
-            tree.num_tokens = num_tokens
+        """Draft from the better of the request's own tokens (:func:`speculate_own_tokens`)
+        and the global trie (``[0..min(max_num_tokens, num_speculative_tokens)]`` int64)."""
         limit = min(max_num_tokens, self.num_speculative_tokens)
-        if limit <= 0 or num_tokens == 0:
+        if limit <= 0 or len(token_ids) == 0:
             return _EMPTY
-        context = np.asarray(token_ids[-(self.max_depth - 1) :]).tolist()
-        args = (context, limit, self.spec_factor, self.min_prob)
-        draft, score, _ = tree.trie.speculate(*args)
+        draft, score, _ = speculate_own_tokens(
+            token_ids, self.max_depth, limit, self.spec_factor, self.min_prob
+        )
         if self._cached_outputs:
+            context = np.asarray(token_ids[-(self.max_depth - 1) :]).tolist()
+            args = (context, limit, self.spec_factor, self.min_prob)
             global_draft, global_score, _ = self.global_trie.speculate(*args)
             if global_score > score:
                 draft = global_draft
         return np.asarray(draft, dtype=np.int64)
 
     def on_request_finished(self, req_id: str, prompt_len: int, token_ids: np.ndarray) -> None:
-        """Drop the request's trie and add its output (``token_ids[prompt_len:]``) to the global
-        trie, evicting the oldest cached outputs beyond ``suffix_decoding_max_cached_requests``.
-        A request id already cached replaces its older output."""
-        self._requests.pop(req_id, None)
+        """Add the request's output (``token_ids[prompt_len:]``) to the global trie, evicting
+        the oldest cached outputs beyond ``suffix_decoding_max_cached_requests``. A request id
+        already cached replaces its older output."""
         if self.max_cached_requests == 0:
             return
         output = np.asarray(token_ids[prompt_len:]).tolist()
