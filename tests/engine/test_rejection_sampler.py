@@ -201,6 +201,7 @@ def test_dense_draft_probs_residual_never_emits_where_q_covers_p():
 def test_no_drafts_is_plain_sampling():
     logits = torch.tensor([[0.0, 5.0, 1.0], [2.0, 0.0, 0.0]])
     assert verify(logits, [GREEDY, GREEDY], [0, 0], []) == [[1], [0]]
+    assert verify(torch.zeros(0, 3), [], [], []) == []
 
 
 @pytest.mark.parametrize(

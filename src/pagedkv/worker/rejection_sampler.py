@@ -75,6 +75,8 @@ def rejection_sample(
     draft_ids = torch.as_tensor(draft_token_ids, device=device).to(torch.int64)
     _check_inputs(logits, num_reqs, num_draft_tokens, draft_ids, draft_probs, generators)
     vocab_size = logits.shape[1]
+    if num_reqs == 0:
+        return []
 
     counts = torch.tensor(num_draft_tokens, dtype=torch.int64, device=device)  # k_i
     first_row = torch.cumsum(counts + 1, 0) - (counts + 1)  # each request's first row
@@ -88,7 +90,7 @@ def rejection_sample(
             p for p, k in zip(sampling_params, num_draft_tokens, strict=True) for _ in range(k + 1)
         ]
         apply_logit_bias(logits, row_params)
-    greedy = torch.tensor([p.greedy for p in sampling_params], device=device)
+    greedy = torch.tensor([p.greedy for p in sampling_params], dtype=torch.bool, device=device)
     random_reqs = [i for i, p in enumerate(sampling_params) if not p.greedy]
     reqs = torch.nonzero(~greedy).squeeze(1)  # random_reqs as a tensor
 
