@@ -202,6 +202,19 @@ def test_no_drafts_is_plain_sampling():
     logits = torch.tensor([[0.0, 5.0, 1.0], [2.0, 0.0, 0.0]])
     assert verify(logits, [GREEDY, GREEDY], [0, 0], []) == [[1], [0]]
     assert verify(torch.zeros(0, 3), [], [], []) == []
+    # Draft ids as a plain list (empty or not) as the model runner builds them.
+    sampler = Sampler()
+    assert rejection_sample(
+        logits.clone(), [GREEDY] * 2, [0, 0], [], None, [None] * 2, sampler
+    ) == [
+        [1],
+        [0],
+    ]
+    three = torch.tensor([[0.0, 5.0, 1.0], [2.0, 0.0, 0.0], [0.0, 0.0, 3.0]])
+    assert rejection_sample(three, [GREEDY] * 2, [1, 0], [1], None, [None] * 2, sampler) == [
+        [1, 0],
+        [2],
+    ]
 
 
 @pytest.mark.parametrize(

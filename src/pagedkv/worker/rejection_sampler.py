@@ -41,7 +41,7 @@ def rejection_sample(
     logits: torch.Tensor,
     sampling_params: Sequence[SamplingParams],
     num_draft_tokens: Sequence[int],
-    draft_token_ids: torch.Tensor | np.ndarray,
+    draft_token_ids: torch.Tensor | np.ndarray | Sequence[int],
     draft_probs: torch.Tensor | None,
     generators: Sequence[torch.Generator | None],
     sampler: Sampler,
@@ -55,7 +55,7 @@ def rejection_sample(
         sampling_params: one per request (no penalties, no min_tokens: not applied here).
         num_draft_tokens: k_i >= 0 per request.
         draft_token_ids: ``[sum(num_draft_tokens)]`` int draft ids, the requests' drafts in
-            order (torch or numpy).
+            order (a tensor, numpy array or list).
         draft_probs: ``[sum(num_draft_tokens), vocab_size]`` float q of each draft row, or None:
             one-hot on the draft token (n-gram / suffix drafts).
         generators: one per request: its own generator (seeded requests: their uniforms and
