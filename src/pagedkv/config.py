@@ -16,6 +16,8 @@ CacheConfig         block_size, num_gpu_blocks, cache_dtype,          KV cache m
 SchedulerConfig     max_num_seqs, max_num_batched_tokens,             scheduler, runner
                     max_model_len, enable_chunked_prefill, policy
 ParallelConfig      tensor_parallel_size                              executor factory
+SpeculativeConfig   method, num_speculative_tokens, prompt_lookup_*,  proposers, rejection
+                    suffix_decoding_*                                 sampler, scheduler
 ==================  ==============================================  ==========================
 
 (vLLM calls the first ``ModelConfig``; here that name is the model's architecture,
@@ -24,7 +26,12 @@ ParallelConfig      tensor_parallel_size                              executor f
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
+
+from pagedkv.errors import ConfigError
+from pagedkv.validation import check_int, check_number
 
 #: Values of ``quantization`` (vLLM's ``--quantization``; :mod:`pagedkv.model.quantization`):
 #: "gguf" (a GGUF file's own 4-bit blocks), "int4" / "int8" (made at load), "none" (dense);
@@ -120,32 +127,202 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
 
 
+#: Values of ``SpeculativeConfig.method`` (vLLM's names) that pagedkv builds.
+SPECULATIVE_METHODS = ("ngram", "suffix")
+
+#: Methods vLLM has that are parsed but refused, with why.
+_UNBUILT_SPECULATIVE_METHODS = {
+    "draft_model": "speculative decoding with a draft model is not built yet; use 'ngram' or "
+    "'suffix'",
+}
+
+#: The keys of ``--speculative-config`` pagedkv reads (vLLM's names).
+_SPECULATIVE_KEYS = frozenset(
+    {
+        "method",
+        "model",
+        "num_speculative_tokens",
+        "prompt_lookup_min",
+        "prompt_lookup_max",
+        "suffix_decoding_max_tree_depth",
+        "suffix_decoding_max_cached_requests",
+        "suffix_decoding_max_spec_factor",
+        "suffix_decoding_min_token_prob",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``--speculative-config`` JSON, its key names and defaults).
+
+    A proposer drafts up to ``num_speculative_tokens`` tokens per request per step from the
+    request's own tokens (no draft model); the target model scores them all in one forward and
+    the rejection sampler keeps the longest prefix the target agrees with, plus one token of its
+    own (:mod:`pagedkv.engine.spec_decode`, :mod:`pagedkv.worker.rejection_sampler`).
+
+    Attributes:
+        method: "ngram" (prompt lookup decoding) or "suffix" (SuffixDecoding, Oliaro et al.
+            2024).
+        num_speculative_tokens: most draft tokens per request per step (>= 1). Required for
+            "ngram"; "suffix" defaults it to ``suffix_decoding_max_tree_depth`` (as vLLM).
+        prompt_lookup_min, prompt_lookup_max: ngram: the n-gram lengths matched, tokens
+            (``1 <= min <= max``; both default to 5, one given sets the other to it, as vLLM).
+        suffix_decoding_max_tree_depth: suffix: the suffix trees' depth, tokens (>= 1); it caps
+            match length + draft length (vLLM's default 24).
+        suffix_decoding_max_cached_requests: suffix: finished requests whose outputs the global
+            tree holds, oldest evicted first (>= 0; 0 = no global tree; default 10000).
+        suffix_decoding_max_spec_factor: suffix: draft length <= this x the match length
+            (>= 0; default 1.0).
+        suffix_decoding_min_token_prob: suffix: a draft token's estimated probability (from
+            the trees' counts) must be at least this ([0, 1]; default 0.1).
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(
+                f"speculative_config: method must be one of {SPECULATIVE_METHODS}, "
+                f"got {self.method!r}"
+            )
+        check_int("speculative_config: prompt_lookup_min", self.prompt_lookup_min, 1)
+        check_int(
+            "speculative_config: prompt_lookup_max",
+            self.prompt_lookup_max,
+            self.prompt_lookup_min,
+            why="at least prompt_lookup_min",
+        )
+        check_int(
+            "speculative_config: suffix_decoding_max_tree_depth",
+            self.suffix_decoding_max_tree_depth,
+            1,
+        )
+        check_int(
+            "speculative_config: suffix_decoding_max_cached_requests",
+            self.suffix_decoding_max_cached_requests,
+            0,
+        )
+        check_number(
+            "speculative_config: suffix_decoding_max_spec_factor",
+            self.suffix_decoding_max_spec_factor,
+            0,
+            finite=True,
+        )
+        check_number(
+            "speculative_config: suffix_decoding_min_token_prob",
+            self.suffix_decoding_min_token_prob,
+            0,
+            maximum=1,
+        )
+        # Last: suffix defaults it from suffix_decoding_max_tree_depth, checked above.
+        check_int("speculative_config: num_speculative_tokens", self.num_speculative_tokens, 1)
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> SpeculativeConfig:
+        """The config of vLLM's ``--speculative-config`` dict, defaults resolved.
+
+        Raises:
+            ConfigError: not a dict; a key pagedkv does not read (named); a value of the wrong
+                type or out of range (named); no ``method``; ``method`` "draft_model" (not built
+                yet) or any other method pagedkv lacks; ``model`` with a method that takes none;
+                ``num_speculative_tokens`` missing for "ngram".
+        """
+        if not isinstance(config, dict):
+            raise ConfigError(
+                f"speculative_config must be a JSON object, got {type(config).__name__}"
+            )
+        unknown = sorted(str(k) for k in config if k not in _SPECULATIVE_KEYS)
+        if unknown:
+            raise ConfigError(
+                f"speculative_config: unknown key(s) {unknown}; pagedkv reads "
+                f"{sorted(_SPECULATIVE_KEYS)}"
+            )
+        method = config.get("method")
+        if method == "[ngram]":  # vLLM's older spelling
+            method = "ngram"
+        if method is None:
+            if "model" in config:
+                method = "draft_model"
+            else:
+                raise ConfigError(
+                    f"speculative_config: method is required, one of {SPECULATIVE_METHODS}"
+                )
+        if not isinstance(method, str):
+            raise ConfigError(f"speculative_config: method must be a string, got {method!r}")
+        if method in _UNBUILT_SPECULATIVE_METHODS:
+            raise ConfigError(
+                f"speculative_config: method {method!r}: {_UNBUILT_SPECULATIVE_METHODS[method]}"
+            )
+        if method not in SPECULATIVE_METHODS:
+            raise ConfigError(
+                f"speculative_config: method must be one of {SPECULATIVE_METHODS}, got {method!r}"
+            )
+        if "model" in config:
+            raise ConfigError(
+                f"speculative_config: model is for method 'draft_model'; method {method!r} "
+                "drafts from the request's own tokens and takes no model"
+            )
+        fields = {k: v for k, v in config.items() if k not in ("method", "model")}
+        if method == "ngram":
+            if "num_speculative_tokens" not in fields:
+                raise ConfigError(
+                    "speculative_config: num_speculative_tokens is required for method 'ngram'"
+                )
+            lookup_min = fields.get("prompt_lookup_min")
+            lookup_max = fields.get("prompt_lookup_max")
+            if lookup_min is None and lookup_max is None:
+                lookup_min = lookup_max = 5
+            elif lookup_min is None:
+                lookup_min = lookup_max
+            elif lookup_max is None:
+                lookup_max = lookup_min
+            fields["prompt_lookup_min"] = lookup_min
+            fields["prompt_lookup_max"] = lookup_max
+        else:
+            for key in ("prompt_lookup_min", "prompt_lookup_max"):
+                if key in fields:
+                    raise ConfigError(
+                        f"speculative_config: {key} is for method 'ngram', not {method!r}"
+                    )
+            if fields.get("num_speculative_tokens") is None:
+                fields["num_speculative_tokens"] = fields.get("suffix_decoding_max_tree_depth", 24)
+        if method != "suffix":
+            suffix_keys = sorted(k for k in fields if k.startswith("suffix_decoding_"))
+            if suffix_keys:
+                raise ConfigError(
+                    f"speculative_config: {suffix_keys} are for method 'suffix', not {method!r}"
+                )
+        return cls(method=method, **fields)
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """The config of vLLM's ``--speculative-config`` JSON string (:meth:`from_dict`).
+
+        Raises:
+            ConfigError: not valid JSON, or as :meth:`from_dict`.
+        """
+        try:
+            config = json.loads(text)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"speculative_config is not valid JSON: {e}") from None
+        return cls.from_dict(config)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PagedKVConfig:
-    """The four sub-configs of one engine, resolved (vLLM's ``VllmConfig``)."""
+    """The sub-configs of one engine, resolved (vLLM's ``VllmConfig``); speculative decoding's
+    is None when it is off."""
 
     model_config: ModelRunConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
     speculative_config: SpeculativeConfig | None = None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SpeculativeConfig:
-    """TEMPORARY stub."""
-
-    method: str = "ngram"
-    num_speculative_tokens: int = 3
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 4
-
-    @classmethod
-    def from_dict(cls, d):
-        return cls(**d)
-
-    @classmethod
-    def from_json(cls, text):
-        import json
-
-        return cls(**json.loads(text))

@@ -22,10 +22,10 @@ from pagedkv.sampling_params import (
 )
 from pagedkv.worker.sampler import (
     Sampler,
-    _apply_logit_bias,
     _apply_min_p,
     _apply_min_tokens,
     _apply_penalties,
+    apply_logit_bias,
     gather_logprobs,
 )
 
@@ -77,7 +77,7 @@ def test_logit_bias_is_added_and_clamped():
     params = SamplingParams(logit_bias={3: 500, 1: -1.5, 2: -1e9})
     assert params.logit_bias == {3: 100.0, 1: -1.5, 2: -100.0}
     logits = torch.zeros(2, 5)
-    _apply_logit_bias(logits, [SamplingParams(), params])
+    apply_logit_bias(logits, [SamplingParams(), params])
     assert logits.tolist() == [[0.0] * 5, [0.0, -1.5, -100.0, 100.0, 0.0]]
 
 

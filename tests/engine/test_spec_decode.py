@@ -224,13 +224,28 @@ def test_each_attention_backend(tiny, attention_backend):
     assert got == expected
 
 
-def test_ngram_proposer_end_to_end(tiny):
-    """The real n-gram proposer on prompts that repeat themselves: same tokens, some accepted."""
+@pytest.mark.parametrize(
+    "config",
+    [
+        {
+            "method": "ngram",
+            "num_speculative_tokens": 4,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3,
+        },
+        {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_min_token_prob": 0.0},
+    ],
+    ids=["ngram", "suffix"],
+)
+def test_real_proposers_end_to_end(tiny, config):
+    """The n-gram and suffix proposers on prompts that repeat themselves, twice over (the second
+    round's suffix drafts can come from the first round's outputs): same tokens, some drafts."""
     prompts = ["abcdefgh" * 6, "the cat sat on the mat, the cat sat on the " * 2]
     expected, _ = reference(tiny, prompts, greedy(32))
-    engine = make_engine(tiny, speculative_config=NGRAM)
-    got, _ = run(engine, prompts, greedy(32))
-    assert got == expected
+    engine = make_engine(tiny, speculative_config=config)
+    for _ in range(2):
+        got, _ = run(engine, prompts, greedy(32))
+        assert got == expected
     assert engine.scheduler.get_stats().spec_decoding.num_drafts > 0
 
 

@@ -48,6 +48,7 @@ from pagedkv.worker.kv_offload import (
     collect_tier_loads,
 )
 from pagedkv.worker.outputs import LogprobsLists, ModelRunnerOutput
+from pagedkv.worker.rejection_sampler import rejection_sample
 from pagedkv.worker.sampler import (
     Sampler,
     apply_grammar_bitmask,
@@ -347,6 +348,7 @@ class ModelRunner:
             [t for d in drafts for t in d],
             None,  # n-gram and suffix drafts have no probabilities: one-hot
             [self._generator(s) for s in states],
+            self.sampler,
         )
         for i, state, new_tokens in zip(drafted.tolist(), states, tokens, strict=True):
             result.num_accepted_draft_tokens[state.req_id] = len(new_tokens) - 1
@@ -526,22 +528,3 @@ def _attention_groups(
                 pairs.append(pair)
             layer_pairs[layer] = pairs.index(pair)
     return pairs, layer_pairs
-
-
-def rejection_sample(logits, params, num_draft_tokens, draft_token_ids, draft_probs, generators):
-    """TEMPORARY greedy-only stand-in until worker/rejection_sampler.py lands."""
-    from pagedkv.worker.sampler import row_argmax
-
-    argmax = row_argmax(logits).tolist()
-    out, row, d = [], 0, 0
-    for k in num_draft_tokens:
-        new = []
-        for j in range(k + 1):
-            token = argmax[row + j]
-            new.append(token)
-            if j == k or draft_token_ids[d + j] != token:
-                break
-        out.append(new)
-        row += k + 1
-        d += k
-    return out

@@ -161,26 +161,14 @@ class Sampler:
         """
         num_reqs = logits.shape[0]
         _apply_min_tokens(logits, sampling_params, output_token_ids, stop_token_ids)
-        _apply_logit_bias(logits, sampling_params)
+        apply_logit_bias(logits, sampling_params)
         _apply_penalties(logits, sampling_params, output_token_ids, prompt_token_ids)
         greedy = [p.greedy for p in sampling_params]
         if all(greedy):
             return row_argmax(logits)
 
-        temperatures = torch.tensor(
-            [1.0 if g else p.temperature for g, p in zip(greedy, sampling_params, strict=True)],
-            dtype=logits.dtype,
-            device=logits.device,
-        )
         greedy_tokens = row_argmax(logits) if any(greedy) else None
-        logits.div_(temperatures[:, None])
-        min_p = [0.0 if g else p.min_p for g, p in zip(greedy, sampling_params, strict=True)]
-        if any(min_p):
-            _apply_min_p(logits, min_p)
-        top_k = [p.top_k if p.top_k > 0 else 0 for p in sampling_params]
-        top_p = [p.top_p for p in sampling_params]
-        if any(top_k) or any(p < 1.0 for p in top_p):
-            logits = _apply_top_k_top_p(logits, top_k, top_p)
+        logits = apply_sampling_filters(logits, sampling_params)
 
         probs = torch.softmax(logits, dim=-1)
         noise = torch.empty_like(probs)
@@ -201,6 +189,50 @@ class Sampler:
                 torch.tensor(greedy, device=logits.device), greedy_tokens, sampled
             )
         return sampled
+
+
+def apply_sampling_filters(
+    logits: torch.Tensor,
+    sampling_params: Sequence[SamplingParams],
+    num_rows_per_request: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Turn logits (after logit_bias / penalties) into the logits of the distribution each row
+    samples from: divide by the temperature (1 for greedy rows), then min_p, then top-k / top-p
+    (-inf outside). The one home of these transforms, for the :class:`Sampler` and the rejection
+    sampler's target distributions.
+
+    Args:
+        logits: ``[num_rows, vocab_size]`` float (modified in place; the result may be a new
+            tensor).
+        sampling_params: one per request.
+        num_rows_per_request: ``[num_requests]`` int64 rows of each request, consecutive (the
+            rejection sampler's draft rows + bonus row); None = one row each.
+
+    Returns:
+        ``[num_rows, vocab_size]`` logits; ``softmax`` of a row is its distribution.
+    """
+    greedy = [p.greedy for p in sampling_params]
+    temperature = [
+        1.0 if g else p.temperature for g, p in zip(greedy, sampling_params, strict=True)
+    ]
+    min_p = [0.0 if g else p.min_p for g, p in zip(greedy, sampling_params, strict=True)]
+    top_k = [p.top_k if p.top_k > 0 else 0 for p in sampling_params]
+    top_p = [p.top_p for p in sampling_params]
+
+    def per_row(values: list, dtype: torch.dtype) -> torch.Tensor:
+        column = torch.tensor(values, dtype=dtype, device=logits.device)
+        if num_rows_per_request is None:
+            return column
+        return column.repeat_interleave(num_rows_per_request.to(logits.device))
+
+    logits.div_(per_row(temperature, logits.dtype)[:, None])
+    if any(min_p):
+        _apply_min_p(logits, per_row(min_p, logits.dtype))
+    if any(top_k) or any(p < 1.0 for p in top_p):
+        logits = _apply_top_k_top_p(
+            logits, per_row(top_k, torch.int64), per_row(top_p, logits.dtype)
+        )
+    return logits
 
 
 #: Width of the column blocks :func:`row_argmax` takes the maxima of.
@@ -277,8 +309,9 @@ def _apply_min_tokens(
         logits[_scatter_indices(rows, columns, logits.device)] = float("-inf")
 
 
-def _apply_logit_bias(logits: torch.Tensor, sampling_params: Sequence[SamplingParams]) -> None:
-    """``logits[i, token] += bias`` for every row's logit_bias, in place, one indexed add."""
+def apply_logit_bias(logits: torch.Tensor, sampling_params: Sequence[SamplingParams]) -> None:
+    """``logits[i, token] += bias`` for every row's logit_bias, in place, one indexed add
+    (``sampling_params``: one per row)."""
     rows, columns, biases = [], [], []
     for i, params in enumerate(sampling_params):
         if params.logit_bias:
@@ -335,19 +368,21 @@ def _apply_penalties(
     logits.index_copy_(0, index, sub)
 
 
-def _apply_min_p(logits: torch.Tensor, min_p: Sequence[float]) -> None:
+def _apply_min_p(logits: torch.Tensor, min_p: Sequence[float] | torch.Tensor) -> None:
     """Tokens whose probability is below ``min_p`` x the row's top probability -> -inf, in
     place (after temperature, as vLLM)."""
     probs = torch.softmax(logits, dim=-1)
     threshold = (
         probs.amax(dim=-1, keepdim=True)
-        * torch.tensor(min_p, dtype=logits.dtype, device=logits.device)[:, None]
+        * torch.as_tensor(min_p, dtype=logits.dtype, device=logits.device)[:, None]
     )
     logits.masked_fill_(probs < threshold, float("-inf"))
 
 
 def _apply_top_k_top_p(
-    logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]
+    logits: torch.Tensor,
+    top_k: Sequence[int] | torch.Tensor,
+    top_p: Sequence[float] | torch.Tensor,
 ) -> torch.Tensor:
     """Set logits outside each row's top-k / top-p set to -inf.
 
@@ -355,15 +390,15 @@ def _apply_top_k_top_p(
     distribution whose mass reaches p (always at least the most likely token).
     """
     vocab_size = logits.shape[1]
+    top_k = torch.as_tensor(top_k, dtype=torch.int64, device=logits.device)
+    top_p = torch.as_tensor(top_p, dtype=logits.dtype, device=logits.device)
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    if any(top_k):
-        k = torch.tensor([kk if kk > 0 else vocab_size for kk in top_k], device=logits.device)
-        k = k.clamp_(max=vocab_size)
+    if bool((top_k > 0).any()):
+        k = torch.where(top_k > 0, top_k, vocab_size).clamp_(max=vocab_size)
         ranks = torch.arange(vocab_size, device=logits.device)[None, :]
         sorted_logits.masked_fill_(ranks >= k[:, None], float("-inf"))
-    if any(p < 1.0 for p in top_p):
-        p = torch.tensor(top_p, dtype=sorted_logits.dtype, device=logits.device)
+    if bool((top_p < 1.0).any()):
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_logits.masked_fill_(mass_before >= p[:, None], float("-inf"))
+        sorted_logits.masked_fill_(mass_before >= top_p[:, None], float("-inf"))
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
