@@ -210,9 +210,9 @@ def test_abort_while_loading_frees_blocks_after_the_load(tiny, tmp_path):
         gate.set()
     for _ in range(100):
         engine.step()
-        if engine.scheduler.num_loading_requests == 0:
+        if len(engine.scheduler.tier_loads) == 0:
             break
-    assert engine.scheduler.num_loading_requests == 0
+    assert len(engine.scheduler.tier_loads) == 0
     assert manager.num_free_blocks == free_before
     assert not engine.has_unfinished_requests()
     check_invariants(manager)

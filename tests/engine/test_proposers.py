@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from pagedkv.config import SpeculativeConfig
-from pagedkv.engine.spec_decode import Proposer, make_proposer
 from pagedkv.engine.spec_decode.ngram import NgramProposer, find_ngram_drafts
+from pagedkv.engine.spec_decode.proposer import Proposer, make_proposer
 from pagedkv.engine.spec_decode.suffix import (
     SuffixDecodingProposer,
     SuffixTrie,

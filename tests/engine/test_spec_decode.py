@@ -75,8 +75,8 @@ class ScriptedProposer:
 def run(engine: LLMEngine, prompts, params, proposer=None) -> tuple[list[list[int]], int]:
     """Generate ``prompts`` (ids "0", "1", ...), checking the KV cache after every step;
     returns each request's token ids and the number of steps."""
-    if proposer is not None:
-        engine.scheduler.drafts.proposer = proposer
+    if proposer is not None:  # the engine's BufferedProposer feeds it
+        engine.scheduler.drafts.proposer.proposer = proposer
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
     final, num_steps = {}, 0

@@ -40,6 +40,7 @@ from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.engine.scheduler import Scheduler
+from pagedkv.engine.spec_decode.proposer import BufferedProposer, make_proposer
 from pagedkv.engine.stats import KVTierStats, SchedulerStats
 from pagedkv.engine.structured_output import StructuredOutputManager, StructuredOutputRequest
 from pagedkv.errors import ConfigError, InvalidRequestError
@@ -131,8 +132,14 @@ class LLMEngine:
             kv_offloading_blocks=tier_blocks,
         )
         self.kv_cache_manager = KVCacheManager.from_config(kv_cache_config, resolved.cache_config)
+        speculative = resolved.speculative_config
         self.scheduler = Scheduler.from_config(
-            self.kv_cache_manager, resolved.scheduler_config, resolved.speculative_config
+            self.kv_cache_manager,
+            resolved.scheduler_config,
+            speculative,
+            None
+            if speculative is None
+            else BufferedProposer(make_proposer(speculative), resolved.model_config.max_model_len),
         )
         #: runs the steps: one process, or tensor-parallel ranks (:mod:`pagedkv.worker.executor`).
         self.executor = create_executor(
@@ -514,7 +521,7 @@ class LLMEngine:
         scheduler = self.scheduler
         last = self._last_scheduler_output
         requests = [(request, "running") for request in scheduler.running]
-        requests += [(request, "loading") for request in scheduler.loading_requests]
+        requests += [(request, "loading") for request in scheduler.tier_loads.loading.values()]
         requests += [(request, "waiting") for request in scheduler.waiting]
         stats = dataclasses.asdict(scheduler.get_stats())
         stats["prefix_cache_hit_rate"] = scheduler.stats.prefix_cache_hit_rate
@@ -614,7 +621,7 @@ class LLMEngine:
         if (
             scheduler_output.total_num_scheduled_tokens
             or scheduler_output.kv_tier_ops
-            or self.scheduler.num_loading_requests
+            or len(self.scheduler.tier_loads)
         ):
             # (KV tier instructions, or loads in flight to report, run with no token too)
             try:

@@ -58,7 +58,7 @@ from pagedkv.engine.request_queue import FCFSQueue, PriorityQueue
 from pagedkv.engine.sample_forks import SampleForks
 from pagedkv.engine.sampled_tokens import append_sampled_tokens, match_sampled_tokens
 from pagedkv.engine.scheduled_step import ScheduledStep, build_scheduler_output
-from pagedkv.engine.spec_decode.drafts import SpecDecodeDrafts
+from pagedkv.engine.spec_decode.drafts import DraftProposer, SpecDecodeDrafts
 from pagedkv.engine.stats import SchedulerStats
 from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.worker.outputs import ModelRunnerOutput
@@ -90,8 +90,9 @@ class Scheduler:
             / ``failed_kv_loads`` (the engine's, :meth:`from_config`). False: it runs in the
             step that allocates it, for a driver without workers whose loads are instant and
             never fail (the simulator).
-        speculative_config: speculative decoding (vLLM's ``--speculative-config``): decoding
-            requests get draft tokens (:mod:`~pagedkv.engine.spec_decode.drafts`); None: off.
+        proposer: speculative decoding's proposer: decoding requests get up to
+            ``num_speculative_tokens`` draft tokens a step from it
+            (:mod:`~pagedkv.engine.spec_decode.drafts`); None: off.
 
     Raises:
         ConfigError: :func:`~pagedkv.engine.request_limits.check_scheduler_options`, or swap
@@ -109,7 +110,8 @@ class Scheduler:
         admission: str = "fcfs",
         preemption_mode: str = "recompute",
         wait_for_kv_loads: bool = False,
-        speculative_config: SpeculativeConfig | None = None,
+        proposer: DraftProposer | None = None,
+        num_speculative_tokens: int = 0,
     ) -> None:
         check_scheduler_options(
             max_num_seqs,
@@ -146,7 +148,7 @@ class Scheduler:
         self.forks = SampleForks(self)
         self.tier_loads = KVTierLoads(self, wait_for_kv_loads)
         self.rejections = Rejections(self)
-        self.drafts = SpecDecodeDrafts.from_config(self, speculative_config)
+        self.drafts = SpecDecodeDrafts(self, proposer, num_speculative_tokens) if proposer else None
         self._scheduled_requests: list[Request] = []  # the last schedule()'s, in order
         #: what one request may ask for (add_request's rules).
         self.limits = RequestLimits(
@@ -162,8 +164,10 @@ class Scheduler:
         kv_cache_manager: KVCacheInterface,
         scheduler_config: SchedulerConfig,
         speculative_config: SpeculativeConfig | None = None,
+        proposer: DraftProposer | None = None,
     ) -> Scheduler:
-        """The scheduler of the engine's resolved :class:`~pagedkv.config.SchedulerConfig`."""
+        """The scheduler of the engine's resolved :class:`~pagedkv.config.SchedulerConfig` (and
+        :class:`~pagedkv.config.SpeculativeConfig` with its ``proposer``)."""
         return cls(
             kv_cache_manager,
             scheduler_config.max_num_seqs,
@@ -173,7 +177,8 @@ class Scheduler:
             policy=scheduler_config.policy,
             preemption_mode=scheduler_config.preemption_mode,
             wait_for_kv_loads=True,
-            speculative_config=speculative_config,
+            proposer=proposer,
+            num_speculative_tokens=speculative_config.num_speculative_tokens if proposer else 0,
         )
 
     # ------------------------------------------------------------------ requests in and out
@@ -256,21 +261,10 @@ class Scheduler:
         )
 
     @property
-    def num_loading_requests(self) -> int:
-        """Requests waiting for their KV tier loads (the workers must keep reporting)."""
-        return len(self.tier_loads)
-
-    @property
     def scheduled_requests(self) -> list[Request]:
         """The requests of the last :meth:`schedule`, in scheduling order (their
         ``num_computed_tokens`` advanced by the step), until :meth:`update_from_output`."""
         return self._scheduled_requests
-
-    @property
-    def loading_requests(self) -> list[Request]:
-        """The requests waiting for their KV tier loads (WAITING_FOR_REMOTE_KVS: they hold
-        blocks, but neither wait nor run), in admission order; a copy."""
-        return list(self.tier_loads.loading.values())
 
     # ------------------------------------------------------------------ the step
 

@@ -25,54 +25,50 @@ is preempted. Idea and names from vLLM V1 (``Request.spec_token_ids``,
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-import numpy as np
+from typing import TYPE_CHECKING, Protocol
 
 from pagedkv.engine.request import Request
-from pagedkv.engine.spec_decode.proposer import Proposer, make_proposer
 from pagedkv.engine.stats import SpecDecodingStats
 
 if TYPE_CHECKING:
-    from pagedkv.config import SpeculativeConfig
     from pagedkv.engine.scheduler import Scheduler
+
+
+class DraftProposer(Protocol):
+    """What the scheduler's drafts call: a proposer over plain token lists (the engine's is a
+    :class:`~pagedkv.engine.spec_decode.proposer.BufferedProposer`, which keeps numpy out of the
+    scheduler's imports)."""
+
+    def propose(self, req_id: str, token_ids: list[int], max_num_tokens: int) -> list[int]:
+        """At most ``max_num_tokens`` drafts to follow ``token_ids`` (verified tokens)."""
+        ...
+
+    def finished(self, req_id: str, prompt_len: int, token_ids: list[int]) -> None:
+        """Forget ``req_id`` (its tokens may teach the proposer)."""
+        ...
 
 
 class SpecDecodeDrafts:
     """Proposes the draft tokens of the scheduler's decoding requests and rolls back the
     rejected ones.
 
-    Shares the scheduler's limits (max_model_len); owns the proposer, a token buffer per
-    drafting request (its verified tokens as int32, appended as they come: O(new tokens) a step)
-    and the counters.
+    Shares the scheduler's limits (max_model_len); owns the proposer and the counters.
 
     Args:
         scheduler: the scheduler it serves.
-        proposer: makes the drafts (:mod:`pagedkv.engine.spec_decode.proposer`).
+        proposer: makes the drafts (:class:`DraftProposer`).
         num_speculative_tokens: most drafts per request and step (>= 1).
     """
 
-    __slots__ = ("_buffers", "_scheduler", "num_speculative_tokens", "proposer", "stats")
+    __slots__ = ("_scheduler", "num_speculative_tokens", "proposer", "stats")
 
-    def __init__(self, scheduler: Scheduler, proposer: Proposer, num_speculative_tokens: int):
+    def __init__(
+        self, scheduler: Scheduler, proposer: DraftProposer, num_speculative_tokens: int
+    ) -> None:
         self._scheduler = scheduler
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
         self.stats = SpecDecodingStats(num_accepted_tokens_per_pos=[0] * num_speculative_tokens)
-        self._buffers: dict[str, tuple[np.ndarray, list[int]]] = {}
-
-    @classmethod
-    def from_config(
-        cls, scheduler: Scheduler, speculative_config: SpeculativeConfig | None
-    ) -> SpecDecodeDrafts | None:
-        """The drafts of ``speculative_config`` (its proposer), or None when it is None."""
-        if speculative_config is None:
-            return None
-        return cls(
-            scheduler,
-            make_proposer(speculative_config),
-            speculative_config.num_speculative_tokens,
-        )
 
     @staticmethod
     def can_draft(request: Request) -> bool:
@@ -104,25 +100,9 @@ class SpecDecodeDrafts:
         if limit <= 0 or not self.can_draft(request):
             request.spec_token_ids = []
             return 0
-        drafts = self.proposer.propose(request.request_id, self._token_ids(request), limit)
-        request.spec_token_ids = drafts = [int(t) for t in drafts[:limit]]
+        drafts = self.proposer.propose(request.request_id, request.all_token_ids, limit)
+        request.spec_token_ids = drafts
         return len(drafts)
-
-    def _token_ids(self, request: Request) -> np.ndarray:
-        """The request's verified tokens as an int32 array view (its buffer grows by the new
-        tokens only; a request that shrank, e.g. a beam, starts a new one)."""
-        entry = self._buffers.get(request.request_id)
-        all_token_ids = request.all_token_ids
-        num_tokens = len(all_token_ids)
-        if entry is None or entry[1][0] > num_tokens:
-            buffer = np.empty(self._scheduler.max_model_len, dtype=np.int32)
-            entry = (buffer, [0])
-            self._buffers[request.request_id] = entry
-        buffer, filled = entry
-        if filled[0] < num_tokens:
-            buffer[filled[0] : num_tokens] = all_token_ids[filled[0] :]
-            filled[0] = num_tokens
-        return buffer[:num_tokens]
 
     @staticmethod
     def drop(request: Request) -> int:
@@ -165,10 +145,7 @@ class SpecDecodeDrafts:
 
     def finished(self, request: Request) -> None:
         """Forget a finished request (the proposer may learn from its output)."""
-        self._buffers.pop(request.request_id, None)
-        self.proposer.on_request_finished(
-            request.request_id, request.num_prompt_tokens, request.all_token_ids
-        )
+        self.proposer.finished(request.request_id, request.num_prompt_tokens, request.all_token_ids)
 
 
-__all__ = ["SpecDecodeDrafts"]
+__all__ = ["DraftProposer", "SpecDecodeDrafts"]

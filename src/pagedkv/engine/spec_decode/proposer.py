@@ -7,6 +7,8 @@ from typing import Protocol
 import numpy as np
 
 from pagedkv.config import SpeculativeConfig
+from pagedkv.engine.spec_decode.ngram import NgramProposer
+from pagedkv.engine.spec_decode.suffix import SuffixDecodingProposer
 
 
 class Proposer(Protocol):
@@ -43,9 +45,46 @@ class Proposer(Protocol):
 def make_proposer(config: SpeculativeConfig) -> Proposer:
     """The proposer of ``config.method`` ("ngram" or "suffix")."""
     if config.method == "ngram":
-        from pagedkv.engine.spec_decode.ngram import NgramProposer
-
         return NgramProposer(config)
-    from pagedkv.engine.spec_decode.suffix import SuffixDecodingProposer
-
     return SuffixDecodingProposer(config)
+
+
+class BufferedProposer:
+    """A proposer fed with the scheduler's token lists: each drafting request's verified tokens
+    are kept as an int32 array that grows by its new tokens only (O(new tokens) a step, not a
+    list-to-array copy of the whole context), and the proposer reads a view of it. The
+    scheduler's :class:`~pagedkv.engine.spec_decode.drafts.SpecDecodeDrafts` calls it; being
+    built by the engine and handed over, it keeps numpy out of the scheduler's imports.
+
+    Args:
+        proposer: the proposer (:func:`make_proposer`); replaceable (tests script one).
+        max_model_len: most tokens of a request (each buffer's size).
+    """
+
+    __slots__ = ("_buffers", "max_model_len", "proposer")
+
+    def __init__(self, proposer: Proposer, max_model_len: int) -> None:
+        self.proposer = proposer
+        self.max_model_len = max_model_len
+        self._buffers: dict[str, tuple[np.ndarray, list[int]]] = {}
+
+    def propose(self, req_id: str, token_ids: list[int], max_num_tokens: int) -> list[int]:
+        """At most ``max_num_tokens`` drafts to follow ``token_ids`` (the request's verified
+        tokens, each call's list extending the previous call's, or shorter: a new buffer)."""
+        num_tokens = len(token_ids)
+        entry = self._buffers.get(req_id)
+        if entry is None or entry[1][0] > num_tokens:
+            entry = (np.empty(self.max_model_len, dtype=np.int32), [0])
+            self._buffers[req_id] = entry
+        buffer, filled = entry
+        if filled[0] < num_tokens:
+            buffer[filled[0] : num_tokens] = token_ids[filled[0] :]
+            filled[0] = num_tokens
+        drafts = self.proposer.propose(req_id, buffer[:num_tokens], max_num_tokens)
+        return drafts[:max_num_tokens].tolist()
+
+    def finished(self, req_id: str, prompt_len: int, token_ids: list[int]) -> None:
+        """Forget ``req_id``; its tokens (``prompt_len`` of them the prompt) go to the proposer,
+        which may learn from them (SuffixDecoding's tree of earlier outputs)."""
+        self._buffers.pop(req_id, None)
+        self.proposer.on_request_finished(req_id, prompt_len, np.asarray(token_ids, np.int32))
