@@ -357,11 +357,16 @@ class InputBatch:
         offsets = positions % bs
         seq_lens = (num_computed + num_scheduled).astype(np.int32)
 
+        attn_rows, attn_seq_lens, attn_qsl = None, seq_lens, qsl
+        if num_draft_tokens is not None:
+            attn_rows, attn_seq_lens, attn_qsl = _one_query_per_draft(
+                num_scheduled, num_draft_tokens, positions
+            )
         to = self.to_device
-        seq_lens_t, qsl_t = to(seq_lens), to(qsl)
+        seq_lens_t, qsl_t = to(attn_seq_lens), to(attn_qsl)
         host = self.device.type != "cpu"  # host copies save the backend a device sync
-        seq_lens_cpu = torch.from_numpy(seq_lens) if host else None
-        qsl_cpu = torch.from_numpy(qsl) if host else None
+        seq_lens_cpu = torch.from_numpy(attn_seq_lens) if host else None
+        qsl_cpu = torch.from_numpy(attn_qsl) if host else None
         commons = []  # per KV cache group
         for g in range(self.num_kv_cache_groups):
             max_num_blocks = int(self.num_blocks_per_row[g, :num_reqs].max())
@@ -369,6 +374,8 @@ class InputBatch:
             slot_mapping = block_tables[req_index, block_index].astype(np.int64)
             slot_mapping *= bs
             slot_mapping += offsets
+            if attn_rows is not None:
+                block_tables = block_tables[attn_rows]
             commons.append(
                 CommonAttentionMetadata(
                     to(block_tables),
@@ -445,3 +452,30 @@ class InputBatch:
         if self.device.type != "cpu":
             tensor = tensor.to(self.device, non_blocking=True)
         return tensor
+
+
+def _one_query_per_draft(
+    num_scheduled: np.ndarray, num_draft_tokens: np.ndarray, positions: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The attention's view of a step with draft tokens: each token of a request with drafts
+    (its last verified token and its drafts) is a sequence of its own, one query token long,
+    reading the request's blocks up to its position; other requests are as they are. Every
+    position of a verification is then attended by the backends' one-query (decode) path, as it
+    would be one token at a time without speculation, so the drafts are verified with the same
+    numbers as plain decoding (a multi-token query takes the prefill path, whose sums run in
+    another order: greedy ties can break the other way). The tokens keep their order, so
+    ``slot_mapping`` and the model's rows do not change.
+
+    Returns:
+        ``(rows, seq_lens, query_start_loc)``: per attention sequence its request's row
+        (``[num_seqs]`` int64, for the block tables), its tokens in the cache after the step
+        (``[num_seqs]`` int32) and the query offsets (``[num_seqs + 1]`` int32).
+    """
+    drafted = num_draft_tokens > 0
+    num_seqs_per_row = np.where(drafted, num_scheduled, 1)
+    rows = np.repeat(np.arange(len(num_scheduled)), num_seqs_per_row)
+    query_lens = np.repeat(np.where(drafted, 1, num_scheduled), num_seqs_per_row)
+    query_start_loc = np.zeros(len(rows) + 1, dtype=np.int32)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    seq_lens = (positions[query_start_loc[1:] - 1] + 1).astype(np.int32)
+    return rows, seq_lens, query_start_loc

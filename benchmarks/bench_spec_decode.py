@@ -1,0 +1,210 @@
+"""Speculative decoding on and off, side by side: output tokens/s, acceptance, same tokens.
+
+    python benchmarks/bench_spec_decode.py [--num-prompts 8] [--max-tokens 128]
+        [--batch 1 16] [--workloads grounded agent chat] [--json out.json]
+        [--config 'ngram={"method": "ngram", "num_speculative_tokens": 4}' ...]
+
+One model load (the default model unless ``--model``), then for each workload and batch size
+every configuration in turn, all greedy (temperature 0) through ``LLM.chat``:
+
+- **grounded**: input-grounded work, where the answer copies its input: paragraphs of this
+  project's docs to copy out with one word replaced, to quote the sentence that names a given
+  word from, or to return with a heading added (``--num-prompts`` of them).
+- **agent**: an agent loop that repeats itself: the grounded prompts issued three times in a row
+  (round 2 and 3 ask again what round 1 answered: SuffixDecoding's tree of earlier outputs).
+- **chat**: open questions where little of the answer is in the prompt
+  (``benchmarks/data/chat_prompts.jsonl``): speculation must not cost when it misses.
+
+Batch 1 sends one conversation at a time (a user alone: each request decodes by itself);
+batch 16 sends them all at once. Per run: output tokens / wall seconds of the ``chat`` calls
+(prefill included, the same for every configuration), the speedup over "off", the draft
+acceptance rate and the mean acceptance length (tokens a verification step yields), and whether
+every request's token ids equal "off"'s (speculation must not change greedy output). The first
+line names the CPU. Results: docs/engine.md ("Speculative decoding: measured").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+from pagedkv.cpu_caps import probe_cpu
+from pagedkv.engine.llm import LLM
+from pagedkv.sampling_params import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+
+DEFAULT_CONFIGS = {
+    "off": None,
+    "ngram": {
+        "method": "ngram",
+        "num_speculative_tokens": 5,
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 5,
+    },
+    "suffix": {"method": "suffix", "num_speculative_tokens": 5},
+}
+
+
+def paragraphs(num: int) -> list[str]:
+    """``num`` prose paragraphs of 300-900 characters from docs/*.md (no code, tables or lists)."""
+    found = []
+    for path in sorted((ROOT / "docs").glob("*.md")):
+        for block in path.read_text().split("\n\n"):
+            text = " ".join(block.split())
+            if 300 <= len(text) <= 900 and re.match(r"[A-Z][a-z]", text) and "|" not in text:
+                found.append(text)
+    step = max(1, len(found) // num)
+    return found[::step][:num]
+
+
+def grounded_conversations(num: int) -> list[list[dict]]:
+    """Copy-with-an-edit, quote-a-sentence and add-a-heading tasks over doc paragraphs."""
+    conversations = []
+    for i, text in enumerate(paragraphs(num)):
+        words = [w for w in re.findall(r"[a-z]{6,}", text)]
+        word = words[len(words) // 2] if words else "block"
+        task = (
+            f"Copy the following text exactly, but replace every '{word}' with "
+            f"'{word.upper()}':\n\n{text}",
+            f"Here is a document:\n\n{text}\n\nQuote, word for word, the sentence of the "
+            f"document that contains the word '{word}'.",
+            f"Return the following text unchanged, with the title 'Notes' on a line "
+            f"above it:\n\n{text}",
+        )[i % 3]
+        conversations.append([{"role": "user", "content": task}])
+    return conversations
+
+
+def chat_conversations(num: int) -> list[list[dict]]:
+    lines = (ROOT / "benchmarks" / "data" / "chat_prompts.jsonl").read_text().splitlines()
+    return [json.loads(line)["messages"] for line in lines[:num]]
+
+
+def run(llm: LLM, conversations, params, batch: int) -> tuple[list[list[int]], float]:
+    """Token ids per conversation and the wall seconds of the chat calls."""
+    outputs = []
+    start = time.perf_counter()
+    for i in range(0, len(conversations), batch):
+        outputs += llm.chat(conversations[i : i + batch], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs], time.perf_counter() - start
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    parser.add_argument(
+        "--workloads",
+        nargs="+",
+        default=["grounded", "agent", "chat"],
+        choices=["grounded", "agent", "chat"],
+    )
+    parser.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="LABEL=JSON",
+        help="a configuration (repeatable; replaces the defaults: off, ngram, suffix); "
+        "JSON null = off",
+    )
+    parser.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="an LLM(...) option for every configuration, e.g. max_num_seqs=16",
+    )
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    configs = dict(DEFAULT_CONFIGS)
+    if args.config:
+        configs = {}
+        for item in args.config:
+            label, _, text = item.partition("=")
+            configs[label] = json.loads(text)
+    engine_args = {k: json.loads(v) for k, v in (a.partition("=")[::2] for a in args.engine_arg)}
+    cpu = probe_cpu()
+    print(
+        f"{cpu.describe('float32')}; model {args.model or 'default'}; greedy, "
+        f"{args.max_tokens} output tokens a request",
+        flush=True,
+    )
+    workloads = {
+        "grounded": grounded_conversations(args.num_prompts),
+        "chat": chat_conversations(args.num_prompts),
+    }
+    workloads["agent"] = workloads["grounded"] * 3
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    base = LLM(model=args.model, **engine_args)
+    loaded = base.engine.loaded_model
+    llms = {
+        label: base
+        if config is None
+        else LLM(loaded_model=loaded, speculative_config=config, **engine_args)
+        for label, config in configs.items()
+    }
+    results = []
+    for workload in args.workloads:
+        conversations = workloads[workload]
+        for batch in args.batch:
+            reference = None
+            off_rate = None
+            for label, llm in llms.items():
+                if workload == "agent" and configs[label] is not None:
+                    # each agent run starts with an empty tree of earlier outputs
+                    llm = LLM(loaded_model=loaded, speculative_config=configs[label], **engine_args)
+                before = llm.get_stats().scheduler.spec_decoding
+                tokens, seconds = run(llm, conversations, params, batch)
+                after = llm.get_stats().scheduler.spec_decoding
+                num_tokens = sum(len(t) for t in tokens)
+                rate = num_tokens / seconds
+                if reference is None:
+                    reference, off_rate = tokens, rate
+                row = {
+                    "workload": workload,
+                    "batch": batch,
+                    "config": label,
+                    "output_tokens": num_tokens,
+                    "seconds": round(seconds, 3),
+                    "tokens_per_s": round(rate, 1),
+                    "speedup": round(rate / off_rate, 2),
+                    "same_tokens": tokens == reference,
+                }
+                if after is not None:
+                    drafts = after.num_drafts - (before.num_drafts if before else 0)
+                    drafted = after.num_draft_tokens - (before.num_draft_tokens if before else 0)
+                    accepted = after.num_accepted_tokens - (
+                        before.num_accepted_tokens if before else 0
+                    )
+                    row["acceptance_rate"] = round(accepted / drafted, 3) if drafted else 0.0
+                    row["mean_acceptance_length"] = (
+                        round(1 + accepted / drafts, 2) if drafts else 1.0
+                    )
+                results.append(row)
+                extra = (
+                    f"  acceptance {row['acceptance_rate']:.1%}, mean length "
+                    f"{row['mean_acceptance_length']:.2f}"
+                    if "acceptance_rate" in row
+                    else ""
+                )
+                print(
+                    f"{workload:<9} batch {batch:>2}  {label:<8} {rate:7.1f} tok/s  "
+                    f"{row['speedup']:.2f}x  same tokens: {row['same_tokens']}{extra}",
+                    flush=True,
+                )
+    if args.json is not None:
+        args.json.write_text(
+            json.dumps({"cpu": cpu.describe("float32"), "results": results}, indent=1)
+        )
+    return 0 if all(r["same_tokens"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
