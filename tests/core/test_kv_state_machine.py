@@ -146,7 +146,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         c = request.num_computed_tokens
         k = num_drafts
         drafts = self._fresh_tokens(k)
-        num_cached_before = [dict(m) for m in self.kv.block_pool.cached_block_hash_to_block]
+        cached_before = [dict(m) for m in self.kv.block_pool.cached_block_hash_to_block]
         tables_before = self.kv.get_block_ids(request.request_id)
         before = snapshot(self.kv)
         # Both spellings are the same allocation (the scheduler schedules drafts as new tokens).
@@ -163,16 +163,13 @@ class KVCacheMachine(RuleBasedStateMachine):
             return
         # Nothing past the verified tokens entered the prefix cache.
         num_verified_blocks = request.num_tokens // BLOCK_SIZE
-        for g, table in enumerate(self.kv.get_block_ids(request.request_id)):
-            for index in range(num_verified_blocks, len(table)):
-                assert self.kv.coordinator.single_type_managers[g].req_to_blocks[
-                    request.request_id
-                ][index].block_hash is None
+        for g, blocks in enumerate(self.kv.get_blocks(request.request_id).blocks):
+            assert all(block.block_hash is None for block in blocks[num_verified_blocks:])
             for block_hash in self.kv.block_pool.cached_block_hash_to_block[g]:
-                assert block_hash in num_cached_before[g] or block_hash in request.block_hashes
+                assert block_hash in cached_before[g] or block_hash in request.block_hashes
             # The table grew only as far as the new slots need: the slots held for rolled-back
             # drafts are reused, not allocated twice.
-            assert len(table) == max(len(tables_before[g]), cdiv(c + 1 + k, BLOCK_SIZE))
+            assert len(blocks) == max(len(tables_before[g]), cdiv(c + 1 + k, BLOCK_SIZE))
         self.content.apply(copies)
         self.content.write(self.kv, request, c, c + 1 + k, drafts)
         request.num_computed_tokens += 1 + k  # the scheduler advances by what it scheduled
