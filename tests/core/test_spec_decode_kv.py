@@ -18,7 +18,7 @@ from pagedkv.core import FullAttentionSpec, KVCacheManager, SlidingWindowSpec
 from pagedkv.core.events import BlockStored
 from pagedkv.core.invariants import check_invariants
 from pagedkv.core.offload import tier_key
-from pagedkv.errors import InvalidRequestError
+from pagedkv.errors import CacheStateError, InvalidRequestError
 
 BLOCK_SIZE = 4
 FULL = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1)
@@ -278,3 +278,15 @@ def test_prefix_hits_after_rollback_are_verified_tokens(hash_algo):
     drafted = make_request(kv, "drafted", [*PROMPT, 200, 900, 7])
     blocks, num_hit = kv.get_computed_blocks(drafted)
     assert (blocks.get_block_ids(), num_hit) == (([1],), 4)
+
+
+def test_check_invariants_finds_a_cached_block_past_the_verified_tokens():
+    kv = KVCacheManager(10, block_size=BLOCK_SIZE, hash_seed=0)
+    request = start(kv)
+    spec_step(kv, request, DRAFTS[:3], 3, 300)  # c = 10
+    spec_step(kv, request, DRAFTS[3:5], 0, 301)  # c = 11, blocks 0 and 1 cached
+    assert cached_ids(kv) == {request.block_hashes[0]: 1, request.block_hashes[1]: 2}
+    check_invariants(kv, [request])
+    request.num_computed_tokens = 7  # rolled back into block 1 (reject_draft_tokens refuses)
+    with pytest.raises(CacheStateError, match="in the prefix cache but is not one of its"):
+        check_invariants(kv, [request])
