@@ -53,8 +53,11 @@ class FastVsGeneralMachine(RuleBasedStateMachine):
             blocks, num_hit = None, 0
             if with_hits:
                 blocks, num_hit = kv.get_computed_blocks(request)
+            # A scheduler never schedules past max_model_len (the request finishes there).
             num_new = min(
-                num_new_tokens, request.num_tokens - num_hit - request.num_computed_tokens
+                num_new_tokens,
+                request.num_tokens - num_hit - request.num_computed_tokens,
+                MAX_MODEL_LEN - num_hit - request.num_computed_tokens,
             )
             new_blocks = kv.allocate_slots(request, num_new, num_hit, blocks, lookahead)
             if new_blocks is not None:
@@ -102,6 +105,8 @@ class FastVsGeneralMachine(RuleBasedStateMachine):
     def step(self, data, chunk, lookahead):
         """Next prefill chunk, or one decode token once the prompt is computed."""
         pair = self.running[data.draw(st.sampled_from(sorted(self.running)))]
+        if pair[0].num_computed_tokens >= MAX_MODEL_LEN:
+            return  # finished at max_model_len: the scheduler schedules nothing more
         if pair[0].num_computed_tokens >= pair[0].num_tokens:
             token = self._fresh_tokens(1)
             for request in pair:
@@ -121,6 +126,8 @@ class FastVsGeneralMachine(RuleBasedStateMachine):
         ``all_token_ids``; ``k`` cut so the slots stay within max_model_len, as the scheduler
         must), then ``j <= k`` accepted, a rollback by ``k - j`` and ``j + 1`` tokens appended."""
         pair = self.running[data.draw(st.sampled_from(self._decoding()))]
+        if pair[0].num_computed_tokens >= MAX_MODEL_LEN:
+            return  # finished at max_model_len
         if pair[0].num_computed_tokens == pair[0].num_tokens:
             token = self._fresh_tokens(1)
             for request in pair:
