@@ -73,14 +73,35 @@ class KVContent:
                 assert src != dst and 0 not in (src, dst)
                 self.blocks[dst] = list(self._block(src))
 
-    def write(self, kv: KVCacheManager, request: KVCacheRequest, start: int, end: int) -> None:
-        """Write tokens ``start .. end - 1`` of ``request`` into its slots in every group."""
+    def write(
+        self,
+        kv: KVCacheManager,
+        request: KVCacheRequest,
+        start: int,
+        end: int,
+        draft_token_ids: list[int] | tuple[int, ...] = (),
+    ) -> None:
+        """Write tokens ``start .. end - 1`` of ``request`` into its slots in every group;
+        positions past ``all_token_ids`` take ``draft_token_ids`` (speculative decoding)."""
         block_size = self.block_size
+        tokens = request.all_token_ids + list(draft_token_ids)
         for table in kv.get_block_ids(request.request_id):
             for position in range(start, end):
                 block_id = table[position // block_size]
                 assert block_id != 0, f"{request.request_id} writes position {position} to null"
-                self._block(block_id)[position % block_size] = request.all_token_ids[position]
+                self._block(block_id)[position % block_size] = tokens[position]
+
+    def check_cached(self, kv: KVCacheManager, tokens_of_hash: dict) -> None:
+        """Every block in the prefix cache (held or free) holds exactly the verified tokens its
+        hash was computed from (``tokens_of_hash``: block hash -> token ids): no draft token,
+        no stale slot."""
+        for cached in kv.block_pool.cached_block_hash_to_block:
+            for block_hash, block in cached.items():
+                expected = list(tokens_of_hash[block_hash])
+                got = self._block(block.block_id)
+                assert got == expected, (
+                    f"cached block {block.block_id} holds {got}, its hash is of {expected}"
+                )
 
     def check(self, kv: KVCacheManager, request: KVCacheRequest) -> None:
         """Every computed token of ``request`` reads back from its own slots (the null block

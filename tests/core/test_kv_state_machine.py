@@ -1,9 +1,11 @@
 """Hypothesis state machines: random admits (many sharing prefixes), prefill chunks, decode steps,
-forks of running requests (then diverging appends), finishes, preemptions, double frees, refused
-forks and resets; the pool's invariants are checked after every step, and a model of the KV
-content (the manager's copies applied before each step's writes, each request's tokens written
-into its slots) must read every request's own tokens back. One machine with a single
-full-attention group, one with full + sliding-window groups."""
+forks of running requests (then diverging appends), speculative decoding steps (k draft tokens
+scheduled, j <= k accepted, num_computed_tokens rolled back by k - j), finishes, preemptions,
+double frees, refused forks and resets; the pool's invariants are checked after every step, and a
+model of the KV content (the manager's copies applied before each step's writes, each request's
+tokens and drafts written into its slots) must read every request's own tokens back, and every
+block in the prefix cache must hold exactly the verified tokens of its hash (never a draft). One
+machine with a single full-attention group, one with full + sliding-window groups."""
 
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.content = KVContent(BLOCK_SIZE)
         self.num_groups = self.kv.num_kv_cache_groups
         self.families: list[tuple[str, str]] = []  # (parent id, child id) of every fork
+        self.requests = []  # every request made (their block hashes name the cached tokens)
 
     def _fresh_tokens(self, n: int) -> list[int]:
         self.next_token += n
@@ -90,6 +93,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             tokens = self._fresh_tokens(1)
         request = make_request(self.kv, f"r{self.next_id}", tokens)
         self.next_id += 1
+        self.requests.append(request)
         if self._schedule(request, chunk, with_hit=True):
             self.running[request.request_id] = request
 
@@ -117,6 +121,73 @@ class KVCacheMachine(RuleBasedStateMachine):
         with lookahead slots (so a parent may hold blocks past its computed tokens)."""
         request = data.draw(st.sampled_from(sorted(self.running.values(), key=_id)))
         self._advance(request, chunk, lookahead)
+
+    def _decoding(self):
+        """Running requests past their prompt: at most their last verified token uncomputed."""
+        return sorted(
+            (r for r in self.running.values() if r.num_computed_tokens >= r.num_tokens - 1),
+            key=_id,
+        )
+
+    @precondition(lambda self: self._decoding())
+    @rule(
+        data=st.data(),
+        num_drafts=st.integers(1, 6),
+        as_lookahead=st.booleans(),
+    )
+    def speculate(self, data, num_drafts, as_lookahead):
+        """One speculative decoding step: the last verified token plus ``k`` draft tokens (not in
+        ``all_token_ids``) get slots and are written; ``j <= k`` drafts are accepted: the
+        request rolls back by ``k - j`` and appends the ``j`` drafts and a bonus token. The slots
+        of rejected drafts stay allocated; the next step reuses them."""
+        request = data.draw(st.sampled_from(self._decoding()))
+        if request.num_computed_tokens == request.num_tokens:
+            request.append_output_token_ids(self._fresh_tokens(1))  # last step's sampled token
+        c = request.num_computed_tokens
+        k = num_drafts
+        drafts = self._fresh_tokens(k)
+        cached_before = [dict(m) for m in self.kv.block_pool.cached_block_hash_to_block]
+        tables_before = self.kv.get_block_ids(request.request_id)
+        before = snapshot(self.kv)
+        # Both spellings are the same allocation (the scheduler schedules drafts as new tokens).
+        new_blocks = (
+            self.kv.allocate_slots(request, 1, num_lookahead_tokens=k)
+            if as_lookahead
+            else self.kv.allocate_slots(request, 1 + k)
+        )
+        copies = self.kv.take_blocks_to_copy()
+        if new_blocks is None:
+            assert snapshot(self.kv) == before
+            assert copies == ([],) * self.num_groups
+            event("speculate refused")
+            return
+        # Nothing past the verified tokens entered the prefix cache.
+        num_verified_blocks = request.num_tokens // BLOCK_SIZE
+        for g, blocks in enumerate(self.kv.get_blocks(request.request_id).blocks):
+            assert all(block.block_hash is None for block in blocks[num_verified_blocks:])
+            for block_hash in self.kv.block_pool.cached_block_hash_to_block[g]:
+                assert block_hash in cached_before[g] or block_hash in request.block_hashes
+            # The table grew only as far as the new slots need: the slots held for rolled-back
+            # drafts are reused, not allocated twice.
+            assert len(blocks) == max(len(tables_before[g]), cdiv(c + 1 + k, BLOCK_SIZE))
+        self.content.apply(copies)
+        self.content.write(self.kv, request, c, c + 1 + k, drafts)
+        request.num_computed_tokens += 1 + k  # the scheduler advances by what it scheduled
+        j = data.draw(st.integers(0, k), label="num_accepted")
+        event("all drafts accepted" if j == k else "some drafts rejected")
+        request.reject_draft_tokens(k - j)
+        request.append_output_token_ids([*drafts[:j], *self._fresh_tokens(1)])
+        assert request.num_computed_tokens == request.num_tokens - 1 == c + j + 1
+
+    @precondition(lambda self: self._decoding())
+    @rule(data=st.data(), extra=st.integers(1, 3))
+    def reject_too_many(self, data, extra):
+        """Rolling back more than the drafts computed past the verified tokens is refused."""
+        request = data.draw(st.sampled_from(self._decoding()))
+        num_computed = request.num_computed_tokens
+        with pytest.raises(InvalidRequestError):
+            request.reject_draft_tokens(extra)
+        assert request.num_computed_tokens == num_computed
 
     def _running_families(self):
         return [
@@ -175,6 +246,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             tokens += self._fresh_tokens(n)
         child = make_request(self.kv, f"r{self.next_id}", tokens, num_computed_tokens=c)
         self.next_id += 1
+        self.requests.append(child)
         before = snapshot(self.kv)
         blocks = self.kv.fork(parent, child)
         if blocks is None:
@@ -244,6 +316,26 @@ class KVCacheMachine(RuleBasedStateMachine):
         # the same computed tokens); shared blocks hold computed tokens (never bare slots).
         check_invariants(self.kv, self.running.values())
         assert 0.0 <= self.kv.usage <= 1.0
+
+    @invariant()
+    def cache_holds_verified_tokens_only(self):
+        # A block with a hash in a request's table is one of its verified, computed blocks: its
+        # hash is the request's own for that index; every cached block (held or free) holds the
+        # tokens of its hash.
+        for request in self.running.values():
+            for blocks in self.kv.get_blocks(request.request_id).blocks:
+                for index, block in enumerate(blocks):
+                    if block.block_hash is not None:
+                        assert index < len(request.block_hashes)
+                        assert block.block_hash == request.block_hashes[index]
+                        assert (index + 1) * BLOCK_SIZE <= request.num_computed_tokens
+        tokens_of_hash = {}
+        for request in self.requests:
+            for i, block_hash in enumerate(request.block_hashes):
+                tokens_of_hash[block_hash] = request.all_token_ids[
+                    i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE
+                ]
+        self.content.check_cached(self.kv, tokens_of_hash)
 
     @invariant()
     def every_request_reads_back_its_own_tokens(self):

@@ -2,12 +2,13 @@
 against the general coordinator path: a hypothesis state machine drives two managers with the
 same operations, one of them with the fast path switched off, and after every step their block
 tables, hit lengths, returned blocks, copy-on-write copies (after forks), free queues, ref counts
-and prefix-cache maps must agree."""
+and prefix-cache maps must agree; speculative decoding steps (drafts scheduled as new tokens or
+as lookahead, then a rollback) included."""
 
 from __future__ import annotations
 
 from _kv_helpers import snapshot
-from hypothesis import settings
+from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -52,8 +53,11 @@ class FastVsGeneralMachine(RuleBasedStateMachine):
             blocks, num_hit = None, 0
             if with_hits:
                 blocks, num_hit = kv.get_computed_blocks(request)
+            # A scheduler never schedules past max_model_len (the request finishes there).
             num_new = min(
-                num_new_tokens, request.num_tokens - num_hit - request.num_computed_tokens
+                num_new_tokens,
+                request.num_tokens - num_hit - request.num_computed_tokens,
+                MAX_MODEL_LEN - num_hit - request.num_computed_tokens,
             )
             new_blocks = kv.allocate_slots(request, num_new, num_hit, blocks, lookahead)
             if new_blocks is not None:
@@ -101,12 +105,57 @@ class FastVsGeneralMachine(RuleBasedStateMachine):
     def step(self, data, chunk, lookahead):
         """Next prefill chunk, or one decode token once the prompt is computed."""
         pair = self.running[data.draw(st.sampled_from(sorted(self.running)))]
+        if pair[0].num_computed_tokens >= MAX_MODEL_LEN:
+            return  # finished at max_model_len: the scheduler schedules nothing more
         if pair[0].num_computed_tokens >= pair[0].num_tokens:
             token = self._fresh_tokens(1)
             for request in pair:
                 request.append_output_token_ids(token)
             chunk = 1
         self._allocate(pair, chunk, lookahead, with_hits=False)
+
+    def _decoding(self):
+        return sorted(
+            k for k, p in self.running.items() if p[0].num_computed_tokens >= p[0].num_tokens - 1
+        )
+
+    @precondition(lambda self: self._decoding())
+    @rule(data=st.data(), num_drafts=st.integers(1, 5), as_lookahead=st.booleans())
+    def speculate(self, data, num_drafts, as_lookahead):
+        """A speculative decoding step: the last verified token plus ``k`` drafts (not in
+        ``all_token_ids``; ``k`` cut so the slots stay within max_model_len, as the scheduler
+        must), then ``j <= k`` accepted, a rollback by ``k - j`` and ``j + 1`` tokens appended."""
+        pair = self.running[data.draw(st.sampled_from(self._decoding()))]
+        if pair[0].num_computed_tokens >= MAX_MODEL_LEN:
+            return  # finished at max_model_len
+        if pair[0].num_computed_tokens == pair[0].num_tokens:
+            token = self._fresh_tokens(1)
+            for request in pair:
+                request.append_output_token_ids(token)
+        c = pair[0].num_computed_tokens
+        k = min(num_drafts, MAX_MODEL_LEN - c - 1)
+        if k < 1:
+            return
+        drafts = self._fresh_tokens(k)
+        results = []
+        for kv, request in zip((self.fast, self.general), pair, strict=True):
+            if as_lookahead:
+                new_blocks = kv.allocate_slots(request, 1, num_lookahead_tokens=k)
+            else:
+                new_blocks = kv.allocate_slots(request, 1 + k)
+            ids = None if new_blocks is None else new_blocks.get_block_ids()
+            results.append((ids, kv.take_blocks_to_copy()))
+        assert results[0] == results[1]
+        if results[0][0] is None:
+            event("speculate refused")
+            return
+        event("speculate")
+        j = data.draw(st.integers(0, k), label="num_accepted")
+        accepted = drafts[:j] + self._fresh_tokens(1)
+        for request in pair:
+            request.num_computed_tokens += 1 + k
+            request.reject_draft_tokens(k - j)
+            request.append_output_token_ids(accepted)
 
     @precondition(lambda self: any(p[0].num_computed_tokens for p in self.running.values()))
     @rule(data=st.data(), fresh=st.integers(0, 3))

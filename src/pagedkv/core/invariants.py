@@ -36,7 +36,11 @@ def check_invariants(kv: KVCacheManager, requests: Iterable[KVCacheRequest] | No
     - each holder of such a block is in its group manager's ``may_copy`` (the requests whose
       allocations look at ref counts);
     - each table covers its request's computed tokens, and holds the null block only at
-      indices wholly before the sliding window of token ``c_r``.
+      indices wholly before the sliding window of token ``c_r``;
+    - a block with a hash (in the prefix cache) at index ``i`` of ``r``'s table is full of
+      computed, verified tokens (``(i + 1) * block_size <= c_r`` and ``i <`` the number of
+      full blocks of ``all_token_ids``) and its hash is ``r.block_hashes[i]``: no draft token
+      (speculative decoding) and no slot still to write is ever cached.
 
     Raises:
         CacheStateError: the first inconsistency found (with ``requests``: also a request
@@ -75,7 +79,9 @@ def check_invariants(kv: KVCacheManager, requests: Iterable[KVCacheRequest] | No
                 f"{ref_cnts.get(block.block_id, 0)} times"
             )
     if requests is not None:
-        _check_writers(kv, {request.request_id: request for request in requests})
+        by_id = {request.request_id: request for request in requests}
+        _check_writers(kv, by_id)
+        _check_cached_blocks(kv, by_id)
 
 
 def _check_writers(kv: KVCacheManager, requests: dict[str, KVCacheRequest]) -> None:
@@ -153,6 +159,31 @@ def _check_writers(kv: KVCacheManager, requests: dict[str, KVCacheRequest]) -> N
                             f"{request_id!r} and {first[2].request_id!r}, whose first "
                             f"{num_computed} token ids differ"
                         )
+
+
+def _check_cached_blocks(kv: KVCacheManager, requests: dict[str, KVCacheRequest]) -> None:
+    """Every block with a hash in a request's table is one of its computed, verified blocks,
+    with the request's own hash for that index (when the request hashes its blocks)."""
+    block_size = kv.block_size
+    for group_id, manager in enumerate(kv.coordinator.single_type_managers):
+        for request_id, blocks in manager.req_to_blocks.items():
+            request = requests[request_id]
+            num_computed = request.num_computed_tokens
+            hashes = request.block_hashes if request.block_hasher is not None else None
+            for index, block in enumerate(blocks):
+                block_hash = block.block_hash
+                if block_hash is None or block.is_null:
+                    continue
+                if (index + 1) * block_size > num_computed or (
+                    hashes is not None and (index >= len(hashes) or hashes[index] != block_hash)
+                ):
+                    raise CacheStateError(
+                        f"block {block.block_id} at index {index} of request {request_id!r} "
+                        f"(group {group_id}) is in the prefix cache but is not one of its "
+                        f"computed, verified blocks ({num_computed} computed tokens, "
+                        f"{len(request.block_hashes)} hashed blocks) or has another hash: a "
+                        "draft token or an unwritten slot would be cached"
+                    )
 
 
 __all__ = ["check_invariants"]

@@ -261,7 +261,16 @@ class KVCacheManager:
         Admission counts the new blocks plus the hit blocks that are currently free (touching
         them takes them out of the free queue); sliding-window blocks that left the window are
         given back first (and counted as available). Full blocks up to
-        ``num_computed_tokens + num_new_tokens`` enter the prefix cache.
+        ``min(num_computed_tokens + num_new_tokens, num_tokens)`` (and hashed: every token in
+        ``all_token_ids``) enter the prefix cache.
+
+        Speculative decoding (vLLM V1): schedule the last verified token and ``k`` draft tokens
+        as ``num_new_tokens = 1 + k`` (or ``1`` with ``num_lookahead_tokens = k``: the same
+        slots, the same caching); drafts are not in ``all_token_ids``, so no block holding one
+        is hashed, cached, paged out or reported in a KV event. After verification the
+        scheduler rolls back with ``request.reject_draft_tokens``; the slots of rejected
+        drafts stay allocated and the next call reuses them (docs/core.md, "Draft tokens and
+        rollback").
 
         Args:
             request: the request (``request.num_computed_tokens`` not yet advanced).
@@ -269,7 +278,8 @@ class KVCacheManager:
             num_new_computed_tokens: prefix-hit tokens from ``get_computed_blocks`` (new
                 requests only).
             new_computed_blocks: the hit blocks from ``get_computed_blocks``.
-            num_lookahead_tokens: extra slots (speculative decoding), not cached.
+            num_lookahead_tokens: extra slots past the new tokens (speculative decoding's
+                draft tokens), never cached.
 
         Returns:
             The newly allocated blocks, or ``None`` if they do not fit; then nothing changed.

@@ -110,6 +110,34 @@ class KVCacheRequest:
         """A copy of the generated token ids."""
         return self.all_token_ids[len(self.prompt_token_ids) :]
 
+    def reject_draft_tokens(self, num_rejected_tokens: int) -> None:
+        """Roll ``num_computed_tokens`` back past the draft tokens that verification rejected
+        (speculative decoding), before appending the accepted ones. O(1).
+
+        A step that computed the request's last verified token and ``k`` draft tokens (which
+        are not in ``all_token_ids``) left ``num_computed_tokens = num_tokens + k``; with ``j``
+        drafts accepted, ``num_rejected_tokens = k - j``. Then append the ``j`` accepted drafts
+        and the bonus token (``append_output_token_ids``): ``num_computed_tokens ==
+        num_tokens - 1``. The slots of the rejected drafts stay allocated, and the next step's
+        writes overwrite them (docs/core.md, "Draft tokens and rollback"). Idea from vLLM V1
+        (``Scheduler.update_from_output``: ``num_computed_tokens -= num_rejected``).
+
+        Raises:
+            InvalidRequestError: ``num_rejected_tokens`` not an int in ``0 ..
+                num_computed_tokens - num_tokens`` (only draft tokens can be rejected: a
+                verified token's KV is never given up); nothing changed.
+        """
+        num_drafts = max(0, self.num_computed_tokens - len(self.all_token_ids))
+        check_int(
+            f"request {self.request_id!r}: num_rejected_tokens",
+            num_rejected_tokens,
+            0,
+            maximum=num_drafts,
+            why=f"{num_drafts} draft tokens computed past the verified ones",
+            error=InvalidRequestError,
+        )
+        self.num_computed_tokens -= num_rejected_tokens
+
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
         """Append generated token(s) and hash the blocks they fill.
 
