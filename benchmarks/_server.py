@@ -1,7 +1,8 @@
 """Start a `pagedkv serve` of the benchmarks' own on a free loopback port, and stop it after.
 
-Shared by ``bench_serving.py`` and ``soak_server.py`` (benchmark scripts import it from their own
-folder, which Python puts first on ``sys.path`` when a script runs).
+Shared by ``bench_serving.py``, ``soak_server.py`` and ``bench_chat_latency.py`` (whose
+llama-server start-up uses :func:`wait_healthy` and :func:`stop`); benchmark scripts import it from
+their own folder, which Python puts first on ``sys.path`` when a script runs.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import NamedTuple
 
 import httpx
@@ -84,15 +85,10 @@ def own_server(
             raise RuntimeError("the server did not start (see its output above)")
         # Keep reading its output so that a chatty server never blocks on a full pipe.
         threading.Thread(target=_drain, args=(stdout, echo), daemon=True).start()
-        _wait_healthy(url, deadline)
+        wait_healthy(url, deadline)
         yield RunningServer(url, process.pid)
     finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process)
 
 
 def _drain(stream, echo: bool) -> None:
@@ -101,11 +97,41 @@ def _drain(stream, echo: bool) -> None:
             print("  server:", line.rstrip(), file=sys.stderr, flush=True)
 
 
-def _wait_healthy(url: str, deadline: float) -> None:
+def wait_healthy(
+    url: str,
+    deadline: float,
+    *,
+    process: subprocess.Popen | None = None,
+    log_tail: Callable[[], str] = lambda: "",
+    poll_s: float = 0.2,
+) -> None:
+    """Poll ``URL/health`` every ``poll_s`` s until it answers 200.
+
+    Args:
+        url: the server's base URL.
+        deadline: a ``time.monotonic()`` time to give up at.
+        process: the server's process, if ours: its exit ends the wait at once.
+        log_tail: the tail of the server's log, for the error message.
+
+    Raises:
+        RuntimeError: the process exited, or ``/health`` never answered 200 by ``deadline``.
+    """
     while True:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"{url}: the server exited ({process.returncode}):\n{log_tail()}")
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(url + "/health", timeout=5).status_code == 200:
                 return
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{url}/health never answered 200")
-        time.sleep(0.2)
+            raise RuntimeError(f"{url}/health never answered 200:\n{log_tail()}")
+        time.sleep(poll_s)
+
+
+def stop(process: subprocess.Popen, grace_s: float = 30) -> None:
+    """Terminate ``process``; kill it if it has not exited after ``grace_s`` seconds."""
+    process.terminate()
+    try:
+        process.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

@@ -48,16 +48,17 @@ from typing import Any
 
 import httpx
 
-from _server import own_server
+from _server import own_server, stop, wait_healthy
 from bench_llama_cpp_peer import (
-    AVX2_HOLD_ENV,
     _positive_int,
     add_llama_cpp_args,
+    common_result,
     cpu_line,
     ensure_llama_cpp,
     hold_env,
     pagedkv_configs,
     parse_config,
+    write_result,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -197,23 +198,10 @@ def llama_server(cmd: list[str], url: str, startup_timeout: float) -> Iterator[s
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
         try:
             deadline = time.monotonic() + startup_timeout
-            while True:
-                if process.poll() is not None:
-                    raise RuntimeError(f"llama-server exited ({process.returncode}):\n{_tail(log)}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(url + "/health", timeout=5).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"llama-server not healthy in time:\n{_tail(log)}")
-                time.sleep(0.5)
+            wait_healthy(url, deadline, process=process, log_tail=lambda: _tail(log), poll_s=0.5)
             yield url
         finally:
-            process.terminate()
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            stop(process)
 
 
 def _tail(log: Any) -> str:
@@ -354,25 +342,18 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(rounds, labels)
     print(format_summary(summary, labels, cpu), flush=True)
     result = {
-        "cpu": cpu,
-        "model": str(model),
-        "isa": args.isa,
-        "threads": args.threads,
+        **common_result(args, cpu, model, configs, env),
         "num_chats": args.num_chats,
         "prompt_tokens": counts[1:],
         "max_tokens": args.max_tokens,
         "llama_server": shlex.join(
             llama_server_command(build.llama_server, model, 0, args.threads)
         ),
-        "pagedkv_configs": {c.label: list(c.args) for c in configs},
-        "pagedkv_env": {k: env[k] for k in AVX2_HOLD_ENV if k in env},
         "rounds": rounds,
         "load_average_1m": loads,
         **summary,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.json}", flush=True)
+    write_result(args.json, result)
     return 0
 
 

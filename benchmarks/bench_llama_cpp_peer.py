@@ -574,6 +574,28 @@ def format_summary(summary: Mapping[str, Any], labels: Sequence[str], cpu: str) 
     return "\n".join(lines)
 
 
+def common_result(
+    args: argparse.Namespace, cpu: str, model: Path, configs: Sequence[PagedkvConfig],
+    env: Mapping[str, str],
+) -> dict[str, Any]:  # fmt: skip
+    """The fields every peer benchmark's JSON starts with: what ran, where and how held."""
+    return {
+        "cpu": cpu,
+        "model": str(model),
+        "isa": args.isa,
+        "threads": args.threads,
+        "pagedkv_configs": {c.label: list(c.args) for c in configs},
+        "pagedkv_env": {k: env[k] for k in AVX2_HOLD_ENV if k in env},
+    }
+
+
+def write_result(path: Path, result: Mapping[str, Any]) -> None:
+    """Write ``result`` to ``path`` as indented JSON (making its folder) and say so."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}", flush=True)
+
+
 def cpu_line(isa: str) -> str:
     """``AMD EPYC, flags avx2 (no avx512f), held to AVX2``: the CPU the figures belong to."""
     from pagedkv.cpu_caps import cpu_flags, cpu_model_name
@@ -634,25 +656,18 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(rounds, labels, args.n_prompt, args.n_gen)
     print(format_summary(summary, labels, cpu), flush=True)
     result = {
-        "cpu": cpu,
-        "model": str(model),
-        "isa": args.isa,
-        "threads": args.threads,
+        **common_result(args, cpu, model, configs, env),
         "llama_cpp": {
             "bin_dir": str(build.bin_dir),
             "source": build.source,
             "cmake": list(build.cmake_flags),
             "command": shlex.join(bench_cmd),
         },
-        "pagedkv_configs": {c.label: list(c.args) for c in configs},
-        "pagedkv_env": {k: env[k] for k in AVX2_HOLD_ENV if k in env},
         "rounds": rounds,
         "raw": raw,
         **summary,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.json}", flush=True)
+    write_result(args.json, result)
     return 0
 
 

@@ -25,6 +25,7 @@ Imports nothing but :mod:`pagedkv.errors`, so every layer (the core too) can use
 
 from __future__ import annotations
 
+import argparse
 import math
 
 from pagedkv.errors import ConfigError
@@ -149,8 +150,6 @@ def positive_int_arg(text: str) -> int:
     Raises:
         argparse.ArgumentTypeError: not an int, or < 1.
     """
-    import argparse
-
     try:
         value = int(text)
     except ValueError:

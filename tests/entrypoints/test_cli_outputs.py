@@ -115,7 +115,7 @@ def test_bench_throughput_prints_results_when_json_write_fails(tmp_path, capsys,
         target.parent.rmdir()
         return real_write(path, text, flag)
 
-    monkeypatch.setattr("pagedkv.entrypoints.output_paths.write_text_or_print", vanish_then_write)
+    monkeypatch.setattr(bench, "write_text_or_print", vanish_then_write)
     assert main(["bench", "throughput", "--num-prompts", "1", "--json", str(target)]) == 2
     captured = capsys.readouterr()
     assert json.loads(captured.out[captured.out.index("[") :])[0]["output_tokens_per_s"] == 3.0

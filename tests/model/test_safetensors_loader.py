@@ -6,41 +6,17 @@ import json
 
 import pytest
 import torch
+from _hf_hub_model import TINY_SHAPE, VOCAB_SIZE, save_tiny_tokenizer
 
 from pagedkv.errors import ModelLoadError
 from pagedkv.model.loader import load_model
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB_SIZE = 96
-
-
-def save_tiny_tokenizer(folder) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, VOCAB_SIZE)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
-    )
-    tokenizer.save_pretrained(folder)
-
 
 def tiny_config(kind: str):
-    common = dict(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
     if kind == "llama":
-        return transformers.LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=False)
+        return transformers.LlamaConfig(**TINY_SHAPE, rope_theta=10000.0, tie_word_embeddings=False)
     if kind == "llama3_tied":
         rope = {
             "rope_type": "llama3",
@@ -50,8 +26,10 @@ def tiny_config(kind: str):
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64,
         }
-        return transformers.LlamaConfig(**common, rope_parameters=rope, tie_word_embeddings=True)
-    return transformers.Qwen2Config(**common, rope_theta=1000000.0, tie_word_embeddings=False)
+        return transformers.LlamaConfig(
+            **TINY_SHAPE, rope_parameters=rope, tie_word_embeddings=True
+        )
+    return transformers.Qwen2Config(**TINY_SHAPE, rope_theta=1000000.0, tie_word_embeddings=False)
 
 
 @pytest.fixture(params=["llama", "llama3_tied", "qwen2"])

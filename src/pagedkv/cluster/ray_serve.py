@@ -73,6 +73,7 @@ from pagedkv.cluster.protocol import (
 )
 from pagedkv.cluster.replica import EngineReplica
 from pagedkv.cluster.router import ClusterRouter
+from pagedkv.cpu_caps import probe_cpu, resolve_dtype
 from pagedkv.engine.engine_loop import EngineDeadError
 from pagedkv.errors import ConfigError, PagedKVError
 
@@ -549,13 +550,13 @@ def start_cluster(
             not be read: pass ``kv_events_host``, see :func:`kv_events_bind_endpoint`);
             Ray is then left as it was. TimeoutError: the replicas did not come up in time.
     """
+    # Lazy: the engine (torch, the model) loads on Ray's driver only when a cluster starts.
     from pagedkv.engine.llm_engine import LLMEngine
 
     seed = engine_config.hash_seed
     if seed is None:
         seed = secrets.token_hex(16)
     if engine_config.block_size is None:  # the router hashes with the replicas' block size
-        from pagedkv.cpu_caps import probe_cpu, resolve_dtype
         from pagedkv.engine.attention_backend import choose_attention_backend
         from pagedkv.model.loader import load_model_config
 

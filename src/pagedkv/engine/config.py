@@ -19,6 +19,7 @@ from pagedkv.core.hashing import HASH_ALGOS
 from pagedkv.core.spec import KV_DTYPE_BYTES
 from pagedkv.cpu_caps import DTYPE_CHOICES
 from pagedkv.errors import ConfigError
+from pagedkv.model.packaged_models import MODEL_ALIASES
 from pagedkv.units import GiB, parse_memory_size
 from pagedkv.validation import SEED_MAX, SEED_MIN, check_int, positive_int_arg
 
@@ -287,8 +288,6 @@ class EngineConfig:
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         """Add ``--model`` / ``-m`` (llama.cpp's), ``--dtype``, ... (one flag per field) to
         ``parser``."""
-        from pagedkv.model.packaged_models import MODEL_ALIASES
-
         d = EngineConfig()
         group = parser.add_argument_group("engine")
         group.add_argument(

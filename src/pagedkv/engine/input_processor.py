@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from pagedkv.engine.structured_output import parse_constraint
 from pagedkv.errors import InvalidRequestError
 from pagedkv.sampling_params import (
     BeamSearchParams,
@@ -390,8 +391,6 @@ class InputProcessor:
         if self.structured_outputs is not None:
             self.structured_outputs.parse(constraint)
         else:
-            from pagedkv.engine.structured_output import parse_constraint
-
             parse_constraint(constraint)
 
     # ---- tokenizer routes -----------------------------------------------------------------------

@@ -71,6 +71,7 @@ def parse_constraint(params: StructuredOutputsParams) -> Any:
             unsupported or malformed schema, an unclosed group, an undefined rule ...), naming
             ``structured_outputs`` (``param``) and xgrammar's reason.
     """
+    # Lazy (here and below): xgrammar is optional and loads only for a structured output.
     import xgrammar as xgr
 
     kind = params.kind

@@ -28,7 +28,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pagedkv.validation import positive_int_arg
+from pagedkv.cpu_caps import probe_cpu, resolve_dtype
+from pagedkv.engine.config import EngineConfig
+from pagedkv.entrypoints import bench_latency, bench_serving
+from pagedkv.entrypoints.generate import load_prompts
+from pagedkv.entrypoints.output_paths import check_output_file, write_text_or_print
+from pagedkv.errors import InvalidRequestError
+from pagedkv.sampling_params import SamplingParams
+from pagedkv.validation import check_int, positive_int_arg
 
 #: The committed workload, found from the source tree (editable install / checkout).
 DEFAULT_WORKLOAD = (
@@ -56,8 +63,6 @@ class BenchResult:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `bench` subcommand with its `throughput`, `latency` and `serving` benchmarks."""
-    from pagedkv.entrypoints import bench_latency, bench_serving
-
     parser = subparsers.add_parser(
         "bench", help="benchmarks: throughput (vs Hugging Face), latency, serving"
     )
@@ -73,8 +78,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tp.add_argument(
         "--json", type=Path, default=None, help="write the results here (checked before the run)"
     )
-    from pagedkv.engine.config import EngineConfig
-
     EngineConfig.add_cli_args(tp)
     tp.set_defaults(func=run)
     bench_latency.add_parser(benches, positive_int_arg)
@@ -85,10 +88,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run `pagedkv bench throughput`."""
+    # Lazy (here and below): torch and the model load only when a benchmark runs, not at every
+    # `pagedkv` start.
     from pagedkv.engine.cpu_runtime import tune_cpu_runtime
-    from pagedkv.entrypoints.generate import load_prompts
-    from pagedkv.entrypoints.output_paths import check_output_file, write_text_or_print
-    from pagedkv.errors import InvalidRequestError
     from pagedkv.model.loader import resolve_model_path
 
     if not args.input.is_file():
@@ -119,9 +121,7 @@ def run(args: argparse.Namespace) -> int:
 
 def bench_pagedkv(args: argparse.Namespace, conversations: list) -> BenchResult:
     """Run the workload through pagedkv's LLM (after a short warm-up on another prompt)."""
-    from pagedkv.engine.config import EngineConfig
     from pagedkv.engine.llm import LLM
-    from pagedkv.sampling_params import SamplingParams
 
     config = EngineConfig.from_cli_args(args)
     llm = LLM(**{name: getattr(config, name) for name in config.__slots__})
@@ -176,17 +176,12 @@ def bench_hf(args: argparse.Namespace, conversations: list, model_path: Path) ->
     import torch
     import transformers
 
-    from pagedkv.errors import InvalidRequestError
-    from pagedkv.validation import check_int
-
     if model_path.is_dir():
         load_args: dict[str, Any] = {}
         source = str(model_path)
     else:
         load_args = {"gguf_file": model_path.name}
         source = str(model_path.parent)
-    from pagedkv.cpu_caps import probe_cpu, resolve_dtype
-
     caps = probe_cpu()
     dtype_name = resolve_dtype(args.dtype, caps)
     dtype = getattr(torch, dtype_name)

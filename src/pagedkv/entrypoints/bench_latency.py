@@ -15,17 +15,21 @@ iteration defaults are smaller (a CPU runs one iteration in seconds, not millise
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from typing import Any
 
 import numpy as np
 
+from pagedkv.engine.config import EngineConfig
+from pagedkv.entrypoints.output_paths import check_output_file, write_text_or_print
+from pagedkv.errors import ConfigError
+from pagedkv.sampling_params import SamplingParams
+
 
 def add_parser(benches: argparse._SubParsersAction, positive_int) -> None:
     """Add ``bench latency`` to the ``bench`` subcommands."""
-    from pagedkv.engine.config import EngineConfig
-
     parser = benches.add_parser(
         "latency",
         help="latency of one batch: per run and per engine step (median, p99)",
@@ -120,8 +124,6 @@ def summarize(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
 
 def measure(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Warm-up and timed runs of one batch of random prompts on ``engine``; the report."""
-    from pagedkv.sampling_params import SamplingParams
-
     rng = np.random.default_rng(engine.config.seed)
     vocab_size = engine.loaded_model.config.vocab_size
     prompts = [
@@ -161,12 +163,8 @@ def format_report(report: dict[str, Any], model: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``pagedkv bench latency``."""
-    import dataclasses
-
-    from pagedkv.engine.config import EngineConfig
+    # Lazy: torch and the model load only when the benchmark runs, not at every `pagedkv` start.
     from pagedkv.engine.llm_engine import LLMEngine
-    from pagedkv.entrypoints.output_paths import check_output_file, write_text_or_print
-    from pagedkv.errors import ConfigError
 
     if args.num_iters_warmup < 0:
         raise ConfigError(f"--num-iters-warmup must be >= 0, got {args.num_iters_warmup}")

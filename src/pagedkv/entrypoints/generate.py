@@ -17,13 +17,17 @@ questions, and a conversation (several messages) is refused.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from pagedkv.engine.config import EngineConfig
 from pagedkv.entrypoints.log_setup import LOG_LEVELS, configure_logging
+from pagedkv.errors import InvalidRequestError
+from pagedkv.sampling_params import SamplingParams
 
 #: What `pagedkv generate --demo` asks the default model.
 DEMO_PROMPTS = (
@@ -82,8 +86,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=LOG_LEVELS,
         help="pagedkv's log on stderr (info: what start-up is doing, CPU and dtype chosen)",
     )
-    from pagedkv.engine.config import EngineConfig
-
     EngineConfig.add_cli_args(parser)
     parser.set_defaults(func=run)
 
@@ -96,8 +98,6 @@ def load_prompts(path: Path) -> list[tuple[Any, int | None]]:
         InvalidRequestError: a line that is not one of the accepted shapes, or a message role
             not in :data:`CHAT_ROLES` (the message gives the line number).
     """
-    from pagedkv.errors import InvalidRequestError
-
     prompts = []
     try:
         text = path.read_text(encoding="utf-8")
@@ -145,10 +145,8 @@ def load_prompts(path: Path) -> list[tuple[Any, int | None]]:
 
 def run(args: argparse.Namespace) -> int:
     """Run `pagedkv generate`."""
-    from pagedkv.engine.config import EngineConfig
+    # Lazy: torch and the model load only when this runs, not at every `pagedkv` start.
     from pagedkv.engine.llm import LLM
-    from pagedkv.errors import InvalidRequestError
-    from pagedkv.sampling_params import SamplingParams
 
     items: list[tuple[Any, int | None]] = []
     if args.demo:
@@ -216,8 +214,6 @@ def as_completion_prompts(
         InvalidRequestError: a conversation (system or assistant messages, several turns): only
             a model with a chat template can render it.
     """
-    from pagedkv.errors import InvalidRequestError
-
     converted: list[tuple[Any, int | None]] = []
     if demo:
         converted += [(text, None) for text in DEMO_COMPLETION_PROMPTS]
@@ -319,14 +315,10 @@ def print_summary(llm, outputs, elapsed: float, load_time: float, file=sys.stdou
 
 
 def _params_dict(params) -> dict[str, Any]:
-    import dataclasses
-
     return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
 
 
 def _config_kwargs(config) -> dict[str, Any]:
-    import dataclasses
-
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
 
 

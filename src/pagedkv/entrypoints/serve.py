@@ -21,7 +21,9 @@ import dataclasses
 import ipaddress
 import logging
 import signal
+import time
 
+from pagedkv.engine.config import EngineConfig
 from pagedkv.entrypoints.log_setup import LOG_LEVELS, configure_logging
 from pagedkv.entrypoints.openai.chat_options import ChatOptions
 from pagedkv.entrypoints.openai.metrics import METRICS_PREFIXES
@@ -33,8 +35,6 @@ logger = logging.getLogger(__name__)
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `serve` subcommand."""
-    from pagedkv.engine.config import EngineConfig
-
     parser = subparsers.add_parser(
         "serve",
         help="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics)",
@@ -147,7 +147,7 @@ _CLUSTER_ONLY = ("router", "hash_seed", "ray_address", "num_cpus_per_replica", "
 
 def run(args: argparse.Namespace) -> int:
     """Load the model, bind the socket, print the URL, and serve until interrupted."""
-    from pagedkv.engine.config import EngineConfig
+    # Lazy: the engine (torch, the model) and the HTTP stack load only when serving.
     from pagedkv.engine.engine_loop import EngineLoop
     from pagedkv.engine.llm_engine import LLMEngine
     from pagedkv.entrypoints.openai.app import create_app
@@ -266,6 +266,7 @@ def run_cluster(
         ConfigError: Ray Serve, pyzmq or msgspec missing (the message names the extra), or a
             bad engine option.
     """
+    # Lazy: Ray is the optional [cluster] extra.
     from pagedkv.entrypoints.cluster.ray_process import loopback_ray
 
     with loopback_ray(args.ray_address):  # from before Ray is imported
@@ -275,9 +276,7 @@ def run_cluster(
 def _serve_cluster(
     args: argparse.Namespace, options: ServerOptions | None, app_options: dict | None
 ) -> int:
-    import time
-
-    from pagedkv.engine.config import EngineConfig
+    # Lazy: Ray, msgspec and zmq are the optional [cluster] extra.
     from pagedkv.entrypoints.cluster.ray_process import SigtermAsInterrupt
 
     try:

@@ -22,7 +22,15 @@ import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from tqdm import tqdm
+
+from pagedkv.core.config import KVCacheConfig, group_layers
+from pagedkv.core.spec import FullAttentionSpec, unify_kv_cache_specs
+from pagedkv.entrypoints.openai.kv_view import kv_page_html
+from pagedkv.entrypoints.output_paths import check_output_dir
 from pagedkv.errors import ConfigError
+from pagedkv.sim.preemption import preemption_lines
+from pagedkv.sim.workloads import Workload, make_workload, with_samples
 from pagedkv.units import parse_memory_size
 from pagedkv.validation import check_int
 
@@ -215,13 +223,12 @@ def layer_specs(args: argparse.Namespace, block_size: int) -> list:
     Raises:
         ConfigError: --model together with the shape flags, an unknown model, bad values.
     """
-    from pagedkv.core.spec import FullAttentionSpec, unify_kv_cache_specs
-
     shape_flags = [name for name in _SHAPE_DEFAULTS if getattr(args, name) is not None]
     if args.model is not None:
         if shape_flags:
             flags = ", ".join("--" + name.replace("_", "-") for name in shape_flags)
             raise ConfigError(f"--model gives the model's shape; drop {flags}")
+        # Lazy (as the simulator's modules below): ~30-70 ms each, only for `pagedkv simulate`.
         from pagedkv.plan.catalog import resolve_model
 
         specs = list(
@@ -255,7 +262,6 @@ def build(args: argparse.Namespace):
     """
     from pagedkv.sim.simulator import DEFAULT_KV_OFFLOADING_BANDWIDTH, SimConfig
     from pagedkv.sim.trace import read_trace
-    from pagedkv.sim.workloads import make_workload, with_samples
 
     tiered = args.kv_offloading_size is not None
     if args.policies is None:
@@ -313,8 +319,6 @@ def build(args: argparse.Namespace):
         for key in _SETTINGS_DEFAULTS
     }
     settings["max_model_len"] = max_model_len
-    from pagedkv.core.config import KVCacheConfig, group_layers
-
     specs = layer_specs(args, settings["block_size"])
     groups, _ = group_layers(specs)
     kv_cache_specs = None
@@ -386,21 +390,16 @@ def _print_table(rows: list[list[str]]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run `pagedkv simulate`."""
-    from tqdm import tqdm
-
     from pagedkv.sim.simulator import (
         fork_saving_lines,
         simulate,
         simulate_fork_baselines,
         sweep_block_sizes,
     )
-    from pagedkv.sim.workloads import Workload
 
     if args.html and not args.out:
         raise ConfigError("--html needs --out DIR (the page is written as DIR/index.html)")
     if args.out:
-        from pagedkv.entrypoints.output_paths import check_output_dir
-
         check_output_dir(args.out, "--out")  # before the work, not after it
     if args.routers is not None and args.num_replicas is None:
         raise ConfigError("--routers needs --num-replicas")
@@ -430,8 +429,6 @@ def run(args: argparse.Namespace) -> int:
     # n > 1: the paged policies again, every sample its own request (what fork saves against).
     fork_baselines = simulate_fork_baselines(workload, config, policies)
     fork_lines = fork_saving_lines(results, fork_baselines)
-    from pagedkv.sim.preemption import preemption_lines
-
     why_preempted = preemption_lines(
         {p: r.preemptions for p, r in results.items() if r.preemptions is not None},
         config.block_size,
@@ -448,6 +445,7 @@ def run(args: argparse.Namespace) -> int:
     figure_paths = []
     write_error = None
     if args.out:
+        # Lazy: matplotlib, only when figures are written.
         from pagedkv.sim.plots import save_figures, write_html
 
         # A failed write (disk full, folder removed meanwhile) must not lose the results: they
@@ -549,8 +547,6 @@ def write_kv_replay(path: str | Path, snapshots: list[dict], title: str) -> Path
     Raises:
         OSError: the page cannot be written.
     """
-    from pagedkv.entrypoints.openai.kv_view import kv_page_html
-
     # "</" could end the script element early: JSON allows "<\/" for it.
     data = json.dumps(snapshots, separators=(",", ":")).replace("</", "<\\/")
     page = kv_page_html().replace(
@@ -574,8 +570,6 @@ def _report_write_error(message: str | None) -> int:
 
 def run_cluster(args: argparse.Namespace, workload, config) -> int:
     """``--num-replicas N``: the trace over N replicas (each its own pool), once per router."""
-    from tqdm import tqdm
-
     from pagedkv.sim.cluster import ROUTERS, simulate_cluster
 
     if args.out:

@@ -16,6 +16,7 @@ Nothing is downloaded. The decoder class follows the architecture: ``gemma3`` ->
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from pagedkv.config import QUANTIZATION_METHODS
 from pagedkv.errors import ConfigError, ModelLoadError
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.gemma3 import Gemma3ForCausalLM
+from pagedkv.model.gguf_metadata import read_gguf_header
 from pagedkv.model.hub_cache import cached_snapshot, hub_cache_dir, is_repo_id
 from pagedkv.model.llama import LlamaForCausalLM
 from pagedkv.model.packaged_models import MODEL_ALIASES, smollm2_path
@@ -170,15 +172,11 @@ def load_model_config(model: str | Path | None = None) -> ModelConfig:
     """
     path = resolve_model_path(model)
     if path.is_dir():
-        import json
-
         try:
             hf_config = json.loads((path / "config.json").read_text())
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"cannot read {path / 'config.json'}: {e}") from e
         return ModelConfig.from_hf_config(hf_config)
-    from pagedkv.model.gguf_metadata import read_gguf_header
-
     header = read_gguf_header(path)
     metadata = dict(header.metadata)
     arch = metadata.get("general.architecture")
@@ -227,6 +225,7 @@ def load_model(
     start = time.perf_counter()
     logger.info("reading weights from %s", path)
     if path.is_dir():
+        # Lazy: safetensors / gguf load only for the format at hand.
         from pagedkv.model.safetensors_loader import load_hf_folder
 
         checkpoint = load_hf_folder(path)

@@ -136,6 +136,7 @@ def create_executor(
             quantization=model_config.quantization,
         )
     if config.parallel_config.tensor_parallel_size > 1:
+        # Lazy: torch.distributed and worker processes only under tensor parallelism.
         from pagedkv.worker.tp_executor import TensorParallelExecutor
 
         return TensorParallelExecutor(

@@ -47,6 +47,7 @@ class OpenAIIngress:
         self.app_options = dict(app_options or {})
 
     def __serve_build_asgi_app__(self) -> Any:
+        # Lazy: built in the Ray Serve replica, not where the deployment is declared.
         from pagedkv.entrypoints.openai.app import create_app
 
         loop = ClusterEngineLoop(self.dispatcher, self.info.input_processor)

@@ -23,9 +23,6 @@ from pagedkv.entrypoints.openai.protocol.responses import (
     ChatResponseMessage,
     DeltaMessage,
     DeltaToolCall,
-    UsageInfo,
-    chunk_json,
-    now,
     random_id,
 )
 from pagedkv.entrypoints.openai.serving_engine import (
@@ -36,7 +33,6 @@ from pagedkv.entrypoints.openai.serving_engine import (
     StreamWriter,
     choices_in_order,
     raise_if_failed,
-    sse,
     usage_of,
 )
 from pagedkv.entrypoints.openai.tool_calling import (
@@ -59,6 +55,8 @@ from pagedkv.sampling_params import (
 class _ChatResponse(StreamWriter):
     """The body (or the chunks) of one chat completion response."""
 
+    chunk_type = ChatCompletionChunk
+
     def __init__(
         self,
         response_id: str,
@@ -67,11 +65,7 @@ class _ChatResponse(StreamWriter):
         options: Options,
         tool_choice: ToolChoice,
     ) -> None:
-        self.response_id = response_id
-        self.model = model
-        self.created = now()
-        self.prompts = prompts
-        self.options = options
+        super().__init__(response_id, model, prompts, options)
         self.tool_choice = tool_choice
         #: choice index -> its stream of content and tool-call deltas
         self.streams: dict[int, ChoiceStream] = {}
@@ -128,24 +122,10 @@ class _ChatResponse(StreamWriter):
             prompt_logprobs=prompt_logprobs,
         )
 
-    def _event(self, choices: list[ChatChunkChoice], usage: UsageInfo | None) -> str:
-        body = ChatCompletionChunk(
-            id=self.response_id,
-            created=self.created,
-            model=self.model,
-            choices=choices,
-            usage=usage,
-        )
-        return sse(chunk_json(body))
-
-    def _choice_event(self, choice: ChatChunkChoice) -> str:
-        usage = usage_of(self.prompts, self.options) if self.options.continuous_usage else None
-        return self._event([choice], usage)
-
     def first_chunks(self) -> list[str]:
         """Each choice's first delta: the assistant's role."""
         return [
-            self._choice_event(
+            self.choice_event(
                 ChatChunkChoice(index=s.index, delta=DeltaMessage(role="assistant", content=""))
             )
             for s in choices_in_order(self.prompts)
@@ -173,7 +153,7 @@ class _ChatResponse(StreamWriter):
             else:
                 delta = DeltaMessage(tool_calls=[piece])
             events.append(
-                self._choice_event(
+                self.choice_event(
                     ChatChunkChoice(index=sample.index, delta=delta, logprobs=logprobs)
                 )
             )
@@ -185,11 +165,8 @@ class _ChatResponse(StreamWriter):
                 finish_reason=self.tool_choice.finish_reason(finish, stream.num_calls),
                 stop_reason=sample.stop_reason,
             )
-            events.append(self._choice_event(choice))
+            events.append(self.choice_event(choice))
         return events
-
-    def usage_chunk(self, usage: UsageInfo) -> str:
-        return self._event([], usage)
 
 
 class OpenAIServingChat(OpenAIServing):

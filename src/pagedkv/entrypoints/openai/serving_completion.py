@@ -14,9 +14,6 @@ from pagedkv.entrypoints.openai.protocol.responses import (
     CompletionChoice,
     CompletionLogProbs,
     CompletionResponse,
-    UsageInfo,
-    chunk_json,
-    now,
     random_id,
 )
 from pagedkv.entrypoints.openai.serving_engine import (
@@ -28,7 +25,6 @@ from pagedkv.entrypoints.openai.serving_engine import (
     choices_in_order,
     prompt_of,
     raise_if_failed,
-    sse,
     usage_of,
 )
 from pagedkv.sampling_params import DEFAULT_MAX_TOKENS, BeamSearchParams, SamplingParams
@@ -55,14 +51,7 @@ def _process_prompts(
 class _CompletionResponse(StreamWriter):
     """The body (or the chunks) of one completion response."""
 
-    def __init__(
-        self, response_id: str, model: str, prompts: list[PromptState], options: Options
-    ) -> None:
-        self.response_id = response_id
-        self.model = model
-        self.created = now()
-        self.prompts = prompts
-        self.options = options
+    chunk_type = CompletionResponse
 
     def echo_part(self, prompt: PromptState) -> tuple[str, CompletionLogProbs | None, int]:
         """The prompt's text and logprobs when echoed (the first token's is None), and the text
@@ -123,20 +112,6 @@ class _CompletionResponse(StreamWriter):
             usage=usage_of(self.prompts, options),
         )
 
-    def _event(self, choices: list[CompletionChoice], usage: UsageInfo | None) -> str:
-        body = CompletionResponse(
-            id=self.response_id,
-            created=self.created,
-            model=self.model,
-            choices=choices,
-            usage=usage,
-        )
-        return sse(chunk_json(body))
-
-    def _choice_event(self, choice: CompletionChoice) -> str:
-        usage = usage_of(self.prompts, self.options) if self.options.continuous_usage else None
-        return self._event([choice], usage)
-
     def chunks(
         self, prompt: PromptState, sample: Sample, new_text: str, num_new: int, finish: str | None
     ) -> list[str]:
@@ -148,7 +123,7 @@ class _CompletionResponse(StreamWriter):
                 for each in prompt.samples:
                     text, logprobs, each.text_offset = self.echo_part(prompt)
                     events.append(
-                        self._choice_event(
+                        self.choice_event(
                             CompletionChoice(index=each.index, text=text, logprobs=logprobs)
                         )
                     )
@@ -165,11 +140,8 @@ class _CompletionResponse(StreamWriter):
             finish_reason=finish,
             stop_reason=sample.stop_reason if finish is not None else None,
         )
-        events.append(self._choice_event(choice))
+        events.append(self.choice_event(choice))
         return events
-
-    def usage_chunk(self, usage: UsageInfo) -> str:
-        return self._event([], usage)
 
 
 class OpenAIServingCompletion(OpenAIServing):

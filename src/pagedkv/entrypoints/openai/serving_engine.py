@@ -31,7 +31,7 @@ from pagedkv.engine.protocol import EngineClient, EngineRequest
 from pagedkv.entrypoints.log_setup import summarize_for_log
 from pagedkv.entrypoints.openai.errors import OpenAIError
 from pagedkv.entrypoints.openai.metrics import ServerMetrics
-from pagedkv.entrypoints.openai.protocol.responses import UsageInfo, make_usage
+from pagedkv.entrypoints.openai.protocol.responses import UsageInfo, chunk_json, make_usage, now
 from pagedkv.entrypoints.openai.protocol.structured_outputs import rename_constraint_error
 from pagedkv.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedkv.errors import InvalidRequestError
@@ -143,7 +143,43 @@ def sse(payload: str) -> str:
 
 class StreamWriter:
     """The chunks of one streamed response (a completion's or a chat's): a subclass says what
-    the client gets first, for each sample's new text or finish, and at the end (usage)."""
+    the client gets first, for each sample's new text or finish, and names its ``chunk_type``
+    (the response model each event's JSON is).
+
+    Args:
+        response_id: the response's id (``chatcmpl-...`` / ``cmpl-...``).
+        model: the served model's name.
+        prompts: the request's prompts and their samples.
+        options: what the client asked to be sent.
+    """
+
+    #: the pydantic model of one streamed event (set by each subclass)
+    chunk_type: type[Any]
+
+    def __init__(
+        self, response_id: str, model: str, prompts: list[PromptState], options: Options
+    ) -> None:
+        self.response_id = response_id
+        self.model = model
+        self.created = now()
+        self.prompts = prompts
+        self.options = options
+
+    def event(self, choices: list[Any], usage: UsageInfo | None) -> str:
+        """One server-sent event: a chunk of ``choices`` (and ``usage`` when given)."""
+        body = self.chunk_type(
+            id=self.response_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
+        )
+        return sse(chunk_json(body))
+
+    def choice_event(self, choice: Any) -> str:
+        """The event of one choice's delta, with the usage so far under ``continuous_usage``."""
+        usage = usage_of(self.prompts, self.options) if self.options.continuous_usage else None
+        return self.event([choice], usage)
 
     def first_chunks(self) -> list[str]:
         """Events sent before any engine output (the chat's role deltas)."""
@@ -161,8 +197,8 @@ class StreamWriter:
         raise NotImplementedError
 
     def usage_chunk(self, usage: UsageInfo) -> str:
-        """The last event of a stream with ``include_usage``."""
-        raise NotImplementedError
+        """The last event of a stream with ``include_usage``: no choices, the usage."""
+        return self.event([], usage)
 
 
 class OpenAIServing:

@@ -121,6 +121,7 @@ class TritonBackend(HNDLayoutBackend):
         v_scale=1.0,
         validate=False,
     ) -> None:
+        # Lazy: triton is optional (a GPU backend); importing it costs seconds.
         from pagedkv.ops.backends._triton.cache import write_kv_triton
 
         if validate:
@@ -139,6 +140,7 @@ class TritonBackend(HNDLayoutBackend):
         v_scale=1.0,
         validate=False,
     ) -> torch.Tensor:
+        # Lazy: triton is optional (see write_kv).
         from pagedkv.ops.backends._triton.attention import paged_attention_triton
 
         if validate:
