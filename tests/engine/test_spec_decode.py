@@ -17,6 +17,7 @@ import pytest
 from _tiny_model import tiny_gemma3_hf_model, tiny_gemma3_loaded_model, tiny_loaded_model
 
 from pagedkv.core.invariants import check_invariants
+from pagedkv.engine.spec_decode.drafts import best_num_drafts
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.errors import InvalidRequestError
 from pagedkv.sampling_params import BeamSearchParams, SamplingParams
@@ -111,8 +112,9 @@ def test_self_drafting_accepts_every_draft_and_saves_steps(tiny, batch):
     stats = engine.scheduler.get_stats().spec_decoding
     assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
     assert stats.acceptance_rate == 1.0
-    # 24 tokens: 1 from the prefill step, then 5 per step (4 drafts + the bonus).
-    assert num_steps == 24 and num_spec_steps == 1 + 5
+    # 24 tokens: 1 from the prefill step, then up to 5 a step (4 drafts + the bonus) once the
+    # acceptance estimate has grown from its prior of 1 in 2 (one draft, then more).
+    assert num_steps == 24 and num_spec_steps <= 8
     per_pos = stats.num_accepted_tokens_per_pos
     assert per_pos[0] == stats.num_drafts and per_pos == sorted(per_pos, reverse=True)
     assert sum(per_pos) == stats.num_accepted_tokens
@@ -247,6 +249,50 @@ def test_real_proposers_end_to_end(tiny, config):
         got, _ = run(engine, prompts, greedy(32))
         assert got == expected
     assert engine.scheduler.get_stats().spec_decoding.num_drafts > 0
+
+
+def test_best_num_drafts_follows_the_acceptance():
+    assert best_num_drafts(0.1, 5) == 0  # a draft row costs more than it brings
+    assert best_num_drafts(0.5, 5) == 1
+    assert best_num_drafts(0.8, 5) == 4
+    assert best_num_drafts(0.95, 8) == 8
+    assert best_num_drafts(0.95, 3) == 3  # never more than proposed
+    assert best_num_drafts(1.0, 0) == 0
+
+
+def test_drafts_that_miss_stop_being_scheduled_and_resume_when_they_hit(tiny):
+    """A proposer wrong for the first 20 tokens and right after: drafts shrink to none (the
+    steps cost no more than plain decoding), then the unscheduled drafts checked against the
+    sampled tokens raise the estimate and drafting resumes."""
+    prompts = PROMPTS[:1]
+    expected, _ = reference(tiny, prompts, greedy(60))
+    engine = make_engine(tiny, speculative_config=NGRAM)
+    proposer = scripted(engine, prompts, expected)
+    right = proposer.propose
+
+    def wrong_then_right(req_id, token_ids, max_num_tokens):
+        drafts = right(req_id, token_ids, max_num_tokens)
+        if len(token_ids) - proposer.prompt_lens[req_id] < 20:
+            drafts = (drafts + 1) % 96
+        return drafts
+
+    proposer.propose = wrong_then_right
+    scheduled = []
+    scheduler = engine.scheduler
+    schedule = scheduler.schedule
+
+    def counting():
+        out = schedule()
+        scheduled.append(sum(len(d) for d in out.scheduled_spec_decode_tokens.values()))
+        return out
+
+    scheduler.schedule = counting
+    got, _ = run(engine, prompts, greedy(60), proposer)
+    assert got == expected
+    assert scheduled[4:12] == [0] * 8  # missing drafts are no longer scheduled
+    assert max(scheduled[-10:]) >= 3  # and come back once they would be accepted
+    stats = scheduler.get_stats().spec_decoding
+    assert stats.num_accepted_tokens > 20
 
 
 def test_beam_search_is_refused(tiny):

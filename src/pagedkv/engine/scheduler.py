@@ -445,8 +445,10 @@ class Scheduler:
         changed: list[Request] = self.rejections.take()
         now = time.monotonic()
         accepted = None
-        if runner_output.num_accepted_draft_tokens:  # checked: roll the rejected drafts back
-            accepted = self.drafts.roll_back(sampling, runner_output.num_accepted_draft_tokens)
+        if self.drafts is not None:  # checked: roll the rejected drafts back
+            accepted = self.drafts.roll_back(
+                sampling, tokens, runner_output.num_accepted_draft_tokens
+            )
         finished, ready = append_sampled_tokens(
             sampling, tokens, runner_output.logprobs, changed, self.stats, now, accepted
         )

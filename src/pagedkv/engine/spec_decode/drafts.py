@@ -21,6 +21,17 @@ logprobs, a structured-output grammar, beam search; such requests decode exactly
 speculation. When the drafts' blocks do not fit, the request runs without them before anything
 is preempted. Idea and names from vLLM V1 (``Request.spec_token_ids``,
 ``scheduled_spec_decode_tokens``, ``SpecDecodingStats``).
+
+**Adaptive draft length.** A draft costs a row of the forward pass (about a fifth of a one-token
+step for the default model at batch 1 on a 2-core CPU: :data:`DRAFT_TOKEN_COST`) whether it is
+accepted or not, so where drafts miss (open chat) speculation would make decoding slower. Each
+request keeps an estimate ``a`` of the chance that a draft token is accepted (decayed counts of
+accepted and tried drafts, starting at 1 in 2) and schedules the ``k`` of its proposal that
+gives the most tokens per cost: ``(1 - a^(k+1)) / (1 - a)`` expected tokens for
+``1 + DRAFT_TOKEN_COST * k``. Where that is ``k = 0`` it still asks the proposer, and checks the
+first draft against the token the step samples, so the estimate recovers when the text starts to
+repeat (nothing is scheduled for it; a proposal costs microseconds). Idea: the acceptance-aware
+draft lengths of SuffixDecoding and of EAGLE-2-style dynamic drafting, as a per-request rule.
 """
 
 from __future__ import annotations
@@ -48,6 +59,29 @@ class DraftProposer(Protocol):
         ...
 
 
+#: What a draft token costs, as a fraction of a one-token decode step (a row through every layer
+#: and the LM head, and its verification): measured 0.17-0.19 for SmolLM2-135M Q4_1 at batch 1
+#: on a 2-core AMD EPYC (AVX2), k = 1..7 (docs/engine.md, "Speculative decoding: measured").
+DRAFT_TOKEN_COST = 0.2
+
+#: Weight of the past in a request's acceptance estimate (each observation decays the counts).
+ACCEPTANCE_DECAY = 0.8
+
+
+def best_num_drafts(acceptance: float, max_num_drafts: int) -> int:
+    """The draft count ``k <= max_num_drafts`` with the most expected tokens per cost for a
+    per-token acceptance probability ``acceptance`` (see the module's docstring); 0: none pays."""
+    best, best_value = 0, 1.0
+    expected, power = 1.0, 1.0
+    for k in range(1, max_num_drafts + 1):
+        power *= acceptance
+        expected += power
+        value = expected / (1 + DRAFT_TOKEN_COST * k)
+        if value > best_value:
+            best, best_value = k, value
+    return best
+
+
 class SpecDecodeDrafts:
     """Proposes the draft tokens of the scheduler's decoding requests and rolls back the
     rejected ones.
@@ -60,7 +94,7 @@ class SpecDecodeDrafts:
         num_speculative_tokens: most drafts per request and step (>= 1).
     """
 
-    __slots__ = ("_scheduler", "num_speculative_tokens", "proposer", "stats")
+    __slots__ = ("_acceptance", "_scheduler", "num_speculative_tokens", "proposer", "stats")
 
     def __init__(
         self, scheduler: Scheduler, proposer: DraftProposer, num_speculative_tokens: int
@@ -69,6 +103,9 @@ class SpecDecodeDrafts:
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
         self.stats = SpecDecodingStats(num_accepted_tokens_per_pos=[0] * num_speculative_tokens)
+        #: request id -> [accepted, tried, shadow draft or -1]: decayed counts of its draft
+        #: tokens, and the first draft it did not schedule (checked against the next token).
+        self._acceptance: dict[str, list[float]] = {}
 
     @staticmethod
     def can_draft(request: Request) -> bool:
@@ -101,8 +138,13 @@ class SpecDecodeDrafts:
             request.spec_token_ids = []
             return 0
         drafts = self.proposer.propose(request.request_id, request.all_token_ids, limit)
-        request.spec_token_ids = drafts
-        return len(drafts)
+        state = self._acceptance.get(request.request_id)
+        if state is None:
+            state = self._acceptance[request.request_id] = [1.0, 2.0, -1]
+        k = best_num_drafts(state[0] / state[1], len(drafts)) if drafts else 0
+        state[2] = drafts[0] if drafts and not k else -1
+        request.spec_token_ids = drafts[:k]
+        return k
 
     @staticmethod
     def drop(request: Request) -> int:
@@ -112,15 +154,27 @@ class SpecDecodeDrafts:
         return num_drafts
 
     def roll_back(
-        self, sampling: list[Request], num_accepted: dict[str, int]
+        self, sampling: list[Request], tokens: list[int], num_accepted: dict[str, int]
     ) -> dict[str, list[int]]:
         """:meth:`accepted` for each sampling request with drafts (``num_accepted``: the
-        workers' counts, checked); returns request id -> its accepted drafts."""
-        return {
-            r.request_id: self.accepted(r, num_accepted[r.request_id])
-            for r in sampling
-            if r.spec_token_ids
-        }
+        workers' counts, checked); returns request id -> its accepted drafts. A request that
+        proposed drafts but scheduled none has its first one checked against its sampled token
+        (``tokens``, one per sampling request)."""
+        accepted = {}
+        acceptance = self._acceptance
+        for request, token_id in zip(sampling, tokens, strict=True):
+            state = acceptance.get(request.request_id)
+            if state is None:
+                continue
+            if request.spec_token_ids:
+                accepted[request.request_id] = self.accepted(
+                    request, num_accepted[request.request_id]
+                )
+            elif state[2] >= 0:  # a draft it did not schedule: would it have been accepted?
+                state[0] = ACCEPTANCE_DECAY * state[0] + (state[2] == token_id)
+                state[1] = ACCEPTANCE_DECAY * state[1] + 1
+                state[2] = -1
+        return accepted
 
     def accepted(self, request: Request, num_accepted: int) -> list[int]:
         """Roll ``request`` back to its accepted drafts (call before appending its tokens): its
@@ -132,8 +186,11 @@ class SpecDecodeDrafts:
         """
         drafts = request.spec_token_ids
         num_drafts = len(drafts)
-        request.num_computed_tokens -= num_drafts - num_accepted
+        request.reject_draft_tokens(num_drafts - num_accepted)
         request.spec_token_ids = []
+        state = self._acceptance[request.request_id]  # tried: the accepted and the first miss
+        state[0] = ACCEPTANCE_DECAY * state[0] + num_accepted
+        state[1] = ACCEPTANCE_DECAY * state[1] + num_accepted + (num_accepted < num_drafts)
         stats = self.stats
         stats.num_drafts += 1
         stats.num_draft_tokens += num_drafts
@@ -145,7 +202,14 @@ class SpecDecodeDrafts:
 
     def finished(self, request: Request) -> None:
         """Forget a finished request (the proposer may learn from its output)."""
+        self._acceptance.pop(request.request_id, None)
         self.proposer.finished(request.request_id, request.num_prompt_tokens, request.all_token_ids)
 
 
-__all__ = ["DraftProposer", "SpecDecodeDrafts"]
+__all__ = [
+    "ACCEPTANCE_DECAY",
+    "DRAFT_TOKEN_COST",
+    "DraftProposer",
+    "SpecDecodeDrafts",
+    "best_num_drafts",
+]
