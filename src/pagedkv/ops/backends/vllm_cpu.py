@@ -58,6 +58,7 @@ from __future__ import annotations
 import ctypes.util
 import importlib.metadata
 import importlib.util
+import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -177,6 +178,17 @@ class VllmCpuAttentionMetadata:
     max_block_id: int | None = None  # largest block id read (when built with validate)
 
 
+def split_kv_enabled() -> bool:
+    """Whether the kernels may split one sequence's context over threads: vLLM's
+    ``VLLM_CPU_ATTN_SPLIT_KV`` (read at each step's metadata; default 1, on). Splitting
+    speeds up a long context decoded alone (2-core AMD EPYC, SmolLM2 at batch 1, 2,000 tokens:
+    44-46 ms a step split, 47-52 ms not), but how a sequence is split depends on the whole batch,
+    so its attention's sums, and a greedy near-tie, can change with what else runs (other
+    requests, or speculative decoding's draft positions: docs/engine.md). ``0`` makes each
+    sequence's attention independent of the batch."""
+    return os.environ.get("VLLM_CPU_ATTN_SPLIT_KV", "1") != "0"
+
+
 class VllmCpuBackend(AttentionBackend):
     """Paged attention with vLLM's CPU kernels (see module docs).
 
@@ -280,7 +292,7 @@ class VllmCpuBackend(AttentionBackend):
             True,  # causal
             -1 if spec.sliding_window is None else spec.sliding_window,
             isa,
-            True,  # split long contexts over threads (vLLM's default VLLM_CPU_ATTN_SPLIT_KV=1)
+            split_kv_enabled(),
             None,
             _FP8_NAMES.get(spec.kv_cache_dtype, "auto"),
         )
