@@ -330,6 +330,34 @@ def test_greedy_outputs_satisfy_each_kind_of_constraint(llm):
 
 
 @pytest.mark.slow
+def test_speculative_decoding_leaves_constrained_requests_as_they_were(llm, loaded_fp32):
+    """With n-gram speculation on, a constrained request drafts nothing (its grammar would have
+    to check and roll back the drafts), so it and the free requests beside it give the tokens
+    of an engine without speculation (the torch backend, whose attention per sequence does not
+    depend on the batch)."""
+    from pagedkv import LLM
+
+    prompts = [_chat("Copy exactly: the cat sat on the mat, the cat sat on the mat."),
+               _chat("Is water wet?"), _chat("What colour is the sky?")]  # fmt: skip
+    params = [SamplingParams(temperature=0, max_tokens=24), _greedy(CHOICE), _greedy(GRAMMAR)]
+    outputs = {}
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}):
+        engine = LLM(
+            loaded_model=loaded_fp32,
+            dtype="float32",
+            max_model_len=512,
+            attention_backend="torch",
+            speculative_config=spec,
+        )
+        outputs[spec is None] = [
+            o.outputs[0].token_ids for o in engine.chat(prompts, params, use_tqdm=False)
+        ]
+        stats = engine.get_stats().scheduler.spec_decoding
+    assert outputs[False] == outputs[True]
+    assert stats.num_drafts > 0  # the free request drafted; the constrained two could not
+
+
+@pytest.mark.slow
 def test_a_constrained_request_leaves_the_others_in_its_batch_unchanged(llm):
     free = [_chat("Hi!"), _chat("What is the capital of France?")]
     free_params = SamplingParams(temperature=0, max_tokens=12)

@@ -37,7 +37,9 @@ def offline():
         loaded = load_model(dtype=torch.float32)
     except ModelLoadError as exc:
         pytest.skip(f"default model not installed: {exc}")
-    llm = LLM(dtype="float32", max_model_len=MAX_MODEL_LEN, loaded_model=loaded)
+    llm = LLM(
+        dtype="float32", max_model_len=MAX_MODEL_LEN, loaded_model=loaded, attention_backend="torch"
+    )
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     return (
         llm.generate([PROMPT], params, use_tqdm=False)[0].text,
@@ -48,7 +50,7 @@ def offline():
 @pytest.fixture(scope="module")
 def server():
     args = [
-        "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
+        "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--attention-backend", "torch",
         "--speculative-config", json.dumps(SPEC),
     ]  # fmt: skip
     with serve_process(args) as (url, output):
@@ -76,7 +78,7 @@ def test_openai_client_gets_the_tokens_of_no_speculation(server, offline):
                 extra_body={"use_beam_search": True, "n": 2},
             )
     metrics = {
-        line.split()[0]: float(line.split()[1])
+        line.split("{")[0]: float(line.split()[-1])
         for line in httpx.get(url + "/metrics").text.splitlines()
         if line.startswith("pagedkv:spec_decode_num")
     }

@@ -407,8 +407,8 @@ class LLMEngine:
         self.input_processor.check_params(params, priority)
         if self.scheduler.drafts is not None:  # vLLM refuses the pair too
             raise InvalidRequestError(
-                "beam search cannot run with speculative decoding (the engine's "
-                "speculative_config): use an engine without it",
+                "use_beam_search: beam search cannot run with speculative decoding (the "
+                "engine's speculative_config); use an engine without it",
                 param="use_beam_search",
             )
         vocab_size = self.model_config.vocab_size
