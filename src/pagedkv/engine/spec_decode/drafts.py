@@ -27,8 +27,9 @@ step for the default model at batch 1 on a 2-core CPU: :data:`DRAFT_TOKEN_COST`)
 accepted or not, so where drafts miss (open chat) speculation would make decoding slower. Each
 request keeps an estimate ``a`` of the chance that a draft token is accepted (decayed counts of
 accepted and tried drafts, starting at 1 in 2) and schedules the ``k`` of its proposal that
-gives the most tokens per cost: ``(1 - a^(k+1)) / (1 - a)`` expected tokens for
-``1 + DRAFT_TOKEN_COST * k``. Where that is ``k = 0`` it still asks the proposer, and checks the
+gives the most tokens per cost: ``(1 - a^(k+1)) / (1 - a)`` expected tokens for its share of
+the step plus ``DRAFT_TOKEN_COST * k`` (alone: ``1 + DRAFT_TOKEN_COST * k``;
+:func:`best_num_drafts`). Where that is ``k = 0`` it still asks the proposer, and checks the
 first draft against the token the step samples, so the estimate recovers when the text starts to
 repeat (nothing is scheduled for it; a proposal costs microseconds). Idea: the acceptance-aware
 draft lengths of SuffixDecoding and of EAGLE-2-style dynamic drafting, as a per-request rule.
@@ -64,19 +65,32 @@ class DraftProposer(Protocol):
 #: on a 2-core AMD EPYC (AVX2), k = 1..7 (docs/engine.md, "Speculative decoding: measured").
 DRAFT_TOKEN_COST = 0.2
 
+#: What another request's row adds to a step, as a fraction of a one-token step (its own
+#: attention and sampling too): a batch of 16 decoded 5.5x slower a step than one request in
+#: the benchmark (same machine and model), so 4.5 / 15.
+OTHER_ROW_COST = 0.3
+
 #: Weight of the past in a request's acceptance estimate (each observation decays the counts).
 ACCEPTANCE_DECAY = 0.8
 
 
-def best_num_drafts(acceptance: float, max_num_drafts: int) -> int:
+def best_num_drafts(acceptance: float, max_num_drafts: int, num_running: int = 1) -> int:
     """The draft count ``k <= max_num_drafts`` with the most expected tokens per cost for a
-    per-token acceptance probability ``acceptance`` (see the module's docstring); 0: none pays."""
-    best, best_value = 0, 1.0
+    per-token acceptance probability ``acceptance`` (see the module's docstring) in a batch of
+    ``num_running`` decoding requests; 0: none pays.
+
+    A request's share of a step is ``(1 + (n - 1) OTHER_ROW_COST) / n`` one-token steps, and each
+    of its drafts costs ``DRAFT_TOKEN_COST`` on top: alone, a draft pays from ``a`` of about 0.2;
+    in a batch of 16, from about 0.6 (the step is already busy, so a row that is thrown away
+    costs more of the request's share)."""
+    cost = DRAFT_TOKEN_COST
+    share = (1 + (num_running - 1) * OTHER_ROW_COST) / num_running
+    best, best_value = 0, 1.0 / share
     expected, power = 1.0, 1.0
     for k in range(1, max_num_drafts + 1):
         power *= acceptance
         expected += power
-        value = expected / (1 + DRAFT_TOKEN_COST * k)
+        value = expected / (share + cost * k)
         if value > best_value:
             best, best_value = k, value
     return best
@@ -94,7 +108,14 @@ class SpecDecodeDrafts:
         num_speculative_tokens: most drafts per request and step (>= 1).
     """
 
-    __slots__ = ("_acceptance", "_scheduler", "num_speculative_tokens", "proposer", "stats")
+    __slots__ = (
+        "_acceptance",
+        "_scheduler",
+        "adaptive",
+        "num_speculative_tokens",
+        "proposer",
+        "stats",
+    )
 
     def __init__(
         self, scheduler: Scheduler, proposer: DraftProposer, num_speculative_tokens: int
@@ -103,6 +124,8 @@ class SpecDecodeDrafts:
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
         self.stats = SpecDecodingStats(num_accepted_tokens_per_pos=[0] * num_speculative_tokens)
+        #: False: every proposed draft is scheduled (the adaptive length is off; benchmarks).
+        self.adaptive = True
         #: request id -> [accepted, tried, shadow draft or -1]: decayed counts of its draft
         #: tokens, and the first draft it did not schedule (checked against the next token).
         self._acceptance: dict[str, list[float]] = {}
@@ -141,7 +164,9 @@ class SpecDecodeDrafts:
         state = self._acceptance.get(request.request_id)
         if state is None:
             state = self._acceptance[request.request_id] = [1.0, 2.0, -1]
-        k = best_num_drafts(state[0] / state[1], len(drafts)) if drafts else 0
+        k = len(drafts)
+        if k and self.adaptive:
+            k = best_num_drafts(state[0] / state[1], k, len(self._scheduler.running))
         state[2] = drafts[0] if drafts and not k else -1
         request.spec_token_ids = drafts[:k]
         return k
@@ -209,6 +234,7 @@ class SpecDecodeDrafts:
 __all__ = [
     "ACCEPTANCE_DECAY",
     "DRAFT_TOKEN_COST",
+    "OTHER_ROW_COST",
     "DraftProposer",
     "SpecDecodeDrafts",
     "best_num_drafts",
