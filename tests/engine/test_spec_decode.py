@@ -198,6 +198,13 @@ def test_requests_that_cannot_be_verified_draft_nothing(tiny):
         got, _ = run(engine, prompts, params, scripted(engine, prompts, long))
         assert got == expected
         assert engine.scheduler.get_stats().spec_decoding.num_draft_tokens == 0
+    # min_tokens reached: from there on the request drafts (no mask is left to apply).
+    params = greedy(16, min_tokens=4)
+    expected, _ = reference(tiny, prompts, params)
+    engine = make_engine(tiny, speculative_config=NGRAM)
+    got, _ = run(engine, prompts, params, scripted(engine, prompts, expected))
+    assert got == expected
+    assert engine.scheduler.get_stats().spec_decoding.num_draft_tokens > 0
 
 
 def test_seeded_sampling_is_reproducible(tiny):

@@ -309,8 +309,8 @@ class ModelRunner:
 
         Raises:
             InvalidRequestError: drafts for a request whose sampling needs what verification
-                does not do (penalties, min_tokens, logprobs, a grammar): the scheduler drafts
-                nothing for those.
+                does not do (penalties, min_tokens not reached, logprobs, a grammar): the
+                scheduler drafts nothing for those.
         """
         num_draft_tokens = inputs.num_draft_tokens[batch_rows]
         last_rows = np.cumsum(num_draft_tokens + 1) - 1
@@ -329,13 +329,13 @@ class ModelRunner:
             params = state.sampling_params
             if (
                 params.has_penalties
-                or params.min_tokens
+                or len(state.output_token_ids) < params.min_tokens
                 or params.logprobs is not None
                 or state.req_id in structured
             ):
                 raise InvalidRequestError(
-                    f"request {state.req_id!r}: draft tokens with penalties, min_tokens, logprobs "
-                    "or a grammar cannot be verified"
+                    f"request {state.req_id!r}: draft tokens with penalties, min_tokens still "
+                    "pending, logprobs or a grammar cannot be verified"
                 )
         num_rows = num_draft_tokens[drafted] + 1
         rows = np.repeat(last_rows[drafted] + 1 - num_rows, num_rows) + (
