@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import example, given, reject
+from hypothesis import HealthCheck, example, given, reject, settings
 from hypothesis import strategies as st
 
 from pagedkv.errors import InvalidRequestError
@@ -218,6 +218,9 @@ def sampling_rows(draw) -> tuple[dict, list[float], list[int], list[int]]:
 
 
 @given(st.lists(sampling_rows(), min_size=1, max_size=4))
+# Rows that SamplingParams refuses are rejected on purpose (one field may be any finite float);
+# how many of the first draws that hits varied with the modules imported before the test.
+@settings(suppress_health_check=[HealthCheck.filter_too_much])
 @example(  # the fault: 1e-40 divided a seen positive logit into +inf
     [({"temperature": 1.0, "repetition_penalty": 1e-40}, [1.0, 2.0] * 4, [1], [])]
 )
