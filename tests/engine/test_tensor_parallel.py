@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -270,22 +271,26 @@ def test_ctrl_c_stops_every_rank():
             llm.generate(["hello"] * 4, params, use_tqdm=False)
         """
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", script],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        pids = [int(p) for p in proc.stdout.readline().split()]
-        assert pids and all(alive(p) for p in pids)
-        os.killpg(proc.pid, signal.SIGINT)
-        assert proc.wait(timeout=60) != 0
-        assert "KeyboardInterrupt" in proc.stderr.read()
-    finally:
-        proc.kill()
-        proc.wait()
+    # stderr goes to a file, not a pipe nobody reads while the engine runs: a full pipe would
+    # block the process in a write (then it could not even print its KeyboardInterrupt).
+    with tempfile.TemporaryFile(mode="w+") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", script],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            pids = [int(p) for p in proc.stdout.readline().split()]
+            assert pids and all(alive(p) for p in pids)
+            os.killpg(proc.pid, signal.SIGINT)
+            assert proc.wait(timeout=60) != 0
+            stderr.seek(0)
+            assert "KeyboardInterrupt" in stderr.read()
+        finally:
+            proc.kill()
+            proc.wait()
     assert wait_gone(pids, 10)
 
 
