@@ -285,7 +285,7 @@ def test_ctrl_c_stops_every_rank():
             pids = [int(p) for p in proc.stdout.readline().split()]
             assert pids and all(alive(p) for p in pids)
             os.killpg(proc.pid, signal.SIGINT)
-            assert proc.wait(timeout=60) != 0
+            assert proc.wait(timeout=150) != 0  # generous: a loaded 2-core machine
             stderr.seek(0)
             assert "KeyboardInterrupt" in stderr.read()
         finally:
