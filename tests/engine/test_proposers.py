@@ -226,8 +226,16 @@ def test_suffix_picks_the_tree_with_the_higher_score():
         proposer.on_request_finished(req_id, 0, ids(1, 2))
     # The request saw 1 -> 3, 1 -> 2, 1 -> 4: p = 1/3 each; the global draft scores higher.
     assert proposer.propose("r", ids(1, 3, 1, 2, 1, 4, 1), 4).tolist() == [2]
-    # A tie (both p = 1) goes to the request's own tree.
+    # A tie (both p = 1, both matching the last token only) goes to the request's own tree.
     assert proposer.propose("s", ids(1, 3, 1), 4).tolist() == [3]
+
+
+def test_suffix_score_tie_goes_to_the_longer_match():
+    proposer = suffix(k=4, min_prob=0.0)
+    proposer.on_request_finished("a", 0, ids(5, 6, 7, 8))
+    # Both draft one token with p = 1: the request's own tokens match "7" (-> 9), the global
+    # tree "6 7" (-> 8): the longer match wins (an agent loop repeating an earlier answer).
+    assert proposer.propose("r", ids(7, 9, 6, 7), 1).tolist() == [8]
 
 
 def test_suffix_keeps_nothing_per_request():

@@ -257,14 +257,16 @@ class SuffixDecodingProposer:
         limit = min(max_num_tokens, self.num_speculative_tokens)
         if limit <= 0 or len(token_ids) == 0:
             return _EMPTY
-        draft, score, _ = speculate_own_tokens(
+        draft, score, match_len = speculate_own_tokens(
             token_ids, self.max_depth, limit, self.spec_factor, self.min_prob
         )
         if self._cached_outputs:
             context = np.asarray(token_ids[-(self.max_depth - 1) :]).tolist()
             args = (context, limit, self.spec_factor, self.min_prob)
-            global_draft, global_score, _ = self.global_trie.speculate(*args)
-            if global_score > score:
+            global_draft, global_score, global_len = self.global_trie.speculate(*args)
+            # A tie goes to the longer match: an earlier output that repeats the last tokens
+            # further back than the prompt does (an agent loop's earlier answer) knows better.
+            if (global_score, global_len) > (score, match_len):
                 draft = global_draft
         return np.asarray(draft, dtype=np.int64)
 
