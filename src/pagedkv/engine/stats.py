@@ -15,12 +15,16 @@ class SpecDecodingStats:
         num_draft_tokens: draft tokens scheduled.
         num_accepted_tokens: draft tokens accepted.
         num_accepted_tokens_per_pos: per draft position, how many were accepted there.
+        num_drafts_per_len: per draft length k (index k - 1), verification steps of a request
+            with k drafts: with a per-k step cost, what the drafts cost (the benchmark's
+            estimate, docs/engine.md "Speculative decoding: measured").
     """
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    num_drafts_per_len: list[int] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:
@@ -40,6 +44,7 @@ class SpecDecodingStats:
             self.num_draft_tokens,
             self.num_accepted_tokens,
             list(self.num_accepted_tokens_per_pos),
+            list(self.num_drafts_per_len),
         )
 
 
