@@ -18,7 +18,7 @@ from _tiny_model import tiny_gemma3_hf_model, tiny_gemma3_loaded_model, tiny_loa
 
 from pagedkv.core.invariants import check_invariants
 from pagedkv.engine.llm_engine import LLMEngine
-from pagedkv.engine.spec_decode.drafts import best_num_drafts
+from pagedkv.engine.spec_decode.drafts import STEP_COST, best_num_drafts
 from pagedkv.errors import InvalidRequestError
 from pagedkv.sampling_params import BeamSearchParams, SamplingParams
 
@@ -121,6 +121,13 @@ def test_self_drafting_accepts_every_draft_and_saves_steps(tiny, batch):
     per_pos = stats.num_accepted_tokens_per_pos
     assert per_pos[0] == stats.num_drafts and per_pos == sorted(per_pos, reverse=True)
     assert sum(per_pos) == stats.num_accepted_tokens
+    # Verification steps by draft length: the scripted proposer always has 4 (the last step
+    # of each request fewer: max_tokens leaves no room); at batch 1 they are every decode step.
+    per_len = stats.num_drafts_per_len
+    assert sum(per_len) == stats.num_drafts
+    assert sum((k + 1) * n for k, n in enumerate(per_len)) == stats.num_draft_tokens
+    if batch == 1:
+        assert per_len == [0, 1, 0, 4]  # 4 x (4 + 1) tokens, then 2 drafts + 1: 1 + 20 + 3
 
 
 CONFIGS = {
@@ -267,16 +274,25 @@ def test_real_proposers_end_to_end(tiny, config):
 
 
 def test_best_num_drafts_follows_the_acceptance():
-    assert best_num_drafts(0.1, 5) == 0  # a draft row costs more than it brings
-    assert best_num_drafts(0.5, 5) == 1
-    assert best_num_drafts(0.8, 5) == 4
-    assert best_num_drafts(0.95, 8) == 8
+    # Alone: the measured step cost with k drafts (STEP_COST), not linear in k.
+    assert best_num_drafts(0.1, 7) == 0  # one more row costs more than it brings
+    assert best_num_drafts(0.3, 7) == 1  # 1.3 tokens for 1.12 steps
+    assert best_num_drafts(0.5, 7) == 2
+    assert best_num_drafts(0.8, 7) == 3  # 4 to 6 drafts cost more than their tokens
+    assert best_num_drafts(0.9, 7) == 4
+    assert best_num_drafts(0.95, 7) == 7
+    assert best_num_drafts(1.0, 24) == 7  # never past the table: 9 rows leave the 4-bit path
     assert best_num_drafts(0.95, 3) == 3  # never more than proposed
     assert best_num_drafts(1.0, 0) == 0
-    # In a busy batch a thrown-away row costs more of the step: drafts need more acceptance.
+    # In a batch a draft row costs more of the request's share of the step.
     assert best_num_drafts(0.7, 5, num_running=16) == 0
     assert best_num_drafts(0.9, 5, num_running=16) == 1
     assert best_num_drafts(0.95, 5, num_running=16) == 2
+
+
+def test_step_cost_table_is_a_step_cost_per_draft_count():
+    assert STEP_COST[0] == 1.0  # a plain decode step
+    assert list(STEP_COST) == sorted(STEP_COST) and len(STEP_COST) == 8
 
 
 def test_drafts_that_miss_stop_being_scheduled_and_resume_when_they_hit(tiny):
@@ -308,7 +324,9 @@ def test_drafts_that_miss_stop_being_scheduled_and_resume_when_they_hit(tiny):
     scheduler.schedule = counting
     got, _ = run(engine, prompts, greedy(60), proposer, adaptive=True)
     assert got == expected
-    assert scheduled[4:12] == [0] * 8  # missing drafts are no longer scheduled
+    # From 1 in 2: 2 drafts, then 1 while a >= 0.12 (a row costs 0.12 of a step), then none.
+    assert scheduled[:6] == [0, 2, 1, 1, 1, 0]
+    assert scheduled[5:13] == [0] * 8  # missing drafts are no longer scheduled
     assert max(scheduled[-10:]) >= 3  # and come back once they would be accepted
     stats = scheduler.get_stats().spec_decoding
     assert stats.num_accepted_tokens > 20

@@ -22,17 +22,19 @@ speculation. When the drafts' blocks do not fit, the request runs without them b
 is preempted. Idea and names from vLLM V1 (``Request.spec_token_ids``,
 ``scheduled_spec_decode_tokens``, ``SpecDecodingStats``).
 
-**Adaptive draft length.** A draft costs a row of the forward pass (about a fifth of a one-token
-step for the default model at batch 1 on a 2-core CPU: :data:`DRAFT_TOKEN_COST`) whether it is
-accepted or not, so where drafts miss (open chat) speculation would make decoding slower. Each
-request keeps an estimate ``a`` of the chance that a draft token is accepted (decayed counts of
+**Adaptive draft length.** A draft costs a row of the forward pass whether it is accepted or
+not, so where drafts miss (open chat) speculation would make decoding slower. Each request
+keeps an estimate ``a`` of the chance that a draft token is accepted (decayed counts of
 accepted and tried drafts, starting at 1 in 2) and schedules the ``k`` of its proposal that
-gives the most tokens per cost: ``(1 - a^(k+1)) / (1 - a)`` expected tokens for its share of
-the step plus ``DRAFT_TOKEN_COST * k`` (alone: ``1 + DRAFT_TOKEN_COST * k``;
-:func:`best_num_drafts`). Where that is ``k = 0`` it still asks the proposer, and checks the
-first draft against the token the step samples, so the estimate recovers when the text starts to
-repeat (nothing is scheduled for it; a proposal costs microseconds). Idea: the acceptance-aware
-draft lengths of SuffixDecoding and of EAGLE-2-style dynamic drafting, as a per-request rule.
+gives the most expected tokens, ``(1 - a^(k+1)) / (1 - a)``, per cost of its step
+(:func:`best_num_drafts`). Alone, that cost is the measured step cost with k drafts
+(:data:`STEP_COST`: not linear in k, and ending at k = 7, past which a step leaves the 4-bit
+kernels); in a batch, a share of the step plus ``DRAFT_TOKEN_COST`` per draft. Where that is
+``k = 0`` nothing is scheduled: the step is the plain decode step (no draft rows, the runner's
+plain sampler); the proposer is still asked (microseconds beside a step of tens of
+milliseconds) and its first draft checked against the token the step samples, so the estimate
+recovers when the text starts to repeat. Idea: the acceptance-aware draft lengths of
+SuffixDecoding and of EAGLE-2-style dynamic drafting, as a per-request rule.
 """
 
 from __future__ import annotations
@@ -60,9 +62,17 @@ class DraftProposer(Protocol):
         ...
 
 
-#: What a draft token costs, as a fraction of a one-token decode step (a row through every layer
-#: and the LM head, and its verification): measured 0.17-0.19 for SmolLM2-135M Q4_1 at batch 1
-#: on a 2-core AMD EPYC (AVX2), k = 1..7 (docs/engine.md, "Speculative decoding: measured").
+#: What a decode step of one request with k drafts costs, k = 0, 1, ..., 7, in one-token steps
+#: (the batch-1 cost table of :func:`best_num_drafts`). Measured for SmolLM2-135M Q4_1 on a
+#: 2-core AMD EPYC (AVX2) with drafts that are all rejected
+#: (``benchmarks/bench_spec_decode.py --draft-cost``, docs/engine.md "Speculative decoding:
+#: measured"): not linear in k (the 4-bit kernels' row blocking). Ends at k = 7: a step of 9 or
+#: more tokens leaves the 4-bit path for dense fp32 products and costs ~2.4x, more than 8
+#: tokens' worth of drafts at any acceptance brings over k = 7.
+STEP_COST = (1.0, 1.12, 1.23, 1.40, 1.60, 1.90, 2.10, 2.28)
+
+#: What a draft token costs in a batch of several decoding requests, as a fraction of a
+#: one-token step (a row through every layer and the LM head, and its verification).
 DRAFT_TOKEN_COST = 0.2
 
 #: Weight of the past in a request's acceptance estimate (each observation decays the counts).
@@ -74,16 +84,27 @@ def best_num_drafts(acceptance: float, max_num_drafts: int, num_running: int = 1
     per-token acceptance probability ``acceptance`` (see the module's docstring) in a batch of
     ``num_running`` decoding requests; 0: none pays.
 
-    A request's share of a step is ``(1 + (n - 1) c) / n`` one-token steps (each other request's
-    row costs ``c = DRAFT_TOKEN_COST`` more), and each of its drafts costs ``c`` on top: alone, a
-    draft pays from ``a`` of about 0.2; in a batch of 16, from about 0.8 (the step is already
-    busy, so a row that is thrown away costs more of the request's share). At batch 16 the
-    benchmark's open chat (acceptance about 0.7) ran at 0.88x of no speculation when it drafted
-    and its grounded work (about 0.9) gained: the rule drafts for the second only."""
+    Alone (``num_running == 1``) a step with k drafts costs ``STEP_COST[k]`` one-token steps and
+    k never exceeds its last entry: k = 1 pays from ``a`` of about 0.1, and the most (7) from
+    about 0.9. In a batch, a request's share of a step is ``(1 + (n - 1) c) / n`` one-token
+    steps (each other request's row costs ``c = DRAFT_TOKEN_COST`` more), and each of its
+    drafts costs ``c`` on top: in a batch of 16 a draft pays from about 0.8 (the step is
+    already busy, so a row that is thrown away costs more of the request's share). At batch 16
+    the benchmark's open chat (acceptance about 0.7) ran at 0.88x of no speculation when it
+    drafted and its grounded work (about 0.9) gained: the rule drafts for the second only."""
+    expected, power = 1.0, 1.0
+    best, best_value = 0, 1.0
+    if num_running == 1:
+        for k in range(1, min(max_num_drafts, len(STEP_COST) - 1) + 1):
+            power *= acceptance
+            expected += power
+            value = expected / STEP_COST[k]
+            if value > best_value:
+                best, best_value = k, value
+        return best
     cost = DRAFT_TOKEN_COST
     share = (1 + (num_running - 1) * cost) / num_running
-    best, best_value = 0, 1.0 / share
-    expected, power = 1.0, 1.0
+    best_value = 1.0 / share
     for k in range(1, max_num_drafts + 1):
         power *= acceptance
         expected += power
@@ -120,7 +141,10 @@ class SpecDecodeDrafts:
         self._scheduler = scheduler
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
-        self.stats = SpecDecodingStats(num_accepted_tokens_per_pos=[0] * num_speculative_tokens)
+        self.stats = SpecDecodingStats(
+            num_accepted_tokens_per_pos=[0] * num_speculative_tokens,
+            num_drafts_per_len=[0] * num_speculative_tokens,
+        )
         #: False: every proposed draft is scheduled (the adaptive length is off; benchmarks).
         self.adaptive = True
         #: request id -> [accepted, tried, shadow draft or -1]: decayed counts of its draft
@@ -222,6 +246,7 @@ class SpecDecodeDrafts:
         stats.num_drafts += 1
         stats.num_draft_tokens += num_drafts
         stats.num_accepted_tokens += num_accepted
+        stats.num_drafts_per_len[num_drafts - 1] += 1
         per_pos = stats.num_accepted_tokens_per_pos
         for pos in range(num_accepted):
             per_pos[pos] += 1
@@ -236,6 +261,7 @@ class SpecDecodeDrafts:
 __all__ = [
     "ACCEPTANCE_DECAY",
     "DRAFT_TOKEN_COST",
+    "STEP_COST",
     "DraftProposer",
     "SpecDecodeDrafts",
     "best_num_drafts",
