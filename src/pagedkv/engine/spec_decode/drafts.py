@@ -63,12 +63,12 @@ class DraftProposer(Protocol):
 
 
 #: What a decode step of one request with k drafts costs, k = 0, 1, ..., 7, in one-token steps
-#: (the batch-1 cost table of :func:`best_num_drafts`). Measured for SmolLM2-135M Q4_1 on a
-#: 2-core AMD EPYC (AVX2) with drafts that are all rejected
-#: (``benchmarks/bench_spec_decode.py --draft-cost``, docs/engine.md "Speculative decoding:
-#: measured"): not linear in k (the 4-bit kernels' row blocking). Ends at k = 7: a step of 9 or
-#: more tokens leaves the 4-bit path for dense fp32 products and costs ~2.4x, more than 8
-#: tokens' worth of drafts at any acceptance brings over k = 7.
+#: (the batch-1 cost table of :func:`best_num_drafts`): SmolLM2-135M Q4_1 on a 2-core AMD EPYC
+#: (AVX2), the median CPU time of the benchmark's decode steps with k drafts over that of steps
+#: without (``benchmarks/bench_spec_decode.py --step-times``, open chat and grounded work; k = 4
+#: from ``--draft-cost``, drafts that are all rejected): docs/engine.md, "Adaptive draft
+#: length". Not linear in k. Ends at k = 7: a step of 9 or more tokens leaves the 4-bit
+#: kernels for dense fp32 products (~2.4x a one-token step).
 STEP_COST = (1.0, 1.12, 1.23, 1.40, 1.60, 1.90, 2.10, 2.28)
 
 #: What a draft token costs in a batch of several decoding requests, as a fraction of a
@@ -84,14 +84,14 @@ def best_num_drafts(acceptance: float, max_num_drafts: int, num_running: int = 1
     per-token acceptance probability ``acceptance`` (see the module's docstring) in a batch of
     ``num_running`` decoding requests; 0: none pays.
 
-    Alone (``num_running == 1``) a step with k drafts costs ``STEP_COST[k]`` one-token steps and
-    k never exceeds its last entry: k = 1 pays from ``a`` of about 0.1, and the most (7) from
-    about 0.9. In a batch, a request's share of a step is ``(1 + (n - 1) c) / n`` one-token
-    steps (each other request's row costs ``c = DRAFT_TOKEN_COST`` more), and each of its
-    drafts costs ``c`` on top: in a batch of 16 a draft pays from about 0.8 (the step is
-    already busy, so a row that is thrown away costs more of the request's share). At batch 16
-    the benchmark's open chat (acceptance about 0.7) ran at 0.88x of no speculation when it
-    drafted and its grounded work (about 0.9) gained: the rule drafts for the second only."""
+    Alone (``num_running == 1``) a step with k drafts costs ``STEP_COST[k]`` one-token steps
+    and k never exceeds its last entry: k = 1 pays from ``a`` of 0.12, and the most (7) from
+    0.92. In a batch, a request's share of a step is ``(1 + (n - 1) c) / n`` one-token steps
+    (each other request's row costs ``c = DRAFT_TOKEN_COST`` more), and each of its drafts
+    costs ``c`` on top: in a batch of 16 a draft pays from about 0.8 (the step is already busy,
+    so a row that is thrown away costs more of the request's share). At batch 16 the
+    benchmark's open chat (acceptance about 0.7) ran at 0.88x of no speculation when it drafted
+    and its grounded work (about 0.9) gained: the rule drafts for the second only."""
     expected, power = 1.0, 1.0
     best, best_value = 0, 1.0
     if num_running == 1:
