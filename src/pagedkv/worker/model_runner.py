@@ -238,12 +238,14 @@ class ModelRunner:
         batch_rows: np.ndarray,
         out: SchedulerOutput,
         result: ModelRunnerOutput,
+        *,
+        masked: bool = False,
     ) -> torch.Tensor:
         """One token per sampling request from its logits row (``[len(sampling), vocab]``,
-        changed in place), after its grammar's mask, with its logprobs into ``result``.
-        ``batch_rows``: each request's row in the persistent batch. Returns ``[len(sampling)]``
-        int64 token ids."""
-        if out.grammar_bitmask is not None:  # structured outputs: before logprobs, as vLLM
+        changed in place), after its grammar's mask (unless ``masked``: applied already), with
+        its logprobs into ``result``. ``batch_rows``: each request's row in the persistent
+        batch. Returns ``[len(sampling)]`` int64 token ids."""
+        if out.grammar_bitmask is not None and not masked:  # before logprobs, as vLLM
             apply_grammar_bitmask(
                 logits,
                 [s.req_id for s in sampling],
@@ -307,36 +309,49 @@ class ModelRunner:
         ``result.num_accepted_draft_tokens``. Returns ``[len(sampling)]`` int64: each request's
         last new token (the bonus, or the replacement of its first rejected draft).
 
+        A request with a grammar has one bitmask row per logits row (after its verified tokens,
+        then after each draft: :meth:`StructuredOutputManager.fill_bitmask
+        <pagedkv.engine.structured_output.StructuredOutputManager.fill_bitmask>`), applied to
+        each row before verification, so greedy verification takes the masked argmax.
+
         Raises:
             InvalidRequestError: drafts for a request whose sampling needs what verification
-                does not do (penalties, min_tokens not reached, logprobs, a grammar): the
-                scheduler drafts nothing for those.
+                does not do (penalties, min_tokens not reached, logprobs): the scheduler
+                drafts nothing for those; a bitmask whose rows do not fit the logits rows.
         """
         num_draft_tokens = inputs.num_draft_tokens[batch_rows]
         last_rows = np.cumsum(num_draft_tokens + 1) - 1
-        sampled = torch.empty(len(sampling), dtype=torch.int64, device=logits.device)
-        plain = np.flatnonzero(num_draft_tokens == 0)
-        if len(plain):
-            states = [sampling[i] for i in plain.tolist()]
-            rows = self.input_batch.to_device(last_rows[plain])
-            tokens = self._sample(logits[rows], states, batch_rows[plain], out, result)
-            sampled[self.input_batch.to_device(plain)] = tokens
         drafted = np.flatnonzero(num_draft_tokens)
         states = [sampling[i] for i in drafted.tolist()]
-        drafts = [out.scheduled_spec_decode_tokens[s.req_id] for s in states]
-        structured = set(out.structured_output_request_ids)
         for state in states:
             params = state.sampling_params
             if (
                 params.has_penalties
                 or len(state.output_token_ids) < params.min_tokens
                 or params.logprobs is not None
-                or state.req_id in structured
             ):
                 raise InvalidRequestError(
                     f"request {state.req_id!r}: draft tokens with penalties, min_tokens still "
-                    "pending, logprobs or a grammar cannot be verified"
+                    "pending or logprobs cannot be verified"
                 )
+        if out.grammar_bitmask is not None:  # every row of the step's logits, before sampling
+            counts = num_draft_tokens.tolist()
+            apply_grammar_bitmask(
+                logits,
+                [s.req_id for s, k in zip(sampling, counts, strict=True) for _ in range(k + 1)],
+                out.structured_output_request_ids,
+                out.grammar_bitmask,
+            )
+        sampled = torch.empty(len(sampling), dtype=torch.int64, device=logits.device)
+        plain = np.flatnonzero(num_draft_tokens == 0)
+        if len(plain):
+            plain_states = [sampling[i] for i in plain.tolist()]
+            rows = self.input_batch.to_device(last_rows[plain])
+            tokens = self._sample(
+                logits[rows], plain_states, batch_rows[plain], out, result, masked=True
+            )
+            sampled[self.input_batch.to_device(plain)] = tokens
+        drafts = [out.scheduled_spec_decode_tokens[s.req_id] for s in states]
         num_rows = num_draft_tokens[drafted] + 1
         rows = np.repeat(last_rows[drafted] + 1 - num_rows, num_rows) + (
             np.arange(int(num_rows.sum())) - np.repeat(np.cumsum(num_rows) - num_rows, num_rows)
