@@ -40,6 +40,7 @@ from pagedkv.ops.backends import (
     get_attn_backend,
 )
 from pagedkv.sampling_params import SamplingParams
+from pagedkv.worker.draft_model import DraftModelProposer
 from pagedkv.worker.input_batch import CachedRequestState, InputBatch, ModelInputs
 from pagedkv.worker.kv_offload import (
     KVTier,
@@ -90,6 +91,9 @@ class ModelRunner:
             Its element size must be the one ``kv_cache_config`` was sized with.
         kv_tier: the KV tier's data (:mod:`pagedkv.worker.kv_offload`) the steps'
             ``kv_tier_ops`` act on; None = no tier.
+        draft_model: speculative decoding's draft model (same interface as ``model``), whose
+            layers follow the model's in ``kv_cache_config``
+            (:mod:`pagedkv.worker.draft_model`); None = none.
 
     Raises:
         ConfigError: a KV cache config whose layers are not the model's (count, or bytes per
@@ -108,6 +112,7 @@ class ModelRunner:
         attention_backend: AttentionBackend | str | None = None,
         kv_cache_dtype: torch.dtype | str | None = None,
         kv_tier: KVTier | None = None,
+        draft_model=None,
     ) -> None:
         config = model.config
         #: the KV tier's data, or None.
@@ -125,6 +130,12 @@ class ModelRunner:
         #: each layer's attention spec (heads, head size, block size, dtypes, window, scale).
         try:
             self.layer_specs = model.attention_layer_specs(self.block_size, kv_cache_dtype)
+            #: the model's layers; a draft model's follow them.
+            self.num_model_layers = len(self.layer_specs)
+            if draft_model is not None:
+                self.layer_specs += draft_model.attention_layer_specs(
+                    self.block_size, kv_cache_dtype
+                )
         except OpsInputError as e:
             raise ConfigError(f"kv_cache_dtype {kv_cache_dtype}: {e}") from None
         for spec in dict.fromkeys(self.layer_specs):
@@ -159,6 +170,18 @@ class ModelRunner:
             attention_groups=attention_groups,
             layer_attention_groups=layer_attention_groups,
         )
+        #: the target model's KV caches (all of them without a draft model).
+        self.model_kv_caches = self.kv_caches[: self.num_model_layers]
+        #: speculative decoding's draft model, or None.
+        self.drafter = None
+        if draft_model is not None:
+            self.drafter = DraftModelProposer(
+                draft_model,
+                self.num_model_layers,
+                self.kv_caches[self.num_model_layers :],
+                self.input_batch,
+                scheduler_config.max_model_len,
+            )
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -210,8 +233,12 @@ class ModelRunner:
         if not out.total_num_scheduled_tokens:
             return result
         inputs = batch.prepare(out)
+        metadata = inputs.attn_metadata
+        if self.drafter is not None:
+            self.drafter.forward(inputs)
+            metadata = metadata[: self.num_model_layers]
         hidden = self.model.forward(
-            inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata
+            inputs.input_ids, inputs.positions, self.model_kv_caches, metadata
         )
         states = [batch.requests[req_id] for req_id in batch.req_ids[: batch.num_reqs]]
         if any(s.sampling_params.prompt_logprobs is not None for s in states):
@@ -229,7 +256,45 @@ class ModelRunner:
             sampled = self._sample_with_drafts(logits, sampling, batch_rows, out, inputs, result)
         result.req_ids = [s.req_id for s in sampling]
         result.sampled_token_ids = sampled.tolist()
+        if out.num_lookahead_tokens and self.drafter is not None:
+            self._propose_drafts(out, inputs, sampling, batch_rows, sampled, result)
         return result
+
+    def _propose_drafts(
+        self,
+        out: SchedulerOutput,
+        inputs: ModelInputs,
+        sampling: list[CachedRequestState],
+        batch_rows: np.ndarray,
+        sampled: torch.Tensor,
+        result: ModelRunnerOutput,
+    ) -> None:
+        """The draft model's drafts for the next step (``result.draft_token_ids``) of each
+        sampling request with lookahead slots (``out.num_lookahead_tokens``): its newest token
+        (``sampled``) sits after the tokens it had, its accepted drafts included."""
+        lookahead = out.num_lookahead_tokens
+        picks = [i for i, s in enumerate(sampling) if lookahead.get(s.req_id, 0) > 0]
+        if not picks:
+            return
+        rows = batch_rows[picks]
+        accepted = result.num_accepted_draft_tokens
+        num_drafts_scheduled = (
+            0 if inputs.num_draft_tokens is None else inputs.num_draft_tokens[rows]
+        )
+        positions = (
+            self.input_batch.num_computed_tokens[rows]
+            + inputs.num_scheduled_tokens[rows]
+            - num_drafts_scheduled
+            + np.array([accepted.get(sampling[i].req_id, 0) for i in picks], dtype=np.int64)
+        )
+        req_ids = [sampling[i].req_id for i in picks]
+        drafts = self.drafter.propose(
+            rows,
+            positions,
+            sampled[self.input_batch.to_device(np.array(picks))],
+            np.array([lookahead[r] for r in req_ids], dtype=np.int64),
+        )
+        result.draft_token_ids = dict(zip(req_ids, drafts, strict=True))
 
     def _sample(
         self,

@@ -130,6 +130,11 @@ class SchedulerOutput:
             ``k`` of the request's ``num_scheduled_tokens`` (after its last verified token):
             computed and verified in this step's forward, never part of the request's token
             ids until accepted.
+        num_lookahead_tokens: request id -> KV slots allocated past its scheduled tokens
+            (speculative decoding with a draft model): after sampling, the worker's draft model
+            drafts up to that many tokens for the request's next step, writing the draft
+            model's KV of each into those slots (vLLM's ``num_lookahead_tokens``). Only for
+            requests that sample this step and may draft.
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -143,6 +148,7 @@ class SchedulerOutput:
     grammar_bitmask: Any = None
     kv_tier_ops: KVTierOps | None = None
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    num_lookahead_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:

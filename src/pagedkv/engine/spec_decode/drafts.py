@@ -68,6 +68,35 @@ class DraftProposer(Protocol):
         """Forget ``req_id`` (its tokens may teach the proposer)."""
         ...
 
+    def receive(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """The workers' drafts of the last step (``ModelRunnerOutput.draft_token_ids``); a
+        proposer that drafts by itself ignores them."""
+        ...
+
+
+class WorkerDrafts:
+    """The proposer of speculative decoding with a draft model: the workers' draft model drafts
+    after each step (:mod:`pagedkv.worker.draft_model`) into KV slots the scheduler allocated
+    ahead (``num_lookahead_tokens``); this hands each request the drafts of the last step. A
+    request not in it (not scheduled then, preempted since) drafts nothing this step."""
+
+    __slots__ = ("_drafts",)
+
+    def __init__(self) -> None:
+        self._drafts: dict[str, list[int]] = {}
+
+    def propose(self, req_id: str, token_ids: list[int], max_num_tokens: int) -> list[int]:
+        """The workers' drafts for ``req_id`` after the last step (at most ``max_num_tokens``)."""
+        return self._drafts.get(req_id, [])[:max_num_tokens]
+
+    def finished(self, req_id: str, prompt_len: int, token_ids: list[int]) -> None:
+        """Forget ``req_id``."""
+        self._drafts.pop(req_id, None)
+
+    def receive(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """Keep the last step's drafts (only they follow the requests' tokens)."""
+        self._drafts = draft_token_ids
+
 
 #: What a draft token costs, as a fraction of a one-token decode step (a row through every layer
 #: and the LM head, and its verification): measured 0.17-0.19 for SmolLM2-135M Q4_1 at batch 1
@@ -118,17 +147,25 @@ class SpecDecodeDrafts:
         "_acceptance",
         "_scheduler",
         "adaptive",
+        "num_lookahead_tokens",
         "num_speculative_tokens",
         "proposer",
         "stats",
     )
 
     def __init__(
-        self, scheduler: Scheduler, proposer: DraftProposer, num_speculative_tokens: int
+        self,
+        scheduler: Scheduler,
+        proposer: DraftProposer,
+        num_speculative_tokens: int,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         self._scheduler = scheduler
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
+        #: KV slots past a sampling request's scheduled tokens for the workers' draft model
+        #: (its drafts' KV); 0: the proposer drafts in the scheduler (n-gram, suffix).
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.stats = SpecDecodingStats(num_accepted_tokens_per_pos=[0] * num_speculative_tokens)
         #: False: every proposed draft is scheduled (the adaptive length is off; benchmarks).
         self.adaptive = True
@@ -182,6 +219,25 @@ class SpecDecodeDrafts:
         state[2] = drafts[0] if drafts and not k else -1
         request.spec_token_ids = drafts[:k]
         return k
+
+    def lookahead(self, request: Request, num_tokens_after: int) -> int:
+        """KV slots to allocate past ``request``'s scheduled tokens for the workers' draft
+        model to draft into, given ``num_tokens_after`` (its computed tokens after the step,
+        drafts included): 0 unless the step samples for it (every token computed) and it may
+        draft; never past max_model_len."""
+        if (
+            not self.num_lookahead_tokens
+            or num_tokens_after < request.num_tokens
+            or not self.can_draft(request)
+        ):
+            return 0
+        room = self._scheduler.max_model_len - num_tokens_after
+        return max(0, min(self.num_lookahead_tokens, room))
+
+    def receive(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """Hand the workers' drafts of the last step to the proposer (draft model only)."""
+        if self.num_lookahead_tokens:
+            self.proposer.receive(draft_token_ids)
 
     @staticmethod
     def drop(request: Request) -> int:
@@ -248,5 +304,6 @@ __all__ = [
     "DRAFT_TOKEN_COST",
     "DraftProposer",
     "SpecDecodeDrafts",
+    "WorkerDrafts",
     "best_num_drafts",
 ]
