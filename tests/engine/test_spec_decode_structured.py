@@ -6,8 +6,9 @@ longest valid prefix of the drafts is kept, the rows are the masks after each dr
 matcher is where it was afterwards. Through the engine (the tiny model of the other spec-decode
 tests, its character vocabulary compiled by xgrammar), greedy output under a JSON schema, a regex
 and a choice equals the engine's without speculation token for token, at batch 1 and with several
-requests, whether the scripted drafts are all valid or break the grammar partway; after every
-step each constrained request's matcher has exactly its output accepted.
+requests, whether the scripted drafts are all valid or break the grammar partway, and with a
+draft model (the target drafting for itself); after every step each constrained request's
+matcher has exactly its output accepted.
 """
 
 from __future__ import annotations
@@ -342,3 +343,19 @@ def test_seeded_sampling_under_a_grammar_with_drafts(tiny):
             assert output.finish_reason == "length" or matcher.is_terminated()
         runs.append([list(o.token_ids) for o in got])
     assert runs[0] == runs[1]
+
+
+def test_a_draft_models_drafts_are_cut_by_the_grammar(tiny):
+    """The target drafting for itself as a draft model (speculative_config "draft_model"): its
+    drafts are its unmasked greedy tokens, cut at the first the grammar refuses; each one kept
+    is also the masked argmax, so every scheduled draft is accepted, and the output is the one
+    without speculation."""
+    prompts, params = PROMPTS, [params_for(c) for c in CONSTRAINTS.values()]
+    expected = reference(tiny, prompts, params)
+    spec = {"method": "draft_model", "num_speculative_tokens": 4, "model": "tiny"}
+    engine = engine_for(tiny, speculative_config=spec, draft_model=tiny)
+    engine.scheduler.drafts.adaptive = False
+    got, _ = run(engine, prompts, params)
+    assert [list(o.token_ids) for o in got] == [list(o.token_ids) for o in expected]
+    stats = engine.scheduler.get_stats().spec_decoding
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
