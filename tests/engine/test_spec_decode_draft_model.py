@@ -46,7 +46,11 @@ def drafting(model, draft, adaptive=False, **kwargs):
 
 def test_config_without_method_is_a_draft_model():
     config = SpeculativeConfig.from_dict({"model": "x.gguf", "num_speculative_tokens": 3})
-    assert (config.method, config.model, config.num_speculative_tokens) == ("draft_model", "x.gguf", 3)
+    assert (config.method, config.model, config.num_speculative_tokens) == (
+        "draft_model",
+        "x.gguf",
+        3,
+    )
 
 
 @pytest.mark.parametrize("batch", [1, 16])
