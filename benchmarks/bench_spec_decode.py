@@ -40,6 +40,11 @@ estimated speedup, a figure other jobs on the machine do not disturb.
                                    its draft count: the decode speedup and the per-k step cost
                                    as the workload runs (the source of ``STEP_COST``)
 
+Each row also counts the engine's steps: with ``--config 'self={"method": "draft_model",
+"model": "smollm2", "num_speculative_tokens": 4}'`` (the default model drafting for itself:
+every greedy draft accepted) that is the mechanics' measure, the steps speculation saves; its
+wall time is not the point (the draft costs as much as the model).
+
 ``--draft-cost``: instead, what draft rows cost: one request decoding with a proposer whose
 every draft is wrong (k = 0..8 drafts a step, none accepted), rounds over k so that other jobs'
 load falls on every k alike, the fastest round's milliseconds a step and CPU time, as ratios
@@ -443,9 +448,11 @@ def main() -> int:
                 if workload == "agent" and configs[label] is not None:
                     # each agent run starts with an empty tree of earlier outputs
                     llm = LLM(loaded_model=loaded, speculative_config=configs[label], **engine_args)
-                before = llm.get_stats().scheduler.spec_decoding
+                stats_before = llm.get_stats().scheduler
+                before = stats_before.spec_decoding
                 outputs, seconds = run(llm, conversations, params, batch)
-                after = llm.get_stats().scheduler.spec_decoding
+                stats_after = llm.get_stats().scheduler
+                after = stats_after.spec_decoding
                 tokens = [list(o.outputs[0].token_ids) for o in outputs]
                 num_tokens = sum(len(t) for t in tokens)
                 rate = num_tokens / seconds
@@ -466,6 +473,7 @@ def main() -> int:
                     "seconds": round(seconds, 3),
                     "tokens_per_s": round(rate, 1),
                     "speedup": round(rate / off_rate, 2),
+                    "steps": stats_after.num_steps - stats_before.num_steps,
                     "same_tokens": tokens == reference,
                 }
                 if after is not None:
@@ -474,7 +482,8 @@ def main() -> int:
                 extra = describe_counts(row)
                 print(
                     f"{workload:<9} batch {batch:>2}  {label:<8} {rate:7.1f} tok/s  "
-                    f"{row['speedup']:.2f}x  same tokens: {row['same_tokens']}{extra}",
+                    f"{row['speedup']:.2f}x  {row['steps']:5d} steps  "
+                    f"same tokens: {row['same_tokens']}{extra}",
                     flush=True,
                 )
     if args.json is not None:

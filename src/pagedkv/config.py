@@ -128,12 +128,13 @@ class ParallelConfig:
 
 
 #: Values of ``SpeculativeConfig.method`` (vLLM's names) that pagedkv builds.
-SPECULATIVE_METHODS = ("ngram", "suffix")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 
 #: Methods vLLM has that are parsed but refused, with why.
 _UNBUILT_SPECULATIVE_METHODS = {
-    "draft_model": "speculative decoding with a draft model is not built yet; use 'ngram' or "
-    "'suffix'",
+    method: f"speculative decoding with {method} heads is not built; use 'ngram', 'suffix' or "
+    "'draft_model'"
+    for method in ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
 }
 
 #: The keys of ``--speculative-config`` pagedkv reads (vLLM's names).
@@ -156,16 +157,21 @@ _SPECULATIVE_KEYS = frozenset(
 class SpeculativeConfig:
     """Speculative decoding (vLLM's ``--speculative-config`` JSON, its key names and defaults).
 
-    A proposer drafts up to ``num_speculative_tokens`` tokens per request per step from the
-    request's own tokens (no draft model); the target model scores them all in one forward and
-    the rejection sampler keeps the longest prefix the target agrees with, plus one token of its
-    own (:mod:`pagedkv.engine.spec_decode`, :mod:`pagedkv.worker.rejection_sampler`).
+    A proposer drafts up to ``num_speculative_tokens`` tokens per request per step, from the
+    request's own tokens (ngram, suffix) or with a small draft model (draft_model); the target
+    model scores them all in one forward and the rejection sampler keeps the longest prefix the
+    target agrees with, plus one token of its own (:mod:`pagedkv.engine.spec_decode`,
+    :mod:`pagedkv.worker.rejection_sampler`).
 
     Attributes:
-        method: "ngram" (prompt lookup decoding) or "suffix" (SuffixDecoding, Oliaro et al.
-            2024).
+        method: "ngram" (prompt lookup decoding), "suffix" (SuffixDecoding, Oliaro et al.
+            2024) or "draft_model" (a second, smaller model with the same tokenizer drafts
+            greedily; Leviathan et al. 2023).
         num_speculative_tokens: most draft tokens per request per step (>= 1). Required for
-            "ngram"; "suffix" defaults it to ``suffix_decoding_max_tree_depth`` (as vLLM).
+            "ngram" and "draft_model"; "suffix" defaults it to
+            ``suffix_decoding_max_tree_depth`` (as vLLM).
+        model: draft_model: the draft model, anything ``--model`` takes (a packaged short
+            name, a GGUF file, a Hugging Face folder); None for the other methods.
         prompt_lookup_min, prompt_lookup_max: ngram: the n-gram lengths matched, tokens
             (``1 <= min <= max``; both default to 5, one given sets the other to it, as vLLM).
         suffix_decoding_max_tree_depth: suffix: the suffix trees' depth, tokens (>= 1); it caps
@@ -186,6 +192,7 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -222,6 +229,15 @@ class SpeculativeConfig:
             0,
             maximum=1,
         )
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ConfigError(
+                "speculative_config: model is required for method 'draft_model' and taken by no "
+                "other method"
+            )
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ConfigError(
+                f"speculative_config: model must be a model name or path, got {self.model!r}"
+            )
         # Last: suffix defaults it from suffix_decoding_max_tree_depth, checked above.
         check_int("speculative_config: num_speculative_tokens", self.num_speculative_tokens, 1)
 
@@ -231,9 +247,10 @@ class SpeculativeConfig:
 
         Raises:
             ConfigError: not a dict; a key pagedkv does not read (named); a value of the wrong
-                type or out of range (named); no ``method``; ``method`` "draft_model" (not built
-                yet) or any other method pagedkv lacks; ``model`` with a method that takes none;
-                ``num_speculative_tokens`` missing for "ngram".
+                type or out of range (named); no ``method`` (and no ``model``: then it is
+                "draft_model"); a method pagedkv lacks (EAGLE, Medusa, MTP heads); ``model``
+                with a method that takes none, or none with "draft_model";
+                ``num_speculative_tokens`` missing for "ngram" or "draft_model".
         """
         if not isinstance(config, dict):
             raise ConfigError(
@@ -265,17 +282,19 @@ class SpeculativeConfig:
             raise ConfigError(
                 f"speculative_config: method must be one of {SPECULATIVE_METHODS}, got {method!r}"
             )
-        if "model" in config:
+        if "model" in config and method != "draft_model":
             raise ConfigError(
                 f"speculative_config: model is for method 'draft_model'; method {method!r} "
                 "drafts from the request's own tokens and takes no model"
             )
-        fields = {k: v for k, v in config.items() if k not in ("method", "model")}
+        if method == "draft_model" and config.get("model") is None:
+            raise ConfigError("speculative_config: model is required for method 'draft_model'")
+        fields = {k: v for k, v in config.items() if k != "method"}
+        if method in ("ngram", "draft_model") and "num_speculative_tokens" not in fields:
+            raise ConfigError(
+                f"speculative_config: num_speculative_tokens is required for method {method!r}"
+            )
         if method == "ngram":
-            if "num_speculative_tokens" not in fields:
-                raise ConfigError(
-                    "speculative_config: num_speculative_tokens is required for method 'ngram'"
-                )
             lookup_min = fields.get("prompt_lookup_min")
             lookup_max = fields.get("prompt_lookup_max")
             if lookup_min is None and lookup_max is None:
@@ -292,8 +311,8 @@ class SpeculativeConfig:
                     raise ConfigError(
                         f"speculative_config: {key} is for method 'ngram', not {method!r}"
                     )
-            if fields.get("num_speculative_tokens") is None:
-                fields["num_speculative_tokens"] = fields.get("suffix_decoding_max_tree_depth", 24)
+        if method == "suffix" and fields.get("num_speculative_tokens") is None:
+            fields["num_speculative_tokens"] = fields.get("suffix_decoding_max_tree_depth", 24)
         if method != "suffix":
             suffix_keys = sorted(k for k in fields if k.startswith("suffix_decoding_"))
             if suffix_keys:

@@ -68,9 +68,19 @@ def test_suffix_defaults_are_vllms():
             },
             "prompt_lookup_max must be an int >= 4",
         ),
-        ({"method": "draft_model", "model": "x.gguf"}, "not built yet"),
-        ({"model": "x.gguf", "num_speculative_tokens": 3}, "not built yet"),
-        ({"method": "eagle", "num_speculative_tokens": 3}, "method must be one of"),
+        (
+            {"method": "draft_model", "model": "x.gguf"},
+            "num_speculative_tokens is required for method 'draft_model'",
+        ),
+        ({"method": "draft_model", "num_speculative_tokens": 3}, "model is required"),
+        ({"model": "x.gguf"}, "num_speculative_tokens is required"),
+        ({"model": "", "num_speculative_tokens": 3}, "model must be a model name or path"),
+        (
+            {"model": "x.gguf", "num_speculative_tokens": 3, "prompt_lookup_min": 2},
+            "prompt_lookup_min is for method 'ngram'",
+        ),
+        ({"method": "eagle", "num_speculative_tokens": 3}, "eagle heads is not built"),
+        ({"method": "lookahead", "num_speculative_tokens": 3}, "method must be one of"),
         ({"num_speculative_tokens": 3}, "method is required"),
         ({"method": 3}, "method must be a string"),
         ({"method": "suffix", "model": "x.gguf"}, "model is for method 'draft_model'"),
@@ -116,7 +126,11 @@ def test_bad_json_is_a_config_error():
 
 def test_direct_construction_is_checked_too():
     with pytest.raises(ConfigError, match="method must be one of"):
+        SpeculativeConfig(method="eagle", num_speculative_tokens=2)
+    with pytest.raises(ConfigError, match="model is required for method 'draft_model'"):
         SpeculativeConfig(method="draft_model", num_speculative_tokens=2)
+    with pytest.raises(ConfigError, match="model is required for method 'draft_model'"):
+        SpeculativeConfig(method="ngram", num_speculative_tokens=2, model="x.gguf")
     with pytest.raises(ConfigError, match="prompt_lookup_max"):
         SpeculativeConfig(
             method="ngram", num_speculative_tokens=2, prompt_lookup_min=3, prompt_lookup_max=2

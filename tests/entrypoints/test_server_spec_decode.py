@@ -1,4 +1,5 @@
-"""``pagedkv serve --speculative-config`` on the real default model (fp32), with the openai client:
+"""``pagedkv serve --speculative-config`` on the real default model (fp32; n-gram drafts, and the
+model drafting for itself), with the openai client:
 completions and streaming chat give the tokens of an engine without speculation, the
 spec-decode counters move in /metrics, and a beam search is a 400 naming use_beam_search."""
 
@@ -15,7 +16,11 @@ pytestmark = pytest.mark.slow
 
 MAX_MODEL_LEN = 1024
 MAX_TOKENS = 48
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}
+SPECS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2},
+    # the default model drafting for itself (the weights loaded once, the KV in one pool)
+    "draft_model": {"model": "smollm2", "num_speculative_tokens": 4},
+}
 TEXT = (
     "The block pool hands out fixed-size blocks of KV cache. A request's block table maps its "
     "token positions to blocks, so its KV need not be contiguous."
@@ -47,11 +52,11 @@ def offline():
     )
 
 
-@pytest.fixture(scope="module")
-def server():
+@pytest.fixture(scope="module", params=SPECS.values(), ids=SPECS.keys())
+def server(request):
     args = [
         "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--attention-backend", "torch",
-        "--speculative-config", json.dumps(SPEC),
+        "--speculative-config", json.dumps(request.param),
     ]  # fmt: skip
     with serve_process(args) as (url, output):
         yield url, output

@@ -172,6 +172,14 @@ class EngineConfig:
                 "speculative_config must be a SpeculativeConfig, a dict or JSON text, got "
                 f"{type(self.speculative_config).__name__}"
             )
+        if (
+            isinstance(self.speculative_config, SpeculativeConfig)
+            and self.speculative_config.method == "draft_model"
+            and self.tensor_parallel_size > 1
+        ):
+            raise ConfigError(
+                "speculative_config: method 'draft_model' runs with tensor_parallel_size 1 only"
+            )
         if isinstance(self.kv_cache_memory, str):
             self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
         if isinstance(self.kv_offloading_size, str):

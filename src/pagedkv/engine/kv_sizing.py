@@ -74,9 +74,11 @@ class ModelShape(Protocol):
         ...
 
 
-def resolve_max_model_len(model_config: ModelShape, config: EngineConfig) -> int:
-    """The engine's max_model_len: ``config.max_model_len``, or the model's context capped at
-    DEFAULT_MAX_MODEL_LEN_CAP.
+def resolve_max_model_len(
+    model_config: ModelShape, config: EngineConfig, draft_model_config: ModelShape | None = None
+) -> int:
+    """The engine's max_model_len: ``config.max_model_len``, or the model's context (and the
+    draft model's, with speculative decoding's draft_model) capped at DEFAULT_MAX_MODEL_LEN_CAP.
 
     Raises:
         ConfigError: max_model_len beyond the model's context (``max_position_embeddings``)
@@ -84,6 +86,8 @@ def resolve_max_model_len(model_config: ModelShape, config: EngineConfig) -> int
             ``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` is set).
     """
     context = model_config.max_position_embeddings
+    if draft_model_config is not None:
+        context = min(context, draft_model_config.max_position_embeddings)
     if config.max_model_len is None:
         return min(context, DEFAULT_MAX_MODEL_LEN_CAP)
     if config.max_model_len > context and not config.allow_long_max_model_len:
@@ -98,13 +102,22 @@ def resolve_max_model_len(model_config: ModelShape, config: EngineConfig) -> int
 
 
 def size_kv_cache(
-    model_config: ModelShape, config: EngineConfig, *, kv_dtype: str | None = None
+    model_config: ModelShape,
+    config: EngineConfig,
+    *,
+    kv_dtype: str | None = None,
+    draft_model_config: ModelShape | None = None,
 ) -> KVCacheConfig:
     """The KV cache the engine allocates for ``model_config`` under ``config``.
 
     Args:
         model_config: the model's shape (layer windows from ``layer_sliding_windows``).
         config: the engine's options.
+        draft_model_config: speculative decoding's draft model, whose layers follow the
+            model's in the KV cache config (layer ``num_hidden_layers + i`` is its layer ``i``):
+            layers with the model's spec join its KV cache groups (one block id then holds a
+            token's KV in both models), others form groups of their own; one pool, so the
+            manager sizes, shares, preempts and frees both models' blocks together.
         kv_dtype: dtype of the KV cache (a :data:`~pagedkv.core.spec.KV_DTYPE_BYTES` name: fp8
             is one byte); default ``config.kv_cache_dtype``, "auto" being ``config.dtype``
             resolved for this CPU (:func:`pagedkv.cpu_caps.resolve_dtype`; the engine passes
@@ -119,8 +132,10 @@ def size_kv_cache(
         CacheSizingError: fewer than 2 blocks, or max_model_len does not fit once (the message
             says the largest max_model_len that fits and which options to change).
     """
-    max_model_len = resolve_max_model_len(model_config, config)
+    max_model_len = resolve_max_model_len(model_config, config, draft_model_config)
     layer_specs = engine_layer_specs(model_config, config, kv_dtype=kv_dtype)
+    if draft_model_config is not None:
+        layer_specs += engine_layer_specs(draft_model_config, config, kv_dtype=kv_dtype)
     kv_cache_memory = config.kv_cache_memory
     if config.num_blocks is None and kv_cache_memory is None:
         groups, group_size = group_layers(layer_specs)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from pagedkv.config import PagedKVConfig
 from pagedkv.core.config import KVCacheConfig
 from pagedkv.core.events import KVCacheEvent
 from pagedkv.core.kv_view import snapshot_kv_cache
@@ -40,10 +41,11 @@ from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.engine.scheduler import Scheduler
+from pagedkv.engine.spec_decode.drafts import DraftProposer, WorkerDrafts
 from pagedkv.engine.spec_decode.proposer import BufferedProposer, make_proposer
 from pagedkv.engine.stats import KVTierStats, SchedulerStats
 from pagedkv.engine.structured_output import StructuredOutputManager, StructuredOutputRequest
-from pagedkv.errors import ConfigError, InvalidRequestError
+from pagedkv.errors import ConfigError, InvalidRequestError, ModelLoadError
 from pagedkv.sampling_params import BeamSearchParams, SamplingParams
 from pagedkv.worker.executor import create_executor
 from pagedkv.worker.kv_offload import open_disk_tier, tier_identity
@@ -90,6 +92,9 @@ class LLMEngine:
         model_loader: with ``tensor_parallel_size`` > 1, a picklable
             ``model_loader(parallel=...)`` that each rank calls to load its shard (default:
             :func:`pagedkv.model.loader.load_model` of ``config.model`` in ``config.dtype``).
+        draft_model: speculative decoding's draft model, already loaded (tests; the target
+            itself drafting for itself), for a ``speculative_config`` of method
+            "draft_model"; None: its ``model`` is loaded.
 
     Raises:
         ConfigError / CacheSizingError: invalid options, a max_model_len beyond the model's
@@ -106,6 +111,7 @@ class LLMEngine:
         *,
         loaded_model=None,
         model_loader=None,
+        draft_model=None,
         **overrides: Any,
     ) -> None:
         self._tier_saved = False  # shutdown() paged the prefix cache out to a disk tier
@@ -122,8 +128,9 @@ class LLMEngine:
         tune_cpu_runtime(num_threads)
         # Everything the model's shape decides is checked before its weights load (seconds).
         model_shape, loaded_model, config = _read_model_shape(config, loaded_model, model_loader)
+        draft_shape, config = _read_draft_model_shape(config, draft_model)
         self._choose_attention_backend(config, model_shape, loaded_model)
-        kv_cache_config = self._size_kv_cache(model_shape)
+        kv_cache_config = self._size_kv_cache(model_shape, draft_shape)
         tier_blocks, tier_keys = self._open_kv_tier(kv_cache_config)
         #: the resolved sub-configs (model, cache, scheduler, parallel), vLLM's VllmConfig.
         self.pagedkv_config = resolved = self.config.resolve(
@@ -132,14 +139,11 @@ class LLMEngine:
             kv_offloading_blocks=tier_blocks,
         )
         self.kv_cache_manager = KVCacheManager.from_config(kv_cache_config, resolved.cache_config)
-        speculative = resolved.speculative_config
         self.scheduler = Scheduler.from_config(
             self.kv_cache_manager,
             resolved.scheduler_config,
-            speculative,
-            None
-            if speculative is None
-            else BufferedProposer(make_proposer(speculative), resolved.model_config.max_model_len),
+            resolved.speculative_config,
+            _draft_proposer(resolved),
         )
         #: runs the steps: one process, or tensor-parallel ranks (:mod:`pagedkv.worker.executor`).
         self.executor = create_executor(
@@ -149,6 +153,7 @@ class LLMEngine:
             loaded_model=loaded_model,
             model_loader=model_loader,
             runtime_setup=functools.partial(tune_cpu_runtime, num_threads),
+            draft_model=draft_model,
         )
         #: rank 0's model runner (its persistent batch, KV cache and sampler).
         self.runner = self.executor.runner
@@ -199,11 +204,26 @@ class LLMEngine:
         #: why the backend asked for (or auto's first choice) was passed over; None if it runs.
         self.attention_backend_fallback_reason = choice.fallback_reason
 
-    def _size_kv_cache(self, model_shape) -> KVCacheConfig:
+    def _size_kv_cache(self, model_shape, draft_shape=None) -> KVCacheConfig:
         """The KV cache's blocks and max_model_len
-        (:func:`~pagedkv.engine.kv_sizing.size_kv_cache`)."""
+        (:func:`~pagedkv.engine.kv_sizing.size_kv_cache`), with the draft model's layers when
+        speculative decoding has one.
+
+        Raises:
+            ConfigError: as ``size_kv_cache``; a draft model whose layers' pages differ in size
+                from the model's (they could not share the pool).
+        """
         config = self.config
-        kv_cache_config = size_kv_cache(model_shape, config, kv_dtype=config.kv_cache_dtype)
+        try:
+            kv_cache_config = size_kv_cache(
+                model_shape, config, kv_dtype=config.kv_cache_dtype, draft_model_config=draft_shape
+            )
+        except ConfigError as e:
+            if draft_shape is None:
+                raise
+            raise ConfigError(
+                f"speculative_config: the draft model's KV cannot share the model's block pool: {e}"
+            ) from None
         self.kv_cache_config = kv_cache_config
         self.max_model_len = kv_cache_config.max_model_len
         logger.info(
@@ -703,6 +723,45 @@ def _read_model_shape(config: EngineConfig, loaded_model, model_loader):
         probe if tp == 1 else None,
         dataclasses.replace(config, dtype=dtype, model=model),
     )
+
+
+def _read_draft_model_shape(config: EngineConfig, draft_model):
+    """``(draft model shape or None, config)``: speculative decoding's draft model, read from
+    ``draft_model`` (loaded) or its file's header (no weight read); then the config's
+    ``speculative_config.model`` becomes the resolved file or folder (the executor loads it, or
+    reuses the model when it is the same).
+
+    Raises:
+        ConfigError: ``draft_model`` without a speculative_config of method "draft_model".
+        ModelLoadError: the draft model cannot be found or read.
+    """
+    speculative = config.speculative_config
+    if speculative is None or speculative.method != "draft_model":
+        if draft_model is not None:
+            raise ConfigError("draft_model is for a speculative_config of method 'draft_model'")
+        return None, config
+    if draft_model is not None:
+        return draft_model.config, config
+    from pagedkv.model.loader import load_model_config, resolve_model_path
+
+    try:
+        model = str(resolve_model_path(speculative.model))
+        shape = load_model_config(model)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"speculative_config: the draft model: {e}") from None
+    speculative = dataclasses.replace(speculative, model=model)
+    return shape, dataclasses.replace(config, speculative_config=speculative)
+
+
+def _draft_proposer(config: PagedKVConfig) -> DraftProposer | None:
+    """The scheduler's proposer of ``config.speculative_config`` (None: off): the workers'
+    draft model's drafts, or n-gram / suffix over each request's tokens."""
+    speculative = config.speculative_config
+    if speculative is None:
+        return None
+    if speculative.method == "draft_model":
+        return WorkerDrafts()
+    return BufferedProposer(make_proposer(speculative), config.model_config.max_model_len)
 
 
 def _fields(config: EngineConfig) -> dict[str, Any]:

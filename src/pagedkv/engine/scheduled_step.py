@@ -41,6 +41,7 @@ class ScheduledStep:
 
     __slots__ = (
         "new_blocks",
+        "num_lookahead_tokens",
         "num_scheduled_tokens",
         "preempted_req_ids",
         "requests",
@@ -53,6 +54,7 @@ class ScheduledStep:
         self.new_blocks: list[KVCacheBlocks | None] = []
         self.resumed: list[bool] = []
         self.num_scheduled_tokens: dict[str, int] = {}
+        self.num_lookahead_tokens: dict[str, int] = {}
         self.total_num_scheduled_tokens = 0
         self.preempted_req_ids: set[str] = set()
 
@@ -62,8 +64,12 @@ class ScheduledStep:
         num_new_tokens: int,
         new_blocks: KVCacheBlocks | None,
         resumed: bool,
+        num_lookahead_tokens: int = 0,
     ) -> None:
-        """Schedule ``num_new_tokens`` tokens of ``request``."""
+        """Schedule ``num_new_tokens`` tokens of ``request`` (and ``num_lookahead_tokens`` KV
+        slots past them for the workers' draft model)."""
+        if num_lookahead_tokens:
+            self.num_lookahead_tokens[request.request_id] = num_lookahead_tokens
         self.requests.append(request)
         self.new_blocks.append(new_blocks)
         self.resumed.append(resumed)
@@ -73,6 +79,7 @@ class ScheduledStep:
     def unschedule(self, request: Request) -> int:
         """Take ``request`` out of the step (a preemption victim); its tokens, 0 if absent."""
         num_tokens = self.num_scheduled_tokens.pop(request.request_id, 0)
+        self.num_lookahead_tokens.pop(request.request_id, None)
         if num_tokens:
             index = self.requests.index(request)
             del self.requests[index], self.new_blocks[index], self.resumed[index]
@@ -107,6 +114,7 @@ def build_scheduler_output(
         preempted_req_ids=step.preempted_req_ids,
         blocks_to_copy=blocks_to_copy if copied is not None else (),
         kv_tier_ops=kv_cache.take_tier_ops(),
+        num_lookahead_tokens=step.num_lookahead_tokens,
     )
     cached = out.scheduled_cached_reqs
     num_scheduled_tokens = out.num_scheduled_tokens

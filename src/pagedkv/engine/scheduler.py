@@ -93,6 +93,8 @@ class Scheduler:
         proposer: speculative decoding's proposer: decoding requests get up to
             ``num_speculative_tokens`` draft tokens a step from it
             (:mod:`~pagedkv.engine.spec_decode.drafts`); None: off.
+        num_lookahead_tokens: KV slots allocated past each sampling request's scheduled tokens
+            for the workers' draft model (speculative decoding with a draft model); 0: none.
 
     Raises:
         ConfigError: :func:`~pagedkv.engine.request_limits.check_scheduler_options`, or swap
@@ -112,6 +114,7 @@ class Scheduler:
         wait_for_kv_loads: bool = False,
         proposer: DraftProposer | None = None,
         num_speculative_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         check_scheduler_options(
             max_num_seqs,
@@ -148,7 +151,11 @@ class Scheduler:
         self.forks = SampleForks(self)
         self.tier_loads = KVTierLoads(self, wait_for_kv_loads)
         self.rejections = Rejections(self)
-        self.drafts = SpecDecodeDrafts(self, proposer, num_speculative_tokens) if proposer else None
+        self.drafts = (
+            SpecDecodeDrafts(self, proposer, num_speculative_tokens, num_lookahead_tokens)
+            if proposer
+            else None
+        )
         self._scheduled_requests: list[Request] = []  # the last schedule()'s, in order
         #: what one request may ask for (add_request's rules).
         self.limits = RequestLimits(
@@ -179,6 +186,11 @@ class Scheduler:
             wait_for_kv_loads=True,
             proposer=proposer,
             num_speculative_tokens=speculative_config.num_speculative_tokens if proposer else 0,
+            num_lookahead_tokens=(
+                speculative_config.num_speculative_tokens
+                if proposer and speculative_config.method == "draft_model"
+                else 0
+            ),
         )
 
     # ------------------------------------------------------------------ requests in and out
@@ -321,12 +333,19 @@ class Scheduler:
             if num_new_tokens <= 0:
                 req_index += 1
                 continue
+            lookahead = 0
             if drafts is not None:
                 num_new_tokens += drafts.propose(request, token_budget - num_new_tokens)
+                lookahead = drafts.lookahead(request, request.num_computed_tokens + num_new_tokens)
             preempted_self = False
-            while (new_blocks := kv_cache.allocate_slots(request, num_new_tokens)) is None:
-                if request.spec_token_ids:  # its drafts go before anyone is preempted
+            while (
+                new_blocks := kv_cache.allocate_slots(
+                    request, num_new_tokens, num_lookahead_tokens=lookahead
+                )
+            ) is None:
+                if request.spec_token_ids or lookahead:  # drafts go before anyone is preempted
                     num_new_tokens -= drafts.drop(request)
+                    lookahead = 0
                     continue
                 victim = self._pick_victim()
                 if running.index(victim) < req_index:  # only under policy="priority"
@@ -344,7 +363,7 @@ class Scheduler:
                 continue
             # Loaded after a preemption: the workers freed its table.
             resumed = bool(resume_after_load) and self.tier_loads.take_resumed(request)
-            step.add(request, num_new_tokens, new_blocks, resumed)
+            step.add(request, num_new_tokens, new_blocks, resumed, lookahead)
             token_budget -= num_new_tokens
             req_index += 1
         return token_budget
@@ -383,16 +402,25 @@ class Scheduler:
                     request, num_computed_tokens, num_new_tokens
                 )
             new_blocks = None  # without chunked prefill it waits for the whole budget
+            lookahead = 0
             tried = num_new_tokens <= token_budget or self.enable_chunked_prefill
             if tried:
                 num_new_tokens = min(num_new_tokens, token_budget)
+                if self.drafts is not None and not loads:
+                    lookahead = self.drafts.lookahead(request, num_computed_tokens + num_new_tokens)
                 new_blocks = kv_cache.allocate_slots(
                     # a tier hit: only the hit's blocks now, the rest once it is loaded
                     request,
                     0 if loads else num_new_tokens,
                     num_computed_tokens,
                     blocks,
+                    num_lookahead_tokens=lookahead,
                 )
+                if new_blocks is None and lookahead:  # the draft model's slots go first
+                    lookahead = 0
+                    new_blocks = kv_cache.allocate_slots(
+                        request, num_new_tokens, num_computed_tokens, blocks
+                    )
             if new_blocks is None:
                 self.forks.keep(request, released)  # not admitted yet
                 if tried and self.rejections.reject_if_never_fits(request, step):
@@ -411,7 +439,7 @@ class Scheduler:
             running.append(request)
             seats_held.admitted(request, seats)
             # A request the workers already hold came back from preemption.
-            step.add(request, num_new_tokens, None, request.num_sent_tokens > 0)
+            step.add(request, num_new_tokens, None, request.num_sent_tokens > 0, lookahead)
             token_budget -= num_new_tokens
         for request in reversed(skipped):  # back in front, in their order
             waiting.add_front(request)
@@ -449,6 +477,7 @@ class Scheduler:
             accepted = self.drafts.roll_back(
                 sampling, tokens, runner_output.num_accepted_draft_tokens
             )
+            self.drafts.receive(runner_output.draft_token_ids)
         finished, ready = append_sampled_tokens(
             sampling, tokens, runner_output.logprobs, changed, self.stats, now, accepted
         )

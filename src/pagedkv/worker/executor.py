@@ -22,6 +22,7 @@ import torch
 
 from pagedkv.config import PagedKVConfig
 from pagedkv.core.config import KVCacheConfig
+from pagedkv.errors import ConfigError
 from pagedkv.model.loader import LoadedModel, load_model
 from pagedkv.ops.backends import AttentionBackend
 from pagedkv.worker.kv_offload import CpuKVTier, DiskKVTier, KVTier
@@ -58,6 +59,11 @@ class UniProcExecutor(Executor):
         kv_cache_config: the KV cache's blocks and groups.
         config: the engine's resolved config.
         attention_backend: the attention backend that owns the caches.
+        draft_model: speculative decoding's draft model (its layers follow the model's in
+            ``kv_cache_config``), or None.
+
+    Raises:
+        ConfigError: a draft model whose tokenizer is not the model's.
     """
 
     def __init__(
@@ -66,12 +72,17 @@ class UniProcExecutor(Executor):
         kv_cache_config: KVCacheConfig,
         config: PagedKVConfig,
         attention_backend: AttentionBackend | str | None,
+        draft_model: LoadedModel | None = None,
     ) -> None:
         model = loaded_model.model
         max_model_len = config.scheduler_config.max_model_len
-        if max_model_len > model.max_positions:  # allowed by allow_long_max_model_len
-            model.extend_positions(max_model_len)
+        for m in (loaded_model, draft_model):
+            if m is not None and max_model_len > m.model.max_positions:
+                m.model.extend_positions(max_model_len)  # allowed by allow_long_max_model_len
+        if draft_model is not None:
+            check_same_tokenizer(loaded_model, draft_model)
         self.loaded_model = loaded_model
+        self.draft_model = draft_model
         self.runner = ModelRunner(
             model,
             kv_cache_config,
@@ -80,6 +91,7 @@ class UniProcExecutor(Executor):
             attention_backend=attention_backend,
             kv_cache_dtype=config.cache_config.cache_dtype,
             kv_tier=make_kv_tier(config, kv_cache_config),
+            draft_model=None if draft_model is None else draft_model.model,
         )
 
     def shutdown(self) -> None:
@@ -88,6 +100,34 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+
+def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
+    """Refuse a draft model whose token ids mean other text than the target's.
+
+    Raises:
+        ConfigError: the vocabularies (token -> id, added tokens included) differ.
+    """
+    if draft.tokenizer is target.tokenizer:
+        return
+    size, draft_size = target.tokenizer.vocab_size, draft.tokenizer.vocab_size
+    if size == draft_size:
+        ids = list(range(size))
+        differ = sum(
+            a != b
+            for a, b in zip(
+                target.tokenizer.decode_tokens(ids), draft.tokenizer.decode_tokens(ids), strict=True
+            )
+        )
+        if not differ:
+            return
+        why = f"{differ} of its {size} token ids are other text"
+    else:
+        why = f"{draft_size} tokens vs {size}"
+    raise ConfigError(
+        f"speculative_config: the draft model {draft.source} does not share the tokenizer of "
+        f"{target.source} ({why}): its drafts would be other tokens"
+    )
 
 
 def make_kv_tier(config: PagedKVConfig, kv_cache_config: KVCacheConfig) -> KVTier | None:
@@ -110,6 +150,7 @@ def create_executor(
     loaded_model: LoadedModel | None = None,
     model_loader: Callable[..., LoadedModel] | None = None,
     runtime_setup: Callable[[], Any] | None = None,
+    draft_model: LoadedModel | None = None,
 ) -> Executor:
     """The executor for ``config.parallel_config``.
 
@@ -122,9 +163,12 @@ def create_executor(
             (default: :func:`pagedkv.model.loader.load_model` of ``config.model_config.model``
             in its dtype).
         runtime_setup: picklable callable run first in each worker process (threads, malloc).
+        draft_model: speculative decoding's draft model, already loaded (one process only);
+            None: ``speculative_config.model`` is loaded when the method is "draft_model".
 
     Raises:
-        ModelLoadError: the model cannot be read.
+        ModelLoadError: the model (or speculative decoding's draft model) cannot be read.
+        ConfigError: a draft model whose tokenizer is not the model's.
         WorkerError: a tensor-parallel rank failed to start.
     """
     model_config = config.model_config
@@ -148,4 +192,24 @@ def create_executor(
         )
     if loaded_model is None:
         loaded_model = model_loader(parallel=None)
-    return UniProcExecutor(loaded_model, kv_cache_config, config, attention_backend)
+    return UniProcExecutor(
+        loaded_model,
+        kv_cache_config,
+        config,
+        attention_backend,
+        draft_model or _load_draft_model(config, loaded_model),
+    )
+
+
+def _load_draft_model(config: PagedKVConfig, target: LoadedModel) -> LoadedModel | None:
+    """Speculative decoding's draft model (``speculative_config.model``, resolved), or None:
+    the target itself when it names the target's file (one copy of the weights; its KV is
+    still its own), else loaded in the target's dtype with its file's default quantization."""
+    speculative = config.speculative_config
+    if speculative is None or speculative.method != "draft_model":
+        return None
+    if speculative.model == config.model_config.model:
+        return target
+    return load_model(
+        speculative.model, dtype=getattr(torch, config.model_config.dtype), quantization=None
+    )

@@ -335,7 +335,6 @@ class InputBatch:
     def prepare(self, out: SchedulerOutput) -> ModelInputs:
         """Build the step's flattened inputs from rows ``0 .. R-1`` (after :meth:`update`)."""
         num_reqs = self.num_reqs
-        bs = self.block_size
         scheduled = out.num_scheduled_tokens
         num_scheduled = np.fromiter(
             (scheduled[r] for r in self.req_ids[:num_reqs]), dtype=np.int64, count=num_reqs
@@ -353,8 +352,6 @@ class InputBatch:
         positions = self._arange[:num_tokens] - np.repeat(qsl[:-1] - num_computed, num_scheduled)
         input_ids = self._input_ids[:num_tokens]
         input_ids[:] = self.token_ids_cpu.reshape(-1)[req_index * self.max_model_len + positions]
-        block_index = positions // bs
-        offsets = positions % bs
         seq_lens = (num_computed + num_scheduled).astype(np.int32)
 
         attn_rows, attn_seq_lens, attn_qsl = None, seq_lens, qsl
@@ -362,20 +359,78 @@ class InputBatch:
             attn_rows, attn_seq_lens, attn_qsl = _one_query_per_draft(
                 num_scheduled, num_draft_tokens, positions
             )
+        layer_metadata = self._layer_metadata(
+            num_reqs, req_index, positions, attn_rows, attn_seq_lens, attn_qsl
+        )
+        sample = seq_lens >= self.num_tokens[:num_reqs]
+        if num_draft_tokens is None:
+            logits_rows = qsl[1:][sample] - 1
+        else:  # a request with k drafts: its last k + 1 rows (each draft's, then the bonus)
+            num_rows = np.where(sample, num_draft_tokens + 1, 0)
+            first_row = np.cumsum(num_rows) - num_rows
+            logits_rows = (
+                np.repeat(qsl[1:] - num_rows - first_row, num_rows)
+                + self._arange[: int(num_rows.sum())]
+            )
         to = self.to_device
-        seq_lens_t, qsl_t = to(attn_seq_lens), to(attn_qsl)
+        return ModelInputs(
+            to(input_ids),
+            to(positions),
+            layer_metadata,
+            num_scheduled,
+            qsl,
+            sample,
+            logits_rows,
+            num_draft_tokens,
+        )
+
+    def decode_metadata(
+        self, rows: np.ndarray, positions: np.ndarray
+    ) -> list[BoundAttentionMetadata]:
+        """Per layer, the attention metadata of a step of one token per request, outside
+        :meth:`prepare` (the draft model's decode steps, speculative decoding): row ``rows[i]``'s
+        token sits at ``positions[i]`` (its KV is written to that slot of the row's block
+        table, and it attends to positions ``0 .. positions[i]``).
+
+        Args:
+            rows: ``[n]`` int64 rows of the persistent batch (each once).
+            positions: ``[n]`` int64, each inside its row's blocks (the caller's check).
+        """
+        n = len(rows)
+        qsl = self._arange[: n + 1].astype(np.int32)
+        seq_lens = (positions + 1).astype(np.int32)
+        return self._layer_metadata(self.num_reqs, rows, positions, rows, seq_lens, qsl)
+
+    def _layer_metadata(
+        self,
+        num_reqs: int,
+        token_rows: np.ndarray,
+        positions: np.ndarray,
+        seq_rows: np.ndarray | None,
+        seq_lens: np.ndarray,
+        query_start_loc: np.ndarray,
+    ) -> list[BoundAttentionMetadata]:
+        """Per layer, the bound metadata of its (group, spec): token ``t`` is row
+        ``token_rows[t]``'s at ``positions[t]`` (its slot); attention sequence ``s`` reads row
+        ``seq_rows[s]``'s block table (None: sequence ``s`` is row ``s``, rows
+        ``0 .. num_reqs-1``) up to ``seq_lens[s]`` tokens, its queries at ``query_start_loc``."""
+        bs = self.block_size
+        block_index = positions // bs
+        offsets = positions % bs
+        to = self.to_device
+        seq_lens_t, qsl_t = to(seq_lens), to(query_start_loc)
         host = self.device.type != "cpu"  # host copies save the backend a device sync
-        seq_lens_cpu = torch.from_numpy(attn_seq_lens) if host else None
-        qsl_cpu = torch.from_numpy(attn_qsl) if host else None
+        seq_lens_cpu = torch.from_numpy(seq_lens) if host else None
+        qsl_cpu = torch.from_numpy(query_start_loc) if host else None
         commons = []  # per KV cache group
         for g in range(self.num_kv_cache_groups):
             max_num_blocks = int(self.num_blocks_per_row[g, :num_reqs].max())
             block_tables = self.block_tables[g, :num_reqs, :max_num_blocks]
-            slot_mapping = block_tables[req_index, block_index].astype(np.int64)
+            slot_mapping = block_tables[token_rows, block_index].astype(np.int64)
             slot_mapping *= bs
             slot_mapping += offsets
-            if attn_rows is not None:
-                block_tables = block_tables[attn_rows]
+            if seq_rows is not None:
+                block_tables = block_tables[seq_rows]
             commons.append(
                 CommonAttentionMetadata(
                     to(block_tables),
@@ -396,29 +451,8 @@ class InputBatch:
             for g, spec in self.attention_groups
         ]
         if len(metadata) == 1:
-            layer_metadata = metadata * len(self.layer_attention_groups)
-        else:
-            layer_metadata = [metadata[k] for k in self.layer_attention_groups]
-        sample = seq_lens >= self.num_tokens[:num_reqs]
-        if num_draft_tokens is None:
-            logits_rows = qsl[1:][sample] - 1
-        else:  # a request with k drafts: its last k + 1 rows (each draft's, then the bonus)
-            num_rows = np.where(sample, num_draft_tokens + 1, 0)
-            first_row = np.cumsum(num_rows) - num_rows
-            logits_rows = (
-                np.repeat(qsl[1:] - num_rows - first_row, num_rows)
-                + self._arange[: int(num_rows.sum())]
-            )
-        return ModelInputs(
-            to(input_ids),
-            to(positions),
-            layer_metadata,
-            num_scheduled,
-            qsl,
-            sample,
-            logits_rows,
-            num_draft_tokens,
-        )
+            return metadata * len(self.layer_attention_groups)
+        return [metadata[k] for k in self.layer_attention_groups]
 
     def _write_drafts(self, out: SchedulerOutput, num_scheduled: np.ndarray) -> np.ndarray:
         """Write each request's draft tokens (``out.scheduled_spec_decode_tokens``) into its row

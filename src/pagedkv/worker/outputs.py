@@ -55,6 +55,10 @@ class ModelRunnerOutput:
             (``SchedulerOutput.scheduled_spec_decode_tokens``) were accepted, ``0 <= j <= k``,
             for every sampling request that had drafts: its new tokens this step are its first
             ``j`` drafts, then its ``sampled_token_ids`` entry.
+        draft_token_ids: request id -> the draft model's drafts for its next step (speculative
+            decoding with a draft model; vLLM's ``DraftTokenIds``): they follow the request's
+            tokens after this step, for the requests of ``SchedulerOutput.num_lookahead_tokens``
+            that sampled, at most that many each.
     """
 
     req_ids: list[str] = field(default_factory=list)
@@ -65,3 +69,4 @@ class ModelRunnerOutput:
     dropped_kv_stores: list[str] = field(default_factory=list)
     failed_kv_loads: dict[str, list[str]] = field(default_factory=dict)
     num_accepted_draft_tokens: dict[str, int] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

@@ -114,7 +114,9 @@ class SchedulerOutput:
             all groups' pairs together (the groups share the cache tensors). Idea from vLLM's
             ``blocks_to_copy`` of its V0 scheduler outputs (beam search, parallel sampling).
         structured_output_request_ids: the constrained requests that sample this step, one per
-            row of ``grammar_bitmask`` (empty: no constraint this step).
+            row of ``grammar_bitmask`` (empty: no constraint this step); a request with ``k``
+            drafts in ``scheduled_spec_decode_tokens`` has ``k + 1`` consecutive rows, the mask
+            after its verified tokens, then after each draft (its verification rows, in order).
         grammar_bitmask: None, or an int32 numpy array ``[len(structured_output_request_ids),
             ceil(vocab_size / 32)]``: bit ``t % 32`` of word ``t // 32`` of a row is 1 when the
             request may sample token ``t`` (xgrammar's layout). The engine fills it
@@ -128,6 +130,11 @@ class SchedulerOutput:
             ``k`` of the request's ``num_scheduled_tokens`` (after its last verified token):
             computed and verified in this step's forward, never part of the request's token
             ids until accepted.
+        num_lookahead_tokens: request id -> KV slots allocated past its scheduled tokens
+            (speculative decoding with a draft model): after sampling, the worker's draft model
+            drafts up to that many tokens for the request's next step, writing the draft
+            model's KV of each into those slots (vLLM's ``num_lookahead_tokens``). Only for
+            requests that sample this step and may draft.
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -141,6 +148,7 @@ class SchedulerOutput:
     grammar_bitmask: Any = None
     kv_tier_ops: KVTierOps | None = None
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    num_lookahead_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:

@@ -17,10 +17,19 @@ The drafts are never in the request's token ids until accepted, so they are neve
 unverified token enters the prefix cache, the KV tier or the KV events (the KV cache manager
 caches at most ``len(all_token_ids)`` tokens). A request drafts nothing when its verification
 would need what the rejection sampler does not do: penalties, ``min_tokens`` still pending,
-logprobs, a structured-output grammar, beam search; such requests decode exactly as without
-speculation. When the drafts' blocks do not fit, the request runs without them before anything
-is preempted. Idea and names from vLLM V1 (``Request.spec_token_ids``,
-``scheduled_spec_decode_tokens``, ``SpecDecodingStats``).
+logprobs, beam search; such requests decode exactly as without speculation. When the drafts'
+blocks do not fit, the request runs without them before anything is preempted. Idea and names
+from vLLM V1 (``Request.spec_token_ids``, ``scheduled_spec_decode_tokens``,
+``SpecDecodingStats``).
+
+**Structured outputs.** A request with a grammar drafts the longest prefix of its proposal that
+the grammar allows (its matcher accepts the drafts one by one and rolls back: a draft the
+grammar refuses ends the drafts). The engine then gives it ``k + 1`` bitmask rows, the mask
+after its verified tokens and after each draft, and the worker masks each verification row with
+its own before the rejection sampler (greedy: the argmax of the masked row), so it samples what
+it would without speculation; the accepted drafts and the sampled token then advance the
+matcher in order, as a sampled token does (vLLM V1's ``StructuredOutputManager`` with spec
+tokens; :mod:`pagedkv.engine.structured_output`).
 
 **Adaptive draft length.** A draft costs a row of the forward pass whether it is accepted or
 not, so where drafts miss (open chat) speculation would make decoding slower. Each request
@@ -60,6 +69,35 @@ class DraftProposer(Protocol):
     def finished(self, req_id: str, prompt_len: int, token_ids: list[int]) -> None:
         """Forget ``req_id`` (its tokens may teach the proposer)."""
         ...
+
+    def receive(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """The workers' drafts of the last step (``ModelRunnerOutput.draft_token_ids``); a
+        proposer that drafts by itself ignores them."""
+        ...
+
+
+class WorkerDrafts:
+    """The proposer of speculative decoding with a draft model: the workers' draft model drafts
+    after each step (:mod:`pagedkv.worker.draft_model`) into KV slots the scheduler allocated
+    ahead (``num_lookahead_tokens``); this hands each request the drafts of the last step. A
+    request not in it (not scheduled then, preempted since) drafts nothing this step."""
+
+    __slots__ = ("_drafts",)
+
+    def __init__(self) -> None:
+        self._drafts: dict[str, list[int]] = {}
+
+    def propose(self, req_id: str, token_ids: list[int], max_num_tokens: int) -> list[int]:
+        """The workers' drafts for ``req_id`` after the last step (at most ``max_num_tokens``)."""
+        return self._drafts.get(req_id, [])[:max_num_tokens]
+
+    def finished(self, req_id: str, prompt_len: int, token_ids: list[int]) -> None:
+        """Forget ``req_id``."""
+        self._drafts.pop(req_id, None)
+
+    def receive(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """Keep the last step's drafts (only they follow the requests' tokens)."""
+        self._drafts = draft_token_ids
 
 
 #: What a decode step of one request with k drafts costs, k = 0, 1, ..., 7, in one-token steps
@@ -130,17 +168,25 @@ class SpecDecodeDrafts:
         "_acceptance",
         "_scheduler",
         "adaptive",
+        "num_lookahead_tokens",
         "num_speculative_tokens",
         "proposer",
         "stats",
     )
 
     def __init__(
-        self, scheduler: Scheduler, proposer: DraftProposer, num_speculative_tokens: int
+        self,
+        scheduler: Scheduler,
+        proposer: DraftProposer,
+        num_speculative_tokens: int,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         self._scheduler = scheduler
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
+        #: KV slots past a sampling request's scheduled tokens for the workers' draft model
+        #: (its drafts' KV); 0: the proposer drafts in the scheduler (n-gram, suffix).
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.stats = SpecDecodingStats(
             num_accepted_tokens_per_pos=[0] * num_speculative_tokens,
             num_drafts_per_len=[0] * num_speculative_tokens,
@@ -157,7 +203,6 @@ class SpecDecodeDrafts:
         params = request.sampling_params
         return (
             request.beam_group is None
-            and request.structured_output is None
             and params.logprobs is None
             and not params.has_penalties
             and request.num_output_tokens >= params.min_tokens
@@ -185,6 +230,8 @@ class SpecDecodeDrafts:
             request.spec_token_ids = []
             return 0
         drafts = self.proposer.propose(request.request_id, request.all_token_ids, limit)
+        if request.structured_output is not None:  # what its grammar allows
+            drafts = request.structured_output.validate_tokens(request.output_token_ids, drafts)
         if state is None:
             state = self._acceptance[request.request_id] = [1.0, 2.0, -1]
         k = len(drafts)
@@ -196,6 +243,25 @@ class SpecDecodeDrafts:
         state[2] = drafts[0] if drafts and not k else -1
         request.spec_token_ids = drafts[:k]
         return k
+
+    def lookahead(self, request: Request, num_tokens_after: int) -> int:
+        """KV slots to allocate past ``request``'s scheduled tokens for the workers' draft
+        model to draft into, given ``num_tokens_after`` (its computed tokens after the step,
+        drafts included): 0 unless the step samples for it (every token computed) and it may
+        draft; never past max_model_len."""
+        if (
+            not self.num_lookahead_tokens
+            or num_tokens_after < request.num_tokens
+            or not self.can_draft(request)
+        ):
+            return 0
+        room = self._scheduler.max_model_len - num_tokens_after
+        return max(0, min(self.num_lookahead_tokens, room))
+
+    def receive(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """Hand the workers' drafts of the last step to the proposer (draft model only)."""
+        if self.num_lookahead_tokens:
+            self.proposer.receive(draft_token_ids)
 
     @staticmethod
     def drop(request: Request) -> int:
@@ -264,5 +330,6 @@ __all__ = [
     "STEP_COST",
     "DraftProposer",
     "SpecDecodeDrafts",
+    "WorkerDrafts",
     "best_num_drafts",
 ]

@@ -83,6 +83,9 @@ class BufferedProposer:
         drafts = self.proposer.propose(req_id, buffer[:num_tokens], max_num_tokens)
         return drafts[:max_num_tokens].tolist()
 
+    def receive(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """Nothing: n-gram and suffix draft in the scheduler."""
+
     def finished(self, req_id: str, prompt_len: int, token_ids: list[int]) -> None:
         """Forget ``req_id``; its tokens (``prompt_len`` of them the prompt) go to the proposer,
         which may learn from them (SuffixDecoding's tree of earlier outputs)."""
