@@ -281,7 +281,7 @@ def tiny_quantized_llm(dequantized_only: bool) -> LLM:
         layer = model.layers[0]
         for matmul in (
             layer.gate_up_quant,
-            layer.qkv_proj.linear.quant,
+            layer.qkv_proj.quant,
             model.lm_head.linear.quant,
         ):
             assert matmul.kernels is not None
