@@ -9,9 +9,9 @@ runs until every prompt is prefilled plus ``--warmup`` decode steps, then times 
 ``--steps`` decode steps separately. ``--ops`` then profiles as many whole steps with
 torch.profiler and splits the time by kind of op: linears (oneDNN / F.linear, the quantized
 products: torch's and pagedkv's own; ``PAGEDKV_QUANT_KERNEL=torch`` for torch's only),
-attention (the backend's kernels and gathers), other torch ops, and what is left: Python and the interpreter
-between ops. The CPU line (pagedkv.cpu_caps) says which CPU class ran. Results are in
-docs/engine.md and docs/perf.md.
+attention (the backend's kernels and gathers), other torch ops, and what is left: Python and
+the interpreter between ops. The CPU line (pagedkv.cpu_caps) says which CPU class ran. Results
+are in docs/engine.md and docs/perf.md.
 """
 
 from __future__ import annotations
