@@ -13,12 +13,18 @@ much). Each timing is the median of ``--repeats`` calls cycling through copies o
 that together exceed the last-level cache (64 MB), so that a call reads its weight from memory
 as in a decode step (whose 4-bit weights are 67 MB). Prints one line per shape and M: ms per
 call, ours and torch's, and torch / ours per round; ``--output-json`` writes them.
+
+``--engine`` instead builds two engines on the default model (SmolLM2-135M, the GGUF's 4-bit
+weights), one with pagedkv's kernels and one with ``PAGEDKV_QUANT_KERNEL=torch``, gives each
+one greedy chat (batch 1, ``ignore_eos``), and alternates blocks of ``--repeats`` decode steps
+between them for ``--rounds`` rounds: median ms per step of each, and torch / ours per round.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -62,7 +68,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--output-json", type=Path)
+    parser.add_argument("--engine", action="store_true", help="whole decode steps, batch 1")
     args = parser.parse_args()
+    if args.engine:
+        compare_engines(args)
+        return
     torch.set_num_threads(args.threads)
     kernels = load_cpu_quant_kernels(cache_dir() / "kernels")
     print(f"{probe_cpu().summary()}; {args.threads} threads; kernels {kernels.path.name}")
@@ -103,6 +113,42 @@ def main() -> None:
                 )
     if args.output_json:
         args.output_json.write_text(json.dumps({"threads": args.threads, "results": results}))
+
+
+def compare_engines(args) -> None:
+    """Decode steps at batch 1 of an engine with pagedkv's kernels and one with torch's,
+    alternating blocks of ``args.repeats`` steps."""
+    from pagedkv.engine.llm_engine import LLMEngine
+    from pagedkv.model.kernels.cpu_quant import KERNEL_ENV
+    from pagedkv.sampling_params import SamplingParams
+
+    engines = {}
+    for choice in ("auto", "torch"):
+        os.environ[KERNEL_ENV] = choice  # read when the model's layers are built
+        engine = LLMEngine(num_threads=args.threads)
+        params = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
+        engine.add_request("0", [{"role": "user", "content": "Tell me about paging."}], params)
+        for _ in range(8):  # the prefill, then a few decode steps
+            engine.step()
+        engines["ours" if choice == "auto" else "torch"] = engine
+    print(f"{engines['ours'].cpu_capabilities.summary()}; {args.threads} threads")
+    times = {name: [] for name in engines}
+    for _ in range(args.rounds):
+        for name, engine in engines.items():
+            steps = []
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                engine.step()
+                steps.append(time.perf_counter() - start)
+            times[name].append(statistics.median(steps) * 1e3)
+    ratios = [t / o for t, o in zip(times["torch"], times["ours"], strict=True)]
+    print(
+        f"decode step, batch 1: ours {statistics.median(times['ours']):.2f} ms, torch "
+        f"{statistics.median(times['torch']):.2f} ms; torch / ours per round "
+        + " / ".join(f"{r:.2f}" for r in ratios)
+    )
+    if args.output_json:
+        args.output_json.write_text(json.dumps({"threads": args.threads, "step_ms": times}))
 
 
 if __name__ == "__main__":
