@@ -21,8 +21,8 @@ it is re-quantized to one scale per row (the tied embedding / LM head of SmolLM2
 logits are then recomputed exactly: :func:`pagedkv.model.logits.refine_top_logits`).
 
 On an AVX2 CPU pagedkv runs its own kernels for these small steps instead
-(:mod:`pagedkv.model.kernels.cpu_quant`: fp32 activations, the blocks read as stored, about
-twice torch's AVX2 speed; docs/perf.md); torch's stay the fallback.
+(:mod:`pagedkv.model.kernels.cpu_quant`: fp32 activations, the blocks read as stored, 1.4-1.6x
+torch's AVX2 speed for int4 and 2x for int8; docs/perf.md); torch's stay the fallback.
 
 These kernels win at batch 1 and lose at larger batches (a product of 64 rows ran at half the
 speed of oneDNN's packed float32 on an AVX2 EPYC): a :class:`~pagedkv.model.packed_linear.
