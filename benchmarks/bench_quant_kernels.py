@@ -67,6 +67,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--shapes", nargs="+", default=[shape[0] for shape in SHAPES])
     parser.add_argument("--output-json", type=Path)
     parser.add_argument("--engine", action="store_true", help="whole decode steps, batch 1")
     args = parser.parse_args()
@@ -79,6 +80,8 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     results = []
     for name, out_features, in_features, bits in SHAPES:
+        if name not in args.shapes:
+            continue
         dense = torch.randn(out_features, in_features, generator=gen)
         weight = quantize_int8(dense) if bits == 8 else quantize_int4(dense)
         # int4: half a byte per weight and 8 bytes of scale and min per 32; int8: a byte

@@ -205,14 +205,16 @@ static inline __attribute__((always_inline)) void int8_row(
         for (int a = 0; a < A; a++) acc[m][a] = _mm256_setzero_ps();
     const int8_t *row = q + n * K;
     for (int64_t k = 0; k < K; k += 32) {
-        __m256i bytes = _mm256_loadu_si256((const __m256i *)(row + k));
-        __m128i b0 = _mm256_castsi256_si128(bytes);
-        __m128i b1 = _mm256_extracti128_si256(bytes, 1);
-        __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b0));
-        __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b0, 8)));
-        __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b1));
-        __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b1, 8)));
-        #pragma GCC unroll 8
+        /* sign-extending loads of 8 bytes each (one load-and-widen instruction apiece) */
+        const int8_t *b = row + k;
+        __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)b)));
+        __m256 w1 =
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 8))));
+        __m256 w2 =
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 16))));
+        __m256 w3 =
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 24))));
+#pragma GCC unroll 8
         for (int m = 0; m < M; m++) FMA4(acc[m], A, w0, w1, w2, w3, x + m * K + k);
     }
     #pragma GCC unroll 8
