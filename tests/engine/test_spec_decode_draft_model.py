@@ -160,3 +160,11 @@ def test_refusals(tiny):
         make_engine(tiny, speculative_config=DRAFT, tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="draft_model is for a speculative_config"):
         make_engine(tiny, draft_model=tiny)
+
+
+def test_a_missing_draft_model_is_named(tiny):
+    from pagedkv.errors import ModelLoadError
+
+    config = {**DRAFT, "model": "/nonexistent/draft.gguf"}
+    with pytest.raises(ModelLoadError, match="speculative_config: the draft model"):
+        make_engine(tiny, speculative_config=config)

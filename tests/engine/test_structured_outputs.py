@@ -120,6 +120,26 @@ def test_apply_grammar_bitmask_masks_the_rows_of_their_requests_only():
     assert logits[2, 5] == before[2, 5]
 
 
+def test_apply_grammar_bitmask_gives_a_drafting_request_one_row_per_logits_row():
+    """Speculative decoding: a request with k drafts has k + 1 logits rows and as many bitmask
+    rows, which go to its rows in order."""
+    import numpy as np
+    import torch
+
+    from pagedkv.worker.sampler import apply_grammar_bitmask
+
+    vocab = 40
+    logits = torch.zeros(5, vocab)
+    bitmask = np.zeros((4, 2), dtype=np.int32)
+    for j, token in enumerate([1, 2, 3, 33]):  # "d": tokens 1, 2, 3 in its rows; "c": 33
+        bitmask[j, token // 32] = 1 << token % 32
+    apply_grammar_bitmask(logits, ["a", "d", "d", "d", "c"], ["d", "d", "d", "c"], bitmask)
+    allowed = [torch.isfinite(row).nonzero().flatten().tolist() for row in logits]
+    assert allowed == [list(range(vocab)), [1], [2], [3], [33]]
+    with pytest.raises(InvalidRequestError, match="one row per logits row"):
+        apply_grammar_bitmask(logits, ["a", "d", "d", "d", "c"], ["d", "c"], bitmask[[0, 3]])
+
+
 def test_apply_grammar_bitmask_refuses_a_mask_that_does_not_fit():
     import numpy as np
     import torch
@@ -331,14 +351,15 @@ def test_greedy_outputs_satisfy_each_kind_of_constraint(llm):
 
 @pytest.mark.slow
 def test_speculative_decoding_leaves_constrained_requests_as_they_were(llm, loaded_fp32):
-    """With n-gram speculation on, a constrained request drafts nothing (its grammar would have
-    to check and roll back the drafts), so it and the free requests beside it give the tokens
-    of an engine without speculation (the torch backend, whose attention per sequence does not
-    depend on the batch)."""
+    """With n-gram speculation on, constrained requests draft too (their drafts checked against
+    the grammar, a mask for each verification row), and they and the free request beside them
+    give the tokens of an engine without speculation (the torch backend, whose attention per
+    sequence does not depend on the batch)."""
     from pagedkv import LLM
 
     prompts = [_chat("Copy exactly: the cat sat on the mat, the cat sat on the mat."),
-               _chat("Is water wet?"), _chat("What colour is the sky?")]  # fmt: skip
+               _chat("Is water wet?"),
+               _chat("Say 'The sky is blue.' The sky is blue. The sky is blue.")]  # fmt: skip
     params = [SamplingParams(temperature=0, max_tokens=24), _greedy(CHOICE), _greedy(GRAMMAR)]
     outputs = {}
     for spec in (None, {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}):
@@ -349,12 +370,22 @@ def test_speculative_decoding_leaves_constrained_requests_as_they_were(llm, load
             attention_backend="torch",
             speculative_config=spec,
         )
+        execute = engine.engine.executor.execute_model
+        constrained_drafts = []
+
+        def recording(out, execute=execute, constrained_drafts=constrained_drafts):
+            constrained = set(out.structured_output_request_ids)
+            constrained_drafts.extend(
+                len(d) for r, d in out.scheduled_spec_decode_tokens.items() if r in constrained
+            )
+            return execute(out)
+
+        engine.engine.executor.execute_model = recording
         outputs[spec is None] = [
             o.outputs[0].token_ids for o in engine.chat(prompts, params, use_tqdm=False)
         ]
-        stats = engine.get_stats().scheduler.spec_decoding
     assert outputs[False] == outputs[True]
-    assert stats.num_drafts > 0  # the free request drafted; the constrained two could not
+    assert sum(constrained_drafts) > 0  # the grammar's request drafted from its prompt
 
 
 @pytest.mark.slow

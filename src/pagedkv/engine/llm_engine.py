@@ -45,7 +45,7 @@ from pagedkv.engine.spec_decode.drafts import DraftProposer, WorkerDrafts
 from pagedkv.engine.spec_decode.proposer import BufferedProposer, make_proposer
 from pagedkv.engine.stats import KVTierStats, SchedulerStats
 from pagedkv.engine.structured_output import StructuredOutputManager, StructuredOutputRequest
-from pagedkv.errors import ConfigError, InvalidRequestError
+from pagedkv.errors import ConfigError, InvalidRequestError, ModelLoadError
 from pagedkv.sampling_params import BeamSearchParams, SamplingParams
 from pagedkv.worker.executor import create_executor
 from pagedkv.worker.kv_offload import open_disk_tier, tier_identity
@@ -744,9 +744,13 @@ def _read_draft_model_shape(config: EngineConfig, draft_model):
         return draft_model.config, config
     from pagedkv.model.loader import load_model_config, resolve_model_path
 
-    model = str(resolve_model_path(speculative.model))
+    try:
+        model = str(resolve_model_path(speculative.model))
+        shape = load_model_config(model)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"speculative_config: the draft model: {e}") from None
     speculative = dataclasses.replace(speculative, model=model)
-    return load_model_config(model), dataclasses.replace(config, speculative_config=speculative)
+    return shape, dataclasses.replace(config, speculative_config=speculative)
 
 
 def _draft_proposer(config: PagedKVConfig) -> DraftProposer | None:

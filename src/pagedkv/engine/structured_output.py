@@ -12,14 +12,21 @@ The life of a constrained request (:class:`~pagedkv.sampling_params.StructuredOu
     scheduler       a waiting request whose grammar is not compiled yet is passed over
                     (vLLM's WAITING_FOR_FSM): the others run; one whose compile failed is
                     finished with an error
-    each step       the engine fills one bitmask row per constrained request that samples
-                    (``BatchGrammarMatcher``: xgrammar's threads), and the SchedulerOutput
-                    carries it as plain data (int32 numpy ``[rows, ceil(vocab / 32)]`` and
-                    the request id of each row); the worker applies it to the logits in one
-                    op before logprobs and sampling (vLLM's order)
-    update          the scheduler advances the request's matcher by its sampled token; a
-                    matcher that has terminated (the constraint is complete and the end
-                    token was taken) finishes the request ("stop")
+    drafts          (speculative decoding) the scheduler keeps the longest prefix of the
+                    proposer's drafts that the constraint allows (``validate_tokens``: the
+                    matcher accepts them one by one, then rolls back)
+    each step       the engine fills one bitmask row per constrained request that samples,
+                    ``k + 1`` rows in order for one with ``k`` drafts (after its verified
+                    tokens, then after each draft: the matcher walks the drafts and rolls
+                    back) (``BatchGrammarMatcher``: xgrammar's threads), and the
+                    SchedulerOutput carries it as plain data (int32 numpy
+                    ``[rows, ceil(vocab / 32)]`` and the request id of each row); the worker
+                    applies it to the logits in one op before logprobs, sampling and draft
+                    verification (vLLM's order)
+    update          the scheduler advances the request's matcher by its accepted drafts and
+                    its sampled token, in order; a matcher that has terminated (the
+                    constraint is complete and the end token was taken) finishes the request
+                    ("stop")
     finish / abort  the scheduler frees the matcher
 
 Each sequence has its own matcher (the samples of an ``n > 1`` request and its fork children
@@ -140,6 +147,22 @@ class StructuredOutputRequest:
         if ok:
             self._num_accepted += 1
         return ok
+
+    def validate_tokens(self, output_token_ids: Sequence[int], token_ids: list[int]) -> list[int]:
+        """The longest prefix of ``token_ids`` (draft tokens) that the constraint allows after
+        ``output_token_ids`` (the sequence's verified output); the matcher is left where it was
+        (after ``output_token_ids``). A token the constraint refuses ends the prefix, and so
+        does anything after the end token (vLLM V1's ``validate_tokens``)."""
+        self.sync(output_token_ids)
+        matcher = self.matcher
+        num_valid = 0
+        for token_id in token_ids:
+            if not matcher.accept_token(token_id):
+                break
+            num_valid += 1
+        if num_valid:
+            matcher.rollback(num_valid)
+        return token_ids[:num_valid]
 
     def is_terminated(self) -> bool:
         """True when the constraint is complete and its end token was accepted."""
@@ -286,10 +309,25 @@ class StructuredOutputManager:
         step's constrained requests that sample a token (their prompt and every earlier token
         computed after the step); leaves them unset (None, []) when there are none.
 
+        A request with ``k`` drafts (``out.scheduled_spec_decode_tokens``, which the scheduler
+        kept to what the constraint allows: :meth:`StructuredOutputRequest.validate_tokens`)
+        gets ``k + 1`` consecutive rows, each listing its id: the mask after its verified
+        tokens, then after each draft, in order (the rows its drafts and bonus token are
+        verified from). Its matcher walks the drafts and rolls back, so it ends after the
+        verified tokens again. A row after a draft that completed the constraint with its end
+        token allows every token (vLLM V1's ``grammar_bitmask``; the token it gives is dropped,
+        the request stops at the end token)::
+
+            request with drafts d1 d2:   row 0: after its output   row 1: + d1   row 2: + d1 d2
+
         Args:
             out: the step's scheduler output.
             requests: the step's scheduled requests (``num_computed_tokens`` already advanced
                 by the step, as :meth:`Scheduler.schedule` leaves them).
+
+        Raises:
+            RuntimeError: a draft the constraint refuses (the scheduler validates them: a bug);
+                nothing is set then.
         """
         rows = [
             r
@@ -300,12 +338,18 @@ class StructuredOutputManager:
             return
         import numpy as np
 
-        matchers = []
+        spec_tokens = out.scheduled_spec_decode_tokens
+        matchers, first_rows, drafted, req_ids = [], [], [], []
         for request in rows:
             state = request.structured_output
             state.sync(request.output_token_ids)
             matchers.append(state.matcher)
-        bitmask = np.empty((len(rows), self.bitmask_width), dtype=np.int32)
+            first_rows.append(len(req_ids))
+            drafts = spec_tokens.get(request.request_id, ())
+            if drafts:
+                drafted.append((state.matcher, len(req_ids), drafts))
+            req_ids.extend([request.request_id] * (1 + len(drafts)))
+        bitmask = np.empty((len(req_ids), self.bitmask_width), dtype=np.int32)
         if len(matchers) == 1:
             matchers[0].fill_next_token_bitmask(bitmask, 0)
         else:
@@ -313,9 +357,32 @@ class StructuredOutputManager:
                 import xgrammar as xgr
 
                 self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=self.max_threads)
-            self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)
+            self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, first_rows)
+        for matcher, first_row, drafts in drafted:
+            self._fill_draft_rows(matcher, bitmask, first_row, drafts)
         out.grammar_bitmask = bitmask
-        out.structured_output_request_ids = [r.request_id for r in rows]
+        out.structured_output_request_ids = req_ids
+
+    @staticmethod
+    def _fill_draft_rows(matcher: Any, bitmask: Any, first_row: int, drafts: Sequence[int]) -> None:
+        """Rows ``first_row + 1 ..`` of ``bitmask``: the masks after each of ``drafts``
+        (row ``first_row`` holds the mask before them); the matcher is rolled back after."""
+        num_accepted = 0
+        try:
+            for i, token_id in enumerate(drafts, start=1):
+                if not matcher.accept_token(token_id):
+                    raise RuntimeError(
+                        f"draft token {token_id} breaks its structured_outputs constraint: "
+                        "drafts must be validated before they are scheduled"
+                    )
+                num_accepted += 1
+                if matcher.is_terminated():  # the end token: whatever follows is dropped
+                    bitmask[first_row + i] = -1
+                else:
+                    matcher.fill_next_token_bitmask(bitmask, first_row + i)
+        finally:
+            if num_accepted:
+                matcher.rollback(num_accepted)
 
     def shutdown(self) -> None:
         """Stop the compile thread (compiles queued still run)."""

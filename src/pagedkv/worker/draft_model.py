@@ -71,6 +71,50 @@ class DraftModelProposer:
             inputs.attn_metadata[self.first_layer :],
         )
 
+    def drafts_for_step(
+        self,
+        num_lookahead_tokens: dict[str, int],
+        inputs: ModelInputs,
+        req_ids: list[str],
+        batch_rows: np.ndarray,
+        sampled: torch.Tensor,
+        num_accepted_draft_tokens: dict[str, int],
+    ) -> dict[str, list[int]]:
+        """The drafts for the next step of each sampling request with lookahead slots.
+
+        Args:
+            num_lookahead_tokens: ``SchedulerOutput.num_lookahead_tokens`` (request id -> most
+                drafts).
+            inputs: the step's inputs (scheduled and draft tokens per row).
+            req_ids: the sampling requests, in order; ``batch_rows``: their rows.
+            sampled: ``[len(req_ids)]`` int64, each one's newest token (after its accepted
+                drafts, which ``num_accepted_draft_tokens`` counts).
+
+        Returns:
+            Request id -> its drafts (``ModelRunnerOutput.draft_token_ids``).
+        """
+        picks = [i for i, r in enumerate(req_ids) if num_lookahead_tokens.get(r, 0) > 0]
+        if not picks:
+            return {}
+        rows = batch_rows[picks]
+        picked = [req_ids[i] for i in picks]
+        scheduled_drafts = 0 if inputs.num_draft_tokens is None else inputs.num_draft_tokens[rows]
+        # the newest token sits after the tokens computed before the step, the scheduled
+        # ones less the drafts, and the accepted drafts
+        positions = (
+            self.input_batch.num_computed_tokens[rows]
+            + inputs.num_scheduled_tokens[rows]
+            - scheduled_drafts
+            + np.array([num_accepted_draft_tokens.get(r, 0) for r in picked], dtype=np.int64)
+        )
+        drafts = self.propose(
+            rows,
+            positions,
+            sampled[self.input_batch.to_device(np.array(picks))],
+            np.array([num_lookahead_tokens[r] for r in picked], dtype=np.int64),
+        )
+        return dict(zip(picked, drafts, strict=True))
+
     def propose(
         self,
         rows: np.ndarray,

@@ -30,16 +30,15 @@ import torch
 
 from pagedkv.config import SchedulerConfig
 from pagedkv.core.config import KVCacheConfig
-from pagedkv.core.spec import SlidingWindowSpec
 from pagedkv.errors import ConfigError, InvalidRequestError, OpsInputError
 from pagedkv.ops.backends import (
     AttentionBackend,
-    AttentionLayerSpec,
     TorchBackend,
     check_block_mapping,
     get_attn_backend,
 )
 from pagedkv.sampling_params import SamplingParams
+from pagedkv.worker import kv_cache_layout
 from pagedkv.worker.draft_model import DraftModelProposer
 from pagedkv.worker.input_batch import CachedRequestState, InputBatch, ModelInputs
 from pagedkv.worker.kv_offload import (
@@ -142,12 +141,14 @@ class ModelRunner:
             reason = backend.unsupported_reason(spec)
             if reason is not None:
                 raise ConfigError(f"the {backend.name} attention backend cannot run: {reason}")
-        attention_groups, layer_attention_groups = _attention_groups(
+        attention_groups, layer_attention_groups = kv_cache_layout.attention_groups(
             kv_cache_config, self.layer_specs
         )
         #: one KV cache tensor per layer, in the backend's layout (``backend.kv_cache_shape``);
         #: layers of different groups share a tensor (their block ids differ).
-        self.kv_caches = _allocate_kv_caches(backend, kv_cache_config, self.layer_specs)
+        self.kv_caches = kv_cache_layout.allocate_kv_caches(
+            backend, kv_cache_config, self.layer_specs
+        )
         #: per KV cache group, the caches of its layers (each once): what a block copy of the
         #: group touches (a short, padded group's copies leave the other tensors alone).
         self.group_kv_caches = [
@@ -257,44 +258,15 @@ class ModelRunner:
         result.req_ids = [s.req_id for s in sampling]
         result.sampled_token_ids = sampled.tolist()
         if out.num_lookahead_tokens and self.drafter is not None:
-            self._propose_drafts(out, inputs, sampling, batch_rows, sampled, result)
+            result.draft_token_ids = self.drafter.drafts_for_step(
+                out.num_lookahead_tokens,
+                inputs,
+                result.req_ids,
+                batch_rows,
+                sampled,
+                result.num_accepted_draft_tokens,
+            )
         return result
-
-    def _propose_drafts(
-        self,
-        out: SchedulerOutput,
-        inputs: ModelInputs,
-        sampling: list[CachedRequestState],
-        batch_rows: np.ndarray,
-        sampled: torch.Tensor,
-        result: ModelRunnerOutput,
-    ) -> None:
-        """The draft model's drafts for the next step (``result.draft_token_ids``) of each
-        sampling request with lookahead slots (``out.num_lookahead_tokens``): its newest token
-        (``sampled``) sits after the tokens it had, its accepted drafts included."""
-        lookahead = out.num_lookahead_tokens
-        picks = [i for i, s in enumerate(sampling) if lookahead.get(s.req_id, 0) > 0]
-        if not picks:
-            return
-        rows = batch_rows[picks]
-        accepted = result.num_accepted_draft_tokens
-        num_drafts_scheduled = (
-            0 if inputs.num_draft_tokens is None else inputs.num_draft_tokens[rows]
-        )
-        positions = (
-            self.input_batch.num_computed_tokens[rows]
-            + inputs.num_scheduled_tokens[rows]
-            - num_drafts_scheduled
-            + np.array([accepted.get(sampling[i].req_id, 0) for i in picks], dtype=np.int64)
-        )
-        req_ids = [sampling[i].req_id for i in picks]
-        drafts = self.drafter.propose(
-            rows,
-            positions,
-            sampled[self.input_batch.to_device(np.array(picks))],
-            np.array([lookahead[r] for r in req_ids], dtype=np.int64),
-        )
-        result.draft_token_ids = dict(zip(req_ids, drafts, strict=True))
 
     def _sample(
         self,
@@ -303,12 +275,14 @@ class ModelRunner:
         batch_rows: np.ndarray,
         out: SchedulerOutput,
         result: ModelRunnerOutput,
+        *,
+        masked: bool = False,
     ) -> torch.Tensor:
         """One token per sampling request from its logits row (``[len(sampling), vocab]``,
-        changed in place), after its grammar's mask, with its logprobs into ``result``.
-        ``batch_rows``: each request's row in the persistent batch. Returns ``[len(sampling)]``
-        int64 token ids."""
-        if out.grammar_bitmask is not None:  # structured outputs: before logprobs, as vLLM
+        changed in place), after its grammar's mask (unless ``masked``: applied already), with
+        its logprobs into ``result``. ``batch_rows``: each request's row in the persistent
+        batch. Returns ``[len(sampling)]`` int64 token ids."""
+        if out.grammar_bitmask is not None and not masked:  # before logprobs, as vLLM
             apply_grammar_bitmask(
                 logits,
                 [s.req_id for s in sampling],
@@ -372,36 +346,49 @@ class ModelRunner:
         ``result.num_accepted_draft_tokens``. Returns ``[len(sampling)]`` int64: each request's
         last new token (the bonus, or the replacement of its first rejected draft).
 
+        A request with a grammar has one bitmask row per logits row (after its verified tokens,
+        then after each draft: :meth:`StructuredOutputManager.fill_bitmask
+        <pagedkv.engine.structured_output.StructuredOutputManager.fill_bitmask>`), applied to
+        each row before verification, so greedy verification takes the masked argmax.
+
         Raises:
             InvalidRequestError: drafts for a request whose sampling needs what verification
-                does not do (penalties, min_tokens not reached, logprobs, a grammar): the
-                scheduler drafts nothing for those.
+                does not do (penalties, min_tokens not reached, logprobs): the scheduler
+                drafts nothing for those; a bitmask whose rows do not fit the logits rows.
         """
         num_draft_tokens = inputs.num_draft_tokens[batch_rows]
         last_rows = np.cumsum(num_draft_tokens + 1) - 1
-        sampled = torch.empty(len(sampling), dtype=torch.int64, device=logits.device)
-        plain = np.flatnonzero(num_draft_tokens == 0)
-        if len(plain):
-            states = [sampling[i] for i in plain.tolist()]
-            rows = self.input_batch.to_device(last_rows[plain])
-            tokens = self._sample(logits[rows], states, batch_rows[plain], out, result)
-            sampled[self.input_batch.to_device(plain)] = tokens
         drafted = np.flatnonzero(num_draft_tokens)
         states = [sampling[i] for i in drafted.tolist()]
-        drafts = [out.scheduled_spec_decode_tokens[s.req_id] for s in states]
-        structured = set(out.structured_output_request_ids)
         for state in states:
             params = state.sampling_params
             if (
                 params.has_penalties
                 or len(state.output_token_ids) < params.min_tokens
                 or params.logprobs is not None
-                or state.req_id in structured
             ):
                 raise InvalidRequestError(
                     f"request {state.req_id!r}: draft tokens with penalties, min_tokens still "
-                    "pending, logprobs or a grammar cannot be verified"
+                    "pending or logprobs cannot be verified"
                 )
+        if out.grammar_bitmask is not None:  # every row of the step's logits, before sampling
+            counts = num_draft_tokens.tolist()
+            apply_grammar_bitmask(
+                logits,
+                [s.req_id for s, k in zip(sampling, counts, strict=True) for _ in range(k + 1)],
+                out.structured_output_request_ids,
+                out.grammar_bitmask,
+            )
+        sampled = torch.empty(len(sampling), dtype=torch.int64, device=logits.device)
+        plain = np.flatnonzero(num_draft_tokens == 0)
+        if len(plain):
+            plain_states = [sampling[i] for i in plain.tolist()]
+            rows = self.input_batch.to_device(last_rows[plain])
+            tokens = self._sample(
+                logits[rows], plain_states, batch_rows[plain], out, result, masked=True
+            )
+            sampled[self.input_batch.to_device(plain)] = tokens
+        drafts = [out.scheduled_spec_decode_tokens[s.req_id] for s in states]
         num_rows = num_draft_tokens[drafted] + 1
         rows = np.repeat(last_rows[drafted] + 1 - num_rows, num_rows) + (
             np.arange(int(num_rows.sum())) - np.repeat(np.cumsum(num_rows) - num_rows, num_rows)
@@ -525,71 +512,3 @@ def _min_tokens_stop_ids(state: CachedRequestState, params: SamplingParams) -> l
     if not params.ignore_eos:
         ids.extend(state.eos_token_ids)
     return ids
-
-
-def _allocate_kv_caches(
-    backend: AttentionBackend,
-    kv_cache_config: KVCacheConfig,
-    layer_specs: Sequence[AttentionLayerSpec],
-) -> list[torch.Tensor]:
-    """One cache tensor per ``kv_cache_config.tensor_ids`` entry, allocated by the backend for
-    the spec of the first layer that uses it, and each layer's tensor.
-
-    Raises:
-        ConfigError: layers sharing a tensor whose caches would differ in shape or dtype.
-    """
-    tensor_specs: dict[int, AttentionLayerSpec] = {}
-    for layer, t in enumerate(kv_cache_config.tensor_ids):
-        spec = layer_specs[layer]
-        first = tensor_specs.setdefault(t, spec)
-        shape = (spec.num_kv_heads, spec.head_size, spec.block_size, spec.kv_cache_dtype)
-        if shape != (first.num_kv_heads, first.head_size, first.block_size, first.kv_cache_dtype):
-            raise ConfigError(f"layer {layer} cannot share KV cache tensor {t}: {spec} vs {first}")
-    tensors = {
-        t: backend.allocate_kv_cache(kv_cache_config.num_blocks, spec)
-        for t, spec in tensor_specs.items()
-    }
-    return [tensors[t] for t in kv_cache_config.tensor_ids]
-
-
-def _attention_groups(
-    kv_cache_config: KVCacheConfig, layer_specs: Sequence[AttentionLayerSpec]
-) -> tuple[list[tuple[int, AttentionLayerSpec]], list[int]]:
-    """The distinct (KV cache group, layer spec) pairs the layers read and each layer's index
-    into them. A layer reads its group's block table with its own window: a sliding-window
-    group's layers have its window; a full-attention group may hold sliding-window layers too
-    (``disable_hybrid_kv_cache_manager``: every block kept, the window still applied).
-
-    Raises:
-        ConfigError: see :class:`ModelRunner`.
-    """
-    if kv_cache_config.num_layers != len(layer_specs):
-        raise ConfigError(
-            f"the KV cache config has {kv_cache_config.num_layers} layers, the model "
-            f"{len(layer_specs)}"
-        )
-    pairs: list[tuple[int, AttentionLayerSpec]] = []
-    layer_pairs = [0] * len(layer_specs)
-    for g, group in enumerate(kv_cache_config.kv_cache_groups):
-        spec = group.kv_cache_spec
-        for layer in group.layer_ids[:1]:  # the layers of a group share one cache dtype
-            stored = layer_specs[layer].kv_cache_dtype
-            if spec.dtype_bytes != stored.itemsize:
-                raise ConfigError(
-                    f"KV cache group {g} was sized for {spec.dtype} ({spec.dtype_bytes} bytes "
-                    f"per element), its layers store {stored} ({stored.itemsize}): pass the "
-                    "runner the cache's kv_cache_dtype"
-                )
-        for layer in group.layer_ids:
-            window = layer_specs[layer].sliding_window
-            if isinstance(spec, SlidingWindowSpec) and window != spec.sliding_window:
-                reach = "every token" if window is None else f"the last {window} tokens"
-                raise ConfigError(
-                    f"layer {layer} attends to {reach} but its KV cache group keeps only a "
-                    f"sliding window of {spec.sliding_window}"
-                )
-            pair = (g, layer_specs[layer])
-            if pair not in pairs:
-                pairs.append(pair)
-            layer_pairs[layer] = pairs.index(pair)
-    return pairs, layer_pairs

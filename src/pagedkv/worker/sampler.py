@@ -67,17 +67,23 @@ def apply_grammar_bitmask(
     constrained request may not sample (structured outputs; xgrammar's
     ``apply_token_bitmask_inplace``, its CPU kernel on a CPU).
 
+    A request may have several consecutive logits rows (speculative decoding: one per draft
+    and the bonus row); it then has as many consecutive bitmask rows, which go to its logits
+    rows in order.
+
     Args:
         logits: ``[num_rows, vocab_size]`` float (float32, bfloat16 or float16).
-        row_req_ids: the request of each logits row.
-        bitmask_req_ids: the request of each bitmask row (each one of ``row_req_ids``).
+        row_req_ids: the request of each logits row (a request's rows consecutive).
+        bitmask_req_ids: the request of each bitmask row (each one of ``row_req_ids``, a
+            request's rows consecutive and as many as its logits rows).
         bitmask: ``[len(bitmask_req_ids), ceil(vocab_size / 32)]`` int32 numpy array: bit
             ``t % 32`` of word ``t // 32`` is 1 when token ``t`` is allowed.
 
     Raises:
-        InvalidRequestError: a bitmask of another shape or dtype, or a bitmask row for a
-            request that does not sample in this step (the scheduler output does not fit the
-            worker's batch); the logits are unchanged then.
+        InvalidRequestError: a bitmask of another shape or dtype, a bitmask row for a
+            request that does not sample in this step, or a request with another number of
+            bitmask rows than logits rows (the scheduler output does not fit the worker's
+            batch); the logits are unchanged then.
     """
     num_rows, vocab_size = logits.shape
     width = -(-vocab_size // 32)
@@ -90,13 +96,32 @@ def apply_grammar_bitmask(
         raise InvalidRequestError(
             f"grammar_bitmask must be an int32 array [{len(bitmask_req_ids)}, {width}], got {got}"
         )
-    index = {req_id: i for i, req_id in enumerate(row_req_ids)}
-    missing = [r for r in bitmask_req_ids if r not in index]
+    first_row: dict[str, int] = {}  # each request's first logits row, and its count of rows
+    num_logits_rows: dict[str, int] = {}
+    for i, req_id in enumerate(row_req_ids):
+        first_row.setdefault(req_id, i)
+        num_logits_rows[req_id] = num_logits_rows.get(req_id, 0) + 1
+    missing = [r for r in bitmask_req_ids if r not in first_row]
     if missing:
         raise InvalidRequestError(
             f"grammar_bitmask has rows for requests that do not sample this step: {missing}"
         )
-    rows = [index[r] for r in bitmask_req_ids]
+    rows = []
+    num_mask_rows: dict[str, int] = {}
+    for req_id in bitmask_req_ids:  # the j-th row of a request goes to its j-th logits row
+        j = num_mask_rows.get(req_id, 0)
+        rows.append(first_row[req_id] + j)
+        num_mask_rows[req_id] = j + 1
+    wrong = [
+        f"{r!r}: {n} for {num_logits_rows[r]}"
+        for r, n in num_mask_rows.items()
+        if n != num_logits_rows[r]
+    ]
+    if wrong:
+        raise InvalidRequestError(
+            "grammar_bitmask needs one row per logits row of each request, got "
+            f"({', '.join(wrong)})"
+        )
     if rows == list(range(num_rows)):
         aligned = bitmask
     else:  # bitmask row j goes to logits row rows[j] (the kernel indexes both alike)

@@ -114,7 +114,9 @@ class SchedulerOutput:
             all groups' pairs together (the groups share the cache tensors). Idea from vLLM's
             ``blocks_to_copy`` of its V0 scheduler outputs (beam search, parallel sampling).
         structured_output_request_ids: the constrained requests that sample this step, one per
-            row of ``grammar_bitmask`` (empty: no constraint this step).
+            row of ``grammar_bitmask`` (empty: no constraint this step); a request with ``k``
+            drafts in ``scheduled_spec_decode_tokens`` has ``k + 1`` consecutive rows, the mask
+            after its verified tokens, then after each draft (its verification rows, in order).
         grammar_bitmask: None, or an int32 numpy array ``[len(structured_output_request_ids),
             ceil(vocab_size / 32)]``: bit ``t % 32`` of word ``t // 32`` of a row is 1 when the
             request may sample token ``t`` (xgrammar's layout). The engine fills it

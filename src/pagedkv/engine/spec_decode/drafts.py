@@ -17,10 +17,19 @@ The drafts are never in the request's token ids until accepted, so they are neve
 unverified token enters the prefix cache, the KV tier or the KV events (the KV cache manager
 caches at most ``len(all_token_ids)`` tokens). A request drafts nothing when its verification
 would need what the rejection sampler does not do: penalties, ``min_tokens`` still pending,
-logprobs, a structured-output grammar, beam search; such requests decode exactly as without
-speculation. When the drafts' blocks do not fit, the request runs without them before anything
-is preempted. Idea and names from vLLM V1 (``Request.spec_token_ids``,
-``scheduled_spec_decode_tokens``, ``SpecDecodingStats``).
+logprobs, beam search; such requests decode exactly as without speculation. When the drafts'
+blocks do not fit, the request runs without them before anything is preempted. Idea and names
+from vLLM V1 (``Request.spec_token_ids``, ``scheduled_spec_decode_tokens``,
+``SpecDecodingStats``).
+
+**Structured outputs.** A request with a grammar drafts the longest prefix of its proposal that
+the grammar allows (its matcher accepts the drafts one by one and rolls back: a draft the
+grammar refuses ends the drafts). The engine then gives it ``k + 1`` bitmask rows, the mask
+after its verified tokens and after each draft, and the worker masks each verification row with
+its own before the rejection sampler (greedy: the argmax of the masked row), so it samples what
+it would without speculation; the accepted drafts and the sampled token then advance the
+matcher in order, as a sampled token does (vLLM V1's ``StructuredOutputManager`` with spec
+tokens; :mod:`pagedkv.engine.structured_output`).
 
 **Adaptive draft length.** A draft costs a row of the forward pass (about a fifth of a one-token
 step for the default model at batch 1 on a 2-core CPU: :data:`DRAFT_TOKEN_COST`) whether it is
@@ -170,7 +179,6 @@ class SpecDecodeDrafts:
         params = request.sampling_params
         return (
             request.beam_group is None
-            and request.structured_output is None
             and params.logprobs is None
             and not params.has_penalties
             and request.num_output_tokens >= params.min_tokens
@@ -198,6 +206,8 @@ class SpecDecodeDrafts:
             request.spec_token_ids = []
             return 0
         drafts = self.proposer.propose(request.request_id, request.all_token_ids, limit)
+        if request.structured_output is not None:  # what its grammar allows
+            drafts = request.structured_output.validate_tokens(request.output_token_ids, drafts)
         if state is None:
             state = self._acceptance[request.request_id] = [1.0, 2.0, -1]
         k = len(drafts)
