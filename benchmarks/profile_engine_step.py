@@ -7,10 +7,11 @@
 Adds the first ``--batch`` chats of benchmarks/data/chat_prompts.jsonl (greedy, ignore_eos),
 runs until every prompt is prefilled plus ``--warmup`` decode steps, then times each phase of
 ``--steps`` decode steps separately. ``--ops`` then profiles as many whole steps with
-torch.profiler and splits the time by kind of op: linears (oneDNN / F.linear), attention (the
-backend's kernels and gathers), other torch ops, and what is left: Python and the interpreter
-between ops. The CPU line (pagedkv.cpu_caps) says which CPU class ran. Results are in
-docs/engine.md and docs/perf.md.
+torch.profiler and splits the time by kind of op: linears (oneDNN / F.linear, the quantized
+products: torch's and pagedkv's own; ``PAGEDKV_QUANT_KERNEL=torch`` for torch's only),
+attention (the backend's kernels and gathers), other torch ops, and what is left: Python and
+the interpreter between ops. The CPU line (pagedkv.cpu_caps) says which CPU class ran. Results
+are in docs/engine.md and docs/perf.md.
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ LINEAR_OPS = (
     "aten::linear",
     "aten::_weight_int4pack_mm_for_cpu",
     "aten::_weight_int8pack_mm",
+    "pagedkv::",  # pagedkv's own quantized products (pagedkv.model.kernels.cpu_quant)
 )
 ATTENTION_OPS = (
     "_C::cpu_attention_with_kv_cache",
@@ -126,8 +128,19 @@ def profile_ops(engine: LLMEngine, steps: int, step_ms: float) -> None:
     """Profile ``steps`` whole engine steps; print each kind of op's share of the profiled
     time, and that share of ``step_ms`` (the step measured without the profiler, whose own cost
     per op inflates the profiled time)."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
+    from pagedkv.model.kernels.cpu_quant import CpuQuantKernels
+
+    # pagedkv's kernels are ctypes calls, which the profiler does not see: name them
+    for method in ("int4", "int8"):
+        plain = getattr(CpuQuantKernels, method)
+
+        def named(self, *args, _plain=plain, _name=f"pagedkv::{method}_gemm"):
+            with record_function(_name):
+                return _plain(self, *args)
+
+        setattr(CpuQuantKernels, method, named)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()  # inside: the profiler's exit processes its events
         for _ in range(steps):

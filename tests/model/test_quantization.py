@@ -16,6 +16,7 @@ from gguf.quants import dequantize
 
 from pagedkv.errors import ConfigError
 from pagedkv.model.gguf_quant import unpack_gguf_tensor
+from pagedkv.model.kernels.cpu_quant import default_cpu_quant_kernels
 from pagedkv.model.loader import resolve_quantization
 from pagedkv.model.packed_linear import PackedLinear
 from pagedkv.model.quantization import (
@@ -134,7 +135,7 @@ def test_packed_linear_runs_quantized_weights_for_small_steps_only():
     linear = PackedLinear(dense, None, "packed", weight)
     plain = PackedLinear(dense, None, "packed")
     small = torch.randn(QUANT_MAX_TOKENS, in_features)
-    expected = QuantizedMatmul(weight)(small)
+    expected = QuantizedMatmul(weight, default_cpu_quant_kernels())(small)
     assert torch.equal(linear(small), expected)
     assert torch.equal(linear.add(small, residual_small), expected + residual_small)
     assert torch.equal(linear.silu(small), torch.nn.functional.silu(expected))

@@ -194,7 +194,8 @@ class Gemma3DecoderLayer:
         h = h + self._norm(o, self.post_attention_norm, self.hidden_size)
         x = self._norm(h, self.pre_feedforward_norm, self.hidden_size)
         if self.gate_up_quant is not None and num_tokens <= QUANT_MAX_TOKENS:
-            gate, up = self.gate_up_quant(x, torch.bfloat16).chunk(2, dim=1)
+            quant = self.gate_up_quant
+            gate, up = quant(x, quant.kernel_dtype).chunk(2, dim=1)
             m = self.down_proj(F.gelu(gate, approximate="tanh").mul_(up))
         else:
             m = self.down_proj(self.up_proj.mul(x, self.gate_proj.gelu_tanh(x)))

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from pagedkv.errors import ModelLoadError
 from pagedkv.model.config import ModelConfig
+from pagedkv.model.kernels.cpu_quant import default_cpu_quant_kernels
 from pagedkv.model.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedkv.model.logits import refine_top_logits
 from pagedkv.model.packed_linear import linear_mode, log_linear_mode
@@ -142,7 +143,8 @@ class LlamaDecoderLayer:
         h = self.o_proj.add(attn.reshape(num_tokens, -1), h)
         x = F.rms_norm(h, (self.hidden_size,), self.post_attention_norm, self.eps)
         if self.gate_up_quant is not None and num_tokens <= QUANT_MAX_TOKENS:
-            gate, up = self.gate_up_quant(x, torch.bfloat16).chunk(2, dim=1)
+            quant = self.gate_up_quant
+            gate, up = quant(x, quant.kernel_dtype).chunk(2, dim=1)
             return self.down_proj.add(F.silu(gate).mul_(up), h)
         return self.down_proj.add(self.up_proj.mul(x, self.gate_proj.silu(x)), h)
 
@@ -314,12 +316,14 @@ def gate_up_quant(
     quantized: Mapping[str, QuantizedWeight] | None, prefix: str
 ) -> QuantizedMatmul | None:
     """Layer ``prefix``'s quantized gate and up weights stacked into one product (the
-    activation and the product then run on its bf16 output; one read of x, one kernel call),
-    or None unless both are quantized."""
+    activation and the product then run on its output, in the kernel's dtype; one read of x,
+    one kernel call), or None unless both are quantized."""
     if not quantized:
         return None
     parts = [quantized.get(f"{prefix}mlp.{p}_proj.weight") for p in ("gate", "up")]
-    return None if None in parts else QuantizedMatmul(QuantizedWeight.cat(parts))
+    if None in parts:
+        return None
+    return QuantizedMatmul(QuantizedWeight.cat(parts), default_cpu_quant_kernels())
 
 
 def refine_weight(

@@ -20,6 +20,10 @@ quantization step. Q8_0 (int8, a float16 scale per group of 32) has no group-wis
 it is re-quantized to one scale per row (the tied embedding / LM head of SmolLM2, whose top
 logits are then recomputed exactly: :func:`pagedkv.model.logits.refine_top_logits`).
 
+On an AVX2 CPU pagedkv runs its own kernels for these small steps instead
+(:mod:`pagedkv.model.kernels.cpu_quant`: fp32 activations, the blocks read as stored, 1.4-1.6x
+torch's AVX2 speed for int4 and 2x for int8; docs/perf.md); torch's stay the fallback.
+
 These kernels win at batch 1 and lose at larger batches (a product of 64 rows ran at half the
 speed of oneDNN's packed float32 on an AVX2 EPYC): a :class:`~pagedkv.model.packed_linear.
 PackedLinear` keeps its dense packed weight and uses the quantized one only for steps of at
@@ -33,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.errors import ConfigError
+from pagedkv.model.kernels.cpu_quant import MAX_ROWS, CpuQuantKernels, pack_int4
 
 #: Steps of at most this many tokens run the quantized weights; larger ones the dense packed
 #: weights (measured crossover on a 2-core AVX2 EPYC: 16 rows ran 1.2x slower quantized, 64 rows
@@ -167,25 +172,51 @@ def int8_kernel_available() -> bool:
 
 
 class QuantizedMatmul:
-    """``x W^T`` on a :class:`QuantizedWeight`, packed once for torch's CPU kernels.
+    """``x W^T`` on a :class:`QuantizedWeight`, packed once for the kernel that runs it.
+
+    With ``kernels`` (:mod:`pagedkv.model.kernels.cpu_quant`, AVX2): int4 weights with groups
+    of 32 and int8 weights with one scale per row run pagedkv's kernels on fp32 activations
+    (the dequantized weights' numbers); anything else, or ``kernels`` None, torch's kernels
+    with bf16 activations and scales.
 
     Args:
         weight: int4 with groups of 32, 64, 128 or 256 input features, or int8 with one scale
             per row.
+        kernels: pagedkv's loaded kernels, or None for torch's
+            (:func:`~pagedkv.model.kernels.cpu_quant.default_cpu_quant_kernels` gives this
+            process's choice).
 
     Raises:
         ConfigError: a weight the kernels cannot take.
     """
 
-    __slots__ = ("bits", "group_size", "packed", "scales")
+    __slots__ = ("bits", "group_size", "kernels", "min", "packed", "scales")
 
-    def __init__(self, weight: QuantizedWeight):
+    def __init__(self, weight: QuantizedWeight, kernels: CpuQuantKernels | None = None):
         self.bits = weight.bits
         self.group_size = weight.group_size
-        if weight.bits == 4:
-            in_features = weight.shape[1]
-            if weight.group_size not in (32, 64, 128, 256) or in_features % weight.group_size:
-                raise ConfigError(f"int4 group size {weight.group_size} is not supported")
+        in_features = weight.shape[1]
+        if weight.bits not in (4, 8):
+            raise ConfigError(f"quantized weights have 4 or 8 bits, got {weight.bits}")
+        if weight.bits == 4 and (
+            weight.group_size not in (32, 64, 128, 256) or in_features % weight.group_size
+        ):
+            raise ConfigError(f"int4 group size {weight.group_size} is not supported")
+        if weight.bits == 8 and weight.scale.shape[1] != 1:
+            raise ConfigError("int8 weights need one scale per row")
+        ours = in_features % INT4_GROUP_SIZE == 0 and (
+            weight.bits == 8 or weight.group_size == INT4_GROUP_SIZE
+        )
+        #: pagedkv's kernels when they run this weight, else None (torch's).
+        self.kernels = kernels if ours else None
+        #: int4 for pagedkv's kernels: fp32 ``[out_features, num_groups]`` or None.
+        self.min = None
+        if self.kernels is not None and weight.bits == 4:
+            self.packed, self.scales, self.min = pack_int4(weight.q, weight.scale, weight.min)
+        elif self.kernels is not None:
+            self.packed = weight.q.contiguous()
+            self.scales = weight.scale[:, 0].float().contiguous()
+        elif weight.bits == 4:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
                 weight.q.to(torch.int32).contiguous(), 1
             )
@@ -194,23 +225,39 @@ class QuantizedMatmul:
             zero = minimum + 8 * weight.scale
             self.scales = torch.stack([weight.scale, zero], dim=-1).transpose(0, 1)
             self.scales = self.scales.to(torch.bfloat16).contiguous()
-        elif weight.bits == 8:
-            if weight.scale.shape[1] != 1:
-                raise ConfigError("int8 weights need one scale per row")
+        else:
             self.packed = weight.q.contiguous()
             self.scales = weight.scale[:, 0].to(torch.bfloat16).contiguous()
-        else:
-            raise ConfigError(f"quantized weights have 4 or 8 bits, got {weight.bits}")
+
+    @property
+    def kernel_dtype(self) -> torch.dtype:
+        """The dtype the kernel returns without a conversion: float32 for pagedkv's, bfloat16
+        for torch's."""
+        return torch.bfloat16 if self.kernels is None else torch.float32
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """``x W^T`` ``[num_tokens, out_features]`` for x ``[num_tokens, in_features]``,
-        computed with bfloat16 activations; returned in ``out_dtype`` (None: x's dtype)."""
-        xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
-        if self.bits == 4:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                xb, self.packed, self.group_size, self.scales
-            )
-        else:
-            y = torch.ops.aten._weight_int8pack_mm(xb, self.packed, self.scales)
+        returned in ``out_dtype`` (None: x's dtype). pagedkv's kernels compute from fp32
+        activations, torch's from bf16 ones."""
         out_dtype = x.dtype if out_dtype is None else out_dtype
+        if self.kernels is not None:
+            y = self._ours(x.float().contiguous())
+        else:
+            xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
+            if self.bits == 4:
+                y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                    xb, self.packed, self.group_size, self.scales
+                )
+            else:
+                y = torch.ops.aten._weight_int8pack_mm(xb, self.packed, self.scales)
         return y if y.dtype == out_dtype else y.to(out_dtype)
+
+    def _ours(self, x: torch.Tensor) -> torch.Tensor:
+        """pagedkv's kernel on fp32 contiguous x, at most :data:`MAX_ROWS` rows a call."""
+        if x.shape[0] == 0:
+            return x.new_empty(0, self.packed.shape[0])
+        if x.shape[0] > MAX_ROWS:
+            return torch.cat([self._ours(part) for part in x.split(MAX_ROWS)])
+        if self.bits == 4:
+            return self.kernels.int4(x, self.packed, self.scales, self.min)
+        return self.kernels.int8(x, self.packed, self.scales)

@@ -1,0 +1,158 @@
+"""pagedkv's AVX2 weight-only kernels against torch's, per linear of SmolLM2-135M.
+
+    .venv/bin/python benchmarks/bench_quant_kernels.py [--threads 2] [--rounds 3]
+    ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 .venv/bin/python \
+        benchmarks/bench_quant_kernels.py                       # torch held to AVX2
+
+For each shape (q/k/v stacked 576 -> 960, o 576 -> 576, gate/up stacked 576 -> 3072, down
+1536 -> 576 as int4 groups of 32; the LM head 576 -> 49152 as int8 per row) and M = 1, 4, 8
+activation rows, times ``QuantizedMatmul`` with pagedkv's kernels (fp32 activations) and with
+torch's (``_weight_int4pack_mm_for_cpu`` / ``_weight_int8pack_mm``, bf16 activations), the two
+alternating round by round (the machine may be shared: only ratios of adjacent runs mean
+much). Each timing is the median of ``--repeats`` calls cycling through copies of the weight
+that together exceed the last-level cache (64 MB), so that a call reads its weight from memory
+as in a decode step (whose 4-bit weights are 67 MB). Prints one line per shape and M: ms per
+call, ours and torch's, and torch / ours per round; ``--output-json`` writes them.
+
+``--engine`` instead builds two engines on the default model (SmolLM2-135M, the GGUF's 4-bit
+weights), one with pagedkv's kernels and one with ``PAGEDKV_QUANT_KERNEL=torch``, gives each
+one greedy chat (batch 1, ``ignore_eos``), and alternates blocks of ``--repeats`` decode steps
+between them for ``--rounds`` rounds: median ms per step of each, and torch / ours per round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from pagedkv.cpu_caps import probe_cpu
+from pagedkv.model.kernels.cpu_quant import load_cpu_quant_kernels
+from pagedkv.model.packaged_models import cache_dir
+from pagedkv.model.quantization import QuantizedMatmul, quantize_int4, quantize_int8
+
+#: (name, out_features, in_features, bits): SmolLM2-135M's products of a decode step
+SHAPES = (
+    ("qkv", 960, 576, 4),
+    ("o", 576, 576, 4),
+    ("gate_up", 3072, 576, 4),
+    ("down", 576, 1536, 4),
+    ("lm_head", 49152, 576, 8),
+)
+#: bytes of weight copies cycled through per shape: more than a last-level cache (32 MB on
+#: the EPYC measured), as a decode step's 67 MB of 4-bit weights are
+WORKING_SET = 64 << 20
+
+
+def time_calls(calls, x, repeats: int) -> float:
+    """Median ms of one call, cycling through ``calls`` (one per weight copy)."""
+    for call in calls:
+        call(x)
+    times = []
+    for i in range(repeats):
+        start = time.perf_counter()
+        calls[i % len(calls)](x)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--shapes", nargs="+", default=[shape[0] for shape in SHAPES])
+    parser.add_argument("--output-json", type=Path)
+    parser.add_argument("--engine", action="store_true", help="whole decode steps, batch 1")
+    args = parser.parse_args()
+    if args.engine:
+        compare_engines(args)
+        return
+    torch.set_num_threads(args.threads)
+    kernels = load_cpu_quant_kernels(cache_dir() / "kernels")
+    print(f"{probe_cpu().summary()}; {args.threads} threads; kernels {kernels.path.name}")
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for name, out_features, in_features, bits in SHAPES:
+        if name not in args.shapes:
+            continue
+        dense = torch.randn(out_features, in_features, generator=gen)
+        weight = quantize_int8(dense) if bits == 8 else quantize_int4(dense)
+        # int4: half a byte per weight and 8 bytes of scale and min per 32; int8: a byte
+        nbytes = out_features * in_features * (1 if bits == 8 else 0.75)
+        copies = max(1, round(WORKING_SET / nbytes))
+        ours = [QuantizedMatmul(weight, kernels) for _ in range(copies)]
+        theirs = [QuantizedMatmul(weight) for _ in range(copies)]
+        with torch.inference_mode():
+            for rows in args.rows:
+                x = torch.randn(rows, in_features, generator=gen)
+                ours_ms, torch_ms = [], []
+                for _ in range(args.rounds):
+                    ours_ms.append(time_calls(ours, x, args.repeats))
+                    torch_ms.append(time_calls(theirs, x, args.repeats))
+                ratios = [t / o for t, o in zip(torch_ms, ours_ms, strict=True)]
+                row = {
+                    "shape": name,
+                    "out_features": out_features,
+                    "in_features": in_features,
+                    "bits": bits,
+                    "rows": rows,
+                    "ours_ms": ours_ms,
+                    "torch_ms": torch_ms,
+                    "speedup": ratios,
+                }
+                results.append(row)
+                print(
+                    f"{name:8s} {in_features:5d} -> {out_features:5d} int{bits} M={rows}: "
+                    f"ours {statistics.median(ours_ms):.3f} ms, torch "
+                    f"{statistics.median(torch_ms):.3f} ms, torch/ours "
+                    + " / ".join(f"{r:.2f}" for r in ratios)
+                )
+    if args.output_json:
+        args.output_json.write_text(json.dumps({"threads": args.threads, "results": results}))
+
+
+def compare_engines(args) -> None:
+    """Decode steps at batch 1 of an engine with pagedkv's kernels and one with torch's,
+    alternating blocks of ``args.repeats`` steps."""
+    from pagedkv.engine.llm_engine import LLMEngine
+    from pagedkv.model.kernels.cpu_quant import KERNEL_ENV
+    from pagedkv.sampling_params import SamplingParams
+
+    engines = {}
+    for choice in ("auto", "torch"):
+        os.environ[KERNEL_ENV] = choice  # read when the model's layers are built
+        engine = LLMEngine(num_threads=args.threads)
+        params = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
+        engine.add_request("0", [{"role": "user", "content": "Tell me about paging."}], params)
+        for _ in range(8):  # the prefill, then a few decode steps
+            engine.step()
+        engines["ours" if choice == "auto" else "torch"] = engine
+    print(f"{engines['ours'].cpu_capabilities.summary()}; {args.threads} threads")
+    times = {name: [] for name in engines}
+    for _ in range(args.rounds):
+        for name, engine in engines.items():
+            steps = []
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                engine.step()
+                steps.append(time.perf_counter() - start)
+            times[name].append(statistics.median(steps) * 1e3)
+    ratios = [t / o for t, o in zip(times["torch"], times["ours"], strict=True)]
+    print(
+        f"decode step, batch 1: ours {statistics.median(times['ours']):.2f} ms, torch "
+        f"{statistics.median(times['torch']):.2f} ms; torch / ours per round "
+        + " / ".join(f"{r:.2f}" for r in ratios)
+    )
+    if args.output_json:
+        args.output_json.write_text(json.dumps({"threads": args.threads, "step_ms": times}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,299 @@
+"""pagedkv's AVX2 weight-only int4 / int8 products for small steps, built at first use.
+
+torch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``) on an AVX2 CPU unpacks the nibbles
+to bf16 and reads SmolLM2's 67 MB of 4-bit weights at about 6-7 GB/s with 2 threads, under a
+third of what the memory gives (docs/perf.md, issue 33). ``quant_gemv.c`` (next to this file)
+reads the GGUF blocks as they are stored, unpacks each block once for all of a step's rows
+(at most 8), and accumulates in fp32 from fp32 activations: the numbers are those of the
+dequantized weights, as the accuracy tables measured (no activation quantization)::
+
+    int4   w = q * scale + min   q in [0, 16), fp32 scale and min per group of 32 (Q4_0, Q4_1,
+                                 Q4_K as :class:`~pagedkv.model.quantization.QuantizedWeight`
+                                 holds them); x . w = sum_g scale * (q . x) + min * sum(x_g)
+    int8   w = q * scale         q int8, one fp32 scale per output row (the LM head)
+
+Repacked at load (:func:`pack_int4`)::
+
+    qs     uint8 [N, K/32, 16]  byte j of a group: element j (low nibble), j + 16 (high)
+    scale  fp32  [N, K/32]
+    min    fp32  [N, K/32]       (absent for Q4_0-like weights without one: min = 0)
+
+The library is compiled with the system C compiler (``$CC`` or ``cc``; ``-O3 -mavx2 -mfma
+-fopenmp``) into ``$PAGEDKV_CACHE_DIR/kernels/`` under a name keyed by a hash of the source,
+the flags and the compiler, built into a temporary file and renamed (two processes may race),
+and loaded with ctypes. It runs where the CPU has AVX2 and FMA (caps of
+:mod:`pagedkv.cpu_caps` applied), the build succeeded and a tiny self-check is exact; otherwise
+the quantized linears keep torch's kernels. ``PAGEDKV_QUANT_KERNEL=torch`` turns it off.
+
+Threads: ``-fopenmp`` links ``libgomp.so.1``; torch's wheel carries its own ``libgomp.so.1``
+(the same soname), loaded first, so the dynamic loader resolves this library to torch's OpenMP
+runtime: its parallel regions run on torch's thread pool (no second pool spinning beside it),
+with ``torch.get_num_threads()`` threads passed on every call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from pagedkv.cpu_caps import CpuCapabilities, cpu_flags, probe_cpu
+from pagedkv.errors import PagedKVError
+
+logger = logging.getLogger(__name__)
+
+#: Environment variable choosing the quantized products: "auto" (default: pagedkv's kernels
+#: where they run, else torch's) or "torch" (torch's always).
+KERNEL_ENV = "PAGEDKV_QUANT_KERNEL"
+KERNEL_CHOICES = ("auto", "torch")
+#: The C source of the kernels.
+SOURCE = Path(__file__).with_name("quant_gemv.c")
+#: Compiler flags (the build key includes them).
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+#: Most activation rows one call takes.
+MAX_ROWS = 8
+#: Input features per int4 group the kernel reads.
+GROUP_SIZE = 32
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+
+
+class KernelUnavailableError(PagedKVError, RuntimeError):
+    """The kernels cannot run here (no AVX2/FMA, no compiler, a failed build or self-check)."""
+
+
+def pack_int4(
+    q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The kernel's layout of an int4 weight with groups of 32.
+
+    Args:
+        q: ``[N, K]`` integers in [0, 16) (any integer dtype), K a multiple of 32.
+        scale: ``[N, K / 32]``; minimum: ``[N, K / 32]`` or None.
+
+    Returns:
+        ``(qs, scale, min)``: qs uint8 ``[N, K / 32, 16]`` (element j of a group in the low
+        nibble of byte j, element j + 16 in its high nibble: GGUF's order), scale and min fp32
+        contiguous (min None stays None).
+    """
+    n, k = q.shape
+    groups = q.to(torch.uint8).reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    qs = (groups[..., :16] | (groups[..., 16:] << 4)).contiguous()
+    scale = scale.float().contiguous()
+    minimum = None if minimum is None else minimum.float().contiguous()
+    return qs, scale, minimum
+
+
+class CpuQuantKernels:
+    """The loaded library: int4 and int8 weight-only products of at most :data:`MAX_ROWS`
+    fp32 activation rows.
+
+    Args:
+        path: the built shared library.
+
+    Raises:
+        OSError: the library does not load.
+    """
+
+    __slots__ = ("_int4", "_int8", "path")
+
+    def __init__(self, path: Path):
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        self._int4 = lib.pagedkv_int4_gemm
+        self._int4.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int]
+        self._int4.restype = ctypes.c_int
+        self._int8 = lib.pagedkv_int8_gemm
+        self._int8.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int]
+        self._int8.restype = ctypes.c_int
+
+    def int4(
+        self, x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x W^T`` fp32 ``[M, N]`` for x fp32 contiguous ``[M, K]`` (1 <= M <= 8) and a
+        weight in :func:`pack_int4`'s layout (``qs [N, K / 32, 16]``). The caller holds to
+        these shapes and dtypes (the kernel reads raw pointers).
+
+        Raises:
+            KernelUnavailableError: the kernel refused the shapes.
+        """
+        num_rows, in_features = x.shape
+        out = torch.empty(num_rows, qs.shape[0], dtype=torch.float32)
+        rc = self._int4(
+            x.data_ptr(),
+            qs.data_ptr(),
+            scale.data_ptr(),
+            None if minimum is None else minimum.data_ptr(),
+            out.data_ptr(),
+            num_rows,
+            qs.shape[0],
+            in_features,
+            torch.get_num_threads(),
+        )
+        if rc:
+            raise KernelUnavailableError(f"int4 kernel refused x {tuple(x.shape)}")
+        return out
+
+    def int8(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """``x W^T`` fp32 ``[M, N]`` for x fp32 contiguous ``[M, K]`` (1 <= M <= 8, K a
+        multiple of 32), q int8 contiguous ``[N, K]`` and scale fp32 contiguous ``[N]``.
+
+        Raises:
+            KernelUnavailableError: the kernel refused the shapes.
+        """
+        num_rows, in_features = x.shape
+        out = torch.empty(num_rows, q.shape[0], dtype=torch.float32)
+        rc = self._int8(
+            x.data_ptr(),
+            q.data_ptr(),
+            scale.data_ptr(),
+            out.data_ptr(),
+            num_rows,
+            q.shape[0],
+            in_features,
+            torch.get_num_threads(),
+        )
+        if rc:
+            raise KernelUnavailableError(f"int8 kernel refused x {tuple(x.shape)}")
+        return out
+
+    def self_check(self) -> None:
+        """Run both kernels on small integer inputs whose products are exact in fp32 (every
+        row count 1..8, a partial row block, min present and absent) and compare with torch.
+
+        Raises:
+            KernelUnavailableError: a result differs.
+        """
+        gen = torch.Generator().manual_seed(0)
+        n, k = 37, 96
+        q4 = torch.randint(0, 16, (n, k), generator=gen)
+        scale = torch.randint(-4, 5, (n, k // GROUP_SIZE), generator=gen).float() / 4
+        minimum = torch.randint(-8, 9, (n, k // GROUP_SIZE), generator=gen).float()
+        q8 = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        scale8 = torch.randint(1, 9, (n,), generator=gen).float() / 8
+        dense4 = q4.float() * scale.repeat_interleave(GROUP_SIZE, 1)
+        dense8 = q8.float() * scale8[:, None]
+        for rows in range(1, MAX_ROWS + 1):
+            x = torch.randint(-3, 4, (rows, k), generator=gen).float()
+            for mins in (minimum, None):
+                dense = dense4 if mins is None else dense4 + mins.repeat_interleave(32, 1)
+                got = self.int4(x, *pack_int4(q4, scale, mins))
+                if not torch.equal(got, x.double().matmul(dense.double().T).float()):
+                    raise KernelUnavailableError(f"int4 self-check failed ({rows} rows)")
+            if not torch.equal(self.int8(x, q8, scale8), (x @ dense8.T)):
+                raise KernelUnavailableError(f"int8 self-check failed ({rows} rows)")
+
+
+def build_library(compiler: str, cache: Path, source: Path = SOURCE) -> Path:
+    """Compile ``source`` into ``cache`` unless an identical build is there.
+
+    The file name carries a hash of the source, :data:`CFLAGS` and the compiler's path and
+    version; the build goes to a temporary file that is renamed into place (atomic: two
+    processes building at once both end with a whole library).
+
+    Raises:
+        KernelUnavailableError: the compiler is missing or the build failed.
+    """
+    path = shutil.which(compiler)
+    if path is None:
+        raise KernelUnavailableError(f"no C compiler {compiler!r}")
+    try:
+        version = subprocess.run(
+            [path, "--version"], capture_output=True, text=True, timeout=60, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailableError(f"C compiler {compiler!r} does not run: {e}") from None
+    text = source.read_bytes()
+    key = hashlib.sha256(text + " ".join(CFLAGS).encode() + path.encode() + version.encode())
+    target = cache / f"quant_gemv-{key.hexdigest()[:16]}.so"
+    if target.is_file():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=cache, prefix=".quant_gemv-", suffix=".so")
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [path, *CFLAGS, str(source), "-o", tmp], capture_output=True, text=True, timeout=300
+        )
+        if done.returncode:
+            raise KernelUnavailableError(f"building {source.name} failed: {done.stderr[-2000:]}")
+        os.replace(tmp, target)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailableError(f"building {source.name} failed: {e}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def load_cpu_quant_kernels(
+    cache: Path, compiler: str | None = None, caps: CpuCapabilities | None = None
+) -> CpuQuantKernels:
+    """Build (if needed), load and self-check the kernels.
+
+    Args:
+        cache: where the library is built (``$PAGEDKV_CACHE_DIR/kernels``).
+        compiler: the C compiler; None = ``$CC`` or ``cc``.
+        caps: the CPU's capabilities; None = :func:`pagedkv.cpu_caps.probe_cpu`.
+
+    Raises:
+        KernelUnavailableError: no AVX2 or FMA (caps applied), no compiler, a failed build, a
+            library that does not load, or a failed self-check.
+    """
+    caps = probe_cpu() if caps is None else caps
+    if not (caps.avx2 and "fma" in cpu_flags()):
+        raise KernelUnavailableError(f"{caps.summary()}: the kernels need AVX2 and FMA")
+    compiler = compiler or os.environ.get("CC") or "cc"
+    path = build_library(compiler, cache)
+    try:
+        kernels = CpuQuantKernels(path)
+    except OSError as e:
+        raise KernelUnavailableError(f"{path} does not load: {e}") from None
+    kernels.self_check()
+    return kernels
+
+
+def default_cpu_quant_kernels() -> CpuQuantKernels | None:
+    """This process's kernels, or None where torch's run (``PAGEDKV_QUANT_KERNEL=torch``, or
+    :func:`load_cpu_quant_kernels` refused: the reason is logged once).
+
+    NOTE: a process-wide cache (keyed by the variable, ``$CC`` and the cache directory). The
+    library is process-wide by nature: the dynamic loader maps one copy per process whatever
+    holds the handle, and building it means a compiler run; each model layer's
+    :class:`~pagedkv.model.quantization.QuantizedMatmul` asks for it at load, and this keeps
+    the layers' constructors (and the engine's) free of a handle that carries no state of
+    their own. Tests pass their own :class:`CpuQuantKernels` (or None) instead.
+
+    Raises:
+        ConfigError: ``PAGEDKV_QUANT_KERNEL`` is not one of :data:`KERNEL_CHOICES`.
+    """
+    from pagedkv.errors import ConfigError
+    from pagedkv.model.packaged_models import cache_dir
+
+    choice = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
+    if choice not in KERNEL_CHOICES:
+        raise ConfigError(f"{KERNEL_ENV} must be one of {KERNEL_CHOICES}, got {choice!r}")
+    return _cached_kernels(choice, os.environ.get("CC") or "cc", cache_dir() / "kernels")
+
+
+@functools.cache
+def _cached_kernels(choice: str, compiler: str, cache: Path) -> CpuQuantKernels | None:
+    if choice == "torch":
+        logger.info("quantized products: torch's kernels (%s=torch)", KERNEL_ENV)
+        return None
+    try:
+        kernels = load_cpu_quant_kernels(cache, compiler)
+    except KernelUnavailableError as e:
+        logger.info("quantized products: torch's kernels (pagedkv's do not run here: %s)", e)
+        return None
+    logger.info("quantized products of small steps: pagedkv's AVX2 kernels (%s)", kernels.path)
+    return kernels
