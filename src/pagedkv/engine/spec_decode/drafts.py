@@ -103,11 +103,11 @@ class WorkerDrafts:
 #: What a decode step of one request with k drafts costs, k = 0, 1, ..., 7, in one-token steps
 #: (the batch-1 cost table of :func:`best_num_drafts`): SmolLM2-135M Q4_1 on a 2-core AMD EPYC
 #: (AVX2), the median CPU time of the benchmark's decode steps with k drafts over that of steps
-#: without (``benchmarks/bench_spec_decode.py --step-times``, open chat and grounded work; k = 4
-#: from ``--draft-cost``, drafts that are all rejected): docs/engine.md, "Adaptive draft
+#: without (``benchmarks/bench_spec_decode.py --step-times``, open chat and grounded work,
+#: pagedkv's own 4-bit kernels; k = 5, 6 with torch's kernels): docs/engine.md, "Adaptive draft
 #: length". Not linear in k. Ends at k = 7: a step of 9 or more tokens leaves the 4-bit
 #: kernels for dense fp32 products (~2.4x a one-token step).
-STEP_COST = (1.0, 1.12, 1.23, 1.40, 1.60, 1.90, 2.10, 2.28)
+STEP_COST = (1.0, 1.16, 1.30, 1.45, 1.61, 1.90, 2.10, 2.22)
 
 #: What a draft token costs in a batch of several decoding requests, as a fraction of a
 #: one-token step (a row through every layer and the LM head, and its verification).
@@ -123,8 +123,8 @@ def best_num_drafts(acceptance: float, max_num_drafts: int, num_running: int = 1
     ``num_running`` decoding requests; 0: none pays.
 
     Alone (``num_running == 1``) a step with k drafts costs ``STEP_COST[k]`` one-token steps
-    and k never exceeds its last entry: k = 1 pays from ``a`` of 0.12, and the most (7) from
-    0.92. In a batch, a request's share of a step is ``(1 + (n - 1) c) / n`` one-token steps
+    and k never exceeds its last entry: k = 1 pays from ``a`` of 0.16, and the most (7) from
+    0.89. In a batch, a request's share of a step is ``(1 + (n - 1) c) / n`` one-token steps
     (each other request's row costs ``c = DRAFT_TOKEN_COST`` more), and each of its drafts
     costs ``c`` on top: in a batch of 16 a draft pays from about 0.8 (the step is already busy,
     so a row that is thrown away costs more of the request's share). At batch 16 the
