@@ -175,15 +175,21 @@ def test_prefix_cache_holds_verified_tokens_only(tiny):
     assert engine.scheduler.get_stats().prefix_cache_hits > hits_before
 
 
-def test_max_tokens_and_stop_tokens_inside_the_accepted_drafts(tiny):
-    prompts = PROMPTS[:2]
-    long, _ = reference(tiny, prompts, greedy(30))
-    # max_tokens 7 = the prefill's token + 4 drafts + 1 bonus + 1: the last step may draft none.
-    for params in (
+def stop_conditions(long: list[list[int]]) -> tuple[SamplingParams, ...]:
+    """Stops that fall inside accepted drafts of two requests whose 30 greedy tokens are
+    ``long``: max_tokens 7 (= the prefill's token + 4 drafts + 1 bonus + 1: the last step may
+    draft none), a stop token of the first, a stop string of the second."""
+    return (
         greedy(7),
         greedy(30, stop_token_ids=[long[0][9]]),
         SamplingParams(temperature=0, max_tokens=30, stop=[chr(long[1][12])]),
-    ):
+    )
+
+
+def test_max_tokens_and_stop_tokens_inside_the_accepted_drafts(tiny):
+    prompts = PROMPTS[:2]
+    long, _ = reference(tiny, prompts, greedy(30))
+    for params in stop_conditions(long):
         expected, _ = reference(tiny, prompts, params)
         engine = make_engine(tiny, speculative_config=NGRAM)
         got, _ = run(engine, prompts, params, scripted(engine, prompts, long))

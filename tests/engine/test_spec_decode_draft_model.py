@@ -17,7 +17,15 @@ from _tiny_model import (
     tiny_gemma3_loaded_model,
     tiny_loaded_model,
 )
-from test_spec_decode import CONFIGS, PROMPTS, greedy, make_engine, reference, run
+from test_spec_decode import (
+    CONFIGS,
+    PROMPTS,
+    greedy,
+    make_engine,
+    reference,
+    run,
+    stop_conditions,
+)
 
 from pagedkv.config import SpeculativeConfig
 from pagedkv.errors import ConfigError
@@ -94,11 +102,7 @@ def test_a_smaller_draft_model_gives_the_same_tokens(tiny, small_draft, config):
 def test_adaptive_draft_length_and_stop_conditions(tiny, small_draft):
     prompts = PROMPTS[:2]
     long, _ = reference(tiny, prompts, greedy(30))
-    for params in (
-        greedy(7),
-        greedy(30, stop_token_ids=[long[0][9]]),
-        SamplingParams(temperature=0, max_tokens=30, stop=[chr(long[1][12])]),
-    ):
+    for params in stop_conditions(long):
         expected, _ = reference(tiny, prompts, params)
         for draft in (tiny, small_draft):
             got, _ = run(drafting(tiny, draft, adaptive=True), prompts, params)

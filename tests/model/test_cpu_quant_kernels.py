@@ -4,6 +4,7 @@ or are turned off, the kernels held to AVX2, and an engine whose small steps run
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import subprocess
@@ -272,6 +273,8 @@ def tiny_quantized_llm(dequantized_only: bool) -> LLM:
         for name, shape in shapes.items()
     }
     quantized = quantize_at_load(weights, config, "int4")
+    kernels = default_cpu_quant_kernels()  # as load_model attaches them
+    quantized = {name: dataclasses.replace(q, kernels=kernels) for name, q in quantized.items()}
     for name, q in quantized.items():  # the dense weights: the quantized ones' numbers
         weights["model.embed_tokens.weight" if name == "lm_head.weight" else name] = q.dequantize()
     model = LlamaForCausalLM(

@@ -39,7 +39,6 @@ import torch.nn.functional as F
 
 from pagedkv.errors import ModelLoadError
 from pagedkv.model.config import ModelConfig
-from pagedkv.model.kernels.cpu_quant import default_cpu_quant_kernels
 from pagedkv.model.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedkv.model.logits import refine_top_logits
 from pagedkv.model.packed_linear import linear_mode, log_linear_mode
@@ -323,7 +322,8 @@ def gate_up_quant(
     parts = [quantized.get(f"{prefix}mlp.{p}_proj.weight") for p in ("gate", "up")]
     if None in parts:
         return None
-    return QuantizedMatmul(QuantizedWeight.cat(parts), default_cpu_quant_kernels())
+    weight = QuantizedWeight.cat(parts)
+    return QuantizedMatmul(weight, weight.kernels)
 
 
 def refine_weight(

@@ -16,6 +16,7 @@ Nothing is downloaded. The decoder class follows the architecture: ``gemma3`` ->
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -30,6 +31,7 @@ from pagedkv.model.config import ModelConfig
 from pagedkv.model.gemma3 import Gemma3ForCausalLM
 from pagedkv.model.gguf_metadata import read_gguf_header
 from pagedkv.model.hub_cache import cached_snapshot, hub_cache_dir, is_repo_id
+from pagedkv.model.kernels.cpu_quant import default_cpu_quant_kernels
 from pagedkv.model.llama import LlamaForCausalLM
 from pagedkv.model.packaged_models import MODEL_ALIASES, smollm2_path
 from pagedkv.model.parallel import TensorParallelGroup, check_tensor_parallel
@@ -251,6 +253,14 @@ def load_model(
         check_tensor_parallel(config, parallel.world_size)
     if quantization in ("int4", "int8"):
         quantized = quantize_at_load(state_dict, config, quantization)
+    if quantized and parallel is None:
+        # pagedkv's kernels for the small steps where they run (loaded once per model)
+        kernels = default_cpu_quant_kernels()
+        if kernels is not None:
+            quantized = {
+                name: dataclasses.replace(weight, kernels=kernels)
+                for name, weight in quantized.items()
+            }
     model_class = Gemma3ForCausalLM if config.architecture == "gemma3" else LlamaForCausalLM
     decoder = model_class(
         config, state_dict, dtype=dtype, device=device, parallel=parallel, quantized=quantized

@@ -38,7 +38,6 @@ import torch.nn.functional as F
 
 from pagedkv.cpu_caps import CpuCapabilities, probe_cpu
 from pagedkv.errors import ConfigError
-from pagedkv.model.kernels.cpu_quant import default_cpu_quant_kernels
 from pagedkv.model.quantization import QUANT_MAX_TOKENS, QuantizedMatmul, QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -138,7 +137,7 @@ class PackedLinear:
                 f"quantized weight {quant.shape} does not match the weight {tuple(weight.shape)}"
             )
         #: the quantized product for small steps, or None.
-        self.quant = None if quant is None else QuantizedMatmul(quant, default_cpu_quant_kernels())
+        self.quant = None if quant is None else QuantizedMatmul(quant, quant.kernels)
         self.out_features = weight.shape[0]
         self.dtype = weight.dtype
         #: inputs go in as float32 and outputs come back in ``dtype`` (mode fp32_compute).

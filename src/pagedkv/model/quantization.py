@@ -32,7 +32,7 @@ most :data:`QUANT_MAX_TOKENS` tokens (docs/perf.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -61,6 +61,9 @@ class QuantizedWeight:
         scale: ``[out_features, num_groups]`` float32.
         min: ``[out_features, num_groups]`` float32, or None.
         group_size: input features per group.
+        kernels: pagedkv's loaded kernels that run this weight's small steps
+            (:mod:`pagedkv.model.kernels.cpu_quant`; the loader attaches them), or None for
+            torch's; kept by :meth:`rows` and :meth:`cat`.
     """
 
     bits: int
@@ -68,6 +71,7 @@ class QuantizedWeight:
     scale: torch.Tensor
     min: torch.Tensor | None
     group_size: int
+    kernels: CpuQuantKernels | None = field(default=None, repr=False, compare=False)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -90,6 +94,7 @@ class QuantizedWeight:
             self.scale[index],
             None if self.min is None else self.min[index],
             self.group_size,
+            self.kernels,
         )
 
     @staticmethod
@@ -111,6 +116,7 @@ class QuantizedWeight:
             torch.cat([p.scale for p in parts]),
             None if mins[0] is None else torch.cat(mins),
             first.group_size,
+            first.kernels,
         )
 
 

@@ -34,7 +34,6 @@ with ``torch.get_num_threads()`` threads passed on every call.
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import logging
 import os
@@ -263,15 +262,11 @@ def load_cpu_quant_kernels(
 
 
 def default_cpu_quant_kernels() -> CpuQuantKernels | None:
-    """This process's kernels, or None where torch's run (``PAGEDKV_QUANT_KERNEL=torch``, or
-    :func:`load_cpu_quant_kernels` refused: the reason is logged once).
-
-    NOTE: a process-wide cache (keyed by the variable, ``$CC`` and the cache directory). The
-    library is process-wide by nature: the dynamic loader maps one copy per process whatever
-    holds the handle, and building it means a compiler run; each model layer's
-    :class:`~pagedkv.model.quantization.QuantizedMatmul` asks for it at load, and this keeps
-    the layers' constructors (and the engine's) free of a handle that carries no state of
-    their own. Tests pass their own :class:`CpuQuantKernels` (or None) instead.
+    """The kernels for this process's choice, or None where torch's run
+    (``PAGEDKV_QUANT_KERNEL=torch``, or :func:`load_cpu_quant_kernels` refused: the reason is
+    logged). Called once per model load (:func:`pagedkv.model.loader.load_model` attaches the
+    result to the model's quantized weights); a build already in the cache is reused, so a
+    call costs a hash of the source, a ``cc --version`` and the self-check.
 
     Raises:
         ConfigError: ``PAGEDKV_QUANT_KERNEL`` is not one of :data:`KERNEL_CHOICES`.
@@ -282,16 +277,11 @@ def default_cpu_quant_kernels() -> CpuQuantKernels | None:
     choice = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
     if choice not in KERNEL_CHOICES:
         raise ConfigError(f"{KERNEL_ENV} must be one of {KERNEL_CHOICES}, got {choice!r}")
-    return _cached_kernels(choice, os.environ.get("CC") or "cc", cache_dir() / "kernels")
-
-
-@functools.cache
-def _cached_kernels(choice: str, compiler: str, cache: Path) -> CpuQuantKernels | None:
     if choice == "torch":
         logger.info("quantized products: torch's kernels (%s=torch)", KERNEL_ENV)
         return None
     try:
-        kernels = load_cpu_quant_kernels(cache, compiler)
+        kernels = load_cpu_quant_kernels(cache_dir() / "kernels", os.environ.get("CC") or "cc")
     except KernelUnavailableError as e:
         logger.info("quantized products: torch's kernels (pagedkv's do not run here: %s)", e)
         return None
