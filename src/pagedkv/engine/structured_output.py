@@ -157,7 +157,9 @@ class StructuredOutputRequest:
         matcher = self.matcher
         num_valid = 0
         for token_id in token_ids:
-            if not matcher.accept_token(token_id):
+            # after the end token nothing is allowed (asking a terminated matcher would have
+            # xgrammar print a warning for every such draft)
+            if matcher.is_terminated() or not matcher.accept_token(token_id):
                 break
             num_valid += 1
         if num_valid:
