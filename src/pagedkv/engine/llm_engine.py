@@ -222,7 +222,9 @@ class LLMEngine:
             if draft_shape is None:
                 raise
             raise ConfigError(
-                f"speculative_config: the draft model's KV cannot share the model's block pool: {e}"
+                f"speculative_config: the draft model's KV cannot share the model's block pool: "
+                f"{e} (a draft model is a smaller model of the same family: the same tokenizer "
+                "and KV pages of the same size)"
             ) from None
         self.kv_cache_config = kv_cache_config
         self.max_model_len = kv_cache_config.max_model_len
