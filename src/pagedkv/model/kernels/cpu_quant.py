@@ -125,22 +125,12 @@ class CpuQuantKernels:
         Raises:
             KernelUnavailableError: the kernel refused the shapes.
         """
-        num_rows, in_features = x.shape
-        out = torch.empty(num_rows, qs.shape[0], dtype=torch.float32)
-        rc = self._int4(
-            x.data_ptr(),
+        pointers = (
             qs.data_ptr(),
             scale.data_ptr(),
             None if minimum is None else minimum.data_ptr(),
-            out.data_ptr(),
-            num_rows,
-            qs.shape[0],
-            in_features,
-            torch.get_num_threads(),
         )
-        if rc:
-            raise KernelUnavailableError(f"int4 kernel refused x {tuple(x.shape)}")
-        return out
+        return self._run(self._int4, "int4", x, qs.shape[0], pointers)
 
     def int8(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """``x W^T`` fp32 ``[M, N]`` for x fp32 contiguous ``[M, K]`` (1 <= M <= 8, K a
@@ -149,20 +139,28 @@ class CpuQuantKernels:
         Raises:
             KernelUnavailableError: the kernel refused the shapes.
         """
+        return self._run(self._int8, "int8", x, q.shape[0], (q.data_ptr(), scale.data_ptr()))
+
+    @staticmethod
+    def _run(kernel, name: str, x: torch.Tensor, num_outputs: int, pointers: tuple) -> torch.Tensor:
+        """Call ``kernel(x, *pointers, out, M, N, K, threads)``; ``out`` fp32 ``[M, N]``.
+
+        Raises:
+            KernelUnavailableError: the kernel refused the shapes (it returned non-zero).
+        """
         num_rows, in_features = x.shape
-        out = torch.empty(num_rows, q.shape[0], dtype=torch.float32)
-        rc = self._int8(
+        out = torch.empty(num_rows, num_outputs, dtype=torch.float32)
+        rc = kernel(
             x.data_ptr(),
-            q.data_ptr(),
-            scale.data_ptr(),
+            *pointers,
             out.data_ptr(),
             num_rows,
-            q.shape[0],
+            num_outputs,
             in_features,
             torch.get_num_threads(),
         )
         if rc:
-            raise KernelUnavailableError(f"int8 kernel refused x {tuple(x.shape)}")
+            raise KernelUnavailableError(f"{name} kernel refused x {tuple(x.shape)}")
         return out
 
     def self_check(self) -> None:
