@@ -323,3 +323,61 @@ def test_engine_with_the_kernels_equals_the_dense_weights(kernels, monkeypatch, 
     ours_llm = tiny_quantized_llm(dequantized_only=False)
     ours = greedy_tokens(ours_llm)
     assert ours == greedy_tokens(tiny_quantized_llm(dequantized_only=True))
+
+
+def test_fused_layers_equal_the_layers_as_torch_ops(kernels, monkeypatch, tmp_path):
+    """The fused decoder layer (decode_layer.c: two C calls a layer) and the same layer as
+    torch ops around pagedkv's products (``PAGEDKV_QUANT_KERNEL=products``) give the same
+    greedy tokens; under "auto" the model holds fused layers, under "products" none."""
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(KERNEL_ENV, "auto")
+    fused_llm = tiny_quantized_llm(dequantized_only=False)
+    assert fused_llm.engine.loaded_model.model.fused_layers is not None
+    fused = greedy_tokens(fused_llm)
+    monkeypatch.setenv(KERNEL_ENV, "products")
+    ops_llm = tiny_quantized_llm(dequantized_only=False)
+    assert ops_llm.engine.loaded_model.model.fused_layers is None
+    assert fused == greedy_tokens(ops_llm)
+
+
+def test_fused_layer_refuses_bad_row_counts(kernels):
+    from pagedkv.model.kernels.cpu_quant import LlamaLayerWeights
+
+    hidden, inter, heads, kv, dim = 64, 128, 4, 2, 16
+
+    def int4(n, k, seed):
+        w = gguf_shaped("Q4_1", n, k, seed)
+        return pack_int4(w.q, w.scale, w.min)
+
+    layer = LlamaLayerWeights(
+        int4((heads + 2 * kv) * dim, hidden, 1),
+        int4(hidden, heads * dim, 2),
+        int4(2 * inter, hidden, 3),
+        int4(hidden, inter, 4),
+        torch.ones(hidden),
+        torch.ones(hidden),
+        None,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=dim,
+        eps=1e-5,
+    )
+    for rows in (0, MAX_ROWS + 1):
+        h = torch.zeros(max(rows, 1), hidden)[:rows]
+        attn = torch.zeros(max(rows, 1), heads * dim)[:rows]
+        with pytest.raises(KernelUnavailableError):
+            kernels.llama_attn_out(layer, h, attn, 1)
+    with pytest.raises(KernelUnavailableError, match="o:"):
+        LlamaLayerWeights(
+            int4((heads + 2 * kv) * dim, hidden, 1),
+            int4(hidden, hidden + 32, 2),
+            int4(2 * inter, hidden, 3),
+            int4(hidden, inter, 4),
+            torch.ones(hidden),
+            torch.ones(hidden),
+            None,
+            num_heads=heads,
+            num_kv_heads=kv,
+            head_dim=dim,
+            eps=1e-5,
+        )

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from pagedkv.errors import ModelLoadError
 from pagedkv.model.config import ModelConfig
+from pagedkv.model.kernels.cpu_quant import LlamaLayerWeights
 from pagedkv.model.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedkv.model.logits import refine_top_logits
 from pagedkv.model.packed_linear import linear_mode, log_linear_mode
@@ -217,6 +218,10 @@ class LlamaForCausalLM:
         #: parallelism; the embeddings when tied; when untied, a copy beside the packed one:
         #: vocab_size x hidden_size more)
         self.lm_head_weight = refine_weight(lm_head, dtype, parallel, head_quant)
+        #: each layer's weights for pagedkv's fused small-step layer (decode_layer.c), or None
+        #: where the layers run as torch ops (see :func:`fused_layer_weights`)
+        self.fused_layers = fused_layer_weights(self.layers, config, dtype, parallel)
+        self._fused_kernels = None if self.fused_layers is None else quantized_kernels(self)
 
     @torch.inference_mode()
     def forward(
@@ -244,6 +249,8 @@ class LlamaForCausalLM:
             ``[num_tokens, hidden_size]`` final-norm hidden states (pass the rows to sample to
             :meth:`compute_logits`).
         """
+        if self.fused_layers is not None and input_ids.shape[0] <= QUANT_MAX_TOKENS:
+            return self._fused_forward(input_ids, positions, kv_caches, attn_metadata)
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary.tables(positions)
         if isinstance(attn_metadata, BoundAttentionMetadata):
@@ -257,6 +264,42 @@ class LlamaForCausalLM:
         return F.rms_norm(h, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
 
     __call__ = forward
+
+    def _fused_forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[torch.Tensor],
+        attn_metadata: BoundAttentionMetadata | Sequence[BoundAttentionMetadata],
+    ) -> torch.Tensor:
+        """:meth:`forward` of a small step (at most ``QUANT_MAX_TOKENS`` tokens) through the
+        fused layers: per layer one C call before attention (norm, q/k/v product, rotary),
+        the backend's write and attention, one C call after (o product and residual, norm,
+        MLP and residual). Same values as the torch ops up to fp32 rounding."""
+        num_tokens = input_ids.shape[0]
+        kernels = self._fused_kernels
+        threads = torch.get_num_threads()
+        first = self.fused_layers[0]
+        heads, kv_heads, head_dim = first.num_heads, first.num_kv_heads, first.head_dim
+        h = self.embed_tokens(input_ids).contiguous()
+        cos = self.rotary.cos[positions]
+        sin = self.rotary.sin[positions]
+        # one q/k/v buffer for every layer: the backend copies k and v into the cache and
+        # returns attention in a tensor of its own before the next layer overwrites it
+        qkv = torch.empty(num_tokens, (heads + 2 * kv_heads) * head_dim)
+        q, k, v = qkv.view(num_tokens, heads + 2 * kv_heads, head_dim).split(
+            (heads, kv_heads, kv_heads), dim=1
+        )
+        if isinstance(attn_metadata, BoundAttentionMetadata):
+            attn_metadata = [attn_metadata] * len(self.fused_layers)
+        for layer, kv_cache, metadata in zip(
+            self.fused_layers, kv_caches, attn_metadata, strict=True
+        ):
+            kernels.llama_attn_in(layer, h, cos, sin, qkv, threads)
+            metadata.write_kv(k, v, kv_cache)
+            attn = metadata.forward(q, kv_cache).reshape(num_tokens, -1)
+            kernels.llama_attn_out(layer, h, attn.contiguous(), threads)
+        return F.rms_norm(h, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
 
     def attention_layer_specs(
         self, block_size: int, kv_cache_dtype: torch.dtype | str | None = None
@@ -324,6 +367,53 @@ def gate_up_quant(
         return None
     weight = QuantizedWeight.cat(parts)
     return QuantizedMatmul(weight, weight.kernels)
+
+
+def fused_layer_weights(
+    layers: Sequence[LlamaDecoderLayer],
+    config: ModelConfig,
+    dtype: torch.dtype,
+    parallel: TensorParallelGroup | None,
+) -> list[LlamaLayerWeights] | None:
+    """Each layer's weights for pagedkv's fused small-step layer
+    (:class:`~pagedkv.model.kernels.cpu_quant.LlamaLayerWeights`), or None where the layers
+    run as torch ops: a model not in float32, tensor parallelism, a layer whose four products
+    do not all run pagedkv's int4 kernels, or kernels loaded without fused layers
+    (``PAGEDKV_QUANT_KERNEL=products``)."""
+    if dtype != torch.float32 or parallel is not None:
+        return None
+    fused = []
+    for layer in layers:
+        quants = (
+            layer.qkv_proj.quant,
+            layer.o_proj.linear.quant,
+            layer.gate_up_quant,
+            layer.down_proj.linear.quant,
+        )
+        if any(
+            q is None or q.kernels is None or q.bits != 4 or not q.kernels.fused_layers
+            for q in quants
+        ):
+            return None
+        fused.append(
+            LlamaLayerWeights(
+                *((q.packed, q.scales, q.min) for q in quants),
+                layer.input_norm,
+                layer.post_attention_norm,
+                layer.qkv_proj.bias,
+                num_heads=layer.num_heads,
+                num_kv_heads=layer.num_kv_heads,
+                head_dim=layer.head_dim,
+                eps=layer.eps,
+            )
+        )
+    return fused
+
+
+def quantized_kernels(model: LlamaForCausalLM):
+    """The :class:`~pagedkv.model.kernels.cpu_quant.CpuQuantKernels` the model's fused layers
+    run on (its first layer's q/k/v product's)."""
+    return model.layers[0].qkv_proj.quant.kernels
 
 
 def refine_weight(

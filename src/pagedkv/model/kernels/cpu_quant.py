@@ -19,7 +19,7 @@ Repacked at load (:func:`pack_int4`)::
     min    fp32  [N, K/32]       (absent for Q4_0-like weights without one: min = 0)
 
 The library is compiled with the system C compiler (``$CC`` or ``cc``; ``-O3 -mavx2 -mfma
--fopenmp``) into ``$PAGEDKV_CACHE_DIR/kernels/`` under a name keyed by a hash of the source,
+-fopenmp``) into ``$PAGEDKV_CACHE_DIR/kernels/`` under a name keyed by a hash of the sources,
 the flags and the compiler, built into a temporary file and renamed (two processes may race),
 and loaded with ctypes. It runs where the CPU has AVX2 and FMA (caps of
 :mod:`pagedkv.cpu_caps` applied), the build succeeded and a tiny self-check is exact; otherwise
@@ -40,6 +40,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -50,11 +51,14 @@ from pagedkv.errors import PagedKVError
 logger = logging.getLogger(__name__)
 
 #: Environment variable choosing the quantized products: "auto" (default: pagedkv's kernels
-#: where they run, else torch's) or "torch" (torch's always).
+#: and its fused decoder layers where they run, else torch's), "products" (pagedkv's products,
+#: the rest of each layer as torch ops: to compare the two) or "torch" (torch's always).
 KERNEL_ENV = "PAGEDKV_QUANT_KERNEL"
-KERNEL_CHOICES = ("auto", "torch")
-#: The C source of the kernels.
-SOURCE = Path(__file__).with_name("quant_gemv.c")
+KERNEL_CHOICES = ("auto", "products", "torch")
+#: The C sources of the kernels, compiled into one library (the header is part of the build
+#: key): the products, and the decoder layer built on them.
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("quant_gemv.c", "decode_layer.c"))
+HEADERS = (Path(__file__).with_name("quant_gemv.h"),)
 #: Compiler flags (the build key includes them).
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 #: Most activation rows one call takes.
@@ -92,6 +96,122 @@ def pack_int4(
     return qs, scale, minimum
 
 
+class _Int4Weight(ctypes.Structure):
+    """decode_layer.c's ``pagedkv_int4_weight``: one int4 weight in :func:`pack_int4`'s layout."""
+
+    _fields_ = [("qs", _P), ("scale", _P), ("min", _P)]
+
+
+class _LlamaLayer(ctypes.Structure):
+    """decode_layer.c's ``pagedkv_llama_layer``: a decoder layer's weights and shape."""
+
+    _fields_ = [
+        ("qkv", _Int4Weight),
+        ("qkv_bias", _P),
+        ("o", _Int4Weight),
+        ("gate_up", _Int4Weight),
+        ("down", _Int4Weight),
+        ("input_norm", _P),
+        ("post_norm", _P),
+        ("hidden", _I64),
+        ("num_heads", _I64),
+        ("num_kv_heads", _I64),
+        ("head_dim", _I64),
+        ("intermediate", _I64),
+        ("eps", ctypes.c_float),
+    ]
+
+
+class LlamaLayerWeights:
+    """One Llama decoder layer's weights as :meth:`CpuQuantKernels.llama_attn_in` and
+    :meth:`~CpuQuantKernels.llama_attn_out` read them: four int4 weights in :func:`pack_int4`'s
+    layout, the two RMSNorm weights, the optional q/k/v bias. It holds the tensors (the C
+    struct holds only their addresses).
+
+    Args:
+        qkv: ``(qs, scale, min)`` of q, k and v stacked, ``[(H + 2 KV) D, hidden]``.
+        o: of ``[hidden, H D]``; gate_up: of gate and up stacked, ``[2 I, hidden]``;
+            down: of ``[hidden, I]``.
+        input_norm, post_norm: fp32 ``[hidden]``.
+        qkv_bias: fp32 ``[(H + 2 KV) D]`` or None.
+        num_heads, num_kv_heads, head_dim: H, KV, D; eps: the RMSNorm epsilon.
+
+    Raises:
+        KernelUnavailableError: shapes or dtypes the kernels do not take.
+    """
+
+    __slots__ = ("_keep", "_struct", "address", "head_dim", "hidden", "num_heads", "num_kv_heads")
+
+    def __init__(
+        self,
+        qkv: tuple,
+        o: tuple,
+        gate_up: tuple,
+        down: tuple,
+        input_norm: torch.Tensor,
+        post_norm: torch.Tensor,
+        qkv_bias: torch.Tensor | None,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        eps: float,
+    ):
+        hidden = input_norm.shape[0]
+        intermediate = down[0].shape[1] * GROUP_SIZE
+        width = (num_heads + 2 * num_kv_heads) * head_dim
+        expected = {
+            "qkv": (qkv, width, hidden),
+            "o": (o, hidden, num_heads * head_dim),
+            "gate_up": (gate_up, 2 * intermediate, hidden),
+            "down": (down, hidden, intermediate),
+        }
+        for name, ((qs, scale, minimum), rows, cols) in expected.items():
+            if qs.dtype != torch.uint8 or tuple(qs.shape) != (rows, cols // GROUP_SIZE, 16):
+                raise KernelUnavailableError(f"{name}: int4 weight of shape {tuple(qs.shape)}")
+            if cols % GROUP_SIZE or not all(
+                t is None or (t.dtype == torch.float32 and t.is_contiguous())
+                for t in (scale, minimum)
+            ):
+                raise KernelUnavailableError(f"{name}: scales must be fp32 contiguous")
+        vectors = [input_norm, post_norm] + ([] if qkv_bias is None else [qkv_bias])
+        if any(t.dtype != torch.float32 or not t.is_contiguous() for t in vectors):
+            raise KernelUnavailableError("norm weights and bias must be fp32 contiguous")
+        if head_dim % 2 or head_dim > 512:
+            raise KernelUnavailableError(f"head_dim {head_dim} (even, at most 512)")
+
+        def weight(parts: tuple) -> _Int4Weight:
+            qs, scale, minimum = parts
+            return _Int4Weight(qs.data_ptr(), scale.data_ptr(), _ptr(minimum))
+
+        self._struct = _LlamaLayer(
+            weight(qkv),
+            _ptr(qkv_bias),
+            weight(o),
+            weight(gate_up),
+            weight(down),
+            input_norm.data_ptr(),
+            post_norm.data_ptr(),
+            hidden,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            intermediate,
+            eps,
+        )
+        self._keep = (qkv, o, gate_up, down, *vectors)
+        #: the struct's address, passed to the C calls.
+        self.address = ctypes.addressof(self._struct)
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.hidden = hidden
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
 class CpuQuantKernels:
     """The loaded library: int4 and int8 weight-only products of at most :data:`MAX_ROWS`
     fp32 activation rows.
@@ -103,10 +223,13 @@ class CpuQuantKernels:
         OSError: the library does not load.
     """
 
-    __slots__ = ("_int4", "_int8", "path")
+    __slots__ = ("_attn_in", "_attn_out", "_int4", "_int8", "fused_layers", "path")
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, fused_layers: bool = True):
         self.path = path
+        #: whether models run their small steps' decoder layers through the fused calls
+        #: (:meth:`llama_attn_in` / :meth:`llama_attn_out`) or as torch ops around the products
+        self.fused_layers = fused_layers
         lib = ctypes.CDLL(str(path))
         self._int4 = lib.pagedkv_int4_gemm
         self._int4.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int]
@@ -114,6 +237,55 @@ class CpuQuantKernels:
         self._int8 = lib.pagedkv_int8_gemm
         self._int8.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int]
         self._int8.restype = ctypes.c_int
+        self._attn_in = lib.pagedkv_llama_attn_in
+        self._attn_in.argtypes = [_P, _P, _P, _P, _P, _I64, ctypes.c_int]
+        self._attn_in.restype = ctypes.c_int
+        self._attn_out = lib.pagedkv_llama_attn_out
+        self._attn_out.argtypes = [_P, _P, _P, _I64, ctypes.c_int]
+        self._attn_out.restype = ctypes.c_int
+
+    def llama_attn_in(
+        self,
+        layer: LlamaLayerWeights,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        qkv: torch.Tensor,
+        num_threads: int,
+    ) -> None:
+        """The layer before attention (decode_layer.c): ``qkv`` fp32 ``[M, (H + 2 KV) D]`` =
+        q, k and v of ``rms_norm(h)``, q and k rotated. h fp32 ``[M, hidden]``, cos and sin
+        (sign-folded) fp32 ``[M, D]``, all contiguous, 1 <= M <= 8; the caller holds to these
+        (the kernel reads raw pointers).
+
+        Raises:
+            KernelUnavailableError: the kernel refused (M out of range).
+        """
+        rc = self._attn_in(
+            layer.address,
+            h.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            qkv.data_ptr(),
+            h.shape[0],
+            num_threads,
+        )
+        if rc:
+            raise KernelUnavailableError(f"llama_attn_in refused {h.shape[0]} rows")
+
+    def llama_attn_out(
+        self, layer: LlamaLayerWeights, h: torch.Tensor, attn: torch.Tensor, num_threads: int
+    ) -> None:
+        """The layer after attention (decode_layer.c), in place on the residual stream h fp32
+        ``[M, hidden]``: ``h += attn W_o^T``, then ``h += mlp(rms_norm(h))``. attn fp32
+        ``[M, H D]``; both contiguous, 1 <= M <= 8.
+
+        Raises:
+            KernelUnavailableError: the kernel refused (M out of range).
+        """
+        rc = self._attn_out(layer.address, h.data_ptr(), attn.data_ptr(), h.shape[0], num_threads)
+        if rc:
+            raise KernelUnavailableError(f"llama_attn_out refused {h.shape[0]} rows")
 
     def int4(
         self, x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None
@@ -190,12 +362,13 @@ class CpuQuantKernels:
                 raise KernelUnavailableError(f"int8 self-check failed ({rows} rows)")
 
 
-def build_library(compiler: str, cache: Path, source: Path = SOURCE) -> Path:
-    """Compile ``source`` into ``cache`` unless an identical build is there.
+def build_library(compiler: str, cache: Path, sources: Path | Sequence[Path] = SOURCES) -> Path:
+    """Compile ``sources`` (one C file or several, linked into one library) into ``cache``
+    unless an identical build is there.
 
-    The file name carries a hash of the source, :data:`CFLAGS` and the compiler's path and
-    version; the build goes to a temporary file that is renamed into place (atomic: two
-    processes building at once both end with a whole library).
+    The file name carries a hash of the sources and :data:`HEADERS`, :data:`CFLAGS` and the
+    compiler's path and version; the build goes to a temporary file that is renamed into
+    place (atomic: two processes building at once both end with a whole library).
 
     Raises:
         KernelUnavailableError: the compiler is missing or the build failed.
@@ -209,23 +382,28 @@ def build_library(compiler: str, cache: Path, source: Path = SOURCE) -> Path:
         ).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelUnavailableError(f"C compiler {compiler!r} does not run: {e}") from None
-    text = source.read_bytes()
+    sources = [sources] if isinstance(sources, Path) else list(sources)
+    text = b"".join(p.read_bytes() for p in (*sources, *HEADERS))
     key = hashlib.sha256(text + " ".join(CFLAGS).encode() + path.encode() + version.encode())
     target = cache / f"quant_gemv-{key.hexdigest()[:16]}.so"
     if target.is_file():
         return target
+    names = " + ".join(p.name for p in sources)
     cache.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=cache, prefix=".quant_gemv-", suffix=".so")
     os.close(fd)
     try:
         done = subprocess.run(
-            [path, *CFLAGS, str(source), "-o", tmp], capture_output=True, text=True, timeout=300
+            [path, *CFLAGS, *map(str, sources), "-o", tmp],
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         if done.returncode:
-            raise KernelUnavailableError(f"building {source.name} failed: {done.stderr[-2000:]}")
+            raise KernelUnavailableError(f"building {names} failed: {done.stderr[-2000:]}")
         os.replace(tmp, target)
     except (OSError, subprocess.SubprocessError) as e:
-        raise KernelUnavailableError(f"building {source.name} failed: {e}") from None
+        raise KernelUnavailableError(f"building {names} failed: {e}") from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -233,7 +411,10 @@ def build_library(compiler: str, cache: Path, source: Path = SOURCE) -> Path:
 
 
 def load_cpu_quant_kernels(
-    cache: Path, compiler: str | None = None, caps: CpuCapabilities | None = None
+    cache: Path,
+    compiler: str | None = None,
+    caps: CpuCapabilities | None = None,
+    fused_layers: bool = True,
 ) -> CpuQuantKernels:
     """Build (if needed), load and self-check the kernels.
 
@@ -241,6 +422,7 @@ def load_cpu_quant_kernels(
         cache: where the library is built (``$PAGEDKV_CACHE_DIR/kernels``).
         compiler: the C compiler; None = ``$CC`` or ``cc``.
         caps: the CPU's capabilities; None = :func:`pagedkv.cpu_caps.probe_cpu`.
+        fused_layers: :attr:`CpuQuantKernels.fused_layers`.
 
     Raises:
         KernelUnavailableError: no AVX2 or FMA (caps applied), no compiler, a failed build, a
@@ -252,7 +434,7 @@ def load_cpu_quant_kernels(
     compiler = compiler or os.environ.get("CC") or "cc"
     path = build_library(compiler, cache)
     try:
-        kernels = CpuQuantKernels(path)
+        kernels = CpuQuantKernels(path, fused_layers)
     except OSError as e:
         raise KernelUnavailableError(f"{path} does not load: {e}") from None
     kernels.self_check()
@@ -264,7 +446,7 @@ def default_cpu_quant_kernels() -> CpuQuantKernels | None:
     (``PAGEDKV_QUANT_KERNEL=torch``, or :func:`load_cpu_quant_kernels` refused: the reason is
     logged). Called once per model load (:func:`pagedkv.model.loader.load_model` attaches the
     result to the model's quantized weights); a build already in the cache is reused, so a
-    call costs a hash of the source, a ``cc --version`` and the self-check.
+    call costs a hash of the sources, a ``cc --version`` and the self-check.
 
     Raises:
         ConfigError: ``PAGEDKV_QUANT_KERNEL`` is not one of :data:`KERNEL_CHOICES`.
@@ -279,9 +461,15 @@ def default_cpu_quant_kernels() -> CpuQuantKernels | None:
         logger.info("quantized products: torch's kernels (%s=torch)", KERNEL_ENV)
         return None
     try:
-        kernels = load_cpu_quant_kernels(cache_dir() / "kernels", os.environ.get("CC") or "cc")
+        kernels = load_cpu_quant_kernels(
+            cache_dir() / "kernels", os.environ.get("CC") or "cc", fused_layers=choice == "auto"
+        )
     except KernelUnavailableError as e:
         logger.info("quantized products: torch's kernels (pagedkv's do not run here: %s)", e)
         return None
-    logger.info("quantized products of small steps: pagedkv's AVX2 kernels (%s)", kernels.path)
+    logger.info(
+        "quantized products of small steps: pagedkv's AVX2 kernels%s (%s)",
+        ", fused decoder layers" if kernels.fused_layers else "",
+        kernels.path,
+    )
     return kernels

@@ -32,6 +32,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "quant_gemv.h"
+
 #define MAX_M 8
 #define ROW_BLOCK 16
 

@@ -1,0 +1,12 @@
+/* The products of quant_gemv.c that decode_layer.c calls (see quant_gemv.c for the layouts). */
+#ifndef PAGEDKV_QUANT_GEMV_H
+#define PAGEDKV_QUANT_GEMV_H
+
+#include <stdint.h>
+
+int pagedkv_int4_gemm(const float *x, const uint8_t *qs, const float *scale, const float *min,
+                      float *out, int64_t M, int64_t N, int64_t K, int num_threads);
+int pagedkv_int8_gemm(const float *x, const int8_t *q, const float *scale, float *out,
+                      int64_t M, int64_t N, int64_t K, int num_threads);
+
+#endif
