@@ -349,28 +349,10 @@ def test_fused_layer_refuses_bad_row_counts(kernels):
         w = gguf_shaped("Q4_1", n, k, seed)
         return pack_int4(w.q, w.scale, w.min)
 
-    layer = LlamaLayerWeights(
-        int4((heads + 2 * kv) * dim, hidden, 1),
-        int4(hidden, heads * dim, 2),
-        int4(2 * inter, hidden, 3),
-        int4(hidden, inter, 4),
-        torch.ones(hidden),
-        torch.ones(hidden),
-        None,
-        num_heads=heads,
-        num_kv_heads=kv,
-        head_dim=dim,
-        eps=1e-5,
-    )
-    for rows in (0, MAX_ROWS + 1):
-        h = torch.zeros(max(rows, 1), hidden)[:rows]
-        attn = torch.zeros(max(rows, 1), heads * dim)[:rows]
-        with pytest.raises(KernelUnavailableError):
-            kernels.llama_attn_out(layer, h, attn, 1)
-    with pytest.raises(KernelUnavailableError, match="o:"):
-        LlamaLayerWeights(
+    def layer(o_in_features: int) -> LlamaLayerWeights:
+        return LlamaLayerWeights(
             int4((heads + 2 * kv) * dim, hidden, 1),
-            int4(hidden, hidden + 32, 2),
+            int4(hidden, o_in_features, 2),
             int4(2 * inter, hidden, 3),
             int4(hidden, inter, 4),
             torch.ones(hidden),
@@ -381,3 +363,14 @@ def test_fused_layer_refuses_bad_row_counts(kernels):
             head_dim=dim,
             eps=1e-5,
         )
+
+    weights = layer(heads * dim)
+    for rows in (0, MAX_ROWS + 1):
+        h = torch.zeros(max(rows, 1), hidden)[:rows]
+        attn = torch.zeros(max(rows, 1), heads * dim)[:rows]
+        with pytest.raises(KernelUnavailableError):
+            kernels.llama_attn_out(weights, h, attn, 1)
+        with pytest.raises(KernelUnavailableError):
+            kernels.llama_attn_in(weights, h, torch.ones(1, dim), torch.ones(1, dim), h, 1)
+    with pytest.raises(KernelUnavailableError, match="o:"):
+        layer(heads * dim + 32)

@@ -221,7 +221,6 @@ class LlamaForCausalLM:
         #: each layer's weights for pagedkv's fused small-step layer (decode_layer.c), or None
         #: where the layers run as torch ops (see :func:`fused_layer_weights`)
         self.fused_layers = fused_layer_weights(self.layers, config, dtype, parallel)
-        self._fused_kernels = None if self.fused_layers is None else quantized_kernels(self)
 
     @torch.inference_mode()
     def forward(
@@ -253,14 +252,10 @@ class LlamaForCausalLM:
             return self._fused_forward(input_ids, positions, kv_caches, attn_metadata)
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary.tables(positions)
-        if isinstance(attn_metadata, BoundAttentionMetadata):
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                h = layer(h, cos, sin, kv_cache, attn_metadata)
-        else:
-            for layer, kv_cache, metadata in zip(
-                self.layers, kv_caches, attn_metadata, strict=True
-            ):
-                h = layer(h, cos, sin, kv_cache, metadata)
+        for layer, kv_cache, metadata in zip(
+            self.layers, kv_caches, self._per_layer(attn_metadata), strict=True
+        ):
+            h = layer(h, cos, sin, kv_cache, metadata)
         return F.rms_norm(h, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
 
     __call__ = forward
@@ -277,29 +272,34 @@ class LlamaForCausalLM:
         the backend's write and attention, one C call after (o product and residual, norm,
         MLP and residual). Same values as the torch ops up to fp32 rounding."""
         num_tokens = input_ids.shape[0]
-        kernels = self._fused_kernels
+        kernels = self.layers[0].qkv_proj.quant.kernels
         threads = torch.get_num_threads()
         first = self.fused_layers[0]
         heads, kv_heads, head_dim = first.num_heads, first.num_kv_heads, first.head_dim
         h = self.embed_tokens(input_ids).contiguous()
-        cos = self.rotary.cos[positions]
-        sin = self.rotary.sin[positions]
+        cos, sin = self.rotary.tables(positions)  # [num_tokens, 1, head_dim], contiguous
         # one q/k/v buffer for every layer: the backend copies k and v into the cache and
         # returns attention in a tensor of its own before the next layer overwrites it
         qkv = torch.empty(num_tokens, (heads + 2 * kv_heads) * head_dim)
         q, k, v = qkv.view(num_tokens, heads + 2 * kv_heads, head_dim).split(
             (heads, kv_heads, kv_heads), dim=1
         )
-        if isinstance(attn_metadata, BoundAttentionMetadata):
-            attn_metadata = [attn_metadata] * len(self.fused_layers)
         for layer, kv_cache, metadata in zip(
-            self.fused_layers, kv_caches, attn_metadata, strict=True
+            self.fused_layers, kv_caches, self._per_layer(attn_metadata), strict=True
         ):
             kernels.llama_attn_in(layer, h, cos, sin, qkv, threads)
             metadata.write_kv(k, v, kv_cache)
             attn = metadata.forward(q, kv_cache).reshape(num_tokens, -1)
             kernels.llama_attn_out(layer, h, attn.contiguous(), threads)
         return F.rms_norm(h, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
+
+    def _per_layer(
+        self, attn_metadata: BoundAttentionMetadata | Sequence[BoundAttentionMetadata]
+    ) -> Sequence[BoundAttentionMetadata]:
+        """One metadata per layer: the given sequence, or the one shared by every layer."""
+        if isinstance(attn_metadata, BoundAttentionMetadata):
+            return [attn_metadata] * len(self.layers)
+        return attn_metadata
 
     def attention_layer_specs(
         self, block_size: int, kv_cache_dtype: torch.dtype | str | None = None
@@ -408,12 +408,6 @@ def fused_layer_weights(
             )
         )
     return fused
-
-
-def quantized_kernels(model: LlamaForCausalLM):
-    """The :class:`~pagedkv.model.kernels.cpu_quant.CpuQuantKernels` the model's fused layers
-    run on (its first layer's q/k/v product's)."""
-    return model.layers[0].qkv_proj.quant.kernels
 
 
 def refine_weight(
