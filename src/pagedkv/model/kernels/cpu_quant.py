@@ -18,35 +18,27 @@ Repacked at load (:func:`pack_int4`)::
     scale  fp32  [N, K/32]
     min    fp32  [N, K/32]       (absent for Q4_0-like weights without one: min = 0)
 
-The library is compiled with the system C compiler (``$CC`` or ``cc``; ``-O3 -mavx2 -mfma
--fopenmp``) into ``$PAGEDKV_CACHE_DIR/kernels/`` under a name keyed by a hash of the sources,
-the flags and the compiler, built into a temporary file and renamed (two processes may race),
-and loaded with ctypes. It runs where the CPU has AVX2 and FMA (caps of
-:mod:`pagedkv.cpu_caps` applied), the build succeeded and a tiny self-check is exact; otherwise
-the quantized linears keep torch's kernels. ``PAGEDKV_QUANT_KERNEL=torch`` turns it off.
-
-Threads: ``-fopenmp`` links ``libgomp.so.1``; torch's wheel carries its own ``libgomp.so.1``
-(the same soname), loaded first, so the dynamic loader resolves this library to torch's OpenMP
-runtime: its parallel regions run on torch's thread pool (no second pool spinning beside it),
-with ``torch.get_num_threads()`` threads passed on every call.
+The library is built at first use by :mod:`pagedkv.ops.c_build` (the system C compiler,
+``-O3 -mavx2 -mfma -fopenmp``, into ``$PAGEDKV_CACHE_DIR/kernels/``, keyed by a hash of the
+sources; OpenMP on torch's own thread pool) and loaded with ctypes. It runs where the CPU has
+AVX2 and FMA (caps of :mod:`pagedkv.cpu_caps` applied), the build succeeded and a tiny
+self-check is exact; otherwise the quantized linears keep torch's kernels.
+``PAGEDKV_QUANT_KERNEL=torch`` turns it off.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from pagedkv.cpu_caps import CpuCapabilities, cpu_flags, probe_cpu
-from pagedkv.errors import PagedKVError
+from pagedkv.cpu_caps import CpuCapabilities
+from pagedkv.ops import c_build
+from pagedkv.ops.c_build import KernelUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +51,6 @@ KERNEL_CHOICES = ("auto", "products", "torch")
 #: key): the products, and the decoder layer built on them.
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("quant_gemv.c", "decode_layer.c"))
 HEADERS = (Path(__file__).with_name("quant_gemv.h"),)
-#: Compiler flags (the build key includes them).
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 #: Most activation rows one call takes.
 MAX_ROWS = 8
 #: Input features per int4 group the kernel reads.
@@ -68,10 +58,6 @@ GROUP_SIZE = 32
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
-
-
-class KernelUnavailableError(PagedKVError, RuntimeError):
-    """The kernels cannot run here (no AVX2/FMA, no compiler, a failed build or self-check)."""
 
 
 def pack_int4(
@@ -120,6 +106,13 @@ class _LlamaLayer(ctypes.Structure):
         ("intermediate", _I64),
         ("eps", ctypes.c_float),
     ]
+
+
+class _LayerAttention(ctypes.Structure):
+    """``pagedkv_layer_attention`` of decode_layer.c: a backend's C entry points for a layer
+    (:class:`pagedkv.ops.backends.base.CAttention`, field for field)."""
+
+    _fields_ = [("write_kv", _P), ("attention", _P), ("step", _P), ("k_cache", _P), ("v_cache", _P)]
 
 
 class LlamaLayerWeights:
@@ -223,7 +216,7 @@ class CpuQuantKernels:
         OSError: the library does not load.
     """
 
-    __slots__ = ("_attn_in", "_attn_out", "_int4", "_int8", "fused_layers", "path")
+    __slots__ = ("_attn_in", "_attn_out", "_forward", "_int4", "_int8", "fused_layers", "path")
 
     def __init__(self, path: Path, fused_layers: bool = True):
         self.path = path
@@ -243,6 +236,56 @@ class CpuQuantKernels:
         self._attn_out = lib.pagedkv_llama_attn_out
         self._attn_out.argtypes = [_P, _P, _P, _I64, ctypes.c_int]
         self._attn_out.restype = ctypes.c_int
+        self._forward = lib.pagedkv_llama_forward
+        self._forward.argtypes = [_P, _P, _I64, _P, _P, _P, _I64, ctypes.c_int]
+        self._forward.restype = ctypes.c_int
+
+    @staticmethod
+    def layer_array(layers: Sequence[LlamaLayerWeights]) -> ctypes.Array:
+        """The layers' struct addresses as the C array :meth:`llama_forward` takes (build it
+        once: the layers must outlive it)."""
+        return (_P * len(layers))(*(layer.address for layer in layers))
+
+    @staticmethod
+    def attention_array(entries: Sequence[tuple[int, int, int, int, int]]) -> ctypes.Array:
+        """Each layer's attention entry points (:class:`~pagedkv.ops.backends.base.CAttention`
+        tuples) as the C array :meth:`llama_forward` takes."""
+        return (_LayerAttention * len(entries))(*entries)
+
+    def llama_forward(
+        self,
+        layers: ctypes.Array,
+        attention: ctypes.Array,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        num_threads: int,
+    ) -> None:
+        """Every decoder layer of a small step in one call (decode_layer.c): for each layer,
+        :meth:`llama_attn_in`, the backend's write and attention through its C entry points,
+        :meth:`llama_attn_out`, in place on the residual stream h fp32 ``[M, hidden]``
+        (contiguous, 1 <= M <= 8). ``layers``: :meth:`layer_array`; ``attention``:
+        :meth:`attention_array`, one entry per layer; cos and sin as for
+        :meth:`llama_attn_in`.
+
+        Raises:
+            KernelUnavailableError: the kernels or the backend refused (M out of range, layers
+                of different head shapes).
+        """
+        if len(attention) != len(layers):
+            raise KernelUnavailableError(f"{len(layers)} layers, {len(attention)} attentions")
+        rc = self._forward(
+            layers,
+            attention,
+            len(layers),
+            h.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            h.shape[0],
+            num_threads,
+        )
+        if rc:
+            raise KernelUnavailableError(f"llama_forward refused {h.shape[0]} rows")
 
     def llama_attn_in(
         self,
@@ -363,51 +406,14 @@ class CpuQuantKernels:
 
 
 def build_library(compiler: str, cache: Path, sources: Path | Sequence[Path] = SOURCES) -> Path:
-    """Compile ``sources`` (one C file or several, linked into one library) into ``cache``
-    unless an identical build is there.
-
-    The file name carries a hash of the sources and :data:`HEADERS`, :data:`CFLAGS` and the
-    compiler's path and version; the build goes to a temporary file that is renamed into
-    place (atomic: two processes building at once both end with a whole library).
+    """Compile ``sources`` into ``cache`` unless an identical build is there
+    (:func:`pagedkv.ops.c_build.build_library`, keyed by the sources, :data:`HEADERS`,
+    the flags and the compiler).
 
     Raises:
         KernelUnavailableError: the compiler is missing or the build failed.
     """
-    path = shutil.which(compiler)
-    if path is None:
-        raise KernelUnavailableError(f"no C compiler {compiler!r}")
-    try:
-        version = subprocess.run(
-            [path, "--version"], capture_output=True, text=True, timeout=60, check=True
-        ).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise KernelUnavailableError(f"C compiler {compiler!r} does not run: {e}") from None
-    sources = [sources] if isinstance(sources, Path) else list(sources)
-    text = b"".join(p.read_bytes() for p in (*sources, *HEADERS))
-    key = hashlib.sha256(text + " ".join(CFLAGS).encode() + path.encode() + version.encode())
-    target = cache / f"quant_gemv-{key.hexdigest()[:16]}.so"
-    if target.is_file():
-        return target
-    names = " + ".join(p.name for p in sources)
-    cache.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=cache, prefix=".quant_gemv-", suffix=".so")
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            [path, *CFLAGS, *map(str, sources), "-o", tmp],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        if done.returncode:
-            raise KernelUnavailableError(f"building {names} failed: {done.stderr[-2000:]}")
-        os.replace(tmp, target)
-    except (OSError, subprocess.SubprocessError) as e:
-        raise KernelUnavailableError(f"building {names} failed: {e}") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+    return c_build.build_library(compiler, cache, sources, name="quant_gemv", headers=HEADERS)
 
 
 def load_cpu_quant_kernels(
@@ -428,10 +434,8 @@ def load_cpu_quant_kernels(
         KernelUnavailableError: no AVX2 or FMA (caps applied), no compiler, a failed build, a
             library that does not load, or a failed self-check.
     """
-    caps = probe_cpu() if caps is None else caps
-    if not (caps.avx2 and "fma" in cpu_flags()):
-        raise KernelUnavailableError(f"{caps.summary()}: the kernels need AVX2 and FMA")
-    compiler = compiler or os.environ.get("CC") or "cc"
+    c_build.check_avx2_fma(caps)
+    compiler = compiler or c_build.compiler()
     path = build_library(compiler, cache)
     try:
         kernels = CpuQuantKernels(path, fused_layers)
@@ -452,7 +456,6 @@ def default_cpu_quant_kernels() -> CpuQuantKernels | None:
         ConfigError: ``PAGEDKV_QUANT_KERNEL`` is not one of :data:`KERNEL_CHOICES`.
     """
     from pagedkv.errors import ConfigError
-    from pagedkv.model.packaged_models import cache_dir
 
     choice = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
     if choice not in KERNEL_CHOICES:
@@ -462,7 +465,7 @@ def default_cpu_quant_kernels() -> CpuQuantKernels | None:
         return None
     try:
         kernels = load_cpu_quant_kernels(
-            cache_dir() / "kernels", os.environ.get("CC") or "cc", fused_layers=choice == "auto"
+            c_build.kernel_cache(), c_build.compiler(), fused_layers=choice == "auto"
         )
     except KernelUnavailableError as e:
         logger.info("quantized products: torch's kernels (pagedkv's do not run here: %s)", e)

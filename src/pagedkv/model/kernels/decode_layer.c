@@ -149,3 +149,57 @@ done:
     free(x);
     return rc;
 }
+
+/* The attention backend's C entry points for one layer (pagedkv.ops.backends.CAttention): the
+ * model hands the step's q, k and v to them without knowing the cache layout. */
+typedef int (*pagedkv_write_kv_fn)(const void *step, float *k_cache, float *v_cache,
+                                   const float *key, int64_t key_stride, const float *value,
+                                   int64_t value_stride, int64_t num_tokens);
+typedef int (*pagedkv_attention_fn)(const void *step, const float *k_cache,
+                                    const float *v_cache, const float *query,
+                                    int64_t query_stride, float *out, int num_threads);
+
+/* mirrored by ctypes in cpu_quant.py */
+typedef struct {
+    pagedkv_write_kv_fn write_kv;
+    pagedkv_attention_fn attention;
+    const void *step;
+    float *k_cache;
+    float *v_cache;
+} pagedkv_layer_attention;
+
+/* The decoder layers of a small step, all in one call: for each layer, attn_in, the
+ * backend's write and attention, attn_out. h fp32 [M, hidden] is the residual stream (the
+ * embeddings in, the last layer's output out), cos and sin fp32 [M, D]. Every layer must have
+ * the first one's head shape. Returns 0, or -1 (M out of range, an allocation failure, or a
+ * refusal of a product or of the backend). */
+int pagedkv_llama_forward(const pagedkv_llama_layer *const *layers,
+                          const pagedkv_layer_attention *attention, int64_t num_layers, float *h,
+                          const float *cos, const float *sin, int64_t M, int num_threads) {
+    if (M < 1 || M > MAX_M || num_layers < 1) return -1;
+    const int64_t H = layers[0]->num_heads, KV = layers[0]->num_kv_heads;
+    const int64_t D = layers[0]->head_dim, width = (H + 2 * KV) * D;
+    float *qkv = (float *)malloc(sizeof(float) * M * width);
+    float *out = (float *)malloc(sizeof(float) * M * H * D);
+    int rc = -1;
+    if (qkv == NULL || out == NULL) goto done;
+    for (int64_t i = 0; i < num_layers; i++) {
+        const pagedkv_llama_layer *L = layers[i];
+        const pagedkv_layer_attention *A = attention + i;
+        rc = -1;
+        if (L->num_heads != H || L->num_kv_heads != KV || L->head_dim != D) goto done;
+        rc = pagedkv_llama_attn_in(L, h, cos, sin, qkv, M, num_threads);
+        if (rc) goto done;
+        rc = A->write_kv(A->step, A->k_cache, A->v_cache, qkv + H * D, width,
+                         qkv + (H + KV) * D, width, M);
+        if (rc) goto done;
+        rc = A->attention(A->step, A->k_cache, A->v_cache, qkv, width, out, num_threads);
+        if (rc) goto done;
+        rc = pagedkv_llama_attn_out(L, h, out, M, num_threads);
+        if (rc) goto done;
+    }
+done:
+    free(qkv);
+    free(out);
+    return rc;
+}

@@ -23,6 +23,7 @@ from pagedkv.ops.backends.base import (
     CommonAttentionMetadata,
     check_block_mapping,
 )
+from pagedkv.ops.backends.native import NativeBackend
 from pagedkv.ops.backends.selector import (
     BACKEND_CHOICES,
     BACKENDS,
@@ -46,6 +47,7 @@ __all__ = [
     "BlockMapping",
     "BoundAttentionMetadata",
     "CommonAttentionMetadata",
+    "NativeBackend",
     "TorchBackend",
     "TritonAttentionConfig",
     "TritonBackend",

@@ -36,7 +36,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -357,6 +357,31 @@ class CommonAttentionMetadata:
         return max_block_id
 
 
+class CAttention(NamedTuple):
+    """A backend's C entry points for one layer of one step, for a model's own C code
+    (:meth:`AttentionBackend.c_attention`): addresses only, so that the caller needs neither
+    the cache layout nor the backend's metadata type. With ``step``, ``k_cache`` and
+    ``v_cache`` as given here (fp32 throughout)::
+
+        int write_kv(const void *step, float *k_cache, float *v_cache,
+                     const float *key, int64_t key_stride, const float *value,
+                     int64_t value_stride, int64_t num_tokens)
+        int attention(const void *step, const float *k_cache, const float *v_cache,
+                      const float *query, int64_t query_stride, float *out, int num_threads)
+
+    key / value ``[num_tokens, num_kv_heads, head_size]`` and query ``[num_tokens, num_heads,
+    head_size]`` with rows ``*_stride`` floats apart (heads dense inside a row); out
+    ``[num_tokens, num_heads, head_size]`` contiguous. Both return 0, or -1 for arguments
+    refused. The addresses are valid while the metadata and the cache live.
+    """
+
+    write_kv: int
+    attention: int
+    step: int
+    k_cache: int
+    v_cache: int
+
+
 class AttentionBackend(ABC):
     """One way to store a layer's KV cache and run paged attention over it.
 
@@ -578,6 +603,11 @@ class AttentionBackend(ABC):
 
     # --- per layer ---------------------------------------------------------------------------
 
+    def c_attention(self, metadata: Any, kv_cache: torch.Tensor) -> CAttention | None:
+        """This layer's write and attention as C entry points (:class:`CAttention`), or None
+        for a backend without them (the default)."""
+        return None
+
     @abstractmethod
     def write_kv(
         self,
@@ -693,6 +723,11 @@ class BoundAttentionMetadata:
         """Write the step's keys and values ``[num_tokens, num_kv_heads, head_size]`` into
         ``kv_cache`` (:meth:`AttentionBackend.write_kv`, unvalidated)."""
         self.backend.write_kv(key, value, kv_cache, self.metadata)
+
+    def c_attention(self, kv_cache: torch.Tensor) -> CAttention | None:
+        """:meth:`AttentionBackend.c_attention` for this layer's cache (None: the backend has
+        no C entry points)."""
+        return self.backend.c_attention(self.metadata, kv_cache)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         """Paged attention of ``query`` ``[num_tokens, num_heads, head_size]`` over ``kv_cache``

