@@ -242,7 +242,7 @@ def test_a_cap_below_avx2_falls_back_to_torch(tmp_path):
     assert lines == ["DEFAULT", "False", "False"]
 
 
-def tiny_quantized_llm(dequantized_only: bool) -> LLM:
+def tiny_quantized_llm(dequantized_only: bool, attention_backend: str = "torch") -> LLM:
     """A random 2-layer Llama (hidden 64, intermediate 128) whose layers hold int4 weights and
     whose LM head holds int8 (as ``--quantization int4`` makes them); ``dequantized_only``: the
     same numbers as dense fp32 weights, no quantized product."""
@@ -297,7 +297,7 @@ def tiny_quantized_llm(dequantized_only: bool) -> LLM:
     )
     return LLM(
         loaded_model=loaded,
-        attention_backend="torch",
+        attention_backend=attention_backend,
         num_blocks=64,
         max_model_len=256,
         max_num_seqs=QUANT_MAX_TOKENS,
@@ -338,6 +338,27 @@ def test_fused_layers_equal_the_layers_as_torch_ops(kernels, monkeypatch, tmp_pa
     ops_llm = tiny_quantized_llm(dequantized_only=False)
     assert ops_llm.engine.loaded_model.model.fused_layers is None
     assert fused == greedy_tokens(ops_llm)
+
+
+def test_one_call_forward_equals_the_layer_by_layer_one(kernels, monkeypatch, tmp_path):
+    """With the native attention backend (C entry points) the fused layers run as one C call a
+    step (pagedkv_llama_forward); with torch's backend, layer by layer from Python. Same greedy
+    tokens, and the dense fp32 engine's."""
+    from pagedkv.ops.backends import NativeBackend
+
+    reason = NativeBackend.unavailable_reason("cpu")
+    if reason is not None:
+        pytest.skip(f"native: {reason}")
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(KERNEL_ENV, "auto")
+    one_call = tiny_quantized_llm(dequantized_only=False, attention_backend="native")
+    model = one_call.engine.loaded_model.model
+    tokens = greedy_tokens(one_call)
+    assert model._attention_array is not None  # the one-call path ran
+    layer_by_layer = tiny_quantized_llm(dequantized_only=False, attention_backend="torch")
+    assert tokens == greedy_tokens(layer_by_layer)
+    assert layer_by_layer.engine.loaded_model.model._attention_array is None
+    assert tokens == greedy_tokens(tiny_quantized_llm(dequantized_only=True))
 
 
 def test_fused_layer_refuses_bad_row_counts(kernels):
