@@ -217,6 +217,11 @@ class NativeBackend(HNDLayoutBackend):
     ) -> torch.Tensor:
         if validate:
             self._check(metadata, kv_cache, query=query)
+        if query.shape[0] != metadata.num_tokens or query.dtype != torch.float32:
+            raise OpsInputError(
+                f"query must be {metadata.num_tokens} float32 rows (the step's), got "
+                f"{query.shape[0]} {query.dtype}"
+            )
         query = _rows(query)
         out = torch.empty(query.shape, dtype=torch.float32)
         k_cache, v_cache = _halves(kv_cache)

@@ -151,9 +151,8 @@ int pagedkv_paged_attention(const float *q, int64_t q_stride, float *out, const 
     if (num_reqs < 1 || num_kv_heads < 1 || num_heads % num_kv_heads || head_size % 8 ||
         head_size > MAX_HEAD || head_size < 8 || block_size < 1)
         return -1;
-    /* units: (request, chunk) pairs in order, times heads; the pair of unit u is found by a
-     * walk over requests kept in a small prefix array on the stack for batches up to 1024
-     * requests, else by a linear search (rare). */
+    /* units: (request, chunk) pairs in order, times heads; each thread finds the pair of its
+     * next unit by walking forward over the requests (its units come in increasing order). */
     int64_t num_pairs = 0;
     for (int r = 0; r < num_reqs; r++) {
         const int q_len = query_start_loc[r + 1] - query_start_loc[r];
