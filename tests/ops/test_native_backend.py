@@ -59,6 +59,11 @@ def test_a_refused_write_leaves_the_cache_as_it_was(native):
         native.write_kv(three, three, case.kv_cache, md)
     with pytest.raises(OpsInputError):
         native.write_kv(three, three, case.kv_cache, md, validate=True)
+    two = torch.randn(2, 1, 8, dtype=torch.bfloat16)
+    with pytest.raises(OpsInputError, match="float32"):
+        native.write_kv(two, two, case.kv_cache, md)
+    with pytest.raises(OpsInputError, match="float32 rows"):
+        native.forward(case.query[:1], case.kv_cache, md)
     assert torch.equal(case.kv_cache, before)
 
 

@@ -191,6 +191,8 @@ class NativeBackend(HNDLayoutBackend):
                 f"write_kv: {num_tokens} keys, {value.shape[0]} values and "
                 f"{metadata.slot_mapping.shape[0]} slots (one slot per token)"
             )
+        if key.dtype != torch.float32 or value.dtype != torch.float32:
+            raise OpsInputError(f"write_kv: keys and values must be float32, got {key.dtype}")
         k_cache, v_cache = _halves(kv_cache)
         rc = self.library.write_kv(
             metadata.step_address,
