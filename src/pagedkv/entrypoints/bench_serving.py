@@ -224,7 +224,10 @@ async def benchmark(
 
     limit = max_concurrency or len(prompts)
     semaphore = asyncio.Semaphore(limit)
-    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
+    # a connection per request, as vLLM's client (a session per request): a pooled keep-alive
+    # connection that the server closes after a streamed response (llama-server does) races
+    # the next request and fails it with "Server disconnected without sending a response"
+    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=0)
     settings = {"output_len": output_len, "ignore_eos": ignore_eos}
     headers = _auth_headers(api_key)
     async with httpx.AsyncClient(
