@@ -169,7 +169,11 @@ static void attend(const float *q, int64_t q_stride, float *out, const float *k_
     const int rows = i1 - i0;
     float m[CHUNK], l[CHUNK];
     int lo[CHUNK], hi[CHUNK]; /* keys [lo, hi] per row */
-    float acc[CHUNK][MAX_HEAD] __attribute__((aligned(32)));
+    /* the rows' accumulators, D floats each, 32-byte aligned (D is a multiple of 8): sized by
+     * the unit, not by MAX_HEAD, so a unit's stack stays small on OpenMP's worker threads */
+    float acc_store[rows * D + 8];
+    float *const acc0 = (float *)(((uintptr_t)acc_store + 31) & ~(uintptr_t)31);
+#define ACC(i) (acc0 + (int64_t)(i) * D)
     const float *qr[CHUNK];
     for (int i = 0; i < rows; i++) {
         const int p = seq_len - q_len + i0 + i;
@@ -177,7 +181,7 @@ static void attend(const float *q, int64_t q_stride, float *out, const float *k_
         lo[i] = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
         m[i] = -INFINITY;
         l[i] = 0.0f;
-        memset(acc[i], 0, sizeof(float) * D);
+        memset(ACC(i), 0, sizeof(float) * D);
         qr[i] = q + (row0 + i0 + i) * q_stride + (int64_t)h * D;
     }
     const int first = lo[0], last = hi[rows - 1];
@@ -243,7 +247,7 @@ static void attend(const float *q, int64_t q_stride, float *out, const float *k_
                 _mm256_storeu_ps(pi + g, exp8(_mm256_sub_ps(_mm256_loadu_ps(pi + g), mv)));
                 for (; g < n; g++) sum += pi[g];
             }
-            scale_add_rows(acc[i], c, pi, vrow + na[i], n, D);
+            scale_add_rows(ACC(i), c, pi, vrow + na[i], n, D);
             l[i] = l[i] * c + sum;
             m[i] = mx;
         }
@@ -252,9 +256,11 @@ static void attend(const float *q, int64_t q_stride, float *out, const float *k_
         float *o = out + ((row0 + i0 + i) * num_heads + h) * (int64_t)D;
         const __m256 inv = _mm256_set1_ps(1.0f / l[i]);
         for (int d = 0; d < D; d += 8)
-            _mm256_storeu_ps(o + d, _mm256_mul_ps(inv, _mm256_load_ps(acc[i] + d)));
+            _mm256_storeu_ps(o + d, _mm256_mul_ps(inv, _mm256_load_ps(ACC(i) + d)));
     }
 }
+
+#undef ACC
 
 int pagedkv_paged_attention(const float *q, int64_t q_stride, float *out, const float *k_cache,
                             const float *v_cache, const int32_t *query_start_loc,
