@@ -187,20 +187,24 @@ static void attend(const float *q, int64_t q_stride, float *out, const float *k_
     const int first = lo[0], last = hi[rows - 1];
     const int64_t head_stride = (int64_t)block_size * D;
     float p[CHUNK][PIECE + 8]; /* the rows' scores of a piece, then their weights */
-    const float *krow[PIECE], *vrow[PIECE];           /* the piece's key and value rows */
+    const float *krow[PIECE], *vrow[PIECE]; /* the piece's key and value rows */
     int run[PIECE]; /* keys from this one to the end of its block (contiguous in memory) */
-    memset(p, 0, sizeof p);
+    memset(p, 0, sizeof(p[0]) * rows); /* lanes a group computes past its keys: never read */
     /* pieces of up to PIECE keys, across blocks: the rows' scores of a piece, one softmax
      * update per row and piece, then the weighted value rows */
     for (int j0 = first; j0 <= last; j0 += PIECE) {
         const int j1 = j0 + PIECE - 1 < last ? j0 + PIECE - 1 : last;
-        for (int j = j0; j <= j1; j++) {
-            const int32_t block = block_table[j / block_size];
-            const int off = j % block_size;
-            const int64_t at = ((int64_t)block * num_kv_heads + kvh) * head_stride + (int64_t)off * D;
-            krow[j - j0] = k_cache + at;
-            vrow[j - j0] = v_cache + at;
-            run[j - j0] = block_size - off;
+        /* the block table walked once per piece (no division per key) */
+        int bi = j0 / block_size, off = j0 % block_size;
+        int64_t base = ((int64_t)block_table[bi] * num_kv_heads + kvh) * head_stride;
+        for (int t = 0; t <= j1 - j0; t++, off++) {
+            if (off == block_size) {
+                off = 0;
+                base = ((int64_t)block_table[++bi] * num_kv_heads + kvh) * head_stride;
+            }
+            krow[t] = k_cache + base + (int64_t)off * D;
+            vrow[t] = v_cache + base + (int64_t)off * D;
+            run[t] = block_size - off;
         }
         /* all rows' scores first, then all rows' value rows: the piece's keys (then values)
          * stay in L1 across the rows */
