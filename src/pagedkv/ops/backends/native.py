@@ -8,9 +8,11 @@ each (``_native/paged_attention.c``, built at first use by :mod:`pagedkv.ops.c_b
 
 - ``write_kv``: each token's keys and values copied into its slot (``-1`` skipped);
 - ``forward``: varlen causal attention, every step shape (decode, chunked prefill, mixed),
-  grouped-query heads, sliding windows; work split over (request, chunk of 8 query rows, query
-  head) on OpenMP threads, each walking its keys block by block through the block table with
-  an online softmax (FlashAttention's running max and sum), so no key is gathered or copied.
+  grouped-query heads, sliding windows; work split over (request, chunk of up to 32 query
+  rows, query head) on OpenMP threads, each walking its keys in pieces of 64 through the block
+  table with an online softmax (FlashAttention's running max and sum), so no key is gathered
+  or copied; per piece every row's scores (8 keys per reduction), then every row's weighted
+  values, so a long prompt's keys and values are read once per 32 rows.
 
 It runs fp32 models with an fp32 cache (every block size, head sizes that are multiples of 8 up
 to 512) where the CPU has AVX2 and FMA and a C compiler built the library; ``auto`` picks it
