@@ -231,6 +231,8 @@ def main() -> None:
     parser.add_argument("--max-layers", type=int, default=48)
     parser.add_argument("--no-sdpa", action="store_true")
     args = parser.parse_args()
+    if not 1 <= args.query_len <= min(args.context):
+        parser.error(f"--query-len must be 1 .. the smallest --context ({min(args.context)})")
     torch.set_num_threads(args.threads)
     tune_malloc()
     print(
