@@ -253,6 +253,40 @@ def test_gemma3_270m_tp2_gives_the_same_tokens_as_one_process(gemma3_fp32):
     assert wait_gone(pids, 10)
 
 
+def test_an_interrupt_mid_step_stops_the_engine_instead_of_waiting_for_the_ranks():
+    # Ctrl-C between two collectives of rank 0 leaves the workers inside that step's
+    # collectives: the engine's cleanup step (and any later one) must not wait for them. Rank 0
+    # stops them, the caller gets its KeyboardInterrupt, every later call a WorkerError.
+    llm = LLM(
+        model_loader=functools.partial(tiny_loaded_model),
+        tensor_parallel_size=2,
+        dtype="float32",
+        num_threads=1,
+        num_blocks=40,
+        max_model_len=128,
+    )
+    executor = llm.engine.executor
+    pids = executor.worker_pids
+    real = executor.runner.execute_model
+    calls = []
+
+    def interrupted(out):
+        calls.append(out)
+        if len(calls) == 3:  # after the step's broadcast: the workers are in its forward
+            raise KeyboardInterrupt
+        return real(out)
+
+    executor.runner.execute_model = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["hello"] * 2, greedy(), use_tqdm=False)
+        assert wait_gone(pids, 30)
+        with pytest.raises(WorkerError, match="interrupted"):
+            llm.generate(["hello"], greedy(), use_tqdm=False)
+    finally:
+        executor.shutdown()
+
+
 def test_ctrl_c_stops_every_rank():
     # Ctrl-C sends SIGINT to the whole foreground process group: the workers ignore it, the
     # engine process gets KeyboardInterrupt and its exit stops them.

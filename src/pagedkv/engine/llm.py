@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -243,9 +244,12 @@ class LLM:
                             bar.update(1)
         except BaseException:
             # Leave the engine clean for the next call: drop what this call still has queued.
-            engine.abort_request(ids)
-            while engine.has_unfinished_requests():
-                engine.step()
+            # A cleanup that fails (a tensor-parallel engine interrupted mid-step is stopped and
+            # raises WorkerError) does not hide what ended the call: that is raised.
+            with contextlib.suppress(Exception):
+                engine.abort_request(ids)
+                while engine.has_unfinished_requests():
+                    engine.step()
             raise
         finally:
             if bar is not None:

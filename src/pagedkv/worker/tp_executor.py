@@ -29,7 +29,9 @@ Failure and shutdown: a worker reports its error over a pipe and exits; rank 0 s
 as a gloo error ("connection closed") in its next collective, or a dead process, and raises
 :class:`~pagedkv.errors.WorkerError`; from then on every step raises it (the ranks are no longer in
 step, as vLLM's EngineDeadError). Workers ignore SIGINT (rank 0 stops them), poll their parent's
-pid and exit when it is gone. :meth:`shutdown` (also run by a ``weakref.finalize`` at garbage
+pid and exit when it is gone. Ctrl-C on rank 0 mid-step leaves the workers inside that step's
+collectives: rank 0 stops them and every later step raises WorkerError (a next step would wait
+for them forever). :meth:`shutdown` (also run by a ``weakref.finalize`` at garbage
 collection and at interpreter exit) sends a stop message, then terminates and kills stragglers.
 """
 
@@ -190,7 +192,8 @@ class TensorParallelExecutor(Executor):
         Raises:
             WorkerError: a rank died or failed, now or before (the engine cannot go on).
                 Any other failure inside the step is turned into it too: the ranks may be out
-                of step after it.
+                of step after it. An interrupt (KeyboardInterrupt) mid-step is raised as it is,
+                and every later step raises WorkerError.
         """
         if self._failure is not None:
             raise self._failure
@@ -201,6 +204,16 @@ class TensorParallelExecutor(Executor):
             self._failure = self._describe_failure(exc)
             self.shutdown()
             raise self._failure from exc
+        except BaseException:
+            # Interrupted mid-step (Ctrl-C's KeyboardInterrupt between two collectives): the
+            # other ranks wait in this step's collectives, so any later step would wait for
+            # them forever. The engine cannot go on; the interrupt goes on up.
+            self._failure = WorkerError(
+                "tensor-parallel step interrupted on rank 0; the ranks are out of step, the "
+                "engine stops"
+            )
+            self.shutdown()
+            raise
 
     def shutdown(self) -> None:
         """Stop every worker (stop message, then SIGTERM, then SIGKILL); idempotent."""
