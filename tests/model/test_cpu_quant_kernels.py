@@ -1,6 +1,7 @@
-"""pagedkv's AVX2 weight-only kernels (pagedkv.model.kernels.cpu_quant): each product against
-the dequantized weight in float64, the fallback to torch's kernels where they cannot be built
-or are turned off, the kernels held to AVX2, and an engine whose small steps run them."""
+"""pagedkv's weight-only kernels (pagedkv.model.kernels.cpu_quant): each product, in each body
+the CPU runs (AVX2; AVX-512 where the CPU has it), against the dequantized weight in float64,
+the fallback to torch's kernels where they cannot be built or are turned off, the kernels held
+to AVX2, and an engine whose small steps run them."""
 
 from __future__ import annotations
 
@@ -40,12 +41,13 @@ x86 = os.uname().machine in ("x86_64", "AMD64")
 EPS32 = 2.0**-24  # half an fp32 ulp of 1: one rounding's relative error
 
 
-@pytest.fixture(scope="module")
-def kernels(tmp_path_factory) -> CpuQuantKernels:
+@pytest.fixture(scope="module", params=["avx2", "avx512"])
+def kernels(request, tmp_path_factory) -> CpuQuantKernels:
+    """The kernels with each body of the products (AVX-512 skipped where the CPU lacks it)."""
     try:
-        return load_cpu_quant_kernels(tmp_path_factory.mktemp("kernels"))
+        return load_cpu_quant_kernels(tmp_path_factory.mktemp("kernels"), isa=request.param)
     except KernelUnavailableError as e:
-        pytest.skip(f"pagedkv's kernels do not run here: {e}")
+        pytest.skip(f"pagedkv's {request.param} kernels do not run here: {e}")
 
 
 def gguf_shaped(type_name: str, n: int, k: int, seed: int) -> QuantizedWeight:
@@ -96,7 +98,7 @@ def assert_within_fp32_accumulation(y, x, weight: QuantizedWeight):
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K"])
-@pytest.mark.parametrize("in_features", [32, 96, 608])  # 1, 3 and 19 groups
+@pytest.mark.parametrize("in_features", [32, 96, 608])  # 1, 3 and 19 groups (AVX-512: 16 + 3)
 def test_int4_kernel_against_the_dequantized_weight(kernels, type_name, in_features):
     out_features = 37  # not a multiple of the kernel's 16-row blocks
     weight = gguf_shaped(type_name, out_features, in_features, seed=in_features)
@@ -189,6 +191,37 @@ def test_a_second_build_reuses_the_library(kernels, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [first.name]
 
 
+def test_the_avx512_body_equals_the_avx2_one_up_to_rounding(tmp_path):
+    """Both bodies on the same weights: the same numbers up to fp32 summation order."""
+    try:
+        wide = load_cpu_quant_kernels(tmp_path, isa="avx512")
+    except KernelUnavailableError as e:
+        pytest.skip(f"no AVX-512 body here: {e}")
+    narrow = load_cpu_quant_kernels(tmp_path, isa="avx2")
+    weight = gguf_shaped("Q4_K", 53, 1536, seed=9)
+    packed = pack_int4(weight.q, weight.scale, weight.min)
+    gen = torch.Generator().manual_seed(2)
+    q8 = torch.randint(-127, 128, (41, 576), generator=gen, dtype=torch.int8)
+    s8 = torch.rand(41, generator=gen)
+    for rows in range(1, MAX_ROWS + 1):
+        x = torch.randn(rows, 1536, generator=gen)
+        a, b = narrow.int4(x, *packed), wide.int4(x, *packed)
+        assert float((a - b).abs().max()) <= 1e-5 * float(a.abs().max())
+        x8 = x[:, :576].contiguous()
+        a, b = narrow.int8(x8, q8, s8), wide.int8(x8, q8, s8)
+        assert float((a - b).abs().max()) <= 1e-5 * float(a.abs().max())
+
+
+def test_avx512_is_refused_where_the_cpu_is_held_below_it(tmp_path):
+    if not (probe_cpu().avx2 and "fma" in cpu_flags()):
+        pytest.skip("no AVX2 / FMA here: no kernels at all")
+    held = dataclasses.replace(probe_cpu(), avx512=False)
+    with pytest.raises(KernelUnavailableError, match="AVX-512"):
+        load_cpu_quant_kernels(tmp_path, caps=held, isa="avx512")
+    with pytest.raises(KernelUnavailableError, match="isa"):
+        load_cpu_quant_kernels(tmp_path, caps=held, isa="sse")
+
+
 def test_kernels_share_torchs_openmp_runtime(kernels):
     """One libgomp in the process: the kernels' threads are torch's pool."""
     with open("/proc/self/maps") as maps:
@@ -205,6 +238,7 @@ print(torch.backends.cpu.get_cpu_capability(), probe_cpu().avx2)
 kernels = default_cpu_quant_kernels()
 print(kernels is not None)
 if kernels is not None:
+    print(kernels.isa)
     weight = quantize_int4(torch.randn(48, 256))
     x = torch.randn(4, 256)
     y = QuantizedMatmul(weight, kernels)(x)
@@ -232,8 +266,8 @@ def test_kernels_held_to_avx2(tmp_path):
     if not (probe_cpu().avx2 and "fma" in cpu_flags()):
         pytest.skip("no AVX2 / FMA here")
     lines = run_held(tmp_path, "avx2")
-    assert lines[:3] == ["AVX2", "True", "True"]
-    assert float(lines[3]) < 1e-5  # fp32 activations: no bf16 rounding anywhere
+    assert lines[:4] == ["AVX2", "True", "True", "avx2"]  # the AVX-512 body held off too
+    assert float(lines[4]) < 1e-5  # fp32 activations: no bf16 rounding anywhere
 
 
 @pytest.mark.skipif(not x86, reason="the AVX2 cap is x86's")

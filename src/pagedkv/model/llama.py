@@ -439,6 +439,7 @@ def fused_layer_weights(
                 num_kv_heads=layer.num_kv_heads,
                 head_dim=layer.head_dim,
                 eps=layer.eps,
+                isa=quants[0].kernels.isa,
             )
         )
     return fused

@@ -23,7 +23,10 @@ The library is built at first use by :mod:`pagedkv.ops.c_build` (the system C co
 sources; OpenMP on torch's own thread pool) and loaded with ctypes. It runs where the CPU has
 AVX2 and FMA (caps of :mod:`pagedkv.cpu_caps` applied), the build succeeded and a tiny
 self-check is exact; otherwise the quantized linears keep torch's kernels.
-``PAGEDKV_QUANT_KERNEL=torch`` turns it off.
+``PAGEDKV_QUANT_KERNEL=torch`` turns it off. Each product has an AVX2 body and an AVX-512 one
+(16 lanes, half the instructions per weight; compiled by a target pragma in the same library);
+:attr:`CpuQuantKernels.isa` says which runs: "avx512" where the CPU has AVX-512 F/BW/VL/DQ and
+no hold caps it (``ATEN_CPU_CAPABILITY=avx2`` or ``ONEDNN_MAX_CPU_ISA=AVX2`` give "avx2").
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from pagedkv.cpu_caps import CpuCapabilities
+from pagedkv.cpu_caps import CpuCapabilities, cpu_flags, probe_cpu
 from pagedkv.ops import c_build
 from pagedkv.ops.c_build import KernelUnavailableError
 
@@ -55,6 +58,10 @@ HEADERS = (Path(__file__).with_name("quant_gemv.h"),)
 MAX_ROWS = 8
 #: Input features per int4 group the kernel reads.
 GROUP_SIZE = 32
+#: The products' bodies, by name, and the code quant_gemv.h gives each (``PAGEDKV_ISA_*``).
+ISA_CODES = {"avx2": 0, "avx512": 1}
+#: CPU flags (``/proc/cpuinfo``) the AVX-512 body needs.
+AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -105,6 +112,7 @@ class _LlamaLayer(ctypes.Structure):
         ("head_dim", _I64),
         ("intermediate", _I64),
         ("eps", ctypes.c_float),
+        ("isa", ctypes.c_int32),
     ]
 
 
@@ -128,6 +136,7 @@ class LlamaLayerWeights:
         input_norm, post_norm: fp32 ``[hidden]``.
         qkv_bias: fp32 ``[(H + 2 KV) D]`` or None.
         num_heads, num_kv_heads, head_dim: H, KV, D; eps: the RMSNorm epsilon.
+        isa: the products' body, a key of :data:`ISA_CODES` (:attr:`CpuQuantKernels.isa`).
 
     Raises:
         KernelUnavailableError: shapes or dtypes the kernels do not take.
@@ -149,7 +158,10 @@ class LlamaLayerWeights:
         num_kv_heads: int,
         head_dim: int,
         eps: float,
+        isa: str = "avx2",
     ):
+        if isa not in ISA_CODES:
+            raise KernelUnavailableError(f"isa {isa!r} is not one of {tuple(ISA_CODES)}")
         hidden = input_norm.shape[0]
         intermediate = down[0].shape[1] * GROUP_SIZE
         width = (num_heads + 2 * num_kv_heads) * head_dim
@@ -191,6 +203,7 @@ class LlamaLayerWeights:
             head_dim,
             intermediate,
             eps,
+            ISA_CODES[isa],
         )
         self._keep = (qkv, o, gate_up, down, *vectors)
         #: the struct's address, passed to the C calls.
@@ -211,24 +224,43 @@ class CpuQuantKernels:
 
     Args:
         path: the built shared library.
+        fused_layers: :attr:`fused_layers`.
+        isa: :attr:`isa`; the caller checks that the CPU has it (:func:`load_cpu_quant_kernels`
+            does).
 
     Raises:
         OSError: the library does not load.
+        KernelUnavailableError: an unknown ``isa``.
     """
 
-    __slots__ = ("_attn_in", "_attn_out", "_forward", "_int4", "_int8", "fused_layers", "path")
+    __slots__ = (
+        "_attn_in",
+        "_attn_out",
+        "_forward",
+        "_int4",
+        "_int8",
+        "_isa_code",
+        "fused_layers",
+        "isa",
+        "path",
+    )
 
-    def __init__(self, path: Path, fused_layers: bool = True):
+    def __init__(self, path: Path, fused_layers: bool = True, isa: str = "avx2"):
+        if isa not in ISA_CODES:
+            raise KernelUnavailableError(f"isa {isa!r} is not one of {tuple(ISA_CODES)}")
+        #: the products' body: "avx2" (8 lanes) or "avx512" (16 lanes)
+        self.isa = isa
+        self._isa_code = ISA_CODES[isa]
         self.path = path
         #: whether models run their small steps' decoder layers through the fused calls
         #: (:meth:`llama_attn_in` / :meth:`llama_attn_out`) or as torch ops around the products
         self.fused_layers = fused_layers
         lib = ctypes.CDLL(str(path))
         self._int4 = lib.pagedkv_int4_gemm
-        self._int4.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int]
+        self._int4.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int, ctypes.c_int]
         self._int4.restype = ctypes.c_int
         self._int8 = lib.pagedkv_int8_gemm
-        self._int8.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int]
+        self._int8.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int, ctypes.c_int]
         self._int8.restype = ctypes.c_int
         self._attn_in = lib.pagedkv_llama_attn_in
         self._attn_in.argtypes = [_P, _P, _P, _P, _P, _I64, ctypes.c_int]
@@ -356,9 +388,8 @@ class CpuQuantKernels:
         """
         return self._run(self._int8, "int8", x, q.shape[0], (q.data_ptr(), scale.data_ptr()))
 
-    @staticmethod
-    def _run(kernel, name: str, x: torch.Tensor, num_outputs: int, pointers: tuple) -> torch.Tensor:
-        """Call ``kernel(x, *pointers, out, M, N, K, threads)``; ``out`` fp32 ``[M, N]``.
+    def _run(self, kernel, name: str, x: torch.Tensor, num_outputs: int, pointers: tuple) -> torch.Tensor:
+        """Call ``kernel(x, *pointers, out, M, N, K, threads, isa)``; ``out`` fp32 ``[M, N]``.
 
         Raises:
             KernelUnavailableError: the kernel refused the shapes (it returned non-zero).
@@ -373,20 +404,22 @@ class CpuQuantKernels:
             num_outputs,
             in_features,
             torch.get_num_threads(),
+            self._isa_code,
         )
         if rc:
             raise KernelUnavailableError(f"{name} kernel refused x {tuple(x.shape)}")
         return out
 
     def self_check(self) -> None:
-        """Run both kernels on small integer inputs whose products are exact in fp32 (every
-        row count 1..8, a partial row block, min present and absent) and compare with torch.
+        """Run both kernels (this :attr:`isa`'s bodies) on small integer inputs whose products
+        are exact in fp32 (every row count 1..8, a partial row block, more groups than one
+        AVX-512 min step, min present and absent) and compare with torch.
 
         Raises:
             KernelUnavailableError: a result differs.
         """
         gen = torch.Generator().manual_seed(0)
-        n, k = 37, 96
+        n, k = 37, 544
         q4 = torch.randint(0, 16, (n, k), generator=gen)
         scale = torch.randint(-4, 5, (n, k // GROUP_SIZE), generator=gen).float() / 4
         minimum = torch.randint(-8, 9, (n, k // GROUP_SIZE), generator=gen).float()
@@ -416,11 +449,20 @@ def build_library(compiler: str, cache: Path, sources: Path | Sequence[Path] = S
     return c_build.build_library(compiler, cache, sources, name="quant_gemv", headers=HEADERS)
 
 
+def best_isa(caps: CpuCapabilities) -> str:
+    """The widest body of the products that runs on ``caps`` (holds applied): "avx512" where
+    AVX-512 is on (:attr:`~pagedkv.cpu_caps.CpuCapabilities.avx512`) and the CPU lists every
+    flag of :data:`AVX512_FLAGS`, else "avx2"."""
+    flags = cpu_flags()
+    return "avx512" if caps.avx512 and all(f in flags for f in AVX512_FLAGS) else "avx2"
+
+
 def load_cpu_quant_kernels(
     cache: Path,
     compiler: str | None = None,
     caps: CpuCapabilities | None = None,
     fused_layers: bool = True,
+    isa: str | None = None,
 ) -> CpuQuantKernels:
     """Build (if needed), load and self-check the kernels.
 
@@ -429,16 +471,26 @@ def load_cpu_quant_kernels(
         compiler: the C compiler; None = ``$CC`` or ``cc``.
         caps: the CPU's capabilities; None = :func:`pagedkv.cpu_caps.probe_cpu`.
         fused_layers: :attr:`CpuQuantKernels.fused_layers`.
+        isa: the products' body ("avx2" or "avx512"); None = the widest this CPU runs
+            (:func:`best_isa`).
 
     Raises:
-        KernelUnavailableError: no AVX2 or FMA (caps applied), no compiler, a failed build, a
-            library that does not load, or a failed self-check.
+        KernelUnavailableError: no AVX2 or FMA (caps applied), "avx512" asked of a CPU without
+            it, no compiler, a failed build, a library that does not load, or a failed
+            self-check.
     """
+    caps = probe_cpu() if caps is None else caps
     c_build.check_avx2_fma(caps)
+    widest = best_isa(caps)
+    isa = widest if isa is None else isa
+    if isa not in ISA_CODES:
+        raise KernelUnavailableError(f"isa {isa!r} is not one of {tuple(ISA_CODES)}")
+    if isa == "avx512" and widest != "avx512":
+        raise KernelUnavailableError(f"{caps.summary()}: no AVX-512 F/BW/VL/DQ for isa='avx512'")
     compiler = compiler or c_build.compiler()
     path = build_library(compiler, cache)
     try:
-        kernels = CpuQuantKernels(path, fused_layers)
+        kernels = CpuQuantKernels(path, fused_layers, isa)
     except OSError as e:
         raise KernelUnavailableError(f"{path} does not load: {e}") from None
     kernels.self_check()
@@ -471,7 +523,8 @@ def default_cpu_quant_kernels() -> CpuQuantKernels | None:
         logger.info("quantized products: torch's kernels (pagedkv's do not run here: %s)", e)
         return None
     logger.info(
-        "quantized products of small steps: pagedkv's AVX2 kernels%s (%s)",
+        "quantized products of small steps: pagedkv's %s kernels%s (%s)",
+        kernels.isa.upper().replace("AVX512", "AVX-512"),
         ", fused decoder layers" if kernels.fused_layers else "",
         kernels.path,
     )

@@ -57,6 +57,7 @@ typedef struct {
     int64_t head_dim;
     int64_t intermediate;
     float eps;
+    int32_t isa;                  /* the products' body: PAGEDKV_ISA_AVX2 or _AVX512 */
 } pagedkv_llama_layer;
 
 static float sum_squares(const float *x, int64_t n) {
@@ -103,7 +104,7 @@ int pagedkv_llama_attn_in(const pagedkv_llama_layer *L, const float *h, const fl
     if (x == NULL) return -1;
     rms_norm(h, L->input_norm, L->eps, M, hidden, x);
     int rc = pagedkv_int4_gemm(x, L->qkv.qs, L->qkv.scale, L->qkv.min, qkv, M, width, hidden,
-                               num_threads);
+                               num_threads, L->isa);
     free(x);
     if (rc) return rc;
     for (int64_t m = 0; m < M; m++) {
@@ -128,12 +129,12 @@ int pagedkv_llama_attn_out(const pagedkv_llama_layer *L, float *h, const float *
     int rc = -1;
     if (y == NULL || x == NULL) goto done;
     rc = pagedkv_int4_gemm(attn, L->o.qs, L->o.scale, L->o.min, y, M, hidden, attn_width,
-                           num_threads);
+                           num_threads, L->isa);
     if (rc) goto done;
     for (int64_t i = 0; i < M * hidden; i++) h[i] += y[i];
     rms_norm(h, L->post_norm, L->eps, M, hidden, x);
     rc = pagedkv_int4_gemm(x, L->gate_up.qs, L->gate_up.scale, L->gate_up.min, y, M, 2 * I,
-                           hidden, num_threads);
+                           hidden, num_threads, L->isa);
     if (rc) goto done;
     for (int64_t m = 0; m < M; m++) {
         const float *gate = y + m * 2 * I, *up = gate + I;
@@ -141,7 +142,7 @@ int pagedkv_llama_attn_out(const pagedkv_llama_layer *L, float *h, const float *
         for (int64_t i = 0; i < I; i++) a[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
     }
     rc = pagedkv_int4_gemm(x, L->down.qs, L->down.scale, L->down.min, y, M, hidden, I,
-                           num_threads);
+                           num_threads, L->isa);
     if (rc) goto done;
     for (int64_t i = 0; i < M * hidden; i++) h[i] += y[i];
 done:

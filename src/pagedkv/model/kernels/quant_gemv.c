@@ -24,8 +24,16 @@
  * torch's libgomp.so.1, this library uses the same OpenMP runtime (same soname), so its
  * threads are torch's.
  *
+ * Each product has two bodies: AVX2 + FMA (8 lanes), and AVX-512 (F/BW/VL/DQ, 16 lanes: one
+ * zero-extending load unpacks a group's 16 bytes, half the instructions per weight of the AVX2
+ * unpacking). The caller picks one with `isa` (PAGEDKV_ISA_AVX2 or PAGEDKV_ISA_AVX512) from
+ * what the CPU has with pagedkv.cpu_caps' holds applied; the AVX-512 body is compiled with a
+ * target pragma, so the library builds with -mavx2 and never runs it on a CPU without it.
+ * Both bodies sum in the same order per group (q . x, then times the group's scale); they
+ * differ only by fp32 rounding of the partial sums.
+ *
  * Both functions return 0, or -1 for arguments they do not take (M outside 1..8, K not a
- * multiple of 32).
+ * multiple of 32, an unknown isa).
  */
 
 #include <immintrin.h>
@@ -168,9 +176,167 @@ static void int4_rows(int M, const uint8_t *qs, const float *scale, const float 
 #undef INT4_CASE
 }
 
+/* ---- AVX-512 bodies (F/BW/VL/DQ); see the header comment ------------------------------- */
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")
+
+/* A group's 32 nibbles as 2 x 16 floats (elements 0-15 from the low nibbles, 16-31 from the
+ * high ones): one zero-extending load of the 16 bytes, a mask, a shift, two conversions. */
+static inline __attribute__((always_inline)) void unpack_group512(const uint8_t *bytes,
+                                                                  __m512 q[2]) {
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes));
+    q[0] = _mm512_cvtepi32_ps(_mm512_and_si512(e, _mm512_set1_epi32(0x0F)));
+    q[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(e, 4));
+}
+
+static inline __attribute__((always_inline)) __m512 group_dot512(const __m512 q[2],
+                                                                 const float *x) {
+    return _mm512_fmadd_ps(q[1], _mm512_loadu_ps(x + 16),
+                           _mm512_mul_ps(q[0], _mm512_loadu_ps(x)));
+}
+
+static inline __attribute__((always_inline)) void int4_row512(
+    const int M, const uint8_t *qs, const float *scale, const float *min, const float *x,
+    const float *xsum, int64_t K, int64_t G, int64_t N, int64_t n, float *out) {
+    const int A = M <= 4 ? 2 : 1;
+    __m512 acc[MAX_M][2];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    const uint8_t *row = qs + n * G * 16;
+    const float *srow = scale + n * G;
+    int64_t g = 0;
+    for (; g + 2 <= G; g += 2) {
+        __m512 q[2], r[2];
+        unpack_group512(row + g * 16, q);
+        unpack_group512(row + g * 16 + 16, r);
+        const __m512 s0 = _mm512_set1_ps(srow[g]);
+        const __m512 s1 = _mm512_set1_ps(srow[g + 1]);
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++) {
+            const float *xm = x + m * K + g * 32;
+            acc[m][0] = _mm512_fmadd_ps(s0, group_dot512(q, xm), acc[m][0]);
+            acc[m][A - 1] = _mm512_fmadd_ps(s1, group_dot512(r, xm + 32), acc[m][A - 1]);
+        }
+    }
+    if (g < G) {
+        __m512 q[2];
+        unpack_group512(row + g * 16, q);
+        const __m512 s0 = _mm512_set1_ps(srow[g]);
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++)
+            acc[m][0] = _mm512_fmadd_ps(s0, group_dot512(q, x + m * K + g * 32), acc[m][0]);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) acc[m][0] = _mm512_add_ps(acc[m][0], acc[m][1]);
+    if (min != NULL) {
+        /* sum_g min[n, g] * xsum[m, g]: 16 groups at a time, the rest under a mask */
+        const float *mrow = min + n * G;
+        for (g = 0; g < G; g += 16) {
+            const __mmask16 k = G - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g)) - 1);
+            const __m512 mv = _mm512_maskz_loadu_ps(k, mrow + g);
+#pragma GCC unroll 8
+            for (int m = 0; m < M; m++)
+                acc[m][0] =
+                    _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(k, xsum + m * G + g), acc[m][0]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) out[m * N + n] = _mm512_reduce_add_ps(acc[m][0]);
+}
+
+static __attribute__((noinline)) void int4_rows512(int M, const uint8_t *qs, const float *scale,
+                                                   const float *min, const float *x,
+                                                   const float *xsum, int64_t K, int64_t N,
+                                                   int64_t n0, int64_t n1, float *out) {
+    const int64_t G = K / 32;
+#define INT4_CASE(c)                                                                  \
+    case c:                                                                           \
+        for (int64_t n = n0; n < n1; n++)                                             \
+            int4_row512(c, qs, scale, min, x, xsum, K, G, N, n, out);                 \
+        break;
+    switch (M) {
+        INT4_CASE(1)
+        INT4_CASE(2)
+        INT4_CASE(3)
+        INT4_CASE(4)
+        INT4_CASE(5)
+        INT4_CASE(6)
+        INT4_CASE(7)
+        INT4_CASE(8)
+    }
+#undef INT4_CASE
+}
+
+static inline __attribute__((always_inline)) void int8_row512(
+    const int M, const int8_t *q, const float *scale, const float *x, int64_t K, int64_t N,
+    int64_t n, float *out) {
+    const int A = M == 1 ? 4 : 2;
+    __m512 acc[MAX_M][4];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++)
+#pragma GCC unroll 8
+        for (int a = 0; a < A; a++) acc[m][a] = _mm512_setzero_ps();
+    const int8_t *row = q + n * K;
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+        __m512 w[4];
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; t++)
+            w[t] = _mm512_cvtepi32_ps(
+                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + k + 16 * t))));
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++) {
+            const float *xm = x + m * K + k;
+#pragma GCC unroll 4
+            for (int t = 0; t < 4; t++)
+                acc[m][t % A] = _mm512_fmadd_ps(w[t], _mm512_loadu_ps(xm + 16 * t), acc[m][t % A]);
+        }
+    }
+    if (k < K) { /* K is a multiple of 32: one last half */
+        __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + k))));
+        __m512 w1 = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + k + 16))));
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++) {
+            acc[m][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + m * K + k), acc[m][0]);
+            acc[m][1 % A] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + m * K + k + 16), acc[m][1 % A]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) {
+#pragma GCC unroll 8
+        for (int a = 1; a < A; a++) acc[m][0] = _mm512_add_ps(acc[m][0], acc[m][a]);
+        out[m * N + n] = _mm512_reduce_add_ps(acc[m][0]) * scale[n];
+    }
+}
+
+static __attribute__((noinline)) void int8_rows512(int M, const int8_t *q, const float *scale,
+                                                   const float *x, int64_t K, int64_t N,
+                                                   int64_t n0, int64_t n1, float *out) {
+#define INT8_CASE(c)                                                                  \
+    case c:                                                                           \
+        for (int64_t n = n0; n < n1; n++) int8_row512(c, q, scale, x, K, N, n, out);  \
+        break;
+    switch (M) {
+        INT8_CASE(1)
+        INT8_CASE(2)
+        INT8_CASE(3)
+        INT8_CASE(4)
+        INT8_CASE(5)
+        INT8_CASE(6)
+        INT8_CASE(7)
+        INT8_CASE(8)
+    }
+#undef INT8_CASE
+}
+
+#pragma GCC pop_options
+
+
 int pagedkv_int4_gemm(const float *x, const uint8_t *qs, const float *scale, const float *min,
-                      float *out, int64_t M, int64_t N, int64_t K, int num_threads) {
+                      float *out, int64_t M, int64_t N, int64_t K, int num_threads, int isa) {
     if (M < 1 || M > MAX_M || K % 32 != 0 || K <= 0 || N < 0) return -1;
+    if (isa != PAGEDKV_ISA_AVX2 && isa != PAGEDKV_ISA_AVX512) return -1;
     const int64_t G = K / 32;
     float *xsum = NULL;
     if (min != NULL) {
@@ -190,7 +356,10 @@ int pagedkv_int4_gemm(const float *x, const uint8_t *qs, const float *scale, con
     for (int64_t b = 0; b < num_blocks; b++) {
         int64_t n0 = b * ROW_BLOCK;
         int64_t n1 = n0 + ROW_BLOCK < N ? n0 + ROW_BLOCK : N;
-        int4_rows((int)M, qs, scale, min, x, xsum, K, N, n0, n1, out);
+        if (isa == PAGEDKV_ISA_AVX512)
+            int4_rows512((int)M, qs, scale, min, x, xsum, K, N, n0, n1, out);
+        else
+            int4_rows((int)M, qs, scale, min, x, xsum, K, N, n0, n1, out);
     }
     free(xsum);
     return 0;
@@ -247,14 +416,18 @@ static void int8_rows(int M, const int8_t *q, const float *scale, const float *x
 }
 
 int pagedkv_int8_gemm(const float *x, const int8_t *q, const float *scale, float *out,
-                      int64_t M, int64_t N, int64_t K, int num_threads) {
+                      int64_t M, int64_t N, int64_t K, int num_threads, int isa) {
     if (M < 1 || M > MAX_M || K % 32 != 0 || K <= 0 || N < 0) return -1;
+    if (isa != PAGEDKV_ISA_AVX2 && isa != PAGEDKV_ISA_AVX512) return -1;
     const int64_t num_blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t b = 0; b < num_blocks; b++) {
         int64_t n0 = b * ROW_BLOCK;
         int64_t n1 = n0 + ROW_BLOCK < N ? n0 + ROW_BLOCK : N;
-        int8_rows((int)M, q, scale, x, K, N, n0, n1, out);
+        if (isa == PAGEDKV_ISA_AVX512)
+            int8_rows512((int)M, q, scale, x, K, N, n0, n1, out);
+        else
+            int8_rows((int)M, q, scale, x, K, N, n0, n1, out);
     }
     return 0;
 }
