@@ -276,10 +276,12 @@ def test_a_cap_below_avx2_falls_back_to_torch(tmp_path):
     assert lines == ["DEFAULT", "False", "False"]
 
 
-def tiny_quantized_llm(dequantized_only: bool, attention_backend: str = "torch") -> LLM:
+def tiny_quantized_llm(
+    dequantized_only: bool, attention_backend: str = "torch", dtype: torch.dtype = torch.float32
+) -> LLM:
     """A random 2-layer Llama (hidden 64, intermediate 128) whose layers hold int4 weights and
     whose LM head holds int8 (as ``--quantization int4`` makes them); ``dequantized_only``: the
-    same numbers as dense fp32 weights, no quantized product."""
+    same numbers as dense fp32 weights, no quantized product. ``dtype``: the model's."""
     from _tiny_model import CharTokenizer, tiny_loaded_model
 
     tiny = tiny_loaded_model()
@@ -312,7 +314,7 @@ def tiny_quantized_llm(dequantized_only: bool, attention_backend: str = "torch")
     for name, q in quantized.items():  # the dense weights: the quantized ones' numbers
         weights["model.embed_tokens.weight" if name == "lm_head.weight" else name] = q.dequantize()
     model = LlamaForCausalLM(
-        config, weights, dtype=torch.float32, quantized=None if dequantized_only else quantized
+        config, weights, dtype=dtype, quantized=None if dequantized_only else quantized
     )
     if not dequantized_only:  # every small step runs pagedkv's kernels
         layer = model.layers[0]
@@ -393,6 +395,38 @@ def test_one_call_forward_equals_the_layer_by_layer_one(kernels, monkeypatch, tm
     assert tokens == greedy_tokens(layer_by_layer)
     assert layer_by_layer.engine.loaded_model.model._attention_array is None
     assert tokens == greedy_tokens(tiny_quantized_llm(dequantized_only=True))
+
+
+def test_a_bf16_model_runs_the_one_call_forward_in_fp32(kernels, monkeypatch, tmp_path):
+    """A bf16 model (the default where the CPU has native bf16) with the native backend runs
+    its small steps through the same one C call, its residual stream in fp32 and its cache in
+    bf16. The first two tokens equal the fp32 engine's, and their log-probabilities (the
+    prompts' step, then a decode step of 6 tokens: the one-call path) stay as close to the
+    fp32 ones as the bf16 model's torch ops do (bf16 embeddings, cache and final rounding
+    move them by up to ~0.2 on this random model)."""
+    from pagedkv.ops.backends import NativeBackend
+
+    reason = NativeBackend.unavailable_reason("cpu")
+    if reason is not None:
+        pytest.skip(f"native: {reason}")
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(KERNEL_ENV, "auto")
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, logprobs=3)
+
+    def first_steps(llm: LLM) -> list[dict]:
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        return [step for o in outs for step in o.outputs[0].logprobs]
+
+    bf16 = tiny_quantized_llm(False, attention_backend="native", dtype=torch.bfloat16)
+    model = bf16.engine.loaded_model.model
+    assert model.fused_layers is not None
+    got = first_steps(bf16)
+    assert model._attention_array is not None  # the one-call path ran
+    fp32 = first_steps(tiny_quantized_llm(False, attention_backend="native"))
+    for ours, reference in zip(got, fp32, strict=True):
+        assert next(iter(ours)) == next(iter(reference))  # the greedy token (rank 1)
+        shared = [t for t in reference if t in ours]
+        assert max(abs(ours[t].logprob - reference[t].logprob) for t in shared) < 0.25
 
 
 def test_fused_layer_refuses_bad_row_counts(kernels):

@@ -455,12 +455,18 @@ def test_select_backend_semantics(caplog):
     assert isinstance(choice.backend, TorchBackend) and choice.block_size == 16
     assert select_backend("torch", "cpu", torch.bfloat16, 64, block_size=7).block_size == 7
     vllm = make_backend("vllm-cpu")
+    native = make_backend("native")
     auto = select_backend("auto", "cpu", torch.bfloat16, 64)
-    assert auto.backend.name == ("torch" if isinstance(vllm, str) else "vllm-cpu")
-    # a block size vllm-cpu cannot run: auto takes torch, saying why in one line
+    expected = "torch" if isinstance(vllm, str) else "vllm-cpu"
+    expected = expected if isinstance(native, str) else "native"
+    assert auto.backend.name == expected
+    # fp8 caches: native does not run them, vllm-cpu (or torch) does
+    fp8 = select_backend("auto", "cpu", torch.bfloat16, 64, kv_cache_dtype="fp8", log=False)
+    assert fp8.backend.name == ("torch" if isinstance(vllm, str) else "vllm-cpu")
+    # a head size only torch runs: auto takes torch, saying why in one line
     caplog.clear()
     with caplog.at_level("INFO", logger="pagedkv.ops.backends.selector"):
-        choice = select_backend("auto", "cpu", torch.bfloat16, 64, block_size=8)
+        choice = select_backend("auto", "cpu", torch.bfloat16, 12, block_size=8)
     assert choice.backend.name == "torch" and choice.block_size == 8
     assert len(caplog.records) == 1
     # triton on a CPU device: torch, with one warning

@@ -80,10 +80,10 @@ def test_a_refused_write_leaves_the_cache_as_it_was(native):
         native.write_kv(three, three, case.kv_cache, md)
     with pytest.raises(OpsInputError):
         native.write_kv(three, three, case.kv_cache, md, validate=True)
-    two = torch.randn(2, 1, 8, dtype=torch.bfloat16)
-    with pytest.raises(OpsInputError, match="float32"):
+    two = torch.randn(2, 1, 8, dtype=torch.float16)
+    with pytest.raises(OpsInputError, match="float32 or bfloat16"):
         native.write_kv(two, two, case.kv_cache, md)
-    with pytest.raises(OpsInputError, match="float32 rows"):
+    with pytest.raises(OpsInputError, match="float32 or bfloat16 rows"):
         native.forward(case.query[:1], case.kv_cache, md)
     assert torch.equal(case.kv_cache, before)
 
@@ -91,8 +91,8 @@ def test_a_refused_write_leaves_the_cache_as_it_was(native):
 @pytest.mark.parametrize(
     ("dtype", "kv_cache_dtype", "head_size", "says"),
     [
-        (torch.bfloat16, None, 64, "runs float32"),
-        (torch.float32, torch.float8_e4m3fn, 64, "runs float32"),
+        (torch.float16, None, 64, "runs float32 and bfloat16"),
+        (torch.float32, torch.float8_e4m3fn, 64, "runs float32 and bfloat16"),
         (torch.float32, None, 12, "multiple of 8"),
         (torch.float32, None, 1024, "up to 512"),
     ],

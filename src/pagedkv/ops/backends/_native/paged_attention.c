@@ -1,8 +1,13 @@
-/* pagedkv's paged attention on the CPU: fp32, AVX2 + FMA, over the HND cache layout
+/* pagedkv's paged attention on the CPU: fp32 arithmetic, AVX2 + FMA, over the HND cache layout
  * (pagedkv.ops.backends.hnd_layout):
  *
- *   k_cache, v_cache  fp32 [num_blocks, num_kv_heads, block_size, head_size]
+ *   k_cache, v_cache  fp32 or bf16 [num_blocks, num_kv_heads, block_size, head_size]
  *   a token's slot s: block s / block_size, offset s % block_size
+ *
+ * Queries, keys and values handed in and the output are fp32 whatever the cache holds. A bf16
+ * cache (kv_bf16 = 1) stores each key and value rounded to nearest even (torch's
+ * float -> bfloat16 conversion, NaN as 0x7FC0) and is widened back to fp32 as it is read (a
+ * shift: bf16 is the top half of an fp32), so the arithmetic is the fp32 kernel's.
  *
  * pagedkv_write_kv copies a step's keys and values into their slots (slot -1: skipped).
  *
@@ -55,34 +60,55 @@ static inline float hmax(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* a . b over D floats, D a multiple of 8 */
-static inline float dot(const float *a, const float *b, int D) {
+/* 8 cache elements from p (element i on) as fp32: a load, or for bf16 a zero-extending load
+ * of 8 halves and a shift into the top of each lane. bf16 is a constant at every call site. */
+static inline __attribute__((always_inline)) __m256 load8(const void *p, int64_t i, int bf16) {
+    if (bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))),
+            16));
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
+/* fp32 -> bf16, round to nearest even; NaN -> 0x7FC0 (torch's c10::BFloat16 conversion) */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof(u));
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* a . b over D floats (b a cache row), D a multiple of 8 */
+static inline __attribute__((always_inline)) float dot(const float *a, const void *b, int D,
+                                                       int bf16) {
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
     int d = 0;
     for (; d + 16 <= D; d += 16) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), s1);
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), load8(b, d, bf16), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), load8(b, d + 8, bf16), s1);
     }
-    if (d < D) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
+    if (d < D) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), load8(b, d, bf16), s0);
     return hsum(_mm256_add_ps(s0, s1));
 }
 
 /* The 8 dot products of one query row q with 8 consecutive keys k[0:8D] (rows D floats apart),
  * D a multiple of 8: eight accumulators, then a tree of horizontal adds that leaves key j's sum
  * in lane j. One reduction for 8 keys instead of one per key. */
-static inline __m256 dot8(const float *q, const float *k, int D) {
+static inline __attribute__((always_inline)) __m256 dot8(const float *q, const void *k, int D,
+                                                        int bf16) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
            a7 = a0;
     for (int d = 0; d < D; d += 8) {
         const __m256 x = _mm256_loadu_ps(q + d);
-        a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + d), a0);
-        a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + D + d), a1);
-        a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 2 * D + d), a2);
-        a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 3 * D + d), a3);
-        a4 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 4 * D + d), a4);
-        a5 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 5 * D + d), a5);
-        a6 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 6 * D + d), a6);
-        a7 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 7 * D + d), a7);
+        a0 = _mm256_fmadd_ps(x, load8(k, d, bf16), a0);
+        a1 = _mm256_fmadd_ps(x, load8(k, D + d, bf16), a1);
+        a2 = _mm256_fmadd_ps(x, load8(k, 2 * D + d, bf16), a2);
+        a3 = _mm256_fmadd_ps(x, load8(k, 3 * D + d, bf16), a3);
+        a4 = _mm256_fmadd_ps(x, load8(k, 4 * D + d, bf16), a4);
+        a5 = _mm256_fmadd_ps(x, load8(k, 5 * D + d, bf16), a5);
+        a6 = _mm256_fmadd_ps(x, load8(k, 6 * D + d, bf16), a6);
+        a7 = _mm256_fmadd_ps(x, load8(k, 7 * D + d, bf16), a7);
     }
     /* hadd pairs: lanes hold partial sums of keys (0,1,0,1 | ...), then (0,1,2,3 | 0,1,2,3) */
     const __m256 t0 = _mm256_hadd_ps(a0, a1), t1 = _mm256_hadd_ps(a2, a3);
@@ -118,8 +144,10 @@ static inline __m256 exp8(__m256 x) {
 
 /* acc[0:D] = acc * c + sum_j p[j] * v[j][0:D] over j < n: the accumulator in registers 64 floats
  * at a time (eight independent FMA chains), each value row read once per tile. */
-static inline void scale_add_rows(float *acc, float c, const float *p, const float *const *v,
-                                  int n, int D) {
+static inline __attribute__((always_inline)) void scale_add_rows(float *acc, float c,
+                                                                const float *p,
+                                                                const void *const *v, int n,
+                                                                int D, int bf16) {
     const __m256 cv = _mm256_set1_ps(c);
     int d = 0;
     for (; d + 64 <= D; d += 64) {
@@ -127,24 +155,23 @@ static inline void scale_add_rows(float *acc, float c, const float *p, const flo
         for (int t = 0; t < 8; t++) x[t] = _mm256_mul_ps(cv, _mm256_load_ps(acc + d + 8 * t));
         for (int j = 0; j < n; j++) {
             const __m256 pj = _mm256_set1_ps(p[j]);
-            const float *vj = v[j] + d;
             for (int t = 0; t < 8; t++)
-                x[t] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * t), x[t]);
+                x[t] = _mm256_fmadd_ps(pj, load8(v[j], d + 8 * t, bf16), x[t]);
         }
         for (int t = 0; t < 8; t++) _mm256_store_ps(acc + d + 8 * t, x[t]);
     }
     for (; d < D; d += 8) {
         __m256 x = _mm256_mul_ps(cv, _mm256_load_ps(acc + d));
         for (int j = 0; j < n; j++)
-            x = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v[j] + d), x);
+            x = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), load8(v[j], d, bf16), x);
         _mm256_store_ps(acc + d, x);
     }
 }
 
 int pagedkv_write_kv(const float *key, int64_t key_stride, const float *value,
-                     int64_t value_stride, float *k_cache, float *v_cache,
+                     int64_t value_stride, void *k_cache, void *v_cache,
                      const int64_t *slot_mapping, int64_t num_tokens, int num_kv_heads,
-                     int head_size, int block_size) {
+                     int head_size, int block_size, int kv_bf16) {
     if (num_tokens < 0 || num_kv_heads < 1 || head_size < 1 || block_size < 1) return -1;
     const size_t row = sizeof(float) * (size_t)head_size;
     for (int64_t t = 0; t < num_tokens; t++) {
@@ -153,18 +180,31 @@ int pagedkv_write_kv(const float *key, int64_t key_stride, const float *value,
         const int64_t block = slot / block_size, offset = slot % block_size;
         for (int h = 0; h < num_kv_heads; h++) {
             const int64_t at = ((block * num_kv_heads + h) * block_size + offset) * head_size;
-            memcpy(k_cache + at, key + t * key_stride + (int64_t)h * head_size, row);
-            memcpy(v_cache + at, value + t * value_stride + (int64_t)h * head_size, row);
+            const float *k = key + t * key_stride + (int64_t)h * head_size;
+            const float *v = value + t * value_stride + (int64_t)h * head_size;
+            if (kv_bf16) {
+                uint16_t *kc = (uint16_t *)k_cache + at, *vc = (uint16_t *)v_cache + at;
+                for (int d = 0; d < head_size; d++) {
+                    kc[d] = to_bf16(k[d]);
+                    vc[d] = to_bf16(v[d]);
+                }
+            } else {
+                memcpy((float *)k_cache + at, k, row);
+                memcpy((float *)v_cache + at, v, row);
+            }
         }
     }
     return 0;
 }
 
-/* One unit: rows [i0, i1) of request r (q_len rows, seq_len keys), query head h. */
-static void attend(const float *q, int64_t q_stride, float *out, const float *k_cache,
-                   const float *v_cache, const int32_t *block_table, int64_t row0, int i0,
-                   int i1, int q_len, int seq_len, int h, int num_heads, int num_kv_heads, int D,
-                   int block_size, float scale, int window) {
+/* One unit: rows [i0, i1) of request r (q_len rows, seq_len keys), query head h; bf16: the
+ * cache's element type (a constant in each of the two bodies below). */
+static inline __attribute__((always_inline)) void attend(
+    const float *q, int64_t q_stride, float *out, const void *k_cache, const void *v_cache,
+    const int32_t *block_table, int64_t row0, int i0, int i1, int q_len, int seq_len, int h,
+    int num_heads, int num_kv_heads, int D, int block_size, float scale, int window,
+    const int bf16) {
+    const int64_t esize = bf16 ? 2 : 4; /* bytes per cache element */
     const int kvh = h / (num_heads / num_kv_heads);
     const int rows = i1 - i0;
     float m[CHUNK], l[CHUNK];
@@ -187,7 +227,7 @@ static void attend(const float *q, int64_t q_stride, float *out, const float *k_
     const int first = lo[0], last = hi[rows - 1];
     const int64_t head_stride = (int64_t)block_size * D;
     float p[CHUNK][PIECE + 8]; /* the rows' scores of a piece, then their weights */
-    const float *krow[PIECE], *vrow[PIECE]; /* the piece's key and value rows */
+    const void *krow[PIECE], *vrow[PIECE]; /* the piece's key and value rows */
     int run[PIECE]; /* keys from this one to the end of its block (contiguous in memory) */
     memset(p, 0, sizeof(p[0]) * rows); /* lanes a group computes past its keys: never read */
     /* pieces of up to PIECE keys, across blocks: the rows' scores of a piece, one softmax
@@ -202,8 +242,8 @@ static void attend(const float *q, int64_t q_stride, float *out, const float *k_
                 off = 0;
                 base = ((int64_t)block_table[++bi] * num_kv_heads + kvh) * head_stride;
             }
-            krow[t] = k_cache + base + (int64_t)off * D;
-            vrow[t] = v_cache + base + (int64_t)off * D;
+            krow[t] = (const char *)k_cache + (base + (int64_t)off * D) * esize;
+            vrow[t] = (const char *)v_cache + (base + (int64_t)off * D) * esize;
             run[t] = block_size - off;
         }
         /* all rows' scores first, then all rows' value rows: the piece's keys (then values)
@@ -214,17 +254,17 @@ static void attend(const float *q, int64_t q_stride, float *out, const float *k_
             const int a = j0 > lo[i] ? j0 : lo[i], b = j1 < hi[i] ? j1 : hi[i];
             na[i] = a - j0;
             nn[i] = b - a + 1;
-            const float *const *kr = krow + na[i];
+            const void *const *kr = krow + na[i];
             const int *rn = run + na[i];
             float *pi = p[i];
             /* 8 keys at a time where the 8 lie in one block (the last group may run past b:
              * those lanes are computed and never read) */
             for (int g = 0; g < nn[i];) {
                 if (rn[g] >= 8) {
-                    _mm256_storeu_ps(pi + g, _mm256_mul_ps(sc, dot8(qr[i], kr[g], D)));
+                    _mm256_storeu_ps(pi + g, _mm256_mul_ps(sc, dot8(qr[i], kr[g], D, bf16)));
                     g += 8;
                 } else {
-                    pi[g] = dot(qr[i], kr[g], D) * scale;
+                    pi[g] = dot(qr[i], kr[g], D, bf16) * scale;
                     g++;
                 }
             }
@@ -251,7 +291,7 @@ static void attend(const float *q, int64_t q_stride, float *out, const float *k_
                 _mm256_storeu_ps(pi + g, exp8(_mm256_sub_ps(_mm256_loadu_ps(pi + g), mv)));
                 for (; g < n; g++) sum += pi[g];
             }
-            scale_add_rows(ACC(i), c, pi, vrow + na[i], n, D);
+            scale_add_rows(ACC(i), c, pi, vrow + na[i], n, D, bf16);
             l[i] = l[i] * c + sum;
             m[i] = mx;
         }
@@ -266,12 +306,25 @@ static void attend(const float *q, int64_t q_stride, float *out, const float *k_
 
 #undef ACC
 
-int pagedkv_paged_attention(const float *q, int64_t q_stride, float *out, const float *k_cache,
-                            const float *v_cache, const int32_t *query_start_loc,
+/* the two bodies: an fp32 cache, a bf16 one */
+#define ATTEND_ARGS                                                                           \
+    const float *q, int64_t q_stride, float *out, const void *k_cache, const void *v_cache,   \
+        const int32_t *block_table, int64_t row0, int i0, int i1, int q_len, int seq_len,     \
+        int h, int num_heads, int num_kv_heads, int D, int block_size, float scale, int window
+#define ATTEND_PASS                                                                           \
+    q, q_stride, out, k_cache, v_cache, block_table, row0, i0, i1, q_len, seq_len, h,         \
+        num_heads, num_kv_heads, D, block_size, scale, window
+static void attend_f32(ATTEND_ARGS) { attend(ATTEND_PASS, 0); }
+static void attend_bf16(ATTEND_ARGS) { attend(ATTEND_PASS, 1); }
+#undef ATTEND_ARGS
+#undef ATTEND_PASS
+
+int pagedkv_paged_attention(const float *q, int64_t q_stride, float *out, const void *k_cache,
+                            const void *v_cache, const int32_t *query_start_loc,
                             const int32_t *seq_lens, const int32_t *block_tables,
                             int64_t block_table_stride, int num_reqs, int num_heads,
                             int num_kv_heads, int head_size, int block_size, float scale,
-                            int window, int num_threads) {
+                            int window, int kv_bf16, int num_threads) {
     if (num_reqs < 1 || num_kv_heads < 1 || num_heads % num_kv_heads || head_size % 8 ||
         head_size > MAX_HEAD || head_size < 8 || block_size < 1)
         return -1;
@@ -307,9 +360,10 @@ int pagedkv_paged_attention(const float *q, int64_t q_stride, float *out, const 
             const int q_len = query_start_loc[r + 1] - query_start_loc[r];
             const int i0 = (int)(pair - pair_base) * CHUNK;
             const int i1 = i0 + CHUNK < q_len ? i0 + CHUNK : q_len;
-            attend(q, q_stride, out, k_cache, v_cache, block_tables + r * block_table_stride,
-                   query_start_loc[r], i0, i1, q_len, seq_lens[r], h, num_heads, num_kv_heads,
-                   head_size, block_size, scale, window);
+            (kv_bf16 ? attend_bf16 : attend_f32)(
+                q, q_stride, out, k_cache, v_cache, block_tables + r * block_table_stride,
+                query_start_loc[r], i0, i1, q_len, seq_lens[r], h, num_heads, num_kv_heads,
+                head_size, block_size, scale, window);
         }
     }
     return 0;
@@ -328,21 +382,23 @@ typedef struct {
     int32_t block_size;
     int32_t window; /* <= 0: none */
     float scale;
+    int32_t kv_bf16; /* the cache's elements: 0 fp32, 1 bf16 */
 } pagedkv_attention_step;
 
-int pagedkv_step_write_kv(const pagedkv_attention_step *s, float *k_cache, float *v_cache,
+int pagedkv_step_write_kv(const pagedkv_attention_step *s, void *k_cache, void *v_cache,
                           const float *key, int64_t key_stride, const float *value,
                           int64_t value_stride, int64_t num_tokens) {
     return pagedkv_write_kv(key, key_stride, value, value_stride, k_cache, v_cache,
                             s->slot_mapping, num_tokens, s->num_kv_heads, s->head_size,
-                            s->block_size);
+                            s->block_size, s->kv_bf16);
 }
 
-int pagedkv_step_attention(const pagedkv_attention_step *s, const float *k_cache,
-                           const float *v_cache, const float *q, int64_t q_stride, float *out,
+int pagedkv_step_attention(const pagedkv_attention_step *s, const void *k_cache,
+                           const void *v_cache, const float *q, int64_t q_stride, float *out,
                            int num_threads) {
     return pagedkv_paged_attention(q, q_stride, out, k_cache, v_cache, s->query_start_loc,
                                    s->seq_lens, s->block_tables, s->block_table_stride,
                                    s->num_reqs, s->num_heads, s->num_kv_heads, s->head_size,
-                                   s->block_size, s->scale, s->window, num_threads);
+                                   s->block_size, s->scale, s->window, s->kv_bf16,
+                                   num_threads);
 }
