@@ -59,6 +59,68 @@ def test_long_prompts_in_one_step(native, block_size, window):
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-5)
 
 
+def within_one_rounding(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    """``out`` equals ``expected`` (fp64) up to fp32 arithmetic, then the output's rounding to
+    ``dtype`` (bf16: half an ulp, up to 2^-8 relative)."""
+    rel = 2.0**-8 if dtype == torch.bfloat16 else 0.0
+    error = (out.double() - expected).abs()
+    assert bool((error <= rel * expected.abs() + 2e-5).all()), float(error.max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3, 8, 40])  # 40: more query heads than a unit's 32 rows
+@pytest.mark.parametrize("threads", [1, 2])
+def test_query_heads_of_a_kv_head_share_a_unit(native, dtype, group, threads):
+    """With enough work for the threads, a unit takes every query head of a KV head (up to 32
+    rows: tokens x heads, so keys and values are read once per group); with little (one
+    decode row), one head a unit. Both, with bf16 caches and models too, against fp64 dense
+    attention over the same (bf16-valued) keys and values."""
+    from paged_attention_cases import dense_attention
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for lens in ([(37, 1)], [(37, 1), (50, 1), (19, 1), (64, 1), (3, 1)] * 3, [(90, 45)]):
+            case = make_backend_case(
+                native,
+                lens,
+                block_size=16,
+                num_kv_heads=2,
+                group=group,
+                head_size=8 if group == 40 else 64,
+                dtype=dtype,
+                seed=group,
+            )
+            out = case.forward()
+            assert out.dtype == dtype
+            within_one_rounding(out, dense_attention(case, case.spec.scale), dtype)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_bf16_cache_holds_keys_rounded_as_torch_rounds_them(native):
+    """fp32 keys and values (what a bf16 model's fused layers hand the C entry points) into a
+    bf16 cache: rounded to nearest even as ``.to(bfloat16)`` rounds them (ties, NaN and
+    infinities included)."""
+    case = make_backend_case(
+        native, [(6, 6)], block_size=4, num_kv_heads=1, group=1, head_size=8, dtype=torch.bfloat16
+    )
+    md = native.build_metadata(case.common, case.spec)
+    keys = torch.randn(6, 1, 8)
+    keys[0, 0, :4] = torch.tensor([1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, float("inf"), float("nan")])
+    values = -keys
+    cache = case.kv_cache.clone()
+    native.write_kv(keys, values, cache, md)
+    slots = case.common.slot_mapping.tolist()
+    for t, slot in enumerate(slots):
+        block, offset = divmod(slot, 4)
+        for half, rows in ((0, keys), (1, values)):
+            stored = cache[half, block, 0, offset]
+            assert torch.equal(stored.isnan(), rows[t, 0].to(torch.bfloat16).isnan())
+            finite = ~stored.isnan()
+            assert torch.equal(stored[finite], rows[t, 0].to(torch.bfloat16)[finite])
+
+
 def test_c_entry_points(native):
     case = make_backend_case(native, [(9, 2)], block_size=4, num_kv_heads=1, group=2, head_size=8)
     md = native.build_metadata(case.common, case.spec)
@@ -117,3 +179,46 @@ def test_unavailable_without_a_compiler(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     assert "no C compiler" in NativeBackend.unavailable_reason("cpu")
     assert NativeBackend.unavailable_reason("cuda") == "runs on the CPU, not cuda"
+
+
+def test_held_to_avx2_it_builds_the_avx2_kernels(tmp_path):
+    """Held to AVX2 (``ATEN_CPU_CAPABILITY=avx2``), the library is the 8-lane build even on
+    an AVX-512 CPU, and it still matches dense attention."""
+    import os
+    import subprocess
+    import sys
+
+    from pagedkv.ops import c_build
+
+    try:
+        c_build.check_avx2_fma()
+    except c_build.KernelUnavailableError as e:
+        pytest.skip(str(e))
+    code = (
+        "import sys; sys.path[:0] = ['tests/ops', 'tests/engine']\n"
+        "from backend_cases import make_backend, make_backend_case\n"
+        "from paged_attention_cases import dense_attention\n"
+        "backend = make_backend('native')\n"
+        "case = make_backend_case(backend, [(70, 1), (33, 20)], block_size=16,\n"
+        "                         num_kv_heads=2, group=3, head_size=64)\n"
+        "error = (case.forward().double() - dense_attention(case, case.spec.scale)).abs().max()\n"
+        "print(backend.library.path.name.split('-')[0], float(error))\n"
+    )
+    env = {
+        **os.environ,
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "PAGEDKV_CACHE_DIR": str(tmp_path),
+    }
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    name, error = done.stdout.split()
+    assert name == "paged_attention" and float(error) < 2e-5

@@ -29,6 +29,10 @@ from pagedkv.errors import PagedKVError
 
 #: Flags of every build: AVX2 + FMA code, OpenMP, a shared library.
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+#: CPU flags (``/proc/cpuinfo``) of the AVX-512 code paths (F, BW, VL, DQ).
+AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+#: :data:`CFLAGS` plus AVX-512 F/BW/VL/DQ: a source's 16-lane paths (``__AVX512F__``).
+AVX512_CFLAGS = (*CFLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
 
 
 class KernelUnavailableError(PagedKVError, RuntimeError):
@@ -52,6 +56,15 @@ def check_avx2_fma(caps: CpuCapabilities | None = None) -> None:
     caps = probe_cpu() if caps is None else caps
     if not (caps.avx2 and "fma" in cpu_flags()):
         raise KernelUnavailableError(f"{caps.summary()}: the kernels need AVX2 and FMA")
+
+
+def avx512_available(caps: CpuCapabilities | None = None) -> bool:
+    """The CPU runs AVX-512 F/BW/VL/DQ and no hold caps it (``caps`` applied: an AVX2 hold
+    through ``ATEN_CPU_CAPABILITY`` or ``ONEDNN_MAX_CPU_ISA`` makes this False; None =
+    :func:`probe_cpu`)."""
+    caps = probe_cpu() if caps is None else caps
+    flags = cpu_flags()
+    return caps.avx512 and all(f in flags for f in AVX512_FLAGS)
 
 
 def build_library(

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from pagedkv.cpu_caps import CpuCapabilities, cpu_flags, probe_cpu
+from pagedkv.cpu_caps import CpuCapabilities, probe_cpu
 from pagedkv.ops import c_build
 from pagedkv.ops.c_build import KernelUnavailableError
 
@@ -60,8 +60,6 @@ MAX_ROWS = 8
 GROUP_SIZE = 32
 #: The products' bodies, by name, and the code quant_gemv.h gives each (``PAGEDKV_ISA_*``).
 ISA_CODES = {"avx2": 0, "avx512": 1}
-#: CPU flags (``/proc/cpuinfo``) the AVX-512 body needs.
-AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -388,7 +386,9 @@ class CpuQuantKernels:
         """
         return self._run(self._int8, "int8", x, q.shape[0], (q.data_ptr(), scale.data_ptr()))
 
-    def _run(self, kernel, name: str, x: torch.Tensor, num_outputs: int, pointers: tuple) -> torch.Tensor:
+    def _run(
+        self, kernel, name: str, x: torch.Tensor, num_outputs: int, pointers: tuple
+    ) -> torch.Tensor:
         """Call ``kernel(x, *pointers, out, M, N, K, threads, isa)``; ``out`` fp32 ``[M, N]``.
 
         Raises:
@@ -451,10 +451,8 @@ def build_library(compiler: str, cache: Path, sources: Path | Sequence[Path] = S
 
 def best_isa(caps: CpuCapabilities) -> str:
     """The widest body of the products that runs on ``caps`` (holds applied): "avx512" where
-    AVX-512 is on (:attr:`~pagedkv.cpu_caps.CpuCapabilities.avx512`) and the CPU lists every
-    flag of :data:`AVX512_FLAGS`, else "avx2"."""
-    flags = cpu_flags()
-    return "avx512" if caps.avx512 and all(f in flags for f in AVX512_FLAGS) else "avx2"
+    :func:`pagedkv.ops.c_build.avx512_available`, else "avx2"."""
+    return "avx512" if c_build.avx512_available(caps) else "avx2"
 
 
 def load_cpu_quant_kernels(

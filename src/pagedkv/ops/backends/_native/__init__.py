@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
+from pagedkv.cpu_caps import probe_cpu
 from pagedkv.ops import c_build
 
 #: The C source of the kernels.
@@ -67,15 +68,22 @@ class NativeAttentionLibrary:
 
 
 def load_library() -> NativeAttentionLibrary:
-    """Build (once, into the cache) and load the kernels.
+    """Build (once, into the cache) and load the kernels: with AVX-512 (16-lane inner loops)
+    where :func:`pagedkv.ops.c_build.avx512_available` (holds applied), else AVX2 + FMA.
 
     Raises:
         KernelUnavailableError: no AVX2/FMA, no compiler, a failed build, or a library that does
             not load.
     """
-    c_build.check_avx2_fma()
+    caps = probe_cpu()
+    c_build.check_avx2_fma(caps)
+    wide = c_build.avx512_available(caps)
     path = c_build.build_library(
-        c_build.compiler(), c_build.kernel_cache(), SOURCE, name="paged_attention"
+        c_build.compiler(),
+        c_build.kernel_cache(),
+        SOURCE,
+        name="paged_attention_avx512" if wide else "paged_attention",
+        flags=c_build.AVX512_CFLAGS if wide else c_build.CFLAGS,
     )
     try:
         return NativeAttentionLibrary(path)

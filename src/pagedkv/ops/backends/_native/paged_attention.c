@@ -18,8 +18,10 @@
  * [max(0, p - window + 1), p] (window <= 0: [0, p]). Grouped-query attention: query head h
  * reads KV head h / (num_heads / num_kv_heads).
  *
- * Work is split over (request, chunk of up to CHUNK query rows, query head) units on OpenMP
- * threads; each unit walks the keys it needs in pieces of up to PIECE keys (across blocks,
+ * Work is split over (request, chunk of query tokens, KV head, set of its query heads) units
+ * on OpenMP threads, up to CHUNK rows (tokens x heads) a unit, so grouped-query heads read
+ * their keys and values once (one head a unit when that leaves too few units for the
+ * threads); each unit walks the keys it needs in pieces of up to PIECE keys (across blocks,
  * through the block table) with an online softmax (running max, running sum, rescaled
  * accumulator: the FlashAttention recurrence), so nothing is gathered and no score row of the
  * whole context is stored. Per piece, first every row's scores (8 keys per reduction where 8
@@ -41,6 +43,15 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+/* Built twice (pagedkv.ops.backends._native): with -mavx2 -mfma, and where the CPU has AVX-512
+ * F/BW/VL with those flags too, which turns on 16-lane versions of the three inner loops (dot,
+ * dot8, scale_add_rows); everything else is the same code. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PAGEDKV_WIDE 1
+#else
+#define PAGEDKV_WIDE 0
+#endif
 
 #define CHUNK 32 /* query rows per unit: a prompt's keys are read once per 32 rows */
 #define MAX_HEAD 512
@@ -79,6 +90,56 @@ static inline uint16_t to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+#if PAGEDKV_WIDE
+/* 16 cache elements from p (element i on) as fp32 (see load8) */
+static inline __attribute__((always_inline)) __m512 load16(const void *p, int64_t i, int bf16) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))),
+            16));
+    return _mm512_loadu_ps((const float *)p + i);
+}
+
+/* the two 8-lane halves of v added */
+static inline __m256 fold(__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+/* a . b over D floats (b a cache row), D a multiple of 8: 16 lanes, an 8-lane tail */
+static inline __attribute__((always_inline)) float dot(const float *a, const void *b, int D,
+                                                       int bf16) {
+    __m512 s = _mm512_setzero_ps();
+    int d = 0;
+    for (; d + 16 <= D; d += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), load16(b, d, bf16), s);
+    __m256 t = fold(s);
+    if (d < D) t = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), load8(b, d, bf16), t);
+    return hsum(t);
+}
+
+/* dot8 below with 16-lane accumulators, folded to 8 lanes before the same reduction tree */
+static inline __attribute__((always_inline)) __m256 dot8(const float *q, const void *k, int D,
+                                                        int bf16) {
+    __m512 w[8];
+    for (int j = 0; j < 8; j++) w[j] = _mm512_setzero_ps();
+    int d = 0;
+    for (; d + 16 <= D; d += 16) {
+        const __m512 x = _mm512_loadu_ps(q + d);
+        for (int j = 0; j < 8; j++) w[j] = _mm512_fmadd_ps(x, load16(k, j * D + d, bf16), w[j]);
+    }
+    __m256 a[8];
+    for (int j = 0; j < 8; j++) a[j] = fold(w[j]);
+    if (d < D) {
+        const __m256 x = _mm256_loadu_ps(q + d);
+        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(x, load8(k, j * D + d, bf16), a[j]);
+    }
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                         _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#else
 /* a . b over D floats (b a cache row), D a multiple of 8 */
 static inline __attribute__((always_inline)) float dot(const float *a, const void *b, int D,
                                                        int bf16) {
@@ -119,6 +180,8 @@ static inline __attribute__((always_inline)) __m256 dot8(const float *q, const v
                          _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+#endif /* PAGEDKV_WIDE */
+
 /* e^x on 8 lanes for x <= 0 (softmax: a score minus the running maximum): 2^n * e^r with
  * n = round(x / ln 2), r = x - n ln 2 in [-ln2/2, ln2/2] and a degree-6 polynomial for e^r
  * (Taylor coefficients, relative error under 2e-7 there); x is clamped to [-87, 0], so x below
@@ -142,6 +205,39 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
+#if PAGEDKV_WIDE
+/* scale_add_rows below with 16-lane tiles: 64 floats of the accumulator in four registers,
+ * then 16 at a time, then an 8-lane tail */
+static inline __attribute__((always_inline)) void scale_add_rows(float *acc, float c,
+                                                                const float *p,
+                                                                const void *const *v, int n,
+                                                                int D, int bf16) {
+    const __m512 cv = _mm512_set1_ps(c);
+    int d = 0;
+    for (; d + 64 <= D; d += 64) {
+        __m512 x[4];
+        for (int t = 0; t < 4; t++) x[t] = _mm512_mul_ps(cv, _mm512_loadu_ps(acc + d + 16 * t));
+        for (int j = 0; j < n; j++) {
+            const __m512 pj = _mm512_set1_ps(p[j]);
+            for (int t = 0; t < 4; t++)
+                x[t] = _mm512_fmadd_ps(pj, load16(v[j], d + 16 * t, bf16), x[t]);
+        }
+        for (int t = 0; t < 4; t++) _mm512_storeu_ps(acc + d + 16 * t, x[t]);
+    }
+    for (; d + 16 <= D; d += 16) {
+        __m512 x = _mm512_mul_ps(cv, _mm512_loadu_ps(acc + d));
+        for (int j = 0; j < n; j++)
+            x = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), load16(v[j], d, bf16), x);
+        _mm512_storeu_ps(acc + d, x);
+    }
+    for (; d < D; d += 8) {
+        __m256 x = _mm256_mul_ps(_mm256_set1_ps(c), _mm256_load_ps(acc + d));
+        for (int j = 0; j < n; j++)
+            x = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), load8(v[j], d, bf16), x);
+        _mm256_store_ps(acc + d, x);
+    }
+}
+#else
 /* acc[0:D] = acc * c + sum_j p[j] * v[j][0:D] over j < n: the accumulator in registers 64 floats
  * at a time (eight independent FMA chains), each value row read once per tile. */
 static inline __attribute__((always_inline)) void scale_add_rows(float *acc, float c,
@@ -167,6 +263,7 @@ static inline __attribute__((always_inline)) void scale_add_rows(float *acc, flo
         _mm256_store_ps(acc + d, x);
     }
 }
+#endif /* PAGEDKV_WIDE */
 
 int pagedkv_write_kv(const float *key, int64_t key_stride, const float *value,
                      int64_t value_stride, void *k_cache, void *v_cache,
@@ -197,16 +294,18 @@ int pagedkv_write_kv(const float *key, int64_t key_stride, const float *value,
     return 0;
 }
 
-/* One unit: rows [i0, i1) of request r (q_len rows, seq_len keys), query head h; bf16: the
- * cache's element type (a constant in each of the two bodies below). */
+/* One unit: the step's tokens [i0, i1) of request r (q_len of them, seq_len keys) times the
+ * query heads [h, h + nh), which share one KV head: (i1 - i0) * nh <= CHUNK rows, token-major
+ * (row i is token i0 + i / nh, head h + i % nh), all reading the same keys and values. bf16:
+ * the cache's element type (a constant in each of the two bodies below). */
 static inline __attribute__((always_inline)) void attend(
     const float *q, int64_t q_stride, float *out, const void *k_cache, const void *v_cache,
     const int32_t *block_table, int64_t row0, int i0, int i1, int q_len, int seq_len, int h,
-    int num_heads, int num_kv_heads, int D, int block_size, float scale, int window,
+    int nh, int num_heads, int num_kv_heads, int D, int block_size, float scale, int window,
     const int bf16) {
     const int64_t esize = bf16 ? 2 : 4; /* bytes per cache element */
     const int kvh = h / (num_heads / num_kv_heads);
-    const int rows = i1 - i0;
+    const int rows = (i1 - i0) * nh;
     float m[CHUNK], l[CHUNK];
     int lo[CHUNK], hi[CHUNK]; /* keys [lo, hi] per row */
     /* the rows' accumulators, D floats each, 32-byte aligned (D is a multiple of 8): sized by
@@ -216,13 +315,13 @@ static inline __attribute__((always_inline)) void attend(
 #define ACC(i) (acc0 + (int64_t)(i) * D)
     const float *qr[CHUNK];
     for (int i = 0; i < rows; i++) {
-        const int p = seq_len - q_len + i0 + i;
+        const int p = seq_len - q_len + i0 + i / nh;
         hi[i] = p;
         lo[i] = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
         m[i] = -INFINITY;
         l[i] = 0.0f;
         memset(ACC(i), 0, sizeof(float) * D);
-        qr[i] = q + (row0 + i0 + i) * q_stride + (int64_t)h * D;
+        qr[i] = q + (row0 + i0 + i / nh) * q_stride + (int64_t)(h + i % nh) * D;
     }
     const int first = lo[0], last = hi[rows - 1];
     const int64_t head_stride = (int64_t)block_size * D;
@@ -297,7 +396,7 @@ static inline __attribute__((always_inline)) void attend(
         }
     }
     for (int i = 0; i < rows; i++) {
-        float *o = out + ((row0 + i0 + i) * num_heads + h) * (int64_t)D;
+        float *o = out + ((row0 + i0 + i / nh) * num_heads + h + i % nh) * (int64_t)D;
         const __m256 inv = _mm256_set1_ps(1.0f / l[i]);
         for (int d = 0; d < D; d += 8)
             _mm256_storeu_ps(o + d, _mm256_mul_ps(inv, _mm256_load_ps(ACC(i) + d)));
@@ -310,9 +409,10 @@ static inline __attribute__((always_inline)) void attend(
 #define ATTEND_ARGS                                                                           \
     const float *q, int64_t q_stride, float *out, const void *k_cache, const void *v_cache,   \
         const int32_t *block_table, int64_t row0, int i0, int i1, int q_len, int seq_len,     \
-        int h, int num_heads, int num_kv_heads, int D, int block_size, float scale, int window
+        int h, int nh, int num_heads, int num_kv_heads, int D, int block_size, float scale,    \
+        int window
 #define ATTEND_PASS                                                                           \
-    q, q_stride, out, k_cache, v_cache, block_table, row0, i0, i1, q_len, seq_len, h,         \
+    q, q_stride, out, k_cache, v_cache, block_table, row0, i0, i1, q_len, seq_len, h, nh,     \
         num_heads, num_kv_heads, D, block_size, scale, window
 static void attend_f32(ATTEND_ARGS) { attend(ATTEND_PASS, 0); }
 static void attend_bf16(ATTEND_ARGS) { attend(ATTEND_PASS, 1); }
@@ -326,25 +426,39 @@ int pagedkv_paged_attention(const float *q, int64_t q_stride, float *out, const 
                             int num_kv_heads, int head_size, int block_size, float scale,
                             int window, int kv_bf16, int num_threads) {
     if (num_reqs < 1 || num_kv_heads < 1 || num_heads % num_kv_heads || head_size % 8 ||
-        head_size > MAX_HEAD || head_size < 8 || block_size < 1)
+        head_size > MAX_HEAD || head_size < 8 || block_size < 1 || num_threads < 1)
         return -1;
-    /* units: (request, chunk) pairs in order, times heads; each thread finds the pair of its
-     * next unit by walking forward over the requests (its units come in increasing order). */
-    int64_t num_pairs = 0;
+    const int group = num_heads / num_kv_heads;
+    /* Units: (request, chunk of tokens) pairs in order, times KV heads, times sets of up to
+     * CHUNK query heads of that KV head (GQA: the heads of a group read the same keys and
+     * values, so one unit reads them once for all of its rows). With too few units to keep
+     * the threads busy (batch 1 decode: one pair), one query head a unit instead. */
+    int nh = group < CHUNK ? group : CHUNK;
+    int64_t num_pairs = 0, head_pairs = 0; /* pairs with nh heads a unit, with one */
     for (int r = 0; r < num_reqs; r++) {
         const int q_len = query_start_loc[r + 1] - query_start_loc[r];
         if (q_len < 1 || q_len > seq_lens[r]) return -1;
-        num_pairs += (q_len + CHUNK - 1) / CHUNK;
+        num_pairs += (q_len + CHUNK / nh - 1) / (CHUNK / nh);
+        head_pairs += (q_len + CHUNK - 1) / CHUNK;
     }
-    const int64_t num_units = num_pairs * num_heads;
+    if (nh > 1 && num_pairs * num_kv_heads * ((group + nh - 1) / nh) < 4 * (int64_t)num_threads) {
+        nh = 1;
+        num_pairs = head_pairs;
+    }
+    const int tokens_per_unit = CHUNK / nh; /* a unit's rows: tokens_per_unit x nh heads */
+    const int sets = (group + nh - 1) / nh; /* head sets per KV head */
+    const int64_t per_pair = (int64_t)num_kv_heads * sets;
+    const int64_t num_units = num_pairs * per_pair;
 #pragma omp parallel num_threads(num_threads)
     {
         int r = 0;
         int64_t pair_base = 0; /* pairs before request r */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t u = 0; u < num_units; u++) {
-            const int64_t pair = u / num_heads;
-            const int h = (int)(u % num_heads);
+            const int64_t pair = u / per_pair;
+            const int rem = (int)(u % per_pair);
+            const int h = (rem / sets) * group + (rem % sets) * nh; /* the unit's first head */
+            const int heads = group - (rem % sets) * nh < nh ? group - (rem % sets) * nh : nh;
             /* units come in increasing order on each thread: move r forward */
             if (pair < pair_base) {
                 r = 0;
@@ -352,18 +466,18 @@ int pagedkv_paged_attention(const float *q, int64_t q_stride, float *out, const 
             }
             for (;;) {
                 const int q_len = query_start_loc[r + 1] - query_start_loc[r];
-                const int64_t n = (q_len + CHUNK - 1) / CHUNK;
+                const int64_t n = (q_len + tokens_per_unit - 1) / tokens_per_unit;
                 if (pair < pair_base + n) break;
                 pair_base += n;
                 r++;
             }
             const int q_len = query_start_loc[r + 1] - query_start_loc[r];
-            const int i0 = (int)(pair - pair_base) * CHUNK;
-            const int i1 = i0 + CHUNK < q_len ? i0 + CHUNK : q_len;
+            const int i0 = (int)(pair - pair_base) * tokens_per_unit;
+            const int i1 = i0 + tokens_per_unit < q_len ? i0 + tokens_per_unit : q_len;
             (kv_bf16 ? attend_bf16 : attend_f32)(
                 q, q_stride, out, k_cache, v_cache, block_tables + r * block_table_stride,
-                query_start_loc[r], i0, i1, q_len, seq_lens[r], h, num_heads, num_kv_heads,
-                head_size, block_size, scale, window);
+                query_start_loc[r], i0, i1, q_len, seq_lens[r], h, heads, num_heads,
+                num_kv_heads, head_size, block_size, scale, window);
         }
     }
     return 0;
