@@ -19,7 +19,7 @@ from pagedkv.cpu_env import (
     available_cpu_count,
     cgroup_cpu_limit,
 )
-from pagedkv.engine.cpu_runtime import tune_cpu_runtime
+from pagedkv.engine.cpu_runtime import release_openmp_threads, tune_cpu_runtime
 
 
 def test_default_set_when_unset():
@@ -119,5 +119,31 @@ def test_engine_threads_default_to_available_cpus():
     try:
         assert tune_cpu_runtime(None) == available_cpu_count() == torch.get_num_threads()
         assert tune_cpu_runtime(1) == 1 == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_releasing_the_openmp_threads_of_one_thread_leaves_the_runtime_working():
+    """release_openmp_threads frees this thread's OpenMP pool (libgomp's
+    omp_pause_resource_all); parallel work on this thread and on another one still runs and
+    gives the same numbers after it (the next region builds a pool again)."""
+    import threading
+
+    x = torch.randn(1 << 16)
+    expected = x.double().sum().item()
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.exp(x).sum()  # a parallel region: this thread has a pool now
+        released = release_openmp_threads()
+        if os.uname().sysname == "Linux":
+            assert released  # torch's CPU build loads libgomp with OpenMP 5.0's pause
+        assert abs(x.sum().item() - expected) < 1e-2
+        got = []
+        worker = threading.Thread(target=lambda: got.append(x.sum().item()))
+        worker.start()
+        worker.join()
+        assert abs(got[0] - expected) < 1e-2
+        assert release_openmp_threads() == released  # again, with no pool: still fine
     finally:
         torch.set_num_threads(before)

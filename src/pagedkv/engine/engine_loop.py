@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from pagedkv.engine.cpu_runtime import release_openmp_threads
 from pagedkv.engine.input_processor import InputProcessor, InputThread
 from pagedkv.engine.protocol import EngineRequest
 from pagedkv.errors import PagedKVError
@@ -207,8 +208,11 @@ class EngineLoop:
     # ---- lifetime ---------------------------------------------------------------------------
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Start the engine thread; its outputs are delivered on ``loop``."""
+        """Start the engine thread; its outputs are delivered on ``loop``. The calling thread's
+        OpenMP threads are freed first (:func:`pagedkv.engine.cpu_runtime.release_openmp_threads`):
+        the engine thread's own pool is then the only one, and its barriers keep their spin."""
         self._loop = loop
+        release_openmp_threads()
         self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
         self._thread.start()
 
