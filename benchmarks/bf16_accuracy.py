@@ -21,7 +21,10 @@ The rule of issue 14: pagedkv bf16 must be no worse than transformers bf16. The 
 candidates (issue 33) compute in fp32 with their linears' small steps on quantized weights:
 ``pagedkv-gguf`` the GGUF file's own 4-bit blocks (the engine's default for a GGUF file),
 ``pagedkv-int8`` / ``pagedkv-int4`` quantized at load; their decode steps run 8 prompts at a
-time (steps of more tokens run the dense weights). ``--model gemma3-270m`` measures Gemma 3.
+time (steps of more tokens run the dense weights). ``pagedkv-gguf-bf16`` is the default where the
+CPU has native bf16: a bf16 model whose small steps run the same 4-bit blocks through the fused
+layers with an fp32 residual stream (a bf16 KV cache; with the native backend, one C call a
+step). ``--model gemma3-270m`` measures Gemma 3.
 
     .venv/bin/python benchmarks/bf16_accuracy.py                    # 64 prompts x 32 tokens
     .venv/bin/python benchmarks/bf16_accuracy.py --num-prompts 16 --json /tmp/bf16.json
@@ -311,8 +314,9 @@ def main() -> None:
         nargs="+",
         default=None,
         help="subset of: pagedkv-bf16 pagedkv-bf16-rounded pagedkv-fp32 pagedkv-gguf "
-        "pagedkv-int8 pagedkv-int4 hf-bf16 (default: all but pagedkv-bf16-rounded, the logits "
-        "widened from bf16 without pagedkv's fp32 top-k, and int8 / int4, quantized at load)",
+        "pagedkv-gguf-bf16 pagedkv-int8 pagedkv-int4 hf-bf16 (default: all but "
+        "pagedkv-bf16-rounded, the logits widened from bf16 without pagedkv's fp32 top-k, "
+        "and the quantized ones but pagedkv-gguf)",
     )
     parser.add_argument(
         "--model",
@@ -384,6 +388,7 @@ def main() -> None:
         ("pagedkv-bf16-rounded", "bf16, logits rounded", torch.bfloat16, False, "none"),
         ("pagedkv-fp32", "fp32", torch.float32, True, "none"),
         ("pagedkv-gguf", "fp32, GGUF int4 weights", torch.float32, True, "gguf"),
+        ("pagedkv-gguf-bf16", "bf16, GGUF int4 weights", torch.bfloat16, True, "gguf"),
         ("pagedkv-int8", "fp32, int8 at load", torch.float32, True, "int8"),
         ("pagedkv-int4", "fp32, int4 at load", torch.float32, True, "int4"),
     ]
