@@ -343,8 +343,12 @@ def main() -> None:
     loaded32 = load_model(gguf, dtype=torch.float32)
     tokenizer = loaded32.tokenizer
     records = load_prompts(args.prompts, args.num_prompts)
+    # a base model (Gemma 3 270M) has no chat template: its prompts are the plain text
     prompts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}]) for r in records
+        tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}])
+        if tokenizer.has_chat_template
+        else tokenizer.encode(r["prompt"])
+        for r in records
     ]
     n, t = len(prompts), args.num_tokens
     max_len = max(map(len, prompts)) + t

