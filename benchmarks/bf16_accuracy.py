@@ -173,6 +173,8 @@ class PagedDriver:
     def __init__(self, engine, max_num_batched_tokens: int, decode_batch: int | None = None):
         self.runner = engine.runner
         self.block_size = engine.runner.block_size
+        #: KV cache groups (Gemma 3: six, each its own blocks; Llama: one)
+        self.num_groups = len(engine.kv_cache_config.kv_cache_groups)
         self.max_num_batched_tokens = max_num_batched_tokens
         #: requests per decode step (None: all); quantized weights run steps of <= 8 tokens
         self.decode_batch = decode_batch
@@ -209,10 +211,14 @@ class PagedDriver:
         req_ids = [f"p{i}" for i in range(len(prompts))]
         new_reqs, next_block = [], 1  # block 0 is the null block
         for req_id, ids in zip(req_ids, prompts, strict=True):
+            # every group its own blocks for the whole sequence (a sliding-window group keeps
+            # them all: the window is the attention's, the tables only need real blocks)
             n = -(-(len(ids) + num_tokens) // bs)
-            block_ids = (list(range(next_block, next_block + n)),)
-            new_reqs.append(NewRequestData(req_id, list(ids), params, block_ids, 0))
-            next_block += n
+            block_ids = []
+            for _ in range(self.num_groups):
+                block_ids.append(list(range(next_block, next_block + n)))
+                next_block += n
+            new_reqs.append(NewRequestData(req_id, list(ids), params, tuple(block_ids), 0))
         logits = torch.empty(len(prompts), num_tokens, self.runner.vocab_size)
         # Prefill: whole prompts, as many per step as fit.
         i = 0
@@ -264,16 +270,21 @@ def make_engine(loaded, num_prompts: int, max_len: int, max_num_batched_tokens: 
     the block size is the attention backend's default."""
     from pagedkv.engine.llm_engine import LLMEngine
 
-    num_blocks = 1 + num_prompts * -(-max_len // 16)  # enough for any block size >= 16
-    return LLMEngine(
-        loaded_model=loaded,
-        num_blocks=num_blocks,
-        max_model_len=max_len,
-        max_num_seqs=num_prompts,
-        max_num_batched_tokens=max(max_num_batched_tokens, max_len),
-        enable_prefix_caching=False,
-        **extra,
-    )
+    def engine(num_groups: int) -> LLMEngine:
+        # enough for any block size >= 16, every group its own blocks (PagedDriver)
+        return LLMEngine(
+            loaded_model=loaded,
+            num_blocks=1 + num_groups * num_prompts * -(-max_len // 16),
+            max_model_len=max_len,
+            max_num_seqs=num_prompts,
+            max_num_batched_tokens=max(max_num_batched_tokens, max_len),
+            enable_prefix_caching=False,
+            **extra,
+        )
+
+    made = engine(1)
+    num_groups = len(made.kv_cache_config.kv_cache_groups)
+    return made if num_groups == 1 else engine(num_groups)
 
 
 # --------------------------------------------------------------------------- main

@@ -15,7 +15,7 @@
   own, and once its threads outnumber the CPUs (the model loaded on the main thread, the steps
   run on the server's engine thread: 3 on 2 CPUs) every barrier spins only a hundredth as long
   before it sleeps (``gomp_throttled_spin_count_var``), so each of a step's ~150 parallel regions
-  pays a futex wake-up. An int4 product took 74-79 us from the engine thread against 27-37 us
+  pays a futex wake-up. An int4 product took 74-94 us from the engine thread against 27-43 us
   from the main thread, and a served chat decoded at about half the offline speed.
   :func:`release_openmp_threads` (``omp_pause_resource_all``) frees the calling thread's pool;
   the server's engine loop calls it on the thread that starts the engine thread.
