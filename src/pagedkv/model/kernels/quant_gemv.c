@@ -45,6 +45,22 @@
 #define MAX_M 8
 #define ROW_BLOCK 16
 
+/* Rows n0..n1 of a product, ROW(c, ..., n, out) per row with c = M as a compile-time constant
+ * (1..8) at each call site, so that the row's accumulators stay in registers. */
+#define FOR_ROWS(ROW, M, ...)                                                                \
+    do {                                                                                     \
+        switch (M) {                                                                         \
+            case 1: for (int64_t n = n0; n < n1; n++) ROW(1, __VA_ARGS__, n, out); break;    \
+            case 2: for (int64_t n = n0; n < n1; n++) ROW(2, __VA_ARGS__, n, out); break;    \
+            case 3: for (int64_t n = n0; n < n1; n++) ROW(3, __VA_ARGS__, n, out); break;    \
+            case 4: for (int64_t n = n0; n < n1; n++) ROW(4, __VA_ARGS__, n, out); break;    \
+            case 5: for (int64_t n = n0; n < n1; n++) ROW(5, __VA_ARGS__, n, out); break;    \
+            case 6: for (int64_t n = n0; n < n1; n++) ROW(6, __VA_ARGS__, n, out); break;    \
+            case 7: for (int64_t n = n0; n < n1; n++) ROW(7, __VA_ARGS__, n, out); break;    \
+            case 8: for (int64_t n = n0; n < n1; n++) ROW(8, __VA_ARGS__, n, out); break;    \
+        }                                                                                    \
+    } while (0)
+
 /* Independent FMA chains per activation row: an FMA's latency is 4-5 cycles and two issue per
  * cycle, so one row needs several accumulators in flight; 8 rows already give 8 chains. */
 #define CHAINS(M) ((M) == 1 ? 4 : (M) <= 4 ? 2 : 1)
@@ -158,22 +174,7 @@ static void int4_rows(int M, const uint8_t *qs, const float *scale, const float 
                       const float *x, const float *xsum, int64_t K, int64_t N, int64_t n0,
                       int64_t n1, float *out) {
     const int64_t G = K / 32;
-#define INT4_CASE(c)                                                                  \
-    case c:                                                                           \
-        for (int64_t n = n0; n < n1; n++)                                             \
-            int4_row(c, qs, scale, min, x, xsum, K, G, N, n, out);                    \
-        break;
-    switch (M) {
-        INT4_CASE(1)
-        INT4_CASE(2)
-        INT4_CASE(3)
-        INT4_CASE(4)
-        INT4_CASE(5)
-        INT4_CASE(6)
-        INT4_CASE(7)
-        INT4_CASE(8)
-    }
-#undef INT4_CASE
+    FOR_ROWS(int4_row, M, qs, scale, min, x, xsum, K, G, N);
 }
 
 /* ---- AVX-512 bodies (F/BW/VL/DQ); see the header comment ------------------------------- */
@@ -249,22 +250,7 @@ static __attribute__((noinline)) void int4_rows512(int M, const uint8_t *qs, con
                                                    const float *xsum, int64_t K, int64_t N,
                                                    int64_t n0, int64_t n1, float *out) {
     const int64_t G = K / 32;
-#define INT4_CASE(c)                                                                  \
-    case c:                                                                           \
-        for (int64_t n = n0; n < n1; n++)                                             \
-            int4_row512(c, qs, scale, min, x, xsum, K, G, N, n, out);                 \
-        break;
-    switch (M) {
-        INT4_CASE(1)
-        INT4_CASE(2)
-        INT4_CASE(3)
-        INT4_CASE(4)
-        INT4_CASE(5)
-        INT4_CASE(6)
-        INT4_CASE(7)
-        INT4_CASE(8)
-    }
-#undef INT4_CASE
+    FOR_ROWS(int4_row512, M, qs, scale, min, x, xsum, K, G, N);
 }
 
 static inline __attribute__((always_inline)) void int8_row512(
@@ -313,21 +299,7 @@ static inline __attribute__((always_inline)) void int8_row512(
 static __attribute__((noinline)) void int8_rows512(int M, const int8_t *q, const float *scale,
                                                    const float *x, int64_t K, int64_t N,
                                                    int64_t n0, int64_t n1, float *out) {
-#define INT8_CASE(c)                                                                  \
-    case c:                                                                           \
-        for (int64_t n = n0; n < n1; n++) int8_row512(c, q, scale, x, K, N, n, out);  \
-        break;
-    switch (M) {
-        INT8_CASE(1)
-        INT8_CASE(2)
-        INT8_CASE(3)
-        INT8_CASE(4)
-        INT8_CASE(5)
-        INT8_CASE(6)
-        INT8_CASE(7)
-        INT8_CASE(8)
-    }
-#undef INT8_CASE
+    FOR_ROWS(int8_row512, M, q, scale, x, K, N);
 }
 
 #pragma GCC pop_options
@@ -398,21 +370,7 @@ static inline __attribute__((always_inline)) void int8_row(
 
 static void int8_rows(int M, const int8_t *q, const float *scale, const float *x, int64_t K,
                       int64_t N, int64_t n0, int64_t n1, float *out) {
-#define INT8_CASE(c)                                                                  \
-    case c:                                                                           \
-        for (int64_t n = n0; n < n1; n++) int8_row(c, q, scale, x, K, N, n, out);     \
-        break;
-    switch (M) {
-        INT8_CASE(1)
-        INT8_CASE(2)
-        INT8_CASE(3)
-        INT8_CASE(4)
-        INT8_CASE(5)
-        INT8_CASE(6)
-        INT8_CASE(7)
-        INT8_CASE(8)
-    }
-#undef INT8_CASE
+    FOR_ROWS(int8_row, M, q, scale, x, K, N);
 }
 
 int pagedkv_int8_gemm(const float *x, const int8_t *q, const float *scale, float *out,
