@@ -65,6 +65,17 @@ _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 
 
+def isa_code(isa: str) -> int:
+    """quant_gemv.h's ``PAGEDKV_ISA_*`` code of a products' body name (:data:`ISA_CODES`).
+
+    Raises:
+        KernelUnavailableError: an unknown name.
+    """
+    if isa not in ISA_CODES:
+        raise KernelUnavailableError(f"isa {isa!r} is not one of {tuple(ISA_CODES)}")
+    return ISA_CODES[isa]
+
+
 def pack_int4(
     q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -158,8 +169,7 @@ class LlamaLayerWeights:
         eps: float,
         isa: str = "avx2",
     ):
-        if isa not in ISA_CODES:
-            raise KernelUnavailableError(f"isa {isa!r} is not one of {tuple(ISA_CODES)}")
+        code = isa_code(isa)
         hidden = input_norm.shape[0]
         intermediate = down[0].shape[1] * GROUP_SIZE
         width = (num_heads + 2 * num_kv_heads) * head_dim
@@ -201,7 +211,7 @@ class LlamaLayerWeights:
             head_dim,
             intermediate,
             eps,
-            ISA_CODES[isa],
+            code,
         )
         self._keep = (qkv, o, gate_up, down, *vectors)
         #: the struct's address, passed to the C calls.
@@ -244,11 +254,9 @@ class CpuQuantKernels:
     )
 
     def __init__(self, path: Path, fused_layers: bool = True, isa: str = "avx2"):
-        if isa not in ISA_CODES:
-            raise KernelUnavailableError(f"isa {isa!r} is not one of {tuple(ISA_CODES)}")
+        self._isa_code = isa_code(isa)
         #: the products' body: "avx2" (8 lanes) or "avx512" (16 lanes)
         self.isa = isa
-        self._isa_code = ISA_CODES[isa]
         self.path = path
         #: whether models run their small steps' decoder layers through the fused calls
         #: (:meth:`llama_attn_in` / :meth:`llama_attn_out`) or as torch ops around the products
@@ -481,8 +489,7 @@ def load_cpu_quant_kernels(
     c_build.check_avx2_fma(caps)
     widest = best_isa(caps)
     isa = widest if isa is None else isa
-    if isa not in ISA_CODES:
-        raise KernelUnavailableError(f"isa {isa!r} is not one of {tuple(ISA_CODES)}")
+    isa_code(isa)  # an unknown name is refused before anything is built
     if isa == "avx512" and widest != "avx512":
         raise KernelUnavailableError(f"{caps.summary()}: no AVX-512 F/BW/VL/DQ for isa='avx512'")
     compiler = compiler or c_build.compiler()
