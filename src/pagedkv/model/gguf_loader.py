@@ -1,7 +1,10 @@
-"""Read a GGUF file (llama.cpp's format) into Hugging Face-named fp32 weights and a ModelConfig.
+"""Read a GGUF file (llama.cpp's format) into Hugging Face-named weights and a ModelConfig.
 
-The weights are dequantized with the ``gguf`` package (Q4_0/1, Q4_K, Q5_0, Q6_K, Q8_0, F16, F32,
-...). Three things differ from a Hugging Face checkpoint and are undone here:
+The file is memory-mapped. By default (``--quantization gguf``) every 2-D weight stays as the
+file stores it (:class:`~pagedkv.model.gguf_weight.GGUFWeight`: a view of the mapped file, any
+of the GGML types pagedkv's kernels run), so the model's memory is the file's; norms and biases
+are dequantized to fp32. With ``--quantization none`` every tensor is dequantized to fp32 with
+the ``gguf`` package. Three things differ from a Hugging Face checkpoint and are undone here:
 
 - Names: ``blk.{i}.attn_q.weight`` -> ``model.layers.{i}.self_attn.q_proj.weight``, ... (Gemma 3
   has its own table: four norms per layer and q/k norms).
@@ -20,7 +23,6 @@ The weights are dequantized with the ``gguf`` package (Q4_0/1, Q4_K, Q5_0, Q6_K,
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +33,9 @@ import torch
 
 from pagedkv.errors import ModelLoadError
 from pagedkv.model.config import ModelConfig
-from pagedkv.model.gguf_quant import GGUF_QUANTIZED_BITS, unpack_gguf_tensor
-from pagedkv.model.quantization import QuantizedWeight, quantize_int8
+from pagedkv.model.gguf_metadata import read_gguf_header
+from pagedkv.model.gguf_weight import GGUFWeight, ggml_type_name, ggml_type_sizes
+from pagedkv.model.kernels.cpu_quant import CpuQuantKernels
 
 #: Architectures whose GGUF q/k rows are interleaved for llama.cpp's normal (GPT-J style) rotary.
 _PERMUTED_ARCHITECTURES = ("llama", "mistral")
@@ -81,15 +84,12 @@ _MAX_ARRAY_LEN = 4096
 
 @dataclass(slots=True)
 class GGUFCheckpoint:
-    """What a GGUF file holds: model config, fp32 weights under HF names, raw metadata, and
-    (when asked for) the linear weights kept as the file's quantized blocks."""
+    """What a GGUF file holds: model config, weights under HF names (fp32 tensors, and GGUF
+    weights kept as stored when asked for), and the header's metadata."""
 
     config: ModelConfig
-    state_dict: dict[str, torch.Tensor]
+    state_dict: dict[str, torch.Tensor | GGUFWeight]
     metadata: dict[str, Any]
-    #: HF name -> the weight's integers and scales (:func:`gguf_quantized`); empty unless
-    #: ``load_gguf(..., quantized=True)``.
-    quantized: dict[str, QuantizedWeight] = dataclasses.field(default_factory=dict)
 
 
 def hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
@@ -129,103 +129,99 @@ def read_metadata(reader: Any) -> dict[str, Any]:
     return metadata
 
 
-def load_gguf(path: str | Path, *, quantized: bool = False) -> GGUFCheckpoint:
-    """Dequantize every tensor of a GGUF file and build its ModelConfig.
+def load_gguf(
+    path: str | Path, *, quantized: bool = False, kernels: CpuQuantKernels | None = None
+) -> GGUFCheckpoint:
+    """Read a GGUF file's config and weights.
+
+    The file is memory-mapped (read-only, copy on write) and its header walked without the
+    ``gguf`` package's reader (:func:`~pagedkv.model.gguf_metadata.read_gguf_header`: it
+    builds an object per vocabulary entry, tens of seconds for a 128k vocabulary).
 
     Args:
         path: the ``.gguf`` file.
-        quantized: also keep the linear weights as the file stores them
-            (``GGUFCheckpoint.quantized``, see :func:`gguf_quantized`).
+        quantized: keep every 2-D weight (the layers' linears, the embedding, the LM head) as
+            the file stores it (:class:`~pagedkv.model.gguf_weight.GGUFWeight`, a view of the
+            mapped file: no copy, except q / k rows reordered for llama's rotary), computed on
+            by ``kernels``; the rest (norms, biases) is dequantized to fp32. False: every
+            tensor dequantized to fp32 (``--quantization none``, tensor parallelism).
+        kernels: pagedkv's kernels (needed with ``quantized``; a type they do not run is
+            dequantized instead).
 
     Returns:
-        A :class:`GGUFCheckpoint`; ``state_dict`` holds fp32 tensors under Hugging Face names
-        (no ``lm_head.weight`` when the embeddings are tied).
+        A :class:`GGUFCheckpoint`; ``state_dict`` holds fp32 tensors (and with ``quantized``
+        GGUF weights) under Hugging Face names (no ``lm_head.weight`` when the embeddings are
+        tied).
 
     Raises:
-        ModelLoadError: the file cannot be read, or holds an unsupported architecture.
+        ModelLoadError: the file cannot be read, holds an unsupported architecture or a tensor
+            with no place in the decoder.
     """
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    try:
-        reader = GGUFReader(str(path))
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
-    metadata = read_metadata(reader)
+    header = read_gguf_header(path)
+    metadata = dict(header.metadata)
     arch = metadata.get("general.architecture")
-    if f"{arch}.vocab_size" not in metadata and "tokenizer.ggml.tokens" in reader.fields:
-        metadata[f"{arch}.vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"].data)
-    tensor_names = {t.name for t in reader.tensors}
-    config = ModelConfig.from_gguf_metadata(metadata, tensor_names)
+    if f"{arch}.vocab_size" not in metadata and "tokenizer.ggml.tokens" in header.array_lengths:
+        metadata[f"{arch}.vocab_size"] = header.array_lengths["tokenizer.ggml.tokens"]
+    config = ModelConfig.from_gguf_metadata(metadata, header.tensor_names)
     permute = config.architecture in _PERMUTED_ARCHITECTURES
     norm_plus_one = config.architecture in _NORM_PLUS_ONE_ARCHITECTURES
+    try:
+        mapped = np.memmap(path, dtype=np.uint8, mode="c")
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot map GGUF file {path}: {e}") from e
+    runs = kernels.gguf_types if quantized and kernels is not None else frozenset()
 
-    state_dict: dict[str, torch.Tensor] = {}
-    raw: dict[str, QuantizedWeight] = {}
-    for tensor in reader.tensors:
-        array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        weight = torch.from_numpy(array.copy() if not array.flags.writeable else array)
-        if tensor.name == "rope_freqs.weight":
-            config.rope_scaling = {"rope_type": "freq_factors", "factors": weight.tolist()}
-            continue
-        name = hf_name(tensor.name, config.architecture)
-        if name is None:
+    state_dict: dict[str, torch.Tensor | GGUFWeight] = {}
+    for info in header.tensors:
+        type_name = ggml_type_name(info.ggml_type)
+        block_elems, block_bytes = ggml_type_sizes(type_name)
+        cols = info.dims[0]
+        rows = int(np.prod(info.dims[1:], dtype=np.int64)) if len(info.dims) > 1 else 1
+        row_bytes = cols // block_elems * block_bytes
+        if cols % block_elems or info.offset + rows * row_bytes > mapped.shape[0]:
+            raise ModelLoadError(f"GGUF tensor {info.name!r} lies outside the file {path}")
+        raw = mapped[info.offset : info.offset + rows * row_bytes].reshape(rows, row_bytes)
+        name = None if info.name == "rope_freqs.weight" else hf_name(info.name, arch)
+        if info.name != "rope_freqs.weight" and name is None:
             raise ModelLoadError(
-                f"GGUF tensor {tensor.name!r} has no place in a {config.architecture} decoder"
+                f"GGUF tensor {info.name!r} has no place in a {config.architecture} decoder"
             )
-        if norm_plus_one and tensor.name.endswith("norm.weight"):
-            weight = weight - 1.0
         heads = None
-        if permute and ".q_proj." in name:
+        if permute and name is not None and ".q_proj." in name:
             heads = config.num_attention_heads
-        elif permute and ".k_proj." in name:
+        elif permute and name is not None and ".k_proj." in name:
             heads = config.num_key_value_heads
-        if heads is not None:
-            weight = unpermute_rotary_rows(weight, heads)
-        state_dict[name] = weight
-        type_name = tensor.tensor_type.name
-        if quantized and weight.dim() == 2 and type_name in GGUF_QUANTIZED_BITS:
-            qw = unpack_gguf_tensor(tensor.data, type_name, tuple(weight.shape))
+        if len(info.dims) == 2 and info.ggml_type in runs and name is not None:
+            weight = GGUFWeight(type_name, torch.from_numpy(raw), (rows, cols), kernels)
             if heads is not None:
-                qw = QuantizedWeight(
-                    qw.bits,
-                    unpermute_rotary_rows(qw.q, heads),
-                    unpermute_rotary_rows(qw.scale, heads),
-                    None if qw.min is None else unpermute_rotary_rows(qw.min, heads),
-                    qw.group_size,
-                )
-            raw[name] = qw
-    checkpoint = GGUFCheckpoint(config=config, state_dict=state_dict, metadata=metadata)
-    if quantized:
-        checkpoint.quantized = gguf_quantized(raw, state_dict, config)
-    return checkpoint
+                weight = weight.rows(unpermute_rotary_rows(torch.arange(rows), heads))
+            state_dict[name] = weight
+            continue
+        array = np.asarray(dequantize(raw, info.ggml_type), dtype=np.float32)
+        tensor = torch.from_numpy(array.reshape(tuple(reversed(info.dims))).copy())
+        if name is None:  # rope_freqs: llama3-style per-frequency divisors
+            config.rope_scaling = {"rope_type": "freq_factors", "factors": tensor.tolist()}
+            continue
+        if norm_plus_one and info.name.endswith("norm.weight"):
+            tensor = tensor - 1.0
+        if heads is not None:
+            tensor = unpermute_rotary_rows(tensor, heads)
+        state_dict[name] = tensor
+    return GGUFCheckpoint(config=config, state_dict=state_dict, metadata=metadata)
+
+
+def stored_types(state_dict: dict[str, torch.Tensor | GGUFWeight]) -> dict[str, int]:
+    """How many of a checkpoint's weights run as each GGML type kept as stored
+    (``{"Q4_K": 97, "Q6_K": 17}``)."""
+    counts: dict[str, int] = {}
+    for weight in state_dict.values():
+        if isinstance(weight, GGUFWeight):
+            counts[weight.type_name] = counts.get(weight.type_name, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def is_layer_linear(name: str) -> bool:
     """Whether HF weight ``name`` is a decoder layer's linear (q, k, v, o, gate, up, down)."""
     return name.startswith("model.layers.") and name.endswith("_proj.weight")
-
-
-def gguf_quantized(
-    raw: dict[str, QuantizedWeight], state_dict: dict[str, torch.Tensor], config: ModelConfig
-) -> dict[str, QuantizedWeight]:
-    """Which weights run quantized, and how, from what the file stores.
-
-    The layers' 4-bit linears (Q4_0, Q4_1, Q4_K) run as the file's int4 groups, unchanged; an
-    8-bit one (Q8_0, a scale per 32 weights) as int8 with one scale per row (re-quantized: the
-    kernel has no groups). The LM head (the embedding table when tied) runs int4 if the file
-    stores it in a 4-bit format, else as int8 re-quantized per row from its dequantized
-    values, whatever its format: its top logits are recomputed exactly from the dense weight.
-    Other formats (Q5, Q6_K, F16, ...) stay dense.
-    """
-    out: dict[str, QuantizedWeight] = {}
-    for name, qw in raw.items():
-        if is_layer_linear(name):
-            out[name] = qw if qw.bits == 4 else quantize_int8(state_dict[name])
-    head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-    if head in state_dict:
-        qw = raw.get(head)
-        out["lm_head.weight"] = (
-            qw if qw is not None and qw.bits == 4 else (quantize_int8(state_dict[head]))
-        )
-    return out

@@ -1,4 +1,4 @@
-"""Read a GGUF file's header (metadata and tensor names) without touching its tensors.
+"""Read a GGUF file's header (metadata, tensor names and places) without touching its tensors.
 
 The engine sizes its KV cache and checks its options from the model's shape before it loads
 weights, so a bad option fails in well under a second instead of after the load. The ``gguf``
@@ -21,6 +21,8 @@ GGUF layout (versions 2 and 3, little- or big-endian; llama.cpp's ``docs/gguf.md
     kv_count x  (string key, u32 value_type, value)      string = u64 length + UTF-8 bytes
                                                          array = u32 item_type, u64 count, items
     tensor_count x  (string name, u32 n_dims, u64 dims[n_dims], u32 ggml_type, u64 offset)
+    padding to general.alignment (default 32), then the tensor data; each offset counts from
+    the data's start
 
 Torch-free (only the standard library).
 """
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import mmap
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,27 @@ _SCALARS = {
 #: Arrays with more items than this (the vocabulary, merges) are skipped, their length kept;
 #: the same bound as :func:`pagedkv.model.gguf_loader.read_metadata`.
 MAX_ARRAY_LEN = 4096
+#: Alignment of the tensor data when the file does not set ``general.alignment`` (the GGUF spec's).
+DEFAULT_ALIGNMENT = 32
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFTensorInfo:
+    """Where one tensor's bytes lie in a GGUF file.
+
+    Attributes:
+        name: the tensor's GGUF name (``blk.0.attn_q.weight``).
+        dims: its dimensions in ggml's order: ``dims[0]`` is the innermost (elements per row,
+            the input features of a linear weight), ``dims[1]`` the rows (output features).
+        ggml_type: its ``ggml_type`` code (``gguf.GGMLQuantizationType``: 0 F32, 1 F16, 2 Q4_0,
+            12 Q4_K, 14 Q6_K, ...).
+        offset: bytes from the start of the file to the tensor's first byte.
+    """
+
+    name: str
+    dims: tuple[int, ...]
+    ggml_type: int
+    offset: int
 
 
 @dataclass(slots=True)
@@ -67,11 +90,13 @@ class GGUFHeader:
             left out.
         array_lengths: key -> item count of every array field (also the skipped ones).
         tensor_names: the names of the file's tensors.
+        tensors: every tensor's place in the file, in the header's order.
     """
 
     metadata: dict[str, Any]
     array_lengths: dict[str, int]
     tensor_names: set[str]
+    tensors: list[GGUFTensorInfo] = field(default_factory=list)
 
 
 def read_gguf_header(path: str | Path) -> GGUFHeader:
@@ -119,11 +144,22 @@ def _parse(buf: mmap.mmap) -> GGUFHeader:
         else:
             metadata[key] = reader.value(value_type)
     tensor_names = set()
+    relative = []
     for _ in range(tensor_count):
-        tensor_names.add(reader.string())
+        name = reader.string()
+        tensor_names.add(name)
         n_dims = reader.scalar("I")
-        reader.offset += 8 * n_dims + 4 + 8  # dims, ggml type, data offset
-    return GGUFHeader(metadata, array_lengths, tensor_names)
+        dims = struct.unpack_from(f"{order}{n_dims}Q", buf, reader.offset)
+        reader.offset += 8 * n_dims
+        ggml_type = reader.scalar("I")
+        relative.append((name, tuple(dims), ggml_type, reader.scalar("Q")))
+    # the tensor data starts at the next multiple of general.alignment after the header
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment < 1:
+        raise ValueError(f"general.alignment {alignment!r} is not a positive integer")
+    data_start = -(-reader.offset // alignment) * alignment
+    tensors = [GGUFTensorInfo(n, d, t, data_start + off) for n, d, t, off in relative]
+    return GGUFHeader(metadata, array_lengths, tensor_names, tensors)
 
 
 class _Reader:

@@ -28,13 +28,15 @@ from __future__ import annotations
 import torch
 
 from pagedkv.errors import ConfigError
+from pagedkv.model.gguf_weight import GGUFWeight
 from pagedkv.model.packed_linear import PackedLinear
 from pagedkv.model.parallel import TensorParallelGroup, multi_rank
 from pagedkv.model.quantization import QuantizedWeight
 
 
 def _whole_only(quant, parallel: TensorParallelGroup | None) -> None:
-    """Quantized weights run on one rank only (their groups are not cut for shards).
+    """Quantized weights (and GGUF weights kept as stored) run on one rank only (their
+    groups are not cut for shards).
 
     Raises:
         ConfigError: a quantized weight given with a group of several ranks.
@@ -88,6 +90,7 @@ class ColumnParallelLinear(PackedLinear):
     ):
         parallel = multi_rank(parallel)
         _whole_only(quant, parallel)
+        _whole_only(weight if isinstance(weight, GGUFWeight) else None, parallel)
         if parallel is not None:
             rows = _rank_slice(weight.shape[0], parallel, "the output features")
             # A copy, not a view: a view would keep the whole weight alive (mode "plain").
@@ -135,6 +138,7 @@ class QKVParallelLinear(PackedLinear):
         num_kv_heads = k_weight.shape[0] // head_size
         parallel = multi_rank(parallel)
         _whole_only(quants, parallel)
+        _whole_only(q_weight if isinstance(q_weight, GGUFWeight) else None, parallel)
         parts = [(q_weight, k_weight, v_weight)] + ([] if biases is None else [biases])
         if parallel is not None:
             heads = _rank_slice(num_heads, parallel, "the query heads")
@@ -143,7 +147,9 @@ class QKVParallelLinear(PackedLinear):
             kv_rows = slice(first_kv * head_size, last_kv * head_size)
             parts = [(q[q_rows], k[kv_rows], v[kv_rows]) for q, k, v in parts]
             num_heads, num_kv_heads = heads.stop - heads.start, last_kv - first_kv
-        weight = torch.cat(parts[0])  # a copy: holds this rank's rows only
+        # kept as stored: three products, no copy; dense: a copy that holds this rank's rows
+        stored = isinstance(q_weight, GGUFWeight)
+        weight = list(parts[0]) if stored else torch.cat(parts[0])
         bias = torch.cat(parts[1]) if biases is not None else None
         quant = None if quants is None else QuantizedWeight.cat(list(quants))
         super().__init__(weight, bias, mode, quant)
@@ -181,6 +187,7 @@ class RowParallelLinear:
     ):
         parallel = multi_rank(parallel)
         _whole_only(quant, parallel)
+        _whole_only(weight if isinstance(weight, GGUFWeight) else None, parallel)
         if parallel is not None:
             cols = _rank_slice(weight.shape[1], parallel, "the input features")
             weight = weight[:, cols].contiguous()  # a column slice: contiguous() copies it

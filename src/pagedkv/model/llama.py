@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from pagedkv.errors import ModelLoadError
 from pagedkv.model.config import ModelConfig
+from pagedkv.model.gguf_weight import GGUFWeight
 from pagedkv.model.kernels.cpu_quant import LlamaLayerWeights
 from pagedkv.model.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedkv.model.logits import refine_top_logits
@@ -471,8 +472,9 @@ def refine_weight(
     head_quant: QuantizedWeight | None,
 ) -> torch.Tensor | None:
     """The dense LM head weight ``compute_logits`` recomputes the top logits with (exactly in
-    fp32), or None where the logits need no refining: an fp32 model with a dense head, or
-    tensor parallelism."""
+    fp32), or None where the logits need no refining: an fp32 model with a dense head or a
+    GGUF head kept as stored (its products are fp32), or tensor parallelism. A GGUF head
+    refines from its own blocks (:meth:`~pagedkv.model.gguf_weight.GGUFWeight.lookup`)."""
     refine = dtype != torch.float32 or head_quant is not None
     return lm_head if refine and parallel is None else None
 
@@ -508,15 +510,19 @@ def layer_attention_specs(
 
 class _Caster(Mapping):
     """Read-only view of a weight dict that casts each tensor to the model's dtype and device
-    on access."""
+    on access; a GGUF weight kept as stored stays so, its products returning the model's
+    dtype."""
 
     def __init__(self, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device):
         self._weights = weights
         self._dtype = dtype
         self._device = device
 
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self._weights[name].to(dtype=self._dtype, device=self._device).contiguous()
+    def __getitem__(self, name: str) -> torch.Tensor | GGUFWeight:
+        weight = self._weights[name]
+        if isinstance(weight, GGUFWeight):
+            return weight.with_(dtype=self._dtype)
+        return weight.to(dtype=self._dtype, device=self._device).contiguous()
 
     def __iter__(self):
         return iter(self._weights)

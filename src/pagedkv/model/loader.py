@@ -31,7 +31,7 @@ from pagedkv.model.config import ModelConfig
 from pagedkv.model.gemma3 import Gemma3ForCausalLM
 from pagedkv.model.gguf_metadata import read_gguf_header
 from pagedkv.model.hub_cache import cached_snapshot, hub_cache_dir, is_repo_id
-from pagedkv.model.kernels.cpu_quant import default_cpu_quant_kernels
+from pagedkv.model.kernels.cpu_quant import CpuQuantKernels, default_cpu_quant_kernels
 from pagedkv.model.llama import LlamaForCausalLM
 from pagedkv.model.packaged_models import MODEL_ALIASES, smollm2_path
 from pagedkv.model.parallel import TensorParallelGroup, check_tensor_parallel
@@ -45,6 +45,7 @@ from pagedkv.model.quantization import (
 )
 from pagedkv.model.tokenizer import Tokenizer
 from pagedkv.modelinfo.naming import served_model_name
+from pagedkv.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +224,13 @@ def load_model(
             quantization that cannot run here (the message says why).
     """
     path = resolve_model_path(model)
-    quantization = resolve_quantization(quantization, path, torch.device(device), parallel)
+    kernels = None
+    if parallel is None or parallel.world_size == 1:
+        kernels = default_cpu_quant_kernels() if torch.device(device).type == "cpu" else None
+    quantization = resolve_quantization(
+        quantization, path, torch.device(device), parallel, gguf_kernels=kernels
+    )
+    check_weights_fit(path, quantization, dtype)
     start = time.perf_counter()
     logger.info("reading weights from %s", path)
     if path.is_dir():
@@ -232,16 +239,17 @@ def load_model(
 
         checkpoint = load_hf_folder(path)
         config, state_dict = checkpoint.config, checkpoint.state_dict
-        quantized = {}
         eos = config.eos_token_ids + checkpoint.generation_eos_token_ids
         tokenizer = Tokenizer.from_hf_folder(path, eos)
     else:
-        from pagedkv.model.gguf_loader import load_gguf
+        from pagedkv.model.gguf_loader import load_gguf, stored_types
 
-        checkpoint = load_gguf(path, quantized=quantization == "gguf")
+        checkpoint = load_gguf(path, quantized=quantization == "gguf", kernels=kernels)
         config, state_dict = checkpoint.config, checkpoint.state_dict
-        quantized = checkpoint.quantized
         tokenizer = Tokenizer.from_gguf(path, config.eos_token_ids)
+        if quantization == "gguf":
+            log_stored_types(stored_types(state_dict), state_dict, kernels)
+    quantized: dict[str, QuantizedWeight] = {}
     read = time.perf_counter()
     logger.info(
         "read %d tensors in %.1f s; building the model in %s (cast, prepack for this CPU)",
@@ -253,14 +261,11 @@ def load_model(
         check_tensor_parallel(config, parallel.world_size)
     if quantization in ("int4", "int8"):
         quantized = quantize_at_load(state_dict, config, quantization)
-    if quantized and parallel is None:
+    if quantized and kernels is not None:
         # pagedkv's kernels for the small steps where they run (loaded once per model)
-        kernels = default_cpu_quant_kernels()
-        if kernels is not None:
-            quantized = {
-                name: dataclasses.replace(weight, kernels=kernels)
-                for name, weight in quantized.items()
-            }
+        quantized = {
+            name: dataclasses.replace(weight, kernels=kernels) for name, weight in quantized.items()
+        }
     model_class = Gemma3ForCausalLM if config.architecture == "gemma3" else LlamaForCausalLM
     decoder = model_class(
         config, state_dict, dtype=dtype, device=device, parallel=parallel, quantized=quantized
@@ -285,16 +290,18 @@ def resolve_quantization(
     path: Path,
     device: torch.device,
     parallel: TensorParallelGroup | None,
+    gguf_kernels: CpuQuantKernels | None = None,
 ) -> str:
     """The weight format a load runs (one of :data:`QUANTIZATION_METHODS`).
 
-    None picks "gguf" for a GGUF file on the CPU, on one rank, where torch's int4 and int8
-    weight-only kernels run (tried on tiny inputs), else "none": the default is what was
-    measured fastest at batch 1 while computing on the file's own 4-bit values (docs/perf.md).
+    None picks "gguf" for a GGUF file on the CPU, on one rank, where pagedkv's kernels run
+    (``gguf_kernels``: the weights then stay as the file stores them, the model's memory is
+    the file's), else "none".
 
     Raises:
-        ConfigError: an unknown name; "gguf" for a folder model; a quantization with tensor
-            parallelism, off the CPU, or where the kernels do not run.
+        ConfigError: an unknown name; "gguf" for a folder model or where pagedkv's kernels do
+            not run; a quantization with tensor parallelism, off the CPU, or (int4 / int8)
+            where neither pagedkv's nor torch's kernels run.
     """
     if quantization is not None and quantization not in QUANTIZATION_METHODS:
         raise ConfigError(
@@ -303,24 +310,131 @@ def resolve_quantization(
     if quantization == "none":
         return "none"
     several_ranks = parallel is not None and parallel.world_size > 1
-    runs_here = (
-        device.type == "cpu"
-        and not several_ranks
-        and int4_kernel_available()
-        and int8_kernel_available()
-    )
+    on_cpu = device.type == "cpu"
+    gguf_runs = on_cpu and not several_ranks and gguf_kernels is not None
     if quantization is None:
-        return "gguf" if path.is_file() and runs_here else "none"
+        if path.is_file() and not gguf_runs:
+            logger.info(
+                "quantization none: the GGUF file's weights are dequantized (%s)",
+                "tensor parallelism" if several_ranks else "pagedkv's CPU kernels do not run here",
+            )
+        return "gguf" if path.is_file() and gguf_runs else "none"
     if quantization == "gguf" and not path.is_file():
         raise ConfigError("quantization 'gguf' needs a GGUF file; use int4 or int8 for a folder")
     if several_ranks:
         raise ConfigError(f"quantization {quantization!r} runs with tensor_parallel_size 1 only")
+    if quantization == "gguf":
+        if not gguf_runs:
+            raise ConfigError(
+                "quantization 'gguf' needs pagedkv's CPU kernels (an AVX2 + FMA CPU and a C "
+                "compiler; see the log for why they do not run here); use quantization 'none'"
+            )
+        return "gguf"
+    runs_here = on_cpu and (
+        gguf_kernels is not None or (int4_kernel_available() and int8_kernel_available())
+    )
     if not runs_here:
         raise ConfigError(
-            f"quantization {quantization!r} needs torch's CPU weight-only int4 / int8 kernels, "
-            f"which do not run on {device} with this torch build; use quantization 'none'"
+            f"quantization {quantization!r} needs pagedkv's or torch's CPU weight-only int4 / "
+            f"int8 kernels, which do not run on {device} here; use quantization 'none'"
         )
     return quantization
+
+
+def weight_bytes_estimate(path: Path, quantization: str, dtype: torch.dtype) -> int:
+    """Bytes the model's weights will hold resident once loaded, and at the load's peak.
+
+    A GGUF file kept as stored ("gguf"): the file (mapped) plus the q / k rows copied to undo
+    llama.cpp's row order (at most a tenth). Otherwise every weight dequantized: fp32 while
+    it is read plus its copy in ``dtype`` (a GGUF file's elements from its header, a folder's
+    from its safetensors files' sizes).
+    """
+    if path.is_file():
+        file_bytes = path.stat().st_size
+        if quantization == "gguf":
+            return file_bytes + file_bytes // 10
+        elements = sum(_elements(t.dims) for t in read_gguf_header(path).tensors)
+    else:
+        stored = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        elements = stored // 2  # bf16 / fp16 checkpoints; fp32 ones overestimate by 2x
+    return elements * (4 + torch.finfo(dtype).bits // 8)
+
+
+def _elements(dims: tuple[int, ...]) -> int:
+    count = 1
+    for d in dims:
+        count *= d
+    return count
+
+
+def available_memory() -> int | None:
+    """Bytes this process may still take: the smaller of Linux's MemAvailable and the cgroup's
+    limit less its usage; None where neither can be read."""
+    limits = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                limits.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            limits.append(int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return min(limits) if limits else None
+
+
+def check_weights_fit(path: Path, quantization: str, dtype: torch.dtype) -> None:
+    """Refuse, before reading any weight, a model whose weights cannot fit in this machine's
+    available memory (:func:`weight_bytes_estimate` against :func:`available_memory`).
+
+    Raises:
+        ModelLoadError: the estimate exceeds the available memory; the message gives both
+            and what would fit.
+    """
+    available = available_memory()
+    if available is None:
+        return
+    needed = weight_bytes_estimate(path, quantization, dtype)
+    if needed <= available:
+        return
+    hint = (
+        "a smaller or more quantized GGUF file"
+        if quantization == "gguf"
+        else "the GGUF file's own blocks (--quantization gguf) or a quantized GGUF file"
+    )
+    raise ModelLoadError(
+        f"{path.name} needs about {format_bytes(needed)} for its weights "
+        f"(quantization {quantization}, {str(dtype).removeprefix('torch.')}), but only "
+        f"{format_bytes(available)} of memory is available; use {hint}"
+    )
+
+
+def log_stored_types(
+    counts: dict[str, int], state_dict: dict, kernels: CpuQuantKernels | None
+) -> None:
+    """The start-up line naming which tensor types run as stored and which were dequantized
+    (and why: a type pagedkv's kernels do not run, or a 1-D tensor such as a norm)."""
+    dense = sorted(
+        {
+            name.rsplit(".", 2)[-2]
+            for name, w in state_dict.items()
+            if isinstance(w, torch.Tensor) and w.dim() == 2
+        }
+    )
+    stored = ", ".join(f"{n} {t}" for t, n in counts.items()) or "none"
+    isa = "" if kernels is None else f"{kernels.isa.upper().replace('AVX512', 'AVX-512')} "
+    logger.info(
+        "weights kept as stored, on pagedkv's %skernels: %s%s",
+        isa,
+        stored,
+        f"; dequantized to dense (types the kernels do not run): {', '.join(dense)}"
+        if dense
+        else "",
+    )
 
 
 def quantize_at_load(

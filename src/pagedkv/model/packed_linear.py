@@ -27,17 +27,23 @@ A layer may also hold its weight quantized (:mod:`pagedkv.model.quantization`: t
 4-bit blocks, or int4 / int8 made at load): a step of at most ``QUANT_MAX_TOKENS`` tokens (a
 decode of a few requests) then runs the weight-only quantized product and the epilogue as a
 separate op, reading a quarter to an eighth of the bytes; larger steps run the dense weight.
+
+Or it holds no dense weight at all: a GGUF weight kept as the file stores it
+(:class:`~pagedkv.model.gguf_weight.GGUFWeight`, or several stacked: q, k and v) runs every
+step through :class:`~pagedkv.model.gguf_weight.GGUFMatmul`, its epilogue a separate op.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from pagedkv.cpu_caps import CpuCapabilities, probe_cpu
 from pagedkv.errors import ConfigError
+from pagedkv.model.gguf_weight import GGUFMatmul, GGUFWeight
 from pagedkv.model.quantization import QUANT_MAX_TOKENS, QuantizedMatmul, QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -110,7 +116,9 @@ class PackedLinear:
     """``y = x W^T (+ b)`` with optional fused epilogues; weight packed once for oneDNN.
 
     Args:
-        weight: ``[out_features, in_features]`` in the compute dtype.
+        weight: ``[out_features, in_features]`` in the compute dtype; or a GGUF weight as the
+            file stores it, or a sequence of them stacked on the output features (every step
+            then runs :class:`~pagedkv.model.gguf_weight.GGUFMatmul`, no dense copy).
         bias: ``[out_features]`` or None.
         mode: one of :data:`LINEAR_MODES` (:func:`linear_mode` chooses it for a CPU).
         quant: the same weight quantized, run for steps of at most
@@ -121,17 +129,32 @@ class PackedLinear:
             kernels cannot take.
     """
 
-    __slots__ = ("bias", "dtype", "out_features", "packed", "quant", "upcast", "weight")
+    __slots__ = ("bias", "dtype", "gguf", "out_features", "packed", "quant", "upcast", "weight")
 
     def __init__(
         self,
-        weight: torch.Tensor,
+        weight: torch.Tensor | GGUFWeight | Sequence[GGUFWeight],
         bias: torch.Tensor | None = None,
         mode: str = "packed",
         quant: QuantizedWeight | None = None,
     ):
         if mode not in LINEAR_MODES:
             raise ConfigError(f"mode must be one of {LINEAR_MODES}, got {mode!r}")
+        #: the product on the file's blocks (every step), or None for a dense weight.
+        self.gguf = None
+        if isinstance(weight, GGUFWeight) or (
+            isinstance(weight, Sequence) and weight and isinstance(weight[0], GGUFWeight)
+        ):
+            if quant is not None:
+                raise ConfigError("a GGUF weight kept as stored takes no second quantized form")
+            self.gguf = GGUFMatmul([weight] if isinstance(weight, GGUFWeight) else weight)
+            self.quant = None
+            self.out_features = self.gguf.out_features
+            self.dtype = self.gguf.dtype
+            self.upcast = False
+            self.bias = bias
+            self.packed = self.weight = None
+            return
         if quant is not None and quant.shape != tuple(weight.shape):
             raise ConfigError(
                 f"quantized weight {quant.shape} does not match the weight {tuple(weight.shape)}"
@@ -172,8 +195,11 @@ class PackedLinear:
         return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, op)
 
     def _small(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``x W^T + b`` through the quantized weight when this step is small enough, else
-        None."""
+        """``x W^T + b`` through the GGUF weight (every step), or the quantized weight when
+        this step is small enough; else None."""
+        if self.gguf is not None:
+            y = self.gguf(x)
+            return y if self.bias is None else y.add_(self.bias)
         if self.quant is None or x.shape[0] > QUANT_MAX_TOKENS:
             return None
         y = self.quant(x, self.dtype)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv.errors import ConfigError
+from pagedkv.model.gguf_weight import GGUFWeight
 from pagedkv.model.packed_linear import PackedLinear
 from pagedkv.model.parallel import TensorParallelGroup, multi_rank
 from pagedkv.model.quantization import QuantizedWeight
@@ -38,15 +39,23 @@ class VocabParallelEmbedding:
     """Token embedding whose table is split by vocabulary rows.
 
     Args:
-        weight: ``[vocab_size, hidden]`` the whole table, in the compute dtype.
+        weight: ``[vocab_size, hidden]`` the whole table, in the compute dtype; or a GGUF
+            weight as the file stores it (one rank only: each lookup dequantizes its rows).
         parallel: this rank's group (its ``group`` set before the first call); None (or one
             rank) = the whole table, no collective.
+
+    Raises:
+        ConfigError: a GGUF weight with several ranks.
     """
 
     __slots__ = ("parallel", "shard_size", "vocab_size", "vocab_start", "weight")
 
-    def __init__(self, weight: torch.Tensor, parallel: TensorParallelGroup | None = None):
+    def __init__(
+        self, weight: torch.Tensor | GGUFWeight, parallel: TensorParallelGroup | None = None
+    ):
         parallel = multi_rank(parallel)
+        if isinstance(weight, GGUFWeight) and parallel is not None:
+            raise ConfigError("GGUF weights kept as stored run with tensor_parallel_size 1 only")
         #: rows of the whole vocabulary.
         self.vocab_size = weight.shape[0]
         if parallel is not None:
@@ -61,6 +70,8 @@ class VocabParallelEmbedding:
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embeddings ``[num_tokens, hidden]`` (compute dtype, the same on every rank) of
         ``input_ids`` ``[num_tokens]`` int64 (ids in ``[0, vocab_size)``)."""
+        if isinstance(self.weight, GGUFWeight):
+            return self.weight.lookup(input_ids).to(self.weight.dtype)
         if self.parallel is None:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.vocab_start
@@ -75,7 +86,7 @@ class ParallelLMHead:
 
     Args:
         weight: ``[vocab_size, hidden]`` the whole head (the embedding table when tied), in the
-            compute dtype.
+            compute dtype; or a GGUF weight as the file stores it (one rank only).
         mode: a :data:`~pagedkv.model.packed_linear.LINEAR_MODES` entry.
         parallel: this rank's group (its ``group`` set before the first call); None (or one
             rank) = the whole head, no collective.
@@ -90,13 +101,13 @@ class ParallelLMHead:
 
     def __init__(
         self,
-        weight: torch.Tensor,
+        weight: torch.Tensor | GGUFWeight,
         mode: str,
         parallel: TensorParallelGroup | None = None,
         quant: QuantizedWeight | None = None,
     ):
         parallel = multi_rank(parallel)
-        if quant is not None and parallel is not None:
+        if (quant is not None or isinstance(weight, GGUFWeight)) and parallel is not None:
             raise ConfigError("quantized weights run with tensor_parallel_size 1 only")
         #: rows of the whole vocabulary (the gathered logits' width).
         self.vocab_size = weight.shape[0]

@@ -1,0 +1,218 @@
+"""A weight kept as the GGUF file stores it, and the product that computes on its blocks.
+
+llama.cpp maps a GGUF file and multiplies by its blocks as they are stored: its memory is the
+file plus the KV cache. pagedkv does the same. A :class:`GGUFWeight` is a view of the file's
+bytes (a read-only memory map: pages the process never touches cost nothing, the others are
+shared with the page cache), and :class:`GGUFMatmul` computes ``x W^T`` on them with pagedkv's
+kernels (:mod:`pagedkv.model.kernels.cpu_quant`, ``gguf_blocks.c``)::
+
+    steps of at most MAX_ROWS tokens   gguf_gemm: every block read once from memory and unpacked
+                                       in registers for all rows; fp32 activations and
+                                       accumulation (the dequantized weights' numbers)
+    larger steps (prompts, batches)    a tile of rows at a time dequantized into a small scratch
+                                       (``gguf_dequant``, fp32 or bf16), then torch's GEMM on
+                                       the tile: the weight is read once per step, and the
+                                       scratch stays in the caches
+
+so no dense copy of the model is ever held (``--quantization none`` asks for one). The
+embedding table is looked up row by row (``gguf_get_rows``). Every GGML type the kernels
+take runs this way (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16, F32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedkv.errors import ConfigError
+from pagedkv.model.kernels.cpu_quant import MAX_ROWS, CpuQuantKernels
+
+#: Elements of the dequantized scratch a large step fills per tile (16 MiB in fp32): the
+#: tile then stays in the L2/L3 caches while the GEMM reads it.
+TILE_ELEMENTS = 4 << 20
+
+
+def ggml_type_sizes(type_name: str) -> tuple[int, int]:
+    """``(block_elems, block_bytes)`` of a GGML type (``"Q4_K"`` -> ``(256, 144)``).
+
+    Raises:
+        ConfigError: a type the ``gguf`` package does not know.
+    """
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        return GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    except KeyError:
+        raise ConfigError(f"unknown GGML tensor type {type_name!r}") from None
+
+
+def ggml_type_name(type_id: int) -> str:
+    """The GGML type's name of a ``ggml_type`` code (2 -> ``"Q4_0"``).
+
+    Raises:
+        ConfigError: an unknown code.
+    """
+    from gguf.constants import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(type_id).name
+    except ValueError:
+        raise ConfigError(f"unknown GGML tensor type code {type_id}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFWeight:
+    """A 2-D weight ``[out_features, in_features]`` as the GGUF file stores it.
+
+    Attributes:
+        type_name: its GGML type (``"Q4_K"``, ``"Q6_K"``, ``"F16"``, ...).
+        data: uint8 ``[out_features, row_bytes]``: each row's consecutive blocks, as in the
+            file (a view of the file's memory map, or a copy where rows were reordered).
+        shape: ``(out_features, in_features)``.
+        kernels: pagedkv's kernels that compute on it.
+        dtype: the dtype its products return (the model's compute dtype).
+    """
+
+    type_name: str
+    data: torch.Tensor
+    shape: tuple[int, int]
+    kernels: CpuQuantKernels | None = field(default=None, repr=False, compare=False)
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        block_elems, block_bytes = ggml_type_sizes(self.type_name)
+        rows, cols = self.shape
+        if cols % block_elems:
+            raise ConfigError(
+                f"a {self.type_name} row of {cols} elements is not a whole number of "
+                f"{block_elems}-element blocks"
+            )
+        expected = (rows, cols // block_elems * block_bytes)
+        if self.data.dtype != torch.uint8 or tuple(self.data.shape) != expected:
+            raise ConfigError(
+                f"{self.type_name} weight {self.shape}: data must be uint8 {expected}, got "
+                f"{self.data.dtype} {tuple(self.data.shape)}"
+            )
+
+    @property
+    def type_id(self) -> int:
+        """The ``ggml_type`` code the kernels take."""
+        from gguf.constants import GGMLQuantizationType
+
+        return int(GGMLQuantizationType[self.type_name])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stored blocks (what a product reads)."""
+        return self.data.numel()
+
+    def with_(self, **changes) -> GGUFWeight:
+        """A copy with ``changes`` (``kernels=``, ``dtype=``); the data is shared."""
+        return dataclasses.replace(self, **changes)
+
+    def rows(self, index: torch.Tensor | slice) -> GGUFWeight:
+        """The weight's output rows ``index`` (a copy of their blocks for an index tensor: the
+        rows of a q / k weight reordered)."""
+        data = self.data[index].contiguous()
+        return dataclasses.replace(self, data=data, shape=(data.shape[0], self.shape[1]))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The whole weight ``[out_features, in_features]`` in ``dtype`` (float32: the
+        values ``gguf``'s dequantizer gives, bit for bit)."""
+        out = torch.empty(self.shape, dtype=torch.float32)
+        self._kernels().gguf_dequant(self.type_id, self.data, out, 0)
+        return out if dtype == torch.float32 else out.to(dtype)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (int64, any shape ``S``) dequantized, float32 ``[*S, in_features]``
+        (an embedding lookup, or the LM head rows :func:`~pagedkv.model.logits.
+        refine_top_logits` recomputes)."""
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(flat.shape[0], self.shape[1], dtype=torch.float32)
+        if flat.shape[0]:
+            self._kernels().gguf_get_rows(self.type_id, self.data, flat, out)
+        return out.view(*ids.shape, self.shape[1])
+
+    __getitem__ = lookup
+
+    def _kernels(self) -> CpuQuantKernels:
+        if self.kernels is None:
+            raise ConfigError(f"{self.type_name} weight {self.shape} has no kernels attached")
+        return self.kernels
+
+
+class GGUFMatmul:
+    """``x W^T`` on weights as the file stores them: ``parts`` stacked along the output
+    features (q, k and v of one layer, each in its own type; or one weight).
+
+    Args:
+        parts: :class:`GGUFWeight` of one ``in_features``, each with kernels attached; the
+            output's columns are the parts' rows in order.
+
+    Raises:
+        ConfigError: no parts, parts of different widths or compute dtypes, or a part
+            without kernels.
+    """
+
+    __slots__ = ("dtype", "in_features", "out_features", "parts")
+
+    def __init__(self, parts: Sequence[GGUFWeight]):
+        if not parts:
+            raise ConfigError("GGUFMatmul needs at least one weight")
+        first = parts[0]
+        for part in parts:
+            if part.shape[1] != first.shape[1] or part.dtype != first.dtype:
+                raise ConfigError(
+                    f"stacked GGUF weights must share in_features and dtype: {first.shape} "
+                    f"{first.dtype} vs {part.shape} {part.dtype}"
+                )
+            part._kernels()
+        self.parts = tuple(parts)
+        #: ``in_features`` and the parts' rows summed.
+        self.in_features = first.shape[1]
+        self.out_features = sum(p.shape[0] for p in parts)
+        #: the dtype a call returns (the model's compute dtype).
+        self.dtype = first.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stored blocks of every part."""
+        return sum(p.nbytes for p in self.parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x W^T`` ``[num_tokens, out_features]`` in :attr:`dtype` for x ``[num_tokens,
+        in_features]`` (any float dtype)."""
+        num_tokens = x.shape[0]
+        if num_tokens <= MAX_ROWS:
+            xf = x.float().contiguous()
+            outs = [
+                p.kernels.gguf_gemm(p.type_id, xf, p.data, p.shape[0])
+                if num_tokens
+                else xf.new_empty(0, p.shape[0])
+                for p in self.parts
+            ]
+            y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+            return y if y.dtype == self.dtype else y.to(self.dtype)
+        return self._tiled(x)
+
+    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
+        """A large step: each tile of rows dequantized into a scratch in the compute dtype
+        (float32, or bfloat16 for a bf16 model), then torch's GEMM on it."""
+        dtype = torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float32
+        xc = x.to(dtype).contiguous()
+        k = self.in_features
+        tile_rows = max(16, TILE_ELEMENTS // k)
+        scratch = torch.empty(min(tile_rows, max(p.shape[0] for p in self.parts)), k, dtype=dtype)
+        out = torch.empty(x.shape[0], self.out_features, dtype=dtype)
+        column = 0
+        for part in self.parts:
+            for start in range(0, part.shape[0], tile_rows):
+                rows = min(tile_rows, part.shape[0] - start)
+                tile = scratch[:rows]
+                part.kernels.gguf_dequant(part.type_id, part.data, tile, start)
+                out[:, column : column + rows] = torch.mm(xc, tile.t())
+                column += rows
+        return out if out.dtype == self.dtype else out.to(self.dtype)

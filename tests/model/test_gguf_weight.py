@@ -1,0 +1,148 @@
+"""GGUF weights kept as the file stores them: the products on their blocks, the loader that maps
+the file, and the memory rule (a model's resident weights are about its file's size)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from pagedkv.errors import ConfigError, ModelLoadError
+from pagedkv.model import loader
+from pagedkv.model.gguf_loader import load_gguf, stored_types
+from pagedkv.model.gguf_weight import GGUFMatmul, GGUFWeight
+from pagedkv.model.kernels.cpu_quant import default_cpu_quant_kernels
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    found = default_cpu_quant_kernels()
+    if found is None:
+        pytest.skip("pagedkv's CPU kernels do not run here")
+    return found
+
+
+@pytest.fixture(scope="module")
+def stored(gguf_path, kernels):
+    """SmolLM2's checkpoint with its 2-D weights kept as stored (Q4_1 linears, Q8_0
+    embedding) and the same file dequantized."""
+    return load_gguf(gguf_path, quantized=True, kernels=kernels), load_gguf(gguf_path)
+
+
+def test_every_2d_weight_stays_as_stored(stored):
+    kept, dense = stored
+    assert set(kept.state_dict) == set(dense.state_dict)
+    for name, weight in kept.state_dict.items():
+        if dense.state_dict[name].dim() == 2:
+            assert isinstance(weight, GGUFWeight), name
+            assert torch.equal(weight.dequantize(), dense.state_dict[name]), name
+        else:
+            assert torch.equal(weight, dense.state_dict[name]), name
+    assert stored_types(kept.state_dict) == {"Q4_1": 210, "Q8_0": 1}
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 8, 9, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_products_match_the_dequantized_weights(stored, num_tokens, dtype):
+    """Small steps (the blocks read in registers) and large ones (tiles dequantized, then
+    torch's GEMM) give the dequantized weights' product; q, k and v stacked as three parts."""
+    kept, dense = stored
+    prefix = "model.layers.3.self_attn."
+    parts = [kept.state_dict[f"{prefix}{p}_proj.weight"].with_(dtype=dtype) for p in "qkv"]
+    product = GGUFMatmul(parts)
+    reference = torch.cat([dense.state_dict[f"{prefix}{p}_proj.weight"] for p in "qkv"])
+    x = torch.randn(num_tokens, reference.shape[1], generator=torch.Generator().manual_seed(0))
+    got = product(x.to(dtype))
+    assert got.dtype == dtype and got.shape == (num_tokens, reference.shape[0])
+    expected = x.to(dtype).double() @ reference.double().T
+    scale = expected.abs().max().item()
+    # fp32: summation order; bf16 large steps: the tile and the activations rounded to bf16
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (got.double() - expected).abs().max().item() <= tolerance * scale
+
+
+def test_embedding_lookup_equals_the_dequantized_rows(stored):
+    kept, dense = stored
+    table = kept.state_dict["model.embed_tokens.weight"]
+    ids = torch.tensor([[0, 5], [49151, 17]])
+    assert torch.equal(table.lookup(ids), dense.state_dict["model.embed_tokens.weight"][ids])
+
+
+def test_stacked_parts_must_agree(stored):
+    kept, _ = stored
+    q = kept.state_dict["model.layers.0.self_attn.q_proj.weight"]
+    down = kept.state_dict["model.layers.0.mlp.down_proj.weight"]
+    with pytest.raises(ConfigError, match="in_features"):
+        GGUFMatmul([q, down])
+    with pytest.raises(ConfigError, match="no kernels"):
+        GGUFMatmul([q.with_(kernels=None)])
+    with pytest.raises(ConfigError, match="uint8"):
+        GGUFWeight("Q4_1", q.data[:, :-1], q.shape)
+
+
+def test_a_model_that_cannot_fit_is_refused_before_loading(gguf_path, monkeypatch):
+    monkeypatch.setattr(loader, "available_memory", lambda: 50 << 20)
+    with pytest.raises(ModelLoadError, match=r"needs about .* but only 50\.00 MiB"):
+        loader.load_model(gguf_path, quantization="none")
+
+
+_RSS_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, torch
+    from pagedkv.model.loader import load_model, resolve_model_path
+    from pagedkv.model.tokenizer import Tokenizer
+
+    def rss():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+
+    path = resolve_model_path(None)
+    Tokenizer.from_gguf(path)  # transformers and the tokenizer's own memory, counted before
+    torch.zeros(1) @ torch.zeros(1, 1)
+    before = rss()
+    loaded = load_model(path, dtype=getattr(torch, sys.argv[1]), quantization=sys.argv[2])
+    model = loaded.model
+    h = model.embed_tokens(torch.arange(64))
+    for layer in model.layers:  # every stored weight read once, as a forward does
+        for linear in (layer.qkv_proj, layer.o_proj.linear, layer.gate_proj, layer.up_proj,
+                       layer.down_proj.linear):
+            if linear.gguf is not None:
+                linear(torch.zeros(9, linear.gguf.in_features, dtype=model.dtype))
+    model.compute_logits(h[:1].to(model.dtype))
+    print(json.dumps({"growth": rss() - before, "file": path.stat().st_size}))
+    """
+)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_resident_weights_stay_near_the_file_size(dtype):
+    """The memory rule: loading the default model with its blocks kept as stored grows the
+    process by at most 1.25x its file (the mapped file's pages, q / k rows reordered, small
+    dense tensors); dequantized (``none``) it grows by several times the file."""
+    sizes = {}
+    for quantization in ("gguf", "none"):
+        out = subprocess.run(
+            [sys.executable, "-c", _RSS_SCRIPT, dtype, quantization],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+        )
+        sizes[quantization] = json.loads(out.stdout.strip().splitlines()[-1])
+    file_bytes = sizes["gguf"]["file"]
+    assert sizes["gguf"]["growth"] <= 1.25 * file_bytes, sizes
+    assert sizes["none"]["growth"] >= 2 * file_bytes, sizes
+
+
+def test_unpermuted_rows_match_the_dense_loader(stored):
+    """llama.cpp's q / k row order is undone on the stored blocks (a copy of their rows)."""
+    kept, dense = stored
+    name = "model.layers.0.self_attn.k_proj.weight"
+    assert torch.equal(kept.state_dict[name].dequantize(), dense.state_dict[name])
