@@ -35,11 +35,12 @@ import ctypes
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from pagedkv.cpu_caps import CpuCapabilities, probe_cpu
+from pagedkv.cpu_caps import CpuCapabilities, cpu_flags, probe_cpu
 from pagedkv.ops import c_build
 from pagedkv.ops.c_build import KernelUnavailableError
 
@@ -52,8 +53,10 @@ KERNEL_ENV = "PAGEDKV_QUANT_KERNEL"
 KERNEL_CHOICES = ("auto", "products", "torch")
 #: The C sources of the kernels, compiled into one library (the header is part of the build
 #: key): the products, and the decoder layer built on them.
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("quant_gemv.c", "decode_layer.c"))
-HEADERS = (Path(__file__).with_name("quant_gemv.h"),)
+SOURCES = tuple(
+    Path(__file__).with_name(n) for n in ("quant_gemv.c", "decode_layer.c", "gguf_blocks.c")
+)
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("quant_gemv.h", "gguf_blocks_isa.h"))
 #: Most activation rows one call takes.
 MAX_ROWS = 8
 #: Input features per int4 group the kernel reads.
@@ -63,6 +66,65 @@ ISA_CODES = {"avx2": 0, "avx512": 1}
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
+
+
+@dataclass(frozen=True)
+class GGMLType:
+    """A GGUF tensor type that gguf_blocks.c reads as the file stores it.
+
+    Attributes:
+        name: GGML's name ("Q4_K"); type_id: its ``GGMLQuantizationType`` value;
+        block_elems: weights per block (1 for the float types); block_bytes: bytes per block.
+    """
+
+    name: str
+    type_id: int
+    block_elems: int
+    block_bytes: int
+
+
+#: The GGUF types of :meth:`CpuQuantKernels.gguf_gemm` / ``gguf_dequant`` / ``gguf_get_rows``,
+#: by name (gguf's ``GGML_QUANT_SIZES`` for each).
+GGML_TYPES: dict[str, GGMLType] = {
+    t.name: t
+    for t in (
+        GGMLType("F32", 0, 1, 4),
+        GGMLType("F16", 1, 1, 2),
+        GGMLType("Q4_0", 2, 32, 18),
+        GGMLType("Q4_1", 3, 32, 20),
+        GGMLType("Q5_0", 6, 32, 22),
+        GGMLType("Q5_1", 7, 32, 24),
+        GGMLType("Q8_0", 8, 32, 34),
+        GGMLType("Q4_K", 12, 256, 144),
+        GGMLType("Q5_K", 13, 256, 176),
+        GGMLType("Q6_K", 14, 256, 210),
+        GGMLType("BF16", 30, 1, 2),
+    )
+}
+_BY_ID = {t.type_id: t for t in GGML_TYPES.values()}
+
+
+def ggml_type(type_id: int) -> GGMLType:
+    """The :class:`GGMLType` of a GGML type id.
+
+    Raises:
+        KernelUnavailableError: a type the kernels do not read.
+    """
+    if type_id not in _BY_ID:
+        raise KernelUnavailableError(f"GGML type {type_id} is not one of the kernels' types")
+    return _BY_ID[type_id]
+
+
+def row_bytes(type_id: int, K: int) -> int:
+    """Bytes of one row of K weights of a GGML type.
+
+    Raises:
+        KernelUnavailableError: an unknown type, or K not a positive multiple of its block.
+    """
+    t = ggml_type(type_id)
+    if K <= 0 or K % t.block_elems:
+        raise KernelUnavailableError(f"{t.name}: K = {K} is not a multiple of {t.block_elems}")
+    return K // t.block_elems * t.block_bytes
 
 
 def isa_code(isa: str) -> int:
@@ -245,10 +307,14 @@ class CpuQuantKernels:
         "_attn_in",
         "_attn_out",
         "_forward",
+        "_gguf_dequant",
+        "_gguf_gemm",
+        "_gguf_rows",
         "_int4",
         "_int8",
         "_isa_code",
         "fused_layers",
+        "gguf_types",
         "isa",
         "path",
     )
@@ -277,6 +343,37 @@ class CpuQuantKernels:
         self._forward = lib.pagedkv_llama_forward
         self._forward.argtypes = [_P, _P, _I64, _P, _P, _P, _I64, ctypes.c_int]
         self._forward.restype = ctypes.c_int
+        self._gguf_gemm = lib.pagedkv_gguf_gemm
+        self._gguf_gemm.argtypes = [
+            ctypes.c_int,
+            _P,
+            _P,
+            _P,
+            _I64,
+            _I64,
+            _I64,
+            ctypes.c_int,
+            ctypes.c_int,
+        ]
+        self._gguf_gemm.restype = ctypes.c_int
+        self._gguf_dequant = lib.pagedkv_gguf_dequant
+        self._gguf_dequant.argtypes = [
+            ctypes.c_int,
+            _P,
+            _I64,
+            _I64,
+            _I64,
+            _P,
+            ctypes.c_int,
+            ctypes.c_int,
+        ]
+        self._gguf_dequant.restype = ctypes.c_int
+        self._gguf_rows = lib.pagedkv_gguf_get_rows
+        self._gguf_rows.argtypes = [ctypes.c_int, _P, _P, _I64, _I64, _I64, _P]
+        self._gguf_rows.restype = ctypes.c_int
+        #: the GGML type ids the ``gguf_*`` calls take (:data:`GGML_TYPES`): all of them where
+        #: the CPU has F16C (every AVX2 CPU made has), none otherwise
+        self.gguf_types = frozenset(_BY_ID) if "f16c" in cpu_flags() else frozenset()
 
     @staticmethod
     def layer_array(layers: Sequence[LlamaLayerWeights]) -> ctypes.Array:
@@ -393,6 +490,141 @@ class CpuQuantKernels:
             KernelUnavailableError: the kernel refused the shapes.
         """
         return self._run(self._int8, "int8", x, q.shape[0], (q.data_ptr(), scale.data_ptr()))
+
+    def _gguf_weight(self, type_id: int, w: torch.Tensor, in_features: int) -> int:
+        """Check a raw GGUF weight ``w`` (uint8 contiguous ``[N, row_bytes]``) of a type these
+        kernels take for K = ``in_features``; returns N.
+
+        Raises:
+            KernelUnavailableError: a type not in :attr:`gguf_types`, or a weight of another
+                dtype, layout or width.
+        """
+        if type_id not in self.gguf_types:
+            raise KernelUnavailableError(f"GGML type {type_id} is not offered here")
+        width = row_bytes(type_id, in_features)
+        if w.dtype != torch.uint8 or w.dim() != 2 or not w.is_contiguous():
+            raise KernelUnavailableError(
+                f"a GGUF weight must be uint8 contiguous [N, {width}], got {w.dtype} "
+                f"{tuple(w.shape)}"
+            )
+        if w.shape[1] != width:
+            raise KernelUnavailableError(
+                f"{ggml_type(type_id).name} rows of K = {in_features} take {width} bytes, "
+                f"not {w.shape[1]}"
+            )
+        return w.shape[0]
+
+    def gguf_gemm(
+        self, type_id: int, x: torch.Tensor, w: torch.Tensor, num_outputs: int | None = None
+    ) -> torch.Tensor:
+        """``x W^T`` fp32 ``[M, N]`` on a GGUF weight as the file stores it (gguf_blocks.c):
+        fp32 activations, fp32 accumulation, no activation quantization.
+
+        Args:
+            type_id: the weight's GGML type id (one of :attr:`gguf_types`).
+            x: fp32 contiguous ``[M, K]``, 1 <= M <= :data:`MAX_ROWS`, K a multiple of the
+                type's block.
+            w: uint8 contiguous ``[N, row_bytes(type_id, K)]``, the N rows of raw blocks (may
+                be a read-only memory map: it is never written).
+            num_outputs: N, checked against ``w`` (None: ``w``'s).
+
+        Raises:
+            KernelUnavailableError: a type, shape or dtype the kernel does not take.
+        """
+        if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
+            raise KernelUnavailableError(f"x must be fp32 contiguous [M, K], got {x.dtype}")
+        rows, in_features = x.shape
+        if not 1 <= rows <= MAX_ROWS:
+            raise KernelUnavailableError(f"{rows} activation rows (1 to {MAX_ROWS})")
+        n = self._gguf_weight(type_id, w, in_features)
+        if num_outputs is not None and num_outputs != n:
+            raise KernelUnavailableError(f"{num_outputs} outputs asked of a weight of {n} rows")
+        out = torch.empty(rows, n, dtype=torch.float32)
+        rc = self._gguf_gemm(
+            type_id,
+            x.data_ptr(),
+            w.data_ptr(),
+            out.data_ptr(),
+            rows,
+            n,
+            in_features,
+            torch.get_num_threads(),
+            self._isa_code,
+        )
+        if rc:
+            raise KernelUnavailableError(f"gguf_gemm refused type {type_id}, x {tuple(x.shape)}")
+        return out
+
+    def gguf_dequant(
+        self, type_id: int, w: torch.Tensor, out: torch.Tensor, row_start: int = 0
+    ) -> torch.Tensor:
+        """Rows ``row_start .. row_start + R`` of a GGUF weight dequantized into ``out``
+        (gguf_blocks.c), bit for bit what ``gguf.quants.dequantize`` gives (fp32), or that
+        rounded to nearest even (bf16).
+
+        Args:
+            type_id: the weight's GGML type id (one of :attr:`gguf_types`).
+            w: uint8 contiguous ``[N, row_bytes(type_id, K)]`` (never written).
+            out: fp32 or bf16 contiguous ``[R, K]``, preallocated; returned.
+            row_start: the first row, ``0 <= row_start`` and ``row_start + R <= N``.
+
+        Raises:
+            KernelUnavailableError: a type, shape, dtype or row range not taken (``out`` is
+                then left as it was).
+        """
+        if out.dtype not in (torch.float32, torch.bfloat16) or out.dim() != 2:
+            raise KernelUnavailableError(f"out must be fp32 or bf16 [R, K], got {out.dtype}")
+        if not out.is_contiguous():
+            raise KernelUnavailableError("out must be contiguous")
+        num_rows, in_features = out.shape
+        n = self._gguf_weight(type_id, w, in_features)
+        if row_start < 0 or row_start + num_rows > n:
+            raise KernelUnavailableError(f"rows {row_start} + {num_rows} of a weight of {n}")
+        rc = self._gguf_dequant(
+            type_id,
+            w.data_ptr(),
+            row_start,
+            num_rows,
+            in_features,
+            out.data_ptr(),
+            int(out.dtype == torch.bfloat16),
+            torch.get_num_threads(),
+        )
+        if rc:
+            raise KernelUnavailableError(f"gguf_dequant refused type {type_id}")
+        return out
+
+    def gguf_get_rows(
+        self, type_id: int, w: torch.Tensor, ids: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
+        """Rows ``ids`` of a GGUF weight (an embedding lookup) dequantized into ``out``, bit
+        for bit what ``gguf.quants.dequantize`` gives.
+
+        Args:
+            type_id: the weight's GGML type id (one of :attr:`gguf_types`).
+            w: uint8 contiguous ``[N, row_bytes(type_id, K)]`` (never written).
+            ids: int64 contiguous ``[num_ids]``, each in ``[0, N)``.
+            out: fp32 contiguous ``[num_ids, K]``, preallocated; returned.
+
+        Raises:
+            KernelUnavailableError: a type, shape or dtype not taken, or an id outside
+                ``[0, N)`` (``out`` is then left as it was).
+        """
+        if ids.dtype != torch.int64 or ids.dim() != 1 or not ids.is_contiguous():
+            raise KernelUnavailableError(f"ids must be int64 contiguous [num_ids], got {ids.dtype}")
+        if out.dtype != torch.float32 or out.dim() != 2 or not out.is_contiguous():
+            raise KernelUnavailableError(
+                f"out must be fp32 contiguous [num_ids, K], got {out.dtype}"
+            )
+        if out.shape[0] != ids.shape[0]:
+            raise KernelUnavailableError(f"{ids.shape[0]} ids, out of {out.shape[0]} rows")
+        n = self._gguf_weight(type_id, w, out.shape[1])
+        rc = self._gguf_rows(
+            type_id, w.data_ptr(), ids.data_ptr(), ids.shape[0], n, out.shape[1], out.data_ptr()
+        )
+        if rc:
+            raise KernelUnavailableError(f"gguf_get_rows refused ids outside [0, {n})")
+        return out
 
     def _run(
         self, kernel, name: str, x: torch.Tensor, num_outputs: int, pointers: tuple

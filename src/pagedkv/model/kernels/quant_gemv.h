@@ -13,4 +13,18 @@ int pagedkv_int4_gemm(const float *x, const uint8_t *qs, const float *scale, con
 int pagedkv_int8_gemm(const float *x, const int8_t *q, const float *scale, float *out,
                       int64_t M, int64_t N, int64_t K, int num_threads, int isa);
 
+/* gguf_blocks.c: GGUF tensors as the file stores them (type = the GGML type id; see there).
+ * pagedkv_gguf_block: a type's elements and bytes per block (-1: a type not taken).
+ * pagedkv_gguf_gemm: out [M, N] = x [M, K] W^T, W the N rows of raw blocks, 1 <= M <= 8.
+ * pagedkv_gguf_dequant: rows row_start .. + num_rows of W into out [num_rows, K], fp32 or bf16.
+ * pagedkv_gguf_get_rows: rows ids (each in [0, N)) of W into out fp32 [num_ids, K].
+ * Each returns 0, or -1 for arguments it does not take (and then writes nothing). */
+int pagedkv_gguf_block(int type, int64_t *block_elems, int64_t *block_bytes);
+int pagedkv_gguf_gemm(int type, const float *x, const uint8_t *w, float *out, int64_t M,
+                      int64_t N, int64_t K, int num_threads, int isa);
+int pagedkv_gguf_dequant(int type, const uint8_t *w, int64_t row_start, int64_t num_rows,
+                         int64_t K, void *out, int out_bf16, int num_threads);
+int pagedkv_gguf_get_rows(int type, const uint8_t *w, const int64_t *ids, int64_t num_ids,
+                          int64_t N, int64_t K, float *out);
+
 #endif

@@ -1,0 +1,383 @@
+/* One vector body of gguf_blocks.c, included there twice: once with the AVX2 macros (VL = 8
+ * lanes), once with the AVX-512 ones (VL = 16). Everything here is written in terms of those
+ * macros (VF / VI the float / int32 vector, LOADF, FMA, U8 = VL bytes zero-extended to int32
+ * lanes, ...) and of SFX(name), which appends the body's suffix. Not a header of its own: it
+ * only makes sense inside gguf_blocks.c (see the block layouts there). */
+
+#define NV (32 / VL) /* vectors per group of 32 weights */
+
+/* Fast (gemm) or exact (dequant) w = a * b + c: the exact form rounds the product, then the
+ * sum, as gguf.quants' numpy code does; the fast one is one fused multiply-add. */
+#define MULADD(exact, a, b, c) ((exact) ? ADD(MUL((a), (b)), (c)) : FMA((a), (b), (c)))
+#define MULSUB(exact, a, b, c) ((exact) ? SUB(MUL((a), (b)), (c)) : FMSUB((a), (b), (c)))
+
+/* Vector v of a group whose 32 nibbles sit in 16 bytes (Q4_0 / Q4_1 / Q5_0 / Q5_1): elements
+ * 0-15 are the low nibbles of bytes 0-15, elements 16-31 the high nibbles. */
+static inline AI VI SFX(nib16)(const uint8_t *qs, int v) {
+    const VI b = U8(qs + (v * VL) % 16);
+    return v * VL >= 16 ? SRLI(b, 4) : ANDI(b, 0x0F);
+}
+
+/* ---- the 32-element blocks: w[0..NV) = the block's 32 weights ----------------------------- */
+
+static inline AI void SFX(dec_q4_0)(const uint8_t *b, VF w[NV], const int exact) {
+    (void)exact;
+    const VF d = SET1(f16_to_f32(b));
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; v++) w[v] = MUL(d, CVT(SUBI(SFX(nib16)(b + 2, v), 8)));
+}
+
+static inline AI void SFX(dec_q4_1)(const uint8_t *b, VF w[NV], const int exact) {
+    const VF d = SET1(f16_to_f32(b)), m = SET1(f16_to_f32(b + 2));
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; v++) w[v] = MULADD(exact, d, CVT(SFX(nib16)(b + 4, v)), m);
+}
+
+static inline AI void SFX(dec_q5_0)(const uint8_t *b, VF w[NV], const int exact) {
+    (void)exact;
+    const VF d = SET1(f16_to_f32(b));
+    uint32_t qh;
+    memcpy(&qh, b + 2, 4);
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; v++)
+        w[v] = MUL(d, CVT(SUBI(ORI(SFX(nib16)(b + 6, v), QH16(qh, v * VL)), 16)));
+}
+
+static inline AI void SFX(dec_q5_1)(const uint8_t *b, VF w[NV], const int exact) {
+    const VF d = SET1(f16_to_f32(b)), m = SET1(f16_to_f32(b + 2));
+    uint32_t qh;
+    memcpy(&qh, b + 4, 4);
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; v++)
+        w[v] = MULADD(exact, d, CVT(ORI(SFX(nib16)(b + 8, v), QH16(qh, v * VL))), m);
+}
+
+static inline AI void SFX(dec_q8_0)(const uint8_t *b, VF w[NV], const int exact) {
+    (void)exact;
+    const VF d = SET1(f16_to_f32(b));
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; v++) w[v] = MUL(CVT(I8(b + 2 + v * VL)), d);
+}
+
+/* 32 consecutive elements of the float types (a "block" of 32 of them). */
+static inline AI void SFX(dec_f32)(const uint8_t *b, VF w[NV], const int exact) {
+    (void)exact;
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; v++) w[v] = LOADF((const float *)b + v * VL);
+}
+
+static inline AI void SFX(dec_f16)(const uint8_t *b, VF w[NV], const int exact) {
+    (void)exact;
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; v++) w[v] = F16X(b + 2 * v * VL);
+}
+
+static inline AI void SFX(dec_bf16)(const uint8_t *b, VF w[NV], const int exact) {
+    (void)exact;
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; v++) w[v] = BF16X(b + 2 * v * VL);
+}
+
+/* ---- the 256-element super-blocks: prepared once (scales), then 8 groups of 32 ------------- */
+
+/* Q4_K / Q5_K group j (0..7): D[j] * q - DM[j] with q the nibble (Q5_K: plus bit j of qh). */
+static inline AI void SFX(dec_q4_k_group)(const uint8_t *qs, int j, const float *D,
+                                          const float *DM, VF w[NV], const int exact) {
+    const VF d = SET1(D[j]), dm = SET1(DM[j]);
+    const uint8_t *bytes = qs + 32 * (j / 2);
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; v++) {
+        const VI b = U8(bytes + v * VL);
+        w[v] = MULSUB(exact, d, CVT(j & 1 ? SRLI(b, 4) : ANDI(b, 0x0F)), dm);
+    }
+}
+
+static inline AI void SFX(dec_q5_k_group)(const uint8_t *qh, const uint8_t *qs, int j,
+                                          const float *D, const float *DM, VF w[NV],
+                                          const int exact) {
+    const VF d = SET1(D[j]), dm = SET1(DM[j]);
+    const uint8_t *bytes = qs + 32 * (j / 2);
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; v++) {
+        const VI b = U8(bytes + v * VL);
+        const VI high = ANDI(SRLV(U8(qh + v * VL), j), 1);
+        const VI q = ORI(j & 1 ? SRLI(b, 4) : ANDI(b, 0x0F), SLLI(high, 4));
+        w[v] = MULSUB(exact, d, CVT(q), dm);
+    }
+}
+
+/* Q6_K group g (0..7) of 32: half h = g / 4 (128 elements), quarter t = g % 4 of it. */
+static inline AI void SFX(dec_q6_k_group)(const uint8_t *blk, int g, const float *D, VF w[NV],
+                                          const int exact) {
+    (void)exact;
+    const int h = g / 4, t = g % 4;
+    const uint8_t *lo = blk + 64 * h + 32 * (t & 1), *hi = blk + 128 + 32 * h;
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; v++) {
+        const VI b = U8(lo + v * VL);
+        const VI nib = t >= 2 ? SRLI(b, 4) : ANDI(b, 0x0F);
+        const VI top = SLLI(ANDI(SRLV(U8(hi + v * VL), 2 * t), 3), 4);
+        const VF q = CVT(SUBI(ORI(nib, top), 32));
+        w[v] = MUL(SET1(D[2 * g + (v * VL) / 16]), q);
+    }
+}
+
+/* ---- gemm: one output row for all M activation rows ----------------------------------- */
+
+/* acc[m][(base + v) % C] += w[v] * x[m, off + v VL ..]: C independent chains per row. */
+#define ACCUM(M, C, w, x, K, off, base, acc)                                                 \
+    do {                                                                                     \
+        _Pragma("GCC unroll 8") for (int m_ = 0; m_ < (M); m_++)                             \
+            _Pragma("GCC unroll 4") for (int v_ = 0; v_ < NV; v_++)                          \
+                (acc)[m_][((base) + v_) % (C)] = FMA(                                         \
+                    (w)[v_], LOADF((x) + m_ * (K) + (off) + v_ * VL), (acc)[m_][((base) + v_) % (C)]); \
+    } while (0)
+
+/* Row n of a product over 32-element blocks of BB bytes (DEC one of the dec_* above). */
+#define ROW32(T, BB, DEC)                                                                    \
+    static inline AI void SFX(row_##T)(const int M, const uint8_t *w, const float *x,        \
+                                       int64_t K, int64_t N, int64_t n, float *out) {        \
+        const int C = CHAINS(M);                                                             \
+        VF acc[MAX_M][4];                                                                    \
+        _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)                                  \
+            _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) acc[m][c] = ZERO();          \
+        const int64_t G = K / 32;                                                            \
+        const uint8_t *row = w + n * G * (BB);                                               \
+        int64_t g = 0;                                                                       \
+        for (; g + 2 <= G; g += 2) {                                                         \
+            const uint8_t *b = row + g * (BB);                                               \
+            for (int o = 0; o < 2 * (BB); o += 64) PREFETCH(b + PF_BYTES + o);               \
+            VF w0[NV], w1[NV];                                                               \
+            DEC(b, w0, 0);                                                                   \
+            DEC(b + (BB), w1, 0);                                                            \
+            ACCUM(M, C, w0, x, K, g * 32, 0, acc);                                           \
+            ACCUM(M, C, w1, x, K, g * 32 + 32, NV, acc);                                     \
+        }                                                                                    \
+        if (g < G) {                                                                         \
+            VF w0[NV];                                                                       \
+            DEC(row + g * (BB), w0, 0);                                                      \
+            ACCUM(M, C, w0, x, K, g * 32, 0, acc);                                           \
+        }                                                                                    \
+        _Pragma("GCC unroll 8") for (int m = 0; m < M; m++) {                                \
+            _Pragma("GCC unroll 4") for (int c = 1; c < C; c++) acc[m][0] = ADD(acc[m][0], acc[m][c]); \
+            out[m * N + n] = HSUM(acc[m][0]);                                                \
+        }                                                                                    \
+    }
+
+ROW32(q4_0, 18, SFX(dec_q4_0))
+ROW32(q4_1, 20, SFX(dec_q4_1))
+ROW32(q5_0, 22, SFX(dec_q5_0))
+ROW32(q5_1, 24, SFX(dec_q5_1))
+ROW32(q8_0, 34, SFX(dec_q8_0))
+
+/* The float types: K need not be a multiple of 32; the last K % 32 elements are summed in
+ * scalar code (float_at gives element k of the row as fp32). */
+#define ROWF(T, ES, DEC, AT)                                                                 \
+    static inline AI void SFX(row_##T)(const int M, const uint8_t *w, const float *x,        \
+                                       int64_t K, int64_t N, int64_t n, float *out) {        \
+        const int C = CHAINS(M);                                                             \
+        VF acc[MAX_M][4];                                                                    \
+        _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)                                  \
+            _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) acc[m][c] = ZERO();          \
+        const uint8_t *row = w + n * K * (ES);                                               \
+        int64_t k = 0;                                                                       \
+        for (; k + 64 <= K; k += 64) {                                                       \
+            const uint8_t *b = row + k * (ES);                                               \
+            for (int o = 0; o < 64 * (ES); o += 64) PREFETCH(b + PF_BYTES + o);              \
+            VF w0[NV], w1[NV];                                                               \
+            DEC(b, w0, 0);                                                                   \
+            DEC(b + 32 * (ES), w1, 0);                                                       \
+            ACCUM(M, C, w0, x, K, k, 0, acc);                                                \
+            ACCUM(M, C, w1, x, K, k + 32, NV, acc);                                          \
+        }                                                                                    \
+        for (; k + 32 <= K; k += 32) {                                                       \
+            VF w0[NV];                                                                       \
+            DEC(row + k * (ES), w0, 0);                                                      \
+            ACCUM(M, C, w0, x, K, k, 0, acc);                                                \
+        }                                                                                    \
+        _Pragma("GCC unroll 8") for (int m = 0; m < M; m++) {                                \
+            _Pragma("GCC unroll 4") for (int c = 1; c < C; c++) acc[m][0] = ADD(acc[m][0], acc[m][c]); \
+            float tail = 0.0f;                                                               \
+            for (int64_t t = k; t < K; t++) tail += AT(row, t) * x[m * K + t];               \
+            out[m * N + n] = HSUM(acc[m][0]) + tail;                                         \
+        }                                                                                    \
+    }
+
+ROWF(f32, 4, SFX(dec_f32), f32_at)
+ROWF(f16, 2, SFX(dec_f16), f16_at)
+ROWF(bf16, 2, SFX(dec_bf16), bf16_at)
+
+/* Q4_K / Q5_K / Q6_K rows: the super-block's scales decoded once, then its 8 groups. */
+#define ROWK(T, BB, PREP, GROUP)                                                             \
+    static inline AI void SFX(row_##T)(const int M, const uint8_t *w, const float *x,        \
+                                       int64_t K, int64_t N, int64_t n, float *out) {        \
+        const int C = CHAINS(M);                                                             \
+        VF acc[MAX_M][4];                                                                    \
+        _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)                                  \
+            _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) acc[m][c] = ZERO();          \
+        const int64_t S = K / 256;                                                           \
+        const uint8_t *row = w + n * S * (BB);                                               \
+        for (int64_t s = 0; s < S; s++) {                                                    \
+            const uint8_t *blk = row + s * (BB);                                             \
+            for (int o = 0; o < (BB); o += 64) PREFETCH(blk + PF_BYTES + o);                 \
+            float D[16], DM[8];                                                              \
+            PREP(blk, D, DM);                                                                \
+            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                            \
+                VF wj[NV];                                                                   \
+                GROUP;                                                                       \
+                ACCUM(M, C, wj, x, K, s * 256 + j * 32, (j * NV) % 4, acc);                  \
+            }                                                                                \
+        }                                                                                    \
+        _Pragma("GCC unroll 8") for (int m = 0; m < M; m++) {                                \
+            _Pragma("GCC unroll 4") for (int c = 1; c < C; c++) acc[m][0] = ADD(acc[m][0], acc[m][c]); \
+            out[m * N + n] = HSUM(acc[m][0]);                                                \
+        }                                                                                    \
+    }
+
+ROWK(q4_k, 144, prep_q4_k, SFX(dec_q4_k_group)(blk + 16, j, D, DM, wj, 0))
+ROWK(q5_k, 176, prep_q4_k, SFX(dec_q5_k_group)(blk + 16, blk + 48, j, D, DM, wj, 0))
+ROWK(q6_k, 210, prep_q6_k, SFX(dec_q6_k_group)(blk, j, D, wj, 0))
+
+/* rows n0..n1 of one type, M a constant at each call site */
+#define ROWS(T)                                                                              \
+    static __attribute__((noinline)) void SFX(rows_##T)(int M, const uint8_t *w,             \
+                                                        const float *x, int64_t K, int64_t N, \
+                                                        int64_t n0, int64_t n1, float *out) { \
+        switch (M) {                                                                         \
+            case 1: for (int64_t n = n0; n < n1; n++) SFX(row_##T)(1, w, x, K, N, n, out); break; \
+            case 2: for (int64_t n = n0; n < n1; n++) SFX(row_##T)(2, w, x, K, N, n, out); break; \
+            case 3: for (int64_t n = n0; n < n1; n++) SFX(row_##T)(3, w, x, K, N, n, out); break; \
+            case 4: for (int64_t n = n0; n < n1; n++) SFX(row_##T)(4, w, x, K, N, n, out); break; \
+            case 5: for (int64_t n = n0; n < n1; n++) SFX(row_##T)(5, w, x, K, N, n, out); break; \
+            case 6: for (int64_t n = n0; n < n1; n++) SFX(row_##T)(6, w, x, K, N, n, out); break; \
+            case 7: for (int64_t n = n0; n < n1; n++) SFX(row_##T)(7, w, x, K, N, n, out); break; \
+            case 8: for (int64_t n = n0; n < n1; n++) SFX(row_##T)(8, w, x, K, N, n, out); break; \
+        }                                                                                    \
+    }
+
+ROWS(f32)
+ROWS(f16)
+ROWS(bf16)
+ROWS(q4_0)
+ROWS(q4_1)
+ROWS(q5_0)
+ROWS(q5_1)
+ROWS(q8_0)
+ROWS(q4_k)
+ROWS(q5_k)
+ROWS(q6_k)
+
+/* Rows n0..n1 of the product of a type (a GGML_* id that gguf_blocks.c has checked). */
+static void SFX(gemm_rows)(int type, int M, const uint8_t *w, const float *x, int64_t K,
+                           int64_t N, int64_t n0, int64_t n1, float *out) {
+    switch (type) {
+        case GGML_F32: SFX(rows_f32)(M, w, x, K, N, n0, n1, out); break;
+        case GGML_F16: SFX(rows_f16)(M, w, x, K, N, n0, n1, out); break;
+        case GGML_BF16: SFX(rows_bf16)(M, w, x, K, N, n0, n1, out); break;
+        case GGML_Q4_0: SFX(rows_q4_0)(M, w, x, K, N, n0, n1, out); break;
+        case GGML_Q4_1: SFX(rows_q4_1)(M, w, x, K, N, n0, n1, out); break;
+        case GGML_Q5_0: SFX(rows_q5_0)(M, w, x, K, N, n0, n1, out); break;
+        case GGML_Q5_1: SFX(rows_q5_1)(M, w, x, K, N, n0, n1, out); break;
+        case GGML_Q8_0: SFX(rows_q8_0)(M, w, x, K, N, n0, n1, out); break;
+        case GGML_Q4_K: SFX(rows_q4_k)(M, w, x, K, N, n0, n1, out); break;
+        case GGML_Q5_K: SFX(rows_q5_k)(M, w, x, K, N, n0, n1, out); break;
+        case GGML_Q6_K: SFX(rows_q6_k)(M, w, x, K, N, n0, n1, out); break;
+    }
+}
+
+#if DEQUANT_BODY
+/* ---- dequant: one row, exact (the formulas of gguf.quants, in its rounding order) ------- */
+
+/* Store 32 values: fp32, or bf16 rounded to nearest even. */
+static inline AI void SFX(store32)(const VF w[NV], void *out, int64_t k, const int bf16) {
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; v++) {
+        if (bf16)
+            STORE_BF16((uint16_t *)out + k + v * VL, w[v]);
+        else
+            STOREF((float *)out + k + v * VL, w[v]);
+    }
+}
+
+#define DEQ32(T, BB, DEC)                                                                    \
+    static void SFX(deq_##T)(const uint8_t *row, int64_t K, void *out, const int bf16) {     \
+        for (int64_t g = 0; g < K / 32; g++) {                                               \
+            VF w0[NV];                                                                       \
+            DEC(row + g * (BB), w0, 1);                                                      \
+            SFX(store32)(w0, out, g * 32, bf16);                                             \
+        }                                                                                    \
+    }
+
+DEQ32(q4_0, 18, SFX(dec_q4_0))
+DEQ32(q4_1, 20, SFX(dec_q4_1))
+DEQ32(q5_0, 22, SFX(dec_q5_0))
+DEQ32(q5_1, 24, SFX(dec_q5_1))
+DEQ32(q8_0, 34, SFX(dec_q8_0))
+
+#define DEQF(T, ES, DEC, AT)                                                                 \
+    static void SFX(deq_##T)(const uint8_t *row, int64_t K, void *out, const int bf16) {     \
+        int64_t k = 0;                                                                       \
+        for (; k + 32 <= K; k += 32) {                                                       \
+            VF w0[NV];                                                                       \
+            DEC(row + k * (ES), w0, 1);                                                      \
+            SFX(store32)(w0, out, k, bf16);                                                  \
+        }                                                                                    \
+        for (; k < K; k++) {                                                                 \
+            if (bf16)                                                                        \
+                ((uint16_t *)out)[k] = f32_to_bf16(AT(row, k));                              \
+            else                                                                             \
+                ((float *)out)[k] = AT(row, k);                                              \
+        }                                                                                    \
+    }
+
+DEQF(f32, 4, SFX(dec_f32), f32_at)
+DEQF(f16, 2, SFX(dec_f16), f16_at)
+DEQF(bf16, 2, SFX(dec_bf16), bf16_at)
+
+#define DEQK(T, BB, PREP, GROUP)                                                             \
+    static void SFX(deq_##T)(const uint8_t *row, int64_t K, void *out, const int bf16) {     \
+        for (int64_t s = 0; s < K / 256; s++) {                                              \
+            const uint8_t *blk = row + s * (BB);                                             \
+            float D[16], DM[8];                                                              \
+            PREP(blk, D, DM);                                                                \
+            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                            \
+                VF wj[NV];                                                                   \
+                GROUP;                                                                       \
+                SFX(store32)(wj, out, s * 256 + j * 32, bf16);                               \
+            }                                                                                \
+        }                                                                                    \
+    }
+
+DEQK(q4_k, 144, prep_q4_k, SFX(dec_q4_k_group)(blk + 16, j, D, DM, wj, 1))
+DEQK(q5_k, 176, prep_q4_k, SFX(dec_q5_k_group)(blk + 16, blk + 48, j, D, DM, wj, 1))
+DEQK(q6_k, 210, prep_q6_k, SFX(dec_q6_k_group)(blk, j, D, wj, 1))
+
+/* One row of a type (checked by the caller) into out [K] (fp32 or bf16). */
+static void SFX(dequant_row)(int type, const uint8_t *row, int64_t K, void *out, int bf16) {
+    switch (type) {
+        case GGML_F32: SFX(deq_f32)(row, K, out, bf16); break;
+        case GGML_F16: SFX(deq_f16)(row, K, out, bf16); break;
+        case GGML_BF16: SFX(deq_bf16)(row, K, out, bf16); break;
+        case GGML_Q4_0: SFX(deq_q4_0)(row, K, out, bf16); break;
+        case GGML_Q4_1: SFX(deq_q4_1)(row, K, out, bf16); break;
+        case GGML_Q5_0: SFX(deq_q5_0)(row, K, out, bf16); break;
+        case GGML_Q5_1: SFX(deq_q5_1)(row, K, out, bf16); break;
+        case GGML_Q8_0: SFX(deq_q8_0)(row, K, out, bf16); break;
+        case GGML_Q4_K: SFX(deq_q4_k)(row, K, out, bf16); break;
+        case GGML_Q5_K: SFX(deq_q5_k)(row, K, out, bf16); break;
+        case GGML_Q6_K: SFX(deq_q6_k)(row, K, out, bf16); break;
+    }
+}
+#endif
+
+#undef NV
+#undef MULADD
+#undef MULSUB
+#undef ACCUM
+#undef ROW32
+#undef ROWF
+#undef ROWK
+#undef ROWS
+#undef DEQ32
+#undef DEQF
+#undef DEQK
