@@ -242,9 +242,12 @@ def quantize(weights: np.ndarray, type_name: str) -> np.ndarray:
 
 
 _LAYER_INDEX_PREFIX = "blk."
+#: A decoder layer's 2-D weights, by GGUF name within ``blk.{i}.``.
+_LINEAR_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
 def _layer_of(gguf_name: str) -> int | None:
+    """The layer index of ``blk.{i}.*``; None for a global tensor."""
     if not gguf_name.startswith(_LAYER_INDEX_PREFIX):
         return None
     return int(gguf_name.split(".")[1])
@@ -288,9 +291,6 @@ def every_type(gguf_name: str, shape: tuple[int, ...]) -> str:
     index = order.index(base) if base in order else 0
     candidates = [t for t in TYPES if t not in K_TYPES or shape[-1] % QK_K == 0]
     return candidates[index % len(candidates)]
-
-
-_LINEAR_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
 # ---------------------------------------------------------------------------------------------
