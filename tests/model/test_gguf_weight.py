@@ -123,9 +123,11 @@ _RSS_SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_resident_weights_stay_near_the_file_size(dtype):
-    """The memory rule: loading the default model with its blocks kept as stored grows the
-    process by at most 1.25x its file (the mapped file's pages, q / k rows reordered, small
-    dense tensors); dequantized (``none``) it grows by several times the file."""
+    """The memory rule: loading the default model with its blocks kept as stored and reading
+    every weight grows the process by at most 1.25x its file (the mapped file's pages, q / k
+    rows reordered, small dense tensors) plus 48 MiB that do not grow with the model (the
+    kernels' library and its threads, a large step's scratch the allocator keeps; measured
+    about 30 MiB); dequantized (``none``) it grows by several times the file."""
     sizes = {}
     for quantization in ("gguf", "none"):
         out = subprocess.run(
@@ -137,7 +139,7 @@ def test_resident_weights_stay_near_the_file_size(dtype):
         )
         sizes[quantization] = json.loads(out.stdout.strip().splitlines()[-1])
     file_bytes = sizes["gguf"]["file"]
-    assert sizes["gguf"]["growth"] <= 1.25 * file_bytes, sizes
+    assert sizes["gguf"]["growth"] <= 1.25 * file_bytes + (48 << 20), sizes
     assert sizes["none"]["growth"] >= 2 * file_bytes, sizes
 
 
