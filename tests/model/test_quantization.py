@@ -165,8 +165,15 @@ def test_resolve_quantization(tmp_path):
     with pytest.raises(ConfigError, match="needs a GGUF file"):
         resolve_quantization("gguf", tmp_path, cpu, None)
     assert resolve_quantization(None, tmp_path, cpu, None) == "none"
+    # a GGUF file stays as stored only on pagedkv's kernels: without them it loads dense
+    assert resolve_quantization(None, gguf, cpu, None) == "none"
+    with pytest.raises(ConfigError, match="needs pagedkv's CPU kernels"):
+        resolve_quantization("gguf", gguf, cpu, None)
+    kernels = default_cpu_quant_kernels()
+    if kernels is not None:
+        assert resolve_quantization(None, gguf, cpu, None, gguf_kernels=kernels) == "gguf"
+        assert resolve_quantization("int8", tmp_path, cpu, None, gguf_kernels=kernels) == "int8"
     if int4_kernel_available() and int8_kernel_available():
-        assert resolve_quantization(None, gguf, cpu, None) == "gguf"
         assert resolve_quantization("int8", tmp_path, cpu, None) == "int8"
 
 
