@@ -3,9 +3,13 @@
 The weights are dequantized with the ``gguf`` package (Q4_0/1, Q4_K, Q5_0, Q6_K, Q8_0, F16, F32,
 ...). Three things differ from a Hugging Face checkpoint and are undone here:
 
-- Names: ``blk.{i}.attn_q.weight`` -> ``model.layers.{i}.self_attn.q_proj.weight``, ... (Gemma 3
-  has its own table: four norms per layer and q/k norms).
-- Gemma norm weights (gemma3 architecture only). Gemma's RMSNorm scales by ``1 + weight``;
+- Names: ``blk.{i}.attn_q.weight`` -> ``model.layers.{i}.self_attn.q_proj.weight``, ... (Gemma 2
+  and 3 have their own table: four norms per layer, and Gemma 3's q/k norms; Qwen3 adds
+  ``attn_q_norm`` / ``attn_k_norm``; Phi-3's fused ``attn_qkv`` and ``ffn_up``, which holds gate
+  then up, are split like its Hugging Face checkpoints' by
+  :func:`pagedkv.model.fused_weights.split_fused_weights`, and its LongRoPE factors are the
+  ``rope_factors_short`` / ``rope_factors_long`` tensors).
+- Gemma norm weights (gemma2 and gemma3 architectures). Gemma's RMSNorm scales by ``1 + weight``;
   llama.cpp's converter stores ``weight + 1`` for every ``*norm.weight`` so that its plain RMSNorm
   applies. We subtract 1 back (as transformers' GGUF loader does), so the weights equal the
   Hugging Face ones and :mod:`pagedkv.model.gemma3` applies ``1 + weight`` as transformers does.
@@ -13,9 +17,10 @@ The weights are dequantized with the ``gguf`` package (Q4_0/1, Q4_K, Q5_0, Q6_K,
   of a head with dimension ``j + head_dim/2`` ("rotate half"); llama.cpp's pairs ``2j`` with
   ``2j + 1``. llama.cpp's converter therefore permutes the rows of q_proj and k_proj, per head, from
   ``[x_0 .. x_{d/2-1}, y_0 .. y_{d/2-1}]`` to ``[x_0, y_0, x_1, y_1, ...]``. We apply the inverse so
-  that the weights equal the Hugging Face ones and the rotate-half rotary applies. (Qwen2 GGUFs use
-  llama.cpp's NeoX rotary, which already pairs ``j`` with ``j + d/2``: nothing to undo; nor for
-  Gemma 3, also NeoX in llama.cpp.)
+  that the weights equal the Hugging Face ones and the rotate-half rotary applies. (Qwen2, Qwen3
+  and Phi-3 GGUFs use llama.cpp's NeoX rotary, which already pairs ``j`` with ``j + d/2``, and
+  its converter does not permute them: nothing to undo; nor for Gemma 2 and 3, also NeoX in
+  llama.cpp.)
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ import numpy as np
 import torch
 
 from pagedkv.errors import ModelLoadError
-from pagedkv.model.config import ModelConfig
+from pagedkv.model.config import ModelConfig, gguf_longrope_scaling
+from pagedkv.model.fused_weights import split_fused_weights
 from pagedkv.model.gguf_quant import GGUF_QUANTIZED_BITS, unpack_gguf_tensor
 from pagedkv.model.quantization import QuantizedWeight, quantize_int8
 
@@ -71,9 +77,31 @@ _GEMMA3_LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-_LAYER_NAMES_BY_ARCHITECTURE = {"gemma3": _GEMMA3_LAYER_NAMES}
+_QWEN3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+#: Phi-3's fused q/k/v and gate/up (split after loading, see the module docstring)
+_PHI3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "attn_qkv.bias": "self_attn.qkv_proj.bias",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+}
+_LAYER_NAMES_BY_ARCHITECTURE = {
+    "gemma2": _GEMMA3_LAYER_NAMES,
+    "gemma3": _GEMMA3_LAYER_NAMES,
+    "qwen3": _QWEN3_LAYER_NAMES,
+    "phi3": _PHI3_LAYER_NAMES,
+}
 #: Architectures whose GGUF norm weights hold ``1 + weight`` (llama.cpp's Gemma converters).
-_NORM_PLUS_ONE_ARCHITECTURES = ("gemma3",)
+_NORM_PLUS_ONE_ARCHITECTURES = ("gemma2", "gemma3")
+#: Phi-3's LongRoPE factor tensors -> rope_scaling keys.
+_LONGROPE_TENSORS = {
+    "rope_factors_short.weight": "short_factor",
+    "rope_factors_long.weight": "long_factor",
+}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 # Array fields larger than this (the vocabulary, merges) are not turned into Python values.
 _MAX_ARRAY_LEN = 4096
@@ -162,11 +190,15 @@ def load_gguf(path: str | Path, *, quantized: bool = False) -> GGUFCheckpoint:
 
     state_dict: dict[str, torch.Tensor] = {}
     raw: dict[str, QuantizedWeight] = {}
+    longrope: dict[str, list[float]] = {}
     for tensor in reader.tensors:
         array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         weight = torch.from_numpy(array.copy() if not array.flags.writeable else array)
         if tensor.name == "rope_freqs.weight":
             config.rope_scaling = {"rope_type": "freq_factors", "factors": weight.tolist()}
+            continue
+        if tensor.name in _LONGROPE_TENSORS:
+            longrope[_LONGROPE_TENSORS[tensor.name]] = weight.tolist()
             continue
         name = hf_name(tensor.name, config.architecture)
         if name is None:
@@ -195,6 +227,12 @@ def load_gguf(path: str | Path, *, quantized: bool = False) -> GGUFCheckpoint:
                     qw.group_size,
                 )
             raw[name] = qw
+    if longrope:
+        config.rope_scaling = gguf_longrope_scaling(
+            config, metadata, longrope.get("short_factor"), longrope.get("long_factor")
+        )
+    split_fused_weights(state_dict, config)  # Phi-3's attn_qkv and ffn_up
+    split_fused_weights(raw, config)
     checkpoint = GGUFCheckpoint(config=config, state_dict=state_dict, metadata=metadata)
     if quantized:
         checkpoint.quantized = gguf_quantized(raw, state_dict, config)
