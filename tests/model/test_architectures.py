@@ -131,8 +131,11 @@ def _llama_cpp_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     )
 
 
-def write_gguf(path: Path, hf_model, arch: str, extra: dict[str, torch.Tensor]) -> None:
-    """``hf_model`` as llama.cpp's converter writes ``arch`` (see the module docstring), F32."""
+def write_gguf(
+    path: Path, hf_model, arch: str, extra: dict[str, torch.Tensor], *, q4_0: bool = False
+) -> None:
+    """``hf_model`` as llama.cpp's converter writes ``arch`` (see the module docstring), F32
+    (``q4_0``: the layers' linears as Q4_0 blocks)."""
     config = hf_model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer = gguf.GGUFWriter(str(path), arch)
@@ -173,7 +176,14 @@ def write_gguf(path: Path, hf_model, arch: str, extra: dict[str, torch.Tensor]) 
             weight = _llama_cpp_permute(weight, config.num_key_value_heads)
         if arch == "gemma2" and name.endswith("norm.weight"):
             weight = weight + 1.0  # llama.cpp's Gemma converters store 1 + weight
-        writer.add_tensor(f"{gguf_name}.{suffix}", weight.float().numpy().copy())
+        array = weight.float().numpy().copy()
+        if q4_0 and array.ndim == 2 and base.startswith("model.layers."):
+            blocks = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q4_0)
+            writer.add_tensor(
+                f"{gguf_name}.{suffix}", blocks, raw_dtype=gguf.GGMLQuantizationType.Q4_0
+            )
+            continue
+        writer.add_tensor(f"{gguf_name}.{suffix}", array)
     for name, tensor in extra.items():
         writer.add_tensor(name, tensor.float().numpy())
     writer.write_header_to_file()
@@ -208,9 +218,9 @@ def models(tmp_path_factory):
     return out
 
 
-def _load(path: Path, monkeypatch):
+def _load(path: Path, monkeypatch, quantization: str = "none"):
     monkeypatch.setattr("pagedkv.model.loader.Tokenizer", _StubTokenizer)
-    return load_model(path, dtype=torch.float32, quantization="none")
+    return load_model(path, dtype=torch.float32, quantization=quantization)
 
 
 def _prompt() -> list[int]:
@@ -274,6 +284,39 @@ def test_engine_greedy_equals_transformers(case, source, models, monkeypatch):
     outputs = llm.generate([prompt, prompt[:9]], greedy, use_tqdm=False)
     assert outputs[0].token_ids == expected
     assert len(outputs[1].token_ids) == STEPS
+
+
+@pytest.mark.parametrize("case", ["qwen3", "phi3-longrope"])
+def test_q4_0_gguf_runs_its_blocks(case, tmp_path, monkeypatch, paged_runner):
+    """A Q4_0 GGUF (linears as 4-bit blocks) with quantization "gguf": Phi-3's fused blocks are
+    split by rows like the dense weights, Qwen3 runs without the fused C layer; the small step's
+    logits stay within int4-kernel rounding of the dense run on the same (dequantized) values."""
+    from pagedkv.model.quantization import int4_kernel_available, int8_kernel_available
+
+    if not (int4_kernel_available() and int8_kernel_available()):
+        pytest.skip("torch's CPU int4 / int8 weight-only kernels do not run here")
+    hf, arch, extra = _hf_model(case)
+    path = tmp_path / f"{case}.gguf"
+    write_gguf(path, hf, arch, extra, q4_0=True)
+    prompt = _prompt()[:6]
+    runs = {}
+    for quantization in ("gguf", "none"):
+        loaded = _load(path, monkeypatch, quantization)
+        if quantization == "gguf":
+            names = {n.rsplit(".", 2)[-2] for n in _quantized_names(path)}
+            assert {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"} <= names
+        if case == "qwen3":
+            assert loaded.model.fused_layers is None
+        runs[quantization] = paged_runner(loaded.model, num_blocks=8, block_size=8).step(
+            [(0, prompt)]
+        )[0]
+    assert (runs["gguf"] - runs["none"]).abs().max().item() < 2e-2
+
+
+def _quantized_names(path: Path) -> list[str]:
+    from pagedkv.model.gguf_loader import load_gguf
+
+    return list(load_gguf(path, quantized=True).quantized)
 
 
 def test_gemma2_runs_on_a_backend_that_caps_scores(models, monkeypatch):
