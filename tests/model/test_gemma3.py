@@ -373,7 +373,6 @@ def test_hf_config_older_form():
 @pytest.mark.parametrize(
     ("key", "value", "message"),
     [
-        ("attn_logit_softcapping", 50.0, "softcapping"),
         ("hidden_activation", "relu", "hidden_activation"),
         ("model_type", "gemma3", "multimodal"),
     ],

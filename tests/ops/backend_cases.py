@@ -67,6 +67,7 @@ def make_backend_case(
     dtype: torch.dtype = torch.float32,
     kv_cache_dtype: torch.dtype | None = None,
     sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     extra_blocks: int = 3,
@@ -90,6 +91,7 @@ def make_backend_case(
         dtype=dtype,
         kv_cache_dtype=kv_cache_dtype,
         sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
     )
     backend.check_layer(spec)
     num_blocks_per_req = [-(-s // block_size) for s, _ in seq_q_lens]

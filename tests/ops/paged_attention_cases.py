@@ -90,8 +90,14 @@ def make_case(
     return PagedCase(query, kv_cache, block_tables, seq_lens, qsl, keys, values)
 
 
-def dense_attention(case: PagedCase, scale: float, sliding_window: int | None = None):
-    """Dense causal attention in float64 over each request's contiguous K/V (explicit softmax)."""
+def dense_attention(
+    case: PagedCase,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+):
+    """Dense causal attention in float64 over each request's contiguous K/V (explicit softmax;
+    scores capped to ``cap * tanh(s / cap)`` when ``logits_soft_cap`` is given)."""
     outs = []
     qsl = case.query_start_loc.tolist()
     num_heads = case.query.shape[1]
@@ -106,7 +112,10 @@ def dense_attention(case: PagedCase, scale: float, sliding_window: int | None = 
         visible = k_pos <= q_pos
         if sliding_window is not None:
             visible &= k_pos > q_pos - sliding_window
-        scores = (q @ k.transpose(1, 2) * scale).masked_fill(~visible, float("-inf"))
+        scores = q @ k.transpose(1, 2) * scale
+        if logits_soft_cap is not None:
+            scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+        scores = scores.masked_fill(~visible, float("-inf"))
         outs.append((torch.softmax(scores, -1) @ v).transpose(0, 1))
     return torch.cat(outs)
 

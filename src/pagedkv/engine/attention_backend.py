@@ -29,6 +29,7 @@ def choose_attention_backend(
     head_size: int,
     dtype: str,
     device: torch.device | str = "cpu",
+    logits_soft_cap: float | None = None,
 ) -> tuple[EngineConfig, BackendChoice]:
     """The attention backend for a model, and ``config`` with its block size and KV-cache dtype
     resolved.
@@ -39,6 +40,8 @@ def choose_attention_backend(
         head_size: the model's attention head size.
         dtype: the model's compute dtype name ("bfloat16", ...).
         device: where the model runs.
+        logits_soft_cap: the model's attention logit soft-cap (Gemma 2's
+            attn_logit_softcapping; None = none): backends that cannot apply it are passed over.
 
     Returns:
         ``config`` with ``block_size`` set (the given one, or the backend's default) and
@@ -57,6 +60,7 @@ def choose_attention_backend(
         head_size,
         kv_cache_dtype=kv_cache_dtype,
         block_size=config.block_size,
+        logits_soft_cap=logits_soft_cap,
         log=False,
     )
     name = choice.backend.name

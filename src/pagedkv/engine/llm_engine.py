@@ -194,7 +194,11 @@ class LLMEngine:
         if torch.device(device).type == "cpu":
             logger.info("%s", self.cpu_capabilities.summary(config.dtype))
         config, choice = choose_attention_backend(
-            config, model_shape.head_dim, config.dtype, device
+            config,
+            model_shape.head_dim,
+            config.dtype,
+            device,
+            getattr(model_shape, "attn_logit_softcapping", None),
         )
         #: the options, resolved (dtype, kv_cache_dtype, block size); the sub-configs are
         #: ``pagedkv_config``.

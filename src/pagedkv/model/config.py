@@ -1,15 +1,16 @@
-"""The config of a decoder the engine runs (Llama family, Gemma 3), read from GGUF metadata or a
-Hugging Face config.json, and the KV-cache spec of each of its layers.
+"""The config of a decoder the engine runs (Llama family with Qwen3 and Phi-3, Gemma 2 and 3), read
+from GGUF metadata or a Hugging Face config.json, and the KV-cache spec of each of its layers.
 
 The keys shared with capacity planning (layers, heads, sizes, context, tied embeddings, q/k/v
 bias, and which layers slide over which window) are parsed once, by
 :mod:`pagedkv.modelinfo.shape`, with one set of defaults and errors; this module adds what only
-running the model needs (rope, norm epsilon, token ids, Gemma 3's local rope base, query scale
-and logit softcapping).
+running the model needs (rope, norm epsilon, token ids, Gemma's local rope base, query scale
+and logit softcapping, Phi-3's LongRoPE).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -25,14 +26,20 @@ from pagedkv.modelinfo.shape import (
 )
 
 #: Model types (GGUF ``general.architecture`` / HF ``model_type``) pagedkv runs: the Llama family
-#: (:mod:`pagedkv.model.llama`) and Gemma 3 (:mod:`pagedkv.model.gemma3`; its Hugging Face
-#: model_type is ``gemma3_text``).
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma3")
+#: (:mod:`pagedkv.model.llama`: Llama, Mistral, Qwen2, Qwen3 with its q/k norms, Phi-3 with its
+#: fused weights split at load) and Gemma 2 / 3 (:mod:`pagedkv.model.gemma3`; Gemma 3's Hugging
+#: Face model_type is ``gemma3_text``).
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+#: Architectures run by :class:`pagedkv.model.gemma3.Gemma3ForCausalLM`.
+GEMMA_ARCHITECTURES = frozenset({"gemma2", "gemma3"})
 #: Hugging Face model_type -> our architecture name, where they differ.
 _HF_ARCHITECTURES = {"gemma3_text": "gemma3"}
 #: Architectures that always have sliding-window layers (the Llama family's has them only when
 #: its config says so: Mistral-7B-v0.1's window on every layer, Qwen2's from max_window_layers).
-_ALWAYS_WINDOWED_ARCHITECTURES = frozenset({"gemma3"})
+_ALWAYS_WINDOWED_ARCHITECTURES = frozenset({"gemma2", "gemma3"})
+#: Gemma 2 27B (46 layers) scales queries by (hidden_size / num_heads) ** -0.5 in llama.cpp (its
+#: GGUF files do not store query_pre_attn_scalar), the other sizes by head_dim ** -0.5.
+_GEMMA2_27B_NUM_LAYERS = 46
 
 #: Gemma 3's local (sliding-window) layers' rope base when GGUF metadata does not store it
 #: (llama.cpp hard-codes the same value).
@@ -46,13 +53,16 @@ _GEMMA3_27B_NUM_LAYERS = 62
 class ModelConfig:
     """Hyperparameters of a decoder (names as in Hugging Face's LlamaConfig / Gemma3TextConfig).
 
-    ``architecture`` is the model type ("llama", "mistral", "qwen2", "gemma3"). ``rope_scaling``
-    is None or a dict in Hugging Face's form (``{"rope_type": "llama3", "factor": ..., ...}``,
-    ``{"rope_type": "linear", "factor": ...}``), or ``{"rope_type": "freq_factors", "factors":
-    [...]}`` for GGUF files that store llama3-style per-frequency divisors (``rope_freqs.weight``).
-    ``eos_token_id`` is an int or a list of ints.
+    ``architecture`` is the model type (:data:`SUPPORTED_ARCHITECTURES`). ``rope_scaling`` is
+    None or a dict in Hugging Face's form (``{"rope_type": "llama3", "factor": ..., ...}``,
+    ``{"rope_type": "linear", "factor": ...}``), ``{"rope_type": "freq_factors", "factors":
+    [...]}`` for GGUF files that store llama3-style per-frequency divisors (``rope_freqs.weight``),
+    or Phi-3's ``{"rope_type": "longrope", "short_factor": [...], "long_factor": [...],
+    "original_max_position_embeddings": n, "attention_factor": f}`` (:func:`longrope_scaling`).
+    ``eos_token_id`` is an int or a list of ints. ``qk_norm``: a per-head RMSNorm on q and k
+    after the projection, before rotary (Qwen3, Gemma 3).
 
-    Gemma 3 fields (defaults leave a Llama-family model as it was):
+    Gemma fields (defaults leave a Llama-family model as it was):
 
     - ``layer_types``: per layer ``"full_attention"`` or ``"sliding_attention"``; None = every
       layer full attention.
@@ -63,7 +73,9 @@ class ModelConfig:
     - ``query_pre_attn_scalar``: queries are scaled by ``query_pre_attn_scalar ** -0.5`` (None =
       ``head_dim``).
     - ``final_logit_softcapping``: logits = cap * tanh(logits / cap) when set.
-    - ``attn_logit_softcapping``: must be None (Gemma 2's score capping is not implemented).
+    - ``attn_logit_softcapping``: attention scores = cap * tanh(scores / cap) before the
+      softmax when set (Gemma 2; the attention backend applies it, see
+      :class:`~pagedkv.ops.backends.AttentionLayerSpec`'s ``logits_soft_cap``).
     """
 
     architecture: str
@@ -88,6 +100,7 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -119,11 +132,15 @@ class ModelConfig:
                 raise ModelLoadError(
                     f"sliding-window layers need a sliding_window >= 1, got {window!r}"
                 )
-        if self.attn_logit_softcapping is not None:
-            raise ModelLoadError(
-                f"attention logit softcapping ({self.attn_logit_softcapping}) is not supported "
-                "(Gemma 2); no attention backend applies a score cap"
-            )
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            cap = getattr(self, name)
+            if cap is None:
+                continue
+            if self.architecture not in GEMMA_ARCHITECTURES:
+                raise ModelLoadError(f"{name} is not supported for {self.architecture} models")
+            if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
+                raise ModelLoadError(f"{name} must be a number > 0, got {cap!r}")
+            setattr(self, name, float(cap))
 
     @property
     def layer_sliding_windows(self) -> tuple[int | None, ...]:
@@ -165,6 +182,7 @@ class ModelConfig:
             "max_position_embeddings": shape.max_position_embeddings,
             "tie_word_embeddings": shape.tie_word_embeddings,
             "attention_bias": shape.attention_bias,
+            "qk_norm": shape.qk_norm,
         }
         shared |= _layer_type_fields(shape, architecture)
         return cls(architecture=architecture, **{**shared, **fields})
@@ -210,6 +228,10 @@ class ModelConfig:
                 rope_scaling = dict(rope_params)
             rope_theta = config.get("rope_theta", rope_params.get("rope_theta", 10000.0))
             fields |= {"rope_theta": float(rope_theta), "rope_scaling": rope_scaling}
+        if architecture == "gemma2":
+            fields |= _gemma2_hf_fields(config, shape)
+        if architecture == "phi3":
+            fields["rope_scaling"] = _phi3_hf_rope_scaling(config, fields["rope_scaling"], shape)
         return cls.from_shape(shape, architecture=architecture, **fields)
 
     @classmethod
@@ -244,6 +266,8 @@ class ModelConfig:
         gemma: dict[str, Any] = {}
         if arch == "gemma3":
             gemma = _gemma3_gguf_fields(metadata, shape)
+        elif arch == "gemma2":
+            gemma = _gemma2_gguf_fields(metadata, shape)
         return cls.from_shape(
             shape,
             architecture=arch,
@@ -348,6 +372,151 @@ def _gemma3_gguf_fields(metadata: Mapping[str, Any], shape: ModelShape) -> dict[
         "query_pre_attn_scalar": float(scalar),
         "final_logit_softcapping": None if softcap is None else float(softcap),
     }
+
+
+def _gemma2_hf_fields(config: Mapping[str, Any], shape: ModelShape) -> dict[str, Any]:
+    """The model-only Gemma 2 fields of a ``gemma2`` config.json: query scale and both
+    softcaps (one rope base for every layer; the alternating layer pattern is the shape's).
+
+    Raises:
+        ModelLoadError: an activation other than tanh GELU.
+    """
+    activation = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation != "gelu_pytorch_tanh":
+        raise ModelLoadError(
+            f"Gemma 2 hidden_activation {activation!r} is not supported (gelu_pytorch_tanh)"
+        )
+    return {
+        "query_pre_attn_scalar": float(config.get("query_pre_attn_scalar", shape.head_dim)),
+        "final_logit_softcapping": config.get("final_logit_softcapping"),
+        "attn_logit_softcapping": config.get("attn_logit_softcapping"),
+        "bos_token_id": config.get("bos_token_id", 2),
+        "eos_token_id": config.get("eos_token_id", 1),
+    }
+
+
+def _gemma2_gguf_fields(metadata: Mapping[str, Any], shape: ModelShape) -> dict[str, Any]:
+    """The model-only Gemma 2 fields of a GGUF file's metadata: both softcaps
+    (``gemma2.attn_logit_softcapping``, ``gemma2.final_logit_softcapping``) and the query scale,
+    which llama.cpp's converter does not store (llama.cpp keys it on the layer count, as we do).
+    """
+    if shape.num_hidden_layers == _GEMMA2_27B_NUM_LAYERS:
+        scalar = shape.hidden_size // shape.num_attention_heads
+    else:
+        scalar = shape.head_dim
+    caps = {}
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = metadata.get(f"gemma2.{name}")
+        caps[name] = None if value is None else float(value)
+    return {"query_pre_attn_scalar": float(scalar), **caps}
+
+
+def longrope_scaling(
+    short_factor: Any,
+    long_factor: Any,
+    *,
+    head_dim: int,
+    max_position_embeddings: int,
+    original_max_position_embeddings: Any,
+    factor: Any = None,
+    attention_factor: Any = None,
+) -> dict[str, Any]:
+    """Phi-3's LongRoPE scaling as a ``rope_scaling`` dict (what :mod:`pagedkv.model.rotary`
+    reads): per-frequency divisors of the inverse frequencies, ``short_factor`` for positions
+    below ``original_max_position_embeddings``, ``long_factor`` from there on, and cos/sin
+    multiplied by ``attention_factor`` (when not given: ``sqrt(1 + ln(s) / ln(original))`` with
+    ``s = factor`` or ``max_position_embeddings / original``, 1 when ``s <= 1``).
+
+    Raises:
+        ModelLoadError: factors missing, not ``head_dim / 2`` numbers each, or a missing or
+            non-positive original context.
+    """
+    factors = {"short_factor": short_factor, "long_factor": long_factor}
+    for name, values in factors.items():
+        if (
+            not isinstance(values, (list, tuple))
+            or len(values) != head_dim // 2
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+        ):
+            raise ModelLoadError(
+                f"longrope {name} must be {head_dim // 2} numbers (head_dim / 2), got {values!r}"
+            )
+    original = original_max_position_embeddings
+    if isinstance(original, bool) or not isinstance(original, (int, float)) or original < 1:
+        raise ModelLoadError(
+            f"longrope needs original_max_position_embeddings >= 1, got {original!r}"
+        )
+    if attention_factor is None:
+        scale = float(factor) if factor else max_position_embeddings / original
+        attention_factor = (
+            1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(original))
+        )
+    return {
+        "rope_type": "longrope",
+        "short_factor": [float(v) for v in short_factor],
+        "long_factor": [float(v) for v in long_factor],
+        "original_max_position_embeddings": int(original),
+        "attention_factor": float(attention_factor),
+    }
+
+
+def _phi3_hf_rope_scaling(
+    config: Mapping[str, Any], rope_scaling: dict[str, Any] | None, shape: ModelShape
+) -> dict[str, Any] | None:
+    """A Phi-3 config.json's rope scaling: None or LongRoPE (``longrope``; ``su`` and ``yarn``
+    are its older names in Phi-3 configs, as transformers reads them).
+
+    Raises:
+        ModelLoadError: partial rotary (``partial_rotary_factor`` < 1) or another rope type.
+    """
+    params = {**(config.get("rope_parameters") or {}), **(rope_scaling or {})}
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ModelLoadError(f"Phi-3 partial_rotary_factor {partial} is not supported (only 1.0)")
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type == "default" or not rope_scaling:
+        return None
+    if rope_type not in ("longrope", "su", "yarn"):
+        raise ModelLoadError(f"Phi-3 rope scaling {rope_type!r} is not supported (longrope)")
+    return longrope_scaling(
+        params.get("short_factor"),
+        params.get("long_factor"),
+        head_dim=shape.head_dim,
+        max_position_embeddings=shape.max_position_embeddings,
+        original_max_position_embeddings=params.get(
+            "original_max_position_embeddings", config.get("original_max_position_embeddings")
+        ),
+        factor=params.get("factor"),
+        attention_factor=params.get("attention_factor"),
+    )
+
+
+def gguf_longrope_scaling(
+    config: ModelConfig, metadata: Mapping[str, Any], short_factor: Any, long_factor: Any
+) -> dict[str, Any]:
+    """LongRoPE scaling of a Phi-3 GGUF file: the factors are its ``rope_factors_short`` and
+    ``rope_factors_long`` tensors, the original context
+    ``phi3.rope.scaling.original_context_length`` and the cos/sin factor
+    ``phi3.rope.scaling.attn_factor`` (llama.cpp's converter writes both).
+
+    Raises:
+        ModelLoadError: a missing key or a factor tensor of the wrong size.
+    """
+    arch = config.architecture
+    if short_factor is None or long_factor is None:
+        raise ModelLoadError(
+            "GGUF file has only one of rope_factors_short.weight / rope_factors_long.weight"
+        )
+    return longrope_scaling(
+        short_factor,
+        long_factor,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_position_embeddings,
+        original_max_position_embeddings=metadata.get(
+            f"{arch}.rope.scaling.original_context_length"
+        ),
+        attention_factor=metadata.get(f"{arch}.rope.scaling.attn_factor"),
+    )
 
 
 def kv_cache_layer_specs(

@@ -1,4 +1,4 @@
-"""Gemma 3 (text) over a paged KV cache, with sliding-window and full-attention layers.
+"""Gemma 3 (text) and Gemma 2 over a paged KV cache, with sliding-window and full-attention layers.
 
 The architecture as Hugging Face transformers implements it (``Gemma3ForCausalLM``)::
 
@@ -17,6 +17,12 @@ The architecture as Hugging Face transformers implements it (``Gemma3ForCausalLM
 
 Every norm is Gemma's RMSNorm, ``rms_norm(x) * (1 + weight)`` computed in fp32 and cast back to
 the model dtype, with its own weight (input, post-attention, pre-MLP, post-MLP, q, k, final).
+
+Gemma 2 is the same decoder driven by its config: no q/k norms (``config.qk_norm`` False), every
+other layer sliding-window (layers 0, 2, ...), one rope base for all layers, attention scores
+soft-capped (``cap * tanh(scores / cap)``, cap 50, before the softmax: the attention backend
+applies it, :meth:`Gemma3ForCausalLM.attention_layer_specs` puts it in the layers' specs) and
+the logits soft-capped (cap 30).
 
 Each layer reads the :class:`~pagedkv.ops.backends.BoundAttentionMetadata` of its own KV cache
 group and spec (:meth:`Gemma3ForCausalLM.attention_layer_specs`): the forward takes one per layer
@@ -42,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv.errors import ModelLoadError, OpsInputError
-from pagedkv.model.config import ModelConfig
+from pagedkv.model.config import GEMMA_ARCHITECTURES, ModelConfig
 from pagedkv.model.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedkv.model.llama import (
     _Caster,
@@ -151,8 +157,11 @@ class Gemma3DecoderLayer:
         self.post_attention_norm = norm("post_attention_layernorm.weight")
         self.pre_feedforward_norm = norm("pre_feedforward_layernorm.weight")
         self.post_feedforward_norm = norm("post_feedforward_layernorm.weight")
-        self.q_norm = norm(attn + "q_norm.weight")
-        self.k_norm = norm(attn + "k_norm.weight")
+        #: the per-head q and k norms' (1 + weight) (Gemma 3), None without (Gemma 2)
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = norm(attn + "q_norm.weight")
+            self.k_norm = norm(attn + "k_norm.weight")
         self.eps = config.rms_norm_eps
         self.hidden_size = config.hidden_size
         #: this rank's query and KV heads (every head on one rank).
@@ -183,8 +192,10 @@ class Gemma3DecoderLayer:
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         x = self._norm(h, self.input_norm, self.hidden_size)
         qkv = self.qkv_proj(x).view(num_tokens, heads + 2 * kv_heads, head_dim)
-        q = self._norm(qkv[:, :heads], self.q_norm, head_dim)
-        k = self._norm(qkv[:, heads : heads + kv_heads], self.k_norm, head_dim)
+        q, k = qkv[:, :heads], qkv[:, heads : heads + kv_heads]
+        if self.q_norm is not None:
+            q = self._norm(q, self.q_norm, head_dim)
+            k = self._norm(k, self.k_norm, head_dim)
         q = self.rotary.apply(q, cos, sin)
         k = self.rotary.apply(k, cos, sin)
         v = qkv[:, heads + kv_heads :]
@@ -203,12 +214,13 @@ class Gemma3DecoderLayer:
 
 
 class Gemma3ForCausalLM:
-    """Gemma 3 causal LM over a paged KV cache (see the module docstring); same interface as
-    :class:`pagedkv.model.llama.LlamaForCausalLM` except that ``forward`` takes one
+    """Gemma 3 or Gemma 2 causal LM over a paged KV cache (see the module docstring); same
+    interface as :class:`pagedkv.model.llama.LlamaForCausalLM` except that ``forward`` takes one
     :class:`BoundAttentionMetadata` per layer.
 
     Args:
-        config: a ``gemma3`` :class:`ModelConfig` (layer_types, sliding_window, ...).
+        config: a ``gemma3`` or ``gemma2`` :class:`ModelConfig` (layer_types, sliding_window,
+            softcaps, ...).
         weights: Hugging Face-named tensors (``model.layers.0.self_attn.q_norm.weight``, ...;
             norm weights in Hugging Face's form, without the +1), any float dtype;
             ``lm_head.weight`` may be absent when the embeddings are tied.
@@ -221,7 +233,7 @@ class Gemma3ForCausalLM:
             :class:`~pagedkv.model.llama.LlamaForCausalLM`'s); one rank only.
 
     Raises:
-        ModelLoadError: not a gemma3 config, a missing weight or an unsupported dtype.
+        ModelLoadError: not a gemma3 / gemma2 config, a missing weight or an unsupported dtype.
         ConfigError: a model that does not split ``parallel.world_size`` ways.
     """
 
@@ -235,8 +247,10 @@ class Gemma3ForCausalLM:
         parallel: TensorParallelGroup | None = None,
         quantized: Mapping[str, QuantizedWeight] | None = None,
     ):
-        if config.architecture != "gemma3":
-            raise ModelLoadError(f"Gemma3ForCausalLM runs gemma3 models, got {config.architecture}")
+        if config.architecture not in GEMMA_ARCHITECTURES:
+            raise ModelLoadError(
+                f"Gemma3ForCausalLM runs gemma3 and gemma2 models, got {config.architecture}"
+            )
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ModelLoadError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
         self.config = config
@@ -347,14 +361,19 @@ class Gemma3ForCausalLM:
         self, block_size: int, kv_cache_dtype: torch.dtype | str | None = None
     ) -> list[AttentionLayerSpec]:
         """Each layer's :class:`AttentionLayerSpec`: heads, head size, the model's dtype, its
-        sliding window (None on global layers) and Gemma's softmax scale
-        ``query_pre_attn_scalar ** -0.5`` (not ``head_dim ** -0.5``).
+        sliding window (None on global layers), Gemma's softmax scale
+        ``query_pre_attn_scalar ** -0.5`` (not ``head_dim ** -0.5``) and Gemma 2's
+        ``logits_soft_cap`` (its attn_logit_softcapping; None for Gemma 3).
 
         Raises:
             OpsInputError: a block_size < 1 or a kv_cache_dtype the specs refuse.
         """
         windows = [layer.sliding_window for layer in self.layers]
-        return layer_attention_specs(self.layers, windows, block_size, self.dtype, kv_cache_dtype)
+        specs = layer_attention_specs(self.layers, windows, block_size, self.dtype, kv_cache_dtype)
+        cap = self.config.attn_logit_softcapping
+        if cap is None:
+            return specs
+        return [dataclasses.replace(spec, logits_soft_cap=cap) for spec in specs]
 
     @property
     def max_positions(self) -> int:

@@ -6,9 +6,13 @@ of the GGML types pagedkv's kernels run), so the model's memory is the file's; n
 are dequantized to fp32. With ``--quantization none`` every tensor is dequantized to fp32 with
 the ``gguf`` package. Three things differ from a Hugging Face checkpoint and are undone here:
 
-- Names: ``blk.{i}.attn_q.weight`` -> ``model.layers.{i}.self_attn.q_proj.weight``, ... (Gemma 3
-  has its own table: four norms per layer and q/k norms).
-- Gemma norm weights (gemma3 architecture only). Gemma's RMSNorm scales by ``1 + weight``;
+- Names: ``blk.{i}.attn_q.weight`` -> ``model.layers.{i}.self_attn.q_proj.weight``, ... (Gemma 2
+  and 3 have their own table: four norms per layer, and Gemma 3's q/k norms; Qwen3 adds
+  ``attn_q_norm`` / ``attn_k_norm``; Phi-3's fused ``attn_qkv`` and ``ffn_up``, which holds gate
+  then up, are split like its Hugging Face checkpoints' by
+  :func:`pagedkv.model.fused_weights.split_fused_weights`, and its LongRoPE factors are the
+  ``rope_factors_short`` / ``rope_factors_long`` tensors).
+- Gemma norm weights (gemma2 and gemma3 architectures). Gemma's RMSNorm scales by ``1 + weight``;
   llama.cpp's converter stores ``weight + 1`` for every ``*norm.weight`` so that its plain RMSNorm
   applies. We subtract 1 back (as transformers' GGUF loader does), so the weights equal the
   Hugging Face ones and :mod:`pagedkv.model.gemma3` applies ``1 + weight`` as transformers does.
@@ -16,9 +20,10 @@ the ``gguf`` package. Three things differ from a Hugging Face checkpoint and are
   of a head with dimension ``j + head_dim/2`` ("rotate half"); llama.cpp's pairs ``2j`` with
   ``2j + 1``. llama.cpp's converter therefore permutes the rows of q_proj and k_proj, per head, from
   ``[x_0 .. x_{d/2-1}, y_0 .. y_{d/2-1}]`` to ``[x_0, y_0, x_1, y_1, ...]``. We apply the inverse so
-  that the weights equal the Hugging Face ones and the rotate-half rotary applies. (Qwen2 GGUFs use
-  llama.cpp's NeoX rotary, which already pairs ``j`` with ``j + d/2``: nothing to undo; nor for
-  Gemma 3, also NeoX in llama.cpp.)
+  that the weights equal the Hugging Face ones and the rotate-half rotary applies. (Qwen2, Qwen3
+  and Phi-3 GGUFs use llama.cpp's NeoX rotary, which already pairs ``j`` with ``j + d/2``, and
+  its converter does not permute them: nothing to undo; nor for Gemma 2 and 3, also NeoX in
+  llama.cpp.)
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ import numpy as np
 import torch
 
 from pagedkv.errors import ModelLoadError
-from pagedkv.model.config import ModelConfig
+from pagedkv.model.config import ModelConfig, gguf_longrope_scaling
+from pagedkv.model.fused_weights import split_fused_weights
 from pagedkv.model.gguf_metadata import read_gguf_header
 from pagedkv.model.gguf_weight import GGUFWeight, ggml_type_name, ggml_type_sizes
 from pagedkv.model.kernels.cpu_quant import CpuQuantKernels
@@ -74,9 +80,31 @@ _GEMMA3_LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-_LAYER_NAMES_BY_ARCHITECTURE = {"gemma3": _GEMMA3_LAYER_NAMES}
+_QWEN3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+#: Phi-3's fused q/k/v and gate/up (split after loading, see the module docstring)
+_PHI3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "attn_qkv.bias": "self_attn.qkv_proj.bias",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+}
+_LAYER_NAMES_BY_ARCHITECTURE = {
+    "gemma2": _GEMMA3_LAYER_NAMES,
+    "gemma3": _GEMMA3_LAYER_NAMES,
+    "qwen3": _QWEN3_LAYER_NAMES,
+    "phi3": _PHI3_LAYER_NAMES,
+}
 #: Architectures whose GGUF norm weights hold ``1 + weight`` (llama.cpp's Gemma converters).
-_NORM_PLUS_ONE_ARCHITECTURES = ("gemma3",)
+_NORM_PLUS_ONE_ARCHITECTURES = ("gemma2", "gemma3")
+#: Phi-3's LongRoPE factor tensors -> rope_scaling keys.
+_LONGROPE_TENSORS = {
+    "rope_factors_short.weight": "short_factor",
+    "rope_factors_long.weight": "long_factor",
+}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 # Array fields larger than this (the vocabulary, merges) are not turned into Python values.
 _MAX_ARRAY_LEN = 4096
@@ -174,6 +202,7 @@ def load_gguf(
     runs = kernels.gguf_types if quantized and kernels is not None else frozenset()
 
     state_dict: dict[str, torch.Tensor | GGUFWeight] = {}
+    longrope: dict[str, list[float]] = {}
     for info in header.tensors:
         type_name = ggml_type_name(info.ggml_type)
         block_elems, block_bytes = ggml_type_sizes(type_name)
@@ -183,8 +212,9 @@ def load_gguf(
         if cols % block_elems or info.offset + rows * row_bytes > mapped.shape[0]:
             raise ModelLoadError(f"GGUF tensor {info.name!r} lies outside the file {path}")
         raw = mapped[info.offset : info.offset + rows * row_bytes].reshape(rows, row_bytes)
-        name = None if info.name == "rope_freqs.weight" else hf_name(info.name, arch)
-        if info.name != "rope_freqs.weight" and name is None:
+        factors = info.name == "rope_freqs.weight" or info.name in _LONGROPE_TENSORS
+        name = None if factors else hf_name(info.name, arch)
+        if not factors and name is None:
             raise ModelLoadError(
                 f"GGUF tensor {info.name!r} has no place in a {config.architecture} decoder"
             )
@@ -201,14 +231,22 @@ def load_gguf(
             continue
         array = np.asarray(dequantize(raw, info.ggml_type), dtype=np.float32)
         tensor = torch.from_numpy(array.reshape(tuple(reversed(info.dims))).copy())
-        if name is None:  # rope_freqs: llama3-style per-frequency divisors
+        if info.name == "rope_freqs.weight":  # llama3-style per-frequency divisors
             config.rope_scaling = {"rope_type": "freq_factors", "factors": tensor.tolist()}
+            continue
+        if info.name in _LONGROPE_TENSORS:
+            longrope[_LONGROPE_TENSORS[info.name]] = tensor.tolist()
             continue
         if norm_plus_one and info.name.endswith("norm.weight"):
             tensor = tensor - 1.0
         if heads is not None:
             tensor = unpermute_rotary_rows(tensor, heads)
         state_dict[name] = tensor
+    if longrope:
+        config.rope_scaling = gguf_longrope_scaling(
+            config, metadata, longrope.get("short_factor"), longrope.get("long_factor")
+        )
+    split_fused_weights(state_dict, config)  # Phi-3's attn_qkv and ffn_up
     return GGUFCheckpoint(config=config, state_dict=state_dict, metadata=metadata)
 
 

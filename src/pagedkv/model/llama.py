@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a paged KV cache.
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM) over a paged KV cache.
 
 One forward runs a whole scheduler step: the tokens of every scheduled request flattened into one
 ``[num_tokens]`` batch (prefills, chunks of prefills and decodes mixed), with their positions.
@@ -10,7 +10,8 @@ over each request's blocks through the block tables, both through the step's
     h = embed(input_ids)                                   [num_tokens, hidden]
     for each layer:
         x = rms_norm(h)
-        q, k, v = split(x @ W_qkv)      (+ bias for Qwen2)  q/k rotated by position
+        q, k, v = split(x @ W_qkv)      (+ bias for Qwen2)
+        q, k = rms_norm_q(q), rms_norm_k(k)   (per head; Qwen3 only)   q/k rotated by position
         md.write_kv(k, v -> slots);  a = md.forward(q, cache)   (block tables)
         h = h + a @ W_o                                     (residual add fused in the GEMM)
         x = rms_norm(h)
@@ -67,10 +68,12 @@ class LlamaDecoderLayer:
         "head_dim",
         "hidden_size",
         "input_norm",
+        "k_norm",
         "num_heads",
         "num_kv_heads",
         "o_proj",
         "post_attention_norm",
+        "q_norm",
         "qkv_proj",
         "rotary",
         "scale",
@@ -122,6 +125,11 @@ class LlamaDecoderLayer:
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
         self.rotary = rotary
+        #: Qwen3's per-head q and k RMSNorm weights ``[head_dim]`` (None: no q/k norm)
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = w(attn + "q_norm.weight")
+            self.k_norm = w(attn + "k_norm.weight")
 
     def __call__(
         self,
@@ -137,7 +145,10 @@ class LlamaDecoderLayer:
         num_qk_heads = self.num_heads + self.num_kv_heads
         x = F.rms_norm(h, (self.hidden_size,), self.input_norm, self.eps)
         qkv = self.qkv_proj(x).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
-        qk = self.rotary.apply(qkv[:, :num_qk_heads], cos, sin)
+        qk = qkv[:, :num_qk_heads]
+        if self.q_norm is not None:
+            qk = qk_rms_norm(qk, self.num_heads, self.q_norm, self.k_norm, self.eps)
+        qk = self.rotary.apply(qk, cos, sin)
         k, v = qk[:, self.num_heads :], qkv[:, num_qk_heads:]
         attn_metadata.write_kv(k, v, kv_cache)
         attn = attn_metadata.forward(qk[:, : self.num_heads], kv_cache)
@@ -397,6 +408,26 @@ class LlamaForCausalLM:
             self._rotary32.extend(num_positions)
 
 
+def qk_rms_norm(
+    qk: torch.Tensor, num_heads: int, q_norm: torch.Tensor, k_norm: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """Qwen3's per-head RMSNorm of q and k, stacked as the projection gives them.
+
+    Args:
+        qk: ``[num_tokens, num_heads + num_kv_heads, head_dim]``, q heads first.
+        num_heads: the q heads.
+        q_norm, k_norm: ``[head_dim]`` weights.
+        eps: the norm's epsilon.
+
+    Returns:
+        A new tensor of ``qk``'s shape and dtype.
+    """
+    head_dim = qk.shape[-1]
+    q = F.rms_norm(qk[:, :num_heads], (head_dim,), q_norm, eps)
+    k = F.rms_norm(qk[:, num_heads:], (head_dim,), k_norm, eps)
+    return torch.cat((q, k), dim=1)
+
+
 def qkv_quants(
     quantized: Mapping[str, QuantizedWeight] | None, prefix: str
 ) -> tuple[QuantizedWeight, QuantizedWeight, QuantizedWeight] | None:
@@ -435,6 +466,8 @@ def fused_layer_weights(
     run pagedkv's int4 kernels, or kernels loaded without fused layers
     (``PAGEDKV_QUANT_KERNEL=products``)."""
     if dtype not in (torch.float32, torch.bfloat16) or parallel is not None:
+        return None
+    if config.qk_norm:  # the fused C layer has no q/k norm (Qwen3): the torch ops run it
         return None
     fused = []
     for layer in layers:

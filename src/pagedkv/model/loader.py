@@ -9,9 +9,9 @@ What a model argument names (:func:`resolve_model`), in this order:
 3. a Hugging Face id (``Qwen/Qwen2.5-0.5B-Instruct``) found in the local Hugging Face cache
    (:mod:`pagedkv.model.hub_cache`, ``$HF_HOME``), as transformers and vLLM find it offline.
 
-Nothing is downloaded. The decoder class follows the architecture: ``gemma3`` ->
-:class:`~pagedkv.model.gemma3.Gemma3ForCausalLM`, the Llama family ->
-:class:`~pagedkv.model.llama.LlamaForCausalLM`.
+Nothing is downloaded. The decoder class follows the architecture: ``gemma3`` and ``gemma2`` ->
+:class:`~pagedkv.model.gemma3.Gemma3ForCausalLM`, the Llama family (Llama, Mistral, Qwen2,
+Qwen3, Phi-3) -> :class:`~pagedkv.model.llama.LlamaForCausalLM`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 
 from pagedkv.config import QUANTIZATION_METHODS
 from pagedkv.errors import ConfigError, ModelLoadError
-from pagedkv.model.config import ModelConfig
+from pagedkv.model.config import GEMMA_ARCHITECTURES, ModelConfig
 from pagedkv.model.gemma3 import Gemma3ForCausalLM
 from pagedkv.model.gguf_metadata import read_gguf_header
 from pagedkv.model.hub_cache import cached_snapshot, hub_cache_dir, is_repo_id
@@ -266,7 +266,8 @@ def load_model(
         quantized = {
             name: dataclasses.replace(weight, kernels=kernels) for name, weight in quantized.items()
         }
-    model_class = Gemma3ForCausalLM if config.architecture == "gemma3" else LlamaForCausalLM
+    gemma = config.architecture in GEMMA_ARCHITECTURES
+    model_class = Gemma3ForCausalLM if gemma else LlamaForCausalLM
     decoder = model_class(
         config, state_dict, dtype=dtype, device=device, parallel=parallel, quantized=quantized
     )

@@ -7,6 +7,14 @@ Dimension ``j`` of a head is rotated together with dimension ``j + head_dim/2``:
 The cos/sin tables cover every position up to max_position_embeddings and are built once; a
 forward only gathers the rows of its positions. ``sin`` is stored sign-folded (``[-sin, sin]``)
 so that ``rotate_half(x) * sin == roll(x, head_dim/2) * sin_folded``: one op fewer per layer.
+
+Phi-3's LongRoPE (``rope_type`` "longrope") divides each inverse frequency by a per-frequency
+factor, the short ones below ``original_max_position_embeddings``, the long ones from there on,
+and multiplies cos and sin by its ``attention_factor``. The choice is per position: a token's
+key is rotated once, with its own position's factors, which is what transformers gives a
+sequence that grows past the original context one forward at a time (transformers picks the
+factors per forward from its longest position, so a single prompt longer than the original
+context rotates its early tokens with the long factors there; vLLM likewise per batch).
 """
 
 from __future__ import annotations
@@ -23,7 +31,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse frequencies ``[head_dim / 2]`` fp32, with the config's rope scaling applied.
 
     Supports no scaling, "linear" (positions divided by ``factor``), "llama3" (Llama 3.1's
-    wavelength-dependent scaling) and "freq_factors" (GGUF's per-frequency divisors).
+    wavelength-dependent scaling), "freq_factors" (GGUF's per-frequency divisors) and
+    "longrope" (the short factors' frequencies here; see :func:`longrope_long_inv_freq`).
 
     Raises:
         ModelLoadError: an unsupported rope_scaling type.
@@ -42,6 +51,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         return inv_freq / float(scaling["factor"])
     if rope_type == "freq_factors":
         return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
+    if rope_type == "longrope":
+        return inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float32)
     if rope_type == "llama3":
         factor = float(scaling["factor"])
         low = float(scaling.get("low_freq_factor", 1.0))
@@ -56,6 +67,23 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     raise ModelLoadError(f"rope_scaling type {rope_type!r} is not supported")
 
 
+def longrope_long_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, int, float] | None:
+    """For a LongRoPE config: the long factors' inverse frequencies ``[head_dim / 2]`` fp32, the
+    first position that uses them (``original_max_position_embeddings``) and the cos/sin
+    ``attention_factor``; None for any other rope."""
+    scaling = config.rope_scaling
+    if not scaling or scaling.get("rope_type") != "longrope":
+        return None
+    dim = config.head_dim
+    base = config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    long = 1.0 / (torch.tensor(scaling["long_factor"], dtype=torch.float32) * base)
+    return (
+        long,
+        int(scaling["original_max_position_embeddings"]),
+        float(scaling["attention_factor"]),
+    )
+
+
 class RotaryEmbedding:
     """Precomputed cos / sign-folded sin tables and their application to q and k.
 
@@ -65,10 +93,12 @@ class RotaryEmbedding:
         device: where the tables live.
     """
 
-    __slots__ = ("cos", "half", "inv_freq", "sin")
+    __slots__ = ("cos", "half", "inv_freq", "longrope", "sin")
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str):
         self.inv_freq = rope_inv_freq(config)
+        #: LongRoPE's (long inverse frequencies, first position using them, cos/sin factor)
+        self.longrope = longrope_long_inv_freq(config)
         self.half = config.head_dim // 2
         self._build(config.max_position_embeddings, dtype, torch.device(device))
 
@@ -86,10 +116,18 @@ class RotaryEmbedding:
     def _build(self, num_positions: int, dtype: torch.dtype, device: torch.device) -> None:
         positions = torch.arange(num_positions, dtype=torch.float32)
         freqs = positions[:, None] * self.inv_freq[None, :]  # [num_positions, head_dim / 2]
+        factor = 1.0
+        if self.longrope is not None:
+            long_inv_freq, start, factor = self.longrope
+            freqs[start:] = positions[start:, None] * long_inv_freq[None, :]
         #: [num_positions, head_dim]
-        self.cos = torch.cat([freqs, freqs], dim=-1).cos().to(dtype=dtype, device=device)
+        cos = torch.cat([freqs, freqs], dim=-1).cos()
         sin = freqs.sin()
-        self.sin = torch.cat([-sin, sin], dim=-1).to(dtype=dtype, device=device)
+        sin = torch.cat([-sin, sin], dim=-1)
+        if factor != 1.0:
+            cos, sin = cos * factor, sin * factor
+        self.cos = cos.to(dtype=dtype, device=device)
+        self.sin = sin.to(dtype=dtype, device=device)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and folded sin of ``positions`` ``[num_tokens]``, each ``[num_tokens, 1, head_dim]``

@@ -10,6 +10,7 @@ import torch
 
 from pagedkv.errors import ModelLoadError
 from pagedkv.model.config import ModelConfig
+from pagedkv.model.fused_weights import split_fused_weights
 
 
 @dataclass(slots=True)
@@ -25,8 +26,12 @@ class HFCheckpoint:
 def load_hf_folder(folder: str | Path) -> HFCheckpoint:
     """Load every ``*.safetensors`` file of ``folder`` and its ``config.json``.
 
+    Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` come back split into the Llama names
+    (:func:`pagedkv.model.fused_weights.split_fused_weights`).
+
     Raises:
-        ModelLoadError: no config.json, no safetensors files, or an unreadable file.
+        ModelLoadError: no config.json, no safetensors files, an unreadable file, or an
+            unsupported or malformed model.
     """
     from safetensors.torch import load_file
 
@@ -48,6 +53,7 @@ def load_hf_folder(folder: str | Path) -> HFCheckpoint:
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot read the model in {folder}: {e}") from e
     config = ModelConfig.from_hf_config(hf_config, has_lm_head="lm_head.weight" in state_dict)
+    split_fused_weights(state_dict, config)  # Phi-3's qkv_proj and gate_up_proj
     eos: tuple[int, ...] = ()
     generation_path = folder / "generation_config.json"
     if generation_path.is_file():

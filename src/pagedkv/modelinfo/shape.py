@@ -10,7 +10,8 @@ core's layer specs (:meth:`ModelShape.layer_specs`); the planner may import only
 Families it sizes (anything else is refused with the reason, never sized as the nearest dense
 model):
 
-- dense decoders: Llama, Mistral, Qwen2/Qwen3, Gemma 1/2/3 (full and sliding-window layers);
+- dense decoders: Llama, Mistral, Qwen2/Qwen3, Phi-3, Gemma 1/2/3 (full and sliding-window
+  layers);
 - mixture of experts: Mixtral, Qwen-MoE (Qwen1.5/2 with shared experts, Qwen3), DeepSeek-V2/V3:
   every expert's weights count, though a token only runs ``num_experts_per_tok`` of them;
 - multi-head latent attention (DeepSeek-V2/V3): the cache holds one latent of ``kv_lora_rank +
@@ -44,6 +45,7 @@ HF_MODEL_TYPES = (
     "qwen2_moe",
     "qwen3",
     "qwen3_moe",
+    "phi3",
     "gemma",
     "gemma2",
     "gemma3",
@@ -59,6 +61,7 @@ GGUF_ARCHITECTURES = {
     "qwen2moe": "qwen2_moe",
     "qwen3": "qwen3",
     "qwen3moe": "qwen3_moe",
+    "phi3": "phi3",
     "gemma": "gemma",
     "gemma2": "gemma2",
     "gemma3": "gemma3",
@@ -724,7 +727,8 @@ def shape_from_gguf_metadata(
         num_kv_heads = max(num_kv_heads)
     hidden_size = get("embedding_length")
     intermediate_size = get("feed_forward_length")
-    window = get("attention.sliding_window", None)
+    # 0 = none (llama.cpp's Phi-3 converter writes 0 for a model without a window: Phi-4)
+    window = get("attention.sliding_window", None) or None
     if window is None:
         windows: tuple[int | None, ...] = (None,) * num_layers
     elif arch == "gemma2":

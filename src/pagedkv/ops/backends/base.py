@@ -229,6 +229,10 @@ class AttentionLayerSpec:
             query's. fp8 (``float8_e4m3fn`` / ``float8_e5m2``) stores ``x / k_scale``.
         sliding_window: attend to the last ``sliding_window`` positions only (None = all).
         scale: softmax scale; None = ``head_size ** -0.5``.
+        logits_soft_cap: attention logit soft-capping (vLLM's name; Gemma 2's
+            ``attn_logit_softcapping``): each scaled score ``s`` becomes
+            ``logits_soft_cap * tanh(s / logits_soft_cap)`` before the softmax. None = no cap.
+            A backend that cannot apply it refuses the spec (``unsupported_reason``).
 
     Raises:
         OpsInputError: a value out of range.
@@ -242,6 +246,7 @@ class AttentionLayerSpec:
     kv_cache_dtype: torch.dtype | str | None = None
     sliding_window: int | None = None
     scale: float | None = None
+    logits_soft_cap: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_kv_heads", "head_size", "block_size"):
@@ -268,6 +273,12 @@ class AttentionLayerSpec:
         object.__setattr__(self, "kv_cache_dtype", kv_dtype)
         if self.scale is None:
             object.__setattr__(self, "scale", self.head_size**-0.5)
+        cap = self.logits_soft_cap
+        if cap is not None:
+            number = isinstance(cap, (int, float)) and not isinstance(cap, bool)
+            if not number or not 0 < cap < float("inf"):
+                raise OpsInputError(f"logits_soft_cap must be None or a float > 0, got {cap!r}")
+            object.__setattr__(self, "logits_soft_cap", float(cap))
 
     @property
     def is_fp8(self) -> bool:

@@ -8,11 +8,12 @@ each (``_native/paged_attention.c``, built at first use by :mod:`pagedkv.ops.c_b
 
 - ``write_kv``: each token's keys and values copied into its slot (``-1`` skipped);
 - ``forward``: varlen causal attention, every step shape (decode, chunked prefill, mixed),
-  grouped-query heads, sliding windows; work split over (request, chunk of up to 32 query
-  rows, query head) on OpenMP threads, each walking its keys in pieces of 64 through the block
-  table with an online softmax (FlashAttention's running max and sum), so no key is gathered
-  or copied; per piece every row's scores (8 keys per reduction), then every row's weighted
-  values, so a long prompt's keys and values are read once per 32 rows.
+  grouped-query heads, sliding windows, logit soft-capping (Gemma 2); work split over
+  (request, chunk of up to 32 query rows, query head) on OpenMP threads, each walking its
+  keys in pieces of 64 through the block table with an online softmax (FlashAttention's
+  running max and sum), so no key is gathered or copied; per piece every row's scores (8 keys
+  per reduction), then every row's weighted values, so a long prompt's keys and values are
+  read once per 32 rows.
 
 It runs fp32 and bf16 models with an fp32 or a bf16 cache (every block size, head sizes that
 are multiples of 8 up to 512) where the CPU has AVX2 and FMA and a C compiler built the
@@ -154,6 +155,7 @@ class NativeBackend(HNDLayoutBackend):
             -1 if spec.sliding_window is None else spec.sliding_window,
             spec.scale,
             int(spec.kv_cache_dtype == torch.bfloat16),
+            spec.logits_soft_cap or 0.0,
         )
         return NativeAttentionMetadata(
             spec=spec,

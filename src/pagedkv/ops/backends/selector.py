@@ -89,6 +89,7 @@ def select_backend(
     *,
     kv_cache_dtype: torch.dtype | str | None = None,
     block_size: int | None = None,
+    logits_soft_cap: float | None = None,
     log: bool = True,
 ) -> BackendChoice:
     """Choose the attention backend and block size (``--attention-backend`` semantics above).
@@ -100,6 +101,8 @@ def select_backend(
         head_size: the model's attention head size.
         kv_cache_dtype: the cache dtype (None = ``dtype``; or an fp8 dtype or name).
         block_size: the requested block size (None = the chosen backend's fastest).
+        logits_soft_cap: the model's attention logit soft-cap (Gemma 2; None = none): a
+            backend that cannot apply it is passed over (``auto``) or falls back to torch.
         log: log the choice (auto) or the fallback (a named backend) here, one line; False
             leaves it to the caller (``fallback_reason``).
 
@@ -134,10 +137,11 @@ def select_backend(
         if reason is None:
             backend = cls(device)
             size = block_size or backend.default_block_size(head_size, dtype, kv_cache_dtype)
-            reason = _unsupported(backend, dtype, head_size, kv_cache_dtype, size)
+            cap = logits_soft_cap
+            reason = _unsupported(backend, dtype, head_size, kv_cache_dtype, size, cap)
             if reason is not None and not auto and candidate == name and block_size:
                 default = backend.default_block_size(head_size, dtype, kv_cache_dtype)
-                if _unsupported(backend, dtype, head_size, kv_cache_dtype, default) is None:
+                if _unsupported(backend, dtype, head_size, kv_cache_dtype, default, cap) is None:
                     multiple = backend.block_size_multiple(head_size, dtype, kv_cache_dtype)
                     raise ConfigError(
                         f"the {name} attention backend does not run block_size {block_size} "
@@ -158,7 +162,9 @@ def select_backend(
     )
 
 
-def _unsupported(backend, dtype, head_size, kv_cache_dtype, block_size) -> str | None:
+def _unsupported(
+    backend, dtype, head_size, kv_cache_dtype, block_size, logits_soft_cap=None
+) -> str | None:
     try:
         spec = AttentionLayerSpec(
             num_heads=1,
@@ -167,6 +173,7 @@ def _unsupported(backend, dtype, head_size, kv_cache_dtype, block_size) -> str |
             block_size=block_size,
             dtype=dtype,
             kv_cache_dtype=kv_cache_dtype,
+            logits_soft_cap=logits_soft_cap,
         )
     except ValueError as e:  # OpsInputError: a bad dtype or size, whatever the backend
         raise ConfigError(str(e)) from None

@@ -134,8 +134,15 @@ class TorchBackend(HNDLayoutBackend):
         if validate:
             self._check(metadata, kv_cache, query=query)
         run = cpu_paged_attention if self.impl == "cpu" else reference_paged_attention
+        spec = metadata.spec
         return run(
-            query, kv_cache, metadata.paged, metadata.spec.scale, k_scale=k_scale, v_scale=v_scale
+            query,
+            kv_cache,
+            metadata.paged,
+            spec.scale,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            soft_cap=spec.logits_soft_cap,
         )
 
     def _check(self, metadata: TorchAttentionMetadata, kv_cache, **tensors) -> None:

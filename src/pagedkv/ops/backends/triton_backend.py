@@ -92,6 +92,11 @@ class TritonBackend(HNDLayoutBackend):
     def default_block_size(self, head_size, dtype, kv_cache_dtype=None) -> int:
         return TRITON_DEFAULT_BLOCK_SIZE
 
+    def unsupported_reason(self, spec: AttentionLayerSpec) -> str | None:
+        if spec.logits_soft_cap is not None:
+            return f"attention logit soft-capping ({spec.logits_soft_cap}; the kernels have none)"
+        return None
+
     def build_metadata(
         self, common: CommonAttentionMetadata, spec: AttentionLayerSpec, *, validate: bool = True
     ) -> TritonAttentionMetadata:

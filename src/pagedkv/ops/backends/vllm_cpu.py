@@ -248,6 +248,8 @@ class VllmCpuBackend(AttentionBackend):
         return DEFAULT_BLOCK_SIZE
 
     def unsupported_reason(self, spec: AttentionLayerSpec) -> str | None:
+        if spec.logits_soft_cap is not None:
+            return f"attention logit soft-capping ({spec.logits_soft_cap}; not wired to vLLM's op)"
         if spec.is_fp8 and not self.has_fp8:
             return f"an fp8 cache ({self.library}, the AVX2 build, has no fp8 kernels)"
         if spec.head_size not in HEAD_SIZES:

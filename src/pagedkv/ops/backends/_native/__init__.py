@@ -36,6 +36,7 @@ class AttentionStep(ctypes.Structure):
         ("window", ctypes.c_int32),
         ("scale", ctypes.c_float),
         ("kv_bf16", ctypes.c_int32),
+        ("softcap", ctypes.c_float),  # logit soft-cap; <= 0: none
     ]
 
 

@@ -16,7 +16,8 @@
  * [query_start_loc[r], query_start_loc[r + 1]) and seq_lens[r] tokens in the cache after the
  * write; its row i sits at position p = seq_lens[r] - q_len + i and attends keys
  * [max(0, p - window + 1), p] (window <= 0: [0, p]). Grouped-query attention: query head h
- * reads KV head h / (num_heads / num_kv_heads).
+ * reads KV head h / (num_heads / num_kv_heads). softcap > 0 (Gemma 2) caps each scaled score
+ * s to softcap * tanh(s / softcap) before the softmax.
  *
  * Work is split over (request, chunk of query tokens, KV head, set of its query heads) units
  * on OpenMP threads, up to CHUNK rows (tokens x heads) a unit, so grouped-query heads read
@@ -302,7 +303,7 @@ static inline __attribute__((always_inline)) void attend(
     const float *q, int64_t q_stride, float *out, const void *k_cache, const void *v_cache,
     const int32_t *block_table, int64_t row0, int i0, int i1, int q_len, int seq_len, int h,
     int nh, int num_heads, int num_kv_heads, int D, int block_size, float scale, int window,
-    const int bf16) {
+    float softcap, const int bf16) {
     const int64_t esize = bf16 ? 2 : 4; /* bytes per cache element */
     const int kvh = h / (num_heads / num_kv_heads);
     const int rows = (i1 - i0) * nh;
@@ -373,6 +374,10 @@ static inline __attribute__((always_inline)) void attend(
             if (n < 1) continue;
             float *pi = p[i];
             int g;
+            if (softcap > 0.0f) { /* logit soft-capping: s -> cap * tanh(s / cap) */
+                const float inv_cap = 1.0f / softcap;
+                for (g = 0; g < n; g++) pi[g] = softcap * tanhf(pi[g] * inv_cap);
+            }
             __m256 mv = _mm256_set1_ps(m[i]);
             for (g = 0; g + 8 <= n; g += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(pi + g));
             float mx = hmax(mv);
@@ -410,10 +415,10 @@ static inline __attribute__((always_inline)) void attend(
     const float *q, int64_t q_stride, float *out, const void *k_cache, const void *v_cache,   \
         const int32_t *block_table, int64_t row0, int i0, int i1, int q_len, int seq_len,     \
         int h, int nh, int num_heads, int num_kv_heads, int D, int block_size, float scale,    \
-        int window
+        int window, float softcap
 #define ATTEND_PASS                                                                           \
     q, q_stride, out, k_cache, v_cache, block_table, row0, i0, i1, q_len, seq_len, h, nh,     \
-        num_heads, num_kv_heads, D, block_size, scale, window
+        num_heads, num_kv_heads, D, block_size, scale, window, softcap
 static void attend_f32(ATTEND_ARGS) { attend(ATTEND_PASS, 0); }
 static void attend_bf16(ATTEND_ARGS) { attend(ATTEND_PASS, 1); }
 #undef ATTEND_ARGS
@@ -424,7 +429,7 @@ int pagedkv_paged_attention(const float *q, int64_t q_stride, float *out, const 
                             const int32_t *seq_lens, const int32_t *block_tables,
                             int64_t block_table_stride, int num_reqs, int num_heads,
                             int num_kv_heads, int head_size, int block_size, float scale,
-                            int window, int kv_bf16, int num_threads) {
+                            int window, float softcap, int kv_bf16, int num_threads) {
     if (num_reqs < 1 || num_kv_heads < 1 || num_heads % num_kv_heads || head_size % 8 ||
         head_size > MAX_HEAD || head_size < 8 || block_size < 1 || num_threads < 1)
         return -1;
@@ -477,7 +482,7 @@ int pagedkv_paged_attention(const float *q, int64_t q_stride, float *out, const 
             (kv_bf16 ? attend_bf16 : attend_f32)(
                 q, q_stride, out, k_cache, v_cache, block_tables + r * block_table_stride,
                 query_start_loc[r], i0, i1, q_len, seq_lens[r], h, heads, num_heads,
-                num_kv_heads, head_size, block_size, scale, window);
+                num_kv_heads, head_size, block_size, scale, window, softcap);
         }
     }
     return 0;
@@ -497,6 +502,7 @@ typedef struct {
     int32_t window; /* <= 0: none */
     float scale;
     int32_t kv_bf16; /* the cache's elements: 0 fp32, 1 bf16 */
+    float softcap;   /* logit soft-cap; <= 0: none */
 } pagedkv_attention_step;
 
 int pagedkv_step_write_kv(const pagedkv_attention_step *s, void *k_cache, void *v_cache,
@@ -513,6 +519,6 @@ int pagedkv_step_attention(const pagedkv_attention_step *s, const void *k_cache,
     return pagedkv_paged_attention(q, q_stride, out, k_cache, v_cache, s->query_start_loc,
                                    s->seq_lens, s->block_tables, s->block_table_stride,
                                    s->num_reqs, s->num_heads, s->num_kv_heads, s->head_size,
-                                   s->block_size, s->scale, s->window, s->kv_bf16,
-                                   num_threads);
+                                   s->block_size, s->scale, s->window, s->softcap,
+                                   s->kv_bf16, num_threads);
 }

@@ -28,6 +28,10 @@ equal to Hugging Face's ``softmax(scores, dtype=float32).to(dtype)`` without the
 
 Prefill group (q_len > 1): one SDPA call per request on its gathered K/V (``enable_gqa``) with the
 precomputed causal / sliding-window mask.
+
+Logit soft-capping (``soft_cap``, Gemma 2): the scaled scores become ``cap * tanh(s / cap)``
+before the mask and the softmax; the decode path caps its score tensor in place, the prefill
+path (SDPA has no cap) computes its scores with ``matmul`` and a masked softmax instead.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ def cpu_paged_attention(
     *,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Paged attention, vectorised over decode requests (see module docs).
 
@@ -62,6 +67,8 @@ def cpu_paged_attention(
         metadata: the step's :class:`PagedAttentionMetadata`.
         scale: softmax scale.
         k_scale, v_scale: fp8 dequantisation scales (ignored for other dtypes).
+        soft_cap: logit soft-cap (scores ``cap * tanh(s / cap)`` before the softmax); None =
+            none.
 
     Returns:
         ``[num_tokens, num_heads, head_size]`` in ``query.dtype``.
@@ -88,10 +95,12 @@ def cpu_paged_attention(
         q = q_sorted[start : start + n]
         start += n
         if chunk.part_blocks is not None:
-            o = _decode_in_parts(q, rows, chunk, num_kv_heads)
+            o = _decode_in_parts(q, rows, chunk, num_kv_heads, soft_cap)
         else:
             k = rows.gather(chunk.rows, key=True).view(n * num_kv_heads, kv_len, head_size)
             scores = torch.bmm(q.view(n * num_kv_heads, group, head_size), k.transpose(1, 2))
+            if soft_cap is not None:
+                _cap_(scores, soft_cap)
             if chunk.key_mask is not None:
                 scores.view(n, num_kv_heads, group, kv_len).masked_fill_(
                     chunk.key_mask, float("-inf")
@@ -121,6 +130,10 @@ def cpu_paged_attention(
         k = k.view(1, num_kv_heads, -1, head_size)
         v = v.view(1, num_kv_heads, -1, head_size)
         q = query[p.token_start : p.token_end].transpose(0, 1).unsqueeze(0)
+        if soft_cap is not None:
+            o = _capped_attention(q, k, v, p.attn_mask, scale, soft_cap)
+            out[p.token_start : p.token_end] = o[0].transpose(0, 1)
+            continue
         o = F.scaled_dot_product_attention(
             q,
             k,
@@ -132,6 +145,46 @@ def cpu_paged_attention(
         )
         out[p.token_start : p.token_end] = o[0].transpose(0, 1)
     return out
+
+
+def _cap_(scores: torch.Tensor, cap: float) -> torch.Tensor:
+    """``scores = cap * tanh(scores / cap)`` in place (any shape and float dtype)."""
+    return scores.div_(cap).tanh_().mul_(cap)
+
+
+def _capped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    scale: float,
+    cap: float,
+) -> torch.Tensor:
+    """One prefill request's attention with soft-capped scores (what SDPA cannot do).
+
+    Args:
+        q: ``[1, num_heads, q_len, head_size]``.
+        k, v: ``[1, num_kv_heads, kv_len, head_size]`` in the query dtype.
+        attn_mask: ``[q_len, kv_len]`` bool (True = attend), or None for a square causal mask.
+        scale: softmax scale.
+        cap: the soft-cap.
+
+    Returns:
+        ``[1, num_heads, q_len, head_size]`` in the query dtype (softmax in fp32, as the decode
+        path's CPU softmax).
+    """
+    _, num_heads, q_len, head_size = q.shape
+    num_kv_heads, kv_len = k.shape[1], k.shape[2]
+    group = num_heads // num_kv_heads
+    qg = q.reshape(num_kv_heads, group * q_len, head_size) * scale
+    scores = torch.bmm(qg, k[0].transpose(1, 2)).view(num_kv_heads, group, q_len, kv_len)
+    _cap_(scores, cap)
+    if attn_mask is None:
+        attn_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril_()
+    scores.masked_fill_(~attn_mask, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    o = torch.bmm(probs.view(num_kv_heads, group * q_len, kv_len), v[0])
+    return o.view(1, num_heads, q_len, head_size)
 
 
 class _DecodeRows:
@@ -193,7 +246,11 @@ class _DecodeRows:
 
 
 def _decode_in_parts(
-    q: torch.Tensor, rows: _DecodeRows, chunk: DecodeChunk, num_kv_heads: int
+    q: torch.Tensor,
+    rows: _DecodeRows,
+    chunk: DecodeChunk,
+    num_kv_heads: int,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """One decode request too big for one gather: scores from K parts, softmax over the whole
     row, then the output from the value bags (or, for gathered values, from V parts), each part
@@ -216,6 +273,8 @@ def _decode_in_parts(
         k = rows.gather(part_rows, key=True).view(num_kv_heads, -1, head_size)
         scores[:, :, t0 : t0 + k.shape[1]] = torch.bmm(q, k.transpose(1, 2))
         t0 += k.shape[1]
+    if soft_cap is not None:
+        _cap_(scores, soft_cap)
     if chunk.key_mask is not None:
         scores.view(1, num_kv_heads, group, kv_len).masked_fill_(chunk.key_mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)

@@ -18,6 +18,7 @@ def reference_paged_attention(
     *,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Paged attention by per-request gathering and explicit fp32 softmax.
 
@@ -27,6 +28,8 @@ def reference_paged_attention(
         metadata: the step's :class:`PagedAttentionMetadata` (only its plain inputs are used).
         scale: softmax scale (usually ``head_size ** -0.5``).
         k_scale, v_scale: fp8 dequantisation scales (ignored for other dtypes).
+        soft_cap: scores become ``soft_cap * tanh(s / soft_cap)`` before the softmax; None =
+            no cap.
 
     Returns:
         ``[num_tokens, num_heads, head_size]`` in ``query.dtype``.
@@ -55,6 +58,8 @@ def reference_paged_attention(
         v = v.repeat_interleave(group, dim=1).transpose(0, 1)
         q = query[start:end].float().transpose(0, 1)  # [heads, q_len, head]
         scores = (q @ k.transpose(1, 2)) * scale  # [heads, q_len, seq_len]
+        if soft_cap is not None:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=key_slots.device)[:, None]
         visible = positions[None, :] <= q_pos
         if window is not None:
