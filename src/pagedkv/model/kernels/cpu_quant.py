@@ -676,6 +676,71 @@ class CpuQuantKernels:
                     raise KernelUnavailableError(f"int4 self-check failed ({rows} rows)")
             if not torch.equal(self.int8(x, q8, scale8), (x @ dense8.T)):
                 raise KernelUnavailableError(f"int8 self-check failed ({rows} rows)")
+        self._gguf_self_check(gen)
+
+    def _gguf_self_check(self, gen: torch.Generator) -> None:
+        """Each of :attr:`gguf_types` on a small weight (19 rows: a partial row block; K 256)
+        whose products are exact in fp32: dequantization bit-identical to
+        ``gguf.quants.dequantize``, the product of 1, 3 and 8 integer rows equal to the float64
+        one.
+
+        Raises:
+            KernelUnavailableError: a result differs.
+        """
+        if not self.gguf_types:
+            return
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        n, k = 19, 256
+        for type_id in sorted(self.gguf_types):
+            w = _exact_gguf_weight(type_id, n, k, gen)
+            reference = torch.from_numpy(
+                dequantize(w.numpy(), GGMLQuantizationType(type_id)).reshape(n, k)
+            )
+            name = ggml_type(type_id).name
+            dense = self.gguf_dequant(type_id, w, torch.empty(n, k))
+            if not torch.equal(dense.view(torch.int32), reference.view(torch.int32)):
+                raise KernelUnavailableError(f"gguf dequant self-check failed ({name})")
+            for rows in (1, 3, MAX_ROWS):
+                x = torch.randint(-3, 4, (rows, k), generator=gen).float()
+                expected = (x.double() @ reference.double().T).float()
+                if not torch.equal(self.gguf_gemm(type_id, x, w), expected):
+                    raise KernelUnavailableError(
+                        f"gguf gemm self-check failed ({name}, {rows} rows)"
+                    )
+
+
+#: Byte offsets of the f16 scale fields of each quantized type's block (d, then m or dmin).
+_SCALE_FIELDS = {
+    2: (0,),
+    3: (0, 2),
+    6: (0,),
+    7: (0, 2),
+    8: (0,),
+    12: (0, 2),
+    13: (0, 2),
+    14: (208,),
+}
+
+
+def _exact_gguf_weight(type_id: int, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """Raw blocks ``[n, row_bytes]`` of a GGML type whose weights are small multiples of 1/16
+    (random bits, every f16 scale field set to 1/8 or -1/16; the float types: integers in
+    [-8, 8]), so that products with small integer activations are exact in fp32."""
+    t = ggml_type(type_id)
+    if t.block_elems == 1:
+        values = torch.randint(-8, 9, (n, k), generator=gen).float()
+        if t.name == "F32":
+            return values.view(torch.uint8).reshape(n, -1).contiguous()
+        half = values.half() if t.name == "F16" else values.bfloat16()
+        return half.view(torch.uint8).reshape(n, -1).contiguous()
+    blocks = torch.randint(0, 256, (n, k // t.block_elems, t.block_bytes), generator=gen)
+    blocks = blocks.to(torch.uint8)
+    for i, offset in enumerate(_SCALE_FIELDS[type_id]):
+        scale = torch.tensor([0.125 if i == 0 else -0.0625], dtype=torch.float16)
+        blocks[..., offset : offset + 2] = scale.view(torch.uint8)
+    return blocks.reshape(n, -1).contiguous()
 
 
 def build_library(compiler: str, cache: Path, sources: Path | Sequence[Path] = SOURCES) -> Path:
