@@ -244,3 +244,128 @@ def test_the_two_bodies_agree_up_to_rounding(tmp_path_factory):
         w = torch.from_numpy(gguf_weight(name, N, 2048, seed=9))
         a, b = wide.gguf_gemm(t.type_id, x, w), narrow.gguf_gemm(t.type_id, x, w)
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max())), name
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE with sign-folded sin over the last dimension (heads in between)."""
+    half = x.shape[-1] // 2
+    return x * cos[:, None] + torch.cat([x[..., half:], x[..., :half]], -1) * sin[:, None]
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_fused_layer_of_mixed_gguf_types(kernels, qk_norm):
+    """A Q4_K_M-like layer (q, k Q4_K; v Q6_K; o Q8_0; gate Q4_K, up in pagedkv's int4
+    layout; down Q6_K) through the fused calls against torch ops on the dequantized weights,
+    with and without Qwen3's per-head q/k norm, at 1 and 5 rows (5: every stacked part writes
+    its columns of each row)."""
+    from pagedkv.model.kernels.cpu_quant import GGUFWeight, LlamaLayerWeights, pack_int4
+
+    hidden, inter, heads, kv, dim, eps = 256, 256, 4, 2, 32, 1e-5
+    gen = torch.Generator().manual_seed(10)
+
+    def gguf(name, n, k, seed):
+        raw = gguf_weight(name, n, k, seed)
+        w = GGUFWeight(GGML_TYPES[name].type_id, torch.from_numpy(raw))
+        return w, reference(name, raw)
+
+    q, q_dense = gguf("Q4_K", heads * dim, hidden, 11)
+    k, k_dense = gguf("Q4_K", kv * dim, hidden, 12)
+    v, v_dense = gguf("Q6_K", kv * dim, hidden, 13)
+    o, o_dense = gguf("Q8_0", hidden, heads * dim, 14)
+    gate, gate_dense = gguf("Q4_K", inter, hidden, 15)
+    down, down_dense = gguf("Q6_K", hidden, inter, 16)
+    up_q = torch.randint(0, 16, (inter, hidden), generator=gen)
+    up_scale = torch.rand(inter, hidden // 32, generator=gen) * 0.01
+    up_min = torch.rand(inter, hidden // 32, generator=gen) * -0.08
+    up = pack_int4(up_q, up_scale, up_min)
+    up_dense = up_q.float() * up_scale.repeat_interleave(32, 1) + up_min.repeat_interleave(32, 1)
+
+    input_norm = torch.rand(hidden, generator=gen) + 0.5
+    post_norm = torch.rand(hidden, generator=gen) + 0.5
+    bias = torch.randn((heads + 2 * kv) * dim, generator=gen) * 0.1
+    q_norm = torch.rand(dim, generator=gen) + 0.5 if qk_norm else None
+    k_norm = torch.rand(dim, generator=gen) + 0.5 if qk_norm else None
+    layer = LlamaLayerWeights(
+        [q, k, v],
+        o,
+        [gate, up],
+        down,
+        input_norm,
+        post_norm,
+        bias,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=dim,
+        eps=eps,
+        isa=kernels.isa,
+        q_norm=q_norm,
+        k_norm=k_norm,
+    )
+    qkv_dense = torch.cat([q_dense, k_dense, v_dense])
+    gate_up_dense = torch.cat([gate_dense, up_dense])
+
+    def close(got, want):
+        assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
+
+    for rows in (1, 5):
+        h = torch.randn(rows, hidden, generator=gen)
+        angle = torch.rand(rows, dim // 2, generator=gen) * 6
+        cos = torch.cat([angle.cos(), angle.cos()], -1)
+        sin = torch.cat([-angle.sin(), angle.sin()], -1)
+        qkv = torch.empty(rows, (heads + 2 * kv) * dim)
+        kernels.llama_attn_in(layer, h, cos, sin, qkv, 1)
+
+        ref = rms_norm(h, input_norm, eps) @ qkv_dense.T + bias
+        ref_q = ref[:, : heads * dim].reshape(rows, heads, dim)
+        ref_k = ref[:, heads * dim : (heads + kv) * dim].reshape(rows, kv, dim)
+        if qk_norm:
+            ref_q, ref_k = rms_norm(ref_q, q_norm, eps), rms_norm(ref_k, k_norm, eps)
+        close(qkv[:, : heads * dim], rotate(ref_q, cos, sin).reshape(rows, -1))
+        close(qkv[:, heads * dim : (heads + kv) * dim], rotate(ref_k, cos, sin).reshape(rows, -1))
+        close(qkv[:, (heads + kv) * dim :], ref[:, (heads + kv) * dim :])
+
+        attn = torch.randn(rows, heads * dim, generator=gen)
+        want = h + attn @ o_dense.T
+        gate_out, up_out = (rms_norm(want, post_norm, eps) @ gate_up_dense.T).split(inter, -1)
+        want = want + (torch.nn.functional.silu(gate_out) * up_out) @ down_dense.T
+        got = h.clone()
+        kernels.llama_attn_out(layer, got, attn, 1)
+        close(got, want)
+
+
+def test_fused_layer_refuses_parts_that_do_not_fit(kernels):
+    from pagedkv.model.kernels.cpu_quant import GGUFWeight, LlamaLayerWeights
+
+    hidden, heads, kv, dim = 256, 4, 2, 32
+
+    def gguf(name, n, k):
+        return GGUFWeight(GGML_TYPES[name].type_id, torch.from_numpy(gguf_weight(name, n, k, 0)))
+
+    def layer(qkv, o=None):
+        return LlamaLayerWeights(
+            qkv,
+            o or gguf("Q8_0", hidden, heads * dim),
+            gguf("Q4_K", 512, hidden),
+            gguf("Q4_K", hidden, 256),
+            torch.ones(hidden),
+            torch.ones(hidden),
+            None,
+            num_heads=heads,
+            num_kv_heads=kv,
+            head_dim=dim,
+            eps=1e-5,
+        )
+
+    layer([gguf("Q4_K", 128, hidden), gguf("Q4_K", 64, hidden), gguf("Q6_K", 64, hidden)])
+    with pytest.raises(KernelUnavailableError, match="qkv: parts of 192 rows"):
+        layer([gguf("Q4_K", 128, hidden), gguf("Q4_K", 64, hidden)])
+    with pytest.raises(KernelUnavailableError, match="qkv: 4 parts"):
+        layer([gguf("Q4_K", 64, hidden)] * 4)
+    with pytest.raises(KernelUnavailableError, match="o:"):
+        layer(gguf("Q4_K", 256, hidden), gguf("Q8_0", hidden, 96))  # 128 inputs, not 96
+    with pytest.raises(KernelUnavailableError):
+        layer(gguf("Q4_K", 256, hidden), gguf("Q4_K", hidden, 256))  # K 128 is no Q4_K row

@@ -306,9 +306,14 @@ static inline AI void store_bf16_8(uint16_t *p, __m256 v) {
 
 int pagedkv_gguf_gemm(int type, const float *x, const uint8_t *w, float *out, int64_t M,
                       int64_t N, int64_t K, int num_threads, int isa) {
+    return pagedkv_gguf_gemm_ld(type, x, w, out, M, N, K, N, num_threads, isa);
+}
+
+int pagedkv_gguf_gemm_ld(int type, const float *x, const uint8_t *w, float *out, int64_t M,
+                         int64_t N, int64_t K, int64_t ldo, int num_threads, int isa) {
     int64_t E, B;
     if (pagedkv_gguf_block(type, &E, &B)) return -1;
-    if (M < 1 || M > MAX_M || K <= 0 || K % E != 0 || N < 0) return -1;
+    if (M < 1 || M > MAX_M || K <= 0 || K % E != 0 || N < 0 || ldo < N) return -1;
     if (isa != PAGEDKV_ISA_AVX2 && isa != PAGEDKV_ISA_AVX512) return -1;
     /* Q4_K / Q5_K: the sums of x over each group of 32, [M, K / 32] */
     float *xsum = NULL;
@@ -323,9 +328,9 @@ int pagedkv_gguf_gemm(int type, const float *x, const uint8_t *w, float *out, in
     for (int64_t b = 0; b < num_blocks; b++) {
         const int64_t n0 = b * ROW_BLOCK, n1 = n0 + ROW_BLOCK < N ? n0 + ROW_BLOCK : N;
         if (isa == PAGEDKV_ISA_AVX512)
-            gemm_rows_avx512(type, (int)M, w, x, xsum, K, N, n0, n1, out);
+            gemm_rows_avx512(type, (int)M, w, x, xsum, K, ldo, n0, n1, out);
         else
-            gemm_rows_avx2(type, (int)M, w, x, xsum, K, N, n0, n1, out);
+            gemm_rows_avx2(type, (int)M, w, x, xsum, K, ldo, n0, n1, out);
     }
     free(xsum);
     return 0;
