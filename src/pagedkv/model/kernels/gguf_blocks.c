@@ -150,13 +150,16 @@ static inline AI void prep_q4_k(const uint8_t *blk, float *D, float *DM) {
     _mm256_storeu_ps(DM, _mm256_mul_ps(_mm256_set1_ps(f16_to_f32(blk + 2)), mn));
 }
 
-/* Q6_K: D[i] = d * scale[i] for the 16 int8 scales */
-static inline AI void prep_q6_k(const uint8_t *blk, float *D, float *DM) {
-    (void)DM;
+/* Q6_K: D[i] = d * scale[i] for the 16 int8 scales, D32[i] = 32 D[i] (exact) */
+static inline AI void prep_q6_k(const uint8_t *blk, float *D, float *D32) {
     const __m256 d = _mm256_set1_ps(f16_to_f32(blk + 208));
     const __m128i s = _mm_loadu_si128((const __m128i *)(blk + 192));
-    _mm256_storeu_ps(D, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s))));
-    _mm256_storeu_ps(D + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s, 8)))));
+    const __m256 d0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s)));
+    const __m256 d1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s, 8))));
+    _mm256_storeu_ps(D, d0);
+    _mm256_storeu_ps(D + 8, d1);
+    _mm256_storeu_ps(D32, _mm256_mul_ps(d0, _mm256_set1_ps(32.0f)));
+    _mm256_storeu_ps(D32 + 8, _mm256_mul_ps(d1, _mm256_set1_ps(32.0f)));
 }
 
 /* the sum of 32 floats (x's group sums of the Q4_K / Q5_K products) */
@@ -188,6 +191,7 @@ static float sum32(const float *x) {
 #define I8(p) _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
 #define ANDI(a, c) _mm256_and_si256((a), _mm256_set1_epi32(c))
 #define ORI(a, b) _mm256_or_si256((a), (b))
+#define OR_AND(a, b, c) _mm256_or_si256((a), _mm256_and_si256((b), _mm256_set1_epi32(c)))
 #define SUBI(a, c) _mm256_sub_epi32((a), _mm256_set1_epi32(c))
 #define SRLI(a, n) _mm256_srli_epi32((a), (n))
 #define SLLI(a, n) _mm256_slli_epi32((a), (n))
@@ -245,6 +249,7 @@ static inline AI void store_bf16_8(uint16_t *p, __m256 v) {
 #undef I8
 #undef ANDI
 #undef ORI
+#undef OR_AND
 #undef SUBI
 #undef SRLI
 #undef SLLI
@@ -282,6 +287,8 @@ static inline AI void store_bf16_8(uint16_t *p, __m256 v) {
 #define I8(p) _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p)))
 #define ANDI(a, c) _mm512_and_si512((a), _mm512_set1_epi32(c))
 #define ORI(a, b) _mm512_or_si512((a), (b))
+/* a | (b & c) in one ternary-logic instruction */
+#define OR_AND(a, b, c) _mm512_ternarylogic_epi32((a), (b), _mm512_set1_epi32(c), 0xF8)
 #define SUBI(a, c) _mm512_sub_epi32((a), _mm512_set1_epi32(c))
 #define SRLI(a, n) _mm512_srli_epi32((a), (n))
 #define SLLI(a, n) _mm512_slli_epi32((a), (n))

@@ -185,19 +185,22 @@ static inline AI void SFX(dec_q5_k_group)(const uint8_t *qh, const uint8_t *qs, 
 
 #endif
 
-/* Q6_K group g (0..7) of 32: half h = g / 4 (128 elements), quarter t = g % 4 of it. */
-static inline AI void SFX(dec_q6_k_group)(const uint8_t *blk, int g, const float *D, VF w[NV],
-                                          const int exact) {
-    (void)exact;
+/* Q6_K group g (0..7) of 32: half h = g / 4 (128 elements), quarter t = g % 4 of it. The
+ * exact form (dequantization) is D[i] * (q - 32); the product's is D[i] * q - D32[i] with
+ * D32 = 32 D (one fused operation instead of a subtraction and a multiplication). */
+static inline AI void SFX(dec_q6_k_group)(const uint8_t *blk, int g, const float *D,
+                                          const float *D32, VF w[NV], const int exact) {
     const int h = g / 4, t = g % 4;
     const uint8_t *lo = blk + 64 * h + 32 * (t & 1), *hi = blk + 128 + 32 * h;
 #pragma GCC unroll 4
     for (int v = 0; v < NV; v++) {
-        const VI b = U8(lo + v * VL);
+        const VI b = U8(lo + v * VL), hb = U8(hi + v * VL);
         const VI nib = t >= 2 ? SRLI(b, 4) : ANDI(b, 0x0F);
-        const VI top = SLLI(ANDI(SRLV(U8(hi + v * VL), 2 * t), 3), 4);
-        const VF q = CVT(SUBI(ORI(nib, top), 32));
-        w[v] = MUL(SET1(D[2 * g + (v * VL) / 16]), q);
+        /* bits 2t, 2t + 1 of the qh byte moved to bits 4, 5 */
+        const VI top = t == 3 ? SRLI(hb, 2) : t == 2 ? hb : SLLI(hb, 4 - 2 * t);
+        const VI q = OR_AND(nib, top, 0x30);
+        const int i = 2 * g + (v * VL) / 16;
+        w[v] = exact ? MUL(SET1(D[i]), CVT(SUBI(q, 32))) : FMSUB(SET1(D[i]), CVT(q), SET1(D32[i]));
     }
 }
 
@@ -305,7 +308,7 @@ ROWF(bf16, 2, SFX(dec_bf16), bf16_at)
         for (int64_t s = 0; s < S; s++) {                                                    \
             const uint8_t *blk = row + s * (BB);                                             \
             for (int o = 0; o < (BB); o += 64) PREFETCH(blk + PF_BYTES + o);                 \
-            float D[16], DM[8];                                                              \
+            float D[16], DM[16];                                                              \
             PREP(blk, D, DM);                                                                \
             _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                            \
                 VF wj[NV];                                                                   \
@@ -337,7 +340,7 @@ ROWF(bf16, 2, SFX(dec_bf16), bf16_at)
         for (int64_t s = 0; s < S; s++) {                                                    \
             const uint8_t *blk = row + s * (BB);                                             \
             for (int o = 0; o < (BB); o += 64) PREFETCH(blk + PF_BYTES + o);                 \
-            float D[16], DM[8];                                                              \
+            float D[16], DM[16];                                                              \
             prep_q4_k(blk, D, DM);                                                           \
             const __m256 dm = _mm256_loadu_ps(DM);                                           \
             _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)                              \
@@ -370,7 +373,7 @@ ROWKF(q4_k, 144, Q4K_Q)
 ROWKF(q5_k, 176, Q5K_Q)
 #undef Q4K_Q
 #undef Q5K_Q
-ROWK(q6_k, 210, prep_q6_k, SFX(dec_q6_k_group)(blk, j, D, wj, 0))
+ROWK(q6_k, 210, prep_q6_k, SFX(dec_q6_k_group)(blk, j, D, DM, wj, 0))
 
 /* rows n0..n1 of one type, M a constant at each call site */
 #define ROWS(T)                                                                              \
@@ -474,7 +477,7 @@ DEQF(bf16, 2, SFX(dec_bf16), bf16_at)
     static void SFX(deq_##T)(const uint8_t *row, int64_t K, void *out, const int bf16) {     \
         for (int64_t s = 0; s < K / 256; s++) {                                              \
             const uint8_t *blk = row + s * (BB);                                             \
-            float D[16], DM[8];                                                              \
+            float D[16], DM[16];                                                              \
             PREP(blk, D, DM);                                                                \
             _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                            \
                 VF wj[NV];                                                                   \
@@ -486,7 +489,7 @@ DEQF(bf16, 2, SFX(dec_bf16), bf16_at)
 
 DEQK(q4_k, 144, prep_q4_k, SFX(dec_q4_k_group)(blk + 16, j, D, DM, wj, 1))
 DEQK(q5_k, 176, prep_q4_k, SFX(dec_q5_k_group)(blk + 16, blk + 48, j, D, DM, wj, 1))
-DEQK(q6_k, 210, prep_q6_k, SFX(dec_q6_k_group)(blk, j, D, wj, 1))
+DEQK(q6_k, 210, prep_q6_k, SFX(dec_q6_k_group)(blk, j, D, DM, wj, 1))
 
 /* One row of a type (checked by the caller) into out [K] (fp32 or bf16). */
 static void SFX(dequant_row)(int type, const uint8_t *row, int64_t K, void *out, int bf16) {
