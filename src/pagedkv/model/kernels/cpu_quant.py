@@ -18,6 +18,14 @@ Repacked at load (:func:`pack_int4`)::
     scale  fp32  [N, K/32]
     min    fp32  [N, K/32]       (absent for Q4_0-like weights without one: min = 0)
 
+GGUF tensors as the file stores them (``gguf_blocks.c``; :data:`GGML_TYPES`: F32, F16, BF16,
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), read in place (a read-only memory map of the
+file will do): :meth:`CpuQuantKernels.gguf_gemm` (the product of at most 8 fp32 rows, fp32
+accumulation, AVX2 and AVX-512 bodies), :meth:`~CpuQuantKernels.gguf_dequant` (rows into fp32
+or bf16, bit-identical to ``gguf.quants.dequantize``) and :meth:`~CpuQuantKernels.gguf_get_rows`
+(an embedding lookup). :class:`LlamaLayerWeights` takes each product as int4 parts, GGUF parts
+(:class:`GGUFWeight`) or a mix, so a Q4_K_M file's layers run fused as stored.
+
 The library is built at first use by :mod:`pagedkv.ops.c_build` (the system C compiler,
 ``-O3 -mavx2 -mfma -fopenmp``, into ``$PAGEDKV_CACHE_DIR/kernels/``, keyed by a hash of the
 sources; OpenMP on torch's own thread pool) and loaded with ctypes. It runs where the CPU has
