@@ -14,6 +14,17 @@ that together exceed the last-level cache (64 MB), so that a call reads its weig
 as in a decode step (whose 4-bit weights are 67 MB). Prints one line per shape and M: ms per
 call, ours and torch's, and torch / ours per round; ``--output-json`` writes them.
 
+``--gguf`` instead times the kernels on GGUF blocks as the file stores them (gguf_blocks.c) on
+a Llama-3.2-1B-sized layer (gate_up 16384 x 2048, down 2048 x 8192), for each type of
+``--types`` and each body the CPU runs (``--isas``): the product at M = 1 (``--rows``) and
+dequantization to fp32 in tiles of 64 rows, in GB/s of weight bytes read. "cold" cycles
+through copies of the weight that exceed the last-level cache (as a decode step reads its
+weights), "hot" reuses one copy (it stays in the last-level cache); each is the best and the
+median of ``--repeats`` calls (the machine may be shared: the best is what the kernel does when
+it gets the cores)::
+
+    .venv/bin/python benchmarks/bench_quant_kernels.py --gguf [--threads 2] [--types Q4_K Q6_K]
+
 ``--engine`` instead builds two engines on the default model (SmolLM2-135M, the GGUF's 4-bit
 weights), one with pagedkv's kernels and one with ``PAGEDKV_QUANT_KERNEL=torch``, gives each
 one greedy chat (batch 1, ``ignore_eos``), and alternates blocks of ``--repeats`` decode steps
@@ -70,9 +81,15 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=[shape[0] for shape in SHAPES])
     parser.add_argument("--output-json", type=Path)
     parser.add_argument("--engine", action="store_true", help="whole decode steps, batch 1")
+    parser.add_argument("--gguf", action="store_true", help="GGUF blocks: GB/s per type")
+    parser.add_argument("--types", nargs="+", default=None, help="--gguf: GGML type names")
+    parser.add_argument("--isas", nargs="+", default=["avx512", "avx2"])
     args = parser.parse_args()
     if args.engine:
         compare_engines(args)
+        return
+    if args.gguf:
+        bench_gguf(args)
         return
     torch.set_num_threads(args.threads)
     kernels = load_cpu_quant_kernels(cache_dir() / "kernels")
@@ -116,6 +133,93 @@ def main() -> None:
                 )
     if args.output_json:
         args.output_json.write_text(json.dumps({"threads": args.threads, "results": results}))
+
+
+#: (name, out_features, in_features): Llama-3.2-1B's widest products
+GGUF_SHAPES = (("gate_up", 16384, 2048), ("down", 2048, 8192))
+
+
+def random_gguf_weight(type_name: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """Raw blocks uint8 ``[n, row_bytes]`` of a GGML type: random bits with each f16 scale
+    field in (0, 0.01) (the float types: random normal values)."""
+    from pagedkv.model.kernels.cpu_quant import _SCALE_FIELDS, GGML_TYPES
+
+    t = GGML_TYPES[type_name]
+    if t.block_elems == 1:
+        dense = torch.randn(n, k, generator=gen)
+        dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[type_name]
+        return dense.to(dtype).view(torch.uint8).reshape(n, -1).contiguous()
+    blocks = torch.randint(0, 256, (n, k // t.block_elems, t.block_bytes), generator=gen)
+    blocks = blocks.to(torch.uint8)
+    for offset in _SCALE_FIELDS[t.type_id]:
+        scale = (torch.rand(n, k // t.block_elems, 1, generator=gen) * 0.01).half()
+        blocks[..., offset : offset + 2] = scale.view(torch.uint8)
+    return blocks.reshape(n, -1).contiguous()
+
+
+def best_and_median(call, copies: int, repeats: int) -> tuple[float, float]:
+    """Seconds of one call (best, median), cycling through ``copies`` inputs."""
+    for i in range(copies):
+        call(i)
+    times = []
+    for i in range(repeats):
+        start = time.perf_counter()
+        call(i % copies)
+        times.append(time.perf_counter() - start)
+    return min(times), statistics.median(times)
+
+
+def bench_gguf(args) -> None:
+    """GB/s of weight bytes of the GGUF products (M = ``args.rows``) and dequantization."""
+    from pagedkv.model.kernels.cpu_quant import GGML_TYPES
+
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    kernels = {isa: load_cpu_quant_kernels(cache_dir() / "kernels", isa=isa) for isa in args.isas}
+    print(f"{probe_cpu().summary()}; {args.threads} threads; GB/s of weight bytes, best / median")
+    results = []
+    for type_name in args.types or list(GGML_TYPES):
+        t = GGML_TYPES[type_name]
+        for shape, n, k in GGUF_SHAPES:
+            w = random_gguf_weight(type_name, n, k, gen)
+            nbytes = w.numel()
+            cold = [w] + [w.clone() for _ in range(max(1, round(WORKING_SET / nbytes)) - 1)]
+            for isa, kern in kernels.items():
+                for rows in args.rows:
+                    x = torch.randn(rows, k, generator=gen)
+                    for where, ws in (("cold", cold), ("hot", cold[:1])):
+                        best, median = best_and_median(
+                            lambda i, ws=ws, x=x, kern=kern, tid=t.type_id: kern.gguf_gemm(
+                                tid, x, ws[i]
+                            ),
+                            len(ws),
+                            args.repeats,
+                        )
+                        row = dict(type=type_name, shape=shape, isa=isa, rows=rows, where=where)
+                        row.update(best_gbs=nbytes / best / 1e9, median_gbs=nbytes / median / 1e9)
+                        results.append(row)
+                        print(
+                            f"{type_name:5s} {shape:8s} {n:5d}x{k:<5d} {isa:6s} gemm M={rows} "
+                            f"{where}: {row['best_gbs']:6.1f} / {row['median_gbs']:6.1f}"
+                        )
+            # dequantization to fp32 in tiles of 64 rows (a prompt's weight tile), any body
+            tile = torch.empty(64, k)
+            kern = next(iter(kernels.values()))
+
+            def dequant(i, w=w, tile=tile, kern=kern, tid=t.type_id, n=n):
+                for start in range(0, n, 64):
+                    kern.gguf_dequant(tid, w, tile, start)
+
+            best, median = best_and_median(dequant, 1, max(3, args.repeats // 20))
+            row = dict(type=type_name, shape=shape, isa="-", rows=0, where="dequant")
+            row.update(best_gbs=nbytes / best / 1e9, median_gbs=nbytes / median / 1e9)
+            results.append(row)
+            print(
+                f"{type_name:5s} {shape:8s} {n:5d}x{k:<5d} dequant fp32 (64-row tiles): "
+                f"{row['best_gbs']:6.1f} / {row['median_gbs']:6.1f}"
+            )
+    if args.output_json:
+        args.output_json.write_text(json.dumps({"threads": args.threads, "gguf": results}))
 
 
 def compare_engines(args) -> None:

@@ -18,6 +18,14 @@ Repacked at load (:func:`pack_int4`)::
     scale  fp32  [N, K/32]
     min    fp32  [N, K/32]       (absent for Q4_0-like weights without one: min = 0)
 
+GGUF tensors as the file stores them (``gguf_blocks.c``; :data:`GGML_TYPES`: F32, F16, BF16,
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), read in place (a read-only memory map of the
+file will do): :meth:`CpuQuantKernels.gguf_gemm` (the product of at most 8 fp32 rows, fp32
+accumulation, AVX2 and AVX-512 bodies), :meth:`~CpuQuantKernels.gguf_dequant` (rows into fp32
+or bf16, bit-identical to ``gguf.quants.dequantize``) and :meth:`~CpuQuantKernels.gguf_get_rows`
+(an embedding lookup). :class:`LlamaLayerWeights` takes each product as int4 parts, GGUF parts
+(:class:`GGUFWeight`) or a mix, so a Q4_K_M file's layers run fused as stored.
+
 The library is built at first use by :mod:`pagedkv.ops.c_build` (the system C compiler,
 ``-O3 -mavx2 -mfma -fopenmp``, into ``$PAGEDKV_CACHE_DIR/kernels/``, keyed by a hash of the
 sources; OpenMP on torch's own thread pool) and loaded with ctypes. It runs where the CPU has
@@ -160,23 +168,59 @@ def pack_int4(
     return qs, scale, minimum
 
 
-class _Int4Weight(ctypes.Structure):
-    """decode_layer.c's ``pagedkv_int4_weight``: one int4 weight in :func:`pack_int4`'s layout."""
+#: decode_layer.c's ``PAGEDKV_PART_*``: a part in :func:`pack_int4`'s layout, or a GGUF tensor
+PART_INT4 = 0
+PART_GGUF = 1
+#: Most stacked parts of one product (q, k, v).
+MAX_PARTS = 3
 
-    _fields_ = [("qs", _P), ("scale", _P), ("min", _P)]
+
+@dataclass(frozen=True)
+class GGUFWeight:
+    """A weight (or one stacked part of one) as the GGUF file stores it.
+
+    Attributes:
+        type_id: its GGML type id (:data:`GGML_TYPES`).
+        data: uint8 contiguous ``[rows, row_bytes(type_id, in_features)]`` (may be a read-only
+            memory map of the file: the kernels never write it).
+    """
+
+    type_id: int
+    data: torch.Tensor
+
+
+class _LinearPart(ctypes.Structure):
+    """decode_layer.c's ``pagedkv_linear_part``."""
+
+    _fields_ = [
+        ("kind", ctypes.c_int32),
+        ("type", ctypes.c_int32),
+        ("a", _P),
+        ("b", _P),
+        ("c", _P),
+        ("rows", _I64),
+    ]
+
+
+class _Linear(ctypes.Structure):
+    """decode_layer.c's ``pagedkv_linear``: up to :data:`MAX_PARTS` stacked parts."""
+
+    _fields_ = [("num_parts", _I64), ("parts", _LinearPart * MAX_PARTS)]
 
 
 class _LlamaLayer(ctypes.Structure):
     """decode_layer.c's ``pagedkv_llama_layer``: a decoder layer's weights and shape."""
 
     _fields_ = [
-        ("qkv", _Int4Weight),
+        ("qkv", _Linear),
         ("qkv_bias", _P),
-        ("o", _Int4Weight),
-        ("gate_up", _Int4Weight),
-        ("down", _Int4Weight),
+        ("o", _Linear),
+        ("gate_up", _Linear),
+        ("down", _Linear),
         ("input_norm", _P),
         ("post_norm", _P),
+        ("q_norm", _P),
+        ("k_norm", _P),
         ("hidden", _I64),
         ("num_heads", _I64),
         ("num_kv_heads", _I64),
@@ -185,6 +229,66 @@ class _LlamaLayer(ctypes.Structure):
         ("eps", ctypes.c_float),
         ("isa", ctypes.c_int32),
     ]
+
+
+def _parts(weight) -> list:
+    """A product's parts: an int4 triple ``(qs, scale, min)`` or a :class:`GGUFWeight` is one
+    part; a list holds up to :data:`MAX_PARTS` of them, stacked."""
+    return list(weight) if isinstance(weight, list) else [weight]
+
+
+def _part_rows(part) -> int:
+    return part.data.shape[0] if isinstance(part, GGUFWeight) else part[0].shape[0]
+
+
+def _linear(name: str, weight, rows: int, cols: int) -> _Linear:
+    """The C struct of one product ``[rows, cols]`` (see :class:`LlamaLayerWeights`).
+
+    Raises:
+        KernelUnavailableError: parts of other shapes, dtypes or types than the kernels take.
+    """
+    parts = _parts(weight)
+    if not 1 <= len(parts) <= MAX_PARTS:
+        raise KernelUnavailableError(f"{name}: {len(parts)} parts (1 to {MAX_PARTS})")
+    linear = _Linear(len(parts))
+    for i, part in enumerate(parts):
+        if isinstance(part, GGUFWeight):
+            width = row_bytes(part.type_id, cols)
+            data = part.data
+            if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != width:
+                raise KernelUnavailableError(
+                    f"{name}: {ggml_type(part.type_id).name} part of shape "
+                    f"{tuple(data.shape)} (rows of {width} bytes for {cols} inputs)"
+                )
+            if not data.is_contiguous():
+                raise KernelUnavailableError(f"{name}: GGUF part must be contiguous")
+            linear.parts[i] = _LinearPart(
+                PART_GGUF, part.type_id, data.data_ptr(), None, None, data.shape[0]
+            )
+        else:
+            qs, scale, minimum = part
+            if (
+                qs.dtype != torch.uint8
+                or qs.dim() != 3
+                or tuple(qs.shape[1:])
+                != (
+                    cols // GROUP_SIZE,
+                    16,
+                )
+            ):
+                raise KernelUnavailableError(f"{name}: int4 weight of shape {tuple(qs.shape)}")
+            if cols % GROUP_SIZE or not all(
+                t is None or (t.dtype == torch.float32 and t.is_contiguous())
+                for t in (scale, minimum)
+            ):
+                raise KernelUnavailableError(f"{name}: scales must be fp32 contiguous")
+            linear.parts[i] = _LinearPart(
+                PART_INT4, 0, qs.data_ptr(), scale.data_ptr(), _ptr(minimum), qs.shape[0]
+            )
+    total = sum(_part_rows(part) for part in parts)
+    if total != rows:
+        raise KernelUnavailableError(f"{name}: parts of {total} rows, not {rows}")
+    return linear
 
 
 class _LayerAttention(ctypes.Structure):
@@ -196,31 +300,37 @@ class _LayerAttention(ctypes.Structure):
 
 class LlamaLayerWeights:
     """One Llama decoder layer's weights as :meth:`CpuQuantKernels.llama_attn_in` and
-    :meth:`~CpuQuantKernels.llama_attn_out` read them: four int4 weights in :func:`pack_int4`'s
-    layout, the two RMSNorm weights, the optional q/k/v bias. It holds the tensors (the C
-    struct holds only their addresses).
+    :meth:`~CpuQuantKernels.llama_attn_out` read them: four products, the two RMSNorm weights,
+    the optional q/k/v bias and per-head q/k norms. It holds the tensors (the C struct holds
+    only their addresses).
+
+    Each product is one of: an int4 weight ``(qs, scale, min)`` in :func:`pack_int4`'s layout,
+    a :class:`GGUFWeight` (the file's blocks of any :data:`GGML_TYPES` type), or a list of up
+    to :data:`MAX_PARTS` of those stacked by output rows (q, k, v; gate, up), each part of its
+    own form and type (a Q4_K_M file: q and k Q4_K, v Q6_K).
 
     Args:
-        qkv: ``(qs, scale, min)`` of q, k and v stacked, ``[(H + 2 KV) D, hidden]``.
-        o: of ``[hidden, H D]``; gate_up: of gate and up stacked, ``[2 I, hidden]``;
-            down: of ``[hidden, I]``.
+        qkv: q, k and v, ``[(H + 2 KV) D, hidden]`` in all.
+        o: ``[hidden, H D]``; gate_up: gate and up, ``[2 I, hidden]``; down: ``[hidden, I]``.
         input_norm, post_norm: fp32 ``[hidden]``.
         qkv_bias: fp32 ``[(H + 2 KV) D]`` or None.
         num_heads, num_kv_heads, head_dim: H, KV, D; eps: the RMSNorm epsilon.
         isa: the products' body, a key of :data:`ISA_CODES` (:attr:`CpuQuantKernels.isa`).
+        q_norm, k_norm: fp32 ``[D]``: Qwen3's RMSNorm of each q / k head (after the bias,
+            before the rotation, with ``eps``), or None.
 
     Raises:
-        KernelUnavailableError: shapes or dtypes the kernels do not take.
+        KernelUnavailableError: shapes, dtypes or types the kernels do not take.
     """
 
     __slots__ = ("_keep", "_struct", "address", "head_dim", "hidden", "num_heads", "num_kv_heads")
 
     def __init__(
         self,
-        qkv: tuple,
-        o: tuple,
-        gate_up: tuple,
-        down: tuple,
+        qkv,
+        o,
+        gate_up,
+        down,
         input_norm: torch.Tensor,
         post_norm: torch.Tensor,
         qkv_bias: torch.Tensor | None,
@@ -230,43 +340,43 @@ class LlamaLayerWeights:
         head_dim: int,
         eps: float,
         isa: str = "avx2",
+        q_norm: torch.Tensor | None = None,
+        k_norm: torch.Tensor | None = None,
     ):
         code = isa_code(isa)
         hidden = input_norm.shape[0]
-        intermediate = down[0].shape[1] * GROUP_SIZE
+        gate_up_rows = sum(_part_rows(part) for part in _parts(gate_up))
+        if gate_up_rows % 2:
+            raise KernelUnavailableError(f"gate_up: {gate_up_rows} rows (gate and up alike)")
+        intermediate = gate_up_rows // 2
         width = (num_heads + 2 * num_kv_heads) * head_dim
-        expected = {
-            "qkv": (qkv, width, hidden),
-            "o": (o, hidden, num_heads * head_dim),
-            "gate_up": (gate_up, 2 * intermediate, hidden),
-            "down": (down, hidden, intermediate),
+        linears = {
+            name: _linear(name, weight, rows, cols)
+            for name, weight, rows, cols in (
+                ("qkv", qkv, width, hidden),
+                ("o", o, hidden, num_heads * head_dim),
+                ("gate_up", gate_up, 2 * intermediate, hidden),
+                ("down", down, hidden, intermediate),
+            )
         }
-        for name, ((qs, scale, minimum), rows, cols) in expected.items():
-            if qs.dtype != torch.uint8 or tuple(qs.shape) != (rows, cols // GROUP_SIZE, 16):
-                raise KernelUnavailableError(f"{name}: int4 weight of shape {tuple(qs.shape)}")
-            if cols % GROUP_SIZE or not all(
-                t is None or (t.dtype == torch.float32 and t.is_contiguous())
-                for t in (scale, minimum)
-            ):
-                raise KernelUnavailableError(f"{name}: scales must be fp32 contiguous")
-        vectors = [input_norm, post_norm] + ([] if qkv_bias is None else [qkv_bias])
+        vectors = [input_norm, post_norm] + [t for t in (qkv_bias, q_norm, k_norm) if t is not None]
         if any(t.dtype != torch.float32 or not t.is_contiguous() for t in vectors):
             raise KernelUnavailableError("norm weights and bias must be fp32 contiguous")
+        if any(t is not None and t.shape != (head_dim,) for t in (q_norm, k_norm)):
+            raise KernelUnavailableError(f"q_norm and k_norm must be [{head_dim}]")
         if head_dim % 2 or head_dim > 512:
             raise KernelUnavailableError(f"head_dim {head_dim} (even, at most 512)")
 
-        def weight(parts: tuple) -> _Int4Weight:
-            qs, scale, minimum = parts
-            return _Int4Weight(qs.data_ptr(), scale.data_ptr(), _ptr(minimum))
-
         self._struct = _LlamaLayer(
-            weight(qkv),
+            linears["qkv"],
             _ptr(qkv_bias),
-            weight(o),
-            weight(gate_up),
-            weight(down),
+            linears["o"],
+            linears["gate_up"],
+            linears["down"],
             input_norm.data_ptr(),
             post_norm.data_ptr(),
+            _ptr(q_norm),
+            _ptr(k_norm),
             hidden,
             num_heads,
             num_kv_heads,
@@ -676,6 +786,71 @@ class CpuQuantKernels:
                     raise KernelUnavailableError(f"int4 self-check failed ({rows} rows)")
             if not torch.equal(self.int8(x, q8, scale8), (x @ dense8.T)):
                 raise KernelUnavailableError(f"int8 self-check failed ({rows} rows)")
+        self._gguf_self_check(gen)
+
+    def _gguf_self_check(self, gen: torch.Generator) -> None:
+        """Each of :attr:`gguf_types` on a small weight (19 rows: a partial row block; K 256)
+        whose products are exact in fp32: dequantization bit-identical to
+        ``gguf.quants.dequantize``, the product of 1, 3 and 8 integer rows equal to the float64
+        one.
+
+        Raises:
+            KernelUnavailableError: a result differs.
+        """
+        if not self.gguf_types:
+            return
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        n, k = 19, 256
+        for type_id in sorted(self.gguf_types):
+            w = _exact_gguf_weight(type_id, n, k, gen)
+            reference = torch.from_numpy(
+                dequantize(w.numpy(), GGMLQuantizationType(type_id)).reshape(n, k)
+            )
+            name = ggml_type(type_id).name
+            dense = self.gguf_dequant(type_id, w, torch.empty(n, k))
+            if not torch.equal(dense.view(torch.int32), reference.view(torch.int32)):
+                raise KernelUnavailableError(f"gguf dequant self-check failed ({name})")
+            for rows in (1, 3, MAX_ROWS):
+                x = torch.randint(-3, 4, (rows, k), generator=gen).float()
+                expected = (x.double() @ reference.double().T).float()
+                if not torch.equal(self.gguf_gemm(type_id, x, w), expected):
+                    raise KernelUnavailableError(
+                        f"gguf gemm self-check failed ({name}, {rows} rows)"
+                    )
+
+
+#: Byte offsets of the f16 scale fields of each quantized type's block (d, then m or dmin).
+_SCALE_FIELDS = {
+    2: (0,),
+    3: (0, 2),
+    6: (0,),
+    7: (0, 2),
+    8: (0,),
+    12: (0, 2),
+    13: (0, 2),
+    14: (208,),
+}
+
+
+def _exact_gguf_weight(type_id: int, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """Raw blocks ``[n, row_bytes]`` of a GGML type whose weights are small multiples of 1/16
+    (random bits, every f16 scale field set to 1/8 or -1/16; the float types: integers in
+    [-8, 8]), so that products with small integer activations are exact in fp32."""
+    t = ggml_type(type_id)
+    if t.block_elems == 1:
+        values = torch.randint(-8, 9, (n, k), generator=gen).float()
+        if t.name == "F32":
+            return values.view(torch.uint8).reshape(n, -1).contiguous()
+        half = values.half() if t.name == "F16" else values.bfloat16()
+        return half.view(torch.uint8).reshape(n, -1).contiguous()
+    blocks = torch.randint(0, 256, (n, k // t.block_elems, t.block_bytes), generator=gen)
+    blocks = blocks.to(torch.uint8)
+    for i, offset in enumerate(_SCALE_FIELDS[type_id]):
+        scale = torch.tensor([0.125 if i == 0 else -0.0625], dtype=torch.float16)
+        blocks[..., offset : offset + 2] = scale.view(torch.uint8)
+    return blocks.reshape(n, -1).contiguous()
 
 
 def build_library(compiler: str, cache: Path, sources: Path | Sequence[Path] = SOURCES) -> Path:

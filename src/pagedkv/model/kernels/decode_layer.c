@@ -13,8 +13,10 @@
  *                            gate, up = x W_gate_up^T
  *                            h += (silu(gate) * up) W_down^T
  *
- * Products are quant_gemv.c's int4 kernel (fp32 activations, weights read as stored), each
- * its own OpenMP region; the elementwise work, a few thousand floats, runs on the calling
+ * Products are quant_gemv.c's int4 kernel or gguf_blocks.c's products on GGUF tensors as the
+ * file stores them, per stacked part (a layer may mix them and GGUF types: q and k Q4_K with
+ * v Q6_K), each part its own OpenMP region (fp32 activations, weights read as stored);
+ * Qwen3's per-head q / k RMSNorm (optional) follows the bias, before the rotation; the elementwise work, a few thousand floats, runs on the calling
  * thread. Every value is fp32, computed in the order the torch ops compute it (norm: mean of
  * squares, reciprocal square root, times the weight; rotary x * cos + rotate(x) * sin), so the
  * two paths differ only by fp32 rounding (summation order).
@@ -34,23 +36,42 @@
 
 #define MAX_M 8
 
-/* One int4 weight in quant_gemv.c's layout: qs uint8 [N, K / 32, 16], scale and min fp32
- * [N, K / 32] (min may be NULL). */
+/* One part of a layer's product (its output rows, all of the input features):
+ *   kind PAGEDKV_PART_INT4: quant_gemv.c's int4 layout, a = qs uint8 [rows, K / 32, 16],
+ *       b = scale fp32 [rows, K / 32], c = min fp32 [rows, K / 32] or NULL; type unused
+ *   kind PAGEDKV_PART_GGUF: a GGUF tensor as the file stores it (gguf_blocks.c), a = its
+ *       blocks [rows, K / E * B bytes], type = its GGML type id; b and c unused */
+#define PAGEDKV_PART_INT4 0
+#define PAGEDKV_PART_GGUF 1
+#define PAGEDKV_MAX_PARTS 3
+
 typedef struct {
-    const uint8_t *qs;
-    const float *scale;
-    const float *min;
-} pagedkv_int4_weight;
+    int32_t kind;
+    int32_t type;
+    const void *a;
+    const void *b;
+    const void *c;
+    int64_t rows;
+} pagedkv_linear_part;
+
+/* A product of stacked parts (q, k, v; gate, up; or one): part p writes the output columns
+ * after those of parts 0..p-1. */
+typedef struct {
+    int64_t num_parts; /* 1..PAGEDKV_MAX_PARTS */
+    pagedkv_linear_part parts[PAGEDKV_MAX_PARTS];
+} pagedkv_linear;
 
 /* A layer's weights and shape (this struct's layout is mirrored by ctypes in cpu_quant.py). */
 typedef struct {
-    pagedkv_int4_weight qkv;      /* [(H + 2 KV) D, hidden] */
+    pagedkv_linear qkv;           /* [(H + 2 KV) D, hidden] */
     const float *qkv_bias;        /* [(H + 2 KV) D] or NULL */
-    pagedkv_int4_weight o;        /* [hidden, H D] */
-    pagedkv_int4_weight gate_up;  /* [2 I, hidden]: gate rows, then up rows */
-    pagedkv_int4_weight down;     /* [hidden, I] */
+    pagedkv_linear o;             /* [hidden, H D] */
+    pagedkv_linear gate_up;       /* [2 I, hidden]: gate rows, then up rows */
+    pagedkv_linear down;          /* [hidden, I] */
     const float *input_norm;      /* [hidden] */
     const float *post_norm;       /* [hidden] */
+    const float *q_norm;          /* [D]: RMSNorm of each q head (Qwen3), or NULL */
+    const float *k_norm;          /* [D]: of each k head, or NULL */
     int64_t hidden;
     int64_t num_heads;
     int64_t num_kv_heads;
@@ -59,6 +80,32 @@ typedef struct {
     float eps;
     int32_t isa;                  /* the products' body: PAGEDKV_ISA_AVX2 or _AVX512 */
 } pagedkv_llama_layer;
+
+/* out [M, sum of the parts' rows] = x [M, K] W^T, one product (OpenMP region) per part.
+ * Returns 0, or -1 (a part of an unknown kind, no parts, or a product's refusal). */
+static int linear_gemm(const pagedkv_linear *W, const float *x, float *out, int64_t M,
+                       int64_t K, int num_threads, int isa) {
+    if (W->num_parts < 1 || W->num_parts > PAGEDKV_MAX_PARTS) return -1;
+    int64_t total = 0;
+    for (int64_t p = 0; p < W->num_parts; p++) total += W->parts[p].rows;
+    int64_t col = 0;
+    for (int64_t p = 0; p < W->num_parts; p++) {
+        const pagedkv_linear_part *P = W->parts + p;
+        int rc;
+        if (P->kind == PAGEDKV_PART_INT4)
+            rc = pagedkv_int4_gemm_ld(x, (const uint8_t *)P->a, (const float *)P->b,
+                                      (const float *)P->c, out + col, M, P->rows, K, total,
+                                      num_threads, isa);
+        else if (P->kind == PAGEDKV_PART_GGUF)
+            rc = pagedkv_gguf_gemm_ld(P->type, x, (const uint8_t *)P->a, out + col, M, P->rows,
+                                      K, total, num_threads, isa);
+        else
+            rc = -1;
+        if (rc) return rc;
+        col += P->rows;
+    }
+    return 0;
+}
 
 static float sum_squares(const float *x, int64_t n) {
     __m256 acc = _mm256_setzero_ps();
@@ -85,6 +132,15 @@ static void rms_norm(const float *h, const float *w, float eps, int64_t M, int64
     }
 }
 
+/* Each of `heads` heads of D floats in place: RMSNorm over the head (as rms_norm) */
+static void head_norm(float *x, const float *w, float eps, int64_t heads, int64_t D) {
+    for (int64_t j = 0; j < heads; j++) {
+        float *v = x + j * D;
+        const float rstd = 1.0f / sqrtf(sum_squares(v, D) / (float)D + eps);
+        for (int64_t i = 0; i < D; i++) v[i] = v[i] * rstd * w[i];
+    }
+}
+
 /* Rotate-half RoPE of one head in place: x[d] * cos[d] + x[(d + D/2) mod D] * sin[d], with sin
  * sign-folded ([-sin, sin], pagedkv.model.rotary). */
 static void rotate(float *x, const float *cos, const float *sin, int64_t D) {
@@ -103,14 +159,16 @@ int pagedkv_llama_attn_in(const pagedkv_llama_layer *L, const float *h, const fl
     float *x = (float *)malloc(sizeof(float) * M * hidden);
     if (x == NULL) return -1;
     rms_norm(h, L->input_norm, L->eps, M, hidden, x);
-    int rc = pagedkv_int4_gemm(x, L->qkv.qs, L->qkv.scale, L->qkv.min, qkv, M, width, hidden,
-                               num_threads, L->isa);
+    int rc = linear_gemm(&L->qkv, x, qkv, M, hidden, num_threads, L->isa);
     free(x);
     if (rc) return rc;
     for (int64_t m = 0; m < M; m++) {
         float *row = qkv + m * width;
         if (L->qkv_bias != NULL)
             for (int64_t i = 0; i < width; i++) row[i] += L->qkv_bias[i];
+        if (L->q_norm != NULL) head_norm(row, L->q_norm, L->eps, L->num_heads, D);
+        if (L->k_norm != NULL)
+            head_norm(row + L->num_heads * D, L->k_norm, L->eps, L->num_kv_heads, D);
         for (int64_t j = 0; j < L->num_heads + L->num_kv_heads; j++)
             rotate(row + j * D, cos + m * D, sin + m * D, D);
     }
@@ -128,21 +186,18 @@ int pagedkv_llama_attn_out(const pagedkv_llama_layer *L, float *h, const float *
     float *x = (float *)malloc(sizeof(float) * M * (I > hidden ? I : hidden));
     int rc = -1;
     if (y == NULL || x == NULL) goto done;
-    rc = pagedkv_int4_gemm(attn, L->o.qs, L->o.scale, L->o.min, y, M, hidden, attn_width,
-                           num_threads, L->isa);
+    rc = linear_gemm(&L->o, attn, y, M, attn_width, num_threads, L->isa);
     if (rc) goto done;
     for (int64_t i = 0; i < M * hidden; i++) h[i] += y[i];
     rms_norm(h, L->post_norm, L->eps, M, hidden, x);
-    rc = pagedkv_int4_gemm(x, L->gate_up.qs, L->gate_up.scale, L->gate_up.min, y, M, 2 * I,
-                           hidden, num_threads, L->isa);
+    rc = linear_gemm(&L->gate_up, x, y, M, hidden, num_threads, L->isa);
     if (rc) goto done;
     for (int64_t m = 0; m < M; m++) {
         const float *gate = y + m * 2 * I, *up = gate + I;
         float *a = x + m * I;
         for (int64_t i = 0; i < I; i++) a[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
     }
-    rc = pagedkv_int4_gemm(x, L->down.qs, L->down.scale, L->down.min, y, M, hidden, I,
-                           num_threads, L->isa);
+    rc = linear_gemm(&L->down, x, y, M, I, num_threads, L->isa);
     if (rc) goto done;
     for (int64_t i = 0; i < M * hidden; i++) h[i] += y[i];
 done:

@@ -50,6 +50,7 @@
 
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "quant_gemv.h"
@@ -132,7 +133,9 @@ static inline AI uint16_t f32_to_bf16(float f) {
     return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
-/* Q4_K / Q5_K: D[j] = d * sc[j], DM[j] = dmin * m[j] (fp32 products, as gguf.quants) */
+/* Q4_K / Q5_K: D[j] = d * sc[j], DM[j] = dmin * m[j] (fp32 products, as gguf.quants). Stored
+ * to memory: a group's broadcast of D[j] is then a load, not a shuffle (shuffles are what the
+ * AVX-512 table lookups are short of). */
 static inline AI void prep_q4_k(const uint8_t *blk, float *D, float *DM) {
     uint32_t w0, w1, w2;
     memcpy(&w0, blk + 4, 4);
@@ -147,13 +150,26 @@ static inline AI void prep_q4_k(const uint8_t *blk, float *D, float *DM) {
     _mm256_storeu_ps(DM, _mm256_mul_ps(_mm256_set1_ps(f16_to_f32(blk + 2)), mn));
 }
 
-/* Q6_K: D[i] = d * scale[i] for the 16 int8 scales */
-static inline AI void prep_q6_k(const uint8_t *blk, float *D, float *DM) {
-    (void)DM;
+/* Q6_K: D[i] = d * scale[i] for the 16 int8 scales, D32[i] = 32 D[i] (exact) */
+static inline AI void prep_q6_k(const uint8_t *blk, float *D, float *D32) {
     const __m256 d = _mm256_set1_ps(f16_to_f32(blk + 208));
     const __m128i s = _mm_loadu_si128((const __m128i *)(blk + 192));
-    _mm256_storeu_ps(D, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s))));
-    _mm256_storeu_ps(D + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s, 8)))));
+    const __m256 d0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s)));
+    const __m256 d1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s, 8))));
+    _mm256_storeu_ps(D, d0);
+    _mm256_storeu_ps(D + 8, d1);
+    _mm256_storeu_ps(D32, _mm256_mul_ps(d0, _mm256_set1_ps(32.0f)));
+    _mm256_storeu_ps(D32 + 8, _mm256_mul_ps(d1, _mm256_set1_ps(32.0f)));
+}
+
+/* the sum of 32 floats (x's group sums of the Q4_K / Q5_K products) */
+static float sum32(const float *x) {
+    const __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)),
+                                   _mm256_add_ps(_mm256_loadu_ps(x + 16), _mm256_loadu_ps(x + 24)));
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
 }
 
 /* ---- the AVX2 body -------------------------------------------------------------------- */
@@ -175,6 +191,7 @@ static inline AI void prep_q6_k(const uint8_t *blk, float *D, float *DM) {
 #define I8(p) _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
 #define ANDI(a, c) _mm256_and_si256((a), _mm256_set1_epi32(c))
 #define ORI(a, b) _mm256_or_si256((a), (b))
+#define OR_AND(a, b, c) _mm256_or_si256((a), _mm256_and_si256((b), _mm256_set1_epi32(c)))
 #define SUBI(a, c) _mm256_sub_epi32((a), _mm256_set1_epi32(c))
 #define SRLI(a, n) _mm256_srli_epi32((a), (n))
 #define SLLI(a, n) _mm256_slli_epi32((a), (n))
@@ -190,6 +207,8 @@ static inline AI void prep_q6_k(const uint8_t *blk, float *D, float *DM) {
 #define BF16X(p) \
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #define HSUM(v) hsum8(v)
+#define FNMADD8(a, b, c) _mm256_fnmadd_ps((a), (b), (c))
+#define NIBF(b, high) CVT((high) ? SRLI((b), 4) : ANDI((b), 0x0F))
 #define STORE_BF16(p, v) store_bf16_8((p), (v))
 #define DEQUANT_BODY 1
 
@@ -230,6 +249,7 @@ static inline AI void store_bf16_8(uint16_t *p, __m256 v) {
 #undef I8
 #undef ANDI
 #undef ORI
+#undef OR_AND
 #undef SUBI
 #undef SRLI
 #undef SLLI
@@ -238,6 +258,8 @@ static inline AI void store_bf16_8(uint16_t *p, __m256 v) {
 #undef F16X
 #undef BF16X
 #undef HSUM
+#undef FNMADD8
+#undef NIBF
 #undef STORE_BF16
 #undef DEQUANT_BODY
 
@@ -265,6 +287,8 @@ static inline AI void store_bf16_8(uint16_t *p, __m256 v) {
 #define I8(p) _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p)))
 #define ANDI(a, c) _mm512_and_si512((a), _mm512_set1_epi32(c))
 #define ORI(a, b) _mm512_or_si512((a), (b))
+/* a | (b & c) in one ternary-logic instruction */
+#define OR_AND(a, b, c) _mm512_ternarylogic_epi32((a), (b), _mm512_set1_epi32(c), 0xF8)
 #define SUBI(a, c) _mm512_sub_epi32((a), _mm512_set1_epi32(c))
 #define SRLI(a, n) _mm512_srli_epi32((a), (n))
 #define SLLI(a, n) _mm512_slli_epi32((a), (n))
@@ -274,6 +298,11 @@ static inline AI void store_bf16_8(uint16_t *p, __m256 v) {
 #define BF16X(p) \
     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #define HSUM(v) _mm512_reduce_add_ps(v)
+/* an 8-lane multiply-add into the low half of a 16-lane accumulator */
+#define FNMADD8(a, b, c) \
+    _mm512_fnmadd_ps(_mm512_zextps256_ps512(a), _mm512_zextps256_ps512(b), (c))
+/* nibbles as floats by a lookup in 0..15 (the permute reads only the low 4 bits) */
+#define NIBF(b, high) _mm512_permutexvar_ps((high) ? SRLI((b), 4) : (b), IOTA)
 #define DEQUANT_BODY 0
 
 #include "gguf_blocks_isa.h"
@@ -284,19 +313,33 @@ static inline AI void store_bf16_8(uint16_t *p, __m256 v) {
 
 int pagedkv_gguf_gemm(int type, const float *x, const uint8_t *w, float *out, int64_t M,
                       int64_t N, int64_t K, int num_threads, int isa) {
+    return pagedkv_gguf_gemm_ld(type, x, w, out, M, N, K, N, num_threads, isa);
+}
+
+int pagedkv_gguf_gemm_ld(int type, const float *x, const uint8_t *w, float *out, int64_t M,
+                         int64_t N, int64_t K, int64_t ldo, int num_threads, int isa) {
     int64_t E, B;
     if (pagedkv_gguf_block(type, &E, &B)) return -1;
-    if (M < 1 || M > MAX_M || K <= 0 || K % E != 0 || N < 0) return -1;
+    if (M < 1 || M > MAX_M || K <= 0 || K % E != 0 || N < 0 || ldo < N) return -1;
     if (isa != PAGEDKV_ISA_AVX2 && isa != PAGEDKV_ISA_AVX512) return -1;
+    /* Q4_K / Q5_K: the sums of x over each group of 32, [M, K / 32] */
+    float *xsum = NULL;
+    if (type == GGML_Q4_K || type == GGML_Q5_K) {
+        const int64_t G = K / 32;
+        xsum = (float *)malloc(sizeof(float) * M * G);
+        if (xsum == NULL) return -1;
+        for (int64_t i = 0; i < M * G; i++) xsum[i] = sum32(x + i * 32);
+    }
     const int64_t num_blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t b = 0; b < num_blocks; b++) {
         const int64_t n0 = b * ROW_BLOCK, n1 = n0 + ROW_BLOCK < N ? n0 + ROW_BLOCK : N;
         if (isa == PAGEDKV_ISA_AVX512)
-            gemm_rows_avx512(type, (int)M, w, x, K, N, n0, n1, out);
+            gemm_rows_avx512(type, (int)M, w, x, xsum, K, ldo, n0, n1, out);
         else
-            gemm_rows_avx2(type, (int)M, w, x, K, N, n0, n1, out);
+            gemm_rows_avx2(type, (int)M, w, x, xsum, K, ldo, n0, n1, out);
     }
+    free(xsum);
     return 0;
 }
 

@@ -20,6 +20,52 @@ static inline AI VI SFX(nib16)(const uint8_t *qs, int v) {
 
 /* ---- the 32-element blocks: w[0..NV) = the block's 32 weights ----------------------------- */
 
+#if VL == 16
+/* AVX-512: the 4- and 5-bit types by table lookup. Each block (group) has at most 32 distinct
+ * weights, one per q: the table of them (computed with the exact formula, so the looked-up
+ * weights are bit-identical to dequantization) is one or two vectors, and one permute per 16
+ * weights replaces the int-to-float conversion and the scaling (the permute reads only the
+ * low 4 / 5 bits of each index, so the low nibble needs no mask for a 16-entry table). */
+#define IOTA _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+#define LUT16(idx, tab) _mm512_permutexvar_ps((idx), (tab))
+#define LUT32(idx, lo, hi) _mm512_permutex2var_ps((lo), (idx), (hi))
+
+static inline AI void SFX(dec_q4_0)(const uint8_t *b, VF w[NV], const int exact) {
+    (void)exact;
+    const VF tab = MUL(SET1(f16_to_f32(b)), SUB(IOTA, SET1(8.0f)));
+    const VI bytes = U8(b + 2);
+    w[0] = LUT16(bytes, tab);
+    w[1] = LUT16(SRLI(bytes, 4), tab);
+}
+
+static inline AI void SFX(dec_q4_1)(const uint8_t *b, VF w[NV], const int exact) {
+    const VF tab = MULADD(exact, SET1(f16_to_f32(b)), IOTA, SET1(f16_to_f32(b + 2)));
+    const VI bytes = U8(b + 4);
+    w[0] = LUT16(bytes, tab);
+    w[1] = LUT16(SRLI(bytes, 4), tab);
+}
+
+static inline AI void SFX(dec_q5_0)(const uint8_t *b, VF w[NV], const int exact) {
+    (void)exact;
+    const VF d = SET1(f16_to_f32(b));
+    const VF lo = MUL(d, SUB(IOTA, SET1(16.0f))), hi = MUL(d, IOTA);
+    uint32_t qh;
+    memcpy(&qh, b + 2, 4);
+    const VI bytes = U8(b + 6);
+    w[0] = LUT32(ORI(ANDI(bytes, 0x0F), QH16(qh, 0)), lo, hi);
+    w[1] = LUT32(ORI(SRLI(bytes, 4), QH16(qh, 16)), lo, hi);
+}
+
+static inline AI void SFX(dec_q5_1)(const uint8_t *b, VF w[NV], const int exact) {
+    const VF d = SET1(f16_to_f32(b)), m = SET1(f16_to_f32(b + 2));
+    const VF lo = MULADD(exact, d, IOTA, m), hi = MULADD(exact, d, ADD(IOTA, SET1(16.0f)), m);
+    uint32_t qh;
+    memcpy(&qh, b + 4, 4);
+    const VI bytes = U8(b + 8);
+    w[0] = LUT32(ORI(ANDI(bytes, 0x0F), QH16(qh, 0)), lo, hi);
+    w[1] = LUT32(ORI(SRLI(bytes, 4), QH16(qh, 16)), lo, hi);
+}
+#else
 static inline AI void SFX(dec_q4_0)(const uint8_t *b, VF w[NV], const int exact) {
     (void)exact;
     const VF d = SET1(f16_to_f32(b));
@@ -52,6 +98,8 @@ static inline AI void SFX(dec_q5_1)(const uint8_t *b, VF w[NV], const int exact)
         w[v] = MULADD(exact, d, CVT(ORI(SFX(nib16)(b + 8, v), QH16(qh, v * VL))), m);
 }
 
+#endif
+
 static inline AI void SFX(dec_q8_0)(const uint8_t *b, VF w[NV], const int exact) {
     (void)exact;
     const VF d = SET1(f16_to_f32(b));
@@ -80,6 +128,35 @@ static inline AI void SFX(dec_bf16)(const uint8_t *b, VF w[NV], const int exact)
 
 /* ---- the 256-element super-blocks: prepared once (scales), then 8 groups of 32 ------------- */
 
+#if VL == 16
+/* AVX-512: Q4_K / Q5_K group j by table lookup (see the 32-element blocks above): the
+ * group's 16 (32) weights D[j] * q - DM[j], then one permute per 16 weights. */
+static inline AI void SFX(dec_q4_k_group)(const uint8_t *qs, int j, const float *D,
+                                          const float *DM, VF w[NV], const int exact) {
+    const VF tab = MULSUB(exact, SET1(D[j]), IOTA, SET1(DM[j]));
+    const uint8_t *bytes = qs + 32 * (j / 2);
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; v++) {
+        const VI b = U8(bytes + v * VL);
+        w[v] = LUT16(j & 1 ? SRLI(b, 4) : b, tab);
+    }
+}
+
+static inline AI void SFX(dec_q5_k_group)(const uint8_t *qh, const uint8_t *qs, int j,
+                                          const float *D, const float *DM, VF w[NV],
+                                          const int exact) {
+    const VF d = SET1(D[j]), dm = SET1(DM[j]);
+    const VF lo = MULSUB(exact, d, IOTA, dm), hi = MULSUB(exact, d, ADD(IOTA, SET1(16.0f)), dm);
+    const uint8_t *bytes = qs + 32 * (j / 2);
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; v++) {
+        const VI b = U8(bytes + v * VL);
+        const VI high = ANDI(SRLV(U8(qh + v * VL), j), 1);
+        const VI q = ORI(j & 1 ? SRLI(b, 4) : ANDI(b, 0x0F), SLLI(high, 4));
+        w[v] = LUT32(q, lo, hi);
+    }
+}
+#else
 /* Q4_K / Q5_K group j (0..7): D[j] * q - DM[j] with q the nibble (Q5_K: plus bit j of qh). */
 static inline AI void SFX(dec_q4_k_group)(const uint8_t *qs, int j, const float *D,
                                           const float *DM, VF w[NV], const int exact) {
@@ -106,19 +183,24 @@ static inline AI void SFX(dec_q5_k_group)(const uint8_t *qh, const uint8_t *qs, 
     }
 }
 
-/* Q6_K group g (0..7) of 32: half h = g / 4 (128 elements), quarter t = g % 4 of it. */
-static inline AI void SFX(dec_q6_k_group)(const uint8_t *blk, int g, const float *D, VF w[NV],
-                                          const int exact) {
-    (void)exact;
+#endif
+
+/* Q6_K group g (0..7) of 32: half h = g / 4 (128 elements), quarter t = g % 4 of it. The
+ * exact form (dequantization) is D[i] * (q - 32); the product's is D[i] * q - D32[i] with
+ * D32 = 32 D (one fused operation instead of a subtraction and a multiplication). */
+static inline AI void SFX(dec_q6_k_group)(const uint8_t *blk, int g, const float *D,
+                                          const float *D32, VF w[NV], const int exact) {
     const int h = g / 4, t = g % 4;
     const uint8_t *lo = blk + 64 * h + 32 * (t & 1), *hi = blk + 128 + 32 * h;
 #pragma GCC unroll 4
     for (int v = 0; v < NV; v++) {
-        const VI b = U8(lo + v * VL);
+        const VI b = U8(lo + v * VL), hb = U8(hi + v * VL);
         const VI nib = t >= 2 ? SRLI(b, 4) : ANDI(b, 0x0F);
-        const VI top = SLLI(ANDI(SRLV(U8(hi + v * VL), 2 * t), 3), 4);
-        const VF q = CVT(SUBI(ORI(nib, top), 32));
-        w[v] = MUL(SET1(D[2 * g + (v * VL) / 16]), q);
+        /* bits 2t, 2t + 1 of the qh byte moved to bits 4, 5 */
+        const VI top = t == 3 ? SRLI(hb, 2) : t == 2 ? hb : SLLI(hb, 4 - 2 * t);
+        const VI q = OR_AND(nib, top, 0x30);
+        const int i = 2 * g + (v * VL) / 16;
+        w[v] = exact ? MUL(SET1(D[i]), CVT(SUBI(q, 32))) : FMSUB(SET1(D[i]), CVT(q), SET1(D32[i]));
     }
 }
 
@@ -136,7 +218,9 @@ static inline AI void SFX(dec_q6_k_group)(const uint8_t *blk, int g, const float
 /* Row n of a product over 32-element blocks of BB bytes (DEC one of the dec_* above). */
 #define ROW32(T, BB, DEC)                                                                    \
     static inline AI void SFX(row_##T)(const int M, const uint8_t *w, const float *x,        \
-                                       int64_t K, int64_t N, int64_t n, float *out) {        \
+                                       const float *xsum, int64_t K, int64_t N, int64_t n,   \
+                                       float *out) {                                         \
+        (void)xsum;                                                                          \
         const int C = CHAINS(M);                                                             \
         VF acc[MAX_M][4];                                                                    \
         _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)                                  \
@@ -174,7 +258,9 @@ ROW32(q8_0, 34, SFX(dec_q8_0))
  * scalar code (float_at gives element k of the row as fp32). */
 #define ROWF(T, ES, DEC, AT)                                                                 \
     static inline AI void SFX(row_##T)(const int M, const uint8_t *w, const float *x,        \
-                                       int64_t K, int64_t N, int64_t n, float *out) {        \
+                                       const float *xsum, int64_t K, int64_t N, int64_t n,   \
+                                       float *out) {                                         \
+        (void)xsum;                                                                          \
         const int C = CHAINS(M);                                                             \
         VF acc[MAX_M][4];                                                                    \
         _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)                                  \
@@ -210,7 +296,9 @@ ROWF(bf16, 2, SFX(dec_bf16), bf16_at)
 /* Q4_K / Q5_K / Q6_K rows: the super-block's scales decoded once, then its 8 groups. */
 #define ROWK(T, BB, PREP, GROUP)                                                             \
     static inline AI void SFX(row_##T)(const int M, const uint8_t *w, const float *x,        \
-                                       int64_t K, int64_t N, int64_t n, float *out) {        \
+                                       const float *xsum, int64_t K, int64_t N, int64_t n,   \
+                                       float *out) {                                         \
+        (void)xsum;                                                                          \
         const int C = CHAINS(M);                                                             \
         VF acc[MAX_M][4];                                                                    \
         _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)                                  \
@@ -220,7 +308,7 @@ ROWF(bf16, 2, SFX(dec_bf16), bf16_at)
         for (int64_t s = 0; s < S; s++) {                                                    \
             const uint8_t *blk = row + s * (BB);                                             \
             for (int o = 0; o < (BB); o += 64) PREFETCH(blk + PF_BYTES + o);                 \
-            float D[16], DM[8];                                                              \
+            float D[16], DM[16];                                                              \
             PREP(blk, D, DM);                                                                \
             _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                            \
                 VF wj[NV];                                                                   \
@@ -234,24 +322,74 @@ ROWF(bf16, 2, SFX(dec_bf16), bf16_at)
         }                                                                                    \
     }
 
-ROWK(q4_k, 144, prep_q4_k, SFX(dec_q4_k_group)(blk + 16, j, D, DM, wj, 0))
-ROWK(q5_k, 176, prep_q4_k, SFX(dec_q5_k_group)(blk + 16, blk + 48, j, D, DM, wj, 0))
-ROWK(q6_k, 210, prep_q6_k, SFX(dec_q6_k_group)(blk, j, D, wj, 0))
+/* Q4_K / Q5_K rows, factored: sum_j D[j] (q_j . x_j) - sum_j DM[j] xsum_j, with xsum [M, K/32]
+ * the sums of x over each group of 32 (computed once per call). Per group: the q's as floats,
+ * their dot with x, one multiply-add by D[j]; per super-block one multiply-add of the 8 DM's
+ * with the 8 xsums. Fewer vector operations per weight than forming each weight. QF(v) gives
+ * vector v of group j's q as floats. */
+#define ROWKF(T, BB, QF)                                                                     \
+    static inline AI void SFX(row_##T)(const int M, const uint8_t *w, const float *x,        \
+                                       const float *xsum, int64_t K, int64_t N, int64_t n,   \
+                                       float *out) {                                         \
+        const int C = CHAINS(M);                                                             \
+        VF acc[MAX_M][4];                                                                    \
+        _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)                                  \
+            _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) acc[m][c] = ZERO();          \
+        const int64_t S = K / 256, G = K / 32;                                               \
+        const uint8_t *row = w + n * S * (BB);                                               \
+        for (int64_t s = 0; s < S; s++) {                                                    \
+            const uint8_t *blk = row + s * (BB);                                             \
+            for (int o = 0; o < (BB); o += 64) PREFETCH(blk + PF_BYTES + o);                 \
+            float D[16], DM[16];                                                              \
+            prep_q4_k(blk, D, DM);                                                           \
+            const __m256 dm = _mm256_loadu_ps(DM);                                           \
+            _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)                              \
+                acc[m][1 % C] = FNMADD8(dm, _mm256_loadu_ps(xsum + m * G + s * 8), acc[m][1 % C]); \
+            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                            \
+                const uint8_t *qs = blk + (BB) - 128 + 32 * (j / 2);                         \
+                VF q[NV];                                                                    \
+                _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) q[v] = QF(v);          \
+                const VF d = SET1(D[j]);                                                     \
+                _Pragma("GCC unroll 8") for (int m = 0; m < M; m++) {                        \
+                    const float *xm = x + m * K + s * 256 + j * 32;                          \
+                    VF t = MUL(q[0], LOADF(xm));                                             \
+                    _Pragma("GCC unroll 4") for (int v = 1; v < NV; v++)                     \
+                        t = FMA(q[v], LOADF(xm + v * VL), t);                                \
+                    acc[m][j % C] = FMA(d, t, acc[m][j % C]);                                \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
+        _Pragma("GCC unroll 8") for (int m = 0; m < M; m++) {                                \
+            _Pragma("GCC unroll 4") for (int c = 1; c < C; c++) acc[m][0] = ADD(acc[m][0], acc[m][c]); \
+            out[m * N + n] = HSUM(acc[m][0]);                                                \
+        }                                                                                    \
+    }
+
+#define Q4K_Q(v) NIBF(U8(qs + (v) * VL), j & 1)
+#define Q5K_Q(v)                                                                             \
+    CVT(ORI(j & 1 ? SRLI(U8(qs + (v) * VL), 4) : ANDI(U8(qs + (v) * VL), 0x0F),                \
+            SLLI(ANDI(SRLV(U8(blk + 16 + (v) * VL), j), 1), 4)))
+ROWKF(q4_k, 144, Q4K_Q)
+ROWKF(q5_k, 176, Q5K_Q)
+#undef Q4K_Q
+#undef Q5K_Q
+ROWK(q6_k, 210, prep_q6_k, SFX(dec_q6_k_group)(blk, j, D, DM, wj, 0))
 
 /* rows n0..n1 of one type, M a constant at each call site */
 #define ROWS(T)                                                                              \
     static __attribute__((noinline)) void SFX(rows_##T)(int M, const uint8_t *w,             \
-                                                        const float *x, int64_t K, int64_t N, \
-                                                        int64_t n0, int64_t n1, float *out) { \
+                                                        const float *x, const float *xsum,   \
+                                                        int64_t K, int64_t N, int64_t n0,    \
+                                                        int64_t n1, float *out) {            \
         switch (M) {                                                                         \
-            case 1: for (int64_t n = n0; n < n1; n++) SFX(row_##T)(1, w, x, K, N, n, out); break; \
-            case 2: for (int64_t n = n0; n < n1; n++) SFX(row_##T)(2, w, x, K, N, n, out); break; \
-            case 3: for (int64_t n = n0; n < n1; n++) SFX(row_##T)(3, w, x, K, N, n, out); break; \
-            case 4: for (int64_t n = n0; n < n1; n++) SFX(row_##T)(4, w, x, K, N, n, out); break; \
-            case 5: for (int64_t n = n0; n < n1; n++) SFX(row_##T)(5, w, x, K, N, n, out); break; \
-            case 6: for (int64_t n = n0; n < n1; n++) SFX(row_##T)(6, w, x, K, N, n, out); break; \
-            case 7: for (int64_t n = n0; n < n1; n++) SFX(row_##T)(7, w, x, K, N, n, out); break; \
-            case 8: for (int64_t n = n0; n < n1; n++) SFX(row_##T)(8, w, x, K, N, n, out); break; \
+            case 1: for (int64_t n = n0; n < n1; n++) SFX(row_##T)(1, w, x, xsum, K, N, n, out); break; \
+            case 2: for (int64_t n = n0; n < n1; n++) SFX(row_##T)(2, w, x, xsum, K, N, n, out); break; \
+            case 3: for (int64_t n = n0; n < n1; n++) SFX(row_##T)(3, w, x, xsum, K, N, n, out); break; \
+            case 4: for (int64_t n = n0; n < n1; n++) SFX(row_##T)(4, w, x, xsum, K, N, n, out); break; \
+            case 5: for (int64_t n = n0; n < n1; n++) SFX(row_##T)(5, w, x, xsum, K, N, n, out); break; \
+            case 6: for (int64_t n = n0; n < n1; n++) SFX(row_##T)(6, w, x, xsum, K, N, n, out); break; \
+            case 7: for (int64_t n = n0; n < n1; n++) SFX(row_##T)(7, w, x, xsum, K, N, n, out); break; \
+            case 8: for (int64_t n = n0; n < n1; n++) SFX(row_##T)(8, w, x, xsum, K, N, n, out); break; \
         }                                                                                    \
     }
 
@@ -268,20 +406,21 @@ ROWS(q5_k)
 ROWS(q6_k)
 
 /* Rows n0..n1 of the product of a type (a GGML_* id that gguf_blocks.c has checked). */
-static void SFX(gemm_rows)(int type, int M, const uint8_t *w, const float *x, int64_t K,
-                           int64_t N, int64_t n0, int64_t n1, float *out) {
+static void SFX(gemm_rows)(int type, int M, const uint8_t *w, const float *x,
+                           const float *xsum, int64_t K, int64_t N, int64_t n0, int64_t n1,
+                           float *out) {
     switch (type) {
-        case GGML_F32: SFX(rows_f32)(M, w, x, K, N, n0, n1, out); break;
-        case GGML_F16: SFX(rows_f16)(M, w, x, K, N, n0, n1, out); break;
-        case GGML_BF16: SFX(rows_bf16)(M, w, x, K, N, n0, n1, out); break;
-        case GGML_Q4_0: SFX(rows_q4_0)(M, w, x, K, N, n0, n1, out); break;
-        case GGML_Q4_1: SFX(rows_q4_1)(M, w, x, K, N, n0, n1, out); break;
-        case GGML_Q5_0: SFX(rows_q5_0)(M, w, x, K, N, n0, n1, out); break;
-        case GGML_Q5_1: SFX(rows_q5_1)(M, w, x, K, N, n0, n1, out); break;
-        case GGML_Q8_0: SFX(rows_q8_0)(M, w, x, K, N, n0, n1, out); break;
-        case GGML_Q4_K: SFX(rows_q4_k)(M, w, x, K, N, n0, n1, out); break;
-        case GGML_Q5_K: SFX(rows_q5_k)(M, w, x, K, N, n0, n1, out); break;
-        case GGML_Q6_K: SFX(rows_q6_k)(M, w, x, K, N, n0, n1, out); break;
+        case GGML_F32: SFX(rows_f32)(M, w, x, xsum, K, N, n0, n1, out); break;
+        case GGML_F16: SFX(rows_f16)(M, w, x, xsum, K, N, n0, n1, out); break;
+        case GGML_BF16: SFX(rows_bf16)(M, w, x, xsum, K, N, n0, n1, out); break;
+        case GGML_Q4_0: SFX(rows_q4_0)(M, w, x, xsum, K, N, n0, n1, out); break;
+        case GGML_Q4_1: SFX(rows_q4_1)(M, w, x, xsum, K, N, n0, n1, out); break;
+        case GGML_Q5_0: SFX(rows_q5_0)(M, w, x, xsum, K, N, n0, n1, out); break;
+        case GGML_Q5_1: SFX(rows_q5_1)(M, w, x, xsum, K, N, n0, n1, out); break;
+        case GGML_Q8_0: SFX(rows_q8_0)(M, w, x, xsum, K, N, n0, n1, out); break;
+        case GGML_Q4_K: SFX(rows_q4_k)(M, w, x, xsum, K, N, n0, n1, out); break;
+        case GGML_Q5_K: SFX(rows_q5_k)(M, w, x, xsum, K, N, n0, n1, out); break;
+        case GGML_Q6_K: SFX(rows_q6_k)(M, w, x, xsum, K, N, n0, n1, out); break;
     }
 }
 
@@ -338,7 +477,7 @@ DEQF(bf16, 2, SFX(dec_bf16), bf16_at)
     static void SFX(deq_##T)(const uint8_t *row, int64_t K, void *out, const int bf16) {     \
         for (int64_t s = 0; s < K / 256; s++) {                                              \
             const uint8_t *blk = row + s * (BB);                                             \
-            float D[16], DM[8];                                                              \
+            float D[16], DM[16];                                                              \
             PREP(blk, D, DM);                                                                \
             _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                            \
                 VF wj[NV];                                                                   \
@@ -350,7 +489,7 @@ DEQF(bf16, 2, SFX(dec_bf16), bf16_at)
 
 DEQK(q4_k, 144, prep_q4_k, SFX(dec_q4_k_group)(blk + 16, j, D, DM, wj, 1))
 DEQK(q5_k, 176, prep_q4_k, SFX(dec_q5_k_group)(blk + 16, blk + 48, j, D, DM, wj, 1))
-DEQK(q6_k, 210, prep_q6_k, SFX(dec_q6_k_group)(blk, j, D, wj, 1))
+DEQK(q6_k, 210, prep_q6_k, SFX(dec_q6_k_group)(blk, j, D, DM, wj, 1))
 
 /* One row of a type (checked by the caller) into out [K] (fp32 or bf16). */
 static void SFX(dequant_row)(int type, const uint8_t *row, int64_t K, void *out, int bf16) {
@@ -377,6 +516,7 @@ static void SFX(dequant_row)(int type, const uint8_t *row, int64_t K, void *out,
 #undef ROW32
 #undef ROWF
 #undef ROWK
+#undef ROWKF
 #undef ROWS
 #undef DEQ32
 #undef DEQF

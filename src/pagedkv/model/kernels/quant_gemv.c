@@ -307,7 +307,13 @@ static __attribute__((noinline)) void int8_rows512(int M, const int8_t *q, const
 
 int pagedkv_int4_gemm(const float *x, const uint8_t *qs, const float *scale, const float *min,
                       float *out, int64_t M, int64_t N, int64_t K, int num_threads, int isa) {
-    if (M < 1 || M > MAX_M || K % 32 != 0 || K <= 0 || N < 0) return -1;
+    return pagedkv_int4_gemm_ld(x, qs, scale, min, out, M, N, K, N, num_threads, isa);
+}
+
+int pagedkv_int4_gemm_ld(const float *x, const uint8_t *qs, const float *scale,
+                         const float *min, float *out, int64_t M, int64_t N, int64_t K,
+                         int64_t ldo, int num_threads, int isa) {
+    if (M < 1 || M > MAX_M || K % 32 != 0 || K <= 0 || N < 0 || ldo < N) return -1;
     if (isa != PAGEDKV_ISA_AVX2 && isa != PAGEDKV_ISA_AVX512) return -1;
     const int64_t G = K / 32;
     float *xsum = NULL;
@@ -328,10 +334,11 @@ int pagedkv_int4_gemm(const float *x, const uint8_t *qs, const float *scale, con
     for (int64_t b = 0; b < num_blocks; b++) {
         int64_t n0 = b * ROW_BLOCK;
         int64_t n1 = n0 + ROW_BLOCK < N ? n0 + ROW_BLOCK : N;
+        /* the rows' "N" is only the output's row stride */
         if (isa == PAGEDKV_ISA_AVX512)
-            int4_rows512((int)M, qs, scale, min, x, xsum, K, N, n0, n1, out);
+            int4_rows512((int)M, qs, scale, min, x, xsum, K, ldo, n0, n1, out);
         else
-            int4_rows((int)M, qs, scale, min, x, xsum, K, N, n0, n1, out);
+            int4_rows((int)M, qs, scale, min, x, xsum, K, ldo, n0, n1, out);
     }
     free(xsum);
     return 0;

@@ -10,6 +10,10 @@
 
 int pagedkv_int4_gemm(const float *x, const uint8_t *qs, const float *scale, const float *min,
                       float *out, int64_t M, int64_t N, int64_t K, int num_threads, int isa);
+/* pagedkv_int4_gemm with out's rows ldo >= N floats apart (out[m * ldo + n]) */
+int pagedkv_int4_gemm_ld(const float *x, const uint8_t *qs, const float *scale,
+                         const float *min, float *out, int64_t M, int64_t N, int64_t K,
+                         int64_t ldo, int num_threads, int isa);
 int pagedkv_int8_gemm(const float *x, const int8_t *q, const float *scale, float *out,
                       int64_t M, int64_t N, int64_t K, int num_threads, int isa);
 
@@ -22,6 +26,9 @@ int pagedkv_int8_gemm(const float *x, const int8_t *q, const float *scale, float
 int pagedkv_gguf_block(int type, int64_t *block_elems, int64_t *block_bytes);
 int pagedkv_gguf_gemm(int type, const float *x, const uint8_t *w, float *out, int64_t M,
                       int64_t N, int64_t K, int num_threads, int isa);
+/* pagedkv_gguf_gemm with out's rows ldo >= N floats apart (out[m * ldo + n]) */
+int pagedkv_gguf_gemm_ld(int type, const float *x, const uint8_t *w, float *out, int64_t M,
+                         int64_t N, int64_t K, int64_t ldo, int num_threads, int isa);
 int pagedkv_gguf_dequant(int type, const uint8_t *w, int64_t row_start, int64_t num_rows,
                          int64_t K, void *out, int out_bf16, int num_threads);
 int pagedkv_gguf_get_rows(int type, const uint8_t *w, const int64_t *ids, int64_t num_ids,
