@@ -262,14 +262,14 @@ def test_fused_layer_of_mixed_gguf_types(kernels, qk_norm):
     layout; down Q6_K) through the fused calls against torch ops on the dequantized weights,
     with and without Qwen3's per-head q/k norm, at 1 and 5 rows (5: every stacked part writes
     its columns of each row)."""
-    from pagedkv.model.kernels.cpu_quant import GGUFWeight, LlamaLayerWeights, pack_int4
+    from pagedkv.model.kernels.cpu_quant import GGUFPart, LlamaLayerWeights, pack_int4
 
     hidden, inter, heads, kv, dim, eps = 256, 256, 4, 2, 32, 1e-5
     gen = torch.Generator().manual_seed(10)
 
     def gguf(name, n, k, seed):
         raw = gguf_weight(name, n, k, seed)
-        w = GGUFWeight(GGML_TYPES[name].type_id, torch.from_numpy(raw))
+        w = GGUFPart(GGML_TYPES[name].type_id, torch.from_numpy(raw))
         return w, reference(name, raw)
 
     q, q_dense = gguf("Q4_K", heads * dim, hidden, 11)
@@ -338,12 +338,12 @@ def test_fused_layer_of_mixed_gguf_types(kernels, qk_norm):
 
 
 def test_fused_layer_refuses_parts_that_do_not_fit(kernels):
-    from pagedkv.model.kernels.cpu_quant import GGUFWeight, LlamaLayerWeights
+    from pagedkv.model.kernels.cpu_quant import GGUFPart, LlamaLayerWeights
 
     hidden, heads, kv, dim = 256, 4, 2, 32
 
     def gguf(name, n, k):
-        return GGUFWeight(GGML_TYPES[name].type_id, torch.from_numpy(gguf_weight(name, n, k, 0)))
+        return GGUFPart(GGML_TYPES[name].type_id, torch.from_numpy(gguf_weight(name, n, k, 0)))
 
     def layer(qkv, o=None):
         return LlamaLayerWeights(

@@ -33,6 +33,7 @@ it they are the whole PackedLinears and run none.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -41,15 +42,17 @@ import torch.nn.functional as F
 from pagedkv.errors import ModelLoadError
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.gguf_weight import GGUFWeight
-from pagedkv.model.kernels.cpu_quant import LlamaLayerWeights
+from pagedkv.model.kernels.cpu_quant import CpuQuantKernels, GGUFPart, LlamaLayerWeights
 from pagedkv.model.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedkv.model.logits import refine_top_logits
-from pagedkv.model.packed_linear import linear_mode, log_linear_mode
+from pagedkv.model.packed_linear import PackedLinear, linear_mode, log_linear_mode
 from pagedkv.model.parallel import TensorParallelGroup, check_tensor_parallel, multi_rank
 from pagedkv.model.quantization import QUANT_MAX_TOKENS, QuantizedMatmul, QuantizedWeight
 from pagedkv.model.rotary import RotaryEmbedding
 from pagedkv.model.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedkv.ops.backends import AttentionLayerSpec, BoundAttentionMetadata
+
+logger = logging.getLogger(__name__)
 
 
 class LlamaDecoderLayer:
@@ -232,7 +235,17 @@ class LlamaForCausalLM:
         self.lm_head_weight = refine_weight(lm_head, dtype, parallel, head_quant)
         #: each layer's weights for pagedkv's fused small-step layer (decode_layer.c), or None
         #: where the layers run as torch ops (see :func:`fused_layer_weights`)
-        self.fused_layers = fused_layer_weights(self.layers, config, dtype, parallel)
+        self.fused_layers, self._kernels, why = fused_layer_weights(
+            self.layers, config, dtype, parallel
+        )
+        if parallel is None or parallel.rank == 0:
+            logger.info(
+                "small steps (<= %d tokens): %s",
+                QUANT_MAX_TOKENS,
+                "fused decoder layers (pagedkv's C layers, one call a step with a C backend)"
+                if why == ""
+                else f"decoder layers as torch ops ({why})",
+            )
         #: the fused path's fp32 rotary tables and final norm weight (the model's own in fp32;
         #: a bf16 model's fused steps keep their residual stream in fp32)
         self._rotary32 = self.rotary
@@ -242,9 +255,7 @@ class LlamaForCausalLM:
             self._norm32 = self.norm.float()
         #: the fused layers as one C array, for a backend with C entry points (one call a step)
         self._fused_layer_array = (
-            None
-            if self.fused_layers is None
-            else self.layers[0].qkv_proj.quant.kernels.layer_array(self.fused_layers)
+            None if self.fused_layers is None else self._kernels.layer_array(self.fused_layers)
         )
         # the last step's attention entry points and their C array (the same while the caches
         # and the step's metadata buffers stay put)
@@ -312,7 +323,7 @@ class LlamaForCausalLM:
         entries = self._c_attention(per_layer, kv_caches)
         if entries is None and self.dtype != torch.float32:
             return None
-        kernels = self.layers[0].qkv_proj.quant.kernels
+        kernels = self._kernels
         threads = torch.get_num_threads()
         first = self.fused_layers[0]
         heads, kv_heads, head_dim = first.num_heads, first.num_kv_heads, first.head_dim
@@ -458,44 +469,87 @@ def fused_layer_weights(
     config: ModelConfig,
     dtype: torch.dtype,
     parallel: TensorParallelGroup | None,
-) -> list[LlamaLayerWeights] | None:
+) -> tuple[list[LlamaLayerWeights] | None, CpuQuantKernels | None, str]:
     """Each layer's weights for pagedkv's fused small-step layer
-    (:class:`~pagedkv.model.kernels.cpu_quant.LlamaLayerWeights`; norm weights and bias as
-    fp32 copies in a bf16 model), or None where the layers run as torch ops: a model in
-    neither float32 nor bfloat16, tensor parallelism, a layer whose four products do not all
-    run pagedkv's int4 kernels, or kernels loaded without fused layers
-    (``PAGEDKV_QUANT_KERNEL=products``)."""
-    if dtype not in (torch.float32, torch.bfloat16) or parallel is not None:
-        return None
-    if config.qk_norm:  # the fused C layer has no q/k norm (Qwen3): the torch ops run it
-        return None
+    (:class:`~pagedkv.model.kernels.cpu_quant.LlamaLayerWeights`: per product the GGUF file's
+    blocks as stored, any mix of types, or an int4 weight; norm weights, bias and Qwen3's q/k
+    norms as fp32 copies), the kernels that run them, and why not where the layers run as
+    torch ops (the reason is logged at start): a model in neither float32 nor bfloat16, tensor
+    parallelism, a product that is not on pagedkv's kernels (a dense weight, int8), or kernels
+    loaded without fused layers (``PAGEDKV_QUANT_KERNEL=products``).
+
+    Returns:
+        ``(layers, kernels, "")`` or ``(None, None, reason)``.
+    """
+    if dtype not in (torch.float32, torch.bfloat16):
+        return None, None, f"the model computes in {dtype}"
+    if parallel is not None:
+        return None, None, "tensor parallelism"
     fused = []
-    for layer in layers:
-        quants = (
-            layer.qkv_proj.quant,
-            layer.o_proj.linear.quant,
-            layer.gate_up_quant,
-            layer.down_proj.linear.quant,
+    kernels = None
+    for i, layer in enumerate(layers):
+        products = (
+            _fused_product(layer.qkv_proj, layer.qkv_proj.quant),
+            _fused_product(layer.o_proj.linear, layer.o_proj.linear.quant),
+            _fused_gate_up(layer),
+            _fused_product(layer.down_proj.linear, layer.down_proj.linear.quant),
         )
-        if any(
-            q is None or q.kernels is None or q.bits != 4 or not q.kernels.fused_layers
-            for q in quants
-        ):
-            return None
+        names = ("q/k/v", "o", "gate/up", "down")
+        for name, product in zip(names, products, strict=True):
+            if product is None:
+                return None, None, f"layer {i}'s {name} product is not on pagedkv's kernels"
+            if not product[1].fused_layers:
+                return None, None, "PAGEDKV_QUANT_KERNEL=products"
+        kernels = products[0][1]
+
+        def fp32(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.float().contiguous()
+
         fused.append(
             LlamaLayerWeights(
-                *((q.packed, q.scales, q.min) for q in quants),
-                layer.input_norm.float().contiguous(),
-                layer.post_attention_norm.float().contiguous(),
-                None if layer.qkv_proj.bias is None else layer.qkv_proj.bias.float().contiguous(),
+                *(weights for weights, _ in products),
+                fp32(layer.input_norm),
+                fp32(layer.post_attention_norm),
+                fp32(layer.qkv_proj.bias),
                 num_heads=layer.num_heads,
                 num_kv_heads=layer.num_kv_heads,
                 head_dim=layer.head_dim,
                 eps=layer.eps,
-                isa=quants[0].kernels.isa,
+                isa=kernels.isa,
+                q_norm=fp32(layer.q_norm),
+                k_norm=fp32(layer.k_norm),
             )
         )
-    return fused
+    return fused, kernels, ""
+
+
+def _fused_product(linear: PackedLinear, quant: QuantizedMatmul | None):
+    """``(weights, kernels)`` of one product in the fused layer's form: the GGUF parts as
+    stored (every part's type run by the kernels), or an int4 weight on pagedkv's kernels;
+    None otherwise."""
+    if linear.gguf is not None:
+        parts = linear.gguf.parts
+        kernels = parts[0].kernels
+        if any(p.type_id not in kernels.gguf_types for p in parts):
+            return None
+        return [GGUFPart(p.type_id, p.data) for p in parts], kernels
+    if quant is None or quant.kernels is None or quant.bits != 4:
+        return None
+    return (quant.packed, quant.scales, quant.min), quant.kernels
+
+
+def _fused_gate_up(layer: LlamaDecoderLayer):
+    """The gate and up products stacked for the fused layer (see :func:`_fused_product`)."""
+    if layer.gate_proj.gguf is not None and layer.up_proj.gguf is not None:
+        gate = _fused_product(layer.gate_proj, None)
+        up = _fused_product(layer.up_proj, None)
+        if gate is None or up is None:
+            return None
+        return gate[0] + up[0], gate[1]
+    quant = layer.gate_up_quant
+    if quant is None:
+        return None
+    return _fused_product(layer.gate_proj, quant)
 
 
 def refine_weight(

@@ -24,7 +24,7 @@ file will do): :meth:`CpuQuantKernels.gguf_gemm` (the product of at most 8 fp32 
 accumulation, AVX2 and AVX-512 bodies), :meth:`~CpuQuantKernels.gguf_dequant` (rows into fp32
 or bf16, bit-identical to ``gguf.quants.dequantize``) and :meth:`~CpuQuantKernels.gguf_get_rows`
 (an embedding lookup). :class:`LlamaLayerWeights` takes each product as int4 parts, GGUF parts
-(:class:`GGUFWeight`) or a mix, so a Q4_K_M file's layers run fused as stored.
+(:class:`GGUFPart`) or a mix, so a Q4_K_M file's layers run fused as stored.
 
 The library is built at first use by :mod:`pagedkv.ops.c_build` (the system C compiler,
 ``-O3 -mavx2 -mfma -fopenmp``, into ``$PAGEDKV_CACHE_DIR/kernels/``, keyed by a hash of the
@@ -176,7 +176,7 @@ MAX_PARTS = 3
 
 
 @dataclass(frozen=True)
-class GGUFWeight:
+class GGUFPart:
     """A weight (or one stacked part of one) as the GGUF file stores it.
 
     Attributes:
@@ -232,13 +232,13 @@ class _LlamaLayer(ctypes.Structure):
 
 
 def _parts(weight) -> list:
-    """A product's parts: an int4 triple ``(qs, scale, min)`` or a :class:`GGUFWeight` is one
+    """A product's parts: an int4 triple ``(qs, scale, min)`` or a :class:`GGUFPart` is one
     part; a list holds up to :data:`MAX_PARTS` of them, stacked."""
     return list(weight) if isinstance(weight, list) else [weight]
 
 
 def _part_rows(part) -> int:
-    return part.data.shape[0] if isinstance(part, GGUFWeight) else part[0].shape[0]
+    return part.data.shape[0] if isinstance(part, GGUFPart) else part[0].shape[0]
 
 
 def _linear(name: str, weight, rows: int, cols: int) -> _Linear:
@@ -252,7 +252,7 @@ def _linear(name: str, weight, rows: int, cols: int) -> _Linear:
         raise KernelUnavailableError(f"{name}: {len(parts)} parts (1 to {MAX_PARTS})")
     linear = _Linear(len(parts))
     for i, part in enumerate(parts):
-        if isinstance(part, GGUFWeight):
+        if isinstance(part, GGUFPart):
             width = row_bytes(part.type_id, cols)
             data = part.data
             if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != width:
@@ -305,7 +305,7 @@ class LlamaLayerWeights:
     only their addresses).
 
     Each product is one of: an int4 weight ``(qs, scale, min)`` in :func:`pack_int4`'s layout,
-    a :class:`GGUFWeight` (the file's blocks of any :data:`GGML_TYPES` type), or a list of up
+    a :class:`GGUFPart` (the file's blocks of any :data:`GGML_TYPES` type), or a list of up
     to :data:`MAX_PARTS` of those stacked by output rows (q, k, v; gate, up), each part of its
     own form and type (a Q4_K_M file: q and k Q4_K, v Q6_K).
 
