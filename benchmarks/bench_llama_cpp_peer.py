@@ -510,6 +510,14 @@ def brief(report: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def parse_worker_output(stdout: str) -> dict[str, Any] | None:
+    """The report in a worker's output (its ``PAGEDKV_RESULT`` line), or None without one."""
+    for line in stdout.splitlines():
+        if line.startswith("PAGEDKV_RESULT "):
+            return json.loads(line.removeprefix("PAGEDKV_RESULT "))
+    return None
+
+
 def run_pagedkv(cmd: list[str], env: Mapping[str, str], timeout: float) -> dict[str, Any]:
     """Run one worker; its report.
 
@@ -518,9 +526,9 @@ def run_pagedkv(cmd: list[str], env: Mapping[str, str], timeout: float) -> dict[
         subprocess.TimeoutExpired: it ran past ``timeout`` s.
     """
     done = subprocess.run(cmd, env=dict(env), capture_output=True, text=True, timeout=timeout)
-    for line in done.stdout.splitlines():
-        if line.startswith("PAGEDKV_RESULT "):
-            return json.loads(line.removeprefix("PAGEDKV_RESULT "))
+    report = parse_worker_output(done.stdout)
+    if report is not None:
+        return report
     tail = (done.stderr or done.stdout)[-3000:]
     raise RuntimeError(f"pagedkv's worker failed (exit {done.returncode}):\n{tail}")
 
