@@ -19,7 +19,9 @@ depend on the weight values). For each named shape (:data:`SHAPES`, ``--list``):
    ``vocab_size``; the converter pads the token list to it with ``[PADn]`` tokens, so the
    embedding and the LM head have their real sizes (their cost is part of a decode step).
 4. llama.cpp's ``convert_hf_to_gguf.py`` to a bf16 GGUF, then ``llama-quantize`` to ``--type``
-   (default Q4_K_M), then the intermediates are deleted.
+   (default Q4_K_M), then the intermediates are deleted. The converter runs with transformers'
+   AutoTokenizer loading the saved ``tokenizer.json`` as it is (transformers 5 would otherwise
+   impose Qwen2's own pre-tokenizer on a qwen2 folder, which the converter does not recognize).
 
 Output: ``CACHE/shaped/<name>-<type>.gguf`` (CACHE: ``--cache-dir``, default ``$PAGEDKV_CACHE_DIR``
 or ``~/.cache/pagedkv``); an existing file is kept unless ``--force``. Prints the file's size and
@@ -423,6 +425,26 @@ def write_tokenizer(shape: Shape, folder: Path) -> int:
 # llama.cpp: convert, quantize, inspect
 
 
+#: Runs the converter (argv: script, its arguments) with transformers' AutoTokenizer loading
+#: the saved tokenizer.json as it is (``PreTrainedTokenizerFast``). Without it transformers 5
+#: picks a model type's own tokenizer class for some types (qwen2: Qwen2Tokenizer), which
+#: replaces the saved pre-tokenizer, and the converter no longer recognizes SmolLM's by its hash.
+_CONVERTER_SHIM = """
+import os, runpy, sys
+import transformers
+from transformers import PreTrainedTokenizerFast
+
+def _as_saved(path, *args, **kwargs):
+    return PreTrainedTokenizerFast.from_pretrained(path, *args, **kwargs)
+
+transformers.AutoTokenizer.from_pretrained = _as_saved
+script = sys.argv[1]
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+runpy.run_path(script, run_name="__main__")
+"""
+
+
 def converter_env(cache: Path, environ: Mapping[str, str]) -> dict[str, str]:
     """The converter's environment: ``environ`` with ``sentencepiece`` importable (installed once
     into ``cache/llama.cpp/pydeps`` when this Python lacks it)."""
@@ -493,7 +515,8 @@ def make(
         print(f"  safetensors done at {time.perf_counter() - start:.0f} s", flush=True)
         bf16 = work / f"{name}-bf16.gguf"
         env = converter_env(cache, os.environ)
-        cmd = [sys.executable, str(convert_script), str(hf), "--outfile", str(bf16)]
+        cmd = [sys.executable, "-c", _CONVERTER_SHIM, str(convert_script), str(hf)]
+        cmd += ["--outfile", str(bf16)]
         _run_logged([*cmd, "--outtype", "bf16"], work / "convert.log", env)
         shutil.rmtree(hf)  # the safetensors are no longer needed: free the disk first
         print(f"  converted at {time.perf_counter() - start:.0f} s", flush=True)
@@ -517,7 +540,8 @@ def make(
 def _run_logged(cmd: list[str], log: Path, env: Mapping[str, str]) -> None:
     """Run ``cmd`` with its output in ``log``; on failure print the log's tail and raise
     :class:`subprocess.CalledProcessError`."""
-    print(f"  running {' '.join(cmd[:3])} ... (log: {log})", flush=True)
+    shown = [c if len(c) < 200 else "CODE" for c in cmd[:4]]
+    print(f"  running {' '.join(shown)} ... (log: {log})", flush=True)
     with log.open("w") as out:
         done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(env))
     if done.returncode != 0:
