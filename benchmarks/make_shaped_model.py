@@ -35,8 +35,9 @@ source tree. The converter's Python needs ``sentencepiece`` (it imports it befor
 the BPE vocabulary): when the running Python lacks it, it is installed once with ``pip install
 --target CACHE/llama.cpp/pydeps`` and put on the converter's ``PYTHONPATH`` only.
 
-Shapes the converter cannot take with a BPE tokenizer (gemma-2-2b: SentencePiece only) are listed
-with the reason and refused.
+Shapes the converter cannot take with this tokenizer are listed with the reason and refused:
+gemma-2-2b (its converter reads only a SentencePiece ``tokenizer.model``), mistral-7b and
+phi-3-mini (a 32k vocabulary, smaller than SmolLM2's 49152 tokens).
 """
 
 from __future__ import annotations
@@ -85,9 +86,12 @@ class Shape:
     source: str
     #: Why the converter cannot take it here; None when it can.
     refused: str | None = None
-    #: tokenizer_config.json's ``tokenizer_class`` override (the converter reads it for Phi-3).
-    tokenizer_class: str | None = None
 
+
+_SMALL_VOCAB = (
+    "its vocabulary (32k) is smaller than SmolLM2's 49152 tokens, the only local tokenizer the "
+    "converter recognizes: the converter pads a token list up to vocab_size but cannot cut one"
+)
 
 SHAPES: dict[str, Shape] = {
     "llama-3.2-1b": Shape(
@@ -235,6 +239,7 @@ SHAPES: dict[str, Shape] = {
             eos_token_id=2,
         ),
         "mistralai/Mistral-7B-v0.3",
+        refused=_SMALL_VOCAB,
     ),
     "phi-3-mini": Shape(
         "phi3",
@@ -257,7 +262,7 @@ SHAPES: dict[str, Shape] = {
             pad_token_id=32000,
         ),
         "microsoft/Phi-3-mini-4k-instruct (head_dim 96; fused qkv and gate_up)",
-        tokenizer_class="GPT2Tokenizer",
+        refused=_SMALL_VOCAB,
     ),
     "gemma-2-2b": Shape(
         "gemma2",
@@ -413,11 +418,6 @@ def write_tokenizer(shape: Shape, folder: Path) -> int:
     gguf_file = smollm2_path()
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
     tokenizer.save_pretrained(folder)
-    if shape.tokenizer_class is not None:
-        path = folder / "tokenizer_config.json"
-        data = json.loads(path.read_text())
-        data["tokenizer_class"] = shape.tokenizer_class
-        path.write_text(json.dumps(data, indent=2) + "\n")
     return len(tokenizer)
 
 
