@@ -15,7 +15,7 @@ For each file and round, both engines on the same file and the same number of th
   warm-up token and one timed token: an upper bound on the load, s).
 - **pagedkv**: bench_llama_cpp_peer.py's worker on the file (``--model FILE``): tg from the
   median decode step, pp from the median 512-token prefill, load time = building the engine (s).
-- Each engine's peak RSS (bytes, the process's ``ru_maxrss`` from ``wait4``), under a watchdog
+- Each engine's peak RSS (bytes, ``/usr/bin/time``'s maximum resident set size), under a watchdog
   that samples the RSS of the process and its children every 0.1 s and kills it past
   ``--rss-limit-gib`` ("over memory"); past ``--timeout`` s it is killed too ("timeout"). A
   failure, timeout or kill is recorded with its reason and the benchmark goes on.
@@ -84,7 +84,8 @@ class Watched:
     stdout: str
     stderr: str
     wall_s: float
-    #: The process's peak resident set (bytes; its ``ru_maxrss``, children it waited for included).
+    #: The command's peak resident set (bytes; ``/usr/bin/time``'s maximum resident set size,
+    #: else the largest sample).
     peak_rss_bytes: int
     #: The watchdog's largest sample of the process tree's summed RSS (bytes).
     sampled_rss_bytes: int
@@ -123,14 +124,25 @@ def run_watched(
     cmd: Sequence[str], env: Mapping[str, str], *, timeout_s: float, rss_limit_bytes: int
 ) -> Watched:
     """Run ``cmd``, killing it (and its children) past ``timeout_s`` seconds or past
-    ``rss_limit_bytes`` of summed RSS; never raises for the command's own failure."""
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+    ``rss_limit_bytes`` of summed RSS; never raises for the command's own failure.
+
+    The peak RSS comes from ``/usr/bin/time`` wrapped around ``cmd`` where it exists: a child's
+    ``ru_maxrss`` seen from here would include this process's own peak at the fork (Linux
+    carries the forking process's high-water mark into the child), which the small ``time``
+    process in between keeps out. Without it, the watchdog's largest sample stands in.
+    """
+    with (
+        tempfile.TemporaryFile("w+") as out,
+        tempfile.TemporaryFile("w+") as err,
+        tempfile.NamedTemporaryFile("w+", suffix=".maxrss") as maxrss,
+    ):
+        wrapper = ["/usr/bin/time", "-f", "%M", "-o", maxrss.name] if _HAS_TIME else []
         start = time.perf_counter()
-        proc = subprocess.Popen(list(cmd), stdout=out, stderr=err, env=dict(env))
+        proc = subprocess.Popen([*wrapper, *cmd], stdout=out, stderr=err, env=dict(env))
         killed = None
         sampled = 0
         while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            pid, status = os.waitpid(proc.pid, os.WNOHANG)
             if pid == proc.pid:
                 break
             rss = _tree_rss(proc.pid)
@@ -141,7 +153,7 @@ def run_watched(
                 killed = "timeout"
             if killed is not None:
                 _kill_tree(proc.pid)
-                pid, status, usage = os.wait4(proc.pid, 0)
+                pid, status = os.waitpid(proc.pid, 0)
                 break
             time.sleep(WATCH_PERIOD_S)
         wall = time.perf_counter() - start
@@ -150,8 +162,18 @@ def run_watched(
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read(), err.read()
+        peak = _time_maxrss(Path(maxrss.name)) if _HAS_TIME else None
     state = killed or ("ok" if code == 0 else "failed")
-    return Watched(state, code, stdout, stderr, wall, usage.ru_maxrss * 1024, sampled)
+    return Watched(state, code, stdout, stderr, wall, peak or sampled, sampled)
+
+
+_HAS_TIME = os.access("/usr/bin/time", os.X_OK)
+
+
+def _time_maxrss(path: Path) -> int | None:
+    """``/usr/bin/time -f %M``'s figure (KiB) in bytes; None when it wrote none (killed)."""
+    lines = path.read_text().split()
+    return int(lines[-1]) * 1024 if lines and lines[-1].isdigit() else None
 
 
 def _outcome(run: Watched, rss_limit_bytes: int, timeout_s: float) -> dict[str, Any]:
