@@ -25,9 +25,9 @@ depend on the weight values). For each named shape (:data:`SHAPES`, ``--list``):
 
 Output: ``CACHE/shaped/<name>-<type>.gguf`` (CACHE: ``--cache-dir``, default ``$PAGEDKV_CACHE_DIR``
 or ``~/.cache/pagedkv``); an existing file is kept unless ``--force``. Prints the file's size and
-how many tensors of each GGML type it holds. The work folder (``CACHE/shaped/work-<name>``) needs
-about twice the bf16 size on disk (about 16 GB for llama-3.1-8b, 2 x 2 bytes per parameter at
-the peak).
+how many tensors of each GGML type it holds. The work folder
+(``CACHE/shaped/work-<name>-<type>``) needs twice the bf16 size on disk at the peak (2 x 2 bytes
+per parameter: about 32 GB for llama-3.1-8b).
 
 llama.cpp comes from bench_llama_cpp_peer.py's build (the same cache and options; it builds
 ``llama-quantize`` next to ``llama-bench``); the converter and its ``gguf-py`` from the same
@@ -498,7 +498,8 @@ def make(
     if out.is_file() and not force:
         print(f"{out} exists (--force remakes it)", flush=True)
         return out
-    work = cache / "shaped" / f"work-{name}"
+    work = cache / "shaped" / f"work-{name}-{qtype}"
+    partial = out.with_suffix(".gguf.partial")
     shutil.rmtree(work, ignore_errors=True)
     hf = work / "hf"
     hf.mkdir(parents=True)
@@ -522,7 +523,6 @@ def make(
         print(f"  converted at {time.perf_counter() - start:.0f} s", flush=True)
         if gguf_vocab_size(bf16) != config.vocab_size:
             raise SystemExit(f"{bf16}: token list is not the config's {config.vocab_size}")
-        partial = out.with_suffix(".gguf.partial")
         if qtype == "BF16":
             bf16.replace(partial)
         else:
@@ -531,6 +531,7 @@ def make(
             bf16.unlink()
         partial.replace(out)
     finally:
+        partial.unlink(missing_ok=True)
         if not keep_work:
             shutil.rmtree(work, ignore_errors=True)
     print(f"  made {out} in {time.perf_counter() - start:.0f} s", flush=True)
