@@ -35,11 +35,11 @@ AVX2 code on any x86 CPU. ``--isa native``: no variables, llama.cpp built with
 
 **llama.cpp** is built from the source distribution of ``llama-cpp-python`` on PyPI (pinned,
 :data:`LLAMA_CPP_SDIST`; it vendors llama.cpp in ``vendor/llama.cpp``): ``pip download --no-deps
---no-binary :all:``, extracted and built with cmake (targets llama-bench and llama-server) into
-``--cache-dir`` (default ``$PAGEDKV_CACHE_DIR`` or ``~/.cache/pagedkv``) under ``llama.cpp/``, once
-per ISA (56 minutes on 2 cores shared with other jobs). A later run finds the build and only
-asks cmake whether it is up to date. ``--llama-cpp-bin DIR`` uses binaries built elsewhere
-instead. Never run in CI (the tests in tests/benchmarks/ check the pure parts: arguments,
+--no-binary :all:``, extracted and built with cmake (targets llama-bench, llama-server,
+llama-quantize) into ``--cache-dir`` (default ``$PAGEDKV_CACHE_DIR`` or ``~/.cache/pagedkv``) under
+``llama.cpp/``, once per ISA (56 minutes on 2 cores shared with other jobs). A later run finds the
+build and only asks cmake whether it is up to date. ``--llama-cpp-bin DIR`` uses binaries built
+elsewhere instead. Never run in CI (the tests in tests/benchmarks/ check the pure parts: arguments,
 llama-bench's JSON, the summary).
 
 Options for pagedkv reach every configuration with ``--pagedkv-arg=ARG`` (repeatable, one
@@ -87,8 +87,9 @@ _GGML_AVX2_OFF = (
     "GGML_AMX_INT8",
     "GGML_AMX_BF16",
 )
-#: The binaries built: llama-bench here, llama-server for bench_chat_latency.py.
-LLAMA_CPP_TARGETS = ("llama-bench", "llama-server")
+#: The binaries built: llama-bench here, llama-server for bench_chat_latency.py, llama-quantize
+#: for make_shaped_model.py.
+LLAMA_CPP_TARGETS = ("llama-bench", "llama-server", "llama-quantize")
 ISAS = ("avx2", "native")
 #: The goals of issue 33: pagedkv / llama.cpp at least this, in each test.
 GOAL_RATIO = 1.0
@@ -266,6 +267,8 @@ class LlamaCppBuild:
     bin_dir: Path
     source: str  # the sdist, or "prebuilt"
     cmake_flags: tuple[str, ...]
+    #: llama.cpp's source tree (convert_hf_to_gguf.py, gguf-py); None when prebuilt.
+    source_dir: Path | None = None
 
     @property
     def llama_bench(self) -> Path:
@@ -274,6 +277,10 @@ class LlamaCppBuild:
     @property
     def llama_server(self) -> Path:
         return self.bin_dir / "llama-server"
+
+    @property
+    def llama_quantize(self) -> Path:
+        return self.bin_dir / "llama-quantize"
 
 
 def ensure_llama_cpp(args: argparse.Namespace) -> LlamaCppBuild:
@@ -308,7 +315,7 @@ def ensure_llama_cpp(args: argparse.Namespace) -> LlamaCppBuild:
     cmd = ["cmake", "--build", str(build_dir), "--target", *LLAMA_CPP_TARGETS]
     subprocess.run([*cmd, "-j", str(args.build_jobs)], check=True)
     print(f"llama.cpp up to date in {time.perf_counter() - start:.0f} s", flush=True)
-    return LlamaCppBuild(build_dir / "bin", sdist.name, tuple(flags))
+    return LlamaCppBuild(build_dir / "bin", sdist.name, tuple(flags), source)
 
 
 def _cache_dir(given: Path | None) -> Path:
@@ -503,6 +510,14 @@ def brief(report: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def parse_worker_output(stdout: str) -> dict[str, Any] | None:
+    """The report in a worker's output (its ``PAGEDKV_RESULT`` line), or None without one."""
+    for line in stdout.splitlines():
+        if line.startswith("PAGEDKV_RESULT "):
+            return json.loads(line.removeprefix("PAGEDKV_RESULT "))
+    return None
+
+
 def run_pagedkv(cmd: list[str], env: Mapping[str, str], timeout: float) -> dict[str, Any]:
     """Run one worker; its report.
 
@@ -511,9 +526,9 @@ def run_pagedkv(cmd: list[str], env: Mapping[str, str], timeout: float) -> dict[
         subprocess.TimeoutExpired: it ran past ``timeout`` s.
     """
     done = subprocess.run(cmd, env=dict(env), capture_output=True, text=True, timeout=timeout)
-    for line in done.stdout.splitlines():
-        if line.startswith("PAGEDKV_RESULT "):
-            return json.loads(line.removeprefix("PAGEDKV_RESULT "))
+    report = parse_worker_output(done.stdout)
+    if report is not None:
+        return report
     tail = (done.stderr or done.stdout)[-3000:]
     raise RuntimeError(f"pagedkv's worker failed (exit {done.returncode}):\n{tail}")
 

@@ -47,6 +47,20 @@ def read_gbps(num_bytes: int, repeats: int) -> float:
     return num_bytes / statistics.median(times) / 1e9
 
 
+def copy_gbps(num_bytes: int, repeats: int) -> float:
+    """GB/s of copying a ``num_bytes`` tensor into another (STREAM's convention: bytes read plus
+    bytes written, ``2 * num_bytes`` per copy)."""
+    src = torch.ones(num_bytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return 2 * num_bytes / statistics.median(times) / 1e9
+
+
 def linear_gflops(dtype: torch.dtype, repeats: int, m: int = 64, n: int = 1536, k: int = 576):
     """GFLOP/s of a decode-shaped ``[m, k] x [k, n]`` linear, weight prepacked for oneDNN where
     it takes this dtype (else ``F.linear``)."""
