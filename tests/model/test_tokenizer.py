@@ -97,3 +97,33 @@ def test_incremental_detokenizer_with_random_step_sizes(tokenizer):
         detokenizer.step(ids[start : start + size])
         start += size
     assert detokenizer.text == tokenizer.decode(ids)
+
+
+def test_converted_tokenizer_is_cached_and_equal(gguf_path, tmp_path, monkeypatch):
+    """The tokenizer converted from a GGUF file is saved under the cache directory, and a
+    later start reads it from there: the same ids, texts, chat prompt and special tokens; a
+    file with another modification time is converted again (its own cache entry)."""
+    import os
+    import shutil
+
+    from pagedkv.model.tokenizer import Tokenizer, _tokenizer_cache_folder
+
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))
+    model = tmp_path / gguf_path.name
+    shutil.copyfile(gguf_path, model)
+    fresh = Tokenizer.from_gguf(model)
+    folder = _tokenizer_cache_folder(model)
+    assert (folder / "tokenizer.json").is_file()
+    cached = Tokenizer.from_gguf(model)
+    for text in TEXTS:
+        ids = fresh.encode(text)
+        assert cached.encode(text) == ids
+        assert cached.decode(ids) == fresh.decode(ids)
+    for messages in MESSAGES:
+        prompt = fresh.apply_chat_template(messages, add_generation_prompt=True)
+        assert cached.apply_chat_template(messages, add_generation_prompt=True) == prompt
+    assert cached.hf_tokenizer.all_special_ids == fresh.hf_tokenizer.all_special_ids
+    assert cached.hf_tokenizer.bos_token_id == fresh.hf_tokenizer.bos_token_id
+    stat = model.stat()
+    os.utime(model, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    assert _tokenizer_cache_folder(model) != folder
