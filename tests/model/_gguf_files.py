@@ -342,6 +342,24 @@ def _byte_level_vocab(vocab_size: int) -> tuple[list[str], list[int], list[str]]
     return tokens, types, merges
 
 
+def add_shape_metadata(writer, config, head_dim: int | None = None) -> None:
+    """The ``{arch}.*`` keys llama.cpp's converter writes for a Hugging Face ``config`` (layers,
+    context, widths, heads, norm epsilon, rope base, vocabulary size; with ``head_dim`` also
+    the key and value lengths) into a ``gguf.GGUFWriter``."""
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    if head_dim is not None:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_vocab_size(config.vocab_size)
+
+
 def write_mixed_gguf(path: str | Path, hf_model: Any, arch: str, types: TypeChooser) -> None:
     """Write a Hugging Face Llama-family model as llama.cpp's converter + quantizer would.
 
@@ -368,15 +386,7 @@ def write_mixed_gguf(path: str | Path, hf_model: Any, arch: str, types: TypeChoo
         raise ValueError(f"arch must be 'llama' or 'qwen2', got {arch!r}")
     config = hf_model.config
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_vocab_size(config.vocab_size)
+    add_shape_metadata(writer, config)
     tokens, token_types, merges = _byte_level_vocab(config.vocab_size)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)

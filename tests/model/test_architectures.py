@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _gguf_files import add_shape_metadata
 from _tiny_model import CharTokenizer
 
 from pagedkv.engine.llm import LLM
@@ -140,17 +141,7 @@ def write_gguf(
     config = hf_model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_vocab_size(config.vocab_size)
+    add_shape_metadata(writer, config, head_dim)
     writer.add_eos_token_id(2)
     if arch == "phi3":
         writer.add_rope_dimension_count(head_dim)

@@ -68,18 +68,11 @@ def test_weights_equal_transformers_gguf_loader(gguf_path, hf_model):
 def write_gguf(path, hf_model, arch: str, rope_freqs=None) -> None:
     """Write a Hugging Face model as llama.cpp's converter would (names, q/k permutation, F32)."""
     import gguf
+    from _gguf_files import add_shape_metadata
 
     config = hf_model.config
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_vocab_size(config.vocab_size)
+    add_shape_metadata(writer, config)
     writer.add_eos_token_id(2)
     gguf_names = {v: k for k, v in _gguf_name_table(config.num_hidden_layers).items()}
     for name, weight in hf_model.state_dict().items():
