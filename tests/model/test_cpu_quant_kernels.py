@@ -51,7 +51,7 @@ def kernels(request, tmp_path_factory) -> CpuQuantKernels:
 
 
 def gguf_shaped(type_name: str, n: int, k: int, seed: int) -> QuantizedWeight:
-    """A random int4 weight in the form GGUF's 4-bit blocks take (gguf_quant): Q4_0
+    """A random int4 weight in the form GGUF's 4-bit formats have (q * scale + min): Q4_0
     ``d * (q - 8)`` (min = -8 d), Q4_1 ``d * q + m``, Q4_K ``d * sc * q - dmin * m`` (6-bit sc
     and m); scales rounded through float16 as the file stores them."""
     gen = torch.Generator().manual_seed(seed)

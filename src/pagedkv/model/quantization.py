@@ -11,14 +11,10 @@ kernels, which unpack the weight inside the product:
     int8    ``torch.ops.aten._weight_int8pack_mm``: ``w = q * scale``, q in [-128, 128), one
             scale per output row; activations, scales and output in bfloat16 or float32
 
-GGUF's 4-bit formats map exactly onto the int4 groups (:mod:`pagedkv.model.gguf_quant`):
-Q4_0 (``d * (q - 8)``), Q4_1 (``d * q + m``) and Q4_K (``d * sc * q - dmin * m``, groups of 32
-inside 256-element super-blocks) are all ``q * scale + min`` over groups of 32, which is
-``(q - 8) * scale + (min + 8 * scale)``. The kernels take their scales in bfloat16, so a scale
-is rounded from the file's float16 to bfloat16: a weight moves by at most 1/64 of its group's
-quantization step. Q8_0 (int8, a float16 scale per group of 32) has no group-wise int8 kernel:
-it is re-quantized to one scale per row (the tied embedding / LM head of SmolLM2, whose top
-logits are then recomputed exactly: :func:`pagedkv.model.logits.refine_top_logits`).
+These forms are made at load (``--quantization int4`` / ``int8``, any model). A GGUF file's
+blocks are not converted to them: they stay as the file stores them and run on pagedkv's own
+products (:mod:`pagedkv.model.gguf_weight`). torch's kernels take their scales in bfloat16, so
+a scale is rounded to bfloat16: a weight moves by at most 1/64 of its group's quantization step.
 
 On an AVX2 CPU pagedkv runs its own kernels for these small steps instead
 (:mod:`pagedkv.model.kernels.cpu_quant`: fp32 activations, the blocks read as stored, 1.4-1.6x
