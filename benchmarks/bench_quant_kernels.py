@@ -25,6 +25,10 @@ it gets the cores)::
 
     .venv/bin/python benchmarks/bench_quant_kernels.py --gguf [--threads 2] [--types Q4_K Q6_K]
 
+``--activations fp32 q8`` times each product with fp32 activations (the default) and with
+int8 ones (``CpuQuantKernels(activations="q8")``: Q4_0, Q8_0, Q4_K and Q6_K; the other types
+run fp32 either way).
+
 ``--engine`` instead builds two engines on the default model (SmolLM2-135M, the GGUF's 4-bit
 weights), one with pagedkv's kernels and one with ``PAGEDKV_QUANT_KERNEL=torch``, gives each
 one greedy chat (batch 1, ``ignore_eos``), and alternates blocks of ``--repeats`` decode steps
@@ -84,6 +88,9 @@ def main() -> None:
     parser.add_argument("--gguf", action="store_true", help="GGUF blocks: GB/s per type")
     parser.add_argument("--types", nargs="+", default=None, help="--gguf: GGML type names")
     parser.add_argument("--isas", nargs="+", default=["avx512", "avx2"])
+    parser.add_argument(
+        "--activations", nargs="+", default=["fp32"], choices=["fp32", "q8"], help="--gguf"
+    )
     args = parser.parse_args()
     if args.engine:
         compare_engines(args)
@@ -175,7 +182,11 @@ def bench_gguf(args) -> None:
 
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
-    kernels = {isa: load_cpu_quant_kernels(cache_dir() / "kernels", isa=isa) for isa in args.isas}
+    kernels = {
+        (isa, act): load_cpu_quant_kernels(cache_dir() / "kernels", isa=isa, activations=act)
+        for isa in args.isas
+        for act in args.activations
+    }
     print(f"{probe_cpu().summary()}; {args.threads} threads; GB/s of weight bytes, best / median")
     results = []
     for type_name in args.types or list(GGML_TYPES):
@@ -184,7 +195,7 @@ def bench_gguf(args) -> None:
             w = random_gguf_weight(type_name, n, k, gen)
             nbytes = w.numel()
             cold = [w] + [w.clone() for _ in range(max(1, round(WORKING_SET / nbytes)) - 1)]
-            for isa, kern in kernels.items():
+            for (isa, act), kern in kernels.items():
                 for rows in args.rows:
                     x = torch.randn(rows, k, generator=gen)
                     for where, ws in (("cold", cold), ("hot", cold[:1])):
@@ -196,11 +207,13 @@ def bench_gguf(args) -> None:
                             args.repeats,
                         )
                         row = dict(type=type_name, shape=shape, isa=isa, rows=rows, where=where)
+                        row["activations"] = act
                         row.update(best_gbs=nbytes / best / 1e9, median_gbs=nbytes / median / 1e9)
                         results.append(row)
                         print(
-                            f"{type_name:5s} {shape:8s} {n:5d}x{k:<5d} {isa:6s} gemm M={rows} "
-                            f"{where}: {row['best_gbs']:6.1f} / {row['median_gbs']:6.1f}"
+                            f"{type_name:5s} {shape:8s} {n:5d}x{k:<5d} {isa:6s} {act:4s} "
+                            f"gemm M={rows} {where}: "
+                            f"{row['best_gbs']:6.1f} / {row['median_gbs']:6.1f}"
                         )
             # dequantization to fp32 in tiles of 64 rows (a prompt's weight tile), any body
             tile = torch.empty(64, k)

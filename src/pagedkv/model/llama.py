@@ -516,6 +516,7 @@ def fused_layer_weights(
                 head_dim=layer.head_dim,
                 eps=layer.eps,
                 isa=kernels.isa,
+                activations=kernels.activations,
                 q_norm=fp32(layer.q_norm),
                 k_norm=fp32(layer.k_norm),
             )

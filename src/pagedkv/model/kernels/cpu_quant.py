@@ -35,6 +35,15 @@ self-check is exact; otherwise the quantized linears keep torch's kernels.
 (16 lanes, half the instructions per weight; compiled by a target pragma in the same library);
 :attr:`CpuQuantKernels.isa` says which runs: "avx512" where the CPU has AVX-512 F/BW/VL/DQ and
 no hold caps it (``ATEN_CPU_CAPABILITY=avx2`` or ``ONEDNN_MAX_CPU_ISA=AVX2`` give "avx2").
+
+Opt-in int8 activations (``PAGEDKV_GGUF_ACTIVATIONS=q8``, :attr:`CpuQuantKernels.activations`):
+the products of Q4_0, Q8_0, Q4_K and Q6_K weights (:data:`Q8_TYPES`, the types of a Q4_K_M /
+Q4_0 / Q8_0 file) round each activation row to int8 once per call, in blocks of 32 with one
+fp32 scale (``max |x| / 127``, round to nearest even), and multiply the blocks in integer
+arithmetic (AVX2 ``maddubs`` / ``madd``), a float per group of 32: fewer instructions per
+weight than converting every weight to fp32, at the cost of the activations' rounding (each
+product off by at most ``sum_k |w_k| * xd_block / 2``). The default (``fp32``) is exact up to
+fp32 summation; the other types always take fp32 activations.
 """
 
 from __future__ import annotations
@@ -59,6 +68,14 @@ logger = logging.getLogger(__name__)
 #: the rest of each layer as torch ops: to compare the two) or "torch" (torch's always).
 KERNEL_ENV = "PAGEDKV_QUANT_KERNEL"
 KERNEL_CHOICES = ("auto", "products", "torch")
+#: Environment variable choosing the activations of the GGUF products: "fp32" (default: exact
+#: up to fp32 summation) or "q8" (int8 blocks of 32 for :data:`Q8_TYPES`).
+ACTIVATIONS_ENV = "PAGEDKV_GGUF_ACTIVATIONS"
+#: :attr:`CpuQuantKernels.activations` by name, and the code decode_layer.c's layer struct
+#: gives each (``activations``: 0 fp32, 1 int8).
+ACTIVATION_CODES = {"fp32": 0, "q8": 1}
+#: GGML type ids of the int8-activation products (Q4_0, Q8_0, Q4_K, Q6_K).
+Q8_TYPES = frozenset({2, 8, 12, 14})
 #: The C sources of the kernels, compiled into one library (the header is part of the build
 #: key): the products, and the decoder layer built on them.
 SOURCES = tuple(
@@ -146,6 +163,19 @@ def isa_code(isa: str) -> int:
     return ISA_CODES[isa]
 
 
+def activations_code(activations: str) -> int:
+    """decode_layer.c's ``activations`` code of a name (:data:`ACTIVATION_CODES`).
+
+    Raises:
+        KernelUnavailableError: an unknown name.
+    """
+    if activations not in ACTIVATION_CODES:
+        raise KernelUnavailableError(
+            f"activations {activations!r} is not one of {tuple(ACTIVATION_CODES)}"
+        )
+    return ACTIVATION_CODES[activations]
+
+
 def pack_int4(
     q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -228,6 +258,7 @@ class _LlamaLayer(ctypes.Structure):
         ("intermediate", _I64),
         ("eps", ctypes.c_float),
         ("isa", ctypes.c_int32),
+        ("activations", ctypes.c_int32),
     ]
 
 
@@ -318,9 +349,13 @@ class LlamaLayerWeights:
         isa: the products' body, a key of :data:`ISA_CODES` (:attr:`CpuQuantKernels.isa`).
         q_norm, k_norm: fp32 ``[D]``: Qwen3's RMSNorm of each q / k head (after the bias,
             before the rotation, with ``eps``), or None.
+        activations: the GGUF parts' activations, a key of :data:`ACTIVATION_CODES`
+            (:attr:`CpuQuantKernels.activations`): "q8" runs the parts of :data:`Q8_TYPES`
+            on int8 activations, the others stay fp32.
 
     Raises:
-        KernelUnavailableError: shapes, dtypes or types the kernels do not take.
+        KernelUnavailableError: shapes, dtypes or types the kernels do not take, or an
+            unknown ``isa`` / ``activations``.
     """
 
     __slots__ = ("_keep", "_struct", "address", "head_dim", "hidden", "num_heads", "num_kv_heads")
@@ -342,8 +377,10 @@ class LlamaLayerWeights:
         isa: str = "avx2",
         q_norm: torch.Tensor | None = None,
         k_norm: torch.Tensor | None = None,
+        activations: str = "fp32",
     ):
         code = isa_code(isa)
+        activations_id = activations_code(activations)
         hidden = input_norm.shape[0]
         gate_up_rows = sum(_part_rows(part) for part in _parts(gate_up))
         if gate_up_rows % 2:
@@ -384,6 +421,7 @@ class LlamaLayerWeights:
             intermediate,
             eps,
             code,
+            activations_id,
         )
         self._keep = (qkv, o, gate_up, down, *vectors)
         #: the struct's address, passed to the C calls.
@@ -407,10 +445,11 @@ class CpuQuantKernels:
         fused_layers: :attr:`fused_layers`.
         isa: :attr:`isa`; the caller checks that the CPU has it (:func:`load_cpu_quant_kernels`
             does).
+        activations: :attr:`activations`.
 
     Raises:
         OSError: the library does not load.
-        KernelUnavailableError: an unknown ``isa``.
+        KernelUnavailableError: an unknown ``isa`` or ``activations``.
     """
 
     __slots__ = (
@@ -419,18 +458,26 @@ class CpuQuantKernels:
         "_forward",
         "_gguf_dequant",
         "_gguf_gemm",
+        "_gguf_gemm_q8",
         "_gguf_rows",
         "_int4",
         "_int8",
         "_isa_code",
+        "activations",
         "fused_layers",
         "gguf_types",
         "isa",
         "path",
     )
 
-    def __init__(self, path: Path, fused_layers: bool = True, isa: str = "avx2"):
+    def __init__(
+        self, path: Path, fused_layers: bool = True, isa: str = "avx2", activations: str = "fp32"
+    ):
         self._isa_code = isa_code(isa)
+        activations_code(activations)
+        #: the GGUF products' activations: "fp32" (exact up to fp32 summation) or "q8" (int8
+        #: blocks of 32 for :data:`Q8_TYPES`, in :meth:`gguf_gemm` and the fused layers)
+        self.activations = activations
         #: the products' body: "avx2" (8 lanes) or "avx512" (16 lanes)
         self.isa = isa
         self.path = path
@@ -466,6 +513,9 @@ class CpuQuantKernels:
             ctypes.c_int,
         ]
         self._gguf_gemm.restype = ctypes.c_int
+        self._gguf_gemm_q8 = lib.pagedkv_gguf_gemm_q8
+        self._gguf_gemm_q8.argtypes = self._gguf_gemm.argtypes
+        self._gguf_gemm_q8.restype = ctypes.c_int
         self._gguf_dequant = lib.pagedkv_gguf_dequant
         self._gguf_dequant.argtypes = [
             ctypes.c_int,
@@ -628,7 +678,9 @@ class CpuQuantKernels:
         self, type_id: int, x: torch.Tensor, w: torch.Tensor, num_outputs: int | None = None
     ) -> torch.Tensor:
         """``x W^T`` fp32 ``[M, N]`` on a GGUF weight as the file stores it (gguf_blocks.c):
-        fp32 activations, fp32 accumulation, no activation quantization.
+        fp32 activations, fp32 accumulation, no activation quantization; with
+        :attr:`activations` "q8" and a type of :data:`Q8_TYPES`, x rounded to int8 in blocks
+        of 32 and integer block products (see the module docstring).
 
         Args:
             type_id: the weight's GGML type id (one of :attr:`gguf_types`).
@@ -650,7 +702,8 @@ class CpuQuantKernels:
         if num_outputs is not None and num_outputs != n:
             raise KernelUnavailableError(f"{num_outputs} outputs asked of a weight of {n} rows")
         out = torch.empty(rows, n, dtype=torch.float32)
-        rc = self._gguf_gemm(
+        q8 = self.activations == "q8" and type_id in Q8_TYPES
+        rc = (self._gguf_gemm_q8 if q8 else self._gguf_gemm)(
             type_id,
             x.data_ptr(),
             w.data_ptr(),
@@ -792,7 +845,8 @@ class CpuQuantKernels:
         """Each of :attr:`gguf_types` on a small weight (19 rows: a partial row block; K 256)
         whose products are exact in fp32: dequantization bit-identical to
         ``gguf.quants.dequantize``, the product of 1, 3 and 8 integer rows equal to the float64
-        one.
+        one. With int8 activations (:attr:`activations` "q8") the rows of :data:`Q8_TYPES`
+        start each block of 32 with 127, so that their rounding to int8 is exact (scale 1).
 
         Raises:
             KernelUnavailableError: a result differs.
@@ -814,6 +868,8 @@ class CpuQuantKernels:
                 raise KernelUnavailableError(f"gguf dequant self-check failed ({name})")
             for rows in (1, 3, MAX_ROWS):
                 x = torch.randint(-3, 4, (rows, k), generator=gen).float()
+                if self.activations == "q8" and type_id in Q8_TYPES:
+                    x[:, ::32] = 127.0
                 expected = (x.double() @ reference.double().T).float()
                 if not torch.equal(self.gguf_gemm(type_id, x, w), expected):
                     raise KernelUnavailableError(
@@ -876,6 +932,7 @@ def load_cpu_quant_kernels(
     caps: CpuCapabilities | None = None,
     fused_layers: bool = True,
     isa: str | None = None,
+    activations: str = "fp32",
 ) -> CpuQuantKernels:
     """Build (if needed), load and self-check the kernels.
 
@@ -886,6 +943,7 @@ def load_cpu_quant_kernels(
         fused_layers: :attr:`CpuQuantKernels.fused_layers`.
         isa: the products' body ("avx2" or "avx512"); None = the widest this CPU runs
             (:func:`best_isa`).
+        activations: :attr:`CpuQuantKernels.activations` ("fp32" or "q8").
 
     Raises:
         KernelUnavailableError: no AVX2 or FMA (caps applied), "avx512" asked of a CPU without
@@ -897,12 +955,13 @@ def load_cpu_quant_kernels(
     widest = best_isa(caps)
     isa = widest if isa is None else isa
     isa_code(isa)  # an unknown name is refused before anything is built
+    activations_code(activations)
     if isa == "avx512" and widest != "avx512":
         raise KernelUnavailableError(f"{caps.summary()}: no AVX-512 F/BW/VL/DQ for isa='avx512'")
     compiler = compiler or c_build.compiler()
     path = build_library(compiler, cache)
     try:
-        kernels = CpuQuantKernels(path, fused_layers, isa)
+        kernels = CpuQuantKernels(path, fused_layers, isa, activations)
     except OSError as e:
         raise KernelUnavailableError(f"{path} does not load: {e}") from None
     kernels.self_check()
@@ -916,28 +975,41 @@ def default_cpu_quant_kernels() -> CpuQuantKernels | None:
     result to the model's quantized weights); a build already in the cache is reused, so a
     call costs a hash of the sources, a ``cc --version`` and the self-check.
 
+    ``PAGEDKV_GGUF_ACTIVATIONS`` (:data:`ACTIVATIONS_ENV`) chooses
+    :attr:`CpuQuantKernels.activations`: "fp32" (default) or "q8".
+
     Raises:
-        ConfigError: ``PAGEDKV_QUANT_KERNEL`` is not one of :data:`KERNEL_CHOICES`.
+        ConfigError: ``PAGEDKV_QUANT_KERNEL`` is not one of :data:`KERNEL_CHOICES`, or
+            ``PAGEDKV_GGUF_ACTIVATIONS`` not one of :data:`ACTIVATION_CODES`.
     """
     from pagedkv.errors import ConfigError
 
     choice = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
     if choice not in KERNEL_CHOICES:
         raise ConfigError(f"{KERNEL_ENV} must be one of {KERNEL_CHOICES}, got {choice!r}")
+    activations = os.environ.get(ACTIVATIONS_ENV, "fp32").strip().lower() or "fp32"
+    if activations not in ACTIVATION_CODES:
+        raise ConfigError(
+            f"{ACTIVATIONS_ENV} must be one of {tuple(ACTIVATION_CODES)}, got {activations!r}"
+        )
     if choice == "torch":
         logger.info("quantized products: torch's kernels (%s=torch)", KERNEL_ENV)
         return None
     try:
         kernels = load_cpu_quant_kernels(
-            c_build.kernel_cache(), c_build.compiler(), fused_layers=choice == "auto"
+            c_build.kernel_cache(),
+            c_build.compiler(),
+            fused_layers=choice == "auto",
+            activations=activations,
         )
     except KernelUnavailableError as e:
         logger.info("quantized products: torch's kernels (pagedkv's do not run here: %s)", e)
         return None
     logger.info(
-        "quantized products of small steps: pagedkv's %s kernels%s (%s)",
+        "quantized products of small steps: pagedkv's %s kernels%s, GGUF activations %s (%s)",
         kernels.isa.upper().replace("AVX512", "AVX-512"),
         ", fused decoder layers" if kernels.fused_layers else "",
+        "int8 (q8)" if kernels.activations == "q8" else "fp32",
         kernels.path,
     )
     return kernels

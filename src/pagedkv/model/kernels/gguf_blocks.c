@@ -371,3 +371,323 @@ int pagedkv_gguf_get_rows(int type, const uint8_t *w, const int64_t *ids, int64_
         dequant_row_avx2(type, w + ids[i] * row_bytes, K, out + i * K, 0);
     return 0;
 }
+
+/* ---- int8 activations (opt-in): Q4_0, Q8_0, Q4_K and Q6_K products --------------------
+ *
+ * pagedkv_gguf_gemm above turns every weight into a float and multiplies it by an fp32
+ * activation: a decode step is then bound by that arithmetic, not by the memory. Here the
+ * activations are rounded to int8 once per call, in blocks of 32 along K (the size of the
+ * weights' own groups), and a block of weights meets a block of activations in integer
+ * arithmetic; only the block's result becomes a float.
+ *
+ * Activation block b of row m (elements 32 b .. 32 b + 31):
+ *   xd[b] = max |x| / 127 (fp32), xq = round-to-nearest-even(x * (1 / xd[b])) in [-127, 127]
+ *   (all zeros when the block is), xds[b] = xd[b] * sum(xq) (fp32), so x ~ xd[b] * xq.
+ *
+ * The integer dot product of 32 weight values with 32 xq, in AVX2:
+ *   _mm256_maddubs_epi16(u, s) multiplies 32 unsigned bytes u by 32 signed bytes s and adds
+ *   neighbours into 16 signed 16-bit sums (saturating: every bound below stays under 32767);
+ *   _mm256_madd_epi16(p, c) multiplies those 16 sums by 16-bit c and adds neighbours into 8
+ *   int32 lanes. Lane i holds elements 4 i .. 4 i + 3 (of the 128-bit half's 16 bytes), so a
+ *   c of one value per 128-bit half applies a separate integer scale to elements 0-15 and
+ *   16-31 (Q6_K's sub-blocks of 16).
+ *   A signed weight (Q8_0, Q4_0 - 8, Q6_K - 32) has no unsigned operand: |w| is one (128 for
+ *   -128 as an unsigned byte, still right) and x with w's sign moved onto it the other
+ *   (_mm256_sign_epi8(x, w): -x where w < 0, 0 where w = 0), so each byte product is
+ *   |w| * sign(w) * x = w * x; x is never -128, so negating it cannot overflow.
+ *   Bounds of a 16-bit pair sum: Q8_0 2 * 128 * 127 = 32512, Q4_0 2 * 8 * 127, Q6_K
+ *   2 * 32 * 127 = 8128, Q4_K (nibble 0..15 unsigned) 2 * 15 * 127; an int32 lane after a
+ *   multiplier of at most 128 is under 2^22, exact as a float.
+ *
+ * Each type's product, per output row (D = the block's fp32 scale as stored):
+ *   Q8_0, Q4_0   sum_b (d_b * xd_b) * (w_b . xq_b)             w = the signed integer
+ *   Q6_K         sum_g (d * xd_g) * sum_{half} scale_i * (w . xq)  over the two 16-element
+ *                sub-blocks of group g (the int8 scales as madd's multiplier), w = q - 32
+ *   Q4_K         sum_j (d * xd_j) * sc_j * (q_j . xq_j) - dmin * sum_j m_j * xds_j: the
+ *                6-bit scale as madd's multiplier, the min term from the blocks' sums
+ *                (one 8-lane multiply-add per super-block, as the fp32 product does)
+ * The int32 lanes become floats once per group of 32 and meet the group's fp32 factor in one
+ * fused multiply-add into 8 lanes per activation row, summed at the end of the row.
+ *
+ * The only body is AVX2's (maddubs / madd / sign); an AVX-512 caller runs it too. */
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+/* Activation row x [K] -> xq int8 [K], xd and xds fp32 [K / 32] (see above). */
+static void quantize_row_q8(const float *x, int64_t K, int8_t *xq, float *xd, float *xds) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    /* packs_epi32 then packs_epi16 leave the 4-byte runs in the order 0 4 1 5 2 6 3 7 */
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t b = 0; b < K / 32; b++) {
+        const float *p = x + 32 * b;
+        const __m256 v0 = _mm256_loadu_ps(p), v1 = _mm256_loadu_ps(p + 8);
+        const __m256 v2 = _mm256_loadu_ps(p + 16), v3 = _mm256_loadu_ps(p + 24);
+        const __m256 a = _mm256_max_ps(
+            _mm256_max_ps(_mm256_and_ps(v0, absmask), _mm256_and_ps(v1, absmask)),
+            _mm256_max_ps(_mm256_and_ps(v2, absmask), _mm256_and_ps(v3, absmask)));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        const float scale = _mm_cvtss_f32(h) / 127.0f;
+        const __m256 inv = _mm256_set1_ps(scale != 0.0f ? 1.0f / scale : 0.0f);
+        /* cvtps rounds to nearest even (the default rounding mode) */
+        const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv));
+        const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv));
+        const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inv));
+        const __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
+        const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1),
+                                                  _mm256_packs_epi32(i2, i3));
+        _mm256_storeu_si256((__m256i *)(xq + 32 * b), _mm256_permutevar8x32_epi32(packed, order));
+        const __m256i s = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+        xd[b] = scale;
+        xds[b] = scale * (float)_mm_cvtsi128_si32(t);
+    }
+}
+
+/* signed w . signed x, 32 bytes each, into 8 int32 lanes (each lane times c's 16-bit
+ * multipliers, see above) */
+static inline AI __m256i dot_signed(__m256i w, __m256i x, __m256i c) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)), c);
+}
+
+/* Q8_0 / Q4_0 block at b: its 32 signed weights, in element order */
+static inline AI __m256i q8w_q8_0(const uint8_t *b) {
+    return _mm256_loadu_si256((const __m256i *)(b + 2));
+}
+
+static inline AI __m256i q8w_q4_0(const uint8_t *b) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)(b + 2));
+    const __m128i lo = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
+    return _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8));
+}
+
+/* One 32-element block of a Q8_0 / Q4_0 row for all M rows into acc[m] */
+#define Q8_BLOCK32(M, LOADW, b, g, acc)                                                      \
+    do {                                                                                     \
+        const __m256i wv_ = LOADW(b);                                                        \
+        const float d_ = f16_to_f32(b);                                                      \
+        _Pragma("GCC unroll 8") for (int m_ = 0; m_ < (M); m_++) {                           \
+            const __m256i xv_ = _mm256_loadu_si256((const __m256i *)(xq + m_ * K + 32 * (g))); \
+            const __m256i p_ = dot_signed(wv_, xv_, _mm256_set1_epi16(1));                   \
+            (acc)[m_] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_),                              \
+                                        _mm256_set1_ps(d_ * xd[m_ * G + (g)]), (acc)[m_]);   \
+        }                                                                                    \
+    } while (0)
+
+#define Q8_ROW32(T, BB)                                                                      \
+    static inline AI void q8_row_##T(const int M, const uint8_t *w, const int8_t *xq,        \
+                                     const float *xd, const float *xds, int64_t K,           \
+                                     int64_t ldo, int64_t n, float *out) {                   \
+        (void)xds;                                                                           \
+        const int64_t G = K / 32;                                                            \
+        const uint8_t *row = w + n * G * (BB);                                               \
+        __m256 a0[MAX_M], a1[MAX_M];                                                         \
+        _Pragma("GCC unroll 8") for (int m = 0; m < M; m++) a0[m] = a1[m] = _mm256_setzero_ps(); \
+        int64_t g = 0;                                                                       \
+        for (; g + 2 <= G; g += 2) {                                                         \
+            const uint8_t *b = row + g * (BB);                                               \
+            PREFETCH(b + PF_BYTES);                                                          \
+            PREFETCH(b + PF_BYTES + 64);                                                     \
+            Q8_BLOCK32(M, q8w_##T, b, g, a0);                                                \
+            Q8_BLOCK32(M, q8w_##T, b + (BB), g + 1, a1);                                     \
+        }                                                                                    \
+        if (g < G) Q8_BLOCK32(M, q8w_##T, row + g * (BB), g, a0);                            \
+        _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)                                  \
+            out[m * ldo + n] = hsum8(_mm256_add_ps(a0[m], a1[m]));                        \
+    }
+
+Q8_ROW32(q8_0, 34)
+Q8_ROW32(q4_0, 18)
+
+/* Q4_K row n: per super-block the min term, then 4 pairs of groups (a pair's 32 bytes hold
+ * group 2 c in the low nibbles and 2 c + 1 in the high ones, element i in byte i). */
+static inline AI void q8_row_q4_k(const int M, const uint8_t *w, const int8_t *xq,
+                                  const float *xd, const float *xds, int64_t K, int64_t ldo,
+                                  int64_t n, float *out) {
+    const int64_t S = K / 256, G = K / 32;
+    const uint8_t *row = w + n * S * 144;
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    __m256 a0[MAX_M], a1[MAX_M];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) a0[m] = a1[m] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < S; s++) {
+        const uint8_t *blk = row + s * 144;
+        PREFETCH(blk + PF_BYTES);
+        PREFETCH(blk + PF_BYTES + 64);
+        PREFETCH(blk + PF_BYTES + 128);
+        /* the 6-bit scales and mins (layout in the header comment) as bytes */
+        uint32_t w0, w1, w2;
+        memcpy(&w0, blk + 4, 4);
+        memcpy(&w1, blk + 8, 4);
+        memcpy(&w2, blk + 12, 4);
+        const uint32_t sc_words[2] = {w0 & 0x3F3F3F3Fu,
+                                      (w2 & 0x0F0F0F0Fu) | ((w0 >> 2) & 0x30303030u)};
+        const uint32_t m_lo = w1 & 0x3F3F3F3Fu;
+        const uint32_t m_hi = ((w2 >> 4) & 0x0F0F0F0Fu) | ((w1 >> 2) & 0x30303030u);
+        uint8_t sc[8];
+        memcpy(sc, sc_words, 8);
+        const float d = f16_to_f32(blk), dmin = f16_to_f32(blk + 2);
+        /* dmin * m_j, subtracted times xds_j = xd_j * sum(xq_j) */
+        const __m256 dm = _mm256_mul_ps(
+            _mm256_set1_ps(dmin),
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)m_hi, (int)m_lo))));
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++)
+            a1[m] = _mm256_fnmadd_ps(dm, _mm256_loadu_ps(xds + m * G + s * 8), a1[m]);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
+            const __m256i qlo = _mm256_and_si256(bytes, low4);
+            const __m256i qhi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+            const __m256i clo = _mm256_set1_epi16(sc[2 * c]), chi = _mm256_set1_epi16(sc[2 * c + 1]);
+            const int64_t b = s * 8 + 2 * c;
+#pragma GCC unroll 8
+            for (int m = 0; m < M; m++) {
+                const int8_t *xm = xq + m * K + 32 * b;
+                /* nibbles are the unsigned operand as they are */
+                const __m256i plo = _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(qlo, _mm256_loadu_si256((const __m256i *)xm)), clo);
+                const __m256i phi = _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(qhi, _mm256_loadu_si256((const __m256i *)(xm + 32))), chi);
+                a0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(plo), _mm256_set1_ps(d * xd[m * G + b]),
+                                        a0[m]);
+                a1[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(phi),
+                                        _mm256_set1_ps(d * xd[m * G + b + 1]), a1[m]);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) out[m * ldo + n] = hsum8(_mm256_add_ps(a0[m], a1[m]));
+}
+
+/* Q6_K row n: group g = 4 h + t of a super-block (half h, quarter t, see the header comment):
+ * element i's low 4 bits are the low (t < 2) or high nibble of ql[64 h + 32 (t & 1) + i], its
+ * top 2 bits bits 2 t, 2 t + 1 of qh[32 h + i]; q - 32 is the signed weight. */
+static inline AI void q8_row_q6_k(const int M, const uint8_t *w, const int8_t *xq,
+                                  const float *xd, const float *xds, int64_t K, int64_t ldo,
+                                  int64_t n, float *out) {
+    (void)xds;
+    const int64_t S = K / 256, G = K / 32;
+    const uint8_t *row = w + n * S * 210;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
+    __m256 a0[MAX_M], a1[MAX_M];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) a0[m] = a1[m] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < S; s++) {
+        const uint8_t *blk = row + s * 210;
+        PREFETCH(blk + PF_BYTES);
+        PREFETCH(blk + PF_BYTES + 64);
+        PREFETCH(blk + PF_BYTES + 128);
+        PREFETCH(blk + PF_BYTES + 192);
+        const float d = f16_to_f32(blk + 208);
+        const int8_t *scale = (const int8_t *)(blk + 192);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+#pragma GCC unroll 4
+            for (int t = 0; t < 4; t++) {
+                const int g = 4 * h + t;
+                const __m256i ql = t & 1 ? ql1 : ql0;
+                const __m256i nib = _mm256_and_si256(t >= 2 ? _mm256_srli_epi16(ql, 4) : ql, low4);
+                /* bits 2 t, 2 t + 1 to bits 4, 5 (16-bit shifts: the mask drops what crosses
+                 * from the neighbouring byte) */
+                const __m256i moved = t == 0   ? _mm256_slli_epi16(qh, 4)
+                                      : t == 1 ? _mm256_slli_epi16(qh, 2)
+                                      : t == 2 ? qh
+                                               : _mm256_srli_epi16(qh, 2);
+                const __m256i wv = _mm256_sub_epi8(_mm256_or_si256(nib, _mm256_and_si256(moved, top2)),
+                                                   _mm256_set1_epi8(32));
+                /* elements 0-15 take scale 2 g, 16-31 scale 2 g + 1 */
+                const __m256i c = _mm256_set_m128i(_mm_set1_epi16(scale[2 * g + 1]),
+                                                   _mm_set1_epi16(scale[2 * g]));
+                const int64_t b = s * 8 + g;
+#pragma GCC unroll 8
+                for (int m = 0; m < M; m++) {
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * K + 32 * b));
+                    const __m256 p = _mm256_cvtepi32_ps(dot_signed(wv, xv, c));
+                    const __m256 f = _mm256_set1_ps(d * xd[m * G + b]);
+                    if (t & 1)
+                        a1[m] = _mm256_fmadd_ps(p, f, a1[m]);
+                    else
+                        a0[m] = _mm256_fmadd_ps(p, f, a0[m]);
+                }
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) out[m * ldo + n] = hsum8(_mm256_add_ps(a0[m], a1[m]));
+}
+
+/* rows n0..n1 of one type, M a constant at each call site */
+#define Q8_ROWS(T)                                                                           \
+    static __attribute__((noinline)) void q8_rows_##T(int M, const uint8_t *w,               \
+                                                      const int8_t *xq, const float *xd,     \
+                                                      const float *xds, int64_t K,           \
+                                                      int64_t ldo, int64_t n0, int64_t n1,   \
+                                                      float *out) {                          \
+        switch (M) {                                                                         \
+            case 1: for (int64_t n = n0; n < n1; n++) q8_row_##T(1, w, xq, xd, xds, K, ldo, n, out); break; \
+            case 2: for (int64_t n = n0; n < n1; n++) q8_row_##T(2, w, xq, xd, xds, K, ldo, n, out); break; \
+            case 3: for (int64_t n = n0; n < n1; n++) q8_row_##T(3, w, xq, xd, xds, K, ldo, n, out); break; \
+            case 4: for (int64_t n = n0; n < n1; n++) q8_row_##T(4, w, xq, xd, xds, K, ldo, n, out); break; \
+            case 5: for (int64_t n = n0; n < n1; n++) q8_row_##T(5, w, xq, xd, xds, K, ldo, n, out); break; \
+            case 6: for (int64_t n = n0; n < n1; n++) q8_row_##T(6, w, xq, xd, xds, K, ldo, n, out); break; \
+            case 7: for (int64_t n = n0; n < n1; n++) q8_row_##T(7, w, xq, xd, xds, K, ldo, n, out); break; \
+            case 8: for (int64_t n = n0; n < n1; n++) q8_row_##T(8, w, xq, xd, xds, K, ldo, n, out); break; \
+        }                                                                                    \
+    }
+
+Q8_ROWS(q8_0)
+Q8_ROWS(q4_0)
+Q8_ROWS(q4_k)
+Q8_ROWS(q6_k)
+
+#undef Q8_BLOCK32
+#undef Q8_ROW32
+#undef Q8_ROWS
+
+#pragma GCC pop_options
+
+int pagedkv_gguf_q8_takes(int type) {
+    return type == GGML_Q4_0 || type == GGML_Q8_0 || type == GGML_Q4_K || type == GGML_Q6_K;
+}
+
+int pagedkv_gguf_gemm_q8(int type, const float *x, const uint8_t *w, float *out, int64_t M,
+                         int64_t N, int64_t K, int num_threads, int isa) {
+    return pagedkv_gguf_gemm_q8_ld(type, x, w, out, M, N, K, N, num_threads, isa);
+}
+
+int pagedkv_gguf_gemm_q8_ld(int type, const float *x, const uint8_t *w, float *out, int64_t M,
+                            int64_t N, int64_t K, int64_t ldo, int num_threads, int isa) {
+    int64_t E, B;
+    if (!pagedkv_gguf_q8_takes(type) || pagedkv_gguf_block(type, &E, &B)) return -1;
+    if (M < 1 || M > MAX_M || K <= 0 || K % E != 0 || N < 0 || ldo < N) return -1;
+    if (isa != PAGEDKV_ISA_AVX2 && isa != PAGEDKV_ISA_AVX512) return -1;
+    /* one buffer: xd, xds fp32 [M, K / 32], then xq int8 [M, K] */
+    const int64_t G = K / 32;
+    float *xd = (float *)malloc(sizeof(float) * 2 * M * G + (size_t)(M * K));
+    if (xd == NULL) return -1;
+    float *xds = xd + M * G;
+    int8_t *xq = (int8_t *)(xds + M * G);
+    for (int64_t m = 0; m < M; m++)
+        quantize_row_q8(x + m * K, K, xq + m * K, xd + m * G, xds + m * G);
+    const int64_t num_blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const int64_t n0 = b * ROW_BLOCK, n1 = n0 + ROW_BLOCK < N ? n0 + ROW_BLOCK : N;
+        switch (type) {
+            case GGML_Q8_0: q8_rows_q8_0((int)M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
+            case GGML_Q4_0: q8_rows_q4_0((int)M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
+            case GGML_Q4_K: q8_rows_q4_k((int)M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
+            case GGML_Q6_K: q8_rows_q6_k((int)M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
+        }
+    }
+    free(xd);
+    return 0;
+}

@@ -29,6 +29,16 @@ int pagedkv_gguf_gemm(int type, const float *x, const uint8_t *w, float *out, in
 /* pagedkv_gguf_gemm with out's rows ldo >= N floats apart (out[m * ldo + n]) */
 int pagedkv_gguf_gemm_ld(int type, const float *x, const uint8_t *w, float *out, int64_t M,
                          int64_t N, int64_t K, int64_t ldo, int num_threads, int isa);
+/* int8 activations (gguf_blocks.c's last section): the product of Q4_0, Q8_0, Q4_K and Q6_K
+ * weights with x rounded to int8 in blocks of 32 (one fp32 scale each), integer dot products
+ * per block. pagedkv_gguf_q8_takes: 1 for those four types, else 0. The products take
+ * pagedkv_gguf_gemm(_ld)'s arguments and return -1 for a type outside the four (or anything
+ * pagedkv_gguf_gemm refuses); both ISA codes run the AVX2 body. */
+int pagedkv_gguf_q8_takes(int type);
+int pagedkv_gguf_gemm_q8(int type, const float *x, const uint8_t *w, float *out, int64_t M,
+                         int64_t N, int64_t K, int num_threads, int isa);
+int pagedkv_gguf_gemm_q8_ld(int type, const float *x, const uint8_t *w, float *out, int64_t M,
+                            int64_t N, int64_t K, int64_t ldo, int num_threads, int isa);
 int pagedkv_gguf_dequant(int type, const uint8_t *w, int64_t row_start, int64_t num_rows,
                          int64_t K, void *out, int out_bf16, int num_threads);
 int pagedkv_gguf_get_rows(int type, const uint8_t *w, const int64_t *ids, int64_t num_ids,

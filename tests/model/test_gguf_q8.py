@@ -1,0 +1,292 @@
+"""The int8-activation products of GGUF weights (gguf_blocks.c's ``pagedkv_gguf_gemm_q8``,
+``CpuQuantKernels(activations="q8")``): Q4_0, Q8_0, Q4_K and Q6_K at every row count 1..8
+against the float64 product of ``gguf.quants.dequantize``'s weights with the activations
+rounded the same way in numpy (equal up to fp32 summation), and against the plain float64
+product within the activations' rounding; the fused layer on int8 activations against torch
+ops; the refusals and the fp32 fall-back of the other types."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import Q4_K, dequantize, quantize
+
+from pagedkv.model.kernels.cpu_quant import (
+    GGML_TYPES,
+    MAX_ROWS,
+    Q8_TYPES,
+    CpuQuantKernels,
+    GGUFPart,
+    KernelUnavailableError,
+    LlamaLayerWeights,
+    load_cpu_quant_kernels,
+)
+
+EPS32 = 2.0**-24  # half an fp32 ulp of 1
+Q8_NAMES = ("Q4_0", "Q8_0", "Q4_K", "Q6_K")
+#: byte offsets of the f16 scale fields (d, then dmin) of the K-types' super-blocks
+K_SCALE_FIELDS = {"Q4_K": (0, 2), "Q6_K": (208,)}
+N = 37  # output rows: not a multiple of the kernels' 16-row blocks
+
+
+@pytest.fixture(scope="module", params=["avx2", "avx512"])
+def kernels(request, tmp_path_factory) -> CpuQuantKernels:
+    """The kernels with int8 activations, each ISA (both run the AVX2 body of the q8
+    products; AVX-512 skipped where the CPU lacks it)."""
+    cache = tmp_path_factory.getbasetemp() / "gguf-q8-kernels"
+    try:
+        kernels = load_cpu_quant_kernels(cache, isa=request.param, activations="q8")
+    except KernelUnavailableError as e:
+        pytest.skip(f"pagedkv's {request.param} kernels do not run here: {e}")
+    if not kernels.gguf_types:
+        pytest.skip("no F16C: the GGUF kernels are not offered")
+    return kernels
+
+
+def gguf_weight(name: str, n: int, k: int, seed: int) -> np.ndarray:
+    """Raw blocks uint8 ``[n, row_bytes]``: random floats through ``gguf.quants.quantize``
+    (Q4_0, Q8_0), or random bytes with each f16 scale field a finite value in (-0.01, 0.01)
+    (the K-types, which gguf does not quantize)."""
+    rng = np.random.default_rng(seed)
+    qtype = GGMLQuantizationType[name]
+    if name not in K_SCALE_FIELDS:
+        return quantize(rng.standard_normal((n, k)).astype(np.float32), qtype).view(np.uint8)
+    block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (n, k // block_elems, block_bytes), dtype=np.uint8)
+    for offset in K_SCALE_FIELDS[name]:
+        scale = rng.uniform(-0.01, 0.01, (n, k // block_elems, 1)).astype(np.float16)
+        blocks[..., offset : offset + 2] = scale.view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
+def dense(name: str, raw: np.ndarray) -> torch.Tensor:
+    """``gguf.quants.dequantize``'s weights as float64 ``[n, K]``."""
+    return torch.from_numpy(dequantize(raw, GGMLQuantizationType[name])).double()
+
+
+def min_terms(name: str, raw: np.ndarray) -> torch.Tensor:
+    """Q4_K: ``|dmin * m|`` of each weight's group (float64 ``[n, K]``, the term the product
+    takes through the activation blocks' sums); zeros for the others."""
+    n = raw.shape[0]
+    if name != "Q4_K":
+        return torch.zeros(0)
+    blocks = raw.reshape(-1, 144)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float64)
+    _, m = Q4_K.get_scale_min(blocks[:, 4:16].copy())
+    return torch.from_numpy(np.repeat(np.abs(dmin * m.astype(np.float64)), 32, 1).reshape(n, -1))
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' rounding of fp32 ``x [M, K]`` in numpy: per block of 32, ``d = max|x| /
+    127`` (fp32), ``q = rint(x * (1 / d))`` (fp32, nearest even; 0 where d is 0). Returns
+    ``(q, d)``: float64 ``[M, K]`` integers in [-127, 127] and float64 ``[M, K / 32]``."""
+    blocks = x.numpy().reshape(x.shape[0], -1, 32)
+    d = (np.abs(blocks).max(-1) / np.float32(127)).astype(np.float32)
+    inv = np.zeros_like(d)
+    inv[d != 0] = np.float32(1) / d[d != 0]
+    q = np.rint(blocks * inv[..., None])
+    assert q.dtype == np.float32 and np.abs(q).max() <= 127
+    return torch.from_numpy(q.reshape(x.shape)).double(), torch.from_numpy(d).double()
+
+
+@pytest.mark.parametrize("k", [256, 2048])
+@pytest.mark.parametrize("name", Q8_NAMES)
+def test_q8_product_against_the_rounded_activations(kernels, name, k):
+    """Every row count 1..8, with a zero block and a block of one large value among the
+    activations. (1) Against x rounded the same way in numpy times the dequantized weights in
+    float64: within ``K/8 + 16`` fp32 roundings of ``sum |x_hat| (|w| + 2 |dmin m|)`` (as the
+    fp32 product's bound) and on average within one. (2) Against the exact product with x:
+    within ``sum_k |w_k| * d_block / 2`` (each activation off by at most half its block's
+    step) plus that fp32 slack."""
+    t = GGML_TYPES[name]
+    raw = gguf_weight(name, N, k, seed=k + len(name))
+    w = dense(name, raw)
+    terms = w.abs()
+    mins = min_terms(name, raw)
+    if mins.numel():
+        terms = terms + 2 * mins
+    gen = torch.Generator().manual_seed(k)
+    for rows in range(1, MAX_ROWS + 1):
+        x = torch.randn(rows, k, generator=gen)
+        x[0, 32:64] = 0.0  # a block of zeros: scale 0
+        x[-1, 64] = 50.0  # one value dominating its block
+        y = kernels.gguf_gemm(t.type_id, x, torch.from_numpy(raw), N)
+        assert y.dtype == torch.float32 and y.shape == (rows, N)
+        q, d = quantize_activations(x)
+        x_hat = q * d.repeat_interleave(32, 1)
+        error = (y.double() - x_hat @ w.T).abs()
+        magnitude = x_hat.abs() @ terms.T
+        slack = (k / 8 + 16) * EPS32 * magnitude
+        assert bool((error <= slack).all()), (rows, float(error.max()))
+        assert float((error / magnitude).mean()) <= EPS32, rows
+
+        exact_error = (y.double() - x.double() @ w.T).abs()
+        rounding = (d.repeat_interleave(32, 1) / 2) @ w.abs().T
+        assert bool((exact_error <= rounding * (1 + 1e-5) + slack).all()), rows
+
+
+def test_the_ld_entry_writes_strided_rows_and_both_isas_agree(kernels):
+    """``pagedkv_gguf_gemm_q8_ld`` writes rows ``ldo`` apart and nothing between them; the
+    result equals the unstrided call bit for bit."""
+    lib = ctypes.CDLL(str(kernels.path))
+    entry = lib.pagedkv_gguf_gemm_q8_ld
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    entry.argtypes = [ctypes.c_int, p, p, p, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int]
+    t = GGML_TYPES["Q6_K"]
+    raw = torch.from_numpy(gguf_weight("Q6_K", N, 512, seed=1))
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(2))
+
+    def call(out, isa):
+        return entry(
+            t.type_id, x.data_ptr(), raw.data_ptr(), out.data_ptr(), 3, N, 512, N + 5, 1, isa
+        )
+
+    out = torch.full((3, N + 5), 7.0)
+    assert call(out, 0) == 0
+    assert torch.equal(out[:, :N], kernels.gguf_gemm(t.type_id, x, raw))
+    assert bool((out[:, N:] == 7.0).all())
+    # the AVX-512 code runs the same body: identical results
+    other = torch.full((3, N + 5), 7.0)
+    assert call(other, 1) == 0
+    assert torch.equal(other, out)
+
+
+def test_other_types_keep_the_fp32_product(kernels):
+    """Q5_K and F16 (not among :data:`Q8_TYPES`) give in q8 mode what the fp32 mode gives."""
+    fp32 = CpuQuantKernels(kernels.path, isa=kernels.isa)
+    assert fp32.activations == "fp32" and kernels.activations == "q8"
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(3))
+    for name in ("Q5_K", "F16"):
+        type_id = GGML_TYPES[name].type_id
+        assert type_id not in Q8_TYPES
+        if name == "F16":
+            raw = torch.randn(N, 256).half().view(torch.uint8).contiguous()
+        else:
+            raw = torch.randint(0, 256, (N, 176), dtype=torch.uint8)
+            raw[:, 0:4] = torch.tensor([0.01, -0.01], dtype=torch.float16).view(torch.uint8)
+        assert torch.equal(kernels.gguf_gemm(type_id, x, raw), fp32.gguf_gemm(type_id, x, raw))
+
+
+def test_refusals(kernels, tmp_path):
+    """The C entry's -1 (and nothing written) for a type outside the four, M outside 1..8, K
+    not a multiple of the block, ldo < N, an unknown ISA; unknown ``activations`` names."""
+    lib = ctypes.CDLL(str(kernels.path))
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    gemm = lib.pagedkv_gguf_gemm_q8
+    gemm.argtypes = [ctypes.c_int, p, p, p, i64, i64, i64, ctypes.c_int, ctypes.c_int]
+    ld = lib.pagedkv_gguf_gemm_q8_ld
+    ld.argtypes = [ctypes.c_int, p, p, p, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int]
+    takes = lib.pagedkv_gguf_q8_takes
+    takes.argtypes = [ctypes.c_int]
+    ids = [t.type_id for t in GGML_TYPES.values()] + [10, 11]  # and Q2_K, Q3_K
+    assert {i for i in ids if takes(i)} == set(Q8_TYPES)
+    q4k = GGML_TYPES["Q4_K"].type_id
+    raw = torch.from_numpy(gguf_weight("Q4_K", N, 256, seed=4))
+    x = torch.randn(MAX_ROWS + 1, 256)
+    out = torch.full((MAX_ROWS + 1, N), 7.0)
+    for rows, k, type_id, isa in (
+        (0, 256, q4k, 0),
+        (MAX_ROWS + 1, 256, q4k, 0),
+        (1, 128, q4k, 0),
+        (1, 256, GGML_TYPES["Q5_K"].type_id, 0),
+        (1, 256, GGML_TYPES["F32"].type_id, 0),
+        (1, 256, 10, 0),  # Q2_K
+        (1, 256, q4k, 2),
+    ):
+        args = (type_id, x.data_ptr(), raw.data_ptr(), out.data_ptr(), rows, N, k, 1, isa)
+        assert gemm(*args) == -1
+    assert ld(q4k, x.data_ptr(), raw.data_ptr(), out.data_ptr(), 1, N, 256, N - 1, 1, 0) == -1
+    assert bool((out == 7.0).all())
+    with pytest.raises(KernelUnavailableError):
+        kernels.gguf_gemm(q4k, x, raw)  # 9 rows
+    with pytest.raises(KernelUnavailableError, match="activations"):
+        CpuQuantKernels(kernels.path, activations="int4")
+    with pytest.raises(KernelUnavailableError, match="activations"):
+        load_cpu_quant_kernels(tmp_path, activations="fp16")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE with sign-folded sin over the last dimension (heads in between)."""
+    half = x.shape[-1] // 2
+    return x * cos[:, None] + torch.cat([x[..., half:], x[..., :half]], -1) * sin[:, None]
+
+
+def test_fused_layer_on_int8_activations(kernels):
+    """A Q4_K_M-like layer (q, k Q4_K; v Q6_K; o Q8_0; gate Q4_K, up Q4_0; down Q6_K) with
+    ``activations="q8"`` through the fused calls against torch ops on the dequantized weights
+    (fp32 activations): within a few per cent of the output's scale (the activations' int8
+    rounding), at 1 and 5 rows; and the same layer with ``activations="fp32"`` differs from
+    it (the flag reaches the C side)."""
+    hidden, inter, heads, kv, dim, eps = 256, 256, 4, 2, 32, 1e-5
+    gen = torch.Generator().manual_seed(10)
+
+    def gguf(name, n, k, seed):
+        raw = gguf_weight(name, n, k, seed)
+        return GGUFPart(GGML_TYPES[name].type_id, torch.from_numpy(raw)), dense(name, raw).float()
+
+    q, q_dense = gguf("Q4_K", heads * dim, hidden, 11)
+    k, k_dense = gguf("Q4_K", kv * dim, hidden, 12)
+    v, v_dense = gguf("Q6_K", kv * dim, hidden, 13)
+    o, o_dense = gguf("Q8_0", hidden, heads * dim, 14)
+    gate, gate_dense = gguf("Q4_K", inter, hidden, 15)
+    up, up_dense = gguf("Q4_0", inter, hidden, 16)
+    down, down_dense = gguf("Q6_K", hidden, inter, 17)
+    input_norm = torch.rand(hidden, generator=gen) + 0.5
+    post_norm = torch.rand(hidden, generator=gen) + 0.5
+
+    def layer(activations):
+        return LlamaLayerWeights(
+            [q, k, v],
+            o,
+            [gate, up],
+            down,
+            input_norm,
+            post_norm,
+            None,
+            num_heads=heads,
+            num_kv_heads=kv,
+            head_dim=dim,
+            eps=eps,
+            isa=kernels.isa,
+            activations=activations,
+        )
+
+    q8_layer, fp32_layer = layer("q8"), layer("fp32")
+    qkv_dense = torch.cat([q_dense, k_dense, v_dense])
+    gate_up_dense = torch.cat([gate_dense, up_dense])
+
+    def close(got, want):
+        assert float((got - want).abs().max()) <= 0.03 * float(want.abs().max())
+
+    for rows in (1, 5):
+        h = torch.randn(rows, hidden, generator=gen)
+        angle = torch.rand(rows, dim // 2, generator=gen) * 6
+        cos = torch.cat([angle.cos(), angle.cos()], -1)
+        sin = torch.cat([-angle.sin(), angle.sin()], -1)
+        qkv = torch.empty(rows, (heads + 2 * kv) * dim)
+        kernels.llama_attn_in(q8_layer, h, cos, sin, qkv, 1)
+        ref = rms_norm(h, input_norm, eps) @ qkv_dense.T
+        ref_q = ref[:, : heads * dim].reshape(rows, heads, dim)
+        ref_k = ref[:, heads * dim : (heads + kv) * dim].reshape(rows, kv, dim)
+        close(qkv[:, : heads * dim], rotate(ref_q, cos, sin).reshape(rows, -1))
+        close(qkv[:, heads * dim : (heads + kv) * dim], rotate(ref_k, cos, sin).reshape(rows, -1))
+        close(qkv[:, (heads + kv) * dim :], ref[:, (heads + kv) * dim :])
+        exact = torch.empty_like(qkv)
+        kernels.llama_attn_in(fp32_layer, h, cos, sin, exact, 1)
+        assert not torch.equal(exact, qkv)
+
+        attn = torch.randn(rows, heads * dim, generator=gen)
+        want = h + attn @ o_dense.T
+        gate_out, up_out = (rms_norm(want, post_norm, eps) @ gate_up_dense.T).split(inter, -1)
+        mlp = (torch.nn.functional.silu(gate_out) * up_out) @ down_dense.T
+        got = h.clone()
+        kernels.llama_attn_out(q8_layer, got, attn, 1)
+        close(got - h, want - h + mlp)
