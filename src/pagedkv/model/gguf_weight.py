@@ -2,9 +2,10 @@
 
 llama.cpp maps a GGUF file and multiplies by its blocks as they are stored: its memory is the
 file plus the KV cache. pagedkv does the same. A :class:`GGUFWeight` is a view of the file's
-bytes (a read-only memory map: pages the process never touches cost nothing, the others are
-shared with the page cache), and :class:`GGUFMatmul` computes ``x W^T`` on them with pagedkv's
-kernels (:mod:`pagedkv.model.kernels.cpu_quant`, ``gguf_blocks.c``)::
+bytes (a private copy-on-write memory map that nothing writes: pages the process never touches
+cost nothing, the others are shared with the page cache), and :class:`GGUFMatmul` computes
+``x W^T`` on them with pagedkv's kernels (:mod:`pagedkv.model.kernels.cpu_quant`,
+``gguf_blocks.c``)::
 
     steps of at most MAX_ROWS tokens   gguf_gemm: every block read once from memory and unpacked
                                        in registers for all rows; fp32 activations and

@@ -230,7 +230,7 @@ def load_model(
     quantization = resolve_quantization(
         quantization, path, torch.device(device), parallel, gguf_kernels=kernels
     )
-    check_weights_fit(path, quantization, dtype)
+    check_weights_fit(path, quantization, dtype, 1 if parallel is None else parallel.world_size)
     start = time.perf_counter()
     logger.info("reading weights from %s", path)
     if path.is_dir():
@@ -388,9 +388,15 @@ def available_memory() -> int | None:
     return min(limits) if limits else None
 
 
-def check_weights_fit(path: Path, quantization: str, dtype: torch.dtype) -> None:
+def check_weights_fit(
+    path: Path, quantization: str, dtype: torch.dtype, num_processes: int = 1
+) -> None:
     """Refuse, before reading any weight, a model whose weights cannot fit in this machine's
-    available memory (:func:`weight_bytes_estimate` against :func:`available_memory`).
+    available memory (:func:`weight_bytes_estimate` against :func:`available_memory`; under
+    tensor parallelism each of the ``num_processes`` ranks on this machine loads the whole
+    checkpoint before it keeps its shard, so the estimate counts them all). Only the weights:
+    the KV cache is sized later, against its own budget, and about 0.5 GiB of runtime
+    (Python, torch, transformers) comes on top.
 
     Raises:
         ModelLoadError: the estimate exceeds the available memory; the message gives both
@@ -399,7 +405,7 @@ def check_weights_fit(path: Path, quantization: str, dtype: torch.dtype) -> None
     available = available_memory()
     if available is None:
         return
-    needed = weight_bytes_estimate(path, quantization, dtype)
+    needed = weight_bytes_estimate(path, quantization, dtype) * num_processes
     if needed <= available:
         return
     hint = (
@@ -408,7 +414,8 @@ def check_weights_fit(path: Path, quantization: str, dtype: torch.dtype) -> None
         else "the GGUF file's own blocks (--quantization gguf) or a quantized GGUF file"
     )
     raise ModelLoadError(
-        f"{path.name} needs about {format_bytes(needed)} for its weights "
+        f"{path.name} needs about {format_bytes(needed)} for its weights"
+        f"{f' in {num_processes} processes' if num_processes > 1 else ''} "
         f"(quantization {quantization}, {str(dtype).removeprefix('torch.')}), but only "
         f"{format_bytes(available)} of memory is available; use {hint}"
     )

@@ -1006,7 +1006,7 @@ def default_cpu_quant_kernels() -> CpuQuantKernels | None:
         logger.info("quantized products: torch's kernels (pagedkv's do not run here: %s)", e)
         return None
     logger.info(
-        "quantized products of small steps: pagedkv's %s kernels%s, GGUF activations %s (%s)",
+        "quantized products: pagedkv's %s kernels%s, GGUF activations %s (%s)",
         kernels.isa.upper().replace("AVX512", "AVX-512"),
         ", fused decoder layers" if kernels.fused_layers else "",
         "int8 (q8)" if kernels.activations == "q8" else "fp32",
