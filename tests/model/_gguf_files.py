@@ -465,3 +465,27 @@ def dequantized_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
                 weight = unpermute_rotary_rows(weight, num_heads).contiguous()
         out[name] = weight
     return out
+
+
+#: Byte offsets of the f16 scale fields in a block of each K type (d, and dmin for Q4_K/Q5_K).
+_K_SCALE_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(name: str, n: int, k: int, seed: int) -> np.ndarray:
+    """Raw blocks uint8 ``[n, row_bytes]`` of a valid random weight: random floats through
+    ``gguf.quants.quantize`` where gguf quantizes the type; for the K-types (which it does not)
+    random bytes with every f16 scale field replaced by a finite value in (-0.01, 0.01)."""
+    import gguf
+    import gguf.quants
+
+    rng = np.random.default_rng(seed)
+    qtype = gguf.GGMLQuantizationType[name]
+    if name not in K_TYPES:
+        values = rng.standard_normal((n, k)).astype(np.float32)
+        return gguf.quants.quantize(values, qtype).view(np.uint8)
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (n, k // block_elems, block_bytes), dtype=np.uint8)
+    for offset in _K_SCALE_FIELDS[name]:
+        scale = rng.uniform(-0.01, 0.01, (n, k // block_elems, 1)).astype(np.float16)
+        blocks[..., offset : offset + 2] = scale.view(np.uint8)
+    return blocks.reshape(n, -1)

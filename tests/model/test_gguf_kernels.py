@@ -11,8 +11,9 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from _gguf_files import random_blocks as gguf_weight
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import Q4_K, dequantize, quantize
+from gguf.quants import Q4_K, dequantize
 
 from pagedkv.model.kernels.cpu_quant import (
     GGML_TYPES,
@@ -27,7 +28,6 @@ EPS32 = 2.0**-24  # half an fp32 ulp of 1: one rounding's relative error
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 FLOAT_TYPES = ("F32", "F16", "BF16")
 #: byte offsets of the f16 scale fields (d, then dmin) of the K-types' super-blocks
-K_SCALE_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 N = 37  # output rows: not a multiple of the kernels' 16-row blocks
 
 
@@ -43,22 +43,6 @@ def kernels(request, tmp_path_factory) -> CpuQuantKernels:
     if not kernels.gguf_types:
         pytest.skip("no F16C: the GGUF kernels are not offered")
     return kernels
-
-
-def gguf_weight(name: str, n: int, k: int, seed: int) -> np.ndarray:
-    """Raw blocks uint8 ``[n, row_bytes]`` of a valid random weight: random floats through
-    ``gguf.quants.quantize`` where gguf quantizes the type; for the K-types (which it does not)
-    random bytes with every f16 scale field replaced by a finite value in (-0.01, 0.01)."""
-    rng = np.random.default_rng(seed)
-    qtype = GGMLQuantizationType[name]
-    if name not in K_TYPES:
-        return quantize(rng.standard_normal((n, k)).astype(np.float32), qtype).view(np.uint8)
-    block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
-    blocks = rng.integers(0, 256, (n, k // block_elems, block_bytes), dtype=np.uint8)
-    for offset in K_SCALE_FIELDS[name]:
-        scale = rng.uniform(-0.01, 0.01, (n, k // block_elems, 1)).astype(np.float16)
-        blocks[..., offset : offset + 2] = scale.view(np.uint8)
-    return blocks.reshape(n, -1)
 
 
 def reference(name: str, raw: np.ndarray) -> torch.Tensor:
