@@ -191,6 +191,8 @@ def _outcome(run: Watched, rss_limit_bytes: int, timeout_s: float) -> dict[str, 
         entry["error"] = f"killed: ran past {timeout_s:.0f} s"
     elif run.status == "failed":
         entry["error"] = (run.stderr or run.stdout)[-2000:]
+    if run.status != "ok":  # what it had printed when it stopped
+        entry["output_tail"] = (run.stderr + run.stdout)[-2000:]
     return entry
 
 
