@@ -191,6 +191,8 @@ def _outcome(run: Watched, rss_limit_bytes: int, timeout_s: float) -> dict[str, 
         entry["error"] = f"killed: ran past {timeout_s:.0f} s"
     elif run.status == "failed":
         entry["error"] = (run.stderr or run.stdout)[-2000:]
+    if run.status != "ok":  # what it had printed when it stopped
+        entry["output_tail"] = (run.stderr + run.stdout)[-2000:]
     return entry
 
 
@@ -401,6 +403,34 @@ def summarize(rounds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {"summary": summary}
 
 
+def format_table(files: Sequence[Mapping[str, Any]]) -> str:
+    """The closing table: per file and engine, the medians over the rounds (or the statuses)."""
+    lines = [
+        "| file | engine | tg tok/s | pp tok/s | load s | peak RSS GiB | tg share of copy bw |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for entry in files:
+        name = Path(entry["model"]).name
+        for engine in ENGINES:
+            e = entry["summary"][engine]
+            if not e["ok_rounds"]:
+                lines.append(f"| {name} | {engine} | {', '.join(e['statuses'])} | | | | |")
+                continue
+            rss = e["peak_rss_bytes"] / 2**30
+            lines.append(
+                f"| {name} | {engine} | {e['tg']:.2f} | {e['pp']:.2f} | "
+                f"{e['load_s'] if e['load_s'] is None else format(e['load_s'], '.2f')} | "
+                f"{rss:.2f} | {e['tg_share_of_copy_bw']:.0%} |"
+            )
+        ratios = entry["summary"]["ratios"]
+        if ratios["tg"]:
+            each = ", ".join(
+                f"{t:.2f}/{q:.2f}" for t, q in zip(ratios["tg"], ratios["pp"], strict=True)
+            )
+            lines.append(f"| {name} | pagedkv / llama.cpp (tg/pp per round) | {each} | | | | |")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------------------------
 # Command line
 
@@ -474,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     for model in args.models:
         result["files"].append(bench_file(model.resolve(), args, build, env))
         write_result(args.json, result)  # after each file: a later crash keeps the earlier ones
+    print(format_table(result["files"]), flush=True)
     return 0
 
 
