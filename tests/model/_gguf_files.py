@@ -489,3 +489,21 @@ def random_blocks(name: str, n: int, k: int, seed: int) -> np.ndarray:
         scale = rng.uniform(-0.01, 0.01, (n, k // block_elems, 1)).astype(np.float16)
         blocks[..., offset : offset + 2] = scale.view(np.uint8)
     return blocks.reshape(n, -1)
+
+
+def kernels_or_skip(cache, isa: str, activations: str = "fp32"):
+    """pagedkv's kernels built into ``cache`` with the products' body ``isa`` and
+    ``activations`` ("fp32" or "q8"), or ``pytest.skip`` naming why they do not run here
+    (no such ISA, no compiler, no F16C for the GGUF products)."""
+    import pytest
+
+    from pagedkv.model.kernels.cpu_quant import load_cpu_quant_kernels
+    from pagedkv.ops.c_build import KernelUnavailableError
+
+    try:
+        kernels = load_cpu_quant_kernels(cache, isa=isa, activations=activations)
+    except KernelUnavailableError as e:
+        pytest.skip(f"pagedkv's {isa} kernels do not run here: {e}")
+    if not kernels.gguf_types:
+        pytest.skip("no F16C: the GGUF kernels are not offered")
+    return kernels

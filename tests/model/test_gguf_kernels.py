@@ -11,6 +11,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from _gguf_files import kernels_or_skip
 from _gguf_files import random_blocks as gguf_weight
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K, dequantize
@@ -27,7 +28,6 @@ from pagedkv.model.kernels.cpu_quant import (
 EPS32 = 2.0**-24  # half an fp32 ulp of 1: one rounding's relative error
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 FLOAT_TYPES = ("F32", "F16", "BF16")
-#: byte offsets of the f16 scale fields (d, then dmin) of the K-types' super-blocks
 N = 37  # output rows: not a multiple of the kernels' 16-row blocks
 
 
@@ -36,13 +36,7 @@ def kernels(request, tmp_path_factory) -> CpuQuantKernels:
     """The kernels with each body of the products (AVX-512 skipped where the CPU lacks it;
     "avx2" holds an AVX-512 CPU to the AVX2 body). One build for both."""
     cache = tmp_path_factory.getbasetemp() / "gguf-kernels"
-    try:
-        kernels = load_cpu_quant_kernels(cache, isa=request.param)
-    except KernelUnavailableError as e:
-        pytest.skip(f"pagedkv's {request.param} kernels do not run here: {e}")
-    if not kernels.gguf_types:
-        pytest.skip("no F16C: the GGUF kernels are not offered")
-    return kernels
+    return kernels_or_skip(cache, request.param, "fp32")
 
 
 def reference(name: str, raw: np.ndarray) -> torch.Tensor:

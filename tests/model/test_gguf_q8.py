@@ -12,6 +12,7 @@ import ctypes
 import numpy as np
 import pytest
 import torch
+from _gguf_files import kernels_or_skip
 from _gguf_files import random_blocks as gguf_weight
 from gguf import GGMLQuantizationType
 from gguf.quants import Q4_K, dequantize
@@ -29,7 +30,6 @@ from pagedkv.model.kernels.cpu_quant import (
 
 EPS32 = 2.0**-24  # half an fp32 ulp of 1
 Q8_NAMES = ("Q4_0", "Q8_0", "Q4_K", "Q6_K")
-#: byte offsets of the f16 scale fields (d, then dmin) of the K-types' super-blocks
 N = 37  # output rows: not a multiple of the kernels' 16-row blocks
 
 
@@ -38,13 +38,7 @@ def kernels(request, tmp_path_factory) -> CpuQuantKernels:
     """The kernels with int8 activations, each ISA (both run the AVX2 body of the q8
     products; AVX-512 skipped where the CPU lacks it)."""
     cache = tmp_path_factory.getbasetemp() / "gguf-q8-kernels"
-    try:
-        kernels = load_cpu_quant_kernels(cache, isa=request.param, activations="q8")
-    except KernelUnavailableError as e:
-        pytest.skip(f"pagedkv's {request.param} kernels do not run here: {e}")
-    if not kernels.gguf_types:
-        pytest.skip("no F16C: the GGUF kernels are not offered")
-    return kernels
+    return kernels_or_skip(cache, request.param, "q8")
 
 
 def dense(name: str, raw: np.ndarray) -> torch.Tensor:
