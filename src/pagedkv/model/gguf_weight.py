@@ -82,9 +82,15 @@ class GGUFWeight:
     shape: tuple[int, int]
     kernels: CpuQuantKernels | None = field(default=None, repr=False, compare=False)
     dtype: torch.dtype = torch.float32
+    #: the ``ggml_type`` code the kernels take (from ``type_name``; looked up once, not per
+    #: product).
+    type_id: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        from gguf.constants import GGMLQuantizationType
+
         block_elems, block_bytes = ggml_type_sizes(self.type_name)
+        object.__setattr__(self, "type_id", int(GGMLQuantizationType[self.type_name]))
         rows, cols = self.shape
         if cols % block_elems:
             raise ConfigError(
@@ -97,13 +103,6 @@ class GGUFWeight:
                 f"{self.type_name} weight {self.shape}: data must be uint8 {expected}, got "
                 f"{self.data.dtype} {tuple(self.data.shape)}"
             )
-
-    @property
-    def type_id(self) -> int:
-        """The ``ggml_type`` code the kernels take."""
-        from gguf.constants import GGMLQuantizationType
-
-        return int(GGMLQuantizationType[self.type_name])
 
     @property
     def nbytes(self) -> int:
