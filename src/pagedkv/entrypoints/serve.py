@@ -63,7 +63,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="NAME",
         help="the name(s) clients pass as `model`: each is accepted, the first is reported "
-        "(default: the model file's name)",
+        "(default: MODEL as typed, e.g. `smollm2`, and the model file's name as an alias)",
     )
     server.add_argument(
         "--metrics-prefix",
@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
     engine = LLMEngine(
         dataclasses.replace(EngineConfig.from_cli_args(args), model=str(source.path))
     )
-    names = args.served_model_name or [source.name]
+    names = args.served_model_name or list(source.names)
     name = names[0]
     engine_loop = EngineLoop(engine)
     app = create_app(
@@ -296,7 +296,7 @@ def _serve_cluster(
     config = dataclasses.replace(EngineConfig.from_cli_args(args), model=str(source.path))
     if args.hash_seed is not None:
         config = dataclasses.replace(config, hash_seed=args.hash_seed)
-    names = args.served_model_name or [source.name]
+    names = args.served_model_name or list(source.names)
     name = names[0]
     policy = args.router or "prefix"
     configure_logging(args.log_level)

@@ -67,17 +67,29 @@ class LoadedModel:
 
 @dataclass(frozen=True, slots=True)
 class ModelSource:
-    """Where a model argument's files are, and the name it is served under by default.
+    """Where a model argument's files are, and the names it is served under by default.
 
     Attributes:
         path: the GGUF file or Hugging Face folder to load.
-        name: the default ``served_model_name``: the Hugging Face id for a model of the cache
-            (as vLLM serves ``vllm serve Org/Name``), else the file or folder name
-            (:func:`pagedkv.modelinfo.naming.served_model_name`).
+        names: the default served model names, the reported one first: the model argument as
+            typed (``smollm2``, a path, a Hugging Face id; as ``vllm serve MODEL`` serves it),
+            then the file or folder name (:func:`pagedkv.modelinfo.naming.served_model_name`),
+            kept as an alias so that clients sending it still work. No argument: the default
+            model's short name first.
     """
 
     path: Path
-    name: str
+    names: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        """The reported served model name (the first of :attr:`names`)."""
+        return self.names[0]
+
+
+def _source(path: Path, typed: str) -> ModelSource:
+    """A ModelSource served as ``typed`` and as its file's name (one name when they agree)."""
+    return ModelSource(path, tuple(dict.fromkeys((typed, served_model_name(str(path))))))
 
 
 def default_model_path() -> Path:
@@ -101,19 +113,17 @@ def resolve_model(model: str | Path | None) -> ModelSource:
             message lists the short names and the cache folder looked in).
     """
     if model is None:
-        path = MODEL_ALIASES[DEFAULT_MODEL]()
-        return ModelSource(path, served_model_name(str(path)))
+        return _source(MODEL_ALIASES[DEFAULT_MODEL](), DEFAULT_MODEL)
     path = Path(model).expanduser()
     if not path.exists():
         if str(model) in MODEL_ALIASES:
-            path = MODEL_ALIASES[str(model)]()
-            return ModelSource(path, served_model_name(str(path)))
+            return _source(MODEL_ALIASES[str(model)](), str(model))
         snapshot = cached_snapshot(str(model)) if is_repo_id(str(model)) else None
         if snapshot is None:
             raise ModelLoadError(_missing_model_message(str(model)))
-        return ModelSource(_model_file(snapshot), str(model))
-    path = _model_file(path)
-    return ModelSource(path, served_model_name(str(path)))
+        # served under the id alone: the snapshot's folder is named by a revision hash
+        return ModelSource(_model_file(snapshot), (str(model),))
+    return _source(_model_file(path), str(model))
 
 
 def _missing_model_message(model: str) -> str:
