@@ -57,9 +57,11 @@ def make_cluster(tmp_path, num_replicas=3, policy="prefix", clock=None) -> Local
     return LocalCluster(replicas, router)
 
 
-async def run(cluster: LocalCluster, request_id: str, prompt: str, params=GREEDY):
+async def run(
+    cluster: LocalCluster, request_id: str, prompt: str, params=GREEDY, prompt_cache_key=None
+):
     """Send one request and read it to its end; returns its final output."""
-    request = ClusterRequest(request_id, ids(prompt), params)
+    request = ClusterRequest(request_id, ids(prompt), params, prompt_cache_key=prompt_cache_key)
     final = None
     async for output in cluster.submit(request):
         if output is not None:
@@ -140,6 +142,37 @@ def test_a_burst_with_a_new_prefix_sticks_together(cluster):
         assert all(o.finished for o in outputs)
 
     asyncio.run(main())
+
+
+def test_a_prompt_cache_key_keeps_its_requests_on_one_replica(cluster):
+    """OpenAI's ``prompt_cache_key``: prompts with nothing cached in common still go where the
+    key's first request went; requests without a key spread as before."""
+
+    async def main():
+        prompts = ["alpha " * 10, "bravo " * 10, "charlie " * 10, "delta " * 10]
+        for i, prompt in enumerate(prompts):
+            await run(cluster, f"k{i}", prompt, prompt_cache_key="user-1")
+        assert len({cluster.placements[f"k{i}"] for i in range(4)}) == 1
+        for i, prompt in enumerate(prompts[:3]):
+            await run(cluster, f"u{i}", "x" + prompt)
+        assert len({cluster.placements[f"u{i}"] for i in range(3)}) > 1
+        # The key's replica leaving makes the key forgotten: it routes afresh.
+        owner = cluster.placements["k0"]
+        cluster.router.remove_replica(owner)
+        assert "user-1" not in cluster.router._key_owner
+
+    asyncio.run(main())
+
+
+def test_prompt_cache_keys_are_bounded():
+    router = ClusterRouter(
+        block_size=BLOCK_SIZE, hash_seed=HASH_SEED, max_prompt_cache_keys=2, subscriber_factory=str
+    )
+    for key in "abc":
+        router.on_routed("r0", ClusterRequest(key, ids("hi"), GREEDY, prompt_cache_key=key))
+    assert list(router._key_owner) == ["b", "c"]  # least recently used forgotten first
+    with pytest.raises(ConfigError, match="max_prompt_cache_keys"):
+        ClusterRouter(block_size=BLOCK_SIZE, hash_seed=HASH_SEED, max_prompt_cache_keys=-1)
 
 
 def test_routed_hashes_expire(tmp_path):

@@ -69,6 +69,8 @@ class ClusterRequest:
         sampling_params: a :class:`pagedkv.sampling_params.SamplingParams`.
         cache_salt: the engine's ``cache_salt`` (part of the first block's hash).
         priority: the engine's ``priority``.
+        prompt_cache_key: OpenAI's key of requests that share a prefix: the router keeps one
+            key's requests on one replica (:class:`~pagedkv.cluster.router.ClusterRouter`).
     """
 
     request_id: str
@@ -76,6 +78,7 @@ class ClusterRequest:
     sampling_params: Any
     cache_salt: str | None = None
     priority: int = 0
+    prompt_cache_key: str | None = None
 
 
 @dataclass(slots=True)

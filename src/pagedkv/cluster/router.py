@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,8 @@ class ClusterRouter:
         max_imbalance / min_match_fraction: see :func:`rank_replicas`.
         routed_ttl_s: how long a routed request's hashes count as held by its replica before
             the replica's events confirm them (bursts with a new prefix stick together).
+        max_prompt_cache_keys: most ``prompt_cache_key`` values remembered (least recently
+            used forgotten first); each maps to the replica its requests go to.
         clock: seconds, monotonic (injectable for tests).
         subscriber_factory: ``endpoint -> subscriber`` (default :class:`KVEventSubscriber`).
 
@@ -79,6 +82,7 @@ class ClusterRouter:
         max_imbalance: int = 8,
         min_match_fraction: float = 0.1,
         routed_ttl_s: float = 10.0,
+        max_prompt_cache_keys: int = 65536,
         clock: Callable[[], float] = time.monotonic,
         subscriber_factory: Callable[[str], Any] = KVEventSubscriber,
     ) -> None:
@@ -90,6 +94,10 @@ class ClusterRouter:
             raise ConfigError("the router needs the replicas' hash_seed to predict their hashes")
         if not routed_ttl_s >= 0:
             raise ConfigError(f"routed_ttl_s must be >= 0 seconds, got {routed_ttl_s!r}")
+        if not isinstance(max_prompt_cache_keys, int) or max_prompt_cache_keys < 0:
+            raise ConfigError(
+                f"max_prompt_cache_keys must be an int >= 0, got {max_prompt_cache_keys!r}"
+            )
         self.hasher = BlockHasher(block_size, hash_algo, hash_seed)
         self.hash_format = hash_format
         self.policy = policy
@@ -105,6 +113,9 @@ class ClusterRouter:
         self._num_routed = 0
         self._last_routed: dict[Hashable, int] = {}  # replica -> _num_routed when last chosen
         self._last_expiry = clock()
+        self.max_prompt_cache_keys = max_prompt_cache_keys
+        # prompt_cache_key -> the replica its requests go to, least recently used first
+        self._key_owner: OrderedDict[str, Hashable] = OrderedDict()
 
     # ---- replicas -------------------------------------------------------------------------
 
@@ -140,6 +151,8 @@ class ClusterRouter:
             subscriber.close()
         self._stats.pop(key, None)
         self._last_routed.pop(key, None)
+        for cache_key in [k for k, owner in self._key_owner.items() if owner == key]:
+            del self._key_owner[cache_key]
         dropped = self.index.remove_replica(key)
         if subscriber is not None:
             logger.info("replica %s left the router (%d cached blocks forgotten)", key, dropped)
@@ -190,7 +203,10 @@ class ClusterRouter:
     ) -> list[list[Hashable]]:
         """Rank ``candidates`` for ``request`` (best first, ranks of equals; see
         :func:`rank_replicas`). Without a request (a call that is not a generation) or with the
-        round-robin policy, by queue length and the rotating order only.
+        round-robin policy, by queue length and the rotating order only. Under the prefix
+        policy a request with a ``prompt_cache_key`` seen before goes first to the replica the
+        key's earlier requests went to (OpenAI's meaning of the key: requests that share a
+        prefix), unless that replica is a hot spot (``max_imbalance``).
 
         Raises:
             ConfigError: no candidates.
@@ -212,7 +228,7 @@ class ClusterRouter:
                 now = self.clock()
                 self._maybe_expire(now)
                 matched = self.index.match(hashes, candidates, now=now)
-        return rank_replicas(
+        ranks = rank_replicas(
             candidates,
             matched,
             queue,
@@ -221,6 +237,12 @@ class ClusterRouter:
             min_match_fraction=self.min_match_fraction,
             last_routed=self._last_routed,
         )
+        owner = self._key_owner.get(request.prompt_cache_key) if request is not None else None
+        shortest = min(queue.values())
+        if owner in queue and queue[owner] - shortest <= self.max_imbalance:
+            rest = [[k for k in rank if k != owner] for rank in ranks]
+            ranks = [[owner], *(rank for rank in rest if rank)]
+        return ranks
 
     def on_routed(self, key: Hashable, request: ClusterRequest | None) -> None:
         """``request`` was sent to ``key``: count it in flight and remember its prompt."""
@@ -230,6 +252,12 @@ class ClusterRouter:
             stats.num_routed += 1
         self._num_routed += 1
         self._last_routed[key] = self._num_routed
+        cache_key = None if request is None else request.prompt_cache_key
+        if cache_key is not None and self.policy == "prefix" and self.max_prompt_cache_keys:
+            self._key_owner[cache_key] = key
+            self._key_owner.move_to_end(cache_key)
+            while len(self._key_owner) > self.max_prompt_cache_keys:
+                self._key_owner.popitem(last=False)
         if request is not None and self.policy == "prefix" and self.routed_ttl_s > 0:
             hashes = self._hashes_of(request)
             if hashes:

@@ -35,6 +35,8 @@ class EngineRequest:
             beam search's (reported once, at its end, with ``beam_width`` outputs).
         priority: lower = sooner under the priority policy.
         cache_salt: separates this request's prefix-cache entries from others'.
+        prompt_cache_key: OpenAI's key of requests that share a prefix; a cluster routes one
+            key's requests to one replica (an engine alone has no use for it).
     """
 
     request_id: str
@@ -42,6 +44,7 @@ class EngineRequest:
     sampling_params: SamplingParams | BeamSearchParams
     priority: int = 0
     cache_salt: str | None = None
+    prompt_cache_key: str | None = None
 
     def engine_prompt(self) -> dict[str, object]:
         """The prompt in the engine's ``{"prompt_token_ids": ..., "prompt": ...}`` form."""

@@ -164,6 +164,7 @@ class ClusterEngineLoop:
                 r.sampling_params,
                 cache_salt=r.cache_salt,
                 priority=r.priority,
+                prompt_cache_key=r.prompt_cache_key,
             )
             for r in requests
         ]

@@ -271,6 +271,7 @@ class OpenAIServing:
                     params,
                     priority=request.priority,
                     cache_salt=request.cache_salt,
+                    prompt_cache_key=request.prompt_cache_key,
                 )
             )
         try:

@@ -82,6 +82,8 @@ REFUSED_COMMON: dict[str, Refused] = {
     "prompt_embeds": Refused(_absent, "prompt embeddings " + _NOT_IMPLEMENTED, "AAAA"),
     "kv_transfer_params": Refused(_absent, "KV transfer " + _NOT_IMPLEMENTED, {"x": 1}),
     "vllm_xargs": Refused(_empty, "vllm_xargs " + _NOT_IMPLEMENTED, {"x": 1}),
+    # Ignoring it would return text nobody moderated as if it had been.
+    "moderation": Refused(_absent, "moderation " + _NOT_IMPLEMENTED, {"model": "x"}),
 }
 
 #: Known fields of /v1/completions that pagedkv refuses when they ask for something.
@@ -99,11 +101,28 @@ REFUSED_CHAT: dict[str, Refused] = {
     "modalities": Refused(_text_modality, "only text output is supported", ["text", "audio"]),
     "prediction": Refused(_absent, "predicted outputs " + _NOT_IMPLEMENTED, {"type": "content"}),
     "web_search_options": Refused(_absent, "web search " + _NOT_IMPLEMENTED, {}),
-    "reasoning_effort": Refused(_absent, "reasoning_effort " + _NOT_IMPLEMENTED, "low"),
     "echo": Refused(_false, "echo on chat completions " + _NOT_IMPLEMENTED, True),
     "documents": Refused(_empty, "documents " + _NOT_IMPLEMENTED, [{"text": "x"}]),
     "mm_processor_kwargs": Refused(_empty, "multimodal input " + _NOT_IMPLEMENTED, {"x": 1}),
 }
 
-#: Known fields without any effect on the output: accepted, named in the warning line.
-IGNORED_COMMON = ("user", "metadata", "store", "service_tier", "request_id")
+#: Known fields without any effect on the output of a local server: accepted, named in the
+#: warning line (docs/server.md's table gives each one's reason): an end user's id for abuse
+#: monitoring (``user``, ``safety_identifier``), tags (``metadata``), OpenAI's storage of
+#: completions (``store``), its processing tiers (``service_tier``), the caller's id (the server
+#: makes its own), and how long OpenAI keeps a prompt cache (``prompt_cache_retention``,
+#: ``prompt_cache_options``: pagedkv's prefix cache keeps blocks until they are evicted, LRU).
+IGNORED_COMMON = (
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "request_id",
+    "safety_identifier",
+    "prompt_cache_retention",
+    "prompt_cache_options",
+)
+#: Chat's, besides: ``verbosity`` and ``reasoning_effort`` steer reasoning models' lengths and
+#: thinking budgets, which the models pagedkv runs do not take (Qwen3's thinking is switched by
+#: ``chat_template_kwargs``' ``enable_thinking``).
+IGNORED_CHAT = (*IGNORED_COMMON, "verbosity", "reasoning_effort")

@@ -40,6 +40,7 @@ from pagedkv.entrypoints.openai.protocol.messages import (
     NamedToolChoice,
 )
 from pagedkv.entrypoints.openai.protocol.refusals import (
+    IGNORED_CHAT,
     IGNORED_COMMON,
     REFUSED_CHAT,
     REFUSED_COMPLETION,
@@ -128,7 +129,7 @@ class ChatCompletionRequest(SamplingRequest):
     Without ``max_tokens`` (or ``max_completion_tokens``) the reply may run to max_model_len."""
 
     REFUSED: ClassVar[dict[str, Refused]] = REFUSED_CHAT
-    IGNORED: ClassVar[tuple[str, ...]] = IGNORED_COMMON
+    IGNORED: ClassVar[tuple[str, ...]] = IGNORED_CHAT
     SCHEMA_RULES: ClassVar[tuple[dict[str, Any], ...]] = (
         STREAM_RULE,
         CONTINUE_RULE,
@@ -165,6 +166,7 @@ class ChatCompletionRequest(SamplingRequest):
     prediction: Any = None
     web_search_options: Any = None
     reasoning_effort: Any = None
+    verbosity: Any = None
     echo: Any = None
     #: a Jinja chat template for this request (only with the server's
     #: --trust-request-chat-template, as vLLM).

@@ -125,6 +125,14 @@ class SamplingRequest(StrictModel):
     store: Any = None
     service_tier: Any = None
     request_id: Any = None
+    safety_identifier: Any = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
+    moderation: Any = None
+    #: OpenAI's key for requests that share a prefix: across replicas (``--data-parallel-size``)
+    #: the router sends requests with one key to the replica that has their blocks; one engine's
+    #: prefix cache serves every request already.
+    prompt_cache_key: Text | None = None
 
     @field_validator("stop")
     @classmethod
