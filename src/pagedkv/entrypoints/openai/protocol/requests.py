@@ -41,7 +41,6 @@ from pagedkv.entrypoints.openai.protocol.messages import (
 )
 from pagedkv.entrypoints.openai.protocol.refusals import (
     IGNORED_CHAT,
-    IGNORED_COMMON,
     REFUSED_CHAT,
     REFUSED_COMPLETION,
     Refused,
