@@ -201,6 +201,16 @@ def test_no_snapshot_is_taken_while_no_page_listens():
 
         complete()
         assert engine.num_snapshots == 0
+        # The schema says what the routes answer (schemathesis' media-type check)
+        paths = httpx.get(server.url + "/openapi.json").json()["paths"]
+        kv_content = {
+            p: paths[p]["get"]["responses"]["200"]["content"] for p in paths if "/kv" in p
+        }
+        assert {p: set(c) for p, c in kv_content.items()} == {
+            "/kv/state": {"application/json"},
+            "/kv/events": {"text/event-stream"},
+        }
+        assert engine.num_snapshots == 0
         with httpx.stream("GET", server.url + "/kv/events", timeout=60) as events:
             assert events.headers["content-type"].startswith("text/event-stream")
             lines = events.iter_lines()

@@ -519,6 +519,43 @@ def _operations(refs: dict[type[BaseModel], str]) -> dict[tuple[str, str], dict[
                 "503": _error(_503),
             }
         },
+        ("GET", "/kv/state"): {
+            "responses": {
+                "200": _json(
+                    "A snapshot of the KV cache: block states, free block queue, block tables, "
+                    "counters.",
+                    {"type": "object"},
+                ),
+                "503": _error(_503),
+            }
+        },
+        ("GET", "/kv/events"): {
+            "responses": {
+                "200": {
+                    "description": "KV cache snapshots as server-sent events (`event: state`, "
+                    "`data:` a snapshot as /kv/state gives it), a few a second while the "
+                    "engine runs, a keep-alive comment when it idles; the stream ends when the "
+                    "engine stops.",
+                    "content": {
+                        EVENT_STREAM: {
+                            "schema": {
+                                "type": "object",
+                                "required": ["event", "data"],
+                                "properties": {
+                                    "event": {"const": "state"},
+                                    "data": {
+                                        "type": "string",
+                                        "contentMediaType": JSON,
+                                        "contentSchema": {"type": "object"},
+                                    },
+                                },
+                            }
+                        }
+                    },
+                },
+                "503": _error(_503),
+            }
+        },
         ("POST", "/reset_prefix_cache"): {
             "responses": {
                 "200": _json("Every cached block was dropped.", _success(True)),
