@@ -256,6 +256,22 @@ class SpeculativeConfig:
         # Last: suffix defaults it from suffix_decoding_max_tree_depth, checked above.
         check_int("speculative_config: num_speculative_tokens", self.num_speculative_tokens, 1)
 
+    def summary(self) -> str:
+        """One line for the start-up log: the method, its draft length and its settings."""
+        if self.method == "ngram":
+            detail = f"n-grams of {self.prompt_lookup_min}-{self.prompt_lookup_max} tokens"
+        elif self.method == "suffix":
+            detail = (
+                f"tree depth {self.suffix_decoding_max_tree_depth}, "
+                f"min token prob {self.suffix_decoding_min_token_prob:g}"
+            )
+        else:
+            detail = f"draft model {self.model}"
+        return (
+            f"speculative decoding: {self.method}, up to {self.num_speculative_tokens} draft "
+            f"tokens per request per step ({detail})"
+        )
+
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> SpeculativeConfig:
         """The config of vLLM's ``--speculative-config`` dict, defaults resolved.

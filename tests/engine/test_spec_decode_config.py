@@ -135,3 +135,27 @@ def test_direct_construction_is_checked_too():
         SpeculativeConfig(
             method="ngram", num_speculative_tokens=2, prompt_lookup_min=3, prompt_lookup_max=2
         )
+
+
+def test_the_start_up_log_says_speculative_decoding_is_on(caplog):
+    import logging
+
+    from _tiny_model import tiny_loaded_model
+
+    from pagedkv.engine.llm_engine import LLMEngine
+
+    caplog.set_level(logging.INFO, logger="pagedkv.engine.llm_engine")
+    LLMEngine(
+        loaded_model=tiny_loaded_model(),
+        dtype="float32",
+        num_blocks=64,
+        max_model_len=128,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    )
+    lines = [r.getMessage() for r in caplog.records if "speculative decoding" in r.getMessage()]
+    assert lines == [
+        "speculative decoding: ngram, up to 3 draft tokens per request per step "
+        "(n-grams of 5-5 tokens)"
+    ]
+    suffix = SpeculativeConfig.from_dict({"method": "suffix"})
+    assert suffix.summary().startswith("speculative decoding: suffix, up to 24 draft tokens")

@@ -765,6 +765,7 @@ def _draft_proposer(config: PagedKVConfig) -> DraftProposer | None:
     speculative = config.speculative_config
     if speculative is None:
         return None
+    logger.info("%s", speculative.summary())
     if speculative.method == "draft_model":
         return WorkerDrafts()
     return BufferedProposer(make_proposer(speculative), config.model_config.max_model_len)
