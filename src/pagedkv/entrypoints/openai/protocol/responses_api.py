@@ -103,7 +103,27 @@ class ResponsesOutputTextIn(StrictModel):
     logprobs: list[Any] | None = None
 
 
-ContentPart = Annotated[ResponsesInputText | ResponsesOutputTextIn, Field(discriminator="type")]
+def by_type(*members: type[StrictModel], default: str | None = None) -> Any:
+    """A union of request models told apart by their ``type`` (``default``: the type of an
+    item without one). Each member's tag is its class name, so that an error's location names
+    the field, not the member (errors.py leaves capitalized parts out of the path it reports)."""
+    tags = {
+        member.model_fields["type"].annotation.__args__[0]: member.__name__ for member in members
+    }
+
+    def tag(value: Any) -> str | None:
+        kind = (
+            value.get("type", default) if isinstance(value, dict) else getattr(value, "type", None)
+        )
+        return tags.get(kind) if isinstance(kind, str) else None
+
+    union = Annotated[members[0], Tag(members[0].__name__)]
+    for member in members[1:]:
+        union = union | Annotated[member, Tag(member.__name__)]
+    return Annotated[union, Discriminator(tag)]
+
+
+ContentPart = by_type(ResponsesInputText, ResponsesOutputTextIn)
 
 
 class ResponsesMessageItem(StrictModel):
@@ -151,18 +171,12 @@ class ResponsesFunctionCallOutputItem(StrictModel):
         return "".join(part.text for part in self.output)
 
 
-def _item_type(value: Any) -> str:
-    if isinstance(value, dict):
-        return value.get("type", "message")
-    return getattr(value, "type", "message")
-
-
-InputItem = Annotated[
-    Annotated[ResponsesMessageItem, Tag("message")]
-    | Annotated[ResponsesFunctionCallItem, Tag("function_call")]
-    | Annotated[ResponsesFunctionCallOutputItem, Tag("function_call_output")],
-    Discriminator(_item_type),
-]
+InputItem = by_type(
+    ResponsesMessageItem,
+    ResponsesFunctionCallItem,
+    ResponsesFunctionCallOutputItem,
+    default="message",
+)
 
 
 class ResponsesFunctionTool(StrictModel):
@@ -207,10 +221,9 @@ class ResponsesTextConfig(StrictModel):
     ``verbosity`` (accepted without effect)."""
 
     format: (
-        Annotated[
-            ResponsesTextFormatText | ResponsesTextFormatJsonObject | ResponsesTextFormatJsonSchema,
-            Field(discriminator="type"),
-        ]
+        by_type(
+            ResponsesTextFormatText, ResponsesTextFormatJsonObject, ResponsesTextFormatJsonSchema
+        )
         | None
     ) = None
     verbosity: Literal["low", "medium", "high"] | None = None
