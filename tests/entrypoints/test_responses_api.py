@@ -122,7 +122,7 @@ def sse_events(response: httpx.Response) -> list[dict]:
     return events
 
 
-# ---- the response object, and the prompt it renders -------------------------------------------
+# ---- the response object, and the prompt it renders ----------------------------------------
 
 
 def test_string_input_with_instructions(server, engine):
@@ -195,7 +195,7 @@ def test_max_output_tokens_cut_is_incomplete(server, engine):
     assert data["usage"]["output_tokens"] == 4 and data["max_output_tokens"] == 4
 
 
-# ---- streaming -----------------------------------------------------------------------------------
+# ---- streaming --------------------------------------------------------------------------------
 
 
 def test_stream_events_in_order_and_equal_to_the_whole_response(server, engine):
@@ -249,7 +249,7 @@ def test_the_openai_client_streams(client, engine):
     assert text == "streamed" == final.output_text
 
 
-# ---- tools ---------------------------------------------------------------------------------------
+# ---- tools ------------------------------------------------------------------------------------
 
 
 def test_function_call_and_its_output_fed_back(server, engine):
@@ -328,7 +328,7 @@ def test_required_tool_choice_reads_the_calls(server, engine):
     ]
 
 
-# ---- previous_response_id and the store -------------------------------------------------------
+# ---- previous_response_id and the store ----------------------------------------------------
 
 
 def test_previous_response_id_continues_the_conversation(server, engine):
@@ -413,7 +413,7 @@ def test_response_store_unit():
         ResponseStore(-1)
 
 
-# ---- refused, ignored and unknown fields -----------------------------------------------------
+# ---- refused, ignored and unknown fields --------------------------------------------------
 
 
 @pytest.mark.parametrize("field", sorted(REFUSED_RESPONSES))
@@ -529,3 +529,48 @@ def test_refused_examples_are_refused_by_the_model_itself():
         with pytest.raises(Exception, match=name):
             request.check_supported()
         assert name in ResponsesRequest.model_fields
+
+
+# ---- faults, cuts and the flag ------------------------------------------------------------------
+
+
+def test_an_engine_failure_is_a_500_or_an_error_event(server, engine):
+    from _server_fakes import FAIL_MARKER
+
+    whole = post(server, {"input": FAIL_MARKER})
+    assert whole.status_code == 500 and whole.json()["error"]["code"] == "engine_error"
+    events = sse_events(post(server, {"input": FAIL_MARKER, "stream": True}))
+    assert events[-1]["type"] == "error" and events[-1]["code"] == "engine_error"
+    assert "response.completed" not in [e["type"] for e in events]
+    create(server, engine, "still serving", {"input": "Hi"})
+
+
+def test_a_call_cut_by_max_output_tokens_is_incomplete_and_continues(server, engine):
+    body = {
+        "input": "Hi",
+        "tools": [WEATHER],
+        "tool_choice": {"type": "function", "name": "get_weather"},
+        "max_output_tokens": 6,
+    }
+    data = create(server, engine, '{"city": "Rome"}', body)
+    [call] = data["output"]
+    assert data["status"] == "incomplete" and call["status"] == "incomplete"
+    assert call["arguments"] == '{"city'
+    # Its arguments are no JSON object: the turn goes on as the assistant's text.
+    create(server, engine, "x", {"input": "Go on", "previous_response_id": data["id"]})
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": '{"city'},
+        {"role": "user", "content": "Go on"},
+    ]
+    assert last_prompt_ids(engine) == chat_prompt_ids(server, engine, messages)
+
+
+def test_the_store_size_flag(capsys):
+    from pagedkv.entrypoints.cli import build_parser, main
+
+    args = build_parser().parse_args(["serve", "--responses-store-size", "8"])
+    assert args.responses_store_size == 8
+    assert build_parser().parse_args(["serve"]).responses_store_size == 1024
+    assert main(["serve", "--responses-store-size", "-1", "--port", "0"]) == 2
+    assert "--responses-store-size must be >= 0" in capsys.readouterr().err
