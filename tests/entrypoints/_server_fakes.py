@@ -430,3 +430,28 @@ def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) ->
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.01)
+
+
+class ScriptedEngine(FakeEngine):
+    """The fake engine, but every request's reply is ``self.reply`` (one character a step),
+    finished with "stop" (or "length" at max_tokens)."""
+
+    reply = "ok"
+
+    def add_request(self, request_id, prompt, sampling_params, priority=0, cache_salt=None):
+        super().add_request(request_id, prompt, sampling_params, priority, cache_salt)
+        self.replies = getattr(self, "replies", {})
+        self.replies[request_id] = self.reply
+
+    def _advance(self, req, sample):
+        if sample.finish_reason is not None:
+            return []
+        reply = self.replies[req.request_id]
+        char = reply[sample.num_tokens]
+        sample.num_tokens += 1
+        sample.text += char
+        if sample.num_tokens >= len(reply):
+            sample.finish_reason = "stop"
+        elif sample.num_tokens >= req.max_tokens:
+            sample.finish_reason = "length"
+        return [ord(char)]

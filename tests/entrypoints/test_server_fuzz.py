@@ -48,13 +48,15 @@ def cap(case) -> None:
     if not isinstance(body, dict):
         return
     limited = False
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = body.get(key)
         if type(value) is int and value > MAX_TOKENS:
             body[key] = MAX_TOKENS
         limited = limited or type(body.get(key)) is int
     if not limited and "messages" in body:
         body["max_tokens"] = MAX_TOKENS
+    if not limited and "input" in body:  # /v1/responses
+        body["max_output_tokens"] = MAX_TOKENS
     if type(body.get("n")) is int and body["n"] > MAX_N:
         body["n"] = MAX_N
 
@@ -143,7 +145,7 @@ def test_schemathesis_with_every_check_finds_nothing(tmp_path):
         result = run_schemathesis(server.url, tmp_path, max_examples=200, timeout=900)
         assert result.num_failures == 0 and not result.errors, result.output[-20000:]
         # Every operation was tested in every phase, thousands of cases in all.
-        assert result.report["operations"]["tested"] == 13, result.report["operations"]
+        assert result.report["operations"]["tested"] == 16, result.report["operations"]
         assert {p: v["status"] for p, v in result.report["phases"].items()} == {
             "examples": "skip",  # the schema has no examples
             "coverage": "success",

@@ -12,7 +12,7 @@ import json
 import httpx
 import openai
 import pytest
-from _server_fakes import FakeEngine
+from _server_fakes import ScriptedEngine
 
 from pagedkv.engine.engine_loop import EngineLoop
 from pagedkv.entrypoints.openai.app import create_app
@@ -47,31 +47,6 @@ TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TWO_CALLS = CALL + '\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
 QUESTION = [{"role": "user", "content": "Weather in Paris?"}]
-
-
-class ScriptedEngine(FakeEngine):
-    """The fake engine, but every request's reply is ``self.reply`` (one character a step),
-    finished with "stop" (or "length" at max_tokens)."""
-
-    reply = "ok"
-
-    def add_request(self, request_id, prompt, sampling_params, priority=0, cache_salt=None):
-        super().add_request(request_id, prompt, sampling_params, priority, cache_salt)
-        self.replies = getattr(self, "replies", {})
-        self.replies[request_id] = self.reply
-
-    def _advance(self, req, sample):
-        if sample.finish_reason is not None:
-            return []
-        reply = self.replies[req.request_id]
-        char = reply[sample.num_tokens]
-        sample.num_tokens += 1
-        sample.text += char
-        if sample.num_tokens >= len(reply):
-            sample.finish_reason = "stop"
-        elif sample.num_tokens >= req.max_tokens:
-            sample.finish_reason = "length"
-        return [ord(char)]
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ from pagedkv.entrypoints.log_setup import LOG_LEVELS, configure_logging
 from pagedkv.entrypoints.openai.chat_options import ChatOptions
 from pagedkv.entrypoints.openai.metrics import METRICS_PREFIXES
 from pagedkv.entrypoints.openai.server_options import ServerOptions
+from pagedkv.entrypoints.openai.serving_responses import DEFAULT_RESPONSES_STORE_SIZE
 from pagedkv.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=METRICS_PREFIXES,
         help="the /metrics names' prefix: pagedkv (default) or vllm (vLLM's names, so its "
         "Grafana dashboards work unchanged; docs/server.md has the table)",
+    )
+    server.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=DEFAULT_RESPONSES_STORE_SIZE,
+        metavar="N",
+        help="how many /v1/responses responses are kept in memory (least recently used "
+        "dropped first) for previous_response_id and GET /v1/responses/{id} (default "
+        f"{DEFAULT_RESPONSES_STORE_SIZE}); 0 keeps none",
     )
     server.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     server.add_argument(
@@ -170,7 +180,13 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     options = ServerOptions.from_cli_args(args)  # bad values fail before the model loads
     chat_options = ChatOptions.from_cli_args(args)
-    app_options = {"chat_options": chat_options, "metrics_prefix": args.metrics_prefix}
+    if args.responses_store_size < 0:
+        raise ConfigError(f"--responses-store-size must be >= 0, got {args.responses_store_size}")
+    app_options = {
+        "chat_options": chat_options,
+        "metrics_prefix": args.metrics_prefix,
+        "responses_store_size": args.responses_store_size,
+    }
     if args.data_parallel_size > 1 and args.tensor_parallel_size > 1:
         raise ConfigError(
             "--data-parallel-size with --tensor-parallel-size is not supported yet (a Ray "

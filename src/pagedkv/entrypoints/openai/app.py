@@ -7,6 +7,9 @@ Routes::
     POST /v1/completions         text completion (stream: server-sent events)
     POST /v1/chat/completions    chat completion, the model's chat template applied (400 for
                                  a base model without one: use /v1/completions)
+    POST /v1/responses           OpenAI's Responses API, run as a chat request (stream: typed
+                                 events); kept responses continue with previous_response_id
+    GET|DELETE /v1/responses/{id}  a kept response, or forget it (serving_responses.py)
     POST /tokenize               text or chat messages -> token ids (vLLM's)
     POST /detokenize             token ids -> text (vLLM's)
     GET  /tokenizer_info         special tokens and chat template (vLLM's; lm-eval reads it)
@@ -68,6 +71,7 @@ from pagedkv.entrypoints.openai.protocol.responses import (
     ModelList,
     TokenizeResponse,
 )
+from pagedkv.entrypoints.openai.protocol.responses_api import ResponsesDeleted, ResponsesRequest
 from pagedkv.entrypoints.openai.server_options import (
     ServerOptions,
     install_middleware,
@@ -76,6 +80,11 @@ from pagedkv.entrypoints.openai.server_options import (
 from pagedkv.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedkv.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedkv.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedkv.entrypoints.openai.serving_responses import (
+    DEFAULT_RESPONSES_STORE_SIZE,
+    OpenAIServingResponses,
+    ResponseStore,
+)
 from pagedkv.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedkv.entrypoints.openai.stats_logger import StatsLogger
 
@@ -115,6 +124,7 @@ def create_app(
     chat_options: ChatOptions | None = None,
     metrics_prefix: str = "pagedkv",
     kv_view: KVStateSource | None = None,
+    responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE,
 ) -> FastAPI:
     """The OpenAI-compatible app over ``engine_client``, which starts and stops with the app
     (ASGI lifespan).
@@ -136,15 +146,19 @@ def create_app(
         kv_view: where the /kv page's snapshots come from (the engine's
             :class:`~pagedkv.engine.engine_loop.EngineLoop`); None: no /kv routes
             (``--disable-kv-view``, and a cluster's front end).
+        responses_store_size: how many Responses API responses are kept for
+            ``previous_response_id`` and ``GET /v1/responses/{id}`` (an LRU;
+            ``--responses-store-size``); 0 keeps none.
 
     Raises:
-        ConfigError: an empty model name or an unknown metrics prefix.
+        ConfigError: an empty model name, an unknown metrics prefix or a negative store size.
     """
     chat_options = chat_options or ChatOptions()
     models = OpenAIServingModels(model_name, engine_client.input_processor.max_model_len)
     metrics = ServerMetrics(models.model_name, prefix=metrics_prefix)
     completion = OpenAIServingCompletion(engine_client, models, metrics)
     chat = OpenAIServingChat(engine_client, models, metrics, chat_options=chat_options)
+    responses = OpenAIServingResponses(chat, ResponseStore(responses_store_size))
     tokenization = OpenAIServingTokenization(
         engine_client, models, chat_template=chat_options.chat_template
     )
@@ -172,6 +186,18 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create_chat_completion(request, raw_request)
+
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+        return await responses.create_response(request, raw_request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> JSONResponse:
+        return JSONResponse(responses.retrieve(response_id))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> ResponsesDeleted:
+        return responses.delete(response_id)
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:

@@ -87,13 +87,19 @@ _UNION_FIELDS = {
     "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
     "stop": "a string or a list of strings",
     "content": "a string or a list of text content parts",
+    "input": "a string or a list of items (messages, function_call, function_call_output)",
 }
 
 
 def _is_union_tag(part: str) -> bool:
     """pydantic's tag of a union member in an error location (``str``, ``list[int]``,
-    ``function-after[...]``), as opposed to a field name or a list index."""
-    return "[" in part or part in ("str", "int", "float", "bool", "list", "dict", "none")
+    ``function-after[...]``, a model's class name such as ``NamedToolChoice``), as opposed to a
+    field name (lower case) or a list index."""
+    return (
+        "[" in part
+        or part[:1].isupper()
+        or part in ("str", "int", "float", "bool", "list", "dict", "none")
+    )
 
 
 def _unrecognized(errors: list[dict[str, Any]]) -> OpenAIError | None:
@@ -110,7 +116,7 @@ def _unrecognized(errors: list[dict[str, Any]]) -> OpenAIError | None:
         for part in parents:
             if isinstance(part, int):
                 path += f"[{part}]"
-            elif not _is_union_tag(part) and not part[:1].isupper():  # a model member's tag
+            elif not _is_union_tag(part):
                 path += f".{part}" if path else part
         paths.append(f"{path}.{name}" if path else str(name))
     if not paths:

@@ -58,6 +58,12 @@ from pagedkv.entrypoints.openai.protocol.responses import (
     ModelList,
     TokenizeResponse,
 )
+from pagedkv.entrypoints.openai.protocol.responses_api import (
+    ResponsesDeleted,
+    ResponsesObject,
+    ResponsesRequest,
+    ResponsesStreamEvent,
+)
 from pagedkv.sampling_params import FLOAT_RANGES
 
 JSON = "application/json"
@@ -67,7 +73,13 @@ TEXT = "text/plain"
 BEYOND_SCHEMA = "x-params-beyond-schema"
 
 _REF = "#/components/schemas/{model}"
-_REQUESTS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+_REQUESTS = (
+    CompletionRequest,
+    ChatCompletionRequest,
+    ResponsesRequest,
+    TokenizeRequest,
+    DetokenizeRequest,
+)
 _RESPONSES = (
     CompletionResponse,
     ChatCompletionResponse,
@@ -77,6 +89,9 @@ _RESPONSES = (
     ModelCard,
     ModelList,
     ErrorResponse,
+    ResponsesObject,
+    ResponsesStreamEvent,
+    ResponsesDeleted,
 )
 
 
@@ -284,6 +299,15 @@ def _state_engine_limits(schemas: dict[str, Any], limits: EngineLimits) -> None:
 
     sampling(schemas["ChatCompletionRequest"]["properties"])
 
+    responses = schemas["ResponsesRequest"]["properties"]
+    for name in ("temperature", "top_p"):
+        low, high = FLOAT_RANGES[name]
+        for member in responses[name]["anyOf"]:
+            if member.get("type") == "number":
+                _bound(member, minimum=low, maximum=high)
+    for member in _integer_members(responses["max_output_tokens"]):
+        _bound(member, maximum=max_prompt_tokens)
+
     for member in schemas["TokenizeRequest"]["properties"]["prompt"]["anyOf"]:
         if member.get("type") == "string":
             text(member, generating=False)
@@ -305,6 +329,20 @@ def _error(description: str, **extensions: Any) -> dict[str, Any]:
 
 def _json(description: str, schema: dict[str, Any]) -> dict[str, Any]:
     return {"description": description, "content": {JSON: {"schema": schema}}}
+
+
+def _typed_events(event_ref: str) -> dict[str, Any]:
+    """One server-sent event of a Responses stream: ``event`` names its type and ``data`` is
+    its JSON (a typed event with its ``sequence_number``; an ``error`` event ends a failed
+    stream). No ``[DONE]``, as OpenAI's."""
+    return {
+        "type": "object",
+        "required": ["event", "data"],
+        "properties": {
+            "event": {"type": "string"},
+            "data": {"contentMediaType": JSON, "contentSchema": {"$ref": event_ref}},
+        },
+    }
 
 
 def _events(chunk_ref: str) -> dict[str, Any]:
@@ -410,6 +448,20 @@ def _operations(refs: dict[type[BaseModel], str]) -> dict[tuple[str, str], dict[
     chat_ok, chat_body = generation(
         ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk
     )
+    responses_ok = {
+        "description": "The response object: JSON, or with `stream: true` server-sent events "
+        "(`event:` its type, `data:` the event: `response.created`, `response.in_progress`, "
+        "the output items' events, then `response.completed` or `response.incomplete`; an "
+        "`error` event ends a failed stream).",
+        "content": {
+            JSON: {"schema": {"$ref": refs[ResponsesObject]}},
+            EVENT_STREAM: {"schema": _typed_events(refs[ResponsesStreamEvent])},
+        },
+    }
+    response_not_found = _error(
+        "No response of this id is kept (never made, `store: false`, deleted or dropped from "
+        "the server's store; `error.code`: `response_not_found`)."
+    )
     health = {
         "responses": {
             "200": {"description": "The engine runs (no body)."},
@@ -466,6 +518,49 @@ def _operations(refs: dict[type[BaseModel], str]) -> dict[tuple[str, str], dict[
                 "500": _error(_500),
                 "503": _error(_503),
             },
+        },
+        ("POST", "/v1/responses"): {
+            "requestBody": body(ResponsesRequest),
+            "responses": {
+                "200": responses_ok,
+                "400": _beyond(
+                    (
+                        "input",
+                        "instructions",
+                        "max_output_tokens",
+                        "text",
+                        "tools",
+                        "tool_choice",
+                        "seed",
+                        "previous_response_id",
+                    ),
+                    "the input's tokens + max_output_tokens beyond max_model_len or the KV "
+                    "cache, input the model's chat template refuses (or a model without one) "
+                    "or none at all, a text.format schema xgrammar cannot compile, "
+                    "tool_choice 'auto' without the server's --enable-auto-tool-choice, "
+                    "'required' or a named function without tools (or combined with a "
+                    "text.format json), a function name not in tools, seed + 1 beyond "
+                    "2**64 - 1, previous_response_id on a server that keeps no responses",
+                ),
+                "404": _error(
+                    _404 + " Or `previous_response_id` names no kept response "
+                    "(`response_not_found`)."
+                ),
+                "500": _error(_500),
+                "503": _error(_503),
+            },
+        },
+        ("GET", "/v1/responses/{response_id}"): {
+            "responses": {
+                "200": _json("The kept response object.", {"$ref": refs[ResponsesObject]}),
+                "404": response_not_found,
+            }
+        },
+        ("DELETE", "/v1/responses/{response_id}"): {
+            "responses": {
+                "200": _json("The response was forgotten.", {"$ref": refs[ResponsesDeleted]}),
+                "404": response_not_found,
+            }
         },
         ("POST", "/tokenize"): {
             "requestBody": body(TokenizeRequest),

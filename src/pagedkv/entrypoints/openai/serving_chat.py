@@ -8,6 +8,7 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pagedkv.engine.engine_loop import OutputStream
 from pagedkv.entrypoints.openai.chat_options import ChatOptions
 from pagedkv.entrypoints.openai.errors import OpenAIError
 from pagedkv.entrypoints.openai.logprobs import chat_logprobs, vllm_prompt_logprobs
@@ -52,8 +53,9 @@ from pagedkv.sampling_params import (
 )
 
 
-class _ChatResponse(StreamWriter):
-    """The body (or the chunks) of one chat completion response."""
+class ChatResponseWriter(StreamWriter):
+    """The body (or the chunks) of one chat completion response (the Responses API's writer
+    builds on it: serving_responses.py)."""
 
     chunk_type = ChatCompletionChunk
 
@@ -232,6 +234,30 @@ class OpenAIServingChat(OpenAIServing):
         """
         response_id = random_id("chatcmpl")
         self.check_request(request, response_id)
+        stream, prompts, tool_choice, options = await self.start_chat(request, response_id)
+        response = ChatResponseWriter(
+            response_id, self.models.model_name, prompts, options, tool_choice
+        )
+        if request.stream:
+            events = self.sse_stream(stream, prompts, options, response)
+            return StreamingResponse(events, media_type="text/event-stream")
+        await self.collect(stream, prompts, raw_request, options, response)
+        raise_if_failed(prompts)
+        return JSONResponse(response.body().model_dump())
+
+    async def start_chat(
+        self, request: ChatCompletionRequest, response_id: str
+    ) -> tuple[OutputStream, list[PromptState], ToolChoice, Options]:
+        """Render a checked chat request (``check_request`` done) through the chat template
+        and add it to the engine; returns its output stream, its prompts, how its choices are
+        read and what its response asks for. The Responses API (serving_responses.py) runs
+        its requests through here too, as a chat request.
+
+        Raises:
+            OpenAIError: 400 for a model without a chat template.
+            UnsupportedFieldError, InvalidRequestError: 400 naming the field.
+            EngineDeadError: the engine is not serving (503).
+        """
         if request.chat_template is not None and not self.chat_options.trust_request_chat_template:
             raise UnsupportedFieldError(
                 "chat_template",
@@ -304,10 +330,4 @@ class OpenAIServingChat(OpenAIServing):
                     param="tools",
                 ) from None
             raise
-        response = _ChatResponse(response_id, self.models.model_name, prompts, options, tool_choice)
-        if request.stream:
-            events = self.sse_stream(stream, prompts, options, response)
-            return StreamingResponse(events, media_type="text/event-stream")
-        await self.collect(stream, prompts, raw_request, options, response)
-        raise_if_failed(prompts)
-        return JSONResponse(response.body().model_dump())
+        return stream, prompts, tool_choice, options

@@ -200,6 +200,21 @@ class StreamWriter:
         """The last event of a stream with ``include_usage``: no choices, the usage."""
         return self.event([], usage)
 
+    def last_chunks(self) -> list[str]:
+        """Events after every sample has finished: the usage chunk under ``include_usage``
+        (the Responses API's writer sends its ``response.completed`` here)."""
+        if self.options.include_usage:
+            return [self.usage_chunk(usage_of(self.prompts, self.options))]
+        return []
+
+    def error_chunk(self, error: OpenAIError) -> str:
+        """The event of an error that ends the stream: OpenAI's error body as ``data``."""
+        return sse(json.dumps(error.body()))
+
+    def done_chunk(self) -> str | None:
+        """The stream's last event, ``data: [DONE]`` (None: none, as the Responses API)."""
+        return sse("[DONE]")
+
 
 class OpenAIServing:
     """The request handling that completions and chat share.
@@ -404,10 +419,10 @@ class OpenAIServing:
         options: Options,
         writer: StreamWriter,
     ) -> AsyncIterator[str]:
-        """The server-sent events of a streamed response, ending with ``data: [DONE]``; the
-        engine requests are aborted if the client goes away first. A sample the engine failed,
-        or an engine that stopped, ends the stream with an error event (the text so far was
-        sent), then ``[DONE]``."""
+        """The server-sent events of a streamed response (``writer``'s), ending with ``data:
+        [DONE]`` (``writer.done_chunk``); the engine requests are aborted if the client goes
+        away first. A sample the engine failed, or an engine that stopped, ends the stream with
+        an error event (``writer.error_chunk``; the text so far was sent), then ``[DONE]``."""
         reason = "abort"
         try:
             for chunk in writer.first_chunks():
@@ -419,24 +434,26 @@ class OpenAIServing:
                     if new_text or num_new:
                         for chunk in writer.chunks(prompt, sample, new_text, num_new, None):
                             yield chunk
-                    yield sse(json.dumps(engine_error(sample).body()))
+                    yield writer.error_chunk(engine_error(sample))
                     break
                 for chunk in writer.chunks(prompt, sample, new_text, num_new, sample.finish_reason):
                     yield chunk
             else:
-                if options.include_usage:
-                    yield writer.usage_chunk(usage_of(prompts, options))
+                for chunk in writer.last_chunks():
+                    yield chunk
         except EngineDeadError as exc:  # the engine (or a replica) stopped mid-stream
             reason = "error"
             logger.warning("a streamed request ended early: %s", exc)
-            yield sse(json.dumps(OpenAIError(503, str(exc)).body()))
+            yield writer.error_chunk(OpenAIError(503, str(exc)))
         except ReplicaError as exc:  # a replica failed it (the message is client-safe)
             reason = "error"
-            yield sse(json.dumps(OpenAIError(500, str(exc), code="replica_error").body()))
+            yield writer.error_chunk(OpenAIError(500, str(exc), code="replica_error"))
         except Exception:
             reason = "error"
             logger.exception("a streamed request failed")
-            yield sse(json.dumps(OpenAIError(500, "internal server error").body()))
+            yield writer.error_chunk(OpenAIError(500, "internal server error"))
         finally:
             self.finish_unfinished(prompts, reason)
-        yield sse("[DONE]")
+        done = writer.done_chunk()
+        if done is not None:
+            yield done

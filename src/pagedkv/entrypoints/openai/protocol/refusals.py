@@ -126,3 +126,87 @@ IGNORED_COMMON = (
 #: thinking budgets, which the models pagedkv runs do not take (Qwen3's thinking is switched by
 #: ``chat_template_kwargs``' ``enable_thinking``).
 IGNORED_CHAT = (*IGNORED_COMMON, "verbosity", "reasoning_effort")
+
+# ---- the Responses API (POST /v1/responses; protocol/responses_api.py) -------------------------
+
+#: The ``include`` value that asks for nothing here: there are no reasoning items to include.
+INCLUDE_NO_OP = "reasoning.encrypted_content"
+#: ``reasoning.effort`` values (accepted, without effect: the model does not reason).
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+_include_no_op = NoOp(
+    lambda value, request: value is None or all(v == INCLUDE_NO_OP for v in value),
+    {"anyOf": [NULL_SCHEMA, {"type": "array", "items": {"const": INCLUDE_NO_OP}}]},
+)
+_no_summary = NoOp(
+    lambda value, request: (
+        value is None or (value.summary is None and value.generate_summary is None)
+    ),
+    {
+        "anyOf": [
+            NULL_SCHEMA,
+            {
+                "type": "object",
+                "properties": {
+                    "effort": {"enum": [*REASONING_EFFORTS, None]},
+                    "summary": NULL_SCHEMA,
+                    "generate_summary": NULL_SCHEMA,
+                },
+                "additionalProperties": False,
+            },
+        ]
+    },
+)
+_truncation_disabled = NoOp(
+    lambda value, request: value is None or value == "disabled", {"enum": [None, "disabled"]}
+)
+_no_logprobs = NoOp(lambda value, request: value is None or value == 0, {"enum": [None, 0]})
+
+#: Known fields of /v1/responses that pagedkv refuses when they ask for something (built-in
+#: tools and input items other than text are refused where they are read: responses_api.py).
+REFUSED_RESPONSES: dict[str, Refused] = {
+    "background": Refused(_false, "background mode " + _NOT_IMPLEMENTED, True),
+    "conversation": Refused(_absent, "a stored conversation " + _NOT_IMPLEMENTED, "conv_1"),
+    "prompt": Refused(_absent, "a stored prompt template " + _NOT_IMPLEMENTED, {"id": "pmpt_1"}),
+    "include": Refused(
+        _include_no_op,
+        "only `reasoning.encrypted_content` (a no-op: there are no reasoning items) can be "
+        "included; logprobs and built-in tools' results are not available",
+        ["message.output_text.logprobs"],
+    ),
+    "reasoning": Refused(
+        _no_summary,
+        "reasoning summaries are not available: the model does not reason (`effort` alone is "
+        "accepted without effect)",
+        {"summary": "auto"},
+    ),
+    "truncation": Refused(
+        _truncation_disabled,
+        'truncation "auto" ' + _NOT_IMPLEMENTED + " (an input too long is a 400)",
+        "auto",
+    ),
+    "top_logprobs": Refused(_no_logprobs, "logprobs on /v1/responses " + _NOT_IMPLEMENTED, 2),
+    "context_management": Refused(
+        _empty, "context management (compaction) " + _NOT_IMPLEMENTED, [{"x": 1}]
+    ),
+    "background_options": Refused(
+        _empty, "background mode " + _NOT_IMPLEMENTED, {"completion_window": "2h"}
+    ),
+    "access_programs": Refused(_empty, "OpenAI's access programs do not exist here", {"x": 1}),
+    "image": Refused(_empty, "image generation " + _NOT_IMPLEMENTED, {"size": "1024x1024"}),
+    "moderation": REFUSED_COMMON["moderation"],
+}
+
+#: Known fields of /v1/responses without any effect on the output: accepted, named in the
+#: warning line (``store`` is honoured: the server keeps the response for
+#: ``previous_response_id``; ``reasoning.effort`` and ``text.verbosity`` are named too).
+IGNORED_RESPONSES = (
+    "user",
+    "metadata",
+    "service_tier",
+    "prompt_cache_retention",
+    "prompt_cache_options",
+    "safety_identifier",
+    "max_tool_calls",
+    "stream_options",
+)

@@ -129,7 +129,7 @@ def _check_sizes(data: dict[str, Any]) -> None:
         value = data.get(name)
         if not isinstance(value, list | dict):
             continue
-        if name == "prompt" and value and not isinstance(value[0], int):
+        if name == "prompt" and isinstance(value, list) and value and not isinstance(value[0], int):
             limit = MAX_PROMPTS  # a list of prompts
         if len(value) > limit:
             raise UnsupportedFieldError(
