@@ -29,6 +29,7 @@ from pagedkv.entrypoints.openai.chat_options import ChatOptions
 from pagedkv.entrypoints.openai.metrics import METRICS_PREFIXES
 from pagedkv.entrypoints.openai.server_options import ServerOptions
 from pagedkv.errors import ConfigError
+from pagedkv.pooling_params import DEFAULT_POOLING, POOLING_TYPES
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=METRICS_PREFIXES,
         help="the /metrics names' prefix: pagedkv (default) or vllm (vLLM's names, so its "
         "Grafana dashboards work unchanged; docs/server.md has the table)",
+    )
+    server.add_argument(
+        "--pooling",
+        default=DEFAULT_POOLING,
+        choices=POOLING_TYPES,
+        help="how /v1/embeddings pools an input's final hidden states: last (the last token's; "
+        "default, as vLLM's for a decoder model), mean (over every token) or cls (the first "
+        "token's); L2-normalized unless the request sets normalize false",
     )
     server.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     server.add_argument(
@@ -170,7 +179,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     options = ServerOptions.from_cli_args(args)  # bad values fail before the model loads
     chat_options = ChatOptions.from_cli_args(args)
-    app_options = {"chat_options": chat_options, "metrics_prefix": args.metrics_prefix}
+    app_options = {
+        "chat_options": chat_options,
+        "metrics_prefix": args.metrics_prefix,
+        "pooling": args.pooling,
+    }
     if args.data_parallel_size > 1 and args.tensor_parallel_size > 1:
         raise ConfigError(
             "--data-parallel-size with --tensor-parallel-size is not supported yet (a Ray "

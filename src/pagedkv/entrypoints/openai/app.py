@@ -7,6 +7,8 @@ Routes::
     POST /v1/completions         text completion (stream: server-sent events)
     POST /v1/chat/completions    chat completion, the model's chat template applied (400 for
                                  a base model without one: use /v1/completions)
+    POST /v1/embeddings          embeddings of the inputs: the model's pooled final hidden
+                                 states (--pooling), through the same engine and KV cache
     POST /tokenize               text or chat messages -> token ids (vLLM's)
     POST /detokenize             token ids -> text (vLLM's)
     GET  /tokenizer_info         special tokens and chat template (vLLM's; lm-eval reads it)
@@ -56,6 +58,7 @@ from pagedkv.entrypoints.openai.errors import OpenAIError, install_error_handler
 from pagedkv.entrypoints.openai.kv_view import install_kv_view
 from pagedkv.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from pagedkv.entrypoints.openai.openapi import install_openapi
+from pagedkv.entrypoints.openai.protocol.embeddings import EmbeddingRequest
 from pagedkv.entrypoints.openai.protocol.requests import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -75,9 +78,11 @@ from pagedkv.entrypoints.openai.server_options import (
 )
 from pagedkv.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedkv.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedkv.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedkv.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedkv.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedkv.entrypoints.openai.stats_logger import StatsLogger
+from pagedkv.pooling_params import DEFAULT_POOLING
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +120,7 @@ def create_app(
     chat_options: ChatOptions | None = None,
     metrics_prefix: str = "pagedkv",
     kv_view: KVStateSource | None = None,
+    pooling: str = DEFAULT_POOLING,
 ) -> FastAPI:
     """The OpenAI-compatible app over ``engine_client``, which starts and stops with the app
     (ASGI lifespan).
@@ -136,15 +142,19 @@ def create_app(
         kv_view: where the /kv page's snapshots come from (the engine's
             :class:`~pagedkv.engine.engine_loop.EngineLoop`); None: no /kv routes
             (``--disable-kv-view``, and a cluster's front end).
+        pooling: how /v1/embeddings pools each input's hidden states: "last" (default),
+            "mean" or "cls" (``--pooling``; :mod:`pagedkv.pooling_params`).
 
     Raises:
         ConfigError: an empty model name or an unknown metrics prefix.
+        InvalidRequestError: an unknown pooling.
     """
     chat_options = chat_options or ChatOptions()
     models = OpenAIServingModels(model_name, engine_client.input_processor.max_model_len)
     metrics = ServerMetrics(models.model_name, prefix=metrics_prefix)
     completion = OpenAIServingCompletion(engine_client, models, metrics)
     chat = OpenAIServingChat(engine_client, models, metrics, chat_options=chat_options)
+    embedding = OpenAIServingEmbedding(engine_client, models, metrics, pooling=pooling)
     tokenization = OpenAIServingTokenization(
         engine_client, models, chat_template=chat_options.chat_template
     )
@@ -172,6 +182,10 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create_chat_completion(request, raw_request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: EmbeddingRequest, raw_request: Request) -> Response:
+        return await embedding.create_embedding(request, raw_request)
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
