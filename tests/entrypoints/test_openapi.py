@@ -83,6 +83,7 @@ def test_every_route_is_documented_once_with_a_unique_operation_id(schema):
         ("GET", "/v1/models/{model_id}"),
         ("POST", "/v1/completions"),
         ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/embeddings"),
         ("POST", "/tokenize"),
         ("POST", "/detokenize"),
         ("GET", "/tokenizer_info"),
