@@ -156,3 +156,15 @@ def test_the_openapi_schema_documents_the_route(server):
     }
     ids = [m for m in request["properties"]["input"]["anyOf"] if m.get("type") == "array"][1]
     assert ids["maxItems"] == MAX_MODEL_LEN  # nothing is generated: the whole length
+
+
+def test_pooling_is_the_apps_and_an_unknown_one_is_refused():
+    from pagedkv.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="pooling"):
+        create_app(EngineLoop(FakeEngine()), model_name=MODEL, pooling="max")
+    engine = FakeEngine()
+    app = create_app(EngineLoop(engine), model_name=MODEL, pooling="mean")
+    with ThreadedServer(app) as running:
+        assert post(running, {"input": "x"}).status_code == 200
+    assert engine.added[-1][2] == PoolingParams(pooling_type="mean")
