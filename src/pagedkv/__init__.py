@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "BeamSearchParams",
+    "PoolingParams",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",
@@ -27,6 +28,7 @@ __all__ = [
 if TYPE_CHECKING:  # pragma: no cover
     from pagedkv.engine.llm import LLM
     from pagedkv.engine.outputs import RequestOutput
+    from pagedkv.pooling_params import PoolingParams
     from pagedkv.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 _LAZY = {
@@ -34,6 +36,7 @@ _LAZY = {
     "RequestOutput": "pagedkv.engine.outputs",
     "SamplingParams": "pagedkv.sampling_params",
     "BeamSearchParams": "pagedkv.sampling_params",
+    "PoolingParams": "pagedkv.pooling_params",
     "StructuredOutputsParams": "pagedkv.sampling_params",
 }
 

@@ -52,6 +52,7 @@ class FakeModel:
         self.tokens: dict[str, list[int]] = {}  # request id -> token ids
         self.tables: dict[str, list[int]] = {}  # request id -> block ids of group 0
         self.computed: dict[str, int] = {}
+        self.pooling: set[str] = set()  # pooling requests: their tokens read back, not sampled
 
     def _update(self, out: SchedulerOutput) -> None:
         for req_id in out.finished_req_ids:
@@ -61,6 +62,8 @@ class FakeModel:
             self.tokens[new.req_id] = list(new.prompt_token_ids) + list(new.output_token_ids)
             self.tables[new.req_id] = list(new.block_ids[0])
             self.computed[new.req_id] = new.num_computed_tokens
+            if new.pooling_params is not None:
+                self.pooling.add(new.req_id)
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             self.tokens[req_id] += cached.new_token_ids[i]
@@ -74,7 +77,8 @@ class FakeModel:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Copy the step's blocks (group 0's ``blocks_to_copy``, as the runner does, before any
         write), write this step's tokens, then sample one token per sampling request (in
-        scheduling order)."""
+        scheduling order); a pooling request whose prompt is complete gets its tokens read
+        back from the cache as its pooled output."""
         self._update(out)
         if out.blocks_to_copy:
             sources = [list(self.cache[src]) for src, _ in out.blocks_to_copy[0]]
@@ -90,6 +94,9 @@ class FakeModel:
                 self.cache[block_id][pos % bs] = tokens[pos]
             if start + num >= len(tokens):
                 seq = [self.cache[table[p // bs]][p % bs] for p in range(start + num)]
+                if req_id in self.pooling:  # its "vector": the prompt read back from the cache
+                    sampled.pooler_output[req_id] = tuple(seq)
+                    continue
                 sampled.req_ids.append(req_id)
                 sampled.sampled_token_ids.append(next_token(seq))
         return sampled

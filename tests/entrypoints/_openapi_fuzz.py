@@ -118,6 +118,7 @@ def run_schemathesis(
     workers: int = 1,
     response_time_limit: float = 120.0,
     timeout: float | None = None,
+    include_paths: tuple[str, ...] = (),
 ) -> FuzzResult:
     """``st run URL/openapi.json --checks all`` with :func:`config_text`; returns its report.
 
@@ -133,6 +134,7 @@ def run_schemathesis(
         response_time_limit: seconds after which a response fails the max_response_time check
             (a hung request; the request itself times out after twice that).
         timeout: seconds to wait for ``st`` (a bound for a hung run).
+        include_paths: test only the operations of these paths (empty: every operation).
     """
     workdir.mkdir(parents=True, exist_ok=True)
     schema = httpx.get(url + "/openapi.json", timeout=60).json()
@@ -164,6 +166,8 @@ def run_schemathesis(
         "--request-timeout",
         str(2 * response_time_limit),
     ]
+    for path in include_paths:
+        command += ["--include-path", path]
     if max_examples is not None:
         command += ["--max-examples", str(max_examples)]
     if seconds is not None:

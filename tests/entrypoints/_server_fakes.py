@@ -31,10 +31,13 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pagedkv.engine.input_processor import InputProcessor
 from pagedkv.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedkv.engine.stats import SchedulerStats
 from pagedkv.errors import InvalidRequestError
+from pagedkv.pooling_params import PoolingParams
 from pagedkv.sampling_params import BeamSearchParams, SamplingParams
 
 SENTENCE = "the quick brown fox jumps over the lazy dog. "
@@ -140,6 +143,7 @@ class _FakeRequest:
     samples: list[_FakeSample] = field(default_factory=list)
     poisoned: bool = False
     prompt_logprobs_sent: bool = False
+    pooling: PoolingParams | None = None  # a pooling request: one step, then its embedding
 
     @property
     def num_blocks_tokens(self) -> int:
@@ -233,6 +237,9 @@ class FakeEngine:
         else:
             ids = list(prompt)
         params = sampling_params
+        if isinstance(params, PoolingParams):
+            self._add_pooling(request_id, prompt, ids, params)
+            return
         if isinstance(params, BeamSearchParams):  # the fake's beams: n greedy samples
             params = SamplingParams(
                 n=params.beam_width, max_tokens=params.max_tokens, temperature=0.0
@@ -278,6 +285,26 @@ class FakeEngine:
                 offset = random.randrange(len(SENTENCE))
             request.samples.append(_FakeSample(offset))
         self.added.append((request_id, prompt, params, cache_salt))
+        self.waiting.append(request)
+
+    def _add_pooling(self, request_id, prompt, ids, params: PoolingParams) -> None:
+        """A pooling request: refused as the engine refuses one (empty, out of the vocabulary,
+        beyond max_model_len); finished with :func:`fake_embedding` by the step that runs it."""
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if not 0 <= min(ids) <= max(ids) < self.vocab_size:
+            raise InvalidRequestError(
+                f"prompt token ids must be in [0, {self.vocab_size})", param="prompt"
+            )
+        if len(ids) > self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens, more than max_model_len", param="prompt"
+            )
+        request = _FakeRequest(
+            request_id, ids, SamplingParams(temperature=0.0, max_tokens=1), 0, pooling=params
+        )
+        request.samples.append(_FakeSample(0))
+        self.added.append((request_id, prompt, params, None))
         self.waiting.append(request)
 
     def abort_request(self, request_ids):
@@ -346,6 +373,13 @@ class FakeEngine:
         self.aborted.clear()
         for req in list(self.running):
             if self._is_held(req):
+                continue
+            if req.pooling is not None:  # its prompt in one step, then its vector
+                req.samples[0].finish_reason = "stop"
+                outputs.append(self._output(req, [[]]))
+                outputs[-1].embedding = fake_embedding(req.prompt_token_ids, req.pooling)
+                self.running.remove(req)
+                self.num_used_blocks -= self._num_blocks(req)
                 continue
             before = self._num_blocks(req)
             new_token_ids = [self._advance(req, s) for s in req.samples]
@@ -421,6 +455,21 @@ class FakeEngine:
             -(-(len(req.prompt_token_ids) + max(s.num_tokens, 1)) // self.block_size)
             for s in req.samples
         )
+
+
+#: The fake's embeddings have this many components.
+FAKE_EMBEDDING_SIZE = 8
+
+
+def fake_embedding(token_ids: list[int], params: PoolingParams) -> np.ndarray:
+    """A made-up float32 embedding of a prompt: component i sums the ids at positions i mod 8
+    (plus 1), L2-normalized unless ``params.normalize`` is False."""
+    vector = np.ones(FAKE_EMBEDDING_SIZE, dtype=np.float32)
+    for position, token_id in enumerate(token_ids):
+        vector[position % FAKE_EMBEDDING_SIZE] += token_id
+    if params.normalize:
+        vector /= np.linalg.norm(vector)
+    return vector
 
 
 def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:

@@ -86,6 +86,7 @@ def test_every_route_is_documented_once_with_a_unique_operation_id(schema):
         ("POST", "/v1/responses"),
         ("GET", "/v1/responses/{response_id}"),
         ("DELETE", "/v1/responses/{response_id}"),
+        ("POST", "/v1/embeddings"),
         ("POST", "/tokenize"),
         ("POST", "/detokenize"),
         ("GET", "/tokenizer_info"),

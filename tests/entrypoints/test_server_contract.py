@@ -558,16 +558,18 @@ def test_every_field_of_the_openai_sdk_is_declared():
     """No field the current openai client can send is "unrecognized": each is honoured, ignored
     (named in the warning line) or refused by name, by the table above."""
     openai = pytest.importorskip("openai")
-    from openai.types import completion_create_params
+    from openai.types import completion_create_params, embedding_create_params
     from openai.types.chat import completion_create_params as chat_create_params
     from openai.types.responses import response_create_params
 
+    from pagedkv.entrypoints.openai.protocol.embeddings import EmbeddingRequest
     from pagedkv.entrypoints.openai.protocol.responses_api import ResponsesRequest
 
     pairs = [
         (CompletionRequest, completion_create_params.CompletionCreateParamsBase),
         (ChatCompletionRequest, chat_create_params.CompletionCreateParamsBase),
         (ResponsesRequest, response_create_params.ResponseCreateParamsBase),
+        (EmbeddingRequest, embedding_create_params.EmbeddingCreateParams),
     ]
     for model, params in pairs:
         missing = set(params.__annotations__) - set(model.model_fields)

@@ -145,7 +145,7 @@ def test_schemathesis_with_every_check_finds_nothing(tmp_path):
         result = run_schemathesis(server.url, tmp_path, max_examples=200, timeout=900)
         assert result.num_failures == 0 and not result.errors, result.output[-20000:]
         # Every operation was tested in every phase, thousands of cases in all.
-        assert result.report["operations"]["tested"] == 16, result.report["operations"]
+        assert result.report["operations"]["tested"] == 17, result.report["operations"]
         assert {p: v["status"] for p, v in result.report["phases"].items()} == {
             "examples": "skip",  # the schema has no examples
             "coverage": "success",
@@ -154,6 +154,21 @@ def test_schemathesis_with_every_check_finds_nothing(tmp_path):
         }
         assert result.num_cases > 2000, result.summary()
         assert httpx.get(server.url + "/health").status_code == 200
+        wait_until_idle(server.url)
+    assert engine.num_used_blocks == 0 and not engine.has_unfinished_requests()
+
+
+def test_schemathesis_on_the_embeddings_route_finds_nothing(tmp_path):
+    """/v1/embeddings alone, every check, few cases (the run above covers it too, among all)."""
+    engine = fuzz_fake_engine(max_model_len=256)
+    with ThreadedServer(create_app(EngineLoop(engine), model_name=MODEL)) as server:
+        result = run_schemathesis(
+            server.url, tmp_path, max_examples=25, include_paths=("/v1/embeddings",), timeout=600
+        )
+        assert result.num_failures == 0 and not result.errors, result.output[-20000:]
+        assert result.report["operations"]["tested"] == 1, result.report["operations"]
+        assert result.report["phases"]["fuzzing"]["status"] == "success", result.summary()
+        assert result.num_cases > 100, result.summary()
         wait_until_idle(server.url)
     assert engine.num_used_blocks == 0 and not engine.has_unfinished_requests()
 

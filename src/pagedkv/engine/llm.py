@@ -6,11 +6,14 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from pagedkv.engine.beam_search import BeamSearchOutput, beam_search_output
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.llm_engine import EngineStats, LLMEngine, Prompt
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.errors import InvalidRequestError
+from pagedkv.pooling_params import DEFAULT_POOLING, PoolingParams
 from pagedkv.sampling_params import BeamSearchParams, SamplingParams
 
 Conversation = Sequence[dict[str, Any]]
@@ -170,6 +173,46 @@ class LLM:
         outputs = self._run(prompts, [params] * len(prompts), use_tqdm)
         return [beam_search_output(output) for output in outputs]
 
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling: str = DEFAULT_POOLING,
+        *,
+        normalize: bool = True,
+        use_tqdm: bool = False,
+    ) -> list[np.ndarray]:
+        """Embed prompts with the loaded model (vLLM's ``LLM.embed``): each prompt is prefilled
+        (batched and chunked like any prompt, its blocks left in the prefix cache) and its final
+        hidden state pooled; nothing is generated.
+
+        Args:
+            prompts: one prompt or a list, in :meth:`generate`'s forms.
+            pooling: "last" (the last prompt token's state; the default, as vLLM's for a
+                decoder model), "mean" (over every prompt position) or "cls" (the first
+                token's); see :mod:`pagedkv.pooling_params`.
+            normalize: L2-normalize each vector (the default, as vLLM and llama.cpp).
+            use_tqdm: show a progress bar.
+
+        Returns:
+            One float32 numpy array ``[hidden_size]`` per prompt, in input order (the final
+            norm's output, before the LM head).
+
+        Raises:
+            InvalidRequestError: an unknown pooling, a prompt in no known form, or one that
+                can never be served (nothing is computed then).
+        """
+        params = PoolingParams(pooling_type=pooling, normalize=normalize)
+        prompts = _as_prompt_list(prompts)
+        if not prompts:
+            return []
+        outputs = self._run(prompts, [params] * len(prompts), use_tqdm)
+        failed = [o for o in outputs if o.embedding is None]
+        if failed:
+            raise InvalidRequestError(
+                f"request {failed[0].request_id!r} failed: {failed[0].outputs[0].error}"
+            )
+        return [o.embedding for o in outputs]
+
     def chat(
         self,
         conversations: Conversation | Sequence[Conversation],
@@ -209,7 +252,7 @@ class LLM:
     def _run(
         self,
         prompts: list[Prompt],
-        params_list: list[SamplingParams] | list[BeamSearchParams],
+        params_list: list[SamplingParams] | list[BeamSearchParams] | list[PoolingParams],
         use_tqdm: bool,
     ) -> list[RequestOutput]:
         engine = self.engine

@@ -46,6 +46,7 @@ from pagedkv.engine.spec_decode.proposer import BufferedProposer, make_proposer
 from pagedkv.engine.stats import KVTierStats, SchedulerStats
 from pagedkv.engine.structured_output import StructuredOutputManager, StructuredOutputRequest
 from pagedkv.errors import ConfigError, InvalidRequestError, ModelLoadError
+from pagedkv.pooling_params import PoolingParams
 from pagedkv.sampling_params import BeamSearchParams, SamplingParams
 from pagedkv.worker.executor import create_executor
 from pagedkv.worker.kv_offload import open_disk_tier, tier_identity
@@ -335,7 +336,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: Prompt,
-        sampling_params: SamplingParams | BeamSearchParams | None = None,
+        sampling_params: SamplingParams | BeamSearchParams | PoolingParams | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
@@ -353,7 +354,11 @@ class LLMEngine:
                 finished, with ``beam_width`` outputs best first (token ids, text,
                 ``cumulative_logprob``, per-token logprobs, finish and stop reasons;
                 :func:`pagedkv.engine.beam_search.beam_search_output` turns that output into
-                vLLM's ``BeamSearchOutput``); abort it like any request.
+                vLLM's ``BeamSearchOutput``); abort it like any request. A
+                :class:`~pagedkv.pooling_params.PoolingParams` makes it a pooling (embedding)
+                request: its prompt is prefilled, no token is sampled, and :meth:`step`
+                reports it once, finished, with ``RequestOutput.embedding`` (vLLM's
+                ``LLMEngine.add_request`` takes pooling params in the same place).
             priority: lower = sooner under policy="priority".
             cache_salt: separates this request's prefix-cache entries from others'.
             arrival_time: ``time.monotonic()`` of arrival (default: now).
@@ -372,6 +377,9 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if isinstance(params, BeamSearchParams):
             self._add_beam_search(request_id, prompt, params, priority, cache_salt, arrival_time)
+            return
+        if isinstance(params, PoolingParams):
+            self._add_pooling(request_id, prompt, params, priority, cache_salt, arrival_time)
             return
         self.input_processor.check_params(params, priority)
         processed = self.input_processor.process(prompt)
@@ -416,6 +424,36 @@ class LLMEngine:
             raise
         self.output_processor.add_request(
             request_id, prompt_text, prompt_token_ids, params, requests, now
+        )
+        self._stats.num_requests += 1
+
+    def _add_pooling(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: PoolingParams,
+        priority: int,
+        cache_salt: str | None,
+        arrival_time: float | None,
+    ) -> None:
+        """Queue a pooling request: one sequence whose prompt may fill max_model_len (nothing
+        is generated); mean and cls pooling skip the prefix-cache lookup (Request)."""
+        sampling_params = SamplingParams(temperature=0.0, max_tokens=1)  # unused: no sampling
+        self.input_processor.check_params(sampling_params, priority)
+        processed = self.input_processor.process(prompt)
+        now = time.monotonic() if arrival_time is None else arrival_time
+        request = self._make_request(
+            request_id,
+            sampling_params,
+            prompt_token_ids=processed.token_ids,
+            cache_salt=cache_salt,
+            priority=priority,
+            arrival_time=now,
+            pooling_params=params,
+        )
+        self.scheduler.add_request(request)
+        self.output_processor.add_request(
+            request_id, processed.text, processed.token_ids, sampling_params, [request], now
         )
         self._stats.num_requests += 1
 
@@ -473,6 +511,7 @@ class LLMEngine:
         priority: int,
         arrival_time: float,
         structured_output: StructuredOutputRequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> Request:
         """The one place a client's sequence becomes a :class:`Request`: the engine's block
         hasher (none without prefix caching) and end-of-sequence ids."""
@@ -488,6 +527,7 @@ class LLMEngine:
             priority=priority,
             arrival_time=arrival_time,
             structured_output=structured_output,
+            pooling_params=pooling_params,
         )
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:

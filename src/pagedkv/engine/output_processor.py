@@ -359,6 +359,7 @@ class OutputProcessor:
             prompt_logprobs=self._prompt_logprobs(state),
             num_cached_tokens=max(first.num_cached_tokens, 0),
             metrics=dataclasses.replace(metrics),
+            embedding=first.pooled_output,
         )
 
     def _beam_search_outputs(self, state: _RequestState) -> list[CompletionOutput]:

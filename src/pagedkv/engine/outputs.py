@@ -14,6 +14,7 @@ vLLM's ``logprobs_mode="raw_logprobs"``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True, frozen=True)
@@ -111,6 +112,11 @@ class RequestOutput:
         num_cached_tokens: prompt tokens served from the prefix cache (first sample's, at its
             first admission).
         metrics: timestamps (time to first token ...).
+        embedding: a pooling request's pooled vector once finished (a float32 numpy array
+            ``[hidden_size]``, L2-normalized unless its ``PoolingParams.normalize`` is False;
+            see :mod:`pagedkv.pooling_params`); None for a generation request, and for a
+            pooling request aborted or failed. Its ``outputs`` hold one empty sample with the
+            finish reason ("stop" when pooled).
     """
 
     request_id: str
@@ -121,6 +127,7 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    embedding: Any = None
 
     # Shortcuts to the first sample: what n = 1 callers use.
     @property

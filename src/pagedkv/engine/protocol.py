@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from pagedkv.engine.input_processor import InputProcessor, ProcessedPrompt
+from pagedkv.pooling_params import PoolingParams
 from pagedkv.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
@@ -32,7 +33,8 @@ class EngineRequest:
         request_id: unique among unfinished requests.
         prompt: token ids (and text) from the client's :class:`InputProcessor`.
         sampling_params: the request's parameters (``n`` samples share the prompt), or a
-            beam search's (reported once, at its end, with ``beam_width`` outputs).
+            beam search's (reported once, at its end, with ``beam_width`` outputs), or a
+            pooling request's (reported once, with its ``embedding``).
         priority: lower = sooner under the priority policy.
         cache_salt: separates this request's prefix-cache entries from others'.
         prompt_cache_key: OpenAI's key of requests that share a prefix; a cluster routes one
@@ -41,7 +43,7 @@ class EngineRequest:
 
     request_id: str
     prompt: ProcessedPrompt
-    sampling_params: SamplingParams | BeamSearchParams
+    sampling_params: SamplingParams | BeamSearchParams | PoolingParams
     priority: int = 0
     cache_salt: str | None = None
     prompt_cache_key: str | None = None

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pagedkv.core.request import KVCacheRequest
+from pagedkv.pooling_params import PoolingParams
 from pagedkv.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -90,9 +91,17 @@ class Request(KVCacheRequest):
             and its own matcher), else None. The scheduler calls its ``ready`` / ``error`` /
             ``accept`` / ``is_terminated`` / ``free`` without importing it (it stays
             torch-free).
+        pooling_params: a pooling (embedding) request's parameters, else None: it samples no
+            token and finishes once its prompt is computed (FINISHED_STOPPED), with
+            ``pooled_output`` set; its ``sampling_params`` are unused. Mean and cls pooling
+            skip the prefix-cache lookup (every position's state is needed).
+        pooled_output: the workers' pooled vector of a finished pooling request (a float32
+            numpy array ``[hidden_size]``, opaque here), else None.
     """
 
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    pooling_params: PoolingParams | None = None
+    pooled_output: Any = field(default=None, repr=False)
     eos_token_ids: frozenset[int] = frozenset()
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
@@ -118,6 +127,8 @@ class Request(KVCacheRequest):
         self.eos_token_ids = frozenset(self.eos_token_ids)
         self._stop_token_ids = frozenset(self.sampling_params.stop_token_ids)
         if self.sampling_params.skip_reading_prefix_cache:
+            self.skip_reading_prefix_cache = True
+        if self.pooling_params is not None and self.pooling_params.skip_reading_prefix_cache:
             self.skip_reading_prefix_cache = True
 
     def fork(self, request_id: str) -> Request:

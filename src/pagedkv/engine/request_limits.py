@@ -100,7 +100,8 @@ class RequestLimits:
             raise InvalidRequestError(
                 f"request {request_id!r}: the prompt is empty", param="prompt"
             )
-        max_tokens = request.sampling_params.max_tokens
+        # A pooling request generates nothing: its prompt may fill max_model_len.
+        max_tokens = 0 if request.pooling_params is not None else request.sampling_params.max_tokens
         if max_tokens is None:
             raise InvalidRequestError(
                 f"request {request_id!r}: max_tokens is None; resolve it before queueing "
@@ -108,12 +109,13 @@ class RequestLimits:
                 param="max_tokens",
             )
         num_tokens = num_prompt_tokens + max_tokens
+        param = "prompt" if request.pooling_params is not None else "max_tokens"
         if num_tokens > self.max_model_len:
             raise InvalidRequestError(
                 f"request {request_id!r}: prompt ({num_prompt_tokens} tokens) + max_tokens "
                 f"({max_tokens}) = {num_tokens} tokens exceeds max_model_len="
                 f"{self.max_model_len}; shorten the prompt or lower max_tokens",
-                param="max_tokens",
+                param=param,
             )
         num_blocks = max_num_blocks_per_request(
             self.kv_cache_specs, num_tokens, self.max_num_batched_tokens
@@ -123,7 +125,7 @@ class RequestLimits:
                 f"request {request_id!r}: prompt + max_tokens = {num_tokens} tokens needs "
                 f"{num_blocks} KV blocks but the whole pool has {self.num_usable_blocks}; lower "
                 "max_tokens or grow the KV cache",
-                param="max_tokens",
+                param=param,
             )
         return num_blocks
 

@@ -19,18 +19,22 @@ from pagedkv.worker.scheduler_output import SchedulerOutput
 
 def match_sampled_tokens(
     scheduled: list[Request], scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
-) -> tuple[list[Request], list[int]]:
+) -> tuple[list[Request], list[int], list[tuple[Request, object]]]:
     """The sampling requests of the last step (``scheduled``, in scheduling order) and their
-    tokens from ``runner_output``.
+    tokens from ``runner_output``, and the pooling requests whose prompt the step completed
+    with their pooled vectors (a pooling request samples nothing).
 
     Raises:
         InvalidRequestError: ``scheduler_output`` is not the last step's, or the sampled tokens
             do not match the sampling requests (their number, or a request id that did not
-            sample).
+            sample), or the pooled vectors the pooling requests (:func:`match_pooled`).
     """
     if len(scheduled) != scheduler_output.num_reqs:
         raise InvalidRequestError("update_from_output needs the output of the last schedule()")
-    sampling = [r for r in scheduled if r.num_computed_tokens >= r.num_tokens]
+    sampling, pooling = [], []
+    for r in scheduled:
+        if r.num_computed_tokens >= r.num_tokens:
+            (sampling if r.pooling_params is None else pooling).append(r)
     by_id = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True))
     missing = [r.request_id for r in sampling if r.request_id not in by_id]
     if missing or len(by_id) != len(sampling):
@@ -47,7 +51,45 @@ def match_sampled_tokens(
             raise InvalidRequestError(
                 f"accepted draft counts {accepted} do not match the drafts {drafted}"
             )
-    return sampling, [by_id[r.request_id] for r in sampling]
+    pooled = match_pooled(pooling, runner_output) if pooling or runner_output.pooler_output else []
+    return sampling, [by_id[r.request_id] for r in sampling], pooled
+
+
+def match_pooled(
+    done: list[Request], runner_output: ModelRunnerOutput
+) -> list[tuple[Request, object]]:
+    """The pooling requests whose prompt the last step completed (``done``, in scheduling
+    order), each with its pooled vector from ``runner_output.pooler_output``.
+
+    Raises:
+        InvalidRequestError: the pooled vectors do not match those requests (one missing, or
+            one for a request whose prompt is not complete); nothing is changed then.
+    """
+    pooler_output = runner_output.pooler_output
+    if len(done) != len(pooler_output) or any(r.request_id not in pooler_output for r in done):
+        raise InvalidRequestError(
+            f"the pooled outputs are for requests {sorted(pooler_output)}, the pooling "
+            f"requests whose prompt is complete are {sorted(r.request_id for r in done)}"
+        )
+    return [(r, pooler_output[r.request_id]) for r in done]
+
+
+def finish_pooled(
+    pooled: list[tuple[Request, object]], changed: list[Request], now: float
+) -> list[Request]:
+    """Finish each pooling request (FINISHED_STOPPED) with its pooled vector, appended to
+    ``changed`` in order; returns the requests finished (not those aborted meanwhile)."""
+    finished = []
+    for request, vector in pooled:
+        if request.is_finished:  # aborted between schedule() and now
+            continue
+        request.pooled_output = vector
+        request.status = RequestStatus.FINISHED_STOPPED
+        if request.first_token_time is None:
+            request.first_token_time = now  # its output is ready: the end of its prefill
+        changed.append(request)
+        finished.append(request)
+    return finished
 
 
 def append_sampled_tokens(
@@ -119,4 +161,10 @@ def constrained_stop(request: Request, token_id: int) -> bool:
     return False
 
 
-__all__ = ["append_sampled_tokens", "constrained_stop", "match_sampled_tokens"]
+__all__ = [
+    "append_sampled_tokens",
+    "constrained_stop",
+    "finish_pooled",
+    "match_pooled",
+    "match_sampled_tokens",
+]

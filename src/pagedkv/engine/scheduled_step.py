@@ -135,6 +135,7 @@ def build_scheduler_output(
                     num_computed_tokens,
                     tuple(request.eos_token_ids),
                     request.output_token_ids,  # a forked beam's, else none
+                    request.pooling_params,
                 )
             )
         else:

@@ -56,7 +56,11 @@ from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.engine.request_limits import RequestLimits, check_scheduler_options
 from pagedkv.engine.request_queue import FCFSQueue, PriorityQueue
 from pagedkv.engine.sample_forks import SampleForks
-from pagedkv.engine.sampled_tokens import append_sampled_tokens, match_sampled_tokens
+from pagedkv.engine.sampled_tokens import (
+    append_sampled_tokens,
+    finish_pooled,
+    match_sampled_tokens,
+)
 from pagedkv.engine.scheduled_step import ScheduledStep, build_scheduler_output
 from pagedkv.engine.spec_decode.drafts import DraftProposer, SpecDecodeDrafts
 from pagedkv.engine.stats import SchedulerStats
@@ -464,7 +468,7 @@ class Scheduler:
             InvalidRequestError: the sampled tokens do not match the sampling requests (their
                 number, or a request id that did not sample); nothing is changed then.
         """
-        sampling, tokens = match_sampled_tokens(
+        sampling, tokens, pooled = match_sampled_tokens(
             self._scheduled_requests, scheduler_output, runner_output
         )
         self.beams.check_rows(sampling, runner_output.logprobs)
@@ -481,6 +485,8 @@ class Scheduler:
         finished, ready = append_sampled_tokens(
             sampling, tokens, runner_output.logprobs, changed, self.stats, now, accepted
         )
+        if pooled:  # pooling requests whose prompt is done: finished with their vector
+            finished += finish_pooled(pooled, changed, now)
         if finished:
             gone = {id(r) for r in finished}
             self.running[:] = [r for r in self.running if id(r) not in gone]

@@ -30,6 +30,7 @@ from pagedkv.entrypoints.openai.metrics import METRICS_PREFIXES
 from pagedkv.entrypoints.openai.server_options import ServerOptions
 from pagedkv.entrypoints.openai.serving_responses import DEFAULT_RESPONSES_STORE_SIZE
 from pagedkv.errors import ConfigError
+from pagedkv.pooling_params import DEFAULT_POOLING, POOLING_TYPES
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="how many /v1/responses responses are kept in memory (least recently used "
         "dropped first) for previous_response_id and GET /v1/responses/{id} (default "
         f"{DEFAULT_RESPONSES_STORE_SIZE}); 0 keeps none",
+    )
+    server.add_argument(
+        "--pooling",
+        default=DEFAULT_POOLING,
+        choices=POOLING_TYPES,
+        help="how /v1/embeddings pools an input's final hidden states: last (the last token's; "
+        "default, as vLLM's for a decoder model), mean (over every token) or cls (the first "
+        "token's); L2-normalized unless the request sets normalize false",
     )
     server.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     server.add_argument(
@@ -186,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
         "chat_options": chat_options,
         "metrics_prefix": args.metrics_prefix,
         "responses_store_size": args.responses_store_size,
+        "pooling": args.pooling,
     }
     if args.data_parallel_size > 1 and args.tensor_parallel_size > 1:
         raise ConfigError(

@@ -57,6 +57,7 @@ from pagedkv.ops.backends import (
     BoundAttentionMetadata,
     CommonAttentionMetadata,
 )
+from pagedkv.pooling_params import PoolingParams
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.worker.scheduler_output import BlockIds, SchedulerOutput
 
@@ -75,6 +76,10 @@ class CachedRequestState:
         num_computed_tokens: tokens whose KV is in the cache before the current step.
         generator: its own sampling generator (a seeded, non-greedy request), made on first
             use.
+        pooling_params: a pooling request's parameters (it samples nothing), else None.
+        pooled_sum: mean pooling: the float32 ``[hidden_size]`` sum of the states of its
+            first ``pooled_count`` prompt positions (accumulated over prefill chunks).
+        pooled_first: cls pooling: the first position's float32 ``[hidden_size]`` state.
     """
 
     req_id: str
@@ -85,6 +90,10 @@ class CachedRequestState:
     block_ids: BlockIds
     num_computed_tokens: int
     generator: torch.Generator | None = field(default=None, repr=False)
+    pooling_params: PoolingParams | None = None
+    pooled_sum: torch.Tensor | None = field(default=None, repr=False)
+    pooled_count: int = 0
+    pooled_first: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -104,12 +113,15 @@ class ModelInputs:
         num_scheduled_tokens: ``[num_reqs]`` int64 numpy array, per row.
         query_start_loc: ``[num_reqs + 1]`` int32 numpy array.
         sample: ``[num_reqs]`` bool numpy array: the rows whose request samples a token after
-            this step (the step completes its prompt and every earlier token).
+            this step (the step completes its prompt and every earlier token; never a pooling
+            request).
         logits_rows: ``[num_sampled + num_drafts]`` int numpy array: the rows of the sampling
             requests' last scheduled tokens, in batch order; a request with ``k`` draft tokens
             has its last ``k + 1`` rows there (the draft positions, then the bonus position).
         num_draft_tokens: ``[num_reqs]`` int64 numpy array, draft tokens per row, or None when
             the step has none (speculative decoding off, or nothing drafted).
+        pooling: ``[num_reqs]`` bool numpy array, the rows of pooling requests, or None when
+            the step has none.
     """
 
     input_ids: torch.Tensor
@@ -120,6 +132,7 @@ class ModelInputs:
     sample: np.ndarray
     logits_rows: np.ndarray
     num_draft_tokens: np.ndarray | None = None
+    pooling: np.ndarray | None = None
 
 
 class InputBatch:
@@ -175,6 +188,10 @@ class InputBatch:
         self.token_ids_cpu = np.zeros((max_num_seqs, max_model_len), dtype=np.int32)
         self.num_tokens = np.zeros(max_num_seqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        #: rows of pooling requests (they sample nothing).
+        self.is_pooling = np.zeros(max_num_seqs, dtype=bool)
+        #: pooling requests this worker holds (0: a step skips the pooling rows' work).
+        self.num_pooling_requests = 0
         self.block_tables = np.zeros(
             (num_kv_cache_groups, max_num_seqs, self.max_num_blocks_per_req), dtype=np.int32
         )
@@ -198,7 +215,7 @@ class InputBatch:
         requests = self.requests
         for req_id in out.finished_req_ids:
             self._remove_row(req_id)
-            requests.pop(req_id, None)
+            self._forget(requests.pop(req_id, None))
         scheduled = out.num_scheduled_tokens
         for req_id in self.req_ids[: self.num_reqs]:
             if req_id is not None and req_id not in scheduled:
@@ -212,9 +229,12 @@ class InputBatch:
                 tuple(new.eos_token_ids),
                 tuple(list(ids) for ids in new.block_ids),
                 new.num_computed_tokens,
+                pooling_params=new.pooling_params,
             )
             self._remove_row(new.req_id)  # a re-sent id (after a failed step): start afresh
+            self._forget(requests.get(new.req_id))
             requests[new.req_id] = state
+            self.num_pooling_requests += state.pooling_params is not None
             self._add_row(state)
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -259,6 +279,11 @@ class InputBatch:
                 self.num_computed_tokens[index] = state.num_computed_tokens
         self._condense()
 
+    def _forget(self, state: CachedRequestState | None) -> None:
+        """Count a dropped request out of the pooling requests held."""
+        if state is not None and state.pooling_params is not None:
+            self.num_pooling_requests -= 1
+
     def _add_row(self, state: CachedRequestState) -> None:
         """Give ``state`` a row (the first hole, else the next free row) and copy it in."""
         if len(self.req_id_to_index) >= self.max_num_seqs:
@@ -280,6 +305,7 @@ class InputBatch:
         row[num_prompt:num_tokens] = state.output_token_ids
         self.num_tokens[index] = num_tokens
         self.num_computed_tokens[index] = state.num_computed_tokens
+        self.is_pooling[index] = state.pooling_params is not None
         self._write_block_ids(index, state.block_ids)
         self.req_ids[index] = state.req_id
         self.req_id_to_index[state.req_id] = index
@@ -323,6 +349,7 @@ class InputBatch:
         self.token_ids_cpu[dst, :num_tokens] = self.token_ids_cpu[src, :num_tokens]
         self.num_tokens[dst] = num_tokens
         self.num_computed_tokens[dst] = self.num_computed_tokens[src]
+        self.is_pooling[dst] = self.is_pooling[src]
         for g in range(self.num_kv_cache_groups):
             n = int(self.num_blocks_per_row[g, src])
             self.block_tables[g, dst, :n] = self.block_tables[g, src, :n]
@@ -363,6 +390,13 @@ class InputBatch:
             num_reqs, req_index, positions, attn_rows, attn_seq_lens, attn_qsl
         )
         sample = seq_lens >= self.num_tokens[:num_reqs]
+        pooling = None
+        if self.num_pooling_requests:  # a pooling request samples nothing
+            pooling = self.is_pooling[:num_reqs].copy()
+            if pooling.any():
+                sample &= ~pooling
+            else:
+                pooling = None
         if num_draft_tokens is None:
             logits_rows = qsl[1:][sample] - 1
         else:  # a request with k drafts: its last k + 1 rows (each draft's, then the bonus)
@@ -382,6 +416,7 @@ class InputBatch:
             sample,
             logits_rows,
             num_draft_tokens,
+            pooling,
         )
 
     def decode_metadata(

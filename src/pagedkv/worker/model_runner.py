@@ -14,6 +14,12 @@ of its group and spec; one forward runs the whole batch; logits are computed onl
 request's last scheduled row, and only for requests that sample (their prompt is complete); the
 :class:`~pagedkv.worker.sampler.Sampler` picks one token per such request.
 
+Pooling (embedding) requests sample nothing: for the rows of such requests only, the step's
+final-norm hidden states are pooled (the last prompt position's, the mean over the prompt
+accumulated across prefill chunks, or the first position's) and, once the prompt is complete,
+returned L2-normalized in ``ModelRunnerOutput.pooler_output``; a step without one pays a
+counter check.
+
 Log-probabilities cost nothing unless asked for: sample logprobs are read off the sampling rows'
 logits (before the sampler transforms them) for the requests with ``logprobs``; prompt logprobs
 need the logits of every prompt row of the step, computed (in slices, to bound memory) only for
@@ -27,6 +33,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from pagedkv.config import SchedulerConfig
 from pagedkv.core.config import KVCacheConfig
@@ -244,6 +251,8 @@ class ModelRunner:
         states = [batch.requests[req_id] for req_id in batch.req_ids[: batch.num_reqs]]
         if any(s.sampling_params.prompt_logprobs is not None for s in states):
             self._prompt_logprobs(states, inputs, hidden, result)
+        if inputs.pooling is not None:
+            self._pool(states, inputs, hidden, result)
         if len(inputs.logits_rows) == 0:
             return result
         logits = self.model.compute_logits(hidden[batch.to_device(inputs.logits_rows)])
@@ -495,6 +504,65 @@ class ModelRunner:
                 lists.ranks += ranks.tolist()
             if targets is not None:
                 result.prompt_logprobs[state.req_id] = (computed + 1, lists)
+
+    def _pool(
+        self,
+        states: Sequence[CachedRequestState],
+        inputs: ModelInputs,
+        hidden: torch.Tensor,
+        result: ModelRunnerOutput,
+    ) -> None:
+        """Pool the states of the pooling rows' prompt positions this step computed (float32),
+        and put the vector of each request whose prompt the step completes into
+        ``result.pooler_output`` (a float32 numpy ``[hidden_size]``, L2-normalized unless its
+        params say not). Mean pooling sums across chunks; a chunk starting at position 0 (a
+        first chunk, or a recompute after preemption) starts the sum afresh, so a recomputed
+        prompt gives the same vector.
+
+        Raises:
+            InvalidRequestError: a mean or cls pooling chunk that does not follow the positions
+                pooled so far (KV it never computed: a prefix-cache hit it may not take).
+        """
+        starts = inputs.query_start_loc.tolist()
+        num_scheduled = inputs.num_scheduled_tokens.tolist()
+        for i in np.flatnonzero(inputs.pooling).tolist():
+            state = states[i]
+            params = state.pooling_params
+            computed = state.num_computed_tokens
+            rows = hidden[starts[i] : starts[i] + num_scheduled[i]]
+            num_prompt = len(state.prompt_token_ids)
+            kind = params.pooling_type
+            if kind == "mean":
+                if computed == 0:
+                    state.pooled_sum = torch.zeros(
+                        rows.shape[1], dtype=torch.float32, device=rows.device
+                    )
+                    state.pooled_count = 0
+                if state.pooled_sum is None or state.pooled_count != computed:
+                    raise InvalidRequestError(
+                        f"request {state.req_id!r}: mean pooling got positions from {computed} "
+                        f"on, but has pooled {state.pooled_count}"
+                    )
+                state.pooled_sum += rows.float().sum(dim=0)
+                state.pooled_count += len(rows)
+            elif kind == "cls" and computed == 0:
+                state.pooled_first = rows[0].float().clone()
+            if computed + len(rows) < num_prompt:
+                continue  # a partial prefill chunk
+            if kind == "mean":
+                vector = state.pooled_sum / num_prompt
+            elif kind == "cls":
+                if state.pooled_first is None:
+                    raise InvalidRequestError(
+                        f"request {state.req_id!r}: cls pooling never computed position 0"
+                    )
+                vector = state.pooled_first
+            else:
+                vector = rows[-1].float()
+            if params.normalize:
+                vector = F.normalize(vector, dim=0)
+            result.pooler_output[state.req_id] = vector.cpu().numpy().astype(np.float32)
+            state.pooled_sum = state.pooled_first = None
 
     def _generator(self, state: CachedRequestState) -> torch.Generator | None:
         seed = state.sampling_params.seed

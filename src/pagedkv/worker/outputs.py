@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -59,6 +60,9 @@ class ModelRunnerOutput:
             decoding with a draft model; vLLM's ``DraftTokenIds``): they follow the request's
             tokens after this step, for the requests of ``SchedulerOutput.num_lookahead_tokens``
             that sampled, at most that many each.
+        pooler_output: request id -> the pooled vector (a float32 numpy array
+            ``[hidden_size]``, L2-normalized when its ``PoolingParams.normalize``) of each
+            pooling request whose prompt this step completed (vLLM's name); empty otherwise.
     """
 
     req_ids: list[str] = field(default_factory=list)
@@ -70,3 +74,4 @@ class ModelRunnerOutput:
     failed_kv_loads: dict[str, list[str]] = field(default_factory=dict)
     num_accepted_draft_tokens: dict[str, int] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    pooler_output: dict[str, Any] = field(default_factory=dict)

@@ -10,7 +10,8 @@ decode step sends O(1) data per request, whatever its context length, and tensor
 pickles this object as it is to every rank.
 
 Only ids, ints, lists of ints (and of int pairs: ``blocks_to_copy``),
-:class:`~pagedkv.sampling_params.SamplingParams` (a dataclass of plain values) and the
+:class:`~pagedkv.sampling_params.SamplingParams` and
+:class:`~pagedkv.pooling_params.PoolingParams` (dataclasses of plain values) and the
 structured-output bitmask (an int32 numpy array) cross the boundary: no live object of the
 engine.
 
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv.core.offload import KVTierOps
+from pagedkv.pooling_params import PoolingParams
 from pagedkv.sampling_params import SamplingParams
 
 #: Block ids of one request, one list per KV cache group (``0`` = the null block).
@@ -48,6 +50,9 @@ class NewRequestData:
         output_token_ids: tokens it generated before the workers first see it: empty, except
             for a beam forked from another (it starts with its parent's output tokens and
             the one it was chosen for).
+        pooling_params: a pooling (embedding) request's parameters, else None: the worker
+            samples nothing for it and returns its pooled hidden state once its prompt is
+            computed (``ModelRunnerOutput.pooler_output``).
     """
 
     req_id: str
@@ -57,6 +62,7 @@ class NewRequestData:
     num_computed_tokens: int
     eos_token_ids: tuple[int, ...] = ()
     output_token_ids: list[int] = field(default_factory=list)
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass(slots=True)

@@ -203,6 +203,7 @@ class SpecDecodeDrafts:
         params = request.sampling_params
         return (
             request.beam_group is None
+            and request.pooling_params is None  # samples nothing
             and params.logprobs is None
             and not params.has_penalties
             and request.num_output_tokens >= params.min_tokens

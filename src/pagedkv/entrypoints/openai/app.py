@@ -10,6 +10,8 @@ Routes::
     POST /v1/responses           OpenAI's Responses API, run as a chat request (stream: typed
                                  events); kept responses continue with previous_response_id
     GET|DELETE /v1/responses/{id}  a kept response, or forget it (serving_responses.py)
+    POST /v1/embeddings          embeddings of the inputs: the model's pooled final hidden
+                                 states (--pooling), through the same engine and KV cache
     POST /tokenize               text or chat messages -> token ids (vLLM's)
     POST /detokenize             token ids -> text (vLLM's)
     GET  /tokenizer_info         special tokens and chat template (vLLM's; lm-eval reads it)
@@ -59,6 +61,7 @@ from pagedkv.entrypoints.openai.errors import OpenAIError, install_error_handler
 from pagedkv.entrypoints.openai.kv_view import install_kv_view
 from pagedkv.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from pagedkv.entrypoints.openai.openapi import install_openapi
+from pagedkv.entrypoints.openai.protocol.embeddings import EmbeddingRequest
 from pagedkv.entrypoints.openai.protocol.requests import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -79,6 +82,7 @@ from pagedkv.entrypoints.openai.server_options import (
 )
 from pagedkv.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedkv.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedkv.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedkv.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedkv.entrypoints.openai.serving_responses import (
     DEFAULT_RESPONSES_STORE_SIZE,
@@ -87,6 +91,7 @@ from pagedkv.entrypoints.openai.serving_responses import (
 )
 from pagedkv.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedkv.entrypoints.openai.stats_logger import StatsLogger
+from pagedkv.pooling_params import DEFAULT_POOLING
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +130,7 @@ def create_app(
     metrics_prefix: str = "pagedkv",
     kv_view: KVStateSource | None = None,
     responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE,
+    pooling: str = DEFAULT_POOLING,
 ) -> FastAPI:
     """The OpenAI-compatible app over ``engine_client``, which starts and stops with the app
     (ASGI lifespan).
@@ -150,8 +156,12 @@ def create_app(
             ``previous_response_id`` and ``GET /v1/responses/{id}`` (an LRU;
             ``--responses-store-size``); 0 keeps none.
 
+        pooling: how /v1/embeddings pools each input's hidden states: "last" (default),
+            "mean" or "cls" (``--pooling``; :mod:`pagedkv.pooling_params`).
+
     Raises:
         ConfigError: an empty model name, an unknown metrics prefix or a negative store size.
+        InvalidRequestError: an unknown pooling.
     """
     chat_options = chat_options or ChatOptions()
     models = OpenAIServingModels(model_name, engine_client.input_processor.max_model_len)
@@ -159,6 +169,7 @@ def create_app(
     completion = OpenAIServingCompletion(engine_client, models, metrics)
     chat = OpenAIServingChat(engine_client, models, metrics, chat_options=chat_options)
     responses = OpenAIServingResponses(chat, ResponseStore(responses_store_size))
+    embedding = OpenAIServingEmbedding(engine_client, models, metrics, pooling=pooling)
     tokenization = OpenAIServingTokenization(
         engine_client, models, chat_template=chat_options.chat_template
     )
@@ -198,6 +209,10 @@ def create_app(
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> ResponsesDeleted:
         return responses.delete(response_id)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: EmbeddingRequest, raw_request: Request) -> Response:
+        return await embedding.create_embedding(request, raw_request)
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:

@@ -42,6 +42,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from pagedkv.engine.input_processor import InputProcessor
+from pagedkv.entrypoints.openai.protocol.embeddings import EmbeddingRequest, EmbeddingResponse
 from pagedkv.entrypoints.openai.protocol.requests import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -79,8 +80,10 @@ _REQUESTS = (
     ResponsesRequest,
     TokenizeRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
 )
 _RESPONSES = (
+    EmbeddingResponse,
     CompletionResponse,
     ChatCompletionResponse,
     ChatCompletionChunk,
@@ -312,6 +315,27 @@ def _state_engine_limits(schemas: dict[str, Any], limits: EngineLimits) -> None:
         if member.get("type") == "string":
             text(member, generating=False)
     token_ids(schemas["DetokenizeRequest"]["properties"]["tokens"], None)
+    _state_embedding_limits(schemas["EmbeddingRequest"]["properties"], limits)
+
+
+def _state_embedding_limits(props: dict[str, Any], limits: EngineLimits) -> None:
+    """/v1/embeddings' inputs: texts that could fit, token ids in the vocabulary, at most
+    max_model_len of them (nothing is generated: an input may fill it); priority 0 unless the
+    engine schedules by priority."""
+    max_id = limits.vocab_size - 1
+    for member in props["input"]["anyOf"]:
+        items = member.get("items", {})
+        if member.get("type") == "string" or items.get("type") == "string":
+            text = member if member.get("type") == "string" else items
+            if limits.max_prompt_chars is not None:
+                text["maxLength"] = limits.max_prompt_chars
+            continue
+        ids = member if items.get("type") == "integer" else items
+        _bound(ids["items"], maximum=max_id)
+        ids["maxItems"] = limits.max_model_len
+    if not limits.priority_scheduling:
+        for member in _integer_members(props["priority"]):
+            _bound(member, minimum=0, maximum=0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -546,6 +570,24 @@ def _operations(refs: dict[type[BaseModel], str]) -> dict[tuple[str, str], dict[
                     _404 + " Or `previous_response_id` names no kept response "
                     "(`response_not_found`)."
                 ),
+                "500": _error(_500),
+                "503": _error(_503),
+            },
+        },
+        ("POST", "/v1/embeddings"): {
+            "requestBody": body(EmbeddingRequest),
+            "responses": {
+                "200": _json(
+                    "One embedding per input, in input order: numbers, or with "
+                    "`encoding_format: base64` the base64 of little-endian float32 bytes.",
+                    {"$ref": refs[EmbeddingResponse]},
+                ),
+                "400": _beyond(
+                    ("input",),
+                    "an input text of more than max_model_len tokens, or one that needs more KV "
+                    "blocks than the whole pool",
+                ),
+                "404": _error(_404),
                 "500": _error(_500),
                 "503": _error(_503),
             },

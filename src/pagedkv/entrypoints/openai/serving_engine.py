@@ -76,6 +76,7 @@ class PromptState:
     token_strs: list[str] | None = None  # each prompt token's text (echo with logprobs)
     prompt_logprobs: list[dict[int, Any] | None] | None = None
     started: bool = False  # its first engine output was seen (streamed echo sent)
+    embedding: Any = None  # a pooling request's vector (float32 numpy), once finished
 
     @property
     def text(self) -> str | None:
@@ -324,6 +325,8 @@ class OpenAIServing:
                 metrics.prompt_tokens.inc(prompt.num_prompt_tokens)
             if prompt.prompt_logprobs is None and output.prompt_logprobs is not None:
                 prompt.prompt_logprobs = output.prompt_logprobs
+            if output.embedding is not None:  # a pooling request (/v1/embeddings)
+                prompt.embedding = output.embedding
             for completion in output.outputs:
                 sample = prompt.samples[completion.index]
                 if sample.finish_reason is not None:
