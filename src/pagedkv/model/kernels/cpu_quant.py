@@ -74,8 +74,9 @@ ACTIVATIONS_ENV = "PAGEDKV_GGUF_ACTIVATIONS"
 #: :attr:`CpuQuantKernels.activations` by name, and the code decode_layer.c's layer struct
 #: gives each (``activations``: 0 fp32, 1 int8).
 ACTIVATION_CODES = {"fp32": 0, "q8": 1}
-#: GGML type ids of the int8-activation products (Q4_0, Q8_0, Q4_K, Q6_K).
-Q8_TYPES = frozenset({2, 8, 12, 14})
+#: GGML type ids of the int8-activation products: every quantized type of :data:`GGML_TYPES`
+#: (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K); the float types keep fp32 activations.
+Q8_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14})
 #: The C sources of the kernels, compiled into one library (the header is part of the build
 #: key): the products, and the decoder layer built on them.
 SOURCES = tuple(

@@ -372,17 +372,18 @@ int pagedkv_gguf_get_rows(int type, const uint8_t *w, const int64_t *ids, int64_
     return 0;
 }
 
-/* ---- int8 activations (opt-in): Q4_0, Q8_0, Q4_K and Q6_K products --------------------
+/* ---- int8 activations: the products of every quantized type ------------------------------
  *
  * pagedkv_gguf_gemm above turns every weight into a float and multiplies it by an fp32
- * activation: a decode step is then bound by that arithmetic, not by the memory. Here the
- * activations are rounded to int8 once per call, in blocks of 32 along K (the size of the
- * weights' own groups), and a block of weights meets a block of activations in integer
- * arithmetic; only the block's result becomes a float.
+ * activation: a decode step is then bound by that arithmetic, not by the memory. Here (as
+ * llama.cpp does) the activations are rounded to int8 once per call, in blocks of 32 along K
+ * (the size of the weights' own groups), and a block of weights meets a block of activations
+ * in exact integer arithmetic; only the block's integer result becomes a float.
  *
  * Activation block b of row m (elements 32 b .. 32 b + 31):
  *   xd[b] = max |x| / 127 (fp32), xq = round-to-nearest-even(x * (1 / xd[b])) in [-127, 127]
- *   (all zeros when the block is), xds[b] = xd[b] * sum(xq) (fp32), so x ~ xd[b] * xq.
+ *   (all zeros when the block is), xds[b] = xd[b] * sum(xq) (fp32), so x ~ xd[b] * xq: each
+ *   activation is off by at most xd[b] / 2 (plus the fp32 rounding of x * (1 / xd)).
  *
  * The integer dot product of 32 weight values with 32 xq, in AVX2:
  *   _mm256_maddubs_epi16(u, s) multiplies 32 unsigned bytes u by 32 signed bytes s and adds
@@ -391,25 +392,31 @@ int pagedkv_gguf_get_rows(int type, const uint8_t *w, const int64_t *ids, int64_
  *   int32 lanes. Lane i holds elements 4 i .. 4 i + 3 (of the 128-bit half's 16 bytes), so a
  *   c of one value per 128-bit half applies a separate integer scale to elements 0-15 and
  *   16-31 (Q6_K's sub-blocks of 16).
- *   A signed weight (Q8_0, Q4_0 - 8, Q6_K - 32) has no unsigned operand: |w| is one (128 for
- *   -128 as an unsigned byte, still right) and x with w's sign moved onto it the other
- *   (_mm256_sign_epi8(x, w): -x where w < 0, 0 where w = 0), so each byte product is
- *   |w| * sign(w) * x = w * x; x is never -128, so negating it cannot overflow.
- *   Bounds of a 16-bit pair sum: Q8_0 2 * 128 * 127 = 32512, Q4_0 2 * 8 * 127, Q6_K
- *   2 * 32 * 127 = 8128, Q4_K (nibble 0..15 unsigned) 2 * 15 * 127; an int32 lane after a
+ *   An unsigned weight (Q4_1, Q5_1 q; Q4_K, Q5_K q) is the unsigned operand as it is.
+ *   A signed weight (Q8_0, Q4_0 q - 8, Q5_0 q - 16, Q6_K q - 32) has no unsigned operand: |w|
+ *   is one (128 for -128 as an unsigned byte, still right) and x with w's sign moved onto it
+ *   the other (_mm256_sign_epi8(x, w): -x where w < 0, 0 where w = 0), so each byte product
+ *   is |w| * sign(w) * x = w * x; x is never -128, so negating it cannot overflow.
+ *   Bounds of a 16-bit pair sum: Q8_0 2 * 128 * 127 = 32512, Q6_K 2 * 32 * 127 = 8128, the
+ *   5-bit types 2 * 31 * 127 = 7874, the 4-bit ones 2 * 15 * 127; an int32 lane after a
  *   multiplier of at most 128 is under 2^22, exact as a float.
  *
- * Each type's product, per output row (D = the block's fp32 scale as stored):
- *   Q8_0, Q4_0   sum_b (d_b * xd_b) * (w_b . xq_b)             w = the signed integer
- *   Q6_K         sum_g (d * xd_g) * sum_{half} scale_i * (w . xq)  over the two 16-element
- *                sub-blocks of group g (the int8 scales as madd's multiplier), w = q - 32
- *   Q4_K         sum_j (d * xd_j) * sc_j * (q_j . xq_j) - dmin * sum_j m_j * xds_j: the
- *                6-bit scale as madd's multiplier, the min term from the blocks' sums
- *                (one 8-lane multiply-add per super-block, as the fp32 product does)
+ * Each type's product, per output row (d, m, dmin = the block's fp32 scales as stored):
+ *   Q8_0, Q4_0, Q5_0   sum_b (d_b * xd_b) * (w_b . xq_b)          w = the signed integer
+ *   Q4_1, Q5_1         sum_b (d_b * xd_b) * (q_b . xq_b) + m_b * xds_b: the offset meets
+ *                      the activation block's sum (w = d q + m, so w . x = d (q . x) + m sum x)
+ *   Q6_K               sum_g (d * xd_g) * sum_{half} scale_i * (w . xq)  over the two
+ *                      16-element sub-blocks of group g (the int8 scales as madd's
+ *                      multiplier), w = q - 32
+ *   Q4_K, Q5_K         sum_j (d * xd_j) * sc_j * (q_j . xq_j) - dmin * sum_j m_j * xds_j: the
+ *                      6-bit scale as madd's multiplier, the min term from the blocks' sums
+ *                      (one 8-lane multiply-add per super-block, as the fp32 product does)
  * The int32 lanes become floats once per group of 32 and meet the group's fp32 factor in one
- * fused multiply-add into 8 lanes per activation row, summed at the end of the row.
+ * fused multiply-add into 8 lanes per activation row, summed at the end of the row. The
+ * result differs from the fp32 product by the activations' rounding: at most
+ * sum_k |w_k| * xd_block(k) / 2, plus fp32 summation.
  *
- * The only body is AVX2's (maddubs / madd / sign); an AVX-512 caller runs it too. */
+ * Two bodies: this AVX2 one (maddubs / madd / sign), and an AVX-512 VNNI one below. */
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
@@ -453,32 +460,73 @@ static inline AI __m256i dot_signed(__m256i w, __m256i x, __m256i c) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)), c);
 }
 
-/* Q8_0 / Q4_0 block at b: its 32 signed weights, in element order */
+/* unsigned w (0..31) . signed x, 32 bytes each, into 8 int32 lanes (times c, as above) */
+static inline AI __m256i dot_unsigned(__m256i w, __m256i x, __m256i c) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), c);
+}
+
+/* 16 nibbles at p as 32 bytes in element order: the low nibbles (elements 0-15), then the
+ * high ones (16-31) */
+static inline AI __m256i nibbles32(const uint8_t *p) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)p);
+    const __m128i lo = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
+    return _mm256_set_m128i(hi, lo);
+}
+
+/* The fifth bits of a Q5_0 / Q5_1 block (bit i of the little-endian word at p: element i) as
+ * 32 bytes of 16 or 0: each byte picks its word byte (i / 8) and tests its bit (i % 8). */
+static inline AI __m256i fifth_bits32(const uint8_t *p) {
+    uint32_t qh;
+    memcpy(&qh, p, 4);
+    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), pick);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    return _mm256_and_si256(set, _mm256_set1_epi8(16));
+}
+
+/* A 32-element block at b: its 32 integer weights in element order, signed (Q8_0 q, Q4_0
+ * q - 8, Q5_0 q - 16) or unsigned (Q4_1 q in 0..15, Q5_1 q in 0..31) */
 static inline AI __m256i q8w_q8_0(const uint8_t *b) {
     return _mm256_loadu_si256((const __m256i *)(b + 2));
 }
 
 static inline AI __m256i q8w_q4_0(const uint8_t *b) {
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)(b + 2));
-    const __m128i lo = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
-    return _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8));
+    return _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8));
 }
 
-/* One 32-element block of a Q8_0 / Q4_0 row for all M rows into acc[m] */
-#define Q8_BLOCK32(M, LOADW, b, g, acc)                                                      \
+static inline AI __m256i q8w_q4_1(const uint8_t *b) { return nibbles32(b + 4); }
+
+static inline AI __m256i q8w_q5_0(const uint8_t *b) {
+    return _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), fifth_bits32(b + 2)),
+                           _mm256_set1_epi8(16));
+}
+
+static inline AI __m256i q8w_q5_1(const uint8_t *b) {
+    return _mm256_or_si256(nibbles32(b + 8), fifth_bits32(b + 4));
+}
+
+/* One 32-element block of a row for all M rows: acc[m] += (d * xd) * (w . xq) in 8 lanes;
+ * a type with an offset m (MOFF its byte offset in the block, else -1) also adds
+ * m * xds to the row's scalar sm[m]. */
+#define Q8_BLOCK32(M, LOADW, SIGNED, MOFF, b, g, acc, sm)                                    \
     do {                                                                                     \
         const __m256i wv_ = LOADW(b);                                                        \
         const float d_ = f16_to_f32(b);                                                      \
-        _Pragma("GCC unroll 8") for (int m_ = 0; m_ < (M); m_++) {                           \
-            const __m256i xv_ = _mm256_loadu_si256((const __m256i *)(xq + m_ * K + 32 * (g))); \
-            const __m256i p_ = dot_signed(wv_, xv_, _mm256_set1_epi16(1));                   \
-            (acc)[m_] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_),                              \
-                                        _mm256_set1_ps(d_ * xd[m_ * G + (g)]), (acc)[m_]);   \
+        const float m_ = (MOFF) >= 0 ? f16_to_f32((b) + ((MOFF) > 0 ? (MOFF) : 0)) : 0.0f;  \
+        _Pragma("GCC unroll 8") for (int m_i = 0; m_i < (M); m_i++) {                        \
+            const __m256i xv_ = _mm256_loadu_si256((const __m256i *)(xq + m_i * K + 32 * (g))); \
+            const __m256i p_ = (SIGNED) ? dot_signed(wv_, xv_, _mm256_set1_epi16(1))          \
+                                        : dot_unsigned(wv_, xv_, _mm256_set1_epi16(1));       \
+            (acc)[m_i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_),                             \
+                                         _mm256_set1_ps(d_ * xd[m_i * G + (g)]), (acc)[m_i]); \
+            if ((MOFF) >= 0) (sm)[m_i] += m_ * xds[m_i * G + (g)];                           \
         }                                                                                    \
     } while (0)
 
-#define Q8_ROW32(T, BB)                                                                      \
+#define Q8_ROW32(T, BB, SIGNED, MOFF)                                                        \
     static inline AI void q8_row_##T(const int M, const uint8_t *w, const int8_t *xq,        \
                                      const float *xd, const float *xds, int64_t K,           \
                                      int64_t ldo, int64_t n, float *out) {                   \
@@ -486,36 +534,45 @@ static inline AI __m256i q8w_q4_0(const uint8_t *b) {
         const int64_t G = K / 32;                                                            \
         const uint8_t *row = w + n * G * (BB);                                               \
         __m256 a0[MAX_M], a1[MAX_M];                                                         \
-        _Pragma("GCC unroll 8") for (int m = 0; m < M; m++) a0[m] = a1[m] = _mm256_setzero_ps(); \
+        float sm[MAX_M];                                                                     \
+        _Pragma("GCC unroll 8") for (int m = 0; m < M; m++) {                                \
+            a0[m] = a1[m] = _mm256_setzero_ps();                                             \
+            sm[m] = 0.0f;                                                                    \
+        }                                                                                    \
         int64_t g = 0;                                                                       \
         for (; g + 2 <= G; g += 2) {                                                         \
             const uint8_t *b = row + g * (BB);                                               \
             PREFETCH(b + PF_BYTES);                                                          \
             PREFETCH(b + PF_BYTES + 64);                                                     \
-            Q8_BLOCK32(M, q8w_##T, b, g, a0);                                                \
-            Q8_BLOCK32(M, q8w_##T, b + (BB), g + 1, a1);                                     \
+            Q8_BLOCK32(M, q8w_##T, SIGNED, MOFF, b, g, a0, sm);                              \
+            Q8_BLOCK32(M, q8w_##T, SIGNED, MOFF, b + (BB), g + 1, a1, sm);                   \
         }                                                                                    \
-        if (g < G) Q8_BLOCK32(M, q8w_##T, row + g * (BB), g, a0);                            \
+        if (g < G) Q8_BLOCK32(M, q8w_##T, SIGNED, MOFF, row + g * (BB), g, a0, sm);          \
         _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)                                  \
-            out[m * ldo + n] = hsum8(_mm256_add_ps(a0[m], a1[m]));                        \
+            out[m * ldo + n] = hsum8(_mm256_add_ps(a0[m], a1[m])) + sm[m];                   \
     }
 
-Q8_ROW32(q8_0, 34)
-Q8_ROW32(q4_0, 18)
+Q8_ROW32(q8_0, 34, 1, -1)
+Q8_ROW32(q4_0, 18, 1, -1)
+Q8_ROW32(q4_1, 20, 0, 2)
+Q8_ROW32(q5_0, 22, 1, -1)
+Q8_ROW32(q5_1, 24, 0, 2)
 
-/* Q4_K row n: per super-block the min term, then 4 pairs of groups (a pair's 32 bytes hold
- * group 2 c in the low nibbles and 2 c + 1 in the high ones, element i in byte i). */
-static inline AI void q8_row_q4_k(const int M, const uint8_t *w, const int8_t *xq,
-                                  const float *xd, const float *xds, int64_t K, int64_t ldo,
-                                  int64_t n, float *out) {
+/* Q4_K (five = 0) / Q5_K (five = 1) row n: per super-block the min term, then 4 pairs of
+ * groups (a pair's 32 bytes hold group 2 c in the low nibbles and 2 c + 1 in the high ones,
+ * element i in byte i; Q5_K's fifth bit of element i of group j is bit j of qh[i]). */
+static inline AI void q8_row_kq(const int M, const int five, const uint8_t *w, const int8_t *xq,
+                                const float *xd, const float *xds, int64_t K, int64_t ldo,
+                                int64_t n, float *out) {
+    const int BB = five ? 176 : 144;
     const int64_t S = K / 256, G = K / 32;
-    const uint8_t *row = w + n * S * 144;
+    const uint8_t *row = w + n * S * BB;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     __m256 a0[MAX_M], a1[MAX_M];
 #pragma GCC unroll 8
     for (int m = 0; m < M; m++) a0[m] = a1[m] = _mm256_setzero_ps();
     for (int64_t s = 0; s < S; s++) {
-        const uint8_t *blk = row + s * 144;
+        const uint8_t *blk = row + s * BB;
         PREFETCH(blk + PF_BYTES);
         PREFETCH(blk + PF_BYTES + 64);
         PREFETCH(blk + PF_BYTES + 128);
@@ -538,21 +595,34 @@ static inline AI void q8_row_q4_k(const int M, const uint8_t *w, const int8_t *x
 #pragma GCC unroll 8
         for (int m = 0; m < M; m++)
             a1[m] = _mm256_fnmadd_ps(dm, _mm256_loadu_ps(xds + m * G + s * 8), a1[m]);
+        const uint8_t *qs = blk + (five ? 48 : 16);
+        const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : low4;
 #pragma GCC unroll 4
         for (int c = 0; c < 4; c++) {
-            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
-            const __m256i qlo = _mm256_and_si256(bytes, low4);
-            const __m256i qhi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            __m256i qlo = _mm256_and_si256(bytes, low4);
+            __m256i qhi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+            if (five) {
+                /* bit j of each qh byte moved to bit 4 (j = 2 c, 2 c + 1; 16-bit shifts move
+                 * no set bit across a byte: only bit j is kept) */
+                const int j0 = 2 * c, j1 = 2 * c + 1;
+                const __m256i b0 = _mm256_and_si256(qh, _mm256_set1_epi8((char)(1 << j0)));
+                const __m256i b1 = _mm256_and_si256(qh, _mm256_set1_epi8((char)(1 << j1)));
+                qlo = _mm256_or_si256(qlo, j0 <= 4 ? _mm256_slli_epi16(b0, 4 - j0)
+                                                   : _mm256_srli_epi16(b0, j0 - 4));
+                qhi = _mm256_or_si256(qhi, j1 <= 4 ? _mm256_slli_epi16(b1, 4 - j1)
+                                                   : _mm256_srli_epi16(b1, j1 - 4));
+            }
             const __m256i clo = _mm256_set1_epi16(sc[2 * c]), chi = _mm256_set1_epi16(sc[2 * c + 1]);
             const int64_t b = s * 8 + 2 * c;
 #pragma GCC unroll 8
             for (int m = 0; m < M; m++) {
                 const int8_t *xm = xq + m * K + 32 * b;
-                /* nibbles are the unsigned operand as they are */
-                const __m256i plo = _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(qlo, _mm256_loadu_si256((const __m256i *)xm)), clo);
-                const __m256i phi = _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(qhi, _mm256_loadu_si256((const __m256i *)(xm + 32))), chi);
+                /* the weights are the unsigned operand as they are */
+                const __m256i plo =
+                    dot_unsigned(qlo, _mm256_loadu_si256((const __m256i *)xm), clo);
+                const __m256i phi =
+                    dot_unsigned(qhi, _mm256_loadu_si256((const __m256i *)(xm + 32)), chi);
                 a0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(plo), _mm256_set1_ps(d * xd[m * G + b]),
                                         a0[m]);
                 a1[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(phi),
@@ -562,6 +632,18 @@ static inline AI void q8_row_q4_k(const int M, const uint8_t *w, const int8_t *x
     }
 #pragma GCC unroll 8
     for (int m = 0; m < M; m++) out[m * ldo + n] = hsum8(_mm256_add_ps(a0[m], a1[m]));
+}
+
+static inline AI void q8_row_q4_k(const int M, const uint8_t *w, const int8_t *xq,
+                                  const float *xd, const float *xds, int64_t K, int64_t ldo,
+                                  int64_t n, float *out) {
+    q8_row_kq(M, 0, w, xq, xd, xds, K, ldo, n, out);
+}
+
+static inline AI void q8_row_q5_k(const int M, const uint8_t *w, const int8_t *xq,
+                                  const float *xd, const float *xds, int64_t K, int64_t ldo,
+                                  int64_t n, float *out) {
+    q8_row_kq(M, 1, w, xq, xd, xds, K, ldo, n, out);
 }
 
 /* Q6_K row n: group g = 4 h + t of a super-block (half h, quarter t, see the header comment):
@@ -645,7 +727,11 @@ static inline AI void q8_row_q6_k(const int M, const uint8_t *w, const int8_t *x
 
 Q8_ROWS(q8_0)
 Q8_ROWS(q4_0)
+Q8_ROWS(q4_1)
+Q8_ROWS(q5_0)
+Q8_ROWS(q5_1)
 Q8_ROWS(q4_k)
+Q8_ROWS(q5_k)
 Q8_ROWS(q6_k)
 
 #undef Q8_BLOCK32
@@ -655,7 +741,8 @@ Q8_ROWS(q6_k)
 #pragma GCC pop_options
 
 int pagedkv_gguf_q8_takes(int type) {
-    return type == GGML_Q4_0 || type == GGML_Q8_0 || type == GGML_Q4_K || type == GGML_Q6_K;
+    return type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q5_0 || type == GGML_Q5_1 ||
+           type == GGML_Q8_0 || type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K;
 }
 
 int pagedkv_gguf_gemm_q8(int type, const float *x, const uint8_t *w, float *out, int64_t M,
@@ -684,7 +771,11 @@ int pagedkv_gguf_gemm_q8_ld(int type, const float *x, const uint8_t *w, float *o
         switch (type) {
             case GGML_Q8_0: q8_rows_q8_0((int)M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
             case GGML_Q4_0: q8_rows_q4_0((int)M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
+            case GGML_Q4_1: q8_rows_q4_1((int)M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
+            case GGML_Q5_0: q8_rows_q5_0((int)M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
+            case GGML_Q5_1: q8_rows_q5_1((int)M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
             case GGML_Q4_K: q8_rows_q4_k((int)M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
+            case GGML_Q5_K: q8_rows_q5_k((int)M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
             case GGML_Q6_K: q8_rows_q6_k((int)M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
         }
     }
