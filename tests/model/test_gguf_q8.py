@@ -21,6 +21,7 @@ from gguf.quants import Q4_K, dequantize
 from pagedkv.model.kernels.cpu_quant import (
     GGML_TYPES,
     MAX_ROWS,
+    Q8_ISA_CODES,
     Q8_TYPES,
     CpuQuantKernels,
     GGUFPart,
@@ -36,8 +37,9 @@ N = 37  # output rows: not a multiple of the kernels' 16-row blocks
 
 @pytest.fixture(scope="module", params=["avx2", "avx512"])
 def kernels(request, tmp_path_factory) -> CpuQuantKernels:
-    """The kernels with int8 activations, each ISA (both run the AVX2 body of the q8
-    products; AVX-512 skipped where the CPU lacks it)."""
+    """The kernels with int8 activations, each ISA: "avx2" runs the AVX2 body of the q8
+    products, "avx512" the AVX-512 VNNI one where the CPU has it (else the AVX2 one again;
+    skipped where the CPU lacks AVX-512 or a hold caps it)."""
     cache = tmp_path_factory.getbasetemp() / "gguf-q8-kernels"
     return kernels_or_skip(cache, request.param, "q8")
 
@@ -77,16 +79,19 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(q.reshape(x.shape)).double(), torch.from_numpy(d).double()
 
 
-@pytest.mark.parametrize("k", [256, 2048])
+@pytest.mark.parametrize("k", [256, 2048, 288])
 @pytest.mark.parametrize("name", Q8_NAMES)
 def test_q8_product_against_the_rounded_activations(kernels, name, k):
-    """Every row count 1..8, with a zero block and a block of one large value among the
+    """Every row count 1..8 (K 288: an odd number of 32-element blocks, the VNNI body's lone
+    last block), with a zero block and a block of one large value among the
     activations. (1) Against x rounded the same way in numpy times the dequantized weights in
     float64: within ``K/8 + 16`` fp32 roundings of ``sum |x_hat| (|w| + 2 |dmin m|)`` (as the
     fp32 product's bound) and on average within one. (2) Against the exact product with x:
     within ``sum_k |w_k| * d_block / 2`` (each activation off by at most half its block's
     step) plus that fp32 slack."""
     t = GGML_TYPES[name]
+    if k % t.block_elems:
+        pytest.skip(f"{name} rows are whole blocks of {t.block_elems}")
     raw = gguf_weight(name, N, k, seed=k + len(name))
     w = dense(name, raw)
     terms = w.abs()
@@ -113,9 +118,11 @@ def test_q8_product_against_the_rounded_activations(kernels, name, k):
         assert bool((exact_error <= rounding * (1 + 1e-5) + slack).all()), rows
 
 
-def test_the_ld_entry_writes_strided_rows_and_both_isas_agree(kernels):
+def test_the_ld_entry_writes_strided_rows_and_the_bodies_agree(kernels):
     """``pagedkv_gguf_gemm_q8_ld`` writes rows ``ldo`` apart and nothing between them; the
-    result equals the unstrided call bit for bit."""
+    result equals the unstrided call bit for bit; the AVX-512 code runs the AVX2 body
+    (identical results) and the VNNI body, where the CPU has it, agrees with it up to fp32
+    summation."""
     lib = ctypes.CDLL(str(kernels.path))
     entry = lib.pagedkv_gguf_gemm_q8_ld
     p, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -130,13 +137,16 @@ def test_the_ld_entry_writes_strided_rows_and_both_isas_agree(kernels):
         )
 
     out = torch.full((3, N + 5), 7.0)
-    assert call(out, 0) == 0
+    assert call(out, Q8_ISA_CODES[kernels.q8_isa]) == 0
     assert torch.equal(out[:, :N], kernels.gguf_gemm(t.type_id, x, raw))
     assert bool((out[:, N:] == 7.0).all())
-    # the AVX-512 code runs the same body: identical results
+    avx2 = torch.full((3, N + 5), 7.0)
+    assert call(avx2, 0) == 0
     other = torch.full((3, N + 5), 7.0)
     assert call(other, 1) == 0
-    assert torch.equal(other, out)
+    assert torch.equal(other, avx2)
+    if kernels.q8_isa == "avx512_vnni":
+        assert torch.allclose(out, avx2, rtol=1e-5, atol=1e-5 * float(avx2.abs().max()))
 
 
 def test_float_types_keep_the_fp32_product(kernels):
@@ -181,7 +191,7 @@ def test_refusals(kernels, tmp_path):
         (1, 256, GGML_TYPES["F16"].type_id, 0),
         (1, 256, GGML_TYPES["F32"].type_id, 0),
         (1, 256, 10, 0),  # Q2_K
-        (1, 256, q4k, 2),
+        (1, 256, q4k, 3),
     ):
         args = (type_id, x.data_ptr(), raw.data_ptr(), out.data_ptr(), rows, N, k, 1, isa)
         assert gemm(*args) == -1

@@ -89,6 +89,12 @@ MAX_ROWS = 8
 GROUP_SIZE = 32
 #: The products' bodies, by name, and the code quant_gemv.h gives each (``PAGEDKV_ISA_*``).
 ISA_CODES = {"avx2": 0, "avx512": 1}
+#: The int8-activation products' bodies, by name, and their ``PAGEDKV_ISA_*`` codes: AVX2
+#: (``maddubs`` / ``madd``) and AVX-512 VNNI (``dpbusd``).
+Q8_ISA_CODES = {"avx2": 0, "avx512_vnni": 2}
+#: CPU flags (``/proc/cpuinfo``) the VNNI body needs beside :attr:`CpuQuantKernels.isa`
+#: "avx512".
+VNNI_FLAGS = ("avx512bw", "avx512_vnni")
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -162,6 +168,25 @@ def isa_code(isa: str) -> int:
     if isa not in ISA_CODES:
         raise KernelUnavailableError(f"isa {isa!r} is not one of {tuple(ISA_CODES)}")
     return ISA_CODES[isa]
+
+
+def q8_body(isa: str, flags: frozenset[str] | None = None) -> str:
+    """The int8-activation products' body that goes with the products' body ``isa``:
+    "avx512_vnni" where ``isa`` is "avx512" (so no AVX2 hold applies) and the CPU has
+    :data:`VNNI_FLAGS` (``flags``; None = :func:`pagedkv.cpu_caps.cpu_flags`), else "avx2"."""
+    flags = cpu_flags() if flags is None else flags
+    return "avx512_vnni" if isa == "avx512" and all(f in flags for f in VNNI_FLAGS) else "avx2"
+
+
+def q8_isa_code(q8_isa: str) -> int:
+    """quant_gemv.h's code of an int8-activation body name (:data:`Q8_ISA_CODES`).
+
+    Raises:
+        KernelUnavailableError: an unknown name.
+    """
+    if q8_isa not in Q8_ISA_CODES:
+        raise KernelUnavailableError(f"q8_isa {q8_isa!r} is not one of {tuple(Q8_ISA_CODES)}")
+    return Q8_ISA_CODES[q8_isa]
 
 
 def activations_code(activations: str) -> int:
@@ -260,6 +285,7 @@ class _LlamaLayer(ctypes.Structure):
         ("eps", ctypes.c_float),
         ("isa", ctypes.c_int32),
         ("activations", ctypes.c_int32),
+        ("q8_isa", ctypes.c_int32),
     ]
 
 
@@ -353,10 +379,12 @@ class LlamaLayerWeights:
         activations: the GGUF parts' activations, a key of :data:`ACTIVATION_CODES`
             (:attr:`CpuQuantKernels.activations`): "q8" runs the parts of :data:`Q8_TYPES`
             on int8 activations, the others stay fp32.
+        q8_isa: the int8-activation products' body, a key of :data:`Q8_ISA_CODES`
+            (:attr:`CpuQuantKernels.q8_isa`); None = :func:`q8_body` of ``isa``.
 
     Raises:
         KernelUnavailableError: shapes, dtypes or types the kernels do not take, or an
-            unknown ``isa`` / ``activations``.
+            unknown ``isa`` / ``activations`` / ``q8_isa``.
     """
 
     __slots__ = ("_keep", "_struct", "address", "head_dim", "hidden", "num_heads", "num_kv_heads")
@@ -379,9 +407,11 @@ class LlamaLayerWeights:
         q_norm: torch.Tensor | None = None,
         k_norm: torch.Tensor | None = None,
         activations: str = "fp32",
+        q8_isa: str | None = None,
     ):
         code = isa_code(isa)
         activations_id = activations_code(activations)
+        q8_code = q8_isa_code(q8_body(isa) if q8_isa is None else q8_isa)
         hidden = input_norm.shape[0]
         gate_up_rows = sum(_part_rows(part) for part in _parts(gate_up))
         if gate_up_rows % 2:
@@ -423,6 +453,7 @@ class LlamaLayerWeights:
             eps,
             code,
             activations_id,
+            q8_code,
         )
         self._keep = (qkv, o, gate_up, down, *vectors)
         #: the struct's address, passed to the C calls.
@@ -464,18 +495,30 @@ class CpuQuantKernels:
         "_int4",
         "_int8",
         "_isa_code",
+        "_q8_isa_code",
         "activations",
         "fused_layers",
         "gguf_types",
         "isa",
         "path",
+        "q8_isa",
     )
 
     def __init__(
-        self, path: Path, fused_layers: bool = True, isa: str = "avx2", activations: str = "fp32"
+        self,
+        path: Path,
+        fused_layers: bool = True,
+        isa: str = "avx2",
+        activations: str = "fp32",
+        q8_isa: str | None = None,
     ):
         self._isa_code = isa_code(isa)
         activations_code(activations)
+        q8_isa = q8_body(isa) if q8_isa is None else q8_isa
+        self._q8_isa_code = q8_isa_code(q8_isa)
+        #: the int8-activation products' body: "avx2" or "avx512_vnni" (:func:`q8_body`; the
+        #: caller checks that the CPU has it)
+        self.q8_isa = q8_isa
         #: the GGUF products' activations: "fp32" (exact up to fp32 summation) or "q8" (int8
         #: blocks of 32 for :data:`Q8_TYPES`, in :meth:`gguf_gemm` and the fused layers)
         self.activations = activations
@@ -713,7 +756,7 @@ class CpuQuantKernels:
             n,
             in_features,
             torch.get_num_threads(),
-            self._isa_code,
+            self._q8_isa_code if q8 else self._isa_code,
         )
         if rc:
             raise KernelUnavailableError(f"gguf_gemm refused type {type_id}, x {tuple(x.shape)}")

@@ -740,6 +740,341 @@ Q8_ROWS(q6_k)
 
 #pragma GCC pop_options
 
+/* ---- the AVX-512 VNNI body of the int8 products ------------------------------------------
+ *
+ * _mm512_dpbusd_epi32(acc, u, s) adds to each of 16 int32 lanes the four products of its
+ * unsigned bytes of u with the signed bytes of s, exactly (no 16-bit step, no saturation).
+ * One 512-bit vector holds two groups of 32 (a "pair": lanes 0-7 the first, 8-15 the
+ * second), so one instruction per pair and activation row does what maddubs + madd do per
+ * group in the AVX2 body.
+ *   Unsigned weights (Q4_1, Q5_1, Q4_K, Q5_K q) are u as they are, xq is s.
+ *   Signed weights (Q8_0, Q4_0 - 8, Q5_0 - 16, Q6_K - 32) are s, and the activations u =
+ *   xq + 128 (in [1, 255], kept once per call beside xq): u . w = xq . w + 128 sum(w), so
+ *   each lane starts from -128 * (its four weights' sum), one dpbusd of 128s with w per pair,
+ *   shared by all activation rows.
+ * Each lane holds four consecutive elements, so a pair's fp32 factor is one vector of 16:
+ * the weights' scale per lane (d per block; d * sc_j per Q4_K / Q5_K group; d * scale_i per
+ * Q6_K sub-block of 16, four lanes each) times the activation blocks' xd (lanes 0-7 the first
+ * block's, 8-15 the second's, laid out so once per call). The offsets as in the AVX2 body:
+ * Q4_1 / Q5_1's m times xds (spread as xds / 8 over the block's 8 lanes), the K-types' min
+ * term once per super-block. */
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+
+/* The activations as the VNNI body reads them: P = ceil(K / 64) pairs, rows Kp = 64 P apart */
+typedef struct {
+    const int8_t *xq;  /* [M, Kp] the rounded activations (zeros past K) */
+    const uint8_t *xu; /* [M, Kp] xq + 128 */
+    const float *xdp;  /* [M, P, 16] lanes 0-7 xd[2 p], 8-15 xd[2 p + 1] (0 past K) */
+    const float *xsp;  /* [M, P, 16] the same of xds / 8 */
+    const float *xds;  /* [M, G] */
+    int64_t G, P, Kp;
+} q8v_act;
+
+/* 16 bytes of nibbles at p0 and at p1 as 64 bytes: block p0's 32 elements, then p1's */
+static inline AI __m512i v_nib64(const uint8_t *p0, const uint8_t *p1) {
+    const __m256i t = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p0)),
+        _mm_loadu_si128((const __m128i *)p1), 1);
+    __m512i z = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3),
+                                         _mm512_castsi256_si512(t));
+    z = _mm512_mask_srli_epi16(z, (__mmask32)0xFF00FF00u, z, 4);
+    return _mm512_and_si512(z, _mm512_set1_epi8(0x0F));
+}
+
+/* the fifth bits of two Q5_0 / Q5_1 blocks (their qh words at p0, p1) as a byte mask */
+static inline AI __mmask64 v_fifth64(const uint8_t *p0, const uint8_t *p1) {
+    uint32_t a, b;
+    memcpy(&a, p0, 4);
+    memcpy(&b, p1, 4);
+    return (__mmask64)a | ((__mmask64)b << 32);
+}
+
+/* two 32-element blocks b0, b1 -> their 64 integer weights (signedness as q8w_*) */
+static inline AI __m512i v_w_q8_0(const uint8_t *b0, const uint8_t *b1) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
+                              _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1);
+}
+static inline AI __m512i v_w_q4_0(const uint8_t *b0, const uint8_t *b1) {
+    return _mm512_sub_epi8(v_nib64(b0 + 2, b1 + 2), _mm512_set1_epi8(8));
+}
+static inline AI __m512i v_w_q4_1(const uint8_t *b0, const uint8_t *b1) {
+    return v_nib64(b0 + 4, b1 + 4);
+}
+static inline AI __m512i v_w_q5_0(const uint8_t *b0, const uint8_t *b1) {
+    const __m512i nib = v_nib64(b0 + 6, b1 + 6);
+    /* q - 16: nib where the fifth bit is set, nib - 16 where it is not */
+    return _mm512_mask_sub_epi8(nib, ~v_fifth64(b0 + 2, b1 + 2), nib, _mm512_set1_epi8(16));
+}
+static inline AI __m512i v_w_q5_1(const uint8_t *b0, const uint8_t *b1) {
+    const __m512i nib = v_nib64(b0 + 8, b1 + 8);
+    return _mm512_mask_add_epi8(nib, v_fifth64(b0 + 4, b1 + 4), nib, _mm512_set1_epi8(16));
+}
+
+/* -128 * (the sum of each lane's four signed weights): the start of a signed pair's lanes */
+static inline AI __m512i v_offset(__m512i w) {
+    return _mm512_sub_epi32(_mm512_setzero_si512(),
+                            _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)0x80), w));
+}
+
+/* One pair p (blocks b0, b1; b1 NULL: the row's last block alone) of a 32-element type for
+ * all M rows: a0[m] += cvt(w . xq) * (D * xd), a1[m] += M * xds / 8 (types with an offset). */
+#define V_PAIR32(M, WB, SIGNED, MOFF, b0, b1, p, a0, a1)                                     \
+    do {                                                                                     \
+        const uint8_t *c1_ = (b1) != NULL ? (b1) : (b0);                                     \
+        __m512i w_ = WB((b0), c1_);                                                          \
+        float d1_ = f16_to_f32(c1_), m1_ = 0.0f;                                             \
+        if ((MOFF) > 0) m1_ = f16_to_f32(c1_ + ((MOFF) > 0 ? (MOFF) : 0));                   \
+        if ((b1) == NULL) {                                                                  \
+            w_ = _mm512_maskz_mov_epi8((__mmask64)0xFFFFFFFFull, w_);                         \
+            d1_ = m1_ = 0.0f;                                                                \
+        }                                                                                    \
+        const __m512 dv_ = _mm512_insertf32x8(_mm512_set1_ps(f16_to_f32(b0)), _mm256_set1_ps(d1_), 1); \
+        __m512 mv_ = _mm512_setzero_ps();                                                    \
+        if ((MOFF) > 0)                                                                      \
+            mv_ = _mm512_insertf32x8(_mm512_set1_ps(f16_to_f32((b0) + ((MOFF) > 0 ? (MOFF) : 0))), \
+                                     _mm256_set1_ps(m1_), 1);                                \
+        const __m512i start_ = (SIGNED) ? v_offset(w_) : _mm512_setzero_si512();             \
+        _Pragma("GCC unroll 8") for (int m_i = 0; m_i < (M); m_i++) {                        \
+            const int64_t at_ = m_i * A->Kp + 64 * (p);                                      \
+            const __m512i dot_ =                                                             \
+                (SIGNED) ? _mm512_dpbusd_epi32(start_, _mm512_loadu_si512(A->xu + at_), w_)   \
+                         : _mm512_dpbusd_epi32(start_, w_, _mm512_loadu_si512(A->xq + at_));  \
+            const int64_t f_ = (m_i * A->P + (p)) * 16;                                      \
+            (a0)[m_i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_),                            \
+                                        _mm512_mul_ps(dv_, _mm512_loadu_ps(A->xdp + f_)), (a0)[m_i]); \
+            if ((MOFF) > 0)                                                                  \
+                (a1)[m_i] = _mm512_fmadd_ps(mv_, _mm512_loadu_ps(A->xsp + f_), (a1)[m_i]);   \
+        }                                                                                    \
+    } while (0)
+
+#define V_ROW32(T, BB, SIGNED, MOFF)                                                         \
+    static inline AI void v_row_##T(const int M, const uint8_t *w, const q8v_act *A,         \
+                                    int64_t ldo, int64_t n, float *out) {                    \
+        const int64_t G = A->G;                                                              \
+        const uint8_t *row = w + n * G * (BB);                                               \
+        __m512 a0[MAX_M], a1[MAX_M];                                                         \
+        _Pragma("GCC unroll 8") for (int m = 0; m < M; m++) a0[m] = a1[m] = _mm512_setzero_ps(); \
+        int64_t p = 0;                                                                       \
+        for (; 2 * p + 2 <= G; p++) {                                                        \
+            const uint8_t *b = row + 2 * p * (BB);                                           \
+            PREFETCH(b + PF_BYTES);                                                          \
+            PREFETCH(b + PF_BYTES + 64);                                                     \
+            V_PAIR32(M, v_w_##T, SIGNED, MOFF, b, b + (BB), p, a0, a1);                      \
+        }                                                                                    \
+        if (2 * p < G) V_PAIR32(M, v_w_##T, SIGNED, MOFF, row + 2 * p * (BB), (const uint8_t *)NULL, p, a0, a1); \
+        _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)                                  \
+            out[m * ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m]));            \
+    }
+
+V_ROW32(q8_0, 34, 1, -1)
+V_ROW32(q4_0, 18, 1, -1)
+V_ROW32(q4_1, 20, 0, 2)
+V_ROW32(q5_0, 22, 1, -1)
+V_ROW32(q5_1, 24, 0, 2)
+
+/* Q4_K (five = 0) / Q5_K (five = 1) row n: pair c of a super-block is the 32 bytes of nibbles
+ * qs[32 c ..]: group 2 c the low nibbles (lanes 0-7), 2 c + 1 the high ones (8-15). */
+static inline AI void v_row_kq(const int M, const int five, const uint8_t *w, const q8v_act *A,
+                               int64_t ldo, int64_t n, float *out) {
+    const int BB = five ? 176 : 144;
+    const int64_t G = A->G, S = G / 8;
+    const uint8_t *row = w + n * S * BB;
+    __m512 a0[MAX_M], a1[MAX_M];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) a0[m] = a1[m] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < S; s++) {
+        const uint8_t *blk = row + s * BB;
+        PREFETCH(blk + PF_BYTES);
+        PREFETCH(blk + PF_BYTES + 64);
+        PREFETCH(blk + PF_BYTES + 128);
+        float D[8], DM[8];
+        prep_q4_k(blk, D, DM);
+        const __m512 dz = _mm512_castps256_ps512(_mm256_loadu_ps(D));
+        const __m512 dm = _mm512_zextps256_ps512(_mm256_loadu_ps(DM));
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++)
+            a1[m] = _mm512_fnmadd_ps(dm, _mm512_zextps256_ps512(_mm256_loadu_ps(A->xds + m * G + s * 8)),
+                                     a1[m]);
+        const uint8_t *qs = blk + (five ? 48 : 16);
+        const __m512i qh = five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)))
+                                : _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            const __m512i bytes = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
+            __m512i wv = _mm512_and_si512(_mm512_mask_srli_epi16(bytes, (__mmask32)0xFFFF0000u, bytes, 4),
+                                          _mm512_set1_epi8(0x0F));
+            if (five) {
+                /* bit 2 c of each qh byte for the low half, bit 2 c + 1 for the high one */
+                const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (2 * c))),
+                                                       _mm256_set1_epi8((char)(1 << (2 * c + 1))), 1);
+                wv = _mm512_mask_add_epi8(wv, _mm512_test_epi8_mask(qh, bit), wv, _mm512_set1_epi8(16));
+            }
+            const __m512 dv = _mm512_permutexvar_ps(
+                _mm512_inserti64x4(_mm512_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1), 1), dz);
+            const int64_t p = 4 * s + c;
+#pragma GCC unroll 8
+            for (int m = 0; m < M; m++) {
+                const __m512i dot = _mm512_dpbusd_epi32(
+                    _mm512_setzero_si512(), wv, _mm512_loadu_si512(A->xq + m * A->Kp + 64 * p));
+                a0[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                        _mm512_mul_ps(dv, _mm512_loadu_ps(A->xdp + (m * A->P + p) * 16)),
+                                        a0[m]);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) out[m * ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m]));
+}
+
+static inline AI void v_row_q4_k(const int M, const uint8_t *w, const q8v_act *A, int64_t ldo,
+                                 int64_t n, float *out) {
+    v_row_kq(M, 0, w, A, ldo, n, out);
+}
+
+static inline AI void v_row_q5_k(const int M, const uint8_t *w, const q8v_act *A, int64_t ldo,
+                                 int64_t n, float *out) {
+    v_row_kq(M, 1, w, A, ldo, n, out);
+}
+
+/* Q6_K row n: pair p = 2 h + u of a super-block is groups 4 h + 2 u and 4 h + 2 u + 1: the
+ * 64 bytes ql[64 h ..] (low nibbles for u = 0, high for u = 1) and the 32 bytes qh[32 h ..]
+ * (bits 4 u, 4 u + 1 for the first group, 4 u + 2, 4 u + 3 for the second); its lanes take
+ * the scales 4 p .. 4 p + 3, four lanes each. */
+static inline AI void v_row_q6_k(const int M, const uint8_t *w, const q8v_act *A, int64_t ldo,
+                                 int64_t n, float *out) {
+    const int64_t G = A->G, S = G / 8;
+    const uint8_t *row = w + n * S * 210;
+    __m512 a0[MAX_M];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) a0[m] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < S; s++) {
+        const uint8_t *blk = row + s * 210;
+        PREFETCH(blk + PF_BYTES);
+        PREFETCH(blk + PF_BYTES + 64);
+        PREFETCH(blk + PF_BYTES + 128);
+        PREFETCH(blk + PF_BYTES + 192);
+        const __m512 sc = _mm512_mul_ps(
+            _mm512_set1_ps(f16_to_f32(blk + 208)),
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)))));
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
+            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
+#pragma GCC unroll 2
+            for (int u = 0; u < 2; u++) {
+                const __m512i nib = _mm512_and_si512(u ? _mm512_srli_epi16(ql, 4) : ql, _mm512_set1_epi8(0x0F));
+                /* the two bits to bits 4, 5 of each byte (16-bit shifts: the mask drops what
+                 * crosses from the neighbouring byte) */
+                const __m512i top = u ? _mm512_srlv_epi16(qh, _mm512_inserti64x4(_mm512_setzero_si512(),
+                                                                                 _mm256_set1_epi16(2), 1))
+                                      : _mm512_sllv_epi16(qh, _mm512_inserti64x4(_mm512_set1_epi16(4),
+                                                                                 _mm256_set1_epi16(2), 1));
+                const __m512i q = _mm512_ternarylogic_epi32(nib, top, _mm512_set1_epi8(0x30), 0xF8);
+                const __m512i wv = _mm512_sub_epi8(q, _mm512_set1_epi8(32));
+                const __m512i start = v_offset(wv);
+                const int pp = 2 * h + u;
+                const __m512 dv = _mm512_permutexvar_ps(
+                    _mm512_setr_epi32(4 * pp, 4 * pp, 4 * pp, 4 * pp, 4 * pp + 1, 4 * pp + 1, 4 * pp + 1,
+                                      4 * pp + 1, 4 * pp + 2, 4 * pp + 2, 4 * pp + 2, 4 * pp + 2,
+                                      4 * pp + 3, 4 * pp + 3, 4 * pp + 3, 4 * pp + 3),
+                    sc);
+                const int64_t p = 4 * s + pp;
+#pragma GCC unroll 8
+                for (int m = 0; m < M; m++) {
+                    const __m512i dot =
+                        _mm512_dpbusd_epi32(start, _mm512_loadu_si512(A->xu + m * A->Kp + 64 * p), wv);
+                    a0[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                            _mm512_mul_ps(dv, _mm512_loadu_ps(A->xdp + (m * A->P + p) * 16)),
+                                            a0[m]);
+                }
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) out[m * ldo + n] = _mm512_reduce_add_ps(a0[m]);
+}
+
+#define V_ROWS(T)                                                                            \
+    static __attribute__((noinline)) void v_rows_##T(int M, const uint8_t *w, const q8v_act *A, \
+                                                     int64_t ldo, int64_t n0, int64_t n1,    \
+                                                     float *out) {                           \
+        switch (M) {                                                                         \
+            case 1: for (int64_t n = n0; n < n1; n++) v_row_##T(1, w, A, ldo, n, out); break; \
+            case 2: for (int64_t n = n0; n < n1; n++) v_row_##T(2, w, A, ldo, n, out); break; \
+            case 3: for (int64_t n = n0; n < n1; n++) v_row_##T(3, w, A, ldo, n, out); break; \
+            case 4: for (int64_t n = n0; n < n1; n++) v_row_##T(4, w, A, ldo, n, out); break; \
+            case 5: for (int64_t n = n0; n < n1; n++) v_row_##T(5, w, A, ldo, n, out); break; \
+            case 6: for (int64_t n = n0; n < n1; n++) v_row_##T(6, w, A, ldo, n, out); break; \
+            case 7: for (int64_t n = n0; n < n1; n++) v_row_##T(7, w, A, ldo, n, out); break; \
+            case 8: for (int64_t n = n0; n < n1; n++) v_row_##T(8, w, A, ldo, n, out); break; \
+        }                                                                                    \
+    }
+
+V_ROWS(q8_0)
+V_ROWS(q4_0)
+V_ROWS(q4_1)
+V_ROWS(q5_0)
+V_ROWS(q5_1)
+V_ROWS(q4_k)
+V_ROWS(q5_k)
+V_ROWS(q6_k)
+
+/* Rows n0..n1 of a type's product on the VNNI body */
+static void v_rows(int type, int M, const uint8_t *w, const q8v_act *A, int64_t ldo, int64_t n0,
+                   int64_t n1, float *out) {
+    switch (type) {
+        case GGML_Q8_0: v_rows_q8_0(M, w, A, ldo, n0, n1, out); break;
+        case GGML_Q4_0: v_rows_q4_0(M, w, A, ldo, n0, n1, out); break;
+        case GGML_Q4_1: v_rows_q4_1(M, w, A, ldo, n0, n1, out); break;
+        case GGML_Q5_0: v_rows_q5_0(M, w, A, ldo, n0, n1, out); break;
+        case GGML_Q5_1: v_rows_q5_1(M, w, A, ldo, n0, n1, out); break;
+        case GGML_Q4_K: v_rows_q4_k(M, w, A, ldo, n0, n1, out); break;
+        case GGML_Q5_K: v_rows_q5_k(M, w, A, ldo, n0, n1, out); break;
+        case GGML_Q6_K: v_rows_q6_k(M, w, A, ldo, n0, n1, out); break;
+    }
+}
+
+#undef V_PAIR32
+#undef V_ROW32
+#undef V_ROWS
+
+#pragma GCC pop_options
+
+/* The VNNI body's product (arguments checked by the caller): the activations rounded and
+ * laid out as q8v_act says, once, then the rows in blocks across the threads. */
+static int gemm_q8_vnni(int type, const float *x, const uint8_t *w, float *out, int64_t M,
+                        int64_t N, int64_t K, int64_t ldo, int num_threads) {
+    const int64_t G = K / 32, P = (G + 1) / 2, Kp = 64 * P;
+    /* one buffer: xd, xds fp32 [M, G]; xdp, xsp fp32 [M, P, 16]; xq, xu [M, Kp] bytes */
+    float *xd = (float *)malloc(sizeof(float) * (2 * M * G + 2 * M * P * 16) + (size_t)(2 * M * Kp));
+    if (xd == NULL) return -1;
+    float *xds = xd + M * G, *xdp = xds + M * G, *xsp = xdp + M * P * 16;
+    int8_t *xq = (int8_t *)(xsp + M * P * 16);
+    uint8_t *xu = (uint8_t *)(xq + M * Kp);
+    for (int64_t m = 0; m < M; m++) {
+        int8_t *q = xq + m * Kp;
+        quantize_row_q8(x + m * K, K, q, xd + m * G, xds + m * G);
+        memset(q + K, 0, (size_t)(Kp - K));
+        for (int64_t k = 0; k < Kp; k++) xu[m * Kp + k] = (uint8_t)(q[k] ^ 0x80);
+        for (int64_t p = 0; p < P; p++)
+            for (int l = 0; l < 16; l++) {
+                const int64_t g = 2 * p + l / 8;
+                xdp[(m * P + p) * 16 + l] = g < G ? xd[m * G + g] : 0.0f;
+                xsp[(m * P + p) * 16 + l] = g < G ? xds[m * G + g] * 0.125f : 0.0f;
+            }
+    }
+    const q8v_act A = {xq, xu, xdp, xsp, xds, G, P, Kp};
+    const int64_t num_blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const int64_t n0 = b * ROW_BLOCK, n1 = n0 + ROW_BLOCK < N ? n0 + ROW_BLOCK : N;
+        v_rows(type, (int)M, w, &A, ldo, n0, n1, out);
+    }
+    free(xd);
+    return 0;
+}
+
 int pagedkv_gguf_q8_takes(int type) {
     return type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q5_0 || type == GGML_Q5_1 ||
            type == GGML_Q8_0 || type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K;
@@ -755,7 +1090,9 @@ int pagedkv_gguf_gemm_q8_ld(int type, const float *x, const uint8_t *w, float *o
     int64_t E, B;
     if (!pagedkv_gguf_q8_takes(type) || pagedkv_gguf_block(type, &E, &B)) return -1;
     if (M < 1 || M > MAX_M || K <= 0 || K % E != 0 || N < 0 || ldo < N) return -1;
-    if (isa != PAGEDKV_ISA_AVX2 && isa != PAGEDKV_ISA_AVX512) return -1;
+    if (isa != PAGEDKV_ISA_AVX2 && isa != PAGEDKV_ISA_AVX512 && isa != PAGEDKV_ISA_AVX512_VNNI)
+        return -1;
+    if (isa == PAGEDKV_ISA_AVX512_VNNI) return gemm_q8_vnni(type, x, w, out, M, N, K, ldo, num_threads);
     /* one buffer: xd, xds fp32 [M, K / 32], then xq int8 [M, K] */
     const int64_t G = K / 32;
     float *xd = (float *)malloc(sizeof(float) * 2 * M * G + (size_t)(M * K));

@@ -7,6 +7,9 @@
 /* `isa` of the products: which body runs (the caller checks that the CPU has it) */
 #define PAGEDKV_ISA_AVX2 0
 #define PAGEDKV_ISA_AVX512 1
+/* the int8-activation GGUF products only: their AVX-512 VNNI body (needs AVX512BW and
+ * AVX512_VNNI too); AVX2 and AVX512 run their AVX2 body */
+#define PAGEDKV_ISA_AVX512_VNNI 2
 
 int pagedkv_int4_gemm(const float *x, const uint8_t *qs, const float *scale, const float *min,
                       float *out, int64_t M, int64_t N, int64_t K, int num_threads, int isa);
