@@ -509,7 +509,7 @@ class CpuQuantKernels:
         path: Path,
         fused_layers: bool = True,
         isa: str = "avx2",
-        activations: str = "fp32",
+        activations: str = "q8",
         q8_isa: str | None = None,
     ):
         self._isa_code = isa_code(isa)
@@ -976,7 +976,7 @@ def load_cpu_quant_kernels(
     caps: CpuCapabilities | None = None,
     fused_layers: bool = True,
     isa: str | None = None,
-    activations: str = "fp32",
+    activations: str = "q8",
 ) -> CpuQuantKernels:
     """Build (if needed), load and self-check the kernels.
 
@@ -1031,7 +1031,7 @@ def default_cpu_quant_kernels() -> CpuQuantKernels | None:
     choice = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
     if choice not in KERNEL_CHOICES:
         raise ConfigError(f"{KERNEL_ENV} must be one of {KERNEL_CHOICES}, got {choice!r}")
-    activations = os.environ.get(ACTIVATIONS_ENV, "fp32").strip().lower() or "fp32"
+    activations = os.environ.get(ACTIVATIONS_ENV, "q8").strip().lower() or "q8"
     if activations not in ACTIVATION_CODES:
         raise ConfigError(
             f"{ACTIVATIONS_ENV} must be one of {tuple(ACTIVATION_CODES)}, got {activations!r}"
@@ -1053,7 +1053,9 @@ def default_cpu_quant_kernels() -> CpuQuantKernels | None:
         "quantized products: pagedkv's %s kernels%s, GGUF activations %s (%s)",
         kernels.isa.upper().replace("AVX512", "AVX-512"),
         ", fused decoder layers" if kernels.fused_layers else "",
-        "int8 (q8)" if kernels.activations == "q8" else "fp32",
+        f"int8 ({kernels.q8_isa.upper().replace('AVX512_', 'AVX-512 ')} body)"
+        if kernels.activations == "q8"
+        else f"fp32 ({ACTIVATIONS_ENV}=fp32)",
         kernels.path,
     )
     return kernels
