@@ -59,7 +59,9 @@ def test_q8_default_against_fp32_greedy(models, paged_runner):
     tokenizer = models["fp32"].tokenizer
     worst, same, steps = 0.0, 0, 0
     for prompt in PROMPTS:
-        runners = {k: paged_runner(m.model, num_blocks=16, block_size=16) for k, m in models.items()}
+        runners = {
+            k: paged_runner(m.model, num_blocks=16, block_size=16) for k, m in models.items()
+        }
         chunk = tokenizer.encode(prompt)
         assert len(chunk) <= 8
         for _ in range(STEPS):

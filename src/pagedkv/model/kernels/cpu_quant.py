@@ -36,14 +36,17 @@ self-check is exact; otherwise the quantized linears keep torch's kernels.
 :attr:`CpuQuantKernels.isa` says which runs: "avx512" where the CPU has AVX-512 F/BW/VL/DQ and
 no hold caps it (``ATEN_CPU_CAPABILITY=avx2`` or ``ONEDNN_MAX_CPU_ISA=AVX2`` give "avx2").
 
-Opt-in int8 activations (``PAGEDKV_GGUF_ACTIVATIONS=q8``, :attr:`CpuQuantKernels.activations`):
-the products of Q4_0, Q8_0, Q4_K and Q6_K weights (:data:`Q8_TYPES`, the types of a Q4_K_M /
-Q4_0 / Q8_0 file) round each activation row to int8 once per call, in blocks of 32 with one
-fp32 scale (``max |x| / 127``, round to nearest even), and multiply the blocks in integer
-arithmetic (AVX2 ``maddubs`` / ``madd``), a float per group of 32: fewer instructions per
-weight than converting every weight to fp32, at the cost of the activations' rounding (each
-product off by at most ``sum_k |w_k| * xd_block / 2``). The default (``fp32``) is exact up to
-fp32 summation; the other types always take fp32 activations.
+int8 activations, the default (``PAGEDKV_GGUF_ACTIVATIONS``, :attr:`CpuQuantKernels.activations`
+"q8"), as llama.cpp's: the products of every quantized type (:data:`Q8_TYPES`: Q4_0, Q4_1, Q5_0,
+Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) round each activation row to int8 once per call, in blocks of 32
+with one fp32 scale (``max |x| / 127``, round to nearest even) and the block's sum (for the
+offset / min terms of Q4_1, Q5_1, Q4_K, Q5_K), and multiply the blocks in exact integer
+arithmetic, a float per group of 32: fewer instructions per weight than converting every weight
+to fp32, at the cost of the activations' rounding (each product off by at most
+``sum_k |w_k| * xd_block / 2``). Two bodies (:attr:`CpuQuantKernels.q8_isa`, :func:`q8_body`):
+AVX2 ``maddubs`` / ``madd``, and AVX-512 VNNI ``dpbusd`` where ``isa`` is "avx512" and the CPU
+has :data:`VNNI_FLAGS`. ``PAGEDKV_GGUF_ACTIVATIONS=fp32`` is the exact opt-out (fp32 up to
+summation order); the float types always take fp32 activations.
 """
 
 from __future__ import annotations
@@ -68,8 +71,8 @@ logger = logging.getLogger(__name__)
 #: the rest of each layer as torch ops: to compare the two) or "torch" (torch's always).
 KERNEL_ENV = "PAGEDKV_QUANT_KERNEL"
 KERNEL_CHOICES = ("auto", "products", "torch")
-#: Environment variable choosing the activations of the GGUF products: "fp32" (default: exact
-#: up to fp32 summation) or "q8" (int8 blocks of 32 for :data:`Q8_TYPES`).
+#: Environment variable choosing the activations of the GGUF products: "q8" (default: int8
+#: blocks of 32 for :data:`Q8_TYPES`) or "fp32" (exact up to fp32 summation).
 ACTIVATIONS_ENV = "PAGEDKV_GGUF_ACTIVATIONS"
 #: :attr:`CpuQuantKernels.activations` by name, and the code decode_layer.c's layer struct
 #: gives each (``activations``: 0 fp32, 1 int8).
@@ -722,9 +725,9 @@ class CpuQuantKernels:
         self, type_id: int, x: torch.Tensor, w: torch.Tensor, num_outputs: int | None = None
     ) -> torch.Tensor:
         """``x W^T`` fp32 ``[M, N]`` on a GGUF weight as the file stores it (gguf_blocks.c):
-        fp32 activations, fp32 accumulation, no activation quantization; with
-        :attr:`activations` "q8" and a type of :data:`Q8_TYPES`, x rounded to int8 in blocks
-        of 32 and integer block products (see the module docstring).
+        with :attr:`activations` "q8" (the default) and a type of :data:`Q8_TYPES`, x rounded
+        to int8 in blocks of 32 and integer block products on the :attr:`q8_isa` body (see the
+        module docstring); else fp32 activations, fp32 accumulation.
 
         Args:
             type_id: the weight's GGML type id (one of :attr:`gguf_types`).
@@ -987,7 +990,7 @@ def load_cpu_quant_kernels(
         fused_layers: :attr:`CpuQuantKernels.fused_layers`.
         isa: the products' body ("avx2" or "avx512"); None = the widest this CPU runs
             (:func:`best_isa`).
-        activations: :attr:`CpuQuantKernels.activations` ("fp32" or "q8").
+        activations: :attr:`CpuQuantKernels.activations` ("q8", the default, or "fp32").
 
     Raises:
         KernelUnavailableError: no AVX2 or FMA (caps applied), "avx512" asked of a CPU without
@@ -1020,7 +1023,7 @@ def default_cpu_quant_kernels() -> CpuQuantKernels | None:
     call costs a hash of the sources, a ``cc --version`` and the self-check.
 
     ``PAGEDKV_GGUF_ACTIVATIONS`` (:data:`ACTIVATIONS_ENV`) chooses
-    :attr:`CpuQuantKernels.activations`: "fp32" (default) or "q8".
+    :attr:`CpuQuantKernels.activations`: "q8" (default) or "fp32".
 
     Raises:
         ConfigError: ``PAGEDKV_QUANT_KERNEL`` is not one of :data:`KERNEL_CHOICES`, or
