@@ -26,8 +26,8 @@ it gets the cores)::
     .venv/bin/python benchmarks/bench_quant_kernels.py --gguf [--threads 2] [--types Q4_K Q6_K]
 
 ``--activations fp32 q8`` times each product with fp32 activations (the default) and with
-int8 ones (``CpuQuantKernels(activations="q8")``: Q4_0, Q8_0, Q4_K and Q6_K; the other types
-run fp32 either way).
+int8 ones (``CpuQuantKernels(activations="q8")``, the default: every quantized type; the float
+types run fp32 either way; "avx512" runs the VNNI body where the CPU has it).
 
 ``--engine`` instead builds two engines on the default model (SmolLM2-135M, the GGUF's 4-bit
 weights), one with pagedkv's kernels and one with ``PAGEDKV_QUANT_KERNEL=torch``, gives each

@@ -38,7 +38,14 @@ MIN_EQUAL_PROMPTS = 6
 
 @pytest.fixture(scope="module")
 def loaded_gguf(gguf_path):
-    loaded = load_model(gguf_path, dtype=torch.float32, quantization="gguf")
+    """The GGUF's blocks as stored, on fp32 activations (``PAGEDKV_GGUF_ACTIVATIONS=fp32``,
+    not the int8 default: this holds the weights' path to the float32 reference;
+    tests/model/test_gguf_q8_default.py holds the default to this path)."""
+    from pagedkv.model.kernels.cpu_quant import ACTIVATIONS_ENV
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(ACTIVATIONS_ENV, "fp32")
+        loaded = load_model(gguf_path, dtype=torch.float32, quantization="gguf")
     assert loaded.quantization == "gguf"
     return loaded
 

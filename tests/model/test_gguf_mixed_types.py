@@ -213,9 +213,15 @@ def built(request, tmp_path_factory) -> Built:
 
 
 def load(built: Built, quantization: str):
+    """The case's file loaded by pagedkv; its GGUF products on fp32 activations
+    (``PAGEDKV_GGUF_ACTIVATIONS=fp32``, not the int8 default): these tests hold pagedkv to
+    transformers' logits and tokens up to fp32 rounding."""
+    from pagedkv.model.kernels.cpu_quant import ACTIVATIONS_ENV
     from pagedkv.model.loader import load_model
 
-    loaded = load_model(built.path, dtype=torch.float32, quantization=quantization)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(ACTIVATIONS_ENV, "fp32")
+        loaded = load_model(built.path, dtype=torch.float32, quantization=quantization)
     assert loaded.quantization == quantization
     if quantization == "gguf":
         from pagedkv.model.gguf_weight import GGUFMatmul

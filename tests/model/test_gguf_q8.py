@@ -1,5 +1,6 @@
 """The int8-activation products of GGUF weights (gguf_blocks.c's ``pagedkv_gguf_gemm_q8``,
-``CpuQuantKernels(activations="q8")``): Q4_0, Q8_0, Q4_K and Q6_K at every row count 1..8
+``CpuQuantKernels(activations="q8")``): each quantized type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+Q4_K, Q5_K, Q6_K) at every row count 1..8
 against the float64 product of ``gguf.quants.dequantize``'s weights with the activations
 rounded the same way in numpy (equal up to fp32 summation), and against the plain float64
 product within the activations' rounding; the fused layer on int8 activations against torch
@@ -20,6 +21,7 @@ from gguf.quants import Q4_K, dequantize
 from pagedkv.model.kernels.cpu_quant import (
     GGML_TYPES,
     MAX_ROWS,
+    Q8_ISA_CODES,
     Q8_TYPES,
     CpuQuantKernels,
     GGUFPart,
@@ -29,14 +31,15 @@ from pagedkv.model.kernels.cpu_quant import (
 )
 
 EPS32 = 2.0**-24  # half an fp32 ulp of 1
-Q8_NAMES = ("Q4_0", "Q8_0", "Q4_K", "Q6_K")
+Q8_NAMES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 N = 37  # output rows: not a multiple of the kernels' 16-row blocks
 
 
 @pytest.fixture(scope="module", params=["avx2", "avx512"])
 def kernels(request, tmp_path_factory) -> CpuQuantKernels:
-    """The kernels with int8 activations, each ISA (both run the AVX2 body of the q8
-    products; AVX-512 skipped where the CPU lacks it)."""
+    """The kernels with int8 activations, each ISA: "avx2" runs the AVX2 body of the q8
+    products, "avx512" the AVX-512 VNNI one where the CPU has it (else the AVX2 one again;
+    skipped where the CPU lacks AVX-512 or a hold caps it)."""
     cache = tmp_path_factory.getbasetemp() / "gguf-q8-kernels"
     return kernels_or_skip(cache, request.param, "q8")
 
@@ -47,12 +50,17 @@ def dense(name: str, raw: np.ndarray) -> torch.Tensor:
 
 
 def min_terms(name: str, raw: np.ndarray) -> torch.Tensor:
-    """Q4_K: ``|dmin * m|`` of each weight's group (float64 ``[n, K]``, the term the product
-    takes through the activation blocks' sums); zeros for the others."""
+    """The offset of each weight's group that the product takes through the activation
+    blocks' sums, ``|m|`` (Q4_1, Q5_1) or ``|dmin * m_j|`` (Q4_K, Q5_K), float64 ``[n, K]``;
+    empty for the types without one."""
     n = raw.shape[0]
-    if name != "Q4_K":
+    if name in ("Q4_1", "Q5_1"):
+        blocks = raw.reshape(-1, 20 if name == "Q4_1" else 24)
+        m = np.abs(blocks[:, 2:4].copy().view(np.float16).astype(np.float64))
+        return torch.from_numpy(np.repeat(m, 32, 1).reshape(n, -1))
+    if name not in ("Q4_K", "Q5_K"):
         return torch.zeros(0)
-    blocks = raw.reshape(-1, 144)
+    blocks = raw.reshape(-1, 144 if name == "Q4_K" else 176)
     dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float64)
     _, m = Q4_K.get_scale_min(blocks[:, 4:16].copy())
     return torch.from_numpy(np.repeat(np.abs(dmin * m.astype(np.float64)), 32, 1).reshape(n, -1))
@@ -71,16 +79,19 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(q.reshape(x.shape)).double(), torch.from_numpy(d).double()
 
 
-@pytest.mark.parametrize("k", [256, 2048])
+@pytest.mark.parametrize("k", [256, 2048, 288])
 @pytest.mark.parametrize("name", Q8_NAMES)
 def test_q8_product_against_the_rounded_activations(kernels, name, k):
-    """Every row count 1..8, with a zero block and a block of one large value among the
+    """Every row count 1..8 (K 288: an odd number of 32-element blocks, the VNNI body's lone
+    last block), with a zero block and a block of one large value among the
     activations. (1) Against x rounded the same way in numpy times the dequantized weights in
     float64: within ``K/8 + 16`` fp32 roundings of ``sum |x_hat| (|w| + 2 |dmin m|)`` (as the
     fp32 product's bound) and on average within one. (2) Against the exact product with x:
     within ``sum_k |w_k| * d_block / 2`` (each activation off by at most half its block's
     step) plus that fp32 slack."""
     t = GGML_TYPES[name]
+    if k % t.block_elems:
+        pytest.skip(f"{name} rows are whole blocks of {t.block_elems}")
     raw = gguf_weight(name, N, k, seed=k + len(name))
     w = dense(name, raw)
     terms = w.abs()
@@ -107,9 +118,11 @@ def test_q8_product_against_the_rounded_activations(kernels, name, k):
         assert bool((exact_error <= rounding * (1 + 1e-5) + slack).all()), rows
 
 
-def test_the_ld_entry_writes_strided_rows_and_both_isas_agree(kernels):
+def test_the_ld_entry_writes_strided_rows_and_the_bodies_agree(kernels):
     """``pagedkv_gguf_gemm_q8_ld`` writes rows ``ldo`` apart and nothing between them; the
-    result equals the unstrided call bit for bit."""
+    result equals the unstrided call bit for bit; the AVX-512 code runs the AVX2 body
+    (identical results) and the VNNI body, where the CPU has it, agrees with it up to fp32
+    summation."""
     lib = ctypes.CDLL(str(kernels.path))
     entry = lib.pagedkv_gguf_gemm_q8_ld
     p, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -124,33 +137,38 @@ def test_the_ld_entry_writes_strided_rows_and_both_isas_agree(kernels):
         )
 
     out = torch.full((3, N + 5), 7.0)
-    assert call(out, 0) == 0
+    assert call(out, Q8_ISA_CODES[kernels.q8_isa]) == 0
     assert torch.equal(out[:, :N], kernels.gguf_gemm(t.type_id, x, raw))
     assert bool((out[:, N:] == 7.0).all())
-    # the AVX-512 code runs the same body: identical results
+    avx2 = torch.full((3, N + 5), 7.0)
+    assert call(avx2, 0) == 0
     other = torch.full((3, N + 5), 7.0)
     assert call(other, 1) == 0
-    assert torch.equal(other, out)
+    assert torch.equal(other, avx2)
+    if kernels.q8_isa == "avx512_vnni":
+        assert torch.allclose(out, avx2, rtol=1e-5, atol=1e-5 * float(avx2.abs().max()))
 
 
-def test_other_types_keep_the_fp32_product(kernels):
-    """Q5_K and F16 (not among :data:`Q8_TYPES`) give in q8 mode what the fp32 mode gives."""
-    fp32 = CpuQuantKernels(kernels.path, isa=kernels.isa)
+def test_float_types_keep_the_fp32_product(kernels):
+    """F16, BF16 and F32 (not among :data:`Q8_TYPES`) give in q8 mode what the fp32 mode
+    gives."""
+    fp32 = CpuQuantKernels(kernels.path, isa=kernels.isa, activations="fp32")
     assert fp32.activations == "fp32" and kernels.activations == "q8"
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(3))
-    for name in ("Q5_K", "F16"):
+    values = torch.randn(N, 256, generator=torch.Generator().manual_seed(4))
+    for name, raw in (
+        ("F16", values.half().view(torch.uint8)),
+        ("BF16", values.bfloat16().view(torch.uint8)),
+        ("F32", values.view(torch.uint8)),
+    ):
         type_id = GGML_TYPES[name].type_id
         assert type_id not in Q8_TYPES
-        if name == "F16":
-            raw = torch.randn(N, 256).half().view(torch.uint8).contiguous()
-        else:
-            raw = torch.randint(0, 256, (N, 176), dtype=torch.uint8)
-            raw[:, 0:4] = torch.tensor([0.01, -0.01], dtype=torch.float16).view(torch.uint8)
+        raw = raw.contiguous()
         assert torch.equal(kernels.gguf_gemm(type_id, x, raw), fp32.gguf_gemm(type_id, x, raw))
 
 
 def test_refusals(kernels, tmp_path):
-    """The C entry's -1 (and nothing written) for a type outside the four, M outside 1..8, K
+    """The C entry's -1 (and nothing written) for a type outside :data:`Q8_TYPES`, M outside 1..8, K
     not a multiple of the block, ldo < N, an unknown ISA; unknown ``activations`` names."""
     lib = ctypes.CDLL(str(kernels.path))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -170,10 +188,10 @@ def test_refusals(kernels, tmp_path):
         (0, 256, q4k, 0),
         (MAX_ROWS + 1, 256, q4k, 0),
         (1, 128, q4k, 0),
-        (1, 256, GGML_TYPES["Q5_K"].type_id, 0),
+        (1, 256, GGML_TYPES["F16"].type_id, 0),
         (1, 256, GGML_TYPES["F32"].type_id, 0),
         (1, 256, 10, 0),  # Q2_K
-        (1, 256, q4k, 2),
+        (1, 256, q4k, 3),
     ):
         args = (type_id, x.data_ptr(), raw.data_ptr(), out.data_ptr(), rows, N, k, 1, isa)
         assert gemm(*args) == -1
@@ -197,8 +215,17 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos[:, None] + torch.cat([x[..., half:], x[..., :half]], -1) * sin[:, None]
 
 
-def test_fused_layer_on_int8_activations(kernels):
-    """A Q4_K_M-like layer (q, k Q4_K; v Q6_K; o Q8_0; gate Q4_K, up Q4_0; down Q6_K) with
+#: Each product's part types of a layer: Q4_K_M-like, and the other quantized types.
+LAYER_MIXES = {
+    "q4_k_m": ("Q4_K", "Q4_K", "Q6_K", "Q8_0", "Q4_K", "Q4_0", "Q6_K"),
+    "q5_q4_1": ("Q5_K", "Q5_0", "Q5_1", "Q4_1", "Q5_K", "Q5_1", "Q4_1"),
+}
+
+
+@pytest.mark.parametrize("mix", sorted(LAYER_MIXES))
+def test_fused_layer_on_int8_activations(kernels, mix):
+    """A layer of mixed types (:data:`LAYER_MIXES`: q, k, v; o; gate, up; down), e.g.
+    Q4_K_M-like (q, k Q4_K; v Q6_K; o Q8_0; gate Q4_K, up Q4_0; down Q6_K), with
     ``activations="q8"`` through the fused calls against torch ops on the dequantized weights
     (fp32 activations): within a few per cent of the output's scale (the activations' int8
     rounding), at 1 and 5 rows; and the same layer with ``activations="fp32"`` differs from
@@ -210,13 +237,14 @@ def test_fused_layer_on_int8_activations(kernels):
         raw = gguf_weight(name, n, k, seed)
         return GGUFPart(GGML_TYPES[name].type_id, torch.from_numpy(raw)), dense(name, raw).float()
 
-    q, q_dense = gguf("Q4_K", heads * dim, hidden, 11)
-    k, k_dense = gguf("Q4_K", kv * dim, hidden, 12)
-    v, v_dense = gguf("Q6_K", kv * dim, hidden, 13)
-    o, o_dense = gguf("Q8_0", hidden, heads * dim, 14)
-    gate, gate_dense = gguf("Q4_K", inter, hidden, 15)
-    up, up_dense = gguf("Q4_0", inter, hidden, 16)
-    down, down_dense = gguf("Q6_K", hidden, inter, 17)
+    tq, tk, tv, to, tg, tu, td = LAYER_MIXES[mix]
+    q, q_dense = gguf(tq, heads * dim, hidden, 11)
+    k, k_dense = gguf(tk, kv * dim, hidden, 12)
+    v, v_dense = gguf(tv, kv * dim, hidden, 13)
+    o, o_dense = gguf(to, hidden, heads * dim, 14)
+    gate, gate_dense = gguf(tg, inter, hidden, 15)
+    up, up_dense = gguf(tu, inter, hidden, 16)
+    down, down_dense = gguf(td, hidden, inter, 17)
     input_norm = torch.rand(hidden, generator=gen) + 0.5
     post_norm = torch.rand(hidden, generator=gen) + 0.5
 

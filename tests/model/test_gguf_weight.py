@@ -22,7 +22,13 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 @pytest.fixture(scope="module")
 def kernels():
-    found = default_cpu_quant_kernels()
+    """The process's kernels with fp32 activations (``PAGEDKV_GGUF_ACTIVATIONS=fp32``, not
+    the int8 default): these tests hold the products to the dequantized weights'."""
+    from pagedkv.model.kernels.cpu_quant import ACTIVATIONS_ENV
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(ACTIVATIONS_ENV, "fp32")
+        found = default_cpu_quant_kernels()
     if found is None:
         pytest.skip("pagedkv's CPU kernels do not run here")
     return found

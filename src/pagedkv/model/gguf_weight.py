@@ -8,8 +8,10 @@ cost nothing, the others are shared with the page cache), and :class:`GGUFMatmul
 ``gguf_blocks.c``)::
 
     steps of at most MAX_ROWS tokens   gguf_gemm: every block read once from memory and unpacked
-                                       in registers for all rows; fp32 activations and
-                                       accumulation (the dequantized weights' numbers)
+                                       in registers for all rows; int8 activations in blocks of
+                                       32 for the quantized types (the default), fp32 ones with
+                                       PAGEDKV_GGUF_ACTIVATIONS=fp32 (the dequantized weights'
+                                       numbers)
     larger steps (prompts, batches)    a tile of rows at a time dequantized into a small scratch
                                        (``gguf_dequant``, fp32 or bf16), then torch's GEMM on
                                        the tile: the weight is read once per step, and the

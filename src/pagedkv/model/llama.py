@@ -517,6 +517,7 @@ def fused_layer_weights(
                 eps=layer.eps,
                 isa=kernels.isa,
                 activations=kernels.activations,
+                q8_isa=kernels.q8_isa,
                 q_norm=fp32(layer.q_norm),
                 k_norm=fp32(layer.k_norm),
             )

@@ -31,7 +31,12 @@ from pagedkv.model.config import GEMMA_ARCHITECTURES, ModelConfig
 from pagedkv.model.gemma3 import Gemma3ForCausalLM
 from pagedkv.model.gguf_metadata import read_gguf_header
 from pagedkv.model.hub_cache import cached_snapshot, hub_cache_dir, is_repo_id
-from pagedkv.model.kernels.cpu_quant import CpuQuantKernels, default_cpu_quant_kernels
+from pagedkv.model.kernels.cpu_quant import (
+    GGML_TYPES,
+    Q8_TYPES,
+    CpuQuantKernels,
+    default_cpu_quant_kernels,
+)
 from pagedkv.model.llama import LlamaForCausalLM
 from pagedkv.model.packaged_models import MODEL_ALIASES, smollm2_path
 from pagedkv.model.parallel import TensorParallelGroup, check_tensor_parallel
@@ -445,6 +450,11 @@ def log_stored_types(
     )
     stored = ", ".join(f"{n} {t}" for t, n in counts.items()) or "none"
     isa = "" if kernels is None else f"{kernels.isa.upper().replace('AVX512', 'AVX-512')} "
+    if kernels is not None and counts:
+        q8 = kernels.activations == "q8" and any(
+            GGML_TYPES[t].type_id in Q8_TYPES for t in counts if t in GGML_TYPES
+        )
+        stored += ", int8 activations" if q8 else ", fp32 activations"
     logger.info(
         "weights kept as stored, on pagedkv's %skernels: %s%s",
         isa,

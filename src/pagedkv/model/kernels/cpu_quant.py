@@ -36,14 +36,17 @@ self-check is exact; otherwise the quantized linears keep torch's kernels.
 :attr:`CpuQuantKernels.isa` says which runs: "avx512" where the CPU has AVX-512 F/BW/VL/DQ and
 no hold caps it (``ATEN_CPU_CAPABILITY=avx2`` or ``ONEDNN_MAX_CPU_ISA=AVX2`` give "avx2").
 
-Opt-in int8 activations (``PAGEDKV_GGUF_ACTIVATIONS=q8``, :attr:`CpuQuantKernels.activations`):
-the products of Q4_0, Q8_0, Q4_K and Q6_K weights (:data:`Q8_TYPES`, the types of a Q4_K_M /
-Q4_0 / Q8_0 file) round each activation row to int8 once per call, in blocks of 32 with one
-fp32 scale (``max |x| / 127``, round to nearest even), and multiply the blocks in integer
-arithmetic (AVX2 ``maddubs`` / ``madd``), a float per group of 32: fewer instructions per
-weight than converting every weight to fp32, at the cost of the activations' rounding (each
-product off by at most ``sum_k |w_k| * xd_block / 2``). The default (``fp32``) is exact up to
-fp32 summation; the other types always take fp32 activations.
+int8 activations, the default (``PAGEDKV_GGUF_ACTIVATIONS``, :attr:`CpuQuantKernels.activations`
+"q8"), as llama.cpp's: the products of every quantized type (:data:`Q8_TYPES`: Q4_0, Q4_1, Q5_0,
+Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) round each activation row to int8 once per call, in blocks of 32
+with one fp32 scale (``max |x| / 127``, round to nearest even) and the block's sum (for the
+offset / min terms of Q4_1, Q5_1, Q4_K, Q5_K), and multiply the blocks in exact integer
+arithmetic, a float per group of 32: fewer instructions per weight than converting every weight
+to fp32, at the cost of the activations' rounding (each product off by at most
+``sum_k |w_k| * xd_block / 2``). Two bodies (:attr:`CpuQuantKernels.q8_isa`, :func:`q8_body`):
+AVX2 ``maddubs`` / ``madd``, and AVX-512 VNNI ``dpbusd`` where ``isa`` is "avx512" and the CPU
+has :data:`VNNI_FLAGS`. ``PAGEDKV_GGUF_ACTIVATIONS=fp32`` is the exact opt-out (fp32 up to
+summation order); the float types always take fp32 activations.
 """
 
 from __future__ import annotations
@@ -68,14 +71,15 @@ logger = logging.getLogger(__name__)
 #: the rest of each layer as torch ops: to compare the two) or "torch" (torch's always).
 KERNEL_ENV = "PAGEDKV_QUANT_KERNEL"
 KERNEL_CHOICES = ("auto", "products", "torch")
-#: Environment variable choosing the activations of the GGUF products: "fp32" (default: exact
-#: up to fp32 summation) or "q8" (int8 blocks of 32 for :data:`Q8_TYPES`).
+#: Environment variable choosing the activations of the GGUF products: "q8" (default: int8
+#: blocks of 32 for :data:`Q8_TYPES`) or "fp32" (exact up to fp32 summation).
 ACTIVATIONS_ENV = "PAGEDKV_GGUF_ACTIVATIONS"
 #: :attr:`CpuQuantKernels.activations` by name, and the code decode_layer.c's layer struct
 #: gives each (``activations``: 0 fp32, 1 int8).
 ACTIVATION_CODES = {"fp32": 0, "q8": 1}
-#: GGML type ids of the int8-activation products (Q4_0, Q8_0, Q4_K, Q6_K).
-Q8_TYPES = frozenset({2, 8, 12, 14})
+#: GGML type ids of the int8-activation products: every quantized type of :data:`GGML_TYPES`
+#: (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K); the float types keep fp32 activations.
+Q8_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14})
 #: The C sources of the kernels, compiled into one library (the header is part of the build
 #: key): the products, and the decoder layer built on them.
 SOURCES = tuple(
@@ -88,6 +92,12 @@ MAX_ROWS = 8
 GROUP_SIZE = 32
 #: The products' bodies, by name, and the code quant_gemv.h gives each (``PAGEDKV_ISA_*``).
 ISA_CODES = {"avx2": 0, "avx512": 1}
+#: The int8-activation products' bodies, by name, and their ``PAGEDKV_ISA_*`` codes: AVX2
+#: (``maddubs`` / ``madd``) and AVX-512 VNNI (``dpbusd``).
+Q8_ISA_CODES = {"avx2": 0, "avx512_vnni": 2}
+#: CPU flags (``/proc/cpuinfo``) the VNNI body needs beside :attr:`CpuQuantKernels.isa`
+#: "avx512".
+VNNI_FLAGS = ("avx512bw", "avx512_vnni")
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -161,6 +171,25 @@ def isa_code(isa: str) -> int:
     if isa not in ISA_CODES:
         raise KernelUnavailableError(f"isa {isa!r} is not one of {tuple(ISA_CODES)}")
     return ISA_CODES[isa]
+
+
+def q8_body(isa: str, flags: frozenset[str] | None = None) -> str:
+    """The int8-activation products' body that goes with the products' body ``isa``:
+    "avx512_vnni" where ``isa`` is "avx512" (so no AVX2 hold applies) and the CPU has
+    :data:`VNNI_FLAGS` (``flags``; None = :func:`pagedkv.cpu_caps.cpu_flags`), else "avx2"."""
+    flags = cpu_flags() if flags is None else flags
+    return "avx512_vnni" if isa == "avx512" and all(f in flags for f in VNNI_FLAGS) else "avx2"
+
+
+def q8_isa_code(q8_isa: str) -> int:
+    """quant_gemv.h's code of an int8-activation body name (:data:`Q8_ISA_CODES`).
+
+    Raises:
+        KernelUnavailableError: an unknown name.
+    """
+    if q8_isa not in Q8_ISA_CODES:
+        raise KernelUnavailableError(f"q8_isa {q8_isa!r} is not one of {tuple(Q8_ISA_CODES)}")
+    return Q8_ISA_CODES[q8_isa]
 
 
 def activations_code(activations: str) -> int:
@@ -259,6 +288,7 @@ class _LlamaLayer(ctypes.Structure):
         ("eps", ctypes.c_float),
         ("isa", ctypes.c_int32),
         ("activations", ctypes.c_int32),
+        ("q8_isa", ctypes.c_int32),
     ]
 
 
@@ -352,10 +382,12 @@ class LlamaLayerWeights:
         activations: the GGUF parts' activations, a key of :data:`ACTIVATION_CODES`
             (:attr:`CpuQuantKernels.activations`): "q8" runs the parts of :data:`Q8_TYPES`
             on int8 activations, the others stay fp32.
+        q8_isa: the int8-activation products' body, a key of :data:`Q8_ISA_CODES`
+            (:attr:`CpuQuantKernels.q8_isa`); None = :func:`q8_body` of ``isa``.
 
     Raises:
         KernelUnavailableError: shapes, dtypes or types the kernels do not take, or an
-            unknown ``isa`` / ``activations``.
+            unknown ``isa`` / ``activations`` / ``q8_isa``.
     """
 
     __slots__ = ("_keep", "_struct", "address", "head_dim", "hidden", "num_heads", "num_kv_heads")
@@ -378,9 +410,11 @@ class LlamaLayerWeights:
         q_norm: torch.Tensor | None = None,
         k_norm: torch.Tensor | None = None,
         activations: str = "fp32",
+        q8_isa: str | None = None,
     ):
         code = isa_code(isa)
         activations_id = activations_code(activations)
+        q8_code = q8_isa_code(q8_body(isa) if q8_isa is None else q8_isa)
         hidden = input_norm.shape[0]
         gate_up_rows = sum(_part_rows(part) for part in _parts(gate_up))
         if gate_up_rows % 2:
@@ -422,6 +456,7 @@ class LlamaLayerWeights:
             eps,
             code,
             activations_id,
+            q8_code,
         )
         self._keep = (qkv, o, gate_up, down, *vectors)
         #: the struct's address, passed to the C calls.
@@ -463,18 +498,30 @@ class CpuQuantKernels:
         "_int4",
         "_int8",
         "_isa_code",
+        "_q8_isa_code",
         "activations",
         "fused_layers",
         "gguf_types",
         "isa",
         "path",
+        "q8_isa",
     )
 
     def __init__(
-        self, path: Path, fused_layers: bool = True, isa: str = "avx2", activations: str = "fp32"
+        self,
+        path: Path,
+        fused_layers: bool = True,
+        isa: str = "avx2",
+        activations: str = "q8",
+        q8_isa: str | None = None,
     ):
         self._isa_code = isa_code(isa)
         activations_code(activations)
+        q8_isa = q8_body(isa) if q8_isa is None else q8_isa
+        self._q8_isa_code = q8_isa_code(q8_isa)
+        #: the int8-activation products' body: "avx2" or "avx512_vnni" (:func:`q8_body`; the
+        #: caller checks that the CPU has it)
+        self.q8_isa = q8_isa
         #: the GGUF products' activations: "fp32" (exact up to fp32 summation) or "q8" (int8
         #: blocks of 32 for :data:`Q8_TYPES`, in :meth:`gguf_gemm` and the fused layers)
         self.activations = activations
@@ -678,9 +725,9 @@ class CpuQuantKernels:
         self, type_id: int, x: torch.Tensor, w: torch.Tensor, num_outputs: int | None = None
     ) -> torch.Tensor:
         """``x W^T`` fp32 ``[M, N]`` on a GGUF weight as the file stores it (gguf_blocks.c):
-        fp32 activations, fp32 accumulation, no activation quantization; with
-        :attr:`activations` "q8" and a type of :data:`Q8_TYPES`, x rounded to int8 in blocks
-        of 32 and integer block products (see the module docstring).
+        with :attr:`activations` "q8" (the default) and a type of :data:`Q8_TYPES`, x rounded
+        to int8 in blocks of 32 and integer block products on the :attr:`q8_isa` body (see the
+        module docstring); else fp32 activations, fp32 accumulation.
 
         Args:
             type_id: the weight's GGML type id (one of :attr:`gguf_types`).
@@ -712,7 +759,7 @@ class CpuQuantKernels:
             n,
             in_features,
             torch.get_num_threads(),
-            self._isa_code,
+            self._q8_isa_code if q8 else self._isa_code,
         )
         if rc:
             raise KernelUnavailableError(f"gguf_gemm refused type {type_id}, x {tuple(x.shape)}")
@@ -932,7 +979,7 @@ def load_cpu_quant_kernels(
     caps: CpuCapabilities | None = None,
     fused_layers: bool = True,
     isa: str | None = None,
-    activations: str = "fp32",
+    activations: str = "q8",
 ) -> CpuQuantKernels:
     """Build (if needed), load and self-check the kernels.
 
@@ -943,7 +990,7 @@ def load_cpu_quant_kernels(
         fused_layers: :attr:`CpuQuantKernels.fused_layers`.
         isa: the products' body ("avx2" or "avx512"); None = the widest this CPU runs
             (:func:`best_isa`).
-        activations: :attr:`CpuQuantKernels.activations` ("fp32" or "q8").
+        activations: :attr:`CpuQuantKernels.activations` ("q8", the default, or "fp32").
 
     Raises:
         KernelUnavailableError: no AVX2 or FMA (caps applied), "avx512" asked of a CPU without
@@ -976,7 +1023,7 @@ def default_cpu_quant_kernels() -> CpuQuantKernels | None:
     call costs a hash of the sources, a ``cc --version`` and the self-check.
 
     ``PAGEDKV_GGUF_ACTIVATIONS`` (:data:`ACTIVATIONS_ENV`) chooses
-    :attr:`CpuQuantKernels.activations`: "fp32" (default) or "q8".
+    :attr:`CpuQuantKernels.activations`: "q8" (default) or "fp32".
 
     Raises:
         ConfigError: ``PAGEDKV_QUANT_KERNEL`` is not one of :data:`KERNEL_CHOICES`, or
@@ -987,7 +1034,7 @@ def default_cpu_quant_kernels() -> CpuQuantKernels | None:
     choice = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
     if choice not in KERNEL_CHOICES:
         raise ConfigError(f"{KERNEL_ENV} must be one of {KERNEL_CHOICES}, got {choice!r}")
-    activations = os.environ.get(ACTIVATIONS_ENV, "fp32").strip().lower() or "fp32"
+    activations = os.environ.get(ACTIVATIONS_ENV, "q8").strip().lower() or "q8"
     if activations not in ACTIVATION_CODES:
         raise ConfigError(
             f"{ACTIVATIONS_ENV} must be one of {tuple(ACTIVATION_CODES)}, got {activations!r}"
@@ -1009,7 +1056,9 @@ def default_cpu_quant_kernels() -> CpuQuantKernels | None:
         "quantized products: pagedkv's %s kernels%s, GGUF activations %s (%s)",
         kernels.isa.upper().replace("AVX512", "AVX-512"),
         ", fused decoder layers" if kernels.fused_layers else "",
-        "int8 (q8)" if kernels.activations == "q8" else "fp32",
+        f"int8 ({kernels.q8_isa.upper().replace('AVX512_', 'AVX-512 ')} body)"
+        if kernels.activations == "q8"
+        else f"fp32 ({ACTIVATIONS_ENV}=fp32)",
         kernels.path,
     )
     return kernels

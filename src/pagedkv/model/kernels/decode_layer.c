@@ -15,10 +15,11 @@
  *
  * Products are quant_gemv.c's int4 kernel or gguf_blocks.c's products on GGUF tensors as the
  * file stores them, per stacked part (a layer may mix them and GGUF types: q and k Q4_K with
- * v Q6_K), each part its own OpenMP region (fp32 activations, weights read as stored; with the
- * layer's `activations` = 1, the GGUF parts of Q4_0, Q8_0, Q4_K and Q6_K round the product's
- * input to int8 blocks of 32 and multiply in integers, pagedkv_gguf_gemm_q8_ld: the one
- * exception to "fp32 rounding only" below, opt-in);
+ * v Q6_K), each part its own OpenMP region (weights read as stored; with the layer's
+ * `activations` = 1, the default, the GGUF parts of the quantized types round the product's
+ * input to int8 blocks of 32 and multiply in integers, pagedkv_gguf_gemm_q8_ld on the layer's
+ * `q8_isa` body: the one exception to "fp32 rounding only" below; `activations` = 0 keeps
+ * fp32 activations);
  * Qwen3's per-head q / k RMSNorm (optional) follows the bias, before the rotation; the elementwise work, a few thousand floats, runs on the calling
  * thread. Every value is fp32, computed in the order the torch ops compute it (norm: mean of
  * squares, reciprocal square root, times the weight; rotary x * cos + rotate(x) * sin), so the
@@ -84,12 +85,13 @@ typedef struct {
     int32_t isa;                  /* the products' body: PAGEDKV_ISA_AVX2 or _AVX512 */
     int32_t activations;          /* GGUF parts: 0 fp32 activations (exact), 1 int8 ones
                                      (pagedkv_gguf_gemm_q8_ld, for the types it takes) */
+    int32_t q8_isa;               /* the int8 products' body: PAGEDKV_ISA_AVX2 or _AVX512_VNNI */
 } pagedkv_llama_layer;
 
 /* out [M, sum of the parts' rows] = x [M, K] W^T, one product (OpenMP region) per part.
  * Returns 0, or -1 (a part of an unknown kind, no parts, or a product's refusal). */
 static int linear_gemm(const pagedkv_linear *W, const float *x, float *out, int64_t M,
-                       int64_t K, int num_threads, int isa, int activations) {
+                       int64_t K, int num_threads, int isa, int activations, int q8_isa) {
     if (W->num_parts < 1 || W->num_parts > PAGEDKV_MAX_PARTS) return -1;
     int64_t total = 0;
     for (int64_t p = 0; p < W->num_parts; p++) total += W->parts[p].rows;
@@ -103,7 +105,7 @@ static int linear_gemm(const pagedkv_linear *W, const float *x, float *out, int6
                                       num_threads, isa);
         else if (P->kind == PAGEDKV_PART_GGUF && activations == 1 && pagedkv_gguf_q8_takes(P->type))
             rc = pagedkv_gguf_gemm_q8_ld(P->type, x, (const uint8_t *)P->a, out + col, M,
-                                         P->rows, K, total, num_threads, isa);
+                                         P->rows, K, total, num_threads, q8_isa);
         else if (P->kind == PAGEDKV_PART_GGUF)
             rc = pagedkv_gguf_gemm_ld(P->type, x, (const uint8_t *)P->a, out + col, M, P->rows,
                                       K, total, num_threads, isa);
@@ -167,7 +169,7 @@ int pagedkv_llama_attn_in(const pagedkv_llama_layer *L, const float *h, const fl
     float *x = (float *)malloc(sizeof(float) * M * hidden);
     if (x == NULL) return -1;
     rms_norm(h, L->input_norm, L->eps, M, hidden, x);
-    int rc = linear_gemm(&L->qkv, x, qkv, M, hidden, num_threads, L->isa, L->activations);
+    int rc = linear_gemm(&L->qkv, x, qkv, M, hidden, num_threads, L->isa, L->activations, L->q8_isa);
     free(x);
     if (rc) return rc;
     for (int64_t m = 0; m < M; m++) {
@@ -194,18 +196,18 @@ int pagedkv_llama_attn_out(const pagedkv_llama_layer *L, float *h, const float *
     float *x = (float *)malloc(sizeof(float) * M * (I > hidden ? I : hidden));
     int rc = -1;
     if (y == NULL || x == NULL) goto done;
-    rc = linear_gemm(&L->o, attn, y, M, attn_width, num_threads, L->isa, L->activations);
+    rc = linear_gemm(&L->o, attn, y, M, attn_width, num_threads, L->isa, L->activations, L->q8_isa);
     if (rc) goto done;
     for (int64_t i = 0; i < M * hidden; i++) h[i] += y[i];
     rms_norm(h, L->post_norm, L->eps, M, hidden, x);
-    rc = linear_gemm(&L->gate_up, x, y, M, hidden, num_threads, L->isa, L->activations);
+    rc = linear_gemm(&L->gate_up, x, y, M, hidden, num_threads, L->isa, L->activations, L->q8_isa);
     if (rc) goto done;
     for (int64_t m = 0; m < M; m++) {
         const float *gate = y + m * 2 * I, *up = gate + I;
         float *a = x + m * I;
         for (int64_t i = 0; i < I; i++) a[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
     }
-    rc = linear_gemm(&L->down, x, y, M, I, num_threads, L->isa, L->activations);
+    rc = linear_gemm(&L->down, x, y, M, I, num_threads, L->isa, L->activations, L->q8_isa);
     if (rc) goto done;
     for (int64_t i = 0; i < M * hidden; i++) h[i] += y[i];
 done:

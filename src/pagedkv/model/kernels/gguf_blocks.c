@@ -372,17 +372,18 @@ int pagedkv_gguf_get_rows(int type, const uint8_t *w, const int64_t *ids, int64_
     return 0;
 }
 
-/* ---- int8 activations (opt-in): Q4_0, Q8_0, Q4_K and Q6_K products --------------------
+/* ---- int8 activations: the products of every quantized type ------------------------------
  *
  * pagedkv_gguf_gemm above turns every weight into a float and multiplies it by an fp32
- * activation: a decode step is then bound by that arithmetic, not by the memory. Here the
- * activations are rounded to int8 once per call, in blocks of 32 along K (the size of the
- * weights' own groups), and a block of weights meets a block of activations in integer
- * arithmetic; only the block's result becomes a float.
+ * activation: a decode step is then bound by that arithmetic, not by the memory. Here (as
+ * llama.cpp does) the activations are rounded to int8 once per call, in blocks of 32 along K
+ * (the size of the weights' own groups), and a block of weights meets a block of activations
+ * in exact integer arithmetic; only the block's integer result becomes a float.
  *
  * Activation block b of row m (elements 32 b .. 32 b + 31):
  *   xd[b] = max |x| / 127 (fp32), xq = round-to-nearest-even(x * (1 / xd[b])) in [-127, 127]
- *   (all zeros when the block is), xds[b] = xd[b] * sum(xq) (fp32), so x ~ xd[b] * xq.
+ *   (all zeros when the block is), xds[b] = xd[b] * sum(xq) (fp32), so x ~ xd[b] * xq: each
+ *   activation is off by at most xd[b] / 2 (plus the fp32 rounding of x * (1 / xd)).
  *
  * The integer dot product of 32 weight values with 32 xq, in AVX2:
  *   _mm256_maddubs_epi16(u, s) multiplies 32 unsigned bytes u by 32 signed bytes s and adds
@@ -391,25 +392,31 @@ int pagedkv_gguf_get_rows(int type, const uint8_t *w, const int64_t *ids, int64_
  *   int32 lanes. Lane i holds elements 4 i .. 4 i + 3 (of the 128-bit half's 16 bytes), so a
  *   c of one value per 128-bit half applies a separate integer scale to elements 0-15 and
  *   16-31 (Q6_K's sub-blocks of 16).
- *   A signed weight (Q8_0, Q4_0 - 8, Q6_K - 32) has no unsigned operand: |w| is one (128 for
- *   -128 as an unsigned byte, still right) and x with w's sign moved onto it the other
- *   (_mm256_sign_epi8(x, w): -x where w < 0, 0 where w = 0), so each byte product is
- *   |w| * sign(w) * x = w * x; x is never -128, so negating it cannot overflow.
- *   Bounds of a 16-bit pair sum: Q8_0 2 * 128 * 127 = 32512, Q4_0 2 * 8 * 127, Q6_K
- *   2 * 32 * 127 = 8128, Q4_K (nibble 0..15 unsigned) 2 * 15 * 127; an int32 lane after a
+ *   An unsigned weight (Q4_1, Q5_1 q; Q4_K, Q5_K q) is the unsigned operand as it is.
+ *   A signed weight (Q8_0, Q4_0 q - 8, Q5_0 q - 16, Q6_K q - 32) has no unsigned operand: |w|
+ *   is one (128 for -128 as an unsigned byte, still right) and x with w's sign moved onto it
+ *   the other (_mm256_sign_epi8(x, w): -x where w < 0, 0 where w = 0), so each byte product
+ *   is |w| * sign(w) * x = w * x; x is never -128, so negating it cannot overflow.
+ *   Bounds of a 16-bit pair sum: Q8_0 2 * 128 * 127 = 32512, Q6_K 2 * 32 * 127 = 8128, the
+ *   5-bit types 2 * 31 * 127 = 7874, the 4-bit ones 2 * 15 * 127; an int32 lane after a
  *   multiplier of at most 128 is under 2^22, exact as a float.
  *
- * Each type's product, per output row (D = the block's fp32 scale as stored):
- *   Q8_0, Q4_0   sum_b (d_b * xd_b) * (w_b . xq_b)             w = the signed integer
- *   Q6_K         sum_g (d * xd_g) * sum_{half} scale_i * (w . xq)  over the two 16-element
- *                sub-blocks of group g (the int8 scales as madd's multiplier), w = q - 32
- *   Q4_K         sum_j (d * xd_j) * sc_j * (q_j . xq_j) - dmin * sum_j m_j * xds_j: the
- *                6-bit scale as madd's multiplier, the min term from the blocks' sums
- *                (one 8-lane multiply-add per super-block, as the fp32 product does)
+ * Each type's product, per output row (d, m, dmin = the block's fp32 scales as stored):
+ *   Q8_0, Q4_0, Q5_0   sum_b (d_b * xd_b) * (w_b . xq_b)          w = the signed integer
+ *   Q4_1, Q5_1         sum_b (d_b * xd_b) * (q_b . xq_b) + m_b * xds_b: the offset meets
+ *                      the activation block's sum (w = d q + m, so w . x = d (q . x) + m sum x)
+ *   Q6_K               sum_g (d * xd_g) * sum_{half} scale_i * (w . xq)  over the two
+ *                      16-element sub-blocks of group g (the int8 scales as madd's
+ *                      multiplier), w = q - 32
+ *   Q4_K, Q5_K         sum_j (d * xd_j) * sc_j * (q_j . xq_j) - dmin * sum_j m_j * xds_j: the
+ *                      6-bit scale as madd's multiplier, the min term from the blocks' sums
+ *                      (one 8-lane multiply-add per super-block, as the fp32 product does)
  * The int32 lanes become floats once per group of 32 and meet the group's fp32 factor in one
- * fused multiply-add into 8 lanes per activation row, summed at the end of the row.
+ * fused multiply-add into 8 lanes per activation row, summed at the end of the row. The
+ * result differs from the fp32 product by the activations' rounding: at most
+ * sum_k |w_k| * xd_block(k) / 2, plus fp32 summation.
  *
- * The only body is AVX2's (maddubs / madd / sign); an AVX-512 caller runs it too. */
+ * Two bodies: this AVX2 one (maddubs / madd / sign), and an AVX-512 VNNI one below. */
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
@@ -453,32 +460,73 @@ static inline AI __m256i dot_signed(__m256i w, __m256i x, __m256i c) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)), c);
 }
 
-/* Q8_0 / Q4_0 block at b: its 32 signed weights, in element order */
+/* unsigned w (0..31) . signed x, 32 bytes each, into 8 int32 lanes (times c, as above) */
+static inline AI __m256i dot_unsigned(__m256i w, __m256i x, __m256i c) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), c);
+}
+
+/* 16 nibbles at p as 32 bytes in element order: the low nibbles (elements 0-15), then the
+ * high ones (16-31) */
+static inline AI __m256i nibbles32(const uint8_t *p) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)p);
+    const __m128i lo = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
+    return _mm256_set_m128i(hi, lo);
+}
+
+/* The fifth bits of a Q5_0 / Q5_1 block (bit i of the little-endian word at p: element i) as
+ * 32 bytes of 16 or 0: each byte picks its word byte (i / 8) and tests its bit (i % 8). */
+static inline AI __m256i fifth_bits32(const uint8_t *p) {
+    uint32_t qh;
+    memcpy(&qh, p, 4);
+    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), pick);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    return _mm256_and_si256(set, _mm256_set1_epi8(16));
+}
+
+/* A 32-element block at b: its 32 integer weights in element order, signed (Q8_0 q, Q4_0
+ * q - 8, Q5_0 q - 16) or unsigned (Q4_1 q in 0..15, Q5_1 q in 0..31) */
 static inline AI __m256i q8w_q8_0(const uint8_t *b) {
     return _mm256_loadu_si256((const __m256i *)(b + 2));
 }
 
 static inline AI __m256i q8w_q4_0(const uint8_t *b) {
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)(b + 2));
-    const __m128i lo = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
-    return _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8));
+    return _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8));
 }
 
-/* One 32-element block of a Q8_0 / Q4_0 row for all M rows into acc[m] */
-#define Q8_BLOCK32(M, LOADW, b, g, acc)                                                      \
+static inline AI __m256i q8w_q4_1(const uint8_t *b) { return nibbles32(b + 4); }
+
+static inline AI __m256i q8w_q5_0(const uint8_t *b) {
+    return _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), fifth_bits32(b + 2)),
+                           _mm256_set1_epi8(16));
+}
+
+static inline AI __m256i q8w_q5_1(const uint8_t *b) {
+    return _mm256_or_si256(nibbles32(b + 8), fifth_bits32(b + 4));
+}
+
+/* One 32-element block of a row for all M rows: acc[m] += (d * xd) * (w . xq) in 8 lanes;
+ * a type with an offset m (MOFF its byte offset in the block, else -1) also adds
+ * m * xds to the row's scalar sm[m]. */
+#define Q8_BLOCK32(M, LOADW, SIGNED, MOFF, b, g, acc, sm)                                    \
     do {                                                                                     \
         const __m256i wv_ = LOADW(b);                                                        \
         const float d_ = f16_to_f32(b);                                                      \
-        _Pragma("GCC unroll 8") for (int m_ = 0; m_ < (M); m_++) {                           \
-            const __m256i xv_ = _mm256_loadu_si256((const __m256i *)(xq + m_ * K + 32 * (g))); \
-            const __m256i p_ = dot_signed(wv_, xv_, _mm256_set1_epi16(1));                   \
-            (acc)[m_] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_),                              \
-                                        _mm256_set1_ps(d_ * xd[m_ * G + (g)]), (acc)[m_]);   \
+        const float m_ = (MOFF) >= 0 ? f16_to_f32((b) + ((MOFF) > 0 ? (MOFF) : 0)) : 0.0f;  \
+        _Pragma("GCC unroll 8") for (int m_i = 0; m_i < (M); m_i++) {                        \
+            const __m256i xv_ = _mm256_loadu_si256((const __m256i *)(xq + m_i * K + 32 * (g))); \
+            const __m256i p_ = (SIGNED) ? dot_signed(wv_, xv_, _mm256_set1_epi16(1))          \
+                                        : dot_unsigned(wv_, xv_, _mm256_set1_epi16(1));       \
+            (acc)[m_i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_),                             \
+                                         _mm256_set1_ps(d_ * xd[m_i * G + (g)]), (acc)[m_i]); \
+            if ((MOFF) >= 0) (sm)[m_i] += m_ * xds[m_i * G + (g)];                           \
         }                                                                                    \
     } while (0)
 
-#define Q8_ROW32(T, BB)                                                                      \
+#define Q8_ROW32(T, BB, SIGNED, MOFF)                                                        \
     static inline AI void q8_row_##T(const int M, const uint8_t *w, const int8_t *xq,        \
                                      const float *xd, const float *xds, int64_t K,           \
                                      int64_t ldo, int64_t n, float *out) {                   \
@@ -486,36 +534,45 @@ static inline AI __m256i q8w_q4_0(const uint8_t *b) {
         const int64_t G = K / 32;                                                            \
         const uint8_t *row = w + n * G * (BB);                                               \
         __m256 a0[MAX_M], a1[MAX_M];                                                         \
-        _Pragma("GCC unroll 8") for (int m = 0; m < M; m++) a0[m] = a1[m] = _mm256_setzero_ps(); \
+        float sm[MAX_M];                                                                     \
+        _Pragma("GCC unroll 8") for (int m = 0; m < M; m++) {                                \
+            a0[m] = a1[m] = _mm256_setzero_ps();                                             \
+            sm[m] = 0.0f;                                                                    \
+        }                                                                                    \
         int64_t g = 0;                                                                       \
         for (; g + 2 <= G; g += 2) {                                                         \
             const uint8_t *b = row + g * (BB);                                               \
             PREFETCH(b + PF_BYTES);                                                          \
             PREFETCH(b + PF_BYTES + 64);                                                     \
-            Q8_BLOCK32(M, q8w_##T, b, g, a0);                                                \
-            Q8_BLOCK32(M, q8w_##T, b + (BB), g + 1, a1);                                     \
+            Q8_BLOCK32(M, q8w_##T, SIGNED, MOFF, b, g, a0, sm);                              \
+            Q8_BLOCK32(M, q8w_##T, SIGNED, MOFF, b + (BB), g + 1, a1, sm);                   \
         }                                                                                    \
-        if (g < G) Q8_BLOCK32(M, q8w_##T, row + g * (BB), g, a0);                            \
+        if (g < G) Q8_BLOCK32(M, q8w_##T, SIGNED, MOFF, row + g * (BB), g, a0, sm);          \
         _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)                                  \
-            out[m * ldo + n] = hsum8(_mm256_add_ps(a0[m], a1[m]));                        \
+            out[m * ldo + n] = hsum8(_mm256_add_ps(a0[m], a1[m])) + sm[m];                   \
     }
 
-Q8_ROW32(q8_0, 34)
-Q8_ROW32(q4_0, 18)
+Q8_ROW32(q8_0, 34, 1, -1)
+Q8_ROW32(q4_0, 18, 1, -1)
+Q8_ROW32(q4_1, 20, 0, 2)
+Q8_ROW32(q5_0, 22, 1, -1)
+Q8_ROW32(q5_1, 24, 0, 2)
 
-/* Q4_K row n: per super-block the min term, then 4 pairs of groups (a pair's 32 bytes hold
- * group 2 c in the low nibbles and 2 c + 1 in the high ones, element i in byte i). */
-static inline AI void q8_row_q4_k(const int M, const uint8_t *w, const int8_t *xq,
-                                  const float *xd, const float *xds, int64_t K, int64_t ldo,
-                                  int64_t n, float *out) {
+/* Q4_K (five = 0) / Q5_K (five = 1) row n: per super-block the min term, then 4 pairs of
+ * groups (a pair's 32 bytes hold group 2 c in the low nibbles and 2 c + 1 in the high ones,
+ * element i in byte i; Q5_K's fifth bit of element i of group j is bit j of qh[i]). */
+static inline AI void q8_row_kq(const int M, const int five, const uint8_t *w, const int8_t *xq,
+                                const float *xd, const float *xds, int64_t K, int64_t ldo,
+                                int64_t n, float *out) {
+    const int BB = five ? 176 : 144;
     const int64_t S = K / 256, G = K / 32;
-    const uint8_t *row = w + n * S * 144;
+    const uint8_t *row = w + n * S * BB;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     __m256 a0[MAX_M], a1[MAX_M];
 #pragma GCC unroll 8
     for (int m = 0; m < M; m++) a0[m] = a1[m] = _mm256_setzero_ps();
     for (int64_t s = 0; s < S; s++) {
-        const uint8_t *blk = row + s * 144;
+        const uint8_t *blk = row + s * BB;
         PREFETCH(blk + PF_BYTES);
         PREFETCH(blk + PF_BYTES + 64);
         PREFETCH(blk + PF_BYTES + 128);
@@ -538,21 +595,34 @@ static inline AI void q8_row_q4_k(const int M, const uint8_t *w, const int8_t *x
 #pragma GCC unroll 8
         for (int m = 0; m < M; m++)
             a1[m] = _mm256_fnmadd_ps(dm, _mm256_loadu_ps(xds + m * G + s * 8), a1[m]);
+        const uint8_t *qs = blk + (five ? 48 : 16);
+        const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : low4;
 #pragma GCC unroll 4
         for (int c = 0; c < 4; c++) {
-            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
-            const __m256i qlo = _mm256_and_si256(bytes, low4);
-            const __m256i qhi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            __m256i qlo = _mm256_and_si256(bytes, low4);
+            __m256i qhi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+            if (five) {
+                /* bit j of each qh byte moved to bit 4 (j = 2 c, 2 c + 1; 16-bit shifts move
+                 * no set bit across a byte: only bit j is kept) */
+                const int j0 = 2 * c, j1 = 2 * c + 1;
+                const __m256i b0 = _mm256_and_si256(qh, _mm256_set1_epi8((char)(1 << j0)));
+                const __m256i b1 = _mm256_and_si256(qh, _mm256_set1_epi8((char)(1 << j1)));
+                qlo = _mm256_or_si256(qlo, j0 <= 4 ? _mm256_slli_epi16(b0, 4 - j0)
+                                                   : _mm256_srli_epi16(b0, j0 - 4));
+                qhi = _mm256_or_si256(qhi, j1 <= 4 ? _mm256_slli_epi16(b1, 4 - j1)
+                                                   : _mm256_srli_epi16(b1, j1 - 4));
+            }
             const __m256i clo = _mm256_set1_epi16(sc[2 * c]), chi = _mm256_set1_epi16(sc[2 * c + 1]);
             const int64_t b = s * 8 + 2 * c;
 #pragma GCC unroll 8
             for (int m = 0; m < M; m++) {
                 const int8_t *xm = xq + m * K + 32 * b;
-                /* nibbles are the unsigned operand as they are */
-                const __m256i plo = _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(qlo, _mm256_loadu_si256((const __m256i *)xm)), clo);
-                const __m256i phi = _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(qhi, _mm256_loadu_si256((const __m256i *)(xm + 32))), chi);
+                /* the weights are the unsigned operand as they are */
+                const __m256i plo =
+                    dot_unsigned(qlo, _mm256_loadu_si256((const __m256i *)xm), clo);
+                const __m256i phi =
+                    dot_unsigned(qhi, _mm256_loadu_si256((const __m256i *)(xm + 32)), chi);
                 a0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(plo), _mm256_set1_ps(d * xd[m * G + b]),
                                         a0[m]);
                 a1[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(phi),
@@ -562,6 +632,18 @@ static inline AI void q8_row_q4_k(const int M, const uint8_t *w, const int8_t *x
     }
 #pragma GCC unroll 8
     for (int m = 0; m < M; m++) out[m * ldo + n] = hsum8(_mm256_add_ps(a0[m], a1[m]));
+}
+
+static inline AI void q8_row_q4_k(const int M, const uint8_t *w, const int8_t *xq,
+                                  const float *xd, const float *xds, int64_t K, int64_t ldo,
+                                  int64_t n, float *out) {
+    q8_row_kq(M, 0, w, xq, xd, xds, K, ldo, n, out);
+}
+
+static inline AI void q8_row_q5_k(const int M, const uint8_t *w, const int8_t *xq,
+                                  const float *xd, const float *xds, int64_t K, int64_t ldo,
+                                  int64_t n, float *out) {
+    q8_row_kq(M, 1, w, xq, xd, xds, K, ldo, n, out);
 }
 
 /* Q6_K row n: group g = 4 h + t of a super-block (half h, quarter t, see the header comment):
@@ -645,7 +727,11 @@ static inline AI void q8_row_q6_k(const int M, const uint8_t *w, const int8_t *x
 
 Q8_ROWS(q8_0)
 Q8_ROWS(q4_0)
+Q8_ROWS(q4_1)
+Q8_ROWS(q5_0)
+Q8_ROWS(q5_1)
 Q8_ROWS(q4_k)
+Q8_ROWS(q5_k)
 Q8_ROWS(q6_k)
 
 #undef Q8_BLOCK32
@@ -654,8 +740,344 @@ Q8_ROWS(q6_k)
 
 #pragma GCC pop_options
 
+/* ---- the AVX-512 VNNI body of the int8 products ------------------------------------------
+ *
+ * _mm512_dpbusd_epi32(acc, u, s) adds to each of 16 int32 lanes the four products of its
+ * unsigned bytes of u with the signed bytes of s, exactly (no 16-bit step, no saturation).
+ * One 512-bit vector holds two groups of 32 (a "pair": lanes 0-7 the first, 8-15 the
+ * second), so one instruction per pair and activation row does what maddubs + madd do per
+ * group in the AVX2 body.
+ *   Unsigned weights (Q4_1, Q5_1, Q4_K, Q5_K q) are u as they are, xq is s.
+ *   Signed weights (Q8_0, Q4_0 - 8, Q5_0 - 16, Q6_K - 32) are s, and the activations u =
+ *   xq + 128 (in [1, 255], kept once per call beside xq): u . w = xq . w + 128 sum(w), so
+ *   each lane starts from -128 * (its four weights' sum), one dpbusd of 128s with w per pair,
+ *   shared by all activation rows.
+ * Each lane holds four consecutive elements, so a pair's fp32 factor is one vector of 16:
+ * the weights' scale per lane (d per block; d * sc_j per Q4_K / Q5_K group; d * scale_i per
+ * Q6_K sub-block of 16, four lanes each) times the activation blocks' xd (lanes 0-7 the first
+ * block's, 8-15 the second's, laid out so once per call). The offsets as in the AVX2 body:
+ * Q4_1 / Q5_1's m times xds (spread as xds / 8 over the block's 8 lanes), the K-types' min
+ * term once per super-block. */
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+
+/* The activations as the VNNI body reads them: P = ceil(K / 64) pairs, rows Kp = 64 P apart */
+typedef struct {
+    const int8_t *xq;  /* [M, Kp] the rounded activations (zeros past K) */
+    const uint8_t *xu; /* [M, Kp] xq + 128 */
+    const float *xdp;  /* [M, P, 16] lanes 0-7 xd[2 p], 8-15 xd[2 p + 1] (0 past K) */
+    const float *xsp;  /* [M, P, 16] the same of xds / 8 */
+    const float *xds;  /* [M, G] */
+    int64_t G, P, Kp;
+} q8v_act;
+
+/* 16 bytes of nibbles at p0 and at p1 as 64 bytes: block p0's 32 elements, then p1's */
+static inline AI __m512i v_nib64(const uint8_t *p0, const uint8_t *p1) {
+    const __m256i t = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p0)),
+        _mm_loadu_si128((const __m128i *)p1), 1);
+    __m512i z = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3),
+                                         _mm512_castsi256_si512(t));
+    z = _mm512_mask_srli_epi16(z, (__mmask32)0xFF00FF00u, z, 4);
+    return _mm512_and_si512(z, _mm512_set1_epi8(0x0F));
+}
+
+/* the fifth bits of two Q5_0 / Q5_1 blocks (their qh words at p0, p1) as a byte mask */
+static inline AI __mmask64 v_fifth64(const uint8_t *p0, const uint8_t *p1) {
+    uint32_t a, b;
+    memcpy(&a, p0, 4);
+    memcpy(&b, p1, 4);
+    return (__mmask64)a | ((__mmask64)b << 32);
+}
+
+/* two 32-element blocks b0, b1 -> their 64 integer weights (signedness as q8w_*) */
+static inline AI __m512i v_w_q8_0(const uint8_t *b0, const uint8_t *b1) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
+                              _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1);
+}
+static inline AI __m512i v_w_q4_0(const uint8_t *b0, const uint8_t *b1) {
+    return _mm512_sub_epi8(v_nib64(b0 + 2, b1 + 2), _mm512_set1_epi8(8));
+}
+static inline AI __m512i v_w_q4_1(const uint8_t *b0, const uint8_t *b1) {
+    return v_nib64(b0 + 4, b1 + 4);
+}
+static inline AI __m512i v_w_q5_0(const uint8_t *b0, const uint8_t *b1) {
+    const __m512i nib = v_nib64(b0 + 6, b1 + 6);
+    /* q - 16: nib where the fifth bit is set, nib - 16 where it is not */
+    return _mm512_mask_sub_epi8(nib, ~v_fifth64(b0 + 2, b1 + 2), nib, _mm512_set1_epi8(16));
+}
+static inline AI __m512i v_w_q5_1(const uint8_t *b0, const uint8_t *b1) {
+    const __m512i nib = v_nib64(b0 + 8, b1 + 8);
+    return _mm512_mask_add_epi8(nib, v_fifth64(b0 + 4, b1 + 4), nib, _mm512_set1_epi8(16));
+}
+
+/* -128 * (the sum of each lane's four signed weights): the start of a signed pair's lanes */
+static inline AI __m512i v_offset(__m512i w) {
+    return _mm512_sub_epi32(_mm512_setzero_si512(),
+                            _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)0x80), w));
+}
+
+/* One pair p (blocks b0, b1; b1 NULL: the row's last block alone) of a 32-element type for
+ * all M rows: a0[m] += cvt(w . xq) * (D * xd), a1[m] += M * xds / 8 (types with an offset). */
+#define V_PAIR32(M, WB, SIGNED, MOFF, b0, b1, p, a0, a1)                                     \
+    do {                                                                                     \
+        const uint8_t *c1_ = (b1) != NULL ? (b1) : (b0);                                     \
+        __m512i w_ = WB((b0), c1_);                                                          \
+        float d1_ = f16_to_f32(c1_), m1_ = 0.0f;                                             \
+        if ((MOFF) > 0) m1_ = f16_to_f32(c1_ + ((MOFF) > 0 ? (MOFF) : 0));                   \
+        if ((b1) == NULL) {                                                                  \
+            w_ = _mm512_maskz_mov_epi8((__mmask64)0xFFFFFFFFull, w_);                         \
+            d1_ = m1_ = 0.0f;                                                                \
+        }                                                                                    \
+        const __m512 dv_ = _mm512_insertf32x8(_mm512_set1_ps(f16_to_f32(b0)), _mm256_set1_ps(d1_), 1); \
+        __m512 mv_ = _mm512_setzero_ps();                                                    \
+        if ((MOFF) > 0)                                                                      \
+            mv_ = _mm512_insertf32x8(_mm512_set1_ps(f16_to_f32((b0) + ((MOFF) > 0 ? (MOFF) : 0))), \
+                                     _mm256_set1_ps(m1_), 1);                                \
+        const __m512i start_ = (SIGNED) ? v_offset(w_) : _mm512_setzero_si512();             \
+        _Pragma("GCC unroll 8") for (int m_i = 0; m_i < (M); m_i++) {                        \
+            const int64_t at_ = m_i * A->Kp + 64 * (p);                                      \
+            const __m512i dot_ =                                                             \
+                (SIGNED) ? _mm512_dpbusd_epi32(start_, _mm512_loadu_si512(A->xu + at_), w_)   \
+                         : _mm512_dpbusd_epi32(start_, w_, _mm512_loadu_si512(A->xq + at_));  \
+            const int64_t f_ = (m_i * A->P + (p)) * 16;                                      \
+            (a0)[m_i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_),                            \
+                                        _mm512_mul_ps(dv_, _mm512_loadu_ps(A->xdp + f_)), (a0)[m_i]); \
+            if ((MOFF) > 0)                                                                  \
+                (a1)[m_i] = _mm512_fmadd_ps(mv_, _mm512_loadu_ps(A->xsp + f_), (a1)[m_i]);   \
+        }                                                                                    \
+    } while (0)
+
+#define V_ROW32(T, BB, SIGNED, MOFF)                                                         \
+    static inline AI void v_row_##T(const int M, const uint8_t *w, const q8v_act *A,         \
+                                    int64_t ldo, int64_t n, float *out) {                    \
+        const int64_t G = A->G;                                                              \
+        const uint8_t *row = w + n * G * (BB);                                               \
+        __m512 a0[MAX_M], a1[MAX_M];                                                         \
+        _Pragma("GCC unroll 8") for (int m = 0; m < M; m++) a0[m] = a1[m] = _mm512_setzero_ps(); \
+        int64_t p = 0;                                                                       \
+        for (; 2 * p + 2 <= G; p++) {                                                        \
+            const uint8_t *b = row + 2 * p * (BB);                                           \
+            PREFETCH(b + PF_BYTES);                                                          \
+            PREFETCH(b + PF_BYTES + 64);                                                     \
+            V_PAIR32(M, v_w_##T, SIGNED, MOFF, b, b + (BB), p, a0, a1);                      \
+        }                                                                                    \
+        if (2 * p < G) V_PAIR32(M, v_w_##T, SIGNED, MOFF, row + 2 * p * (BB), (const uint8_t *)NULL, p, a0, a1); \
+        _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)                                  \
+            out[m * ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m]));            \
+    }
+
+V_ROW32(q8_0, 34, 1, -1)
+V_ROW32(q4_0, 18, 1, -1)
+V_ROW32(q4_1, 20, 0, 2)
+V_ROW32(q5_0, 22, 1, -1)
+V_ROW32(q5_1, 24, 0, 2)
+
+/* Q4_K (five = 0) / Q5_K (five = 1) row n: pair c of a super-block is the 32 bytes of nibbles
+ * qs[32 c ..]: group 2 c the low nibbles (lanes 0-7), 2 c + 1 the high ones (8-15). */
+static inline AI void v_row_kq(const int M, const int five, const uint8_t *w, const q8v_act *A,
+                               int64_t ldo, int64_t n, float *out) {
+    const int BB = five ? 176 : 144;
+    const int64_t G = A->G, S = G / 8;
+    const uint8_t *row = w + n * S * BB;
+    __m512 a0[MAX_M], a1[MAX_M];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) a0[m] = a1[m] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < S; s++) {
+        const uint8_t *blk = row + s * BB;
+        PREFETCH(blk + PF_BYTES);
+        PREFETCH(blk + PF_BYTES + 64);
+        PREFETCH(blk + PF_BYTES + 128);
+        float D[8], DM[8];
+        prep_q4_k(blk, D, DM);
+        const __m512 dz = _mm512_castps256_ps512(_mm256_loadu_ps(D));
+        const __m512 dm = _mm512_zextps256_ps512(_mm256_loadu_ps(DM));
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++)
+            a1[m] = _mm512_fnmadd_ps(dm, _mm512_zextps256_ps512(_mm256_loadu_ps(A->xds + m * G + s * 8)),
+                                     a1[m]);
+        const uint8_t *qs = blk + (five ? 48 : 16);
+        const __m512i qh = five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)))
+                                : _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            const __m512i bytes = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
+            __m512i wv = _mm512_and_si512(_mm512_mask_srli_epi16(bytes, (__mmask32)0xFFFF0000u, bytes, 4),
+                                          _mm512_set1_epi8(0x0F));
+            if (five) {
+                /* bit 2 c of each qh byte for the low half, bit 2 c + 1 for the high one */
+                const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (2 * c))),
+                                                       _mm256_set1_epi8((char)(1 << (2 * c + 1))), 1);
+                wv = _mm512_mask_add_epi8(wv, _mm512_test_epi8_mask(qh, bit), wv, _mm512_set1_epi8(16));
+            }
+            const __m512 dv = _mm512_permutexvar_ps(
+                _mm512_inserti64x4(_mm512_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1), 1), dz);
+            const int64_t p = 4 * s + c;
+#pragma GCC unroll 8
+            for (int m = 0; m < M; m++) {
+                const __m512i dot = _mm512_dpbusd_epi32(
+                    _mm512_setzero_si512(), wv, _mm512_loadu_si512(A->xq + m * A->Kp + 64 * p));
+                a0[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                        _mm512_mul_ps(dv, _mm512_loadu_ps(A->xdp + (m * A->P + p) * 16)),
+                                        a0[m]);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) out[m * ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m]));
+}
+
+static inline AI void v_row_q4_k(const int M, const uint8_t *w, const q8v_act *A, int64_t ldo,
+                                 int64_t n, float *out) {
+    v_row_kq(M, 0, w, A, ldo, n, out);
+}
+
+static inline AI void v_row_q5_k(const int M, const uint8_t *w, const q8v_act *A, int64_t ldo,
+                                 int64_t n, float *out) {
+    v_row_kq(M, 1, w, A, ldo, n, out);
+}
+
+/* Q6_K row n: pair p = 2 h + u of a super-block is groups 4 h + 2 u and 4 h + 2 u + 1: the
+ * 64 bytes ql[64 h ..] (low nibbles for u = 0, high for u = 1) and the 32 bytes qh[32 h ..]
+ * (bits 4 u, 4 u + 1 for the first group, 4 u + 2, 4 u + 3 for the second); its lanes take
+ * the scales 4 p .. 4 p + 3, four lanes each. */
+static inline AI void v_row_q6_k(const int M, const uint8_t *w, const q8v_act *A, int64_t ldo,
+                                 int64_t n, float *out) {
+    const int64_t G = A->G, S = G / 8;
+    const uint8_t *row = w + n * S * 210;
+    __m512 a0[MAX_M];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) a0[m] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < S; s++) {
+        const uint8_t *blk = row + s * 210;
+        PREFETCH(blk + PF_BYTES);
+        PREFETCH(blk + PF_BYTES + 64);
+        PREFETCH(blk + PF_BYTES + 128);
+        PREFETCH(blk + PF_BYTES + 192);
+        const __m512 sc = _mm512_mul_ps(
+            _mm512_set1_ps(f16_to_f32(blk + 208)),
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)))));
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
+            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
+#pragma GCC unroll 2
+            for (int u = 0; u < 2; u++) {
+                const __m512i nib = _mm512_and_si512(u ? _mm512_srli_epi16(ql, 4) : ql, _mm512_set1_epi8(0x0F));
+                /* the two bits to bits 4, 5 of each byte (16-bit shifts: the mask drops what
+                 * crosses from the neighbouring byte) */
+                const __m512i top = u ? _mm512_srlv_epi16(qh, _mm512_inserti64x4(_mm512_setzero_si512(),
+                                                                                 _mm256_set1_epi16(2), 1))
+                                      : _mm512_sllv_epi16(qh, _mm512_inserti64x4(_mm512_set1_epi16(4),
+                                                                                 _mm256_set1_epi16(2), 1));
+                const __m512i q = _mm512_ternarylogic_epi32(nib, top, _mm512_set1_epi8(0x30), 0xF8);
+                const __m512i wv = _mm512_sub_epi8(q, _mm512_set1_epi8(32));
+                const __m512i start = v_offset(wv);
+                const int pp = 2 * h + u;
+                const __m512 dv = _mm512_permutexvar_ps(
+                    _mm512_setr_epi32(4 * pp, 4 * pp, 4 * pp, 4 * pp, 4 * pp + 1, 4 * pp + 1, 4 * pp + 1,
+                                      4 * pp + 1, 4 * pp + 2, 4 * pp + 2, 4 * pp + 2, 4 * pp + 2,
+                                      4 * pp + 3, 4 * pp + 3, 4 * pp + 3, 4 * pp + 3),
+                    sc);
+                const int64_t p = 4 * s + pp;
+#pragma GCC unroll 8
+                for (int m = 0; m < M; m++) {
+                    const __m512i dot =
+                        _mm512_dpbusd_epi32(start, _mm512_loadu_si512(A->xu + m * A->Kp + 64 * p), wv);
+                    a0[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                            _mm512_mul_ps(dv, _mm512_loadu_ps(A->xdp + (m * A->P + p) * 16)),
+                                            a0[m]);
+                }
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) out[m * ldo + n] = _mm512_reduce_add_ps(a0[m]);
+}
+
+#define V_ROWS(T)                                                                            \
+    static __attribute__((noinline)) void v_rows_##T(int M, const uint8_t *w, const q8v_act *A, \
+                                                     int64_t ldo, int64_t n0, int64_t n1,    \
+                                                     float *out) {                           \
+        switch (M) {                                                                         \
+            case 1: for (int64_t n = n0; n < n1; n++) v_row_##T(1, w, A, ldo, n, out); break; \
+            case 2: for (int64_t n = n0; n < n1; n++) v_row_##T(2, w, A, ldo, n, out); break; \
+            case 3: for (int64_t n = n0; n < n1; n++) v_row_##T(3, w, A, ldo, n, out); break; \
+            case 4: for (int64_t n = n0; n < n1; n++) v_row_##T(4, w, A, ldo, n, out); break; \
+            case 5: for (int64_t n = n0; n < n1; n++) v_row_##T(5, w, A, ldo, n, out); break; \
+            case 6: for (int64_t n = n0; n < n1; n++) v_row_##T(6, w, A, ldo, n, out); break; \
+            case 7: for (int64_t n = n0; n < n1; n++) v_row_##T(7, w, A, ldo, n, out); break; \
+            case 8: for (int64_t n = n0; n < n1; n++) v_row_##T(8, w, A, ldo, n, out); break; \
+        }                                                                                    \
+    }
+
+V_ROWS(q8_0)
+V_ROWS(q4_0)
+V_ROWS(q4_1)
+V_ROWS(q5_0)
+V_ROWS(q5_1)
+V_ROWS(q4_k)
+V_ROWS(q5_k)
+V_ROWS(q6_k)
+
+/* Rows n0..n1 of a type's product on the VNNI body */
+static void v_rows(int type, int M, const uint8_t *w, const q8v_act *A, int64_t ldo, int64_t n0,
+                   int64_t n1, float *out) {
+    switch (type) {
+        case GGML_Q8_0: v_rows_q8_0(M, w, A, ldo, n0, n1, out); break;
+        case GGML_Q4_0: v_rows_q4_0(M, w, A, ldo, n0, n1, out); break;
+        case GGML_Q4_1: v_rows_q4_1(M, w, A, ldo, n0, n1, out); break;
+        case GGML_Q5_0: v_rows_q5_0(M, w, A, ldo, n0, n1, out); break;
+        case GGML_Q5_1: v_rows_q5_1(M, w, A, ldo, n0, n1, out); break;
+        case GGML_Q4_K: v_rows_q4_k(M, w, A, ldo, n0, n1, out); break;
+        case GGML_Q5_K: v_rows_q5_k(M, w, A, ldo, n0, n1, out); break;
+        case GGML_Q6_K: v_rows_q6_k(M, w, A, ldo, n0, n1, out); break;
+    }
+}
+
+#undef V_PAIR32
+#undef V_ROW32
+#undef V_ROWS
+
+#pragma GCC pop_options
+
+/* The VNNI body's product (arguments checked by the caller): the activations rounded and
+ * laid out as q8v_act says, once, then the rows in blocks across the threads. */
+static int gemm_q8_vnni(int type, const float *x, const uint8_t *w, float *out, int64_t M,
+                        int64_t N, int64_t K, int64_t ldo, int num_threads) {
+    const int64_t G = K / 32, P = (G + 1) / 2, Kp = 64 * P;
+    /* one buffer: xd, xds fp32 [M, G]; xdp, xsp fp32 [M, P, 16]; xq, xu [M, Kp] bytes */
+    float *xd = (float *)malloc(sizeof(float) * (2 * M * G + 2 * M * P * 16) + (size_t)(2 * M * Kp));
+    if (xd == NULL) return -1;
+    float *xds = xd + M * G, *xdp = xds + M * G, *xsp = xdp + M * P * 16;
+    int8_t *xq = (int8_t *)(xsp + M * P * 16);
+    uint8_t *xu = (uint8_t *)(xq + M * Kp);
+    for (int64_t m = 0; m < M; m++) {
+        int8_t *q = xq + m * Kp;
+        quantize_row_q8(x + m * K, K, q, xd + m * G, xds + m * G);
+        memset(q + K, 0, (size_t)(Kp - K));
+        for (int64_t k = 0; k < Kp; k++) xu[m * Kp + k] = (uint8_t)(q[k] ^ 0x80);
+        for (int64_t p = 0; p < P; p++)
+            for (int l = 0; l < 16; l++) {
+                const int64_t g = 2 * p + l / 8;
+                xdp[(m * P + p) * 16 + l] = g < G ? xd[m * G + g] : 0.0f;
+                xsp[(m * P + p) * 16 + l] = g < G ? xds[m * G + g] * 0.125f : 0.0f;
+            }
+    }
+    const q8v_act A = {xq, xu, xdp, xsp, xds, G, P, Kp};
+    const int64_t num_blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const int64_t n0 = b * ROW_BLOCK, n1 = n0 + ROW_BLOCK < N ? n0 + ROW_BLOCK : N;
+        v_rows(type, (int)M, w, &A, ldo, n0, n1, out);
+    }
+    free(xd);
+    return 0;
+}
+
 int pagedkv_gguf_q8_takes(int type) {
-    return type == GGML_Q4_0 || type == GGML_Q8_0 || type == GGML_Q4_K || type == GGML_Q6_K;
+    return type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q5_0 || type == GGML_Q5_1 ||
+           type == GGML_Q8_0 || type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K;
 }
 
 int pagedkv_gguf_gemm_q8(int type, const float *x, const uint8_t *w, float *out, int64_t M,
@@ -668,7 +1090,9 @@ int pagedkv_gguf_gemm_q8_ld(int type, const float *x, const uint8_t *w, float *o
     int64_t E, B;
     if (!pagedkv_gguf_q8_takes(type) || pagedkv_gguf_block(type, &E, &B)) return -1;
     if (M < 1 || M > MAX_M || K <= 0 || K % E != 0 || N < 0 || ldo < N) return -1;
-    if (isa != PAGEDKV_ISA_AVX2 && isa != PAGEDKV_ISA_AVX512) return -1;
+    if (isa != PAGEDKV_ISA_AVX2 && isa != PAGEDKV_ISA_AVX512 && isa != PAGEDKV_ISA_AVX512_VNNI)
+        return -1;
+    if (isa == PAGEDKV_ISA_AVX512_VNNI) return gemm_q8_vnni(type, x, w, out, M, N, K, ldo, num_threads);
     /* one buffer: xd, xds fp32 [M, K / 32], then xq int8 [M, K] */
     const int64_t G = K / 32;
     float *xd = (float *)malloc(sizeof(float) * 2 * M * G + (size_t)(M * K));
@@ -684,7 +1108,11 @@ int pagedkv_gguf_gemm_q8_ld(int type, const float *x, const uint8_t *w, float *o
         switch (type) {
             case GGML_Q8_0: q8_rows_q8_0((int)M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
             case GGML_Q4_0: q8_rows_q4_0((int)M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
+            case GGML_Q4_1: q8_rows_q4_1((int)M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
+            case GGML_Q5_0: q8_rows_q5_0((int)M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
+            case GGML_Q5_1: q8_rows_q5_1((int)M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
             case GGML_Q4_K: q8_rows_q4_k((int)M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
+            case GGML_Q5_K: q8_rows_q5_k((int)M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
             case GGML_Q6_K: q8_rows_q6_k((int)M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
         }
     }

@@ -7,6 +7,9 @@
 /* `isa` of the products: which body runs (the caller checks that the CPU has it) */
 #define PAGEDKV_ISA_AVX2 0
 #define PAGEDKV_ISA_AVX512 1
+/* the int8-activation GGUF products only: their AVX-512 VNNI body (needs AVX512BW and
+ * AVX512_VNNI too); AVX2 and AVX512 run their AVX2 body */
+#define PAGEDKV_ISA_AVX512_VNNI 2
 
 int pagedkv_int4_gemm(const float *x, const uint8_t *qs, const float *scale, const float *min,
                       float *out, int64_t M, int64_t N, int64_t K, int num_threads, int isa);
@@ -29,11 +32,11 @@ int pagedkv_gguf_gemm(int type, const float *x, const uint8_t *w, float *out, in
 /* pagedkv_gguf_gemm with out's rows ldo >= N floats apart (out[m * ldo + n]) */
 int pagedkv_gguf_gemm_ld(int type, const float *x, const uint8_t *w, float *out, int64_t M,
                          int64_t N, int64_t K, int64_t ldo, int num_threads, int isa);
-/* int8 activations (gguf_blocks.c's last section): the product of Q4_0, Q8_0, Q4_K and Q6_K
- * weights with x rounded to int8 in blocks of 32 (one fp32 scale each), integer dot products
- * per block. pagedkv_gguf_q8_takes: 1 for those four types, else 0. The products take
- * pagedkv_gguf_gemm(_ld)'s arguments and return -1 for a type outside the four (or anything
- * pagedkv_gguf_gemm refuses); both ISA codes run the AVX2 body. */
+/* int8 activations (gguf_blocks.c's last section): the product of a quantized type's weights
+ * (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) with x rounded to int8 in blocks of 32 (one
+ * fp32 scale each), integer dot products per block. pagedkv_gguf_q8_takes: 1 for those types,
+ * else 0 (the float types). The products take pagedkv_gguf_gemm(_ld)'s arguments and return
+ * -1 for a type it does not take (or anything pagedkv_gguf_gemm refuses). */
 int pagedkv_gguf_q8_takes(int type);
 int pagedkv_gguf_gemm_q8(int type, const float *x, const uint8_t *w, float *out, int64_t M,
                          int64_t N, int64_t K, int num_threads, int isa);
