@@ -102,13 +102,17 @@ def test_llm_default_is_float32_and_equals_the_fp32_reference(avx2_run, fp32_tok
     assert auto["isa"] == "AVX2"
     assert auto["dtype"] == "float32"
     assert auto["warnings"] == []
-    # the default also runs small steps on the GGUF file's 4-bit weights (bf16 activations):
-    # close to the fp32 reference, not equal (tests/engine/test_quantized_vs_hf.py bounds it)
+    # the default also runs the GGUF file's blocks as stored, on int8 activations as llama.cpp
+    # does: close to the fp32 reference, not equal (tests/engine/test_quantized_vs_hf.py and
+    # tests/model/test_gguf_q8_default.py bound it). As with bf16 below, one answer may start
+    # on the other side of the near-tie of "What is the capital of France?".
     assert auto["quantization"] in ("gguf", "none")
     same = 0
+    starts_alike = 0
     for tokens, reference in zip(auto["tokens"], fp32_tokens, strict=True):
-        assert tokens[:1] == reference[:1]
+        starts_alike += tokens[:1] == reference[:1]
         same += sum(a == b for a, b in zip(tokens, reference, strict=False))
+    assert starts_alike >= len(fp32_tokens) - 1
     assert same >= 0.5 * sum(map(len, fp32_tokens))
     # an explicit float32 is exact float32: dense weights, the reference's tokens
     exact = avx2_run["float32"]

@@ -149,6 +149,38 @@ def test_the_ld_entry_writes_strided_rows_and_the_bodies_agree(kernels):
         assert torch.allclose(out, avx2, rtol=1e-5, atol=1e-5 * float(avx2.abs().max()))
 
 
+@pytest.mark.parametrize("name", Q8_NAMES)
+def test_large_steps_are_the_small_steps_products_row_by_row(kernels, name):
+    """``gguf_gemm_large`` (more than 8 rows, rounded to int8 once, groups of 8 rows over
+    blocks of 64 weight rows) gives each row bit for bit what the 8-row AVX2 product gives it,
+    for row counts that do and do not fill the last group; and a GGUFMatmul of that many rows
+    takes it where ``q8_large_max_rows`` allows."""
+    from pagedkv.model.gguf_weight import GGUFMatmul, GGUFWeight
+
+    avx2 = CpuQuantKernels(kernels.path, isa="avx2", activations="q8", q8_isa="avx2")
+    t = GGML_TYPES[name]
+    k = 512
+    n = 150  # more than two blocks of 64 weight rows, the last one partial
+    raw = torch.from_numpy(gguf_weight(name, n, k, seed=11 + len(name)))
+    gen = torch.Generator().manual_seed(5)
+    for rows in (9, 20, 64):
+        x = torch.randn(rows, k, generator=gen)
+        big = kernels.gguf_gemm_large(t.type_id, x, raw)
+        small = torch.cat(
+            [
+                avx2.gguf_gemm(t.type_id, x[i : i + MAX_ROWS].contiguous(), raw)
+                for i in range(0, rows, MAX_ROWS)
+            ]
+        )
+        assert torch.equal(big, small), (name, rows)
+    matmul = GGUFMatmul([GGUFWeight(name, raw, (n, k), kernels)])
+    x = torch.randn(20, k, generator=gen)
+    assert kernels.q8_large_max_rows >= 20
+    assert torch.equal(matmul(x), kernels.gguf_gemm_large(t.type_id, x, raw))
+    with pytest.raises(KernelUnavailableError):
+        kernels.gguf_gemm_large(GGML_TYPES["F16"].type_id, x, raw)
+
+
 def test_float_types_keep_the_fp32_product(kernels):
     """F16, BF16 and F32 (not among :data:`Q8_TYPES`) give in q8 mode what the fp32 mode
     gives."""

@@ -12,7 +12,11 @@ cost nothing, the others are shared with the page cache), and :class:`GGUFMatmul
                                        32 for the quantized types (the default), fp32 ones with
                                        PAGEDKV_GGUF_ACTIVATIONS=fp32 (the dequantized weights'
                                        numbers)
-    larger steps (prompts, batches)    a tile of rows at a time dequantized into a small scratch
+    larger steps, int8 activations,    gguf_gemm_large: the step's rows rounded to int8 once,
+    up to q8_large_max_rows rows       then the small steps' products over groups of 8 rows
+    (all of them held to AVX2, 64      while a block of 64 weight rows stays in L2
+    with AVX-512's GEMM)
+    larger steps otherwise             a tile of rows at a time dequantized into a small scratch
                                        (``gguf_dequant``, fp32 or bf16), then torch's GEMM on
                                        the tile: the weight is read once per step, and the
                                        scratch stays in the caches
@@ -31,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedkv.errors import ConfigError
-from pagedkv.model.kernels.cpu_quant import MAX_ROWS, CpuQuantKernels
+from pagedkv.model.kernels.cpu_quant import MAX_ROWS, Q8_TYPES, CpuQuantKernels
 
 #: Elements of the dequantized scratch a large step fills per tile (16 MiB in fp32): the
 #: tile then stays in the L2/L3 caches while the GEMM reads it.
@@ -196,6 +200,13 @@ class GGUFMatmul:
                 else xf.new_empty(0, p.shape[0])
                 for p in self.parts
             ]
+            y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+            return y if y.dtype == self.dtype else y.to(self.dtype)
+        if all(
+            p.type_id in Q8_TYPES and num_tokens <= p.kernels.q8_large_max_rows for p in self.parts
+        ):
+            xf = x.float().contiguous()
+            outs = [p.kernels.gguf_gemm_large(p.type_id, xf, p.data) for p in self.parts]
             y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
             return y if y.dtype == self.dtype else y.to(self.dtype)
         return self._tiled(x)

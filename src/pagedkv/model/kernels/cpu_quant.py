@@ -494,6 +494,7 @@ class CpuQuantKernels:
         "_gguf_dequant",
         "_gguf_gemm",
         "_gguf_gemm_q8",
+        "_gguf_gemm_q8_large",
         "_gguf_rows",
         "_int4",
         "_int8",
@@ -505,6 +506,7 @@ class CpuQuantKernels:
         "isa",
         "path",
         "q8_isa",
+        "q8_large_max_rows",
     )
 
     def __init__(
@@ -527,6 +529,14 @@ class CpuQuantKernels:
         self.activations = activations
         #: the products' body: "avx2" (8 lanes) or "avx512" (16 lanes)
         self.isa = isa
+        #: most rows a large step (more than :data:`MAX_ROWS`) runs on the int8 products
+        #: (:meth:`gguf_gemm_large`) rather than dequantized tiles and torch's GEMM: 0 with fp32
+        #: activations. Measured on a 2-core Zen 4 at Llama-3.2-1B's shapes (Q4_K gate/up,
+        #: Q6_K down; benchmarks/bench_gguf_large_steps.py): held to AVX2, where torch's fp32
+        #: GEMM has 8 lanes, the int8 products win at every size up to a 512-token prompt
+        #: (Q6_K: a tie there); with AVX-512's GEMM they win up to about 64 rows (a 64-sequence
+        #: decode batch) and lose on prompts.
+        self.q8_large_max_rows = 0 if activations != "q8" else (64 if isa == "avx512" else 1 << 62)
         self.path = path
         #: whether models run their small steps' decoder layers through the fused calls
         #: (:meth:`llama_attn_in` / :meth:`llama_attn_out`) or as torch ops around the products
@@ -563,6 +573,19 @@ class CpuQuantKernels:
         self._gguf_gemm_q8 = lib.pagedkv_gguf_gemm_q8
         self._gguf_gemm_q8.argtypes = self._gguf_gemm.argtypes
         self._gguf_gemm_q8.restype = ctypes.c_int
+        self._gguf_gemm_q8_large = lib.pagedkv_gguf_gemm_q8_large
+        self._gguf_gemm_q8_large.argtypes = [
+            ctypes.c_int,
+            _P,
+            _P,
+            _P,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_int,
+        ]
+        self._gguf_gemm_q8_large.restype = ctypes.c_int
         self._gguf_dequant = lib.pagedkv_gguf_dequant
         self._gguf_dequant.argtypes = [
             ctypes.c_int,
@@ -763,6 +786,44 @@ class CpuQuantKernels:
         )
         if rc:
             raise KernelUnavailableError(f"gguf_gemm refused type {type_id}, x {tuple(x.shape)}")
+        return out
+
+    def gguf_gemm_large(self, type_id: int, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``x W^T`` fp32 ``[M, N]`` for any number of rows M on the int8 products
+        (gguf_blocks.c ``pagedkv_gguf_gemm_q8_large``): every row of x rounded to int8 once,
+        the weight's rows in blocks kept in L2 while each group of up to 8 activation rows
+        meets them (AVX2 body). A row's result is the small steps' q8 product of that row.
+
+        Args:
+            type_id: one of :data:`Q8_TYPES`.
+            x: fp32 contiguous ``[M, K]``, M >= 1.
+            w: uint8 contiguous ``[N, row_bytes(type_id, K)]``.
+
+        Raises:
+            KernelUnavailableError: a type, shape or dtype the kernel does not take.
+        """
+        if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
+            raise KernelUnavailableError(f"x must be fp32 contiguous [M, K], got {x.dtype}")
+        if type_id not in Q8_TYPES:
+            raise KernelUnavailableError(f"type {type_id} has no int8-activation product")
+        rows, in_features = x.shape
+        n = self._gguf_weight(type_id, w, in_features)
+        out = torch.empty(rows, n, dtype=torch.float32)
+        rc = self._gguf_gemm_q8_large(
+            type_id,
+            x.data_ptr(),
+            w.data_ptr(),
+            out.data_ptr(),
+            rows,
+            n,
+            in_features,
+            n,
+            torch.get_num_threads(),
+        )
+        if rc:
+            raise KernelUnavailableError(
+                f"gguf_gemm_large refused type {type_id}, x {tuple(x.shape)}"
+            )
         return out
 
     def gguf_dequant(
