@@ -168,3 +168,30 @@ def test_pooling_is_the_apps_and_an_unknown_one_is_refused():
     with ThreadedServer(app) as running:
         assert post(running, {"input": "x"}).status_code == 200
     assert engine.added[-1][2] == PoolingParams(pooling_type="mean")
+
+
+def test_a_client_leaving_mid_request_aborts_it_and_logs_no_error(server, engine, client, caplog):
+    """The client closes its connection while its inputs wait in the engine: they are
+    aborted, the handler ends without a vector to encode (no 500, no traceback), and the
+    server goes on serving."""
+    import json
+    import logging
+    import socket
+
+    num_aborted = engine.num_aborted
+    body = json.dumps({"model": MODEL, "input": ["leaving", "early"]}).encode()
+    head = (
+        f"POST /v1/embeddings HTTP/1.1\r\nHost: {server.host}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    caplog.set_level(logging.ERROR)
+    engine.hold(after_tokens=0)  # its inputs cannot finish before the client leaves
+    try:
+        with socket.create_connection((server.host, server.port)) as sock:
+            sock.sendall(head + body)
+            wait_for(lambda: len(engine.running) == 2, "the two inputs")
+        wait_for(lambda: engine.num_aborted == num_aborted + 2, "the aborts")
+    finally:
+        engine.release()
+    assert client.embeddings.create(model=MODEL, input="still there?").data
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []

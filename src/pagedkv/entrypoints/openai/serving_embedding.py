@@ -115,6 +115,10 @@ class OpenAIServingEmbedding(OpenAIServing):
             raise
         await self.collect(stream, prompts, raw_request, Options())
         raise_if_failed(prompts)
+        if any(prompt.embedding is None for prompt in prompts):
+            # The client went away first and its requests were aborted: no vector to send,
+            # and nobody to send one to (nginx's 499, "client closed request").
+            return Response(status_code=499)
         data = [
             EmbeddingData(
                 index=index, embedding=encode_embedding(prompt.embedding, request.encoding_format)
