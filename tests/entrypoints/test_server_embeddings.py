@@ -111,6 +111,17 @@ def test_refusals_name_their_field(server, body, param):
     assert response.json()["error"]["param"] == param, response.text
 
 
+@pytest.mark.parametrize("value", [[["a"]], [1, "a"], [True], [1.5]])
+def test_an_input_of_no_accepted_shape_says_what_embeddings_accept(server, value):
+    """Not the Responses API's words for its own ``input`` (messages and items)."""
+    error = post(server, {"input": value}).json()["error"]
+    assert error["param"] == "input"
+    assert error["message"].startswith(
+        "input: must be a string, a list of strings, a list of token ids or a list of "
+        "token-id lists"
+    ), error
+
+
 def test_another_model_is_a_404(server):
     response = post(server, {"input": "x", "model": "other"})
     assert response.status_code == 404

@@ -89,6 +89,12 @@ _UNION_FIELDS = {
     "content": "a string or a list of text content parts",
     "input": "a string or a list of items (messages, function_call, function_call_output)",
 }
+#: Where a route's union field accepts something else than :data:`_UNION_FIELDS` says.
+_ROUTE_UNION_FIELDS = {
+    "/v1/embeddings": {
+        "input": "a string, a list of strings, a list of token ids or a list of token-id lists"
+    },
+}
 
 
 def _is_union_tag(part: str) -> bool:
@@ -130,9 +136,10 @@ def _unrecognized(errors: list[dict[str, Any]]) -> OpenAIError | None:
     )
 
 
-def validation_error(exc: RequestValidationError) -> OpenAIError:
+def validation_error(exc: RequestValidationError, path: str | None = None) -> OpenAIError:
     """The first pydantic error as one readable message (``field: problem (got value)``); fields
-    the request models do not declare come first, all named (:func:`_unrecognized`)."""
+    the request models do not declare come first, all named (:func:`_unrecognized`). ``path``:
+    the route's, for the words of a union field that differs between routes."""
     errors = exc.errors()
     if not errors:
         return OpenAIError(400, "invalid request body")
@@ -171,8 +178,9 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
             400, f"missing required field `{where}`", param=param, code="missing_field"
         )
     message = f"{where}: {first.get('msg', 'invalid value')}"
-    if tagged is not None and loc and loc[-1] in _UNION_FIELDS:
-        message = f"{where}: must be {_UNION_FIELDS[loc[-1]]}"
+    accepts = {**_UNION_FIELDS, **_ROUTE_UNION_FIELDS.get(path or "", {})}
+    if tagged is not None and loc and loc[-1] in accepts:
+        message = f"{where}: must be {accepts[loc[-1]]}"
     if "input" in first and first.get("type") != "missing":
         message += f" (got {json.dumps(first['input'], default=str)[:200]})"
     return OpenAIError(400, message, param=param, code="invalid_value")
@@ -204,7 +212,11 @@ def install_error_handlers(app: FastAPI) -> None:
             503 if isinstance(exc, EngineDeadError) else 500, str(exc), code="replica_error"
         ),
     )
-    handle(RequestValidationError, validation_error)
+
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc, request.url.path).response()
+
+    app.add_exception_handler(RequestValidationError, invalid_body)
 
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         headers = exc.headers
