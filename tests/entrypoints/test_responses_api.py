@@ -152,7 +152,7 @@ def test_string_input_with_instructions(server, engine):
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt_tokens + len("Hello there"),
     }
-    assert data["tools"] == [] and data["tool_choice"] == "none" and data["store"] is True
+    assert data["tools"] == [] and data["tool_choice"] == "auto" and data["store"] is True
 
 
 def test_message_items_render_as_chat_messages(server, engine):
@@ -392,11 +392,32 @@ def test_a_disabled_store_refuses_previous_response_id_and_logs_store(engine, ca
         with caplog.at_level(logging.WARNING):
             data = create(off, engine, "x", {"input": "Hi", "store": True})
         assert "store (the server keeps no responses" in caplog.text
+        assert data["store"] is False  # nothing was kept
         assert httpx.get(f"{off.url}/v1/responses/{data['id']}").status_code == 404
         refused = post(off, {"input": "Hi", "previous_response_id": data["id"]})
         assert refused.status_code == 400
         assert refused.json()["error"]["param"] == "previous_response_id"
         assert "--responses-store-size 0" in refused.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("metadata", {"k": 5}),  # values are strings
+        ("metadata", "x"),
+        ("metadata", {f"k{i}": "v" for i in range(17)}),  # at most 16 pairs
+        ("service_tier", 3),
+        ("safety_identifier", ["s"]),
+        ("prompt_cache_retention", "forever"),
+        ("reasoning", {"effort": "ultra"}),
+    ],
+)
+def test_fields_without_effect_still_have_openais_types(server, field, value):
+    """Accepted without effect is not accepted whatever it holds: a 400 naming the field, as
+    OpenAI answers (and the response's echo of metadata stays valid for the SDK)."""
+    response = post(server, {"input": "Hi", field: value})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == field
 
 
 def test_response_store_unit():

@@ -554,6 +554,26 @@ def status(model, name: str) -> str:
     return "honoured"
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("store", "yes"),
+        ("metadata", {"k": 5}),
+        ("service_tier", 1),
+        ("safety_identifier", {"id": 1}),
+        ("reasoning_effort", 5),
+        ("reasoning_effort", "ultra"),
+        ("verbosity", "loud"),
+        ("prompt_cache_retention", "forever"),
+        ("prompt_cache_key", 7),
+    ],
+)
+def test_fields_without_effect_still_have_openais_types(server, field, value):
+    response = post(server, "/v1/chat/completions", {"messages": MESSAGES, field: value})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == field
+
+
 def test_every_field_of_the_openai_sdk_is_declared():
     """No field the current openai client can send is "unrecognized": each is honoured, ignored
     (named in the warning line) or refused by name, by the table above."""

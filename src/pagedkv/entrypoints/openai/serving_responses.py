@@ -519,16 +519,18 @@ class OpenAIServingResponses:
             stream, prompts, tool_choice, options = await self.chat.start_chat(chat_request, rid)
         except (UnsupportedFieldError, InvalidRequestError, OpenAIError) as exc:
             raise responses_error(exc) from None
+        keep = request.store and self.store.enabled
+        # "store" says whether this response is kept: false when the server keeps none
+        echo = {**request.echo(), "store": keep}
         writer = ResponsesWriter(
             rid,
             self.chat.models.model_name,
             prompts,
             options,
             tool_choice,
-            request.echo(),
+            echo,
             streaming=request.stream,
         )
-        keep = request.store and self.store.enabled
 
         def remember(body: dict[str, Any]) -> None:
             if keep:

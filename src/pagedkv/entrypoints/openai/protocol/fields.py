@@ -10,7 +10,7 @@ UTF-8 cannot). Each failure is a 400 naming the field.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BeforeValidator, Field
 
@@ -87,3 +87,21 @@ MAX_CHOICES = 1024
 #: A JSON Schema: an object, or its JSON text (xgrammar parses it; a 400 when it cannot).
 JsonSchema = dict[str, Any] | Text
 Choices = Annotated[list[Text], Field(min_length=1, max_length=MAX_CHOICES)]
+
+# The types of the known fields a local server accepts without effect (refusals.py's IGNORED):
+# no effect does not mean any value. They take OpenAI's types, so that a client's mistake is a
+# 400 naming the field here as it would be there.
+#: ``metadata``: at most 16 pairs, keys of at most 64 characters, values of at most 512.
+Metadata = Annotated[
+    dict[Annotated[str, Field(max_length=64)], Annotated[Text, Field(max_length=512)]],
+    Field(max_length=16),
+]
+#: ``reasoning_effort`` / ``reasoning.effort``: OpenAI's levels.
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+#: ``verbosity`` / ``text.verbosity``.
+Verbosity = Literal["low", "medium", "high"]
+#: ``prompt_cache_retention``.
+PromptCacheRetention = Literal["in_memory", "24h"]
+#: A short identifier (``service_tier``, ``safety_identifier``, ``request_id``): text of at most
+#: 512 characters (OpenAI's tiers change over time: any name is accepted).
+Identifier = Annotated[Text, Field(max_length=512)]

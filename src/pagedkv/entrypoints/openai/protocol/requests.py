@@ -30,8 +30,10 @@ from pagedkv.entrypoints.openai.protocol.fields import (
     MAX_TOOLS,
     NonNegativeInt64,
     PositiveInt64,
+    ReasoningEffort,
     Text,
     TokenId,
+    Verbosity,
 )
 from pagedkv.entrypoints.openai.protocol.messages import (
     RESERVED_TEMPLATE_KWARGS,
@@ -164,8 +166,8 @@ class ChatCompletionRequest(SamplingRequest):
     modalities: Any = None
     prediction: Any = None
     web_search_options: Any = None
-    reasoning_effort: Any = None
-    verbosity: Any = None
+    reasoning_effort: ReasoningEffort | None = None
+    verbosity: Verbosity | None = None
     echo: Any = None
     #: a Jinja chat template for this request (only with the server's
     #: --trust-request-chat-template, as vLLM).

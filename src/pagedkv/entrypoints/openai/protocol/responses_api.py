@@ -39,8 +39,11 @@ from pagedkv.entrypoints.openai.protocol.fields import (
     MAX_TOOLS,
     SEED_MAX,
     FiniteFloat,
+    Identifier,
     JsonSchema,
+    Metadata,
     PositiveInt64,
+    PromptCacheRetention,
     Text,
     valid_unicode,
 )
@@ -272,12 +275,12 @@ class ResponsesRequest(StrictModel):
     # Known fields without effect (IGNORED_RESPONSES) and refused ones (REFUSED_RESPONSES).
     stream_options: ResponsesStreamOptions | None = None
     user: Text | None = None
-    metadata: Any = None
-    service_tier: Any = None
+    metadata: Metadata | None = None
+    service_tier: Identifier | None = None
     #: honoured as chat's: the cluster's routing key (sampling_request.py)
     prompt_cache_key: Text | None = None
-    prompt_cache_retention: Any = None
-    safety_identifier: Any = None
+    prompt_cache_retention: PromptCacheRetention | None = None
+    safety_identifier: Identifier | None = None
     max_tool_calls: Any = None
     background: Any = None
     conversation: Any = None
@@ -291,7 +294,7 @@ class ResponsesRequest(StrictModel):
     access_programs: Any = None
     image: Any = None
     moderation: Any = None
-    prompt_cache_options: Any = None
+    prompt_cache_options: dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -465,7 +468,8 @@ class ResponsesRequest(StrictModel):
         }
         if self.text is not None and self.text.verbosity is not None:
             text["verbosity"] = self.text.verbosity
-        choice = self.effective_tool_choice
+        # OpenAI reports "auto" for a request that set none, with or without tools
+        choice = self.tool_choice if self.tool_choice is not None else "auto"
         return {
             "instructions": self.instructions,
             "max_output_tokens": self.max_output_tokens,

@@ -25,10 +25,13 @@ from pagedkv.entrypoints.openai.protocol.fields import (
     SEED_MAX,
     Choices,
     FiniteFloat,
+    Identifier,
     Int64,
     JsonSchema,
+    Metadata,
     NonEmptyText,
     NonNegativeInt64,
+    PromptCacheRetention,
     Text,
     TokenId,
 )
@@ -121,13 +124,13 @@ class SamplingRequest(StrictModel):
     kv_transfer_params: Any = None
     vllm_xargs: Any = None
     user: Text | None = None
-    metadata: Any = None
-    store: Any = None
-    service_tier: Any = None
-    request_id: Any = None
-    safety_identifier: Any = None
-    prompt_cache_retention: Any = None
-    prompt_cache_options: Any = None
+    metadata: Metadata | None = None
+    store: bool | None = None
+    service_tier: Identifier | None = None
+    request_id: Identifier | None = None
+    safety_identifier: Identifier | None = None
+    prompt_cache_retention: PromptCacheRetention | None = None
+    prompt_cache_options: dict[str, Any] | None = None
     moderation: Any = None
     #: OpenAI's key for requests that share a prefix: across replicas (``--data-parallel-size``)
     #: the router sends requests with one key to the replica that has their blocks; one engine's
