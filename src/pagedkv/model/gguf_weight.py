@@ -12,10 +12,10 @@ cost nothing, the others are shared with the page cache), and :class:`GGUFMatmul
                                        32 for the quantized types (the default), fp32 ones with
                                        PAGEDKV_GGUF_ACTIVATIONS=fp32 (the dequantized weights'
                                        numbers)
-    larger steps, int8 activations,    gguf_gemm_large: the step's rows rounded to int8 once,
-    up to q8_large_max_rows rows       then the small steps' products over groups of 8 rows
-    (all of them held to AVX2, 64      while a block of 64 weight rows stays in L2
-    with AVX-512's GEMM)
+    larger steps of a float32 model,   gguf_gemm_large: the step's rows rounded to int8 once,
+    int8 activations, up to            then the small steps' products over groups of 8 rows
+    q8_large_max_rows rows (all held   while a block of 64 weight rows stays in L2
+    to AVX2, 64 with AVX-512's GEMM)
     larger steps otherwise             a tile of rows at a time dequantized into a small scratch
                                        (``gguf_dequant``, fp32 or bf16), then torch's GEMM on
                                        the tile: the weight is read once per step, and the
@@ -202,7 +202,7 @@ class GGUFMatmul:
             ]
             y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
             return y if y.dtype == self.dtype else y.to(self.dtype)
-        if all(
+        if self.dtype == torch.float32 and all(
             p.type_id in Q8_TYPES and num_tokens <= p.kernels.q8_large_max_rows for p in self.parts
         ):
             xf = x.float().contiguous()

@@ -529,13 +529,15 @@ class CpuQuantKernels:
         self.activations = activations
         #: the products' body: "avx2" (8 lanes) or "avx512" (16 lanes)
         self.isa = isa
-        #: most rows a large step (more than :data:`MAX_ROWS`) runs on the int8 products
-        #: (:meth:`gguf_gemm_large`) rather than dequantized tiles and torch's GEMM: 0 with fp32
-        #: activations. Measured on a 2-core Zen 4 at Llama-3.2-1B's shapes (Q4_K gate/up,
-        #: Q6_K down; benchmarks/bench_gguf_large_steps.py): held to AVX2, where torch's fp32
-        #: GEMM has 8 lanes, the int8 products win at every size up to a 512-token prompt
-        #: (Q6_K: a tie there); with AVX-512's GEMM they win up to about 64 rows (a 64-sequence
-        #: decode batch) and lose on prompts.
+        #: most rows a large step (more than :data:`MAX_ROWS`) of a float32 model runs on the
+        #: int8 products (:meth:`gguf_gemm_large`) rather than dequantized tiles and torch's
+        #: fp32 GEMM: 0 with fp32 activations. Measured on a 2-core Zen 4 at Llama-3.2-1B's
+        #: shapes (benchmarks/bench_gguf_large_steps.py): held to AVX2, where torch's fp32 GEMM
+        #: has 8 lanes, the int8 products win at every size up to a 512-token prompt (Q6_K: a
+        #: tie there); with AVX-512's fp32 GEMM they win up to about 64 rows and lose on
+        #: prompts. A bfloat16 model keeps its tiles (GGUFMatmul): bf16 GEMM on a CPU with
+        #: native bf16 beat the int8 products end to end (64 chats of SmolLM2: 387 against 291
+        #: output tok/s).
         self.q8_large_max_rows = 0 if activations != "q8" else (64 if isa == "avx512" else 1 << 62)
         self.path = path
         #: whether models run their small steps' decoder layers through the fused calls
