@@ -168,9 +168,7 @@ def isa_code(isa: str) -> int:
     Raises:
         KernelUnavailableError: an unknown name.
     """
-    if isa not in ISA_CODES:
-        raise KernelUnavailableError(f"isa {isa!r} is not one of {tuple(ISA_CODES)}")
-    return ISA_CODES[isa]
+    return _code("isa", isa, ISA_CODES)
 
 
 def q8_body(isa: str, flags: frozenset[str] | None = None) -> str:
@@ -187,9 +185,7 @@ def q8_isa_code(q8_isa: str) -> int:
     Raises:
         KernelUnavailableError: an unknown name.
     """
-    if q8_isa not in Q8_ISA_CODES:
-        raise KernelUnavailableError(f"q8_isa {q8_isa!r} is not one of {tuple(Q8_ISA_CODES)}")
-    return Q8_ISA_CODES[q8_isa]
+    return _code("q8_isa", q8_isa, Q8_ISA_CODES)
 
 
 def activations_code(activations: str) -> int:
@@ -198,11 +194,14 @@ def activations_code(activations: str) -> int:
     Raises:
         KernelUnavailableError: an unknown name.
     """
-    if activations not in ACTIVATION_CODES:
-        raise KernelUnavailableError(
-            f"activations {activations!r} is not one of {tuple(ACTIVATION_CODES)}"
-        )
-    return ACTIVATION_CODES[activations]
+    return _code("activations", activations, ACTIVATION_CODES)
+
+
+def _code(what: str, name: str, codes: dict[str, int]) -> int:
+    """``codes[name]``, or KernelUnavailableError naming ``what`` and the known names."""
+    if name not in codes:
+        raise KernelUnavailableError(f"{what} {name!r} is not one of {tuple(codes)}")
+    return codes[name]
 
 
 def pack_int4(
