@@ -1,37 +1,20 @@
 """The FastAPI app of `pagedkv serve`: routes, error handlers and the engine's lifetime.
 
-Routes::
-
-    GET  /v1/models              the served model, one card per served name
-    GET  /v1/models/{id}         its card under that name (404 for another name)
-    POST /v1/completions         text completion (stream: server-sent events)
-    POST /v1/chat/completions    chat completion, the model's chat template applied (400 for
-                                 a base model without one: use /v1/completions)
-    POST /v1/responses           OpenAI's Responses API, run as a chat request (stream: typed
-                                 events); kept responses continue with previous_response_id
-    GET|DELETE /v1/responses/{id}  a kept response, or forget it (serving_responses.py)
-    POST /v1/embeddings          embeddings of the inputs: the model's pooled final hidden
-                                 states (--pooling), through the same engine and KV cache
-    POST /tokenize               text or chat messages -> token ids (vLLM's)
-    POST /detokenize             token ids -> text (vLLM's)
-    GET  /tokenizer_info         special tokens and chat template (vLLM's; lm-eval reads it)
-    GET  /version                {"version": pagedkv's}
-    GET  /health, GET|POST /ping 200 (no body) while the engine runs, else 503 with the reason
-    GET  /metrics                Prometheus text format (see metrics.py)
-    POST /reset_prefix_cache     {"success": true}, or 409 {"success": false} while blocks are
-                                 in use (an admin route: only with --enable-admin-routes)
-    GET  /openapi.json, /docs    the OpenAPI schema of all this, true to the app (openapi.py)
-    GET  /kv, /kv/state,         the KV cache view: a live page of the block pool, its JSON
-         /kv/events              snapshot and its server-sent events (kv_view.py; off with
-                                 --disable-kv-view)
+Routes (docs/server.md has the table): the OpenAI ones (/v1/models, /v1/completions,
+/v1/chat/completions, /v1/responses and GET|DELETE /v1/responses/{id}, /v1/embeddings), vLLM's
+(/tokenize, /detokenize, /tokenizer_info, /version, /health, /ping), /metrics (Prometheus),
+the admin route POST /reset_prefix_cache (only with --enable-admin-routes), /openapi.json and
+/docs (openapi.py), and the KV cache view /kv, /kv/state, /kv/events (kv_view.py; off with
+--disable-kv-view).
 
 API keys, body limits, the Origin / Host policy and the admin gate: server_options.py
 (docs/server.md, "Security and limits").
 
-The handlers live in the serving modules (serving_completion, serving_chat,
-serving_tokenization, serving_models), over an :class:`~pagedkv.engine.protocol.EngineClient`:
-one engine's :class:`~pagedkv.engine.engine_loop.EngineLoop` or a cluster's front end. Prompts
-are tokenized on the client's input thread, never between the engine's steps.
+The handlers live in the serving modules (serving_completion, serving_chat, serving_responses,
+serving_embedding, serving_tokenization, serving_models), over an
+:class:`~pagedkv.engine.protocol.EngineClient`: one engine's
+:class:`~pagedkv.engine.engine_loop.EngineLoop` or a cluster's front end. Prompts are tokenized
+on the client's input thread, never between the engine's steps.
 
 Every request field is honoured or refused with a 400 naming it (protocol/; the table is in
 docs/server.md); an unknown field is a 400 naming it, and the known fields without effect
@@ -155,7 +138,6 @@ def create_app(
         responses_store_size: how many Responses API responses are kept for
             ``previous_response_id`` and ``GET /v1/responses/{id}`` (an LRU;
             ``--responses-store-size``); 0 keeps none.
-
         pooling: how /v1/embeddings pools each input's hidden states: "last" (default),
             "mean" or "cls" (``--pooling``; :mod:`pagedkv.pooling_params`).
 
