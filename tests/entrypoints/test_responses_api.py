@@ -70,7 +70,10 @@ def client(server):
 
 
 def post(server, body: dict, **kwargs) -> httpx.Response:
-    return httpx.post(server.url + "/v1/responses", json={"model": MODEL, **body}, **kwargs)
+    # JSON text escaped to ASCII, as json.dumps writes it: a lone surrogate travels as \ud800
+    content = json.dumps({"model": MODEL, **body})
+    headers = {"Content-Type": "application/json"}
+    return httpx.post(server.url + "/v1/responses", content=content, headers=headers, **kwargs)
 
 
 def create(server, engine, reply: str, body: dict) -> dict:
@@ -406,6 +409,7 @@ def test_a_disabled_store_refuses_previous_response_id_and_logs_store(engine, ca
         ("metadata", {"k": 5}),  # values are strings
         ("metadata", "x"),
         ("metadata", {f"k{i}": "v" for i in range(17)}),  # at most 16 pairs
+        ("metadata", {"\ud800": "v"}),  # echoed: a key must be valid Unicode too
         ("service_tier", 3),
         ("safety_identifier", ["s"]),
         ("prompt_cache_retention", "forever"),

@@ -93,7 +93,7 @@ Choices = Annotated[list[Text], Field(min_length=1, max_length=MAX_CHOICES)]
 # 400 naming the field here as it would be there.
 #: ``metadata``: at most 16 pairs, keys of at most 64 characters, values of at most 512.
 Metadata = Annotated[
-    dict[Annotated[str, Field(max_length=64)], Annotated[Text, Field(max_length=512)]],
+    dict[Annotated[Text, Field(max_length=64)], Annotated[Text, Field(max_length=512)]],
     Field(max_length=16),
 ]
 #: ``reasoning_effort`` / ``reasoning.effort``: OpenAI's levels.
