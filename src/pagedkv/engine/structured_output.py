@@ -267,14 +267,6 @@ class StructuredOutputManager:
             self._compiled.popitem(last=False)
         return future
 
-    def new_request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
-        """A sequence's constraint state (its own matcher, the shared compiled grammar).
-
-        Raises:
-            InvalidRequestError: the constraint does not parse.
-        """
-        return StructuredOutputRequest(self.request(params))
-
     def _compile(self, grammar: Any) -> Any:
         """On the compile thread: the grammar against the vocabulary."""
         if self._compiler is None:

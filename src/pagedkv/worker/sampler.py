@@ -26,7 +26,6 @@ import torch
 
 from pagedkv.errors import InvalidRequestError
 from pagedkv.sampling_params import SamplingParams
-from pagedkv.worker.outputs import LogprobsLists
 
 
 def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
@@ -135,13 +134,6 @@ def apply_grammar_bitmask(
     xgr.apply_token_bitmask_inplace(
         logits, mask, vocab_size=vocab_size, indices=None if aligned is bitmask else rows
     )
-
-
-def to_logprobs_lists(
-    ids: torch.Tensor, values: torch.Tensor, ranks: torch.Tensor
-) -> LogprobsLists:
-    """:func:`gather_logprobs`' tensors as Python lists (one transfer each)."""
-    return LogprobsLists(ids.tolist(), values.tolist(), ranks.tolist())
 
 
 class Sampler:
