@@ -49,20 +49,16 @@ import torch.nn.functional as F
 
 from pagedkv.errors import ModelLoadError, OpsInputError
 from pagedkv.model.config import GEMMA_ARCHITECTURES, ModelConfig
-from pagedkv.model.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from pagedkv.model.llama import (
-    _Caster,
-    gate_up_quant,
+from pagedkv.model.decoder import (
+    DecoderForCausalLM,
+    build_layer_linears,
     layer_attention_specs,
-    qkv_quants,
-    refine_weight,
+    weights_present,
 )
 from pagedkv.model.logits import refine_top_logits
-from pagedkv.model.packed_linear import linear_mode, log_linear_mode
-from pagedkv.model.parallel import TensorParallelGroup, check_tensor_parallel, multi_rank
+from pagedkv.model.parallel import TensorParallelGroup
 from pagedkv.model.quantization import QUANT_MAX_TOKENS, QuantizedWeight
 from pagedkv.model.rotary import rope_inv_freq
-from pagedkv.model.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedkv.ops.backends import AttentionLayerSpec, BoundAttentionMetadata
 
 
@@ -132,27 +128,12 @@ class Gemma3DecoderLayer:
         parallel: TensorParallelGroup | None = None,
         quantized: Mapping[str, QuantizedWeight] | None = None,
     ):
-        def w(name: str) -> torch.Tensor:
-            return weights[prefix + name]
-
-        def linear(cls, name: str):
-            quant = quantized.get(prefix + name) if quantized else None
-            return cls(w(name), None, pack, parallel, quant)
+        build_layer_linears(self, config, weights, prefix, pack, parallel, quantized)
 
         def norm(name: str) -> torch.Tensor:  # (1 + weight) in fp32, as Gemma3RMSNorm
             return 1.0 + weights[prefix + name].float()
 
         attn = "self_attn."
-        qkv = (w(attn + f"{p}_proj.weight") for p in "qkv")
-        self.qkv_proj = QKVParallelLinear(
-            *qkv, config.head_dim, None, pack, parallel, qkv_quants(quantized, prefix)
-        )
-        self.o_proj = linear(RowParallelLinear, attn + "o_proj.weight")
-        #: gate and up quantized as one product (small steps), or None
-        self.gate_up_quant = gate_up_quant(quantized, prefix)
-        self.gate_proj = ColumnParallelLinear(w("mlp.gate_proj.weight"), None, pack, parallel)
-        self.up_proj = ColumnParallelLinear(w("mlp.up_proj.weight"), None, pack, parallel)
-        self.down_proj = linear(RowParallelLinear, "mlp.down_proj.weight")
         self.input_norm = norm("input_layernorm.weight")
         self.post_attention_norm = norm("post_attention_layernorm.weight")
         self.pre_feedforward_norm = norm("pre_feedforward_layernorm.weight")
@@ -162,12 +143,6 @@ class Gemma3DecoderLayer:
         if config.qk_norm:
             self.q_norm = norm(attn + "q_norm.weight")
             self.k_norm = norm(attn + "k_norm.weight")
-        self.eps = config.rms_norm_eps
-        self.hidden_size = config.hidden_size
-        #: this rank's query and KV heads (every head on one rank).
-        self.num_heads = self.qkv_proj.num_heads
-        self.num_kv_heads = self.qkv_proj.num_kv_heads
-        self.head_dim = config.head_dim
         scalar = config.query_pre_attn_scalar or config.head_dim
         self.scale = float(scalar) ** -0.5
         self.sliding_window = sliding_window
@@ -213,7 +188,7 @@ class Gemma3DecoderLayer:
         return h + self._norm(m, self.post_feedforward_norm, self.hidden_size)
 
 
-class Gemma3ForCausalLM:
+class Gemma3ForCausalLM(DecoderForCausalLM):
     """Gemma 3 or Gemma 2 causal LM over a paged KV cache (see the module docstring); same
     interface as :class:`pagedkv.model.llama.LlamaForCausalLM` except that ``forward`` takes one
     :class:`BoundAttentionMetadata` per layer.
@@ -251,24 +226,10 @@ class Gemma3ForCausalLM:
             raise ModelLoadError(
                 f"Gemma3ForCausalLM runs gemma3 and gemma2 models, got {config.architecture}"
             )
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ModelLoadError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
-        self.config = config
-        self.dtype = dtype
-        self.device = torch.device(device)
-        parallel = multi_rank(parallel)
-        #: this rank's tensor-parallel group; None on one rank.
-        self.parallel = parallel
-        #: KV heads in this process's KV cache (its share under tensor parallelism).
-        self.num_kv_heads = config.num_key_value_heads
-        if parallel is not None:
-            self.num_kv_heads = check_tensor_parallel(config, parallel.world_size).num_kv_heads
+        super().__init__(config, weights, dtype, device, parallel)
+        parallel, pack, cast = self.parallel, self.pack, self.cast(weights)
         #: per layer, its sliding window (tokens) or None for full attention.
         self.layer_sliding_windows = config.layer_sliding_windows
-        pack = linear_mode(self.device, dtype)
-        if parallel is None or parallel.rank == 0:  # one warning, not one per rank
-            log_linear_mode(pack, dtype)
-        cast = _Caster(weights, dtype, self.device)
         local = dataclasses.replace(
             config, rope_theta=config.rope_local_theta or config.rope_theta, rope_scaling=None
         )
@@ -276,8 +237,7 @@ class Gemma3ForCausalLM:
         self.rotary_local = _Rotary(rope_inv_freq(local), dtype, self.device)
         #: sqrt(hidden_size) rounded to the model dtype (as transformers: 25.25 in bf16).
         self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=dtype, device=self.device)
-        try:
-            embed = cast["model.embed_tokens.weight"]
+        with weights_present():
             self.layers = [
                 Gemma3DecoderLayer(
                     config,
@@ -293,15 +253,8 @@ class Gemma3ForCausalLM:
                 for i, window in enumerate(self.layer_sliding_windows)
             ]
             self.norm = 1.0 + cast["model.norm.weight"].float()
-            lm_head = embed if config.tie_word_embeddings else cast["lm_head.weight"]
-        except KeyError as e:
-            raise ModelLoadError(f"checkpoint lacks the weight {e.args[0]!r}") from None
-        self.embed_tokens = VocabParallelEmbedding(embed, parallel)
-        head_quant = quantized.get("lm_head.weight") if quantized else None
-        self.lm_head = ParallelLMHead(lm_head, pack, parallel, head_quant)
-        #: the dense head that refines a quantized head's top logits (exact in fp32), or None
-        #: (:func:`pagedkv.model.llama.refine_weight`; a dense head is not refined here).
-        self.lm_head_weight = refine_weight(lm_head, torch.float32, parallel, head_quant)
+        # a dense head is not refined here: its top logits are refined only from a quantized one
+        self.build_embedding_and_head(cast, quantized, torch.float32)
         self._max_positions = config.max_position_embeddings
 
     @torch.inference_mode()

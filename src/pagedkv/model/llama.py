@@ -39,17 +39,19 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from pagedkv.errors import ModelLoadError
 from pagedkv.model.config import ModelConfig
-from pagedkv.model.gguf_weight import GGUFWeight
+from pagedkv.model.decoder import (
+    DecoderForCausalLM,
+    build_layer_linears,
+    layer_attention_specs,
+    weights_present,
+)
 from pagedkv.model.kernels.cpu_quant import CpuQuantKernels, GGUFPart, LlamaLayerWeights
-from pagedkv.model.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedkv.model.logits import refine_top_logits
-from pagedkv.model.packed_linear import PackedLinear, linear_mode, log_linear_mode
-from pagedkv.model.parallel import TensorParallelGroup, check_tensor_parallel, multi_rank
+from pagedkv.model.packed_linear import PackedLinear
+from pagedkv.model.parallel import TensorParallelGroup
 from pagedkv.model.quantization import QUANT_MAX_TOKENS, QuantizedMatmul, QuantizedWeight
 from pagedkv.model.rotary import RotaryEmbedding
-from pagedkv.model.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedkv.ops.backends import AttentionLayerSpec, BoundAttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -93,46 +95,17 @@ class LlamaDecoderLayer:
         parallel: TensorParallelGroup | None = None,
         quantized: Mapping[str, QuantizedWeight] | None = None,
     ):
-        def w(name: str) -> torch.Tensor:
-            return weights[prefix + name]
-
-        def linear(cls, name: str):
-            quant = quantized.get(prefix + name) if quantized else None
-            return cls(w(name), None, pack, parallel, quant)
-
-        attn = "self_attn."
-        qkv_bias = None
-        if config.attention_bias:
-            qkv_bias = tuple(w(attn + f"{p}_proj.bias") for p in "qkv")
-        self.qkv_proj = QKVParallelLinear(
-            *(w(attn + f"{p}_proj.weight") for p in "qkv"),
-            config.head_dim,
-            qkv_bias,
-            pack,
-            parallel,
-            qkv_quants(quantized, prefix),
-        )
-        self.o_proj = linear(RowParallelLinear, attn + "o_proj.weight")
-        #: gate and up quantized as one product (small steps), or None
-        self.gate_up_quant = gate_up_quant(quantized, prefix)
-        self.gate_proj = ColumnParallelLinear(w("mlp.gate_proj.weight"), None, pack, parallel)
-        self.up_proj = ColumnParallelLinear(w("mlp.up_proj.weight"), None, pack, parallel)
-        self.down_proj = linear(RowParallelLinear, "mlp.down_proj.weight")
-        self.input_norm = w("input_layernorm.weight")
-        self.post_attention_norm = w("post_attention_layernorm.weight")
-        self.eps = config.rms_norm_eps
-        self.hidden_size = config.hidden_size
-        #: this rank's query and KV heads (every head on one rank).
-        self.num_heads = self.qkv_proj.num_heads
-        self.num_kv_heads = self.qkv_proj.num_kv_heads
-        self.head_dim = config.head_dim
+        build_layer_linears(self, config, weights, prefix, pack, parallel, quantized)
+        attn = prefix + "self_attn."
+        self.input_norm = weights[prefix + "input_layernorm.weight"]
+        self.post_attention_norm = weights[prefix + "post_attention_layernorm.weight"]
         self.scale = config.head_dim**-0.5
         self.rotary = rotary
         #: Qwen3's per-head q and k RMSNorm weights ``[head_dim]`` (None: no q/k norm)
         self.q_norm = self.k_norm = None
         if config.qk_norm:
-            self.q_norm = w(attn + "q_norm.weight")
-            self.k_norm = w(attn + "k_norm.weight")
+            self.q_norm = weights[attn + "q_norm.weight"]
+            self.k_norm = weights[attn + "k_norm.weight"]
 
     def __call__(
         self,
@@ -164,7 +137,7 @@ class LlamaDecoderLayer:
         return self.down_proj.add(self.up_proj.mul(x, self.gate_proj.silu(x)), h)
 
 
-class LlamaForCausalLM:
+class LlamaForCausalLM(DecoderForCausalLM):
     """Llama-family causal LM over a paged KV cache (see the module docstring).
 
     Args:
@@ -196,25 +169,10 @@ class LlamaForCausalLM:
         parallel: TensorParallelGroup | None = None,
         quantized: Mapping[str, QuantizedWeight] | None = None,
     ):
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ModelLoadError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
-        self.config = config
-        self.dtype = dtype
-        self.device = torch.device(device)
-        parallel = multi_rank(parallel)
-        #: this rank's tensor-parallel group; None on one rank.
-        self.parallel = parallel
-        #: KV heads in this process's KV cache (its share under tensor parallelism).
-        self.num_kv_heads = config.num_key_value_heads
-        if parallel is not None:
-            self.num_kv_heads = check_tensor_parallel(config, parallel.world_size).num_kv_heads
-        pack = linear_mode(self.device, dtype)
-        if parallel is None or parallel.rank == 0:  # one warning, not one per rank
-            log_linear_mode(pack, dtype)
-        cast = _Caster(weights, dtype, self.device)
+        super().__init__(config, weights, dtype, device, parallel)
+        parallel, pack, cast = self.parallel, self.pack, self.cast(weights)
         self.rotary = RotaryEmbedding(config, dtype, self.device)
-        try:
-            embed = cast["model.embed_tokens.weight"]
+        with weights_present():
             self.layers = [
                 LlamaDecoderLayer(
                     config, cast, f"model.layers.{i}.", self.rotary, pack, parallel, quantized
@@ -222,17 +180,11 @@ class LlamaForCausalLM:
                 for i in range(config.num_hidden_layers)
             ]
             self.norm = cast["model.norm.weight"]
-            lm_head = embed if config.tie_word_embeddings else cast["lm_head.weight"]
-        except KeyError as e:
-            raise ModelLoadError(f"checkpoint lacks the weight {e.args[0]!r}") from None
-        self.embed_tokens = VocabParallelEmbedding(embed, parallel)
-        head_quant = quantized.get("lm_head.weight") if quantized else None
-        self.lm_head = ParallelLMHead(lm_head, pack, parallel, head_quant)
         #: the lm_head's plain weight, read by :meth:`compute_logits` to recompute the top
         #: logits in fp32 (None in fp32, unless the head is quantized, and with tensor
         #: parallelism; the embeddings when tied; when untied, a copy beside the packed one:
         #: vocab_size x hidden_size more)
-        self.lm_head_weight = refine_weight(lm_head, dtype, parallel, head_quant)
+        self.build_embedding_and_head(cast, quantized, dtype)
         #: each layer's weights for pagedkv's fused small-step layer (decode_layer.c), or None
         #: where the layers run as torch ops (see :func:`fused_layer_weights`)
         self.fused_layers, self._kernels, why = fused_layer_weights(
@@ -439,31 +391,6 @@ def qk_rms_norm(
     return torch.cat((q, k), dim=1)
 
 
-def qkv_quants(
-    quantized: Mapping[str, QuantizedWeight] | None, prefix: str
-) -> tuple[QuantizedWeight, QuantizedWeight, QuantizedWeight] | None:
-    """Layer ``prefix``'s quantized q, k and v weights, or None unless all three are."""
-    if not quantized:
-        return None
-    parts = tuple(quantized.get(f"{prefix}self_attn.{p}_proj.weight") for p in "qkv")
-    return None if None in parts else parts
-
-
-def gate_up_quant(
-    quantized: Mapping[str, QuantizedWeight] | None, prefix: str
-) -> QuantizedMatmul | None:
-    """Layer ``prefix``'s quantized gate and up weights stacked into one product (the
-    activation and the product then run on its output, in the kernel's dtype; one read of x,
-    one kernel call), or None unless both are quantized."""
-    if not quantized:
-        return None
-    parts = [quantized.get(f"{prefix}mlp.{p}_proj.weight") for p in ("gate", "up")]
-    if None in parts:
-        return None
-    weight = QuantizedWeight.cat(parts)
-    return QuantizedMatmul(weight, weight.kernels)
-
-
 def fused_layer_weights(
     layers: Sequence[LlamaDecoderLayer],
     config: ModelConfig,
@@ -552,69 +479,3 @@ def _fused_gate_up(layer: LlamaDecoderLayer):
     if quant is None:
         return None
     return _fused_product(layer.gate_proj, quant)
-
-
-def refine_weight(
-    lm_head: torch.Tensor,
-    dtype: torch.dtype,
-    parallel: TensorParallelGroup | None,
-    head_quant: QuantizedWeight | None,
-) -> torch.Tensor | None:
-    """The dense LM head weight ``compute_logits`` recomputes the top logits with (exactly in
-    fp32), or None where the logits need no refining: an fp32 model with a dense head or a
-    GGUF head kept as stored (its products are fp32), or tensor parallelism. A GGUF head
-    refines from its own blocks (:meth:`~pagedkv.model.gguf_weight.GGUFWeight.lookup`)."""
-    refine = dtype != torch.float32 or head_quant is not None
-    return lm_head if refine and parallel is None else None
-
-
-def layer_attention_specs(
-    layers: Sequence,
-    windows: Sequence[int | None],
-    block_size: int,
-    dtype: torch.dtype,
-    kv_cache_dtype: torch.dtype | str | None,
-) -> list[AttentionLayerSpec]:
-    """One :class:`AttentionLayerSpec` per decoder layer (Llama's and Gemma 3's), from the
-    layer's ``num_heads``, ``num_kv_heads``, ``head_dim`` and softmax ``scale`` (this rank's
-    heads under tensor parallelism) and its sliding window (None = full attention).
-
-    Raises:
-        OpsInputError: a block_size < 1 or a kv_cache_dtype the specs refuse.
-    """
-    return [
-        AttentionLayerSpec(
-            num_heads=layer.num_heads,
-            num_kv_heads=layer.num_kv_heads,
-            head_size=layer.head_dim,
-            block_size=block_size,
-            dtype=dtype,
-            kv_cache_dtype=kv_cache_dtype,
-            sliding_window=window,
-            scale=layer.scale,
-        )
-        for layer, window in zip(layers, windows, strict=True)
-    ]
-
-
-class _Caster(Mapping):
-    """Read-only view of a weight dict that casts each tensor to the model's dtype and device
-    on access; a GGUF weight kept as stored stays so, its products returning the model's
-    dtype."""
-
-    def __init__(self, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device):
-        self._weights = weights
-        self._dtype = dtype
-        self._device = device
-
-    def __getitem__(self, name: str) -> torch.Tensor | GGUFWeight:
-        weight = self._weights[name]
-        if isinstance(weight, GGUFWeight):
-            return weight.with_(dtype=self._dtype)
-        return weight.to(dtype=self._dtype, device=self._device).contiguous()
-
-    def __iter__(self):
-        return iter(self._weights)
-
-    def __len__(self) -> int:
-        return len(self._weights)
