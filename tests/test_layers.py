@@ -47,6 +47,27 @@ def test_design_md_maps_every_package():
     assert mapped == top_level_modules()
 
 
+def test_design_md_names_every_module():
+    """Issue 48: the package map names every module, C source and page template in its
+    package's row (``name.py``, or the module's name in backticks), so a reader finds every
+    file's job."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    section = text.split("## Package map", 1)[1].split("\n## ", 1)[0]
+    rows = dict(re.findall(r"^\| `(pagedkv\.[a-z_]+)` \|(.*)$", section, flags=re.MULTILINE))
+    src = ROOT / "src" / "pagedkv"
+    unnamed = []
+    for path in sorted(src.rglob("*")):
+        if path.suffix not in (".py", ".c", ".h", ".html", ".j2") or path.name == "__init__.py":
+            continue
+        parts = path.relative_to(src).parts
+        if len(parts) == 1:
+            continue  # a top-level module: its own row (test_design_md_maps_every_package)
+        row = rows.get(f"pagedkv.{parts[0]}", "")
+        if path.name not in row and f"`{path.stem}`" not in row:
+            unnamed.append(str(path.relative_to(src)))
+    assert unnamed == []
+
+
 def test_modelinfo_imports_neither_torch_nor_numpy():
     """The planner's model shapes load where no torch is installed (checked in a fresh
     interpreter: this one has torch loaded already)."""
