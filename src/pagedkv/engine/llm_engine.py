@@ -486,6 +486,7 @@ class LLMEngine:
             )
         processed = self.input_processor.process(prompt)
         prompt_token_ids = processed.token_ids
+        params = self.input_processor.resolve_max_tokens(params, len(prompt_token_ids))
         now = time.monotonic() if arrival_time is None else arrival_time
         make_root = functools.partial(
             self._make_request,
