@@ -80,10 +80,12 @@ class LLMEngine:
 
     Args:
         config: the engine's options (see :class:`EngineConfig`); keyword arguments override
-            its fields, e.g. ``LLMEngine(dtype="float32", num_blocks=512)``.
+            its fields, e.g. ``LLMEngine(dtype="float32", num_blocks=512)``. They are resolved
+            once (:func:`~pagedkv.engine.config_resolution.resolve_engine_config`) into the
+            frozen ``engine.config``; ``engine.options`` keeps them as given.
         loaded_model: an already loaded :class:`pagedkv.model.loader.LoadedModel` to reuse
             (tests share one between engines); its dtype wins over ``config.dtype`` (and
-            becomes the engine's ``config.dtype``). Not with
+            becomes the engine's ``config.model_config.dtype``). Not with
             ``tensor_parallel_size`` > 1 (each rank loads its shard: see model_loader).
         model_loader: with ``tensor_parallel_size`` > 1, a picklable
             ``model_loader(parallel=...)`` that each rank calls to load its shard (default:
