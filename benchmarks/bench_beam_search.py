@@ -78,7 +78,7 @@ def run_pagedkv(llm: LLM, prompts: list[list[int]], width: int, max_tokens: int)
     sequences = [
         [s.tokens[len(p) :] for s in out.sequences] for p, out in zip(prompts, outputs, strict=True)
     ]
-    block_size = engine.config.block_size
+    block_size = engine.config.cache_config.block_size
     return {
         "peak_blocks": peak,
         "peak_kv_tokens": peak * block_size,

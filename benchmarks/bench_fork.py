@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     first = LLMEngine(config)
     loaded = first.loaded_model
     vocab_size = first.model_config.vocab_size
-    dtype = first.config.dtype
+    dtype = first.config.model_config.dtype
     num_blocks = first.kv_cache_config.num_blocks
     made = [first]  # the first path runs on it (the engines are not kept: each holds a pool)
     del first

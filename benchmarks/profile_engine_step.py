@@ -46,7 +46,7 @@ def main() -> None:
     engine = LLMEngine(
         dtype=args.dtype, num_threads=args.threads, attention_backend=args.attention_backend
     )
-    print(engine.cpu_capabilities.summary(engine.config.dtype))
+    print(engine.cpu_capabilities.summary(engine.config.model_config.dtype))
     lines = WORKLOAD.read_text().splitlines()[: args.batch]
     params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
     for i, line in enumerate(lines):
@@ -90,7 +90,7 @@ def main() -> None:
     step = sum(totals.values()) / args.steps
     print(
         f"batch {args.batch}, mean context {context:.0f} tokens, {torch.get_num_threads()} "
-        f"threads, {engine.config.dtype}, {engine.attention_backend.name} attention: "
+        f"threads, {engine.config.model_config.dtype}, {engine.attention_backend.name} attention: "
         f"{step * 1e3:.1f} ms/step"
     )
     for name in PHASES:

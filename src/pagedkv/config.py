@@ -1,4 +1,9 @@
-"""The engine's resolved configuration, in small sub-configs with vLLM's field names (torch-free).
+"""The engine's resolved configuration (frozen sub-configs, vLLM's ``VllmConfig``), torch-free.
+
+Which ``config`` module is which: :mod:`pagedkv.engine.config` holds the options as the user
+types them (``EngineConfig``, the CLI flags); this module the resolved sub-configs every part
+reads; :mod:`pagedkv.core.config` the core's KV cache shape (blocks, groups, specs);
+:mod:`pagedkv.model.config` the model's architecture (read from its files).
 
 :class:`~pagedkv.engine.config.EngineConfig` is what a user writes (one flat set of options, like
 vLLM's ``EngineArgs``; ``dtype="auto"``, ``block_size=None`` ...). The engine resolves it once (the
@@ -15,7 +20,7 @@ CacheConfig         block_size, num_gpu_blocks, cache_dtype,          KV cache m
                     hash_seed, enable_kv_cache_events
 SchedulerConfig     max_num_seqs, max_num_batched_tokens,             scheduler, runner
                     max_model_len, enable_chunked_prefill, policy
-ParallelConfig      tensor_parallel_size                              executor factory
+ParallelConfig      tensor_parallel_size, num_threads                 executor factory
 SpeculativeConfig   method, num_speculative_tokens, prompt_lookup_*,  proposers, rejection
                     suffix_decoding_*                                 sampler, scheduler
 ==================  ==============================================  ==========================
@@ -137,9 +142,11 @@ class ParallelConfig:
     Attributes:
         tensor_parallel_size: ranks the model's weights and KV heads are split over (1 = one
             process).
+        num_threads: torch threads per rank; None = every CPU this process may use.
     """
 
     tensor_parallel_size: int = 1
+    num_threads: int | None = None
 
 
 #: Values of ``SpeculativeConfig.method`` (vLLM's names) that pagedkv builds.
@@ -368,8 +375,11 @@ class SpeculativeConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PagedKVConfig:
-    """The sub-configs of one engine, resolved (vLLM's ``VllmConfig``); speculative decoding's
-    is None when it is off."""
+    """The sub-configs of one engine, resolved once and frozen (vLLM's ``VllmConfig``; built by
+    :func:`pagedkv.engine.config_resolution.resolve_engine_config`, read as ``engine.config``);
+    speculative decoding's is None when it is off. Every resolved setting has one home here:
+    ``cache_config.block_size``, ``model_config.max_model_len`` (also
+    ``scheduler_config.max_model_len``, the same value set from it), ``model_config.dtype``..."""
 
     model_config: ModelRunConfig
     cache_config: CacheConfig

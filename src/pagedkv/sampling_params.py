@@ -475,8 +475,10 @@ def _check_float(name: str, value: object, why: str) -> None:
 def resolve_max_tokens(max_tokens: int | None, num_prompt_tokens: int, max_model_len: int) -> int:
     """A request's output-token limit: ``max_tokens``, or for None the room the prompt leaves
     in max_model_len (``max_model_len - num_prompt_tokens``: < 1 when it leaves none; the
-    caller refuses that). The one home of the rule, called once per request before it is
-    queued."""
+    caller refuses that). The one home of the rule, for every request kind (sampling, n > 1,
+    beam search); its one caller is the engine's
+    :meth:`~pagedkv.engine.input_processor.InputProcessor.resolve_max_tokens`, once per request
+    before it is queued (the HTTP layer passes the client's value through, None when absent)."""
     return max_model_len - num_prompt_tokens if max_tokens is None else max_tokens
 
 
@@ -534,7 +536,8 @@ class BeamSearchParams:
             vocabulary size). transformers runs greedy search for one beam, not beam search:
             the equality with it holds from 2 beams on.
         max_tokens: most generated tokens per sequence (>= 1; prompt + max_tokens at most
-            max_model_len).
+            max_model_len); None = up to max_model_len, resolved by the engine when the
+            request is added (:func:`resolve_max_tokens`, as for :class:`SamplingParams`).
         ignore_eos: keep generating after the end-of-sequence token (no sequence ends before
             max_tokens).
         temperature: accepted for vLLM compatibility (in [0, largest float32]) and not used:
@@ -555,7 +558,7 @@ class BeamSearchParams:
     """
 
     beam_width: int
-    max_tokens: int
+    max_tokens: int | None
     ignore_eos: bool = False
     temperature: float = 0.0
     length_penalty: float = 1.0
@@ -565,6 +568,8 @@ class BeamSearchParams:
     def __post_init__(self) -> None:
         for name in ("beam_width", "max_tokens"):
             value = getattr(self, name)
+            if value is None and name == "max_tokens":
+                continue
             if not is_int(value) or not 1 <= value <= INT64_MAX:
                 raise InvalidRequestError(f"{name} must be an int >= 1, got {value!r}", param=name)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):

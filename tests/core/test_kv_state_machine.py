@@ -34,7 +34,9 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.kv = KVCacheManager(NUM_BLOCKS, self.specs, block_size=BLOCK_SIZE, hash_seed=0)
+        # Subclasses' specs carry the block size; the default spec takes it.
+        block_size = BLOCK_SIZE if self.specs is None else None
+        self.kv = KVCacheManager(NUM_BLOCKS, self.specs, block_size=block_size, hash_seed=0)
         self.running = {}
         self.preempted = []
         self.finished = []

@@ -157,7 +157,8 @@ def test_allocation_is_atomic_across_groups():
 def test_groups_must_share_one_block_size():
     with pytest.raises(ConfigError, match="block_size"):
         KVCacheManager(10, [FULL, window(block_size=8)])
-    with pytest.raises(ConfigError, match="disagrees"):
-        KVCacheManager(10, [FULL], block_size=8)
+    with pytest.raises(ConfigError, match="the specs carry the block size"):
+        KVCacheManager(10, [FULL], block_size=FULL.block_size)  # one value: the specs'
+
     with pytest.raises(ConfigError, match="empty"):
         KVCacheManager(10, [])

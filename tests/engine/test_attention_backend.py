@@ -70,7 +70,7 @@ def test_torch_backend_default_block_size_and_one_log_line(llama, caplog):
         llm = make_llm(llama, attention_backend="torch")
     engine = llm.engine
     assert isinstance(engine.attention_backend, TorchBackend)
-    assert engine.config.block_size == 16 == engine.kv_cache_config.block_size
+    assert engine.config.cache_config.block_size == 16 == engine.kv_cache_config.block_size
     assert engine.runner.attention_backend is engine.attention_backend
     assert engine_lines(caplog) == ["attention backend torch, block size 16 (default)"]
     config = llama.config
@@ -82,7 +82,7 @@ def test_torch_backend_default_block_size_and_one_log_line(llama, caplog):
 
 def test_explicit_block_size_is_kept(llama):
     engine = make_llm(llama, attention_backend="torch", block_size=8).engine
-    assert engine.config.block_size == 8 == engine.kv_cache_config.block_size
+    assert engine.config.cache_config.block_size == 8 == engine.kv_cache_config.block_size
 
 
 @pytest.fixture
@@ -98,7 +98,7 @@ def test_auto_falls_back_to_torch_with_the_reason(llama, caplog, no_native):
     does the same with a warning."""
     with caplog.at_level(logging.INFO, logger=LOGGER):
         engine = make_llm(llama).engine
-    assert engine.attention_backend.name == "torch" and engine.config.block_size == 16
+    assert engine.attention_backend.name == "torch" and engine.config.cache_config.block_size == 16
     (line,) = engine_lines(caplog)
     assert line.startswith("attention backend torch, block size 16 (default; auto asked for")
     assert "vllm-cpu: " in line and "native: " in line
@@ -113,7 +113,7 @@ def test_auto_picks_native_where_it_runs(llama, caplog):
     with caplog.at_level(logging.INFO, logger=LOGGER):
         engine = make_llm(llama).engine
     expected = "torch" if NATIVE_REASON else "native"
-    assert engine.attention_backend.name == expected and engine.config.block_size == 16
+    assert engine.attention_backend.name == expected and engine.config.cache_config.block_size == 16
     if expected == "native":  # the line names the library built for it
         (line,) = engine_lines(caplog)
         assert line.startswith("attention backend native [paged_attention")  # -avx512 or not
@@ -128,10 +128,10 @@ def test_auto_picks_vllm_cpu_where_native_does_not_run(gemma, caplog, no_native)
         engine = make_llm(gemma).engine
     expected = "torch" if VLLM_CPU_REASON else "vllm-cpu"
     assert engine.attention_backend.name == expected
-    assert engine.config.block_size == engine.attention_backend.default_block_size(
+    assert engine.config.cache_config.block_size == engine.attention_backend.default_block_size(
         32, torch.float32
     )
-    assert engine.kv_cache_config.block_size == engine.config.block_size
+    assert engine.kv_cache_config.block_size == engine.config.cache_config.block_size
     (line,) = engine_lines(caplog)
     if expected == "vllm-cpu":  # the line names the kernel build loaded for this CPU
         assert line.startswith(f"attention backend vllm-cpu [{engine.attention_backend.library}")
@@ -140,7 +140,7 @@ def test_auto_picks_vllm_cpu_where_native_does_not_run(gemma, caplog, no_native)
 @needs_vllm_cpu
 def test_vllm_cpu_block_size_default_and_errors(gemma, no_native):
     engine = make_llm(gemma, attention_backend="vllm-cpu").engine
-    assert engine.config.block_size == 128
+    assert engine.config.cache_config.block_size == 128
     assert isinstance(engine.attention_backend, VllmCpuBackend)
     # the KV sizing agrees with what the backend allocated: every page of block_size tokens
     page = engine.kv_cache_config.kv_cache_groups[0].kv_cache_spec.page_size_bytes
@@ -151,4 +151,4 @@ def test_vllm_cpu_block_size_default_and_errors(gemma, no_native):
     # auto takes torch for a block size vllm-cpu does not run
     assert make_llm(gemma, block_size=8).engine.attention_backend.name == "torch"
     engine = make_llm(gemma, attention_backend="vllm-cpu", block_size=16).engine
-    assert engine.config.block_size == 16
+    assert engine.config.cache_config.block_size == 16

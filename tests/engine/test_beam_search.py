@@ -137,7 +137,7 @@ def tiny_gemma3_pair():
         ({"beam_width": 2.0, "max_tokens": 4}, "beam_width"),
         ({"beam_width": True, "max_tokens": 4}, "beam_width"),
         ({"beam_width": 2, "max_tokens": 0}, "max_tokens"),
-        ({"beam_width": 2, "max_tokens": None}, "max_tokens"),
+        ({"beam_width": 2, "max_tokens": "4"}, "max_tokens"),
         ({"beam_width": 2, "max_tokens": 4, "ignore_eos": 1}, "ignore_eos"),
         ({"beam_width": 2, "max_tokens": 4, "temperature": -0.5}, "temperature"),
         ({"beam_width": 2, "max_tokens": 4, "temperature": math.nan}, "temperature"),

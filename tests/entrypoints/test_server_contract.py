@@ -20,6 +20,7 @@ from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.entrypoints.openai.app import create_app
 from pagedkv.entrypoints.openai.launch import ThreadedServer
 from pagedkv.entrypoints.openai.protocol.requests import ChatCompletionRequest, CompletionRequest
+from pagedkv.entrypoints.openai.protocol.responses_api import ResponsesRequest
 from pagedkv.sampling_params import BeamSearchParams, SamplingParams
 
 MODEL = "tiny"
@@ -636,6 +637,45 @@ def test_use_beam_search_equals_the_offline_beam_search(server, llm):
     assert [c["message"]["content"] for c in reply["choices"]] == [
         s.text for s in chat_offline.sequences
     ]
+
+
+def test_max_tokens_resolves_alike_for_every_request_kind(server, llm):
+    """One rule, in the engine: without max_tokens, sampling (n = 1 and n > 1) and beam search
+    run to max_model_len (prompt + output = 256) through chat, Responses and LLM alike; the
+    completions API's own default (16) is the request model's, for both kinds."""
+    room = 256 - len(llm.get_tokenizer().apply_chat_template(LONG_MESSAGES))
+    assert 0 < room < 40
+    common = {"messages": LONG_MESSAGES, "ignore_eos": True, "temperature": 0}
+    sampled = chat(server, **common)
+    samples = chat(server, **{**common, "temperature": 1.0, "n": 2, "seed": 1})
+    # One beam: each beam may hold a whole max_model_len of blocks (64 of the pool's 79).
+    beams = chat(server, **common, use_beam_search=True, n=1)
+    for body in (sampled, samples, beams):
+        assert body["usage"]["completion_tokens"] == room * len(body["choices"])
+        assert {c["finish_reason"] for c in body["choices"]} == {"length"}
+    ids = llm.get_tokenizer().apply_chat_template(LONG_MESSAGES)
+    # Responses (no ignore_eos there) is a chat request that passes the absent limit on.
+    responses = ResponsesRequest(input="hi")
+    assert responses.chat_request(responses.input_messages()).max_completion_tokens is None
+    (offline,) = llm.generate(
+        [{"prompt_token_ids": ids}], SamplingParams(max_tokens=None, ignore_eos=True)
+    )
+    (offline_beams,) = llm.beam_search(
+        [{"prompt_token_ids": ids}],
+        BeamSearchParams(beam_width=1, max_tokens=None, ignore_eos=True),
+    )
+    assert len(offline.outputs[0].token_ids) == room
+    assert [len(s.logprobs) for s in offline_beams.sequences] == [room]
+    # Completions: OpenAI's default of 16 for both kinds; an explicit null is the engine's None.
+    for beam in ({}, {"use_beam_search": True, "n": 1}):
+        for absent in ({}, {"max_tokens": None}):  # null means the default, as OpenAI's
+            body = complete(server, ignore_eos=True, temperature=0, **beam, **absent)
+            assert body["usage"]["completion_tokens"] == 16
+
+
+#: A chat that leaves 256 - (its tokens) < 40 tokens of room (one token per character): short
+#: runs.
+LONG_MESSAGES = [{"role": "user", "content": "x" * 210}]
 
 
 @pytest.mark.parametrize(

@@ -422,7 +422,7 @@ def test_kv_cache_manager_runs_the_six_groups():
 
     specs = kv_cache_layer_specs(gguf_metadata(), block_size=16, dtype="float32")
     config = KVCacheConfig.from_num_blocks(specs, 600)
-    manager = KVCacheManager(config.num_blocks, list(config.kv_cache_specs), block_size=16)
+    manager = KVCacheManager(config.num_blocks, list(config.kv_cache_specs))
     request = KVCacheRequest("r", list(range(1500)), block_hasher=manager.block_hasher)
     blocks, num_hit = manager.get_computed_blocks(request)
     assert manager.allocate_slots(request, 1500, num_hit, blocks) is not None

@@ -562,9 +562,11 @@ def start_cluster(
 
         shape = load_model_config(engine_config.model)
         dtype = resolve_dtype(engine_config.dtype, probe_cpu())
-        engine_config, _ = choose_attention_backend(
+        choice, _ = choose_attention_backend(
             engine_config, shape.head_dim, dtype, logits_soft_cap=shape.attn_logit_softcapping
         )
+        # Pinned as given: every replica runs the block size the router hashes with.
+        engine_config = dataclasses.replace(engine_config, block_size=choice.block_size)
     # One replica per num_cpus_per_replica CPUs: its torch threads should not take them all.
     num_threads = engine_config.num_threads or max(1, int(num_cpus_per_replica))
     config = dataclasses.replace(

@@ -104,7 +104,7 @@ class EngineReplica:
         hash_format: str = "bytes",
     ) -> None:
         engine = engine_factory()
-        config = engine.config
+        config = engine.config.cache_config
         if not config.enable_kv_cache_events or not config.enable_prefix_caching:
             raise ConfigError(
                 "a cluster replica needs prefix caching and enable_kv_cache_events=True"
@@ -123,7 +123,7 @@ class EngineReplica:
             model_name=served_model_name(engine.loaded_model.source),
             max_model_len=engine.max_model_len,
             block_size=config.block_size,
-            hash_algo=config.hash_algo,
+            hash_algo=config.prefix_caching_hash_algo,
             hash_seed=config.hash_seed,
             input_processor=engine.input_processor,
         )

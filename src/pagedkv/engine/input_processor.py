@@ -52,6 +52,7 @@ PROMPT_FORMS = (
 )
 
 T = TypeVar("T")
+_P = TypeVar("_P", SamplingParams, BeamSearchParams)
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,10 +346,12 @@ class InputProcessor:
                 )
         self._check_priority(priority)
 
-    def resolve_max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+    def resolve_max_tokens(self, params: _P, num_prompt_tokens: int) -> _P:
         """``params`` with ``max_tokens`` resolved for a prompt of ``num_prompt_tokens`` tokens
         (None: the room left in max_model_len; :func:`~pagedkv.sampling_params.resolve_max_tokens`),
-        once, before the request is queued.
+        once, before the request is queued. The one place for every request kind: sampling
+        (n >= 1) and beam search (``LLMEngine.add_request`` calls it for both; the HTTP layer
+        and ``LLM`` pass the client's value through, None when absent).
 
         Raises:
             InvalidRequestError: ``param="prompt"``, max_tokens None and a prompt that leaves no

@@ -19,9 +19,10 @@ dtype bytes are the KV cache's (``EngineConfig.kv_cache_dtype``, ``--kv-cache-dt
 float32, 2 for bf16 / fp16, 1 for fp8 (e4m3 or e5m2), so the same kv_cache_memory holds twice the
 blocks in fp8 as in bf16.
 
-block_size is the attention backend's (``EngineConfig.block_size``, resolved by
-:func:`pagedkv.engine.attention_backend.choose_attention_backend` before sizing); no backend pads
-its cache, so these bytes are what the backend allocates.
+block_size is the one the attention backend runs (decided once by
+:func:`pagedkv.engine.attention_backend.choose_attention_backend` before sizing, and passed in;
+the specs carry it from here on); no backend pads its cache, so these bytes are what the backend
+allocates.
 
 With tensor parallelism (``tensor_parallel_size`` > 1) every size here is one rank's:
 num_kv_heads is the rank's share (``max(1, num_kv_heads / tp)``,
@@ -105,6 +106,7 @@ def size_kv_cache(
     model_config: ModelShape,
     config: EngineConfig,
     *,
+    block_size: int | None = None,
     kv_dtype: str | None = None,
     draft_model_config: ModelShape | None = None,
 ) -> KVCacheConfig:
@@ -113,6 +115,8 @@ def size_kv_cache(
     Args:
         model_config: the model's shape (layer windows from ``layer_sliding_windows``).
         config: the engine's options.
+        block_size: tokens per block, as the attention backend decided it (the engine passes
+            it); None: ``config.block_size``, which must then be given.
         draft_model_config: speculative decoding's draft model, whose layers follow the
             model's in the KV cache config (layer ``num_hidden_layers + i`` is its layer ``i``):
             layers with the model's spec join its KV cache groups (one block id then holds a
@@ -133,9 +137,11 @@ def size_kv_cache(
             says the largest max_model_len that fits and which options to change).
     """
     max_model_len = resolve_max_model_len(model_config, config, draft_model_config)
-    layer_specs = engine_layer_specs(model_config, config, kv_dtype=kv_dtype)
+    layer_specs = engine_layer_specs(model_config, config, block_size=block_size, kv_dtype=kv_dtype)
     if draft_model_config is not None:
-        layer_specs += engine_layer_specs(draft_model_config, config, kv_dtype=kv_dtype)
+        layer_specs += engine_layer_specs(
+            draft_model_config, config, block_size=block_size, kv_dtype=kv_dtype
+        )
     kv_cache_memory = config.kv_cache_memory
     if config.num_blocks is None and kv_cache_memory is None:
         groups, group_size = group_layers(layer_specs)
@@ -174,21 +180,30 @@ def size_kv_cache(
 
 
 def engine_layer_specs(
-    model_config: ModelShape, config: EngineConfig, *, kv_dtype: str | None = None
+    model_config: ModelShape,
+    config: EngineConfig,
+    *,
+    block_size: int | None = None,
+    kv_dtype: str | None = None,
 ) -> list[KVCacheSpec]:
     """The KV-cache spec of each layer the engine allocates: the model's
     (:func:`~pagedkv.model.config.kv_cache_layer_specs`), every layer full attention under
     ``config.disable_hybrid_kv_cache_manager``; with tensor parallelism, one rank's (its share of
     the KV heads).
 
+    ``block_size`` (the attention backend's decision; None: ``config.block_size``) is every
+    spec's.
+
     Raises:
-        ConfigError: a bad or unresolved block_size, a bad dtype, or a model that does not
+        ConfigError: a bad or missing block_size, a bad dtype, or a model that does not
             split ``config.tensor_parallel_size`` ways (the message names the head counts).
     """
-    if config.block_size is None:
+    if block_size is None:
+        block_size = config.block_size
+    if block_size is None:
         raise ConfigError(
-            "block_size is None: the engine sets it from the attention backend before sizing "
-            "the KV cache (pagedkv.engine.attention_backend.choose_attention_backend)"
+            "block_size is None: the engine decides it with the attention backend before "
+            "sizing the KV cache (pagedkv.engine.attention_backend.choose_attention_backend)"
         )
     tp = config.tensor_parallel_size
     if tp > 1:
@@ -197,7 +212,7 @@ def engine_layer_specs(
     if kv_dtype is None:  # the engine passes its resolved KV dtype; "auto" follows this CPU
         dtype = resolve_dtype(config.dtype, probe_cpu() if config.dtype == "auto" else None)
         kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
-    specs = kv_cache_layer_specs(model_config, config.block_size, kv_dtype)
+    specs = kv_cache_layer_specs(model_config, block_size, kv_dtype)
     if config.disable_hybrid_kv_cache_manager:
         specs = unify_kv_cache_specs(specs)
     return specs

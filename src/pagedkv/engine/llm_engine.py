@@ -25,18 +25,14 @@ from typing import Any
 import torch
 
 from pagedkv.config import PagedKVConfig
-from pagedkv.core.config import KVCacheConfig
 from pagedkv.core.events import KVCacheEvent
 from pagedkv.core.kv_view import snapshot_kv_cache
 from pagedkv.core.manager import KVCacheManager
-from pagedkv.cpu_caps import probe_cpu, resolve_dtype
-from pagedkv.cpu_env import available_cpu_count
-from pagedkv.engine.attention_backend import choose_attention_backend
 from pagedkv.engine.beam_search import BeamSearchGroup, num_beam_candidates
-from pagedkv.engine.config import EngineConfig, default_quantization
+from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.config_resolution import resolve_engine_config
 from pagedkv.engine.cpu_runtime import tune_cpu_runtime
 from pagedkv.engine.input_processor import InputProcessor, Prompt
-from pagedkv.engine.kv_sizing import size_kv_cache
 from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.request import Request, RequestStatus
@@ -45,11 +41,10 @@ from pagedkv.engine.spec_decode.drafts import DraftProposer, WorkerDrafts
 from pagedkv.engine.spec_decode.proposer import BufferedProposer, make_proposer
 from pagedkv.engine.stats import KVTierStats, SchedulerStats
 from pagedkv.engine.structured_output import StructuredOutputManager, StructuredOutputRequest
-from pagedkv.errors import ConfigError, InvalidRequestError, ModelLoadError
+from pagedkv.errors import InvalidRequestError
 from pagedkv.pooling_params import PoolingParams
 from pagedkv.sampling_params import BeamSearchParams, SamplingParams
 from pagedkv.worker.executor import create_executor
-from pagedkv.worker.kv_offload import open_disk_tier, tier_identity
 from pagedkv.worker.outputs import ModelRunnerOutput
 from pagedkv.worker.scheduler_output import NewRequestData, SchedulerOutput
 
@@ -85,10 +80,12 @@ class LLMEngine:
 
     Args:
         config: the engine's options (see :class:`EngineConfig`); keyword arguments override
-            its fields, e.g. ``LLMEngine(dtype="float32", num_blocks=512)``.
+            its fields, e.g. ``LLMEngine(dtype="float32", num_blocks=512)``. They are resolved
+            once (:func:`~pagedkv.engine.config_resolution.resolve_engine_config`) into the
+            frozen ``engine.config``; ``engine.options`` keeps them as given.
         loaded_model: an already loaded :class:`pagedkv.model.loader.LoadedModel` to reuse
             (tests share one between engines); its dtype wins over ``config.dtype`` (and
-            becomes the engine's ``config.dtype``). Not with
+            becomes the engine's ``config.model_config.dtype``). Not with
             ``tensor_parallel_size`` > 1 (each rank loads its shard: see model_loader).
         model_loader: with ``tensor_parallel_size`` > 1, a picklable
             ``model_loader(parallel=...)`` that each rank calls to load its shard (default:
@@ -116,50 +113,55 @@ class LLMEngine:
         **overrides: Any,
     ) -> None:
         self._tier_saved = False  # shutdown() paged the prefix cache out to a disk tier
-        config = self._resolve_config(config, overrides)
-        tp = config.tensor_parallel_size
-        if tp > 1 and loaded_model is not None:
-            raise ConfigError(
-                "loaded_model cannot be split over tensor_parallel_size > 1 processes: pass "
-                "model_loader (each rank loads its shard) or a model path"
-            )
-        num_threads = config.num_threads
-        if num_threads is None and tp > 1:
-            num_threads = max(1, available_cpu_count() // tp)
-        tune_cpu_runtime(num_threads)
-        # Everything the model's shape decides is checked before its weights load (seconds).
-        model_shape, loaded_model, config = _read_model_shape(config, loaded_model, model_loader)
-        draft_shape, config = _read_draft_model_shape(config, draft_model)
-        self._choose_attention_backend(config, model_shape, loaded_model)
-        kv_cache_config = self._size_kv_cache(model_shape, draft_shape)
-        tier_blocks, tier_keys = self._open_kv_tier(kv_cache_config)
-        #: the resolved sub-configs (model, cache, scheduler, parallel), vLLM's VllmConfig.
-        self.pagedkv_config = resolved = self.config.resolve(
-            max_model_len=self.max_model_len,
-            num_gpu_blocks=kv_cache_config.num_blocks,
-            kv_offloading_blocks=tier_blocks,
+        if config is None:
+            config = EngineConfig(**overrides)
+        elif overrides:
+            config = dataclasses.replace(config, **overrides)
+        # Every setting decided once, before the weights load (seconds), then frozen.
+        resolved = resolve_engine_config(
+            config, loaded_model=loaded_model, model_loader=model_loader, draft_model=draft_model
         )
-        self.kv_cache_manager = KVCacheManager.from_config(kv_cache_config, resolved.cache_config)
+        #: the options as given (keyword overrides applied; "auto" and None left as typed).
+        self.options = resolved.options
+        #: the dtype asked for ("auto" by default); ``config.model_config.dtype`` runs.
+        self.requested_dtype = config.dtype
+        #: what this CPU computes fast (:mod:`pagedkv.cpu_caps`); decided dtype "auto".
+        self.cpu_capabilities = resolved.cpu_capabilities
+        #: the resolved, frozen config (vLLM's VllmConfig; :mod:`pagedkv.engine.
+        #: config_resolution`): the one home of every setting (``cache_config.block_size``...).
+        self.config = self.pagedkv_config = resolved.config
+        #: the attention backend (owns the KV cache's layout and runs attention).
+        self.attention_backend = resolved.attention.backend
+        #: why the backend asked for (or auto's first choice) was passed over; None if it runs.
+        self.attention_backend_fallback_reason = resolved.attention.fallback_reason
+        #: the KV cache's blocks, groups and specs (their block size: the config's).
+        self.kv_cache_config = kv_cache_config = resolved.kv_cache_config
+        self.max_model_len = self.config.model_config.max_model_len
+        self.kv_cache_manager = KVCacheManager.from_config(
+            kv_cache_config, self.config.cache_config
+        )
         self.scheduler = Scheduler.from_config(
             self.kv_cache_manager,
-            resolved.scheduler_config,
-            resolved.speculative_config,
-            _draft_proposer(resolved),
+            self.config.scheduler_config,
+            self.config.speculative_config,
+            _draft_proposer(self.config),
         )
         #: runs the steps: one process, or tensor-parallel ranks (:mod:`pagedkv.worker.executor`).
         self.executor = create_executor(
-            resolved,
+            self.config,
             kv_cache_config,
             self.attention_backend,
-            loaded_model=loaded_model,
+            loaded_model=resolved.loaded_model,
             model_loader=model_loader,
-            runtime_setup=functools.partial(tune_cpu_runtime, num_threads),
+            runtime_setup=functools.partial(
+                tune_cpu_runtime, self.config.parallel_config.num_threads
+            ),
             draft_model=draft_model,
         )
         #: rank 0's model runner (its persistent batch, KV cache and sampler).
         self.runner = self.executor.runner
-        if tier_keys:  # a disk tier's entries from an earlier run
-            for key in self.kv_cache_manager.offloader.restore(tier_keys):
+        if resolved.tier_keys:  # a disk tier's entries from an earlier run
+            for key in self.kv_cache_manager.offloader.restore(resolved.tier_keys):
                 self.runner.kv_tier.drop(key, 0)
             logger.info("KV tier: %d entries found", len(self.kv_cache_manager.offloader))
         self._build_processors()
@@ -167,118 +169,6 @@ class LLMEngine:
         self._last_scheduler_output: SchedulerOutput | None = None
 
     # ------------------------------------------------------------------ building steps
-
-    def _resolve_config(
-        self, config: EngineConfig | None, overrides: dict[str, Any]
-    ) -> EngineConfig:
-        """The options with the keyword overrides applied and dtype "auto" resolved for this
-        CPU (:mod:`pagedkv.cpu_caps`)."""
-        if config is None:
-            config = EngineConfig(**overrides)
-        elif overrides:
-            config = EngineConfig(**{**_fields(config), **overrides})
-        #: what this CPU computes fast (:mod:`pagedkv.cpu_caps`); decides dtype "auto".
-        self.cpu_capabilities = probe_cpu()
-        #: the dtype asked for ("auto" by default); ``config.dtype`` is the one that runs.
-        self.requested_dtype = config.dtype
-        return dataclasses.replace(
-            config,
-            dtype=resolve_dtype(config.dtype, self.cpu_capabilities),
-            quantization=default_quantization(config.quantization, config.dtype),
-        )
-
-    def _choose_attention_backend(self, config: EngineConfig, model_shape, loaded_model) -> None:
-        """The attention backend, which decides the block size (when not given) before the
-        cache is sized; the KV-cache dtype ("auto": the compute dtype) is resolved and checked
-        with it. Sets ``config`` (resolved) and the backend."""
-        device = "cpu" if loaded_model is None else loaded_model.model.device
-        if torch.device(device).type == "cpu":
-            logger.info("%s", self.cpu_capabilities.summary(config.dtype))
-        config, choice = choose_attention_backend(
-            config,
-            model_shape.head_dim,
-            config.dtype,
-            device,
-            getattr(model_shape, "attn_logit_softcapping", None),
-        )
-        #: the options, resolved (dtype, kv_cache_dtype, block size); the sub-configs are
-        #: ``pagedkv_config``.
-        self.config = config
-        #: the attention backend (owns the KV cache's layout and runs attention).
-        self.attention_backend = choice.backend
-        #: why the backend asked for (or auto's first choice) was passed over; None if it runs.
-        self.attention_backend_fallback_reason = choice.fallback_reason
-
-    def _size_kv_cache(self, model_shape, draft_shape=None) -> KVCacheConfig:
-        """The KV cache's blocks and max_model_len
-        (:func:`~pagedkv.engine.kv_sizing.size_kv_cache`), with the draft model's layers when
-        speculative decoding has one.
-
-        Raises:
-            ConfigError: as ``size_kv_cache``; a draft model whose layers' pages differ in size
-                from the model's (they could not share the pool).
-        """
-        config = self.config
-        try:
-            kv_cache_config = size_kv_cache(
-                model_shape, config, kv_dtype=config.kv_cache_dtype, draft_model_config=draft_shape
-            )
-        except ConfigError as e:
-            if draft_shape is None:
-                raise
-            raise ConfigError(
-                f"speculative_config: the draft model's KV cannot share the model's block pool: "
-                f"{e} (a draft model is a smaller model of the same family: the same tokenizer "
-                "and KV pages of the same size)"
-            ) from None
-        self.kv_cache_config = kv_cache_config
-        self.max_model_len = kv_cache_config.max_model_len
-        logger.info(
-            "KV cache: %d blocks x %d tokens (%.0f MiB, %s), max_model_len %d",
-            kv_cache_config.num_usable_blocks,
-            config.block_size,
-            kv_cache_config.kv_cache_memory / 2**20,
-            config.kv_cache_dtype,
-            self.max_model_len,
-        )
-        return kv_cache_config
-
-    def _open_kv_tier(self, kv_cache_config: KVCacheConfig) -> tuple[int, list[str]]:
-        """``(tier blocks, keys a disk tier holds from an earlier run)``; ``(0, [])`` without a
-        tier. A disk tier's block-hash seed becomes ``config.hash_seed`` (the hashes must agree
-        with the process that wrote its entries)."""
-        config = self.config
-        if config.kv_offloading_size is None:
-            return 0, []
-        tier_blocks = config.kv_offloading_size // kv_cache_config.bytes_per_block
-        if tier_blocks < 1:
-            raise ConfigError(
-                f"kv_offloading_size ({config.kv_offloading_size} bytes) holds no KV block "
-                f"({kv_cache_config.bytes_per_block} bytes each)"
-            )
-        tier_keys: list[str] = []
-        if config.kv_offloading_backend == "disk":
-            identity = tier_identity(
-                model=config.model,
-                dtype=config.dtype,
-                kv_cache_dtype=config.kv_cache_dtype,
-                attention_backend=self.attention_backend.name,
-                block_size=config.block_size,
-                hash_algo=config.hash_algo,
-                kv_cache_groups=[
-                    {"layer_ids": list(g.layer_ids), "spec": repr(g.kv_cache_spec)}
-                    for g in kv_cache_config.kv_cache_groups
-                ],
-            )
-            seed, tier_keys = open_disk_tier(config.kv_offloading_dir, identity, config.hash_seed)
-            self.config = config = dataclasses.replace(config, hash_seed=seed)
-        logger.info(
-            "KV tier: %s, %d blocks (%.0f MiB)",
-            config.kv_offloading_backend,
-            tier_blocks,
-            tier_blocks * kv_cache_config.bytes_per_block / 2**20,
-        )
-        return tier_blocks, tier_keys
 
     def _build_processors(self) -> None:
         """The tokenizer's side: end-of-sequence ids, outputs, structured outputs, inputs."""
@@ -308,8 +198,8 @@ class LLMEngine:
             self.tokenizer,
             vocab_size=vocab_size,
             max_model_len=self.max_model_len,
-            max_logprobs=self.config.max_logprobs,
-            policy=self.config.policy,
+            max_logprobs=self.config.model_config.max_logprobs,
+            policy=self.config.scheduler_config.policy,
             structured_outputs=self.structured_output_manager,
         )
 
@@ -319,7 +209,7 @@ class LLMEngine:
         first pages the prefix cache's blocks out to it (so a restart finds them) and waits for
         its writes."""
         if (
-            self.config.kv_offloading_backend == "disk"
+            self.config.cache_config.kv_offloading_backend == "disk"
             and not self._tier_saved
             and self.kv_cache_manager.page_out_cached()
         ):
@@ -486,6 +376,7 @@ class LLMEngine:
             )
         processed = self.input_processor.process(prompt)
         prompt_token_ids = processed.token_ids
+        params = self.input_processor.resolve_max_tokens(params, len(prompt_token_ids))
         now = time.monotonic() if arrival_time is None else arrival_time
         make_root = functools.partial(
             self._make_request,
@@ -519,7 +410,9 @@ class LLMEngine:
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
             block_hasher=(
-                self.kv_cache_manager.block_hasher if self.config.enable_prefix_caching else None
+                self.kv_cache_manager.block_hasher
+                if self.config.cache_config.enable_prefix_caching
+                else None
             ),
             cache_salt=cache_salt,
             sampling_params=sampling_params,
@@ -739,66 +632,6 @@ class LLMEngine:
         return result.request_outputs
 
 
-def _read_model_shape(config: EngineConfig, loaded_model, model_loader):
-    """``(model shape, loaded model or None, config)``: from a loaded model, the model file's
-    header (no weight read), or rank 0's ``model_loader`` (an in-memory model: one process keeps
-    it); the config's dtype becomes the model's when the model is given. The config's model
-    becomes the resolved file or folder (a short name or Hugging Face id resolved once, here;
-    the KV tier records it)."""
-    if loaded_model is not None:
-        dtype = str(loaded_model.model.dtype).removeprefix("torch.")
-        model = config.model if config.model is not None else loaded_model.source
-        return (
-            loaded_model.config,
-            loaded_model,
-            dataclasses.replace(config, dtype=dtype, model=model),
-        )
-    if model_loader is None:
-        from pagedkv.model.loader import load_model_config, resolve_model_path
-
-        model = str(resolve_model_path(config.model))
-        return load_model_config(model), None, dataclasses.replace(config, model=model)
-    from pagedkv.model.parallel import TensorParallelGroup
-
-    tp = config.tensor_parallel_size
-    probe = model_loader(parallel=None if tp == 1 else TensorParallelGroup(0, tp))
-    dtype = str(probe.model.dtype).removeprefix("torch.")
-    model = config.model if config.model is not None else probe.source
-    return (
-        probe.config,
-        probe if tp == 1 else None,
-        dataclasses.replace(config, dtype=dtype, model=model),
-    )
-
-
-def _read_draft_model_shape(config: EngineConfig, draft_model):
-    """``(draft model shape or None, config)``: speculative decoding's draft model, read from
-    ``draft_model`` (loaded) or its file's header (no weight read); then the config's
-    ``speculative_config.model`` becomes the resolved file or folder (the executor loads it, or
-    reuses the model when it is the same).
-
-    Raises:
-        ConfigError: ``draft_model`` without a speculative_config of method "draft_model".
-        ModelLoadError: the draft model cannot be found or read.
-    """
-    speculative = config.speculative_config
-    if speculative is None or speculative.method != "draft_model":
-        if draft_model is not None:
-            raise ConfigError("draft_model is for a speculative_config of method 'draft_model'")
-        return None, config
-    if draft_model is not None:
-        return draft_model.config, config
-    from pagedkv.model.loader import load_model_config, resolve_model_path
-
-    try:
-        model = str(resolve_model_path(speculative.model))
-        shape = load_model_config(model)
-    except ModelLoadError as e:
-        raise ModelLoadError(f"speculative_config: the draft model: {e}") from None
-    speculative = dataclasses.replace(speculative, model=model)
-    return shape, dataclasses.replace(config, speculative_config=speculative)
-
-
 def _draft_proposer(config: PagedKVConfig) -> DraftProposer | None:
     """The scheduler's proposer of ``config.speculative_config`` (None: off): the workers'
     draft model's drafts, or n-gram / suffix over each request's tokens."""
@@ -809,7 +642,3 @@ def _draft_proposer(config: PagedKVConfig) -> DraftProposer | None:
     if speculative.method == "draft_model":
         return WorkerDrafts()
     return BufferedProposer(make_proposer(speculative), config.model_config.max_model_len)
-
-
-def _fields(config: EngineConfig) -> dict[str, Any]:
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}

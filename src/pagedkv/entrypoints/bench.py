@@ -148,7 +148,7 @@ def bench_pagedkv(args: argparse.Namespace, conversations: list) -> BenchResult:
     num_output = sum(len(o.token_ids) for o in outputs)
     return BenchResult(
         backend="pagedkv",
-        dtype=llm.engine.config.dtype,
+        dtype=llm.engine.config.model_config.dtype,
         cpu=llm.engine.cpu_capabilities.as_dict(),
         num_requests=len(prompts),
         num_prompt_tokens=sum(map(len, prompts)),
@@ -159,8 +159,8 @@ def bench_pagedkv(args: argparse.Namespace, conversations: list) -> BenchResult:
         median_ttft_s=statistics.median(ttfts),
         extra={
             "attention_backend": llm.engine.attention_backend.name,
-            "block_size": llm.engine.config.block_size,
-            "kv_cache_dtype": llm.engine.config.kv_cache_dtype,
+            "block_size": llm.engine.config.cache_config.block_size,
+            "kv_cache_dtype": llm.engine.config.cache_config.cache_dtype,
             "max_num_seqs": config.max_num_seqs,
             "max_num_batched_tokens": config.max_num_batched_tokens,
             "num_steps": stats.num_steps - before.num_steps,

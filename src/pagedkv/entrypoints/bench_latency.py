@@ -124,7 +124,7 @@ def summarize(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
 
 def measure(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Warm-up and timed runs of one batch of random prompts on ``engine``; the report."""
-    rng = np.random.default_rng(engine.config.seed)
+    rng = np.random.default_rng(engine.config.model_config.seed)
     vocab_size = engine.loaded_model.config.vocab_size
     prompts = [
         rng.integers(1, vocab_size, size=args.input_len).tolist() for _ in range(args.batch_size)
@@ -137,8 +137,8 @@ def measure(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
         if i >= args.num_iters_warmup:
             runs.append(result)
     report = summarize(runs, args)
-    report["dtype"] = engine.config.dtype
-    report["kv_cache_dtype"] = engine.config.kv_cache_dtype
+    report["dtype"] = engine.config.model_config.dtype
+    report["kv_cache_dtype"] = engine.config.cache_config.cache_dtype
     report["cpu"] = engine.cpu_capabilities.as_dict()  # speed figures name their CPU
     return report
 

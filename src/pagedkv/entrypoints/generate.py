@@ -260,10 +260,11 @@ def print_summary(llm, outputs, elapsed: float, load_time: float, file=sys.stdou
     reason = engine.attention_backend_fallback_reason
     passed_over = ""
     if reason:
-        passed_over = f" ({engine.config.attention_backend} asked for, passed over {reason})"
-    tp = engine.config.tensor_parallel_size
+        passed_over = f" ({engine.options.attention_backend} asked for, passed over {reason})"
+    cache = engine.config.cache_config
+    tp = engine.config.parallel_config.tensor_parallel_size
     parallel = f", tensor parallel over {tp} processes" if tp > 1 else ""
-    dtype = engine.config.dtype
+    dtype = engine.config.model_config.dtype
     if engine.requested_dtype != dtype:
         dtype += f", {engine.requested_dtype}"
     quantization = engine.loaded_model.quantization
@@ -271,9 +272,9 @@ def print_summary(llm, outputs, elapsed: float, load_time: float, file=sys.stdou
     quantized = forms.get(quantization, f", {quantization} weights for small steps")
     lines = [
         f"model            {engine.loaded_model.source} ({dtype}{parallel}{quantized})",
-        f"cpu              {engine.cpu_capabilities.describe(engine.config.dtype)}",
+        f"cpu              {engine.cpu_capabilities.describe(engine.config.model_config.dtype)}",
         f"attention        {engine.attention_backend.name} backend, blocks of "
-        f"{engine.config.block_size} tokens{passed_over}",
+        f"{cache.block_size} tokens{passed_over}",
         f"requests         {len(outputs)} ({sum(len(o.outputs) for o in outputs)} sequences)",
         f"prompt tokens    {num_prompt}{prompt_note}",
         f"output tokens    {num_output}",
@@ -284,11 +285,11 @@ def print_summary(llm, outputs, elapsed: float, load_time: float, file=sys.stdou
         (
             f"prefix cache     {stats.prefix_cache_hit_rate:.1%} of prompt tokens hit "
             f"({stats.prefix_cache_hits}/{stats.prefix_cache_queries}, each request once)"
-            if engine.config.enable_prefix_caching
+            if cache.enable_prefix_caching
             else "prefix cache     off"
         ),
         f"KV cache         peak {stats.peak_kv_cache_usage:.1%} of {usable} blocks "
-        f"x {engine.config.block_size} tokens, {engine.config.kv_cache_dtype}",
+        f"x {cache.block_size} tokens, {cache.cache_dtype}",
         f"preemptions      {stats.num_preemptions}",
     ]
     spec = stats.spec_decoding

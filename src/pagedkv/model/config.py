@@ -1,6 +1,9 @@
 """The config of a decoder the engine runs (Llama family with Qwen3 and Phi-3, Gemma 2 and 3), read
 from GGUF metadata or a Hugging Face config.json, and the KV-cache spec of each of its layers.
 
+(The model's architecture; the engine's options as typed are :mod:`pagedkv.engine.config`, its
+resolved config :mod:`pagedkv.config`, the core's KV cache shape :mod:`pagedkv.core.config`.)
+
 The keys shared with capacity planning (layers, heads, sizes, context, tied embeddings, q/k/v
 bias, and which layers slide over which window) are parsed once, by
 :mod:`pagedkv.modelinfo.shape`, with one set of defaults and errors; this module adds what only

@@ -49,7 +49,6 @@ from pagedkv.sampling_params import (
     BeamSearchParams,
     SamplingParams,
     StructuredOutputsParams,
-    resolve_max_tokens,
 )
 
 
@@ -311,10 +310,8 @@ class OpenAIServingChat(OpenAIServing):
                 template_kwargs=request.chat_template_kwargs,
             )
         )
-        if request.use_beam_search:  # without max_tokens: to max_model_len
-            max_model_len = self.engine_client.input_processor.max_model_len
-            max_tokens = resolve_max_tokens(max_tokens, len(processed.token_ids), max_model_len)
-            params = request.beam_search_params(max(max_tokens, 1))
+        if request.use_beam_search:  # None (absent): the engine resolves it, as for sampling
+            params = request.beam_search_params(max_tokens)
         try:
             stream, prompts = await self.start(response_id, [processed], request, params)
         except InvalidRequestError as exc:

@@ -27,7 +27,7 @@ from pagedkv.entrypoints.openai.serving_engine import (
     raise_if_failed,
     usage_of,
 )
-from pagedkv.sampling_params import DEFAULT_MAX_TOKENS, BeamSearchParams, SamplingParams
+from pagedkv.sampling_params import BeamSearchParams, SamplingParams
 
 
 def _process_prompts(
@@ -156,7 +156,9 @@ class OpenAIServingCompletion(OpenAIServing):
         """
         response_id = random_id("cmpl")
         self.check_request(request, response_id)
-        max_tokens = DEFAULT_MAX_TOKENS if request.max_tokens is None else request.max_tokens
+        # The client's value (OpenAI's default 16 when absent: the request model's); 0 with
+        # echo generates one token, then dropped.
+        max_tokens = request.max_tokens
         options = Options(
             echo=request.echo,
             echo_only=request.echo and max_tokens == 0,
@@ -171,11 +173,11 @@ class OpenAIServingCompletion(OpenAIServing):
             engine_prompt_logprobs = max(engine_prompt_logprobs or 0, request.logprobs)
         params: SamplingParams | BeamSearchParams
         if request.use_beam_search:
-            params = request.beam_search_params(max(max_tokens, 1))
+            params = request.beam_search_params(1 if max_tokens == 0 else max_tokens)
         else:
             params = SamplingParams(
                 **request.sampling_kwargs(),
-                max_tokens=max(max_tokens, 1),  # echo_only: one token is generated, then dropped
+                max_tokens=1 if max_tokens == 0 else max_tokens,  # echo_only: 1, then dropped
                 logprobs=request.logprobs,
                 prompt_logprobs=engine_prompt_logprobs,
             )

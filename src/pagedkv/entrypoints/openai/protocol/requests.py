@@ -55,6 +55,7 @@ from pagedkv.entrypoints.openai.protocol.schema import (
     StrictModel,
     field_is,
 )
+from pagedkv.sampling_params import DEFAULT_MAX_TOKENS
 
 
 class CompletionRequest(SamplingRequest):
@@ -80,6 +81,9 @@ class CompletionRequest(SamplingRequest):
             Field(min_length=1, max_length=MAX_PROMPTS),
         ]
     )
+    #: OpenAI's default of the completions API (16, :data:`~pagedkv.sampling_params.
+    #: DEFAULT_MAX_TOKENS`; null means it too), passed to the engine as it is.
+    max_tokens: NonNegativeInt64 | None = DEFAULT_MAX_TOKENS
     echo: bool = False
     #: top log-probabilities per token (0 = only the chosen token's), up to the engine's
     #: max_logprobs (OpenAI's 0..5, vLLM's default 20).

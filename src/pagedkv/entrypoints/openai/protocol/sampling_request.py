@@ -241,9 +241,10 @@ class SamplingRequest(StrictModel):
                 f"(`{constraint}`): beams rank the model's raw log-probabilities",
             )
 
-    def beam_search_params(self, max_tokens: int) -> BeamSearchParams:
+    def beam_search_params(self, max_tokens: int | None) -> BeamSearchParams:
         """The engine's parameters of a ``use_beam_search`` request (vLLM's
-        ``to_beam_search_params``): ``n`` beams of at most ``max_tokens`` tokens."""
+        ``to_beam_search_params``): ``n`` beams of at most ``max_tokens`` tokens (the client's
+        value; None: the engine resolves it to the room the prompt leaves, as for sampling)."""
         return BeamSearchParams(
             beam_width=self.n,
             max_tokens=max_tokens,
