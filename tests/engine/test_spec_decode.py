@@ -21,6 +21,7 @@ from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.spec_decode.drafts import STEP_COST, best_num_drafts
 from pagedkv.errors import InvalidRequestError
 from pagedkv.sampling_params import BeamSearchParams, SamplingParams
+from pagedkv.worker.spec_decode.proposer import TokenProposer
 
 PROMPTS = ["hello", "a much longer prompt about paged attention " * 3, "abc", "x" * 70]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
@@ -45,7 +46,7 @@ def greedy(max_tokens=24, **kwargs) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
 
-class ScriptedProposer:
+class ScriptedProposer(TokenProposer):
     """Drafts each request's continuation from ``continuations`` (request id -> the tokens
     after its prompt), with the draft at position ``wrong_at`` of every proposal changed."""
 
@@ -60,7 +61,7 @@ class ScriptedProposer:
         self.continuations = continuations
         self.wrong_at = wrong_at
         self.vocab_size = vocab_size
-        self.finished: list[str] = []
+        self.finished_ids: list[str] = []
 
     def propose(self, req_id: str, token_ids: np.ndarray, max_num_tokens: int) -> np.ndarray:
         done = len(token_ids) - self.prompt_lens[req_id]
@@ -69,8 +70,8 @@ class ScriptedProposer:
             drafts[self.wrong_at] = (drafts[self.wrong_at] + 1) % self.vocab_size
         return drafts
 
-    def on_request_finished(self, req_id: str, prompt_len: int, token_ids) -> None:
-        self.finished.append(req_id)
+    def finished(self, req_id: str, prompt_len: int, token_ids) -> None:
+        self.finished_ids.append(req_id)
 
 
 def run(
@@ -79,8 +80,8 @@ def run(
     """Generate ``prompts`` (ids "0", "1", ...), checking the KV cache after every step;
     returns each request's token ids and the number of steps. A scripted ``proposer`` has every
     draft scheduled unless ``adaptive`` (the mechanics are under test, not the draft length)."""
-    if proposer is not None:  # the engine's BufferedProposer feeds it
-        engine.scheduler.drafts.proposer.proposer = proposer
+    if proposer is not None:  # the runner asks it after each step
+        engine.runner.drafter = proposer
         engine.scheduler.drafts.adaptive = adaptive
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
@@ -344,7 +345,7 @@ def test_abort_while_drafts_are_verified(tiny):
     prompts = PROMPTS[:2]
     expected, _ = reference(tiny, prompts, greedy(30))
     engine = make_engine(tiny, speculative_config=NGRAM)
-    engine.scheduler.drafts.proposer.proposer = scripted(engine, prompts, expected)
+    engine.runner.drafter = scripted(engine, prompts, expected)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, greedy(30))
     execute = engine.executor.execute_model

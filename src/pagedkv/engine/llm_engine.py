@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from pagedkv.config import PagedKVConfig
 from pagedkv.core.config import KVCacheConfig
 from pagedkv.core.events import KVCacheEvent
 from pagedkv.core.kv_view import snapshot_kv_cache
@@ -41,8 +40,6 @@ from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.engine.scheduler import Scheduler
-from pagedkv.engine.spec_decode.drafts import DraftProposer, WorkerDrafts
-from pagedkv.engine.spec_decode.proposer import BufferedProposer, make_proposer
 from pagedkv.engine.stats import KVTierStats, SchedulerStats
 from pagedkv.engine.structured_output import StructuredOutputManager, StructuredOutputRequest
 from pagedkv.errors import ConfigError, InvalidRequestError, ModelLoadError
@@ -144,8 +141,9 @@ class LLMEngine:
             self.kv_cache_manager,
             resolved.scheduler_config,
             resolved.speculative_config,
-            _draft_proposer(resolved),
         )
+        if resolved.speculative_config is not None:  # the workers propose the drafts
+            logger.info("%s", resolved.speculative_config.summary())
         #: runs the steps: one process, or tensor-parallel ranks (:mod:`pagedkv.worker.executor`).
         self.executor = create_executor(
             resolved,
@@ -782,7 +780,7 @@ def _read_draft_model_shape(config: EngineConfig, draft_model):
         ModelLoadError: the draft model cannot be found or read.
     """
     speculative = config.speculative_config
-    if speculative is None or speculative.method != "draft_model":
+    if speculative is None or not speculative.uses_draft_model:
         if draft_model is not None:
             raise ConfigError("draft_model is for a speculative_config of method 'draft_model'")
         return None, config
@@ -797,18 +795,6 @@ def _read_draft_model_shape(config: EngineConfig, draft_model):
         raise ModelLoadError(f"speculative_config: the draft model: {e}") from None
     speculative = dataclasses.replace(speculative, model=model)
     return shape, dataclasses.replace(config, speculative_config=speculative)
-
-
-def _draft_proposer(config: PagedKVConfig) -> DraftProposer | None:
-    """The scheduler's proposer of ``config.speculative_config`` (None: off): the workers'
-    draft model's drafts, or n-gram / suffix over each request's tokens."""
-    speculative = config.speculative_config
-    if speculative is None:
-        return None
-    logger.info("%s", speculative.summary())
-    if speculative.method == "draft_model":
-        return WorkerDrafts()
-    return BufferedProposer(make_proposer(speculative), config.model_config.max_model_len)
 
 
 def _fields(config: EngineConfig) -> dict[str, Any]:
