@@ -263,3 +263,22 @@ def test_own_tokens_speculate_as_a_trie_of_them(seed):
         draft, score, match_len = speculate_own_tokens(tokens, depth, limit, factor, min_prob)
         assert (draft, match_len) == (expected[0], expected[2]), (tokens, depth, limit, factor)
         assert score == pytest.approx(expected[1])
+
+
+# --- who may draft ---------------------------------------------------------------------------
+
+
+def test_may_draft_is_one_rule_for_the_scheduler_and_the_runner():
+    from pagedkv.pooling_params import PoolingParams
+    from pagedkv.sampling_params import SamplingParams
+    from pagedkv.worker.spec_decode.eligibility import may_draft
+
+    plain = SamplingParams(temperature=0.7, max_tokens=8)
+    assert may_draft(plain, 0)
+    assert not may_draft(SamplingParams(logprobs=0), 5)  # a beam's params ask for logprobs
+    assert not may_draft(SamplingParams(repetition_penalty=1.2), 5)
+    assert not may_draft(SamplingParams(presence_penalty=0.5), 5)
+    assert not may_draft(SamplingParams(frequency_penalty=-0.5), 5)
+    assert not may_draft(SamplingParams(min_tokens=3), 2)  # its stop ids are still masked
+    assert may_draft(SamplingParams(min_tokens=3), 3)
+    assert not may_draft(plain, 0, PoolingParams())  # samples nothing
