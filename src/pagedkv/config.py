@@ -244,7 +244,7 @@ class SpeculativeConfig:
             0,
             maximum=1,
         )
-        if (self.method == "draft_model") != (self.model is not None):
+        if self.uses_draft_model != (self.model is not None):
             raise ConfigError(
                 "speculative_config: model is required for method 'draft_model' and taken by no "
                 "other method"
