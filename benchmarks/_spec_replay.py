@@ -1,26 +1,30 @@
-"""Speculative decoding replayed without the model: the engine's scheduler, drafts and proposer
-on recorded greedy outputs, counting steps and draft rows (bench_spec_decode.py ``--replay``).
+"""Speculative decoding replayed without the model: the engine's scheduler and drafts and the
+workers' proposer on recorded greedy outputs, counting steps and draft rows
+(bench_spec_decode.py ``--replay``).
 
 Greedy output does not depend on speculation (the benchmark checks it), so a request's tokens
 are known from a run without drafts, and what a verification step accepts is the longest prefix
 of its drafts that equals them. A replay runner answers each step from the recording (the
-accepted drafts' count and the next token), so the real :class:`Scheduler` with the real
-proposer and adaptive draft length schedules exactly what it would with the model, in
-milliseconds. Its cost is counted in one-token steps of one request
-(:data:`~pagedkv.engine.spec_decode.drafts.STEP_COST`: a step with k drafts), so the estimate
-holds at batch 1 only.
+accepted drafts' count, the next token, and the proposer's next drafts, asked as the model
+runner asks it), so the real :class:`Scheduler` with the real proposer and adaptive draft length
+schedules exactly what it would with the model, in milliseconds. Its cost is counted in
+one-token steps of one request (:data:`~pagedkv.engine.spec_decode.drafts.STEP_COST`: a step
+with k drafts), so the estimate holds at batch 1 only.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from pagedkv.config import SpeculativeConfig
 from pagedkv.core.manager import KVCacheManager
 from pagedkv.engine.request import Request
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.spec_decode.drafts import STEP_COST
-from pagedkv.engine.spec_decode.proposer import BufferedProposer, make_proposer
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.worker.outputs import ModelRunnerOutput
+from pagedkv.worker.spec_decode.eligibility import may_draft
+from pagedkv.worker.spec_decode.proposer import DraftRequests, make_proposer
 
 MAX_MODEL_LEN = 4096
 
@@ -51,13 +55,12 @@ def replay(
     if config is not None:
         spec = SpeculativeConfig.from_dict(config)
         num_spec = spec.num_speculative_tokens
-        proposer = BufferedProposer(make_proposer(spec), MAX_MODEL_LEN)
+        proposer = make_proposer(spec)
     scheduler = Scheduler(
         kv_cache,
         max_num_seqs=1,
         max_num_batched_tokens=MAX_MODEL_LEN,
         max_model_len=MAX_MODEL_LEN,
-        proposer=proposer,
         num_speculative_tokens=num_spec,
     )
     if scheduler.drafts is not None:
@@ -91,7 +94,12 @@ def replay(
                 if drafts:
                     result.num_accepted_draft_tokens[req_id] = num_accepted
                 num_decode_steps += done > 0
+                if proposer is not None:
+                    new_output = output[: done + num_accepted + 1]
+                    result.draft_token_ids = _propose(proposer, num_spec, request, new_output)
             scheduler.update_from_output(out, result)
+        if proposer is not None:  # its output teaches suffix's global tree
+            proposer.finished(req_id, len(prompt), np.array([*prompt, *output], dtype=np.int32))
     stats = None if scheduler.drafts is None else scheduler.drafts.stats
     per_len = stats.num_drafts_per_len if stats else []
     return {
@@ -102,3 +110,26 @@ def replay(
         "num_drafts_per_len": list(per_len),
         "est_cost": round(estimated_cost(num_decode_steps, list(per_len)), 1),
     }
+
+
+def _propose(proposer, num_spec: int, request: Request, output: list[int]) -> dict:
+    """The drafts the model runner would return after a step that left ``request`` with
+    ``output`` (the same rule: up to ``num_spec``, room for the step's own token)."""
+    params = request.sampling_params
+    limit = min(
+        num_spec,
+        MAX_MODEL_LEN - request.num_prompt_tokens - len(output) - 1,
+        params.max_tokens - len(output) - 1,
+    )
+    if limit <= 0 or not may_draft(params, len(output)):
+        return {}
+    tokens = np.array([*request.prompt_token_ids, *output], dtype=np.int32)
+    requests = DraftRequests(
+        [request.request_id],
+        np.zeros(1, np.int64),
+        [tokens],
+        np.array([limit], np.int64),
+        np.zeros(1, np.int64),
+    )
+    drafts = proposer.propose_drafts(requests)[0]
+    return {request.request_id: drafts} if drafts else {}

@@ -72,6 +72,7 @@ from _spec_replay import estimated_cost, replay
 from pagedkv.cpu_caps import probe_cpu
 from pagedkv.engine.llm import LLM
 from pagedkv.sampling_params import SamplingParams
+from pagedkv.worker.spec_decode.proposer import TokenProposer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -131,7 +132,7 @@ def run(llm: LLM, conversations, params, batch: int) -> tuple[list, float]:
     return outputs, time.perf_counter() - start
 
 
-class AlwaysWrong:
+class AlwaysWrong(TokenProposer):
     """A proposer whose ``k`` drafts are always rejected (token 7 repeated, never what the model
     says after a chat prompt's first tokens)."""
 
@@ -140,9 +141,6 @@ class AlwaysWrong:
 
     def propose(self, req_id, token_ids, max_num_tokens):
         return np.full(min(self.k, max_num_tokens), 7, dtype=np.int64)
-
-    def on_request_finished(self, req_id, prompt_len, token_ids) -> None:
-        pass
 
 
 def draft_cost(
@@ -161,8 +159,8 @@ def draft_cost(
             llm = LLM(
                 loaded_model=base.engine.loaded_model, speculative_config=config, **engine_args
             )
+            llm.engine.runner.drafter = AlwaysWrong(k)
             drafts = llm.engine.scheduler.drafts
-            drafts.proposer.proposer = AlwaysWrong(k)
             drafts.adaptive = False  # schedule every draft, however often they miss
         llm.chat(conversation, params, use_tqdm=False)  # warm-up
         llms[k] = llm

@@ -182,7 +182,7 @@ class SpeculativeConfig:
     A proposer drafts up to ``num_speculative_tokens`` tokens per request per step, from the
     request's own tokens (ngram, suffix) or with a small draft model (draft_model); the target
     model scores them all in one forward and the rejection sampler keeps the longest prefix the
-    target agrees with, plus one token of its own (:mod:`pagedkv.engine.spec_decode`,
+    target agrees with, plus one token of its own (:mod:`pagedkv.worker.spec_decode`,
     :mod:`pagedkv.worker.rejection_sampler`).
 
     Attributes:
@@ -251,7 +251,7 @@ class SpeculativeConfig:
             0,
             maximum=1,
         )
-        if (self.method == "draft_model") != (self.model is not None):
+        if self.uses_draft_model != (self.model is not None):
             raise ConfigError(
                 "speculative_config: model is required for method 'draft_model' and taken by no "
                 "other method"
@@ -262,6 +262,12 @@ class SpeculativeConfig:
             )
         # Last: suffix defaults it from suffix_decoding_max_tree_depth, checked above.
         check_int("speculative_config: num_speculative_tokens", self.num_speculative_tokens, 1)
+
+    @property
+    def uses_draft_model(self) -> bool:
+        """True when a second model drafts (method "draft_model"): its KV shares the target's
+        block pool and the scheduler allocates lookahead slots for its drafts."""
+        return self.method == "draft_model"
 
     def summary(self) -> str:
         """One line for the start-up log: the method, its draft length and its settings."""

@@ -21,6 +21,8 @@ from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.spec_decode.drafts import STEP_COST, best_num_drafts
 from pagedkv.errors import InvalidRequestError
 from pagedkv.sampling_params import BeamSearchParams, SamplingParams
+from pagedkv.worker.spec_decode.ngram import find_ngram_drafts
+from pagedkv.worker.spec_decode.proposer import TokenProposer
 
 PROMPTS = ["hello", "a much longer prompt about paged attention " * 3, "abc", "x" * 70]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
@@ -45,7 +47,7 @@ def greedy(max_tokens=24, **kwargs) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
 
-class ScriptedProposer:
+class ScriptedProposer(TokenProposer):
     """Drafts each request's continuation from ``continuations`` (request id -> the tokens
     after its prompt), with the draft at position ``wrong_at`` of every proposal changed."""
 
@@ -60,7 +62,7 @@ class ScriptedProposer:
         self.continuations = continuations
         self.wrong_at = wrong_at
         self.vocab_size = vocab_size
-        self.finished: list[str] = []
+        self.finished_ids: list[str] = []
 
     def propose(self, req_id: str, token_ids: np.ndarray, max_num_tokens: int) -> np.ndarray:
         done = len(token_ids) - self.prompt_lens[req_id]
@@ -69,8 +71,8 @@ class ScriptedProposer:
             drafts[self.wrong_at] = (drafts[self.wrong_at] + 1) % self.vocab_size
         return drafts
 
-    def on_request_finished(self, req_id: str, prompt_len: int, token_ids) -> None:
-        self.finished.append(req_id)
+    def finished(self, req_id: str, prompt_len: int, token_ids) -> None:
+        self.finished_ids.append(req_id)
 
 
 def run(
@@ -79,8 +81,8 @@ def run(
     """Generate ``prompts`` (ids "0", "1", ...), checking the KV cache after every step;
     returns each request's token ids and the number of steps. A scripted ``proposer`` has every
     draft scheduled unless ``adaptive`` (the mechanics are under test, not the draft length)."""
-    if proposer is not None:  # the engine's BufferedProposer feeds it
-        engine.scheduler.drafts.proposer.proposer = proposer
+    if proposer is not None:  # the runner asks it after each step
+        engine.runner.drafter = proposer
         engine.scheduler.drafts.adaptive = adaptive
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
@@ -344,7 +346,7 @@ def test_abort_while_drafts_are_verified(tiny):
     prompts = PROMPTS[:2]
     expected, _ = reference(tiny, prompts, greedy(30))
     engine = make_engine(tiny, speculative_config=NGRAM)
-    engine.scheduler.drafts.proposer.proposer = scripted(engine, prompts, expected)
+    engine.runner.drafter = scripted(engine, prompts, expected)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, greedy(30))
     execute = engine.executor.execute_model
@@ -376,3 +378,68 @@ def test_beam_search_is_refused(tiny):
         engine.add_request("b", "hello", BeamSearchParams(beam_width=2, max_tokens=4))
     assert info.value.param == "use_beam_search"
     assert not engine.has_unfinished_requests()
+
+
+def test_the_runner_returns_the_proposers_drafts_for_the_tokens_after_its_step(tiny):
+    """After each step the model runner proposes for every request that sampled and may draft:
+    its drafts are n-gram's over the request's tokens after the step (the step's accepted drafts
+    and sampled token included), capped by num_speculative_tokens and the room max_tokens
+    leaves; a request with logprobs (it may not draft) gets none."""
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    engine = make_engine(tiny, speculative_config=config)
+    execute = engine.executor.execute_model
+    outputs = []
+
+    def recording(out):
+        outputs.append(execute(out))
+        return outputs[-1]
+
+    engine.executor.execute_model = recording
+    params = [greedy(20), greedy(20, logprobs=1), greedy(9)]
+    for i, (prompt, p) in enumerate(zip(PROMPTS[:3], params, strict=True)):
+        engine.add_request(str(i), prompt, p)
+    checked = drafted = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        result = outputs[-1]
+        for req_id in result.req_ids:
+            request = engine.scheduler.requests.get(req_id)
+            if request is None:  # finished in this step
+                continue
+            p = request.sampling_params
+            limit = min(3, p.max_tokens - request.num_output_tokens - 1)
+            expected = []
+            if req_id != "1" and limit > 0:
+                tokens = np.array(request.all_token_ids, dtype=np.int32)
+                expected = find_ngram_drafts(tokens, 1, 5, limit).tolist()
+            assert result.draft_token_ids.get(req_id, []) == expected
+            checked += 1
+            drafted += bool(expected)
+    assert "1" not in {r for out in outputs for r in out.draft_token_ids}
+    assert checked > 20 and drafted > 0
+
+
+def test_a_finished_requests_final_tokens_reach_the_proposer(tiny):
+    """A finished request's tokens (prompt + output, cut where a stop token inside its accepted
+    drafts ended it) reach the proposer with the next step that runs the model: what suffix's
+    global tree learns from."""
+    prompts = PROMPTS[:2]
+    long, _ = reference(tiny, prompts, greedy(30))
+    params = greedy(30, stop_token_ids=[long[0][9]])
+    expected, _ = reference(tiny, prompts, params)
+    engine = make_engine(tiny, speculative_config=NGRAM)
+    proposer = scripted(engine, prompts, long)
+    learned = {}
+
+    def finished(req_id, prompt_len, token_ids):
+        learned[req_id] = (prompt_len, token_ids.tolist())
+
+    proposer.finished = finished
+    got, _ = run(engine, prompts, params, proposer)
+    assert got == expected and len(got[0]) == 10  # its stop token was a draft
+    engine.add_request("next", "abc", greedy(1))
+    engine.step()
+    encode = engine.input_processor.process
+    for i, prompt in enumerate(prompts):
+        prompt_ids = list(encode(prompt).token_ids)
+        assert learned[str(i)] == (len(prompt_ids), prompt_ids + expected[i])

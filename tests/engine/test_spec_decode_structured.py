@@ -210,7 +210,7 @@ def run(engine, prompts, params, proposer=None):
     request's output: the same mask as a fresh matcher fed that output). Returns each
     request's final output and the drafts scheduled per step for the constrained requests."""
     if proposer is not None:
-        engine.scheduler.drafts.proposer.proposer = proposer
+        engine.runner.drafter = proposer
         engine.scheduler.drafts.adaptive = False
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(str(i), prompt, p)

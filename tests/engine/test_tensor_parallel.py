@@ -101,6 +101,37 @@ def test_tp2_gives_the_same_tokens_and_logprobs_as_one_process():
     assert wait_gone(pids, 10) and not multiprocessing.active_children()
 
 
+def test_tp2_with_ngram_drafts_gives_the_drafts_and_tokens_of_one_process():
+    """Speculative decoding under tensor parallelism: only rank 0 samples, so only it proposes;
+    the drafts, their acceptance and the tokens are one process's (and no speculation's)."""
+    config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    prompts, params = PROMPTS[:3], greedy()
+    expected = LLM(loaded_model=tiny_loaded_model(), **OPTIONS).generate(
+        prompts, params, use_tqdm=False
+    )
+    one = LLM(loaded_model=tiny_loaded_model(), speculative_config=config, **OPTIONS)
+    two = LLM(
+        model_loader=functools.partial(tiny_loaded_model),
+        tensor_parallel_size=2,
+        speculative_config=config,
+        **OPTIONS,
+    )
+    try:
+        pids = two.engine.executor.worker_pids
+        got_one = one.generate(prompts, params, use_tqdm=False)
+        got_two = two.generate(prompts, params, use_tqdm=False)
+        tokens = [o.outputs[0].token_ids for o in expected]
+        assert [o.outputs[0].token_ids for o in got_one] == tokens
+        assert [o.outputs[0].token_ids for o in got_two] == tokens
+        spec_one = one.get_stats().scheduler.spec_decoding
+        spec_two = two.get_stats().scheduler.spec_decoding
+        assert spec_two == spec_one and spec_two.num_accepted_tokens > 0
+        assert two.engine.runner.drafter is not None  # rank 0's
+    finally:
+        two.engine.shutdown()
+    assert wait_gone(pids, 10) and not multiprocessing.active_children()
+
+
 def test_tiny_gemma3_tp2_gives_the_same_tokens_as_one_process():
     # 4 query / 2 KV heads, window 8, four KV cache groups (three sliding-window, one full):
     # every rank writes its KV head into every group's blocks; chunked prefill, a prefix hit.

@@ -181,7 +181,7 @@ class EngineConfig:
             )
         if (
             isinstance(self.speculative_config, SpeculativeConfig)
-            and self.speculative_config.method == "draft_model"
+            and self.speculative_config.uses_draft_model
             and self.tensor_parallel_size > 1
         ):
             raise ConfigError(

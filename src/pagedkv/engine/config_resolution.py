@@ -233,7 +233,7 @@ def _read_draft_model_shape(options: EngineConfig, draft_model):
         ModelLoadError: the draft model cannot be found or read.
     """
     speculative = options.speculative_config
-    if speculative is None or speculative.method != "draft_model":
+    if speculative is None or not speculative.uses_draft_model:
         if draft_model is not None:
             raise ConfigError("draft_model is for a speculative_config of method 'draft_model'")
         return None, speculative

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from pagedkv.config import PagedKVConfig
 from pagedkv.core.events import KVCacheEvent
 from pagedkv.core.kv_view import snapshot_kv_cache
 from pagedkv.core.manager import KVCacheManager
@@ -37,8 +36,6 @@ from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.engine.scheduler import Scheduler
-from pagedkv.engine.spec_decode.drafts import DraftProposer, WorkerDrafts
-from pagedkv.engine.spec_decode.proposer import BufferedProposer, make_proposer
 from pagedkv.engine.stats import KVTierStats, SchedulerStats
 from pagedkv.engine.structured_output import StructuredOutputManager, StructuredOutputRequest
 from pagedkv.errors import InvalidRequestError
@@ -144,8 +141,9 @@ class LLMEngine:
             self.kv_cache_manager,
             self.config.scheduler_config,
             self.config.speculative_config,
-            _draft_proposer(self.config),
         )
+        if self.config.speculative_config is not None:  # the workers propose the drafts
+            logger.info("%s", self.config.speculative_config.summary())
         #: runs the steps: one process, or tensor-parallel ranks (:mod:`pagedkv.worker.executor`).
         self.executor = create_executor(
             self.config,
@@ -630,15 +628,3 @@ class LLMEngine:
             self.scheduler.finish_requests(result.seq_ids_to_stop, RequestStatus.FINISHED_STOPPED)
         self._stats.num_finished_requests += sum(o.finished for o in result.request_outputs)
         return result.request_outputs
-
-
-def _draft_proposer(config: PagedKVConfig) -> DraftProposer | None:
-    """The scheduler's proposer of ``config.speculative_config`` (None: off): the workers'
-    draft model's drafts, or n-gram / suffix over each request's tokens."""
-    speculative = config.speculative_config
-    if speculative is None:
-        return None
-    logger.info("%s", speculative.summary())
-    if speculative.method == "draft_model":
-        return WorkerDrafts()
-    return BufferedProposer(make_proposer(speculative), config.model_config.max_model_len)

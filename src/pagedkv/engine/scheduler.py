@@ -18,13 +18,14 @@ named points of the step::
 
     schedule():  forks.fork_pending()              n > 1 samples fork from their parent
                  _schedule_running(step)           decode tokens, rest of chunked prefills
-                   drafts.propose                  speculative decoding's draft tokens
+                   drafts.propose                  how many of the workers' drafts to run
                  _admit_waiting(step)              tier_loads.get_computed_blocks / admitted
                    beams.unpark(step), again       only parked beams left: one search whole
                  build_scheduler_output(step)      what the workers get; num_computed advances
                  forks.note_fork_points(step)
     update_from_output():  tier_loads.update       loads done or failed, stores dropped
                            drafts.roll_back        rejected draft tokens' KV given up
+                           drafts.receive          the workers' drafts for the next step
                            append_sampled_tokens   tokens appended, stop checks, beam reports
                            beams.step              a beam search's choice
 
@@ -62,7 +63,7 @@ from pagedkv.engine.sampled_tokens import (
     match_sampled_tokens,
 )
 from pagedkv.engine.scheduled_step import ScheduledStep, build_scheduler_output
-from pagedkv.engine.spec_decode.drafts import DraftProposer, SpecDecodeDrafts
+from pagedkv.engine.spec_decode.drafts import SpecDecodeDrafts
 from pagedkv.engine.stats import SchedulerStats
 from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.worker.outputs import ModelRunnerOutput
@@ -94,9 +95,9 @@ class Scheduler:
             / ``failed_kv_loads`` (the engine's, :meth:`from_config`). False: it runs in the
             step that allocates it, for a driver without workers whose loads are instant and
             never fail (the simulator).
-        proposer: speculative decoding's proposer: decoding requests get up to
-            ``num_speculative_tokens`` draft tokens a step from it
-            (:mod:`~pagedkv.engine.spec_decode.drafts`); None: off.
+        num_speculative_tokens: speculative decoding: decoding requests schedule up to that
+            many of the workers' draft tokens a step
+            (:mod:`~pagedkv.engine.spec_decode.drafts`); 0: off.
         num_lookahead_tokens: KV slots allocated past each sampling request's scheduled tokens
             for the workers' draft model (speculative decoding with a draft model); 0: none.
 
@@ -116,7 +117,6 @@ class Scheduler:
         admission: str = "fcfs",
         preemption_mode: str = "recompute",
         wait_for_kv_loads: bool = False,
-        proposer: DraftProposer | None = None,
         num_speculative_tokens: int = 0,
         num_lookahead_tokens: int = 0,
     ) -> None:
@@ -156,8 +156,8 @@ class Scheduler:
         self.tier_loads = KVTierLoads(self, wait_for_kv_loads)
         self.rejections = Rejections(self)
         self.drafts = (
-            SpecDecodeDrafts(self, proposer, num_speculative_tokens, num_lookahead_tokens)
-            if proposer
+            SpecDecodeDrafts(self, num_speculative_tokens, num_lookahead_tokens)
+            if num_speculative_tokens
             else None
         )
         self._scheduled_requests: list[Request] = []  # the last schedule()'s, in order
@@ -175,10 +175,10 @@ class Scheduler:
         kv_cache_manager: KVCacheInterface,
         scheduler_config: SchedulerConfig,
         speculative_config: SpeculativeConfig | None = None,
-        proposer: DraftProposer | None = None,
     ) -> Scheduler:
         """The scheduler of the engine's resolved :class:`~pagedkv.config.SchedulerConfig` (and
-        :class:`~pagedkv.config.SpeculativeConfig` with its ``proposer``)."""
+        :class:`~pagedkv.config.SpeculativeConfig`: the workers propose the drafts)."""
+        speculative = speculative_config
         return cls(
             kv_cache_manager,
             scheduler_config.max_num_seqs,
@@ -188,11 +188,10 @@ class Scheduler:
             policy=scheduler_config.policy,
             preemption_mode=scheduler_config.preemption_mode,
             wait_for_kv_loads=True,
-            proposer=proposer,
-            num_speculative_tokens=speculative_config.num_speculative_tokens if proposer else 0,
+            num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
             num_lookahead_tokens=(
-                speculative_config.num_speculative_tokens
-                if proposer and speculative_config.method == "draft_model"
+                speculative.num_speculative_tokens
+                if speculative and speculative.uses_draft_model
                 else 0
             ),
         )
@@ -309,6 +308,8 @@ class Scheduler:
                 self._admit_waiting(step, token_budget)
         kv_cache = self.kv_cache_manager
         out = build_scheduler_output(step, kv_cache, self.finished_req_ids, self.stats)
+        if self.drafts is not None:
+            out.finished_token_ids = self.drafts.take_finished_token_ids()
         self.finished_req_ids = set()
         self.forks.note_fork_points(step.requests)
         self._scheduled_requests = step.requests
@@ -481,7 +482,7 @@ class Scheduler:
             accepted = self.drafts.roll_back(
                 sampling, tokens, runner_output.num_accepted_draft_tokens
             )
-            self.drafts.receive(runner_output.draft_token_ids)
+            self.drafts.receive(sampling, runner_output.draft_token_ids)
         finished, ready = append_sampled_tokens(
             sampling, tokens, runner_output.logprobs, changed, self.stats, now, accepted
         )

@@ -91,6 +91,7 @@ class UniProcExecutor(Executor):
             attention_backend=attention_backend,
             kv_cache_dtype=config.cache_config.cache_dtype,
             kv_tier=make_kv_tier(config, kv_cache_config),
+            speculative_config=config.speculative_config,
             draft_model=None if draft_model is None else draft_model.model,
         )
 
@@ -206,7 +207,7 @@ def _load_draft_model(config: PagedKVConfig, target: LoadedModel) -> LoadedModel
     the target itself when it names the target's file (one copy of the weights; its KV is
     still its own), else loaded in the target's dtype with its file's default quantization."""
     speculative = config.speculative_config
-    if speculative is None or speculative.method != "draft_model":
+    if speculative is None or not speculative.uses_draft_model:
         return None
     if speculative.model == config.model_config.model:
         return target

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagedkv.config import SchedulerConfig
+from pagedkv.config import SchedulerConfig, SpeculativeConfig
 from pagedkv.core.config import KVCacheConfig
 from pagedkv.errors import ConfigError, InvalidRequestError, OpsInputError
 from pagedkv.ops.backends import (
@@ -46,7 +46,6 @@ from pagedkv.ops.backends import (
 )
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.worker import kv_cache_layout
-from pagedkv.worker.draft_model import DraftModelProposer
 from pagedkv.worker.input_batch import CachedRequestState, InputBatch, ModelInputs
 from pagedkv.worker.kv_offload import (
     KVTier,
@@ -63,6 +62,9 @@ from pagedkv.worker.sampler import (
     gather_logprobs,
 )
 from pagedkv.worker.scheduler_output import SchedulerOutput
+from pagedkv.worker.spec_decode.draft_model import DraftModelProposer
+from pagedkv.worker.spec_decode.eligibility import may_draft
+from pagedkv.worker.spec_decode.proposer import DraftProposer, DraftRequests, make_proposer
 
 #: Most prompt rows whose full-vocabulary logits are held at once (prompt logprobs): 512 rows of
 #: a 49k vocabulary are 100 MB of float32.
@@ -97,15 +99,22 @@ class ModelRunner:
             Its element size must be the one ``kv_cache_config`` was sized with.
         kv_tier: the KV tier's data (:mod:`pagedkv.worker.kv_offload`) the steps'
             ``kv_tier_ops`` act on; None = no tier.
+        speculative_config: speculative decoding (None: off): after each step the runner
+            proposes up to ``num_speculative_tokens`` drafts for every request that sampled and
+            may draft (:mod:`pagedkv.worker.spec_decode`) and returns them in
+            ``ModelRunnerOutput.draft_token_ids``. A tensor-parallel rank other than 0 samples
+            nothing and gets none.
         draft_model: speculative decoding's draft model (same interface as ``model``), whose
             layers follow the model's in ``kv_cache_config``
-            (:mod:`pagedkv.worker.draft_model`); None = none.
+            (:mod:`pagedkv.worker.spec_decode.draft_model`), for a ``speculative_config`` that
+            uses one; None = none.
 
     Raises:
         ConfigError: a KV cache config whose layers are not the model's (count, or bytes per
             element other than kv_cache_dtype's), a sliding-window
             group whose window is not its layers' (it would free blocks they still read), or a
-            layer the backend cannot run (the message says why).
+            layer the backend cannot run (the message says why); a draft model without a
+            ``speculative_config`` that uses one, or such a config without it.
     """
 
     def __init__(
@@ -118,8 +127,14 @@ class ModelRunner:
         attention_backend: AttentionBackend | str | None = None,
         kv_cache_dtype: torch.dtype | str | None = None,
         kv_tier: KVTier | None = None,
+        speculative_config: SpeculativeConfig | None = None,
         draft_model=None,
     ) -> None:
+        uses_draft_model = speculative_config is not None and speculative_config.uses_draft_model
+        if (draft_model is not None) != uses_draft_model:
+            raise ConfigError(
+                "a draft model goes with a speculative_config that uses one, and only with it"
+            )
         config = model.config
         #: the KV tier's data, or None.
         self.kv_tier = kv_tier
@@ -180,16 +195,22 @@ class ModelRunner:
         )
         #: the target model's KV caches (all of them without a draft model).
         self.model_kv_caches = self.kv_caches[: self.num_model_layers]
-        #: speculative decoding's draft model, or None.
-        self.drafter = None
-        if draft_model is not None:
-            self.drafter = DraftModelProposer(
-                draft_model,
-                self.num_model_layers,
-                self.kv_caches[self.num_model_layers :],
-                self.input_batch,
-                scheduler_config.max_model_len,
-            )
+        #: speculative decoding's proposer (:mod:`pagedkv.worker.spec_decode`), or None.
+        self.drafter: DraftProposer | None = None
+        #: most drafts per request and step (0: no speculative decoding).
+        self.num_speculative_tokens = 0
+        if speculative_config is not None:
+            self.num_speculative_tokens = speculative_config.num_speculative_tokens
+            if draft_model is not None:
+                self.drafter = DraftModelProposer(
+                    draft_model,
+                    self.num_model_layers,
+                    self.kv_caches[self.num_model_layers :],
+                    self.input_batch,
+                    scheduler_config.max_model_len,
+                )
+            else:
+                self.drafter = make_proposer(speculative_config)
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -213,6 +234,8 @@ class ModelRunner:
         if self._thread_ident != threading.get_ident():
             self._bind_calling_thread()
         copies = self._check_blocks_to_copy(out.blocks_to_copy)
+        if self.drafter is not None and out.finished_req_ids:
+            self._finish_drafts(out)
         tier_ops = out.kv_tier_ops
         if tier_ops:
             if self.kv_tier is None:
@@ -244,7 +267,7 @@ class ModelRunner:
         metadata = inputs.attn_metadata
         if self.drafter is not None:
             self.drafter.forward(inputs)
-            metadata = metadata[: self.num_model_layers]
+            metadata = metadata[: self.num_model_layers]  # a draft model's layers follow
         hidden = self.model.forward(
             inputs.input_ids, inputs.positions, self.model_kv_caches, metadata
         )
@@ -266,16 +289,81 @@ class ModelRunner:
             sampled = self._sample_with_drafts(logits, sampling, batch_rows, out, inputs, result)
         result.req_ids = [s.req_id for s in sampling]
         result.sampled_token_ids = sampled.tolist()
-        if out.num_lookahead_tokens and self.drafter is not None:
-            result.draft_token_ids = self.drafter.drafts_for_step(
-                out.num_lookahead_tokens,
-                inputs,
-                result.req_ids,
-                batch_rows,
-                sampled,
-                result.num_accepted_draft_tokens,
-            )
+        if self.drafter is not None:
+            result.draft_token_ids = self._propose_drafts(sampling, batch_rows, out, result)
         return result
+
+    def _propose_drafts(
+        self,
+        sampling: list[CachedRequestState],
+        batch_rows: np.ndarray,
+        out: SchedulerOutput,
+        result: ModelRunnerOutput,
+    ) -> dict[str, list[int]]:
+        """The next step's drafts of each request that sampled (``sampling``, at persistent
+        rows ``batch_rows``) and may draft (:func:`~pagedkv.worker.spec_decode.eligibility.
+        may_draft` after this step's tokens), with room for one: request id -> its drafts
+        (``ModelRunnerOutput.draft_token_ids``; requests without drafts left out).
+
+        Each one's tokens are its row: its known tokens, then this step's accepted drafts
+        (written there by :meth:`InputBatch.prepare`) and its sampled token, written after them
+        here without counting them in ``num_tokens`` (the scheduler sends them with the next
+        step, to the same columns)."""
+        batch = self.input_batch
+        max_model_len = batch.max_model_len
+        accepted = result.num_accepted_draft_tokens
+        sampled = result.sampled_token_ids
+        picks: list[int] = []
+        ends: list[int] = []
+        limits: list[int] = []
+        for i, (state, row) in enumerate(zip(sampling, batch_rows.tolist(), strict=True)):
+            num_new = accepted.get(state.req_id, 0) + 1 if accepted else 1
+            num_output = len(state.output_token_ids) + num_new
+            end = int(batch.num_tokens[row]) + num_new
+            params = state.sampling_params
+            # the step that verifies the drafts adds a token of its own
+            limit = min(
+                self.num_speculative_tokens,
+                max_model_len - end - 1,
+                params.max_tokens - num_output - 1,
+            )
+            if limit > 0 and may_draft(params, num_output, state.pooling_params):
+                batch.token_ids_cpu[row, end - 1] = sampled[i]
+                picks.append(i)
+                ends.append(end)
+                limits.append(limit)
+        if not picks:
+            return {}
+        rows = batch_rows[picks]
+        req_ids = [sampling[i].req_id for i in picks]
+        lookahead = out.num_lookahead_tokens
+        token_rows = batch.token_ids_cpu
+        drafts = self.drafter.propose_drafts(
+            DraftRequests(
+                req_ids,
+                rows,
+                [token_rows[row, :end] for row, end in zip(rows.tolist(), ends, strict=True)],
+                np.array(limits, dtype=np.int64),
+                np.array([lookahead.get(r, 0) for r in req_ids], dtype=np.int64),
+            )
+        )
+        return {r: d for r, d in zip(req_ids, drafts, strict=True) if d}
+
+    def _finish_drafts(self, out: SchedulerOutput) -> None:
+        """Hand each finished request's final tokens to the proposer (it may learn from them):
+        those this worker holds, then those the scheduler sends with the finish
+        (``out.finished_token_ids``). A request this worker never held has nothing to teach."""
+        requests = self.input_batch.requests
+        tails = out.finished_token_ids
+        for req_id in out.finished_req_ids:
+            state = requests.get(req_id)
+            if state is None:
+                continue
+            token_ids = np.array(
+                [*state.prompt_token_ids, *state.output_token_ids, *tails.get(req_id, ())],
+                dtype=np.int32,
+            )
+            self.drafter.finished(req_id, len(state.prompt_token_ids), token_ids)
 
     def _sample(
         self,
@@ -370,12 +458,7 @@ class ModelRunner:
         drafted = np.flatnonzero(num_draft_tokens)
         states = [sampling[i] for i in drafted.tolist()]
         for state in states:
-            params = state.sampling_params
-            if (
-                params.has_penalties
-                or len(state.output_token_ids) < params.min_tokens
-                or params.logprobs is not None
-            ):
+            if not may_draft(state.sampling_params, len(state.output_token_ids)):
                 raise InvalidRequestError(
                     f"request {state.req_id!r}: draft tokens with penalties, min_tokens still "
                     "pending or logprobs cannot be verified"
@@ -407,7 +490,8 @@ class ModelRunner:
             [s.sampling_params for s in states],
             num_draft_tokens[drafted].tolist(),
             [t for d in drafts for t in d],
-            None,  # n-gram and suffix drafts have no probabilities: one-hot
+            None,  # every method's drafts are one-hot: n-gram and suffix copy tokens, the
+            # draft model takes its argmax (greedy); none keeps a distribution
             [self._generator(s) for s in states],
             self.sampler,
         )

@@ -56,10 +56,11 @@ class ModelRunnerOutput:
             (``SchedulerOutput.scheduled_spec_decode_tokens``) were accepted, ``0 <= j <= k``,
             for every sampling request that had drafts: its new tokens this step are its first
             ``j`` drafts, then its ``sampled_token_ids`` entry.
-        draft_token_ids: request id -> the draft model's drafts for its next step (speculative
-            decoding with a draft model; vLLM's ``DraftTokenIds``): they follow the request's
-            tokens after this step, for the requests of ``SchedulerOutput.num_lookahead_tokens``
-            that sampled, at most that many each.
+        draft_token_ids: request id -> the proposer's drafts for its next step (speculative
+            decoding, every method; vLLM's ``DraftTokenIds``): they follow the request's tokens
+            after this step, for the requests that sampled and may draft, at most
+            ``num_speculative_tokens`` each (a draft model: at most the request's
+            ``SchedulerOutput.num_lookahead_tokens``); a request without drafts is left out.
         pooler_output: request id -> the pooled vector (a float32 numpy array
             ``[hidden_size]``, L2-normalized when its ``PoolingParams.normalize``) of each
             pooling request whose prompt this step completed (vLLM's name); empty otherwise.

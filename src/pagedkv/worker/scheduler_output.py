@@ -141,6 +141,11 @@ class SchedulerOutput:
             drafts up to that many tokens for the request's next step, writing the draft
             model's KV of each into those slots (vLLM's ``num_lookahead_tokens``). Only for
             requests that sample this step and may draft.
+        finished_token_ids: request id -> the token ids a request in ``finished_req_ids`` got
+            since the workers last got its tokens (its last step's, as the engine kept them:
+            cut at a stop), so that the workers know its final tokens (speculative decoding's
+            proposers learn from finished outputs: SuffixDecoding); only with speculative
+            decoding, only for requests the workers hold.
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -155,6 +160,7 @@ class SchedulerOutput:
     kv_tier_ops: KVTierOps | None = None
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     num_lookahead_tokens: dict[str, int] = field(default_factory=dict)
+    finished_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:

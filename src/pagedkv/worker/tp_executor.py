@@ -176,7 +176,13 @@ class TensorParallelExecutor(Executor):
             max_model_len = config.scheduler_config.max_model_len
             if max_model_len > model.max_positions:
                 model.extend_positions(max_model_len)
-            self.runner = ModelRunner(model, kv_cache_config, **runner_kwargs)
+            # Only rank 0 samples, so only it proposes drafts (speculative decoding).
+            self.runner = ModelRunner(
+                model,
+                kv_cache_config,
+                speculative_config=config.speculative_config,
+                **runner_kwargs,
+            )
             self._wait_ready(time.monotonic() + init_timeout)
             parallel.group = _new_group("compute", self._store, 0, rendezvous, model)
             self._control.append(_new_group("control", self._store, 0, rendezvous, None))

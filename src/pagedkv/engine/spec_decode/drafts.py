@@ -1,9 +1,13 @@
-"""The scheduler's draft tokens (speculative decoding): who drafts, how many, and the rollback.
+"""The scheduler's draft tokens (speculative decoding): how many, their slots and the rollback.
 
-A decoding request that has caught up (one token to compute) gets up to
-``num_speculative_tokens`` draft tokens from the proposer, scheduled after its last token within
+The drafts are made in the workers (:mod:`pagedkv.worker.spec_decode`, every method: n-gram,
+suffix, draft model): after each step the model runner proposes up to
+``num_speculative_tokens`` drafts for every request that sampled and may draft and returns them
+in ``ModelRunnerOutput.draft_token_ids`` (vLLM V1's drafters in the model runner). This keeps
+them (:meth:`SpecDecodeDrafts.receive`) until the request's next step; a decoding request that
+has caught up (one token to compute) schedules up to all of them after its last token within
 the step's token budget (vLLM V1's accounting: a draft costs a token of
-``max_num_batched_tokens``) and given KV slots by the same ``allocate_slots`` call::
+``max_num_batched_tokens``), with KV slots from the same ``allocate_slots`` call::
 
     before the step   | verified tokens (num_tokens) ......... t | d1 d2 d3 |   k = 3 drafts
     scheduled                                               [ t   d1 d2 d3 ]  1 + k tokens
@@ -13,14 +17,16 @@ the step's token budget (vLLM V1's accounting: a draft costs a token of
     num_computed:     num_tokens + j   (k - j rejected: rolled back; the slots past it are
                                         written again by the next step)
 
-The drafts are never in the request's token ids until accepted, so they are never hashed: no
-unverified token enters the prefix cache, the KV tier or the KV events (the KV cache manager
-caches at most ``len(all_token_ids)`` tokens). A request drafts nothing when its verification
-would need what the rejection sampler does not do: penalties, ``min_tokens`` still pending,
-logprobs, beam search; such requests decode exactly as without speculation. When the drafts'
-blocks do not fit, the request runs without them before anything is preempted. Idea and names
-from vLLM V1 (``Request.spec_token_ids``, ``scheduled_spec_decode_tokens``,
-``SpecDecodingStats``).
+A request's drafts follow its tokens when they were proposed; its tokens change only when it
+samples, and then its drafts are replaced (or dropped), so drafts kept over a step it was not
+scheduled in still follow them. The drafts are never in the request's token ids until accepted,
+so they are never hashed: no unverified token enters the prefix cache, the KV tier or the KV
+events (the KV cache manager caches at most ``len(all_token_ids)`` tokens). Whether a request
+may draft is one rule for both sides (:func:`~pagedkv.worker.spec_decode.eligibility.may_draft`:
+no penalties, ``min_tokens`` reached, no logprobs, so no beam search); a request that may not
+decodes exactly as without speculation. When the drafts' blocks do not fit, the request runs
+without them before anything is preempted. Idea and names from vLLM V1
+(``Request.spec_token_ids``, ``scheduled_spec_decode_tokens``, ``SpecDecodingStats``).
 
 **Structured outputs.** A request with a grammar drafts the longest prefix of its proposal that
 the grammar allows (its matcher accepts the drafts one by one and rolls back: a draft the
@@ -40,64 +46,22 @@ gives the most expected tokens, ``(1 - a^(k+1)) / (1 - a)``, per cost of its ste
 (:data:`STEP_COST`: not linear in k, and ending at k = 7, past which a step leaves the 4-bit
 kernels); in a batch, a share of the step plus ``DRAFT_TOKEN_COST`` per draft. Where that is
 ``k = 0`` nothing is scheduled: the step is the plain decode step (no draft rows, the runner's
-plain sampler); the proposer is still asked (microseconds beside a step of tens of
-milliseconds) and its first draft checked against the token the step samples, so the estimate
-recovers when the text starts to repeat. Idea: the acceptance-aware draft lengths of
+plain sampler); the workers still propose (microseconds beside a step of tens of
+milliseconds) and the first draft is checked against the token the step samples, so the
+estimate recovers when the text starts to repeat. Idea: the acceptance-aware draft lengths of
 SuffixDecoding and of EAGLE-2-style dynamic drafting, as a per-request rule.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from pagedkv.engine.request import Request
 from pagedkv.engine.stats import SpecDecodingStats
+from pagedkv.worker.spec_decode.eligibility import may_draft
 
 if TYPE_CHECKING:
     from pagedkv.engine.scheduler import Scheduler
-
-
-class DraftProposer(Protocol):
-    """What the scheduler's drafts call: a proposer over plain token lists (the engine's is a
-    :class:`~pagedkv.engine.spec_decode.proposer.BufferedProposer`, which keeps numpy out of the
-    scheduler's imports)."""
-
-    def propose(self, req_id: str, token_ids: list[int], max_num_tokens: int) -> list[int]:
-        """At most ``max_num_tokens`` drafts to follow ``token_ids`` (verified tokens)."""
-        ...
-
-    def finished(self, req_id: str, prompt_len: int, token_ids: list[int]) -> None:
-        """Forget ``req_id`` (its tokens may teach the proposer)."""
-        ...
-
-    def receive(self, draft_token_ids: dict[str, list[int]]) -> None:
-        """The workers' drafts of the last step (``ModelRunnerOutput.draft_token_ids``); a
-        proposer that drafts by itself ignores them."""
-        ...
-
-
-class WorkerDrafts:
-    """The proposer of speculative decoding with a draft model: the workers' draft model drafts
-    after each step (:mod:`pagedkv.worker.draft_model`) into KV slots the scheduler allocated
-    ahead (``num_lookahead_tokens``); this hands each request the drafts of the last step. A
-    request not in it (not scheduled then, preempted since) drafts nothing this step."""
-
-    __slots__ = ("_drafts",)
-
-    def __init__(self) -> None:
-        self._drafts: dict[str, list[int]] = {}
-
-    def propose(self, req_id: str, token_ids: list[int], max_num_tokens: int) -> list[int]:
-        """The workers' drafts for ``req_id`` after the last step (at most ``max_num_tokens``)."""
-        return self._drafts.get(req_id, [])[:max_num_tokens]
-
-    def finished(self, req_id: str, prompt_len: int, token_ids: list[int]) -> None:
-        """Forget ``req_id``."""
-        self._drafts.pop(req_id, None)
-
-    def receive(self, draft_token_ids: dict[str, list[int]]) -> None:
-        """Keep the last step's drafts (only they follow the requests' tokens)."""
-        self._drafts = draft_token_ids
 
 
 #: What a decode step of one request with k drafts costs, k = 0, 1, ..., 7, in one-token steps
@@ -153,39 +117,39 @@ def best_num_drafts(acceptance: float, max_num_drafts: int, num_running: int = 1
 
 
 class SpecDecodeDrafts:
-    """Proposes the draft tokens of the scheduler's decoding requests and rolls back the
-    rejected ones.
+    """Schedules the workers' draft tokens of the scheduler's decoding requests and rolls back
+    the rejected ones.
 
-    Shares the scheduler's limits (max_model_len); owns the proposer and the counters.
+    Shares the scheduler's limits (max_model_len); owns the drafts received and the counters.
 
     Args:
         scheduler: the scheduler it serves.
-        proposer: makes the drafts (:class:`DraftProposer`).
         num_speculative_tokens: most drafts per request and step (>= 1).
+        num_lookahead_tokens: KV slots past a sampling request's scheduled tokens for the
+            workers' draft model to draft into; 0: its method needs none (n-gram, suffix).
     """
 
     __slots__ = (
         "_acceptance",
+        "_drafts",
+        "_finished_token_ids",
         "_scheduler",
         "adaptive",
         "num_lookahead_tokens",
         "num_speculative_tokens",
-        "proposer",
         "stats",
     )
 
     def __init__(
         self,
         scheduler: Scheduler,
-        proposer: DraftProposer,
         num_speculative_tokens: int,
         num_lookahead_tokens: int = 0,
     ) -> None:
         self._scheduler = scheduler
-        self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
         #: KV slots past a sampling request's scheduled tokens for the workers' draft model
-        #: (its drafts' KV); 0: the proposer drafts in the scheduler (n-gram, suffix).
+        #: (its drafts' KV); 0: the method writes no KV of its own (n-gram, suffix).
         self.num_lookahead_tokens = num_lookahead_tokens
         self.stats = SpecDecodingStats(
             num_accepted_tokens_per_pos=[0] * num_speculative_tokens,
@@ -196,23 +160,18 @@ class SpecDecodeDrafts:
         #: request id -> [accepted, tried, shadow draft or -1]: decayed counts of its draft
         #: tokens, and the first draft it did not schedule (checked against the next token).
         self._acceptance: dict[str, list[float]] = {}
-
-    @staticmethod
-    def can_draft(request: Request) -> bool:
-        """Whether ``request``'s drafts can be verified exactly (see the module's docstring)."""
-        params = request.sampling_params
-        return (
-            request.beam_group is None
-            and request.pooling_params is None  # samples nothing
-            and params.logprobs is None
-            and not params.has_penalties
-            and request.num_output_tokens >= params.min_tokens
-        )
+        #: request id -> the workers' drafts after its last sampled token (not yet used).
+        self._drafts: dict[str, list[int]] = {}
+        #: request id -> the tokens a finished request got that the workers do not hold
+        #: (``SchedulerOutput.finished_token_ids`` of the next step).
+        self._finished_token_ids: dict[str, list[int]] = {}
 
     def propose(self, request: Request, token_budget: int) -> int:
-        """Set ``request.spec_token_ids`` to its drafts when it decodes (one token to compute):
-        at most ``token_budget`` of them, never past max_model_len or max_tokens (the step adds
-        one token after the accepted drafts). Returns how many (0: none, or not decoding)."""
+        """Set ``request.spec_token_ids`` to the workers' drafts (:meth:`receive`) when it
+        decodes (one token to compute), as many as pay (:func:`best_num_drafts`) and its
+        grammar allows: at most ``token_budget`` of them, never past max_model_len or
+        max_tokens (the step adds one token after the accepted drafts). Returns how many (0:
+        none, or not decoding)."""
         params = request.sampling_params
         num_tokens = request.num_tokens
         state = self._acceptance.get(request.request_id)
@@ -227,10 +186,10 @@ class SpecDecodeDrafts:
             self._scheduler.max_model_len - num_tokens - 1,
             params.max_tokens - request.num_output_tokens - 1,
         )
-        if limit <= 0 or not self.can_draft(request):
+        if limit <= 0 or not may_draft(params, request.num_output_tokens, request.pooling_params):
             request.spec_token_ids = []
             return 0
-        drafts = self.proposer.propose(request.request_id, request.all_token_ids, limit)
+        drafts = self._drafts.pop(request.request_id, [])[:limit]
         if request.structured_output is not None:  # what its grammar allows
             drafts = request.structured_output.validate_tokens(request.output_token_ids, drafts)
         if state is None:
@@ -253,16 +212,32 @@ class SpecDecodeDrafts:
         if (
             not self.num_lookahead_tokens
             or num_tokens_after < request.num_tokens
-            or not self.can_draft(request)
+            or not may_draft(
+                request.sampling_params, request.num_output_tokens, request.pooling_params
+            )
         ):
             return 0
         room = self._scheduler.max_model_len - num_tokens_after
         return max(0, min(self.num_lookahead_tokens, room))
 
-    def receive(self, draft_token_ids: dict[str, list[int]]) -> None:
-        """Hand the workers' drafts of the last step to the proposer (draft model only)."""
-        if self.num_lookahead_tokens:
-            self.proposer.receive(draft_token_ids)
+    def receive(self, sampling: list[Request], draft_token_ids: dict[str, list[int]]) -> None:
+        """Keep the workers' drafts of the last step (``ModelRunnerOutput.draft_token_ids``)
+        for each request that sampled in it (``sampling``) and is not finished: they follow
+        its new tokens; an earlier step's drafts of such a request no longer do (dropped)."""
+        drafts = self._drafts
+        for request in sampling:
+            request_id = request.request_id
+            new = draft_token_ids.get(request_id)
+            if new and not request.is_finished:
+                drafts[request_id] = new
+            else:
+                drafts.pop(request_id, None)
+
+    def take_finished_token_ids(self) -> dict[str, list[int]]:
+        """The finished requests' tokens the workers do not hold, since the last call
+        (``SchedulerOutput.finished_token_ids``)."""
+        taken, self._finished_token_ids = self._finished_token_ids, {}
+        return taken
 
     @staticmethod
     def drop(request: Request) -> int:
@@ -320,17 +295,20 @@ class SpecDecodeDrafts:
         return drafts[:num_accepted]
 
     def finished(self, request: Request) -> None:
-        """Forget a finished request (the proposer may learn from its output)."""
-        self._acceptance.pop(request.request_id, None)
-        self.proposer.finished(request.request_id, request.num_prompt_tokens, request.all_token_ids)
+        """Forget a finished request; the workers get the tokens it got since they last got
+        its tokens with the next step (their proposer may learn from its output)."""
+        request_id = request.request_id
+        self._acceptance.pop(request_id, None)
+        self._drafts.pop(request_id, None)
+        num_sent = request.num_sent_tokens
+        if num_sent and len(request.all_token_ids) > num_sent:
+            self._finished_token_ids[request_id] = request.all_token_ids[num_sent:]
 
 
 __all__ = [
     "ACCEPTANCE_DECAY",
     "DRAFT_TOKEN_COST",
     "STEP_COST",
-    "DraftProposer",
     "SpecDecodeDrafts",
-    "WorkerDrafts",
     "best_num_drafts",
 ]

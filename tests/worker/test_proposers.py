@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from pagedkv.config import SpeculativeConfig
-from pagedkv.engine.spec_decode.ngram import NgramProposer, find_ngram_drafts
-from pagedkv.engine.spec_decode.proposer import Proposer, make_proposer
-from pagedkv.engine.spec_decode.suffix import (
+from pagedkv.worker.spec_decode.ngram import NgramProposer, find_ngram_drafts
+from pagedkv.worker.spec_decode.proposer import DraftProposer, make_proposer
+from pagedkv.worker.spec_decode.suffix import (
     SuffixDecodingProposer,
     SuffixTrie,
     speculate_own_tokens,
@@ -46,7 +46,7 @@ def ids(*tokens: int) -> np.ndarray:
 def test_make_proposer_builds_the_method():
     assert isinstance(ngram(), NgramProposer)
     assert isinstance(suffix(), SuffixDecodingProposer)
-    proposer: Proposer = ngram()  # both satisfy the Protocol
+    proposer: DraftProposer = ngram()  # both satisfy the Protocol
     proposer = suffix()
     assert proposer is not None
 
@@ -194,7 +194,7 @@ def test_suffix_global_tree_drafts_from_a_finished_requests_output():
     prompt = [100, 101]
     output = [40, 41, 42, 43, 44, 45]
     proposer.propose("a", ids(*prompt, *output[:3]), 8)
-    proposer.on_request_finished("a", 2, ids(*prompt, *output))
+    proposer.finished("a", 2, ids(*prompt, *output))
     assert proposer.num_cached_requests == 1
     # A new request whose tokens end in "41 42" gets what followed in "a"'s output.
     assert proposer.propose("b", ids(7, 41, 42), 8).tolist() == [43, 44]
@@ -205,7 +205,7 @@ def test_suffix_global_tree_drafts_from_a_finished_requests_output():
 def test_suffix_global_tree_evicts_the_oldest_output():
     proposer = suffix(k=4, cached=2)
     for req_id, output in (("a", [10, 11, 12]), ("b", [20, 21, 22]), ("c", [30, 31, 32])):
-        proposer.on_request_finished(req_id, 1, ids(0, *output))
+        proposer.finished(req_id, 1, ids(0, *output))
     assert proposer.num_cached_requests == 2
     assert proposer.propose("x", ids(10), 4).tolist() == []  # "a" was evicted
     assert proposer.propose("y", ids(20), 4).tolist() == [21]
@@ -215,7 +215,7 @@ def test_suffix_global_tree_evicts_the_oldest_output():
 
 def test_suffix_without_a_global_tree_caches_nothing():
     proposer = suffix(k=4, cached=0)
-    proposer.on_request_finished("a", 1, ids(0, 10, 11, 12))
+    proposer.finished("a", 1, ids(0, 10, 11, 12))
     assert proposer.num_cached_requests == 0
     assert proposer.propose("x", ids(10), 4).tolist() == []
 
@@ -223,7 +223,7 @@ def test_suffix_without_a_global_tree_caches_nothing():
 def test_suffix_picks_the_tree_with_the_higher_score():
     proposer = suffix(k=4, min_prob=0.0)
     for req_id in ("a", "b", "c"):  # the global tree saw "1 -> 2" only: p = 1
-        proposer.on_request_finished(req_id, 0, ids(1, 2))
+        proposer.finished(req_id, 0, ids(1, 2))
     # The request saw 1 -> 3, 1 -> 2, 1 -> 4: p = 1/3 each; the global draft scores higher.
     assert proposer.propose("r", ids(1, 3, 1, 2, 1, 4, 1), 4).tolist() == [2]
     # A tie (both p = 1, both matching the last token only) goes to the request's own tree.
@@ -232,7 +232,7 @@ def test_suffix_picks_the_tree_with_the_higher_score():
 
 def test_suffix_score_tie_goes_to_the_longer_match():
     proposer = suffix(k=4, min_prob=0.0)
-    proposer.on_request_finished("a", 0, ids(5, 6, 7, 8))
+    proposer.finished("a", 0, ids(5, 6, 7, 8))
     # Both draft one token with p = 1: the request's own tokens match "7" (-> 9), the global
     # tree "6 7" (-> 8): the longer match wins (an agent loop repeating an earlier answer).
     assert proposer.propose("r", ids(7, 9, 6, 7), 1).tolist() == [8]
@@ -241,7 +241,7 @@ def test_suffix_score_tie_goes_to_the_longer_match():
 def test_suffix_keeps_nothing_per_request():
     proposer = suffix(k=4, cached=0)
     assert proposer.propose("r", ids(5, 6, 5, 6), 4).tolist() == [5, 6]
-    proposer.on_request_finished("r", 4, ids(5, 6, 5, 6))
+    proposer.finished("r", 4, ids(5, 6, 5, 6))
     assert proposer.propose("r", ids(9, 9), 4).tolist() == [9]  # only the tokens given count
 
 
@@ -263,3 +263,22 @@ def test_own_tokens_speculate_as_a_trie_of_them(seed):
         draft, score, match_len = speculate_own_tokens(tokens, depth, limit, factor, min_prob)
         assert (draft, match_len) == (expected[0], expected[2]), (tokens, depth, limit, factor)
         assert score == pytest.approx(expected[1])
+
+
+# --- who may draft ---------------------------------------------------------------------------
+
+
+def test_may_draft_is_one_rule_for_the_scheduler_and_the_runner():
+    from pagedkv.pooling_params import PoolingParams
+    from pagedkv.sampling_params import SamplingParams
+    from pagedkv.worker.spec_decode.eligibility import may_draft
+
+    plain = SamplingParams(temperature=0.7, max_tokens=8)
+    assert may_draft(plain, 0)
+    assert not may_draft(SamplingParams(logprobs=0), 5)  # a beam's params ask for logprobs
+    assert not may_draft(SamplingParams(repetition_penalty=1.2), 5)
+    assert not may_draft(SamplingParams(presence_penalty=0.5), 5)
+    assert not may_draft(SamplingParams(frequency_penalty=-0.5), 5)
+    assert not may_draft(SamplingParams(min_tokens=3), 2)  # its stop ids are still masked
+    assert may_draft(SamplingParams(min_tokens=3), 3)
+    assert not may_draft(plain, 0, PoolingParams())  # samples nothing

@@ -32,10 +32,12 @@ import torch
 
 from pagedkv.ops.backends import BoundAttentionMetadata
 from pagedkv.worker.input_batch import InputBatch, ModelInputs
+from pagedkv.worker.spec_decode.proposer import DraftRequests
 
 
 class DraftModelProposer:
-    """Runs the draft model: its forward over each step's tokens, then its greedy drafts.
+    """The :class:`~pagedkv.worker.spec_decode.proposer.DraftProposer` of a draft model: its
+    forward over each step's tokens, then its greedy drafts.
 
     Args:
         model: the draft model (``forward``, ``compute_logits``), on the target's device.
@@ -71,49 +73,31 @@ class DraftModelProposer:
             inputs.attn_metadata[self.first_layer :],
         )
 
-    def drafts_for_step(
-        self,
-        num_lookahead_tokens: dict[str, int],
-        inputs: ModelInputs,
-        req_ids: list[str],
-        batch_rows: np.ndarray,
-        sampled: torch.Tensor,
-        num_accepted_draft_tokens: dict[str, int],
-    ) -> dict[str, list[int]]:
-        """The drafts for the next step of each sampling request with lookahead slots.
-
-        Args:
-            num_lookahead_tokens: ``SchedulerOutput.num_lookahead_tokens`` (request id -> most
-                drafts).
-            inputs: the step's inputs (scheduled and draft tokens per row).
-            req_ids: the sampling requests, in order; ``batch_rows``: their rows.
-            sampled: ``[len(req_ids)]`` int64, each one's newest token (after its accepted
-                drafts, which ``num_accepted_draft_tokens`` counts).
-
-        Returns:
-            Request id -> its drafts (``ModelRunnerOutput.draft_token_ids``).
-        """
-        picks = [i for i, r in enumerate(req_ids) if num_lookahead_tokens.get(r, 0) > 0]
-        if not picks:
-            return {}
-        rows = batch_rows[picks]
-        picked = [req_ids[i] for i in picks]
-        scheduled_drafts = 0 if inputs.num_draft_tokens is None else inputs.num_draft_tokens[rows]
-        # the newest token sits after the tokens computed before the step, the scheduled
-        # ones less the drafts, and the accepted drafts
-        positions = (
-            self.input_batch.num_computed_tokens[rows]
-            + inputs.num_scheduled_tokens[rows]
-            - scheduled_drafts
-            + np.array([num_accepted_draft_tokens.get(r, 0) for r in picked], dtype=np.int64)
-        )
-        drafts = self.propose(
-            rows,
+    def propose_drafts(self, requests: DraftRequests) -> list[list[int]]:
+        """Greedy drafts of each request with lookahead slots (``requests.num_lookahead_tokens``
+        > 0: the scheduler allocated KV slots for them), at most ``min(max_num_drafts,
+        num_lookahead_tokens)`` each; [] for the others. Each request's newest token (the last
+        of its ``token_ids``) is at position ``len(token_ids) - 1``."""
+        num_drafts = np.minimum(requests.max_num_drafts, requests.num_lookahead_tokens)
+        picks = np.flatnonzero(num_drafts > 0)
+        drafts: list[list[int]] = [[] for _ in requests.req_ids]
+        if not len(picks):
+            return drafts
+        token_ids = [requests.token_ids[i] for i in picks.tolist()]
+        positions = np.array([len(t) - 1 for t in token_ids], dtype=np.int64)
+        last_token_ids = np.array([t[-1] for t in token_ids], dtype=np.int64)
+        picked = self.propose(
+            requests.rows[picks],
             positions,
-            sampled[self.input_batch.to_device(np.array(picks))],
-            np.array([num_lookahead_tokens[r] for r in picked], dtype=np.int64),
+            self.input_batch.to_device(last_token_ids),
+            num_drafts[picks],
         )
-        return dict(zip(picked, drafts, strict=True))
+        for i, draft in zip(picks.tolist(), picked, strict=True):
+            drafts[i] = draft
+        return drafts
+
+    def finished(self, req_id: str, prompt_len: int, token_ids: np.ndarray) -> None:
+        """Nothing: the draft model keeps nothing per request (its KV is in the block pool)."""
 
     def propose(
         self,

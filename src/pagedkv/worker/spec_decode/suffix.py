@@ -49,6 +49,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from pagedkv.config import SpeculativeConfig
+from pagedkv.worker.spec_decode.proposer import TokenProposer
 
 _EMPTY = np.empty(0, dtype=np.int64)
 
@@ -228,8 +229,8 @@ def _expand(
     return draft, probs
 
 
-class SuffixDecodingProposer:
-    """:class:`~pagedkv.engine.spec_decode.proposer.Proposer` by SuffixDecoding (module
+class SuffixDecodingProposer(TokenProposer):
+    """A :class:`~pagedkv.worker.spec_decode.proposer.DraftProposer` by SuffixDecoding (module
     docstring). Holds the global trie of finished outputs; nothing per request.
 
     Args:
@@ -270,7 +271,7 @@ class SuffixDecodingProposer:
                 draft = global_draft
         return np.asarray(draft, dtype=np.int64)
 
-    def on_request_finished(self, req_id: str, prompt_len: int, token_ids: np.ndarray) -> None:
+    def finished(self, req_id: str, prompt_len: int, token_ids: np.ndarray) -> None:
         """Add the request's output (``token_ids[prompt_len:]``) to the global trie, evicting
         the oldest cached outputs beyond ``suffix_decoding_max_cached_requests``. A request id
         already cached replaces its older output."""

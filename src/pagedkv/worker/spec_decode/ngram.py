@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from pagedkv.config import SpeculativeConfig
+from pagedkv.worker.spec_decode.proposer import TokenProposer
 
 _EMPTY = np.empty(0, dtype=np.int64)
 
@@ -64,9 +65,9 @@ def find_ngram_drafts(
     return tokens[start : start + max_num_tokens].astype(np.int64)
 
 
-class NgramProposer:
-    """:class:`~pagedkv.engine.spec_decode.proposer.Proposer` by prompt lookup (stateless: each
-    call searches the request's whole token array)."""
+class NgramProposer(TokenProposer):
+    """A :class:`~pagedkv.worker.spec_decode.proposer.DraftProposer` by prompt lookup
+    (stateless: each call searches the request's whole token array)."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.min_n = config.prompt_lookup_min
@@ -78,6 +79,3 @@ class NgramProposer:
         num_speculative_tokens)``."""
         limit = min(max_num_tokens, self.num_speculative_tokens)
         return find_ngram_drafts(token_ids, self.min_n, self.max_n, limit)
-
-    def on_request_finished(self, req_id: str, prompt_len: int, token_ids: np.ndarray) -> None:
-        """Nothing to forget."""
