@@ -48,13 +48,11 @@ SuffixDecoding and of EAGLE-2-style dynamic drafting, as a per-request rule.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Sized
+from typing import Protocol
 
 from pagedkv.engine.request import Request
 from pagedkv.engine.stats import SpecDecodingStats
-
-if TYPE_CHECKING:
-    from pagedkv.engine.scheduler import Scheduler
 
 
 class DraftProposer(Protocol):
@@ -156,17 +154,21 @@ class SpecDecodeDrafts:
     """Proposes the draft tokens of the scheduler's decoding requests and rolls back the
     rejected ones.
 
-    Shares the scheduler's limits (max_model_len); owns the proposer and the counters.
+    Reads the scheduler's max_model_len and its running list's length; owns the proposer and
+    the counters.
 
     Args:
-        scheduler: the scheduler it serves.
+        max_model_len: most tokens of one request (no draft goes past it).
+        running: the scheduler's running requests (read for the batch size:
+            :attr:`RequestQueues.running <pagedkv.engine.request_queues.RequestQueues>`).
         proposer: makes the drafts (:class:`DraftProposer`).
         num_speculative_tokens: most drafts per request and step (>= 1).
     """
 
     __slots__ = (
         "_acceptance",
-        "_scheduler",
+        "_max_model_len",
+        "_running",
         "adaptive",
         "num_lookahead_tokens",
         "num_speculative_tokens",
@@ -176,12 +178,14 @@ class SpecDecodeDrafts:
 
     def __init__(
         self,
-        scheduler: Scheduler,
+        max_model_len: int,
+        running: Sized,
         proposer: DraftProposer,
         num_speculative_tokens: int,
         num_lookahead_tokens: int = 0,
     ) -> None:
-        self._scheduler = scheduler
+        self._max_model_len = max_model_len
+        self._running = running
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
         #: KV slots past a sampling request's scheduled tokens for the workers' draft model
@@ -224,7 +228,7 @@ class SpecDecodeDrafts:
         limit = min(
             self.num_speculative_tokens,
             token_budget,
-            self._scheduler.max_model_len - num_tokens - 1,
+            self._max_model_len - num_tokens - 1,
             params.max_tokens - request.num_output_tokens - 1,
         )
         if limit <= 0 or not self.can_draft(request):
@@ -239,7 +243,7 @@ class SpecDecodeDrafts:
         if k and self.adaptive:
             # A seeded request's draws follow its drafts: their number must not depend on the
             # batch, so that it samples the same tokens alone or with others.
-            num_running = 1 if params.seed is not None else len(self._scheduler.running)
+            num_running = 1 if params.seed is not None else len(self._running)
             k = best_num_drafts(state[0] / state[1], k, num_running)
         state[2] = drafts[0] if drafts and not k else -1
         request.spec_token_ids = drafts[:k]
@@ -256,7 +260,7 @@ class SpecDecodeDrafts:
             or not self.can_draft(request)
         ):
             return 0
-        room = self._scheduler.max_model_len - num_tokens_after
+        room = self._max_model_len - num_tokens_after
         return max(0, min(self.num_lookahead_tokens, room))
 
     def receive(self, draft_token_ids: dict[str, list[int]]) -> None:
