@@ -21,11 +21,14 @@ named points of the step::
                    drafts.propose                  speculative decoding's draft tokens
                  _admit_waiting(step)              tier_loads.get_computed_blocks / admitted
                    beams.unpark(step), again       only parked beams left: one search whole
-                 build_scheduler_output(step)      what the workers get; num_computed advances
+                 build_scheduler_output(step)      what the workers get (and
+                                                   queues.take_finished_ids()); num_computed
+                                                   advances
                  forks.note_fork_points(step)
     update_from_output():  tier_loads.update       loads done or failed, stores dropped
                            drafts.roll_back        rejected draft tokens' KV given up
                            append_sampled_tokens   tokens appended, stop checks, beam reports
+                           queues.release          finished requests' blocks etc. freed
                            beams.step              a beam search's choice
 
 (:mod:`~pagedkv.engine.sample_forks`, :mod:`~pagedkv.engine.kv_tier_loads`,
@@ -535,7 +538,7 @@ class Scheduler:
             self.beams.step(group, changed, now)
         return changed
 
-    # ------------------------------------------------------------------ preemption, rejection
+    # ------------------------------------------------------------------ preemption
 
     def _pick_victim(self) -> Request:
         running = self.queues.running
