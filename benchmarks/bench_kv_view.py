@@ -65,7 +65,7 @@ def main() -> None:
     result = {
         "cpu": probe_cpu().name,
         "num_blocks": args.num_blocks,
-        "num_running": len(engine.scheduler.running_requests()),
+        "num_running": len(engine.scheduler.get_running_requests()),
         "num_used_blocks": snapshot["num_used_blocks"],
         "num_shared_blocks": snapshot["stats"]["num_shared_blocks"],
         "decode_step_ms": round(step * 1e3, 2),

@@ -125,10 +125,10 @@ def measure(context: int, batch: int, steps: int, backend: str) -> dict:
 
 
 def _running(scheduler) -> list:
-    """The scheduler's running requests: ``running_requests()``, or the ``running`` list of
+    """The scheduler's running requests: ``get_running_requests()``, or the ``running`` list of
     revisions before the scheduler's queues had one owner (ab_compare.py runs both)."""
-    running_requests = getattr(scheduler, "running_requests", None)
-    return scheduler.running if running_requests is None else running_requests()
+    get_running = getattr(scheduler, "get_running_requests", None)
+    return scheduler.running if get_running is None else get_running()
 
 
 def main() -> None:

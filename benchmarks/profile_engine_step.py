@@ -52,7 +52,7 @@ def main() -> None:
     for i, line in enumerate(lines):
         engine.add_request(str(i), json.loads(line)["messages"], params)
     while engine.scheduler.num_waiting or any(
-        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running_requests()
+        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.get_running_requests()
     ):
         engine.step()
     for _ in range(args.warmup):
@@ -86,7 +86,7 @@ def main() -> None:
         t.append(time.perf_counter())
         for name, a, b in zip(PHASES, t[:-1], t[1:], strict=True):
             totals[name] += b - a
-    running = scheduler.running_requests()
+    running = scheduler.get_running_requests()
     context = sum(r.num_tokens for r in running) / max(len(running), 1)
     step = sum(totals.values()) / args.steps
     print(

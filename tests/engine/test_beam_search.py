@@ -587,7 +587,7 @@ def test_beams_waiting_for_siblings_that_do_not_fit_are_taken_out_whole(tiny):
     scheduler = engine.scheduler
     for request_id, prompt in prompts.items():
         engine.add_request(request_id, prompt, params)
-    while len(scheduler.running_requests()) < 4:  # both searches have forked their second beam
+    while len(scheduler.get_running_requests()) < 4:  # both searches have forked their second beam
         engine.step()
     groups = [scheduler.get_request(f"{k}#beam0").beam_group for k in ("a", "b")]
     # Preempt one beam of each search, then fill the pool: the other beams compute their token,
@@ -596,7 +596,7 @@ def test_beams_waiting_for_siblings_that_do_not_fit_are_taken_out_whole(tiny):
         scheduler.queues.preempt(group.beams[1])
     eater = _eat_free_blocks(engine)
     engine.step()  # the running beams report
-    parked = list(scheduler.running_requests())
+    parked = list(scheduler.get_running_requests())
     assert len(parked) == 2 and all(g.has_reported(b) for g, b in zip(groups, parked, strict=True))
     out = scheduler.schedule()
     # Nothing could run: both searches were taken out whole (their parked beams preempted),

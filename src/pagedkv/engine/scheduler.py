@@ -109,6 +109,12 @@ class Scheduler:
         num_lookahead_tokens: KV slots allocated past each sampling request's scheduled tokens
             for the workers' draft model (speculative decoding with a draft model); 0: none.
 
+    Attributes:
+        queues: its requests and where each is
+            (:class:`~pagedkv.engine.request_queues.RequestQueues`; tests read it, the engine
+            asks the methods below).
+        stats: its counters (:class:`~pagedkv.engine.stats.SchedulerStats`, live).
+
     Raises:
         ConfigError: :func:`~pagedkv.engine.request_limits.check_scheduler_options`, or swap
             without a KV tier.
@@ -268,7 +274,7 @@ class Scheduler:
         """The unfinished request ``request_id`` (a sequence: one sample or one beam), or None."""
         return self.queues.get(request_id)
 
-    def running_requests(self) -> list[Request]:
+    def get_running_requests(self) -> list[Request]:
         """The running requests in scheduling order (the scheduler's own list: read it, do not
         change it)."""
         return self.queues.running

@@ -272,7 +272,7 @@ class _EngineDriver:
 
     @property
     def running(self) -> list:
-        return self.scheduler.running_requests()
+        return self.scheduler.get_running_requests()
 
     @property
     def num_waiting(self) -> int:
