@@ -294,3 +294,49 @@ def test_remove_takes_a_live_request_out_by_its_status() -> None:
     queues.remove(w)
     assert not queues.running and not len(queues.waiting)
     assert queues.get("a") is a and queues.get("w") is w  # still tracked: release them next
+
+
+class RecordingProposer:
+    """A DraftProposer that drafts nothing and records whom it was told to forget."""
+
+    def __init__(self) -> None:
+        self.forgotten: list[str] = []
+
+    def propose(self, req_id: str, token_ids: list[int], max_num_tokens: int) -> list[int]:
+        return []
+
+    def finished(self, req_id: str, prompt_len: int, token_ids: list[int]) -> None:
+        self.forgotten.append(req_id)
+
+    def receive(self, draft_token_ids: dict[str, list[int]]) -> None:
+        pass
+
+
+@pytest.mark.parametrize("step_first", [False, True])
+def test_the_scheduler_releases_through_the_queues_and_tells_the_drafts(step_first: bool) -> None:
+    """An abort (waiting or running) frees the request's blocks and tells the drafts once."""
+    from pagedkv.engine.scheduler import Scheduler
+
+    manager = KVCacheManager(NUM_BLOCKS, block_size=BLOCK_SIZE)
+    proposer = RecordingProposer()
+    scheduler = Scheduler(
+        manager,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        max_model_len=32,
+        proposer=proposer,
+        num_speculative_tokens=2,
+    )
+    assert scheduler.spec_decode_enabled
+    request = make_request("r")
+    scheduler.add_request(request)
+    if step_first:
+        scheduler.schedule()
+        assert [r for r, where in scheduler.request_states()] == [request]
+        assert manager.num_free_blocks < NUM_BLOCKS - 1
+    scheduler.finish_requests("r", RequestStatus.FINISHED_ABORTED)
+    scheduler.finish_requests("r", RequestStatus.FINISHED_ABORTED)  # twice: a no-op
+    assert proposer.forgotten == ["r"] and request.status == RequestStatus.FINISHED_ABORTED
+    assert manager.num_free_blocks == NUM_BLOCKS - 1 and not scheduler.has_unfinished_requests()
+    assert scheduler.get_request("r") is None and scheduler.request_states() == []
+    assert scheduler.schedule().finished_req_ids == {"r"}
