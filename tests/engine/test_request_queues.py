@@ -199,7 +199,7 @@ def test_release_frees_blocks_grammar_drafts_exactly_once(where: str) -> None:
     request = running_request(queues, kv_cache, "r")
     grammar = request.structured_output = Grammar()
     if where == "waiting":
-        queues.remove(request)  # (as a failed tier load does: blocks kept for the test)
+        queues.remove_running([request])  # (back to waiting with its blocks, for the test)
         request.status = RequestStatus.WAITING
         queues.requeue(request)
     elif where == "preempted":
@@ -283,17 +283,6 @@ def test_note_finished_adds_ids_for_the_next_step() -> None:
     queues.note_finished(("x", "y"))
     assert queues.finished_ids == frozenset({"probe", "x", "y"})
     assert queues.take_finished_ids() == {"probe", "x", "y"} and not queues.finished_ids
-
-
-def test_remove_takes_a_live_request_out_by_its_status() -> None:
-    queues, kv_cache, _, _ = make_queues()
-    a = running_request(queues, kv_cache, "a")
-    w = make_request("w")
-    queues.add(w)
-    queues.remove(a)
-    queues.remove(w)
-    assert not queues.running and not len(queues.waiting)
-    assert queues.get("a") is a and queues.get("w") is w  # still tracked: release them next
 
 
 class RecordingProposer:

@@ -2,18 +2,19 @@
 
 Every unfinished request is in exactly one place, which its status names::
 
-    add() ------> waiting --run()--> running --preempt()--> waiting (front)
-                     |                  |
-                     +--wait_for_loads()--> loading --loads_ended(), run()--> running
-                                            (a KV tier hit: WAITING_FOR_REMOTE_KVS)
-
-    release(): out of any of them, its KV blocks, grammar, drafts and tier loads freed, its id
-    recorded for the workers (take_finished_ids() at the next step)
+    add() --> waiting --pop_waiting(), run()--> running --preempt()--> waiting (front)
+                 |
+                 +--pop_waiting(), wait_for_loads()--> loading (a KV tier hit)
+                         loading --loads_ended(), run()--> running
+                         loading --loads_ended(), requeue()--> waiting (front: a load failed)
+    add_running(): a fork or beam child runs at once, behind its parent
+    release(): out of any of them, its KV blocks, grammar, drafts and tier loads freed, its
+               id recorded for the workers (take_finished_ids() at the next step)
 
 The scheduler and its collaborators (beam searches, sample forks, KV tier loads, rejections) move
 requests only through these methods; they read ``running``, ``waiting``, ``loading`` and
 ``requests`` freely. Torch-free; every method is O(1) but those that search the running list
-(:meth:`preempt`, :meth:`remove`, :meth:`release` of a running request: O(batch)) and
+(:meth:`preempt`, :meth:`release` of a running request: O(batch)) and
 :meth:`remove_running` (one O(batch) pass for a step's finished requests).
 """
 
@@ -208,14 +209,6 @@ class RequestQueues:
         loads failed. Its status is the caller's."""
         self.waiting.remove(request)
         self.waiting.add_front(request)
-
-    def remove(self, request: Request) -> None:
-        """Take a live ``request`` out of the running list or the waiting queue (its status
-        says which), to :meth:`release` it."""
-        if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
-        else:
-            self.waiting.remove(request)
 
     def remove_running(self, requests: Collection[Request]) -> None:
         """Take ``requests`` out of the running list in one pass (a step's finished requests,
