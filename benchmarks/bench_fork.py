@@ -93,7 +93,7 @@ def run_path(engine: LLMEngine, path: str, prompt: list[int], params: SamplingPa
         seen["total"] += out.total_num_scheduled_tokens
         seen["steps"] += bool(out.total_num_scheduled_tokens)
         for request_id, num_tokens in out.num_scheduled_tokens.items():
-            start = scheduler.requests[request_id].num_computed_tokens - num_tokens
+            start = scheduler.get_request(request_id).num_computed_tokens - num_tokens
             seen["prefill"] += max(0, min(num_tokens, num_prompt - start))
         return out
 

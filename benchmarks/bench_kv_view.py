@@ -49,7 +49,7 @@ def main() -> None:
             {"prompt_token_ids": prefix + own},
             SamplingParams(max_tokens=args.steps + 64, ignore_eos=True, temperature=0),
         )
-    while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
+    while any(r.num_output_tokens == 0 for r, _ in engine.scheduler.request_states()):
         engine.step()  # the prefills
     step_times, snapshot_times = [], []
     for _ in range(args.steps):
@@ -65,7 +65,7 @@ def main() -> None:
     result = {
         "cpu": probe_cpu().name,
         "num_blocks": args.num_blocks,
-        "num_running": len(engine.scheduler.running),
+        "num_running": len(engine.scheduler.get_running_requests()),
         "num_used_blocks": snapshot["num_used_blocks"],
         "num_shared_blocks": snapshot["stats"]["num_shared_blocks"],
         "decode_step_ms": round(step * 1e3, 2),

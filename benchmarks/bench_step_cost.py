@@ -76,8 +76,8 @@ def measure(context: int, batch: int, steps: int, backend: str) -> dict:
     for i in range(batch):
         engine.add_request(str(i), [rng.randrange(126) for _ in range(context)], params)
     scheduler = engine.scheduler
-    while scheduler.waiting or any(
-        r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running
+    while scheduler.get_stats().num_waiting or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in _running(scheduler)
     ):
         engine.step()
     for _ in range(5):
@@ -109,8 +109,9 @@ def measure(context: int, batch: int, steps: int, backend: str) -> dict:
         engine.step()
         step_times.append(time.perf_counter() - start)
     del scheduler.schedule, backend.build_metadata
-    num_running = len(scheduler.running)
-    mean_context = sum(r.num_tokens for r in scheduler.running) / max(num_running, 1)
+    running = _running(scheduler)
+    num_running = len(running)
+    mean_context = sum(r.num_tokens for r in running) / max(num_running, 1)
     engine.shutdown()
     return {
         "context": context,
@@ -121,6 +122,13 @@ def measure(context: int, batch: int, steps: int, backend: str) -> dict:
         # one build per step (one KV cache group, one layer spec)
         "metadata_ms": statistics.median(metadata_times) * 1e3,
     }
+
+
+def _running(scheduler) -> list:
+    """The scheduler's running requests: ``get_running_requests()``, or the ``running`` list of
+    revisions before the scheduler's queues had one owner (ab_compare.py runs both)."""
+    get_running = getattr(scheduler, "get_running_requests", None)
+    return scheduler.running if get_running is None else get_running()
 
 
 def main() -> None:

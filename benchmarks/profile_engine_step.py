@@ -51,8 +51,8 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
     for i, line in enumerate(lines):
         engine.add_request(str(i), json.loads(line)["messages"], params)
-    while engine.scheduler.waiting or any(
-        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
+    while engine.scheduler.num_waiting or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.get_running_requests()
     ):
         engine.step()
     for _ in range(args.warmup):
@@ -86,7 +86,8 @@ def main() -> None:
         t.append(time.perf_counter())
         for name, a, b in zip(PHASES, t[:-1], t[1:], strict=True):
             totals[name] += b - a
-    context = sum(r.num_tokens for r in scheduler.running) / max(len(scheduler.running), 1)
+    running = scheduler.get_running_requests()
+    context = sum(r.num_tokens for r in running) / max(len(running), 1)
     step = sum(totals.values()) / args.steps
     print(
         f"batch {args.batch}, mean context {context:.0f} tokens, {torch.get_num_threads()} "

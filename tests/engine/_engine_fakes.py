@@ -117,6 +117,5 @@ def run_until_done(scheduler: Scheduler, model: FakeModel, max_steps: int = 10_0
 def sampling_req_ids(scheduler: Scheduler, out: SchedulerOutput) -> list[str]:
     """The ids of the requests of ``out`` that sample a token after the step (the step computes
     every token they have), in scheduling order: what a scripted runner answers for."""
-    requests = scheduler.requests
-    done = [requests.get(req_id) for req_id in out.num_scheduled_tokens]
+    done = [scheduler.get_request(req_id) for req_id in out.num_scheduled_tokens]
     return [r.request_id for r in done if r is not None and r.num_computed_tokens >= r.num_tokens]

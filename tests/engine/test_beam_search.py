@@ -88,7 +88,7 @@ class StepChecks:
         def checked_step():
             outputs = step()
             scheduler = engine.scheduler
-            check_invariants(engine.kv_cache_manager, scheduler.requests.values())
+            check_invariants(engine.kv_cache_manager, [r for r, _ in scheduler.request_states()])
             return outputs
 
         engine.scheduler.schedule = counting_schedule
@@ -338,9 +338,9 @@ def test_engine_request_kind_reports_once_and_aborts_whole(tiny):
     engine.add_request("c", "hello world", BeamSearchParams(4, 20, ignore_eos=True))
     for _ in range(4):
         engine.step()
-    assert len(engine.scheduler.requests) == 4 and engine.kv_cache_manager.usage > 0
+    assert engine.scheduler.get_num_unfinished_requests() == 4 and engine.kv_cache_manager.usage > 0
     engine.abort_request("c")
-    assert engine.kv_cache_manager.usage == 0.0 and not engine.scheduler.requests
+    assert engine.kv_cache_manager.usage == 0.0 and not engine.scheduler.has_unfinished_requests()
     (aborted,) = engine.step()
     assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
     assert not engine.has_unfinished_requests()
@@ -381,7 +381,8 @@ def test_requests_that_can_never_run_are_refused_and_queue_nothing(tiny):
         with pytest.raises(InvalidRequestError, match=message) as info:
             engine.add_request("x", "a" * 20, params)
         assert info.value.param == param
-        assert not engine.has_unfinished_requests() and not engine.scheduler.requests
+        assert not engine.has_unfinished_requests()
+        assert not engine.scheduler.has_unfinished_requests()
     with pytest.raises(InvalidRequestError, match="BeamSearchParams"):
         llm.beam_search(["a"], SamplingParams())
     assert llm.beam_search([], BeamSearchParams(2, 4)) == []
@@ -407,7 +408,7 @@ def test_preempted_beams_recompute_and_the_result_does_not_change(tiny):
     for i, expected in enumerate(roomy):
         got = beam_search_output(final[str(i)])
         assert [s.tokens for s in got.sequences] == [s.tokens for s in expected.sequences]
-    assert stats.num_used_blocks == 0 and not engine.scheduler.requests
+    assert stats.num_used_blocks == 0 and not engine.scheduler.has_unfinished_requests()
 
 
 def test_beams_synchronise_when_the_token_budget_splits_them(tiny):
@@ -551,11 +552,11 @@ def test_a_child_without_a_free_block_recomputes_and_the_result_does_not_change(
 
     def starved_update(scheduler_output, runner_output):
         eater = _eat_free_blocks(engine)
-        waiting = len(scheduler.waiting)
+        waiting = scheduler.num_waiting
         try:
             return update(scheduler_output, runner_output)
         finally:
-            queued.append(len(scheduler.waiting) - waiting)
+            queued.append(scheduler.num_waiting - waiting)
             _release(engine, eater)
 
     scheduler.update_from_output = starved_update
@@ -586,27 +587,24 @@ def test_beams_waiting_for_siblings_that_do_not_fit_are_taken_out_whole(tiny):
     scheduler = engine.scheduler
     for request_id, prompt in prompts.items():
         engine.add_request(request_id, prompt, params)
-    while len(scheduler.running) < 4:  # both searches have forked their second beam
+    while len(scheduler.get_running_requests()) < 4:  # both searches have forked their second beam
         engine.step()
-    groups = [scheduler.requests["a#beam0"].beam_group, scheduler.requests["b#beam0"].beam_group]
+    groups = [scheduler.get_request(f"{k}#beam0").beam_group for k in ("a", "b")]
     # Preempt one beam of each search, then fill the pool: the other beams compute their token,
     # report, and wait for the preempted ones, which cannot come back.
-    from pagedkv.engine.scheduled_step import ScheduledStep
-
     for group in groups:
-        beam = group.beams[1]
-        scheduler.running.remove(beam)
-        scheduler.preempt(beam, ScheduledStep())
+        scheduler.queues.preempt(group.beams[1])
     eater = _eat_free_blocks(engine)
     engine.step()  # the running beams report
-    parked = list(scheduler.running)
+    parked = list(scheduler.get_running_requests())
     assert len(parked) == 2 and all(g.has_reported(b) for g, b in zip(groups, parked, strict=True))
     out = scheduler.schedule()
     # Nothing could run: both searches were taken out whole (their parked beams preempted),
     # which freed room for the oldest one to come back whole; the other waits, in order.
     assert out.preempted_req_ids == {b.request_id for b in parked}
     assert list(out.num_scheduled_tokens) == [b.request_id for b in groups[0].beams]
-    assert [r.request_id for r in scheduler.waiting] == [b.request_id for b in groups[1].beams]
+    waiting = [r.request_id for r, where in scheduler.request_states() if where == "waiting"]
+    assert waiting == [b.request_id for b in groups[1].beams]
     engine._process_outputs(scheduler.update_from_output(out, engine.executor.execute_model(out)))
     _release(engine, eater)
     final = run(engine)
@@ -658,6 +656,6 @@ def test_random_workloads_under_pressure_give_the_result_with_room(tiny):
                 o.token_ids for o in expected[f"{trial}-{request_id}"].outputs
             ], (trial, request_id)
         stats = engine.get_stats().scheduler
-        assert stats.num_used_blocks == 0 and not engine.scheduler.requests
+        assert stats.num_used_blocks == 0 and not engine.scheduler.has_unfinished_requests()
         num_preemptions += stats.num_preemptions
     assert num_preemptions > 10

@@ -171,7 +171,7 @@ def test_blocked_disk_load_waits_alone(tiny, expected, tmp_path):
         engine.add_request("other", {"prompt_token_ids": [9, 8, 7, 6, 5]}, other)
         engine.step()  # "other" prefills: 1 token
         engine.add_request("hit", {"prompt_token_ids": TURN2[0]}, PARAMS)
-        hit = engine.scheduler.requests["hit"]
+        hit = engine.scheduler.get_request("hit")
         for n in range(4):  # the load is pending: "other" decodes, "hit" gets nothing
             outs = {o.request_id: o for o in engine.step()}
             assert hit.status == RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -210,9 +210,9 @@ def test_abort_while_loading_frees_blocks_after_the_load(tiny, tmp_path):
         gate.set()
     for _ in range(100):
         engine.step()
-        if len(engine.scheduler.tier_loads) == 0:
+        if engine.scheduler.num_loading == 0:
             break
-    assert len(engine.scheduler.tier_loads) == 0
+    assert engine.scheduler.num_loading == 0
     assert manager.num_free_blocks == free_before
     assert not engine.has_unfinished_requests()
     check_invariants(manager)

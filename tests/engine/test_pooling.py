@@ -158,12 +158,12 @@ def test_a_preempted_pooling_request_gives_the_same_vector(
     engine.add_request("gen-0", prompt_ids[1], greedy)
     engine.add_request("gen-1", prompt_ids[1], greedy)
     results = {}
-    while engine.scheduler.requests["gen-0"].num_output_tokens < 70:
+    while engine.scheduler.get_request("gen-0").num_output_tokens < 70:
         engine.step()
     engine.add_request("pool", prompt_ids[-1], PoolingParams(pooling_type=pooling))
     preempted = 0
     while engine.has_unfinished_requests():
-        request = engine.scheduler.requests.get("pool")
+        request = engine.scheduler.get_request("pool")
         if request is not None:
             preempted = request.num_preemptions
         for output in engine.step():

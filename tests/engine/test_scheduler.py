@@ -178,7 +178,7 @@ def test_admission_fcfs_stops_at_the_first_misfit_and_skip_tries_the_next(admiss
     requests = {name: make_request(scheduler, name, p, 4) for name, p in prompts.items()}
     out = scheduler.schedule()
     assert ids(out) == first_step
-    assert scheduler.waiting.peek() is requests["big"]  # a skipped request keeps its place
+    assert scheduler.queues.peek_waiting() is requests["big"]  # a skipped request keeps its place
     scheduler.update_from_output(out, model.execute(out))
     run_until_done(scheduler, model)
     for name, request in requests.items():

@@ -178,7 +178,7 @@ def test_an_interrupted_step_still_tells_the_worker_what_finished(tiny):
     engine = make_engine(tiny)
     engine.add_request("short", "abc", SamplingParams(temperature=0, max_tokens=2))
     engine.add_request("long", "abcd", SamplingParams(temperature=0, max_tokens=8))
-    while "short" not in engine.scheduler.finished_req_ids:
+    while "short" not in engine.scheduler.queues.finished_ids:
         engine.step()
     batch = engine.runner.input_batch
     update = batch.update
@@ -190,7 +190,7 @@ def test_an_interrupted_step_still_tells_the_worker_what_finished(tiny):
     batch.update = interrupted
     with pytest.raises(KeyboardInterrupt):
         engine.step()
-    assert "short" in engine.scheduler.finished_req_ids
+    assert "short" in engine.scheduler.queues.finished_ids
     engine.abort_request("long")  # what LLM.generate does after an interrupt
     while engine.has_unfinished_requests():
         engine.step()

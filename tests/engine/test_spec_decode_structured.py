@@ -231,7 +231,7 @@ def run(engine, prompts, params, proposer=None):
             if output.finished:
                 final[output.request_id] = output.outputs[0]
         check_invariants(engine.kv_cache_manager)
-        for request in engine.scheduler.running:
+        for request in engine.scheduler.get_running_requests():
             state = request.structured_output
             if state is None:
                 continue

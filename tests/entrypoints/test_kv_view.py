@@ -48,7 +48,7 @@ class GatedEngine(LLMEngine):
 
 
 def _running_with_output(scheduler, num_requests: int) -> bool:
-    running = scheduler.running
+    running = scheduler.get_running_requests()
     return len(running) >= num_requests and all(r.num_output_tokens >= 1 for r in running)
 
 

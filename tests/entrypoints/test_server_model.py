@@ -300,7 +300,7 @@ class StepGate:
         self.released = threading.Event()
 
     def __call__(self):
-        requests = list(self.engine.scheduler.requests.values())
+        requests = [r for r, _ in self.engine.scheduler.request_states()]
         if not self.released.is_set() and (
             len(requests) < self.num_requests
             or all(r.num_output_tokens >= self.num_tokens for r in requests)
@@ -322,7 +322,7 @@ def test_32_concurrent_streams_some_disconnecting(server, engine, client):
         ]
         await asyncio.gather(*tasks[::4])
         await asyncio.to_thread(
-            wait_for, lambda: len(engine.scheduler.requests) == 24, "8 aborts", 300
+            wait_for, lambda: engine.scheduler.get_num_unfinished_requests() == 24, "8 aborts", 300
         )
         gate.released.set()
         return await asyncio.gather(*tasks)

@@ -2,7 +2,8 @@
 
 Each beam is a running sequence of the scheduler; a search's beams share blocks by fork. The
 search (:class:`~pagedkv.engine.beam_search.BeamSearchGroup`) decides which beams go on; this
-module applies its decisions to the scheduler's queues and the KV cache:
+module applies its decisions to the scheduler's queues
+(:class:`~pagedkv.engine.request_queues.RequestQueues`) and the KV cache:
 
 - seats: a search holds ``beam_width`` seats (of max_num_seqs) while any of its beams runs, so
   its forks and its preempted beams always find one (vLLM V0 counted a sequence group's most
@@ -17,28 +18,41 @@ module applies its decisions to the scheduler's queues and the KV cache:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from pagedkv.core.interface import KVCacheInterface
 from pagedkv.engine.beam_search import BeamSearchGroup
 from pagedkv.engine.request import Request, RequestStatus
+from pagedkv.engine.request_queues import RequestQueues
 from pagedkv.engine.scheduled_step import ScheduledStep
+from pagedkv.engine.stats import SchedulerStats
 from pagedkv.errors import InvalidRequestError
 from pagedkv.worker.outputs import LogprobsLists
-
-if TYPE_CHECKING:
-    from pagedkv.engine.scheduler import Scheduler
 
 
 class BeamSearchGroups:
     """The unfinished beam searches of a scheduler, by their root beam's id (what abort and
     the outputs name).
 
-    Shares the scheduler's queues (``running``, ``waiting``, ``requests``), its KV cache and
-    its counters; owns the searches.
+    Moves beams through the scheduler's queues, forks them in its KV cache and counts into its
+    counters; owns the searches.
+
+    Args:
+        queues: the scheduler's requests.
+        kv_cache: the KV cache (forks; its ``num_blocks`` bounds a search).
+        stats: the scheduler's counters (``num_forks``, ``num_generation_tokens``).
+        max_num_seqs: the scheduler's seats (a search needs ``beam_width`` of them).
     """
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self._scheduler = scheduler
+    def __init__(
+        self,
+        queues: RequestQueues,
+        kv_cache: KVCacheInterface,
+        stats: SchedulerStats,
+        max_num_seqs: int,
+    ) -> None:
+        self._queues = queues
+        self._kv_cache = kv_cache
+        self._stats = stats
+        self._max_num_seqs = max_num_seqs
         self.groups: dict[str, BeamSearchGroup] = {}
 
     def __bool__(self) -> bool:
@@ -52,15 +66,15 @@ class BeamSearchGroups:
         Raises:
             InvalidRequestError: ``param="beam_width"``, one of the above.
         """
-        scheduler = self._scheduler
         width = group.beam_width
-        if width > scheduler.max_num_seqs:
+        max_num_seqs = self._max_num_seqs
+        if width > max_num_seqs:
             raise InvalidRequestError(
-                f"beam_width ({width}) must be <= max_num_seqs ({scheduler.max_num_seqs}): "
+                f"beam_width ({width}) must be <= max_num_seqs ({max_num_seqs}): "
                 "every beam is a running sequence",
                 param="beam_width",
             )
-        num_usable_blocks = scheduler.kv_cache_manager.num_blocks - 1
+        num_usable_blocks = self._kv_cache.num_blocks - 1
         if width * num_blocks_per_beam > num_usable_blocks:
             raise InvalidRequestError(
                 f"beam search with beam_width={width} needs up to {width} x "
@@ -92,6 +106,11 @@ class BeamSearchGroups:
                 waiting += len(beams) - num_running
         return BeamSeats(reserved, waiting)
 
+    def reserved_seats(self) -> int:
+        """Seats the searches with a running beam hold for their beams not running
+        (:meth:`seats`' ``reserved``; 0 without a search)."""
+        return self.seats().reserved if self.groups else 0
+
     @staticmethod
     def seats_needed(request: Request) -> int:
         """Seats ``request`` takes when admitted: 1; a beam's search takes beam_width when none
@@ -109,20 +128,19 @@ class BeamSearchGroups:
         it needs). Preempt every such search whole and queue its beams together at the front,
         oldest search first, so the next admissions bring one search in whole (each fits alone:
         ``check`` made sure) instead of parts of several."""
-        scheduler = self._scheduler
+        queues = self._queues
         groups = []
-        for request in scheduler.running:
+        for request in queues.running:
             group = request.beam_group
             if group is not None and group not in groups:
                 groups.append(group)
         for group in reversed(groups):
             for beam in reversed(group.beams):  # each to the front: in order at the end
                 if beam.status == RequestStatus.RUNNING:
-                    scheduler.running.remove(beam)
-                    scheduler.preempt(beam, step)
+                    queues.preempt(beam)
+                    step.preempted_req_ids.add(beam.request_id)
                 else:
-                    scheduler.waiting.remove(beam)
-                    scheduler.waiting.add_front(beam)
+                    queues.requeue(beam)
 
     def check_rows(self, sampling: list[Request], logprobs: dict[str, LogprobsLists]) -> None:
         """Every beam that sampled has its candidates' logprobs row.
@@ -155,32 +173,28 @@ class BeamSearchGroups:
         (or whose parent is not running, preempted since it reported) is queued to recompute
         its KV instead (prefix-cache hits on the shared full blocks). When the search is over,
         its root is reported changed."""
-        scheduler = self._scheduler
+        queues = self._queues
+        stats = self._stats
         decision = group.step()
         for beam in decision.dropped:
-            self._remove_beam(beam)
-            beam.status = RequestStatus.FINISHED_STOPPED
-            scheduler.free_request(beam, now)
+            queues.release(beam, RequestStatus.FINISHED_STOPPED, now)
         for request, parent, _ in decision.continuations:
             if request is parent:
                 continue
-            scheduler.requests[request.request_id] = request
             request.num_computed_tokens = parent.num_computed_tokens
             if (
                 parent.status == RequestStatus.RUNNING
                 and parent.num_computed_tokens > 0
-                and scheduler.kv_cache_manager.fork(parent, request)
+                and self._kv_cache.fork(parent, request)
             ):
-                request.status = RequestStatus.RUNNING
-                scheduler.running.insert(scheduler.running.index(parent) + 1, request)
-                scheduler.stats.num_forks += 1
+                queues.add_running(request, queues.running.index(parent) + 1)
+                stats.num_forks += 1
             else:
                 request.num_computed_tokens = 0
-                request.status = RequestStatus.WAITING
-                scheduler.waiting.add_front(request)
+                queues.add(request, front=True)
         for request, _, token_id in decision.continuations:
             request.append_output_token_ids(token_id)
-            scheduler.stats.num_generation_tokens += 1
+            stats.num_generation_tokens += 1
         root = group.root
         if root.first_token_time is None:
             root.first_token_time = now
@@ -194,19 +208,12 @@ class BeamSearchGroups:
         if group.done:
             return
         error = group.root.error if status == RequestStatus.FINISHED_ERROR else None
+        queues = self._queues
         for beam in group.abort(error):
-            self._remove_beam(beam)
-            beam.status = status
-            self._scheduler.free_request(beam)
+            if queues.get(beam.request_id) is beam:  # (a rejected beam was released already)
+                queues.release(beam, status)
         group.root.status = status
         self.groups.pop(group.root.request_id, None)
-
-    def _remove_beam(self, beam: Request) -> None:
-        """Take a live beam out of the running list or the waiting queue."""
-        if beam.status == RequestStatus.RUNNING:
-            self._scheduler.running.remove(beam)
-        else:
-            self._scheduler.waiting.remove(beam)
 
 
 class BeamSeats:

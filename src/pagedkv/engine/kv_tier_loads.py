@@ -16,34 +16,40 @@ and never fail, so the request runs in the step that allocates it.
 
 from __future__ import annotations
 
-import time
-from typing import TYPE_CHECKING
-
+from pagedkv.core.interface import KVCacheInterface
 from pagedkv.core.kv_cache_blocks import KVCacheBlocks
 from pagedkv.engine.request import Request, RequestStatus
+from pagedkv.engine.request_queues import RequestQueues
+from pagedkv.engine.stats import SchedulerStats
 from pagedkv.worker.outputs import ModelRunnerOutput
-
-if TYPE_CHECKING:
-    from pagedkv.engine.scheduler import Scheduler
 
 
 class KVTierLoads:
-    """Requests waiting for their KV tier loads, and the loaded ones to resume.
+    """When a request waits for its KV tier loads, what their reports do, and the loaded
+    requests to resume.
 
-    Shares the scheduler's queues (``running``, ``waiting``, ``requests``), its KV cache and
-    its counters; owns the requests in flight.
+    Moves requests through the scheduler's queues (their loading set holds the requests in
+    flight), asks its KV cache and counts into its counters; owns the resumptions.
 
     Args:
-        scheduler: the scheduler it serves.
+        queues: the scheduler's requests.
+        kv_cache: the KV cache (prefix hits, tier entries, frees).
+        stats: the scheduler's counters (``num_kv_tier_loads``, ``num_kv_tier_load_failures``).
         wait_for_kv_loads: hold a tier hit until the workers report its loads (the engine);
             False: loads are instant (the simulator).
     """
 
-    def __init__(self, scheduler: Scheduler, wait_for_kv_loads: bool) -> None:
-        self._scheduler = scheduler
+    def __init__(
+        self,
+        queues: RequestQueues,
+        kv_cache: KVCacheInterface,
+        stats: SchedulerStats,
+        wait_for_kv_loads: bool,
+    ) -> None:
+        self._queues = queues
+        self._kv_cache = kv_cache
+        self._stats = stats
         self.wait_for_kv_loads = wait_for_kv_loads
-        #: requests holding blocks while the workers load their tier hits, by id.
-        self.loading: dict[str, Request] = {}
         #: loaded requests the workers held before (preempted): their first step after the
         #: load sends their whole block table.
         self.resume_after_load: set[str] = set()
@@ -56,14 +62,11 @@ class KVTierLoads:
             return True
         return False
 
-    def __len__(self) -> int:
-        return len(self.loading)
-
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, bool]:
         """The KV cache's prefix hit for ``request``: ``(blocks, hit tokens, loads)``, loads
         True when it must wait for the tier's part. A beam recomputes its tier part instead
         (its seats are reserved with its group's; its pool hit stays)."""
-        kv_cache = self._scheduler.kv_cache_manager
+        kv_cache = self._kv_cache
         blocks, num_computed_tokens = kv_cache.get_computed_blocks(request)
         tier_hashes = blocks.tier_hashes
         if not tier_hashes or not self.wait_for_kv_loads:
@@ -79,22 +82,12 @@ class KVTierLoads:
         """``request`` got its blocks. Returns True when it now waits for its loads (it does
         not run in this step); without workers a tier hit's loads are done at once."""
         if loads:
-            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-            self.loading[request.request_id] = request
-            self._scheduler.stats.num_kv_tier_loads += 1
+            self._queues.wait_for_loads(request)
+            self._stats.num_kv_tier_loads += 1
             return True
         if blocks.tier_hashes and not self.wait_for_kv_loads:
-            self._scheduler.kv_cache_manager.finish_tier_loads(request.request_id)
+            self._kv_cache.finish_tier_loads(request.request_id)
         return False
-
-    def finish(self, request: Request, status: RequestStatus) -> None:
-        """Finish a request still loading (abort): the workers are writing its blocks, so they
-        are freed when the loads end (:meth:`update`)."""
-        request.status = status
-        request.finished_time = time.monotonic()
-        if request.structured_output is not None:
-            request.structured_output.free()
-        self._scheduler.requests.pop(request.request_id, None)
 
     def update(self, runner_output: ModelRunnerOutput) -> None:
         """Apply the workers' tier reports: stores they dropped are forgotten; requests whose
@@ -102,35 +95,31 @@ class KVTierLoads:
         blocks enter the prefix cache with their next allocation). Some failed: the tier
         forgets the bad entries and the request goes back to the front of the waiting queue
         with its blocks freed (never cached), so it recomputes what the tier could not give;
-        its output does not change. One finished meanwhile (aborted): its blocks are freed."""
-        scheduler = self._scheduler
-        kv_cache = scheduler.kv_cache_manager
+        its output does not change. One released meanwhile (aborted): its blocks are freed
+        (:meth:`~pagedkv.engine.request_queues.RequestQueues.loads_ended`)."""
+        queues = self._queues
+        kv_cache = self._kv_cache
         if runner_output.dropped_kv_stores:
             kv_cache.discard_tier_entries(runner_output.dropped_kv_stores, failed_load=False)
         failed = runner_output.failed_kv_loads
-        if not self.loading or not (runner_output.finished_kv_loads or failed):
+        if not queues.loading or not (runner_output.finished_kv_loads or failed):
             return
         for keys in failed.values():
             kv_cache.discard_tier_entries(keys)
         for request_id in (*runner_output.finished_kv_loads, *failed):
-            request = self.loading.pop(request_id, None)
+            request = queues.loads_ended(request_id)
             if request is None:
                 continue
-            kv_cache.finish_tier_loads(request_id)
-            if request.is_finished:
-                kv_cache.free(request)
-                scheduler.finished_req_ids.add(request_id)
-            elif request_id in failed:
+            if request_id in failed:
                 kv_cache.free(request)
                 request.status = (
                     RequestStatus.PREEMPTED if request.num_sent_tokens else RequestStatus.WAITING
                 )
                 request.num_computed_tokens = 0
-                scheduler.stats.num_kv_tier_load_failures += 1
-                scheduler.waiting.add_front(request)
+                self._stats.num_kv_tier_load_failures += 1
+                queues.requeue(request)
             else:
-                request.status = RequestStatus.RUNNING
-                scheduler.running.append(request)
+                queues.run(request)
                 if request.num_sent_tokens:
                     self.resume_after_load.add(request_id)
 

@@ -35,6 +35,7 @@ from pagedkv.engine.input_processor import InputProcessor, Prompt
 from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.request import Request, RequestStatus
+from pagedkv.engine.sample_forks import fork_samples
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.stats import KVTierStats, SchedulerStats
 from pagedkv.engine.structured_output import StructuredOutputManager, StructuredOutputRequest
@@ -292,17 +293,9 @@ class LLMEngine:
             )
             for index in range(num_samples)
         ]
-        # n > 1 with a prompt of 2+ tokens: one prefill, then a fork (the samples share the
-        # prompt's blocks; each computes the last prompt token itself and samples from it).
-        to_add = requests
-        if len(requests) > 1 and len(prompt_token_ids) > 1:
-            parent = requests[0]
-            parent.fork_children = requests[1:]
-            parent.fork_at = len(prompt_token_ids) - 1
-            to_add = [parent]
         added = []
         try:
-            for request in to_add:
+            for request in fork_samples(requests):  # n > 1: one prefill, then forks
                 self.scheduler.add_request(request)
                 added.append(request)
         except InvalidRequestError:
@@ -357,7 +350,7 @@ class LLMEngine:
         """Queue a beam search: its first beam (the prompt), which the scheduler forks into
         ``beam_width`` beams after the first token (:mod:`pagedkv.engine.beam_search`)."""
         self.input_processor.check_params(params, priority)
-        if self.scheduler.drafts is not None:  # vLLM refuses the pair too
+        if self.scheduler.spec_decode_enabled:  # vLLM refuses the pair too
             raise InvalidRequestError(
                 "use_beam_search: beam search cannot run with speculative decoding (the "
                 "engine's speculative_config); use an engine without it",
@@ -477,9 +470,7 @@ class LLMEngine:
         between steps (the server's engine thread does, only while a /kv page listens)."""
         scheduler = self.scheduler
         last = self._last_scheduler_output
-        requests = [(request, "running") for request in scheduler.running]
-        requests += [(request, "loading") for request in scheduler.tier_loads.loading.values()]
-        requests += [(request, "waiting") for request in scheduler.waiting]
+        requests = scheduler.request_states()
         stats = dataclasses.asdict(scheduler.get_stats())
         stats["prefix_cache_hit_rate"] = scheduler.stats.prefix_cache_hit_rate
         return snapshot_kv_cache(
@@ -548,7 +539,7 @@ class LLMEngine:
         finally:
             manager.free(probe)
             # The workers forget the probe with the next step's finished requests.
-            self.scheduler.finished_req_ids.add(probe_id)
+            self.scheduler.note_finished((probe_id,))
 
     # ------------------------------------------------------------------ the step
 
@@ -578,7 +569,7 @@ class LLMEngine:
         if (
             scheduler_output.total_num_scheduled_tokens
             or scheduler_output.kv_tier_ops
-            or len(self.scheduler.tier_loads)
+            or self.scheduler.num_loading
         ):
             # (KV tier instructions, or loads in flight to report, run with no token too)
             try:
@@ -586,12 +577,12 @@ class LLMEngine:
             except BaseException as exc:
                 # The workers may not have applied the output (even a Ctrl-C inside it): tell
                 # them again next step, so no finished request's state stays behind.
-                self.scheduler.finished_req_ids |= scheduler_output.finished_req_ids
+                self.scheduler.note_finished(scheduler_output.finished_req_ids)
                 if isinstance(exc, Exception):
                     self._fail_requests(scheduler_output.req_ids, exc)
                 raise
         else:  # nothing to run: the workers forget finished requests with the next real step
-            self.scheduler.finished_req_ids |= scheduler_output.finished_req_ids
+            self.scheduler.note_finished(scheduler_output.finished_req_ids)
         try:
             changed = self.scheduler.update_from_output(scheduler_output, runner_output)
             outputs = self._process_outputs(changed, runner_output)
@@ -610,10 +601,14 @@ class LLMEngine:
         """Finish the sequences ``seq_ids`` (and their sibling samples) with finish_reason
         "error"; each output's ``error`` says what ``exc`` was."""
         message = f"{type(exc).__name__}: {exc}"
-        requests = self.scheduler.requests
-        beams = {s for s in seq_ids if s in requests and requests[s].beam_group is not None}
-        request_ids = self.output_processor.request_ids_of(s for s in seq_ids if s not in beams)
-        request_ids |= {requests[s].beam_group.request_id for s in beams}
+        get_request = self.scheduler.get_request
+        groups = {}
+        for seq_id in seq_ids:
+            request = get_request(seq_id)
+            if request is not None and request.beam_group is not None:
+                groups[seq_id] = request.beam_group.request_id
+        request_ids = self.output_processor.request_ids_of(s for s in seq_ids if s not in groups)
+        request_ids |= set(groups.values())
         for request_id in request_ids:
             seq_ids = self.output_processor.finish_request(request_id, "error", error=message)
             self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ERROR)

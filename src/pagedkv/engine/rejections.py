@@ -10,28 +10,39 @@ on with the others).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from pagedkv.engine.beam_groups import BeamSearchGroups
 from pagedkv.engine.request import Request, RequestStatus
+from pagedkv.engine.request_queues import RequestQueues
+from pagedkv.engine.sample_forks import SampleForks
 from pagedkv.engine.scheduled_step import ScheduledStep
-
-if TYPE_CHECKING:
-    from pagedkv.engine.scheduler import Scheduler
+from pagedkv.engine.stats import SchedulerStats
 
 
 class Rejections:
     """Requests finished with an error while scheduling, until the next report.
 
-    Shares the scheduler's queues and counters (``num_rejected``); owns the unreported list.
+    Releases them from the scheduler's queues and counts them; owns the unreported list.
 
     Args:
-        scheduler: the scheduler it serves.
+        queues: the scheduler's requests.
+        stats: the scheduler's counters (``num_rejected``).
+        beams: the scheduler's beam searches (a rejected beam ends its search).
+        num_usable_blocks: the KV cache's blocks a request may hold (for the message).
     """
 
-    __slots__ = ("_scheduler", "_unreported")
+    __slots__ = ("_beams", "_num_usable_blocks", "_queues", "_stats", "_unreported")
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self._scheduler = scheduler
+    def __init__(
+        self,
+        queues: RequestQueues,
+        stats: SchedulerStats,
+        beams: BeamSearchGroups,
+        num_usable_blocks: int,
+    ) -> None:
+        self._queues = queues
+        self._stats = stats
+        self._beams = beams
+        self._num_usable_blocks = num_usable_blocks
         self._unreported: list[Request] = []
 
     def take(self) -> list[Request]:
@@ -45,12 +56,10 @@ class Rejections:
         WAITING_FOR_FSM: it goes to ``skipped`` and waits, not the requests behind it, whatever
         the admission policy), or failed to compile (rejected)."""
         constraint = request.structured_output
-        waiting = self._scheduler.waiting
         if not constraint.ready():
-            skipped.append(waiting.pop())
+            skipped.append(self._queues.pop_waiting())
             return True
         if constraint.error is not None:
-            waiting.pop()
             self.reject(request, f"request {request.request_id!r}: {constraint.error}")
             return True
         return False
@@ -59,33 +68,30 @@ class Rejections:
         """Finish ``request`` (still queued) with an error if allocation failed while no other
         request holds blocks: the whole pool was free, so it can never fit. Returns True when
         rejected."""
-        scheduler = self._scheduler
-        if scheduler.running or step.requests or scheduler.tier_loads:
+        queues = self._queues
+        if queues.running or step.requests or queues.loading:
             return False
-        scheduler.waiting.remove(request)
         self.reject(
             request,
             f"request {request.request_id!r} needs more KV blocks for {request.num_tokens} "
-            f"tokens than the whole pool ({scheduler.limits.num_usable_blocks} blocks) can give",
+            f"tokens than the whole pool ({self._num_usable_blocks} blocks) can give",
         )
         return True
 
     def reject(self, request: Request, error: str) -> None:
-        """Finish ``request`` (out of the waiting queue already) with FINISHED_ERROR and
-        ``error``, with its fork children or its whole beam search."""
-        scheduler = self._scheduler
-        request.status = RequestStatus.FINISHED_ERROR
+        """Finish waiting ``request`` with FINISHED_ERROR and ``error``, with its fork children
+        or its whole beam search."""
         request.error = error
-        scheduler.stats.num_rejected += 1
-        scheduler.free_request(request)
+        self._stats.num_rejected += 1
+        self._queues.release(request, RequestStatus.FINISHED_ERROR)
         group = request.beam_group
         if group is not None:  # its beam search ends with it (reported through its root)
-            group.root.error = request.error
-            scheduler.beams.end(group, RequestStatus.FINISHED_ERROR)
+            group.root.error = error
+            self._beams.end(group, RequestStatus.FINISHED_ERROR)
             self._unreported.append(group.root)
             return
         self._unreported.append(request)
-        self._unreported.extend(scheduler.forks.reject(request))
+        self._unreported.extend(SampleForks.reject(request))
 
 
 __all__ = ["Rejections"]

@@ -12,28 +12,65 @@ shared partially filled block is copied on the first write) and runs from there:
 A child that has no seat (max_num_seqs) or no room for its first block queues as a plain request
 instead (prefix-cache hits on the parent's full blocks, the rest recomputed); so does every child
 when the prefix cache already holds the parent's whole prompt at admission.
+
+:func:`fork_samples` sets the samples of one prompt up so (the engine's ``add_request`` and the
+simulator call it); :class:`SampleForks` forks them in the scheduler.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
+from pagedkv.core.interface import KVCacheInterface
 from pagedkv.engine.request import Request, RequestStatus
+from pagedkv.engine.request_queues import RequestQueues
+from pagedkv.engine.stats import SchedulerStats
 from pagedkv.errors import InvalidRequestError
 
-if TYPE_CHECKING:
-    from pagedkv.engine.scheduler import Scheduler
+
+def fork_samples(samples: list[Request]) -> list[Request]:
+    """Set up the ``n`` samples of one prompt to share its prefill: with ``n > 1`` and a prompt
+    of 2 or more tokens, the first sample carries the others in ``fork_children`` and forks
+    them at ``fork_at = len(prompt) - 1`` (each sample computes the last prompt token itself and
+    samples from it). Returns the requests to add to the scheduler, in order: that first one
+    alone, or every sample (one, or a one-token prompt: nothing to share)."""
+    if len(samples) < 2 or samples[0].num_prompt_tokens < 2:
+        return samples
+    parent = samples[0]
+    parent.fork_children = samples[1:]
+    parent.fork_at = parent.num_prompt_tokens - 1
+    return [parent]
 
 
 class SampleForks:
     """Parents waiting to fork their samples, and the forks themselves.
 
-    Shares the scheduler's queues (``running``, ``waiting``, ``requests``), its KV cache and
-    its counters; owns the parents that reached their fork point.
+    Moves the samples through the scheduler's queues, forks them in its KV cache and counts
+    into its counters; owns the parents that reached their fork point.
+
+    Args:
+        queues: the scheduler's requests.
+        kv_cache: the KV cache (forks).
+        stats: the scheduler's counters (``num_forks``).
+        max_num_seqs: the scheduler's seats.
+        reserved_seats: the seats beam searches hold now
+            (:meth:`~pagedkv.engine.beam_groups.BeamSearchGroups.reserved_seats`): a child
+            forks only into a seat left over.
     """
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self._scheduler = scheduler
+    def __init__(
+        self,
+        queues: RequestQueues,
+        kv_cache: KVCacheInterface,
+        stats: SchedulerStats,
+        max_num_seqs: int,
+        reserved_seats: Callable[[], int],
+    ) -> None:
+        self._queues = queues
+        self._kv_cache = kv_cache
+        self._stats = stats
+        self._max_num_seqs = max_num_seqs
+        self._reserved_seats = reserved_seats
         self._pending: list[Request] = []  # parents that reached fork_at last step
 
     def check(self, request: Request) -> None:
@@ -43,7 +80,7 @@ class SampleForks:
             InvalidRequestError: a child id in use, a child with another prompt, or a fork
                 point outside ``[1, num_prompt_tokens)``.
         """
-        requests = self._scheduler.requests
+        requests = self._queues.requests
         for child in request.fork_children:
             if child.request_id in requests or child.request_id == request.request_id:
                 raise InvalidRequestError(f"request id {child.request_id!r} is already in use")
@@ -75,10 +112,9 @@ class SampleForks:
 
     def queue_released(self, released: list[Request]) -> None:
         """Queue released children as plain requests, right behind their parent."""
-        scheduler = self._scheduler
+        queues = self._queues
         for child in reversed(released):
-            scheduler.requests[child.request_id] = child
-            scheduler.waiting.add_front(child)
+            queues.add(child, front=True)
 
     def note_fork_points(self, requests: list[Request]) -> None:
         """After the step: parents whose step reaches their fork point fork before the next."""
@@ -91,9 +127,9 @@ class SampleForks:
         A parent preempted since forks when it gets there again."""
         if not self._pending:
             return
-        scheduler = self._scheduler
-        kv_cache = scheduler.kv_cache_manager
-        running = scheduler.running
+        queues = self._queues
+        kv_cache = self._kv_cache
+        running = queues.running
         for parent in self._pending:
             children, parent.fork_children = parent.fork_children, []
             if not children:
@@ -105,20 +141,17 @@ class SampleForks:
                 parent.fork_children = children
                 continue
             at = running.index(parent) + 1
-            max_running = scheduler.max_num_seqs - scheduler.beams.seats().reserved
+            max_running = self._max_num_seqs - self._reserved_seats()
             for child in children:
-                scheduler.requests[child.request_id] = child
                 child.num_computed_tokens = parent.fork_at
                 if len(running) < max_running and kv_cache.fork(parent, child):
-                    child.status = RequestStatus.RUNNING
                     child.num_cached_tokens = parent.num_cached_tokens
-                    running.insert(at, child)
+                    queues.add_running(child, at)
                     at += 1
-                    scheduler.stats.num_forks += 1
+                    self._stats.num_forks += 1
                 else:
                     child.num_computed_tokens = 0
-                    child.status = RequestStatus.WAITING
-                    scheduler.waiting.add(child)
+                    queues.add(child)
         self._pending = []
 
     @staticmethod
@@ -131,4 +164,4 @@ class SampleForks:
         return children
 
 
-__all__ = ["SampleForks"]
+__all__ = ["SampleForks", "fork_samples"]

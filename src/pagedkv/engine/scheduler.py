@@ -21,21 +21,30 @@ named points of the step::
                    drafts.propose                  how many of the workers' drafts to run
                  _admit_waiting(step)              tier_loads.get_computed_blocks / admitted
                    beams.unpark(step), again       only parked beams left: one search whole
-                 build_scheduler_output(step)      what the workers get; num_computed advances
+                 build_scheduler_output(step)      what the workers get (and
+                                                   queues.take_finished_ids()); num_computed
+                                                   advances
                  forks.note_fork_points(step)
     update_from_output():  tier_loads.update       loads done or failed, stores dropped
                            drafts.roll_back        rejected draft tokens' KV given up
                            drafts.receive          the workers' drafts for the next step
                            append_sampled_tokens   tokens appended, stop checks, beam reports
+                           queues.release          finished requests' blocks etc. freed
                            beams.step              a beam search's choice
 
 (:mod:`~pagedkv.engine.sample_forks`, :mod:`~pagedkv.engine.kv_tier_loads`,
 :mod:`~pagedkv.engine.beam_groups`, :mod:`~pagedkv.engine.scheduled_step`,
 :mod:`~pagedkv.engine.sampled_tokens`; requests that can never run:
 :mod:`~pagedkv.engine.rejections`; draft tokens: :mod:`~pagedkv.engine.spec_decode.drafts`).
-A collaborator shares the scheduler's queues (``running``, ``waiting``, ``requests``), its KV
-cache (any :class:`~pagedkv.core.interface.KVCacheInterface`) and its counters, and owns its own
-state.
+
+One object owns the requests: :class:`~pagedkv.engine.request_queues.RequestQueues` holds the
+running list, the waiting queue, the loading set (KV tier hits), the id map and the ids finished
+since the last step, and moves requests between them (admit, preempt, requeue at the front) and
+out (``release``: the one path that frees a request's blocks, grammar, drafts and tier loads).
+Each collaborator is built with the narrow things it uses (the queues, the KV cache interface,
+the counters, a limit or two) and owns only its own state; none holds the scheduler. The engine
+asks the scheduler (``get_request``, ``request_states``, ``num_loading``, ``note_finished``),
+never its queues.
 
 The scheduler is torch-free and model-independent: anything that turns a :class:`SchedulerOutput`
 into a :class:`ModelRunnerOutput` (one sampled token per sampling request) can drive it (the
@@ -55,7 +64,7 @@ from pagedkv.engine.kv_tier_loads import KVTierLoads
 from pagedkv.engine.rejections import Rejections
 from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.engine.request_limits import RequestLimits, check_scheduler_options
-from pagedkv.engine.request_queue import FCFSQueue, PriorityQueue
+from pagedkv.engine.request_queues import RequestQueues
 from pagedkv.engine.sample_forks import SampleForks
 from pagedkv.engine.sampled_tokens import (
     append_sampled_tokens,
@@ -101,6 +110,12 @@ class Scheduler:
         num_lookahead_tokens: KV slots allocated past each sampling request's scheduled tokens
             for the workers' draft model (speculative decoding with a draft model); 0: none.
 
+    Attributes:
+        queues: its requests and where each is
+            (:class:`~pagedkv.engine.request_queues.RequestQueues`; tests read it, the engine
+            asks the methods below).
+        stats: its counters (:class:`~pagedkv.engine.stats.SchedulerStats`, live).
+
     Raises:
         ConfigError: :func:`~pagedkv.engine.request_limits.check_scheduler_options`, or swap
             without a KV tier.
@@ -142,25 +157,11 @@ class Scheduler:
         self.policy = policy
         self.admission = admission
         self.preemption_mode = preemption_mode
-        self.waiting: FCFSQueue | PriorityQueue = (
-            PriorityQueue() if policy == "priority" else FCFSQueue()
-        )
-        self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
-        #: requests finished since the last schedule(): the next output tells the workers.
-        self.finished_req_ids: set[str] = set()
-        #: the collaborators, one job each (see the module's docstring).
-        self.beams = BeamSearchGroups(self)
-        self.forks = SampleForks(self)
-        self.tier_loads = KVTierLoads(self, wait_for_kv_loads)
-        self.rejections = Rejections(self)
-        self.drafts = (
-            SpecDecodeDrafts(self, num_speculative_tokens, num_lookahead_tokens)
-            if num_speculative_tokens
-            else None
+        #: the requests and where each is (running, waiting, loading): their one owner.
+        self.queues = queues = RequestQueues(
+            kv_cache_manager, self.stats, policy, swap=preemption_mode == "swap"
         )
-        self._scheduled_requests: list[Request] = []  # the last schedule()'s, in order
         #: what one request may ask for (add_request's rules).
         self.limits = RequestLimits(
             max_model_len,
@@ -168,6 +169,23 @@ class Scheduler:
             kv_cache_manager.kv_cache_specs,
             kv_cache_manager.num_blocks - 1,  # block 0 is the null block
         )
+        #: the collaborators, one job each (see the module's docstring).
+        self.beams = BeamSearchGroups(queues, kv_cache_manager, self.stats, max_num_seqs)
+        self.forks = SampleForks(
+            queues, kv_cache_manager, self.stats, max_num_seqs, self.beams.reserved_seats
+        )
+        self.tier_loads = KVTierLoads(queues, kv_cache_manager, self.stats, wait_for_kv_loads)
+        self.rejections = Rejections(queues, self.stats, self.beams, self.limits.num_usable_blocks)
+        self.drafts = (
+            SpecDecodeDrafts(
+                max_model_len, queues.running, num_speculative_tokens, num_lookahead_tokens
+            )
+            if num_speculative_tokens
+            else None
+        )
+        if self.drafts is not None:
+            queues.set_release_hook(self.drafts.finished)
+        self._scheduled_requests: list[Request] = []  # the last schedule()'s, in order
 
     @classmethod
     def from_config(
@@ -207,15 +225,13 @@ class Scheduler:
                 served (:class:`~pagedkv.engine.request_limits.RequestLimits`, the beam
                 search's and the fork's checks). Nothing is queued then.
         """
-        if request.request_id in self.requests:
+        if request.request_id in self.queues.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         num_blocks_needed = self.limits.check(request)
         if request.beam_group is not None:
             self.beams.check(request.beam_group, num_blocks_needed)
         self.forks.check(request)
-        request.status = RequestStatus.WAITING
-        self.requests[request.request_id] = request
-        self.waiting.add(request)
+        self.queues.add(request)
         if request.beam_group is not None:
             self.beams.add(request)
 
@@ -232,43 +248,70 @@ class Scheduler:
             raise InvalidRequestError(f"finish_requests needs a finished status, got {status!r}")
         if isinstance(request_ids, str):
             request_ids = (request_ids,)
-        finished = []
+        queues = self.queues
         for request_id in request_ids:
-            request = self.requests.get(request_id)
+            request = queues.get(request_id)
             group = self.beams.find(request_id, request)
             if group is not None:  # a beam search ends whole: every live beam is freed
                 self.beams.end(group, status)
-                continue
-            if request is None:
-                continue
-            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                self.tier_loads.finish(request, status)
-                continue
-            if request.status == RequestStatus.RUNNING:
-                finished.append(request)
-            else:
-                self.waiting.remove(request)
-            request.status = status
-            self.free_request(request)
-        if finished:
-            gone = {id(r) for r in finished}
-            self.running[:] = [r for r in self.running if id(r) not in gone]
+            elif request is not None:
+                queues.release(request, status)
 
     def has_unfinished_requests(self) -> bool:
-        """True while any request is waiting or running."""
-        return bool(self.requests)
+        """True while any request is waiting, loading or running."""
+        return bool(self.queues)
 
     def get_num_unfinished_requests(self) -> int:
-        """Number of requests waiting or running."""
-        return len(self.requests)
+        """Number of requests waiting, loading or running."""
+        return len(self.queues)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request ``request_id`` (a sequence: one sample or one beam), or None."""
+        return self.queues.get(request_id)
+
+    def get_running_requests(self) -> list[Request]:
+        """The running requests in scheduling order (the scheduler's own list: read it, do not
+        change it)."""
+        return self.queues.running
+
+    def request_states(self) -> list[tuple[Request, str]]:
+        """Every unfinished request with where it is: ``"running"`` (scheduling order), then
+        ``"loading"`` (waiting for KV tier loads), then ``"waiting"`` (queue order)."""
+        queues = self.queues
+        states = [(request, "running") for request in queues.running]
+        states += [(request, "loading") for request in queues.loading.values()]
+        states += [(request, "waiting") for request in queues.waiting]
+        return states
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not running: queued, or loading their KV tier hits."""
+        return self.queues.num_waiting
+
+    @property
+    def num_loading(self) -> int:
+        """Requests waiting for the workers' KV tier loads (the workers must run a step to
+        report them, even one without tokens)."""
+        return len(self.queues.loading)
+
+    @property
+    def spec_decode_enabled(self) -> bool:
+        """Whether decoding requests get draft tokens (speculative decoding)."""
+        return self.drafts is not None
+
+    def note_finished(self, request_ids: Iterable[str]) -> None:
+        """Have the next step tell the workers to forget ``request_ids`` too: a request run
+        outside the scheduler (the engine's health probe), or a step's finished ids the workers
+        may not have applied (it failed)."""
+        self.queues.note_finished(request_ids)
 
     def get_stats(self) -> SchedulerStats:
         """A snapshot of the counters (a copy: later steps do not change it)."""
         kv_cache = self.kv_cache_manager
         return dataclasses.replace(
             self.stats,
-            num_running=len(self.running),
-            num_waiting=len(self.waiting) + len(self.tier_loads),
+            num_running=len(self.queues.running),
+            num_waiting=self.queues.num_waiting,
             kv_cache_usage=kv_cache.usage,
             num_used_blocks=kv_cache.num_blocks - 1 - kv_cache.num_free_blocks,
             num_shared_blocks=kv_cache.num_shared_blocks,
@@ -298,19 +341,19 @@ class Scheduler:
             finished since the last step.
         """
         step = ScheduledStep()
+        queues = self.queues
         self.forks.fork_pending()
         token_budget = self._schedule_running(step)
         if not step.preempted_req_ids:  # newcomers only when this step had room for all
             self._admit_waiting(step, token_budget)
-            if not step.requests and self.running and self.waiting:
+            if not step.requests and queues.running and queues.waiting:
                 # Only beams waiting for their siblings run, and those siblings do not fit.
                 self.beams.unpark(step)
                 self._admit_waiting(step, token_budget)
         kv_cache = self.kv_cache_manager
-        out = build_scheduler_output(step, kv_cache, self.finished_req_ids, self.stats)
+        out = build_scheduler_output(step, kv_cache, queues.take_finished_ids(), self.stats)
         if self.drafts is not None:
             out.finished_token_ids = self.drafts.take_finished_token_ids()
-        self.finished_req_ids = set()
         self.forks.note_fork_points(step.requests)
         self._scheduled_requests = step.requests
         if step.requests:
@@ -325,7 +368,8 @@ class Scheduler:
         in order, preempting (:meth:`_pick_victim`) while one does not fit. Returns the token
         budget left."""
         kv_cache = self.kv_cache_manager
-        running = self.running
+        queues = self.queues
+        running = queues.running
         resume_after_load = self.tier_loads.resume_after_load
         drafts = self.drafts
         token_budget = self.max_num_batched_tokens
@@ -355,9 +399,9 @@ class Scheduler:
                 victim = self._pick_victim()
                 if running.index(victim) < req_index:  # only under policy="priority"
                     req_index -= 1
-                running.remove(victim)
                 token_budget += step.unschedule(victim)  # a victim scheduled this step
-                self.preempt(victim, step)
+                queues.preempt(victim)
+                step.preempted_req_ids.add(victim.request_id)
                 if victim is request:
                     preempted_self = True
                     break
@@ -377,9 +421,10 @@ class Scheduler:
         """Admit waiting requests in queue order while seats, budget and blocks last: "fcfs"
         admission stops at the first that does not fit, "skip" tries those behind it."""
         kv_cache = self.kv_cache_manager
-        waiting = self.waiting
-        running = self.running
-        loading = self.tier_loads.loading
+        queues = self.queues
+        waiting = queues.waiting
+        running = queues.running
+        loading = queues.loading
         skip = self.admission == "skip"
         skipped: list[Request] = []
         seats_held = self.beams.seats()
@@ -388,7 +433,7 @@ class Scheduler:
             and token_budget > 0
             and seats_held.room(len(running) + len(loading), self.max_num_seqs)
         ):
-            request = waiting.peek()
+            request = queues.peek_waiting()
             if request.structured_output is not None and self.rejections.grammar_not_ready(
                 request, skipped
             ):
@@ -397,7 +442,7 @@ class Scheduler:
             if not seats_held.fits(len(running) + len(loading), seats, self.max_num_seqs):
                 if not skip:
                     break  # FCFS: later requests wait behind this one
-                skipped.append(waiting.pop())
+                skipped.append(queues.pop_waiting())
                 continue
             blocks, num_computed_tokens, loads = self.tier_loads.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_computed_tokens
@@ -432,22 +477,21 @@ class Scheduler:
                     continue
                 if not skip:
                     break  # FCFS: later requests wait behind this one
-                skipped.append(waiting.pop())
+                skipped.append(queues.pop_waiting())
                 continue
-            waiting.pop()
+            queues.pop_waiting()
             self.forks.queue_released(released)
             self.stats.count_first_admission(request, num_computed_tokens)
             request.num_computed_tokens = num_computed_tokens
             if self.tier_loads.admitted(request, blocks, loads):
                 continue  # it waits for its loads (not the batch), then runs
-            request.status = RequestStatus.RUNNING
-            running.append(request)
+            queues.run(request)
             seats_held.admitted(request, seats)
             # A request the workers already hold came back from preemption.
             step.add(request, num_new_tokens, None, request.num_sent_tokens > 0, lookahead)
             token_budget -= num_new_tokens
         for request in reversed(skipped):  # back in front, in their order
-            waiting.add_front(request)
+            queues.requeue(request)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -489,44 +533,18 @@ class Scheduler:
         if pooled:  # pooling requests whose prompt is done: finished with their vector
             finished += finish_pooled(pooled, changed, now)
         if finished:
-            gone = {id(r) for r in finished}
-            self.running[:] = [r for r in self.running if id(r) not in gone]
+            queues = self.queues
+            queues.remove_running(finished)  # one pass; release() finds them out of it
             for request in finished:
-                self.free_request(request, now)
+                queues.release(request, request.status, now)
         for group in ready:  # a beam search's choice, between steps
             self.beams.step(group, changed, now)
         return changed
 
-    # ------------------------------------------------------------------ preemption, rejection
+    # ------------------------------------------------------------------ preemption
 
     def _pick_victim(self) -> Request:
+        running = self.queues.running
         if self.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
-
-    def preempt(self, request: Request, step: ScheduledStep) -> None:
-        """Preempt ``request`` (out of the running list already): its blocks are freed (paged
-        out first under ``preemption_mode="swap"``), it recomputes from 0, and it goes back to
-        the front of the waiting queue."""
-        if self.preemption_mode == "swap":
-            self.kv_cache_manager.swap_out(request)
-        self.kv_cache_manager.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.spec_token_ids = []
-        request.num_preemptions += 1
-        self.stats.num_preemptions += 1
-        self.waiting.add_front(request)
-        step.preempted_req_ids.add(request.request_id)
-
-    def free_request(self, request: Request, now: float | None = None) -> None:
-        """Forget a finished ``request``: free its blocks and its constraint, stamp its finish
-        time, and tell the workers with the next step."""
-        self.kv_cache_manager.free(request)
-        if request.structured_output is not None:
-            request.structured_output.free()
-        if self.drafts is not None:
-            self.drafts.finished(request)
-        request.finished_time = time.monotonic() if now is None else now
-        self.requests.pop(request.request_id, None)
-        self.finished_req_ids.add(request.request_id)
+            return max(running, key=lambda r: (r.priority, r.arrival_time))
+        return running[-1]

@@ -62,6 +62,7 @@ from pagedkv.core.offload import TierStore
 from pagedkv.core.spec import KVCacheSpec, cdiv
 from pagedkv.engine.request import RequestStatus
 from pagedkv.engine.request_limits import ADMISSION_POLICIES
+from pagedkv.engine.sample_forks import fork_samples
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.sim.arrivals import ArrivalClock
@@ -271,11 +272,11 @@ class _EngineDriver:
 
     @property
     def running(self) -> list:
-        return self.scheduler.running
+        return self.scheduler.get_running_requests()
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return self.scheduler.num_waiting
 
     @property
     def num_preemptions(self) -> int:
@@ -299,8 +300,7 @@ class _EngineDriver:
         self._out = out = self.scheduler.schedule()
         if self.preemptions is not None:
             self.preemptions.after_schedule(self.running, out.preempted_req_ids)
-        requests = self.scheduler.requests
-        scheduled = [requests[i] for i in out.num_scheduled_tokens]
+        scheduled = list(self.scheduler.scheduled_requests)
         ops = out.kv_tier_ops
         loads: dict[str, int] = {}
         self.step_loaded_blocks = 0
@@ -331,8 +331,7 @@ class _EngineDriver:
     def kv_snapshot(self, kv_cache) -> dict:
         """The KV cache and the block tables now, as the /kv page draws them."""
         scheduler = self.scheduler
-        requests = [(r, "running") for r in scheduler.running]
-        requests += [(r, "waiting") for r in scheduler.waiting]
+        requests = scheduler.request_states()
         stats = dataclasses.asdict(scheduler.get_stats())
         stats["prefix_cache_hit_rate"] = scheduler.stats.prefix_cache_hit_rate
         out = self._out
@@ -386,7 +385,8 @@ def _distinct_tail_tokens(kv_cache, running: list, block_size: int) -> int:
 
 def _samples(driver: _EngineDriver, sim_request, block_hasher, index: int, fork: bool) -> list:
     """The engine requests of one trace request: one, or n samples; with ``fork`` the first
-    carries the others in ``fork_children`` (as LLMEngine.add_request builds them)."""
+    carries the others in ``fork_children``
+    (:func:`~pagedkv.engine.sample_forks.fork_samples`, as LLMEngine.add_request does)."""
     n = sim_request.n
     prompt = sim_request.prompt_token_ids
     samples = [
@@ -399,12 +399,7 @@ def _samples(driver: _EngineDriver, sim_request, block_hasher, index: int, fork:
         )
         for i in range(n)
     ]
-    if fork and n > 1 and len(prompt) > 1:
-        parent = samples[0]
-        parent.fork_children = samples[1:]
-        parent.fork_at = len(prompt) - 1
-        return [parent]
-    return samples
+    return fork_samples(samples) if fork else samples
 
 
 def simulate(

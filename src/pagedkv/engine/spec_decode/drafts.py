@@ -54,15 +54,11 @@ SuffixDecoding and of EAGLE-2-style dynamic drafting, as a per-request rule.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sized
 
 from pagedkv.engine.request import Request
 from pagedkv.engine.stats import SpecDecodingStats
 from pagedkv.worker.spec_decode.eligibility import may_draft
-
-if TYPE_CHECKING:
-    from pagedkv.engine.scheduler import Scheduler
-
 
 #: What a decode step of one request with k drafts costs, k = 0, 1, ..., 7, in one-token steps
 #: (the batch-1 cost table of :func:`best_num_drafts`): SmolLM2-135M Q4_1 on a 2-core AMD EPYC
@@ -120,10 +116,13 @@ class SpecDecodeDrafts:
     """Schedules the workers' draft tokens of the scheduler's decoding requests and rolls back
     the rejected ones.
 
-    Shares the scheduler's limits (max_model_len); owns the drafts received and the counters.
+    Reads the scheduler's max_model_len and its running list's length; owns the drafts
+    received and the counters.
 
     Args:
-        scheduler: the scheduler it serves.
+        max_model_len: most tokens of one request (no draft goes past it).
+        running: the scheduler's running requests (read for the batch size:
+            :attr:`RequestQueues.running <pagedkv.engine.request_queues.RequestQueues>`).
         num_speculative_tokens: most drafts per request and step (>= 1).
         num_lookahead_tokens: KV slots past a sampling request's scheduled tokens for the
             workers' draft model to draft into; 0: its method needs none (n-gram, suffix).
@@ -133,7 +132,8 @@ class SpecDecodeDrafts:
         "_acceptance",
         "_drafts",
         "_finished_token_ids",
-        "_scheduler",
+        "_max_model_len",
+        "_running",
         "adaptive",
         "num_lookahead_tokens",
         "num_speculative_tokens",
@@ -142,11 +142,13 @@ class SpecDecodeDrafts:
 
     def __init__(
         self,
-        scheduler: Scheduler,
+        max_model_len: int,
+        running: Sized,
         num_speculative_tokens: int,
         num_lookahead_tokens: int = 0,
     ) -> None:
-        self._scheduler = scheduler
+        self._max_model_len = max_model_len
+        self._running = running
         self.num_speculative_tokens = num_speculative_tokens
         #: KV slots past a sampling request's scheduled tokens for the workers' draft model
         #: (its drafts' KV); 0: the method writes no KV of its own (n-gram, suffix).
@@ -183,7 +185,7 @@ class SpecDecodeDrafts:
         limit = min(
             self.num_speculative_tokens,
             token_budget,
-            self._scheduler.max_model_len - num_tokens - 1,
+            self._max_model_len - num_tokens - 1,
             params.max_tokens - request.num_output_tokens - 1,
         )
         if limit <= 0 or not may_draft(params, request.num_output_tokens, request.pooling_params):
@@ -198,7 +200,7 @@ class SpecDecodeDrafts:
         if k and self.adaptive:
             # A seeded request's draws follow its drafts: their number must not depend on the
             # batch, so that it samples the same tokens alone or with others.
-            num_running = 1 if params.seed is not None else len(self._scheduler.running)
+            num_running = 1 if params.seed is not None else len(self._running)
             k = best_num_drafts(state[0] / state[1], k, num_running)
         state[2] = drafts[0] if drafts and not k else -1
         request.spec_token_ids = drafts[:k]
@@ -217,7 +219,7 @@ class SpecDecodeDrafts:
             )
         ):
             return 0
-        room = self._scheduler.max_model_len - num_tokens_after
+        room = self._max_model_len - num_tokens_after
         return max(0, min(self.num_lookahead_tokens, room))
 
     def receive(self, sampling: list[Request], draft_token_ids: dict[str, list[int]]) -> None:
