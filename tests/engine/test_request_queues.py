@@ -285,35 +285,28 @@ def test_note_finished_adds_ids_for_the_next_step() -> None:
     assert queues.take_finished_ids() == {"probe", "x", "y"} and not queues.finished_ids
 
 
-class RecordingProposer:
-    """A DraftProposer that drafts nothing and records whom it was told to forget."""
-
-    def __init__(self) -> None:
-        self.forgotten: list[str] = []
-
-    def propose(self, req_id: str, token_ids: list[int], max_num_tokens: int) -> list[int]:
-        return []
-
-    def finished(self, req_id: str, prompt_len: int, token_ids: list[int]) -> None:
-        self.forgotten.append(req_id)
-
-    def receive(self, draft_token_ids: dict[str, list[int]]) -> None:
-        pass
-
-
 @pytest.mark.parametrize("step_first", [False, True])
-def test_the_scheduler_releases_through_the_queues_and_tells_the_drafts(step_first: bool) -> None:
+def test_the_scheduler_releases_through_the_queues_and_tells_the_drafts(
+    step_first: bool, monkeypatch
+) -> None:
     """An abort (waiting or running) frees the request's blocks and tells the drafts once."""
     from pagedkv.engine.scheduler import Scheduler
+    from pagedkv.engine.spec_decode.drafts import SpecDecodeDrafts
 
+    forgotten: list[str] = []
+    finished = SpecDecodeDrafts.finished
+
+    def record(self, request):
+        forgotten.append(request.request_id)
+        finished(self, request)
+
+    monkeypatch.setattr(SpecDecodeDrafts, "finished", record)
     manager = KVCacheManager(NUM_BLOCKS, block_size=BLOCK_SIZE)
-    proposer = RecordingProposer()
     scheduler = Scheduler(
         manager,
         max_num_seqs=4,
         max_num_batched_tokens=32,
         max_model_len=32,
-        proposer=proposer,
         num_speculative_tokens=2,
     )
     assert scheduler.spec_decode_enabled
@@ -325,7 +318,62 @@ def test_the_scheduler_releases_through_the_queues_and_tells_the_drafts(step_fir
         assert manager.num_free_blocks < NUM_BLOCKS - 1
     scheduler.finish_requests("r", RequestStatus.FINISHED_ABORTED)
     scheduler.finish_requests("r", RequestStatus.FINISHED_ABORTED)  # twice: a no-op
-    assert proposer.forgotten == ["r"] and request.status == RequestStatus.FINISHED_ABORTED
+    assert forgotten == ["r"] and request.status == RequestStatus.FINISHED_ABORTED
     assert manager.num_free_blocks == NUM_BLOCKS - 1 and not scheduler.has_unfinished_requests()
     assert scheduler.get_request("r") is None and scheduler.request_states() == []
     assert scheduler.schedule().finished_req_ids == {"r"}
+
+
+def test_a_parents_unforked_samples_hold_their_ids() -> None:
+    """Issue 48's review: a new request may not take the id of an n > 1 sample its parent has
+    not forked yet (it used to be accepted and then clash inside schedule()); the id is free
+    again once the sample is queued under it and finished, or its parent finishes first."""
+    queues, _, _, _ = make_queues()
+    parent, sample = make_request("a"), make_request("a#1")
+    parent.fork_children = [sample]
+    queues.add(parent)
+    assert queues.id_in_use("a#1")
+    before = state(queues, queues._kv_cache)
+    with pytest.raises(InvalidRequestError, match="'a#1' is already in use"):
+        queues.add(make_request("a#1"))
+    assert state(queues, queues._kv_cache) == before
+    parent.fork_children = []
+    queues.add(sample, front=True)  # the sample itself takes its held id
+    assert queues.get("a#1") is sample
+    queues.release(sample, RequestStatus.FINISHED_ABORTED)
+    assert not queues.id_in_use("a#1")
+
+    other, pending = make_request("b"), make_request("b#1")
+    other.fork_children = [pending]
+    queues.add(other)
+    queues.release(other, RequestStatus.FINISHED_ABORTED)  # never forked: its ids are free
+    assert not queues.id_in_use("b#1")
+    queues.add(make_request("b#1"))
+
+
+def test_the_engine_refuses_a_request_id_of_an_unforked_sample() -> None:
+    """Through the scheduler: the clash is a clear refusal of the new request at add time, and
+    the n = 2 request still runs both samples."""
+    from _engine_fakes import FakeModel, run_until_done
+
+    from pagedkv.engine.scheduler import Scheduler
+
+    scheduler = Scheduler(KVCacheManager(NUM_BLOCKS, block_size=BLOCK_SIZE), 4, 64, 64)
+    params = SamplingParams(max_tokens=2, n=2)
+
+    def sample(request_id: str) -> Request:
+        return Request(
+            request_id=request_id, prompt_token_ids=list(range(1, 9)), sampling_params=params
+        )
+
+    parent = sample("a#0")
+    parent.fork_children = [sample("a#1")]
+    parent.fork_at = 7
+    scheduler.add_request(parent)
+    with pytest.raises(InvalidRequestError, match="'a#1' is already in use"):
+        scheduler.add_request(
+            Request(request_id="a#1", prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams())
+        )
+    outputs = run_until_done(scheduler, FakeModel(NUM_BLOCKS, BLOCK_SIZE))
+    assert {i for out in outputs for i in out.num_scheduled_tokens} == {"a#0", "a#1"}
+    assert not scheduler.has_unfinished_requests() and not scheduler.queues.id_in_use("a#1")

@@ -54,6 +54,7 @@ class RequestQueues:
 
     __slots__ = (
         "_finished_ids",
+        "_fork_children",
         "_kv_cache",
         "_release_hook",
         "_stats",
@@ -81,6 +82,9 @@ class RequestQueues:
         self.loading: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         self._finished_ids: set[str] = set()
+        #: ids held for the n > 1 samples their parent has not forked yet (id -> sample): no
+        #: new request may take one before the sample is queued or its parent finishes.
+        self._fork_children: dict[str, Request] = {}
         self._release_hook: Callable[[Request], None] | None = None
 
     def set_release_hook(self, hook: Callable[[Request], None] | None) -> None:
@@ -110,9 +114,25 @@ class RequestQueues:
 
     # ------------------------------------------------------------------ in
 
+    def id_in_use(self, request_id: str) -> bool:
+        """True when an unfinished request, or a sample its parent has not forked yet, has
+        ``request_id``."""
+        return request_id in self.requests or request_id in self._fork_children
+
     def _check_new(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        request_id = request.request_id
+        if request_id in self.requests or (
+            self._fork_children.get(request_id, request) is not request
+        ):
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+
+    def _enter(self, request: Request) -> None:
+        """Into the id map; a sample's held id is its own now, a parent's samples' are held."""
+        request_id = request.request_id
+        self.requests[request_id] = request
+        self._fork_children.pop(request_id, None)
+        for child in request.fork_children:
+            self._fork_children[child.request_id] = child
 
     def add(self, request: Request, front: bool = False) -> None:
         """Queue a new request (status WAITING) at the back of the waiting queue, or at its
@@ -123,7 +143,7 @@ class RequestQueues:
         """
         self._check_new(request)
         request.status = RequestStatus.WAITING
-        self.requests[request.request_id] = request
+        self._enter(request)
         if front:
             self.waiting.add_front(request)
         else:
@@ -138,7 +158,7 @@ class RequestQueues:
         """
         self._check_new(request)
         request.status = RequestStatus.RUNNING
-        self.requests[request.request_id] = request
+        self._enter(request)
         self.running.insert(at, request)
 
     # ------------------------------------------------------------------ moves
@@ -243,6 +263,8 @@ class RequestQueues:
         elif current in _QUEUED:
             self.waiting.remove(request)
         del self.requests[request_id]
+        for child in request.fork_children:  # samples never forked: their ids are free again
+            self._fork_children.pop(child.request_id, None)
         request.status = status
         if current == RequestStatus.WAITING_FOR_REMOTE_KVS and request_id in self.loading:
             pass  # blocks freed and finish recorded by loads_ended()

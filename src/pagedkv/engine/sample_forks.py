@@ -80,10 +80,17 @@ class SampleForks:
             InvalidRequestError: a child id in use, a child with another prompt, or a fork
                 point outside ``[1, num_prompt_tokens)``.
         """
-        requests = self._queues.requests
+        queues = self._queues
+        child_ids = set()
         for child in request.fork_children:
-            if child.request_id in requests or child.request_id == request.request_id:
-                raise InvalidRequestError(f"request id {child.request_id!r} is already in use")
+            child_id = child.request_id
+            if (
+                queues.id_in_use(child_id)
+                or child_id == request.request_id
+                or child_id in child_ids
+            ):
+                raise InvalidRequestError(f"request id {child_id!r} is already in use")
+            child_ids.add(child_id)
             if child.prompt_token_ids != request.prompt_token_ids:
                 raise InvalidRequestError("fork children must have their parent's prompt")
         if request.fork_children and not 1 <= request.fork_at < request.num_prompt_tokens:

@@ -225,7 +225,7 @@ class Scheduler:
                 served (:class:`~pagedkv.engine.request_limits.RequestLimits`, the beam
                 search's and the fork's checks). Nothing is queued then.
         """
-        if request.request_id in self.queues.requests:
+        if self.queues.id_in_use(request.request_id):
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         num_blocks_needed = self.limits.check(request)
         if request.beam_group is not None:
