@@ -24,7 +24,8 @@ from pagedkv.engine.spec_decode.drafts import STEP_COST
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.worker.outputs import ModelRunnerOutput
 from pagedkv.worker.spec_decode.eligibility import may_draft
-from pagedkv.worker.spec_decode.proposer import DraftRequests, make_proposer
+from pagedkv.worker.spec_decode.proposer import DraftRequests
+from pagedkv.worker.spec_decode.selector import make_proposer
 
 MAX_MODEL_LEN = 4096
 

@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from pagedkv.config import SpeculativeConfig
-from pagedkv.worker.spec_decode.proposer import make_proposer
+from pagedkv.worker.spec_decode.selector import make_proposer
 
 
 def main() -> None:

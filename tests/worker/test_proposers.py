@@ -9,7 +9,8 @@ import pytest
 
 from pagedkv.config import SpeculativeConfig
 from pagedkv.worker.spec_decode.ngram import NgramProposer, find_ngram_drafts
-from pagedkv.worker.spec_decode.proposer import DraftProposer, make_proposer
+from pagedkv.worker.spec_decode.proposer import DraftProposer
+from pagedkv.worker.spec_decode.selector import make_proposer
 from pagedkv.worker.spec_decode.suffix import (
     SuffixDecodingProposer,
     SuffixTrie,

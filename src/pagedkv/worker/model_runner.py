@@ -64,7 +64,8 @@ from pagedkv.worker.sampler import (
 from pagedkv.worker.scheduler_output import SchedulerOutput
 from pagedkv.worker.spec_decode.draft_model import DraftModelProposer
 from pagedkv.worker.spec_decode.eligibility import may_draft
-from pagedkv.worker.spec_decode.proposer import DraftProposer, DraftRequests, make_proposer
+from pagedkv.worker.spec_decode.proposer import DraftProposer, DraftRequests
+from pagedkv.worker.spec_decode.selector import make_proposer
 
 #: Most prompt rows whose full-vocabulary logits are held at once (prompt logprobs): 512 rows of
 #: a 49k vocabulary are 100 MB of float32.

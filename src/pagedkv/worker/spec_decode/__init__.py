@@ -6,8 +6,10 @@ the scheduler only decides how many of them to schedule, their KV slots and thei
 
 - :mod:`~pagedkv.worker.spec_decode.eligibility`: which requests may draft (torch- and
   numpy-free: the scheduler imports it too);
-- :mod:`~pagedkv.worker.spec_decode.proposer`: the Protocol, its plain-data input and
-  :func:`~pagedkv.worker.spec_decode.proposer.make_proposer`;
+- :mod:`~pagedkv.worker.spec_decode.proposer`: the Protocol, its plain-data input, the
+  token proposers' base class;
+- :mod:`~pagedkv.worker.spec_decode.selector`: ``make_proposer``, the proposer of a
+  config's method;
 - the proposers: :mod:`~pagedkv.worker.spec_decode.ngram` (prompt lookup),
   :mod:`~pagedkv.worker.spec_decode.suffix` (SuffixDecoding) and
   :mod:`~pagedkv.worker.spec_decode.draft_model` (a second, smaller model).

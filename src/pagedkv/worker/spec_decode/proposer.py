@@ -19,8 +19,6 @@ from typing import Protocol
 
 import numpy as np
 
-from pagedkv.config import SpeculativeConfig
-from pagedkv.errors import ConfigError
 from pagedkv.worker.input_batch import ModelInputs
 
 
@@ -102,21 +100,3 @@ class TokenProposer:
 
     def finished(self, req_id: str, prompt_len: int, token_ids: np.ndarray) -> None:
         """Nothing to forget (override to learn from finished requests)."""
-
-
-def make_proposer(config: SpeculativeConfig) -> TokenProposer:
-    """The proposer of ``config.method`` "ngram" or "suffix" (the draft model's is built by the
-    model runner, which holds its KV cache).
-
-    Raises:
-        ConfigError: a method that drafts with a model.
-    """
-    # Lazy: each proposer's module imports this one (its base class).
-    from pagedkv.worker.spec_decode.ngram import NgramProposer
-    from pagedkv.worker.spec_decode.suffix import SuffixDecodingProposer
-
-    if config.method == "ngram":
-        return NgramProposer(config)
-    if config.method == "suffix":
-        return SuffixDecodingProposer(config)
-    raise ConfigError(f"make_proposer: method {config.method!r} drafts with a model")
