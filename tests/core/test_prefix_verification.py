@@ -58,9 +58,7 @@ HASHES = {"constant": lambda bs: _ConstantDigest, "tokens-only": _tokens_only}
 
 
 def manager(specs: str, bad_hash: str, num_blocks: int = 40) -> KVCacheManager:
-    kv = KVCacheManager(
-        num_blocks, SPECS[specs], block_size=BLOCK_SIZE, hash_algo="xxh3_128", hash_seed=0
-    )
+    kv = KVCacheManager(num_blocks, SPECS[specs], hash_algo="xxh3_128", hash_seed=0)
     kv.block_hasher._new_hash = HASHES[bad_hash](BLOCK_SIZE)
     return kv
 

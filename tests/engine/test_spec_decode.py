@@ -403,7 +403,7 @@ def test_the_runner_returns_the_proposers_drafts_for_the_tokens_after_its_step(t
         engine.step()
         result = outputs[-1]
         for req_id in result.req_ids:
-            request = engine.scheduler.requests.get(req_id)
+            request = engine.scheduler.get_request(req_id)
             if request is None:  # finished in this step
                 continue
             p = request.sampling_params

@@ -351,3 +351,22 @@ def test_kv_snapshots_are_thinned_to_the_asked_number():
     assert 5 <= len(result.kv_snapshots) < 10
     times = [s["stats"]["num_steps"] for s in result.kv_snapshots]
     assert times == sorted(times)
+
+
+def test_kv_cache_groups_of_specs_run():
+    """A paged policy over several KV cache groups (Gemma 3's full + sliding-window layers,
+    the way benchmarks/gemma3_kv_memory.py drives it): the specs carry the block size, and a
+    sliding-window group never runs fewer requests at once than a second full group."""
+    from pagedkv.core.spec import FullAttentionSpec, SlidingWindowSpec
+
+    workload = make_workload("sixteen-lengths")
+    shape = {"block_size": 16, "num_kv_heads": 1, "head_size": 64}
+    full = (FullAttentionSpec(**shape),) * 2
+    mixed = (FullAttentionSpec(**shape), SlidingWindowSpec(**shape, sliding_window=32))
+    peak = {}
+    for name, specs in (("full", full), ("mixed", mixed)):
+        config = SimConfig(**{**workload.defaults, "kv_cache_specs": specs})
+        metrics = simulate(workload, config, "paged").metrics
+        assert metrics.num_rejected == 0
+        peak[name] = metrics.peak_concurrency
+    assert peak["mixed"] >= peak["full"] > 0

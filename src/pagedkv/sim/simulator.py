@@ -206,11 +206,12 @@ def make_kv_cache(policy: str, config: SimConfig):
     if tier and not config.kv_offloading_blocks:
         raise ConfigError("the paged+prefix+tier policy needs kv_offloading_blocks > 0")
     kwargs = {} if config.hash_algo is None else {"hash_algo": config.hash_algo}
-    if config.kv_cache_specs is not None:
+    if config.kv_cache_specs is not None:  # the specs carry their block size
         kwargs["kv_cache_specs"] = list(config.kv_cache_specs)
+    else:
+        kwargs["block_size"] = config.block_size
     return KVCacheManager(
         config.num_blocks,
-        block_size=config.block_size,
         enable_caching=policy in CACHING_POLICIES,
         max_model_len=config.max_model_len,
         kv_offloading_blocks=config.kv_offloading_blocks if tier else 0,
