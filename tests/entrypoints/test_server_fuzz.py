@@ -174,17 +174,10 @@ def test_schemathesis_on_the_embeddings_route_finds_nothing(tmp_path):
 
 
 @pytest.mark.slow
-def test_fuzzed_api_against_the_real_model():
-    torch = pytest.importorskip("torch")
+def test_fuzzed_api_against_the_real_model(loaded_bf16):
     from pagedkv.engine.llm_engine import LLMEngine
-    from pagedkv.errors import ModelLoadError
-    from pagedkv.model.loader import load_model
 
-    try:
-        loaded = load_model(dtype=torch.bfloat16)
-    except ModelLoadError as exc:
-        pytest.skip(f"default model not installed: {exc}")
-    engine = LLMEngine(loaded_model=loaded, max_model_len=256, max_num_seqs=16)
+    engine = LLMEngine(loaded_model=loaded_bf16, max_model_len=256, max_num_seqs=16)
     app = create_app(EngineLoop(engine), model_name=MODEL)
     with ThreadedServer(app) as server:
         statuses = fuzz(server.url, max_examples=150)
