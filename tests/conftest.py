@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 
+from pagedkv.cpu_env import apply_openmp_env_defaults
+
 
 def _share_cpus_between_xdist_workers() -> None:
     """Under pytest-xdist (``make test`` runs ``-n 2``), give each worker its own share of the
@@ -34,6 +36,10 @@ def _share_cpus_between_xdist_workers() -> None:
 
 
 _share_cpus_between_xdist_workers()
+# Before torch loads: pagedkv's OpenMP wait default (a bounded spin, pagedkv.cpu_env), as users
+# get it. Without it libgomp spins 300,000 times at each barrier, and a test running 2 threads
+# on a worker's one CPU (or beside the other worker) waits for a descheduled thread at every op.
+apply_openmp_env_defaults()
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
