@@ -118,6 +118,15 @@ def tensor_parallel_ranks():
 
 
 @pytest.fixture(scope="session")
+def kernel_cache(tmp_path_factory):
+    """One build folder for pagedkv's CPU kernels (``load_cpu_quant_kernels(kernel_cache,
+    isa=..., activations=...)``) shared by the kernel tests: one library holds every body and
+    both activations, and a build takes tens of seconds on a 2-core machine, so it is built
+    once per session (per xdist worker), not once per module and parameter."""
+    return tmp_path_factory.getbasetemp() / "cpu-quant-kernels"
+
+
+@pytest.fixture(scope="session")
 def hf_tokenizer(gguf_path):
     """Hugging Face's AutoTokenizer built from the same GGUF."""
     from transformers import AutoTokenizer

@@ -42,10 +42,11 @@ EPS32 = 2.0**-24  # half an fp32 ulp of 1: one rounding's relative error
 
 
 @pytest.fixture(scope="module", params=["avx2", "avx512"])
-def kernels(request, tmp_path_factory) -> CpuQuantKernels:
-    """The kernels with each body of the products (AVX-512 skipped where the CPU lacks it)."""
+def kernels(request, kernel_cache) -> CpuQuantKernels:
+    """The kernels with each body of the products (AVX-512 skipped where the CPU lacks it);
+    one build for both (test_a_second_build_reuses_the_library builds from nothing)."""
     try:
-        return load_cpu_quant_kernels(tmp_path_factory.mktemp("kernels"), isa=request.param)
+        return load_cpu_quant_kernels(kernel_cache, isa=request.param)
     except KernelUnavailableError as e:
         pytest.skip(f"pagedkv's {request.param} kernels do not run here: {e}")
 
@@ -191,13 +192,13 @@ def test_a_second_build_reuses_the_library(kernels, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [first.name]
 
 
-def test_the_avx512_body_equals_the_avx2_one_up_to_rounding(tmp_path):
+def test_the_avx512_body_equals_the_avx2_one_up_to_rounding(kernel_cache):
     """Both bodies on the same weights: the same numbers up to fp32 summation order."""
     try:
-        wide = load_cpu_quant_kernels(tmp_path, isa="avx512")
+        wide = load_cpu_quant_kernels(kernel_cache, isa="avx512")
     except KernelUnavailableError as e:
         pytest.skip(f"no AVX-512 body here: {e}")
-    narrow = load_cpu_quant_kernels(tmp_path, isa="avx2")
+    narrow = load_cpu_quant_kernels(kernel_cache, isa="avx2")
     weight = gguf_shaped("Q4_K", 53, 1536, seed=9)
     packed = pack_int4(weight.q, weight.scale, weight.min)
     gen = torch.Generator().manual_seed(2)
