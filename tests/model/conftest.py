@@ -118,12 +118,24 @@ def tensor_parallel_ranks():
 
 
 @pytest.fixture(scope="session")
-def kernel_cache(tmp_path_factory):
-    """One build folder for pagedkv's CPU kernels (``load_cpu_quant_kernels(kernel_cache,
-    isa=..., activations=...)``) shared by the kernel tests: one library holds every body and
-    both activations, and a build takes tens of seconds on a 2-core machine, so it is built
-    once per session (per xdist worker), not once per module and parameter."""
-    return tmp_path_factory.getbasetemp() / "cpu-quant-kernels"
+def pagedkv_cache(tmp_path_factory):
+    """A ``PAGEDKV_CACHE_DIR`` for the session (per xdist worker), not the user's: the tests
+    that build pagedkv's C libraries through the defaults (``default_cpu_quant_kernels()``, the
+    native attention backend) set it, so each library is built once per session, not once per
+    test (a build takes tens of seconds on a 2-core machine)."""
+    return tmp_path_factory.getbasetemp() / "pagedkv-cache"
+
+
+@pytest.fixture(scope="session")
+def kernel_cache(pagedkv_cache):
+    """The build folder of pagedkv's CPU kernels in :func:`pagedkv_cache`
+    (``load_cpu_quant_kernels(kernel_cache, isa=..., activations=...)``): one library holds
+    every body and both activations, so the kernel tests share one build."""
+    from pagedkv.ops.c_build import kernel_cache as cache_of
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDKV_CACHE_DIR", str(pagedkv_cache))
+        return cache_of()
 
 
 @pytest.fixture(scope="session")

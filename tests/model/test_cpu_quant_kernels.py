@@ -51,6 +51,19 @@ def kernels(request, kernel_cache) -> CpuQuantKernels:
         pytest.skip(f"pagedkv's {request.param} kernels do not run here: {e}")
 
 
+@pytest.fixture
+def default_kernels(pagedkv_cache, monkeypatch) -> CpuQuantKernels:
+    """The kernels the engine gets (``default_cpu_quant_kernels()``: this CPU's best body),
+    built once per session in the session's ``PAGEDKV_CACHE_DIR`` (set for the test); skips
+    where they do not run."""
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(pagedkv_cache))
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
+    found = default_cpu_quant_kernels()
+    if found is None:
+        pytest.skip("pagedkv's CPU kernels do not run here")
+    return found
+
+
 def gguf_shaped(type_name: str, n: int, k: int, seed: int) -> QuantizedWeight:
     """A random int4 weight in the form GGUF's 4-bit formats have (q * scale + min): Q4_0
     ``d * (q - 8)`` (min = -8 d), Q4_1 ``d * q + m``, Q4_K ``d * sc * q - dmin * m`` (6-bit sc
@@ -186,7 +199,7 @@ def test_the_variable_turns_the_kernels_off(monkeypatch, tmp_path):
         default_cpu_quant_kernels()
 
 
-def test_a_second_build_reuses_the_library(kernels, tmp_path):
+def test_a_second_build_reuses_the_library(default_kernels, tmp_path):
     first = build_library("cc", tmp_path)
     assert build_library("cc", tmp_path) == first
     assert [p.name for p in tmp_path.iterdir()] == [first.name]
@@ -349,24 +362,21 @@ def greedy_tokens(llm: LLM) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-def test_engine_with_the_kernels_equals_the_dense_weights(kernels, monkeypatch, tmp_path):
+def test_engine_with_the_kernels_equals_the_dense_weights(default_kernels, monkeypatch):
     """pagedkv's kernels compute the dequantized weights' product in fp32: an engine whose
     decode steps run them gives the dense fp32 engine's greedy tokens exactly. (torch's
     kernels round the activations to bf16: on this random model, whose logits lie close
     together, their tokens part from these within a few steps, so they are no exact reference;
     tests/engine/test_quantized_vs_hf.py holds both to the real model's reference.)"""
-    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv(KERNEL_ENV, raising=False)
     ours_llm = tiny_quantized_llm(dequantized_only=False)
     ours = greedy_tokens(ours_llm)
     assert ours == greedy_tokens(tiny_quantized_llm(dequantized_only=True))
 
 
-def test_fused_layers_equal_the_layers_as_torch_ops(kernels, monkeypatch, tmp_path):
+def test_fused_layers_equal_the_layers_as_torch_ops(default_kernels, monkeypatch):
     """The fused decoder layer (decode_layer.c: two C calls a layer) and the same layer as
     torch ops around pagedkv's products (``PAGEDKV_QUANT_KERNEL=products``) give the same
     greedy tokens; under "auto" the model holds fused layers, under "products" none."""
-    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv(KERNEL_ENV, "auto")
     fused_llm = tiny_quantized_llm(dequantized_only=False)
     assert fused_llm.engine.loaded_model.model.fused_layers is not None
@@ -377,7 +387,7 @@ def test_fused_layers_equal_the_layers_as_torch_ops(kernels, monkeypatch, tmp_pa
     assert fused == greedy_tokens(ops_llm)
 
 
-def test_one_call_forward_equals_the_layer_by_layer_one(kernels, monkeypatch, tmp_path):
+def test_one_call_forward_equals_the_layer_by_layer_one(default_kernels, monkeypatch):
     """With the native attention backend (C entry points) the fused layers run as one C call a
     step (pagedkv_llama_forward); with torch's backend, layer by layer from Python. Same greedy
     tokens, and the dense fp32 engine's."""
@@ -386,7 +396,6 @@ def test_one_call_forward_equals_the_layer_by_layer_one(kernels, monkeypatch, tm
     reason = NativeBackend.unavailable_reason("cpu")
     if reason is not None:
         pytest.skip(f"native: {reason}")
-    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv(KERNEL_ENV, "auto")
     one_call = tiny_quantized_llm(dequantized_only=False, attention_backend="native")
     model = one_call.engine.loaded_model.model
@@ -398,7 +407,7 @@ def test_one_call_forward_equals_the_layer_by_layer_one(kernels, monkeypatch, tm
     assert tokens == greedy_tokens(tiny_quantized_llm(dequantized_only=True))
 
 
-def test_a_bf16_model_runs_the_one_call_forward_in_fp32(kernels, monkeypatch, tmp_path):
+def test_a_bf16_model_runs_the_one_call_forward_in_fp32(default_kernels, monkeypatch):
     """A bf16 model (the default where the CPU has native bf16) with the native backend runs
     its small steps through the same one C call, its residual stream in fp32 and its cache in
     bf16. The first two tokens equal the fp32 engine's, and their log-probabilities (the
@@ -410,7 +419,6 @@ def test_a_bf16_model_runs_the_one_call_forward_in_fp32(kernels, monkeypatch, tm
     reason = NativeBackend.unavailable_reason("cpu")
     if reason is not None:
         pytest.skip(f"native: {reason}")
-    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv(KERNEL_ENV, "auto")
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, logprobs=3)
 
