@@ -138,6 +138,7 @@ def test_fuzzed_api_against_the_fake_engine():
     assert engine.num_used_blocks == 0 and not engine.has_unfinished_requests()
 
 
+@pytest.mark.slow  # over a thousand requests
 def test_schemathesis_with_every_check_finds_nothing(tmp_path):
     engine = fuzz_fake_engine(max_model_len=256)
     admin = ServerOptions(enable_admin_routes=True)  # /reset_prefix_cache is fuzzed too
@@ -160,6 +161,7 @@ def test_schemathesis_with_every_check_finds_nothing(tmp_path):
     assert engine.num_used_blocks == 0 and not engine.has_unfinished_requests()
 
 
+@pytest.mark.slow
 def test_schemathesis_on_the_embeddings_route_finds_nothing(tmp_path):
     """/v1/embeddings alone, every check, few cases (the run above covers it too, among all)."""
     engine = fuzz_fake_engine(max_model_len=256)

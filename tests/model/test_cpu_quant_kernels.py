@@ -52,11 +52,9 @@ def kernels(request, kernel_cache) -> CpuQuantKernels:
 
 
 @pytest.fixture
-def default_kernels(pagedkv_cache, monkeypatch) -> CpuQuantKernels:
-    """The kernels the engine gets (``default_cpu_quant_kernels()``: this CPU's best body),
-    built once per session in the session's ``PAGEDKV_CACHE_DIR`` (set for the test); skips
-    where they do not run."""
-    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(pagedkv_cache))
+def default_kernels(monkeypatch) -> CpuQuantKernels:
+    """The kernels the engine gets (``default_cpu_quant_kernels()``: this CPU's best body, from
+    the engine's build cache, as every engine test); skips where they do not run."""
     monkeypatch.delenv(KERNEL_ENV, raising=False)
     found = default_cpu_quant_kernels()
     if found is None:
@@ -199,6 +197,7 @@ def test_the_variable_turns_the_kernels_off(monkeypatch, tmp_path):
         default_cpu_quant_kernels()
 
 
+@pytest.mark.slow  # a C build from an empty folder
 def test_a_second_build_reuses_the_library(default_kernels, tmp_path):
     first = build_library("cc", tmp_path)
     assert build_library("cc", tmp_path) == first
@@ -275,6 +274,7 @@ def run_held(tmp_path, capability: str) -> list[str]:
     return done.stdout.split()
 
 
+@pytest.mark.slow  # a C build held to AVX2, in a fresh interpreter
 @pytest.mark.skipif(not x86, reason="the AVX2 cap is x86's")
 def test_kernels_held_to_avx2(tmp_path):
     if not (probe_cpu().avx2 and "fma" in cpu_flags()):
