@@ -14,7 +14,15 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint setup clean
+# The tests run on PYTEST_WORKERS processes (pytest-xdist; each takes its share of the CPUs, see
+# tests/conftest.py), a whole test file per worker so that a module's fixtures load once.
+# `make test PYTEST_WORKERS=0` runs them in this process. `make test-fast` is the inner loop:
+# the tests not marked slow (no real-model runs against transformers, no servers in a
+# subprocess), in a few minutes; CI runs everything (`make test`).
+PYTEST_WORKERS ?= 2
+PYTEST_XDIST := $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile)
+
+.PHONY: run test test-fast lint setup clean
 
 setup: $(STAMP)
 
@@ -36,7 +44,10 @@ run: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_XDIST)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_XDIST) -m "not slow"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -16,9 +16,34 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
-from hypothesis import HealthCheck, settings
+from pagedkv.cpu_env import apply_openmp_env_defaults
+
+
+def _share_cpus_between_xdist_workers() -> None:
+    """Under pytest-xdist (``make test`` runs ``-n 2``), give each worker its own share of the
+    CPUs (worker i of n takes every n-th CPU of the affinity mask) before torch loads: OpenMP
+    and pagedkv's engines (``available_cpu_count``) then size their thread pools to the share,
+    and n workers do not run n times the cores' threads. Subprocesses a test starts (servers)
+    inherit the share. Without xdist (plain ``pytest``) nothing changes."""
+    count = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not count or not worker.startswith("gw") or not hasattr(os, "sched_setaffinity"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    share = cpus[int(worker[2:]) % int(count) :: int(count)]
+    if share and len(share) < len(cpus):
+        os.sched_setaffinity(0, share)
+
+
+_share_cpus_between_xdist_workers()
+# Before torch loads: pagedkv's OpenMP wait default (a bounded spin, pagedkv.cpu_env), as users
+# get it. Without it libgomp spins 300,000 times at each barrier, and a test running 2 threads
+# on a worker's one CPU (or beside the other worker) waits for a descheduled thread at every op.
+apply_openmp_env_defaults()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
     "ci",
@@ -57,6 +82,14 @@ def loaded_fp32(gguf_path):
     from pagedkv.model.loader import load_model
 
     return load_model(gguf_path, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def loaded_bf16(gguf_path):
+    """Our loader's default model in bf16 (model, config, tokenizer), shared by every test."""
+    from pagedkv.model.loader import load_model
+
+    return load_model(gguf_path, dtype=torch.bfloat16)
 
 
 @pytest.fixture(scope="session")

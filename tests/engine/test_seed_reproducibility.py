@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.sampling_params import SamplingParams
@@ -23,13 +22,6 @@ pytestmark = pytest.mark.slow
 MESSAGES = [{"role": "user", "content": "Write a haiku about the sea."}]
 PARAMS = SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=1234)
 OTHERS = ["The capital of France is", "def fib(n):", "Once upon a time"]
-
-
-@pytest.fixture(scope="module")
-def loaded_bf16(gguf_path):
-    from pagedkv.model.loader import load_model
-
-    return load_model(gguf_path, dtype=torch.bfloat16)
 
 
 def engine_for(loaded, **options) -> LLMEngine:

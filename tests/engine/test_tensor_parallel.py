@@ -284,6 +284,7 @@ def test_gemma3_270m_tp2_gives_the_same_tokens_as_one_process(gemma3_fp32):
     assert wait_gone(pids, 10)
 
 
+@pytest.mark.slow  # rank processes, then a step held until the interrupt
 def test_an_interrupt_mid_step_stops_the_engine_instead_of_waiting_for_the_ranks():
     # Ctrl-C between two collectives of rank 0 leaves the workers inside that step's
     # collectives: the engine's cleanup step (and any later one) must not wait for them. Rank 0

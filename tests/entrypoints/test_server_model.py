@@ -37,15 +37,9 @@ CHATS = [
 
 
 @pytest.fixture(scope="module")
-def loaded_model():
-    torch = pytest.importorskip("torch")
-    from pagedkv.errors import ModelLoadError
-    from pagedkv.model.loader import load_model
-
-    try:
-        return load_model(dtype=torch.float32)
-    except ModelLoadError as exc:
-        pytest.skip(f"default model not installed: {exc}")
+def loaded_model(loaded_fp32):
+    """The session's fp32 default model (tests/conftest.py; skips when it is not installed)."""
+    return loaded_fp32
 
 
 @pytest.fixture(scope="module")

@@ -48,17 +48,11 @@ ROUND_TRIP = [
 
 
 @pytest.fixture(scope="module")
-def engine():
-    torch = pytest.importorskip("torch")
+def engine(loaded_fp32):
+    """An engine on the session's fp32 default model (tests/conftest.py; skips without it)."""
     from pagedkv.engine.llm_engine import LLMEngine
-    from pagedkv.errors import ModelLoadError
-    from pagedkv.model.loader import load_model
 
-    try:
-        loaded = load_model(dtype=torch.float32)
-    except ModelLoadError as exc:
-        pytest.skip(f"default model not installed: {exc}")
-    return LLMEngine(dtype="float32", max_model_len=1024, max_num_seqs=4, loaded_model=loaded)
+    return LLMEngine(dtype="float32", max_model_len=1024, max_num_seqs=4, loaded_model=loaded_fp32)
 
 
 @pytest.fixture(scope="module")

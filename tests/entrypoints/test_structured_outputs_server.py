@@ -103,17 +103,11 @@ def test_constraints_that_do_not_go_together_are_refused(body, param, message):
 
 
 @pytest.fixture(scope="module")
-def engine():
-    torch = pytest.importorskip("torch")
+def engine(loaded_fp32):
+    """An engine on the session's fp32 default model (tests/conftest.py; skips without it)."""
     from pagedkv.engine.llm_engine import LLMEngine
-    from pagedkv.errors import ModelLoadError
-    from pagedkv.model.loader import load_model
 
-    try:
-        loaded = load_model(dtype=torch.float32)
-    except ModelLoadError as exc:
-        pytest.skip(f"default model not installed: {exc}")
-    return LLMEngine(dtype="float32", max_model_len=512, max_num_seqs=16, loaded_model=loaded)
+    return LLMEngine(dtype="float32", max_model_len=512, max_num_seqs=16, loaded_model=loaded_fp32)
 
 
 @pytest.fixture(scope="module")

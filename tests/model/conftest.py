@@ -118,6 +118,21 @@ def tensor_parallel_ranks():
 
 
 @pytest.fixture(scope="session")
+def kernel_cache():
+    """The build folder of pagedkv's CPU kernels that the engine uses
+    (``pagedkv.ops.c_build.kernel_cache()``: ``$PAGEDKV_CACHE_DIR/kernels``, by default in
+    ``~/.cache/pagedkv``), for ``load_cpu_quant_kernels(kernel_cache, isa=..., activations=...)``.
+    One library holds every body and both activations, named by the hash of its sources, flags
+    and compiler, so the kernel tests share the engine's build: a build takes tens of seconds on
+    a 2-core machine and was made once per module and parameter. The build itself, from an
+    empty folder, is tested in test_cpu_quant_kernels.py (test_a_second_build_reuses_the_library)
+    and held to AVX2 in a subprocess (test_kernels_held_to_avx2)."""
+    from pagedkv.ops.c_build import kernel_cache as engine_kernel_cache
+
+    return engine_kernel_cache()
+
+
+@pytest.fixture(scope="session")
 def hf_tokenizer(gguf_path):
     """Hugging Face's AutoTokenizer built from the same GGUF."""
     from transformers import AutoTokenizer

@@ -359,6 +359,7 @@ def test_attention_softcap_outside_gemma_is_refused():
         dataclasses.replace(config, attn_logit_softcapping=50.0)
 
 
+@pytest.mark.slow  # a fresh interpreter held to AVX2
 @pytest.mark.skipif(os.uname().machine not in ("x86_64", "AMD64"), reason="the AVX2 cap is x86's")
 def test_logits_held_to_avx2():
     """The logits comparisons again in an interpreter held to AVX2 (oneDNN and ATen's kernels,

@@ -42,12 +42,24 @@ EPS32 = 2.0**-24  # half an fp32 ulp of 1: one rounding's relative error
 
 
 @pytest.fixture(scope="module", params=["avx2", "avx512"])
-def kernels(request, tmp_path_factory) -> CpuQuantKernels:
-    """The kernels with each body of the products (AVX-512 skipped where the CPU lacks it)."""
+def kernels(request, kernel_cache) -> CpuQuantKernels:
+    """The kernels with each body of the products (AVX-512 skipped where the CPU lacks it);
+    one build for both (test_a_second_build_reuses_the_library builds from nothing)."""
     try:
-        return load_cpu_quant_kernels(tmp_path_factory.mktemp("kernels"), isa=request.param)
+        return load_cpu_quant_kernels(kernel_cache, isa=request.param)
     except KernelUnavailableError as e:
         pytest.skip(f"pagedkv's {request.param} kernels do not run here: {e}")
+
+
+@pytest.fixture
+def default_kernels(monkeypatch) -> CpuQuantKernels:
+    """The kernels the engine gets (``default_cpu_quant_kernels()``: this CPU's best body, from
+    the engine's build cache, as every engine test); skips where they do not run."""
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
+    found = default_cpu_quant_kernels()
+    if found is None:
+        pytest.skip("pagedkv's CPU kernels do not run here")
+    return found
 
 
 def gguf_shaped(type_name: str, n: int, k: int, seed: int) -> QuantizedWeight:
@@ -185,19 +197,20 @@ def test_the_variable_turns_the_kernels_off(monkeypatch, tmp_path):
         default_cpu_quant_kernels()
 
 
-def test_a_second_build_reuses_the_library(kernels, tmp_path):
+@pytest.mark.slow  # a C build from an empty folder
+def test_a_second_build_reuses_the_library(default_kernels, tmp_path):
     first = build_library("cc", tmp_path)
     assert build_library("cc", tmp_path) == first
     assert [p.name for p in tmp_path.iterdir()] == [first.name]
 
 
-def test_the_avx512_body_equals_the_avx2_one_up_to_rounding(tmp_path):
+def test_the_avx512_body_equals_the_avx2_one_up_to_rounding(kernel_cache):
     """Both bodies on the same weights: the same numbers up to fp32 summation order."""
     try:
-        wide = load_cpu_quant_kernels(tmp_path, isa="avx512")
+        wide = load_cpu_quant_kernels(kernel_cache, isa="avx512")
     except KernelUnavailableError as e:
         pytest.skip(f"no AVX-512 body here: {e}")
-    narrow = load_cpu_quant_kernels(tmp_path, isa="avx2")
+    narrow = load_cpu_quant_kernels(kernel_cache, isa="avx2")
     weight = gguf_shaped("Q4_K", 53, 1536, seed=9)
     packed = pack_int4(weight.q, weight.scale, weight.min)
     gen = torch.Generator().manual_seed(2)
@@ -261,6 +274,7 @@ def run_held(tmp_path, capability: str) -> list[str]:
     return done.stdout.split()
 
 
+@pytest.mark.slow  # a C build held to AVX2, in a fresh interpreter
 @pytest.mark.skipif(not x86, reason="the AVX2 cap is x86's")
 def test_kernels_held_to_avx2(tmp_path):
     if not (probe_cpu().avx2 and "fma" in cpu_flags()):
@@ -348,24 +362,21 @@ def greedy_tokens(llm: LLM) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-def test_engine_with_the_kernels_equals_the_dense_weights(kernels, monkeypatch, tmp_path):
+def test_engine_with_the_kernels_equals_the_dense_weights(default_kernels, monkeypatch):
     """pagedkv's kernels compute the dequantized weights' product in fp32: an engine whose
     decode steps run them gives the dense fp32 engine's greedy tokens exactly. (torch's
     kernels round the activations to bf16: on this random model, whose logits lie close
     together, their tokens part from these within a few steps, so they are no exact reference;
     tests/engine/test_quantized_vs_hf.py holds both to the real model's reference.)"""
-    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv(KERNEL_ENV, raising=False)
     ours_llm = tiny_quantized_llm(dequantized_only=False)
     ours = greedy_tokens(ours_llm)
     assert ours == greedy_tokens(tiny_quantized_llm(dequantized_only=True))
 
 
-def test_fused_layers_equal_the_layers_as_torch_ops(kernels, monkeypatch, tmp_path):
+def test_fused_layers_equal_the_layers_as_torch_ops(default_kernels, monkeypatch):
     """The fused decoder layer (decode_layer.c: two C calls a layer) and the same layer as
     torch ops around pagedkv's products (``PAGEDKV_QUANT_KERNEL=products``) give the same
     greedy tokens; under "auto" the model holds fused layers, under "products" none."""
-    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv(KERNEL_ENV, "auto")
     fused_llm = tiny_quantized_llm(dequantized_only=False)
     assert fused_llm.engine.loaded_model.model.fused_layers is not None
@@ -376,7 +387,7 @@ def test_fused_layers_equal_the_layers_as_torch_ops(kernels, monkeypatch, tmp_pa
     assert fused == greedy_tokens(ops_llm)
 
 
-def test_one_call_forward_equals_the_layer_by_layer_one(kernels, monkeypatch, tmp_path):
+def test_one_call_forward_equals_the_layer_by_layer_one(default_kernels, monkeypatch):
     """With the native attention backend (C entry points) the fused layers run as one C call a
     step (pagedkv_llama_forward); with torch's backend, layer by layer from Python. Same greedy
     tokens, and the dense fp32 engine's."""
@@ -385,7 +396,6 @@ def test_one_call_forward_equals_the_layer_by_layer_one(kernels, monkeypatch, tm
     reason = NativeBackend.unavailable_reason("cpu")
     if reason is not None:
         pytest.skip(f"native: {reason}")
-    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv(KERNEL_ENV, "auto")
     one_call = tiny_quantized_llm(dequantized_only=False, attention_backend="native")
     model = one_call.engine.loaded_model.model
@@ -397,7 +407,7 @@ def test_one_call_forward_equals_the_layer_by_layer_one(kernels, monkeypatch, tm
     assert tokens == greedy_tokens(tiny_quantized_llm(dequantized_only=True))
 
 
-def test_a_bf16_model_runs_the_one_call_forward_in_fp32(kernels, monkeypatch, tmp_path):
+def test_a_bf16_model_runs_the_one_call_forward_in_fp32(default_kernels, monkeypatch):
     """A bf16 model (the default where the CPU has native bf16) with the native backend runs
     its small steps through the same one C call, its residual stream in fp32 and its cache in
     bf16. The first two tokens equal the fp32 engine's, and their log-probabilities (the
@@ -409,7 +419,6 @@ def test_a_bf16_model_runs_the_one_call_forward_in_fp32(kernels, monkeypatch, tm
     reason = NativeBackend.unavailable_reason("cpu")
     if reason is not None:
         pytest.skip(f"native: {reason}")
-    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv(KERNEL_ENV, "auto")
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, logprobs=3)
 

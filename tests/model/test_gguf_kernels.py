@@ -32,11 +32,10 @@ N = 37  # output rows: not a multiple of the kernels' 16-row blocks
 
 
 @pytest.fixture(scope="module", params=["avx2", "avx512"])
-def kernels(request, tmp_path_factory) -> CpuQuantKernels:
+def kernels(request, kernel_cache) -> CpuQuantKernels:
     """The kernels with each body of the products (AVX-512 skipped where the CPU lacks it;
-    "avx2" holds an AVX-512 CPU to the AVX2 body). One build for both."""
-    cache = tmp_path_factory.getbasetemp() / "gguf-kernels"
-    return kernels_or_skip(cache, request.param, "fp32")
+    "avx2" holds an AVX-512 CPU to the AVX2 body). One build for both (tests/model/conftest.py)."""
+    return kernels_or_skip(kernel_cache, request.param, "fp32")
 
 
 def reference(name: str, raw: np.ndarray) -> torch.Tensor:
@@ -210,8 +209,8 @@ def test_a_read_only_memory_map_is_read_in_place(kernels, tmp_path):
     assert torch.equal(out, reference("Q6_K", raw))
 
 
-def test_the_two_bodies_agree_up_to_rounding(tmp_path_factory):
-    cache = tmp_path_factory.getbasetemp() / "gguf-kernels"
+def test_the_two_bodies_agree_up_to_rounding(kernel_cache):
+    cache = kernel_cache
     try:
         wide = load_cpu_quant_kernels(cache, isa="avx512")
     except KernelUnavailableError as e:

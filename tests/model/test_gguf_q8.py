@@ -36,12 +36,11 @@ N = 37  # output rows: not a multiple of the kernels' 16-row blocks
 
 
 @pytest.fixture(scope="module", params=["avx2", "avx512"])
-def kernels(request, tmp_path_factory) -> CpuQuantKernels:
+def kernels(request, kernel_cache) -> CpuQuantKernels:
     """The kernels with int8 activations, each ISA: "avx2" runs the AVX2 body of the q8
     products, "avx512" the AVX-512 VNNI one where the CPU has it (else the AVX2 one again;
-    skipped where the CPU lacks AVX-512 or a hold caps it)."""
-    cache = tmp_path_factory.getbasetemp() / "gguf-q8-kernels"
-    return kernels_or_skip(cache, request.param, "q8")
+    skipped where the CPU lacks AVX-512 or a hold caps it). The session's one build."""
+    return kernels_or_skip(kernel_cache, request.param, "q8")
 
 
 def dense(name: str, raw: np.ndarray) -> torch.Tensor:

@@ -127,6 +127,7 @@ _RSS_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # the default model loaded in a fresh interpreter
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_resident_weights_stay_near_the_file_size(dtype):
     """The memory rule: loading the default model with its blocks kept as stored and reading

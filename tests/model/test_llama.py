@@ -90,10 +90,8 @@ def test_mixed_batch_equals_one_at_a_time(loaded_fp32, prompts, paged_runner):
         assert (expected - got).abs().max().item() < 1e-4
 
 
-def test_bf16_model_tracks_fp32(gguf_path, loaded_fp32, prompts, paged_runner):
-    from pagedkv.model.loader import load_model
-
-    bf16 = load_model(gguf_path, dtype=torch.bfloat16).model
+def test_bf16_model_tracks_fp32(loaded_bf16, loaded_fp32, prompts, paged_runner):
+    bf16 = loaded_bf16.model
     assert bf16.dtype == torch.bfloat16
     for token_ids in prompts[:3]:
         (reference,) = paged_runner(loaded_fp32.model).step([(0, token_ids)])

@@ -32,6 +32,7 @@ IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 
 if not IN_INTERPRETER:
 
+    @pytest.mark.slow  # a subprocess running every kernel test under the interpreter
     def test_kernels_under_interpreter():
         env = dict(os.environ, TRITON_INTERPRET="1")
         proc = subprocess.run(
@@ -46,6 +47,7 @@ if not IN_INTERPRETER:
             f"interpreter tests failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
         )
 
+    @pytest.mark.slow
     def test_triton_copy_blocks_under_interpreter():
         """test_copy_blocks.py's triton cases: the backend's block copies (torch on its
         layout), then its interpreted kernels attending the copied blocks."""
