@@ -44,10 +44,11 @@ run: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q $(PYTEST_XDIST)
+	$(PY) -m pytest -q $(PYTEST_XDIST) -m "not whole_machine"
+	$(PY) -m pytest -q -p no:xdist -m whole_machine
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_XDIST) -m "not slow"
+	$(PY) -m pytest -q $(PYTEST_XDIST) -m "not slow and not whole_machine"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -201,6 +201,7 @@ def test_issue_token_prompt_never_streams_prompt_text(loaded_fp32, monkeypatch, 
     assert "face" not in final.text and final.text.startswith("\ufffd")
 
 
+@pytest.mark.whole_machine
 def test_steps_from_a_new_thread_run_at_the_engines_thread_count(
     attention_backend, loaded_fp32, chat_prompt_ids, hf_outputs
 ):
