@@ -7,9 +7,11 @@
         --max-tokens 128
 
 The revision is checked out once into a temporary git worktree; each round runs the command with
-this interpreter, first with that revision's ``src`` first on ``PYTHONPATH`` ("before"), then with
-the working tree's ("after"), so both share the machine's state of the moment (side by side, as
-docs/perf.md asks of speed figures). The command's scripts and data come from the working tree:
+this interpreter, once with that revision's ``src`` first on ``PYTHONPATH`` ("before") and once
+with the working tree's ("after"), "before" first in odd rounds and "after" first in even ones,
+so both share the machine's state of the moment (side by side, as docs/perf.md asks of speed
+figures); each run's label gives the load average when it started (a busy machine shows). The
+command's scripts and data come from the working tree:
 it must use only APIs both revisions have. Outputs are printed as they come, labelled.
 """
 
@@ -41,11 +43,15 @@ def main() -> int:
             check=True,
         )
         try:
+            sides = [("before", tree / "src"), ("after", ROOT / "src")]
             for round_ in range(1, args.rounds + 1):
-                for label, src in (("before", tree / "src"), ("after", ROOT / "src")):
+                # odd rounds run "before" first, even rounds "after" first: a machine that
+                # warms or fills up during a round favours neither side
+                for label, src in sides if round_ % 2 else sides[::-1]:
                     env = {**os.environ, "PYTHONPATH": str(src)}
                     where = args.rev if label == "before" else "working tree"
-                    print(f"=== round {round_}, {label} ({where})", flush=True)
+                    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+                    print(f"=== round {round_}, {label} ({where}); load average {load}", flush=True)
                     result = subprocess.run([sys.executable, *command], cwd=ROOT, env=env)
                     if result.returncode:
                         return result.returncode
