@@ -11,6 +11,10 @@ Every unfinished request is in exactly one place, which its status names::
     release(): out of any of them, its KV blocks, grammar, drafts and tier loads freed, its
                id recorded for the workers (take_finished_ids() at the next step)
 
+The ids of a parent's n > 1 samples not forked yet are held from its add() until each sample is
+added under its id or the parent is released (:meth:`RequestQueues.id_in_use`): no new request
+can take one meanwhile.
+
 The scheduler and its collaborators (beam searches, sample forks, KV tier loads, rejections) move
 requests only through these methods; they read ``running``, ``waiting``, ``loading`` and
 ``requests`` freely. Torch-free; every method is O(1) but those that search the running list
