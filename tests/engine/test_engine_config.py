@@ -95,3 +95,18 @@ def test_a_given_block_size_is_the_resolved_one():
     )
     assert engine.config.cache_config.block_size == 8 == engine.options.block_size
     assert engine.kv_cache_manager.block_size == engine.runner.input_batch.block_size == 8
+
+
+def test_the_options_are_a_copy_of_what_was_passed():
+    """Issue 48's review: ``engine.options`` keeps what was typed even when the caller changes
+    its own EngineConfig afterwards."""
+    from _tiny_model import tiny_loaded_model
+
+    from pagedkv.engine.config import EngineConfig
+    from pagedkv.engine.llm_engine import LLMEngine
+
+    options = EngineConfig(dtype="float32", num_threads=1, num_blocks=80)
+    engine = LLMEngine(options, loaded_model=tiny_loaded_model())
+    options.num_blocks = 9999
+    assert engine.options is not options and engine.options.num_blocks == 80
+    assert engine.config.cache_config.num_gpu_blocks == 80

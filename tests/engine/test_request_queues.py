@@ -377,3 +377,34 @@ def test_the_engine_refuses_a_request_id_of_an_unforked_sample() -> None:
     outputs = run_until_done(scheduler, FakeModel(NUM_BLOCKS, BLOCK_SIZE))
     assert {i for out in outputs for i in out.num_scheduled_tokens} == {"a#0", "a#1"}
     assert not scheduler.has_unfinished_requests() and not scheduler.queues.id_in_use("a#1")
+
+
+def test_a_sample_id_stays_taken_until_its_abort_is_reported():
+    """Issue 48's review: after an abort the scheduler frees a sample's id at once, the output
+    processor only when it reports the abort; a new request under that id (or whose samples
+    take it) is refused until then, and the engine keeps stepping (it used to wedge on a
+    KeyError forever)."""
+    from _tiny_model import tiny_loaded_model
+
+    from pagedkv.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(loaded_model=tiny_loaded_model(), dtype="float32", num_threads=1)
+    prompt = [5, 6, 7, 8]
+    engine.add_request("a", prompt, SamplingParams(n=3, max_tokens=4, temperature=1.0, seed=0))
+    engine.step()
+    engine.abort_request("a")
+    for request_id, n in (("a#1", 1), ("a", 1)):
+        with pytest.raises(InvalidRequestError, match="already in use"):
+            engine.add_request(request_id, prompt, SamplingParams(max_tokens=2, n=n))
+    engine.add_request("b#0", prompt, SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError, match="'b#0' is already in use"):
+        engine.add_request("b", prompt, SamplingParams(max_tokens=2, n=2))
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output.outputs[0].finish_reason
+    assert finished == {"a": "abort", "b#0": "length"}
+    engine.add_request("a#1", prompt, SamplingParams(max_tokens=2))  # reported: free again
+    while engine.has_unfinished_requests():
+        engine.step()

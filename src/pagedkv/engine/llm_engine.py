@@ -35,7 +35,7 @@ from pagedkv.engine.input_processor import InputProcessor, Prompt
 from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.request import Request, RequestStatus
-from pagedkv.engine.sample_forks import fork_samples
+from pagedkv.engine.sample_forks import fork_samples, sample_ids
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.stats import KVTierStats, SchedulerStats
 from pagedkv.engine.structured_output import StructuredOutputManager, StructuredOutputRequest
@@ -113,7 +113,7 @@ class LLMEngine:
         self._tier_saved = False  # shutdown() paged the prefix cache out to a disk tier
         if config is None:
             config = EngineConfig(**overrides)
-        elif overrides:
+        else:  # a copy: the caller's object may change later, what was typed may not
             config = dataclasses.replace(config, **overrides)
         # Every setting decided once, before the weights load (seconds), then frozen.
         resolved = resolve_engine_config(
@@ -262,7 +262,8 @@ class LLMEngine:
                 error's ``param`` names the field when one is at fault.
         """
         params = sampling_params if sampling_params is not None else SamplingParams()
-        if self.output_processor.has_request(request_id):
+        outputs = self.output_processor
+        if outputs.has_request(request_id) or outputs.has_sequence(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if isinstance(params, BeamSearchParams):
             self._add_beam_search(request_id, prompt, params, priority, cache_salt, arrival_time)
@@ -283,7 +284,7 @@ class LLMEngine:
         num_samples = params.num_samples
         requests = [
             self._make_request(
-                request_id if num_samples == 1 else f"{request_id}#{index}",
+                seq_id,
                 params if num_samples == 1 else params.for_sample(index),
                 prompt_token_ids=prompt_token_ids,
                 cache_salt=cache_salt,
@@ -291,8 +292,11 @@ class LLMEngine:
                 arrival_time=now,
                 structured_output=None if grammar is None else StructuredOutputRequest(grammar),
             )
-            for index in range(num_samples)
+            for index, seq_id in enumerate(sample_ids(request_id, num_samples))
         ]
+        for request in requests:  # a sample aborted but not reported yet keeps its id
+            if outputs.has_sequence(request.request_id):
+                raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         added = []
         try:
             for request in fork_samples(requests):  # n > 1: one prefill, then forks

@@ -175,6 +175,12 @@ class OutputProcessor:
         """True while ``request_id`` is not yet reported finished."""
         return request_id in self._states
 
+    def has_sequence(self, seq_id: str) -> bool:
+        """True while a sequence (a request's sample or a beam search's root) ``seq_id`` is not
+        yet reported finished: the scheduler may have freed it already (an abort is reported
+        with the next outputs), so a new request must not take its id before then."""
+        return seq_id in self._sample_of
+
     def get_num_unfinished_requests(self) -> int:
         """Requests (prompts) not yet reported finished."""
         return len(self._states)

@@ -13,8 +13,9 @@ A child that has no seat (max_num_seqs) or no room for its first block queues as
 instead (prefix-cache hits on the parent's full blocks, the rest recomputed); so does every child
 when the prefix cache already holds the parent's whole prompt at admission.
 
-:func:`fork_samples` sets the samples of one prompt up so (the engine's ``add_request`` and the
-simulator call it); :class:`SampleForks` forks them in the scheduler.
+:func:`sample_ids` names the samples of one prompt and :func:`fork_samples` sets them up so (the
+engine's ``add_request`` and the simulator call both); :class:`SampleForks` forks them in the
+scheduler.
 """
 
 from __future__ import annotations
@@ -26,6 +27,14 @@ from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.engine.request_queues import RequestQueues
 from pagedkv.engine.stats import SchedulerStats
 from pagedkv.errors import InvalidRequestError
+
+
+def sample_ids(request_id: str, num_samples: int) -> list[str]:
+    """The sequence ids of a prompt's ``num_samples`` samples: ``[request_id]`` alone, or
+    ``request_id#0`` .. ``request_id#{n-1}`` (the engine's and the simulator's naming)."""
+    if num_samples == 1:
+        return [request_id]
+    return [f"{request_id}#{index}" for index in range(num_samples)]
 
 
 def fork_samples(samples: list[Request]) -> list[Request]:
@@ -171,4 +180,4 @@ class SampleForks:
         return children
 
 
-__all__ = ["SampleForks", "fork_samples"]
+__all__ = ["SampleForks", "fork_samples", "sample_ids"]

@@ -62,7 +62,7 @@ from pagedkv.core.offload import TierStore
 from pagedkv.core.spec import KVCacheSpec, cdiv
 from pagedkv.engine.request import RequestStatus
 from pagedkv.engine.request_limits import ADMISSION_POLICIES
-from pagedkv.engine.sample_forks import fork_samples
+from pagedkv.engine.sample_forks import fork_samples, sample_ids
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.sim.arrivals import ArrivalClock
@@ -391,14 +391,8 @@ def _samples(driver: _EngineDriver, sim_request, block_hasher, index: int, fork:
     n = sim_request.n
     prompt = sim_request.prompt_token_ids
     samples = [
-        driver.make_request(
-            sim_request.request_id if n == 1 else f"{sim_request.request_id}#{i}",
-            prompt,
-            block_hasher,
-            index,
-            sim_request.output_of(i),
-        )
-        for i in range(n)
+        driver.make_request(seq_id, prompt, block_hasher, index, sim_request.output_of(i))
+        for i, seq_id in enumerate(sample_ids(sim_request.request_id, n))
     ]
     return fork_samples(samples) if fork else samples
 

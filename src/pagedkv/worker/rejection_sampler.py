@@ -16,9 +16,9 @@ gets k + 1 rows of target logits in one forward: row i scores the token after ``
   the bonus row's ``p_{k+1}``. Each emitted token is then distributed exactly as ``p``
   (Leviathan et al., Theorem 1), whatever q is.
 
-n-gram and suffix drafts have no distribution: q is one-hot on the draft token (``draft_probs``
-None), so a draft is accepted with probability ``p(x)`` and a rejection samples from ``p`` with
-``x`` removed.
+pagedkv's drafts have no distribution: n-gram and suffix copy tokens and the draft model takes
+its argmax, so q is one-hot on the draft token (``draft_probs`` None), a draft is accepted with
+probability ``p(x)`` and a rejection samples from ``p`` with ``x`` removed.
 
 Each row's p is what :class:`~pagedkv.worker.sampler.Sampler` would sample that row from
 (logit_bias, temperature, min_p, top-k / top-p: :func:`apply_sampling_filters`, shared).
@@ -57,7 +57,8 @@ def rejection_sample(
         draft_token_ids: ``[sum(num_draft_tokens)]`` int draft ids, the requests' drafts in
             order (a tensor, numpy array or list).
         draft_probs: ``[sum(num_draft_tokens), vocab_size]`` float q of each draft row, or None:
-            one-hot on the draft token (n-gram / suffix drafts).
+            one-hot on the draft token (every method pagedkv has: n-gram, suffix, a draft
+            model's greedy drafts).
         generators: one per request: its own generator (seeded requests: their uniforms and
             samples come from it, so they repeat run to run) or None (the sampler's).
         sampler: whose generator serves the unseeded requests.
