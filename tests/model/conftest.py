@@ -82,7 +82,21 @@ class PagedSequenceRunner:
 def run_ranks(world_size: int, fn, timeout: float = 120.0) -> list:
     """``[fn(parallel) for each rank]``, the ranks run at once as threads of this process, each
     with a :class:`TensorParallelGroup` over one gloo group (an in-memory store, loopback): the
-    model's collectives without spawning processes. The first rank's exception is re-raised."""
+    model's collectives without spawning processes. The first rank's exception is re-raised.
+
+    Gloo's ranks connect over loopback TCP on ports the OS hands out; beside the other test
+    worker's servers and groups a connection was once closed by its peer while the mesh was
+    built ("Gloo connectFullMesh failed"). That failure, and only it, is retried once with a
+    fresh group: it says nothing of the model's code."""
+    try:
+        return _run_ranks(world_size, fn, timeout)
+    except RuntimeError as e:
+        if "connectFullMesh" not in str(e):
+            raise
+        return _run_ranks(world_size, fn, timeout)
+
+
+def _run_ranks(world_size: int, fn, timeout: float) -> list:
     store = torch.distributed.HashStore()
     results: list = [None] * world_size
     errors: list[BaseException] = []
