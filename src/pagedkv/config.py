@@ -71,6 +71,8 @@ class ModelRunConfig:
         max_model_len: most tokens per request (prompt + output).
         seed: seed of sampling for requests without their own seed.
         max_logprobs: most logprobs / prompt_logprobs a request may ask for.
+        batch_invariant: every step on the batch-invariant path (``EngineConfig.
+            batch_invariant``).
     """
 
     model: str | None
@@ -79,6 +81,7 @@ class ModelRunConfig:
     quantization: str | None = None
     seed: int = 0
     max_logprobs: int = 20
+    batch_invariant: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -134,6 +134,14 @@ class EngineConfig:
         speculative_config: speculative decoding (vLLM's ``--speculative-config``): a
             :class:`~pagedkv.config.SpeculativeConfig`, its dict, or its JSON text (e.g.
             ``{"method": "ngram", "num_speculative_tokens": 3}``); None: off.
+        batch_invariant: every request's tokens and logprobs depend on its own tokens only,
+            never on the batch it shares a step with, how its prompt was chunked, a prefix-cache
+            hit, preemption, the KV tier, forks or speculation (vLLM's
+            ``VLLM_BATCH_INVARIANT=1``; docs/engine.md, "Batch invariance"). Every step then
+            runs pagedkv's C decoder layers with one reduction order per row, whatever its
+            size: Llama-family models (not Gemma), the native attention backend, one rank,
+            weights as a GGUF file stores them or dense (run as F32 / BF16 blocks), not int4 /
+            int8 made at load. Off by default: it costs large steps their GEMM (measured there).
 
     Raises:
         ConfigError: an unknown dtype or kv_cache_dtype, a count out of range, or a
@@ -168,6 +176,7 @@ class EngineConfig:
     kv_offloading_dir: str | None = None
     preemption_mode: str = "recompute"
     speculative_config: SpeculativeConfig | dict | str | None = None
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, str):
@@ -211,6 +220,10 @@ class EngineConfig:
             raise ConfigError(
                 "kv_offloading_dir goes with kv_offloading_backend='disk' (and it needs one)"
             )
+        if not isinstance(self.batch_invariant, bool):
+            raise ConfigError(f"batch_invariant must be a bool, got {self.batch_invariant!r}")
+        if self.batch_invariant:
+            check_batch_invariant_options(self)
         if self.preemption_mode not in ("recompute", "swap"):
             raise ConfigError(
                 f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
@@ -389,12 +402,50 @@ class EngineConfig:
             choices=("recompute", "swap"),
             help="what a preempted request's blocks do: recompute, or swap to the KV tier",
         )
+        group.add_argument(
+            "--batch-invariant",
+            action="store_true",
+            help="a request's tokens and logprobs bit-identical whatever it shares a step with, "
+            "however its KV blocks were made (prefix hit, chunk, preemption, KV tier, fork, "
+            "speculation); Llama-family models, native attention, one rank",
+        )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
         """The config from parsed :meth:`add_cli_args` flags."""
         names = [f.name for f in dataclasses.fields(cls) if hasattr(args, f.name)]
         return cls(**{name: getattr(args, name) for name in names})
+
+
+def check_batch_invariant_options(config: EngineConfig) -> None:
+    """Refuse what ``batch_invariant`` cannot run with, before anything loads (the model's own
+    checks follow when it is read: its architecture, its products on pagedkv's kernels).
+
+    Raises:
+        ConfigError: tensor_parallel_size > 1 (the ranks' partial products would be summed
+            in a step-dependent layout: not built), an attention backend other than
+            ``native`` or ``auto`` (the native backend reduces each query's keys in fixed
+            pieces at absolute positions; the others do not promise it), int4 / int8 made at
+            load (their products take another path for large steps), or kv_cache_dtype fp8
+            (the native backend holds fp32 or bf16).
+    """
+    if config.tensor_parallel_size > 1:
+        raise ConfigError("batch_invariant runs with tensor_parallel_size 1 only")
+    if config.attention_backend not in ("auto", "native"):
+        raise ConfigError(
+            f"batch_invariant runs with the native attention backend, not "
+            f"{config.attention_backend!r} (attention_backend 'auto' or 'native')"
+        )
+    if config.quantization in ("int4", "int8"):
+        raise ConfigError(
+            f"batch_invariant does not run quantization {config.quantization!r} (made at load "
+            "for small steps only): a GGUF file's own blocks ('gguf') or dense weights ('none')"
+        )
+    if config.kv_cache_dtype.startswith("fp8"):
+        raise ConfigError(
+            "batch_invariant runs a float32 or bfloat16 KV cache (the native attention "
+            f"backend's), not kv_cache_dtype {config.kv_cache_dtype!r}"
+        )
 
 
 def default_quantization(quantization: str | None, requested_dtype: str) -> str | None:

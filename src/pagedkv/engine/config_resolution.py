@@ -133,13 +133,23 @@ def resolve_engine_config(
     device = "cpu" if loaded_model is None else loaded_model.model.device
     if torch.device(device).type == "cpu":
         logger.info("%s", caps.summary(dtype))
+    if options.batch_invariant:
+        for shape in (model_shape, draft_shape):
+            _check_batch_invariant_model(shape)
     attention, kv_cache_dtype = choose_attention_backend(
-        options,
+        dataclasses.replace(options, attention_backend="native")
+        if options.batch_invariant
+        else options,
         model_shape.head_dim,
         dtype,
         device,
         getattr(model_shape, "attn_logit_softcapping", None),
     )
+    if options.batch_invariant and attention.backend.name != "native":
+        raise ConfigError(
+            "batch_invariant runs with the native attention backend, which does not run this "
+            f"model here: {attention.fallback_reason}"
+        )
     block_size = attention.block_size
     # 5. KV cache sizing: the specs (of that block size), max_model_len, the blocks.
     kv_cache_config = _size_kv_cache(options, model_shape, draft_shape, block_size, kv_cache_dtype)
@@ -162,6 +172,7 @@ def resolve_engine_config(
             max_model_len=max_model_len,
             seed=options.seed,
             max_logprobs=options.max_logprobs,
+            batch_invariant=options.batch_invariant,
         ),
         cache_config=CacheConfig(
             block_size=block_size,
@@ -195,6 +206,23 @@ def resolve_engine_config(
         loaded_model=loaded_model,
         tier_keys=tuple(tier_keys),
     )
+
+
+def _check_batch_invariant_model(model_shape) -> None:
+    """Refuse a model (or draft model; None: none) ``batch_invariant`` does not run, from its
+    shape (before its weights).
+
+    Raises:
+        ConfigError: a Gemma model (its decoder layers run as torch ops, whose reductions
+            depend on the step's size).
+    """
+    from pagedkv.model.config import GEMMA_ARCHITECTURES
+
+    if model_shape is not None and model_shape.architecture in GEMMA_ARCHITECTURES:
+        raise ConfigError(
+            f"batch_invariant runs the Llama-family decoders (llama, mistral, qwen2, qwen3, "
+            f"phi3), not {model_shape.architecture}"
+        )
 
 
 def _read_model_shape(options: EngineConfig, dtype: str, loaded_model, model_loader):

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
-from pagedkv.errors import ModelLoadError
+from pagedkv.errors import ConfigError, ModelLoadError
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.gguf_weight import GGUFWeight
 from pagedkv.model.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -72,6 +72,26 @@ class DecoderForCausalLM:
         self.pack = linear_mode(self.device, dtype)
         if parallel is None or parallel.rank == 0:  # one warning, not one per rank
             log_linear_mode(self.pack, dtype)
+
+    #: whether every step runs the batch-invariant path (:meth:`set_batch_invariant`)
+    batch_invariant = False
+
+    def batch_invariant_reason(self) -> str | None:
+        """Why this model has no batch-invariant path, or None when it has one (a subclass
+        that has one overrides this). Gemma's layers run as torch ops, whose reductions and
+        vectorized tails depend on the step's size."""
+        return f"{self.config.architecture} has no batch-invariant path (Llama-family models do)"
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """Run every step on the batch-invariant path (``on``) or the fastest for its size.
+
+        Raises:
+            ConfigError: ``on`` for a model without one (:meth:`batch_invariant_reason`).
+        """
+        reason = self.batch_invariant_reason() if on else None
+        if reason is not None:
+            raise ConfigError(f"batch_invariant: {reason}")
+        self.batch_invariant = on
 
     def cast(self, weights: Mapping[str, torch.Tensor]) -> WeightCaster:
         """``weights`` read in the model's dtype, on its device (:class:`WeightCaster`)."""

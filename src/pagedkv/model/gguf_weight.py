@@ -119,6 +119,27 @@ class GGUFWeight:
         """A copy with ``changes`` (``kernels=``, ``dtype=``); the data is shared."""
         return dataclasses.replace(self, **changes)
 
+    @classmethod
+    def from_dense(
+        cls, weight: torch.Tensor, dtype: torch.dtype, kernels: CpuQuantKernels
+    ) -> GGUFWeight:
+        """A dense 2-D weight ``[out_features, in_features]`` as a GGML F32 (``dtype``
+        float32) or BF16 (bfloat16) tensor, so pagedkv's kernels run it as they run a file's
+        blocks (the batch-invariant path's products). Shares the memory of a float32 weight
+        kept in float32; otherwise a copy in ``dtype``.
+
+        Raises:
+            ConfigError: a weight that is not 2-D, or a dtype other than float32 and bfloat16.
+        """
+        if weight.dim() != 2:
+            raise ConfigError(f"a dense weight must be 2-D, got {tuple(weight.shape)}")
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ConfigError(f"dense weights run as F32 or BF16 blocks, not {dtype}")
+        rows, cols = weight.shape
+        data = weight.to(dtype).contiguous().view(torch.uint8).reshape(rows, -1)
+        name = "F32" if dtype == torch.float32 else "BF16"
+        return cls(name, data, (rows, cols), kernels, dtype)
+
     def rows(self, index: torch.Tensor | slice) -> GGUFWeight:
         """The weight's output rows ``index`` (a copy of their blocks for an index tensor: the
         rows of a q / k weight reordered)."""
@@ -210,6 +231,18 @@ class GGUFMatmul:
             y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
             return y if y.dtype == self.dtype else y.to(self.dtype)
         return self._tiled(x)
+
+    def invariant(self, x: torch.Tensor) -> torch.Tensor:
+        """``x W^T`` float32 ``[num_tokens, out_features]`` for x ``[num_tokens, in_features]``
+        (any float dtype) in one reduction order per row whatever ``num_tokens``
+        (:meth:`~pagedkv.model.kernels.cpu_quant.CpuQuantKernels.gguf_gemm_invariant`): a
+        row's bits are those it gets alone. The batch-invariant path's product (the LM head's;
+        the layers' run in C). Not rounded to :attr:`dtype`."""
+        xf = x.float().contiguous()
+        if xf.shape[0] == 0:
+            return xf.new_empty(0, self.out_features)
+        outs = [p.kernels.gguf_gemm_invariant(p.type_id, xf, p.data) for p in self.parts]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     def _tiled(self, x: torch.Tensor) -> torch.Tensor:
         """A large step: each tile of rows dequantized into a scratch in the compute dtype

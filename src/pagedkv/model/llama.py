@@ -39,6 +39,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from pagedkv.errors import KernelUnavailableError, OpsInputError
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.decoder import (
     DecoderForCausalLM,
@@ -190,6 +191,8 @@ class LlamaForCausalLM(DecoderForCausalLM):
         self.fused_layers, self._kernels, why = fused_layer_weights(
             self.layers, config, dtype, parallel
         )
+        #: why the layers run as torch ops ("" where they are fused)
+        self._fused_why = why
         if parallel is None or parallel.rank == 0:
             logger.info(
                 "small steps (<= %d tokens): %s",
@@ -213,6 +216,10 @@ class LlamaForCausalLM(DecoderForCausalLM):
         # and the step's metadata buffers stay put)
         self._attention_entries: tuple | None = None
         self._attention_array = None
+        # the fused layers in the batch-invariant products' form, and their C array (made
+        # on the first batch-invariant step; they share the weights)
+        self._bi_layers: list[LlamaLayerWeights] | None = None
+        self._invariant_layer_array = None
 
     @torch.inference_mode()
     def forward(
@@ -240,6 +247,8 @@ class LlamaForCausalLM(DecoderForCausalLM):
             ``[num_tokens, hidden_size]`` final-norm hidden states (pass the rows to sample to
             :meth:`compute_logits`).
         """
+        if self.batch_invariant:
+            return self._invariant_forward(input_ids, positions, kv_caches, attn_metadata)
         if self.fused_layers is not None and input_ids.shape[0] <= QUANT_MAX_TOKENS:
             out = self._fused_forward(input_ids, positions, kv_caches, attn_metadata)
             if out is not None:
@@ -304,6 +313,82 @@ class LlamaForCausalLM(DecoderForCausalLM):
             kernels.llama_attn_out(layer, h, attn.contiguous(), threads)
         return F.rms_norm(h, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
 
+    def batch_invariant_reason(self) -> str | None:
+        """None where every step can run the batch-invariant path: fused layers (every
+        product on pagedkv's kernels, float32 or bfloat16, one rank) and an LM head on them;
+        else why not (see :meth:`set_batch_invariant`)."""
+        if self.fused_layers is None:
+            return f"its decoder layers do not run on pagedkv's C kernels ({self._fused_why})"
+        if self.lm_head.linear.gguf is None:
+            return "its LM head is not on pagedkv's kernels (load it with batch_invariant=True)"
+        try:
+            self._invariant_layers()
+        except KernelUnavailableError as e:  # an int4 product made at load
+            return f"its decoder layers have no batch-invariant form ({e})"
+        return None
+
+    def _invariant_forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[torch.Tensor],
+        attn_metadata: BoundAttentionMetadata | Sequence[BoundAttentionMetadata],
+    ) -> torch.Tensor:
+        """:meth:`forward` on the batch-invariant path, for any number of tokens: the fused C
+        layers with each product in one reduction order per row
+        (``CpuQuantKernels.gguf_gemm_invariant``), the attention backend's C entry points
+        (native: each query's keys reduced in fixed pieces at absolute positions), the final
+        RMSNorm row by row in C. Every row's bits depend on its own token, position and
+        cached keys and values only.
+
+        Raises:
+            OpsInputError: an attention backend without C entry points for a model not in
+                float32 (the engine runs native with batch_invariant).
+        """
+        num_tokens = input_ids.shape[0]
+        per_layer = self._per_layer(attn_metadata)
+        entries = self._c_attention(per_layer, kv_caches)
+        kernels = self._kernels
+        threads = torch.get_num_threads()
+        h = self.embed_tokens(input_ids).float().contiguous()
+        cos, sin = self._rotary32.tables(positions)
+        layers = self._invariant_layers()
+        if entries is not None:
+            if entries != self._attention_entries:
+                self._attention_array = kernels.attention_array(entries)
+                self._attention_entries = entries
+            kernels.llama_forward(
+                self._invariant_layer_array, self._attention_array, h, cos, sin, threads
+            )
+        elif self.dtype != torch.float32:
+            raise OpsInputError(
+                "batch_invariant: a bfloat16 model's steps need an attention backend with C "
+                "entry points (native)"
+            )
+        else:
+            first = layers[0]
+            heads, kv_heads, head_dim = first.num_heads, first.num_kv_heads, first.head_dim
+            qkv = torch.empty(num_tokens, (heads + 2 * kv_heads) * head_dim)
+            q, k, v = qkv.view(num_tokens, heads + 2 * kv_heads, head_dim).split(
+                (heads, kv_heads, kv_heads), dim=1
+            )
+            for layer, kv_cache, metadata in zip(layers, kv_caches, per_layer, strict=True):
+                kernels.llama_attn_in(layer, h, cos, sin, qkv, threads)
+                metadata.write_kv(k, v, kv_cache)
+                attn = metadata.forward(q, kv_cache).reshape(num_tokens, -1)
+                kernels.llama_attn_out(layer, h, attn.contiguous(), threads)
+        out = kernels.rms_norm(h, self._norm32, self.config.rms_norm_eps)
+        return out if self.dtype == torch.float32 else out.to(self.dtype)
+
+    def _invariant_layers(self) -> list[LlamaLayerWeights]:
+        """The fused layers with every product in its batch-invariant form (made once)."""
+        if self._bi_layers is None:
+            self._bi_layers, _, _ = fused_layer_weights(
+                self.layers, self.config, self.dtype, self.parallel, batch_invariant=True
+            )
+            self._invariant_layer_array = self._kernels.layer_array(self._bi_layers)
+        return self._bi_layers
+
     @staticmethod
     def _c_attention(
         per_layer: Sequence[BoundAttentionMetadata], kv_caches: Sequence[torch.Tensor]
@@ -348,6 +433,8 @@ class LlamaForCausalLM(DecoderForCausalLM):
 
         With tensor parallelism every rank must call it with the same rows (each computes its
         vocabulary shard, gathered on rank 0); the other ranks get None."""
+        if self.batch_invariant:  # fp32 straight from the head's blocks, row by row
+            return self.lm_head.linear.gguf.invariant(hidden_states)
         logits = self.lm_head(hidden_states)
         if logits is None:  # a rank other than 0: it only joined the gather
             return None
@@ -396,6 +483,7 @@ def fused_layer_weights(
     config: ModelConfig,
     dtype: torch.dtype,
     parallel: TensorParallelGroup | None,
+    batch_invariant: bool = False,
 ) -> tuple[list[LlamaLayerWeights] | None, CpuQuantKernels | None, str]:
     """Each layer's weights for pagedkv's fused small-step layer
     (:class:`~pagedkv.model.kernels.cpu_quant.LlamaLayerWeights`: per product the GGUF file's
@@ -403,7 +491,9 @@ def fused_layer_weights(
     norms as fp32 copies), the kernels that run them, and why not where the layers run as
     torch ops (the reason is logged at start): a model in neither float32 nor bfloat16, tensor
     parallelism, a product that is not on pagedkv's kernels (a dense weight, int8), or kernels
-    loaded without fused layers (``PAGEDKV_QUANT_KERNEL=products``).
+    loaded without fused layers (``PAGEDKV_QUANT_KERNEL=products``). ``batch_invariant``:
+    the layers run every product batch-invariant, for any number of rows
+    (:attr:`LlamaLayerWeights.batch_invariant`; GGUF parts only).
 
     Returns:
         ``(layers, kernels, "")`` or ``(None, None, reason)``.
@@ -447,6 +537,7 @@ def fused_layer_weights(
                 q8_isa=kernels.q8_isa,
                 q_norm=fp32(layer.q_norm),
                 k_norm=fp32(layer.k_norm),
+                batch_invariant=batch_invariant,
             )
         )
     return fused, kernels, ""

@@ -20,6 +20,7 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from pagedkv.errors import ConfigError, ModelLoadError
 from pagedkv.model.config import GEMMA_ARCHITECTURES, ModelConfig
 from pagedkv.model.gemma3 import Gemma3ForCausalLM
 from pagedkv.model.gguf_metadata import read_gguf_header
+from pagedkv.model.gguf_weight import GGUFWeight
 from pagedkv.model.hub_cache import cached_snapshot, hub_cache_dir, is_repo_id
 from pagedkv.model.kernels.cpu_quant import (
     GGML_TYPES,
@@ -210,6 +212,7 @@ def load_model(
     device: torch.device | str = "cpu",
     parallel: TensorParallelGroup | None = None,
     quantization: str | None = "none",
+    batch_invariant: bool = False,
 ) -> LoadedModel:
     """Load a model (Llama family or Gemma 3) and its tokenizer.
 
@@ -228,6 +231,10 @@ def load_model(
             stored), "int4" / "int8" (made at load from any model), "none" (dense only, the
             default here); None = "gguf" for a GGUF file where the CPU kernels run (on one
             rank), else "none" (:func:`resolve_quantization`; the engine's default).
+        batch_invariant: ready the model for the batch-invariant path
+            (``model.set_batch_invariant``): its dense linear weights, embeddings and LM head
+            run on pagedkv's kernels as F32 / BF16 blocks (:meth:`GGUFWeight.from_dense`;
+            a float32 weight shares its memory), as a GGUF file's blocks do.
 
     Returns:
         :class:`LoadedModel`; ``source`` is the resolved path as a string.
@@ -236,7 +243,8 @@ def load_model(
         ModelLoadError: missing model (with the install command for the default one),
             unreadable file, or an unsupported architecture.
         ConfigError: a model that does not split ``parallel.world_size`` ways, or a
-            quantization that cannot run here (the message says why).
+            quantization that cannot run here (the message says why); ``batch_invariant``
+            where pagedkv's kernels do not run, with int4 / int8, or on several ranks.
     """
     path = resolve_model_path(model)
     kernels = None
@@ -245,6 +253,8 @@ def load_model(
     quantization = resolve_quantization(
         quantization, path, torch.device(device), parallel, gguf_kernels=kernels
     )
+    if batch_invariant:
+        _check_batch_invariant_load(kernels, quantization, parallel)
     check_weights_fit(path, quantization, dtype, 1 if parallel is None else parallel.world_size)
     start = time.perf_counter()
     logger.info("reading weights from %s", path)
@@ -264,6 +274,8 @@ def load_model(
         tokenizer = Tokenizer.from_gguf(path, config.eos_token_ids)
         if quantization == "gguf":
             log_stored_types(stored_types(state_dict), state_dict, kernels)
+    if batch_invariant and config.architecture not in GEMMA_ARCHITECTURES:
+        state_dict = dense_as_blocks(state_dict, dtype, kernels)
     quantized: dict[str, QuantizedWeight] = {}
     read = time.perf_counter()
     logger.info(
@@ -299,6 +311,49 @@ def load_model(
         source=str(path),
         quantization=quantization,
     )
+
+
+def _check_batch_invariant_load(
+    kernels: CpuQuantKernels | None, quantization: str, parallel: TensorParallelGroup | None
+) -> None:
+    """Refuse a batch-invariant load that cannot run (see :func:`load_model`).
+
+    Raises:
+        ConfigError: no kernels, int4 / int8, several ranks.
+    """
+    if parallel is not None and parallel.world_size > 1:
+        raise ConfigError("batch_invariant runs with tensor_parallel_size 1 only")
+    if kernels is None:
+        raise ConfigError(
+            "batch_invariant runs every product on pagedkv's C kernels, which do not run here "
+            "(the log says why: PAGEDKV_QUANT_KERNEL, or the CPU or compiler)"
+        )
+    if quantization in ("int4", "int8"):
+        raise ConfigError(f"batch_invariant does not run quantization {quantization!r}")
+
+
+def dense_as_blocks(
+    state_dict: Mapping[str, torch.Tensor | GGUFWeight],
+    dtype: torch.dtype,
+    kernels: CpuQuantKernels,
+) -> dict[str, torch.Tensor | GGUFWeight]:
+    """``state_dict`` with each dense linear weight (a decoder layer's q/k/v/o/gate/up/down),
+    the embeddings and the LM head as a GGML F32 / BF16 tensor in ``dtype``
+    (:meth:`GGUFWeight.from_dense`), so that every product runs on pagedkv's kernels; weights
+    already kept as stored and everything else (norms, biases) as they are."""
+    from pagedkv.model.gguf_loader import is_layer_linear
+
+    out: dict[str, torch.Tensor | GGUFWeight] = {}
+    for name, weight in state_dict.items():
+        dense = isinstance(weight, torch.Tensor) and weight.dim() == 2
+        if dense and (is_layer_linear(name) or name in _EMBEDDING_AND_HEAD):
+            weight = GGUFWeight.from_dense(weight, dtype, kernels)
+        out[name] = weight
+    return out
+
+
+#: The HF names of the embeddings and the LM head (:func:`dense_as_blocks`).
+_EMBEDDING_AND_HEAD = frozenset({"model.embed_tokens.weight", "lm_head.weight"})
 
 
 def resolve_quantization(

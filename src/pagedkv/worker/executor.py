@@ -93,6 +93,7 @@ class UniProcExecutor(Executor):
             kv_tier=make_kv_tier(config, kv_cache_config),
             speculative_config=config.speculative_config,
             draft_model=None if draft_model is None else draft_model.model,
+            batch_invariant=config.model_config.batch_invariant,
         )
 
     def shutdown(self) -> None:
@@ -179,6 +180,7 @@ def create_executor(
             model_config.model,
             dtype=getattr(torch, model_config.dtype),
             quantization=model_config.quantization,
+            batch_invariant=model_config.batch_invariant,
         )
     if config.parallel_config.tensor_parallel_size > 1:
         # Lazy: torch.distributed and worker processes only under tensor parallelism.
@@ -212,5 +214,8 @@ def _load_draft_model(config: PagedKVConfig, target: LoadedModel) -> LoadedModel
     if speculative.model == config.model_config.model:
         return target
     return load_model(
-        speculative.model, dtype=getattr(torch, config.model_config.dtype), quantization=None
+        speculative.model,
+        dtype=getattr(torch, config.model_config.dtype),
+        quantization=None,
+        batch_invariant=config.model_config.batch_invariant,
     )

@@ -109,13 +109,18 @@ class ModelRunner:
             layers follow the model's in ``kv_cache_config``
             (:mod:`pagedkv.worker.spec_decode.draft_model`), for a ``speculative_config`` that
             uses one; None = none.
+        batch_invariant: run every step on the model's batch-invariant path (and the draft
+            model's): each row's values depend on its own tokens and positions only
+            (``model.set_batch_invariant``; docs/engine.md, "Batch invariance"). The mode is
+            the model object's: the last runner built on a model sets it.
 
     Raises:
         ConfigError: a KV cache config whose layers are not the model's (count, or bytes per
             element other than kv_cache_dtype's), a sliding-window
             group whose window is not its layers' (it would free blocks they still read), or a
             layer the backend cannot run (the message says why); a draft model without a
-            ``speculative_config`` that uses one, or such a config without it.
+            ``speculative_config`` that uses one, or such a config without it; with
+            ``batch_invariant``, a model that has no batch-invariant path (the reason).
     """
 
     def __init__(
@@ -130,12 +135,21 @@ class ModelRunner:
         kv_tier: KVTier | None = None,
         speculative_config: SpeculativeConfig | None = None,
         draft_model=None,
+        batch_invariant: bool = False,
     ) -> None:
         uses_draft_model = speculative_config is not None and speculative_config.uses_draft_model
         if (draft_model is not None) != uses_draft_model:
             raise ConfigError(
                 "a draft model goes with a speculative_config that uses one, and only with it"
             )
+        models = [m for m in (model, draft_model) if m is not None]
+        for m in models if batch_invariant else ():  # check both, then set
+            reason = m.batch_invariant_reason()
+            if reason is not None:
+                raise ConfigError(f"batch_invariant: {reason}")
+        for m in models:  # a model another runner left batch-invariant is set back too
+            if batch_invariant or getattr(m, "batch_invariant", False):
+                m.set_batch_invariant(batch_invariant)
         config = model.config
         #: the KV tier's data, or None.
         self.kv_tier = kv_tier
