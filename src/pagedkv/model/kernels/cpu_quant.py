@@ -95,6 +95,9 @@ ISA_CODES = {"avx2": 0, "avx512": 1}
 #: The int8-activation products' bodies, by name, and their ``PAGEDKV_ISA_*`` codes: AVX2
 #: (``maddubs`` / ``madd``) and AVX-512 VNNI (``dpbusd``).
 Q8_ISA_CODES = {"avx2": 0, "avx512_vnni": 2}
+#: The int8 body of :meth:`CpuQuantKernels.gguf_gemm_large` by default (its ``q8_isa=None``):
+#: "avx2". MEASURED_LATER
+LARGE_Q8_ISA = "avx2"
 #: CPU flags (``/proc/cpuinfo``) the VNNI body needs beside :attr:`CpuQuantKernels.isa`
 #: "avx512".
 VNNI_FLAGS = ("avx512bw", "avx512_vnni")
@@ -288,6 +291,7 @@ class _LlamaLayer(ctypes.Structure):
         ("isa", ctypes.c_int32),
         ("activations", ctypes.c_int32),
         ("q8_isa", ctypes.c_int32),
+        ("batch_invariant", ctypes.c_int32),
     ]
 
 
@@ -383,13 +387,24 @@ class LlamaLayerWeights:
             on int8 activations, the others stay fp32.
         q8_isa: the int8-activation products' body, a key of :data:`Q8_ISA_CODES`
             (:attr:`CpuQuantKernels.q8_isa`); None = :func:`q8_body` of ``isa``.
+        batch_invariant: :attr:`batch_invariant`.
 
     Raises:
-        KernelUnavailableError: shapes, dtypes or types the kernels do not take, or an
-            unknown ``isa`` / ``activations`` / ``q8_isa``.
+        KernelUnavailableError: shapes, dtypes or types the kernels do not take, an unknown
+            ``isa`` / ``activations`` / ``q8_isa``, or an int4 part with ``batch_invariant``
+            (no invariant int4 product).
     """
 
-    __slots__ = ("_keep", "_struct", "address", "head_dim", "hidden", "num_heads", "num_kv_heads")
+    __slots__ = (
+        "_keep",
+        "_struct",
+        "address",
+        "batch_invariant",
+        "head_dim",
+        "hidden",
+        "num_heads",
+        "num_kv_heads",
+    )
 
     def __init__(
         self,
@@ -410,7 +425,14 @@ class LlamaLayerWeights:
         k_norm: torch.Tensor | None = None,
         activations: str = "fp32",
         q8_isa: str | None = None,
+        batch_invariant: bool = False,
     ):
+        if batch_invariant and not all(
+            isinstance(part, GGUFPart)
+            for weight in (qkv, o, gate_up, down)
+            for part in _parts(weight)
+        ):
+            raise KernelUnavailableError("batch_invariant takes GGUF parts only (no int4 product)")
         code = isa_code(isa)
         activations_id = activations_code(activations)
         q8_code = q8_isa_code(q8_body(isa) if q8_isa is None else q8_isa)
@@ -456,10 +478,17 @@ class LlamaLayerWeights:
             code,
             activations_id,
             q8_code,
+            int(batch_invariant),
         )
         self._keep = (qkv, o, gate_up, down, *vectors)
         #: the struct's address, passed to the C calls.
         self.address = ctypes.addressof(self._struct)
+        #: whether the fused calls run every product batch-invariant
+        #: (:meth:`CpuQuantKernels.gguf_gemm_invariant`: a row's bits those it gets alone,
+        #: whatever else shares the step or the thread count) and take any number of rows;
+        #: False: the small steps' products, at most :data:`MAX_ROWS` rows. Fixed at
+        #: construction (the C struct holds it).
+        self.batch_invariant = bool(batch_invariant)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -492,6 +521,7 @@ class CpuQuantKernels:
         "_forward",
         "_gguf_dequant",
         "_gguf_gemm",
+        "_gguf_gemm_invariant",
         "_gguf_gemm_q8",
         "_gguf_gemm_q8_large",
         "_gguf_rows",
@@ -499,6 +529,7 @@ class CpuQuantKernels:
         "_int8",
         "_isa_code",
         "_q8_isa_code",
+        "_rms_norm",
         "activations",
         "fused_layers",
         "gguf_types",
@@ -585,8 +616,28 @@ class CpuQuantKernels:
             ctypes.c_int64,
             ctypes.c_int64,
             ctypes.c_int,
+            ctypes.c_int,
         ]
         self._gguf_gemm_q8_large.restype = ctypes.c_int
+        self._gguf_gemm_invariant = lib.pagedkv_gguf_gemm_invariant
+        self._gguf_gemm_invariant.argtypes = [
+            ctypes.c_int,
+            _P,
+            _P,
+            _P,
+            _I64,
+            _I64,
+            _I64,
+            _I64,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+        ]
+        self._gguf_gemm_invariant.restype = ctypes.c_int
+        self._rms_norm = lib.pagedkv_rms_norm
+        self._rms_norm.argtypes = [_P, _P, ctypes.c_float, _I64, _I64, _P]
+        self._rms_norm.restype = None
         self._gguf_dequant = lib.pagedkv_gguf_dequant
         self._gguf_dequant.argtypes = [
             ctypes.c_int,
@@ -630,7 +681,8 @@ class CpuQuantKernels:
         """Every decoder layer of a small step in one call (decode_layer.c): for each layer,
         :meth:`llama_attn_in`, the backend's write and attention through its C entry points,
         :meth:`llama_attn_out`, in place on the residual stream h fp32 ``[M, hidden]``
-        (contiguous, 1 <= M <= 8). ``layers``: :meth:`layer_array`; ``attention``:
+        (contiguous, 1 <= M <= 8, or any M >= 1 where every layer is
+        :attr:`~LlamaLayerWeights.batch_invariant`). ``layers``: :meth:`layer_array`; ``attention``:
         :meth:`attention_array`, one entry per layer; cos and sin as for
         :meth:`llama_attn_in`.
 
@@ -664,7 +716,8 @@ class CpuQuantKernels:
     ) -> None:
         """The layer before attention (decode_layer.c): ``qkv`` fp32 ``[M, (H + 2 KV) D]`` =
         q, k and v of ``rms_norm(h)``, q and k rotated. h fp32 ``[M, hidden]``, cos and sin
-        (sign-folded) fp32 ``[M, D]``, all contiguous, 1 <= M <= 8; the caller holds to these
+        (sign-folded) fp32 ``[M, D]``, all contiguous, 1 <= M <= 8 (any M >= 1 for a
+        :attr:`~LlamaLayerWeights.batch_invariant` layer); the caller holds to these
         (the kernel reads raw pointers).
 
         Raises:
@@ -687,7 +740,8 @@ class CpuQuantKernels:
     ) -> None:
         """The layer after attention (decode_layer.c), in place on the residual stream h fp32
         ``[M, hidden]``: ``h += attn W_o^T``, then ``h += mlp(rms_norm(h))``. attn fp32
-        ``[M, H D]``; both contiguous, 1 <= M <= 8.
+        ``[M, H D]``; both contiguous, 1 <= M <= 8 (any M >= 1 for a
+        :attr:`~LlamaLayerWeights.batch_invariant` layer).
 
         Raises:
             KernelUnavailableError: the kernel refused (M out of range).
@@ -789,20 +843,28 @@ class CpuQuantKernels:
             raise KernelUnavailableError(f"gguf_gemm refused type {type_id}, x {tuple(x.shape)}")
         return out
 
-    def gguf_gemm_large(self, type_id: int, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def gguf_gemm_large(
+        self, type_id: int, x: torch.Tensor, w: torch.Tensor, q8_isa: str | None = None
+    ) -> torch.Tensor:
         """``x W^T`` fp32 ``[M, N]`` for any number of rows M on the int8 products
         (gguf_blocks.c ``pagedkv_gguf_gemm_q8_large``): every row of x rounded to int8 once,
         the weight's rows in blocks kept in L2 while each group of up to 8 activation rows
-        meets them (AVX2 body). A row's result is the small steps' q8 product of that row.
+        meets them. A row's result is bit for bit the small steps' q8 product of that row on
+        the same body.
 
         Args:
             type_id: one of :data:`Q8_TYPES`.
             x: fp32 contiguous ``[M, K]``, M >= 1.
             w: uint8 contiguous ``[N, row_bytes(type_id, K)]``.
+            q8_isa: the body, a key of :data:`Q8_ISA_CODES`; None = :data:`LARGE_Q8_ISA`
+                ("avx2": on the Zen 4 measured, the VNNI body was no faster for large steps,
+                see there). The caller checks that the CPU has it.
 
         Raises:
-            KernelUnavailableError: a type, shape or dtype the kernel does not take.
+            KernelUnavailableError: a type, shape or dtype the kernel does not take, or an
+                unknown ``q8_isa``.
         """
+        code = q8_isa_code(LARGE_Q8_ISA if q8_isa is None else q8_isa)
         if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
             raise KernelUnavailableError(f"x must be fp32 contiguous [M, K], got {x.dtype}")
         if type_id not in Q8_TYPES:
@@ -820,11 +882,84 @@ class CpuQuantKernels:
             in_features,
             n,
             torch.get_num_threads(),
+            code,
         )
         if rc:
             raise KernelUnavailableError(
                 f"gguf_gemm_large refused type {type_id}, x {tuple(x.shape)}"
             )
+        return out
+
+    def gguf_gemm_invariant(
+        self, type_id: int, x: torch.Tensor, w: torch.Tensor, num_threads: int | None = None
+    ) -> torch.Tensor:
+        """The batch-invariant ``x W^T`` fp32 ``[M, N]`` for any number of rows M
+        (gguf_blocks.c ``pagedkv_gguf_gemm_invariant``): row i is bit for bit
+        ``gguf_gemm(type_id, x[i : i + 1], w)`` (the decode step's product of that row alone,
+        on these kernels' :attr:`isa`, :attr:`q8_isa` and :attr:`activations`), whatever M,
+        the other rows or the thread count.
+
+        Args:
+            type_id: the weight's GGML type id (one of :attr:`gguf_types`).
+            x: fp32 contiguous ``[M, K]``, M >= 1, K a multiple of the type's block.
+            w: uint8 contiguous ``[N, row_bytes(type_id, K)]`` (never written).
+            num_threads: OpenMP threads; None = ``torch.get_num_threads()`` (the result does
+                not depend on it).
+
+        Raises:
+            KernelUnavailableError: a type, shape or dtype the kernel does not take.
+        """
+        if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
+            raise KernelUnavailableError(f"x must be fp32 contiguous [M, K], got {x.dtype}")
+        rows, in_features = x.shape
+        if rows < 1:
+            raise KernelUnavailableError("gguf_gemm_invariant needs at least one row")
+        n = self._gguf_weight(type_id, w, in_features)
+        out = torch.empty(rows, n, dtype=torch.float32)
+        rc = self._gguf_gemm_invariant(
+            type_id,
+            x.data_ptr(),
+            w.data_ptr(),
+            out.data_ptr(),
+            rows,
+            n,
+            in_features,
+            n,
+            torch.get_num_threads() if num_threads is None else num_threads,
+            self._isa_code,
+            self._q8_isa_code,
+            ACTIVATION_CODES[self.activations],
+        )
+        if rc:
+            raise KernelUnavailableError(
+                f"gguf_gemm_invariant refused type {type_id}, x {tuple(x.shape)}"
+            )
+        return out
+
+    def rms_norm(self, h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """The fused layers' RMSNorm (decode_layer.c ``pagedkv_rms_norm``), for the model's
+        final norm: ``h / sqrt(mean(h^2) + eps) * weight`` row by row, each row's bits
+        independent of the others (batch-invariant).
+
+        Args:
+            h: fp32 contiguous ``[M, n]``; weight: fp32 contiguous ``[n]``; eps: the epsilon.
+
+        Returns:
+            fp32 ``[M, n]``, a new tensor.
+
+        Raises:
+            KernelUnavailableError: other dtypes, shapes or layouts.
+        """
+        if h.dtype != torch.float32 or h.dim() != 2 or not h.is_contiguous():
+            raise KernelUnavailableError(f"h must be fp32 contiguous [M, n], got {h.dtype}")
+        if (
+            weight.dtype != torch.float32
+            or weight.shape != (h.shape[1],)
+            or not weight.is_contiguous()
+        ):
+            raise KernelUnavailableError(f"weight must be fp32 contiguous [{h.shape[1]}]")
+        out = torch.empty_like(h)
+        self._rms_norm(h.data_ptr(), weight.data_ptr(), eps, h.shape[0], h.shape[1], out.data_ptr())
         return out
 
     def gguf_dequant(

@@ -28,6 +28,12 @@
  * The weights of a layer come in one struct, filled once at load; the calls take only what
  * changes per step. Both return 0, or -1 for arguments they do not take (M outside 1..8,
  * an allocation failure, or a product's refusal).
+ *
+ * A layer with batch_invariant set (--batch-invariant) takes any M >= 1 and runs every product
+ * as pagedkv_gguf_gemm_invariant: a row's bits are then those it gets alone (M = 1), whatever
+ * else shares the step or how many threads run. The rest of the layer already works row by
+ * row (norms, bias, rotation, SiLU, residual adds: no sum crosses rows). int4 parts have no
+ * invariant product: such a layer is refused.
  */
 
 #include <immintrin.h>
@@ -86,12 +92,18 @@ typedef struct {
     int32_t activations;          /* GGUF parts: 0 fp32 activations (exact), 1 int8 ones
                                      (pagedkv_gguf_gemm_q8_ld, for the types it takes) */
     int32_t q8_isa;               /* the int8 products' body: PAGEDKV_ISA_AVX2 or _AVX512_VNNI */
+    int32_t batch_invariant;      /* 1: every product pagedkv_gguf_gemm_invariant (each row's
+                                     bits those of the row alone; int4 parts refused), and
+                                     the calls take any M >= 1; 0: the small-step products */
 } pagedkv_llama_layer;
 
-/* out [M, sum of the parts' rows] = x [M, K] W^T, one product (OpenMP region) per part.
- * Returns 0, or -1 (a part of an unknown kind, no parts, or a product's refusal). */
+/* out [M, sum of the parts' rows] = x [M, K] W^T, one product (OpenMP region) per part; with
+ * batch_invariant, every GGUF part's product is pagedkv_gguf_gemm_invariant (any M) and an
+ * int4 part is refused. Returns 0, or -1 (a part of an unknown kind, no parts, or a
+ * product's refusal). */
 static int linear_gemm(const pagedkv_linear *W, const float *x, float *out, int64_t M,
-                       int64_t K, int num_threads, int isa, int activations, int q8_isa) {
+                       int64_t K, int num_threads, int isa, int activations, int q8_isa,
+                       int batch_invariant) {
     if (W->num_parts < 1 || W->num_parts > PAGEDKV_MAX_PARTS) return -1;
     int64_t total = 0;
     for (int64_t p = 0; p < W->num_parts; p++) total += W->parts[p].rows;
@@ -99,7 +111,13 @@ static int linear_gemm(const pagedkv_linear *W, const float *x, float *out, int6
     for (int64_t p = 0; p < W->num_parts; p++) {
         const pagedkv_linear_part *P = W->parts + p;
         int rc;
-        if (P->kind == PAGEDKV_PART_INT4)
+        if (batch_invariant)
+            rc = P->kind == PAGEDKV_PART_GGUF
+                     ? pagedkv_gguf_gemm_invariant(P->type, x, (const uint8_t *)P->a, out + col, M,
+                                                   P->rows, K, total, num_threads, isa, q8_isa,
+                                                   activations)
+                     : -1;
+        else if (P->kind == PAGEDKV_PART_INT4)
             rc = pagedkv_int4_gemm_ld(x, (const uint8_t *)P->a, (const float *)P->b,
                                       (const float *)P->c, out + col, M, P->rows, K, total,
                                       num_threads, isa);
@@ -132,7 +150,8 @@ static float sum_squares(const float *x, int64_t n) {
     return s;
 }
 
-/* out[m] = h[m] / sqrt(mean(h[m]^2) + eps) * w   (Llama's RMSNorm, fp32) */
+/* out[m] = h[m] / sqrt(mean(h[m]^2) + eps) * w   (Llama's RMSNorm, fp32; each row on its own,
+ * so a row's bits do not depend on the others) */
 static void rms_norm(const float *h, const float *w, float eps, int64_t M, int64_t n, float *out) {
     for (int64_t m = 0; m < M; m++) {
         const float *x = h + m * n;
@@ -140,6 +159,16 @@ static void rms_norm(const float *h, const float *w, float eps, int64_t M, int64
         float *y = out + m * n;
         for (int64_t i = 0; i < n; i++) y[i] = x[i] * rstd * w[i];
     }
+}
+
+/* The layers' RMSNorm, exported for the model's final norm: h, out fp32 [M, n], w fp32 [n]. */
+void pagedkv_rms_norm(const float *h, const float *w, float eps, int64_t M, int64_t n, float *out) {
+    rms_norm(h, w, eps, M, n, out);
+}
+
+/* the most rows a call takes: any number for a batch-invariant layer, else MAX_M */
+static int rows_taken(const pagedkv_llama_layer *L, int64_t M) {
+    return M >= 1 && (M <= MAX_M || L->batch_invariant);
 }
 
 /* Each of `heads` heads of D floats in place: RMSNorm over the head (as rms_norm) */
@@ -163,13 +192,14 @@ static void rotate(float *x, const float *cos, const float *sin, int64_t D) {
 
 int pagedkv_llama_attn_in(const pagedkv_llama_layer *L, const float *h, const float *cos,
                           const float *sin, float *qkv, int64_t M, int num_threads) {
-    if (M < 1 || M > MAX_M || L->head_dim > 512 || L->head_dim % 2) return -1;
+    if (!rows_taken(L, M) || L->head_dim > 512 || L->head_dim % 2) return -1;
     const int64_t hidden = L->hidden, D = L->head_dim;
     const int64_t heads = L->num_heads + 2 * L->num_kv_heads, width = heads * D;
     float *x = (float *)malloc(sizeof(float) * M * hidden);
     if (x == NULL) return -1;
     rms_norm(h, L->input_norm, L->eps, M, hidden, x);
-    int rc = linear_gemm(&L->qkv, x, qkv, M, hidden, num_threads, L->isa, L->activations, L->q8_isa);
+    int rc = linear_gemm(&L->qkv, x, qkv, M, hidden, num_threads, L->isa, L->activations, L->q8_isa,
+                     L->batch_invariant);
     free(x);
     if (rc) return rc;
     for (int64_t m = 0; m < M; m++) {
@@ -187,7 +217,7 @@ int pagedkv_llama_attn_in(const pagedkv_llama_layer *L, const float *h, const fl
 
 int pagedkv_llama_attn_out(const pagedkv_llama_layer *L, float *h, const float *attn, int64_t M,
                            int num_threads) {
-    if (M < 1 || M > MAX_M) return -1;
+    if (!rows_taken(L, M)) return -1;
     const int64_t hidden = L->hidden, I = L->intermediate;
     const int64_t attn_width = L->num_heads * L->head_dim;
     /* y: [M, max(hidden, 2 I)] product outputs; x: [M, max(hidden, I)] product inputs */
@@ -196,18 +226,21 @@ int pagedkv_llama_attn_out(const pagedkv_llama_layer *L, float *h, const float *
     float *x = (float *)malloc(sizeof(float) * M * (I > hidden ? I : hidden));
     int rc = -1;
     if (y == NULL || x == NULL) goto done;
-    rc = linear_gemm(&L->o, attn, y, M, attn_width, num_threads, L->isa, L->activations, L->q8_isa);
+    rc = linear_gemm(&L->o, attn, y, M, attn_width, num_threads, L->isa, L->activations, L->q8_isa,
+                     L->batch_invariant);
     if (rc) goto done;
     for (int64_t i = 0; i < M * hidden; i++) h[i] += y[i];
     rms_norm(h, L->post_norm, L->eps, M, hidden, x);
-    rc = linear_gemm(&L->gate_up, x, y, M, hidden, num_threads, L->isa, L->activations, L->q8_isa);
+    rc = linear_gemm(&L->gate_up, x, y, M, hidden, num_threads, L->isa, L->activations, L->q8_isa,
+                     L->batch_invariant);
     if (rc) goto done;
     for (int64_t m = 0; m < M; m++) {
         const float *gate = y + m * 2 * I, *up = gate + I;
         float *a = x + m * I;
         for (int64_t i = 0; i < I; i++) a[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
     }
-    rc = linear_gemm(&L->down, x, y, M, I, num_threads, L->isa, L->activations, L->q8_isa);
+    rc = linear_gemm(&L->down, x, y, M, I, num_threads, L->isa, L->activations, L->q8_isa,
+                     L->batch_invariant);
     if (rc) goto done;
     for (int64_t i = 0; i < M * hidden; i++) h[i] += y[i];
 done:
@@ -242,7 +275,9 @@ typedef struct {
 int pagedkv_llama_forward(const pagedkv_llama_layer *const *layers,
                           const pagedkv_layer_attention *attention, int64_t num_layers, float *h,
                           const float *cos, const float *sin, int64_t M, int num_threads) {
-    if (M < 1 || M > MAX_M || num_layers < 1) return -1;
+    if (num_layers < 1) return -1;
+    for (int64_t i = 0; i < num_layers; i++) /* before anything is written */
+        if (!rows_taken(layers[i], M)) return -1;
     const int64_t H = layers[0]->num_heads, KV = layers[0]->num_kv_heads;
     const int64_t D = layers[0]->head_dim, width = (H + 2 * KV) * D;
     float *qkv = (float *)malloc(sizeof(float) * M * width);

@@ -1041,10 +1041,11 @@ static void v_rows(int type, int M, const uint8_t *w, const q8v_act *A, int64_t 
 
 #pragma GCC pop_options
 
-/* The VNNI body's product (arguments checked by the caller): the activations rounded and
- * laid out as q8v_act says, once, then the rows in blocks across the threads. */
-static int gemm_q8_vnni(int type, const float *x, const uint8_t *w, float *out, int64_t M,
-                        int64_t N, int64_t K, int64_t ldo, int num_threads) {
+/* The activations of M rows laid out as q8v_act says (each row rounded on its own, as
+ * quantize_row_q8 does: a row's layout does not depend on M), in one buffer *buf (the caller
+ * frees it). Returns 0, or -1 (an allocation failure). */
+static int vnni_act(const float *x, int64_t M, int64_t K, int num_threads, q8v_act *A,
+                    float **buf) {
     const int64_t G = K / 32, P = (G + 1) / 2, Kp = 64 * P;
     /* one buffer: xd, xds fp32 [M, G]; xdp, xsp fp32 [M, P, 16]; xq, xu [M, Kp] bytes */
     float *xd = (float *)malloc(sizeof(float) * (2 * M * G + 2 * M * P * 16) + (size_t)(2 * M * Kp));
@@ -1052,6 +1053,8 @@ static int gemm_q8_vnni(int type, const float *x, const uint8_t *w, float *out, 
     float *xds = xd + M * G, *xdp = xds + M * G, *xsp = xdp + M * P * 16;
     int8_t *xq = (int8_t *)(xsp + M * P * 16);
     uint8_t *xu = (uint8_t *)(xq + M * Kp);
+    const int threads = M > 1 ? num_threads : 1;
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t m = 0; m < M; m++) {
         int8_t *q = xq + m * Kp;
         quantize_row_q8(x + m * K, K, q, xd + m * G, xds + m * G);
@@ -1064,14 +1067,33 @@ static int gemm_q8_vnni(int type, const float *x, const uint8_t *w, float *out, 
                 xsp[(m * P + p) * 16 + l] = g < G ? xds[m * G + g] * 0.125f : 0.0f;
             }
     }
-    const q8v_act A = {xq, xu, xdp, xsp, xds, G, P, Kp};
+    const q8v_act a = {xq, xu, xdp, xsp, xds, G, P, Kp};
+    *A = a;
+    *buf = xd;
+    return 0;
+}
+
+/* A's rows m0 .. (the same layout, the first row moved to m0) */
+static inline q8v_act vnni_act_from(const q8v_act *A, int64_t m0) {
+    const q8v_act a = {A->xq + m0 * A->Kp, A->xu + m0 * A->Kp, A->xdp + m0 * A->P * 16,
+                       A->xsp + m0 * A->P * 16, A->xds + m0 * A->G, A->G, A->P, A->Kp};
+    return a;
+}
+
+/* The VNNI body's product (arguments checked by the caller): the activations rounded and
+ * laid out as q8v_act says, once, then the rows in blocks across the threads. */
+static int gemm_q8_vnni(int type, const float *x, const uint8_t *w, float *out, int64_t M,
+                        int64_t N, int64_t K, int64_t ldo, int num_threads) {
+    q8v_act A;
+    float *buf;
+    if (vnni_act(x, M, K, 1, &A, &buf)) return -1;
     const int64_t num_blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t b = 0; b < num_blocks; b++) {
         const int64_t n0 = b * ROW_BLOCK, n1 = n0 + ROW_BLOCK < N ? n0 + ROW_BLOCK : N;
         v_rows(type, (int)M, w, &A, ldo, n0, n1, out);
     }
-    free(xd);
+    free(buf);
     return 0;
 }
 
@@ -1089,15 +1111,36 @@ int pagedkv_gguf_gemm_q8(int type, const float *x, const uint8_t *w, float *out,
  * then the weight rows in blocks of LARGE_N_BLOCK, each block's rows met by every group of up to
  * MAX_M activation rows while they are in the core's L2 (a Q4_K row of K = 2048 is 1,152 bytes:
  * 64 rows, 72 KiB); the threads split the weight blocks. The same integer block products and
- * the same per-row summation as the small steps, so a row's result does not depend on M (only
- * AVX2's body: on the Zen 4 this was measured on, the VNNI body was no faster for Q4_K).
+ * the same per-row summation as the small steps on the same body (`isa`: PAGEDKV_ISA_AVX2 or
+ * _AVX512 the AVX2 body, _AVX512_VNNI the VNNI one), so a row's result is bit for bit what
+ * pagedkv_gguf_gemm_q8_ld gives it on that body, whatever M, the grouping or the threads.
  * x fp32 [M, K], out fp32 [M, ldo]; returns 0, or -1 for what it does not take. */
 #define LARGE_N_BLOCK 64
 int pagedkv_gguf_gemm_q8_large(int type, const float *x, const uint8_t *w, float *out,
-                               int64_t M, int64_t N, int64_t K, int64_t ldo, int num_threads) {
+                               int64_t M, int64_t N, int64_t K, int64_t ldo, int num_threads,
+                               int isa) {
     int64_t E, B;
     if (!pagedkv_gguf_q8_takes(type) || pagedkv_gguf_block(type, &E, &B)) return -1;
     if (M < 1 || K <= 0 || K % E != 0 || N < 0 || ldo < N) return -1;
+    if (isa != PAGEDKV_ISA_AVX2 && isa != PAGEDKV_ISA_AVX512 && isa != PAGEDKV_ISA_AVX512_VNNI)
+        return -1;
+    const int64_t num_blocks = (N + LARGE_N_BLOCK - 1) / LARGE_N_BLOCK;
+    if (isa == PAGEDKV_ISA_AVX512_VNNI) {
+        q8v_act A;
+        float *buf;
+        if (vnni_act(x, M, K, num_threads, &A, &buf)) return -1;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t b = 0; b < num_blocks; b++) {
+            const int64_t n0 = b * LARGE_N_BLOCK, n1 = n0 + LARGE_N_BLOCK < N ? n0 + LARGE_N_BLOCK : N;
+            for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
+                const int mc = (int)(M - m0 < MAX_M ? M - m0 : MAX_M);
+                const q8v_act Am = vnni_act_from(&A, m0);
+                v_rows(type, mc, w, &Am, ldo, n0, n1, out + m0 * ldo);
+            }
+        }
+        free(buf);
+        return 0;
+    }
     const int64_t G = K / 32;
     float *xd = (float *)malloc(sizeof(float) * 2 * M * G + (size_t)(M * K));
     if (xd == NULL) return -1;
@@ -1106,7 +1149,6 @@ int pagedkv_gguf_gemm_q8_large(int type, const float *x, const uint8_t *w, float
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t m = 0; m < M; m++)
         quantize_row_q8(x + m * K, K, xq + m * K, xd + m * G, xds + m * G);
-    const int64_t num_blocks = (N + LARGE_N_BLOCK - 1) / LARGE_N_BLOCK;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t b = 0; b < num_blocks; b++) {
         const int64_t n0 = b * LARGE_N_BLOCK, n1 = n0 + LARGE_N_BLOCK < N ? n0 + LARGE_N_BLOCK : N;
@@ -1163,5 +1205,64 @@ int pagedkv_gguf_gemm_q8_ld(int type, const float *x, const uint8_t *w, float *o
         }
     }
     free(xd);
+    return 0;
+}
+
+
+/* ---- batch-invariant products ------------------------------------------------------------
+ *
+ * Row m of the result is bit for bit what pagedkv_gguf_gemm (activations 0) or, for the types
+ * of pagedkv_gguf_q8_takes, pagedkv_gguf_gemm_q8 (activations 1) gives that row alone (M = 1,
+ * the decode step's product), whatever M, the other rows or num_threads:
+ *   int8 activations: M <= 8 the small product (its rows are already independent of M), else
+ *     pagedkv_gguf_gemm_q8_large on the same body;
+ *   fp32 activations: each activation row through the M = 1 row kernel (CHAINS(1) chains;
+ *     the M > 1 kernels sum in fewer chains, other bits), over blocks of weight rows that
+ *     stay in the core's cache while every activation row meets them, so the weights are
+ *     read from memory once per call, not once per row.
+ * The threads split weight rows only (never K), so no sum depends on them. */
+
+/* weight rows of an fp32-activation block: about INV_BLOCK_BYTES of them, 16 to 256 rows */
+#define INV_BLOCK_BYTES (192 * 1024)
+
+int pagedkv_gguf_gemm_invariant(int type, const float *x, const uint8_t *w, float *out,
+                                int64_t M, int64_t N, int64_t K, int64_t ldo, int num_threads,
+                                int isa, int q8_isa, int activations) {
+    int64_t E, B;
+    if (pagedkv_gguf_block(type, &E, &B)) return -1;
+    if (M < 1 || K <= 0 || K % E != 0 || N < 0 || ldo < N) return -1;
+    if (activations != 0 && activations != 1) return -1;
+    if (isa != PAGEDKV_ISA_AVX2 && isa != PAGEDKV_ISA_AVX512) return -1;
+    if (q8_isa != PAGEDKV_ISA_AVX2 && q8_isa != PAGEDKV_ISA_AVX512 && q8_isa != PAGEDKV_ISA_AVX512_VNNI)
+        return -1;
+    if (activations == 1 && pagedkv_gguf_q8_takes(type)) {
+        if (M <= MAX_M) return pagedkv_gguf_gemm_q8_ld(type, x, w, out, M, N, K, ldo, num_threads, q8_isa);
+        return pagedkv_gguf_gemm_q8_large(type, x, w, out, M, N, K, ldo, num_threads, q8_isa);
+    }
+    if (M == 1) return pagedkv_gguf_gemm_ld(type, x, w, out, 1, N, K, ldo, num_threads, isa);
+    /* Q4_K / Q5_K: the sums of x over each group of 32, [M, K / 32] (per row, as M = 1's) */
+    float *xsum = NULL;
+    const int64_t G = K / 32;
+    if (type == GGML_Q4_K || type == GGML_Q5_K) {
+        xsum = (float *)malloc(sizeof(float) * M * G);
+        if (xsum == NULL) return -1;
+        for (int64_t i = 0; i < M * G; i++) xsum[i] = sum32(x + i * 32);
+    }
+    const int64_t row_bytes = K / E * B;
+    int64_t rb = INV_BLOCK_BYTES / row_bytes;
+    rb = rb < 16 ? 16 : rb > 256 ? 256 : rb;
+    const int64_t num_blocks = (N + rb - 1) / rb;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const int64_t n0 = b * rb, n1 = n0 + rb < N ? n0 + rb : N;
+        for (int64_t m = 0; m < M; m++) {
+            const float *xs = xsum != NULL ? xsum + m * G : NULL;
+            if (isa == PAGEDKV_ISA_AVX512)
+                gemm_rows_avx512(type, 1, w, x + m * K, xs, K, ldo, n0, n1, out + m * ldo);
+            else
+                gemm_rows_avx2(type, 1, w, x + m * K, xs, K, ldo, n0, n1, out + m * ldo);
+        }
+    }
+    free(xsum);
     return 0;
 }

@@ -42,6 +42,20 @@ int pagedkv_gguf_gemm_q8(int type, const float *x, const uint8_t *w, float *out,
                          int64_t N, int64_t K, int num_threads, int isa);
 int pagedkv_gguf_gemm_q8_ld(int type, const float *x, const uint8_t *w, float *out, int64_t M,
                             int64_t N, int64_t K, int64_t ldo, int num_threads, int isa);
+/* pagedkv_gguf_gemm_q8_ld for any M >= 1 (prompts, large batches): the rows rounded once, the
+ * weights in blocks kept in L2 while groups of up to 8 rows meet them; `isa` picks the body as
+ * for pagedkv_gguf_gemm_q8_ld, and each row's result is bit for bit that row's product there
+ * (M = 1) on the same body. */
+int pagedkv_gguf_gemm_q8_large(int type, const float *x, const uint8_t *w, float *out,
+                               int64_t M, int64_t N, int64_t K, int64_t ldo, int num_threads,
+                               int isa);
+/* The batch-invariant product: out [M, ldo] = x [M, K] W^T for any M >= 1, row m bit for bit
+ * what pagedkv_gguf_gemm (activations 0, or a type pagedkv_gguf_q8_takes refuses; body `isa`)
+ * or pagedkv_gguf_gemm_q8 (activations 1; body `q8_isa`) gives row m alone, whatever M and
+ * num_threads. Returns 0, or -1 for what it does not take. */
+int pagedkv_gguf_gemm_invariant(int type, const float *x, const uint8_t *w, float *out,
+                                int64_t M, int64_t N, int64_t K, int64_t ldo, int num_threads,
+                                int isa, int q8_isa, int activations);
 int pagedkv_gguf_dequant(int type, const uint8_t *w, int64_t row_start, int64_t num_rows,
                          int64_t K, void *out, int out_bf16, int num_threads);
 int pagedkv_gguf_get_rows(int type, const uint8_t *w, const int64_t *ids, int64_t num_ids,
