@@ -145,10 +145,16 @@ def resolve_engine_config(
         device,
         getattr(model_shape, "attn_logit_softcapping", None),
     )
-    if options.batch_invariant and attention.backend.name != "native":
-        raise ConfigError(
-            "batch_invariant runs with the native attention backend, which does not run this "
-            f"model here: {attention.fallback_reason}"
+    if options.batch_invariant:
+        if attention.backend.name != "native":
+            raise ConfigError(
+                "batch_invariant runs with the native attention backend, which does not run "
+                f"this model here: {attention.fallback_reason}"
+            )
+        logger.info(
+            "batch-invariant: every step on pagedkv's fused C layers with one reduction order "
+            "per row (a request's tokens and logprobs do not depend on its batch or its KV "
+            "blocks' history)"
         )
     block_size = attention.block_size
     # 5. KV cache sizing: the specs (of that block size), max_model_len, the blocks.

@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from pagedkv.errors import KernelUnavailableError, OpsInputError
+from pagedkv.errors import OpsInputError
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.decoder import (
     DecoderForCausalLM,
@@ -54,6 +54,7 @@ from pagedkv.model.parallel import TensorParallelGroup
 from pagedkv.model.quantization import QUANT_MAX_TOKENS, QuantizedMatmul, QuantizedWeight
 from pagedkv.model.rotary import RotaryEmbedding
 from pagedkv.ops.backends import AttentionLayerSpec, BoundAttentionMetadata
+from pagedkv.ops.c_build import KernelUnavailableError
 
 logger = logging.getLogger(__name__)
 
