@@ -109,6 +109,25 @@ def write_tiny_ggufs(directory: Path) -> tuple[Path, Path]:
     return paths
 
 
+def write_tiny_hf_folder(directory: Path) -> Path:
+    """Write the target of :func:`write_tiny_ggufs` (the same random weights, unquantized) as a
+    dense Hugging Face folder: ``config.json``, fp32 ``model.safetensors`` and a word-level
+    tokenizer of :data:`VOCAB` words (``<unk> <s> </s> w3 ... w299``, EOS ``</s>``); returns
+    the folder."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder = directory / "tiny-hf"
+    tiny_hf_llama(num_layers=2).save_pretrained(folder)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, VOCAB)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    ).save_pretrained(folder)
+    return folder
+
+
 # ---------------------------------------------------------------------------------------------
 # Prompts
 

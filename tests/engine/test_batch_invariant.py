@@ -43,6 +43,7 @@ from _batch_invariance import (
     samples_of,
     without_flag,
     write_tiny_ggufs,
+    write_tiny_hf_folder,
 )
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
@@ -78,6 +79,13 @@ def ggufs(tmp_path_factory):
     pytest.importorskip("transformers")
     pytest.importorskip("gguf")
     return write_tiny_ggufs(tmp_path_factory.mktemp("batch-invariant"))
+
+
+@pytest.fixture(scope="session")
+def hf_folder(tmp_path_factory):
+    """The target as a dense Hugging Face folder (fp32 safetensors)."""
+    pytest.importorskip("transformers")
+    return write_tiny_hf_folder(tmp_path_factory.mktemp("batch-invariant-hf"))
 
 
 @pytest.fixture(scope="session")
@@ -406,6 +414,26 @@ def test_the_model_drafting_for_itself_accepts_every_draft(ggufs, references, ba
     assert spec.num_draft_tokens > 0
     assert spec.num_accepted_tokens == spec.num_draft_tokens
     assert spec.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_dense_hugging_face_folder_gives_the_alone_outputs(hf_folder, dtype):
+    """The same model as a dense fp32 safetensors folder (its products wrapped as F32 / BF16
+    parts under the switch): everything at once, chunked, in a pool that preempts."""
+    folder = hf_folder
+    reference = alone(folder, dtype=dtype, block_size=16)
+    engine = LLMEngine(
+        model=str(folder),
+        **engine_options(
+            dtype=dtype,
+            block_size=16,
+            max_num_batched_tokens=16,
+            num_blocks=min_num_blocks(16) + 2,
+        ),
+    )
+    check(engine, everything_at_once(), reference)
+    assert engine.get_stats().scheduler.num_preemptions > 0
+    engine.shutdown()
 
 
 # ---------------------------------------------------------------------------------------------
