@@ -25,10 +25,17 @@
  * threads); each unit walks the keys it needs in pieces of up to PIECE keys (across blocks,
  * through the block table) with an online softmax (running max, running sum, rescaled
  * accumulator: the FlashAttention recurrence), so nothing is gathered and no score row of the
- * whole context is stored. Per piece, first every row's scores (8 keys per reduction where 8
- * lie in one block), then every row's softmax update and weighted value rows (accumulator in
+ * whole context is stored. Per piece, first every row's scores (8 keys per reduction, from
+ * any blocks), then every row's softmax update and weighted value rows (accumulator in
  * registers): the piece's keys, then its values, stay in L1 while the chunk's rows reuse them,
  * and a long prompt's chunk of 32 rows reads each key and value once from the cache.
+ *
+ * Batch invariance: a query row's output depends only on its own query, position, keys and
+ * values, never on its chunk (decode row or row 200 of a prompt), the other rows and requests,
+ * the block size, the physical blocks, the head grouping or the threads: pieces start at
+ * absolute multiples of PIECE keys (not at the unit's first key), every row's softmax runs
+ * over its own keys of each piece, and a key scored alone (dot) gets the bits lane j of dot8
+ * gives it (the same accumulation chain and reduction tree).
  *
  * pagedkv_step_write_kv and pagedkv_step_attention are the same two with the step's
  * metadata in one struct (pagedkv_attention_step, filled once a step by the backend and
@@ -63,6 +70,15 @@ static inline float hsum(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+
+/* The sum of v's 8 lanes as dot8's reduction tree adds one key's lanes:
+ * ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)), so that dot gives a key the bits that
+ * lane j of dot8 gives it (which keys are scored 8 at a time then changes nothing). */
+static inline __attribute__((always_inline)) float reduce8(__m256 v) {
+    const __m256 t = _mm256_hadd_ps(v, v);
+    const __m256 u = _mm256_hadd_ps(t, t);
+    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
 }
 
 static inline float hmax(__m256 v) {
@@ -107,7 +123,8 @@ static inline __m256 fold(__m512 v) {
                          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
 
-/* a . b over D floats (b a cache row), D a multiple of 8: 16 lanes, an 8-lane tail */
+/* a . b over D floats (b a cache row), D a multiple of 8: 16 lanes, an 8-lane tail; bit for
+ * bit lane j of dot8 for the same key (the same chain, fold and reduction tree) */
 static inline __attribute__((always_inline)) float dot(const float *a, const void *b, int D,
                                                        int bf16) {
     __m512 s = _mm512_setzero_ps();
@@ -115,24 +132,24 @@ static inline __attribute__((always_inline)) float dot(const float *a, const voi
     for (; d + 16 <= D; d += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), load16(b, d, bf16), s);
     __m256 t = fold(s);
     if (d < D) t = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), load8(b, d, bf16), t);
-    return hsum(t);
+    return reduce8(t);
 }
 
 /* dot8 below with 16-lane accumulators, folded to 8 lanes before the same reduction tree */
-static inline __attribute__((always_inline)) __m256 dot8(const float *q, const void *k, int D,
-                                                        int bf16) {
+static inline __attribute__((always_inline)) __m256 dot8(const float *q,
+                                                        const void *const *k, int D, int bf16) {
     __m512 w[8];
     for (int j = 0; j < 8; j++) w[j] = _mm512_setzero_ps();
     int d = 0;
     for (; d + 16 <= D; d += 16) {
         const __m512 x = _mm512_loadu_ps(q + d);
-        for (int j = 0; j < 8; j++) w[j] = _mm512_fmadd_ps(x, load16(k, j * D + d, bf16), w[j]);
+        for (int j = 0; j < 8; j++) w[j] = _mm512_fmadd_ps(x, load16(k[j], d, bf16), w[j]);
     }
     __m256 a[8];
     for (int j = 0; j < 8; j++) a[j] = fold(w[j]);
     if (d < D) {
         const __m256 x = _mm256_loadu_ps(q + d);
-        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(x, load8(k, j * D + d, bf16), a[j]);
+        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(x, load8(k[j], d, bf16), a[j]);
     }
     const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
     const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
@@ -141,36 +158,34 @@ static inline __attribute__((always_inline)) __m256 dot8(const float *q, const v
                          _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 #else
-/* a . b over D floats (b a cache row), D a multiple of 8 */
+/* a . b over D floats (b a cache row), D a multiple of 8: one accumulator chain and dot8's
+ * reduction tree, so bit for bit lane j of dot8 for the same key */
 static inline __attribute__((always_inline)) float dot(const float *a, const void *b, int D,
                                                        int bf16) {
-    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-    int d = 0;
-    for (; d + 16 <= D; d += 16) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), load8(b, d, bf16), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), load8(b, d + 8, bf16), s1);
-    }
-    if (d < D) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), load8(b, d, bf16), s0);
-    return hsum(_mm256_add_ps(s0, s1));
+    __m256 s = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), load8(b, d, bf16), s);
+    return reduce8(s);
 }
 
-/* The 8 dot products of one query row q with 8 consecutive keys k[0:8D] (rows D floats apart),
- * D a multiple of 8: eight accumulators, then a tree of horizontal adds that leaves key j's sum
- * in lane j. One reduction for 8 keys instead of one per key. */
-static inline __attribute__((always_inline)) __m256 dot8(const float *q, const void *k, int D,
-                                                        int bf16) {
+/* The 8 dot products of one query row q with 8 keys (cache rows k[0..7], anywhere: any
+ * blocks), D a multiple of 8: eight accumulators, then a tree of horizontal adds that leaves
+ * key j's sum in lane j. One reduction for 8 keys instead of one per key. */
+static inline __attribute__((always_inline)) __m256 dot8(const float *q,
+                                                        const void *const *k, int D, int bf16) {
+    const void *k0 = k[0], *k1 = k[1], *k2 = k[2], *k3 = k[3], *k4 = k[4], *k5 = k[5],
+               *k6 = k[6], *k7 = k[7];
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
            a7 = a0;
     for (int d = 0; d < D; d += 8) {
         const __m256 x = _mm256_loadu_ps(q + d);
-        a0 = _mm256_fmadd_ps(x, load8(k, d, bf16), a0);
-        a1 = _mm256_fmadd_ps(x, load8(k, D + d, bf16), a1);
-        a2 = _mm256_fmadd_ps(x, load8(k, 2 * D + d, bf16), a2);
-        a3 = _mm256_fmadd_ps(x, load8(k, 3 * D + d, bf16), a3);
-        a4 = _mm256_fmadd_ps(x, load8(k, 4 * D + d, bf16), a4);
-        a5 = _mm256_fmadd_ps(x, load8(k, 5 * D + d, bf16), a5);
-        a6 = _mm256_fmadd_ps(x, load8(k, 6 * D + d, bf16), a6);
-        a7 = _mm256_fmadd_ps(x, load8(k, 7 * D + d, bf16), a7);
+        a0 = _mm256_fmadd_ps(x, load8(k0, d, bf16), a0);
+        a1 = _mm256_fmadd_ps(x, load8(k1, d, bf16), a1);
+        a2 = _mm256_fmadd_ps(x, load8(k2, d, bf16), a2);
+        a3 = _mm256_fmadd_ps(x, load8(k3, d, bf16), a3);
+        a4 = _mm256_fmadd_ps(x, load8(k4, d, bf16), a4);
+        a5 = _mm256_fmadd_ps(x, load8(k5, d, bf16), a5);
+        a6 = _mm256_fmadd_ps(x, load8(k6, d, bf16), a6);
+        a7 = _mm256_fmadd_ps(x, load8(k7, d, bf16), a7);
     }
     /* hadd pairs: lanes hold partial sums of keys (0,1,0,1 | ...), then (0,1,2,3 | 0,1,2,3) */
     const __m256 t0 = _mm256_hadd_ps(a0, a1), t1 = _mm256_hadd_ps(a2, a3);
@@ -328,11 +343,12 @@ static inline __attribute__((always_inline)) void attend(
     const int64_t head_stride = (int64_t)block_size * D;
     float p[CHUNK][PIECE + 8]; /* the rows' scores of a piece, then their weights */
     const void *krow[PIECE], *vrow[PIECE]; /* the piece's key and value rows */
-    int run[PIECE]; /* keys from this one to the end of its block (contiguous in memory) */
     memset(p, 0, sizeof(p[0]) * rows); /* lanes a group computes past its keys: never read */
     /* pieces of up to PIECE keys, across blocks: the rows' scores of a piece, one softmax
      * update per row and piece, then the weighted value rows */
-    for (int j0 = first; j0 <= last; j0 += PIECE) {
+    /* pieces start at multiples of PIECE: a row's pieces (so its softmax updates) depend only
+     * on its own keys, not on the unit's first row (batch invariance) */
+    for (int j0 = first - first % PIECE; j0 <= last; j0 += PIECE) {
         const int j1 = j0 + PIECE - 1 < last ? j0 + PIECE - 1 : last;
         /* the block table walked once per piece (no division per key) */
         int bi = j0 / block_size, off = j0 % block_size;
@@ -344,7 +360,6 @@ static inline __attribute__((always_inline)) void attend(
             }
             krow[t] = (const char *)k_cache + (base + (int64_t)off * D) * esize;
             vrow[t] = (const char *)v_cache + (base + (int64_t)off * D) * esize;
-            run[t] = block_size - off;
         }
         /* all rows' scores first, then all rows' value rows: the piece's keys (then values)
          * stay in L1 across the rows */
@@ -355,19 +370,13 @@ static inline __attribute__((always_inline)) void attend(
             na[i] = a - j0;
             nn[i] = b - a + 1;
             const void *const *kr = krow + na[i];
-            const int *rn = run + na[i];
             float *pi = p[i];
-            /* 8 keys at a time where the 8 lie in one block (the last group may run past b:
-             * those lanes are computed and never read) */
-            for (int g = 0; g < nn[i];) {
-                if (rn[g] >= 8) {
-                    _mm256_storeu_ps(pi + g, _mm256_mul_ps(sc, dot8(qr[i], kr[g], D, bf16)));
-                    g += 8;
-                } else {
-                    pi[g] = dot(qr[i], kr[g], D, bf16) * scale;
-                    g++;
-                }
-            }
+            /* 8 keys at a time wherever they lie (dot8 takes each key's row), the last n % 8
+             * one by one: the same bits either way */
+            int g = 0;
+            for (; g + 8 <= nn[i]; g += 8)
+                _mm256_storeu_ps(pi + g, _mm256_mul_ps(sc, dot8(qr[i], kr + g, D, bf16)));
+            for (; g < nn[i]; g++) pi[g] = dot(qr[i], kr[g], D, bf16) * scale;
         }
         for (int i = 0; i < rows; i++) {
             const int n = nn[i];
