@@ -1053,8 +1053,9 @@ static int vnni_act(const float *x, int64_t M, int64_t K, int num_threads, q8v_a
     float *xds = xd + M * G, *xdp = xds + M * G, *xsp = xdp + M * P * 16;
     int8_t *xq = (int8_t *)(xsp + M * P * 16);
     uint8_t *xu = (uint8_t *)(xq + M * Kp);
+    /* no OpenMP region for one row (the small steps' products pass 1) */
     const int threads = M > 1 ? num_threads : 1;
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t m = 0; m < M; m++) {
         int8_t *q = xq + m * Kp;
         quantize_row_q8(x + m * K, K, q, xd + m * G, xds + m * G);
