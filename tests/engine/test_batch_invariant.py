@@ -90,15 +90,19 @@ def hf_folder(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def references(ggufs):
-    """``references(dtype, block_size)``: :func:`alone` of every prompt on that configuration,
-    computed once each."""
+    """``references(dtype, block_size)``: :func:`alone` of every prompt in that dtype, computed
+    once each, with blocks of :data:`REFERENCE_BLOCK_SIZE` tokens whatever ``block_size`` the
+    run under test has: the block size is part of how the KV blocks were made, which the
+    switch makes invisible."""
     cache = {}
 
     def get(dtype: str, block_size: int):
-        key = dtype, block_size
-        if key not in cache:
-            cache[key] = alone(ggufs[0], dtype=dtype, quantization="gguf", block_size=block_size)
-        return cache[key]
+        del block_size  # the run's; the reference keeps its own
+        if dtype not in cache:
+            cache[dtype] = alone(
+                ggufs[0], dtype=dtype, quantization="gguf", block_size=REFERENCE_BLOCK_SIZE
+            )
+        return cache[dtype]
 
     return get
 
@@ -107,6 +111,10 @@ def references(ggufs):
 def switch():
     """The switch's options (skips the module where the engine has none yet)."""
     return batch_invariant_options()
+
+
+#: The block size of every reference run.
+REFERENCE_BLOCK_SIZE = 16
 
 
 def build(ggufs, dtype: str, block_size: int, **options) -> LLMEngine:
@@ -200,6 +208,7 @@ def memory_options(memory: str, block_size: int) -> dict:
     prefix_caching=st.booleans(),
     memory=st.sampled_from(MEMORY),
     max_num_seqs=st.sampled_from((2, 64)),
+    threads=st.sampled_from((1, 2)),
     schedule=schedules,
 )
 @example(  # everything at once, one chunk each: the plainest batch
@@ -209,19 +218,30 @@ def memory_options(memory: str, block_size: int) -> dict:
     prefix_caching=False,
     memory="plenty",
     max_num_seqs=64,
+    threads=1,
     schedule=[(i, 0, 1) for i in range(len(PROMPTS))],
 )
-@example(  # staggered, chunked, shared prefixes hit, forks, preempted by swap
+@example(  # staggered, chunked, shared prefixes hit, forks, preempted by swap, two threads
     dtype="float32",
     block_size=8,
     budget=13,
     prefix_caching=True,
     memory="tight-swap",
     max_num_seqs=64,
+    threads=2,
     schedule=[(1, 0, 1), (2, 1, 2), (4, 3, 1), (2, 5, 1), (3, 5, 1)],
 )
 def test_schedules_give_the_alone_outputs(
-    ggufs, references, dtype, block_size, budget, prefix_caching, memory, max_num_seqs, schedule
+    ggufs,
+    references,
+    dtype,
+    block_size,
+    budget,
+    prefix_caching,
+    memory,
+    max_num_seqs,
+    threads,
+    schedule,
 ):
     mem = memory_options(memory, block_size)
     engine = build(
@@ -231,6 +251,7 @@ def test_schedules_give_the_alone_outputs(
         max_num_batched_tokens=budget,
         enable_prefix_caching=prefix_caching or "kv_offloading_size" in mem,
         max_num_seqs=max_num_seqs,
+        num_threads=threads,
         **mem,
     )
     check(engine, arrivals_of(schedule), references(dtype, block_size))

@@ -165,6 +165,7 @@ def test_a_row_is_the_same_in_any_step(native, window, dtype):
                     assert torch.equal(row, reference[p]), (block_size, threads, i, p)
 
 
+@pytest.mark.slow
 def test_held_to_avx2_a_row_is_the_same_in_any_step(tmp_path):
     """The invariance test above on the 8-lane build (``ATEN_CPU_CAPABILITY=avx2``,
     ``ONEDNN_MAX_CPU_ISA=AVX2``), in a subprocess so that its library is the AVX2 one."""
