@@ -521,3 +521,25 @@ def test_an_engine_repeats_its_alone_outputs(ggufs, references):
     for dtype in DTYPES:
         again = alone(ggufs[0], dtype=dtype, quantization="gguf", block_size=16)
         assert again == references(dtype, 16)
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_pooled_vectors_do_not_depend_on_the_batch(ggufs, pooling):
+    """An embedding request's vector (the final norm's rows pooled, L2-normalized) is the same
+    bits embedded alone, with every other prompt in one batch, in another order, chunked."""
+    import numpy as np
+
+    def llm(**options) -> LLM:
+        return LLM(
+            str(ggufs[0]), **engine_options(dtype="bfloat16", quantization="gguf", **options)
+        )
+
+    prompts = [{"prompt_token_ids": list(p)} for p in PROMPTS]
+    single = llm(enable_prefix_caching=False)
+    alone = [single.embed([p], pooling)[0] for p in prompts]
+    for options in ({}, {"max_num_batched_tokens": 8}):
+        batched = llm(**options)
+        for order in (list(range(len(prompts))), list(range(len(prompts)))[::-1]):
+            got = batched.embed([prompts[i] for i in order], pooling)
+            for i, vector in zip(order, got, strict=True):
+                assert np.array_equal(vector, alone[i]), (options, pooling, i)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+import pytest
+
 from pagedkv.engine.config import EngineConfig
+from pagedkv.errors import ConfigError
 
 
 def test_every_field_has_a_flag():
@@ -110,3 +113,66 @@ def test_the_options_are_a_copy_of_what_was_passed():
     options.num_blocks = 9999
     assert engine.options is not options and engine.options.num_blocks == 80
     assert engine.config.cache_config.num_gpu_blocks == 80
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+        ({"attention_backend": "torch"}, "native"),
+        ({"quantization": "int4"}, "int4"),
+        ({"quantization": "int8"}, "int8"),
+        ({"kv_cache_dtype": "fp8"}, "fp8"),
+        ({"batch_invariant": 1}, "bool"),
+    ],
+)
+def test_batch_invariant_refuses_what_it_cannot_run_before_loading(options, named):
+    settings = {"batch_invariant": True, **options}
+    with pytest.raises(ConfigError, match=named):
+        EngineConfig(**settings)
+
+
+def test_batch_invariant_refuses_gemma_from_its_header(gemma3_gguf_path):
+    from pagedkv.engine.config_resolution import resolve_engine_config
+
+    with pytest.raises(ConfigError, match="Llama-family"):
+        resolve_engine_config(EngineConfig(model=str(gemma3_gguf_path), batch_invariant=True))
+
+
+def test_batch_invariant_is_resolved_into_the_model_config():
+    from pagedkv.engine.config_resolution import resolve_engine_config
+
+    resolved = resolve_engine_config(
+        EngineConfig(batch_invariant=True, num_blocks=64, max_model_len=256)
+    )
+    assert resolved.config.model_config.batch_invariant
+    assert resolved.attention.backend.name == "native"
+
+
+def test_a_model_without_the_batch_invariant_path_says_why(loaded_bf16):
+    """A loaded model either has the batch-invariant path (a GGUF file kept as stored) or names
+    what it lacks; asking for it never leaves the model half switched."""
+    model = loaded_bf16.model
+    reason = model.batch_invariant_reason()
+    if reason is None:
+        model.set_batch_invariant(True)
+        assert model.batch_invariant
+        model.set_batch_invariant(False)
+        assert not model.batch_invariant
+    else:
+        with pytest.raises(ConfigError, match="batch_invariant"):
+            model.set_batch_invariant(True)
+        assert not model.batch_invariant
+
+
+def test_a_dense_model_loaded_without_the_switch_is_refused_with_the_reason(loaded_fp32):
+    """SmolLM2 read as dense fp32 (``--dtype float32`` picks quantization none): its products
+    run on torch's GEMM, so an engine asking for batch invariance on it is refused, naming
+    why, and the model is left as it was."""
+    from pagedkv.engine.llm_engine import LLMEngine
+
+    model = loaded_fp32.model
+    assert "pagedkv's C kernels" in model.batch_invariant_reason()
+    with pytest.raises(ConfigError, match="batch_invariant"):
+        LLMEngine(loaded_model=loaded_fp32, batch_invariant=True, num_blocks=64, max_model_len=256)
+    assert not model.batch_invariant
