@@ -249,7 +249,7 @@ class LlamaForCausalLM(DecoderForCausalLM):
             :meth:`compute_logits`).
         """
         if self.batch_invariant:
-            return self._invariant_forward(input_ids, positions, kv_caches, attn_metadata)
+            return self._fused_forward(input_ids, positions, kv_caches, attn_metadata, True)
         if self.fused_layers is not None and input_ids.shape[0] <= QUANT_MAX_TOKENS:
             out = self._fused_forward(input_ids, positions, kv_caches, attn_metadata)
             if out is not None:
@@ -270,49 +270,70 @@ class LlamaForCausalLM(DecoderForCausalLM):
         positions: torch.Tensor,
         kv_caches: Sequence[torch.Tensor],
         attn_metadata: BoundAttentionMetadata | Sequence[BoundAttentionMetadata],
+        invariant: bool = False,
     ) -> torch.Tensor | None:
-        """:meth:`forward` of a small step (at most ``QUANT_MAX_TOKENS`` tokens) through the
-        fused layers: per layer one C call before attention (norm, q/k/v product, rotary),
-        the backend's write and attention, one C call after (o product and residual, norm,
-        MLP and residual). With a backend that has C entry points (``native``) the whole
-        stack is one C call that calls them. The residual stream is fp32 whatever the
-        model's dtype (a bf16 model's output is rounded to bf16 after the final norm). Same
-        values as the torch ops of an fp32 model up to fp32 rounding. None (the caller runs
-        the torch ops) for a model not in fp32 whose backend has no C entry points: its
-        Python calls take and give the model's dtype."""
+        """:meth:`forward` through the fused layers: per layer one C call before attention
+        (norm, q/k/v product, rotary), the backend's write and attention, one C call after (o
+        product and residual, norm, MLP and residual). With a backend that has C entry points
+        (``native``) the whole stack is one C call that calls them. The residual stream is fp32
+        whatever the model's dtype (a bf16 model's output is rounded to bf16 after the final
+        norm). Same values as the torch ops of an fp32 model up to fp32 rounding.
+
+        Without ``invariant``, a small step (at most ``QUANT_MAX_TOKENS`` tokens) on the small
+        steps' products; None (the caller runs the torch ops) for a model not in fp32 whose
+        backend has no C entry points: its Python calls take and give the model's dtype.
+
+        With ``invariant`` (the batch-invariant path), any number of tokens, each product in
+        one reduction order per row (``CpuQuantKernels.gguf_gemm_invariant``) and the final
+        RMSNorm row by row in C: with the native backend's attention (each query's keys
+        reduced in fixed pieces at absolute positions), every row's bits depend on its own
+        token, position and cached keys and values only.
+
+        Raises:
+            OpsInputError: ``invariant`` for a model not in fp32 whose backend has no C entry
+                points (the engine runs native with batch_invariant).
+        """
         num_tokens = input_ids.shape[0]
         per_layer = self._per_layer(attn_metadata)
         entries = self._c_attention(per_layer, kv_caches)
         if entries is None and self.dtype != torch.float32:
+            if invariant:
+                raise OpsInputError(
+                    "batch_invariant: a bfloat16 model's steps need an attention backend with "
+                    "C entry points (native)"
+                )
             return None
         kernels = self._kernels
+        layers = self._invariant_layers() if invariant else self.fused_layers
         threads = torch.get_num_threads()
-        first = self.fused_layers[0]
-        heads, kv_heads, head_dim = first.num_heads, first.num_kv_heads, first.head_dim
         h = self.embed_tokens(input_ids).float().contiguous()
         cos, sin = self._rotary32.tables(positions)  # [num_tokens, 1, head_dim], contiguous
-        eps = self.config.rms_norm_eps
         if entries is not None:  # the whole stack in one C call
             if entries != self._attention_entries:
                 self._attention_array = kernels.attention_array(entries)
                 self._attention_entries = entries
-            kernels.llama_forward(
-                self._fused_layer_array, self._attention_array, h, cos, sin, threads
+            array = self._invariant_layer_array if invariant else self._fused_layer_array
+            kernels.llama_forward(array, self._attention_array, h, cos, sin, threads)
+        else:
+            # one q/k/v buffer for every layer: the backend copies k and v into the cache and
+            # returns attention in a tensor of its own before the next layer overwrites it
+            first = layers[0]
+            heads, kv_heads, head_dim = first.num_heads, first.num_kv_heads, first.head_dim
+            qkv = torch.empty(num_tokens, (heads + 2 * kv_heads) * head_dim)
+            q, k, v = qkv.view(num_tokens, heads + 2 * kv_heads, head_dim).split(
+                (heads, kv_heads, kv_heads), dim=1
             )
+            for layer, kv_cache, metadata in zip(layers, kv_caches, per_layer, strict=True):
+                kernels.llama_attn_in(layer, h, cos, sin, qkv, threads)
+                metadata.write_kv(k, v, kv_cache)
+                attn = metadata.forward(q, kv_cache).reshape(num_tokens, -1)
+                kernels.llama_attn_out(layer, h, attn.contiguous(), threads)
+        eps = self.config.rms_norm_eps
+        if invariant:
+            out = kernels.rms_norm(h, self._norm32, eps)
+        else:
             out = F.rms_norm(h, (self.config.hidden_size,), self._norm32, eps)
-            return out if self.dtype == torch.float32 else out.to(self.dtype)
-        # one q/k/v buffer for every layer: the backend copies k and v into the cache and
-        # returns attention in a tensor of its own before the next layer overwrites it
-        qkv = torch.empty(num_tokens, (heads + 2 * kv_heads) * head_dim)
-        q, k, v = qkv.view(num_tokens, heads + 2 * kv_heads, head_dim).split(
-            (heads, kv_heads, kv_heads), dim=1
-        )
-        for layer, kv_cache, metadata in zip(self.fused_layers, kv_caches, per_layer, strict=True):
-            kernels.llama_attn_in(layer, h, cos, sin, qkv, threads)
-            metadata.write_kv(k, v, kv_cache)
-            attn = metadata.forward(q, kv_cache).reshape(num_tokens, -1)
-            kernels.llama_attn_out(layer, h, attn.contiguous(), threads)
-        return F.rms_norm(h, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
+        return out if self.dtype == torch.float32 else out.to(self.dtype)
 
     def batch_invariant_reason(self) -> str | None:
         """None where every step can run the batch-invariant path: fused layers (every
@@ -327,59 +348,6 @@ class LlamaForCausalLM(DecoderForCausalLM):
         except KernelUnavailableError as e:  # an int4 product made at load
             return f"its decoder layers have no batch-invariant form ({e})"
         return None
-
-    def _invariant_forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: Sequence[torch.Tensor],
-        attn_metadata: BoundAttentionMetadata | Sequence[BoundAttentionMetadata],
-    ) -> torch.Tensor:
-        """:meth:`forward` on the batch-invariant path, for any number of tokens: the fused C
-        layers with each product in one reduction order per row
-        (``CpuQuantKernels.gguf_gemm_invariant``), the attention backend's C entry points
-        (native: each query's keys reduced in fixed pieces at absolute positions), the final
-        RMSNorm row by row in C. Every row's bits depend on its own token, position and
-        cached keys and values only.
-
-        Raises:
-            OpsInputError: an attention backend without C entry points for a model not in
-                float32 (the engine runs native with batch_invariant).
-        """
-        num_tokens = input_ids.shape[0]
-        per_layer = self._per_layer(attn_metadata)
-        entries = self._c_attention(per_layer, kv_caches)
-        kernels = self._kernels
-        threads = torch.get_num_threads()
-        h = self.embed_tokens(input_ids).float().contiguous()
-        cos, sin = self._rotary32.tables(positions)
-        layers = self._invariant_layers()
-        if entries is not None:
-            if entries != self._attention_entries:
-                self._attention_array = kernels.attention_array(entries)
-                self._attention_entries = entries
-            kernels.llama_forward(
-                self._invariant_layer_array, self._attention_array, h, cos, sin, threads
-            )
-        elif self.dtype != torch.float32:
-            raise OpsInputError(
-                "batch_invariant: a bfloat16 model's steps need an attention backend with C "
-                "entry points (native)"
-            )
-        else:
-            first = layers[0]
-            heads, kv_heads, head_dim = first.num_heads, first.num_kv_heads, first.head_dim
-            qkv = torch.empty(num_tokens, (heads + 2 * kv_heads) * head_dim)
-            q, k, v = qkv.view(num_tokens, heads + 2 * kv_heads, head_dim).split(
-                (heads, kv_heads, kv_heads), dim=1
-            )
-            for layer, kv_cache, metadata in zip(layers, kv_caches, per_layer, strict=True):
-                kernels.llama_attn_in(layer, h, cos, sin, qkv, threads)
-                metadata.write_kv(k, v, kv_cache)
-                attn = metadata.forward(q, kv_cache).reshape(num_tokens, -1)
-                kernels.llama_attn_out(layer, h, attn.contiguous(), threads)
-        out = kernels.rms_norm(h, self._norm32, self.config.rms_norm_eps)
-        return out if self.dtype == torch.float32 else out.to(self.dtype)
 
     def _invariant_layers(self) -> list[LlamaLayerWeights]:
         """The fused layers with every product in its batch-invariant form (made once)."""
