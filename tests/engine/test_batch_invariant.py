@@ -543,3 +543,32 @@ def test_pooled_vectors_do_not_depend_on_the_batch(ggufs, pooling):
             got = batched.embed([prompts[i] for i in order], pooling)
             for i, vector in zip(order, got, strict=True):
                 assert np.array_equal(vector, alone[i]), (options, pooling, i)
+
+
+def test_a_seeded_sample_draws_the_same_tokens_under_suffix_decoding(ggufs):
+    """Suffix decoding's drafts come from what the engine generated before (one tree for all
+    requests), and a seeded sample's draws follow its drafts: such a request drafts nothing,
+    so it samples the same tokens on a fresh engine, again after other traffic, and batched;
+    greedy requests beside it still draft."""
+    suffix = {"method": "suffix", "num_speculative_tokens": 3}
+    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=16, ignore_eos=True)
+
+    def seeded_run(engine, step: int, others: int) -> list[int]:
+        arrivals = [Arrival("seeded", 1, step, seeded)]
+        arrivals += [
+            Arrival(f"g{i}", i % len(PROMPTS), 0, greedy(i % len(PROMPTS), logprobs=None))
+            for i in range(others)
+        ]
+        return samples_of(run_schedule(engine, arrivals))["seeded"][0].token_ids
+
+    first = build(ggufs, "float32", 16, speculative_config=suffix)
+    for i in range(2):  # the tree learns prompt 1's greedy output; its second run drafts it
+        run_schedule(first, [Arrival(f"learn{i}", 1, 0, greedy(1, logprobs=None))])
+    assert first.scheduler.get_stats().spec_decoding.num_draft_tokens > 0
+    alone_tokens = seeded_run(first, 0, 0)
+    assert seeded_run(first, 0, 0) == alone_tokens  # after the tree learned the first run
+    assert seeded_run(first, 2, 5) == alone_tokens  # batched with greedy traffic
+    first.shutdown()
+    fresh = build(ggufs, "float32", 16, speculative_config=suffix)
+    assert seeded_run(fresh, 0, 0) == alone_tokens  # an engine whose tree learned nothing
+    fresh.shutdown()
