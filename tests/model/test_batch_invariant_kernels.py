@@ -111,6 +111,30 @@ def test_large_steps_on_each_body_are_its_small_products(kernels, name):
         kernels.gguf_gemm_large(t.type_id, x, raw, q8_isa="avx512")
 
 
+@pytest.mark.parametrize("name", sorted(n for n, t in GGML_TYPES.items() if t.type_id in Q8_TYPES))
+def test_large_vnni_steps_over_long_rows_are_the_small_products(kernels, name):
+    """The VNNI body's large-step kernel runs K in chunks of 16 pairs of groups (its lanes'
+    sums kept between chunks) and the activation rows in spans sized to L2: K = 2304 (three
+    chunks, the last partial) and, for the 32-element types, K = 1056 (a lone last group in
+    the second chunk); 70 rows (two spans at K = 2304) and 40 weight rows (a partial tile of
+    16), under 1 and 2 threads: every row the bits of the one-row product."""
+    if "avx512_vnni" not in q8_bodies(kernels.isa):
+        pytest.skip("no AVX-512 VNNI here")
+    t = GGML_TYPES[name]
+    kk = CpuQuantKernels(kernels.path, isa=kernels.isa, activations="q8", q8_isa="avx512_vnni")
+    for k in (2304, 1056):
+        if k % t.block_elems:
+            continue
+        raw = raw_weight(name, 40, k, seed=k)
+        x = torch.randn(70, k, generator=torch.Generator().manual_seed(k + 1))
+        alone = torch.cat([kk.gguf_gemm(t.type_id, x[i : i + 1], raw) for i in range(len(x))])
+        assert bool(alone.isfinite().all())
+        assert float(alone.abs().max()) > 0.0
+        for threads in (1, 2):
+            got = kk.gguf_gemm_invariant(t.type_id, x, raw, num_threads=threads)
+            assert torch.equal(got, alone), (k, threads)
+
+
 def test_refusals(kernels):
     """No rows, a weight of another width, an unknown type: refused before anything runs."""
     raw = raw_weight("Q4_K", N, 256, seed=1)

@@ -853,9 +853,9 @@ class CpuQuantKernels:
     ) -> torch.Tensor:
         """``x W^T`` fp32 ``[M, N]`` for any number of rows M on the int8 products
         (gguf_blocks.c ``pagedkv_gguf_gemm_q8_large``): every row of x rounded to int8 once,
-        the weight's rows in blocks kept in L2 while each group of up to 8 activation rows
-        meets them. A row's result is bit for bit the small steps' q8 product of that row on
-        the same body.
+        the weight's rows in blocks kept in cache while many activation rows meet them (the
+        VNNI body: tiles of 16 weight rows unpacked once, one row per lane). A row's result
+        is bit for bit the small steps' q8 product of that row on the same body.
 
         Args:
             type_id: one of :data:`Q8_TYPES`.

@@ -52,6 +52,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "quant_gemv.h"
 
@@ -1035,6 +1038,317 @@ static void v_rows(int type, int M, const uint8_t *w, const q8v_act *A, int64_t 
     }
 }
 
+/* ---- the large steps' VNNI kernel: output rows across the lanes -----------------------
+ *
+ * The one-row kernel above keeps, per (activation row m, weight row n), 16 fp32 lanes: lane l
+ * of pair p adds cvt(the integer dot of elements 64 p + 4 l .. + 3) times (the weight block's
+ * scale * the activation block's xd, one rounded product) in one fused multiply-add, pair
+ * after pair; a row's result is then lanes 0-15 (plus the offset lanes) summed in
+ * _mm512_reduce_add_ps's tree. Every lane is its own chain of scalar operations, so the lanes
+ * may sit anywhere: here a vector holds one lane l of 16 weight rows (a tile), so
+ *   - the activations' four bytes of lane l are one broadcast for all 16 rows;
+ *   - the rounded product of scales is one multiply per half pair (Q6_K: quarter) for 16
+ *     rows, where the one-row kernel multiplies a vector per row;
+ *   - the weights are unpacked once per tile (into [pair][lane][row][4 bytes]) and read by
+ *     every activation row;
+ * and each (m, n, lane) still does the same fused multiply-adds in the same order, its sums
+ * the same tree (as 16 vertical adds), so its bits are the one-row kernel's.
+ * The integer dot products are exact, so they are taken as (unsigned weights) . (signed
+ * activations): the signed types' weights are stored with their bias b added (Q8_0 128,
+ * Q4_0 8, Q5_0 16, Q6_K 32, i.e. their unsigned codes) and each dot starts from -b times the
+ * sum of the lane's four activations (per activation row, once per call).
+ * Threads split the tiles; a tile's K runs in chunks of VL_KC pairs over groups of VL_MB
+ * activation rows, their accumulators kept in the tile's scratch between chunks, so the
+ * chunk's unpacked weights stay in L1 while the group's rows meet them. */
+#define VL_KC 16
+#define VL_MB 8
+
+typedef struct {
+    uint8_t *wq; /* [P][16 lanes][16 rows][4] the unsigned codes */
+    float *dsc;  /* [P][NS][16]: per half pair (Q6_K: quarter) the weights' scale, 0 past K */
+    float *mn;   /* Q4_1 / Q5_1 [P][2][16] the block's m; Q4_K / Q5_K [S][8][16] dmin * m_j */
+    float *acc;  /* [VL_MB][16][16] the accumulators between chunks */
+} vl_tile;
+
+static inline AI int vl_ns(int type) { return type == GGML_Q6_K ? 4 : 2; }
+
+/* the bias added to a type's weights to make them unsigned codes (0: they are) */
+static int vl_bias(int type) {
+    switch (type) {
+        case GGML_Q8_0: return 128;
+        case GGML_Q4_0: return 8;
+        case GGML_Q5_0: return 16;
+        case GGML_Q6_K: return 32;
+        default: return 0;
+    }
+}
+
+/* 16 vectors r[row] of 16 dwords -> r[dword] of 16 rows */
+static inline AI void vl_transpose16(__m512i r[16]) {
+    __m512i a[16], b[16];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++) {
+        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    /* b[4 i + j], 128-bit lane c: dword 4 c + j of rows 4 i .. 4 i + 3 */
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+        const __m512i e0 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0x44);
+        const __m512i e1 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0xEE);
+        const __m512i e2 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0x44);
+        const __m512i e3 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0xEE);
+        r[j] = _mm512_shuffle_i32x4(e0, e2, 0x88);
+        r[4 + j] = _mm512_shuffle_i32x4(e0, e2, 0xDD);
+        r[8 + j] = _mm512_shuffle_i32x4(e1, e3, 0x88);
+        r[12 + j] = _mm512_shuffle_i32x4(e1, e3, 0xDD);
+    }
+}
+
+/* Pair p of a row (type T, G groups) as 64 unsigned codes, and its scales into d[NS] (and
+ * Q4_1 / Q5_1's m into mo[2]); Q4_K / Q5_K write dmin * m_j into mo[8] at each super-block's
+ * first pair. The values are the one-row kernel's (the same conversions, the same rounded
+ * products), so its lanes' factors are these times the activations' xd. */
+static inline AI __m512i vl_unpack(const int type, const uint8_t *row, int64_t G, int64_t p,
+                                   float *d, float *mo) {
+    if (type == GGML_Q6_K) {
+        const int pp = (int)(p & 3);
+        const uint8_t *blk = row + (p >> 2) * 210;
+        const int h = pp >> 1, u = pp & 1;
+        const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
+        const __m512i nib = _mm512_and_si512(u ? _mm512_srli_epi16(ql, 4) : ql, _mm512_set1_epi8(0x0F));
+        const __m512i top = u ? _mm512_srlv_epi16(qh, _mm512_inserti64x4(_mm512_setzero_si512(),
+                                                                         _mm256_set1_epi16(2), 1))
+                              : _mm512_sllv_epi16(qh, _mm512_inserti64x4(_mm512_set1_epi16(4),
+                                                                         _mm256_set1_epi16(2), 1));
+        const float dd = f16_to_f32(blk + 208);
+        for (int q = 0; q < 4; q++) d[q] = dd * (float)(int8_t)blk[192 + 4 * pp + q];
+        return _mm512_ternarylogic_epi32(nib, top, _mm512_set1_epi8(0x30), 0xF8);
+    }
+    if (type == GGML_Q4_K || type == GGML_Q5_K) {
+        const int five = type == GGML_Q5_K, c = (int)(p & 3);
+        const uint8_t *blk = row + (p >> 2) * (five ? 176 : 144);
+        float D[8], DM[8];
+        prep_q4_k(blk, D, DM);
+        d[0] = D[2 * c];
+        d[1] = D[2 * c + 1];
+        if (c == 0) memcpy(mo, DM, sizeof DM);
+        const __m512i bytes = _mm512_broadcast_i64x4(
+            _mm256_loadu_si256((const __m256i *)(blk + (five ? 48 : 16) + 32 * c)));
+        __m512i wv = _mm512_and_si512(_mm512_mask_srli_epi16(bytes, (__mmask32)0xFFFF0000u, bytes, 4),
+                                      _mm512_set1_epi8(0x0F));
+        if (five) {
+            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)));
+            const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (2 * c))),
+                                                   _mm256_set1_epi8((char)(1 << (2 * c + 1))), 1);
+            wv = _mm512_mask_add_epi8(wv, _mm512_test_epi8_mask(qh, bit), wv, _mm512_set1_epi8(16));
+        }
+        return wv;
+    }
+    const int BB = type == GGML_Q8_0 ? 34 : type == GGML_Q4_0 ? 18 : type == GGML_Q4_1 ? 20
+                 : type == GGML_Q5_0 ? 22 : 24;
+    const uint8_t *b0 = row + 2 * p * BB;
+    const int last = 2 * p + 1 >= G; /* the row's last block alone */
+    const uint8_t *b1 = last ? b0 : b0 + BB;
+    __m512i w;
+    switch (type) {
+        case GGML_Q8_0: w = _mm512_xor_si512(v_w_q8_0(b0, b1), _mm512_set1_epi8((char)0x80)); break;
+        case GGML_Q4_0: w = v_nib64(b0 + 2, b1 + 2); break;
+        case GGML_Q4_1: w = v_w_q4_1(b0, b1); break;
+        case GGML_Q5_0: w = _mm512_add_epi8(v_w_q5_0(b0, b1), _mm512_set1_epi8(16)); break;
+        default: w = v_w_q5_1(b0, b1); break;
+    }
+    d[0] = f16_to_f32(b0);
+    d[1] = last ? 0.0f : f16_to_f32(b1);
+    if (type == GGML_Q4_1 || type == GGML_Q5_1) {
+        mo[0] = f16_to_f32(b0 + 2);
+        mo[1] = last ? 0.0f : f16_to_f32(b1 + 2);
+    }
+    return last ? _mm512_maskz_mov_epi8((__mmask64)0xFFFFFFFFull, w) : w;
+}
+
+/* Unpack weight rows n0 .. n0 + nv - 1 (nv <= 16; the other lanes zero) into T */
+static inline AI void vl_pack(const int type, const uint8_t *w, int64_t row_bytes, int64_t n0,
+                              int nv, int64_t G, int64_t P, const vl_tile *T) {
+    const int NS = vl_ns(type);
+    for (int64_t p = 0; p < P; p++) {
+        __m512i r[16];
+        float d[16][4], mo[16][8];
+        for (int j = 0; j < 16; j++) {
+            if (j < nv) {
+                r[j] = vl_unpack(type, w + (n0 + j) * row_bytes, G, p, d[j], mo[j]);
+            } else {
+                r[j] = _mm512_setzero_si512();
+                for (int q = 0; q < 4; q++) d[j][q] = 0.0f;
+                for (int q = 0; q < 8; q++) mo[j][q] = 0.0f;
+            }
+        }
+        vl_transpose16(r);
+        for (int l = 0; l < 16; l++) _mm512_storeu_si512(T->wq + p * 1024 + 64 * l, r[l]);
+        for (int q = 0; q < NS; q++)
+            for (int j = 0; j < 16; j++) T->dsc[(p * NS + q) * 16 + j] = d[j][q];
+        if (type == GGML_Q4_1 || type == GGML_Q5_1)
+            for (int q = 0; q < 2; q++)
+                for (int j = 0; j < 16; j++) T->mn[(p * 2 + q) * 16 + j] = mo[j][q];
+        if ((type == GGML_Q4_K || type == GGML_Q5_K) && (p & 3) == 0)
+            for (int q = 0; q < 8; q++)
+                for (int j = 0; j < 16; j++) T->mn[((p >> 2) * 8 + q) * 16 + j] = mo[j][q];
+    }
+}
+
+/* Activation row m against the tile's pairs pa .. pb - 1: acc[l] += lane l's terms. xq the
+ * row's bytes (A's layout), xd [2 P] its blocks' xd (0 past K), xst [P * 16] the dots' starts
+ * (-bias times each lane's activation sum) or NULL. */
+static inline AI void vl_pairs(const int type, const vl_tile *T, const int8_t *xq,
+                               const float *xd, const int32_t *xst, int64_t pa, int64_t pb,
+                               __m512 acc[16]) {
+    const int NS = vl_ns(type);
+    for (int64_t p = pa; p < pb; p++) {
+        const uint8_t *wq = T->wq + p * 1024;
+        __m512 s[4];
+#pragma GCC unroll 4
+        for (int q = 0; q < NS; q++)
+            s[q] = _mm512_mul_ps(_mm512_loadu_ps(T->dsc + (p * NS + q) * 16),
+                                 _mm512_set1_ps(xd[2 * p + q * 2 / NS]));
+#pragma GCC unroll 16
+        for (int l = 0; l < 16; l++) {
+            int32_t xv;
+            memcpy(&xv, xq + 64 * p + 4 * l, 4);
+            const __m512i start = xst != NULL ? _mm512_set1_epi32(xst[p * 16 + l]) : _mm512_setzero_si512();
+            const __m512i dot = _mm512_dpbusd_epi32(start, _mm512_loadu_si512(wq + 64 * l), _mm512_set1_epi32(xv));
+            acc[l] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s[l * NS / 16], acc[l]);
+        }
+    }
+}
+
+/* The tile's 16 results of activation row m from its lanes' accumulators (the offsets added
+ * as the one-row kernel adds them, then its reduction tree), stored to o[0 .. nv - 1]. */
+static inline AI void vl_finish(const int type, const vl_tile *T, const q8v_act *A, int64_t m,
+                                __m512 acc[16], float *o, int nv) {
+    const int64_t P = A->P, G = A->G;
+    __m512 t[16];
+    if (type == GGML_Q6_K) {
+        for (int l = 0; l < 16; l++) t[l] = acc[l];
+    } else if (type == GGML_Q4_1 || type == GGML_Q5_1) {
+        /* a1: each half pair's m * xds / 8, one chain per half (its 8 lanes hold the same) */
+        __m512 a1[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+        const float *xsp = A->xsp + m * P * 16;
+        for (int64_t p = 0; p < P; p++)
+            for (int h = 0; h < 2; h++)
+                a1[h] = _mm512_fmadd_ps(_mm512_loadu_ps(T->mn + (p * 2 + h) * 16),
+                                        _mm512_set1_ps(xsp[p * 16 + 8 * h]), a1[h]);
+        for (int l = 0; l < 16; l++) t[l] = _mm512_add_ps(acc[l], a1[l / 8]);
+    } else if (type == GGML_Q4_K || type == GGML_Q5_K) {
+        /* a1 lane j < 8: - dmin m_j times group j's xds, super-block after super-block;
+         * lanes 8-15 stay +0 */
+        __m512 a1[8];
+        for (int j = 0; j < 8; j++) a1[j] = _mm512_setzero_ps();
+        const float *xds = A->xds + m * G;
+        for (int64_t s = 0; s < G / 8; s++)
+            for (int j = 0; j < 8; j++)
+                a1[j] = _mm512_fnmadd_ps(_mm512_loadu_ps(T->mn + (s * 8 + j) * 16),
+                                         _mm512_set1_ps(xds[s * 8 + j]), a1[j]);
+        for (int l = 0; l < 16; l++) t[l] = _mm512_add_ps(acc[l], l < 8 ? a1[l] : _mm512_setzero_ps());
+    } else {
+        for (int l = 0; l < 16; l++) t[l] = _mm512_add_ps(acc[l], _mm512_setzero_ps());
+    }
+    /* _mm512_reduce_add_ps: (hi 8 + lo 8), (hi 4 + lo 4), (0 + 2, 1 + 3), (0 + 1) */
+    for (int i = 0; i < 8; i++) t[i] = _mm512_add_ps(t[8 + i], t[i]);
+    for (int i = 0; i < 4; i++) t[i] = _mm512_add_ps(t[4 + i], t[i]);
+    const __m512 r = _mm512_add_ps(_mm512_add_ps(t[0], t[2]), _mm512_add_ps(t[1], t[3]));
+    _mm512_mask_storeu_ps(o, (__mmask16)((1u << nv) - 1u), r);
+}
+
+/* One tile (weight rows n0 .. n0 + nv - 1) against activation rows m0 .. m1 - 1 (xd: the
+ * activations' [M, 2 P] xd, 0 past K) */
+static inline AI void vl_tile_rows(const int type, const uint8_t *w, int64_t row_bytes,
+                                   const q8v_act *A, const float *xd, const int32_t *xst,
+                                   int64_t m0, int64_t m1, int64_t n0, int nv, const vl_tile *T,
+                                   float *out, int64_t ldo) {
+    const int64_t P = A->P;
+    vl_pack(type, w, row_bytes, n0, nv, A->G, P, T);
+    for (int64_t ma = m0; ma < m1; ma += VL_MB) {
+        const int64_t mb = ma + VL_MB < m1 ? ma + VL_MB : m1;
+        for (int64_t pa = 0; pa < P; pa += VL_KC) {
+            const int64_t pb = pa + VL_KC < P ? pa + VL_KC : P;
+            for (int64_t m = ma; m < mb; m++) {
+                __m512 acc[16];
+                float *keep = T->acc + (m - ma) * 256;
+#pragma GCC unroll 16
+                for (int l = 0; l < 16; l++)
+                    acc[l] = pa == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(keep + 16 * l);
+                vl_pairs(type, T, A->xq + m * A->Kp, xd + m * 2 * P,
+                         xst != NULL ? xst + m * P * 16 : NULL, pa, pb, acc);
+                if (pb < P) {
+#pragma GCC unroll 16
+                    for (int l = 0; l < 16; l++) _mm512_storeu_ps(keep + 16 * l, acc[l]);
+                } else {
+                    vl_finish(type, T, A, m, acc, out + m * ldo + n0, nv);
+                }
+            }
+        }
+    }
+}
+
+#define VL_TYPE(T, TYPE)                                                                     \
+    static __attribute__((noinline)) void vl_tile_##T(const uint8_t *w, int64_t row_bytes,    \
+                                                      const q8v_act *A, const float *xd,     \
+                                                      const int32_t *xst, int64_t m0,         \
+                                                      int64_t m1, int64_t n0, int nv,         \
+                                                      const vl_tile *Tl, float *out,          \
+                                                      int64_t ldo) {                          \
+        vl_tile_rows(TYPE, w, row_bytes, A, xd, xst, m0, m1, n0, nv, Tl, out, ldo);           \
+    }
+VL_TYPE(q8_0, GGML_Q8_0)
+VL_TYPE(q4_0, GGML_Q4_0)
+VL_TYPE(q4_1, GGML_Q4_1)
+VL_TYPE(q5_0, GGML_Q5_0)
+VL_TYPE(q5_1, GGML_Q5_1)
+VL_TYPE(q4_k, GGML_Q4_K)
+VL_TYPE(q5_k, GGML_Q5_K)
+VL_TYPE(q6_k, GGML_Q6_K)
+#undef VL_TYPE
+
+static void vl_tile_any(int type, const uint8_t *w, int64_t row_bytes, const q8v_act *A,
+                        const float *xd, const int32_t *xst, int64_t m0, int64_t m1, int64_t n0,
+                        int nv, const vl_tile *T, float *out, int64_t ldo) {
+    switch (type) {
+        case GGML_Q8_0: vl_tile_q8_0(w, row_bytes, A, xd, xst, m0, m1, n0, nv, T, out, ldo); break;
+        case GGML_Q4_0: vl_tile_q4_0(w, row_bytes, A, xd, xst, m0, m1, n0, nv, T, out, ldo); break;
+        case GGML_Q4_1: vl_tile_q4_1(w, row_bytes, A, xd, xst, m0, m1, n0, nv, T, out, ldo); break;
+        case GGML_Q5_0: vl_tile_q5_0(w, row_bytes, A, xd, xst, m0, m1, n0, nv, T, out, ldo); break;
+        case GGML_Q5_1: vl_tile_q5_1(w, row_bytes, A, xd, xst, m0, m1, n0, nv, T, out, ldo); break;
+        case GGML_Q4_K: vl_tile_q4_k(w, row_bytes, A, xd, xst, m0, m1, n0, nv, T, out, ldo); break;
+        case GGML_Q5_K: vl_tile_q5_k(w, row_bytes, A, xd, xst, m0, m1, n0, nv, T, out, ldo); break;
+        case GGML_Q6_K: vl_tile_q6_k(w, row_bytes, A, xd, xst, m0, m1, n0, nv, T, out, ldo); break;
+    }
+}
+
+/* Activation rows m0 .. m1 - 1: their xd [2 P] (0 past K) into xd, and for a signed type
+ * (bias > 0) the dots' starts [P * 16] into xst: -bias times the sum of each lane's four
+ * activation bytes */
+static void vl_act_rows(const q8v_act *A, int64_t m0, int64_t m1, int bias, float *xd,
+                        int32_t *xst) {
+    const __m512i ones = _mm512_set1_epi8(1), nb = _mm512_set1_epi32(-bias);
+    for (int64_t m = m0; m < m1; m++)
+        for (int64_t p = 0; p < A->P; p++) {
+            xd[m * 2 * A->P + 2 * p] = A->xdp[(m * A->P + p) * 16];
+            xd[m * 2 * A->P + 2 * p + 1] = A->xdp[(m * A->P + p) * 16 + 8];
+            if (bias == 0) continue;
+            const __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones,
+                                                    _mm512_loadu_si512(A->xq + m * A->Kp + 64 * p));
+            _mm512_storeu_si512(xst + (m * A->P + p) * 16, _mm512_mullo_epi32(sum, nb));
+        }
+}
+
 #undef V_PAIR32
 #undef V_ROW32
 #undef V_ROWS
@@ -1074,13 +1388,6 @@ static int vnni_act(const float *x, int64_t M, int64_t K, int num_threads, q8v_a
     return 0;
 }
 
-/* A's rows m0 .. (the same layout, the first row moved to m0) */
-static inline q8v_act vnni_act_from(const q8v_act *A, int64_t m0) {
-    const q8v_act a = {A->xq + m0 * A->Kp, A->xu + m0 * A->Kp, A->xdp + m0 * A->P * 16,
-                       A->xsp + m0 * A->P * 16, A->xds + m0 * A->G, A->G, A->P, A->Kp};
-    return a;
-}
-
 /* The VNNI body's product (arguments checked by the caller): the activations rounded and
  * laid out as q8v_act says, once, then the rows in blocks across the threads. */
 static int gemm_q8_vnni(int type, const float *x, const uint8_t *w, float *out, int64_t M,
@@ -1098,6 +1405,65 @@ static int gemm_q8_vnni(int type, const float *x, const uint8_t *w, float *out, 
     return 0;
 }
 
+/* The large steps' VNNI product (arguments checked by the caller): the activations rounded
+ * and laid out once (with vl_act_rows' extras), then, for each span of activation rows whose
+ * bytes fit in VL_SPAN_BYTES (they stay in L2 while every tile meets them), tiles of 16
+ * weight rows across the threads, each unpacked into the thread's scratch and met by every
+ * row of the span (see vl_pairs). Returns 0, or -1 (an allocation failure). */
+#define VL_SPAN_BYTES (320 * 1024)
+static int gemm_q8_vnni_large(int type, const float *x, const uint8_t *w, float *out, int64_t M,
+                              int64_t N, int64_t K, int64_t ldo, int num_threads) {
+    int64_t E, B;
+    pagedkv_gguf_block(type, &E, &B);
+    q8v_act A;
+    float *buf;
+    if (vnni_act(x, M, K, num_threads, &A, &buf)) return -1;
+    const int64_t P = A.P, row_bytes = K / E * B, num_tiles = (N + 15) / 16;
+    const int bias = vl_bias(type);
+    /* per thread: wq P KiB, dsc P * 4 * 64 B, mn P * 128 B, acc VL_MB KiB */
+    const size_t tile_bytes = (size_t)(P * (1024 + 256 + 128) + VL_MB * 1024 + 64) & ~(size_t)63;
+    const int threads = num_tiles < num_threads ? (int)(num_tiles > 0 ? num_tiles : 1) : num_threads;
+    uint8_t *scratch = (uint8_t *)aligned_alloc(64, tile_bytes * (size_t)threads);
+    float *xd = (float *)malloc(sizeof(float) * (size_t)(M * 2 * P));
+    int32_t *xst = bias != 0 ? (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * P * 16)) : NULL;
+    if (scratch == NULL || xd == NULL || (bias != 0 && xst == NULL)) {
+        free(scratch);
+        free(xd);
+        free(xst);
+        free(buf);
+        return -1;
+    }
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t m = 0; m < M; m++) vl_act_rows(&A, m, m + 1, bias, xd, xst);
+    /* a span: the rows' bytes (xq, xd, xst) in VL_SPAN_BYTES, a multiple of VL_MB rows */
+    int64_t span = VL_SPAN_BYTES / (A.Kp + 8 * P + (bias != 0 ? 64 * P : 0));
+    span = span < VL_MB ? VL_MB : span / VL_MB * VL_MB;
+    for (int64_t m0 = 0; m0 < M; m0 += span) {
+        const int64_t m1 = m0 + span < M ? m0 + span : M;
+#pragma omp parallel num_threads(threads)
+        {
+#ifdef _OPENMP
+            uint8_t *mine = scratch + tile_bytes * (size_t)omp_get_thread_num();
+#else
+            uint8_t *mine = scratch;
+#endif
+            const vl_tile T = {mine, (float *)(mine + P * 1024), (float *)(mine + P * (1024 + 256)),
+                               (float *)(mine + P * (1024 + 256 + 128))};
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < num_tiles; b++) {
+                const int64_t n0 = 16 * b;
+                const int nv = (int)(N - n0 < 16 ? N - n0 : 16);
+                vl_tile_any(type, w, row_bytes, &A, xd, xst, m0, m1, n0, nv, &T, out, ldo);
+            }
+        }
+    }
+    free(scratch);
+    free(xd);
+    free(xst);
+    free(buf);
+    return 0;
+}
+
 int pagedkv_gguf_q8_takes(int type) {
     return type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q5_0 || type == GGML_Q5_1 ||
            type == GGML_Q8_0 || type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K;
@@ -1109,13 +1475,16 @@ int pagedkv_gguf_gemm_q8(int type, const float *x, const uint8_t *w, float *out,
 }
 
 /* Large steps (prompts, big batches) on the int8 products: every row of x rounded to int8 once,
- * then the weight rows in blocks of LARGE_N_BLOCK, each block's rows met by every group of up to
- * MAX_M activation rows while they are in the core's L2 (a Q4_K row of K = 2048 is 1,152 bytes:
- * 64 rows, 72 KiB); the threads split the weight blocks. The same integer block products and
- * the same per-row summation as the small steps on the same body (`isa`: PAGEDKV_ISA_AVX2 or
- * _AVX512 the AVX2 body, _AVX512_VNNI the VNNI one), so a row's result is bit for bit what
- * pagedkv_gguf_gemm_q8_ld gives it on that body, whatever M, the grouping or the threads.
- * x fp32 [M, K], out fp32 [M, ldo]; returns 0, or -1 for what it does not take. */
+ * then on the AVX2 body the weight rows in blocks of LARGE_N_BLOCK, each block's rows met by
+ * every group of up to MAX_M activation rows while they are in the core's L2 (a Q4_K row of
+ * K = 2048 is 1,152 bytes: 64 rows, 72 KiB); on the VNNI body gemm_q8_vnni_large (tiles of 16
+ * weight rows unpacked once, their rows across the lanes). The threads split the weight rows,
+ * never K. The same integer block products and the same per-(row, output) summation as the
+ * small steps on the same body (`isa`: PAGEDKV_ISA_AVX2 or _AVX512 the AVX2 body,
+ * _AVX512_VNNI the VNNI one), so a row's result is bit for bit what pagedkv_gguf_gemm_q8_ld
+ * gives it on that body, whatever M, the grouping or the threads.
+ * x fp32 [M, K], out fp32 [M, ldo]; returns 0, or -1 for what it does not take (or an
+ * allocation failure). */
 #define LARGE_N_BLOCK 64
 int pagedkv_gguf_gemm_q8_large(int type, const float *x, const uint8_t *w, float *out,
                                int64_t M, int64_t N, int64_t K, int64_t ldo, int num_threads,
@@ -1126,22 +1495,7 @@ int pagedkv_gguf_gemm_q8_large(int type, const float *x, const uint8_t *w, float
     if (isa != PAGEDKV_ISA_AVX2 && isa != PAGEDKV_ISA_AVX512 && isa != PAGEDKV_ISA_AVX512_VNNI)
         return -1;
     const int64_t num_blocks = (N + LARGE_N_BLOCK - 1) / LARGE_N_BLOCK;
-    if (isa == PAGEDKV_ISA_AVX512_VNNI) {
-        q8v_act A;
-        float *buf;
-        if (vnni_act(x, M, K, num_threads, &A, &buf)) return -1;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-        for (int64_t b = 0; b < num_blocks; b++) {
-            const int64_t n0 = b * LARGE_N_BLOCK, n1 = n0 + LARGE_N_BLOCK < N ? n0 + LARGE_N_BLOCK : N;
-            for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
-                const int mc = (int)(M - m0 < MAX_M ? M - m0 : MAX_M);
-                const q8v_act Am = vnni_act_from(&A, m0);
-                v_rows(type, mc, w, &Am, ldo, n0, n1, out + m0 * ldo);
-            }
-        }
-        free(buf);
-        return 0;
-    }
+    if (isa == PAGEDKV_ISA_AVX512_VNNI) return gemm_q8_vnni_large(type, x, w, out, M, N, K, ldo, num_threads);
     const int64_t G = K / 32;
     float *xd = (float *)malloc(sizeof(float) * 2 * M * G + (size_t)(M * K));
     if (xd == NULL) return -1;

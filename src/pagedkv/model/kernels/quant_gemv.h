@@ -43,8 +43,9 @@ int pagedkv_gguf_gemm_q8(int type, const float *x, const uint8_t *w, float *out,
 int pagedkv_gguf_gemm_q8_ld(int type, const float *x, const uint8_t *w, float *out, int64_t M,
                             int64_t N, int64_t K, int64_t ldo, int num_threads, int isa);
 /* pagedkv_gguf_gemm_q8_ld for any M >= 1 (prompts, large batches): the rows rounded once, the
- * weights in blocks kept in L2 while groups of up to 8 rows meet them; `isa` picks the body as
- * for pagedkv_gguf_gemm_q8_ld, and each row's result is bit for bit that row's product there
+ * weights in blocks kept in cache while many rows meet them (the VNNI body: tiles of 16 weight
+ * rows unpacked once, one weight row per lane); `isa` picks the body as for
+ * pagedkv_gguf_gemm_q8_ld, and each row's result is bit for bit that row's product there
  * (M = 1) on the same body. */
 int pagedkv_gguf_gemm_q8_large(int type, const float *x, const uint8_t *w, float *out,
                                int64_t M, int64_t N, int64_t K, int64_t ldo, int num_threads,
