@@ -572,3 +572,32 @@ def test_a_seeded_sample_draws_the_same_tokens_under_suffix_decoding(ggufs):
     fresh = build(ggufs, "float32", 16, speculative_config=suffix)
     assert seeded_run(fresh, 0, 0) == alone_tokens  # an engine whose tree learned nothing
     fresh.shutdown()
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_without_the_switch_the_self_draft_still_accepts_every_draft_at_small_batches(ggufs, batch):
+    """The default engine runs steps of up to FUSED_MAX_TOKENS tokens on the fused layers with
+    each row's decode-step bits (the int8 products row by row; the LM head's rows too), so a
+    verification step of up to 4 requests x (3 drafts + 1) rows computes what their decode
+    steps would: the model drafting for itself accepts every draft, switch or not."""
+    from pagedkv.model.llama import FUSED_MAX_TOKENS
+
+    assert batch * 4 <= FUSED_MAX_TOKENS
+    llm = LLM(
+        str(ggufs[0]),
+        **engine_options(
+            dtype="bfloat16",
+            quantization="gguf",
+            speculative_config=speculative_config("self", ggufs),
+            batch_invariant=False,
+        ),
+    )
+    prompts = [1, 3, 5, 0][:batch]
+    llm.generate(
+        [{"prompt_token_ids": list(PROMPTS[i])} for i in prompts],
+        [greedy(i, logprobs=None) for i in prompts],
+        use_tqdm=False,
+    )
+    spec = llm.get_stats().scheduler.spec_decoding
+    assert spec.num_draft_tokens > 0
+    assert spec.num_accepted_tokens == spec.num_draft_tokens

@@ -139,6 +139,16 @@ class LlamaDecoderLayer:
         return self.down_proj.add(self.up_proj.mul(x, self.gate_proj.silu(x)), h)
 
 
+#: Most tokens of a step that runs the fused C layers when the model is not batch-invariant:
+#: steps of up to ``QUANT_MAX_TOKENS`` on the small steps' layers, larger ones up to this on the
+#: batch-invariant layers (the same rows' bits as a decode step), beyond it torch ops around
+#: dequantized tiles and torch's GEMM. Measured on a 2-core Zen 4 in bf16
+#: (``benchmarks/bench_batch_invariant.py``, every step on the fused layers against none past
+#: 8 tokens): 12-24 chats 1.03-1.49x the output tok/s at Llama-3.2-1B's shape, 32 0.89-1.09x,
+#: 48 0.87-0.92x, a 64-token prompt 0.88-0.93x; SmolLM2-135M wins up to 64 rows.
+FUSED_MAX_TOKENS = 24
+
+
 class LlamaForCausalLM(DecoderForCausalLM):
     """Llama-family causal LM over a paged KV cache (see the module docstring).
 
@@ -250,10 +260,15 @@ class LlamaForCausalLM(DecoderForCausalLM):
         """
         if self.batch_invariant:
             return self._fused_forward(input_ids, positions, kv_caches, attn_metadata, True)
-        if self.fused_layers is not None and input_ids.shape[0] <= QUANT_MAX_TOKENS:
-            out = self._fused_forward(input_ids, positions, kv_caches, attn_metadata)
-            if out is not None:
-                return out
+        num_tokens = input_ids.shape[0]
+        if self.fused_layers is not None and num_tokens <= FUSED_MAX_TOKENS:
+            # a mid-size step takes the batch-invariant layers (any size); a small one the
+            # small steps' (the same products for the int8 types, fewer passes for the rest)
+            mid = num_tokens > QUANT_MAX_TOKENS
+            if not mid or self._has_invariant_layers():
+                out = self._fused_forward(input_ids, positions, kv_caches, attn_metadata, mid)
+                if out is not None:
+                    return out
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary.tables(positions)
         for layer, kv_cache, metadata in zip(
@@ -280,24 +295,26 @@ class LlamaForCausalLM(DecoderForCausalLM):
         norm). Same values as the torch ops of an fp32 model up to fp32 rounding.
 
         Without ``invariant``, a small step (at most ``QUANT_MAX_TOKENS`` tokens) on the small
-        steps' products; None (the caller runs the torch ops) for a model not in fp32 whose
-        backend has no C entry points: its Python calls take and give the model's dtype.
+        steps' products. None (the caller runs the torch ops) for a model not in fp32 whose
+        backend has no C entry points (its Python calls take and give the model's dtype),
+        unless the model is batch-invariant.
 
-        With ``invariant`` (the batch-invariant path), any number of tokens, each product in
+        With ``invariant`` (the batch-invariant path; and the default path's mid-size steps,
+        up to :data:`FUSED_MAX_TOKENS`), any number of tokens, each product in
         one reduction order per row (``CpuQuantKernels.gguf_gemm_invariant``) and the final
         RMSNorm row by row in C: with the native backend's attention (each query's keys
         reduced in fixed pieces at absolute positions), every row's bits depend on its own
         token, position and cached keys and values only.
 
         Raises:
-            OpsInputError: ``invariant`` for a model not in fp32 whose backend has no C entry
+            OpsInputError: a batch-invariant model not in fp32 whose backend has no C entry
                 points (the engine runs native with batch_invariant).
         """
         num_tokens = input_ids.shape[0]
         per_layer = self._per_layer(attn_metadata)
         entries = self._c_attention(per_layer, kv_caches)
         if entries is None and self.dtype != torch.float32:
-            if invariant:
+            if self.batch_invariant:
                 raise OpsInputError(
                     "batch_invariant: a bfloat16 model's steps need an attention backend with "
                     "C entry points (native)"
@@ -343,11 +360,19 @@ class LlamaForCausalLM(DecoderForCausalLM):
             return f"its decoder layers do not run on pagedkv's C kernels ({self._fused_why})"
         if self.lm_head.linear.gguf is None:
             return "its LM head is not on pagedkv's kernels (load it with batch_invariant=True)"
-        try:
-            self._invariant_layers()
-        except KernelUnavailableError as e:  # an int4 product made at load
-            return f"its decoder layers have no batch-invariant form ({e})"
+        if not self._has_invariant_layers():  # an int4 product made at load
+            return "its decoder layers have no batch-invariant form (an int4 product)"
         return None
+
+    def _has_invariant_layers(self) -> bool:
+        """Whether the fused layers have their batch-invariant form (not with an int4 product
+        made at load)."""
+        if self._bi_layers is None:
+            try:
+                self._invariant_layers()
+            except KernelUnavailableError:
+                return False
+        return True
 
     def _invariant_layers(self) -> list[LlamaLayerWeights]:
         """The fused layers with every product in its batch-invariant form (made once)."""
@@ -397,13 +422,27 @@ class LlamaForCausalLM(DecoderForCausalLM):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """Logits ``[num_rows, vocab_size]`` float32 of hidden states ``[num_rows, hidden_size]``:
         computed in the model's dtype, then widened, as Hugging Face does; in bf16 / fp16 on one
-        rank the 8 largest of each row are then recomputed in fp32
-        (:func:`pagedkv.model.logits.refine_top_logits`: closer to the fp32 model).
+        rank (and for the rows of a step of at most :data:`FUSED_MAX_TOKENS` on a head kept as
+        stored) the 8 largest of each row are then recomputed in fp32
+        (:func:`pagedkv.model.logits.refine_top_logits`: closer to the fp32 model). A head kept
+        as stored computes up to FUSED_MAX_TOKENS rows one reduction order per row (each row's
+        logits those it gets alone); batch-invariant, every row so, in fp32 (not rounded to the
+        model's dtype, not refined).
 
         With tensor parallelism every rank must call it with the same rows (each computes its
         vocabulary shard, gathered on rank 0); the other ranks get None."""
+        head = self.lm_head.linear.gguf
         if self.batch_invariant:  # fp32 straight from the head's blocks, row by row
-            return self.lm_head.linear.gguf.invariant(hidden_states)
+            return head.invariant(hidden_states)
+        num_rows = hidden_states.shape[0]
+        if head is not None and num_rows <= FUSED_MAX_TOKENS:
+            # the rows of a step the fused layers run get the logits each gets alone (its
+            # product row by row, rounded to the model's dtype, refined row by row), so a
+            # verification step's rows are its decode steps' (the self-draft accepts them)
+            logits = head.invariant(hidden_states).to(self.dtype).float()
+            if self.lm_head_weight is not None:
+                refine_top_logits(logits, hidden_states, self.lm_head_weight, row_by_row=True)
+            return logits
         logits = self.lm_head(hidden_states)
         if logits is None:  # a rank other than 0: it only joined the gather
             return None

@@ -52,6 +52,7 @@ def refine_top_logits(
     hidden_states: torch.Tensor,
     weight: torch.Tensor,
     k: int = REFINE_TOP_K,
+    row_by_row: bool = False,
 ) -> torch.Tensor:
     """Recompute in fp32, in place, the ``k`` largest logits of each row.
 
@@ -61,6 +62,8 @@ def refine_top_logits(
         hidden_states: ``[num_rows, hidden_size]`` the GEMM's input (model dtype).
         weight: ``[vocab_size, hidden_size]`` the GEMM's weight (model dtype).
         k: logits recomputed per row (at most vocab_size).
+        row_by_row: each row's dot products in a product of its own (a row's bits then do not
+            depend on the other rows: torch's batched product rounds by the batch's size).
 
     Returns:
         ``logits``, refined: each recomputed entry is the fp32 dot product of the row's hidden
@@ -71,5 +74,9 @@ def refine_top_logits(
         return logits
     top = top_k_indices(logits, min(k, logits.shape[1]))  # [num_rows, k]
     rows = weight[top].float()  # [num_rows, k, hidden_size]
-    exact = torch.bmm(rows, hidden_states.float().unsqueeze(-1)).squeeze(-1)
-    return logits.scatter_(1, top, exact)
+    columns = hidden_states.float().unsqueeze(-1)  # [num_rows, hidden_size, 1]
+    if row_by_row:
+        exact = torch.cat([torch.bmm(rows[i : i + 1], columns[i : i + 1]) for i in range(len(top))])
+    else:
+        exact = torch.bmm(rows, columns)
+    return logits.scatter_(1, top, exact.squeeze(-1))
