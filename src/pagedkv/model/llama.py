@@ -206,9 +206,10 @@ class LlamaForCausalLM(DecoderForCausalLM):
         self._fused_why = why
         if parallel is None or parallel.rank == 0:
             logger.info(
-                "small steps (<= %d tokens): %s",
-                QUANT_MAX_TOKENS,
-                "fused decoder layers (pagedkv's C layers, one call a step with a C backend)"
+                "steps of <= %d tokens: %s",
+                FUSED_MAX_TOKENS,
+                "fused decoder layers (pagedkv's C layers, one call a step with a C backend; "
+                f"int4 weights made at load: <= {QUANT_MAX_TOKENS})"
                 if why == ""
                 else f"decoder layers as torch ops ({why})",
             )
