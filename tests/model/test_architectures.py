@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +27,7 @@ import torch
 from _gguf_files import add_shape_metadata
 from _tiny_model import CharTokenizer
 
+from _held_to_avx2 import run_pytest_held_to_avx2
 from pagedkv.engine.llm import LLM
 from pagedkv.errors import ModelLoadError
 from pagedkv.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
@@ -364,23 +363,4 @@ def test_attention_softcap_outside_gemma_is_refused():
 def test_logits_held_to_avx2():
     """The logits comparisons again in an interpreter held to AVX2 (oneDNN and ATen's kernels,
     as an AVX2-only CPU runs them)."""
-    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            __file__,
-            "-k",
-            "test_logits_equal_transformers",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=Path(__file__).parents[2],
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_pytest_held_to_avx2(__file__, "-k", "test_logits_equal_transformers", timeout=600)

@@ -16,15 +16,12 @@ the row, never on how many rows share the call, how they are grouped or how many
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from _gguf_files import kernels_or_skip
 from _gguf_files import random_blocks as gguf_weight
 
+from _held_to_avx2 import run_pytest_held_to_avx2
 from pagedkv.cpu_caps import cpu_flags
 from pagedkv.model.kernels.cpu_quant import (
     GGML_TYPES,
@@ -346,27 +343,8 @@ def test_held_to_avx2(tmp_path):
     """This file's layer and product tests in a fresh interpreter held to AVX2
     (``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2``): the 8-lane native attention build
     under the fused layers, the kernels' "avx2" bodies only."""
-    if os.environ.get("ATEN_CPU_CAPABILITY") == "avx2":
-        pytest.skip("already held to AVX2")
-    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "tests/model/test_batch_invariant_kernels.py",
-            "-k",
-            "not held and (fused or attn_in or Q4_K or Q6_K or F16)",
-        ],
-        env=env,
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=900,
+    run_pytest_held_to_avx2(
+        "tests/model/test_batch_invariant_kernels.py",
+        "-k",
+        "not held and (fused or attn_in or Q4_K or Q6_K or F16)",
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert " passed" in done.stdout and "failed" not in done.stdout

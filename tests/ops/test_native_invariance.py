@@ -8,14 +8,11 @@ once in a subprocess."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from backend_cases import make_backend
 
+from _held_to_avx2 import run_pytest_held_to_avx2
 from pagedkv.ops.backends import AttentionLayerSpec, CommonAttentionMetadata
 
 NUM_KV_HEADS, GROUP, HEAD_SIZE = 2, 4, 64
@@ -175,25 +172,7 @@ def test_held_to_avx2_a_row_is_the_same_in_any_step(tmp_path):
         c_build.check_avx2_fma()
     except c_build.KernelUnavailableError as e:
         pytest.skip(str(e))
-    if os.environ.get("ATEN_CPU_CAPABILITY") == "avx2":
-        pytest.skip("already held to AVX2: the test above ran the 8-lane build")
-    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "tests/ops/test_native_invariance.py::test_a_row_is_the_same_in_any_step",
-        ],
-        env=env,
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    out = run_pytest_held_to_avx2(
+        "tests/ops/test_native_invariance.py::test_a_row_is_the_same_in_any_step", timeout=600
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "4 passed" in done.stdout
+    assert "4 passed" in out
