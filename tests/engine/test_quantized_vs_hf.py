@@ -65,3 +65,27 @@ def test_gguf_weights_follow_the_float32_reference(
     assert [t[0] for t in tokens] == [t[0] for t in hf_outputs]
     num_equal = sum(t == r for t, r in zip(tokens, hf_outputs, strict=True))
     assert num_equal >= MIN_EQUAL_PROMPTS, (num_equal, tokens, hf_outputs)
+
+
+def test_mid_size_steps_follow_the_float32_reference(
+    attention_backend, loaded_gguf, chat_prompt_ids, hf_outputs
+):
+    """Every prompt twice, 16 at a time: the decode steps have 16 rows, which run the fused
+    layers on the batch-invariant products (``FUSED_MAX_TOKENS``), not the small steps'."""
+    from pagedkv.model.llama import FUSED_MAX_TOKENS
+
+    assert QUANT_MAX_TOKENS < 2 * len(chat_prompt_ids) <= FUSED_MAX_TOKENS
+    llm = LLM(
+        loaded_model=loaded_gguf,
+        attention_backend=attention_backend,
+        num_blocks=512 if attention_backend == "torch" else 128,
+        max_model_len=512,
+        max_num_seqs=2 * len(chat_prompt_ids),
+        enable_prefix_caching=False,
+    )
+    outputs = llm.generate(chat_prompt_ids * 2, GREEDY, use_tqdm=False)
+    tokens = [o.token_ids for o in outputs]
+    expected = hf_outputs * 2
+    assert [t[0] for t in tokens] == [t[0] for t in expected]
+    num_equal = sum(t == r for t, r in zip(tokens, expected, strict=True))
+    assert num_equal >= 2 * MIN_EQUAL_PROMPTS, (num_equal, tokens, expected)

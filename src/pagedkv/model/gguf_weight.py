@@ -237,7 +237,11 @@ class GGUFMatmul:
         (any float dtype) in one reduction order per row whatever ``num_tokens``
         (:meth:`~pagedkv.model.kernels.cpu_quant.CpuQuantKernels.gguf_gemm_invariant`): a
         row's bits are those it gets alone. The batch-invariant path's product (the LM head's;
-        the layers' run in C). Not rounded to :attr:`dtype`."""
+        the layers' run in C). Not rounded to :attr:`dtype`.
+
+        Raises:
+            KernelUnavailableError: a part whose type or shape the kernels do not take.
+        """
         xf = x.float().contiguous()
         if xf.shape[0] == 0:
             return xf.new_empty(0, self.out_features)

@@ -232,6 +232,9 @@ class LlamaForCausalLM(DecoderForCausalLM):
         # on the first batch-invariant step; they share the weights)
         self._bi_layers: list[LlamaLayerWeights] | None = None
         self._invariant_layer_array = None
+        # why they have no such form (an int4 product made at load), once tried; None: not
+        # tried, or they have it
+        self._bi_missing: str | None = None
 
     @torch.inference_mode()
     def forward(
@@ -359,29 +362,34 @@ class LlamaForCausalLM(DecoderForCausalLM):
         else why not (see :meth:`set_batch_invariant`)."""
         if self.fused_layers is None:
             return f"its decoder layers do not run on pagedkv's C kernels ({self._fused_why})"
+        if not self._has_invariant_layers():  # an int4 product made at load
+            return f"its decoder layers have no batch-invariant form ({self._bi_missing})"
         if self.lm_head.linear.gguf is None:
             return "its LM head is not on pagedkv's kernels (load it with batch_invariant=True)"
-        if not self._has_invariant_layers():  # an int4 product made at load
-            return "its decoder layers have no batch-invariant form (an int4 product)"
         return None
 
     def _has_invariant_layers(self) -> bool:
         """Whether the fused layers have their batch-invariant form (not with an int4 product
-        made at load)."""
-        if self._bi_layers is None:
+        made at load); tried once."""
+        if self._bi_layers is None and self._bi_missing is None:
             try:
                 self._invariant_layers()
-            except KernelUnavailableError:
-                return False
-        return True
+            except KernelUnavailableError as e:
+                self._bi_missing = str(e)
+        return self._bi_missing is None
 
     def _invariant_layers(self) -> list[LlamaLayerWeights]:
-        """The fused layers with every product in its batch-invariant form (made once)."""
+        """The fused layers with every product in its batch-invariant form (made once).
+
+        Raises:
+            KernelUnavailableError: a product without that form (int4 made at load).
+        """
         if self._bi_layers is None:
-            self._bi_layers, _, _ = fused_layer_weights(
+            layers, _, _ = fused_layer_weights(
                 self.layers, self.config, self.dtype, self.parallel, batch_invariant=True
             )
-            self._invariant_layer_array = self._kernels.layer_array(self._bi_layers)
+            array = self._kernels.layer_array(layers)
+            self._bi_layers, self._invariant_layer_array = layers, array
         return self._bi_layers
 
     @staticmethod
@@ -421,14 +429,18 @@ class LlamaForCausalLM(DecoderForCausalLM):
 
     @torch.inference_mode()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        """Logits ``[num_rows, vocab_size]`` float32 of hidden states ``[num_rows, hidden_size]``:
-        computed in the model's dtype, then widened, as Hugging Face does; in bf16 / fp16 on one
-        rank (and for the rows of a step of at most :data:`FUSED_MAX_TOKENS` on a head kept as
-        stored) the 8 largest of each row are then recomputed in fp32
-        (:func:`pagedkv.model.logits.refine_top_logits`: closer to the fp32 model). A head kept
-        as stored computes up to FUSED_MAX_TOKENS rows one reduction order per row (each row's
-        logits those it gets alone); batch-invariant, every row so, in fp32 (not rounded to the
-        model's dtype, not refined).
+        """Logits ``[num_rows, vocab_size]`` float32 of hidden states ``[num_rows, hidden_size]``.
+
+        - Batch-invariant: the head's product row by row (each row's bits those it gets
+          alone), in fp32: not rounded to the model's dtype, not refined.
+        - Else, up to :data:`FUSED_MAX_TOKENS` rows on a head kept as stored (a GGUF file's):
+          the same product row by row, rounded to the model's dtype and widened, then the 8
+          largest of each row recomputed in fp32, row by row
+          (:func:`pagedkv.model.logits.refine_top_logits`): a row's logits do not depend on
+          the other rows (a verification step's are its decode steps').
+        - Else: computed in the model's dtype, then widened, as Hugging Face does; in bf16 /
+          fp16 on one rank (and in fp32 for at most ``QUANT_MAX_TOKENS`` rows on a quantized
+          head) the 8 largest of each row recomputed in fp32.
 
         With tensor parallelism every rank must call it with the same rows (each computes its
         vocabulary shard, gathered on rank 0); the other ranks get None."""
