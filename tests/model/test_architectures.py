@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 import torch
 from _gguf_files import add_shape_metadata
+from _held_to_avx2 import run_pytest_held_to_avx2
 from _tiny_model import CharTokenizer
 
-from _held_to_avx2 import run_pytest_held_to_avx2
 from pagedkv.engine.llm import LLM
 from pagedkv.errors import ModelLoadError
 from pagedkv.model.config import SUPPORTED_ARCHITECTURES, ModelConfig

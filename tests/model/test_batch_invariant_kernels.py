@@ -20,8 +20,8 @@ import pytest
 import torch
 from _gguf_files import kernels_or_skip
 from _gguf_files import random_blocks as gguf_weight
-
 from _held_to_avx2 import run_pytest_held_to_avx2
+
 from pagedkv.cpu_caps import cpu_flags
 from pagedkv.model.kernels.cpu_quant import (
     GGML_TYPES,

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _held_to_avx2 import run_pytest_held_to_avx2
 from backend_cases import make_backend
 
-from _held_to_avx2 import run_pytest_held_to_avx2
 from pagedkv.ops.backends import AttentionLayerSpec, CommonAttentionMetadata
 
 NUM_KV_HEADS, GROUP, HEAD_SIZE = 2, 4, 64
