@@ -6,18 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from backend_cases import make_backend, make_backend_case
+from backend_cases import make_backend_case
 
 from pagedkv.errors import OpsInputError
 from pagedkv.ops.backends import AttentionLayerSpec, NativeBackend, TorchBackend
-
-
-@pytest.fixture(scope="module")
-def native():
-    made = make_backend("native")
-    if isinstance(made, str):
-        pytest.skip(made)
-    return made
 
 
 def test_views_of_one_qkv_buffer_equal_contiguous_tensors(native):

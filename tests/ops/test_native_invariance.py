@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 from _held_to_avx2 import run_pytest_held_to_avx2
-from backend_cases import make_backend
 
 from pagedkv.ops.backends import AttentionLayerSpec, CommonAttentionMetadata
 
@@ -19,14 +18,6 @@ NUM_KV_HEADS, GROUP, HEAD_SIZE = 2, 4, 64
 SEQ_LEN = 300  # positions 0..299 of one sequence
 #: positions checked: both sides of piece (64) and block boundaries, the window's edge
 POSITIONS = (0, 5, 7, 8, 63, 64, 65, 99, 100, 127, 130, 191, 250, 299)
-
-
-@pytest.fixture(scope="module")
-def native():
-    made = make_backend("native")
-    if isinstance(made, str):
-        pytest.skip(made)
-    return made
 
 
 def sequence(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

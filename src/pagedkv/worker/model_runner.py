@@ -44,7 +44,7 @@ from pagedkv.ops.backends import (
     check_block_mapping,
     get_attn_backend,
 )
-from pagedkv.sampling_params import GREEDY_EPSILON, SamplingParams
+from pagedkv.sampling_params import SamplingParams
 from pagedkv.worker import kv_cache_layout
 from pagedkv.worker.input_batch import CachedRequestState, InputBatch, ModelInputs
 from pagedkv.worker.kv_offload import (
@@ -215,7 +215,7 @@ class ModelRunner:
         #: most drafts per request and step (0: no speculative decoding).
         self.num_speculative_tokens = 0
         #: whether the drafts come from what other requests generated (suffix decoding's
-        #: shared tree): a seeded sample then drafts nothing (:meth:`_own_drafts_only`)
+        #: shared tree): a seeded sample then drafts nothing (``may_draft``'s shared_drafts)
         self._shared_drafts = (
             speculative_config is not None and speculative_config.method == "suffix"
         )
@@ -347,10 +347,8 @@ class ModelRunner:
                 max_model_len - end - 1,
                 params.max_tokens - num_output - 1,
             )
-            if (
-                limit > 0
-                and may_draft(params, num_output, state.pooling_params)
-                and self._own_drafts_only(params)
+            if limit > 0 and may_draft(
+                params, num_output, state.pooling_params, shared_drafts=self._shared_drafts
             ):
                 batch.token_ids_cpu[row, end - 1] = sampled[i]
                 picks.append(i)
@@ -523,16 +521,6 @@ class ModelRunner:
             result.num_accepted_draft_tokens[state.req_id] = len(new_tokens) - 1
             sampled[i] = new_tokens[-1]
         return sampled
-
-    def _own_drafts_only(self, params: SamplingParams) -> bool:
-        """Whether a request may take this method's drafts: not a seeded sample (temperature
-        above 0 with a seed) when the drafts come from other requests (suffix decoding). Its
-        draws follow its drafts (how many, which), so drafts learned from whatever the engine
-        served before would make the same seeded request sample other tokens on another run.
-        n-gram and draft-model drafts come from its own tokens only."""
-        return not (
-            self._shared_drafts and params.seed is not None and params.temperature >= GREEDY_EPSILON
-        )
 
     def _check_blocks_to_copy(self, blocks_to_copy) -> list[tuple[int, torch.Tensor]]:
         """The step's copies as (KV cache group, checked ``[num_pairs, 2]`` mapping), groups
