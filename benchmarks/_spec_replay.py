@@ -8,8 +8,9 @@ of its drafts that equals them. A replay runner answers each step from the recor
 accepted drafts' count, the next token, and the proposer's next drafts, asked as the model
 runner asks it), so the real :class:`Scheduler` with the real proposer and adaptive draft length
 schedules exactly what it would with the model, in milliseconds. Its cost is counted in
-one-token steps of one request (:data:`~pagedkv.engine.spec_decode.drafts.STEP_COST`: a step
-with k drafts), so the estimate holds at batch 1 only.
+one-token steps of one request (:data:`REPLAY_STEP_COST`: a step with k drafts), so the estimate
+holds at batch 1 only; the engine's draft-length rule learns the same costs as the replay runs
+(each decode step is reported to the scheduler as taking its table cost).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from pagedkv.config import SpeculativeConfig
 from pagedkv.core.manager import KVCacheManager
 from pagedkv.engine.request import Request
 from pagedkv.engine.scheduler import Scheduler
-from pagedkv.engine.spec_decode.drafts import STEP_COST
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.worker.outputs import ModelRunnerOutput
 from pagedkv.worker.spec_decode.eligibility import may_draft
@@ -29,14 +29,28 @@ from pagedkv.worker.spec_decode.selector import make_proposer
 
 MAX_MODEL_LEN = 4096
 
+#: What a decode step of one request with k = 0..7 drafts cost, in one-token steps: SmolLM2-135M
+#: Q4_1 on a 2-core AMD EPYC held to AVX2 (fp32), 2026-12-03 (docs/engine.md, "Adaptive draft
+#: length"); past 7, 0.2 a row more. The replay's assumption, not the engine's: the engine
+#: measures its own.
+REPLAY_STEP_COST = (1.0, 1.16, 1.30, 1.45, 1.61, 1.90, 2.10, 2.22)
+
+
+def replay_step_cost(num_drafts: int) -> float:
+    """:data:`REPLAY_STEP_COST` of ``num_drafts`` drafts, extended past its end."""
+    last = len(REPLAY_STEP_COST) - 1
+    if num_drafts <= last:
+        return REPLAY_STEP_COST[num_drafts]
+    return REPLAY_STEP_COST[last] + 0.2 * (num_drafts - last)
+
 
 def estimated_cost(num_decode_steps: int, num_drafts_per_len: list[int]) -> float:
     """Decode time in one-token steps of one request: the steps without drafts cost 1, those
-    with k drafts ``STEP_COST[k]`` (``num_drafts_per_len[k - 1]`` of them)."""
+    with k drafts :func:`replay_step_cost` (``num_drafts_per_len[k - 1]`` of them)."""
     with_drafts = sum(num_drafts_per_len)
     cost = float(num_decode_steps - with_drafts)
     for k, count in enumerate(num_drafts_per_len, start=1):
-        cost += count * STEP_COST[min(k, len(STEP_COST) - 1)]
+        cost += count * replay_step_cost(k)
     return cost
 
 
@@ -99,6 +113,7 @@ def replay(
                     new_output = output[: done + num_accepted + 1]
                     result.draft_token_ids = _propose(proposer, num_spec, request, new_output)
             scheduler.update_from_output(out, result)
+            scheduler.record_step_time(replay_step_cost(out.total_num_scheduled_tokens - 1))
         if proposer is not None:  # its output teaches suffix's global tree
             proposer.finished(req_id, len(prompt), np.array([*prompt, *output], dtype=np.int32))
     stats = None if scheduler.drafts is None else scheduler.drafts.stats

@@ -15,19 +15,29 @@ every configuration in turn, all greedy (temperature 0) through ``LLM.chat``:
   (round 2 and 3 ask again what round 1 answered: SuffixDecoding's tree of earlier outputs).
 - **chat**: open questions where little of the answer is in the prompt
   (``benchmarks/data/chat_prompts.jsonl``): speculation must not cost when it misses.
+- **grounded-heldout**, **chat-heldout**: the same tasks over texts and questions that nothing
+  was tuned on (``benchmarks/data/spec_heldout.jsonl``: eight short paragraphs on bread,
+  bicycles, bees ..., eight everyday questions).
 
-Batch 1 sends one conversation at a time (a user alone: each request decodes by itself);
-batch 16 sends them all at once. Per run: output tokens / wall seconds of the ``chat`` calls
-(prefill included, the same for every configuration), the speedup over "off", the draft
-acceptance rate and the mean acceptance length (tokens a verification step yields), and whether
-every request's token ids equal "off"'s (speculation must not change greedy output). The first
-line names the CPU. Results: docs/engine.md ("Speculative decoding: measured").
+Every speculative run gets a fresh engine on the loaded model (no suffix tree from an earlier
+run or round, step costs learned anew, as a fresh server would). Batch 1 sends one conversation
+at a time (a user alone: each request decodes by itself); batch 16 sends them all at once. Per
+run: output tokens / wall seconds of the ``chat`` calls (prefill included, the same for every
+configuration), the speedup over "off", the draft acceptance rate and the mean acceptance length
+(tokens a verification step yields), and whether every request's token ids equal "off"'s
+(speculation must not change greedy output). The first line names the CPU. Results:
+docs/engine.md ("Speculative decoding: measured").
 
-Drafts run up to 7 a step (``num_speculative_tokens`` 7: the adaptive rule's cost table,
-``STEP_COST``, ends there; a step of 9 tokens leaves the 4-bit kernels). At batch 1 each run
-also prints its counts: decode steps, verification steps per draft length and the estimated
-decode cost in one-token steps (``STEP_COST`` per step), whose ratio to "off"'s is the
-estimated speedup, a figure other jobs on the machine do not disturb.
+Drafts run up to 7 a step (``num_speculative_tokens`` 7), as many as the engine's draft-length
+rule finds pay on this machine (it learns its own step costs: each speculative row prints them,
+``step_costs_ms`` in the JSON). At batch 1 each run also prints its counts: decode steps,
+verification steps per draft length and the estimated decode cost in one-token steps (the
+replay's fixed table, ``REPLAY_STEP_COST`` in benchmarks/_spec_replay.py), whose ratio to
+"off"'s is an estimated speedup that other jobs on the machine do not disturb.
+
+``--rounds N`` measures every cell N times, "off" first in odd rounds and last in even ones, and
+prints each round (with the 1-minute load average before and after each run) and then every
+round's speedup with its range: read the range, not one ratio.
 
     --workloads chat --batch 1 --proposers off suffix     one cell
     --save-tokens tokens.json      also write each workload's prompt and output token ids
@@ -38,7 +48,7 @@ estimated speedup, a figure other jobs on the machine do not disturb.
     --step-times                   batch 1, each conversation through every configuration in
                                    turn, each decode step timed (wall and CPU) and grouped by
                                    its draft count: the decode speedup and the per-k step cost
-                                   as the workload runs (the source of ``STEP_COST``)
+                                   as the workload runs
 
 Each row also counts the engine's steps: with ``--config 'self={"method": "draft_model",
 "model": "smollm2", "num_speculative_tokens": 4}'`` (the default model drafting for itself:
@@ -100,10 +110,20 @@ def paragraphs(num: int) -> list[str]:
     return found[::step][:num]
 
 
-def grounded_conversations(num: int) -> list[list[dict]]:
-    """Copy-with-an-edit, quote-a-sentence and add-a-heading tasks over doc paragraphs."""
+def heldout(kind: str, num: int) -> list:
+    """``num`` entries of ``kind`` ("grounded": texts, "chat": conversations) from
+    benchmarks/data/spec_heldout.jsonl: texts and questions no rule or table was tuned on."""
+    path = ROOT / "benchmarks" / "data" / "spec_heldout.jsonl"
+    entries = [json.loads(line) for line in path.read_text().splitlines()]
+    entries = [e for e in entries if e["kind"] == kind][:num]
+    return [e["text"] if kind == "grounded" else e["messages"] for e in entries]
+
+
+def grounded_conversations(num: int, texts: list[str] | None = None) -> list[list[dict]]:
+    """Copy-with-an-edit, quote-a-sentence and add-a-heading tasks over doc paragraphs (or
+    ``texts``)."""
     conversations = []
-    for i, text in enumerate(paragraphs(num)):
+    for i, text in enumerate(paragraphs(num) if texts is None else texts):
         words = [w for w in re.findall(r"[a-z]{6,}", text)]
         word = words[len(words) // 2] if words else "block"
         task = (
@@ -237,7 +257,7 @@ def step_times(llms: dict, conversations, params) -> None:
 
 def draft_counts(before, after, num_tokens: int, num_requests: int, batch: int) -> dict:
     """A run's draft counters (the difference of two ``SpecDecodingStats``), and at batch 1 its
-    decode steps and estimated decode cost in one-token steps (``STEP_COST``)."""
+    decode steps and estimated decode cost in one-token steps (``REPLAY_STEP_COST``)."""
     drafts = after.num_drafts - (before.num_drafts if before else 0)
     drafted = after.num_draft_tokens - (before.num_draft_tokens if before else 0)
     accepted = after.num_accepted_tokens - (before.num_accepted_tokens if before else 0)
@@ -268,12 +288,103 @@ def describe_counts(row: dict) -> str:
             f"  acceptance {row['acceptance_rate']:.1%}, mean length "
             f"{row['mean_acceptance_length']:.2f}, drafts per length {row['num_drafts_per_len']}"
         )
+    if row.get("step_costs_ms"):
+        costs = row["step_costs_ms"]
+        text += f"\n{'':<21}learned step costs (tokens: ms) " + ", ".join(
+            f"{t}: {ms:.1f}" for t, ms in sorted(costs.items())[:12]
+        )
     if "est_speedup" in row:
         text += (
             f"\n{'':<21}decode steps {row['decode_steps']}, est. cost {row['est_cost']} "
             f"one-token steps: est. {row['est_speedup']:.2f}x"
         )
     return text
+
+
+def load_average() -> str:
+    """The 1-minute load average (``/proc/loadavg``; '?' where there is none)."""
+    try:
+        return Path("/proc/loadavg").read_text().split()[0]
+    except OSError:
+        return "?"
+
+
+def measure_cell(
+    llms, configs, loaded, engine_args, workload, conversations, params, batch, round_index, saved
+) -> list[dict]:
+    """Every configuration on one workload at one batch size, once: "off" first in even rounds
+    and last in odd ones (other jobs' load falls on both sides alike); each row's speedup over
+    "off"'s rate in the same round and whether its tokens are "off"'s."""
+    labels = list(llms)
+    order = labels if round_index % 2 == 0 else labels[1:] + labels[:1]
+    rows = {}
+    for label in order:
+        llm = llms[label]
+        if configs[label] is not None:
+            # a fresh engine for every cell and round: suffix's tree of earlier outputs starts
+            # empty (no answer seen in an earlier round), and the step costs are learned anew
+            llm = LLM(loaded_model=loaded, speculative_config=configs[label], **engine_args)
+        stats_before = llm.get_stats().scheduler
+        before = stats_before.spec_decoding
+        load_before = load_average()
+        outputs, seconds = run(llm, conversations, params, batch)
+        stats_after = llm.get_stats().scheduler
+        after = stats_after.spec_decoding
+        tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        num_tokens = sum(len(t) for t in tokens)
+        row = {
+            "round": round_index + 1,
+            "workload": workload,
+            "batch": batch,
+            "config": label,
+            "output_tokens": num_tokens,
+            "seconds": round(seconds, 3),
+            "tokens_per_s": round(num_tokens / seconds, 1),
+            "steps": stats_after.num_steps - stats_before.num_steps,
+            "load_average": f"{load_before} -> {load_average()}",
+            "tokens": tokens,
+        }
+        if after is not None:
+            row.update(draft_counts(before, after, num_tokens, len(tokens), batch))
+            step_costs = llm.engine.scheduler.drafts.step_costs.snapshot()
+            row["step_costs_ms"] = {t: round(s * 1000, 2) for t, (s, _) in step_costs.items()}
+        if label == labels[0]:
+            saved.setdefault(
+                workload,
+                [
+                    {"prompt_token_ids": list(o.prompt_token_ids), "output_token_ids": t}
+                    for o, t in zip(outputs, tokens, strict=True)
+                ],
+            )
+        rows[label] = row
+    reference = rows[labels[0]]
+    reference_tokens = reference["tokens"]
+    for label in labels:
+        row = rows[label]
+        row["speedup"] = round(row["tokens_per_s"] / reference["tokens_per_s"], 2)
+        row["same_tokens"] = row.pop("tokens") == reference_tokens
+        print(
+            f"round {row['round']}  {workload:<9} batch {batch:>2}  {label:<8} "
+            f"{row['tokens_per_s']:7.1f} tok/s  {row['speedup']:.2f}x  {row['steps']:5d} steps  "
+            f"load {row['load_average']}  same tokens: {row['same_tokens']}"
+            f"{describe_counts(row)}",
+            flush=True,
+        )
+    return [rows[label] for label in labels]
+
+
+def print_spread(results: list[dict]) -> None:
+    """Per workload, batch and configuration: the speedup of every round and its range."""
+    cells: dict[tuple, list[float]] = {}
+    for row in results:
+        cells.setdefault((row["workload"], row["batch"], row["config"]), []).append(row["speedup"])
+    print("speedup over off, every round (min-max):", flush=True)
+    for (workload, batch, label), speedups in cells.items():
+        print(
+            f"  {workload:<9} batch {batch:>2}  {label:<8} "
+            f"{' '.join(f'{x:.2f}' for x in speedups)}  ({min(speedups):.2f}-{max(speedups):.2f})",
+            flush=True,
+        )
 
 
 def replay_main(args, configs: dict) -> int:
@@ -315,7 +426,7 @@ def main() -> int:
         "--workloads",
         nargs="+",
         default=["grounded", "agent", "chat"],
-        choices=["grounded", "agent", "chat"],
+        choices=["grounded", "agent", "chat", "grounded-heldout", "chat-heldout"],
     )
     parser.add_argument(
         "--proposers",
@@ -338,6 +449,13 @@ def main() -> int:
         default=[],
         metavar="KEY=JSON",
         help="an LLM(...) option for every configuration, e.g. max_num_seqs=16",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure every cell this many times ('off' first, then last, in turn); prints "
+        "each round and the range",
     )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument(
@@ -414,6 +532,10 @@ def main() -> int:
         "chat": chat_conversations(args.num_prompts),
     }
     workloads["agent"] = workloads["grounded"] * 3
+    workloads["grounded-heldout"] = grounded_conversations(
+        args.num_prompts, heldout("grounded", args.num_prompts)
+    )
+    workloads["chat-heldout"] = heldout("chat", args.num_prompts)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     base = LLM(model=args.model, **engine_args)
     loaded = base.engine.loaded_model
@@ -437,53 +559,25 @@ def main() -> int:
         return 0
     results = []
     saved = {}
-    for workload in args.workloads:
-        conversations = workloads[workload]
-        for batch in args.batch:
-            reference = None
-            off_rate = None
-            for label, llm in llms.items():
-                if workload == "agent" and configs[label] is not None:
-                    # each agent run starts with an empty tree of earlier outputs
-                    llm = LLM(loaded_model=loaded, speculative_config=configs[label], **engine_args)
-                stats_before = llm.get_stats().scheduler
-                before = stats_before.spec_decoding
-                outputs, seconds = run(llm, conversations, params, batch)
-                stats_after = llm.get_stats().scheduler
-                after = stats_after.spec_decoding
-                tokens = [list(o.outputs[0].token_ids) for o in outputs]
-                num_tokens = sum(len(t) for t in tokens)
-                rate = num_tokens / seconds
-                if reference is None:
-                    reference, off_rate = tokens, rate
-                    saved.setdefault(
-                        workload,
-                        [
-                            {"prompt_token_ids": list(o.prompt_token_ids), "output_token_ids": t}
-                            for o, t in zip(outputs, tokens, strict=True)
-                        ],
-                    )
-                row = {
-                    "workload": workload,
-                    "batch": batch,
-                    "config": label,
-                    "output_tokens": num_tokens,
-                    "seconds": round(seconds, 3),
-                    "tokens_per_s": round(rate, 1),
-                    "speedup": round(rate / off_rate, 2),
-                    "steps": stats_after.num_steps - stats_before.num_steps,
-                    "same_tokens": tokens == reference,
-                }
-                if after is not None:
-                    row.update(draft_counts(before, after, num_tokens, len(tokens), batch))
-                results.append(row)
-                extra = describe_counts(row)
-                print(
-                    f"{workload:<9} batch {batch:>2}  {label:<8} {rate:7.1f} tok/s  "
-                    f"{row['speedup']:.2f}x  {row['steps']:5d} steps  "
-                    f"same tokens: {row['same_tokens']}{extra}",
-                    flush=True,
+    for round_index in range(args.rounds):
+        for workload in args.workloads:
+            conversations = workloads[workload]
+            for batch in args.batch:
+                rows = measure_cell(
+                    llms,
+                    configs,
+                    loaded,
+                    engine_args,
+                    workload,
+                    conversations,
+                    params,
+                    batch,
+                    round_index,
+                    saved,
                 )
+                results += rows
+    if args.rounds > 1:
+        print_spread(results)
     if args.json is not None:
         args.json.write_text(
             json.dumps({"cpu": cpu.describe("float32"), "results": results}, indent=1)

@@ -166,6 +166,9 @@ class LLMEngine:
         self._build_processors()
         self._stats = EngineStats(scheduler=SchedulerStats())
         self._last_scheduler_output: SchedulerOutput | None = None
+        #: The clock of :meth:`step`'s timing (seconds; ``time.perf_counter``): the busy time
+        #: in the stats and the step costs the draft-length rule learns. Tests script it.
+        self.step_clock = time.perf_counter
 
     # ------------------------------------------------------------------ building steps
 
@@ -559,7 +562,7 @@ class LLMEngine:
             requests are then finished with finish_reason "error" (their blocks freed; the next
             step reports them), so the engine stays usable for the other requests.
         """
-        start = time.perf_counter()
+        start = self.step_clock()
         scheduler_output = self.scheduler.schedule()
         self._last_scheduler_output = scheduler_output  # for kv_snapshot: the last batch
         if self._has_structured_outputs:
@@ -597,8 +600,10 @@ class LLMEngine:
             self._fail_requests(scheduler_output.req_ids, exc)
             raise
         if scheduler_output.total_num_scheduled_tokens:
+            elapsed = self.step_clock() - start
+            self.scheduler.record_step_time(elapsed)  # the draft-length rule's step costs
             self._stats.num_steps += 1
-            self._stats.busy_time += time.perf_counter() - start
+            self._stats.busy_time += elapsed
         return outputs
 
     def _fail_requests(self, seq_ids: list[str], exc: BaseException) -> None:

@@ -178,7 +178,11 @@ class Scheduler:
         self.rejections = Rejections(queues, self.stats, self.beams, self.limits.num_usable_blocks)
         self.drafts = (
             SpecDecodeDrafts(
-                max_model_len, queues.running, num_speculative_tokens, num_lookahead_tokens
+                max_model_len,
+                queues.running,
+                num_speculative_tokens,
+                num_lookahead_tokens,
+                max_num_batched_tokens,
             )
             if num_speculative_tokens
             else None
@@ -299,6 +303,15 @@ class Scheduler:
         """Whether decoding requests get draft tokens (speculative decoding)."""
         return self.drafts is not None
 
+    def record_step_time(self, seconds: float) -> None:
+        """The last scheduled step took ``seconds`` (wall, from :meth:`schedule` to its
+        outputs): the draft-length rule learns it as the cost of a step of that many tokens
+        when every request in it decoded (:meth:`SpecDecodeDrafts.observe_step_time
+        <pagedkv.engine.spec_decode.drafts.SpecDecodeDrafts.observe_step_time>`); nothing
+        without speculative decoding."""
+        if self.drafts is not None:
+            self.drafts.observe_step_time(seconds)
+
     def note_finished(self, request_ids: Iterable[str]) -> None:
         """Have the next step tell the workers to forget ``request_ids`` too: a request run
         outside the scheduler (the engine's health probe), or a step's finished ids the workers
@@ -354,6 +367,7 @@ class Scheduler:
         out = build_scheduler_output(step, kv_cache, queues.take_finished_ids(), self.stats)
         if self.drafts is not None:
             out.finished_token_ids = self.drafts.take_finished_token_ids()
+            self.drafts.scheduled(step.requests, out.total_num_scheduled_tokens)
         self.forks.note_fork_points(step.requests)
         self._scheduled_requests = step.requests
         if step.requests:
@@ -373,6 +387,8 @@ class Scheduler:
         resume_after_load = self.tier_loads.resume_after_load
         drafts = self.drafts
         token_budget = self.max_num_batched_tokens
+        if drafts is not None:
+            drafts.begin_step()
         req_index = 0
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]

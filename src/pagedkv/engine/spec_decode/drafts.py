@@ -40,16 +40,24 @@ tokens; :mod:`pagedkv.engine.structured_output`).
 **Adaptive draft length.** A draft costs a row of the forward pass whether it is accepted or
 not, so where drafts miss (open chat) speculation would make decoding slower. Each request
 keeps an estimate ``a`` of the chance that a draft token is accepted (decayed counts of
-accepted and tried drafts, starting at 1 in 2) and schedules the ``k`` of its proposal that
-gives the most expected tokens, ``(1 - a^(k+1)) / (1 - a)``, per cost of its step
-(:func:`best_num_drafts`). Alone, that cost is the measured step cost with k drafts
-(:data:`STEP_COST`: not linear in k, and ending at k = 7, past which a step leaves the 4-bit
-kernels); in a batch, a share of the step plus ``DRAFT_TOKEN_COST`` per draft. Where that is
+accepted and tried drafts, starting at 1 in 2), so k drafts are worth
+``E(k) = (1 - a^(k+1)) / (1 - a)`` tokens, and what a step of ``T`` tokens costs is measured on
+this machine (:class:`~pagedkv.engine.spec_decode.step_costs.StepCosts`: the engine's own
+decode-step times per number of tokens, decayed; no table from another CPU). The scheduler
+takes the step's decoding requests in order; with ``S`` the tokens the step is expected to
+yield so far and ``T`` its rows (both start at the number of running requests: a token and a
+row each), a request schedules the ``k`` of its proposal that gives the step the most expected
+tokens per second, ``(S - 1 + E(k)) / cost(T + k)`` (:func:`best_num_drafts`), and adds its
+``E(k) - 1`` and ``k`` to them. Alone that is ``E(k) / cost(1 + k)``; in a batch a draft row
+pays only where the step's marginal row is cheap against what it brings. Where that is
 ``k = 0`` nothing is scheduled: the step is the plain decode step (no draft rows, the runner's
-plain sampler); the workers still propose (microseconds beside a step of tens of
-milliseconds) and the first draft is checked against the token the step samples, so the
-estimate recovers when the text starts to repeat. Idea: the acceptance-aware draft lengths of
-SuffixDecoding and of EAGLE-2-style dynamic drafting, as a per-request rule.
+plain sampler); the workers still propose (microseconds beside a step of milliseconds) and the
+first draft is checked against the token the step samples, so the estimate recovers when the
+text starts to repeat. A seeded request's draws follow its drafts, so its k must not depend on
+timing or on the batch: it takes a fixed cost (:data:`SEEDED_ROW_COST` a row) as if alone.
+Idea: the acceptance-aware draft lengths of SuffixDecoding and of EAGLE-2-style dynamic
+drafting, as a per-request rule, with the step costs measured as hardware-aware speculation
+(Sequoia) sizes its trees.
 """
 
 from __future__ import annotations
@@ -57,57 +65,66 @@ from __future__ import annotations
 from collections.abc import Sized
 
 from pagedkv.engine.request import Request
+from pagedkv.engine.spec_decode.step_costs import StepCosts
 from pagedkv.engine.stats import SpecDecodingStats
 from pagedkv.worker.spec_decode.eligibility import may_draft
 
-#: What a decode step of one request with k drafts costs, k = 0, 1, ..., 7, in one-token steps
-#: (the batch-1 cost table of :func:`best_num_drafts`): SmolLM2-135M Q4_1 on a 2-core AMD EPYC
-#: (AVX2), the median CPU time of the benchmark's decode steps with k drafts over that of steps
-#: without (``benchmarks/bench_spec_decode.py --step-times``, open chat and grounded work,
-#: pagedkv's own 4-bit kernels; k = 5, 6 with torch's kernels): docs/engine.md, "Adaptive draft
-#: length". Not linear in k. Ends at k = 7: a step of 9 or more tokens leaves the 4-bit
-#: kernels for dense fp32 products (~2.4x a one-token step).
-STEP_COST = (1.0, 1.16, 1.30, 1.45, 1.61, 1.90, 2.10, 2.22)
+#: What a draft row costs a seeded request, as a fraction of a one-token step (fixed: its draws
+#: follow its drafts, so their number must not depend on timing): about what a row cost on the
+#: 135M default model when measured (docs/engine.md, "Adaptive draft length").
+SEEDED_ROW_COST = 0.15
 
-#: What a draft token costs in a batch of several decoding requests, as a fraction of a
-#: one-token step (a row through every layer and the LM head, and its verification).
-DRAFT_TOKEN_COST = 0.2
+#: How much more a draft count must yield per unit of cost than the step without drafts (and a
+#: larger count than a smaller one) to be chosen: estimates that tie within it (rows that cost
+#: what they bring) draft nothing, so speculation never costs a user by a rounding.
+MIN_GAIN = 1.02
 
 #: Weight of the past in a request's acceptance estimate (each observation decays the counts).
 ACCEPTANCE_DECAY = 0.8
 
 
-def best_num_drafts(acceptance: float, max_num_drafts: int, num_running: int = 1) -> int:
-    """The draft count ``k <= max_num_drafts`` with the most expected tokens per cost for a
-    per-token acceptance probability ``acceptance`` (see the module's docstring) in a batch of
-    ``num_running`` decoding requests; 0: none pays.
+def expected_tokens(acceptance: float, num_drafts: int) -> float:
+    """Tokens a verification step with ``num_drafts`` drafts is expected to yield when each
+    draft is accepted with chance ``acceptance`` (until the first miss) and one token follows:
+    ``(1 - a^(k+1)) / (1 - a)``, ``k + 1`` at ``a = 1``."""
+    if acceptance >= 1.0:
+        return num_drafts + 1.0
+    return (1.0 - acceptance ** (num_drafts + 1)) / (1.0 - acceptance)
 
-    Alone (``num_running == 1``) a step with k drafts costs ``STEP_COST[k]`` one-token steps
-    and k never exceeds its last entry: k = 1 pays from ``a`` of 0.16, and the most (7) from
-    0.89. In a batch, a request's share of a step is ``(1 + (n - 1) c) / n`` one-token steps
-    (each other request's row costs ``c = DRAFT_TOKEN_COST`` more), and each of its drafts
-    costs ``c`` on top: in a batch of 16 a draft pays from about 0.8 (the step is already busy,
-    so a row that is thrown away costs more of the request's share). At batch 16 the
-    benchmark's open chat (acceptance about 0.7) ran at 0.88x of no speculation when it drafted
-    and its grounded work (about 0.9) gained: the rule drafts for the second only."""
+
+def best_num_drafts(
+    acceptance: float,
+    max_num_drafts: int,
+    costs: StepCosts,
+    step_tokens: int = 1,
+    step_expected: float = 1.0,
+) -> int:
+    """The draft count ``k <= max_num_drafts`` that gives a step the most expected tokens per
+    unit of cost (see the module's docstring); 0: none pays.
+
+    Args:
+        acceptance: the request's estimated chance that a draft token is accepted, in [0, 1].
+        max_num_drafts: the most drafts it may schedule (its proposal, budget and limits).
+        costs: the step cost estimate (:meth:`StepCosts.cost` of a number of tokens).
+        step_tokens: ``T``, the step's rows so far counting this request's one token (and
+            one for each decoding request not yet scheduled); >= 1.
+        step_expected: ``S``, the tokens the step is expected to yield so far, counted the
+            same way.
+
+    Returns:
+        k: a larger k is taken only where it beats the best smaller one by more than
+        :data:`MIN_GAIN`; 0 when no k > 0 beats the step without drafts, ``S / cost(T)``, by
+        that much.
+    """
+    cost = costs.cost
     expected, power = 1.0, 1.0
-    best, best_value = 0, 1.0
-    if num_running == 1:
-        for k in range(1, min(max_num_drafts, len(STEP_COST) - 1) + 1):
-            power *= acceptance
-            expected += power
-            value = expected / STEP_COST[k]
-            if value > best_value:
-                best, best_value = k, value
-        return best
-    cost = DRAFT_TOKEN_COST
-    share = (1 + (num_running - 1) * cost) / num_running
-    best_value = 1.0 / share
+    others = step_expected - 1.0
+    best, best_value = 0, step_expected / cost(step_tokens)
     for k in range(1, max_num_drafts + 1):
         power *= acceptance
         expected += power
-        value = expected / (share + cost * k)
-        if value > best_value:
+        value = (others + expected) / cost(step_tokens + k)
+        if value > best_value * MIN_GAIN:
             best, best_value = k, value
     return best
 
@@ -126,6 +143,7 @@ class SpecDecodeDrafts:
         num_speculative_tokens: most drafts per request and step (>= 1).
         num_lookahead_tokens: KV slots past a sampling request's scheduled tokens for the
             workers' draft model to draft into; 0: its method needs none (n-gram, suffix).
+        max_num_batched_tokens: the largest step (the step costs measured up to it).
     """
 
     __slots__ = (
@@ -133,11 +151,17 @@ class SpecDecodeDrafts:
         "_drafts",
         "_finished_token_ids",
         "_max_model_len",
+        "_num_decoding",
         "_running",
+        "_seeded_costs",
+        "_step_expected",
+        "_step_tokens",
+        "_timed_num_tokens",
         "adaptive",
         "num_lookahead_tokens",
         "num_speculative_tokens",
         "stats",
+        "step_costs",
     )
 
     def __init__(
@@ -146,6 +170,7 @@ class SpecDecodeDrafts:
         running: Sized,
         num_speculative_tokens: int,
         num_lookahead_tokens: int = 0,
+        max_num_batched_tokens: int = 8192,
     ) -> None:
         self._max_model_len = max_model_len
         self._running = running
@@ -159,6 +184,19 @@ class SpecDecodeDrafts:
         )
         #: False: every proposed draft is scheduled (the adaptive length is off; benchmarks).
         self.adaptive = True
+        #: What a decode-only step costs per number of tokens, learned from the engine's step
+        #: times (:meth:`observe_step_time`); replaceable (tests and replays script it).
+        self.step_costs = StepCosts(max_num_batched_tokens)
+        #: The fixed costs of a seeded request's rule (its draft count must not depend on timing).
+        self._seeded_costs = StepCosts(
+            max_num_batched_tokens, prior_row_cost=SEEDED_ROW_COST, learn=False
+        )
+        #: This step so far: its rows and expected tokens (the rule's T and S), the requests that
+        #: decode in it; the last step's tokens when it was decode-only (0: not timed).
+        self._step_tokens = 1
+        self._step_expected = 1.0
+        self._num_decoding = 0
+        self._timed_num_tokens = 0
         #: request id -> [accepted, tried, shadow draft or -1]: decayed counts of its draft
         #: tokens, and the first draft it did not schedule (checked against the next token).
         self._acceptance: dict[str, list[float]] = {}
@@ -167,6 +205,33 @@ class SpecDecodeDrafts:
         #: request id -> the tokens a finished request got that the workers do not hold
         #: (``SchedulerOutput.finished_token_ids`` of the next step).
         self._finished_token_ids: dict[str, list[int]] = {}
+
+    def begin_step(self) -> None:
+        """Start a schedule: every running request counts a row and a token of the step (the
+        rule's ``T`` and ``S``) until its own drafts are chosen."""
+        num_running = max(len(self._running), 1)
+        self._step_tokens = num_running
+        self._step_expected = float(num_running)
+        self._num_decoding = 0
+
+    def scheduled(self, requests: list[Request], num_scheduled_tokens: int) -> None:
+        """The schedule is made (``requests``, ``num_scheduled_tokens`` in all): its size is
+        timed (:meth:`observe_step_time`) when every request in it decodes (one new token and
+        its drafts), else not."""
+        decode_only = bool(requests) and self._num_decoding == len(requests)
+        if decode_only:
+            num_drafts = 0
+            for request in requests:
+                num_drafts += len(request.spec_token_ids)
+            decode_only = num_scheduled_tokens == len(requests) + num_drafts
+        self._timed_num_tokens = num_scheduled_tokens if decode_only else 0
+
+    def observe_step_time(self, seconds: float) -> None:
+        """The last scheduled step took ``seconds`` (wall, schedule to outputs): learned as the
+        cost of its number of tokens when it was decode-only (:meth:`scheduled`)."""
+        if self._timed_num_tokens:
+            self.step_costs.observe(self._timed_num_tokens, seconds)
+            self._timed_num_tokens = 0
 
     def propose(self, request: Request, token_budget: int) -> int:
         """Set ``request.spec_token_ids`` to the workers' drafts (:meth:`receive`) when it
@@ -188,6 +253,7 @@ class SpecDecodeDrafts:
             self._max_model_len - num_tokens - 1,
             params.max_tokens - request.num_output_tokens - 1,
         )
+        self._num_decoding += 1
         if limit <= 0 or not may_draft(params, request.num_output_tokens, request.pooling_params):
             request.spec_token_ids = []
             return 0
@@ -198,10 +264,18 @@ class SpecDecodeDrafts:
             state = self._acceptance[request.request_id] = [1.0, 2.0, -1]
         k = len(drafts)
         if k and self.adaptive:
-            # A seeded request's draws follow its drafts: their number must not depend on the
-            # batch, so that it samples the same tokens alone or with others.
-            num_running = 1 if params.seed is not None else len(self._running)
-            k = best_num_drafts(state[0] / state[1], k, num_running)
+            acceptance = state[0] / state[1]
+            if params.seed is not None:
+                # A seeded request's draws follow its drafts: their number must depend neither
+                # on the batch nor on timing, so that it samples the same tokens every time.
+                k = best_num_drafts(acceptance, k, self._seeded_costs)
+            else:
+                k = best_num_drafts(
+                    acceptance, k, self.step_costs, self._step_tokens, self._step_expected
+                )
+                if k:
+                    self._step_tokens += k
+                    self._step_expected += expected_tokens(acceptance, k) - 1.0
         state[2] = drafts[0] if drafts and not k else -1
         request.spec_token_ids = drafts[:k]
         return k
@@ -309,8 +383,9 @@ class SpecDecodeDrafts:
 
 __all__ = [
     "ACCEPTANCE_DECAY",
-    "DRAFT_TOKEN_COST",
-    "STEP_COST",
+    "MIN_GAIN",
+    "SEEDED_ROW_COST",
     "SpecDecodeDrafts",
     "best_num_drafts",
+    "expected_tokens",
 ]
