@@ -1,6 +1,7 @@
 """One user's chat: one streaming client against llama.cpp's llama-server, then `pagedkv serve`.
 
     python benchmarks/bench_chat_latency.py [--num-chats 6] [--prompt-len 512] [--threads 2]
+        [--prompts notes|short] [--legs llama.cpp,served,offline] [--rounds N]
         [--isa avx2|native] [--pagedkv-arg=--dtype=float32 ...] [--pagedkv-config 'LABEL=ARGS']
 
 The workload of issue 33: ``--num-chats`` chats sent one after another (one client, batch 1),
@@ -10,7 +11,18 @@ tokenizer; both servers render the GGUF's template, and the usage they report is
 it), ``--max-tokens`` output tokens each (temperature 0, ``ignore_eos``), streamed
 (``stream=True``) through ``/v1/chat/completions``. The client is ``pagedkv bench serving``'s
 (:func:`pagedkv.entrypoints.bench_serving.benchmark`, concurrency 1), preceded by one short
-untimed chat.
+untimed chat. ``--prompts short``: the held-out short chats of benchmarks/data/served_chats.jsonl
+(used by no other benchmark) as they are written, instead of notes fitted to ``--prompt-len``.
+
+Three legs (``--legs``): llama-server, ``pagedkv serve`` (one per configuration), and the same
+configuration **offline** (benchmarks/_offline_chat.py: the same chats, template, max tokens,
+greedy and ``ignore_eos`` through pagedkv's engine in a process of its own, fresh every round
+as the servers are, timed from before the template to the end of the steps that made text):
+what the served path costs over the engine itself. Rounds alternate which leg goes first (odd
+rounds in ``--legs`` order, even rounds reversed); every round is printed with the load average
+before and after it, and the closing lines give each ratio's median and min-max spread over the
+rounds: served / offline and served / llama-server (decode tok/s; TTFT as offline's or
+llama-server's / served's, > 1: served faster).
 
 One server at a time, each started by this script on a free loopback port the OS gives, on the
 same GGUF and ``--threads`` threads, with room for one sequence of 2048 tokens, and stopped (then
@@ -63,6 +75,12 @@ from bench_llama_cpp_peer import (
 
 HERE = Path(__file__).resolve().parent
 SYSTEM_PROMPT = "You are a helpful assistant. Answer the last question using the notes."
+#: The held-out short chats of ``--prompts short`` (no other benchmark reads them).
+SHORT_CHATS = HERE / "data" / "served_chats.jsonl"
+#: The legs a round may run (``--legs``), in the default order.
+LEGS = ("llama.cpp", "served", "offline")
+#: Output tokens of the untimed warm-up chat of every leg.
+WARMUP_TOKENS = 8
 #: Tokens of room per server: one 512-token prompt and its 128 output tokens fit many times.
 CONTEXT_LEN = 2048
 #: The metrics compared, with whether a larger value is better.
@@ -85,6 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt-len", type=_positive_int, default=512, help="prompt tokens per chat (512)"
     )
     parser.add_argument("--max-tokens", type=_positive_int, default=128, help="output tokens (128)")
+    parser.add_argument(
+        "--prompts", choices=("notes", "short"), default="notes",
+        help="notes: notes fitted to --prompt-len (default); short: the held-out short chats "
+        "of benchmarks/data/served_chats.jsonl as written",
+    )  # fmt: skip
+    parser.add_argument(
+        "--legs", type=parse_legs, default=LEGS,
+        help=f"comma-separated legs of each round, in the first round's order ({','.join(LEGS)})",
+    )  # fmt: skip
     parser.add_argument("--rounds", type=_positive_int, default=1, help="rounds, fresh servers (1)")
     parser.add_argument("--threads", type=_positive_int, default=2, help="threads per server (2)")
     parser.add_argument(
@@ -106,6 +133,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", type=Path, default=HERE / "results" / "chat_latency.json", help="results file"
     )
     return parser
+
+
+def parse_legs(text: str) -> tuple[str, ...]:
+    """``--legs``: names from :data:`LEGS`, comma-separated, each once.
+
+    Raises:
+        argparse.ArgumentTypeError: an unknown or repeated leg, or none.
+    """
+    legs = tuple(leg.strip() for leg in text.split(",") if leg.strip())
+    unknown = [leg for leg in legs if leg not in LEGS]
+    if unknown or not legs or len(set(legs)) != len(legs):
+        raise argparse.ArgumentTypeError(
+            f"expected distinct legs out of {','.join(LEGS)}, got {text!r}"
+        )
+    return legs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -165,6 +207,17 @@ def make_chats(model: Path, num_chats: int, prompt_len: int) -> tuple[list[list]
     return chats, counts
 
 
+def short_chats(model: Path, num_chats: int, path: Path = SHORT_CHATS) -> tuple[list, list[int]]:
+    """``num_chats + 1`` chats of ``path`` as written (the first for the warm-up; the file's
+    chats repeat when it has fewer), and their token counts after pagedkv's chat template."""
+    from pagedkv.model.tokenizer import Tokenizer
+
+    written = [json.loads(line)["messages"] for line in path.read_text().splitlines() if line]
+    chats = [written[i % len(written)] for i in range(num_chats + 1)]
+    tokenizer = Tokenizer.from_gguf(model)
+    return chats, [len(tokenizer.apply_chat_template(chat)) for chat in chats]
+
+
 # ----------------------------------------------------------------------------------------------
 # Servers
 
@@ -221,8 +274,36 @@ def run_chats(url: str, chats: list[list], max_tokens: int, timeout: float) -> d
 
     model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
     common = {"max_concurrency": 1, "timeout": timeout, "disable_tqdm": True}
-    asyncio.run(benchmark(url, model, chats[:1], output_len=8, **common))
+    asyncio.run(benchmark(url, model, chats[:1], output_len=WARMUP_TOKENS, **common))
     return asyncio.run(benchmark(url, model, chats[1:], output_len=max_tokens, **common))
+
+
+def run_offline(
+    serve_args: list[str], chats: list[list], max_tokens: int, env: Mapping[str, str]
+) -> dict[str, Any]:
+    """The offline leg: the chats in a fresh process of benchmarks/_offline_chat.py (the engine
+    ``pagedkv serve SERVE_ARGS`` would run, stepped in-process); their summary as
+    :func:`run_chats` gives it.
+
+    Raises:
+        subprocess.CalledProcessError: the process failed (its output went to stderr).
+    """
+    from pagedkv.entrypoints.bench_serving import RequestResult
+    from pagedkv.entrypoints.bench_serving import summarize as serving_summary
+
+    spec = {
+        "serve_args": serve_args, "chats": chats, "max_tokens": max_tokens,
+        "warmup_tokens": WARMUP_TOKENS,
+    }  # fmt: skip
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as file:
+        json.dump(spec, file)
+        file.flush()
+        cmd = [sys.executable, str(HERE / "_offline_chat.py"), file.name]
+        print("starting:", shlex.join(cmd), file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=dict(env), check=True)
+    results = [RequestResult(**r) for r in json.loads(done.stdout.splitlines()[-1])["results"]]
+    return serving_summary(results, time.perf_counter() - start)
 
 
 def chat_metrics(summary: Mapping[str, Any]) -> dict[str, float]:
@@ -249,15 +330,16 @@ def summarize(rounds: list[dict[str, dict[str, float]]], labels: Sequence[str]) 
     """Medians over rounds and pagedkv's speed relative to llama.cpp.
 
     Args:
-        rounds: per round ``{"llama.cpp": chat_metrics, LABEL: chat_metrics, ...}``.
+        rounds: per round ``{"llama.cpp": chat_metrics, LABEL: chat_metrics, ...}`` (and "LABEL
+            offline" where the offline leg ran: compared with llama.cpp too).
         labels: the pagedkv configurations.
 
     Returns:
-        ``{"servers": {name: {metric: median}}, "speedup": {label: {metric: ratio}}}``: ratio >
+        ``{"servers": {name: {metric: median}}, "speedup": {name: {metric: ratio}}}``: ratio >
         1 when pagedkv is faster (llama.cpp's latency / pagedkv's, pagedkv's tok/s /
         llama.cpp's).
     """
-    names = ["llama.cpp", *labels]
+    names = ["llama.cpp", *labels, *(n for n in rounds[0] if n not in ("llama.cpp", *labels))]
     keys = rounds[0]["llama.cpp"].keys()
     servers = {
         name: {key: statistics.median(r[name][key] for r in rounds) for key in keys}
@@ -265,13 +347,71 @@ def summarize(rounds: list[dict[str, dict[str, float]]], labels: Sequence[str]) 
     }
     peer = servers["llama.cpp"]
     speedup = {
-        label: {
-            key: servers[label][key] / peer[key] if higher else peer[key] / servers[label][key]
+        name: {
+            key: servers[name][key] / peer[key] if higher else peer[key] / servers[name][key]
             for key, higher in METRICS.items()
         }
-        for label in labels
+        for name in names[1:]
     }
     return {"servers": servers, "speedup": speedup}
+
+
+#: The ratios reported per round: (name, numerator leg, denominator leg) per configuration.
+RATIOS = (("served/offline", "served", "offline"), ("served/llama.cpp", "served", "llama.cpp"))
+
+
+def leg_name(leg: str, label: str) -> str:
+    """A round's key for ``leg`` of configuration ``label``: "llama.cpp", LABEL (served), or
+    "LABEL offline"."""
+    return {"llama.cpp": "llama.cpp", "served": label, "offline": f"{label} offline"}[leg]
+
+
+def round_ratios(
+    this: Mapping[str, Mapping[str, float]], label: str
+) -> dict[str, dict[str, float]]:
+    """One round's ratios for configuration ``label``, those whose legs ran: ``{name: {"decode":
+    served tok/s / the other's, "ttft": the other's median TTFT / served's}}`` (> 1: served
+    faster)."""
+    ratios = {}
+    for name, top, bottom in RATIOS:
+        a, b = this.get(leg_name(top, label)), this.get(leg_name(bottom, label))
+        if a is not None and b is not None:
+            ratios[name] = {
+                "decode": a["decode_tok_s"] / b["decode_tok_s"],
+                "ttft": b["ttft_median_ms"] / a["ttft_median_ms"],
+            }
+    return ratios
+
+
+def ratio_spread(per_round: Sequence[Mapping[str, Mapping[str, float]]]) -> dict[str, Any]:
+    """Each ratio's median, min and max over the rounds (those that have it):
+    ``{name: {key: {"median", "min", "max", "rounds": [...]}}}``."""
+    spread: dict[str, Any] = {}
+    for name, _, _ in RATIOS:
+        rounds = [r[name] for r in per_round if name in r]
+        if rounds:
+            spread[name] = {
+                key: {
+                    "median": statistics.median(r[key] for r in rounds),
+                    "min": min(r[key] for r in rounds),
+                    "max": max(r[key] for r in rounds),
+                    "rounds": [r[key] for r in rounds],
+                }
+                for key in ("decode", "ttft")
+            }
+    return spread
+
+
+def format_spread(spread: Mapping[str, Any], label: str) -> list[str]:
+    """``LABEL served/offline: decode 0.98x (0.95-1.01 over 3 rounds), TTFT ...`` lines."""
+    lines = []
+    for name, keys in spread.items():
+        d, t = keys["decode"], keys["ttft"]
+        lines.append(
+            f"{label} {name}: decode {d['median']:.2f}x ({d['min']:.2f}-{d['max']:.2f} over "
+            f"{len(d['rounds'])} rounds), TTFT {t['median']:.2f}x ({t['min']:.2f}-{t['max']:.2f})"
+        )
+    return lines
 
 
 def format_summary(summary: Mapping[str, Any], labels: Sequence[str], cpu: str) -> str:
@@ -288,8 +428,7 @@ def format_summary(summary: Mapping[str, Any], labels: Sequence[str], cpu: str) 
             f"| {m['ttft_median_ms']:.0f} / {m['ttft_p99_ms']:.0f} "
             f"| {m['itl_median_ms']:.1f} / {m['itl_p99_ms']:.1f} | {m['decode_tok_s']:.1f} |"
         )
-    for label in labels:
-        s = summary["speedup"][label]
+    for label, s in summary["speedup"].items():
         lines.append(
             f"{label} vs llama.cpp (> 1: pagedkv faster): TTFT {s['ttft_median_ms']:.2f}x "
             f"(p99 {s['ttft_p99_ms']:.2f}x), ITL {s['itl_median_ms']:.2f}x "
@@ -298,10 +437,16 @@ def format_summary(summary: Mapping[str, Any], labels: Sequence[str], cpu: str) 
     return "\n".join(lines)
 
 
+def round_order(legs: Sequence[str], number: int) -> list[str]:
+    """The legs of round ``number`` (1-based): odd rounds in ``legs`` order, even ones reversed,
+    so that no engine always runs first (or last) on a machine that warms or cools."""
+    return list(legs) if number % 2 else list(reversed(legs))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configs = pagedkv_configs(args)
-    build = ensure_llama_cpp(args)
+    build = ensure_llama_cpp(args) if "llama.cpp" in args.legs or args.build_only else None
     if args.build_only:
         return 0
     from pagedkv.model.loader import resolve_model_path
@@ -309,26 +454,39 @@ def main(argv: list[str] | None = None) -> int:
     model = resolve_model_path(args.model)
     cpu = cpu_line(args.isa)
     print(f"CPU: {cpu}\nmodel: {model}", flush=True)
-    chats, counts = make_chats(model, args.num_chats, args.prompt_len)
+    if args.prompts == "short":
+        chats, counts = short_chats(model, args.num_chats)
+    else:
+        chats, counts = make_chats(model, args.num_chats, args.prompt_len)
     print(f"{args.num_chats} chats of {counts[1:]} prompt tokens (pagedkv's template)", flush=True)
     env = hold_env(args.isa, os.environ)
-    rounds, loads = [], []
+    rounds, loads, ratios = [], [], []
     for number in range(1, args.rounds + 1):
-        print(f"round {number}/{args.rounds}", flush=True)
+        order = round_order(args.legs, number)
+        load_before = os.getloadavg()  # the CPU is shared: context for every figure
+        print(f"round {number}/{args.rounds} ({', '.join(order)}), load {_load(load_before)}")
         this: dict[str, dict[str, float]] = {}
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        cmd = llama_server_command(build.llama_server, model, port, args.threads)
-        with llama_server(cmd, url, args.startup_timeout):
-            this["llama.cpp"] = chat_metrics(run_chats(url, chats, args.max_tokens, args.timeout))
-        for config in configs:
-            serve_args = [
-                "--model", str(model), "--num-threads", str(args.threads),
-                "--max-model-len", str(CONTEXT_LEN), *config.args,
-            ]  # fmt: skip
-            with own_server(serve_args, args.startup_timeout, env=env) as server:
-                summary = run_chats(server.url, chats, args.max_tokens, args.timeout)
-            this[config.label] = chat_metrics(summary)
+        for leg in order:
+            if leg == "llama.cpp":
+                port = free_port()
+                url = f"http://127.0.0.1:{port}"
+                cmd = llama_server_command(build.llama_server, model, port, args.threads)
+                with llama_server(cmd, url, args.startup_timeout):
+                    summary = run_chats(url, chats, args.max_tokens, args.timeout)
+                this["llama.cpp"] = chat_metrics(summary)
+                continue
+            for config in configs:
+                serve_args = [
+                    "--model", str(model), "--num-threads", str(args.threads),
+                    "--max-model-len", str(CONTEXT_LEN), *config.args,
+                ]  # fmt: skip
+                if leg == "served":
+                    with own_server(serve_args, args.startup_timeout, env=env) as server:
+                        summary = run_chats(server.url, chats, args.max_tokens, args.timeout)
+                else:
+                    summary = run_offline(serve_args, chats, args.max_tokens, env)
+                this[leg_name(leg, config.label)] = chat_metrics(summary)
+        load_after = os.getloadavg()
         for name, m in this.items():
             print(
                 f"  {name}: TTFT {m['ttft_median_ms']:.0f} ms, ITL {m['itl_median_ms']:.1f} ms "
@@ -336,25 +494,44 @@ def main(argv: list[str] | None = None) -> int:
                 f"prompt {m['prompt_tokens_mean']:.0f} tokens",
                 flush=True,
             )
+        this_ratios = {c.label: round_ratios(this, c.label) for c in configs}
+        for label, by_name in this_ratios.items():
+            for name, r in by_name.items():
+                print(f"  {label} {name}: decode {r['decode']:.2f}x, TTFT {r['ttft']:.2f}x")
+        print(f"  load {_load(load_before)} before, {_load(load_after)} after", flush=True)
         rounds.append(this)
-        loads.append(os.getloadavg()[0])  # the CPU is shared: context
+        ratios.append(this_ratios)
+        loads.append({"before": list(load_before), "after": list(load_after)})
     labels = [c.label for c in configs]
-    summary = summarize(rounds, labels)
-    print(format_summary(summary, labels, cpu), flush=True)
+    spreads = {label: ratio_spread([r[label] for r in ratios]) for label in labels}
+    summary = summarize(rounds, labels) if "llama.cpp" in args.legs else {}
+    if summary:
+        print(format_summary(summary, labels, cpu), flush=True)
+    for label in labels:
+        for line in format_spread(spreads[label], label):
+            print(line, flush=True)
     result = {
         **common_result(args, cpu, model, configs, env),
+        "prompts": args.prompts,
+        "legs": list(args.legs),
         "num_chats": args.num_chats,
         "prompt_tokens": counts[1:],
         "max_tokens": args.max_tokens,
-        "llama_server": shlex.join(
-            llama_server_command(build.llama_server, model, 0, args.threads)
-        ),
+        "llama_server": shlex.join(llama_server_command(build.llama_server, model, 0, args.threads))
+        if build is not None
+        else None,
         "rounds": rounds,
-        "load_average_1m": loads,
+        "ratios": ratios,
+        "ratio_spread": spreads,
+        "load_average": loads,
         **summary,
     }
     write_result(args.json, result)
     return 0
+
+
+def _load(load: Sequence[float]) -> str:
+    return " / ".join(f"{x:.2f}" for x in load)
 
 
 if __name__ == "__main__":

@@ -298,3 +298,52 @@ def test_results_are_json(peer):
         [{"llama.cpp": {"tg": 1.0, "pp": 2.0}, "x": {"tg": 1.0, "pp": 2.0}}], ["x"], 512, 128
     )
     assert json.loads(json.dumps(summary))["tests"]["tg128"]["x"]["ratio"] == 1.0
+
+
+def test_chat_legs_and_their_order(chat):
+    args = chat.build_parser().parse_args(["--legs", "offline,served", "--prompts", "short"])
+    assert (args.legs, args.prompts) == (("offline", "served"), "short")
+    assert chat.build_parser().parse_args([]).legs == ("llama.cpp", "served", "offline")
+    for bad in ("served,served", "vllm", ","):
+        with pytest.raises(argparse.ArgumentTypeError):
+            chat.parse_legs(bad)
+    assert chat.round_order(("a", "b", "c"), 1) == ["a", "b", "c"]
+    assert chat.round_order(("a", "b", "c"), 2) == ["c", "b", "a"]
+
+
+def test_chat_ratios_per_round_and_their_spread(chat):
+    def metrics(tok_s: float, ttft: float) -> dict[str, float]:
+        return {"decode_tok_s": tok_s, "ttft_median_ms": ttft}
+
+    rounds = [
+        {"llama.cpp": metrics(100, 80), "p": metrics(150, 40), "p offline": metrics(200, 40)},
+        {"llama.cpp": metrics(120, 80), "p": metrics(180, 80), "p offline": metrics(180, 60)},
+        {"p": metrics(90, 50), "p offline": metrics(100, 50)},  # llama.cpp's leg not run
+    ]
+    ratios = [chat.round_ratios(r, "p") for r in rounds]
+    assert ratios[0] == {
+        "served/offline": {"decode": 0.75, "ttft": 1.0},
+        "served/llama.cpp": {"decode": 1.5, "ttft": 2.0},
+    }
+    assert list(ratios[2]) == ["served/offline"]
+    spread = chat.ratio_spread(ratios)
+    assert spread["served/offline"]["decode"] == {
+        "median": 0.9, "min": 0.75, "max": 1.0, "rounds": [0.75, 1.0, 0.9]
+    }  # fmt: skip
+    assert spread["served/llama.cpp"]["ttft"]["rounds"] == [2.0, 1.0]
+    (line, _) = chat.format_spread(spread, "p")
+    assert (
+        line == "p served/offline: decode 0.90x (0.75-1.00 over 3 rounds), TTFT 1.00x (0.75-1.00)"
+    )
+
+
+def test_chat_summary_compares_the_offline_leg_too(chat):
+    def metrics(value: float) -> dict[str, float]:
+        return dict.fromkeys((*chat.METRICS, "prompt_tokens_mean", "output_tokens_mean"), value)
+
+    summary = chat.summarize(
+        [{"llama.cpp": metrics(1.0), "p": metrics(2.0), "p offline": metrics(4.0)}], ["p"]
+    )
+    assert list(summary["speedup"]) == ["p", "p offline"]
+    assert summary["speedup"]["p offline"]["decode_tok_s"] == 4.0
+    assert "p offline vs llama.cpp" in chat.format_summary(summary, ["p"], "cpu")

@@ -139,6 +139,14 @@ class ChatResponseWriter(StreamWriter):
         stream = self.streams.get(sample.index)
         if stream is None:
             stream = self.streams[sample.index] = self.tool_choice.streamer()
+        if (
+            new_text
+            and finish is None
+            and self.tool_choice.kind == "none"
+            and self.options.logprobs is None
+            and not self.options.continuous_usage
+        ):  # the common token: its text alone
+            return [self.text_event(sample.index, new_text, _content_choice)]
         if self.tool_choice.kind == "none":
             pieces: list[str | DeltaToolCall] = [new_text] if new_text or num_new else []
         else:
@@ -168,6 +176,10 @@ class ChatResponseWriter(StreamWriter):
             )
             events.append(self.choice_event(choice))
         return events
+
+
+def _content_choice(index: int, text: str) -> ChatChunkChoice:
+    return ChatChunkChoice(index=index, delta=DeltaMessage(content=text))
 
 
 class OpenAIServingChat(OpenAIServing):

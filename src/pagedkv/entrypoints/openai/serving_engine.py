@@ -142,6 +142,11 @@ def sse(payload: str) -> str:
     return f"data: {payload}\n\n"
 
 
+#: Stands for a text field in an event rendered once as a template (:meth:`StreamWriter.
+#: text_event`): control characters no model name or response id holds.
+_TEXT_SLOT = "\x00pagedkv-text\x00"
+
+
 class StreamWriter:
     """The chunks of one streamed response (a completion's or a chat's): a subclass says what
     the client gets first, for each sample's new text or finish, and names its ``chunk_type``
@@ -165,6 +170,25 @@ class StreamWriter:
         self.created = now()
         self.prompts = prompts
         self.options = options
+        #: choice index -> its plain text event cut around the text (see :meth:`text_event`)
+        self._text_templates: dict[int, tuple[str, str] | None] = {}
+
+    def text_event(self, index: int, text: str, make_choice: Any) -> str:
+        """The event of choice ``index``'s new ``text`` alone (no logprobs, no finish, no
+        usage), exactly as :meth:`choice_event` writes ``make_choice(index, text)``, without
+        building and dumping the response model for every token: that event is rendered once
+        per choice with a placeholder for the text, and each token's event is the JSON string
+        of its text between the two halves (the streamed path's cost per token, docs/perf.md).
+        """
+        template = self._text_templates.get(index, False)
+        if template is False:
+            event = self.choice_event(make_choice(index, _TEXT_SLOT))
+            parts = event.split(json.dumps(_TEXT_SLOT, ensure_ascii=False))
+            template = (parts[0], parts[1]) if len(parts) == 2 else None
+            self._text_templates[index] = template
+        if template is None:  # the placeholder is not where only the text is: the slow way
+            return self.choice_event(make_choice(index, text))
+        return template[0] + json.dumps(text, ensure_ascii=False) + template[1]
 
     def event(self, choices: list[Any], usage: UsageInfo | None) -> str:
         """One server-sent event: a chunk of ``choices`` (and ``usage`` when given)."""
