@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from pagedkv.engine.input_processor import ProcessedPrompt
 from pagedkv.entrypoints.openai.protocol.responses import ChatChunkChoice, DeltaMessage
@@ -74,4 +76,17 @@ def test_the_last_chunk_still_carries_the_finish_reason():
     assert [json.loads(e.removeprefix("data: "))["choices"][0] for e in events] == [
         {"index": 0, "delta": {"content": "end"}, "finish_reason": None},
         {"index": 0, "delta": {}, "finish_reason": "length"},
+    ]
+
+
+@settings(max_examples=300, derandomize=True, deadline=None)
+@given(text=st.text(alphabet=st.characters(exclude_categories=("Cs",)), min_size=1))
+@example(text="\x7f\u2028\u2029\ufffd\x1f")
+def test_any_text_event_is_the_models_event(text):
+    """Any text a detokenizer can give (every code point but lone surrogates): the template's
+    JSON string is the response model's, byte for byte."""
+    writer = _writer()
+    sample = writer.prompts[0].samples[0]
+    assert writer.chunks(writer.prompts[0], sample, text, 1, None) == [
+        _model_event(writer, 0, text)
     ]
