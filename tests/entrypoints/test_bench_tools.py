@@ -339,3 +339,27 @@ def test_serving_benchmark_sends_the_api_key_of_its_environment(monkeypatch, cap
         out = capsys.readouterr().out
         assert re.search(r"Successful requests:\s+2\n", out) and "Failed requests:" in out
         assert re.search(r"Failed requests:\s+0\n", out)
+
+
+def test_serving_client_parses_events_split_across_pieces():
+    """Events cut anywhere (inside a line, inside a UTF-8 character, two in one piece) are
+    parsed once the stream ends, each at the arrival of the piece that ended its line."""
+    from pagedkv.entrypoints.bench_serving import RequestResult, _parse_stream
+
+    def event(text):
+        body = {"choices": [{"index": 0, "delta": {"content": text}}]}
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
+
+    usage = b'data: {"choices": [], "usage": {"completion_tokens": 3, "prompt_tokens": 5}}\n\n'
+    stream = event("a") + event("\u00e9\u4e2d") + event("c") + usage + b"data: [DONE]\n\n"
+    cut = stream.index("\u4e2d".encode()) + 1  # inside the 3-byte character
+    second_end = stream.index(b"\n", cut)
+    pieces = [
+        (1.0, stream[:cut]),
+        (2.0, stream[cut : second_end + 1]),
+        (3.0, stream[second_end + 1 :]),
+    ]
+    result = RequestResult(ok=False)
+    assert _parse_stream(pieces, 0.5, result) == 3
+    assert result.ttft == 0.5 and result.itls == [1.0, 1.0]
+    assert (result.num_output_tokens, result.num_prompt_tokens) == (3, 5)
