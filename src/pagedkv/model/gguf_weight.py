@@ -223,6 +223,18 @@ class GGUFMatmul:
             ]
             y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
             return y if y.dtype == self.dtype else y.to(self.dtype)
+        fast = [num_tokens <= p.kernels.fast_large_rows.get(p.type_id, 0) for p in self.parts]
+        if any(fast):
+            # each part on the VNNI large product where it was measured faster, the others
+            # on tiles
+            xf = x.float().contiguous()
+            outs = [
+                p.kernels.gguf_gemm_fast(p.type_id, xf, p.data).to(self.dtype)
+                if f
+                else self._tiled(x, (p,))
+                for p, f in zip(self.parts, fast, strict=True)
+            ]
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         if self.dtype == torch.float32 and all(
             p.type_id in Q8_TYPES and num_tokens <= p.kernels.q8_large_max_rows for p in self.parts
         ):
@@ -248,17 +260,19 @@ class GGUFMatmul:
         outs = [p.kernels.gguf_gemm_invariant(p.type_id, xf, p.data) for p in self.parts]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
-    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
+    def _tiled(self, x: torch.Tensor, parts: Sequence[GGUFWeight] | None = None) -> torch.Tensor:
         """A large step: each tile of rows dequantized into a scratch in the compute dtype
-        (float32, or bfloat16 for a bf16 model), then torch's GEMM on it."""
+        (float32, or bfloat16 for a bf16 model), then torch's GEMM on it. ``parts``: those
+        of :attr:`parts` to compute (their columns only); None = all."""
+        parts = self.parts if parts is None else parts
         dtype = torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float32
         xc = x.to(dtype).contiguous()
         k = self.in_features
         tile_rows = max(16, TILE_ELEMENTS // k)
-        scratch = torch.empty(min(tile_rows, max(p.shape[0] for p in self.parts)), k, dtype=dtype)
-        out = torch.empty(x.shape[0], self.out_features, dtype=dtype)
+        scratch = torch.empty(min(tile_rows, max(p.shape[0] for p in parts)), k, dtype=dtype)
+        out = torch.empty(x.shape[0], sum(p.shape[0] for p in parts), dtype=dtype)
         column = 0
-        for part in self.parts:
+        for part in parts:
             for start in range(0, part.shape[0], tile_rows):
                 rows = min(tile_rows, part.shape[0] - start)
                 tile = scratch[:rows]

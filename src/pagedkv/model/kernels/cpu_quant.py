@@ -103,6 +103,14 @@ Q8_ISA_CODES = {"avx2": 0, "avx512_vnni": 2}
 #: batch-invariant product (:meth:`CpuQuantKernels.gguf_gemm_invariant`) does not use this: it
 #: takes :attr:`CpuQuantKernels.q8_isa`, the decode steps' body.
 LARGE_Q8_ISA = "avx2"
+#: Most rows of a large step that :meth:`CpuQuantKernels.gguf_gemm_fast` runs, per GGML type
+#: id, where the kernels have it (beyond: bf16 / fp32 tiles and torch's GEMM). Measured on a
+#: shared 2-core Zen 4 (best of 5 calls, 2 threads; /tmp-free script in docs/perf.md's History
+#: 2026-12-06 "large steps on VNNI"): at SmolLM2-135M's Q4_1 shapes 1.4-2.6x the bf16 tiles at
+#: 64 rows, 1.1-1.8x at 128, level at 512-2048; its Q8_0 LM head level at 512, 0.9x at 2048;
+#: at Llama-3.2-1B's Q4_K 1.4-1.6x at 64 and 512; Q6_K level at 64, 0.75-0.8x at 512 (its
+#: sub-blocks of 16 take a float step each).
+FAST_LARGE_MAX_ROWS = {2: 512, 3: 512, 6: 512, 7: 512, 8: 512, 12: 512, 13: 512, 14: 64}
 #: CPU flags (``/proc/cpuinfo``) the VNNI body needs beside :attr:`CpuQuantKernels.isa`
 #: "avx512".
 VNNI_FLAGS = ("avx512bw", "avx512_vnni")
@@ -528,6 +536,7 @@ class CpuQuantKernels:
         "_gguf_gemm",
         "_gguf_gemm_invariant",
         "_gguf_gemm_q8",
+        "_gguf_gemm_q8_fast",
         "_gguf_gemm_q8_large",
         "_gguf_rows",
         "_int4",
@@ -536,6 +545,7 @@ class CpuQuantKernels:
         "_q8_isa_code",
         "_rms_norm",
         "activations",
+        "fast_large_rows",
         "fused_layers",
         "gguf_types",
         "isa",
@@ -574,6 +584,10 @@ class CpuQuantKernels:
         #: native bf16 beat the int8 products end to end (64 chats of SmolLM2: 387 against 291
         #: output tok/s).
         self.q8_large_max_rows = 0 if activations != "q8" else (64 if isa == "avx512" else 1 << 62)
+        #: most rows a large step runs on :meth:`gguf_gemm_fast` (VNNI, each group's dot whole)
+        #: rather than the tiles or :meth:`gguf_gemm_large`, by GGML type id; empty where
+        #: :attr:`has_fast_large` is False. See :data:`FAST_LARGE_MAX_ROWS`.
+        self.fast_large_rows = dict(FAST_LARGE_MAX_ROWS) if self.has_fast_large else {}
         self.path = path
         #: whether models run their small steps' decoder layers through the fused calls
         #: (:meth:`llama_attn_in` / :meth:`llama_attn_out`) or as torch ops around the products
@@ -624,6 +638,9 @@ class CpuQuantKernels:
             ctypes.c_int,
         ]
         self._gguf_gemm_q8_large.restype = ctypes.c_int
+        self._gguf_gemm_q8_fast = lib.pagedkv_gguf_gemm_q8_fast
+        self._gguf_gemm_q8_fast.argtypes = self._gguf_gemm_q8_large.argtypes[:-1]
+        self._gguf_gemm_q8_fast.restype = ctypes.c_int
         self._gguf_gemm_invariant = lib.pagedkv_gguf_gemm_invariant
         self._gguf_gemm_invariant.argtypes = [
             ctypes.c_int,
@@ -892,6 +909,60 @@ class CpuQuantKernels:
         if rc:
             raise KernelUnavailableError(
                 f"gguf_gemm_large refused type {type_id}, x {tuple(x.shape)}"
+            )
+        return out
+
+    @property
+    def has_fast_large(self) -> bool:
+        """Whether :meth:`gguf_gemm_fast` runs here: int8 activations on the VNNI body
+        (:attr:`q8_isa` "avx512_vnni", which :func:`q8_body` gives only where the CPU has
+        :data:`VNNI_FLAGS` and no AVX2 hold applies)."""
+        return self.activations == "q8" and self.q8_isa == "avx512_vnni"
+
+    def gguf_gemm_fast(self, type_id: int, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``x W^T`` fp32 ``[M, N]`` for any number of rows M on the VNNI body, the default
+        engine's large steps (gguf_blocks.c ``pagedkv_gguf_gemm_q8_fast``): every row of x
+        rounded to int8 in blocks of 32 once, tiles of 16 weight rows unpacked once and met by
+        8 activation rows at a time, each weight group's integer dot (32 elements; Q6_K 16)
+        summed whole in int32 before its one float step, as llama.cpp does. The values are
+        :meth:`gguf_gemm_large`'s up to fp32 summation order, not its bits (the
+        batch-invariant products keep those).
+
+        Args:
+            type_id: one of :data:`Q8_TYPES`.
+            x: fp32 contiguous ``[M, K]``, M >= 1.
+            w: uint8 contiguous ``[N, row_bytes(type_id, K)]``.
+
+        Raises:
+            KernelUnavailableError: no VNNI body here (:attr:`has_fast_large` False), or a
+                type, shape or dtype the kernel does not take.
+        """
+        if not self.has_fast_large:
+            raise KernelUnavailableError(
+                f"gguf_gemm_fast needs int8 activations on the VNNI body, not {self.activations}"
+                f" on {self.q8_isa}"
+            )
+        if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
+            raise KernelUnavailableError(f"x must be fp32 contiguous [M, K], got {x.dtype}")
+        if type_id not in Q8_TYPES:
+            raise KernelUnavailableError(f"type {type_id} has no int8-activation product")
+        rows, in_features = x.shape
+        n = self._gguf_weight(type_id, w, in_features)
+        out = torch.empty(rows, n, dtype=torch.float32)
+        rc = self._gguf_gemm_q8_fast(
+            type_id,
+            x.data_ptr(),
+            w.data_ptr(),
+            out.data_ptr(),
+            rows,
+            n,
+            in_features,
+            n,
+            torch.get_num_threads(),
+        )
+        if rc:
+            raise KernelUnavailableError(
+                f"gguf_gemm_fast refused type {type_id}, x {tuple(x.shape)}"
             )
         return out
 

@@ -1349,6 +1349,137 @@ static void vl_act_rows(const q8v_act *A, int64_t m0, int64_t m1, int bias, floa
         }
 }
 
+/* ---- the default engine's large steps on VNNI: whole groups in int32 ------------------
+ *
+ * The tiles above keep a lane's four elements per fused multiply-add, as the one-row kernel
+ * does, so that a row's bits are the decode step's (the batch-invariant switch needs that).
+ * The default engine's large steps need no such tie, so here a weight group's integer dot (32
+ * elements; Q6_K 16) is summed whole in int32 before its one float step, as llama.cpp does:
+ * per group and activation row 16 / NS dpbusd, one cvt, one multiply (the weights' scales
+ * times the row's xd) and one FMA (a second for Q4_1 / Q5_1's m and the K-types' min), for 16
+ * weight rows at once (the tile's lanes: the rows' results land in one vector, no reduction).
+ * VF_MB activation rows share each weight vector (a register), their broadcast bytes a memory
+ * operand. The integer dots are exact, so the numbers are those of the decode step's product
+ * up to the fp32 order of the groups' terms.
+ *   Signed types (stored with their bias b added): a group's dot starts from -b times the sum
+ * of its activation bytes (xgs [M, P * NS], once per call). */
+#define VF_MB 8
+
+static inline AI void vf_tile_rows(const int type, const uint8_t *w, int64_t row_bytes,
+                                   const q8v_act *A, const float *xd, const float *xds2,
+                                   const int32_t *xgs, int64_t m0, int64_t m1, int64_t n0, int nv,
+                                   const vl_tile *T, float *out, int64_t ldo) {
+    const int64_t P = A->P, Kp = A->Kp;
+    const int NS = vl_ns(type), LG = 16 / NS;
+    const int mins = type == GGML_Q4_1 || type == GGML_Q5_1, kmins = type == GGML_Q4_K || type == GGML_Q5_K;
+    vl_pack(type, w, row_bytes, n0, nv, A->G, P, T);
+    const __mmask16 keep = (__mmask16)((1u << nv) - 1u);
+    for (int64_t ma = m0; ma < m1; ma += VF_MB) {
+        /* rows past m1 repeat row m1 - 1 (computed, not stored) */
+        int64_t mr[VF_MB];
+#pragma GCC unroll 8
+        for (int i = 0; i < VF_MB; i++) mr[i] = ma + i < m1 ? ma + i : m1 - 1;
+        __m512 acc[VF_MB];
+#pragma GCC unroll 8
+        for (int i = 0; i < VF_MB; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < P; p++) {
+            const uint8_t *wq = T->wq + p * 1024;
+#pragma GCC unroll 4
+            for (int q = 0; q < NS; q++) {
+                const int g2 = (int)(2 * p) + q * 2 / NS; /* the activations' block of 32 */
+                __m512i ia[VF_MB];
+#pragma GCC unroll 8
+                for (int i = 0; i < VF_MB; i++)
+                    ia[i] = xgs != NULL ? _mm512_set1_epi32(xgs[mr[i] * P * NS + p * NS + q])
+                                        : _mm512_setzero_si512();
+#pragma GCC unroll 8
+                for (int l = q * LG; l < (q + 1) * LG; l++) {
+                    const __m512i wv = _mm512_loadu_si512(wq + 64 * l);
+#pragma GCC unroll 8
+                    for (int i = 0; i < VF_MB; i++) {
+                        int32_t xv;
+                        memcpy(&xv, A->xq + mr[i] * Kp + 64 * p + 4 * l, 4);
+                        ia[i] = _mm512_dpbusd_epi32(ia[i], wv, _mm512_set1_epi32(xv));
+                    }
+                }
+                const __m512 dsc = _mm512_loadu_ps(T->dsc + (p * NS + q) * 16);
+#pragma GCC unroll 8
+                for (int i = 0; i < VF_MB; i++)
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[i]),
+                                             _mm512_mul_ps(dsc, _mm512_set1_ps(xd[mr[i] * 2 * P + g2])),
+                                             acc[i]);
+                if (mins) {
+                    const __m512 mn = _mm512_loadu_ps(T->mn + (p * 2 + q) * 16);
+#pragma GCC unroll 8
+                    for (int i = 0; i < VF_MB; i++)
+                        acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xds2[mr[i] * 2 * P + g2]), acc[i]);
+                } else if (kmins) {
+                    const __m512 mn = _mm512_loadu_ps(T->mn + ((p >> 2) * 8 + 2 * (p & 3) + q) * 16);
+#pragma GCC unroll 8
+                    for (int i = 0; i < VF_MB; i++)
+                        acc[i] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(xds2[mr[i] * 2 * P + g2]), acc[i]);
+                }
+            }
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < VF_MB; i++)
+            if (ma + i < m1) _mm512_mask_storeu_ps(out + (ma + i) * ldo + n0, keep, acc[i]);
+    }
+}
+
+#define VF_TYPE(T, TYPE)                                                                     \
+    static __attribute__((noinline)) void vf_tile_##T(                                        \
+        const uint8_t *w, int64_t row_bytes, const q8v_act *A, const float *xd,               \
+        const float *xds2, const int32_t *xgs, int64_t m0, int64_t m1, int64_t n0, int nv,    \
+        const vl_tile *Tl, float *out, int64_t ldo) {                                         \
+        vf_tile_rows(TYPE, w, row_bytes, A, xd, xds2, xgs, m0, m1, n0, nv, Tl, out, ldo);     \
+    }
+VF_TYPE(q8_0, GGML_Q8_0)
+VF_TYPE(q4_0, GGML_Q4_0)
+VF_TYPE(q4_1, GGML_Q4_1)
+VF_TYPE(q5_0, GGML_Q5_0)
+VF_TYPE(q5_1, GGML_Q5_1)
+VF_TYPE(q4_k, GGML_Q4_K)
+VF_TYPE(q5_k, GGML_Q5_K)
+VF_TYPE(q6_k, GGML_Q6_K)
+#undef VF_TYPE
+
+static void vf_tile_any(int type, const uint8_t *w, int64_t row_bytes, const q8v_act *A,
+                        const float *xd, const float *xds2, const int32_t *xgs, int64_t m0,
+                        int64_t m1, int64_t n0, int nv, const vl_tile *T, float *out,
+                        int64_t ldo) {
+    switch (type) {
+        case GGML_Q8_0: vf_tile_q8_0(w, row_bytes, A, xd, xds2, xgs, m0, m1, n0, nv, T, out, ldo); break;
+        case GGML_Q4_0: vf_tile_q4_0(w, row_bytes, A, xd, xds2, xgs, m0, m1, n0, nv, T, out, ldo); break;
+        case GGML_Q4_1: vf_tile_q4_1(w, row_bytes, A, xd, xds2, xgs, m0, m1, n0, nv, T, out, ldo); break;
+        case GGML_Q5_0: vf_tile_q5_0(w, row_bytes, A, xd, xds2, xgs, m0, m1, n0, nv, T, out, ldo); break;
+        case GGML_Q5_1: vf_tile_q5_1(w, row_bytes, A, xd, xds2, xgs, m0, m1, n0, nv, T, out, ldo); break;
+        case GGML_Q4_K: vf_tile_q4_k(w, row_bytes, A, xd, xds2, xgs, m0, m1, n0, nv, T, out, ldo); break;
+        case GGML_Q5_K: vf_tile_q5_k(w, row_bytes, A, xd, xds2, xgs, m0, m1, n0, nv, T, out, ldo); break;
+        case GGML_Q6_K: vf_tile_q6_k(w, row_bytes, A, xd, xds2, xgs, m0, m1, n0, nv, T, out, ldo); break;
+    }
+}
+
+/* Activation row m's extras for vf_tile_rows: xd and xds [2 P] (0 past K), and for a signed
+ * type (bias > 0) each group's dot start [P * NS]: -bias times its activation bytes' sum */
+static void vf_act_row(const q8v_act *A, int64_t m, int type, int bias, float *xd, float *xds2,
+                       int32_t *xgs) {
+    const int64_t P = A->P, G = A->G;
+    const int NS = vl_ns(type), LG = 16 / NS;
+    for (int64_t g = 0; g < 2 * P; g++) {
+        xd[m * 2 * P + g] = g < G ? A->xdp[(m * P + g / 2) * 16 + 8 * (g & 1)] : 0.0f;
+        xds2[m * 2 * P + g] = g < G ? A->xds[m * G + g] : 0.0f;
+    }
+    if (bias == 0) return;
+    const int8_t *xq = A->xq + m * A->Kp;
+    for (int64_t p = 0; p < P; p++)
+        for (int q = 0; q < NS; q++) {
+            int32_t s = 0;
+            for (int k = 0; k < 4 * LG; k++) s += xq[64 * p + 4 * LG * q + k];
+            xgs[m * P * NS + p * NS + q] = -bias * s;
+        }
+}
+
 #undef V_PAIR32
 #undef V_ROW32
 #undef V_ROWS
@@ -1406,26 +1537,29 @@ static int gemm_q8_vnni(int type, const float *x, const uint8_t *w, float *out, 
 }
 
 /* The large steps' VNNI product (arguments checked by the caller): the activations rounded
- * and laid out once (with vl_act_rows' extras), then, for each span of activation rows whose
- * bytes fit in VL_SPAN_BYTES (they stay in L2 while every tile meets them), tiles of 16
- * weight rows across the threads, each unpacked into the thread's scratch and met by every
- * row of the span (see vl_pairs). Returns 0, or -1 (an allocation failure). */
+ * and laid out once (with vl_act_rows' extras; vf_act_row's where `fast`), then, for each span
+ * of activation rows whose bytes fit in VL_SPAN_BYTES (they stay in L2 while every tile meets
+ * them), tiles of 16 weight rows across the threads, each unpacked into the thread's scratch
+ * and met by every row of the span: vl_pairs' lanes (each row the decode step's bits), or
+ * where `fast` vf_tile_rows' whole groups. Returns 0, or -1 (an allocation failure). */
 #define VL_SPAN_BYTES (320 * 1024)
 static int gemm_q8_vnni_large(int type, const float *x, const uint8_t *w, float *out, int64_t M,
-                              int64_t N, int64_t K, int64_t ldo, int num_threads) {
+                              int64_t N, int64_t K, int64_t ldo, int num_threads, int fast) {
     int64_t E, B;
     pagedkv_gguf_block(type, &E, &B);
     q8v_act A;
     float *buf;
     if (vnni_act(x, M, K, num_threads, &A, &buf)) return -1;
     const int64_t P = A.P, row_bytes = K / E * B, num_tiles = (N + 15) / 16;
-    const int bias = vl_bias(type);
+    const int bias = vl_bias(type), NS = type == GGML_Q6_K ? 4 : 2; /* vl_ns */
     /* per thread: wq P KiB, dsc P * 4 * 64 B, mn P * 128 B, acc VL_MB KiB */
     const size_t tile_bytes = (size_t)(P * (1024 + 256 + 128) + VL_MB * 1024 + 64) & ~(size_t)63;
     const int threads = num_tiles < num_threads ? (int)(num_tiles > 0 ? num_tiles : 1) : num_threads;
     uint8_t *scratch = (uint8_t *)aligned_alloc(64, tile_bytes * (size_t)threads);
-    float *xd = (float *)malloc(sizeof(float) * (size_t)(M * 2 * P));
-    int32_t *xst = bias != 0 ? (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * P * 16)) : NULL;
+    /* xd [M, 2 P]; where fast, xds2 [M, 2 P] after it */
+    float *xd = (float *)malloc(sizeof(float) * (size_t)(M * 2 * P * (fast ? 2 : 1)));
+    const size_t starts = (size_t)(fast ? M * P * NS : M * P * 16);
+    int32_t *xst = bias != 0 ? (int32_t *)malloc(sizeof(int32_t) * starts) : NULL;
     if (scratch == NULL || xd == NULL || (bias != 0 && xst == NULL)) {
         free(scratch);
         free(xd);
@@ -1433,8 +1567,14 @@ static int gemm_q8_vnni_large(int type, const float *x, const uint8_t *w, float 
         free(buf);
         return -1;
     }
+    float *xds2 = fast ? xd + M * 2 * P : NULL;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t m = 0; m < M; m++) vl_act_rows(&A, m, m + 1, bias, xd, xst);
+    for (int64_t m = 0; m < M; m++) {
+        if (fast)
+            vf_act_row(&A, m, type, bias, xd, xds2, xst);
+        else
+            vl_act_rows(&A, m, m + 1, bias, xd, xst);
+    }
     /* a span: the rows' bytes (xq, xd, xst) in VL_SPAN_BYTES, a multiple of VL_MB rows */
     int64_t span = VL_SPAN_BYTES / (A.Kp + 8 * P + (bias != 0 ? 64 * P : 0));
     span = span < VL_MB ? VL_MB : span / VL_MB * VL_MB;
@@ -1453,7 +1593,10 @@ static int gemm_q8_vnni_large(int type, const float *x, const uint8_t *w, float 
             for (int64_t b = 0; b < num_tiles; b++) {
                 const int64_t n0 = 16 * b;
                 const int nv = (int)(N - n0 < 16 ? N - n0 : 16);
-                vl_tile_any(type, w, row_bytes, &A, xd, xst, m0, m1, n0, nv, &T, out, ldo);
+                if (fast)
+                    vf_tile_any(type, w, row_bytes, &A, xd, xds2, xst, m0, m1, n0, nv, &T, out, ldo);
+                else
+                    vl_tile_any(type, w, row_bytes, &A, xd, xst, m0, m1, n0, nv, &T, out, ldo);
             }
         }
     }
@@ -1495,7 +1638,7 @@ int pagedkv_gguf_gemm_q8_large(int type, const float *x, const uint8_t *w, float
     if (isa != PAGEDKV_ISA_AVX2 && isa != PAGEDKV_ISA_AVX512 && isa != PAGEDKV_ISA_AVX512_VNNI)
         return -1;
     const int64_t num_blocks = (N + LARGE_N_BLOCK - 1) / LARGE_N_BLOCK;
-    if (isa == PAGEDKV_ISA_AVX512_VNNI) return gemm_q8_vnni_large(type, x, w, out, M, N, K, ldo, num_threads);
+    if (isa == PAGEDKV_ISA_AVX512_VNNI) return gemm_q8_vnni_large(type, x, w, out, M, N, K, ldo, num_threads, 0);
     const int64_t G = K / 32;
     float *xd = (float *)malloc(sizeof(float) * 2 * M * G + (size_t)(M * K));
     if (xd == NULL) return -1;
@@ -1526,6 +1669,19 @@ int pagedkv_gguf_gemm_q8_large(int type, const float *x, const uint8_t *w, float
     }
     free(xd);
     return 0;
+}
+
+/* The default engine's large steps on the VNNI body (vf_tile_rows): x fp32 [M, K], out fp32
+ * [M, ldo]; each group's integer dot summed whole before its float step, so a row's result is
+ * the q8 product's up to fp32 summation order, not the decode step's bits (the batch-invariant
+ * switch keeps pagedkv_gguf_gemm_q8_large). The caller checks that the CPU has AVX-512 BW and
+ * VNNI. Returns 0, or -1 for what it does not take (or an allocation failure). */
+int pagedkv_gguf_gemm_q8_fast(int type, const float *x, const uint8_t *w, float *out, int64_t M,
+                              int64_t N, int64_t K, int64_t ldo, int num_threads) {
+    int64_t E, B;
+    if (!pagedkv_gguf_q8_takes(type) || pagedkv_gguf_block(type, &E, &B)) return -1;
+    if (M < 1 || K <= 0 || K % E != 0 || N < 0 || ldo < N) return -1;
+    return gemm_q8_vnni_large(type, x, w, out, M, N, K, ldo, num_threads, 1);
 }
 
 int pagedkv_gguf_gemm_q8_ld(int type, const float *x, const uint8_t *w, float *out, int64_t M,
