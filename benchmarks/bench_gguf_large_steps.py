@@ -10,7 +10,7 @@ For each 2-D weight of ``blk.0`` whose type has an int8-activation product (``--
 narrows them) and each row count, times ``CpuQuantKernels.gguf_gemm_large`` (the step's rows
 rounded to int8 once, the small steps' products over groups of 8 rows) and
 ``GGUFMatmul._tiled`` (a tile of rows dequantized into a scratch in ``--dtype``, torch's GEMM
-on it) and, where the kernels have the VNNI body, ``CpuQuantKernels.gguf_gemm_fast`` (each
+on it) and, where the kernels take the type, ``CpuQuantKernels.gguf_gemm_fast`` (each
 weight group's integer dot summed whole), in turn, best of ``--repeats`` calls each (the
 machine may be shared: the best is what the code does when it gets the cores). Prints ms per
 call and tiled / int8, tiled / fast (> 1: the int8 products are faster).
@@ -87,7 +87,7 @@ def main() -> None:
                 f"{info.name:24s} {name:5s} {rows:6d}x{cols:<6d} M={m:4d}: tiled {tiled:8.2f} ms,"
                 f" int8 {large:8.2f} ms"
             )
-            if kernels.has_fast_large:
+            if weight.type_id in kernels.fast_large_rows:
                 fast = best_ms(
                     lambda: kernels.gguf_gemm_fast(weight.type_id, xf, weight.data),  # noqa: B023
                     args.repeats,

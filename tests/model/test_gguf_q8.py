@@ -153,8 +153,8 @@ def test_large_steps_are_the_small_steps_products_row_by_row(kernels, name):
     """``gguf_gemm_large`` (more than 8 rows, rounded to int8 once, groups of 8 rows over
     blocks of 64 weight rows) gives each row bit for bit what the 8-row AVX2 product gives it,
     for row counts that do and do not fill the last group; and a GGUFMatmul of that many rows
-    takes it where ``q8_large_max_rows`` allows (the VNNI kernels' ``gguf_gemm_fast`` first,
-    where ``fast_large_rows`` allows)."""
+    takes it where ``q8_large_max_rows`` allows and ``gguf_gemm_fast`` does not (Q8_0 on the
+    AVX2 body)."""
     from pagedkv.model.gguf_weight import GGUFMatmul, GGUFWeight
 
     avx2 = CpuQuantKernels(kernels.path, isa="avx2", activations="q8", q8_isa="avx2")
@@ -176,11 +176,10 @@ def test_large_steps_are_the_small_steps_products_row_by_row(kernels, name):
     matmul = GGUFMatmul([GGUFWeight(name, raw, (n, k), kernels)])
     x = torch.randn(20, k, generator=gen)
     assert kernels.q8_large_max_rows >= 20
-    if kernels.has_fast_large:
-        assert kernels.fast_large_rows[t.type_id] >= 20
+    if kernels.takes_fast_large(t.type_id, 20, torch.float32):
         assert torch.equal(matmul(x), kernels.gguf_gemm_fast(t.type_id, x, raw))
     else:
-        assert kernels.fast_large_rows == {}
+        assert name == "Q8_0" and kernels.q8_isa == "avx2"  # maddubs' int16 would overflow
         assert torch.equal(matmul(x), kernels.gguf_gemm_large(t.type_id, x, raw))
     with pytest.raises(KernelUnavailableError):
         kernels.gguf_gemm_large(GGML_TYPES["F16"].type_id, x, raw)
@@ -338,18 +337,19 @@ def test_fused_layer_on_int8_activations(kernels, mix):
 @pytest.mark.parametrize("k", [256, 2048, 288])
 @pytest.mark.parametrize("name", Q8_NAMES)
 def test_fast_large_product_against_the_rounded_activations(kernels, name, k):
-    """``gguf_gemm_fast`` (the default engine's large steps on the VNNI body: each weight
-    group's integer dot summed whole) against x rounded the same way in numpy times the
-    dequantized weights in float64, within the bound of the small products' test, for row
-    counts that do and do not fill its groups of 8 rows (1, 9, 20, 64) and K with a lone last
-    block (288); and within a few fp32 roundings of ``gguf_gemm_large`` on the same body.
-    Refused (KernelUnavailableError) where the kernels have no VNNI body."""
+    """``gguf_gemm_fast`` (the default engine's large steps, each body: each weight group's
+    integer dot summed whole) against x rounded the same way in numpy times the dequantized
+    weights in float64, within the bound of the small products' test, for row counts that do
+    and do not fill its groups of rows (1, 9, 20, 64), N not a multiple of its tiles and K
+    with a lone last block (288); and within a few fp32 roundings of ``gguf_gemm_large`` on
+    the same body. Q8_0 on the AVX2 body is refused (KernelUnavailableError), as F16 is."""
     t = GGML_TYPES[name]
     if k % t.block_elems:
         pytest.skip(f"{name} rows are whole blocks of {t.block_elems}")
     raw = gguf_weight(name, N, k, seed=k + 3 * len(name))
     x0 = torch.randn(2, k)
-    if not kernels.has_fast_large:
+    if t.type_id not in kernels.fast_large_rows:
+        assert name == "Q8_0" and kernels.q8_isa == "avx2"
         with pytest.raises(KernelUnavailableError):
             kernels.gguf_gemm_fast(t.type_id, x0, torch.from_numpy(raw))
         return
@@ -372,7 +372,7 @@ def test_fast_large_product_against_the_rounded_activations(kernels, name, k):
         slack = (k / 8 + 16) * EPS32 * magnitude
         assert bool((error <= slack).all()), (rows, float(error.max()))
         assert float((error / magnitude).mean()) <= EPS32, rows
-        large = kernels.gguf_gemm_large(t.type_id, x, torch.from_numpy(raw), q8_isa="avx512_vnni")
+        large = kernels.gguf_gemm_large(t.type_id, x, torch.from_numpy(raw), kernels.q8_isa)
         assert bool(((y - large).double().abs() <= 2 * slack).all()), rows
     with pytest.raises(KernelUnavailableError):
         kernels.gguf_gemm_fast(GGML_TYPES["F16"].type_id, x0, torch.from_numpy(raw))
@@ -387,8 +387,8 @@ def test_large_steps_pick_the_fast_product_per_part(kernels):
     float64 product."""
     from pagedkv.model.gguf_weight import GGUFMatmul, GGUFWeight
 
-    if not kernels.has_fast_large:
-        pytest.skip("no VNNI body here: large steps take the tiles or gguf_gemm_large")
+    if kernels.q8_isa != "avx512_vnni":
+        pytest.skip("no VNNI body here: its per-type row limits do not apply")
     k = 512
     q4 = GGUFWeight("Q4_K", torch.from_numpy(gguf_weight("Q4_K", 40, k, seed=3)), (40, k), kernels)
     q6 = GGUFWeight("Q6_K", torch.from_numpy(gguf_weight("Q6_K", 24, k, seed=4)), (24, k), kernels)

@@ -223,26 +223,34 @@ class GGUFMatmul:
             ]
             y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
             return y if y.dtype == self.dtype else y.to(self.dtype)
-        fast = [num_tokens <= p.kernels.fast_large_rows.get(p.type_id, 0) for p in self.parts]
+        fast = [p.kernels.takes_fast_large(p.type_id, num_tokens, self.dtype) for p in self.parts]
         if any(fast):
-            # each part on the VNNI large product where it was measured faster, the others
-            # on tiles
+            # each part on the fast large product where it was measured faster, the others
+            # as before (the int8 large product or tiles)
             xf = x.float().contiguous()
             outs = [
                 p.kernels.gguf_gemm_fast(p.type_id, xf, p.data).to(self.dtype)
                 if f
-                else self._tiled(x, (p,))
+                else self._large(x, xf, (p,))
                 for p, f in zip(self.parts, fast, strict=True)
             ]
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return self._large(x, None, self.parts)
+
+    def _large(
+        self, x: torch.Tensor, xf: torch.Tensor | None, parts: Sequence[GGUFWeight]
+    ) -> torch.Tensor:
+        """``parts`` of a large step (their columns) on the int8 large products where a
+        float32 model's kernels take them (:attr:`~pagedkv.model.kernels.cpu_quant.
+        CpuQuantKernels.q8_large_max_rows`), else on tiles; ``xf``: x in fp32, or None."""
+        num_tokens = x.shape[0]
         if self.dtype == torch.float32 and all(
-            p.type_id in Q8_TYPES and num_tokens <= p.kernels.q8_large_max_rows for p in self.parts
+            p.type_id in Q8_TYPES and num_tokens <= p.kernels.q8_large_max_rows for p in parts
         ):
-            xf = x.float().contiguous()
-            outs = [p.kernels.gguf_gemm_large(p.type_id, xf, p.data) for p in self.parts]
-            y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-            return y if y.dtype == self.dtype else y.to(self.dtype)
-        return self._tiled(x)
+            xf = x.float().contiguous() if xf is None else xf
+            outs = [p.kernels.gguf_gemm_large(p.type_id, xf, p.data) for p in parts]
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return self._tiled(x, parts)
 
     def invariant(self, x: torch.Tensor) -> torch.Tensor:
         """``x W^T`` float32 ``[num_tokens, out_features]`` for x ``[num_tokens, in_features]``

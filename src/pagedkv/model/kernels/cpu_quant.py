@@ -110,6 +110,8 @@ LARGE_Q8_ISA = "avx2"
 #: 64 rows, 1.1-1.8x at 128, level at 512-2048; its Q8_0 LM head level at 512, 0.9x at 2048;
 #: at Llama-3.2-1B's Q4_K 1.4-1.6x at 64 and 512; Q6_K level at 64, 0.75-0.8x at 512 (its
 #: sub-blocks of 16 take a float step each).
+#: GGML type id of Q8_0 (its 8-bit codes overflow the AVX2 fast product's int16 sums).
+Q8_0_ID = 8
 FAST_LARGE_MAX_ROWS = {2: 512, 3: 512, 6: 512, 7: 512, 8: 512, 12: 512, 13: 512, 14: 64}
 #: CPU flags (``/proc/cpuinfo``) the VNNI body needs beside :attr:`CpuQuantKernels.isa`
 #: "avx512".
@@ -584,10 +586,18 @@ class CpuQuantKernels:
         #: native bf16 beat the int8 products end to end (64 chats of SmolLM2: 387 against 291
         #: output tok/s).
         self.q8_large_max_rows = 0 if activations != "q8" else (64 if isa == "avx512" else 1 << 62)
-        #: most rows a large step runs on :meth:`gguf_gemm_fast` (VNNI, each group's dot whole)
-        #: rather than the tiles or :meth:`gguf_gemm_large`, by GGML type id; empty where
-        #: :attr:`has_fast_large` is False. See :data:`FAST_LARGE_MAX_ROWS`.
-        self.fast_large_rows = dict(FAST_LARGE_MAX_ROWS) if self.has_fast_large else {}
+        #: most rows a large step runs on :meth:`gguf_gemm_fast` rather than the tiles or
+        #: :meth:`gguf_gemm_large`, by GGML type id (see :meth:`takes_fast_large`): on the
+        #: VNNI body :data:`FAST_LARGE_MAX_ROWS`; on the AVX2 body :attr:`q8_large_max_rows`
+        #: for every type but Q8_0 (it beat :meth:`gguf_gemm_large` at every shape measured);
+        #: empty with fp32 activations.
+        self.fast_large_rows: dict[int, int] = {}
+        if activations == "q8":
+            self.fast_large_rows = (
+                dict(FAST_LARGE_MAX_ROWS)
+                if q8_isa == "avx512_vnni"
+                else {t: self.q8_large_max_rows for t in Q8_TYPES if t != Q8_0_ID}
+            )
         self.path = path
         #: whether models run their small steps' decoder layers through the fused calls
         #: (:meth:`llama_attn_in` / :meth:`llama_attn_out`) or as torch ops around the products
@@ -639,7 +649,7 @@ class CpuQuantKernels:
         ]
         self._gguf_gemm_q8_large.restype = ctypes.c_int
         self._gguf_gemm_q8_fast = lib.pagedkv_gguf_gemm_q8_fast
-        self._gguf_gemm_q8_fast.argtypes = self._gguf_gemm_q8_large.argtypes[:-1]
+        self._gguf_gemm_q8_fast.argtypes = self._gguf_gemm_q8_large.argtypes
         self._gguf_gemm_q8_fast.restype = ctypes.c_int
         self._gguf_gemm_invariant = lib.pagedkv_gguf_gemm_invariant
         self._gguf_gemm_invariant.argtypes = [
@@ -912,35 +922,39 @@ class CpuQuantKernels:
             )
         return out
 
-    @property
-    def has_fast_large(self) -> bool:
-        """Whether :meth:`gguf_gemm_fast` runs here: int8 activations on the VNNI body
-        (:attr:`q8_isa` "avx512_vnni", which :func:`q8_body` gives only where the CPU has
-        :data:`VNNI_FLAGS` and no AVX2 hold applies)."""
-        return self.activations == "q8" and self.q8_isa == "avx512_vnni"
+    def takes_fast_large(self, type_id: int, num_rows: int, dtype: torch.dtype) -> bool:
+        """Whether a large step of ``num_rows`` rows of a ``dtype`` model runs a ``type_id``
+        weight on :meth:`gguf_gemm_fast`: up to :attr:`fast_large_rows` rows; on the AVX2 body
+        a float32 model only (a bfloat16 model keeps its bf16 tiles, as with
+        :meth:`gguf_gemm_large`)."""
+        if num_rows > self.fast_large_rows.get(type_id, 0):
+            return False
+        return self.q8_isa == "avx512_vnni" or dtype == torch.float32
 
     def gguf_gemm_fast(self, type_id: int, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """``x W^T`` fp32 ``[M, N]`` for any number of rows M on the VNNI body, the default
-        engine's large steps (gguf_blocks.c ``pagedkv_gguf_gemm_q8_fast``): every row of x
-        rounded to int8 in blocks of 32 once, tiles of 16 weight rows unpacked once and met by
-        8 activation rows at a time, each weight group's integer dot (32 elements; Q6_K 16)
-        summed whole in int32 before its one float step, as llama.cpp does. The values are
-        :meth:`gguf_gemm_large`'s up to fp32 summation order, not its bits (the
-        batch-invariant products keep those).
+        """``x W^T`` fp32 ``[M, N]`` for any number of rows M, the default engine's large
+        steps (gguf_blocks.c ``pagedkv_gguf_gemm_q8_fast``): every row of x rounded to int8 in
+        blocks of 32 once, tiles of weight rows unpacked once, one row per lane (VNNI body: 16
+        rows, ``dpbusd``, 8 activation rows at a time; AVX2 body: 8 rows, ``maddubs`` summed in
+        int16 while it cannot overflow, 4 activation rows at a time), each weight group's
+        integer dot (32 elements; Q6_K 16) summed whole before its one float step, as
+        llama.cpp does. The values are :meth:`gguf_gemm_large`'s up to fp32 summation order,
+        not its bits (the batch-invariant products keep those).
 
         Args:
-            type_id: one of :data:`Q8_TYPES`.
+            type_id: a key of :attr:`fast_large_rows`.
             x: fp32 contiguous ``[M, K]``, M >= 1.
             w: uint8 contiguous ``[N, row_bytes(type_id, K)]``.
 
         Raises:
-            KernelUnavailableError: no VNNI body here (:attr:`has_fast_large` False), or a
-                type, shape or dtype the kernel does not take.
+            KernelUnavailableError: fp32 activations, a type this body does not take here (not
+                in :attr:`fast_large_rows`: the float types, and Q8_0 on the AVX2 body), or a
+                shape or dtype the kernel does not take.
         """
-        if not self.has_fast_large:
+        if type_id not in self.fast_large_rows:
             raise KernelUnavailableError(
-                f"gguf_gemm_fast needs int8 activations on the VNNI body, not {self.activations}"
-                f" on {self.q8_isa}"
+                f"gguf_gemm_fast does not take type {type_id} with {self.activations} "
+                f"activations on the {self.q8_isa} body"
             )
         if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
             raise KernelUnavailableError(f"x must be fp32 contiguous [M, K], got {x.dtype}")
@@ -959,6 +973,7 @@ class CpuQuantKernels:
             in_features,
             n,
             torch.get_num_threads(),
+            self._q8_isa_code,
         )
         if rc:
             raise KernelUnavailableError(

@@ -737,6 +737,282 @@ Q8_ROWS(q4_k)
 Q8_ROWS(q5_k)
 Q8_ROWS(q6_k)
 
+/* ---- the default engine's large steps held to AVX2: whole groups in integers ------------
+ *
+ * As the VNNI body's vf_tile_rows, for a CPU (or a hold) without VNNI: tiles of 8 weight rows
+ * across the lanes, the codes unpacked once per tile into [group][step of 4 bytes][row][4]
+ * (unsigned: the signed types with their bias b added), and per activation row and group
+ * maddubs (4 bytes of 8 rows against the row's 4 bytes, broadcast) summed in int16 while no sum
+ * can overflow (8 steps for 4-bit codes: 8 * 2 * 15 * 127 < 2^15; 4 for 5-bit, 2 for Q6_K's
+ * 6-bit), then madd to int32, so a group of 32 (Q6_K: 16) takes one float step, not four. Not
+ * the decode step's bits (the batch-invariant switch keeps pagedkv_gguf_gemm_q8_large). Q8_0's
+ * 8-bit codes would overflow int16 in one maddubs: it keeps the other large products.
+ * The dots start from -b times the sub-block's activation sum (af_act's xgs). */
+#define AF_MB 4
+
+typedef struct {
+    uint8_t *wq; /* [G][8 steps][8 rows][4] */
+    float *dsc;  /* [G][2][8]: the scale of steps 0-3 and 4-7 (equal but for Q6_K) */
+    float *mn;   /* [G][8]: the offset per unit of the activations' xds (+m, -dmin m_j), or 0 */
+} af_tile;
+
+static inline AI int af_steps16(int type) {
+    return type == GGML_Q6_K ? 2 : (type == GGML_Q5_0 || type == GGML_Q5_1 || type == GGML_Q5_K) ? 4 : 8;
+}
+
+/* group g of a row as 32 unsigned codes, its two half scales and its offset */
+static inline AI void af_unpack(const int type, const uint8_t *row, int64_t g, uint8_t *q,
+                                float *d2, float *mo) {
+    switch (type) {
+        case GGML_Q4_0:
+        case GGML_Q4_1: {
+            const int BB = type == GGML_Q4_0 ? 18 : 20;
+            const uint8_t *b = row + g * BB, *qs = b + BB - 16;
+            for (int i = 0; i < 16; i++) {
+                q[i] = qs[i] & 0x0F;
+                q[i + 16] = qs[i] >> 4;
+            }
+            d2[0] = d2[1] = f16_to_f32(b);
+            *mo = type == GGML_Q4_1 ? f16_to_f32(b + 2) : 0.0f;
+            return;
+        }
+        case GGML_Q5_0:
+        case GGML_Q5_1: {
+            const int BB = type == GGML_Q5_0 ? 22 : 24;
+            const uint8_t *b = row + g * BB, *qs = b + BB - 16;
+            uint32_t qh;
+            memcpy(&qh, b + BB - 20, 4);
+            for (int i = 0; i < 16; i++) {
+                q[i] = (uint8_t)((qs[i] & 0x0F) | (((qh >> i) & 1u) << 4));
+                q[i + 16] = (uint8_t)((qs[i] >> 4) | (((qh >> (i + 16)) & 1u) << 4));
+            }
+            d2[0] = d2[1] = f16_to_f32(b);
+            *mo = type == GGML_Q5_1 ? f16_to_f32(b + 2) : 0.0f;
+            return;
+        }
+        case GGML_Q4_K:
+        case GGML_Q5_K: {
+            const int five = type == GGML_Q5_K, j = (int)(g & 7);
+            const uint8_t *blk = row + (g >> 3) * (five ? 176 : 144);
+            float D[8], DM[8];
+            prep_q4_k(blk, D, DM);
+            const uint8_t *qs = blk + (five ? 48 : 16) + 32 * (j >> 1);
+            for (int i = 0; i < 32; i++) {
+                uint8_t v = (j & 1) ? qs[i] >> 4 : qs[i] & 0x0F;
+                if (five && ((blk[16 + i] >> j) & 1)) v += 16;
+                q[i] = v;
+            }
+            d2[0] = d2[1] = D[j];
+            *mo = -DM[j];
+            return;
+        }
+        default: { /* Q6_K */
+            const int j = (int)(g & 7), h = j >> 2, t = j & 3;
+            const uint8_t *blk = row + (g >> 3) * 210;
+            const uint8_t *ql = blk + 64 * h + 32 * (t & 1), *qh = blk + 128 + 32 * h;
+            for (int i = 0; i < 32; i++) {
+                const uint8_t lo = t >= 2 ? ql[i] >> 4 : ql[i] & 0x0F;
+                q[i] = (uint8_t)(lo | (((qh[i] >> (2 * t)) & 3) << 4));
+            }
+            const float d = f16_to_f32(blk + 208);
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            d2[0] = d * (float)sc[2 * j];
+            d2[1] = d * (float)sc[2 * j + 1];
+            *mo = 0.0f;
+            return;
+        }
+    }
+}
+
+static void af_pack(const int type, const uint8_t *w, int64_t row_bytes, int64_t n0, int nv,
+                    int64_t G, const af_tile *T) {
+    for (int64_t g = 0; g < G; g++) {
+        uint8_t q[8][32];
+        float d2[8][2], mo[8];
+        for (int r = 0; r < 8; r++) {
+            if (r < nv) {
+                af_unpack(type, w + (n0 + r) * row_bytes, g, q[r], d2[r], &mo[r]);
+            } else {
+                memset(q[r], 0, 32);
+                d2[r][0] = d2[r][1] = mo[r] = 0.0f;
+            }
+        }
+        uint8_t *dst = T->wq + g * 256;
+        for (int st = 0; st < 8; st++)
+            for (int r = 0; r < 8; r++) memcpy(dst + st * 32 + 4 * r, q[r] + 4 * st, 4);
+        for (int r = 0; r < 8; r++) {
+            T->dsc[g * 16 + r] = d2[r][0];
+            T->dsc[g * 16 + 8 + r] = d2[r][1];
+            T->mn[g * 8 + r] = mo[r];
+        }
+    }
+}
+
+/* steps a .. a + n - 1 of group g for AF_MB activation rows (xr: each row's bytes of the
+ * group), added in int16, then to the int32 sums i32 */
+static inline AI void af_steps(const uint8_t *wq, const int8_t *const xr[AF_MB], int a, int n,
+                               __m256i i32[AF_MB]) {
+    __m256i i16[AF_MB];
+#pragma GCC unroll 8
+    for (int st = a; st < a + n; st++) {
+        const __m256i wv = _mm256_loadu_si256((const __m256i *)(wq + 32 * st));
+#pragma GCC unroll 4
+        for (int i = 0; i < AF_MB; i++) {
+            int32_t xv;
+            memcpy(&xv, xr[i] + 4 * st, 4);
+            const __m256i p = _mm256_maddubs_epi16(wv, _mm256_set1_epi32(xv));
+            i16[i] = st == a ? p : _mm256_add_epi16(i16[i], p);
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < AF_MB; i++)
+        i32[i] = _mm256_add_epi32(i32[i], _mm256_madd_epi16(i16[i], _mm256_set1_epi16(1)));
+}
+
+static inline AI void af_tile_rows(const int type, const uint8_t *w, int64_t row_bytes,
+                                   const int8_t *xq, const float *xd, const float *xds,
+                                   const int32_t *xgs, int64_t K, int64_t m0, int64_t m1,
+                                   int64_t n0, int nv, const af_tile *T, float *out,
+                                   int64_t ldo) {
+    const int64_t G = K / 32;
+    const int S16 = af_steps16(type), halves = type == GGML_Q6_K;
+    const int mins = type == GGML_Q4_1 || type == GGML_Q5_1 || type == GGML_Q4_K || type == GGML_Q5_K;
+    af_pack(type, w, row_bytes, n0, nv, G, T);
+    for (int64_t ma = m0; ma < m1; ma += AF_MB) {
+        int64_t mr[AF_MB];
+#pragma GCC unroll 4
+        for (int i = 0; i < AF_MB; i++) mr[i] = ma + i < m1 ? ma + i : m1 - 1;
+        __m256 acc[AF_MB];
+#pragma GCC unroll 4
+        for (int i = 0; i < AF_MB; i++) acc[i] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < G; g++) {
+            const uint8_t *wq = T->wq + g * 256;
+            const int8_t *xr[AF_MB];
+#pragma GCC unroll 4
+            for (int i = 0; i < AF_MB; i++) xr[i] = xq + mr[i] * K + 32 * g;
+            if (halves) {
+#pragma GCC unroll 2
+                for (int hh = 0; hh < 2; hh++) {
+                    __m256i i32[AF_MB];
+#pragma GCC unroll 4
+                    for (int i = 0; i < AF_MB; i++) i32[i] = _mm256_set1_epi32(xgs[mr[i] * 2 * G + 2 * g + hh]);
+                    af_steps(wq, xr, 4 * hh, 2, i32);
+                    af_steps(wq, xr, 4 * hh + 2, 2, i32);
+                    const __m256 sc = _mm256_loadu_ps(T->dsc + g * 16 + 8 * hh);
+#pragma GCC unroll 4
+                    for (int i = 0; i < AF_MB; i++)
+                        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32[i]),
+                                                 _mm256_mul_ps(sc, _mm256_set1_ps(xd[mr[i] * G + g])), acc[i]);
+                }
+            } else {
+                __m256i i32[AF_MB];
+#pragma GCC unroll 4
+                for (int i = 0; i < AF_MB; i++)
+                    i32[i] = xgs != NULL ? _mm256_set1_epi32(xgs[mr[i] * 2 * G + 2 * g] + xgs[mr[i] * 2 * G + 2 * g + 1])
+                                         : _mm256_setzero_si256();
+                for (int a = 0; a < 8; a += S16) af_steps(wq, xr, a, S16, i32);
+                const __m256 sc = _mm256_loadu_ps(T->dsc + g * 16);
+#pragma GCC unroll 4
+                for (int i = 0; i < AF_MB; i++)
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32[i]),
+                                             _mm256_mul_ps(sc, _mm256_set1_ps(xd[mr[i] * G + g])), acc[i]);
+            }
+            if (mins) {
+                const __m256 mn = _mm256_loadu_ps(T->mn + g * 8);
+#pragma GCC unroll 4
+                for (int i = 0; i < AF_MB; i++)
+                    acc[i] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xds[mr[i] * G + g]), acc[i]);
+            }
+        }
+        for (int i = 0; i < AF_MB && ma + i < m1; i++) {
+            float r[8];
+            _mm256_storeu_ps(r, acc[i]);
+            memcpy(out + (ma + i) * ldo + n0, r, sizeof(float) * (size_t)nv);
+        }
+    }
+}
+
+#define AF_TYPE(T, TYPE)                                                                     \
+    static __attribute__((noinline)) void af_tile_##T(                                        \
+        const uint8_t *w, int64_t row_bytes, const int8_t *xq, const float *xd,               \
+        const float *xds, const int32_t *xgs, int64_t K, int64_t m0, int64_t m1, int64_t n0,  \
+        int nv, const af_tile *Tl, float *out, int64_t ldo) {                                 \
+        af_tile_rows(TYPE, w, row_bytes, xq, xd, xds, xgs, K, m0, m1, n0, nv, Tl, out, ldo);  \
+    }
+AF_TYPE(q4_0, GGML_Q4_0)
+AF_TYPE(q4_1, GGML_Q4_1)
+AF_TYPE(q5_0, GGML_Q5_0)
+AF_TYPE(q5_1, GGML_Q5_1)
+AF_TYPE(q4_k, GGML_Q4_K)
+AF_TYPE(q5_k, GGML_Q5_K)
+AF_TYPE(q6_k, GGML_Q6_K)
+#undef AF_TYPE
+
+/* Row m's sub-block starts [2 G]: -bias times the sum of each 16 activation bytes */
+static void af_act_row(const int8_t *xq, int64_t K, int bias, int32_t *xgs) {
+    for (int64_t h = 0; h < K / 16; h++) {
+        int32_t s = 0;
+        for (int k = 0; k < 16; k++) s += xq[16 * h + k];
+        xgs[h] = -bias * s;
+    }
+}
+
+/* The product (arguments checked by the caller; type one of af_tile_*'s). Returns 0, or -1
+ * (an allocation failure). */
+static int gemm_q8_avx2_fast(int type, const float *x, const uint8_t *w, float *out, int64_t M,
+                             int64_t N, int64_t K, int64_t ldo, int num_threads) {
+    int64_t E, B;
+    pagedkv_gguf_block(type, &E, &B);
+    const int64_t G = K / 32, row_bytes = K / E * B, num_tiles = (N + 7) / 8;
+    const int bias = type == GGML_Q4_0 ? 8 : type == GGML_Q5_0 ? 16 : type == GGML_Q6_K ? 32 : 0;
+    /* xd, xds fp32 [M, G], xq int8 [M, K]; xgs int32 [M, 2 G] */
+    float *xd = (float *)malloc(sizeof(float) * 2 * M * G + (size_t)(M * K));
+    int32_t *xgs = (bias != 0 || type == GGML_Q6_K) ? (int32_t *)calloc((size_t)(M * 2 * G), sizeof(int32_t)) : NULL;
+    const size_t tile_bytes = ((size_t)G * (256 + 64 + 32) + 63) & ~(size_t)63;
+    const int threads = num_tiles < num_threads ? (int)(num_tiles > 0 ? num_tiles : 1) : num_threads;
+    uint8_t *scratch = (uint8_t *)aligned_alloc(64, tile_bytes * (size_t)threads);
+    if (xd == NULL || scratch == NULL || ((bias != 0 || type == GGML_Q6_K) && xgs == NULL)) {
+        free(xd);
+        free(xgs);
+        free(scratch);
+        return -1;
+    }
+    float *xds = xd + M * G;
+    int8_t *xq = (int8_t *)(xds + M * G);
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t m = 0; m < M; m++) {
+        quantize_row_q8(x + m * K, K, xq + m * K, xd + m * G, xds + m * G);
+        if (xgs != NULL) af_act_row(xq + m * K, K, bias, xgs + m * 2 * G);
+    }
+#pragma omp parallel num_threads(threads)
+    {
+#ifdef _OPENMP
+        uint8_t *mine = scratch + tile_bytes * (size_t)omp_get_thread_num();
+#else
+        uint8_t *mine = scratch;
+#endif
+        const af_tile T = {mine, (float *)(mine + G * 256), (float *)(mine + G * (256 + 64))};
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < num_tiles; b++) {
+            const int64_t n0 = 8 * b;
+            const int nv = (int)(N - n0 < 8 ? N - n0 : 8);
+            switch (type) {
+                case GGML_Q4_0: af_tile_q4_0(w, row_bytes, xq, xd, xds, xgs, K, 0, M, n0, nv, &T, out, ldo); break;
+                case GGML_Q4_1: af_tile_q4_1(w, row_bytes, xq, xd, xds, xgs, K, 0, M, n0, nv, &T, out, ldo); break;
+                case GGML_Q5_0: af_tile_q5_0(w, row_bytes, xq, xd, xds, xgs, K, 0, M, n0, nv, &T, out, ldo); break;
+                case GGML_Q5_1: af_tile_q5_1(w, row_bytes, xq, xd, xds, xgs, K, 0, M, n0, nv, &T, out, ldo); break;
+                case GGML_Q4_K: af_tile_q4_k(w, row_bytes, xq, xd, xds, xgs, K, 0, M, n0, nv, &T, out, ldo); break;
+                case GGML_Q5_K: af_tile_q5_k(w, row_bytes, xq, xd, xds, xgs, K, 0, M, n0, nv, &T, out, ldo); break;
+                default: af_tile_q6_k(w, row_bytes, xq, xd, xds, xgs, K, 0, M, n0, nv, &T, out, ldo); break;
+            }
+        }
+    }
+    free(xd);
+    free(xgs);
+    free(scratch);
+    return 0;
+}
+
 #undef Q8_BLOCK32
 #undef Q8_ROW32
 #undef Q8_ROWS
@@ -1677,11 +1953,14 @@ int pagedkv_gguf_gemm_q8_large(int type, const float *x, const uint8_t *w, float
  * switch keeps pagedkv_gguf_gemm_q8_large). The caller checks that the CPU has AVX-512 BW and
  * VNNI. Returns 0, or -1 for what it does not take (or an allocation failure). */
 int pagedkv_gguf_gemm_q8_fast(int type, const float *x, const uint8_t *w, float *out, int64_t M,
-                              int64_t N, int64_t K, int64_t ldo, int num_threads) {
+                              int64_t N, int64_t K, int64_t ldo, int num_threads, int isa) {
     int64_t E, B;
     if (!pagedkv_gguf_q8_takes(type) || pagedkv_gguf_block(type, &E, &B)) return -1;
     if (M < 1 || K <= 0 || K % E != 0 || N < 0 || ldo < N) return -1;
-    return gemm_q8_vnni_large(type, x, w, out, M, N, K, ldo, num_threads, 1);
+    if (isa == PAGEDKV_ISA_AVX512_VNNI) return gemm_q8_vnni_large(type, x, w, out, M, N, K, ldo, num_threads, 1);
+    if (isa != PAGEDKV_ISA_AVX2 && isa != PAGEDKV_ISA_AVX512) return -1;
+    if (type == GGML_Q8_0) return -1; /* its codes overflow maddubs' int16 */
+    return gemm_q8_avx2_fast(type, x, w, out, M, N, K, ldo, num_threads);
 }
 
 int pagedkv_gguf_gemm_q8_ld(int type, const float *x, const uint8_t *w, float *out, int64_t M,
