@@ -12,10 +12,14 @@ cost nothing, the others are shared with the page cache), and :class:`GGUFMatmul
                                        32 for the quantized types (the default), fp32 ones with
                                        PAGEDKV_GGUF_ACTIVATIONS=fp32 (the dequantized weights'
                                        numbers)
+    larger steps, int8 activations,    gguf_gemm_fast: the step's rows rounded to int8 once,
+    up to fast_large_rows (VNNI: any   tiles of weight rows unpacked once (one row per lane)
+    model, per type; AVX2 body: a      and met by a few activation rows at a time, each
+    float32 model, as gguf_gemm_large) weight group's integer dot summed whole (as llama.cpp)
     larger steps of a float32 model,   gguf_gemm_large: the step's rows rounded to int8 once,
     int8 activations, up to            then the small steps' products over groups of 8 rows
-    q8_large_max_rows rows (all held   while a block of 64 weight rows stays in L2
-    to AVX2, 64 with AVX-512's GEMM)
+    q8_large_max_rows rows (all held   while a block of 64 weight rows stays in L2 (Q8_0
+    to AVX2, 64 with AVX-512's GEMM)   on the AVX2 body, which gguf_gemm_fast does not take)
     larger steps otherwise             a tile of rows at a time dequantized into a small scratch
                                        (``gguf_dequant``, fp32 or bf16), then torch's GEMM on
                                        the tile: the weight is read once per step, and the

@@ -103,16 +103,20 @@ Q8_ISA_CODES = {"avx2": 0, "avx512_vnni": 2}
 #: batch-invariant product (:meth:`CpuQuantKernels.gguf_gemm_invariant`) does not use this: it
 #: takes :attr:`CpuQuantKernels.q8_isa`, the decode steps' body.
 LARGE_Q8_ISA = "avx2"
-#: Most rows of a large step that :meth:`CpuQuantKernels.gguf_gemm_fast` runs, per GGML type
-#: id, where the kernels have it (beyond: bf16 / fp32 tiles and torch's GEMM). Measured on a
-#: shared 2-core Zen 4 (best of 5 calls, 2 threads; /tmp-free script in docs/perf.md's History
-#: 2026-12-06 "large steps on VNNI"): at SmolLM2-135M's Q4_1 shapes 1.4-2.6x the bf16 tiles at
-#: 64 rows, 1.1-1.8x at 128, level at 512-2048; its Q8_0 LM head level at 512, 0.9x at 2048;
-#: at Llama-3.2-1B's Q4_K 1.4-1.6x at 64 and 512; Q6_K level at 64, 0.75-0.8x at 512 (its
-#: sub-blocks of 16 take a float step each).
 #: GGML type id of Q8_0 (its 8-bit codes overflow the AVX2 fast product's int16 sums).
 Q8_0_ID = 8
-FAST_LARGE_MAX_ROWS = {2: 512, 3: 512, 6: 512, 7: 512, 8: 512, 12: 512, 13: 512, 14: 64}
+#: Most rows of a large step that :meth:`CpuQuantKernels.gguf_gemm_fast` runs on the VNNI body,
+#: per GGML type id (beyond: bf16 / fp32 tiles and torch's GEMM; 2048 is the default step
+#: budget, ``max_num_batched_tokens``, and the largest step measured). Measured on a shared
+#: 2-core Zen 4 against a bf16 model's tiles (best of 5 calls, 2 threads, load 1.1-1.5;
+#: ``benchmarks/bench_gguf_large_steps.py FILE --dtype bfloat16``, docs/perf.md's History
+#: 2026-12-06 "large steps on whole groups"): SmolLM2-135M's Q4_1 products 1.9-2.3x the tiles at
+#: 64 rows, 1.04-1.4x at 2048, its Q8_0 LM head 1.5x / 1.08x; Llama-3.2-1B's Q4_K 1.7x / 1.15-
+#: 1.27x; random Q4_0, Q5_0, Q5_1, Q5_K, Q8_0 blocks at both models' shapes 1.7-2.0x at 64 rows,
+#: 1.4-1.5x at 512-2048. Q6_K (its sub-blocks of 16 take a float step each, and a tile of
+#: K = 8192 no longer fits L1): 1.08-1.5x at 64 rows, at 128-2048 rows 1.0-1.26x at K = 2048 but
+#: 0.73-0.94x at K = 8192, so 64.
+FAST_LARGE_MAX_ROWS = {2: 2048, 3: 2048, 6: 2048, 7: 2048, 8: 2048, 12: 2048, 13: 2048, 14: 64}
 #: CPU flags (``/proc/cpuinfo``) the VNNI body needs beside :attr:`CpuQuantKernels.isa`
 #: "avx512".
 VNNI_FLAGS = ("avx512bw", "avx512_vnni")
