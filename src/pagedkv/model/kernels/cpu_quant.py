@@ -587,8 +587,9 @@ class CpuQuantKernels:
         #: has 8 lanes, the int8 products win at every size up to a 512-token prompt (Q6_K: a
         #: tie there); with AVX-512's fp32 GEMM they win up to about 64 rows and lose on
         #: prompts. A bfloat16 model keeps its tiles (GGUFMatmul): bf16 GEMM on a CPU with
-        #: native bf16 beat the int8 products end to end (64 chats of SmolLM2: 387 against 291
-        #: output tok/s).
+        #: native bf16 beat these int8 products end to end (64 chats of SmolLM2: 387 against 291
+        #: output tok/s). :meth:`gguf_gemm_fast` comes first where it runs (see
+        #: :meth:`takes_fast_large`); this is what its types and sizes leave.
         self.q8_large_max_rows = 0 if activations != "q8" else (64 if isa == "avx512" else 1 << 62)
         #: most rows a large step runs on :meth:`gguf_gemm_fast` rather than the tiles or
         #: :meth:`gguf_gemm_large`, by GGML type id (see :meth:`takes_fast_large`): on the
