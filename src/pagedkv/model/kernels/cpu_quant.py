@@ -57,6 +57,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
@@ -116,7 +117,9 @@ Q8_0_ID = 8
 #: 1.4-1.5x at 512-2048. Q6_K (its sub-blocks of 16 take a float step each, and a tile of
 #: K = 8192 no longer fits L1): 1.08-1.5x at 64 rows, at 128-2048 rows 1.0-1.26x at K = 2048 but
 #: 0.73-0.94x at K = 8192, so 64.
-FAST_LARGE_MAX_ROWS = {2: 2048, 3: 2048, 6: 2048, 7: 2048, 8: 2048, 12: 2048, 13: 2048, 14: 64}
+FAST_LARGE_MAX_ROWS = MappingProxyType(
+    {2: 2048, 3: 2048, 6: 2048, 7: 2048, 8: 2048, 12: 2048, 13: 2048, 14: 64}
+)
 #: CPU flags (``/proc/cpuinfo``) the VNNI body needs beside :attr:`CpuQuantKernels.isa`
 #: "avx512".
 VNNI_FLAGS = ("avx512bw", "avx512_vnni")
