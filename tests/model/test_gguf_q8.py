@@ -153,7 +153,8 @@ def test_large_steps_are_the_small_steps_products_row_by_row(kernels, name):
     """``gguf_gemm_large`` (more than 8 rows, rounded to int8 once, groups of 8 rows over
     blocks of 64 weight rows) gives each row bit for bit what the 8-row AVX2 product gives it,
     for row counts that do and do not fill the last group; and a GGUFMatmul of that many rows
-    takes it where ``q8_large_max_rows`` allows."""
+    takes it where ``q8_large_max_rows`` allows and ``gguf_gemm_fast`` does not (Q8_0 on the
+    AVX2 body)."""
     from pagedkv.model.gguf_weight import GGUFMatmul, GGUFWeight
 
     avx2 = CpuQuantKernels(kernels.path, isa="avx2", activations="q8", q8_isa="avx2")
@@ -175,7 +176,11 @@ def test_large_steps_are_the_small_steps_products_row_by_row(kernels, name):
     matmul = GGUFMatmul([GGUFWeight(name, raw, (n, k), kernels)])
     x = torch.randn(20, k, generator=gen)
     assert kernels.q8_large_max_rows >= 20
-    assert torch.equal(matmul(x), kernels.gguf_gemm_large(t.type_id, x, raw))
+    if kernels.takes_fast_large(t.type_id, 20, torch.float32):
+        assert torch.equal(matmul(x), kernels.gguf_gemm_fast(t.type_id, x, raw))
+    else:
+        assert name == "Q8_0" and kernels.q8_isa == "avx2"  # maddubs' int16 would overflow
+        assert torch.equal(matmul(x), kernels.gguf_gemm_large(t.type_id, x, raw))
     with pytest.raises(KernelUnavailableError):
         kernels.gguf_gemm_large(GGML_TYPES["F16"].type_id, x, raw)
 
@@ -327,3 +332,76 @@ def test_fused_layer_on_int8_activations(kernels, mix):
         got = h.clone()
         kernels.llama_attn_out(q8_layer, got, attn, 1)
         close(got - h, want - h + mlp)
+
+
+@pytest.mark.parametrize("k", [256, 2048, 288])
+@pytest.mark.parametrize("name", Q8_NAMES)
+def test_fast_large_product_against_the_rounded_activations(kernels, name, k):
+    """``gguf_gemm_fast`` (the default engine's large steps, each body: each weight group's
+    integer dot summed whole) against x rounded the same way in numpy times the dequantized
+    weights in float64, within the bound of the small products' test, for row counts that do
+    and do not fill its groups of rows (1, 9, 20, 64), N not a multiple of its tiles and K
+    with a lone last block (288); and within a few fp32 roundings of ``gguf_gemm_large`` on
+    the same body. Q8_0 on the AVX2 body is refused (KernelUnavailableError), as F16 is."""
+    t = GGML_TYPES[name]
+    if k % t.block_elems:
+        pytest.skip(f"{name} rows are whole blocks of {t.block_elems}")
+    raw = gguf_weight(name, N, k, seed=k + 3 * len(name))
+    x0 = torch.randn(2, k)
+    if t.type_id not in kernels.fast_large_rows:
+        assert name == "Q8_0" and kernels.q8_isa == "avx2"
+        with pytest.raises(KernelUnavailableError):
+            kernels.gguf_gemm_fast(t.type_id, x0, torch.from_numpy(raw))
+        return
+    w = dense(name, raw)
+    terms = w.abs()
+    mins = min_terms(name, raw)
+    if mins.numel():
+        terms = terms + 2 * mins
+    gen = torch.Generator().manual_seed(k + 1)
+    for rows in (1, 9, 20, 64):
+        x = torch.randn(rows, k, generator=gen)
+        x[0, 32:64] = 0.0  # a block of zeros: scale 0
+        x[-1, 64] = 50.0  # one value dominating its block
+        y = kernels.gguf_gemm_fast(t.type_id, x, torch.from_numpy(raw))
+        assert y.dtype == torch.float32 and y.shape == (rows, N)
+        q, d = quantize_activations(x)
+        x_hat = q * d.repeat_interleave(32, 1)
+        error = (y.double() - x_hat @ w.T).abs()
+        magnitude = x_hat.abs() @ terms.T
+        slack = (k / 8 + 16) * EPS32 * magnitude
+        assert bool((error <= slack).all()), (rows, float(error.max()))
+        assert float((error / magnitude).mean()) <= EPS32, rows
+        large = kernels.gguf_gemm_large(t.type_id, x, torch.from_numpy(raw), kernels.q8_isa)
+        assert bool(((y - large).double().abs() <= 2 * slack).all()), rows
+    with pytest.raises(KernelUnavailableError):
+        kernels.gguf_gemm_fast(GGML_TYPES["F16"].type_id, x0, torch.from_numpy(raw))
+
+
+def test_large_steps_pick_the_fast_product_per_part(kernels):
+    """A GGUFMatmul of stacked parts (a Q4_K and a Q6_K weight, as a Q4_K_M file's q/k/v)
+    runs each part of a large step on ``gguf_gemm_fast`` up to its type's
+    ``fast_large_rows`` and on the tiles beyond, and stacks their columns in order: at 100
+    rows (past Q6_K's limit, within Q4_K's) the Q4_K columns are the fast product's bits and
+    the Q6_K ones the tiles', and the whole stays within the activations' rounding of the
+    float64 product."""
+    from pagedkv.model.gguf_weight import GGUFMatmul, GGUFWeight
+
+    if kernels.q8_isa != "avx512_vnni":
+        pytest.skip("no VNNI body here: its per-type row limits do not apply")
+    k = 512
+    q4 = GGUFWeight("Q4_K", torch.from_numpy(gguf_weight("Q4_K", 40, k, seed=3)), (40, k), kernels)
+    q6 = GGUFWeight("Q6_K", torch.from_numpy(gguf_weight("Q6_K", 24, k, seed=4)), (24, k), kernels)
+    rows = 100
+    assert kernels.fast_large_rows[q6.type_id] < rows <= kernels.fast_large_rows[q4.type_id]
+    matmul = GGUFMatmul([q4, q6])
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(6))
+    got = matmul(x)
+    assert got.shape == (rows, 64) and got.dtype == torch.float32
+    assert torch.equal(got[:, :40], kernels.gguf_gemm_fast(q4.type_id, x, q4.data))
+    assert torch.equal(got[:, 40:], matmul._tiled(x, (q6,)))
+    w = torch.cat([dense("Q4_K", q4.data.numpy()), dense("Q6_K", q6.data.numpy())])
+    _, d = quantize_activations(x)
+    rounding = (d.repeat_interleave(32, 1) / 2) @ w.abs().T
+    error = (got.double() - x.double() @ w.T).abs()
+    assert bool((error <= rounding * 1.01 + 1e-4 * float(error.new_tensor(1.0))).all())

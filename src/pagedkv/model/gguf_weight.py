@@ -12,10 +12,14 @@ cost nothing, the others are shared with the page cache), and :class:`GGUFMatmul
                                        32 for the quantized types (the default), fp32 ones with
                                        PAGEDKV_GGUF_ACTIVATIONS=fp32 (the dequantized weights'
                                        numbers)
+    larger steps, int8 activations,    gguf_gemm_fast: the step's rows rounded to int8 once,
+    up to fast_large_rows (VNNI: any   tiles of weight rows unpacked once (one row per lane)
+    model, per type; AVX2 body: a      and met by a few activation rows at a time, each
+    float32 model, as gguf_gemm_large) weight group's integer dot summed whole (as llama.cpp)
     larger steps of a float32 model,   gguf_gemm_large: the step's rows rounded to int8 once,
     int8 activations, up to            then the small steps' products over groups of 8 rows
-    q8_large_max_rows rows (all held   while a block of 64 weight rows stays in L2
-    to AVX2, 64 with AVX-512's GEMM)
+    q8_large_max_rows rows (all held   while a block of 64 weight rows stays in L2 (Q8_0
+    to AVX2, 64 with AVX-512's GEMM)   on the AVX2 body, which gguf_gemm_fast does not take)
     larger steps otherwise             a tile of rows at a time dequantized into a small scratch
                                        (``gguf_dequant``, fp32 or bf16), then torch's GEMM on
                                        the tile: the weight is read once per step, and the
@@ -223,14 +227,34 @@ class GGUFMatmul:
             ]
             y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
             return y if y.dtype == self.dtype else y.to(self.dtype)
-        if self.dtype == torch.float32 and all(
-            p.type_id in Q8_TYPES and num_tokens <= p.kernels.q8_large_max_rows for p in self.parts
-        ):
+        fast = [p.kernels.takes_fast_large(p.type_id, num_tokens, self.dtype) for p in self.parts]
+        if any(fast):
+            # each part on the fast large product where it was measured faster, the others
+            # as before (the int8 large product or tiles)
             xf = x.float().contiguous()
-            outs = [p.kernels.gguf_gemm_large(p.type_id, xf, p.data) for p in self.parts]
-            y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-            return y if y.dtype == self.dtype else y.to(self.dtype)
-        return self._tiled(x)
+            outs = [
+                p.kernels.gguf_gemm_fast(p.type_id, xf, p.data).to(self.dtype)
+                if f
+                else self._large(x, xf, (p,))
+                for p, f in zip(self.parts, fast, strict=True)
+            ]
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return self._large(x, None, self.parts)
+
+    def _large(
+        self, x: torch.Tensor, xf: torch.Tensor | None, parts: Sequence[GGUFWeight]
+    ) -> torch.Tensor:
+        """``parts`` of a large step (their columns) on the int8 large products where a
+        float32 model's kernels take them (:attr:`~pagedkv.model.kernels.cpu_quant.
+        CpuQuantKernels.q8_large_max_rows`), else on tiles; ``xf``: x in fp32, or None."""
+        num_tokens = x.shape[0]
+        if self.dtype == torch.float32 and all(
+            p.type_id in Q8_TYPES and num_tokens <= p.kernels.q8_large_max_rows for p in parts
+        ):
+            xf = x.float().contiguous() if xf is None else xf
+            outs = [p.kernels.gguf_gemm_large(p.type_id, xf, p.data) for p in parts]
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return self._tiled(x, parts)
 
     def invariant(self, x: torch.Tensor) -> torch.Tensor:
         """``x W^T`` float32 ``[num_tokens, out_features]`` for x ``[num_tokens, in_features]``
@@ -248,17 +272,19 @@ class GGUFMatmul:
         outs = [p.kernels.gguf_gemm_invariant(p.type_id, xf, p.data) for p in self.parts]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
-    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
+    def _tiled(self, x: torch.Tensor, parts: Sequence[GGUFWeight] | None = None) -> torch.Tensor:
         """A large step: each tile of rows dequantized into a scratch in the compute dtype
-        (float32, or bfloat16 for a bf16 model), then torch's GEMM on it."""
+        (float32, or bfloat16 for a bf16 model), then torch's GEMM on it. ``parts``: those
+        of :attr:`parts` to compute (their columns only); None = all."""
+        parts = self.parts if parts is None else parts
         dtype = torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float32
         xc = x.to(dtype).contiguous()
         k = self.in_features
         tile_rows = max(16, TILE_ELEMENTS // k)
-        scratch = torch.empty(min(tile_rows, max(p.shape[0] for p in self.parts)), k, dtype=dtype)
-        out = torch.empty(x.shape[0], self.out_features, dtype=dtype)
+        scratch = torch.empty(min(tile_rows, max(p.shape[0] for p in parts)), k, dtype=dtype)
+        out = torch.empty(x.shape[0], sum(p.shape[0] for p in parts), dtype=dtype)
         column = 0
-        for part in self.parts:
+        for part in parts:
             for start in range(0, part.shape[0], tile_rows):
                 rows = min(tile_rows, part.shape[0] - start)
                 tile = scratch[:rows]

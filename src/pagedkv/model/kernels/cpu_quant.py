@@ -57,6 +57,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
@@ -103,6 +104,22 @@ Q8_ISA_CODES = {"avx2": 0, "avx512_vnni": 2}
 #: batch-invariant product (:meth:`CpuQuantKernels.gguf_gemm_invariant`) does not use this: it
 #: takes :attr:`CpuQuantKernels.q8_isa`, the decode steps' body.
 LARGE_Q8_ISA = "avx2"
+#: GGML type id of Q8_0 (its 8-bit codes overflow the AVX2 fast product's int16 sums).
+Q8_0_ID = 8
+#: Most rows of a large step that :meth:`CpuQuantKernels.gguf_gemm_fast` runs on the VNNI body,
+#: per GGML type id (beyond: bf16 / fp32 tiles and torch's GEMM; 2048 is the default step
+#: budget, ``max_num_batched_tokens``, and the largest step measured). Measured on a shared
+#: 2-core Zen 4 against a bf16 model's tiles (best of 5 calls, 2 threads, load 1.1-1.5;
+#: ``benchmarks/bench_gguf_large_steps.py FILE --dtype bfloat16``, docs/perf.md's History
+#: 2026-12-06 "large steps on whole groups"): SmolLM2-135M's Q4_1 products 1.9-2.3x the tiles at
+#: 64 rows, 1.04-1.4x at 2048, its Q8_0 LM head 1.5x / 1.08x; Llama-3.2-1B's Q4_K 1.7x / 1.15-
+#: 1.27x; random Q4_0, Q5_0, Q5_1, Q5_K, Q8_0 blocks at both models' shapes 1.7-2.0x at 64 rows,
+#: 1.4-1.5x at 512-2048. Q6_K (its sub-blocks of 16 take a float step each, and a tile of
+#: K = 8192 no longer fits L1): 1.08-1.5x at 64 rows, at 128-2048 rows 1.0-1.26x at K = 2048 but
+#: 0.73-0.94x at K = 8192, so 64.
+FAST_LARGE_MAX_ROWS = MappingProxyType(
+    {2: 2048, 3: 2048, 6: 2048, 7: 2048, 8: 2048, 12: 2048, 13: 2048, 14: 64}
+)
 #: CPU flags (``/proc/cpuinfo``) the VNNI body needs beside :attr:`CpuQuantKernels.isa`
 #: "avx512".
 VNNI_FLAGS = ("avx512bw", "avx512_vnni")
@@ -528,6 +545,7 @@ class CpuQuantKernels:
         "_gguf_gemm",
         "_gguf_gemm_invariant",
         "_gguf_gemm_q8",
+        "_gguf_gemm_q8_fast",
         "_gguf_gemm_q8_large",
         "_gguf_rows",
         "_int4",
@@ -536,6 +554,7 @@ class CpuQuantKernels:
         "_q8_isa_code",
         "_rms_norm",
         "activations",
+        "fast_large_rows",
         "fused_layers",
         "gguf_types",
         "isa",
@@ -571,9 +590,22 @@ class CpuQuantKernels:
         #: has 8 lanes, the int8 products win at every size up to a 512-token prompt (Q6_K: a
         #: tie there); with AVX-512's fp32 GEMM they win up to about 64 rows and lose on
         #: prompts. A bfloat16 model keeps its tiles (GGUFMatmul): bf16 GEMM on a CPU with
-        #: native bf16 beat the int8 products end to end (64 chats of SmolLM2: 387 against 291
-        #: output tok/s).
+        #: native bf16 beat these int8 products end to end (64 chats of SmolLM2: 387 against 291
+        #: output tok/s). :meth:`gguf_gemm_fast` comes first where it runs (see
+        #: :meth:`takes_fast_large`); this is what its types and sizes leave.
         self.q8_large_max_rows = 0 if activations != "q8" else (64 if isa == "avx512" else 1 << 62)
+        #: most rows a large step runs on :meth:`gguf_gemm_fast` rather than the tiles or
+        #: :meth:`gguf_gemm_large`, by GGML type id (see :meth:`takes_fast_large`): on the
+        #: VNNI body :data:`FAST_LARGE_MAX_ROWS`; on the AVX2 body :attr:`q8_large_max_rows`
+        #: for every type but Q8_0 (it beat :meth:`gguf_gemm_large` at every shape measured);
+        #: empty with fp32 activations.
+        self.fast_large_rows: dict[int, int] = {}
+        if activations == "q8":
+            self.fast_large_rows = (
+                dict(FAST_LARGE_MAX_ROWS)
+                if q8_isa == "avx512_vnni"
+                else {t: self.q8_large_max_rows for t in Q8_TYPES if t != Q8_0_ID}
+            )
         self.path = path
         #: whether models run their small steps' decoder layers through the fused calls
         #: (:meth:`llama_attn_in` / :meth:`llama_attn_out`) or as torch ops around the products
@@ -624,6 +656,9 @@ class CpuQuantKernels:
             ctypes.c_int,
         ]
         self._gguf_gemm_q8_large.restype = ctypes.c_int
+        self._gguf_gemm_q8_fast = lib.pagedkv_gguf_gemm_q8_fast
+        self._gguf_gemm_q8_fast.argtypes = self._gguf_gemm_q8_large.argtypes
+        self._gguf_gemm_q8_fast.restype = ctypes.c_int
         self._gguf_gemm_invariant = lib.pagedkv_gguf_gemm_invariant
         self._gguf_gemm_invariant.argtypes = [
             ctypes.c_int,
@@ -892,6 +927,65 @@ class CpuQuantKernels:
         if rc:
             raise KernelUnavailableError(
                 f"gguf_gemm_large refused type {type_id}, x {tuple(x.shape)}"
+            )
+        return out
+
+    def takes_fast_large(self, type_id: int, num_rows: int, dtype: torch.dtype) -> bool:
+        """Whether a large step of ``num_rows`` rows of a ``dtype`` model runs a ``type_id``
+        weight on :meth:`gguf_gemm_fast`: up to :attr:`fast_large_rows` rows; on the AVX2 body
+        a float32 model only (a bfloat16 model keeps its bf16 tiles, as with
+        :meth:`gguf_gemm_large`)."""
+        if num_rows > self.fast_large_rows.get(type_id, 0):
+            return False
+        return self.q8_isa == "avx512_vnni" or dtype == torch.float32
+
+    def gguf_gemm_fast(self, type_id: int, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``x W^T`` fp32 ``[M, N]`` for any number of rows M, the default engine's large
+        steps (gguf_blocks.c ``pagedkv_gguf_gemm_q8_fast``): every row of x rounded to int8 in
+        blocks of 32 once, tiles of weight rows unpacked once, one row per lane (VNNI body: 16
+        rows, ``dpbusd``, 8 activation rows at a time; AVX2 body: 8 rows, ``maddubs`` summed in
+        int16 while it cannot overflow, 4 activation rows at a time), each weight group's
+        integer dot (32 elements; Q6_K 16) summed whole before its one float step, as
+        llama.cpp does. The values are :meth:`gguf_gemm_large`'s up to fp32 summation order,
+        not its bits (the batch-invariant products keep those).
+
+        Args:
+            type_id: a key of :attr:`fast_large_rows`.
+            x: fp32 contiguous ``[M, K]``, M >= 1.
+            w: uint8 contiguous ``[N, row_bytes(type_id, K)]``.
+
+        Raises:
+            KernelUnavailableError: fp32 activations, a type this body does not take here (not
+                in :attr:`fast_large_rows`: the float types, and Q8_0 on the AVX2 body), or a
+                shape or dtype the kernel does not take.
+        """
+        if type_id not in self.fast_large_rows:
+            raise KernelUnavailableError(
+                f"gguf_gemm_fast does not take type {type_id} with {self.activations} "
+                f"activations on the {self.q8_isa} body"
+            )
+        if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
+            raise KernelUnavailableError(f"x must be fp32 contiguous [M, K], got {x.dtype}")
+        if type_id not in Q8_TYPES:
+            raise KernelUnavailableError(f"type {type_id} has no int8-activation product")
+        rows, in_features = x.shape
+        n = self._gguf_weight(type_id, w, in_features)
+        out = torch.empty(rows, n, dtype=torch.float32)
+        rc = self._gguf_gemm_q8_fast(
+            type_id,
+            x.data_ptr(),
+            w.data_ptr(),
+            out.data_ptr(),
+            rows,
+            n,
+            in_features,
+            n,
+            torch.get_num_threads(),
+            self._q8_isa_code,
+        )
+        if rc:
+            raise KernelUnavailableError(
+                f"gguf_gemm_fast refused type {type_id}, x {tuple(x.shape)}"
             )
         return out
 

@@ -737,6 +737,282 @@ Q8_ROWS(q4_k)
 Q8_ROWS(q5_k)
 Q8_ROWS(q6_k)
 
+/* ---- the default engine's large steps held to AVX2: whole groups in integers ------------
+ *
+ * As the VNNI body's vf_tile_rows, for a CPU (or a hold) without VNNI: tiles of 8 weight rows
+ * across the lanes, the codes unpacked once per tile into [group][step of 4 bytes][row][4]
+ * (unsigned: the signed types with their bias b added), and per activation row and group
+ * maddubs (4 bytes of 8 rows against the row's 4 bytes, broadcast) summed in int16 while no sum
+ * can overflow (8 steps for 4-bit codes: 8 * 2 * 15 * 127 < 2^15; 4 for 5-bit, 2 for Q6_K's
+ * 6-bit), then madd to int32, so a group of 32 (Q6_K: 16) takes one float step, not four. Not
+ * the decode step's bits (the batch-invariant switch keeps pagedkv_gguf_gemm_q8_large). Q8_0's
+ * 8-bit codes would overflow int16 in one maddubs: it keeps the other large products.
+ * The dots start from -b times the sub-block's activation sum (af_act's xgs). */
+#define AF_MB 4
+
+typedef struct {
+    uint8_t *wq; /* [G][8 steps][8 rows][4] */
+    float *dsc;  /* [G][2][8]: the scale of steps 0-3 and 4-7 (equal but for Q6_K) */
+    float *mn;   /* [G][8]: the offset per unit of the activations' xds (+m, -dmin m_j), or 0 */
+} af_tile;
+
+static inline AI int af_steps16(int type) {
+    return type == GGML_Q6_K ? 2 : (type == GGML_Q5_0 || type == GGML_Q5_1 || type == GGML_Q5_K) ? 4 : 8;
+}
+
+/* group g of a row as 32 unsigned codes, its two half scales and its offset */
+static inline AI void af_unpack(const int type, const uint8_t *row, int64_t g, uint8_t *q,
+                                float *d2, float *mo) {
+    switch (type) {
+        case GGML_Q4_0:
+        case GGML_Q4_1: {
+            const int BB = type == GGML_Q4_0 ? 18 : 20;
+            const uint8_t *b = row + g * BB, *qs = b + BB - 16;
+            for (int i = 0; i < 16; i++) {
+                q[i] = qs[i] & 0x0F;
+                q[i + 16] = qs[i] >> 4;
+            }
+            d2[0] = d2[1] = f16_to_f32(b);
+            *mo = type == GGML_Q4_1 ? f16_to_f32(b + 2) : 0.0f;
+            return;
+        }
+        case GGML_Q5_0:
+        case GGML_Q5_1: {
+            const int BB = type == GGML_Q5_0 ? 22 : 24;
+            const uint8_t *b = row + g * BB, *qs = b + BB - 16;
+            uint32_t qh;
+            memcpy(&qh, b + BB - 20, 4);
+            for (int i = 0; i < 16; i++) {
+                q[i] = (uint8_t)((qs[i] & 0x0F) | (((qh >> i) & 1u) << 4));
+                q[i + 16] = (uint8_t)((qs[i] >> 4) | (((qh >> (i + 16)) & 1u) << 4));
+            }
+            d2[0] = d2[1] = f16_to_f32(b);
+            *mo = type == GGML_Q5_1 ? f16_to_f32(b + 2) : 0.0f;
+            return;
+        }
+        case GGML_Q4_K:
+        case GGML_Q5_K: {
+            const int five = type == GGML_Q5_K, j = (int)(g & 7);
+            const uint8_t *blk = row + (g >> 3) * (five ? 176 : 144);
+            float D[8], DM[8];
+            prep_q4_k(blk, D, DM);
+            const uint8_t *qs = blk + (five ? 48 : 16) + 32 * (j >> 1);
+            for (int i = 0; i < 32; i++) {
+                uint8_t v = (j & 1) ? qs[i] >> 4 : qs[i] & 0x0F;
+                if (five && ((blk[16 + i] >> j) & 1)) v += 16;
+                q[i] = v;
+            }
+            d2[0] = d2[1] = D[j];
+            *mo = -DM[j];
+            return;
+        }
+        default: { /* Q6_K */
+            const int j = (int)(g & 7), h = j >> 2, t = j & 3;
+            const uint8_t *blk = row + (g >> 3) * 210;
+            const uint8_t *ql = blk + 64 * h + 32 * (t & 1), *qh = blk + 128 + 32 * h;
+            for (int i = 0; i < 32; i++) {
+                const uint8_t lo = t >= 2 ? ql[i] >> 4 : ql[i] & 0x0F;
+                q[i] = (uint8_t)(lo | (((qh[i] >> (2 * t)) & 3) << 4));
+            }
+            const float d = f16_to_f32(blk + 208);
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            d2[0] = d * (float)sc[2 * j];
+            d2[1] = d * (float)sc[2 * j + 1];
+            *mo = 0.0f;
+            return;
+        }
+    }
+}
+
+static void af_pack(const int type, const uint8_t *w, int64_t row_bytes, int64_t n0, int nv,
+                    int64_t G, const af_tile *T) {
+    for (int64_t g = 0; g < G; g++) {
+        uint8_t q[8][32];
+        float d2[8][2], mo[8];
+        for (int r = 0; r < 8; r++) {
+            if (r < nv) {
+                af_unpack(type, w + (n0 + r) * row_bytes, g, q[r], d2[r], &mo[r]);
+            } else {
+                memset(q[r], 0, 32);
+                d2[r][0] = d2[r][1] = mo[r] = 0.0f;
+            }
+        }
+        uint8_t *dst = T->wq + g * 256;
+        for (int st = 0; st < 8; st++)
+            for (int r = 0; r < 8; r++) memcpy(dst + st * 32 + 4 * r, q[r] + 4 * st, 4);
+        for (int r = 0; r < 8; r++) {
+            T->dsc[g * 16 + r] = d2[r][0];
+            T->dsc[g * 16 + 8 + r] = d2[r][1];
+            T->mn[g * 8 + r] = mo[r];
+        }
+    }
+}
+
+/* steps a .. a + n - 1 of group g for AF_MB activation rows (xr: each row's bytes of the
+ * group), added in int16, then to the int32 sums i32 */
+static inline AI void af_steps(const uint8_t *wq, const int8_t *const xr[AF_MB], int a, int n,
+                               __m256i i32[AF_MB]) {
+    __m256i i16[AF_MB];
+#pragma GCC unroll 8
+    for (int st = a; st < a + n; st++) {
+        const __m256i wv = _mm256_loadu_si256((const __m256i *)(wq + 32 * st));
+#pragma GCC unroll 4
+        for (int i = 0; i < AF_MB; i++) {
+            int32_t xv;
+            memcpy(&xv, xr[i] + 4 * st, 4);
+            const __m256i p = _mm256_maddubs_epi16(wv, _mm256_set1_epi32(xv));
+            i16[i] = st == a ? p : _mm256_add_epi16(i16[i], p);
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < AF_MB; i++)
+        i32[i] = _mm256_add_epi32(i32[i], _mm256_madd_epi16(i16[i], _mm256_set1_epi16(1)));
+}
+
+static inline AI void af_tile_rows(const int type, const uint8_t *w, int64_t row_bytes,
+                                   const int8_t *xq, const float *xd, const float *xds,
+                                   const int32_t *xgs, int64_t K, int64_t m0, int64_t m1,
+                                   int64_t n0, int nv, const af_tile *T, float *out,
+                                   int64_t ldo) {
+    const int64_t G = K / 32;
+    const int S16 = af_steps16(type), halves = type == GGML_Q6_K;
+    const int mins = type == GGML_Q4_1 || type == GGML_Q5_1 || type == GGML_Q4_K || type == GGML_Q5_K;
+    af_pack(type, w, row_bytes, n0, nv, G, T);
+    for (int64_t ma = m0; ma < m1; ma += AF_MB) {
+        int64_t mr[AF_MB];
+#pragma GCC unroll 4
+        for (int i = 0; i < AF_MB; i++) mr[i] = ma + i < m1 ? ma + i : m1 - 1;
+        __m256 acc[AF_MB];
+#pragma GCC unroll 4
+        for (int i = 0; i < AF_MB; i++) acc[i] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < G; g++) {
+            const uint8_t *wq = T->wq + g * 256;
+            const int8_t *xr[AF_MB];
+#pragma GCC unroll 4
+            for (int i = 0; i < AF_MB; i++) xr[i] = xq + mr[i] * K + 32 * g;
+            if (halves) {
+#pragma GCC unroll 2
+                for (int hh = 0; hh < 2; hh++) {
+                    __m256i i32[AF_MB];
+#pragma GCC unroll 4
+                    for (int i = 0; i < AF_MB; i++) i32[i] = _mm256_set1_epi32(xgs[mr[i] * 2 * G + 2 * g + hh]);
+                    af_steps(wq, xr, 4 * hh, 2, i32);
+                    af_steps(wq, xr, 4 * hh + 2, 2, i32);
+                    const __m256 sc = _mm256_loadu_ps(T->dsc + g * 16 + 8 * hh);
+#pragma GCC unroll 4
+                    for (int i = 0; i < AF_MB; i++)
+                        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32[i]),
+                                                 _mm256_mul_ps(sc, _mm256_set1_ps(xd[mr[i] * G + g])), acc[i]);
+                }
+            } else {
+                __m256i i32[AF_MB];
+#pragma GCC unroll 4
+                for (int i = 0; i < AF_MB; i++)
+                    i32[i] = xgs != NULL ? _mm256_set1_epi32(xgs[mr[i] * 2 * G + 2 * g] + xgs[mr[i] * 2 * G + 2 * g + 1])
+                                         : _mm256_setzero_si256();
+                for (int a = 0; a < 8; a += S16) af_steps(wq, xr, a, S16, i32);
+                const __m256 sc = _mm256_loadu_ps(T->dsc + g * 16);
+#pragma GCC unroll 4
+                for (int i = 0; i < AF_MB; i++)
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32[i]),
+                                             _mm256_mul_ps(sc, _mm256_set1_ps(xd[mr[i] * G + g])), acc[i]);
+            }
+            if (mins) {
+                const __m256 mn = _mm256_loadu_ps(T->mn + g * 8);
+#pragma GCC unroll 4
+                for (int i = 0; i < AF_MB; i++)
+                    acc[i] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xds[mr[i] * G + g]), acc[i]);
+            }
+        }
+        for (int i = 0; i < AF_MB && ma + i < m1; i++) {
+            float r[8];
+            _mm256_storeu_ps(r, acc[i]);
+            memcpy(out + (ma + i) * ldo + n0, r, sizeof(float) * (size_t)nv);
+        }
+    }
+}
+
+#define AF_TYPE(T, TYPE)                                                                     \
+    static __attribute__((noinline)) void af_tile_##T(                                        \
+        const uint8_t *w, int64_t row_bytes, const int8_t *xq, const float *xd,               \
+        const float *xds, const int32_t *xgs, int64_t K, int64_t m0, int64_t m1, int64_t n0,  \
+        int nv, const af_tile *Tl, float *out, int64_t ldo) {                                 \
+        af_tile_rows(TYPE, w, row_bytes, xq, xd, xds, xgs, K, m0, m1, n0, nv, Tl, out, ldo);  \
+    }
+AF_TYPE(q4_0, GGML_Q4_0)
+AF_TYPE(q4_1, GGML_Q4_1)
+AF_TYPE(q5_0, GGML_Q5_0)
+AF_TYPE(q5_1, GGML_Q5_1)
+AF_TYPE(q4_k, GGML_Q4_K)
+AF_TYPE(q5_k, GGML_Q5_K)
+AF_TYPE(q6_k, GGML_Q6_K)
+#undef AF_TYPE
+
+/* Row m's sub-block starts [2 G]: -bias times the sum of each 16 activation bytes */
+static void af_act_row(const int8_t *xq, int64_t K, int bias, int32_t *xgs) {
+    for (int64_t h = 0; h < K / 16; h++) {
+        int32_t s = 0;
+        for (int k = 0; k < 16; k++) s += xq[16 * h + k];
+        xgs[h] = -bias * s;
+    }
+}
+
+/* The product (arguments checked by the caller; type one of af_tile_*'s). Returns 0, or -1
+ * (an allocation failure). */
+static int gemm_q8_avx2_fast(int type, const float *x, const uint8_t *w, float *out, int64_t M,
+                             int64_t N, int64_t K, int64_t ldo, int num_threads) {
+    int64_t E, B;
+    pagedkv_gguf_block(type, &E, &B);
+    const int64_t G = K / 32, row_bytes = K / E * B, num_tiles = (N + 7) / 8;
+    const int bias = type == GGML_Q4_0 ? 8 : type == GGML_Q5_0 ? 16 : type == GGML_Q6_K ? 32 : 0;
+    /* xd, xds fp32 [M, G], xq int8 [M, K]; xgs int32 [M, 2 G] */
+    float *xd = (float *)malloc(sizeof(float) * 2 * M * G + (size_t)(M * K));
+    int32_t *xgs = (bias != 0 || type == GGML_Q6_K) ? (int32_t *)calloc((size_t)(M * 2 * G), sizeof(int32_t)) : NULL;
+    const size_t tile_bytes = ((size_t)G * (256 + 64 + 32) + 63) & ~(size_t)63;
+    const int threads = num_tiles < num_threads ? (int)(num_tiles > 0 ? num_tiles : 1) : num_threads;
+    uint8_t *scratch = (uint8_t *)aligned_alloc(64, tile_bytes * (size_t)threads);
+    if (xd == NULL || scratch == NULL || ((bias != 0 || type == GGML_Q6_K) && xgs == NULL)) {
+        free(xd);
+        free(xgs);
+        free(scratch);
+        return -1;
+    }
+    float *xds = xd + M * G;
+    int8_t *xq = (int8_t *)(xds + M * G);
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t m = 0; m < M; m++) {
+        quantize_row_q8(x + m * K, K, xq + m * K, xd + m * G, xds + m * G);
+        if (xgs != NULL) af_act_row(xq + m * K, K, bias, xgs + m * 2 * G);
+    }
+#pragma omp parallel num_threads(threads)
+    {
+#ifdef _OPENMP
+        uint8_t *mine = scratch + tile_bytes * (size_t)omp_get_thread_num();
+#else
+        uint8_t *mine = scratch;
+#endif
+        const af_tile T = {mine, (float *)(mine + G * 256), (float *)(mine + G * (256 + 64))};
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < num_tiles; b++) {
+            const int64_t n0 = 8 * b;
+            const int nv = (int)(N - n0 < 8 ? N - n0 : 8);
+            switch (type) {
+                case GGML_Q4_0: af_tile_q4_0(w, row_bytes, xq, xd, xds, xgs, K, 0, M, n0, nv, &T, out, ldo); break;
+                case GGML_Q4_1: af_tile_q4_1(w, row_bytes, xq, xd, xds, xgs, K, 0, M, n0, nv, &T, out, ldo); break;
+                case GGML_Q5_0: af_tile_q5_0(w, row_bytes, xq, xd, xds, xgs, K, 0, M, n0, nv, &T, out, ldo); break;
+                case GGML_Q5_1: af_tile_q5_1(w, row_bytes, xq, xd, xds, xgs, K, 0, M, n0, nv, &T, out, ldo); break;
+                case GGML_Q4_K: af_tile_q4_k(w, row_bytes, xq, xd, xds, xgs, K, 0, M, n0, nv, &T, out, ldo); break;
+                case GGML_Q5_K: af_tile_q5_k(w, row_bytes, xq, xd, xds, xgs, K, 0, M, n0, nv, &T, out, ldo); break;
+                default: af_tile_q6_k(w, row_bytes, xq, xd, xds, xgs, K, 0, M, n0, nv, &T, out, ldo); break;
+            }
+        }
+    }
+    free(xd);
+    free(xgs);
+    free(scratch);
+    return 0;
+}
+
 #undef Q8_BLOCK32
 #undef Q8_ROW32
 #undef Q8_ROWS
@@ -1349,6 +1625,137 @@ static void vl_act_rows(const q8v_act *A, int64_t m0, int64_t m1, int bias, floa
         }
 }
 
+/* ---- the default engine's large steps on VNNI: whole groups in int32 ------------------
+ *
+ * The tiles above keep a lane's four elements per fused multiply-add, as the one-row kernel
+ * does, so that a row's bits are the decode step's (the batch-invariant switch needs that).
+ * The default engine's large steps need no such tie, so here a weight group's integer dot (32
+ * elements; Q6_K 16) is summed whole in int32 before its one float step, as llama.cpp does:
+ * per group and activation row 16 / NS dpbusd, one cvt, one multiply (the weights' scales
+ * times the row's xd) and one FMA (a second for Q4_1 / Q5_1's m and the K-types' min), for 16
+ * weight rows at once (the tile's lanes: the rows' results land in one vector, no reduction).
+ * VF_MB activation rows share each weight vector (a register), their broadcast bytes a memory
+ * operand. The integer dots are exact, so the numbers are those of the decode step's product
+ * up to the fp32 order of the groups' terms.
+ *   Signed types (stored with their bias b added): a group's dot starts from -b times the sum
+ * of its activation bytes (xgs [M, P * NS], once per call). */
+#define VF_MB 8
+
+static inline AI void vf_tile_rows(const int type, const uint8_t *w, int64_t row_bytes,
+                                   const q8v_act *A, const float *xd, const float *xds2,
+                                   const int32_t *xgs, int64_t m0, int64_t m1, int64_t n0, int nv,
+                                   const vl_tile *T, float *out, int64_t ldo) {
+    const int64_t P = A->P, Kp = A->Kp;
+    const int NS = vl_ns(type), LG = 16 / NS;
+    const int mins = type == GGML_Q4_1 || type == GGML_Q5_1, kmins = type == GGML_Q4_K || type == GGML_Q5_K;
+    vl_pack(type, w, row_bytes, n0, nv, A->G, P, T);
+    const __mmask16 keep = (__mmask16)((1u << nv) - 1u);
+    for (int64_t ma = m0; ma < m1; ma += VF_MB) {
+        /* rows past m1 repeat row m1 - 1 (computed, not stored) */
+        int64_t mr[VF_MB];
+#pragma GCC unroll 8
+        for (int i = 0; i < VF_MB; i++) mr[i] = ma + i < m1 ? ma + i : m1 - 1;
+        __m512 acc[VF_MB];
+#pragma GCC unroll 8
+        for (int i = 0; i < VF_MB; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < P; p++) {
+            const uint8_t *wq = T->wq + p * 1024;
+#pragma GCC unroll 4
+            for (int q = 0; q < NS; q++) {
+                const int g2 = (int)(2 * p) + q * 2 / NS; /* the activations' block of 32 */
+                __m512i ia[VF_MB];
+#pragma GCC unroll 8
+                for (int i = 0; i < VF_MB; i++)
+                    ia[i] = xgs != NULL ? _mm512_set1_epi32(xgs[mr[i] * P * NS + p * NS + q])
+                                        : _mm512_setzero_si512();
+#pragma GCC unroll 8
+                for (int l = q * LG; l < (q + 1) * LG; l++) {
+                    const __m512i wv = _mm512_loadu_si512(wq + 64 * l);
+#pragma GCC unroll 8
+                    for (int i = 0; i < VF_MB; i++) {
+                        int32_t xv;
+                        memcpy(&xv, A->xq + mr[i] * Kp + 64 * p + 4 * l, 4);
+                        ia[i] = _mm512_dpbusd_epi32(ia[i], wv, _mm512_set1_epi32(xv));
+                    }
+                }
+                const __m512 dsc = _mm512_loadu_ps(T->dsc + (p * NS + q) * 16);
+#pragma GCC unroll 8
+                for (int i = 0; i < VF_MB; i++)
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[i]),
+                                             _mm512_mul_ps(dsc, _mm512_set1_ps(xd[mr[i] * 2 * P + g2])),
+                                             acc[i]);
+                if (mins) {
+                    const __m512 mn = _mm512_loadu_ps(T->mn + (p * 2 + q) * 16);
+#pragma GCC unroll 8
+                    for (int i = 0; i < VF_MB; i++)
+                        acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xds2[mr[i] * 2 * P + g2]), acc[i]);
+                } else if (kmins) {
+                    const __m512 mn = _mm512_loadu_ps(T->mn + ((p >> 2) * 8 + 2 * (p & 3) + q) * 16);
+#pragma GCC unroll 8
+                    for (int i = 0; i < VF_MB; i++)
+                        acc[i] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(xds2[mr[i] * 2 * P + g2]), acc[i]);
+                }
+            }
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < VF_MB; i++)
+            if (ma + i < m1) _mm512_mask_storeu_ps(out + (ma + i) * ldo + n0, keep, acc[i]);
+    }
+}
+
+#define VF_TYPE(T, TYPE)                                                                     \
+    static __attribute__((noinline)) void vf_tile_##T(                                        \
+        const uint8_t *w, int64_t row_bytes, const q8v_act *A, const float *xd,               \
+        const float *xds2, const int32_t *xgs, int64_t m0, int64_t m1, int64_t n0, int nv,    \
+        const vl_tile *Tl, float *out, int64_t ldo) {                                         \
+        vf_tile_rows(TYPE, w, row_bytes, A, xd, xds2, xgs, m0, m1, n0, nv, Tl, out, ldo);     \
+    }
+VF_TYPE(q8_0, GGML_Q8_0)
+VF_TYPE(q4_0, GGML_Q4_0)
+VF_TYPE(q4_1, GGML_Q4_1)
+VF_TYPE(q5_0, GGML_Q5_0)
+VF_TYPE(q5_1, GGML_Q5_1)
+VF_TYPE(q4_k, GGML_Q4_K)
+VF_TYPE(q5_k, GGML_Q5_K)
+VF_TYPE(q6_k, GGML_Q6_K)
+#undef VF_TYPE
+
+static void vf_tile_any(int type, const uint8_t *w, int64_t row_bytes, const q8v_act *A,
+                        const float *xd, const float *xds2, const int32_t *xgs, int64_t m0,
+                        int64_t m1, int64_t n0, int nv, const vl_tile *T, float *out,
+                        int64_t ldo) {
+    switch (type) {
+        case GGML_Q8_0: vf_tile_q8_0(w, row_bytes, A, xd, xds2, xgs, m0, m1, n0, nv, T, out, ldo); break;
+        case GGML_Q4_0: vf_tile_q4_0(w, row_bytes, A, xd, xds2, xgs, m0, m1, n0, nv, T, out, ldo); break;
+        case GGML_Q4_1: vf_tile_q4_1(w, row_bytes, A, xd, xds2, xgs, m0, m1, n0, nv, T, out, ldo); break;
+        case GGML_Q5_0: vf_tile_q5_0(w, row_bytes, A, xd, xds2, xgs, m0, m1, n0, nv, T, out, ldo); break;
+        case GGML_Q5_1: vf_tile_q5_1(w, row_bytes, A, xd, xds2, xgs, m0, m1, n0, nv, T, out, ldo); break;
+        case GGML_Q4_K: vf_tile_q4_k(w, row_bytes, A, xd, xds2, xgs, m0, m1, n0, nv, T, out, ldo); break;
+        case GGML_Q5_K: vf_tile_q5_k(w, row_bytes, A, xd, xds2, xgs, m0, m1, n0, nv, T, out, ldo); break;
+        case GGML_Q6_K: vf_tile_q6_k(w, row_bytes, A, xd, xds2, xgs, m0, m1, n0, nv, T, out, ldo); break;
+    }
+}
+
+/* Activation row m's extras for vf_tile_rows: xd and xds [2 P] (0 past K), and for a signed
+ * type (bias > 0) each group's dot start [P * NS]: -bias times its activation bytes' sum */
+static void vf_act_row(const q8v_act *A, int64_t m, int type, int bias, float *xd, float *xds2,
+                       int32_t *xgs) {
+    const int64_t P = A->P, G = A->G;
+    const int NS = vl_ns(type), LG = 16 / NS;
+    for (int64_t g = 0; g < 2 * P; g++) {
+        xd[m * 2 * P + g] = g < G ? A->xdp[(m * P + g / 2) * 16 + 8 * (g & 1)] : 0.0f;
+        xds2[m * 2 * P + g] = g < G ? A->xds[m * G + g] : 0.0f;
+    }
+    if (bias == 0) return;
+    const int8_t *xq = A->xq + m * A->Kp;
+    for (int64_t p = 0; p < P; p++)
+        for (int q = 0; q < NS; q++) {
+            int32_t s = 0;
+            for (int k = 0; k < 4 * LG; k++) s += xq[64 * p + 4 * LG * q + k];
+            xgs[m * P * NS + p * NS + q] = -bias * s;
+        }
+}
+
 #undef V_PAIR32
 #undef V_ROW32
 #undef V_ROWS
@@ -1406,26 +1813,29 @@ static int gemm_q8_vnni(int type, const float *x, const uint8_t *w, float *out, 
 }
 
 /* The large steps' VNNI product (arguments checked by the caller): the activations rounded
- * and laid out once (with vl_act_rows' extras), then, for each span of activation rows whose
- * bytes fit in VL_SPAN_BYTES (they stay in L2 while every tile meets them), tiles of 16
- * weight rows across the threads, each unpacked into the thread's scratch and met by every
- * row of the span (see vl_pairs). Returns 0, or -1 (an allocation failure). */
+ * and laid out once (with vl_act_rows' extras; vf_act_row's where `fast`), then, for each span
+ * of activation rows whose bytes fit in VL_SPAN_BYTES (they stay in L2 while every tile meets
+ * them), tiles of 16 weight rows across the threads, each unpacked into the thread's scratch
+ * and met by every row of the span: vl_pairs' lanes (each row the decode step's bits), or
+ * where `fast` vf_tile_rows' whole groups. Returns 0, or -1 (an allocation failure). */
 #define VL_SPAN_BYTES (320 * 1024)
 static int gemm_q8_vnni_large(int type, const float *x, const uint8_t *w, float *out, int64_t M,
-                              int64_t N, int64_t K, int64_t ldo, int num_threads) {
+                              int64_t N, int64_t K, int64_t ldo, int num_threads, int fast) {
     int64_t E, B;
     pagedkv_gguf_block(type, &E, &B);
     q8v_act A;
     float *buf;
     if (vnni_act(x, M, K, num_threads, &A, &buf)) return -1;
     const int64_t P = A.P, row_bytes = K / E * B, num_tiles = (N + 15) / 16;
-    const int bias = vl_bias(type);
+    const int bias = vl_bias(type), NS = type == GGML_Q6_K ? 4 : 2; /* vl_ns */
     /* per thread: wq P KiB, dsc P * 4 * 64 B, mn P * 128 B, acc VL_MB KiB */
     const size_t tile_bytes = (size_t)(P * (1024 + 256 + 128) + VL_MB * 1024 + 64) & ~(size_t)63;
     const int threads = num_tiles < num_threads ? (int)(num_tiles > 0 ? num_tiles : 1) : num_threads;
     uint8_t *scratch = (uint8_t *)aligned_alloc(64, tile_bytes * (size_t)threads);
-    float *xd = (float *)malloc(sizeof(float) * (size_t)(M * 2 * P));
-    int32_t *xst = bias != 0 ? (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * P * 16)) : NULL;
+    /* xd [M, 2 P]; where fast, xds2 [M, 2 P] after it */
+    float *xd = (float *)malloc(sizeof(float) * (size_t)(M * 2 * P * (fast ? 2 : 1)));
+    const size_t starts = (size_t)(fast ? M * P * NS : M * P * 16);
+    int32_t *xst = bias != 0 ? (int32_t *)malloc(sizeof(int32_t) * starts) : NULL;
     if (scratch == NULL || xd == NULL || (bias != 0 && xst == NULL)) {
         free(scratch);
         free(xd);
@@ -1433,8 +1843,14 @@ static int gemm_q8_vnni_large(int type, const float *x, const uint8_t *w, float 
         free(buf);
         return -1;
     }
+    float *xds2 = fast ? xd + M * 2 * P : NULL;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t m = 0; m < M; m++) vl_act_rows(&A, m, m + 1, bias, xd, xst);
+    for (int64_t m = 0; m < M; m++) {
+        if (fast)
+            vf_act_row(&A, m, type, bias, xd, xds2, xst);
+        else
+            vl_act_rows(&A, m, m + 1, bias, xd, xst);
+    }
     /* a span: the rows' bytes (xq, xd, xst) in VL_SPAN_BYTES, a multiple of VL_MB rows */
     int64_t span = VL_SPAN_BYTES / (A.Kp + 8 * P + (bias != 0 ? 64 * P : 0));
     span = span < VL_MB ? VL_MB : span / VL_MB * VL_MB;
@@ -1453,7 +1869,10 @@ static int gemm_q8_vnni_large(int type, const float *x, const uint8_t *w, float 
             for (int64_t b = 0; b < num_tiles; b++) {
                 const int64_t n0 = 16 * b;
                 const int nv = (int)(N - n0 < 16 ? N - n0 : 16);
-                vl_tile_any(type, w, row_bytes, &A, xd, xst, m0, m1, n0, nv, &T, out, ldo);
+                if (fast)
+                    vf_tile_any(type, w, row_bytes, &A, xd, xds2, xst, m0, m1, n0, nv, &T, out, ldo);
+                else
+                    vl_tile_any(type, w, row_bytes, &A, xd, xst, m0, m1, n0, nv, &T, out, ldo);
             }
         }
     }
@@ -1495,7 +1914,7 @@ int pagedkv_gguf_gemm_q8_large(int type, const float *x, const uint8_t *w, float
     if (isa != PAGEDKV_ISA_AVX2 && isa != PAGEDKV_ISA_AVX512 && isa != PAGEDKV_ISA_AVX512_VNNI)
         return -1;
     const int64_t num_blocks = (N + LARGE_N_BLOCK - 1) / LARGE_N_BLOCK;
-    if (isa == PAGEDKV_ISA_AVX512_VNNI) return gemm_q8_vnni_large(type, x, w, out, M, N, K, ldo, num_threads);
+    if (isa == PAGEDKV_ISA_AVX512_VNNI) return gemm_q8_vnni_large(type, x, w, out, M, N, K, ldo, num_threads, 0);
     const int64_t G = K / 32;
     float *xd = (float *)malloc(sizeof(float) * 2 * M * G + (size_t)(M * K));
     if (xd == NULL) return -1;
@@ -1526,6 +1945,22 @@ int pagedkv_gguf_gemm_q8_large(int type, const float *x, const uint8_t *w, float
     }
     free(xd);
     return 0;
+}
+
+/* The default engine's large steps on the VNNI body (vf_tile_rows): x fp32 [M, K], out fp32
+ * [M, ldo]; each group's integer dot summed whole before its float step, so a row's result is
+ * the q8 product's up to fp32 summation order, not the decode step's bits (the batch-invariant
+ * switch keeps pagedkv_gguf_gemm_q8_large). The caller checks that the CPU has AVX-512 BW and
+ * VNNI. Returns 0, or -1 for what it does not take (or an allocation failure). */
+int pagedkv_gguf_gemm_q8_fast(int type, const float *x, const uint8_t *w, float *out, int64_t M,
+                              int64_t N, int64_t K, int64_t ldo, int num_threads, int isa) {
+    int64_t E, B;
+    if (!pagedkv_gguf_q8_takes(type) || pagedkv_gguf_block(type, &E, &B)) return -1;
+    if (M < 1 || K <= 0 || K % E != 0 || N < 0 || ldo < N) return -1;
+    if (isa == PAGEDKV_ISA_AVX512_VNNI) return gemm_q8_vnni_large(type, x, w, out, M, N, K, ldo, num_threads, 1);
+    if (isa != PAGEDKV_ISA_AVX2 && isa != PAGEDKV_ISA_AVX512) return -1;
+    if (type == GGML_Q8_0) return -1; /* its codes overflow maddubs' int16 */
+    return gemm_q8_avx2_fast(type, x, w, out, M, N, K, ldo, num_threads);
 }
 
 int pagedkv_gguf_gemm_q8_ld(int type, const float *x, const uint8_t *w, float *out, int64_t M,

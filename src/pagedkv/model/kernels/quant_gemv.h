@@ -50,6 +50,13 @@ int pagedkv_gguf_gemm_q8_ld(int type, const float *x, const uint8_t *w, float *o
 int pagedkv_gguf_gemm_q8_large(int type, const float *x, const uint8_t *w, float *out,
                                int64_t M, int64_t N, int64_t K, int64_t ldo, int num_threads,
                                int isa);
+/* pagedkv_gguf_gemm_q8_large's arguments, for the default engine's large steps: each weight
+ * group's integer dot summed whole, then one float step (as llama.cpp does), so rows are not
+ * the decode step's bits. `isa` PAGEDKV_ISA_AVX512_VNNI: tiles of 16 weight rows on dpbusd
+ * (every type of pagedkv_gguf_q8_takes); PAGEDKV_ISA_AVX2 or _AVX512: tiles of 8 on maddubs
+ * (every one but Q8_0: -1). The caller checks that the CPU has the body. */
+int pagedkv_gguf_gemm_q8_fast(int type, const float *x, const uint8_t *w, float *out, int64_t M,
+                              int64_t N, int64_t K, int64_t ldo, int num_threads, int isa);
 /* The batch-invariant product: out [M, ldo] = x [M, K] W^T for any M >= 1, row m bit for bit
  * what pagedkv_gguf_gemm (activations 0, or a type pagedkv_gguf_q8_takes refuses; body `isa`)
  * or pagedkv_gguf_gemm_q8 (activations 1; body `q8_isa`) gives row m alone, whatever M and
