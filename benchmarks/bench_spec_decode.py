@@ -15,9 +15,9 @@ every configuration in turn, all greedy (temperature 0) through ``LLM.chat``:
   (round 2 and 3 ask again what round 1 answered: SuffixDecoding's tree of earlier outputs).
 - **chat**: open questions where little of the answer is in the prompt
   (``benchmarks/data/chat_prompts.jsonl``): speculation must not cost when it misses.
-- **grounded-heldout**, **chat-heldout**: the same tasks over texts and questions that nothing
-  was tuned on (``benchmarks/data/spec_heldout.jsonl``: eight short paragraphs on bread,
-  bicycles, bees ..., eight everyday questions).
+- **grounded-heldout**, **agent-heldout**, **chat-heldout**: the same tasks over texts and
+  questions that nothing was tuned on (``benchmarks/data/spec_heldout.jsonl``: eight short
+  paragraphs on bread, bicycles, bees ..., eight everyday questions).
 
 Every speculative run gets a fresh engine on the loaded model (no suffix tree from an earlier
 run or round, step costs learned anew, as a fresh server would). Batch 1 sends one conversation
@@ -426,7 +426,7 @@ def main() -> int:
         "--workloads",
         nargs="+",
         default=["grounded", "agent", "chat"],
-        choices=["grounded", "agent", "chat", "grounded-heldout", "chat-heldout"],
+        choices=["grounded", "agent", "chat", "grounded-heldout", "agent-heldout", "chat-heldout"],
     )
     parser.add_argument(
         "--proposers",
@@ -535,6 +535,7 @@ def main() -> int:
     workloads["grounded-heldout"] = grounded_conversations(
         args.num_prompts, heldout("grounded", args.num_prompts)
     )
+    workloads["agent-heldout"] = workloads["grounded-heldout"] * 3
     workloads["chat-heldout"] = heldout("chat", args.num_prompts)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     base = LLM(model=args.model, **engine_args)
