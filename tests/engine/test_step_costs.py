@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.spec_decode.drafts import MIN_GAIN, best_num_drafts, expected_tokens
-from pagedkv.engine.spec_decode.step_costs import MIN_SAMPLES, PRIOR_ROW_COST, StepCosts
+from pagedkv.engine.spec_decode.step_costs import MIN_SAMPLES, PRIOR_ROW_COST, WINDOW, StepCosts
 from pagedkv.errors import ConfigError
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.worker.spec_decode.proposer import TokenProposer
@@ -65,19 +65,30 @@ def test_a_constant_step_time_is_learned_exactly_and_interpolated_between_sizes(
     assert costs.cost(2) == pytest.approx(0.010 * (1 + PRIOR_ROW_COST))  # next to one: the prior
     # Past the largest measured size: the cost per row measured between the last two.
     assert costs.cost(11) == pytest.approx(0.030 + 2 * 0.0025)
+    assert costs.cost(11) == pytest.approx(0.035)
+    # Below the smallest: in proportion.
+    small = StepCosts(64)
+    small.observe(4, 0.040)
+    assert small.cost(2) == pytest.approx(0.020)
     assert StepCosts(64).cost(3) == pytest.approx(1 + 2 * PRIOR_ROW_COST)  # nothing measured
     assert costs.snapshot() == {1: (pytest.approx(0.010), 3), 9: (pytest.approx(0.030), 3)}
 
 
-def test_one_slow_first_step_does_not_rule_a_size_out():
+def test_slow_steps_do_not_move_the_estimate():
+    """The fastest of the first steps, then the median of the last WINDOW: one slow first step
+    (another process woke up) and a few slow ones later change nothing."""
     costs = StepCosts(64)
-    for _ in range(MIN_SAMPLES):
-        costs.observe(1, 0.010)
-    costs.observe(4, 0.100)  # another process woke up
-    assert costs.cost(4) == pytest.approx(0.010 * (1 + 3 * PRIOR_ROW_COST))  # interpolation
+    costs.observe(4, 0.100)
     costs.observe(4, 0.012)
-    costs.observe(4, 0.012)  # measured enough: the fastest of its first steps
     assert costs.cost(4) == pytest.approx(0.012)
+    for _ in range(WINDOW):
+        costs.observe(4, 0.012)
+    for _ in range(WINDOW // 2 - 1):
+        costs.observe(4, 0.050)
+    assert costs.cost(4) == pytest.approx(0.012)
+    for _ in range(WINDOW):  # the machine got slower for good: the estimate follows
+        costs.observe(4, 0.020)
+    assert costs.cost(4) == pytest.approx(0.020)
 
 
 def test_noisy_times_converge_near_the_true_cost():
@@ -86,7 +97,8 @@ def test_noisy_times_converge_near_the_true_cost():
     costs = StepCosts(64)
     for _ in range(200):
         for size, seconds in ((1, 0.010), (4, 0.012), (8, 0.020)):
-            costs.observe(size, seconds * (1 + 0.2 * rng.random()))
+            spike = 3.0 if rng.random() < 0.05 else 1.0
+            costs.observe(size, seconds * (1 + 0.2 * rng.random()) * spike)
     for size, seconds in ((1, 0.010), (4, 0.012), (8, 0.020)):
         assert seconds <= costs.cost(size) <= seconds * 1.2
 

@@ -55,9 +55,9 @@ plain sampler); the workers still propose (microseconds beside a step of millise
 first draft is checked against the token the step samples, so the estimate recovers when the
 text starts to repeat. A seeded request's draws follow its drafts, so its k must not depend on
 timing or on the batch: it takes a fixed cost (:data:`SEEDED_ROW_COST` a row) as if alone.
-Idea: the acceptance-aware draft lengths of SuffixDecoding and of EAGLE-2-style dynamic
-drafting, as a per-request rule, with the step costs measured as hardware-aware speculation
-(Sequoia) sizes its trees.
+Idea: SmartSpec's goodput (expected accepted tokens per unit of the batch's step time; Liu et
+al., 2024), chosen per request as the acceptance-aware draft lengths of SuffixDecoding and
+EAGLE-2-style dynamic drafting are.
 """
 
 from __future__ import annotations
