@@ -19,14 +19,14 @@ every configuration in turn, all greedy (temperature 0) through ``LLM.chat``:
   questions that nothing was tuned on (``benchmarks/data/spec_heldout.jsonl``: eight short
   paragraphs on bread, bicycles, bees ..., eight everyday questions).
 
-Every speculative run gets a fresh engine on the loaded model (no suffix tree from an earlier
-run or round, step costs learned anew, as a fresh server would). Batch 1 sends one conversation
-at a time (a user alone: each request decodes by itself); batch 16 sends them all at once. Per
-run: output tokens / wall seconds of the ``chat`` calls (prefill included, the same for every
-configuration), the speedup over "off", the draft acceptance rate and the mean acceptance length
-(tokens a verification step yields), and whether every request's token ids equal "off"'s
-(speculation must not change greedy output). The first line names the CPU. Results:
-docs/engine.md ("Speculative decoding: measured").
+Every run gets a fresh engine on the loaded model (no prefix cache of the same prompts from an
+earlier run, no suffix tree, step costs learned anew, as a fresh server would). Batch 1 sends
+one conversation at a time (a user alone: each request decodes by itself); batch 16 sends them
+all at once. Per run: output tokens / wall seconds of the ``chat`` calls (prefill included, the
+same for every configuration), the speedup over "off", the draft acceptance rate and the mean
+acceptance length (tokens a verification step yields), and whether every request's token ids
+equal "off"'s (speculation must not change greedy output). The first line names the CPU.
+Results: docs/engine.md ("Speculative decoding: measured").
 
 Drafts run up to 7 a step (``num_speculative_tokens`` 7), as many as the engine's draft-length
 rule finds pay on this machine (it learns its own step costs: each speculative row prints them,
@@ -319,11 +319,10 @@ def measure_cell(
     order = labels if round_index % 2 == 0 else labels[1:] + labels[:1]
     rows = {}
     for label in order:
-        llm = llms[label]
-        if configs[label] is not None:
-            # a fresh engine for every cell and round: suffix's tree of earlier outputs starts
-            # empty (no answer seen in an earlier round), and the step costs are learned anew
-            llm = LLM(loaded_model=loaded, speculative_config=configs[label], **engine_args)
+        # A fresh engine on the loaded model for every configuration, cell and round: no
+        # prefix cache from an earlier run (the prompts repeat), suffix's tree of earlier
+        # outputs empty, the step costs learned anew.
+        llm = LLM(loaded_model=loaded, speculative_config=configs[label], **engine_args)
         stats_before = llm.get_stats().scheduler
         before = stats_before.spec_decoding
         load_before = load_average()
