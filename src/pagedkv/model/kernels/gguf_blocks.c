@@ -651,7 +651,14 @@ static inline AI void q8_row_q5_k(const int M, const uint8_t *w, const int8_t *x
 
 /* Q6_K row n: group g = 4 h + t of a super-block (half h, quarter t, see the header comment):
  * element i's low 4 bits are the low (t < 2) or high nibble of ql[64 h + 32 (t & 1) + i], its
- * top 2 bits bits 2 t, 2 t + 1 of qh[32 h + i]; q - 32 is the signed weight. */
+ * top 2 bits bits 2 t, 2 t + 1 of qh[32 h + i]; q - 32 is the signed weight.
+ * The code q (0..63) is maddubs' unsigned operand and 32 x is taken off each 16-bit pair sum
+ * (q_a x_a + q_b x_b - 32 (x_a + x_b) = (q_a - 32) x_a + (q_b - 32) x_b: the same integers as
+ * |w| times x with w's sign, every pair under 2 * 63 * 127 < 2^15), so the lanes, and the
+ * result, are bit for bit those of dot_signed on w = q - 32. Per super-block the group factors
+ * d * xd (the same fp32 product) go to a stack array once, read back by broadcast loads, and
+ * each half's 8 scales are widened once into 16-bit pairs that a lane permute hands to each
+ * group: fewer instructions per group on the weight stream. */
 static inline AI void q8_row_q6_k(const int M, const uint8_t *w, const int8_t *xq,
                                   const float *xd, const float *xds, int64_t K, int64_t ldo,
                                   int64_t n, float *out) {
@@ -659,7 +666,14 @@ static inline AI void q8_row_q6_k(const int M, const uint8_t *w, const int8_t *x
     const int64_t S = K / 256, G = K / 32;
     const uint8_t *row = w + n * S * 210;
     const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
+    const __m256i k32 = _mm256_set1_epi8(32), low16 = _mm256_set1_epi32(0xFFFF);
+    /* quarter t's scales: lanes 0-3 (elements 0-15) scale 2 t of the half, 4-7 scale 2 t + 1 */
+    const __m256i pick[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1),
+                             _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
+                             _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5),
+                             _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
     __m256 a0[MAX_M], a1[MAX_M];
+    float dx[MAX_M * 8];
 #pragma GCC unroll 8
     for (int m = 0; m < M; m++) a0[m] = a1[m] = _mm256_setzero_ps();
     for (int64_t s = 0; s < S; s++) {
@@ -668,13 +682,19 @@ static inline AI void q8_row_q6_k(const int M, const uint8_t *w, const int8_t *x
         PREFETCH(blk + PF_BYTES + 64);
         PREFETCH(blk + PF_BYTES + 128);
         PREFETCH(blk + PF_BYTES + 192);
-        const float d = f16_to_f32(blk + 208);
+        const __m256 d = _mm256_set1_ps(f16_to_f32(blk + 208));
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++)
+            _mm256_storeu_ps(dx + 8 * m, _mm256_mul_ps(d, _mm256_loadu_ps(xd + m * G + s * 8)));
         const int8_t *scale = (const int8_t *)(blk + 192);
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
             const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
             const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
             const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+            /* the half's 8 scales, each as the int16 pair (s, s) of an int32 lane */
+            const __m256i s32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(scale + 8 * h)));
+            const __m256i pairs = _mm256_or_si256(_mm256_and_si256(s32, low16), _mm256_slli_epi32(s32, 16));
 #pragma GCC unroll 4
             for (int t = 0; t < 4; t++) {
                 const int g = 4 * h + t;
@@ -686,17 +706,17 @@ static inline AI void q8_row_q6_k(const int M, const uint8_t *w, const int8_t *x
                                       : t == 1 ? _mm256_slli_epi16(qh, 2)
                                       : t == 2 ? qh
                                                : _mm256_srli_epi16(qh, 2);
-                const __m256i wv = _mm256_sub_epi8(_mm256_or_si256(nib, _mm256_and_si256(moved, top2)),
-                                                   _mm256_set1_epi8(32));
+                const __m256i q = _mm256_or_si256(nib, _mm256_and_si256(moved, top2));
                 /* elements 0-15 take scale 2 g, 16-31 scale 2 g + 1 */
-                const __m256i c = _mm256_set_m128i(_mm_set1_epi16(scale[2 * g + 1]),
-                                                   _mm_set1_epi16(scale[2 * g]));
+                const __m256i c = _mm256_permutevar8x32_epi32(pairs, pick[t]);
                 const int64_t b = s * 8 + g;
 #pragma GCC unroll 8
                 for (int m = 0; m < M; m++) {
                     const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * K + 32 * b));
-                    const __m256 p = _mm256_cvtepi32_ps(dot_signed(wv, xv, c));
-                    const __m256 f = _mm256_set1_ps(d * xd[m * G + b]);
+                    const __m256i pair = _mm256_sub_epi16(_mm256_maddubs_epi16(q, xv),
+                                                          _mm256_maddubs_epi16(k32, xv));
+                    const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(pair, c));
+                    const __m256 f = _mm256_broadcast_ss(dx + 8 * m + g);
                     if (t & 1)
                         a1[m] = _mm256_fmadd_ps(p, f, a1[m]);
                     else
