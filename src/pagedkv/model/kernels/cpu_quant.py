@@ -905,6 +905,18 @@ class CpuQuantKernels:
                 unknown ``q8_isa``.
         """
         code = q8_isa_code(LARGE_Q8_ISA if q8_isa is None else q8_isa)
+        return self._q8_product(self._gguf_gemm_q8_large, "gguf_gemm_large", type_id, x, w, code)
+
+    def _q8_product(
+        self, fn, name: str, type_id: int, x: torch.Tensor, w: torch.Tensor, code: int
+    ) -> torch.Tensor:
+        """Call the C product ``fn`` (``name`` in errors) of an int8-activation type on the
+        body ``code``: x fp32 contiguous ``[M, K]``, w ``[N, row_bytes]``; fp32 ``[M, N]``.
+
+        Raises:
+            KernelUnavailableError: x not fp32 contiguous 2-D, a type without an int8 product,
+                a weight of another shape, or the kernel refused them.
+        """
         if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
             raise KernelUnavailableError(f"x must be fp32 contiguous [M, K], got {x.dtype}")
         if type_id not in Q8_TYPES:
@@ -912,22 +924,9 @@ class CpuQuantKernels:
         rows, in_features = x.shape
         n = self._gguf_weight(type_id, w, in_features)
         out = torch.empty(rows, n, dtype=torch.float32)
-        rc = self._gguf_gemm_q8_large(
-            type_id,
-            x.data_ptr(),
-            w.data_ptr(),
-            out.data_ptr(),
-            rows,
-            n,
-            in_features,
-            n,
-            torch.get_num_threads(),
-            code,
-        )
-        if rc:
-            raise KernelUnavailableError(
-                f"gguf_gemm_large refused type {type_id}, x {tuple(x.shape)}"
-            )
+        args = (x.data_ptr(), w.data_ptr(), out.data_ptr(), rows, n, in_features, n)
+        if fn(type_id, *args, torch.get_num_threads(), code):
+            raise KernelUnavailableError(f"{name} refused type {type_id}, x {tuple(x.shape)}")
         return out
 
     def takes_fast_large(self, type_id: int, num_rows: int, dtype: torch.dtype) -> bool:
@@ -964,30 +963,9 @@ class CpuQuantKernels:
                 f"gguf_gemm_fast does not take type {type_id} with {self.activations} "
                 f"activations on the {self.q8_isa} body"
             )
-        if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
-            raise KernelUnavailableError(f"x must be fp32 contiguous [M, K], got {x.dtype}")
-        if type_id not in Q8_TYPES:
-            raise KernelUnavailableError(f"type {type_id} has no int8-activation product")
-        rows, in_features = x.shape
-        n = self._gguf_weight(type_id, w, in_features)
-        out = torch.empty(rows, n, dtype=torch.float32)
-        rc = self._gguf_gemm_q8_fast(
-            type_id,
-            x.data_ptr(),
-            w.data_ptr(),
-            out.data_ptr(),
-            rows,
-            n,
-            in_features,
-            n,
-            torch.get_num_threads(),
-            self._q8_isa_code,
+        return self._q8_product(
+            self._gguf_gemm_q8_fast, "gguf_gemm_fast", type_id, x, w, self._q8_isa_code
         )
-        if rc:
-            raise KernelUnavailableError(
-                f"gguf_gemm_fast refused type {type_id}, x {tuple(x.shape)}"
-            )
-        return out
 
     def gguf_gemm_invariant(
         self, type_id: int, x: torch.Tensor, w: torch.Tensor, num_threads: int | None = None
