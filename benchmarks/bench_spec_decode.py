@@ -79,7 +79,7 @@ from pathlib import Path
 import numpy as np
 
 from _spec_replay import estimated_cost, replay
-from pagedkv.cpu_caps import probe_cpu
+from pagedkv.cpu_caps import probe_cpu, resolve_dtype
 from pagedkv.engine.llm import LLM
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.worker.spec_decode.proposer import TokenProposer
@@ -513,8 +513,9 @@ def main() -> int:
         return replay_main(args, configs)
     engine_args = {k: json.loads(v) for k, v in (a.partition("=")[::2] for a in args.engine_arg)}
     cpu = probe_cpu()
+    cpu_line = cpu.describe(resolve_dtype(engine_args.get("dtype", "auto"), cpu))
     print(
-        f"{cpu.describe('float32')}; model {args.model or 'default'}; greedy, "
+        f"{cpu_line}; model {args.model or 'default'}; greedy, "
         f"{args.max_tokens} output tokens a request",
         flush=True,
     )
@@ -580,7 +581,13 @@ def main() -> int:
         print_spread(results)
     if args.json is not None:
         args.json.write_text(
-            json.dumps({"cpu": cpu.describe("float32"), "results": results}, indent=1)
+            json.dumps(
+                {
+                    "cpu": cpu_line,
+                    "results": results,
+                },
+                indent=1,
+            )
         )
     if args.save_tokens is not None:
         args.save_tokens.write_text(json.dumps(saved))

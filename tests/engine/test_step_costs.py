@@ -17,7 +17,13 @@ from hypothesis import strategies as st
 
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.spec_decode.drafts import MIN_GAIN, best_num_drafts, expected_tokens
-from pagedkv.engine.spec_decode.step_costs import MIN_SAMPLES, PRIOR_ROW_COST, WINDOW, StepCosts
+from pagedkv.engine.spec_decode.step_costs import (
+    MIN_SAMPLES,
+    PRIOR_ROW_COST,
+    STALE_STEPS,
+    WINDOW,
+    StepCosts,
+)
 from pagedkv.errors import ConfigError
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.worker.spec_decode.proposer import TokenProposer
@@ -341,3 +347,27 @@ def test_a_seeded_requests_tokens_do_not_depend_on_the_step_costs(tiny, referenc
         runs.append(run(engine, PROMPTS, params)[0])
         assert engine.scheduler.get_stats().spec_decoding.num_draft_tokens > 0
     assert runs[0] == runs[1] == runs[2]
+
+
+def test_a_size_not_seen_for_long_is_forgotten_and_measured_again():
+    """Only the sizes the rule chooses are measured: one measured during a burst of load is
+    forgotten within 2 x STALE_STEPS steps without it (the check runs every STALE_STEPS), and
+    estimated from its neighbours again."""
+    costs = StepCosts(64)
+    for _ in range(MIN_SAMPLES):
+        costs.observe(1, 0.010)
+        costs.observe(2, 0.090)  # measured while another job took the cores
+    assert costs.cost(2) == pytest.approx(0.090)
+    for _ in range(2 * STALE_STEPS):
+        costs.observe(1, 0.010)
+    assert 2 not in costs.snapshot()
+    assert costs.cost(2) == pytest.approx(0.010 * (1 + PRIOR_ROW_COST))
+
+
+@pytest.mark.parametrize("seconds", [float("inf"), float("nan"), 0.0, -1.0])
+def test_times_that_are_not_positive_and_finite_are_ignored(seconds):
+    costs = StepCosts(8)
+    costs.observe(1, seconds)
+    costs.observe(2.5, 0.01)
+    costs.observe(True, 0.01)
+    assert costs.snapshot() == {}

@@ -363,3 +363,15 @@ def test_serving_client_parses_events_split_across_pieces():
     assert _parse_stream(pieces, 0.5, result) == 3
     assert result.ttft == 0.5 and result.itls == [1.0, 1.0]
     assert (result.num_output_tokens, result.num_prompt_tokens) == (3, 5)
+
+
+@pytest.mark.parametrize("end", [b"\r\n", b"\r", b"\n"])
+def test_serving_client_parses_any_sse_line_end_comments_and_done_without_space(end):
+    from pagedkv.entrypoints.bench_serving import RequestResult, _parse_stream
+
+    body = b'{"choices": [{"index": 0, "delta": {"content": "x"}}]}'
+    event = b"data:" + body + end + end
+    stream = b": ping" + end + end + event + event + b"data:[DONE]" + end + end
+    result = RequestResult(ok=False)
+    assert _parse_stream([(1.0, stream)], 0.0, result) == 2
+    assert result.ttft == 1.0 and result.itls == [0.0]

@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -142,6 +143,10 @@ async def run_request(http: Any, endpoint: str, body: dict) -> RequestResult:
     return result
 
 
+#: A server-sent event's line ends (the SSE specification: CRLF, LF or CR).
+_SSE_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
 def _parse_stream(pieces: list[tuple[float, bytes]], start: float, result: RequestResult) -> int:
     """The server-sent events of ``pieces`` (arrival time, bytes) into ``result``: TTFT and the
     gaps between chunks that carry text (each at the arrival of the piece that ended its line),
@@ -155,12 +160,17 @@ def _parse_stream(pieces: list[tuple[float, bytes]], start: float, result: Reque
     buffer = b""
     for arrived, data in pieces:
         buffer += data
-        *lines, buffer = buffer.split(b"\n")
+        # SSE ends a line with CRLF, LF or CR (a CRLF cut between two pieces only adds an
+        # empty line, which carries nothing)
+        *lines, buffer = _SSE_LINE_END.split(buffer)
         for raw in lines:
             line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
+            if not line.startswith("data:"):
+                continue  # comments (": ping"), event names, blank lines
+            payload = line[5:].strip()
+            if payload == "[DONE]":
                 continue
-            chunk = json.loads(line[5:])
+            chunk = json.loads(payload)
             usage = chunk.get("usage")
             if usage:
                 result.num_output_tokens = usage.get("completion_tokens") or 0

@@ -38,25 +38,25 @@ matcher in order, as a sampled token does (vLLM V1's ``StructuredOutputManager``
 tokens; :mod:`pagedkv.engine.structured_output`).
 
 **Adaptive draft length.** A draft costs a row of the forward pass whether it is accepted or
-not, so where drafts miss (open chat) speculation would make decoding slower. Each request
-keeps an estimate ``a`` of the chance that a draft token is accepted (decayed counts of
-accepted and tried drafts, starting at 1 in 2), so k drafts are worth
-``E(k) = (1 - a^(k+1)) / (1 - a)`` tokens, and what a step of ``T`` tokens costs is measured on
-this machine (:class:`~pagedkv.engine.spec_decode.step_costs.StepCosts`: the engine's own
-decode-step times per number of tokens, decayed; no table from another CPU). The scheduler
-takes the step's decoding requests in order; with ``S`` the tokens the step is expected to
-yield so far and ``T`` its rows (both start at the number of running requests: a token and a
-row each), a request schedules the ``k`` of its proposal that gives the step the most expected
+not, so where drafts miss (open chat) speculation would make decoding slower. Each request keeps
+an estimate ``a`` of the chance that a draft token is accepted (decayed counts of accepted and
+tried drafts, starting at 1 in 2), so k drafts are worth ``E(k) = (1 - a^(k+1)) / (1 - a)``
+tokens, and what a step of ``T`` tokens costs is measured on this machine
+(:class:`~pagedkv.engine.spec_decode.step_costs.StepCosts`: the engine's own decode-step times
+per number of tokens, the median of the last few; no table from another CPU). The scheduler
+takes the step's decoding requests in order; with ``S`` the tokens the step is expected to yield
+so far and ``T`` its rows (both start at the number of running requests: a token and a row
+each), a request schedules the ``k`` of its proposal that gives the step the most expected
 tokens per second, ``(S - 1 + E(k)) / cost(T + k)`` (:func:`best_num_drafts`), and adds its
 ``E(k) - 1`` and ``k`` to them. Alone that is ``E(k) / cost(1 + k)``; in a batch a draft row
-pays only where the step's marginal row is cheap against what it brings. Where that is
-``k = 0`` nothing is scheduled: the step is the plain decode step (no draft rows, the runner's
-plain sampler); the workers still propose (microseconds beside a step of milliseconds) and the
-first draft is checked against the token the step samples, so the estimate recovers when the
-text starts to repeat. A seeded request's draws follow its drafts, so its k must not depend on
-timing or on the batch: it takes a fixed cost (:data:`SEEDED_ROW_COST` a row) as if alone.
-Idea: SmartSpec's goodput (expected accepted tokens per unit of the batch's step time; Liu et
-al., 2024), chosen per request as the acceptance-aware draft lengths of SuffixDecoding and
+pays only where the step's marginal row is cheap against what it brings. Where that is ``k = 0``
+nothing is scheduled: the step is the plain decode step (no draft rows, the runner's plain
+sampler); the workers still propose (microseconds beside a step of milliseconds) and the first
+draft is checked against the token the step samples, so the estimate recovers when the text
+starts to repeat. A seeded request's draws follow its drafts, so its k must not depend on timing
+or on the batch: it takes a fixed cost (:data:`SEEDED_ROW_COST` a row) as if alone. Idea:
+SmartSpec's goodput (expected accepted tokens per unit of the batch's step time; Liu et al.,
+2024), chosen per request as the acceptance-aware draft lengths of SuffixDecoding and
 EAGLE-2-style dynamic drafting are.
 """
 
@@ -263,8 +263,8 @@ class SpecDecodeDrafts:
         if state is None:
             state = self._acceptance[request.request_id] = [1.0, 2.0, -1]
         k = len(drafts)
+        acceptance = state[0] / state[1]
         if k and self.adaptive:
-            acceptance = state[0] / state[1]
             if params.seed is not None:
                 # A seeded request's draws follow its drafts: their number must depend neither
                 # on the batch nor on timing, so that it samples the same tokens every time.
@@ -273,9 +273,9 @@ class SpecDecodeDrafts:
                 k = best_num_drafts(
                     acceptance, k, self.step_costs, self._step_tokens, self._step_expected
                 )
-                if k:
-                    self._step_tokens += k
-                    self._step_expected += expected_tokens(acceptance, k) - 1.0
+        if k:  # the step's rows and expected tokens for the requests after it
+            self._step_tokens += k
+            self._step_expected += expected_tokens(acceptance, k) - 1.0
         state[2] = drafts[0] if drafts and not k else -1
         request.spec_token_ids = drafts[:k]
         return k
@@ -315,11 +315,17 @@ class SpecDecodeDrafts:
         taken, self._finished_token_ids = self._finished_token_ids, {}
         return taken
 
-    @staticmethod
-    def drop(request: Request) -> int:
-        """Take ``request``'s drafts away (their blocks do not fit); returns how many."""
+    def drop(self, request: Request) -> int:
+        """Take ``request``'s drafts away (their blocks do not fit), and their rows out of the
+        step's count (the rule's T and S); returns how many. (A request preempted after its
+        drafts were counted stays counted: the rule then sees the step a little larger; such
+        a step is not decode-only, so its time is not learned.)"""
         num_drafts = len(request.spec_token_ids)
         request.spec_token_ids = []
+        state = self._acceptance.get(request.request_id)
+        if num_drafts and state is not None:
+            self._step_tokens -= num_drafts
+            self._step_expected -= expected_tokens(state[0] / state[1], num_drafts) - 1.0
         return num_drafts
 
     def roll_back(

@@ -14,7 +14,10 @@ number of tokens ``T`` (:meth:`StepCosts.observe`). The estimate for ``T`` is th
 last :data:`WINDOW` steps (older ones drop out, so it follows a context that grows, each step's
 attention reading more KV, and a machine whose load changes; a median, because another job
 only ever adds time, and a few slow steps must not move it), and the fastest of them while
-fewer than :data:`MIN_SAMPLES` were seen.
+fewer than :data:`MIN_SAMPLES` were seen. Only the sizes the rule chooses are measured, so a
+size not seen for :data:`STALE_STEPS` steps is forgotten (then estimated from its neighbours
+and measured again when tried): one measured during a burst of load would otherwise look
+costly for good.
 
 **Sizes not measured yet** are estimated from the measured ones: on the line between the
 nearest two; below the smallest in proportion to its size; past the largest at the cost per row
@@ -36,6 +39,7 @@ profiled beforehand.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, insort
 from collections import deque
 from statistics import median
@@ -52,6 +56,12 @@ WINDOW = 8
 
 #: Steps of a size seen before its median is used; until then the fastest of them.
 MIN_SAMPLES = 3
+
+#: Decode-only steps after which a size not seen since is forgotten (checked every as many
+#: steps, so within twice as many; measured again when the rule tries it): an estimate made
+#: while the machine was busy would otherwise keep the rule from the size for good, since
+#: only the sizes it chooses are measured.
+STALE_STEPS = 128
 
 #: Sizes up to ``1 / NEAR_FRACTION`` past a measured one (at least one token) are estimated
 #: onward from it when that is cheaper than the line (optimistic, so explored).
@@ -74,7 +84,9 @@ class StepCosts:
 
     __slots__ = (
         "_estimate",
+        "_last_seen",
         "_measured",
+        "_num_steps",
         "_samples",
         "learn",
         "max_num_tokens",
@@ -96,14 +108,28 @@ class StepCosts:
         #: tokens -> its last WINDOW step times (seconds), and its estimate from them.
         self._samples: dict[int, deque[float]] = {}
         self._estimate: dict[int, float] = {}
-        #: the sizes observed, ascending.
+        #: the sizes observed, ascending; the step count when each was last observed.
         self._measured: list[int] = []
+        self._last_seen: dict[int, int] = {}
+        self._num_steps = 0
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """Record a decode-only step of ``num_tokens`` tokens that took ``seconds`` (wall);
-        ignored when not learning, past ``max_num_tokens``, or for a non-positive time."""
-        if not self.learn or not 1 <= num_tokens <= self.max_num_tokens or not seconds > 0.0:
+        ignored when not learning, for a count that is not an int in [1, max_num_tokens], or
+        for a time that is not positive and finite. Every :data:`STALE_STEPS` steps the sizes
+        not seen in the last ones are forgotten."""
+        if (
+            not self.learn
+            or isinstance(num_tokens, bool)
+            or not isinstance(num_tokens, int)
+            or not 1 <= num_tokens <= self.max_num_tokens
+            or not 0.0 < seconds < math.inf
+        ):
             return
+        self._num_steps += 1
+        self._last_seen[num_tokens] = self._num_steps
+        if self._num_steps % STALE_STEPS == 0:
+            self._forget_stale()
         samples = self._samples.get(num_tokens)
         if samples is None:
             samples = self._samples[num_tokens] = deque(maxlen=WINDOW)
@@ -143,6 +169,15 @@ class StepCosts:
             return min(onward, line)
         return line
 
+    def _forget_stale(self) -> None:
+        """Drop the sizes not observed in the last :data:`STALE_STEPS` steps."""
+        oldest = self._num_steps - STALE_STEPS
+        stale = [t for t in self._measured if self._last_seen[t] <= oldest]
+        for size in stale:
+            del self._samples[size], self._estimate[size], self._last_seen[size]
+        if stale:
+            self._measured = [t for t in self._measured if t in self._estimate]
+
     def _unit(self) -> float:
         """What a one-token step costs by the prior, from the smallest measured step: its
         estimate over ``1 + prior_row_cost * (T - 1)``."""
@@ -159,6 +194,7 @@ __all__ = [
     "MIN_SAMPLES",
     "NEAR_FRACTION",
     "PRIOR_ROW_COST",
+    "STALE_STEPS",
     "WINDOW",
     "StepCosts",
 ]
