@@ -78,6 +78,20 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(q.reshape(x.shape)).double(), torch.from_numpy(d).double()
 
 
+def check_rounded_product(y, x, w, terms, k) -> tuple[torch.Tensor, torch.Tensor]:
+    """Assert the product ``y`` of x's int8 rounding (blocks of 32) and the dequantized ``w``
+    is within fp32 summation error of the float64 one (``terms``: each weight's magnitude);
+    returns the activations' scales ``[M, K / 32]`` and the slack allowed per output."""
+    q, d = quantize_activations(x)
+    x_hat = q * d.repeat_interleave(32, 1)
+    error = (y.double() - x_hat @ w.T).abs()
+    magnitude = x_hat.abs() @ terms.T
+    slack = (k / 8 + 16) * EPS32 * magnitude
+    assert bool((error <= slack).all()), (x.shape[0], float(error.max()))
+    assert float((error / magnitude).mean()) <= EPS32, x.shape[0]
+    return d, slack
+
+
 @pytest.mark.parametrize("k", [256, 2048, 288])
 @pytest.mark.parametrize("name", Q8_NAMES)
 def test_q8_product_against_the_rounded_activations(kernels, name, k):
@@ -104,13 +118,7 @@ def test_q8_product_against_the_rounded_activations(kernels, name, k):
         x[-1, 64] = 50.0  # one value dominating its block
         y = kernels.gguf_gemm(t.type_id, x, torch.from_numpy(raw), N)
         assert y.dtype == torch.float32 and y.shape == (rows, N)
-        q, d = quantize_activations(x)
-        x_hat = q * d.repeat_interleave(32, 1)
-        error = (y.double() - x_hat @ w.T).abs()
-        magnitude = x_hat.abs() @ terms.T
-        slack = (k / 8 + 16) * EPS32 * magnitude
-        assert bool((error <= slack).all()), (rows, float(error.max()))
-        assert float((error / magnitude).mean()) <= EPS32, rows
+        d, slack = check_rounded_product(y, x, w, terms, k)
 
         exact_error = (y.double() - x.double() @ w.T).abs()
         rounding = (d.repeat_interleave(32, 1) / 2) @ w.abs().T
@@ -365,13 +373,7 @@ def test_fast_large_product_against_the_rounded_activations(kernels, name, k):
         x[-1, 64] = 50.0  # one value dominating its block
         y = kernels.gguf_gemm_fast(t.type_id, x, torch.from_numpy(raw))
         assert y.dtype == torch.float32 and y.shape == (rows, N)
-        q, d = quantize_activations(x)
-        x_hat = q * d.repeat_interleave(32, 1)
-        error = (y.double() - x_hat @ w.T).abs()
-        magnitude = x_hat.abs() @ terms.T
-        slack = (k / 8 + 16) * EPS32 * magnitude
-        assert bool((error <= slack).all()), (rows, float(error.max()))
-        assert float((error / magnitude).mean()) <= EPS32, rows
+        _, slack = check_rounded_product(y, x, w, terms, k)
         large = kernels.gguf_gemm_large(t.type_id, x, torch.from_numpy(raw), kernels.q8_isa)
         assert bool(((y - large).double().abs() <= 2 * slack).all()), rows
     with pytest.raises(KernelUnavailableError):
