@@ -70,8 +70,9 @@ from pagedkv.engine.stats import SpecDecodingStats
 from pagedkv.worker.spec_decode.eligibility import may_draft
 
 #: What a draft row costs a seeded request, as a fraction of a one-token step (fixed: its draws
-#: follow its drafts, so their number must not depend on timing): about what a row cost on the
-#: 135M default model when measured (docs/engine.md, "Adaptive draft length").
+#: follow its drafts, so their number must not depend on timing): about what a row of the 135M
+#: default model cost on the AVX2 EPYC first measured (0.16); on the Zen 4 of docs/engine.md a
+#: row costs about a third of a step, so there a seeded request drafts somewhat more than pays.
 SEEDED_ROW_COST = 0.15
 
 #: How much more a draft count must yield per unit of cost than the step without drafts (and a
