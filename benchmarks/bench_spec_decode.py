@@ -310,12 +310,12 @@ def load_average() -> str:
 
 
 def measure_cell(
-    llms, configs, loaded, engine_args, workload, conversations, params, batch, round_index, saved
+    configs, loaded, engine_args, workload, conversations, params, batch, round_index, saved
 ) -> list[dict]:
     """Every configuration on one workload at one batch size, once: "off" first in even rounds
     and last in odd ones (other jobs' load falls on both sides alike); each row's speedup over
     "off"'s rate in the same round and whether its tokens are "off"'s."""
-    labels = list(llms)
+    labels = list(configs)
     order = labels if round_index % 2 == 0 else labels[1:] + labels[:1]
     rows = {}
     for label in order:
@@ -540,16 +540,11 @@ def main() -> int:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     base = LLM(model=args.model, **engine_args)
     loaded = base.engine.loaded_model
-    llms = {
-        label: base
-        if config is None
-        else LLM(loaded_model=loaded, speculative_config=config, **engine_args)
-        for label, config in configs.items()
-    }
     if args.step_times:
+        llms = {}
         for workload in args.workloads:
             print(f"{workload}:", flush=True)
-            if workload == "agent":  # each agent run starts with an empty tree
+            if not llms or workload == "agent":  # each agent run starts with an empty tree
                 llms = {
                     label: base
                     if config is None
@@ -565,7 +560,6 @@ def main() -> int:
             conversations = workloads[workload]
             for batch in args.batch:
                 rows = measure_cell(
-                    llms,
                     configs,
                     loaded,
                     engine_args,

@@ -153,6 +153,7 @@ class SpecDecodeDrafts:
         "_finished_token_ids",
         "_max_model_len",
         "_num_decoding",
+        "_num_drafts",
         "_running",
         "_seeded_costs",
         "_step_expected",
@@ -193,10 +194,12 @@ class SpecDecodeDrafts:
             max_num_batched_tokens, prior_row_cost=SEEDED_ROW_COST, learn=False
         )
         #: This step so far: its rows and expected tokens (the rule's T and S), the requests that
-        #: decode in it; the last step's tokens when it was decode-only (0: not timed).
+        #: decode in it and their drafts; the last step's tokens when it was decode-only (0: not
+        #: timed).
         self._step_tokens = 1
         self._step_expected = 1.0
         self._num_decoding = 0
+        self._num_drafts = 0
         self._timed_num_tokens = 0
         #: request id -> [accepted, tried, shadow draft or -1]: decayed counts of its draft
         #: tokens, and the first draft it did not schedule (checked against the next token).
@@ -214,17 +217,18 @@ class SpecDecodeDrafts:
         self._step_tokens = num_running
         self._step_expected = float(num_running)
         self._num_decoding = 0
+        self._num_drafts = 0
 
-    def scheduled(self, requests: list[Request], num_scheduled_tokens: int) -> None:
-        """The schedule is made (``requests``, ``num_scheduled_tokens`` in all): its size is
-        timed (:meth:`observe_step_time`) when every request in it decodes (one new token and
-        its drafts), else not."""
-        decode_only = bool(requests) and self._num_decoding == len(requests)
-        if decode_only:
-            num_drafts = 0
-            for request in requests:
-                num_drafts += len(request.spec_token_ids)
-            decode_only = num_scheduled_tokens == len(requests) + num_drafts
+    def scheduled(self, num_requests: int, num_scheduled_tokens: int) -> None:
+        """The schedule is made (``num_requests`` requests, ``num_scheduled_tokens`` in all):
+        its size is timed (:meth:`observe_step_time`) when every request in it decodes (one new
+        token and its drafts, as counted by :meth:`propose` and :meth:`drop`), else not (a
+        prompt chunk, or a request preempted after its drafts were counted)."""
+        decode_only = (
+            num_requests > 0
+            and self._num_decoding == num_requests
+            and num_scheduled_tokens == num_requests + self._num_drafts
+        )
         self._timed_num_tokens = num_scheduled_tokens if decode_only else 0
 
     def observe_step_time(self, seconds: float) -> None:
@@ -275,6 +279,7 @@ class SpecDecodeDrafts:
                     acceptance, k, self.step_costs, self._step_tokens, self._step_expected
                 )
         if k:  # the step's rows and expected tokens for the requests after it
+            self._num_drafts += k
             self._step_tokens += k
             self._step_expected += expected_tokens(acceptance, k) - 1.0
         state[2] = drafts[0] if drafts and not k else -1
@@ -324,6 +329,7 @@ class SpecDecodeDrafts:
         num_drafts = len(request.spec_token_ids)
         request.spec_token_ids = []
         state = self._acceptance.get(request.request_id)
+        self._num_drafts -= num_drafts
         if num_drafts and state is not None:
             self._step_tokens -= num_drafts
             self._step_expected -= expected_tokens(state[0] / state[1], num_drafts) - 1.0
