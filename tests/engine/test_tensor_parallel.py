@@ -24,6 +24,7 @@ from _tiny_model import tiny_gemma3_model_loader, tiny_loaded_model
 
 from pagedkv.engine.llm import LLM
 from pagedkv.engine.llm_engine import LLMEngine
+from pagedkv.engine.spec_decode.step_costs import StepCosts
 from pagedkv.errors import ConfigError, WorkerError
 from pagedkv.model.parallel import check_tensor_parallel
 from pagedkv.sampling_params import SamplingParams
@@ -103,7 +104,8 @@ def test_tp2_gives_the_same_tokens_and_logprobs_as_one_process():
 
 def test_tp2_with_ngram_drafts_gives_the_drafts_and_tokens_of_one_process():
     """Speculative decoding under tensor parallelism: only rank 0 samples, so only it proposes;
-    the drafts, their acceptance and the tokens are one process's (and no speculation's)."""
+    on the same step costs, the drafts, their acceptance and the tokens are one process's (and
+    no speculation's)."""
     config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
     prompts, params = PROMPTS[:3], greedy()
     expected = LLM(loaded_model=tiny_loaded_model(), **OPTIONS).generate(
@@ -116,6 +118,10 @@ def test_tp2_with_ngram_drafts_gives_the_drafts_and_tokens_of_one_process():
         speculative_config=config,
         **OPTIONS,
     )
+    # The draft lengths follow the step costs each engine measures (two processes step at
+    # another speed than one): fixed costs here, so both schedule the same drafts.
+    for llm in (one, two):
+        llm.engine.scheduler.drafts.step_costs = StepCosts(1024, learn=False)
     try:
         pids = two.engine.executor.worker_pids
         got_one = one.generate(prompts, params, use_tqdm=False)
