@@ -43,7 +43,6 @@ llama.cpp for each (> 1: pagedkv faster; for latencies llama.cpp's / pagedkv's).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import os
@@ -270,12 +269,12 @@ def _tail(log: Any) -> str:
 def run_chats(url: str, chats: list[list], max_tokens: int, timeout: float) -> dict[str, Any]:
     """The warm-up chat (8 tokens, untimed), then the others one at a time; their summary
     (:func:`pagedkv.entrypoints.bench_serving.summarize`)."""
-    from pagedkv.entrypoints.bench_serving import benchmark
+    from pagedkv.entrypoints.bench_serving import run_benchmark
 
     model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-    common = {"max_concurrency": 1, "timeout": timeout, "disable_tqdm": True}
-    asyncio.run(benchmark(url, model, chats[:1], output_len=WARMUP_TOKENS, **common))
-    return asyncio.run(benchmark(url, model, chats[1:], output_len=max_tokens, **common))
+    common = {"base_url": url, "model": model, "max_concurrency": 1, "timeout": timeout}
+    run_benchmark(prompts=chats[:1], output_len=WARMUP_TOKENS, disable_tqdm=True, **common)
+    return run_benchmark(prompts=chats[1:], output_len=max_tokens, disable_tqdm=True, **common)
 
 
 def run_offline(

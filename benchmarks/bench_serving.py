@@ -19,7 +19,6 @@ llama.cpp's, ...; for one load at one concurrency use ``pagedkv bench serving``)
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import os
@@ -29,22 +28,20 @@ import sys
 import httpx
 
 from _server import own_server
-from pagedkv.entrypoints.bench_serving import benchmark, make_prompts
+from pagedkv.entrypoints.bench_serving import make_prompts, run_benchmark
 
 
 def run_level(
     url: str, model: str, concurrency: int, num_requests: int, max_tokens: int, timeout: float
 ) -> dict:
     """``num_requests`` requests with ``concurrency`` in flight; returns the summary."""
-    summary = asyncio.run(
-        benchmark(
-            url,
-            model,
-            make_prompts(num_requests),
-            output_len=max_tokens,
-            max_concurrency=concurrency,
-            timeout=timeout,
-        )
+    summary = run_benchmark(
+        base_url=url,
+        model=model,
+        prompts=make_prompts(num_requests),
+        output_len=max_tokens,
+        max_concurrency=concurrency,
+        timeout=timeout,
     )
     summary["concurrency"] = concurrency
     return summary

@@ -375,3 +375,84 @@ def test_serving_client_parses_any_sse_line_end_comments_and_done_without_space(
     result = RequestResult(ok=False)
     assert _parse_stream([(1.0, stream)], 0.0, result) == 2
     assert result.ttft == 1.0 and result.itls == [0.0]
+
+
+def _chunked(events: list[bytes]) -> bytes:
+    head = (
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+        b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n"
+    )
+    return head + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"
+
+
+def test_serving_client_reads_http_framing_cut_anywhere():
+    """The raw pieces (chunked HTTP, cut at every byte offset into three) give the same
+    events at the arrival time of the piece that completed each."""
+    from pagedkv.entrypoints.bench_serving import (
+        RequestResult,
+        _parse_stream,
+        _request_bytes,
+        _response_pieces,
+    )
+
+    def event(text):
+        body = {"choices": [{"index": 0, "delta": {"content": text}}]}
+        return f"data: {json.dumps(body)}\n\n".encode()
+
+    raw = _chunked([event("a"), event("b") + event("c"), b"data: [DONE]\n\n"])
+    first_end = raw.index(b"\n", raw.index(b'"a"')) + 1  # where its data line ends
+    for cut in range(1, len(raw)):
+        pieces = [(1.0, raw[:cut]), (2.0, raw[cut:])]
+        conn, _ = _request_bytes("http://h:1/v1/chat/completions", {}, {})
+        status, body = _response_pieces(conn, pieces)
+        assert status == 200
+        assert b"".join(d for _, d in body) == event("a") + event("b") + event("c") + (
+            b"data: [DONE]\n\n"
+        )
+        result = RequestResult(ok=False)
+        assert _parse_stream(body, 0.0, result) == 3
+        assert result.ttft == (1.0 if cut >= first_end else 2.0)
+
+
+def test_serving_client_refuses_a_cut_response():
+    from pagedkv.entrypoints.bench_serving import _request_bytes, _response_pieces
+
+    raw = _chunked([b"data: {}\n\n"])
+    for pieces in ([], [(1.0, raw[:10])], [(1.0, raw[:-5])]):
+        conn, _ = _request_bytes("http://h:1/x", {}, {})
+        with pytest.raises(ConnectionError):
+            _response_pieces(conn, pieces)
+
+
+def test_serving_client_request_errors_and_timeout():
+    """An error status is reported with the server's message; a server that never answers
+    fails its request at the timeout; a closed port is an error, not an exception."""
+    from pagedkv.entrypoints.bench_serving import run_request
+
+    async def scenario():
+        async def answer(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            if writer.get_extra_info("sockname")[1] == silent_port:
+                await asyncio.sleep(30)
+            body = b'{"error": {"message": "no such model", "code": "model_not_found"}}'
+            writer.write(
+                b"HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
+            )
+            await writer.drain()
+            writer.close()
+
+        loud = await asyncio.start_server(answer, "127.0.0.1", 0)
+        silent = await asyncio.start_server(answer, "127.0.0.1", 0)
+        silent_port = silent.sockets[0].getsockname()[1]
+        loud_port = loud.sockets[0].getsockname()[1]
+        async with loud, silent:
+            error = await run_request(f"http://127.0.0.1:{loud_port}/v1/x", {"a": 1})
+            slow = await run_request(f"http://127.0.0.1:{silent_port}/v1/x", {}, timeout=0.3)
+        closed = await run_request(f"http://127.0.0.1:{loud_port}/v1/x", {}, timeout=5)
+        return error, slow, closed
+
+    error, slow, closed = asyncio.run(scenario())
+    assert not error.ok and error.error == "HTTP 404: no such model (model_not_found)"
+    assert not slow.ok and slow.error.startswith("TimeoutError")
+    assert not closed.ok and closed.error

@@ -33,7 +33,9 @@ import asyncio
 import json
 import os
 import re
+import ssl
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,30 +113,137 @@ def _request_body(endpoint: str, model: str, messages: list, args_like: dict) ->
     return body
 
 
-async def run_request(http: Any, endpoint: str, body: dict) -> RequestResult:
-    """One streamed completion. Each piece of the body is timed as it arrives and kept; the
-    events are parsed after the stream ends, each at the time of the piece that completed it
-    (the client's work per token is then a read and a clock: on a machine whose cores the
-    server's forward uses, parsing JSON per token would slow the server it measures)."""
-    import httpx  # lazy (here and below): ~80 ms, only when `pagedkv bench serving` runs
+class _PiecesProtocol(asyncio.Protocol):
+    """Keeps each piece of a response with its arrival time (``time.perf_counter()``), and
+    nothing else: the whole of the client's work per token while the server streams."""
 
+    def __init__(self, done: asyncio.Future) -> None:
+        self.pieces: list[tuple[float, bytes]] = []
+        self._done = done
+        self._clock = time.perf_counter
+
+    def data_received(self, data: bytes) -> None:
+        self.pieces.append((self._clock(), data))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self._done.done():
+            self._done.set_result(exc)
+
+
+def _request_bytes(url: str, body: dict, headers: dict[str, str]) -> tuple[Any, bytes]:
+    """``(h11 client connection, the POST's bytes)``: ``Connection: close``, so the server
+    ends the response by closing (as vLLM's client, a connection per request)."""
+    import h11  # httpx's and uvicorn's HTTP/1.1 parser
+
+    parts = urllib.parse.urlsplit(url)
+    data = json.dumps(body).encode()
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    conn = h11.Connection(h11.CLIENT)
+    fields = [
+        ("Host", parts.netloc),
+        ("Content-Type", "application/json"),
+        ("Accept", "text/event-stream"),
+        ("Content-Length", str(len(data))),
+        ("Connection", "close"),
+        *headers.items(),
+    ]
+    out = conn.send(h11.Request(method="POST", target=target, headers=fields))
+    out += conn.send(h11.Data(data=data)) + conn.send(h11.EndOfMessage())
+    return conn, out
+
+
+def _response_pieces(
+    conn: Any, pieces: list[tuple[float, bytes]]
+) -> tuple[int, list[tuple[float, bytes]]]:
+    """The response's status and its body as ``(arrival time, bytes)`` pieces, read from the raw
+    pieces by h11 (chunked or not) after the stream ended.
+
+    Raises:
+        ConnectionError: the response ended early (no status line, a cut body).
+    """
+    import h11
+
+    status = 0
+    ended = False
+    body: list[tuple[float, bytes]] = []
+
+    def read(arrived: float) -> None:
+        nonlocal status, ended
+        while not ended:
+            event = conn.next_event()
+            kind = type(event)
+            if event is h11.NEED_DATA or event is h11.PAUSED:
+                return
+            if kind is h11.Response:
+                status = event.status_code
+            elif kind is h11.Data:
+                body.append((arrived, bytes(event.data)))
+            elif kind is h11.EndOfMessage or kind is h11.ConnectionClosed:
+                ended = True
+
+    try:
+        for arrived, data in pieces:
+            if ended:
+                break
+            conn.receive_data(data)
+            read(arrived)
+        if not ended:  # the server closed: the end of a body without length, else cut
+            conn.receive_data(b"")
+            read(pieces[-1][0] if pieces else 0.0)
+    except h11.RemoteProtocolError as exc:
+        raise ConnectionError(f"malformed or cut HTTP response: {exc}") from None
+    if status == 0 or not ended:
+        raise ConnectionError("the server closed the connection before the response ended")
+    return status, body
+
+
+async def run_request(
+    url: str, body: dict, *, headers: dict[str, str] | None = None, timeout: float = 600.0
+) -> RequestResult:
+    """One streamed completion, POSTed to ``url`` (http or https). Each piece of the response
+    is timed as it arrives and kept (a read and a clock, in an asyncio protocol); the HTTP
+    framing (h11) and the events are parsed after the stream ends, each event at the time of
+    the piece that completed it: on a machine whose cores the server's forward uses, a client
+    that parses per token slows the server it measures (httpx's streaming took 0.33 ms of CPU
+    a token here, this 0.06-0.09 ms; docs/perf.md). ``timeout``: seconds the whole request
+    may take."""
     start = time.perf_counter()
     result = RequestResult(ok=False)
-    pieces: list[tuple[float, bytes]] = []
+    parts = urllib.parse.urlsplit(url)
+    tls = parts.scheme == "https"
+    loop = asyncio.get_running_loop()
+    transport = None
     try:
-        async with http.stream("POST", endpoint, json=body) as response:
-            if response.status_code != 200:
-                result.error = _http_error(response.status_code, await response.aread())
-                return result
-            clock = time.perf_counter
-            append = pieces.append
-            async for data in response.aiter_bytes():
-                append((clock(), data))
+        conn, request = _request_bytes(url, body, headers or {})
+        done = loop.create_future()
+        transport, protocol = await asyncio.wait_for(
+            loop.create_connection(
+                lambda: _PiecesProtocol(done),
+                parts.hostname,
+                parts.port or (443 if tls else 80),
+                ssl=ssl.create_default_context() if tls else None,
+            ),
+            timeout,
+        )
+        transport.write(request)
+        exc = await asyncio.wait_for(done, max(timeout - (time.perf_counter() - start), 0.0))
         result.latency = time.perf_counter() - start
+        if exc is not None:
+            raise exc
+        status, pieces = _response_pieces(conn, protocol.pieces)
+        if status != 200:
+            result.error = _http_error(status, b"".join(data for _, data in pieces))
+            return result
         num_chunks = _parse_stream(pieces, start, result)
-    except (httpx.HTTPError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except TimeoutError:
+        result.error = f"TimeoutError: no complete response within {timeout:g} s"
+        return result
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         return result
+    finally:
+        if transport is not None:
+            transport.close()
     result.ok = num_chunks > 0
     if not result.ok:
         result.error = "no content streamed"
@@ -227,6 +336,23 @@ def _arrival_delays(num: int, request_rate: float, seed: int) -> list[float]:
     return rng.exponential(1.0 / request_rate, size=num).tolist()
 
 
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's event loop where it is installed (``uvicorn[standard]`` brings it: less CPU per
+    streamed piece, so less taken from the server under test on the same machine), else
+    asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def run_benchmark(**kwargs: Any) -> dict[str, Any]:
+    """:func:`benchmark` (its keyword arguments) on a loop of :func:`new_event_loop`."""
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        return runner.run(benchmark(**kwargs))
+
+
 async def benchmark(
     base_url: str,
     model: str,
@@ -254,52 +380,42 @@ async def benchmark(
         ConfigError: the initial test request failed (every request would): the message gives
             the server's error and what to change; nothing was measured.
     """
-    import httpx
-
     limit = max_concurrency or len(prompts)
     semaphore = asyncio.Semaphore(limit)
-    # a connection per request, as vLLM's client (a session per request): a pooled keep-alive
-    # connection that the server closes after a streamed response (llama-server does) races
-    # the next request and fails it with "Server disconnected without sending a response"
-    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=0)
     settings = {"output_len": output_len, "ignore_eos": ignore_eos}
     headers = _auth_headers(api_key)
-    async with httpx.AsyncClient(
-        base_url=base_url, timeout=timeout, limits=limits, headers=headers
-    ) as http:
+    url = base_url.rstrip("/") + endpoint
 
-        async def bounded(messages: list) -> RequestResult:
-            async with semaphore:
-                body = _request_body(endpoint, model, messages, settings)
-                result = await run_request(http, endpoint, body)
-            bar.update(1)
-            return result
+    async def bounded(messages: list) -> RequestResult:
+        async with semaphore:
+            body = _request_body(endpoint, model, messages, settings)
+            result = await run_request(url, body, headers=headers, timeout=timeout)
+        bar.update(1)
+        return result
 
-        first = await run_request(
-            http, endpoint, _request_body(endpoint, model, prompts[0], settings)
+    first = await run_request(
+        url, _request_body(endpoint, model, prompts[0], settings), headers=headers, timeout=timeout
+    )
+    if not first.ok:
+        raise ConfigError(
+            f"the first request to {url} failed, so every request would; "
+            f"stopped before the run. {first.error}. Fix: "
+            f"{_first_request_fix(first.error, endpoint)}"
         )
-        if not first.ok:
-            raise ConfigError(
-                f"the first request to {base_url}{endpoint} failed, so every request would; "
-                f"stopped before the run. {first.error}. Fix: "
-                f"{_first_request_fix(first.error, endpoint)}"
-            )
-        tasks = []
-        bar = tqdm(
-            total=len(prompts), desc="bench serving", unit="req", disable=disable_tqdm or None
-        )
-        start = time.perf_counter()
-        try:
-            for messages, delay in zip(
-                prompts, _arrival_delays(len(prompts), request_rate, seed), strict=True
-            ):
-                if delay:
-                    await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(bounded(messages)))
-            results = await asyncio.gather(*tasks)
-        finally:
-            bar.close()
-        duration = time.perf_counter() - start
+    tasks = []
+    bar = tqdm(total=len(prompts), desc="bench serving", unit="req", disable=disable_tqdm or None)
+    start = time.perf_counter()
+    try:
+        for messages, delay in zip(
+            prompts, _arrival_delays(len(prompts), request_rate, seed), strict=True
+        ):
+            if delay:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(bounded(messages)))
+        results = await asyncio.gather(*tasks)
+    finally:
+        bar.close()
+    duration = time.perf_counter() - start
     summary = summarize(results, duration)
     summary.update(
         {
@@ -506,21 +622,19 @@ def run(args: argparse.Namespace) -> int:
                 f"cannot ask {base_url}/v1/models for the model name ({exc}); is the server up? "
                 "(or pass --model)"
             ) from None
-    summary = asyncio.run(
-        benchmark(
-            base_url,
-            model,
-            prompts,
-            endpoint=args.endpoint,
-            output_len=args.output_len,
-            ignore_eos=args.ignore_eos,
-            max_concurrency=args.max_concurrency,
-            request_rate=args.request_rate,
-            seed=args.seed,
-            timeout=args.timeout,
-            disable_tqdm=args.disable_tqdm,
-            api_key=api_key,
-        )
+    summary = run_benchmark(
+        base_url=base_url,
+        model=model,
+        prompts=prompts,
+        endpoint=args.endpoint,
+        output_len=args.output_len,
+        ignore_eos=args.ignore_eos,
+        max_concurrency=args.max_concurrency,
+        request_rate=args.request_rate,
+        seed=args.seed,
+        timeout=args.timeout,
+        disable_tqdm=args.disable_tqdm,
+        api_key=api_key,
     )
     print(format_report(summary), flush=True)
     if result_path is not None and not write_text_or_print(
