@@ -757,6 +757,247 @@ Q8_ROWS(q4_k)
 Q8_ROWS(q5_k)
 Q8_ROWS(q6_k)
 
+/* ---- K-quants on activation blocks of 256 (Q8_K-style) ----------------------------------
+ *
+ * The K-types (Q4_K, Q5_K, Q6_K) take their activations in blocks of 256, one per weight
+ * super-block (quantize_row_q8k): xd[s] = max |x| / 127 over the 256 elements (fp32), xq as
+ * above, and bsum[16 s + i] = the sum of xq over elements 16 i .. 16 i + 15 (int16, at most
+ * 16 * 127). A super-block's integer dot then runs whole in int32 lanes, each group's (or
+ * Q6_K sub-block's) integer scale applied as madd's 16-bit multiplier, and becomes a float
+ * once: one fused multiply-add by d * xd[s] per super-block and activation row, not one per
+ * group of 32. The offsets come from the bsums once per super-block, in integers:
+ *   Q4_K, Q5_K   - dmin * xd[s] * sum_j m_j * (bsum[2 j] + bsum[2 j + 1])  (madd of the
+ *                mins, each twice, with the 16 bsums)
+ *   Q6_K         the codes q (0..63) are maddubs' unsigned operand as they are; the -32 of
+ *                w = q - 32 is - 32 * sum_i scale_i * bsum[i], taken off the int32 lanes
+ *                before the conversion.
+ * Bounds: a 16-bit pair sum at most 2 * 63 * 127 = 16002 (Q6_K's codes), an int32 lane at
+ * most 8 * 2 * 16002 * 128 plus the offset's 32 * 2 * 2032 * 128 (under 2^26: exact in int32,
+ * the conversion to fp32 rounds only above 2^24, Q6_K's extremes, 2^-24 relative). Each
+ * product is off the fp32 one by at most sum_k |w_k| * xd(k) / 2 with xd(k) the scale of k's
+ * block of 256 (coarser than a block of 32's: the price of the fewer float steps), plus fp32
+ * summation. */
+
+/* Activation row x [K] (K a multiple of 256) -> xq int8 [K], xd fp32 [K / 256], bsum int16
+ * [K / 16] (see above; the rounding of quantize_row_q8 with the scale of the block of 256). */
+static void quantize_row_q8k(const float *x, int64_t K, int8_t *xq, float *xd, int16_t *bsum) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t s = 0; s < K / 256; s++) {
+        const float *p = x + 256 * s;
+        __m256 a = _mm256_setzero_ps();
+        for (int i = 0; i < 32; i++) a = _mm256_max_ps(a, _mm256_and_ps(_mm256_loadu_ps(p + 8 * i), absmask));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        const float scale = _mm_cvtss_f32(h) / 127.0f;
+        const __m256 inv = _mm256_set1_ps(scale != 0.0f ? 1.0f / scale : 0.0f);
+        for (int b = 0; b < 8; b++) {
+            const float *q = p + 32 * b;
+            const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(q), inv));
+            const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(q + 8), inv));
+            const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(q + 16), inv));
+            const __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(q + 24), inv));
+            const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1),
+                                                      _mm256_packs_epi32(i2, i3));
+            _mm256_storeu_si256((__m256i *)(xq + 256 * s + 32 * b),
+                                _mm256_permutevar8x32_epi32(packed, order));
+            /* the sums of elements 0-15 and 16-31 */
+            __m256i t = _mm256_hadd_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+            t = _mm256_hadd_epi32(t, t);
+            const __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+            bsum[16 * s + 2 * b] = (int16_t)_mm_cvtsi128_si32(u);
+            bsum[16 * s + 2 * b + 1] = (int16_t)_mm_extract_epi32(u, 1);
+        }
+        xd[s] = scale;
+    }
+}
+
+/* The 6-bit scales and mins of a Q4_K / Q5_K super-block (layout in the header comment) as
+ * 16 int16: lanes 0-7 the scales sc[j], 8-15 the mins m[j] */
+static inline AI __m256i k_scales_mins16(const uint8_t *blk) {
+    uint32_t w0, w1, w2;
+    memcpy(&w0, blk + 4, 4);
+    memcpy(&w1, blk + 8, 4);
+    memcpy(&w2, blk + 12, 4);
+    const uint32_t sc_lo = w0 & 0x3F3F3F3Fu, m_lo = w1 & 0x3F3F3F3Fu;
+    const uint32_t sc_hi = (w2 & 0x0F0F0F0Fu) | ((w0 >> 2) & 0x30303030u);
+    const uint32_t m_hi = ((w2 >> 4) & 0x0F0F0F0Fu) | ((w1 >> 2) & 0x30303030u);
+    return _mm256_cvtepu8_epi16(_mm_set_epi32((int)m_hi, (int)m_lo, (int)sc_hi, (int)sc_lo));
+}
+
+/* mins m[j] (lanes 8-15 of sm16) each twice: lanes 2 j, 2 j + 1 = m[j], the multiplier that
+ * madd meets the 16 bsums with (lane j of the result: m[j] times group j's activation sum) */
+static inline AI __m256i k_mins_twice(__m256i sm16) {
+    const __m128i mn = _mm256_extracti128_si256(sm16, 1);
+    return _mm256_set_m128i(_mm_unpackhi_epi16(mn, mn), _mm_unpacklo_epi16(mn, mn));
+}
+
+/* Q4_K (five = 0) / Q5_K (five = 1) row n on Q8_K activations (xd [M, K / 256], bsum
+ * [M, K / 16]): per super-block the pairs of groups as q8_row_kq forms them, each group's
+ * dot times its scale (madd) added into 8 int32 lanes per activation row, then one float step
+ * for the scales' part and one for the mins'. */
+static inline AI void q8k_row_kq(const int M, const int five, const uint8_t *w, const int8_t *xq,
+                                 const float *xd, const int16_t *bsum, int64_t K, int64_t ldo,
+                                 int64_t n, float *out) {
+    const int BB = five ? 176 : 144;
+    const int64_t S = K / 256;
+    const uint8_t *row = w + n * S * BB;
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    __m256 a0[MAX_M], a1[MAX_M];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) a0[m] = a1[m] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < S; s++) {
+        const uint8_t *blk = row + s * BB;
+        PREFETCH(blk + PF_BYTES);
+        PREFETCH(blk + PF_BYTES + 64);
+        PREFETCH(blk + PF_BYTES + 128);
+        const __m256i sm16 = k_scales_mins16(blk);
+        const __m256i scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm16));
+        const __m256i mins = k_mins_twice(sm16);
+        const float d = f16_to_f32(blk), dmin = f16_to_f32(blk + 2);
+        const uint8_t *qs = blk + (five ? 48 : 16);
+        const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : low4;
+        __m256i sumi[MAX_M];
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++) sumi[m] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            __m256i qlo = _mm256_and_si256(bytes, low4);
+            __m256i qhi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+            if (five) {
+                const int j0 = 2 * c, j1 = 2 * c + 1;
+                const __m256i b0 = _mm256_and_si256(qh, _mm256_set1_epi8((char)(1 << j0)));
+                const __m256i b1 = _mm256_and_si256(qh, _mm256_set1_epi8((char)(1 << j1)));
+                qlo = _mm256_or_si256(qlo, j0 <= 4 ? _mm256_slli_epi16(b0, 4 - j0)
+                                                   : _mm256_srli_epi16(b0, j0 - 4));
+                qhi = _mm256_or_si256(qhi, j1 <= 4 ? _mm256_slli_epi16(b1, 4 - j1)
+                                                   : _mm256_srli_epi16(b1, j1 - 4));
+            }
+            /* scale 2 c (2 c + 1) in every 16-bit lane: its two bytes picked from `scales` */
+            const __m256i clo = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)((4 * c + 1) << 8 | (4 * c))));
+            const __m256i chi = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)((4 * c + 3) << 8 | (4 * c + 2))));
+#pragma GCC unroll 8
+            for (int m = 0; m < M; m++) {
+                const int8_t *xm = xq + m * K + 256 * s + 64 * c;
+                const __m256i plo = dot_unsigned(qlo, _mm256_loadu_si256((const __m256i *)xm), clo);
+                const __m256i phi = dot_unsigned(qhi, _mm256_loadu_si256((const __m256i *)(xm + 32)), chi);
+                sumi[m] = _mm256_add_epi32(sumi[m], _mm256_add_epi32(plo, phi));
+            }
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++) {
+            const float f = xd[m * S + s];
+            const __m256i pm = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(bsum + m * (K / 16) + 16 * s)), mins);
+            a0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[m]), _mm256_set1_ps(d * f), a0[m]);
+            a1[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(pm), _mm256_set1_ps(dmin * f), a1[m]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) out[m * ldo + n] = hsum8(_mm256_add_ps(a0[m], a1[m]));
+}
+
+static inline AI void q8k_row_q4_k(const int M, const uint8_t *w, const int8_t *xq,
+                                   const float *xd, const int16_t *bsum, int64_t K, int64_t ldo,
+                                   int64_t n, float *out) {
+    q8k_row_kq(M, 0, w, xq, xd, bsum, K, ldo, n, out);
+}
+
+static inline AI void q8k_row_q5_k(const int M, const uint8_t *w, const int8_t *xq,
+                                   const float *xd, const int16_t *bsum, int64_t K, int64_t ldo,
+                                   int64_t n, float *out) {
+    q8k_row_kq(M, 1, w, xq, xd, bsum, K, ldo, n, out);
+}
+
+/* Q6_K row n on Q8_K activations: the codes q as q8_row_q6_k forms them (unsigned 0..63),
+ * each group's two sub-block scales as madd's multiplier, the super-block's int32 lanes
+ * started at - 32 * sum_i scale_i * bsum[i], then one float step. */
+static inline AI void q8k_row_q6_k(const int M, const uint8_t *w, const int8_t *xq,
+                                   const float *xd, const int16_t *bsum, int64_t K, int64_t ldo,
+                                   int64_t n, float *out) {
+    const int64_t S = K / 256;
+    const uint8_t *row = w + n * S * 210;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
+    const __m256i low16 = _mm256_set1_epi32(0xFFFF);
+    const __m256i pick[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1),
+                             _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
+                             _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5),
+                             _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
+    __m256 a0[MAX_M];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) a0[m] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < S; s++) {
+        const uint8_t *blk = row + s * 210;
+        PREFETCH(blk + PF_BYTES);
+        PREFETCH(blk + PF_BYTES + 64);
+        PREFETCH(blk + PF_BYTES + 128);
+        PREFETCH(blk + PF_BYTES + 192);
+        const int8_t *scale = (const int8_t *)(blk + 192);
+        /* - 32 * scale_i as 16 int16, met with the 16 bsums */
+        const __m256i nsc32 = _mm256_slli_epi16(
+            _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scale))), 5);
+        __m256i sumi[MAX_M];
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++)
+            sumi[m] = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(bsum + m * (K / 16) + 16 * s)), nsc32);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+            const __m256i s32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(scale + 8 * h)));
+            const __m256i pairs = _mm256_or_si256(_mm256_and_si256(s32, low16), _mm256_slli_epi32(s32, 16));
+#pragma GCC unroll 4
+            for (int t = 0; t < 4; t++) {
+                const __m256i ql = t & 1 ? ql1 : ql0;
+                const __m256i nib = _mm256_and_si256(t >= 2 ? _mm256_srli_epi16(ql, 4) : ql, low4);
+                const __m256i moved = t == 0   ? _mm256_slli_epi16(qh, 4)
+                                      : t == 1 ? _mm256_slli_epi16(qh, 2)
+                                      : t == 2 ? qh
+                                               : _mm256_srli_epi16(qh, 2);
+                const __m256i q = _mm256_or_si256(nib, _mm256_and_si256(moved, top2));
+                const __m256i c = _mm256_permutevar8x32_epi32(pairs, pick[t]);
+                const int g = 4 * h + t;
+#pragma GCC unroll 8
+                for (int m = 0; m < M; m++) {
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * K + 256 * s + 32 * g));
+                    sumi[m] = _mm256_add_epi32(sumi[m], dot_unsigned(q, xv, c));
+                }
+            }
+        }
+        const float d = f16_to_f32(blk + 208);
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++)
+            a0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[m]), _mm256_set1_ps(d * xd[m * S + s]), a0[m]);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) out[m * ldo + n] = hsum8(a0[m]);
+}
+
+#define Q8K_ROWS(T)                                                                          \
+    static __attribute__((noinline)) void q8k_rows_##T(int M, const uint8_t *w,              \
+                                                       const int8_t *xq, const float *xd,    \
+                                                       const int16_t *bsum, int64_t K,       \
+                                                       int64_t ldo, int64_t n0, int64_t n1,  \
+                                                       float *out) {                         \
+        switch (M) {                                                                         \
+            case 1: for (int64_t n = n0; n < n1; n++) q8k_row_##T(1, w, xq, xd, bsum, K, ldo, n, out); break; \
+            case 2: for (int64_t n = n0; n < n1; n++) q8k_row_##T(2, w, xq, xd, bsum, K, ldo, n, out); break; \
+            case 3: for (int64_t n = n0; n < n1; n++) q8k_row_##T(3, w, xq, xd, bsum, K, ldo, n, out); break; \
+            case 4: for (int64_t n = n0; n < n1; n++) q8k_row_##T(4, w, xq, xd, bsum, K, ldo, n, out); break; \
+            case 5: for (int64_t n = n0; n < n1; n++) q8k_row_##T(5, w, xq, xd, bsum, K, ldo, n, out); break; \
+            case 6: for (int64_t n = n0; n < n1; n++) q8k_row_##T(6, w, xq, xd, bsum, K, ldo, n, out); break; \
+            case 7: for (int64_t n = n0; n < n1; n++) q8k_row_##T(7, w, xq, xd, bsum, K, ldo, n, out); break; \
+            case 8: for (int64_t n = n0; n < n1; n++) q8k_row_##T(8, w, xq, xd, bsum, K, ldo, n, out); break; \
+        }                                                                                    \
+    }
+
+Q8K_ROWS(q4_k)
+Q8K_ROWS(q5_k)
+Q8K_ROWS(q6_k)
+#undef Q8K_ROWS
+
 /* ---- the default engine's large steps held to AVX2: whole groups in integers ------------
  *
  * As the VNNI body's vf_tile_rows, for a CPU (or a hold) without VNNI: tiles of 8 weight rows
@@ -1318,6 +1559,173 @@ V_ROWS(q5_1)
 V_ROWS(q4_k)
 V_ROWS(q5_k)
 V_ROWS(q6_k)
+
+/* ---- K-quants on Q8_K activations, VNNI: maddubs into 16-bit pairs, then dpwssd ----------
+ *
+ * As the AVX2 body's q8k_row_* (the activations quantize_row_q8k's), 64 elements a vector:
+ * _mm512_maddubs_epi16 forms the 16-bit pair sums (unsigned codes, signed xq) and
+ * _mm512_dpwssd_epi32 multiplies them by the 16-bit scales and adds neighbours into the int32
+ * lanes (madd and add in one instruction). The same integers as the AVX2 body's, summed in
+ * other lanes: the integer sum of a super-block is the same, its conversion is one rounding
+ * (of the same integer only where the lanes' split does not matter: the bodies' results differ
+ * in fp32 summation order, as before). */
+
+/* Q4_K (five = 0) / Q5_K (five = 1) row n: pair c of a super-block (v_row_kq's wv) with
+ * scale 2 c in 16-bit lanes 0-15 and 2 c + 1 in 16-31 */
+static inline AI void vk_row_kq(const int M, const int five, const uint8_t *w, const int8_t *xq,
+                                const float *xd, const int16_t *bsum, int64_t K, int64_t ldo,
+                                int64_t n, float *out) {
+    const int BB = five ? 176 : 144;
+    const int64_t S = K / 256;
+    const uint8_t *row = w + n * S * BB;
+    __m512 a0[MAX_M];
+    __m256 a1[MAX_M];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) {
+        a0[m] = _mm512_setzero_ps();
+        a1[m] = _mm256_setzero_ps();
+    }
+    for (int64_t s = 0; s < S; s++) {
+        const uint8_t *blk = row + s * BB;
+        PREFETCH(blk + PF_BYTES);
+        PREFETCH(blk + PF_BYTES + 64);
+        PREFETCH(blk + PF_BYTES + 128);
+        const __m256i sm16 = k_scales_mins16(blk);
+        const __m512i scales = _mm512_castsi256_si512(sm16);
+        const __m256i mins = k_mins_twice(sm16);
+        const float d = f16_to_f32(blk), dmin = f16_to_f32(blk + 2);
+        const uint8_t *qs = blk + (five ? 48 : 16);
+        const __m512i qh = five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)))
+                                : _mm512_setzero_si512();
+        __m512i sumi[MAX_M];
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++) sumi[m] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            const __m512i bytes = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
+            __m512i wv = _mm512_and_si512(_mm512_mask_srli_epi16(bytes, (__mmask32)0xFFFF0000u, bytes, 4),
+                                          _mm512_set1_epi8(0x0F));
+            if (five) {
+                const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (2 * c))),
+                                                       _mm256_set1_epi8((char)(1 << (2 * c + 1))), 1);
+                wv = _mm512_mask_add_epi8(wv, _mm512_test_epi8_mask(qh, bit), wv, _mm512_set1_epi8(16));
+            }
+            const __m512i sc = _mm512_permutexvar_epi16(
+                _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * c)), _mm256_set1_epi16((short)(2 * c + 1)), 1),
+                scales);
+#pragma GCC unroll 8
+            for (int m = 0; m < M; m++) {
+                const __m512i p = _mm512_maddubs_epi16(wv, _mm512_loadu_si512(xq + m * K + 256 * s + 64 * c));
+                sumi[m] = _mm512_dpwssd_epi32(sumi[m], p, sc);
+            }
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++) {
+            const float f = xd[m * S + s];
+            const __m256i pm = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(bsum + m * (K / 16) + 16 * s)), mins);
+            a0[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[m]), _mm512_set1_ps(d * f), a0[m]);
+            a1[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(pm), _mm256_set1_ps(dmin * f), a1[m]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++)
+        out[m * ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], _mm512_zextps256_ps512(a1[m])));
+}
+
+static inline AI void vk_row_q4_k(const int M, const uint8_t *w, const int8_t *xq,
+                                  const float *xd, const int16_t *bsum, int64_t K, int64_t ldo,
+                                  int64_t n, float *out) {
+    vk_row_kq(M, 0, w, xq, xd, bsum, K, ldo, n, out);
+}
+
+static inline AI void vk_row_q5_k(const int M, const uint8_t *w, const int8_t *xq,
+                                  const float *xd, const int16_t *bsum, int64_t K, int64_t ldo,
+                                  int64_t n, float *out) {
+    vk_row_kq(M, 1, w, xq, xd, bsum, K, ldo, n, out);
+}
+
+/* Q6_K row n: pair p = 2 h + u (v_row_q6_k's codes q, unsigned) with its four sub-block
+ * scales 4 p .. 4 p + 3 in 16-bit lanes 0-7, 8-15, 16-23, 24-31; the lanes started at
+ * - 32 * sum_i scale_i * bsum[i] */
+static inline AI void vk_row_q6_k(const int M, const uint8_t *w, const int8_t *xq,
+                                  const float *xd, const int16_t *bsum, int64_t K, int64_t ldo,
+                                  int64_t n, float *out) {
+    const int64_t S = K / 256;
+    const uint8_t *row = w + n * S * 210;
+    __m512 a0[MAX_M];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) a0[m] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < S; s++) {
+        const uint8_t *blk = row + s * 210;
+        PREFETCH(blk + PF_BYTES);
+        PREFETCH(blk + PF_BYTES + 64);
+        PREFETCH(blk + PF_BYTES + 128);
+        PREFETCH(blk + PF_BYTES + 192);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+        const __m256i nsc32 = _mm256_slli_epi16(_mm256_sub_epi16(_mm256_setzero_si256(), sc16), 5);
+        const __m512i scales = _mm512_castsi256_si512(sc16);
+        __m512i sumi[MAX_M];
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++)
+            sumi[m] = _mm512_zextsi256_si512(
+                _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(bsum + m * (K / 16) + 16 * s)), nsc32));
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
+            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
+#pragma GCC unroll 2
+            for (int u = 0; u < 2; u++) {
+                const __m512i nib = _mm512_and_si512(u ? _mm512_srli_epi16(ql, 4) : ql, _mm512_set1_epi8(0x0F));
+                const __m512i top = u ? _mm512_srlv_epi16(qh, _mm512_inserti64x4(_mm512_setzero_si512(),
+                                                                                 _mm256_set1_epi16(2), 1))
+                                      : _mm512_sllv_epi16(qh, _mm512_inserti64x4(_mm512_set1_epi16(4),
+                                                                                 _mm256_set1_epi16(2), 1));
+                const __m512i q = _mm512_ternarylogic_epi32(nib, top, _mm512_set1_epi8(0x30), 0xF8);
+                const int pp = 2 * h + u;
+                const __m512i sc = _mm512_permutexvar_epi16(
+                    _mm512_inserti64x4(
+                        _mm512_castsi256_si512(_mm256_set_m128i(_mm_set1_epi16((short)(4 * pp + 1)),
+                                                                _mm_set1_epi16((short)(4 * pp)))),
+                        _mm256_set_m128i(_mm_set1_epi16((short)(4 * pp + 3)), _mm_set1_epi16((short)(4 * pp + 2))), 1),
+                    scales);
+#pragma GCC unroll 8
+                for (int m = 0; m < M; m++) {
+                    const __m512i p = _mm512_maddubs_epi16(q, _mm512_loadu_si512(xq + m * K + 256 * s + 64 * pp));
+                    sumi[m] = _mm512_dpwssd_epi32(sumi[m], p, sc);
+                }
+            }
+        }
+        const float d = f16_to_f32(blk + 208);
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++)
+            a0[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[m]), _mm512_set1_ps(d * xd[m * S + s]), a0[m]);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) out[m * ldo + n] = _mm512_reduce_add_ps(a0[m]);
+}
+
+#define VK_ROWS(T)                                                                           \
+    static __attribute__((noinline)) void vk_rows_##T(int M, const uint8_t *w,               \
+                                                      const int8_t *xq, const float *xd,     \
+                                                      const int16_t *bsum, int64_t K,        \
+                                                      int64_t ldo, int64_t n0, int64_t n1,   \
+                                                      float *out) {                          \
+        switch (M) {                                                                         \
+            case 1: for (int64_t n = n0; n < n1; n++) vk_row_##T(1, w, xq, xd, bsum, K, ldo, n, out); break; \
+            case 2: for (int64_t n = n0; n < n1; n++) vk_row_##T(2, w, xq, xd, bsum, K, ldo, n, out); break; \
+            case 3: for (int64_t n = n0; n < n1; n++) vk_row_##T(3, w, xq, xd, bsum, K, ldo, n, out); break; \
+            case 4: for (int64_t n = n0; n < n1; n++) vk_row_##T(4, w, xq, xd, bsum, K, ldo, n, out); break; \
+            case 5: for (int64_t n = n0; n < n1; n++) vk_row_##T(5, w, xq, xd, bsum, K, ldo, n, out); break; \
+            case 6: for (int64_t n = n0; n < n1; n++) vk_row_##T(6, w, xq, xd, bsum, K, ldo, n, out); break; \
+            case 7: for (int64_t n = n0; n < n1; n++) vk_row_##T(7, w, xq, xd, bsum, K, ldo, n, out); break; \
+            case 8: for (int64_t n = n0; n < n1; n++) vk_row_##T(8, w, xq, xd, bsum, K, ldo, n, out); break; \
+        }                                                                                    \
+    }
+
+VK_ROWS(q4_k)
+VK_ROWS(q5_k)
+VK_ROWS(q6_k)
+#undef VK_ROWS
 
 /* Rows n0..n1 of a type's product on the VNNI body */
 static void v_rows(int type, int M, const uint8_t *w, const q8v_act *A, int64_t ldo, int64_t n0,
@@ -2074,5 +2482,39 @@ int pagedkv_gguf_gemm_invariant(int type, const float *x, const uint8_t *w, floa
         }
     }
     free(xsum);
+    return 0;
+}
+
+/* PROTOTYPE (A/B): K-types on Q8_K activations */
+int pagedkv_gguf_gemm_q8k_proto(int type, const float *x, const uint8_t *w, float *out,
+                                int64_t M, int64_t N, int64_t K, int64_t ldo, int num_threads,
+                                int isa) {
+    if (type != GGML_Q4_K && type != GGML_Q5_K && type != GGML_Q6_K) return -1;
+    if (M < 1 || M > MAX_M || K <= 0 || K % 256 != 0 || N < 0 || ldo < N) return -1;
+    const int64_t S = K / 256;
+    float *xd = (float *)malloc(sizeof(float) * M * S + sizeof(int16_t) * M * (K / 16) + (size_t)(M * K));
+    if (xd == NULL) return -1;
+    int16_t *bs = (int16_t *)(xd + M * S);
+    int8_t *xq = (int8_t *)(bs + M * (K / 16));
+    for (int64_t m = 0; m < M; m++) quantize_row_q8k(x + m * K, K, xq + m * K, xd + m * S, bs + m * (K / 16));
+    const int64_t num_blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const int64_t n0 = b * ROW_BLOCK, n1 = n0 + ROW_BLOCK < N ? n0 + ROW_BLOCK : N;
+        if (isa == PAGEDKV_ISA_AVX512_VNNI) {
+            switch (type) {
+                case GGML_Q4_K: vk_rows_q4_k((int)M, w, xq, xd, bs, K, ldo, n0, n1, out); break;
+                case GGML_Q5_K: vk_rows_q5_k((int)M, w, xq, xd, bs, K, ldo, n0, n1, out); break;
+                default: vk_rows_q6_k((int)M, w, xq, xd, bs, K, ldo, n0, n1, out); break;
+            }
+        } else {
+            switch (type) {
+                case GGML_Q4_K: q8k_rows_q4_k((int)M, w, xq, xd, bs, K, ldo, n0, n1, out); break;
+                case GGML_Q5_K: q8k_rows_q5_k((int)M, w, xq, xd, bs, K, ldo, n0, n1, out); break;
+                default: q8k_rows_q6_k((int)M, w, xq, xd, bs, K, ldo, n0, n1, out); break;
+            }
+        }
+    }
+    free(xd);
     return 0;
 }
