@@ -408,16 +408,17 @@ int pagedkv_gguf_get_rows(int type, const uint8_t *w, const int64_t *ids, int64_
  *   Q8_0, Q4_0, Q5_0   sum_b (d_b * xd_b) * (w_b . xq_b)          w = the signed integer
  *   Q4_1, Q5_1         sum_b (d_b * xd_b) * (q_b . xq_b) + m_b * xds_b: the offset meets
  *                      the activation block's sum (w = d q + m, so w . x = d (q . x) + m sum x)
- *   Q6_K               sum_g (d * xd_g) * sum_{half} scale_i * (w . xq)  over the two
- *                      16-element sub-blocks of group g (the int8 scales as madd's
- *                      multiplier), w = q - 32
- *   Q4_K, Q5_K         sum_j (d * xd_j) * sc_j * (q_j . xq_j) - dmin * sum_j m_j * xds_j: the
- *                      6-bit scale as madd's multiplier, the min term from the blocks' sums
- *                      (one 8-lane multiply-add per super-block, as the fp32 product does)
+ *   Q6_K, Q4_K, Q5_K   on activation blocks of 256 (Q8_K-style, below: "K-quants on
+ *                      activation blocks of 256"), one float step per super-block
  * The int32 lanes become floats once per group of 32 and meet the group's fp32 factor in one
  * fused multiply-add into 8 lanes per activation row, summed at the end of the row. The
  * result differs from the fp32 product by the activations' rounding: at most
- * sum_k |w_k| * xd_block(k) / 2, plus fp32 summation.
+ * sum_k |w_k| * xd_block(k) / 2, plus fp32 summation (xd_block(k) the scale of k's activation
+ * block: of 32, or the K-types' 256).
+ * The large steps' kernels (af_* here, vl_* / vf_* on VNNI) still take every type, the
+ * K-types included, on blocks of 32: vf_* and af_* serve pagedkv_gguf_gemm_q8_fast (the default
+ * engine's prompts, not tied to the decode step's bits); vl_* the batch-invariant large
+ * product of the 32-element types (the K-types' runs their row kernels, see gemm_q8k).
  *
  * Two bodies: this AVX2 one (maddubs / madd / sign), and an AVX-512 VNNI one below. */
 #pragma GCC push_options
@@ -561,174 +562,6 @@ Q8_ROW32(q4_1, 20, 0, 2)
 Q8_ROW32(q5_0, 22, 1, -1)
 Q8_ROW32(q5_1, 24, 0, 2)
 
-/* Q4_K (five = 0) / Q5_K (five = 1) row n: per super-block the min term, then 4 pairs of
- * groups (a pair's 32 bytes hold group 2 c in the low nibbles and 2 c + 1 in the high ones,
- * element i in byte i; Q5_K's fifth bit of element i of group j is bit j of qh[i]). */
-static inline AI void q8_row_kq(const int M, const int five, const uint8_t *w, const int8_t *xq,
-                                const float *xd, const float *xds, int64_t K, int64_t ldo,
-                                int64_t n, float *out) {
-    const int BB = five ? 176 : 144;
-    const int64_t S = K / 256, G = K / 32;
-    const uint8_t *row = w + n * S * BB;
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    __m256 a0[MAX_M], a1[MAX_M];
-#pragma GCC unroll 8
-    for (int m = 0; m < M; m++) a0[m] = a1[m] = _mm256_setzero_ps();
-    for (int64_t s = 0; s < S; s++) {
-        const uint8_t *blk = row + s * BB;
-        PREFETCH(blk + PF_BYTES);
-        PREFETCH(blk + PF_BYTES + 64);
-        PREFETCH(blk + PF_BYTES + 128);
-        /* the 6-bit scales and mins (layout in the header comment) as bytes */
-        uint32_t w0, w1, w2;
-        memcpy(&w0, blk + 4, 4);
-        memcpy(&w1, blk + 8, 4);
-        memcpy(&w2, blk + 12, 4);
-        const uint32_t sc_words[2] = {w0 & 0x3F3F3F3Fu,
-                                      (w2 & 0x0F0F0F0Fu) | ((w0 >> 2) & 0x30303030u)};
-        const uint32_t m_lo = w1 & 0x3F3F3F3Fu;
-        const uint32_t m_hi = ((w2 >> 4) & 0x0F0F0F0Fu) | ((w1 >> 2) & 0x30303030u);
-        uint8_t sc[8];
-        memcpy(sc, sc_words, 8);
-        const float d = f16_to_f32(blk), dmin = f16_to_f32(blk + 2);
-        /* dmin * m_j, subtracted times xds_j = xd_j * sum(xq_j) */
-        const __m256 dm = _mm256_mul_ps(
-            _mm256_set1_ps(dmin),
-            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)m_hi, (int)m_lo))));
-#pragma GCC unroll 8
-        for (int m = 0; m < M; m++)
-            a1[m] = _mm256_fnmadd_ps(dm, _mm256_loadu_ps(xds + m * G + s * 8), a1[m]);
-        const uint8_t *qs = blk + (five ? 48 : 16);
-        const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : low4;
-#pragma GCC unroll 4
-        for (int c = 0; c < 4; c++) {
-            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-            __m256i qlo = _mm256_and_si256(bytes, low4);
-            __m256i qhi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
-            if (five) {
-                /* bit j of each qh byte moved to bit 4 (j = 2 c, 2 c + 1; 16-bit shifts move
-                 * no set bit across a byte: only bit j is kept) */
-                const int j0 = 2 * c, j1 = 2 * c + 1;
-                const __m256i b0 = _mm256_and_si256(qh, _mm256_set1_epi8((char)(1 << j0)));
-                const __m256i b1 = _mm256_and_si256(qh, _mm256_set1_epi8((char)(1 << j1)));
-                qlo = _mm256_or_si256(qlo, j0 <= 4 ? _mm256_slli_epi16(b0, 4 - j0)
-                                                   : _mm256_srli_epi16(b0, j0 - 4));
-                qhi = _mm256_or_si256(qhi, j1 <= 4 ? _mm256_slli_epi16(b1, 4 - j1)
-                                                   : _mm256_srli_epi16(b1, j1 - 4));
-            }
-            const __m256i clo = _mm256_set1_epi16(sc[2 * c]), chi = _mm256_set1_epi16(sc[2 * c + 1]);
-            const int64_t b = s * 8 + 2 * c;
-#pragma GCC unroll 8
-            for (int m = 0; m < M; m++) {
-                const int8_t *xm = xq + m * K + 32 * b;
-                /* the weights are the unsigned operand as they are */
-                const __m256i plo =
-                    dot_unsigned(qlo, _mm256_loadu_si256((const __m256i *)xm), clo);
-                const __m256i phi =
-                    dot_unsigned(qhi, _mm256_loadu_si256((const __m256i *)(xm + 32)), chi);
-                a0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(plo), _mm256_set1_ps(d * xd[m * G + b]),
-                                        a0[m]);
-                a1[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(phi),
-                                        _mm256_set1_ps(d * xd[m * G + b + 1]), a1[m]);
-            }
-        }
-    }
-#pragma GCC unroll 8
-    for (int m = 0; m < M; m++) out[m * ldo + n] = hsum8(_mm256_add_ps(a0[m], a1[m]));
-}
-
-static inline AI void q8_row_q4_k(const int M, const uint8_t *w, const int8_t *xq,
-                                  const float *xd, const float *xds, int64_t K, int64_t ldo,
-                                  int64_t n, float *out) {
-    q8_row_kq(M, 0, w, xq, xd, xds, K, ldo, n, out);
-}
-
-static inline AI void q8_row_q5_k(const int M, const uint8_t *w, const int8_t *xq,
-                                  const float *xd, const float *xds, int64_t K, int64_t ldo,
-                                  int64_t n, float *out) {
-    q8_row_kq(M, 1, w, xq, xd, xds, K, ldo, n, out);
-}
-
-/* Q6_K row n: group g = 4 h + t of a super-block (half h, quarter t, see the header comment):
- * element i's low 4 bits are the low (t < 2) or high nibble of ql[64 h + 32 (t & 1) + i], its
- * top 2 bits bits 2 t, 2 t + 1 of qh[32 h + i]; q - 32 is the signed weight.
- * The code q (0..63) is maddubs' unsigned operand and 32 x is taken off each 16-bit pair sum
- * (q_a x_a + q_b x_b - 32 (x_a + x_b) = (q_a - 32) x_a + (q_b - 32) x_b: the same integers as
- * |w| times x with w's sign, every pair under 2 * 63 * 127 < 2^15), so the lanes, and the
- * result, are bit for bit those of dot_signed on w = q - 32. Per super-block the group factors
- * d * xd (the same fp32 product) go to a stack array once, read back by broadcast loads, and
- * each half's 8 scales are widened once into 16-bit pairs that a lane permute hands to each
- * group: fewer instructions per group on the weight stream. */
-static inline AI void q8_row_q6_k(const int M, const uint8_t *w, const int8_t *xq,
-                                  const float *xd, const float *xds, int64_t K, int64_t ldo,
-                                  int64_t n, float *out) {
-    (void)xds;
-    const int64_t S = K / 256, G = K / 32;
-    const uint8_t *row = w + n * S * 210;
-    const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
-    const __m256i k32 = _mm256_set1_epi8(32), low16 = _mm256_set1_epi32(0xFFFF);
-    /* quarter t's scales: lanes 0-3 (elements 0-15) scale 2 t of the half, 4-7 scale 2 t + 1 */
-    const __m256i pick[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1),
-                             _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
-                             _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5),
-                             _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
-    __m256 a0[MAX_M], a1[MAX_M];
-    float dx[MAX_M * 8];
-#pragma GCC unroll 8
-    for (int m = 0; m < M; m++) a0[m] = a1[m] = _mm256_setzero_ps();
-    for (int64_t s = 0; s < S; s++) {
-        const uint8_t *blk = row + s * 210;
-        PREFETCH(blk + PF_BYTES);
-        PREFETCH(blk + PF_BYTES + 64);
-        PREFETCH(blk + PF_BYTES + 128);
-        PREFETCH(blk + PF_BYTES + 192);
-        const __m256 d = _mm256_set1_ps(f16_to_f32(blk + 208));
-#pragma GCC unroll 8
-        for (int m = 0; m < M; m++)
-            _mm256_storeu_ps(dx + 8 * m, _mm256_mul_ps(d, _mm256_loadu_ps(xd + m * G + s * 8)));
-        const int8_t *scale = (const int8_t *)(blk + 192);
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; h++) {
-            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
-            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-            /* the half's 8 scales, each as the int16 pair (s, s) of an int32 lane */
-            const __m256i s32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(scale + 8 * h)));
-            const __m256i pairs = _mm256_or_si256(_mm256_and_si256(s32, low16), _mm256_slli_epi32(s32, 16));
-#pragma GCC unroll 4
-            for (int t = 0; t < 4; t++) {
-                const int g = 4 * h + t;
-                const __m256i ql = t & 1 ? ql1 : ql0;
-                const __m256i nib = _mm256_and_si256(t >= 2 ? _mm256_srli_epi16(ql, 4) : ql, low4);
-                /* bits 2 t, 2 t + 1 to bits 4, 5 (16-bit shifts: the mask drops what crosses
-                 * from the neighbouring byte) */
-                const __m256i moved = t == 0   ? _mm256_slli_epi16(qh, 4)
-                                      : t == 1 ? _mm256_slli_epi16(qh, 2)
-                                      : t == 2 ? qh
-                                               : _mm256_srli_epi16(qh, 2);
-                const __m256i q = _mm256_or_si256(nib, _mm256_and_si256(moved, top2));
-                /* elements 0-15 take scale 2 g, 16-31 scale 2 g + 1 */
-                const __m256i c = _mm256_permutevar8x32_epi32(pairs, pick[t]);
-                const int64_t b = s * 8 + g;
-#pragma GCC unroll 8
-                for (int m = 0; m < M; m++) {
-                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * K + 32 * b));
-                    const __m256i pair = _mm256_sub_epi16(_mm256_maddubs_epi16(q, xv),
-                                                          _mm256_maddubs_epi16(k32, xv));
-                    const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(pair, c));
-                    const __m256 f = _mm256_broadcast_ss(dx + 8 * m + g);
-                    if (t & 1)
-                        a1[m] = _mm256_fmadd_ps(p, f, a1[m]);
-                    else
-                        a0[m] = _mm256_fmadd_ps(p, f, a0[m]);
-                }
-            }
-        }
-    }
-#pragma GCC unroll 8
-    for (int m = 0; m < M; m++) out[m * ldo + n] = hsum8(_mm256_add_ps(a0[m], a1[m]));
-}
-
 /* rows n0..n1 of one type, M a constant at each call site */
 #define Q8_ROWS(T)                                                                           \
     static __attribute__((noinline)) void q8_rows_##T(int M, const uint8_t *w,               \
@@ -753,9 +586,6 @@ Q8_ROWS(q4_0)
 Q8_ROWS(q4_1)
 Q8_ROWS(q5_0)
 Q8_ROWS(q5_1)
-Q8_ROWS(q4_k)
-Q8_ROWS(q5_k)
-Q8_ROWS(q6_k)
 
 /* ---- K-quants on activation blocks of 256 (Q8_K-style) ----------------------------------
  *
@@ -834,9 +664,10 @@ static inline AI __m256i k_mins_twice(__m256i sm16) {
 }
 
 /* Q4_K (five = 0) / Q5_K (five = 1) row n on Q8_K activations (xd [M, K / 256], bsum
- * [M, K / 16]): per super-block the pairs of groups as q8_row_kq forms them, each group's
- * dot times its scale (madd) added into 8 int32 lanes per activation row, then one float step
- * for the scales' part and one for the mins'. */
+ * [M, K / 16]): per super-block 4 pairs of groups (a pair's 32 bytes hold group 2 c in the
+ * low nibbles and 2 c + 1 in the high ones, element i in byte i; Q5_K's fifth bit of element
+ * i of group j is bit j of qh[i]), each group's dot times its scale (madd) added into 8 int32
+ * lanes per activation row, then one float step for the scales' part and one for the mins'. */
 static inline AI void q8k_row_kq(const int M, const int five, const uint8_t *w, const int8_t *xq,
                                  const float *xd, const int16_t *bsum, int64_t K, int64_t ldo,
                                  int64_t n, float *out) {
@@ -910,9 +741,13 @@ static inline AI void q8k_row_q5_k(const int M, const uint8_t *w, const int8_t *
     q8k_row_kq(M, 1, w, xq, xd, bsum, K, ldo, n, out);
 }
 
-/* Q6_K row n on Q8_K activations: the codes q as q8_row_q6_k forms them (unsigned 0..63),
- * each group's two sub-block scales as madd's multiplier, the super-block's int32 lanes
- * started at - 32 * sum_i scale_i * bsum[i], then one float step. */
+/* Q6_K row n on Q8_K activations: group g = 4 h + t of a super-block (half h, quarter t, see
+ * the header comment): element i's low 4 bits are the low (t < 2) or high nibble of
+ * ql[64 h + 32 (t & 1) + i], its top 2 bits bits 2 t, 2 t + 1 of qh[32 h + i]. The code q
+ * (0..63) is maddubs' unsigned operand as it is; each half's 8 scales are widened once into
+ * 16-bit pairs that a lane permute hands to each group (elements 0-15 take scale 2 g, 16-31
+ * scale 2 g + 1) as madd's multiplier; the super-block's int32 lanes start at
+ * - 32 * sum_i scale_i * bsum[i] (the - 32 of w = q - 32), then one float step. */
 static inline AI void q8k_row_q6_k(const int M, const uint8_t *w, const int8_t *xq,
                                    const float *xd, const int16_t *bsum, int64_t K, int64_t ldo,
                                    int64_t n, float *out) {
@@ -1293,11 +1128,10 @@ static int gemm_q8_avx2_fast(int type, const float *x, const uint8_t *w, float *
  *   each lane starts from -128 * (its four weights' sum), one dpbusd of 128s with w per pair,
  *   shared by all activation rows.
  * Each lane holds four consecutive elements, so a pair's fp32 factor is one vector of 16:
- * the weights' scale per lane (d per block; d * sc_j per Q4_K / Q5_K group; d * scale_i per
- * Q6_K sub-block of 16, four lanes each) times the activation blocks' xd (lanes 0-7 the first
- * block's, 8-15 the second's, laid out so once per call). The offsets as in the AVX2 body:
- * Q4_1 / Q5_1's m times xds (spread as xds / 8 over the block's 8 lanes), the K-types' min
- * term once per super-block. */
+ * the weights' scale per lane (d per block) times the activation blocks' xd (lanes 0-7 the
+ * first block's, 8-15 the second's, laid out so once per call). The offsets as in the AVX2
+ * body: Q4_1 / Q5_1's m times xds (spread as xds / 8 over the block's 8 lanes). The K-types
+ * run vk_row_* below on the Q8_K-style activations (maddubs, then dpwssd). */
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
 
@@ -1413,128 +1247,6 @@ V_ROW32(q4_1, 20, 0, 2)
 V_ROW32(q5_0, 22, 1, -1)
 V_ROW32(q5_1, 24, 0, 2)
 
-/* Q4_K (five = 0) / Q5_K (five = 1) row n: pair c of a super-block is the 32 bytes of nibbles
- * qs[32 c ..]: group 2 c the low nibbles (lanes 0-7), 2 c + 1 the high ones (8-15). */
-static inline AI void v_row_kq(const int M, const int five, const uint8_t *w, const q8v_act *A,
-                               int64_t ldo, int64_t n, float *out) {
-    const int BB = five ? 176 : 144;
-    const int64_t G = A->G, S = G / 8;
-    const uint8_t *row = w + n * S * BB;
-    __m512 a0[MAX_M], a1[MAX_M];
-#pragma GCC unroll 8
-    for (int m = 0; m < M; m++) a0[m] = a1[m] = _mm512_setzero_ps();
-    for (int64_t s = 0; s < S; s++) {
-        const uint8_t *blk = row + s * BB;
-        PREFETCH(blk + PF_BYTES);
-        PREFETCH(blk + PF_BYTES + 64);
-        PREFETCH(blk + PF_BYTES + 128);
-        float D[8], DM[8];
-        prep_q4_k(blk, D, DM);
-        const __m512 dz = _mm512_castps256_ps512(_mm256_loadu_ps(D));
-        const __m512 dm = _mm512_zextps256_ps512(_mm256_loadu_ps(DM));
-#pragma GCC unroll 8
-        for (int m = 0; m < M; m++)
-            a1[m] = _mm512_fnmadd_ps(dm, _mm512_zextps256_ps512(_mm256_loadu_ps(A->xds + m * G + s * 8)),
-                                     a1[m]);
-        const uint8_t *qs = blk + (five ? 48 : 16);
-        const __m512i qh = five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)))
-                                : _mm512_setzero_si512();
-#pragma GCC unroll 4
-        for (int c = 0; c < 4; c++) {
-            const __m512i bytes = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
-            __m512i wv = _mm512_and_si512(_mm512_mask_srli_epi16(bytes, (__mmask32)0xFFFF0000u, bytes, 4),
-                                          _mm512_set1_epi8(0x0F));
-            if (five) {
-                /* bit 2 c of each qh byte for the low half, bit 2 c + 1 for the high one */
-                const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (2 * c))),
-                                                       _mm256_set1_epi8((char)(1 << (2 * c + 1))), 1);
-                wv = _mm512_mask_add_epi8(wv, _mm512_test_epi8_mask(qh, bit), wv, _mm512_set1_epi8(16));
-            }
-            const __m512 dv = _mm512_permutexvar_ps(
-                _mm512_inserti64x4(_mm512_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1), 1), dz);
-            const int64_t p = 4 * s + c;
-#pragma GCC unroll 8
-            for (int m = 0; m < M; m++) {
-                const __m512i dot = _mm512_dpbusd_epi32(
-                    _mm512_setzero_si512(), wv, _mm512_loadu_si512(A->xq + m * A->Kp + 64 * p));
-                a0[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
-                                        _mm512_mul_ps(dv, _mm512_loadu_ps(A->xdp + (m * A->P + p) * 16)),
-                                        a0[m]);
-            }
-        }
-    }
-#pragma GCC unroll 8
-    for (int m = 0; m < M; m++) out[m * ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m]));
-}
-
-static inline AI void v_row_q4_k(const int M, const uint8_t *w, const q8v_act *A, int64_t ldo,
-                                 int64_t n, float *out) {
-    v_row_kq(M, 0, w, A, ldo, n, out);
-}
-
-static inline AI void v_row_q5_k(const int M, const uint8_t *w, const q8v_act *A, int64_t ldo,
-                                 int64_t n, float *out) {
-    v_row_kq(M, 1, w, A, ldo, n, out);
-}
-
-/* Q6_K row n: pair p = 2 h + u of a super-block is groups 4 h + 2 u and 4 h + 2 u + 1: the
- * 64 bytes ql[64 h ..] (low nibbles for u = 0, high for u = 1) and the 32 bytes qh[32 h ..]
- * (bits 4 u, 4 u + 1 for the first group, 4 u + 2, 4 u + 3 for the second); its lanes take
- * the scales 4 p .. 4 p + 3, four lanes each. */
-static inline AI void v_row_q6_k(const int M, const uint8_t *w, const q8v_act *A, int64_t ldo,
-                                 int64_t n, float *out) {
-    const int64_t G = A->G, S = G / 8;
-    const uint8_t *row = w + n * S * 210;
-    __m512 a0[MAX_M];
-#pragma GCC unroll 8
-    for (int m = 0; m < M; m++) a0[m] = _mm512_setzero_ps();
-    for (int64_t s = 0; s < S; s++) {
-        const uint8_t *blk = row + s * 210;
-        PREFETCH(blk + PF_BYTES);
-        PREFETCH(blk + PF_BYTES + 64);
-        PREFETCH(blk + PF_BYTES + 128);
-        PREFETCH(blk + PF_BYTES + 192);
-        const __m512 sc = _mm512_mul_ps(
-            _mm512_set1_ps(f16_to_f32(blk + 208)),
-            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)))));
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; h++) {
-            const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
-            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
-#pragma GCC unroll 2
-            for (int u = 0; u < 2; u++) {
-                const __m512i nib = _mm512_and_si512(u ? _mm512_srli_epi16(ql, 4) : ql, _mm512_set1_epi8(0x0F));
-                /* the two bits to bits 4, 5 of each byte (16-bit shifts: the mask drops what
-                 * crosses from the neighbouring byte) */
-                const __m512i top = u ? _mm512_srlv_epi16(qh, _mm512_inserti64x4(_mm512_setzero_si512(),
-                                                                                 _mm256_set1_epi16(2), 1))
-                                      : _mm512_sllv_epi16(qh, _mm512_inserti64x4(_mm512_set1_epi16(4),
-                                                                                 _mm256_set1_epi16(2), 1));
-                const __m512i q = _mm512_ternarylogic_epi32(nib, top, _mm512_set1_epi8(0x30), 0xF8);
-                const __m512i wv = _mm512_sub_epi8(q, _mm512_set1_epi8(32));
-                const __m512i start = v_offset(wv);
-                const int pp = 2 * h + u;
-                const __m512 dv = _mm512_permutexvar_ps(
-                    _mm512_setr_epi32(4 * pp, 4 * pp, 4 * pp, 4 * pp, 4 * pp + 1, 4 * pp + 1, 4 * pp + 1,
-                                      4 * pp + 1, 4 * pp + 2, 4 * pp + 2, 4 * pp + 2, 4 * pp + 2,
-                                      4 * pp + 3, 4 * pp + 3, 4 * pp + 3, 4 * pp + 3),
-                    sc);
-                const int64_t p = 4 * s + pp;
-#pragma GCC unroll 8
-                for (int m = 0; m < M; m++) {
-                    const __m512i dot =
-                        _mm512_dpbusd_epi32(start, _mm512_loadu_si512(A->xu + m * A->Kp + 64 * p), wv);
-                    a0[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
-                                            _mm512_mul_ps(dv, _mm512_loadu_ps(A->xdp + (m * A->P + p) * 16)),
-                                            a0[m]);
-                }
-            }
-        }
-    }
-#pragma GCC unroll 8
-    for (int m = 0; m < M; m++) out[m * ldo + n] = _mm512_reduce_add_ps(a0[m]);
-}
-
 #define V_ROWS(T)                                                                            \
     static __attribute__((noinline)) void v_rows_##T(int M, const uint8_t *w, const q8v_act *A, \
                                                      int64_t ldo, int64_t n0, int64_t n1,    \
@@ -1556,9 +1268,6 @@ V_ROWS(q4_0)
 V_ROWS(q4_1)
 V_ROWS(q5_0)
 V_ROWS(q5_1)
-V_ROWS(q4_k)
-V_ROWS(q5_k)
-V_ROWS(q6_k)
 
 /* ---- K-quants on Q8_K activations, VNNI: maddubs into 16-bit pairs, then dpwssd ----------
  *
@@ -1570,8 +1279,9 @@ V_ROWS(q6_k)
  * (of the same integer only where the lanes' split does not matter: the bodies' results differ
  * in fp32 summation order, as before). */
 
-/* Q4_K (five = 0) / Q5_K (five = 1) row n: pair c of a super-block (v_row_kq's wv) with
- * scale 2 c in 16-bit lanes 0-15 and 2 c + 1 in 16-31 */
+/* Q4_K (five = 0) / Q5_K (five = 1) row n: pair c of a super-block is the 32 bytes of nibbles
+ * qs[32 c ..]: group 2 c the low nibbles (bytes 0-31 of the vector), 2 c + 1 the high ones
+ * (32-63), with scale 2 c in 16-bit lanes 0-15 and 2 c + 1 in 16-31 */
 static inline AI void vk_row_kq(const int M, const int five, const uint8_t *w, const int8_t *xq,
                                 const float *xd, const int16_t *bsum, int64_t K, int64_t ldo,
                                 int64_t n, float *out) {
@@ -1644,9 +1354,11 @@ static inline AI void vk_row_q5_k(const int M, const uint8_t *w, const int8_t *x
     vk_row_kq(M, 1, w, xq, xd, bsum, K, ldo, n, out);
 }
 
-/* Q6_K row n: pair p = 2 h + u (v_row_q6_k's codes q, unsigned) with its four sub-block
- * scales 4 p .. 4 p + 3 in 16-bit lanes 0-7, 8-15, 16-23, 24-31; the lanes started at
- * - 32 * sum_i scale_i * bsum[i] */
+/* Q6_K row n: pair p = 2 h + u of a super-block is groups 4 h + 2 u and 4 h + 2 u + 1: the
+ * 64 bytes ql[64 h ..] (low nibbles for u = 0, high for u = 1) and the 32 bytes qh[32 h ..]
+ * (bits 4 u, 4 u + 1 for the first group, 4 u + 2, 4 u + 3 for the second), the codes q
+ * unsigned; its four sub-block scales 4 p .. 4 p + 3 in 16-bit lanes 0-7, 8-15, 16-23, 24-31;
+ * the lanes started at - 32 * sum_i scale_i * bsum[i] */
 static inline AI void vk_row_q6_k(const int M, const uint8_t *w, const int8_t *xq,
                                   const float *xd, const int16_t *bsum, int64_t K, int64_t ldo,
                                   int64_t n, float *out) {
@@ -1736,9 +1448,6 @@ static void v_rows(int type, int M, const uint8_t *w, const q8v_act *A, int64_t 
         case GGML_Q4_1: v_rows_q4_1(M, w, A, ldo, n0, n1, out); break;
         case GGML_Q5_0: v_rows_q5_0(M, w, A, ldo, n0, n1, out); break;
         case GGML_Q5_1: v_rows_q5_1(M, w, A, ldo, n0, n1, out); break;
-        case GGML_Q4_K: v_rows_q4_k(M, w, A, ldo, n0, n1, out); break;
-        case GGML_Q5_K: v_rows_q5_k(M, w, A, ldo, n0, n1, out); break;
-        case GGML_Q6_K: v_rows_q6_k(M, w, A, ldo, n0, n1, out); break;
     }
 }
 
@@ -1937,11 +1646,9 @@ static inline AI void vl_pairs(const int type, const vl_tile *T, const int8_t *x
  * as the one-row kernel adds them, then its reduction tree), stored to o[0 .. nv - 1]. */
 static inline AI void vl_finish(const int type, const vl_tile *T, const q8v_act *A, int64_t m,
                                 __m512 acc[16], float *o, int nv) {
-    const int64_t P = A->P, G = A->G;
+    const int64_t P = A->P;
     __m512 t[16];
-    if (type == GGML_Q6_K) {
-        for (int l = 0; l < 16; l++) t[l] = acc[l];
-    } else if (type == GGML_Q4_1 || type == GGML_Q5_1) {
+    if (type == GGML_Q4_1 || type == GGML_Q5_1) {
         /* a1: each half pair's m * xds / 8, one chain per half (its 8 lanes hold the same) */
         __m512 a1[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
         const float *xsp = A->xsp + m * P * 16;
@@ -1950,17 +1657,6 @@ static inline AI void vl_finish(const int type, const vl_tile *T, const q8v_act 
                 a1[h] = _mm512_fmadd_ps(_mm512_loadu_ps(T->mn + (p * 2 + h) * 16),
                                         _mm512_set1_ps(xsp[p * 16 + 8 * h]), a1[h]);
         for (int l = 0; l < 16; l++) t[l] = _mm512_add_ps(acc[l], a1[l / 8]);
-    } else if (type == GGML_Q4_K || type == GGML_Q5_K) {
-        /* a1 lane j < 8: - dmin m_j times group j's xds, super-block after super-block;
-         * lanes 8-15 stay +0 */
-        __m512 a1[8];
-        for (int j = 0; j < 8; j++) a1[j] = _mm512_setzero_ps();
-        const float *xds = A->xds + m * G;
-        for (int64_t s = 0; s < G / 8; s++)
-            for (int j = 0; j < 8; j++)
-                a1[j] = _mm512_fnmadd_ps(_mm512_loadu_ps(T->mn + (s * 8 + j) * 16),
-                                         _mm512_set1_ps(xds[s * 8 + j]), a1[j]);
-        for (int l = 0; l < 16; l++) t[l] = _mm512_add_ps(acc[l], l < 8 ? a1[l] : _mm512_setzero_ps());
     } else {
         for (int l = 0; l < 16; l++) t[l] = _mm512_add_ps(acc[l], _mm512_setzero_ps());
     }
@@ -2016,9 +1712,6 @@ VL_TYPE(q4_0, GGML_Q4_0)
 VL_TYPE(q4_1, GGML_Q4_1)
 VL_TYPE(q5_0, GGML_Q5_0)
 VL_TYPE(q5_1, GGML_Q5_1)
-VL_TYPE(q4_k, GGML_Q4_K)
-VL_TYPE(q5_k, GGML_Q5_K)
-VL_TYPE(q6_k, GGML_Q6_K)
 #undef VL_TYPE
 
 static void vl_tile_any(int type, const uint8_t *w, int64_t row_bytes, const q8v_act *A,
@@ -2030,9 +1723,6 @@ static void vl_tile_any(int type, const uint8_t *w, int64_t row_bytes, const q8v
         case GGML_Q4_1: vl_tile_q4_1(w, row_bytes, A, xd, xst, m0, m1, n0, nv, T, out, ldo); break;
         case GGML_Q5_0: vl_tile_q5_0(w, row_bytes, A, xd, xst, m0, m1, n0, nv, T, out, ldo); break;
         case GGML_Q5_1: vl_tile_q5_1(w, row_bytes, A, xd, xst, m0, m1, n0, nv, T, out, ldo); break;
-        case GGML_Q4_K: vl_tile_q4_k(w, row_bytes, A, xd, xst, m0, m1, n0, nv, T, out, ldo); break;
-        case GGML_Q5_K: vl_tile_q5_k(w, row_bytes, A, xd, xst, m0, m1, n0, nv, T, out, ldo); break;
-        case GGML_Q6_K: vl_tile_q6_k(w, row_bytes, A, xd, xst, m0, m1, n0, nv, T, out, ldo); break;
     }
 }
 
@@ -2311,6 +2001,57 @@ static int gemm_q8_vnni_large(int type, const float *x, const uint8_t *w, float 
     return 0;
 }
 
+static int is_k_type(int type) {
+    return type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K;
+}
+
+/* The K-types' int8 product (arguments checked by the caller; K a multiple of 256, any M >= 1):
+ * every activation row rounded by quantize_row_q8k once (one buffer: xd fp32 [M, K / 256],
+ * bsum int16 [M, K / 16], xq int8 [M, K]), then blocks of `rows` weight rows across the
+ * threads, each met by the activation rows in groups of up to MAX_M (q8k_rows_* on the AVX2
+ * body, vk_rows_* on the VNNI one, `vnni`). A row's result depends on neither M, the grouping,
+ * `rows` nor the threads: the row kernels keep every activation row's sums apart, so each is
+ * bit for bit that row's product alone. Returns 0, or -1 (an allocation failure). */
+static int gemm_q8k(int type, const float *x, const uint8_t *w, float *out, int64_t M, int64_t N,
+                    int64_t K, int64_t ldo, int num_threads, int vnni, int64_t rows) {
+    const int64_t S = K / 256, H = K / 16;
+    float *xd = (float *)malloc(sizeof(float) * M * S + sizeof(int16_t) * M * H + (size_t)(M * K));
+    if (xd == NULL) return -1;
+    int16_t *bsum = (int16_t *)(xd + M * S);
+    int8_t *xq = (int8_t *)(bsum + M * H);
+    /* no OpenMP region for a step's few rows */
+    const int qthreads = M > MAX_M ? num_threads : 1;
+#pragma omp parallel for schedule(static) num_threads(qthreads) if (qthreads > 1)
+    for (int64_t m = 0; m < M; m++) quantize_row_q8k(x + m * K, K, xq + m * K, xd + m * S, bsum + m * H);
+    const int64_t num_blocks = (N + rows - 1) / rows;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const int64_t n0 = b * rows, n1 = n0 + rows < N ? n0 + rows : N;
+        for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
+            const int mc = (int)(M - m0 < MAX_M ? M - m0 : MAX_M);
+            const int8_t *q = xq + m0 * K;
+            const float *d = xd + m0 * S;
+            const int16_t *bs = bsum + m0 * H;
+            float *o = out + m0 * ldo;
+            if (vnni) {
+                switch (type) {
+                    case GGML_Q4_K: vk_rows_q4_k(mc, w, q, d, bs, K, ldo, n0, n1, o); break;
+                    case GGML_Q5_K: vk_rows_q5_k(mc, w, q, d, bs, K, ldo, n0, n1, o); break;
+                    default: vk_rows_q6_k(mc, w, q, d, bs, K, ldo, n0, n1, o); break;
+                }
+            } else {
+                switch (type) {
+                    case GGML_Q4_K: q8k_rows_q4_k(mc, w, q, d, bs, K, ldo, n0, n1, o); break;
+                    case GGML_Q5_K: q8k_rows_q5_k(mc, w, q, d, bs, K, ldo, n0, n1, o); break;
+                    default: q8k_rows_q6_k(mc, w, q, d, bs, K, ldo, n0, n1, o); break;
+                }
+            }
+        }
+    }
+    free(xd);
+    return 0;
+}
+
 int pagedkv_gguf_q8_takes(int type) {
     return type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q5_0 || type == GGML_Q5_1 ||
            type == GGML_Q8_0 || type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K;
@@ -2325,7 +2066,9 @@ int pagedkv_gguf_gemm_q8(int type, const float *x, const uint8_t *w, float *out,
  * then on the AVX2 body the weight rows in blocks of LARGE_N_BLOCK, each block's rows met by
  * every group of up to MAX_M activation rows while they are in the core's L2 (a Q4_K row of
  * K = 2048 is 1,152 bytes: 64 rows, 72 KiB); on the VNNI body gemm_q8_vnni_large (tiles of 16
- * weight rows unpacked once, their rows across the lanes). The threads split the weight rows,
+ * weight rows unpacked once, their rows across the lanes), but for the K-types, which run
+ * their row kernels (either body) over blocks of LARGE_N_BLOCK weight rows as the AVX2 body
+ * does (gemm_q8k, activations in blocks of 256). The threads split the weight rows,
  * never K. The same integer block products and the same per-(row, output) summation as the
  * small steps on the same body (`isa`: PAGEDKV_ISA_AVX2 or _AVX512 the AVX2 body,
  * _AVX512_VNNI the VNNI one), so a row's result is bit for bit what pagedkv_gguf_gemm_q8_ld
@@ -2341,6 +2084,9 @@ int pagedkv_gguf_gemm_q8_large(int type, const float *x, const uint8_t *w, float
     if (M < 1 || K <= 0 || K % E != 0 || N < 0 || ldo < N) return -1;
     if (isa != PAGEDKV_ISA_AVX2 && isa != PAGEDKV_ISA_AVX512 && isa != PAGEDKV_ISA_AVX512_VNNI)
         return -1;
+    if (is_k_type(type))
+        return gemm_q8k(type, x, w, out, M, N, K, ldo, num_threads, isa == PAGEDKV_ISA_AVX512_VNNI,
+                        LARGE_N_BLOCK);
     const int64_t num_blocks = (N + LARGE_N_BLOCK - 1) / LARGE_N_BLOCK;
     if (isa == PAGEDKV_ISA_AVX512_VNNI) return gemm_q8_vnni_large(type, x, w, out, M, N, K, ldo, num_threads, 0);
     const int64_t G = K / 32;
@@ -2365,9 +2111,6 @@ int pagedkv_gguf_gemm_q8_large(int type, const float *x, const uint8_t *w, float
                 case GGML_Q4_1: q8_rows_q4_1(mc, w, q, d, ds, K, ldo, n0, n1, o); break;
                 case GGML_Q5_0: q8_rows_q5_0(mc, w, q, d, ds, K, ldo, n0, n1, o); break;
                 case GGML_Q5_1: q8_rows_q5_1(mc, w, q, d, ds, K, ldo, n0, n1, o); break;
-                case GGML_Q4_K: q8_rows_q4_k(mc, w, q, d, ds, K, ldo, n0, n1, o); break;
-                case GGML_Q5_K: q8_rows_q5_k(mc, w, q, d, ds, K, ldo, n0, n1, o); break;
-                case GGML_Q6_K: q8_rows_q6_k(mc, w, q, d, ds, K, ldo, n0, n1, o); break;
             }
         }
     }
@@ -2398,6 +2141,9 @@ int pagedkv_gguf_gemm_q8_ld(int type, const float *x, const uint8_t *w, float *o
     if (M < 1 || M > MAX_M || K <= 0 || K % E != 0 || N < 0 || ldo < N) return -1;
     if (isa != PAGEDKV_ISA_AVX2 && isa != PAGEDKV_ISA_AVX512 && isa != PAGEDKV_ISA_AVX512_VNNI)
         return -1;
+    if (is_k_type(type))
+        return gemm_q8k(type, x, w, out, M, N, K, ldo, num_threads, isa == PAGEDKV_ISA_AVX512_VNNI,
+                        ROW_BLOCK);
     if (isa == PAGEDKV_ISA_AVX512_VNNI) return gemm_q8_vnni(type, x, w, out, M, N, K, ldo, num_threads);
     /* one buffer: xd, xds fp32 [M, K / 32], then xq int8 [M, K] */
     const int64_t G = K / 32;
@@ -2417,9 +2163,6 @@ int pagedkv_gguf_gemm_q8_ld(int type, const float *x, const uint8_t *w, float *o
             case GGML_Q4_1: q8_rows_q4_1((int)M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
             case GGML_Q5_0: q8_rows_q5_0((int)M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
             case GGML_Q5_1: q8_rows_q5_1((int)M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
-            case GGML_Q4_K: q8_rows_q4_k((int)M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
-            case GGML_Q5_K: q8_rows_q5_k((int)M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
-            case GGML_Q6_K: q8_rows_q6_k((int)M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
         }
     }
     free(xd);
@@ -2485,36 +2228,3 @@ int pagedkv_gguf_gemm_invariant(int type, const float *x, const uint8_t *w, floa
     return 0;
 }
 
-/* PROTOTYPE (A/B): K-types on Q8_K activations */
-int pagedkv_gguf_gemm_q8k_proto(int type, const float *x, const uint8_t *w, float *out,
-                                int64_t M, int64_t N, int64_t K, int64_t ldo, int num_threads,
-                                int isa) {
-    if (type != GGML_Q4_K && type != GGML_Q5_K && type != GGML_Q6_K) return -1;
-    if (M < 1 || M > MAX_M || K <= 0 || K % 256 != 0 || N < 0 || ldo < N) return -1;
-    const int64_t S = K / 256;
-    float *xd = (float *)malloc(sizeof(float) * M * S + sizeof(int16_t) * M * (K / 16) + (size_t)(M * K));
-    if (xd == NULL) return -1;
-    int16_t *bs = (int16_t *)(xd + M * S);
-    int8_t *xq = (int8_t *)(bs + M * (K / 16));
-    for (int64_t m = 0; m < M; m++) quantize_row_q8k(x + m * K, K, xq + m * K, xd + m * S, bs + m * (K / 16));
-    const int64_t num_blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t b = 0; b < num_blocks; b++) {
-        const int64_t n0 = b * ROW_BLOCK, n1 = n0 + ROW_BLOCK < N ? n0 + ROW_BLOCK : N;
-        if (isa == PAGEDKV_ISA_AVX512_VNNI) {
-            switch (type) {
-                case GGML_Q4_K: vk_rows_q4_k((int)M, w, xq, xd, bs, K, ldo, n0, n1, out); break;
-                case GGML_Q5_K: vk_rows_q5_k((int)M, w, xq, xd, bs, K, ldo, n0, n1, out); break;
-                default: vk_rows_q6_k((int)M, w, xq, xd, bs, K, ldo, n0, n1, out); break;
-            }
-        } else {
-            switch (type) {
-                case GGML_Q4_K: q8k_rows_q4_k((int)M, w, xq, xd, bs, K, ldo, n0, n1, out); break;
-                case GGML_Q5_K: q8k_rows_q5_k((int)M, w, xq, xd, bs, K, ldo, n0, n1, out); break;
-                default: q8k_rows_q6_k((int)M, w, xq, xd, bs, K, ldo, n0, n1, out); break;
-            }
-        }
-    }
-    free(xd);
-    return 0;
-}
