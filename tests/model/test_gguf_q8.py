@@ -165,7 +165,8 @@ def test_k_types_at_the_integer_extremes(kernels, name):
     for rows in range(1, MAX_ROWS + 1):
         y = kernels.gguf_gemm(t.type_id, x[:rows].contiguous(), torch.from_numpy(raw), n)
         want = x[:rows].double() @ w.T
-        assert bool(((y.double() - want).abs() <= 4 * EPS32 * (x[:rows].abs().double() @ w.abs().T)).all())
+        magnitude = x[:rows].abs().double() @ w.abs().T
+        assert bool(((y.double() - want).abs() <= 4 * EPS32 * magnitude).all()), rows
 
 
 def test_the_ld_entry_writes_strided_rows_and_the_bodies_agree(kernels):
@@ -394,7 +395,8 @@ def test_fast_large_product_against_the_rounded_activations(kernels, name, k):
     and do not fill its groups of rows (1, 9, 20, 64), N not a multiple of its tiles and K
     with a lone last block (288); and within a few fp32 roundings of ``gguf_gemm_large`` on
     the same body (the K-types: within the two roundings of the activations, ``gguf_gemm_fast``
-    keeping blocks of 32 where ``gguf_gemm_large`` takes the decode step's 256). Q8_0 on the AVX2 body is refused (KernelUnavailableError), as F16 is."""
+    keeping blocks of 32 where ``gguf_gemm_large`` takes the decode step's 256). Q8_0 on the
+    AVX2 body is refused (KernelUnavailableError), as F16 is."""
     t = GGML_TYPES[name]
     if k % t.block_elems:
         pytest.skip(f"{name} rows are whole blocks of {t.block_elems}")
