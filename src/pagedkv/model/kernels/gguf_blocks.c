@@ -1274,10 +1274,8 @@ V_ROWS(q5_1)
  * As the AVX2 body's q8k_row_* (the activations quantize_row_q8k's), 64 elements a vector:
  * _mm512_maddubs_epi16 forms the 16-bit pair sums (unsigned codes, signed xq) and
  * _mm512_dpwssd_epi32 multiplies them by the 16-bit scales and adds neighbours into the int32
- * lanes (madd and add in one instruction). The same integers as the AVX2 body's, summed in
- * other lanes: the integer sum of a super-block is the same, its conversion is one rounding
- * (of the same integer only where the lanes' split does not matter: the bodies' results differ
- * in fp32 summation order, as before). */
+ * lanes (madd and add in one instruction). A super-block's integer sum is the AVX2 body's, split
+ * over 16 lanes instead of 8, so the two bodies' results differ in fp32 rounding (as before). */
 
 /* Q4_K (five = 0) / Q5_K (five = 1) row n: pair c of a super-block is the 32 bytes of nibbles
  * qs[32 c ..]: group 2 c the low nibbles (bytes 0-31 of the vector), 2 c + 1 the high ones
