@@ -896,8 +896,10 @@ class CpuQuantKernels:
         """``x W^T`` fp32 ``[M, N]`` for any number of rows M on the int8 products
         (gguf_blocks.c ``pagedkv_gguf_gemm_q8_large``): every row of x rounded to int8 once,
         the weight's rows in blocks kept in cache while many activation rows meet them (the
-        VNNI body: tiles of 16 weight rows unpacked once, one row per lane). A row's result
-        is bit for bit the small steps' q8 product of that row on the same body.
+        VNNI body: tiles of 16 weight rows unpacked once, one row per lane; the K-types, in
+        activation blocks of 256, run their row kernels on blocks of 64 weight rows on both
+        bodies). A row's result is bit for bit the small steps' q8 product of that row on the
+        same body.
 
         Args:
             type_id: one of :data:`Q8_TYPES`.
