@@ -2,9 +2,10 @@
 ``CpuQuantKernels(activations="q8")``): each quantized type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
 Q4_K, Q5_K, Q6_K) at every row count 1..8
 against the float64 product of ``gguf.quants.dequantize``'s weights with the activations
-rounded the same way in numpy (equal up to fp32 summation), and against the plain float64
-product within the activations' rounding; the fused layer on int8 activations against torch
-ops; the refusals and the fp32 fall-back of the other types."""
+rounded the same way in numpy (blocks of 32; the K-types' small and batch-invariant products
+blocks of 256; equal up to fp32 summation), and against the plain float64 product within the
+activations' rounding; the fused layer on int8 activations against torch ops; the refusals
+and the fp32 fall-back of the other types."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from pagedkv.model.kernels.cpu_quant import (
 )
 
 EPS32 = 2.0**-24  # half an fp32 ulp of 1
+K_NAMES = ("Q4_K", "Q5_K", "Q6_K")  # their small products round activations in blocks of 256
 Q8_NAMES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 N = 37  # output rows: not a multiple of the kernels' 16-row blocks
 
@@ -65,11 +67,18 @@ def min_terms(name: str, raw: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.repeat(np.abs(dmin * m.astype(np.float64)), 32, 1).reshape(n, -1))
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernels' rounding of fp32 ``x [M, K]`` in numpy: per block of 32, ``d = max|x| /
-    127`` (fp32), ``q = rint(x * (1 / d))`` (fp32, nearest even; 0 where d is 0). Returns
-    ``(q, d)``: float64 ``[M, K]`` integers in [-127, 127] and float64 ``[M, K / 32]``."""
-    blocks = x.numpy().reshape(x.shape[0], -1, 32)
+def act_block(name: str) -> int:
+    """The activation block of a type's small (and batch-invariant) int8 product: 256 for the
+    K-types (Q8_K-style, one per weight super-block), else 32."""
+    return 256 if name in K_NAMES else 32
+
+
+def quantize_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' rounding of fp32 ``x [M, K]`` in numpy: per block of ``block`` elements
+    (32, or the K-types' 256), ``d = max|x| / 127`` (fp32), ``q = rint(x * (1 / d))`` (fp32,
+    nearest even; 0 where d is 0). Returns ``(q, d)``: float64 ``[M, K]`` integers in
+    [-127, 127] and float64 ``[M, K / block]``."""
+    blocks = x.numpy().reshape(x.shape[0], -1, block)
     d = (np.abs(blocks).max(-1) / np.float32(127)).astype(np.float32)
     inv = np.zeros_like(d)
     inv[d != 0] = np.float32(1) / d[d != 0]
@@ -78,12 +87,14 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(q.reshape(x.shape)).double(), torch.from_numpy(d).double()
 
 
-def check_rounded_product(y, x, w, terms, k) -> tuple[torch.Tensor, torch.Tensor]:
-    """Assert the product ``y`` of x's int8 rounding (blocks of 32) and the dequantized ``w``
-    is within fp32 summation error of the float64 one (``terms``: each weight's magnitude);
-    returns the activations' scales ``[M, K / 32]`` and the slack allowed per output."""
-    q, d = quantize_activations(x)
-    x_hat = q * d.repeat_interleave(32, 1)
+def check_rounded_product(y, x, w, terms, k, block=32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Assert the product ``y`` of x's int8 rounding (blocks of ``block``) and the dequantized
+    ``w`` is within fp32 summation error of the float64 one (``terms``: each weight's
+    magnitude); returns each activation's scale ``[M, K]`` (its block's) and the slack allowed
+    per output."""
+    q, d = quantize_activations(x, block)
+    d = d.repeat_interleave(block, 1)
+    x_hat = q * d
     error = (y.double() - x_hat @ w.T).abs()
     magnitude = x_hat.abs() @ terms.T
     slack = (k / 8 + 16) * EPS32 * magnitude
@@ -101,7 +112,7 @@ def test_q8_product_against_the_rounded_activations(kernels, name, k):
     float64: within ``K/8 + 16`` fp32 roundings of ``sum |x_hat| (|w| + 2 |dmin m|)`` (as the
     fp32 product's bound) and on average within one. (2) Against the exact product with x:
     within ``sum_k |w_k| * d_block / 2`` (each activation off by at most half its block's
-    step) plus that fp32 slack."""
+    step: blocks of 32, the K-types' of 256) plus that fp32 slack."""
     t = GGML_TYPES[name]
     if k % t.block_elems:
         pytest.skip(f"{name} rows are whole blocks of {t.block_elems}")
@@ -118,11 +129,44 @@ def test_q8_product_against_the_rounded_activations(kernels, name, k):
         x[-1, 64] = 50.0  # one value dominating its block
         y = kernels.gguf_gemm(t.type_id, x, torch.from_numpy(raw), N)
         assert y.dtype == torch.float32 and y.shape == (rows, N)
-        d, slack = check_rounded_product(y, x, w, terms, k)
+        d, slack = check_rounded_product(y, x, w, terms, k, act_block(name))
 
         exact_error = (y.double() - x.double() @ w.T).abs()
-        rounding = (d.repeat_interleave(32, 1) / 2) @ w.abs().T
+        rounding = (d / 2) @ w.abs().T
         assert bool((exact_error <= rounding * (1 + 1e-5) + slack).all()), rows
+
+
+@pytest.mark.parametrize("name", K_NAMES)
+def test_k_types_at_the_integer_extremes(kernels, name):
+    """The K-types' super-block sums in int32 (blocks of 256) at their bounds: every code its
+    largest (Q4_K 15, Q5_K 31, Q6_K 63, and Q6_K's 0, the -32 of the offset), every scale and
+    min its largest (63; Q6_K's -128 and 127), activations of +-127 (scale 1, rounded exactly),
+    one row of each sign and one alternating: no 16-bit pair sum saturates and the result is
+    the float64 product up to the fp32 conversion of the super-block's integer (2^-24
+    relative), at every row count."""
+    t = GGML_TYPES[name]
+    n, k = 5, 512
+    blocks = np.zeros((n, k // 256, t.block_bytes), dtype=np.uint8)
+    eighth = np.array([0.125], dtype=np.float16).view(np.uint8)
+    if name == "Q6_K":
+        blocks[..., :192] = 0xFF  # ql, qh: q = 63
+        blocks[1::2, :, :192] = 0x00  # q = 0: w = -32 d scale
+        blocks[..., 192:208] = np.array([0x80, 0x7F] * 8, dtype=np.uint8)  # scales -128, 127
+        blocks[..., 208:210] = eighth
+    else:
+        blocks[..., 0:2] = eighth
+        blocks[..., 2:4] = eighth
+        blocks[..., 4:] = 0xFF  # scales and mins 63, qh all set, nibbles 15
+    raw = blocks.reshape(n, -1)
+    w = dense(name, raw)
+    x = torch.full((MAX_ROWS, k), 127.0)
+    x[1] = -127.0
+    x[2, ::2] = -127.0
+    for rows in range(1, MAX_ROWS + 1):
+        y = kernels.gguf_gemm(t.type_id, x[:rows].contiguous(), torch.from_numpy(raw), n)
+        want = x[:rows].double() @ w.T
+        magnitude = x[:rows].abs().double() @ w.abs().T
+        assert bool(((y.double() - want).abs() <= 4 * EPS32 * magnitude).all()), rows
 
 
 def test_the_ld_entry_writes_strided_rows_and_the_bodies_agree(kernels):
@@ -350,7 +394,9 @@ def test_fast_large_product_against_the_rounded_activations(kernels, name, k):
     weights in float64, within the bound of the small products' test, for row counts that do
     and do not fill its groups of rows (1, 9, 20, 64), N not a multiple of its tiles and K
     with a lone last block (288); and within a few fp32 roundings of ``gguf_gemm_large`` on
-    the same body. Q8_0 on the AVX2 body is refused (KernelUnavailableError), as F16 is."""
+    the same body (the K-types: within the two roundings of the activations, ``gguf_gemm_fast``
+    keeping blocks of 32 where ``gguf_gemm_large`` takes the decode step's 256). Q8_0 on the
+    AVX2 body is refused (KernelUnavailableError), as F16 is."""
     t = GGML_TYPES[name]
     if k % t.block_elems:
         pytest.skip(f"{name} rows are whole blocks of {t.block_elems}")
@@ -373,9 +419,14 @@ def test_fast_large_product_against_the_rounded_activations(kernels, name, k):
         x[-1, 64] = 50.0  # one value dominating its block
         y = kernels.gguf_gemm_fast(t.type_id, x, torch.from_numpy(raw))
         assert y.dtype == torch.float32 and y.shape == (rows, N)
-        _, slack = check_rounded_product(y, x, w, terms, k)
+        d32, slack = check_rounded_product(y, x, w, terms, k)
         large = kernels.gguf_gemm_large(t.type_id, x, torch.from_numpy(raw), kernels.q8_isa)
-        assert bool(((y - large).double().abs() <= 2 * slack).all()), rows
+        if name in K_NAMES:  # the large product's blocks of 256: both within their rounding
+            d256, slack256 = check_rounded_product(large, x, w, terms, k, 256)
+            apart = ((d32 + d256) / 2) @ w.abs().T * (1 + 1e-5) + slack + slack256
+        else:
+            apart = 2 * slack
+        assert bool(((y - large).double().abs() <= apart).all()), rows
     with pytest.raises(KernelUnavailableError):
         kernels.gguf_gemm_fast(GGML_TYPES["F16"].type_id, x0, torch.from_numpy(raw))
 
@@ -404,6 +455,6 @@ def test_large_steps_pick_the_fast_product_per_part(kernels):
     assert torch.equal(got[:, 40:], matmul._tiled(x, (q6,)))
     w = torch.cat([dense("Q4_K", q4.data.numpy()), dense("Q6_K", q6.data.numpy())])
     _, d = quantize_activations(x)
-    rounding = (d.repeat_interleave(32, 1) / 2) @ w.abs().T
+    rounding = (d.repeat_interleave(32, 1) / 2) @ w.abs().T  # the fast product's blocks of 32
     error = (got.double() - x.double() @ w.T).abs()
     assert bool((error <= rounding * 1.01 + 1e-4 * float(error.new_tensor(1.0))).all())

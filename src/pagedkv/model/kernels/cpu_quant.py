@@ -40,12 +40,19 @@ int8 activations, the default (``PAGEDKV_GGUF_ACTIVATIONS``, :attr:`CpuQuantKern
 "q8"), as llama.cpp's: the products of every quantized type (:data:`Q8_TYPES`: Q4_0, Q4_1, Q5_0,
 Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) round each activation row to int8 once per call, in blocks of 32
 with one fp32 scale (``max |x| / 127``, round to nearest even) and the block's sum (for the
-offset / min terms of Q4_1, Q5_1, Q4_K, Q5_K), and multiply the blocks in exact integer
-arithmetic, a float per group of 32: fewer instructions per weight than converting every weight
-to fp32, at the cost of the activations' rounding (each product off by at most
-``sum_k |w_k| * xd_block / 2``). Two bodies (:attr:`CpuQuantKernels.q8_isa`, :func:`q8_body`):
-AVX2 ``maddubs`` / ``madd``, and AVX-512 VNNI ``dpbusd`` where ``isa`` is "avx512" and the CPU
-has :data:`VNNI_FLAGS`. ``PAGEDKV_GGUF_ACTIVATIONS=fp32`` is the exact opt-out (fp32 up to
+offset terms of Q4_1, Q5_1), and multiply the blocks in exact integer arithmetic, a float per
+group of 32: fewer instructions per weight than converting every weight to fp32, at the cost of
+the activations' rounding (each product off by at most ``sum_k |w_k| * xd_block / 2``). The
+K-types (Q4_K, Q5_K, Q6_K) round in blocks of 256 instead, one per weight super-block, with the
+int16 sums of each 16 int8 values (llama.cpp's ``block_q8_K``): a super-block's integer dot is
+summed whole in int32 (the sub-block scales as 16-bit multipliers) and takes one float step,
+the Q4_K / Q5_K mins and Q6_K's -32 offset coming from those sums; ``xd_block`` is then the
+coarser scale of the block of 256. This holds for :meth:`CpuQuantKernels.gguf_gemm`, the fused
+layers and :meth:`CpuQuantKernels.gguf_gemm_invariant` / ``gguf_gemm_large`` (every row the
+decode step's bits); :meth:`CpuQuantKernels.gguf_gemm_fast` (large steps) keeps blocks of 32.
+Two bodies (:attr:`CpuQuantKernels.q8_isa`, :func:`q8_body`): AVX2 ``maddubs`` / ``madd``, and
+AVX-512 VNNI (``dpbusd``; the K-types ``maddubs`` then ``dpwssd``) where ``isa`` is "avx512" and
+the CPU has :data:`VNNI_FLAGS`. ``PAGEDKV_GGUF_ACTIVATIONS=fp32`` is the exact opt-out (fp32 up to
 summation order); the float types always take fp32 activations.
 """
 
@@ -889,8 +896,10 @@ class CpuQuantKernels:
         """``x W^T`` fp32 ``[M, N]`` for any number of rows M on the int8 products
         (gguf_blocks.c ``pagedkv_gguf_gemm_q8_large``): every row of x rounded to int8 once,
         the weight's rows in blocks kept in cache while many activation rows meet them (the
-        VNNI body: tiles of 16 weight rows unpacked once, one row per lane). A row's result
-        is bit for bit the small steps' q8 product of that row on the same body.
+        VNNI body: tiles of 16 weight rows unpacked once, one row per lane; the K-types, in
+        activation blocks of 256, run their row kernels on blocks of 64 weight rows on both
+        bodies). A row's result is bit for bit the small steps' q8 product of that row on the
+        same body.
 
         Args:
             type_id: one of :data:`Q8_TYPES`.
@@ -1167,7 +1176,8 @@ class CpuQuantKernels:
         whose products are exact in fp32: dequantization bit-identical to
         ``gguf.quants.dequantize``, the product of 1, 3 and 8 integer rows equal to the float64
         one. With int8 activations (:attr:`activations` "q8") the rows of :data:`Q8_TYPES`
-        start each block of 32 with 127, so that their rounding to int8 is exact (scale 1).
+        start each block of 32 with 127, so that their rounding to int8 is exact (scale 1, the
+        K-types' blocks of 256 too).
 
         Raises:
             KernelUnavailableError: a result differs.

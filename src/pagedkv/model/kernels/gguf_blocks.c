@@ -408,16 +408,17 @@ int pagedkv_gguf_get_rows(int type, const uint8_t *w, const int64_t *ids, int64_
  *   Q8_0, Q4_0, Q5_0   sum_b (d_b * xd_b) * (w_b . xq_b)          w = the signed integer
  *   Q4_1, Q5_1         sum_b (d_b * xd_b) * (q_b . xq_b) + m_b * xds_b: the offset meets
  *                      the activation block's sum (w = d q + m, so w . x = d (q . x) + m sum x)
- *   Q6_K               sum_g (d * xd_g) * sum_{half} scale_i * (w . xq)  over the two
- *                      16-element sub-blocks of group g (the int8 scales as madd's
- *                      multiplier), w = q - 32
- *   Q4_K, Q5_K         sum_j (d * xd_j) * sc_j * (q_j . xq_j) - dmin * sum_j m_j * xds_j: the
- *                      6-bit scale as madd's multiplier, the min term from the blocks' sums
- *                      (one 8-lane multiply-add per super-block, as the fp32 product does)
+ *   Q6_K, Q4_K, Q5_K   on activation blocks of 256 (Q8_K-style, below: "K-quants on
+ *                      activation blocks of 256"), one float step per super-block
  * The int32 lanes become floats once per group of 32 and meet the group's fp32 factor in one
  * fused multiply-add into 8 lanes per activation row, summed at the end of the row. The
  * result differs from the fp32 product by the activations' rounding: at most
- * sum_k |w_k| * xd_block(k) / 2, plus fp32 summation.
+ * sum_k |w_k| * xd_block(k) / 2, plus fp32 summation (xd_block(k) the scale of k's activation
+ * block: of 32, or the K-types' 256).
+ * The large steps' kernels (af_* here, vl_* / vf_* on VNNI) still take every type, the
+ * K-types included, on blocks of 32: vf_* and af_* serve pagedkv_gguf_gemm_q8_fast (the default
+ * engine's prompts, not tied to the decode step's bits); vl_* the batch-invariant large
+ * product of the 32-element types (the K-types' runs their row kernels, see gemm_q8k).
  *
  * Two bodies: this AVX2 one (maddubs / madd / sign), and an AVX-512 VNNI one below. */
 #pragma GCC push_options
@@ -561,174 +562,6 @@ Q8_ROW32(q4_1, 20, 0, 2)
 Q8_ROW32(q5_0, 22, 1, -1)
 Q8_ROW32(q5_1, 24, 0, 2)
 
-/* Q4_K (five = 0) / Q5_K (five = 1) row n: per super-block the min term, then 4 pairs of
- * groups (a pair's 32 bytes hold group 2 c in the low nibbles and 2 c + 1 in the high ones,
- * element i in byte i; Q5_K's fifth bit of element i of group j is bit j of qh[i]). */
-static inline AI void q8_row_kq(const int M, const int five, const uint8_t *w, const int8_t *xq,
-                                const float *xd, const float *xds, int64_t K, int64_t ldo,
-                                int64_t n, float *out) {
-    const int BB = five ? 176 : 144;
-    const int64_t S = K / 256, G = K / 32;
-    const uint8_t *row = w + n * S * BB;
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    __m256 a0[MAX_M], a1[MAX_M];
-#pragma GCC unroll 8
-    for (int m = 0; m < M; m++) a0[m] = a1[m] = _mm256_setzero_ps();
-    for (int64_t s = 0; s < S; s++) {
-        const uint8_t *blk = row + s * BB;
-        PREFETCH(blk + PF_BYTES);
-        PREFETCH(blk + PF_BYTES + 64);
-        PREFETCH(blk + PF_BYTES + 128);
-        /* the 6-bit scales and mins (layout in the header comment) as bytes */
-        uint32_t w0, w1, w2;
-        memcpy(&w0, blk + 4, 4);
-        memcpy(&w1, blk + 8, 4);
-        memcpy(&w2, blk + 12, 4);
-        const uint32_t sc_words[2] = {w0 & 0x3F3F3F3Fu,
-                                      (w2 & 0x0F0F0F0Fu) | ((w0 >> 2) & 0x30303030u)};
-        const uint32_t m_lo = w1 & 0x3F3F3F3Fu;
-        const uint32_t m_hi = ((w2 >> 4) & 0x0F0F0F0Fu) | ((w1 >> 2) & 0x30303030u);
-        uint8_t sc[8];
-        memcpy(sc, sc_words, 8);
-        const float d = f16_to_f32(blk), dmin = f16_to_f32(blk + 2);
-        /* dmin * m_j, subtracted times xds_j = xd_j * sum(xq_j) */
-        const __m256 dm = _mm256_mul_ps(
-            _mm256_set1_ps(dmin),
-            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)m_hi, (int)m_lo))));
-#pragma GCC unroll 8
-        for (int m = 0; m < M; m++)
-            a1[m] = _mm256_fnmadd_ps(dm, _mm256_loadu_ps(xds + m * G + s * 8), a1[m]);
-        const uint8_t *qs = blk + (five ? 48 : 16);
-        const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : low4;
-#pragma GCC unroll 4
-        for (int c = 0; c < 4; c++) {
-            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-            __m256i qlo = _mm256_and_si256(bytes, low4);
-            __m256i qhi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
-            if (five) {
-                /* bit j of each qh byte moved to bit 4 (j = 2 c, 2 c + 1; 16-bit shifts move
-                 * no set bit across a byte: only bit j is kept) */
-                const int j0 = 2 * c, j1 = 2 * c + 1;
-                const __m256i b0 = _mm256_and_si256(qh, _mm256_set1_epi8((char)(1 << j0)));
-                const __m256i b1 = _mm256_and_si256(qh, _mm256_set1_epi8((char)(1 << j1)));
-                qlo = _mm256_or_si256(qlo, j0 <= 4 ? _mm256_slli_epi16(b0, 4 - j0)
-                                                   : _mm256_srli_epi16(b0, j0 - 4));
-                qhi = _mm256_or_si256(qhi, j1 <= 4 ? _mm256_slli_epi16(b1, 4 - j1)
-                                                   : _mm256_srli_epi16(b1, j1 - 4));
-            }
-            const __m256i clo = _mm256_set1_epi16(sc[2 * c]), chi = _mm256_set1_epi16(sc[2 * c + 1]);
-            const int64_t b = s * 8 + 2 * c;
-#pragma GCC unroll 8
-            for (int m = 0; m < M; m++) {
-                const int8_t *xm = xq + m * K + 32 * b;
-                /* the weights are the unsigned operand as they are */
-                const __m256i plo =
-                    dot_unsigned(qlo, _mm256_loadu_si256((const __m256i *)xm), clo);
-                const __m256i phi =
-                    dot_unsigned(qhi, _mm256_loadu_si256((const __m256i *)(xm + 32)), chi);
-                a0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(plo), _mm256_set1_ps(d * xd[m * G + b]),
-                                        a0[m]);
-                a1[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(phi),
-                                        _mm256_set1_ps(d * xd[m * G + b + 1]), a1[m]);
-            }
-        }
-    }
-#pragma GCC unroll 8
-    for (int m = 0; m < M; m++) out[m * ldo + n] = hsum8(_mm256_add_ps(a0[m], a1[m]));
-}
-
-static inline AI void q8_row_q4_k(const int M, const uint8_t *w, const int8_t *xq,
-                                  const float *xd, const float *xds, int64_t K, int64_t ldo,
-                                  int64_t n, float *out) {
-    q8_row_kq(M, 0, w, xq, xd, xds, K, ldo, n, out);
-}
-
-static inline AI void q8_row_q5_k(const int M, const uint8_t *w, const int8_t *xq,
-                                  const float *xd, const float *xds, int64_t K, int64_t ldo,
-                                  int64_t n, float *out) {
-    q8_row_kq(M, 1, w, xq, xd, xds, K, ldo, n, out);
-}
-
-/* Q6_K row n: group g = 4 h + t of a super-block (half h, quarter t, see the header comment):
- * element i's low 4 bits are the low (t < 2) or high nibble of ql[64 h + 32 (t & 1) + i], its
- * top 2 bits bits 2 t, 2 t + 1 of qh[32 h + i]; q - 32 is the signed weight.
- * The code q (0..63) is maddubs' unsigned operand and 32 x is taken off each 16-bit pair sum
- * (q_a x_a + q_b x_b - 32 (x_a + x_b) = (q_a - 32) x_a + (q_b - 32) x_b: the same integers as
- * |w| times x with w's sign, every pair under 2 * 63 * 127 < 2^15), so the lanes, and the
- * result, are bit for bit those of dot_signed on w = q - 32. Per super-block the group factors
- * d * xd (the same fp32 product) go to a stack array once, read back by broadcast loads, and
- * each half's 8 scales are widened once into 16-bit pairs that a lane permute hands to each
- * group: fewer instructions per group on the weight stream. */
-static inline AI void q8_row_q6_k(const int M, const uint8_t *w, const int8_t *xq,
-                                  const float *xd, const float *xds, int64_t K, int64_t ldo,
-                                  int64_t n, float *out) {
-    (void)xds;
-    const int64_t S = K / 256, G = K / 32;
-    const uint8_t *row = w + n * S * 210;
-    const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
-    const __m256i k32 = _mm256_set1_epi8(32), low16 = _mm256_set1_epi32(0xFFFF);
-    /* quarter t's scales: lanes 0-3 (elements 0-15) scale 2 t of the half, 4-7 scale 2 t + 1 */
-    const __m256i pick[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1),
-                             _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
-                             _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5),
-                             _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
-    __m256 a0[MAX_M], a1[MAX_M];
-    float dx[MAX_M * 8];
-#pragma GCC unroll 8
-    for (int m = 0; m < M; m++) a0[m] = a1[m] = _mm256_setzero_ps();
-    for (int64_t s = 0; s < S; s++) {
-        const uint8_t *blk = row + s * 210;
-        PREFETCH(blk + PF_BYTES);
-        PREFETCH(blk + PF_BYTES + 64);
-        PREFETCH(blk + PF_BYTES + 128);
-        PREFETCH(blk + PF_BYTES + 192);
-        const __m256 d = _mm256_set1_ps(f16_to_f32(blk + 208));
-#pragma GCC unroll 8
-        for (int m = 0; m < M; m++)
-            _mm256_storeu_ps(dx + 8 * m, _mm256_mul_ps(d, _mm256_loadu_ps(xd + m * G + s * 8)));
-        const int8_t *scale = (const int8_t *)(blk + 192);
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; h++) {
-            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
-            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-            /* the half's 8 scales, each as the int16 pair (s, s) of an int32 lane */
-            const __m256i s32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(scale + 8 * h)));
-            const __m256i pairs = _mm256_or_si256(_mm256_and_si256(s32, low16), _mm256_slli_epi32(s32, 16));
-#pragma GCC unroll 4
-            for (int t = 0; t < 4; t++) {
-                const int g = 4 * h + t;
-                const __m256i ql = t & 1 ? ql1 : ql0;
-                const __m256i nib = _mm256_and_si256(t >= 2 ? _mm256_srli_epi16(ql, 4) : ql, low4);
-                /* bits 2 t, 2 t + 1 to bits 4, 5 (16-bit shifts: the mask drops what crosses
-                 * from the neighbouring byte) */
-                const __m256i moved = t == 0   ? _mm256_slli_epi16(qh, 4)
-                                      : t == 1 ? _mm256_slli_epi16(qh, 2)
-                                      : t == 2 ? qh
-                                               : _mm256_srli_epi16(qh, 2);
-                const __m256i q = _mm256_or_si256(nib, _mm256_and_si256(moved, top2));
-                /* elements 0-15 take scale 2 g, 16-31 scale 2 g + 1 */
-                const __m256i c = _mm256_permutevar8x32_epi32(pairs, pick[t]);
-                const int64_t b = s * 8 + g;
-#pragma GCC unroll 8
-                for (int m = 0; m < M; m++) {
-                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * K + 32 * b));
-                    const __m256i pair = _mm256_sub_epi16(_mm256_maddubs_epi16(q, xv),
-                                                          _mm256_maddubs_epi16(k32, xv));
-                    const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(pair, c));
-                    const __m256 f = _mm256_broadcast_ss(dx + 8 * m + g);
-                    if (t & 1)
-                        a1[m] = _mm256_fmadd_ps(p, f, a1[m]);
-                    else
-                        a0[m] = _mm256_fmadd_ps(p, f, a0[m]);
-                }
-            }
-        }
-    }
-#pragma GCC unroll 8
-    for (int m = 0; m < M; m++) out[m * ldo + n] = hsum8(_mm256_add_ps(a0[m], a1[m]));
-}
-
 /* rows n0..n1 of one type, M a constant at each call site */
 #define Q8_ROWS(T)                                                                           \
     static __attribute__((noinline)) void q8_rows_##T(int M, const uint8_t *w,               \
@@ -753,9 +586,252 @@ Q8_ROWS(q4_0)
 Q8_ROWS(q4_1)
 Q8_ROWS(q5_0)
 Q8_ROWS(q5_1)
-Q8_ROWS(q4_k)
-Q8_ROWS(q5_k)
-Q8_ROWS(q6_k)
+
+/* ---- K-quants on activation blocks of 256 (Q8_K-style) ----------------------------------
+ *
+ * The K-types (Q4_K, Q5_K, Q6_K) take their activations in blocks of 256, one per weight
+ * super-block (quantize_row_q8k): xd[s] = max |x| / 127 over the 256 elements (fp32), xq as
+ * above, and bsum[16 s + i] = the sum of xq over elements 16 i .. 16 i + 15 (int16, at most
+ * 16 * 127). A super-block's integer dot then runs whole in int32 lanes, each group's (or
+ * Q6_K sub-block's) integer scale applied as madd's 16-bit multiplier, and becomes a float
+ * once: one fused multiply-add by d * xd[s] per super-block and activation row, not one per
+ * group of 32. The offsets come from the bsums once per super-block, in integers:
+ *   Q4_K, Q5_K   - dmin * xd[s] * sum_j m_j * (bsum[2 j] + bsum[2 j + 1])  (madd of the
+ *                mins, each twice, with the 16 bsums)
+ *   Q6_K         the codes q (0..63) are maddubs' unsigned operand as they are; the -32 of
+ *                w = q - 32 is - 32 * sum_i scale_i * bsum[i], taken off the int32 lanes
+ *                before the conversion.
+ * Bounds: a 16-bit pair sum at most 2 * 63 * 127 = 16002 (Q6_K's codes), an int32 lane at
+ * most 8 * 2 * 16002 * 128 plus the offset's 32 * 2 * 2032 * 128 (under 2^26: exact in int32,
+ * the conversion to fp32 rounds only above 2^24, Q6_K's extremes, 2^-24 relative). Each
+ * product is off the fp32 one by at most sum_k |w_k| * xd(k) / 2 with xd(k) the scale of k's
+ * block of 256 (coarser than a block of 32's: the price of the fewer float steps), plus fp32
+ * summation. */
+
+/* Activation row x [K] (K a multiple of 256) -> xq int8 [K], xd fp32 [K / 256], bsum int16
+ * [K / 16] (see above; the rounding of quantize_row_q8 with the scale of the block of 256). */
+static void quantize_row_q8k(const float *x, int64_t K, int8_t *xq, float *xd, int16_t *bsum) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t s = 0; s < K / 256; s++) {
+        const float *p = x + 256 * s;
+        __m256 a = _mm256_setzero_ps();
+        for (int i = 0; i < 32; i++) a = _mm256_max_ps(a, _mm256_and_ps(_mm256_loadu_ps(p + 8 * i), absmask));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        const float scale = _mm_cvtss_f32(h) / 127.0f;
+        const __m256 inv = _mm256_set1_ps(scale != 0.0f ? 1.0f / scale : 0.0f);
+        for (int b = 0; b < 8; b++) {
+            const float *q = p + 32 * b;
+            const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(q), inv));
+            const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(q + 8), inv));
+            const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(q + 16), inv));
+            const __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(q + 24), inv));
+            const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1),
+                                                      _mm256_packs_epi32(i2, i3));
+            _mm256_storeu_si256((__m256i *)(xq + 256 * s + 32 * b),
+                                _mm256_permutevar8x32_epi32(packed, order));
+            /* the sums of elements 0-15 and 16-31 */
+            __m256i t = _mm256_hadd_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+            t = _mm256_hadd_epi32(t, t);
+            const __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+            bsum[16 * s + 2 * b] = (int16_t)_mm_cvtsi128_si32(u);
+            bsum[16 * s + 2 * b + 1] = (int16_t)_mm_extract_epi32(u, 1);
+        }
+        xd[s] = scale;
+    }
+}
+
+/* The 6-bit scales and mins of a Q4_K / Q5_K super-block (layout in the header comment) as
+ * 16 int16: lanes 0-7 the scales sc[j], 8-15 the mins m[j] */
+static inline AI __m256i k_scales_mins16(const uint8_t *blk) {
+    uint32_t w0, w1, w2;
+    memcpy(&w0, blk + 4, 4);
+    memcpy(&w1, blk + 8, 4);
+    memcpy(&w2, blk + 12, 4);
+    const uint32_t sc_lo = w0 & 0x3F3F3F3Fu, m_lo = w1 & 0x3F3F3F3Fu;
+    const uint32_t sc_hi = (w2 & 0x0F0F0F0Fu) | ((w0 >> 2) & 0x30303030u);
+    const uint32_t m_hi = ((w2 >> 4) & 0x0F0F0F0Fu) | ((w1 >> 2) & 0x30303030u);
+    return _mm256_cvtepu8_epi16(_mm_set_epi32((int)m_hi, (int)m_lo, (int)sc_hi, (int)sc_lo));
+}
+
+/* mins m[j] (lanes 8-15 of sm16) each twice: lanes 2 j, 2 j + 1 = m[j], the multiplier that
+ * madd meets the 16 bsums with (lane j of the result: m[j] times group j's activation sum) */
+static inline AI __m256i k_mins_twice(__m256i sm16) {
+    const __m128i mn = _mm256_extracti128_si256(sm16, 1);
+    return _mm256_set_m128i(_mm_unpackhi_epi16(mn, mn), _mm_unpacklo_epi16(mn, mn));
+}
+
+/* Q4_K (five = 0) / Q5_K (five = 1) row n on Q8_K activations (xd [M, K / 256], bsum
+ * [M, K / 16]): per super-block 4 pairs of groups (a pair's 32 bytes hold group 2 c in the
+ * low nibbles and 2 c + 1 in the high ones, element i in byte i; Q5_K's fifth bit of element
+ * i of group j is bit j of qh[i]), each group's dot times its scale (madd) added into 8 int32
+ * lanes per activation row, then one float step for the scales' part and one for the mins'. */
+static inline AI void q8k_row_kq(const int M, const int five, const uint8_t *w, const int8_t *xq,
+                                 const float *xd, const int16_t *bsum, int64_t K, int64_t ldo,
+                                 int64_t n, float *out) {
+    const int BB = five ? 176 : 144;
+    const int64_t S = K / 256;
+    const uint8_t *row = w + n * S * BB;
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    __m256 a0[MAX_M], a1[MAX_M];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) a0[m] = a1[m] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < S; s++) {
+        const uint8_t *blk = row + s * BB;
+        PREFETCH(blk + PF_BYTES);
+        PREFETCH(blk + PF_BYTES + 64);
+        PREFETCH(blk + PF_BYTES + 128);
+        const __m256i sm16 = k_scales_mins16(blk);
+        const __m256i scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm16));
+        const __m256i mins = k_mins_twice(sm16);
+        const float d = f16_to_f32(blk), dmin = f16_to_f32(blk + 2);
+        const uint8_t *qs = blk + (five ? 48 : 16);
+        const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : low4;
+        __m256i sumi[MAX_M];
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++) sumi[m] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            __m256i qlo = _mm256_and_si256(bytes, low4);
+            __m256i qhi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+            if (five) {
+                const int j0 = 2 * c, j1 = 2 * c + 1;
+                const __m256i b0 = _mm256_and_si256(qh, _mm256_set1_epi8((char)(1 << j0)));
+                const __m256i b1 = _mm256_and_si256(qh, _mm256_set1_epi8((char)(1 << j1)));
+                qlo = _mm256_or_si256(qlo, j0 <= 4 ? _mm256_slli_epi16(b0, 4 - j0)
+                                                   : _mm256_srli_epi16(b0, j0 - 4));
+                qhi = _mm256_or_si256(qhi, j1 <= 4 ? _mm256_slli_epi16(b1, 4 - j1)
+                                                   : _mm256_srli_epi16(b1, j1 - 4));
+            }
+            /* scale 2 c (2 c + 1) in every 16-bit lane: its two bytes picked from `scales` */
+            const __m256i clo = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)((4 * c + 1) << 8 | (4 * c))));
+            const __m256i chi = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)((4 * c + 3) << 8 | (4 * c + 2))));
+#pragma GCC unroll 8
+            for (int m = 0; m < M; m++) {
+                const int8_t *xm = xq + m * K + 256 * s + 64 * c;
+                const __m256i plo = dot_unsigned(qlo, _mm256_loadu_si256((const __m256i *)xm), clo);
+                const __m256i phi = dot_unsigned(qhi, _mm256_loadu_si256((const __m256i *)(xm + 32)), chi);
+                sumi[m] = _mm256_add_epi32(sumi[m], _mm256_add_epi32(plo, phi));
+            }
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++) {
+            const float f = xd[m * S + s];
+            const __m256i pm = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(bsum + m * (K / 16) + 16 * s)), mins);
+            a0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[m]), _mm256_set1_ps(d * f), a0[m]);
+            a1[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(pm), _mm256_set1_ps(dmin * f), a1[m]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) out[m * ldo + n] = hsum8(_mm256_add_ps(a0[m], a1[m]));
+}
+
+static inline AI void q8k_row_q4_k(const int M, const uint8_t *w, const int8_t *xq,
+                                   const float *xd, const int16_t *bsum, int64_t K, int64_t ldo,
+                                   int64_t n, float *out) {
+    q8k_row_kq(M, 0, w, xq, xd, bsum, K, ldo, n, out);
+}
+
+static inline AI void q8k_row_q5_k(const int M, const uint8_t *w, const int8_t *xq,
+                                   const float *xd, const int16_t *bsum, int64_t K, int64_t ldo,
+                                   int64_t n, float *out) {
+    q8k_row_kq(M, 1, w, xq, xd, bsum, K, ldo, n, out);
+}
+
+/* Q6_K row n on Q8_K activations: group g = 4 h + t of a super-block (half h, quarter t, see
+ * the header comment): element i's low 4 bits are the low (t < 2) or high nibble of
+ * ql[64 h + 32 (t & 1) + i], its top 2 bits bits 2 t, 2 t + 1 of qh[32 h + i]. The code q
+ * (0..63) is maddubs' unsigned operand as it is; each half's 8 scales are widened once into
+ * 16-bit pairs that a lane permute hands to each group (elements 0-15 take scale 2 g, 16-31
+ * scale 2 g + 1) as madd's multiplier; the super-block's int32 lanes start at
+ * - 32 * sum_i scale_i * bsum[i] (the - 32 of w = q - 32), then one float step. */
+static inline AI void q8k_row_q6_k(const int M, const uint8_t *w, const int8_t *xq,
+                                   const float *xd, const int16_t *bsum, int64_t K, int64_t ldo,
+                                   int64_t n, float *out) {
+    const int64_t S = K / 256;
+    const uint8_t *row = w + n * S * 210;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
+    const __m256i low16 = _mm256_set1_epi32(0xFFFF);
+    const __m256i pick[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1),
+                             _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
+                             _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5),
+                             _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
+    __m256 a0[MAX_M];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) a0[m] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < S; s++) {
+        const uint8_t *blk = row + s * 210;
+        PREFETCH(blk + PF_BYTES);
+        PREFETCH(blk + PF_BYTES + 64);
+        PREFETCH(blk + PF_BYTES + 128);
+        PREFETCH(blk + PF_BYTES + 192);
+        const int8_t *scale = (const int8_t *)(blk + 192);
+        /* - 32 * scale_i as 16 int16, met with the 16 bsums */
+        const __m256i nsc32 = _mm256_slli_epi16(
+            _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scale))), 5);
+        __m256i sumi[MAX_M];
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++)
+            sumi[m] = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(bsum + m * (K / 16) + 16 * s)), nsc32);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+            const __m256i s32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(scale + 8 * h)));
+            const __m256i pairs = _mm256_or_si256(_mm256_and_si256(s32, low16), _mm256_slli_epi32(s32, 16));
+#pragma GCC unroll 4
+            for (int t = 0; t < 4; t++) {
+                const __m256i ql = t & 1 ? ql1 : ql0;
+                const __m256i nib = _mm256_and_si256(t >= 2 ? _mm256_srli_epi16(ql, 4) : ql, low4);
+                const __m256i moved = t == 0   ? _mm256_slli_epi16(qh, 4)
+                                      : t == 1 ? _mm256_slli_epi16(qh, 2)
+                                      : t == 2 ? qh
+                                               : _mm256_srli_epi16(qh, 2);
+                const __m256i q = _mm256_or_si256(nib, _mm256_and_si256(moved, top2));
+                const __m256i c = _mm256_permutevar8x32_epi32(pairs, pick[t]);
+                const int g = 4 * h + t;
+#pragma GCC unroll 8
+                for (int m = 0; m < M; m++) {
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * K + 256 * s + 32 * g));
+                    sumi[m] = _mm256_add_epi32(sumi[m], dot_unsigned(q, xv, c));
+                }
+            }
+        }
+        const float d = f16_to_f32(blk + 208);
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++)
+            a0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[m]), _mm256_set1_ps(d * xd[m * S + s]), a0[m]);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) out[m * ldo + n] = hsum8(a0[m]);
+}
+
+#define Q8K_ROWS(T)                                                                          \
+    static __attribute__((noinline)) void q8k_rows_##T(int M, const uint8_t *w,              \
+                                                       const int8_t *xq, const float *xd,    \
+                                                       const int16_t *bsum, int64_t K,       \
+                                                       int64_t ldo, int64_t n0, int64_t n1,  \
+                                                       float *out) {                         \
+        switch (M) {                                                                         \
+            case 1: for (int64_t n = n0; n < n1; n++) q8k_row_##T(1, w, xq, xd, bsum, K, ldo, n, out); break; \
+            case 2: for (int64_t n = n0; n < n1; n++) q8k_row_##T(2, w, xq, xd, bsum, K, ldo, n, out); break; \
+            case 3: for (int64_t n = n0; n < n1; n++) q8k_row_##T(3, w, xq, xd, bsum, K, ldo, n, out); break; \
+            case 4: for (int64_t n = n0; n < n1; n++) q8k_row_##T(4, w, xq, xd, bsum, K, ldo, n, out); break; \
+            case 5: for (int64_t n = n0; n < n1; n++) q8k_row_##T(5, w, xq, xd, bsum, K, ldo, n, out); break; \
+            case 6: for (int64_t n = n0; n < n1; n++) q8k_row_##T(6, w, xq, xd, bsum, K, ldo, n, out); break; \
+            case 7: for (int64_t n = n0; n < n1; n++) q8k_row_##T(7, w, xq, xd, bsum, K, ldo, n, out); break; \
+            case 8: for (int64_t n = n0; n < n1; n++) q8k_row_##T(8, w, xq, xd, bsum, K, ldo, n, out); break; \
+        }                                                                                    \
+    }
+
+Q8K_ROWS(q4_k)
+Q8K_ROWS(q5_k)
+Q8K_ROWS(q6_k)
+#undef Q8K_ROWS
 
 /* ---- the default engine's large steps held to AVX2: whole groups in integers ------------
  *
@@ -1052,11 +1128,10 @@ static int gemm_q8_avx2_fast(int type, const float *x, const uint8_t *w, float *
  *   each lane starts from -128 * (its four weights' sum), one dpbusd of 128s with w per pair,
  *   shared by all activation rows.
  * Each lane holds four consecutive elements, so a pair's fp32 factor is one vector of 16:
- * the weights' scale per lane (d per block; d * sc_j per Q4_K / Q5_K group; d * scale_i per
- * Q6_K sub-block of 16, four lanes each) times the activation blocks' xd (lanes 0-7 the first
- * block's, 8-15 the second's, laid out so once per call). The offsets as in the AVX2 body:
- * Q4_1 / Q5_1's m times xds (spread as xds / 8 over the block's 8 lanes), the K-types' min
- * term once per super-block. */
+ * the weights' scale per lane (d per block) times the activation blocks' xd (lanes 0-7 the
+ * first block's, 8-15 the second's, laid out so once per call). The offsets as in the AVX2
+ * body: Q4_1 / Q5_1's m times xds (spread as xds / 8 over the block's 8 lanes). The K-types
+ * run vk_row_* below on the Q8_K-style activations (maddubs, then dpwssd). */
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
 
@@ -1172,128 +1247,6 @@ V_ROW32(q4_1, 20, 0, 2)
 V_ROW32(q5_0, 22, 1, -1)
 V_ROW32(q5_1, 24, 0, 2)
 
-/* Q4_K (five = 0) / Q5_K (five = 1) row n: pair c of a super-block is the 32 bytes of nibbles
- * qs[32 c ..]: group 2 c the low nibbles (lanes 0-7), 2 c + 1 the high ones (8-15). */
-static inline AI void v_row_kq(const int M, const int five, const uint8_t *w, const q8v_act *A,
-                               int64_t ldo, int64_t n, float *out) {
-    const int BB = five ? 176 : 144;
-    const int64_t G = A->G, S = G / 8;
-    const uint8_t *row = w + n * S * BB;
-    __m512 a0[MAX_M], a1[MAX_M];
-#pragma GCC unroll 8
-    for (int m = 0; m < M; m++) a0[m] = a1[m] = _mm512_setzero_ps();
-    for (int64_t s = 0; s < S; s++) {
-        const uint8_t *blk = row + s * BB;
-        PREFETCH(blk + PF_BYTES);
-        PREFETCH(blk + PF_BYTES + 64);
-        PREFETCH(blk + PF_BYTES + 128);
-        float D[8], DM[8];
-        prep_q4_k(blk, D, DM);
-        const __m512 dz = _mm512_castps256_ps512(_mm256_loadu_ps(D));
-        const __m512 dm = _mm512_zextps256_ps512(_mm256_loadu_ps(DM));
-#pragma GCC unroll 8
-        for (int m = 0; m < M; m++)
-            a1[m] = _mm512_fnmadd_ps(dm, _mm512_zextps256_ps512(_mm256_loadu_ps(A->xds + m * G + s * 8)),
-                                     a1[m]);
-        const uint8_t *qs = blk + (five ? 48 : 16);
-        const __m512i qh = five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)))
-                                : _mm512_setzero_si512();
-#pragma GCC unroll 4
-        for (int c = 0; c < 4; c++) {
-            const __m512i bytes = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
-            __m512i wv = _mm512_and_si512(_mm512_mask_srli_epi16(bytes, (__mmask32)0xFFFF0000u, bytes, 4),
-                                          _mm512_set1_epi8(0x0F));
-            if (five) {
-                /* bit 2 c of each qh byte for the low half, bit 2 c + 1 for the high one */
-                const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (2 * c))),
-                                                       _mm256_set1_epi8((char)(1 << (2 * c + 1))), 1);
-                wv = _mm512_mask_add_epi8(wv, _mm512_test_epi8_mask(qh, bit), wv, _mm512_set1_epi8(16));
-            }
-            const __m512 dv = _mm512_permutexvar_ps(
-                _mm512_inserti64x4(_mm512_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1), 1), dz);
-            const int64_t p = 4 * s + c;
-#pragma GCC unroll 8
-            for (int m = 0; m < M; m++) {
-                const __m512i dot = _mm512_dpbusd_epi32(
-                    _mm512_setzero_si512(), wv, _mm512_loadu_si512(A->xq + m * A->Kp + 64 * p));
-                a0[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
-                                        _mm512_mul_ps(dv, _mm512_loadu_ps(A->xdp + (m * A->P + p) * 16)),
-                                        a0[m]);
-            }
-        }
-    }
-#pragma GCC unroll 8
-    for (int m = 0; m < M; m++) out[m * ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m]));
-}
-
-static inline AI void v_row_q4_k(const int M, const uint8_t *w, const q8v_act *A, int64_t ldo,
-                                 int64_t n, float *out) {
-    v_row_kq(M, 0, w, A, ldo, n, out);
-}
-
-static inline AI void v_row_q5_k(const int M, const uint8_t *w, const q8v_act *A, int64_t ldo,
-                                 int64_t n, float *out) {
-    v_row_kq(M, 1, w, A, ldo, n, out);
-}
-
-/* Q6_K row n: pair p = 2 h + u of a super-block is groups 4 h + 2 u and 4 h + 2 u + 1: the
- * 64 bytes ql[64 h ..] (low nibbles for u = 0, high for u = 1) and the 32 bytes qh[32 h ..]
- * (bits 4 u, 4 u + 1 for the first group, 4 u + 2, 4 u + 3 for the second); its lanes take
- * the scales 4 p .. 4 p + 3, four lanes each. */
-static inline AI void v_row_q6_k(const int M, const uint8_t *w, const q8v_act *A, int64_t ldo,
-                                 int64_t n, float *out) {
-    const int64_t G = A->G, S = G / 8;
-    const uint8_t *row = w + n * S * 210;
-    __m512 a0[MAX_M];
-#pragma GCC unroll 8
-    for (int m = 0; m < M; m++) a0[m] = _mm512_setzero_ps();
-    for (int64_t s = 0; s < S; s++) {
-        const uint8_t *blk = row + s * 210;
-        PREFETCH(blk + PF_BYTES);
-        PREFETCH(blk + PF_BYTES + 64);
-        PREFETCH(blk + PF_BYTES + 128);
-        PREFETCH(blk + PF_BYTES + 192);
-        const __m512 sc = _mm512_mul_ps(
-            _mm512_set1_ps(f16_to_f32(blk + 208)),
-            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)))));
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; h++) {
-            const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
-            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
-#pragma GCC unroll 2
-            for (int u = 0; u < 2; u++) {
-                const __m512i nib = _mm512_and_si512(u ? _mm512_srli_epi16(ql, 4) : ql, _mm512_set1_epi8(0x0F));
-                /* the two bits to bits 4, 5 of each byte (16-bit shifts: the mask drops what
-                 * crosses from the neighbouring byte) */
-                const __m512i top = u ? _mm512_srlv_epi16(qh, _mm512_inserti64x4(_mm512_setzero_si512(),
-                                                                                 _mm256_set1_epi16(2), 1))
-                                      : _mm512_sllv_epi16(qh, _mm512_inserti64x4(_mm512_set1_epi16(4),
-                                                                                 _mm256_set1_epi16(2), 1));
-                const __m512i q = _mm512_ternarylogic_epi32(nib, top, _mm512_set1_epi8(0x30), 0xF8);
-                const __m512i wv = _mm512_sub_epi8(q, _mm512_set1_epi8(32));
-                const __m512i start = v_offset(wv);
-                const int pp = 2 * h + u;
-                const __m512 dv = _mm512_permutexvar_ps(
-                    _mm512_setr_epi32(4 * pp, 4 * pp, 4 * pp, 4 * pp, 4 * pp + 1, 4 * pp + 1, 4 * pp + 1,
-                                      4 * pp + 1, 4 * pp + 2, 4 * pp + 2, 4 * pp + 2, 4 * pp + 2,
-                                      4 * pp + 3, 4 * pp + 3, 4 * pp + 3, 4 * pp + 3),
-                    sc);
-                const int64_t p = 4 * s + pp;
-#pragma GCC unroll 8
-                for (int m = 0; m < M; m++) {
-                    const __m512i dot =
-                        _mm512_dpbusd_epi32(start, _mm512_loadu_si512(A->xu + m * A->Kp + 64 * p), wv);
-                    a0[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
-                                            _mm512_mul_ps(dv, _mm512_loadu_ps(A->xdp + (m * A->P + p) * 16)),
-                                            a0[m]);
-                }
-            }
-        }
-    }
-#pragma GCC unroll 8
-    for (int m = 0; m < M; m++) out[m * ldo + n] = _mm512_reduce_add_ps(a0[m]);
-}
-
 #define V_ROWS(T)                                                                            \
     static __attribute__((noinline)) void v_rows_##T(int M, const uint8_t *w, const q8v_act *A, \
                                                      int64_t ldo, int64_t n0, int64_t n1,    \
@@ -1315,9 +1268,174 @@ V_ROWS(q4_0)
 V_ROWS(q4_1)
 V_ROWS(q5_0)
 V_ROWS(q5_1)
-V_ROWS(q4_k)
-V_ROWS(q5_k)
-V_ROWS(q6_k)
+
+/* ---- K-quants on Q8_K activations, VNNI: maddubs into 16-bit pairs, then dpwssd ----------
+ *
+ * As the AVX2 body's q8k_row_* (the activations quantize_row_q8k's), 64 elements a vector:
+ * _mm512_maddubs_epi16 forms the 16-bit pair sums (unsigned codes, signed xq) and
+ * _mm512_dpwssd_epi32 multiplies them by the 16-bit scales and adds neighbours into the int32
+ * lanes (madd and add in one instruction). A super-block's integer sum is the AVX2 body's, split
+ * over 16 lanes instead of 8, so the two bodies' results differ in fp32 rounding (as before). */
+
+/* Q4_K (five = 0) / Q5_K (five = 1) row n: pair c of a super-block is the 32 bytes of nibbles
+ * qs[32 c ..]: group 2 c the low nibbles (bytes 0-31 of the vector), 2 c + 1 the high ones
+ * (32-63), with scale 2 c in 16-bit lanes 0-15 and 2 c + 1 in 16-31 */
+static inline AI void vk_row_kq(const int M, const int five, const uint8_t *w, const int8_t *xq,
+                                const float *xd, const int16_t *bsum, int64_t K, int64_t ldo,
+                                int64_t n, float *out) {
+    const int BB = five ? 176 : 144;
+    const int64_t S = K / 256;
+    const uint8_t *row = w + n * S * BB;
+    __m512 a0[MAX_M];
+    __m256 a1[MAX_M];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) {
+        a0[m] = _mm512_setzero_ps();
+        a1[m] = _mm256_setzero_ps();
+    }
+    for (int64_t s = 0; s < S; s++) {
+        const uint8_t *blk = row + s * BB;
+        PREFETCH(blk + PF_BYTES);
+        PREFETCH(blk + PF_BYTES + 64);
+        PREFETCH(blk + PF_BYTES + 128);
+        const __m256i sm16 = k_scales_mins16(blk);
+        const __m512i scales = _mm512_castsi256_si512(sm16);
+        const __m256i mins = k_mins_twice(sm16);
+        const float d = f16_to_f32(blk), dmin = f16_to_f32(blk + 2);
+        const uint8_t *qs = blk + (five ? 48 : 16);
+        const __m512i qh = five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)))
+                                : _mm512_setzero_si512();
+        __m512i sumi[MAX_M];
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++) sumi[m] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            const __m512i bytes = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
+            __m512i wv = _mm512_and_si512(_mm512_mask_srli_epi16(bytes, (__mmask32)0xFFFF0000u, bytes, 4),
+                                          _mm512_set1_epi8(0x0F));
+            if (five) {
+                const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (2 * c))),
+                                                       _mm256_set1_epi8((char)(1 << (2 * c + 1))), 1);
+                wv = _mm512_mask_add_epi8(wv, _mm512_test_epi8_mask(qh, bit), wv, _mm512_set1_epi8(16));
+            }
+            const __m512i sc = _mm512_permutexvar_epi16(
+                _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * c)), _mm256_set1_epi16((short)(2 * c + 1)), 1),
+                scales);
+#pragma GCC unroll 8
+            for (int m = 0; m < M; m++) {
+                const __m512i p = _mm512_maddubs_epi16(wv, _mm512_loadu_si512(xq + m * K + 256 * s + 64 * c));
+                sumi[m] = _mm512_dpwssd_epi32(sumi[m], p, sc);
+            }
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++) {
+            const float f = xd[m * S + s];
+            const __m256i pm = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(bsum + m * (K / 16) + 16 * s)), mins);
+            a0[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[m]), _mm512_set1_ps(d * f), a0[m]);
+            a1[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(pm), _mm256_set1_ps(dmin * f), a1[m]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++)
+        out[m * ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], _mm512_zextps256_ps512(a1[m])));
+}
+
+static inline AI void vk_row_q4_k(const int M, const uint8_t *w, const int8_t *xq,
+                                  const float *xd, const int16_t *bsum, int64_t K, int64_t ldo,
+                                  int64_t n, float *out) {
+    vk_row_kq(M, 0, w, xq, xd, bsum, K, ldo, n, out);
+}
+
+static inline AI void vk_row_q5_k(const int M, const uint8_t *w, const int8_t *xq,
+                                  const float *xd, const int16_t *bsum, int64_t K, int64_t ldo,
+                                  int64_t n, float *out) {
+    vk_row_kq(M, 1, w, xq, xd, bsum, K, ldo, n, out);
+}
+
+/* Q6_K row n: pair p = 2 h + u of a super-block is groups 4 h + 2 u and 4 h + 2 u + 1: the
+ * 64 bytes ql[64 h ..] (low nibbles for u = 0, high for u = 1) and the 32 bytes qh[32 h ..]
+ * (bits 4 u, 4 u + 1 for the first group, 4 u + 2, 4 u + 3 for the second), the codes q
+ * unsigned; its four sub-block scales 4 p .. 4 p + 3 in 16-bit lanes 0-7, 8-15, 16-23, 24-31;
+ * the lanes started at - 32 * sum_i scale_i * bsum[i] */
+static inline AI void vk_row_q6_k(const int M, const uint8_t *w, const int8_t *xq,
+                                  const float *xd, const int16_t *bsum, int64_t K, int64_t ldo,
+                                  int64_t n, float *out) {
+    const int64_t S = K / 256;
+    const uint8_t *row = w + n * S * 210;
+    __m512 a0[MAX_M];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) a0[m] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < S; s++) {
+        const uint8_t *blk = row + s * 210;
+        PREFETCH(blk + PF_BYTES);
+        PREFETCH(blk + PF_BYTES + 64);
+        PREFETCH(blk + PF_BYTES + 128);
+        PREFETCH(blk + PF_BYTES + 192);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+        const __m256i nsc32 = _mm256_slli_epi16(_mm256_sub_epi16(_mm256_setzero_si256(), sc16), 5);
+        const __m512i scales = _mm512_castsi256_si512(sc16);
+        __m512i sumi[MAX_M];
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++)
+            sumi[m] = _mm512_zextsi256_si512(
+                _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(bsum + m * (K / 16) + 16 * s)), nsc32));
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
+            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
+#pragma GCC unroll 2
+            for (int u = 0; u < 2; u++) {
+                const __m512i nib = _mm512_and_si512(u ? _mm512_srli_epi16(ql, 4) : ql, _mm512_set1_epi8(0x0F));
+                const __m512i top = u ? _mm512_srlv_epi16(qh, _mm512_inserti64x4(_mm512_setzero_si512(),
+                                                                                 _mm256_set1_epi16(2), 1))
+                                      : _mm512_sllv_epi16(qh, _mm512_inserti64x4(_mm512_set1_epi16(4),
+                                                                                 _mm256_set1_epi16(2), 1));
+                const __m512i q = _mm512_ternarylogic_epi32(nib, top, _mm512_set1_epi8(0x30), 0xF8);
+                const int pp = 2 * h + u;
+                const __m512i sc = _mm512_permutexvar_epi16(
+                    _mm512_inserti64x4(
+                        _mm512_castsi256_si512(_mm256_set_m128i(_mm_set1_epi16((short)(4 * pp + 1)),
+                                                                _mm_set1_epi16((short)(4 * pp)))),
+                        _mm256_set_m128i(_mm_set1_epi16((short)(4 * pp + 3)), _mm_set1_epi16((short)(4 * pp + 2))), 1),
+                    scales);
+#pragma GCC unroll 8
+                for (int m = 0; m < M; m++) {
+                    const __m512i p = _mm512_maddubs_epi16(q, _mm512_loadu_si512(xq + m * K + 256 * s + 64 * pp));
+                    sumi[m] = _mm512_dpwssd_epi32(sumi[m], p, sc);
+                }
+            }
+        }
+        const float d = f16_to_f32(blk + 208);
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++)
+            a0[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[m]), _mm512_set1_ps(d * xd[m * S + s]), a0[m]);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) out[m * ldo + n] = _mm512_reduce_add_ps(a0[m]);
+}
+
+#define VK_ROWS(T)                                                                           \
+    static __attribute__((noinline)) void vk_rows_##T(int M, const uint8_t *w,               \
+                                                      const int8_t *xq, const float *xd,     \
+                                                      const int16_t *bsum, int64_t K,        \
+                                                      int64_t ldo, int64_t n0, int64_t n1,   \
+                                                      float *out) {                          \
+        switch (M) {                                                                         \
+            case 1: for (int64_t n = n0; n < n1; n++) vk_row_##T(1, w, xq, xd, bsum, K, ldo, n, out); break; \
+            case 2: for (int64_t n = n0; n < n1; n++) vk_row_##T(2, w, xq, xd, bsum, K, ldo, n, out); break; \
+            case 3: for (int64_t n = n0; n < n1; n++) vk_row_##T(3, w, xq, xd, bsum, K, ldo, n, out); break; \
+            case 4: for (int64_t n = n0; n < n1; n++) vk_row_##T(4, w, xq, xd, bsum, K, ldo, n, out); break; \
+            case 5: for (int64_t n = n0; n < n1; n++) vk_row_##T(5, w, xq, xd, bsum, K, ldo, n, out); break; \
+            case 6: for (int64_t n = n0; n < n1; n++) vk_row_##T(6, w, xq, xd, bsum, K, ldo, n, out); break; \
+            case 7: for (int64_t n = n0; n < n1; n++) vk_row_##T(7, w, xq, xd, bsum, K, ldo, n, out); break; \
+            case 8: for (int64_t n = n0; n < n1; n++) vk_row_##T(8, w, xq, xd, bsum, K, ldo, n, out); break; \
+        }                                                                                    \
+    }
+
+VK_ROWS(q4_k)
+VK_ROWS(q5_k)
+VK_ROWS(q6_k)
+#undef VK_ROWS
 
 /* Rows n0..n1 of a type's product on the VNNI body */
 static void v_rows(int type, int M, const uint8_t *w, const q8v_act *A, int64_t ldo, int64_t n0,
@@ -1328,9 +1446,6 @@ static void v_rows(int type, int M, const uint8_t *w, const q8v_act *A, int64_t 
         case GGML_Q4_1: v_rows_q4_1(M, w, A, ldo, n0, n1, out); break;
         case GGML_Q5_0: v_rows_q5_0(M, w, A, ldo, n0, n1, out); break;
         case GGML_Q5_1: v_rows_q5_1(M, w, A, ldo, n0, n1, out); break;
-        case GGML_Q4_K: v_rows_q4_k(M, w, A, ldo, n0, n1, out); break;
-        case GGML_Q5_K: v_rows_q5_k(M, w, A, ldo, n0, n1, out); break;
-        case GGML_Q6_K: v_rows_q6_k(M, w, A, ldo, n0, n1, out); break;
     }
 }
 
@@ -1529,11 +1644,9 @@ static inline AI void vl_pairs(const int type, const vl_tile *T, const int8_t *x
  * as the one-row kernel adds them, then its reduction tree), stored to o[0 .. nv - 1]. */
 static inline AI void vl_finish(const int type, const vl_tile *T, const q8v_act *A, int64_t m,
                                 __m512 acc[16], float *o, int nv) {
-    const int64_t P = A->P, G = A->G;
+    const int64_t P = A->P;
     __m512 t[16];
-    if (type == GGML_Q6_K) {
-        for (int l = 0; l < 16; l++) t[l] = acc[l];
-    } else if (type == GGML_Q4_1 || type == GGML_Q5_1) {
+    if (type == GGML_Q4_1 || type == GGML_Q5_1) {
         /* a1: each half pair's m * xds / 8, one chain per half (its 8 lanes hold the same) */
         __m512 a1[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
         const float *xsp = A->xsp + m * P * 16;
@@ -1542,17 +1655,6 @@ static inline AI void vl_finish(const int type, const vl_tile *T, const q8v_act 
                 a1[h] = _mm512_fmadd_ps(_mm512_loadu_ps(T->mn + (p * 2 + h) * 16),
                                         _mm512_set1_ps(xsp[p * 16 + 8 * h]), a1[h]);
         for (int l = 0; l < 16; l++) t[l] = _mm512_add_ps(acc[l], a1[l / 8]);
-    } else if (type == GGML_Q4_K || type == GGML_Q5_K) {
-        /* a1 lane j < 8: - dmin m_j times group j's xds, super-block after super-block;
-         * lanes 8-15 stay +0 */
-        __m512 a1[8];
-        for (int j = 0; j < 8; j++) a1[j] = _mm512_setzero_ps();
-        const float *xds = A->xds + m * G;
-        for (int64_t s = 0; s < G / 8; s++)
-            for (int j = 0; j < 8; j++)
-                a1[j] = _mm512_fnmadd_ps(_mm512_loadu_ps(T->mn + (s * 8 + j) * 16),
-                                         _mm512_set1_ps(xds[s * 8 + j]), a1[j]);
-        for (int l = 0; l < 16; l++) t[l] = _mm512_add_ps(acc[l], l < 8 ? a1[l] : _mm512_setzero_ps());
     } else {
         for (int l = 0; l < 16; l++) t[l] = _mm512_add_ps(acc[l], _mm512_setzero_ps());
     }
@@ -1608,9 +1710,6 @@ VL_TYPE(q4_0, GGML_Q4_0)
 VL_TYPE(q4_1, GGML_Q4_1)
 VL_TYPE(q5_0, GGML_Q5_0)
 VL_TYPE(q5_1, GGML_Q5_1)
-VL_TYPE(q4_k, GGML_Q4_K)
-VL_TYPE(q5_k, GGML_Q5_K)
-VL_TYPE(q6_k, GGML_Q6_K)
 #undef VL_TYPE
 
 static void vl_tile_any(int type, const uint8_t *w, int64_t row_bytes, const q8v_act *A,
@@ -1622,9 +1721,6 @@ static void vl_tile_any(int type, const uint8_t *w, int64_t row_bytes, const q8v
         case GGML_Q4_1: vl_tile_q4_1(w, row_bytes, A, xd, xst, m0, m1, n0, nv, T, out, ldo); break;
         case GGML_Q5_0: vl_tile_q5_0(w, row_bytes, A, xd, xst, m0, m1, n0, nv, T, out, ldo); break;
         case GGML_Q5_1: vl_tile_q5_1(w, row_bytes, A, xd, xst, m0, m1, n0, nv, T, out, ldo); break;
-        case GGML_Q4_K: vl_tile_q4_k(w, row_bytes, A, xd, xst, m0, m1, n0, nv, T, out, ldo); break;
-        case GGML_Q5_K: vl_tile_q5_k(w, row_bytes, A, xd, xst, m0, m1, n0, nv, T, out, ldo); break;
-        case GGML_Q6_K: vl_tile_q6_k(w, row_bytes, A, xd, xst, m0, m1, n0, nv, T, out, ldo); break;
     }
 }
 
@@ -1903,6 +1999,57 @@ static int gemm_q8_vnni_large(int type, const float *x, const uint8_t *w, float 
     return 0;
 }
 
+static int is_k_type(int type) {
+    return type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K;
+}
+
+/* The K-types' int8 product (arguments checked by the caller; K a multiple of 256, any M >= 1):
+ * every activation row rounded by quantize_row_q8k once (one buffer: xd fp32 [M, K / 256],
+ * bsum int16 [M, K / 16], xq int8 [M, K]), then blocks of `rows` weight rows across the
+ * threads, each met by the activation rows in groups of up to MAX_M (q8k_rows_* on the AVX2
+ * body, vk_rows_* on the VNNI one, `vnni`). A row's result depends on neither M, the grouping,
+ * `rows` nor the threads: the row kernels keep every activation row's sums apart, so each is
+ * bit for bit that row's product alone. Returns 0, or -1 (an allocation failure). */
+static int gemm_q8k(int type, const float *x, const uint8_t *w, float *out, int64_t M, int64_t N,
+                    int64_t K, int64_t ldo, int num_threads, int vnni, int64_t rows) {
+    const int64_t S = K / 256, H = K / 16;
+    float *xd = (float *)malloc(sizeof(float) * M * S + sizeof(int16_t) * M * H + (size_t)(M * K));
+    if (xd == NULL) return -1;
+    int16_t *bsum = (int16_t *)(xd + M * S);
+    int8_t *xq = (int8_t *)(bsum + M * H);
+    /* no OpenMP region for a step's few rows */
+    const int qthreads = M > MAX_M ? num_threads : 1;
+#pragma omp parallel for schedule(static) num_threads(qthreads) if (qthreads > 1)
+    for (int64_t m = 0; m < M; m++) quantize_row_q8k(x + m * K, K, xq + m * K, xd + m * S, bsum + m * H);
+    const int64_t num_blocks = (N + rows - 1) / rows;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const int64_t n0 = b * rows, n1 = n0 + rows < N ? n0 + rows : N;
+        for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
+            const int mc = (int)(M - m0 < MAX_M ? M - m0 : MAX_M);
+            const int8_t *q = xq + m0 * K;
+            const float *d = xd + m0 * S;
+            const int16_t *bs = bsum + m0 * H;
+            float *o = out + m0 * ldo;
+            if (vnni) {
+                switch (type) {
+                    case GGML_Q4_K: vk_rows_q4_k(mc, w, q, d, bs, K, ldo, n0, n1, o); break;
+                    case GGML_Q5_K: vk_rows_q5_k(mc, w, q, d, bs, K, ldo, n0, n1, o); break;
+                    default: vk_rows_q6_k(mc, w, q, d, bs, K, ldo, n0, n1, o); break;
+                }
+            } else {
+                switch (type) {
+                    case GGML_Q4_K: q8k_rows_q4_k(mc, w, q, d, bs, K, ldo, n0, n1, o); break;
+                    case GGML_Q5_K: q8k_rows_q5_k(mc, w, q, d, bs, K, ldo, n0, n1, o); break;
+                    default: q8k_rows_q6_k(mc, w, q, d, bs, K, ldo, n0, n1, o); break;
+                }
+            }
+        }
+    }
+    free(xd);
+    return 0;
+}
+
 int pagedkv_gguf_q8_takes(int type) {
     return type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q5_0 || type == GGML_Q5_1 ||
            type == GGML_Q8_0 || type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K;
@@ -1917,7 +2064,9 @@ int pagedkv_gguf_gemm_q8(int type, const float *x, const uint8_t *w, float *out,
  * then on the AVX2 body the weight rows in blocks of LARGE_N_BLOCK, each block's rows met by
  * every group of up to MAX_M activation rows while they are in the core's L2 (a Q4_K row of
  * K = 2048 is 1,152 bytes: 64 rows, 72 KiB); on the VNNI body gemm_q8_vnni_large (tiles of 16
- * weight rows unpacked once, their rows across the lanes). The threads split the weight rows,
+ * weight rows unpacked once, their rows across the lanes), but for the K-types, which run
+ * their row kernels (either body) over blocks of LARGE_N_BLOCK weight rows as the AVX2 body
+ * does (gemm_q8k, activations in blocks of 256). The threads split the weight rows,
  * never K. The same integer block products and the same per-(row, output) summation as the
  * small steps on the same body (`isa`: PAGEDKV_ISA_AVX2 or _AVX512 the AVX2 body,
  * _AVX512_VNNI the VNNI one), so a row's result is bit for bit what pagedkv_gguf_gemm_q8_ld
@@ -1933,6 +2082,9 @@ int pagedkv_gguf_gemm_q8_large(int type, const float *x, const uint8_t *w, float
     if (M < 1 || K <= 0 || K % E != 0 || N < 0 || ldo < N) return -1;
     if (isa != PAGEDKV_ISA_AVX2 && isa != PAGEDKV_ISA_AVX512 && isa != PAGEDKV_ISA_AVX512_VNNI)
         return -1;
+    if (is_k_type(type))
+        return gemm_q8k(type, x, w, out, M, N, K, ldo, num_threads, isa == PAGEDKV_ISA_AVX512_VNNI,
+                        LARGE_N_BLOCK);
     const int64_t num_blocks = (N + LARGE_N_BLOCK - 1) / LARGE_N_BLOCK;
     if (isa == PAGEDKV_ISA_AVX512_VNNI) return gemm_q8_vnni_large(type, x, w, out, M, N, K, ldo, num_threads, 0);
     const int64_t G = K / 32;
@@ -1957,9 +2109,6 @@ int pagedkv_gguf_gemm_q8_large(int type, const float *x, const uint8_t *w, float
                 case GGML_Q4_1: q8_rows_q4_1(mc, w, q, d, ds, K, ldo, n0, n1, o); break;
                 case GGML_Q5_0: q8_rows_q5_0(mc, w, q, d, ds, K, ldo, n0, n1, o); break;
                 case GGML_Q5_1: q8_rows_q5_1(mc, w, q, d, ds, K, ldo, n0, n1, o); break;
-                case GGML_Q4_K: q8_rows_q4_k(mc, w, q, d, ds, K, ldo, n0, n1, o); break;
-                case GGML_Q5_K: q8_rows_q5_k(mc, w, q, d, ds, K, ldo, n0, n1, o); break;
-                case GGML_Q6_K: q8_rows_q6_k(mc, w, q, d, ds, K, ldo, n0, n1, o); break;
             }
         }
     }
@@ -1990,6 +2139,9 @@ int pagedkv_gguf_gemm_q8_ld(int type, const float *x, const uint8_t *w, float *o
     if (M < 1 || M > MAX_M || K <= 0 || K % E != 0 || N < 0 || ldo < N) return -1;
     if (isa != PAGEDKV_ISA_AVX2 && isa != PAGEDKV_ISA_AVX512 && isa != PAGEDKV_ISA_AVX512_VNNI)
         return -1;
+    if (is_k_type(type))
+        return gemm_q8k(type, x, w, out, M, N, K, ldo, num_threads, isa == PAGEDKV_ISA_AVX512_VNNI,
+                        ROW_BLOCK);
     if (isa == PAGEDKV_ISA_AVX512_VNNI) return gemm_q8_vnni(type, x, w, out, M, N, K, ldo, num_threads);
     /* one buffer: xd, xds fp32 [M, K / 32], then xq int8 [M, K] */
     const int64_t G = K / 32;
@@ -2009,9 +2161,6 @@ int pagedkv_gguf_gemm_q8_ld(int type, const float *x, const uint8_t *w, float *o
             case GGML_Q4_1: q8_rows_q4_1((int)M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
             case GGML_Q5_0: q8_rows_q5_0((int)M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
             case GGML_Q5_1: q8_rows_q5_1((int)M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
-            case GGML_Q4_K: q8_rows_q4_k((int)M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
-            case GGML_Q5_K: q8_rows_q5_k((int)M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
-            case GGML_Q6_K: q8_rows_q6_k((int)M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
         }
     }
     free(xd);
@@ -2076,3 +2225,4 @@ int pagedkv_gguf_gemm_invariant(int type, const float *x, const uint8_t *w, floa
     free(xsum);
     return 0;
 }
+

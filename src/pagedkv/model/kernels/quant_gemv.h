@@ -34,7 +34,8 @@ int pagedkv_gguf_gemm_ld(int type, const float *x, const uint8_t *w, float *out,
                          int64_t N, int64_t K, int64_t ldo, int num_threads, int isa);
 /* int8 activations (gguf_blocks.c's last section): the product of a quantized type's weights
  * (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) with x rounded to int8 in blocks of 32 (one
- * fp32 scale each), integer dot products per block. pagedkv_gguf_q8_takes: 1 for those types,
+ * fp32 scale each; the K-types in blocks of 256 with int16 sums of each 16, llama.cpp's Q8_K),
+ * integer dot products per block (the K-types' per super-block). pagedkv_gguf_q8_takes: 1 for those types,
  * else 0 (the float types). The products take pagedkv_gguf_gemm(_ld)'s arguments and return
  * -1 for a type it does not take (or anything pagedkv_gguf_gemm refuses). */
 int pagedkv_gguf_q8_takes(int type);
@@ -52,7 +53,8 @@ int pagedkv_gguf_gemm_q8_large(int type, const float *x, const uint8_t *w, float
                                int isa);
 /* pagedkv_gguf_gemm_q8_large's arguments, for the default engine's large steps: each weight
  * group's integer dot summed whole, then one float step (as llama.cpp does), so rows are not
- * the decode step's bits. `isa` PAGEDKV_ISA_AVX512_VNNI: tiles of 16 weight rows on dpbusd
+ * the decode step's bits (and the K-types' activations are rounded in blocks of 32 here, not
+ * the decode step's 256). `isa` PAGEDKV_ISA_AVX512_VNNI: tiles of 16 weight rows on dpbusd
  * (every type of pagedkv_gguf_q8_takes); PAGEDKV_ISA_AVX2 or _AVX512: tiles of 8 on maddubs
  * (every one but Q8_0: -1). The caller checks that the CPU has the body. */
 int pagedkv_gguf_gemm_q8_fast(int type, const float *x, const uint8_t *w, float *out, int64_t M,
