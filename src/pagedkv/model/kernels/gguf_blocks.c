@@ -314,6 +314,25 @@ static inline AI void store_bf16_8(uint16_t *p, __m256 v) {
 
 /* ---- entry points ---------------------------------------------------------------------- */
 
+/* Weight bytes of a product from which its row blocks are handed out guided (OpenMP's
+ * schedule(guided): large chunks first, then smaller ones to whichever thread is free), so a
+ * thread that lost its core for a while (another process, the server's event loop) is made up
+ * by the other instead of the whole product waiting for it at the barrier; below, one chunk
+ * per thread as schedule(static) (a small product's grabs cost more than they balance). Rows
+ * are never split, so no result depends on which thread computes them. */
+#define GUIDED_MIN_BYTES (1 << 20)
+
+/* schedule(guided, row_chunk(...))'s minimum chunk for num_blocks blocks of `rows` rows of a
+ * type's [N, K] weight: 1 block for a product of at least GUIDED_MIN_BYTES, else
+ * num_blocks / num_threads (every chunk the static one) */
+static inline int64_t row_chunk(int type, int64_t K, int64_t rows, int64_t num_blocks,
+                                int num_threads) {
+    int64_t E, B;
+    if (num_threads <= 1 || pagedkv_gguf_block(type, &E, &B)) return 1;
+    if (num_blocks * rows * (K / E * B) >= GUIDED_MIN_BYTES) return 1;
+    return (num_blocks + num_threads - 1) / num_threads;
+}
+
 int pagedkv_gguf_gemm(int type, const float *x, const uint8_t *w, float *out, int64_t M,
                       int64_t N, int64_t K, int num_threads, int isa) {
     return pagedkv_gguf_gemm_ld(type, x, w, out, M, N, K, N, num_threads, isa);
@@ -334,7 +353,8 @@ int pagedkv_gguf_gemm_ld(int type, const float *x, const uint8_t *w, float *out,
         for (int64_t i = 0; i < M * G; i++) xsum[i] = sum32(x + i * 32);
     }
     const int64_t num_blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+    const int64_t chunk = row_chunk(type, K, ROW_BLOCK, num_blocks, num_threads);
+#pragma omp parallel for schedule(guided, chunk) num_threads(num_threads)
     for (int64_t b = 0; b < num_blocks; b++) {
         const int64_t n0 = b * ROW_BLOCK, n1 = n0 + ROW_BLOCK < N ? n0 + ROW_BLOCK : N;
         if (isa == PAGEDKV_ISA_AVX512)
@@ -1919,7 +1939,8 @@ static int gemm_q8_vnni(int type, const float *x, const uint8_t *w, float *out, 
     float *buf;
     if (vnni_act(x, M, K, 1, &A, &buf)) return -1;
     const int64_t num_blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+    const int64_t chunk = row_chunk(type, K, ROW_BLOCK, num_blocks, num_threads);
+#pragma omp parallel for schedule(guided, chunk) num_threads(num_threads)
     for (int64_t b = 0; b < num_blocks; b++) {
         const int64_t n0 = b * ROW_BLOCK, n1 = n0 + ROW_BLOCK < N ? n0 + ROW_BLOCK : N;
         v_rows(type, (int)M, w, &A, ldo, n0, n1, out);
@@ -2022,7 +2043,8 @@ static int gemm_q8k(int type, const float *x, const uint8_t *w, float *out, int6
 #pragma omp parallel for schedule(static) num_threads(qthreads) if (qthreads > 1)
     for (int64_t m = 0; m < M; m++) quantize_row_q8k(x + m * K, K, xq + m * K, xd + m * S, bsum + m * H);
     const int64_t num_blocks = (N + rows - 1) / rows;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+    const int64_t chunk = row_chunk(type, K, rows, num_blocks, num_threads);
+#pragma omp parallel for schedule(guided, chunk) num_threads(num_threads)
     for (int64_t b = 0; b < num_blocks; b++) {
         const int64_t n0 = b * rows, n1 = n0 + rows < N ? n0 + rows : N;
         for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
@@ -2152,7 +2174,8 @@ int pagedkv_gguf_gemm_q8_ld(int type, const float *x, const uint8_t *w, float *o
     for (int64_t m = 0; m < M; m++)
         quantize_row_q8(x + m * K, K, xq + m * K, xd + m * G, xds + m * G);
     const int64_t num_blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+    const int64_t chunk = row_chunk(type, K, ROW_BLOCK, num_blocks, num_threads);
+#pragma omp parallel for schedule(guided, chunk) num_threads(num_threads)
     for (int64_t b = 0; b < num_blocks; b++) {
         const int64_t n0 = b * ROW_BLOCK, n1 = n0 + ROW_BLOCK < N ? n0 + ROW_BLOCK : N;
         switch (type) {
