@@ -589,16 +589,7 @@ Q8_ROW32(q5_1, 24, 0, 2)
                                                       const float *xds, int64_t K,           \
                                                       int64_t ldo, int64_t n0, int64_t n1,   \
                                                       float *out) {                          \
-        switch (M) {                                                                         \
-            case 1: for (int64_t n = n0; n < n1; n++) q8_row_##T(1, w, xq, xd, xds, K, ldo, n, out); break; \
-            case 2: for (int64_t n = n0; n < n1; n++) q8_row_##T(2, w, xq, xd, xds, K, ldo, n, out); break; \
-            case 3: for (int64_t n = n0; n < n1; n++) q8_row_##T(3, w, xq, xd, xds, K, ldo, n, out); break; \
-            case 4: for (int64_t n = n0; n < n1; n++) q8_row_##T(4, w, xq, xd, xds, K, ldo, n, out); break; \
-            case 5: for (int64_t n = n0; n < n1; n++) q8_row_##T(5, w, xq, xd, xds, K, ldo, n, out); break; \
-            case 6: for (int64_t n = n0; n < n1; n++) q8_row_##T(6, w, xq, xd, xds, K, ldo, n, out); break; \
-            case 7: for (int64_t n = n0; n < n1; n++) q8_row_##T(7, w, xq, xd, xds, K, ldo, n, out); break; \
-            case 8: for (int64_t n = n0; n < n1; n++) q8_row_##T(8, w, xq, xd, xds, K, ldo, n, out); break; \
-        }                                                                                    \
+        FOR_ROWS(q8_row_##T, M, w, xq, xd, xds, K, ldo);                                 \
     }
 
 Q8_ROWS(q8_0)
@@ -836,16 +827,7 @@ static inline AI void q8k_row_q6_k(const int M, const uint8_t *w, const int8_t *
                                                        const int16_t *bsum, int64_t K,       \
                                                        int64_t ldo, int64_t n0, int64_t n1,  \
                                                        float *out) {                         \
-        switch (M) {                                                                         \
-            case 1: for (int64_t n = n0; n < n1; n++) q8k_row_##T(1, w, xq, xd, bsum, K, ldo, n, out); break; \
-            case 2: for (int64_t n = n0; n < n1; n++) q8k_row_##T(2, w, xq, xd, bsum, K, ldo, n, out); break; \
-            case 3: for (int64_t n = n0; n < n1; n++) q8k_row_##T(3, w, xq, xd, bsum, K, ldo, n, out); break; \
-            case 4: for (int64_t n = n0; n < n1; n++) q8k_row_##T(4, w, xq, xd, bsum, K, ldo, n, out); break; \
-            case 5: for (int64_t n = n0; n < n1; n++) q8k_row_##T(5, w, xq, xd, bsum, K, ldo, n, out); break; \
-            case 6: for (int64_t n = n0; n < n1; n++) q8k_row_##T(6, w, xq, xd, bsum, K, ldo, n, out); break; \
-            case 7: for (int64_t n = n0; n < n1; n++) q8k_row_##T(7, w, xq, xd, bsum, K, ldo, n, out); break; \
-            case 8: for (int64_t n = n0; n < n1; n++) q8k_row_##T(8, w, xq, xd, bsum, K, ldo, n, out); break; \
-        }                                                                                    \
+        FOR_ROWS(q8k_row_##T, M, w, xq, xd, bsum, K, ldo);                               \
     }
 
 Q8K_ROWS(q4_k)
@@ -1271,16 +1253,7 @@ V_ROW32(q5_1, 24, 0, 2)
     static __attribute__((noinline)) void v_rows_##T(int M, const uint8_t *w, const q8v_act *A, \
                                                      int64_t ldo, int64_t n0, int64_t n1,    \
                                                      float *out) {                           \
-        switch (M) {                                                                         \
-            case 1: for (int64_t n = n0; n < n1; n++) v_row_##T(1, w, A, ldo, n, out); break; \
-            case 2: for (int64_t n = n0; n < n1; n++) v_row_##T(2, w, A, ldo, n, out); break; \
-            case 3: for (int64_t n = n0; n < n1; n++) v_row_##T(3, w, A, ldo, n, out); break; \
-            case 4: for (int64_t n = n0; n < n1; n++) v_row_##T(4, w, A, ldo, n, out); break; \
-            case 5: for (int64_t n = n0; n < n1; n++) v_row_##T(5, w, A, ldo, n, out); break; \
-            case 6: for (int64_t n = n0; n < n1; n++) v_row_##T(6, w, A, ldo, n, out); break; \
-            case 7: for (int64_t n = n0; n < n1; n++) v_row_##T(7, w, A, ldo, n, out); break; \
-            case 8: for (int64_t n = n0; n < n1; n++) v_row_##T(8, w, A, ldo, n, out); break; \
-        }                                                                                    \
+        FOR_ROWS(v_row_##T, M, w, A, ldo);                                               \
     }
 
 V_ROWS(q8_0)
@@ -1440,16 +1413,7 @@ static inline AI void vk_row_q6_k(const int M, const uint8_t *w, const int8_t *x
                                                       const int16_t *bsum, int64_t K,        \
                                                       int64_t ldo, int64_t n0, int64_t n1,   \
                                                       float *out) {                          \
-        switch (M) {                                                                         \
-            case 1: for (int64_t n = n0; n < n1; n++) vk_row_##T(1, w, xq, xd, bsum, K, ldo, n, out); break; \
-            case 2: for (int64_t n = n0; n < n1; n++) vk_row_##T(2, w, xq, xd, bsum, K, ldo, n, out); break; \
-            case 3: for (int64_t n = n0; n < n1; n++) vk_row_##T(3, w, xq, xd, bsum, K, ldo, n, out); break; \
-            case 4: for (int64_t n = n0; n < n1; n++) vk_row_##T(4, w, xq, xd, bsum, K, ldo, n, out); break; \
-            case 5: for (int64_t n = n0; n < n1; n++) vk_row_##T(5, w, xq, xd, bsum, K, ldo, n, out); break; \
-            case 6: for (int64_t n = n0; n < n1; n++) vk_row_##T(6, w, xq, xd, bsum, K, ldo, n, out); break; \
-            case 7: for (int64_t n = n0; n < n1; n++) vk_row_##T(7, w, xq, xd, bsum, K, ldo, n, out); break; \
-            case 8: for (int64_t n = n0; n < n1; n++) vk_row_##T(8, w, xq, xd, bsum, K, ldo, n, out); break; \
-        }                                                                                    \
+        FOR_ROWS(vk_row_##T, M, w, xq, xd, bsum, K, ldo);                                \
     }
 
 VK_ROWS(q4_k)

@@ -381,16 +381,7 @@ ROWK(q6_k, 210, prep_q6_k, SFX(dec_q6_k_group)(blk, j, D, DM, wj, 0))
                                                         const float *x, const float *xsum,   \
                                                         int64_t K, int64_t N, int64_t n0,    \
                                                         int64_t n1, float *out) {            \
-        switch (M) {                                                                         \
-            case 1: for (int64_t n = n0; n < n1; n++) SFX(row_##T)(1, w, x, xsum, K, N, n, out); break; \
-            case 2: for (int64_t n = n0; n < n1; n++) SFX(row_##T)(2, w, x, xsum, K, N, n, out); break; \
-            case 3: for (int64_t n = n0; n < n1; n++) SFX(row_##T)(3, w, x, xsum, K, N, n, out); break; \
-            case 4: for (int64_t n = n0; n < n1; n++) SFX(row_##T)(4, w, x, xsum, K, N, n, out); break; \
-            case 5: for (int64_t n = n0; n < n1; n++) SFX(row_##T)(5, w, x, xsum, K, N, n, out); break; \
-            case 6: for (int64_t n = n0; n < n1; n++) SFX(row_##T)(6, w, x, xsum, K, N, n, out); break; \
-            case 7: for (int64_t n = n0; n < n1; n++) SFX(row_##T)(7, w, x, xsum, K, N, n, out); break; \
-            case 8: for (int64_t n = n0; n < n1; n++) SFX(row_##T)(8, w, x, xsum, K, N, n, out); break; \
-        }                                                                                    \
+        FOR_ROWS(SFX(row_##T), M, w, x, xsum, K, N);                                     \
     }
 
 ROWS(f32)

@@ -45,22 +45,6 @@
 #define MAX_M 8
 #define ROW_BLOCK 16
 
-/* Rows n0..n1 of a product, ROW(c, ..., n, out) per row with c = M as a compile-time constant
- * (1..8) at each call site, so that the row's accumulators stay in registers. */
-#define FOR_ROWS(ROW, M, ...)                                                                \
-    do {                                                                                     \
-        switch (M) {                                                                         \
-            case 1: for (int64_t n = n0; n < n1; n++) ROW(1, __VA_ARGS__, n, out); break;    \
-            case 2: for (int64_t n = n0; n < n1; n++) ROW(2, __VA_ARGS__, n, out); break;    \
-            case 3: for (int64_t n = n0; n < n1; n++) ROW(3, __VA_ARGS__, n, out); break;    \
-            case 4: for (int64_t n = n0; n < n1; n++) ROW(4, __VA_ARGS__, n, out); break;    \
-            case 5: for (int64_t n = n0; n < n1; n++) ROW(5, __VA_ARGS__, n, out); break;    \
-            case 6: for (int64_t n = n0; n < n1; n++) ROW(6, __VA_ARGS__, n, out); break;    \
-            case 7: for (int64_t n = n0; n < n1; n++) ROW(7, __VA_ARGS__, n, out); break;    \
-            case 8: for (int64_t n = n0; n < n1; n++) ROW(8, __VA_ARGS__, n, out); break;    \
-        }                                                                                    \
-    } while (0)
-
 /* Independent FMA chains per activation row: an FMA's latency is 4-5 cycles and two issue per
  * cycle, so one row needs several accumulators in flight; 8 rows already give 8 chains. */
 #define CHAINS(M) ((M) == 1 ? 4 : (M) <= 4 ? 2 : 1)

@@ -11,6 +11,22 @@
  * AVX512_VNNI too); AVX2 and AVX512 run their AVX2 body */
 #define PAGEDKV_ISA_AVX512_VNNI 2
 
+/* Rows n0..n1 of a product (quant_gemv.c's and gguf_blocks.c's), ROW(c, ..., n, out) per row with c = M as a compile-time constant
+ * (1..8) at each call site, so that the row's accumulators stay in registers. */
+#define FOR_ROWS(ROW, M, ...)                                                                \
+    do {                                                                                     \
+        switch (M) {                                                                         \
+            case 1: for (int64_t n = n0; n < n1; n++) ROW(1, __VA_ARGS__, n, out); break;    \
+            case 2: for (int64_t n = n0; n < n1; n++) ROW(2, __VA_ARGS__, n, out); break;    \
+            case 3: for (int64_t n = n0; n < n1; n++) ROW(3, __VA_ARGS__, n, out); break;    \
+            case 4: for (int64_t n = n0; n < n1; n++) ROW(4, __VA_ARGS__, n, out); break;    \
+            case 5: for (int64_t n = n0; n < n1; n++) ROW(5, __VA_ARGS__, n, out); break;    \
+            case 6: for (int64_t n = n0; n < n1; n++) ROW(6, __VA_ARGS__, n, out); break;    \
+            case 7: for (int64_t n = n0; n < n1; n++) ROW(7, __VA_ARGS__, n, out); break;    \
+            case 8: for (int64_t n = n0; n < n1; n++) ROW(8, __VA_ARGS__, n, out); break;    \
+        }                                                                                    \
+    } while (0)
+
 int pagedkv_int4_gemm(const float *x, const uint8_t *qs, const float *scale, const float *min,
                       float *out, int64_t M, int64_t N, int64_t K, int num_threads, int isa);
 /* pagedkv_int4_gemm with out's rows ldo >= N floats apart (out[m * ldo + n]) */
