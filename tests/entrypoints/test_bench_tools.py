@@ -24,6 +24,7 @@ from pagedkv.entrypoints.cli import main
 from pagedkv.entrypoints.openai.app import create_app
 from pagedkv.entrypoints.openai.launch import ThreadedServer
 from pagedkv.entrypoints.openai.stats_logger import StatsLogger, format_stats_line
+from pagedkv.errors import ConfigError
 
 MODEL = "fake-model"
 
@@ -456,3 +457,62 @@ def test_serving_client_request_errors_and_timeout():
     assert not error.ok and error.error == "HTTP 404: no such model (model_not_found)"
     assert not slow.ok and slow.error.startswith("TimeoutError")
     assert not closed.ok and closed.error
+
+
+def test_serving_client_takes_a_whole_response_on_a_connection_left_open():
+    """A server that keeps the connection open after a whole chunked response (despite
+    ``Connection: close``) is read at once, not at the timeout; a response cut short then is
+    still a timeout."""
+    from pagedkv.entrypoints.bench_serving import run_request
+
+    event = b'data: {"choices": [{"index": 0, "delta": {"content": "x"}}]}\n\n'
+    whole = _chunked([event, event])
+
+    async def scenario():
+        async def answer(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            cut = writer.get_extra_info("sockname")[1] == cut_port
+            writer.write(whole[:-12] if cut else whole)
+            await writer.drain()
+            await asyncio.sleep(30)  # never closes
+
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        cutting = await asyncio.start_server(answer, "127.0.0.1", 0)
+        cut_port = cutting.sockets[0].getsockname()[1]
+        port = server.sockets[0].getsockname()[1]
+        async with server, cutting:
+            ok = await run_request(f"http://127.0.0.1:{port}/v1/x", {}, timeout=20)
+            cut = await run_request(f"http://127.0.0.1:{cut_port}/v1/x", {}, timeout=0.5)
+        return ok, cut
+
+    ok, cut = asyncio.run(scenario())
+    assert ok.ok and ok.num_output_tokens == 2 and ok.latency < 10
+    assert not cut.ok and cut.error.startswith("TimeoutError")
+
+
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        ("localhost:8000/v1/chat/completions", "http:// or https://"),
+        ("ftp://h:1/v1/x", "http:// or https://"),
+        ("http://h:abc/v1/x", "cannot send"),
+        ("http://h:1/\u00e9", "ASCII"),
+        ("http://u:p@h:1/v1/x", "credentials"),
+    ],
+)
+def test_serving_client_refuses_urls_it_cannot_send_to(url, why):
+    from pagedkv.entrypoints.bench_serving import check_url
+
+    with pytest.raises(ConfigError, match=why):
+        check_url(url)
+    check_url("http://[::1]:8000/v1/chat/completions")  # IPv6 literal
+    check_url("https://example.com/v1/completions")
+
+
+def test_serving_client_header_it_cannot_send_is_a_request_error():
+    from pagedkv.entrypoints.bench_serving import run_request
+
+    result = asyncio.run(
+        run_request("http://127.0.0.1:9/v1/x", {}, headers={"Authorization": "Bearer k\r"})
+    )
+    assert not result.ok and result.error.startswith("ValueError: cannot send this request")

@@ -115,15 +115,21 @@ def _request_body(endpoint: str, model: str, messages: list, args_like: dict) ->
 
 class _PiecesProtocol(asyncio.Protocol):
     """Keeps each piece of a response with its arrival time (``time.perf_counter()``), and
-    nothing else: the whole of the client's work per token while the server streams."""
+    nothing else: the whole of the client's work per token while the server streams. ``done``
+    is set when the server closes, or earlier when a piece ends the way a chunked body ends
+    (``0\r\n\r\n``) and ``complete(pieces)`` says the response is whole (a server that keeps
+    the connection open despite ``Connection: close``)."""
 
-    def __init__(self, done: asyncio.Future) -> None:
+    def __init__(self, done: asyncio.Future, complete: Any) -> None:
         self.pieces: list[tuple[float, bytes]] = []
         self._done = done
+        self._complete = complete
         self._clock = time.perf_counter
 
     def data_received(self, data: bytes) -> None:
         self.pieces.append((self._clock(), data))
+        if data.endswith(b"0\r\n\r\n") and not self._done.done() and self._complete(self.pieces):
+            self._done.set_result(None)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self._done.done():
@@ -132,7 +138,11 @@ class _PiecesProtocol(asyncio.Protocol):
 
 def _request_bytes(url: str, body: dict, headers: dict[str, str]) -> tuple[Any, bytes]:
     """``(h11 client connection, the POST's bytes)``: ``Connection: close``, so the server
-    ends the response by closing (as vLLM's client, a connection per request)."""
+    ends the response by closing (as vLLM's client, a connection per request).
+
+    Raises:
+        ValueError: a header h11 will not send (a key with a CR or a trailing space).
+    """
     import h11  # httpx's and uvicorn's HTTP/1.1 parser
 
     parts = urllib.parse.urlsplit(url)
@@ -147,16 +157,20 @@ def _request_bytes(url: str, body: dict, headers: dict[str, str]) -> tuple[Any, 
         ("Connection", "close"),
         *headers.items(),
     ]
-    out = conn.send(h11.Request(method="POST", target=target, headers=fields))
+    try:
+        out = conn.send(h11.Request(method="POST", target=target, headers=fields))
+    except h11.LocalProtocolError as exc:  # e.g. a header value with a CR or a trailing space
+        raise ValueError(f"cannot send this request: {exc}") from None
     out += conn.send(h11.Data(data=data)) + conn.send(h11.EndOfMessage())
     return conn, out
 
 
 def _response_pieces(
-    conn: Any, pieces: list[tuple[float, bytes]]
+    conn: Any, pieces: list[tuple[float, bytes]], *, closed: bool = True
 ) -> tuple[int, list[tuple[float, bytes]]]:
     """The response's status and its body as ``(arrival time, bytes)`` pieces, read from the raw
-    pieces by h11 (chunked or not) after the stream ended.
+    pieces by h11 (chunked or not) after the stream ended; ``closed``: the server closed the
+    connection after them (the end of a body without length).
 
     Raises:
         ConnectionError: the response ended early (no status line, a cut body).
@@ -187,7 +201,7 @@ def _response_pieces(
                 break
             conn.receive_data(data)
             read(arrived)
-        if not ended:  # the server closed: the end of a body without length, else cut
+        if not ended and closed:  # the end of a body without length, else cut
             conn.receive_data(b"")
             read(pieces[-1][0] if pieces else 0.0)
     except h11.RemoteProtocolError as exc:
@@ -198,47 +212,74 @@ def _response_pieces(
 
 
 async def run_request(
-    url: str, body: dict, *, headers: dict[str, str] | None = None, timeout: float = 600.0
+    url: str,
+    body: dict,
+    *,
+    headers: dict[str, str] | None = None,
+    timeout: float = 600.0,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> RequestResult:
-    """One streamed completion, POSTed to ``url`` (http or https). Each piece of the response
-    is timed as it arrives and kept (a read and a clock, in an asyncio protocol); the HTTP
-    framing (h11) and the events are parsed after the stream ends, each event at the time of
-    the piece that completed it: on a machine whose cores the server's forward uses, a client
-    that parses per token slows the server it measures (httpx's streaming took 0.33 ms of CPU
-    a token here, this 0.06-0.09 ms; docs/perf.md). ``timeout``: seconds the whole request
-    may take."""
+    """One streamed completion, POSTed to ``url`` (http or https; ``ssl_context`` for https,
+    None: the default one, made here). Each piece of the response is timed as it arrives and
+    kept (a read and a clock, in an asyncio protocol); the HTTP framing (h11) and the events
+    are parsed after the stream ends, each event at the time of the piece that completed it: on
+    a machine whose cores the server's forward uses, a client that parses per token slows the
+    server it measures (httpx's streaming took 0.33 ms of CPU a token here, this 0.06-0.09 ms;
+    docs/perf.md). ``timeout``: seconds the whole request may take. A response that came
+    whole counts even if the connection then failed or stayed open."""
     start = time.perf_counter()
     result = RequestResult(ok=False)
     parts = urllib.parse.urlsplit(url)
     tls = parts.scheme == "https"
     loop = asyncio.get_running_loop()
     transport = None
+    protocol = None
     try:
         conn, request = _request_bytes(url, body, headers or {})
+        if tls and ssl_context is None:
+            ssl_context = ssl.create_default_context()
         done = loop.create_future()
+
+        def complete(pieces: list[tuple[float, bytes]]) -> bool:
+            try:
+                _response_pieces(_request_bytes(url, body, headers or {})[0], pieces, closed=False)
+            except ConnectionError:
+                return False
+            return True
+
         transport, protocol = await asyncio.wait_for(
             loop.create_connection(
-                lambda: _PiecesProtocol(done),
+                lambda: _PiecesProtocol(done, complete),
                 parts.hostname,
                 parts.port or (443 if tls else 80),
-                ssl=ssl.create_default_context() if tls else None,
+                ssl=ssl_context if tls else None,
             ),
             timeout,
         )
         transport.write(request)
-        exc = await asyncio.wait_for(done, max(timeout - (time.perf_counter() - start), 0.0))
-        result.latency = time.perf_counter() - start
-        if exc is not None:
-            raise exc
-        status, pieces = _response_pieces(conn, protocol.pieces)
+        error: BaseException | None
+        try:
+            error = await asyncio.wait_for(done, max(timeout - (time.perf_counter() - start), 0.0))
+        except asyncio.TimeoutError as exc:  # TimeoutError's alias on 3.11+, its own on 3.10
+            error = exc
+        try:
+            status, pieces = _response_pieces(conn, protocol.pieces, closed=error is None)
+        except ConnectionError:
+            if isinstance(error, asyncio.TimeoutError):
+                result.error = f"TimeoutError: no complete response within {timeout:g} s"
+                return result
+            raise error or ConnectionError("the response ended early") from None
+        result.latency = (
+            protocol.pieces[-1][0] if protocol.pieces else time.perf_counter()
+        ) - start
         if status != 200:
             result.error = _http_error(status, b"".join(data for _, data in pieces))
             return result
         num_chunks = _parse_stream(pieces, start, result)
-    except TimeoutError:
-        result.error = f"TimeoutError: no complete response within {timeout:g} s"
+    except asyncio.TimeoutError:
+        result.error = f"TimeoutError: no connection within {timeout:g} s"
         return result
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError: an h11 header it cannot send, JSON, UTF-8
         result.error = f"{type(exc).__name__}: {exc}"
         return result
     finally:
@@ -336,6 +377,32 @@ def _arrival_delays(num: int, request_rate: float, seed: int) -> list[float]:
     return rng.exponential(1.0 / request_rate, size=num).tolist()
 
 
+def check_url(url: str) -> None:
+    """Refuse a URL the client cannot send to: not http or https, no host, a port that is not a
+    number, anything but ASCII.
+
+    Raises:
+        ConfigError: what is wrong with ``url``.
+    """
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except ValueError as exc:
+        raise ConfigError(f"cannot send to {url!r}: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(
+            f"cannot send to {url!r}: give an http:// or https:// URL with a host "
+            "(--base-url http://HOST:PORT, or --host and --port)"
+        )
+    if not url.isascii():
+        raise ConfigError(f"cannot send to {url!r}: only ASCII URLs (percent-encode the rest)")
+    if parts.username or parts.password:
+        raise ConfigError(
+            f"cannot send to {url!r}: credentials in the URL are not sent; "
+            "set OPENAI_API_KEY for a server's --api-key"
+        )
+
+
 def new_event_loop() -> asyncio.AbstractEventLoop:
     """uvloop's event loop where it is installed (``uvicorn[standard]`` brings it: less CPU per
     streamed piece, so less taken from the server under test on the same machine), else
@@ -349,8 +416,12 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 
 def run_benchmark(**kwargs: Any) -> dict[str, Any]:
     """:func:`benchmark` (its keyword arguments) on a loop of :func:`new_event_loop`."""
-    with asyncio.Runner(loop_factory=new_event_loop) as runner:
-        return runner.run(benchmark(**kwargs))
+    loop = new_event_loop()
+    try:
+        return loop.run_until_complete(benchmark(**kwargs))
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
 
 
 async def benchmark(
@@ -384,17 +455,24 @@ async def benchmark(
     semaphore = asyncio.Semaphore(limit)
     settings = {"output_len": output_len, "ignore_eos": ignore_eos}
     headers = _auth_headers(api_key)
-    url = base_url.rstrip("/") + endpoint
+    url = base_url.rstrip("/") + "/" + endpoint.lstrip("/")
+    check_url(url)
+    # one TLS context for every request (making one takes ~30 ms of CPU)
+    tls = ssl.create_default_context() if url.startswith("https:") else None
 
     async def bounded(messages: list) -> RequestResult:
         async with semaphore:
             body = _request_body(endpoint, model, messages, settings)
-            result = await run_request(url, body, headers=headers, timeout=timeout)
+            result = await run_request(url, body, headers=headers, timeout=timeout, ssl_context=tls)
         bar.update(1)
         return result
 
     first = await run_request(
-        url, _request_body(endpoint, model, prompts[0], settings), headers=headers, timeout=timeout
+        url,
+        _request_body(endpoint, model, prompts[0], settings),
+        headers=headers,
+        timeout=timeout,
+        ssl_context=tls,
     )
     if not first.ok:
         raise ConfigError(
@@ -591,7 +669,9 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.request_rate > 0:
         raise ConfigError(f"--request-rate must be > 0 (inf: all at once), got {args.request_rate}")
-    base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    host = f"[{args.host}]" if ":" in args.host and not args.host.startswith("[") else args.host
+    base_url = (args.base_url or f"http://{host}:{args.port}").rstrip("/")
+    check_url(base_url + "/" + args.endpoint.lstrip("/"))
     result_path = None
     if args.save_result:
         name = args.result_filename or (
