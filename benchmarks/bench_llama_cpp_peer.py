@@ -332,23 +332,48 @@ def _cache_dir(given: Path | None) -> Path:
     return cache_dir()
 
 
+def _matching_sdists(folder: Path, requirement: Any) -> list[Path]:
+    """The sdists in ``folder`` that ``requirement`` (a ``packaging`` Requirement) takes,
+    oldest version first (names compared as PEP 503 normalizes them, versions as versions)."""
+    from packaging.utils import InvalidSdistFilename, canonicalize_name, parse_sdist_filename
+
+    wanted = canonicalize_name(requirement.name)
+    found = []
+    for path in folder.glob("*.tar.gz"):
+        try:
+            name, version = parse_sdist_filename(path.name)
+        except InvalidSdistFilename:
+            continue
+        if name == wanted and requirement.specifier.contains(version, prereleases=True):
+            found.append((version, path))
+    return [path for _, path in sorted(found)]
+
+
 def _download_sdist(folder: Path, spec: str, pip_args: list[str]) -> Path:
-    """The sdist named by ``spec`` in ``folder``, downloaded with pip when missing."""
-    name, _, version = spec.partition("==")
-    stem = name.replace("-", "_")
-    pattern = f"{stem}-{version}.tar.gz" if version else f"{stem}-*.tar.gz"
-    found = sorted(folder.glob(pattern))
+    """The newest sdist in ``folder`` that ``spec`` (a requirement: ``name==version``,
+    ``name>=version``, ``name``) takes, downloaded with pip when there is none.
+
+    Raises:
+        SystemExit: ``spec`` is not a requirement, or pip left no matching sdist.
+    """
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    try:
+        requirement = Requirement(spec)
+    except InvalidRequirement as exc:
+        raise SystemExit(f"--sdist {spec!r}: {exc}") from None
+    found = _matching_sdists(folder, requirement) if folder.is_dir() else []
     if found:
         return found[-1]
     folder.mkdir(parents=True, exist_ok=True)
     print(f"downloading the sdist {spec} into {folder}", flush=True)
     # --no-binary for this package only: its build requirements (cmake among them) come as
     # wheels for pip's metadata step, not built from source
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", name]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", requirement.name]
     subprocess.run([*cmd, "--dest", str(folder), *pip_args, spec], check=True)
-    found = sorted(folder.glob(pattern))
+    found = _matching_sdists(folder, requirement)
     if not found:
-        raise SystemExit(f"pip download {spec} left no {pattern} in {folder}")
+        raise SystemExit(f"pip download {spec} left no matching sdist in {folder}")
     return found[-1]
 
 

