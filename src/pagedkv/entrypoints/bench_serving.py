@@ -117,7 +117,7 @@ class _PiecesProtocol(asyncio.Protocol):
     """Keeps each piece of a response with its arrival time (``time.perf_counter()``), and
     nothing else: the whole of the client's work per token while the server streams. ``done``
     is set when the server closes, or earlier when a piece ends the way a chunked body ends
-    (``0\r\n\r\n``) and ``complete(pieces)`` says the response is whole (a server that keeps
+    (``0\\r\\n\\r\\n``) and ``complete(pieces)`` says the response is whole (a server that keeps
     the connection open despite ``Connection: close``)."""
 
     def __init__(self, done: asyncio.Future, complete: Any) -> None:

@@ -17,9 +17,9 @@
  * file stores them, per stacked part (a layer may mix them and GGUF types: q and k Q4_K with
  * v Q6_K), each part its own OpenMP region (weights read as stored; with the layer's
  * `activations` = 1, the default, the GGUF parts of the quantized types round the product's
- * input to int8 blocks of 32 (the K-types: of 256) and multiply in integers, pagedkv_gguf_gemm_q8_ld on the layer's
- * `q8_isa` body: the one exception to "fp32 rounding only" below; `activations` = 0 keeps
- * fp32 activations);
+ * input to int8 blocks of 32 (the K-types: of 256) and multiply in integers,
+ * pagedkv_gguf_gemm_q8_ld on the layer's `q8_isa` body: the one exception to "fp32 rounding
+ * only" below; `activations` = 0 keeps fp32 activations);
  * Qwen3's per-head q / k RMSNorm (optional) follows the bias, before the rotation; the elementwise work, a few thousand floats, runs on the calling
  * thread. Every value is fp32, computed in the order the torch ops compute it (norm: mean of
  * squares, reciprocal square root, times the weight; rotary x * cos + rotate(x) * sin), so the

@@ -11,8 +11,9 @@
  * AVX512_VNNI too); AVX2 and AVX512 run their AVX2 body */
 #define PAGEDKV_ISA_AVX512_VNNI 2
 
-/* Rows n0..n1 of a product (quant_gemv.c's and gguf_blocks.c's), ROW(c, ..., n, out) per row with c = M as a compile-time constant
- * (1..8) at each call site, so that the row's accumulators stay in registers. */
+/* Rows n0..n1 of a product (quant_gemv.c's and gguf_blocks.c's), ROW(c, ..., n, out) per row
+ * with c = M as a compile-time constant (1..8) at each call site, so that the row's
+ * accumulators stay in registers. */
 #define FOR_ROWS(ROW, M, ...)                                                                \
     do {                                                                                     \
         switch (M) {                                                                         \
@@ -51,9 +52,9 @@ int pagedkv_gguf_gemm_ld(int type, const float *x, const uint8_t *w, float *out,
 /* int8 activations (gguf_blocks.c's last section): the product of a quantized type's weights
  * (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) with x rounded to int8 in blocks of 32 (one
  * fp32 scale each; the K-types in blocks of 256 with int16 sums of each 16, llama.cpp's Q8_K),
- * integer dot products per block (the K-types' per super-block). pagedkv_gguf_q8_takes: 1 for those types,
- * else 0 (the float types). The products take pagedkv_gguf_gemm(_ld)'s arguments and return
- * -1 for a type it does not take (or anything pagedkv_gguf_gemm refuses). */
+ * integer dot products per block (the K-types' per super-block). pagedkv_gguf_q8_takes: 1 for
+ * those types, else 0 (the float types). The products take pagedkv_gguf_gemm(_ld)'s arguments
+ * and return -1 for a type it does not take (or anything pagedkv_gguf_gemm refuses). */
 int pagedkv_gguf_q8_takes(int type);
 int pagedkv_gguf_gemm_q8(int type, const float *x, const uint8_t *w, float *out, int64_t M,
                          int64_t N, int64_t K, int num_threads, int isa);
