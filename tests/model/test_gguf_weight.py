@@ -8,12 +8,14 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 
 from pagedkv.errors import ConfigError, ModelLoadError
 from pagedkv.model import loader
-from pagedkv.model.gguf_loader import load_gguf, stored_types
+from pagedkv.model.gguf_loader import WeightArena, hf_name, load_gguf, stored_types
+from pagedkv.model.gguf_metadata import read_gguf_header
 from pagedkv.model.gguf_weight import GGUFMatmul, GGUFWeight
 from pagedkv.model.kernels.cpu_quant import default_cpu_quant_kernels
 
@@ -71,6 +73,50 @@ def test_products_match_the_dequantized_weights(stored, num_tokens, dtype):
     # fp32: summation order; bf16 large steps: the tile and the activations rounded to bf16
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     assert (got.double() - expected).abs().max().item() <= tolerance * scale
+
+
+def test_weights_a_step_reads_whole_are_read_into_anonymous_memory(stored, gguf_path):
+    """Every kept weight but a lookup-only embedding is a copy of the file's bytes in the
+    weight arena (anonymous memory, not the mapped file: a decode step reads it faster there);
+    q / k rows reordered in place; the bytes otherwise the file's own."""
+    kept, _ = stored
+    file_bytes = np.memmap(gguf_path, dtype=np.uint8, mode="r")
+    header = read_gguf_header(gguf_path)
+    offsets = {hf_name(info.name): info.offset for info in header.tensors}
+    for name, weight in kept.state_dict.items():
+        if not isinstance(weight, GGUFWeight):
+            continue
+        base = weight.data.numpy().base
+        while getattr(base, "base", None) is not None and not isinstance(base, np.memmap):
+            base = base.base
+        assert not isinstance(base, np.memmap), name  # SmolLM2's embedding is the LM head too
+        assert weight.data.data_ptr() % WeightArena.ALIGN == 0, name
+        raw = file_bytes[offsets[name] : offsets[name] + weight.data.numel()]
+        if ".q_proj." in name or ".k_proj." in name:  # the same rows, reordered
+            assert sorted(map(bytes, weight.data.numpy())) == sorted(
+                map(bytes, raw.reshape(weight.data.shape))
+            ), name
+        else:
+            assert np.array_equal(weight.data.numpy().reshape(-1), raw), name
+
+
+def test_weight_arena_reads_the_file_and_refuses_what_it_cannot(tmp_path):
+    path = tmp_path / "bytes.bin"
+    payload = np.arange(10_000, dtype=np.uint32).view(np.uint8)
+    path.write_bytes(payload.tobytes())
+    arena = WeightArena(path, [5000, 7000])
+    first = arena.read(100, 5000)
+    second = arena.read(33_000, 7000)
+    assert np.array_equal(first.numpy(), payload[100:5100])
+    assert np.array_equal(second.numpy(), payload[33_000:40_000])
+    assert first.data_ptr() % (2 << 20) == 0 and second.data_ptr() - first.data_ptr() == 8192
+    with pytest.raises(ModelLoadError, match="full"):
+        arena.read(0, 1)
+    short = WeightArena(path, [5000])
+    with pytest.raises(ModelLoadError, match="ends inside"):
+        short.read(38_000, 5000)
+    with pytest.raises(ModelLoadError, match="cannot read"):
+        WeightArena(tmp_path / "missing.bin", [10]).read(0, 10)
 
 
 def test_embedding_lookup_equals_the_dequantized_rows(stored):

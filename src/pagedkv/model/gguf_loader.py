@@ -28,6 +28,8 @@ the ``gguf`` package. Three things differ from a Hugging Face checkpoint and are
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,6 +202,14 @@ def load_gguf(
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot map GGUF file {path}: {e}") from e
     runs = kernels.gguf_types if quantized and kernels is not None else frozenset()
+    # the kept weights a decode step reads whole: read into anonymous memory (below)
+    lookup_only = "token_embd.weight" if "output.weight" in header.tensor_names else None
+    resident = {
+        info.name
+        for info in header.tensors
+        if len(info.dims) == 2 and info.ggml_type in runs and info.name != lookup_only
+    }
+    arena = WeightArena(path, [_stored_bytes(info) for info in header.tensors if info.name in resident])
 
     state_dict: dict[str, torch.Tensor | GGUFWeight] = {}
     longrope: dict[str, list[float]] = {}
@@ -229,10 +239,13 @@ def load_gguf(
         elif permute and name is not None and ".k_proj." in name:
             heads = config.num_key_value_heads
         if len(info.dims) == 2 and info.ggml_type in runs and name is not None:
-            weight = GGUFWeight(type_name, torch.from_numpy(raw), (rows, cols), kernels)
-            if heads is not None:
-                weight = weight.rows(unpermute_rotary_rows(torch.arange(rows), heads))
-            state_dict[name] = weight
+            if info.name in resident:
+                data = arena.read(info.offset, rows * row_bytes).view(rows, row_bytes)
+            else:
+                data = torch.from_numpy(raw)
+            if heads is not None:  # the rows reordered in place (a temporary of their size)
+                data[:] = data[unpermute_rotary_rows(torch.arange(rows), heads)]
+            state_dict[name] = GGUFWeight(type_name, data, (rows, cols), kernels)
             continue
         array = np.asarray(dequantize(raw, info.ggml_type), dtype=np.float32)
         tensor = torch.from_numpy(array.reshape(tuple(reversed(info.dims))).copy())
@@ -253,6 +266,87 @@ def load_gguf(
         )
     split_fused_weights(state_dict, config)  # Phi-3's attn_qkv and ffn_up
     return GGUFCheckpoint(config=config, state_dict=state_dict, metadata=metadata)
+
+
+def _stored_bytes(info: Any) -> int:
+    """A GGUF tensor's bytes as the file stores it (whole blocks; the caller checks them)."""
+    block_elems, block_bytes = ggml_type_sizes(ggml_type_name(info.ggml_type))
+    rows = int(np.prod(info.dims[1:], dtype=np.int64)) if len(info.dims) > 1 else 1
+    return rows * (info.dims[0] // block_elems * block_bytes)
+
+
+class WeightArena:
+    """Anonymous memory that a GGUF file's kept weights are read into, as the file stores them.
+
+    Why not the mapped file itself: a batch-1 decode step reads every weight once, and it reads
+    them markedly faster from anonymous memory, best on transparent huge pages, than from the
+    page cache's pages of a mapped file. Measured on a 2-core AMD EPYC Zen 4 VM, the
+    Llama-3.2-1B Q4_K_M LM head (Q6_K, 215 MB, one row of activations, 2 threads): 8.7 ms from
+    the mapping, 6.1 ms from anonymous 4 KiB pages, 5.7 ms from huge pages (llama.cpp's
+    ``--no-mmap`` / ``-lm none`` is faster here for the same reason). The bytes are copied
+    unchanged, read with ``readinto`` (the file's pages stay in the page cache, outside this
+    process's resident set), so the process holds the weights once, as before: the file's
+    size. What is lost is sharing those pages with other processes that map the same file.
+
+    One anonymous mapping for all of them, 2 MiB-aligned and advised ``MADV_HUGEPAGE`` where
+    the platform has it (Linux; elsewhere plain pages); each weight starts on a 4096-byte
+    boundary. Filled in the order :meth:`read` is called.
+
+    Args:
+        path: the GGUF file.
+        sizes: bytes of each weight that will be read (their sum sizes the arena).
+
+    Raises:
+        ModelLoadError: the file cannot be read or ends early.
+    """
+
+    #: Where a weight starts in the arena (bytes): a page boundary.
+    ALIGN = 4096
+    #: The arena's alignment: one transparent huge page (x86-64).
+    HUGE_PAGE = 2 << 20
+
+    def __init__(self, path: str | Path, sizes: list[int]) -> None:
+        self.path = Path(path)
+        total = sum(-(-size // self.ALIGN) * self.ALIGN for size in sizes)
+        self._used = 0
+        self._bytes: np.ndarray | None = None
+        if total == 0:
+            return
+        private = getattr(mmap, "MAP_PRIVATE", None)  # shared anonymous memory is shmem's
+        size = total + self.HUGE_PAGE
+        mapping = mmap.mmap(-1, size) if private is None else mmap.mmap(-1, size, flags=private)
+        whole = np.frombuffer(mapping, dtype=np.uint8)
+        start = -whole.ctypes.data % self.HUGE_PAGE
+        self._bytes = whole[start : start + total]
+        advice = getattr(mmap, "MADV_HUGEPAGE", None)
+        if advice is not None:
+            with contextlib.suppress(OSError, ValueError):
+                mapping.madvise(advice, start, total)
+
+    def read(self, offset: int, size: int) -> torch.Tensor:
+        """The file's ``size`` bytes at ``offset``, copied into the arena's next free bytes:
+        uint8 ``[size]`` (a view of the arena, which it keeps alive).
+
+        Raises:
+            ModelLoadError: the file cannot be read there, or the arena is full.
+        """
+        if self._bytes is None or self._used + size > self._bytes.shape[0]:
+            raise ModelLoadError(f"weight arena of {self.path} is full (a {size}-byte read)")
+        view = self._bytes[self._used : self._used + size]
+        try:
+            with open(self.path, "rb", buffering=0) as f:
+                f.seek(offset)
+                done = 0
+                buffer = memoryview(view)
+                while done < size:
+                    n = f.readinto(buffer[done:])
+                    if not n:
+                        raise ModelLoadError(f"{self.path} ends inside a tensor at byte {offset}")
+                    done += n
+        except OSError as e:
+            raise ModelLoadError(f"cannot read {self.path}: {e}") from e
+        self._used += -(-size // self.ALIGN) * self.ALIGN
+        return torch.from_numpy(view)
 
 
 def stored_types(state_dict: dict[str, torch.Tensor | GGUFWeight]) -> dict[str, int]:
