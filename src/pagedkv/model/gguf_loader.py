@@ -209,7 +209,9 @@ def load_gguf(
         for info in header.tensors
         if len(info.dims) == 2 and info.ggml_type in runs and info.name != lookup_only
     }
-    arena = WeightArena(path, [_stored_bytes(info) for info in header.tensors if info.name in resident])
+    arena = WeightArena(
+        path, [_stored_bytes(info) for info in header.tensors if info.name in resident]
+    )
 
     state_dict: dict[str, torch.Tensor | GGUFWeight] = {}
     longrope: dict[str, list[float]] = {}
