@@ -507,3 +507,14 @@ def kernels_or_skip(cache, isa: str, activations: str = "fp32"):
     if not kernels.gguf_types:
         pytest.skip("no F16C: the GGUF kernels are not offered")
     return kernels
+
+
+def mapping_of(address: int) -> str:
+    """The path of the file mapped at ``address`` in this process ("" for anonymous memory;
+    Linux's /proc/self/maps)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        start, end = (int(a, 16) for a in fields[0].split("-"))
+        if start <= address < end:
+            return fields[5].strip() if len(fields) > 5 else ""
+    raise AssertionError(f"{address:#x} is not mapped")

@@ -24,6 +24,7 @@ from _gguf_files import (
     TYPES,
     dequantized_state_dict,
     every_type,
+    mapping_of,
     q4_k_m_like,
     quantize,
     quantize_k,
@@ -251,6 +252,29 @@ def test_file_holds_the_mix(built):
         "blk.1.ffn_down.weight": "Q4_K",
     }
     assert {name: types[name] for name in expected} == expected
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="Linux's /proc/self/maps")
+def test_only_a_lookup_only_embedding_stays_mapped(built):
+    """The weights a decode step reads whole are read out of the mapping (the loader's weight
+    arena); an embedding table that is not also the LM head (Qwen2's here) stays a view of the
+    mapped file (only its looked-up rows are ever read)."""
+    from pagedkv.model.gguf_loader import load_gguf
+    from pagedkv.model.gguf_weight import GGUFWeight
+    from pagedkv.model.kernels.cpu_quant import default_cpu_quant_kernels
+
+    kernels = default_cpu_quant_kernels()
+    if kernels is None:
+        pytest.skip("pagedkv's CPU kernels do not run here")
+    state_dict = load_gguf(built.path, quantized=True, kernels=kernels).state_dict
+
+    def mapped(weight: GGUFWeight) -> bool:
+        return mapping_of(weight.data.data_ptr()) == str(built.path)
+
+    kept = {name: w for name, w in state_dict.items() if isinstance(w, GGUFWeight)}
+    lookup_only = "model.embed_tokens.weight" if "lm_head.weight" in kept else None
+    assert {name for name, w in kept.items() if mapped(w)} == ({lookup_only} - {None})
+    assert (lookup_only is not None) == (built.case.arch == "qwen2")
 
 
 @pytest.mark.parametrize("quantization", ["none", "gguf"])

@@ -1,8 +1,9 @@
 """Read a GGUF file (llama.cpp's format) into Hugging Face-named weights and a ModelConfig.
 
-The file is memory-mapped. By default (``--quantization gguf``) every 2-D weight stays as the
-file stores it (:class:`~pagedkv.model.gguf_weight.GGUFWeight`: a view of the mapped file, any
-of the GGML types pagedkv's kernels run), so the model's memory is the file's; norms and biases
+By default (``--quantization gguf``) every 2-D weight stays as the file stores it
+(:class:`~pagedkv.model.gguf_weight.GGUFWeight`, any of the GGML types pagedkv's kernels run:
+its bytes read unchanged into anonymous memory, :class:`WeightArena`), so the model's memory is
+the file's; norms and biases
 are dequantized to fp32. With ``--quantization none`` every tensor is dequantized to fp32 with
 the ``gguf`` package. Three things differ from a Hugging Face checkpoint and are undone here:
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -164,15 +166,18 @@ def load_gguf(
 ) -> GGUFCheckpoint:
     """Read a GGUF file's config and weights.
 
-    The file is memory-mapped (read-only, copy on write) and its header walked without the
+    The file is memory-mapped (read-only, copy on write; the small tensors and a lookup-only
+    embedding table are read from the mapping) and its header walked without the
     ``gguf`` package's reader (:func:`~pagedkv.model.gguf_metadata.read_gguf_header`: it
     builds an object per vocabulary entry, tens of seconds for a 128k vocabulary).
 
     Args:
         path: the ``.gguf`` file.
         quantized: keep every 2-D weight (the layers' linears, the embedding, the LM head) as
-            the file stores it (:class:`~pagedkv.model.gguf_weight.GGUFWeight`, a view of the
-            mapped file: no copy, except q / k rows reordered for llama's rotary), computed on
+            the file stores it (:class:`~pagedkv.model.gguf_weight.GGUFWeight`: its bytes
+            read into a :class:`WeightArena`, q / k rows reordered there for llama's rotary;
+            an embedding table that is not also the LM head stays a view of the mapping, only
+            its looked-up rows ever read), computed on
             by ``kernels``; the rest (norms, biases) is dequantized to fp32. False: every
             tensor dequantized to fp32 (``--quantization none``, tensor parallelism).
         kernels: pagedkv's kernels (needed with ``quantized``; a type they do not run is
@@ -204,14 +209,19 @@ def load_gguf(
     runs = kernels.gguf_types if quantized and kernels is not None else frozenset()
     # the kept weights a decode step reads whole: read into anonymous memory (below)
     lookup_only = "token_embd.weight" if "output.weight" in header.tensor_names else None
-    resident = {
-        info.name
+    resident = [
+        info
         for info in header.tensors
-        if len(info.dims) == 2 and info.ggml_type in runs and info.name != lookup_only
-    }
+        if len(info.dims) == 2
+        and info.ggml_type in runs
+        and info.name != lookup_only
+        and _whole_blocks(info)
+        and info.offset + _stored_bytes(info) <= mapped.shape[0]
+    ]
     arena = WeightArena(
-        path, [_stored_bytes(info) for info in header.tensors if info.name in resident]
+        path, [(info.offset, _stored_bytes(info)) for info in resident], num_threads=2
     )
+    read = {info.name: data for info, data in zip(resident, arena.tensors, strict=True)}
 
     state_dict: dict[str, torch.Tensor | GGUFWeight] = {}
     longrope: dict[str, list[float]] = {}
@@ -241,8 +251,8 @@ def load_gguf(
         elif permute and name is not None and ".k_proj." in name:
             heads = config.num_key_value_heads
         if len(info.dims) == 2 and info.ggml_type in runs and name is not None:
-            if info.name in resident:
-                data = arena.read(info.offset, rows * row_bytes).view(rows, row_bytes)
+            if info.name in read:
+                data = read[info.name].view(rows, row_bytes)
             else:
                 data = torch.from_numpy(raw)
             if heads is not None:  # the rows reordered in place (a temporary of their size)
@@ -271,10 +281,15 @@ def load_gguf(
 
 
 def _stored_bytes(info: Any) -> int:
-    """A GGUF tensor's bytes as the file stores it (whole blocks; the caller checks them)."""
+    """A GGUF tensor's bytes as the file stores it (whole blocks: :func:`_whole_blocks`)."""
     block_elems, block_bytes = ggml_type_sizes(ggml_type_name(info.ggml_type))
     rows = int(np.prod(info.dims[1:], dtype=np.int64)) if len(info.dims) > 1 else 1
     return rows * (info.dims[0] // block_elems * block_bytes)
+
+
+def _whole_blocks(info: Any) -> bool:
+    """Whether a GGUF tensor's rows are whole blocks of its type."""
+    return info.dims[0] % ggml_type_sizes(ggml_type_name(info.ggml_type))[0] == 0
 
 
 class WeightArena:
@@ -290,65 +305,76 @@ class WeightArena:
     process's resident set), so the process holds the weights once, as before: the file's
     size. What is lost is sharing those pages with other processes that map the same file.
 
-    One anonymous mapping for all of them, 2 MiB-aligned and advised ``MADV_HUGEPAGE`` where
-    the platform has it (Linux; elsewhere plain pages); each weight starts on a 4096-byte
-    boundary. Filled in the order :meth:`read` is called.
+    One anonymous private mapping for all of them, 2 MiB-aligned and advised ``MADV_HUGEPAGE``
+    where the platform has it (Linux; elsewhere plain pages); each weight starts on a
+    4096-byte boundary, in the order given. The extents are read in chunks of
+    :attr:`CHUNK` bytes by up to ``num_threads`` threads (``readinto`` releases the GIL, so the
+    page faults and copies of the chunks overlap).
 
     Args:
         path: the GGUF file.
-        sizes: bytes of each weight that will be read (their sum sizes the arena).
+        extents: ``(offset, size)`` in bytes of each weight in the file.
+        num_threads: reading threads (at least 1).
 
     Raises:
-        ModelLoadError: the file cannot be read or ends early.
+        ModelLoadError: the file cannot be read or ends inside an extent.
     """
 
     #: Where a weight starts in the arena (bytes): a page boundary.
     ALIGN = 4096
     #: The arena's alignment: one transparent huge page (x86-64).
     HUGE_PAGE = 2 << 20
+    #: Bytes one thread reads at a time.
+    CHUNK = 16 << 20
 
-    def __init__(self, path: str | Path, sizes: list[int]) -> None:
+    def __init__(
+        self, path: str | Path, extents: list[tuple[int, int]], num_threads: int = 2
+    ) -> None:
         self.path = Path(path)
-        total = sum(-(-size // self.ALIGN) * self.ALIGN for size in sizes)
-        self._used = 0
-        self._bytes: np.ndarray | None = None
+        starts, total = [], 0
+        for _, size in extents:
+            starts.append(total)
+            total += -(-size // self.ALIGN) * self.ALIGN
+        #: uint8 ``[size]`` per extent, views of the arena (which they keep alive)
+        self.tensors = [torch.empty(0, dtype=torch.uint8) for _ in extents]
         if total == 0:
             return
         private = getattr(mmap, "MAP_PRIVATE", None)  # shared anonymous memory is shmem's
-        size = total + self.HUGE_PAGE
-        mapping = mmap.mmap(-1, size) if private is None else mmap.mmap(-1, size, flags=private)
+        length = total + self.HUGE_PAGE
+        mapping = mmap.mmap(-1, length) if private is None else mmap.mmap(-1, length, flags=private)
         whole = np.frombuffer(mapping, dtype=np.uint8)
-        start = -whole.ctypes.data % self.HUGE_PAGE
-        self._bytes = whole[start : start + total]
+        first = -whole.ctypes.data % self.HUGE_PAGE
+        arena = whole[first : first + total]
         advice = getattr(mmap, "MADV_HUGEPAGE", None)
         if advice is not None:
             with contextlib.suppress(OSError, ValueError):
-                mapping.madvise(advice, start, total)
+                mapping.madvise(advice, first, total)
+        chunks = [
+            (offset + done, arena[start + done : start + min(size, done + self.CHUNK)])
+            for (offset, size), start in zip(extents, starts, strict=True)
+            for done in range(0, size, self.CHUNK)
+        ]
+        with ThreadPoolExecutor(max(1, num_threads)) as pool:
+            list(pool.map(self._read_chunk, chunks))
+        self.tensors = [
+            torch.from_numpy(arena[start : start + size])
+            for (_, size), start in zip(extents, starts, strict=True)
+        ]
 
-    def read(self, offset: int, size: int) -> torch.Tensor:
-        """The file's ``size`` bytes at ``offset``, copied into the arena's next free bytes:
-        uint8 ``[size]`` (a view of the arena, which it keeps alive).
-
-        Raises:
-            ModelLoadError: the file cannot be read there, or the arena is full.
-        """
-        if self._bytes is None or self._used + size > self._bytes.shape[0]:
-            raise ModelLoadError(f"weight arena of {self.path} is full (a {size}-byte read)")
-        view = self._bytes[self._used : self._used + size]
+    def _read_chunk(self, chunk: tuple[int, np.ndarray]) -> None:
+        offset, view = chunk
+        buffer = memoryview(view)
         try:
             with open(self.path, "rb", buffering=0) as f:
                 f.seek(offset)
                 done = 0
-                buffer = memoryview(view)
-                while done < size:
+                while done < len(buffer):
                     n = f.readinto(buffer[done:])
                     if not n:
                         raise ModelLoadError(f"{self.path} ends inside a tensor at byte {offset}")
                     done += n
         except OSError as e:
             raise ModelLoadError(f"cannot read {self.path}: {e}") from e
-        self._used += -(-size // self.ALIGN) * self.ALIGN
-        return torch.from_numpy(view)
 
 
 def stored_types(state_dict: dict[str, torch.Tensor | GGUFWeight]) -> dict[str, int]:

@@ -1,9 +1,10 @@
 """A weight kept as the GGUF file stores it, and the product that computes on its blocks.
 
-llama.cpp maps a GGUF file and multiplies by its blocks as they are stored: its memory is the
-file plus the KV cache. pagedkv does the same. A :class:`GGUFWeight` is a view of the file's
-bytes (a private copy-on-write memory map that nothing writes: pages the process never touches
-cost nothing, the others are shared with the page cache), and :class:`GGUFMatmul` computes
+llama.cpp multiplies by a GGUF file's blocks as they are stored: its memory is the file plus
+the KV cache. pagedkv does the same. A :class:`GGUFWeight` holds the file's bytes unchanged (read
+into anonymous memory by the loader, :class:`~pagedkv.model.gguf_loader.WeightArena`, where a
+decode step reads them faster than from the mapped file; a lookup-only embedding table stays a
+view of the file's memory map, whose untouched pages cost nothing), and :class:`GGUFMatmul` computes
 ``x W^T`` on them with pagedkv's kernels (:mod:`pagedkv.model.kernels.cpu_quant`,
 ``gguf_blocks.c``)::
 
@@ -81,7 +82,8 @@ class GGUFWeight:
     Attributes:
         type_name: its GGML type (``"Q4_K"``, ``"Q6_K"``, ``"F16"``, ...).
         data: uint8 ``[out_features, row_bytes]``: each row's consecutive blocks, as in the
-            file (a view of the file's memory map, or a copy where rows were reordered).
+            file (a copy in the loader's weight arena, q / k rows reordered; or a view of
+            the file's memory map).
         shape: ``(out_features, in_features)``.
         kernels: pagedkv's kernels that compute on it.
         dtype: the dtype its products return (the model's compute dtype).

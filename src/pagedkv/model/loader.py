@@ -21,6 +21,7 @@ import json
 import logging
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,7 +51,7 @@ from pagedkv.model.quantization import (
     quantize_int4,
     quantize_int8,
 )
-from pagedkv.model.tokenizer import Tokenizer
+from pagedkv.model.tokenizer import Tokenizer, read_gguf_tokenizer
 from pagedkv.modelinfo.naming import served_model_name
 from pagedkv.units import format_bytes
 
@@ -269,9 +270,13 @@ def load_model(
     else:
         from pagedkv.model.gguf_loader import load_gguf, stored_types
 
-        checkpoint = load_gguf(path, quantized=quantization == "gguf", kernels=kernels)
-        config, state_dict = checkpoint.config, checkpoint.state_dict
-        tokenizer = Tokenizer.from_gguf(path, config.eos_token_ids)
+        # the tokenizer (about 1 s, mostly importing transformers) on a thread while the
+        # weights are read (their reads release the GIL)
+        with ThreadPoolExecutor(1, thread_name_prefix="pagedkv-tokenizer") as pool:
+            hf_tokenizer = pool.submit(read_gguf_tokenizer, path)
+            checkpoint = load_gguf(path, quantized=quantization == "gguf", kernels=kernels)
+            config, state_dict = checkpoint.config, checkpoint.state_dict
+            tokenizer = Tokenizer(hf_tokenizer.result(), config.eos_token_ids)
         if quantization == "gguf":
             log_stored_types(stored_types(state_dict), state_dict, kernels)
     if batch_invariant and config.architecture not in GEMMA_ARCHITECTURES:
@@ -415,10 +420,10 @@ def resolve_quantization(
 def weight_bytes_estimate(path: Path, quantization: str, dtype: torch.dtype) -> int:
     """Bytes the model's weights will hold resident once loaded, and at the load's peak.
 
-    A GGUF file kept as stored ("gguf"): the file (mapped) plus the q / k rows copied to undo
-    llama.cpp's row order (at most a tenth). Otherwise every weight dequantized: fp32 while
-    it is read plus its copy in ``dtype`` (a GGUF file's elements from its header, a folder's
-    from its safetensors files' sizes).
+    A GGUF file kept as stored ("gguf"): the file (its weights read into anonymous memory,
+    q / k rows reordered in place; a tenth more for the transient copies). Otherwise every
+    weight dequantized: fp32 while it is read plus its copy in ``dtype`` (a GGUF file's
+    elements from its header, a folder's from its safetensors files' sizes).
     """
     if path.is_file():
         file_bytes = path.stat().st_size

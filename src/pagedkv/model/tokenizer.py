@@ -83,12 +83,7 @@ class Tokenizer:
         Raises:
             ModelLoadError: the file holds no tokenizer transformers can build.
         """
-        path = Path(path)
-        try:
-            hf_tokenizer = _fast_tokenizer_from_gguf(path)
-        except (OSError, ValueError, KeyError) as e:
-            raise ModelLoadError(f"cannot build the tokenizer from {path}: {e}") from e
-        return cls(hf_tokenizer, eos_token_ids)
+        return cls(read_gguf_tokenizer(path), eos_token_ids)
 
     @classmethod
     def from_hf_folder(cls, folder: str | Path, eos_token_ids: Iterable[int] = ()) -> Tokenizer:
@@ -351,6 +346,21 @@ class IncrementalDetokenizer:
         self.text += delta
         self._restart(window[-self.CONTEXT_TOKENS - self.MAX_PARTIAL_TOKENS :])
         return delta
+
+
+def read_gguf_tokenizer(path: str | Path) -> Any:
+    """transformers' fast tokenizer of a GGUF file (:meth:`Tokenizer.from_gguf` wraps it; the
+    loader reads it on a thread of its own while the weights are read: most of its second is
+    importing transformers).
+
+    Raises:
+        ModelLoadError: the file holds no tokenizer transformers can build.
+    """
+    path = Path(path)
+    try:
+        return _fast_tokenizer_from_gguf(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"cannot build the tokenizer from {path}: {e}") from e
 
 
 def _fast_tokenizer_from_gguf(path: Path) -> Any:
