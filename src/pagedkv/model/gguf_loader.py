@@ -29,8 +29,6 @@ the ``gguf`` package. Three things differ from a Hugging Face checkpoint and are
 
 from __future__ import annotations
 
-import contextlib
-import mmap
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -46,6 +44,7 @@ from pagedkv.model.fused_weights import split_fused_weights
 from pagedkv.model.gguf_metadata import read_gguf_header
 from pagedkv.model.gguf_weight import GGUFWeight, ggml_type_name, ggml_type_sizes
 from pagedkv.model.kernels.cpu_quant import CpuQuantKernels
+from pagedkv.ops.host_memory import anonymous_zeros
 
 #: Architectures whose GGUF q/k rows are interleaved for llama.cpp's normal (GPT-J style) rotary.
 _PERMUTED_ARCHITECTURES = ("llama", "mistral")
@@ -296,20 +295,20 @@ class WeightArena:
     """Anonymous memory that a GGUF file's kept weights are read into, as the file stores them.
 
     Why not the mapped file itself: a batch-1 decode step reads every weight once, and it reads
-    them markedly faster from anonymous memory, best on transparent huge pages, than from the
-    page cache's pages of a mapped file. Measured on a 2-core AMD EPYC Zen 4 VM, the
-    Llama-3.2-1B Q4_K_M LM head (Q6_K, 215 MB, one row of activations, 2 threads): 8.7 ms from
-    the mapping, 6.1 ms from anonymous 4 KiB pages, 5.7 ms from huge pages (llama.cpp's
+    them markedly faster from transparent huge pages (2 MiB: far fewer TLB misses, which cost
+    more in a virtual machine) than from the page cache's 4 KiB pages of a mapped file.
+    Measured on a 2-core AMD EPYC Zen 4 VM, a Llama-3.2-1B Q4_K_M decode step: 32.1 ms from the
+    mapping, 30.0-31.6 ms from anonymous 4 KiB pages, 24.3-25.8 ms from huge pages (llama.cpp's
     ``--no-mmap`` / ``-lm none`` is faster here for the same reason). The bytes are copied
     unchanged, read with ``readinto`` (the file's pages stay in the page cache, outside this
     process's resident set), so the process holds the weights once, as before: the file's
     size. What is lost is sharing those pages with other processes that map the same file.
 
-    One anonymous private mapping for all of them, 2 MiB-aligned and advised ``MADV_HUGEPAGE``
-    where the platform has it (Linux; elsewhere plain pages); each weight starts on a
-    4096-byte boundary, in the order given. The extents are read in chunks of
-    :attr:`CHUNK` bytes by up to ``num_threads`` threads (``readinto`` releases the GIL, so the
-    page faults and copies of the chunks overlap).
+    One anonymous private mapping for all of them
+    (:func:`~pagedkv.ops.host_memory.anonymous_zeros`: 2 MiB-aligned, on huge pages where the
+    platform has them); each weight starts on a 4096-byte boundary, in the order given. The
+    extents are read in chunks of :attr:`CHUNK` bytes by up to ``num_threads`` threads
+    (``readinto`` releases the GIL, so the page faults and copies of the chunks overlap).
 
     Args:
         path: the GGUF file.
@@ -322,8 +321,6 @@ class WeightArena:
 
     #: Where a weight starts in the arena (bytes): a page boundary.
     ALIGN = 4096
-    #: The arena's alignment: one transparent huge page (x86-64).
-    HUGE_PAGE = 2 << 20
     #: Bytes one thread reads at a time.
     CHUNK = 16 << 20
 
@@ -339,16 +336,7 @@ class WeightArena:
         self.tensors = [torch.empty(0, dtype=torch.uint8) for _ in extents]
         if total == 0:
             return
-        private = getattr(mmap, "MAP_PRIVATE", None)  # shared anonymous memory is shmem's
-        length = total + self.HUGE_PAGE
-        mapping = mmap.mmap(-1, length) if private is None else mmap.mmap(-1, length, flags=private)
-        whole = np.frombuffer(mapping, dtype=np.uint8)
-        first = -whole.ctypes.data % self.HUGE_PAGE
-        arena = whole[first : first + total]
-        advice = getattr(mmap, "MADV_HUGEPAGE", None)
-        if advice is not None:
-            with contextlib.suppress(OSError, ValueError):
-                mapping.madvise(advice, first, total)
+        arena = anonymous_zeros(total)
         chunks = [
             (offset + done, arena[start + done : start + min(size, done + self.CHUNK)])
             for (offset, size), start in zip(extents, starts, strict=True)
@@ -357,13 +345,12 @@ class WeightArena:
         with ThreadPoolExecutor(max(1, num_threads)) as pool:
             list(pool.map(self._read_chunk, chunks))
         self.tensors = [
-            torch.from_numpy(arena[start : start + size])
-            for (_, size), start in zip(extents, starts, strict=True)
+            arena[start : start + size] for (_, size), start in zip(extents, starts, strict=True)
         ]
 
-    def _read_chunk(self, chunk: tuple[int, np.ndarray]) -> None:
+    def _read_chunk(self, chunk: tuple[int, torch.Tensor]) -> None:
         offset, view = chunk
-        buffer = memoryview(view)
+        buffer = memoryview(view.numpy())
         try:
             with open(self.path, "rb", buffering=0) as f:
                 f.seek(offset)

@@ -42,6 +42,7 @@ from pagedkv.ops.backends.base import (
     index_copy_blocks,
     resolve_kv_dtype,
 )
+from pagedkv.ops.host_memory import zeroed_host_tensor
 from pagedkv.validation import check_int
 
 
@@ -83,6 +84,10 @@ def allocate_kv_cache(
         check_int(name, value, 1, error=OpsInputError)
     torch_dtype = resolve_kv_dtype(dtype)
     shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+    if torch.device(device).type == "cpu":
+        # zero pages the kernel hands out as blocks are first written (no start-up cost, no
+        # memory until used), on huge pages where it can (pagedkv.ops.host_memory)
+        return zeroed_host_tensor(shape, torch_dtype)
     if torch_dtype in FP8_DTYPES:
         # torch.zeros cannot fill fp8 on every build; the zero bit pattern is +0.0 in both formats.
         return torch.zeros(shape, dtype=torch.uint8, device=device).view(torch_dtype)

