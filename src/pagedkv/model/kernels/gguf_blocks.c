@@ -60,8 +60,10 @@
 
 #define MAX_M 8
 #define ROW_BLOCK 16
-/* software prefetch distance of the products' weight stream, in bytes */
-#define PF_BYTES 1024
+/* software prefetch distance of the products' weight stream, in bytes: 4096 read the weights
+ * of a decode step's products from memory 5-10% faster than 1024 on a 2-core Zen 4 (M = 1,
+ * weights on huge pages; 8192 the same as 4096), a 3B decode step 1-3% faster */
+#define PF_BYTES 4096
 #define AI __attribute__((always_inline))
 /* independent accumulator chains per activation row (see quant_gemv.c's CHAINS) */
 #define CHAINS(M) ((M) == 1 ? 4 : (M) <= 4 ? 2 : 1)
