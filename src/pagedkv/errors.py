@@ -13,6 +13,7 @@ handlers keep working.
     ├── InvalidRequestError    a request that can never be served (too long, bad sampling params)
     ├── CacheStateError        an operation the cache's current state forbids
     ├── OpsInputError          tensors of the wrong shape/dtype/range given to an op
+    ├── HostMemoryError        a host buffer (weights, KV cache) the system would not map
     └── ModelLoadError         a model file that is missing or cannot be read
 """
 
@@ -53,6 +54,12 @@ class CacheStateError(PagedKVError, RuntimeError):
 
 class OpsInputError(PagedKVError, ValueError):
     """Tensors of the wrong shape, dtype or value range given to a paged-attention op."""
+
+
+class HostMemoryError(PagedKVError, MemoryError):
+    """The system refused a host buffer (an anonymous mapping for the weights or the KV cache:
+    out of memory under strict overcommit, an address-space or cgroup limit); the message gives
+    the size asked for."""
 
 
 class ModelLoadError(PagedKVError, OSError):

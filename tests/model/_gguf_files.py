@@ -510,8 +510,9 @@ def kernels_or_skip(cache, isa: str, activations: str = "fp32"):
 
 
 def mapping_of(address: int) -> str:
-    """The path of the file mapped at ``address`` in this process ("" for anonymous memory;
-    Linux's /proc/self/maps)."""
+    """The path of the file mapped at ``address`` in this process, resolved as the kernel
+    resolves it (compare with ``os.path.realpath``); "" for anonymous memory (Linux's
+    /proc/self/maps)."""
     for line in Path("/proc/self/maps").read_text().splitlines():
         fields = line.split(maxsplit=5)
         start, end = (int(a, 16) for a in fields[0].split("-"))

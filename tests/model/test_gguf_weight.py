@@ -4,6 +4,7 @@ the file, and the memory rule (a model's resident weights are about its file's s
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -16,7 +17,7 @@ from _gguf_files import mapping_of
 
 from pagedkv.errors import ConfigError, ModelLoadError
 from pagedkv.model import loader
-from pagedkv.model.gguf_loader import WeightArena, hf_name, load_gguf, stored_types
+from pagedkv.model.gguf_loader import MMAP_ENV, WeightArena, hf_name, load_gguf, stored_types
 from pagedkv.model.gguf_metadata import read_gguf_header
 from pagedkv.model.gguf_weight import GGUFMatmul, GGUFWeight
 from pagedkv.model.kernels.cpu_quant import default_cpu_quant_kernels
@@ -89,8 +90,8 @@ def test_weights_a_step_reads_whole_are_read_into_anonymous_memory(stored, gguf_
     for name, weight in kept.state_dict.items():
         if not isinstance(weight, GGUFWeight):
             continue
-        # SmolLM2's embedding is its LM head too: nothing stays a view of the mapped file
-        assert mapping_of(weight.data.data_ptr()) != str(gguf_path), name
+        # SmolLM2's embedding is its LM head too: every weight in anonymous memory
+        assert mapping_of(weight.data.data_ptr()) == "", name
         assert weight.data.data_ptr() % WeightArena.ALIGN == 0, name
         raw = file_bytes[offsets[name] : offsets[name] + weight.data.numel()]
         if ".q_proj." in name or ".k_proj." in name:  # the same rows, reordered
@@ -116,10 +117,39 @@ def test_weight_arena_reads_the_file_and_refuses_what_it_cannot(tmp_path, monkey
     assert first.data_ptr() % (2 << 20) == 0 and second.data_ptr() - first.data_ptr() == 8192
     assert WeightArena(path, []).tensors == []
     assert [t.numel() for t in WeightArena(path, [(5, 0)]).tensors] == [0]
-    with pytest.raises(ModelLoadError, match="ends inside"):
+    with pytest.raises(ModelLoadError, match=r"^\S+ ends inside a tensor at byte 40000$"):
         WeightArena(path, [(38_000, 5000)], num_threads=num_threads)
     with pytest.raises(ModelLoadError, match="cannot read"):
         WeightArena(tmp_path / "missing.bin", [(0, 10)], num_threads=num_threads)
+
+
+def test_weight_arena_reports_memory_the_system_refuses(tmp_path, monkeypatch):
+    import mmap
+
+    path = tmp_path / "bytes.bin"
+    path.write_bytes(bytes(100))
+
+    def refuse(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    with pytest.raises(ModelLoadError, match=r"cannot hold the weights .* 100 B"):
+        WeightArena(path, [(0, 100)])
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="Linux's /proc/self/maps")
+def test_pagedkv_gguf_mmap_keeps_the_weights_mapped(gguf_path, kernels, monkeypatch):
+    """PAGEDKV_GGUF_MMAP=1: every kept weight a view of the mapped file (processes mapping it
+    share its pages), the same bytes; another value is refused."""
+    monkeypatch.setenv(MMAP_ENV, "1")
+    kept = load_gguf(gguf_path, quantized=True, kernels=kernels).state_dict
+    weights = [w for w in kept.values() if isinstance(w, GGUFWeight)]
+    assert weights and all(
+        mapping_of(w.data.data_ptr()) == os.path.realpath(gguf_path) for w in weights
+    )
+    monkeypatch.setenv(MMAP_ENV, "yes")
+    with pytest.raises(ConfigError, match=MMAP_ENV):
+        load_gguf(gguf_path, quantized=True, kernels=kernels)
 
 
 def test_embedding_lookup_equals_the_dequantized_rows(stored):

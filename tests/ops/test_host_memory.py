@@ -8,7 +8,7 @@ import gc
 import pytest
 import torch
 
-from pagedkv.errors import OpsInputError
+from pagedkv.errors import CacheSizingError, HostMemoryError, OpsInputError
 from pagedkv.ops.backends.hnd_layout import allocate_kv_cache
 from pagedkv.ops.host_memory import HUGE_PAGE, anonymous_zeros, zeroed_host_tensor
 
@@ -60,3 +60,39 @@ def test_cpu_kv_cache_is_a_zeroed_host_buffer(dtype):
     cache = allocate_kv_cache(5, 16, 2, 64, dtype)
     assert cache.shape == (2, 5, 2, 16, 64) and cache.data_ptr() % HUGE_PAGE == 0
     assert int(cache.view(torch.uint8).count_nonzero()) == 0
+
+
+def test_memory_the_system_refuses_is_a_host_memory_error(monkeypatch):
+    import mmap
+
+    def refuse(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    with pytest.raises(HostMemoryError, match=r"cannot map 3\.00 MiB"):
+        anonymous_zeros(3 << 20)
+    with pytest.raises(HostMemoryError):
+        allocate_kv_cache(5, 16, 2, 64, "bfloat16")
+
+
+def test_a_cpu_kv_cache_beyond_the_available_memory_is_refused(monkeypatch):
+    """A CPU cache takes its memory as blocks are first written: one larger than what the
+    process may still take is refused when it is laid out, not when it fills."""
+    from pagedkv.core.config import KVCacheConfig
+    from pagedkv.core.spec import FullAttentionSpec
+    from pagedkv.ops.backends import AttentionLayerSpec, get_attn_backend
+    from pagedkv.worker import kv_cache_layout
+
+    backend = get_attn_backend("torch")
+    spec = AttentionLayerSpec(
+        num_heads=4, num_kv_heads=2, head_size=64, block_size=16, dtype=torch.bfloat16
+    )
+    kv = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype="bfloat16")
+    config = KVCacheConfig.from_num_blocks([kv, kv], 100)
+    per_tensor = 2 * 100 * 2 * 16 * 64 * 2  # K and V, blocks, heads, slots, head size, bf16
+    monkeypatch.setattr(kv_cache_layout, "available_memory", lambda: 2 * per_tensor - 1)
+    with pytest.raises(CacheSizingError, match="needs"):
+        kv_cache_layout.allocate_kv_caches(backend, config, [spec, spec])
+    monkeypatch.setattr(kv_cache_layout, "available_memory", lambda: 2 * per_tensor)
+    caches = kv_cache_layout.allocate_kv_caches(backend, config, [spec, spec])
+    assert len(caches) == 2 and caches[0].numel() * 2 == per_tensor

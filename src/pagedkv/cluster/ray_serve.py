@@ -76,6 +76,7 @@ from pagedkv.cluster.router import ClusterRouter
 from pagedkv.cpu_caps import probe_cpu, resolve_dtype
 from pagedkv.engine.engine_loop import EngineDeadError
 from pagedkv.errors import ConfigError, PagedKVError
+from pagedkv.model.gguf_loader import MMAP_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -620,7 +621,14 @@ def init_ray(ray_address: str | None = None) -> bool:
         include_dashboard=False,
         logging_level=logging.WARNING,
         log_to_driver=False,
-        runtime_env={"env_vars": {_PROXY_READY_VAR: os.environ.get(_PROXY_READY_VAR, "60")}},
+        runtime_env={
+            "env_vars": {
+                _PROXY_READY_VAR: os.environ.get(_PROXY_READY_VAR, "60"),
+                # replicas on one machine share the GGUF file's pages (the page cache) instead of
+                # each reading the weights into memory of its own (docs/cluster.md)
+                MMAP_ENV: os.environ.get(MMAP_ENV, "1"),
+            }
+        },
     )
     return True
 

@@ -29,6 +29,7 @@ the ``gguf`` package. Three things differ from a Hugging Face checkpoint and are
 
 from __future__ import annotations
 
+import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedkv.errors import ModelLoadError
+from pagedkv.errors import ConfigError, HostMemoryError, ModelLoadError
 from pagedkv.model.config import ModelConfig, gguf_longrope_scaling
 from pagedkv.model.fused_weights import split_fused_weights
 from pagedkv.model.gguf_metadata import read_gguf_header
@@ -206,12 +207,14 @@ def load_gguf(
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot map GGUF file {path}: {e}") from e
     runs = kernels.gguf_types if quantized and kernels is not None else frozenset()
-    # the kept weights a decode step reads whole: read into anonymous memory (below)
+    # the kept weights a decode step reads whole: read into anonymous memory (below), unless
+    # the user keeps them mapped
     lookup_only = "token_embd.weight" if "output.weight" in header.tensor_names else None
     resident = [
         info
         for info in header.tensors
-        if len(info.dims) == 2
+        if not keep_mapped()
+        and len(info.dims) == 2
         and info.ggml_type in runs
         and info.name != lookup_only
         and _whole_blocks(info)
@@ -279,6 +282,25 @@ def load_gguf(
     return GGUFCheckpoint(config=config, state_dict=state_dict, metadata=metadata)
 
 
+#: Set to 1 to compute on the mapped file's pages instead of reading the weights into
+#: anonymous memory (:class:`WeightArena`): processes mapping one file then share its pages
+#: (data-parallel replicas on one machine: ``pagedkv serve --data-parallel-size`` sets it for
+#: them unless the environment does), at the cost of slower decode steps (docs/model.md).
+MMAP_ENV = "PAGEDKV_GGUF_MMAP"
+
+
+def keep_mapped() -> bool:
+    """Whether :data:`MMAP_ENV` asks to keep the GGUF weights as views of the mapped file.
+
+    Raises:
+        ConfigError: a value other than 0 or 1 (or empty).
+    """
+    value = os.environ.get(MMAP_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ConfigError(f"{MMAP_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def _stored_bytes(info: Any) -> int:
     """A GGUF tensor's bytes as the file stores it (whole blocks: :func:`_whole_blocks`)."""
     block_elems, block_bytes = ggml_type_sizes(ggml_type_name(info.ggml_type))
@@ -316,7 +338,8 @@ class WeightArena:
         num_threads: reading threads (at least 1).
 
     Raises:
-        ModelLoadError: the file cannot be read or ends inside an extent.
+        ModelLoadError: the file cannot be read or ends inside an extent, or the memory for
+            the weights cannot be mapped (the first chunk to fail stops the reads not started).
     """
 
     #: Where a weight starts in the arena (bytes): a page boundary.
@@ -336,32 +359,52 @@ class WeightArena:
         self.tensors = [torch.empty(0, dtype=torch.uint8) for _ in extents]
         if total == 0:
             return
-        arena = anonymous_zeros(total)
+        try:
+            arena = anonymous_zeros(total)
+        except HostMemoryError as e:
+            raise ModelLoadError(f"cannot hold the weights of {self.path}: {e}") from e
         chunks = [
             (offset + done, arena[start + done : start + min(size, done + self.CHUNK)])
             for (offset, size), start in zip(extents, starts, strict=True)
             for done in range(0, size, self.CHUNK)
         ]
-        with ThreadPoolExecutor(max(1, num_threads)) as pool:
-            list(pool.map(self._read_chunk, chunks))
+        try:
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        except OSError as e:
+            raise ModelLoadError(f"cannot read {self.path}: {e}") from e
+        pool = ThreadPoolExecutor(max(1, num_threads), thread_name_prefix="pagedkv-weights")
+        try:  # one descriptor, positioned reads: every chunk from the same file
+            for future in [pool.submit(self._read_chunk, fd, *chunk) for chunk in chunks]:
+                future.result()
+        finally:  # on an error, the chunks not started are dropped, not read
+            pool.shutdown(wait=True, cancel_futures=True)
+            os.close(fd)
         self.tensors = [
             arena[start : start + size] for (_, size), start in zip(extents, starts, strict=True)
         ]
 
-    def _read_chunk(self, chunk: tuple[int, torch.Tensor]) -> None:
-        offset, view = chunk
+    def _read_chunk(self, fd: int, offset: int, view: torch.Tensor) -> None:
         buffer = memoryview(view.numpy())
-        try:
-            with open(self.path, "rb", buffering=0) as f:
-                f.seek(offset)
-                done = 0
-                while done < len(buffer):
-                    n = f.readinto(buffer[done:])
-                    if not n:
-                        raise ModelLoadError(f"{self.path} ends inside a tensor at byte {offset}")
-                    done += n
-        except OSError as e:
-            raise ModelLoadError(f"cannot read {self.path}: {e}") from e
+        done = 0
+        while done < len(buffer):
+            try:
+                n = _pread_into(fd, buffer[done:], offset + done)
+            except OSError as e:
+                raise ModelLoadError(f"cannot read {self.path}: {e}") from e
+            if not n:
+                raise ModelLoadError(f"{self.path} ends inside a tensor at byte {offset + done}")
+            done += n
+
+
+def _pread_into(fd: int, buffer: memoryview, offset: int) -> int:
+    """Read into ``buffer`` from ``offset`` of ``fd`` without moving its position (thread-safe):
+    ``os.preadv`` where the platform has it, else ``os.pread`` and a copy. Returns the bytes
+    read (0 at the end of the file)."""
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [buffer], offset)
+    data = os.pread(fd, len(buffer), offset)
+    buffer[: len(data)] = data
+    return len(data)
 
 
 def stored_types(state_dict: dict[str, torch.Tensor | GGUFWeight]) -> dict[str, int]:

@@ -272,11 +272,14 @@ def load_model(
 
         # the tokenizer (about 1 s, mostly importing transformers) on a thread while the
         # weights are read (their reads release the GIL)
-        with ThreadPoolExecutor(1, thread_name_prefix="pagedkv-tokenizer") as pool:
+        pool = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-tokenizer")
+        try:
             hf_tokenizer = pool.submit(read_gguf_tokenizer, path)
             checkpoint = load_gguf(path, quantized=quantization == "gguf", kernels=kernels)
             config, state_dict = checkpoint.config, checkpoint.state_dict
             tokenizer = Tokenizer(hf_tokenizer.result(), config.eos_token_ids)
+        finally:  # a failed load reports at once (the tokenizer's thread ends on its own)
+            pool.shutdown(wait=False)
         if quantization == "gguf":
             log_stored_types(stored_types(state_dict), state_dict, kernels)
     if batch_invariant and config.architecture not in GEMMA_ARCHITECTURES:

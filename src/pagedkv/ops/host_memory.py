@@ -19,7 +19,8 @@ import mmap
 import numpy as np
 import torch
 
-from pagedkv.errors import OpsInputError
+from pagedkv.errors import HostMemoryError, OpsInputError
+from pagedkv.units import format_bytes
 from pagedkv.validation import check_int
 
 #: The alignment of every buffer: one transparent huge page on x86-64 (bytes).
@@ -41,13 +42,19 @@ def anonymous_zeros(num_bytes: int, huge_pages: bool = True) -> torch.Tensor:
 
     Raises:
         OpsInputError: ``num_bytes`` not a non-negative int.
+        HostMemoryError: the system would not map that much (strict overcommit, a ``ulimit -v``
+            or cgroup limit). Under Linux's default overcommit the mapping succeeds and memory
+            is taken page by page as it is written.
     """
     check_int("num_bytes", num_bytes, 0, error=OpsInputError)
     if num_bytes == 0:
         return torch.empty(0, dtype=torch.uint8)
-    private = getattr(mmap, "MAP_PRIVATE", None)  # shared anonymous memory is shmem's
-    length = num_bytes + HUGE_PAGE
-    mapping = mmap.mmap(-1, length) if private is None else mmap.mmap(-1, length, flags=private)
+    # private: shared anonymous memory is shmem's, whose huge pages follow another setting
+    flags = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}
+    try:
+        mapping = mmap.mmap(-1, num_bytes + HUGE_PAGE, **flags)
+    except (OSError, OverflowError) as e:
+        raise HostMemoryError(f"cannot map {format_bytes(num_bytes)} of host memory: {e}") from e
     whole = np.frombuffer(mapping, dtype=np.uint8)
     first = -whole.ctypes.data % HUGE_PAGE
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
@@ -65,6 +72,7 @@ def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
 
     Raises:
         OpsInputError: a negative size.
+        HostMemoryError: see :func:`anonymous_zeros`.
     """
     count = 1
     for size in shape:

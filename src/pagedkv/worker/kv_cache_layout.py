@@ -7,14 +7,18 @@ the layers read, one attention metadata built per pair each step.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
 from pagedkv.core.config import KVCacheConfig
 from pagedkv.core.spec import SlidingWindowSpec
-from pagedkv.errors import ConfigError
+from pagedkv.errors import CacheSizingError, ConfigError
+from pagedkv.model.loader import available_memory
 from pagedkv.ops.backends import AttentionBackend, AttentionLayerSpec
+from pagedkv.ops.backends.base import resolve_kv_dtype
+from pagedkv.units import format_bytes
 
 
 def allocate_kv_caches(
@@ -27,6 +31,7 @@ def allocate_kv_caches(
 
     Raises:
         ConfigError: layers sharing a tensor whose caches would differ in shape or dtype.
+        CacheSizingError: CPU caches larger than the memory available (:func:`_check_host_memory`).
     """
     tensor_specs: dict[int, AttentionLayerSpec] = {}
     for layer, t in enumerate(kv_cache_config.tensor_ids):
@@ -35,11 +40,43 @@ def allocate_kv_caches(
         shape = (spec.num_kv_heads, spec.head_size, spec.block_size, spec.kv_cache_dtype)
         if shape != (first.num_kv_heads, first.head_size, first.block_size, first.kv_cache_dtype):
             raise ConfigError(f"layer {layer} cannot share KV cache tensor {t}: {spec} vs {first}")
+    if backend.device.type == "cpu":
+        _check_host_memory(backend, kv_cache_config.num_blocks, list(tensor_specs.values()))
     tensors = {
         t: backend.allocate_kv_cache(kv_cache_config.num_blocks, spec)
         for t, spec in tensor_specs.items()
     }
     return [tensors[t] for t in kv_cache_config.tensor_ids]
+
+
+def _check_host_memory(
+    backend: AttentionBackend, num_blocks: int, specs: list[AttentionLayerSpec]
+) -> None:
+    """Refuse CPU caches larger than the memory this process may still take.
+
+    A CPU cache is mapped, not written, at start-up (:mod:`pagedkv.ops.host_memory`): its
+    memory is taken as blocks are first written, so a cache the machine cannot hold would
+    otherwise fail only when it fills, mid-serving.
+
+    Raises:
+        CacheSizingError: the caches' bytes exceed :func:`~pagedkv.model.loader.
+            available_memory` (both numbers in the message).
+    """
+    available = available_memory()
+    if available is None:
+        return
+    needed = 0
+    for spec in specs:
+        shape = backend.kv_cache_shape(
+            num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size
+        )
+        needed += math.prod(shape) * resolve_kv_dtype(spec.kv_cache_dtype).itemsize
+    if needed > available:
+        raise CacheSizingError(
+            f"the KV cache of {num_blocks} blocks needs {format_bytes(needed)} but only "
+            f"{format_bytes(available)} of memory is available; lower --num-blocks or "
+            "--kv-cache-memory"
+        )
 
 
 def attention_groups(
