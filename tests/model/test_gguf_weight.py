@@ -133,7 +133,7 @@ def test_weight_arena_reports_memory_the_system_refuses(tmp_path, monkeypatch):
         raise OSError(12, "Cannot allocate memory")
 
     monkeypatch.setattr(mmap, "mmap", refuse)
-    with pytest.raises(ModelLoadError, match=r"cannot hold the weights .* 100 B"):
+    with pytest.raises(ModelLoadError, match=r"cannot hold the weights .* 4\.00 KiB"):
         WeightArena(path, [(0, 100)])
 
 
