@@ -140,13 +140,19 @@ def test_weight_arena_reports_memory_the_system_refuses(tmp_path, monkeypatch):
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="Linux's /proc/self/maps")
 def test_pagedkv_gguf_mmap_keeps_the_weights_mapped(gguf_path, kernels, monkeypatch):
     """PAGEDKV_GGUF_MMAP=1: every kept weight a view of the mapped file (processes mapping it
-    share its pages), the same bytes; another value is refused."""
+    share its pages) but the q / k rows llama's rotary reorders (a copy: the mapping is
+    read-only), the same values; another value is refused."""
     monkeypatch.setenv(MMAP_ENV, "1")
     kept = load_gguf(gguf_path, quantized=True, kernels=kernels).state_dict
-    weights = [w for w in kept.values() if isinstance(w, GGUFWeight)]
-    assert weights and all(
-        mapping_of(w.data.data_ptr()) == os.path.realpath(gguf_path) for w in weights
-    )
+    monkeypatch.delenv(MMAP_ENV)
+    copied = load_gguf(gguf_path, quantized=True, kernels=kernels).state_dict
+    weights = {n: w for n, w in kept.items() if isinstance(w, GGUFWeight)}
+    reordered = {n for n in weights if ".q_proj." in n or ".k_proj." in n}
+    assert reordered and len(weights) > len(reordered)
+    for name, weight in weights.items():
+        on_file = mapping_of(weight.data.data_ptr()) == os.path.realpath(gguf_path)
+        assert on_file == (name not in reordered), name
+        assert torch.equal(weight.data, copied[name].data), name
     monkeypatch.setenv(MMAP_ENV, "yes")
     with pytest.raises(ConfigError, match=MMAP_ENV):
         load_gguf(gguf_path, quantized=True, kernels=kernels)

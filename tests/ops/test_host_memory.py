@@ -4,6 +4,7 @@ last view; the CPU KV caches are such buffers."""
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 
 import pytest
 import torch
@@ -96,3 +97,23 @@ def test_a_cpu_kv_cache_beyond_the_available_memory_is_refused(monkeypatch):
     monkeypatch.setattr(kv_cache_layout, "available_memory", lambda: 2 * per_tensor)
     caches = kv_cache_layout.allocate_kv_caches(backend, config, [spec, spec])
     assert len(caches) == 2 and caches[0].numel() * 2 == per_tensor
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="Linux's /proc/self/status")
+def test_available_memory_counts_the_address_space_limit(monkeypatch):
+    """Under ``ulimit -v`` a mapping fails past the limit: the memory the process may still
+    take is at most the limit less what it has mapped."""
+    import resource
+
+    from pagedkv.model.loader import available_memory
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (1 << 62, resource.RLIM_INFINITY))
+    vm_size = next(
+        int(line.split()[1]) * 1024
+        for line in Path("/proc/self/status").read_text().splitlines()
+        if line.startswith("VmSize:")
+    )
+    got = available_memory()
+    assert got is not None and got <= (1 << 62) - vm_size
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (vm_size, resource.RLIM_INFINITY))
+    assert available_memory() == 0  # nothing left below the limit

@@ -55,6 +55,7 @@ from pagedkv.engine.cpu_runtime import tune_cpu_runtime
 from pagedkv.engine.kv_sizing import size_kv_cache
 from pagedkv.errors import ConfigError, ModelLoadError
 from pagedkv.ops.backends import BackendChoice
+from pagedkv.worker.kv_cache_layout import check_kv_host_memory
 from pagedkv.worker.kv_offload import open_disk_tier, tier_identity
 
 logger = logging.getLogger(__name__)
@@ -159,6 +160,8 @@ def resolve_engine_config(
     block_size = attention.block_size
     # 5. KV cache sizing: the specs (of that block size), max_model_len, the blocks.
     kv_cache_config = _size_kv_cache(options, model_shape, draft_shape, block_size, kv_cache_dtype)
+    if torch.device(device).type == "cpu":  # before the block pool and the weights are built
+        check_kv_host_memory(kv_cache_config.num_blocks, kv_cache_config.kv_cache_memory)
     max_model_len = kv_cache_config.max_model_len
     # 6. the KV tier.
     tier_blocks, tier_keys, hash_seed = _open_kv_tier(

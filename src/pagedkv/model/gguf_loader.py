@@ -29,8 +29,10 @@ the ``gguf`` package. Three things differ from a Hugging Face checkpoint and are
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +47,10 @@ from pagedkv.model.fused_weights import split_fused_weights
 from pagedkv.model.gguf_metadata import read_gguf_header
 from pagedkv.model.gguf_weight import GGUFWeight, ggml_type_name, ggml_type_sizes
 from pagedkv.model.kernels.cpu_quant import CpuQuantKernels
-from pagedkv.ops.host_memory import anonymous_zeros
+from pagedkv.ops.host_memory import anonymous_zeros, huge_page_setting
+from pagedkv.units import format_bytes
+
+logger = logging.getLogger(__name__)
 
 #: Architectures whose GGUF q/k rows are interleaved for llama.cpp's normal (GPT-J style) rotary.
 _PERMUTED_ARCHITECTURES = ("llama", "mistral")
@@ -166,7 +171,7 @@ def load_gguf(
 ) -> GGUFCheckpoint:
     """Read a GGUF file's config and weights.
 
-    The file is memory-mapped (read-only, copy on write; the small tensors and a lookup-only
+    The file is memory-mapped (read-only; the small tensors and a lookup-only
     embedding table are read from the mapping) and its header walked without the
     ``gguf`` package's reader (:func:`~pagedkv.model.gguf_metadata.read_gguf_header`: it
     builds an object per vocabulary entry, tens of seconds for a 128k vocabulary).
@@ -203,17 +208,18 @@ def load_gguf(
     permute = config.architecture in _PERMUTED_ARCHITECTURES
     norm_plus_one = config.architecture in _NORM_PLUS_ONE_ARCHITECTURES
     try:
-        mapped = np.memmap(path, dtype=np.uint8, mode="c")
+        mapped = np.memmap(path, dtype=np.uint8, mode="r")  # read-only: no commit charge
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot map GGUF file {path}: {e}") from e
     runs = kernels.gguf_types if quantized and kernels is not None else frozenset()
     # the kept weights a decode step reads whole: read into anonymous memory (below), unless
     # the user keeps them mapped
     lookup_only = "token_embd.weight" if "output.weight" in header.tensor_names else None
+    mapped_only = keep_mapped()
     resident = [
         info
         for info in header.tensors
-        if not keep_mapped()
+        if not mapped_only
         and len(info.dims) == 2
         and info.ggml_type in runs
         and info.name != lookup_only
@@ -224,6 +230,16 @@ def load_gguf(
         path, [(info.offset, _stored_bytes(info)) for info in resident], num_threads=2
     )
     read = {info.name: data for info, data in zip(resident, arena.tensors, strict=True)}
+    if resident:
+        logger.info(
+            "weights: %s read into this process's memory (transparent huge pages: %s; "
+            "%s=1 computes on the mapped file instead)",
+            format_bytes(sum(_stored_bytes(info) for info in resident)),
+            huge_page_setting(),
+            MMAP_ENV,
+        )
+    elif runs and mapped_only:
+        logger.info("weights: computed on the mapped file (%s=1)", MMAP_ENV)
 
     state_dict: dict[str, torch.Tensor | GGUFWeight] = {}
     longrope: dict[str, list[float]] = {}
@@ -253,12 +269,17 @@ def load_gguf(
         elif permute and name is not None and ".k_proj." in name:
             heads = config.num_key_value_heads
         if len(info.dims) == 2 and info.ggml_type in runs and name is not None:
+            order = None if heads is None else unpermute_rotary_rows(torch.arange(rows), heads)
             if info.name in read:
                 data = read[info.name].view(rows, row_bytes)
+                if order is not None:  # in place (a temporary of their size)
+                    data[:] = data[order]
             else:
-                data = torch.from_numpy(raw)
-            if heads is not None:  # the rows reordered in place (a temporary of their size)
-                data[:] = data[unpermute_rotary_rows(torch.arange(rows), heads)]
+                with warnings.catch_warnings():  # read-only: nothing writes the weights
+                    warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+                    data = torch.from_numpy(raw)
+                if order is not None:  # a copy: the mapping is read-only
+                    data = data[order]
             state_dict[name] = GGUFWeight(type_name, data, (rows, cols), kernels)
             continue
         array = np.asarray(dequantize(raw, info.ggml_type), dtype=np.float32)
@@ -322,7 +343,7 @@ class WeightArena:
     Measured on a 2-core AMD EPYC Zen 4 VM, a Llama-3.2-1B Q4_K_M decode step: 32.1 ms from the
     mapping, 30.0-31.6 ms from anonymous 4 KiB pages, 24.3-25.8 ms from huge pages (llama.cpp's
     ``--no-mmap`` / ``-lm none`` is faster here for the same reason). The bytes are copied
-    unchanged, read with ``readinto`` (the file's pages stay in the page cache, outside this
+    unchanged, read with ``os.preadv`` (the file's pages stay in the page cache, outside this
     process's resident set), so the process holds the weights once, as before: the file's
     size. What is lost is sharing those pages with other processes that map the same file.
 
@@ -330,7 +351,7 @@ class WeightArena:
     (:func:`~pagedkv.ops.host_memory.anonymous_zeros`: 2 MiB-aligned, on huge pages where the
     platform has them); each weight starts on a 4096-byte boundary, in the order given. The
     extents are read in chunks of :attr:`CHUNK` bytes by up to ``num_threads`` threads
-    (``readinto`` releases the GIL, so the page faults and copies of the chunks overlap).
+    (the reads release the GIL, so the page faults and copies of the chunks overlap).
 
     Args:
         path: the GGUF file.
@@ -362,7 +383,10 @@ class WeightArena:
         try:
             arena = anonymous_zeros(total)
         except HostMemoryError as e:
-            raise ModelLoadError(f"cannot hold the weights of {self.path}: {e}") from e
+            raise ModelLoadError(
+                f"cannot hold the weights of {self.path}: {e} ({MMAP_ENV}=1 computes on the "
+                "mapped file instead, without a copy)"
+            ) from e
         chunks = [
             (offset + done, arena[start + done : start + min(size, done + self.CHUNK)])
             for (offset, size), start in zip(extents, starts, strict=True)

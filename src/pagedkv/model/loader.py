@@ -21,7 +21,6 @@ import json
 import logging
 import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +50,7 @@ from pagedkv.model.quantization import (
     quantize_int4,
     quantize_int8,
 )
-from pagedkv.model.tokenizer import Tokenizer, read_gguf_tokenizer
+from pagedkv.model.tokenizer import Tokenizer
 from pagedkv.modelinfo.naming import served_model_name
 from pagedkv.units import format_bytes
 
@@ -270,16 +269,9 @@ def load_model(
     else:
         from pagedkv.model.gguf_loader import load_gguf, stored_types
 
-        # the tokenizer (about 1 s, mostly importing transformers) on a thread while the
-        # weights are read (their reads release the GIL)
-        pool = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-tokenizer")
-        try:
-            hf_tokenizer = pool.submit(read_gguf_tokenizer, path)
-            checkpoint = load_gguf(path, quantized=quantization == "gguf", kernels=kernels)
-            config, state_dict = checkpoint.config, checkpoint.state_dict
-            tokenizer = Tokenizer(hf_tokenizer.result(), config.eos_token_ids)
-        finally:  # a failed load reports at once (the tokenizer's thread ends on its own)
-            pool.shutdown(wait=False)
+        checkpoint = load_gguf(path, quantized=quantization == "gguf", kernels=kernels)
+        config, state_dict = checkpoint.config, checkpoint.state_dict
+        tokenizer = Tokenizer.from_gguf(path, config.eos_token_ids)
         if quantization == "gguf":
             log_stored_types(stored_types(state_dict), state_dict, kernels)
     if batch_invariant and config.architecture not in GEMMA_ARCHITECTURES:
@@ -447,9 +439,20 @@ def _elements(dims: tuple[int, ...]) -> int:
 
 
 def available_memory() -> int | None:
-    """Bytes this process may still take: the smaller of Linux's MemAvailable and the cgroup's
-    limit less its usage; None where neither can be read."""
+    """Bytes this process may still take: the smallest of Linux's MemAvailable, the cgroup's
+    limit less its usage, and the address-space limit (``ulimit -v``) less this process's
+    mapped size; None where none can be read."""
     limits = []
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY:
+            for line in Path("/proc/self/status").read_text().splitlines():
+                if line.startswith("VmSize:"):
+                    limits.append(max(0, soft - int(line.split()[1]) * 1024))
+    except (ImportError, OSError, ValueError, IndexError):
+        pass
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):

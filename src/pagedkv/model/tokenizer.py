@@ -349,9 +349,7 @@ class IncrementalDetokenizer:
 
 
 def read_gguf_tokenizer(path: str | Path) -> Any:
-    """transformers' fast tokenizer of a GGUF file (:meth:`Tokenizer.from_gguf` wraps it; the
-    loader reads it on a thread of its own while the weights are read: most of its second is
-    importing transformers).
+    """transformers' fast tokenizer of a GGUF file (:meth:`Tokenizer.from_gguf` wraps it).
 
     Raises:
         ModelLoadError: the file holds no tokenizer transformers can build.

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -80,3 +81,18 @@ def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
         count *= size
     itemsize = torch.empty(0, dtype=dtype).element_size()
     return anonymous_zeros(count * itemsize).view(dtype).view(shape)
+
+
+def huge_page_setting() -> str:
+    """The kernel's transparent huge page mode for this process's buffers ("always",
+    "madvise": both give :func:`anonymous_zeros` huge pages; "never": 4 KiB pages), from
+    /sys/kernel/mm/transparent_hugepage/enabled; "unknown" where it cannot be read (not
+    Linux)."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "unknown"
+    for word in text.split():
+        if word.startswith("[") and word.endswith("]"):
+            return word[1:-1]
+    return "unknown"

@@ -14,7 +14,7 @@ import torch
 
 from pagedkv.core.config import KVCacheConfig
 from pagedkv.core.spec import SlidingWindowSpec
-from pagedkv.errors import CacheSizingError, ConfigError
+from pagedkv.errors import CacheSizingError, ConfigError, HostMemoryError
 from pagedkv.model.loader import available_memory
 from pagedkv.ops.backends import AttentionBackend, AttentionLayerSpec
 from pagedkv.ops.backends.base import resolve_kv_dtype
@@ -31,7 +31,8 @@ def allocate_kv_caches(
 
     Raises:
         ConfigError: layers sharing a tensor whose caches would differ in shape or dtype.
-        CacheSizingError: CPU caches larger than the memory available (:func:`_check_host_memory`).
+        CacheSizingError: CPU caches larger than the memory available
+            (:func:`check_kv_host_memory`), or caches the system would not map.
     """
     tensor_specs: dict[int, AttentionLayerSpec] = {}
     for layer, t in enumerate(kv_cache_config.tensor_ids):
@@ -42,40 +43,55 @@ def allocate_kv_caches(
             raise ConfigError(f"layer {layer} cannot share KV cache tensor {t}: {spec} vs {first}")
     if backend.device.type == "cpu":
         _check_host_memory(backend, kv_cache_config.num_blocks, list(tensor_specs.values()))
-    tensors = {
-        t: backend.allocate_kv_cache(kv_cache_config.num_blocks, spec)
-        for t, spec in tensor_specs.items()
-    }
+    try:
+        tensors = {
+            t: backend.allocate_kv_cache(kv_cache_config.num_blocks, spec)
+            for t, spec in tensor_specs.items()
+        }
+    except HostMemoryError as e:
+        raise CacheSizingError(
+            f"the KV cache of {kv_cache_config.num_blocks - 1} blocks cannot be mapped ({e}); "
+            "lower --num-blocks or --kv-cache-memory"
+        ) from e
     return [tensors[t] for t in kv_cache_config.tensor_ids]
 
 
 def _check_host_memory(
     backend: AttentionBackend, num_blocks: int, specs: list[AttentionLayerSpec]
 ) -> None:
-    """Refuse CPU caches larger than the memory this process may still take.
-
-    A CPU cache is mapped, not written, at start-up (:mod:`pagedkv.ops.host_memory`): its
-    memory is taken as blocks are first written, so a cache the machine cannot hold would
-    otherwise fail only when it fills, mid-serving.
-
-    Raises:
-        CacheSizingError: the caches' bytes exceed :func:`~pagedkv.model.loader.
-            available_memory` (both numbers in the message).
-    """
-    available = available_memory()
-    if available is None:
-        return
+    """:func:`check_kv_host_memory` for the caches of ``specs`` on ``backend``."""
     needed = 0
     for spec in specs:
         shape = backend.kv_cache_shape(
             num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size
         )
         needed += math.prod(shape) * resolve_kv_dtype(spec.kv_cache_dtype).itemsize
-    if needed > available:
+    check_kv_host_memory(num_blocks, needed)
+
+
+def check_kv_host_memory(num_blocks: int, num_bytes: int) -> None:
+    """Refuse CPU KV caches of ``num_bytes`` larger than the memory this process may still take.
+
+    A CPU cache is mapped, not written, at start-up (:mod:`pagedkv.ops.host_memory`): its
+    memory is taken as blocks are first written, so a cache the machine cannot hold would
+    otherwise fail only when it fills, mid-serving. The engine checks once its size is known
+    (before the block pool and the weights) and the runner again when it lays the caches out
+    (after the weights took their memory).
+
+    Args:
+        num_blocks: blocks in the pool, the null block included.
+        num_bytes: the caches' bytes, every layer.
+
+    Raises:
+        CacheSizingError: ``num_bytes`` over :func:`~pagedkv.model.loader.available_memory`
+            (both numbers in the message).
+    """
+    available = available_memory()
+    if available is not None and num_bytes > available:
         raise CacheSizingError(
-            f"the KV cache of {num_blocks} blocks needs {format_bytes(needed)} but only "
-            f"{format_bytes(available)} of memory is available; lower --num-blocks or "
-            "--kv-cache-memory"
+            f"the KV cache of {num_blocks - 1} blocks (and the null block) needs "
+            f"{format_bytes(num_bytes)} but only {format_bytes(available)} of memory is "
+            "available; lower --num-blocks or --kv-cache-memory"
         )
 
 
