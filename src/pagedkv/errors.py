@@ -58,8 +58,8 @@ class OpsInputError(PagedKVError, ValueError):
 
 class HostMemoryError(PagedKVError, MemoryError):
     """The system refused a host buffer (an anonymous mapping for the weights or the KV cache:
-    out of memory under strict overcommit, an address-space or cgroup limit); the message gives
-    the size asked for."""
+    out of memory under strict overcommit, an address-space limit); the message gives the size
+    asked for."""
 
 
 class ModelLoadError(PagedKVError, OSError):

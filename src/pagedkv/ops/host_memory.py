@@ -44,8 +44,9 @@ def anonymous_zeros(num_bytes: int, huge_pages: bool = True) -> torch.Tensor:
     Raises:
         OpsInputError: ``num_bytes`` not a non-negative int.
         HostMemoryError: the system would not map that much (strict overcommit, a ``ulimit -v``
-            or cgroup limit). Under Linux's default overcommit the mapping succeeds and memory
-            is taken page by page as it is written.
+            limit). Under Linux's default overcommit, or a cgroup's memory limit, the mapping
+            succeeds and memory is taken page by page as it is written (past a cgroup's limit
+            the process is then killed: callers check sizes first).
     """
     check_int("num_bytes", num_bytes, 0, error=OpsInputError)
     if num_bytes == 0:
