@@ -223,18 +223,15 @@ def load_gguf(
         and len(info.dims) == 2
         and info.ggml_type in runs
         and info.name != lookup_only
-        and _whole_blocks(info)
-        and info.offset + _stored_bytes(info) <= mapped.shape[0]
     ]
-    arena = WeightArena(
-        path, [(info.offset, _stored_bytes(info)) for info in resident], num_threads=2
-    )
+    extents = [(info.offset, _tensor_layout(info, mapped.shape[0], path)[2]) for info in resident]
+    arena = WeightArena(path, extents, num_threads=2)
     read = {info.name: data for info, data in zip(resident, arena.tensors, strict=True)}
     if resident:
         logger.info(
             "weights: %s read into this process's memory (transparent huge pages: %s; "
             "%s=1 computes on the mapped file instead)",
-            format_bytes(sum(_stored_bytes(info) for info in resident)),
+            format_bytes(sum(size for _, size in extents)),
             huge_page_setting(),
             MMAP_ENV,
         )
@@ -245,17 +242,8 @@ def load_gguf(
     longrope: dict[str, list[float]] = {}
     for info in header.tensors:
         type_name = ggml_type_name(info.ggml_type)
-        block_elems, block_bytes = ggml_type_sizes(type_name)
         cols = info.dims[0]
-        rows = int(np.prod(info.dims[1:], dtype=np.int64)) if len(info.dims) > 1 else 1
-        row_bytes = cols // block_elems * block_bytes
-        if cols % block_elems:
-            raise ModelLoadError(
-                f"GGUF tensor {info.name!r}: rows of {cols} elements are not whole "
-                f"{block_elems}-element {type_name} blocks ({path})"
-            )
-        if info.offset + rows * row_bytes > mapped.shape[0]:
-            raise ModelLoadError(f"GGUF tensor {info.name!r} lies outside the file {path}")
+        rows, row_bytes, _ = _tensor_layout(info, mapped.shape[0], path)
         raw = mapped[info.offset : info.offset + rows * row_bytes].reshape(rows, row_bytes)
         factors = info.name == "rope_freqs.weight" or info.name in _LONGROPE_TENSORS
         name = None if factors else hf_name(info.name, arch)
@@ -322,16 +310,26 @@ def keep_mapped() -> bool:
     return value == "1"
 
 
-def _stored_bytes(info: Any) -> int:
-    """A GGUF tensor's bytes as the file stores it (whole blocks: :func:`_whole_blocks`)."""
-    block_elems, block_bytes = ggml_type_sizes(ggml_type_name(info.ggml_type))
+def _tensor_layout(info: Any, file_bytes: int, path: str | Path) -> tuple[int, int, int]:
+    """A GGUF tensor's ``(rows, row_bytes, bytes)`` as the file stores it.
+
+    Raises:
+        ModelLoadError: rows that are not whole blocks of its type, or bytes past the end of
+            the file (``file_bytes`` long).
+    """
+    type_name = ggml_type_name(info.ggml_type)
+    block_elems, block_bytes = ggml_type_sizes(type_name)
+    cols = info.dims[0]
     rows = int(np.prod(info.dims[1:], dtype=np.int64)) if len(info.dims) > 1 else 1
-    return rows * (info.dims[0] // block_elems * block_bytes)
-
-
-def _whole_blocks(info: Any) -> bool:
-    """Whether a GGUF tensor's rows are whole blocks of its type."""
-    return info.dims[0] % ggml_type_sizes(ggml_type_name(info.ggml_type))[0] == 0
+    if cols % block_elems:
+        raise ModelLoadError(
+            f"GGUF tensor {info.name!r}: rows of {cols} elements are not whole "
+            f"{block_elems}-element {type_name} blocks ({path})"
+        )
+    row_bytes = cols // block_elems * block_bytes
+    if info.offset + rows * row_bytes > file_bytes:
+        raise ModelLoadError(f"GGUF tensor {info.name!r} lies outside the file {path}")
+    return rows, row_bytes, rows * row_bytes
 
 
 class WeightArena:
