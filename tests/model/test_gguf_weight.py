@@ -240,3 +240,16 @@ def test_unpermuted_rows_match_the_dense_loader(stored):
     kept, dense = stored
     name = "model.layers.0.self_attn.k_proj.weight"
     assert torch.equal(kept.state_dict[name].dequantize(), dense.state_dict[name])
+
+
+@pytest.mark.parametrize("keep_mapped", ["0", "1"])
+def test_a_truncated_file_is_refused_naming_the_tensor(
+    gguf_path, kernels, tmp_path, monkeypatch, keep_mapped
+):
+    """A tensor that lies past the end of the file is refused by name, whether the weights are
+    read into memory or kept mapped (one rule for both)."""
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(Path(gguf_path).read_bytes()[: 60 << 20])
+    monkeypatch.setenv(MMAP_ENV, keep_mapped)
+    with pytest.raises(ModelLoadError, match=r"GGUF tensor '.+' lies outside the file"):
+        load_gguf(cut, quantized=True, kernels=kernels)
