@@ -4,14 +4,23 @@ last view; the CPU KV caches are such buffers."""
 from __future__ import annotations
 
 import gc
+import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from pagedkv.errors import CacheSizingError, HostMemoryError, OpsInputError
 from pagedkv.ops.backends.hnd_layout import allocate_kv_cache
-from pagedkv.ops.host_memory import HUGE_PAGE, anonymous_zeros, zeroed_host_tensor
+from pagedkv.ops.host_memory import (
+    HUGE_PAGE,
+    anonymous_zeros,
+    huge_mapped_bytes,
+    map_file_read_only,
+    release_mapped_pages,
+    zeroed_host_tensor,
+)
 
 
 @pytest.mark.parametrize("num_bytes", [1, 4095, 4096, HUGE_PAGE + 3, 3 * HUGE_PAGE])
@@ -117,3 +126,45 @@ def test_available_memory_counts_the_address_space_limit(monkeypatch):
     assert got is not None and got <= (1 << 62) - vm_size
     monkeypatch.setattr(resource, "getrlimit", lambda which: (vm_size, resource.RLIM_INFINITY))
     assert available_memory() == 0  # nothing left below the limit
+
+
+def test_a_read_only_file_mapping_holds_the_file(tmp_path):
+    """The whole file, read-only; its pages leave the resident set on release and read back
+    the same; the share in 2 MiB pages is whole pages within the file (None where no mapping
+    starts at the array)."""
+    path = tmp_path / "weights.bin"
+    payload = np.random.default_rng(0).integers(0, 256, 5 << 20, dtype=np.uint8)
+    path.write_bytes(payload.tobytes())
+    mapped = map_file_read_only(path)
+    assert np.array_equal(mapped, payload) and not mapped.flags.writeable
+    with pytest.raises(ValueError):
+        mapped[0] = 1
+    huge = huge_mapped_bytes(mapped)
+    if Path("/proc/self/smaps").exists():
+        assert huge is not None and huge % HUGE_PAGE == 0 and 0 <= huge <= payload.nbytes
+        assert huge_mapped_bytes(mapped[4096:]) is None
+    release_mapped_pages(mapped)
+    assert np.array_equal(mapped, payload)
+
+
+def test_a_file_that_cannot_be_mapped_is_a_host_memory_error(tmp_path):
+    (tmp_path / "empty.bin").write_bytes(b"")
+    for path in (tmp_path / "missing.bin", tmp_path / "empty.bin", tmp_path):
+        with pytest.raises(HostMemoryError, match="cannot map"):
+            map_file_read_only(path)
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="posix_fadvise")
+def test_a_file_read_cold_through_the_mapping_is_mapped_with_huge_pages(tmp_path):
+    """Where the kernel and filesystem cache large folios (Linux 6.x: ext4 from 6.16, XFS), a
+    file read for the first time through the mapping (advised MADV_HUGEPAGE) is mapped with
+    2 MiB pages, which is what lets the GGUF loader compute on it in place."""
+    path = tmp_path / "cold.bin"
+    path.write_bytes(np.arange(16 << 20, dtype=np.uint8).tobytes())
+    with open(path, "rb") as file:  # written and synced: clean pages the cache can drop
+        os.fsync(file.fileno())
+        os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    huge = huge_mapped_bytes(map_file_read_only(path))
+    if not huge:
+        pytest.skip("this kernel or filesystem caches the file in small folios")
+    assert huge % HUGE_PAGE == 0 and huge <= 16 << 20
