@@ -256,11 +256,14 @@ def test_file_holds_the_mix(built):
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="Linux's /proc/self/maps")
-def test_only_a_lookup_only_embedding_stays_mapped(built):
+def test_only_a_lookup_only_embedding_stays_mapped(built, monkeypatch):
     """The weights a decode step reads whole are read out of the mapping (the loader's weight
-    arena); an embedding table that is not also the LM head (Qwen2's here) stays a view of the
-    mapped file (only its looked-up rows are ever read)."""
-    from pagedkv.model.gguf_loader import load_gguf
+    arena: ``PAGEDKV_GGUF_MMAP=0``, whatever the page cache holds); an embedding table that is
+    not also the LM head (Qwen2's here) stays a view of the mapped file (only its looked-up
+    rows are ever read)."""
+    from pagedkv.model.gguf_loader import MMAP_ENV, load_gguf
+
+    monkeypatch.setenv(MMAP_ENV, "0")
     from pagedkv.model.gguf_weight import GGUFWeight
     from pagedkv.model.kernels.cpu_quant import default_cpu_quant_kernels
 

@@ -16,7 +16,7 @@ import torch
 from _gguf_files import mapping_of
 
 from pagedkv.errors import ConfigError, ModelLoadError
-from pagedkv.model import loader
+from pagedkv.model import gguf_loader, loader
 from pagedkv.model.gguf_loader import MMAP_ENV, WeightArena, hf_name, load_gguf, stored_types
 from pagedkv.model.gguf_metadata import read_gguf_header
 from pagedkv.model.gguf_weight import GGUFMatmul, GGUFWeight
@@ -42,8 +42,11 @@ def kernels():
 @pytest.fixture(scope="module")
 def stored(gguf_path, kernels):
     """SmolLM2's checkpoint with its 2-D weights kept as stored (Q4_1 linears, Q8_0
-    embedding) and the same file dequantized."""
-    return load_gguf(gguf_path, quantized=True, kernels=kernels), load_gguf(gguf_path)
+    embedding; read into the weight arena: ``PAGEDKV_GGUF_MMAP=0``, whatever the page cache
+    holds) and the same file dequantized."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(MMAP_ENV, "0")
+        return load_gguf(gguf_path, quantized=True, kernels=kernels), load_gguf(gguf_path)
 
 
 def test_every_2d_weight_stays_as_stored(stored):
@@ -138,24 +141,44 @@ def test_weight_arena_reports_memory_the_system_refuses(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="Linux's /proc/self/maps")
-def test_pagedkv_gguf_mmap_keeps_the_weights_mapped(gguf_path, kernels, monkeypatch):
-    """PAGEDKV_GGUF_MMAP=1: every kept weight a view of the mapped file (processes mapping it
-    share its pages) but the q / k rows llama's rotary reorders (a copy: the mapping is
-    read-only), the same values; another value is refused."""
-    monkeypatch.setenv(MMAP_ENV, "1")
-    kept = load_gguf(gguf_path, quantized=True, kernels=kernels).state_dict
-    monkeypatch.delenv(MMAP_ENV)
+@pytest.mark.parametrize(
+    ("setting", "huge_share", "in_place"),
+    [("1", 0.0, True), ("0", 1.0, False), (None, 1.0, True), (None, 0.95, True),
+     (None, 0.85, False), (None, 0.0, False)],
+)  # fmt: skip
+def test_where_the_weights_are_computed_on(
+    gguf_path, kernels, monkeypatch, setting, huge_share, in_place
+):
+    """PAGEDKV_GGUF_MMAP=1, or unset where the page cache maps at least IN_PLACE_SHARE of the
+    file with 2 MiB pages: every kept weight a view of the mapped file (processes mapping it
+    share its pages) but the q / k rows llama's rotary reorders (read into anonymous memory
+    and reordered there: the mapping is read-only); =0, or unset with less in 2 MiB pages:
+    every kept weight read into anonymous memory. The same values every way; another value
+    is refused."""
+    monkeypatch.setenv(MMAP_ENV, "0")
     copied = load_gguf(gguf_path, quantized=True, kernels=kernels).state_dict
+    monkeypatch.setattr(
+        gguf_loader, "huge_mapped_bytes", lambda mapped: int(huge_share * mapped.shape[0])
+    )
+    if setting is None:
+        monkeypatch.delenv(MMAP_ENV)
+    else:
+        monkeypatch.setenv(MMAP_ENV, setting)
+    kept = load_gguf(gguf_path, quantized=True, kernels=kernels).state_dict
     weights = {n: w for n, w in kept.items() if isinstance(w, GGUFWeight)}
     reordered = {n for n in weights if ".q_proj." in n or ".k_proj." in n}
     assert reordered and len(weights) > len(reordered)
     for name, weight in weights.items():
         on_file = mapping_of(weight.data.data_ptr()) == os.path.realpath(gguf_path)
-        assert on_file == (name not in reordered), name
+        assert on_file == (in_place and name not in reordered), name
         assert torch.equal(weight.data, copied[name].data), name
+
+
+def test_a_bad_pagedkv_gguf_mmap_is_refused(gguf_path, kernels, monkeypatch):
     monkeypatch.setenv(MMAP_ENV, "yes")
-    with pytest.raises(ConfigError, match=MMAP_ENV):
-        load_gguf(gguf_path, quantized=True, kernels=kernels)
+    for quantized in (True, False):
+        with pytest.raises(ConfigError, match=MMAP_ENV):
+            load_gguf(gguf_path, quantized=quantized, kernels=kernels)
 
 
 def test_embedding_lookup_equals_the_dequantized_rows(stored):

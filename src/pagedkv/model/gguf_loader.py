@@ -2,8 +2,9 @@
 
 By default (``--quantization gguf``) every 2-D weight stays as the file stores it
 (:class:`~pagedkv.model.gguf_weight.GGUFWeight`, any of the GGML types pagedkv's kernels run:
-its bytes read unchanged into anonymous memory, :class:`WeightArena`), so the model's memory is
-the file's; norms and biases
+its bytes computed on in place in the mapped file where the page cache maps it with 2 MiB
+pages, else read unchanged into anonymous memory, :class:`WeightArena`; see
+:data:`MMAP_ENV`), so the model's memory is the file's; norms and biases
 are dequantized to fp32. With ``--quantization none`` every tensor is dequantized to fp32 with
 the ``gguf`` package. Three things differ from a Hugging Face checkpoint and are undone here:
 
@@ -47,7 +48,13 @@ from pagedkv.model.fused_weights import split_fused_weights
 from pagedkv.model.gguf_metadata import read_gguf_header
 from pagedkv.model.gguf_weight import GGUFWeight, ggml_type_name, ggml_type_sizes
 from pagedkv.model.kernels.cpu_quant import CpuQuantKernels
-from pagedkv.ops.host_memory import anonymous_zeros, huge_page_setting
+from pagedkv.ops.host_memory import (
+    anonymous_zeros,
+    huge_mapped_bytes,
+    huge_page_setting,
+    map_file_read_only,
+    release_mapped_pages,
+)
 from pagedkv.units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -171,17 +178,19 @@ def load_gguf(
 ) -> GGUFCheckpoint:
     """Read a GGUF file's config and weights.
 
-    The file is memory-mapped (read-only; the small tensors and a lookup-only
-    embedding table are read from the mapping) and its header walked without the
+    The file is memory-mapped (read-only, faulted in: :func:`~pagedkv.ops.host_memory.
+    map_file_read_only`; the small tensors and a lookup-only embedding table are read from
+    the mapping) and its header walked without the
     ``gguf`` package's reader (:func:`~pagedkv.model.gguf_metadata.read_gguf_header`: it
     builds an object per vocabulary entry, tens of seconds for a 128k vocabulary).
 
     Args:
         path: the ``.gguf`` file.
         quantized: keep every 2-D weight (the layers' linears, the embedding, the LM head) as
-            the file stores it (:class:`~pagedkv.model.gguf_weight.GGUFWeight`: its bytes
-            read into a :class:`WeightArena`, q / k rows reordered there for llama's rotary;
-            an embedding table that is not also the LM head stays a view of the mapping, only
+            the file stores it (:class:`~pagedkv.model.gguf_weight.GGUFWeight`: views of the
+            mapping, or its bytes read into a :class:`WeightArena`, by :data:`MMAP_ENV`; q / k
+            rows read into the arena either way and reordered there for llama's rotary; an
+            embedding table that is not also the LM head stays a view of the mapping, only
             its looked-up rows ever read), computed on
             by ``kernels``; the rest (norms, biases) is dequantized to fp32. False: every
             tensor dequantized to fp32 (``--quantization none``, tensor parallelism).
@@ -196,6 +205,7 @@ def load_gguf(
     Raises:
         ModelLoadError: the file cannot be read, holds an unsupported architecture or a tensor
             with no place in the decoder.
+        ConfigError: :data:`MMAP_ENV` other than unset, 0 or 1.
     """
     from gguf.quants import dequantize
 
@@ -207,36 +217,51 @@ def load_gguf(
     config = ModelConfig.from_gguf_metadata(metadata, header.tensor_names)
     permute = config.architecture in _PERMUTED_ARCHITECTURES
     norm_plus_one = config.architecture in _NORM_PLUS_ONE_ARCHITECTURES
+    setting = _mmap_setting()
     try:
-        mapped = np.memmap(path, dtype=np.uint8, mode="r")  # read-only: no commit charge
-    except (OSError, ValueError) as e:
+        mapped = map_file_read_only(path)  # read-only: no commit charge
+    except HostMemoryError as e:
         raise ModelLoadError(f"cannot map GGUF file {path}: {e}") from e
     runs = kernels.gguf_types if quantized and kernels is not None else frozenset()
-    # the kept weights a decode step reads whole: read into anonymous memory (below), unless
-    # the user keeps them mapped
+    # the kept weights a decode step reads whole: computed in place where the page cache maps
+    # them with 2 MiB pages, else read into anonymous memory (WeightArena); q / k rows that
+    # llama's rotary reorders are read into it either way (the mapping is read-only)
     lookup_only = "token_embd.weight" if "output.weight" in header.tensor_names else None
-    mapped_only = keep_mapped()
-    resident = [
+    kept = [
         info
         for info in header.tensors
-        if not mapped_only
-        and len(info.dims) == 2
-        and info.ggml_type in runs
-        and info.name != lookup_only
+        if len(info.dims) == 2 and info.ggml_type in runs and info.name != lookup_only
     ]
+    huge = huge_mapped_bytes(mapped) or 0  # bytes the page cache maps with 2 MiB pages
+    in_place = bool(kept) and (
+        setting == "1" or (not setting and huge >= IN_PLACE_SHARE * mapped.shape[0])
+    )
+    resident = [
+        info for info in kept if not in_place or (permute and _is_q_or_k(hf_name(info.name, arch)))
+    ]
+    if not in_place:  # the arena holds them: the mapping's pages leave the resident set
+        release_mapped_pages(mapped)
     extents = [(info.offset, _tensor_layout(info, mapped.shape[0], path)[2]) for info in resident]
     arena = WeightArena(path, extents, num_threads=2)
     read = {info.name: data for info, data in zip(resident, arena.tensors, strict=True)}
-    if resident:
+    copied = format_bytes(sum(size for _, size in extents))
+    size = format_bytes(mapped.shape[0])
+    pages = f"the page cache maps {format_bytes(huge)} of {size} with 2 MiB pages"
+    if in_place:
         logger.info(
-            "weights: %s read into this process's memory (transparent huge pages: %s; "
-            "%s=1 computes on the mapped file instead)",
-            format_bytes(sum(size for _, size in extents)),
-            huge_page_setting(),
-            MMAP_ENV,
+            "weights: computed in place on the mapped file (%s%s)%s",
+            pages,
+            f"; {MMAP_ENV}=1" if setting else "",
+            f"; {copied} of q / k rows reordered into this process's memory" if extents else "",
         )
-    elif runs and mapped_only:
-        logger.info("weights: computed on the mapped file (%s=1)", MMAP_ENV)
+    elif kept:
+        logger.info(
+            "weights: %s read into this process's memory (%s; transparent huge pages: %s; %s)",
+            copied,
+            pages,
+            huge_page_setting(),
+            f"{MMAP_ENV}=0" if setting else f"{MMAP_ENV}=1 computes on the mapped file instead",
+        )
 
     state_dict: dict[str, torch.Tensor | GGUFWeight] = {}
     longrope: dict[str, list[float]] = {}
@@ -252,22 +277,19 @@ def load_gguf(
                 f"GGUF tensor {info.name!r} has no place in a {config.architecture} decoder"
             )
         heads = None
-        if permute and name is not None and ".q_proj." in name:
-            heads = config.num_attention_heads
-        elif permute and name is not None and ".k_proj." in name:
-            heads = config.num_key_value_heads
+        if permute and _is_q_or_k(name):
+            is_q = ".q_proj." in name
+            heads = config.num_attention_heads if is_q else config.num_key_value_heads
         if len(info.dims) == 2 and info.ggml_type in runs and name is not None:
             order = None if heads is None else unpermute_rotary_rows(torch.arange(rows), heads)
             if info.name in read:
                 data = read[info.name].view(rows, row_bytes)
                 if order is not None:  # in place (a temporary of their size)
                     data[:] = data[order]
-            else:
+            else:  # never q / k rows to reorder: those are always read
                 with warnings.catch_warnings():  # read-only: nothing writes the weights
                     warnings.filterwarnings("ignore", "The given NumPy array is not writable")
                     data = torch.from_numpy(raw)
-                if order is not None:  # a copy: the mapping is read-only
-                    data = data[order]
             state_dict[name] = GGUFWeight(type_name, data, (rows, cols), kernels)
             continue
         array = np.asarray(dequantize(raw, info.ggml_type), dtype=np.float32)
@@ -291,23 +313,33 @@ def load_gguf(
     return GGUFCheckpoint(config=config, state_dict=state_dict, metadata=metadata)
 
 
-#: Set to 1 to compute on the mapped file's pages instead of reading the weights into
-#: anonymous memory (:class:`WeightArena`): processes mapping one file then share its pages
-#: (data-parallel replicas on one machine: ``pagedkv serve --data-parallel-size`` sets it for
-#: them unless the environment does), at the cost of slower decode steps (docs/model.md).
+#: Where the GGUF weights a step reads are computed on: unset, the mapped file when the page
+#: cache maps it with 2 MiB pages (:data:`IN_PLACE_SHARE` of it), else a copy read into
+#: anonymous huge pages (:class:`WeightArena`); 1, always the mapped file (processes mapping one
+#: file share its pages: data-parallel replicas on one machine, ``pagedkv serve
+#: --data-parallel-size`` sets it for them unless the environment does; slower decode steps
+#: where the page cache holds 4 KiB pages); 0, always the copy (docs/model.md).
 MMAP_ENV = "PAGEDKV_GGUF_MMAP"
+#: The share of the file's bytes the page cache must map with 2 MiB pages for the weights to be
+#: computed in place when :data:`MMAP_ENV` is unset.
+IN_PLACE_SHARE = 0.9
 
 
-def keep_mapped() -> bool:
-    """Whether :data:`MMAP_ENV` asks to keep the GGUF weights as views of the mapped file.
+def _is_q_or_k(name: str | None) -> bool:
+    """Whether HF weight ``name`` is a q_proj / k_proj weight (rows llama's rotary reorders)."""
+    return name is not None and (".q_proj." in name or ".k_proj." in name)
+
+
+def _mmap_setting() -> str:
+    """:data:`MMAP_ENV`'s value: "" (unset or empty), "0" or "1".
 
     Raises:
-        ConfigError: a value other than 0 or 1 (or empty).
+        ConfigError: any other value.
     """
     value = os.environ.get(MMAP_ENV, "").strip()
     if value not in ("", "0", "1"):
         raise ConfigError(f"{MMAP_ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
+    return value
 
 
 def _tensor_layout(info: Any, file_bytes: int, path: str | Path) -> tuple[int, int, int]:
@@ -333,11 +365,13 @@ def _tensor_layout(info: Any, file_bytes: int, path: str | Path) -> tuple[int, i
 
 
 class WeightArena:
-    """Anonymous memory that a GGUF file's kept weights are read into, as the file stores them.
+    """Anonymous memory that a GGUF file's kept weights are read into, as the file stores them
+    (where the page cache does not map the file with 2 MiB pages; and the q / k rows llama's
+    rotary reorders, always).
 
-    Why not the mapped file itself: a batch-1 decode step reads every weight once, and it reads
-    them markedly faster from transparent huge pages (2 MiB: far fewer TLB misses, which cost
-    more in a virtual machine) than from the page cache's 4 KiB pages of a mapped file.
+    Why not the mapped file itself there: a batch-1 decode step reads every weight once, and it
+    reads them markedly faster from transparent huge pages (2 MiB: far fewer TLB misses, which
+    cost more in a virtual machine) than from the page cache's 4 KiB pages of a mapped file.
     Measured on a 2-core AMD EPYC Zen 4 VM, a Llama-3.2-1B Q4_K_M decode step: 32.1 ms from the
     mapping, 30.0-31.6 ms from anonymous 4 KiB pages, 24.3-25.8 ms from huge pages (llama.cpp's
     ``--no-mmap`` / ``-lm none`` is faster here for the same reason). The bytes are copied

@@ -1,10 +1,11 @@
 """A weight kept as the GGUF file stores it, and the product that computes on its blocks.
 
 llama.cpp multiplies by a GGUF file's blocks as they are stored: its memory is the file plus
-the KV cache. pagedkv does the same. A :class:`GGUFWeight` holds the file's bytes unchanged (read
-into anonymous memory by the loader, :class:`~pagedkv.model.gguf_loader.WeightArena`, where a
-decode step reads them faster than from the mapped file; a lookup-only embedding table stays a
-view of the file's memory map, whose untouched pages cost nothing), and :class:`GGUFMatmul` computes
+the KV cache. pagedkv does the same. A :class:`GGUFWeight` holds the file's bytes unchanged (a
+view of the mapped file where the page cache maps it with 2 MiB pages, else read into anonymous
+huge pages by the loader, :class:`~pagedkv.model.gguf_loader.WeightArena`, where a decode step
+reads them faster than from 4 KiB pages; a lookup-only embedding table stays a view of the
+file's memory map), and :class:`GGUFMatmul` computes
 ``x W^T`` on them with pagedkv's kernels (:mod:`pagedkv.model.kernels.cpu_quant`,
 ``gguf_blocks.c``)::
 
