@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import shlex
 import shutil
@@ -505,6 +506,9 @@ def worker_main(argv: list[str]) -> int:
     parser.add_argument("--repetitions", type=_positive_int, required=True)
     EngineConfig.add_cli_args(parser)
     args = parser.parse_args([a for a in argv if a != "--"])
+    # the loader's start-up line (where the weights are computed on) for the caller's record
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("pagedkv.model.gguf_loader").setLevel(logging.INFO)
     config = EngineConfig.from_cli_args(args)
     longest = max(args.n_prompt + 1, 1 + args.n_gen + 1)
     config = dc.replace(config, max_model_len=config.max_model_len or longest)

@@ -313,6 +313,9 @@ def run_pagedkv_watched(
     if report is not None:
         entry.update(pagedkv_rates(report, args.n_prompt))
         entry["load_s"] = report["startup_s"]
+        # where the weights were computed on: the loader's start-up line
+        placement = [line for line in run.stderr.splitlines() if "weights: " in line]
+        entry["weights"] = placement[-1].split("weights: ", 1)[1] if placement else None
         entry["dtype"] = report["tg"].get("dtype")
         entry["decode_step_ms"] = report["tg"]["decode_step"]
         entry["prefill_ms"] = report["pp"]["prefill"]
