@@ -262,11 +262,10 @@ def test_only_a_lookup_only_embedding_stays_mapped(built, monkeypatch):
     not also the LM head (Qwen2's here) stays a view of the mapped file (only its looked-up
     rows are ever read)."""
     from pagedkv.model.gguf_loader import MMAP_ENV, load_gguf
-
-    monkeypatch.setenv(MMAP_ENV, "0")
     from pagedkv.model.gguf_weight import GGUFWeight
     from pagedkv.model.kernels.cpu_quant import default_cpu_quant_kernels
 
+    monkeypatch.setenv(MMAP_ENV, "0")
     kernels = default_cpu_quant_kernels()
     if kernels is None:
         pytest.skip("pagedkv's CPU kernels do not run here")

@@ -147,21 +147,34 @@ def test_weight_arena_reports_memory_the_system_refuses(tmp_path, monkeypatch):
      (None, 0.85, False), (None, 0.0, False)],
 )  # fmt: skip
 def test_where_the_weights_are_computed_on(
-    gguf_path, kernels, monkeypatch, setting, huge_share, in_place
+    stored, gguf_path, kernels, monkeypatch, setting, huge_share, in_place
 ):
     """PAGEDKV_GGUF_MMAP=1, or unset where the page cache maps at least IN_PLACE_SHARE of the
     file with 2 MiB pages: every kept weight a view of the mapped file (processes mapping it
     share its pages) but the q / k rows llama's rotary reorders (read into anonymous memory
     and reordered there: the mapping is read-only); =0, or unset with less in 2 MiB pages:
-    every kept weight read into anonymous memory. The same values every way; another value
-    is refused."""
-    monkeypatch.setenv(MMAP_ENV, "0")
-    copied = load_gguf(gguf_path, quantized=True, kernels=kernels).state_dict
+    every kept weight read into anonymous memory (and what was faulted in to decide it
+    released). The same values every way."""
+    copied = stored[0].state_dict  # read into the arena (PAGEDKV_GGUF_MMAP=0)
     monkeypatch.setattr(
         gguf_loader, "huge_mapped_bytes", lambda mapped: int(huge_share * mapped.shape[0])
     )
+    released = []
+    real_release = gguf_loader.release_mapped_pages
+    monkeypatch.setattr(
+        gguf_loader,
+        "release_mapped_pages",
+        lambda mapped: (released.append(mapped.shape[0]), real_release(mapped)),
+    )
+    populated = []
+    real_populate = gguf_loader.populate_mapped_pages
+    monkeypatch.setattr(
+        gguf_loader,
+        "populate_mapped_pages",
+        lambda mapped, ranges=None: (populated.append(ranges), real_populate(mapped, ranges)),
+    )
     if setting is None:
-        monkeypatch.delenv(MMAP_ENV)
+        monkeypatch.delenv(MMAP_ENV, raising=False)
     else:
         monkeypatch.setenv(MMAP_ENV, setting)
     kept = load_gguf(gguf_path, quantized=True, kernels=kernels).state_dict
@@ -172,13 +185,24 @@ def test_where_the_weights_are_computed_on(
         on_file = mapping_of(weight.data.data_ptr()) == os.path.realpath(gguf_path)
         assert on_file == (in_place and name not in reordered), name
         assert torch.equal(weight.data, copied[name].data), name
+    # copied after a sample or the whole file was faulted in: those pages released
+    assert len(released) == (0 if in_place or setting == "0" else 1)
+    # unset: a sample of 2 MiB windows first, the whole file only where the sample passed
+    if setting is None:
+        windows = populated[0]
+        assert 1 <= len(windows) <= gguf_loader.SAMPLE_WINDOWS
+        assert all(start % (2 << 20) == 0 and length <= 2 << 20 for start, length in windows)
+        assert populated[1:] == ([] if huge_share == 0.0 else [None])
+    else:
+        assert populated == ([None] if setting == "1" else [])
 
 
-def test_a_bad_pagedkv_gguf_mmap_is_refused(gguf_path, kernels, monkeypatch):
+def test_a_bad_pagedkv_gguf_mmap_is_refused(gguf_path, kernels, monkeypatch, tmp_path):
+    """Before anything is read: a missing file gets the same error."""
     monkeypatch.setenv(MMAP_ENV, "yes")
-    for quantized in (True, False):
+    for path, quantized in ((gguf_path, True), (gguf_path, False), (tmp_path / "no.gguf", True)):
         with pytest.raises(ConfigError, match=MMAP_ENV):
-            load_gguf(gguf_path, quantized=quantized, kernels=kernels)
+            load_gguf(path, quantized=quantized, kernels=kernels)
 
 
 def test_embedding_lookup_equals_the_dequantized_rows(stored):

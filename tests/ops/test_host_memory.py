@@ -18,6 +18,7 @@ from pagedkv.ops.host_memory import (
     anonymous_zeros,
     huge_mapped_bytes,
     map_file_read_only,
+    populate_mapped_pages,
     release_mapped_pages,
     zeroed_host_tensor,
 )
@@ -129,22 +130,44 @@ def test_available_memory_counts_the_address_space_limit(monkeypatch):
 
 
 def test_a_read_only_file_mapping_holds_the_file(tmp_path):
-    """The whole file, read-only; its pages leave the resident set on release and read back
-    the same; the share in 2 MiB pages is whole pages within the file (None where no mapping
-    starts at the array)."""
+    """The whole file, read-only; faulted in on demand (a window, then all), its pages leave
+    the resident set on release and read back the same; the share in 2 MiB pages is whole
+    pages within the file (None where no mapping starts at the array)."""
     path = tmp_path / "weights.bin"
     payload = np.random.default_rng(0).integers(0, 256, 5 << 20, dtype=np.uint8)
     path.write_bytes(payload.tobytes())
     mapped = map_file_read_only(path)
+    smaps = Path("/proc/self/smaps").exists()
+    if smaps:
+        assert _resident_kib(mapped.ctypes.data) == 0  # nothing read yet
+    populate_mapped_pages(mapped, [(1 << 20, 8192)])
+    if smaps:
+        assert 8 <= _resident_kib(mapped.ctypes.data) < payload.nbytes // 1024
+    populate_mapped_pages(mapped)
+    if smaps:
+        assert _resident_kib(mapped.ctypes.data) == payload.nbytes // 1024
     assert np.array_equal(mapped, payload) and not mapped.flags.writeable
     with pytest.raises(ValueError):
         mapped[0] = 1
     huge = huge_mapped_bytes(mapped)
-    if Path("/proc/self/smaps").exists():
+    if smaps:
         assert huge is not None and huge % HUGE_PAGE == 0 and 0 <= huge <= payload.nbytes
         assert huge_mapped_bytes(mapped[4096:]) is None
     release_mapped_pages(mapped)
+    if smaps:
+        assert _resident_kib(mapped.ctypes.data) == 0
     assert np.array_equal(mapped, payload)
+
+
+def _resident_kib(address: int) -> int:
+    """The ``Rss`` (KiB) of the mapping that starts at ``address`` (/proc/self/smaps)."""
+    found = False
+    for line in Path("/proc/self/smaps").read_text(errors="surrogateescape").splitlines():
+        if line[:1].isalnum() and "-" in line.split()[0]:
+            found = int(line.split("-")[0], 16) == address
+        elif found and line.startswith("Rss:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping starts at {address:#x}")
 
 
 def test_a_file_that_cannot_be_mapped_is_a_host_memory_error(tmp_path):
@@ -164,7 +187,9 @@ def test_a_file_read_cold_through_the_mapping_is_mapped_with_huge_pages(tmp_path
     with open(path, "rb") as file:  # written and synced: clean pages the cache can drop
         os.fsync(file.fileno())
         os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    huge = huge_mapped_bytes(map_file_read_only(path))
+    mapped = map_file_read_only(path)
+    populate_mapped_pages(mapped)
+    huge = huge_mapped_bytes(mapped)
     if not huge:
         pytest.skip("this kernel or filesystem caches the file in small folios")
     assert huge % HUGE_PAGE == 0 and huge <= 16 << 20

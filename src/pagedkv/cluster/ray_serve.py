@@ -76,7 +76,7 @@ from pagedkv.cluster.router import ClusterRouter
 from pagedkv.cpu_caps import probe_cpu, resolve_dtype
 from pagedkv.engine.engine_loop import EngineDeadError
 from pagedkv.errors import ConfigError, PagedKVError
-from pagedkv.model.gguf_loader import MMAP_ENV
+from pagedkv.model.gguf_loader import MMAP_ENV, gguf_mmap_setting
 
 logger = logging.getLogger(__name__)
 
@@ -613,6 +613,10 @@ def init_ray(ray_address: str | None = None) -> bool:
     A local Ray's own servers listen on this machine's network address unless Ray was imported
     with ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` in the environment (then on 127.0.0.1):
     ``pagedkv serve`` sets it (:mod:`pagedkv.entrypoints.cluster.ray_process`).
+
+    Raises:
+        ConfigError: ``PAGEDKV_GGUF_MMAP`` other than unset, empty, 0 or 1 (its value, "1"
+            where unset or empty, is passed to the replicas).
     """
     if ray.is_initialized():
         return False
@@ -625,8 +629,9 @@ def init_ray(ray_address: str | None = None) -> bool:
             "env_vars": {
                 _PROXY_READY_VAR: os.environ.get(_PROXY_READY_VAR, "60"),
                 # replicas on one machine share the GGUF file's pages (the page cache) instead of
-                # each reading the weights into memory of its own (docs/cluster.md)
-                MMAP_ENV: os.environ.get(MMAP_ENV, "1"),
+                # each reading the weights into memory of its own (docs/cluster.md); a bad
+                # value is refused here, before Ray starts
+                MMAP_ENV: gguf_mmap_setting() or "1",
             }
         },
     )

@@ -49,10 +49,12 @@ from pagedkv.model.gguf_metadata import read_gguf_header
 from pagedkv.model.gguf_weight import GGUFWeight, ggml_type_name, ggml_type_sizes
 from pagedkv.model.kernels.cpu_quant import CpuQuantKernels
 from pagedkv.ops.host_memory import (
+    HUGE_PAGE,
     anonymous_zeros,
     huge_mapped_bytes,
     huge_page_setting,
     map_file_read_only,
+    populate_mapped_pages,
     release_mapped_pages,
 )
 from pagedkv.units import format_bytes
@@ -207,6 +209,7 @@ def load_gguf(
             with no place in the decoder.
         ConfigError: :data:`MMAP_ENV` other than unset, 0 or 1.
     """
+    setting = gguf_mmap_setting()  # a bad value is refused before anything is read
     from gguf.quants import dequantize
 
     header = read_gguf_header(path)
@@ -217,7 +220,6 @@ def load_gguf(
     config = ModelConfig.from_gguf_metadata(metadata, header.tensor_names)
     permute = config.architecture in _PERMUTED_ARCHITECTURES
     norm_plus_one = config.architecture in _NORM_PLUS_ONE_ARCHITECTURES
-    setting = _mmap_setting()
     try:
         mapped = map_file_read_only(path)  # read-only: no commit charge
     except HostMemoryError as e:
@@ -232,35 +234,31 @@ def load_gguf(
         for info in header.tensors
         if len(info.dims) == 2 and info.ggml_type in runs and info.name != lookup_only
     ]
-    huge = huge_mapped_bytes(mapped) or 0  # bytes the page cache maps with 2 MiB pages
-    in_place = bool(kept) and (
-        setting == "1" or (not setting and huge >= IN_PLACE_SHARE * mapped.shape[0])
-    )
+    if kept:
+        in_place, pages = _place_weights(mapped, setting)
+    else:  # every tensor is read (dequantized) below: fault the file in at once
+        in_place, pages = False, ""
+        populate_mapped_pages(mapped)
     resident = [
         info for info in kept if not in_place or (permute and _is_q_or_k(hf_name(info.name, arch)))
     ]
-    if not in_place:  # the arena holds them: the mapping's pages leave the resident set
-        release_mapped_pages(mapped)
     extents = [(info.offset, _tensor_layout(info, mapped.shape[0], path)[2]) for info in resident]
     arena = WeightArena(path, extents, num_threads=2)
     read = {info.name: data for info, data in zip(resident, arena.tensors, strict=True)}
     copied = format_bytes(sum(size for _, size in extents))
-    size = format_bytes(mapped.shape[0])
-    pages = f"the page cache maps {format_bytes(huge)} of {size} with 2 MiB pages"
     if in_place:
         logger.info(
-            "weights: computed in place on the mapped file (%s%s)%s",
+            "weights: computed in place on the mapped file (%s)%s",
             pages,
-            f"; {MMAP_ENV}=1" if setting else "",
             f"; {copied} of q / k rows reordered into this process's memory" if extents else "",
         )
     elif kept:
         logger.info(
-            "weights: %s read into this process's memory (%s; transparent huge pages: %s; %s)",
+            "weights: %s read into this process's memory (%s; transparent huge pages: %s%s)",
             copied,
             pages,
             huge_page_setting(),
-            f"{MMAP_ENV}=0" if setting else f"{MMAP_ENV}=1 computes on the mapped file instead",
+            "" if setting else f"; {MMAP_ENV}=1 computes on the mapped file instead",
         )
 
     state_dict: dict[str, torch.Tensor | GGUFWeight] = {}
@@ -325,12 +323,58 @@ MMAP_ENV = "PAGEDKV_GGUF_MMAP"
 IN_PLACE_SHARE = 0.9
 
 
+#: Windows of the file the page cache's page size is first sampled in (2 MiB each, spread
+#: evenly): a file whose sample is not in 2 MiB pages is copied without faulting in the rest.
+SAMPLE_WINDOWS = 16
+
+
+def _place_weights(mapped: np.ndarray, setting: str) -> tuple[bool, str]:
+    """Whether the kept weights are computed on ``mapped`` (the GGUF file's mapping), by
+    :data:`MMAP_ENV`'s ``setting``, and the start-up line's words on the page cache.
+
+    Unset: :data:`SAMPLE_WINDOWS` 2 MiB windows of the file are faulted in first (what the
+    page cache lacks is read in 2 MiB folios: the mapping is advised ``MADV_HUGEPAGE``); if
+    the page cache maps :data:`IN_PLACE_SHARE` of them with 2 MiB pages the whole file is
+    faulted in and must be so mapped as well. Whatever is not computed in place leaves this
+    process's resident set (the arena holds the weights); "1" faults everything in, "0"
+    nothing.
+    """
+    size = mapped.shape[0]
+    total = format_bytes(size)
+    if setting == "0":
+        return False, f"{MMAP_ENV}=0"
+    if setting == "1":
+        populate_mapped_pages(mapped)
+        huge = huge_mapped_bytes(mapped)
+        shown = "an unknown share" if huge is None else format_bytes(huge)
+        return True, f"the page cache maps {shown} of {total} with 2 MiB pages; {MMAP_ENV}=1"
+    count = max(1, min(SAMPLE_WINDOWS, size // HUGE_PAGE))
+    starts = sorted({i * size // count // HUGE_PAGE * HUGE_PAGE for i in range(count)})
+    windows = [(start, min(HUGE_PAGE, size - start)) for start in starts]
+    populate_mapped_pages(mapped, windows)
+    sampled = sum(length for _, length in windows)
+    huge = huge_mapped_bytes(mapped) or 0
+    if huge >= IN_PLACE_SHARE * sampled:
+        populate_mapped_pages(mapped)
+        huge = huge_mapped_bytes(mapped) or 0
+        if huge >= IN_PLACE_SHARE * size:
+            return True, f"the page cache maps {format_bytes(huge)} of {total} with 2 MiB pages"
+        words = f"the page cache maps {format_bytes(huge)} of {total} with 2 MiB pages"
+    else:
+        words = (
+            f"the page cache maps {format_bytes(huge)} of {format_bytes(sampled)} sampled in "
+            f"{total} with 2 MiB pages"
+        )
+    release_mapped_pages(mapped)
+    return False, words
+
+
 def _is_q_or_k(name: str | None) -> bool:
     """Whether HF weight ``name`` is a q_proj / k_proj weight (rows llama's rotary reorders)."""
     return name is not None and (".q_proj." in name or ".k_proj." in name)
 
 
-def _mmap_setting() -> str:
+def gguf_mmap_setting() -> str:
     """:data:`MMAP_ENV`'s value: "" (unset or empty), "0" or "1".
 
     Raises:

@@ -415,8 +415,9 @@ def resolve_quantization(
 def weight_bytes_estimate(path: Path, quantization: str, dtype: torch.dtype) -> int:
     """Bytes the model's weights will hold resident once loaded, and at the load's peak.
 
-    A GGUF file kept as stored ("gguf"): the file (its weights read into anonymous memory,
-    q / k rows reordered in place; a tenth more for the transient copies). Otherwise every
+    A GGUF file kept as stored ("gguf"): the file (its weights computed in place on the
+    mapped file or read into anonymous memory, q / k rows reordered in place; a tenth more
+    for the transient copies). Otherwise every
     weight dequantized: fp32 while it is read plus its copy in ``dtype`` (a GGUF file's
     elements from its header, a folder's from its safetensors files' sizes).
     """

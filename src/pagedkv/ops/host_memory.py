@@ -111,17 +111,18 @@ def huge_page_setting() -> str:
 
 
 def map_file_read_only(path: str | Path, *, huge_pages: bool = True) -> np.ndarray:
-    """A read-only private mapping of the whole file at ``path`` as a uint8 array ``[size]``,
-    every page faulted in (read from the file where the page cache lacks it).
+    """A read-only shared mapping of the whole file at ``path`` as a uint8 array ``[size]``,
+    its pages faulted in as they are read (or ahead, :func:`populate_mapped_pages`). Shared:
+    the pages are the page cache's, so a write to the file by another process shows through,
+    and truncating it makes reads past its new end fault (SIGBUS).
 
-    With ``huge_pages`` the mapping is advised ``MADV_HUGEPAGE`` first, so what the page cache
-    reads for it comes in 2 MiB folios where the kernel and filesystem can (large folios in
-    the page cache: Linux 6.18's ext4 here, XFS), and a range the page cache holds in
-    2 MiB folios is mapped with 2 MiB entries (:func:`huge_mapped_bytes`): the file's pages
-    read with as few TLB misses as anonymous huge pages, shared with every process mapping
-    the file. Pages the page cache holds in smaller folios stay 4 KiB entries. Each step is
-    skipped where the platform lacks it (advice that fails is not an error). The mapping
-    lives as long as the array (or a view of it).
+    A range the page cache holds in 2 MiB folios is mapped with 2 MiB entries
+    (:func:`huge_mapped_bytes`): the file's pages read with as few TLB misses as anonymous huge
+    pages, shared with every process mapping the file; pages in smaller folios stay 4 KiB
+    entries. With ``huge_pages`` the mapping is advised ``MADV_HUGEPAGE``, which decides the
+    folio size of what the page cache reads for it from disk: 2 MiB where the kernel and
+    filesystem can (large folios in the page cache: Linux 6.18's ext4 here, XFS). Advice the
+    platform lacks is skipped. The mapping lives as long as the array (or a view of it).
 
     Raises:
         HostMemoryError: the file cannot be opened or mapped (missing, empty, a directory).
@@ -131,12 +132,29 @@ def map_file_read_only(path: str | Path, *, huge_pages: bool = True) -> np.ndarr
             mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
     except (OSError, ValueError) as e:
         raise HostMemoryError(f"cannot map {path}: {e}") from e
-    if sys.platform.startswith("linux"):
-        advice = [mmap.MADV_HUGEPAGE] if huge_pages and hasattr(mmap, "MADV_HUGEPAGE") else []
-        for option in [*advice, _MADV_POPULATE_READ]:
-            with contextlib.suppress(OSError, ValueError):
-                mapping.madvise(option)
+    if huge_pages and sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError, ValueError):
+            mapping.madvise(mmap.MADV_HUGEPAGE)
     return np.frombuffer(mapping, dtype=np.uint8)
+
+
+def populate_mapped_pages(array: np.ndarray, ranges: list[tuple[int, int]] | None = None) -> None:
+    """Fault in the pages of a mapping from :func:`map_file_read_only`, reading from the file
+    what the page cache lacks (``MADV_POPULATE_READ``, Linux 5.14+, as ``MAP_POPULATE``):
+    ``ranges`` of ``(start, length)`` bytes (page-aligned starts), or all of it. A no-op
+    where the platform lacks it."""
+    mapping = _mapping_of(array)
+    if mapping is None or not sys.platform.startswith("linux"):
+        return
+    for start, length in [(0, len(mapping))] if ranges is None else ranges:
+        with contextlib.suppress(OSError, ValueError):
+            mapping.madvise(_MADV_POPULATE_READ, start, length)
+
+
+def _mapping_of(array: np.ndarray) -> mmap.mmap | None:
+    """The mmap behind an array from :func:`map_file_read_only` (None for another array)."""
+    mapping = array.base.obj if isinstance(array.base, memoryview) else array.base
+    return mapping if isinstance(mapping, mmap.mmap) else None
 
 
 def release_mapped_pages(array: np.ndarray) -> None:
@@ -144,8 +162,8 @@ def release_mapped_pages(array: np.ndarray) -> None:
     :func:`map_file_read_only` (``MADV_DONTNEED``): its pages leave this process's resident
     set but stay in the page cache, and fault back in when read. A no-op where the platform
     lacks it."""
-    mapping = array.base.obj if isinstance(array.base, memoryview) else array.base
-    if isinstance(mapping, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):
+    mapping = _mapping_of(array)
+    if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
         with contextlib.suppress(OSError, ValueError):
             mapping.madvise(mmap.MADV_DONTNEED)
 
@@ -153,10 +171,11 @@ def release_mapped_pages(array: np.ndarray) -> None:
 def huge_mapped_bytes(array: np.ndarray) -> int | None:
     """How many bytes of the file mapping that ``array`` starts (:func:`map_file_read_only`)
     the kernel maps with 2 MiB page-table entries: its ``FilePmdMapped`` in /proc/self/smaps
-    (bytes; a multiple of 2 MiB). None where that cannot be read (not Linux, no such field)."""
+    (bytes; a multiple of 2 MiB). None where that cannot be read (not Linux, no such field) or
+    where no mapping starts at ``array``'s first byte (a view into one)."""
     address = array.ctypes.data
-    try:
-        with open(f"/proc/{os.getpid()}/smaps") as smaps:
+    try:  # any mapped path's bytes, whatever their encoding
+        with open(f"/proc/{os.getpid()}/smaps", errors="surrogateescape") as smaps:
             found = False
             for line in smaps:
                 header = _SMAPS_HEADER.match(line)
