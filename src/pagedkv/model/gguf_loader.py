@@ -320,7 +320,7 @@ def load_gguf(
 MMAP_ENV = "PAGEDKV_GGUF_MMAP"
 #: The share of the file's bytes the page cache must map with 2 MiB pages for the weights to be
 #: computed in place when :data:`MMAP_ENV` is unset.
-IN_PLACE_SHARE = 0.9
+IN_PLACE_SHARE = 0.8
 
 
 #: Windows of the file the page cache's page size is first sampled in (2 MiB each, spread
