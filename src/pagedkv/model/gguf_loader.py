@@ -353,20 +353,23 @@ def _place_weights(mapped: np.ndarray, setting: str) -> tuple[bool, str]:
     windows = [(start, min(HUGE_PAGE, size - start)) for start in starts]
     populate_mapped_pages(mapped, windows)
     sampled = sum(length for _, length in windows)
-    huge = huge_mapped_bytes(mapped) or 0
-    if huge >= IN_PLACE_SHARE * sampled:
-        populate_mapped_pages(mapped)
-        huge = huge_mapped_bytes(mapped) or 0
-        if huge >= IN_PLACE_SHARE * size:
-            return True, f"the page cache maps {format_bytes(huge)} of {total} with 2 MiB pages"
-        words = f"the page cache maps {format_bytes(huge)} of {total} with 2 MiB pages"
-    else:
+    huge = huge_mapped_bytes(mapped)
+    if huge is None:  # not Linux, or no smaps: the copy
+        in_place, words = False, "the page cache's page size unknown"
+    elif huge < IN_PLACE_SHARE * sampled:  # the rest of the file is never faulted in
+        in_place = False
         words = (
             f"the page cache maps {format_bytes(huge)} of {format_bytes(sampled)} sampled in "
             f"{total} with 2 MiB pages"
         )
-    release_mapped_pages(mapped)
-    return False, words
+    else:
+        populate_mapped_pages(mapped)
+        huge = huge_mapped_bytes(mapped) or 0
+        in_place = huge >= IN_PLACE_SHARE * size
+        words = f"the page cache maps {format_bytes(huge)} of {total} with 2 MiB pages"
+    if not in_place:
+        release_mapped_pages(mapped)
+    return in_place, words
 
 
 def _is_q_or_k(name: str | None) -> bool:

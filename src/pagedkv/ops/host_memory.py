@@ -110,7 +110,7 @@ def huge_page_setting() -> str:
     return "unknown"
 
 
-def map_file_read_only(path: str | Path, *, huge_pages: bool = True) -> np.ndarray:
+def map_file_read_only(path: str | Path) -> np.ndarray:
     """A read-only shared mapping of the whole file at ``path`` as a uint8 array ``[size]``,
     its pages faulted in as they are read (or ahead, :func:`populate_mapped_pages`). Shared:
     the pages are the page cache's, so a write to the file by another process shows through,
@@ -119,7 +119,7 @@ def map_file_read_only(path: str | Path, *, huge_pages: bool = True) -> np.ndarr
     A range the page cache holds in 2 MiB folios is mapped with 2 MiB entries
     (:func:`huge_mapped_bytes`): the file's pages read with as few TLB misses as anonymous huge
     pages, shared with every process mapping the file; pages in smaller folios stay 4 KiB
-    entries. With ``huge_pages`` the mapping is advised ``MADV_HUGEPAGE``, which decides the
+    entries. The mapping is advised ``MADV_HUGEPAGE``, which decides the
     folio size of what the page cache reads for it from disk: 2 MiB where the kernel and
     filesystem can (large folios in the page cache: Linux 6.18's ext4 here, XFS). Advice the
     platform lacks is skipped. The mapping lives as long as the array (or a view of it).
@@ -132,7 +132,7 @@ def map_file_read_only(path: str | Path, *, huge_pages: bool = True) -> np.ndarr
             mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
     except (OSError, ValueError) as e:
         raise HostMemoryError(f"cannot map {path}: {e}") from e
-    if huge_pages and sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE"):
+    if sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError, ValueError):
             mapping.madvise(mmap.MADV_HUGEPAGE)
     return np.frombuffer(mapping, dtype=np.uint8)
