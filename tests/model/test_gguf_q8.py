@@ -307,6 +307,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 LAYER_MIXES = {
     "q4_k_m": ("Q4_K", "Q4_K", "Q6_K", "Q8_0", "Q4_K", "Q4_0", "Q6_K"),
     "q5_q4_1": ("Q5_K", "Q5_0", "Q5_1", "Q4_1", "Q5_K", "Q5_1", "Q4_1"),
+    "k_types": ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_K", "Q6_K", "Q5_K"),
 }
 
 
@@ -458,3 +459,68 @@ def test_large_steps_pick_the_fast_product_per_part(kernels):
     rounding = (d.repeat_interleave(32, 1) / 2) @ w.abs().T  # the fast product's blocks of 32
     error = (got.double() - x.double() @ w.T).abs()
     assert bool((error <= rounding * 1.01 + 1e-4 * float(error.new_tensor(1.0))).all())
+
+
+@pytest.mark.parametrize(
+    "types", [("Q4_K", "Q5_K", "Q6_K"), ("Q6_K", "Q4_K", "Q4_K"), ("Q4_K", "Q5_0", "Q6_K")]
+)
+def test_stacked_parts_are_each_parts_product(kernels, types):
+    """The fused layer's q, k, v (three stacked parts) on int8 activations are, bit for bit,
+    each part's own product of the layer's normed input: parts all of the K-types share one
+    rounding and one parallel region (gguf_blocks.c ``pagedkv_gguf_gemm_q8k_parts``), a mix
+    with another type runs part by part. 1, 3 and 8 tokens, 1 and 2 threads; the rotation is
+    the identity (cos 1, sin 0) so the products are read as they are."""
+    hidden, heads, kv, dim, eps = 512, 16, 11, 2, 1e-5
+    gen = torch.Generator().manual_seed(21)
+    sizes = (heads * dim, kv * dim, kv * dim)
+    parts = [
+        GGUFPart(GGML_TYPES[t].type_id, torch.from_numpy(gguf_weight(t, n, hidden, 30 + i)))
+        for i, (t, n) in enumerate(zip(types, sizes, strict=True))
+    ]
+
+    def square(n, k, seed):
+        return GGUFPart(
+            GGML_TYPES["Q8_0"].type_id, torch.from_numpy(gguf_weight("Q8_0", n, k, seed))
+        )
+
+    input_norm = torch.rand(hidden, generator=gen) + 0.5
+    layer = LlamaLayerWeights(
+        parts,
+        square(hidden, heads * dim, 40),
+        [square(2 * 256, hidden, 41)],
+        square(hidden, 256, 42),
+        input_norm,
+        input_norm,
+        None,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=dim,
+        eps=eps,
+        isa=kernels.isa,
+        activations="q8",
+    )
+    for rows in (1, 3, 8):
+        h = torch.randn(rows, hidden, generator=gen)
+        x = kernels.rms_norm(h, input_norm, eps)
+        want = torch.cat([kernels.gguf_gemm(p.type_id, x, p.data) for p in parts], dim=1)
+        for threads in (1, 2):
+            qkv = torch.full((rows, sum(sizes)), float("nan"))
+            kernels.llama_attn_in(
+                layer, h, torch.ones(rows, dim), torch.zeros(rows, dim), qkv, threads
+            )
+            assert torch.equal(qkv, want), (rows, threads)
+
+
+def test_decode_rows_in_pairs_are_each_rows_product(kernels):
+    """A decode step's Q4_K product (one token) takes its weight rows two at a time on the VNNI
+    body: each row's result is bit for bit the row's product alone, an odd count's last row
+    included, and the same at every row count (the batch-invariant property)."""
+    w = torch.from_numpy(gguf_weight("Q4_K", 37, 2048, 50))
+    x = torch.randn(8, 2048, generator=torch.Generator().manual_seed(51))
+    type_id = GGML_TYPES["Q4_K"].type_id
+    whole = kernels.gguf_gemm(type_id, x[:1].contiguous(), w)
+    alone = torch.cat(
+        [kernels.gguf_gemm(type_id, x[:1].contiguous(), w[n : n + 1]) for n in range(37)], 1
+    )
+    assert torch.equal(whole, alone)
+    assert torch.equal(kernels.gguf_gemm(type_id, x, w)[:1], whole)

@@ -15,7 +15,9 @@
  *
  * Products are quant_gemv.c's int4 kernel or gguf_blocks.c's products on GGUF tensors as the
  * file stores them, per stacked part (a layer may mix them and GGUF types: q and k Q4_K with
- * v Q6_K), each part its own OpenMP region (weights read as stored; with the layer's
+ * v Q6_K), each part its own OpenMP region, but for stacked parts all of the K-types on int8
+ * activations (a Q4_K_M file's q, k, v), which share one rounding of the input and one region
+ * (pagedkv_gguf_gemm_q8k_parts, the same bits) (weights read as stored; with the layer's
  * `activations` = 1, the default, the GGUF parts of the quantized types round the product's
  * input to int8 blocks of 32 (the K-types: of 256) and multiply in integers,
  * pagedkv_gguf_gemm_q8_ld on the layer's `q8_isa` body: the one exception to "fp32 rounding
@@ -107,6 +109,24 @@ static int linear_gemm(const pagedkv_linear *W, const float *x, float *out, int6
     if (W->num_parts < 1 || W->num_parts > PAGEDKV_MAX_PARTS) return -1;
     int64_t total = 0;
     for (int64_t p = 0; p < W->num_parts; p++) total += W->parts[p].rows;
+    if (W->num_parts > 1 && !batch_invariant && activations == 1) {
+        /* GGUF parts all of K-types (a Q4_K_M file's q, k, v): one rounding, one region */
+        int types[PAGEDKV_MAX_PARTS];
+        const uint8_t *ws[PAGEDKV_MAX_PARTS];
+        int64_t rows[PAGEDKV_MAX_PARTS];
+        int gguf = 1;
+        for (int64_t p = 0; p < W->num_parts; p++) {
+            gguf &= W->parts[p].kind == PAGEDKV_PART_GGUF;
+            types[p] = W->parts[p].type;
+            ws[p] = (const uint8_t *)W->parts[p].a;
+            rows[p] = W->parts[p].rows;
+        }
+        if (gguf) {
+            const int rc = pagedkv_gguf_gemm_q8k_parts((int)W->num_parts, types, ws, rows, x, out,
+                                                       M, K, total, num_threads, q8_isa);
+            if (rc != 1) return rc;
+        }
+    }
     int64_t col = 0;
     for (int64_t p = 0; p < W->num_parts; p++) {
         const pagedkv_linear_part *P = W->parts + p;

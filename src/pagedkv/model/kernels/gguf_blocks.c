@@ -1418,7 +1418,96 @@ static inline AI void vk_row_q6_k(const int M, const uint8_t *w, const int8_t *x
         FOR_ROWS(vk_row_##T, M, w, xq, xd, bsum, K, ldo);                                \
     }
 
-VK_ROWS(q4_k)
+/* Q4_K rows n, n + 1 for one activation row (M = 1, a decode step): vk_row_kq's operations
+ * for each row in the same order (each result bit for bit vk_row_q4_k's), the two rows'
+ * chains interleaved and each activation vector loaded once for both: one row's super-blocks
+ * are too few (K / 256) for the out-of-order core to hide its reduction and scale unpacking */
+/* Q4_K rows n, n + 1 of a decode step (M = 1): vk_row_kq's operations for each row, in the
+ * same order (each row's result bit for bit vk_row_q4_k's; the scale picked by an in-lane byte
+ * shuffle of the scales broadcast to every 128-bit lane instead of a cross-lane word permute, the
+ * same integers), the two rows' chains interleaved and each activation vector and scale pattern
+ * loaded once for both. One row is too little work per super-block for the core to hide its
+ * scale unpacking and its reduction: two rows take 7-10% less time per byte
+ * (bench_quant_kernels.py --gguf --types Q4_K --rows 1 --activations q8, hot and cold, K 2048
+ * to 8192; four rows are slower again, out of registers). The two rows are 2 S super-blocks of
+ * contiguous bytes, prefetched as one stream a row pair and PF_BYTES / 2 ahead (a prefetch per
+ * row, as vk_row_kq's, left a third of the cold speed behind). */
+static inline AI void vk_row2_q4_k(const uint8_t *w, const int8_t *xq, const float *xd,
+                                   const int16_t *bsum, int64_t K, int64_t n, float *out) {
+    const int64_t S = K / 256;
+    const uint8_t *row0 = w + n * S * 144;
+    __m512 a0[2];
+    __m256 a1[2];
+#pragma GCC unroll 2
+    for (int r = 0; r < 2; r++) {
+        a0[r] = _mm512_setzero_ps();
+        a1[r] = _mm256_setzero_ps();
+    }
+    for (int64_t s = 0; s < S; s++) {
+        __m512i scales[2], sumi[2];
+        __m256i mins[2];
+        float d[2], dmin[2];
+        const uint8_t *pf = row0 + 288 * S + PF_BYTES / 2 + 288 * s;
+        PREFETCH(pf);
+        PREFETCH(pf + 64);
+        PREFETCH(pf + 128);
+        PREFETCH(pf + 192);
+        PREFETCH(pf + 256);
+#pragma GCC unroll 2
+        for (int r = 0; r < 2; r++) {
+            const uint8_t *blk = row0 + (r * S + s) * 144;
+            const __m256i sm16 = k_scales_mins16(blk);
+            scales[r] = _mm512_broadcast_i32x4(_mm256_castsi256_si128(sm16));
+            mins[r] = k_mins_twice(sm16);
+            d[r] = f16_to_f32(blk);
+            dmin[r] = f16_to_f32(blk + 2);
+            sumi[r] = _mm512_setzero_si512();
+        }
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            const __m512i xv = _mm512_loadu_si512(xq + 256 * s + 64 * c);
+            /* scale 2 c's two bytes in every 16-bit lane of bytes 0-31, 2 c + 1's in 32-63 */
+            const __m512i pick = _mm512_inserti64x4(
+                _mm512_set1_epi16((short)((4 * c + 1) << 8 | (4 * c))),
+                _mm256_set1_epi16((short)((4 * c + 3) << 8 | (4 * c + 2))), 1);
+#pragma GCC unroll 2
+            for (int r = 0; r < 2; r++) {
+                const uint8_t *qs = row0 + (r * S + s) * 144 + 16;
+                const __m512i bytes = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
+                const __m512i wv = _mm512_and_si512(
+                    _mm512_mask_srli_epi16(bytes, (__mmask32)0xFFFF0000u, bytes, 4), _mm512_set1_epi8(0x0F));
+                const __m512i sc = _mm512_shuffle_epi8(scales[r], pick);
+                sumi[r] = _mm512_dpwssd_epi32(sumi[r], _mm512_maddubs_epi16(wv, xv), sc);
+            }
+        }
+        const float f = xd[s];
+        const __m256i bs = _mm256_loadu_si256((const __m256i *)(bsum + 16 * s));
+#pragma GCC unroll 2
+        for (int r = 0; r < 2; r++) {
+            const __m256i pm = _mm256_madd_epi16(bs, mins[r]);
+            a0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), _mm512_set1_ps(d[r] * f), a0[r]);
+            a1[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(pm), _mm256_set1_ps(dmin[r] * f), a1[r]);
+        }
+    }
+#pragma GCC unroll 2
+    for (int r = 0; r < 2; r++)
+        out[n + r] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], _mm512_zextps256_ps512(a1[r])));
+}
+
+/* rows n0..n1 of Q4_K: a decode step's in pairs (vk_row2_q4_k), else vk_row_q4_k's M rows */
+static __attribute__((noinline)) void vk_rows_q4_k(int M, const uint8_t *w, const int8_t *xq,
+                                                   const float *xd, const int16_t *bsum,
+                                                   int64_t K, int64_t ldo, int64_t n0, int64_t n1,
+                                                   float *out) {
+    if (M == 1) {
+        int64_t n = n0;
+        for (; n + 1 < n1; n += 2) vk_row2_q4_k(w, xq, xd, bsum, K, n, out);
+        if (n < n1) vk_row_q4_k(1, w, xq, xd, bsum, K, ldo, n, out);
+        return;
+    }
+    FOR_ROWS(vk_row_q4_k, M, w, xq, xd, bsum, K, ldo);
+}
+
 VK_ROWS(q5_k)
 VK_ROWS(q6_k)
 #undef VK_ROWS
@@ -2031,6 +2120,73 @@ static int gemm_q8k(int type, const float *x, const uint8_t *w, float *out, int6
                     case GGML_Q5_K: q8k_rows_q5_k(mc, w, q, d, bs, K, ldo, n0, n1, o); break;
                     default: q8k_rows_q6_k(mc, w, q, d, bs, K, ldo, n0, n1, o); break;
                 }
+            }
+        }
+    }
+    free(xd);
+    return 0;
+}
+
+/* The K-type parts of a stacked product (q, k, v; gate, up) in one call: x rounded by
+ * quantize_row_q8k once, then one OpenMP region over every part's blocks of ROW_BLOCK rows
+ * (part p writes the output columns after those of parts 0..p-1), instead of one rounding and
+ * one region per part: at batch 1 a small part (a 1B model's k and v: 0.6 MB) is read in
+ * about 16 us, and each region's start and barrier cost a few of them. Each row's result is
+ * bit for bit gemm_q8k's (the same row kernels on the same rounded activations), whatever the
+ * grouping. Arguments as pagedkv_gguf_gemm_q8_ld's, per part (types[p], ws[p] its rows[p]
+ * rows). Returns 0; 1, having done nothing, where a part is not a K-type (the caller runs the
+ * parts one by one); -1 for bad sizes or an allocation failure. */
+int pagedkv_gguf_gemm_q8k_parts(int num_parts, const int *types, const uint8_t *const *ws,
+                                const int64_t *rows, const float *x, float *out, int64_t M,
+                                int64_t K, int64_t ldo, int num_threads, int isa) {
+    if (num_parts < 1 || num_parts > 8) return -1;
+    for (int p = 0; p < num_parts; p++)
+        if (!is_k_type(types[p])) return 1;
+    if (M < 1 || M > MAX_M || K <= 0 || K % 256 != 0) return -1;
+    if (isa != PAGEDKV_ISA_AVX2 && isa != PAGEDKV_ISA_AVX512 && isa != PAGEDKV_ISA_AVX512_VNNI)
+        return -1;
+    int64_t first_block[9], col[9], total = 0, bytes = 0;
+    first_block[0] = 0;
+    col[0] = 0;
+    for (int p = 0; p < num_parts; p++) {
+        if (rows[p] < 0) return -1;
+        int64_t E, B;
+        pagedkv_gguf_block(types[p], &E, &B);
+        first_block[p + 1] = first_block[p] + (rows[p] + ROW_BLOCK - 1) / ROW_BLOCK;
+        col[p + 1] = col[p] + rows[p];
+        bytes += rows[p] * (K / E * B);
+    }
+    total = first_block[num_parts];
+    if (col[num_parts] > ldo) return -1;
+    const int64_t S = K / 256, H = K / 16;
+    float *xd = (float *)malloc(sizeof(float) * M * S + sizeof(int16_t) * M * H + (size_t)(M * K));
+    if (xd == NULL) return -1;
+    int16_t *bsum = (int16_t *)(xd + M * S);
+    int8_t *xq = (int8_t *)(bsum + M * H);
+    for (int64_t m = 0; m < M; m++) quantize_row_q8k(x + m * K, K, xq + m * K, xd + m * S, bsum + m * H);
+    const int vnni = isa == PAGEDKV_ISA_AVX512_VNNI;
+    /* row_chunk's rule on the whole call's bytes */
+    const int64_t chunk = num_threads <= 1 || bytes >= GUIDED_MIN_BYTES ? 1 : (total + num_threads - 1) / num_threads;
+#pragma omp parallel for schedule(guided, chunk) num_threads(num_threads)
+    for (int64_t b = 0; b < total; b++) {
+        int p = 0;
+        while (b >= first_block[p + 1]) p++;
+        const int64_t n0 = (b - first_block[p]) * ROW_BLOCK;
+        const int64_t n1 = n0 + ROW_BLOCK < rows[p] ? n0 + ROW_BLOCK : rows[p];
+        const uint8_t *w = ws[p];
+        float *o = out + col[p];
+        const int mc = (int)M;
+        if (vnni) {
+            switch (types[p]) {
+                case GGML_Q4_K: vk_rows_q4_k(mc, w, xq, xd, bsum, K, ldo, n0, n1, o); break;
+                case GGML_Q5_K: vk_rows_q5_k(mc, w, xq, xd, bsum, K, ldo, n0, n1, o); break;
+                default: vk_rows_q6_k(mc, w, xq, xd, bsum, K, ldo, n0, n1, o); break;
+            }
+        } else {
+            switch (types[p]) {
+                case GGML_Q4_K: q8k_rows_q4_k(mc, w, xq, xd, bsum, K, ldo, n0, n1, o); break;
+                case GGML_Q5_K: q8k_rows_q5_k(mc, w, xq, xd, bsum, K, ldo, n0, n1, o); break;
+                default: q8k_rows_q6_k(mc, w, xq, xd, bsum, K, ldo, n0, n1, o); break;
             }
         }
     }

@@ -56,6 +56,13 @@ int pagedkv_gguf_gemm_ld(int type, const float *x, const uint8_t *w, float *out,
  * those types, else 0 (the float types). The products take pagedkv_gguf_gemm(_ld)'s arguments
  * and return -1 for a type it does not take (or anything pagedkv_gguf_gemm refuses). */
 int pagedkv_gguf_q8_takes(int type);
+/* the K-type parts (Q4_K, Q5_K, Q6_K) of a stacked product, part p's rows[p] rows of blocks
+ * ws[p] writing the output columns after parts 0..p-1's, in one call: pagedkv_gguf_gemm_q8_ld's
+ * results (bit for bit), x rounded once and one parallel region; returns 1 (nothing done) where
+ * a part is not a K-type */
+int pagedkv_gguf_gemm_q8k_parts(int num_parts, const int *types, const uint8_t *const *ws,
+                                const int64_t *rows, const float *x, float *out, int64_t M,
+                                int64_t K, int64_t ldo, int num_threads, int isa);
 int pagedkv_gguf_gemm_q8(int type, const float *x, const uint8_t *w, float *out, int64_t M,
                          int64_t N, int64_t K, int num_threads, int isa);
 int pagedkv_gguf_gemm_q8_ld(int type, const float *x, const uint8_t *w, float *out, int64_t M,
