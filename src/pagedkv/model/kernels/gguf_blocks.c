@@ -1418,20 +1418,16 @@ static inline AI void vk_row_q6_k(const int M, const uint8_t *w, const int8_t *x
         FOR_ROWS(vk_row_##T, M, w, xq, xd, bsum, K, ldo);                                \
     }
 
-/* Q4_K rows n, n + 1 for one activation row (M = 1, a decode step): vk_row_kq's operations
- * for each row in the same order (each result bit for bit vk_row_q4_k's), the two rows'
- * chains interleaved and each activation vector loaded once for both: one row's super-blocks
- * are too few (K / 256) for the out-of-order core to hide its reduction and scale unpacking */
 /* Q4_K rows n, n + 1 of a decode step (M = 1): vk_row_kq's operations for each row, in the
  * same order (each row's result bit for bit vk_row_q4_k's; the scale picked by an in-lane byte
  * shuffle of the scales broadcast to every 128-bit lane instead of a cross-lane word permute, the
  * same integers), the two rows' chains interleaved and each activation vector and scale pattern
  * loaded once for both. One row is too little work per super-block for the core to hide its
- * scale unpacking and its reduction: two rows take 7-10% less time per byte
+ * scale unpacking and its reduction: two rows read 7-10% more bytes a second
  * (bench_quant_kernels.py --gguf --types Q4_K --rows 1 --activations q8, hot and cold, K 2048
- * to 8192; four rows are slower again, out of registers). The two rows are 2 S super-blocks of
- * contiguous bytes, prefetched as one stream a row pair and PF_BYTES / 2 ahead (a prefetch per
- * row, as vk_row_kq's, left a third of the cold speed behind). */
+ * to 8192, 2-core Zen 4; four rows were slower again). The two rows are 2 S super-blocks of
+ * contiguous bytes, prefetched as one stream, a row pair and PF_BYTES / 2 ahead (a prefetch
+ * per row, as vk_row_kq's, lost a third of the speed from memory). */
 static inline AI void vk_row2_q4_k(const uint8_t *w, const int8_t *xq, const float *xd,
                                    const int16_t *bsum, int64_t K, int64_t n, float *out) {
     const int64_t S = K / 256;
@@ -2130,8 +2126,8 @@ static int gemm_q8k(int type, const float *x, const uint8_t *w, float *out, int6
 /* The K-type parts of a stacked product (q, k, v; gate, up) in one call: x rounded by
  * quantize_row_q8k once, then one OpenMP region over every part's blocks of ROW_BLOCK rows
  * (part p writes the output columns after those of parts 0..p-1), instead of one rounding and
- * one region per part: at batch 1 a small part (a 1B model's k and v: 0.6 MB) is read in
- * about 16 us, and each region's start and barrier cost a few of them. Each row's result is
+ * one region (start, barrier) per part: at batch 1 a small part is read in microseconds (a 1B
+ * model's k: 0.6 MB), and the threads wait at each part's end. Each row's result is
  * bit for bit gemm_q8k's (the same row kernels on the same rounded activations), whatever the
  * grouping. Arguments as pagedkv_gguf_gemm_q8_ld's, per part (types[p], ws[p] its rows[p]
  * rows). Returns 0; 1, having done nothing, where a part is not a K-type (the caller runs the
