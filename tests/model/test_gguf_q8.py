@@ -303,6 +303,16 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos[:, None] + torch.cat([x[..., half:], x[..., :half]], -1) * sin[:, None]
 
 
+def fused_layer(weights, norms, shape, isa, activations) -> LlamaLayerWeights:
+    """A fused layer without bias: ``weights`` (qkv parts, o, gate_up parts, down), ``norms``
+    (input, post-attention), ``shape`` (heads, kv heads, head dim, eps)."""
+    (qkv, o, gate_up, down), (heads, kv, dim, eps) = weights, shape
+    return LlamaLayerWeights(
+        qkv, o, gate_up, down, *norms, None, num_heads=heads, num_kv_heads=kv, head_dim=dim,
+        eps=eps, isa=isa, activations=activations,
+    )  # fmt: skip
+
+
 #: Each product's part types of a layer: Q4_K_M-like, and the other quantized types.
 LAYER_MIXES = {
     "q4_k_m": ("Q4_K", "Q4_K", "Q6_K", "Q8_0", "Q4_K", "Q4_0", "Q6_K"),
@@ -338,21 +348,10 @@ def test_fused_layer_on_int8_activations(kernels, mix):
     post_norm = torch.rand(hidden, generator=gen) + 0.5
 
     def layer(activations):
-        return LlamaLayerWeights(
-            [q, k, v],
-            o,
-            [gate, up],
-            down,
-            input_norm,
-            post_norm,
-            None,
-            num_heads=heads,
-            num_kv_heads=kv,
-            head_dim=dim,
-            eps=eps,
-            isa=kernels.isa,
-            activations=activations,
-        )
+        return fused_layer(
+            ([q, k, v], o, [gate, up], down), (input_norm, post_norm), (heads, kv, dim, eps),
+            kernels.isa, activations,
+        )  # fmt: skip
 
     q8_layer, fp32_layer = layer("q8"), layer("fp32")
     qkv_dense = torch.cat([q_dense, k_dense, v_dense])
@@ -484,21 +483,13 @@ def test_stacked_parts_are_each_parts_product(kernels, types):
         )
 
     input_norm = torch.rand(hidden, generator=gen) + 0.5
-    layer = LlamaLayerWeights(
+    weights = (
         parts,
         square(hidden, heads * dim, 40),
-        [square(2 * 256, hidden, 41)],
+        [square(512, hidden, 41)],
         square(hidden, 256, 42),
-        input_norm,
-        input_norm,
-        None,
-        num_heads=heads,
-        num_kv_heads=kv,
-        head_dim=dim,
-        eps=eps,
-        isa=kernels.isa,
-        activations="q8",
     )
+    layer = fused_layer(weights, (input_norm, input_norm), (heads, kv, dim, eps), kernels.isa, "q8")
     for rows in (1, 3, 8):
         h = torch.randn(rows, hidden, generator=gen)
         x = kernels.rms_norm(h, input_norm, eps)
