@@ -505,7 +505,8 @@ def test_stacked_parts_are_each_parts_product(kernels, types):
 def test_decode_rows_in_pairs_are_each_rows_product(kernels):
     """A decode step's Q4_K product (one token) takes its weight rows two at a time on the VNNI
     body: each row's result is bit for bit the row's product alone, an odd count's last row
-    included, and the same at every row count (the batch-invariant property)."""
+    included, and the same at every row count (the batch-invariant property). The AVX2 body,
+    one row at a time, is held to the same."""
     w = torch.from_numpy(gguf_weight("Q4_K", 37, 2048, 50))
     x = torch.randn(8, 2048, generator=torch.Generator().manual_seed(51))
     type_id = GGML_TYPES["Q4_K"].type_id
@@ -515,3 +516,51 @@ def test_decode_rows_in_pairs_are_each_rows_product(kernels):
     )
     assert torch.equal(whole, alone)
     assert torch.equal(kernels.gguf_gemm(type_id, x, w)[:1], whole)
+
+
+def test_the_stacked_parts_entry_directly(kernels):
+    """``pagedkv_gguf_gemm_q8k_parts`` itself: parts of odd and zero row counts written side by
+    side into rows ``ldo`` apart (the columns past them untouched), bit for bit each part's own
+    product, on the fixture's body at 1 and 5 tokens; a part of another type returns 1 and a
+    bad size -1, both writing nothing."""
+    lib = ctypes.CDLL(str(kernels.path))
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    entry = lib.pagedkv_gguf_gemm_q8k_parts
+    entry.argtypes = [ctypes.c_int, p, p, p, p, p, i64, i64, i64, ctypes.c_int, ctypes.c_int]
+    code = Q8_ISA_CODES[kernels.q8_isa]
+    k, ldo = 512, 60
+    names, sizes = ("Q6_K", "Q4_K", "Q5_K", "Q4_K"), (17, 0, 3, 37)
+    raws = [
+        gguf_weight(t, max(n, 1), k, 60 + i)[:n]
+        for i, (t, n) in enumerate(zip(names, sizes, strict=True))
+    ]
+
+    def call(types, rows, x, out):
+        arrays = [np.ascontiguousarray(r) for r in raws]
+        return entry(
+            len(types), (ctypes.c_int * len(types))(*types),
+            (ctypes.c_void_p * len(types))(*[a.ctypes.data for a in arrays]),
+            (ctypes.c_int64 * len(types))(*rows), x.data_ptr(), out.data_ptr(),
+            x.shape[0], k, ldo, 2, code,
+        )  # fmt: skip
+
+    types = [GGML_TYPES[t].type_id for t in names]
+    for rows in (1, 5):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        out = torch.full((rows, ldo), 7.0)
+        assert call(types, sizes, x, out) == 0
+        want = [
+            kernels.gguf_gemm(t, x, torch.from_numpy(np.ascontiguousarray(r)))
+            for t, r, n in zip(types, raws, sizes, strict=True)
+            if n
+        ]
+        assert torch.equal(out[:, : sum(sizes)], torch.cat(want, 1))
+        assert torch.equal(out[:, sum(sizes) :], torch.full((rows, ldo - sum(sizes)), 7.0))
+        before = out.clone()
+        assert call([*types[:3], GGML_TYPES["Q8_0"].type_id], sizes, x, out) == 1
+        assert call(types, [*sizes[:3], -1], x, out) == -1
+        assert torch.equal(out, before)
+    x = torch.randn(9, k)  # more than the small products' 8 rows
+    out = torch.full((9, ldo), 7.0)
+    assert call(types, sizes, x, out) == -1
+    assert torch.equal(out, torch.full((9, ldo), 7.0))

@@ -1423,9 +1423,10 @@ static inline AI void vk_row_q6_k(const int M, const uint8_t *w, const int8_t *x
  * shuffle of the scales broadcast to every 128-bit lane instead of a cross-lane word permute, the
  * same integers), the two rows' chains interleaved and each activation vector and scale pattern
  * loaded once for both. One row is too little work per super-block for the core to hide its
- * scale unpacking and its reduction: two rows read 7-10% more bytes a second
- * (bench_quant_kernels.py --gguf --types Q4_K --rows 1 --activations q8, hot and cold, K 2048
- * to 8192, 2-core Zen 4; four rows were slower again). The two rows are 2 S super-blocks of
+ * scale unpacking and its reduction: two rows read 7-10% more bytes a second at 16384 x 2048,
+ * hot and from memory (bench_quant_kernels.py --gguf --types Q4_K --rows 1 --activations q8,
+ * 2-core Zen 4; from memory 0-5% at K 8192, up to a third at 3072; four rows were slower
+ * again: docs/perf.md, 2026-12-06 "Q4_K rows in pairs"). The two rows are 2 S super-blocks of
  * contiguous bytes, prefetched as one stream, a row pair and PF_BYTES / 2 ahead (a prefetch
  * per row, as vk_row_kq's, lost a third of the speed from memory). */
 static inline AI void vk_row2_q4_k(const uint8_t *w, const int8_t *xq, const float *xd,
@@ -2146,8 +2147,8 @@ int pagedkv_gguf_gemm_q8k_parts(int num_parts, const int *types, const uint8_t *
     col[0] = 0;
     for (int p = 0; p < num_parts; p++) {
         if (rows[p] < 0) return -1;
-        int64_t E, B;
-        pagedkv_gguf_block(types[p], &E, &B);
+        int64_t E = 256, B = 0;
+        if (pagedkv_gguf_block(types[p], &E, &B)) return -1;
         first_block[p + 1] = first_block[p] + (rows[p] + ROW_BLOCK - 1) / ROW_BLOCK;
         col[p + 1] = col[p] + rows[p];
         bytes += rows[p] * (K / E * B);
@@ -2161,7 +2162,8 @@ int pagedkv_gguf_gemm_q8k_parts(int num_parts, const int *types, const uint8_t *
     int8_t *xq = (int8_t *)(bsum + M * H);
     for (int64_t m = 0; m < M; m++) quantize_row_q8k(x + m * K, K, xq + m * K, xd + m * S, bsum + m * H);
     const int vnni = isa == PAGEDKV_ISA_AVX512_VNNI;
-    /* row_chunk's rule on the whole call's bytes */
+    /* row_chunk's rule (guided by single blocks from GUIDED_MIN_BYTES on, else a static
+     * share per thread) on the parts' bytes together */
     const int64_t chunk = num_threads <= 1 || bytes >= GUIDED_MIN_BYTES ? 1 : (total + num_threads - 1) / num_threads;
 #pragma omp parallel for schedule(guided, chunk) num_threads(num_threads)
     for (int64_t b = 0; b < total; b++) {
