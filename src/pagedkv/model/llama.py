@@ -208,8 +208,8 @@ class LlamaForCausalLM(DecoderForCausalLM):
             logger.info(
                 "steps of <= %d tokens: %s",
                 FUSED_MAX_TOKENS,
-                "fused decoder layers (pagedkv's C layers, one call a step with a C backend; "
-                f"int4 weights made at load: <= {QUANT_MAX_TOKENS})"
+                "fused decoder layers (pagedkv's C layers, one call a step with a C backend"
+                + (f"; weights quantized at load: <= {QUANT_MAX_TOKENS})" if quantized else ")")
                 if why == ""
                 else f"decoder layers as torch ops ({why})",
             )
