@@ -2082,6 +2082,26 @@ static int is_k_type(int type) {
     return type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K;
 }
 
+/* Rows n0..n1 of a K-type's product for mc <= MAX_M activation rows (quantize_row_q8k's xq, xd,
+ * bsum): q8k_rows_* on the AVX2 body, vk_rows_* on the VNNI one (`vnni`) */
+static void k_rows(int type, int vnni, int mc, const uint8_t *w, const int8_t *xq,
+                   const float *xd, const int16_t *bsum, int64_t K, int64_t ldo, int64_t n0,
+                   int64_t n1, float *out) {
+    if (vnni) {
+        switch (type) {
+            case GGML_Q4_K: vk_rows_q4_k(mc, w, xq, xd, bsum, K, ldo, n0, n1, out); break;
+            case GGML_Q5_K: vk_rows_q5_k(mc, w, xq, xd, bsum, K, ldo, n0, n1, out); break;
+            default: vk_rows_q6_k(mc, w, xq, xd, bsum, K, ldo, n0, n1, out); break;
+        }
+    } else {
+        switch (type) {
+            case GGML_Q4_K: q8k_rows_q4_k(mc, w, xq, xd, bsum, K, ldo, n0, n1, out); break;
+            case GGML_Q5_K: q8k_rows_q5_k(mc, w, xq, xd, bsum, K, ldo, n0, n1, out); break;
+            default: q8k_rows_q6_k(mc, w, xq, xd, bsum, K, ldo, n0, n1, out); break;
+        }
+    }
+}
+
 /* The K-types' int8 product (arguments checked by the caller; K a multiple of 256, any M >= 1):
  * every activation row rounded by quantize_row_q8k once (one buffer: xd fp32 [M, K / 256],
  * bsum int16 [M, K / 16], xq int8 [M, K]), then blocks of `rows` weight rows across the
@@ -2111,19 +2131,7 @@ static int gemm_q8k(int type, const float *x, const uint8_t *w, float *out, int6
             const float *d = xd + m0 * S;
             const int16_t *bs = bsum + m0 * H;
             float *o = out + m0 * ldo;
-            if (vnni) {
-                switch (type) {
-                    case GGML_Q4_K: vk_rows_q4_k(mc, w, q, d, bs, K, ldo, n0, n1, o); break;
-                    case GGML_Q5_K: vk_rows_q5_k(mc, w, q, d, bs, K, ldo, n0, n1, o); break;
-                    default: vk_rows_q6_k(mc, w, q, d, bs, K, ldo, n0, n1, o); break;
-                }
-            } else {
-                switch (type) {
-                    case GGML_Q4_K: q8k_rows_q4_k(mc, w, q, d, bs, K, ldo, n0, n1, o); break;
-                    case GGML_Q5_K: q8k_rows_q5_k(mc, w, q, d, bs, K, ldo, n0, n1, o); break;
-                    default: q8k_rows_q6_k(mc, w, q, d, bs, K, ldo, n0, n1, o); break;
-                }
-            }
+            k_rows(type, vnni, mc, w, q, d, bs, K, ldo, n0, n1, o);
         }
     }
     free(xd);
@@ -2177,22 +2185,7 @@ int pagedkv_gguf_gemm_q8k_parts(int num_parts, const int *types, const uint8_t *
         while (b >= first_block[p + 1]) p++;
         const int64_t n0 = (b - first_block[p]) * ROW_BLOCK;
         const int64_t n1 = n0 + ROW_BLOCK < rows[p] ? n0 + ROW_BLOCK : rows[p];
-        const uint8_t *w = ws[p];
-        float *o = out + col[p];
-        const int mc = (int)M;
-        if (vnni) {
-            switch (types[p]) {
-                case GGML_Q4_K: vk_rows_q4_k(mc, w, xq, xd, bsum, K, ldo, n0, n1, o); break;
-                case GGML_Q5_K: vk_rows_q5_k(mc, w, xq, xd, bsum, K, ldo, n0, n1, o); break;
-                default: vk_rows_q6_k(mc, w, xq, xd, bsum, K, ldo, n0, n1, o); break;
-            }
-        } else {
-            switch (types[p]) {
-                case GGML_Q4_K: q8k_rows_q4_k(mc, w, xq, xd, bsum, K, ldo, n0, n1, o); break;
-                case GGML_Q5_K: q8k_rows_q5_k(mc, w, xq, xd, bsum, K, ldo, n0, n1, o); break;
-                default: q8k_rows_q6_k(mc, w, xq, xd, bsum, K, ldo, n0, n1, o); break;
-            }
-        }
+        k_rows(types[p], vnni, (int)M, ws[p], xq, xd, bsum, K, ldo, n0, n1, out + col[p]);
     }
     free(xd);
     return 0;
