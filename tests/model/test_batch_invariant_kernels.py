@@ -112,14 +112,17 @@ def test_large_steps_on_each_body_are_its_small_products(kernels, name):
 def test_large_vnni_steps_over_long_rows_are_the_small_products(kernels, name):
     """The VNNI body's large-step kernel runs K in chunks of 16 pairs of groups (its lanes'
     sums kept between chunks) and the activation rows in spans sized to L2: K = 2304 (three
-    chunks, the last partial) and, for the 32-element types, K = 1056 (a lone last group in
-    the second chunk); 70 rows (two spans at K = 2304) and 40 weight rows (a partial tile of
-    16), under 1 and 2 threads: every row the bits of the one-row product."""
+    chunks, the last partial; for the 32-element types 72 blocks: four of the one-row
+    kernel's groups of 16 and a last group of 8) and, for the 32-element types, K = 1056 (a
+    lone last block in the second chunk: a last group of one pair, one block) and K = 576
+    (SmolLM2's width, 18 blocks: a last group of one pair of two blocks); 70 rows (two spans at
+    K = 2304) and 40 weight rows (a partial tile of 16), under 1 and 2 threads: every row the
+    bits of the one-row product."""
     if "avx512_vnni" not in q8_bodies(kernels.isa):
         pytest.skip("no AVX-512 VNNI here")
     t = GGML_TYPES[name]
     kk = CpuQuantKernels(kernels.path, isa=kernels.isa, activations="q8", q8_isa="avx512_vnni")
-    for k in (2304, 1056):
+    for k in (2304, 1056, 576):
         if k % t.block_elems:
             continue
         raw = raw_weight(name, 40, k, seed=k)

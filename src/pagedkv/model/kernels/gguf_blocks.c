@@ -1126,27 +1126,24 @@ static int gemm_q8_avx2_fast(int type, const float *x, const uint8_t *w, float *
  * One 512-bit vector holds two groups of 32 (a "pair": lanes 0-7 the first, 8-15 the
  * second), so one instruction per pair and activation row does what maddubs + madd do per
  * group in the AVX2 body.
- *   Unsigned weights (Q4_1, Q5_1, Q4_K, Q5_K q) are u as they are, xq is s.
- *   Signed weights (Q8_0, Q4_0 - 8, Q5_0 - 16, Q6_K - 32) are s, and the activations u =
- *   xq + 128 (in [1, 255], kept once per call beside xq): u . w = xq . w + 128 sum(w), so
- *   each lane starts from -128 * (its four weights' sum), one dpbusd of 128s with w per pair,
- *   shared by all activation rows.
- * Each lane holds four consecutive elements, so a pair's fp32 factor is one vector of 16:
- * the weights' scale per lane (d per block) times the activation blocks' xd (lanes 0-7 the
- * first block's, 8-15 the second's, laid out so once per call). The offsets as in the AVX2
- * body: Q4_1 / Q5_1's m times xds (spread as xds / 8 over the block's 8 lanes). The K-types
- * run vk_row_* below on the Q8_K-style activations (maddubs, then dpwssd). */
+ *   The weights are taken as unsigned codes u (Q4_1, Q5_1, Q4_K, Q5_K as they are; Q8_0,
+ * Q4_0, Q5_0 with their bias b = 128, 8, 16 added), xq is s: u . xq = w . xq + b sum(xq), and
+ * b times the block's activation sum (kept once per call) is taken off the block's sum.
+ * The 32-element types (v_row_32) sum each block's 8 lanes in int32 before its one float step;
+ * the K-types run vk_row_* below on the Q8_K-style activations (maddubs, then dpwssd). */
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
 
-/* The activations as the VNNI body reads them: P = ceil(K / 64) pairs, rows Kp = 64 P apart */
+/* The activations as the VNNI body reads them: P = ceil(K / 64) pairs, rows Kp = 64 P apart;
+ * Q = ceil(G / 16) groups of 16 blocks, each laid out in v_block_sums' lane order */
 typedef struct {
-    const int8_t *xq;  /* [M, Kp] the rounded activations (zeros past K) */
-    const uint8_t *xu; /* [M, Kp] xq + 128 */
-    const float *xdp;  /* [M, P, 16] lanes 0-7 xd[2 p], 8-15 xd[2 p + 1] (0 past K) */
-    const float *xsp;  /* [M, P, 16] the same of xds / 8 */
-    const float *xds;  /* [M, G] */
-    int64_t G, P, Kp;
+    const int8_t *xq;   /* [M, Kp] the rounded activations (zeros past K) */
+    const float *xd;    /* [M, G] each block's scale */
+    const float *xds;   /* [M, G] xd times the block's sum of xq */
+    const float *xdl;   /* [M, Q, 16] xd in lane order (0 past K) */
+    const float *xsl;   /* [M, Q, 16] xds in lane order (0 past K) */
+    const int32_t *xcs; /* [M, Q, 16] the block's sum of xq in lane order (0 past K) */
+    int64_t G, P, Q, Kp;
 } q8v_act;
 
 /* 16 bytes of nibbles at p0 and at p1 as 64 bytes: block p0's 32 elements, then p1's */
@@ -1189,80 +1186,180 @@ static inline AI __m512i v_w_q5_1(const uint8_t *b0, const uint8_t *b1) {
     return _mm512_mask_add_epi8(nib, v_fifth64(b0 + 4, b1 + 4), nib, _mm512_set1_epi8(16));
 }
 
-/* -128 * (the sum of each lane's four signed weights): the start of a signed pair's lanes */
-static inline AI __m512i v_offset(__m512i w) {
-    return _mm512_sub_epi32(_mm512_setzero_si512(),
-                            _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)0x80), w));
+/* The block of each lane of a group's sums, counted from the group's first block (the order
+ * v_block_sums leaves them in) */
+#define V_LANE_BLOCKS 0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15
+
+/* The block of lane L of group q of a row of G blocks, or -1: V_LANE_BLOCKS' order, but for
+ * a last group of one pair (one or two blocks: 18 blocks, K = 576, leave one), whose blocks
+ * take lanes 0 and 8 (v_group1's shorter sums) */
+static inline int64_t v_lane_block(int64_t G, int64_t q, int L) {
+    static const int order[16] = {V_LANE_BLOCKS};
+    const int64_t b = G - 16 * q <= 2 ? (L == 0 ? 16 * q : L == 8 ? 16 * q + 1 : -1) : 16 * q + order[L];
+    return b < G ? b : -1;
 }
 
-/* One pair p (blocks b0, b1; b1 NULL: the row's last block alone) of a 32-element type for
- * all M rows: a0[m] += cvt(w . xq) * (D * xd), a1[m] += M * xds / 8 (types with an offset). */
-#define V_PAIR32(M, WB, SIGNED, MOFF, b0, b1, p, a0, a1)                                     \
-    do {                                                                                     \
-        const uint8_t *c1_ = (b1) != NULL ? (b1) : (b0);                                     \
-        __m512i w_ = WB((b0), c1_);                                                          \
-        float d1_ = f16_to_f32(c1_), m1_ = 0.0f;                                             \
-        if ((MOFF) > 0) m1_ = f16_to_f32(c1_ + ((MOFF) > 0 ? (MOFF) : 0));                   \
-        if ((b1) == NULL) {                                                                  \
-            w_ = _mm512_maskz_mov_epi8((__mmask64)0xFFFFFFFFull, w_);                         \
-            d1_ = m1_ = 0.0f;                                                                \
-        }                                                                                    \
-        const __m512 dv_ = _mm512_insertf32x8(_mm512_set1_ps(f16_to_f32(b0)), _mm256_set1_ps(d1_), 1); \
-        __m512 mv_ = _mm512_setzero_ps();                                                    \
-        if ((MOFF) > 0)                                                                      \
-            mv_ = _mm512_insertf32x8(_mm512_set1_ps(f16_to_f32((b0) + ((MOFF) > 0 ? (MOFF) : 0))), \
-                                     _mm256_set1_ps(m1_), 1);                                \
-        const __m512i start_ = (SIGNED) ? v_offset(w_) : _mm512_setzero_si512();             \
-        _Pragma("GCC unroll 8") for (int m_i = 0; m_i < (M); m_i++) {                        \
-            const int64_t at_ = m_i * A->Kp + 64 * (p);                                      \
-            const __m512i dot_ =                                                             \
-                (SIGNED) ? _mm512_dpbusd_epi32(start_, _mm512_loadu_si512(A->xu + at_), w_)   \
-                         : _mm512_dpbusd_epi32(start_, w_, _mm512_loadu_si512(A->xq + at_));  \
-            const int64_t f_ = (m_i * A->P + (p)) * 16;                                      \
-            (a0)[m_i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_),                            \
-                                        _mm512_mul_ps(dv_, _mm512_loadu_ps(A->xdp + f_)), (a0)[m_i]); \
-            if ((MOFF) > 0)                                                                  \
-                (a1)[m_i] = _mm512_fmadd_ps(mv_, _mm512_loadu_ps(A->xsp + f_), (a1)[m_i]);   \
-        }                                                                                    \
-    } while (0)
+/* The integer sums of a group's 16 blocks from its 8 pairs' dpbusd lanes (D[i]: pair i, lanes
+ * 0-7 its first block's, 8-15 its second's), in V_LANE_BLOCKS order: two in-lane unpack-and-add
+ * steps, then one across the 128-bit lanes (21 instructions; exact, as integers are) */
+static inline AI __m512i v_block_sums(const __m512i D[8]) {
+    __m512i t[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)
+        t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(D[2 * i], D[2 * i + 1]),
+                                _mm512_unpackhi_epi32(D[2 * i], D[2 * i + 1]));
+    const __m512i u0 = _mm512_add_epi32(_mm512_unpacklo_epi64(t[0], t[1]), _mm512_unpackhi_epi64(t[0], t[1]));
+    const __m512i u1 = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2], t[3]), _mm512_unpackhi_epi64(t[2], t[3]));
+    /* u0's 128-bit lane c: pairs 0-3's sums over their lanes 4 c .. 4 c + 3 (u1: pairs 4-7) */
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(u0, u1, 0x88), _mm512_shuffle_i32x4(u0, u1, 0xDD));
+}
 
-#define V_ROW32(T, BB, SIGNED, MOFF)                                                         \
+static inline AI int v_block_bytes(const int type) {
+    return type == GGML_Q8_0 ? 34 : type == GGML_Q4_0 ? 18 : type == GGML_Q4_1 ? 20 : type == GGML_Q5_0 ? 22 : 24;
+}
+
+/* log2 of vl_bias (the signed types' bias: 128, 8, 16) */
+static inline AI int v_bias_shift(const int type) {
+    return type == GGML_Q8_0 ? 7 : type == GGML_Q4_0 ? 3 : 4;
+}
+
+/* Two 32-element blocks b0, b1 -> their 64 codes as unsigned bytes (the signed types' with
+ * vl_bias added, as vl_unpack stores them) */
+static inline AI __m512i v_codes(const int type, const uint8_t *b0, const uint8_t *b1) {
+    switch (type) {
+        case GGML_Q8_0: return _mm512_xor_si512(v_w_q8_0(b0, b1), _mm512_set1_epi8((char)0x80));
+        case GGML_Q4_0: return v_nib64(b0 + 2, b1 + 2);
+        case GGML_Q4_1: return v_w_q4_1(b0, b1);
+        case GGML_Q5_0: return _mm512_add_epi8(v_w_q5_0(b0, b1), _mm512_set1_epi8(16));
+        default: return v_w_q5_1(b0, b1);
+    }
+}
+
+/* One group of weight row n (its blocks from g0, `left` of them: 16 but in a row's last group)
+ * for activation rows 0..M-1: acc[m] += its 16 blocks' terms, one lane each (see v_row_32) */
+static inline AI void v_group(const int type, const int M, const uint8_t *g0, const int64_t left,
+                              const q8v_act *A, int64_t q, __m512 *acc) {
+    const int BB = v_block_bytes(type);
+    const int mins = type == GGML_Q4_1 || type == GGML_Q5_1;
+    const int signed_type = !mins;
+    __m512i W[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++) {
+        const uint8_t *b = g0 + 2 * i * BB;
+        if (2 * i + 1 < left) {
+            PREFETCH(b + PF_BYTES);
+            PREFETCH(b + PF_BYTES + 64);
+            W[i] = v_codes(type, b, b + BB);
+        } else if (2 * i < left) {
+            W[i] = _mm512_maskz_mov_epi8((__mmask64)0xFFFFFFFFull, v_codes(type, b, b));
+        } else {
+            W[i] = _mm512_setzero_si512();
+        }
+    }
+    /* the 16 blocks' first four bytes (d, and Q4_1 / Q5_1's m) in lane order, 0 past the row */
+    const __m512i lane_block = _mm512_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+    const __mmask16 have = _mm512_cmplt_epi32_mask(lane_block, _mm512_set1_epi32((int)left));
+    const __m512i head = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), have,
+                                                     _mm512_mullo_epi32(lane_block, _mm512_set1_epi32(BB)),
+                                                     g0, 1);
+    const __m512 dv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
+    const __m512 mv = mins ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)))
+                           : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) {
+        const int8_t *xq = A->xq + m * A->Kp + 512 * q;
+        __m512i D[8];
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++)
+            D[i] = 2 * i < left ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), W[i], _mm512_loadu_si512(xq + 64 * i))
+                                : _mm512_setzero_si512();
+        __m512i s = v_block_sums(D);
+        const int64_t f = (m * A->Q + q) * 16;
+        if (signed_type)
+            s = _mm512_sub_epi32(s, _mm512_slli_epi32(_mm512_loadu_si512(A->xcs + f), v_bias_shift(type)));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_loadu_ps(A->xdl + f)), acc[m]);
+        if (mins) acc[m] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(A->xsl + f), acc[m]);
+    }
+}
+
+/* A row's last group when it is one pair (blocks 16 q and, where left is 2, 16 q + 1): the
+ * pair's two block sums into lanes 0 and 8 by 6 instructions instead of v_block_sums' 21; the
+ * other lanes hold other partial sums, whose terms are zero (their xd and xds laid out 0) */
+static inline AI void v_group1(const int type, const int M, const uint8_t *g0, const int64_t left,
+                               const q8v_act *A, int64_t q, __m512 *acc) {
+    const int BB = v_block_bytes(type);
+    const int mins = type == GGML_Q4_1 || type == GGML_Q5_1;
+    const __m512i W = left == 2 ? v_codes(type, g0, g0 + BB)
+                                : _mm512_maskz_mov_epi8((__mmask64)0xFFFFFFFFull, v_codes(type, g0, g0));
+    const float d1 = left == 2 ? f16_to_f32(g0 + BB) : 0.0f;
+    const __m512 dv = _mm512_insertf32x8(_mm512_set1_ps(f16_to_f32(g0)), _mm256_set1_ps(d1), 1);
+    __m512 mv = _mm512_setzero_ps();
+    if (mins)
+        mv = _mm512_insertf32x8(_mm512_set1_ps(f16_to_f32(g0 + 2)),
+                                _mm256_set1_ps(left == 2 ? f16_to_f32(g0 + BB + 2) : 0.0f), 1);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) {
+        const __m512i D = _mm512_dpbusd_epi32(_mm512_setzero_si512(), W,
+                                              _mm512_loadu_si512(A->xq + m * A->Kp + 512 * q));
+        __m512i s = _mm512_add_epi32(D, _mm512_shuffle_i32x4(D, D, 0xB1));
+        s = _mm512_add_epi32(s, _mm512_shuffle_epi32(s, (_MM_PERM_ENUM)0x4E));
+        s = _mm512_add_epi32(s, _mm512_shuffle_epi32(s, (_MM_PERM_ENUM)0xB1));
+        const int64_t f = (m * A->Q + q) * 16;
+        if (!mins)
+            s = _mm512_sub_epi32(s, _mm512_slli_epi32(_mm512_loadu_si512(A->xcs + f), v_bias_shift(type)));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_loadu_ps(A->xdl + f)), acc[m]);
+        if (mins) acc[m] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(A->xsl + f), acc[m]);
+    }
+}
+
+/* Weight row n of a 32-element type against activation rows 0..M-1. The row runs in groups of
+ * 16 blocks (8 pairs); a group's integer dots are summed per block in int32 (v_block_sums),
+ * so each block takes one float step, as llama.cpp's do, and a lane of the accumulator is a
+ * chain of every 16th block: for block b of the group (lane L, V_LANE_BLOCKS),
+ *   acc[L] = fma(cvt(its integer dot), d_b * xd_b, acc[L])   then, Q4_1 / Q5_1,
+ *   acc[L] = fma(m_b, xds_b, acc[L]),
+ * groups in order; the row's result _mm512_reduce_add_ps(acc). The integer dot is exact (the
+ * signed types' weights taken as unsigned codes, bias b added, and b times the block's
+ * activation sum taken off), so each (m, n) is the same float operations in the same order
+ * whatever M: a row's bits do not depend on the step's other rows, and vl_groups (the
+ * batch-invariant large steps) repeats them across 16 weight rows. Blocks past the row are
+ * zero terms, fma(0, 0, acc) = acc. Against one float step per pair and lane of four elements
+ * (this kernel before 2026-12-07) a verification step's rows cost about half: that did 16
+ * conversions, multiplies and two FMAs per pair and activation row, which bound the core. */
+static inline AI void v_row_32(const int type, const int M, const uint8_t *w, const q8v_act *A,
+                               int64_t ldo, int64_t n, float *out) {
+    const int BB = v_block_bytes(type);
+    const int64_t G = A->G, Q = A->Q;
+    const uint8_t *row = w + n * G * BB;
+    __m512 acc[MAX_M];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    int64_t q = 0;
+    for (; 16 * q + 16 <= G; q++) v_group(type, M, row + 16 * q * BB, 16, A, q, acc);
+    if (q < Q && G - 16 * q <= 2)
+        v_group1(type, M, row + 16 * q * BB, G - 16 * q, A, q, acc);
+    else if (q < Q)
+        v_group(type, M, row + 16 * q * BB, G - 16 * q, A, q, acc);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) out[m * ldo + n] = _mm512_reduce_add_ps(acc[m]);
+}
+
+#define V_ROWS(T, TYPE)                                                                      \
     static inline AI void v_row_##T(const int M, const uint8_t *w, const q8v_act *A,         \
                                     int64_t ldo, int64_t n, float *out) {                    \
-        const int64_t G = A->G;                                                              \
-        const uint8_t *row = w + n * G * (BB);                                               \
-        __m512 a0[MAX_M], a1[MAX_M];                                                         \
-        _Pragma("GCC unroll 8") for (int m = 0; m < M; m++) a0[m] = a1[m] = _mm512_setzero_ps(); \
-        int64_t p = 0;                                                                       \
-        for (; 2 * p + 2 <= G; p++) {                                                        \
-            const uint8_t *b = row + 2 * p * (BB);                                           \
-            PREFETCH(b + PF_BYTES);                                                          \
-            PREFETCH(b + PF_BYTES + 64);                                                     \
-            V_PAIR32(M, v_w_##T, SIGNED, MOFF, b, b + (BB), p, a0, a1);                      \
-        }                                                                                    \
-        if (2 * p < G) V_PAIR32(M, v_w_##T, SIGNED, MOFF, row + 2 * p * (BB), (const uint8_t *)NULL, p, a0, a1); \
-        _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)                                  \
-            out[m * ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m]));            \
-    }
-
-V_ROW32(q8_0, 34, 1, -1)
-V_ROW32(q4_0, 18, 1, -1)
-V_ROW32(q4_1, 20, 0, 2)
-V_ROW32(q5_0, 22, 1, -1)
-V_ROW32(q5_1, 24, 0, 2)
-
-#define V_ROWS(T)                                                                            \
+        v_row_32(TYPE, M, w, A, ldo, n, out);                                                \
+    }                                                                                        \
     static __attribute__((noinline)) void v_rows_##T(int M, const uint8_t *w, const q8v_act *A, \
                                                      int64_t ldo, int64_t n0, int64_t n1,    \
                                                      float *out) {                           \
-        FOR_ROWS(v_row_##T, M, w, A, ldo);                                               \
+        FOR_ROWS(v_row_##T, M, w, A, ldo);                                                   \
     }
 
-V_ROWS(q8_0)
-V_ROWS(q4_0)
-V_ROWS(q4_1)
-V_ROWS(q5_0)
-V_ROWS(q5_1)
+V_ROWS(q8_0, GGML_Q8_0)
+V_ROWS(q4_0, GGML_Q4_0)
+V_ROWS(q4_1, GGML_Q4_1)
+V_ROWS(q5_0, GGML_Q5_0)
+V_ROWS(q5_1, GGML_Q5_1)
 
 /* ---- K-quants on Q8_K activations, VNNI: maddubs into 16-bit pairs, then dpwssd ----------
  *
@@ -1693,81 +1790,74 @@ static inline AI void vl_pack(const int type, const uint8_t *w, int64_t row_byte
     }
 }
 
-/* Activation row m against the tile's pairs pa .. pb - 1: acc[l] += lane l's terms. xq the
- * row's bytes (A's layout), xd [2 P] its blocks' xd (0 past K), xst [P * 16] the dots' starts
- * (-bias times each lane's activation sum) or NULL. */
-static inline AI void vl_pairs(const int type, const vl_tile *T, const int8_t *xq,
-                               const float *xd, const int32_t *xst, int64_t pa, int64_t pb,
-                               __m512 acc[16]) {
-    const int NS = vl_ns(type);
-    for (int64_t p = pa; p < pb; p++) {
-        const uint8_t *wq = T->wq + p * 1024;
-        __m512 s[4];
-#pragma GCC unroll 4
-        for (int q = 0; q < NS; q++)
-            s[q] = _mm512_mul_ps(_mm512_loadu_ps(T->dsc + (p * NS + q) * 16),
-                                 _mm512_set1_ps(xd[2 * p + q * 2 / NS]));
+/* Activation row m against the tile's groups qa .. qb - 1 (16 blocks each): acc[L] += lane
+ * L's terms, v_row_32's for each of the tile's 16 weight rows. A block's integer dot is its 8
+ * lanes' dpbusd, started from its signed start; then the same float steps in the same order.
+ * xq the row's bytes (A's layout); xd, xds, xgs [2 P] its blocks' xd, xds and (signed types;
+ * else NULL) -bias times the block's activation sum, as vf_act_row lays them out. */
+static inline AI void vl_groups(const int type, const vl_tile *T, const int8_t *xq,
+                                const float *xd, const float *xds, const int32_t *xgs, int64_t G,
+                                int64_t qa, int64_t qb, __m512 acc[16]) {
+    const int mins = type == GGML_Q4_1 || type == GGML_Q5_1;
+    for (int64_t q = qa; q < qb; q++) {
 #pragma GCC unroll 16
-        for (int l = 0; l < 16; l++) {
-            int32_t xv;
-            memcpy(&xv, xq + 64 * p + 4 * l, 4);
-            const __m512i start = xst != NULL ? _mm512_set1_epi32(xst[p * 16 + l]) : _mm512_setzero_si512();
-            const __m512i dot = _mm512_dpbusd_epi32(start, _mm512_loadu_si512(wq + 64 * l), _mm512_set1_epi32(xv));
-            acc[l] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s[l * NS / 16], acc[l]);
+        for (int L = 0; L < 16; L++) {
+            const int64_t b = v_lane_block(G, q, L);
+            if (b < 0) continue;
+            const int64_t p = b >> 1, h = b & 1;
+            const uint8_t *wq = T->wq + p * 1024 + 512 * h;
+            __m512i dot = xgs != NULL ? _mm512_set1_epi32(xgs[b]) : _mm512_setzero_si512();
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                int32_t xv;
+                memcpy(&xv, xq + 64 * p + 32 * h + 4 * j, 4);
+                dot = _mm512_dpbusd_epi32(dot, _mm512_loadu_si512(wq + 64 * j), _mm512_set1_epi32(xv));
+            }
+            acc[L] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                     _mm512_mul_ps(_mm512_loadu_ps(T->dsc + (2 * p + h) * 16), _mm512_set1_ps(xd[b])),
+                                     acc[L]);
+            if (mins)
+                acc[L] = _mm512_fmadd_ps(_mm512_loadu_ps(T->mn + (2 * p + h) * 16), _mm512_set1_ps(xds[b]), acc[L]);
         }
     }
 }
 
-/* The tile's 16 results of activation row m from its lanes' accumulators (the offsets added
- * as the one-row kernel adds them, then its reduction tree), stored to o[0 .. nv - 1]. */
-static inline AI void vl_finish(const int type, const vl_tile *T, const q8v_act *A, int64_t m,
-                                __m512 acc[16], float *o, int nv) {
-    const int64_t P = A->P;
-    __m512 t[16];
-    if (type == GGML_Q4_1 || type == GGML_Q5_1) {
-        /* a1: each half pair's m * xds / 8, one chain per half (its 8 lanes hold the same) */
-        __m512 a1[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-        const float *xsp = A->xsp + m * P * 16;
-        for (int64_t p = 0; p < P; p++)
-            for (int h = 0; h < 2; h++)
-                a1[h] = _mm512_fmadd_ps(_mm512_loadu_ps(T->mn + (p * 2 + h) * 16),
-                                        _mm512_set1_ps(xsp[p * 16 + 8 * h]), a1[h]);
-        for (int l = 0; l < 16; l++) t[l] = _mm512_add_ps(acc[l], a1[l / 8]);
-    } else {
-        for (int l = 0; l < 16; l++) t[l] = _mm512_add_ps(acc[l], _mm512_setzero_ps());
-    }
+/* The tile's 16 results of an activation row from its lanes' accumulators, summed in
+ * _mm512_reduce_add_ps's tree as v_row_32 sums a row's lanes, stored to o[0 .. nv - 1]. */
+static inline AI void vl_finish(__m512 acc[16], float *o, int nv) {
+    __m512 t[8];
     /* _mm512_reduce_add_ps: (hi 8 + lo 8), (hi 4 + lo 4), (0 + 2, 1 + 3), (0 + 1) */
-    for (int i = 0; i < 8; i++) t[i] = _mm512_add_ps(t[8 + i], t[i]);
+    for (int i = 0; i < 8; i++) t[i] = _mm512_add_ps(acc[8 + i], acc[i]);
     for (int i = 0; i < 4; i++) t[i] = _mm512_add_ps(t[4 + i], t[i]);
     const __m512 r = _mm512_add_ps(_mm512_add_ps(t[0], t[2]), _mm512_add_ps(t[1], t[3]));
     _mm512_mask_storeu_ps(o, (__mmask16)((1u << nv) - 1u), r);
 }
 
-/* One tile (weight rows n0 .. n0 + nv - 1) against activation rows m0 .. m1 - 1 (xd: the
- * activations' [M, 2 P] xd, 0 past K) */
+/* One tile (weight rows n0 .. n0 + nv - 1) against activation rows m0 .. m1 - 1 (xd, xds, xgs:
+ * vf_act_row's [M, 2 P] per row; xgs NULL for the unsigned types) */
 static inline AI void vl_tile_rows(const int type, const uint8_t *w, int64_t row_bytes,
-                                   const q8v_act *A, const float *xd, const int32_t *xst,
-                                   int64_t m0, int64_t m1, int64_t n0, int nv, const vl_tile *T,
-                                   float *out, int64_t ldo) {
-    const int64_t P = A->P;
+                                   const q8v_act *A, const float *xd, const float *xds,
+                                   const int32_t *xgs, int64_t m0, int64_t m1, int64_t n0, int nv,
+                                   const vl_tile *T, float *out, int64_t ldo) {
+    const int64_t P = A->P, Q = A->Q;
     vl_pack(type, w, row_bytes, n0, nv, A->G, P, T);
     for (int64_t ma = m0; ma < m1; ma += VL_MB) {
         const int64_t mb = ma + VL_MB < m1 ? ma + VL_MB : m1;
-        for (int64_t pa = 0; pa < P; pa += VL_KC) {
-            const int64_t pb = pa + VL_KC < P ? pa + VL_KC : P;
+        for (int64_t qa = 0; qa < Q; qa += VL_KC / 8) {
+            const int64_t qb = qa + VL_KC / 8 < Q ? qa + VL_KC / 8 : Q;
             for (int64_t m = ma; m < mb; m++) {
                 __m512 acc[16];
                 float *keep = T->acc + (m - ma) * 256;
 #pragma GCC unroll 16
                 for (int l = 0; l < 16; l++)
-                    acc[l] = pa == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(keep + 16 * l);
-                vl_pairs(type, T, A->xq + m * A->Kp, xd + m * 2 * P,
-                         xst != NULL ? xst + m * P * 16 : NULL, pa, pb, acc);
-                if (pb < P) {
+                    acc[l] = qa == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(keep + 16 * l);
+                vl_groups(type, T, A->xq + m * A->Kp, xd + m * 2 * P, xds + m * 2 * P,
+                          xgs != NULL ? xgs + m * 2 * P : NULL, A->G, qa, qb, acc);
+                if (qb < Q) {
 #pragma GCC unroll 16
                     for (int l = 0; l < 16; l++) _mm512_storeu_ps(keep + 16 * l, acc[l]);
                 } else {
-                    vl_finish(type, T, A, m, acc, out + m * ldo + n0, nv);
+                    vl_finish(acc, out + m * ldo + n0, nv);
                 }
             }
         }
@@ -1775,13 +1865,11 @@ static inline AI void vl_tile_rows(const int type, const uint8_t *w, int64_t row
 }
 
 #define VL_TYPE(T, TYPE)                                                                     \
-    static __attribute__((noinline)) void vl_tile_##T(const uint8_t *w, int64_t row_bytes,    \
-                                                      const q8v_act *A, const float *xd,     \
-                                                      const int32_t *xst, int64_t m0,         \
-                                                      int64_t m1, int64_t n0, int nv,         \
-                                                      const vl_tile *Tl, float *out,          \
-                                                      int64_t ldo) {                          \
-        vl_tile_rows(TYPE, w, row_bytes, A, xd, xst, m0, m1, n0, nv, Tl, out, ldo);           \
+    static __attribute__((noinline)) void vl_tile_##T(                                        \
+        const uint8_t *w, int64_t row_bytes, const q8v_act *A, const float *xd,               \
+        const float *xds, const int32_t *xgs, int64_t m0, int64_t m1, int64_t n0, int nv,     \
+        const vl_tile *Tl, float *out, int64_t ldo) {                                         \
+        vl_tile_rows(TYPE, w, row_bytes, A, xd, xds, xgs, m0, m1, n0, nv, Tl, out, ldo);      \
     }
 VL_TYPE(q8_0, GGML_Q8_0)
 VL_TYPE(q4_0, GGML_Q4_0)
@@ -1791,32 +1879,16 @@ VL_TYPE(q5_1, GGML_Q5_1)
 #undef VL_TYPE
 
 static void vl_tile_any(int type, const uint8_t *w, int64_t row_bytes, const q8v_act *A,
-                        const float *xd, const int32_t *xst, int64_t m0, int64_t m1, int64_t n0,
-                        int nv, const vl_tile *T, float *out, int64_t ldo) {
+                        const float *xd, const float *xds, const int32_t *xgs, int64_t m0,
+                        int64_t m1, int64_t n0, int nv, const vl_tile *T, float *out,
+                        int64_t ldo) {
     switch (type) {
-        case GGML_Q8_0: vl_tile_q8_0(w, row_bytes, A, xd, xst, m0, m1, n0, nv, T, out, ldo); break;
-        case GGML_Q4_0: vl_tile_q4_0(w, row_bytes, A, xd, xst, m0, m1, n0, nv, T, out, ldo); break;
-        case GGML_Q4_1: vl_tile_q4_1(w, row_bytes, A, xd, xst, m0, m1, n0, nv, T, out, ldo); break;
-        case GGML_Q5_0: vl_tile_q5_0(w, row_bytes, A, xd, xst, m0, m1, n0, nv, T, out, ldo); break;
-        case GGML_Q5_1: vl_tile_q5_1(w, row_bytes, A, xd, xst, m0, m1, n0, nv, T, out, ldo); break;
+        case GGML_Q8_0: vl_tile_q8_0(w, row_bytes, A, xd, xds, xgs, m0, m1, n0, nv, T, out, ldo); break;
+        case GGML_Q4_0: vl_tile_q4_0(w, row_bytes, A, xd, xds, xgs, m0, m1, n0, nv, T, out, ldo); break;
+        case GGML_Q4_1: vl_tile_q4_1(w, row_bytes, A, xd, xds, xgs, m0, m1, n0, nv, T, out, ldo); break;
+        case GGML_Q5_0: vl_tile_q5_0(w, row_bytes, A, xd, xds, xgs, m0, m1, n0, nv, T, out, ldo); break;
+        case GGML_Q5_1: vl_tile_q5_1(w, row_bytes, A, xd, xds, xgs, m0, m1, n0, nv, T, out, ldo); break;
     }
-}
-
-/* Activation rows m0 .. m1 - 1: their xd [2 P] (0 past K) into xd, and for a signed type
- * (bias > 0) the dots' starts [P * 16] into xst: -bias times the sum of each lane's four
- * activation bytes */
-static void vl_act_rows(const q8v_act *A, int64_t m0, int64_t m1, int bias, float *xd,
-                        int32_t *xst) {
-    const __m512i ones = _mm512_set1_epi8(1), nb = _mm512_set1_epi32(-bias);
-    for (int64_t m = m0; m < m1; m++)
-        for (int64_t p = 0; p < A->P; p++) {
-            xd[m * 2 * A->P + 2 * p] = A->xdp[(m * A->P + p) * 16];
-            xd[m * 2 * A->P + 2 * p + 1] = A->xdp[(m * A->P + p) * 16 + 8];
-            if (bias == 0) continue;
-            const __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones,
-                                                    _mm512_loadu_si512(A->xq + m * A->Kp + 64 * p));
-            _mm512_storeu_si512(xst + (m * A->P + p) * 16, _mm512_mullo_epi32(sum, nb));
-        }
 }
 
 /* ---- the default engine's large steps on VNNI: whole groups in int32 ------------------
@@ -1937,7 +2009,7 @@ static void vf_act_row(const q8v_act *A, int64_t m, int type, int bias, float *x
     const int64_t P = A->P, G = A->G;
     const int NS = vl_ns(type), LG = 16 / NS;
     for (int64_t g = 0; g < 2 * P; g++) {
-        xd[m * 2 * P + g] = g < G ? A->xdp[(m * P + g / 2) * 16 + 8 * (g & 1)] : 0.0f;
+        xd[m * 2 * P + g] = g < G ? A->xd[m * G + g] : 0.0f;
         xds2[m * 2 * P + g] = g < G ? A->xds[m * G + g] : 0.0f;
     }
     if (bias == 0) return;
@@ -1950,8 +2022,6 @@ static void vf_act_row(const q8v_act *A, int64_t m, int type, int bias, float *x
         }
 }
 
-#undef V_PAIR32
-#undef V_ROW32
 #undef V_ROWS
 
 #pragma GCC pop_options
@@ -1961,13 +2031,13 @@ static void vf_act_row(const q8v_act *A, int64_t m, int type, int bias, float *x
  * frees it). Returns 0, or -1 (an allocation failure). */
 static int vnni_act(const float *x, int64_t M, int64_t K, int num_threads, q8v_act *A,
                     float **buf) {
-    const int64_t G = K / 32, P = (G + 1) / 2, Kp = 64 * P;
-    /* one buffer: xd, xds fp32 [M, G]; xdp, xsp fp32 [M, P, 16]; xq, xu [M, Kp] bytes */
-    float *xd = (float *)malloc(sizeof(float) * (2 * M * G + 2 * M * P * 16) + (size_t)(2 * M * Kp));
+    const int64_t G = K / 32, P = (G + 1) / 2, Q = (G + 15) / 16, Kp = 64 * P;
+    /* one buffer: xd, xds fp32 [M, G]; xdl, xsl fp32 [M, Q, 16]; xcs int32 [M, Q, 16]; xq [M, Kp] */
+    float *xd = (float *)malloc(sizeof(float) * (2 * M * G + 3 * M * Q * 16) + (size_t)(M * Kp));
     if (xd == NULL) return -1;
-    float *xds = xd + M * G, *xdp = xds + M * G, *xsp = xdp + M * P * 16;
-    int8_t *xq = (int8_t *)(xsp + M * P * 16);
-    uint8_t *xu = (uint8_t *)(xq + M * Kp);
+    float *xds = xd + M * G, *xdl = xds + M * G, *xsl = xdl + M * Q * 16;
+    int32_t *xcs = (int32_t *)(xsl + M * Q * 16);
+    int8_t *xq = (int8_t *)(xcs + M * Q * 16);
     /* no OpenMP region for one row (the small steps' products pass 1) */
     const int threads = M > 1 ? num_threads : 1;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
@@ -1975,15 +2045,18 @@ static int vnni_act(const float *x, int64_t M, int64_t K, int num_threads, q8v_a
         int8_t *q = xq + m * Kp;
         quantize_row_q8(x + m * K, K, q, xd + m * G, xds + m * G);
         memset(q + K, 0, (size_t)(Kp - K));
-        for (int64_t k = 0; k < Kp; k++) xu[m * Kp + k] = (uint8_t)(q[k] ^ 0x80);
-        for (int64_t p = 0; p < P; p++)
+        for (int64_t g = 0; g < Q; g++)
             for (int l = 0; l < 16; l++) {
-                const int64_t g = 2 * p + l / 8;
-                xdp[(m * P + p) * 16 + l] = g < G ? xd[m * G + g] : 0.0f;
-                xsp[(m * P + p) * 16 + l] = g < G ? xds[m * G + g] * 0.125f : 0.0f;
+                const int64_t b = v_lane_block(G, g, l), f = (m * Q + g) * 16 + l;
+                int32_t sum = 0;
+                if (b >= 0)
+                    for (int k = 0; k < 32; k++) sum += q[32 * b + k];
+                xdl[f] = b >= 0 ? xd[m * G + b] : 0.0f;
+                xsl[f] = b >= 0 ? xds[m * G + b] : 0.0f;
+                xcs[f] = sum;
             }
     }
-    const q8v_act a = {xq, xu, xdp, xsp, xds, G, P, Kp};
+    const q8v_act a = {xq, xd, xds, xdl, xsl, xcs, G, P, Q, Kp};
     *A = a;
     *buf = xd;
     return 0;
@@ -2008,11 +2081,11 @@ static int gemm_q8_vnni(int type, const float *x, const uint8_t *w, float *out, 
 }
 
 /* The large steps' VNNI product (arguments checked by the caller): the activations rounded
- * and laid out once (with vl_act_rows' extras; vf_act_row's where `fast`), then, for each span
- * of activation rows whose bytes fit in VL_SPAN_BYTES (they stay in L2 while every tile meets
- * them), tiles of 16 weight rows across the threads, each unpacked into the thread's scratch
- * and met by every row of the span: vl_pairs' lanes (each row the decode step's bits), or
- * where `fast` vf_tile_rows' whole groups. Returns 0, or -1 (an allocation failure). */
+ * and laid out once (with vf_act_row's extras), then, for each span of activation rows whose
+ * bytes fit in VL_SPAN_BYTES (they stay in L2 while every tile meets them), tiles of 16 weight
+ * rows across the threads, each unpacked into the thread's scratch and met by every row of the
+ * span: vl_groups' lanes (each row the decode step's bits), or where `fast` vf_tile_rows' one
+ * chain per row. Returns 0, or -1 (an allocation failure). */
 #define VL_SPAN_BYTES (320 * 1024)
 static int gemm_q8_vnni_large(int type, const float *x, const uint8_t *w, float *out, int64_t M,
                               int64_t N, int64_t K, int64_t ldo, int num_threads, int fast) {
@@ -2027,27 +2100,21 @@ static int gemm_q8_vnni_large(int type, const float *x, const uint8_t *w, float 
     const size_t tile_bytes = (size_t)(P * (1024 + 256 + 128) + VL_MB * 1024 + 64) & ~(size_t)63;
     const int threads = num_tiles < num_threads ? (int)(num_tiles > 0 ? num_tiles : 1) : num_threads;
     uint8_t *scratch = (uint8_t *)aligned_alloc(64, tile_bytes * (size_t)threads);
-    /* xd [M, 2 P]; where fast, xds2 [M, 2 P] after it */
-    float *xd = (float *)malloc(sizeof(float) * (size_t)(M * 2 * P * (fast ? 2 : 1)));
-    const size_t starts = (size_t)(fast ? M * P * NS : M * P * 16);
-    int32_t *xst = bias != 0 ? (int32_t *)malloc(sizeof(int32_t) * starts) : NULL;
-    if (scratch == NULL || xd == NULL || (bias != 0 && xst == NULL)) {
+    /* xd, xds2 [M, 2 P]; for a signed type xgs [M, P * NS] */
+    float *xd = (float *)malloc(sizeof(float) * (size_t)(M * 2 * P * 2));
+    int32_t *xgs = bias != 0 ? (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * P * NS)) : NULL;
+    if (scratch == NULL || xd == NULL || (bias != 0 && xgs == NULL)) {
         free(scratch);
         free(xd);
-        free(xst);
+        free(xgs);
         free(buf);
         return -1;
     }
-    float *xds2 = fast ? xd + M * 2 * P : NULL;
+    float *xds2 = xd + M * 2 * P;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t m = 0; m < M; m++) {
-        if (fast)
-            vf_act_row(&A, m, type, bias, xd, xds2, xst);
-        else
-            vl_act_rows(&A, m, m + 1, bias, xd, xst);
-    }
-    /* a span: the rows' bytes (xq, xd, xst) in VL_SPAN_BYTES, a multiple of VL_MB rows */
-    int64_t span = VL_SPAN_BYTES / (A.Kp + 8 * P + (bias != 0 ? 64 * P : 0));
+    for (int64_t m = 0; m < M; m++) vf_act_row(&A, m, type, bias, xd, xds2, xgs);
+    /* a span: the rows' bytes (xq, xd, xds2, xgs) in VL_SPAN_BYTES, a multiple of VL_MB rows */
+    int64_t span = VL_SPAN_BYTES / (A.Kp + 16 * P + (bias != 0 ? 4 * P * NS : 0));
     span = span < VL_MB ? VL_MB : span / VL_MB * VL_MB;
     for (int64_t m0 = 0; m0 < M; m0 += span) {
         const int64_t m1 = m0 + span < M ? m0 + span : M;
@@ -2065,15 +2132,15 @@ static int gemm_q8_vnni_large(int type, const float *x, const uint8_t *w, float 
                 const int64_t n0 = 16 * b;
                 const int nv = (int)(N - n0 < 16 ? N - n0 : 16);
                 if (fast)
-                    vf_tile_any(type, w, row_bytes, &A, xd, xds2, xst, m0, m1, n0, nv, &T, out, ldo);
+                    vf_tile_any(type, w, row_bytes, &A, xd, xds2, xgs, m0, m1, n0, nv, &T, out, ldo);
                 else
-                    vl_tile_any(type, w, row_bytes, &A, xd, xst, m0, m1, n0, nv, &T, out, ldo);
+                    vl_tile_any(type, w, row_bytes, &A, xd, xds2, xgs, m0, m1, n0, nv, &T, out, ldo);
             }
         }
     }
     free(scratch);
     free(xd);
-    free(xst);
+    free(xgs);
     free(buf);
     return 0;
 }
