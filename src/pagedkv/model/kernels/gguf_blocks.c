@@ -1135,14 +1135,15 @@ static int gemm_q8_avx2_fast(int type, const float *x, const uint8_t *w, float *
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
 
 /* The activations as the VNNI body reads them: P = ceil(K / 64) pairs, rows Kp = 64 P apart;
- * Q = ceil(G / 16) groups of 16 blocks, each laid out in v_block_sums' lane order */
+ * Q = ceil(G / 16) groups of 16 blocks, block 16 q + L in lane L (v_row_32) */
 typedef struct {
     const int8_t *xq;   /* [M, Kp] the rounded activations (zeros past K) */
     const float *xd;    /* [M, G] each block's scale */
     const float *xds;   /* [M, G] xd times the block's sum of xq */
-    const float *xdl;   /* [M, Q, 16] xd in lane order (0 past K) */
-    const float *xsl;   /* [M, Q, 16] xds in lane order (0 past K) */
-    const int32_t *xcs; /* [M, Q, 16] the block's sum of xq in lane order (0 past K) */
+    const float *xdl;   /* [M, Q, 16] xd by lane (0 past K) */
+    const float *xsl;   /* [M, Q, 16] xds by lane (0 past K) */
+    const int32_t *xcs; /* [M, Q, 16] the block's sum of xq by lane (0 past K) */
+    const int32_t *xt;  /* [M, Q, 8, 16] dword j of block 16 q + L of xq in [.., j, L] (0 past K) */
     int64_t G, P, Q, Kp;
 } q8v_act;
 
@@ -1186,36 +1187,21 @@ static inline AI __m512i v_w_q5_1(const uint8_t *b0, const uint8_t *b1) {
     return _mm512_mask_add_epi8(nib, v_fifth64(b0 + 4, b1 + 4), nib, _mm512_set1_epi8(16));
 }
 
-/* The block of each lane of a group's sums, counted from the group's first block (the order
- * v_block_sums leaves them in) */
-#define V_LANE_BLOCKS 0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15
-
-/* The block of lane L of group q of a row of G blocks, or -1: V_LANE_BLOCKS' order, but for
- * a last group of one pair (one or two blocks: 18 blocks, K = 576, leave one), whose blocks
- * take lanes 0 and 8 (v_group1's shorter sums) */
+/* The block of lane L of group q (16 blocks) of a row of G blocks, or -1 past the row: block
+ * 16 q + L, but in a row's last group when it has one or two blocks (18 blocks, K = 576, leave
+ * two), whose blocks 16 q and 16 q + 1 take lanes 0 and 8 (v_group1) */
 static inline int64_t v_lane_block(int64_t G, int64_t q, int L) {
-    static const int order[16] = {V_LANE_BLOCKS};
-    const int64_t b = G - 16 * q <= 2 ? (L == 0 ? 16 * q : L == 8 ? 16 * q + 1 : -1) : 16 * q + order[L];
-    return b < G ? b : -1;
-}
-
-/* The integer sums of a group's 16 blocks from its 8 pairs' dpbusd lanes (D[i]: pair i, lanes
- * 0-7 its first block's, 8-15 its second's), in V_LANE_BLOCKS order: two in-lane unpack-and-add
- * steps, then one across the 128-bit lanes (21 instructions; exact, as integers are) */
-static inline AI __m512i v_block_sums(const __m512i D[8]) {
-    __m512i t[4];
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; i++)
-        t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(D[2 * i], D[2 * i + 1]),
-                                _mm512_unpackhi_epi32(D[2 * i], D[2 * i + 1]));
-    const __m512i u0 = _mm512_add_epi32(_mm512_unpacklo_epi64(t[0], t[1]), _mm512_unpackhi_epi64(t[0], t[1]));
-    const __m512i u1 = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2], t[3]), _mm512_unpackhi_epi64(t[2], t[3]));
-    /* u0's 128-bit lane c: pairs 0-3's sums over their lanes 4 c .. 4 c + 3 (u1: pairs 4-7) */
-    return _mm512_add_epi32(_mm512_shuffle_i32x4(u0, u1, 0x88), _mm512_shuffle_i32x4(u0, u1, 0xDD));
+    const int64_t b = G - 16 * q <= 2 ? (L == 0 ? 16 * q : L == 8 ? 16 * q + 1 : -1) : 16 * q + L;
+    return b >= 0 && b < G ? b : -1;
 }
 
 static inline AI int v_block_bytes(const int type) {
     return type == GGML_Q8_0 ? 34 : type == GGML_Q4_0 ? 18 : type == GGML_Q4_1 ? 20 : type == GGML_Q5_0 ? 22 : 24;
+}
+
+/* where a block's 16 (Q8_0: 32) bytes of codes start */
+static inline AI int v_codes_at(const int type) {
+    return type == GGML_Q8_0 || type == GGML_Q4_0 ? 2 : type == GGML_Q4_1 ? 4 : type == GGML_Q5_0 ? 6 : 8;
 }
 
 /* log2 of vl_bias (the signed types' bias: 128, 8, 16) */
@@ -1223,8 +1209,110 @@ static inline AI int v_bias_shift(const int type) {
     return type == GGML_Q8_0 ? 7 : type == GGML_Q4_0 ? 3 : 4;
 }
 
-/* Two 32-element blocks b0, b1 -> their 64 codes as unsigned bytes (the signed types' with
- * vl_bias added, as vl_unpack stores them) */
+/* Dwords 0-3 of 16 bytes at offset `at` of the group's blocks (block b from g0 + b * BB; the
+ * blocks from `left` on read as zeros) transposed: V[j]'s lane L is dword j of block L's bytes.
+ * Four blocks a vector (block 4 c + r in 128-bit lane c of X[r]), then a 4 x 4 dword transpose
+ * within the 128-bit lanes. */
+static inline AI void v_transpose16(const uint8_t *g0, const int BB, const int at, const int64_t left,
+                                    __m512i V[4]) {
+    __m512i X[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; r++) {
+        X[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++)
+            if (4 * c + r < left)
+                X[r] = _mm512_inserti32x4(X[r], _mm_loadu_si128((const __m128i *)(g0 + (4 * c + r) * BB + at)), c);
+    }
+    const __m512i a0 = _mm512_unpacklo_epi32(X[0], X[1]), a1 = _mm512_unpackhi_epi32(X[0], X[1]);
+    const __m512i a2 = _mm512_unpacklo_epi32(X[2], X[3]), a3 = _mm512_unpackhi_epi32(X[2], X[3]);
+    V[0] = _mm512_unpacklo_epi64(a0, a2);
+    V[1] = _mm512_unpackhi_epi64(a0, a2);
+    V[2] = _mm512_unpacklo_epi64(a1, a3);
+    V[3] = _mm512_unpackhi_epi64(a1, a3);
+}
+
+/* A group's codes as unsigned bytes (the signed types' with vl_bias added, as vl_unpack stores
+ * them), across the lanes: W[j]'s lane L holds elements 4 j .. 4 j + 3 of block L, so that one
+ * dpbusd per j with the activations laid out alike (q8v_act's xt) adds to lane L a quarter of
+ * block L's integer dot, and 8 of them sum it whole, no reduction across lanes */
+static inline AI void v_group_codes(const int type, const uint8_t *g0, const int64_t left, __m512i W[8]) {
+    const int BB = v_block_bytes(type), at = v_codes_at(type);
+    if (type == GGML_Q8_0) {
+        v_transpose16(g0, BB, at, left, W);
+        v_transpose16(g0, BB, at + 16, left, W + 4);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) W[j] = _mm512_xor_si512(W[j], _mm512_set1_epi8((char)0x80));
+        return;
+    }
+    __m512i V[4];
+    v_transpose16(g0, BB, at, left, V);
+    /* byte i of a block's codes: element i in its low nibble, i + 16 in its high one */
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+        W[j] = _mm512_and_si512(V[j], _mm512_set1_epi8(0x0F));
+        W[j + 4] = _mm512_and_si512(_mm512_srli_epi16(V[j], 4), _mm512_set1_epi8(0x0F));
+    }
+    if (type == GGML_Q5_0 || type == GGML_Q5_1) {
+        /* the fifth bits: bit e of the block's qh word is element e's */
+        const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __mmask16 have = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32((int)left));
+        const __m512i qh = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), have,
+                                                       _mm512_mullo_epi32(lane, _mm512_set1_epi32(BB)),
+                                                       g0 + (type == GGML_Q5_0 ? 2 : 4), 1);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            /* every byte of a lane: qh's byte j / 2 (elements 8 (j / 2) ..), tested for bit
+             * 4 (j % 2) + k in byte k */
+            const char s = (char)(j / 2);
+            const __m512i bytes = _mm512_shuffle_epi8(
+                qh, _mm512_broadcast_i32x4(_mm_setr_epi8(s, s, s, s, 4 + s, 4 + s, 4 + s, 4 + s, 8 + s, 8 + s,
+                                                         8 + s, 8 + s, 12 + s, 12 + s, 12 + s, 12 + s)));
+            const int sh = 4 * (j % 2);
+            const __m512i bit = _mm512_set1_epi32((int)(1u << sh | 2u << (sh + 8) | 4u << (sh + 16) | 8u << (sh + 24)));
+            W[j] = _mm512_mask_add_epi8(W[j], _mm512_test_epi8_mask(bytes, bit), W[j], _mm512_set1_epi8(16));
+        }
+    }
+}
+
+/* One group of weight row n (its blocks from g0, `left` of them: 16 but in a row's last group)
+ * for activation rows 0..M-1: acc[m] += its 16 blocks' terms, block L in lane L (v_row_32) */
+static inline AI void v_group(const int type, const int M, const uint8_t *g0, const int64_t left,
+                              const q8v_act *A, int64_t q, __m512 *acc) {
+    const int BB = v_block_bytes(type);
+    const int mins = type == GGML_Q4_1 || type == GGML_Q5_1;
+#pragma GCC unroll 6
+    for (int i = 0; i < 6; i++) PREFETCH(g0 + PF_BYTES + 64 * i);
+    __m512i W[8];
+    v_group_codes(type, g0, left, W);
+    /* the blocks' first four bytes (d, and Q4_1 / Q5_1's m), 0 past the row */
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __mmask16 have = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32((int)left));
+    const __m512i head = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), have,
+                                                     _mm512_mullo_epi32(lane, _mm512_set1_epi32(BB)), g0, 1);
+    const __m512 dv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
+    const __m512 mv = mins ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)))
+                           : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) {
+        const int32_t *xt = A->xt + (m * A->Q + q) * 128;
+        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int j = 0; j < 8; j += 2) {
+            s0 = _mm512_dpbusd_epi32(s0, W[j], _mm512_loadu_si512(xt + 16 * j));
+            s1 = _mm512_dpbusd_epi32(s1, W[j + 1], _mm512_loadu_si512(xt + 16 * j + 16));
+        }
+        __m512i s = _mm512_add_epi32(s0, s1);
+        const int64_t f = (m * A->Q + q) * 16;
+        if (!mins)
+            s = _mm512_sub_epi32(s, _mm512_slli_epi32(_mm512_loadu_si512(A->xcs + f), v_bias_shift(type)));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_loadu_ps(A->xdl + f)), acc[m]);
+        if (mins) acc[m] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(A->xsl + f), acc[m]);
+    }
+}
+
+/* Two 32-element blocks b0, b1 -> their 64 codes as unsigned bytes, block b0's then b1's (the
+ * signed types' with vl_bias added) */
 static inline AI __m512i v_codes(const int type, const uint8_t *b0, const uint8_t *b1) {
     switch (type) {
         case GGML_Q8_0: return _mm512_xor_si512(v_w_q8_0(b0, b1), _mm512_set1_epi8((char)0x80));
@@ -1235,56 +1323,11 @@ static inline AI __m512i v_codes(const int type, const uint8_t *b0, const uint8_
     }
 }
 
-/* One group of weight row n (its blocks from g0, `left` of them: 16 but in a row's last group)
- * for activation rows 0..M-1: acc[m] += its 16 blocks' terms, one lane each (see v_row_32) */
-static inline AI void v_group(const int type, const int M, const uint8_t *g0, const int64_t left,
-                              const q8v_act *A, int64_t q, __m512 *acc) {
-    const int BB = v_block_bytes(type);
-    const int mins = type == GGML_Q4_1 || type == GGML_Q5_1;
-    const int signed_type = !mins;
-    __m512i W[8];
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; i++) {
-        const uint8_t *b = g0 + 2 * i * BB;
-        if (2 * i + 1 < left) {
-            PREFETCH(b + PF_BYTES);
-            PREFETCH(b + PF_BYTES + 64);
-            W[i] = v_codes(type, b, b + BB);
-        } else if (2 * i < left) {
-            W[i] = _mm512_maskz_mov_epi8((__mmask64)0xFFFFFFFFull, v_codes(type, b, b));
-        } else {
-            W[i] = _mm512_setzero_si512();
-        }
-    }
-    /* the 16 blocks' first four bytes (d, and Q4_1 / Q5_1's m) in lane order, 0 past the row */
-    const __m512i lane_block = _mm512_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
-    const __mmask16 have = _mm512_cmplt_epi32_mask(lane_block, _mm512_set1_epi32((int)left));
-    const __m512i head = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), have,
-                                                     _mm512_mullo_epi32(lane_block, _mm512_set1_epi32(BB)),
-                                                     g0, 1);
-    const __m512 dv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
-    const __m512 mv = mins ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)))
-                           : _mm512_setzero_ps();
-#pragma GCC unroll 8
-    for (int m = 0; m < M; m++) {
-        const int8_t *xq = A->xq + m * A->Kp + 512 * q;
-        __m512i D[8];
-#pragma GCC unroll 8
-        for (int i = 0; i < 8; i++)
-            D[i] = 2 * i < left ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), W[i], _mm512_loadu_si512(xq + 64 * i))
-                                : _mm512_setzero_si512();
-        __m512i s = v_block_sums(D);
-        const int64_t f = (m * A->Q + q) * 16;
-        if (signed_type)
-            s = _mm512_sub_epi32(s, _mm512_slli_epi32(_mm512_loadu_si512(A->xcs + f), v_bias_shift(type)));
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_loadu_ps(A->xdl + f)), acc[m]);
-        if (mins) acc[m] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(A->xsl + f), acc[m]);
-    }
-}
-
-/* A row's last group when it is one pair (blocks 16 q and, where left is 2, 16 q + 1): the
- * pair's two block sums into lanes 0 and 8 by 6 instructions instead of v_block_sums' 21; the
- * other lanes hold other partial sums, whose terms are zero (their xd and xds laid out 0) */
+/* A row's last group when it has one or two blocks (16 q and, where left is 2, 16 q + 1): the
+ * transposed layout would still take 8 dpbusd per activation row, so here the two blocks' 64
+ * codes in one vector, one dpbusd, and their lanes summed into lanes 0 and 8 by 6
+ * instructions; the other lanes hold other partial sums, whose terms are zero (their xd and
+ * xds laid out 0) */
 static inline AI void v_group1(const int type, const int M, const uint8_t *g0, const int64_t left,
                                const q8v_act *A, int64_t q, __m512 *acc) {
     const int BB = v_block_bytes(type);
@@ -1313,19 +1356,21 @@ static inline AI void v_group1(const int type, const int M, const uint8_t *g0, c
 }
 
 /* Weight row n of a 32-element type against activation rows 0..M-1. The row runs in groups of
- * 16 blocks (8 pairs); a group's integer dots are summed per block in int32 (v_block_sums),
- * so each block takes one float step, as llama.cpp's do, and a lane of the accumulator is a
- * chain of every 16th block: for block b of the group (lane L, V_LANE_BLOCKS),
- *   acc[L] = fma(cvt(its integer dot), d_b * xd_b, acc[L])   then, Q4_1 / Q5_1,
+ * 16 blocks, block L of a group in lane L of every vector (a last group of one or two blocks:
+ * v_group1): its codes transposed across the
+ * lanes (v_group_codes), so that 8 dpbusd per activation row leave each lane its block's whole
+ * integer dot (exact: the signed types' weights taken as unsigned codes, bias b added, and b
+ * times the block's activation sum taken off). Each block then takes one float step, as
+ * llama.cpp's do, and lane L is a chain of every 16th block:
+ *   acc[L] = fma(cvt(block's integer dot), d_b * xd_b, acc[L])   then, Q4_1 / Q5_1,
  *   acc[L] = fma(m_b, xds_b, acc[L]),
- * groups in order; the row's result _mm512_reduce_add_ps(acc). The integer dot is exact (the
- * signed types' weights taken as unsigned codes, bias b added, and b times the block's
- * activation sum taken off), so each (m, n) is the same float operations in the same order
- * whatever M: a row's bits do not depend on the step's other rows, and vl_groups (the
- * batch-invariant large steps) repeats them across 16 weight rows. Blocks past the row are
- * zero terms, fma(0, 0, acc) = acc. Against one float step per pair and lane of four elements
- * (this kernel before 2026-12-07) a verification step's rows cost about half: that did 16
- * conversions, multiplies and two FMAs per pair and activation row, which bound the core. */
+ * groups in order; the row's result _mm512_reduce_add_ps(acc). So each (m, n) is the same
+ * float operations in the same order whatever M: a row's bits do not depend on the step's
+ * other rows, and vl_groups (the batch-invariant large steps) repeats them across 16 weight
+ * rows. Blocks past the row are zero terms, fma(0, 0, acc) = acc. Against one float step per
+ * pair and lane of four elements (this kernel before 2026-12-06: 16 conversions, multiplies
+ * and two FMAs per pair and activation row, which bound the core), a verification step's
+ * extra rows cost about a third. */
 static inline AI void v_row_32(const int type, const int M, const uint8_t *w, const q8v_act *A,
                                int64_t ldo, int64_t n, float *out) {
     const int BB = v_block_bytes(type);
@@ -1626,25 +1671,26 @@ static void v_rows(int type, int M, const uint8_t *w, const q8v_act *A, int64_t 
 
 /* ---- the large steps' VNNI kernel: output rows across the lanes -----------------------
  *
- * The one-row kernel above keeps, per (activation row m, weight row n), 16 fp32 lanes: lane l
- * of pair p adds cvt(the integer dot of elements 64 p + 4 l .. + 3) times (the weight block's
- * scale * the activation block's xd, one rounded product) in one fused multiply-add, pair
- * after pair; a row's result is then lanes 0-15 (plus the offset lanes) summed in
- * _mm512_reduce_add_ps's tree. Every lane is its own chain of scalar operations, so the lanes
- * may sit anywhere: here a vector holds one lane l of 16 weight rows (a tile), so
- *   - the activations' four bytes of lane l are one broadcast for all 16 rows;
- *   - the rounded product of scales is one multiply per half pair (Q6_K: quarter) for 16
- *     rows, where the one-row kernel multiplies a vector per row;
+ * The one-row kernel above (v_row_32) keeps, per (activation row m, weight row n), 16 fp32
+ * chains: chain L takes block L of each group of 16 (block 16 q + L), one fused
+ * multiply-add of cvt(the block's exact integer dot) times (the weight block's scale * the
+ * activation block's xd, one rounded product), then Q4_1 / Q5_1's fma(m, xds), group after
+ * group; a row's result is the 16 chains summed in _mm512_reduce_add_ps's tree. Every chain is
+ * its own sequence of scalar operations, so it may sit anywhere: here a vector holds chain L of
+ * 16 weight rows (a tile), so
+ *   - a block's integer dot is 8 dpbusd of the tile's unpacked lanes with the activations'
+ *     four bytes broadcast, for all 16 rows;
+ *   - the rounded product of scales is one multiply per block for 16 rows;
  *   - the weights are unpacked once per tile (into [pair][lane][row][4 bytes]) and read by
  *     every activation row;
- * and each (m, n, lane) still does the same fused multiply-adds in the same order, its sums
- * the same tree (as 16 vertical adds), so its bits are the one-row kernel's.
+ * and each (m, n, chain) does the same fused multiply-adds in the same order, its sums the
+ * same tree (as 16 vertical adds), so its bits are the one-row kernel's.
  * The integer dot products are exact, so they are taken as (unsigned weights) . (signed
  * activations): the signed types' weights are stored with their bias b added (Q8_0 128,
- * Q4_0 8, Q5_0 16, Q6_K 32, i.e. their unsigned codes) and each dot starts from -b times the
- * sum of the lane's four activations (per activation row, once per call).
- * Threads split the tiles; a tile's K runs in chunks of VL_KC pairs over groups of VL_MB
- * activation rows, their accumulators kept in the tile's scratch between chunks, so the
+ * Q4_0 8, Q5_0 16, Q6_K 32, i.e. their unsigned codes) and each block's dot starts from -b
+ * times the sum of its activations (per activation row, once per call: vf_act_row).
+ * Threads split the tiles; a tile's K runs in chunks of VL_KC pairs (VL_KC / 8 groups) over
+ * groups of VL_MB activation rows, their accumulators kept in the tile's scratch between chunks, so the
  * chunk's unpacked weights stay in L1 while the group's rows meet them. */
 #define VL_KC 16
 #define VL_MB 8
@@ -1893,10 +1939,11 @@ static void vl_tile_any(int type, const uint8_t *w, int64_t row_bytes, const q8v
 
 /* ---- the default engine's large steps on VNNI: whole groups in int32 ------------------
  *
- * The tiles above keep a lane's four elements per fused multiply-add, as the one-row kernel
- * does, so that a row's bits are the decode step's (the batch-invariant switch needs that).
- * The default engine's large steps need no such tie, so here a weight group's integer dot (32
- * elements; Q6_K 16) is summed whole in int32 before its one float step, as llama.cpp does:
+ * The tiles above keep the one-row kernel's 16 chains per output and their sum, so that a
+ * row's bits are the decode step's (the batch-invariant switch needs that), at 16
+ * accumulators per activation row kept in scratch. The default engine's large steps need no
+ * such tie, so here a weight group's integer dot (32 elements; Q6_K 16) takes its float step
+ * in one chain per output, in registers:
  * per group and activation row 16 / NS dpbusd, one cvt, one multiply (the weights' scales
  * times the row's xd) and one FMA (a second for Q4_1 / Q5_1's m and the K-types' min), for 16
  * weight rows at once (the tile's lanes: the rows' results land in one vector, no reduction).
@@ -2032,12 +2079,13 @@ static void vf_act_row(const q8v_act *A, int64_t m, int type, int bias, float *x
 static int vnni_act(const float *x, int64_t M, int64_t K, int num_threads, q8v_act *A,
                     float **buf) {
     const int64_t G = K / 32, P = (G + 1) / 2, Q = (G + 15) / 16, Kp = 64 * P;
-    /* one buffer: xd, xds fp32 [M, G]; xdl, xsl fp32 [M, Q, 16]; xcs int32 [M, Q, 16]; xq [M, Kp] */
-    float *xd = (float *)malloc(sizeof(float) * (2 * M * G + 3 * M * Q * 16) + (size_t)(M * Kp));
+    /* one buffer: xd, xds fp32 [M, G]; xdl, xsl fp32 [M, Q, 16]; xcs int32 [M, Q, 16];
+     * xt int32 [M, Q, 8, 16]; xq [M, Kp] */
+    float *xd = (float *)malloc(sizeof(float) * (2 * M * G + 3 * M * Q * 16 + M * Q * 128) + (size_t)(M * Kp));
     if (xd == NULL) return -1;
     float *xds = xd + M * G, *xdl = xds + M * G, *xsl = xdl + M * Q * 16;
-    int32_t *xcs = (int32_t *)(xsl + M * Q * 16);
-    int8_t *xq = (int8_t *)(xcs + M * Q * 16);
+    int32_t *xcs = (int32_t *)(xsl + M * Q * 16), *xt = xcs + M * Q * 16;
+    int8_t *xq = (int8_t *)(xt + M * Q * 128);
     /* no OpenMP region for one row (the small steps' products pass 1) */
     const int threads = M > 1 ? num_threads : 1;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
@@ -2054,9 +2102,14 @@ static int vnni_act(const float *x, int64_t M, int64_t K, int num_threads, q8v_a
                 xdl[f] = b >= 0 ? xd[m * G + b] : 0.0f;
                 xsl[f] = b >= 0 ? xds[m * G + b] : 0.0f;
                 xcs[f] = sum;
+                for (int j = 0; j < 8; j++) {
+                    int32_t v = 0;
+                    if (b >= 0) memcpy(&v, q + 32 * b + 4 * j, 4);
+                    xt[((m * Q + g) * 8 + j) * 16 + l] = v;
+                }
             }
     }
-    const q8v_act a = {xq, xd, xds, xdl, xsl, xcs, G, P, Q, Kp};
+    const q8v_act a = {xq, xd, xds, xdl, xsl, xcs, xt, G, P, Q, Kp};
     *A = a;
     *buf = xd;
     return 0;
