@@ -2069,65 +2069,100 @@ static void vf_act_row(const q8v_act *A, int64_t m, int type, int bias, float *x
         }
 }
 
-#undef V_ROWS
-
-#pragma GCC pop_options
-
-/* The activations of M rows laid out as q8v_act says (each row rounded on its own, as
- * quantize_row_q8 does: a row's layout does not depend on M), in one buffer *buf (the caller
- * frees it). Returns 0, or -1 (an allocation failure). */
-static int vnni_act(const float *x, int64_t M, int64_t K, int num_threads, q8v_act *A,
-                    float **buf) {
+/* The activations' layout (q8v_act) for M rows of K elements in one buffer at buf (NULL: only
+ * its size); returns its size in bytes */
+static size_t vnni_act_layout(int64_t M, int64_t K, void *buf, q8v_act *A) {
     const int64_t G = K / 32, P = (G + 1) / 2, Q = (G + 15) / 16, Kp = 64 * P;
-    /* one buffer: xd, xds fp32 [M, G]; xdl, xsl fp32 [M, Q, 16]; xcs int32 [M, Q, 16];
-     * xt int32 [M, Q, 8, 16]; xq [M, Kp] */
-    float *xd = (float *)malloc(sizeof(float) * (2 * M * G + 3 * M * Q * 16 + M * Q * 128) + (size_t)(M * Kp));
-    if (xd == NULL) return -1;
-    float *xds = xd + M * G, *xdl = xds + M * G, *xsl = xdl + M * Q * 16;
+    /* xd, xds fp32 [M, G]; xdl, xsl fp32 [M, Q, 16]; xcs int32 [M, Q, 16]; xt int32
+     * [M, Q, 8, 16]; xq [M, Kp] */
+    const size_t bytes = sizeof(float) * (size_t)(2 * M * G + 3 * M * Q * 16 + M * Q * 128) + (size_t)(M * Kp);
+    if (buf == NULL) return bytes;
+    float *xd = (float *)buf, *xds = xd + M * G, *xdl = xds + M * G, *xsl = xdl + M * Q * 16;
     int32_t *xcs = (int32_t *)(xsl + M * Q * 16), *xt = xcs + M * Q * 16;
     int8_t *xq = (int8_t *)(xt + M * Q * 128);
-    /* no OpenMP region for one row (the small steps' products pass 1) */
-    const int threads = M > 1 ? num_threads : 1;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t m = 0; m < M; m++) {
-        int8_t *q = xq + m * Kp;
-        quantize_row_q8(x + m * K, K, q, xd + m * G, xds + m * G);
-        memset(q + K, 0, (size_t)(Kp - K));
-        for (int64_t g = 0; g < Q; g++)
+    const q8v_act a = {xq, xd, xds, xdl, xsl, xcs, xt, G, P, Q, Kp};
+    *A = a;
+    return bytes;
+}
+
+/* Row m of x [M, K] rounded (as quantize_row_q8 does: a row's layout does not depend on M) and
+ * laid out into A (vnni_act_layout's, over a writable buffer) */
+static void vnni_act_row(const float *x, int64_t K, int64_t m, const q8v_act *A) {
+    const int64_t G = A->G, Q = A->Q, Kp = A->Kp;
+    int8_t *xq = (int8_t *)A->xq;
+    float *xd = (float *)A->xd, *xds = (float *)A->xds, *xdl = (float *)A->xdl, *xsl = (float *)A->xsl;
+    int32_t *xcs = (int32_t *)A->xcs, *xt = (int32_t *)A->xt;
+    int8_t *q = xq + m * Kp;
+    quantize_row_q8(x + m * K, K, q, xd + m * G, xds + m * G);
+    memset(q + K, 0, (size_t)(Kp - K));
+    for (int64_t g = 0; g < Q; g++) {
+        const int64_t left = G - 16 * g < 16 ? G - 16 * g : 16, f = (m * Q + g) * 16;
+        if (left <= 2) { /* v_group1's lanes 0 and 8 */
             for (int l = 0; l < 16; l++) {
-                const int64_t b = v_lane_block(G, g, l), f = (m * Q + g) * 16 + l;
+                const int64_t b = v_lane_block(G, g, l);
                 int32_t sum = 0;
                 if (b >= 0)
                     for (int k = 0; k < 32; k++) sum += q[32 * b + k];
-                xdl[f] = b >= 0 ? xd[m * G + b] : 0.0f;
-                xsl[f] = b >= 0 ? xds[m * G + b] : 0.0f;
-                xcs[f] = sum;
-                for (int j = 0; j < 8; j++) {
-                    int32_t v = 0;
-                    if (b >= 0) memcpy(&v, q + 32 * b + 4 * j, 4);
-                    xt[((m * Q + g) * 8 + j) * 16 + l] = v;
-                }
+                xdl[f + l] = b >= 0 ? xd[m * G + b] : 0.0f;
+                xsl[f + l] = b >= 0 ? xds[m * G + b] : 0.0f;
+                xcs[f + l] = sum;
             }
+            continue;
+        }
+        /* block 16 g + L in lane L: its dwords transposed as v_group_codes' codes */
+        __m512i V[8];
+        v_transpose16((const uint8_t *)(q + 512 * g), 32, 0, left, V);
+        v_transpose16((const uint8_t *)(q + 512 * g), 32, 16, left, V + 4);
+        __m512i sum = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j++) {
+            _mm512_storeu_si512(xt + (m * Q + g) * 128 + 16 * j, V[j]);
+            sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), V[j]);
+        }
+        _mm512_storeu_si512(xcs + f, sum);
+        const __mmask16 have = (__mmask16)((1u << left) - 1u);
+        _mm512_storeu_ps(xdl + f, _mm512_maskz_loadu_ps(have, xd + m * G + 16 * g));
+        _mm512_storeu_ps(xsl + f, _mm512_maskz_loadu_ps(have, xds + m * G + 16 * g));
     }
-    const q8v_act a = {xq, xd, xds, xdl, xsl, xcs, xt, G, P, Q, Kp};
-    *A = a;
-    *buf = xd;
+}
+
+/* The activations of M rows laid out as q8v_act says, in one buffer *buf (the caller frees
+ * it), the rows across num_threads. Returns 0, or -1 (an allocation failure). */
+static int vnni_act(const float *x, int64_t M, int64_t K, int num_threads, q8v_act *A,
+                    float **buf) {
+    float *b = (float *)malloc(vnni_act_layout(M, K, NULL, A));
+    if (b == NULL) return -1;
+    vnni_act_layout(M, K, b, A);
+    const int threads = M > 1 ? num_threads : 1;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t m = 0; m < M; m++) vnni_act_row(x, K, m, A);
+    *buf = b;
     return 0;
 }
+
+#undef V_ROWS
+
+#pragma GCC pop_options
 
 /* The VNNI body's product (arguments checked by the caller): the activations rounded and
  * laid out as q8v_act says, once, then the rows in blocks across the threads. */
 static int gemm_q8_vnni(int type, const float *x, const uint8_t *w, float *out, int64_t M,
                         int64_t N, int64_t K, int64_t ldo, int num_threads) {
     q8v_act A;
-    float *buf;
-    if (vnni_act(x, M, K, 1, &A, &buf)) return -1;
+    float *buf = (float *)malloc(vnni_act_layout(M, K, NULL, &A));
+    if (buf == NULL) return -1;
+    vnni_act_layout(M, K, buf, &A);
     const int64_t num_blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
     const int64_t chunk = row_chunk(type, K, ROW_BLOCK, num_blocks, num_threads);
-#pragma omp parallel for schedule(guided, chunk) num_threads(num_threads)
-    for (int64_t b = 0; b < num_blocks; b++) {
-        const int64_t n0 = b * ROW_BLOCK, n1 = n0 + ROW_BLOCK < N ? n0 + ROW_BLOCK : N;
-        v_rows(type, (int)M, w, &A, ldo, n0, n1, out);
+    /* one region: the rows rounded across the threads, then the weight rows */
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) vnni_act_row(x, K, m, &A);
+#pragma omp for schedule(guided, chunk)
+        for (int64_t b = 0; b < num_blocks; b++) {
+            const int64_t n0 = b * ROW_BLOCK, n1 = n0 + ROW_BLOCK < N ? n0 + ROW_BLOCK : N;
+            v_rows(type, (int)M, w, &A, ldo, n0, n1, out);
+        }
     }
     free(buf);
     return 0;
