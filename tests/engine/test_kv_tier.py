@@ -163,9 +163,15 @@ def test_blocked_disk_load_waits_alone(tiny, expected, tmp_path):
     WAITING_FOR_REMOTE_KVS while another request decodes a token every step; released, it
     runs from its loaded prefix and its output equals the tier-off output."""
     engine = _disk_engine_after_turn1(tiny, tmp_path)
-    gate = threading.Event()
+    gate, reading = threading.Event(), threading.Event()
     reads = []
-    engine.runner.kv_tier.before_read = lambda key: (reads.append(key), gate.wait())
+
+    def before_read(key):
+        reads.append(key)
+        reading.set()
+        gate.wait()
+
+    engine.runner.kv_tier.before_read = before_read
     try:
         other = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
         engine.add_request("other", {"prompt_token_ids": [9, 8, 7, 6, 5]}, other)
@@ -177,7 +183,9 @@ def test_blocked_disk_load_waits_alone(tiny, expected, tmp_path):
             assert hit.status == RequestStatus.WAITING_FOR_REMOTE_KVS
             assert list(outs) == ["other"]
             assert len(outs["other"].outputs[0].token_ids) == n + 2
-        assert reads  # the loader thread is inside the read
+        # the loader thread reaches the read, held there (it may get there after those steps:
+        # the gate, not its timing, keeps the load pending)
+        assert reading.wait(timeout=60) and reads
         assert engine.get_stats().scheduler.num_kv_tier_loads == 1
     finally:
         gate.set()
