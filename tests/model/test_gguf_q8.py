@@ -461,15 +461,28 @@ def test_large_steps_pick_the_fast_product_per_part(kernels):
 
 
 @pytest.mark.parametrize(
-    "types", [("Q4_K", "Q5_K", "Q6_K"), ("Q6_K", "Q4_K", "Q4_K"), ("Q4_K", "Q5_0", "Q6_K")]
+    "types",
+    [
+        ("Q4_K", "Q5_K", "Q6_K"),
+        ("Q6_K", "Q4_K", "Q4_K"),
+        ("Q4_K", "Q5_0", "Q6_K"),
+        ("Q4_1", "Q4_1", "Q4_1"),
+        ("Q8_0", "Q5_0", "Q5_1"),
+        ("Q4_0", "Q4_1", "Q6_K"),
+    ],
 )
-def test_stacked_parts_are_each_parts_product(kernels, types):
+@pytest.mark.parametrize("hidden", [512, 576])
+def test_stacked_parts_are_each_parts_product(kernels, types, hidden):
     """The fused layer's q, k, v (three stacked parts) on int8 activations are, bit for bit,
     each part's own product of the layer's normed input: parts all of the K-types share one
-    rounding and one parallel region (gguf_blocks.c ``pagedkv_gguf_gemm_q8k_parts``), a mix
-    with another type runs part by part. 1, 3 and 8 tokens, 1 and 2 threads; the rotation is
-    the identity (cos 1, sin 0) so the products are read as they are."""
-    hidden, heads, kv, dim, eps = 512, 16, 11, 2, 1e-5
+    rounding and one parallel region (gguf_blocks.c ``pagedkv_gguf_gemm_q8k_parts``), and so
+    do parts all of the 32-element types on the VNNI body (``pagedkv_gguf_gemm_q8v_parts``;
+    SmolLM2's Q4_1 q, k, v, at its width 576 too), a mix runs part by part. 1, 3 and 8
+    tokens, 1 and 2 threads; the rotation is the identity (cos 1, sin 0) so the products are
+    read as they are."""
+    if hidden % 256 and any(t in K_NAMES for t in types):
+        pytest.skip("K-type rows are whole blocks of 256")
+    heads, kv, dim, eps = 16, 11, 2, 1e-5
     gen = torch.Generator().manual_seed(21)
     sizes = (heads * dim, kv * dim, kv * dim)
     parts = [
@@ -518,18 +531,28 @@ def test_decode_rows_in_pairs_are_each_rows_product(kernels):
     assert torch.equal(kernels.gguf_gemm(type_id, x, w)[:1], whole)
 
 
-def test_the_stacked_parts_entry_directly(kernels):
-    """``pagedkv_gguf_gemm_q8k_parts`` itself: parts of odd and zero row counts written side by
-    side into rows ``ldo`` apart (the columns past them untouched), bit for bit each part's own
-    product, on the fixture's body at 1 and 5 tokens; a part of another type returns 1 and a
-    bad size -1, both writing nothing."""
+#: Each stacked-parts entry's part types, the K it is tried at and a type it refuses.
+PARTS_ENTRIES = {
+    "pagedkv_gguf_gemm_q8k_parts": (("Q6_K", "Q4_K", "Q5_K", "Q4_K"), 512, "Q8_0"),
+    "pagedkv_gguf_gemm_q8v_parts": (("Q4_1", "Q8_0", "Q5_0", "Q5_1"), 576, "Q4_K"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PARTS_ENTRIES))
+def test_the_stacked_parts_entry_directly(kernels, name):
+    """``pagedkv_gguf_gemm_q8k_parts`` (the K-types) and ``pagedkv_gguf_gemm_q8v_parts`` (the
+    32-element types, VNNI body only) themselves: parts of odd and zero row counts written side
+    by side into rows ``ldo`` apart (the columns past them untouched), bit for bit each part's
+    own product, on the fixture's body at 1 and 5 tokens; a part of another type (and for the
+    32-element entry, a body other than VNNI) returns 1 and a bad size -1, both writing
+    nothing."""
     lib = ctypes.CDLL(str(kernels.path))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    entry = lib.pagedkv_gguf_gemm_q8k_parts
+    entry = getattr(lib, name)
     entry.argtypes = [ctypes.c_int, p, p, p, p, p, i64, i64, i64, ctypes.c_int, ctypes.c_int]
     code = Q8_ISA_CODES[kernels.q8_isa]
-    k, ldo = 512, 60
-    names, sizes = ("Q6_K", "Q4_K", "Q5_K", "Q4_K"), (17, 0, 3, 37)
+    names, k, refused = PARTS_ENTRIES[name]
+    ldo, sizes = 60, (17, 0, 3, 37)
     raws = [
         gguf_weight(t, max(n, 1), k, 60 + i)[:n]
         for i, (t, n) in enumerate(zip(names, sizes, strict=True))
@@ -545,6 +568,11 @@ def test_the_stacked_parts_entry_directly(kernels):
         )  # fmt: skip
 
     types = [GGML_TYPES[t].type_id for t in names]
+    if name.endswith("q8v_parts") and kernels.q8_isa != "avx512_vnni":
+        out = torch.full((1, ldo), 7.0)
+        assert call(types, sizes, torch.randn(1, k), out) == 1
+        assert torch.equal(out, torch.full((1, ldo), 7.0))
+        return
     for rows in (1, 5):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
         out = torch.full((rows, ldo), 7.0)
@@ -557,7 +585,7 @@ def test_the_stacked_parts_entry_directly(kernels):
         assert torch.equal(out[:, : sum(sizes)], torch.cat(want, 1))
         assert torch.equal(out[:, sum(sizes) :], torch.full((rows, ldo - sum(sizes)), 7.0))
         before = out.clone()
-        assert call([*types[:3], GGML_TYPES["Q8_0"].type_id], sizes, x, out) == 1
+        assert call([*types[:3], GGML_TYPES[refused].type_id], sizes, x, out) == 1
         assert call(types, [*sizes[:3], -1], x, out) == -1
         assert torch.equal(out, before)
     x = torch.randn(9, k)  # more than the small products' 8 rows

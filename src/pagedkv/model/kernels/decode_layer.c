@@ -101,7 +101,7 @@ typedef struct {
 
 /* out [M, sum of the parts' rows] = x [M, K] W^T, one product (OpenMP region) per part, but
  * GGUF parts all of K-types on int8 activations in one (pagedkv_gguf_gemm_q8k_parts, the same
- * bits); with batch_invariant, every GGUF part's product is pagedkv_gguf_gemm_invariant (any M)
+ * bits), and so all of the 32-element types on the VNNI body (pagedkv_gguf_gemm_q8v_parts); with batch_invariant, every GGUF part's product is pagedkv_gguf_gemm_invariant (any M)
  * and an int4 part is refused. Returns 0, or -1 (a part of an unknown kind, no parts, or a
  * product's refusal). */
 static int linear_gemm(const pagedkv_linear *W, const float *x, float *out, int64_t M,
@@ -111,7 +111,8 @@ static int linear_gemm(const pagedkv_linear *W, const float *x, float *out, int6
     int64_t total = 0;
     for (int64_t p = 0; p < W->num_parts; p++) total += W->parts[p].rows;
     if (W->num_parts > 1 && !batch_invariant && activations == 1) {
-        /* GGUF parts all of K-types (a Q4_K_M file's q, k, v): one rounding, one region */
+        /* GGUF parts all of K-types (a Q4_K_M file's q, k, v) or all of the 32-element types on
+         * VNNI (SmolLM2's Q4_1): one rounding, one region */
         int types[PAGEDKV_MAX_PARTS];
         const uint8_t *ws[PAGEDKV_MAX_PARTS];
         int64_t rows[PAGEDKV_MAX_PARTS];
@@ -123,8 +124,11 @@ static int linear_gemm(const pagedkv_linear *W, const float *x, float *out, int6
             rows[p] = W->parts[p].rows;
         }
         if (gguf) {
-            const int rc = pagedkv_gguf_gemm_q8k_parts((int)W->num_parts, types, ws, rows, x, out,
-                                                       M, K, total, num_threads, q8_isa);
+            int rc = pagedkv_gguf_gemm_q8k_parts((int)W->num_parts, types, ws, rows, x, out, M, K,
+                                                 total, num_threads, q8_isa);
+            if (rc == 1) /* not all K-types: all of the 32-element types on VNNI? */
+                rc = pagedkv_gguf_gemm_q8v_parts((int)W->num_parts, types, ws, rows, x, out, M, K,
+                                                 total, num_threads, q8_isa);
             if (rc != 1) return rc;
         }
     }

@@ -2346,6 +2346,58 @@ int pagedkv_gguf_gemm_q8k_parts(int num_parts, const int *types, const uint8_t *
     return 0;
 }
 
+/* The 32-element parts (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) of a stacked product on the VNNI body in
+ * one call, as pagedkv_gguf_gemm_q8k_parts does for the K-types: x rounded and laid out once
+ * (vnni_act_row) and one parallel region over every part's blocks of ROW_BLOCK rows, instead of
+ * a rounding and a region per part (SmolLM2's q, k, v: three; gate, up: two). Each row's result
+ * is bit for bit pagedkv_gguf_gemm_q8_ld's on the VNNI body (the same row kernels on the same
+ * layout). Arguments as pagedkv_gguf_gemm_q8k_parts'. Returns 0; 1, having done nothing, where
+ * a part is not a 32-element type or isa is not PAGEDKV_ISA_AVX512_VNNI; -1 for bad sizes or an
+ * allocation failure. */
+int pagedkv_gguf_gemm_q8v_parts(int num_parts, const int *types, const uint8_t *const *ws,
+                                const int64_t *rows, const float *x, float *out, int64_t M,
+                                int64_t K, int64_t ldo, int num_threads, int isa) {
+    if (num_parts < 1 || num_parts > 8) return -1;
+    if (isa != PAGEDKV_ISA_AVX512_VNNI) return 1;
+    for (int p = 0; p < num_parts; p++)
+        if (!pagedkv_gguf_q8_takes(types[p]) || is_k_type(types[p])) return 1;
+    if (M < 1 || M > MAX_M || K <= 0 || K % 32 != 0) return -1;
+    int64_t first_block[9], col[9], bytes = 0;
+    first_block[0] = 0;
+    col[0] = 0;
+    for (int p = 0; p < num_parts; p++) {
+        if (rows[p] < 0) return -1;
+        int64_t E = 32, B = 0;
+        if (pagedkv_gguf_block(types[p], &E, &B)) return -1;
+        first_block[p + 1] = first_block[p] + (rows[p] + ROW_BLOCK - 1) / ROW_BLOCK;
+        col[p + 1] = col[p] + rows[p];
+        bytes += rows[p] * (K / E * B);
+    }
+    const int64_t total = first_block[num_parts];
+    if (col[num_parts] > ldo) return -1;
+    q8v_act A;
+    float *buf = (float *)malloc(vnni_act_layout(M, K, NULL, &A));
+    if (buf == NULL) return -1;
+    vnni_act_layout(M, K, buf, &A);
+    /* row_chunk's rule on the parts' bytes together, as pagedkv_gguf_gemm_q8k_parts */
+    const int64_t chunk = num_threads <= 1 || bytes >= GUIDED_MIN_BYTES ? 1 : (total + num_threads - 1) / num_threads;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) vnni_act_row(x, K, m, &A);
+#pragma omp for schedule(guided, chunk)
+        for (int64_t b = 0; b < total; b++) {
+            int p = 0;
+            while (b >= first_block[p + 1]) p++;
+            const int64_t n0 = (b - first_block[p]) * ROW_BLOCK;
+            const int64_t n1 = n0 + ROW_BLOCK < rows[p] ? n0 + ROW_BLOCK : rows[p];
+            v_rows(types[p], (int)M, ws[p], &A, ldo, n0, n1, out + col[p]);
+        }
+    }
+    free(buf);
+    return 0;
+}
+
 int pagedkv_gguf_q8_takes(int type) {
     return type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q5_0 || type == GGML_Q5_1 ||
            type == GGML_Q8_0 || type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K;

@@ -63,6 +63,12 @@ int pagedkv_gguf_q8_takes(int type);
 int pagedkv_gguf_gemm_q8k_parts(int num_parts, const int *types, const uint8_t *const *ws,
                                 const int64_t *rows, const float *x, float *out, int64_t M,
                                 int64_t K, int64_t ldo, int num_threads, int isa);
+/* the same for 32-element parts (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) on the VNNI body (isa
+ * PAGEDKV_ISA_AVX512_VNNI); returns 1 (nothing done) where a part is not one of them or isa is
+ * another */
+int pagedkv_gguf_gemm_q8v_parts(int num_parts, const int *types, const uint8_t *const *ws,
+                                const int64_t *rows, const float *x, float *out, int64_t M,
+                                int64_t K, int64_t ldo, int num_threads, int isa);
 int pagedkv_gguf_gemm_q8(int type, const float *x, const uint8_t *w, float *out, int64_t M,
                          int64_t N, int64_t K, int num_threads, int isa);
 int pagedkv_gguf_gemm_q8_ld(int type, const float *x, const uint8_t *w, float *out, int64_t M,
