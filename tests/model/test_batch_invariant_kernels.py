@@ -135,6 +135,29 @@ def test_large_vnni_steps_over_long_rows_are_the_small_products(kernels, name):
             assert torch.equal(got, alone), (k, threads)
 
 
+@pytest.mark.parametrize("name", ["Q4_1", "Q8_0", "Q5_0"])
+def test_an_infinite_block_scale_gives_the_same_row_either_way(kernels, name):
+    """A block whose f16 scale is infinite (a damaged file) in a row's last group of one or two
+    blocks (K 544 and 576: the one-row kernel's pair layout, whose other lanes hold zero
+    scales) and in a full group (K 512): the large steps' rows are still the one-row product's
+    bits, infinities included (an infinite scale times a zero lane would be NaN on one side
+    only)."""
+    if "avx512_vnni" not in q8_bodies(kernels.isa):
+        pytest.skip("no AVX-512 VNNI here")
+    t = GGML_TYPES[name]
+    kk = CpuQuantKernels(kernels.path, isa=kernels.isa, activations="q8", q8_isa="avx512_vnni")
+    for k in (544, 576, 512):
+        raw = raw_weight(name, 5, k, seed=k).clone()
+        blocks = raw.view(5, k // 32, -1)
+        inf = torch.tensor([float("inf")], dtype=torch.float16).view(torch.uint8)
+        blocks[:, -1, 0:2] = inf  # every row's last block: d = +inf
+        x = torch.randn(12, k, generator=torch.Generator().manual_seed(k))
+        alone = torch.cat([kk.gguf_gemm(t.type_id, x[i : i + 1], raw) for i in range(len(x))])
+        assert not bool(alone.isnan().any())
+        got = kk.gguf_gemm_invariant(t.type_id, x, raw)
+        assert torch.equal(got, alone), k
+
+
 def test_refusals(kernels):
     """No rows, a weight of another width, an unknown type: refused before anything runs."""
     raw = raw_weight("Q4_K", N, 256, seed=1)

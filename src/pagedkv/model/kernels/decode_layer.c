@@ -101,9 +101,10 @@ typedef struct {
 
 /* out [M, sum of the parts' rows] = x [M, K] W^T, one product (OpenMP region) per part, but
  * GGUF parts all of K-types on int8 activations in one (pagedkv_gguf_gemm_q8k_parts, the same
- * bits), and so all of the 32-element types on the VNNI body (pagedkv_gguf_gemm_q8v_parts); with batch_invariant, every GGUF part's product is pagedkv_gguf_gemm_invariant (any M)
- * and an int4 part is refused. Returns 0, or -1 (a part of an unknown kind, no parts, or a
- * product's refusal). */
+ * bits), and so all of the 32-element types on the VNNI body (pagedkv_gguf_gemm_q8v_parts);
+ * with batch_invariant, every GGUF part's product is pagedkv_gguf_gemm_invariant (any M) and an
+ * int4 part is refused. Returns 0, or -1 (a part of an unknown kind, no parts, or a product's
+ * refusal). */
 static int linear_gemm(const pagedkv_linear *W, const float *x, float *out, int64_t M,
                        int64_t K, int num_threads, int isa, int activations, int q8_isa,
                        int batch_invariant) {

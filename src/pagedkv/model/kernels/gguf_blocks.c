@@ -1123,9 +1123,10 @@ static int gemm_q8_avx2_fast(int type, const float *x, const uint8_t *w, float *
  *
  * _mm512_dpbusd_epi32(acc, u, s) adds to each of 16 int32 lanes the four products of its
  * unsigned bytes of u with the signed bytes of s, exactly (no 16-bit step, no saturation).
- * One 512-bit vector holds two groups of 32 (a "pair": lanes 0-7 the first, 8-15 the
- * second), so one instruction per pair and activation row does what maddubs + madd do per
- * group in the AVX2 body.
+ * One instruction multiplies and sums 64 bytes, where the AVX2 body takes maddubs + madd for
+ * 32: the 32-element types' one-row kernel (v_row_32) feeds it 4 bytes of each of 16 groups
+ * (a group's codes transposed across the lanes), the large-step kernels 4 bytes of each of 16
+ * weight rows, the K-types' vk_row_* 64 consecutive bytes of a row.
  *   The weights are taken as unsigned codes u (Q4_1, Q5_1, Q4_K, Q5_K as they are; Q8_0,
  * Q4_0, Q5_0 with their bias b = 128, 8, 16 added), xq is s: u . xq = w . xq + b sum(xq), and
  * b times the block's activation sum (kept once per call) is taken off the block's sum.
@@ -1143,7 +1144,8 @@ typedef struct {
     const float *xdl;   /* [M, Q, 16] xd by lane (0 past K) */
     const float *xsl;   /* [M, Q, 16] xds by lane (0 past K) */
     const int32_t *xcs; /* [M, Q, 16] the block's sum of xq by lane (0 past K) */
-    const int32_t *xt;  /* [M, Q, 8, 16] dword j of block 16 q + L of xq in [.., j, L] (0 past K) */
+    const int32_t *xt;  /* [M, Q, 8, 16] dword j of block 16 q + L of xq in [.., j, L] (0 past K;
+                         * a last group of one or two blocks, which v_group1 takes, not written) */
     int64_t G, P, Q, Kp;
 } q8v_act;
 
@@ -1331,20 +1333,24 @@ static inline AI __m512i v_codes(const int type, const uint8_t *b0, const uint8_
 /* A row's last group when it has one or two blocks (16 q and, where left is 2, 16 q + 1): the
  * transposed layout would still take 8 dpbusd per activation row, so here the two blocks' 64
  * codes in one vector, one dpbusd, and their lanes summed into lanes 0 and 8 by 6
- * instructions; the other lanes hold other partial sums, whose terms are zero (their xd and
- * xds laid out 0) */
+ * instructions; the other lanes hold copies of those sums, whose terms are zero (their scales,
+ * xd and xds 0) */
 static inline AI void v_group1(const int type, const int M, const uint8_t *g0, const int64_t left,
                                const q8v_act *A, int64_t q, __m512 *acc) {
     const int BB = v_block_bytes(type);
     const int mins = type == GGML_Q4_1 || type == GGML_Q5_1;
     const __m512i W = left == 2 ? v_codes(type, g0, g0 + BB)
                                 : _mm512_maskz_mov_epi8((__mmask64)0xFFFFFFFFull, v_codes(type, g0, g0));
+    /* the scales in lanes 0 and 8 only (0 elsewhere: a non-finite scale times the other lanes'
+     * zero xd would be NaN, where vl_groups, which skips those lanes, has none) */
     const float d1 = left == 2 ? f16_to_f32(g0 + BB) : 0.0f;
-    const __m512 dv = _mm512_insertf32x8(_mm512_set1_ps(f16_to_f32(g0)), _mm256_set1_ps(d1), 1);
+    const __m512 dv = _mm512_maskz_mov_ps((__mmask16)0x0101,
+                                          _mm512_insertf32x8(_mm512_set1_ps(f16_to_f32(g0)), _mm256_set1_ps(d1), 1));
     __m512 mv = _mm512_setzero_ps();
     if (mins)
-        mv = _mm512_insertf32x8(_mm512_set1_ps(f16_to_f32(g0 + 2)),
-                                _mm256_set1_ps(left == 2 ? f16_to_f32(g0 + BB + 2) : 0.0f), 1);
+        mv = _mm512_maskz_mov_ps((__mmask16)0x0101,
+                                 _mm512_insertf32x8(_mm512_set1_ps(f16_to_f32(g0 + 2)),
+                                                    _mm256_set1_ps(left == 2 ? f16_to_f32(g0 + BB + 2) : 0.0f), 1));
 #pragma GCC unroll 8
     for (int m = 0; m < M; m++) {
         const __m512i D = _mm512_dpbusd_epi32(_mm512_setzero_si512(), W,
@@ -1374,8 +1380,9 @@ static inline AI void v_group1(const int type, const int M, const uint8_t *g0, c
  * other rows, and vl_groups (the batch-invariant large steps) repeats them across 16 weight
  * rows. Blocks past the row are zero terms, fma(0, 0, acc) = acc. Against one float step per
  * pair and lane of four elements (this kernel before 2026-12-06: 16 conversions, multiplies
- * and two FMAs per pair and activation row, which bound the core), a verification step's
- * extra rows cost about a third. */
+ * and two FMAs per pair and activation row, which bound the core), SmolLM2's 8-row products
+ * run 3-5x faster and a verification step's extra rows cost about two thirds of what they did
+ * (the rest of the step did not change). */
 static inline AI void v_row_32(const int type, const int M, const uint8_t *w, const q8v_act *A,
                                int64_t ldo, int64_t n, float *out) {
     const int BB = v_block_bytes(type);
