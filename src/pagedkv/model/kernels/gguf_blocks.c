@@ -2305,6 +2305,25 @@ static int gemm_q8k(int type, const float *x, const uint8_t *w, float *out, int6
     return 0;
 }
 
+/* A stacked product's parts (at most 8; K already checked a multiple of their blocks): part p's
+ * first block of ROW_BLOCK rows in first_block[p] and first output column in col[p] (both
+ * [num_parts + 1], the totals last), their weight bytes in *bytes. Returns 0, or -1 for a
+ * negative row count, an unknown type or columns past ldo. */
+static int parts_blocks(int num_parts, const int *types, const int64_t *rows, int64_t K,
+                        int64_t ldo, int64_t *first_block, int64_t *col, int64_t *bytes) {
+    first_block[0] = 0;
+    col[0] = 0;
+    *bytes = 0;
+    for (int p = 0; p < num_parts; p++) {
+        int64_t E = 0, B = 0;
+        if (rows[p] < 0 || pagedkv_gguf_block(types[p], &E, &B)) return -1;
+        first_block[p + 1] = first_block[p] + (rows[p] + ROW_BLOCK - 1) / ROW_BLOCK;
+        col[p + 1] = col[p] + rows[p];
+        *bytes += rows[p] * (K / E * B);
+    }
+    return col[num_parts] > ldo ? -1 : 0;
+}
+
 /* The K-type parts of a stacked product (q, k, v; gate, up) in one call: x rounded by
  * quantize_row_q8k once, then one OpenMP region over every part's blocks of ROW_BLOCK rows
  * (part p writes the output columns after those of parts 0..p-1), instead of one rounding and
@@ -2323,19 +2342,9 @@ int pagedkv_gguf_gemm_q8k_parts(int num_parts, const int *types, const uint8_t *
     if (M < 1 || M > MAX_M || K <= 0 || K % 256 != 0) return -1;
     if (isa != PAGEDKV_ISA_AVX2 && isa != PAGEDKV_ISA_AVX512 && isa != PAGEDKV_ISA_AVX512_VNNI)
         return -1;
-    int64_t first_block[9], col[9], total = 0, bytes = 0;
-    first_block[0] = 0;
-    col[0] = 0;
-    for (int p = 0; p < num_parts; p++) {
-        if (rows[p] < 0) return -1;
-        int64_t E = 256, B = 0;
-        if (pagedkv_gguf_block(types[p], &E, &B)) return -1;
-        first_block[p + 1] = first_block[p] + (rows[p] + ROW_BLOCK - 1) / ROW_BLOCK;
-        col[p + 1] = col[p] + rows[p];
-        bytes += rows[p] * (K / E * B);
-    }
-    total = first_block[num_parts];
-    if (col[num_parts] > ldo) return -1;
+    int64_t first_block[9], col[9], bytes;
+    if (parts_blocks(num_parts, types, rows, K, ldo, first_block, col, &bytes)) return -1;
+    const int64_t total = first_block[num_parts];
     const int64_t S = K / 256, H = K / 16;
     float *xd = (float *)malloc(sizeof(float) * M * S + sizeof(int16_t) * M * H + (size_t)(M * K));
     if (xd == NULL) return -1;
@@ -2374,19 +2383,9 @@ int pagedkv_gguf_gemm_q8v_parts(int num_parts, const int *types, const uint8_t *
     for (int p = 0; p < num_parts; p++)
         if (!pagedkv_gguf_q8_takes(types[p]) || is_k_type(types[p])) return 1;
     if (M < 1 || M > MAX_M || K <= 0 || K % 32 != 0) return -1;
-    int64_t first_block[9], col[9], bytes = 0;
-    first_block[0] = 0;
-    col[0] = 0;
-    for (int p = 0; p < num_parts; p++) {
-        if (rows[p] < 0) return -1;
-        int64_t E = 32, B = 0;
-        if (pagedkv_gguf_block(types[p], &E, &B)) return -1;
-        first_block[p + 1] = first_block[p] + (rows[p] + ROW_BLOCK - 1) / ROW_BLOCK;
-        col[p + 1] = col[p] + rows[p];
-        bytes += rows[p] * (K / E * B);
-    }
+    int64_t first_block[9], col[9], bytes;
+    if (parts_blocks(num_parts, types, rows, K, ldo, first_block, col, &bytes)) return -1;
     const int64_t total = first_block[num_parts];
-    if (col[num_parts] > ldo) return -1;
     q8v_act A;
     float *buf = (float *)malloc(vnni_act_layout(M, K, NULL, &A));
     if (buf == NULL) return -1;
