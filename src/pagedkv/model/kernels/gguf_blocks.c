@@ -1130,7 +1130,8 @@ static int gemm_q8_avx2_fast(int type, const float *x, const uint8_t *w, float *
  *   The weights are taken as unsigned codes u (Q4_1, Q5_1, Q4_K, Q5_K as they are; Q8_0,
  * Q4_0, Q5_0 with their bias b = 128, 8, 16 added), xq is s: u . xq = w . xq + b sum(xq), and
  * b times the block's activation sum (kept once per call) is taken off the block's sum.
- * The 32-element types (v_row_32) sum each block's 8 lanes in int32 before its one float step;
+ * The 32-element types (v_row_32) gather each block's whole dot in one int32 lane (8 dpbusd)
+ * before its one float step;
  * the K-types run vk_row_* below on the Q8_K-style activations (maddubs, then dpwssd). */
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
