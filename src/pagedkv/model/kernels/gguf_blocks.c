@@ -1235,6 +1235,15 @@ static inline AI void v_transpose16(const uint8_t *g0, const int BB, const int a
     V[3] = _mm512_unpackhi_epi64(a1, a3);
 }
 
+/* The 4 bytes at offset `at` of each of the group's blocks (block L from g0 + L * BB) in lane
+ * L, 0 from block `left` on (nothing read there) */
+static inline AI __m512i v_group_dwords(const uint8_t *g0, const int BB, const int at, const int64_t left) {
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(),
+                                       _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32((int)left)),
+                                       _mm512_mullo_epi32(lane, _mm512_set1_epi32(BB)), g0 + at, 1);
+}
+
 /* A group's codes as unsigned bytes (the signed types' with vl_bias added, as vl_unpack stores
  * them), across the lanes: W[j]'s lane L holds elements 4 j .. 4 j + 3 of block L, so that one
  * dpbusd per j with the activations laid out alike (q8v_act's xt) adds to lane L a quarter of
@@ -1258,11 +1267,7 @@ static inline AI void v_group_codes(const int type, const uint8_t *g0, const int
     }
     if (type == GGML_Q5_0 || type == GGML_Q5_1) {
         /* the fifth bits: bit e of the block's qh word is element e's */
-        const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        const __mmask16 have = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32((int)left));
-        const __m512i qh = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), have,
-                                                       _mm512_mullo_epi32(lane, _mm512_set1_epi32(BB)),
-                                                       g0 + (type == GGML_Q5_0 ? 2 : 4), 1);
+        const __m512i qh = v_group_dwords(g0, BB, type == GGML_Q5_0 ? 2 : 4, left);
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) {
             /* every byte of a lane: qh's byte j / 2 (elements 8 (j / 2) ..), tested for bit
@@ -1294,10 +1299,7 @@ static inline AI void v_group(const int type, const int M, const uint8_t *g0, co
     __m512i W[8];
     v_group_codes(type, g0, left, W);
     /* the blocks' first four bytes (d, and Q4_1 / Q5_1's m), 0 past the row */
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __mmask16 have = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32((int)left));
-    const __m512i head = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), have,
-                                                     _mm512_mullo_epi32(lane, _mm512_set1_epi32(BB)), g0, 1);
+    const __m512i head = v_group_dwords(g0, BB, 0, left);
     const __m512 dv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
     const __m512 mv = mins ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)))
                            : _mm512_setzero_ps();
@@ -1369,9 +1371,8 @@ static inline AI void v_group1(const int type, const int M, const uint8_t *g0, c
 
 /* Weight row n of a 32-element type against activation rows 0..M-1. The row runs in groups of
  * 16 blocks, block L of a group in lane L of every vector (a last group of one or two blocks:
- * v_group1): its codes transposed across the
- * lanes (v_group_codes), so that 8 dpbusd per activation row leave each lane its block's whole
- * integer dot (exact: the signed types' weights taken as unsigned codes, bias b added, and b
+ * v_group1): its codes transposed across the lanes (v_group_codes), so that 8 dpbusd per
+ * activation row leave each lane its block's whole integer dot (exact: the signed types' weights taken as unsigned codes, bias b added, and b
  * times the block's activation sum taken off). Each block then takes one float step, as
  * llama.cpp's do, and lane L is a chain of every 16th block:
  *   acc[L] = fma(cvt(block's integer dot), d_b * xd_b, acc[L])   then, Q4_1 / Q5_1,
@@ -1703,8 +1704,8 @@ static void v_rows(int type, int M, const uint8_t *w, const q8v_act *A, int64_t 
  * Q4_0 8, Q5_0 16, Q6_K 32, i.e. their unsigned codes) and each block's dot starts from -b
  * times the sum of its activations (per activation row, once per call: vf_act_row).
  * Threads split the tiles; a tile's K runs in chunks of VL_KC pairs (VL_KC / 8 groups) over
- * groups of VL_MB activation rows, their accumulators kept in the tile's scratch between chunks, so the
- * chunk's unpacked weights stay in L1 while the group's rows meet them. */
+ * groups of VL_MB activation rows, their accumulators kept in the tile's scratch between
+ * chunks, so the chunk's unpacked weights stay in L1 while the group's rows meet them. */
 #define VL_KC 16
 #define VL_MB 8
 
@@ -1798,8 +1799,7 @@ static inline AI __m512i vl_unpack(const int type, const uint8_t *row, int64_t G
         }
         return wv;
     }
-    const int BB = type == GGML_Q8_0 ? 34 : type == GGML_Q4_0 ? 18 : type == GGML_Q4_1 ? 20
-                 : type == GGML_Q5_0 ? 22 : 24;
+    const int BB = v_block_bytes(type);
     const uint8_t *b0 = row + 2 * p * BB;
     const int last = 2 * p + 1 >= G; /* the row's last block alone */
     const uint8_t *b1 = last ? b0 : b0 + BB;
@@ -2098,9 +2098,10 @@ static size_t vnni_act_layout(int64_t M, int64_t K, void *buf, q8v_act *A) {
     return bytes;
 }
 
-/* Row m of x [M, K] rounded (as quantize_row_q8 does: a row's layout does not depend on M) and
- * laid out into A (vnni_act_layout's, over a writable buffer) */
-static void vnni_act_row(const float *x, int64_t K, int64_t m, const q8v_act *A) {
+/* Row m of x [M, K] rounded (as quantize_row_q8 does: a row's layout does not depend on M) into
+ * A's xq, xd, xds (vnni_act_layout's, over a writable buffer), and where `layout`, also laid out
+ * for the one-row kernel (xt, xcs, xdl, xsl; the large steps read none of them) */
+static void vnni_act_row(const float *x, int64_t K, int64_t m, const q8v_act *A, int layout) {
     const int64_t G = A->G, Q = A->Q, Kp = A->Kp;
     int8_t *xq = (int8_t *)A->xq;
     float *xd = (float *)A->xd, *xds = (float *)A->xds, *xdl = (float *)A->xdl, *xsl = (float *)A->xsl;
@@ -2108,7 +2109,7 @@ static void vnni_act_row(const float *x, int64_t K, int64_t m, const q8v_act *A)
     int8_t *q = xq + m * Kp;
     quantize_row_q8(x + m * K, K, q, xd + m * G, xds + m * G);
     memset(q + K, 0, (size_t)(Kp - K));
-    for (int64_t g = 0; g < Q; g++) {
+    for (int64_t g = 0; layout && g < Q; g++) {
         const int64_t left = G - 16 * g < 16 ? G - 16 * g : 16, f = (m * Q + g) * 16;
         if (left <= 2) { /* v_group1's lanes 0 and 8 */
             for (int l = 0; l < 16; l++) {
@@ -2138,8 +2139,9 @@ static void vnni_act_row(const float *x, int64_t K, int64_t m, const q8v_act *A)
     }
 }
 
-/* The activations of M rows laid out as q8v_act says, in one buffer *buf (the caller frees
- * it), the rows across num_threads. Returns 0, or -1 (an allocation failure). */
+/* The activations of M rows rounded into q8v_act's xq, xd, xds (the large steps'; the rest of
+ * the layout allocated, not written), in one buffer *buf (the caller frees it), the rows across
+ * num_threads. Returns 0, or -1 (an allocation failure). */
 static int vnni_act(const float *x, int64_t M, int64_t K, int num_threads, q8v_act *A,
                     float **buf) {
     float *b = (float *)malloc(vnni_act_layout(M, K, NULL, A));
@@ -2147,7 +2149,7 @@ static int vnni_act(const float *x, int64_t M, int64_t K, int num_threads, q8v_a
     vnni_act_layout(M, K, b, A);
     const int threads = M > 1 ? num_threads : 1;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t m = 0; m < M; m++) vnni_act_row(x, K, m, A);
+    for (int64_t m = 0; m < M; m++) vnni_act_row(x, K, m, A, 0);
     *buf = b;
     return 0;
 }
@@ -2170,7 +2172,7 @@ static int gemm_q8_vnni(int type, const float *x, const uint8_t *w, float *out, 
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) vnni_act_row(x, K, m, &A);
+        for (int64_t m = 0; m < M; m++) vnni_act_row(x, K, m, &A, 1);
 #pragma omp for schedule(guided, chunk)
         for (int64_t b = 0; b < num_blocks; b++) {
             const int64_t n0 = b * ROW_BLOCK, n1 = n0 + ROW_BLOCK < N ? n0 + ROW_BLOCK : N;
@@ -2396,7 +2398,7 @@ int pagedkv_gguf_gemm_q8v_parts(int num_parts, const int *types, const uint8_t *
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) vnni_act_row(x, K, m, &A);
+        for (int64_t m = 0; m < M; m++) vnni_act_row(x, K, m, &A, 1);
 #pragma omp for schedule(guided, chunk)
         for (int64_t b = 0; b < total; b++) {
             int p = 0;
