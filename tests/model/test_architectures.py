@@ -183,16 +183,9 @@ def write_gguf(
     writer.close()
 
 
-class _StubTokenizer:
+def _stub_tokenizer(hf_tokenizer, eos_token_ids=()):
     """Stands in for :class:`pagedkv.model.tokenizer.Tokenizer` (the tiny files have none)."""
-
-    @staticmethod
-    def from_hf_folder(folder, eos_token_ids=()):
-        return CharTokenizer()
-
-    @staticmethod
-    def from_gguf(path, eos_token_ids=()):
-        return CharTokenizer()
+    return CharTokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +203,9 @@ def models(tmp_path_factory):
 
 
 def _load(path: Path, monkeypatch, quantization: str = "none"):
-    monkeypatch.setattr("pagedkv.model.loader.Tokenizer", _StubTokenizer)
+    monkeypatch.setattr("pagedkv.model.loader.Tokenizer", _stub_tokenizer)
+    for reader in ("read_gguf_tokenizer", "read_hf_folder_tokenizer"):
+        monkeypatch.setattr(f"pagedkv.model.loader.{reader}", lambda path: None)
     return load_model(path, dtype=torch.float32, quantization=quantization)
 
 

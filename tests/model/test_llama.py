@@ -100,3 +100,21 @@ def test_bf16_model_tracks_fp32(loaded_bf16, loaded_fp32, prompts, paged_runner)
         top = reference[-1].topk(5).indices
         assert int(logits[-1].argmax()) in top.tolist()
         assert torch.nn.functional.cosine_similarity(logits[-1], reference[-1], dim=0) > 0.99
+
+
+def test_rotary_tables_cast_from_fp32_equal_ones_built_in_the_dtype(loaded_fp32):
+    """A bf16 model's rotary tables are cast from the fused path's fp32 ones (computed once):
+    the same as building them in bf16, before and after extending past the model's context."""
+    from pagedkv.model.rotary import RotaryEmbedding
+
+    config = loaded_fp32.config
+    fp32 = RotaryEmbedding(config, torch.float32, "cpu")
+    cast, built = fp32.cast(torch.bfloat16), RotaryEmbedding(config, torch.bfloat16, "cpu")
+    for rotary in (cast, built):
+        assert rotary.cos.dtype == torch.bfloat16
+    assert torch.equal(cast.cos, built.cos) and torch.equal(cast.sin, built.sin)
+    assert torch.equal(cast.cos, fp32.cos.to(torch.bfloat16))
+    for rotary in (cast, built):
+        rotary.extend(config.max_position_embeddings + 100)
+    assert cast.max_positions == config.max_position_embeddings + 100
+    assert torch.equal(cast.cos, built.cos) and torch.equal(cast.sin, built.sin)

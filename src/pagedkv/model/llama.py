@@ -183,7 +183,9 @@ class LlamaForCausalLM(DecoderForCausalLM):
     ):
         super().__init__(config, weights, dtype, device, parallel)
         parallel, pack, cast = self.parallel, self.pack, self.cast(weights)
-        self.rotary = RotaryEmbedding(config, dtype, self.device)
+        # the fused path's fp32 tables, and this model's cast from them
+        rotary32 = RotaryEmbedding(config, torch.float32, self.device)
+        self.rotary = rotary32 if dtype == torch.float32 else rotary32.cast(dtype)
         with weights_present():
             self.layers = [
                 LlamaDecoderLayer(
@@ -218,7 +220,7 @@ class LlamaForCausalLM(DecoderForCausalLM):
         self._rotary32 = self.rotary
         self._norm32 = self.norm
         if self.fused_layers is not None and dtype != torch.float32:
-            self._rotary32 = RotaryEmbedding(config, torch.float32, self.device)
+            self._rotary32 = rotary32
             self._norm32 = self.norm.float()
         #: the fused layers as one C array, for a backend with C entry points (one call a step)
         self._fused_layer_array = (

@@ -21,6 +21,7 @@ import json
 import logging
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,7 +51,7 @@ from pagedkv.model.quantization import (
     quantize_int4,
     quantize_int8,
 )
-from pagedkv.model.tokenizer import Tokenizer
+from pagedkv.model.tokenizer import Tokenizer, read_gguf_tokenizer, read_hf_folder_tokenizer
 from pagedkv.modelinfo.naming import served_model_name
 from pagedkv.units import format_bytes
 
@@ -256,6 +257,36 @@ def load_model(
     if batch_invariant:
         _check_batch_invariant_load(kernels, quantization, parallel)
     check_weights_fit(path, quantization, dtype, 1 if parallel is None else parallel.world_size)
+    # The tokenizer is read on a thread of its own while the weights are read and the model
+    # built: most of its time is importing transformers and reading (or converting) the
+    # vocabulary, Python work that the weights' reads (which release the GIL) leave room for.
+    with ThreadPoolExecutor(1, thread_name_prefix="pagedkv-tokenizer") as pool:
+        reader = read_hf_folder_tokenizer if path.is_dir() else read_gguf_tokenizer
+        hf_tokenizer = pool.submit(reader, path)
+        decoder, config, eos = _load_decoder(
+            path, dtype, device, parallel, quantization, batch_invariant, kernels
+        )
+        tokenizer = Tokenizer(hf_tokenizer.result(), eos)
+    return LoadedModel(
+        model=decoder,
+        config=config,
+        tokenizer=tokenizer,
+        source=str(path),
+        quantization=quantization,
+    )
+
+
+def _load_decoder(
+    path: Path,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    parallel: TensorParallelGroup | None,
+    quantization: str,
+    batch_invariant: bool,
+    kernels: CpuQuantKernels | None,
+) -> tuple[LlamaForCausalLM | Gemma3ForCausalLM, ModelConfig, tuple[int, ...]]:
+    """:func:`load_model`'s weights and decoder (its arguments, resolved): the decoder, its
+    config and the end-of-sequence ids of the config (and a folder's generation config)."""
     start = time.perf_counter()
     logger.info("reading weights from %s", path)
     if path.is_dir():
@@ -265,13 +296,12 @@ def load_model(
         checkpoint = load_hf_folder(path)
         config, state_dict = checkpoint.config, checkpoint.state_dict
         eos = config.eos_token_ids + checkpoint.generation_eos_token_ids
-        tokenizer = Tokenizer.from_hf_folder(path, eos)
     else:
         from pagedkv.model.gguf_loader import load_gguf, stored_types
 
         checkpoint = load_gguf(path, quantized=quantization == "gguf", kernels=kernels)
         config, state_dict = checkpoint.config, checkpoint.state_dict
-        tokenizer = Tokenizer.from_gguf(path, config.eos_token_ids)
+        eos = config.eos_token_ids
         if quantization == "gguf":
             log_stored_types(stored_types(state_dict), state_dict, kernels)
     if batch_invariant and config.architecture not in GEMMA_ARCHITECTURES:
@@ -304,13 +334,7 @@ def load_model(
         quantization,
         f" ({len(quantized)} weights, steps of <= {QUANT_MAX_TOKENS} tokens)" if quantized else "",
     )
-    return LoadedModel(
-        model=decoder,
-        config=config,
-        tokenizer=tokenizer,
-        source=str(path),
-        quantization=quantization,
-    )
+    return decoder, config, tuple(eos)
 
 
 def _check_batch_invariant_load(

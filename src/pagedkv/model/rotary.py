@@ -120,14 +120,20 @@ class RotaryEmbedding:
         if self.longrope is not None:
             long_inv_freq, start, factor = self.longrope
             freqs[start:] = positions[start:, None] * long_inv_freq[None, :]
-        #: [num_positions, head_dim]
-        cos = torch.cat([freqs, freqs], dim=-1).cos()
-        sin = freqs.sin()
-        sin = torch.cat([-sin, sin], dim=-1)
+        cos, sin = freqs.cos(), freqs.sin()  # each half of a row: the same angles
         if factor != 1.0:
             cos, sin = cos * factor, sin * factor
-        self.cos = cos.to(dtype=dtype, device=device)
-        self.sin = sin.to(dtype=dtype, device=device)
+        #: [num_positions, head_dim]
+        self.cos = torch.cat([cos, cos], dim=-1).to(dtype=dtype, device=device)
+        self.sin = torch.cat([-sin, sin], dim=-1).to(dtype=dtype, device=device)
+
+    def cast(self, dtype: torch.dtype) -> RotaryEmbedding:
+        """The same tables in ``dtype`` (cast from these: a bf16 model's tables and its fused
+        path's fp32 ones are computed once, at a 128k context a tenth of a second each)."""
+        other = object.__new__(RotaryEmbedding)
+        other.inv_freq, other.longrope, other.half = self.inv_freq, self.longrope, self.half
+        other.cos, other.sin = self.cos.to(dtype), self.sin.to(dtype)
+        return other
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and folded sin of ``positions`` ``[num_tokens]``, each ``[num_tokens, 1, head_dim]``

@@ -92,13 +92,7 @@ class Tokenizer:
         Raises:
             ModelLoadError: the folder holds no readable tokenizer.
         """
-        from transformers import AutoTokenizer
-
-        try:
-            hf_tokenizer = AutoTokenizer.from_pretrained(str(folder))
-        except (OSError, ValueError, KeyError) as e:
-            raise ModelLoadError(f"cannot load the tokenizer of {folder}: {e}") from e
-        return cls(hf_tokenizer, eos_token_ids)
+        return cls(read_hf_folder_tokenizer(folder), eos_token_ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text`` (with the BOS token when the model's tokenizer adds one)."""
@@ -346,6 +340,21 @@ class IncrementalDetokenizer:
         self.text += delta
         self._restart(window[-self.CONTEXT_TOKENS - self.MAX_PARTIAL_TOKENS :])
         return delta
+
+
+def read_hf_folder_tokenizer(folder: str | Path) -> Any:
+    """transformers' tokenizer of a Hugging Face model folder (:meth:`Tokenizer.from_hf_folder`
+    wraps it).
+
+    Raises:
+        ModelLoadError: the folder holds no readable tokenizer.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"cannot load the tokenizer of {folder}: {e}") from e
 
 
 def read_gguf_tokenizer(path: str | Path) -> Any:
