@@ -142,25 +142,50 @@ def test_weight_arena_reports_memory_the_system_refuses(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="Linux's /proc/self/maps")
 @pytest.mark.parametrize(
-    ("setting", "huge_share", "in_place"),
-    [("1", 0.0, True), ("0", 1.0, False), (None, 1.0, True), (None, 0.85, True),
-     (None, 0.75, False), (None, 0.0, False), (None, None, False)],
+    ("setting", "huge_share", "read_back", "in_place"),
+    [("1", 0.0, None, True), ("0", 1.0, None, False), (None, 1.0, None, True),
+     (None, 0.85, None, True), (None, (0.85, 0.75), None, False),
+     (None, 0.75, (0.75, "fast"), False), (None, 0.0, (1.0, "fast"), True),
+     (None, 0.0, (1.0, "slow"), False), (None, None, None, False)],
 )  # fmt: skip
 def test_where_the_weights_are_computed_on(
-    stored, gguf_path, kernels, monkeypatch, setting, huge_share, in_place
+    stored, gguf_path, kernels, monkeypatch, setting, huge_share, read_back, in_place
 ):
     """PAGEDKV_GGUF_MMAP=1, or unset where the page cache maps at least IN_PLACE_SHARE of the
     file with 2 MiB pages: every kept weight a view of the mapped file (processes mapping it
     share its pages) but the q / k rows llama's rotary reorders (read into anonymous memory
     and reordered there: the mapping is read-only); =0, or unset with less in 2 MiB pages:
     every kept weight read into anonymous memory (and what was faulted in to decide it
-    released). The same values every way."""
+    released). Unset with the sample in smaller pages: the sample dropped from the page cache
+    and read back; where it comes back in 2 MiB pages (``read_back``'s share) fast enough, the
+    whole file dropped and read back, in place; else the copy. The same values every way."""
     copied = stored[0].state_dict  # read into the arena (PAGEDKV_GGUF_MMAP=0)
-    monkeypatch.setattr(
-        gguf_loader,
-        "huge_mapped_bytes",
-        lambda mapped: None if huge_share is None else int(huge_share * mapped.shape[0]),
-    )  # None: the page size cannot be read (not Linux): the copy
+    # the share of what was last faulted in (the sample, or the whole file: a pair gives each)
+    # that the page cache maps with 2 MiB pages; None: the page size cannot be read (not
+    # Linux): the copy
+    share = {"now": huge_share, "faulted": None}
+
+    def huge_mapped_bytes(mapped):
+        if share["now"] is None:
+            return None
+        ranges = share["faulted"]
+        whole = ranges is None
+        extent = mapped.shape[0] if whole else sum(length for _, length in ranges)
+        now = share["now"]
+        return int((now if isinstance(now, float) else now[whole]) * extent)
+
+    monkeypatch.setattr(gguf_loader, "huge_mapped_bytes", huge_mapped_bytes)
+    dropped = []
+
+    def drop(path, ranges=None):
+        assert os.path.samefile(path, gguf_path)
+        dropped.append(ranges)
+        share["now"] = read_back[0]  # what reads back after the sample is dropped
+
+    monkeypatch.setattr(gguf_loader, "drop_cached_pages", drop)
+    if read_back is not None:
+        rate = 0 if read_back[1] == "fast" else float("inf")
+        monkeypatch.setattr(gguf_loader, "READ_BACK_MIN_RATE", rate)
     released = []
     real_release = gguf_loader.release_mapped_pages
     monkeypatch.setattr(
@@ -173,7 +198,11 @@ def test_where_the_weights_are_computed_on(
     monkeypatch.setattr(
         gguf_loader,
         "populate_mapped_pages",
-        lambda mapped, ranges=None: (populated.append(ranges), real_populate(mapped, ranges)),
+        lambda mapped, ranges=None: (
+            populated.append(ranges),
+            share.update(faulted=ranges),
+            real_populate(mapped, ranges),
+        ),
     )
     if setting is None:
         monkeypatch.delenv(MMAP_ENV, raising=False)
@@ -187,16 +216,21 @@ def test_where_the_weights_are_computed_on(
         on_file = mapping_of(weight.data.data_ptr()) == os.path.realpath(gguf_path)
         assert on_file == (in_place and name not in reordered), name
         assert torch.equal(weight.data, copied[name].data), name
-    # copied after a sample or the whole file was faulted in: those pages released
-    assert len(released) == (0 if in_place or setting == "0" else 1)
-    # unset: a sample of 2 MiB windows first, the whole file only where the sample passed
-    if setting is None:
+    # copied after a sample or the whole file was faulted in: those pages released; and
+    # before a sample is read back
+    tried = read_back is not None
+    assert len(released) == (0 if in_place or setting == "0" else 1) + tried
+    if setting is None:  # a sample of 2 MiB windows first (again if read back)
         windows = populated[0]
         assert 1 <= len(windows) <= gguf_loader.SAMPLE_WINDOWS
         assert all(start % (2 << 20) == 0 and length <= 2 << 20 for start, length in windows)
-        assert populated[1:] == ([] if not huge_share else [None])
+        # the whole file dropped only where the sample read back fast in 2 MiB pages, faulted
+        # in only where the sample passed
+        assert dropped == ([windows] if tried else []) + ([None] if tried and in_place else [])
+        whole = in_place or isinstance(huge_share, tuple)  # the sample passed
+        assert populated[1:] == ([windows] if tried else []) + ([None] if whole else [])
     else:
-        assert populated == ([None] if setting == "1" else [])
+        assert populated == ([None] if setting == "1" else []) and dropped == []
 
 
 def test_a_bad_pagedkv_gguf_mmap_is_refused(gguf_path, kernels, monkeypatch, tmp_path):

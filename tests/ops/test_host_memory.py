@@ -16,6 +16,7 @@ from pagedkv.ops.backends.hnd_layout import allocate_kv_cache
 from pagedkv.ops.host_memory import (
     HUGE_PAGE,
     anonymous_zeros,
+    drop_cached_pages,
     huge_mapped_bytes,
     map_file_read_only,
     populate_mapped_pages,
@@ -156,6 +157,29 @@ def test_a_read_only_file_mapping_holds_the_file(tmp_path):
     release_mapped_pages(mapped)
     if smaps:
         assert _resident_kib(mapped.ctypes.data) == 0
+    assert np.array_equal(mapped, payload)
+
+
+def test_dropped_pages_read_back_the_same(tmp_path, monkeypatch):
+    """Dropping a file's cached pages (a range, or all) loses nothing: the mapping reads the
+    same bytes from the disk; what this process maps stays resident; a missing file, or a
+    platform without posix_fadvise, is a no-op."""
+    path = tmp_path / "weights.bin"
+    payload = np.random.default_rng(1).integers(0, 256, 3 * HUGE_PAGE, dtype=np.uint8)
+    path.write_bytes(payload.tobytes())
+    os.sync()  # clean pages: dirty ones would stay
+    mapped = map_file_read_only(path)
+    populate_mapped_pages(mapped, [(0, HUGE_PAGE)])
+    resident = _resident_kib(mapped.ctypes.data) if Path("/proc/self/smaps").exists() else 0
+    drop_cached_pages(path, [(HUGE_PAGE, HUGE_PAGE)])
+    drop_cached_pages(path)
+    if resident:
+        assert _resident_kib(mapped.ctypes.data) == resident
+    populate_mapped_pages(mapped)
+    assert np.array_equal(mapped, payload)
+    drop_cached_pages(tmp_path / "missing.bin")
+    monkeypatch.delattr(os, "posix_fadvise", raising=False)
+    drop_cached_pages(path)
     assert np.array_equal(mapped, payload)
 
 

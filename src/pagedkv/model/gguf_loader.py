@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ from pagedkv.model.kernels.cpu_quant import CpuQuantKernels
 from pagedkv.ops.host_memory import (
     HUGE_PAGE,
     anonymous_zeros,
+    drop_cached_pages,
     huge_mapped_bytes,
     huge_page_setting,
     map_file_read_only,
@@ -235,7 +237,7 @@ def load_gguf(
         if len(info.dims) == 2 and info.ggml_type in runs and info.name != lookup_only
     ]
     if kept:
-        in_place, pages = _place_weights(mapped, setting)
+        in_place, pages = _place_weights(mapped, setting, path)
     else:  # every tensor is read (dequantized) below: fault the file in at once
         in_place, pages = False, ""
         populate_mapped_pages(mapped)
@@ -326,18 +328,29 @@ IN_PLACE_SHARE = 0.8
 #: Windows of the file the page cache's page size is first sampled in (2 MiB each, spread
 #: evenly): a file whose sample is not in 2 MiB pages is copied without faulting in the rest.
 SAMPLE_WINDOWS = 16
+#: The least rate (bytes/s) at which the sample, dropped from the page cache, must read back
+#: from the disk in 2 MiB folios for the whole file to be read back so (and computed in place)
+#: rather than copied: a copy from the page cache runs at 0.5-8 GB/s on the 2-core VM of
+#: docs/perf.md (the lower end where the VM must first back the copy's memory), a read back
+#: from its disk at 1.0-2.6 GB/s; a slower disk keeps the copy.
+READ_BACK_MIN_RATE = 1 << 30
 
 
-def _place_weights(mapped: np.ndarray, setting: str) -> tuple[bool, str]:
-    """Whether the kept weights are computed on ``mapped`` (the GGUF file's mapping), by
-    :data:`MMAP_ENV`'s ``setting``, and the start-up line's words on the page cache.
+def _place_weights(mapped: np.ndarray, setting: str, path: Path) -> tuple[bool, str]:
+    """Whether the kept weights are computed on ``mapped`` (the mapping of the GGUF file at
+    ``path``), by :data:`MMAP_ENV`'s ``setting``, and the start-up line's words on the page
+    cache.
 
     Unset: :data:`SAMPLE_WINDOWS` 2 MiB windows of the file are faulted in first (what the
-    page cache lacks is read in 2 MiB folios: the mapping is advised ``MADV_HUGEPAGE``); if
-    the page cache maps :data:`IN_PLACE_SHARE` of them with 2 MiB pages the whole file is
-    faulted in and must be so mapped as well. Whatever is not computed in place leaves this
-    process's resident set (the arena holds the weights); "1" faults everything in, "0"
-    nothing.
+    page cache lacks is read in 2 MiB folios: the mapping is advised ``MADV_HUGEPAGE``). Where
+    the page cache holds them in smaller folios (a file written, or read with read(2), since
+    it was last read through a mapping: a download, ``llama-quantize``'s output) they are
+    dropped from it and read back from the disk, timed: if they come back in 2 MiB folios at
+    :data:`READ_BACK_MIN_RATE` or faster, the rest of the file is dropped too (once: later
+    starts find it in 2 MiB folios). If the page cache maps :data:`IN_PLACE_SHARE` of the
+    sample with 2 MiB pages the whole file is faulted in and must be so mapped as well.
+    Whatever is not computed in place leaves this process's resident set (the arena holds the
+    weights); "1" faults everything in, "0" nothing.
     """
     size = mapped.shape[0]
     total = format_bytes(size)
@@ -354,19 +367,39 @@ def _place_weights(mapped: np.ndarray, setting: str) -> tuple[bool, str]:
     populate_mapped_pages(mapped, windows)
     sampled = sum(length for _, length in windows)
     huge = huge_mapped_bytes(mapped)
+    read_back, slow = "", False
+    if huge is not None and huge < IN_PLACE_SHARE * sampled:
+        # the sample in smaller folios: read it back from the disk, timed (our own mapping
+        # released first: pages a process maps stay in the page cache)
+        release_mapped_pages(mapped)
+        drop_cached_pages(path, windows)
+        start = time.perf_counter()
+        populate_mapped_pages(mapped, windows)
+        rate = sampled / max(time.perf_counter() - start, 1e-9)
+        huge = huge_mapped_bytes(mapped)
+        if huge is not None and huge >= IN_PLACE_SHARE * sampled:
+            if rate >= READ_BACK_MIN_RATE:
+                drop_cached_pages(path)  # the sample stays: this mapping maps it
+                read_back = f"; read back from the disk at {format_bytes(rate)}/s"
+            else:  # a slow disk: the copy
+                slow = True
+                read_back = (
+                    f"; its sample read back from the disk at {format_bytes(rate)}/s, below "
+                    f"{format_bytes(READ_BACK_MIN_RATE)}/s"
+                )
     if huge is None:  # not Linux, or no smaps: the copy
         in_place, words = False, "the page cache's page size unknown"
-    elif huge < IN_PLACE_SHARE * sampled:  # the rest of the file is never faulted in
+    elif slow or huge < IN_PLACE_SHARE * sampled:  # the rest of the file is never faulted in
         in_place = False
         words = (
             f"the page cache maps {format_bytes(huge)} of {format_bytes(sampled)} sampled in "
-            f"{total} with 2 MiB pages"
+            f"{total} with 2 MiB pages{read_back}"
         )
     else:
         populate_mapped_pages(mapped)
         huge = huge_mapped_bytes(mapped) or 0
         in_place = huge >= IN_PLACE_SHARE * size
-        words = f"the page cache maps {format_bytes(huge)} of {total} with 2 MiB pages"
+        words = f"the page cache maps {format_bytes(huge)} of {total} with 2 MiB pages{read_back}"
     if not in_place:
         release_mapped_pages(mapped)
     return in_place, words

@@ -151,6 +151,28 @@ def populate_mapped_pages(array: np.ndarray, ranges: list[tuple[int, int]] | Non
             mapping.madvise(_MADV_POPULATE_READ, start, length)
 
 
+def drop_cached_pages(path: str | Path, ranges: list[tuple[int, int]] | None = None) -> None:
+    """Ask the kernel to drop the page cache's pages of the file at ``path`` in ``ranges`` of
+    ``(start, length)`` bytes, or all of it (``POSIX_FADV_DONTNEED``): clean pages that no
+    process maps leave the page cache, and the next read of them comes from the disk (through
+    a :func:`map_file_read_only` mapping: in 2 MiB folios where the kernel and filesystem can).
+    Pages some process maps, and dirty ones, stay. A no-op where the platform lacks it or the
+    file cannot be opened."""
+    fadvise = getattr(os, "posix_fadvise", None)
+    if fadvise is None:
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        for start, length in [(0, 0)] if ranges is None else ranges:
+            with contextlib.suppress(OSError):
+                fadvise(fd, start, length, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def _mapping_of(array: np.ndarray) -> mmap.mmap | None:
     """The mmap behind an array from :func:`map_file_read_only` (None for another array)."""
     mapping = array.base.obj if isinstance(array.base, memoryview) else array.base
