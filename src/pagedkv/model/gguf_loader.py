@@ -330,10 +330,12 @@ IN_PLACE_SHARE = 0.8
 SAMPLE_WINDOWS = 16
 #: The least rate (bytes/s) at which the sample, dropped from the page cache, must read back
 #: from the disk in 2 MiB folios for the whole file to be read back so (and computed in place)
-#: rather than copied: a copy from the page cache runs at 0.5-8 GB/s on the 2-core VM of
-#: docs/perf.md (the lower end where the VM must first back the copy's memory), a read back
-#: from its disk at 1.0-2.6 GB/s; a slower disk keeps the copy.
-READ_BACK_MIN_RATE = 1 << 30
+#: rather than copied. The sample's 2 MiB windows are read one at a time, slower than the whole
+#: file after it: on the 2-core VM of docs/perf.md samples read back at 0.8-2.1 GiB/s and whole
+#: files at 1.1-2.7 GiB/s, where a copy from the page cache ran at 0.5-8 GB/s (the lower end
+#: where the VM must first back the copy's memory). A disk slower than this (a SATA SSD, a hard
+#: disk) keeps the copy.
+READ_BACK_MIN_RATE = 512 << 20
 
 
 def _place_weights(mapped: np.ndarray, setting: str, path: Path) -> tuple[bool, str]:

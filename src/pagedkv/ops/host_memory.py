@@ -18,11 +18,13 @@ as anonymous huge pages and with no copy (:func:`huge_mapped_bytes` says how muc
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import os
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -142,13 +144,34 @@ def populate_mapped_pages(array: np.ndarray, ranges: list[tuple[int, int]] | Non
     """Fault in the pages of a mapping from :func:`map_file_read_only`, reading from the file
     what the page cache lacks (``MADV_POPULATE_READ``, Linux 5.14+, as ``MAP_POPULATE``):
     ``ranges`` of ``(start, length)`` bytes (page-aligned starts), or all of it. A no-op
-    where the platform lacks it."""
+    where the platform lacks it.
+
+    Called through libc (ctypes), which releases the GIL: reading a file of gigabytes from the
+    disk takes seconds, which other threads (the tokenizer's, at load) get to use; Python's
+    ``mmap.madvise`` holds the GIL throughout (the fallback where libc cannot be loaded)."""
     mapping = _mapping_of(array)
     if mapping is None or not sys.platform.startswith("linux"):
         return
+    madvise = _libc_madvise()
+    base = array.ctypes.data
     for start, length in [(0, len(mapping))] if ranges is None else ranges:
+        if madvise is not None:
+            madvise(base + start, length, _MADV_POPULATE_READ)  # an error: not faulted in
+            continue
         with contextlib.suppress(OSError, ValueError):
             mapping.madvise(_MADV_POPULATE_READ, start, length)
+
+
+def _libc_madvise() -> Any:
+    """libc's ``madvise(addr, length, advice)`` as a ctypes function (None where libc cannot
+    be loaded)."""
+    try:
+        function = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    function.restype = ctypes.c_int
+    return function
 
 
 def drop_cached_pages(path: str | Path, ranges: list[tuple[int, int]] | None = None) -> None:
