@@ -277,8 +277,13 @@ _RSS_SCRIPT = textwrap.dedent(
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
 
+    from concurrent.futures import ThreadPoolExecutor
+
     path = resolve_model_path(None)
-    Tokenizer.from_gguf(path)  # transformers and the tokenizer's own memory, counted before
+    # transformers and the tokenizer's own memory, counted before; read on a thread as
+    # load_model reads it (its malloc arena then serves load_model's tokenizer thread)
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(Tokenizer.from_gguf, path).result()
     torch.zeros(1) @ torch.zeros(1, 1)
     before = rss()
     loaded = load_model(path, dtype=getattr(torch, sys.argv[1]), quantization=sys.argv[2])

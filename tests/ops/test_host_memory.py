@@ -21,6 +21,7 @@ from pagedkv.ops.host_memory import (
     map_file_read_only,
     populate_mapped_pages,
     release_mapped_pages,
+    trim_heap,
     zeroed_host_tensor,
 )
 
@@ -217,3 +218,19 @@ def test_a_file_read_cold_through_the_mapping_is_mapped_with_huge_pages(tmp_path
     if not huge:
         pytest.skip("this kernel or filesystem caches the file in small folios")
     assert huge % HUGE_PAGE == 0 and huge <= 16 << 20
+
+
+def test_trim_heap_keeps_live_memory(monkeypatch):
+    """Trimming returns only free memory: what is alive reads the same; without glibc's
+    malloc_trim it is a no-op."""
+    alive = [bytes([i]) * 100_000 for i in range(64)]
+    garbage = [bytearray(100_000) for _ in range(64)]
+    del garbage
+    trim_heap()
+    assert all(block == bytes([i]) * 100_000 for i, block in enumerate(alive))
+
+    def no_libc(*args, **kwargs):
+        raise OSError("no libc")
+
+    monkeypatch.setattr("pagedkv.ops.host_memory.ctypes.CDLL", no_libc)
+    trim_heap()

@@ -53,6 +53,7 @@ from pagedkv.model.quantization import (
 )
 from pagedkv.model.tokenizer import Tokenizer, read_gguf_tokenizer, read_hf_folder_tokenizer
 from pagedkv.modelinfo.naming import served_model_name
+from pagedkv.ops.host_memory import trim_heap
 from pagedkv.units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -267,6 +268,7 @@ def load_model(
             path, dtype, device, parallel, quantization, batch_invariant, kernels
         )
         tokenizer = Tokenizer(hf_tokenizer.result(), eos)
+    trim_heap()  # the tokenizer thread's arena, the loads' transient allocations
     return LoadedModel(
         model=decoder,
         config=config,
