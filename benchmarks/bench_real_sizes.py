@@ -2,7 +2,7 @@
 
     python benchmarks/bench_real_sizes.py FILE.gguf [FILE.gguf ...] [--rounds 2] [--threads 2]
         [--rss-limit-gib 20] [--timeout 1800] [--json /tmp/bench_real_sizes.json]
-        [--pagedkv-arg=--dtype=bfloat16 ...] [--isa avx2|native]
+        [--pagedkv-arg=--dtype=bfloat16 ...] [--isa avx2|native] [--just-written]
 
 The files are usually made by make_shaped_model.py (random weights of real shapes, e.g.
 ``CACHE/shaped/llama-3.2-1b-Q4_K_M.gguf``). **Never run in CI** (minutes per file, gigabytes).
@@ -25,6 +25,10 @@ For each file and round, both engines on the same file and the same number of th
   the copy bandwidth**: ``weight bytes/token x tok/s / copy bytes/s`` (also of the read
   bandwidth), for each engine.
 
+With ``--just-written`` each engine starts on a copy of the file written just before it (the
+page cache as a download or a conversion leaves it: in small folios, where llama.cpp reads
+4 KiB pages and pagedkv reads the file back in 2 MiB folios or copies it).
+
 The engines alternate: odd rounds run llama.cpp first, even rounds pagedkv first. Every round's
 ratio (pagedkv / llama.cpp, > 1: pagedkv faster) and the 1-minute load average before and after
 each engine are kept; the summary gives medians over the rounds. Results: JSON at ``--json``
@@ -38,6 +42,7 @@ import contextlib
 import dataclasses
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -355,11 +360,14 @@ def bench_file(
         print(f"  copy {bw['copy_gbps']:.1f} GB/s, read {bw['read_gbps']:.1f} GB/s", flush=True)
         this: dict[str, Any] = {"order": list(order), "bandwidth": bw}
         for engine in order:
+            path = model
+            if args.just_written:  # each engine starts on a file just written
+                path = just_written(model)
             before = os.getloadavg()[0]
             if engine == "llama.cpp":
-                entry = run_llama_cpp(build, model, args, rss_limit)
+                entry = run_llama_cpp(build, path, args, rss_limit)
             else:
-                entry = run_pagedkv_watched(model, args, env, rss_limit)
+                entry = run_pagedkv_watched(path, args, env, rss_limit)
             entry["load_average_1m"] = {"before": before, "after": os.getloadavg()[0]}
             if entry["status"] == "ok":
                 entry["tg_roof"] = roof_shares(entry["tg"], weights["bytes"], bw)
@@ -375,6 +383,18 @@ def bench_file(
             )
         rounds.append(this)
     return {"model": str(model), "weights": weights, "rounds": rounds, **summarize(rounds)}
+
+
+def just_written(model: Path) -> Path:
+    """``model`` copied anew to ``just-written-<name>`` in the temp folder (the same path, and
+    the source's modification time, every time: pagedkv's tokenizer cache still holds it after
+    the first round), synced: the page cache holds what a download or a conversion leaves, the
+    file as it was written (in small folios here)."""
+    path = Path(tempfile.gettempdir()) / f"just-written-{model.name}"
+    path.unlink(missing_ok=True)
+    shutil.copy2(model, path)
+    os.sync()
+    return path
 
 
 def summarize(rounds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -470,6 +490,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=Path(tempfile.gettempdir()) / "bench_real_sizes.json",
         help="results file (default: bench_real_sizes.json in the temp folder)",
     )
+    parser.add_argument(
+        "--just-written",
+        action="store_true",
+        help="each engine starts on a copy of the file written just before it (in the temp "
+        "folder, removed at the end): the page cache as a download or a conversion leaves it",
+    )
     parser.add_argument("--isa", choices=ISAS, default="avx2", help="as bench_llama_cpp_peer.py")
     parser.add_argument("--cache-dir", type=Path, default=None, help="default: pagedkv's cache")
     parser.add_argument("--llama-cpp-bin", type=Path, default=None, help="prebuilt binaries")
@@ -504,8 +530,13 @@ def main(argv: list[str] | None = None) -> int:
         "llama_cpp": {"bin_dir": str(build.bin_dir), "source": build.source},
         "files": [],
     }
+    result["just_written"] = args.just_written
     for model in args.models:
-        result["files"].append(bench_file(model.resolve(), args, build, env))
+        try:
+            result["files"].append(bench_file(model.resolve(), args, build, env))
+        finally:
+            if args.just_written:
+                (Path(tempfile.gettempdir()) / f"just-written-{model.name}").unlink(missing_ok=True)
         write_result(args.json, result)  # after each file: a later crash keeps the earlier ones
     print(format_table(result["files"]), flush=True)
     return 0
