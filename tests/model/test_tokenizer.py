@@ -101,8 +101,9 @@ def test_incremental_detokenizer_with_random_step_sizes(tokenizer):
 
 def test_converted_tokenizer_is_cached_and_equal(gguf_path, tmp_path, monkeypatch):
     """The tokenizer converted from a GGUF file is saved under the cache directory, and a
-    later start reads it from there: the same ids, texts, chat prompt and special tokens; a
-    file with another modification time is converted again (its own cache entry)."""
+    later start reads it from there: the same ids, texts, chat prompt and special tokens; the
+    entry is the file's tokenizer's, so a copy elsewhere with another modification time reads
+    it too."""
     import os
     import shutil
 
@@ -124,6 +125,50 @@ def test_converted_tokenizer_is_cached_and_equal(gguf_path, tmp_path, monkeypatc
         assert cached.apply_chat_template(messages, add_generation_prompt=True) == prompt
     assert cached.hf_tokenizer.all_special_ids == fresh.hf_tokenizer.all_special_ids
     assert cached.hf_tokenizer.bos_token_id == fresh.hf_tokenizer.bos_token_id
-    stat = model.stat()
-    os.utime(model, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
-    assert _tokenizer_cache_folder(model) != folder
+    copy = tmp_path / "elsewhere" / "copy.gguf"
+    copy.parent.mkdir()
+    shutil.copyfile(model, copy)
+    stat = copy.stat()
+    os.utime(copy, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    assert _tokenizer_cache_folder(copy) == folder
+    assert _tokenizer_cache_folder(tmp_path / "missing.gguf") is None
+
+
+def test_the_tokenizer_digest_covers_the_tokenizer_only(tmp_path):
+    """Two GGUF files that differ in their tensors and other metadata share a tokenizer digest;
+    a different token, merge, special id, chat template or architecture changes it."""
+    import gguf
+    import numpy as np
+
+    from pagedkv.model.gguf_metadata import tokenizer_digest
+
+    def write(name, arch="llama", tokens=("a", "b", "ab"), merges=("a b",), eos=1,
+              template="{{ x }}", file_type=2, tensor=0.0):  # fmt: skip
+        path = tmp_path / f"{name}.gguf"
+        writer = gguf.GGUFWriter(path, arch)
+        writer.add_file_type(file_type)
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_list(list(tokens))
+        writer.add_token_merges(list(merges))
+        writer.add_eos_token_id(eos)
+        writer.add_chat_template(template)
+        writer.add_tensor("output_norm.weight", np.full(4, tensor, dtype=np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return tokenizer_digest(path)
+
+    base = write("base")
+    assert write("other_tensors", file_type=15, tensor=1.0) == base
+    # a vocabulary longer than the header reader keeps (skipped, still hashed)
+    long = tuple(f"t{i}" for i in range(5000))
+    assert write("long", tokens=long) != write("long_changed", tokens=(*long[:-1], "u"))
+    for changed in (
+        {"tokens": ("a", "c", "ac")},
+        {"merges": ("a c",)},
+        {"eos": 2},
+        {"template": "{{ y }}"},
+        {"arch": "qwen2"},
+    ):
+        assert write("changed", **changed) != base, changed

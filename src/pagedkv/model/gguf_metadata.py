@@ -29,6 +29,7 @@ Torch-free (only the standard library).
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import struct
 from dataclasses import dataclass, field
@@ -112,7 +113,32 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
         raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
 
 
-def _parse(buf: mmap.mmap) -> GGUFHeader:
+def tokenizer_digest(path: str | Path) -> str:
+    """The SHA-256 (hex) of a GGUF file's tokenizer as stored: the bytes (key, type and value)
+    of its ``tokenizer.*`` metadata entries and of ``general.architecture``, which is all a
+    tokenizer converted from the file is built from (transformers' ``get_gguf_tokenizer``
+    reads those). Copies of a file, and the files of one model in other quantizations, have
+    the same; about 10 ms for a 128k vocabulary.
+
+    Raises:
+        ModelLoadError: as :func:`read_gguf_header`.
+    """
+    extents: list[tuple[int, int]] = []
+    try:
+        with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            _parse(m, extents)
+            digest = hashlib.sha256()
+            for start, end in extents:
+                digest.update(m[start:end])
+    except (OSError, ValueError, struct.error, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
+    return digest.hexdigest()
+
+
+def _parse(buf: mmap.mmap, tokenizer_extents: list[tuple[int, int]] | None = None) -> GGUFHeader:
+    """The header of the GGUF bytes ``buf``; with ``tokenizer_extents``, the ``(start, end)``
+    byte offsets of the tokenizer's metadata entries are appended to it
+    (:func:`tokenizer_digest`)."""
     if buf[:4] != _MAGIC:
         raise ValueError("not a GGUF file (bad magic)")
     order = "<"
@@ -131,6 +157,7 @@ def _parse(buf: mmap.mmap) -> GGUFHeader:
     }
     array_lengths: dict[str, int] = {}
     for _ in range(kv_count):
+        start = reader.offset
         key = reader.string()
         value_type = reader.scalar("I")
         if value_type == _ARRAY:
@@ -139,10 +166,14 @@ def _parse(buf: mmap.mmap) -> GGUFHeader:
             array_lengths[key] = count
             if count > MAX_ARRAY_LEN:
                 reader.skip_array(item_type, count)
-                continue
-            metadata[key] = [reader.value(item_type) for _ in range(count)]
+            else:
+                metadata[key] = [reader.value(item_type) for _ in range(count)]
         else:
             metadata[key] = reader.value(value_type)
+        if tokenizer_extents is not None and (
+            key.startswith("tokenizer.") or key == "general.architecture"
+        ):
+            tokenizer_extents.append((start, reader.offset))
     tensor_names = set()
     relative = []
     for _ in range(tensor_count):

@@ -378,8 +378,9 @@ def _fast_tokenizer_from_gguf(path: Path) -> Any:
     parses the whole file with ``gguf.GGUFReader`` (seconds for a 49k-token vocabulary). Newer
     transformers expose the two steps that matter (read the tokenizer fields, convert them);
     use them when present. The result is the same tokenizer (tests compare the two). Reading
-    and converting a 128k vocabulary and its merges takes about 1 s; the converted tokenizer
-    saved in the cache loads in about 0.2 s, so later starts of the same file skip both.
+    and converting a 128k vocabulary and its merges takes about 2 s; the converted tokenizer
+    saved in the cache loads in about 0.3 s, so later starts of the same file (or of any file
+    with the same tokenizer: a copy, another quantization of the model) skip both.
     """
     cached = _tokenizer_cache_folder(path)
     if cached is not None and (cached / "tokenizer.json").is_file():
@@ -407,7 +408,7 @@ def _fast_tokenizer_from_gguf(path: Path) -> Any:
 
 
 #: Bumped when what the cache holds changes meaning (part of its key).
-_TOKENIZER_CACHE_VERSION = 1
+_TOKENIZER_CACHE_VERSION = 2
 #: Vocabularies smaller than this convert in milliseconds and are not cached (a test's tiny
 #: GGUF files would fill the cache).
 _MIN_CACHED_VOCAB = 16384
@@ -415,34 +416,34 @@ _MIN_CACHED_VOCAB = 16384
 
 def _tokenizer_cache_folder(path: Path) -> Path | None:
     """Where the converted tokenizer of the GGUF file at ``path`` is kept:
-    ``$PAGEDKV_CACHE_DIR/tokenizers/<key>``, the key a hash of the file's resolved path, size
-    and modification time and of the transformers and tokenizers versions (a changed file or
-    library converts again). None when the file cannot be stat'ed."""
+    ``$PAGEDKV_CACHE_DIR/tokenizers/gguf-<key>``, the key a hash of the file's tokenizer as
+    stored (:func:`~pagedkv.model.gguf_metadata.tokenizer_digest`: its ``tokenizer.*``
+    metadata and architecture) and of the transformers and tokenizers versions: a copy of the
+    file, or the same model in another quantization, reads the same entry; another vocabulary
+    or library converts again. None when the file's header cannot be read."""
     import hashlib
 
     import tokenizers
     import transformers
 
     from pagedkv.config import cache_dir
+    from pagedkv.model.gguf_metadata import tokenizer_digest
 
     try:
-        resolved = path.resolve()
-        stat = resolved.stat()
-    except OSError:
+        stored = tokenizer_digest(path)
+    except ModelLoadError:
         return None
     key = "|".join(
         str(part)
         for part in (
-            resolved,
-            stat.st_size,
-            stat.st_mtime_ns,
+            stored,
             transformers.__version__,
             tokenizers.__version__,
             _TOKENIZER_CACHE_VERSION,
         )
     )
     digest = hashlib.sha256(key.encode()).hexdigest()[:24]
-    return cache_dir() / "tokenizers" / f"{resolved.stem}-{digest}"
+    return cache_dir() / "tokenizers" / f"gguf-{digest}"
 
 
 def _save_to_cache(tokenizer: Any, folder: Path) -> None:
