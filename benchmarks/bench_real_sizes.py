@@ -385,12 +385,17 @@ def bench_file(
     return {"model": str(model), "weights": weights, "rounds": rounds, **summarize(rounds)}
 
 
+def just_written_path(model: Path) -> Path:
+    """Where :func:`just_written` copies ``model``: beside it, on its filesystem (a temp folder
+    on tmpfs would never be read back), ``.just-written-<name>``."""
+    return model.parent / f".just-written-{model.name}"
+
+
 def just_written(model: Path) -> Path:
-    """``model`` copied anew to ``just-written-<name>`` in the temp folder (the same path, and
-    the source's modification time, every time: pagedkv's tokenizer cache still holds it after
-    the first round), synced: the page cache holds what a download or a conversion leaves, the
-    file as it was written (in small folios here)."""
-    path = Path(tempfile.gettempdir()) / f"just-written-{model.name}"
+    """``model`` copied anew to :func:`just_written_path` (the same path every time), synced:
+    the page cache holds what a download or a conversion leaves, the file as it was written
+    (in small folios here)."""
+    path = just_written_path(model)
     path.unlink(missing_ok=True)
     shutil.copy2(model, path)
     os.sync()
@@ -493,8 +498,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--just-written",
         action="store_true",
-        help="each engine starts on a copy of the file written just before it (in the temp "
-        "folder, removed at the end): the page cache as a download or a conversion leaves it",
+        help="each engine starts on a copy of the file written just before it (beside it, "
+        "removed at the end: the file's size more on its disk): the page cache as a download "
+        "or a conversion leaves it",
     )
     parser.add_argument("--isa", choices=ISAS, default="avx2", help="as bench_llama_cpp_peer.py")
     parser.add_argument("--cache-dir", type=Path, default=None, help="default: pagedkv's cache")
@@ -536,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
             result["files"].append(bench_file(model.resolve(), args, build, env))
         finally:
             if args.just_written:
-                (Path(tempfile.gettempdir()) / f"just-written-{model.name}").unlink(missing_ok=True)
+                just_written_path(model.resolve()).unlink(missing_ok=True)
         write_result(args.json, result)  # after each file: a later crash keeps the earlier ones
     print(format_table(result["files"]), flush=True)
     return 0

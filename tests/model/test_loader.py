@@ -52,3 +52,22 @@ def test_corrupt_gguf_is_a_load_error(tmp_path):
     path.write_bytes(b"GGUF" + b"\0" * 12)
     with pytest.raises(ModelLoadError):
         loader.load_model(path)
+
+
+def test_the_tokenizer_threads_errors_reach_the_caller(gguf_path, monkeypatch):
+    """The tokenizer is read on a thread of its own beside the weights: its error is
+    load_model's (the weights' error first where both fail)."""
+
+    def no_tokenizer(path):
+        raise ModelLoadError(f"cannot build the tokenizer from {path}: none stored")
+
+    monkeypatch.setattr(loader, "read_gguf_tokenizer", no_tokenizer)
+    with pytest.raises(ModelLoadError, match="none stored"):
+        loader.load_model(gguf_path)
+
+    def no_weights(*args, **kwargs):
+        raise ModelLoadError("the weights cannot be read")
+
+    monkeypatch.setattr(loader, "_load_decoder", no_weights)
+    with pytest.raises(ModelLoadError, match="the weights cannot be read"):
+        loader.load_model(gguf_path)

@@ -234,3 +234,27 @@ def test_trim_heap_keeps_live_memory(monkeypatch):
 
     monkeypatch.setattr("pagedkv.ops.host_memory.ctypes.CDLL", no_libc)
     trim_heap()
+
+
+@pytest.mark.parametrize("gil_free_bytes", [1 << 62, 4096])
+def test_populating_checks_its_ranges_first(tmp_path, monkeypatch, gil_free_bytes):
+    """Ranges are faulted in holding the GIL or through libc (long ones) alike; a range
+    outside the mapping or off a page is refused before anything is faulted in."""
+    path = tmp_path / "weights.bin"
+    payload = np.random.default_rng(2).integers(0, 256, 3 << 20, dtype=np.uint8)
+    path.write_bytes(payload.tobytes())
+    monkeypatch.setattr("pagedkv.ops.host_memory.GIL_FREE_BYTES", gil_free_bytes)
+    mapped = map_file_read_only(path)
+    smaps = Path("/proc/self/smaps").exists()
+    for bad in ([(0, 4096), (3 << 20, 4096)], [(-4096, 4096)], [(100, 4096)], [(0, -1)]):
+        with pytest.raises(OpsInputError, match="mapping"):
+            populate_mapped_pages(mapped, bad)
+        if smaps:
+            assert _resident_kib(mapped.ctypes.data) == 0
+    populate_mapped_pages(mapped, [(1 << 20, 1 << 20)])
+    if smaps:
+        assert _resident_kib(mapped.ctypes.data) >= 1024
+    populate_mapped_pages(mapped)
+    if smaps:
+        assert _resident_kib(mapped.ctypes.data) == payload.nbytes // 1024
+    assert np.array_equal(mapped, payload)

@@ -330,11 +330,12 @@ IN_PLACE_SHARE = 0.8
 SAMPLE_WINDOWS = 16
 #: The least rate (bytes/s) at which the sample, dropped from the page cache, must read back
 #: from the disk in 2 MiB folios for the whole file to be read back so (and computed in place)
-#: rather than copied. The sample's 2 MiB windows are read one at a time, slower than the whole
-#: file after it: on the 2-core VM of docs/perf.md samples read back at 0.8-2.1 GiB/s and whole
-#: files at 1.1-2.7 GiB/s, where a copy from the page cache ran at 0.5-8 GB/s (the lower end
-#: where the VM must first back the copy's memory). A disk slower than this (a SATA SSD, a hard
-#: disk) keeps the copy.
+#: rather than copied. On the 2-core VM of docs/perf.md a 1B file's sample read back at
+#: 0.55-0.77 GiB/s right after the file was written and synced (the whole file about as
+#: fast), 1.3-2.1 GiB/s later; a copy from the page cache ran at 0.5-8 GB/s there (the lower
+#: end where the VM must first back the copy's memory), so a first start reading back costs
+#: about what the copy did and every later start computes in place. A disk slower than this
+#: (a hard disk, a slow network volume) keeps the copy.
 READ_BACK_MIN_RATE = 512 << 20
 
 
@@ -347,9 +348,11 @@ def _place_weights(mapped: np.ndarray, setting: str, path: Path) -> tuple[bool, 
     page cache lacks is read in 2 MiB folios: the mapping is advised ``MADV_HUGEPAGE``). Where
     the page cache holds them in smaller folios (a file written, or read with read(2), since
     it was last read through a mapping: a download, ``llama-quantize``'s output) they are
-    dropped from it and read back from the disk, timed: if they come back in 2 MiB folios at
-    :data:`READ_BACK_MIN_RATE` or faster, the rest of the file is dropped too (once: later
-    starts find it in 2 MiB folios). If the page cache maps :data:`IN_PLACE_SHARE` of the
+    dropped from it and read back from the disk, timed (:func:`_read_back`: the first window
+    alone first; a filesystem without large folios stops there): if they come back in 2 MiB
+    folios at :data:`READ_BACK_MIN_RATE` or faster, the rest of the file is dropped too (once:
+    later starts find it in 2 MiB folios); slower, the sample is dropped again and the weights
+    copied (the next start measures again). If the page cache maps :data:`IN_PLACE_SHARE` of the
     sample with 2 MiB pages the whole file is faulted in and must be so mapped as well.
     Whatever is not computed in place leaves this process's resident set (the arena holds the
     weights); "1" faults everything in, "0" nothing.
@@ -370,21 +373,17 @@ def _place_weights(mapped: np.ndarray, setting: str, path: Path) -> tuple[bool, 
     sampled = sum(length for _, length in windows)
     huge = huge_mapped_bytes(mapped)
     read_back, slow = "", False
-    if huge is not None and huge < IN_PLACE_SHARE * sampled:
-        # the sample in smaller folios: read it back from the disk, timed (our own mapping
-        # released first: pages a process maps stay in the page cache)
-        release_mapped_pages(mapped)
-        drop_cached_pages(path, windows)
-        start = time.perf_counter()
-        populate_mapped_pages(mapped, windows)
-        rate = sampled / max(time.perf_counter() - start, 1e-9)
+    if huge is not None and huge < IN_PLACE_SHARE * sampled and size >= HUGE_PAGE:
+        rate = _read_back(mapped, path, windows)
         huge = huge_mapped_bytes(mapped)
-        if huge is not None and huge >= IN_PLACE_SHARE * sampled:
+        if rate is not None and huge is not None and huge >= IN_PLACE_SHARE * sampled:
             if rate >= READ_BACK_MIN_RATE:
                 drop_cached_pages(path)  # the sample stays: this mapping maps it
                 read_back = f"; read back from the disk at {format_bytes(rate)}/s"
-            else:  # a slow disk: the copy
-                slow = True
+            else:  # a slow disk: the copy; the sample dropped again, so the next start
+                slow = True  # samples small folios again and measures again
+                release_mapped_pages(mapped)
+                drop_cached_pages(path, windows)
                 read_back = (
                     f"; its sample read back from the disk at {format_bytes(rate)}/s, below "
                     f"{format_bytes(READ_BACK_MIN_RATE)}/s"
@@ -405,6 +404,23 @@ def _place_weights(mapped: np.ndarray, setting: str, path: Path) -> tuple[bool, 
     if not in_place:
         release_mapped_pages(mapped)
     return in_place, words
+
+
+def _read_back(mapped: np.ndarray, path: Path, windows: list[tuple[int, int]]) -> float | None:
+    """Drop the sample ``windows`` of the file at ``path`` from the page cache and read them
+    back through ``mapped`` (its mapping, released first: pages a process maps stay in the
+    page cache); the rate of the read back (bytes/s), or None where the first window, read
+    back alone first, did not come back in a 2 MiB folio (a filesystem or kernel without
+    large folios: 2 MiB read again a start, not the whole sample)."""
+    release_mapped_pages(mapped)
+    start = time.perf_counter()
+    drop_cached_pages(path, windows[:1])
+    populate_mapped_pages(mapped, windows[:1])
+    if (huge_mapped_bytes(mapped) or 0) < IN_PLACE_SHARE * windows[0][1]:
+        return None
+    drop_cached_pages(path, windows[1:])
+    populate_mapped_pages(mapped, windows[1:])
+    return sum(length for _, length in windows) / max(time.perf_counter() - start, 1e-9)
 
 
 def _is_q_or_k(name: str | None) -> bool:

@@ -140,24 +140,45 @@ def map_file_read_only(path: str | Path) -> np.ndarray:
     return np.frombuffer(mapping, dtype=np.uint8)
 
 
+#: Ranges of at least this many bytes are faulted in through libc, the GIL released; shorter
+#: ones hold it (:func:`populate_mapped_pages`).
+GIL_FREE_BYTES = 64 << 20
+
+
 def populate_mapped_pages(array: np.ndarray, ranges: list[tuple[int, int]] | None = None) -> None:
     """Fault in the pages of a mapping from :func:`map_file_read_only`, reading from the file
     what the page cache lacks (``MADV_POPULATE_READ``, Linux 5.14+, as ``MAP_POPULATE``):
     ``ranges`` of ``(start, length)`` bytes (page-aligned starts), or all of it. A no-op
     where the platform lacks it.
 
-    Called through libc (ctypes), which releases the GIL: reading a file of gigabytes from the
-    disk takes seconds, which other threads (the tokenizer's, at load) get to use; Python's
-    ``mmap.madvise`` holds the GIL throughout (the fallback where libc cannot be loaded)."""
+    A range of :data:`GIL_FREE_BYTES` or more is faulted in through libc (ctypes), which
+    releases the GIL: reading a file of gigabytes from the disk takes seconds, which other
+    threads (the tokenizer's, at load) get to use. A shorter one holds it (Python's
+    ``mmap.madvise``), so that its time is its own: a thread that gives the GIL up waits up to
+    the interpreter's switch interval (5 ms) to get it back from a busy thread, which made a
+    2 MiB window's timed read back look 5-10x slower.
+
+    Raises:
+        OpsInputError: a range outside the mapping or not starting on a page (nothing is
+            faulted in).
+    """
     mapping = _mapping_of(array)
     if mapping is None or not sys.platform.startswith("linux"):
         return
-    madvise = _libc_madvise()
-    base = array.ctypes.data
-    for start, length in [(0, len(mapping))] if ranges is None else ranges:
-        if madvise is not None:
-            madvise(base + start, length, _MADV_POPULATE_READ)  # an error: not faulted in
-            continue
+    size = len(mapping)
+    ranges = [(0, size)] if ranges is None else ranges
+    for start, length in ranges:
+        if start < 0 or length < 0 or start + length > size or start % mmap.PAGESIZE:
+            raise OpsInputError(
+                f"range of {length} bytes at {start} is outside the {size}-byte mapping or "
+                "does not start on a page"
+            )
+    # through libc where the array is the whole mapping (its first byte the mapping's)
+    madvise = _libc_madvise() if array.nbytes == size else None
+    for start, length in ranges:
+        if madvise is not None and length >= GIL_FREE_BYTES:
+            madvise(array.ctypes.data + start, length, _MADV_POPULATE_READ)  # an error: not
+            continue  # faulted in, read when used
         with contextlib.suppress(OSError, ValueError):
             mapping.madvise(_MADV_POPULATE_READ, start, length)
 
