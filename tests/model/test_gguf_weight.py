@@ -208,7 +208,16 @@ def test_where_the_weights_are_computed_on(
         monkeypatch.delenv(MMAP_ENV, raising=False)
     else:
         monkeypatch.setenv(MMAP_ENV, setting)
-    kept = load_gguf(gguf_path, quantized=True, kernels=kernels).state_dict
+    sampled_at = []  # on_sampled: once, after the sample's reads, before the whole file's
+    kept = load_gguf(
+        gguf_path,
+        quantized=True,
+        kernels=kernels,
+        on_sampled=lambda: sampled_at.append(len(populated)),
+    ).state_dict
+    assert len(sampled_at) == 1
+    if setting is None:
+        assert populated[sampled_at[0] :] in ([], [None])
     weights = {n: w for n, w in kept.items() if isinstance(w, GGUFWeight)}
     reordered = {n for n in weights if ".q_proj." in n or ".k_proj." in n}
     assert reordered and len(weights) > len(reordered)

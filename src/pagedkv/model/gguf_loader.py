@@ -35,6 +35,7 @@ import os
 import re
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,7 +179,11 @@ def read_metadata(reader: Any) -> dict[str, Any]:
 
 
 def load_gguf(
-    path: str | Path, *, quantized: bool = False, kernels: CpuQuantKernels | None = None
+    path: str | Path,
+    *,
+    quantized: bool = False,
+    kernels: CpuQuantKernels | None = None,
+    on_sampled: Callable[[], None] | None = None,
 ) -> GGUFCheckpoint:
     """Read a GGUF file's config and weights.
 
@@ -200,6 +205,10 @@ def load_gguf(
             tensor dequantized to fp32 (``--quantization none``, tensor parallelism).
         kernels: pagedkv's kernels (needed with ``quantized``; a type they do not run is
             dequantized instead).
+        on_sampled: called once the page cache's sample is taken and timed (before the rest
+            of the file is faulted in; at once where nothing is sampled): ``load_model`` holds
+            its tokenizer thread until then, whose Python work would otherwise take the GIL
+            inside the timed read back and make the disk look slow.
 
     Returns:
         A :class:`GGUFCheckpoint`; ``state_dict`` holds fp32 tensors (and with ``quantized``
@@ -237,9 +246,11 @@ def load_gguf(
         if len(info.dims) == 2 and info.ggml_type in runs and info.name != lookup_only
     ]
     if kept:
-        in_place, pages = _place_weights(mapped, setting, path)
+        in_place, pages = _place_weights(mapped, setting, path, on_sampled)
     else:  # every tensor is read (dequantized) below: fault the file in at once
         in_place, pages = False, ""
+        if on_sampled is not None:
+            on_sampled()
         populate_mapped_pages(mapped)
     resident = [
         info for info in kept if not in_place or (permute and _is_q_or_k(hf_name(info.name, arch)))
@@ -339,7 +350,9 @@ SAMPLE_WINDOWS = 16
 READ_BACK_MIN_RATE = 256 << 20
 
 
-def _place_weights(mapped: np.ndarray, setting: str, path: Path) -> tuple[bool, str]:
+def _place_weights(
+    mapped: np.ndarray, setting: str, path: Path, on_sampled: Callable[[], None] | None = None
+) -> tuple[bool, str]:
     """Whether the kept weights are computed on ``mapped`` (the mapping of the GGUF file at
     ``path``), by :data:`MMAP_ENV`'s ``setting``, and the start-up line's words on the page
     cache.
@@ -355,8 +368,27 @@ def _place_weights(mapped: np.ndarray, setting: str, path: Path) -> tuple[bool, 
     copied (the next start measures again). If the page cache maps :data:`IN_PLACE_SHARE` of the
     sample with 2 MiB pages the whole file is faulted in and must be so mapped as well.
     Whatever is not computed in place leaves this process's resident set (the arena holds the
-    weights); "1" faults everything in, "0" nothing.
+    weights); "1" faults everything in, "0" nothing. ``on_sampled`` is called once the sample
+    is decided (see :func:`load_gguf`).
     """
+    called = False
+
+    def sampled() -> None:  # on_sampled once
+        nonlocal called
+        if not called and on_sampled is not None:
+            called = True
+            on_sampled()
+
+    try:
+        return _place_sampled(mapped, setting, path, sampled)
+    finally:  # at the latest
+        sampled()
+
+
+def _place_sampled(
+    mapped: np.ndarray, setting: str, path: Path, decided: Callable[[], None]
+) -> tuple[bool, str]:
+    """:func:`_place_weights`' body (``decided`` called here where the sample is decided)."""
     size = mapped.shape[0]
     total = format_bytes(size)
     if setting == "0":
@@ -388,6 +420,12 @@ def _place_weights(mapped: np.ndarray, setting: str, path: Path) -> tuple[bool, 
                     f"; its sample read back from the disk at {format_bytes(rate)}/s, below "
                     f"{format_bytes(READ_BACK_MIN_RATE)}/s"
                 )
+        elif rate is None:
+            read_back = (
+                "; its first window did not read back in a 2 MiB folio (pages not yet written "
+                "back to the disk, or a filesystem without large folios)"
+            )
+    decided()
     if huge is None:  # not Linux, or no smaps: the copy
         in_place, words = False, "the page cache's page size unknown"
     elif slow or huge < IN_PLACE_SHARE * sampled:  # the rest of the file is never faulted in
@@ -413,14 +451,17 @@ def _read_back(mapped: np.ndarray, path: Path, windows: list[tuple[int, int]]) -
     back alone first, did not come back in a 2 MiB folio (a filesystem or kernel without
     large folios: 2 MiB read again a start, not the whole sample)."""
     release_mapped_pages(mapped)
-    start = time.perf_counter()
     drop_cached_pages(path, windows[:1])
+    start = time.perf_counter()  # only the reads are timed (they hold the GIL: 2 MiB windows)
     populate_mapped_pages(mapped, windows[:1])
+    seconds = time.perf_counter() - start
     if (huge_mapped_bytes(mapped) or 0) < IN_PLACE_SHARE * windows[0][1]:
         return None
     drop_cached_pages(path, windows[1:])
+    start = time.perf_counter()
     populate_mapped_pages(mapped, windows[1:])
-    return sum(length for _, length in windows) / max(time.perf_counter() - start, 1e-9)
+    seconds += time.perf_counter() - start
+    return sum(length for _, length in windows) / max(seconds, 1e-9)
 
 
 def _is_q_or_k(name: str | None) -> bool:

@@ -118,7 +118,7 @@ def tokenizer_digest(path: str | Path) -> str:
     of its ``tokenizer.*`` metadata entries and of ``general.architecture``, which is all a
     tokenizer converted from the file is built from (transformers' ``get_gguf_tokenizer``
     reads those). Copies of a file, and the files of one model in other quantizations, have
-    the same; about 10 ms for a 128k vocabulary.
+    the same; 20-30 ms for a 128k vocabulary.
 
     Raises:
         ModelLoadError: as :func:`read_gguf_header`.

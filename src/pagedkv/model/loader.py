@@ -19,11 +19,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -261,12 +263,22 @@ def load_model(
     # The tokenizer is read on a thread of its own while the weights are read and the model
     # built: most of its time is importing transformers and reading (or converting) the
     # vocabulary, Python work that the weights' reads (which release the GIL) leave room for.
+    # It starts once a GGUF file's page cache sample is timed (load_gguf's on_sampled).
+    sampled = threading.Event()
+    reader = read_hf_folder_tokenizer if path.is_dir() else read_gguf_tokenizer
+
+    def read_tokenizer() -> Any:
+        sampled.wait()
+        return reader(path)
+
     with ThreadPoolExecutor(1, thread_name_prefix="pagedkv-tokenizer") as pool:
-        reader = read_hf_folder_tokenizer if path.is_dir() else read_gguf_tokenizer
-        hf_tokenizer = pool.submit(reader, path)
-        decoder, config, eos = _load_decoder(
-            path, dtype, device, parallel, quantization, batch_invariant, kernels
-        )
+        hf_tokenizer = pool.submit(read_tokenizer)
+        try:
+            decoder, config, eos = _load_decoder(
+                path, dtype, device, parallel, quantization, batch_invariant, kernels, sampled.set
+            )
+        finally:  # at the latest (a folder, or an error)
+            sampled.set()
         tokenizer = Tokenizer(hf_tokenizer.result(), eos)
     trim_heap()  # the tokenizer thread's arena, the loads' transient allocations
     return LoadedModel(
@@ -286,9 +298,11 @@ def _load_decoder(
     quantization: str,
     batch_invariant: bool,
     kernels: CpuQuantKernels | None,
+    on_sampled: Callable[[], None] | None = None,
 ) -> tuple[LlamaForCausalLM | Gemma3ForCausalLM, ModelConfig, tuple[int, ...]]:
-    """:func:`load_model`'s weights and decoder (its arguments, resolved): the decoder, its
-    config and the end-of-sequence ids of the config (and a folder's generation config)."""
+    """:func:`load_model`'s weights and decoder (its arguments, resolved; ``on_sampled`` as
+    :func:`~pagedkv.model.gguf_loader.load_gguf`'s): the decoder, its config and the
+    end-of-sequence ids of the config (and a folder's generation config)."""
     start = time.perf_counter()
     logger.info("reading weights from %s", path)
     if path.is_dir():
@@ -301,7 +315,9 @@ def _load_decoder(
     else:
         from pagedkv.model.gguf_loader import load_gguf, stored_types
 
-        checkpoint = load_gguf(path, quantized=quantization == "gguf", kernels=kernels)
+        checkpoint = load_gguf(
+            path, quantized=quantization == "gguf", kernels=kernels, on_sampled=on_sampled
+        )
         config, state_dict = checkpoint.config, checkpoint.state_dict
         eos = config.eos_token_ids
         if quantization == "gguf":

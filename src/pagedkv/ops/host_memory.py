@@ -154,9 +154,9 @@ def populate_mapped_pages(array: np.ndarray, ranges: list[tuple[int, int]] | Non
     A range of :data:`GIL_FREE_BYTES` or more is faulted in through libc (ctypes), which
     releases the GIL: reading a file of gigabytes from the disk takes seconds, which other
     threads (the tokenizer's, at load) get to use. A shorter one holds it (Python's
-    ``mmap.madvise``), so that its time is its own: a thread that gives the GIL up waits up to
-    the interpreter's switch interval (5 ms) to get it back from a busy thread, which made a
-    2 MiB window's timed read back look 5-10x slower.
+    ``mmap.madvise``) for the call: a thread that gives the GIL up waits at least the
+    interpreter's switch interval (5 ms) to get it back from a busy thread, 5-10x a 2 MiB
+    window's read.
 
     Raises:
         OpsInputError: a range outside the mapping or not starting on a page (nothing is
@@ -173,12 +173,12 @@ def populate_mapped_pages(array: np.ndarray, ranges: list[tuple[int, int]] | Non
                 f"range of {length} bytes at {start} is outside the {size}-byte mapping or "
                 "does not start on a page"
             )
-    # through libc where the array is the whole mapping (its first byte the mapping's)
-    madvise = _libc_madvise() if array.nbytes == size else None
+    madvise = _libc_madvise()
+    base = np.frombuffer(mapping, dtype=np.uint8).ctypes.data  # the mapping's first byte
     for start, length in ranges:
         if madvise is not None and length >= GIL_FREE_BYTES:
-            madvise(array.ctypes.data + start, length, _MADV_POPULATE_READ)  # an error: not
-            continue  # faulted in, read when used
+            madvise(base + start, length, _MADV_POPULATE_READ)  # an error: not faulted in,
+            continue  # read when used
         with contextlib.suppress(OSError, ValueError):
             mapping.madvise(_MADV_POPULATE_READ, start, length)
 
