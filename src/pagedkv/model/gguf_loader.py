@@ -342,11 +342,10 @@ SAMPLE_WINDOWS = 16
 #: The least rate (bytes/s) at which the sample, dropped from the page cache, must read back
 #: from the disk in 2 MiB folios for the whole file to be read back so (and computed in place)
 #: rather than copied. On the 2-core VM of docs/perf.md a 1B file's sample read back at
-#: 0.37-0.79 GiB/s right after the file was written and synced (the whole file about as
-#: fast), 1.3-2.1 GiB/s later, where a copy from the page cache ran at 0.2-8 GB/s (the low end
-#: where the VM must first back the copy's memory: 762 MiB once took 4 s). A read back is paid
-#: once, where the copy is paid on every start, so it is taken down to SATA SSD speeds; a
-#: hard disk keeps the copy.
+#: 1.9-2.5 GiB/s and whole files at 1.1-2.7 GiB/s, where a copy from the page cache ran at
+#: 0.2-8 GB/s (the low end where the VM must first back the copy's memory: 762 MiB once took
+#: 4 s). A read back is paid once, where the copy is paid on every start, so it is taken down
+#: to SATA SSD speeds; a hard disk keeps the copy.
 READ_BACK_MIN_RATE = 256 << 20
 
 
