@@ -180,7 +180,8 @@ def test_where_the_weights_are_computed_on(
     def drop(path, ranges=None):
         assert os.path.samefile(path, gguf_path)
         dropped.append(ranges)
-        share["now"] = read_back[0]  # what reads back after the sample is dropped
+        if read_back is not None:  # what reads back after the sample is dropped
+            share["now"] = read_back[0]
 
     monkeypatch.setattr(gguf_loader, "drop_cached_pages", drop)
     if read_back is not None:
@@ -230,8 +231,9 @@ def test_where_the_weights_are_computed_on(
     tried = read_back is not None
     probed = tried and read_back[0] >= gguf_loader.IN_PLACE_SHARE  # the first window passed
     slow = probed and read_back[1] == "slow"
+    mixed = isinstance(huge_share, tuple)  # the sample passed, the whole file did not
     copied_after = not in_place and setting != "0"
-    assert len(released) == copied_after + tried + slow
+    assert len(released) == copied_after + tried + slow + mixed
     if setting is None:  # a sample of 2 MiB windows first
         windows = populated[0]
         assert 1 <= len(windows) <= gguf_loader.SAMPLE_WINDOWS
@@ -241,7 +243,7 @@ def test_where_the_weights_are_computed_on(
         # dropped again where slowly
         first, rest = windows[:1], windows[1:]
         back = ([first] if tried else []) + ([rest] if probed else [])
-        assert dropped == back + ([windows] if slow else [None] if probed else [])
+        assert dropped == back + ([windows] if slow or mixed else [None] if probed else [])
         # the whole file faulted in only where the sample passed
         whole = in_place or isinstance(huge_share, tuple)
         assert populated[1:] == back + ([None] if whole else [])

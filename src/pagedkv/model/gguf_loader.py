@@ -364,7 +364,9 @@ def _place_weights(
     alone first; a filesystem without large folios stops there): if they come back in 2 MiB
     folios at :data:`READ_BACK_MIN_RATE` or faster, the rest of the file is dropped too (once:
     later starts find it in 2 MiB folios); slower, the sample is dropped again and the weights
-    copied (the next start measures again). If the page cache maps :data:`IN_PLACE_SHARE` of the
+    copied (the next start measures again); a sample in 2 MiB folios whose file is not (an
+    earlier start's sample) is dropped before the copy, for the same. If the page cache maps
+    :data:`IN_PLACE_SHARE` of the
     sample with 2 MiB pages the whole file is faulted in and must be so mapped as well.
     Whatever is not computed in place leaves this process's resident set (the arena holds the
     weights); "1" faults everything in, "0" nothing. ``on_sampled`` is called once the sample
@@ -438,6 +440,12 @@ def _place_sampled(
         huge = huge_mapped_bytes(mapped) or 0
         in_place = huge >= IN_PLACE_SHARE * size
         words = f"the page cache maps {format_bytes(huge)} of {total} with 2 MiB pages{read_back}"
+        if not in_place and not read_back and size >= HUGE_PAGE:
+            # the sample in 2 MiB folios, the rest not (an earlier start's sample): the copy,
+            # and the sample dropped, so the next start reads the file back (measured)
+            release_mapped_pages(mapped)
+            drop_cached_pages(path, windows)
+            words += "; its sample dropped from the page cache, read back on the next start"
     if not in_place:
         release_mapped_pages(mapped)
     return in_place, words
