@@ -366,8 +366,8 @@ def _place_weights(
     later starts find it in 2 MiB folios); slower, the sample is dropped again and the weights
     copied (the next start measures again); a sample in 2 MiB folios whose file is not (an
     earlier start's sample) is dropped before the copy, for the same. If the page cache maps
-    :data:`IN_PLACE_SHARE` of the
-    sample with 2 MiB pages the whole file is faulted in and must be so mapped as well.
+    :data:`IN_PLACE_SHARE` of the sample with 2 MiB pages the whole file is faulted in and
+    must be so mapped as well.
     Whatever is not computed in place leaves this process's resident set (the arena holds the
     weights); "1" faults everything in, "0" nothing. ``on_sampled`` is called once the sample
     is decided (see :func:`load_gguf`).
