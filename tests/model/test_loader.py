@@ -71,3 +71,30 @@ def test_the_tokenizer_threads_errors_reach_the_caller(gguf_path, monkeypatch):
     monkeypatch.setattr(loader, "_load_decoder", no_weights)
     with pytest.raises(ModelLoadError, match="the weights cannot be read"):
         loader.load_model(gguf_path)
+
+
+@pytest.mark.parametrize("folder", [True, False])
+def test_the_tokenizer_is_read_beside_the_weights(tmp_path, monkeypatch, folder):
+    """A folder's tokenizer thread starts at once; a GGUF file's once its page cache sample is
+    timed (on_sampled), never before, and then while the weights still load."""
+    import threading
+
+    path = tmp_path if folder else tmp_path / "model.gguf"
+    read = threading.Event()
+    reader = "read_hf_folder_tokenizer" if folder else "read_gguf_tokenizer"
+    monkeypatch.setattr(loader, reader, lambda p: read.set())
+    monkeypatch.setattr(loader, "resolve_model_path", lambda model: path)
+    monkeypatch.setattr(loader, "resolve_quantization", lambda *args, **kwargs: "none")
+    monkeypatch.setattr(loader, "check_weights_fit", lambda *args: None)
+
+    def load_decoder(*args):
+        on_sampled = args[-1]
+        if not folder:
+            assert not read.wait(0.2)  # held until the sample is timed
+            on_sampled()
+        assert read.wait(10)  # read while the weights load
+        raise ModelLoadError("the weights stop here")
+
+    monkeypatch.setattr(loader, "_load_decoder", load_decoder)
+    with pytest.raises(ModelLoadError, match="stop here"):
+        loader.load_model(path)

@@ -263,9 +263,12 @@ def load_model(
     # The tokenizer is read on a thread of its own while the weights are read and the model
     # built: most of its time is importing transformers and reading (or converting) the
     # vocabulary, Python work that the weights' reads (which release the GIL) leave room for.
-    # It starts once a GGUF file's page cache sample is timed (load_gguf's on_sampled).
+    # It starts once a GGUF file's page cache sample is timed (load_gguf's on_sampled); a
+    # folder's, at once (nothing is sampled).
     sampled = threading.Event()
     reader = read_hf_folder_tokenizer if path.is_dir() else read_gguf_tokenizer
+    if path.is_dir():
+        sampled.set()
 
     def read_tokenizer() -> Any:
         sampled.wait()
