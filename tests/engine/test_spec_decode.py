@@ -18,6 +18,7 @@ from _tiny_model import tiny_gemma3_hf_model, tiny_gemma3_loaded_model, tiny_loa
 
 from pagedkv.core.invariants import check_invariants
 from pagedkv.engine.llm_engine import LLMEngine
+from pagedkv.engine.spec_decode.drafts import IDLE_STEPS_BEFORE_PAUSE, PROPOSE_EVERY
 from pagedkv.engine.spec_decode.step_costs import StepCosts
 from pagedkv.errors import InvalidRequestError
 from pagedkv.sampling_params import BeamSearchParams, SamplingParams
@@ -321,6 +322,52 @@ def test_drafts_that_miss_stop_being_scheduled_and_resume_when_they_hit(tiny):
     assert stats.num_accepted_tokens > 20
 
 
+def test_declined_drafts_are_proposed_one_step_in_propose_every(tiny):
+    """Drafts whose first token always misses: once the rule has scheduled none for
+    IDLE_STEPS_BEFORE_PAUSE decode steps in a row, the workers propose for the request only one
+    step in PROPOSE_EVERY (the proposal is work that brings nothing), each proposal's first
+    draft still checked against the token sampled; the tokens stay those of no speculation."""
+    prompts = PROMPTS[:1]
+    expected, _ = reference(tiny, prompts, greedy(60))
+    engine = make_engine(tiny, speculative_config=NGRAM)
+    proposer = scripted(engine, prompts, expected, wrong_at=0)
+    proposed_at = []  # the request's token count at each proposal
+    propose = proposer.propose
+
+    def counting(req_id, token_ids, max_num_tokens):
+        proposed_at.append(len(token_ids))
+        return propose(req_id, token_ids, max_num_tokens)
+
+    proposer.propose = counting
+    engine.scheduler.drafts.step_costs = StepCosts(256, prior_row_cost=0.16, learn=False)
+    got, _ = run(engine, prompts, greedy(60), proposer, adaptive=True)
+    assert got == expected
+    gaps = np.diff(proposed_at).tolist()
+    assert gaps[:IDLE_STEPS_BEFORE_PAUSE] == [1] * IDLE_STEPS_BEFORE_PAUSE  # every step at first
+    assert set(gaps[-8:]) == {PROPOSE_EVERY}  # then one step in PROPOSE_EVERY
+    assert len(proposed_at) < 60 / PROPOSE_EVERY + 2 * IDLE_STEPS_BEFORE_PAUSE
+
+
+def test_every_draft_scheduled_is_never_paused(tiny):
+    """With the adaptive rule off (every proposed draft scheduled) the workers propose after
+    every step, however the drafts fare."""
+    prompts = PROMPTS[:1]
+    expected, _ = reference(tiny, prompts, greedy(30))
+    engine = make_engine(tiny, speculative_config=NGRAM)
+    proposer = scripted(engine, prompts, expected, wrong_at=0)
+    proposed_at = []
+    propose = proposer.propose
+
+    def counting(req_id, token_ids, max_num_tokens):
+        proposed_at.append(len(token_ids))
+        return propose(req_id, token_ids, max_num_tokens)
+
+    proposer.propose = counting
+    got, _ = run(engine, prompts, greedy(30), proposer, adaptive=False)
+    assert got == expected
+    assert set(np.diff(proposed_at).tolist()) == {1}  # a miss each step: one token a step
+
+
 def test_abort_while_drafts_are_verified(tiny):
     """A request aborted between schedule() and update_from_output (the engine thread's order
     when a client goes away mid-step) with drafts in flight: it is reported once as aborted, its
@@ -363,7 +410,8 @@ def test_beam_search_is_refused(tiny):
 
 
 def test_the_runner_returns_the_proposers_drafts_for_the_tokens_after_its_step(tiny):
-    """After each step the model runner proposes for every request that sampled and may draft:
+    """After each step the model runner proposes for every request that sampled, may draft and
+    is not paused (``draft_paused_req_ids``):
     its drafts are n-gram's over the request's tokens after the step (the step's accepted drafts
     and sampled token included), capped by num_speculative_tokens and the room max_tokens
     leaves; a request with logprobs (it may not draft) gets none."""
@@ -372,7 +420,10 @@ def test_the_runner_returns_the_proposers_drafts_for_the_tokens_after_its_step(t
     execute = engine.executor.execute_model
     outputs = []
 
+    paused = []
+
     def recording(out):
+        paused.append(out.draft_paused_req_ids)
         outputs.append(execute(out))
         return outputs[-1]
 
@@ -391,7 +442,7 @@ def test_the_runner_returns_the_proposers_drafts_for_the_tokens_after_its_step(t
             p = request.sampling_params
             limit = min(3, p.max_tokens - request.num_output_tokens - 1)
             expected = []
-            if req_id != "1" and limit > 0:
+            if req_id != "1" and limit > 0 and req_id not in paused[-1]:
                 tokens = np.array(request.all_token_ids, dtype=np.int32)
                 expected = find_ngram_drafts(tokens, 1, 5, limit).tolist()
             assert result.draft_token_ids.get(req_id, []) == expected

@@ -143,6 +143,35 @@ def test_trie_counts_every_substring_up_to_the_depth_incrementally():
         assert node.num_next == sum(c.count for c in node.children.values())
 
 
+def _assert_best_children(trie: SuffixTrie) -> None:
+    """Every node's kept best child is the most frequent one (a tie: the smallest id)."""
+    stack = [trie.root]
+    while stack:
+        node = stack.pop()
+        expected = (
+            min(node.children, key=lambda t: (-node.children[t].count, t)) if node.children else -1
+        )
+        assert node.best == expected
+        stack.extend(node.children.values())
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_trie_keeps_each_nodes_best_child_through_extends_and_removes(seed):
+    rng = np.random.default_rng(seed)
+    trie = SuffixTrie(max_depth=4)
+    kept: list[list[int]] = []
+    for _ in range(40):
+        if kept and rng.random() < 0.4:
+            trie.remove(kept.pop(int(rng.integers(len(kept)))))
+        else:
+            seq = rng.integers(0, 4, int(rng.integers(1, 12))).tolist()
+            active: list = []
+            for chunk in (seq[:3], seq[3:]):  # extended in two calls, as a running sequence
+                active = trie.extend(active, chunk)
+            kept.append(seq)
+        _assert_best_children(trie)
+
+
 def test_trie_remove_takes_back_exactly_one_sequence():
     rng = np.random.default_rng(1)
     seqs = [rng.integers(0, 3, int(n)).tolist() for n in (12, 7, 20)]

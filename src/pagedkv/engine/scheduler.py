@@ -367,6 +367,7 @@ class Scheduler:
         out = build_scheduler_output(step, kv_cache, queues.take_finished_ids(), self.stats)
         if self.drafts is not None:
             out.finished_token_ids = self.drafts.take_finished_token_ids()
+            out.draft_paused_req_ids = self.drafts.take_paused()
             self.drafts.scheduled(len(step.requests), out.total_num_scheduled_tokens)
         self.forks.note_fork_points(step.requests)
         self._scheduled_requests = step.requests

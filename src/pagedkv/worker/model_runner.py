@@ -322,7 +322,8 @@ class ModelRunner:
     ) -> dict[str, list[int]]:
         """The next step's drafts of each request that sampled (``sampling``, at persistent
         rows ``batch_rows``) and may draft (:func:`~pagedkv.worker.spec_decode.eligibility.
-        may_draft` after this step's tokens), with room for one: request id -> its drafts
+        may_draft` after this step's tokens), with room for one, and is not paused
+        (``out.draft_paused_req_ids``): request id -> its drafts
         (``ModelRunnerOutput.draft_token_ids``; requests without drafts left out).
 
         Each one's tokens are its row: its known tokens, then this step's accepted drafts
@@ -333,10 +334,13 @@ class ModelRunner:
         max_model_len = batch.max_model_len
         accepted = result.num_accepted_draft_tokens
         sampled = result.sampled_token_ids
+        paused = out.draft_paused_req_ids
         picks: list[int] = []
         ends: list[int] = []
         limits: list[int] = []
         for i, (state, row) in enumerate(zip(sampling, batch_rows.tolist(), strict=True)):
+            if paused and state.req_id in paused:
+                continue
             num_new = accepted.get(state.req_id, 0) + 1 if accepted else 1
             num_output = len(state.output_token_ids) + num_new
             end = int(batch.num_tokens[row]) + num_new

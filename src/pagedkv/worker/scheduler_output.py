@@ -146,6 +146,10 @@ class SchedulerOutput:
             cut at a stop), so that the workers know its final tokens (speculative decoding's
             proposers learn from finished outputs: SuffixDecoding); only with speculative
             decoding, only for requests the workers hold.
+        draft_paused_req_ids: requests of this step the workers propose no drafts for after
+            it (speculative decoding's adaptive rule declined their drafts for several steps
+            in a row: :data:`~pagedkv.engine.spec_decode.drafts.IDLE_STEPS_BEFORE_PAUSE`); only
+            with a proposer of token ids (n-gram, suffix).
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -161,6 +165,7 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     num_lookahead_tokens: dict[str, int] = field(default_factory=dict)
     finished_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    draft_paused_req_ids: set[str] = field(default_factory=set)
 
     @property
     def num_reqs(self) -> int:

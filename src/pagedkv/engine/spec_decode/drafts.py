@@ -51,10 +51,14 @@ tokens per second, ``(S - 1 + E(k)) / cost(T + k)`` (:func:`best_num_drafts`), a
 ``E(k) - 1`` and ``k`` to them. Alone that is ``E(k) / cost(1 + k)``; in a batch a draft row
 pays only where the step's marginal row is cheap against what it brings. Where that is ``k = 0``
 nothing is scheduled: the step is the plain decode step (no draft rows, the runner's plain
-sampler); the workers still propose (microseconds beside a step of milliseconds) and the first
-draft is checked against the token the step samples, so the estimate recovers when the text
-starts to repeat. A seeded request's draws follow its drafts, so its k must not depend on timing
-or on the batch: it takes a fixed cost (:data:`SEEDED_ROW_COST` a row) as if alone. Idea:
+sampler); the workers still propose and the first draft is checked against the token the step
+samples, so the estimate recovers when the text starts to repeat. A proposal costs the workers
+tens of microseconds a request (a suffix search: milliseconds a step at batch 16), so after
+:data:`IDLE_STEPS_BEFORE_PAUSE` decode steps in a row without drafts they propose for the
+request only one step in :data:`PROPOSE_EVERY` (:meth:`SpecDecodeDrafts.take_paused`), until it
+schedules drafts again. A seeded request's draws follow its drafts, so its k must not depend
+on timing or on the batch: it takes a fixed cost (:data:`SEEDED_ROW_COST` a row) as if alone
+(its pause follows its own draft counts alone, so it is as reproducible). Idea:
 SmartSpec's goodput (expected accepted tokens per unit of the batch's step time; Liu et al.,
 2024), chosen per request as the acceptance-aware draft lengths of SuffixDecoding and
 EAGLE-2-style dynamic drafting are.
@@ -82,6 +86,15 @@ MIN_GAIN = 1.02
 
 #: Weight of the past in a request's acceptance estimate (each observation decays the counts).
 ACCEPTANCE_DECAY = 0.8
+
+#: A request that scheduled no drafts in this many decode steps in a row has the workers
+#: propose for it only every :data:`PROPOSE_EVERY` steps (their proposal is work on every step
+#: that brings nothing while the rule declines it: open chat); one step with drafts ends it.
+IDLE_STEPS_BEFORE_PAUSE = 4
+#: While paused, the workers propose for the request after one step in this many (the first
+#: draft is still checked against the token sampled, so the estimate recovers; text that
+#: starts to repeat is drafted at most this many steps late).
+PROPOSE_EVERY = 4
 
 
 def expected_tokens(acceptance: float, num_drafts: int) -> float:
@@ -151,9 +164,11 @@ class SpecDecodeDrafts:
         "_acceptance",
         "_drafts",
         "_finished_token_ids",
+        "_idle_steps",
         "_max_model_len",
         "_num_decoding",
         "_num_drafts",
+        "_paused",
         "_running",
         "_seeded_costs",
         "_step_expected",
@@ -209,6 +224,11 @@ class SpecDecodeDrafts:
         #: request id -> the tokens a finished request got that the workers do not hold
         #: (``SchedulerOutput.finished_token_ids`` of the next step).
         self._finished_token_ids: dict[str, list[int]] = {}
+        #: request id -> decode steps in a row it scheduled no drafts (token proposers only).
+        self._idle_steps: dict[str, int] = {}
+        #: this step's requests the workers propose nothing for after it
+        #: (``SchedulerOutput.draft_paused_req_ids``).
+        self._paused: set[str] = set()
 
     def begin_step(self) -> None:
         """Start a schedule: every running request counts a row and a token of the step (the
@@ -218,6 +238,16 @@ class SpecDecodeDrafts:
         self._step_expected = float(num_running)
         self._num_decoding = 0
         self._num_drafts = 0
+        self._paused = set()
+
+    def take_paused(self) -> set[str]:
+        """The step's requests whose drafts the workers need not propose after it
+        (``SchedulerOutput.draft_paused_req_ids``): those that scheduled no drafts in their
+        last :data:`IDLE_STEPS_BEFORE_PAUSE` decode steps, but one step in
+        :data:`PROPOSE_EVERY`. Only for the adaptive rule and proposers of token ids (a draft
+        model's proposal also writes its KV, so it always runs)."""
+        paused, self._paused = self._paused, set()
+        return paused
 
     def scheduled(self, num_requests: int, num_scheduled_tokens: int) -> None:
         """The schedule is made (``num_requests`` requests, ``num_scheduled_tokens`` in all):
@@ -284,7 +314,21 @@ class SpecDecodeDrafts:
             self._step_expected += expected_tokens(acceptance, k) - 1.0
         state[2] = drafts[0] if drafts and not k else -1
         request.spec_token_ids = drafts[:k]
+        if self.adaptive and not self.num_lookahead_tokens:
+            self._count_idle(request.request_id, k)
         return k
+
+    def _count_idle(self, request_id: str, num_drafts: int) -> None:
+        """Count a decode step of ``request_id`` with ``num_drafts`` drafts scheduled, and
+        pause its proposals after it where it has drafted nothing for a while
+        (:meth:`take_paused`)."""
+        if num_drafts:
+            self._idle_steps.pop(request_id, None)
+            return
+        idle = self._idle_steps.get(request_id, 0) + 1
+        self._idle_steps[request_id] = idle
+        if idle >= IDLE_STEPS_BEFORE_PAUSE and idle % PROPOSE_EVERY:
+            self._paused.add(request_id)
 
     def lookahead(self, request: Request, num_tokens_after: int) -> int:
         """KV slots to allocate past ``request``'s scheduled tokens for the workers' draft
@@ -389,6 +433,7 @@ class SpecDecodeDrafts:
         request_id = request.request_id
         self._acceptance.pop(request_id, None)
         self._drafts.pop(request_id, None)
+        self._idle_steps.pop(request_id, None)
         num_sent = request.num_sent_tokens
         if num_sent and len(request.all_token_ids) > num_sent:
             self._finished_token_ids[request_id] = request.all_token_ids[num_sent:]
@@ -396,7 +441,9 @@ class SpecDecodeDrafts:
 
 __all__ = [
     "ACCEPTANCE_DECAY",
+    "IDLE_STEPS_BEFORE_PAUSE",
     "MIN_GAIN",
+    "PROPOSE_EVERY",
     "SEEDED_ROW_COST",
     "SpecDecodeDrafts",
     "best_num_drafts",

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from itertools import accumulate
 
 import numpy as np
 
@@ -57,12 +58,20 @@ _EMPTY = np.empty(0, dtype=np.int64)
 class _Node:
     """A trie node: how often its substring occurs, and its children by next token."""
 
-    __slots__ = ("children", "count", "num_next")
+    __slots__ = ("best", "children", "count", "num_next")
 
     def __init__(self) -> None:
         self.count = 0
         self.num_next = 0  # sum of the children's counts: occurrences followed by a token
         self.children: dict[int, _Node] = {}
+        #: the most frequent child's token (a tie: the smallest id); -1: no child. Kept by
+        #: extend and remove, so speculation reads it instead of scanning the children.
+        self.best = -1
+
+    def pick_best(self) -> None:
+        """Set :attr:`best` from the children (after a count fell)."""
+        children = self.children
+        self.best = min(children, key=lambda t: (-children[t].count, t)) if children else -1
 
 
 class SuffixTrie:
@@ -89,6 +98,11 @@ class SuffixTrie:
                     child = node.children[token] = _Node()
                 child.count += 1
                 node.num_next += 1
+                best = node.best
+                if best != token:  # a count that rose can only make its child the best
+                    rival = node.children[best].count if best >= 0 else 0
+                    if child.count > rival or (child.count == rival and token < best):
+                        node.best = token
                 grown.append(child)
             active = grown[: max_depth - 1]  # a depth-D node is never extended
         return active
@@ -105,7 +119,11 @@ class SuffixTrie:
                 child.count -= 1
                 if child.count == 0:  # only this occurrence reached it: drop its whole subtree
                     del node.children[token]
+                    if node.best == token:
+                        node.pick_best()
                     break
+                if node.best == token:
+                    node.pick_best()
                 node = child
 
     def speculate(
@@ -135,9 +153,10 @@ class SuffixTrie:
             limit = min(max_num_tokens, int(spec_factor * match_len), self.max_depth - match_len)
             draft: list[int] = []
             score, prob = 0.0, 1.0
-            while len(draft) < limit and node.children:
+            while len(draft) < limit and node.best >= 0:
                 # The most frequent child; a tie goes to the smallest token id.
-                token, child = max(node.children.items(), key=lambda it: (it[1].count, -it[0]))
+                token = node.best
+                child = node.children[token]
                 prob *= child.count / node.num_next
                 if prob < min_prob:
                     break
@@ -161,10 +180,12 @@ def speculate_own_tokens(
 
     The node a match of length m reaches in the trie stands for the earlier occurrences of the
     last m tokens; here they are the end positions ``ends`` whose last m tokens equal the
-    sequence's (narrowed one comparison per m), and a child's count is how many of them are
-    followed by that token. So a request holds no tree (a trie of depth 24 over 4,096 random
-    tokens is ~100k Python nodes, ~25 MiB, ~0.2 s to build) and a call costs one comparison
-    over the array plus work on the matching positions only.
+    sequence's, and a child's count is how many of them are followed by that token. So a
+    request holds no tree (a trie of depth 24 over 4,096 random tokens is ~100k Python nodes,
+    ~25 MiB, ~0.2 s to build) and a call costs one comparison over the array plus work on the
+    matching positions only: each occurrence's match length (up to D - 1) from one
+    ``[occurrences, D - 2]`` comparison, and one expansion per distinct set of occurrences
+    (a set shrinks only where some occurrence's match ends), not numpy calls per m.
 
     Args:
         token_ids: ``[num_tokens]`` int ids, the request's prompt + output.
@@ -179,31 +200,46 @@ def speculate_own_tokens(
     if num_tokens < 2:
         return best
     ends = np.flatnonzero(tokens[:-1] == tokens[-1])  # earlier occurrences of the last token
-    cached: tuple[list[int], list[float]] | None = None  # the expansion of this `ends`
-    for match_len in range(1, min(num_tokens - 1, max_depth - 1) + 1):
-        if match_len > 1:
-            before = len(ends)
-            ends = ends[ends >= match_len - 1]
-            ends = ends[tokens[ends - (match_len - 1)] == tokens[num_tokens - match_len]]
-            if len(ends) != before:
-                cached = None
-        if not len(ends):
+    if not len(ends):
+        return best
+    max_match = min(num_tokens - 1, max_depth - 1)
+    # lengths[i]: how many of the last max_match tokens the occurrence ending at ends[i] repeats
+    # (>= 1: its last token). d tokens back, tokens[end - d] == tokens[-1 - d] for all d < m.
+    if max_match > 1:
+        back = np.arange(1, max_match)
+        positions = ends[:, None] - back
+        same = (positions >= 0) & (tokens[np.maximum(positions, 0)] == tokens[-1 - back])
+        lengths = 1 + np.cumprod(same, axis=1).sum(axis=1)
+    else:
+        lengths = np.ones(len(ends), dtype=np.int64)
+    # alive[m]: the occurrences that match m tokens (lengths >= m), by count (a set only shrinks)
+    alive = np.cumsum(np.bincount(lengths, minlength=max_match + 1)[::-1])[::-1].tolist()
+    draft: list[int] = []
+    scores: list[float] = []  # scores[i]: the sum of the first i path probabilities
+    best_limit = 0
+    for match_len in range(1, max_match + 1):
+        if not alive[match_len]:
             break
-        limit = min(max_num_tokens, int(spec_factor * match_len), max_depth - match_len)
-        if cached is None:  # long enough for every later m with the same ends (limit <= D - m)
-            cached = _expand(tokens, ends, min(max_num_tokens, max_depth - match_len), min_prob)
-        draft, probs = cached
-        score = sum(probs[:limit])
-        if draft[:limit] and score >= best[1]:
-            best = (draft[:limit], score, match_len)
-    return best
+        if match_len == 1 or alive[match_len] != alive[match_len - 1]:
+            # The expansion of this set of occurrences, long enough for every later m with the
+            # same set (limit <= D - m).
+            matching = ends if alive[match_len] == len(ends) else ends[lengths >= match_len]
+            draft, probs = _expand(
+                tokens, matching, min(max_num_tokens, max_depth - match_len), min_prob
+            )
+            scores = [0.0, *accumulate(probs)]
+        limit = min(max_num_tokens, int(spec_factor * match_len), max_depth - match_len, len(draft))
+        if limit and scores[limit] >= best[1]:
+            best, best_limit = (draft, scores[limit], match_len), limit
+    return (best[0][:best_limit], best[1], best[2])
 
 
 def _expand(
     tokens: np.ndarray, ends: np.ndarray, limit: int, min_prob: float
 ) -> tuple[list[int], list[float]]:
     """Follow the most frequent next token of the occurrences ending at ``ends`` for at most
-    ``limit`` tokens; returns (the tokens, their path probabilities)."""
+    ``limit`` tokens; returns (the tokens, their path probabilities). Once one occurrence is
+    left its tokens follow with the same probability (a slice, no step per token)."""
     num_tokens = len(tokens)
     draft: list[int] = []
     probs: list[float] = []
@@ -212,6 +248,12 @@ def _expand(
     while len(draft) < limit:
         next_pos = next_pos[next_pos < num_tokens]
         if not len(next_pos):
+            break
+        if len(next_pos) == 1:
+            start = int(next_pos[0])
+            rest = tokens[start : start + limit - len(draft)].tolist()
+            draft += rest
+            probs += [prob] * len(rest)
             break
         values = tokens[next_pos]
         token = values[0]
