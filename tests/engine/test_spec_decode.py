@@ -18,6 +18,7 @@ from _tiny_model import tiny_gemma3_hf_model, tiny_gemma3_loaded_model, tiny_loa
 
 from pagedkv.core.invariants import check_invariants
 from pagedkv.engine.llm_engine import LLMEngine
+from pagedkv.engine.spec_decode import drafts as drafts_module
 from pagedkv.engine.spec_decode.drafts import IDLE_STEPS_BEFORE_PAUSE, PROPOSE_EVERY
 from pagedkv.engine.spec_decode.step_costs import StepCosts
 from pagedkv.errors import InvalidRequestError
@@ -346,6 +347,50 @@ def test_declined_drafts_are_proposed_one_step_in_propose_every(tiny):
     assert gaps[:IDLE_STEPS_BEFORE_PAUSE] == [1] * IDLE_STEPS_BEFORE_PAUSE  # every step at first
     assert set(gaps[-8:]) == {PROPOSE_EVERY}  # then one step in PROPOSE_EVERY
     assert len(proposed_at) < 60 / PROPOSE_EVERY + 2 * IDLE_STEPS_BEFORE_PAUSE
+
+
+def _first_drafts_after(tiny, switch_at: int) -> int:
+    """Tokens generated when drafts are first scheduled after ``switch_at``: a proposer wrong
+    until then and right after, fixed step costs."""
+    prompts = PROMPTS[:1]
+    expected, _ = reference(tiny, prompts, greedy(60))
+    engine = make_engine(tiny, speculative_config=NGRAM)
+    proposer = scripted(engine, prompts, expected)
+    right = proposer.propose
+
+    def wrong_then_right(req_id, token_ids, max_num_tokens):
+        drafts = right(req_id, token_ids, max_num_tokens)
+        if len(token_ids) - proposer.prompt_lens[req_id] < switch_at:
+            drafts = (drafts + 1) % 96
+        return drafts
+
+    proposer.propose = wrong_then_right
+    scheduler = engine.scheduler
+    scheduler.drafts.step_costs = StepCosts(256, prior_row_cost=0.16, learn=False)
+    schedule = scheduler.schedule
+    first = []
+
+    def watching():
+        out = schedule()
+        request = scheduler.get_request("0")
+        drafting = request is not None and bool(out.scheduled_spec_decode_tokens)
+        if drafting and not first and request.num_output_tokens >= switch_at:
+            first.append(request.num_output_tokens)
+        return out
+
+    scheduler.schedule = watching
+    got, _ = run(engine, prompts, greedy(60), proposer, adaptive=True)
+    assert got == expected
+    return first[0]
+
+
+def test_a_paused_request_drafts_again_soon_after_its_text_starts_to_repeat(tiny, monkeypatch):
+    """A first draft that would have been accepted ends the pause, so drafting resumes at most
+    PROPOSE_EVERY - 1 tokens later than if the request had never been paused."""
+    paused = _first_drafts_after(tiny, 30)
+    monkeypatch.setattr(drafts_module, "IDLE_STEPS_BEFORE_PAUSE", 10**9)
+    never_paused = _first_drafts_after(tiny, 30)
+    assert never_paused <= paused <= never_paused + PROPOSE_EVERY - 1
 
 
 def test_every_draft_scheduled_is_never_paused(tiny):

@@ -55,10 +55,10 @@ sampler); the workers still propose and the first draft is checked against the t
 samples, so the estimate recovers when the text starts to repeat. A proposal costs the workers
 tens of microseconds a request (a suffix search: milliseconds a step at batch 16), so after
 :data:`IDLE_STEPS_BEFORE_PAUSE` decode steps in a row without drafts they propose for the
-request only one step in :data:`PROPOSE_EVERY` (:meth:`SpecDecodeDrafts.take_paused`), until it
-schedules drafts again. A seeded request's draws follow its drafts, so its k must not depend
-on timing or on the batch: it takes a fixed cost (:data:`SEEDED_ROW_COST` a row) as if alone
-(its pause follows its own draft counts alone, so it is as reproducible). Idea:
+request only one step in :data:`PROPOSE_EVERY` (:meth:`SpecDecodeDrafts.take_paused`), until
+one of those drafts would have been accepted or it schedules drafts again. A seeded request's
+draws follow its drafts, so its k must not depend on timing or on the batch: it takes a fixed
+cost (:data:`SEEDED_ROW_COST` a row) as if alone, and is never paused. Idea:
 SmartSpec's goodput (expected accepted tokens per unit of the batch's step time; Liu et al.,
 2024), chosen per request as the acceptance-aware draft lengths of SuffixDecoding and
 EAGLE-2-style dynamic drafting are.
@@ -89,11 +89,12 @@ ACCEPTANCE_DECAY = 0.8
 
 #: A request that scheduled no drafts in this many decode steps in a row has the workers
 #: propose for it only every :data:`PROPOSE_EVERY` steps (their proposal is work on every step
-#: that brings nothing while the rule declines it: open chat); one step with drafts ends it.
+#: that brings nothing while the rule declines it: open chat); one step with drafts, or a first
+#: draft that would have been accepted, ends it.
 IDLE_STEPS_BEFORE_PAUSE = 4
 #: While paused, the workers propose for the request after one step in this many (the first
-#: draft is still checked against the token sampled, so the estimate recovers; text that
-#: starts to repeat is drafted at most this many steps late).
+#: draft is still checked against the token sampled: a hit ends the pause, so text that starts
+#: to repeat is proposed for every step again at most this many steps late).
 PROPOSE_EVERY = 4
 
 
@@ -244,8 +245,10 @@ class SpecDecodeDrafts:
         """The step's requests whose drafts the workers need not propose after it
         (``SchedulerOutput.draft_paused_req_ids``): those that scheduled no drafts in their
         last :data:`IDLE_STEPS_BEFORE_PAUSE` decode steps, but one step in
-        :data:`PROPOSE_EVERY`. Only for the adaptive rule and proposers of token ids (a draft
-        model's proposal also writes its KV, so it always runs)."""
+        :data:`PROPOSE_EVERY`; a first draft that would have been accepted (checked against
+        the token sampled) ends the pause. Only for the adaptive rule, proposers of token ids
+        (a draft model's proposal also writes its KV, so it always runs) and unseeded requests
+        (a seeded request's drafts, hence its draws, must not depend on the batch)."""
         paused, self._paused = self._paused, set()
         return paused
 
@@ -314,7 +317,7 @@ class SpecDecodeDrafts:
             self._step_expected += expected_tokens(acceptance, k) - 1.0
         state[2] = drafts[0] if drafts and not k else -1
         request.spec_token_ids = drafts[:k]
-        if self.adaptive and not self.num_lookahead_tokens:
+        if self.adaptive and not self.num_lookahead_tokens and params.seed is None:
             self._count_idle(request.request_id, k)
         return k
 
@@ -397,9 +400,12 @@ class SpecDecodeDrafts:
                     request, num_accepted[request.request_id]
                 )
             elif state[2] >= 0:  # a draft it did not schedule: would it have been accepted?
-                state[0] = ACCEPTANCE_DECAY * state[0] + (state[2] == token_id)
+                hit = state[2] == token_id
+                state[0] = ACCEPTANCE_DECAY * state[0] + hit
                 state[1] = ACCEPTANCE_DECAY * state[1] + 1
                 state[2] = -1
+                if hit:  # the text may repeat from here: propose every step again
+                    self._idle_steps.pop(request.request_id, None)
         return accepted
 
     def accepted(self, request: Request, num_accepted: int) -> list[int]:

@@ -53,6 +53,8 @@ from pagedkv.config import SpeculativeConfig
 from pagedkv.worker.spec_decode.proposer import TokenProposer
 
 _EMPTY = np.empty(0, dtype=np.int64)
+#: A trie node's :attr:`_Node.best` after a child's count fell: to be found again.
+_STALE = -2
 
 
 class _Node:
@@ -64,12 +66,13 @@ class _Node:
         self.count = 0
         self.num_next = 0  # sum of the children's counts: occurrences followed by a token
         self.children: dict[int, _Node] = {}
-        #: the most frequent child's token (a tie: the smallest id); -1: no child. Kept by
-        #: extend and remove, so speculation reads it instead of scanning the children.
+        #: the most frequent child's token (a tie: the smallest id); -1: no child;
+        #: :data:`_STALE`: a child's count fell since (remove), so speculation scans the
+        #: children once. Kept by extend, so speculation reads it instead of scanning.
         self.best = -1
 
     def pick_best(self) -> None:
-        """Set :attr:`best` from the children (after a count fell)."""
+        """Set :attr:`best` from the children (a stale node, when speculation reaches it)."""
         children = self.children
         self.best = min(children, key=lambda t: (-children[t].count, t)) if children else -1
 
@@ -99,7 +102,7 @@ class SuffixTrie:
                 child.count += 1
                 node.num_next += 1
                 best = node.best
-                if best != token:  # a count that rose can only make its child the best
+                if best != token and best != _STALE:  # a rising count can only make it the best
                     rival = node.children[best].count if best >= 0 else 0
                     if child.count > rival or (child.count == rival and token < best):
                         node.best = token
@@ -117,13 +120,11 @@ class SuffixTrie:
                 child = node.children[token]
                 node.num_next -= 1
                 child.count -= 1
+                if node.best == token:  # another child may lead now: found when next read
+                    node.best = _STALE
                 if child.count == 0:  # only this occurrence reached it: drop its whole subtree
                     del node.children[token]
-                    if node.best == token:
-                        node.pick_best()
                     break
-                if node.best == token:
-                    node.pick_best()
                 node = child
 
     def speculate(
@@ -153,9 +154,13 @@ class SuffixTrie:
             limit = min(max_num_tokens, int(spec_factor * match_len), self.max_depth - match_len)
             draft: list[int] = []
             score, prob = 0.0, 1.0
-            while len(draft) < limit and node.best >= 0:
+            while len(draft) < limit:
                 # The most frequent child; a tie goes to the smallest token id.
+                if node.best == _STALE:
+                    node.pick_best()
                 token = node.best
+                if token < 0:
+                    break
                 child = node.children[token]
                 prob *= child.count / node.num_next
                 if prob < min_prob:
