@@ -283,10 +283,11 @@ def test_real_proposers_end_to_end(tiny, config):
     assert engine.scheduler.get_stats().spec_decoding.num_drafts > 0
 
 
-def test_drafts_that_miss_stop_being_scheduled_and_resume_when_they_hit(tiny):
-    """A proposer wrong for the first 20 tokens and right after: drafts shrink to none (the
-    steps cost no more than plain decoding), then the unscheduled drafts checked against the
-    sampled tokens raise the estimate and drafting resumes."""
+def _wrong_then_right(tiny, switch_at: int):
+    """One prompt's engine (60 greedy tokens) whose proposer is wrong until ``switch_at``
+    tokens were generated and right after, with fixed step costs (a row 0.16 of a step), so
+    that what it drafts does not depend on timing (the learned costs are tested in
+    test_step_costs.py). Returns (prompts, expected tokens, engine, proposer)."""
     prompts = PROMPTS[:1]
     expected, _ = reference(tiny, prompts, greedy(60))
     engine = make_engine(tiny, speculative_config=NGRAM)
@@ -295,16 +296,22 @@ def test_drafts_that_miss_stop_being_scheduled_and_resume_when_they_hit(tiny):
 
     def wrong_then_right(req_id, token_ids, max_num_tokens):
         drafts = right(req_id, token_ids, max_num_tokens)
-        if len(token_ids) - proposer.prompt_lens[req_id] < 20:
+        if len(token_ids) - proposer.prompt_lens[req_id] < switch_at:
             drafts = (drafts + 1) % 96
         return drafts
 
     proposer.propose = wrong_then_right
+    engine.scheduler.drafts.step_costs = StepCosts(256, prior_row_cost=0.16, learn=False)
+    return prompts, expected, engine, proposer
+
+
+def test_drafts_that_miss_stop_being_scheduled_and_resume_when_they_hit(tiny):
+    """A proposer wrong for the first 20 tokens and right after: drafts shrink to none (the
+    steps cost no more than plain decoding), then the unscheduled drafts checked against the
+    sampled tokens raise the estimate and drafting resumes."""
+    prompts, expected, engine, proposer = _wrong_then_right(tiny, 20)
     scheduled = []
     scheduler = engine.scheduler
-    # Fixed step costs (a row 0.16 of a step), so that the counts below do not depend on timing
-    # (the learned costs are tested in test_step_costs.py).
-    scheduler.drafts.step_costs = StepCosts(256, prior_row_cost=0.16, learn=False)
     schedule = scheduler.schedule
 
     def counting():
@@ -350,23 +357,10 @@ def test_declined_drafts_are_proposed_one_step_in_propose_every(tiny):
 
 
 def _first_drafts_after(tiny, switch_at: int) -> int:
-    """Tokens generated when drafts are first scheduled after ``switch_at``: a proposer wrong
-    until then and right after, fixed step costs."""
-    prompts = PROMPTS[:1]
-    expected, _ = reference(tiny, prompts, greedy(60))
-    engine = make_engine(tiny, speculative_config=NGRAM)
-    proposer = scripted(engine, prompts, expected)
-    right = proposer.propose
-
-    def wrong_then_right(req_id, token_ids, max_num_tokens):
-        drafts = right(req_id, token_ids, max_num_tokens)
-        if len(token_ids) - proposer.prompt_lens[req_id] < switch_at:
-            drafts = (drafts + 1) % 96
-        return drafts
-
-    proposer.propose = wrong_then_right
+    """Tokens generated when drafts are first scheduled after ``switch_at``
+    (:func:`_wrong_then_right`)."""
+    prompts, expected, engine, proposer = _wrong_then_right(tiny, switch_at)
     scheduler = engine.scheduler
-    scheduler.drafts.step_costs = StepCosts(256, prior_row_cost=0.16, learn=False)
     schedule = scheduler.schedule
     first = []
 
