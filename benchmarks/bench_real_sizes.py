@@ -3,6 +3,7 @@
     python benchmarks/bench_real_sizes.py FILE.gguf [FILE.gguf ...] [--rounds 2] [--threads 2]
         [--rss-limit-gib 20] [--timeout 1800] [--json /tmp/bench_real_sizes.json]
         [--pagedkv-arg=--dtype=bfloat16 ...] [--isa avx2|native] [--just-written]
+        [--first-start]
 
 The files are usually made by make_shaped_model.py (random weights of real shapes, e.g.
 ``CACHE/shaped/llama-3.2-1b-Q4_K_M.gguf``). **Never run in CI** (minutes per file, gigabytes).
@@ -28,6 +29,10 @@ For each file and round, both engines on the same file and the same number of th
 With ``--just-written`` each engine starts on a copy of the file written just before it (the
 page cache as a download or a conversion leaves it: in small folios, where llama.cpp reads
 4 KiB pages and pagedkv reads the file back in 2 MiB folios or copies it).
+
+With ``--first-start`` each pagedkv engine also starts with no converted tokenizer (a cache
+folder of its own, empty but for the compiled kernels): the first start of a file whose
+tokenizer this machine has not converted yet, which reads and converts the GGUF vocabulary.
 
 The engines alternate: odd rounds run llama.cpp first, even rounds pagedkv first. Every round's
 ratio (pagedkv / llama.cpp, > 1: pagedkv faster) and the 1-minute load average before and after
@@ -366,6 +371,9 @@ def bench_file(
             before = os.getloadavg()[0]
             if engine == "llama.cpp":
                 entry = run_llama_cpp(build, path, args, rss_limit)
+            elif args.first_start:
+                with first_start_env(env) as fresh:
+                    entry = run_pagedkv_watched(path, args, fresh, rss_limit)
             else:
                 entry = run_pagedkv_watched(path, args, env, rss_limit)
             entry["load_average_1m"] = {"before": before, "after": os.getloadavg()[0]}
@@ -383,6 +391,20 @@ def bench_file(
             )
         rounds.append(this)
     return {"model": str(model), "weights": weights, "rounds": rounds, **summarize(rounds)}
+
+
+@contextlib.contextmanager
+def first_start_env(env: Mapping[str, str]) -> Any:
+    """``env`` with ``PAGEDKV_CACHE_DIR`` set to a new temporary folder holding only a link to
+    the compiled kernels of pagedkv's cache (no converted tokenizer: a file's first start);
+    removed afterwards."""
+    from pagedkv.config import CACHE_DIR_ENV, cache_dir
+
+    with tempfile.TemporaryDirectory(prefix="pagedkv-first-start-") as folder:
+        kernels = cache_dir() / "kernels"
+        if kernels.is_dir():
+            (Path(folder) / "kernels").symlink_to(kernels)
+        yield {**env, CACHE_DIR_ENV: folder}
 
 
 def just_written_path(model: Path) -> Path:
@@ -502,6 +524,12 @@ def build_parser() -> argparse.ArgumentParser:
         "removed at the end: the file's size more on its disk): the page cache as a download "
         "or a conversion leaves it",
     )
+    parser.add_argument(
+        "--first-start",
+        action="store_true",
+        help="each pagedkv engine starts with no converted tokenizer (an empty cache folder "
+        "of its own, but for the compiled kernels): a file's first start",
+    )
     parser.add_argument("--isa", choices=ISAS, default="avx2", help="as bench_llama_cpp_peer.py")
     parser.add_argument("--cache-dir", type=Path, default=None, help="default: pagedkv's cache")
     parser.add_argument("--llama-cpp-bin", type=Path, default=None, help="prebuilt binaries")
@@ -537,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
         "files": [],
     }
     result["just_written"] = args.just_written
+    result["first_start"] = args.first_start
     for model in args.models:
         try:
             result["files"].append(bench_file(model.resolve(), args, build, env))

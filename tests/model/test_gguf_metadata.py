@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pagedkv.errors import ModelLoadError
-from pagedkv.model.gguf_metadata import MAX_ARRAY_LEN, read_gguf_header
+from pagedkv.model.gguf_metadata import MAX_ARRAY_LEN, read_gguf_header, read_tokenizer_metadata
 from pagedkv.model.loader import load_model_config
 
 
@@ -33,6 +33,9 @@ def write_every_type(path, endianess=None):
     writer.add_head_count_kv(2)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_token_list([f"t{i}" for i in range(5000)])  # no llama.vocab_size: its length
+    writer.add_token_types([i % 6 for i in range(5000)])
+    writer.add_token_scores([i / 7 for i in range(5000)])
+    writer.add_token_merges([f"t{i} é{i}" for i in range(MAX_ARRAY_LEN + 3)])
     writer.add_key_value("test.u8", 7, v.UINT8)
     writer.add_key_value("test.i8", -7, v.INT8)
     writer.add_key_value("test.u16", 65535, v.UINT16)
@@ -69,6 +72,39 @@ def test_header_equals_gguf_reader(tmp_path, big_endian):
     assert header.array_lengths["test.long_strings"] == MAX_ARRAY_LEN + 10
     assert header.array_lengths["test.long_floats"] == MAX_ARRAY_LEN + 1
     assert header.metadata["test.unicode"] == "héllo ✓ 世界"
+
+
+@pytest.mark.parametrize("big_endian", [False, True])
+def test_tokenizer_metadata_reads_its_arrays_whole(tmp_path, big_endian):
+    """read_tokenizer_metadata: the header's metadata plus every ``tokenizer.*`` array in full,
+    each item as GGUFReader reads it (strings, int32 token types, float32 scores); other long
+    arrays stay skipped."""
+    import gguf
+
+    path = tmp_path / "every_type.gguf"
+    write_every_type(path, gguf.GGUFEndian.BIG if big_endian else None)
+    metadata = read_tokenizer_metadata(path)
+    fields = gguf.GGUFReader(str(path)).fields
+    whole = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.scores",
+             "tokenizer.ggml.merges")  # fmt: skip
+    for key in whole:
+        assert metadata[key] == fields[key].contents(), key
+    assert len(metadata["tokenizer.ggml.tokens"]) == 5000
+    assert metadata["tokenizer.ggml.merges"][-1] == f"t{MAX_ARRAY_LEN + 2} é{MAX_ARRAY_LEN + 2}"
+    header = read_gguf_header(path).metadata
+    assert {k: v for k, v in metadata.items() if k not in whole} == header
+    assert "test.long_strings" not in metadata
+
+
+def test_tokenizer_metadata_of_a_truncated_vocabulary(tmp_path):
+    """A vocabulary cut short (its last string runs past the end) is refused, not read short."""
+    path = tmp_path / "model.gguf"
+    write_every_type(path)
+    data = path.read_bytes()
+    first_token = data.index(b"t4999")
+    path.write_bytes(data[: first_token + 3])
+    with pytest.raises(ModelLoadError, match="cannot read GGUF file"):
+        read_tokenizer_metadata(path)
 
 
 def test_model_config_from_the_header(tmp_path):

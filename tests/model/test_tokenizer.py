@@ -172,3 +172,71 @@ def test_the_tokenizer_digest_covers_the_tokenizer_only(tmp_path):
         {"arch": "qwen2"},
     ):
         assert write("changed", **changed) != base, changed
+
+
+def _get_gguf_tokenizer():
+    try:
+        from transformers.integrations.gguf import get_gguf_tokenizer
+    except ImportError:
+        pytest.skip("this transformers has no get_gguf_tokenizer")
+    return get_gguf_tokenizer
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+def test_tokenizer_fields_equal_transformers(model, request):
+    """The fields the tokenizer is converted from, read by pagedkv's one-pass reader, are
+    transformers' ``get_gguf_tokenizer``'s: a byte-level BPE vocabulary with merges (SmolLM2)
+    and a SentencePiece one with scores (Gemma 3)."""
+    from pagedkv.model.tokenizer import gguf_tokenizer_fields
+
+    get_gguf_tokenizer = _get_gguf_tokenizer()
+    path = request.getfixturevalue("gguf_path" if model == "smollm2" else "gemma3_gguf_path")
+    assert gguf_tokenizer_fields(path) == get_gguf_tokenizer(str(path))
+
+
+def _write_vocabulary(path, model="llama", special=None, add_bos=None):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model(model)
+    writer.add_token_list(["<unk>", "<s>", "</s>", "\u2581a", "b", "\u2581ab"])
+    writer.add_token_scores([0.0, 0.0, 0.0, -1.0, -2.0, -0.5])
+    writer.add_token_types([2, 3, 3, 1, 1, 1])
+    for key, token_id in (special or {}).items():
+        writer.add_uint32(f"tokenizer.ggml.{key}", token_id)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
+    writer.add_chat_template("{{ messages }}")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize(
+    ("model", "special", "add_bos"),
+    [
+        ("llama", {"bos_token_id": 1, "eos_token_id": 2}, None),  # SentencePiece: BOS by default
+        ("llama", {"unknown_token_id": 0, "padding_token_id": 2}, False),
+        ("gpt2", {"bos_token_id": 5}, None),
+        ("gemma4", {"bos_token_id": 1}, True),  # its template writes BOS
+    ],
+)
+def test_tokenizer_fields_of_written_files_equal_transformers(tmp_path, model, special, add_bos):
+    """The BOS default and special tokens follow transformers' reading for each kind of
+    vocabulary, flag set or not."""
+    from pagedkv.model.tokenizer import gguf_tokenizer_fields
+
+    get_gguf_tokenizer = _get_gguf_tokenizer()
+    path = tmp_path / "vocab.gguf"
+    _write_vocabulary(path, model, special, add_bos)
+    assert gguf_tokenizer_fields(path) == get_gguf_tokenizer(str(path))
+
+
+def test_a_special_token_outside_the_vocabulary_is_refused(tmp_path):
+    from pagedkv.errors import ModelLoadError
+    from pagedkv.model.tokenizer import read_gguf_tokenizer
+
+    path = tmp_path / "vocab.gguf"
+    _write_vocabulary(path, special={"eos_token_id": 6})
+    with pytest.raises(ModelLoadError, match="eos_token_id 6 is not among 6 tokens"):
+        read_gguf_tokenizer(path)

@@ -135,10 +135,32 @@ def tokenizer_digest(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def _parse(buf: mmap.mmap, tokenizer_extents: list[tuple[int, int]] | None = None) -> GGUFHeader:
+def read_tokenizer_metadata(path: str | Path) -> dict[str, Any]:
+    """A GGUF file's metadata with its ``tokenizer.*`` arrays read in full (the vocabulary,
+    merges, token types and scores, however long), as :func:`read_gguf_header`'s ``metadata``
+    gives the rest: what a tokenizer is built from. Each string array is one pass over its
+    bytes (about 0.06 s for a 128k vocabulary and its merges; transformers' GGUF reader, which
+    slices a numpy memory map once per string, takes 0.5-0.8 s for the same).
+
+    Raises:
+        ModelLoadError: as :func:`read_gguf_header`.
+    """
+    try:
+        with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            return _parse(m, whole_arrays="tokenizer.").metadata
+    except (OSError, ValueError, struct.error, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
+
+
+def _parse(
+    buf: mmap.mmap,
+    tokenizer_extents: list[tuple[int, int]] | None = None,
+    whole_arrays: str | None = None,
+) -> GGUFHeader:
     """The header of the GGUF bytes ``buf``; with ``tokenizer_extents``, the ``(start, end)``
     byte offsets of the tokenizer's metadata entries are appended to it
-    (:func:`tokenizer_digest`)."""
+    (:func:`tokenizer_digest`); arrays whose key starts with ``whole_arrays`` are read whatever
+    their length."""
     if buf[:4] != _MAGIC:
         raise ValueError("not a GGUF file (bad magic)")
     order = "<"
@@ -164,7 +186,9 @@ def _parse(buf: mmap.mmap, tokenizer_extents: list[tuple[int, int]] | None = Non
             item_type = reader.scalar("I")
             count = reader.scalar("Q")
             array_lengths[key] = count
-            if count > MAX_ARRAY_LEN:
+            if whole_arrays is not None and key.startswith(whole_arrays):
+                metadata[key] = reader.array(item_type, count)
+            elif count > MAX_ARRAY_LEN:
                 reader.skip_array(item_type, count)
             else:
                 metadata[key] = [reader.value(item_type) for _ in range(count)]
@@ -227,6 +251,27 @@ class _Reader:
         if fmt is None:
             raise ValueError(f"unknown GGUF value type {value_type}")
         return self.scalar(fmt)
+
+    def array(self, item_type: int, count: int) -> list[Any]:
+        """The ``count`` items of an array of ``item_type``, read in one pass."""
+        fmt = _SCALARS.get(item_type)
+        if fmt is not None:
+            values = list(struct.unpack_from(f"{self.order}{count}{fmt}", self.buf, self.offset))
+            self.offset += struct.calcsize(fmt) * count
+            return values
+        if item_type != _STRING:
+            return [self.value(item_type) for _ in range(count)]
+        unpack_from, buf, order = struct.unpack_from, self.buf, self.order + "Q"
+        offset, end = self.offset, len(buf)
+        values = [""] * count
+        for i in range(count):
+            start = offset + 8
+            offset = start + unpack_from(order, buf, offset)[0]
+            if offset > end:
+                raise ValueError("truncated string")
+            values[i] = buf[start:offset].decode("utf-8")
+        self.offset = offset
+        return values
 
     def skip_array(self, item_type: int, count: int) -> None:
         fmt = _SCALARS.get(item_type)
