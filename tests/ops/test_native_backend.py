@@ -65,14 +65,22 @@ def within_one_rounding(out: torch.Tensor, expected: torch.Tensor, dtype: torch.
 def test_query_heads_of_a_kv_head_share_a_unit(native, dtype, group, threads):
     """With enough work for the threads, a unit takes every query head of a KV head (up to 32
     rows: tokens x heads, so keys and values are read once per group); with little (one
-    decode row), one head a unit. Both, with bf16 caches and models too, against fp64 dense
+    decode row), its keys split into segments over the threads (one head a unit on one
+    thread, or a single segment). All, with bf16 caches and models too, against fp64 dense
     attention over the same (bf16-valued) keys and values."""
     from paged_attention_cases import dense_attention
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for lens in ([(37, 1)], [(37, 1), (50, 1), (19, 1), (64, 1), (3, 1)] * 3, [(90, 45)]):
+        # the last two: keys in several segments of 256, split across the threads
+        for lens in (
+            [(37, 1)],
+            [(37, 1), (50, 1), (19, 1), (64, 1), (3, 1)] * 3,
+            [(90, 45)],
+            [(700, 1)],
+            [(600, 7), (300, 1)],
+        ):
             case = make_backend_case(
                 native,
                 lens,

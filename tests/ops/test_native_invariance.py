@@ -2,7 +2,9 @@
 is bit for bit the same whatever the step around it: its q_len and chunk (a decode row alone
 or row 250 of a 300-row prefill), the other requests in the step, the cache's block size
 (1, 8, 16, 32, 48) and physical block ids, the number of threads and the head grouping of the
-work units (one head a unit for little work, every head of a KV head for a prefill); with and
+work units (one head a unit for little work, every head of a KV head for a prefill), and
+whether a unit's keys were split into segments across the threads (a decode row or a short
+chunk alone on 2 threads) or walked by one thread; with and
 without a sliding window, fp32 and bf16 models (and caches). Held to AVX2 (the 8-lane build)
 once in a subprocess."""
 
@@ -16,8 +18,9 @@ from pagedkv.ops.backends import AttentionLayerSpec, CommonAttentionMetadata
 
 NUM_KV_HEADS, GROUP, HEAD_SIZE = 2, 4, 64
 SEQ_LEN = 300  # positions 0..299 of one sequence
-#: positions checked: both sides of piece (64) and block boundaries, the window's edge
-POSITIONS = (0, 5, 7, 8, 63, 64, 65, 99, 100, 127, 130, 191, 250, 299)
+#: positions checked: both sides of piece (64), segment (256) and block boundaries, the
+#: window's edge
+POSITIONS = (0, 5, 7, 8, 63, 64, 65, 99, 100, 127, 130, 191, 250, 255, 256, 257, 299)
 
 
 def sequence(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -119,6 +122,10 @@ def test_a_row_is_the_same_in_any_step(native, window, dtype):
         [(1, 0, 77), (0, 100, SEQ_LEN), (1, 150, 151)],  # a chunk beside others
         [(1, 299, 300)] + [(0, p, p + 1) for p in POSITIONS],  # decode rows
         [(0, 0, 100), (0, 100, 240), (0, 240, SEQ_LEN)],  # the prompt in three chunks
+        # alone, little work: on 2 threads each unit's keys split into segments
+        [(0, 250, 260)],
+        [(0, 256, 257)],
+        [(0, 299, 300)],
     ]
     reference = None
     for block_size in (16, 1, 8, 32, 48):

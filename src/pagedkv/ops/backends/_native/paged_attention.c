@@ -30,12 +30,22 @@
  * registers): the piece's keys, then its values, stay in L1 while the chunk's rows reuse them,
  * and a long prompt's chunk of 32 rows reads each key and value once from the cache.
  *
+ * A row's online softmax restarts at every SEGMENT (256) keys, at absolute multiples, and the
+ * segments' states (maximum, sum, weighted values) are folded in order. That is what lets a
+ * step with too few units for the threads (a decode row, or a short chunk, alone: 3 units
+ * for 2 threads with SmolLM2's 3 KV heads) split each unit's keys over the threads, one
+ * segment a task, its state kept in a scratch buffer and the fold done after them, as
+ * flash-decoding splits the keys: each KV head is read once and every thread has work
+ * (docs/ops.md: a 4096-token context's decode attention 1.6-1.9x faster on 2 threads than
+ * with one query head a unit, which read each KV head three times).
+ *
  * Batch invariance: a query row's output depends only on its own query, position, keys and
  * values, never on its chunk (decode row or row 200 of a prompt), the other rows and requests,
- * the block size, the physical blocks, the head grouping or the threads: pieces start at
- * absolute multiples of PIECE keys (not at the unit's first key), every row's softmax runs
- * over its own keys of each piece, and a key scored alone (dot) gets the bits lane j of dot8
- * gives it (the same accumulation chain and reduction tree).
+ * the block size, the physical blocks, the head grouping, the threads or whether its keys
+ * were split: pieces start at absolute multiples of PIECE keys and segments at multiples of
+ * SEGMENT (not at the unit's first key), every row's softmax runs over its own keys of each
+ * piece, the segments fold in order whoever computed them, and a key scored alone (dot) gets
+ * the bits lane j of dot8 gives it (the same accumulation chain and reduction tree).
  *
  * pagedkv_step_write_kv and pagedkv_step_attention are the same two with the step's
  * metadata in one struct (pagedkv_attention_step, filled once a step by the backend and
@@ -50,6 +60,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* Built twice (pagedkv.ops.backends._native): with -mavx2 -mfma, and where the CPU has AVX-512
@@ -64,6 +75,9 @@
 #define CHUNK 32 /* query rows per unit: a prompt's keys are read once per 32 rows */
 #define MAX_HEAD 512
 #define PIECE 64 /* keys scored at a time: a multiple of 8 */
+/* keys of a segment: a row's softmax runs over each segment of SEGMENT keys (at absolute
+ * multiples) on its own, and the segments' states are folded in order; a multiple of PIECE */
+#define SEGMENT 256
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -310,36 +324,48 @@ int pagedkv_write_kv(const float *key, int64_t key_stride, const float *value,
     return 0;
 }
 
-/* One unit: the step's tokens [i0, i1) of request r (q_len of them, seq_len keys) times the
- * query heads [h, h + nh), which share one KV head: (i1 - i0) * nh <= CHUNK rows, token-major
- * (row i is token i0 + i / nh, head h + i % nh), all reading the same keys and values. bf16:
- * the cache's element type (a constant in each of the two bodies below). */
-static inline __attribute__((always_inline)) void attend(
-    const float *q, int64_t q_stride, float *out, const void *k_cache, const void *v_cache,
-    const int32_t *block_table, int64_t row0, int i0, int i1, int q_len, int seq_len, int h,
-    int nh, int num_heads, int num_kv_heads, int D, int block_size, float scale, int window,
-    float softcap, const int bf16) {
-    const int64_t esize = bf16 ? 2 : 4; /* bytes per cache element */
-    const int kvh = h / (num_heads / num_kv_heads);
-    const int rows = (i1 - i0) * nh;
-    float m[CHUNK], l[CHUNK];
+/* The rows of one unit: the step's tokens [i0, i1) of request r (q_len of them, seq_len keys)
+ * times the query heads [h, h + nh), which share one KV head: (i1 - i0) * nh <= CHUNK rows,
+ * token-major (row i is token i0 + i / nh, head h + i % nh), all reading the same keys and
+ * values. */
+typedef struct {
+    int rows;
     int lo[CHUNK], hi[CHUNK]; /* keys [lo, hi] per row */
-    /* the rows' accumulators, D floats each, 32-byte aligned (D is a multiple of 8): sized by
-     * the unit, not by MAX_HEAD, so a unit's stack stays small on OpenMP's worker threads */
-    float acc_store[rows * D + 8];
-    float *const acc0 = (float *)(((uintptr_t)acc_store + 31) & ~(uintptr_t)31);
-#define ACC(i) (acc0 + (int64_t)(i) * D)
-    const float *qr[CHUNK];
-    for (int i = 0; i < rows; i++) {
+    const float *qr[CHUNK];   /* the rows' queries */
+} unit_rows;
+
+static inline void unit_rows_of(unit_rows *u, const float *q, int64_t q_stride, int64_t row0,
+                                int i0, int i1, int q_len, int seq_len, int h, int nh,
+                                int D, int window) {
+    u->rows = (i1 - i0) * nh;
+    for (int i = 0; i < u->rows; i++) {
         const int p = seq_len - q_len + i0 + i / nh;
-        hi[i] = p;
-        lo[i] = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
+        u->hi[i] = p;
+        u->lo[i] = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
+        u->qr[i] = q + (row0 + i0 + i / nh) * q_stride + (int64_t)(h + i % nh) * D;
+    }
+}
+
+/* The softmax state of the unit's rows over their keys inside segment [k0, k0 + SEGMENT)
+ * (absolute key positions, k0 a multiple of SEGMENT): per row the running maximum m, the sum
+ * l of e^(s - m) and acc (D floats, 32-byte aligned, row i at acc + i * D) = the values
+ * weighted by e^(s - m), not yet divided by l. A row without keys there: m = -inf, l = 0.
+ * bf16: the cache's element type (a constant in each of the two bodies below). */
+static inline __attribute__((always_inline)) void attend_segment(
+    const unit_rows *u, const void *k_cache, const void *v_cache, const int32_t *block_table,
+    int kvh, int num_kv_heads, int D, int block_size, float scale, float softcap, int k0,
+    float *m, float *l, float *acc0, const int bf16) {
+    const int64_t esize = bf16 ? 2 : 4; /* bytes per cache element */
+    const int rows = u->rows;
+#define ACC(i) (acc0 + (int64_t)(i) * D)
+    for (int i = 0; i < rows; i++) {
         m[i] = -INFINITY;
         l[i] = 0.0f;
         memset(ACC(i), 0, sizeof(float) * D);
-        qr[i] = q + (row0 + i0 + i / nh) * q_stride + (int64_t)(h + i % nh) * D;
     }
-    const int first = lo[0], last = hi[rows - 1];
+    const int k1 = k0 + SEGMENT - 1;
+    const int first = u->lo[0] > k0 ? u->lo[0] : k0;
+    const int last = u->hi[rows - 1] < k1 ? u->hi[rows - 1] : k1;
     const int64_t head_stride = (int64_t)block_size * D;
     float p[CHUNK][PIECE + 8]; /* the rows' scores of a piece, then their weights */
     const void *krow[PIECE], *vrow[PIECE]; /* the piece's key and value rows */
@@ -366,7 +392,7 @@ static inline __attribute__((always_inline)) void attend(
         int na[CHUNK], nn[CHUNK]; /* row i's keys of the piece: n[i] from index na[i] */
         const __m256 sc = _mm256_set1_ps(scale);
         for (int i = 0; i < rows; i++) {
-            const int a = j0 > lo[i] ? j0 : lo[i], b = j1 < hi[i] ? j1 : hi[i];
+            const int a = j0 > u->lo[i] ? j0 : u->lo[i], b = j1 < u->hi[i] ? j1 : u->hi[i];
             na[i] = a - j0;
             nn[i] = b - a + 1;
             const void *const *kr = krow + na[i];
@@ -375,8 +401,8 @@ static inline __attribute__((always_inline)) void attend(
              * one by one: the same bits either way */
             int g = 0;
             for (; g + 8 <= nn[i]; g += 8)
-                _mm256_storeu_ps(pi + g, _mm256_mul_ps(sc, dot8(qr[i], kr + g, D, bf16)));
-            for (; g < nn[i]; g++) pi[g] = dot(qr[i], kr[g], D, bf16) * scale;
+                _mm256_storeu_ps(pi + g, _mm256_mul_ps(sc, dot8(u->qr[i], kr + g, D, bf16)));
+            for (; g < nn[i]; g++) pi[g] = dot(u->qr[i], kr[g], D, bf16) * scale;
         }
         for (int i = 0; i < rows; i++) {
             const int n = nn[i];
@@ -409,29 +435,118 @@ static inline __attribute__((always_inline)) void attend(
             m[i] = mx;
         }
     }
+#undef ACC
+}
+
+/* Fold a segment's state (ms, ls, accs) of `rows` rows into the running one (m, l, acc), in
+ * segment order: a row without keys in the segment keeps its state, a row without keys
+ * before takes the segment's, else both are rescaled to the larger maximum M:
+ * acc = acc * e^(m - M) + accs * e^(ms - M) (the same for l). */
+static inline void fold_segment(int rows, int D, float *m, float *l, float *acc,
+                                const float *ms, const float *ls, const float *accs) {
     for (int i = 0; i < rows; i++) {
-        float *o = out + ((row0 + i0 + i / nh) * num_heads + h + i % nh) * (int64_t)D;
-        const __m256 inv = _mm256_set1_ps(1.0f / l[i]);
+        float *a = acc + (int64_t)i * D;
+        const float *as = accs + (int64_t)i * D;
+        if (ls[i] == 0.0f && ms[i] == -INFINITY) continue;
+        if (l[i] == 0.0f && m[i] == -INFINITY) {
+            m[i] = ms[i];
+            l[i] = ls[i];
+            memcpy(a, as, sizeof(float) * D);
+            continue;
+        }
+        const float mx = ms[i] > m[i] ? ms[i] : m[i];
+        const float c = expf(m[i] - mx), cs = expf(ms[i] - mx);
+        const __m256 cv = _mm256_set1_ps(c), csv = _mm256_set1_ps(cs);
         for (int d = 0; d < D; d += 8)
-            _mm256_storeu_ps(o + d, _mm256_mul_ps(inv, _mm256_load_ps(ACC(i) + d)));
+            _mm256_store_ps(a + d, _mm256_fmadd_ps(_mm256_load_ps(as + d), csv,
+                                                   _mm256_mul_ps(_mm256_load_ps(a + d), cv)));
+        l[i] = ls[i] * cs + l[i] * c;
+        m[i] = mx;
     }
 }
 
-#undef ACC
+/* The unit's output rows: acc / l, into out [tokens, num_heads, D] */
+static inline void write_rows(const unit_rows *u, float *out, int64_t row0, int i0, int h, int nh,
+                              int num_heads, int D, const float *l, const float *acc) {
+    for (int i = 0; i < u->rows; i++) {
+        float *o = out + ((row0 + i0 + i / nh) * num_heads + h + i % nh) * (int64_t)D;
+        const __m256 inv = _mm256_set1_ps(1.0f / l[i]);
+        for (int d = 0; d < D; d += 8)
+            _mm256_storeu_ps(o + d, _mm256_mul_ps(inv, _mm256_load_ps(acc + (int64_t)i * D + d)));
+    }
+}
 
 /* the two bodies: an fp32 cache, a bf16 one */
-#define ATTEND_ARGS                                                                           \
-    const float *q, int64_t q_stride, float *out, const void *k_cache, const void *v_cache,   \
-        const int32_t *block_table, int64_t row0, int i0, int i1, int q_len, int seq_len,     \
-        int h, int nh, int num_heads, int num_kv_heads, int D, int block_size, float scale,    \
-        int window, float softcap
-#define ATTEND_PASS                                                                           \
-    q, q_stride, out, k_cache, v_cache, block_table, row0, i0, i1, q_len, seq_len, h, nh,     \
-        num_heads, num_kv_heads, D, block_size, scale, window, softcap
-static void attend_f32(ATTEND_ARGS) { attend(ATTEND_PASS, 0); }
-static void attend_bf16(ATTEND_ARGS) { attend(ATTEND_PASS, 1); }
-#undef ATTEND_ARGS
-#undef ATTEND_PASS
+#define SEGMENT_ARGS                                                                          \
+    const unit_rows *u, const void *k_cache, const void *v_cache, const int32_t *block_table, \
+        int kvh, int num_kv_heads, int D, int block_size, float scale, float softcap, int k0, \
+        float *m, float *l, float *acc0
+#define SEGMENT_PASS                                                                          \
+    u, k_cache, v_cache, block_table, kvh, num_kv_heads, D, block_size, scale, softcap, k0, m, \
+        l, acc0
+static void attend_segment_f32(SEGMENT_ARGS) { attend_segment(SEGMENT_PASS, 0); }
+static void attend_segment_bf16(SEGMENT_ARGS) { attend_segment(SEGMENT_PASS, 1); }
+#undef SEGMENT_ARGS
+#undef SEGMENT_PASS
+
+/* A unit's rows over all their keys: segment by segment, each folded into the running state
+ * in order (what the split units below compute across threads, bit for bit), then written. */
+static void attend(const float *q, int64_t q_stride, float *out, const void *k_cache,
+                   const void *v_cache, const int32_t *block_table, int64_t row0, int i0, int i1,
+                   int q_len, int seq_len, int h, int nh, int num_heads, int num_kv_heads, int D,
+                   int block_size, float scale, int window, float softcap, int bf16) {
+    unit_rows u;
+    unit_rows_of(&u, q, q_stride, row0, i0, i1, q_len, seq_len, h, nh, D, window);
+    const int rows = u.rows;
+    float m[CHUNK], l[CHUNK], ms[CHUNK], ls[CHUNK];
+    /* the rows' accumulators, D floats each, 32-byte aligned (D is a multiple of 8): sized by
+     * the unit, not by MAX_HEAD, so a unit's stack stays small on OpenMP's worker threads */
+    float acc_store[2 * rows * D + 8];
+    float *const acc = (float *)(((uintptr_t)acc_store + 31) & ~(uintptr_t)31);
+    float *const accs = acc + (int64_t)rows * D;
+    for (int i = 0; i < rows; i++) {
+        m[i] = -INFINITY;
+        l[i] = 0.0f;
+    }
+    const int kvh = h / (num_heads / num_kv_heads);
+    for (int k0 = u.lo[0] - u.lo[0] % SEGMENT; k0 <= u.hi[rows - 1]; k0 += SEGMENT) {
+        (bf16 ? attend_segment_bf16 : attend_segment_f32)(&u, k_cache, v_cache, block_table, kvh,
+                                                          num_kv_heads, D, block_size, scale,
+                                                          softcap, k0, ms, ls, accs);
+        fold_segment(rows, D, m, l, acc, ms, ls, accs);
+    }
+    write_rows(&u, out, row0, i0, h, nh, num_heads, D, l, acc);
+}
+
+
+/* Where unit u's request, tokens and heads are: units in order of (request, chunk of tokens)
+ * pairs, then KV heads, then head sets; *r and *pair_base walk forward (units come in
+ * increasing order on each thread), reset when u goes back. */
+static inline void unit_place(int64_t u, int64_t per_pair, int sets, int group, int nh,
+                              int tokens_per_unit, const int32_t *query_start_loc, int *r,
+                              int64_t *pair_base, int *h, int *heads, int *i0, int *i1) {
+    const int64_t pair = u / per_pair;
+    const int rem = (int)(u % per_pair);
+    *h = (rem / sets) * group + (rem % sets) * nh; /* the unit's first head */
+    *heads = group - (rem % sets) * nh < nh ? group - (rem % sets) * nh : nh;
+    if (pair < *pair_base) {
+        *r = 0;
+        *pair_base = 0;
+    }
+    for (;;) {
+        const int q_len = query_start_loc[*r + 1] - query_start_loc[*r];
+        const int64_t n = (q_len + tokens_per_unit - 1) / tokens_per_unit;
+        if (pair < *pair_base + n) break;
+        *pair_base += n;
+        (*r)++;
+    }
+    const int q_len = query_start_loc[*r + 1] - query_start_loc[*r];
+    *i0 = (int)(pair - *pair_base) * tokens_per_unit;
+    *i1 = *i0 + tokens_per_unit < q_len ? *i0 + tokens_per_unit : q_len;
+}
+
+/* Scratch of the split units: at most this many bytes (else the units run whole) */
+#define MAX_SPLIT_BYTES (8 << 20)
 
 int pagedkv_paged_attention(const float *q, int64_t q_stride, float *out, const void *k_cache,
                             const void *v_cache, const int32_t *query_start_loc,
@@ -443,19 +558,35 @@ int pagedkv_paged_attention(const float *q, int64_t q_stride, float *out, const 
         head_size > MAX_HEAD || head_size < 8 || block_size < 1 || num_threads < 1)
         return -1;
     const int group = num_heads / num_kv_heads;
+    const int D = head_size;
     /* Units: (request, chunk of tokens) pairs in order, times KV heads, times sets of up to
      * CHUNK query heads of that KV head (GQA: the heads of a group read the same keys and
      * values, so one unit reads them once for all of its rows). With too few units to keep
-     * the threads busy (batch 1 decode: one pair), one query head a unit instead. */
+     * the threads busy (batch 1 decode: one pair), each unit's keys are split into their
+     * segments, each segment a unit of its own whose state is kept, and the states folded in
+     * order after them (flash-decoding's split over the keys, with the segments the whole
+     * units fold too: the same bits); where the scratch for that would be too large, or
+     * with a single segment, one query head a unit instead. */
     int nh = group < CHUNK ? group : CHUNK;
     int64_t num_pairs = 0, head_pairs = 0; /* pairs with nh heads a unit, with one */
+    int max_seq = 0;
     for (int r = 0; r < num_reqs; r++) {
         const int q_len = query_start_loc[r + 1] - query_start_loc[r];
         if (q_len < 1 || q_len > seq_lens[r]) return -1;
         num_pairs += (q_len + CHUNK / nh - 1) / (CHUNK / nh);
         head_pairs += (q_len + CHUNK - 1) / CHUNK;
+        max_seq = seq_lens[r] > max_seq ? seq_lens[r] : max_seq;
     }
-    if (nh > 1 && num_pairs * num_kv_heads * ((group + nh - 1) / nh) < 4 * (int64_t)num_threads) {
+    const int64_t few = 4 * (int64_t)num_threads;
+    const int64_t grouped = num_pairs * num_kv_heads * ((group + nh - 1) / nh);
+    const int num_segments = (max_seq + SEGMENT - 1) / SEGMENT;
+    /* per whole unit and segment: CHUNK rows' m, l and D accumulators */
+    const int64_t slot = (int64_t)CHUNK * (D + 2);
+    float *scratch = NULL;
+    if (num_threads > 1 && grouped < few && num_segments > 1 &&
+        grouped * num_segments * slot * (int64_t)sizeof(float) <= MAX_SPLIT_BYTES)
+        scratch = aligned_alloc(32, (size_t)(grouped * num_segments * slot) * sizeof(float));
+    if (scratch == NULL && nh > 1 && grouped < few) {
         nh = 1;
         num_pairs = head_pairs;
     }
@@ -465,35 +596,64 @@ int pagedkv_paged_attention(const float *q, int64_t q_stride, float *out, const 
     const int64_t num_units = num_pairs * per_pair;
 #pragma omp parallel num_threads(num_threads)
     {
-        int r = 0;
+        int r = 0, h, heads, i0, i1;
         int64_t pair_base = 0; /* pairs before request r */
+        if (scratch == NULL) {
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t u = 0; u < num_units; u++) {
-            const int64_t pair = u / per_pair;
-            const int rem = (int)(u % per_pair);
-            const int h = (rem / sets) * group + (rem % sets) * nh; /* the unit's first head */
-            const int heads = group - (rem % sets) * nh < nh ? group - (rem % sets) * nh : nh;
-            /* units come in increasing order on each thread: move r forward */
-            if (pair < pair_base) {
-                r = 0;
-                pair_base = 0;
+            for (int64_t u = 0; u < num_units; u++) {
+                unit_place(u, per_pair, sets, group, nh, tokens_per_unit, query_start_loc, &r,
+                           &pair_base, &h, &heads, &i0, &i1);
+                attend(q, q_stride, out, k_cache, v_cache, block_tables + r * block_table_stride,
+                       query_start_loc[r], i0, i1, query_start_loc[r + 1] - query_start_loc[r],
+                       seq_lens[r], h, heads, num_heads, num_kv_heads, D, block_size, scale,
+                       window, softcap, kv_bf16);
             }
-            for (;;) {
-                const int q_len = query_start_loc[r + 1] - query_start_loc[r];
-                const int64_t n = (q_len + tokens_per_unit - 1) / tokens_per_unit;
-                if (pair < pair_base + n) break;
-                pair_base += n;
-                r++;
+        } else {
+            /* each (unit, segment) into its slot: m [CHUNK], l [CHUNK], acc [CHUNK * D] */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t us = 0; us < num_units * num_segments; us++) {
+                const int64_t u = us / num_segments;
+                const int k0 = (int)(us % num_segments) * SEGMENT;
+                unit_place(u, per_pair, sets, group, nh, tokens_per_unit, query_start_loc, &r,
+                           &pair_base, &h, &heads, &i0, &i1);
+                unit_rows rows;
+                unit_rows_of(&rows, q, q_stride, query_start_loc[r], i0, i1,
+                             query_start_loc[r + 1] - query_start_loc[r], seq_lens[r], h, heads,
+                             D, window);
+                float *m = scratch + us * slot, *l = m + CHUNK, *acc = l + CHUNK;
+                /* a segment outside the rows' keys leaves them m = -inf, l = 0: folded as
+                 * nothing, as the whole unit never visits it */
+                (kv_bf16 ? attend_segment_bf16 : attend_segment_f32)(
+                    &rows, k_cache, v_cache, block_tables + r * block_table_stride, h / group,
+                    num_kv_heads, D, block_size, scale, softcap, k0, m, l, acc);
             }
-            const int q_len = query_start_loc[r + 1] - query_start_loc[r];
-            const int i0 = (int)(pair - pair_base) * tokens_per_unit;
-            const int i1 = i0 + tokens_per_unit < q_len ? i0 + tokens_per_unit : q_len;
-            (kv_bf16 ? attend_bf16 : attend_f32)(
-                q, q_stride, out, k_cache, v_cache, block_tables + r * block_table_stride,
-                query_start_loc[r], i0, i1, q_len, seq_lens[r], h, heads, num_heads,
-                num_kv_heads, head_size, block_size, scale, window, softcap);
+            /* the segments of each unit folded in order, then its rows written */
+            r = 0;
+            pair_base = 0;
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t u = 0; u < num_units; u++) {
+                unit_place(u, per_pair, sets, group, nh, tokens_per_unit, query_start_loc, &r,
+                           &pair_base, &h, &heads, &i0, &i1);
+                unit_rows rows;
+                unit_rows_of(&rows, q, q_stride, query_start_loc[r], i0, i1,
+                             query_start_loc[r + 1] - query_start_loc[r], seq_lens[r], h, heads,
+                             D, window);
+                float m[CHUNK], l[CHUNK];
+                float acc_store[rows.rows * D + 8];
+                float *const acc = (float *)(((uintptr_t)acc_store + 31) & ~(uintptr_t)31);
+                for (int i = 0; i < rows.rows; i++) {
+                    m[i] = -INFINITY;
+                    l[i] = 0.0f;
+                }
+                for (int s = 0; s < num_segments; s++) {
+                    const float *ms = scratch + (u * num_segments + s) * slot;
+                    fold_segment(rows.rows, D, m, l, acc, ms, ms + CHUNK, ms + 2 * CHUNK);
+                }
+                write_rows(&rows, out, query_start_loc[r], i0, h, heads, num_heads, D, l, acc);
+            }
         }
     }
+    free(scratch);
     return 0;
 }
 
