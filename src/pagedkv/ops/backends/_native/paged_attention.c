@@ -518,7 +518,6 @@ static void attend(const float *q, int64_t q_stride, float *out, const void *k_c
     write_rows(&u, out, row0, i0, h, nh, num_heads, D, l, acc);
 }
 
-
 /* Where unit u's request, tokens and heads are: units in order of (request, chunk of tokens)
  * pairs, then KV heads, then head sets; *r and *pair_base walk forward (units come in
  * increasing order on each thread), reset when u goes back. */
