@@ -490,14 +490,13 @@ static void attend_segment_bf16(SEGMENT_ARGS) { attend_segment(SEGMENT_PASS, 1);
 #undef SEGMENT_PASS
 
 /* A unit's rows over all their keys: segment by segment, each folded into the running state
- * in order (what the split units below compute across threads, bit for bit), then written. */
-static void attend(const float *q, int64_t q_stride, float *out, const void *k_cache,
-                   const void *v_cache, const int32_t *block_table, int64_t row0, int i0, int i1,
-                   int q_len, int seq_len, int h, int nh, int num_heads, int num_kv_heads, int D,
-                   int block_size, float scale, int window, float softcap, int bf16) {
-    unit_rows u;
-    unit_rows_of(&u, q, q_stride, row0, i0, i1, q_len, seq_len, h, nh, D, window);
-    const int rows = u.rows;
+ * in order (what the split units below compute across threads, bit for bit), then written to
+ * out (the rows of tokens from row0 + i0, heads from h). */
+static void attend(const unit_rows *u, float *out, const void *k_cache, const void *v_cache,
+                   const int32_t *block_table, int64_t row0, int i0, int h, int nh,
+                   int num_heads, int num_kv_heads, int D, int block_size, float scale,
+                   float softcap, int bf16) {
+    const int rows = u->rows;
     float m[CHUNK], l[CHUNK], ms[CHUNK], ls[CHUNK];
     /* the rows' accumulators, D floats each, 32-byte aligned (D is a multiple of 8): sized by
      * the unit, not by MAX_HEAD, so a unit's stack stays small on OpenMP's worker threads */
@@ -509,23 +508,34 @@ static void attend(const float *q, int64_t q_stride, float *out, const void *k_c
         l[i] = 0.0f;
     }
     const int kvh = h / (num_heads / num_kv_heads);
-    for (int k0 = u.lo[0] - u.lo[0] % SEGMENT; k0 <= u.hi[rows - 1]; k0 += SEGMENT) {
-        (bf16 ? attend_segment_bf16 : attend_segment_f32)(&u, k_cache, v_cache, block_table, kvh,
+    for (int k0 = u->lo[0] - u->lo[0] % SEGMENT; k0 <= u->hi[rows - 1]; k0 += SEGMENT) {
+        (bf16 ? attend_segment_bf16 : attend_segment_f32)(u, k_cache, v_cache, block_table, kvh,
                                                           num_kv_heads, D, block_size, scale,
                                                           softcap, k0, ms, ls, accs);
         fold_segment(rows, D, m, l, acc, ms, ls, accs);
     }
-    write_rows(&u, out, row0, i0, h, nh, num_heads, D, l, acc);
+    write_rows(u, out, row0, i0, h, nh, num_heads, D, l, acc);
 }
 
-/* Where unit u's request, tokens and heads are: units in order of (request, chunk of tokens)
- * pairs, then KV heads, then head sets; *r and *pair_base walk forward (units come in
- * increasing order on each thread), reset when u goes back. */
-static inline void unit_place(int64_t u, int64_t per_pair, int sets, int group, int nh,
-                              int tokens_per_unit, const int32_t *query_start_loc, int *r,
-                              int64_t *pair_base, int *h, int *heads, int *i0, int *i1) {
-    const int64_t pair = u / per_pair;
-    const int rem = (int)(u % per_pair);
+/* The work a step's units share: its queries, requests and how units map onto them */
+typedef struct {
+    const float *q;
+    int64_t q_stride;
+    const int32_t *query_start_loc, *seq_lens;
+    int64_t per_pair; /* units per (request, chunk of tokens) pair */
+    int sets, group, nh, tokens_per_unit, D, window;
+} unit_map;
+
+/* Unit u's request *r, first head *h, its number of heads *heads, first token *i0 and rows:
+ * units in order of (request, chunk of tokens) pairs, then KV heads, then head sets; *r and
+ * *pair_base walk forward (units come in increasing order on each thread), reset when u goes
+ * back. */
+static inline void unit_place(const unit_map *M, int64_t u, int *r, int64_t *pair_base, int *h,
+                              int *heads, int *i0, unit_rows *rows) {
+    const int64_t pair = u / M->per_pair;
+    const int rem = (int)(u % M->per_pair);
+    const int sets = M->sets, group = M->group, nh = M->nh, tpu = M->tokens_per_unit;
+    const int32_t *qsl = M->query_start_loc;
     *h = (rem / sets) * group + (rem % sets) * nh; /* the unit's first head */
     *heads = group - (rem % sets) * nh < nh ? group - (rem % sets) * nh : nh;
     if (pair < *pair_base) {
@@ -533,15 +543,17 @@ static inline void unit_place(int64_t u, int64_t per_pair, int sets, int group, 
         *pair_base = 0;
     }
     for (;;) {
-        const int q_len = query_start_loc[*r + 1] - query_start_loc[*r];
-        const int64_t n = (q_len + tokens_per_unit - 1) / tokens_per_unit;
+        const int q_len = qsl[*r + 1] - qsl[*r];
+        const int64_t n = (q_len + tpu - 1) / tpu;
         if (pair < *pair_base + n) break;
         *pair_base += n;
         (*r)++;
     }
-    const int q_len = query_start_loc[*r + 1] - query_start_loc[*r];
-    *i0 = (int)(pair - *pair_base) * tokens_per_unit;
-    *i1 = *i0 + tokens_per_unit < q_len ? *i0 + tokens_per_unit : q_len;
+    const int q_len = qsl[*r + 1] - qsl[*r];
+    *i0 = (int)(pair - *pair_base) * tpu;
+    const int i1 = *i0 + tpu < q_len ? *i0 + tpu : q_len;
+    unit_rows_of(rows, M->q, M->q_stride, qsl[*r], *i0, i1, q_len, M->seq_lens[*r], *h, *heads,
+                 M->D, M->window);
 }
 
 /* Scratch of the split units: at most this many bytes (else the units run whole) */
@@ -593,50 +605,40 @@ int pagedkv_paged_attention(const float *q, int64_t q_stride, float *out, const 
     const int sets = (group + nh - 1) / nh; /* head sets per KV head */
     const int64_t per_pair = (int64_t)num_kv_heads * sets;
     const int64_t num_units = num_pairs * per_pair;
+    const unit_map M = {q, q_stride, query_start_loc, seq_lens, per_pair, sets, group, nh,
+                         tokens_per_unit, D, window};
 #pragma omp parallel num_threads(num_threads)
     {
-        int r = 0, h, heads, i0, i1;
+        int r = 0, h, heads, i0;
         int64_t pair_base = 0; /* pairs before request r */
+        unit_rows rows;
         if (scratch == NULL) {
 #pragma omp for schedule(dynamic, 1)
             for (int64_t u = 0; u < num_units; u++) {
-                unit_place(u, per_pair, sets, group, nh, tokens_per_unit, query_start_loc, &r,
-                           &pair_base, &h, &heads, &i0, &i1);
-                attend(q, q_stride, out, k_cache, v_cache, block_tables + r * block_table_stride,
-                       query_start_loc[r], i0, i1, query_start_loc[r + 1] - query_start_loc[r],
-                       seq_lens[r], h, heads, num_heads, num_kv_heads, D, block_size, scale,
-                       window, softcap, kv_bf16);
+                unit_place(&M, u, &r, &pair_base, &h, &heads, &i0, &rows);
+                attend(&rows, out, k_cache, v_cache, block_tables + r * block_table_stride,
+                       query_start_loc[r], i0, h, heads, num_heads, num_kv_heads, D, block_size,
+                       scale, softcap, kv_bf16);
             }
         } else {
             /* each (unit, segment) into its slot: m [CHUNK], l [CHUNK], acc [CHUNK * D] */
 #pragma omp for schedule(dynamic, 1)
             for (int64_t us = 0; us < num_units * num_segments; us++) {
-                const int64_t u = us / num_segments;
-                const int k0 = (int)(us % num_segments) * SEGMENT;
-                unit_place(u, per_pair, sets, group, nh, tokens_per_unit, query_start_loc, &r,
-                           &pair_base, &h, &heads, &i0, &i1);
-                unit_rows rows;
-                unit_rows_of(&rows, q, q_stride, query_start_loc[r], i0, i1,
-                             query_start_loc[r + 1] - query_start_loc[r], seq_lens[r], h, heads,
-                             D, window);
+                unit_place(&M, us / num_segments, &r, &pair_base, &h, &heads, &i0, &rows);
                 float *m = scratch + us * slot, *l = m + CHUNK, *acc = l + CHUNK;
                 /* a segment outside the rows' keys leaves them m = -inf, l = 0: folded as
                  * nothing, as the whole unit never visits it */
                 (kv_bf16 ? attend_segment_bf16 : attend_segment_f32)(
                     &rows, k_cache, v_cache, block_tables + r * block_table_stride, h / group,
-                    num_kv_heads, D, block_size, scale, softcap, k0, m, l, acc);
+                    num_kv_heads, D, block_size, scale, softcap,
+                    (int)(us % num_segments) * SEGMENT, m, l, acc);
             }
             /* the segments of each unit folded in order, then its rows written */
             r = 0;
             pair_base = 0;
 #pragma omp for schedule(dynamic, 1)
             for (int64_t u = 0; u < num_units; u++) {
-                unit_place(u, per_pair, sets, group, nh, tokens_per_unit, query_start_loc, &r,
-                           &pair_base, &h, &heads, &i0, &i1);
-                unit_rows rows;
-                unit_rows_of(&rows, q, q_stride, query_start_loc[r], i0, i1,
-                             query_start_loc[r + 1] - query_start_loc[r], seq_lens[r], h, heads,
-                             D, window);
+                unit_place(&M, u, &r, &pair_base, &h, &heads, &i0, &rows);
                 float m[CHUNK], l[CHUNK];
                 float acc_store[rows.rows * D + 8];
                 float *const acc = (float *)(((uintptr_t)acc_store + 31) & ~(uintptr_t)31);
