@@ -3,11 +3,14 @@
 ``pagedkv.model.gguf_metadata.read_gguf_header`` against ``gguf.GGUFReader`` followed by what the
 loader takes from it (``read_metadata`` and the tensor names), on the default model (SmolLM2) and
 on Gemma 3 270M (its GGUF is assembled into the cache on first use); checks that both give the
-same metadata and tensor names, and prints the median of the repeats, in seconds::
+same metadata and tensor names, and prints the median of the repeats, in seconds. Then the
+tokenizer's fields, which a file's first start converts: ``pagedkv.model.tokenizer.
+gguf_tokenizer_fields`` against transformers' ``get_gguf_tokenizer`` (checked equal), on those
+files and on any ``--files``::
 
-    PYTHONPATH=src python benchmarks/bench_gguf_header.py [--repeats 5]
+    PYTHONPATH=src python benchmarks/bench_gguf_header.py [--repeats 5] [--files F.gguf ...]
 
-The ``gguf`` import is timed once, apart (numpy and gguf modules, paid once per process).
+The ``gguf`` and transformers imports are timed once, apart (paid once per process).
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ def median_seconds(fn, path: Path, repeats: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--files", type=Path, nargs="*", default=[], help="more GGUF files")
     args = parser.parse_args()
     start = time.perf_counter()
     import gguf  # noqa: F401
@@ -75,6 +79,25 @@ def main() -> None:
         print(
             f"{name} ({size:.0f} MiB): ours {ours:.4f} s, GGUFReader {theirs:.3f} s "
             f"({theirs / ours:.0f}x), median of {args.repeats}"
+        )
+    tokenizer_fields({**model_paths(), **{p.name: p for p in args.files}}, args.repeats)
+
+
+def tokenizer_fields(paths: dict[str, Path], repeats: int) -> None:
+    """Median time to read each file's tokenizer fields: ours against transformers'."""
+    start = time.perf_counter()
+    from transformers.integrations.gguf import get_gguf_tokenizer
+
+    from pagedkv.model.tokenizer import gguf_tokenizer_fields
+
+    print(f"import transformers' GGUF tokenizer: {time.perf_counter() - start:.3f} s")
+    for name, path in paths.items():
+        assert gguf_tokenizer_fields(path) == get_gguf_tokenizer(str(path)), name
+        ours = median_seconds(gguf_tokenizer_fields, path, repeats)
+        theirs = median_seconds(lambda p: get_gguf_tokenizer(str(p)), path, repeats)
+        print(
+            f"{name} tokenizer fields: ours {ours:.3f} s, get_gguf_tokenizer {theirs:.3f} s "
+            f"({theirs / ours:.1f}x), median of {repeats}"
         )
 
 

@@ -194,7 +194,8 @@ def test_tokenizer_fields_equal_transformers(model, request):
     assert gguf_tokenizer_fields(path) == get_gguf_tokenizer(str(path))
 
 
-def _write_vocabulary(path, model="llama", special=None, add_bos=None):
+def _write_vocabulary(path, model="llama", special=None, add_bos=None, extra=None):
+    """A GGUF file holding a 6-token vocabulary; ``extra(writer)`` adds metadata of its own."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -207,6 +208,8 @@ def _write_vocabulary(path, model="llama", special=None, add_bos=None):
     if add_bos is not None:
         writer.add_add_bos_token(add_bos)
     writer.add_chat_template("{{ messages }}")
+    if extra is not None:
+        extra(writer)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
@@ -232,11 +235,49 @@ def test_tokenizer_fields_of_written_files_equal_transformers(tmp_path, model, s
     assert gguf_tokenizer_fields(path) == get_gguf_tokenizer(str(path))
 
 
-def test_a_special_token_outside_the_vocabulary_is_refused(tmp_path):
+@pytest.mark.parametrize("bad", [6, 2**32 - 1, "1", 1.0])
+def test_a_special_token_outside_the_vocabulary_is_left_out(tmp_path, caplog, bad):
+    """A special id that is not one of the vocabulary's (past its end, llama.cpp's -1 as a
+    uint32, a string, a float) is logged and left out, as llama.cpp does; the others stay."""
+    from pagedkv.model.tokenizer import gguf_tokenizer_fields
+
+    def eos(writer):
+        key = "tokenizer.ggml.eos_token_id"
+        if isinstance(bad, int):
+            writer.add_uint32(key, bad)
+        elif isinstance(bad, str):
+            writer.add_string(key, bad)
+        else:
+            writer.add_float32(key, bad)
+
+    path = tmp_path / "vocab.gguf"
+    _write_vocabulary(path, special={"bos_token_id": 1}, extra=eos)
+    with caplog.at_level("WARNING", logger="pagedkv.model.tokenizer"):
+        _, _, config = gguf_tokenizer_fields(path)
+    assert config["eos_token"] is None and config["bos_token"] == "<s>"
+    assert "tokenizer.ggml.eos_token_id" in caplog.text
+
+
+def test_the_fields_reader_runs_on_the_versions_it_was_checked_against():
+    from pagedkv.model.tokenizer import _fields_tested
+
+    assert _fields_tested("5.25.0") and _fields_tested("5.26.0.dev0")
+    assert not _fields_tested("5.24.1") and not _fields_tested("6.0.0")
+    assert not _fields_tested("4.57.0") and not _fields_tested("main")
+
+
+def test_a_vocabulary_count_past_the_end_is_refused_before_it_is_allocated(tmp_path):
+    """A corrupt array count (2^61 strings in a 200-byte file) is a ModelLoadError, not a
+    MemoryError or a multi-GiB list."""
     from pagedkv.errors import ModelLoadError
     from pagedkv.model.tokenizer import read_gguf_tokenizer
 
     path = tmp_path / "vocab.gguf"
-    _write_vocabulary(path, special={"eos_token_id": 6})
-    with pytest.raises(ModelLoadError, match="eos_token_id 6 is not among 6 tokens"):
+    _write_vocabulary(path)
+    data = bytearray(path.read_bytes())
+    key = b"tokenizer.ggml.tokens"
+    at = data.index(key) + len(key) + 4 + 4  # the value type, then the items' type
+    data[at : at + 8] = (2**61).to_bytes(8, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match="runs past the end of the file"):
         read_gguf_tokenizer(path)

@@ -253,8 +253,13 @@ class _Reader:
         return self.scalar(fmt)
 
     def array(self, item_type: int, count: int) -> list[Any]:
-        """The ``count`` items of an array of ``item_type``, read in one pass."""
+        """The ``count`` items of an array of ``item_type``, read in one pass; a count the
+        rest of the file cannot hold is refused (``ValueError``) before anything is
+        allocated."""
         fmt = _SCALARS.get(item_type)
+        least = struct.calcsize(fmt) if fmt is not None else 8 if item_type == _STRING else 1
+        if count > (len(self.buf) - self.offset) // least:
+            raise ValueError(f"an array of {count} items runs past the end of the file")
         if fmt is not None:
             values = list(struct.unpack_from(f"{self.order}{count}{fmt}", self.buf, self.offset))
             self.offset += struct.calcsize(fmt) * count

@@ -366,7 +366,7 @@ def read_gguf_tokenizer(path: str | Path) -> Any:
     path = Path(path)
     try:
         return _fast_tokenizer_from_gguf(path)
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, IndexError) as e:
         raise ModelLoadError(f"cannot build the tokenizer from {path}: {e}") from e
 
 
@@ -417,16 +417,26 @@ def gguf_tokenizer_fields(path: Path) -> tuple[str, dict[str, Any], dict[str, An
     follow llama.cpp's reading of the file (a ``llama`` (SentencePiece) vocabulary adds BOS
     unless the file says otherwise; the chat template of a ``gemma4`` file writes BOS
     itself). Tests compare the result with ``get_gguf_tokenizer``'s on SmolLM2 (byte-level
-    BPE) and Gemma 3 (SentencePiece). Where this transformers has no such mapping, its own
+    BPE) and Gemma 3 (SentencePiece). A special token whose id is not one of the vocabulary's
+    (llama.cpp's -1, a wrong type) is logged and left out, as llama.cpp leaves it (transformers
+    would take ``tokens[-1]`` or fail). Outside the transformers versions this was checked
+    against (``_fields_tested``), or where transformers has no such mapping, its own
     ``get_gguf_tokenizer`` reads the file.
 
     Raises:
         ModelLoadError: the file cannot be read. KeyError: it names no architecture.
-        ValueError: a special token's id is not in the vocabulary.
     """
-    try:
-        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING
-    except ImportError:
+    import transformers
+
+    mapping = None
+    if _fields_tested(transformers.__version__):
+        try:
+            from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+                GGUF_TOKENIZER_MAPPING as mapping,
+            )
+        except ImportError:
+            mapping = None
+    if mapping is None:
         from transformers.integrations.gguf import get_gguf_tokenizer
 
         return get_gguf_tokenizer(str(path))
@@ -436,7 +446,7 @@ def gguf_tokenizer_fields(path: Path) -> tuple[str, dict[str, Any], dict[str, An
     architecture = metadata["general.architecture"]
 
     def renamed(group: str) -> dict[str, Any]:
-        renames = GGUF_TOKENIZER_MAPPING[group].items()
+        renames = mapping[group].items()
         return {name: metadata[f"tokenizer.{key}"] for key, name in renames
                 if f"tokenizer.{key}" in metadata}  # fmt: skip
 
@@ -448,10 +458,36 @@ def gguf_tokenizer_fields(path: Path) -> tuple[str, dict[str, Any], dict[str, An
     tokens = fields.get("tokens", [])
     for name, key in _GGUF_SPECIAL_TOKENS.items():
         token_id = metadata.get(f"tokenizer.ggml.{key}")
-        if token_id is not None and not 0 <= token_id < len(tokens):
-            raise ValueError(f"tokenizer.ggml.{key} {token_id} is not among {len(tokens)} tokens")
+        if token_id is not None and not (
+            isinstance(token_id, int) and not isinstance(token_id, bool)
+            and 0 <= token_id < len(tokens)
+        ):  # fmt: skip
+            # llama.cpp's reading: a bad special id is no such token (-1 is its "none")
+            logger.warning(
+                "%s: tokenizer.ggml.%s %r is not among its %d tokens: no %s",
+                path, key, token_id, len(tokens), name,
+            )  # fmt: skip
+            token_id = None
         config[name] = tokens[token_id] if token_id is not None else None
     return architecture, fields, config
+
+
+#: transformers versions (major, minor) whose ``get_gguf_tokenizer`` gives what
+#: :func:`gguf_tokenizer_fields` gives (its tests compare the two on the installed version):
+#: from the first one checked to the next major version; others read with it.
+_FIELDS_TESTED_SINCE = (5, 25)
+_FIELDS_TESTED_BEFORE = (6, 0)
+
+
+def _fields_tested(version: str) -> bool:
+    """Whether transformers ``version`` (``"5.25.0"``, ``"5.26.0.dev0"``) is in the range
+    :func:`gguf_tokenizer_fields` was checked against."""
+    parts = version.split(".")
+    try:
+        major_minor = (int(parts[0]), int(parts[1]))
+    except (IndexError, ValueError):
+        return False
+    return _FIELDS_TESTED_SINCE <= major_minor < _FIELDS_TESTED_BEFORE
 
 
 #: The special tokens a GGUF file names by id: tokenizer attribute -> ``tokenizer.ggml.*`` key.

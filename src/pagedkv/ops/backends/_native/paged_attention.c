@@ -36,7 +36,7 @@
  * for 2 threads with SmolLM2's 3 KV heads) split each unit's keys over the threads, one
  * segment a task, its state kept in a scratch buffer and the fold done after them, as
  * flash-decoding splits the keys: each KV head is read once and every thread has work
- * (docs/ops.md: a 4096-token context's decode attention 1.6-1.9x faster on 2 threads than
+ * (docs/ops.md: a 4096-token context's decode attention 1.3-1.7x faster on 2 threads than
  * with one query head a unit, which read each KV head three times).
  *
  * Batch invariance: a query row's output depends only on its own query, position, keys and
@@ -439,11 +439,13 @@ static inline __attribute__((always_inline)) void attend_segment(
 }
 
 /* Fold a segment's state (ms, ls, accs) of `rows` rows into the running one (m, l, acc), in
- * segment order: a row without keys in the segment keeps its state, a row without keys
+ * segment order (one compiled copy, its multiply-adds explicit, so the whole units and the
+ * split ones fold with the same instructions whatever the compiler contracts): a row without keys in the segment keeps its state, a row without keys
  * before takes the segment's, else both are rescaled to the larger maximum M:
  * acc = acc * e^(m - M) + accs * e^(ms - M) (the same for l). */
-static inline void fold_segment(int rows, int D, float *m, float *l, float *acc,
-                                const float *ms, const float *ls, const float *accs) {
+static __attribute__((noinline)) void fold_segment(int rows, int D, float *m, float *l,
+                                                   float *acc, const float *ms,
+                                                   const float *ls, const float *accs) {
     for (int i = 0; i < rows; i++) {
         float *a = acc + (int64_t)i * D;
         const float *as = accs + (int64_t)i * D;
@@ -460,7 +462,7 @@ static inline void fold_segment(int rows, int D, float *m, float *l, float *acc,
         for (int d = 0; d < D; d += 8)
             _mm256_store_ps(a + d, _mm256_fmadd_ps(_mm256_load_ps(as + d), csv,
                                                    _mm256_mul_ps(_mm256_load_ps(a + d), cv)));
-        l[i] = ls[i] * cs + l[i] * c;
+        l[i] = fmaf(ls[i], cs, l[i] * c);
         m[i] = mx;
     }
 }
@@ -484,8 +486,13 @@ static inline void write_rows(const unit_rows *u, float *out, int64_t row0, int 
 #define SEGMENT_PASS                                                                          \
     u, k_cache, v_cache, block_table, kvh, num_kv_heads, D, block_size, scale, softcap, k0, m, \
         l, acc0
-static void attend_segment_f32(SEGMENT_ARGS) { attend_segment(SEGMENT_PASS, 0); }
-static void attend_segment_bf16(SEGMENT_ARGS) { attend_segment(SEGMENT_PASS, 1); }
+/* noinline: one compiled copy of each, which both the whole units and the split ones call */
+static __attribute__((noinline)) void attend_segment_f32(SEGMENT_ARGS) {
+    attend_segment(SEGMENT_PASS, 0);
+}
+static __attribute__((noinline)) void attend_segment_bf16(SEGMENT_ARGS) {
+    attend_segment(SEGMENT_PASS, 1);
+}
 #undef SEGMENT_ARGS
 #undef SEGMENT_PASS
 
