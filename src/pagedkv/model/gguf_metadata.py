@@ -139,8 +139,8 @@ def read_tokenizer_metadata(path: str | Path) -> dict[str, Any]:
     """A GGUF file's metadata with its ``tokenizer.*`` arrays read in full (the vocabulary,
     merges, token types and scores, however long), as :func:`read_gguf_header`'s ``metadata``
     gives the rest: what a tokenizer is built from. Each string array is one pass over its
-    bytes (about 0.06 s for a 128k vocabulary and its merges; transformers' GGUF reader, which
-    slices a numpy memory map once per string, takes 0.5-0.8 s for the same).
+    bytes (about 0.08 s for a 128k vocabulary and its merges; transformers' GGUF reader, which
+    slices a numpy memory map once per string, about 0.5 s: benchmarks/bench_gguf_header.py).
 
     Raises:
         ModelLoadError: as :func:`read_gguf_header`.

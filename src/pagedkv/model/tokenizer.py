@@ -414,12 +414,13 @@ def gguf_tokenizer_fields(path: Path) -> tuple[str, dict[str, Any], dict[str, An
     read_tokenizer_metadata` in about a sixth of the time (the vocabulary and merges in one
     pass over their bytes instead of a numpy slice per string): transformers' key mapping
     (``GGUF_TOKENIZER_MAPPING``) renames the fields, and the special tokens and BOS default
-    follow llama.cpp's reading of the file (a ``llama`` (SentencePiece) vocabulary adds BOS
-    unless the file says otherwise; the chat template of a ``gemma4`` file writes BOS
-    itself). Tests compare the result with ``get_gguf_tokenizer``'s on SmolLM2 (byte-level
-    BPE) and Gemma 3 (SentencePiece). A special token whose id is not one of the vocabulary's
-    (llama.cpp's -1, a wrong type) is logged and left out, as llama.cpp leaves it (transformers
-    would take ``tokens[-1]`` or fail). Outside the transformers versions this was checked
+    follow transformers' reading of the file (a ``llama`` (SentencePiece) vocabulary adds BOS
+    unless the file says otherwise, as llama.cpp does; a ``gemma4`` file's chat template
+    writes BOS itself, so none is added). Tests compare the result with
+    ``get_gguf_tokenizer``'s on SmolLM2 (byte-level BPE) and Gemma 3 (SentencePiece). A
+    special token whose id is not one of the vocabulary's (llama.cpp's -1, a wrong type) is
+    logged and left out, as llama.cpp leaves it (transformers would take ``tokens[-1]`` or
+    fail). Outside the transformers versions this was checked
     against (``_fields_tested``), or where transformers has no such mapping, its own
     ``get_gguf_tokenizer`` reads the file.
 
