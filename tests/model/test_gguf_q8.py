@@ -386,6 +386,48 @@ def test_fused_layer_on_int8_activations(kernels, mix):
         close(got - h, want - h + mlp)
 
 
+@pytest.mark.parametrize("inter", [256, 260])
+def test_fused_swiglu_against_torchs_silu(kernels, inter):
+    """The fused layer's SwiGLU (decode_layer.c ``swiglu``: 8 lanes at a time on its own exp,
+    a tail on libm's ``expf``) value by value against torch's ``silu(gate) * up`` on the
+    layer's own gate and up products, gate values past -100 and 100 (where e^-gate leaves the
+    float range both ways), at an intermediate size with a tail of 4 (260). The MLP
+    weights are F32 (exact fp32 products, any size) and down is the identity, so the residual
+    stream takes each value as it is; the residual itself is tiny (the norm undoes its scale),
+    so the adds keep each value to a few ulp: within 8 ulp of torch's."""
+    hidden, heads, kv, dim, eps = inter, 4, 2, 32, 0.0
+    gen = torch.Generator().manual_seed(12)
+
+    def f32(w):
+        return GGUFPart(GGML_TYPES["F32"].type_id, w.contiguous().view(torch.uint8))
+
+    def rand(n, k):
+        return f32(torch.randn(n, k, generator=gen) / k**0.5)
+
+    h = torch.randn(4, hidden, generator=gen) * 1e-12
+    gate_w, up_w = (
+        torch.randn(inter, hidden, generator=gen),
+        torch.randn(inter, hidden, generator=gen),
+    )
+    x = kernels.rms_norm(h, torch.ones(hidden), eps)
+    g = x @ gate_w.T
+    gate_w *= 100.0 / min(-float(g.min()), float(g.max()))  # gate values past +-100
+    gate, up = f32(gate_w), f32(up_w)
+    qkv = [rand(heads * dim, hidden), rand(kv * dim, hidden), rand(kv * dim, hidden)]
+    layer = fused_layer(
+        (qkv, rand(hidden, heads * dim), [gate, up], f32(torch.eye(hidden))),
+        (torch.ones(hidden), torch.ones(hidden)), (heads, kv, dim, eps), kernels.isa, "fp32",
+    )  # fmt: skip
+    gate_out = kernels.gguf_gemm(gate.type_id, x, gate.data)
+    up_out = kernels.gguf_gemm(up.type_id, x, up.data)
+    assert float(gate_out.min()) < -88 and float(gate_out.max()) > 88
+    want = (torch.nn.functional.silu(gate_out) * up_out).double()
+    got = h.clone()
+    kernels.llama_attn_out(layer, got, torch.zeros(4, heads * dim), 1)
+    err = (got.double() - h.double() - want).abs()
+    assert bool((err <= 8 * 2.0**-24 * want.abs() + 1e-18).all()), float(err.max())
+
+
 @pytest.mark.parametrize("k", [256, 2048, 288])
 @pytest.mark.parametrize("name", Q8_NAMES)
 def test_fast_large_product_against_the_rounded_activations(kernels, name, k):
@@ -476,7 +518,7 @@ def test_stacked_parts_are_each_parts_product(kernels, types, hidden):
     """The fused layer's q, k, v (three stacked parts) on int8 activations are, bit for bit,
     each part's own product of the layer's normed input: parts all of the K-types share one
     rounding and one parallel region (gguf_blocks.c ``pagedkv_gguf_gemm_q8k_parts``), and so
-    do parts all of the 32-element types on the VNNI body (``pagedkv_gguf_gemm_q8v_parts``;
+    do parts all of the 32-element types (``pagedkv_gguf_gemm_q8v_parts``, either body;
     SmolLM2's Q4_1 q, k, v, at its width 576 too), a mix runs part by part. 1, 3 and 8
     tokens, 1 and 2 threads; the rotation is the identity (cos 1, sin 0) so the products are
     read as they are."""
@@ -541,11 +583,10 @@ PARTS_ENTRIES = {
 @pytest.mark.parametrize("name", sorted(PARTS_ENTRIES))
 def test_the_stacked_parts_entry_directly(kernels, name):
     """``pagedkv_gguf_gemm_q8k_parts`` (the K-types) and ``pagedkv_gguf_gemm_q8v_parts`` (the
-    32-element types, VNNI body only) themselves: parts of odd and zero row counts written side
-    by side into rows ``ldo`` apart (the columns past them untouched), bit for bit each part's
-    own product, on the fixture's body at 1 and 5 tokens; a part of another type (and for the
-    32-element entry, a body other than VNNI) returns 1 and a bad size -1, both writing
-    nothing."""
+    32-element types, on the VNNI body or the AVX2 one) themselves: parts of odd and zero row
+    counts written side by side into rows ``ldo`` apart (the columns past them untouched), bit
+    for bit each part's own product, on the fixture's body at 1 and 5 tokens; a part of another
+    type returns 1 and a bad size or an unknown body -1, each writing nothing."""
     lib = ctypes.CDLL(str(kernels.path))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     entry = getattr(lib, name)
@@ -558,21 +599,16 @@ def test_the_stacked_parts_entry_directly(kernels, name):
         for i, (t, n) in enumerate(zip(names, sizes, strict=True))
     ]
 
-    def call(types, rows, x, out):
+    def call(types, rows, x, out, isa=code):
         arrays = [np.ascontiguousarray(r) for r in raws]
         return entry(
             len(types), (ctypes.c_int * len(types))(*types),
             (ctypes.c_void_p * len(types))(*[a.ctypes.data for a in arrays]),
             (ctypes.c_int64 * len(types))(*rows), x.data_ptr(), out.data_ptr(),
-            x.shape[0], k, ldo, 2, code,
+            x.shape[0], k, ldo, 2, isa,
         )  # fmt: skip
 
     types = [GGML_TYPES[t].type_id for t in names]
-    if name.endswith("q8v_parts") and kernels.q8_isa != "avx512_vnni":
-        out = torch.full((1, ldo), 7.0)
-        assert call(types, sizes, torch.randn(1, k), out) == 1
-        assert torch.equal(out, torch.full((1, ldo), 7.0))
-        return
     for rows in (1, 5):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
         out = torch.full((rows, ldo), 7.0)
@@ -587,6 +623,7 @@ def test_the_stacked_parts_entry_directly(kernels, name):
         before = out.clone()
         assert call([*types[:3], GGML_TYPES[refused].type_id], sizes, x, out) == 1
         assert call(types, [*sizes[:3], -1], x, out) == -1
+        assert call(types, sizes, x, out, isa=99) == -1
         assert torch.equal(out, before)
     x = torch.randn(9, k)  # more than the small products' 8 rows
     out = torch.full((9, ldo), 7.0)

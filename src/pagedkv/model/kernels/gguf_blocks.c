@@ -433,7 +433,9 @@ int pagedkv_gguf_get_rows(int type, const uint8_t *w, const int64_t *ids, int64_
  *   Q6_K, Q4_K, Q5_K   on activation blocks of 256 (Q8_K-style, below: "K-quants on
  *                      activation blocks of 256"), one float step per super-block
  * The int32 lanes become floats once per group of 32 and meet the group's fp32 factor in one
- * fused multiply-add into 8 lanes per activation row, summed at the end of the row. The
+ * fused multiply-add into 8 lanes per activation row, summed at the end of the row (the
+ * factors of eight groups made together, and the offsets' m_b * xds_b summed in 8 lanes, one
+ * per group of the eight; see Q8_ROW32). The
  * result differs from the fp32 product by the activations' rounding: at most
  * sum_k |w_k| * xd_block(k) / 2, plus fp32 summation (xd_block(k) the scale of k's activation
  * block: of 32, or the K-types' 256).
@@ -552,6 +554,43 @@ static inline AI __m256i q8w_q5_1(const uint8_t *b) {
         }                                                                                    \
     } while (0)
 
+/* Eight consecutive blocks' f16 scales (BB bytes apart, the first at b) as fp32 lanes: *d
+ * the f16 at byte 0 of each block, *m the one at byte 2 (the offset's, for the types with
+ * one; unused by the others). Scalar loads into one vector each and one conversion (an AVX2
+ * gather was slower on Zen 3). */
+static inline AI void scales8(const uint8_t *b, const int BB, __m256 *d, __m256 *m) {
+    uint16_t h[8], l[8];
+    _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {
+        memcpy(h + j, b + j * BB, 2);
+        memcpy(l + j, b + j * BB + 2, 2);
+    }
+    *d = _mm256_cvtph_ps(_mm_setr_epi16(h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]));
+    *m = _mm256_cvtph_ps(_mm_setr_epi16(l[0], l[1], l[2], l[3], l[4], l[5], l[6], l[7]));
+}
+
+/* Block g of a group of eight whose factors (d * xd, for each activation row) are dx[m][0..7]:
+ * element j broadcast from memory (a load, no arithmetic), where Q8_BLOCK32 converts and
+ * multiplies d and xd as scalars and broadcasts; the same values, so the same bits in acc. */
+#define Q8_BLOCK32_LANE(M, LOADW, SIGNED, b, g, j, acc, dx)                                  \
+    do {                                                                                     \
+        const __m256i wv_ = LOADW(b);                                                        \
+        _Pragma("GCC unroll 8") for (int m_i = 0; m_i < (M); m_i++) {                        \
+            const __m256i xv_ = _mm256_loadu_si256((const __m256i *)(xq + m_i * K + 32 * (g))); \
+            const __m256i p_ = (SIGNED) ? dot_signed(wv_, xv_, _mm256_set1_epi16(1))          \
+                                        : dot_unsigned(wv_, xv_, _mm256_set1_epi16(1));       \
+            (acc)[m_i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_),                             \
+                                         _mm256_broadcast_ss((dx)[m_i] + (j)), (acc)[m_i]);  \
+        }                                                                                    \
+    } while (0)
+
+/* A row's product: blocks in groups of eight, their factors made together (scales8, then one
+ * multiply by the eight xd of each activation row), where block by block each took two scalar
+ * conversions, a multiply and a broadcast: on an AVX2 core these products are bound by
+ * instructions, not memory (a Q4_1 row of K = 576 on one Zen 3 core: 2.2-2.3 ns a block at
+ * any size of weight, 8-10 GB/s). The offsets' m_b * xds_b of a group in 8 lanes, one FMA.
+ * Blocks alternate between two accumulators (even, odd) in order, as before the grouping, so
+ * the types without an offset give the same bits as block by block; the rest of a row past
+ * its last whole group goes block by block (Q8_BLOCK32). */
 #define Q8_ROW32(T, BB, SIGNED, MOFF)                                                        \
     static inline AI void q8_row_##T(const int M, const uint8_t *w, const int8_t *xq,        \
                                      const float *xd, const float *xds, int64_t K,           \
@@ -559,23 +598,39 @@ static inline AI __m256i q8w_q5_1(const uint8_t *b) {
         (void)xds;                                                                           \
         const int64_t G = K / 32;                                                            \
         const uint8_t *row = w + n * G * (BB);                                               \
-        __m256 a0[MAX_M], a1[MAX_M];                                                         \
+        __m256 a0[MAX_M], a1[MAX_M], mo[MAX_M];                                              \
         float sm[MAX_M];                                                                     \
         _Pragma("GCC unroll 8") for (int m = 0; m < M; m++) {                                \
-            a0[m] = a1[m] = _mm256_setzero_ps();                                             \
+            a0[m] = a1[m] = mo[m] = _mm256_setzero_ps();                                     \
             sm[m] = 0.0f;                                                                    \
         }                                                                                    \
         int64_t g = 0;                                                                       \
+        for (; g + 8 <= G; g += 8) {                                                         \
+            const uint8_t *b = row + g * (BB);                                               \
+            _Pragma("GCC unroll 8") for (int at = 0; at < 8 * (BB); at += 64)                \
+                PREFETCH(b + PF_BYTES + at);                                                 \
+            __m256 d8, m8;                                                                   \
+            float dx[MAX_M][8] __attribute__((aligned(32)));                                 \
+            scales8(b, (BB), &d8, &m8);                                                      \
+            _Pragma("GCC unroll 8") for (int m = 0; m < M; m++) {                            \
+                _mm256_store_ps(dx[m], _mm256_mul_ps(d8, _mm256_loadu_ps(xd + m * G + g)));  \
+                if ((MOFF) >= 0)                                                             \
+                    mo[m] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(xds + m * G + g), mo[m]);    \
+            }                                                                                \
+            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j += 2) {                         \
+                Q8_BLOCK32_LANE(M, q8w_##T, SIGNED, b + j * (BB), g + j, j, a0, dx);         \
+                Q8_BLOCK32_LANE(M, q8w_##T, SIGNED, b + (j + 1) * (BB), g + j + 1, j + 1, a1, \
+                                dx);                                                         \
+            }                                                                                \
+        }                                                                                    \
         for (; g + 2 <= G; g += 2) {                                                         \
             const uint8_t *b = row + g * (BB);                                               \
-            PREFETCH(b + PF_BYTES);                                                          \
-            PREFETCH(b + PF_BYTES + 64);                                                     \
             Q8_BLOCK32(M, q8w_##T, SIGNED, MOFF, b, g, a0, sm);                              \
             Q8_BLOCK32(M, q8w_##T, SIGNED, MOFF, b + (BB), g + 1, a1, sm);                   \
         }                                                                                    \
         if (g < G) Q8_BLOCK32(M, q8w_##T, SIGNED, MOFF, row + g * (BB), g, a0, sm);          \
         _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)                                  \
-            out[m * ldo + n] = hsum8(_mm256_add_ps(a0[m], a1[m])) + sm[m];                   \
+            out[m * ldo + n] = hsum8(_mm256_add_ps(a0[m], a1[m])) + (hsum8(mo[m]) + sm[m]);  \
     }
 
 Q8_ROW32(q8_0, 34, 1, -1)
@@ -2370,31 +2425,64 @@ int pagedkv_gguf_gemm_q8k_parts(int num_parts, const int *types, const uint8_t *
     return 0;
 }
 
-/* The 32-element parts (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) of a stacked product on the VNNI body in
- * one call, as pagedkv_gguf_gemm_q8k_parts does for the K-types: x rounded and laid out once
- * (vnni_act_row) and one parallel region over every part's blocks of ROW_BLOCK rows, instead of
- * a rounding and a region per part (SmolLM2's q, k, v: three; gate, up: two). Each row's result
- * is bit for bit pagedkv_gguf_gemm_q8_ld's on the VNNI body (the same row kernels on the same
- * layout). Arguments as pagedkv_gguf_gemm_q8k_parts'. Returns 0; 1, having done nothing, where
- * a part is not a 32-element type or isa is not PAGEDKV_ISA_AVX512_VNNI; -1 for bad sizes or an
- * allocation failure. */
+/* The 32-element parts (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) of a stacked product in one call, as
+ * pagedkv_gguf_gemm_q8k_parts does for the K-types: x rounded once (the VNNI body: and laid out,
+ * vnni_act_row; the AVX2 body: quantize_row_q8) and one parallel region over every part's
+ * blocks of ROW_BLOCK rows, instead of a rounding and a region per part (SmolLM2's q, k, v:
+ * three; gate, up: two; at batch 1 its k and v are 69 KB each, read in microseconds, and each
+ * region's start and end barrier cost about as much). Each row's result is bit for bit
+ * pagedkv_gguf_gemm_q8_ld's on the same body (the same row kernels on the same rounded
+ * activations), whatever the grouping. Arguments as pagedkv_gguf_gemm_q8k_parts' (isa
+ * PAGEDKV_ISA_AVX512_VNNI the VNNI body; PAGEDKV_ISA_AVX2 or _AVX512 the AVX2 one, as
+ * pagedkv_gguf_gemm_q8_ld). Returns 0; 1, having done nothing, where a part is not a
+ * 32-element type; -1 for bad sizes, an unknown isa or an allocation failure. */
 int pagedkv_gguf_gemm_q8v_parts(int num_parts, const int *types, const uint8_t *const *ws,
                                 const int64_t *rows, const float *x, float *out, int64_t M,
                                 int64_t K, int64_t ldo, int num_threads, int isa) {
     if (num_parts < 1 || num_parts > 8) return -1;
-    if (isa != PAGEDKV_ISA_AVX512_VNNI) return 1;
     for (int p = 0; p < num_parts; p++)
         if (!pagedkv_gguf_q8_takes(types[p]) || is_k_type(types[p])) return 1;
     if (M < 1 || M > MAX_M || K <= 0 || K % 32 != 0) return -1;
+    if (isa != PAGEDKV_ISA_AVX2 && isa != PAGEDKV_ISA_AVX512 && isa != PAGEDKV_ISA_AVX512_VNNI)
+        return -1;
     int64_t first_block[9], col[9], bytes;
     if (parts_blocks(num_parts, types, rows, K, ldo, first_block, col, &bytes)) return -1;
     const int64_t total = first_block[num_parts];
+    /* row_chunk's rule on the parts' bytes together, as pagedkv_gguf_gemm_q8k_parts */
+    const int64_t chunk = num_threads <= 1 || bytes >= GUIDED_MIN_BYTES ? 1 : (total + num_threads - 1) / num_threads;
+    if (isa != PAGEDKV_ISA_AVX512_VNNI) {
+        /* the AVX2 body: pagedkv_gguf_gemm_q8_ld's buffer (xd, xds fp32 [M, K / 32], then xq
+         * int8 [M, K]) and rounding, once for every part */
+        const int64_t G = K / 32;
+        float *xd = (float *)malloc(sizeof(float) * 2 * M * G + (size_t)(M * K));
+        if (xd == NULL) return -1;
+        float *xds = xd + M * G;
+        int8_t *xq = (int8_t *)(xds + M * G);
+        for (int64_t m = 0; m < M; m++)
+            quantize_row_q8(x + m * K, K, xq + m * K, xd + m * G, xds + m * G);
+#pragma omp parallel for schedule(guided, chunk) num_threads(num_threads)
+        for (int64_t b = 0; b < total; b++) {
+            int p = 0;
+            while (b >= first_block[p + 1]) p++;
+            const int64_t n0 = (b - first_block[p]) * ROW_BLOCK;
+            const int64_t n1 = n0 + ROW_BLOCK < rows[p] ? n0 + ROW_BLOCK : rows[p];
+            const uint8_t *w = ws[p];
+            float *o = out + col[p];
+            switch (types[p]) {
+                case GGML_Q8_0: q8_rows_q8_0((int)M, w, xq, xd, xds, K, ldo, n0, n1, o); break;
+                case GGML_Q4_0: q8_rows_q4_0((int)M, w, xq, xd, xds, K, ldo, n0, n1, o); break;
+                case GGML_Q4_1: q8_rows_q4_1((int)M, w, xq, xd, xds, K, ldo, n0, n1, o); break;
+                case GGML_Q5_0: q8_rows_q5_0((int)M, w, xq, xd, xds, K, ldo, n0, n1, o); break;
+                case GGML_Q5_1: q8_rows_q5_1((int)M, w, xq, xd, xds, K, ldo, n0, n1, o); break;
+            }
+        }
+        free(xd);
+        return 0;
+    }
     q8v_act A;
     float *buf = (float *)malloc(vnni_act_layout(M, K, NULL, &A));
     if (buf == NULL) return -1;
     vnni_act_layout(M, K, buf, &A);
-    /* row_chunk's rule on the parts' bytes together, as pagedkv_gguf_gemm_q8k_parts */
-    const int64_t chunk = num_threads <= 1 || bytes >= GUIDED_MIN_BYTES ? 1 : (total + num_threads - 1) / num_threads;
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
