@@ -915,71 +915,7 @@ static inline AI int af_steps16(int type) {
     return type == GGML_Q6_K ? 2 : (type == GGML_Q5_0 || type == GGML_Q5_1 || type == GGML_Q5_K) ? 4 : 8;
 }
 
-/* group g of a row as 32 unsigned codes, its two half scales and its offset */
-static inline AI void af_unpack(const int type, const uint8_t *row, int64_t g, uint8_t *q,
-                                float *d2, float *mo) {
-    switch (type) {
-        case GGML_Q4_0:
-        case GGML_Q4_1: {
-            const int BB = type == GGML_Q4_0 ? 18 : 20;
-            const uint8_t *b = row + g * BB, *qs = b + BB - 16;
-            for (int i = 0; i < 16; i++) {
-                q[i] = qs[i] & 0x0F;
-                q[i + 16] = qs[i] >> 4;
-            }
-            d2[0] = d2[1] = f16_to_f32(b);
-            *mo = type == GGML_Q4_1 ? f16_to_f32(b + 2) : 0.0f;
-            return;
-        }
-        case GGML_Q5_0:
-        case GGML_Q5_1: {
-            const int BB = type == GGML_Q5_0 ? 22 : 24;
-            const uint8_t *b = row + g * BB, *qs = b + BB - 16;
-            uint32_t qh;
-            memcpy(&qh, b + BB - 20, 4);
-            for (int i = 0; i < 16; i++) {
-                q[i] = (uint8_t)((qs[i] & 0x0F) | (((qh >> i) & 1u) << 4));
-                q[i + 16] = (uint8_t)((qs[i] >> 4) | (((qh >> (i + 16)) & 1u) << 4));
-            }
-            d2[0] = d2[1] = f16_to_f32(b);
-            *mo = type == GGML_Q5_1 ? f16_to_f32(b + 2) : 0.0f;
-            return;
-        }
-        case GGML_Q4_K:
-        case GGML_Q5_K: {
-            const int five = type == GGML_Q5_K, j = (int)(g & 7);
-            const uint8_t *blk = row + (g >> 3) * (five ? 176 : 144);
-            float D[8], DM[8];
-            prep_q4_k(blk, D, DM);
-            const uint8_t *qs = blk + (five ? 48 : 16) + 32 * (j >> 1);
-            for (int i = 0; i < 32; i++) {
-                uint8_t v = (j & 1) ? qs[i] >> 4 : qs[i] & 0x0F;
-                if (five && ((blk[16 + i] >> j) & 1)) v += 16;
-                q[i] = v;
-            }
-            d2[0] = d2[1] = D[j];
-            *mo = -DM[j];
-            return;
-        }
-        default: { /* Q6_K */
-            const int j = (int)(g & 7), h = j >> 2, t = j & 3;
-            const uint8_t *blk = row + (g >> 3) * 210;
-            const uint8_t *ql = blk + 64 * h + 32 * (t & 1), *qh = blk + 128 + 32 * h;
-            for (int i = 0; i < 32; i++) {
-                const uint8_t lo = t >= 2 ? ql[i] >> 4 : ql[i] & 0x0F;
-                q[i] = (uint8_t)(lo | (((qh[i] >> (2 * t)) & 3) << 4));
-            }
-            const float d = f16_to_f32(blk + 208);
-            const int8_t *sc = (const int8_t *)(blk + 192);
-            d2[0] = d * (float)sc[2 * j];
-            d2[1] = d * (float)sc[2 * j + 1];
-            *mo = 0.0f;
-            return;
-        }
-    }
-}
-
-/* af_unpack's 32 unsigned codes of a 32-element type's block b in one vector (nibbles32 and
+/* The 32 unsigned codes of a 32-element type's block b in one vector (nibbles32 and
  * fifth_bits32, as the decode step's q8w_* without their bias) */
 static inline AI __m256i af_codes32(const int type, const uint8_t *b) {
     switch (type) {
@@ -990,11 +926,50 @@ static inline AI __m256i af_codes32(const int type, const uint8_t *b) {
     }
 }
 
+/* A K-type's group g (of 32) of a row: its 32 unsigned codes in one vector (the nibbles, and
+ * Q5_K's fifth bits, Q6_K's two high bits, of 32 consecutive bytes by shifts and masks), its
+ * two half scales in d2 (equal but for Q6_K's sub-blocks of 16) and its offset in *mo */
+static inline AI __m256i af_codes_k(const int type, const uint8_t *row, int64_t g, float *d2,
+                                    float *mo) {
+    const int j = (int)(g & 7);
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    if (type == GGML_Q6_K) {
+        const int h = j >> 2, t = j & 3;
+        const uint8_t *blk = row + (g >> 3) * 210;
+        const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (t & 1)));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+        const __m256i lo = _mm256_and_si256(t >= 2 ? _mm256_srli_epi16(ql, 4) : ql, low4);
+        const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t)),
+                                            _mm256_set1_epi8(3));
+        const float d = f16_to_f32(blk + 208);
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        d2[0] = d * (float)sc[2 * j];
+        d2[1] = d * (float)sc[2 * j + 1];
+        *mo = 0.0f;
+        return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+    }
+    const int five = type == GGML_Q5_K;
+    const uint8_t *blk = row + (g >> 3) * (five ? 176 : 144);
+    float D[8], DM[8];
+    prep_q4_k(blk, D, DM);
+    d2[0] = d2[1] = D[j];
+    *mo = -DM[j];
+    const __m256i qs = _mm256_loadu_si256((const __m256i *)(blk + (five ? 48 : 16) + 32 * (j >> 1)));
+    __m256i codes = _mm256_and_si256((j & 1) ? _mm256_srli_epi16(qs, 4) : qs, low4);
+    if (five) {
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
+        const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)),
+                                             _mm256_set1_epi8(1));
+        codes = _mm256_or_si256(codes, _mm256_slli_epi16(bit, 4));
+    }
+    return codes;
+}
+
 /* A tile's 8 rows (n0.., nv of them real, the rest zeros) into T: each group's codes as
  * [step][row][4 bytes] (a transpose of the rows' [step][4]), its scales and offsets. The
- * 32-element types unpack a block in a few vector instructions (af_codes32); their scalar
- * unpacking had cost 85% of a product's time at one activation row and half at 48 (SmolLM2's
- * gate / up, 2-core Zen 3). */
+ * codes of a group come from a few vector instructions (af_codes32, af_codes_k); unpacked
+ * byte by byte, with 4-byte copies for the transpose, they had cost 85% of a product's time
+ * at one activation row and half at 48 (SmolLM2's gate / up, 2-core Zen 3). */
 static void af_pack(const int type, const uint8_t *w, int64_t row_bytes, int64_t n0, int nv,
                     int64_t G, const af_tile *T) {
     const int b32 = type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q5_0 || type == GGML_Q5_1;
@@ -1017,15 +992,13 @@ static void af_pack(const int type, const uint8_t *w, int64_t row_bytes, int64_t
                 }
             }
         } else {
-            uint8_t q[8][32];
             for (int r = 0; r < 8; r++) {
                 if (r < nv) {
-                    af_unpack(type, w + (n0 + r) * row_bytes, g, q[r], d2[r], &mo[r]);
+                    v[r] = af_codes_k(type, w + (n0 + r) * row_bytes, g, d2[r], &mo[r]);
                 } else {
-                    memset(q[r], 0, 32);
+                    v[r] = _mm256_setzero_si256();
                     d2[r][0] = d2[r][1] = mo[r] = 0.0f;
                 }
-                v[r] = _mm256_loadu_si256((const __m256i *)q[r]);
             }
         }
         /* [row][step][4] -> [step][row][4]: an 8 x 8 transpose of 4-byte elements */
