@@ -198,12 +198,14 @@ static int rows_taken(const pagedkv_llama_layer *L, int64_t M) {
     return M >= 1 && (M <= MAX_M || L->batch_invariant);
 }
 
-/* e^x of 8 floats, x clamped to [-87, 88] (e^x stays a normal float): Cody-Waite reduction
- * x = n ln2 + r, |r| <= ln2 / 2 (ln2 in a high part exact in float and a low part), e^r by its
- * Taylor polynomial to degree 7 (truncation below 0.1 ulp), times 2^n built in the exponent
- * bits. Within about 1 ulp of expf, as torch's vectorized exp (Sleef's, 1.0 ulp) is. */
+/* e^x of 8 floats for swiglu: Cody-Waite reduction x = n ln2 + r, |r| <= ln2 / 2 (ln2 in a
+ * high part exact in float and a low part), e^r by its Taylor polynomial to degree 7
+ * (truncation below 0.1 ulp), times 2^(n - 1) built in the exponent bits, times 2, so that
+ * n = 128 overflows to +inf as expf does: within 1 ulp of expf from -86.5 up, +inf past
+ * ln(FLT_MAX) (x is clamped to 88.8, past it). Below -86.5, x is taken as -86.5: e^x is
+ * then under 3e-38, and 1 + e^x is 1 either way, which is all swiglu asks of it. */
 static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-86.5f)), _mm256_set1_ps(88.8f));
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -216,9 +218,10 @@ static inline __m256 exp8(__m256 x) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    /* n in [-125, 128]: 2^(n - 1) is a normal float */
     const __m256i bits = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(126)), 23);
+    return _mm256_mul_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)), _mm256_set1_ps(2.0f));
 }
 
 /* out[i] = silu(gate[i]) * up[i] = gate[i] / (1 + e^-gate[i]) * up[i] (fp32, torch's order of

@@ -433,9 +433,9 @@ int pagedkv_gguf_get_rows(int type, const uint8_t *w, const int64_t *ids, int64_
  *   Q6_K, Q4_K, Q5_K   on activation blocks of 256 (Q8_K-style, below: "K-quants on
  *                      activation blocks of 256"), one float step per super-block
  * The int32 lanes become floats once per group of 32 and meet the group's fp32 factor in one
- * fused multiply-add into 8 lanes per activation row, summed at the end of the row (the
- * factors of eight groups made together, and the offsets' m_b * xds_b summed in 8 lanes, one
- * per group of the eight; see Q8_ROW32). The
+ * fused multiply-add into 8 lanes per activation row, summed at the end of the row (on the
+ * AVX2 body the factors of eight groups made together, and the offsets' m_b * xds_b summed in
+ * 8 lanes, one per group of the eight; see Q8_ROW32). The
  * result differs from the fp32 product by the activations' rounding: at most
  * sum_k |w_k| * xd_block(k) / 2, plus fp32 summation (xd_block(k) the scale of k's activation
  * block: of 32, or the K-types' 256).
@@ -595,7 +595,6 @@ static inline AI void scales8(const uint8_t *b, const int BB, __m256 *d, __m256 
     static inline AI void q8_row_##T(const int M, const uint8_t *w, const int8_t *xq,        \
                                      const float *xd, const float *xds, int64_t K,           \
                                      int64_t ldo, int64_t n, float *out) {                   \
-        (void)xds;                                                                           \
         const int64_t G = K / 32;                                                            \
         const uint8_t *row = w + n * G * (BB);                                               \
         __m256 a0[MAX_M], a1[MAX_M], mo[MAX_M];                                              \
