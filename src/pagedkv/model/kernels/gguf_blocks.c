@@ -654,6 +654,32 @@ Q8_ROWS(q4_1)
 Q8_ROWS(q5_0)
 Q8_ROWS(q5_1)
 
+/* rows n0..n1 of any 32-element type (q8_rows_<type>); others do nothing (callers check) */
+static void q8_rows_type(int type, int M, const uint8_t *w, const int8_t *xq, const float *xd,
+                         const float *xds, int64_t K, int64_t ldo, int64_t n0, int64_t n1,
+                         float *out) {
+    switch (type) {
+        case GGML_Q8_0: q8_rows_q8_0(M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
+        case GGML_Q4_0: q8_rows_q4_0(M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
+        case GGML_Q4_1: q8_rows_q4_1(M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
+        case GGML_Q5_0: q8_rows_q5_0(M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
+        case GGML_Q5_1: q8_rows_q5_1(M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
+    }
+}
+
+/* x fp32 [M, K] rounded by quantize_row_q8 into one new buffer: xd, xds fp32 [M, K / 32], then
+ * xq int8 [M, K] (free it with free()); NULL if the allocation fails */
+static float *q8_round_rows(const float *x, int64_t M, int64_t K) {
+    const int64_t G = K / 32;
+    float *xd = (float *)malloc(sizeof(float) * 2 * M * G + (size_t)(M * K));
+    if (xd == NULL) return NULL;
+    float *xds = xd + M * G;
+    int8_t *xq = (int8_t *)(xds + M * G);
+    for (int64_t m = 0; m < M; m++)
+        quantize_row_q8(x + m * K, K, xq + m * K, xd + m * G, xds + m * G);
+    return xd;
+}
+
 /* ---- K-quants on activation blocks of 256 (Q8_K-style) ----------------------------------
  *
  * The K-types (Q4_K, Q5_K, Q6_K) take their activations in blocks of 256, one per weight
@@ -2409,6 +2435,17 @@ static int parts_blocks(int num_parts, const int *types, const int64_t *rows, in
     return col[num_parts] > ldo ? -1 : 0;
 }
 
+/* Block b of a stacked product's parts (first_block from parts_blocks): its part in *p and
+ * its rows n0..n1 of that part */
+static inline int part_block(const int64_t *first_block, const int64_t *rows, int64_t b,
+                             int64_t *n0, int64_t *n1) {
+    int p = 0;
+    while (b >= first_block[p + 1]) p++;
+    *n0 = (b - first_block[p]) * ROW_BLOCK;
+    *n1 = *n0 + ROW_BLOCK < rows[p] ? *n0 + ROW_BLOCK : rows[p];
+    return p;
+}
+
 /* The K-type parts of a stacked product (q, k, v; gate, up) in one call: x rounded by
  * quantize_row_q8k once, then one OpenMP region over every part's blocks of ROW_BLOCK rows
  * (part p writes the output columns after those of parts 0..p-1), instead of one rounding and
@@ -2442,10 +2479,8 @@ int pagedkv_gguf_gemm_q8k_parts(int num_parts, const int *types, const uint8_t *
     const int64_t chunk = num_threads <= 1 || bytes >= GUIDED_MIN_BYTES ? 1 : (total + num_threads - 1) / num_threads;
 #pragma omp parallel for schedule(guided, chunk) num_threads(num_threads)
     for (int64_t b = 0; b < total; b++) {
-        int p = 0;
-        while (b >= first_block[p + 1]) p++;
-        const int64_t n0 = (b - first_block[p]) * ROW_BLOCK;
-        const int64_t n1 = n0 + ROW_BLOCK < rows[p] ? n0 + ROW_BLOCK : rows[p];
+        int64_t n0, n1;
+        const int p = part_block(first_block, rows, b, &n0, &n1);
         k_rows(types[p], vnni, (int)M, ws[p], xq, xd, bsum, K, ldo, n0, n1, out + col[p]);
     }
     free(xd);
@@ -2478,30 +2513,17 @@ int pagedkv_gguf_gemm_q8v_parts(int num_parts, const int *types, const uint8_t *
     /* row_chunk's rule on the parts' bytes together, as pagedkv_gguf_gemm_q8k_parts */
     const int64_t chunk = num_threads <= 1 || bytes >= GUIDED_MIN_BYTES ? 1 : (total + num_threads - 1) / num_threads;
     if (isa != PAGEDKV_ISA_AVX512_VNNI) {
-        /* the AVX2 body: pagedkv_gguf_gemm_q8_ld's buffer (xd, xds fp32 [M, K / 32], then xq
-         * int8 [M, K]) and rounding, once for every part */
+        /* the AVX2 body: pagedkv_gguf_gemm_q8_ld's rounding, once for every part */
         const int64_t G = K / 32;
-        float *xd = (float *)malloc(sizeof(float) * 2 * M * G + (size_t)(M * K));
+        float *xd = q8_round_rows(x, M, K);
         if (xd == NULL) return -1;
-        float *xds = xd + M * G;
-        int8_t *xq = (int8_t *)(xds + M * G);
-        for (int64_t m = 0; m < M; m++)
-            quantize_row_q8(x + m * K, K, xq + m * K, xd + m * G, xds + m * G);
+        const float *xds = xd + M * G;
+        const int8_t *xq = (const int8_t *)(xds + M * G);
 #pragma omp parallel for schedule(guided, chunk) num_threads(num_threads)
         for (int64_t b = 0; b < total; b++) {
-            int p = 0;
-            while (b >= first_block[p + 1]) p++;
-            const int64_t n0 = (b - first_block[p]) * ROW_BLOCK;
-            const int64_t n1 = n0 + ROW_BLOCK < rows[p] ? n0 + ROW_BLOCK : rows[p];
-            const uint8_t *w = ws[p];
-            float *o = out + col[p];
-            switch (types[p]) {
-                case GGML_Q8_0: q8_rows_q8_0((int)M, w, xq, xd, xds, K, ldo, n0, n1, o); break;
-                case GGML_Q4_0: q8_rows_q4_0((int)M, w, xq, xd, xds, K, ldo, n0, n1, o); break;
-                case GGML_Q4_1: q8_rows_q4_1((int)M, w, xq, xd, xds, K, ldo, n0, n1, o); break;
-                case GGML_Q5_0: q8_rows_q5_0((int)M, w, xq, xd, xds, K, ldo, n0, n1, o); break;
-                case GGML_Q5_1: q8_rows_q5_1((int)M, w, xq, xd, xds, K, ldo, n0, n1, o); break;
-            }
+            int64_t n0, n1;
+            const int p = part_block(first_block, rows, b, &n0, &n1);
+            q8_rows_type(types[p], (int)M, ws[p], xq, xd, xds, K, ldo, n0, n1, out + col[p]);
         }
         free(xd);
         return 0;
@@ -2516,10 +2538,8 @@ int pagedkv_gguf_gemm_q8v_parts(int num_parts, const int *types, const uint8_t *
         for (int64_t m = 0; m < M; m++) vnni_act_row(x, K, m, &A, 1);
 #pragma omp for schedule(guided, chunk)
         for (int64_t b = 0; b < total; b++) {
-            int p = 0;
-            while (b >= first_block[p + 1]) p++;
-            const int64_t n0 = (b - first_block[p]) * ROW_BLOCK;
-            const int64_t n1 = n0 + ROW_BLOCK < rows[p] ? n0 + ROW_BLOCK : rows[p];
+            int64_t n0, n1;
+            const int p = part_block(first_block, rows, b, &n0, &n1);
             v_rows(types[p], (int)M, ws[p], &A, ldo, n0, n1, out + col[p]);
         }
     }
@@ -2580,13 +2600,7 @@ int pagedkv_gguf_gemm_q8_large(int type, const float *x, const uint8_t *w, float
             const int8_t *q = xq + m0 * K;
             const float *d = xd + m0 * G, *ds = xds + m0 * G;
             float *o = out + m0 * ldo;
-            switch (type) {
-                case GGML_Q8_0: q8_rows_q8_0(mc, w, q, d, ds, K, ldo, n0, n1, o); break;
-                case GGML_Q4_0: q8_rows_q4_0(mc, w, q, d, ds, K, ldo, n0, n1, o); break;
-                case GGML_Q4_1: q8_rows_q4_1(mc, w, q, d, ds, K, ldo, n0, n1, o); break;
-                case GGML_Q5_0: q8_rows_q5_0(mc, w, q, d, ds, K, ldo, n0, n1, o); break;
-                case GGML_Q5_1: q8_rows_q5_1(mc, w, q, d, ds, K, ldo, n0, n1, o); break;
-            }
+            q8_rows_type(type, mc, w, q, d, ds, K, ldo, n0, n1, o);
         }
     }
     free(xd);
@@ -2620,26 +2634,17 @@ int pagedkv_gguf_gemm_q8_ld(int type, const float *x, const uint8_t *w, float *o
         return gemm_q8k(type, x, w, out, M, N, K, ldo, num_threads, isa == PAGEDKV_ISA_AVX512_VNNI,
                         ROW_BLOCK);
     if (isa == PAGEDKV_ISA_AVX512_VNNI) return gemm_q8_vnni(type, x, w, out, M, N, K, ldo, num_threads);
-    /* one buffer: xd, xds fp32 [M, K / 32], then xq int8 [M, K] */
     const int64_t G = K / 32;
-    float *xd = (float *)malloc(sizeof(float) * 2 * M * G + (size_t)(M * K));
+    float *xd = q8_round_rows(x, M, K);
     if (xd == NULL) return -1;
-    float *xds = xd + M * G;
-    int8_t *xq = (int8_t *)(xds + M * G);
-    for (int64_t m = 0; m < M; m++)
-        quantize_row_q8(x + m * K, K, xq + m * K, xd + m * G, xds + m * G);
+    const float *xds = xd + M * G;
+    const int8_t *xq = (const int8_t *)(xds + M * G);
     const int64_t num_blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
     const int64_t chunk = row_chunk(type, K, ROW_BLOCK, num_blocks, num_threads);
 #pragma omp parallel for schedule(guided, chunk) num_threads(num_threads)
     for (int64_t b = 0; b < num_blocks; b++) {
         const int64_t n0 = b * ROW_BLOCK, n1 = n0 + ROW_BLOCK < N ? n0 + ROW_BLOCK : N;
-        switch (type) {
-            case GGML_Q8_0: q8_rows_q8_0((int)M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
-            case GGML_Q4_0: q8_rows_q4_0((int)M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
-            case GGML_Q4_1: q8_rows_q4_1((int)M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
-            case GGML_Q5_0: q8_rows_q5_0((int)M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
-            case GGML_Q5_1: q8_rows_q5_1((int)M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
-        }
+        q8_rows_type(type, (int)M, w, xq, xd, xds, K, ldo, n0, n1, out);
     }
     free(xd);
     return 0;
