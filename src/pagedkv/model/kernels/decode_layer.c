@@ -18,9 +18,9 @@
  * v Q6_K), each part its own OpenMP region, but for stacked parts all of the K-types on int8
  * activations (a Q4_K_M file's q, k, v), or all of the 32-element types (SmolLM2's Q4_1 q, k,
  * v; gate, up), which share one rounding of the input and one region
- * (pagedkv_gguf_gemm_q8k_parts / _q8v_parts, the same bits) (weights read as stored; with the layer's
- * `activations` = 1, the default, the GGUF parts of the quantized types round the product's
- * input to int8 blocks of 32 (the K-types: of 256) and multiply in integers,
+ * (pagedkv_gguf_gemm_q8k_parts / _q8v_parts, the same bits) (weights read as stored; with
+ * the layer's `activations` = 1, the default, the GGUF parts of the quantized types round the
+ * product's input to int8 blocks of 32 (the K-types: of 256) and multiply in integers,
  * pagedkv_gguf_gemm_q8_ld on the layer's `q8_isa` body: the one exception to "fp32 rounding
  * only" below; `activations` = 0 keeps fp32 activations);
  * Qwen3's per-head q / k RMSNorm (optional) follows the bias, before the rotation; the elementwise work, a few thousand floats, runs on the calling

@@ -979,7 +979,8 @@ static inline AI __m256i af_codes_k(const int type, const uint8_t *row, int64_t 
     prep_q4_k(blk, D, DM);
     d2[0] = d2[1] = D[j];
     *mo = -DM[j];
-    const __m256i qs = _mm256_loadu_si256((const __m256i *)(blk + (five ? 48 : 16) + 32 * (j >> 1)));
+    const uint8_t *q = blk + (five ? 48 : 16) + 32 * (j >> 1);
+    const __m256i qs = _mm256_loadu_si256((const __m256i *)q);
     __m256i codes = _mm256_and_si256((j & 1) ? _mm256_srli_epi16(qs, 4) : qs, low4);
     if (five) {
         const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
@@ -997,8 +998,9 @@ static inline AI __m256i af_codes_k(const int type, const uint8_t *row, int64_t 
  * at one activation row and half at 48 (SmolLM2's gate / up, 2-core Zen 3). */
 static void af_pack(const int type, const uint8_t *w, int64_t row_bytes, int64_t n0, int nv,
                     int64_t G, const af_tile *T) {
-    const int b32 = type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q5_0 || type == GGML_Q5_1;
-    const int64_t BB = type == GGML_Q4_0 ? 18 : type == GGML_Q4_1 ? 20 : type == GGML_Q5_0 ? 22 : 24;
+    int64_t E = 0, BB = 0;
+    pagedkv_gguf_block(type, &E, &BB);
+    const int b32 = E == 32; /* the K-types' blocks are of 256 */
     const int offset = type == GGML_Q4_1 || type == GGML_Q5_1;
     for (int64_t g = 0; g < G; g++) {
         float d2[8][2], mo[8];
@@ -1222,6 +1224,7 @@ static int gemm_q8_avx2_fast(int type, const float *x, const uint8_t *w, float *
 }
 
 #undef Q8_BLOCK32
+#undef Q8_BLOCK32_LANE
 #undef Q8_ROW32
 #undef Q8_ROWS
 
@@ -2435,6 +2438,14 @@ static int parts_blocks(int num_parts, const int *types, const int64_t *rows, in
     return col[num_parts] > ldo ? -1 : 0;
 }
 
+/* schedule(guided, chunk)'s minimum chunk for a stacked product's `total` blocks of `bytes`
+ * weight bytes together: row_chunk's rule (single blocks from GUIDED_MIN_BYTES on, else a
+ * static share per thread) */
+static inline int64_t parts_chunk(int64_t total, int64_t bytes, int num_threads) {
+    if (num_threads <= 1 || bytes >= GUIDED_MIN_BYTES) return 1;
+    return (total + num_threads - 1) / num_threads;
+}
+
 /* Block b of a stacked product's parts (first_block from parts_blocks): its part in *p and
  * its rows n0..n1 of that part */
 static inline int part_block(const int64_t *first_block, const int64_t *rows, int64_t b,
@@ -2474,9 +2485,7 @@ int pagedkv_gguf_gemm_q8k_parts(int num_parts, const int *types, const uint8_t *
     int8_t *xq = (int8_t *)(bsum + M * H);
     for (int64_t m = 0; m < M; m++) quantize_row_q8k(x + m * K, K, xq + m * K, xd + m * S, bsum + m * H);
     const int vnni = isa == PAGEDKV_ISA_AVX512_VNNI;
-    /* row_chunk's rule (guided by single blocks from GUIDED_MIN_BYTES on, else a static
-     * share per thread) on the parts' bytes together */
-    const int64_t chunk = num_threads <= 1 || bytes >= GUIDED_MIN_BYTES ? 1 : (total + num_threads - 1) / num_threads;
+    const int64_t chunk = parts_chunk(total, bytes, num_threads);
 #pragma omp parallel for schedule(guided, chunk) num_threads(num_threads)
     for (int64_t b = 0; b < total; b++) {
         int64_t n0, n1;
@@ -2510,8 +2519,7 @@ int pagedkv_gguf_gemm_q8v_parts(int num_parts, const int *types, const uint8_t *
     int64_t first_block[9], col[9], bytes;
     if (parts_blocks(num_parts, types, rows, K, ldo, first_block, col, &bytes)) return -1;
     const int64_t total = first_block[num_parts];
-    /* row_chunk's rule on the parts' bytes together, as pagedkv_gguf_gemm_q8k_parts */
-    const int64_t chunk = num_threads <= 1 || bytes >= GUIDED_MIN_BYTES ? 1 : (total + num_threads - 1) / num_threads;
+    const int64_t chunk = parts_chunk(total, bytes, num_threads);
     if (isa != PAGEDKV_ISA_AVX512_VNNI) {
         /* the AVX2 body: pagedkv_gguf_gemm_q8_ld's rounding, once for every part */
         const int64_t G = K / 32;

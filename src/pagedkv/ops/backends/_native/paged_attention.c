@@ -440,9 +440,10 @@ static inline __attribute__((always_inline)) void attend_segment(
 
 /* Fold a segment's state (ms, ls, accs) of `rows` rows into the running one (m, l, acc), in
  * segment order (one compiled copy, its multiply-adds explicit, so the whole units and the
- * split ones fold with the same instructions whatever the compiler contracts): a row without keys in the segment keeps its state, a row without keys
- * before takes the segment's, else both are rescaled to the larger maximum M:
- * acc = acc * e^(m - M) + accs * e^(ms - M) (the same for l). */
+ * split ones fold with the same instructions whatever the compiler contracts): a row without
+ * keys in the segment keeps its state, a row without keys before takes the segment's, else
+ * both are rescaled to the larger maximum M: acc = acc * e^(m - M) + accs * e^(ms - M) (the
+ * same for l). */
 static __attribute__((noinline)) void fold_segment(int rows, int D, float *m, float *l,
                                                    float *acc, const float *ms,
                                                    const float *ls, const float *accs) {
