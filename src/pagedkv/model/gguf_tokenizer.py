@@ -1,0 +1,259 @@
+"""A GGUF file's tokenizer written straight as a ``tokenizers`` JSON (``tokenizer.json``).
+
+A GGUF file stores its tokenizer as metadata (llama.cpp's ``tokenizer.ggml.*``: the tokens, their
+types, the merges or the scores); transformers' ``convert_gguf_tokenizer`` turns that into a
+``tokenizers.Tokenizer`` through its tokenizer classes (``GPT2Tokenizer``, ``GemmaTokenizer``).
+On a 128k-token vocabulary that costs about 0.85 s of Python (a class built, its vocabulary read
+back, the whole tokenizer deep-copied into ``PreTrainedTokenizerFast``), and on Gemma's 256k
+SentencePiece vocabulary, whose merges the file does not hold and must be derived, about 9 s:
+most of a file's first start (later starts read the converted tokenizer from pagedkv's cache).
+
+:func:`tokenizer_json` writes the same tokenizer as one JSON text, which ``tokenizers`` parses
+in Rust: for the two kinds that make up the large vocabularies people run,
+
+- **byte-level BPE** (``tokenizer.ggml.model`` ``gpt2``: Llama 3, Qwen2/2.5/3, SmolLM2, Mistral
+  Nemo): the vocabulary respelled into the byte alphabet where a token is not already, the
+  file's merges, the pre-tokenizer's split for the file's ``tokenizer.ggml.pre`` (transformers'
+  own table, so both follow one list);
+- **Gemma's SentencePiece BPE** (``llama`` vocabulary of a ``gemma``/``gemma2``/``gemma3`` file):
+  runs of spaces respelled as ``▁``, the merges derived from the vocabulary with the file's order
+  as the merge priority;
+
+and the added tokens as transformers adds them (its class's default special tokens, the file's
+control tokens as special, its user-defined ones as plain added tokens). Anything else (another
+kind of vocabulary, a file whose tokens the fast path would have to number past the vocabulary,
+duplicate tokens) returns None and transformers converts it. Tests parse both JSON texts and
+compare them whole on SmolLM2's and Gemma 3's files and on written vocabularies of each case.
+
+Imports transformers (its byte alphabet and split table) lazily; torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+#: ``tokenizer.ggml.token_type`` values (llama.cpp's ``llama_token_type``).
+_CONTROL, _USER_DEFINED = 3, 4
+#: Architectures whose SentencePiece vocabulary transformers builds with ``GemmaTokenizer``.
+_GEMMA_ARCHITECTURES = frozenset({"gemma", "gemma2", "gemma3"})
+#: The special tokens ``GPT2Tokenizer`` and ``GemmaTokenizer`` set by default (unk, bos, eos,
+#: then pad and mask): each becomes a special added token, appended to the vocabulary where the
+#: file lacks it.
+_GPT2_DEFAULT_SPECIALS = ("<|endoftext|>",)
+_GEMMA_DEFAULT_SPECIALS = ("<unk>", "<bos>", "<eos>", "<pad>", "<mask>")
+#: The post-processor transformers' tokenizer classes start from (no BOS/EOS added; the
+#: ``PreTrainedTokenizerFast`` built on the result sets its own from ``add_bos_token``).
+_PLAIN_POST_PROCESSOR = {
+    "type": "TemplateProcessing",
+    "single": [{"Sequence": {"id": "A", "type_id": 0}}],
+    "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+    "special_tokens": {},
+}
+
+
+def tokenizer_json(architecture: str, fields: dict[str, Any]) -> str | None:
+    """The ``tokenizer.json`` text of a GGUF file's tokenizer, or None where transformers must
+    convert it.
+
+    Args:
+        architecture: the file's ``general.architecture`` (``"llama"``, ``"gemma3"``...).
+        fields: the tokenizer fields under transformers' names (``tokenizer_type``,
+            ``pre_tokenizer_type``, ``tokens``, ``token_type``, ``merges``...), as
+            :func:`~pagedkv.model.tokenizer.gguf_tokenizer_fields` returns them.
+
+    Returns:
+        JSON that ``tokenizers`` reads as the tokenizer ``convert_gguf_tokenizer(architecture,
+        fields)[0]`` is (its merges as ``"left right"`` strings where no token holds a space,
+        the form ``tokenizers`` reads fastest); None for a vocabulary outside the two kinds
+        above or a case the fast path does not reproduce.
+    """
+    kind = fields.get("tokenizer_type")
+    tokens = fields.get("tokens")
+    if not tokens or len(set(tokens)) != len(tokens):
+        return None
+    if kind == "gpt2":
+        return _byte_level(fields)
+    if kind == "llama" and architecture in _GEMMA_ARCHITECTURES:
+        return _gemma(fields)
+    return None
+
+
+def _byte_level(fields: dict[str, Any]) -> str | None:
+    """Byte-level BPE (transformers' ``byte_level_tokenizer`` + ``add_gguf_special_tokens`` +
+    ``set_split_regex``)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    merges = fields.get("merges")
+    if merges is None or not all(m.count(" ") == 1 for m in merges):
+        return None  # no merges, or one transformers would split into other than a pair
+    tokens: list[str] = fields["tokens"]
+    spelling = bytes_to_unicode()
+    alphabet = frozenset(spelling.values())
+    # a token already spelled in the byte alphabet stays; another is spelled byte by byte
+    vocab_tokens = [
+        t if alphabet.issuperset(t) else "".join(spelling[b] for b in t.encode("utf-8"))
+        for t in tokens
+    ]
+    vocab = dict(zip(vocab_tokens, range(len(vocab_tokens)), strict=True))
+    if len(vocab) != len(tokens):  # respelling made two tokens one
+        return None
+    added = _added_tokens(fields, vocab, _GPT2_DEFAULT_SPECIALS, lambda t: alphabet.issuperset(t))
+    if added is None:
+        return None
+    pre_tokenizer: dict[str, Any] = {
+        "type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True,
+    }  # fmt: skip
+    split = _split_regex(fields.get("pre_tokenizer_type"))
+    if split is not None:
+        pre_tokenizer = {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": split}, "behavior": "Isolated",
+                 "invert": False},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                 "use_regex": False},
+            ],
+        }  # fmt: skip
+    model = {
+        "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
+        "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False,
+        "ignore_merges": False, "vocab": vocab, "merges": list(merges),
+    }  # fmt: skip
+    decoder = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
+               "use_regex": True}  # fmt: skip
+    return _document(added, None, pre_tokenizer, decoder, model)
+
+
+def _gemma(fields: dict[str, Any]) -> str | None:
+    """Gemma's SentencePiece BPE (transformers' ``gemma_tokenizer`` + ``add_gguf_special_tokens``):
+    a token of two or more spaces (and nothing else) is spelled with ``▁``, and the merges are
+    derived from the vocabulary (:func:`_derived_merges`)."""
+    if fields.get("merges") is not None or _split_regex(fields.get("pre_tokenizer_type")):
+        return None
+    tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in fields["tokens"]]
+    vocab = dict(zip(tokens, range(len(tokens)), strict=True))
+    if len(vocab) != len(tokens):  # respelling made two tokens one
+        return None
+    added = _added_tokens(fields, vocab, _GEMMA_DEFAULT_SPECIALS, None)
+    if added is None:
+        return None
+    model = {
+        "type": "BPE", "dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None,
+        "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True,
+        "ignore_merges": False, "vocab": vocab,
+        "merges": _derived_merges(vocab, as_pairs=any(" " in t for t in tokens)),
+    }  # fmt: skip
+    normalizer = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
+    pre_tokenizer = {"type": "Split", "pattern": {"String": " "},
+                     "behavior": "MergedWithPrevious", "invert": False}  # fmt: skip
+    decoder = {
+        "type": "Sequence",
+        "decoders": [
+            {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+            {"type": "ByteFallback"},
+            {"type": "Fuse"},
+        ],
+    }
+    return _document(added, normalizer, pre_tokenizer, decoder, model)
+
+
+def _derived_merges(vocab: dict[str, int], *, as_pairs: bool) -> list[Any]:
+    """The merges a vocabulary implies, in transformers' ``generate_merges`` order with each
+    token's score its negated position (what ``gemma_tokenizer`` passes): every split of a token
+    into two tokens of the vocabulary, ordered by score (the earlier token first), then by the
+    left part's length and the right part's (longer first). The scores are distinct, and one
+    token's splits differ in the left part's length, so no two merges tie: this order is the
+    whole of it. ``vocab``: token -> id, with distinct tokens. Each merge is ``"left right"``
+    (``tokenizers`` reads that form in half the time of a pair) unless ``as_pairs`` (a token
+    holds a space)."""
+    merges: list[Any] = []
+    append = merges.append
+    for piece in vocab:  # ids ascending: the dict was built in the file's order
+        for cut in range(len(piece) - 1, 0, -1):
+            left = piece[:cut]
+            if left in vocab:
+                right = piece[cut:]
+                if right in vocab:
+                    append([left, right] if as_pairs else f"{left} {right}")
+    return merges
+
+
+def _added_tokens(
+    fields: dict[str, Any],
+    vocab: dict[str, int],
+    defaults: tuple[str, ...],
+    control_ok: Any,
+) -> list[dict[str, Any]] | None:
+    """The ``added_tokens`` entries, by id: the class's ``defaults`` and the file's control
+    tokens as special (a control token ``control_ok`` refuses is left out, transformers' rule for
+    byte-level vocabularies), its user-defined tokens found in the vocabulary as plain added
+    tokens. A default the vocabulary lacks is appended after it (``GPT2Tokenizer``'s
+    ``<|endoftext|>`` in a Llama 3 vocabulary). None where transformers' result is not this
+    (a default the file also marks user-defined, two defaults missing)."""
+    special: dict[int, str] = {}
+    plain: dict[int, str] = {}
+    size = len(vocab)
+    missing = [t for t in dict.fromkeys(defaults) if t not in vocab]
+    if len(missing) > 1:
+        return None
+    types = fields.get("token_type") or ()
+    tokens = fields["tokens"]
+    for token in defaults:
+        special[vocab.get(token, size)] = token
+    for token, token_type in zip(
+        tokens, types, strict=False
+    ):  # as transformers: types may be short
+        if token_type == _CONTROL and (control_ok is None or control_ok(token)):
+            if token not in vocab:  # respelled: transformers would append it
+                return None
+            special[vocab[token]] = token
+    for token, token_type in zip(
+        tokens, types, strict=False
+    ):  # as transformers: types may be short
+        if token_type == _USER_DEFINED and token in vocab:
+            token_id = vocab[token]
+            if token_id in special:  # made special before: transformers' result not checked
+                return None
+            plain[token_id] = token
+        elif token_type == _USER_DEFINED and token in missing:
+            return None
+    entries = [(i, t, True) for i, t in special.items()] + [(i, t, False) for i, t in plain.items()]
+    return [
+        {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": is_special}
+        for i, t, is_special in sorted(entries)
+    ]  # fmt: skip
+
+
+def _split_regex(pre_tokenizer_type: Any) -> str | None:
+    """The split regex transformers applies for a file's ``tokenizer.ggml.pre`` (its
+    ``GGUF_PRE_TOKENIZER_SPLITS``), or None."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+
+    if not isinstance(pre_tokenizer_type, str):
+        return None
+    return GGUF_PRE_TOKENIZER_SPLITS.get(pre_tokenizer_type)
+
+
+def _document(
+    added: list[dict[str, Any]],
+    normalizer: dict[str, Any] | None,
+    pre_tokenizer: dict[str, Any],
+    decoder: dict[str, Any],
+    model: dict[str, Any],
+) -> str:
+    return json.dumps(
+        {
+            "version": "1.0",
+            "truncation": None,
+            "padding": None,
+            "added_tokens": added,
+            "normalizer": normalizer,
+            "pre_tokenizer": pre_tokenizer,
+            "post_processor": _PLAIN_POST_PROCESSOR,
+            "decoder": decoder,
+            "model": model,
+        },
+        ensure_ascii=False,
+    )
