@@ -134,6 +134,29 @@ def test_converted_tokenizer_is_cached_and_equal(gguf_path, tmp_path, monkeypatc
     assert _tokenizer_cache_folder(tmp_path / "missing.gguf") is None
 
 
+def test_an_unreadable_cache_entry_is_converted_again(gguf_path, tmp_path, monkeypatch, caplog):
+    """A cache entry whose tokenizer.json was cut short (a disk filled mid-write by hand, a
+    copy interrupted) is logged, replaced by a new conversion and the start goes on: the same
+    tokenizer as a clean start, and the next start reads the new entry."""
+    import shutil
+
+    from pagedkv.model.tokenizer import Tokenizer, _tokenizer_cache_folder
+
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))
+    model = tmp_path / gguf_path.name
+    shutil.copyfile(gguf_path, model)
+    fresh = Tokenizer.from_gguf(model)
+    entry = _tokenizer_cache_folder(model) / "tokenizer.json"
+    entry.write_text(entry.read_text(encoding="utf-8")[:1000], encoding="utf-8")
+    with caplog.at_level("WARNING", logger="pagedkv.model.tokenizer"):
+        again = Tokenizer.from_gguf(model)
+    assert "unreadable" in caplog.text
+    assert len(entry.read_text(encoding="utf-8")) > 1000
+    later = Tokenizer.from_gguf(model)
+    for text in TEXTS:
+        assert again.encode(text) == fresh.encode(text) == later.encode(text)
+
+
 def test_the_tokenizer_digest_covers_the_tokenizer_only(tmp_path):
     """Two GGUF files that differ in their tensors and other metadata share a tokenizer digest;
     a different token, merge, special id, chat template or architecture changes it."""

@@ -201,16 +201,13 @@ def _added_tokens(
     tokens = fields["tokens"]
     for token in defaults:
         special[vocab.get(token, size)] = token
-    for token, token_type in zip(
-        tokens, types, strict=False
-    ):  # as transformers: types may be short
+    # zip as transformers does: a short list of types leaves the last tokens plain
+    for token, token_type in zip(tokens, types, strict=False):
         if token_type == _CONTROL and (control_ok is None or control_ok(token)):
             if token not in vocab:  # respelled: transformers would append it
                 return None
             special[vocab[token]] = token
-    for token, token_type in zip(
-        tokens, types, strict=False
-    ):  # as transformers: types may be short
+    for token, token_type in zip(tokens, types, strict=False):
         if token_type == _USER_DEFINED and token in vocab:
             token_id = vocab[token]
             if token_id in special:  # made special before: transformers' result not checked

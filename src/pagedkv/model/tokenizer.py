@@ -392,7 +392,10 @@ def _fast_tokenizer_from_gguf(path: Path) -> Any:
         try:
             return _tokenizer_from_files(cached)
         except Exception as e:  # OSError, JSON, arguments; tokenizers raises a bare Exception
-            logger.info("tokenizer cache %s unreadable (%s): converting again", cached, e)
+            logger.warning("tokenizer cache %s unreadable (%s): converting again", cached, e)
+            import shutil
+
+            shutil.rmtree(cached, ignore_errors=True)  # else the entry would be read again
     try:
         from transformers.integrations.gguf import convert_gguf_tokenizer  # noqa: F401
     except ImportError:
@@ -423,8 +426,9 @@ def gguf_tokenizer_json(
     against), a byte-level BPE or Gemma vocabulary is written by
     :func:`~pagedkv.model.gguf_tokenizer.tokenizer_json`: the tokenizer transformers'
     ``convert_gguf_tokenizer`` builds (tests compare the two whole) in a fraction of the time
-    (a 128k-token vocabulary about 1.1 -> 0.3 s, Gemma's 262k about 8.5 -> 2 s). Otherwise, or
-    where the fast path declines, transformers converts and its tokenizer is serialized.
+    (docs/model.md: a 1B file's first engine start 2.6-3.0 -> 2.2-2.4 s, Gemma 3's 8.4-10.2 ->
+    5.8-6.2 s). Otherwise, or where the fast path declines, transformers converts and its
+    tokenizer is serialized.
     """
     import transformers
 
