@@ -13,8 +13,6 @@ import json
 
 import pytest
 
-pytestmark = pytest.mark.slow
-
 TEXTS = [
     "Hello, world!",
     "  leading spaces,   runs of spaces and trailing ones  ",
@@ -44,6 +42,7 @@ def _fields(path):
     return gguf_tokenizer_fields(path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["smollm2", "gemma3"])
 def test_the_packaged_models_tokenizers_equal_transformers(model, request):
     """SmolLM2 (byte-level BPE, 49k tokens and their merges) and Gemma 3 (SentencePiece, 262k

@@ -157,6 +157,92 @@ def test_an_unreadable_cache_entry_is_converted_again(gguf_path, tmp_path, monke
         assert again.encode(text) == fresh.encode(text) == later.encode(text)
 
 
+def test_an_unreadable_entry_that_cannot_be_removed_still_starts(gguf_path, tmp_path, monkeypatch):
+    """An unreadable entry that cannot be removed (a read-only or another user's cache): the
+    start converts again and builds the tokenizer from its own new entry, which is dropped;
+    the old one stays as it was."""
+    import shutil
+
+    from pagedkv.model.tokenizer import Tokenizer, _tokenizer_cache_folder
+
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))
+    model = tmp_path / gguf_path.name
+    shutil.copyfile(gguf_path, model)
+    fresh = Tokenizer.from_gguf(model)
+    entry = _tokenizer_cache_folder(model) / "tokenizer.json"
+    entry.write_text("{cut short", encoding="utf-8")
+    monkeypatch.setattr(shutil, "rmtree", lambda *args, **kwargs: None)
+    again = Tokenizer.from_gguf(model)
+    assert entry.read_text(encoding="utf-8") == "{cut short"
+    for text in TEXTS:
+        assert again.encode(text) == fresh.encode(text)
+
+
+def test_an_unwritable_cache_builds_the_tokenizer_in_memory(gguf_path, tmp_path, monkeypatch):
+    """A cache folder that cannot be made (its parent is a file): the tokenizer is built in
+    memory, the same as a cached one, and nothing is written."""
+    import shutil
+
+    from pagedkv.model.tokenizer import Tokenizer
+
+    (tmp_path / "not-a-folder").write_text("", encoding="utf-8")
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "not-a-folder" / "cache"))
+    model = tmp_path / gguf_path.name
+    shutil.copyfile(gguf_path, model)
+    tokenizer = Tokenizer.from_gguf(model)
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))
+    cached = Tokenizer.from_gguf(model)
+    for text in TEXTS:
+        assert tokenizer.encode(text) == cached.encode(text)
+        assert tokenizer.decode(cached.encode(text)) == cached.decode(cached.encode(text))
+
+
+def test_a_tokenizer_that_cannot_be_built_is_refused_and_not_cached(tmp_path, monkeypatch):
+    """A vocabulary large enough to be cached whose merges name a token it lacks: a
+    ModelLoadError naming the file, and no cache entry (a later start would read it and fail
+    again)."""
+    import gguf
+
+    from pagedkv.errors import ModelLoadError
+    from pagedkv.model.tokenizer import _tokenizer_cache_folder, read_gguf_tokenizer
+
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "bad-merges.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    tokens = ["a", "b"] + [f"t{i}" for i in range(20000)]
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * len(tokens))
+    writer.add_token_merges(["a b", "a z"])  # "z" and "ab" are not tokens
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match=r"bad-merges\.gguf"):
+        read_gguf_tokenizer(path)
+    folder = _tokenizer_cache_folder(path)
+    assert not folder.exists()
+    assert not [p for p in folder.parent.iterdir() if p.name.startswith(".staging-")]
+
+
+def test_a_new_entry_never_replaces_one_already_there(gguf_path, tmp_path):
+    """Two first starts of one file: the second's entry finds the first's in place and is
+    dropped (the first's untouched, the second's tokenizer still built)."""
+    from pagedkv.model.tokenizer import (
+        _built_and_cached,
+        gguf_tokenizer_fields,
+        gguf_tokenizer_json,
+    )
+
+    text, kwargs = gguf_tokenizer_json(*gguf_tokenizer_fields(gguf_path))
+    folder = tmp_path / "entry"
+    first = _built_and_cached(folder, text, kwargs)
+    stamp = (folder / "tokenizer.json").stat().st_mtime_ns
+    second = _built_and_cached(folder, text, kwargs)
+    assert (folder / "tokenizer.json").stat().st_mtime_ns == stamp
+    assert second.encode(TEXTS[2]) == first.encode(TEXTS[2])
+    assert [p.name for p in tmp_path.iterdir()] == ["entry"]
+
+
 def test_the_tokenizer_digest_covers_the_tokenizer_only(tmp_path):
     """Two GGUF files that differ in their tensors and other metadata share a tokenizer digest;
     a different token, merge, special id, chat template or architecture changes it."""

@@ -3,10 +3,11 @@
 A GGUF file stores its tokenizer as metadata (llama.cpp's ``tokenizer.ggml.*``: the tokens, their
 types, the merges or the scores); transformers' ``convert_gguf_tokenizer`` turns that into a
 ``tokenizers.Tokenizer`` through its tokenizer classes (``GPT2Tokenizer``, ``GemmaTokenizer``).
-On a 128k-token vocabulary that costs about 0.85 s of Python (a class built, its vocabulary read
-back, the whole tokenizer deep-copied into ``PreTrainedTokenizerFast``), and on Gemma's 256k
-SentencePiece vocabulary, whose merges the file does not hold and must be derived, about 9 s:
-most of a file's first start (later starts read the converted tokenizer from pagedkv's cache).
+On a 128k-token vocabulary that costs about 0.9 s of Python (a class built, its vocabulary read
+back, the whole tokenizer deep-copied into ``PreTrainedTokenizerFast``), and on Gemma's 262k
+SentencePiece vocabulary, whose merges the file does not hold and must be derived, about 6.5 s
+(4.6 s converting, 2.1 s the deep copy): most of a file's first start (later starts read the
+converted tokenizer from pagedkv's cache). ``benchmarks/bench_tokenizer_json.py`` measures it.
 
 :func:`tokenizer_json` writes the same tokenizer as one JSON text, which ``tokenizers`` parses
 in Rust: for the two kinds that make up the large vocabularies people run,
@@ -22,7 +23,8 @@ in Rust: for the two kinds that make up the large vocabularies people run,
 and the added tokens as transformers adds them (its class's default special tokens, the file's
 control tokens as special, its user-defined ones as plain added tokens). Anything else (another
 kind of vocabulary, a file whose tokens the fast path would have to number past the vocabulary,
-duplicate tokens) returns None and transformers converts it. Tests parse both JSON texts and
+duplicate tokens, a default special token the file marks user-defined, a merge that is not a
+pair) returns None and transformers converts it. Tests parse both JSON texts and
 compare them whole on SmolLM2's and Gemma 3's files and on written vocabularies of each case.
 
 Imports transformers (its byte alphabet and split table) lazily; torch-free.
@@ -31,6 +33,7 @@ Imports transformers (its byte alphabet and split table) lazily; torch-free.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 #: ``tokenizer.ggml.token_type`` values (llama.cpp's ``llama_token_type``).
@@ -66,29 +69,46 @@ def tokenizer_json(architecture: str, fields: dict[str, Any]) -> str | None:
         JSON that ``tokenizers`` reads as the tokenizer ``convert_gguf_tokenizer(architecture,
         fields)[0]`` is (its merges as ``"left right"`` strings where no token holds a space,
         the form ``tokenizers`` reads fastest); None for a vocabulary outside the two kinds
-        above or a case the fast path does not reproduce.
+        above, a case the fast path does not reproduce, or a transformers without the
+        tables it reads (its GPT-2 byte alphabet, its ``GGUF_PRE_TOKENIZER_SPLITS``). Raises
+        nothing of its own: fields it cannot take give None.
     """
     kind = fields.get("tokenizer_type")
     tokens = fields.get("tokens")
-    if not tokens or len(set(tokens)) != len(tokens):
+    pre_tokenizer_type = fields.get("pre_tokenizer_type")
+    if (
+        not isinstance(tokens, list)
+        or not tokens
+        or not all(isinstance(t, str) for t in tokens)
+        or len(set(tokens)) != len(tokens)
+        or not isinstance(pre_tokenizer_type, str | None)
+    ):
         return None
+    try:  # transformers' byte alphabet and split table, where this transformers has them
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            GGUF_PRE_TOKENIZER_SPLITS,
+        )
+    except ImportError:
+        return None
+    split = GGUF_PRE_TOKENIZER_SPLITS.get(pre_tokenizer_type)
     if kind == "gpt2":
-        return _byte_level(fields)
-    if kind == "llama" and architecture in _GEMMA_ARCHITECTURES:
+        return _byte_level(fields, bytes_to_unicode(), split)
+    if kind == "llama" and architecture in _GEMMA_ARCHITECTURES and split is None:
         return _gemma(fields)
     return None
 
 
-def _byte_level(fields: dict[str, Any]) -> str | None:
+def _byte_level(fields: dict[str, Any], spelling: dict[int, str], split: str | None) -> str | None:
     """Byte-level BPE (transformers' ``byte_level_tokenizer`` + ``add_gguf_special_tokens`` +
-    ``set_split_regex``)."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
+    ``set_split_regex``): ``spelling`` GPT-2's byte -> character map, ``split`` the regex of
+    the file's pre-tokenizer type (None: ByteLevel's own)."""
     merges = fields.get("merges")
-    if merges is None or not all(m.count(" ") == 1 for m in merges):
+    if not isinstance(merges, list) or not all(
+        isinstance(m, str) and m.count(" ") == 1 for m in merges
+    ):
         return None  # no merges, or one transformers would split into other than a pair
     tokens: list[str] = fields["tokens"]
-    spelling = bytes_to_unicode()
     alphabet = frozenset(spelling.values())
     # a token already spelled in the byte alphabet stays; another is spelled byte by byte
     vocab_tokens = [
@@ -104,7 +124,6 @@ def _byte_level(fields: dict[str, Any]) -> str | None:
     pre_tokenizer: dict[str, Any] = {
         "type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True,
     }  # fmt: skip
-    split = _split_regex(fields.get("pre_tokenizer_type"))
     if split is not None:
         pre_tokenizer = {
             "type": "Sequence",
@@ -129,7 +148,7 @@ def _gemma(fields: dict[str, Any]) -> str | None:
     """Gemma's SentencePiece BPE (transformers' ``gemma_tokenizer`` + ``add_gguf_special_tokens``):
     a token of two or more spaces (and nothing else) is spelled with ``▁``, and the merges are
     derived from the vocabulary (:func:`_derived_merges`)."""
-    if fields.get("merges") is not None or _split_regex(fields.get("pre_tokenizer_type")):
+    if "merges" in fields:  # transformers would read them (None included: it fails)
         return None
     tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in fields["tokens"]]
     vocab = dict(zip(tokens, range(len(tokens)), strict=True))
@@ -165,7 +184,7 @@ def _derived_merges(vocab: dict[str, int], *, as_pairs: bool) -> list[Any]:
     left part's length and the right part's (longer first). The scores are distinct, and one
     token's splits differ in the left part's length, so no two merges tie: this order is the
     whole of it. ``vocab``: token -> id, with distinct tokens. Each merge is ``"left right"``
-    (``tokenizers`` reads that form in half the time of a pair) unless ``as_pairs`` (a token
+    (``tokenizers`` reads that form faster than a pair) unless ``as_pairs`` (a token
     holds a space)."""
     merges: list[Any] = []
     append = merges.append
@@ -183,7 +202,7 @@ def _added_tokens(
     fields: dict[str, Any],
     vocab: dict[str, int],
     defaults: tuple[str, ...],
-    control_ok: Any,
+    control_ok: Callable[[str], bool] | None,
 ) -> list[dict[str, Any]] | None:
     """The ``added_tokens`` entries, by id: the class's ``defaults`` and the file's control
     tokens as special (a control token ``control_ok`` refuses is left out, transformers' rule for
@@ -221,16 +240,6 @@ def _added_tokens(
          "normalized": False, "special": is_special}
         for i, t, is_special in sorted(entries)
     ]  # fmt: skip
-
-
-def _split_regex(pre_tokenizer_type: Any) -> str | None:
-    """The split regex transformers applies for a file's ``tokenizer.ggml.pre`` (its
-    ``GGUF_PRE_TOKENIZER_SPLITS``), or None."""
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
-
-    if not isinstance(pre_tokenizer_type, str):
-        return None
-    return GGUF_PRE_TOKENIZER_SPLITS.get(pre_tokenizer_type)
 
 
 def _document(

@@ -362,12 +362,18 @@ def read_gguf_tokenizer(path: str | Path) -> Any:
     """transformers' fast tokenizer of a GGUF file (:meth:`Tokenizer.from_gguf` wraps it).
 
     Raises:
-        ModelLoadError: the file holds no tokenizer transformers can build.
+        ModelLoadError: the file holds no tokenizer transformers can build (a field it cannot
+            read, merges naming tokens outside the vocabulary: ``tokenizers`` raises a bare
+            ``Exception`` for those, turned into this).
     """
     path = Path(path)
     try:
         return _fast_tokenizer_from_gguf(path)
-    except (OSError, ValueError, KeyError, IndexError) as e:
+    except ModelLoadError:
+        raise
+    except MemoryError:
+        raise
+    except Exception as e:  # OSError, ValueError, KeyError...; tokenizers' bare Exception
         raise ModelLoadError(f"cannot build the tokenizer from {path}: {e}") from e
 
 
@@ -380,22 +386,26 @@ def _fast_tokenizer_from_gguf(path: Path) -> Any:
     transformers expose the two steps that matter (read the tokenizer fields, convert them);
     pagedkv reads the fields itself (:func:`gguf_tokenizer_fields`) and writes the converted
     tokenizer as ``tokenizer.json`` (:func:`gguf_tokenizer_json`), which the cache keeps with
-    the keyword arguments the tokenizer is built with: every start, the first included,
-    builds it the same way, ``PreTrainedTokenizerFast(tokenizer_file=..., **kwargs)``
-    (:func:`_tokenizer_from_files`), so later starts of the same file (or of any file with the
-    same tokenizer: a copy, another quantization of the model) skip the reading and the
-    conversion and give the same tokenizer. Vocabularies under ``_MIN_CACHED_VOCAB`` tokens
-    convert in milliseconds and are built from a temporary folder instead.
+    the keyword arguments the tokenizer is built with: the first start builds it from the
+    entry it is about to keep, ``PreTrainedTokenizerFast(tokenizer_file=..., **kwargs)``
+    (:func:`_tokenizer_from_files`; so a tokenizer that cannot be built is never kept), and
+    every later start the same way from the kept entry, so later starts of the same file (or of
+    any file with the same tokenizer: a copy, another quantization of the model) skip the
+    reading and the conversion and give the same tokenizer. An unreadable entry is logged and
+    converted again. Vocabularies under ``_MIN_CACHED_VOCAB`` tokens (milliseconds to convert)
+    and starts whose cache folder is not writable build the tokenizer in memory.
     """
     cached = _tokenizer_cache_folder(path)
     if cached is not None and (cached / _CACHE_KWARGS_FILE).is_file():
         try:
             return _tokenizer_from_files(cached)
+        except MemoryError:
+            raise
         except Exception as e:  # OSError, JSON, arguments; tokenizers raises a bare Exception
             logger.warning("tokenizer cache %s unreadable (%s): converting again", cached, e)
             import shutil
 
-            shutil.rmtree(cached, ignore_errors=True)  # else the entry would be read again
+            shutil.rmtree(cached, ignore_errors=True)  # where it cannot, the new one is not kept
     try:
         from transformers.integrations.gguf import convert_gguf_tokenizer  # noqa: F401
     except ImportError:
@@ -404,31 +414,46 @@ def _fast_tokenizer_from_gguf(path: Path) -> Any:
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     architecture, fields, config = gguf_tokenizer_fields(path)
     text, kwargs = gguf_tokenizer_json(architecture, fields, config)
-    large = len(fields.get("tokens") or ()) >= _MIN_CACHED_VOCAB
-    if cached is not None and large and _write_cache_entry(cached, text, kwargs):
-        return _tokenizer_from_files(cached)
-    with tempfile.TemporaryDirectory(prefix="pagedkv-tokenizer-") as folder:
-        _write_entry_files(Path(folder), text, kwargs)
-        return _tokenizer_from_files(Path(folder))
+    if cached is not None and len(fields.get("tokens") or ()) >= _MIN_CACHED_VOCAB:
+        tokenizer = _built_and_cached(cached, text, kwargs)
+        if tokenizer is not None:
+            return tokenizer
+    from tokenizers import Tokenizer as Backend
+    from transformers import PreTrainedTokenizerFast
+
+    # in memory (no file to read from): the object is deep-copied, cheap at these sizes
+    return PreTrainedTokenizerFast(tokenizer_object=Backend.from_str(text), **kwargs)
 
 
 def gguf_tokenizer_json(
     architecture: str,
-    tokenizer_fields: dict[str, Any],
-    tokenizer_config: dict[str, Any],
+    fields: dict[str, Any],
+    config: dict[str, Any],
     *,
     fast: bool = True,
 ) -> tuple[str, dict[str, Any]]:
     """``(tokenizer.json text, keyword arguments of PreTrainedTokenizerFast)`` of a GGUF
-    tokenizer's fields (what :func:`gguf_tokenizer_fields` returns).
+    file's tokenizer.
+
+    Args:
+        architecture, fields, config: what :func:`gguf_tokenizer_fields` returns (the file's
+            architecture, its tokenizer fields under transformers' names, the tokenizer
+            config: special tokens, chat template, ``add_bos_token``).
+        fast: let pagedkv write the JSON where it can (False: always transformers).
 
     With ``fast`` (and a transformers version :func:`gguf_tokenizer_fields` was checked
     against), a byte-level BPE or Gemma vocabulary is written by
     :func:`~pagedkv.model.gguf_tokenizer.tokenizer_json`: the tokenizer transformers'
-    ``convert_gguf_tokenizer`` builds (tests compare the two whole) in a fraction of the time
-    (docs/model.md: a 1B file's first engine start 2.6-3.0 -> 2.2-2.4 s, Gemma 3's 8.4-10.2 ->
-    5.8-6.2 s). Otherwise, or where the fast path declines, transformers converts and its
-    tokenizer is serialized.
+    ``convert_gguf_tokenizer`` builds (tests compare the two whole), without its classes and
+    its deep copy (docs/model.md: a 1B file's first engine start 2.6-3.0 -> 2.2-2.4 s, Gemma
+    3's 8.4-10.2 -> 5.8-6.2 s). Otherwise, or where the fast path declines, transformers
+    converts and its tokenizer is serialized.
+
+    Raises:
+        ValueError: transformers has no converter for this kind of vocabulary. The
+            ``tokenizers`` library's Exception, TypeError, KeyError: transformers cannot
+            convert these fields (:func:`read_gguf_tokenizer` turns each into a
+            ``ModelLoadError``).
     """
     import transformers
 
@@ -437,13 +462,13 @@ def gguf_tokenizer_json(
     if fast and _fields_tested(transformers.__version__):
         from pagedkv.model.gguf_tokenizer import tokenizer_json
 
-        text = tokenizer_json(architecture, tokenizer_fields)
+        text = tokenizer_json(architecture, fields)
     if text is None:
         from transformers.integrations.gguf import convert_gguf_tokenizer
 
-        backend, extra = convert_gguf_tokenizer(architecture, tokenizer_fields)
+        backend, extra = convert_gguf_tokenizer(architecture, fields)
         text = backend.to_str()
-    return text, {**tokenizer_config, **extra}
+    return text, {**config, **extra}
 
 
 #: A cache entry's keyword arguments of ``PreTrainedTokenizerFast`` (beside its tokenizer.json).
@@ -483,31 +508,42 @@ def _write_entry_files(folder: Path, text: str, kwargs: dict[str, Any]) -> None:
     (folder / _CACHE_KWARGS_FILE).write_text(json.dumps(kwargs), encoding="utf-8")
 
 
-def _write_cache_entry(folder: Path, text: str, kwargs: dict[str, Any]) -> bool:
-    """Write a cache entry into ``folder`` through a temporary folder renamed into place
-    (concurrent first starts are safe: the loser's rename fails and the winner's entry, the
-    same tokenizer, is read). True when ``folder`` holds an entry afterwards; a failure is
-    logged and False returned (the cache is only a cache)."""
+def _built_and_cached(folder: Path, text: str, kwargs: dict[str, Any]) -> Any | None:
+    """The tokenizer built from a new cache entry (``text``, ``kwargs``) written into a
+    temporary folder beside ``folder``, which is then renamed to ``folder`` (kept): a
+    tokenizer that cannot be built raises and is never kept. Where ``folder`` exists by then
+    (another start's entry, or an unreadable one that could not be removed) the rename fails
+    and the new entry is dropped; the tokenizer built from it is returned all the same (it was
+    read whole at its construction). None where the temporary folder cannot be written (a
+    cache on a read-only file system): the caller builds the tokenizer in memory.
+
+    Raises:
+        The ``tokenizers`` library's Exception (or OSError, TypeError) where the tokenizer
+        cannot be built from the entry.
+    """
     import shutil
 
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".staging-"))
+    except OSError as e:
+        logger.info("tokenizer not cached in %s: %s", folder, e)
+        return None
+    try:
         try:
             _write_entry_files(staging, text, kwargs)
-            if (folder / _CACHE_KWARGS_FILE).is_file():  # another start's, just written
-                return True
-            if folder.exists():  # an entry of an older layout
-                shutil.rmtree(folder, ignore_errors=True)
-            staging.rename(folder)
-        finally:
-            if staging.exists():
-                shutil.rmtree(staging, ignore_errors=True)
-    except (OSError, TypeError) as e:
-        if not (folder / _CACHE_KWARGS_FILE).is_file():
+        except (OSError, TypeError) as e:
             logger.info("tokenizer not cached in %s: %s", folder, e)
-            return False
-    return (folder / _CACHE_KWARGS_FILE).is_file()
+            return None
+        tokenizer = _tokenizer_from_files(staging)
+        try:
+            staging.rename(folder)
+        except OSError as e:  # a folder there already: that entry stays
+            logger.info("tokenizer entry %s not replaced: %s", folder, e)
+        return tokenizer
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def gguf_tokenizer_fields(path: Path) -> tuple[str, dict[str, Any], dict[str, Any]]:
