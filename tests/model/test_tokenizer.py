@@ -243,6 +243,43 @@ def test_a_new_entry_never_replaces_one_already_there(gguf_path, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["entry"]
 
 
+def test_a_partial_entry_is_repaired_and_stale_staging_removed(gguf_path, tmp_path, monkeypatch):
+    """An entry folder without its keyword arguments (a removal cut short) is replaced by the
+    next start, so the start after reads it instead of converting again; a ``.staging-*``
+    folder left by a killed start, older than ten minutes, is removed (a fresh one is not)."""
+    import os
+    import shutil
+    import time
+
+    import pagedkv.model.tokenizer as tokenizer_module
+    from pagedkv.model.tokenizer import Tokenizer, _tokenizer_cache_folder
+
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))
+    model = tmp_path / gguf_path.name
+    shutil.copyfile(gguf_path, model)
+    folder = _tokenizer_cache_folder(model)
+    folder.mkdir(parents=True)
+    (folder / "tokenizer.json").write_text("{}", encoding="utf-8")
+    stale, fresh = folder.parent / ".staging-stale", folder.parent / ".staging-fresh"
+    stale.mkdir()
+    fresh.mkdir()
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    first = Tokenizer.from_gguf(model)
+    assert (folder / "pagedkv_tokenizer.json").is_file()
+    assert not stale.exists() and fresh.exists()
+    converted = []
+    real = tokenizer_module.gguf_tokenizer_json
+    monkeypatch.setattr(
+        tokenizer_module,
+        "gguf_tokenizer_json",
+        lambda *a, **k: converted.append(1) or real(*a, **k),
+    )
+    later = Tokenizer.from_gguf(model)
+    assert converted == []
+    assert later.encode(TEXTS[2]) == first.encode(TEXTS[2])
+
+
 def test_the_tokenizer_digest_covers_the_tokenizer_only(tmp_path):
     """Two GGUF files that differ in their tensors and other metadata share a tokenizer digest;
     a different token, merge, special id, chat template or architecture changes it."""

@@ -82,6 +82,7 @@ def tokenizer_json(architecture: str, fields: dict[str, Any]) -> str | None:
         or not all(isinstance(t, str) for t in tokens)
         or len(set(tokens)) != len(tokens)
         or not isinstance(pre_tokenizer_type, str | None)
+        or not isinstance(fields.get("token_type") or [], list)
     ):
         return None
     try:  # transformers' byte alphabet and split table, where this transformers has them

@@ -9,6 +9,7 @@ byte-fallback runs held whole and a flush at finish).
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -396,9 +397,12 @@ def _fast_tokenizer_from_gguf(path: Path) -> Any:
     and starts whose cache folder is not writable build the tokenizer in memory.
     """
     cached = _tokenizer_cache_folder(path)
-    if cached is not None and (cached / _CACHE_KWARGS_FILE).is_file():
+    if cached is not None:
         try:
-            return _tokenizer_from_files(cached)
+            if (cached / _CACHE_KWARGS_FILE).is_file():
+                return _tokenizer_from_files(cached)
+            if os.path.lexists(cached):  # a removal cut short, a hand-made folder
+                raise OSError(f"no {_CACHE_KWARGS_FILE} in it")
         except MemoryError:
             raise
         except Exception as e:  # OSError, JSON, arguments; tokenizers raises a bare Exception
@@ -508,6 +512,28 @@ def _write_entry_files(folder: Path, text: str, kwargs: dict[str, Any]) -> None:
     (folder / _CACHE_KWARGS_FILE).write_text(json.dumps(kwargs), encoding="utf-8")
 
 
+#: A ``.staging-*`` folder older than this (s) is a start's that was killed: removed.
+_STALE_STAGING_S = 600.0
+
+
+def _remove_stale_staging(parent: Path) -> None:
+    """Remove the ``.staging-*`` folders in ``parent`` older than :data:`_STALE_STAGING_S`
+    (a start killed while writing or building its entry leaves one); errors are ignored."""
+    import shutil
+    import time
+
+    now = time.time()
+    try:
+        for staging in parent.glob(".staging-*"):
+            try:
+                if now - staging.stat().st_mtime > _STALE_STAGING_S:
+                    shutil.rmtree(staging, ignore_errors=True)
+            except OSError:
+                continue
+    except OSError:
+        return
+
+
 def _built_and_cached(folder: Path, text: str, kwargs: dict[str, Any]) -> Any | None:
     """The tokenizer built from a new cache entry (``text``, ``kwargs``) written into a
     temporary folder beside ``folder``, which is then renamed to ``folder`` (kept): a
@@ -525,7 +551,9 @@ def _built_and_cached(folder: Path, text: str, kwargs: dict[str, Any]) -> Any | 
 
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_staging(folder.parent)
         staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".staging-"))
+        staging.chmod(0o755)  # mkdtemp's 0700 would keep the entry from other users
     except OSError as e:
         logger.info("tokenizer not cached in %s: %s", folder, e)
         return None
