@@ -8,9 +8,12 @@ byte-fallback runs held whole and a flush at finish).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 import tempfile
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -370,9 +373,7 @@ def read_gguf_tokenizer(path: str | Path) -> Any:
     path = Path(path)
     try:
         return _fast_tokenizer_from_gguf(path)
-    except ModelLoadError:
-        raise
-    except MemoryError:
+    except (ModelLoadError, MemoryError):
         raise
     except Exception as e:  # OSError, ValueError, KeyError...; tokenizers' bare Exception
         raise ModelLoadError(f"cannot build the tokenizer from {path}: {e}") from e
@@ -407,8 +408,6 @@ def _fast_tokenizer_from_gguf(path: Path) -> Any:
             raise
         except Exception as e:  # OSError, JSON, arguments; tokenizers raises a bare Exception
             logger.warning("tokenizer cache %s unreadable (%s): converting again", cached, e)
-            import shutil
-
             shutil.rmtree(cached, ignore_errors=True)  # where it cannot, the new one is not kept
     try:
         from transformers.integrations.gguf import convert_gguf_tokenizer  # noqa: F401
@@ -489,8 +488,6 @@ def _tokenizer_from_files(folder: Path) -> Any:
         OSError, ValueError (a JSON error), TypeError (arguments not a mapping), or the
         ``tokenizers`` library's Exception for an unreadable tokenizer.json.
     """
-    import json
-
     from transformers import PreTrainedTokenizerFast
 
     kwargs = json.loads((folder / _CACHE_KWARGS_FILE).read_text(encoding="utf-8"))
@@ -506,8 +503,6 @@ def _write_entry_files(folder: Path, text: str, kwargs: dict[str, Any]) -> None:
         OSError: not writable. TypeError: ``kwargs`` not JSON (transformers' extra arguments
         of a kind this was not written for).
     """
-    import json
-
     (folder / "tokenizer.json").write_text(text, encoding="utf-8")
     (folder / _CACHE_KWARGS_FILE).write_text(json.dumps(kwargs), encoding="utf-8")
 
@@ -519,9 +514,6 @@ _STALE_STAGING_S = 600.0
 def _remove_stale_staging(parent: Path) -> None:
     """Remove the ``.staging-*`` folders in ``parent`` older than :data:`_STALE_STAGING_S`
     (a start killed while writing or building its entry leaves one); errors are ignored."""
-    import shutil
-    import time
-
     now = time.time()
     try:
         for staging in parent.glob(".staging-*"):
@@ -547,8 +539,6 @@ def _built_and_cached(folder: Path, text: str, kwargs: dict[str, Any]) -> Any | 
         The ``tokenizers`` library's Exception (or OSError, TypeError) where the tokenizer
         cannot be built from the entry.
     """
-    import shutil
-
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_staging(folder.parent)
