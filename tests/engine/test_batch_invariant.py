@@ -601,3 +601,46 @@ def test_without_the_switch_the_self_draft_still_accepts_every_draft_at_small_ba
     spec = llm.get_stats().scheduler.spec_decoding
     assert spec.num_draft_tokens > 0
     assert spec.num_accepted_tokens == spec.num_draft_tokens
+
+
+@pytest.mark.parametrize("batch", [7, 14])
+def test_without_the_switch_the_self_draft_accepts_every_draft_at_any_batch(ggufs, batch):
+    """Past FUSED_MAX_TOKENS rows a step takes the large steps' products (other bits than a
+    decode step's), so the scheduler keeps the steps that carry drafts within the model's
+    row-exact size (``max_row_exact_tokens``): 7 or 14 requests x (3 drafts + 1) rows would be
+    28 or 56; the drafts scheduled are cut to fit, and the model drafting for itself accepts
+    every one of them."""
+    from pagedkv.model.llama import FUSED_MAX_TOKENS
+
+    assert batch * 4 > FUSED_MAX_TOKENS
+    llm = LLM(
+        str(ggufs[0]),
+        **engine_options(
+            dtype="float32",
+            quantization="gguf",
+            speculative_config=speculative_config("self", ggufs),
+            batch_invariant=False,
+        ),
+    )
+    engine = llm.engine
+    assert engine.scheduler.drafts.max_step_tokens == FUSED_MAX_TOKENS
+    step_sizes = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        if any(out.scheduled_spec_decode_tokens.values()):
+            step_sizes.append(out.total_num_scheduled_tokens)
+        return out
+
+    engine.scheduler.schedule = recording_schedule
+    prompts = [i % len(PROMPTS) for i in range(batch)]
+    llm.generate(
+        [{"prompt_token_ids": list(PROMPTS[i])} for i in prompts],
+        [greedy(i, logprobs=None) for i in prompts],
+        use_tqdm=False,
+    )
+    spec = llm.get_stats().scheduler.spec_decoding
+    assert spec.num_draft_tokens > 0
+    assert spec.num_accepted_tokens == spec.num_draft_tokens
+    assert step_sizes and max(step_sizes) <= FUSED_MAX_TOKENS

@@ -110,6 +110,45 @@ def scripted(engine, prompts, tokens, wrong_at=None):
     return ScriptedProposer(prompt_lens, continuations, wrong_at)
 
 
+def _record_draft_steps(engine) -> list[int]:
+    """The token count of every step the engine schedules with drafts (appended as it runs)."""
+    sizes = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        out = schedule()
+        if any(out.scheduled_spec_decode_tokens.values()):
+            sizes.append(out.total_num_scheduled_tokens)
+        return out
+
+    engine.scheduler.schedule = recording
+    return sizes
+
+
+def test_steps_with_drafts_stay_within_the_models_row_exact_size(tiny):
+    """A model whose rows get their decode steps' bits up to a step size
+    (``max_row_exact_tokens``) has the drafts of unseeded requests cut to keep a step within
+    it: 4 requests x (4 drafts + 1) rows would be 20; with a size of 10, the first request
+    keeps its 4 drafts, the second 2, the rest none. Seeded requests are not cut (their draft
+    count must not depend on the batch). The dense tiny model has no such size."""
+    prompts = PROMPTS[:4]
+    expected, _ = reference(tiny, prompts, greedy(), num_blocks=400)
+    engine = make_engine(tiny, speculative_config=NGRAM, num_blocks=400)
+    assert engine.scheduler.drafts.max_step_tokens is None
+    engine.scheduler.drafts.max_step_tokens = 10
+    sizes = _record_draft_steps(engine)
+    got, _ = run(engine, prompts, greedy(), scripted(engine, prompts, expected))
+    assert got == expected
+    assert max(sizes) == 10 and sizes[0] == 10
+
+    seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True)
+    engine = make_engine(tiny, speculative_config=NGRAM, num_blocks=400)
+    engine.scheduler.drafts.max_step_tokens = 10
+    sizes = _record_draft_steps(engine)
+    run(engine, prompts, seeded, scripted(engine, prompts, expected))
+    assert sizes[0] == 4 * 5
+
+
 @pytest.mark.parametrize("batch", [1, 16])
 def test_self_drafting_accepts_every_draft_and_saves_steps(tiny, batch):
     prompts = (PROMPTS * 4)[:batch]

@@ -82,6 +82,17 @@ class DecoderForCausalLM:
         vectorized tails depend on the step's size."""
         return f"{self.config.architecture} has no batch-invariant path (Llama-family models do)"
 
+    def max_row_exact_tokens(self) -> int | None:
+        """The most tokens a step may have for each of its rows to get the bits it gets alone
+        (in a one-token decode step): then a speculative verification step's rows are the
+        decode steps' they replace, so greedy tokens do not change with speculation and the
+        model drafting for itself accepts every draft. None where no step size decides it:
+        every step is batch-invariant (:meth:`set_batch_invariant`), or the layers' bits
+        depend on the step's size at any size (torch's GEMMs; a subclass with a row-exact path
+        overrides this). The scheduler keeps the steps that carry drafts within it
+        (:class:`~pagedkv.engine.spec_decode.drafts.SpecDecodeDrafts`)."""
+        return None
+
     def set_batch_invariant(self, on: bool) -> None:
         """Run every step on the batch-invariant path (``on``) or the fastest for its size.
 

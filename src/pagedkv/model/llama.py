@@ -358,6 +358,17 @@ class LlamaForCausalLM(DecoderForCausalLM):
             out = F.rms_norm(h, (self.config.hidden_size,), self._norm32, eps)
         return out if self.dtype == torch.float32 else out.to(self.dtype)
 
+    def max_row_exact_tokens(self) -> int | None:
+        """:data:`FUSED_MAX_TOKENS` where the fused layers have their batch-invariant form and
+        the LM head is kept as stored (a GGUF file's, not batch-invariant): steps of up to that
+        many tokens compute every row with its decode step's bits (the small steps' products
+        and the batch-invariant ones are the same per row; the head's rows one by one), larger
+        ones take the large steps' products. None otherwise (see
+        :meth:`DecoderForCausalLM.max_row_exact_tokens`)."""
+        if self.batch_invariant or self.fused_layers is None or self.lm_head.linear.gguf is None:
+            return None
+        return FUSED_MAX_TOKENS if self._has_invariant_layers() else None
+
     def batch_invariant_reason(self) -> str | None:
         """None where every step can run the batch-invariant path: fused layers (every
         product on pagedkv's kernels, float32 or bfloat16, one rank) and an LM head on them;

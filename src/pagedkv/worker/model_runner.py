@@ -154,6 +154,11 @@ class ModelRunner:
         #: the KV tier's data, or None.
         self.kv_tier = kv_tier
         self.model = model
+        #: the most tokens a step may have for its rows to get their decode steps' bits (the
+        #: model's ``max_row_exact_tokens()``; None: no step size decides it, or a model
+        #: without the method): the engine keeps the steps that carry drafts within it.
+        row_exact = getattr(model, "max_row_exact_tokens", None)
+        self.max_row_exact_tokens = row_exact() if row_exact is not None else None
         self.device = torch.device(model.device)
         self.block_size = kv_cache_config.block_size
         self.num_blocks = kv_cache_config.num_blocks

@@ -176,6 +176,7 @@ class SpecDecodeDrafts:
         "_step_tokens",
         "_timed_num_tokens",
         "adaptive",
+        "max_step_tokens",
         "num_lookahead_tokens",
         "num_speculative_tokens",
         "stats",
@@ -202,6 +203,11 @@ class SpecDecodeDrafts:
         )
         #: False: every proposed draft is scheduled (the adaptive length is off; benchmarks).
         self.adaptive = True
+        #: The most tokens a step with drafts may have, or None: the model's largest step
+        #: whose rows get their decode steps' bits (the engine sets it from the workers'
+        #: ``max_row_exact_tokens``), so that a verification step computes what the decode
+        #: steps it replaces would and greedy tokens never change with speculation.
+        self.max_step_tokens: int | None = None
         #: What a decode-only step costs per number of tokens, learned from the engine's step
         #: times (:meth:`observe_step_time`); replaceable (tests and replays script it).
         self.step_costs = StepCosts(max_num_batched_tokens)
@@ -301,6 +307,10 @@ class SpecDecodeDrafts:
         if state is None:
             state = self._acceptance[request.request_id] = [1.0, 2.0, -1]
         k = len(drafts)
+        if self.max_step_tokens is not None and params.seed is None:
+            # rows past the model's row-exact size would take other products (other bits);
+            # a seeded request's count must not depend on the batch, so it is not cut
+            k = max(min(k, self.max_step_tokens - self._step_tokens), 0)
         acceptance = state[0] / state[1]
         if k and self.adaptive:
             if params.seed is not None:
