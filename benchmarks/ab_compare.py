@@ -12,7 +12,8 @@ with the working tree's ("after"), "before" first in odd rounds and "after" firs
 so both share the machine's state of the moment (side by side, as docs/perf.md asks of speed
 figures); each run's label gives the load average when it started (a busy machine shows). The
 command's scripts and data come from the working tree:
-it must use only APIs both revisions have. Outputs are printed as they come, labelled.
+it must use only APIs both revisions have. Outputs are printed as they come, labelled; a run
+that exits with an error is reported and the rounds go on (the exit status is the first error).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def main() -> int:
             ["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), args.rev],
             check=True,
         )
+        status = 0
         try:
             sides = [("before", tree / "src"), ("after", ROOT / "src")]
             for round_ in range(1, args.rounds + 1):
@@ -53,13 +55,15 @@ def main() -> int:
                     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
                     print(f"=== round {round_}, {label} ({where}); load average {load}", flush=True)
                     result = subprocess.run([sys.executable, *command], cwd=ROOT, env=env)
-                    if result.returncode:
-                        return result.returncode
+                    if result.returncode:  # reported; the rounds go on (a benchmark may exit
+                        # 1 for what it checks, e.g. bench_spec_decode's tokens)
+                        print(f"=== {label} exited with status {result.returncode}", flush=True)
+                        status = status or result.returncode
         finally:
             subprocess.run(
                 ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False
             )
-    return 0
+    return status
 
 
 if __name__ == "__main__":
