@@ -25,7 +25,12 @@ events (the KV cache manager caches at most ``len(all_token_ids)`` tokens). Whet
 may draft is one rule for both sides (:func:`~pagedkv.worker.spec_decode.eligibility.may_draft`:
 no penalties, ``min_tokens`` reached, no logprobs, so no beam search); a request that may not
 decodes exactly as without speculation. When the drafts' blocks do not fit, the request runs
-without them before anything is preempted. Idea and names from vLLM V1
+without them before anything is preempted. A step that carries drafts keeps within the model's
+row-exact size (:attr:`SpecDecodeDrafts.max_step_tokens`, from the workers'
+``max_row_exact_tokens``: the largest step whose rows get their one-token decode steps' bits),
+so a verification row computes what the decode step it replaces would and greedy tokens do not
+change with speculation; an unseeded request's drafts are cut to fit (counting every running
+request a row; a prompt admitted after them may still pass it). Idea and names from vLLM V1
 (``Request.spec_token_ids``, ``scheduled_spec_decode_tokens``, ``SpecDecodingStats``).
 
 **Structured outputs.** A request with a grammar drafts the longest prefix of its proposal that
