@@ -331,3 +331,19 @@ def expected_for(arrivals: Iterable[Arrival], reference: Sequence[Sample]) -> di
         else reference[a.prompt].tokens_only()
         for a in arrivals
     }
+
+
+def record_draft_steps(engine: LLMEngine) -> list[int]:
+    """The token count of every step ``engine`` schedules with drafts, appended as it runs
+    (its scheduler's ``schedule`` wrapped)."""
+    sizes: list[int] = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        out = schedule()
+        if any(out.scheduled_spec_decode_tokens.values()):
+            sizes.append(out.total_num_scheduled_tokens)
+        return out
+
+    engine.scheduler.schedule = recording
+    return sizes

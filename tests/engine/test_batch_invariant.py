@@ -39,6 +39,7 @@ from _batch_invariance import (
     greedy,
     has_switch,
     min_num_blocks,
+    record_draft_steps,
     run_schedule,
     samples_of,
     without_flag,
@@ -574,15 +575,17 @@ def test_a_seeded_sample_draws_the_same_tokens_under_suffix_decoding(ggufs):
     fresh.shutdown()
 
 
-@pytest.mark.parametrize("batch", [1, 4])
-def test_without_the_switch_the_self_draft_still_accepts_every_draft_at_small_batches(ggufs, batch):
+@pytest.mark.parametrize("batch", [1, 4, 7, 14])
+def test_without_the_switch_the_self_draft_accepts_every_draft_at_any_batch(ggufs, batch):
     """The default engine runs steps of up to FUSED_MAX_TOKENS tokens on the fused layers with
     each row's decode-step bits (the int8 products row by row; the LM head's rows too), so a
     verification step of up to 4 requests x (3 drafts + 1) rows computes what their decode
-    steps would: the model drafting for itself accepts every draft, switch or not."""
+    steps would: the model drafting for itself accepts every draft, switch or not. Past that
+    size a step takes the large steps' products (other bits), so the scheduler keeps the steps
+    that carry drafts within the model's row-exact size (``max_row_exact_tokens``): at 7 or 14
+    requests (28 or 56 rows with every draft) the drafts are cut to fit."""
     from pagedkv.model.llama import FUSED_MAX_TOKENS
 
-    assert batch * 4 <= FUSED_MAX_TOKENS
     llm = LLM(
         str(ggufs[0]),
         **engine_options(
@@ -592,7 +595,9 @@ def test_without_the_switch_the_self_draft_still_accepts_every_draft_at_small_ba
             batch_invariant=False,
         ),
     )
-    prompts = [1, 3, 5, 0][:batch]
+    assert llm.engine.scheduler.drafts.max_step_tokens == FUSED_MAX_TOKENS
+    step_sizes = record_draft_steps(llm.engine)
+    prompts = [(1, 3, 5, 0, 2, 4, 6)[i % 7] for i in range(batch)]
     llm.generate(
         [{"prompt_token_ids": list(PROMPTS[i])} for i in prompts],
         [greedy(i, logprobs=None) for i in prompts],
@@ -601,46 +606,4 @@ def test_without_the_switch_the_self_draft_still_accepts_every_draft_at_small_ba
     spec = llm.get_stats().scheduler.spec_decoding
     assert spec.num_draft_tokens > 0
     assert spec.num_accepted_tokens == spec.num_draft_tokens
-
-
-@pytest.mark.parametrize("batch", [7, 14])
-def test_without_the_switch_the_self_draft_accepts_every_draft_at_any_batch(ggufs, batch):
-    """Past FUSED_MAX_TOKENS rows a step takes the large steps' products (other bits than a
-    decode step's), so the scheduler keeps the steps that carry drafts within the model's
-    row-exact size (``max_row_exact_tokens``): 7 or 14 requests x (3 drafts + 1) rows would be
-    28 or 56; the drafts scheduled are cut to fit, and the model drafting for itself accepts
-    every one of them."""
-    from pagedkv.model.llama import FUSED_MAX_TOKENS
-
-    assert batch * 4 > FUSED_MAX_TOKENS
-    llm = LLM(
-        str(ggufs[0]),
-        **engine_options(
-            dtype="float32",
-            quantization="gguf",
-            speculative_config=speculative_config("self", ggufs),
-            batch_invariant=False,
-        ),
-    )
-    engine = llm.engine
-    assert engine.scheduler.drafts.max_step_tokens == FUSED_MAX_TOKENS
-    step_sizes = []
-    schedule = engine.scheduler.schedule
-
-    def recording_schedule():
-        out = schedule()
-        if any(out.scheduled_spec_decode_tokens.values()):
-            step_sizes.append(out.total_num_scheduled_tokens)
-        return out
-
-    engine.scheduler.schedule = recording_schedule
-    prompts = [i % len(PROMPTS) for i in range(batch)]
-    llm.generate(
-        [{"prompt_token_ids": list(PROMPTS[i])} for i in prompts],
-        [greedy(i, logprobs=None) for i in prompts],
-        use_tqdm=False,
-    )
-    spec = llm.get_stats().scheduler.spec_decoding
-    assert spec.num_draft_tokens > 0
-    assert spec.num_accepted_tokens == spec.num_draft_tokens
-    assert step_sizes and max(step_sizes) <= FUSED_MAX_TOKENS
+    assert max(step_sizes) <= FUSED_MAX_TOKENS

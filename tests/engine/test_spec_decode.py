@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _batch_invariance import record_draft_steps
 from _tiny_model import tiny_gemma3_hf_model, tiny_gemma3_loaded_model, tiny_loaded_model
 
 from pagedkv.core.invariants import check_invariants
@@ -110,21 +111,6 @@ def scripted(engine, prompts, tokens, wrong_at=None):
     return ScriptedProposer(prompt_lens, continuations, wrong_at)
 
 
-def _record_draft_steps(engine) -> list[int]:
-    """The token count of every step the engine schedules with drafts (appended as it runs)."""
-    sizes = []
-    schedule = engine.scheduler.schedule
-
-    def recording():
-        out = schedule()
-        if any(out.scheduled_spec_decode_tokens.values()):
-            sizes.append(out.total_num_scheduled_tokens)
-        return out
-
-    engine.scheduler.schedule = recording
-    return sizes
-
-
 def test_steps_with_drafts_stay_within_the_models_row_exact_size(tiny):
     """A model whose rows get their decode steps' bits up to a step size
     (``max_row_exact_tokens``) has the drafts of unseeded requests cut to keep a step within
@@ -136,7 +122,7 @@ def test_steps_with_drafts_stay_within_the_models_row_exact_size(tiny):
     engine = make_engine(tiny, speculative_config=NGRAM, num_blocks=400)
     assert engine.scheduler.drafts.max_step_tokens is None
     engine.scheduler.drafts.max_step_tokens = 10
-    sizes = _record_draft_steps(engine)
+    sizes = record_draft_steps(engine)
     got, _ = run(engine, prompts, greedy(), scripted(engine, prompts, expected))
     assert got == expected
     assert max(sizes) == 10 and sizes[0] == 10
@@ -144,7 +130,7 @@ def test_steps_with_drafts_stay_within_the_models_row_exact_size(tiny):
     seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True)
     engine = make_engine(tiny, speculative_config=NGRAM, num_blocks=400)
     engine.scheduler.drafts.max_step_tokens = 10
-    sizes = _record_draft_steps(engine)
+    sizes = record_draft_steps(engine)
     run(engine, prompts, seeded, scripted(engine, prompts, expected))
     assert sizes[0] == 4 * 5
 
