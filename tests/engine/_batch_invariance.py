@@ -335,13 +335,17 @@ def expected_for(arrivals: Iterable[Arrival], reference: Sequence[Sample]) -> di
 
 def record_draft_steps(engine: LLMEngine) -> list[int]:
     """The token count of every step ``engine`` schedules with drafts, appended as it runs
-    (its scheduler's ``schedule`` wrapped)."""
+    (its scheduler's ``schedule`` wrapped); checks that such a step holds no prompt rows (each
+    request computes one token and its drafts)."""
     sizes: list[int] = []
     schedule = engine.scheduler.schedule
 
     def recording():
         out = schedule()
-        if any(out.scheduled_spec_decode_tokens.values()):
+        drafts = out.scheduled_spec_decode_tokens
+        if any(drafts.values()):
+            for req_id, num_tokens in out.num_scheduled_tokens.items():
+                assert num_tokens == 1 + len(drafts.get(req_id, ())), req_id
             sizes.append(out.total_num_scheduled_tokens)
         return out
 

@@ -575,35 +575,75 @@ def test_a_seeded_sample_draws_the_same_tokens_under_suffix_decoding(ggufs):
     fresh.shutdown()
 
 
-@pytest.mark.parametrize("batch", [1, 4, 7, 14])
-def test_without_the_switch_the_self_draft_accepts_every_draft_at_any_batch(ggufs, batch):
+@pytest.mark.parametrize(
+    ("batch", "dtype"),
+    [(1, "bfloat16"), (4, "bfloat16"), (4, "float32"), (7, "float32"), (14, "bfloat16")],
+)
+def test_without_the_switch_the_self_draft_accepts_every_draft_at_any_batch(ggufs, batch, dtype):
     """The default engine runs steps of up to FUSED_MAX_TOKENS tokens on the fused layers with
-    each row's decode-step bits (the int8 products row by row; the LM head's rows too), so a
-    verification step of up to 4 requests x (3 drafts + 1) rows computes what their decode
-    steps would: the model drafting for itself accepts every draft, switch or not. Past that
-    size a step takes the large steps' products (other bits), so the scheduler keeps the steps
-    that carry drafts within the model's row-exact size (``max_row_exact_tokens``): at 7 or 14
-    requests (28 or 56 rows with every draft) the drafts are cut to fit."""
+    each row's decode-step bits (the int8 products row by row, the final norm row by row in
+    C, the LM head's rows one at a time), so a verification step of up to 4 requests x (3
+    drafts + 1) rows computes what their decode steps would: the model drafting for itself
+    accepts every draft, switch or not, and greedy tokens equal those without speculation.
+    Past that size a step takes the large steps' products (other bits), so the scheduler
+    keeps the steps that carry drafts within the model's row-exact size
+    (``max_row_exact_tokens``): at 7 or 14 requests (28 or 56 rows with every draft) the
+    drafts are cut to fit. A seeded request beside them drafts nothing."""
     from pagedkv.model.llama import FUSED_MAX_TOKENS
 
-    llm = LLM(
-        str(ggufs[0]),
-        **engine_options(
-            dtype="bfloat16",
-            quantization="gguf",
-            speculative_config=speculative_config("self", ggufs),
-            batch_invariant=False,
-        ),
-    )
-    assert llm.engine.scheduler.drafts.max_step_tokens == FUSED_MAX_TOKENS
-    step_sizes = record_draft_steps(llm.engine)
     prompts = [(1, 3, 5, 0, 2, 4, 6)[i % 7] for i in range(batch)]
-    llm.generate(
-        [{"prompt_token_ids": list(PROMPTS[i])} for i in prompts],
-        [greedy(i, logprobs=None) for i in prompts],
-        use_tqdm=False,
-    )
+    requests = [{"prompt_token_ids": list(PROMPTS[i])} for i in prompts]
+    params = [greedy(i, logprobs=None) for i in prompts]
+    seeded = SamplingParams(temperature=1.0, seed=5, max_tokens=16, ignore_eos=True)
+    if batch > 1:
+        requests.append({"prompt_token_ids": list(PROMPTS[5])})
+        params.append(seeded)
+
+    def generate(**options):
+        llm = LLM(
+            str(ggufs[0]),
+            **engine_options(dtype=dtype, quantization="gguf", batch_invariant=False, **options),
+        )
+        sizes = record_draft_steps(llm.engine)
+        outputs = llm.generate(requests, params, use_tqdm=False)
+        return llm, sizes, [list(out.outputs[0].token_ids) for out in outputs]
+
+    _, _, expected = generate()
+    llm, step_sizes, got = generate(speculative_config=speculative_config("self", ggufs))
+    assert llm.engine.scheduler.drafts.max_step_tokens == FUSED_MAX_TOKENS
     spec = llm.get_stats().scheduler.spec_decoding
     assert spec.num_draft_tokens > 0
     assert spec.num_accepted_tokens == spec.num_draft_tokens
     assert max(step_sizes) <= FUSED_MAX_TOKENS
+    assert got == expected  # the greedy requests, and the seeded one (no drafts)
+
+
+def test_the_row_exact_size_only_where_every_row_is_exact(ggufs, monkeypatch):
+    """24 tokens for the default GGUF engine on the native backend; None (no step size keeps
+    rows exact, so drafts are not cut for it) with fp32 activations (the products of several
+    rows sum otherwise than one's), with a backend without C entry points (its attention is
+    called from Python) and with the batch-invariant switch (every step is exact)."""
+    from pagedkv.model.kernels.cpu_quant import ACTIVATIONS_ENV
+    from pagedkv.model.llama import FUSED_MAX_TOKENS
+
+    def size(**options) -> int | None:
+        engine = LLMEngine(
+            model=str(ggufs[0]),
+            **engine_options(
+                dtype="float32",
+                quantization="gguf",
+                speculative_config=speculative_config("ngram", ggufs),
+                **{"batch_invariant": False, **options},
+            ),
+        )
+        value = engine.runner.max_row_exact_tokens
+        assert engine.scheduler.drafts.max_step_tokens == value
+        engine.shutdown()
+        return value
+
+    assert size() == FUSED_MAX_TOKENS
+    assert size(attention_backend="torch") is None
+    if has_switch():
+        assert size(batch_invariant=True) is None
+    monkeypatch.setenv(ACTIVATIONS_ENV, "fp32")
+    assert size() is None

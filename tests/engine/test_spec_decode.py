@@ -22,7 +22,7 @@ from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.spec_decode import drafts as drafts_module
 from pagedkv.engine.spec_decode.drafts import IDLE_STEPS_BEFORE_PAUSE, PROPOSE_EVERY
 from pagedkv.engine.spec_decode.step_costs import StepCosts
-from pagedkv.errors import InvalidRequestError
+from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.sampling_params import BeamSearchParams, SamplingParams
 from pagedkv.worker.spec_decode.ngram import find_ngram_drafts
 from pagedkv.worker.spec_decode.proposer import TokenProposer
@@ -113,26 +113,69 @@ def scripted(engine, prompts, tokens, wrong_at=None):
 
 def test_steps_with_drafts_stay_within_the_models_row_exact_size(tiny):
     """A model whose rows get their decode steps' bits up to a step size
-    (``max_row_exact_tokens``) has the drafts of unseeded requests cut to keep a step within
-    it: 4 requests x (4 drafts + 1) rows would be 20; with a size of 10, the first request
-    keeps its 4 drafts, the second 2, the rest none. Seeded requests are not cut (their draft
-    count must not depend on the batch). The dense tiny model has no such size."""
+    (``max_row_exact_tokens``) has the drafts cut to keep a step within it: 4 requests x (4
+    drafts + 1) rows would be 20; with a size of 10 the 6 spare rows go 2, 2, 1, 1. Seeded
+    requests draft nothing then (their draft count must not depend on the batch). The dense
+    tiny model has no such size."""
     prompts = PROMPTS[:4]
     expected, _ = reference(tiny, prompts, greedy(), num_blocks=400)
     engine = make_engine(tiny, speculative_config=NGRAM, num_blocks=400)
     assert engine.scheduler.drafts.max_step_tokens is None
-    engine.scheduler.drafts.max_step_tokens = 10
+    engine.scheduler.drafts.set_max_step_tokens(10)
     sizes = record_draft_steps(engine)
+    shares = []
+    schedule = engine.scheduler.schedule
+
+    def first_shares():
+        out = schedule()
+        if not shares and any(out.scheduled_spec_decode_tokens.values()):
+            shares.extend(len(out.scheduled_spec_decode_tokens.get(str(i), ())) for i in range(4))
+        return out
+
+    engine.scheduler.schedule = first_shares
     got, _ = run(engine, prompts, greedy(), scripted(engine, prompts, expected))
     assert got == expected
     assert max(sizes) == 10 and sizes[0] == 10
+    assert shares == [2, 2, 1, 1]
 
     seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True)
     engine = make_engine(tiny, speculative_config=NGRAM, num_blocks=400)
-    engine.scheduler.drafts.max_step_tokens = 10
+    engine.scheduler.drafts.set_max_step_tokens(10)
     sizes = record_draft_steps(engine)
-    run(engine, prompts, seeded, scripted(engine, prompts, expected))
-    assert sizes[0] == 4 * 5
+    run(engine, prompts, seeded, scripted(engine, prompts, expected), adaptive=True)
+    assert sizes == [] and engine.scheduler.get_stats().spec_decoding.num_draft_tokens == 0
+
+
+def test_no_drafts_in_a_step_that_admits_a_prompt_under_a_row_exact_size(tiny):
+    """A waiting request joins the step after the running ones' drafts are chosen, and its
+    prompt rows would take the step past the row-exact size: such a step carries none. Requests
+    arriving while others decode (the recorder checks every step with drafts holds no prompt
+    rows); the same tokens as without speculation."""
+    prompts = PROMPTS[:4]
+    expected, _ = reference(tiny, prompts, greedy(), num_blocks=400)
+    engine = make_engine(tiny, speculative_config=NGRAM, num_blocks=400)
+    engine.scheduler.drafts.set_max_step_tokens(12)
+    engine.runner.drafter = scripted(engine, prompts, expected)
+    engine.scheduler.drafts.adaptive = False
+    sizes = record_draft_steps(engine)
+    final = {}
+    for step in range(60):
+        if step % 3 == 0 and step // 3 < len(prompts):
+            engine.add_request(str(step // 3), prompts[step // 3], greedy())
+        for output in engine.step():
+            if output.finished:
+                final[output.request_id] = list(output.outputs[0].token_ids)
+        check_invariants(engine.kv_cache_manager)
+    assert [final[str(i)] for i in range(len(prompts))] == expected
+    assert sizes and max(sizes) <= 12
+
+
+@pytest.mark.parametrize("value", [0, -1, 2.5, True, "8"])
+def test_a_bad_max_step_tokens_is_refused(tiny, value):
+    engine = make_engine(tiny, speculative_config=NGRAM)
+    with pytest.raises(ConfigError):
+        engine.scheduler.drafts.set_max_step_tokens(value)
+    assert engine.scheduler.drafts.max_step_tokens is None
 
 
 @pytest.mark.parametrize("batch", [1, 16])

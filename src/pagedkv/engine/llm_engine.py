@@ -160,7 +160,7 @@ class LLMEngine:
         #: rank 0's model runner (its persistent batch, KV cache and sampler).
         self.runner = self.executor.runner
         if self.scheduler.drafts is not None:  # verification steps on the decode steps' bits
-            self.scheduler.drafts.max_step_tokens = self.runner.max_row_exact_tokens
+            self.scheduler.drafts.set_max_step_tokens(self.runner.max_row_exact_tokens)
         if resolved.tier_keys:  # a disk tier's entries from an earlier run
             for key in self.kv_cache_manager.offloader.restore(resolved.tier_keys):
                 self.runner.kv_tier.drop(key, 0)

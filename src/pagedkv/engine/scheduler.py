@@ -389,7 +389,10 @@ class Scheduler:
         drafts = self.drafts
         token_budget = self.max_num_batched_tokens
         if drafts is not None:
-            drafts.begin_step()
+            drafts.begin_step(
+                may_admit=bool(queues.waiting)
+                and len(running) + len(queues.loading) < self.max_num_seqs
+            )
         req_index = 0
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]

@@ -47,7 +47,12 @@ from pagedkv.model.decoder import (
     layer_attention_specs,
     weights_present,
 )
-from pagedkv.model.kernels.cpu_quant import CpuQuantKernels, GGUFPart, LlamaLayerWeights
+from pagedkv.model.kernels.cpu_quant import (
+    Q8_TYPES,
+    CpuQuantKernels,
+    GGUFPart,
+    LlamaLayerWeights,
+)
 from pagedkv.model.logits import refine_top_logits
 from pagedkv.model.packed_linear import PackedLinear
 from pagedkv.model.parallel import TensorParallelGroup
@@ -351,23 +356,37 @@ class LlamaForCausalLM(DecoderForCausalLM):
                 metadata.write_kv(k, v, kv_cache)
                 attn = metadata.forward(q, kv_cache).reshape(num_tokens, -1)
                 kernels.llama_attn_out(layer, h, attn.contiguous(), threads)
-        eps = self.config.rms_norm_eps
-        if invariant:
-            out = kernels.rms_norm(h, self._norm32, eps)
-        else:
-            out = F.rms_norm(h, (self.config.hidden_size,), self._norm32, eps)
+        # row by row in C at every size: a step of 9-24 rows (the batch-invariant layers)
+        # and one of 1-8 then give a row the same bits (torch's norm vectorizes by the size)
+        out = kernels.rms_norm(h, self._norm32, self.config.rms_norm_eps)
         return out if self.dtype == torch.float32 else out.to(self.dtype)
 
     def max_row_exact_tokens(self) -> int | None:
-        """:data:`FUSED_MAX_TOKENS` where the fused layers have their batch-invariant form and
-        the LM head is kept as stored (a GGUF file's, not batch-invariant): steps of up to that
-        many tokens compute every row with its decode step's bits (the small steps' products
-        and the batch-invariant ones are the same per row; the head's rows one by one), larger
-        ones take the large steps' products. None otherwise (see
-        :meth:`DecoderForCausalLM.max_row_exact_tokens`)."""
+        """:data:`FUSED_MAX_TOKENS` where every product of the fused layers is a GGUF type
+        that meets int8 activations (``Q8_TYPES``, with the kernels' ``activations`` "q8": the
+        products of 1-8 rows and the batch-invariant ones give each row its one-row bits; the
+        float types' and fp32 activations' products of several rows sum otherwise), the
+        layers have their batch-invariant form and the LM head is kept as stored (its rows
+        taken one by one up to that size): steps of up to that many tokens compute every row
+        with its decode step's bits, larger ones take the large steps' products. The attention
+        must be the native backend's C entry points too (the model runner checks). None
+        otherwise (see :meth:`DecoderForCausalLM.max_row_exact_tokens`)."""
         if self.batch_invariant or self.fused_layers is None or self.lm_head.linear.gguf is None:
             return None
-        return FUSED_MAX_TOKENS if self._has_invariant_layers() else None
+        if self._kernels.activations != "q8" or not self._has_invariant_layers():
+            return None
+        for layer in self.layers:
+            for linear in (
+                layer.qkv_proj,
+                layer.o_proj.linear,
+                layer.gate_proj,
+                layer.up_proj,
+                layer.down_proj.linear,
+            ):
+                gguf = linear.gguf
+                if gguf is None or any(p.type_id not in Q8_TYPES for p in gguf.parts):
+                    return None
+        return FUSED_MAX_TOKENS
 
     def batch_invariant_reason(self) -> str | None:
         """None where every step can run the batch-invariant path: fused layers (every

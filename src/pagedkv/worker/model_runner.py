@@ -154,11 +154,6 @@ class ModelRunner:
         #: the KV tier's data, or None.
         self.kv_tier = kv_tier
         self.model = model
-        #: the most tokens a step may have for its rows to get their decode steps' bits (the
-        #: model's ``max_row_exact_tokens()``; None: no step size decides it, or a model
-        #: without the method): the engine keeps the steps that carry drafts within it.
-        row_exact = getattr(model, "max_row_exact_tokens", None)
-        self.max_row_exact_tokens = row_exact() if row_exact is not None else None
         self.device = torch.device(model.device)
         self.block_size = kv_cache_config.block_size
         self.num_blocks = kv_cache_config.num_blocks
@@ -168,6 +163,14 @@ class ModelRunner:
             backend = get_attn_backend(backend, self.device)
         #: the attention backend: owns the caches' layout, builds the metadata, runs attention.
         self.attention_backend = backend
+        #: the most tokens a step may have for its rows to get their decode steps' bits: the
+        #: model's ``max_row_exact_tokens()`` where the backend has C entry points (the
+        #: native one's attention: each query's keys summed alike whatever the batch; the
+        #: fused layers call it), else None (no step size decides it; also for a model
+        #: without the method). The engine keeps the steps that carry drafts within it.
+        row_exact = getattr(model, "max_row_exact_tokens", None)
+        has_c_attention = type(backend).c_attention is not AttentionBackend.c_attention
+        self.max_row_exact_tokens = row_exact() if row_exact and has_c_attention else None
         #: each layer's attention spec (heads, head size, block size, dtypes, window, scale).
         try:
             self.layer_specs = model.attention_layer_specs(self.block_size, kv_cache_dtype)

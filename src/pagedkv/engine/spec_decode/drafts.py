@@ -26,12 +26,14 @@ may draft is one rule for both sides (:func:`~pagedkv.worker.spec_decode.eligibi
 no penalties, ``min_tokens`` reached, no logprobs, so no beam search); a request that may not
 decodes exactly as without speculation. When the drafts' blocks do not fit, the request runs
 without them before anything is preempted. A step that carries drafts keeps within the model's
-row-exact size (:attr:`SpecDecodeDrafts.max_step_tokens`, from the workers'
+row-exact size (:meth:`SpecDecodeDrafts.set_max_step_tokens`, from the workers'
 ``max_row_exact_tokens``: the largest step whose rows get their one-token decode steps' bits),
 so a verification row computes what the decode step it replaces would and greedy tokens do not
-change with speculation; an unseeded request's drafts are cut to fit (counting every running
-request a row; a prompt admitted after them may still pass it). Idea and names from vLLM V1
-(``Request.spec_token_ids``, ``scheduled_spec_decode_tokens``, ``SpecDecodingStats``).
+change with speculation: the room left (running prompt chunks' rows counted) is shared among
+the unseeded requests, a seeded one drafts nothing then, and a step that waiting requests may
+join carries no drafts (their prompt rows are scheduled after the drafts).
+Idea and names from vLLM V1 (``Request.spec_token_ids``, ``scheduled_spec_decode_tokens``,
+``SpecDecodingStats``).
 
 **Structured outputs.** A request with a grammar drafts the longest prefix of its proposal that
 the grammar allows (its matcher accepts the drafts one by one and rolls back: a draft the
@@ -63,7 +65,8 @@ tens of microseconds a request (a suffix search: milliseconds a step at batch 16
 request only one step in :data:`PROPOSE_EVERY` (:meth:`SpecDecodeDrafts.take_paused`), until
 one of those drafts would have been accepted or it schedules drafts again. A seeded request's
 draws follow its drafts, so its k must not depend on timing or on the batch: it takes a fixed
-cost (:data:`SEEDED_ROW_COST` a row) as if alone, and is never paused. Idea:
+cost (:data:`SEEDED_ROW_COST` a row) as if alone, and is never paused (but drafts nothing where
+the steps that carry drafts are bounded, :meth:`SpecDecodeDrafts.set_max_step_tokens`). Idea:
 SmartSpec's goodput (expected accepted tokens per unit of the batch's step time; Liu et al.,
 2024), chosen per request as the acceptance-aware draft lengths of SuffixDecoding and
 EAGLE-2-style dynamic drafting are.
@@ -76,6 +79,7 @@ from collections.abc import Sized
 from pagedkv.engine.request import Request
 from pagedkv.engine.spec_decode.step_costs import StepCosts
 from pagedkv.engine.stats import SpecDecodingStats
+from pagedkv.errors import ConfigError
 from pagedkv.worker.spec_decode.eligibility import may_draft
 
 #: What a draft row costs a seeded request, as a fraction of a one-token step (fixed: its draws
@@ -168,20 +172,23 @@ class SpecDecodeDrafts:
 
     __slots__ = (
         "_acceptance",
+        "_admitting",
         "_drafts",
         "_finished_token_ids",
         "_idle_steps",
         "_max_model_len",
+        "_max_step_tokens",
         "_num_decoding",
         "_num_drafts",
+        "_num_seen",
         "_paused",
+        "_prompt_rows",
         "_running",
         "_seeded_costs",
         "_step_expected",
         "_step_tokens",
         "_timed_num_tokens",
         "adaptive",
-        "max_step_tokens",
         "num_lookahead_tokens",
         "num_speculative_tokens",
         "stats",
@@ -208,11 +215,8 @@ class SpecDecodeDrafts:
         )
         #: False: every proposed draft is scheduled (the adaptive length is off; benchmarks).
         self.adaptive = True
-        #: The most tokens a step with drafts may have, or None: the model's largest step
-        #: whose rows get their decode steps' bits (the engine sets it from the workers'
-        #: ``max_row_exact_tokens``), so that a verification step computes what the decode
-        #: steps it replaces would and greedy tokens never change with speculation.
-        self.max_step_tokens: int | None = None
+        #: The most tokens a step with drafts may have, or None (:meth:`set_max_step_tokens`).
+        self._max_step_tokens: int | None = None
         #: What a decode-only step costs per number of tokens, learned from the engine's step
         #: times (:meth:`observe_step_time`); replaceable (tests and replays script it).
         self.step_costs = StepCosts(max_num_batched_tokens)
@@ -228,6 +232,12 @@ class SpecDecodeDrafts:
         self._num_decoding = 0
         self._num_drafts = 0
         self._timed_num_tokens = 0
+        #: This step so far: the running requests :meth:`propose` was called for, and the
+        #: rows of their prompt chunks past the one each counts in ``_step_tokens``.
+        self._num_seen = 0
+        self._prompt_rows = 0
+        #: whether waiting requests may join this step (:meth:`begin_step`)
+        self._admitting = False
         #: request id -> [accepted, tried, shadow draft or -1]: decayed counts of its draft
         #: tokens, and the first draft it did not schedule (checked against the next token).
         self._acceptance: dict[str, list[float]] = {}
@@ -242,14 +252,51 @@ class SpecDecodeDrafts:
         #: (``SchedulerOutput.draft_paused_req_ids``).
         self._paused: set[str] = set()
 
-    def begin_step(self) -> None:
+    @property
+    def max_step_tokens(self) -> int | None:
+        """The most tokens a step that carries drafts may have (None: no bound); see
+        :meth:`set_max_step_tokens`."""
+        return self._max_step_tokens
+
+    def set_max_step_tokens(self, max_step_tokens: int | None) -> None:
+        """Keep the steps that carry drafts within ``max_step_tokens`` tokens: the model's
+        largest step whose rows get their one-token decode steps' bits (the engine sets it
+        from the workers' ``max_row_exact_tokens``), so that a verification step computes what
+        the decode steps it replaces would and greedy tokens do not change with speculation.
+        :meth:`propose` then gives the step's room (the bound less a row for every running
+        request, the drafts already scheduled and the running prompt chunks' rows) to the
+        unseeded requests in equal shares, at most ``ceil(room / requests left)`` each, no
+        drafts to a seeded request (its draft count, which its draws follow, must not depend
+        on the batch), and none at all in a step that waiting requests may join
+        (:meth:`begin_step`). None: no bound.
+
+        Raises:
+            ConfigError: not None and not an int >= 1 (nothing changed).
+        """
+        if max_step_tokens is not None and (
+            isinstance(max_step_tokens, bool)
+            or not isinstance(max_step_tokens, int)
+            or max_step_tokens < 1
+        ):
+            raise ConfigError(
+                f"max_step_tokens must be None or an int >= 1, got {max_step_tokens!r}"
+            )
+        self._max_step_tokens = max_step_tokens
+
+    def begin_step(self, may_admit: bool = False) -> None:
         """Start a schedule: every running request counts a row and a token of the step (the
-        rule's ``T`` and ``S``) until its own drafts are chosen."""
+        rule's ``T`` and ``S``) until its own drafts are chosen. ``may_admit``: waiting
+        requests may join the step after the running ones (their prompt rows would take a
+        bounded step past :meth:`set_max_step_tokens`, so under a bound it carries no
+        drafts)."""
+        self._admitting = may_admit
         num_running = max(len(self._running), 1)
         self._step_tokens = num_running
         self._step_expected = float(num_running)
         self._num_decoding = 0
         self._num_drafts = 0
+        self._num_seen = 0
+        self._prompt_rows = 0
         self._paused = set()
 
     def take_paused(self) -> set[str]:
@@ -259,7 +306,9 @@ class SpecDecodeDrafts:
         :data:`PROPOSE_EVERY`; a first draft that would have been accepted (checked against
         the token sampled) ends the pause. Only for the adaptive rule, proposers of token ids
         (a draft model's proposal also writes its KV, so it always runs) and unseeded requests
-        (a seeded request's drafts, hence its draws, must not depend on the batch)."""
+        (a seeded request's drafts, hence its draws, must not depend on the batch). Also, for
+        proposers of token ids, those that had no row to spare under
+        :meth:`set_max_step_tokens` (every seeded request then: it drafts nothing)."""
         paused, self._paused = self._paused, set()
         return paused
 
@@ -293,8 +342,11 @@ class SpecDecodeDrafts:
         state = self._acceptance.get(request.request_id)
         if state is not None:
             state[2] = -1  # a draft kept from an earlier step is not about this one's token
+        self._num_seen += 1
         if num_tokens - request.num_computed_tokens != 1:
             request.spec_token_ids = []
+            # a prompt chunk (at most what is left of it): rows past the one counted for it
+            self._prompt_rows += max(num_tokens - request.num_computed_tokens - 1, 0)
             return 0
         limit = min(
             self.num_speculative_tokens,
@@ -312,10 +364,18 @@ class SpecDecodeDrafts:
         if state is None:
             state = self._acceptance[request.request_id] = [1.0, 2.0, -1]
         k = len(drafts)
-        if self.max_step_tokens is not None and params.seed is None:
-            # rows past the model's row-exact size would take other products (other bits);
-            # a seeded request's count must not depend on the batch, so it is not cut
-            k = max(min(k, self.max_step_tokens - self._step_tokens), 0)
+        no_room = held = False
+        if self._max_step_tokens is not None:
+            # rows past the model's row-exact size would take other products (other bits)
+            if params.seed is not None:  # its count must not depend on the batch: none
+                k, no_room = 0, True
+            elif self._admitting:  # prompts may join this step: none in it
+                k, held = 0, True
+            else:
+                room = self._max_step_tokens - self._step_tokens - self._prompt_rows
+                left = max(len(self._running) - self._num_seen + 1, 1)  # this one included
+                share = -(-room // left) if room > 0 else 0
+                k, no_room = min(k, share), share == 0
         acceptance = state[0] / state[1]
         if k and self.adaptive:
             if params.seed is not None:
@@ -332,7 +392,12 @@ class SpecDecodeDrafts:
             self._step_expected += expected_tokens(acceptance, k) - 1.0
         state[2] = drafts[0] if drafts and not k else -1
         request.spec_token_ids = drafts[:k]
-        if self.adaptive and not self.num_lookahead_tokens and params.seed is None:
+        if no_room:  # no row to spare: not idle; a token proposer need not propose
+            if not self.num_lookahead_tokens:
+                self._paused.add(request.request_id)
+        elif held:  # for this step only: neither idle nor paused
+            pass
+        elif self.adaptive and not self.num_lookahead_tokens and params.seed is None:
             self._count_idle(request.request_id, k)
         return k
 
