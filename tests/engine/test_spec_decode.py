@@ -170,6 +170,33 @@ def test_no_drafts_in_a_step_that_admits_a_prompt_under_a_row_exact_size(tiny):
     assert sizes and max(sizes) <= 12
 
 
+def test_a_running_prompt_chunk_counts_toward_the_row_exact_size(tiny):
+    """A long prompt chunked over several steps runs behind the decoding requests (it joined
+    later): its chunk's rows (what is left of it, at most the token budget) count toward the
+    size from the start of the step, so the drafts ahead of it are cut to fit. A size of 12
+    under a budget of 32: counted only when reached, the chunk took such steps to 32 rows."""
+    prompts = [*PROMPTS[:3], "a long prompt chunked over steps " * 4]
+    budget = {"num_blocks": 400, "max_num_batched_tokens": 32}
+    expected, _ = reference(tiny, prompts, greedy(), **budget)
+    engine = make_engine(tiny, speculative_config=NGRAM, **budget)
+    engine.scheduler.drafts.set_max_step_tokens(12)
+    engine.runner.drafter = scripted(engine, prompts, expected)
+    engine.scheduler.drafts.adaptive = False
+    sizes = record_draft_steps(engine, prompt_rows=True)
+    final = {}
+    for step in range(80):
+        if step < 3:
+            engine.add_request(str(step), prompts[step], greedy())
+        if step == 4:
+            engine.add_request("3", prompts[3], greedy())
+        for output in engine.step():
+            if output.finished:
+                final[output.request_id] = list(output.outputs[0].token_ids)
+        check_invariants(engine.kv_cache_manager)
+    assert [final[str(i)] for i in range(len(prompts))] == expected
+    assert sizes and max(sizes) <= 12
+
+
 @pytest.mark.parametrize("value", [0, -1, 2.5, True, "8"])
 def test_a_bad_max_step_tokens_is_refused(tiny, value):
     engine = make_engine(tiny, speculative_config=NGRAM)

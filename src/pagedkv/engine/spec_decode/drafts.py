@@ -74,7 +74,7 @@ EAGLE-2-style dynamic drafting are.
 
 from __future__ import annotations
 
-from collections.abc import Sized
+from collections.abc import Collection
 
 from pagedkv.engine.request import Request
 from pagedkv.engine.spec_decode.step_costs import StepCosts
@@ -162,7 +162,8 @@ class SpecDecodeDrafts:
 
     Args:
         max_model_len: most tokens of one request (no draft goes past it).
-        running: the scheduler's running requests (read for the batch size:
+        running: the scheduler's running requests (read for the batch size, and under a bound
+            for their prompt chunks:
             :attr:`RequestQueues.running <pagedkv.engine.request_queues.RequestQueues>`).
         num_speculative_tokens: most drafts per request and step (>= 1).
         num_lookahead_tokens: KV slots past a sampling request's scheduled tokens for the
@@ -177,17 +178,20 @@ class SpecDecodeDrafts:
         "_finished_token_ids",
         "_idle_steps",
         "_max_model_len",
+        "_max_num_batched_tokens",
         "_max_step_tokens",
         "_num_decoding",
         "_num_drafts",
         "_num_seen",
         "_paused",
         "_prompt_rows",
+        "_room_paused",
         "_running",
         "_seeded_costs",
         "_step_expected",
         "_step_tokens",
         "_timed_num_tokens",
+        "_was_room_paused",
         "adaptive",
         "num_lookahead_tokens",
         "num_speculative_tokens",
@@ -198,12 +202,13 @@ class SpecDecodeDrafts:
     def __init__(
         self,
         max_model_len: int,
-        running: Sized,
+        running: Collection[Request],
         num_speculative_tokens: int,
         num_lookahead_tokens: int = 0,
         max_num_batched_tokens: int = 8192,
     ) -> None:
         self._max_model_len = max_model_len
+        self._max_num_batched_tokens = max_num_batched_tokens
         self._running = running
         self.num_speculative_tokens = num_speculative_tokens
         #: KV slots past a sampling request's scheduled tokens for the workers' draft model
@@ -238,6 +243,10 @@ class SpecDecodeDrafts:
         self._prompt_rows = 0
         #: whether waiting requests may join this step (:meth:`begin_step`)
         self._admitting = False
+        #: the requests whose proposer this step (and the last) paused for want of room under
+        #: the bound: their next step without drafts does not count as idle.
+        self._room_paused: set[str] = set()
+        self._was_room_paused: set[str] = set()
         #: request id -> [accepted, tried, shadow draft or -1]: decayed counts of its draft
         #: tokens, and the first draft it did not schedule (checked against the next token).
         self._acceptance: dict[str, list[float]] = {}
@@ -288,16 +297,25 @@ class SpecDecodeDrafts:
         rule's ``T`` and ``S``) until its own drafts are chosen. ``may_admit``: waiting
         requests may join the step after the running ones (their prompt rows would take a
         bounded step past :meth:`set_max_step_tokens`, so under a bound it carries no
-        drafts)."""
+        drafts). Under a bound the running requests' prompt chunks are counted here, whatever
+        their place in the running order (what is left of each, at most the step's token
+        budget: never too few)."""
         self._admitting = may_admit
-        num_running = max(len(self._running), 1)
+        running = self._running
+        num_running = max(len(running), 1)
         self._step_tokens = num_running
         self._step_expected = float(num_running)
         self._num_decoding = 0
         self._num_drafts = 0
         self._num_seen = 0
         self._prompt_rows = 0
+        if self._max_step_tokens is not None:  # rows past the one each request counts
+            budget = self._max_num_batched_tokens
+            for request in running:
+                left = min(request.num_tokens - request.num_computed_tokens, budget)
+                self._prompt_rows += max(left - 1, 0)
         self._paused = set()
+        self._was_room_paused, self._room_paused = self._room_paused, set()
 
     def take_paused(self) -> set[str]:
         """The step's requests whose drafts the workers need not propose after it
@@ -345,8 +363,6 @@ class SpecDecodeDrafts:
         self._num_seen += 1
         if num_tokens - request.num_computed_tokens != 1:
             request.spec_token_ids = []
-            # a prompt chunk (at most what is left of it): rows past the one counted for it
-            self._prompt_rows += max(num_tokens - request.num_computed_tokens - 1, 0)
             return 0
         limit = min(
             self.num_speculative_tokens,
@@ -392,13 +408,15 @@ class SpecDecodeDrafts:
             self._step_expected += expected_tokens(acceptance, k) - 1.0
         state[2] = drafts[0] if drafts and not k else -1
         request.spec_token_ids = drafts[:k]
-        if no_room:  # no row to spare: not idle; a token proposer need not propose
+        request_id = request.request_id
+        if no_room or held:  # no row to spare: not idle; a token proposer need not propose
+            self._room_paused.add(request_id)
             if not self.num_lookahead_tokens:
-                self._paused.add(request.request_id)
-        elif held:  # for this step only: neither idle nor paused
-            pass
+                self._paused.add(request_id)
+        elif not drafts and request_id in self._was_room_paused:
+            pass  # its proposer skipped the last step for want of room: not idle either
         elif self.adaptive and not self.num_lookahead_tokens and params.seed is None:
-            self._count_idle(request.request_id, k)
+            self._count_idle(request_id, k)
         return k
 
     def _count_idle(self, request_id: str, num_drafts: int) -> None:
