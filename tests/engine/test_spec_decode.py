@@ -146,6 +146,21 @@ def test_steps_with_drafts_stay_within_the_models_row_exact_size(tiny):
     assert sizes == [] and engine.scheduler.get_stats().spec_decoding.num_draft_tokens == 0
 
 
+def run_arrivals(engine: LLMEngine, prompts, arrive_at: list[int], steps: int) -> list[list[int]]:
+    """Add prompt i (id ``str(i)``) before step ``arrive_at[i]``, run ``steps`` steps checking
+    the KV cache after each, and return each request's token ids."""
+    final = {}
+    for step in range(steps):
+        for i, at in enumerate(arrive_at):
+            if at == step:
+                engine.add_request(str(i), prompts[i], greedy())
+        for output in engine.step():
+            if output.finished:
+                final[output.request_id] = list(output.outputs[0].token_ids)
+        check_invariants(engine.kv_cache_manager)
+    return [final[str(i)] for i in range(len(prompts))]
+
+
 def test_no_drafts_in_a_step_that_admits_a_prompt_under_a_row_exact_size(tiny):
     """A waiting request joins the step after the running ones' drafts are chosen, and its
     prompt rows would take the step past the row-exact size: such a step carries none. Requests
@@ -158,15 +173,7 @@ def test_no_drafts_in_a_step_that_admits_a_prompt_under_a_row_exact_size(tiny):
     engine.runner.drafter = scripted(engine, prompts, expected)
     engine.scheduler.drafts.adaptive = False
     sizes = record_draft_steps(engine)
-    final = {}
-    for step in range(60):
-        if step % 3 == 0 and step // 3 < len(prompts):
-            engine.add_request(str(step // 3), prompts[step // 3], greedy())
-        for output in engine.step():
-            if output.finished:
-                final[output.request_id] = list(output.outputs[0].token_ids)
-        check_invariants(engine.kv_cache_manager)
-    assert [final[str(i)] for i in range(len(prompts))] == expected
+    assert run_arrivals(engine, prompts, [0, 3, 6, 9], 60) == expected
     assert sizes and max(sizes) <= 12
 
 
@@ -183,17 +190,7 @@ def test_a_running_prompt_chunk_counts_toward_the_row_exact_size(tiny):
     engine.runner.drafter = scripted(engine, prompts, expected)
     engine.scheduler.drafts.adaptive = False
     sizes = record_draft_steps(engine, prompt_rows=True)
-    final = {}
-    for step in range(80):
-        if step < 3:
-            engine.add_request(str(step), prompts[step], greedy())
-        if step == 4:
-            engine.add_request("3", prompts[3], greedy())
-        for output in engine.step():
-            if output.finished:
-                final[output.request_id] = list(output.outputs[0].token_ids)
-        check_invariants(engine.kv_cache_manager)
-    assert [final[str(i)] for i in range(len(prompts))] == expected
+    assert run_arrivals(engine, prompts, [0, 1, 2, 4], 80) == expected
     assert sizes and max(sizes) <= 12
 
 
