@@ -237,8 +237,9 @@ class SpecDecodeDrafts:
         self._num_decoding = 0
         self._num_drafts = 0
         self._timed_num_tokens = 0
-        #: This step so far: the running requests :meth:`propose` was called for, and the
-        #: rows of their prompt chunks past the one each counts in ``_step_tokens``.
+        #: This step: the running requests :meth:`propose` was called for so far, and under
+        #: a bound the rows of every running request's prompt chunk past the one each counts
+        #: in ``_step_tokens`` (:meth:`begin_step`).
         self._num_seen = 0
         self._prompt_rows = 0
         #: whether waiting requests may join this step (:meth:`begin_step`)
