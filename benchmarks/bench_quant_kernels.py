@@ -91,6 +91,18 @@ def main() -> None:
     parser.add_argument(
         "--activations", nargs="+", default=["fp32"], choices=["fp32", "q8"], help="--gguf"
     )
+    parser.add_argument(
+        "--interleaved",
+        action="store_true",
+        help="--gguf: Q4_0 / Q4_1 also laid out in bands of 8 rows (the AVX2 body's layout)",
+    )
+    parser.add_argument(
+        "--gguf-shapes",
+        nargs="+",
+        default=None,
+        metavar="NAME:N:K",
+        help="--gguf: weight shapes (default gate_up:16384:2048 down:2048:8192)",
+    )
     args = parser.parse_args()
     if args.engine:
         compare_engines(args)
@@ -191,16 +203,27 @@ def bench_gguf(args) -> None:
     results = []
     for type_name in args.types or list(GGML_TYPES):
         t = GGML_TYPES[type_name]
-        for shape, n, k in GGUF_SHAPES:
+        shapes = GGUF_SHAPES
+        if args.gguf_shapes:
+            shapes = tuple(
+                (a, int(b), int(c)) for a, b, c in (v.split(":") for v in args.gguf_shapes)
+            )
+        for shape, n, k in shapes:
             w = random_gguf_weight(type_name, n, k, gen)
             nbytes = w.numel()
             cold = [w] + [w.clone() for _ in range(max(1, round(WORKING_SET / nbytes)) - 1)]
+            layouts = [(isa, act, kern, t.type_id, cold) for (isa, act), kern in kernels.items()]
             for (isa, act), kern in kernels.items():
+                if args.interleaved and kern.interleaved_type(t.type_id, n) is not None:
+                    x8 = [c.clone() for c in cold]
+                    ids = {kern.interleave(t.type_id, c) for c in x8}
+                    layouts.append((isa + "-x8", act, kern, ids.pop(), x8))
+            for isa, act, kern, type_id, weights in layouts:
                 for rows in args.rows:
                     x = torch.randn(rows, k, generator=gen)
-                    for where, ws in (("cold", cold), ("hot", cold[:1])):
+                    for where, ws in (("cold", weights), ("hot", weights[:1])):
                         best, median = best_and_median(
-                            lambda i, ws=ws, x=x, kern=kern, tid=t.type_id: kern.gguf_gemm(
+                            lambda i, ws=ws, x=x, kern=kern, tid=type_id: kern.gguf_gemm(
                                 tid, x, ws[i]
                             ),
                             len(ws),

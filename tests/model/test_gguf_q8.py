@@ -266,7 +266,8 @@ def test_refusals(kernels, tmp_path):
     ld.argtypes = [ctypes.c_int, p, p, p, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int]
     takes = lib.pagedkv_gguf_q8_takes
     takes.argtypes = [ctypes.c_int]
-    ids = [t.type_id for t in GGML_TYPES.values()] + [10, 11]  # and Q2_K, Q3_K
+    # and Q2_K, Q3_K; and the interleaved Q4_0_X8, Q4_1_X8
+    ids = [t.type_id for t in GGML_TYPES.values()] + [10, 11, 0x102, 0x103]
     assert {i for i in ids if takes(i)} == set(Q8_TYPES)
     q4k = GGML_TYPES["Q4_K"].type_id
     raw = torch.from_numpy(gguf_weight("Q4_K", N, 256, seed=4))

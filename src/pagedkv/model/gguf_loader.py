@@ -200,7 +200,9 @@ def load_gguf(
             mapping, or its bytes read into a :class:`WeightArena`, by :data:`MMAP_ENV`; q / k
             rows read into the arena either way and reordered there for llama's rotary; an
             embedding table that is not also the LM head stays a view of the mapping, only
-            its looked-up rows ever read), computed on
+            its looked-up rows ever read; Q4_0 / Q4_1 weights of whole bands of 8 rows laid
+            out anew in the arena where ``kernels`` interleave, :data:`REPACK_ENV`, and then
+            every kept weight is read into it, as with :data:`MMAP_ENV` = 0), computed on
             by ``kernels``; the rest (norms, biases) is dequantized to fp32. False: every
             tensor dequantized to fp32 (``--quantization none``, tensor parallelism).
         kernels: pagedkv's kernels (needed with ``quantized``; a type they do not run is
@@ -221,6 +223,7 @@ def load_gguf(
         ConfigError: :data:`MMAP_ENV` other than unset, 0 or 1.
     """
     setting = gguf_mmap_setting()  # a bad value is refused before anything is read
+    repack_setting = gguf_repack_setting()
     from gguf.quants import dequantize
 
     header = read_gguf_header(path)
@@ -236,6 +239,14 @@ def load_gguf(
     except HostMemoryError as e:
         raise ModelLoadError(f"cannot map GGUF file {path}: {e}") from e
     runs = kernels.gguf_types if quantized and kernels is not None else frozenset()
+    # Q4_0 / Q4_1 weights laid out in bands of 8 rows for the AVX2 body's products (in the
+    # arena: the mapping is read-only), unless the mapped file itself is asked for
+    repack = runs and repack_setting != "0" and setting != "1"
+
+    def interleaved(info: Any) -> bool:
+        rows = info.dims[1] if len(info.dims) == 2 else 0
+        return bool(repack) and kernels.interleaved_type(info.ggml_type, rows) is not None
+
     # the kept weights a decode step reads whole: computed in place where the page cache maps
     # them with 2 MiB pages, else read into anonymous memory (WeightArena); q / k rows that
     # llama's rotary reorders are read into it either way (the mapping is read-only)
@@ -245,7 +256,14 @@ def load_gguf(
         for info in header.tensors
         if len(info.dims) == 2 and info.ggml_type in runs and info.name != lookup_only
     ]
-    if kept:
+    if kept and any(interleaved(info) for info in kept):
+        # laid out anew, so copied (as PAGEDKV_GGUF_MMAP=0): nothing of the mapping faulted in
+        in_place, pages = _place_weights(mapped, "0", path, on_sampled)
+        pages = (
+            f"Q4_0 / Q4_1 interleaved by 8 rows for this CPU's products; {REPACK_ENV}=0 "
+            "keeps the file's layout"
+        )
+    elif kept:
         in_place, pages = _place_weights(mapped, setting, path, on_sampled)
     else:  # every tensor is read (dequantized) below: fault the file in at once
         in_place, pages = False, ""
@@ -293,15 +311,21 @@ def load_gguf(
             heads = config.num_attention_heads if is_q else config.num_key_value_heads
         if len(info.dims) == 2 and info.ggml_type in runs and name is not None:
             order = None if heads is None else unpermute_rotary_rows(torch.arange(rows), heads)
+            layout = False
             if info.name in read:
                 data = read[info.name].view(rows, row_bytes)
                 if order is not None:  # in place (a temporary of their size)
                     data[:] = data[order]
+                if interleaved(info):
+                    kernels.interleave(info.ggml_type, data)
+                    layout = True
             else:  # never q / k rows to reorder: those are always read
                 with warnings.catch_warnings():  # read-only: nothing writes the weights
                     warnings.filterwarnings("ignore", "The given NumPy array is not writable")
                     data = torch.from_numpy(raw)
-            state_dict[name] = GGUFWeight(type_name, data, (rows, cols), kernels)
+            state_dict[name] = GGUFWeight(
+                type_name, data, (rows, cols), kernels, interleaved=layout
+            )
             continue
         array = np.asarray(dequantize(raw, info.ggml_type), dtype=np.float32)
         tensor = torch.from_numpy(array.reshape(tuple(reversed(info.dims))).copy())
@@ -474,6 +498,26 @@ def _read_back(mapped: np.ndarray, path: Path, windows: list[tuple[int, int]]) -
 def _is_q_or_k(name: str | None) -> bool:
     """Whether HF weight ``name`` is a q_proj / k_proj weight (rows llama's rotary reorders)."""
     return name is not None and (".q_proj." in name or ".k_proj." in name)
+
+
+#: Whether Q4_0 / Q4_1 weights are laid out in bands of 8 rows at load for the AVX2 body's int8
+#: products (:meth:`~pagedkv.model.kernels.cpu_quant.CpuQuantKernels.interleave`, as llama.cpp
+#: repacks Q4_0 on AVX2): unset or 1, yes where those products run (int8 activations, no VNNI,
+#: and not :data:`MMAP_ENV` = 1, which computes on the read-only mapped file); 0, never (the
+#: file's layout; llama.cpp's ``--no-repack``).
+REPACK_ENV = "PAGEDKV_GGUF_REPACK"
+
+
+def gguf_repack_setting() -> str:
+    """:data:`REPACK_ENV`'s value: "" (unset or empty), "0" or "1".
+
+    Raises:
+        ConfigError: any other value.
+    """
+    value = os.environ.get(REPACK_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ConfigError(f"{REPACK_ENV} must be 0 or 1, got {value!r}")
+    return value
 
 
 def gguf_mmap_setting() -> str:

@@ -27,7 +27,10 @@ file's memory map), and :class:`GGUFMatmul` computes
                                        the tile: the weight is read once per step, and the
                                        scratch stays in the caches
 
-so no dense copy of the model is ever held (``--quantization none`` asks for one). The
+so no dense copy of the model is ever held (``--quantization none`` asks for one). On the
+AVX2 body's int8 products a Q4_0 / Q4_1 weight's rows are laid out at load in bands of 8
+(:meth:`~pagedkv.model.kernels.cpu_quant.CpuQuantKernels.interleave`, ``interleaved``): the
+same bytes, moved, so that one activation broadcast meets 8 weight rows at once. The
 embedding table is looked up row by row (``gguf_get_rows``). Every GGML type the kernels
 take runs this way (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16, F32).
 """
@@ -41,7 +44,12 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedkv.errors import ConfigError
-from pagedkv.model.kernels.cpu_quant import MAX_ROWS, Q8_TYPES, CpuQuantKernels
+from pagedkv.model.kernels.cpu_quant import (
+    INTERLEAVED_TYPES,
+    MAX_ROWS,
+    Q8_TYPES,
+    CpuQuantKernels,
+)
 
 #: Elements of the dequantized scratch a large step fills per tile (16 MiB in fp32): the
 #: tile then stays in the L2/L3 caches while the GEMM reads it.
@@ -88,6 +96,9 @@ class GGUFWeight:
         shape: ``(out_features, in_features)``.
         kernels: pagedkv's kernels that compute on it.
         dtype: the dtype its products return (the model's compute dtype).
+        interleaved: the rows laid out in bands of 8 for the AVX2 body's int8 products
+            (:meth:`~pagedkv.model.kernels.cpu_quant.CpuQuantKernels.interleave`: Q4_0 and
+            Q4_1, the same bytes moved); :attr:`type_id` is then the interleaved type's.
     """
 
     type_name: str
@@ -95,15 +106,23 @@ class GGUFWeight:
     shape: tuple[int, int]
     kernels: CpuQuantKernels | None = field(default=None, repr=False, compare=False)
     dtype: torch.dtype = torch.float32
-    #: the ``ggml_type`` code the kernels take (from ``type_name``; looked up once, not per
-    #: product).
+    interleaved: bool = False
+    #: the ``ggml_type`` code the kernels take (from ``type_name``, or its interleaved type's;
+    #: looked up once, not per product).
     type_id: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         from gguf.constants import GGMLQuantizationType
 
         block_elems, block_bytes = ggml_type_sizes(self.type_name)
-        object.__setattr__(self, "type_id", int(GGMLQuantizationType[self.type_name]))
+        type_id = int(GGMLQuantizationType[self.type_name])
+        if self.interleaved:
+            if type_id not in INTERLEAVED_TYPES or self.shape[0] % 8:
+                raise ConfigError(
+                    f"a {self.type_name} weight of {self.shape[0]} rows has no interleaved layout"
+                )
+            type_id = INTERLEAVED_TYPES[type_id].type_id
+        object.__setattr__(self, "type_id", type_id)
         rows, cols = self.shape
         if cols % block_elems:
             raise ConfigError(
@@ -149,7 +168,21 @@ class GGUFWeight:
 
     def rows(self, index: torch.Tensor | slice) -> GGUFWeight:
         """The weight's output rows ``index`` (a copy of their blocks for an index tensor: the
-        rows of a q / k weight reordered)."""
+        rows of a q / k weight reordered). An interleaved weight takes slices of whole bands
+        only (start and stop multiples of 8, step 1).
+
+        Raises:
+            ConfigError: other rows of an interleaved weight.
+        """
+        if self.interleaved:
+            start, stop, step = (
+                index.indices(self.shape[0]) if isinstance(index, slice) else (1, 0, 0)
+            )
+            if step != 1 or start % 8 or stop % 8 or stop < start:
+                raise ConfigError(
+                    f"rows of an interleaved {self.type_name} weight are taken in bands of 8, "
+                    f"not {index!r}"
+                )
         data = self.data[index].contiguous()
         return dataclasses.replace(self, data=data, shape=(data.shape[0], self.shape[1]))
 

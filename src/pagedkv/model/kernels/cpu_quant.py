@@ -61,7 +61,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -86,8 +86,9 @@ ACTIVATIONS_ENV = "PAGEDKV_GGUF_ACTIVATIONS"
 #: gives each (``activations``: 0 fp32, 1 int8).
 ACTIVATION_CODES = {"fp32": 0, "q8": 1}
 #: GGML type ids of the int8-activation products: every quantized type of :data:`GGML_TYPES`
-#: (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K); the float types keep fp32 activations.
-Q8_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14})
+#: (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) and the interleaved Q4_0_X8, Q4_1_X8
+#: (:data:`INTERLEAVED_TYPES`, 0x102, 0x103); the float types keep fp32 activations.
+Q8_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14, 0x102, 0x103})
 #: The C sources of the kernels, compiled into one library (the header is part of the build
 #: key): the products, and the decoder layer built on them.
 SOURCES = tuple(
@@ -168,7 +169,15 @@ GGML_TYPES: dict[str, GGMLType] = {
         GGMLType("BF16", 30, 1, 2),
     )
 }
-_BY_ID = {t.type_id: t for t in GGML_TYPES.values()}
+#: pagedkv's layouts of a file's Q4_0 / Q4_1 blocks in bands of 8 rows (gguf_blocks.c, "4-bit
+#: blocks interleaved by 8 rows"; made at load by :meth:`CpuQuantKernels.interleave`, for the
+#: AVX2 body's int8 products), by the file's type id. The same bytes per block, moved.
+INTERLEAVED_TYPES: Mapping[int, GGMLType] = MappingProxyType(
+    {2: GGMLType("Q4_0_X8", 0x102, 32, 18), 3: GGMLType("Q4_1_X8", 0x103, 32, 20)}
+)
+_BY_ID = {t.type_id: t for t in (*GGML_TYPES.values(), *INTERLEAVED_TYPES.values())}
+#: The file's type id of each interleaved one.
+_FILE_TYPE = {t.type_id: base for base, t in INTERLEAVED_TYPES.items()}
 
 
 def ggml_type(type_id: int) -> GGMLType:
@@ -557,6 +566,7 @@ class CpuQuantKernels:
         "_gguf_rows",
         "_int4",
         "_int8",
+        "_interleave",
         "_isa_code",
         "_q8_isa_code",
         "_rms_norm",
@@ -564,6 +574,7 @@ class CpuQuantKernels:
         "fast_large_rows",
         "fused_layers",
         "gguf_types",
+        "interleaves",
         "isa",
         "path",
         "q8_isa",
@@ -700,9 +711,18 @@ class CpuQuantKernels:
         self._gguf_rows = lib.pagedkv_gguf_get_rows
         self._gguf_rows.argtypes = [ctypes.c_int, _P, _P, _I64, _I64, _I64, _P]
         self._gguf_rows.restype = ctypes.c_int
-        #: the GGML type ids the ``gguf_*`` calls take (:data:`GGML_TYPES`): all of them where
-        #: the CPU has F16C (every AVX2 CPU made has), none otherwise
-        self.gguf_types = frozenset(_BY_ID) if "f16c" in cpu_flags() else frozenset()
+        self._interleave = lib.pagedkv_gguf_interleave
+        self._interleave.argtypes = [ctypes.c_int, _P, _I64, _I64, ctypes.c_int]
+        self._interleave.restype = ctypes.c_int
+        #: whether :meth:`interleave` lays out Q4_0 / Q4_1 weights for these kernels: with int8
+        #: activations on the AVX2 body (the VNNI body has its own one-row kernels, and the
+        #: fp32 products read the file's layout)
+        self.interleaves = activations == "q8" and q8_isa != "avx512_vnni"
+        #: the GGML type ids the ``gguf_*`` calls take (:data:`GGML_TYPES`, and the
+        #: :data:`INTERLEAVED_TYPES` where :attr:`interleaves`): all of them where the CPU has
+        #: F16C (every AVX2 CPU made has), none otherwise
+        offered = set(_BY_ID) if self.interleaves else set(_BY_ID) - set(_FILE_TYPE)
+        self.gguf_types = frozenset(offered) if "f16c" in cpu_flags() else frozenset()
 
     @staticmethod
     def layer_array(layers: Sequence[LlamaLayerWeights]) -> ctypes.Array:
@@ -845,6 +865,54 @@ class CpuQuantKernels:
                 f"not {w.shape[1]}"
             )
         return w.shape[0]
+
+    def interleaved_type(self, type_id: int, num_rows: int) -> int | None:
+        """The interleaved type (:data:`INTERLEAVED_TYPES`) :meth:`interleave` would make of a
+        ``type_id`` weight of ``num_rows`` rows, or None (these kernels do not interleave, a
+        type without such a layout, rows not a multiple of 8)."""
+        t = INTERLEAVED_TYPES.get(type_id)
+        if t is None or not self.interleaves or num_rows % 8 or t.type_id not in self.gguf_types:
+            return None
+        return t.type_id
+
+    def interleave(self, type_id: int, w: torch.Tensor) -> int:
+        """Lay out a Q4_0 / Q4_1 weight's rows in place in bands of 8 (gguf_blocks.c
+        ``pagedkv_gguf_interleave``: each band's blocks with 4 bytes of each of its 8 rows side
+        by side, as llama.cpp's repacked Q4_0 8x8 blocks on AVX2), the layout of the AVX2
+        body's int8 products: a decode step's product, and each extra row of a verification
+        step, about twice as fast on an AVX2 core (docs/perf.md, 2026-12-07 "Q4_0 / Q4_1
+        interleaved by 8 rows"). The bytes are the file's, moved; :meth:`gguf_dequant` and
+        :meth:`gguf_get_rows` still give the file's values bit for bit.
+
+        Args:
+            type_id: 2 (Q4_0) or 3 (Q4_1).
+            w: uint8 contiguous writable ``[N, row_bytes]``, N a multiple of 8 (rewritten).
+
+        Returns:
+            The interleaved type's id (0x102, 0x103) to compute on ``w`` with from now on.
+
+        Raises:
+            KernelUnavailableError: these kernels do not interleave (:attr:`interleaves`), or
+                a type, shape or dtype without the layout; ``w`` is then unchanged.
+        """
+        if w.dtype != torch.uint8 or w.dim() != 2 or not w.is_contiguous():
+            raise KernelUnavailableError(
+                "interleave takes a uint8 contiguous [N, row_bytes] weight"
+            )
+        new = self.interleaved_type(type_id, w.shape[0])
+        if new is None:
+            raise KernelUnavailableError(
+                f"GGML type {type_id} of {w.shape[0]} rows has no interleaved layout here"
+            )
+        t = ggml_type(type_id)
+        in_features = w.shape[1] // t.block_bytes * t.block_elems
+        self._gguf_weight(type_id, w, in_features)
+        rc = self._interleave(
+            type_id, w.data_ptr(), w.shape[0], in_features, torch.get_num_threads()
+        )
+        if rc != new:
+            raise KernelUnavailableError(f"interleave refused type {type_id} {tuple(w.shape)}")
+        return new
 
     def gguf_gemm(
         self, type_id: int, x: torch.Tensor, w: torch.Tensor, num_outputs: int | None = None
@@ -1187,12 +1255,17 @@ class CpuQuantKernels:
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
-        n, k = 19, 256
+        k = 256
         for type_id in sorted(self.gguf_types):
-            w = _exact_gguf_weight(type_id, n, k, gen)
+            # an interleaved type: a file's weight of 24 rows (three bands), laid out
+            file_type = _FILE_TYPE.get(type_id, type_id)
+            n = 19 if file_type == type_id else 24
+            w = _exact_gguf_weight(file_type, n, k, gen)
             reference = torch.from_numpy(
-                dequantize(w.numpy(), GGMLQuantizationType(type_id)).reshape(n, k)
+                dequantize(w.numpy(), GGMLQuantizationType(file_type)).reshape(n, k)
             )
+            if file_type != type_id:
+                self.interleave(file_type, w)
             name = ggml_type(type_id).name
             dense = self.gguf_dequant(type_id, w, torch.empty(n, k))
             if not torch.equal(dense.view(torch.int32), reference.view(torch.int32)):

@@ -81,7 +81,13 @@ enum {
     GGML_Q5_K = 13,
     GGML_Q6_K = 14,
     GGML_BF16 = 30,
+    /* pagedkv's own layouts of a file's blocks, made at load (pagedkv_gguf_interleave) */
+    GGML_Q4_0_X8 = 0x102,
+    GGML_Q4_1_X8 = 0x103,
 };
+
+/* Whether a type is one of the 8-row interleaved layouts (see pagedkv_gguf_interleave) */
+static inline int is_x8(int type) { return type == GGML_Q4_0_X8 || type == GGML_Q4_1_X8; }
 
 int pagedkv_gguf_block(int type, int64_t *block_elems, int64_t *block_bytes) {
     int64_t e, b;
@@ -91,6 +97,8 @@ int pagedkv_gguf_block(int type, int64_t *block_elems, int64_t *block_bytes) {
         case GGML_BF16: e = 1, b = 2; break;
         case GGML_Q4_0: e = 32, b = 18; break;
         case GGML_Q4_1: e = 32, b = 20; break;
+        case GGML_Q4_0_X8: e = 32, b = 18; break;
+        case GGML_Q4_1_X8: e = 32, b = 20; break;
         case GGML_Q5_0: e = 32, b = 22; break;
         case GGML_Q5_1: e = 32, b = 24; break;
         case GGML_Q8_0: e = 32, b = 34; break;
@@ -102,6 +110,69 @@ int pagedkv_gguf_block(int type, int64_t *block_elems, int64_t *block_bytes) {
     if (block_elems != NULL) *block_elems = e;
     if (block_bytes != NULL) *block_bytes = b;
     return 0;
+}
+
+/* ---- the 8-row interleaved layouts' blocks in the file's layout ---------------------------- */
+static inline const uint8_t *x8_group(int64_t n, int64_t g, int64_t row_bytes, int64_t BB,
+                                         const uint8_t *w) {
+    return w + (n / 8) * 8 * row_bytes + g * 8 * BB;
+}
+
+/* Row n's block g in the file's layout (BB bytes) into raw, from the interleaved w */
+static inline void x8_raw_block(int type, const uint8_t *w, int64_t row_bytes, int64_t n,
+                                int64_t g, uint8_t *raw) {
+    const int q41 = type == GGML_Q4_1_X8, BB = q41 ? 20 : 18, r = (int)(n % 8);
+    const uint8_t *grp = x8_group(n, g, row_bytes, BB, w);
+    memcpy(raw, grp + 128 + 2 * r, 2);
+    if (q41) memcpy(raw + 2, grp + 144 + 2 * r, 2);
+    uint8_t *q = raw + (q41 ? 4 : 2);
+    for (int j = 0; j < 4; j++) memcpy(q + 4 * j, grp + 32 * j + 4 * r, 4);
+}
+
+/* Row n of the interleaved w in the file's layout (K / 32 blocks) into raw */
+static void x8_raw_row(int type, const uint8_t *w, int64_t K, int64_t n, uint8_t *raw) {
+    const int64_t BB = type == GGML_Q4_1_X8 ? 20 : 18, G = K / 32;
+    for (int64_t g = 0; g < G; g++) x8_raw_block(type, w, G * BB, n, g, raw + g * BB);
+}
+
+/* Lay out the N rows of a Q4_0 / Q4_1 weight w [N, K / 32 * B bytes] in place as its
+ * interleaved type (Q4_0_X8, Q4_1_X8; the layout above the X8 products below), a band of 8 rows
+ * at a time through a scratch of one band. N must be a multiple of 8. Returns the new type, or
+ * -1 (a type without such a layout, a bad size, or an allocation failure: w is then unchanged;
+ * a failure past the first band cannot happen, the scratch is taken before). */
+int pagedkv_gguf_interleave(int type, uint8_t *w, int64_t N, int64_t K, int num_threads) {
+    if (type != GGML_Q4_0 && type != GGML_Q4_1) return -1;
+    if (N < 0 || N % 8 != 0 || K <= 0 || K % 32 != 0) return -1;
+    const int q41 = type == GGML_Q4_1, BB = q41 ? 20 : 18;
+    const int64_t G = K / 32, row_bytes = G * BB, band_bytes = 8 * row_bytes, bands = N / 8;
+    const int threads = bands < num_threads ? (int)(bands > 0 ? bands : 1) : num_threads;
+    uint8_t *scratch = (uint8_t *)malloc((size_t)(band_bytes * threads));
+    if (scratch == NULL) return -1;
+#pragma omp parallel num_threads(threads)
+    {
+#ifdef _OPENMP
+        uint8_t *tmp = scratch + band_bytes * omp_get_thread_num();
+#else
+        uint8_t *tmp = scratch;
+#endif
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < bands; t++) {
+            uint8_t *band = w + t * band_bytes;
+            memcpy(tmp, band, (size_t)band_bytes);
+            for (int64_t g = 0; g < G; g++) {
+                uint8_t *grp = band + g * 8 * BB;
+                for (int r = 0; r < 8; r++) {
+                    const uint8_t *raw = tmp + r * row_bytes + g * BB;
+                    memcpy(grp + 128 + 2 * r, raw, 2);
+                    if (q41) memcpy(grp + 144 + 2 * r, raw + 2, 2);
+                    const uint8_t *q = raw + (q41 ? 4 : 2);
+                    for (int j = 0; j < 4; j++) memcpy(grp + 32 * j + 4 * r, q + 4 * j, 4);
+                }
+            }
+        }
+    }
+    free(scratch);
+    return q41 ? GGML_Q4_1_X8 : GGML_Q4_0_X8;
 }
 
 /* ---- scalar helpers and the super-blocks' scales (AVX2 + F16C, used by both bodies) ----- */
@@ -343,7 +414,7 @@ int pagedkv_gguf_gemm(int type, const float *x, const uint8_t *w, float *out, in
 int pagedkv_gguf_gemm_ld(int type, const float *x, const uint8_t *w, float *out, int64_t M,
                          int64_t N, int64_t K, int64_t ldo, int num_threads, int isa) {
     int64_t E, B;
-    if (pagedkv_gguf_block(type, &E, &B)) return -1;
+    if (is_x8(type) || pagedkv_gguf_block(type, &E, &B)) return -1; /* x8: int8 products only */
     if (M < 1 || M > MAX_M || K <= 0 || K % E != 0 || N < 0 || ldo < N) return -1;
     if (isa != PAGEDKV_ISA_AVX2 && isa != PAGEDKV_ISA_AVX512) return -1;
     /* Q4_K / Q5_K: the sums of x over each group of 32, [M, K / 32] */
@@ -377,6 +448,26 @@ int pagedkv_gguf_dequant(int type, const uint8_t *w, int64_t row_start, int64_t 
     const int64_t row_bytes = K / E * B, out_bytes = K * (out_bf16 ? 2 : 4);
     /* below about 64 K elements the threads cost more than they save */
     const int threads = num_rows * K >= 65536 ? num_threads : 1;
+    if (is_x8(type)) { /* each row back in the file's layout, then as its type */
+        const int base = type == GGML_Q4_1_X8 ? GGML_Q4_1 : GGML_Q4_0;
+        uint8_t *raw = (uint8_t *)malloc((size_t)(row_bytes * threads));
+        if (raw == NULL) return -1;
+#pragma omp parallel num_threads(threads)
+        {
+#ifdef _OPENMP
+            uint8_t *mine = raw + row_bytes * omp_get_thread_num();
+#else
+            uint8_t *mine = raw;
+#endif
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < num_rows; r++) {
+                x8_raw_row(type, w, K, row_start + r, mine);
+                dequant_row_avx2(base, mine, K, (uint8_t *)out + r * out_bytes, out_bf16);
+            }
+        }
+        free(raw);
+        return 0;
+    }
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = 0; r < num_rows; r++)
         dequant_row_avx2(type, w + (row_start + r) * row_bytes, K, (uint8_t *)out + r * out_bytes,
@@ -392,6 +483,18 @@ int pagedkv_gguf_get_rows(int type, const uint8_t *w, const int64_t *ids, int64_
     for (int64_t i = 0; i < num_ids; i++)
         if (ids[i] < 0 || ids[i] >= N) return -1; /* before anything is written */
     const int64_t row_bytes = K / E * B;
+    if (is_x8(type)) {
+        if (N % 8 != 0) return -1;
+        const int base = type == GGML_Q4_1_X8 ? GGML_Q4_1 : GGML_Q4_0;
+        uint8_t *raw = (uint8_t *)malloc((size_t)row_bytes);
+        if (raw == NULL) return -1;
+        for (int64_t i = 0; i < num_ids; i++) {
+            x8_raw_row(type, w, K, ids[i], raw);
+            dequant_row_avx2(base, raw, K, out + i * K, 0);
+        }
+        free(raw);
+        return 0;
+    }
     for (int64_t i = 0; i < num_ids; i++)
         dequant_row_avx2(type, w + ids[i] * row_bytes, K, out + i * K, 0);
     return 0;
@@ -654,6 +757,92 @@ Q8_ROWS(q4_1)
 Q8_ROWS(q5_0)
 Q8_ROWS(q5_1)
 
+/* ---- 4-bit blocks interleaved by 8 rows (Q4_0_X8, Q4_1_X8): the AVX2 body's decode layout ---
+ *
+ * A decode step's product on the file's own layout (q8_row_*, one weight row at a time) spends
+ * per block and activation row a maddubs, a madd, a conversion, a broadcast and an FMA, and per
+ * weight row a horizontal sum: on an AVX2 core it is bound by those instructions, not by the
+ * memory (a draft row of a verification step costs about a third of a one-row step). As
+ * llama.cpp does on AVX2 (its repacked Q4_0 8x8 blocks), the loader lays out each band of 8
+ * weight rows so that one vector holds 4 bytes of each of the 8 rows (the rows across the
+ * lanes): an activation row's 4 bytes, broadcast, meet 8 weight rows in one maddubs, a block's
+ * 8 maddubs are summed in int16 (8 * 2 * 15 * 127 < 2^15), and one madd, conversion and FMA
+ * finish the block for 8 weight rows at once, with no horizontal sum.
+ *
+ * Band t (rows 8 t .. 8 t + 7) is 8 * row_bytes bytes, the rows' block g at g * 8 * B:
+ *   bytes 0-127   vector j (j = 0..3) at 32 j: byte 4 r + e = row r's code byte 4 j + e (its low
+ *                 nibble element 4 j + e, its high nibble element 16 + 4 j + e, as in the file)
+ *   bytes 128-143 the 8 rows' f16 d
+ *   bytes 144-159 (Q4_1) the 8 rows' f16 m
+ * the same bytes as the file's blocks (B = 18, 20), moved. Row n's result, for any number of
+ * activation rows M:
+ *   acc = 0; for g: acc = fma(float(sum_j u_j x_j), d * xd_g, acc); acc = fma(m, xds_g, acc)
+ * in fp32 (u the unsigned codes; Q4_0's m is -8 d, its codes' bias), so a row's bits do not
+ * depend on M or on the other rows: a verification step's rows are a decode step's. */
+/* Band of 8 weight rows at `band` (its K / 32 groups) against activation rows 0..M-1:
+ * out[m * ldo + n0 + r] for r = 0..7 */
+static inline AI void x8_band(const int M, const int q41, const uint8_t *band, const int8_t *xq,
+                              const float *xd, const float *xds, int64_t K, int64_t ldo,
+                              int64_t n0, float *out) {
+    const int64_t G = K / 32, GB = q41 ? 160 : 144;
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[MAX_M];
+    _Pragma("GCC unroll 8") for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *b = band + g * GB;
+        PREFETCH(b + PF_BYTES);
+        PREFETCH(b + PF_BYTES + 64);
+        PREFETCH(b + PF_BYTES + 128);
+        __m256i st[8];
+        _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 32 * j));
+            st[j] = _mm256_and_si256(v, low);
+            st[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        }
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 128)));
+        const __m256 m8 = q41 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 144)))
+                              : _mm256_mul_ps(d8, _mm256_set1_ps(-8.0f));
+        _Pragma("GCC unroll 8") for (int m = 0; m < M; m++) {
+            const int8_t *x = xq + m * K + 32 * g;
+            int32_t xv;
+            memcpy(&xv, x, 4);
+            __m256i i16 = _mm256_maddubs_epi16(st[0], _mm256_set1_epi32(xv));
+            _Pragma("GCC unroll 8") for (int s = 1; s < 8; s++) {
+                memcpy(&xv, x + 4 * s, 4);
+                i16 = _mm256_add_epi16(i16, _mm256_maddubs_epi16(st[s], _mm256_set1_epi32(xv)));
+            }
+            const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(i16, ones));
+            acc[m] = _mm256_fmadd_ps(f, _mm256_mul_ps(d8, _mm256_set1_ps(xd[m * G + g])), acc[m]);
+            acc[m] = _mm256_fmadd_ps(m8, _mm256_set1_ps(xds[m * G + g]), acc[m]);
+        }
+    }
+    _Pragma("GCC unroll 8") for (int m = 0; m < M; m++) _mm256_storeu_ps(out + m * ldo + n0, acc[m]);
+}
+
+/* rows n0..n1 (multiples of 8, or n1 = N, itself a multiple of 8) of an interleaved type */
+#define X8_ROWS(T, Q41)                                                                      \
+    static __attribute__((noinline)) void x8_rows_##T(int M, const uint8_t *w,              \
+                                                      const int8_t *xq, const float *xd,     \
+                                                      const float *xds, int64_t K,           \
+                                                      int64_t ldo, int64_t n0, int64_t n1,   \
+                                                      float *out) {                          \
+        const int64_t band_bytes = 8 * (K / 32) * ((Q41) ? 20 : 18);                         \
+        switch (M) {                                                                         \
+            case 1: for (int64_t n = n0; n < n1; n += 8) x8_band(1, Q41, w + n / 8 * band_bytes, xq, xd, xds, K, ldo, n, out); break; \
+            case 2: for (int64_t n = n0; n < n1; n += 8) x8_band(2, Q41, w + n / 8 * band_bytes, xq, xd, xds, K, ldo, n, out); break; \
+            case 3: for (int64_t n = n0; n < n1; n += 8) x8_band(3, Q41, w + n / 8 * band_bytes, xq, xd, xds, K, ldo, n, out); break; \
+            case 4: for (int64_t n = n0; n < n1; n += 8) x8_band(4, Q41, w + n / 8 * band_bytes, xq, xd, xds, K, ldo, n, out); break; \
+            case 5: for (int64_t n = n0; n < n1; n += 8) x8_band(5, Q41, w + n / 8 * band_bytes, xq, xd, xds, K, ldo, n, out); break; \
+            case 6: for (int64_t n = n0; n < n1; n += 8) x8_band(6, Q41, w + n / 8 * band_bytes, xq, xd, xds, K, ldo, n, out); break; \
+            case 7: for (int64_t n = n0; n < n1; n += 8) x8_band(7, Q41, w + n / 8 * band_bytes, xq, xd, xds, K, ldo, n, out); break; \
+            case 8: for (int64_t n = n0; n < n1; n += 8) x8_band(8, Q41, w + n / 8 * band_bytes, xq, xd, xds, K, ldo, n, out); break; \
+        }                                                                                    \
+    }
+
+X8_ROWS(q4_0_x8, 0)
+X8_ROWS(q4_1_x8, 1)
+#undef X8_ROWS
+
 /* rows n0..n1 of any 32-element type (q8_rows_<type>); others do nothing (callers check) */
 static void q8_rows_type(int type, int M, const uint8_t *w, const int8_t *xq, const float *xd,
                          const float *xds, int64_t K, int64_t ldo, int64_t n0, int64_t n1,
@@ -664,6 +853,8 @@ static void q8_rows_type(int type, int M, const uint8_t *w, const int8_t *xq, co
         case GGML_Q4_1: q8_rows_q4_1(M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
         case GGML_Q5_0: q8_rows_q5_0(M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
         case GGML_Q5_1: q8_rows_q5_1(M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
+        case GGML_Q4_0_X8: x8_rows_q4_0_x8(M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
+        case GGML_Q4_1_X8: x8_rows_q4_1_x8(M, w, xq, xd, xds, K, ldo, n0, n1, out); break;
     }
 }
 
@@ -2516,10 +2707,15 @@ int pagedkv_gguf_gemm_q8v_parts(int num_parts, const int *types, const uint8_t *
     if (M < 1 || M > MAX_M || K <= 0 || K % 32 != 0) return -1;
     if (isa != PAGEDKV_ISA_AVX2 && isa != PAGEDKV_ISA_AVX512 && isa != PAGEDKV_ISA_AVX512_VNNI)
         return -1;
+    for (int p = 0; p < num_parts; p++)
+        if (is_x8(types[p]) && rows[p] % 8 != 0) return -1;
     int64_t first_block[9], col[9], bytes;
     if (parts_blocks(num_parts, types, rows, K, ldo, first_block, col, &bytes)) return -1;
     const int64_t total = first_block[num_parts];
     const int64_t chunk = parts_chunk(total, bytes, num_threads);
+    if (isa == PAGEDKV_ISA_AVX512_VNNI)
+        for (int p = 0; p < num_parts; p++)
+            if (is_x8(types[p])) return -1; /* the interleaved layouts are the AVX2 body's */
     if (isa != PAGEDKV_ISA_AVX512_VNNI) {
         /* the AVX2 body: pagedkv_gguf_gemm_q8_ld's rounding, once for every part */
         const int64_t G = K / 32;
@@ -2556,7 +2752,7 @@ int pagedkv_gguf_gemm_q8v_parts(int num_parts, const int *types, const uint8_t *
 }
 
 int pagedkv_gguf_q8_takes(int type) {
-    return type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q5_0 || type == GGML_Q5_1 ||
+    return is_x8(type) || type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q5_0 || type == GGML_Q5_1 ||
            type == GGML_Q8_0 || type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K;
 }
 
@@ -2590,8 +2786,10 @@ int pagedkv_gguf_gemm_q8_large(int type, const float *x, const uint8_t *w, float
     if (is_k_type(type))
         return gemm_q8k(type, x, w, out, M, N, K, ldo, num_threads, isa == PAGEDKV_ISA_AVX512_VNNI,
                         LARGE_N_BLOCK);
+    if (is_x8(type) && N % 8 != 0) return -1;
     const int64_t num_blocks = (N + LARGE_N_BLOCK - 1) / LARGE_N_BLOCK;
-    if (isa == PAGEDKV_ISA_AVX512_VNNI) return gemm_q8_vnni_large(type, x, w, out, M, N, K, ldo, num_threads, 0);
+    if (isa == PAGEDKV_ISA_AVX512_VNNI)
+        return is_x8(type) ? -1 : gemm_q8_vnni_large(type, x, w, out, M, N, K, ldo, num_threads, 0);
     const int64_t G = K / 32;
     float *xd = (float *)malloc(sizeof(float) * 2 * M * G + (size_t)(M * K));
     if (xd == NULL) return -1;
@@ -2625,6 +2823,10 @@ int pagedkv_gguf_gemm_q8_fast(int type, const float *x, const uint8_t *w, float 
     int64_t E, B;
     if (!pagedkv_gguf_q8_takes(type) || pagedkv_gguf_block(type, &E, &B)) return -1;
     if (M < 1 || K <= 0 || K % E != 0 || N < 0 || ldo < N) return -1;
+    if (is_x8(type)) /* its large steps are its small steps' products, 8 rows at a time */
+        return isa == PAGEDKV_ISA_AVX512_VNNI
+                   ? -1
+                   : pagedkv_gguf_gemm_q8_large(type, x, w, out, M, N, K, ldo, num_threads, isa);
     if (isa == PAGEDKV_ISA_AVX512_VNNI) return gemm_q8_vnni_large(type, x, w, out, M, N, K, ldo, num_threads, 1);
     if (isa != PAGEDKV_ISA_AVX2 && isa != PAGEDKV_ISA_AVX512) return -1;
     if (type == GGML_Q8_0) return -1; /* its codes overflow maddubs' int16 */
@@ -2641,7 +2843,9 @@ int pagedkv_gguf_gemm_q8_ld(int type, const float *x, const uint8_t *w, float *o
     if (is_k_type(type))
         return gemm_q8k(type, x, w, out, M, N, K, ldo, num_threads, isa == PAGEDKV_ISA_AVX512_VNNI,
                         ROW_BLOCK);
-    if (isa == PAGEDKV_ISA_AVX512_VNNI) return gemm_q8_vnni(type, x, w, out, M, N, K, ldo, num_threads);
+    if (isa == PAGEDKV_ISA_AVX512_VNNI)
+        return is_x8(type) ? -1 : gemm_q8_vnni(type, x, w, out, M, N, K, ldo, num_threads);
+    if (is_x8(type) && N % 8 != 0) return -1;
     const int64_t G = K / 32;
     float *xd = q8_round_rows(x, M, K);
     if (xd == NULL) return -1;
@@ -2682,6 +2886,7 @@ int pagedkv_gguf_gemm_invariant(int type, const float *x, const uint8_t *w, floa
     if (pagedkv_gguf_block(type, &E, &B)) return -1;
     if (M < 1 || K <= 0 || K % E != 0 || N < 0 || ldo < N) return -1;
     if (activations != 0 && activations != 1) return -1;
+    if (activations == 0 && is_x8(type)) return -1; /* the interleaved layouts: int8 products only */
     if (isa != PAGEDKV_ISA_AVX2 && isa != PAGEDKV_ISA_AVX512) return -1;
     if (q8_isa != PAGEDKV_ISA_AVX2 && q8_isa != PAGEDKV_ISA_AVX512 && q8_isa != PAGEDKV_ISA_AVX512_VNNI)
         return -1;

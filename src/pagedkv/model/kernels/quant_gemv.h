@@ -44,6 +44,12 @@ int pagedkv_int8_gemm(const float *x, const int8_t *q, const float *scale, float
  * pagedkv_gguf_get_rows: rows ids (each in [0, N)) of W into out fp32 [num_ids, K].
  * Each returns 0, or -1 for arguments it does not take (and then writes nothing). */
 int pagedkv_gguf_block(int type, int64_t *block_elems, int64_t *block_bytes);
+/* A Q4_0 / Q4_1 weight [N, row_bytes], N a multiple of 8, laid out in place in 8-row bands for
+ * the AVX2 body's int8 products (gguf_blocks.c, "4-bit blocks interleaved by 8 rows"): returns
+ * the new type (0x102 Q4_0_X8, 0x103 Q4_1_X8; the same bytes per block), or -1, w unchanged.
+ * The interleaved types run on the int8 products of the AVX2 body, dequantization and lookup
+ * only; the others refuse them. */
+int pagedkv_gguf_interleave(int type, uint8_t *w, int64_t N, int64_t K, int num_threads);
 int pagedkv_gguf_gemm(int type, const float *x, const uint8_t *w, float *out, int64_t M,
                       int64_t N, int64_t K, int num_threads, int isa);
 /* pagedkv_gguf_gemm with out's rows ldo >= N floats apart (out[m * ldo + n]) */
