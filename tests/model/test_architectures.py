@@ -60,14 +60,15 @@ COMMON = dict(
 CASES = ["qwen3", "phi3-longrope", "phi3", "gemma2", "llama3"]
 
 
-def _hf_model(case: str):
-    """The tiny transformers model of ``case``, its GGUF architecture name and any GGUF tensors
-    beyond the weights."""
+def _hf_model(case: str, **overrides):
+    """The tiny transformers model of ``case`` (``overrides``: of :data:`COMMON`'s sizes), its
+    GGUF architecture name and any GGUF tensors beyond the weights."""
+    common = {**COMMON, **overrides}
     g = torch.Generator().manual_seed(1)
     extra: dict[str, torch.Tensor] = {}
     if case == "qwen3":  # head_dim 24, not hidden / heads = 16
         config = transformers.Qwen3Config(
-            **COMMON, head_dim=24, rope_theta=1e6, tie_word_embeddings=False
+            **common, head_dim=24, rope_theta=1e6, tie_word_embeddings=False
         )
         arch = "qwen3"
     elif case.startswith("phi3"):
@@ -80,7 +81,7 @@ def _hf_model(case: str):
                 "long_factor": (1 + 4 * torch.rand(8, generator=g)).tolist(),
             }
         config = transformers.Phi3Config(
-            **COMMON,
+            **common,
             rope_parameters=rope,
             original_max_position_embeddings=ORIGINAL_CONTEXT,
             sliding_window=None if case == "phi3-longrope" else 8,  # Phi-3-mini-4k has one
@@ -90,7 +91,7 @@ def _hf_model(case: str):
         arch = "phi3"
     elif case == "gemma2":
         config = transformers.Gemma2Config(
-            **{**COMMON, "num_hidden_layers": 4},
+            **{**common, "num_hidden_layers": 4},
             head_dim=32,
             sliding_window=8,
             query_pre_attn_scalar=32,  # GGUF files do not store it: head_dim, as llama.cpp
@@ -107,7 +108,7 @@ def _hf_model(case: str):
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 32,
         }
-        config = transformers.LlamaConfig(**COMMON, rope_parameters=rope)
+        config = transformers.LlamaConfig(**common, rope_parameters=rope)
         arch = "llama"
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -168,7 +169,12 @@ def write_gguf(
         if arch == "gemma2" and name.endswith("norm.weight"):
             weight = weight + 1.0  # llama.cpp's Gemma converters store 1 + weight
         array = weight.float().numpy().copy()
-        if q4_0 and array.ndim == 2 and base.startswith("model.layers."):
+        if (
+            q4_0
+            and array.ndim == 2
+            and base.startswith("model.layers.")
+            and not array.shape[1] % 32
+        ):
             blocks = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q4_0)
             writer.add_tensor(
                 f"{gguf_name}.{suffix}", blocks, raw_dtype=gguf.GGMLQuantizationType.Q4_0
@@ -296,6 +302,44 @@ def test_q4_0_gguf_runs_its_blocks(case, tmp_path, monkeypatch, paged_runner):
             [(0, prompt)]
         )[0]
     assert (runs["gguf"] - runs["none"]).abs().max().item() < 2e-2
+
+
+def test_phi3_fused_weights_cut_inside_a_band_keep_the_files_layout(
+    tmp_path, monkeypatch, paged_runner
+):
+    """A Phi-3 Q4_0 file whose fused gate / up is cut at row 100, inside a band of 8 rows: it
+    loads, its gate and up in the file's layout, its q / k / v (cut at rows 64 and 96, between
+    bands) and o interleaved where the kernels interleave; the logits those of the file's
+    layout (PAGEDKV_GGUF_REPACK=0) up to the int8 products' summation order."""
+    from pagedkv.model.gguf_loader import REPACK_ENV, load_gguf
+    from pagedkv.model.gguf_weight import GGUFWeight
+
+    kernels = default_cpu_quant_kernels()
+    if kernels is None:
+        pytest.skip("pagedkv's CPU kernels do not run here")
+    hf, arch, extra = _hf_model("phi3", intermediate_size=100)
+    path = tmp_path / "phi3.gguf"
+    write_gguf(path, hf, arch, extra, q4_0=True)
+    prompt = _prompt()[:6]
+    logits = {}
+    for repack in ("1", "0"):
+        monkeypatch.setenv(REPACK_ENV, repack)
+        state = load_gguf(path, quantized=True, kernels=kernels).state_dict
+        layouts = {
+            n.rsplit(".", 2)[-2]: w.interleaved
+            for n, w in state.items()
+            if isinstance(w, GGUFWeight) and ".layers.0." in n and w.type_name == "Q4_0"
+        }
+        on = repack == "1" and kernels.interleaves
+        assert layouts == {
+            "q_proj": on, "k_proj": on, "v_proj": on, "o_proj": on,
+            "gate_proj": False, "up_proj": False,
+        }  # fmt: skip
+        loaded = _load(path, monkeypatch, "gguf")
+        logits[repack] = paged_runner(loaded.model, num_blocks=8, block_size=8).step([(0, prompt)])[
+            0
+        ]
+    torch.testing.assert_close(logits["1"], logits["0"], rtol=1e-4, atol=1e-4)
 
 
 def _quantized_names(path: Path) -> list[str]:

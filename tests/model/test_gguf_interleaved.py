@@ -80,7 +80,7 @@ def test_products_rows_independent_of_the_step(kernels, name, n, k):
         assert torch.equal(kernels.gguf_gemm_invariant(type_id, x[:rows], x8), alone[:rows])
 
 
-def test_stacked_parts_through_the_fused_products(kernels):
+def test_stacked_parts_in_a_gguf_matmul(kernels):
     """q, k, v of mixed layouts in one GGUFMatmul: each part's columns are its own product."""
     k = 64
     parts, expected_parts = [], []
@@ -211,3 +211,45 @@ def test_loader_interleaves_by_default(monkeypatch, tmp_path, kernels):
     monkeypatch.setenv(REPACK_ENV, "yes")
     with pytest.raises(ConfigError, match=REPACK_ENV):
         load_gguf(path, quantized=True, kernels=kernels)
+
+
+def test_stacked_parts_in_one_c_call(kernels):
+    """decode_layer.c's stacked product (``pagedkv_gguf_gemm_q8v_parts``: q, k, v or gate, up
+    in one region) with interleaved and file-layout parts: each part's columns bit for bit its
+    own product, at 1 and 2 threads; the VNNI body refuses an interleaved part, writing
+    nothing."""
+    import ctypes
+
+    from pagedkv.model.kernels.cpu_quant import q8_isa_code
+
+    lib = ctypes.CDLL(str(kernels.path))
+    parts_fn = lib.pagedkv_gguf_gemm_q8v_parts
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    parts_fn.argtypes = [ctypes.c_int, p, p, p, p, p, i64, i64, i64, ctypes.c_int, ctypes.c_int]
+    k = 96
+
+    def run(spec, rows, threads, isa):
+        parts = []
+        for name, n, seed, x8 in spec:
+            raw = torch.from_numpy(random_blocks(name, n, k, seed).copy())
+            type_id = GGML_TYPES[name].type_id
+            parts.append((kernels.interleave(type_id, raw) if x8 else type_id, raw))
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        total = sum(w.shape[0] for _, w in parts)
+        out = torch.full((rows, total), float("nan"))
+        types = (ctypes.c_int * len(parts))(*[t for t, _ in parts])
+        ws = (ctypes.c_void_p * len(parts))(*[w.data_ptr() for _, w in parts])
+        counts = (ctypes.c_int64 * len(parts))(*[w.shape[0] for _, w in parts])
+        args = (len(parts), ctypes.addressof(types), ctypes.addressof(ws))
+        rc = parts_fn(*args, ctypes.addressof(counts), x.data_ptr(), out.data_ptr(), rows, k,
+                      total, threads, q8_isa_code(isa))  # fmt: skip
+        expected = torch.cat([kernels.gguf_gemm(t, x, w) for t, w in parts], dim=1)
+        return rc, out, expected
+
+    spec = [("Q4_1", 32, 1, True), ("Q5_0", 12, 2, False), ("Q4_0", 24, 3, True)]
+    for rows in (1, 3, 8):
+        for threads in (1, 2):
+            rc, out, expected = run(spec, rows, threads, "avx2")
+            assert rc == 0 and torch.equal(out, expected)
+    rc, out, _ = run([("Q4_1", 32, 1, True), ("Q4_1", 16, 5, False)], 2, 1, "avx512_vnni")
+    assert rc == -1 and bool(out.isnan().all())

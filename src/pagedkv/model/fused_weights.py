@@ -30,6 +30,21 @@ def _rows(weight: Any, start: int, stop: int) -> Any:
     return weight[start:stop].contiguous()
 
 
+def split_rows(name: str | None, config: ModelConfig) -> tuple[int, ...]:
+    """The rows at which :func:`split_fused_weights` cuts the weight or bias Hugging Face
+    ``name`` (a layer's fused ``qkv_proj``: the q size and q + kv size; ``gate_up_proj``: the
+    intermediate size); empty for any other name (the loader keeps a weight's layout in bands
+    of 8 rows only where every cut falls between bands)."""
+    if name is None:
+        return ()
+    if f".{FUSED_QKV}." in name:
+        q_size = config.num_attention_heads * config.head_dim
+        return (q_size, q_size + config.num_key_value_heads * config.head_dim)
+    if name.endswith("." + FUSED_GATE_UP):
+        return (config.intermediate_size,)
+    return ()
+
+
 def split_fused_weights(weights: MutableMapping[str, Any], config: ModelConfig) -> None:
     """Replace every layer's fused ``qkv_proj`` (weight and bias) and ``gate_up_proj`` in
     ``weights`` (in place) by the unfused Llama names; a model without them is left as it is.

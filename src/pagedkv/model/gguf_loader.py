@@ -46,7 +46,7 @@ import torch
 
 from pagedkv.errors import ConfigError, HostMemoryError, ModelLoadError
 from pagedkv.model.config import ModelConfig, gguf_longrope_scaling
-from pagedkv.model.fused_weights import split_fused_weights
+from pagedkv.model.fused_weights import split_fused_weights, split_rows
 from pagedkv.model.gguf_metadata import read_gguf_header
 from pagedkv.model.gguf_weight import GGUFWeight, ggml_type_name, ggml_type_sizes
 from pagedkv.model.kernels.cpu_quant import CpuQuantKernels
@@ -220,7 +220,7 @@ def load_gguf(
     Raises:
         ModelLoadError: the file cannot be read, holds an unsupported architecture or a tensor
             with no place in the decoder.
-        ConfigError: :data:`MMAP_ENV` other than unset, 0 or 1.
+        ConfigError: :data:`MMAP_ENV` or :data:`REPACK_ENV` other than unset, 0 or 1.
     """
     setting = gguf_mmap_setting()  # a bad value is refused before anything is read
     repack_setting = gguf_repack_setting()
@@ -245,7 +245,10 @@ def load_gguf(
 
     def interleaved(info: Any) -> bool:
         rows = info.dims[1] if len(info.dims) == 2 else 0
-        return bool(repack) and kernels.interleaved_type(info.ggml_type, rows) is not None
+        if not repack or kernels.interleaved_type(info.ggml_type, rows) is None:
+            return False
+        # Phi-3's fused weights are cut by rows after the load: between bands only
+        return all(cut % 8 == 0 for cut in split_rows(hf_name(info.name, arch), config))
 
     # the kept weights a decode step reads whole: computed in place where the page cache maps
     # them with 2 MiB pages, else read into anonymous memory (WeightArena); q / k rows that

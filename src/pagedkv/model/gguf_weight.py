@@ -1,7 +1,8 @@
 """A weight kept as the GGUF file stores it, and the product that computes on its blocks.
 
 llama.cpp multiplies by a GGUF file's blocks as they are stored: its memory is the file plus
-the KV cache. pagedkv does the same. A :class:`GGUFWeight` holds the file's bytes unchanged (a
+the KV cache. pagedkv does the same. A :class:`GGUFWeight` holds the file's bytes (unchanged,
+but for Q4_0 / Q4_1 blocks moved into bands of 8 rows for the AVX2 body, below; a
 view of the mapped file where the page cache maps it with 2 MiB pages, else read into anonymous
 huge pages by the loader, :class:`~pagedkv.model.gguf_loader.WeightArena`, where a decode step
 reads them faster than from 4 KiB pages; a lookup-only embedding table stays a view of the

@@ -38,7 +38,8 @@ no hold caps it (``ATEN_CPU_CAPABILITY=avx2`` or ``ONEDNN_MAX_CPU_ISA=AVX2`` giv
 
 int8 activations, the default (``PAGEDKV_GGUF_ACTIVATIONS``, :attr:`CpuQuantKernels.activations`
 "q8"), as llama.cpp's: the products of every quantized type (:data:`Q8_TYPES`: Q4_0, Q4_1, Q5_0,
-Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) round each activation row to int8 once per call, in blocks of 32
+Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, and the AVX2 body's Q4_0 / Q4_1 interleaved by 8 rows,
+:data:`INTERLEAVED_TYPES`) round each activation row to int8 once per call, in blocks of 32
 with one fp32 scale (``max |x| / 127``, round to nearest even) and the block's sum (for the
 offset terms of Q4_1, Q5_1), and multiply the blocks in exact integer arithmetic, a float per
 group of 32: fewer instructions per weight than converting every weight to fp32, at the cost of
@@ -49,7 +50,8 @@ summed whole in int32 (the sub-block scales as 16-bit multipliers) and takes one
 the Q4_K / Q5_K mins and Q6_K's -32 offset coming from those sums; ``xd_block`` is then the
 coarser scale of the block of 256. This holds for :meth:`CpuQuantKernels.gguf_gemm`, the fused
 layers and :meth:`CpuQuantKernels.gguf_gemm_invariant` / ``gguf_gemm_large`` (every row the
-decode step's bits); :meth:`CpuQuantKernels.gguf_gemm_fast` (large steps) keeps blocks of 32.
+decode step's bits); :meth:`CpuQuantKernels.gguf_gemm_fast` (large steps) keeps blocks of 32
+(but for the interleaved types, whose large steps are their decode steps' products).
 Two bodies (:attr:`CpuQuantKernels.q8_isa`, :func:`q8_body`): AVX2 ``maddubs`` / ``madd``, and
 AVX-512 VNNI (``dpbusd``; the K-types ``maddubs`` then ``dpwssd``) where ``isa`` is "avx512" and
 the CPU has :data:`VNNI_FLAGS`. ``PAGEDKV_GGUF_ACTIVATIONS=fp32`` is the exact opt-out (fp32 up to
@@ -1023,7 +1025,8 @@ class CpuQuantKernels:
         int16 while it cannot overflow, 4 activation rows at a time), each weight group's
         integer dot (32 elements; Q6_K 16) summed whole before its one float step, as
         llama.cpp does. The values are :meth:`gguf_gemm_large`'s up to fp32 summation order,
-        not its bits (the batch-invariant products keep those).
+        not its bits (the batch-invariant products keep those), but for the interleaved types
+        (:data:`INTERLEAVED_TYPES`), whose large product this is (their decode steps' bits).
 
         Args:
             type_id: a key of :attr:`fast_large_rows`.

@@ -91,8 +91,10 @@ int pagedkv_gguf_gemm_q8_large(int type, const float *x, const uint8_t *w, float
  * group's integer dot summed whole, then one float step (as llama.cpp does), so rows are not
  * the decode step's bits (and the K-types' activations are rounded in blocks of 32 here, not
  * the decode step's 256). `isa` PAGEDKV_ISA_AVX512_VNNI: tiles of 16 weight rows on dpbusd
- * (every type of pagedkv_gguf_q8_takes); PAGEDKV_ISA_AVX2 or _AVX512: tiles of 8 on maddubs
- * (every one but Q8_0: -1). The caller checks that the CPU has the body. */
+ * (every type of pagedkv_gguf_q8_takes but the interleaved ones: -1); PAGEDKV_ISA_AVX2 or
+ * _AVX512: tiles of 8 on maddubs (every one but Q8_0: -1; the interleaved types: their
+ * pagedkv_gguf_gemm_q8_large, the decode step's bits). The caller checks that the CPU has the
+ * body. */
 int pagedkv_gguf_gemm_q8_fast(int type, const float *x, const uint8_t *w, float *out, int64_t M,
                               int64_t N, int64_t K, int64_t ldo, int num_threads, int isa);
 /* The batch-invariant product: out [M, ldo] = x [M, K] W^T for any M >= 1, row m bit for bit
