@@ -618,6 +618,71 @@ def test_without_the_switch_the_self_draft_accepts_every_draft_at_any_batch(gguf
     assert got == expected  # the greedy requests, and the seeded one (no drafts)
 
 
+@pytest.fixture(scope="session")
+def q4_1_gguf(tmp_path_factory):
+    """The tiny Llama of :func:`write_tiny_ggufs` with its layers' linears as Q4_1 blocks (the
+    rest F32): every fused product of whole bands of 8 rows, interleaved where the kernels
+    interleave."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    from _batch_invariance import tiny_hf_llama
+    from _gguf_files import write_mixed_gguf
+
+    path = tmp_path_factory.mktemp("interleaved") / "tiny-q4_1.gguf"
+
+    def types(name: str, shape: tuple[int, ...]) -> str:
+        return "Q4_1" if name.startswith("blk.") and len(shape) == 2 else "F32"
+
+    write_mixed_gguf(path, tiny_hf_llama(num_layers=2), "llama", types)
+    return path
+
+
+def test_interleaved_layers_keep_steps_of_64_rows_exact(q4_1_gguf):
+    """A model whose fused products are all interleaved (Q4_1 in bands of 8 rows) runs steps of
+    up to FUSED_MAX_TOKENS_INTERLEAVED tokens on the fused layers with every row's decode bits
+    (their large product is their batch-invariant one), and that is its row-exact size: 14
+    requests drafting 3 tokens each for themselves (steps of up to 56 rows, past 24) accept
+    every draft, and the greedy tokens equal those without speculation."""
+    from pagedkv.model.kernels.cpu_quant import default_cpu_quant_kernels
+    from pagedkv.model.llama import FUSED_MAX_TOKENS, FUSED_MAX_TOKENS_INTERLEAVED
+
+    kernels = default_cpu_quant_kernels()
+    if kernels is None or not kernels.interleaves:
+        pytest.skip("the kernels here do not interleave (no AVX2 int8 body)")
+    prompts = [(1, 3, 5, 0, 2, 4, 6)[i % 7] for i in range(14)]
+    requests = [{"prompt_token_ids": list(PROMPTS[i])} for i in prompts]
+    # up to 40 tokens each (as long as max_model_len allows): long enough that the rule drafts
+    # for most requests in some step
+    params = [
+        SamplingParams(
+            temperature=0.0, max_tokens=min(40, MAX_MODEL_LEN - len(PROMPTS[i])), ignore_eos=True
+        )
+        for i in prompts
+    ]
+
+    def generate(**options):
+        llm = LLM(
+            str(q4_1_gguf),
+            **engine_options(
+                dtype="float32", quantization="gguf", batch_invariant=False, **options
+            ),
+        )
+        sizes = record_draft_steps(llm.engine)
+        outputs = llm.generate(requests, params, use_tqdm=False)
+        return llm, sizes, [list(out.outputs[0].token_ids) for out in outputs]
+
+    _, _, expected = generate()
+    self_draft = {"method": "draft_model", "model": str(q4_1_gguf), "num_speculative_tokens": 3}
+    llm, step_sizes, got = generate(speculative_config=self_draft)
+    assert llm.engine.runner.max_row_exact_tokens == FUSED_MAX_TOKENS_INTERLEAVED
+    assert llm.engine.scheduler.drafts.max_step_tokens == FUSED_MAX_TOKENS_INTERLEAVED
+    spec = llm.get_stats().scheduler.spec_decoding
+    assert spec.num_draft_tokens > 0
+    assert spec.num_accepted_tokens == spec.num_draft_tokens
+    assert FUSED_MAX_TOKENS < max(step_sizes) <= FUSED_MAX_TOKENS_INTERLEAVED
+    assert got == expected
+
+
 def test_the_row_exact_size_only_where_every_row_is_exact(ggufs, monkeypatch):
     """24 tokens for the default GGUF engine on the native backend; None (no step size keeps
     rows exact, so drafts are not cut for it) with fp32 activations (the products of several

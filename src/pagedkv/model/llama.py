@@ -48,6 +48,7 @@ from pagedkv.model.decoder import (
     weights_present,
 )
 from pagedkv.model.kernels.cpu_quant import (
+    INTERLEAVED_TYPES,
     Q8_TYPES,
     CpuQuantKernels,
     GGUFPart,
@@ -152,6 +153,14 @@ class LlamaDecoderLayer:
 #: 8 tokens): 12-24 chats 1.03-1.49x the output tok/s at Llama-3.2-1B's shape, 32 0.89-1.09x,
 #: 48 0.87-0.92x, a 64-token prompt 0.88-0.93x; SmolLM2-135M wins up to 64 rows.
 FUSED_MAX_TOKENS = 24
+#: :data:`FUSED_MAX_TOKENS` of a model whose fused products are all Q4_0 / Q4_1 interleaved by 8
+#: rows (the AVX2 body's layout, :data:`~pagedkv.model.kernels.cpu_quant.INTERLEAVED_TYPES`):
+#: their large steps' product is their batch-invariant one, so the fused layers cost the large
+#: steps nothing in products, and speculative decoding gets steps of up to this many rows with
+#: every row's decode bits (64 chats, or 16 with 3 drafts each). SmolLM2-135M already ran faster
+#: on the fused layers up to 64 rows on a Zen 4 (above); the interleaved layout measured in
+#: docs/perf.md, 2026-12-07 "Q4_0 / Q4_1 interleaved by 8 rows".
+FUSED_MAX_TOKENS_INTERLEAVED = 64
 
 
 class LlamaForCausalLM(DecoderForCausalLM):
@@ -211,10 +220,18 @@ class LlamaForCausalLM(DecoderForCausalLM):
         )
         #: why the layers run as torch ops ("" where they are fused)
         self._fused_why = why
+        #: most tokens of a step on the fused layers (when not batch-invariant):
+        #: :data:`FUSED_MAX_TOKENS_INTERLEAVED` where every fused product is interleaved, else
+        #: :data:`FUSED_MAX_TOKENS`
+        self.fused_max_tokens = (
+            FUSED_MAX_TOKENS_INTERLEAVED
+            if self.fused_layers is not None and self._all_products_interleaved()
+            else FUSED_MAX_TOKENS
+        )
         if parallel is None or parallel.rank == 0:
             logger.info(
                 "steps of <= %d tokens: %s",
-                FUSED_MAX_TOKENS,
+                self.fused_max_tokens,
                 "fused decoder layers (pagedkv's C layers, one call a step with a C backend"
                 + (f"; weights quantized at load: <= {QUANT_MAX_TOKENS})" if quantized else ")")
                 if why == ""
@@ -272,7 +289,7 @@ class LlamaForCausalLM(DecoderForCausalLM):
         if self.batch_invariant:
             return self._fused_forward(input_ids, positions, kv_caches, attn_metadata, True)
         num_tokens = input_ids.shape[0]
-        if self.fused_layers is not None and num_tokens <= FUSED_MAX_TOKENS:
+        if self.fused_layers is not None and num_tokens <= self.fused_max_tokens:
             # a mid-size step takes the batch-invariant layers (any size); a small one the
             # small steps' (the same products for the int8 types, fewer passes for the rest)
             mid = num_tokens > QUANT_MAX_TOKENS
@@ -311,7 +328,7 @@ class LlamaForCausalLM(DecoderForCausalLM):
         unless the model is batch-invariant.
 
         With ``invariant`` (the batch-invariant path; and the default path's mid-size steps,
-        up to :data:`FUSED_MAX_TOKENS`), any number of tokens, each product in
+        up to :attr:`fused_max_tokens`), any number of tokens, each product in
         one reduction order per row (``CpuQuantKernels.gguf_gemm_invariant``) and the final
         RMSNorm row by row in C: with the native backend's attention (each query's keys
         reduced in fixed pieces at absolute positions), every row's bits depend on its own
@@ -361,8 +378,30 @@ class LlamaForCausalLM(DecoderForCausalLM):
         out = kernels.rms_norm(h, self._norm32, self.config.rms_norm_eps)
         return out if self.dtype == torch.float32 else out.to(self.dtype)
 
+    def _fused_linears(self) -> list:
+        """Every layer's linears that the fused layers compute (their ``gguf`` products)."""
+        return [
+            linear
+            for layer in self.layers
+            for linear in (
+                layer.qkv_proj,
+                layer.o_proj.linear,
+                layer.gate_proj,
+                layer.up_proj,
+                layer.down_proj.linear,
+            )
+        ]
+
+    def _all_products_interleaved(self) -> bool:
+        """Whether every fused product's parts are of the interleaved types."""
+        interleaved = {t.type_id for t in INTERLEAVED_TYPES.values()}
+        return all(
+            linear.gguf is not None and all(p.type_id in interleaved for p in linear.gguf.parts)
+            for linear in self._fused_linears()
+        )
+
     def max_row_exact_tokens(self) -> int | None:
-        """:data:`FUSED_MAX_TOKENS` where every product of the fused layers is a GGUF type
+        """:attr:`fused_max_tokens` where every product of the fused layers is a GGUF type
         that meets int8 activations (``Q8_TYPES``, with the kernels' ``activations`` "q8": the
         products of 1-8 rows and the batch-invariant ones give each row its one-row bits; the
         float types' and fp32 activations' products of several rows sum otherwise), the
@@ -375,18 +414,11 @@ class LlamaForCausalLM(DecoderForCausalLM):
             return None
         if self._kernels.activations != "q8" or not self._has_invariant_layers():
             return None
-        for layer in self.layers:
-            for linear in (
-                layer.qkv_proj,
-                layer.o_proj.linear,
-                layer.gate_proj,
-                layer.up_proj,
-                layer.down_proj.linear,
-            ):
-                gguf = linear.gguf
-                if gguf is None or any(p.type_id not in Q8_TYPES for p in gguf.parts):
-                    return None
-        return FUSED_MAX_TOKENS
+        for linear in self._fused_linears():
+            gguf = linear.gguf
+            if gguf is None or any(p.type_id not in Q8_TYPES for p in gguf.parts):
+                return None
+        return self.fused_max_tokens
 
     def batch_invariant_reason(self) -> str | None:
         """None where every step can run the batch-invariant path: fused layers (every
@@ -465,7 +497,7 @@ class LlamaForCausalLM(DecoderForCausalLM):
 
         - Batch-invariant: the head's product row by row (each row's bits those it gets
           alone), in fp32: not rounded to the model's dtype, not refined.
-        - Else, up to :data:`FUSED_MAX_TOKENS` rows on a head kept as stored (a GGUF file's):
+        - Else, up to :attr:`fused_max_tokens` rows on a head kept as stored (a GGUF file's):
           the same product row by row, rounded to the model's dtype and widened, then the 8
           largest of each row recomputed in fp32, row by row
           (:func:`pagedkv.model.logits.refine_top_logits`): a row's logits do not depend on
@@ -480,7 +512,7 @@ class LlamaForCausalLM(DecoderForCausalLM):
         if self.batch_invariant:  # fp32 straight from the head's blocks, row by row
             return head.invariant(hidden_states)
         num_rows = hidden_states.shape[0]
-        if head is not None and num_rows <= FUSED_MAX_TOKENS:
+        if head is not None and num_rows <= self.fused_max_tokens:
             # the rows of a step the fused layers run get the logits each gets alone (its
             # product row by row, rounded to the model's dtype, refined row by row), so a
             # verification step's rows are its decode steps' (the self-draft accepts them)
