@@ -511,16 +511,25 @@ def _is_q_or_k(name: str | None) -> bool:
 REPACK_ENV = "PAGEDKV_GGUF_REPACK"
 
 
+def _switch_setting(name: str) -> str:
+    """Environment variable ``name``'s value: "" (unset or empty), "0" or "1".
+
+    Raises:
+        ConfigError: any other value.
+    """
+    value = os.environ.get(name, "").strip()
+    if value not in ("", "0", "1"):
+        raise ConfigError(f"{name} must be 0 or 1, got {value!r}")
+    return value
+
+
 def gguf_repack_setting() -> str:
     """:data:`REPACK_ENV`'s value: "" (unset or empty), "0" or "1".
 
     Raises:
         ConfigError: any other value.
     """
-    value = os.environ.get(REPACK_ENV, "").strip()
-    if value not in ("", "0", "1"):
-        raise ConfigError(f"{REPACK_ENV} must be 0 or 1, got {value!r}")
-    return value
+    return _switch_setting(REPACK_ENV)
 
 
 def gguf_mmap_setting() -> str:
@@ -529,10 +538,7 @@ def gguf_mmap_setting() -> str:
     Raises:
         ConfigError: any other value.
     """
-    value = os.environ.get(MMAP_ENV, "").strip()
-    if value not in ("", "0", "1"):
-        raise ConfigError(f"{MMAP_ENV} must be 0 or 1, got {value!r}")
-    return value
+    return _switch_setting(MMAP_ENV)
 
 
 def _tensor_layout(info: Any, file_bytes: int, path: str | Path) -> tuple[int, int, int]:

@@ -112,6 +112,16 @@ int pagedkv_gguf_block(int type, int64_t *block_elems, int64_t *block_bytes) {
     return 0;
 }
 
+/* This OpenMP thread's share of a scratch of `bytes` bytes a thread at base */
+static inline uint8_t *thread_scratch(uint8_t *base, int64_t bytes) {
+#ifdef _OPENMP
+    return base + bytes * omp_get_thread_num();
+#else
+    (void)bytes;
+    return base;
+#endif
+}
+
 /* ---- the 8-row interleaved layouts' blocks in the file's layout ---------------------------- */
 static inline const uint8_t *x8_group(int64_t n, int64_t g, int64_t row_bytes, int64_t BB,
                                          const uint8_t *w) {
@@ -150,11 +160,7 @@ int pagedkv_gguf_interleave(int type, uint8_t *w, int64_t N, int64_t K, int num_
     if (scratch == NULL) return -1;
 #pragma omp parallel num_threads(threads)
     {
-#ifdef _OPENMP
-        uint8_t *tmp = scratch + band_bytes * omp_get_thread_num();
-#else
-        uint8_t *tmp = scratch;
-#endif
+        uint8_t *tmp = thread_scratch(scratch, band_bytes);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < bands; t++) {
             uint8_t *band = w + t * band_bytes;
@@ -454,11 +460,7 @@ int pagedkv_gguf_dequant(int type, const uint8_t *w, int64_t row_start, int64_t 
         if (raw == NULL) return -1;
 #pragma omp parallel num_threads(threads)
         {
-#ifdef _OPENMP
-            uint8_t *mine = raw + row_bytes * omp_get_thread_num();
-#else
-            uint8_t *mine = raw;
-#endif
+            uint8_t *mine = thread_scratch(raw, row_bytes);
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < num_rows; r++) {
                 x8_raw_row(type, w, K, row_start + r, mine);
@@ -1387,11 +1389,7 @@ static int gemm_q8_avx2_fast(int type, const float *x, const uint8_t *w, float *
     }
 #pragma omp parallel num_threads(threads)
     {
-#ifdef _OPENMP
-        uint8_t *mine = scratch + tile_bytes * (size_t)omp_get_thread_num();
-#else
-        uint8_t *mine = scratch;
-#endif
+        uint8_t *mine = thread_scratch(scratch, (int64_t)tile_bytes);
         const af_tile T = {mine, (float *)(mine + G * 256), (float *)(mine + G * (256 + 64))};
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < num_tiles; b++) {
@@ -2525,11 +2523,7 @@ static int gemm_q8_vnni_large(int type, const float *x, const uint8_t *w, float 
         const int64_t m1 = m0 + span < M ? m0 + span : M;
 #pragma omp parallel num_threads(threads)
         {
-#ifdef _OPENMP
-            uint8_t *mine = scratch + tile_bytes * (size_t)omp_get_thread_num();
-#else
-            uint8_t *mine = scratch;
-#endif
+            uint8_t *mine = thread_scratch(scratch, (int64_t)tile_bytes);
             const vl_tile T = {mine, (float *)(mine + P * 1024), (float *)(mine + P * (1024 + 256)),
                                (float *)(mine + P * (1024 + 256 + 128))};
 #pragma omp for schedule(static)
