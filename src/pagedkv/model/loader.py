@@ -567,6 +567,9 @@ def log_stored_types(
             GGML_TYPES[t].type_id in Q8_TYPES for t in counts if t in GGML_TYPES
         )
         stored += ", int8 activations" if q8 else ", fp32 activations"
+    interleaved = sum(isinstance(w, GGUFWeight) and w.interleaved for w in state_dict.values())
+    if interleaved:
+        stored += f" ({interleaved} of Q4_0 / Q4_1 interleaved by 8 rows for the AVX2 body)"
     logger.info(
         "weights kept as stored, on pagedkv's %skernels: %s%s",
         isa,
