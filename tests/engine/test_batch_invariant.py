@@ -629,20 +629,57 @@ def q4_1_gguf(tmp_path_factory):
     from _gguf_files import write_mixed_gguf
 
     path = tmp_path_factory.mktemp("interleaved") / "tiny-q4_1.gguf"
-
-    def types(name: str, shape: tuple[int, ...]) -> str:
-        return "Q4_1" if name.startswith("blk.") and len(shape) == 2 else "F32"
-
-    write_mixed_gguf(path, tiny_hf_llama(num_layers=2), "llama", types)
+    write_mixed_gguf(path, tiny_hf_llama(num_layers=2), "llama", q4_1_layers)
     return path
 
 
-def test_interleaved_layers_keep_steps_of_64_rows_exact(q4_1_gguf):
+def q4_1_layers(name: str, shape: tuple[int, ...]) -> str:
+    """The layers' linears Q4_1, the rest (embedding and tied head, norms) F32."""
+    return "Q4_1" if name.startswith("blk.") and len(shape) == 2 else "F32"
+
+
+def test_the_fused_size_is_64_only_where_nothing_loses_by_it(q4_1_gguf, tmp_path):
+    """64 tokens (the row-exact size too) where every fused product is interleaved and the LM
+    head's large product is its row-by-row one (F32 here); 24 where one layer's product is
+    not interleaved (a Q4_K ffn_down), or where the head is a type whose large steps take a
+    faster product (Q6_K)."""
+    from _batch_invariance import tiny_hf_llama
+    from _gguf_files import write_mixed_gguf
+
+    from pagedkv.model.kernels.cpu_quant import default_cpu_quant_kernels
+    from pagedkv.model.llama import FUSED_MAX_TOKENS, FUSED_MAX_TOKENS_INTERLEAVED
+
+    kernels = default_cpu_quant_kernels()
+    if kernels is None or not kernels.interleaves:
+        pytest.skip("the kernels here do not interleave (no AVX2 int8 body)")
+
+    def sizes(path) -> tuple[int, int | None]:
+        engine = LLMEngine(
+            model=str(path),
+            **engine_options(dtype="float32", quantization="gguf", batch_invariant=False),
+        )
+        found = engine.loaded_model.model.fused_max_tokens, engine.runner.max_row_exact_tokens
+        engine.shutdown()
+        return found
+
+    assert sizes(q4_1_gguf) == (FUSED_MAX_TOKENS_INTERLEAVED,) * 2
+    variants = {
+        "q4_k_down": lambda n, s: "Q4_K" if n == "blk.1.ffn_down.weight" else q4_1_layers(n, s),
+        "q6_k_head": lambda n, s: "Q6_K" if n == "token_embd.weight" else q4_1_layers(n, s),
+    }
+    for name, types in variants.items():
+        path = tmp_path / f"{name}.gguf"
+        write_mixed_gguf(path, tiny_hf_llama(num_layers=2), "llama", types)
+        assert sizes(path) == (FUSED_MAX_TOKENS,) * 2, name
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_interleaved_layers_keep_steps_of_64_rows_exact(q4_1_gguf, dtype):
     """A model whose fused products are all interleaved (Q4_1 in bands of 8 rows) runs steps of
     up to FUSED_MAX_TOKENS_INTERLEAVED tokens on the fused layers with every row's decode bits
     (their large product is their batch-invariant one), and that is its row-exact size: 14
     requests drafting 3 tokens each for themselves (steps of up to 56 rows, past 24) accept
-    every draft, and the greedy tokens equal those without speculation."""
+    every draft, and the greedy tokens equal those without speculation, in fp32 and bf16."""
     from pagedkv.model.kernels.cpu_quant import default_cpu_quant_kernels
     from pagedkv.model.llama import FUSED_MAX_TOKENS, FUSED_MAX_TOKENS_INTERLEAVED
 
@@ -663,9 +700,7 @@ def test_interleaved_layers_keep_steps_of_64_rows_exact(q4_1_gguf):
     def generate(**options):
         llm = LLM(
             str(q4_1_gguf),
-            **engine_options(
-                dtype="float32", quantization="gguf", batch_invariant=False, **options
-            ),
+            **engine_options(dtype=dtype, quantization="gguf", batch_invariant=False, **options),
         )
         sizes = record_draft_steps(llm.engine)
         outputs = llm.generate(requests, params, use_tqdm=False)

@@ -393,8 +393,18 @@ class LlamaForCausalLM(DecoderForCausalLM):
         ]
 
     def _all_products_interleaved(self) -> bool:
-        """Whether every fused product's parts are of the interleaved types."""
+        """Whether every fused product's parts are of the interleaved types, and the LM head
+        (which :meth:`compute_logits` takes row by row up to :attr:`fused_max_tokens`) loses
+        nothing there: interleaved too, or a type whose large product is already its
+        row-by-row one (not in the kernels' ``fast_large_rows``: Q8_0 on the AVX2 body), or
+        not kept as stored."""
         interleaved = {t.type_id for t in INTERLEAVED_TYPES.values()}
+        head = self.lm_head.linear.gguf
+        fast = self._kernels.fast_large_rows if self._kernels is not None else {}
+        if head is not None and any(
+            p.type_id not in interleaved and p.type_id in fast for p in head.parts
+        ):
+            return False
         return all(
             linear.gguf is not None and all(p.type_id in interleaved for p in linear.gguf.parts)
             for linear in self._fused_linears()

@@ -6,7 +6,8 @@ A draft token is a row of the forward pass whether or not it is accepted, and wh
 depends on the CPU, the model, the dtype and the kernels a step of that size takes: on a CPU
 where a one-token step is fast and bound by reading the weights, a few more rows cost little; on
 one where the step is compute-bound they cost nearly a step each; and a step past the fused
-layers' size (``FUSED_MAX_TOKENS`` in :mod:`pagedkv.model.llama`) jumps. A fixed table measured
+layers' size (the model's ``fused_max_tokens`` in :mod:`pagedkv.model.llama`: 24, or 64 for
+a model of interleaved Q4_0 / Q4_1) jumps. A fixed table measured
 on another machine drafts where it should not, so :class:`StepCosts` measures: after every
 **decode-only step** (every scheduled request computing its one new token and its drafts: no
 prompt rows, whose cost depends on the prompt) the engine reports the step's wall time and its

@@ -768,8 +768,9 @@ Q8_ROWS(q5_1)
  * llama.cpp does on AVX2 (its repacked Q4_0 8x8 blocks), the loader lays out each band of 8
  * weight rows so that one vector holds 4 bytes of each of the 8 rows (the rows across the
  * lanes): an activation row's 4 bytes, broadcast, meet 8 weight rows in one maddubs, a block's
- * 8 maddubs are summed in int16 (8 * 2 * 15 * 127 < 2^15), and one madd, conversion and FMA
- * finish the block for 8 weight rows at once, with no horizontal sum.
+ * 8 maddubs are summed in int16 (8 * 2 * 15 * 127 < 2^15), and one madd, conversion, multiply
+ * (the scales) and two FMAs (the product, the offset) finish the block for 8 weight rows at
+ * once, with no horizontal sum.
  *
  * Band t (rows 8 t .. 8 t + 7) is 8 * row_bytes bytes, the rows' block g at g * 8 * B:
  *   bytes 0-127   vector j (j = 0..3) at 32 j: byte 4 r + e = row r's code byte 4 j + e (its low
