@@ -118,14 +118,22 @@ def test_llm_default_is_float32_and_equals_the_fp32_reference(avx2_run, fp32_tok
     # does: close to the fp32 reference, not equal (tests/engine/test_quantized_vs_hf.py and
     # tests/model/test_gguf_q8_default.py bound it). As with bf16 below, one answer may start
     # on the other side of the near-tie of "What is the capital of France?".
+    # Greedy answers agree until a near tie tips the other way; past it positions no longer
+    # line up, so what is counted is each answer's common prefix with the reference (with Q4_1
+    # interleaved by 8 rows, "Name three uses of a hash table." tips at its 4th token, a 0.03
+    # logprob margin there against 0.30 in fp32; the int8 activations' KL from fp32 is the
+    # same either layout: 3.1-3.4e-3 against 3.2-3.3e-3, benchmarks/bf16_accuracy.py).
     assert auto["quantization"] in ("gguf", "none")
-    same = 0
+    common = 0
     starts_alike = 0
     for tokens, reference in zip(auto["tokens"], fp32_tokens, strict=True):
         starts_alike += tokens[:1] == reference[:1]
-        same += sum(a == b for a, b in zip(tokens, reference, strict=False))
+        prefix = 0
+        while prefix < min(len(tokens), len(reference)) and tokens[prefix] == reference[prefix]:
+            prefix += 1
+        common += prefix
     assert starts_alike >= len(fp32_tokens) - 1
-    assert same >= 0.5 * sum(map(len, fp32_tokens))
+    assert common >= 0.25 * sum(map(len, fp32_tokens))
     # an explicit float32 is exact float32: dense weights, the reference's tokens
     exact = avx2_run["float32"]
     assert exact["quantization"] == "none" and exact["warnings"] == []
