@@ -35,9 +35,13 @@ verification steps per draft length and the estimated decode cost in one-token s
 replay's fixed table, ``REPLAY_STEP_COST`` in benchmarks/_spec_replay.py), whose ratio to
 "off"'s is an estimated speedup that other jobs on the machine do not disturb.
 
-``--rounds N`` measures every cell N times, "off" first in odd rounds and last in even ones, and
-prints each round (with the 1-minute load average before and after each run) and then every
-round's speedup with its range: read the range, not one ratio.
+Within a cell the configurations take turns: every chunk of ``--batch`` conversations (at
+batch 1, one conversation) runs on each configuration's engine in turn, "off" first and last on
+alternate chunks, so a change of the machine's speed over the cell's minutes falls on all of
+them alike (``--sequential``: each configuration runs all its conversations before the
+next). ``--rounds N`` measures every cell N times and prints each round (with the 1-minute load
+average before and after each cell, or each run with ``--sequential``) and then every round's
+speedup with its range: read the range, not one ratio.
 
     --workloads chat --batch 1 --proposers off suffix     one cell
     --save-tokens tokens.json      also write each workload's prompt and output token ids
@@ -310,41 +314,88 @@ def load_average() -> str:
 
 
 def measure_cell(
-    configs, loaded, engine_args, workload, conversations, params, batch, round_index, saved
+    configs,
+    loaded,
+    engine_args,
+    workload,
+    conversations,
+    params,
+    batch,
+    round_index,
+    saved,
+    interleave=True,
 ) -> list[dict]:
-    """Every configuration on one workload at one batch size, once: "off" first in even rounds
-    and last in odd ones (other jobs' load falls on both sides alike); each row's speedup over
-    "off"'s rate in the same round and whether its tokens are "off"'s."""
+    """Every configuration on one workload at one batch size, once, each on a fresh engine.
+
+    With ``interleave`` (the default) the engines are built first and every chunk of ``batch``
+    conversations runs through each of them in turn, "off" first on even chunks and last on odd
+    ones (the first chunk's order alternating with the round), each configuration's seconds
+    summed over its chunks: at batch 1 the configurations' runs of one conversation are seconds
+    apart, so a change of the machine's speed over the minutes of a cell (this VM's moves by
+    10-30%) falls on every configuration alike. Without it, each configuration runs all its
+    conversations before the next starts ("off" first in even rounds, last in odd ones). Each
+    row's speedup is over "off"'s rate in the same cell and round, and says whether its tokens
+    are "off"'s."""
     labels = list(configs)
-    order = labels if round_index % 2 == 0 else labels[1:] + labels[:1]
+    # A fresh engine on the loaded model for every configuration, cell and round: no prefix
+    # cache from an earlier run (the prompts repeat), suffix's tree of earlier outputs empty,
+    # the step costs learned anew.
+    llms, before, outputs, seconds = {}, {}, {}, {}
+    chunks = [conversations[i : i + batch] for i in range(0, len(conversations), batch)]
+    load_before = load_average()
+
+    def start(label):
+        llms[label] = LLM(loaded_model=loaded, speculative_config=configs[label], **engine_args)
+        before[label] = llms[label].get_stats().scheduler
+        outputs[label], seconds[label] = [], 0.0
+
+    def chunk_run(label, chunk):
+        chunk_outputs, chunk_seconds = run(llms[label], chunk, params, batch)
+        outputs[label] += chunk_outputs
+        seconds[label] += chunk_seconds
+
+    if interleave:
+        for label in labels:
+            start(label)
+        for c, chunk in enumerate(chunks):
+            order = labels if (round_index + c) % 2 == 0 else labels[::-1]
+            for label in order:
+                chunk_run(label, chunk)
+        load_after = {label: load_average() for label in labels}
+        loads = {label: load_before for label in labels}
+    else:
+        order = labels if round_index % 2 == 0 else labels[1:] + labels[:1]
+        loads, load_after = {}, {}
+        for label in order:
+            loads[label] = load_average()
+            start(label)
+            for chunk in chunks:
+                chunk_run(label, chunk)
+            load_after[label] = load_average()
     rows = {}
-    for label in order:
-        # A fresh engine on the loaded model for every configuration, cell and round: no
-        # prefix cache from an earlier run (the prompts repeat), suffix's tree of earlier
-        # outputs empty, the step costs learned anew.
-        llm = LLM(loaded_model=loaded, speculative_config=configs[label], **engine_args)
-        stats_before = llm.get_stats().scheduler
-        before = stats_before.spec_decoding
-        load_before = load_average()
-        outputs, seconds = run(llm, conversations, params, batch)
-        stats_after = llm.get_stats().scheduler
-        after = stats_after.spec_decoding
-        tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    for label in labels:
+        llm = llms[label]
+        stats_before, stats_after = before[label], llm.get_stats().scheduler
+        tokens = [list(o.outputs[0].token_ids) for o in outputs[label]]
         num_tokens = sum(len(t) for t in tokens)
         row = {
             "round": round_index + 1,
             "workload": workload,
             "batch": batch,
             "config": label,
+            "interleaved": interleave,
             "output_tokens": num_tokens,
-            "seconds": round(seconds, 3),
-            "tokens_per_s": round(num_tokens / seconds, 1),
+            "seconds": round(seconds[label], 3),
+            "tokens_per_s": round(num_tokens / seconds[label], 1),
             "steps": stats_after.num_steps - stats_before.num_steps,
-            "load_average": f"{load_before} -> {load_average()}",
+            "load_average": f"{loads[label]} -> {load_after[label]}",
             "tokens": tokens,
         }
+        after = stats_after.spec_decoding
         if after is not None:
-            row.update(draft_counts(before, after, num_tokens, len(tokens), batch))
+            row.update(
+                draft_counts(stats_before.spec_decoding, after, num_tokens, len(tokens), batch)
+            )
             step_costs = llm.engine.scheduler.drafts.step_costs.snapshot()
             row["step_costs_ms"] = {t: round(s * 1000, 2) for t, (s, _) in step_costs.items()}
         if label == labels[0]:
@@ -352,7 +403,7 @@ def measure_cell(
                 workload,
                 [
                     {"prompt_token_ids": list(o.prompt_token_ids), "output_token_ids": t}
-                    for o, t in zip(outputs, tokens, strict=True)
+                    for o, t in zip(outputs[label], tokens, strict=True)
                 ],
             )
         rows[label] = row
@@ -455,6 +506,12 @@ def main() -> int:
         default=1,
         help="measure every cell this many times ('off' first, then last, in turn); prints "
         "each round and the range",
+    )
+    parser.add_argument(
+        "--sequential",
+        action="store_true",
+        help="each configuration runs all of a cell's conversations before the next starts "
+        "(default: the configurations take turns, chunk by chunk of --batch conversations)",
     )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument(
@@ -569,6 +626,7 @@ def main() -> int:
                     batch,
                     round_index,
                     saved,
+                    interleave=not args.sequential,
                 )
                 results += rows
     if args.rounds > 1:
