@@ -14,11 +14,13 @@ Offline use goes through :class:`pagedkv.engine.llm.LLM`; the server drives ``ad
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import gc
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +52,19 @@ logger = logging.getLogger(__name__)
 
 #: Longest a step with nothing to run waits for a grammar compile (then it returns).
 _COMPILE_WAIT_S = 0.05
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector disabled inside the block (for the whole process:
+    ``gc.disable``), enabled again after it, whatever it raises, where it was enabled before."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @dataclass(slots=True)
@@ -110,6 +125,30 @@ class LLMEngine:
         draft_model=None,
         **overrides: Any,
     ) -> None:
+        # Python's cyclic garbage collector paused while the engine is built: the start-up
+        # allocates hundreds of thousands of objects that all stay (the tokenizer thread's
+        # transformers import, the model's modules), so its 130-odd collections found nothing
+        # and held the GIL 0.2-0.25 s of a 1B file's start, time both of the start's threads
+        # (weights, tokenizer) wait on; vLLM freezes its start-up heap for the same reason.
+        with gc_paused():
+            self._build(
+                config,
+                loaded_model=loaded_model,
+                model_loader=model_loader,
+                draft_model=draft_model,
+                **overrides,
+            )
+
+    def _build(
+        self,
+        config: EngineConfig | None,
+        *,
+        loaded_model,
+        model_loader,
+        draft_model,
+        **overrides: Any,
+    ) -> None:
+        """:meth:`__init__`'s work."""
         self._tier_saved = False  # shutdown() paged the prefix cache out to a disk tier
         if config is None:
             config = EngineConfig(**overrides)

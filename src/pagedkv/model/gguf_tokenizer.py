@@ -32,9 +32,10 @@ Imports transformers (its byte alphabet and split table) lazily; torch-free.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
+
+import msgspec
 
 #: ``tokenizer.ggml.token_type`` values (llama.cpp's ``llama_token_type``).
 _CONTROL, _USER_DEFINED = 3, 4
@@ -250,17 +251,17 @@ def _document(
     decoder: dict[str, Any],
     model: dict[str, Any],
 ) -> str:
-    return json.dumps(
-        {
-            "version": "1.0",
-            "truncation": None,
-            "padding": None,
-            "added_tokens": added,
-            "normalizer": normalizer,
-            "pre_tokenizer": pre_tokenizer,
-            "post_processor": _PLAIN_POST_PROCESSOR,
-            "decoder": decoder,
-            "model": model,
-        },
-        ensure_ascii=False,
-    )
+    # msgspec: the 3 MB of a 128k vocabulary in 0.02 s (the standard library's json 0.2-0.3 s,
+    # on a first start's critical path); the same JSON value, without the optional spaces
+    document = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": normalizer,
+        "pre_tokenizer": pre_tokenizer,
+        "post_processor": _PLAIN_POST_PROCESSOR,
+        "decoder": decoder,
+        "model": model,
+    }
+    return msgspec.json.encode(document).decode("utf-8")
