@@ -10,7 +10,9 @@ The revision is checked out once into a temporary git worktree; each round runs 
 this interpreter, once with that revision's ``src`` first on ``PYTHONPATH`` ("before") and once
 with the working tree's ("after"), "before" first in odd rounds and "after" first in even ones,
 so both share the machine's state of the moment (side by side, as docs/perf.md asks of speed
-figures); each run's label gives the load average when it started (a busy machine shows). The
+figures); each run's label gives the load average when it started and a line after it the
+load average and the share of CPU time the hypervisor stole meanwhile (a busy machine, or busy
+neighbours on its host, show: benchmarks/_machine.py). The
 command's scripts and data come from the working tree:
 it must use only APIs both revisions have. Outputs are printed as they come, labelled; a run
 that exits with an error is reported and the rounds go on (the exit status is the first error).
@@ -24,6 +26,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from _machine import BusyMeter
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,7 +58,9 @@ def main() -> int:
                     where = args.rev if label == "before" else "working tree"
                     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
                     print(f"=== round {round_}, {label} ({where}); load average {load}", flush=True)
+                    meter = BusyMeter()
                     result = subprocess.run([sys.executable, *command], cwd=ROOT, env=env)
+                    print(f"=== {label}: {meter.describe()}", flush=True)
                     if result.returncode:  # reported; the rounds go on (a benchmark may exit
                         # 1 for what it checks, e.g. bench_spec_decode's tokens)
                         print(f"=== {label} exited with status {result.returncode}", flush=True)

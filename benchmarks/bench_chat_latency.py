@@ -59,6 +59,7 @@ from typing import Any
 
 import httpx
 
+from _machine import BusyMeter
 from _server import own_server, stop, wait_healthy
 from bench_llama_cpp_peer import (
     _positive_int,
@@ -465,7 +466,9 @@ def main(argv: list[str] | None = None) -> int:
         load_before = os.getloadavg()  # the CPU is shared: context for every figure
         print(f"round {number}/{args.rounds} ({', '.join(order)}), load {_load(load_before)}")
         this: dict[str, dict[str, float]] = {}
+        round_meter, steal = BusyMeter(), {}
         for leg in order:
+            meter = BusyMeter()  # this leg's steal time: the neighbours on the host
             if leg == "llama.cpp":
                 port = free_port()
                 url = f"http://127.0.0.1:{port}"
@@ -473,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
                 with llama_server(cmd, url, args.startup_timeout):
                     summary = run_chats(url, chats, args.max_tokens, args.timeout)
                 this["llama.cpp"] = chat_metrics(summary)
+                steal["llama.cpp"] = meter.stop()["steal_pct"]
                 continue
             for config in configs:
                 serve_args = [
@@ -485,7 +489,9 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     summary = run_offline(serve_args, chats, args.max_tokens, env)
                 this[leg_name(leg, config.label)] = chat_metrics(summary)
+            steal[leg] = meter.stop()["steal_pct"]
         load_after = os.getloadavg()
+        round_steal = round_meter.stop()["steal_pct"]
         for name, m in this.items():
             print(
                 f"  {name}: TTFT {m['ttft_median_ms']:.0f} ms, ITL {m['itl_median_ms']:.1f} ms "
@@ -497,10 +503,19 @@ def main(argv: list[str] | None = None) -> int:
         for label, by_name in this_ratios.items():
             for name, r in by_name.items():
                 print(f"  {label} {name}: decode {r['decode']:.2f}x, TTFT {r['ttft']:.2f}x")
-        print(f"  load {_load(load_before)} before, {_load(load_after)} after", flush=True)
+        print(
+            f"  load {_load(load_before)} before, {_load(load_after)} after; steal "
+            f"{_pct(round_steal)} ("
+            + ", ".join(f"{leg} {_pct(v)}" for leg, v in steal.items())
+            + ")",
+            flush=True,
+        )
         rounds.append(this)
         ratios.append(this_ratios)
-        loads.append({"before": list(load_before), "after": list(load_after)})
+        loads.append({
+            "before": list(load_before), "after": list(load_after),
+            "steal_pct": round_steal, "steal_pct_by_leg": steal,
+        })  # fmt: skip
     labels = [c.label for c in configs]
     spreads = {label: ratio_spread([r[label] for r in ratios]) for label in labels}
     summary = summarize(rounds, labels) if "llama.cpp" in args.legs else {}
@@ -531,6 +546,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _load(load: Sequence[float]) -> str:
     return " / ".join(f"{x:.2f}" for x in load)
+
+
+def _pct(value: float | None) -> str:
+    return "?" if value is None else f"{value:.1f}%"
 
 
 if __name__ == "__main__":

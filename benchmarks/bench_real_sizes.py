@@ -57,6 +57,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from _machine import BusyMeter
 from bench_llama_cpp_peer import (
     ISAS,
     LLAMA_CPP_SDIST,
@@ -368,7 +369,7 @@ def bench_file(
             path = model
             if args.just_written:  # each engine starts on a file just written
                 path = just_written(model)
-            before = os.getloadavg()[0]
+            before, meter = os.getloadavg()[0], BusyMeter()
             if engine == "llama.cpp":
                 entry = run_llama_cpp(build, path, args, rss_limit)
             elif args.first_start:
@@ -377,6 +378,7 @@ def bench_file(
             else:
                 entry = run_pagedkv_watched(path, args, env, rss_limit)
             entry["load_average_1m"] = {"before": before, "after": os.getloadavg()[0]}
+            entry["steal_pct"] = meter.stop()["steal_pct"]  # the host's other guests
             if entry["status"] == "ok":
                 entry["tg_roof"] = roof_shares(entry["tg"], weights["bytes"], bw)
             _say(engine, entry, args.n_prompt, args.n_gen)

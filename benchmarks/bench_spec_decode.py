@@ -40,8 +40,9 @@ batch 1, one conversation) runs on each configuration's engine in turn, "off" fi
 alternate chunks, so a change of the machine's speed over the cell's minutes falls on all of
 them alike (``--sequential``: each configuration runs all its conversations before the
 next). ``--rounds N`` measures every cell N times and prints each round (with the 1-minute load
-average before and after each cell, or each run with ``--sequential``) and then every round's
-speedup with its range: read the range, not one ratio.
+average before and after each cell, or each run with ``--sequential``, and the share of the CPU
+time the hypervisor gave to other guests meanwhile: ``benchmarks/_machine.py``) and then every
+round's speedup with its range: read the range, not one ratio.
 
     --workloads chat --batch 1 --proposers off suffix     one cell
     --save-tokens tokens.json      also write each workload's prompt and output token ids
@@ -82,6 +83,7 @@ from pathlib import Path
 
 import numpy as np
 
+from _machine import BusyMeter
 from _spec_replay import estimated_cost, replay
 from pagedkv.cpu_caps import probe_cpu, resolve_dtype
 from pagedkv.engine.llm import LLM
@@ -190,12 +192,14 @@ def draft_cost(
         llms[k] = llm
     wall: dict[int, list[float]] = {k: [] for k in ks}
     cpu: dict[int, list[float]] = {k: [] for k in ks}
+    meter = BusyMeter()
     for _ in range(repeats):
         for k, llm in llms.items():
             start, start_cpu = time.perf_counter(), time.process_time()
             llm.chat(conversation, params, use_tqdm=False)
             wall[k].append((time.perf_counter() - start) / num_steps * 1000)
             cpu[k].append((time.process_time() - start_cpu) / num_steps * 1000)
+    print(meter.describe(), flush=True)
     base_wall, base_cpu = min(wall[ks[0]]), min(cpu[ks[0]])
     for k in ks:
         ms, cpu_ms = min(wall[k]), min(cpu[k])
@@ -305,14 +309,6 @@ def describe_counts(row: dict) -> str:
     return text
 
 
-def load_average() -> str:
-    """The 1-minute load average (``/proc/loadavg``; '?' where there is none)."""
-    try:
-        return Path("/proc/loadavg").read_text().split()[0]
-    except OSError:
-        return "?"
-
-
 def measure_cell(
     configs,
     loaded,
@@ -342,7 +338,6 @@ def measure_cell(
     # the step costs learned anew.
     llms, before, outputs, seconds = {}, {}, {}, {}
     chunks = [conversations[i : i + batch] for i in range(0, len(conversations), batch)]
-    load_before = load_average()
 
     def start(label):
         llms[label] = LLM(loaded_model=loaded, speculative_config=configs[label], **engine_args)
@@ -354,24 +349,25 @@ def measure_cell(
         outputs[label] += chunk_outputs
         seconds[label] += chunk_seconds
 
+    meters = {}  # the load average and the steal share over each configuration's runs
     if interleave:
+        meter = BusyMeter()
         for label in labels:
             start(label)
         for c, chunk in enumerate(chunks):
             order = labels if (round_index + c) % 2 == 0 else labels[::-1]
             for label in order:
                 chunk_run(label, chunk)
-        load_after = {label: load_average() for label in labels}
-        loads = {label: load_before for label in labels}
+        meter.stop()
+        meters = dict.fromkeys(labels, meter)
     else:
         order = labels if round_index % 2 == 0 else labels[1:] + labels[:1]
-        loads, load_after = {}, {}
         for label in order:
-            loads[label] = load_average()
+            meters[label] = BusyMeter()
             start(label)
             for chunk in chunks:
                 chunk_run(label, chunk)
-            load_after[label] = load_average()
+            meters[label].stop()
     rows = {}
     for label in labels:
         llm = llms[label]
@@ -388,7 +384,9 @@ def measure_cell(
             "seconds": round(seconds[label], 3),
             "tokens_per_s": round(num_tokens / seconds[label], 1),
             "steps": stats_after.num_steps - stats_before.num_steps,
-            "load_average": f"{loads[label]} -> {load_after[label]}",
+            "load_average": meters[label].result["load_1m"],
+            "steal_pct": meters[label].result["steal_pct"],
+            "busy": meters[label].describe(),
             "tokens": tokens,
         }
         after = stats_after.spec_decoding
@@ -416,7 +414,7 @@ def measure_cell(
         print(
             f"round {row['round']}  {workload:<9} batch {batch:>2}  {label:<8} "
             f"{row['tokens_per_s']:7.1f} tok/s  {row['speedup']:.2f}x  {row['steps']:5d} steps  "
-            f"load {row['load_average']}  same tokens: {row['same_tokens']}"
+            f"{row['busy']}  same tokens: {row['same_tokens']}"
             f"{describe_counts(row)}",
             flush=True,
         )
