@@ -31,7 +31,8 @@ page cache as a download or a conversion leaves it: in small folios, where llama
 4 KiB pages and pagedkv reads the file back in 2 MiB folios or copies it).
 
 With ``--first-start`` each pagedkv engine also starts with no converted tokenizer (a cache
-folder of its own, empty but for the compiled kernels): the first start of a file whose
+folder of its own, empty but for what pagedkv keeps per machine: the compiled kernels,
+transformers' GGUF tables): the first start of a file whose
 tokenizer this machine has not converted yet, which reads and converts the GGUF vocabulary.
 
 The engines alternate: odd rounds run llama.cpp first, even rounds pagedkv first. Every round's
@@ -57,6 +58,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from _first_start import seed_first_start_cache
 from _machine import BusyMeter
 from bench_llama_cpp_peer import (
     ISAS,
@@ -397,15 +399,14 @@ def bench_file(
 
 @contextlib.contextmanager
 def first_start_env(env: Mapping[str, str]) -> Any:
-    """``env`` with ``PAGEDKV_CACHE_DIR`` set to a new temporary folder holding only a link to
-    the compiled kernels of pagedkv's cache (no converted tokenizer: a file's first start);
-    removed afterwards."""
+    """``env`` with ``PAGEDKV_CACHE_DIR`` set to a new temporary folder holding only what
+    pagedkv keeps per machine (a link to the compiled kernels of pagedkv's cache, a copy of
+    transformers' GGUF tables: benchmarks/_first_start.py), no converted tokenizer: a file's
+    first start; removed afterwards."""
     from pagedkv.config import CACHE_DIR_ENV, cache_dir
 
     with tempfile.TemporaryDirectory(prefix="pagedkv-first-start-") as folder:
-        kernels = cache_dir() / "kernels"
-        if kernels.is_dir():
-            (Path(folder) / "kernels").symlink_to(kernels)
+        seed_first_start_cache(Path(folder), cache_dir())
         yield {**env, CACHE_DIR_ENV: folder}
 
 
@@ -530,7 +531,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--first-start",
         action="store_true",
         help="each pagedkv engine starts with no converted tokenizer (an empty cache folder "
-        "of its own, but for the compiled kernels): a file's first start",
+        "of its own, but for the compiled kernels and transformers' tables): a file's first "
+        "start",
     )
     parser.add_argument("--isa", choices=ISAS, default="avx2", help="as bench_llama_cpp_peer.py")
     parser.add_argument("--cache-dir", type=Path, default=None, help="default: pagedkv's cache")

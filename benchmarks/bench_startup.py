@@ -4,12 +4,14 @@
     python benchmarks/ab_compare.py --rev REV --rounds 2 -- benchmarks/bench_startup.py \
         --model FILE
 
-Each repeat makes a new cache folder (``PAGEDKV_CACHE_DIR``) holding only a link to the
-compiled kernels of pagedkv's cache, then builds the engine twice in fresh processes: the
-**first start** converts the file's tokenizer and caches it, the **later start** reads it back.
-The time is ``LLMEngine(config)`` alone (as bench_real_sizes.py's load time: the Python and
-torch imports before it are not counted), in seconds. The file's page cache is left as it is
-(read the file once before, as a later start finds it). Never in CI (seconds per start).
+Each repeat makes a new cache folder (``PAGEDKV_CACHE_DIR``) holding only what pagedkv keeps per
+machine, not per file (a link to the compiled kernels of pagedkv's cache, a copy of
+transformers' GGUF tables: benchmarks/_first_start.py), then builds the engine twice in fresh
+processes: the **first start** converts the file's tokenizer and caches it, the **later
+start** reads it back. The time is ``LLMEngine(config)`` alone (as bench_real_sizes.py's load
+time: the Python and torch imports before it are not counted), in seconds. The file's page
+cache is left as it is (read the file once before, as a later start finds it). Never in CI
+(seconds per start).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _first_start import seed_first_start_cache
 
 
 def worker(model: str, threads: int) -> None:
@@ -64,13 +68,11 @@ def main() -> int:
     with open(model, "rb") as f:  # the page cache as a later start finds it
         while f.read(1 << 24):
             pass
-    kernels = cache_dir() / "kernels"
     first: list[float] = []
     later: list[float] = []
     for repeat in range(1, args.repeats + 1):
         with tempfile.TemporaryDirectory(prefix="pagedkv-startup-") as folder:
-            if kernels.is_dir():
-                (Path(folder) / "kernels").symlink_to(kernels)
+            seed_first_start_cache(Path(folder), cache_dir())
             first.append(start_once(model, args.threads, Path(folder)))
             later.append(start_once(model, args.threads, Path(folder)))
         print(f"repeat {repeat}: first start {first[-1]:.2f} s, later start {later[-1]:.2f} s",

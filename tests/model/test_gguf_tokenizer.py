@@ -239,3 +239,108 @@ def test_the_transformers_path_gives_its_own_tokenizer_json():
     text, kwargs = gguf_tokenizer_json(architecture, fields, {"eos_token": "<eos>"}, fast=False)
     assert json.loads(text) == json.loads(convert_gguf_tokenizer(architecture, fields)[0].to_str())
     assert kwargs == {"eos_token": "<eos>"}
+
+
+# ---- transformers' tables, kept once per transformers version ---------------------------------
+
+
+@pytest.fixture
+def tables_module(tmp_path, monkeypatch):
+    """``(transformers_gguf_tables, calls)``: the function with a fresh cache folder, and the
+    list its reads of transformers' own tables are appended to."""
+    from pagedkv.model import gguf_tokenizer
+
+    pytest.importorskip("transformers.integrations.gguf")
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))
+    real = gguf_tokenizer._import_transformers_gguf_tables
+    calls = []
+
+    def counted():
+        calls.append(1)
+        return real()
+
+    monkeypatch.setattr(gguf_tokenizer, "_import_transformers_gguf_tables", counted)
+    return gguf_tokenizer.transformers_gguf_tables, calls
+
+
+def _tables_files(tmp_path):
+    return sorted(p.name for p in (tmp_path / "cache" / "tokenizers").iterdir())
+
+
+def test_transformers_tables_read_once_then_from_the_cache(tables_module, tmp_path):
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        GGUF_PRE_TOKENIZER_SPLITS,
+        GGUF_TOKENIZER_MAPPING,
+    )
+
+    read, calls = tables_module
+    first = read()
+    second = read()
+    assert calls == [1]  # transformers imported once, then the kept file read
+    assert first == second
+    assert second["tokenizer_mapping"] == GGUF_TOKENIZER_MAPPING
+    assert second["pre_tokenizer_splits"] == GGUF_PRE_TOKENIZER_SPLITS
+    assert dict(enumerate(second["byte_alphabet"])) == bytes_to_unicode()
+    (name,) = _tables_files(tmp_path)  # one file, no staging file left
+    assert name.startswith("transformers-gguf-tables-") and name.endswith(".json")
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"tokenizer_mapping": {}}', "[]"])
+def test_malformed_tables_file_read_again_and_replaced(tables_module, tmp_path, content, caplog):
+    read, calls = tables_module
+    tables = read()
+    (name,) = _tables_files(tmp_path)
+    path = tmp_path / "cache" / "tokenizers" / name
+    path.write_text(content)
+    assert read() == tables
+    assert calls == [1, 1]
+    assert "read again" in caplog.text
+    assert json.loads(path.read_text()) == tables  # replaced by good tables
+    assert read() == tables
+    assert calls == [1, 1]
+
+
+def test_unwritable_cache_still_gives_the_tables(tables_module, tmp_path):
+    read, calls = tables_module
+    (tmp_path / "cache").write_text("a file where the cache folder should be")
+    tables = read()
+    assert tables is not None and len(tables["byte_alphabet"]) == 256
+    assert read() == tables
+    assert calls == [1, 1]  # nothing kept: read from transformers each time
+
+
+@pytest.mark.slow
+def test_a_first_start_with_kept_tables_skips_transformers_gguf_module(gguf_path, tmp_path):
+    """The point of keeping them: a file's first start (no converted tokenizer in the cache)
+    with the tables kept converts the tokenizer without importing transformers' GGUF tables
+    module (and the model packages it imports), and gives the same tokenizer."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from pagedkv.model.tokenizer import read_gguf_tokenizer\n"
+        f"tok = read_gguf_tokenizer({str(gguf_path)!r})\n"
+        "print('gguf_tokenizer_mapping' in ' '.join(sys.modules))\n"
+        "print(tok.encode('Hello, world! naïve café 日本語'))\n"
+    )
+
+    def first_start(cache):
+        env = {**os.environ, "PAGEDKV_CACHE_DIR": str(cache)}
+        out = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+        ).stdout.splitlines()
+        return out[0] == "True", out[1]
+
+    imported, tokens = first_start(tmp_path / "a")  # nothing kept: transformers' module read
+    assert imported
+    kept = tmp_path / "b" / "tokenizers"
+    kept.mkdir(parents=True)
+    for path in (tmp_path / "a" / "tokenizers").glob("transformers-gguf-tables-*.json"):
+        (kept / path.name).write_bytes(path.read_bytes())  # the tables only, no tokenizer
+    imported, tokens_again = first_start(tmp_path / "b")
+    assert not imported
+    assert tokens_again == tokens
+    assert any(p.name.startswith("gguf-") for p in kept.iterdir())  # converted and kept

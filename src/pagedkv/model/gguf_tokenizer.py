@@ -27,15 +27,23 @@ duplicate tokens, a default special token the file marks user-defined, a merge t
 pair) returns None and transformers converts it. Tests parse both JSON texts and
 compare them whole on SmolLM2's and Gemma 3's files and on written vocabularies of each case.
 
-Imports transformers (its byte alphabet and split table) lazily; torch-free.
+Imports transformers lazily, and its byte alphabet and split table only once per transformers
+version (:func:`transformers_gguf_tables`); torch-free.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
+import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
+
+logger = logging.getLogger(__name__)
 
 #: ``tokenizer.ggml.token_type`` values (llama.cpp's ``llama_token_type``).
 _CONTROL, _USER_DEFINED = 3, 4
@@ -86,19 +94,117 @@ def tokenizer_json(architecture: str, fields: dict[str, Any]) -> str | None:
         or not isinstance(fields.get("token_type") or [], list)
     ):
         return None
-    try:  # transformers' byte alphabet and split table, where this transformers has them
-        from transformers.convert_slow_tokenizer import bytes_to_unicode
-        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-            GGUF_PRE_TOKENIZER_SPLITS,
-        )
-    except ImportError:
+    tables = transformers_gguf_tables()  # its byte alphabet and split table
+    if tables is None:
         return None
-    split = GGUF_PRE_TOKENIZER_SPLITS.get(pre_tokenizer_type)
+    split = tables["pre_tokenizer_splits"].get(pre_tokenizer_type)
     if kind == "gpt2":
-        return _byte_level(fields, bytes_to_unicode(), split)
+        return _byte_level(fields, dict(enumerate(tables["byte_alphabet"])), split)
     if kind == "llama" and architecture in _GEMMA_ARCHITECTURES and split is None:
         return _gemma(fields)
     return None
+
+
+#: Bumped when the tables' file changes form (part of its name).
+_TABLES_VERSION = 1
+
+
+def transformers_gguf_tables() -> dict[str, Any] | None:
+    """The three tables of the installed transformers that reading and converting a GGUF
+    tokenizer take, or None where this transformers lacks them:
+
+    - ``tokenizer_mapping``: ``GGUF_TOKENIZER_MAPPING`` (GGUF key -> transformers' field name,
+      per group: ``{"tokenizer": {"ggml.tokens": "tokens", ...}, "tokenizer_config": ...}``);
+    - ``pre_tokenizer_splits``: ``GGUF_PRE_TOKENIZER_SPLITS`` (``tokenizer.ggml.pre`` -> the
+      regex its text is split by before byte-level BPE);
+    - ``byte_alphabet``: GPT-2's byte alphabet (``bytes_to_unicode``), 256 one-character
+      strings, entry b the spelling of byte b.
+
+    Importing them costs more than all of a file's conversion: the module that holds the first
+    two imports transformers' model packages, whose ``__init__`` scans every model folder's
+    files again (0.75 s of a 1B file's first start, holding the GIL that the start's other
+    thread needs). They are facts of the installed transformers, not of a file, so they are
+    read once per transformers version, as the compiled kernels are built once per machine,
+    and kept in pagedkv's cache (``tokenizers/transformers-gguf-tables-<version>-v<n>.json``,
+    written whole under a temporary name and renamed); a file there that is not such tables is
+    logged and read again from transformers. A cache that cannot be written only costs the
+    import on every first start."""
+    import transformers
+
+    from pagedkv.config import cache_dir
+
+    path = (
+        cache_dir()
+        / "tokenizers"
+        / f"transformers-gguf-tables-{transformers.__version__}-v{_TABLES_VERSION}.json"
+    )
+    try:
+        tables = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        tables = None
+    except (OSError, ValueError) as e:
+        logger.warning("transformers' GGUF tables %s unreadable (%s): read again", path, e)
+        tables = None
+    if tables is not None and not _tables_valid(tables):
+        logger.warning("transformers' GGUF tables %s malformed: read again", path)
+        tables = None
+    if tables is not None:
+        return tables
+    tables = _import_transformers_gguf_tables()
+    if tables is not None:
+        staging = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            staging.write_text(json.dumps(tables, ensure_ascii=False), encoding="utf-8")
+            os.replace(staging, path)
+        except OSError as e:
+            logger.info("transformers' GGUF tables not cached in %s: %s", path, e)
+            with contextlib.suppress(OSError):
+                staging.unlink(missing_ok=True)
+    return tables
+
+
+def _import_transformers_gguf_tables() -> dict[str, Any] | None:
+    """:func:`transformers_gguf_tables` read from transformers itself (None where it lacks
+    them)."""
+    try:
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            GGUF_PRE_TOKENIZER_SPLITS,
+            GGUF_TOKENIZER_MAPPING,
+        )
+    except ImportError:
+        return None
+    alphabet = bytes_to_unicode()
+    tables = {
+        "tokenizer_mapping": {g: dict(m) for g, m in GGUF_TOKENIZER_MAPPING.items()},
+        "pre_tokenizer_splits": dict(GGUF_PRE_TOKENIZER_SPLITS),
+        "byte_alphabet": [alphabet.get(b) for b in range(256)],
+    }
+    return tables if _tables_valid(tables) else None
+
+
+def _tables_valid(tables: Any) -> bool:
+    """Whether ``tables`` has :func:`transformers_gguf_tables`' form."""
+
+    def str_map(m: Any) -> bool:
+        return isinstance(m, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in m.items()
+        )
+
+    if not isinstance(tables, dict):
+        return False
+    mapping = tables.get("tokenizer_mapping")
+    alphabet = tables.get("byte_alphabet")
+    return (
+        isinstance(mapping, dict)
+        and all(isinstance(g, str) and str_map(m) for g, m in mapping.items())
+        and str_map(tables.get("pre_tokenizer_splits"))
+        and isinstance(alphabet, list)
+        and len(alphabet) == 256
+        and all(isinstance(c, str) and len(c) == 1 for c in alphabet)
+        and len(set(alphabet)) == 256
+    )
 
 
 def _byte_level(fields: dict[str, Any], spelling: dict[int, str], split: str | None) -> str | None:

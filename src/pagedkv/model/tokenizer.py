@@ -409,12 +409,15 @@ def _fast_tokenizer_from_gguf(path: Path) -> Any:
         except Exception as e:  # OSError, JSON, arguments; tokenizers raises a bare Exception
             logger.warning("tokenizer cache %s unreadable (%s): converting again", cached, e)
             shutil.rmtree(cached, ignore_errors=True)  # where it cannot, the new one is not kept
-    try:
-        from transformers.integrations.gguf import convert_gguf_tokenizer  # noqa: F401
-    except ImportError:
-        from transformers import AutoTokenizer
+    from pagedkv.model.gguf_tokenizer import transformers_gguf_tables
 
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if transformers_gguf_tables() is None:  # (kept: importing them costs 0.75 s)
+        try:
+            from transformers.integrations.gguf import convert_gguf_tokenizer  # noqa: F401
+        except ImportError:
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     architecture, fields, config = gguf_tokenizer_fields(path)
     text, kwargs = gguf_tokenizer_json(architecture, fields, config)
     if cached is not None and len(fields.get("tokens") or ()) >= _MIN_CACHED_VOCAB:
@@ -586,14 +589,12 @@ def gguf_tokenizer_fields(path: Path) -> tuple[str, dict[str, Any], dict[str, An
     """
     import transformers
 
+    from pagedkv.model.gguf_tokenizer import transformers_gguf_tables
+
     mapping = None
     if _fields_tested(transformers.__version__):
-        try:
-            from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-                GGUF_TOKENIZER_MAPPING as mapping,
-            )
-        except ImportError:
-            mapping = None
+        tables = transformers_gguf_tables()  # kept once per transformers version
+        mapping = None if tables is None else tables["tokenizer_mapping"]
     if mapping is None:
         from transformers.integrations.gguf import get_gguf_tokenizer
 
