@@ -118,10 +118,15 @@ def paragraphs(num: int) -> list[str]:
 
 def heldout(kind: str, num: int) -> list:
     """``num`` entries of ``kind`` ("grounded": texts, "chat": conversations) from
-    benchmarks/data/spec_heldout.jsonl: texts and questions no rule or table was tuned on."""
+    benchmarks/data/spec_heldout.jsonl: texts and questions no rule or table was tuned on (it
+    holds 8 of each: a larger ``num`` takes them all and says so)."""
     path = ROOT / "benchmarks" / "data" / "spec_heldout.jsonl"
     entries = [json.loads(line) for line in path.read_text().splitlines()]
-    entries = [e for e in entries if e["kind"] == kind][:num]
+    entries = [e for e in entries if e["kind"] == kind]
+    if num > len(entries):
+        print(f"note: {path.name} holds {len(entries)} {kind} entries: {len(entries)} run, "
+              f"not {num}", flush=True)  # fmt: skip
+    entries = entries[:num]
     return [e["text"] if kind == "grounded" else e["messages"] for e in entries]
 
 
@@ -331,7 +336,10 @@ def measure_cell(
     10-30%) falls on every configuration alike. Without it, each configuration runs all its
     conversations before the next starts ("off" first in even rounds, last in odd ones). Each
     row's speedup is over "off"'s rate in the same cell and round, and says whether its tokens
-    are "off"'s."""
+    are "off"'s. Taking turns keeps every configuration's engine (and its KV cache) alive for
+    the whole cell (fine for the default 135M model; pass ``--engine-arg`` sizes for a larger
+    one). The order reverses chunk by chunk, so the first and last configurations run twice in
+    a row at each boundary: with two configurations (off and one proposer) that is symmetric."""
     labels = list(configs)
     # A fresh engine on the loaded model for every configuration, cell and round: no prefix
     # cache from an earlier run (the prompts repeat), suffix's tree of earlier outputs empty,
