@@ -5,25 +5,14 @@ the order of the calls; no model is loaded."""
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
-
 
 @pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module("bench_spec_decode")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-        for name in ("bench_spec_decode", "_spec_replay"):
-            sys.modules.pop(name, None)
+def bench(import_benchmarks):
+    return import_benchmarks("bench_spec_decode")[0]
 
 
 class FakeLLM:

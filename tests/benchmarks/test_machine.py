@@ -3,23 +3,14 @@ here), the load average beside it, and what is reported where the counters are m
 
 from __future__ import annotations
 
-import importlib
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
-
 
 @pytest.fixture(scope="module")
-def machine():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module("_machine")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-        sys.modules.pop("_machine", None)
+def machine(import_benchmarks):
+    return import_benchmarks("_machine")[0]
 
 
 def stat(path: Path, user: int, idle: int, steal: int) -> Path:
