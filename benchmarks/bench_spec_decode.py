@@ -623,17 +623,9 @@ def main() -> int:
             conversations = workloads[workload]
             for batch in args.batch:
                 rows = measure_cell(
-                    configs,
-                    loaded,
-                    engine_args,
-                    workload,
-                    conversations,
-                    params,
-                    batch,
-                    round_index,
-                    saved,
-                    interleave=not args.sequential,
-                )
+                    configs, loaded, engine_args, workload, conversations, params, batch,
+                    round_index, saved, interleave=not args.sequential,
+                )  # fmt: skip
                 results += rows
     if args.rounds > 1:
         print_spread(results)
