@@ -286,13 +286,33 @@ def test_transformers_tables_read_once_then_from_the_cache(tables_module, tmp_pa
     assert name.startswith("transformers-gguf-tables-") and name.endswith(".json")
 
 
-@pytest.mark.parametrize("content", ["{not json", '{"tokenizer_mapping": {}}', "[]"])
+def _without_groups(tables):
+    return json.dumps({**tables, "tokenizer_mapping": {}})
+
+
+def _without_tokens_field(tables):
+    mapping = {g: dict(m) for g, m in tables["tokenizer_mapping"].items()}
+    del mapping["tokenizer"]["ggml.tokens"]
+    return json.dumps({**tables, "tokenizer_mapping": mapping})
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{not json",
+        '{"tokenizer_mapping": {}}',
+        "[]",
+        "[" * 200_000,  # nested past the parser's recursion limit
+        _without_groups,  # the right types, no groups: would read no vocabulary
+        _without_tokens_field,
+    ],
+)
 def test_malformed_tables_file_read_again_and_replaced(tables_module, tmp_path, content, caplog):
     read, calls = tables_module
     tables = read()
     (name,) = _tables_files(tmp_path)
     path = tmp_path / "cache" / "tokenizers" / name
-    path.write_text(content)
+    path.write_text(content(tables) if callable(content) else content)
     assert read() == tables
     assert calls == [1, 1]
     assert "read again" in caplog.text

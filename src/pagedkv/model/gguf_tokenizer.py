@@ -107,6 +107,18 @@ def tokenizer_json(architecture: str, fields: dict[str, Any]) -> str | None:
 
 #: Bumped when the tables' file changes form (part of its name).
 _TABLES_VERSION = 1
+#: What the tables' field mapping must hold, per group (GGUF key -> field name): the fields
+#: the fast path and the reading of the special tokens take by these names.
+_REQUIRED_MAPPING = {
+    "tokenizer": {
+        ("ggml.model", "tokenizer_type"),
+        ("ggml.pre", "pre_tokenizer_type"),
+        ("ggml.tokens", "tokens"),
+        ("ggml.token_type", "token_type"),
+        ("ggml.merges", "merges"),
+    },
+    "tokenizer_config": {("chat_template", "chat_template")},
+}
 
 
 def transformers_gguf_tables() -> dict[str, Any] | None:
@@ -142,7 +154,7 @@ def transformers_gguf_tables() -> dict[str, Any] | None:
         tables = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         tables = None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
         logger.warning("transformers' GGUF tables %s unreadable (%s): read again", path, e)
         tables = None
     if tables is not None and not _tables_valid(tables):
@@ -199,6 +211,12 @@ def _tables_valid(tables: Any) -> bool:
     return (
         isinstance(mapping, dict)
         and all(isinstance(g, str) and str_map(m) for g, m in mapping.items())
+        # the groups and the fields the reading needs (a mapping without them would read no
+        # vocabulary: every new file's first start would fail until the file was removed)
+        and all(
+            isinstance(mapping.get(group), dict) and keys <= mapping[group].items()
+            for group, keys in _REQUIRED_MAPPING.items()
+        )
         and str_map(tables.get("pre_tokenizer_splits"))
         and isinstance(alphabet, list)
         and len(alphabet) == 256

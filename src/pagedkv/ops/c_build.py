@@ -16,6 +16,7 @@ OpenMP runtime: their parallel regions run on torch's thread pool, with
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -26,6 +27,8 @@ from pathlib import Path
 from pagedkv.config import cache_dir
 from pagedkv.cpu_caps import CpuCapabilities, cpu_flags, probe_cpu
 from pagedkv.errors import PagedKVError
+
+logger = logging.getLogger(__name__)
 
 #: Flags of every build: AVX2 + FMA code, OpenMP, a shared library.
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
@@ -98,6 +101,9 @@ def build_library(
     if target.is_file():
         return target
     names = " + ".join(p.name for p in sources)
+    # once per machine and source version; minutes for the quantized products on 2 cores,
+    # which would otherwise read as a hang between two start-up lines
+    logger.info("compiling %s into %s (once per machine: a minute or more)", names, target.name)
     cache.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=cache, prefix=f".{name}-", suffix=".so")
     os.close(fd)
