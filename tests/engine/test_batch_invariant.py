@@ -702,6 +702,11 @@ def test_interleaved_layers_keep_steps_of_64_rows_exact(q4_1_gguf, dtype):
             str(q4_1_gguf),
             **engine_options(dtype=dtype, quantization="gguf", batch_invariant=False, **options),
         )
+        if llm.engine.scheduler.drafts is not None:
+            # every proposed draft scheduled: the adaptive rule's choice follows the step times
+            # it measures (on a busy machine it drafted for few requests at once, and the steps
+            # stayed under 24 rows), this test's point is the rows past 24
+            llm.engine.scheduler.drafts.adaptive = False
         sizes = record_draft_steps(llm.engine)
         outputs = llm.generate(requests, params, use_tqdm=False)
         return llm, sizes, [list(out.outputs[0].token_ids) for out in outputs]

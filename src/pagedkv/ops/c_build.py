@@ -103,7 +103,7 @@ def build_library(
     names = " + ".join(p.name for p in sources)
     # once per machine and source version; minutes for the quantized products on 2 cores,
     # which would otherwise read as a hang between two start-up lines
-    logger.info("compiling %s into %s (once per machine: a minute or more)", names, target.name)
+    logger.info("compiling %s into %s (once: up to minutes)", names, target.name)
     cache.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=cache, prefix=f".{name}-", suffix=".so")
     os.close(fd)
