@@ -17,7 +17,9 @@ hour).
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 #: where the kernel's CPU time counters are (Linux)
@@ -83,3 +85,34 @@ class BusyMeter:
         before, after = ("?" if x is None else f"{x:.2f}" for x in result["load_1m"])
         steal = result["steal_pct"]
         return f"load {before} -> {after}, steal {'?' if steal is None else f'{steal:.1f}%'}"
+
+
+class StealTally:
+    """The steal share over many separate intervals (one leg's turns, say), summed: each
+    interval is a ``with tally.measure():`` block; :attr:`pct` is the stolen share of all their
+    CPU time together (None before any interval or where /proc/stat is unreadable)."""
+
+    def __init__(self, path: Path = PROC_STAT) -> None:
+        self._path = path
+        self._steal = 0
+        self._total = 0
+        self._known = True
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[None]:
+        before = cpu_ticks(self._path)
+        try:
+            yield
+        finally:
+            after = cpu_ticks(self._path)
+            if before is None or after is None:
+                self._known = False
+            else:
+                self._steal += after[0] - before[0]
+                self._total += after[1] - before[1]
+
+    @property
+    def pct(self) -> float | None:
+        if not self._known or self._total <= 0:
+            return None
+        return round(100.0 * self._steal / self._total, 1)

@@ -1,20 +1,22 @@
-"""The offline leg of bench_chat_latency.py: its chats through pagedkv's engine in this process,
+"""The offline leg of bench_chat_latency.py: chats through pagedkv's engine in this process,
 timed as its client times a server.
 
-    python benchmarks/_offline_chat.py SPEC.json
+    python benchmarks/_offline_chat.py SERVE_ARGS...
 
-``SPEC.json``: ``{"serve_args": [...], "chats": [messages, ...], "max_tokens": N,
-"warmup_tokens": M}``. ``serve_args`` are the ``pagedkv serve`` arguments the served leg gets
-(model, threads, max model len, the configuration's): the engine is built from them as
-``pagedkv serve`` builds it (:meth:`EngineConfig.from_cli_args` of the serve parser). The first
-chat is the warm-up (``warmup_tokens`` tokens, untimed), then each other chat alone, as the
-server's one client sends them: greedy (temperature 0), ``ignore_eos``, ``max_tokens`` tokens.
+``SERVE_ARGS`` are the ``pagedkv serve`` arguments the served leg gets (model, threads, max model
+len, the configuration's): the engine is built from them as ``pagedkv serve`` builds it
+(:meth:`EngineConfig.from_cli_args` of the serve parser). Then this process says
+``{"ready": true}`` on stdout and reads chats from stdin, one JSON line each (``{"request_id":
+ID, "messages": [...], "max_tokens": N}``), runs each alone, greedy (temperature 0),
+``ignore_eos``, as the server's one client sends them, and answers each with one JSON line
+``{"result": RequestResult's fields}``; it shuts the engine down at the end of its input. The
+process stays up between chats, as a server does, so that the benchmark can send the same chat
+to every leg in turn (bench_chat_latency.py's default).
 
 Per chat, the times a streaming client takes (:class:`pagedkv.entrypoints.bench_serving.
 RequestResult`): from before the chat template is applied (the server applies it after the
 request arrived) to the end of the engine step that produced the first text (TTFT), the gaps
-between the steps that produced text (ITL), and to the step that finished it (latency). Printed
-on stdout as one JSON line ``{"results": [...]}`` (RequestResult's fields).
+between the steps that produced text (ITL), and to the step that finished it (latency).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import dataclasses
 import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 
@@ -63,21 +64,18 @@ def main(argv: list[str]) -> int:
     from pagedkv.entrypoints.cli import build_parser
     from pagedkv.model.loader import resolve_model
 
-    spec = json.loads(Path(argv[0]).read_text())
-    args = build_parser().parse_args(["serve", *spec["serve_args"]])
+    args = build_parser().parse_args(["serve", *argv])
     source = resolve_model(args.model_tag or args.model)
     config = dataclasses.replace(EngineConfig.from_cli_args(args), model=str(source.path))
     engine = LLMEngine(config)
     try:
-        chats = spec["chats"]
-        time_chat(engine, "warmup", chats[0], spec["warmup_tokens"])
-        results = [
-            time_chat(engine, f"chat-{i}", messages, spec["max_tokens"])
-            for i, messages in enumerate(chats[1:])
-        ]
+        print(json.dumps({"ready": True}), flush=True)
+        for line in sys.stdin:
+            chat = json.loads(line)
+            result = time_chat(engine, chat["request_id"], chat["messages"], chat["max_tokens"])
+            print(json.dumps({"result": result}), flush=True)
     finally:
         engine.shutdown()
-    print(json.dumps({"results": results}), flush=True)
     return 0
 
 

@@ -2,7 +2,8 @@
 
     python benchmarks/bench_chat_latency.py [--num-chats 6] [--prompt-len 512] [--threads 2]
         [--prompts notes|short] [--legs llama.cpp,served,offline] [--rounds N]
-        [--isa avx2|native] [--pagedkv-arg=--dtype=float32 ...] [--pagedkv-config 'LABEL=ARGS']
+        [--isa avx2|native] [--sequential] [--pagedkv-arg=--dtype=float32 ...]
+        [--pagedkv-config 'LABEL=ARGS']
 
 The workload of issue 33: ``--num-chats`` chats sent one after another (one client, batch 1),
 each a system message and a user message of notes and a question (benchmarks/data/
@@ -10,26 +11,33 @@ chat_prompts.jsonl) fitted to ``--prompt-len`` tokens after the model's chat tem
 tokenizer; both servers render the GGUF's template, and the usage they report is printed to check
 it), ``--max-tokens`` output tokens each (temperature 0, ``ignore_eos``), streamed
 (``stream=True``) through ``/v1/chat/completions``. The client is ``pagedkv bench serving``'s
-(:func:`pagedkv.entrypoints.bench_serving.benchmark`, concurrency 1), preceded by one short
-untimed chat. ``--prompts short``: the held-out short chats of benchmarks/data/served_chats.jsonl
-(used by no other benchmark) as they are written, instead of notes fitted to ``--prompt-len``.
+(:func:`pagedkv.entrypoints.bench_serving.run_request`, one chat at a time). ``--prompts
+short``: the held-out short chats of benchmarks/data/served_chats.jsonl (used by no other
+benchmark) as they are written, instead of notes fitted to ``--prompt-len``.
 
 Three legs (``--legs``): llama-server, ``pagedkv serve`` (one per configuration), and the same
 configuration **offline** (benchmarks/_offline_chat.py: the same chats, template, max tokens,
 greedy and ``ignore_eos`` through pagedkv's engine in a process of its own, fresh every round
 as the servers are, timed from before the template to the end of the steps that made text):
-what the served path costs over the engine itself. Rounds alternate which leg goes first (odd
-rounds in ``--legs`` order, even rounds reversed); every round is printed with the load average
-before and after it, and the closing lines give each ratio's median and min-max spread over the
+what the served path costs over the engine itself.
+
+A round starts every leg (a fresh server or process each, so no prompt is served from a previous
+round's prefix cache), warms each up with one short untimed chat, then sends each timed chat to
+every leg in turn, the order rotated chat by chat (and reversed on even rounds): on a shared VM
+whose speed drifts over minutes (other guests' steal time), the drift falls on all legs alike
+instead of on whichever leg ran while the host was busy. The legs waiting their turn are idle (a
+server waits on its socket, the offline engine on a pipe). ``--sequential``: the order before
+(one leg after another, each started, run through every chat and stopped before the next
+starts). Every round is printed with the load average before and after it and the steal share
+of each leg's own chats; the closing lines give each ratio's median and min-max spread over the
 rounds: served / offline and served / llama-server (decode tok/s; TTFT as offline's or
 llama-server's / served's, > 1: served faster).
 
-One server at a time, each started by this script on a free loopback port the OS gives, on the
-same GGUF and ``--threads`` threads, with room for one sequence of 2048 tokens, and stopped (then
-killed if it lingers) before the next starts; a fresh server for every round, so no prompt is
-served from a previous round's prefix cache. llama-server: ``-t/-tb THREADS -np 1 -c 2048
---jinja``; pagedkv: ``--num-threads THREADS --max-model-len 2048`` and the configuration's
-arguments (as bench_llama_cpp_peer.py: ``--pagedkv-arg``, ``--pagedkv-config``). llama.cpp is
+Each server is started by this script on a free loopback port the OS gives, on the same GGUF and
+``--threads`` threads, with room for one sequence of 2048 tokens, and stopped (then killed if it
+lingers) at the end of its round. llama-server: ``-t/-tb THREADS -np 1 -c 2048 --jinja``;
+pagedkv: ``--num-threads THREADS --max-model-len 2048`` and the configuration's arguments (as
+bench_llama_cpp_peer.py: ``--pagedkv-arg``, ``--pagedkv-config``). llama.cpp is
 bench_llama_cpp_peer.py's build (the same cache, options and ISA hold: ``--isa avx2``, the
 default, holds pagedkv's torch to AVX2 and uses the AVX2 build of llama.cpp).
 
@@ -44,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import shlex
@@ -59,7 +68,7 @@ from typing import Any
 
 import httpx
 
-from _machine import BusyMeter
+from _machine import BusyMeter, StealTally
 from _server import own_server, stop, wait_healthy
 from bench_llama_cpp_peer import (
     _positive_int,
@@ -114,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument("--rounds", type=_positive_int, default=1, help="rounds, fresh servers (1)")
     parser.add_argument("--threads", type=_positive_int, default=2, help="threads per server (2)")
+    parser.add_argument(
+        "--sequential", action="store_true",
+        help="run the legs one after another in a round (the order before 2026-12-07); default: "
+        "every leg started, then each chat sent to each leg in turn",
+    )  # fmt: skip
     parser.add_argument(
         "--startup-timeout", type=float, default=600.0, help="seconds a server may take to start"
     )
@@ -267,43 +281,160 @@ def _tail(log: Any) -> str:
 # Measure and summarize
 
 
-def run_chats(url: str, chats: list[list], max_tokens: int, timeout: float) -> dict[str, Any]:
-    """The warm-up chat (8 tokens, untimed), then the others one at a time; their summary
-    (:func:`pagedkv.entrypoints.bench_serving.summarize`)."""
-    from pagedkv.entrypoints.bench_serving import run_benchmark
+class ServerLeg:
+    """Chats to a running server at ``url`` (``/v1/chat/completions``), one at a time, each
+    through ``pagedkv bench serving``'s client (:func:`pagedkv.entrypoints.bench_serving.
+    run_request`: streamed, greedy, ``ignore_eos``) on an event loop of its own."""
 
-    model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-    common = {"base_url": url, "model": model, "max_concurrency": 1, "timeout": timeout}
-    run_benchmark(prompts=chats[:1], output_len=WARMUP_TOKENS, disable_tqdm=True, **common)
-    return run_benchmark(prompts=chats[1:], output_len=max_tokens, disable_tqdm=True, **common)
+    def __init__(self, url: str, timeout: float) -> None:
+        from pagedkv.entrypoints.bench_serving import new_event_loop
+
+        self.model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        self.url = url + "/v1/chat/completions"
+        self.timeout = timeout
+        self.loop = new_event_loop()
+
+    def chat(self, messages: list, max_tokens: int) -> Any:
+        """One chat's RequestResult."""
+        from pagedkv.entrypoints.bench_serving import _request_body, run_request
+
+        settings = {"output_len": max_tokens, "ignore_eos": True}
+        body = _request_body("/v1/chat/completions", self.model, messages, settings)
+        return self.loop.run_until_complete(run_request(self.url, body, timeout=self.timeout))
+
+    def close(self) -> None:
+        self.loop.close()
 
 
-def run_offline(
-    serve_args: list[str], chats: list[list], max_tokens: int, env: Mapping[str, str]
-) -> dict[str, Any]:
-    """The offline leg: the chats in a fresh process of benchmarks/_offline_chat.py (the engine
-    ``pagedkv serve SERVE_ARGS`` would run, stepped in-process); their summary as
-    :func:`run_chats` gives it.
+class OfflineLeg:
+    """The offline leg: pagedkv's engine in a process of its own (benchmarks/_offline_chat.py,
+    built from the ``pagedkv serve`` arguments ``serve_args``), sent one chat at a time over a
+    pipe.
 
     Raises:
-        subprocess.CalledProcessError: the process failed (its output went to stderr).
+        RuntimeError: the process ended before it was ready or before it answered a chat.
     """
-    from pagedkv.entrypoints.bench_serving import RequestResult
-    from pagedkv.entrypoints.bench_serving import summarize as serving_summary
 
-    spec = {
-        "serve_args": serve_args, "chats": chats, "max_tokens": max_tokens,
-        "warmup_tokens": WARMUP_TOKENS,
-    }  # fmt: skip
-    with tempfile.NamedTemporaryFile("w", suffix=".json") as file:
-        json.dump(spec, file)
-        file.flush()
-        cmd = [sys.executable, str(HERE / "_offline_chat.py"), file.name]
+    def __init__(self, serve_args: list[str], env: Mapping[str, str]) -> None:
+        cmd = [sys.executable, str(HERE / "_offline_chat.py"), *serve_args]
         print("starting:", shlex.join(cmd), file=sys.stderr, flush=True)
-        start = time.perf_counter()
-        done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=dict(env), check=True)
-    results = [RequestResult(**r) for r in json.loads(done.stdout.splitlines()[-1])["results"]]
-    return serving_summary(results, time.perf_counter() - start)
+        self.process = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=dict(env)
+        )
+        self._read("ready")
+        self.count = 0
+
+    def _read(self, key: str) -> Any:
+        line = self.process.stdout.readline() if self.process.stdout else ""
+        if not line:
+            code = self.process.wait()
+            raise RuntimeError(f"the offline engine exited ({code}) before it sent {key!r}")
+        return json.loads(line)[key]
+
+    def chat(self, messages: list, max_tokens: int) -> Any:
+        """One chat's RequestResult."""
+        from pagedkv.entrypoints.bench_serving import RequestResult
+
+        self.count += 1
+        line = {"request_id": f"chat-{self.count}", "messages": messages, "max_tokens": max_tokens}
+        if self.process.stdin is None:
+            raise RuntimeError("the offline engine's input is closed")
+        self.process.stdin.write(json.dumps(line) + "\n")
+        self.process.stdin.flush()
+        return RequestResult(**self._read("result"))
+
+    def close(self) -> None:
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        stop(self.process)
+
+
+@contextlib.contextmanager
+def open_leg(
+    leg: str,
+    args: argparse.Namespace,
+    model: Path,
+    build: Any,
+    serve_args: list[str],
+    env: Mapping[str, str],
+) -> Iterator[Any]:
+    """Start one leg (llama-server, ``pagedkv serve SERVE_ARGS`` or the offline engine) and yield
+    an object whose ``chat(messages, max_tokens)`` times one chat; stopped on the way out."""
+    if leg == "llama.cpp":
+        url = f"http://127.0.0.1:{free_port()}"
+        cmd = llama_server_command(build.llama_server, model, int(url.rsplit(":", 1)[1]),
+                                   args.threads)  # fmt: skip
+        with llama_server(cmd, url, args.startup_timeout):
+            server = ServerLeg(url, args.timeout)
+            try:
+                yield server
+            finally:
+                server.close()
+    elif leg == "served":
+        with own_server(serve_args, args.startup_timeout, env=env) as running:
+            server = ServerLeg(running.url, args.timeout)
+            try:
+                yield server
+            finally:
+                server.close()
+    else:
+        offline = OfflineLeg(serve_args, env)
+        try:
+            yield offline
+        finally:
+            offline.close()
+
+
+def turn_order(names: Sequence[str], chat: int) -> list[str]:
+    """The legs' order for timed chat ``chat`` (0-based) in turns: ``names`` rotated by
+    ``chat``, so every leg goes first as often as the others."""
+    shift = chat % len(names) if names else 0
+    return [*names[shift:], *names[:shift]]
+
+
+def run_round(
+    legs: Mapping[str, Callable[[], contextlib.AbstractContextManager]],
+    chats: list[list],
+    max_tokens: int,
+    *,
+    turns: bool,
+    tally_factory: Callable[[], Any],
+) -> tuple[dict[str, list], dict[str, Any]]:
+    """One round: every leg's chats, their RequestResults and each leg's steal share.
+
+    Args:
+        legs: leg name -> a function that opens the leg (:func:`open_leg`), in the round's
+            order.
+        chats: the warm-up chat first (:data:`WARMUP_TOKENS` tokens, untimed), then the timed
+            ones.
+        turns: open every leg first, warm each up, then send each timed chat to every leg in
+            turn (:func:`turn_order`), so that the machine's drift over the round falls on all
+            legs alike; False: one leg after another, each started, run through every chat and
+            stopped before the next starts (the idle legs cost nothing: each waits on a socket
+            or a pipe).
+        tally_factory: makes a steal tally (:class:`_machine.StealTally`) per leg.
+
+    Returns:
+        ``({leg: [RequestResult, ...]}, {leg: steal percent or None})``.
+    """
+    results: dict[str, list] = {name: [] for name in legs}
+    tallies = {name: tally_factory() for name in legs}
+    with contextlib.ExitStack() as stack:
+        if turns:
+            opened = {name: stack.enter_context(opener()) for name, opener in legs.items()}
+            for leg in opened.values():
+                leg.chat(chats[0], WARMUP_TOKENS)
+            for number, messages in enumerate(chats[1:]):
+                for name in turn_order(list(opened), number):
+                    with tallies[name].measure():
+                        results[name].append(opened[name].chat(messages, max_tokens))
+        else:
+            for name, opener in legs.items():
+                with opener() as leg:
+                    leg.chat(chats[0], WARMUP_TOKENS)
+                    with tallies[name].measure():
+                        results[name] = [leg.chat(m, max_tokens) for m in chats[1:]]
+    return results, {name: tally.pct for name, tally in tallies.items()}
 
 
 def chat_metrics(summary: Mapping[str, Any]) -> dict[str, float]:
@@ -449,6 +580,7 @@ def main(argv: list[str] | None = None) -> int:
     build = ensure_llama_cpp(args) if "llama.cpp" in args.legs or args.build_only else None
     if args.build_only:
         return 0
+    from pagedkv.entrypoints.bench_serving import summarize as serving_summary
     from pagedkv.model.loader import resolve_model_path
 
     model = resolve_model_path(args.model)
@@ -465,31 +597,23 @@ def main(argv: list[str] | None = None) -> int:
         order = round_order(args.legs, number)
         load_before = os.getloadavg()  # the CPU is shared: context for every figure
         print(f"round {number}/{args.rounds} ({', '.join(order)}), load {_load(load_before)}")
-        this: dict[str, dict[str, float]] = {}
-        round_meter, steal = BusyMeter(), {}
+        legs: dict[str, Callable[[], contextlib.AbstractContextManager]] = {}
         for leg in order:
-            meter = BusyMeter()  # this leg's steal time: the neighbours on the host
-            if leg == "llama.cpp":
-                port = free_port()
-                url = f"http://127.0.0.1:{port}"
-                cmd = llama_server_command(build.llama_server, model, port, args.threads)
-                with llama_server(cmd, url, args.startup_timeout):
-                    summary = run_chats(url, chats, args.max_tokens, args.timeout)
-                this["llama.cpp"] = chat_metrics(summary)
-                steal["llama.cpp"] = meter.stop()["steal_pct"]
-                continue
-            for config in configs:
-                serve_args = [
+            for config in [None] if leg == "llama.cpp" else configs:
+                serve_args = [] if config is None else [
                     "--model", str(model), "--num-threads", str(args.threads),
                     "--max-model-len", str(CONTEXT_LEN), *config.args,
                 ]  # fmt: skip
-                if leg == "served":
-                    with own_server(serve_args, args.startup_timeout, env=env) as server:
-                        summary = run_chats(server.url, chats, args.max_tokens, args.timeout)
-                else:
-                    summary = run_offline(serve_args, chats, args.max_tokens, env)
-                this[leg_name(leg, config.label)] = chat_metrics(summary)
-            steal[leg] = meter.stop()["steal_pct"]
+                name = "llama.cpp" if config is None else leg_name(leg, config.label)
+                legs[name] = functools.partial(open_leg, leg, args, model, build, serve_args, env)
+        round_meter = BusyMeter()
+        results, steal = run_round(
+            legs, chats, args.max_tokens, turns=not args.sequential, tally_factory=StealTally
+        )
+        this = {
+            name: chat_metrics(serving_summary(r, sum(x.latency for x in r)))
+            for name, r in results.items()
+        }
         load_after = os.getloadavg()
         round_steal = round_meter.stop()["steal_pct"]
         for name, m in this.items():
@@ -506,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"  load {_load(load_before)} before, {_load(load_after)} after; steal "
             f"{_pct(round_steal)} ("
-            + ", ".join(f"{leg} {_pct(v)}" for leg, v in steal.items())
+            + ", ".join(f"{name} {_pct(v)}" for name, v in steal.items())
             + ")",
             flush=True,
         )
@@ -514,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
         ratios.append(this_ratios)
         loads.append({
             "before": list(load_before), "after": list(load_after),
-            "steal_pct": round_steal, "steal_pct_by_leg": steal,
+            "steal_pct": round_steal, "steal_pct_by_leg": steal, "turns": not args.sequential,
         })  # fmt: skip
     labels = [c.label for c in configs]
     spreads = {label: ratio_spread([r[label] for r in ratios]) for label in labels}

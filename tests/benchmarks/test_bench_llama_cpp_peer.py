@@ -5,9 +5,8 @@ or downloaded."""
 from __future__ import annotations
 
 import argparse
-import importlib
+import contextlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,22 +14,11 @@ import pytest
 from pagedkv.entrypoints.bench_serving import RequestResult
 from pagedkv.entrypoints.bench_serving import summarize as serving_summary
 
-BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
-_MODULES = ("_server", "bench_llama_cpp_peer", "bench_chat_latency")
-
 
 @pytest.fixture(scope="module")
-def scripts():
+def scripts(import_benchmarks):
     """The two scripts as modules, imported as they run (their folder first on sys.path)."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        peer = importlib.import_module("bench_llama_cpp_peer")
-        chat = importlib.import_module("bench_chat_latency")
-        yield peer, chat
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-        for name in _MODULES:
-            sys.modules.pop(name, None)
+    return import_benchmarks("bench_llama_cpp_peer", "bench_chat_latency")
 
 
 @pytest.fixture
@@ -398,3 +386,80 @@ def test_cached_sdists_are_matched_as_requirements(peer, tmp_path):
     )
     with pytest.raises(SystemExit, match="--sdist"):
         peer._download_sdist(tmp_path, "not a requirement!", [])
+
+
+class _FakeLeg:
+    """A leg that records what it was asked, in one log shared by every leg."""
+
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def chat(self, messages: list, max_tokens: int) -> RequestResult:
+        self.log.append((self.name, messages[0]["content"], max_tokens))
+        return RequestResult(True, 1.0, 0.1, [0.01] * (max_tokens - 1), 5, max_tokens)
+
+
+def _fake_legs(names: list[str], log: list) -> dict:
+    def opener(name: str):
+        @contextlib.contextmanager
+        def open_leg():
+            log.append((name, "open"))
+            yield _FakeLeg(name, log)
+            log.append((name, "close"))
+
+        return open_leg
+
+    return {name: opener(name) for name in names}
+
+
+class _Tally:
+    def __init__(self) -> None:
+        self.intervals = 0
+
+    @contextlib.contextmanager
+    def measure(self):
+        self.intervals += 1
+        yield
+
+    @property
+    def pct(self) -> float:
+        return float(self.intervals)
+
+
+def test_chat_turns_send_each_chat_to_every_leg_in_rotation(chat):
+    log: list = []
+    chats = [[{"content": c}] for c in ("warm", "a", "b", "c")]
+    results, steal = chat.run_round(
+        _fake_legs(["x", "y", "z"], log), chats, 16, turns=True, tally_factory=_Tally
+    )
+    assert log[:3] == [("x", "open"), ("y", "open"), ("z", "open")]
+    assert log[3:6] == [("x", "warm", chat.WARMUP_TOKENS), ("y", "warm", 8), ("z", "warm", 8)]
+    timed = [(leg, content) for leg, content, *_ in log[6:15]]
+    assert timed == [("x", "a"), ("y", "a"), ("z", "a"), ("y", "b"), ("z", "b"), ("x", "b"),
+                     ("z", "c"), ("x", "c"), ("y", "c")]  # fmt: skip
+    assert sorted(log[15:]) == [("x", "close"), ("y", "close"), ("z", "close")]
+    assert {name: len(r) for name, r in results.items()} == {"x": 3, "y": 3, "z": 3}
+    assert results["x"][0].num_output_tokens == 16
+    assert steal == {"x": 3.0, "y": 3.0, "z": 3.0}  # one interval per timed chat
+
+
+def test_chat_sequential_runs_one_leg_after_another(chat):
+    log: list = []
+    chats = [[{"content": c}] for c in ("warm", "a", "b")]
+    results, steal = chat.run_round(
+        _fake_legs(["x", "y"], log), chats, 4, turns=False, tally_factory=_Tally
+    )
+    assert [entry[:2] for entry in log] == [
+        ("x", "open"), ("x", "warm"), ("x", "a"), ("x", "b"), ("x", "close"),
+        ("y", "open"), ("y", "warm"), ("y", "a"), ("y", "b"), ("y", "close"),
+    ]  # fmt: skip
+    assert steal == {"x": 1.0, "y": 1.0}  # one interval around each leg's timed chats
+    assert [len(r) for r in results.values()] == [2, 2]
+
+
+def test_chat_turn_order(chat):
+    assert chat.turn_order(["a", "b", "c"], 0) == ["a", "b", "c"]
+    assert chat.turn_order(["a", "b", "c"], 4) == ["b", "c", "a"]
+    assert chat.turn_order([], 3) == []
+    assert chat.build_parser().parse_args(["--sequential"]).sequential
+    assert not chat.build_parser().parse_args([]).sequential

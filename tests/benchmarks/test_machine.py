@@ -47,3 +47,19 @@ def test_missing_or_odd_counters_give_none(machine, tmp_path):
     meter = machine.BusyMeter(tmp_path / "absent")
     assert meter.stop()["steal_pct"] is None
     assert "steal ?" in meter.describe()
+
+
+def test_steal_tally_sums_separate_intervals(machine, tmp_path):
+    path = stat(tmp_path / "stat", user=100, idle=880, steal=10)
+    tally = machine.StealTally(path)
+    assert tally.pct is None  # no interval yet
+    with tally.measure():
+        stat(path, user=200, idle=980, steal=10)  # 200 ticks, none stolen
+    stat(path, user=5000, idle=980, steal=5000)  # between the intervals: not counted
+    with tally.measure():
+        stat(path, user=5100, idle=1080, steal=5200)  # 400 ticks, 200 stolen
+    assert tally.pct == 33.3  # 200 of 600
+    missing = machine.StealTally(tmp_path / "absent")
+    with missing.measure():
+        pass
+    assert missing.pct is None
