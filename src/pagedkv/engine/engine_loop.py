@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import operator
 import queue
 import threading
 import time
@@ -263,16 +265,16 @@ class EngineLoop:
 
     async def get_stats(self) -> Any:
         """The engine's :class:`~pagedkv.engine.llm_engine.EngineStats`, read between steps."""
-        return await self.call(lambda engine: engine.get_stats())
+        return await self.call(operator.methodcaller("get_stats"))
 
     async def reset_prefix_cache(self) -> bool:
         """Drop every cached block; False while blocks are in use."""
-        return bool(await self.call(lambda engine: engine.reset_prefix_cache()))
+        return bool(await self.call(operator.methodcaller("reset_prefix_cache")))
 
     async def get_kv_state(self) -> dict[str, Any]:
         """A snapshot of the KV cache (``engine.kv_snapshot()``: plain data), taken between
         two steps."""
-        return await self.call(lambda engine: engine.kv_snapshot())
+        return await self.call(operator.methodcaller("kv_snapshot"))
 
     def listen_kv_states(self) -> KVStateListener:
         """Start listening to snapshots of the KV cache as the engine runs: one at once, then
@@ -319,8 +321,7 @@ class EngineLoop:
         if not self.is_alive:
             raise EngineDeadError(f"the engine is not running: {self.status_reason}")
         future = asyncio.get_running_loop().create_future()
-        self._commands.put(_Command(fn, future))
-        self._wake.set()
+        self._send(_Command(fn, future))
         return await future
 
     async def add_requests(self, requests: list[EngineRequest]) -> OutputStream:
@@ -335,25 +336,8 @@ class EngineLoop:
         for request_id in stream.request_ids:
             self._streams[request_id] = stream
 
-        def add_all(engine: Any) -> None:
-            added: list[str] = []
-            try:
-                for r in requests:
-                    engine.add_request(
-                        r.request_id,
-                        r.engine_prompt(),
-                        r.sampling_params,
-                        priority=r.priority,
-                        cache_salt=r.cache_salt,
-                    )
-                    added.append(r.request_id)
-            except BaseException:
-                if added:
-                    engine.abort_request(added)
-                raise
-
         try:
-            await self.call(add_all)
+            await self.call(functools.partial(_add_all, requests))
         except BaseException:
             for request_id in stream.request_ids:
                 self._streams.pop(request_id, None)
@@ -371,7 +355,11 @@ class EngineLoop:
             self._send_abort(request_ids)
 
     def _send_abort(self, request_ids: list[str]) -> None:
-        self._commands.put(_Command(lambda engine: engine.abort_request(request_ids), None))
+        self._send(_Command(functools.partial(_abort, request_ids), None))
+
+    def _send(self, command: _Command) -> None:
+        """Queue ``command`` for the engine thread (run between two steps)."""
+        self._commands.put(command)
         self._wake.set()
 
     def _dispatch(self, outputs: list[Any], step_time: float) -> None:
@@ -493,6 +481,31 @@ class EngineLoop:
                     command.fn(engine)
                 except Exception:
                     logger.exception("engine command failed")
+
+
+def _add_all(requests: list[EngineRequest], engine: Any) -> None:
+    """Add every request to ``engine``, or none: those added before one that raises are
+    aborted again (a command of :meth:`EngineLoop.add_requests`; module level, so that it
+    pickles for an engine in another process)."""
+    added: list[str] = []
+    try:
+        for r in requests:
+            engine.add_request(
+                r.request_id,
+                r.engine_prompt(),
+                r.sampling_params,
+                priority=r.priority,
+                cache_salt=r.cache_salt,
+            )
+            added.append(r.request_id)
+    except BaseException:
+        if added:
+            engine.abort_request(added)
+        raise
+
+
+def _abort(request_ids: list[str], engine: Any) -> None:
+    engine.abort_request(request_ids)
 
 
 def _set_result(future: asyncio.Future, result: Any) -> None:
