@@ -50,6 +50,7 @@ from pagedkv.engine.engine_loop import (
     _set_result,
 )
 from pagedkv.engine.input_processor import InputProcessor, InputThread
+from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.errors import PagedKVError
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,115 @@ class EngineProcessError(PagedKVError, RuntimeError):
     """The engine process could not be started, or a command for it does not pickle."""
 
 
+class OutputDeltas:
+    """Engine side of the outputs' wire: each :class:`RequestOutput` as what changed since the
+    request's last one, so that a step's message does not grow with the context. A
+    RequestOutput's cumulative fields are the concatenation of its deltas (the output
+    processor's own rule: ``text`` is every ``new_text`` so far, ``token_ids`` every
+    ``new_token_ids``, the last ``len(new_token_ids)`` entries of ``logprobs`` are the new
+    tokens'); the prompt's token ids and its logprobs are sent once. Pickling the whole object
+    took 80-90 us a step each way with a 512-token prompt, growing with every token.
+
+    Wire form of one output: ``(request_id, prompt, prompt_token_ids, prompt_logprobs,
+    finished, num_cached_tokens, metrics, embedding, completions)``, the prompt's three fields
+    None after the request's first output (prompt_logprobs: after the first that has them);
+    a completion ``(index, new_text, new_token_ids, new_logprobs, finish_reason, stop_reason,
+    error, cumulative_logprob)``, ``new_logprobs`` None where the output has no logprobs.
+    """
+
+    def __init__(self) -> None:
+        self._started: set[str] = set()  # requests whose prompt was sent
+        self._prompt_logprobs_sent: set[str] = set()
+
+    def encode(self, outputs: list[Any]) -> list[tuple]:
+        wire = []
+        for o in outputs:
+            rid = o.request_id
+            first = rid not in self._started
+            prompt_logprobs = None
+            if o.prompt_logprobs is not None and rid not in self._prompt_logprobs_sent:
+                prompt_logprobs = o.prompt_logprobs
+                self._prompt_logprobs_sent.add(rid)
+            completions = []
+            for c in o.outputs:
+                new_logprobs = None
+                if c.logprobs is not None:
+                    num_new = len(c.new_token_ids)
+                    new_logprobs = c.logprobs[len(c.logprobs) - num_new :] if num_new else []
+                completions.append((
+                    c.index, c.new_text, c.new_token_ids, new_logprobs, c.finish_reason,
+                    c.stop_reason, c.error, c.cumulative_logprob,
+                ))  # fmt: skip
+            wire.append((
+                rid, o.prompt if first else None, o.prompt_token_ids if first else None,
+                prompt_logprobs, o.finished, o.num_cached_tokens, o.metrics, o.embedding,
+                completions,
+            ))  # fmt: skip
+            if o.finished:
+                self._started.discard(rid)
+                self._prompt_logprobs_sent.discard(rid)
+            else:
+                self._started.add(rid)
+        return wire
+
+
+class OutputAssembler:
+    """Server side of the outputs' wire (:class:`OutputDeltas`): each request's cumulative
+    fields kept and extended, so the :class:`RequestOutput` s handed on are those the engine
+    made (``token_ids``, ``logprobs`` and ``prompt_token_ids`` lists that grow as the
+    engine's do)."""
+
+    def __init__(self) -> None:
+        self._requests: dict[
+            str, list
+        ] = {}  # id -> [prompt, prompt ids, prompt logprobs, {index: [text, ids, logprobs]}]
+
+    def decode(self, wire: list[tuple]) -> list[RequestOutput]:
+        outputs = []
+        for (
+            rid,
+            prompt,
+            prompt_ids,
+            prompt_logprobs,
+            finished,
+            cached,
+            metrics,
+            embedding,
+            completions,
+        ) in wire:
+            state = self._requests.get(rid)
+            if state is None:
+                state = self._requests[rid] = [prompt, prompt_ids or [], None, {}]
+            if prompt_logprobs is not None:
+                state[2] = prompt_logprobs
+            samples = state[3]
+            built = []
+            for index, new_text, new_ids, new_logprobs, reason, stop, error, cum in completions:
+                sample = samples.get(index)
+                if sample is None:
+                    sample = samples[index] = ["", [], None if new_logprobs is None else []]
+                sample[0] += new_text
+                sample[1].extend(new_ids)
+                if new_logprobs is not None:
+                    if sample[2] is None:
+                        sample[2] = []
+                    sample[2].extend(new_logprobs)
+                built.append(CompletionOutput(
+                    index=index, text=sample[0], token_ids=sample[1], new_text=new_text,
+                    new_token_ids=new_ids, finish_reason=reason, stop_reason=stop, error=error,
+                    logprobs=None if new_logprobs is None else sample[2],
+                    cumulative_logprob=cum,
+                ))  # fmt: skip
+            outputs.append(RequestOutput(
+                request_id=rid, prompt=state[0], prompt_token_ids=state[1], outputs=built,
+                finished=finished, prompt_logprobs=state[2], num_cached_tokens=cached,
+                metrics=metrics, embedding=embedding,
+            ))  # fmt: skip
+            if finished:
+                del self._requests[rid]
+        return outputs
+
+
 class _EngineCore(EngineLoop):
     """The engine process's loop: :class:`EngineLoop`'s engine thread, whose posts (outputs,
     command results, KV snapshots, the engine's fault) go over ``conn`` instead of to an event
@@ -72,6 +182,7 @@ class _EngineCore(EngineLoop):
     def __init__(self, engine: Any, conn: Connection) -> None:
         super().__init__(engine)
         self._conn = conn
+        self._wire = OutputDeltas()
 
     def start_core(self) -> None:
         self.start(None)  # type: ignore[arg-type]  # nothing is posted to an event loop
@@ -81,7 +192,8 @@ class _EngineCore(EngineLoop):
             cmd_id, value = args
             message: tuple = ("result" if fn is _set_result else "error", cmd_id, value)
         elif fn == self._dispatch:
-            message = ("dispatch", *args)
+            outputs, step_time = args
+            message = ("dispatch", self._wire.encode(outputs), step_time)
         elif fn == self._publish_kv:
             message = ("kv", *args)
         elif fn == self._fail_all:
@@ -165,6 +277,7 @@ class EngineProcessClient(EngineLoop):
         self._conn: Connection | None = None
         self._processor: InputProcessor | None = None
         self._futures: dict[int, asyncio.Future] = {}
+        self._outputs = OutputAssembler()
         self._next_id = 0
         self._send_lock = threading.Lock()  # abort() may come from any thread of the loop's
 
@@ -315,7 +428,7 @@ class EngineProcessClient(EngineLoop):
     def _handle(self, message: tuple) -> None:
         kind = message[0]
         if kind == "dispatch":
-            self._dispatch(message[1], message[2])
+            self._dispatch(self._outputs.decode(message[1]), message[2])
         elif kind == "result":
             future = self._futures.pop(message[1], None)
             if future is not None:
@@ -347,6 +460,7 @@ class EngineProcessClient(EngineLoop):
         self._fail_everything(self.error or EngineDeadError("the engine stopped"))
 
     def _fail_everything(self, exc: BaseException) -> None:
+        self._outputs = OutputAssembler()  # no request's outputs come any more
         futures, self._futures = self._futures, {}
         for future in futures.values():
             _set_exception(future, EngineDeadError(f"the engine stopped: {self.status_reason}"))
