@@ -144,3 +144,88 @@ def test_an_engine_that_cannot_be_built_is_named_at_launch(config, tmp_path):
     with pytest.raises(EngineProcessError, match="could not build the engine"):
         client.launch()
     assert not client.is_alive
+
+
+# ---- what the review broke: uvloop's non-blocking pipe, unreadable commands and errors -------
+
+
+def big_answer(size: int, engine) -> bytes:
+    """A command whose answer is ``size`` bytes (module level: it pickles by name)."""
+    return bytes(range(256)) * (size // 256)
+
+
+class TwoArgError(Exception):
+    """An exception whose class cannot be rebuilt from its ``args`` alone."""
+
+    def __init__(self, a, b):
+        super().__init__(f"{a} and {b}")
+
+
+def raise_two_arg_error(engine):
+    raise TwoArgError(1, 2)
+
+
+def test_large_answers_under_uvloop_and_unreadable_commands(config):
+    import functools
+    import sys
+    import types
+
+    uvloop = pytest.importorskip("uvloop")
+    only_here = types.ModuleType("only_in_the_server_process")
+
+    def local(engine):  # pickles by reference to a module the engine process cannot import
+        return 1
+
+    local.__module__ = only_here.__name__
+    local.__qualname__ = "local"
+    only_here.local = local
+    sys.modules[only_here.__name__] = only_here
+
+    async def body(client):
+        for size in (20_000, 100_000, 4_000_000):  # over a pipe's buffer: read in pieces
+            for _ in range(3):
+                assert (
+                    len(await client.call(functools.partial(big_answer, size))) == size - size % 256
+                )
+        with pytest.raises(EngineProcessError, match="cannot read the command"):
+            await client.call(local)
+        with pytest.raises(EngineProcessError, match="TwoArgError: 1 and 2"):
+            await client.call(raise_two_arg_error)
+        tokens = await collect(client, [request("after", [5, 6, 7], max_tokens=3)])
+        assert client.is_alive
+        return tokens
+
+    async def main():
+        client = EngineProcessClient(config)
+        client.launch()
+        client.start(asyncio.get_running_loop())
+        try:
+            return await body(client)
+        finally:
+            client.stop(timeout=30)
+
+    try:
+        loop = uvloop.new_event_loop()
+        tokens = loop.run_until_complete(main())
+        loop.close()
+    finally:
+        del sys.modules[only_here.__name__]
+    assert len(tokens["after"]) == 3
+
+
+def test_commands_waiting_at_stop_are_answered(config):
+    import functools
+
+    async def body(client):
+        waiting = asyncio.ensure_future(client.call(functools.partial(_sleep, 2.0)))
+        await asyncio.sleep(0.2)
+        client.stop(timeout=30)
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(waiting, 60)
+        assert not client.is_alive
+
+    run_on_loop(config, body)
+
+
+def _sleep(seconds: float, engine) -> None:
+    time.sleep(seconds)

@@ -16,7 +16,7 @@ V1's split of the API server and the engine core).
 Why: in one process the event loop's work for every streamed token (the SSE event, the socket
 write, the wake-ups: 0.4-0.5 ms of CPU a token on a 2-core Zen 3) needs the GIL, so it either
 waits for the engine thread's Python between two forwards or holds the GIL while the engine
-thread wants it: served decode ran at 0.91-0.97x the same engine offline. With the engine in
+thread wants it: served decode ran at 0.92-0.98x the same engine offline. With the engine in
 its own process that work runs beside the engine's own Python, on the core the forward leaves
 idle between two steps (docs/perf.md, "the served path in two processes").
 
@@ -34,9 +34,12 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
+import os
 import pickle
 import signal
+import struct
 import threading
+import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -124,23 +127,14 @@ class OutputAssembler:
     engine's do)."""
 
     def __init__(self) -> None:
-        self._requests: dict[
-            str, list
-        ] = {}  # id -> [prompt, prompt ids, prompt logprobs, {index: [text, ids, logprobs]}]
+        # id -> [prompt, prompt ids, prompt logprobs, {index: [text, ids, logprobs]}]
+        self._requests: dict[str, list] = {}
 
     def decode(self, wire: list[tuple]) -> list[RequestOutput]:
         outputs = []
-        for (
-            rid,
-            prompt,
-            prompt_ids,
-            prompt_logprobs,
-            finished,
-            cached,
-            metrics,
-            embedding,
-            completions,
-        ) in wire:
+        for output in wire:
+            rid, prompt, prompt_ids, prompt_logprobs, finished = output[:5]
+            cached, metrics, embedding, completions = output[5:]
             state = self._requests.get(rid)
             if state is None:
                 state = self._requests[rid] = [prompt, prompt_ids or [], None, {}]
@@ -174,74 +168,126 @@ class OutputAssembler:
         return outputs
 
 
+def _portable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives pickling both ways (pagedkv's exceptions do), else an
+    :class:`EngineProcessError` naming it: an exception class whose ``__init__`` takes other
+    arguments than its ``args`` would fail in the server's unpickling and leave a caller
+    waiting."""
+    try:
+        pickle.loads(pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception:
+        return EngineProcessError(f"{type(exc).__name__}: {exc}")
+    return exc
+
+
 class _EngineCore(EngineLoop):
     """The engine process's loop: :class:`EngineLoop`'s engine thread, whose posts (outputs,
     command results, KV snapshots, the engine's fault) go over ``conn`` instead of to an event
-    loop. Only the engine thread sends on ``conn``; the process's main thread only receives."""
+    loop. Only the engine thread sends on ``conn``; the process's main thread only receives
+    (on another pipe)."""
 
     def __init__(self, engine: Any, conn: Connection) -> None:
         super().__init__(engine)
         self._conn = conn
+        self._emit_lock = threading.Lock()  # the main thread answers unreadable commands
         self._wire = OutputDeltas()
 
     def start_core(self) -> None:
         self.start(None)  # type: ignore[arg-type]  # nothing is posted to an event loop
 
+    def _run(self) -> None:
+        try:
+            super()._run()
+        except BaseException as exc:  # the thread must not end unseen: the server would wait
+            logger.exception("the engine thread failed outside a step")
+            self._die(f"the engine thread failed: {type(exc).__name__}: {exc}", exc)
+
+    def _die(self, reason: str, exc: BaseException) -> None:
+        self.error_reason = reason
+        self.error = exc
+        self._stopping = True
+        self._emit(("dead", reason, _portable(EngineDeadError(f"the engine stopped: {reason}"))))
+
     def _post(self, fn: Any, *args: Any) -> None:
-        if fn is _set_result or fn is _set_exception:
-            cmd_id, value = args
-            message: tuple = ("result" if fn is _set_result else "error", cmd_id, value)
+        if fn is _set_result:
+            message: tuple = ("result", *args)
+        elif fn is _set_exception:
+            message = ("error", args[0], _portable(args[1]))
         elif fn == self._dispatch:
             outputs, step_time = args
             message = ("dispatch", self._wire.encode(outputs), step_time)
         elif fn == self._publish_kv:
             message = ("kv", *args)
         elif fn == self._fail_all:
-            message = ("dead", self.error_reason or "the engine stopped", *args)
+            message = ("dead", self.error_reason or "the engine stopped", _portable(*args))
         else:  # pragma: no cover - every post of EngineLoop is named above
-            raise AssertionError(f"unknown post {fn!r}")
+            raise EngineProcessError(f"unknown post {fn!r}")
+        self._emit(message)
+
+    def _emit(self, message: tuple) -> None:
         try:
-            self._conn.send(message)
-        except (OSError, ValueError):  # the server went away: nothing to tell
-            self._stopping = True
-        except Exception as exc:  # a result that does not pickle: the caller gets why
-            if message[0] in ("result", "error"):
-                self._conn.send(("error", message[1], EngineProcessError(
+            payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            if message[0] == "result":  # the caller gets why, the engine goes on
+                payload = pickle.dumps(("error", message[1], EngineProcessError(
                     f"the engine's answer does not pickle: {type(exc).__name__}: {exc}"
                 )))  # fmt: skip
-            else:
+            else:  # a step's outputs or a snapshot: nothing after it could be trusted
                 raise
+        try:
+            with self._emit_lock:
+                self._conn.send_bytes(payload)
+        except OSError:  # the server went away: nothing to tell
+            self._stopping = True
+
+    def queue_command(self, fn: Any, cmd_id: int | None) -> None:
+        """A command from the server, for the engine thread (between two steps)."""
+        self._commands.put(_Command(fn, cmd_id))  # type: ignore[arg-type]
+        self._wake.set()
 
 
-def _engine_process_main(conn: Connection, config: Any, setup: Callable[[], Any] | None) -> None:
+def _engine_process_main(
+    commands: Connection, events: Connection, config: Any, setup: Callable[[], Any] | None
+) -> None:
     """The engine process: run ``setup`` (the server's logging), build the engine, say ready
-    (with its input processor), step it in a thread, and read the server's messages until told
-    to stop or the server is gone."""
+    (with its input processor), step it in a thread, and read the server's commands until told
+    to stop or the server is gone (its end of the pipe closed)."""
     from pagedkv.engine.llm_engine import LLMEngine
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server stops it (Ctrl-C reaches both)
+    # The server stops it: Ctrl-C, or a SIGTERM to the whole process group (systemd's
+    # default), reaches both, and the server drains first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if setup is not None:
         setup()
     try:
         engine = LLMEngine(config)
     except BaseException as exc:
-        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        events.send(("failed", f"{type(exc).__name__}: {exc}"))
         raise
-    core = _EngineCore(engine, conn)
-    conn.send(("ready", engine.input_processor))
+    core = _EngineCore(engine, events)
+    events.send(("ready", engine.input_processor))
     core.start_core()
     try:
         while True:
             try:
-                message = conn.recv()
+                kind, *rest = pickle.loads(commands.recv_bytes())
             except (EOFError, OSError):
                 break  # the server exited
-            kind = message[0]
             if kind == "cmd":
-                _, cmd_id, fn = message
-                core._send(_Command(fn, cmd_id))
+                cmd_id, fn_bytes = rest
+                try:
+                    fn = pickle.loads(fn_bytes)
+                except Exception as exc:
+                    if cmd_id is not None:
+                        core._emit(("error", cmd_id, EngineProcessError(
+                            f"the engine process cannot read the command: "
+                            f"{type(exc).__name__}: {exc}"
+                        )))  # fmt: skip
+                    continue
+                core.queue_command(fn, cmd_id)
             elif kind == "kv_listeners":
-                core._num_kv_listeners, wanted = message[1], message[2]
+                core._num_kv_listeners, wanted = rest
                 core._kv_wanted = core._kv_wanted or wanted
                 core._wake.set()
             elif kind == "stop":
@@ -249,7 +295,59 @@ def _engine_process_main(conn: Connection, config: Any, setup: Callable[[], Any]
     finally:
         core.stop()
         engine.shutdown()
-        conn.close()
+        events.close()
+
+
+class _EventReader:
+    """Reads the engine process's messages on an event loop without ever blocking it: the read
+    end is non-blocking (uvloop makes the file descriptor it watches non-blocking anyway), the
+    bytes are framed here as multiprocessing's ``Connection.send_bytes`` writes them (a 4-byte
+    big-endian length, or -1 and an 8-byte one), and only whole messages are unpickled."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        os.set_blocking(fd, False)
+        self._buffer = bytearray()
+        self.closed = False
+
+    def read(self) -> list[bytes]:
+        """The whole messages that arrived; sets :attr:`closed` at the end of the stream."""
+        while True:
+            try:
+                chunk = os.read(self.fd, 1 << 20)
+            except BlockingIOError:
+                break
+            except OSError:
+                self.closed = True
+                break
+            if not chunk:
+                self.closed = True
+                break
+            self._buffer += chunk
+        messages = []
+        buffer = self._buffer
+        start = 0
+        while len(buffer) - start >= 4:
+            (size,) = struct.unpack_from("!i", buffer, start)
+            header = 4
+            if size == -1:
+                if len(buffer) - start < 12:
+                    break
+                (size,) = struct.unpack_from("!Q", buffer, start + 4)
+                header = 12
+            if len(buffer) - start < header + size:
+                break
+            messages.append(bytes(buffer[start + header : start + header + size]))
+            start += header + size
+        if start:
+            del buffer[:start]
+        return messages
+
+
+def _close_quietly(*conns: Connection) -> None:
+    for conn in conns:
+        with contextlib.suppress(OSError):
+            conn.close()
 
 
 class EngineProcessClient(EngineLoop):
@@ -274,12 +372,14 @@ class EngineProcessClient(EngineLoop):
         self._config = config
         self._setup = setup
         self._process: multiprocessing.process.BaseProcess | None = None
-        self._conn: Connection | None = None
+        self._commands_out: Connection | None = None  # blocking: commands are small
+        self._events_in: Connection | None = None
+        self._reader: _EventReader | None = None
         self._processor: InputProcessor | None = None
         self._futures: dict[int, asyncio.Future] = {}
         self._outputs = OutputAssembler()
         self._next_id = 0
-        self._send_lock = threading.Lock()  # abort() may come from any thread of the loop's
+        self._send_lock = threading.Lock()  # abort() may come from another thread
 
     # ---- lifetime ---------------------------------------------------------------------------
 
@@ -287,67 +387,85 @@ class EngineProcessClient(EngineLoop):
         """Start the engine process and wait until its engine is built (the model loaded).
 
         Raises:
-            EngineProcessError: it failed or exited first.
+            EngineProcessError: it failed or exited first, or it was launched already.
         """
+        if self._process is not None:
+            raise EngineProcessError("the engine process was launched already")
         context = multiprocessing.get_context("spawn")
-        ours, theirs = context.Pipe()
+        commands_in, commands_out = context.Pipe(duplex=False)
+        events_in, events_out = context.Pipe(duplex=False)
+        # Not a daemon: a daemon may not start children, and tensor-parallel workers are the
+        # engine's children. It exits when the server's ends of the pipes close, which the
+        # finalizer below does at the latest when this process exits (before multiprocessing
+        # joins its children at exit).
         process = context.Process(
             target=_engine_process_main,
-            args=(theirs, self._config, self._setup),
+            args=(commands_in, events_out, self._config, self._setup),
             name="pagedkv-engine",
-            daemon=True,
         )
         process.start()
-        theirs.close()
+        _close_quietly(commands_in, events_out)
+        weakref.finalize(self, _close_quietly, commands_out, events_in)
         try:
-            message = ours.recv()
+            message = events_in.recv()
         except (EOFError, OSError):
-            process.join(5)
-            raise EngineProcessError(
-                f"the engine process exited (code {process.exitcode}) before its engine was built"
-            ) from None
-        if message[0] != "ready":
+            message = None
+        if message is None or message[0] != "ready":
+            _close_quietly(commands_out, events_in)
             process.join(STOP_TIMEOUT_S)
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+            if message is None:
+                raise EngineProcessError(
+                    f"the engine process exited (code {process.exitcode}) before its engine "
+                    "was built"
+                )
             raise EngineProcessError(f"the engine process could not build the engine: {message[1]}")
         self._processor = message[1]
-        self._process, self._conn = process, ours
+        self._process, self._commands_out, self._events_in = process, commands_out, events_in
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Deliver the engine process's messages on ``loop`` (:meth:`launch` first)."""
-        if self._conn is None:
+        if self._events_in is None:
             raise EngineProcessError("launch() the engine process before start()")
         self._loop = loop
-        loop.add_reader(self._conn.fileno(), self._on_readable)
+        self._reader = _EventReader(self._events_in.fileno())
+        loop.add_reader(self._reader.fd, self._on_readable)
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Ask the engine process to stop after its current step; kill it if it has not
-        within ``timeout`` seconds."""
+        within ``timeout`` seconds. Commands still waiting get an :class:`EngineDeadError`."""
         self._stopping = True
         if self._input is not None:
             self._input.close()
-        conn, process = self._conn, self._process
-        if conn is None or process is None:
+        process = self._process
+        if process is None or self._commands_out is None:
             return
-        if self._loop is not None:
-            with contextlib.suppress(Exception):
-                self._loop.remove_reader(conn.fileno())
-        with contextlib.suppress(OSError, ValueError):
+        self._remove_reader()
+        with contextlib.suppress(OSError, ValueError, EngineDeadError):
             self._send_message(("stop",))
         process.join(timeout)
         if process.is_alive():
             logger.warning("the engine process did not stop in %.0f s; killing it", timeout)
             process.kill()
             process.join(5)
-        conn.close()
-        self._conn = None
+        _close_quietly(self._commands_out, self._events_in)
+        self._commands_out = self._events_in = None
+        self._fail_futures()
+
+    def _remove_reader(self) -> None:
+        reader, self._reader = self._reader, None
+        if self._loop is not None and reader is not None:
+            with contextlib.suppress(Exception):
+                self._loop.remove_reader(reader.fd)
 
     @property
     def is_alive(self) -> bool:
         return (
             self._process is not None
             and self._process.is_alive()
-            and self._conn is not None
-            and self._loop is not None
+            and self._reader is not None
             and self.error is None
             and not self._stopping
         )
@@ -360,6 +478,8 @@ class EngineProcessClient(EngineLoop):
             return self.error_reason
         if self._loop is None:
             return "it has not started"
+        if self._process is not None and not self._process.is_alive() and not self._stopping:
+            return f"the engine process exited (exit code {self._process.exitcode})"
         return "it was stopped"
 
     # ---- the engine's side, as EngineLoop reaches it ----------------------------------------
@@ -372,36 +492,33 @@ class EngineProcessClient(EngineLoop):
         return self._input
 
     def _send_message(self, message: tuple) -> None:
-        if self._conn is None:
+        conn = self._commands_out
+        if conn is None:
             raise EngineDeadError(f"the engine is not running: {self.status_reason}")
+        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         with self._send_lock:
-            self._conn.send(message)
+            conn.send_bytes(payload)
 
     def _send(self, command: _Command) -> None:
-        cmd_id = None
-        if command.future is not None:
-            cmd_id = self._next_id
-            self._next_id += 1
         try:
-            payload = pickle.dumps(("cmd", cmd_id, command.fn), protocol=pickle.HIGHEST_PROTOCOL)
+            fn_bytes = pickle.dumps(command.fn, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:
             raise EngineProcessError(
                 f"a command for the engine process does not pickle ({type(exc).__name__}: "
                 f"{exc}); give call() a module-level function or operator.methodcaller"
             ) from None
-        if self._conn is None:
-            if command.future is None:
-                return  # an abort after the engine stopped: nothing left to free
-            raise EngineDeadError(f"the engine is not running: {self.status_reason}")
+        cmd_id = None
         if command.future is not None:
+            cmd_id = self._next_id
+            self._next_id += 1
             self._futures[cmd_id] = command.future
         try:
-            with self._send_lock:
-                self._conn.send_bytes(payload)
-        except (OSError, ValueError):
+            self._send_message(("cmd", cmd_id, fn_bytes))
+        except (OSError, ValueError, EngineDeadError):
+            if cmd_id is None:
+                return  # an abort after the engine stopped: nothing left to free
             self._futures.pop(cmd_id, None)
-            if command.future is not None:
-                raise EngineDeadError("the engine process is gone") from None
+            raise EngineDeadError(f"the engine is not running: {self.status_reason}") from None
 
     def listen_kv_states(self) -> KVStateListener:
         listener = super().listen_kv_states()
@@ -416,13 +533,17 @@ class EngineProcessClient(EngineLoop):
     # ---- messages from the engine process (on the event loop) -------------------------------
 
     def _on_readable(self) -> None:
-        conn = self._conn
-        if conn is None:
+        reader = self._reader
+        if reader is None:
             return
-        try:
-            while conn.poll():
-                self._handle(conn.recv())
-        except (EOFError, OSError):
+        for payload in reader.read():
+            try:
+                message = pickle.loads(payload)
+            except Exception:  # its class is not importable here, say: drop it, say why
+                logger.exception("a message from the engine process could not be read")
+                continue
+            self._handle(message)
+        if reader.closed:
             self._engine_gone()
 
     def _handle(self, message: tuple) -> None:
@@ -441,27 +562,34 @@ class EngineProcessClient(EngineLoop):
             self._publish_kv(message[1])
         elif kind == "dead":
             self.error_reason, self.error = message[1], message[2]
+            logger.error("engine fault in the engine process: %s", message[1])
             self._fail_everything(message[2])
 
     def _engine_gone(self) -> None:
-        """The engine process exited (or its pipe broke) without being asked to."""
-        conn = self._conn
-        if self._loop is not None and conn is not None:
-            with contextlib.suppress(Exception):
-                self._loop.remove_reader(conn.fileno())
+        """The engine process's end of the pipe closed without being asked to: it exited (or
+        is exiting: it is killed if it has not within a few seconds)."""
+        self._remove_reader()
         process = self._process
+        code = None
         if process is not None:
-            process.join(1)
-        code = None if process is None else process.exitcode
+            process.join(5)
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+            code = process.exitcode
         if self.error is None and not self._stopping:
             self.error_reason = f"the engine process exited (exit code {code})"
             self.error = EngineDeadError(f"the engine stopped: {self.error_reason}")
             logger.error("%s; the server stops taking requests", self.error_reason)
         self._fail_everything(self.error or EngineDeadError("the engine stopped"))
 
+    def _fail_futures(self) -> None:
+        futures, self._futures = self._futures, {}
+        reason = self.status_reason or "the engine stopped"
+        for future in futures.values():
+            _set_exception(future, EngineDeadError(f"the engine is not running: {reason}"))
+
     def _fail_everything(self, exc: BaseException) -> None:
         self._outputs = OutputAssembler()  # no request's outputs come any more
-        futures, self._futures = self._futures, {}
-        for future in futures.values():
-            _set_exception(future, EngineDeadError(f"the engine stopped: {self.status_reason}"))
+        self._fail_futures()
         self._fail_all(exc)

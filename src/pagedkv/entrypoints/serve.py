@@ -110,8 +110,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="run the engine in a process of its own (vLLM V1's engine core process): the "
         "HTTP and streaming work per token then runs beside the engine's Python instead of "
-        "waiting on it (served decode 0.91-0.97x offline in one process on 2 cores; "
-        "docs/perf.md); start-up takes a second more",
+        "waiting on it (served decode 0.92-0.98x offline in one process on 2 cores, "
+        "0.96-1.03x in two; docs/perf.md); start-up takes a second more",
     )
     server.add_argument(
         "--log-stats-interval",
@@ -212,6 +212,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(
             "--data-parallel-size with --tensor-parallel-size is not supported yet (a Ray "
             "replica does not start tensor-parallel worker processes); use one of them"
+        )
+    if args.data_parallel_size > 1 and args.engine_process:
+        raise ConfigError(
+            "--engine-process is for one engine; with --data-parallel-size > 1 every replica "
+            "already runs in a process of its own"
         )
     if args.data_parallel_size > 1:
         return run_cluster(args, options, app_options)
