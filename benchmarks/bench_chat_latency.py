@@ -90,6 +90,9 @@ SHORT_CHATS = HERE / "data" / "served_chats.jsonl"
 LEGS = ("llama.cpp", "served", "offline")
 #: Output tokens of the untimed warm-up chat of every leg.
 WARMUP_TOKENS = 8
+#: Seconds between two legs' turns: the leg that just ran lets its threads' spin-wait end
+#: before the next one starts timing (OpenMP's and llama.cpp's threads spin a little after work).
+TURN_PAUSE_S = 0.05
 #: Tokens of room per server: one 512-token prompt and its 128 output tokens fit many times.
 CONTEXT_LEN = 2048
 #: The metrics compared, with whether a larger value is better.
@@ -399,6 +402,7 @@ def run_round(
     *,
     turns: bool,
     tally_factory: Callable[[], Any],
+    pause_s: float = TURN_PAUSE_S,
 ) -> tuple[dict[str, list], dict[str, Any]]:
     """One round: every leg's chats, their RequestResults and each leg's steal share.
 
@@ -413,6 +417,7 @@ def run_round(
             stopped before the next starts (the idle legs cost nothing: each waits on a socket
             or a pipe).
         tally_factory: makes a steal tally (:class:`_machine.StealTally`) per leg.
+        pause_s: seconds to wait before each timed chat in turns.
 
     Returns:
         ``({leg: [RequestResult, ...]}, {leg: steal percent or None})``.
@@ -426,6 +431,7 @@ def run_round(
                 leg.chat(chats[0], WARMUP_TOKENS)
             for number, messages in enumerate(chats[1:]):
                 for name in turn_order(list(opened), number):
+                    time.sleep(pause_s)
                     with tallies[name].measure():
                         results[name].append(opened[name].chat(messages, max_tokens))
         else:

@@ -430,7 +430,7 @@ def test_chat_turns_send_each_chat_to_every_leg_in_rotation(chat):
     log: list = []
     chats = [[{"content": c}] for c in ("warm", "a", "b", "c")]
     results, steal = chat.run_round(
-        _fake_legs(["x", "y", "z"], log), chats, 16, turns=True, tally_factory=_Tally
+        _fake_legs(["x", "y", "z"], log), chats, 16, turns=True, tally_factory=_Tally, pause_s=0
     )
     assert log[:3] == [("x", "open"), ("y", "open"), ("z", "open")]
     assert log[3:6] == [("x", "warm", chat.WARMUP_TOKENS), ("y", "warm", 8), ("z", "warm", 8)]
