@@ -47,9 +47,9 @@ async def collect(client: EngineProcessClient, requests: list[EngineRequest]) ->
     return tokens
 
 
-def run_on_loop(config, body):
-    """``await body(client)`` on a fresh event loop with a launched engine process; the
-    client is stopped after (the body may stop or kill it first)."""
+def run_on_loop(config, body, new_event_loop=asyncio.new_event_loop):
+    """``await body(client)`` on a fresh event loop (``new_event_loop()``) with a launched
+    engine process; the client is stopped after (the body may stop or kill it first)."""
 
     async def main():
         client = EngineProcessClient(config)
@@ -60,7 +60,11 @@ def run_on_loop(config, body):
         finally:
             client.stop(timeout=30)
 
-    return asyncio.run(main())
+    loop = new_event_loop()
+    try:
+        return loop.run_until_complete(main())
+    finally:
+        loop.close()
 
 
 def test_same_greedy_tokens_as_the_engine_here(config):
@@ -195,19 +199,8 @@ def test_large_answers_under_uvloop_and_unreadable_commands(config):
         assert client.is_alive
         return tokens
 
-    async def main():
-        client = EngineProcessClient(config)
-        client.launch()
-        client.start(asyncio.get_running_loop())
-        try:
-            return await body(client)
-        finally:
-            client.stop(timeout=30)
-
     try:
-        loop = uvloop.new_event_loop()
-        tokens = loop.run_until_complete(main())
-        loop.close()
+        tokens = run_on_loop(config, body, uvloop.new_event_loop)
     finally:
         del sys.modules[only_here.__name__]
     assert len(tokens["after"]) == 3

@@ -238,9 +238,11 @@ class EngineLoop:
             return ""
         if self.error_reason is not None:
             return self.error_reason
-        if self._thread is None:
-            return "it has not started"
-        return "it was stopped"
+        return self._stopped_reason()
+
+    def _stopped_reason(self) -> str:
+        """Why the engine is not running when no fault stopped it."""
+        return "it has not started" if self._thread is None else "it was stopped"
 
     @property
     def num_streams(self) -> int:

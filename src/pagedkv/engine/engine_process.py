@@ -470,12 +470,7 @@ class EngineProcessClient(EngineLoop):
             and not self._stopping
         )
 
-    @property
-    def status_reason(self) -> str:
-        if self.is_alive:
-            return ""
-        if self.error_reason is not None:
-            return self.error_reason
+    def _stopped_reason(self) -> str:
         if self._loop is None:
             return "it has not started"
         if self._process is not None and not self._process.is_alive() and not self._stopping:
