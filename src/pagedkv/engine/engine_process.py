@@ -31,6 +31,7 @@ An engine process that exits (killed, crashed) fails every open stream with an
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import logging
 import multiprocessing
@@ -39,7 +40,7 @@ import pickle
 import signal
 import struct
 import threading
-import weakref
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -295,7 +296,8 @@ def _engine_process_main(
     finally:
         core.stop()
         engine.shutdown()
-        events.close()
+        with core._emit_lock:  # the engine thread may still be sending if its join timed out
+            events.close()
 
 
 class _EventReader:
@@ -342,6 +344,18 @@ class _EventReader:
         if start:
             del buffer[:start]
         return messages
+
+
+def _exit_description(code: int | None) -> str:
+    """``exited (exit code N)``, or ``was killed by signal N (SIGNAME)`` for a negative code
+    (multiprocessing's way of saying a signal ended the process)."""
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "unknown"
+        return f"was killed by signal {-code} ({name})"
+    return f"exited (exit code {code})"
 
 
 def _close_quietly(*conns: Connection) -> None:
@@ -396,8 +410,9 @@ class EngineProcessClient(EngineLoop):
         events_in, events_out = context.Pipe(duplex=False)
         # Not a daemon: a daemon may not start children, and tensor-parallel workers are the
         # engine's children. It exits when the server's ends of the pipes close, which the
-        # finalizer below does at the latest when this process exits (before multiprocessing
-        # joins its children at exit).
+        # exit hook below does at the latest when this process exits: registered after
+        # multiprocessing's own (made when this module imported it), it runs before
+        # multiprocessing joins its children at exit.
         process = context.Process(
             target=_engine_process_main,
             args=(commands_in, events_out, self._config, self._setup),
@@ -405,11 +420,16 @@ class EngineProcessClient(EngineLoop):
         )
         process.start()
         _close_quietly(commands_in, events_out)
-        weakref.finalize(self, _close_quietly, commands_out, events_in)
+        atexit.register(_close_quietly, commands_out, events_in)
         try:
             message = events_in.recv()
         except (EOFError, OSError):
             message = None
+        except BaseException:  # Ctrl-C while the model loads: the child ignores SIGINT
+            _close_quietly(commands_out, events_in)
+            process.kill()
+            process.join(5)
+            raise
         if message is None or message[0] != "ready":
             _close_quietly(commands_out, events_in)
             process.join(STOP_TIMEOUT_S)
@@ -435,17 +455,24 @@ class EngineProcessClient(EngineLoop):
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Ask the engine process to stop after its current step; kill it if it has not
-        within ``timeout`` seconds. Commands still waiting get an :class:`EngineDeadError`."""
+        within ``timeout`` seconds. Commands still waiting get an :class:`EngineDeadError`.
+        What the engine sends meanwhile is read and dropped, so that a large message in
+        flight (a KV snapshot) never blocks its exit."""
         self._stopping = True
         if self._input is not None:
             self._input.close()
         process = self._process
         if process is None or self._commands_out is None:
             return
-        self._remove_reader()
         with contextlib.suppress(OSError, ValueError, EngineDeadError):
             self._send_message(("stop",))
-        process.join(timeout)
+        reader = self._reader
+        self._remove_reader()
+        deadline = time.monotonic() + timeout
+        while process.is_alive() and time.monotonic() < deadline:
+            process.join(0.05)
+            if reader is not None and not reader.closed:
+                reader.read()
         if process.is_alive():
             logger.warning("the engine process did not stop in %.0f s; killing it", timeout)
             process.kill()
@@ -474,7 +501,7 @@ class EngineProcessClient(EngineLoop):
         if self._loop is None:
             return "it has not started"
         if self._process is not None and not self._process.is_alive() and not self._stopping:
-            return f"the engine process exited (exit code {self._process.exitcode})"
+            return f"the engine process {_exit_description(self._process.exitcode)}"
         return "it was stopped"
 
     # ---- the engine's side, as EngineLoop reaches it ----------------------------------------
@@ -517,7 +544,11 @@ class EngineProcessClient(EngineLoop):
 
     def listen_kv_states(self) -> KVStateListener:
         listener = super().listen_kv_states()
-        self._send_message(("kv_listeners", self._num_kv_listeners, True))
+        try:
+            self._send_message(("kv_listeners", self._num_kv_listeners, True))
+        except (OSError, ValueError) as exc:  # the engine process went away just now
+            super()._drop_kv_listener(listener.queue)
+            raise EngineDeadError(f"the engine is not running: {exc}") from None
         return listener
 
     def _drop_kv_listener(self, queue: asyncio.Queue) -> None:
@@ -533,11 +564,9 @@ class EngineProcessClient(EngineLoop):
             return
         for payload in reader.read():
             try:
-                message = pickle.loads(payload)
-            except Exception:  # its class is not importable here, say: drop it, say why
-                logger.exception("a message from the engine process could not be read")
-                continue
-            self._handle(message)
+                self._handle(pickle.loads(payload))
+            except Exception:  # a class not importable here, say: drop it, say why, go on
+                logger.exception("a message from the engine process could not be handled")
         if reader.closed:
             self._engine_gone()
 
@@ -567,13 +596,13 @@ class EngineProcessClient(EngineLoop):
         process = self._process
         code = None
         if process is not None:
-            process.join(5)
+            process.join(1)
             if process.is_alive():
                 process.kill()
                 process.join(5)
             code = process.exitcode
         if self.error is None and not self._stopping:
-            self.error_reason = f"the engine process exited (exit code {code})"
+            self.error_reason = f"the engine process {_exit_description(code)}"
             self.error = EngineDeadError(f"the engine stopped: {self.error_reason}")
             logger.error("%s; the server stops taking requests", self.error_reason)
         self._fail_everything(self.error or EngineDeadError("the engine stopped"))

@@ -244,14 +244,19 @@ def run(args: argparse.Namespace) -> int:
     else:
         engine = LLMEngine(config)
         engine_loop = EngineLoop(engine)
-    app = create_app(
-        engine_loop,
-        model_name=names,
-        kv_view=None if args.disable_kv_view else engine_loop,
-        log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
-        options=options,
-        **app_options,
-    )
+    try:
+        app = create_app(
+            engine_loop,
+            model_name=names,
+            kv_view=None if args.disable_kv_view else engine_loop,
+            log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
+            options=options,
+            **app_options,
+        )
+    except BaseException:
+        if engine is None:
+            engine_loop.stop()  # nothing will serve: the engine process goes too
+        raise
     host, port = sock.getsockname()[:2]
     shown_host = f"[{host}]" if ":" in host else host
     # Scripts (benchmarks/bench_serving.py) read the URL from this line.
