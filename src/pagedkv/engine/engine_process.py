@@ -296,8 +296,12 @@ def _engine_process_main(
     finally:
         core.stop()
         engine.shutdown()
-        with core._emit_lock:  # the engine thread may still be sending if its join timed out
-            events.close()
+        # The engine thread may still be sending if its join timed out: let it finish (the
+        # server reads until this process exits), but never wait on it for long.
+        locked = core._emit_lock.acquire(timeout=5)
+        events.close()
+        if locked:
+            core._emit_lock.release()
 
 
 class _EventReader:
