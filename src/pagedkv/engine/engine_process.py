@@ -7,8 +7,8 @@ V1's split of the API server and the engine core).
     --------------------------------                 --------------
     EngineProcessClient (an EngineLoop               _EngineCore (an EngineLoop whose
       without an engine thread)                        engine thread sends what it posts)
-    add_requests / abort / call  -- ("cmd", id, fn) -->  reader thread -> command queue
-    OutputStream queues    <-- ("dispatch", outputs) --  engine thread, after each step
+    add_requests / abort / call  -- ("cmd", id, fn) -->  main thread -> command queue
+    OutputStream queues    <-- ("dispatch", deltas) ---  engine thread, after each step
     futures                <-- ("result" | "error") --   ... after each command
     /kv listeners          <-- ("kv", snapshot) ------   ... while some listener is open
     /health                <-- ("dead", reason, exc) --  an engine fault
@@ -18,7 +18,9 @@ write, the wake-ups: 0.4-0.5 ms of CPU a token on a 2-core Zen 3) needs the GIL,
 waits for the engine thread's Python between two forwards or holds the GIL while the engine
 thread wants it: served decode ran at 0.92-0.98x the same engine offline. With the engine in
 its own process that work runs beside the engine's own Python, on the core the forward leaves
-idle between two steps (docs/perf.md, "the served path in two processes").
+idle between two steps (docs/perf.md, "the served path in two processes"). Commands go over
+one pipe (blocking), everything else comes back over another, read without blocking the event
+loop (:class:`_EventReader`); outputs cross as deltas (:class:`OutputDeltas`).
 
 Commands are the callables :class:`EngineLoop` builds (``functools.partial`` of module-level
 functions, ``operator.methodcaller``): they pickle. A ``call(fn)`` whose ``fn`` does not pickle
@@ -90,6 +92,8 @@ class OutputDeltas:
         self._prompt_logprobs_sent: set[str] = set()
 
     def encode(self, outputs: list[Any]) -> list[tuple]:
+        """One step's :class:`RequestOutput` s -> their wire form (picklable tuples, one per
+        output, in order); forgets a request once its finished output is encoded."""
         wire = []
         for o in outputs:
             rid = o.request_id
@@ -132,6 +136,8 @@ class OutputAssembler:
         self._requests: dict[str, list] = {}
 
     def decode(self, wire: list[tuple]) -> list[RequestOutput]:
+        """:meth:`OutputDeltas.encode`'s tuples -> the engine's RequestOutputs, in order;
+        forgets a request once its finished output is decoded."""
         outputs = []
         for output in wire:
             rid, prompt, prompt_ids, prompt_logprobs, finished = output[:5]

@@ -236,47 +236,40 @@ def run(args: argparse.Namespace) -> int:
     names = args.served_model_name or list(source.names)
     name = names[0]
     if args.engine_process:
-        engine = None
         engine_loop: Any = EngineProcessClient(
             config, setup=functools.partial(configure_logging, args.log_level)
         )
         engine_loop.launch()
+        shutdown = engine_loop.stop  # the engine process (and its tensor-parallel workers)
     else:
         engine = LLMEngine(config)
         engine_loop = EngineLoop(engine)
-    try:
-        app = create_app(
-            engine_loop,
-            model_name=names,
-            kv_view=None if args.disable_kv_view else engine_loop,
-            log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
-            options=options,
-            **app_options,
-        )
-    except BaseException:
-        if engine is None:
-            engine_loop.stop()  # nothing will serve: the engine process goes too
-        raise
-    host, port = sock.getsockname()[:2]
-    shown_host = f"[{host}]" if ":" in host else host
-    # Scripts (benchmarks/bench_serving.py) read the URL from this line.
-    print(f"pagedkv serve: {name} listening on http://{shown_host}:{port}", flush=True)
+        shutdown = engine.shutdown  # stops tensor-parallel worker processes
     # uvicorn drains on Ctrl-C or SIGTERM (make_server), then re-raises the signal with the
     # handler it found: KeyboardInterrupt for Ctrl-C, _Terminated for SIGTERM (the default
-    # action would kill the process before engine.shutdown()). Neither is an error here.
+    # action would kill the process before the engine's shutdown). Neither is an error here.
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         with contextlib.suppress(KeyboardInterrupt, _Terminated):
+            app = create_app(
+                engine_loop,
+                model_name=names,
+                kv_view=None if args.disable_kv_view else engine_loop,
+                log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
+                options=options,
+                **app_options,
+            )
+            host, port = sock.getsockname()[:2]
+            shown_host = f"[{host}]" if ":" in host else host
+            # Scripts (benchmarks/bench_serving.py) read the URL from this line.
+            print(f"pagedkv serve: {name} listening on http://{shown_host}:{port}", flush=True)
             server = make_server(
                 app, log_level=args.log_level, shutdown_timeout=options.shutdown_timeout
             )
             server.run(sockets=[sock])
     finally:
         signal.signal(signal.SIGTERM, previous)
-        if engine is None:
-            engine_loop.stop()  # the engine process (and its tensor-parallel workers)
-        else:
-            engine.shutdown()  # stops tensor-parallel worker processes
+        shutdown()
     return 0
 
 
