@@ -111,7 +111,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="run the engine in a process of its own (vLLM V1's engine core process): the "
         "HTTP and streaming work per token then runs beside the engine's Python instead of "
         "waiting on it (served decode 0.92-0.98x offline in one process on 2 cores, "
-        "0.96-1.05x in two; docs/perf.md); start-up takes a second more",
+        "0.96-1.05x in two, with SmolLM2-135M; about 1.0x both at 1B; docs/perf.md); "
+        "start-up takes a second more",
     )
     server.add_argument(
         "--log-stats-interval",
